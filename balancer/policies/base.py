@@ -1,0 +1,145 @@
+"""The policy interface, the registry, and helpers shared by policies.
+
+A policy is a pure selection function of ``(request, candidates, context)``: it reads the
+snapshot, may draw from ``context.rng`` (a seeded ``random.Random``), and returns a
+:class:`~balancer.types.Choice`. It never mutates the prefix index or the load tracker, never
+reads a clock and never does I/O, so the same object runs in the simulator and the live router.
+
+Adding a policy is one module with one ``@register`` decorator; see :func:`make_policy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from balancer.candidates import Candidates
+from balancer.types import Choice, Request, Role
+
+
+@dataclass(frozen=True, slots=True)
+class SelectContext:
+    """What a policy may know besides the request and the candidates.
+
+    Attributes:
+        rng: the router's seeded random source (the only randomness a policy may use).
+        now_s: the caller's clock, seconds (for time-aware policies; most ignore it).
+        decision_index: how many decisions this router made before for this pool (round robin).
+    """
+
+    rng: random.Random
+    now_s: float = 0.0
+    decision_index: int = 0
+
+
+class Policy(ABC):
+    """Base class of routing policies. Subclasses are frozen dataclasses of their parameters."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        """Pick one of ``cands`` (non-empty) for ``request``."""
+
+    def params(self) -> dict[str, object]:
+        """The policy's parameters (for logs and result files)."""
+        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make ``cls`` constructible by ``make_policy(cls.name, ...)``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"policy name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **params: object) -> Policy:
+    """Construct a registered policy by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names), or unknown / invalid
+            parameters (the message lists the accepted ones).
+    """
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}")
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no parameter(s) {', '.join(unknown)}; accepted: {', '.join(sorted(fields)) or 'none'}"
+        )
+    return cls(**params)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- shared helpers
+LOAD_METRICS = ("auto", "requests", "prefill_tokens", "kv_tokens")
+
+
+def load_values(cands: Candidates, metric: str = "auto") -> np.ndarray:
+    """The load number a load-balancing policy minimises, shape ``(n,)``, float64.
+
+    ``auto`` follows DeepSeek's V3/R1 balancers (ANCHORS.md): a prefill pool balances the
+    uncached prompt tokens still to compute (core-attention work), a decode pool balances KV
+    tokens, each with the request count as a tie-breaker (added as a fraction < 1 so it only
+    breaks ties); a mixed pool balances request count with prefill tokens as the tie-breaker.
+    """
+    if metric == "requests":
+        return cands.num_requests.astype(np.float64)
+    if metric == "prefill_tokens":
+        return cands.prefill_tokens.astype(np.float64)
+    if metric == "kv_tokens":
+        return cands.decode_kv_tokens.astype(np.float64)
+    if metric != "auto":
+        raise ValueError(f"unknown load metric {metric!r}; valid: {', '.join(LOAD_METRICS)}")
+    if cands.role is Role.PREFILL:
+        primary, secondary = cands.prefill_tokens, cands.num_requests
+    elif cands.role is Role.DECODE:
+        primary, secondary = cands.decode_kv_tokens, cands.num_requests
+    else:
+        primary, secondary = cands.num_requests, cands.prefill_tokens
+    sec = secondary.astype(np.float64)
+    top = sec.max() if len(sec) else 0.0
+    return primary.astype(np.float64) + (sec / (top + 1.0) if top > 0 else 0.0)
+
+
+def check_metric(metric: str) -> None:
+    if metric not in LOAD_METRICS:
+        raise ValueError(f"unknown load metric {metric!r}; valid: {', '.join(LOAD_METRICS)}")
+
+
+def argmin_random(values: np.ndarray, rng: random.Random, mask: np.ndarray | None = None) -> int:
+    """Index of the minimum of ``values`` (restricted to ``mask`` if given), ties broken by ``rng``."""
+    v = values if mask is None else np.where(mask, values, np.inf)
+    best = v.min()
+    idx = np.flatnonzero(v == best)
+    return int(idx[0]) if len(idx) == 1 else int(idx[rng.randrange(len(idx))])
+
+
+def argmax_random(values: np.ndarray, rng: random.Random, mask: np.ndarray | None = None) -> int:
+    """Index of the maximum of ``values`` (restricted to ``mask`` if given), ties broken by ``rng``."""
+    v = values if mask is None else np.where(mask, values, -np.inf)
+    best = v.max()
+    idx = np.flatnonzero(v == best)
+    return int(idx[0]) if len(idx) == 1 else int(idx[rng.randrange(len(idx))])
+
+
+def scores_of(cands: Candidates, values: np.ndarray) -> dict:
+    """``{replica: float(value)}`` for a Choice."""
+    return dict(zip(cands.replicas, values.tolist()))

@@ -1,0 +1,62 @@
+"""``kv_cost``: Dynamo's KV-router cost (prefill work vs decode KV blocks), with temperature.
+
+Algorithm (Dynamo KV router; ANCHORS.md), per candidate ``i``::
+
+    prefill_blocks_i = (prefill_tokens_i + prompt_tokens - matched_tokens_i) / block_size
+    decode_blocks_i  = (decode_kv_tokens_i + prompt_tokens) / block_size
+    cost_i           = overlap_weight * prefill_blocks_i + decode_blocks_i
+
+``prefill_tokens_i`` is the uncached prompt work already routed there and not yet prefilled,
+``decode_kv_tokens_i`` the KV of its active sequences (both counted at dispatch). Temperature 0:
+``argmin(cost)``, ties to the fewest cached blocks (Dynamo's tie-break), then random.
+Temperature ``T > 0``: min-max normalise costs to ``[0, 1]`` and sample with
+``p_i ~ exp(-(c_i - c_min) / ((c_max - c_min) * T))`` (uniform when all costs are equal).
+
+Parameters (Dynamo defaults): ``overlap_weight`` 1.0 (0 = pure KV-load balancing),
+``temperature`` 0.0. Scores: cost per candidate (lower is better).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from balancer.candidates import Candidates
+from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
+from balancer.types import Choice, Request
+
+
+@register
+@dataclass(frozen=True)
+class KvCost(Policy):
+    name = "kv_cost"
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0 or self.temperature < 0:
+            raise ValueError("kv_cost: overlap_weight and temperature must be >= 0")
+
+    def costs(self, request: Request, cands: Candidates) -> np.ndarray:
+        """``cost_i`` as in the module docstring, shape ``(n,)``, float64, in blocks."""
+        bs = float(cands.block_size)
+        prompt = float(request.prompt_tokens)
+        prefill_blocks = (cands.prefill_tokens + (prompt - cands.matched_tokens)) / bs
+        decode_blocks = (cands.decode_kv_tokens + prompt) / bs
+        return self.overlap_weight * prefill_blocks + decode_blocks
+
+    def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        cost = self.costs(request, cands)
+        scores = scores_of(cands, cost)
+        if self.temperature == 0.0:
+            tied = cost == cost.min()
+            i = argmin_random(cands.matched_blocks.astype(np.float64), ctx.rng, mask=tied)
+            return Choice(cands.replicas[i], scores, reason="min_cost")
+        lo, hi = float(cost.min()), float(cost.max())
+        if hi == lo:
+            return Choice(cands.replicas[ctx.rng.randrange(len(cands))], scores, reason="sampled")
+        weights = [math.exp(-(c - lo) / ((hi - lo) * self.temperature)) for c in cost.tolist()]
+        i = ctx.rng.choices(range(len(cands)), weights=weights, k=1)[0]
+        return Choice(cands.replicas[i], scores, reason="sampled")

@@ -1,0 +1,24 @@
+"""``round_robin``: the candidates in turn.
+
+Algorithm: pick ``candidates[decision_index % n]``, where ``decision_index`` counts this
+router's earlier decisions for the pool (passed in the context, so the policy stays pure) and
+candidates are in the router's stable order. Parameters: none. Source: every router's baseline
+(SGLang, vLLM router, Dynamo ``round_robin``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from balancer.candidates import Candidates
+from balancer.policies.base import Policy, SelectContext, register
+from balancer.types import Choice, Request
+
+
+@register
+@dataclass(frozen=True)
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        return Choice(cands.replicas[ctx.decision_index % len(cands)], reason="round_robin")

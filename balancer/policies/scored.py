@@ -1,0 +1,66 @@
+"""``scored``: llm-d style weighted scorers with a max-score picker.
+
+Algorithm (llm-d router, ``pkg/epp``; ANCHORS.md): each scorer maps every candidate to [0, 1];
+the total is ``sum(weight_s * score_s)``; the highest total wins, ties random. Scorers:
+
+- ``prefix``: ``matched_blocks / prompt_blocks`` (0 when the prompt has no blocks).
+- ``queue``: ``(max_q - q) / (max_q - min_q)`` with ``q`` = in-flight requests; 1.0 for all
+  candidates when every ``q`` is equal.
+- ``kv_utilization``: ``1 - kv_usage`` (decode KV tokens / capacity; 1.0 when capacity unknown).
+- ``load``: ``0.5 * (1 - min(q, load_queue_cap) / load_queue_cap)`` (llm-d load-aware scorer,
+  cap 128).
+
+Parameters: ``prefix_weight`` 3, ``queue_weight`` 2, ``kv_utilization_weight`` 2,
+``load_weight`` 0, ``load_queue_cap`` 128 (llm-d's default inference-scheduling profile weights
+prefix 3, queue 2, kv-cache utilisation 2). Scores: the weighted total (higher is better).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from balancer.candidates import Candidates
+from balancer.policies.base import Policy, SelectContext, argmax_random, register, scores_of
+from balancer.types import Choice, Request
+
+
+@register
+@dataclass(frozen=True)
+class Scored(Policy):
+    name = "scored"
+    prefix_weight: float = 3.0
+    queue_weight: float = 2.0
+    kv_utilization_weight: float = 2.0
+    load_weight: float = 0.0
+    load_queue_cap: int = 128
+
+    def __post_init__(self) -> None:
+        ws = (self.prefix_weight, self.queue_weight, self.kv_utilization_weight, self.load_weight)
+        if min(ws) < 0 or sum(ws) == 0:
+            raise ValueError("scored: weights must be >= 0 and not all zero")
+        if self.load_queue_cap < 1:
+            raise ValueError("scored: load_queue_cap must be >= 1")
+
+    def component_scores(self, request: Request, cands: Candidates) -> dict[str, np.ndarray]:
+        """Each scorer's values, shape ``(n,)``, in [0, 1]."""
+        n_blocks = len(request.block_hashes)
+        prefix = cands.matched_blocks / n_blocks if n_blocks else np.zeros(len(cands))
+        q = cands.num_requests.astype(np.float64)
+        qmin, qmax = q.min(), q.max()
+        queue = np.ones(len(cands)) if qmax == qmin else (qmax - q) / (qmax - qmin)
+        kv = 1.0 - cands.kv_usage
+        load = 0.5 * (1.0 - np.minimum(q, self.load_queue_cap) / self.load_queue_cap)
+        return {"prefix": np.minimum(prefix, 1.0), "queue": queue, "kv_utilization": kv, "load": load}
+
+    def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        c = self.component_scores(request, cands)
+        total = (
+            self.prefix_weight * c["prefix"]
+            + self.queue_weight * c["queue"]
+            + self.kv_utilization_weight * c["kv_utilization"]
+            + self.load_weight * c["load"]
+        )
+        i = argmax_random(total, ctx.rng)
+        return Choice(cands.replicas[i], scores_of(cands, total), reason="max_score")

@@ -1,0 +1,202 @@
+"""Which replica holds which KV blocks: a bounded, chained-block-hash prefix index.
+
+Because a block hash chains its parent's hash (see :mod:`balancer.hashing`), a hash names a whole
+prefix, so no tree is needed: a replica holds the first ``k`` blocks of a prompt iff it holds the
+hashes ``h_0 .. h_{k-1}``. The index keeps
+
+- ``holders[h]``: the set of replicas believed to hold block ``h``;
+- per replica, an LRU order of its blocks (``OrderedDict``: oldest first) with the time each
+  block was last inserted or touched, bounded by ``capacity_blocks`` per replica, with optional
+  TTL expiry (Dynamo's approximate mode keeps routing decisions for 120 s).
+
+On insert the blocks are touched deepest-first, so a prompt's root block is the most recently
+used and LRU eviction takes leaves before the prefixes they hang from (as vLLM frees the tail
+blocks of a sequence first). Evicted hashes are returned to the caller.
+
+Cost: ``match`` is O(prompt blocks x replicas still matching); ``insert`` is O(prompt blocks +
+evicted blocks). Memory is O(sum over replicas of held blocks) <= ``capacity_blocks x replicas``.
+
+Sources: Dynamo KV router radix tree of block hashes (ANCHORS.md), llm-d approximate
+block-hash LRU index, vLLM automatic prefix caching.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from balancer.types import ReplicaId
+
+
+class PrefixIndex:
+    """Bounded per-replica index of cached KV blocks, keyed by chained block hashes.
+
+    Args:
+        capacity_blocks: most blocks remembered per replica (LRU beyond that); ``None`` means
+            unbounded. Must be >= 1 when given.
+        ttl_s: blocks not inserted/touched for this many seconds are dropped by :meth:`expire`;
+            ``None`` disables TTL.
+
+    Raises:
+        ValueError: on a non-positive capacity or TTL.
+    """
+
+    __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru")
+
+    def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None) -> None:
+        if capacity_blocks is not None and capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        self.capacity_blocks = capacity_blocks
+        self.ttl_s = ttl_s
+        self._holders: dict[int, set[ReplicaId]] = {}
+        self._lru: dict[ReplicaId, OrderedDict[int, float]] = {}
+
+    # ------------------------------------------------------------------ queries (read-only)
+    def match(self, block_hashes: Sequence[int], replicas: Iterable[ReplicaId] | None = None) -> dict[ReplicaId, int]:
+        """Leading blocks of ``block_hashes`` held by each replica.
+
+        Returns ``{replica: matched_blocks}`` for every replica with at least one matched block
+        (restricted to ``replicas`` when given). Never exceeds ``len(block_hashes)``.
+        """
+        if not block_hashes:
+            return {}
+        holders = self._holders.get(block_hashes[0])
+        if not holders:
+            return {}
+        active = set(holders) if replicas is None else holders.intersection(replicas)
+        result: dict[ReplicaId, int] = {}
+        depth = 1
+        for h in block_hashes[1:]:
+            if not active:
+                break
+            nxt = self._holders.get(h)
+            if nxt is None:
+                break
+            if len(nxt) < len(active) or not nxt.issuperset(active):
+                dropped = active.difference(nxt)
+                for r in dropped:
+                    result[r] = depth
+                active.intersection_update(nxt)
+            depth += 1
+        for r in active:
+            result[r] = depth
+        return result
+
+    def match_replica(self, replica: ReplicaId, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of ``block_hashes`` held by one replica."""
+        lru = self._lru.get(replica)
+        if not lru:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in lru:
+                break
+            n += 1
+        return n
+
+    def num_blocks(self, replica: ReplicaId | None = None) -> int:
+        """Blocks held by ``replica``, or by all replicas together (counted per replica)."""
+        if replica is not None:
+            lru = self._lru.get(replica)
+            return len(lru) if lru else 0
+        return sum(len(lru) for lru in self._lru.values())
+
+    def num_unique_blocks(self) -> int:
+        """Distinct block hashes held anywhere."""
+        return len(self._holders)
+
+    def replicas(self) -> list[ReplicaId]:
+        """Replicas that hold at least one block."""
+        return [r for r, lru in self._lru.items() if lru]
+
+    def holds(self, replica: ReplicaId, block_hash: int) -> bool:
+        lru = self._lru.get(replica)
+        return lru is not None and block_hash in lru
+
+    def lru_order(self, replica: ReplicaId) -> list[int]:
+        """The replica's blocks from least to most recently used (for tests and debugging)."""
+        lru = self._lru.get(replica)
+        return list(lru) if lru else []
+
+    # ------------------------------------------------------------------ updates (hooks only)
+    def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0) -> list[int]:
+        """Record that ``replica`` holds ``block_hashes`` (a prompt's leading blocks) at ``now_s``.
+
+        Touches the blocks deepest-first (the root ends most recently used), then evicts least
+        recently used blocks beyond ``capacity_blocks``. Returns the evicted hashes, oldest first.
+        If the prompt alone exceeds the capacity, only its first ``capacity_blocks`` blocks are kept.
+        """
+        lru = self._lru.get(replica)
+        if lru is None:
+            lru = self._lru[replica] = OrderedDict()
+        holders = self._holders
+        cap = self.capacity_blocks
+        blocks = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
+        for h in reversed(blocks):
+            if h in lru:
+                lru.move_to_end(h)
+                lru[h] = now_s
+            else:
+                lru[h] = now_s
+                s = holders.get(h)
+                if s is None:
+                    holders[h] = {replica}
+                else:
+                    s.add(replica)
+        evicted: list[int] = []
+        if cap is not None:
+            while len(lru) > cap:
+                h, _ = lru.popitem(last=False)
+                self._drop_holder(h, replica)
+                evicted.append(h)
+        return evicted
+
+    def remove(self, replica: ReplicaId, block_hashes: Iterable[int]) -> int:
+        """Forget blocks on one replica (e.g. a ``BlockRemoved`` KV event). Returns how many were held."""
+        lru = self._lru.get(replica)
+        if not lru:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if lru.pop(h, None) is not None:
+                self._drop_holder(h, replica)
+                n += 1
+        return n
+
+    def clear(self, replica: ReplicaId) -> int:
+        """Forget every block of one replica (``AllBlocksCleared`` event, or replica removed)."""
+        lru = self._lru.pop(replica, None)
+        if not lru:
+            return 0
+        for h in lru:
+            self._drop_holder(h, replica)
+        return len(lru)
+
+    def expire(self, now_s: float) -> int:
+        """Drop blocks last touched more than ``ttl_s`` before ``now_s``; returns how many.
+
+        A block touched at ``t`` survives while ``now_s - t <= ttl_s`` and is dropped once
+        ``now_s - t > ttl_s``. Cost O(replicas + expired blocks): LRU order is time order.
+        """
+        if self.ttl_s is None:
+            return 0
+        deadline = now_s - self.ttl_s
+        n = 0
+        for replica, lru in self._lru.items():
+            while lru:
+                h, t = next(iter(lru.items()))
+                if t >= deadline:
+                    break
+                lru.popitem(last=False)
+                self._drop_holder(h, replica)
+                n += 1
+        return n
+
+    def _drop_holder(self, h: int, replica: ReplicaId) -> None:
+        s = self._holders.get(h)
+        if s is not None:
+            s.discard(replica)
+            if not s:
+                del self._holders[h]

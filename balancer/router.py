@@ -1,0 +1,259 @@
+"""The embeddable router: picks a prefill and a decode DP rank per request.
+
+:class:`Router` is the one policy core shared by the simulator and the live service. It holds
+the replica registry, the prefix index (:mod:`balancer.prefix_index`) and the load tracker
+(:mod:`balancer.load`); policies (:mod:`balancer.policies`) only read snapshots it builds. It
+does no I/O and reads no clock: every method takes ``now_s`` from the caller
+(``time.monotonic()`` in the service, ``env.now`` in the simulator).
+
+Life of a request::
+
+    route = router.route(request, now_s)             # counts load at dispatch, records the prefix
+    router.on_prefill_done(request.request_id, now_s)  # prefill replica finished (PD)
+    router.on_first_token(request.request_id, now_s)   # first output token (aggregated: prefill done)
+    router.on_finished(request.request_id, now_s)      # releases everything left
+
+Modes: with prefill replicas registered the router disaggregates (prefill pool + decode pool);
+without, it routes to one mixed (aggregated) replica and ``Route.prefill`` is ``None``. With
+``pd_min_uncached_tokens > 0`` a PD router serves short-uncached requests on the decode replica
+alone (conditional disaggregation; the vLLM router skips PD below 256 uncached tokens).
+
+Prefix index modes: ``"approximate"`` records each routed prompt on its chosen replicas (as the
+SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from balancer.candidates import Candidates
+from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from balancer.load import LoadTracker
+from balancer.policies import Policy, SelectContext, make_policy
+from balancer.prefix_index import PrefixIndex
+from balancer.types import Choice, ReplicaId, Request, Role, Route
+
+
+class NoReplicaError(RuntimeError):
+    """No healthy replica can take the request (the service maps it to HTTP 503)."""
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """Static facts about a registered replica."""
+
+    replica: ReplicaId
+    role: Role
+    kv_capacity_tokens: int = 0
+    healthy: bool = True
+
+
+@dataclass(slots=True)
+class _Pool:
+    replicas: tuple[ReplicaId, ...]
+    slots: np.ndarray
+    capacity: np.ndarray
+    position: dict[ReplicaId, int]
+
+
+INDEX_MODES = ("approximate", "events")
+
+
+class Router:
+    """Routes requests to prefill/decode DP ranks with pluggable policies.
+
+    Args:
+        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy` or a registered name.
+            The decode policy also routes aggregated (mixed) pools.
+        block_size: tokens per KV block of the requests' ``block_hashes``.
+        index_capacity_blocks: prefix-index bound per replica (LRU), ``None`` = unbounded.
+        index_ttl_s: prefix-index TTL, ``None`` = none (Dynamo's approximate mode uses 120 s).
+        index_mode: ``"approximate"`` or ``"events"`` (see module docstring).
+        pd_min_uncached_tokens: below this many uncached prompt tokens on the chosen decode
+            replica, skip the prefill pool (0 = always disaggregate).
+        seed: seed of the router's ``random.Random`` (the only randomness policies may use).
+
+    Raises:
+        ValueError: unknown policy name or index mode, negative sizes.
+    """
+
+    def __init__(
+        self,
+        prefill_policy: Policy | str = "cache_aware",
+        decode_policy: Policy | str = "least_load",
+        *,
+        block_size: int = 512,
+        index_capacity_blocks: int | None = None,
+        index_ttl_s: float | None = None,
+        index_mode: str = "approximate",
+        pd_min_uncached_tokens: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if index_mode not in INDEX_MODES:
+            raise ValueError(f"unknown index_mode {index_mode!r}; valid: {', '.join(INDEX_MODES)}")
+        if pd_min_uncached_tokens < 0:
+            raise ValueError("pd_min_uncached_tokens must be >= 0")
+        self.prefill_policy = make_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
+        self.decode_policy = make_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
+        self.block_size = block_size
+        self.index_mode = index_mode
+        self.pd_min_uncached_tokens = pd_min_uncached_tokens
+        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s)
+        self.load = LoadTracker()
+        self.rng = random.Random(seed)
+        self._replicas: dict[ReplicaId, ReplicaInfo] = {}
+        self._pools: dict[str, _Pool] | None = None
+        self._decisions = {"prefill": 0, "decode": 0}
+
+    # ------------------------------------------------------------------ registry
+    def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
+        """Register a DP rank (idempotent for the same role; re-adding marks it healthy)."""
+        role = Role(role)
+        info = self._replicas.get(replica)
+        if info is not None and info.role is not role:
+            raise ValueError(f"{replica} is already registered as {info.role.value}")
+        self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
+        self.load.add_replica(replica)
+        self._pools = None
+
+    def remove_replica(self, replica: ReplicaId) -> None:
+        """Unregister a DP rank: forget its cached blocks; in-flight requests stop counting on it."""
+        if replica not in self._replicas:
+            raise KeyError(f"unknown replica {replica}")
+        del self._replicas[replica]
+        self.load.remove_replica(replica)
+        self.index.clear(replica)
+        self._pools = None
+
+    def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
+        """Mark a DP rank (un)healthy; unhealthy ranks are not candidates but keep their state."""
+        self._replicas[replica].healthy = healthy
+        self._pools = None
+
+    def replicas(self, role: Role | None = None) -> list[ReplicaInfo]:
+        """Registered replicas (of one role), sorted by engine then DP rank."""
+        infos = sorted(self._replicas.values(), key=lambda i: (i.replica.engine, i.replica.dp_rank))
+        return [i for i in infos if role is None or i.role is role]
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when healthy prefill replicas exist (PD mode)."""
+        return len(self._get_pools()["prefill"].replicas) > 0
+
+    def _get_pools(self) -> dict[str, _Pool]:
+        if self._pools is None:
+            healthy = [i for i in self.replicas() if i.healthy]
+            prefill = [i for i in healthy if i.role is Role.PREFILL]
+            decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
+            self._pools = {"prefill": self._make_pool(prefill), "decode": self._make_pool(decode)}
+        return self._pools
+
+    def _make_pool(self, infos: list[ReplicaInfo]) -> _Pool:
+        reps = tuple(i.replica for i in infos)
+        return _Pool(
+            replicas=reps,
+            slots=np.array([self.load.slot(r) for r in reps], dtype=np.int64),
+            capacity=np.array([i.kv_capacity_tokens for i in infos], dtype=np.int64),
+            position={r: k for k, r in enumerate(reps)},
+        )
+
+    # ------------------------------------------------------------------ decisions
+    def candidates(self, request: Request, pool_name: str, matches: dict[ReplicaId, int] | None = None) -> Candidates:
+        """The snapshot a policy sees for ``pool_name`` (``"prefill"`` or ``"decode"``)."""
+        pool = self._get_pools()[pool_name]
+        if matches is None:
+            matches = self.index.match(request.block_hashes)
+        n = len(pool.replicas)
+        matched = np.zeros(n, dtype=np.int64)
+        for r, k in matches.items():
+            pos = pool.position.get(r)
+            if pos is not None:
+                matched[pos] = k
+        role = Role.PREFILL if pool_name == "prefill" else (
+            self._replicas[pool.replicas[0]].role if n else Role.DECODE
+        )
+        return Candidates(
+            role=role,
+            replicas=pool.replicas,
+            num_requests=self.load.num_requests[pool.slots],
+            prefill_tokens=self.load.prefill_tokens[pool.slots],
+            decode_kv_tokens=self.load.decode_kv_tokens[pool.slots],
+            kv_capacity_tokens=pool.capacity,
+            matched_blocks=matched,
+            matched_tokens=np.minimum(matched * self.block_size, request.prompt_tokens),
+            block_size=self.block_size,
+        )
+
+    def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
+        ctx = SelectContext(self.rng, now_s, self._decisions[pool_name])
+        self._decisions[pool_name] += 1
+        return policy.select(request, cands, ctx)
+
+    def route(self, request: Request, now_s: float) -> Route:
+        """Pick the replicas for ``request`` and count it on them (dispatch).
+
+        Raises:
+            NoReplicaError: no healthy decode (or mixed) replica.
+            ValueError: the request id is already in flight.
+        """
+        if self.load.is_in_flight(request.request_id):
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        pools = self._get_pools()
+        if not pools["decode"].replicas:
+            raise NoReplicaError("no healthy decode or mixed replica")
+        if self.index.ttl_s is not None:
+            self.index.expire(now_s)
+        matches = self.index.match(request.block_hashes)
+        d_cands = self.candidates(request, "decode", matches)
+        d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
+        d_pos = d_cands.replicas.index(d_choice.replica)
+        d_matched = int(d_cands.matched_tokens[d_pos])
+        prefill: ReplicaId | None = None
+        p_choice: Choice | None = None
+        p_matched = 0
+        if pools["prefill"].replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
+            p_cands = self.candidates(request, "prefill", matches)
+            p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s)
+            prefill = p_choice.replica
+            p_matched = int(p_cands.matched_tokens[p_cands.replicas.index(prefill)])
+        uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)
+        self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens)
+        if self.index_mode == "approximate":
+            if prefill is not None:
+                self.index.insert(prefill, request.block_hashes, now_s)
+            self.index.insert(d_choice.replica, request.block_hashes, now_s)
+        return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
+
+    # ------------------------------------------------------------------ hooks
+    def on_prefill_done(self, request_id: str, now_s: float) -> None:
+        """The prefill replica finished the request's prompt (its KV is ready to transfer)."""
+        self.load.on_prefill_done(request_id)
+
+    def on_first_token(self, request_id: str, now_s: float) -> None:
+        """The first output token exists; implies prefill is done (aggregated or PD)."""
+        self.load.on_prefill_done(request_id)
+
+    def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
+        """The request finished, failed or was aborted: release all its load."""
+        self.load.on_finished(request_id)
+
+    def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float = 0.0) -> None:
+        """Apply an engine's KV cache event to the prefix index (exact cache state).
+
+        Events for unknown replicas are ignored (a replica may publish before it is registered).
+        """
+        if replica not in self._replicas:
+            return
+        if isinstance(event, BlockStored):
+            self.index.insert(replica, event.block_hashes, now_s)
+        elif isinstance(event, BlockRemoved):
+            self.index.remove(replica, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.index.clear(replica)
+        else:
+            raise TypeError(f"unknown KV event {event!r}")

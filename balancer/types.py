@@ -1,0 +1,168 @@
+"""Core value types shared by the router library, the router service and the simulator.
+
+Everything here is plain data: no I/O, no clocks. Times are seconds on whatever clock the
+caller uses (``time.monotonic()`` in the service, ``env.now`` in the simulator).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+class Role(str, enum.Enum):
+    """What a replica does in a prefill/decode (PD) disaggregated deployment.
+
+    ``MIXED`` replicas serve aggregated traffic: they prefill and decode the same request.
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class ReplicaId(NamedTuple):
+    """One attention data-parallel (DP) rank of one engine: the unit requests are placed on.
+
+    ``engine`` names the serving process group (e.g. ``"decode-0"``, or a worker URL in the
+    service); ``dp_rank`` is the DP rank inside it (0 for engines without DP attention).
+    """
+
+    engine: str
+    dp_rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.engine}/dp{self.dp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One inference request as the balancer sees it.
+
+    Attributes:
+        request_id: unique id (string) within a run / router lifetime.
+        arrival_time_s: arrival time in seconds on the caller's clock.
+        prompt_tokens: prompt length in tokens (>= 1).
+        block_hashes: chained hashes of the prompt's KV blocks, shape ``(ceil(prompt_tokens /
+            block_size),)`` or shorter (only full blocks when hashing token ids). Equal hashes at
+            the same position mean equal prefixes (see :mod:`balancer.hashing`).
+        max_output_tokens: output token limit (>= 1); the simulator generates exactly
+            ``expected_output_tokens`` if given, else this many.
+        expected_output_tokens: the output length known in advance (traces) or predicted, if any.
+        session_id: conversation / agent session id, if known (used by ``consistent_hash``).
+        traffic_class: e.g. ``"chatbot"`` or ``"agent"``; used for KV TTLs and reporting.
+    """
+
+    request_id: str
+    arrival_time_s: float
+    prompt_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    max_output_tokens: int = 1
+    expected_output_tokens: int | None = None
+    session_id: str | None = None
+    traffic_class: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError(f"request {self.request_id}: prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.max_output_tokens < 1:
+            raise ValueError(
+                f"request {self.request_id}: max_output_tokens must be >= 1, got {self.max_output_tokens}"
+            )
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens the request will generate (expected if known, else the maximum)."""
+        return self.expected_output_tokens if self.expected_output_tokens is not None else self.max_output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """Read-only snapshot of one candidate replica, built by the :class:`~balancer.router.Router`
+    for one routing decision. Policies read only this.
+
+    Load fields are the router's own *projected* accounting, counted from dispatch
+    (see :mod:`balancer.load`), optionally refined by engine load reports.
+
+    Attributes:
+        replica: which DP rank.
+        role: the pool it belongs to.
+        num_requests: requests routed here and not yet released (queued + running).
+        prefill_tokens: uncached prompt tokens routed here whose prefill has not finished.
+        decode_kv_tokens: KV tokens of sequences routed here for decode and not finished.
+        kv_capacity_tokens: KV cache capacity of the rank in tokens (0 = unknown).
+        matched_blocks: leading prompt blocks this replica is believed to hold (prefix hit).
+        matched_tokens: ``min(matched_blocks * block_size, prompt_tokens)``.
+        block_size: tokens per KV block of the index that produced ``matched_blocks``.
+    """
+
+    replica: ReplicaId
+    role: Role
+    num_requests: int = 0
+    prefill_tokens: int = 0
+    decode_kv_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    block_size: int = 1
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV capacity in use by decode sequences, in [0, 1]; 0 when capacity unknown."""
+        if self.kv_capacity_tokens <= 0:
+            return 0.0
+        return min(1.0, self.decode_kv_tokens / self.kv_capacity_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A policy's answer: the chosen replica and the scores it computed (for logs/explanation).
+
+    ``scores`` maps each candidate replica to the policy's score for it (lower-is-better costs or
+    higher-is-better scores; the policy's docstring says which; empty for policies that compute
+    none, e.g. ``random``). ``reason`` is a short tag
+    such as ``"cache_hit"``, ``"imbalanced"`` or ``"least_load"``.
+    """
+
+    replica: ReplicaId
+    scores: dict[ReplicaId, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request goes.
+
+    Attributes:
+        request_id: the routed request.
+        prefill: the prefill DP rank, or ``None`` for aggregated serving or when the request runs
+            on the decode replica alone (conditional disaggregation).
+        decode: the decode (or mixed) DP rank that produces the output.
+        prefill_matched_tokens: prefix tokens the prefill replica is believed to hold.
+        decode_matched_tokens: prefix tokens the decode replica is believed to hold.
+        prefill_choice / decode_choice: the policies' full answers (scores, reason).
+    """
+
+    request_id: str
+    prefill: ReplicaId | None
+    decode: ReplicaId
+    prefill_matched_tokens: int = 0
+    decode_matched_tokens: int = 0
+    prefill_choice: Choice | None = None
+    decode_choice: Choice | None = None
+
+    def explain(self) -> dict[str, Any]:
+        """A JSON-friendly description of the decision."""
+        out: dict[str, Any] = {"request_id": self.request_id, "decode": str(self.decode)}
+        if self.decode_choice is not None:
+            out["decode_reason"] = self.decode_choice.reason
+            out["decode_scores"] = {str(r): v for r, v in self.decode_choice.scores.items()}
+        out["decode_matched_tokens"] = self.decode_matched_tokens
+        if self.prefill is not None:
+            out["prefill"] = str(self.prefill)
+            out["prefill_matched_tokens"] = self.prefill_matched_tokens
+            if self.prefill_choice is not None:
+                out["prefill_reason"] = self.prefill_choice.reason
+                out["prefill_scores"] = {str(r): v for r, v in self.prefill_choice.scores.items()}
+        return out
