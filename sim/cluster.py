@@ -1,0 +1,328 @@
+"""Builds a simulated cluster from a :class:`~sim.scenario.Scenario` and runs a workload through it.
+
+The balancer's :class:`~balancer.router.Router` routes every request at its arrival time, and the
+simulator calls exactly the router's hooks with ``now = env.now``:
+
+    arrive -> router.route -> prefill rank queue -> (chunked) prefill -> router.on_prefill_done
+    -> KV transfer (bytes / link bandwidth) -> decode rank admission (KV capacity) -> first token
+    (router.on_first_token) -> decode steps -> finish (router.on_finished)
+
+In aggregated mode a mixed rank prefills, emits the first token at the end of prefill and
+decodes in place. A PD request with one output token finishes when its KV transfer completes
+(the prefill produced its only token). Every transition is timestamped in
+:class:`~sim.records.RequestRecords`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from balancer.policies import Policy
+from balancer.router import Router
+from balancer.types import ReplicaId, Request, Role
+from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
+from sim.engine.step_group import StepGroup
+from sim.hardware import get_hardware
+from sim.models import get_model
+from sim.perf.base import PerfModel
+from sim.perf.roofline import RooflinePerf
+from sim.records import LoadSamples, RequestRecords
+from sim.scenario import PoolConfig, Scenario
+
+
+@dataclass
+class RankInfo:
+    """Static description of a simulated rank (for reports)."""
+
+    replica: ReplicaId
+    role: Role
+    kv_capacity_tokens: int
+
+
+@dataclass
+class SimResult:
+    """Everything one run produced."""
+
+    scenario: Scenario
+    prefill_policy: str
+    decode_policy: str
+    seed: int
+    requests: Sequence[Request]
+    records: RequestRecords
+    ranks: list[RankInfo]
+    samples: LoadSamples
+    rank_prefill_tokens: np.ndarray
+    rank_decode_tokens: np.ndarray
+    num_steps: int
+    num_waits: int
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.prefill_policy == self.decode_policy or not self.scenario.disaggregated:
+            return self.decode_policy
+        return f"{self.prefill_policy}+{self.decode_policy}"
+
+
+def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
+    """The perf model of one engine of ``pool`` (roofline on the scenario's model and hardware)."""
+    return RooflinePerf.for_engine(
+        get_model(scenario.model),
+        get_hardware(scenario.hardware),
+        num_dp_ranks=pool.dp_ranks,
+        gpus_per_rank=pool.gpus_per_rank,
+        ep_synchronous=pool.ep,
+    )
+
+
+class Cluster:
+    """A simulated PD (or aggregated) cluster wired to a router.
+
+    Args:
+        scenario: the cluster.
+        router_factory: makes the router once the ranks are known; called with the default
+            index capacity in blocks. Tests pass their own; :func:`simulate` builds one from
+            policy names.
+        perf_factory: ``(scenario, pool) -> PerfModel``; the roofline by default.
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        router_factory: Callable[[int | None], Router],
+        perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
+    ) -> None:
+        self.scenario = scenario
+        self.env = simpy.Environment()
+        self.ranks: list[Rank] = []
+        self.groups: list[StepGroup] = []
+        self._group_of: list[StepGroup] = []
+        self._perf_of: list[PerfModel] = []
+        self._by_replica: dict[ReplicaId, Rank] = {}
+        pools = (
+            [("prefill", Role.PREFILL, scenario.prefill), ("decode", Role.DECODE, scenario.decode)]
+            if scenario.disaggregated
+            else [("mixed", Role.MIXED, scenario.mixed)]
+        )
+        first_capacity_blocks: int | None = None
+        for name, role, pool in pools:
+            assert pool is not None
+            perf = perf_factory(scenario, pool)
+            cap_tokens = pool.kv_capacity_tokens or perf.kv_capacity_tokens_per_rank
+            cap_blocks = max(1, cap_tokens // scenario.block_size)
+            if first_capacity_blocks is None:
+                first_capacity_blocks = cap_blocks
+            for e in range(pool.num_engines):
+                engine_ranks = []
+                for d in range(pool.dp_ranks):
+                    rep = ReplicaId(f"{name}-{e}", d)
+                    rank = Rank(rep, len(self.ranks), role, cap_blocks, scenario.block_size,
+                                pool.max_prefill_tokens, pool.max_decode_batch)
+                    self.ranks.append(rank)
+                    self._perf_of.append(perf)
+                    self._by_replica[rep] = rank
+                    engine_ranks.append(rank)
+                groups = [engine_ranks] if perf.ep_synchronous else [[r] for r in engine_ranks]
+                for members in groups:
+                    g = StepGroup(self.env, members, perf,
+                                  on_prefill_done=self._on_prefill_done,
+                                  on_decode_admitted=self._on_decode_admitted,
+                                  on_decode_finished=self._on_decode_finished,
+                                  fast_forward=scenario.fast_forward)
+                    self.groups.append(g)
+                    self._group_of.extend(g for _ in members)
+        cap = scenario.index_capacity_blocks
+        self.router = router_factory(first_capacity_blocks if cap == "auto" else cap)
+        for rank in self.ranks:
+            self.router.add_replica(rank.replica, rank.role, rank.kv_capacity_blocks * scenario.block_size)
+        self.records: RequestRecords | None = None
+        self._requests: Sequence[Request] = ()
+        self._index_of: dict[str, int] = {}
+        self._done: simpy.Event | None = None
+
+    # ------------------------------------------------------------------ running
+    def run(self, requests: Sequence[Request], progress: Callable[[int, int], None] | None = None) -> RequestRecords:
+        """Simulate ``requests`` (sorted by arrival) to completion; returns the records.
+
+        Raises:
+            ValueError: unsorted arrivals or duplicate request ids.
+            RuntimeError: the simulation stalled with unfinished requests (a modelling bug).
+        """
+        n = len(requests)
+        arrivals = np.fromiter((r.arrival_time_s for r in requests), dtype=np.float64, count=n)
+        if n and np.any(np.diff(arrivals) < 0):
+            raise ValueError("requests must be sorted by arrival_time_s")
+        self._requests = requests
+        self._index_of = {r.request_id: i for i, r in enumerate(requests)}
+        if len(self._index_of) != n:
+            raise ValueError("duplicate request ids in workload")
+        rec = self.records = RequestRecords(n)
+        rec.arrival_s[:] = arrivals
+        rec.prompt_tokens[:] = [r.prompt_tokens for r in requests]
+        rec.output_tokens[:] = [r.output_tokens for r in requests]
+        self._done = self.env.event()
+        if n == 0:
+            return rec
+        duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
+        interval = self.scenario.sample_interval_s or max(duration / 400.0, 1e-3)
+        self.samples = LoadSamples(interval)
+        self.env.process(self._arrivals())
+        self.env.process(self._sampler(interval))
+        chunks = 200
+        horizon = float(arrivals[-1])
+        for k in range(1, chunks + 1):
+            until = horizon * k / chunks
+            if until > self.env.now:
+                self.env.run(until=until)
+            if progress is not None:
+                progress(rec.num_finished, n)
+        try:
+            self.env.run(until=self._done)
+        except RuntimeError as e:
+            missing = np.flatnonzero(np.isnan(rec.finish_s))
+            raise RuntimeError(f"simulation stalled with {len(missing)} unfinished requests (first: "
+                               f"{[requests[i].request_id for i in missing[:5]]})") from e
+        if progress is not None:
+            progress(rec.num_finished, n)
+        return rec
+
+    def _arrivals(self):  # noqa: ANN202
+        env = self.env
+        rec = self.records
+        assert rec is not None
+        router = self.router
+        for i, req in enumerate(self._requests):
+            delay = req.arrival_time_s - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            route = router.route(req, env.now)
+            rec.num_routed += 1
+            job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes)
+            if route.prefill is not None:
+                rank = self._by_replica[route.prefill]
+                rec.router_matched_tokens[i] = route.prefill_matched_tokens
+                rec.decode_rank[i] = self._by_replica[route.decode].index
+            else:
+                rank = self._by_replica[route.decode]
+                rec.router_matched_tokens[i] = route.decode_matched_tokens
+                rec.decode_rank[i] = rank.index
+            rec.prefill_rank[i] = rank.index
+            rank.enqueue_prefill(job)
+            self._group_of[rank.index].notify()
+
+    def _sampler(self, interval: float):  # noqa: ANN202
+        env = self.env
+        ranks = self.ranks
+        s = self.samples
+        horizon = self._requests[-1].arrival_time_s
+        while not self._done.triggered:
+            if env.now > horizon and not any(r.prefill_queue or r.running or r.decode_waiting for r in ranks):
+                return  # nothing left to sample; lets a stalled run end instead of sampling forever
+            s.times_s.append(env.now)
+            s.prefill_queued_tokens.append(np.array([r.queued_prefill_tokens for r in ranks], dtype=np.int64))
+            s.decode_running.append(np.array([len(r.running) for r in ranks], dtype=np.int64))
+            s.decode_kv_tokens.append(np.array([r.running_kv_tokens for r in ranks], dtype=np.int64))
+            yield env.timeout(interval)
+
+    # ------------------------------------------------------------------ engine callbacks
+    def _on_prefill_done(self, rank: Rank, job: PrefillJob, now: float) -> None:
+        rec = self.records
+        i = job.index
+        req_id = self._requests[i].request_id
+        rec.cached_tokens[i] = job.cached_tokens
+        rec.prefill_start_s[i] = job.start_s
+        rec.prefill_end_s[i] = now
+        self.router.on_prefill_done(req_id, now)
+        if rank.role is Role.PREFILL:
+            d_idx = int(rec.decode_rank[i])
+            nbytes = job.prompt_tokens * self._perf_of[rank.index].kv_bytes_per_token
+            dt = self.scenario.kv_transfer_latency_s + nbytes / self.scenario.kv_transfer_bandwidth_bytes_per_s
+            ev = self.env.timeout(dt)
+            ev.callbacks.append(lambda _ev, i=i, job=job, d_idx=d_idx: self._on_transfer_done(i, job, d_idx))
+            return
+        # aggregated (or decode-only) path: the last prefill chunk produced the first token
+        rec.first_token_s[i] = now
+        self.router.on_first_token(req_id, now)
+        if rank.start_decode_local(job, job.output_tokens - 1) is None:
+            self._finish(i, now)
+
+    def _on_transfer_done(self, i: int, job: PrefillJob, d_idx: int) -> None:
+        now = self.env.now
+        rec = self.records
+        rec.transfer_end_s[i] = now
+        if job.output_tokens <= 1:
+            rec.first_token_s[i] = now
+            self.router.on_first_token(self._requests[i].request_id, now)
+            self._finish(i, now)
+            return
+        rank = self.ranks[d_idx]
+        reserved = blocks_for(job.prompt_tokens + job.output_tokens, rank.block_size)
+        rank.enqueue_decode(DecodeSeq(i, job.prompt_tokens + 1, job.output_tokens - 1, reserved))
+        self._group_of[d_idx].notify()
+
+    def _on_decode_admitted(self, rank: Rank, seq: DecodeSeq, now: float) -> None:
+        # PD: the prefill's token is streamed once the decode rank holds the sequence.
+        self.records.first_token_s[seq.index] = now
+        self.router.on_first_token(self._requests[seq.index].request_id, now)
+
+    def _on_decode_finished(self, rank: Rank, seq: DecodeSeq, now: float) -> None:
+        self._finish(seq.index, now)
+
+    def _finish(self, i: int, now: float) -> None:
+        rec = self.records
+        if not np.isnan(rec.finish_s[i]):
+            raise RuntimeError(f"request {self._requests[i].request_id} finished twice")
+        rec.finish_s[i] = now
+        rec.num_finished += 1
+        self.router.on_finished(self._requests[i].request_id, now, int(rec.output_tokens[i]))
+        if rec.num_finished == rec.num_requests:
+            self._done.succeed()
+
+
+def simulate(
+    scenario: Scenario,
+    requests: Sequence[Request],
+    prefill_policy: str | Policy = "round_robin",
+    decode_policy: str | Policy | None = None,
+    *,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
+) -> SimResult:
+    """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
+    to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``."""
+    decode_policy = prefill_policy if decode_policy is None else decode_policy
+
+    def make_router(capacity_blocks: int | None) -> Router:
+        return Router(prefill_policy, decode_policy, block_size=scenario.block_size,
+                      index_capacity_blocks=capacity_blocks,
+                      pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed)
+
+    t0 = time.perf_counter()
+    cluster = Cluster(scenario, make_router, perf_factory)
+    records = cluster.run(requests, progress)
+    wall = time.perf_counter() - t0
+    if cluster.router.load.num_in_flight != 0:
+        raise RuntimeError(f"router still counts {cluster.router.load.num_in_flight} requests in flight")
+    name = lambda p: p if isinstance(p, str) else p.name  # noqa: E731
+    return SimResult(
+        scenario=scenario,
+        prefill_policy=name(prefill_policy),
+        decode_policy=name(decode_policy),
+        seed=seed,
+        requests=requests,
+        records=records,
+        ranks=[RankInfo(r.replica, r.role, r.kv_capacity_blocks * scenario.block_size) for r in cluster.ranks],
+        samples=cluster.samples if len(requests) else LoadSamples(1.0),
+        rank_prefill_tokens=np.array([r.total_prefill_tokens for r in cluster.ranks], dtype=np.int64),
+        rank_decode_tokens=np.array([r.total_decode_tokens for r in cluster.ranks], dtype=np.int64),
+        num_steps=sum(g.num_steps for g in cluster.groups),
+        num_waits=sum(g.num_waits for g in cluster.groups),
+        wall_s=wall,
+    )

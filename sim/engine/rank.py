@@ -1,0 +1,233 @@
+"""State of one simulated DP rank and the pure planning of its part of an engine step.
+
+A rank owns a prefill queue (FIFO, chunked), a decode waiting queue (admission limited by KV
+capacity and batch size), a running decode batch and a prefix cache. Planning a step returns data
+(:class:`RankPlan`); applying it changes state. Neither touches SimPy, so both are unit-testable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from balancer.types import ReplicaId, Role
+from sim.engine.kv_cache import BlockCache
+
+
+class PrefillJob:
+    """A prompt waiting for or in (chunked) prefill on a rank."""
+
+    __slots__ = ("index", "prompt_tokens", "output_tokens", "block_hashes", "cached_tokens", "done_tokens",
+                 "reserved_blocks", "start_s")
+
+    def __init__(self, index: int, prompt_tokens: int, output_tokens: int, block_hashes: tuple[int, ...]) -> None:
+        self.index = index
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.block_hashes = block_hashes
+        self.cached_tokens = -1  # unknown until first scheduled
+        self.done_tokens = 0  # prompt tokens whose KV exists (cached + computed)
+        self.reserved_blocks = 0  # mixed ranks reserve KV for the whole sequence at prefill start
+        self.start_s = -1.0  # when its first chunk was scheduled (set by the step group)
+
+
+class DecodeSeq:
+    """A sequence in (or waiting for) a rank's decode batch."""
+
+    __slots__ = ("index", "kv_tokens", "remaining", "reserved_blocks")
+
+    def __init__(self, index: int, kv_tokens: int, remaining: int, reserved_blocks: int) -> None:
+        self.index = index
+        self.kv_tokens = kv_tokens  # KV length the next step attends to
+        self.remaining = remaining  # output tokens still to generate by decode steps
+        self.reserved_blocks = reserved_blocks
+
+
+@dataclass(slots=True)
+class RankPlan:
+    """One rank's work in one step (data only)."""
+
+    prefill_tokens: int = 0
+    prefill_attn_pairs: float = 0.0
+    chunks: list[tuple[PrefillJob, int]] = field(default_factory=list)
+    decode_seqs: int = 0
+    decode_ctx_tokens: int = 0
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Rank:
+    """One DP rank of a simulated engine.
+
+    Args:
+        replica: its id (engine name, DP rank).
+        index: global rank index (row in per-rank arrays).
+        role: prefill, decode or mixed.
+        kv_capacity_blocks: KV blocks of the rank (running sequences + prefix cache).
+        block_size: tokens per KV block.
+        max_prefill_tokens: chunked-prefill token budget per step (mixed: shared with decode).
+        max_decode_batch: most running decode sequences.
+    """
+
+    def __init__(
+        self,
+        replica: ReplicaId,
+        index: int,
+        role: Role,
+        kv_capacity_blocks: int,
+        block_size: int,
+        max_prefill_tokens: int,
+        max_decode_batch: int,
+    ) -> None:
+        self.replica = replica
+        self.index = index
+        self.role = role
+        self.kv_capacity_blocks = kv_capacity_blocks
+        self.block_size = block_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_decode_batch = max_decode_batch
+        self.prefill_queue: deque[PrefillJob] = deque()
+        self.queued_prefill_tokens = 0  # uncached-or-unknown prompt tokens still to compute
+        self.decode_waiting: deque[DecodeSeq] = deque()
+        self.running: list[DecodeSeq] = []
+        self.running_kv_tokens = 0
+        self.reserved_blocks = 0
+        self.cache = BlockCache(kv_capacity_blocks)
+        # totals for imbalance metrics
+        self.total_prefill_tokens = 0
+        self.total_decode_tokens = 0
+
+    # ------------------------------------------------------------------ queues
+    def enqueue_prefill(self, job: PrefillJob) -> None:
+        self.prefill_queue.append(job)
+        self.queued_prefill_tokens += job.prompt_tokens
+
+    def enqueue_decode(self, seq: DecodeSeq) -> None:
+        self.decode_waiting.append(seq)
+
+    @property
+    def has_prefill_work(self) -> bool:
+        return bool(self.prefill_queue)
+
+    def free_blocks(self) -> int:
+        return self.kv_capacity_blocks - self.reserved_blocks
+
+    def _reserve(self, blocks: int) -> None:
+        self.reserved_blocks += blocks
+        self.cache.set_capacity(self.kv_capacity_blocks - self.reserved_blocks)
+
+    def _release(self, blocks: int) -> None:
+        self.reserved_blocks -= blocks
+        self.cache.set_capacity(self.kv_capacity_blocks - self.reserved_blocks)
+
+    def _fits(self, blocks: int) -> bool:
+        # A sequence larger than the whole rank is admitted alone rather than blocking forever.
+        return blocks <= self.free_blocks() or (not self.running and self.reserved_blocks == 0)
+
+    def admit_decode(self) -> list[DecodeSeq]:
+        """Move waiting sequences into the running batch (FIFO) while KV blocks and batch slots
+        allow. Returns the admitted sequences."""
+        admitted: list[DecodeSeq] = []
+        waiting = self.decode_waiting
+        while waiting and len(self.running) < self.max_decode_batch:
+            seq = waiting[0]
+            if not self._fits(seq.reserved_blocks):
+                break
+            waiting.popleft()
+            self._reserve(seq.reserved_blocks)
+            self.running.append(seq)
+            self.running_kv_tokens += seq.kv_tokens
+            admitted.append(seq)
+        return admitted
+
+    # ------------------------------------------------------------------ planning (pure)
+    def plan(self) -> RankPlan:
+        """This rank's work for the next step: every running sequence decodes one token; the
+        prefill queue fills the remaining token budget in FIFO order (chunked prefill).
+
+        A job is *admitted* the first time it is scheduled: its prefix-cache match is looked up
+        then (at least one prompt token is always computed, as engines recompute the last token
+        for its logits) and, on a mixed (or decode) rank, KV blocks for its whole sequence are reserved (a job
+        that does not fit waits, head of line). Those admission effects are the only state this
+        method changes; the step's progress is applied by :meth:`apply_prefill`/:meth:`apply_decode`.
+        """
+        p = RankPlan(decode_seqs=len(self.running), decode_ctx_tokens=self.running_kv_tokens)
+        budget = self.max_prefill_tokens - (p.decode_seqs if self.role is not Role.PREFILL else 0)
+        if budget <= 0 or not self.prefill_queue:
+            return p
+        attn = 0.0
+        for job in self.prefill_queue:
+            if budget <= 0:
+                break
+            if job.cached_tokens < 0:
+                matched = self.cache.match(job.block_hashes) * self.block_size
+                if self.role is not Role.PREFILL and not self._fits_job(job):
+                    break
+                job.cached_tokens = min(matched, job.prompt_tokens - 1)
+                job.done_tokens = job.cached_tokens
+                self.queued_prefill_tokens -= job.cached_tokens
+            chunk = min(job.prompt_tokens - job.done_tokens, budget)
+            budget -= chunk
+            p.chunks.append((job, chunk))
+            p.prefill_tokens += chunk
+            attn += chunk * job.done_tokens + chunk * (chunk + 1) / 2.0
+        p.prefill_attn_pairs = attn
+        return p
+
+    def _fits_job(self, job: PrefillJob) -> bool:
+        need = blocks_for(job.prompt_tokens + job.output_tokens, self.block_size)
+        if not self._fits(need):
+            return False
+        job.reserved_blocks = need
+        self._reserve(need)
+        return True
+
+    # ------------------------------------------------------------------ applying
+    def apply_decode(self, steps: int) -> list[DecodeSeq]:
+        """Advance every running sequence by ``steps`` tokens; returns (and removes) the finished."""
+        if not self.running:
+            return []
+        n = len(self.running)
+        self.running_kv_tokens += n * steps
+        self.total_decode_tokens += n * steps
+        finished: list[DecodeSeq] = []
+        keep: list[DecodeSeq] = []
+        for seq in self.running:
+            seq.kv_tokens += steps
+            seq.remaining -= steps
+            (finished if seq.remaining <= 0 else keep).append(seq)
+        if finished:
+            self.running = keep
+            for seq in finished:
+                self.running_kv_tokens -= seq.kv_tokens
+                self._release(seq.reserved_blocks)
+        return finished
+
+    def apply_prefill(self, plan: RankPlan) -> list[PrefillJob]:
+        """Apply the plan's prefill chunks; returns the jobs whose prompt is now complete (their
+        blocks enter the prefix cache)."""
+        done: list[PrefillJob] = []
+        for job, chunk in plan.chunks:
+            job.done_tokens += chunk
+            self.queued_prefill_tokens -= chunk
+            self.total_prefill_tokens += chunk
+            if job.done_tokens >= job.prompt_tokens:
+                done.append(job)
+        for job in done:
+            self.prefill_queue.remove(job) if self.prefill_queue[0] is not job else self.prefill_queue.popleft()
+            self.cache.insert(job.block_hashes)
+        return done
+
+    def start_decode_local(self, job: PrefillJob, remaining: int) -> DecodeSeq | None:
+        """Mixed rank: a prefilled job joins this rank's running batch (its KV is already
+        reserved). Returns the sequence, or None if it has nothing left to decode (the
+        reservation is released)."""
+        if remaining <= 0:
+            self._release(job.reserved_blocks)
+            return None
+        seq = DecodeSeq(job.index, job.prompt_tokens + 1, remaining, job.reserved_blocks)
+        self.running.append(seq)
+        self.running_kv_tokens += seq.kv_tokens
+        return seq

@@ -1,0 +1,119 @@
+"""Summary metrics of a simulation run, computed from its per-request and per-rank records.
+
+Definitions (per request ``i``):
+
+- TTFT = ``first_token_s - arrival_s``; E2E = ``finish_s - arrival_s``.
+- TPOT = ``(finish_s - first_token_s) / (output_tokens - 1)`` for requests with > 1 output token
+  (the mean inter-token latency of the request).
+- Prefix hit rate (token-weighted) = ``sum(cached_tokens) / sum(prompt_tokens)``, next to the
+  workload's ideal infinite-cache hit rate (:func:`sim.workload.ideal_hit_rate`).
+- Throughput: tokens / makespan, makespan = last finish - first arrival; per GPU divides by the
+  scenario's GPU count.
+- SLO attainment: fraction of requests with TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s``
+  (requests with one output token need only the TTFT SLO); goodput = those requests / makespan
+  (DistServe's definition).
+- Load imbalance across DP ranks of a pool (max / mean): ``*_work_imbalance`` over the whole run's
+  work per rank (prefill tokens computed, decode tokens generated); ``*_load_imbalance`` the
+  time average of instantaneous max / mean over load samples in which the pool is busy (queued
+  prefill tokens, decode KV tokens), which is what EP-synchronous steps pay for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from balancer.types import Role
+from sim.cluster import SimResult
+from sim.workload import ideal_hit_rate
+
+PERCENTILES = (50, 90, 99)
+
+
+def _dist(x: np.ndarray) -> dict[str, float]:
+    x = x[~np.isnan(x)]
+    if len(x) == 0:
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
+    out = {"mean": float(x.mean())}
+    for p in PERCENTILES:
+        out[f"p{p}"] = float(np.percentile(x, p))
+    return out
+
+
+def _max_over_mean(x: np.ndarray) -> float:
+    m = float(x.mean()) if len(x) else 0.0
+    return float(x.max()) / m if m > 0 else 1.0
+
+
+def _sampled_imbalance(samples: np.ndarray, cols: np.ndarray) -> float:
+    if samples.size == 0 or len(cols) == 0:
+        return 1.0
+    s = samples[:, cols].astype(np.float64)
+    mean = s.mean(axis=1)
+    busy = mean > 0
+    if not busy.any():
+        return 1.0
+    return float((s[busy].max(axis=1) / mean[busy]).mean())
+
+
+def per_request(result: SimResult) -> dict[str, np.ndarray]:
+    """Derived per-request columns: ``ttft_s``, ``tpot_s`` (NaN for one-token outputs), ``e2e_s``."""
+    r = result.records
+    ttft = r.first_token_s - r.arrival_s
+    e2e = r.finish_s - r.arrival_s
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(r.output_tokens > 1, (r.finish_s - r.first_token_s) / (r.output_tokens - 1), np.nan)
+    return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e}
+
+
+def summarize(result: SimResult, *, slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.1) -> dict[str, Any]:
+    """The summary table row of one run (JSON-friendly)."""
+    r = result.records
+    n = r.num_requests
+    d = per_request(result)
+    makespan = float(np.nanmax(r.finish_s) - np.nanmin(r.arrival_s)) if n else 0.0
+    makespan = makespan if makespan > 0 else float("nan")
+    gpus = result.scenario.num_gpus
+    in_tokens = int(r.prompt_tokens.sum())
+    out_tokens = int(r.output_tokens.sum())
+    ideal_blocks, ideal_tokens = ideal_hit_rate(result.requests, result.scenario.block_size)
+    ok_ttft = d["ttft_s"] <= slo_ttft_s
+    ok_tpot = np.where(np.isnan(d["tpot_s"]), True, d["tpot_s"] <= slo_tpot_s)
+    ok = ok_ttft & ok_tpot
+    roles = [info.role for info in result.ranks]
+    prefill_cols = np.array([i for i, r in enumerate(roles) if r is not Role.DECODE], dtype=np.int64)  # prefill/mixed
+    decode_cols = np.array([i for i, r in enumerate(roles) if r is not Role.PREFILL], dtype=np.int64)  # decode/mixed
+    smp = result.samples.as_arrays()
+    return {
+        "policy": result.label,
+        "prefill_policy": result.prefill_policy,
+        "decode_policy": result.decode_policy,
+        "scenario": result.scenario.name,
+        "seed": result.seed,
+        "num_requests": n,
+        "num_finished": int(r.num_finished),
+        "makespan_s": makespan,
+        "ttft_s": _dist(d["ttft_s"]),
+        "tpot_s": _dist(d["tpot_s"]),
+        "e2e_s": _dist(d["e2e_s"]),
+        "input_tokens_per_s": in_tokens / makespan,
+        "output_tokens_per_s": out_tokens / makespan,
+        "input_tokens_per_s_per_gpu": in_tokens / makespan / gpus,
+        "output_tokens_per_s_per_gpu": out_tokens / makespan / gpus,
+        "prefix_hit_rate": float(r.cached_tokens.sum() / in_tokens) if in_tokens else 0.0,
+        "ideal_hit_rate": float(ideal_tokens),
+        "ideal_hit_rate_blocks": float(ideal_blocks),
+        "slo_ttft_s": slo_ttft_s,
+        "slo_tpot_s": slo_tpot_s,
+        "slo_attainment": float(ok.mean()) if n else float("nan"),
+        "goodput_rps": float(ok.sum()) / makespan,
+        "prefill_work_imbalance": _max_over_mean(result.rank_prefill_tokens[prefill_cols]),
+        "decode_work_imbalance": _max_over_mean(result.rank_decode_tokens[decode_cols]),
+        "prefill_load_imbalance": _sampled_imbalance(smp["prefill_queued_tokens"], prefill_cols),
+        "decode_load_imbalance": _sampled_imbalance(smp["decode_kv_tokens"], decode_cols),
+        "num_gpus": gpus,
+        "num_steps": result.num_steps,
+        "events_per_request": result.num_waits / n if n else 0.0,
+        "wall_s": result.wall_s,
+    }

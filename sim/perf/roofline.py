@@ -1,0 +1,316 @@
+"""Analytic roofline step-latency model for dense (TP) and wide-EP MoE (DP attention) engines.
+
+Engine layout: ``num_dp_ranks`` DP ranks of ``gpus_per_rank`` GPUs each (TP inside a rank).
+
+* Dense model / non-EP engine: each rank holds the whole model sharded ``tp = gpus_per_rank`` ways
+  and steps alone (``ep_synchronous=False``).
+* Wide-EP MoE engine (``ep_synchronous=True``, DeepSeek-style DP attention): every rank holds the
+  *dense* part (attention, dense FFN layers, shared experts, router, LM head; sharded over its
+  ``tp`` GPUs) and computes it for its own tokens; the routed experts are sharded over all
+  ``G = num_dp_ranks * gpus_per_rank`` GPUs and process the tokens of *all* ranks; tokens travel to
+  their experts and back (dispatch/combine all-to-all). All ranks step together.
+
+Time of one step, per GPU, with ``roof(F, B) = max(F / (peak * mfu), B / (hbm_bw * mbu))``::
+
+    rank_r   = roof(dense FLOPs + attention FLOPs of rank r,  dense weights read + KV read + KV written)
+    moe      = roof(T * expert_flops_per_token / G,           touched routed-expert bytes / G)
+    comm     = max_r(tokens_r / tp) * copies * hidden * (dispatch + combine bytes) * moe_layers / link_bw
+    step     = max_r(rank_r [+ moe_r for a non-EP MoE rank]) + moe + (1 - comm_overlap) * comm + overhead
+
+where ``T`` is the token count of the whole step group. Details:
+
+* Linear FLOPs run at the weight dtype's tensor-core peak (FP8 for DeepSeek-V3, BF16 for Llama);
+  attention (query, key) FLOPs at the BF16 peak. Prefill pairs use the model's prefill formulation
+  (non-absorbed MHA for MLA), decode pairs (= ``decode_ctx_tokens``) the absorbed one.
+* KV read: decode context tokens, plus the cached prefix of prefill chunks. The ``PerfModel``
+  interface does not carry that prefix, so unless ``prefill_cached_tokens`` is passed it is
+  recovered from ``pairs = c*p + c*(c+1)/2`` as ``p = pairs/c - (c+1)/2`` (exact for one chunk per
+  rank, an underestimate for several; negligible either way, prefill is compute-bound).
+  KV written: one token per prefill token and per decode sequence.
+* Per-GPU KV share: GQA heads split over TP (``1/min(tp, kv_heads)``); the MLA latent has a single
+  "head", so every TP GPU of a rank reads and stores all of it.
+* Routed experts touched per step: under uniform routing an expert is hit by at least one of ``T``
+  tokens with probability ``1 - (1 - k/E)^T``; only touched experts are streamed (all of them at
+  any realistic EP batch; matters for small non-EP decode batches).
+* Dispatch/combine (EP only): each token goes to ``topk`` experts, FP8 out (1 byte per hidden
+  element, DeepEP FP8 dispatch) and BF16 back (2 bytes, BF16 combine), every MoE layer. The most
+  loaded rank's link is the bottleneck (it sends the most). Two DeepEP modes, chosen per step the
+  way SGLang's ``--deepep-mode auto`` does:
+
+  - decode-only steps, *low-latency* kernels: all ``topk`` copies point-to-point over the scale-out
+    NIC (DeepEP's "logical" low-latency bandwidth counts all copies: 39-46 GB/s of a 50 GB/s CX7 at
+    EP8-256 on H800, hence ``comm_efficiency=0.8``);
+  - steps with any prefill, *normal* kernels: one copy per distinct remote node over the NIC
+    (node-limited routing caps the nodes), then NVLink forwarding; time = max(NIC, NVLink).
+
+  Within one node everything goes over NVLink. Two-micro-batch overlap is not modelled
+  (``comm_overlap`` hides a fraction); to be refined.
+* TP collectives (dense engines with ``gpus_per_rank > 1``) are ignored.
+* ``ep_synchronous=False`` with ``R > 1`` returns the max over ranks (callers should evaluate each
+  independent rank with ``R = 1``).
+
+Default efficiencies (round numbers, not fitted; a later calibration replaces them):
+
+* ``mfu = 0.5``: DeepGEMM reaches up to ~1,550 of 1,979 dense FP8 TFLOPS (78%) on large H800 GEMMs,
+  FlashAttention-3 ~600-740 of 989 BF16 TFLOPS (60-75%) on H100; whole-forward-pass efficiency
+  including grouped MoE GEMMs, norms, RoPE, quantisation and routing kernels is lower; 50% is the
+  usual planning figure for prefill.
+* ``mbu = 0.7``: decode kernels stream weights/KV at 70-90% of HBM peak (FlashMLA reports up to
+  3,000 GB/s of 3,350 on H800); small kernels and launch gaps pull the whole step down to ~70%.
+* ``step_overhead_s = 2 ms``: scheduler + sampling + launch/sync gaps per step with CUDA graphs
+  (vLLM/SGLang decode steps of small dense models bottom out at a few ms).
+* ``comm_efficiency = 0.8``: DeepEP low-latency measured vs NIC peak (above).
+* ``comm_overlap = 0.0``: no dispatch/combine hidden behind compute (two-batch overlap not
+  modelled); raise it to model TBO.
+* ``kv_cache_fraction = 0.9`` of HBM for weights + KV (SGLang ``mem_fraction_static`` style), and
+  ``activation_reserve_bytes = 2 GB`` per GPU inside it for activations / CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from sim.hardware import HardwareSpec, get_hardware
+from sim.models import ModelSpec, get_model
+
+#: default efficiency constants (see module docstring for where they come from)
+DEFAULT_MFU = 0.5
+DEFAULT_MBU = 0.7
+DEFAULT_STEP_OVERHEAD_S = 2e-3
+DEFAULT_COMM_EFFICIENCY = 0.8
+DEFAULT_COMM_OVERLAP = 0.0
+DEFAULT_KV_CACHE_FRACTION = 0.9
+DEFAULT_ACTIVATION_RESERVE_BYTES = 2e9
+#: bytes per hidden element sent to an expert (FP8 dispatch) and back (BF16 combine)
+DISPATCH_BYTES = 1
+COMBINE_BYTES = 2
+
+
+class RooflinePerf:
+    """Roofline ``PerfModel`` of one engine (step group); build it with :meth:`for_engine`."""
+
+    def __init__(
+        self,
+        model: ModelSpec | str,
+        hardware: HardwareSpec | str,
+        *,
+        num_dp_ranks: int,
+        gpus_per_rank: int = 1,
+        ep_synchronous: bool | None = None,
+        mfu: float = DEFAULT_MFU,
+        mbu: float = DEFAULT_MBU,
+        step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+        kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
+        activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+        comm_efficiency: float = DEFAULT_COMM_EFFICIENCY,
+        comm_overlap: float = DEFAULT_COMM_OVERLAP,
+    ) -> None:
+        self.model = get_model(model)
+        self.hardware = get_hardware(hardware)
+        if num_dp_ranks < 1 or gpus_per_rank < 1:
+            raise ValueError("num_dp_ranks and gpus_per_rank must be >= 1")
+        if not (0 < mfu <= 1 and 0 < mbu <= 1 and 0 < comm_efficiency <= 1):
+            raise ValueError("mfu, mbu and comm_efficiency must be in (0, 1]")
+        if not 0 <= comm_overlap <= 1:
+            raise ValueError("comm_overlap must be in [0, 1]")
+        if not 0 < kv_cache_fraction <= 1:
+            raise ValueError("kv_cache_fraction must be in (0, 1]")
+        if step_overhead_s < 0 or activation_reserve_bytes < 0:
+            raise ValueError("step_overhead_s and activation_reserve_bytes must be >= 0")
+        m, hw = self.model, self.hardware
+        self.num_dp_ranks = int(num_dp_ranks)
+        self.gpus_per_rank = int(gpus_per_rank)
+        self.num_gpus = self.num_dp_ranks * self.gpus_per_rank
+        if ep_synchronous is None:
+            ep_synchronous = m.is_moe and self.num_dp_ranks > 1
+        self.ep_synchronous = bool(ep_synchronous)
+        self.mfu, self.mbu = float(mfu), float(mbu)
+        self.step_overhead_s = float(step_overhead_s)
+        self.kv_cache_fraction = float(kv_cache_fraction)
+        self.activation_reserve_bytes = float(activation_reserve_bytes)
+        self.comm_efficiency = float(comm_efficiency)
+        self.comm_overlap = float(comm_overlap)
+        self.kv_bytes_per_token = int(m.kv_bytes_per_token)
+
+        tp = self.gpus_per_rank
+        #: GPUs the routed experts are sharded over (whole engine under EP, else the rank's TP group)
+        self.expert_gpus = self.num_gpus if self.ep_synchronous else tp
+        #: fraction of a token's KV one GPU of a rank stores/reads
+        self.kv_gpu_share = 1.0 if m.is_mla else 1.0 / min(tp, m.num_kv_heads)
+
+        # ---- per-GPU coefficients (rank-local part) ----
+        lin_peak = hw.peak_flops(m.weight_bytes) * self.mfu
+        attn_peak = hw.bf16_flops * self.mfu
+        bw = hw.hbm_bw * self.mbu
+        # seconds of compute per unit of work on one GPU of the rank
+        dense_per_tok = m.dense_flops_per_token if m.is_moe else m.linear_flops_per_token
+        self._c_tok = dense_per_tok / tp / lin_peak
+        self._c_pf_pair = m.prefill_attn_flops_per_pair / tp / attn_peak
+        self._c_dec_pair = m.attn_flops_per_pair / tp / attn_peak
+        # seconds of HBM traffic
+        self._m_weights = m.dense_weight_read_bytes / tp / bw
+        self._m_kv_tok = self.kv_bytes_per_token * self.kv_gpu_share / bw
+        # ---- MoE (per GPU of the expert group) ----
+        self._moe_c_tok = m.expert_flops_per_token / self.expert_gpus / lin_peak if m.is_moe else 0.0
+        self._moe_m_all = m.expert_weight_bytes / self.expert_gpus / bw if m.is_moe else 0.0
+        self._route_p = m.experts_per_token / m.num_routed_experts if m.is_moe else 0.0
+        # ---- dispatch/combine, seconds per token sent by the busiest GPU ----
+        self._comm_tok_ll = self._comm_tok_normal = 0.0
+        if m.is_moe and self.ep_synchronous and self.num_gpus > 1:
+            self._comm_tok_ll, self._comm_tok_normal = self._comm_per_token()
+
+        self.kv_capacity_tokens_per_rank = self._kv_capacity()
+
+    @classmethod
+    def for_engine(
+        cls,
+        model: ModelSpec | str,
+        hardware: HardwareSpec | str,
+        *,
+        num_dp_ranks: int,
+        gpus_per_rank: int = 1,
+        ep_synchronous: bool | None = None,
+        mfu: float = DEFAULT_MFU,
+        mbu: float = DEFAULT_MBU,
+        step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+        kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
+        activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+        comm_efficiency: float = DEFAULT_COMM_EFFICIENCY,
+        comm_overlap: float = DEFAULT_COMM_OVERLAP,
+    ) -> RooflinePerf:
+        """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
+
+        ``model``/``hardware`` are specs or preset names. ``ep_synchronous`` defaults to
+        "MoE model with more than one DP rank" (wide EP). Raises ``ValueError`` if the weights do
+        not fit in ``kv_cache_fraction`` of GPU memory.
+        """
+        return cls(model, hardware, num_dp_ranks=num_dp_ranks, gpus_per_rank=gpus_per_rank,
+                   ep_synchronous=ep_synchronous, mfu=mfu, mbu=mbu, step_overhead_s=step_overhead_s,
+                   kv_cache_fraction=kv_cache_fraction, activation_reserve_bytes=activation_reserve_bytes,
+                   comm_efficiency=comm_efficiency, comm_overlap=comm_overlap)
+
+    def _comm_per_token(self) -> tuple[float, float]:
+        """Seconds of dispatch+combine per token of the busiest rank: (low-latency, normal) mode."""
+        m, hw = self.model, self.hardware
+        elem = m.hidden_size * (DISPATCH_BYTES + COMBINE_BYTES) * m.num_moe_layers  # bytes per copy
+        k, g, gpn = m.experts_per_token, self.num_gpus, hw.gpus_per_node
+        nvl = hw.nvlink_bw * self.comm_efficiency
+        net = hw.scale_out_bw * self.comm_efficiency
+        # copies leaving the GPU inside the node (experts on the other GPUs of the NVLink domain)
+        nvl_s = k * (1.0 - 1.0 / min(g, gpn)) * elem / nvl
+        nodes = -(-g // gpn)
+        if nodes == 1:
+            both = nvl_s / self.gpus_per_rank
+            return both, both
+        # low-latency kernels (decode): every top-k copy goes point-to-point over RDMA
+        ll = k * elem / net
+        # normal kernels (prefill): one copy per distinct remote node over RDMA, then NVLink
+        # forwarding inside the node. Distinct nodes among k uniform picks: nodes * (1 - q),
+        # q = (1 - 1/nodes)^k; the own node is one of them with probability 1 - q; node-limited
+        # routing caps the distinct count at max_routed_nodes.
+        q = (1.0 - 1.0 / nodes) ** k
+        distinct = nodes * (1.0 - q)
+        remote = (nodes - 1) * (1.0 - q)
+        if m.max_routed_nodes and distinct > m.max_routed_nodes:
+            remote *= m.max_routed_nodes / distinct
+        normal = max(remote * elem / net, nvl_s)
+        return ll / self.gpus_per_rank, normal / self.gpus_per_rank
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        """Resident weight bytes on one GPU: dense part / tp + routed experts / expert GPUs."""
+        m = self.model
+        return m.dense_weight_bytes / self.gpus_per_rank + (
+            m.expert_weight_bytes / self.expert_gpus if m.is_moe else 0.0)
+
+    def _kv_capacity(self) -> int:
+        hw = self.hardware
+        budget = hw.hbm_bytes * self.kv_cache_fraction
+        weights = self.weight_bytes_per_gpu
+        free = budget - weights - self.activation_reserve_bytes
+        if free <= 0:
+            raise ValueError(
+                f"{self.model.name} does not fit on {self.num_dp_ranks} x {self.gpus_per_rank} "
+                f"{hw.name} (ep_synchronous={self.ep_synchronous}): {weights / 1e9:.1f} GB of weights "
+                f"+ {self.activation_reserve_bytes / 1e9:.1f} GB activation reserve per GPU > "
+                f"{budget / 1e9:.1f} GB ({self.kv_cache_fraction:.0%} of {hw.hbm_bytes / 1e9:.0f} GB); "
+                "use more GPUs (more EP ranks / TP) or a larger GPU")
+        return int(free // (self.kv_bytes_per_token * self.kv_gpu_share))
+
+    # ------------------------------------------------------------------ latency
+    def step_time_breakdown(
+        self,
+        prefill_tokens: ArrayLike,
+        prefill_attn_pairs: ArrayLike,
+        decode_seqs: ArrayLike,
+        decode_ctx_tokens: ArrayLike,
+        *,
+        prefill_cached_tokens: ArrayLike | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Components of the step time (seconds, rank axis reduced, shape ``(...)``):
+        ``rank`` (the slowest rank's own roofline, incl. experts for a non-EP MoE rank),
+        ``moe`` (shared expert roofline, EP only), ``comm`` (dispatch/combine after overlap),
+        ``overhead`` and ``total``; plus ``rank_all`` with the per-rank times ``(..., R)``."""
+        pt, pp, ds, dc = (np.asarray(a, dtype=np.float64) for a in
+                          (prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens))
+        if prefill_cached_tokens is None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                pc = np.where(pt > 0, pp / np.where(pt > 0, pt, 1.0) - (pt + 1.0) / 2.0, 0.0)
+            pc = np.maximum(pc, 0.0)
+        else:
+            pc = np.asarray(prefill_cached_tokens, dtype=np.float64)
+        pt, pp, ds, dc, pc = np.broadcast_arrays(pt, pp, ds, dc, pc)
+        if pt.ndim == 0:
+            pt, pp, ds, dc, pc = (a.reshape(1) for a in (pt, pp, ds, dc, pc))
+
+        tokens = pt + ds
+        compute = tokens * self._c_tok + pp * self._c_pf_pair + dc * self._c_dec_pair
+        memory = self._m_weights + (dc + pc + tokens) * self._m_kv_tok
+        rank = np.maximum(compute, memory)
+
+        zeros = np.zeros(rank.shape[:-1])
+        moe, comm = zeros, zeros
+        if self.model.is_moe:
+            if self.ep_synchronous:
+                total = tokens.sum(axis=-1)
+                moe = self._moe_time(total)
+                per_tok = np.where(pt.sum(axis=-1) > 0, self._comm_tok_normal, self._comm_tok_ll)
+                comm = (1.0 - self.comm_overlap) * tokens.max(axis=-1) * per_tok
+            else:  # each rank runs its own experts on its own tokens
+                rank = rank + self._moe_time(tokens)
+        rank_max = rank.max(axis=-1)
+        total_s = rank_max + moe + comm + self.step_overhead_s
+        return {"rank": rank_max, "moe": moe, "comm": comm,
+                "overhead": np.full(rank_max.shape, self.step_overhead_s), "total": total_s,
+                "rank_all": rank}
+
+    def _moe_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Routed-expert roofline on one GPU of the expert group for ``tokens`` group tokens."""
+        touched = -np.expm1(tokens * np.log1p(-self._route_p)) if self._route_p < 1 else (tokens > 0) * 1.0
+        return np.maximum(tokens * self._moe_c_tok, touched * self._moe_m_all)
+
+    def step_time_s(
+        self,
+        prefill_tokens: ArrayLike,
+        prefill_attn_pairs: ArrayLike,
+        decode_seqs: ArrayLike,
+        decode_ctx_tokens: ArrayLike,
+        *,
+        prefill_cached_tokens: ArrayLike | None = None,
+    ) -> np.ndarray:
+        """Seconds one step takes for per-rank work of shape ``(..., R)``; returns shape ``(...)``.
+
+        ``prefill_cached_tokens`` (optional, not part of the ``PerfModel`` protocol): cached prefix
+        tokens the rank's prefill chunks read; estimated from the pairs when omitted.
+        """
+        return self.step_time_breakdown(prefill_tokens, prefill_attn_pairs, decode_seqs,
+                                        decode_ctx_tokens,
+                                        prefill_cached_tokens=prefill_cached_tokens)["total"]
+
+    def __repr__(self) -> str:
+        return (f"RooflinePerf({self.model.name}, {self.hardware.name}, dp={self.num_dp_ranks}, "
+                f"tp={self.gpus_per_rank}, ep_synchronous={self.ep_synchronous}, mfu={self.mfu}, "
+                f"mbu={self.mbu}, overhead={self.step_overhead_s * 1e3:g} ms, "
+                f"kv_capacity/rank={self.kv_capacity_tokens_per_rank} tokens)")

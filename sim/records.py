@@ -1,0 +1,83 @@
+"""Per-request and per-rank records of one simulation run, in compact numpy arrays.
+
+Every timestamp is simulated seconds; ``NaN`` means "not reached". Summaries, tables and plots are
+computed from these arrays (:mod:`sim.metrics`), never from counters kept inside engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Float64 timestamp columns, in the order a request passes them.
+TIME_FIELDS = (
+    "arrival_s",        # request arrives at the router
+    "prefill_start_s",  # first prefill chunk scheduled
+    "prefill_end_s",    # last prefill chunk done (PD: KV ready to transfer)
+    "transfer_end_s",   # KV arrived at the decode rank (PD only)
+    "first_token_s",    # first output token emitted
+    "finish_s",         # last output token emitted
+)
+#: Int64 columns.
+INT_FIELDS = (
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",      # prompt tokens found in the prefill rank's prefix cache
+    "prefill_rank",       # global rank index of the prefill (or mixed) rank, -1 if none
+    "decode_rank",        # global rank index of the decode (or mixed) rank
+    "router_matched_tokens",  # prefix tokens the router believed the prefill rank held
+)
+
+
+class RequestRecords:
+    """Columnar per-request records; row ``i`` is the ``i``-th request of the workload."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.num_requests = num_requests
+        for name in TIME_FIELDS:
+            setattr(self, name, np.full(num_requests, np.nan))
+        for name in INT_FIELDS:
+            setattr(self, name, np.full(num_requests, -1, dtype=np.int64))
+        self.cached_tokens[:] = 0
+        self.router_matched_tokens[:] = 0
+        self.num_routed = 0
+        self.num_finished = 0
+
+    # declared for type checkers
+    arrival_s: np.ndarray
+    prefill_start_s: np.ndarray
+    prefill_end_s: np.ndarray
+    transfer_end_s: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    prefill_rank: np.ndarray
+    decode_rank: np.ndarray
+    router_matched_tokens: np.ndarray
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in TIME_FIELDS + INT_FIELDS}
+
+
+@dataclass
+class LoadSamples:
+    """Per-rank load sampled every ``interval_s``: arrays of shape ``(num_samples, num_ranks)``."""
+
+    interval_s: float
+    times_s: list[float] = field(default_factory=list)
+    prefill_queued_tokens: list[np.ndarray] = field(default_factory=list)
+    decode_running: list[np.ndarray] = field(default_factory=list)
+    decode_kv_tokens: list[np.ndarray] = field(default_factory=list)
+
+    def as_arrays(self) -> dict[str, np.ndarray]:
+        def stack(xs: list[np.ndarray]) -> np.ndarray:
+            return np.vstack(xs) if xs else np.zeros((0, 0))
+        return {
+            "times_s": np.asarray(self.times_s),
+            "prefill_queued_tokens": stack(self.prefill_queued_tokens),
+            "decode_running": stack(self.decode_running),
+            "decode_kv_tokens": stack(self.decode_kv_tokens),
+        }

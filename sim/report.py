@@ -1,0 +1,176 @@
+"""Result files, tables and plots of simulation runs.
+
+A results folder holds:
+
+- ``summary.json``: one summary per run (:func:`sim.metrics.summarize`) plus the scenario and
+  workload description;
+- ``requests_<policy>.csv``: per-request records and derived TTFT/TPOT/E2E;
+- ``ttft_cdf.png``: TTFT CDF per policy; ``rank_load.png``: per-rank load over time per policy.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from balancer.types import Role
+from sim.cluster import SimResult
+from sim.metrics import per_request
+from sim.records import INT_FIELDS, TIME_FIELDS
+
+
+def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table:
+    """A rich table: one row per run, the columns a capacity planner compares."""
+    t = Table(title=title or None, show_lines=False)
+    cols = [
+        ("policy", "left"), ("TTFT mean s", "right"), ("TTFT p99 s", "right"), ("TPOT mean ms", "right"),
+        ("TPOT p99 ms", "right"), ("E2E p50 s", "right"), ("hit rate", "right"), ("SLO att.", "right"),
+        ("goodput r/s", "right"), ("out tok/s/GPU", "right"), ("P imb.", "right"), ("D imb.", "right"),
+    ]
+    for name, justify in cols:
+        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for s in summaries:
+        t.add_row(
+            s["policy"],
+            f"{s['ttft_s']['mean']:.3f}", f"{s['ttft_s']['p99']:.3f}",
+            f"{1e3 * s['tpot_s']['mean']:.1f}", f"{1e3 * s['tpot_s']['p99']:.1f}",
+            f"{s['e2e_s']['p50']:.2f}",
+            f"{100 * s['prefix_hit_rate']:.1f}%",
+            f"{100 * s['slo_attainment']:.1f}%",
+            f"{s['goodput_rps']:.2f}",
+            f"{s['output_tokens_per_s_per_gpu']:.0f}",
+            f"{s['prefill_load_imbalance']:.2f}",
+            f"{s['decode_load_imbalance']:.2f}",
+        )
+    return t
+
+
+def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """The same table as Markdown (for notes and docs)."""
+    head = ("| policy | TTFT mean s | TTFT p99 s | TPOT mean ms | TPOT p99 ms | hit rate | SLO att. | goodput r/s "
+            "| P imb. | D imb. |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in summaries:
+        lines.append(
+            f"| {s['policy']} | {s['ttft_s']['mean']:.3f} | {s['ttft_s']['p99']:.3f} | {1e3 * s['tpot_s']['mean']:.1f} "
+            f"| {1e3 * s['tpot_s']['p99']:.1f} | {100 * s['prefix_hit_rate']:.1f}% | {100 * s['slo_attainment']:.1f}% "
+            f"| {s['goodput_rps']:.2f} | {s['prefill_load_imbalance']:.2f} | {s['decode_load_imbalance']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def write_requests_csv(result: SimResult, path: Path) -> None:
+    """Per-request records, one row per request, times in seconds."""
+    rec = result.records
+    derived = per_request(result)
+    cols = {name: getattr(rec, name) for name in TIME_FIELDS + INT_FIELDS} | derived
+    ranks = [str(info.replica) for info in result.ranks]
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["request_id", *cols, "prefill_replica", "decode_replica"])
+        arrays = list(cols.values())
+        for i, req in enumerate(result.requests):
+            p, d = int(rec.prefill_rank[i]), int(rec.decode_rank[i])
+            row = [req.request_id]
+            for a in arrays:
+                v = a[i]
+                row.append("" if isinstance(v, float) and math.isnan(v) else (f"{v:.6f}" if isinstance(v, float) else int(v)))
+            row += [ranks[p] if p >= 0 else "", ranks[d] if d >= 0 else ""]
+            w.writerow(row)
+
+
+def write_results(out_dir: Path, results: Sequence[SimResult], summaries: Sequence[dict[str, Any]],
+                  meta: dict[str, Any], plots: bool = True) -> list[Path]:
+    """Write the results folder; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    summary_path = out_dir / "summary.json"
+    payload = {"meta": meta, "scenario": results[0].scenario.model_dump() if results else None, "runs": list(summaries)}
+    summary_path.write_text(json.dumps(_json_safe(payload), indent=2))
+    written.append(summary_path)
+    for res in results:
+        p = out_dir / f"requests_{res.label}.csv"
+        write_requests_csv(res, p)
+        written.append(p)
+    if plots and results:
+        written += plot_results(out_dir, results)
+    return written
+
+
+def plot_results(out_dir: Path, results: Sequence[SimResult]) -> list[Path]:
+    """``ttft_cdf.png`` (TTFT CDF per policy) and ``rank_load.png`` (per-rank load over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        ttft = np.sort(per_request(res)["ttft_s"])
+        ttft = ttft[~np.isnan(ttft)]
+        if len(ttft):
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=res.label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF — {results[0].scenario.name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = out_dir / "ttft_cdf.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    disagg = results[0].scenario.disaggregated
+    rows = len(results)
+    fig, axes = plt.subplots(rows, 2 if disagg else 1, figsize=(11 if disagg else 7, 2.2 * rows + 0.6),
+                             squeeze=False, sharex=True)
+    for k, res in enumerate(results):
+        smp = res.samples.as_arrays()
+        t = smp["times_s"]
+        roles = [info.role for info in res.ranks]
+        panels = [("prefill_queued_tokens", Role.PREFILL, "queued prefill tokens"),
+                  ("decode_kv_tokens", Role.DECODE, "decode KV tokens")] if disagg else \
+                 [("decode_running", Role.MIXED, "running sequences")]
+        for j, (key, role, ylabel) in enumerate(panels):
+            ax = axes[k][j]
+            cols = [i for i, r in enumerate(roles) if r is role]
+            if len(t) and cols:
+                data = smp[key][:, cols]
+                for c in range(data.shape[1]):
+                    ax.plot(t, data[:, c], lw=0.6, alpha=0.7)
+                ax.plot(t, data.mean(axis=1), color="black", lw=1.2, label="mean over ranks")
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.set_title(f"{res.label}: per-rank {ylabel}", fontsize=9)
+            ax.tick_params(labelsize=7)
+            if k == 0 and j == 0:
+                ax.legend(fontsize=7, loc="upper right")
+    for ax in axes[-1]:
+        ax.set_xlabel("simulated time (s)")
+    fig.tight_layout()
+    p = out_dir / "rank_load.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths

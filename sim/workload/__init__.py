@@ -1,0 +1,39 @@
+"""Workloads for the simulator: trace readers, synthetic generators and pure transforms.
+
+Readers turn request traces into :class:`~balancer.types.Request` lists:
+
+* :func:`read_mooncake` - Mooncake JSONL (arrival ms, lengths, per-block prefix ids);
+* :func:`read_azure` - Azure LLM inference 2023 CSV (no prefix information);
+* :func:`read_trace` - either, by format or extension; with no path, the embedded Mooncake
+  conversation trace (:func:`default_trace_path`).
+
+Malformed files raise :class:`TraceFormatError` naming ``file:line``.
+:func:`poisson_workload` generates synthetic traffic; :func:`scale_rate`, :func:`take_slice`
+and :func:`spread_batches` transform request lists without mutating them;
+:func:`ideal_hit_rate` is the infinite-cache prefix hit rate of a workload.
+"""
+
+from .analysis import ideal_hit_rate
+from .azure import parse_azure_timestamp_ns, read_azure
+from .errors import TraceFormatError
+from .loader import DEFAULT_TRACE_NAME, TRACE_FORMATS, default_trace_path, read_trace
+from .mooncake import MOONCAKE_BLOCK_SIZE, read_mooncake
+from .synthetic import poisson_workload
+from .transform import scale_rate, spread_batches, take_slice
+
+__all__ = [
+    "DEFAULT_TRACE_NAME",
+    "MOONCAKE_BLOCK_SIZE",
+    "TRACE_FORMATS",
+    "TraceFormatError",
+    "default_trace_path",
+    "ideal_hit_rate",
+    "parse_azure_timestamp_ns",
+    "poisson_workload",
+    "read_azure",
+    "read_mooncake",
+    "read_trace",
+    "scale_rate",
+    "spread_batches",
+    "take_slice",
+]

@@ -1,0 +1,38 @@
+"""Opening trace files: plain or gzip-compressed, detected by content (not by extension)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+from typing import IO, cast
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _is_gzip(path: str | os.PathLike[str]) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(2) == _GZIP_MAGIC
+
+
+def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open ``path`` for reading bytes, transparently decompressing gzip.
+
+    Raises:
+        OSError: as :func:`open` (e.g. :class:`FileNotFoundError`).
+    """
+    if _is_gzip(path):
+        return cast(IO[bytes], gzip.open(path, "rb"))
+    return open(path, "rb")
+
+
+def open_text(path: str | os.PathLike[str]) -> IO[str]:
+    """Open ``path`` for reading UTF-8 text, transparently decompressing gzip.
+
+    The stream uses ``newline=""`` (as :mod:`csv` requires): ``\\n`` and ``\\r\\n`` rows both
+    work (the Azure CSVs use ``\\r\\n``). A UTF-8 byte-order mark is skipped.
+
+    Raises:
+        OSError: as :func:`open` (e.g. :class:`FileNotFoundError`).
+    """
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig", newline="")

@@ -1,0 +1,85 @@
+"""Finding and reading traces by format: the embedded default and format dispatch."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from balancer.types import Request
+
+from .azure import read_azure
+from .mooncake import read_mooncake
+
+__all__ = ["DEFAULT_TRACE_NAME", "TRACE_FORMATS", "default_trace_path", "read_trace"]
+
+DEFAULT_TRACE_NAME = "mooncake_conversation.jsonl.gz"
+"""File name of the embedded trace under ``sim/data`` (see ``sim/data/NOTICE.txt``)."""
+
+TRACE_FORMATS = ("auto", "mooncake", "azure")
+"""Values accepted by :func:`read_trace`'s ``fmt``."""
+
+_EXTENSIONS = {".jsonl": "mooncake", ".jsonl.gz": "mooncake", ".csv": "azure", ".csv.gz": "azure"}
+
+
+def default_trace_path() -> Path:
+    """Path of the embedded Mooncake conversation trace (12,031 requests, gzip JSONL).
+
+    Source: kvcache-ai/Mooncake ``FAST25-release/traces/conversation_trace.jsonl`` at commit
+    3cca71da, Apache License 2.0, unmodified except for gzip (attribution in
+    ``sim/data/NOTICE.txt``). Located with :mod:`importlib.resources`, so it works from a
+    source checkout, an editable install and an installed wheel (pdlb is never installed
+    zipped, so the resource is a real file).
+
+    Raises:
+        FileNotFoundError: the package data is missing (a broken install).
+    """
+    resource = resources.files("sim").joinpath("data", DEFAULT_TRACE_NAME)
+    path = Path(os.fspath(resource)) if isinstance(resource, os.PathLike) else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"embedded trace sim/data/{DEFAULT_TRACE_NAME} is missing from the installed package")
+    return path
+
+
+def _detect_format(path: str | os.PathLike[str]) -> str:
+    name = os.fspath(path).lower()
+    for ext, fmt in _EXTENSIONS.items():
+        if name.endswith(ext):
+            return fmt
+    raise ValueError(
+        f"cannot infer the trace format of {os.fspath(path)!r} from its extension "
+        f"(known: {', '.join(_EXTENSIONS)}); pass fmt='mooncake' or fmt='azure'"
+    )
+
+
+def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **kwargs: Any) -> list[Request]:
+    """Read a trace file in any supported format.
+
+    Args:
+        path: trace file, or ``None`` for the embedded default (:func:`default_trace_path`).
+        fmt: ``"mooncake"`` (:func:`read_mooncake`), ``"azure"`` (:func:`read_azure`) or
+            ``"auto"``: by extension, ``.jsonl`` / ``.jsonl.gz`` -> mooncake, ``.csv`` /
+            ``.csv.gz`` -> azure.
+        **kwargs: passed to the reader (``limit``, ``block_size``, ``traffic_class``).
+
+    Returns:
+        The requests, in file order.
+
+    Raises:
+        ValueError: unknown ``fmt`` (the message lists the valid ones), ``fmt="azure"`` with
+            ``path=None``, or, with ``"auto"``, an unknown extension.
+        TraceFormatError: the file is malformed (see the readers).
+        OSError: the file cannot be opened.
+    """
+    if fmt not in TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}; valid formats: {', '.join(TRACE_FORMATS)}")
+    if path is None:
+        if fmt not in ("auto", "mooncake"):
+            raise ValueError(f"the embedded default trace is in mooncake format, not {fmt!r}")
+        path = default_trace_path()
+    if fmt == "auto":
+        fmt = _detect_format(path)
+    if fmt == "mooncake":
+        return read_mooncake(path, **kwargs)
+    return read_azure(path, **kwargs)

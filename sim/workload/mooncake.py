@@ -1,0 +1,155 @@
+"""Reader for Mooncake request traces (JSON lines).
+
+Format (kvcache-ai/Mooncake, ``FAST25-release/traces/*.jsonl``), one JSON object per line::
+
+    {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, ..., 13]}
+
+* ``timestamp``: arrival in milliseconds from the start of the trace (non-decreasing).
+* ``input_length`` / ``output_length``: prompt and output lengths in tokens.
+* ``hash_ids``: one id per 512-token prompt block (the last one possibly partial), assigned so
+  that equal ids at equal positions after equal parents mean equal prefixes.
+
+Checked on the shipped conversation trace (12,031 lines): every line has exactly
+``ceil(input_length / 512)`` ids, timestamps never decrease, no length is 0 (min output 1), and
+no id appears at two different positions, so the reader can be strict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from balancer.hashing import chain_block_ids
+from balancer.types import Request
+
+from ._checks import check_limit, check_positive_int
+from ._io import open_binary
+from .errors import TraceFormatError
+
+__all__ = ["MOONCAKE_BLOCK_SIZE", "read_mooncake"]
+
+MOONCAKE_BLOCK_SIZE = 512
+"""Tokens per ``hash_ids`` entry in the published Mooncake traces."""
+
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+class _BadRecord(Exception):
+    """Internal: one record is invalid; the caller adds file and line."""
+
+
+def _parse_record(raw: bytes, block_size: int, prev_ts: float) -> tuple[float, int, int, tuple[int, ...]]:
+    """Validate one JSON line; return ``(timestamp_ms, input_length, max(output_length, 1),
+    block_hashes)`` or raise :class:`_BadRecord`."""
+    try:
+        rec = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise _BadRecord(f"invalid JSON: {exc}") from None
+    if not isinstance(rec, dict):
+        raise _BadRecord(f"expected a JSON object, got {type(rec).__name__}")
+    for name in _FIELDS:
+        if name not in rec:
+            raise _BadRecord(f"missing field {name!r}")
+    ts, n_in, n_out, ids = rec["timestamp"], rec["input_length"], rec["output_length"], rec["hash_ids"]
+
+    if type(ts) not in (int, float) or not math.isfinite(ts):
+        raise _BadRecord(f"field 'timestamp' must be a finite number, got {ts!r}")
+    if ts < 0:
+        raise _BadRecord(f"field 'timestamp' must be >= 0, got {ts!r}")
+    if ts < prev_ts:
+        raise _BadRecord(f"timestamp goes backwards: {ts!r} after {prev_ts!r}")
+    if type(n_in) is not int:
+        raise _BadRecord(f"field 'input_length' must be an integer, got {n_in!r}")
+    if n_in < 1:
+        raise _BadRecord(f"field 'input_length' must be >= 1, got {n_in}")
+    if type(n_out) is not int:
+        raise _BadRecord(f"field 'output_length' must be an integer, got {n_out!r}")
+    if n_out < 0:
+        raise _BadRecord(f"field 'output_length' must be >= 0, got {n_out}")
+    if type(ids) is not list:
+        raise _BadRecord(f"field 'hash_ids' must be a list of integers, got {type(ids).__name__}")
+    expected = -(-n_in // block_size)
+    if len(ids) != expected:
+        raise _BadRecord(f"field 'hash_ids' has {len(ids)} ids, expected ceil({n_in} / {block_size}) = {expected}")
+    if any(type(x) is not int for x in ids):
+        raise _BadRecord("field 'hash_ids' must contain only integers")
+    try:
+        hashes = chain_block_ids(ids)
+    except ValueError as exc:
+        raise _BadRecord(f"field 'hash_ids': {exc}") from None
+    return ts, n_in, max(n_out, 1), tuple(hashes)
+
+
+def read_mooncake(
+    path: str | os.PathLike[str],
+    *,
+    block_size: int = MOONCAKE_BLOCK_SIZE,
+    limit: int | None = None,
+    traffic_class: str | None = None,
+) -> list[Request]:
+    """Read a Mooncake JSONL trace (plain or gzip-compressed) into requests.
+
+    Each non-blank line becomes one :class:`~balancer.types.Request`:
+
+    * ``request_id = f"r{i}"``, ``i`` the 0-based index among non-blank lines;
+    * ``arrival_time_s = timestamp / 1000``;
+    * ``prompt_tokens = input_length``;
+    * ``block_hashes = tuple(chain_block_ids(hash_ids))``: chained, so each hash names the whole
+      prefix; ``len(block_hashes) == ceil(input_length / block_size)`` (the last block may be
+      partial, as in the trace);
+    * ``expected_output_tokens = max_output_tokens = max(output_length, 1)``: an output length
+      of 0 (none in the conversation trace, but allowed) becomes 1, since an engine always
+      produces at least one token and :class:`Request` requires ``max_output_tokens >= 1``;
+    * ``traffic_class`` as given; ``session_id`` is ``None`` (the trace has none).
+
+    Unknown extra fields are ignored. Blank lines are skipped.
+
+    Args:
+        path: trace file; gzip is detected from the content, whatever the extension.
+        block_size: tokens per ``hash_ids`` entry *in the trace* (512 for Mooncake), used only
+            to validate the id count; it is not the engine's KV block size.
+        limit: read at most this many requests (``None``: all).
+        traffic_class: tag stored on every request (e.g. ``"chatbot"``).
+
+    Returns:
+        Requests in file order (which is arrival order).
+
+    Raises:
+        TraceFormatError: with ``"path:line: "`` prefix, for invalid JSON or UTF-8, a line that
+            is not an object, a missing field, a field of the wrong type (lengths and ids must
+            be JSON integers, ``timestamp`` a finite number), ``timestamp`` < 0 or smaller than
+            the previous line's, ``input_length`` < 1, ``output_length`` < 0, an id outside
+            ``[0, 2**64)``, or ``len(hash_ids) != ceil(input_length / block_size)``.
+        ValueError: ``block_size`` < 1 or a bad ``limit``.
+        OSError: the file cannot be opened.
+    """
+    check_positive_int(block_size, "block_size")
+    check_limit(limit)
+    requests: list[Request] = []
+    if limit == 0:
+        return requests
+    prev_ts = -math.inf
+    with open_binary(path) as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                ts, n_in, n_out, hashes = _parse_record(raw, block_size, prev_ts)
+            except _BadRecord as exc:
+                raise TraceFormatError(path, lineno, str(exc)) from None
+            prev_ts = ts
+            requests.append(
+                Request(
+                    request_id=f"r{len(requests)}",
+                    arrival_time_s=ts / 1000.0,
+                    prompt_tokens=n_in,
+                    block_hashes=hashes,
+                    max_output_tokens=n_out,
+                    expected_output_tokens=n_out,
+                    traffic_class=traffic_class,
+                )
+            )
+            if limit is not None and len(requests) >= limit:
+                break
+    return requests
