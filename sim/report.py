@@ -117,7 +117,9 @@ def write_results(out_dir: Path, results: Sequence[SimResult], summaries: Sequen
 
 
 def plot_results(out_dir: Path, results: Sequence[SimResult]) -> list[Path]:
-    """``ttft_cdf.png`` (TTFT CDF per policy) and ``rank_load.png`` (per-rank load over time)."""
+    """``ttft_cdf.png`` (TTFT CDF per policy) and ``rank_load.png`` (per-rank load over time: every
+    rank for small pools, else the min..max band, the max and the mean over ranks; in an
+    EP-synchronous engine the max is what every rank waits for)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,8 +160,13 @@ def plot_results(out_dir: Path, results: Sequence[SimResult]) -> list[Path]:
             cols = [i for i, r in enumerate(roles) if r is role]
             if len(t) and cols:
                 data = smp[key][:, cols]
-                for c in range(data.shape[1]):
-                    ax.plot(t, data[:, c], lw=0.6, alpha=0.7)
+                if data.shape[1] <= 8:
+                    for c in range(data.shape[1]):
+                        ax.plot(t, data[:, c], lw=0.6, alpha=0.7)
+                else:  # many ranks: a band is readable, 48 lines are not
+                    ax.fill_between(t, data.min(axis=1), data.max(axis=1), color="tab:blue", alpha=0.25,
+                                    lw=0, label="min..max over ranks")
+                ax.plot(t, data.max(axis=1), color="tab:red", lw=0.7, label="max over ranks")
                 ax.plot(t, data.mean(axis=1), color="black", lw=1.2, label="mean over ranks")
             ax.set_ylabel(ylabel, fontsize=8)
             ax.set_title(f"{res.label}: per-rank {ylabel}", fontsize=9)
