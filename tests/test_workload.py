@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +148,7 @@ def test_embedded_default_trace() -> None:
     path = default_trace_path()
     assert path.name == "mooncake_conversation.jsonl.gz" and path.is_file()
     assert (path.parent / "NOTICE.txt").is_file()
-    t0 = time.perf_counter()
     reqs = read_trace()
-    elapsed = time.perf_counter() - t0
     assert len(reqs) == 12031  # README: 12,031 rows
     # First line of the trace: timestamp 0, input 6758, output 500, 14 ids (= ceil(6758/512)).
     assert (reqs[0].arrival_time_s, reqs[0].prompt_tokens, reqs[0].output_tokens) == (0.0, 6758, 500)
@@ -161,8 +158,6 @@ def test_embedded_default_trace() -> None:
     # README: every request starts with block 0 -> the same first hash everywhere.
     assert len({r.block_hashes[0] for r in reqs}) == 1
     assert is_sorted(reqs)
-    # Measured at ~0.15 s; a loose bound that still catches a 10x regression.
-    assert elapsed < 3.0
 
 
 def test_embedded_trace_ideal_hit_rate() -> None:
