@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Benchmark: routing decision latency per policy, and prefix-index memory.
+
+For 8, 64 and 512 decode replicas (plus as many prefill replicas), prompts of 1k and 32k tokens
+(512-token blocks, half of them sharing a prefix with earlier requests), measures
+``Router.route`` + ``on_finished`` wall time per request, p50 / p99, after a warm-up that fills the
+prefix index. Baseline in the same run: ``round_robin`` (the cheapest policy), so the ratio column
+shows what each policy costs on top of the router's fixed work. Also reports the prefix index's
+bytes per million held blocks (tracemalloc).
+
+    .venv/bin/python bench/route_latency.py [--requests 2000]
+
+Goal (issue 4): p99 <= 100 us at 64 replicas, <= 300 us at 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from balancer.hashing import chain_block_ids  # noqa: E402
+from balancer.policies import available_policies  # noqa: E402
+from balancer.prefix_index import PrefixIndex  # noqa: E402
+from balancer.router import Router  # noqa: E402
+from balancer.types import ReplicaId, Request  # noqa: E402
+
+BLOCK = 512
+
+
+def make_requests(n: int, prompt_tokens: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    blocks = -(-prompt_tokens // BLOCK)
+    roots = [[rng.getrandbits(40) for _ in range(blocks // 2)] for _ in range(32)]
+    out = []
+    for i in range(n):
+        ids = rng.choice(roots) + [rng.getrandbits(40) for _ in range(blocks - blocks // 2)]
+        out.append(Request(f"r{i}", 0.0, prompt_tokens, tuple(chain_block_ids(ids)), 128, 128))
+    return out
+
+
+def bench(policy: str, replicas: int, prompt_tokens: int, n: int) -> tuple[float, float]:
+    router = Router(policy, policy, block_size=BLOCK, index_capacity_blocks=20_000, seed=0)
+    for i in range(replicas):
+        router.add_replica(ReplicaId(f"p{i // 8}", i % 8), "prefill")
+        router.add_replica(ReplicaId(f"d{i // 8}", i % 8), "decode", kv_capacity_tokens=1_000_000)
+    warm = make_requests(n, prompt_tokens, seed=1)
+    for r in warm:
+        router.route(r, 0.0)
+    reqs = [Request("m" + r.request_id, 0.0, r.prompt_tokens, r.block_hashes, 128, 128)
+            for r in make_requests(n, prompt_tokens, seed=2)]
+    lat = np.empty(n)
+    clock = time.perf_counter
+    for k, r in enumerate(reqs):
+        t0 = clock()
+        router.route(r, 1.0)
+        lat[k] = clock() - t0
+    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+def index_bytes_per_million_blocks(num_blocks: int = 200_000, replicas: int = 8) -> float:
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    idx = PrefixIndex()
+    per = num_blocks // replicas
+    rng = random.Random(0)
+    for r in range(replicas):
+        ids = [rng.getrandbits(63) for _ in range(per)]
+        for s in range(0, per, 32):
+            idx.insert(ReplicaId("e", r), ids[s:s + 32])
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    used = sum(st.size_diff for st in after.compare_to(before, "filename"))
+    return used / idx.num_blocks() * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--replicas", default="8,64,512")
+    args = ap.parse_args()
+    print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p99 / round_robin':>19}")
+    for replicas in (int(x) for x in args.replicas.split(",")):
+        for prompt in (1024, 32768):
+            base = bench("round_robin", replicas, prompt, args.requests)
+            for policy in available_policies():
+                p50, p99 = base if policy == "round_robin" else bench(policy, replicas, prompt, args.requests)
+                print(f"{policy:<16}{replicas:>9}{prompt:>8}{p50:>9.1f}{p99:>9.1f}{p99 / base[1]:>19.2f}")
+    print(f"prefix index: {index_bytes_per_million_blocks() / 1e6:.1f} MB per million held blocks")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
