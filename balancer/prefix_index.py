@@ -182,12 +182,12 @@ class PrefixIndex:
         """
         if self.ttl_s is None:
             return 0
-        deadline = now_s - self.ttl_s
+        ttl = self.ttl_s
         n = 0
         for replica, lru in self._lru.items():
             while lru:
                 h, t = next(iter(lru.items()))
-                if t >= deadline:
+                if now_s - t <= ttl:  # the documented rule, exact in floats (not t >= now - ttl)
                     break
                 lru.popitem(last=False)
                 self._drop_holder(h, replica)

@@ -60,6 +60,9 @@ class _Pool:
 
 
 INDEX_MODES = ("approximate", "events")
+#: Default prefix-index bound per replica: 262,144 blocks (134M tokens at 512-token blocks, more
+#: than any GPU's HBM holds), so an embedded router never grows without bound.
+DEFAULT_INDEX_CAPACITY_BLOCKS = 262_144
 
 
 class Router:
@@ -69,7 +72,8 @@ class Router:
         prefill_policy / decode_policy: a :class:`~balancer.policies.Policy` or a registered name.
             The decode policy also routes aggregated (mixed) pools.
         block_size: tokens per KV block of the requests' ``block_hashes``.
-        index_capacity_blocks: prefix-index bound per replica (LRU), ``None`` = unbounded.
+        index_capacity_blocks: prefix-index bound per replica (LRU), ``None`` = unbounded
+            (default :data:`DEFAULT_INDEX_CAPACITY_BLOCKS`).
         index_ttl_s: prefix-index TTL, ``None`` = none (Dynamo's approximate mode uses 120 s).
         index_mode: ``"approximate"`` or ``"events"`` (see module docstring).
         pd_min_uncached_tokens: below this many uncached prompt tokens on the chosen decode
@@ -86,7 +90,7 @@ class Router:
         decode_policy: Policy | str = "least_load",
         *,
         block_size: int = 512,
-        index_capacity_blocks: int | None = None,
+        index_capacity_blocks: int | None = DEFAULT_INDEX_CAPACITY_BLOCKS,
         index_ttl_s: float | None = None,
         index_mode: str = "approximate",
         pd_min_uncached_tokens: int = 0,
@@ -109,6 +113,7 @@ class Router:
         self._replicas: dict[ReplicaId, ReplicaInfo] = {}
         self._pools: dict[str, _Pool] | None = None
         self._decisions = {"prefill": 0, "decode": 0}
+        self._now_s = 0.0  # latest time a caller passed in (for KV events given without one)
 
     # ------------------------------------------------------------------ registry
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
@@ -203,6 +208,7 @@ class Router:
         """
         if self.load.is_in_flight(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already in flight")
+        self._now_s = max(self._now_s, now_s)
         pools = self._get_pools()
         if not pools["decode"].replicas:
             raise NoReplicaError("no healthy decode or mixed replica")
@@ -242,13 +248,17 @@ class Router:
         """The request finished, failed or was aborted: release all its load."""
         self.load.on_finished(request_id)
 
-    def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float = 0.0) -> None:
+    def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float | None = None) -> None:
         """Apply an engine's KV cache event to the prefix index (exact cache state).
 
-        Events for unknown replicas are ignored (a replica may publish before it is registered).
+        ``now_s`` defaults to the latest time passed to :meth:`route` (TTL expiry assumes the
+        index's timestamps never go backwards). Events for unknown replicas are ignored (a
+        replica may publish before it is registered).
         """
         if replica not in self._replicas:
             return
+        now_s = self._now_s if now_s is None else max(self._now_s, now_s)
+        self._now_s = now_s
         if isinstance(event, BlockStored):
             self.index.insert(replica, event.block_hashes, now_s)
         elif isinstance(event, BlockRemoved):

@@ -1,0 +1,55 @@
+"""Small factories shared by the balancer tests (not a conftest: other suites own that name)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from balancer.candidates import Candidates
+from balancer.hashing import chain_block_ids
+from balancer.policies import SelectContext
+from balancer.types import ReplicaId, ReplicaView, Request, Role
+
+
+def rid(name: str, dp: int = 0) -> ReplicaId:
+    return ReplicaId(name, dp)
+
+
+def view(name: str, role: Role = Role.DECODE, *, dp: int = 0, **kw) -> ReplicaView:
+    """A hand-built replica view; ``matched_tokens`` defaults to ``matched_blocks * block_size``."""
+    if "matched_blocks" in kw and "matched_tokens" not in kw:
+        kw["matched_tokens"] = kw["matched_blocks"] * kw.get("block_size", 1)
+    return ReplicaView(replica=ReplicaId(name, dp), role=role, **kw)
+
+
+def cands(*views: ReplicaView) -> Candidates:
+    return Candidates.from_views(list(views))
+
+
+def ctx(seed: int = 0, decision_index: int = 0, now_s: float = 0.0) -> SelectContext:
+    return SelectContext(random.Random(seed), now_s, decision_index)
+
+
+def blocks(ids: Sequence[int], parent: int | None = None) -> tuple[int, ...]:
+    """Chained block hashes of per-block ids (equal id prefixes -> equal hash prefixes)."""
+    return tuple(chain_block_ids(list(ids), parent))
+
+
+def req(
+    request_id: str,
+    prompt_tokens: int = 100,
+    block_ids: Sequence[int] | None = None,
+    *,
+    session_id: str | None = None,
+    arrival_time_s: float = 0.0,
+    block_hashes: tuple[int, ...] | None = None,
+) -> Request:
+    if block_hashes is None:
+        block_hashes = blocks(block_ids) if block_ids is not None else ()
+    return Request(
+        request_id=request_id,
+        arrival_time_s=arrival_time_s,
+        prompt_tokens=prompt_tokens,
+        block_hashes=block_hashes,
+        session_id=session_id,
+    )

@@ -1,0 +1,246 @@
+"""PrefixIndex: hand-worked LRU orders, exact TTL boundaries, and Hypothesis properties checked
+against an independent list-based reference model (``RefIndex`` below)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balancer.prefix_index import PrefixIndex
+from balancer_factories import blocks, rid
+
+R0, R1, R2 = rid("r", 0), rid("r", 1), rid("r", 2)
+REPLICAS = [R0, R1, R2]
+
+
+class RefIndex:
+    """Independent reference: per replica a plain list of [hash, time], oldest first."""
+
+    def __init__(self, cap, ttl):
+        self.cap, self.ttl = cap, ttl
+        self.lists = {r: [] for r in REPLICAS}
+
+    def insert(self, r, hs, now):
+        lst = self.lists[r]
+        hs = list(hs) if self.cap is None else list(hs)[: self.cap]
+        for h in reversed(hs):  # deepest first -> root ends most recent
+            for e in lst:
+                if e[0] == h:
+                    lst.remove(e)
+                    break
+            lst.append([h, now])
+        evicted = []
+        while self.cap is not None and len(lst) > self.cap:
+            evicted.append(lst.pop(0)[0])
+        return evicted
+
+    def remove(self, r, hs):
+        lst = self.lists[r]
+        before = len(lst)
+        self.lists[r] = [e for e in lst if e[0] not in set(hs)]
+        return before - len(self.lists[r])
+
+    def clear(self, r):
+        n = len(self.lists[r])
+        self.lists[r] = []
+        return n
+
+    def expire(self, now):
+        if self.ttl is None:
+            return 0
+        n = 0
+        for r in REPLICAS:
+            keep = [e for e in self.lists[r] if now - e[1] <= self.ttl]
+            n += len(self.lists[r]) - len(keep)
+            self.lists[r] = keep
+        return n
+
+    def match(self, r, query):
+        held = {e[0] for e in self.lists[r]}
+        k = 0
+        for h in query:
+            if h not in held:
+                break
+            k += 1
+        return k
+
+
+# ---------------------------------------------------------------------------------- hand cases
+def test_deepest_first_touch_and_lru_eviction_by_hand():
+    a, b, c = blocks([1, 2, 3])  # prompt X = [a, b, c]
+    _, d = blocks([1, 4])  # prompt Y = [a, d] shares root a
+    idx = PrefixIndex(capacity_blocks=3)
+    assert idx.insert(R0, [a, b, c], 0.0) == []
+    # hand: touched c, b, a -> LRU (oldest first) c, b, a: root most recent
+    assert idx.lru_order(R0) == [c, b, a]
+    # hand: insert Y touches d then a -> c, b, d, a -> over cap 3 -> evict c (a leaf of X)
+    assert idx.insert(R0, [a, d], 1.0) == [c]
+    assert idx.lru_order(R0) == [b, d, a]
+    assert idx.match([a, b, c]) == {R0: 2}
+    assert idx.match([a, d]) == {R0: 2}
+    # hand: X again touches c, b, a -> evicts d (oldest) only: order... b,d,a + c -> b,d,a,c -> evict b?
+    # walk: touch c (new) -> [b,d,a,c]; touch b -> [d,a,c,b]; touch a -> [d,c,b,a]; evict d
+    assert idx.insert(R0, [a, b, c], 2.0) == [d]
+    assert idx.lru_order(R0) == [c, b, a]
+
+
+def test_prompt_longer_than_capacity_keeps_its_first_blocks():
+    hs = blocks(range(6))
+    idx = PrefixIndex(capacity_blocks=4)
+    old = blocks([9])
+    idx.insert(R0, old, 0.0)
+    # hand: keeps hs[:4], touched deepest-first -> [h3, h2, h1, h0]; the old block is evicted
+    assert idx.insert(R0, hs, 1.0) == [old[0]]
+    assert idx.lru_order(R0) == [hs[3], hs[2], hs[1], hs[0]]
+    assert idx.match(hs) == {R0: 4}
+
+
+def test_match_multiple_replicas_and_restriction():
+    hs = blocks([1, 2, 3, 4])
+    idx = PrefixIndex()
+    idx.insert(R0, hs, 0.0)  # full 4
+    idx.insert(R1, hs[:2], 0.0)  # 2
+    idx.insert(R2, blocks([7, 8]), 0.0)  # other root: no match
+    assert idx.match(hs) == {R0: 4, R1: 2}
+    assert idx.match(hs, replicas=[R1, R2]) == {R1: 2}
+    assert idx.match(hs[:3]) == {R0: 3, R1: 2}
+    assert idx.match(()) == {}
+    assert idx.match_replica(R0, hs) == 4 and idx.match_replica(R1, hs) == 2 and idx.match_replica(R2, hs) == 0
+    # a different prompt diverging at block 2 matches only the shared prefix
+    assert idx.match(blocks([1, 2, 9, 9])) == {R0: 2, R1: 2}
+
+
+def test_remove_and_clear_update_holders():
+    hs = blocks([1, 2, 3, 4])
+    idx = PrefixIndex()
+    idx.insert(R0, hs, 0.0)
+    idx.insert(R1, hs, 0.0)
+    # hand: removing blocks 2,3 on R0 (plus one it never held) -> 2 removed; R0 now matches 2
+    assert idx.remove(R0, [hs[2], hs[3], 12345]) == 2
+    assert idx.match(hs) == {R0: 2, R1: 4}
+    assert idx.holds(R1, hs[3]) and not idx.holds(R0, hs[3])
+    assert idx.num_unique_blocks() == 4  # R1 still holds all 4
+    # removing the root on R1 drops its whole match even though deeper blocks stay
+    assert idx.remove(R1, [hs[0]]) == 1
+    assert idx.match(hs) == {R0: 2}
+    assert idx.clear(R0) == 2
+    assert idx.match(hs) == {}
+    # hand: only R1's hs[1..3] remain
+    assert idx.num_unique_blocks() == 3 and idx.num_blocks() == 3 and idx.replicas() == [R1]
+    assert idx.clear(R1) == 3 and idx.num_unique_blocks() == 0
+    assert idx.clear(R2) == 0 and idx.remove(R2, hs) == 0
+
+
+@pytest.mark.parametrize("t", [0.0, 5.0, 0.3, 0.1, 1.7, 123.5, 1e6 + 0.3])
+def test_ttl_exact_boundary(t):
+    # documented rule: a block touched at t survives while now - t <= ttl, dropped once > ttl.
+    # now = t + 10 (rounded as a float); pick cases where (t + 10) - t == 10 exactly in floats.
+    ttl = 10.0
+    now = t + ttl
+    assert now - t == ttl  # precondition: the boundary is exact for this t
+    hs = blocks([1, 2])
+    idx = PrefixIndex(ttl_s=ttl)
+    idx.insert(R0, hs, t)
+    assert idx.expire(now) == 0
+    assert idx.match(hs) == {R0: 2}
+    eps = max(1e-9, abs(now) * 1e-12)
+    assert idx.expire(now + eps) == 2
+    assert idx.match(hs) == {} and idx.num_unique_blocks() == 0
+
+
+def test_ttl_touch_refreshes_and_expires_per_block():
+    a, b, c = blocks([1, 2, 3])
+    idx = PrefixIndex(ttl_s=10.0)
+    idx.insert(R0, [a, b, c], 0.0)
+    idx.insert(R0, [a], 6.0)  # refresh root only
+    # hand: at 12: b, c touched at 0 (12 > 10) go; a touched at 6 stays
+    assert idx.expire(12.0) == 2
+    assert idx.lru_order(R0) == [a] and idx.match([a, b, c]) == {R0: 1}
+    assert PrefixIndex().expire(1e9) == 0  # no TTL: nothing expires
+
+
+def test_constructor_validation():
+    for kw in (dict(capacity_blocks=0), dict(ttl_s=0), dict(ttl_s=-1.0)):
+        with pytest.raises(ValueError):
+            PrefixIndex(**kw)
+
+
+# ---------------------------------------------------------------------------------- properties
+# prompts are paths in a small tree (ids 0..2, length 0..6) so prompts share prefixes often
+prompt_ids = st.lists(st.integers(0, 2), min_size=0, max_size=6)
+op = st.one_of(
+    st.tuples(st.just("insert"), st.integers(0, 2), prompt_ids, st.integers(0, 3)),
+    st.tuples(st.just("remove"), st.integers(0, 2), prompt_ids, st.integers(0, 3)),
+    st.tuples(st.just("clear"), st.integers(0, 2), prompt_ids, st.integers(0, 3)),
+    st.tuples(st.just("expire"), st.integers(0, 2), prompt_ids, st.integers(0, 3)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cap=st.one_of(st.none(), st.integers(1, 8)),
+    ttl=st.one_of(st.none(), st.sampled_from([1.0, 2.5, 4.0])),
+    ops=st.lists(op, max_size=40),
+    queries=st.lists(prompt_ids, min_size=1, max_size=5),
+)
+def test_index_matches_reference_model(cap, ttl, ops, queries):
+    idx = PrefixIndex(capacity_blocks=cap, ttl_s=ttl)
+    ref = RefIndex(cap, ttl)
+    ever = {r: [] for r in REPLICAS}  # every prompt ever inserted per replica
+    now = 0.0
+    for kind, ri, ids, dt in ops:
+        now += dt * 0.5  # monotone clock in exact binary fractions
+        r = REPLICAS[ri]
+        hs = blocks(ids)
+        if kind == "insert":
+            assert idx.insert(r, hs, now) == ref.insert(r, hs, now)  # evicted = exactly the LRU ones
+            ever[r].append(hs)
+        elif kind == "remove":
+            sub = hs[len(hs) // 2 :]
+            assert idx.remove(r, sub) == ref.remove(r, sub)
+        elif kind == "clear":
+            assert idx.clear(r) == ref.clear(r)
+        else:
+            assert idx.expire(now) == ref.expire(now)
+        for rr in REPLICAS:
+            assert idx.lru_order(rr) == [e[0] for e in ref.lists[rr]]
+            if cap is not None:
+                assert idx.num_blocks(rr) <= cap
+        if cap is not None:
+            assert idx.num_unique_blocks() <= len(REPLICAS) * cap
+        held = set().union(*(set(idx.lru_order(rr)) for rr in REPLICAS))
+        assert idx.num_unique_blocks() == len(held)
+        assert idx.num_blocks() == sum(len(ref.lists[rr]) for rr in REPLICAS)
+    for ids in queries:
+        q = blocks(ids)
+        got = idx.match(q)
+        for r in REPLICAS:
+            exp = ref.match(r, q)
+            assert got.get(r, 0) == exp
+            assert idx.match_replica(r, q) == exp
+            # never more than the query, nor than the longest common prefix with an inserted prompt
+            lcp = max((sum(1 for _ in _common(p, q)) for p in ever[r]), default=0)
+            assert got.get(r, 0) <= min(len(q), lcp)
+        assert all(v >= 1 for v in got.values())
+
+
+def _common(p, q):
+    for x, y in zip(p, q):
+        if x != y:
+            return
+        yield x
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cap=st.integers(1, 5),
+    ops=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 50), max_size=10)), max_size=60),
+)
+def test_memory_bounded_with_many_distinct_blocks(cap, ops):
+    idx = PrefixIndex(capacity_blocks=cap)
+    for ri, ids in ops:
+        idx.insert(REPLICAS[ri], blocks(ids), 0.0)
+        assert max(idx.num_blocks(r) for r in REPLICAS) <= cap
+        assert idx.num_unique_blocks() <= len(REPLICAS) * cap
+        assert idx.num_blocks() <= len(REPLICAS) * cap
