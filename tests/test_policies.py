@@ -190,14 +190,30 @@ def test_consistent_hash_same_session_same_replica_and_matches_rendezvous():
 
 
 def test_consistent_hash_key_falls_back_to_first_block():
-    # requests without a session but sharing their first block go together (key b"b:" + LE64 hash)
+    # key_block=1: requests without a session but sharing their first block go together
+    # (key b"b:" + LE64 hash of block 1)
     cs = cands(*(view(f"w{i}") for i in range(5)))
-    pol = make_policy("consistent_hash")
+    pol = make_policy("consistent_hash", key_block=1)
     r1 = req("x", 100, [7, 1, 2])
     r2 = req("y", 300, [7, 9])
     exp = rendezvous_order(b"b:" + r1.block_hashes[0].to_bytes(8, "little"), list(cs.replicas))[0]
     assert pol.select(r1, cs, ctx()).replica == exp
     assert pol.select(r2, cs, ctx()).replica == exp
+
+
+def test_consistent_hash_default_keys_on_the_second_block_or_the_last():
+    # default key_block=2: the chained hash of block 2 names the prefix up to it; a one-block
+    # prompt uses its only block
+    cs = cands(*(view(f"w{i}") for i in range(7)))
+    pol = make_policy("consistent_hash")
+    r1 = req("x", 1500, [7, 1, 2])
+    r2 = req("y", 1100, [7, 1, 5])
+    r3 = req("z", 100, [7])
+    k12 = rendezvous_order(b"b:" + r1.block_hashes[1].to_bytes(8, "little"), list(cs.replicas))[0]
+    k3 = rendezvous_order(b"b:" + r3.block_hashes[0].to_bytes(8, "little"), list(cs.replicas))[0]
+    assert pol.select(r1, cs, ctx()).replica == k12
+    assert pol.select(r2, cs, ctx()).replica == k12
+    assert pol.select(r3, cs, ctx()).replica == k3
 
 
 def test_consistent_hash_removing_non_chosen_replica_does_not_move_keys():
