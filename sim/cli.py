@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     simsub.add_parser("scenarios", help="list scenario presets")
 
     sub.add_parser("policies", help="list routing policies and their parameters")
+    from balancer.service.cli import add_serve_parser
+    from sim.emulator.cli import add_engine_parser
+    add_serve_parser(sub)
+    add_engine_parser(sub)
     return parser
 
 
@@ -159,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
+    if args.command in ("serve", "engine"):
+        from balancer.service.cli import run_serve
+        from sim.emulator.cli import run_engine
+        return run_serve(args) if args.command == "serve" else run_engine(args)
     try:
         if args.command == "policies":
             for name in available_policies():

@@ -1,0 +1,307 @@
+"""The ``pdlb serve`` aiohttp application: OpenAI-compatible PD router.
+
+Endpoints:
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /generate`` (SGLang native;
+  not with ``pd_protocol: vllm``): routed and forwarded (:mod:`balancer.service.proxy`),
+  JSON or SSE passed through chunk by chunk.
+* ``GET /v1/models``: the configured ``served_model_name``, else a routable worker's list.
+* ``GET /health``: 200 when a decode/mixed worker is routable and the router is not draining,
+  else 503; the body counts routable workers per role.
+* ``GET /metrics``: Prometheus text (:mod:`balancer.service.metrics`).
+* ``GET/POST/DELETE /workers``: admin API (list, add a :class:`WorkerConfig` JSON body, remove by
+  ``?url=``). With ``admin_api_key`` configured it needs ``Authorization: Bearer <key>`` (401
+  otherwise); without one only loopback clients may use it (403 otherwise).
+
+Errors are OpenAI-style JSON objects (``{"error": {"message", "type", "code"}}``): invalid JSON or
+missing fields 400, unknown route 404, wrong method 405, body over ``max_body_bytes`` 413, no
+routable worker 503, timeout 504; unexpected exceptions 500 without details (logged).
+
+Run it with ``handler_cancellation=True`` (as ``pdlb serve`` does) so that a client disconnect
+cancels the handler and aborts both PD legs. On shutdown the app stops taking new requests
+(503) and drains in-flight ones for at most ``shutdown_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from balancer.policies import make_policy
+from balancer.router import Router
+from balancer.service.config import ServiceConfig, WorkerConfig
+from balancer.service.metrics import ServiceMetrics
+from balancer.service.proxy import Proxy, error_response
+from balancer.service.workers import WorkerPool
+from balancer.types import Role
+
+log = logging.getLogger("pdlb.service")
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+
+
+class Service:
+    """Per-app state: config, router, workers, metrics, the HTTP client and the proxy."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.router = Router(
+            make_policy(cfg.prefill_policy.name, **cfg.prefill_policy.params),
+            make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
+            block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
+            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed)
+        self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
+        for w in cfg.workers:
+            self.pool.add(w)
+        self.metrics = ServiceMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def check_health_once(self) -> None:
+        """One round of active health checks of every worker (concurrently)."""
+        assert self.session is not None
+        hc = self.cfg.health_check
+        timeout = aiohttp.ClientTimeout(total=hc.timeout_s)
+
+        async def one(w):  # noqa: ANN001, ANN202
+            try:
+                async with self.session.get(w.url + hc.endpoint, timeout=timeout) as r:
+                    await r.read()
+                    ok = r.status == 200
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                ok = False
+            self.pool.record_health(w, ok, time.monotonic())
+
+        await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_check.interval_s)
+            try:
+                await self.check_health_once()
+            except Exception:  # never let the checker die
+                log.exception("health check round failed")
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.set(self.in_flight)
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Refuse new requests and wait (at most ``shutdown_timeout_s``) for in-flight ones."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.cfg.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("shutdown: %d requests still in flight after %.1f s", self.in_flight, self.cfg.shutdown_timeout_s)
+
+
+SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
+
+
+# ---------------------------------------------------------------------- middleware
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, ANN202
+    svc = request.app[SERVICE]
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "unmatched"
+    t0 = time.monotonic()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as e:
+        status = e.status
+        if e.status < 400:
+            raise
+        msg = {404: f"no route for {request.method} {request.path}", 405: f"method {request.method} not allowed on {request.path}",
+               413: f"request body too large (limit {svc.cfg.max_body_bytes} bytes)"}.get(e.status, e.reason)
+        return error_response(e.status, msg)
+    except asyncio.CancelledError:
+        status = 499  # client closed the connection
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal router error")
+    finally:
+        svc.metrics.requests.labels(endpoint, str(status)).inc()
+        svc.metrics.duration.labels(endpoint).observe(time.monotonic() - t0)
+
+
+# ---------------------------------------------------------------------- handlers
+async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) over client_max_size
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        return error_response(400, f"invalid JSON body: {e}")
+    if not isinstance(body, dict):
+        return error_response(400, "the JSON body must be an object")
+    return body
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    svc = request.app[SERVICE]
+    endpoint = ENDPOINTS[request.path]
+    if endpoint == "generate" and svc.cfg.pd_protocol == "vllm":
+        return error_response(404, "/generate is SGLang's native API; not available with pd_protocol 'vllm'")
+    if svc.draining:
+        return error_response(503, "the router is shutting down")
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    assert svc.proxy is not None
+    svc.enter()
+    try:
+        return await svc.proxy.handle(request, endpoint, body)
+    finally:
+        svc.leave()
+
+
+async def _health(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    svc.pool.refresh(time.monotonic())
+    counts = {r.value: len(svc.pool.routable((r,))) for r in Role}
+    ok = (counts["decode"] + counts["mixed"]) > 0 and not svc.draining
+    status = "draining" if svc.draining else ("ok" if ok else "unavailable")
+    return web.json_response({"status": status, "routable_workers": counts, "in_flight": svc.in_flight},
+                             status=200 if ok else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    return web.Response(body=svc.metrics.render(svc.router, svc.pool), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _models(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    if svc.cfg.served_model_name:
+        return web.json_response({"object": "list", "data": [
+            {"id": svc.cfg.served_model_name, "object": "model", "created": 0, "owned_by": "pdlb"}]})
+    assert svc.session is not None
+    for w in svc.pool.routable((Role.DECODE, Role.MIXED, Role.PREFILL)):
+        try:
+            async with svc.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    return web.json_response(await r.json())
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            continue
+    return error_response(503, "no worker answered /v1/models")
+
+
+def admin_denied(request: web.Request, api_key: str | None) -> web.Response | None:
+    """``None`` if the request may use the admin API, else the 401/403 error response."""
+    if api_key:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return error_response(401, "admin API: missing or wrong bearer token", "authentication_error")
+        return None
+    peer = request.remote or ""
+    if peer == "::1" or peer.startswith("127.") or peer == "localhost":
+        return None
+    return error_response(403, "admin API is loopback-only when no admin_api_key is configured", "permission_error")
+
+
+async def _list_workers(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
+        return denied
+    svc.pool.refresh(time.monotonic())
+    out = []
+    for w in svc.pool.workers.values():
+        d = w.describe()
+        d["in_flight"] = sum(svc.router.load.get(r).num_requests for r in w.replicas)
+        out.append(d)
+    return web.json_response({"workers": out})
+
+
+async def _add_worker(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
+        return denied
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    try:
+        wcfg = WorkerConfig.model_validate(body)
+    except ValidationError as e:
+        return error_response(400, f"invalid worker: {e.errors(include_url=False, include_context=False)}")
+    if wcfg.role == "prefill" and svc.cfg.pd_protocol == "none":
+        return error_response(400, "pd_protocol 'none' takes no prefill workers")
+    try:
+        w = svc.pool.add(wcfg)
+    except ValueError as e:
+        return error_response(409, str(e), "conflict")
+    return web.json_response(w.describe(), status=201)
+
+
+async def _remove_worker(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
+        return denied
+    url = request.query.get("url")
+    if not url:
+        return error_response(400, "query parameter 'url' is required")
+    try:
+        w = svc.pool.remove(url)
+    except KeyError:
+        return error_response(404, f"no worker {url}", "not_found")
+    return web.json_response({"removed": w.url})
+
+
+# ---------------------------------------------------------------------- factory
+def create_app(cfg: ServiceConfig) -> web.Application:
+    """Build the router app for ``cfg`` (background health checks start with the app)."""
+    svc = Service(cfg)
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
+    app[SERVICE] = svc
+
+    async def lifecycle(app: web.Application):  # noqa: ANN202
+        svc.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
+            )
+        svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session)
+        checker = asyncio.create_task(svc._health_loop()) if cfg.health_check.enabled else None
+        yield
+        if checker is not None:
+            checker.cancel()
+            await asyncio.gather(checker, return_exceptions=True)
+        for t in list(svc.proxy.background):
+            t.cancel()
+        await svc.session.close()
+
+    async def on_shutdown(app: web.Application) -> None:
+        await svc.drain()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(on_shutdown)
+    for path in ENDPOINTS:
+        app.router.add_post(path, _generate)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/workers", _list_workers)
+    app.router.add_post("/workers", _add_worker)
+    app.router.add_delete("/workers", _remove_worker)
+    return app

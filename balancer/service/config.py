@@ -1,0 +1,206 @@
+"""Configuration of ``pdlb serve``: one pydantic model, loadable from YAML/TOML/JSON plus CLI flags.
+
+Defaults of the resilience settings follow the SGLang router's service defaults (ANCHORS.md,
+"SGLang cache_aware", last bullet): 5 retries with backoff 50 ms -> 30 s (x1.5, jitter 0.2) on
+408/429/500/502/503/504; the circuit breaker opens after 10 failures, closes after 3 successes,
+stays open 60 s; health checks every 60 s with a 5 s timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from balancer.policies import make_policy
+
+
+class WorkerConfig(BaseModel):
+    """One engine behind the router.
+
+    Attributes:
+        url: base URL, e.g. ``http://10.0.0.5:30000`` (no trailing slash needed).
+        role: ``prefill``, ``decode`` or ``mixed``.
+        dp_size: attention DP ranks of the engine; each is a routing target. With ``dp_size > 1``
+            the router names the rank (SGLang ``data_parallel_rank`` body field, vLLM
+            ``X-data-parallel-rank`` header).
+        bootstrap_port: SGLang prefill engines' KV bootstrap port (``--disaggregation-bootstrap-port``);
+            ``None`` sends ``bootstrap_port: null``.
+        kv_capacity_tokens: KV capacity per DP rank in tokens, for KV-aware policies (0 = unknown).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    role: Literal["prefill", "decode", "mixed"]
+    dp_size: int = Field(1, ge=1)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    kv_capacity_tokens: int = Field(0, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        v = v.strip().rstrip("/")
+        if not (v.startswith("http://") or v.startswith("https://")):
+            raise ValueError(f"worker url must start with http:// or https://, got {v!r}")
+        return v
+
+
+class PolicyConfig(BaseModel):
+    """A routing policy by registered name, with its parameters (see ``pdlb policies``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyConfig:
+        make_policy(self.name, **self.params)  # raises ValueError listing valid names/params
+        return self
+
+
+class RetryConfig(BaseModel):
+    """Retries of a request that failed before any byte reached the client (new pair, new room).
+
+    Backoff before retry ``k`` (1-based): ``min(max_backoff_s, initial_backoff_s * multiplier**(k-1))``
+    times a uniform factor in ``[1 - jitter, 1 + jitter]``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_retries: int = Field(5, ge=0)
+    initial_backoff_s: float = Field(0.05, ge=0)
+    max_backoff_s: float = Field(30.0, ge=0)
+    backoff_multiplier: float = Field(1.5, ge=1.0)
+    jitter: float = Field(0.2, ge=0, le=1)
+    retry_statuses: list[int] = Field(default_factory=lambda: [408, 429, 500, 502, 503, 504])
+
+
+class CircuitBreakerConfig(BaseModel):
+    """Per-worker breaker: ``failure_threshold`` consecutive failures open it for
+    ``open_duration_s``; then it is half-open (routable); ``success_threshold`` successes close it,
+    one failure reopens it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    failure_threshold: int = Field(10, ge=1)
+    success_threshold: int = Field(3, ge=1)
+    open_duration_s: float = Field(60.0, gt=0)
+
+
+class HealthCheckConfig(BaseModel):
+    """Active health checks: ``GET {url}{endpoint}`` every ``interval_s``; a worker is unhealthy
+    after ``failure_threshold`` consecutive failures and healthy again after ``success_threshold``
+    consecutive successes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    interval_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0)
+    endpoint: str = "/health"
+    failure_threshold: int = Field(3, ge=1)
+    success_threshold: int = Field(2, ge=1)
+
+
+class ServiceConfig(BaseModel):
+    """Everything ``pdlb serve`` needs.
+
+    Attributes:
+        host / port: where the router listens.
+        pd_protocol: ``sglang`` (both legs at once with bootstrap fields), ``vllm`` (prefill then
+            decode with ``kv_transfer_params``) or ``none`` (mixed workers only). ANCHORS.md,
+            "PD request flows".
+        workers: the engines at start (more can be added with the admin API).
+        prefill_policy / decode_policy: routing policies (decode also routes mixed pools).
+        block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
+            :mod:`balancer.service.prompt`.
+        pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
+            tokens the decode engine serves the request alone (0 = always PD).
+        index_capacity_blocks / index_ttl_s: prefix-index bounds per replica (LRU / TTL).
+        request_timeout_s: total time for one client request including retries (504 after).
+        connect_timeout_s: TCP connect timeout to a worker.
+        max_body_bytes: larger request bodies get 413.
+        admin_api_key: bearer token for ``/workers``; without one the admin API answers loopback
+            clients only.
+        served_model_name: the id ``/v1/models`` lists; ``None`` asks a worker.
+        shutdown_timeout_s: graceful shutdown drains in-flight requests for at most this long.
+        default_max_tokens: the output length assumed for load accounting when a request names none.
+        seed: the router's RNG seed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    pd_protocol: Literal["sglang", "vllm", "none"] = "sglang"
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    prefill_policy: PolicyConfig = PolicyConfig(name="cache_aware")
+    decode_policy: PolicyConfig = PolicyConfig(name="least_load")
+    block_size: int = Field(64, ge=1)
+    chars_per_token: float = Field(4.0, gt=0)
+    tokenizer_path: str | None = None
+    pd_min_uncached_tokens: int = Field(0, ge=0)
+    index_capacity_blocks: int | None = Field(262_144, ge=1)
+    index_ttl_s: float | None = Field(None, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    retry: RetryConfig = RetryConfig()
+    circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
+    health_check: HealthCheckConfig = HealthCheckConfig()
+    admin_api_key: str | None = None
+    served_model_name: str | None = None
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+    default_max_tokens: int = Field(16, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_workers(self) -> ServiceConfig:
+        urls = [w.url for w in self.workers]
+        dup = {u for u in urls if urls.count(u) > 1}
+        if dup:
+            raise ValueError(f"duplicate worker urls: {', '.join(sorted(dup))}")
+        if self.pd_protocol == "none" and any(w.role == "prefill" for w in self.workers):
+            raise ValueError("pd_protocol 'none' cannot use prefill workers; use mixed workers or pick sglang/vllm")
+        return self
+
+
+def load_service_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
+    """Read a config file (``.yaml``/``.yml``, ``.toml``, ``.json``) and apply ``overrides``
+    (top-level keys, e.g. from CLI flags; ``None`` values are ignored).
+
+    Raises:
+        ValueError: unreadable file, unknown suffix, or invalid settings (pydantic's message,
+            prefixed with the file name).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+            if p.suffix in (".yaml", ".yml"):
+                data = yaml.safe_load(text) or {}
+            elif p.suffix == ".toml":
+                data = tomllib.loads(text)
+            elif p.suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise ValueError(f"unknown config file type {p.suffix!r} (use .yaml, .toml or .json)")
+        except (OSError, yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{p}: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{p}: the top level must be a mapping")
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            data[k] = v
+    try:
+        return ServiceConfig.model_validate(data)
+    except ValueError as e:
+        raise ValueError(f"{path or 'config'}: {e}") from e

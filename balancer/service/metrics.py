@@ -1,0 +1,62 @@
+"""Prometheus metrics of the router service (one registry per app, scraped at ``GET /metrics``).
+
+Names follow Prometheus conventions: ``pdlb_`` prefix, base units (seconds, ratios 0..1),
+``_total`` for counters (added by prometheus-client), labels for dimensions.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from balancer.router import Router
+from balancer.service.workers import WorkerPool
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class ServiceMetrics:
+    """The service's metric families."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdlb_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.duration = Histogram("pdlb_request_duration_seconds", "Client request latency (to the last byte)",
+                                  ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("pdlb_time_to_first_token_seconds",
+                              "Router-observed time to the first streamed byte of the decode leg",
+                              ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.decisions = Counter("pdlb_routing_decisions", "Routing decisions by worker, pool, policy and reason",
+                                 ["worker", "pool", "policy", "reason"], registry=r)
+        self.match_ratio = Histogram("pdlb_prefix_match_ratio",
+                                     "Prompt fraction the chosen replica is believed to hold (router's prefix index)",
+                                     ["pool"], buckets=RATIO_BUCKETS, registry=r)
+        self.retries = Counter("pdlb_retries", "Request attempts retried, by reason", ["reason"], registry=r)
+        self.upstream_failures = Counter("pdlb_upstream_failures", "Failed worker legs by worker and kind",
+                                         ["worker", "kind"], registry=r)
+        self.in_flight = Gauge("pdlb_in_flight_requests", "Client requests being served", registry=r)
+        self.worker_load = Gauge("pdlb_worker_in_flight_requests",
+                                 "Requests the router counts on each worker DP rank (from dispatch)",
+                                 ["worker", "dp_rank", "role"], registry=r)
+        self.worker_prefill_tokens = Gauge("pdlb_worker_prefill_tokens",
+                                           "Uncached prompt tokens routed to each rank and not yet prefilled",
+                                           ["worker", "dp_rank", "role"], registry=r)
+        self.breaker = Gauge("pdlb_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open",
+                             ["worker"], registry=r)
+        self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r)
+
+    def render(self, router: Router, pool: WorkerPool) -> bytes:
+        """Refresh the per-worker gauges from the router's load tracker and return the exposition text."""
+        self.worker_load.clear()
+        self.worker_prefill_tokens.clear()
+        self.breaker.clear()
+        self.healthy.clear()
+        for w in pool.workers.values():
+            self.breaker.labels(w.url).set(int(w.breaker.state))
+            self.healthy.labels(w.url).set(1 if w.healthy else 0)
+            for rep in w.replicas:
+                snap = router.load.get(rep)
+                labels = (w.url, str(rep.dp_rank), w.cfg.role)
+                self.worker_load.labels(*labels).set(snap.num_requests)
+                self.worker_prefill_tokens.labels(*labels).set(snap.prefill_tokens)
+        return generate_latest(self.registry)

@@ -1,0 +1,412 @@
+"""Request forwarding: one client request -> route -> PD legs -> relayed response, with retries.
+
+Flows (ANCHORS.md, "PD request flows"):
+
+* ``sglang``: pick prefill P and decode D; add ``bootstrap_host`` (P's host), ``bootstrap_port``
+  (P's configured bootstrap port or null), ``bootstrap_room`` (random 63-bit), ``rid`` and, for
+  engines with ``dp_size > 1``, each leg's ``data_parallel_rank``; POST the same body to P and D at
+  once; relay D's (streamed) response. If P fails, D is aborted (its connection closed and
+  ``/abort_request`` sent) and vice versa.
+* ``vllm``: POST to P with ``kv_transfer_params = {do_remote_decode: true, ...}``,
+  ``max_tokens = 1``, ``stream = false`` and ``X-Request-Id``; POST the original body plus P's
+  returned ``kv_transfer_params`` to D with the same ``X-Request-Id``; relay D.
+* ``none`` (or conditional disaggregation chose no prefill): POST to the decode/mixed worker.
+
+Retries: a failure before any byte reached the client (connect error, a status in
+``retry.retry_statuses``, an upstream that vanished before its first byte) is retried with
+exponential backoff and jitter on a *new* route (new pair, new room, request id ``<id>-r<k>``).
+Other 4xx answers are passed through unchanged. Once streaming started, an upstream failure ends
+the stream with an SSE ``data: {"error": ...}`` event. The whole request, retries included, is
+bounded by ``request_timeout_s`` (504). A client disconnect (handler cancellation or a failed write)
+aborts every started leg.
+
+Router hooks: ``route`` at dispatch, ``on_prefill_done`` when P answered, ``on_first_token`` at D's
+first byte (streaming) or full answer, ``on_finished`` in a ``finally`` so load always returns to 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from balancer.router import NoReplicaError, Router
+from balancer.service.config import ServiceConfig
+from balancer.service.metrics import ServiceMetrics
+from balancer.service.prompt import PromptError, PromptHasher, extract_prompt
+from balancer.service.workers import Worker, WorkerPool
+from balancer.types import Request, Route
+
+log = logging.getLogger("pdlb.service")
+
+
+def error_response(status: int, message: str, etype: str | None = None) -> web.Response:
+    """An OpenAI-style error object: ``{"error": {"message", "type", "code"}}``."""
+    if etype is None:
+        etype = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": etype, "code": status}}, status=status)
+
+
+class Failure(Exception):
+    """An attempt failed before any byte reached the client."""
+
+    def __init__(self, status: int, message: str, retryable: bool, kind: str,
+                 body: bytes | None = None, content_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retryable, self.kind = status, message, retryable, kind
+        self.body, self.content_type = body, content_type
+
+    def response(self) -> web.Response:
+        if self.body is not None and not self.retryable and 400 <= self.status < 500:
+            return web.Response(status=self.status, body=self.body, content_type=self.content_type or "application/json")
+        return error_response(self.status, self.message)
+
+
+@dataclass
+class _Ctx:
+    request: web.Request
+    endpoint: str
+    body: dict[str, Any]
+    stream: bool
+    t0: float
+    resp: web.StreamResponse | None = None
+
+
+@dataclass
+class _Legs:
+    """Legs started by one attempt, so they can all be aborted."""
+
+    started: list[tuple[Worker, str]] = field(default_factory=list)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    responses: list[aiohttp.ClientResponse] = field(default_factory=list)
+    done: bool = False
+
+
+def _max_tokens(endpoint: str, body: dict[str, Any], default: int) -> int:
+    if endpoint == "generate":
+        sp = body.get("sampling_params")
+        v = sp.get("max_new_tokens") if isinstance(sp, dict) else None
+    else:
+        v = body.get("max_completion_tokens", body.get("max_tokens"))
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PromptError("'max_tokens' must be a positive integer")
+    return v
+
+
+class Proxy:
+    """Serves generation requests for one app (see the module docstring)."""
+
+    def __init__(self, cfg: ServiceConfig, router: Router, pool: WorkerPool, metrics: ServiceMetrics,
+                 session: aiohttp.ClientSession) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.pool = pool
+        self.metrics = metrics
+        self.session = session
+        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
+        self.rng = random.Random(cfg.seed)
+        self._ids = itertools.count()
+        self.background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ entry point
+    async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any]) -> web.StreamResponse:
+        """Serve one parsed request body on ``endpoint`` (``completions``, ``chat``, ``generate``)."""
+        cfg = self.cfg
+        t0 = time.monotonic()
+        try:
+            prompt = extract_prompt(endpoint, body)
+            max_out = _max_tokens(endpoint, body, cfg.default_max_tokens)
+        except PromptError as e:
+            return error_response(400, str(e))
+        n_tokens, hashes = self.hasher.hash(prompt)
+        base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0)
+        attempt = 0
+        try:
+            async with asyncio.timeout(cfg.request_timeout_s):
+                while True:
+                    upstream_id = base_id if attempt == 0 else f"{base_id}-r{attempt}"
+                    try:
+                        return await self._attempt(ctx, upstream_id, n_tokens, hashes, max_out)
+                    except Failure as f:
+                        if not f.retryable or attempt >= cfg.retry.max_retries:
+                            return f.response()
+                        attempt += 1
+                        self.metrics.retries.labels(f.kind).inc()
+                        await asyncio.sleep(self.backoff_s(attempt))
+        except TimeoutError:
+            msg = f"request timed out after {cfg.request_timeout_s:g} s"
+            if ctx.resp is not None:  # already streaming: end the stream with an error event
+                await self._stream_error(ctx.resp, 504, msg)
+                return ctx.resp
+            return error_response(504, msg, "timeout")
+        except ConnectionResetError:  # the client went away while we were writing
+            return ctx.resp if ctx.resp is not None else web.Response(status=499)
+
+    def backoff_s(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (1-based), with jitter."""
+        r = self.cfg.retry
+        base = min(r.max_backoff_s, r.initial_backoff_s * r.backoff_multiplier ** (attempt - 1))
+        return base * (1.0 + r.jitter * (2.0 * self.rng.random() - 1.0))
+
+    # ------------------------------------------------------------------ one attempt
+    async def _attempt(self, ctx: _Ctx, upstream_id: str, n_tokens: int, hashes: tuple[int, ...],
+                       max_out: int) -> web.StreamResponse:
+        now = time.monotonic()
+        self.pool.refresh(now)
+        router_id = f"a{next(self._ids)}"
+        try:
+            route = self.router.route(Request(router_id, now, n_tokens, hashes, max_output_tokens=max_out), now)
+        except NoReplicaError as e:
+            raise Failure(503, f"no healthy worker: {e}", True, "no_worker") from None
+        self._record_route(route, n_tokens)
+        legs = _Legs()
+        try:
+            result = await self._forward(ctx, route, upstream_id, router_id, legs)
+            legs.done = True
+            return result
+        finally:
+            self.router.on_finished(router_id, time.monotonic())
+            if not legs.done:
+                self._abort(legs)
+
+    def _record_route(self, route: Route, n_tokens: int) -> None:
+        m = self.metrics
+        d = route.decode_choice
+        m.decisions.labels(route.decode.engine, "decode", self.router.decode_policy.name, d.reason if d else "").inc()
+        m.match_ratio.labels("decode").observe(min(1.0, route.decode_matched_tokens / n_tokens))
+        if route.prefill is not None:
+            p = route.prefill_choice
+            m.decisions.labels(route.prefill.engine, "prefill", self.router.prefill_policy.name, p.reason if p else "").inc()
+            m.match_ratio.labels("prefill").observe(min(1.0, route.prefill_matched_tokens / n_tokens))
+
+    def _worker(self, url: str) -> Worker:
+        w = self.pool.get(url)
+        if w is None:  # removed through the admin API after routing
+            raise Failure(503, f"worker {url} was removed", True, "removed")
+        return w
+
+    def _headers(self, upstream_id: str) -> dict[str, str]:
+        return {"Content-Type": "application/json", "X-Request-Id": upstream_id}
+
+    async def _forward(self, ctx: _Ctx, route: Route, upstream_id: str, router_id: str, legs: _Legs) -> web.StreamResponse:
+        cfg = self.cfg
+        d = self._worker(route.decode.engine)
+        path = ctx.request.path
+        headers = self._headers(upstream_id)
+        if route.prefill is None or cfg.pd_protocol == "none":
+            body = dict(ctx.body)
+            if cfg.pd_protocol == "sglang":
+                body["rid"] = upstream_id
+            self._dp_rank(body, headers, d, route.decode.dp_rank)
+            legs.started.append((d, upstream_id))
+            d_resp = await self._open(d, path, body, headers, legs)
+            return await self._relay(ctx, d, d_resp, router_id, legs)
+        p = self._worker(route.prefill.engine)
+        if cfg.pd_protocol == "sglang":
+            return await self._sglang(ctx, p, d, route, path, upstream_id, router_id, legs)
+        return await self._vllm(ctx, p, d, route, path, upstream_id, router_id, legs)
+
+    def _dp_rank(self, body: dict[str, Any], headers: dict[str, str], w: Worker, rank: int) -> None:
+        if w.cfg.dp_size > 1:
+            if self.cfg.pd_protocol == "vllm":
+                headers["X-data-parallel-rank"] = str(rank)
+            else:
+                body["data_parallel_rank"] = rank
+
+    async def _sglang(self, ctx: _Ctx, p: Worker, d: Worker, route: Route, path: str, upstream_id: str,
+                      router_id: str, legs: _Legs) -> web.StreamResponse:
+        assert route.prefill is not None
+        common = dict(ctx.body)
+        common.update(bootstrap_host=p.host, bootstrap_port=p.cfg.bootstrap_port,
+                      bootstrap_room=secrets.randbits(63), rid=upstream_id)
+        p_body, d_body = dict(common), dict(common)
+        p_headers, d_headers = self._headers(upstream_id), self._headers(upstream_id)
+        self._dp_rank(p_body, p_headers, p, route.prefill.dp_rank)
+        self._dp_rank(d_body, d_headers, d, route.decode.dp_rank)
+        legs.started += [(p, upstream_id), (d, upstream_id)]
+        p_task = asyncio.create_task(self._full(p, path, p_body, p_headers, legs))
+        d_task = asyncio.create_task(self._open(d, path, d_body, d_headers, legs))
+        legs.tasks += [p_task, d_task]
+        pending: set[asyncio.Task] = {p_task, d_task}
+        while d_task in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done:
+                p_task.result()  # raises the prefill's Failure: the finally of _attempt aborts D
+                self.router.on_prefill_done(router_id, time.monotonic())
+        d_resp = d_task.result()
+        if not p_task.done():
+            # D answered before P: if P fails now, close D so that the relay fails (and retries
+            # if nothing reached the client yet).
+            def _watch(t: asyncio.Task) -> None:
+                if t.cancelled() or t.exception() is not None:
+                    d_resp.close()
+                else:
+                    self.router.on_prefill_done(router_id, time.monotonic())
+            p_task.add_done_callback(_watch)
+        return await self._relay(ctx, d, d_resp, router_id, legs)
+
+    async def _vllm(self, ctx: _Ctx, p: Worker, d: Worker, route: Route, path: str, upstream_id: str,
+                    router_id: str, legs: _Legs) -> web.StreamResponse:
+        assert route.prefill is not None
+        p_body = dict(ctx.body)
+        p_body.pop("stream_options", None)
+        p_body.update(stream=False, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        p_headers = self._headers(upstream_id)
+        self._dp_rank(p_body, p_headers, p, route.prefill.dp_rank)
+        legs.started.append((p, upstream_id))
+        data = await self._full(p, path, p_body, p_headers, legs)
+        try:
+            kv = json.loads(data)["kv_transfer_params"]
+            if not isinstance(kv, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            self._failed(p, "bad_response")
+            raise Failure(502, f"prefill worker {p.url} answered without kv_transfer_params", True, "bad_response") from None
+        self.router.on_prefill_done(router_id, time.monotonic())
+        d_body = dict(ctx.body)
+        d_body["kv_transfer_params"] = kv
+        d_headers = self._headers(upstream_id)
+        self._dp_rank(d_body, d_headers, d, route.decode.dp_rank)
+        legs.started.append((d, upstream_id))
+        d_resp = await self._open(d, path, d_body, d_headers, legs)
+        return await self._relay(ctx, d, d_resp, router_id, legs)
+
+    # ------------------------------------------------------------------ upstream I/O
+    def _failed(self, w: Worker, kind: str) -> None:
+        self.metrics.upstream_failures.labels(w.url, kind).inc()
+        self.pool.record_result(w, False, time.monotonic())
+
+    async def _open(self, w: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
+                    legs: _Legs) -> aiohttp.ClientResponse:
+        """POST and wait for the response headers; non-2xx answers become :class:`Failure`."""
+        try:
+            resp = await self.session.post(w.url + path, data=json.dumps(body).encode(), headers=headers)
+        except (aiohttp.ClientError, OSError) as e:
+            self._failed(w, "connect")
+            raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect") from None
+        legs.responses.append(resp)
+        if resp.status >= 400:
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, OSError):
+                data = b""
+            finally:
+                resp.release()
+            retryable = resp.status in self.cfg.retry.retry_statuses
+            if retryable:
+                self._failed(w, f"http_{resp.status}")
+            raise Failure(resp.status, f"worker {w.url} answered {resp.status}", retryable, f"http_{resp.status}",
+                          data, resp.content_type)
+        return resp
+
+    async def _full(self, w: Worker, path: str, body: dict[str, Any], headers: dict[str, str], legs: _Legs) -> bytes:
+        resp = await self._open(w, path, body, headers, legs)
+        try:
+            data = await resp.read()
+        except (aiohttp.ClientError, OSError) as e:
+            self._failed(w, "read")
+            raise Failure(502, f"worker {w.url} failed mid-response ({type(e).__name__})", True, "read") from None
+        finally:
+            resp.release()
+        self.pool.record_result(w, True, time.monotonic())
+        return data
+
+    async def _relay(self, ctx: _Ctx, d: Worker, d_resp: aiohttp.ClientResponse, router_id: str,
+                     legs: _Legs) -> web.StreamResponse:
+        """Send the decode leg's answer to the client (chunk by chunk when streaming)."""
+        if not ctx.stream:
+            try:
+                data = await d_resp.read()
+            except (aiohttp.ClientError, OSError) as e:
+                self._failed(d, "read")
+                raise Failure(502, f"worker {d.url} failed mid-response ({type(e).__name__})", True, "read") from None
+            finally:
+                d_resp.release()
+            self.router.on_first_token(router_id, time.monotonic())
+            self.pool.record_result(d, True, time.monotonic())
+            return web.Response(status=d_resp.status, body=data,
+                                headers={"Content-Type": d_resp.headers.get("Content-Type", "application/json")})
+        it = d_resp.content.iter_any()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, OSError) as e:
+            self._failed(d, "read")
+            raise Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})", True, "read") from None
+        now = time.monotonic()
+        self.metrics.ttft.labels(ctx.endpoint).observe(now - ctx.t0)
+        self.router.on_first_token(router_id, now)
+        resp = web.StreamResponse(status=d_resp.status, headers={
+            "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+        ctx.resp = resp
+        await resp.prepare(ctx.request)
+        if first:
+            await resp.write(first)
+        while True:
+            try:
+                chunk = await it.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, OSError) as e:
+                self._failed(d, "mid_stream")
+                await self._stream_error(resp, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
+                self._abort(legs)
+                legs.done = True
+                return resp
+            await resp.write(chunk)
+        d_resp.release()
+        await resp.write_eof()
+        self.pool.record_result(d, True, time.monotonic())
+        return resp
+
+    async def _stream_error(self, resp: web.StreamResponse, status: int, message: str) -> None:
+        err = {"error": {"message": message, "type": "server_error", "code": status}}
+        try:
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    # ------------------------------------------------------------------ aborts
+    def _abort(self, legs: _Legs) -> None:
+        """Abort every started leg: cancel pending POSTs, close open responses (vLLM aborts on
+        disconnect) and send SGLang's ``/abort_request`` (best effort, in the background)."""
+        for t in legs.tasks:
+            if not t.done():
+                t.cancel()
+            else:
+                t.exception() if not t.cancelled() else None  # mark retrieved
+        for r in legs.responses:
+            r.close()
+        if self.cfg.pd_protocol == "vllm":
+            return
+        for w, rid in legs.started:
+            t = asyncio.create_task(self._post_abort(w, rid))
+            self.background.add(t)
+            t.add_done_callback(self.background.discard)
+
+    async def _post_abort(self, w: Worker, rid: str) -> None:
+        try:
+            async with self.session.post(w.url + "/abort_request", json={"rid": rid},
+                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                await r.read()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass

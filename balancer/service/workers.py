@@ -1,0 +1,167 @@
+"""The service's worker registry: URLs <-> router replicas, circuit breakers, health state.
+
+A worker (one engine URL) with ``dp_size`` DP ranks is registered on the
+:class:`~balancer.router.Router` as replicas ``ReplicaId(url, rank)``. It is *routable* when its
+active health check passes and its circuit breaker is not open; :meth:`WorkerPool.refresh` pushes
+routability into the router with ``set_healthy`` (unroutable replicas are not candidates, but keep
+their prefix-index state). Time is passed in (``now_s``, ``time.monotonic()`` in the service).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from balancer.router import Router
+from balancer.service.config import CircuitBreakerConfig, HealthCheckConfig, WorkerConfig
+from balancer.types import ReplicaId, Role
+
+
+class BreakerState(enum.IntEnum):
+    """Circuit states; the value is the ``pdlb_circuit_breaker_state`` gauge."""
+
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    """Consecutive-failure circuit breaker (see :class:`~balancer.service.config.CircuitBreakerConfig`)."""
+
+    cfg: CircuitBreakerConfig
+    state: BreakerState = BreakerState.CLOSED
+    failures: int = 0
+    successes: int = 0
+    opened_at_s: float = 0.0
+    num_opened: int = 0
+
+    def allows(self, now_s: float) -> bool:
+        """Whether requests may go to the worker; moves OPEN -> HALF_OPEN once the open period ended."""
+        if not self.cfg.enabled:
+            return True
+        if self.state is BreakerState.OPEN and now_s - self.opened_at_s >= self.cfg.open_duration_s:
+            self.state = BreakerState.HALF_OPEN
+            self.successes = 0
+        return self.state is not BreakerState.OPEN
+
+    def record_success(self) -> None:
+        self.failures = 0
+        if self.state is BreakerState.HALF_OPEN:
+            self.successes += 1
+            if self.successes >= self.cfg.success_threshold:
+                self.state = BreakerState.CLOSED
+
+    def record_failure(self, now_s: float) -> None:
+        self.failures += 1
+        if not self.cfg.enabled:
+            return
+        if self.state is BreakerState.HALF_OPEN or self.failures >= self.cfg.failure_threshold:
+            self.state = BreakerState.OPEN
+            self.opened_at_s = now_s
+            self.successes = 0
+            self.num_opened += 1
+
+
+@dataclass(slots=True)
+class Worker:
+    """One engine behind the router and its live state."""
+
+    cfg: WorkerConfig
+    breaker: CircuitBreaker
+    healthy: bool = True
+    health_failures: int = 0
+    health_successes: int = 0
+    routable: bool = True
+    replicas: tuple[ReplicaId, ...] = field(default_factory=tuple)
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    @property
+    def role(self) -> Role:
+        return Role(self.cfg.role)
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.cfg.url).hostname or "127.0.0.1"
+
+    def describe(self) -> dict:
+        return {**self.cfg.model_dump(), "healthy": self.healthy, "routable": self.routable,
+                "circuit": self.breaker.state.name.lower(), "consecutive_failures": self.breaker.failures}
+
+
+class WorkerPool:
+    """Workers by URL, kept in sync with a :class:`~balancer.router.Router`."""
+
+    def __init__(self, router: Router, breaker_cfg: CircuitBreakerConfig, health_cfg: HealthCheckConfig) -> None:
+        self.router = router
+        self.breaker_cfg = breaker_cfg
+        self.health_cfg = health_cfg
+        self.workers: dict[str, Worker] = {}
+
+    def add(self, cfg: WorkerConfig) -> Worker:
+        """Register a worker and its DP ranks.
+
+        Raises:
+            ValueError: the URL is already registered.
+        """
+        if cfg.url in self.workers:
+            raise ValueError(f"worker {cfg.url} is already registered")
+        reps = tuple(ReplicaId(cfg.url, r) for r in range(cfg.dp_size))
+        for rep in reps:
+            self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
+        w = Worker(cfg, CircuitBreaker(self.breaker_cfg), replicas=reps)
+        self.workers[cfg.url] = w
+        return w
+
+    def remove(self, url: str) -> Worker:
+        """Unregister a worker (in-flight requests finish; they stop counting on it).
+
+        Raises:
+            KeyError: unknown URL.
+        """
+        w = self.workers.pop(url.rstrip("/"))
+        for rep in w.replicas:
+            self.router.remove_replica(rep)
+        return w
+
+    def get(self, url: str) -> Worker | None:
+        return self.workers.get(url)
+
+    def refresh(self, now_s: float) -> None:
+        """Recompute routability (health and breaker) and push changes into the router."""
+        for w in self.workers.values():
+            r = w.healthy and w.breaker.allows(now_s)
+            if r != w.routable:
+                w.routable = r
+                for rep in w.replicas:
+                    self.router.set_healthy(rep, r)
+
+    def record_result(self, w: Worker, ok: bool, now_s: float) -> None:
+        """Feed one request outcome on ``w`` into its breaker (and the router, if routability changed)."""
+        if ok:
+            w.breaker.record_success()
+        else:
+            w.breaker.record_failure(now_s)
+        self.refresh(now_s)
+
+    def record_health(self, w: Worker, ok: bool, now_s: float) -> None:
+        """Feed one active health-check result into ``w``."""
+        cfg = self.health_cfg
+        if ok:
+            w.health_failures = 0
+            w.health_successes += 1
+            if not w.healthy and w.health_successes >= cfg.success_threshold:
+                w.healthy = True
+        else:
+            w.health_successes = 0
+            w.health_failures += 1
+            if w.healthy and w.health_failures >= cfg.failure_threshold:
+                w.healthy = False
+        self.refresh(now_s)
+
+    def routable(self, roles: tuple[Role, ...]) -> list[Worker]:
+        return [w for w in self.workers.values() if w.routable and w.role in roles]

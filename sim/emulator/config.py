@@ -1,0 +1,72 @@
+"""Configuration of an emulated engine (``pdlb engine``), validated with pydantic."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FaultConfig(BaseModel):
+    """Fault knobs for tests (also settable at run time with ``POST /emulator/faults``).
+
+    Attributes:
+        error_rate: fraction of generation requests answered with ``error_status`` at once.
+        error_status: HTTP status of injected errors (503 by default).
+        hang: accept generation requests and never answer (until the client goes away).
+        die_after_tokens: after streaming this many output tokens in total, the process exits
+            abruptly (in-process apps drop every connection and refuse new ones instead).
+        seed: seed of the error-rate coin.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    error_status: int = Field(503, ge=400, le=599)
+    hang: bool = False
+    die_after_tokens: int | None = Field(None, ge=0)
+    seed: int = 0
+
+
+class EmulatorConfig(BaseModel):
+    """An emulated SGLang/vLLM engine of one role, timed by the simulator's perf model.
+
+    Attributes:
+        role: ``prefill``, ``decode`` or ``mixed``.
+        model / hardware: :mod:`sim.models` and :mod:`sim.hardware` preset names.
+        dp_ranks / gpus_per_rank / ep: engine layout, as :class:`sim.scenario.PoolConfig`.
+        block_size: tokens per KV block of the engine's prefix cache.
+        max_prefill_tokens / max_decode_batch / kv_capacity_tokens: scheduler limits per rank.
+        speed: time compression (2.0 = twice as fast as the perf model says).
+        zero_delay: answer at once with no perf model (router overhead benchmarks).
+        chars_per_token: text prompts count ``ceil(chars / chars_per_token)`` tokens.
+        served_model_name: the model id in responses and ``/v1/models``.
+        kv_transfer_bandwidth_bytes_per_s / kv_transfer_latency_s: the PD KV transfer a decode
+            leg waits for (same meaning as in :class:`sim.scenario.Scenario`).
+        bootstrap_timeout_s: how long an SGLang decode leg waits for its prefill leg.
+        engine_id: id reported as vLLM ``remote_engine_id`` (default: derived from the port).
+        default_max_tokens: output length when a request gives none.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["prefill", "decode", "mixed"] = "mixed"
+    model: str = "llama-3.1-8b"
+    hardware: str = "h100"
+    dp_ranks: int = Field(1, ge=1)
+    gpus_per_rank: int = Field(1, ge=1)
+    ep: bool | None = None
+    block_size: int = Field(64, ge=1)
+    max_prefill_tokens: int = Field(8192, ge=1)
+    max_decode_batch: int = Field(256, ge=1)
+    kv_capacity_tokens: int | None = Field(None, ge=1)
+    speed: float = Field(1.0, gt=0)
+    zero_delay: bool = False
+    chars_per_token: float = Field(4.0, gt=0)
+    served_model_name: str = "pdlb-emulated"
+    kv_transfer_bandwidth_bytes_per_s: float = Field(50e9, gt=0)
+    kv_transfer_latency_s: float = Field(0.001, ge=0)
+    bootstrap_timeout_s: float = Field(30.0, gt=0)
+    engine_id: str | None = None
+    default_max_tokens: int = Field(16, ge=1)
+    faults: FaultConfig = FaultConfig()

@@ -1,0 +1,251 @@
+"""End-to-end: real ``pdlb serve`` and ``pdlb engine`` processes on 127.0.0.1.
+
+Two clusters of router + 2 prefill + 2 decode engines (one per PD protocol) driven by the official
+``openai`` client and raw HTTP, and a slower fault cluster (Llama-70B TP4 timing) for crashes,
+503s, hangs, client disconnects and graceful shutdown. Every process is stopped in teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from sim.emulator.testing import Proc, spawn_engines, spawn_router
+
+FAST = ("--speed", "20")
+SLOW = ("--model", "llama-3.1-70b", "--gpus-per-rank", "4", "--speed", "1")
+
+
+def _stop_all(procs: list[Proc]) -> None:
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def cluster(request):
+    engines = spawn_engines([("prefill", *FAST), ("prefill", *FAST), ("decode", *FAST), ("decode", *FAST)])
+    procs = list(engines)
+    try:
+        router = spawn_router(request.param, engines[:2], engines[2:], "--served-model-name", "emu")
+        procs.append(router)
+        yield request.param, router, engines
+    finally:
+        _stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def fault_cluster():
+    engines = spawn_engines([("prefill", *SLOW), ("prefill", *SLOW), ("decode", *SLOW), ("decode", *SLOW)])
+    procs = list(engines)
+    try:
+        router = spawn_router("sglang", engines[:2], engines[2:], "--request-timeout-s", "3",
+                              "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
+                              "--admin-api-key", "adm")
+        procs.append(router)
+        yield router, engines
+    finally:
+        _stop_all(procs)
+
+
+async def _json(session: aiohttp.ClientSession, url: str):
+    async with session.get(url) as r:
+        return await r.json()
+
+
+async def _metric(session: aiohttp.ClientSession, router: Proc, pattern: str) -> list[float]:
+    async with session.get(router.url + "/metrics") as r:
+        text = await r.text()
+    return [float(m.group(1)) for m in re.finditer(pattern + r" ([0-9.e+-]+)", text)]
+
+
+async def _set_faults(session: aiohttp.ClientSession, engine: Proc, **faults) -> None:
+    async with session.post(engine.url + "/emulator/faults", json=faults) as r:
+        assert r.status == 200
+
+
+# ---------------------------------------------------------------------- both protocols
+async def test_openai_client_streaming_and_not(cluster):
+    protocol, router, _ = cluster
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    try:
+        c = await client.completions.create(model="emu", prompt="The quick brown fox " * 40, max_tokens=7)
+        assert c.choices[0].text == " t0 t1 t2 t3 t4 t5 t6" and c.usage.completion_tokens == 7
+        stream = await client.chat.completions.create(
+            model="emu", messages=[{"role": "user", "content": "hello " * 100}], max_tokens=5, stream=True)
+        pieces = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+        assert "".join(pieces) == " t0 t1 t2 t3 t4" and len([p for p in pieces if p]) == 5
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["emu"]
+    finally:
+        await client.close()
+
+
+async def test_raw_http_bad_inputs_and_generate(cluster):
+    protocol, router, _ = cluster
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(router.url + "/v1/completions", data=b"{", headers={"Content-Type": "application/json"})
+        assert r.status == 400 and (await r.json())["error"]["code"] == 400
+        r = await s.post(router.url + "/v1/chat/completions", json={"model": "emu"})
+        assert r.status == 400 and "messages" in (await r.json())["error"]["message"]
+        r = await s.get(router.url + "/nowhere")
+        assert r.status == 404 and (await r.json())["error"]["type"] == "invalid_request_error"
+        r = await s.post(router.url + "/generate", json={"text": "abc " * 64, "sampling_params": {"max_new_tokens": 3}})
+        if protocol == "sglang":
+            assert r.status == 200 and (await r.json())["meta_info"]["completion_tokens"] == 3
+        else:
+            assert r.status == 404
+        assert (await s.get(router.url + "/health")).status == 200
+
+
+async def test_200_concurrent_requests_none_lost(cluster):
+    protocol, router, engines = cluster
+    n = 200
+
+    async def one(s: aiohttp.ClientSession, i: int) -> int:
+        stream = i % 2 == 0
+        body = {"model": "emu", "prompt": f"shared system prompt {i % 7} " * 30 + f"question {i}",
+                "max_tokens": 4 + i % 5, "stream": stream}
+        async with s.post(router.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            if not stream:
+                return (await r.json())["usage"]["completion_tokens"]
+            text = await r.text()
+            events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+            assert text.rstrip().endswith("data: [DONE]")
+            return sum(1 for e in events if e["choices"][0]["text"])
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        t0 = time.monotonic()
+        tokens = await asyncio.gather(*(one(s, i) for i in range(n)))
+        assert tokens == [4 + i % 5 for i in range(n)]
+        assert time.monotonic() - t0 < 45
+        # load back to zero on the router and on every engine
+        assert await _metric(s, router, r"pdlb_in_flight_requests") == [0.0]
+        loads = await _metric(s, router, r'pdlb_worker_in_flight_requests\{[^}]*\}')
+        assert len(loads) == 4 and all(v == 0 for v in loads)
+        assert sum(await _metric(s, router, r'pdlb_requests_total\{endpoint="/v1/completions",status="200"\}')) >= n
+        decode_ok = 0
+        for e in engines:
+            st = await _json(s, e.url + "/emulator/stats")
+            assert st["in_flight"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
+            if st["role"] == "decode":
+                decode_ok += st["ok"]
+        assert decode_ok >= n
+        # both prefill engines got work (cache_aware balances when loaded)
+        ok_prefill = [(await _json(s, e.url + "/emulator/stats"))["ok"] for e in engines[:2]]
+        assert all(k > 0 for k in ok_prefill)
+
+
+# ---------------------------------------------------------------------- faults
+async def test_fault_503s_are_retried(fault_cluster):
+    router, engines = fault_cluster
+    async with aiohttp.ClientSession() as s:
+        await _set_faults(s, engines[0], error_rate=1.0)
+        try:
+            rs = await asyncio.gather(*(s.post(router.url + "/v1/completions", json={"prompt": f"{i} " * 50, "max_tokens": 2})
+                                        for i in range(6)))
+            assert [r.status for r in rs] == [200] * 6
+            st = await _json(s, engines[0].url + "/emulator/stats")
+            assert st["injected_error"] >= 1
+            assert sum(await _metric(s, router, r'pdlb_retries_total\{reason="http_503"\}')) >= 1
+        finally:
+            await _set_faults(s, engines[0])
+
+
+async def test_fault_hanging_engine_times_out_and_is_aborted(fault_cluster):
+    router, engines = fault_cluster
+    async with aiohttp.ClientSession() as s:
+        await _set_faults(s, engines[2], hang=True)  # a decode engine accepts and never answers
+        before = (await _json(s, engines[2].url + "/emulator/stats"))["aborted"]
+        try:
+            t0 = time.monotonic()
+            rs = await asyncio.gather(*(s.post(router.url + "/v1/completions", json={"prompt": f"h{i} " * 50, "max_tokens": 3})
+                                        for i in range(2)))
+            assert sorted(r.status for r in rs) == [200, 504]
+            assert time.monotonic() - t0 < 6
+            await asyncio.sleep(0.3)
+            st = await _json(s, engines[2].url + "/emulator/stats")
+            assert st["aborted"] == before + 1 and st["in_flight"] == 0
+        finally:
+            await _set_faults(s, engines[2])
+        loads = await _metric(s, router, r'pdlb_worker_in_flight_requests\{[^}]*\}')
+        assert all(v == 0 for v in loads)
+
+
+async def test_client_disconnect_aborts_both_legs(fault_cluster):
+    router, engines = fault_cluster
+    async with aiohttp.ClientSession() as s:
+        def ended(st: dict) -> int:  # legs that ended without success
+            return st["aborted"] + st["error"]
+
+        before = [ended(await _json(s, e.url + "/emulator/stats")) for e in engines]
+        with pytest.raises(asyncio.TimeoutError):  # ~8k-token prompt: prefill takes ~1 s at this speed
+            async with s.post(router.url + "/v1/completions", json={"prompt": "d" * 32000, "max_tokens": 8, "stream": True},
+                              timeout=aiohttp.ClientTimeout(total=0.4)) as r:
+                await r.read()
+        for _ in range(30):
+            stats = [await _json(s, e.url + "/emulator/stats") for e in engines]
+            delta = [ended(st) - b for st, b in zip(stats, before)]
+            if sum(delta) == 2 and all(st["in_flight"] == 0 and st["num_running"] == 0 for st in stats):
+                break
+            await asyncio.sleep(0.1)
+        # the prefill leg is aborted; the decode leg is aborted too, or fails at once because its
+        # prefill room was aborted (whichever the decode engine notices first); nothing is left running
+        assert sum(delta[:2]) == 1 and sum(delta[2:]) == 1
+        assert sum(st["aborted"] for st in stats[:2]) >= 1
+        assert all(st["in_flight"] == 0 and st["num_running"] == 0 for st in stats)
+
+
+async def test_admin_api_auth(fault_cluster):
+    router, engines = fault_cluster
+    async with aiohttp.ClientSession() as s:
+        assert (await s.get(router.url + "/workers")).status == 401
+        r = await s.get(router.url + "/workers", headers={"Authorization": "Bearer adm"})
+        assert r.status == 200 and len((await r.json())["workers"]) == 4
+
+
+async def test_engine_killed_mid_stream(fault_cluster):
+    router, engines = fault_cluster
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router.url + "/v1/completions", json={"prompt": "k " * 100, "max_tokens": 200, "stream": True}) as r:
+            assert r.status == 200
+            first = await r.content.readline()
+            assert first.startswith(b"data: {")
+            serving = []
+            for e in engines[2:]:
+                log = await _json(s, e.url + "/emulator/requests")
+                if any(x["status"] == "running" for x in log):
+                    serving.append(e)
+            assert len(serving) == 1
+            serving[0].kill()
+            rest = (await r.read()).decode()
+        assert '"error"' in rest and "mid-stream" in rest and "[DONE]" not in rest
+        # the router keeps serving with the surviving decode engine
+        rs = await asyncio.gather(*(s.post(router.url + "/v1/completions", json={"prompt": f"after {i}", "max_tokens": 2})
+                                    for i in range(4)))
+        assert [r.status for r in rs] == [200] * 4
+        assert sum(await _metric(s, router, r'pdlb_upstream_failures_total\{kind="mid_stream"[^}]*\}')) == 1
+
+
+async def test_graceful_shutdown_drains_in_flight(fault_cluster):
+    _, engines = fault_cluster
+    alive = [e for e in engines if e.alive()]
+    router = spawn_router("sglang", [e for e in alive if e in engines[:2]], [e for e in alive if e in engines[2:]])
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(router.url + "/v1/completions", json={"prompt": "g " * 100, "max_tokens": 40, "stream": True}) as r:
+                await r.content.readline()
+                router.popen.send_signal(signal.SIGTERM)
+                text = (await r.read()).decode()
+            assert text.rstrip().endswith("data: [DONE]")
+            assert router.popen.wait(10) == 0
+    finally:
+        router.stop()

@@ -1,0 +1,139 @@
+"""The emulated engine: timing from the perf model, PD protocols, aborts, probe endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from sim.emulator import EmulatorConfig, create_engine_app
+from sim.emulator.app import STATE
+from sim.hardware import get_hardware
+from sim.models import get_model
+from sim.perf.roofline import RooflinePerf
+
+
+async def _client(**cfg) -> TestClient:
+    c = TestClient(TestServer(create_engine_app(EmulatorConfig(**cfg)), host="127.0.0.1"))
+    await c.start_server()
+    c.app[STATE].port = c.port
+    return c
+
+
+async def _sse_times(resp: aiohttp.ClientResponse) -> tuple[list[float], list[dict]]:
+    times, events = [], []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            times.append(time.monotonic())
+            events.append(json.loads(line[6:]))
+    return times, events
+
+
+async def test_mixed_engine_timing_follows_perf_model():
+    speed = 2.0
+    c = await _client(role="mixed", speed=speed)
+    try:
+        perf = RooflinePerf.for_engine(get_model("llama-3.1-8b"), get_hardware("h100"), num_dp_ranks=1)
+        prompt, out = 2000, 30
+        prefill_s = float(perf.step_time_s([prompt], [prompt * (prompt + 1) / 2], [0], [0])) / speed
+        decode_s = float(np.sum([perf.step_time_s([0], [0], [1], [prompt + 1 + k]) for k in range(out - 1)])) / speed
+        t0 = time.monotonic()
+        r = await c.post("/v1/completions", json={"prompt": list(range(prompt)), "max_tokens": out, "stream": True})
+        times, events = await _sse_times(r)
+        tokens = [e for e in events if e["choices"][0]["text"]]
+        assert len(tokens) == out
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == out
+        ttft = times[0] - t0
+        assert ttft == pytest.approx(prefill_s, abs=0.01)
+        assert times[out - 1] - times[0] == pytest.approx(decode_s, rel=0.1, abs=0.01)
+    finally:
+        await c.close()
+
+
+async def test_prefix_cache_reuses_blocks():
+    c = await _client(role="mixed", speed=50.0, block_size=16)
+    try:
+        body = {"prompt": list(range(100)), "max_tokens": 2}
+        r1 = await (await c.post("/v1/completions", json=body)).json()
+        r2 = await (await c.post("/v1/completions", json=body)).json()
+        assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 full blocks of 16
+    finally:
+        await c.close()
+
+
+async def test_vllm_prefill_returns_kv_transfer_params_and_decode_uses_them():
+    p = await _client(role="prefill", speed=20.0, engine_id="p0")
+    d = await _client(role="decode", speed=20.0)
+    try:
+        body = {"prompt": "x" * 800, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        pr = await (await p.post("/v1/completions", json=body, headers={"X-Request-Id": "req-1"})).json()
+        kv = pr["kv_transfer_params"]
+        assert kv["do_remote_prefill"] is True and kv["remote_engine_id"] == "p0"
+        assert kv["remote_port"] == p.port and len(kv["remote_block_ids"]) == 4  # 200 tokens / 64
+        dr = await (await d.post("/v1/completions", json={"prompt": "x" * 800, "max_tokens": 5, "kv_transfer_params": kv},
+                                 headers={"X-Request-Id": "req-1"})).json()
+        assert dr["usage"]["completion_tokens"] == 5
+        log = (await (await d.get("/emulator/requests")).json())[-1]
+        assert log["mode"] == "remote" and log["x_request_id"] == "req-1"
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def test_sglang_decode_leg_waits_for_prefill_room():
+    p = await _client(role="prefill", speed=20.0)
+    d = await _client(role="decode", speed=20.0)
+    try:
+        room = 12345
+        body = {"text": "hello " * 100, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.port, "bootstrap_room": room}
+        d_task = asyncio.create_task(d.post("/generate", json=body | {"rid": "r1"}))
+        await asyncio.sleep(0.3)
+        assert not d_task.done()  # waiting for the prefill leg
+        pr = await p.post("/generate", json=body | {"rid": "r1"})
+        assert pr.status == 200
+        dr = await asyncio.wait_for(d_task, 5)
+        out = await dr.json()
+        assert out["meta_info"]["completion_tokens"] == 4 and out["text"] == " t0 t1 t2 t3"
+        # a failed prefill leg makes the decode leg fail fast instead of waiting for a timeout
+        d_task = asyncio.create_task(d.post("/generate", json=body | {"bootstrap_room": 7, "rid": "r2"}))
+        await p.post("/emulator/faults", json={"error_rate": 1.0})
+        r = await p.post("/generate", json=body | {"bootstrap_room": 7, "rid": "r2"})
+        assert r.status == 503
+        assert (await asyncio.wait_for(d_task, 5)).status == 502
+    finally:
+        await p.close()
+        await d.close()
+
+
+async def test_abort_request_and_probe_endpoints():
+    c = await _client(role="mixed", speed=0.05)  # slow: the request is still running when aborted
+    try:
+        task = asyncio.create_task(c.post("/generate", json={"text": "y" * 4000, "rid": "slow", "sampling_params": {"max_new_tokens": 50}}))
+        await asyncio.sleep(0.2)
+        assert (await (await c.post("/abort_request", json={"rid": "slow"})).json())["aborted"] is True
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await asyncio.wait_for(task, 5)
+        for _ in range(50):  # the engine drops an aborted request at its next step boundary
+            stats = await (await c.get("/emulator/stats")).json()
+            if stats["num_running"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert stats["aborted"] == 1 and stats["in_flight"] == 0 and stats["num_running"] == 0
+        assert stats["kv_usage"] == 0.0
+        assert (await c.get("/health")).status == 200
+        info = await (await c.get("/server_info")).json()
+        assert info["dp_size"] == 1 and info["disaggregation_mode"] == "null"
+        assert (await (await c.get("/model_info")).json())["is_generation"] is True
+        metrics = await (await c.get("/metrics")).text()
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert name in metrics
+    finally:
+        await c.close()
