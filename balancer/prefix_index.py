@@ -4,7 +4,9 @@ Because a block hash chains its parent's hash (see :mod:`balancer.hashing`), a h
 prefix, so no tree is needed: a replica holds the first ``k`` blocks of a prompt iff it holds the
 hashes ``h_0 .. h_{k-1}``. The index keeps
 
-- ``holders[h]``: the set of replicas believed to hold block ``h``;
+- ``holders[h]``: the replicas believed to hold block ``h``, as a bit set (a Python ``int`` with
+  bit ``b`` set for the replica numbered ``b``), so a prefix match is one ``&`` per prompt block
+  whatever the number of replicas, and a held block costs an ``int`` rather than a ``set``;
 - per replica, an LRU order of its blocks (``OrderedDict``: oldest first) with the time each
   block was last inserted or touched, bounded by ``capacity_blocks`` per replica, with optional
   TTL expiry (Dynamo's approximate mode keeps routing decisions for 120 s).
@@ -13,8 +15,9 @@ On insert the blocks are touched deepest-first, so a prompt's root block is the 
 used and LRU eviction takes leaves before the prefixes they hang from (as vLLM frees the tail
 blocks of a sequence first). Evicted hashes are returned to the caller.
 
-Cost: ``match`` is O(prompt blocks x replicas still matching); ``insert`` is O(prompt blocks +
-evicted blocks). Memory is O(sum over replicas of held blocks) <= ``capacity_blocks x replicas``.
+Cost: ``match`` is O(prompt blocks + matching replicas); ``insert`` is O(prompt blocks + evicted
+blocks). Memory is O(sum over replicas of held blocks) <= ``capacity_blocks x replicas``; about
+230 bytes per held block (``bench/route_latency.py`` measures it).
 
 Sources: Dynamo KV router radix tree of block hashes (ANCHORS.md), llm-d approximate
 block-hash LRU index, vLLM automatic prefix caching.
@@ -41,7 +44,7 @@ class PrefixIndex:
         ValueError: on a non-positive capacity or TTL.
     """
 
-    __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru")
+    __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru", "_bit", "_replica_of_bit", "_free_bits")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 1:
@@ -50,8 +53,29 @@ class PrefixIndex:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self.capacity_blocks = capacity_blocks
         self.ttl_s = ttl_s
-        self._holders: dict[int, set[ReplicaId]] = {}
+        self._holders: dict[int, int] = {}  # block hash -> bit set of holder numbers
         self._lru: dict[ReplicaId, OrderedDict[int, float]] = {}
+        self._bit: dict[ReplicaId, int] = {}  # replica -> 1 << its number
+        self._replica_of_bit: dict[int, ReplicaId] = {}  # number -> replica
+        self._free_bits: list[int] = []  # numbers released by clear(), reused first
+
+    def _bit_of(self, replica: ReplicaId) -> int:
+        bit = self._bit.get(replica)
+        if bit is None:
+            num = self._free_bits.pop() if self._free_bits else len(self._bit)
+            bit = self._bit[replica] = 1 << num
+            self._replica_of_bit[num] = replica
+        return bit
+
+    def _replicas_in(self, mask: int) -> list[ReplicaId]:
+        """The replicas whose bits are set in ``mask``, lowest number first."""
+        out = []
+        of = self._replica_of_bit
+        while mask:
+            low = mask & -mask
+            out.append(of[low.bit_length() - 1])
+            mask ^= low
+        return out
 
     # ------------------------------------------------------------------ queries (read-only)
     def match(self, block_hashes: Sequence[int], replicas: Iterable[ReplicaId] | None = None) -> dict[ReplicaId, int]:
@@ -62,25 +86,27 @@ class PrefixIndex:
         """
         if not block_hashes:
             return {}
-        holders = self._holders.get(block_hashes[0])
-        if not holders:
+        holders = self._holders
+        active = holders.get(block_hashes[0], 0)
+        if replicas is not None and active:
+            allowed = 0
+            for r in replicas:
+                allowed |= self._bit.get(r, 0)
+            active &= allowed
+        if not active:
             return {}
-        active = set(holders) if replicas is None else holders.intersection(replicas)
         result: dict[ReplicaId, int] = {}
         depth = 1
         for h in block_hashes[1:]:
-            if not active:
-                break
-            nxt = self._holders.get(h)
-            if nxt is None:
-                break
-            if len(nxt) < len(active) or not nxt.issuperset(active):
-                dropped = active.difference(nxt)
-                for r in dropped:
+            still = active & holders.get(h, 0)
+            if still != active:
+                for r in self._replicas_in(active ^ still):
                     result[r] = depth
-                active.intersection_update(nxt)
+                active = still
+                if not active:
+                    return result
             depth += 1
-        for r in active:
+        for r in self._replicas_in(active):
             result[r] = depth
         return result
 
@@ -132,24 +158,22 @@ class PrefixIndex:
         if lru is None:
             lru = self._lru[replica] = OrderedDict()
         holders = self._holders
+        bit = self._bit_of(replica)
         cap = self.capacity_blocks
         blocks = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
+        move_to_end = lru.move_to_end
         for h in reversed(blocks):
             if h in lru:
-                lru.move_to_end(h)
+                move_to_end(h)
                 lru[h] = now_s
             else:
                 lru[h] = now_s
-                s = holders.get(h)
-                if s is None:
-                    holders[h] = {replica}
-                else:
-                    s.add(replica)
+                holders[h] = holders.get(h, 0) | bit
         evicted: list[int] = []
         if cap is not None:
             while len(lru) > cap:
                 h, _ = lru.popitem(last=False)
-                self._drop_holder(h, replica)
+                self._drop_holder(h, bit)
                 evicted.append(h)
         return evicted
 
@@ -158,20 +182,27 @@ class PrefixIndex:
         lru = self._lru.get(replica)
         if not lru:
             return 0
+        bit = self._bit[replica]
         n = 0
         for h in block_hashes:
             if lru.pop(h, None) is not None:
-                self._drop_holder(h, replica)
+                self._drop_holder(h, bit)
                 n += 1
         return n
 
     def clear(self, replica: ReplicaId) -> int:
         """Forget every block of one replica (``AllBlocksCleared`` event, or replica removed)."""
         lru = self._lru.pop(replica, None)
+        bit = self._bit.pop(replica, None)
+        if bit is not None:
+            num = bit.bit_length() - 1
+            del self._replica_of_bit[num]
+            self._free_bits.append(num)
         if not lru:
             return 0
+        assert bit is not None
         for h in lru:
-            self._drop_holder(h, replica)
+            self._drop_holder(h, bit)
         return len(lru)
 
     def expire(self, now_s: float) -> int:
@@ -185,18 +216,21 @@ class PrefixIndex:
         ttl = self.ttl_s
         n = 0
         for replica, lru in self._lru.items():
+            bit = self._bit[replica]
             while lru:
                 h, t = next(iter(lru.items()))
                 if now_s - t <= ttl:  # the documented rule, exact in floats (not t >= now - ttl)
                     break
                 lru.popitem(last=False)
-                self._drop_holder(h, replica)
+                self._drop_holder(h, bit)
                 n += 1
         return n
 
-    def _drop_holder(self, h: int, replica: ReplicaId) -> None:
-        s = self._holders.get(h)
-        if s is not None:
-            s.discard(replica)
-            if not s:
+    def _drop_holder(self, h: int, bit: int) -> None:
+        mask = self._holders.get(h)
+        if mask is not None:
+            mask &= ~bit
+            if mask:
+                self._holders[h] = mask
+            else:
                 del self._holders[h]

@@ -7,6 +7,7 @@ caller uses (``time.monotonic()`` in the service, ``env.now`` in the simulator).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -121,12 +122,12 @@ class Choice:
 
     ``scores`` maps each candidate replica to the policy's score for it (lower-is-better costs or
     higher-is-better scores; the policy's docstring says which; empty for policies that compute
-    none, e.g. ``random``). ``reason`` is a short tag
+    none, e.g. ``random``; policies return a lazily built mapping). ``reason`` is a short tag
     such as ``"cache_hit"``, ``"imbalanced"`` or ``"least_load"``.
     """
 
     replica: ReplicaId
-    scores: dict[ReplicaId, float] = field(default_factory=dict)
+    scores: Mapping[ReplicaId, float] = field(default_factory=dict)
     reason: str = ""
 
 

@@ -166,10 +166,19 @@ def test_power_of_two_equal_loads_go_to_first_drawn_and_single_candidate():
 
 
 # ---------------------------------------------------------------------------------- consistent_hash
+def _splitmix64(z: int) -> int:
+    """SplitMix64 finaliser in plain Python ints (independent of the policy's numpy version)."""
+    m = (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
 def rendezvous_order(key: bytes, replicas):
-    """Independent rendezvous ranking: xxh3_64(key | engine | dp_rank LE32), descending."""
+    """Independent rendezvous ranking: splitmix64(xxh3(key) ^ xxh3(engine | dp_rank LE32)), descending."""
+    k = xxhash.xxh3_64_intdigest(key)
     w = {
-        r: xxhash.xxh3_64_intdigest(key + b"|" + r.engine.encode() + r.dp_rank.to_bytes(4, "little"))
+        r: _splitmix64(k ^ xxhash.xxh3_64_intdigest(r.engine.encode() + b"|" + r.dp_rank.to_bytes(4, "little")))
         for r in replicas
     }
     return sorted(replicas, key=lambda r: w[r], reverse=True)

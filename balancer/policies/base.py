@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -140,6 +141,41 @@ def argmax_random(values: np.ndarray, rng: random.Random, mask: np.ndarray | Non
     return int(idx[0]) if len(idx) == 1 else int(idx[rng.randrange(len(idx))])
 
 
-def scores_of(cands: Candidates, values: np.ndarray) -> dict:
-    """``{replica: float(value)}`` for a Choice."""
-    return dict(zip(cands.replicas, values.tolist()))
+class ScoreMap(Mapping):
+    """``{replica: float(score)}`` for a :class:`~balancer.types.Choice`, built on first read.
+
+    Most decisions are never explained, so the per-candidate dict (512 entries at 512 DP ranks)
+    is only materialised when logs, ``Route.explain()`` or tests read it. ``values`` is copied,
+    shape ``(n,)``, aligned with ``replicas``; or a function returning such an array, called on
+    first read (for scores that cost work of their own, e.g. ranks).
+    """
+
+    __slots__ = ("_replicas", "_values", "_dict")
+
+    def __init__(self, replicas: tuple, values: np.ndarray | Callable[[], np.ndarray]) -> None:
+        self._replicas = replicas
+        self._values = values if callable(values) else np.array(values, dtype=np.float64)
+        self._dict: dict | None = None
+
+    def _get(self) -> dict:
+        if self._dict is None:
+            values = self._values() if callable(self._values) else self._values
+            self._dict = dict(zip(self._replicas, np.asarray(values, dtype=np.float64).tolist()))
+        return self._dict
+
+    def __getitem__(self, replica):  # noqa: ANN001, ANN204
+        return self._get()[replica]
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def __repr__(self) -> str:
+        return f"ScoreMap({self._get()!r})"
+
+
+def scores_of(cands: Candidates, values: np.ndarray) -> ScoreMap:
+    """``{replica: float(value)}`` for a Choice, materialised lazily (see :class:`ScoreMap`)."""
+    return ScoreMap(cands.replicas, values)

@@ -4,18 +4,26 @@ Algorithm: the key is the request's ``session_id``, else the hash of its ``key_b
 (or its last block if shorter; chained hashes make that a hash of the whole prefix up to there,
 so requests sharing that prefix go together), else its id. ``key_block=1`` keys on the first
 block only, which on traces where every prompt starts with the same system-prompt block (the
-Mooncake conversation trace) sends everything to one key; 2 keys on the conversation root. Candidates are ranked by
-rendezvous (highest-random-weight) hashing, ``xxh3_64(key, replica)`` descending, which is a
-consistent hash: adding or removing a replica moves only the keys it wins or held. Bounded
-loads: with ``m`` requests in flight on ``n`` candidates, a replica may take the request only if
-its count ``+ 1 <= ceil((1 + epsilon) * (m + 1) / n)``; the first such replica in rank order wins
-(one always exists, since not every replica can exceed the mean).
+Mooncake conversation trace) sends everything to one key; 2 keys on the conversation root.
+
+Candidates are ranked by rendezvous (highest-random-weight) hashing with weight
+``w_i = splitmix64(xxh3_64(key) XOR xxh3_64(engine | dp_rank as 4 bytes LE))``, descending. This
+is a consistent hash: adding or removing a replica moves only the keys it wins or held. The
+replica hashes are computed once per candidate set and the weights in one vectorised numpy pass,
+so a decision is O(replicas) array work (no per-replica hashing or sorting per request).
+``splitmix64`` (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA
+2014; the finaliser constants of Vigna's SplitMix64) is a bijection on 64-bit words that mixes
+every input bit into every output bit, which makes the XOR-combined weights independent per key.
+
+Bounded loads: with ``m`` requests in flight on ``n`` candidates, a replica may take the request
+only if its count ``+ 1 <= ceil((1 + epsilon) * (m + 1) / n)``; the highest-weight such replica
+wins (one always exists, since not every replica can exceed the mean).
 
 Parameters: ``epsilon`` (default 0.25, the balance factor c = 1.25 of the paper), ``key_block``
 (default 2, 1-based).
 Source: Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads" (SODA 2018);
 Thaler & Ravishankar rendezvous hashing; vLLM router ``consistent_hash``.
-Scores: the rendezvous rank (0 = first choice).
+Scores: the rendezvous rank (0 = first choice), computed only when read.
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from balancer.candidates import Candidates
-from balancer.policies.base import Policy, SelectContext, register
-from balancer.types import Choice, Request
+from balancer.policies.base import Policy, ScoreMap, SelectContext, register
+from balancer.types import Choice, ReplicaId, Request
+
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 def affinity_key(request: Request, key_block: int = 1) -> bytes:
@@ -38,6 +50,41 @@ def affinity_key(request: Request, key_block: int = 1) -> bytes:
         h = request.block_hashes[min(key_block, len(request.block_hashes)) - 1]
         return b"b:" + h.to_bytes(8, "little", signed=False)
     return b"r:" + request.request_id.encode()
+
+
+def replica_hash(replica: ReplicaId) -> int:
+    """``xxh3_64(engine | dp_rank as 4 bytes little-endian)``: a replica's rendezvous identity."""
+    return xxhash.xxh3_64_intdigest(replica.engine.encode() + b"|" + replica.dp_rank.to_bytes(4, "little"))
+
+
+def splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on a ``uint64`` array (wrapping arithmetic), same shape."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+# Replica hashes per candidate tuple. The router hands policies the same tuple object for a pool
+# until its membership changes, so an identity check finds it; a few entries cover both pools.
+_HASH_CACHE: dict[int, tuple[tuple[ReplicaId, ...], np.ndarray]] = {}
+
+
+def _replica_hashes(replicas: tuple[ReplicaId, ...]) -> np.ndarray:
+    hit = _HASH_CACHE.get(id(replicas))
+    if hit is not None and hit[0] is replicas:
+        return hit[1]
+    arr = np.fromiter((replica_hash(r) for r in replicas), dtype=np.uint64, count=len(replicas))
+    if len(_HASH_CACHE) >= 32:
+        _HASH_CACHE.clear()
+    _HASH_CACHE[id(replicas)] = (replicas, arr)
+    return arr
+
+
+def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
+    """``w_i`` of the module docstring for every replica, shape ``(n,)``, ``uint64``."""
+    k = np.uint64(xxhash.xxh3_64_intdigest(key))
+    with np.errstate(over="ignore"):
+        return splitmix64(_replica_hashes(replicas) ^ k)
 
 
 @register
@@ -54,21 +101,19 @@ class ConsistentHash(Policy):
             raise ValueError(f"consistent_hash: key_block must be >= 1, got {self.key_block}")
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
-        key = affinity_key(request, self.key_block)
-        weights = [
-            xxhash.xxh3_64_intdigest(key + b"|" + r.engine.encode() + r.dp_rank.to_bytes(4, "little"))
-            for r in cands.replicas
-        ]
-        order = sorted(range(len(cands)), key=lambda i: weights[i], reverse=True)
+        w = rendezvous_weights(affinity_key(request, self.key_block), cands.replicas)
         n = len(cands)
         cap = math.ceil((1.0 + self.epsilon) * (int(cands.num_requests.sum()) + 1) / n)
-        chosen = order[0]
-        reason = "affinity"
-        for i in order:
-            if cands.num_requests[i] + 1 <= cap:
-                chosen = i
-                break
-        if chosen != order[0]:
-            reason = "bounded_load"
-        scores = {cands.replicas[i]: float(rank) for rank, i in enumerate(order)}
-        return Choice(cands.replicas[chosen], scores, reason=reason)
+        first = int(np.argmax(w))
+        if cands.num_requests[first] + 1 <= cap:
+            chosen, reason = first, "affinity"
+        else:
+            eligible = cands.num_requests + 1 <= cap
+            chosen, reason = int(np.argmax(np.where(eligible, w, np.uint64(0)))), "bounded_load"
+
+        def ranks() -> np.ndarray:
+            out = np.empty(n, dtype=np.float64)
+            out[np.argsort(w)[::-1]] = np.arange(n)
+            return out
+
+        return Choice(cands.replicas[chosen], ScoreMap(cands.replicas, ranks), reason=reason)
