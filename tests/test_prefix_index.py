@@ -132,6 +132,37 @@ def test_remove_and_clear_update_holders():
     assert idx.clear(R2) == 0 and idx.remove(R2, hs) == 0
 
 
+def test_replica_churn_reuses_holder_numbers_and_keeps_matches_apart():
+    # Holders are bit sets; a cleared replica's number is reused by the next new replica, so the
+    # index does not grow with replica churn. The new replica must not inherit the old one's blocks.
+    hs = blocks([1, 2, 3])
+    idx = PrefixIndex()
+    for k in range(50):  # 50 generations of a replica that comes and goes
+        gone = rid("tmp", k)
+        idx.insert(gone, hs, 0.0)
+        idx.insert(R0, hs[:1], 0.0)
+        # hand: R0 holds block 0 only, the temporary replica all 3
+        assert idx.match(hs) == {gone: 3, R0: 1}
+        assert idx.clear(gone) == 3
+        assert idx.match(hs) == {R0: 1}
+    assert len(idx._bit) == 1 and len(idx._replica_of_bit) == 1  # only R0 is numbered
+
+
+def test_match_with_many_replicas_beyond_one_machine_word():
+    # 200 replicas (bit numbers up to 199): replica i holds the first i % 7 blocks of one prompt.
+    hs = blocks(list(range(1, 7)))
+    idx = PrefixIndex()
+    reps = [rid("w", i) for i in range(200)]
+    for i, r in enumerate(reps):
+        if i % 7:
+            idx.insert(r, hs[: i % 7], float(i))
+    # expected by construction, independent of the index: {replica i: i % 7} for i % 7 > 0
+    assert idx.match(hs) == {r: i % 7 for i, r in enumerate(reps) if i % 7}
+    # restricted to a subset of candidates
+    sub = reps[150:160]
+    assert idx.match(hs, sub) == {r: i % 7 for i, r in enumerate(reps) if 150 <= i < 160 and i % 7}
+
+
 @pytest.mark.parametrize("t", [0.0, 5.0, 0.3, 0.1, 1.7, 123.5, 1e6 + 0.3])
 def test_ttl_exact_boundary(t):
     # documented rule: a block touched at t survives while now - t <= ttl, dropped once > ttl.
