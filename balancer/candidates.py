@@ -24,9 +24,15 @@ class Candidates:
         replicas: the candidates, in a stable order (the router sorts by engine, then DP rank).
         num_requests / prefill_tokens / decode_kv_tokens: projected load (:mod:`balancer.load`).
         kv_capacity_tokens: KV capacity per replica in tokens (0 = unknown).
-        matched_blocks: leading prompt blocks each replica is believed to hold.
-        matched_tokens: ``min(matched_blocks * block_size, prompt_tokens)``.
+        matched_blocks: leading prompt blocks each replica is believed to hold. With lower KV
+            tiers configured on the router this is the tier-weighted *effective* match, float64:
+            ``hbm_blocks + w_host * host_blocks + w_store * store_blocks`` (Router
+            ``tier_weights``), so policies that read it prefer HBM hits without knowing tiers.
+        matched_tokens: ``min(matched_blocks * block_size, prompt_tokens)`` (rounded to tokens).
         block_size: tokens per KV block.
+        hbm_blocks / host_blocks / store_blocks: per-tier columns (int64) when lower tiers are
+            configured, else ``None``: leading blocks in the replica's HBM; consecutive blocks
+            after those in its host tier; consecutive blocks after both in the shared store.
     """
 
     role: Role
@@ -38,6 +44,9 @@ class Candidates:
     matched_blocks: np.ndarray
     matched_tokens: np.ndarray
     block_size: int
+    hbm_blocks: np.ndarray | None = None
+    host_blocks: np.ndarray | None = None
+    store_blocks: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -50,9 +59,11 @@ class Candidates:
             prefill_tokens=int(self.prefill_tokens[i]),
             decode_kv_tokens=int(self.decode_kv_tokens[i]),
             kv_capacity_tokens=int(self.kv_capacity_tokens[i]),
-            matched_blocks=int(self.matched_blocks[i]),
+            matched_blocks=self.matched_blocks[i].item(),
             matched_tokens=int(self.matched_tokens[i]),
             block_size=self.block_size,
+            host_blocks=int(self.host_blocks[i]) if self.host_blocks is not None else 0,
+            store_blocks=int(self.store_blocks[i]) if self.store_blocks is not None else 0,
         )
 
     def views(self) -> list[ReplicaView]:
@@ -68,11 +79,17 @@ class Candidates:
 
     @classmethod
     def from_views(cls, views: Sequence[ReplicaView], role: Role | None = None) -> Candidates:
-        """Build from hand-made views (tests, embedding code). ``role`` defaults to the first view's."""
+        """Build from hand-made views (tests, embedding code). ``role`` defaults to the first view's.
+
+        ``matched_blocks`` is taken as given (int64, or float64 if any view's is a float: give
+        the effective match the policy should see); the per-tier columns stay ``None``.
+        """
         if not views:
             raise ValueError("no candidate replicas")
         def col(name: str) -> np.ndarray:
             return np.array([getattr(v, name) for v in views], dtype=np.int64)
+        mb = np.array([v.matched_blocks for v in views])
+        mb = mb.astype(np.float64 if mb.dtype.kind == "f" else np.int64)
         return cls(
             role=role if role is not None else views[0].role,
             replicas=tuple(v.replica for v in views),
@@ -80,7 +97,7 @@ class Candidates:
             prefill_tokens=col("prefill_tokens"),
             decode_kv_tokens=col("decode_kv_tokens"),
             kv_capacity_tokens=col("kv_capacity_tokens"),
-            matched_blocks=col("matched_blocks"),
+            matched_blocks=mb,
             matched_tokens=col("matched_tokens"),
             block_size=views[0].block_size,
         )

@@ -5,30 +5,70 @@ translated into these and fed to :meth:`balancer.router.Router.on_kv_event`, whi
 prefix index exact instead of approximate. Hashes here are pdlb chained block hashes
 (:mod:`balancer.hashing`); a decoder for an engine's wire format maps its hashes onto them.
 Source: vLLM ``vllm/distributed/kv_events.py`` event kinds (ANCHORS.md).
+
+Every event carries the ``medium`` (storage tier) it is about, as vLLM's ``BlockStored`` and
+``BlockRemoved`` do: ``None`` or ``"GPU"`` is the replica's HBM prefix cache; ``"CPU"`` its
+host-DRAM tier; ``"STORE"`` a shared KV store (3FS / Mooncake store / LMCache remote), which is
+global: the replica is only the publisher. :func:`tier_of_medium` maps the spellings engines use
+onto pdlb's three tiers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Media (vLLM spells them in upper case; matching is case-insensitive).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORE = "STORE"
+
+#: pdlb's tier names, top to bottom.
+TIERS = ("hbm", "host", "store")
+
+_TIER_OF_MEDIUM = {
+    "gpu": "hbm", "hbm": "hbm", "cuda": "hbm", "device": "hbm",
+    "cpu": "host", "host": "host", "dram": "host", "cpu_pinned": "host", "localcpu": "host",
+    "store": "store", "disk": "store", "ssd": "store", "nvme": "store", "remote": "store", "3fs": "store",
+    "localdisk": "store",
+}
+
+
+def tier_of_medium(medium: str | None) -> str:
+    """``"hbm"``, ``"host"`` or ``"store"`` for an event's medium (``None`` = HBM).
+
+    Raises:
+        ValueError: an unknown medium (the message lists the accepted spellings).
+    """
+    if medium is None:
+        return "hbm"
+    tier = _TIER_OF_MEDIUM.get(medium.lower())
+    if tier is None:
+        raise ValueError(f"unknown KV event medium {medium!r}; accepted: {', '.join(sorted(_TIER_OF_MEDIUM))}")
+    return tier
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """The replica now holds these blocks. ``block_hashes`` are a prompt's leading blocks in order."""
+    """The replica (or, for a shared-store medium, the store) now holds these blocks.
+    ``block_hashes`` are a prompt's leading blocks in order."""
 
     block_hashes: tuple[int, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """The replica evicted these blocks."""
+    """The replica (or the store) evicted these blocks."""
 
     block_hashes: tuple[int, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """The replica dropped its whole prefix cache (restart, reset)."""
+    """The replica dropped its whole cache of ``medium`` (restart, reset)."""
+
+    medium: str | None = None
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -20,17 +20,31 @@ alone (conditional disaggregation; the vLLM router skips PD below 256 uncached t
 
 Prefix index modes: ``"approximate"`` records each routed prompt on its chosen replicas (as the
 SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does).
+
+Lower KV tiers (optional; off by default, and then nothing below changes any decision): with
+``host_tier=True`` a second :class:`PrefixIndex` records each replica's host-DRAM tier, with
+``shared_store=True`` a third one with a single pseudo holder (:data:`STORE_HOLDER`) records the
+cluster-wide store. Events mode feeds them from KV events by ``medium``
+(:func:`balancer.kv_events.tier_of_medium`); approximate mode inserts each routed prompt into the
+prefill (or mixed) replica's host view and into the store view (with ``store_ttl_s``, e.g. the
+store's TTL). For each candidate the router then computes, in blocks: ``hbm`` = its HBM match;
+``host`` = consecutive blocks after those in its host tier; ``store`` = consecutive blocks after
+both in the store; and hands policies the effective match
+``matched_blocks = hbm + w_host * host + w_store * store`` (``tier_weights``; default host 0.75
+as Dynamo weights host hits, store 0.5 since a store fetch crosses the network), with the
+per-tier columns on :class:`~balancer.candidates.Candidates`. Policies therefore work unchanged.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from balancer.candidates import Candidates
-from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadTracker
 from balancer.policies import Policy, SelectContext, make_policy
 from balancer.prefix_index import PrefixIndex
@@ -63,6 +77,11 @@ INDEX_MODES = ("approximate", "events")
 #: Default prefix-index bound per replica: 262,144 blocks (134M tokens at 512-token blocks, more
 #: than any GPU's HBM holds), so an embedded router never grows without bound.
 DEFAULT_INDEX_CAPACITY_BLOCKS = 262_144
+#: Default weights of lower-tier hits relative to an HBM hit (1.0): Dynamo's KV router weighs host
+#: (CPU) hits at 0.75 of device hits; a shared-store hit pays a network fetch, so 0.5.
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"host": 0.75, "store": 0.5}
+#: The pseudo replica that holds the shared store's blocks in the router's store view.
+STORE_HOLDER = ReplicaId("shared-store", 0)
 
 
 class Router:
@@ -79,9 +98,16 @@ class Router:
         pd_min_uncached_tokens: below this many uncached prompt tokens on the chosen decode
             replica, skip the prefill pool (0 = always disaggregate).
         seed: seed of the router's ``random.Random`` (the only randomness policies may use).
+        host_tier: keep a view of each replica's host-DRAM KV tier (see module docstring).
+        host_index_capacity_blocks: bound per replica of the host view (LRU), ``None`` = unbounded.
+        shared_store: keep a view of a cluster-wide shared KV store.
+        store_index_capacity_blocks: bound of the store view (LRU), ``None`` = unbounded.
+        store_ttl_s: TTL of the store view (from last insert), ``None`` = none.
+        tier_weights: ``{"host": w, "store": w}``, each in [0, 1]; missing keys take
+            :data:`DEFAULT_TIER_WEIGHTS`.
 
     Raises:
-        ValueError: unknown policy name or index mode, negative sizes.
+        ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
     """
 
     def __init__(
@@ -95,6 +121,12 @@ class Router:
         index_mode: str = "approximate",
         pd_min_uncached_tokens: int = 0,
         seed: int = 0,
+        host_tier: bool = False,
+        host_index_capacity_blocks: int | None = DEFAULT_INDEX_CAPACITY_BLOCKS,
+        shared_store: bool = False,
+        store_index_capacity_blocks: int | None = None,
+        store_ttl_s: float | None = None,
+        tier_weights: Mapping[str, float] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -108,6 +140,18 @@ class Router:
         self.index_mode = index_mode
         self.pd_min_uncached_tokens = pd_min_uncached_tokens
         self.index = PrefixIndex(index_capacity_blocks, index_ttl_s)
+        weights = dict(DEFAULT_TIER_WEIGHTS)
+        for k, w in (tier_weights or {}).items():
+            if k not in DEFAULT_TIER_WEIGHTS:
+                raise ValueError(f"unknown tier {k!r} in tier_weights; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
+            if not 0.0 <= float(w) <= 1.0:
+                raise ValueError(f"tier_weights[{k!r}] must be in [0, 1], got {w}")
+            weights[k] = float(w)
+        self.tier_weights = weights
+        #: host-DRAM tier view per replica, or None
+        self.host_index = PrefixIndex(host_index_capacity_blocks, index_ttl_s) if host_tier else None
+        #: shared-store view (one holder, STORE_HOLDER), or None
+        self.store_index = PrefixIndex(store_index_capacity_blocks, store_ttl_s) if shared_store else None
         self.load = LoadTracker()
         self.rng = random.Random(seed)
         self._replicas: dict[ReplicaId, ReplicaInfo] = {}
@@ -133,6 +177,8 @@ class Router:
         del self._replicas[replica]
         self.load.remove_replica(replica)
         self.index.clear(replica)
+        if self.host_index is not None:
+            self.host_index.clear(replica)
         self._pools = None
 
     def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
@@ -182,6 +228,16 @@ class Router:
         role = Role.PREFILL if pool_name == "prefill" else (
             self._replicas[pool.replicas[0]].role if n else Role.DECODE
         )
+        tiers: dict[str, np.ndarray] = {}
+        if self.host_index is not None or self.store_index is not None:
+            host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
+            w = self.tier_weights
+            effective = matched + w["host"] * host + w["store"] * store
+            tiers = {"hbm_blocks": matched, "host_blocks": host, "store_blocks": store}
+            tokens = np.minimum(np.rint(effective * self.block_size).astype(np.int64), request.prompt_tokens)
+            matched = effective
+        else:
+            tokens = np.minimum(matched * self.block_size, request.prompt_tokens)
         return Candidates(
             role=role,
             replicas=pool.replicas,
@@ -190,9 +246,36 @@ class Router:
             decode_kv_tokens=self.load.decode_kv_tokens[pool.slots],
             kv_capacity_tokens=pool.capacity,
             matched_blocks=matched,
-            matched_tokens=np.minimum(matched * self.block_size, request.prompt_tokens),
+            matched_tokens=tokens,
             block_size=self.block_size,
+            **tiers,
         )
+
+    def _lower_tier_matches(self, block_hashes: tuple[int, ...], replicas: tuple[ReplicaId, ...],
+                            hbm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per replica (shape ``(n,)``, int64): consecutive blocks after its HBM match held in its
+        host tier, and consecutive blocks after both held in the shared store. Cost: one index
+        match per distinct HBM depth and per distinct host depth (few), not per replica."""
+        n = len(replicas)
+        host = np.zeros(n, dtype=np.int64)
+        store = np.zeros(n, dtype=np.int64)
+        nb = len(block_hashes)
+        if self.host_index is not None and nb:
+            for d in np.unique(hbm).tolist():
+                if d >= nb:
+                    continue
+                ks = np.flatnonzero(hbm == d)
+                got = self.host_index.match(block_hashes[d:], [replicas[k] for k in ks.tolist()])
+                if got:
+                    pos = {r: k for k, r in zip(ks.tolist(), (replicas[k] for k in ks.tolist()))}
+                    for r, m in got.items():
+                        host[pos[r]] = m
+        if self.store_index is not None and nb:
+            depth = hbm + host
+            for d in np.unique(depth).tolist():
+                if d < nb:
+                    store[depth == d] = self.store_index.match_replica(STORE_HOLDER, block_hashes[d:])
+        return host, store
 
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
         ctx = SelectContext(self.rng, now_s, self._decisions[pool_name])
@@ -214,6 +297,10 @@ class Router:
             raise NoReplicaError("no healthy decode or mixed replica")
         if self.index.ttl_s is not None:
             self.index.expire(now_s)
+            if self.host_index is not None:
+                self.host_index.expire(now_s)
+        if self.store_index is not None and self.store_index.ttl_s is not None:
+            self.store_index.expire(now_s)
         matches = self.index.match(request.block_hashes)
         d_cands = self.candidates(request, "decode", matches)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
@@ -233,6 +320,11 @@ class Router:
             if prefill is not None:
                 self.index.insert(prefill, request.block_hashes, now_s)
             self.index.insert(d_choice.replica, request.block_hashes, now_s)
+            if self.host_index is not None:  # the replica that computes the prompt gets it
+                self.host_index.insert(prefill if prefill is not None else d_choice.replica,
+                                       request.block_hashes, now_s)
+            if self.store_index is not None:
+                self.store_index.insert(STORE_HOLDER, request.block_hashes, now_s)
         return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
 
     # ------------------------------------------------------------------ hooks
@@ -253,17 +345,27 @@ class Router:
 
         ``now_s`` defaults to the latest time passed to :meth:`route` (TTL expiry assumes the
         index's timestamps never go backwards). Events for unknown replicas are ignored (a
-        replica may publish before it is registered).
+        replica may publish before it is registered). The event's ``medium`` picks the view:
+        HBM (the prefix index), the replica's host tier, or the shared store (the replica is
+        then only the publisher); events for a tier the router does not track are ignored.
+
+        Raises:
+            TypeError: not a KV event. ValueError: an unknown medium.
         """
+        if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            raise TypeError(f"unknown KV event {event!r}")
         if replica not in self._replicas:
             return
         now_s = self._now_s if now_s is None else max(self._now_s, now_s)
         self._now_s = now_s
+        tier = tier_of_medium(event.medium)
+        index = self.index if tier == "hbm" else (self.host_index if tier == "host" else self.store_index)
+        if index is None:
+            return
+        holder = STORE_HOLDER if tier == "store" else replica
         if isinstance(event, BlockStored):
-            self.index.insert(replica, event.block_hashes, now_s)
+            index.insert(holder, event.block_hashes, now_s)
         elif isinstance(event, BlockRemoved):
-            self.index.remove(replica, event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            self.index.clear(replica)
+            index.remove(holder, event.block_hashes)
         else:
-            raise TypeError(f"unknown KV event {event!r}")
+            index.clear(holder)

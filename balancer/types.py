@@ -96,6 +96,9 @@ class ReplicaView:
         matched_blocks: leading prompt blocks this replica is believed to hold (prefix hit).
         matched_tokens: ``min(matched_blocks * block_size, prompt_tokens)``.
         block_size: tokens per KV block of the index that produced ``matched_blocks``.
+        host_blocks: blocks after the HBM match held in the replica's host-DRAM tier (0 when no
+            host tier is configured); ``matched_blocks`` is then the tier-weighted effective match.
+        store_blocks: blocks after the HBM and host matches held in the shared KV store.
     """
 
     replica: ReplicaId
@@ -107,6 +110,8 @@ class ReplicaView:
     matched_blocks: int = 0
     matched_tokens: int = 0
     block_size: int = 1
+    host_blocks: int = 0
+    store_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -3,6 +3,10 @@
     pdlb sim compare            every routing policy on the embedded Mooncake trace
     pdlb sim run --policy P     one policy
     pdlb sim scenarios          the scenario presets
+    pdlb sim price              revenue per GPU-hour and cost per 1M tokens from a price sheet
+    pdlb sim validate           the perf model vs published deployment figures
+    pdlb sim sessions           generate a multi-turn chatbot/agent session workload (JSONL)
+    pdlb sim store-sweep        shared KV store hit rate vs TTL and capacity (docs/kv_cache.md)
     pdlb policies               the routing policies and their parameters
 """
 
@@ -72,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--decode-policy", choices=available_policies(), help="decode-pool policy (default: --policy)")
     _add_common(run)
     simsub.add_parser("scenarios", help="list scenario presets")
+    from sim.validate import add_validate_parser
+    add_validate_parser(simsub)
+    from sim.pricing import add_price_parser
+    add_price_parser(simsub)
+    from sim.experiments.cli import add_session_parsers
+    add_session_parsers(simsub)
 
     sub.add_parser("policies", help="list routing policies and their parameters")
     from balancer.service.cli import add_serve_parser
@@ -176,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"[bold]{name}[/]({params})\n    {doc}")
             return 0
         if args.command == "sim":
+            if args.sim_command == "validate":
+                from sim.validate import run_validate
+                return run_validate(args, console)
+            if args.sim_command == "price":
+                from sim.pricing import run_price
+                return run_price(args, console)
+            if args.sim_command in ("sessions", "store-sweep"):
+                from sim.experiments.cli import run_session_command
+                return run_session_command(args, console)
             if args.sim_command == "scenarios":
                 for name, sc in sorted(PRESETS.items()):
                     console.print(f"[bold]{name}[/]: {sc.description} ({sc.num_gpus} GPUs)")

@@ -11,6 +11,24 @@ In aggregated mode a mixed rank prefills, emits the first token at the end of pr
 decodes in place. A PD request with one output token finishes when its KV transfer completes
 (the prefill produced its only token). Every transition is timestamped in
 :class:`~sim.records.RequestRecords`.
+
+KV transfer prefill -> decode moves only the prompt blocks the decode rank's HBM prefix cache
+does not hold when the prefill finishes: ``latency + (prompt_tokens - min(held_blocks *
+block_size, prompt_tokens)) * kv_bytes_per_token / bandwidth``. A decode rank caches a prompt's
+blocks when the sequence finishes (its freed KV stays as evictable prefix cache, as in vLLM /
+SGLang); blocks of sequences still running are not matched (conservative), and a block matched at
+transfer start is assumed to stay until admission.
+
+KV tiers (``scenario.host_tier`` / ``scenario.shared_store``): see :mod:`sim.engine.tiers`.
+HBM capacity per rank is ``pool.kv_capacity_tokens`` or the perf model's
+``kv_capacity_tokens_per_rank`` (GPU memory x usable fraction minus weights and activation
+reserve, divided by KV bytes per token; MLA latent for DeepSeek-V3). Bytes per block =
+``kv_bytes_per_token * block_size``.
+
+Router index modes: ``"approximate"`` (default) gives the router nothing but its own decisions;
+``"events"`` makes every simulated cache publish its changes as KV events with a ``medium``
+(HBM stores and evictions of every rank, host-tier writes and evictions, shared-store writes and
+evictions), as engines with KV events do.
 """
 
 from __future__ import annotations
@@ -22,17 +40,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemoved, BlockStored
 from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
+from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
 from sim.hardware import get_hardware
 from sim.models import get_model
 from sim.perf.base import PerfModel
 from sim.perf.roofline import RooflinePerf
 from sim.records import LoadSamples, RequestRecords
-from sim.scenario import PoolConfig, Scenario
+from sim.scenario import PoolConfig, Scenario, tier_capacity_blocks
+
+_MEDIUM = {"hbm": MEDIUM_GPU, HOST: MEDIUM_CPU, STORE: MEDIUM_STORE}
 
 
 @dataclass
@@ -71,14 +93,12 @@ class SimResult:
 
 
 def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
-    """The perf model of one engine of ``pool`` (roofline on the scenario's model and hardware)."""
-    return RooflinePerf.for_engine(
-        get_model(scenario.model),
-        get_hardware(scenario.hardware),
-        num_dp_ranks=pool.dp_ranks,
-        gpus_per_rank=pool.gpus_per_rank,
-        ep_synchronous=pool.ep,
-    )
+    """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
+    with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
+    (:func:`sim.perf.config.roofline_for_pool`)."""
+    from sim.perf.config import roofline_for_pool  # sim.perf.config imports sim.scenario
+
+    return roofline_for_pool(scenario, pool)
 
 
 class Cluster:
@@ -90,6 +110,8 @@ class Cluster:
             index capacity in blocks. Tests pass their own; :func:`simulate` builds one from
             policy names.
         perf_factory: ``(scenario, pool) -> PerfModel``; the roofline by default.
+        kv_events: publish every cache change to ``router.on_kv_event`` (the router's events
+            mode); default: when the router's ``index_mode`` is ``"events"``.
     """
 
     def __init__(
@@ -97,9 +119,14 @@ class Cluster:
         scenario: Scenario,
         router_factory: Callable[[int | None], Router],
         perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
+        kv_events: bool | None = None,
     ) -> None:
         self.scenario = scenario
         self.env = simpy.Environment()
+        self.tier_stats = TierStats()
+        self.store: SharedStore | None = None
+        ss = scenario.shared_store
+        block_bytes_of: dict[str, int] = {}
         self.ranks: list[Rank] = []
         self.groups: list[StepGroup] = []
         self._group_of: list[StepGroup] = []
@@ -118,6 +145,14 @@ class Cluster:
             cap_blocks = max(1, cap_tokens // scenario.block_size)
             if first_capacity_blocks is None:
                 first_capacity_blocks = cap_blocks
+            block_bytes = perf.kv_bytes_per_token * scenario.block_size
+            block_bytes_of[name] = block_bytes
+            if ss is not None and self.store is None and role is not Role.DECODE:
+                self.store = SharedStore(
+                    self.env, tier_capacity_blocks(ss.capacity_bytes, ss.capacity_blocks, block_bytes),
+                    ss.ttl_s, dict(ss.class_ttl_s), ss.read_bandwidth_bytes_per_s, ss.write_bandwidth_bytes_per_s,
+                    ss.engine_read_bandwidth_bytes_per_s, ss.engine_write_bandwidth_bytes_per_s)
+            host_cfg = scenario.host_tier_of(pool)
             for e in range(pool.num_engines):
                 engine_ranks = []
                 for d in range(pool.dp_ranks):
@@ -128,6 +163,20 @@ class Cluster:
                     self._perf_of.append(perf)
                     self._by_replica[rep] = rank
                     engine_ranks.append(rank)
+                if role is not Role.DECODE and (host_cfg is not None or self.store is not None):
+                    for d, rank in enumerate(engine_ranks):
+                        host = None
+                        if host_cfg is not None:
+                            cap = tier_capacity_blocks(host_cfg.capacity_bytes, host_cfg.capacity_blocks, block_bytes)
+                            host = HostTier(self.env, None if cap is None else cap // pool.dp_ranks,
+                                            host_cfg.bandwidth_bytes_per_s / pool.dp_ranks)
+                        rank.tiers = RankTiers(
+                            self.env, rank.index, f"{name}-{e}", host, self.store, perf,
+                            group_size=pool.dp_ranks if perf.ep_synchronous else 1,
+                            position=d if perf.ep_synchronous else 0, block_size=scenario.block_size,
+                            block_bytes=block_bytes, max_prefill_tokens=pool.max_prefill_tokens,
+                            fetch_rule=scenario.kv_fetch_rule, stats=self.tier_stats)
+                        rank.tiers.on_ready = lambda job, now, idx=rank.index: self._on_fetched(idx, job, now)
                 groups = [engine_ranks] if perf.ep_synchronous else [[r] for r in engine_ranks]
                 for members in groups:
                     g = StepGroup(self.env, members, perf,
@@ -141,6 +190,12 @@ class Cluster:
         self.router = router_factory(first_capacity_blocks if cap == "auto" else cap)
         for rank in self.ranks:
             self.router.add_replica(rank.replica, rank.role, rank.kv_capacity_blocks * scenario.block_size)
+        self.kv_events = (self.router.index_mode == "events") if kv_events is None else kv_events
+        if self.kv_events:
+            for rank in self.ranks:
+                rank.kv_listener = self._publish
+                if rank.tiers is not None:
+                    rank.tiers.listener = self._publish
         self.records: RequestRecords | None = None
         self._requests: Sequence[Request] = ()
         self._index_of: dict[str, int] = {}
@@ -203,7 +258,7 @@ class Cluster:
                 yield env.timeout(delay)
             route = router.route(req, env.now)
             rec.num_routed += 1
-            job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes)
+            job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
             if route.prefill is not None:
                 rank = self._by_replica[route.prefill]
                 rec.router_matched_tokens[i] = route.prefill_matched_tokens
@@ -231,17 +286,39 @@ class Cluster:
             yield env.timeout(interval)
 
     # ------------------------------------------------------------------ engine callbacks
+    def _publish(self, medium: str, stored: bool, block_hashes, rank_index: int) -> None:  # noqa: ANN001
+        """A simulated cache changed: the KV event the engine would publish, to the router."""
+        event = (BlockStored if stored else BlockRemoved)(tuple(block_hashes), medium=_MEDIUM[medium])
+        self.router.on_kv_event(self.ranks[rank_index].replica, event, self.env.now)
+
+    def _on_fetched(self, rank_index: int, job: PrefillJob, now: float) -> None:
+        self._group_of[rank_index].notify()
+
+    def transfer_tokens(self, job: PrefillJob, decode: Rank) -> int:
+        """Prompt tokens to move to ``decode``: those whose blocks its HBM prefix cache lacks."""
+        held = decode.cache.match(job.block_hashes)
+        return job.prompt_tokens - min(held * decode.block_size, job.prompt_tokens)
+
     def _on_prefill_done(self, rank: Rank, job: PrefillJob, now: float) -> None:
         rec = self.records
         i = job.index
         req_id = self._requests[i].request_id
         rec.cached_tokens[i] = job.cached_tokens
+        rec.hbm_hit_tokens[i] = job.hbm_tokens
+        rec.host_hit_tokens[i] = job.host_tokens
+        rec.store_hit_tokens[i] = job.store_tokens
+        if job.fetch_start_s >= 0:
+            rec.fetch_start_s[i] = job.fetch_start_s
+            rec.fetch_end_s[i] = job.fetch_end_s
         rec.prefill_start_s[i] = job.start_s
         rec.prefill_end_s[i] = now
+        if rank.tiers is not None:
+            rank.tiers.on_prefill_done(job)
         self.router.on_prefill_done(req_id, now)
         if rank.role is Role.PREFILL:
             d_idx = int(rec.decode_rank[i])
-            nbytes = job.prompt_tokens * self._perf_of[rank.index].kv_bytes_per_token
+            nbytes = self.transfer_tokens(job, self.ranks[d_idx]) * self._perf_of[rank.index].kv_bytes_per_token
+            rec.transfer_bytes[i] = nbytes
             dt = self.scenario.kv_transfer_latency_s + nbytes / self.scenario.kv_transfer_bandwidth_bytes_per_s
             ev = self.env.timeout(dt)
             ev.callbacks.append(lambda _ev, i=i, job=job, d_idx=d_idx: self._on_transfer_done(i, job, d_idx))
@@ -263,7 +340,7 @@ class Cluster:
             return
         rank = self.ranks[d_idx]
         reserved = blocks_for(job.prompt_tokens + job.output_tokens, rank.block_size)
-        rank.enqueue_decode(DecodeSeq(i, job.prompt_tokens + 1, job.output_tokens - 1, reserved))
+        rank.enqueue_decode(DecodeSeq(i, job.prompt_tokens + 1, job.output_tokens - 1, reserved, job.block_hashes))
         self._group_of[d_idx].notify()
 
     def _on_decode_admitted(self, rank: Rank, seq: DecodeSeq, now: float) -> None:
@@ -294,15 +371,26 @@ def simulate(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
+    index_mode: str = "approximate",
+    router_tiers: bool = True,
+    tier_weights: dict[str, float] | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
-    to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``."""
+    to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
+
+    ``index_mode``: the router's prefix-index mode; ``"events"`` makes the simulated caches publish
+    KV events (see :class:`Cluster`). ``router_tiers``: when the scenario has KV tiers, give the
+    router views of them (host tier per replica, shared store; ``False`` = HBM only).
+    ``tier_weights``: the router's weights of lower-tier hits (default
+    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`)."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
+    tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
 
     def make_router(capacity_blocks: int | None) -> Router:
         return Router(prefill_policy, decode_policy, block_size=scenario.block_size,
-                      index_capacity_blocks=capacity_blocks,
-                      pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed)
+                      index_capacity_blocks=capacity_blocks, index_mode=index_mode,
+                      pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed,
+                      tier_weights=tier_weights, **tier_kw)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, make_router, perf_factory)
@@ -325,4 +413,28 @@ def simulate(
         num_steps=sum(g.num_steps for g in cluster.groups),
         num_waits=sum(g.num_waits for g in cluster.groups),
         wall_s=wall,
+        extra={"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {},
     )
+
+
+def router_tier_kwargs(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf
+                       ) -> dict:
+    """Router arguments that mirror the scenario's KV tiers: a host view per replica bounded by
+    one rank's host capacity, a store view bounded by the store capacity with the store's TTL
+    (the largest class TTL when classes differ; none if the default class never expires)."""
+    pool = scenario.prefill if scenario.disaggregated else scenario.mixed
+    assert pool is not None
+    host_cfg = scenario.host_tier_of(pool)
+    ss = scenario.shared_store
+    if host_cfg is None and ss is None:
+        return {}
+    block_bytes = perf_factory(scenario, pool).kv_bytes_per_token * scenario.block_size
+    out: dict = {}
+    if host_cfg is not None:
+        cap = tier_capacity_blocks(host_cfg.capacity_bytes, host_cfg.capacity_blocks, block_bytes)
+        out.update(host_tier=True, host_index_capacity_blocks=None if cap is None else max(1, cap // pool.dp_ranks))
+    if ss is not None:
+        cap = tier_capacity_blocks(ss.capacity_bytes, ss.capacity_blocks, block_bytes)
+        ttl = None if ss.ttl_s is None else max([ss.ttl_s, *ss.class_ttl_s.values()])
+        out.update(shared_store=True, store_index_capacity_blocks=cap, store_ttl_s=ttl)
+    return out

@@ -16,6 +16,14 @@ Definitions (per request ``i``):
   work per rank (prefill tokens computed, decode tokens generated); ``*_load_imbalance`` the
   time average of instantaneous max / mean over load samples in which the pool is busy (queued
   prefill tokens, decode KV tokens), which is what EP-synchronous steps pay for.
+- KV tiers (:func:`kv_summary`): token-weighted hit rate per tier, ``sum(<tier>_hit_tokens) /
+  sum(prompt_tokens)`` for tier in hbm / host / store, and ``miss = 1 - hbm - host - store``
+  (they sum to 1; hbm + host + store = ``prefix_hit_rate``). Bytes moved: lower-tier fetches and
+  write-backs (the tiers' counters) and prefill -> decode transfers (``transfer_bytes``).
+- TTFT split per request: ``fetch = fetch_end - fetch_start`` (0 without a fetch), ``compute =
+  prefill_end - prefill_start``, ``transfer = transfer_end - prefill_end`` (PD; 0 aggregated),
+  ``queue = TTFT - fetch - compute - transfer`` (prefill queue before and after the fetch, plus
+  decode admission wait); the four sum to TTFT.
 """
 
 from __future__ import annotations
@@ -67,6 +75,46 @@ def per_request(result: SimResult) -> dict[str, np.ndarray]:
     return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e}
 
 
+def ttft_split(result: SimResult) -> dict[str, np.ndarray]:
+    """Per-request TTFT parts in seconds (see module docstring): ``queue_s``, ``fetch_s``,
+    ``compute_s``, ``transfer_s``; they sum to ``ttft_s`` (NaN for unfinished requests)."""
+    r = result.records
+    ttft = r.first_token_s - r.arrival_s
+    fetch = np.where(np.isnan(r.fetch_start_s), 0.0, r.fetch_end_s - r.fetch_start_s)
+    compute = r.prefill_end_s - r.prefill_start_s
+    transfer = np.where(np.isnan(r.transfer_end_s), 0.0, r.transfer_end_s - r.prefill_end_s)
+    return {"queue_s": ttft - fetch - compute - transfer, "fetch_s": fetch, "compute_s": compute,
+            "transfer_s": transfer}
+
+
+def kv_summary(result: SimResult) -> dict[str, Any]:
+    """Hit rate per tier, bytes moved per tier, TTFT split (mean, p99); JSON-friendly."""
+    r = result.records
+    prompt = float(r.prompt_tokens.sum())
+    rate = (lambda x: float(x.sum()) / prompt) if prompt else (lambda x: 0.0)  # noqa: E731
+    hbm, host, store = rate(r.hbm_hit_tokens), rate(r.host_hit_tokens), rate(r.store_hit_tokens)
+    stats = result.extra.get("tiers")
+    split = ttft_split(result)
+    out: dict[str, Any] = {
+        "tiers_configured": result.scenario.has_kv_tiers,
+        "hit_rate": {"hbm": hbm, "host": host, "store": store, "miss": 1.0 - hbm - host - store},
+        "bytes": {
+            "host_fetch": stats.host_fetch_bytes if stats else 0.0,
+            "store_fetch": stats.store_fetch_bytes if stats else 0.0,
+            "host_write": stats.host_write_bytes if stats else 0.0,
+            "store_write": stats.store_write_bytes if stats else 0.0,
+            "pd_transfer": float(r.transfer_bytes.sum()),
+        },
+        "recomputed_lower_tier_blocks": stats.recompute_blocks if stats else 0,
+        "ttft_split_s": {},
+    }
+    for name, x in split.items():
+        x = x[~np.isnan(x)]
+        out["ttft_split_s"][name] = {"mean": float(x.mean()) if len(x) else float("nan"),
+                                     "p99": float(np.percentile(x, 99)) if len(x) else float("nan")}
+    return out
+
+
 def summarize(result: SimResult, *, slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.1) -> dict[str, Any]:
     """The summary table row of one run (JSON-friendly)."""
     r = result.records
@@ -116,4 +164,5 @@ def summarize(result: SimResult, *, slo_ttft_s: float = 2.0, slo_tpot_s: float =
         "num_steps": result.num_steps,
         "events_per_request": result.num_waits / n if n else 0.0,
         "wall_s": result.wall_s,
+        "kv": kv_summary(result),
     }

@@ -20,6 +20,7 @@ Conventions (all per *token* unless noted):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -325,7 +326,18 @@ LLAMA_3_1_70B = ModelSpec(
     kv_bytes=2,
 )
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, LLAMA_3_1_8B, LLAMA_3_1_70B)}
+# PLACEHOLDER for DeepSeek V4.1 Flash (the model behind the DeepInfer figures). Its architecture is
+# not published in the material pdlb cites, so this is DeepSeek-V3 with ONE change, chosen to fit
+# the published deployment: 64 routed experts instead of 256 (everything else, incl. MLA, top-8
+# routing, 61 layers, hidden 7168, FP8 weights, is V3's). Why 64: the published prefill units are
+# EP2-8 on SM100 (B200-class, 180 GB): at EP2 a GPU holds the 17.1 GB dense part + half the experts;
+# 256 experts (654 GB) or 128 (327 GB) do not fit in 0.9 * 180 GB at EP2, 64 (163.5 GB -> 81.8 GB
+# per GPU) does. Derived: 180.7B total, 37.5B activated (same per-token cost as V3). Treat every
+# result on this model as an assumption-laden estimate.
+DEEPSEEK_V4_1_FLASH = dataclasses.replace(DEEPSEEK_V3, name="deepseek-v4.1-flash", num_routed_experts=64,
+                                          total_params=None, activated_params=None)
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_1_FLASH, LLAMA_3_1_8B, LLAMA_3_1_70B)}
 
 
 def get_model(name: str | ModelSpec) -> ModelSpec:

@@ -13,6 +13,8 @@ import numpy as np
 #: Float64 timestamp columns, in the order a request passes them.
 TIME_FIELDS = (
     "arrival_s",        # request arrives at the router
+    "fetch_start_s",    # lower-tier KV fetch started (admission on the prefill rank; NaN: no fetch)
+    "fetch_end_s",      # every lower-tier fetch of the request done
     "prefill_start_s",  # first prefill chunk scheduled
     "prefill_end_s",    # last prefill chunk done (PD: KV ready to transfer)
     "transfer_end_s",   # KV arrived at the decode rank (PD only)
@@ -23,7 +25,11 @@ TIME_FIELDS = (
 INT_FIELDS = (
     "prompt_tokens",
     "output_tokens",
-    "cached_tokens",      # prompt tokens found in the prefill rank's prefix cache
+    "cached_tokens",      # prompt tokens reused, not recomputed: hbm + host + store hit tokens
+    "hbm_hit_tokens",     # ... from the prefill rank's HBM prefix cache
+    "host_hit_tokens",    # ... fetched from the rank's host-DRAM tier
+    "store_hit_tokens",   # ... fetched from the shared store
+    "transfer_bytes",     # KV bytes moved prefill -> decode (blocks the decode rank lacked); 0 if none
     "prefill_rank",       # global rank index of the prefill (or mixed) rank, -1 if none
     "decode_rank",        # global rank index of the decode (or mixed) rank
     "router_matched_tokens",  # prefix tokens the router believed the prefill rank held
@@ -40,12 +46,18 @@ class RequestRecords:
         for name in INT_FIELDS:
             setattr(self, name, np.full(num_requests, -1, dtype=np.int64))
         self.cached_tokens[:] = 0
+        self.hbm_hit_tokens[:] = 0
+        self.host_hit_tokens[:] = 0
+        self.store_hit_tokens[:] = 0
+        self.transfer_bytes[:] = 0
         self.router_matched_tokens[:] = 0
         self.num_routed = 0
         self.num_finished = 0
 
     # declared for type checkers
     arrival_s: np.ndarray
+    fetch_start_s: np.ndarray
+    fetch_end_s: np.ndarray
     prefill_start_s: np.ndarray
     prefill_end_s: np.ndarray
     transfer_end_s: np.ndarray
@@ -54,6 +66,10 @@ class RequestRecords:
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
     cached_tokens: np.ndarray
+    hbm_hit_tokens: np.ndarray
+    host_hit_tokens: np.ndarray
+    store_hit_tokens: np.ndarray
+    transfer_bytes: np.ndarray
     prefill_rank: np.ndarray
     decode_rank: np.ndarray
     router_matched_tokens: np.ndarray

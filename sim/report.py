@@ -26,17 +26,42 @@ from sim.metrics import per_request
 from sim.records import INT_FIELDS, TIME_FIELDS
 
 
+def _tiered(summaries: Sequence[dict[str, Any]]) -> bool:
+    return any(s.get("kv", {}).get("tiers_configured") for s in summaries)
+
+
+def _kv_cells(s: dict[str, Any]) -> list[str]:
+    kv = s["kv"]
+    h, b, t = kv["hit_rate"], kv["bytes"], kv["ttft_split_s"]
+    return [
+        f"{100 * h['hbm']:.1f}/{100 * h['host']:.1f}/{100 * h['store']:.1f}%",
+        f"{(b['host_fetch'] + b['store_fetch']) / 1e9:.1f}",
+        f"{(b['host_write'] + b['store_write']) / 1e9:.1f}",
+        f"{b['pd_transfer'] / 1e9:.1f}",
+        "/".join(f"{t[k]['mean']:.2f}" for k in ("queue_s", "fetch_s", "compute_s", "transfer_s")),
+    ]
+
+
+KV_COLUMNS = ("hit hbm/host/store", "fetch GB", "write GB", "PD xfer GB", "TTFT q/f/c/t s")
+
+
 def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table:
-    """A rich table: one row per run, the columns a capacity planner compares."""
+    """A rich table: one row per run, the columns a capacity planner compares. When KV tiers are
+    configured, also the hit rate per tier, bytes fetched / written back / transferred PD, and
+    the TTFT split into mean queue / fetch / compute / transfer seconds."""
     t = Table(title=title or None, show_lines=False)
     cols = [
         ("policy", "left"), ("TTFT mean s", "right"), ("TTFT p99 s", "right"), ("TPOT mean ms", "right"),
         ("TPOT p99 ms", "right"), ("E2E p50 s", "right"), ("hit rate", "right"), ("SLO att.", "right"),
         ("goodput r/s", "right"), ("out tok/s/GPU", "right"), ("P imb.", "right"), ("D imb.", "right"),
     ]
+    tiered = _tiered(summaries)
+    if tiered:
+        cols += [(c, "right") for c in KV_COLUMNS]
     for name, justify in cols:
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for s in summaries:
+        extra = _kv_cells(s) if tiered else []
         t.add_row(
             s["policy"],
             f"{s['ttft_s']['mean']:.3f}", f"{s['ttft_s']['p99']:.3f}",
@@ -48,6 +73,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table
             f"{s['output_tokens_per_s_per_gpu']:.0f}",
             f"{s['prefill_load_imbalance']:.2f}",
             f"{s['decode_load_imbalance']:.2f}",
+            *extra,
         )
     return t
 
@@ -63,6 +89,9 @@ def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
             f"| {1e3 * s['tpot_s']['p99']:.1f} | {100 * s['prefix_hit_rate']:.1f}% | {100 * s['slo_attainment']:.1f}% "
             f"| {s['goodput_rps']:.2f} | {s['prefill_load_imbalance']:.2f} | {s['decode_load_imbalance']:.2f} |"
         )
+    if _tiered(summaries):
+        lines += ["", "| policy | " + " | ".join(KV_COLUMNS) + " |", "|---" * (len(KV_COLUMNS) + 1) + "|"]
+        lines += [f"| {s['policy']} | " + " | ".join(_kv_cells(s)) + " |" for s in summaries]
     return "\n".join(lines)
 
 

@@ -13,6 +13,89 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sim.perf.config import PerfConfig
+
+
+# ---------------------------------------------------------------------- KV tiers (host DRAM, shared store)
+#: Seconds per day, for TTLs given in days.
+DAY_S = 86_400.0
+
+
+class HostTierConfig(BaseModel):
+    """A host-DRAM KV tier under each engine's HBM prefix cache (SGLang HiCache, vLLM CPU offload).
+
+    Values are per engine and split evenly over its DP ranks: with DP attention every DP rank is its
+    own scheduler with its own host pool, and (one GPU per rank) its own PCIe link. Blocks reach the
+    tier when HBM evicts them (write-back demotion over the link); a prefill fetches them back.
+
+    Attributes:
+        capacity_bytes / capacity_blocks: host KV capacity per engine (give exactly one).
+        bandwidth_bytes_per_s: host <-> GPU bandwidth per engine, per direction (default 8 x 50 GB/s:
+            PCIe Gen5 x16 is 64 GB/s per direction per GPU, ~50 GB/s achieved).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity_bytes: float | None = Field(None, gt=0)
+    capacity_blocks: int | None = Field(None, ge=1)
+    bandwidth_bytes_per_s: float = Field(400e9, gt=0)
+
+    @model_validator(mode="after")
+    def _one_capacity(self) -> HostTierConfig:
+        if (self.capacity_bytes is None) == (self.capacity_blocks is None):
+            raise ValueError("host_tier: give exactly one of capacity_bytes or capacity_blocks")
+        return self
+
+
+class SharedStoreConfig(BaseModel):
+    """A cluster-wide shared KV store (DeepSeek's 3FS KV cache, Mooncake store, LMCache remote).
+
+    Prefill (and mixed) ranks read blocks from it and write newly computed blocks back
+    asynchronously; a block becomes visible to other ranks once its write completes. Concurrent
+    transfers share bandwidth max-min fairly under a per-engine cap and an aggregate cap (read and
+    write are separate directions); see :mod:`sim.engine.tiers`.
+
+    Attributes:
+        capacity_bytes / capacity_blocks: store capacity (at most one; neither = unbounded).
+        read_bandwidth_bytes_per_s / write_bandwidth_bytes_per_s: aggregate over the cluster
+            (default 6.6e12 read: 3FS's 180-node read test reached 6.6 TiB/s; write 1e12).
+        engine_read_bandwidth_bytes_per_s / engine_write_bandwidth_bytes_per_s: per engine (default
+            40e9 read, 20e9 write: DeepSeek reports up to 40 GiB/s of KV reads per 3FS client node).
+        ttl_s: TTL from last access for classes not in ``class_ttl_s`` (``None`` = never expire).
+        class_ttl_s: TTL per traffic class, e.g. ``{agent = 259200, chatbot = 604800}`` (DeepSeek:
+            about 3 days for agent traffic, 7 days for chatbot).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity_bytes: float | None = Field(None, gt=0)
+    capacity_blocks: int | None = Field(None, ge=1)
+    read_bandwidth_bytes_per_s: float = Field(6.6e12, gt=0)
+    write_bandwidth_bytes_per_s: float = Field(1e12, gt=0)
+    engine_read_bandwidth_bytes_per_s: float = Field(40e9, gt=0)
+    engine_write_bandwidth_bytes_per_s: float = Field(20e9, gt=0)
+    ttl_s: float | None = Field(None, gt=0)
+    class_ttl_s: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> SharedStoreConfig:
+        if self.capacity_bytes is not None and self.capacity_blocks is not None:
+            raise ValueError("shared_store: give at most one of capacity_bytes or capacity_blocks")
+        bad = {c: t for c, t in self.class_ttl_s.items() if not t > 0}
+        if bad:
+            raise ValueError(f"shared_store.class_ttl_s: TTLs must be > 0 seconds, got {bad}")
+        return self
+
+
+def tier_capacity_blocks(capacity_bytes: float | None, capacity_blocks: int | None,
+                         block_bytes: int) -> int | None:
+    """Capacity in blocks from a config's bytes-or-blocks pair (``None`` = unbounded)."""
+    if capacity_blocks is not None:
+        return capacity_blocks
+    if capacity_bytes is not None:
+        return int(capacity_bytes // block_bytes)
+    return None
+
 
 class PoolConfig(BaseModel):
     """One pool of identical engines.
@@ -26,7 +109,9 @@ class PoolConfig(BaseModel):
         max_prefill_tokens: chunked-prefill token budget per rank per step (mixed/decode ranks
             share it with decode tokens).
         max_decode_batch: most running decode sequences per rank.
-        kv_capacity_tokens: override the perf model's KV capacity per rank, in tokens.
+        kv_capacity_tokens: override the perf model's KV capacity per rank, in tokens (default:
+            GPU memory minus weights and activation reserve, ``PerfModel.kv_capacity_tokens_per_rank``).
+        host_tier: this pool's host-DRAM tier (overrides the scenario's; prefill/mixed pools only).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -38,6 +123,7 @@ class PoolConfig(BaseModel):
     max_prefill_tokens: int = Field(8192, ge=1)
     max_decode_batch: int = Field(256, ge=1)
     kv_capacity_tokens: int | None = Field(None, ge=1)
+    host_tier: HostTierConfig | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -65,6 +151,14 @@ class Scenario(BaseModel):
         fast_forward: advance decode-only batches many steps per event (``False`` = exact
             step-by-step reference mode; both give the same times).
         sample_interval_s: per-rank load sampling period for plots; ``None`` = duration / 400.
+        host_tier: host-DRAM KV tier of every prefill/mixed engine (``None`` = none; a pool's own
+            ``host_tier`` overrides it).
+        shared_store: cluster-wide shared KV store (``None`` = none).
+        kv_fetch_rule: when a prefill loads blocks found in a lower tier: ``"faster"`` fetches a
+            tier's blocks iff their estimated fetch time is below the prefill compute time they
+            save (perf model); ``"always"`` always fetches (Mooncake / LMCache behaviour).
+        perf: roofline settings (efficiencies, TBO, FP8 weights, GPUs per node;
+            :class:`sim.perf.config.PerfConfig`); ``None`` = the roofline's defaults.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -83,6 +177,10 @@ class Scenario(BaseModel):
     index_capacity_blocks: int | Literal["auto"] | None = "auto"
     fast_forward: bool = True
     sample_interval_s: float | None = Field(None, gt=0)
+    host_tier: HostTierConfig | None = None
+    shared_store: SharedStoreConfig | None = None
+    kv_fetch_rule: Literal["faster", "always"] = "faster"
+    perf: PerfConfig | None = None
 
     @model_validator(mode="after")
     def _check_pools(self) -> Scenario:
@@ -93,7 +191,22 @@ class Scenario(BaseModel):
             raise ValueError("a PD scenario needs both a prefill and a decode pool")
         if not pd and self.mixed is None:
             raise ValueError("a scenario needs prefill+decode pools or a mixed pool")
+        if self.decode is not None and self.decode.host_tier is not None:
+            raise ValueError("host_tier on the decode pool is not modelled (decode ranks receive KV by transfer)")
         return self
+
+    def host_tier_of(self, pool: PoolConfig) -> HostTierConfig | None:
+        """The host tier of ``pool``'s engines: the pool's own, else the scenario's (prefill/mixed)."""
+        if pool is self.decode:
+            return None
+        return pool.host_tier if pool.host_tier is not None else self.host_tier
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        """True when a host tier or a shared store is configured."""
+        pools = [self.prefill, self.mixed]
+        return self.shared_store is not None or self.host_tier is not None or any(
+            p is not None and p.host_tier is not None for p in pools)
 
     @property
     def disaggregated(self) -> bool:
@@ -187,3 +300,29 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
         if str(path) in str(e):
             raise
         raise ValueError(f"{path}: {e}") from e
+
+
+#: Shipped preset files (package data ``sim/data/presets/*.toml``); every number in them carries a
+#: comment naming its source. They join :data:`PRESETS` under their file name.
+PRESET_DIR = Path(__file__).parent / "data" / "presets"
+
+
+def _load_shipped_presets() -> dict[str, Scenario]:
+    """The scenarios of :data:`PRESET_DIR`, keyed by name (= file stem).
+
+    Raises:
+        ValueError: a file is invalid, its ``name`` differs from its file name, or it shadows a
+            built-in preset.
+    """
+    out: dict[str, Scenario] = {}
+    for path in sorted(PRESET_DIR.glob("*.toml")):
+        sc = load_scenario(path)
+        if sc.name != path.stem:
+            raise ValueError(f"{path}: name {sc.name!r} must equal the file name {path.stem!r}")
+        if sc.name in PRESETS:
+            raise ValueError(f"{path}: preset {sc.name!r} is already defined in sim/scenario.py")
+        out[sc.name] = sc
+    return out
+
+
+PRESETS.update(_load_shipped_presets())

@@ -42,9 +42,9 @@ def test_model_presets_and_param_counts():
     # routed experts: 58 MoE layers * 256 experts * 3 * 7168 * 2048 = 653.9B
     assert ds.routed_expert_params == 58 * 256 * 3 * 7168 * 2048
     assert ds.num_moe_layers == 58 and ds.is_moe and ds.is_mla
-    with pytest.raises(ValueError, match="deepseek-v3, llama-3.1-70b, llama-3.1-8b"):
+    with pytest.raises(ValueError, match="deepseek-v3, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b"):
         get_model("gpt-5")
-    assert set(MODELS) == {"deepseek-v3", "llama-3.1-8b", "llama-3.1-70b"}
+    assert set(MODELS) == {"deepseek-v3", "deepseek-v4.1-flash", "llama-3.1-8b", "llama-3.1-70b"}
 
 
 def test_kv_bytes_per_token():
@@ -225,3 +225,135 @@ def test_more_work_never_faster():
     d = np.arange(0, 400, 20.0)[:, None] * np.ones(32)
     t = e.step_time_s(z, z, d, d * 3000)
     assert np.all(np.diff(t) >= 0)
+
+
+# ----------------------------------------------------------------------------- issue 6 additions
+from sim.perf.config import PerfConfig, roofline_for_pool  # noqa: E402
+from sim.perf.roofline import ep_dispatch_combine_bytes  # noqa: E402
+from sim.scenario import PoolConfig, Scenario  # noqa: E402
+
+
+def test_ep_dispatch_combine_bytes_hand_case():
+    # DeepSeek-V3: hidden 7168, top-8; a copy is 7168 * (1 FP8 dispatch + 2 BF16 combine) = 21,504 B.
+    # EP32 over 8-GPU nodes: P(other GPU, same node) = 7/32, P(off node) = 24/32.
+    nvl, net = ep_dispatch_combine_bytes(7168, 8, 32, 8)
+    assert nvl == pytest.approx(8 * 7 / 32 * 21_504) == pytest.approx(37_632)
+    assert net == pytest.approx(8 * 24 / 32 * 21_504) == pytest.approx(129_024)
+    # EP8 in one node: 7 of 8 copies over NVLink, nothing off-node
+    assert ep_dispatch_combine_bytes(7168, 8, 8, 8) == pytest.approx((150_528, 0.0))
+    assert ep_dispatch_combine_bytes(7168, 8, 1, 8) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="ep_size"):
+        ep_dispatch_combine_bytes(7168, 8, 0, 8)
+
+
+def test_ep_low_latency_over_nvlink_option():
+    # ep_ll_nvlink: decode copies to own-node experts go over NVLink (200 GB/s * 0.8 on H800),
+    # off-node ones over the NIC (50 GB/s * 0.8), concurrently:
+    # per token max(37,632 / 160e9, 129,024 / 40e9) * 58 layers = 3.2256e-6 * 58 s.
+    z = np.zeros(32)
+    d = np.full(32, 1000.0)
+    e = engine("deepseek-v3", "H800", num_dp_ranks=32, ep_ll_nvlink=True)
+    assert e.step_time_breakdown(z, z, d, d)["comm"] == pytest.approx(1000 * 129_024 / 40e9 * 58)
+    # default (pure-RDMA low-latency kernels): all 8 copies over the NIC
+    assert _ds_ep32().step_time_breakdown(z, z, d, d)["comm"] == pytest.approx(1000 * 8 * 21_504 * 58 / 40e9)
+
+
+def test_tbo_is_max_instead_of_sum_hand_case():
+    # DeepSeek-V3 EP32 on H800, every rank prefills one fresh 1,000-token prompt.
+    ds = get_model("deepseek-v3")
+    z = np.zeros(32)
+    pt = np.full(32, 1000.0)
+    pairs = causal_attn_pairs(pt, 0)  # 500,500 per rank
+    lin, attn, bw = 1979e12 * MFU, 989e12 * MFU, 3.35e12 * MBU
+    dense_w = (ds.dense_params - ds.embedding_params) * 1  # FP8 bytes
+    # TBO: each micro-batch streams the weights again (2x weight bytes), KV traffic once
+    compute = 1000 * ds.dense_flops_per_token / lin + 500_500 * 4_997_120 / attn
+    rank = max(compute, (2 * dense_w + 1000 * 70_272) / bw)
+    T = 32_000
+    touched = 1 - (1 - 8 / 256) ** T
+    moe = max(T * 2 * 58 * 8 * 3 * 7168 * 2048 / 32 / lin, 2 * touched * 653_908_770_816 / 32 / bw)
+    remote = 3 * (1 - 0.75 ** 8)  # normal kernels: distinct remote nodes (see test above)
+    comm = max(1000 * remote * 21_504 * 58 / 40e9, 1000 * 8 * (7 / 8) * 21_504 * 58 / 160e9)
+    tbo = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True)
+    b = tbo.step_time_breakdown(pt, pairs, z, z)
+    assert b["rank"] == pytest.approx(rank) and b["moe"] == pytest.approx(moe) and b["comm"] == pytest.approx(comm)
+    assert b["total"] == pytest.approx(max(rank + moe, comm) + OVH)
+    # without TBO the same components add up (rank/moe read the weights once)
+    b0 = _ds_ep32().step_time_breakdown(pt, pairs, z, z)
+    assert b0["total"] == pytest.approx(b0["rank"] + b0["moe"] + comm + OVH)
+    assert b["total"] < b0["total"]
+    # idle step under TBO: only the dense weights, streamed twice
+    assert tbo.step_time_s(z, z, z, z) == pytest.approx(2 * dense_w / bw + OVH, rel=1e-12)
+    # tbo_overhead_s adds per step
+    t2 = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True, tbo_overhead_s=1e-3)
+    assert t2.step_time_s(z, z, z, z) == pytest.approx(2 * dense_w / bw + OVH + 1e-3, rel=1e-12)
+
+
+def _llama8b_scenario(**perf):
+    perf = PerfConfig(mfu=MFU, mbu=MBU, step_overhead_s=OVH, **perf)
+    return Scenario(model="llama-3.1-8b", hardware="h100", mixed=PoolConfig(), perf=perf)
+
+
+def test_fp8_weights_halve_weight_bytes():
+    bf16 = roofline_for_pool(sc := _llama8b_scenario(), sc.mixed)
+    fp8 = roofline_for_pool(sc8 := _llama8b_scenario(fp8_weights=True), sc8.mixed)
+    # 8,030,261,248 params * 2 B vs * 1 B
+    assert bf16.weight_bytes_per_gpu == 16_060_522_496
+    assert fp8.weight_bytes_per_gpu == 8_030_261_248
+    # memory-bound decode (8 seqs, 8,000 ctx): streamed weights 15,009,849,344 B -> half
+    kv = (8_000 + 8) * 131_072
+    assert fp8.step_time_s([0], [0], [8], [8_000]) == pytest.approx((15_009_849_344 / 2 + kv) / (3.35e12 * MBU) + OVH)
+    # capacity: (0.9 * 80e9 - weights - 2e9) // 131,072 tokens
+    assert fp8.kv_capacity_tokens_per_rank == int((0.9 * 80e9 - 8_030_261_248 - 2e9) // 131_072)
+    assert fp8.kv_capacity_tokens_per_rank > bf16.kv_capacity_tokens_per_rank
+    # compute-bound prefill of 8,192 tokens: linear FLOPs at the FP8 peak (2x BF16), attention at BF16
+    lin_flops = 8192 * 2 * (8_030_261_248 - 525_336_576)
+    attn = causal_attn_pairs(8192, 0) * 524_288 / (989e12 * MFU)
+    assert fp8.step_time_s([8192], [causal_attn_pairs(8192, 0)], [0], [0]) == pytest.approx(
+        lin_flops / (1979e12 * MFU) + attn + OVH)
+    # and back: fp8_weights=False on FP8-native DeepSeek-V3 doubles its weight bytes
+    # (EP16 on H200: 2 * (17.1 + 653.9 / 16) = 116 GB per GPU fits in 0.9 * 141 GB; EP8 would not)
+    ds = Scenario(model="deepseek-v3", hardware="h200", mixed=PoolConfig(dp_ranks=16),
+                  perf=PerfConfig(fp8_weights=False))
+    base = Scenario(model="deepseek-v3", hardware="h200", mixed=PoolConfig(dp_ranks=16))
+    assert roofline_for_pool(ds, ds.mixed).weight_bytes_per_gpu == pytest.approx(
+        2 * roofline_for_pool(base, base.mixed).weight_bytes_per_gpu)
+    ds8 = ds.model_copy(update={"mixed": PoolConfig(dp_ranks=8)})
+    with pytest.raises(ValueError, match="does not fit on 8 x 1 H200"):
+        roofline_for_pool(ds8, ds8.mixed)
+
+
+def test_no_perf_config_reproduces_the_default_roofline():
+    # the golden scenarios have no [perf]: the perf model must be exactly the old for_engine one
+    from sim.cluster import build_perf
+    from sim.scenario import PRESETS
+    sc = PRESETS["dsv3-pd-h200"]
+    assert sc.perf is None
+    rng = np.random.default_rng(1)
+    for pool in (sc.prefill, sc.decode):
+        a, b = roofline_for_pool(sc, pool), build_perf(sc, pool)
+        pt = rng.integers(0, 3000, (5, 8)) * 1.0
+        pp = causal_attn_pairs(pt, rng.integers(0, 4000, (5, 8)))
+        ds_ = rng.integers(0, 100, (5, 8)) * 1.0
+        args = (pt, pp, ds_, ds_ * 1500)
+        np.testing.assert_array_equal(a.step_time_s(*args), b.step_time_s(*args))
+        assert a.kv_capacity_tokens_per_rank == b.kv_capacity_tokens_per_rank
+
+
+def test_gpus_per_node_override_puts_ep32_in_one_nvlink_domain():
+    # 32 GPUs per node: every remote expert is on NVLink: 8 * 31/32 copies * 21,504 B * 58 / (200e9 * 0.8)
+    sc = Scenario(model="deepseek-v3", hardware="h800", mixed=PoolConfig(dp_ranks=32),
+                  perf=PerfConfig(mfu=MFU, mbu=MBU, step_overhead_s=OVH, gpus_per_node=32))
+    e = roofline_for_pool(sc, sc.mixed)
+    z, d = np.zeros(32), np.full(32, 100.0)
+    assert e.step_time_breakdown(z, z, d, d)["comm"] == pytest.approx(100 * 8 * 31 / 32 * 21_504 * 58 / 160e9)
+
+
+def test_placeholder_flash_model_counts():
+    # DeepSeek-V3 with 64 routed experts: routed 58 * 64 * 3 * 7168 * 2048 = 163.48B, dense part as V3
+    ds, fl = get_model("deepseek-v3"), get_model("deepseek-v4.1-flash")
+    assert fl.routed_expert_params == 58 * 64 * 3 * 7168 * 2048
+    # the router (weight 7168 x E + bias E per MoE layer) shrinks from 256 to 64 experts
+    assert fl.dense_params == ds.dense_params - 58 * (256 - 64) * (7168 + 1)
+    assert fl.activated_params == ds.activated_params - 58 * (256 - 64) * (7168 + 1)
+    assert fl.kv_bytes_per_token == 70_272 and fl.weight_bytes == 1

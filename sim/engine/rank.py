@@ -18,29 +18,40 @@ class PrefillJob:
     """A prompt waiting for or in (chunked) prefill on a rank."""
 
     __slots__ = ("index", "prompt_tokens", "output_tokens", "block_hashes", "cached_tokens", "done_tokens",
-                 "reserved_blocks", "start_s")
+                 "reserved_blocks", "start_s", "traffic_class", "hbm_tokens", "host_tokens", "store_tokens",
+                 "fetch_pending", "fetch_start_s", "fetch_end_s")
 
-    def __init__(self, index: int, prompt_tokens: int, output_tokens: int, block_hashes: tuple[int, ...]) -> None:
+    def __init__(self, index: int, prompt_tokens: int, output_tokens: int, block_hashes: tuple[int, ...],
+                 traffic_class: str | None = None) -> None:
         self.index = index
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
         self.block_hashes = block_hashes
-        self.cached_tokens = -1  # unknown until first scheduled
+        self.traffic_class = traffic_class
+        self.cached_tokens = -1  # unknown until first scheduled (= hbm + host + store tokens)
         self.done_tokens = 0  # prompt tokens whose KV exists (cached + computed)
         self.reserved_blocks = 0  # mixed ranks reserve KV for the whole sequence at prefill start
         self.start_s = -1.0  # when its first chunk was scheduled (set by the step group)
+        self.hbm_tokens = 0  # reused from this rank's HBM prefix cache
+        self.host_tokens = 0  # fetched from the rank's host tier
+        self.store_tokens = 0  # fetched from the shared store
+        self.fetch_pending = 0  # lower-tier transfers in flight; the job is not scheduled meanwhile
+        self.fetch_start_s = -1.0
+        self.fetch_end_s = -1.0
 
 
 class DecodeSeq:
     """A sequence in (or waiting for) a rank's decode batch."""
 
-    __slots__ = ("index", "kv_tokens", "remaining", "reserved_blocks")
+    __slots__ = ("index", "kv_tokens", "remaining", "reserved_blocks", "block_hashes")
 
-    def __init__(self, index: int, kv_tokens: int, remaining: int, reserved_blocks: int) -> None:
+    def __init__(self, index: int, kv_tokens: int, remaining: int, reserved_blocks: int,
+                 block_hashes: tuple[int, ...] = ()) -> None:
         self.index = index
         self.kv_tokens = kv_tokens  # KV length the next step attends to
         self.remaining = remaining  # output tokens still to generate by decode steps
         self.reserved_blocks = reserved_blocks
+        self.block_hashes = block_hashes  # prompt blocks; a decode rank caches them when it finishes
 
 
 @dataclass(slots=True)
@@ -69,6 +80,11 @@ class Rank:
         block_size: tokens per KV block.
         max_prefill_tokens: chunked-prefill token budget per step (mixed: shared with decode).
         max_decode_batch: most running decode sequences.
+
+    Attributes:
+        tiers: the rank's lower KV tiers (:class:`sim.engine.tiers.RankTiers`), or None.
+        kv_listener: ``(medium, stored, block_hashes, rank_index)`` called when the HBM prefix
+            cache stores or drops blocks (feeds KV events to the router), or None.
     """
 
     def __init__(
@@ -95,6 +111,8 @@ class Rank:
         self.running_kv_tokens = 0
         self.reserved_blocks = 0
         self.cache = BlockCache(kv_capacity_blocks)
+        self.tiers = None  # RankTiers | None (sim.engine.tiers)
+        self.kv_listener = None
         # totals for imbalance metrics
         self.total_prefill_tokens = 0
         self.total_decode_tokens = 0
@@ -111,16 +129,35 @@ class Rank:
     def has_prefill_work(self) -> bool:
         return bool(self.prefill_queue)
 
+    @property
+    def has_schedulable_prefill(self) -> bool:
+        """A queued job that is not waiting for lower-tier fetches."""
+        return any(not job.fetch_pending for job in self.prefill_queue)
+
     def free_blocks(self) -> int:
         return self.kv_capacity_blocks - self.reserved_blocks
 
     def _reserve(self, blocks: int) -> None:
         self.reserved_blocks += blocks
-        self.cache.set_capacity(self.kv_capacity_blocks - self.reserved_blocks)
+        self._evicted(self.cache.set_capacity(self.kv_capacity_blocks - self.reserved_blocks))
 
     def _release(self, blocks: int) -> None:
         self.reserved_blocks -= blocks
-        self.cache.set_capacity(self.kv_capacity_blocks - self.reserved_blocks)
+        self._evicted(self.cache.set_capacity(self.kv_capacity_blocks - self.reserved_blocks))
+
+    def cache_insert(self, block_hashes: tuple[int, ...]) -> None:
+        """Hold a prompt's blocks in the HBM prefix cache; evictions are demoted / announced."""
+        self._evicted(self.cache.insert(block_hashes))
+        if self.kv_listener is not None and block_hashes:
+            self.kv_listener("hbm", True, block_hashes[:self.cache.capacity_blocks], self.index)
+
+    def _evicted(self, evicted: list[int]) -> None:
+        if not evicted:
+            return
+        if self.tiers is not None:
+            self.tiers.on_hbm_evicted(evicted)
+        if self.kv_listener is not None:
+            self.kv_listener("hbm", False, evicted, self.index)
 
     def _fits(self, blocks: int) -> bool:
         # A sequence larger than the whole rank is admitted alone rather than blocking forever.
@@ -150,8 +187,11 @@ class Rank:
         A job is *admitted* the first time it is scheduled: its prefix-cache match is looked up
         then (at least one prompt token is always computed, as engines recompute the last token
         for its logits) and, on a mixed (or decode) rank, KV blocks for its whole sequence are reserved (a job
-        that does not fit waits, head of line). Those admission effects are the only state this
-        method changes; the step's progress is applied by :meth:`apply_prefill`/:meth:`apply_decode`.
+        that does not fit waits, head of line). With lower tiers (:attr:`tiers`) the blocks HBM
+        misses are looked up in the host tier and the shared store, and fetches may start
+        (:meth:`sim.engine.tiers.RankTiers.admit`); a job with fetches in flight is skipped.
+        Those admission effects are the only state this method changes; the step's progress is
+        applied by :meth:`apply_prefill`/:meth:`apply_decode`.
         """
         p = RankPlan(decode_seqs=len(self.running), decode_ctx_tokens=self.running_kv_tokens)
         budget = self.max_prefill_tokens - (p.decode_seqs if self.role is not Role.PREFILL else 0)
@@ -162,12 +202,17 @@ class Rank:
             if budget <= 0:
                 break
             if job.cached_tokens < 0:
-                matched = self.cache.match(job.block_hashes) * self.block_size
+                hbm_blocks = self.cache.match(job.block_hashes)
                 if self.role is not Role.PREFILL and not self._fits_job(job):
                     break
-                job.cached_tokens = min(matched, job.prompt_tokens - 1)
+                if self.tiers is not None:
+                    job.cached_tokens = self.tiers.admit(job, hbm_blocks)
+                else:
+                    job.cached_tokens = job.hbm_tokens = min(hbm_blocks * self.block_size, job.prompt_tokens - 1)
                 job.done_tokens = job.cached_tokens
                 self.queued_prefill_tokens -= job.cached_tokens
+            if job.fetch_pending:
+                continue
             chunk = min(job.prompt_tokens - job.done_tokens, budget)
             budget -= chunk
             p.chunks.append((job, chunk))
@@ -203,6 +248,9 @@ class Rank:
             for seq in finished:
                 self.running_kv_tokens -= seq.kv_tokens
                 self._release(seq.reserved_blocks)
+                if self.role is Role.DECODE and seq.block_hashes:
+                    # the prompt's KV stays as evictable prefix cache (vLLM / SGLang keep freed blocks)
+                    self.cache_insert(seq.block_hashes)
         return finished
 
     def apply_prefill(self, plan: RankPlan) -> list[PrefillJob]:
@@ -217,7 +265,7 @@ class Rank:
                 done.append(job)
         for job in done:
             self.prefill_queue.remove(job) if self.prefill_queue[0] is not job else self.prefill_queue.popleft()
-            self.cache.insert(job.block_hashes)
+            self.cache_insert(job.block_hashes)
         return done
 
     def start_decode_local(self, job: PrefillJob, remaining: int) -> DecodeSeq | None:

@@ -8,6 +8,8 @@ Two ways to advance time:
 
 - **step by step** while any rank has prefill work (or always, with ``fast_forward=False``, the
   exact reference mode): plan one step per rank, ask the perf model for its duration, wait, apply.
+  Jobs waiting for lower-tier KV fetches are not work: a step in which every admitted job is
+  fetching is not taken (the group waits for the fetch to notify it).
 - **decode fast-forward** when the group only decodes: the batch composition cannot change until
   the next sequence finishes (``n = min(remaining)`` steps) unless new work arrives, so the ``n``
   step times are computed in one vectorised perf-model call (KV lengths grow by one token per
@@ -79,7 +81,7 @@ class StepGroup:
             for rank in ranks:
                 for seq in rank.admit_decode():
                     self.on_decode_admitted(rank, seq, now)
-            has_prefill = any(r.prefill_queue for r in ranks)
+            has_prefill = any(r.has_schedulable_prefill for r in ranks)
             has_decode = any(r.running for r in ranks)
             if not has_prefill and not has_decode:
                 self.num_waits += 1
@@ -87,6 +89,8 @@ class StepGroup:
                 continue
             if has_prefill or not self.fast_forward:
                 plans = [r.plan() for r in ranks]
+                if not any(p.chunks or p.decode_seqs for p in plans):
+                    continue  # every admitted job is fetching from a lower KV tier: wait for it
                 for plan in plans:
                     for job, _ in plan.chunks:
                         if job.start_s < 0:

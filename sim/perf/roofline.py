@@ -43,8 +43,19 @@ where ``T`` is the token count of the whole step group. Details:
   - steps with any prefill, *normal* kernels: one copy per distinct remote node over the NIC
     (node-limited routing caps the nodes), then NVLink forwarding; time = max(NIC, NVLink).
 
-  Within one node everything goes over NVLink. Two-micro-batch overlap is not modelled
-  (``comm_overlap`` hides a fraction); to be refined.
+  Within one node everything goes over NVLink. With ``ep_ll_nvlink=True`` decode kernels also
+  send copies for experts on the own node over NVLink and only the off-node ones over the NIC
+  (:func:`ep_dispatch_combine_bytes`; time = max(NVLink, NIC)); the default is DeepEP's original
+  pure-RDMA low-latency design.
+* Two-micro-batch overlap (``tbo=True``; DeepSeek day-6 overview: "a dual-batch overlap strategy
+  to hide communication cost"; SGLang ``--enable-two-batch-overlap``): the step is split into two
+  micro-batches whose compute and dispatch/combine interleave, so
+
+      step = max(rank + moe, comm) + tbo_overhead_s + overhead          (instead of the sum)
+
+  where each micro-batch streams the weights again: the weight-read part of the rank and MoE
+  memory terms counts twice (KV reads do not: each micro-batch reads its own sequences). With
+  ``tbo=False``, ``comm_overlap`` hides a fixed fraction of ``comm`` instead (default 0).
 * TP collectives (dense engines with ``gpus_per_rank > 1``) are ignored.
 * ``ep_synchronous=False`` with ``R > 1`` returns the max over ranks (callers should evaluate each
   independent rank with ``R = 1``).
@@ -60,8 +71,9 @@ Default efficiencies (round numbers, not fitted; a later calibration replaces th
 * ``step_overhead_s = 2 ms``: scheduler + sampling + launch/sync gaps per step with CUDA graphs
   (vLLM/SGLang decode steps of small dense models bottom out at a few ms).
 * ``comm_efficiency = 0.8``: DeepEP low-latency measured vs NIC peak (above).
-* ``comm_overlap = 0.0``: no dispatch/combine hidden behind compute (two-batch overlap not
-  modelled); raise it to model TBO.
+* ``comm_overlap = 0.0``: no dispatch/combine hidden behind compute unless ``tbo`` is on.
+* ``tbo = False``, ``tbo_overhead_s = 0``, ``ep_ll_nvlink = False``: today's behaviour; scenarios opt
+  in through their ``[perf]`` table (:class:`sim.perf.config.PerfConfig`).
 * ``kv_cache_fraction = 0.9`` of HBM for weights + KV (SGLang ``mem_fraction_static`` style), and
   ``activation_reserve_bytes = 2 GB`` per GPU inside it for activations / CUDA graphs.
 """
@@ -87,6 +99,38 @@ DISPATCH_BYTES = 1
 COMBINE_BYTES = 2
 
 
+def ep_dispatch_combine_bytes(
+    hidden_size: int,
+    experts_per_token: int,
+    ep_size: int,
+    gpus_per_node: int,
+    *,
+    dispatch_bytes: int = DISPATCH_BYTES,
+    combine_bytes: int = COMBINE_BYTES,
+) -> tuple[float, float]:
+    """Bytes one token moves per MoE layer for expert-parallel dispatch + combine, split by link.
+
+    Each of the ``experts_per_token`` (top-k) copies carries ``hidden_size`` elements out
+    (``dispatch_bytes`` each; FP8 = 1 in DeepEP) and back (``combine_bytes``; BF16 = 2). With the
+    routed experts spread uniformly over ``ep_size`` GPUs of ``gpus_per_node`` per node, a copy
+    stays on the own GPU with probability ``1/ep``, goes to another GPU of the node (NVLink) with
+    ``(min(ep, gpn) - 1)/ep`` and off-node (scale-out NIC) with ``1 - min(ep, gpn)/ep``.
+
+    Returns:
+        ``(nvlink_bytes, scale_out_bytes)`` per token per MoE layer.
+
+    Hand check (DeepSeek-V3 hidden 7168, top-8, EP32 on 8-GPU nodes): a copy is 7168 * 3 =
+    21,504 B; NVLink 8 * 7/32 * 21,504 = 37,632 B; NIC 8 * 24/32 * 21,504 = 129,024 B.
+    """
+    if min(hidden_size, experts_per_token, ep_size, gpus_per_node) < 1:
+        raise ValueError("hidden_size, experts_per_token, ep_size and gpus_per_node must be >= 1")
+    per_copy = float(hidden_size * (dispatch_bytes + combine_bytes))
+    local = min(ep_size, gpus_per_node)
+    on_node_other = (local - 1) / ep_size
+    off_node = 1.0 - local / ep_size
+    return experts_per_token * on_node_other * per_copy, experts_per_token * off_node * per_copy
+
+
 class RooflinePerf:
     """Roofline ``PerfModel`` of one engine (step group); build it with :meth:`for_engine`."""
 
@@ -105,6 +149,9 @@ class RooflinePerf:
         activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
         comm_efficiency: float = DEFAULT_COMM_EFFICIENCY,
         comm_overlap: float = DEFAULT_COMM_OVERLAP,
+        tbo: bool = False,
+        tbo_overhead_s: float = 0.0,
+        ep_ll_nvlink: bool = False,
     ) -> None:
         self.model = get_model(model)
         self.hardware = get_hardware(hardware)
@@ -116,8 +163,8 @@ class RooflinePerf:
             raise ValueError("comm_overlap must be in [0, 1]")
         if not 0 < kv_cache_fraction <= 1:
             raise ValueError("kv_cache_fraction must be in (0, 1]")
-        if step_overhead_s < 0 or activation_reserve_bytes < 0:
-            raise ValueError("step_overhead_s and activation_reserve_bytes must be >= 0")
+        if step_overhead_s < 0 or activation_reserve_bytes < 0 or tbo_overhead_s < 0:
+            raise ValueError("step_overhead_s, tbo_overhead_s and activation_reserve_bytes must be >= 0")
         m, hw = self.model, self.hardware
         self.num_dp_ranks = int(num_dp_ranks)
         self.gpus_per_rank = int(gpus_per_rank)
@@ -131,6 +178,9 @@ class RooflinePerf:
         self.activation_reserve_bytes = float(activation_reserve_bytes)
         self.comm_efficiency = float(comm_efficiency)
         self.comm_overlap = float(comm_overlap)
+        self.tbo = bool(tbo)
+        self.tbo_overhead_s = float(tbo_overhead_s)
+        self.ep_ll_nvlink = bool(ep_ll_nvlink)
         self.kv_bytes_per_token = int(m.kv_bytes_per_token)
 
         tp = self.gpus_per_rank
@@ -178,6 +228,9 @@ class RooflinePerf:
         activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
         comm_efficiency: float = DEFAULT_COMM_EFFICIENCY,
         comm_overlap: float = DEFAULT_COMM_OVERLAP,
+        tbo: bool = False,
+        tbo_overhead_s: float = 0.0,
+        ep_ll_nvlink: bool = False,
     ) -> RooflinePerf:
         """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
 
@@ -188,7 +241,8 @@ class RooflinePerf:
         return cls(model, hardware, num_dp_ranks=num_dp_ranks, gpus_per_rank=gpus_per_rank,
                    ep_synchronous=ep_synchronous, mfu=mfu, mbu=mbu, step_overhead_s=step_overhead_s,
                    kv_cache_fraction=kv_cache_fraction, activation_reserve_bytes=activation_reserve_bytes,
-                   comm_efficiency=comm_efficiency, comm_overlap=comm_overlap)
+                   comm_efficiency=comm_efficiency, comm_overlap=comm_overlap, tbo=tbo,
+                   tbo_overhead_s=tbo_overhead_s, ep_ll_nvlink=ep_ll_nvlink)
 
     def _comm_per_token(self) -> tuple[float, float]:
         """Seconds of dispatch+combine per token of the busiest rank: (low-latency, normal) mode."""
@@ -203,8 +257,13 @@ class RooflinePerf:
         if nodes == 1:
             both = nvl_s / self.gpus_per_rank
             return both, both
-        # low-latency kernels (decode): every top-k copy goes point-to-point over RDMA
-        ll = k * elem / net
+        # low-latency kernels (decode): every top-k copy goes point-to-point over RDMA, or with
+        # ep_ll_nvlink only the off-node ones (the rest over NVLink, concurrently)
+        if self.ep_ll_nvlink:
+            nvl_b, net_b = ep_dispatch_combine_bytes(m.hidden_size, k, g, gpn)
+            ll = max(nvl_b / nvl, net_b / net) * m.num_moe_layers
+        else:
+            ll = k * elem / net
         # normal kernels (prefill): one copy per distinct remote node over RDMA, then NVLink
         # forwarding inside the node. Distinct nodes among k uniform picks: nodes * (1 - q),
         # q = (1 - 1/nodes)^k; the own node is one of them with probability 1 - q; node-limited
@@ -251,7 +310,8 @@ class RooflinePerf:
     ) -> dict[str, np.ndarray]:
         """Components of the step time (seconds, rank axis reduced, shape ``(...)``):
         ``rank`` (the slowest rank's own roofline, incl. experts for a non-EP MoE rank),
-        ``moe`` (shared expert roofline, EP only), ``comm`` (dispatch/combine after overlap),
+        ``moe`` (shared expert roofline, EP only), ``comm`` (dispatch/combine; after
+        ``comm_overlap`` without TBO, before the max with compute under TBO),
         ``overhead`` and ``total``; plus ``rank_all`` with the per-rank times ``(..., R)``."""
         pt, pp, ds, dc = (np.asarray(a, dtype=np.float64) for a in
                           (prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens))
@@ -267,7 +327,8 @@ class RooflinePerf:
 
         tokens = pt + ds
         compute = tokens * self._c_tok + pp * self._c_pf_pair + dc * self._c_dec_pair
-        memory = self._m_weights + (dc + pc + tokens) * self._m_kv_tok
+        weight_reads = 2.0 if self.tbo else 1.0  # TBO: each micro-batch streams the weights
+        memory = weight_reads * self._m_weights + (dc + pc + tokens) * self._m_kv_tok
         rank = np.maximum(compute, memory)
 
         zeros = np.zeros(rank.shape[:-1])
@@ -275,21 +336,27 @@ class RooflinePerf:
         if self.model.is_moe:
             if self.ep_synchronous:
                 total = tokens.sum(axis=-1)
-                moe = self._moe_time(total)
+                moe = self._moe_time(total, weight_reads)
                 per_tok = np.where(pt.sum(axis=-1) > 0, self._comm_tok_normal, self._comm_tok_ll)
-                comm = (1.0 - self.comm_overlap) * tokens.max(axis=-1) * per_tok
+                comm = tokens.max(axis=-1) * per_tok
+                if not self.tbo:
+                    comm = (1.0 - self.comm_overlap) * comm
             else:  # each rank runs its own experts on its own tokens
-                rank = rank + self._moe_time(tokens)
+                rank = rank + self._moe_time(tokens, weight_reads)
         rank_max = rank.max(axis=-1)
-        total_s = rank_max + moe + comm + self.step_overhead_s
+        if self.tbo:  # compute of one micro-batch hides the other's dispatch/combine
+            total_s = np.maximum(rank_max + moe, comm) + self.tbo_overhead_s + self.step_overhead_s
+        else:
+            total_s = rank_max + moe + comm + self.step_overhead_s
         return {"rank": rank_max, "moe": moe, "comm": comm,
                 "overhead": np.full(rank_max.shape, self.step_overhead_s), "total": total_s,
                 "rank_all": rank}
 
-    def _moe_time(self, tokens: np.ndarray) -> np.ndarray:
-        """Routed-expert roofline on one GPU of the expert group for ``tokens`` group tokens."""
+    def _moe_time(self, tokens: np.ndarray, weight_reads: float = 1.0) -> np.ndarray:
+        """Routed-expert roofline on one GPU of the expert group for ``tokens`` group tokens
+        (``weight_reads``: how often the touched experts are streamed, 2 under TBO)."""
         touched = -np.expm1(tokens * np.log1p(-self._route_p)) if self._route_p < 1 else (tokens > 0) * 1.0
-        return np.maximum(tokens * self._moe_c_tok, touched * self._moe_m_all)
+        return np.maximum(tokens * self._moe_c_tok, weight_reads * touched * self._moe_m_all)
 
     def step_time_s(
         self,
@@ -312,5 +379,5 @@ class RooflinePerf:
     def __repr__(self) -> str:
         return (f"RooflinePerf({self.model.name}, {self.hardware.name}, dp={self.num_dp_ranks}, "
                 f"tp={self.gpus_per_rank}, ep_synchronous={self.ep_synchronous}, mfu={self.mfu}, "
-                f"mbu={self.mbu}, overhead={self.step_overhead_s * 1e3:g} ms, "
+                f"mbu={self.mbu}, overhead={self.step_overhead_s * 1e3:g} ms, tbo={self.tbo}, "
                 f"kv_capacity/rank={self.kv_capacity_tokens_per_rank} tokens)")

@@ -8,7 +8,8 @@ Readers turn request traces into :class:`~balancer.types.Request` lists:
   conversation trace (:func:`default_trace_path`).
 
 Malformed files raise :class:`TraceFormatError` naming ``file:line``.
-:func:`poisson_workload` generates synthetic traffic; :func:`scale_rate`, :func:`take_slice`
+:func:`poisson_workload` generates synthetic traffic; :func:`session_workload` multi-turn
+chatbot and agent sessions over days (:func:`write_mooncake` saves any workload as JSONL); :func:`scale_rate`, :func:`take_slice`
 and :func:`spread_batches` transform request lists without mutating them;
 :func:`ideal_hit_rate` is the infinite-cache prefix hit rate of a workload.
 """
@@ -18,8 +19,10 @@ from .azure import parse_azure_timestamp_ns, read_azure
 from .errors import TraceFormatError
 from .loader import DEFAULT_TRACE_NAME, TRACE_FORMATS, default_trace_path, read_trace
 from .mooncake import MOONCAKE_BLOCK_SIZE, read_mooncake
+from .sessions import SessionClassConfig, SessionWorkloadConfig, session_workload, workload_summary
 from .synthetic import poisson_workload
 from .transform import scale_rate, spread_batches, take_slice
+from .writer import write_mooncake
 
 __all__ = [
     "DEFAULT_TRACE_NAME",
@@ -33,7 +36,12 @@ __all__ = [
     "read_azure",
     "read_mooncake",
     "read_trace",
+    "SessionClassConfig",
+    "SessionWorkloadConfig",
+    "session_workload",
     "scale_rate",
     "spread_batches",
     "take_slice",
+    "workload_summary",
+    "write_mooncake",
 ]

@@ -8,6 +8,8 @@ Format (kvcache-ai/Mooncake, ``FAST25-release/traces/*.jsonl``), one JSON object
 * ``input_length`` / ``output_length``: prompt and output lengths in tokens.
 * ``hash_ids``: one id per 512-token prompt block (the last one possibly partial), assigned so
   that equal ids at equal positions after equal parents mean equal prefixes.
+* optional (pdlb's session workloads, :func:`sim.workload.write_mooncake`): ``session_id`` (a
+  string or integer) and ``traffic_class`` (a non-empty string); absent or ``null`` = unknown.
 
 Checked on the shipped conversation trace (12,031 lines): every line has exactly
 ``ceil(input_length / 512)`` ids, timestamps never decrease, no length is 0 (min output 1), and
@@ -39,9 +41,11 @@ class _BadRecord(Exception):
     """Internal: one record is invalid; the caller adds file and line."""
 
 
-def _parse_record(raw: bytes, block_size: int, prev_ts: float) -> tuple[float, int, int, tuple[int, ...]]:
+def _parse_record(
+    raw: bytes, block_size: int, prev_ts: float
+) -> tuple[float, int, int, tuple[int, ...], str | None, str | None]:
     """Validate one JSON line; return ``(timestamp_ms, input_length, max(output_length, 1),
-    block_hashes)`` or raise :class:`_BadRecord`."""
+    block_hashes, session_id, traffic_class)`` or raise :class:`_BadRecord`."""
     try:
         rec = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
@@ -78,7 +82,16 @@ def _parse_record(raw: bytes, block_size: int, prev_ts: float) -> tuple[float, i
         hashes = chain_block_ids(ids)
     except ValueError as exc:
         raise _BadRecord(f"field 'hash_ids': {exc}") from None
-    return ts, n_in, max(n_out, 1), tuple(hashes)
+    session = rec.get("session_id")
+    if session is not None:
+        if type(session) is int:
+            session = str(session)
+        elif type(session) is not str or not session:
+            raise _BadRecord(f"field 'session_id' must be a non-empty string or an integer, got {session!r}")
+    cls = rec.get("traffic_class")
+    if cls is not None and (type(cls) is not str or not cls):
+        raise _BadRecord(f"field 'traffic_class' must be a non-empty string, got {cls!r}")
+    return ts, n_in, max(n_out, 1), tuple(hashes), session, cls
 
 
 def read_mooncake(
@@ -101,7 +114,9 @@ def read_mooncake(
     * ``expected_output_tokens = max_output_tokens = max(output_length, 1)``: an output length
       of 0 (none in the conversation trace, but allowed) becomes 1, since an engine always
       produces at least one token and :class:`Request` requires ``max_output_tokens >= 1``;
-    * ``traffic_class`` as given; ``session_id`` is ``None`` (the trace has none).
+    * ``session_id`` and ``traffic_class`` from the optional fields of the same names when a line
+      has them (a line's ``traffic_class`` wins over the argument), else ``None`` and the
+      ``traffic_class`` argument (the published Mooncake traces have neither).
 
     Unknown extra fields are ignored. Blank lines are skipped.
 
@@ -110,7 +125,7 @@ def read_mooncake(
         block_size: tokens per ``hash_ids`` entry *in the trace* (512 for Mooncake), used only
             to validate the id count; it is not the engine's KV block size.
         limit: read at most this many requests (``None``: all).
-        traffic_class: tag stored on every request (e.g. ``"chatbot"``).
+        traffic_class: tag stored on every request without its own ``traffic_class`` field.
 
     Returns:
         Requests in file order (which is arrival order).
@@ -120,7 +135,9 @@ def read_mooncake(
             is not an object, a missing field, a field of the wrong type (lengths and ids must
             be JSON integers, ``timestamp`` a finite number), ``timestamp`` < 0 or smaller than
             the previous line's, ``input_length`` < 1, ``output_length`` < 0, an id outside
-            ``[0, 2**64)``, or ``len(hash_ids) != ceil(input_length / block_size)``.
+            ``[0, 2**64)``, ``len(hash_ids) != ceil(input_length / block_size)``, a
+            ``session_id`` that is not a non-empty string or an integer, or a ``traffic_class``
+            that is not a non-empty string.
         ValueError: ``block_size`` < 1 or a bad ``limit``.
         OSError: the file cannot be opened.
     """
@@ -135,7 +152,7 @@ def read_mooncake(
             if not raw.strip():
                 continue
             try:
-                ts, n_in, n_out, hashes = _parse_record(raw, block_size, prev_ts)
+                ts, n_in, n_out, hashes, session, cls = _parse_record(raw, block_size, prev_ts)
             except _BadRecord as exc:
                 raise TraceFormatError(path, lineno, str(exc)) from None
             prev_ts = ts
@@ -147,7 +164,8 @@ def read_mooncake(
                     block_hashes=hashes,
                     max_output_tokens=n_out,
                     expected_output_tokens=n_out,
-                    traffic_class=traffic_class,
+                    session_id=session,
+                    traffic_class=cls if cls is not None else traffic_class,
                 )
             )
             if limit is not None and len(requests) >= limit:

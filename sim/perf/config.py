@@ -1,0 +1,90 @@
+"""Per-scenario settings of the roofline perf model (the ``[perf]`` table of a scenario file).
+
+Every field defaults to the roofline's built-in value, so a scenario without ``perf`` gets exactly
+the model it always had. :func:`roofline_for_pool` builds the engine model of one pool with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sim.hardware import get_hardware
+from sim.models import get_model
+from sim.perf.roofline import (
+    DEFAULT_ACTIVATION_RESERVE_BYTES,
+    DEFAULT_COMM_EFFICIENCY,
+    DEFAULT_COMM_OVERLAP,
+    DEFAULT_KV_CACHE_FRACTION,
+    DEFAULT_MBU,
+    DEFAULT_MFU,
+    DEFAULT_STEP_OVERHEAD_S,
+    RooflinePerf,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sim.scenario import PoolConfig, Scenario
+
+
+class PerfConfig(BaseModel):
+    """Roofline settings of a scenario (see :mod:`sim.perf.roofline` for the formulas).
+
+    Attributes:
+        mfu / mbu: fraction of tensor-core peak / HBM bandwidth reached by a whole step.
+        step_overhead_s: fixed cost per step (scheduler, sampling, launch gaps), seconds.
+        comm_efficiency: fraction of NVLink / NIC peak reached by MoE dispatch/combine.
+        comm_overlap: fraction of dispatch/combine hidden behind compute when ``tbo`` is off.
+        kv_cache_fraction / activation_reserve_bytes: GPU memory budget for weights + KV, and the
+            part of it kept for activations (bytes per GPU).
+        tbo: two-micro-batch overlap (DeepSeek day-6 overview; SGLang ``--enable-two-batch-overlap``):
+            step = max(compute, comm) + ``tbo_overhead_s`` instead of compute + comm; the weights
+            are streamed once per micro-batch.
+        tbo_overhead_s: extra seconds per step for the split (pipeline fill, two launches).
+        fp8_weights: ``True`` stores/streams linear weights as FP8 (1 byte per parameter) and runs
+            linear layers at the FP8 peak, ``False`` BF16 (2 bytes); ``None`` keeps the model's own.
+        gpus_per_node: GPUs per NVLink domain; ``None`` keeps the hardware's (8 for HGX).
+        ep_ll_nvlink: decode (low-latency) dispatch/combine sends copies to experts on the own node
+            over NVLink and only off-node copies over the NIC; ``False`` = pure-RDMA low-latency
+            kernels (DeepEP's original design), every copy over the NIC.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mfu: float = Field(DEFAULT_MFU, gt=0, le=1)
+    mbu: float = Field(DEFAULT_MBU, gt=0, le=1)
+    step_overhead_s: float = Field(DEFAULT_STEP_OVERHEAD_S, ge=0)
+    comm_efficiency: float = Field(DEFAULT_COMM_EFFICIENCY, gt=0, le=1)
+    comm_overlap: float = Field(DEFAULT_COMM_OVERLAP, ge=0, le=1)
+    kv_cache_fraction: float = Field(DEFAULT_KV_CACHE_FRACTION, gt=0, le=1)
+    activation_reserve_bytes: float = Field(DEFAULT_ACTIVATION_RESERVE_BYTES, ge=0)
+    tbo: bool = False
+    tbo_overhead_s: float = Field(0.0, ge=0)
+    fp8_weights: bool | None = None
+    gpus_per_node: int | None = Field(None, ge=1)
+    ep_ll_nvlink: bool = False
+
+
+def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | None = None) -> RooflinePerf:
+    """Roofline model of one engine of ``pool``, with ``perf`` (default: ``scenario.perf``, else
+    the built-in defaults). A scenario without ``perf`` gives the same model as
+    ``RooflinePerf.for_engine(model, hardware, num_dp_ranks=..., gpus_per_rank=..., ep_synchronous=...)``.
+
+    Raises:
+        ValueError: unknown model/hardware, or the weights do not fit (see ``RooflinePerf``).
+    """
+    cfg = perf if perf is not None else (getattr(scenario, "perf", None) or PerfConfig())
+    model = get_model(scenario.model)
+    if cfg.fp8_weights is not None:
+        model = dataclasses.replace(model, weight_bytes=1 if cfg.fp8_weights else 2,
+                                    total_params=model.total_params, activated_params=model.activated_params)
+    hardware = get_hardware(scenario.hardware)
+    if cfg.gpus_per_node is not None:
+        hardware = dataclasses.replace(hardware, gpus_per_node=cfg.gpus_per_node)
+    return RooflinePerf.for_engine(
+        model, hardware, num_dp_ranks=pool.dp_ranks, gpus_per_rank=pool.gpus_per_rank,
+        ep_synchronous=pool.ep, mfu=cfg.mfu, mbu=cfg.mbu, step_overhead_s=cfg.step_overhead_s,
+        kv_cache_fraction=cfg.kv_cache_fraction, activation_reserve_bytes=cfg.activation_reserve_bytes,
+        comm_efficiency=cfg.comm_efficiency, comm_overlap=cfg.comm_overlap, tbo=cfg.tbo,
+        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink)

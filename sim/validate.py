@@ -1,0 +1,293 @@
+"""``pdlb sim validate``: the perf model against published deployment figures.
+
+Each :class:`Figure` is a number a deployment published (SIMULATORS.md quotes them with their
+sources) and the workload that produced it, run through the roofline of the matching shipped
+preset (``sim/data/presets``). Throughput figures are steady-state: every DP rank of the unit holds
+the same work and the step time comes from :meth:`RooflinePerf.step_time_breakdown`; per-node
+rates count ``gpus_per_node`` GPUs. Error = simulated / published - 1; a figure passes within
++-15%.
+
+Calibration: one named figure (``CALIBRATION_POINT``, SGLang decode) fits ONE number, a common
+derating ``s`` of the roofline's default peak fractions (``mfu``, ``mbu``, ``comm_efficiency``;
+``step_overhead_s`` stays at its default), so that the simulated figure equals the published one.
+``pdlb sim validate --calibrate sglang-decode-2k`` prints the fitted constants; they are written
+into the shipped presets' ``[perf]`` tables. Every other figure is held out.
+
+Workload assumptions (not published, stated where used):
+
+* prefill: 16,384 new tokens per GPU per step (the SGLang benchmark's per-device batch), i.e.
+  16 x 1K, 8 x 2K, 4 x 4K prompts; DeepSeek's prefill: prompts of 4,383 tokens, 56.3% cached.
+  4,384 is derived from the day-6 numbers: output/input = 168B / 608B = 0.276 and the average KV
+  length per output token ``L + O/2 = 4,989`` give ``L = 4,989 / (1 + 0.138) = 4,383``.
+* DeepSeek decode: 88 sequences per GPU (14.8k tok/s per node / 8 GPUs / 21 tok/s per sequence),
+  context 4,989 tokens, MTP: each step verifies 2 tokens per sequence and yields 1.875 (second-token
+  acceptance 85-90%, DeepSeek-V3 paper sec. 5.4.3).
+* DeepInfer decode: 60 sequences per GPU (the published operating point of its speculative-decoding
+  note), context 4,989 (DeepSeek's published average; DeepInfer's is not published), no
+  speculative decoding (its acceptance length is not published).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim.perf.base import causal_attn_pairs
+from sim.perf.config import PerfConfig, roofline_for_pool
+from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, DEFAULT_STEP_OVERHEAD_S
+from sim.scenario import Scenario, load_scenario
+
+#: relative error within which a figure passes
+TOLERANCE = 0.15
+#: the one figure the efficiency constants are fitted on
+CALIBRATION_POINT = "sglang-decode-2k"
+#: prefill tokens per GPU per step in the SGLang benchmark (assumed for DeepSeek too)
+PREFILL_TOKENS_PER_GPU = 16384
+#: DeepSeek day-6: output/input = 168B/608B, avg KV length per output token 4,989 -> prompt length
+DS_AVG_KV_TOKENS = 4989
+DS_PROMPT_TOKENS = round(DS_AVG_KV_TOKENS / (1 + 0.5 * 168 / 608))
+DS_CACHE_HIT = 0.563
+DS_DECODE_SEQS_PER_GPU = round(14_800 / 8 / 21)
+#: DeepSeek-V3 paper sec. 5.4.3: MTP second-token acceptance 85-90% -> 1.875 tokens per step
+DS_MTP_TOKENS_PER_STEP = 1.875
+DEEPINFER_DECODE_SEQS_PER_GPU = 60
+
+
+def _node_gpus(scenario: Scenario, perf: PerfConfig) -> int:
+    from sim.hardware import get_hardware
+    return perf.gpus_per_node or get_hardware(scenario.hardware).gpus_per_node
+
+
+def prefill_step_s(scenario: Scenario, perf: PerfConfig, prompt_tokens: int, cached_tokens: int,
+                   prompts_per_gpu: int) -> float:
+    """Step time (s) of the prefill unit when every rank computes ``prompts_per_gpu`` prompts of
+    ``prompt_tokens`` of which ``cached_tokens`` are a prefix hit (not recomputed, KV read)."""
+    pool = scenario.prefill
+    e = roofline_for_pool(scenario, pool, perf)
+    R, new = pool.dp_ranks, prompt_tokens - cached_tokens
+    ones = np.ones(R)
+    b = e.step_time_breakdown(ones * prompts_per_gpu * new,
+                              ones * prompts_per_gpu * causal_attn_pairs(new, cached_tokens),
+                              0 * ones, 0 * ones, prefill_cached_tokens=ones * prompts_per_gpu * cached_tokens)
+    return float(np.ravel(b["total"])[0])
+
+
+def decode_step_s(scenario: Scenario, perf: PerfConfig, seqs_per_gpu: float, ctx_tokens: float,
+                  tokens_verified: int = 1) -> float:
+    """Step time (s) of the decode unit with ``seqs_per_gpu`` sequences of ``ctx_tokens`` context on
+    every rank, each computing ``tokens_verified`` tokens (2 with one MTP draft token)."""
+    pool = scenario.decode
+    e = roofline_for_pool(scenario, pool, perf)
+    ones = np.ones(pool.dp_ranks)
+    n = seqs_per_gpu * tokens_verified
+    b = e.step_time_breakdown(0 * ones, 0 * ones, ones * n, ones * n * ctx_tokens)
+    return float(np.ravel(b["total"])[0])
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A published figure and how to simulate it.
+
+    ``simulate(scenario, perf)`` returns the simulated value in ``unit``."""
+
+    key: str
+    figure: str
+    source: str
+    published: float
+    unit: str
+    preset: str
+    simulate: Callable[[Scenario, PerfConfig], float] = field(repr=False)
+    note: str = ""
+
+
+def _sglang_prefill(prompt: int) -> Callable[[Scenario, PerfConfig], float]:
+    def run(sc: Scenario, perf: PerfConfig) -> float:
+        n = PREFILL_TOKENS_PER_GPU // prompt
+        return _node_gpus(sc, perf) * n * prompt / prefill_step_s(sc, perf, prompt, 0, n)
+    return run
+
+
+def _ds_prefill(sc: Scenario, perf: PerfConfig) -> float:
+    cached = round(DS_CACHE_HIT * DS_PROMPT_TOKENS)
+    n = PREFILL_TOKENS_PER_GPU // (DS_PROMPT_TOKENS - cached)
+    return _node_gpus(sc, perf) * n * DS_PROMPT_TOKENS / prefill_step_s(sc, perf, DS_PROMPT_TOKENS, cached, n)
+
+
+def _sglang_decode(sc: Scenario, perf: PerfConfig) -> float:
+    return _node_gpus(sc, perf) * 256 / decode_step_s(sc, perf, 256, 2000)
+
+
+def _ds_decode_node(sc: Scenario, perf: PerfConfig) -> float:
+    t = decode_step_s(sc, perf, DS_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS, tokens_verified=2)
+    return _node_gpus(sc, perf) * DS_DECODE_SEQS_PER_GPU * DS_MTP_TOKENS_PER_STEP / t
+
+
+def _ds_decode_seq(sc: Scenario, perf: PerfConfig) -> float:
+    t = decode_step_s(sc, perf, DS_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS, tokens_verified=2)
+    return DS_MTP_TOKENS_PER_STEP / t
+
+
+def _deepinfer_decode_seq(sc: Scenario, perf: PerfConfig) -> float:
+    return 1.0 / decode_step_s(sc, perf, DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS)
+
+
+SGLANG = "SGLang blog 2025-05-05 (96 H100)"
+DAY6 = "DeepSeek day-6 overview (H800)"
+DEEPINFER = "DeepInfer (V4.1 Flash, SM100)"
+
+#: every checkable published figure, in display order
+FIGURES: tuple[Figure, ...] = (
+    Figure("sglang-prefill-1k", "prefill input tok/s/node, 1K prompts", SGLANG, 57_674, "tok/s",
+           "sglang-h100-ep", _sglang_prefill(1024), "16 x 1K prompts per GPU (assumed batch)"),
+    Figure("sglang-prefill-2k", "prefill input tok/s/node, 2K prompts", SGLANG, 54_543, "tok/s",
+           "sglang-h100-ep", _sglang_prefill(2048), "8 x 2K prompts per GPU"),
+    Figure("sglang-prefill-4k", "prefill input tok/s/node, 4K prompts", SGLANG, 50_302, "tok/s",
+           "sglang-h100-ep", _sglang_prefill(4096), "4 x 4K prompts per GPU"),
+    Figure("sglang-e2e-input-2000", "input tok/s/node, 2,000-token inputs", SGLANG, 52_300, "tok/s",
+           "sglang-h100-ep", _sglang_prefill(2000), "8 x 2,000 prompts per GPU"),
+    Figure("sglang-decode-2k", "decode output tok/s/node, batch 256/GPU, 2K ctx", SGLANG, 22_282, "tok/s",
+           "sglang-h100-ep", _sglang_decode, "calibration point"),
+    Figure("deepseek-prefill", "prefill input tok/s/node incl. 56.3% cache hits", DAY6, 73_700, "tok/s",
+           "deepseek-v3-h800", _ds_prefill, f"{DS_PROMPT_TOKENS}-token prompts (derived), 56.3% cached"),
+    Figure("deepseek-decode-node", "decode output tok/s/node, avg KV 4,989", DAY6, 14_800, "tok/s",
+           "deepseek-v3-h800", _ds_decode_node,
+           f"{DS_DECODE_SEQS_PER_GPU} seqs/GPU (derived), MTP {DS_MTP_TOKENS_PER_STEP} tok/step"),
+    Figure("deepseek-decode-seq", "decode tok/s per sequence (20-22)", DAY6, 21, "tok/s",
+           "deepseek-v3-h800", _ds_decode_seq, "same step as the per-node figure"),
+    Figure("deepinfer-decode-seq", "decode tok/s per sequence", DEEPINFER, 230, "tok/s",
+           "deepinfer-sm100", _deepinfer_decode_seq,
+           f"placeholder arch, {DEEPINFER_DECODE_SEQS_PER_GPU} seqs/GPU, ctx 4,989, no speculative decoding"),
+)
+FIGURES_BY_KEY = {f.key: f for f in FIGURES}
+
+
+@dataclass(frozen=True)
+class Result:
+    figure: Figure
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        """simulated / published - 1."""
+        return self.simulated / self.figure.published - 1.0
+
+    @property
+    def passed(self) -> bool:
+        return abs(self.error) <= TOLERANCE
+
+
+def _figure(key: str) -> Figure:
+    try:
+        return FIGURES_BY_KEY[key]
+    except KeyError:
+        raise ValueError(f"unknown figure {key!r}; valid: {', '.join(FIGURES_BY_KEY)}") from None
+
+
+def scenario_perf(scenario: Scenario) -> PerfConfig:
+    """The scenario's perf settings (its ``[perf]`` table, else the defaults)."""
+    return scenario.perf or PerfConfig()
+
+
+def run_validation(keys: list[str] | None = None,
+                   perf_override: Callable[[PerfConfig], PerfConfig] | None = None) -> list[Result]:
+    """Simulate the figures ``keys`` (default all) with their presets' perf settings, optionally
+    transformed by ``perf_override``. Raises ``ValueError`` on an unknown key."""
+    out = []
+    for f in [_figure(k) for k in keys] if keys else FIGURES:
+        sc = load_scenario(f.preset)
+        perf = scenario_perf(sc)
+        if perf_override is not None:
+            perf = perf_override(perf)
+        out.append(Result(f, f.simulate(sc, perf)))
+    return out
+
+
+def derated(perf: PerfConfig, scale: float) -> PerfConfig:
+    """``perf`` with mfu, mbu and comm_efficiency = ``scale`` x the roofline defaults (capped at 1)
+    and the default step overhead."""
+    return perf.model_copy(update={
+        "mfu": min(1.0, scale * DEFAULT_MFU), "mbu": min(1.0, scale * DEFAULT_MBU),
+        "comm_efficiency": min(1.0, scale * DEFAULT_COMM_EFFICIENCY),
+        "step_overhead_s": DEFAULT_STEP_OVERHEAD_S})
+
+
+def calibrate(key: str = CALIBRATION_POINT, *, tol: float = 1e-9) -> tuple[float, PerfConfig, Result]:
+    """Fit the derating ``s`` so that figure ``key`` is reproduced exactly (bisection; the
+    simulated throughput rises monotonically with ``s``).
+
+    Returns:
+        ``(s, fitted PerfConfig, result at s)``.
+    Raises:
+        ValueError: unknown key, or no ``s`` in (0, 1/max default] reproduces the figure.
+    """
+    f = _figure(key)
+    sc = load_scenario(f.preset)
+    base = scenario_perf(sc)
+
+    def value(s: float) -> float:
+        return f.simulate(sc, derated(base, s))
+
+    lo, hi = 1e-3, 1.0 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY)
+    if not value(lo) <= f.published <= value(hi):
+        raise ValueError(f"{key}: published {f.published:g} is outside what the efficiency constants can "
+                         f"reach ({value(lo):.4g} .. {value(hi):.4g} {f.unit})")
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if value(mid) < f.published else (lo, mid)
+    s = 0.5 * (lo + hi)
+    perf = derated(base, s)
+    return s, perf, Result(f, f.simulate(sc, perf))
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_validate_parser(simsub: argparse._SubParsersAction) -> None:
+    """Register ``pdlb sim validate`` on the ``sim`` sub-command parser."""
+    p = simsub.add_parser(
+        "validate", help="compare the perf model with published deployment figures",
+        description="Run each published figure's workload (SGLang large-scale EP on H100, DeepSeek's "
+                    "day-6 H800 averages, DeepInfer on SM100) through the roofline of its shipped preset "
+                    f"and print published vs simulated, pass/fail at +-{TOLERANCE:.0%}. "
+                    f"Efficiency constants are calibrated on {CALIBRATION_POINT} only; see docs/validate.md.")
+    p.add_argument("--calibrate", metavar="FIGURE", nargs="?", const=CALIBRATION_POINT,
+                   help=f"fit the efficiency constants on FIGURE (default {CALIBRATION_POINT}) and print them "
+                        "as the [perf] lines to write into the presets")
+    p.add_argument("--figures", metavar="A,B,...", help=f"only these figures ({', '.join(FIGURES_BY_KEY)})")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any figure misses")
+
+
+def run_validate(args: argparse.Namespace, console) -> int:
+    """``pdlb sim validate``: print the table (or the calibration). Returns the exit code."""
+    from rich.table import Table
+
+    if args.calibrate:
+        s, perf, res = calibrate(args.calibrate)
+        console.print(f"calibrated on [bold]{args.calibrate}[/] ({res.figure.source}: "
+                      f"{res.figure.published:,.0f} {res.figure.unit}): derating s = {s:.4f} of the roofline defaults")
+        console.print("lines for the \\[perf] table of the shipped presets (sim/data/presets/*.toml):")
+        for name in ("mfu", "mbu", "comm_efficiency"):
+            console.print(f"{name} = {getattr(perf, name):.4g}  # calibrated: pdlb sim validate --calibrate {args.calibrate}",
+                          markup=False)
+        console.print(f"step_overhead_s = {perf.step_overhead_s:g}  # assumed: roofline default "
+                      "(sim/perf/roofline.py), held fixed by the calibration", markup=False)
+        return 0
+    keys = [k.strip() for k in args.figures.split(",") if k.strip()] if args.figures else None
+    results = run_validation(keys)
+    t = Table(title=f"perf model vs published figures (pass = within +-{TOLERANCE:.0%}; "
+                    f"calibrated on {CALIBRATION_POINT})")
+    for col, just in (("figure", "left"), ("key", "left"), ("source", "left"), ("published", "right"),
+                      ("simulated", "right"), ("error", "right"), ("", "center"), ("workload", "left")):
+        t.add_column(col, justify=just)
+    for r in results:
+        f = r.figure
+        mark = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
+        if f.key == CALIBRATION_POINT:
+            mark += " (cal.)"
+        t.add_row(f.figure, f.key, f.source, f"{f.published:,.0f}", f"{r.simulated:,.0f}",
+                  f"{100 * r.error:+.1f}%", mark, f.note)
+    console.print(t)
+    held = [r for r in results if r.figure.key != CALIBRATION_POINT]
+    console.print(f"{sum(r.passed for r in held)} of {len(held)} held-out figures within +-{TOLERANCE:.0%}")
+    return 1 if args.strict and not all(r.passed for r in results) else 0
