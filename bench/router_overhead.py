@@ -1,19 +1,30 @@
 """Router overhead: pdlb vs sglang-router in front of the same zero-delay emulated engines.
 
-Run by hand (needs network to PyPI once, for /work/shared/peers/sglang_router.sh)::
+Run by hand::
 
-    .venv/bin/python bench/router_overhead.py [--duration-s 5] [--concurrency 16] [--max-concurrency 64]
+    .venv/bin/python bench/router_overhead.py                 # both modes, 3 interleaved repeats
+    .venv/bin/python bench/router_overhead.py --no-sglang     # pdlb vs the direct engine only
+    .venv/bin/python bench/router_overhead.py --modes regular --repeat 2 --duration-s 5
+
+The peer is SGLang's Rust router (``../shared/peers/sglang_router.sh``, or ``--sglang-router CMD``;
+its first run installs the ``sglang-router`` package). When the peer script is missing or the
+router does not start, the comparison is skipped with a note and pdlb is still measured.
 
 For each mode (``regular``: 2 mixed engines; ``pd``: 1 prefill + 1 decode engine, SGLang PD
-protocol) and each router it measures, with non-streaming ``/v1/completions`` (8 output tokens):
+protocol) it starts the engines (``pdlb engine --zero-delay``), a separate direct engine, pdlb
+and sglang-router once, then for each repeat measures, in turn, the direct engine, pdlb and
+sglang-router with non-streaming ``/v1/completions`` (8 output tokens):
 
-* latency at fixed concurrency (closed loop); *added* latency = router percentile - the same
-  percentile sending directly to one engine;
-* max requests/s (closed loop at ``--max-concurrency``).
+* latency at ``--concurrency`` (closed loop); *added* latency = router percentile - the same
+  percentile sending directly to one engine, measured in the same repeat;
+* max requests/s (closed loop at ``--max-concurrency``);
+* router CPU time per request (user + system, all threads, from ``/proc/PID/stat``) during the
+  throughput run: the least contention-sensitive number on a shared host.
 
-Prints both routers and the ratios pdlb / sglang-router. Goal (issue 3): added p99 <= 2 ms and
-throughput >= 0.5x sglang-router. The load generator shares the host with routers and engines,
-so on a small host absolute numbers are pessimistic for both; the ratios are the point.
+It prints every repeat and a summary: the medians over repeats, the ratios pdlb / sglang-router
+per repeat (median), and the issue-3 goals (added p99 <= 2 ms, throughput >= 0.5x sglang-router).
+The load generator shares the host with routers and engines, so on a small or busy host absolute
+numbers are pessimistic for both routers; the ratios from the same repeat are the point.
 """
 
 from __future__ import annotations
@@ -21,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -30,11 +43,26 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from sim.emulator.testing import Proc, spawn_engines, spawn_router  # noqa: E402
 
-PEER = "/work/shared/peers/sglang_router.sh"
+PEER = ROOT.parent / "shared" / "peers" / "sglang_router.sh"
 BODY = {"model": "emu", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 8}
+GOAL_ADDED_P99_MS = 2.0
+GOAL_RPS_RATIO = 0.5
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), or nan if unknown."""
+    if pid is None:
+        return float("nan")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 def _free_port() -> int:
@@ -43,10 +71,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _wait_ready(url: str, timeout_s: float = 120) -> None:
+async def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with status {proc.returncode}")
             try:
                 async with s.post(url + "/v1/completions", json=BODY, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
@@ -54,11 +84,11 @@ async def _wait_ready(url: str, timeout_s: float = 120) -> None:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(0.5)
-    raise RuntimeError(f"{url} never answered")
+    raise RuntimeError(f"{url} never answered within {timeout_s:.0f} s")
 
 
-async def _closed_loop(url: str, concurrency: int, duration_s: float) -> tuple[np.ndarray, float]:
-    """Latencies (s) of requests completed in ``duration_s`` and the achieved requests/s."""
+async def _closed_loop(url: str, concurrency: int, duration_s: float) -> tuple[np.ndarray, float, int]:
+    """Latencies (s) of the 200 answers completed in ``duration_s``, achieved requests/s, errors."""
     lat: list[float] = []
     errors = 0
     stop_at = time.monotonic() + duration_s
@@ -68,23 +98,37 @@ async def _closed_loop(url: str, concurrency: int, duration_s: float) -> tuple[n
             nonlocal errors
             while time.monotonic() < stop_at:
                 t0 = time.perf_counter()
-                async with s.post(url + "/v1/completions", json=BODY) as r:
-                    await r.read()
-                    if r.status != 200:
-                        errors += 1
-                        continue
+                try:
+                    async with s.post(url + "/v1/completions", json=BODY) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if not ok:
+                    errors += 1
+                    continue
                 lat.append(time.perf_counter() - t0)
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - t0
-    if errors:
-        print(f"  warning: {errors} non-200 answers from {url}")
-    return np.array(lat), len(lat) / elapsed
+    return np.array(lat), len(lat) / elapsed, errors
 
 
-def _start_sglang(mode: str, engines: list[Proc]) -> tuple[subprocess.Popen, str]:
+async def _measure(url: str, args: argparse.Namespace, pid: int | None = None) -> dict[str, float]:
+    await _closed_loop(url, args.concurrency, 1.0)  # warm up connections
+    lat, _, e1 = await _closed_loop(url, args.concurrency, args.duration_s)
+    cpu0 = _cpu_s(pid)
+    lat_max, rps, e2 = await _closed_loop(url, args.max_concurrency, args.duration_s)
+    cpu_us = (_cpu_s(pid) - cpu0) / max(1, len(lat_max)) * 1e6
+    if e1 + e2:
+        print(f"  warning: {e1 + e2} failed requests to {url}")
+    return {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "rps": rps, "n": len(lat),
+            "cpu_us": cpu_us}
+
+
+def _start_sglang(mode: str, engines: list[Proc], cmd: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    args = ["bash", PEER, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
+    args = [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
             "--policy", "round_robin", "--log-level", "warn"]
     if mode == "regular":
         args += ["--worker-urls", *[e.url for e in engines]]
@@ -94,53 +138,57 @@ def _start_sglang(mode: str, engines: list[Proc]) -> tuple[subprocess.Popen, str
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
 
-async def _measure(url: str, args: argparse.Namespace) -> dict[str, float]:
-    await _closed_loop(url, args.concurrency, 1.0)  # warm up connections
-    lat, _ = await _closed_loop(url, args.concurrency, args.duration_s)
-    _, rps = await _closed_loop(url, args.max_concurrency, args.duration_s)
-    return {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "rps": rps, "n": len(lat)}
+def _added_ms(r: dict[str, float], direct: dict[str, float], q: str) -> float:
+    return (r[q] - direct[q]) * 1e3
 
 
-async def run_mode(mode: str, args: argparse.Namespace) -> None:
+def _print_repeat(k: int, rows: list[tuple[str, dict[str, float]]], direct: dict[str, float]) -> None:
+    print(f"  repeat {k}: {'':7}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'max req/s':>11}"
+          f"{'CPU us/req':>12}")
+    for name, r in rows:
+        print(f"    {name:17}{r['p50'] * 1e3:9.2f}{r['p99'] * 1e3:9.2f}{_added_ms(r, direct, 'p50'):11.2f}"
+              f"{_added_ms(r, direct, 'p99'):11.2f}{r['rps']:11.0f}{r['cpu_us']:12.0f}")
+
+
+async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | None) -> dict:
+    """Measure one mode; returns per-repeat results ``{"direct": [...], "pdlb": [...], "sglang": [...]}``."""
     specs = [("mixed", "--zero-delay"), ("mixed", "--zero-delay")] if mode == "regular" else \
         [("prefill", "--zero-delay"), ("decode", "--zero-delay")]
-    engines = spawn_engines(specs)
-    procs: list[Proc] = list(engines)
+    procs: list[Proc] = []
     sgl = None
+    out: dict[str, list[dict[str, float]]] = {"direct": [], "pdlb": [], "sglang": []}
     try:
-        direct_engine = engines[0] if mode == "regular" else spawn_engines([("mixed", "--zero-delay")])[0]
-        if direct_engine not in procs:
-            procs.append(direct_engine)
-        direct = await _measure(direct_engine.url, args)
+        engines = spawn_engines([*specs, ("mixed", "--zero-delay")])
+        procs += engines
+        direct_engine, engines = engines[-1], engines[:-1]
         if mode == "regular":
             pdlb = spawn_router("none", [], [], "--decode-policy", "round_robin", mixed=engines)
         else:
             pdlb = spawn_router("sglang", engines[:1], engines[1:], "--prefill-policy", "round_robin",
                                 "--decode-policy", "round_robin")
         procs.append(pdlb)
-        ours = await _measure(pdlb.url, args)
-        pdlb.stop()
-        sgl_res = None
-        try:
-            sgl, sgl_url = _start_sglang(mode, engines)
-            await _wait_ready(sgl_url)
-            sgl_res = await _measure(sgl_url, args)
-        except (RuntimeError, OSError) as e:
-            print(f"  sglang-router unavailable: {e} (see /tmp/pdlb-bench-sglang-{mode}.log)")
-        print(f"\n== {mode} ({'2 mixed engines' if mode == 'regular' else '1 prefill + 1 decode, SGLang PD'}), "
-              f"zero-delay engines, concurrency {args.concurrency}, throughput at {args.max_concurrency} ==")
-        print(f"{'':16}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'max req/s':>11}")
-        rows = [("direct engine", direct), ("pdlb", ours)] + ([("sglang-router", sgl_res)] if sgl_res else [])
-        for name, r in rows:
-            add50 = (r["p50"] - direct["p50"]) * 1e3
-            add99 = (r["p99"] - direct["p99"]) * 1e3
-            print(f"{name:16}{r['p50'] * 1e3:9.2f}{r['p99'] * 1e3:9.2f}{add50:11.2f}{add99:11.2f}{r['rps']:11.0f}")
-        if sgl_res:
-            a_ours = max(ours["p99"] - direct["p99"], 1e-6)
-            a_sgl = max(sgl_res["p99"] - direct["p99"], 1e-6)
-            print(f"ratios pdlb/sglang-router: added p50 "
-                  f"{(ours['p50'] - direct['p50']) / max(sgl_res['p50'] - direct['p50'], 1e-6):.2f}x, "
-                  f"added p99 {a_ours / a_sgl:.2f}x, max req/s {ours['rps'] / sgl_res['rps']:.2f}x")
+        sgl_url = None
+        if sglang_cmd is not None:
+            try:
+                sgl, sgl_url = _start_sglang(mode, engines, sglang_cmd)
+                await _wait_ready(sgl_url, sgl)
+            except (RuntimeError, OSError) as e:
+                print(f"  sglang-router unavailable: {e} (see /tmp/pdlb-bench-sglang-{mode}.log); skipping it")
+                sgl_url = None
+        desc = "2 mixed engines" if mode == "regular" else "1 prefill + 1 decode, SGLang PD"
+        print(f"\n== {mode} ({desc}), zero-delay engines, latency at concurrency {args.concurrency}, "
+              f"throughput at {args.max_concurrency}, {args.duration_s:g} s each ==")
+        for k in range(1, args.repeat + 1):
+            direct = await _measure(direct_engine.url, args, direct_engine.popen.pid)
+            ours = await _measure(pdlb.url, args, pdlb.popen.pid)
+            rows = [("direct engine", direct), ("pdlb", ours)]
+            out["direct"].append(direct)
+            out["pdlb"].append(ours)
+            if sgl_url is not None:
+                theirs = await _measure(sgl_url, args, sgl.pid if sgl is not None else None)
+                rows.append(("sglang-router", theirs))
+                out["sglang"].append(theirs)
+            _print_repeat(k, rows, direct)
     finally:
         if sgl is not None and sgl.poll() is None:
             sgl.terminate()
@@ -150,18 +198,70 @@ async def run_mode(mode: str, args: argparse.Namespace) -> None:
                 sgl.kill()
         for p in procs:
             p.stop()
+    return out
+
+
+def _summary(results: dict[str, dict]) -> None:
+    print("\n== summary (medians over repeats; ratios pdlb / sglang-router taken per repeat, then the median) ==")
+    hdr = f"{'mode':9}{'router':15}{'added p50 ms':>13}{'added p99 ms':>13}{'max req/s':>11}{'CPU us/req':>12}"
+    print(hdr)
+    verdicts = []
+    for mode, res in results.items():
+        for name in ("pdlb", "sglang"):
+            runs = res[name]
+            if not runs:
+                continue
+            a50 = statistics.median(_added_ms(r, d, "p50") for r, d in zip(runs, res["direct"]))
+            a99 = statistics.median(_added_ms(r, d, "p99") for r, d in zip(runs, res["direct"]))
+            rps = statistics.median(r["rps"] for r in runs)
+            cpu = statistics.median(r["cpu_us"] for r in runs)
+            print(f"{mode:9}{'pdlb' if name == 'pdlb' else 'sglang-router':15}{a50:13.2f}{a99:13.2f}{rps:11.0f}{cpu:12.0f}")
+            if name == "pdlb":
+                verdicts.append(f"{mode}: added p99 {a99:.2f} ms "
+                                f"({'meets' if a99 <= GOAL_ADDED_P99_MS else 'misses'} <= {GOAL_ADDED_P99_MS:g} ms)")
+        if res["sglang"]:
+            r_rps = [o["rps"] / t["rps"] for o, t in zip(res["pdlb"], res["sglang"])]
+            r_cpu = [o["cpu_us"] / t["cpu_us"] for o, t in zip(res["pdlb"], res["sglang"])]
+            # a ratio of added latencies only means something when the peer's added latency is > 0.1 ms
+            r_50 = [_added_ms(o, d, "p50") / _added_ms(t, d, "p50")
+                    for o, t, d in zip(res["pdlb"], res["sglang"], res["direct"]) if _added_ms(t, d, "p50") > 0.1]
+            rr = statistics.median(r_rps)
+            a50 = f"{statistics.median(r_50):12.2f}x" if r_50 else f"{'n/a':>13}"
+            print(f"{mode:9}{'ratio':15}{a50}{'':13}{rr:10.2f}x{statistics.median(r_cpu):11.2f}x"
+                  f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r_rps)}; "
+                  f"CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
+            verdicts.append(f"{mode}: throughput {rr:.2f}x sglang-router "
+                            f"({'meets' if rr >= GOAL_RPS_RATIO else 'misses'} >= {GOAL_RPS_RATIO:g}x)")
+        else:
+            verdicts.append(f"{mode}: no sglang-router comparison")
+    print("goals (issue 3): " + "; ".join(verdicts))
+    print("(added p99 from closed-loop runs on a shared host is dominated by CPU contention; compare ratios)")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration-s", type=float, default=5.0)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--modes", default="regular,pd")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--duration-s", type=float, default=5.0, help="seconds per latency and per throughput run (default 5)")
+    ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for latency (default 16)")
+    ap.add_argument("--max-concurrency", type=int, default=64, help="closed-loop clients for max req/s (default 64)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats per mode (default 3)")
+    ap.add_argument("--modes", default="regular,pd", help="comma list of regular, pd (default both)")
+    ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router comparison")
+    ap.add_argument("--sglang-router", default=f"bash {PEER}", metavar="CMD",
+                    help="command that runs 'sglang-router launch' with the args appended (default: the peer script)")
     args = ap.parse_args()
-    print(f"host: {os.cpu_count()} CPUs; load generator, routers and engines share it")
-    for mode in args.modes.split(","):
-        asyncio.run(run_mode(mode.strip(), args))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("regular", "pd")]
+    if bad or args.repeat < 1 or args.duration_s <= 0:
+        ap.error(f"bad --modes {bad}" if bad else "--repeat must be >= 1 and --duration-s > 0")
+    sglang_cmd = None if args.no_sglang else shlex.split(args.sglang_router)
+    if sglang_cmd and sglang_cmd[0] == "bash" and len(sglang_cmd) > 1 and not Path(sglang_cmd[1]).is_file():
+        print(f"note: {sglang_cmd[1]} not found; skipping the sglang-router comparison")
+        sglang_cmd = None
+    print(f"host: {os.cpu_count()} CPUs shared by the load generator, routers and engines")
+    results = {mode: asyncio.run(run_mode(mode, args, sglang_cmd)) for mode in modes}
+    _summary(results)
     return 0
 
 

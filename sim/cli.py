@@ -49,6 +49,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-engines", type=int, metavar="N", help="override the number of decode engines")
     g.add_argument("--mixed-engines", type=int, metavar="N", help="override the number of mixed (aggregated) engines")
     g.add_argument("--exact", action="store_true", help="step-by-step decode (reference mode; slower, same results)")
+    g = p.add_argument_group("router")
+    g.add_argument("--index-mode", default="approximate", choices=["approximate", "events"],
+                   help="prefix index: 'approximate' records routed prompts (SGLang, llm-d); 'events' trusts only the "
+                        "simulated engines' KV events (Dynamo) (default approximate)")
+    g.add_argument("--tier-weights", metavar="host=W,store=W",
+                   help="weights of host-tier and shared-store prefix hits relative to HBM hits, each in [0, 1], when "
+                        "the scenario has KV tiers (default host=0.75,store=0.5)")
+    g.add_argument("--no-router-tiers", action="store_true",
+                   help="with KV tiers configured, let the router see only HBM prefix matches")
     g = p.add_argument_group("metrics and output")
     g.add_argument("--slo-ttft-s", type=float, default=DEFAULT_SLO_TTFT_S, help=f"TTFT SLO in seconds for goodput (default {DEFAULT_SLO_TTFT_S})")
     g.add_argument("--slo-tpot-s", type=float, default=DEFAULT_SLO_TPOT_S, help=f"TPOT SLO in seconds for goodput (default {DEFAULT_SLO_TPOT_S})")
@@ -56,6 +65,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, metavar="DIR", help="results folder (default results/<scenario>-<time>)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parse_tier_weights(text: str | None) -> dict[str, float] | None:
+    """``"host=0.8,store=0.4"`` -> ``{"host": 0.8, "store": 0.4}``; ``None`` -> ``None``.
+
+    Raises:
+        ValueError: not ``name=number`` pairs (names and ranges are checked by the Router).
+    """
+    if not text:
+        return None
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--tier-weights: expected name=number pairs like host=0.75,store=0.5, got {part!r}") from None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,13 +161,14 @@ def _scenario(args: argparse.Namespace) -> Scenario:
 def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
-    from sim.report import markdown_table, summary_table, write_results
+    from sim.report import kv_tier_table, markdown_table, summary_table, write_results
     from sim.workload import ideal_hit_rate
 
     scenario = _scenario(args)
     requests, meta = _load_workload(args)
     for p, d in runs:  # fail fast on bad names before simulating anything
         make_policy(p), make_policy(d)
+    tier_weights = parse_tier_weights(args.tier_weights)
     span = requests[-1].arrival_time_s - requests[0].arrival_time_s
     ideal = ideal_hit_rate(requests, scenario.block_size)[1]
     if not args.quiet:
@@ -152,13 +182,17 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
         for p, d in runs:
             label = p if p == d else f"{p}+{d}"
             task = progress.add_task(f"{label:<28}", total=len(requests))
-            res = simulate(scenario, requests, p, d, seed=args.seed,
+            res = simulate(scenario, requests, p, d, seed=args.seed, index_mode=args.index_mode,
+                           router_tiers=not args.no_router_tiers, tier_weights=tier_weights,
                            progress=lambda done, total, task=task: progress.update(task, completed=done))
             results.append(res)
             summaries.append(summarize(res, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s))
     wall = time.perf_counter() - t0
     console.print(summary_table(summaries, title=f"{scenario.name}: {len(requests)} requests, "
                                 f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms"))
+    kv = kv_tier_table(summaries)
+    if kv is not None:
+        console.print(kv)
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -46,22 +46,17 @@ KV_COLUMNS = ("hit hbm/host/store", "fetch GB", "write GB", "PD xfer GB", "TTFT 
 
 
 def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table:
-    """A rich table: one row per run, the columns a capacity planner compares. When KV tiers are
-    configured, also the hit rate per tier, bytes fetched / written back / transferred PD, and
-    the TTFT split into mean queue / fetch / compute / transfer seconds."""
+    """A rich table: one row per run, the columns a capacity planner compares (KV tiers, when
+    configured, get their own table: :func:`kv_tier_table`)."""
     t = Table(title=title or None, show_lines=False)
     cols = [
         ("policy", "left"), ("TTFT mean s", "right"), ("TTFT p99 s", "right"), ("TPOT mean ms", "right"),
         ("TPOT p99 ms", "right"), ("E2E p50 s", "right"), ("hit rate", "right"), ("SLO att.", "right"),
         ("goodput r/s", "right"), ("out tok/s/GPU", "right"), ("P imb.", "right"), ("D imb.", "right"),
     ]
-    tiered = _tiered(summaries)
-    if tiered:
-        cols += [(c, "right") for c in KV_COLUMNS]
     for name, justify in cols:
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for s in summaries:
-        extra = _kv_cells(s) if tiered else []
         t.add_row(
             s["policy"],
             f"{s['ttft_s']['mean']:.3f}", f"{s['ttft_s']['p99']:.3f}",
@@ -73,8 +68,22 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table
             f"{s['output_tokens_per_s_per_gpu']:.0f}",
             f"{s['prefill_load_imbalance']:.2f}",
             f"{s['decode_load_imbalance']:.2f}",
-            *extra,
         )
+    return t
+
+
+def kv_tier_table(summaries: Sequence[dict[str, Any]], title: str = "KV tiers") -> Table | None:
+    """When KV tiers are configured: per run, the token-weighted hit rate per tier (HBM / host /
+    store, %), GB fetched from lower tiers, written back, and moved prefill -> decode, and the mean
+    TTFT split into queue / fetch / compute / transfer seconds. ``None`` without tiers."""
+    if not _tiered(summaries):
+        return None
+    t = Table(title=title or None, show_lines=False)
+    t.add_column("policy", justify="left")
+    for c in KV_COLUMNS:
+        t.add_column(c, justify="right")
+    for s in summaries:
+        t.add_row(s["policy"], *_kv_cells(s))
     return t
 
 

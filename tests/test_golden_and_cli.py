@@ -72,7 +72,33 @@ def test_cli_run_with_rate_scale_and_split_policies(tmp_path: Path, capsys) -> N
     assert not (tmp_path / "ttft_cdf.png").exists()
 
 
+def test_cli_tier_preset_events_mode_prints_the_tier_table(tmp_path: Path, capsys) -> None:
+    rc = main(["sim", "run", "--scenario", "dsv3-pd-h200-store", "--policy", "least_load", "--limit", "150",
+               "--index-mode", "events", "--tier-weights", "host=0.9,store=0.25", "--no-plots",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "KV tiers" in out and "hit hbm/host/store" in out
+    run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
+    # the token-weighted split covers every prompt token exactly once: hbm + host + store + miss = 1
+    split = run["kv"]["hit_rate"]
+    # the per-tier split is counted per tier; the total from the per-request cached tokens
+    assert split["hbm"] + split["host"] + split["store"] == pytest.approx(run["prefix_hit_rate"], abs=1e-9)
+    assert split["store"] > 0  # least_load spreads conversations: their prefixes come from the store
+
+
+def test_parse_tier_weights() -> None:
+    from sim.cli import parse_tier_weights
+
+    assert parse_tier_weights(None) is None
+    assert parse_tier_weights("host=0.9, store=0.25") == {"host": 0.9, "store": 0.25}
+    with pytest.raises(ValueError, match="name=number"):
+        parse_tier_weights("host")
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["sim", "run", "--tier-weights", "host=x", "--limit", "10"], "expected name=number pairs"),
+    (["sim", "run", "--tier-weights", "disk=0.5", "--limit", "10"], "unknown tier 'disk'"),
     (["sim", "compare", "--policies", "round_robin,nope", "--limit", "10"], "unknown policy 'nope'"),
     (["sim", "run", "--scenario", "no-such-preset", "--limit", "10"], "unknown scenario 'no-such-preset'"),
     (["sim", "run", "--trace", "/no/such/file.jsonl", "--limit", "10"], "/no/such/file.jsonl"),

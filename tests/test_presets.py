@@ -28,10 +28,10 @@ def test_the_three_published_presets_ship():
 def test_shipped_preset_loads_by_name_and_builds_its_perf_models(path: Path):
     sc = load_scenario(path.stem)
     assert sc.name == path.stem and PRESETS[path.stem] is sc
-    assert sc.perf is not None
     for pool in (sc.prefill, sc.decode):
         e = roofline_for_pool(sc, pool)  # raises if the weights do not fit
-        assert e.kv_capacity_tokens_per_rank > 0 and e.tbo == sc.perf.tbo
+        assert e.kv_capacity_tokens_per_rank > 0
+        assert e.tbo == (sc.perf.tbo if sc.perf is not None else False)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -40,8 +40,10 @@ def test_every_value_has_a_declared_source_comment(path: Path):
     declared = {m.group(1) for line in lines if (m := SOURCE_DECL.match(line))}
     assert {"assumed"} <= declared, "the header must declare its source tags"
     data = tomllib.loads(path.read_text())
-    n_values = sum(1 for v in data.values() if not isinstance(v, dict)) + sum(
-        len(v) for v in data.values() if isinstance(v, dict))
+    def leaves(d: dict) -> int:  # values in (nested) tables; each must sit on its own line
+        return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
+
+    n_values = leaves(data)
     checked = 0
     for no, line in enumerate(lines, 1):
         if not ASSIGN.match(line):

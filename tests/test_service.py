@@ -271,3 +271,54 @@ def test_prompt_hashing_and_config(tmp_path):
         ServiceConfig.model_validate({"decode_policy": {"name": "nope"}})
     with pytest.raises(ValueError, match="mixed workers"):
         ServiceConfig.model_validate({"pd_protocol": "none", "workers": [{"url": "http://a:1", "role": "prefill"}]})
+
+
+@pytest.mark.parametrize("protocol,hang_role,fault,stream", [
+    ("sglang", "decode", "hang", False),               # decode accepts, sends no headers
+    ("sglang", "decode", "hang_after_headers", True),  # decode sends headers, then no first chunk
+    ("vllm", "prefill", "hang", False),                # prefill leg never answers
+])
+async def test_first_byte_timeout_retries_on_a_new_pair_and_trips_breaker(protocol, hang_role, fault, stream):
+    router = {"first_byte_timeout_s": 0.3, "request_timeout_s": 30,
+              "retry": {"max_retries": 3, "initial_backoff_s": 0.001, "max_backoff_s": 0.01},
+              "circuit_breaker": {"failure_threshold": 1, "open_duration_s": 60},
+              "prefill_policy": {"name": "round_robin"}, "decode_policy": {"name": "round_robin"}}
+    async with inprocess_cluster(protocol, engine=FAST, router=router) as c, aiohttp.ClientSession() as s:
+        hung = (c.decode if hang_role == "decode" else c.prefill)[0]
+        hung_url = f"http://127.0.0.1:{hung.port}"
+        await s.post(hung_url + "/emulator/faults", json={fault: True})
+        for i in range(4):  # round robin sends one of the first two to the hung engine
+            r = await s.post(c.url + "/v1/completions", json={"prompt": f"{i} " * 200, "max_tokens": 3, "stream": stream})
+            assert r.status == 200
+            text = await r.text()
+            if stream:
+                assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+            else:
+                assert json.loads(text)["usage"]["completion_tokens"] == 3
+        metrics = await (await s.get(c.url + "/metrics")).text()
+        # exactly one attempt went to the hung engine: it timed out, was retried on a new pair, and
+        # the breaker (threshold 1) took the engine out of rotation
+        assert f'pdlb_circuit_breaker_state{{worker="{hung_url}"}} 2.0' in metrics
+        assert 'pdlb_retries_total{reason="first_byte_timeout"} 1.0' in metrics
+        assert f'pdlb_upstream_failures_total{{kind="first_byte_timeout",worker="{hung_url}"}} 1.0' in metrics
+        for _ in range(20):  # the hung leg was aborted (connection closed), observed on the engine
+            if c.state(hung).counts["aborted"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert c.state(hung).counts["aborted"] == 1 and not c.state(hung).tasks
+        assert c.state(hung).counts["ok"] == 0
+        assert _load(c) == 0
+
+
+async def test_first_byte_timeout_exhausted_retries_give_504():
+    router = {"first_byte_timeout_s": 0.2, "retry": {"max_retries": 1, "initial_backoff_s": 0.001},
+              "circuit_breaker": {"enabled": False}}
+    async with inprocess_cluster("sglang", engine=FAST, router=router) as c, aiohttp.ClientSession() as s:
+        for d in c.decode:
+            await s.post(f"http://127.0.0.1:{d.port}/emulator/faults", json={"hang": True})
+        r = await s.post(c.url + "/v1/completions", json={"prompt": "z" * 400, "max_tokens": 2})
+        err = (await r.json())["error"]
+        assert r.status == 504 and "first_byte_timeout_s=0.2" in err["message"]
+        metrics = await (await s.get(c.url + "/metrics")).text()
+        assert 'pdlb_retries_total{reason="first_byte_timeout"} 1.0' in metrics  # 1 try + 1 retry
+        assert _load(c) == 0

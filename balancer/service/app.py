@@ -40,6 +40,7 @@ from balancer.policies import make_policy
 from balancer.router import Router
 from balancer.service.config import ServiceConfig, WorkerConfig
 from balancer.service.metrics import ServiceMetrics
+from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import Proxy, error_response
 from balancer.service.workers import WorkerPool
 from balancer.types import Role
@@ -63,6 +64,8 @@ class Service:
         for w in cfg.workers:
             self.pool.add(w)
         self.metrics = ServiceMetrics()
+        # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
+        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight = 0
@@ -144,8 +147,9 @@ async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, A
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal router error")
     finally:
-        svc.metrics.requests.labels(endpoint, str(status)).inc()
-        svc.metrics.duration.labels(endpoint).observe(time.monotonic() - t0)
+        m = svc.metrics
+        m.child(m.requests, endpoint, str(status)).inc()
+        m.child(m.duration, endpoint).observe(time.monotonic() - t0)
 
 
 # ---------------------------------------------------------------------- handlers
@@ -271,7 +275,12 @@ async def _remove_worker(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------------- factory
 def create_app(cfg: ServiceConfig) -> web.Application:
-    """Build the router app for ``cfg`` (background health checks start with the app)."""
+    """Build the router app for ``cfg`` (background health checks start with the app).
+
+    Raises:
+        ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``.
+        RuntimeError: ``cfg.tokenizer_path`` is set but ``tokenizers`` is not installed.
+    """
     svc = Service(cfg)
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SERVICE] = svc
@@ -281,7 +290,7 @@ def create_app(cfg: ServiceConfig) -> web.Application:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
             )
-        svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session)
+        svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher)
         checker = asyncio.create_task(svc._health_loop()) if cfg.health_check.enabled else None
         yield
         if checker is not None:

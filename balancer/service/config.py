@@ -126,6 +126,11 @@ class ServiceConfig(BaseModel):
         index_capacity_blocks / index_ttl_s: prefix-index bounds per replica (LRU / TTL).
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
+        first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
+            headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
+            fails the attempt, which is retried on a new pair and counts against the worker's
+            circuit breaker. Engines send a non-streaming answer only when generation ends, so
+            set it above your longest non-streaming generation. ``None`` (default): off.
         max_body_bytes: larger request bodies get 413.
         admin_api_key: bearer token for ``/workers``; without one the admin API answers loopback
             clients only.
@@ -151,6 +156,7 @@ class ServiceConfig(BaseModel):
     index_ttl_s: float | None = Field(None, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
+    first_byte_timeout_s: float | None = Field(None, gt=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     retry: RetryConfig = RetryConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()

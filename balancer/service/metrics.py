@@ -6,6 +6,8 @@ Names follow Prometheus conventions: ``pdlb_`` prefix, base units (seconds, rati
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from balancer.router import Router
@@ -44,6 +46,16 @@ class ServiceMetrics:
         self.breaker = Gauge("pdlb_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open",
                              ["worker"], registry=r)
         self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r)
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def child(self, family: Counter | Histogram, *labels: str) -> Any:
+        """``family.labels(*labels)``, cached: the hot path skips prometheus-client's label
+        validation and lock per request. Only for counters and histograms (never cleared)."""
+        key = (family._name, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = family.labels(*labels)
+        return c
 
     def render(self, router: Router, pool: WorkerPool) -> bytes:
         """Refresh the per-worker gauges from the router's load tracker and return the exposition text."""

@@ -18,7 +18,8 @@ the prefix index (:mod:`balancer.prefix_index`) matches on:
 Prompts given as token ids (``prompt: [int, ...]`` in ``/v1/completions``, ``input_ids`` in
 ``/generate``) are always hashed exactly.
 
-Functions here are pure (no I/O); errors are :class:`PromptError` (the service maps them to 400).
+Functions here are pure (no I/O) except :func:`load_tokenizer`, which the service calls once at
+startup; request errors are :class:`PromptError` (the service maps them to 400).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
 
-__all__ = ["Prompt", "PromptError", "PromptHasher", "extract_prompt", "render_messages"]
+__all__ = ["Prompt", "PromptError", "PromptHasher", "extract_prompt", "load_tokenizer", "render_messages"]
 
 
 class PromptError(ValueError):
@@ -117,6 +119,27 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     raise PromptError("'prompt' is required: a string, an array of strings, or an array of token ids")
 
 
+def load_tokenizer(path: str | Path) -> Any:
+    """Load a HuggingFace ``tokenizer.json`` (a ``tokenizers.Tokenizer``) from a local file.
+
+    Raises:
+        ValueError: the file does not exist, is not a regular file, or ``tokenizers`` cannot parse
+            it; the message starts with ``tokenizer_path <path>:``.
+        RuntimeError: the optional ``tokenizers`` package is not installed.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"tokenizer_path {p}: no such file (give a local tokenizer.json)")
+    try:
+        from tokenizers import Tokenizer  # optional dependency
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("tokenizer_path needs the 'tokenizers' package (pip install 'pdlb[tokenizer]')") from e
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception with serde's message
+        raise ValueError(f"tokenizer_path {p}: not a valid tokenizer.json ({e})") from None
+
+
 class PromptHasher:
     """Turns a :class:`Prompt` into ``(prompt_tokens, block_hashes)`` for :class:`balancer.types.Request`.
 
@@ -127,7 +150,9 @@ class PromptHasher:
             package.
 
     Raises:
-        ValueError: ``block_size`` < 1 or ``chars_per_token`` <= 0.
+        ValueError: ``block_size`` < 1 or ``chars_per_token`` <= 0; ``tokenizer_path`` missing,
+            unreadable or not a valid ``tokenizer.json`` (the message names the file and the
+            parser's reason).
         RuntimeError: ``tokenizer_path`` given but ``tokenizers`` is not installed.
     """
 
@@ -139,11 +164,11 @@ class PromptHasher:
         self.chunk_chars = max(1, round(block_size * chars_per_token))
         self._tokenizer = None
         if tokenizer_path:
-            try:
-                from tokenizers import Tokenizer  # optional dependency
-            except ImportError as e:  # pragma: no cover - depends on the environment
-                raise RuntimeError("tokenizer_path needs the 'tokenizers' package (pip install tokenizers)") from e
-            self._tokenizer = Tokenizer.from_file(tokenizer_path)
+            self._tokenizer = load_tokenizer(tokenizer_path)
+
+    def tokenizes(self, prompt: Prompt) -> bool:
+        """Whether :meth:`hash` runs the tokenizer on ``prompt`` (text prompt, tokenizer configured)."""
+        return prompt.token_ids is None and self._tokenizer is not None
 
     def token_estimate(self, text: str) -> int:
         """Estimated tokens of ``text`` without a tokenizer: ``max(1, ceil(chars / chars_per_token))``."""

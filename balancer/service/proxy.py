@@ -15,6 +15,10 @@ Flows (ANCHORS.md, "PD request flows"):
 Retries: a failure before any byte reached the client (connect error, a status in
 ``retry.retry_statuses``, an upstream that vanished before its first byte) is retried with
 exponential backoff and jitter on a *new* route (new pair, new room, request id ``<id>-r<k>``).
+With ``first_byte_timeout_s`` set, a leg whose response headers (and, for the streamed decode
+leg, first body chunk) do not arrive within that many seconds of sending it is such a failure
+too (kind ``first_byte_timeout``): a wedged engine that accepted the connection is retried
+elsewhere and trips its circuit breaker instead of holding the request until ``request_timeout_s``.
 Other 4xx answers are passed through unchanged. Once streaming started, an upstream failure ends
 the stream with an SSE ``data: {"error": ...}`` event. The whole request, retries included, is
 bounded by ``request_timeout_s`` (504). A client disconnect (handler cancellation or a failed write)
@@ -33,7 +37,6 @@ import logging
 import random
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,9 @@ from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
 
 log = logging.getLogger("pdlb.service")
+
+TOKENIZE_IN_THREAD_CHARS = 4096
+"""Text prompts at least this long (characters) are tokenised in a worker thread."""
 
 
 def error_response(status: int, message: str, etype: str | None = None) -> web.Response:
@@ -109,14 +115,20 @@ class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
     def __init__(self, cfg: ServiceConfig, router: Router, pool: WorkerPool, metrics: ServiceMetrics,
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, hasher: PromptHasher | None = None) -> None:
         self.cfg = cfg
         self.router = router
         self.pool = pool
         self.metrics = metrics
         self.session = session
-        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
+        self.hasher = hasher or PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         self.rng = random.Random(cfg.seed)
+        # request ids and bootstrap rooms must not collide across router processes in front of the
+        # same engines: a per-process random id prefix and a room generator seeded from the OS
+        # (one urandom call at start instead of one per request)
+        self._room_rng = random.Random(secrets.randbits(128))
+        self._id_prefix = f"pdlb-{secrets.token_hex(6)}-"
+        self._client_ids = itertools.count()
         self._ids = itertools.count()
         self.background: set[asyncio.Task] = set()
 
@@ -130,8 +142,13 @@ class Proxy:
             max_out = _max_tokens(endpoint, body, cfg.default_max_tokens)
         except PromptError as e:
             return error_response(400, str(e))
-        n_tokens, hashes = self.hasher.hash(prompt)
-        base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
+            # long prompts are tokenised in a worker thread so that the event loop keeps serving other
+            # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
+            n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt)
+        else:
+            n_tokens, hashes = self.hasher.hash(prompt)
+        base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._client_ids)}")
         ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0)
         attempt = 0
         try:
@@ -144,7 +161,7 @@ class Proxy:
                         if not f.retryable or attempt >= cfg.retry.max_retries:
                             return f.response()
                         attempt += 1
-                        self.metrics.retries.labels(f.kind).inc()
+                        self.metrics.child(self.metrics.retries, f.kind).inc()
                         await asyncio.sleep(self.backoff_s(attempt))
         except TimeoutError:
             msg = f"request timed out after {cfg.request_timeout_s:g} s"
@@ -185,12 +202,12 @@ class Proxy:
     def _record_route(self, route: Route, n_tokens: int) -> None:
         m = self.metrics
         d = route.decode_choice
-        m.decisions.labels(route.decode.engine, "decode", self.router.decode_policy.name, d.reason if d else "").inc()
-        m.match_ratio.labels("decode").observe(min(1.0, route.decode_matched_tokens / n_tokens))
+        m.child(m.decisions, route.decode.engine, "decode", self.router.decode_policy.name, d.reason if d else "").inc()
+        m.child(m.match_ratio, "decode").observe(min(1.0, route.decode_matched_tokens / n_tokens))
         if route.prefill is not None:
             p = route.prefill_choice
-            m.decisions.labels(route.prefill.engine, "prefill", self.router.prefill_policy.name, p.reason if p else "").inc()
-            m.match_ratio.labels("prefill").observe(min(1.0, route.prefill_matched_tokens / n_tokens))
+            m.child(m.decisions, route.prefill.engine, "prefill", self.router.prefill_policy.name, p.reason if p else "").inc()
+            m.child(m.match_ratio, "prefill").observe(min(1.0, route.prefill_matched_tokens / n_tokens))
 
     def _worker(self, url: str) -> Worker:
         w = self.pool.get(url)
@@ -212,8 +229,9 @@ class Proxy:
                 body["rid"] = upstream_id
             self._dp_rank(body, headers, d, route.decode.dp_rank)
             legs.started.append((d, upstream_id))
-            d_resp = await self._open(d, path, body, headers, legs)
-            return await self._relay(ctx, d, d_resp, router_id, legs)
+            deadline = self._first_byte_deadline()
+            d_resp = await self._open(d, path, body, headers, legs, deadline)
+            return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
         p = self._worker(route.prefill.engine)
         if cfg.pd_protocol == "sglang":
             return await self._sglang(ctx, p, d, route, path, upstream_id, router_id, legs)
@@ -231,14 +249,17 @@ class Proxy:
         assert route.prefill is not None
         common = dict(ctx.body)
         common.update(bootstrap_host=p.host, bootstrap_port=p.cfg.bootstrap_port,
-                      bootstrap_room=secrets.randbits(63), rid=upstream_id)
+                      bootstrap_room=self._room_rng.getrandbits(63), rid=upstream_id)
         p_body, d_body = dict(common), dict(common)
         p_headers, d_headers = self._headers(upstream_id), self._headers(upstream_id)
         self._dp_rank(p_body, p_headers, p, route.prefill.dp_rank)
         self._dp_rank(d_body, d_headers, d, route.decode.dp_rank)
         legs.started += [(p, upstream_id), (d, upstream_id)]
-        p_task = asyncio.create_task(self._full(p, path, p_body, p_headers, legs))
-        d_task = asyncio.create_task(self._open(d, path, d_body, d_headers, legs))
+        deadline = self._first_byte_deadline()
+        p_data = json.dumps(p_body).encode()
+        d_data = p_data if p_body == d_body else json.dumps(d_body).encode()  # equal unless DP ranks differ
+        p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs))
+        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, deadline))
         legs.tasks += [p_task, d_task]
         pending: set[asyncio.Task] = {p_task, d_task}
         while d_task in pending:
@@ -256,7 +277,7 @@ class Proxy:
                 else:
                     self.router.on_prefill_done(router_id, time.monotonic())
             p_task.add_done_callback(_watch)
-        return await self._relay(ctx, d, d_resp, router_id, legs)
+        return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     async def _vllm(self, ctx: _Ctx, p: Worker, d: Worker, route: Route, path: str, upstream_id: str,
                     router_id: str, legs: _Legs) -> web.StreamResponse:
@@ -285,19 +306,43 @@ class Proxy:
         d_headers = self._headers(upstream_id)
         self._dp_rank(d_body, d_headers, d, route.decode.dp_rank)
         legs.started.append((d, upstream_id))
-        d_resp = await self._open(d, path, d_body, d_headers, legs)
-        return await self._relay(ctx, d, d_resp, router_id, legs)
+        deadline = self._first_byte_deadline()
+        d_resp = await self._open(d, path, d_body, d_headers, legs, deadline)
+        return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     # ------------------------------------------------------------------ upstream I/O
     def _failed(self, w: Worker, kind: str) -> None:
-        self.metrics.upstream_failures.labels(w.url, kind).inc()
+        self.metrics.child(self.metrics.upstream_failures, w.url, kind).inc()
         self.pool.record_result(w, False, time.monotonic())
 
-    async def _open(self, w: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
-                    legs: _Legs) -> aiohttp.ClientResponse:
-        """POST and wait for the response headers; non-2xx answers become :class:`Failure`."""
+    def _first_byte_deadline(self) -> float | None:
+        """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
+        t = self.cfg.first_byte_timeout_s
+        return None if t is None else asyncio.get_running_loop().time() + t
+
+    def _first_byte_failure(self, w: Worker) -> Failure:
+        self._failed(w, "first_byte_timeout")
+        return Failure(504, f"worker {w.url} sent no response within first_byte_timeout_s="
+                            f"{self.cfg.first_byte_timeout_s:g} s", True, "first_byte_timeout")
+
+    async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
+                    legs: _Legs, deadline: float | None = None) -> aiohttp.ClientResponse:
+        """POST ``body`` (a JSON object, or its encoding) and wait for the response headers (until
+        ``deadline``, event-loop time; default ``first_byte_timeout_s`` from now); non-2xx answers
+        and a missed deadline become :class:`Failure`."""
+        if deadline is None:
+            deadline = self._first_byte_deadline()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            resp = await self.session.post(w.url + path, data=json.dumps(body).encode(), headers=headers)
+            if deadline is None:
+                resp = await self.session.post(w.url + path, data=data, headers=headers)
+            else:
+                # the request timeout of handle() is an outer asyncio.timeout: its expiry passes
+                # through this one as a cancellation, so TimeoutError here is the first-byte deadline
+                async with asyncio.timeout_at(deadline):
+                    resp = await self.session.post(w.url + path, data=data, headers=headers)
+        except TimeoutError:
+            raise self._first_byte_failure(w) from None
         except (aiohttp.ClientError, OSError) as e:
             self._failed(w, "connect")
             raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect") from None
@@ -316,7 +361,8 @@ class Proxy:
                           data, resp.content_type)
         return resp
 
-    async def _full(self, w: Worker, path: str, body: dict[str, Any], headers: dict[str, str], legs: _Legs) -> bytes:
+    async def _full(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
+                    legs: _Legs) -> bytes:
         resp = await self._open(w, path, body, headers, legs)
         try:
             data = await resp.read()
@@ -329,7 +375,7 @@ class Proxy:
         return data
 
     async def _relay(self, ctx: _Ctx, d: Worker, d_resp: aiohttp.ClientResponse, router_id: str,
-                     legs: _Legs) -> web.StreamResponse:
+                     legs: _Legs, deadline: float | None = None) -> web.StreamResponse:
         """Send the decode leg's answer to the client (chunk by chunk when streaming)."""
         if not ctx.stream:
             try:
@@ -345,14 +391,20 @@ class Proxy:
                                 headers={"Content-Type": d_resp.headers.get("Content-Type", "application/json")})
         it = d_resp.content.iter_any()
         try:
-            first = await it.__anext__()
+            if deadline is None:
+                first = await it.__anext__()
+            else:
+                async with asyncio.timeout_at(deadline):
+                    first = await it.__anext__()
         except StopAsyncIteration:
             first = b""
+        except TimeoutError:
+            raise self._first_byte_failure(d) from None
         except (aiohttp.ClientError, OSError) as e:
             self._failed(d, "read")
             raise Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})", True, "read") from None
         now = time.monotonic()
-        self.metrics.ttft.labels(ctx.endpoint).observe(now - ctx.t0)
+        self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
         self.router.on_first_token(router_id, now)
         resp = web.StreamResponse(status=d_resp.status, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})

@@ -118,12 +118,21 @@ class EmulatorState:
             r = self.rooms[room] = _Room()
         return r
 
-    def transfer_delay_s(self, prompt_tokens: int) -> float:
-        """Real seconds a decode leg waits for the KV of ``prompt_tokens`` (0 in zero-delay mode)."""
+    def transfer_delay_s(self, prompt_tokens: int, block_hashes: tuple[int, ...] = (),
+                         dp_rank: int | None = None) -> float:
+        """Real seconds a decode leg waits for the KV of its prompt (0 in zero-delay mode).
+
+        As the simulator (:mod:`sim.cluster`, "KV transfer"): only the prompt blocks the decode
+        rank's prefix cache does not hold move, ``(latency + (prompt_tokens - min(held_blocks *
+        block_size, prompt_tokens)) * kv_bytes_per_token / bandwidth) / speed``. The rank is
+        ``dp_rank``, or the only rank; with several ranks and no ``dp_rank`` nothing is held.
+        """
         if self.core is None:
             return 0.0
         c = self.cfg
-        return (c.kv_transfer_latency_s + prompt_tokens * self.kv_bytes_per_token / c.kv_transfer_bandwidth_bytes_per_s) / c.speed
+        held = self.core.held_tokens(block_hashes, dp_rank) if block_hashes else 0
+        moved = prompt_tokens - min(held, prompt_tokens)
+        return (c.kv_transfer_latency_s + moved * self.kv_bytes_per_token / c.kv_transfer_bandwidth_bytes_per_s) / c.speed
 
     def count_tokens(self, k: int) -> None:
         self.tokens_streamed += k
@@ -288,7 +297,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
                     entry["status"] = "error"
                     st.counts["error"] += 1
                     return _err(502, err, "server_error")
-            delay = st.transfer_delay_s(prompt_tokens)
+            delay = st.transfer_delay_s(prompt_tokens, hashes, dp_rank)
             if delay > 0:
                 await asyncio.sleep(delay)
         if st.core is not None:
@@ -373,6 +382,8 @@ async def _respond(request: web.Request, st: EmulatorState, shape: _Shape, event
         return web.json_response(shape.final(val, cached) | extra)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
+    if st.faults.hang_after_headers:
+        await asyncio.Event().wait()
     first = True
     while True:
         kind, val = await events.get()

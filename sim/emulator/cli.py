@@ -9,6 +9,7 @@ import sys
 
 from aiohttp import web
 
+from balancer.service.cli import event_loop_factory
 from sim.emulator.app import STATE, create_engine_app
 from sim.emulator.config import EmulatorConfig, FaultConfig
 
@@ -45,8 +46,11 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     g.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with --error-status")
     g.add_argument("--error-status", type=int, default=503)
     g.add_argument("--hang", action="store_true", help="never answer generation requests")
+    g.add_argument("--hang-after-headers", action="store_true", help="streamed answers: send headers, then nothing")
     g.add_argument("--die-after-tokens", type=int, default=None, help="exit abruptly after streaming N tokens")
     g.add_argument("--seed", type=int, default=0)
+    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="event loop (default asyncio; uvloop needs 'pip install uvloop')")
     return p
 
 
@@ -60,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         default_max_tokens=args.default_max_tokens, kv_transfer_bandwidth_bytes_per_s=args.kv_transfer_bandwidth,
         kv_transfer_latency_s=args.kv_transfer_latency_s,
         faults=FaultConfig(error_rate=args.error_rate, error_status=args.error_status, hang=args.hang,
+                           hang_after_headers=args.hang_after_headers,
                            die_after_tokens=args.die_after_tokens, seed=args.seed))
 
 
@@ -86,8 +91,10 @@ def run_engine(args: argparse.Namespace) -> int:
     """Run ``pdlb engine`` until SIGINT/SIGTERM; returns the exit status."""
     try:
         cfg = config_from_args(args)
+        loop_factory = event_loop_factory(args.event_loop)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(cfg, args.host, args.port, args.bootstrap_port))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_serve(cfg, args.host, args.port, args.bootstrap_port))
     return 0

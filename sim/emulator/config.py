@@ -14,6 +14,8 @@ class FaultConfig(BaseModel):
         error_rate: fraction of generation requests answered with ``error_status`` at once.
         error_status: HTTP status of injected errors (503 by default).
         hang: accept generation requests and never answer (until the client goes away).
+        hang_after_headers: streamed answers send their headers and then nothing (until the client
+            goes away); non-streamed answers are unaffected.
         die_after_tokens: after streaming this many output tokens in total, the process exits
             abruptly (in-process apps drop every connection and refuse new ones instead).
         seed: seed of the error-rate coin.
@@ -24,6 +26,7 @@ class FaultConfig(BaseModel):
     error_rate: float = Field(0.0, ge=0.0, le=1.0)
     error_status: int = Field(503, ge=400, le=599)
     hang: bool = False
+    hang_after_headers: bool = False
     die_after_tokens: int | None = Field(None, ge=0)
     seed: int = 0
 

@@ -39,6 +39,9 @@ from balancer.types import ReplicaId, Role
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.perf.base import PerfModel
 
+# sim.engine.rank decode ranks cache a finished sequence's prompt blocks when DecodeSeq carries them
+_DECODE_CACHES_PROMPTS = "block_hashes" in getattr(DecodeSeq, "__slots__", ())
+
 #: Largest real-clock lag (seconds) a step group catches up on before its virtual clock jumps.
 MAX_LAG_S = 0.02
 
@@ -144,6 +147,14 @@ class EngineCore:
         order = [self.ranks[(start + k) % n] for k in range(n)]
         return min(order, key=lambda r: len(r.prefill_queue) + len(r.running) + len(r.decode_waiting))
 
+    def held_tokens(self, block_hashes: tuple[int, ...], dp_rank: int | None = None) -> int:
+        """Prompt tokens whose blocks the rank's prefix cache holds now (``dp_rank``, or the only
+        rank; 0 with several ranks and no ``dp_rank``)."""
+        if dp_rank is None and len(self.ranks) > 1:
+            return 0
+        rank = self.ranks[0 if dp_rank is None else int(dp_rank) % len(self.ranks)]
+        return rank.cache.match(block_hashes) * self.block_size
+
     def submit(self, rid: str, prompt_tokens: int, output_tokens: int, block_hashes: tuple[int, ...],
                mode: str = "local", dp_rank: int | None = None) -> EngineRequest:
         """Queue a request; returns its handle (read ``handle.events``).
@@ -169,6 +180,8 @@ class EngineCore:
                 return req
             reserved = blocks_for(prompt_tokens + req.output_tokens, self.block_size)
             req.seq = DecodeSeq(i, prompt_tokens + 1, req.output_tokens - 1, reserved)
+            if _DECODE_CACHES_PROMPTS:  # the decode rank keeps the prompt's blocks when it finishes
+                req.seq.block_hashes = block_hashes
             rank.enqueue_decode(req.seq)
         else:
             req.job = PrefillJob(i, prompt_tokens, req.output_tokens, block_hashes)
