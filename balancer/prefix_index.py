@@ -162,19 +162,34 @@ class PrefixIndex:
         cap = self.capacity_blocks
         blocks = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
         move_to_end = lru.move_to_end
-        for h in reversed(blocks):
-            if h in lru:
-                move_to_end(h)
-                lru[h] = now_s
-            else:
-                lru[h] = now_s
-                holders[h] = holders.get(h, 0) | bit
+        if self.ttl_s is None:  # times are only read by expire(): a held block just moves
+            for h in reversed(blocks):
+                if h in lru:
+                    move_to_end(h)
+                else:
+                    lru[h] = now_s
+                    holders[h] = holders.get(h, 0) | bit
+        else:
+            for h in reversed(blocks):
+                if h in lru:
+                    move_to_end(h)
+                    lru[h] = now_s
+                else:
+                    lru[h] = now_s
+                    holders[h] = holders.get(h, 0) | bit
+        if cap is None or len(lru) <= cap:
+            return []
         evicted: list[int] = []
-        if cap is not None:
-            while len(lru) > cap:
-                h, _ = lru.popitem(last=False)
-                self._drop_holder(h, bit)
-                evicted.append(h)
+        keep = ~bit
+        popitem = lru.popitem
+        while len(lru) > cap:
+            h = popitem(last=False)[0]
+            mask = holders[h] & keep
+            if mask:
+                holders[h] = mask
+            else:
+                del holders[h]
+            evicted.append(h)
         return evicted
 
     def remove(self, replica: ReplicaId, block_hashes: Iterable[int]) -> int:

@@ -275,3 +275,35 @@ def test_memory_bounded_with_many_distinct_blocks(cap, ops):
         assert max(idx.num_blocks(r) for r in REPLICAS) <= cap
         assert idx.num_unique_blocks() <= len(REPLICAS) * cap
         assert idx.num_blocks() <= len(REPLICAS) * cap
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    cap=st.integers(2, 12),
+    ops=st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 3), min_size=1, max_size=10), st.booleans()),
+        max_size=50,
+    ),
+)
+def test_evicted_order_matches_reference_for_interleaved_partial_evictions(cap, ops):
+    # Prompts longer than a third of the capacity, interleaved over 3 replicas, so most inserts
+    # evict part of one earlier insert and part of another (and re-touch shared prefixes in
+    # between); some steps also remove the second half of the prompt (stale LRU entries).
+    # Expected: the independent list model RefIndex, evicted hashes oldest first, after every step.
+    idx = PrefixIndex(capacity_blocks=cap)
+    ref = RefIndex(cap, None)
+    for step, (ri, ids, remove_tail) in enumerate(ops):
+        r = REPLICAS[ri]
+        hs = blocks(ids)
+        assert idx.insert(r, hs, float(step)) == ref.insert(r, hs, float(step))
+        if remove_tail:
+            tail = hs[len(hs) // 2 :]
+            assert idx.remove(r, tail) == ref.remove(r, tail)
+        assert idx.lru_order(r) == [e[0] for e in ref.lists[r]]
+    # the same prompt re-inserted many times keeps exactly its blocks, in the reference order
+    hs = blocks([0, 1, 2, 3, 0, 1])
+    for step in range(200):
+        assert idx.insert(R0, hs, 100.0 + step) == ref.insert(R0, hs, 100.0 + step)
+    assert idx.lru_order(R0) == [e[0] for e in ref.lists[R0]] and idx.num_blocks(R0) == len(ref.lists[R0])
+    # hand: the last insert keeps the prompt's first min(cap, 6) blocks, all most recently used
+    assert idx.match(hs).get(R0, 0) == min(cap, len(hs))
