@@ -8,7 +8,7 @@ hashes ``h_0 .. h_{k-1}``. The index keeps
   bit ``b`` set for the replica numbered ``b``), so a prefix match is one ``&`` per prompt block
   whatever the number of replicas, and a held block costs an ``int`` rather than a ``set``;
 - per replica, an LRU order of its blocks (``OrderedDict``: oldest first) with the time each
-  block was last inserted or touched, bounded by ``capacity_blocks`` per replica, with optional
+  block was last inserted or touched (kept up to date only when a TTL is set), bounded by ``capacity_blocks`` per replica, with optional
   TTL expiry (Dynamo's approximate mode keeps routing decisions for 120 s).
 
 On insert the blocks are touched deepest-first, so a prompt's root block is the most recently
