@@ -5,6 +5,7 @@ Run by hand::
     .venv/bin/python bench/router_overhead.py                 # both modes, 3 interleaved repeats
     .venv/bin/python bench/router_overhead.py --no-sglang     # pdlb vs the direct engine only
     .venv/bin/python bench/router_overhead.py --modes regular --repeat 2 --duration-s 5
+    .venv/bin/python bench/router_overhead.py --pdlb-processes 1,4   # also pdlb serve --processes 4
 
 The peer is SGLang's Rust router (``../shared/peers/sglang_router.sh``, or ``--sglang-router CMD``;
 its first run installs the ``sglang-router`` package). When the peer script is missing or the
@@ -18,8 +19,12 @@ sglang-router with non-streaming ``/v1/completions`` (8 output tokens):
 * latency at ``--concurrency`` (closed loop); *added* latency = router percentile - the same
   percentile sending directly to one engine, measured in the same repeat;
 * max requests/s (closed loop at ``--max-concurrency``);
-* router CPU time per request (user + system, all threads, from ``/proc/PID/stat``) during the
-  throughput run: the least contention-sensitive number on a shared host.
+* router CPU time per request (user + system, all threads of the router process and its child
+  processes, from ``/proc/PID/stat``) during the throughput run: the least contention-sensitive
+  number on a shared host.
+
+``--pdlb-processes 1,4`` measures ``pdlb serve`` once per listed process count (rows ``pdlb``,
+``pdlb x4``); several processes add throughput, not CPU efficiency.
 
 It prints every repeat and a summary: the medians over repeats, the ratios pdlb / sglang-router
 per repeat (median), and the issue-3 goals (added p99 <= 2 ms, throughput >= 0.5x sglang-router).
@@ -54,15 +59,30 @@ GOAL_RPS_RATIO = 0.5
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), or nan if unknown."""
-    if pid is None:
-        return float("nan")
+def _stat(pid: int) -> list[str] | None:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+
+
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants (all threads), or nan
+    if unknown."""
+    if pid is None or (root := _stat(pid)) is None:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {pid: root}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != pid and (f := _stat(int(d.name))) is not None:
+            stats[int(d.name)] = f
+            children.setdefault(int(f[1]), []).append(int(d.name))  # f[1]: parent pid
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += int(stats[p][11]) + int(stats[p][12])  # utime + stime, clock ticks
+        todo += children.get(p, [])
+    return total / _TICKS_PER_S
 
 
 def _free_port() -> int:
@@ -156,17 +176,21 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
         [("prefill", "--zero-delay"), ("decode", "--zero-delay")]
     procs: list[Proc] = []
     sgl = None
-    out: dict[str, list[dict[str, float]]] = {"direct": [], "pdlb": [], "sglang": []}
+    out: dict[str, list[dict[str, float]]] = {"direct": [], **{_pdlb_name(n): [] for n in args.pdlb_processes}, "sglang": []}
+    pdlbs: dict[str, Proc] = {}
     try:
         engines = spawn_engines([*specs, ("mixed", "--zero-delay")])
         procs += engines
         direct_engine, engines = engines[-1], engines[:-1]
-        if mode == "regular":
-            pdlb = spawn_router("none", [], [], "--decode-policy", "round_robin", mixed=engines)
-        else:
-            pdlb = spawn_router("sglang", engines[:1], engines[1:], "--prefill-policy", "round_robin",
-                                "--decode-policy", "round_robin")
-        procs.append(pdlb)
+        for n in args.pdlb_processes:
+            extra = ("--processes", str(n)) if n > 1 else ()
+            if mode == "regular":
+                pdlb = spawn_router("none", [], [], "--decode-policy", "round_robin", *extra, mixed=engines)
+            else:
+                pdlb = spawn_router("sglang", engines[:1], engines[1:], "--prefill-policy", "round_robin",
+                                    "--decode-policy", "round_robin", *extra)
+            procs.append(pdlb)
+            pdlbs[_pdlb_name(n)] = pdlb
         sgl_url = None
         if sglang_cmd is not None:
             try:
@@ -180,10 +204,12 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
               f"throughput at {args.max_concurrency}, {args.duration_s:g} s each ==")
         for k in range(1, args.repeat + 1):
             direct = await _measure(direct_engine.url, args, direct_engine.popen.pid)
-            ours = await _measure(pdlb.url, args, pdlb.popen.pid)
-            rows = [("direct engine", direct), ("pdlb", ours)]
+            rows = [("direct engine", direct)]
             out["direct"].append(direct)
-            out["pdlb"].append(ours)
+            for name, pdlb in pdlbs.items():
+                ours = await _measure(pdlb.url, args, pdlb.popen.pid)
+                rows.append((name, ours))
+                out[name].append(ours)
             if sgl_url is not None:
                 theirs = await _measure(sgl_url, args, sgl.pid if sgl is not None else None)
                 rows.append(("sglang-router", theirs))
@@ -201,13 +227,18 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
     return out
 
 
+def _pdlb_name(processes: int) -> str:
+    return "pdlb" if processes == 1 else f"pdlb x{processes}"
+
+
 def _summary(results: dict[str, dict]) -> None:
     print("\n== summary (medians over repeats; ratios pdlb / sglang-router taken per repeat, then the median) ==")
     hdr = f"{'mode':9}{'router':15}{'added p50 ms':>13}{'added p99 ms':>13}{'max req/s':>11}{'CPU us/req':>12}"
     print(hdr)
     verdicts = []
     for mode, res in results.items():
-        for name in ("pdlb", "sglang"):
+        pdlb_names = [k for k in res if k.startswith("pdlb")]
+        for name in [*pdlb_names, "sglang"]:
             runs = res[name]
             if not runs:
                 continue
@@ -215,24 +246,24 @@ def _summary(results: dict[str, dict]) -> None:
             a99 = statistics.median(_added_ms(r, d, "p99") for r, d in zip(runs, res["direct"]))
             rps = statistics.median(r["rps"] for r in runs)
             cpu = statistics.median(r["cpu_us"] for r in runs)
-            print(f"{mode:9}{'pdlb' if name == 'pdlb' else 'sglang-router':15}{a50:13.2f}{a99:13.2f}{rps:11.0f}{cpu:12.0f}")
-            if name == "pdlb":
-                verdicts.append(f"{mode}: added p99 {a99:.2f} ms "
+            print(f"{mode:9}{name if name != 'sglang' else 'sglang-router':15}{a50:13.2f}{a99:13.2f}{rps:11.0f}{cpu:12.0f}")
+            if name != "sglang":
+                verdicts.append(f"{mode} {name}: added p99 {a99:.2f} ms "
                                 f"({'meets' if a99 <= GOAL_ADDED_P99_MS else 'misses'} <= {GOAL_ADDED_P99_MS:g} ms)")
-        if res["sglang"]:
-            r_rps = [o["rps"] / t["rps"] for o, t in zip(res["pdlb"], res["sglang"])]
-            r_cpu = [o["cpu_us"] / t["cpu_us"] for o, t in zip(res["pdlb"], res["sglang"])]
+        for name in pdlb_names if res["sglang"] else ():
+            r_rps = [o["rps"] / t["rps"] for o, t in zip(res[name], res["sglang"])]
+            r_cpu = [o["cpu_us"] / t["cpu_us"] for o, t in zip(res[name], res["sglang"])]
             # a ratio of added latencies only means something when the peer's added latency is > 0.1 ms
             r_50 = [_added_ms(o, d, "p50") / _added_ms(t, d, "p50")
-                    for o, t, d in zip(res["pdlb"], res["sglang"], res["direct"]) if _added_ms(t, d, "p50") > 0.1]
+                    for o, t, d in zip(res[name], res["sglang"], res["direct"]) if _added_ms(t, d, "p50") > 0.1]
             rr = statistics.median(r_rps)
             a50 = f"{statistics.median(r_50):12.2f}x" if r_50 else f"{'n/a':>13}"
-            print(f"{mode:9}{'ratio':15}{a50}{'':13}{rr:10.2f}x{statistics.median(r_cpu):11.2f}x"
+            print(f"{mode:9}{'ratio ' + name[4:].strip():15}{a50}{'':13}{rr:10.2f}x{statistics.median(r_cpu):11.2f}x"
                   f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r_rps)}; "
                   f"CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
-            verdicts.append(f"{mode}: throughput {rr:.2f}x sglang-router "
+            verdicts.append(f"{mode} {name}: throughput {rr:.2f}x sglang-router "
                             f"({'meets' if rr >= GOAL_RPS_RATIO else 'misses'} >= {GOAL_RPS_RATIO:g}x)")
-        else:
+        if not res["sglang"]:
             verdicts.append(f"{mode}: no sglang-router comparison")
     print("goals (issue 3): " + "; ".join(verdicts))
     print("(added p99 from closed-loop runs on a shared host is dominated by CPU contention; compare ratios)")
@@ -248,6 +279,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats per mode (default 3)")
     ap.add_argument("--modes", default="regular,pd", help="comma list of regular, pd (default both)")
     ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router comparison")
+    ap.add_argument("--pdlb-processes", default="1", metavar="LIST",
+                    help="comma list of 'pdlb serve --processes' values to measure (default 1)")
     ap.add_argument("--sglang-router", default=f"bash {PEER}", metavar="CMD",
                     help="command that runs 'sglang-router launch' with the args appended (default: the peer script)")
     args = ap.parse_args()
@@ -255,6 +288,12 @@ def main() -> int:
     bad = [m for m in modes if m not in ("regular", "pd")]
     if bad or args.repeat < 1 or args.duration_s <= 0:
         ap.error(f"bad --modes {bad}" if bad else "--repeat must be >= 1 and --duration-s > 0")
+    try:
+        args.pdlb_processes = sorted({int(x) for x in args.pdlb_processes.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--pdlb-processes must be a comma list of integers, got {args.pdlb_processes!r}")
+    if not args.pdlb_processes or min(args.pdlb_processes) < 1:
+        ap.error("--pdlb-processes needs at least one value, all >= 1")
     sglang_cmd = None if args.no_sglang else shlex.split(args.sglang_router)
     if sglang_cmd and sglang_cmd[0] == "bash" and len(sglang_cmd) > 1 and not Path(sglang_cmd[1]).is_file():
         print(f"note: {sglang_cmd[1]} not found; skipping the sglang-router comparison")

@@ -249,3 +249,63 @@ async def test_graceful_shutdown_drains_in_flight(fault_cluster):
             assert router.popen.wait(10) == 0
     finally:
         router.stop()
+
+
+# ---------------------------------------------------------------------- several router processes
+async def _per_process(session: aiohttp.ClientSession, url: str, path: str, n_processes: int) -> dict[int, dict]:
+    """``GET path`` on fresh connections until every router process answered once; by pid."""
+    seen: dict[int, dict] = {}
+    for _ in range(400):  # the kernel hashes each new connection to one SO_REUSEPORT listener
+        async with session.get(url + path, headers={"Connection": "close"}) as r:
+            assert r.status == 200
+            body = await r.json()
+        seen.setdefault(body["process"]["pid"], body)
+        if len(seen) == n_processes:
+            return seen
+    raise AssertionError(f"only {len(seen)} of {n_processes} router processes answered")
+
+
+async def test_two_router_processes_serve_all_and_return_to_zero():
+    engines = spawn_engines([("prefill", *FAST), ("decode", *FAST), ("decode", *FAST)])
+    procs = list(engines)
+    n = 200
+    try:
+        router = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2", "--decode-policy", "round_robin")
+        procs.append(router)
+        conn = aiohttp.TCPConnector(limit=0, force_close=True)  # a new connection per request: both processes get work
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def one(i: int) -> int:
+                body = {"model": "emu", "prompt": f"p{i % 5} " * 40, "max_tokens": 2 + i % 3, "stream": i % 2 == 1}
+                async with s.post(router.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    if body["stream"]:
+                        text = await r.text()
+                        assert text.rstrip().endswith("data: [DONE]")
+                        events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+                        return sum(1 for e in events if e["choices"][0]["text"])  # one token per text event
+                    return (await r.json())["usage"]["completion_tokens"]
+
+            tokens = await asyncio.gather(*(one(i) for i in range(n)))
+            assert tokens == [2 + i % 3 for i in range(n)]  # every request answered in full, none lost
+            health = await _per_process(s, router.url, "/health", 2)
+            assert sorted(h["process"]["index"] for h in health.values()) == [0, 1]
+            assert all(h["process"]["count"] == 2 and h["in_flight"] == 0 for h in health.values())
+            # each process's own router state: load back to zero on every worker
+            workers = await _per_process(s, router.url, "/workers", 2)
+            for w in workers.values():
+                assert len(w["workers"]) == 3 and all(x["in_flight"] == 0 for x in w["workers"])
+            # /metrics sums the processes: exactly n completions, served by both processes' counters
+            done = await _metric(s, router, r'pdlb_requests_total\{endpoint="/v1/completions",status="200"\}')
+            assert done == [float(n)]
+            assert await _metric(s, router, r"pdlb_in_flight_requests") == [0.0]
+            # the decode engines saw all n requests (round robin in each process: both got some)
+            ok = [(await _json(s, e.url + "/emulator/stats"))["ok"] for e in engines[1:]]
+            assert sum(ok) == n and min(ok) > 0
+            # adding or removing workers is refused: it would reach one process only
+            r = await s.post(router.url + "/workers", json={"url": "http://127.0.0.1:9", "role": "decode"})
+            assert r.status == 409 and (await r.json())["error"]["type"] == "conflict"
+            r = await s.delete(router.url + "/workers", params={"url": engines[1].url})
+            assert r.status == 409
+        assert router.stop() == 0  # SIGTERM: both processes drain and exit, then the parent
+    finally:
+        _stop_all(procs)

@@ -108,9 +108,31 @@ async def test_sglang_decode_leg_waits_for_prefill_room():
         r = await p.post("/generate", json=body | {"bootstrap_room": 7, "rid": "r2"})
         assert r.status == 503
         assert (await asyncio.wait_for(d_task, 5)).status == 502
+        # rooms are dropped once the decode leg's bootstrap poll returned (ready or failed): a long
+        # run does not accumulate them (they used to pile up and slow every new room down)
+        assert p.app[STATE].rooms == {}
     finally:
         await p.close()
         await d.close()
+
+
+def test_unpolled_rooms_expire_after_four_bootstrap_timeouts(monkeypatch):
+    # a room nobody polls (its decode leg never came) expires 4 x bootstrap_timeout_s after its
+    # creation, checked when the next room is created; times from a patched monotonic clock
+    from sim.emulator import app as emu_app
+
+    now = [1000.0]
+    monkeypatch.setattr(emu_app.time, "monotonic", lambda: now[0])
+    st = emu_app.EmulatorState(EmulatorConfig(role="prefill", bootstrap_timeout_s=10.0, zero_delay=True), exit_on_die=False)
+    st.room(1)
+    now[0] = 1020.0
+    st.room(2)
+    now[0] = 1040.0  # room 1 is exactly 40 s old: 4 x 10 s, not yet expired (strictly older expires)
+    st.room(3)
+    assert list(st.rooms) == [1, 2, 3]
+    now[0] = 1040.5  # room 1 is 40.5 s old -> dropped; room 2 (20.5 s) stays
+    st.room(4)
+    assert list(st.rooms) == [2, 3, 4]
 
 
 async def test_abort_request_and_probe_endpoints():

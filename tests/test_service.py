@@ -13,6 +13,7 @@ from aiohttp.test_utils import make_mocked_request
 from balancer.service.app import SERVICE, admin_denied
 from balancer.service.config import ServiceConfig, load_service_config
 from balancer.service.prompt import Prompt, PromptHasher, extract_prompt
+from balancer.service.proxy import encode_with
 from balancer.service.workers import BreakerState, CircuitBreaker
 from balancer.service.config import CircuitBreakerConfig
 from sim.emulator.testing import inprocess_cluster
@@ -322,3 +323,48 @@ async def test_first_byte_timeout_exhausted_retries_give_504():
         metrics = await (await s.get(c.url + "/metrics")).text()
         assert 'pdlb_retries_total{reason="first_byte_timeout"} 1.0' in metrics  # 1 try + 1 retry
         assert _load(c) == 0
+
+
+def test_encode_with_passes_the_client_body_through():
+    # expected values: the JSON object {**body, **extra} (json.loads of the result compared with the
+    # dict merge computed by hand), and byte identity of the client's own text where it is kept
+    raw = b'{"prompt": "a\\u00e9",  "max_tokens": 2}\n'
+    body = json.loads(raw)
+    assert encode_with(raw, body, {}) is raw  # nothing added: forwarded as sent
+    out = encode_with(raw, body, {"rid": "r1", "bootstrap_port": None})
+    assert out == b'{"prompt": "a\\u00e9",  "max_tokens": 2, "rid": "r1", "bootstrap_port": null}'
+    assert json.loads(out) == {"prompt": "a\u00e9", "max_tokens": 2, "rid": "r1", "bootstrap_port": None}
+    assert encode_with(b" {} ", {}, {"rid": "r1"}) == b' {"rid": "r1"}'
+    # a key the client already set: re-encoded with the router's value in the client's position
+    body2 = {"rid": "client", "prompt": "p"}
+    out2 = encode_with(json.dumps(body2).encode(), body2, {"rid": "r2"})
+    assert list(json.loads(out2).items()) == [("rid", "r2"), ("prompt", "p")]
+    # UTF-16 (which json.loads accepts) and unknown raw bodies are re-encoded as UTF-8
+    body3 = {"prompt": "x"}
+    out3 = encode_with(json.dumps(body3).encode("utf-16"), body3, {"rid": "r3"})
+    assert json.loads(out3.decode("utf-8")) == {"prompt": "x", "rid": "r3"}
+    assert json.loads(encode_with(None, body3, {})) == body3
+
+
+def test_processes_setting_and_busy_port(capsys):
+    import socket
+
+    from balancer.service.cli import _reserve_port
+    from sim.cli import main
+
+    with pytest.raises(ValueError, match="processes"):
+        ServiceConfig(processes=0)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError):  # not silently joined as another SO_REUSEPORT listener
+            _reserve_port("127.0.0.1", port)
+        code = main(["serve", "--processes", "2", "--port", str(port), "--pd-protocol", "none",
+                     "--mixed", "http://127.0.0.1:9"])
+    assert code == 2 and "address already in use" in capsys.readouterr().err
+    free = _reserve_port("127.0.0.1", 0)
+    try:
+        assert free.getsockname()[1] > 0
+    finally:
+        free.close()

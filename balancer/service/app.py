@@ -7,11 +7,14 @@ Endpoints:
   JSON or SSE passed through chunk by chunk.
 * ``GET /v1/models``: the configured ``served_model_name``, else a routable worker's list.
 * ``GET /health``: 200 when a decode/mixed worker is routable and the router is not draining,
-  else 503; the body counts routable workers per role.
+  else 503; the body counts routable workers per role and names the answering process
+  (``{"index", "count", "pid"}``; ``count`` > 1 with ``pdlb serve --processes``).
 * ``GET /metrics``: Prometheus text (:mod:`balancer.service.metrics`).
 * ``GET/POST/DELETE /workers``: admin API (list, add a :class:`WorkerConfig` JSON body, remove by
   ``?url=``). With ``admin_api_key`` configured it needs ``Authorization: Bearer <key>`` (401
-  otherwise); without one only loopback clients may use it (403 otherwise).
+  otherwise); without one only loopback clients may use it (403 otherwise). With several router
+  processes (``processes`` > 1) each has its own worker pool, so adding or removing workers is
+  refused with 409 (change the config and restart); the list shows the answering process's view.
 
 Errors are OpenAI-style JSON objects (``{"error": {"message", "type", "code"}}``): invalid JSON or
 missing fields 400, unknown route 404, wrong method 405, body over ``max_body_bytes`` 413, no
@@ -28,6 +31,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -39,7 +43,7 @@ from pydantic import ValidationError
 from balancer.policies import make_policy
 from balancer.router import Router
 from balancer.service.config import ServiceConfig, WorkerConfig
-from balancer.service.metrics import ServiceMetrics
+from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import Proxy, error_response
 from balancer.service.workers import WorkerPool
@@ -51,19 +55,28 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "
 
 
 class Service:
-    """Per-app state: config, router, workers, metrics, the HTTP client and the proxy."""
+    """Per-app state: config, router, workers, metrics, the HTTP client and the proxy.
 
-    def __init__(self, cfg: ServiceConfig) -> None:
+    ``process_index``: this process's number (0..``cfg.processes`` - 1) under ``pdlb serve --processes``.
+    """
+
+    def __init__(self, cfg: ServiceConfig, process_index: int = 0) -> None:
+        if not 0 <= process_index < cfg.processes:
+            raise ValueError(f"process_index {process_index} outside 0..{cfg.processes - 1}")
         self.cfg = cfg
+        self.process_index = process_index
+        self.multiprocess = cfg.processes > 1
         self.router = Router(
             make_policy(cfg.prefill_policy.name, **cfg.prefill_policy.params),
             make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
-            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed)
+            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index)
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
         for w in cfg.workers:
             self.pool.add(w)
-        self.metrics = ServiceMetrics()
+        self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
+        if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
+            self.metrics.in_flight.set_function(lambda: self.in_flight)
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
         self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         self.session: aiohttp.ClientSession | None = None
@@ -101,13 +114,25 @@ class Service:
     def enter(self) -> None:
         self.in_flight += 1
         self._idle.clear()
-        self.metrics.in_flight.set(self.in_flight)
+        if self.multiprocess:
+            self.metrics.in_flight.set(self.in_flight)
 
     def leave(self) -> None:
         self.in_flight -= 1
-        self.metrics.in_flight.set(self.in_flight)
+        if self.multiprocess:
+            self.metrics.in_flight.set(self.in_flight)
         if self.in_flight == 0:
             self._idle.set()
+
+    async def _gauge_loop(self) -> None:
+        """Multiprocess mode: keep this process's per-worker gauges fresh for scrapes that another
+        process answers."""
+        while True:
+            self.metrics.refresh_gauges(self.router, self.pool)
+            await asyncio.sleep(MULTIPROCESS_GAUGE_REFRESH_S)
+
+    def process_info(self) -> dict[str, int]:
+        return {"index": self.process_index, "count": self.cfg.processes, "pid": os.getpid()}
 
     async def drain(self) -> None:
         """Refuse new requests and wait (at most ``shutdown_timeout_s``) for in-flight ones."""
@@ -154,14 +179,20 @@ async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, A
 
 # ---------------------------------------------------------------------- handlers
 async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
+    body, _ = await _read_json_raw(request)
+    return body
+
+
+async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Response, bytes]:
+    """The parsed JSON object body (or the 400 response) and the raw bytes."""
     raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) over client_max_size
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"invalid JSON body: {e}")
+        return error_response(400, f"invalid JSON body: {e}"), raw
     if not isinstance(body, dict):
-        return error_response(400, "the JSON body must be an object")
-    return body
+        return error_response(400, "the JSON body must be an object"), raw
+    return body, raw
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
@@ -171,13 +202,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return error_response(404, "/generate is SGLang's native API; not available with pd_protocol 'vllm'")
     if svc.draining:
         return error_response(503, "the router is shutting down")
-    body = await _read_json(request)
+    body, raw = await _read_json_raw(request)
     if isinstance(body, web.Response):
         return body
     assert svc.proxy is not None
     svc.enter()
     try:
-        return await svc.proxy.handle(request, endpoint, body)
+        return await svc.proxy.handle(request, endpoint, body, raw)
     finally:
         svc.leave()
 
@@ -188,8 +219,8 @@ async def _health(request: web.Request) -> web.Response:
     counts = {r.value: len(svc.pool.routable((r,))) for r in Role}
     ok = (counts["decode"] + counts["mixed"]) > 0 and not svc.draining
     status = "draining" if svc.draining else ("ok" if ok else "unavailable")
-    return web.json_response({"status": status, "routable_workers": counts, "in_flight": svc.in_flight},
-                             status=200 if ok else 503)
+    return web.json_response({"status": status, "routable_workers": counts, "in_flight": svc.in_flight,
+                              "process": svc.process_info()}, status=200 if ok else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -226,6 +257,15 @@ def admin_denied(request: web.Request, api_key: str | None) -> web.Response | No
     return error_response(403, "admin API is loopback-only when no admin_api_key is configured", "permission_error")
 
 
+def _single_process(svc: Service) -> web.Response | None:
+    """``None`` if workers may be added/removed, else the 409 (one pool per router process)."""
+    if svc.cfg.processes > 1:
+        return error_response(409, f"this router runs {svc.cfg.processes} processes, each with its own worker pool; "
+                                   "workers cannot be added or removed at run time: change the config and restart",
+                              "conflict")
+    return None
+
+
 async def _list_workers(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
@@ -236,13 +276,15 @@ async def _list_workers(request: web.Request) -> web.Response:
         d = w.describe()
         d["in_flight"] = sum(svc.router.load.get(r).num_requests for r in w.replicas)
         out.append(d)
-    return web.json_response({"workers": out})
+    return web.json_response({"workers": out, "process": svc.process_info()})
 
 
 async def _add_worker(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
         return denied
+    if (refused := _single_process(svc)) is not None:
+        return refused
     body = await _read_json(request)
     if isinstance(body, web.Response):
         return body
@@ -263,6 +305,8 @@ async def _remove_worker(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
         return denied
+    if (refused := _single_process(svc)) is not None:
+        return refused
     url = request.query.get("url")
     if not url:
         return error_response(400, "query parameter 'url' is required")
@@ -274,28 +318,40 @@ async def _remove_worker(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------- factory
-def create_app(cfg: ServiceConfig) -> web.Application:
-    """Build the router app for ``cfg`` (background health checks start with the app).
+def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
+    """The one HTTP client session to the workers: unlimited keep-alive connections (60 s idle),
+    no cookie jar (engines set none; the jar would be consulted per request), no
+    ``Accept-Encoding`` and no decompression (engine answers are relayed as sent), and only a
+    connect timeout (the request and first-byte timeouts are the proxy's)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=False),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
+        cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
+
+
+def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
+    """Build the router app for ``cfg`` (background health checks start with the app);
+    ``process_index``: this process's number when ``cfg.processes`` > 1.
 
     Raises:
-        ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``.
+        ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
+            ``process_index`` not in ``0..cfg.processes - 1``.
         RuntimeError: ``cfg.tokenizer_path`` is set but ``tokenizers`` is not installed.
     """
-    svc = Service(cfg)
+    svc = Service(cfg, process_index)
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SERVICE] = svc
 
     async def lifecycle(app: web.Application):  # noqa: ANN202
-        svc.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
-            )
+        svc.session = make_client_session(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher)
-        checker = asyncio.create_task(svc._health_loop()) if cfg.health_check.enabled else None
+        loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
+        if svc.multiprocess:
+            loops.append(asyncio.create_task(svc._gauge_loop()))
         yield
-        if checker is not None:
-            checker.cancel()
-            await asyncio.gather(checker, return_exceptions=True)
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         for t in list(svc.proxy.background):
             t.cancel()
         await svc.session.close()

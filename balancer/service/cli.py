@@ -1,13 +1,27 @@
-"""``pdlb serve``: run the PD router (config file plus flags; flags win)."""
+"""``pdlb serve``: run the PD router (config file plus flags; flags win).
+
+With ``--processes N`` (N > 1) the parent process reserves the port, starts N router processes
+that each listen on it with ``SO_REUSEPORT`` (the kernel spreads client connections over them),
+prints the ready line once all of them listen, forwards SIGTERM/SIGINT to them and exits when they
+have drained. If one of them dies, the others are stopped and ``pdlb serve`` exits with status 1
+(let a supervisor restart it). Prometheus multiprocess mode aggregates ``/metrics`` over them
+(a fresh temporary ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import multiprocessing
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
+import time
 
 from aiohttp import web
 
@@ -77,6 +91,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--health-check-interval-s", type=float)
     p.add_argument("--served-model-name")
     p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only)")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="router processes sharing the port (SO_REUSEPORT); each keeps its own load and prefix "
+                        "state, the admin API cannot add/remove workers when N > 1 (default 1)")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop (default asyncio; uvloop needs 'pip install uvloop')")
     p.add_argument("--log-level", default="WARNING")
@@ -89,7 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "block_size": args.block_size, "tokenizer_path": args.tokenizer_path,
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
                   "first_byte_timeout_s": args.first_byte_timeout_s,
-                  "served_model_name": args.served_model_name,
+                  "served_model_name": args.served_model_name, "processes": args.processes,
                   "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY")}
     if args.prefill_policy:
         over["prefill_policy"] = {"name": args.prefill_policy}
@@ -107,20 +124,39 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         raise ValueError(f"invalid settings: {e}") from e
 
 
-async def _serve(cfg: ServiceConfig) -> int:
+def _ready_line(cfg: ServiceConfig, port: int) -> str:
+    n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
+    return (f"pdlb serve ready on http://{cfg.host}:{port} protocol={cfg.pd_protocol} "
+            f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}" + (f" processes={cfg.processes}" if cfg.processes > 1 else ""))
+
+
+async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:  # noqa: ANN001
+    """Serve until SIGINT/SIGTERM. One process: print the ready line. Process ``process_index`` of
+    several: listen with ``SO_REUSEPORT`` and send ``("ready", port)`` or ``("error", message)``
+    on the pipe ``ready`` instead."""
     try:
-        app = create_app(cfg)
+        app = create_app(cfg, process_index)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
+        if ready is not None:
+            ready.send(("error", str(e)))
         print(f"error: {e}", file=sys.stderr)
         return 2
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
-    await site.start()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if cfg.processes > 1 else None)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        if ready is not None:
+            ready.send(("error", f"cannot listen on {cfg.host}:{cfg.port}: {e}"))
+            return 2
+        raise
     port = runner.addresses[0][1]
-    n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
-    print(f"pdlb serve ready on http://{cfg.host}:{port} protocol={cfg.pd_protocol} "
-          f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}", flush=True)
+    if ready is None:
+        print(_ready_line(cfg, port), flush=True)
+    else:
+        ready.send(("ready", port))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -141,5 +177,116 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key: the admin API (/workers) answers loopback clients only", file=sys.stderr)
+    if cfg.processes > 1:
+        return _run_processes(cfg, args.event_loop, args.log_level)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_serve(cfg))
+
+
+# ---------------------------------------------------------------------- several processes
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """A bound (not listening) ``SO_REUSEPORT`` socket holding ``host:port`` (``port`` 0: a free
+    one) while the router processes start.
+
+    Raises:
+        OSError: the address is already in use (checked without ``SO_REUSEPORT`` first, so that
+            another process's ``SO_REUSEPORT`` listener is not silently joined) or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port != 0:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))  # EADDRINUSE if anything listens there
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready) -> None:  # noqa: ANN001
+    """Entry point of router process ``index`` (a spawned interpreter)."""
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
+    cfg = ServiceConfig.model_validate_json(cfg_json)
+    with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
+        code = runner.run(_serve(cfg, index, ready))
+    sys.exit(code)
+
+
+def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
+    """Run ``cfg.processes`` router processes on one port (see the module docstring)."""
+    try:
+        reservation = _reserve_port(cfg.host, cfg.port)
+    except OSError as e:
+        what = "address already in use" if e.errno == errno.EADDRINUSE else str(e)
+        print(f"error: cannot listen on {cfg.host}:{cfg.port}: {what}", file=sys.stderr)
+        return 2
+    port = reservation.getsockname()[1]
+    cfg = cfg.model_copy(update={"port": port})
+    metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-")
+    # read by prometheus_client at import in each spawned process (multiprocess mode)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    ctx = multiprocessing.get_context("spawn")
+    procs: list = []
+    stop = {"signal": False}
+
+    def on_signal(signum, frame):  # noqa: ANN001, ANN202
+        stop["signal"] = True
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        pipes = []
+        for i in range(cfg.processes):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send),
+                            name=f"pdlb-serve-{i}", daemon=False)
+            p.start()
+            send.close()
+            procs.append(p)
+            pipes.append(recv)
+        for i, (p, recv) in enumerate(zip(procs, pipes)):
+            msg = None
+            while msg is None and not stop["signal"]:
+                if recv.poll(0.2):
+                    try:
+                        msg = recv.recv()
+                    except EOFError:
+                        msg = ("error", f"exited with status {p.exitcode} before listening")
+                elif not p.is_alive():
+                    msg = ("error", f"exited with status {p.exitcode} before listening")
+            if msg is None:
+                return 0
+            if msg[0] != "ready":
+                print(f"error: router process {i}: {msg[1]}", file=sys.stderr)
+                return 2
+        reservation.close()
+        print(_ready_line(cfg, port), flush=True)
+        while not stop["signal"]:
+            dead = [(i, p) for i, p in enumerate(procs) if not p.is_alive()]
+            if dead:
+                i, p = dead[0]
+                print(f"error: router process {i} (pid {p.pid}) exited with status {p.exitcode}; stopping the others",
+                      file=sys.stderr)
+                code = 1
+                break
+            time.sleep(0.2)
+        return code
+    finally:
+        reservation.close()
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + cfg.shutdown_timeout_s + 10
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -137,7 +137,11 @@ class ServiceConfig(BaseModel):
         served_model_name: the id ``/v1/models`` lists; ``None`` asks a worker.
         shutdown_timeout_s: graceful shutdown drains in-flight requests for at most this long.
         default_max_tokens: the output length assumed for load accounting when a request names none.
-        seed: the router's RNG seed.
+        seed: the router's RNG seed (process ``i`` of ``processes`` uses ``seed + i``).
+        processes: router processes sharing the port (``SO_REUSEPORT``; the kernel spreads client
+            connections over them). Each has its own router state (in-flight load, prefix index,
+            breakers), like independent gateway replicas; ``/metrics`` aggregates all of them; the
+            admin API cannot add or remove workers (409) when > 1. See docs/serving.md, "Overhead".
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -166,6 +170,7 @@ class ServiceConfig(BaseModel):
     shutdown_timeout_s: float = Field(30.0, ge=0)
     default_max_tokens: int = Field(16, ge=1)
     seed: int = 0
+    processes: int = Field(1, ge=1, le=256)
 
     @model_validator(mode="after")
     def _check_workers(self) -> ServiceConfig:

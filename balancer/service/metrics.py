@@ -2,6 +2,13 @@
 
 Names follow Prometheus conventions: ``pdlb_`` prefix, base units (seconds, ratios 0..1),
 ``_total`` for counters (added by prometheus-client), labels for dimensions.
+
+With several router processes (``pdlb serve --processes N``) prometheus-client's multiprocess mode
+is used (``PROMETHEUS_MULTIPROC_DIR``, set by the parent before the processes start): a scrape
+answered by any process reports counters and histograms summed over all processes, per-worker load
+gauges summed over live processes (each process refreshes its own every
+``MULTIPROCESS_GAUGE_REFRESH_S``), breaker state as the worst (max) and health as the lowest (min)
+view of any process.
 """
 
 from __future__ import annotations
@@ -9,18 +16,27 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess as prom_multiprocess
 
 from balancer.router import Router
 from balancer.service.workers import WorkerPool
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+MULTIPROCESS_GAUGE_REFRESH_S = 1.0
+"""Seconds between refreshes of a process's per-worker gauges in multiprocess mode."""
 
 
 class ServiceMetrics:
-    """The service's metric families."""
+    """The service's metric families.
 
-    def __init__(self) -> None:
+    Args:
+        multiprocess: aggregate over the router processes of ``pdlb serve --processes N`` (needs
+            ``PROMETHEUS_MULTIPROC_DIR`` set before ``prometheus_client`` was imported).
+    """
+
+    def __init__(self, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pdlb_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
         self.duration = Histogram("pdlb_request_duration_seconds", "Client request latency (to the last byte)",
@@ -36,16 +52,22 @@ class ServiceMetrics:
         self.retries = Counter("pdlb_retries", "Request attempts retried, by reason", ["reason"], registry=r)
         self.upstream_failures = Counter("pdlb_upstream_failures", "Failed worker legs by worker and kind",
                                          ["worker", "kind"], registry=r)
-        self.in_flight = Gauge("pdlb_in_flight_requests", "Client requests being served", registry=r)
+        self.in_flight = Gauge("pdlb_in_flight_requests", "Client requests being served", registry=r,
+                               multiprocess_mode="livesum")
         self.worker_load = Gauge("pdlb_worker_in_flight_requests",
                                  "Requests the router counts on each worker DP rank (from dispatch)",
-                                 ["worker", "dp_rank", "role"], registry=r)
+                                 ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livesum")
         self.worker_prefill_tokens = Gauge("pdlb_worker_prefill_tokens",
                                            "Uncached prompt tokens routed to each rank and not yet prefilled",
-                                           ["worker", "dp_rank", "role"], registry=r)
+                                           ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livesum")
         self.breaker = Gauge("pdlb_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open",
-                             ["worker"], registry=r)
-        self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r)
+                             ["worker"], registry=r, multiprocess_mode="livemax")
+        self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r,
+                             multiprocess_mode="livemin")
+        self._scrape_registry = r
+        if multiprocess:
+            self._scrape_registry = CollectorRegistry()
+            prom_multiprocess.MultiProcessCollector(self._scrape_registry)
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     def child(self, family: Counter | Histogram, *labels: str) -> Any:
@@ -57,12 +79,14 @@ class ServiceMetrics:
             c = self._children[key] = family.labels(*labels)
         return c
 
-    def render(self, router: Router, pool: WorkerPool) -> bytes:
-        """Refresh the per-worker gauges from the router's load tracker and return the exposition text."""
-        self.worker_load.clear()
-        self.worker_prefill_tokens.clear()
-        self.breaker.clear()
-        self.healthy.clear()
+    def refresh_gauges(self, router: Router, pool: WorkerPool) -> None:
+        """Set the per-worker gauges from the router's load tracker and the pool (a removed worker's
+        series disappear; in multiprocess mode the worker set is fixed and nothing is cleared)."""
+        if not self.multiprocess:
+            self.worker_load.clear()
+            self.worker_prefill_tokens.clear()
+            self.breaker.clear()
+            self.healthy.clear()
         for w in pool.workers.values():
             self.breaker.labels(w.url).set(int(w.breaker.state))
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
@@ -71,4 +95,9 @@ class ServiceMetrics:
                 labels = (w.url, str(rep.dp_rank), w.cfg.role)
                 self.worker_load.labels(*labels).set(snap.num_requests)
                 self.worker_prefill_tokens.labels(*labels).set(snap.prefill_tokens)
-        return generate_latest(self.registry)
+
+    def render(self, router: Router, pool: WorkerPool) -> bytes:
+        """Refresh this process's per-worker gauges and return the exposition text (all processes'
+        in multiprocess mode)."""
+        self.refresh_gauges(router, pool)
+        return generate_latest(self._scrape_registry)

@@ -63,6 +63,26 @@ def error_response(status: int, message: str, etype: str | None = None) -> web.R
     return web.json_response({"error": {"message": message, "type": etype, "code": status}}, status=status)
 
 
+def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
+    """The JSON encoding of ``{**body, **extra}`` for an upstream leg.
+
+    ``raw`` is the client's own encoding of ``body`` (``None`` if unknown). When it is a UTF-8
+    ``{...}`` object text and no key of ``extra`` is in ``body``, the result is ``raw`` with
+    ``extra``'s members spliced in before its closing brace (``raw`` itself when ``extra`` is
+    empty): the request body passes through without being re-encoded, and the engine parses the
+    same object ``json.dumps({**body, **extra})`` would give. Otherwise that ``json.dumps``.
+    """
+    if raw is not None and not any(k in body for k in extra):
+        head = raw.rstrip()
+        # a UTF-16/32 or BOM-prefixed body fails one of these checks and is re-encoded instead
+        if head.endswith(b"}") and raw.lstrip()[:1] == b"{":
+            if not extra:
+                return raw
+            tail = json.dumps(extra).encode()  # b'{"k": v, ...}'
+            return head[:-1] + (b", " if body else b"") + tail[1:]
+    return json.dumps({**body, **extra} if extra else body).encode()
+
+
 class Failure(Exception):
     """An attempt failed before any byte reached the client."""
 
@@ -85,6 +105,7 @@ class _Ctx:
     body: dict[str, Any]
     stream: bool
     t0: float
+    raw: bytes | None = None  # the client's encoding of body, passed through where unchanged
     resp: web.StreamResponse | None = None
 
 
@@ -111,6 +132,17 @@ def _max_tokens(endpoint: str, body: dict[str, Any], default: int) -> int:
     return v
 
 
+def _relayed_headers(resp: aiohttp.ClientResponse, default_type: str) -> dict[str, str]:
+    """Headers of the decode leg passed to the client: its Content-Type and, since the client
+    session does not decompress, its Content-Encoding if any."""
+    h = resp.headers
+    out = {"Content-Type": h.get("Content-Type", default_type)}
+    enc = h.get("Content-Encoding")
+    if enc is not None:
+        out["Content-Encoding"] = enc
+    return out
+
+
 class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
@@ -133,8 +165,11 @@ class Proxy:
         self.background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ entry point
-    async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any]) -> web.StreamResponse:
-        """Serve one parsed request body on ``endpoint`` (``completions``, ``chat``, ``generate``)."""
+    async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any],
+                     raw: bytes | None = None) -> web.StreamResponse:
+        """Serve one parsed request body on ``endpoint`` (``completions``, ``chat``, ``generate``);
+        ``raw`` is the body as the client sent it (forwarded without re-encoding where the legs
+        only add fields, see :func:`encode_with`)."""
         cfg = self.cfg
         t0 = time.monotonic()
         try:
@@ -149,7 +184,7 @@ class Proxy:
         else:
             n_tokens, hashes = self.hasher.hash(prompt)
         base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._client_ids)}")
-        ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0)
+        ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0, raw)
         attempt = 0
         try:
             async with asyncio.timeout(cfg.request_timeout_s):
@@ -224,40 +259,40 @@ class Proxy:
         path = ctx.request.path
         headers = self._headers(upstream_id)
         if route.prefill is None or cfg.pd_protocol == "none":
-            body = dict(ctx.body)
-            if cfg.pd_protocol == "sglang":
-                body["rid"] = upstream_id
-            self._dp_rank(body, headers, d, route.decode.dp_rank)
+            extra: dict[str, Any] = {"rid": upstream_id} if cfg.pd_protocol == "sglang" else {}
+            self._dp_rank(extra, headers, d, route.decode.dp_rank)
             legs.started.append((d, upstream_id))
             deadline = self._first_byte_deadline()
-            d_resp = await self._open(d, path, body, headers, legs, deadline)
+            d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, extra), headers, legs, deadline)
             return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
         p = self._worker(route.prefill.engine)
         if cfg.pd_protocol == "sglang":
             return await self._sglang(ctx, p, d, route, path, upstream_id, router_id, legs)
         return await self._vllm(ctx, p, d, route, path, upstream_id, router_id, legs)
 
-    def _dp_rank(self, body: dict[str, Any], headers: dict[str, str], w: Worker, rank: int) -> None:
+    def _dp_rank(self, fields: dict[str, Any], headers: dict[str, str], w: Worker, rank: int) -> None:
+        """Address DP rank ``rank`` of ``w`` (if it has several): a header for vLLM, else a body field
+        (added to ``fields``)."""
         if w.cfg.dp_size > 1:
             if self.cfg.pd_protocol == "vllm":
                 headers["X-data-parallel-rank"] = str(rank)
             else:
-                body["data_parallel_rank"] = rank
+                fields["data_parallel_rank"] = rank
 
     async def _sglang(self, ctx: _Ctx, p: Worker, d: Worker, route: Route, path: str, upstream_id: str,
                       router_id: str, legs: _Legs) -> web.StreamResponse:
         assert route.prefill is not None
-        common = dict(ctx.body)
-        common.update(bootstrap_host=p.host, bootstrap_port=p.cfg.bootstrap_port,
-                      bootstrap_room=self._room_rng.getrandbits(63), rid=upstream_id)
-        p_body, d_body = dict(common), dict(common)
+        common = {"bootstrap_host": p.host, "bootstrap_port": p.cfg.bootstrap_port,
+                  "bootstrap_room": self._room_rng.getrandbits(63), "rid": upstream_id}
+        p_extra, d_extra = dict(common), dict(common)
         p_headers, d_headers = self._headers(upstream_id), self._headers(upstream_id)
-        self._dp_rank(p_body, p_headers, p, route.prefill.dp_rank)
-        self._dp_rank(d_body, d_headers, d, route.decode.dp_rank)
+        self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
+        self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started += [(p, upstream_id), (d, upstream_id)]
         deadline = self._first_byte_deadline()
-        p_data = json.dumps(p_body).encode()
-        d_data = p_data if p_body == d_body else json.dumps(d_body).encode()  # equal unless DP ranks differ
+        p_data = encode_with(ctx.raw, ctx.body, p_extra)
+        # the same bytes for both legs unless their DP ranks differ
+        d_data = p_data if p_extra == d_extra else encode_with(ctx.raw, ctx.body, d_extra)
         p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs))
         d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, deadline))
         legs.tasks += [p_task, d_task]
@@ -290,7 +325,9 @@ class Proxy:
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
         p_headers = self._headers(upstream_id)
-        self._dp_rank(p_body, p_headers, p, route.prefill.dp_rank)
+        p_extra: dict[str, Any] = {}
+        self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
+        p_body.update(p_extra)
         legs.started.append((p, upstream_id))
         data = await self._full(p, path, p_body, p_headers, legs)
         try:
@@ -301,13 +338,12 @@ class Proxy:
             self._failed(p, "bad_response")
             raise Failure(502, f"prefill worker {p.url} answered without kv_transfer_params", True, "bad_response") from None
         self.router.on_prefill_done(router_id, time.monotonic())
-        d_body = dict(ctx.body)
-        d_body["kv_transfer_params"] = kv
+        d_extra: dict[str, Any] = {"kv_transfer_params": kv}
         d_headers = self._headers(upstream_id)
-        self._dp_rank(d_body, d_headers, d, route.decode.dp_rank)
+        self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started.append((d, upstream_id))
         deadline = self._first_byte_deadline()
-        d_resp = await self._open(d, path, d_body, d_headers, legs, deadline)
+        d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, d_extra), d_headers, legs, deadline)
         return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     # ------------------------------------------------------------------ upstream I/O
@@ -335,12 +371,12 @@ class Proxy:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
             if deadline is None:
-                resp = await self.session.post(w.url + path, data=data, headers=headers)
+                resp = await self.session.post(w.endpoint(path), data=data, headers=headers)
             else:
                 # the request timeout of handle() is an outer asyncio.timeout: its expiry passes
                 # through this one as a cancellation, so TimeoutError here is the first-byte deadline
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(w.url + path, data=data, headers=headers)
+                    resp = await self.session.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
             raise self._first_byte_failure(w) from None
         except (aiohttp.ClientError, OSError) as e:
@@ -387,8 +423,7 @@ class Proxy:
                 d_resp.release()
             self.router.on_first_token(router_id, time.monotonic())
             self.pool.record_result(d, True, time.monotonic())
-            return web.Response(status=d_resp.status, body=data,
-                                headers={"Content-Type": d_resp.headers.get("Content-Type", "application/json")})
+            return web.Response(status=d_resp.status, body=data, headers=_relayed_headers(d_resp, "application/json"))
         it = d_resp.content.iter_any()
         try:
             if deadline is None:
@@ -406,8 +441,9 @@ class Proxy:
         now = time.monotonic()
         self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
         self.router.on_first_token(router_id, now)
-        resp = web.StreamResponse(status=d_resp.status, headers={
-            "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+        headers = _relayed_headers(d_resp, "text/event-stream")
+        headers["Cache-Control"] = "no-cache"
+        resp = web.StreamResponse(status=d_resp.status, headers=headers)
         ctx.resp = resp
         await resp.prepare(ctx.request)
         if first:
@@ -457,7 +493,7 @@ class Proxy:
 
     async def _post_abort(self, w: Worker, rid: str) -> None:
         try:
-            async with self.session.post(w.url + "/abort_request", json={"rid": rid},
+            async with self.session.post(w.endpoint("/abort_request"), json={"rid": rid},
                                          timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                 await r.read()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):

@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from yarl import URL
+
 from balancer.router import Router
 from balancer.service.config import CircuitBreakerConfig, HealthCheckConfig, WorkerConfig
 from balancer.types import ReplicaId, Role
@@ -75,10 +77,19 @@ class Worker:
     health_successes: int = 0
     routable: bool = True
     replicas: tuple[ReplicaId, ...] = field(default_factory=tuple)
+    _urls: dict[str, URL] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return self.cfg.url
+
+    def endpoint(self, path: str) -> URL:
+        """``url + path`` as a parsed :class:`yarl.URL`, built once per path (the HTTP client
+        then skips URL parsing per request)."""
+        u = self._urls.get(path)
+        if u is None:
+            u = self._urls[path] = URL(self.cfg.url + path)
+        return u
 
     @property
     def role(self) -> Role:

@@ -38,7 +38,7 @@ import os
 import random
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import aiohttp
@@ -91,7 +91,7 @@ class EmulatorState:
             self.core = EngineCore(perf, cfg.role, dp_ranks=cfg.dp_ranks, block_size=cfg.block_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, max_decode_batch=cfg.max_decode_batch,
                                    kv_capacity_tokens=cfg.kv_capacity_tokens, speed=cfg.speed, name=cfg.engine_id or "engine")
-        self.rooms: dict[int, _Room] = {}
+        self.rooms: OrderedDict[int, _Room] = OrderedDict()  # creation order (expiry pops the front)
         self.tasks: dict[str, asyncio.Task] = {}  # rid -> handler task (abort_request cancels it)
         self.log: deque[dict[str, Any]] = deque(maxlen=5000)
         self.counts = {"received": 0, "ok": 0, "aborted": 0, "error": 0, "injected_error": 0}
@@ -109,13 +109,19 @@ class EmulatorState:
 
     # ------------------------------------------------------------------ rooms (SGLang bootstrap)
     def room(self, room: int) -> _Room:
+        """The room ``room`` (created on first use by either leg). A room is dropped when the decode
+        leg's bootstrap poll returns; rooms never polled (a decode leg that never came) expire
+        after 4 bootstrap timeouts. Amortised O(1): rooms are kept in creation order."""
         r = self.rooms.get(room)
         if r is None:
-            if len(self.rooms) > 2000:
-                cutoff = time.monotonic() - 4 * self.cfg.bootstrap_timeout_s
-                for k in [k for k, v in self.rooms.items() if v.created_s < cutoff]:
-                    del self.rooms[k]
-            r = self.rooms[room] = _Room()
+            cutoff = time.monotonic() - 4 * self.cfg.bootstrap_timeout_s
+            rooms = self.rooms
+            while rooms:
+                oldest = next(iter(rooms.values()))
+                if oldest.created_s >= cutoff:
+                    break
+                rooms.popitem(last=False)
+            r = rooms[room] = _Room()
         return r
 
     def transfer_delay_s(self, prompt_tokens: int, block_hashes: tuple[int, ...] = (),
@@ -420,6 +426,9 @@ async def _bootstrap(request: web.Request) -> web.Response:
         await asyncio.wait_for(room.event.wait(), timeout_s)
     except asyncio.TimeoutError:
         return _err(504, f"no prefill for room {room_id} within {timeout_s} s", "timeout")
+    finally:
+        if st.rooms.get(room_id) is room:  # the decode leg has its answer: the room is done
+            del st.rooms[room_id]
     if not room.ok:
         return _err(410, f"prefill for room {room_id} failed or was aborted", "server_error")
     return web.json_response({"status": "ready", "prompt_tokens": room.prompt_tokens})
