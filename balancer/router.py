@@ -71,6 +71,7 @@ class _Pool:
     slots: np.ndarray
     capacity: np.ndarray
     position: dict[ReplicaId, int]
+    role: Role
 
 
 INDEX_MODES = ("approximate", "events")
@@ -201,16 +202,18 @@ class Router:
             healthy = [i for i in self.replicas() if i.healthy]
             prefill = [i for i in healthy if i.role is Role.PREFILL]
             decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
-            self._pools = {"prefill": self._make_pool(prefill), "decode": self._make_pool(decode)}
+            self._pools = {"prefill": self._make_pool(prefill, Role.PREFILL),
+                           "decode": self._make_pool(decode, decode[0].role if decode else Role.DECODE)}
         return self._pools
 
-    def _make_pool(self, infos: list[ReplicaInfo]) -> _Pool:
+    def _make_pool(self, infos: list[ReplicaInfo], role: Role) -> _Pool:
         reps = tuple(i.replica for i in infos)
         return _Pool(
             replicas=reps,
             slots=np.array([self.load.slot(r) for r in reps], dtype=np.int64),
             capacity=np.array([i.kv_capacity_tokens for i in infos], dtype=np.int64),
             position={r: k for k, r in enumerate(reps)},
+            role=role,
         )
 
     # ------------------------------------------------------------------ decisions
@@ -219,36 +222,37 @@ class Router:
         pool = self._get_pools()[pool_name]
         if matches is None:
             matches = self.index.match(request.block_hashes)
-        n = len(pool.replicas)
-        matched = np.zeros(n, dtype=np.int64)
+        matched = np.zeros(len(pool.replicas), dtype=np.int64)
+        position = pool.position
+        most = 0  # most blocks any candidate matches
         for r, k in matches.items():
-            pos = pool.position.get(r)
+            pos = position.get(r)
             if pos is not None:
                 matched[pos] = k
-        role = Role.PREFILL if pool_name == "prefill" else (
-            self._replicas[pool.replicas[0]].role if n else Role.DECODE
-        )
-        tiers: dict[str, np.ndarray] = {}
-        if self.host_index is not None or self.store_index is not None:
-            host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
-            w = self.tier_weights
-            effective = matched + w["host"] * host + w["store"] * store
-            tiers = {"hbm_blocks": matched, "host_blocks": host, "store_blocks": store}
-            tokens = np.minimum(np.rint(effective * self.block_size).astype(np.int64), request.prompt_tokens)
-            matched = effective
-        else:
-            tokens = np.minimum(matched * self.block_size, request.prompt_tokens)
+                most = max(most, k)
+        slots = pool.slots
+        load = self.load
+        if self.host_index is None and self.store_index is None:
+            tokens = matched * self.block_size
+            if most * self.block_size > request.prompt_tokens:  # a partial last block matched
+                tokens = np.minimum(tokens, request.prompt_tokens)
+            return Candidates(pool.role, pool.replicas, load.num_requests[slots], load.prefill_tokens[slots],
+                              load.decode_kv_tokens[slots], pool.capacity, matched, tokens, self.block_size)
+        host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
+        w = self.tier_weights
+        effective = matched + w["host"] * host + w["store"] * store
+        tokens = np.minimum(np.rint(effective * self.block_size).astype(np.int64), request.prompt_tokens)
         return Candidates(
-            role=role,
+            role=pool.role,
             replicas=pool.replicas,
-            num_requests=self.load.num_requests[pool.slots],
-            prefill_tokens=self.load.prefill_tokens[pool.slots],
-            decode_kv_tokens=self.load.decode_kv_tokens[pool.slots],
+            num_requests=load.num_requests[slots],
+            prefill_tokens=load.prefill_tokens[slots],
+            decode_kv_tokens=load.decode_kv_tokens[slots],
             kv_capacity_tokens=pool.capacity,
-            matched_blocks=matched,
+            matched_blocks=effective,
             matched_tokens=tokens,
             block_size=self.block_size,
-            **tiers,
+            hbm_blocks=matched, host_blocks=host, store_blocks=store,
         )
 
     def _lower_tier_matches(self, block_hashes: tuple[int, ...], replicas: tuple[ReplicaId, ...],

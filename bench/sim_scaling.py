@@ -9,6 +9,10 @@ own. The baseline row is the smallest configuration: ``wall / baseline`` against
 ``requests / baseline requests`` shows whether growth is linear.
 
     .venv/bin/python bench/sim_scaling.py [--sizes 10000,100000] [--decode-ranks 64,512]
+        [--max-prefill-tokens 8192] [--exact]
+
+``--max-prefill-tokens`` sets the chunked-prefill budget (smaller = more chunk steps per prompt);
+``--exact`` runs the step-by-step reference mode (no fast-forward) to show what fast-forward saves.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one(n: int, decode_ranks: int) -> dict:
+def one(n: int, decode_ranks: int, max_prefill_tokens: int = 8192, exact: bool = False) -> dict:
     sys.path.insert(0, str(ROOT))
     from sim.cluster import simulate
     from sim.scenario import PoolConfig, Scenario
@@ -35,8 +39,8 @@ def one(n: int, decode_ranks: int) -> dict:
     reqs = poisson_workload(n, rate_per_s=0.08 * decode_ranks, prompt_tokens_mean=2000, output_tokens_mean=300,
                             seed=0, shared_prefix_tokens=1024, num_prefix_groups=64)
     sc = Scenario(name="scale", model="deepseek-v3", hardware="h200",
-                  prefill=PoolConfig(num_engines=engines * 2, dp_ranks=8),
-                  decode=PoolConfig(num_engines=engines, dp_ranks=64))
+                  prefill=PoolConfig(num_engines=engines * 2, dp_ranks=8, max_prefill_tokens=max_prefill_tokens),
+                  decode=PoolConfig(num_engines=engines, dp_ranks=64), fast_forward=not exact)
     t0 = time.perf_counter()
     res = simulate(sc, reqs, "kv_cost")
     wall = time.perf_counter() - t0
@@ -49,15 +53,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--decode-ranks", default="64,128,512")
+    ap.add_argument("--max-prefill-tokens", type=int, default=8192, help="chunked-prefill budget per rank")
+    ap.add_argument("--exact", action="store_true", help="step-by-step reference mode (no fast-forward)")
     ap.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one)))
+        print(json.dumps(one(*args.one, args.max_prefill_tokens, args.exact)))
         return 0
+    extra = ["--max-prefill-tokens", str(args.max_prefill_tokens)] + (["--exact"] if args.exact else [])
     rows = []
     for ranks in (int(x) for x in args.decode_ranks.split(",")):
         for n in (int(x) for x in args.sizes.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--one", str(n), str(ranks)], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--one", str(n), str(ranks), *extra],
+                                 capture_output=True, text=True)
             if out.returncode != 0:
                 print(out.stderr[-2000:], file=sys.stderr)
                 return 1

@@ -6,7 +6,10 @@ throwaway venv on first use) and pdlb on the Mooncake conversation trace with 8 
 workers, for round robin and for each one's KV/cache-aware router (Dynamo ``kv_router``, pdlb
 ``kv_cost``), and prints wall times and the ratio pdlb / Dynamo (goal <= 1.0).
 
-    .venv/bin/python bench/sim_vs_dynamo.py [--trace PATH] [--workers 8] [--repeats 1]
+    .venv/bin/python bench/sim_vs_dynamo.py [--trace PATH] [--workers 8] [--repeats 1] [--pdlb-only]
+
+``--pdlb-only`` skips Dynamo (e.g. on a machine without its toolchain) and prints pdlb's wall
+time alone, with its events per request.
 
 Both simulate the same arrivals; their models differ (Dynamo's mocker timing vs pdlb's roofline),
 so the simulated metrics are printed side by side for sanity, not as a fidelity check.
@@ -47,7 +50,9 @@ def run_pdlb(trace: Path, policy: str, workers: int) -> tuple[float, dict]:
                   mixed=PoolConfig(num_engines=workers, max_prefill_tokens=8192))
     res = simulate(sc, requests, policy)
     wall = time.perf_counter() - t0
-    return wall, summarize(res)
+    s = summarize(res)
+    s["events_per_request"] = res.num_waits / max(1, len(requests))
+    return wall, s
 
 
 def main() -> int:
@@ -55,7 +60,16 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="take the best of N runs of each")
+    ap.add_argument("--pdlb-only", action="store_true", help="skip Dynamo; time pdlb alone")
     args = ap.parse_args()
+    if args.pdlb_only:
+        print(f"trace {args.trace.name}, {args.workers} aggregated workers, best of {args.repeats} (pdlb only)")
+        print(f"{'policy':<14}{'pdlb wall s':>13}{'events/request':>16}{'TTFT ms':>10}{'hit':>8}")
+        for pol in ("round_robin", "kv_cost"):
+            wall, s = min((run_pdlb(args.trace, pol, args.workers) for _ in range(args.repeats)), key=lambda r: r[0])
+            print(f"{pol:<14}{wall:>13.2f}{s['events_per_request']:>16.2f}{1e3 * s['ttft_s']['mean']:>10.0f}"
+                  f"{s['prefix_hit_rate']:>8.3f}", flush=True)
+        return 0
     rows = []
     for dyn_mode, pdlb_policy in (("round_robin", "round_robin"), ("kv_router", "kv_cost")):
         dyn = min((run_dynamo(args.trace, dyn_mode, args.workers) for _ in range(args.repeats)), key=lambda d: d["wall_s"])

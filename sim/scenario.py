@@ -148,8 +148,10 @@ class Scenario(BaseModel):
         pd_min_uncached_tokens: conditional disaggregation threshold handed to the router.
         index_capacity_blocks: the router's prefix-index bound per replica; ``"auto"`` = the KV
             capacity of a prefill (PD) or mixed rank in blocks; ``None`` = unbounded.
-        fast_forward: advance decode-only batches many steps per event (``False`` = exact
-            step-by-step reference mode; both give the same times).
+        fast_forward: while a step group's work does not change (no arrival, admission, finish
+            or fetch completion), advance many decode steps and chunked-prefill steps per event
+            with vectorised step times (``False`` = exact step-by-step reference mode; both give
+            the same times, tested).
         sample_interval_s: per-rank load sampling period for plots; ``None`` = duration / 400.
         host_tier: host-DRAM KV tier of every prefill/mixed engine (``None`` = none; a pool's own
             ``host_tier`` overrides it).

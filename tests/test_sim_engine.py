@@ -1,5 +1,5 @@
 """Simulator tests: a tiny scenario computed by hand, conservation, determinism, and the
-equivalence of decode fast-forward with the exact step-by-step mode."""
+equivalence of decode and prefill fast-forward with the exact step-by-step mode."""
 
 from __future__ import annotations
 
@@ -178,6 +178,121 @@ def test_fast_forward_equals_exact_step_by_step(trace_slice, make) -> None:
         np.testing.assert_allclose(col, ex.records.columns()[name], rtol=1e-9, atol=1e-9, err_msg=name)
     assert ff.num_steps == ex.num_steps  # same forward steps, fewer events
     assert ff.num_waits < ex.num_waits
+
+
+# Prefill-heavy slices: a small chunked-prefill budget makes most prompts take many chunk steps,
+# so the prefill fast-forward (several chunk steps per event) is exercised against the exact
+# step-by-step mode, for wide-EP PD, dense PD (independent TP ranks, conditional PD so decode
+# ranks prefill too), aggregated mixed ranks (decode + prefill in one step) and aggregated ranks
+# with KV tiers (jobs waiting for host/store fetches are skipped by the chunking).
+def _pd_ep_prefill_heavy(fast_forward: bool = True) -> Scenario:
+    return Scenario(name="pf-pd-ep", model="deepseek-v3", hardware="h200",
+                    prefill=PoolConfig(num_engines=2, dp_ranks=8, max_prefill_tokens=1024),
+                    decode=PoolConfig(num_engines=1, dp_ranks=8), fast_forward=fast_forward)
+
+
+def _pd_dense_prefill_heavy(fast_forward: bool = True) -> Scenario:
+    return Scenario(name="pf-pd-dense", model="llama-3.1-70b", hardware="h100",
+                    prefill=PoolConfig(num_engines=3, gpus_per_rank=4, max_prefill_tokens=1024),
+                    decode=PoolConfig(num_engines=2, gpus_per_rank=4, max_prefill_tokens=512),
+                    pd_min_uncached_tokens=600, fast_forward=fast_forward)
+
+
+def _agg_prefill_heavy(fast_forward: bool = True) -> Scenario:
+    return Scenario(name="pf-agg", model="llama-3.1-8b", hardware="h100",
+                    mixed=PoolConfig(num_engines=3, max_prefill_tokens=512), fast_forward=fast_forward)
+
+
+def _agg_tiers_prefill_heavy(fast_forward: bool = True) -> Scenario:
+    from sim.scenario import HostTierConfig, SharedStoreConfig
+
+    return Scenario(name="pf-agg-tiers", model="llama-3.1-8b", hardware="h100",
+                    mixed=PoolConfig(num_engines=3, max_prefill_tokens=1024, kv_capacity_tokens=60_000),
+                    host_tier=HostTierConfig(capacity_blocks=100, bandwidth_bytes_per_s=20e9),
+                    shared_store=SharedStoreConfig(),
+                    fast_forward=fast_forward)
+
+
+@pytest.mark.parametrize("make", [_pd_ep_prefill_heavy, _pd_dense_prefill_heavy, _agg_prefill_heavy,
+                                  _agg_tiers_prefill_heavy])
+def test_prefill_fast_forward_equals_exact_step_by_step(trace_slice, make) -> None:
+    reqs = trace_slice[:120]
+    ff = simulate(make(True), reqs, "cache_aware")
+    ex = simulate(make(False), reqs, "cache_aware")
+    for name, col in ff.records.columns().items():
+        np.testing.assert_allclose(col, ex.records.columns()[name], rtol=1e-9, atol=1e-9, err_msg=name)
+    np.testing.assert_array_equal(ff.rank_prefill_tokens, ex.rank_prefill_tokens)
+    assert ff.num_steps == ex.num_steps
+    # prompts average ~8k tokens here, i.e. many chunk steps each; the fast-forward waits far less
+    assert ff.num_waits < 0.5 * ex.num_waits, (ff.num_waits, ex.num_waits)
+    if ff.extra:  # tiers: the fetches really happened, the same in both modes
+        assert ff.extra["tiers"] == ex.extra["tiers"]
+        assert ff.records.host_hit_tokens.sum() > 0 and ff.records.store_hit_tokens.sum() > 0
+
+
+def test_prefill_fast_forward_takes_the_chunk_steps_in_one_event() -> None:
+    # One 100-token prompt, 1 output token, chunk budget 16 (LinearPerf): 6 full chunk steps of
+    # 0.01 + 0.016 = 0.026 s and a finishing chunk of 4 tokens, 0.014 s -> prefill ends at
+    # 6 * 0.026 + 0.014 = 0.170 in both modes. Waits (SimPy events of the step processes):
+    # exact = prefill group 1 idle + 7 steps + 1 idle, decode group 1 idle = 10; fast-forward =
+    # 1 idle + 1 segment of 6 steps + 1 finishing step + 1 idle, decode 1 idle = 5.
+    reqs = [Request("A", 0.0, 100, (), 1, 1)]
+    got = {}
+    for ff in (True, False):
+        sc = Scenario(name="pf", block_size=4,
+                      prefill=PoolConfig(num_engines=1, dp_ranks=1, max_prefill_tokens=16),
+                      decode=PoolConfig(num_engines=1, dp_ranks=1), fast_forward=ff)
+        res = simulate(sc, reqs, "round_robin", perf_factory=lambda s, p: LinearPerf())
+        np.testing.assert_allclose(res.records.prefill_end_s, [0.170], rtol=1e-12)
+        assert res.num_steps == 7
+        got[ff] = res.num_waits
+    assert got == {True: 5, False: 10}
+
+
+def test_mixed_rank_prefill_segment_is_interrupted_by_an_arrival() -> None:
+    # Mixed rank, budget 16, LinearPerf. A (t=0, prompt 100, 3 output tokens) alone: chunk steps
+    # of 0.01 + 0.016 = 0.026 s. B (t=0.03, prompt 8, 2 output tokens) arrives during A's second
+    # chunk step (0.026 .. 0.052): the fast-forward segment is interrupted, that step completes at
+    # 0.052, and the re-planned steps give A the whole budget again (A is ahead in FIFO order)
+    # until A's 7th step, which has 4 tokens left for A and 12 of budget for B's whole 8-token
+    # prompt: 0.01 + 0.012 = 0.022 s -> both prefills (and first tokens) at 6 * 0.026 + 0.022 =
+    # 0.178. Then decode A (KV 101, 2 left) + B (KV 9, 1 left): 0.01 + 0.004 + 110e-6 = 0.01411
+    # -> B finishes at 0.19211; A alone (KV 102): 0.01 + 0.002 + 102e-6 = 0.012102 -> 0.204212.
+    reqs = [Request("A", 0.0, 100, (), 3, 3), Request("B", 0.03, 8, (), 2, 2)]
+    waits = {}
+    for ff in (True, False):
+        sc = Scenario(name="mix", block_size=4, mixed=PoolConfig(num_engines=1, max_prefill_tokens=16),
+                      fast_forward=ff)
+        res = simulate(sc, reqs, "round_robin", perf_factory=lambda s, p: LinearPerf())
+        r = res.records
+        np.testing.assert_allclose(r.prefill_start_s, [0.0, 0.156], rtol=1e-12)
+        np.testing.assert_allclose(r.prefill_end_s, [0.178, 0.178], rtol=1e-12)
+        np.testing.assert_allclose(r.first_token_s, [0.178, 0.178], rtol=1e-12)
+        np.testing.assert_allclose(r.finish_s, [0.204212, 0.19211], rtol=1e-12)
+        assert res.num_steps == 9
+        waits[ff] = res.num_waits
+    assert waits[True] < waits[False]
+
+
+def test_rank_tracks_the_fewest_remaining_decode_steps() -> None:
+    # Hand-tracked: sequences with 5 and 3 steps left -> 3; 2 steps later 3 and 1 -> 1; one more
+    # step finishes the second (removed), the first has 2 left; a local start with 7 left -> 2.
+    from balancer.types import ReplicaId, Role
+    from sim.engine.rank import DecodeSeq, PrefillJob, Rank
+
+    rank = Rank(ReplicaId("m", 0), 0, Role.MIXED, kv_capacity_blocks=100, block_size=4,
+                max_prefill_tokens=16, max_decode_batch=8)
+    rank.enqueue_decode(DecodeSeq(0, 10, 5, 2))
+    rank.enqueue_decode(DecodeSeq(1, 10, 3, 2))
+    assert [s.index for s in rank.admit_decode()] == [0, 1] and rank.min_remaining == 3
+    assert rank.apply_decode(2) == [] and rank.min_remaining == 1
+    assert [s.index for s in rank.apply_decode(1)] == [1] and rank.min_remaining == 2
+    job = PrefillJob(2, 8, 8, ())
+    job.reserved_blocks = 4
+    rank.start_decode_local(job, 7)
+    assert rank.min_remaining == 2
+    assert [s.index for s in rank.apply_decode(2)] == [0] and rank.min_remaining == 5
+    assert [s.index for s in rank.apply_decode(5)] == [2] and rank.min_remaining == 0
 
 
 def test_cache_aware_beats_round_robin_on_hit_rate_and_nothing_beats_ideal(trace_slice) -> None:

@@ -109,6 +109,9 @@ class Rank:
         self.decode_waiting: deque[DecodeSeq] = deque()
         self.running: list[DecodeSeq] = []
         self.running_kv_tokens = 0
+        # fewest decode steps any running sequence has left (0 = none running); kept by this class's
+        # methods (a sequence removed from `running` directly leaves it a lower bound)
+        self.min_remaining = 0
         self.reserved_blocks = 0
         self.cache = BlockCache(kv_capacity_blocks)
         self.tiers = None  # RankTiers | None (sim.engine.tiers)
@@ -174,10 +177,14 @@ class Rank:
                 break
             waiting.popleft()
             self._reserve(seq.reserved_blocks)
-            self.running.append(seq)
-            self.running_kv_tokens += seq.kv_tokens
+            self._join(seq)
             admitted.append(seq)
         return admitted
+
+    def _join(self, seq: DecodeSeq) -> None:
+        self.min_remaining = min(self.min_remaining, seq.remaining) if self.running else seq.remaining
+        self.running.append(seq)
+        self.running_kv_tokens += seq.kv_tokens
 
     # ------------------------------------------------------------------ planning (pure)
     def plan(self) -> RankPlan:
@@ -243,7 +250,10 @@ class Rank:
             seq.kv_tokens += steps
             seq.remaining -= steps
             (finished if seq.remaining <= 0 else keep).append(seq)
-        if finished:
+        if not finished:
+            self.min_remaining -= steps  # every sequence advanced by the same steps
+        else:
+            self.min_remaining = min([seq.remaining for seq in keep], default=0)
             self.running = keep
             for seq in finished:
                 self.running_kv_tokens -= seq.kv_tokens
@@ -253,11 +263,13 @@ class Rank:
                     self.cache_insert(seq.block_hashes)
         return finished
 
-    def apply_prefill(self, plan: RankPlan) -> list[PrefillJob]:
-        """Apply the plan's prefill chunks; returns the jobs whose prompt is now complete (their
-        blocks enter the prefix cache)."""
+    def apply_prefill(self, plan: RankPlan, steps: int = 1) -> list[PrefillJob]:
+        """Apply the plan's prefill chunks ``steps`` times (``steps > 1`` only for a plan that
+        repeats unchanged, i.e. one chunk that does not finish its job within those steps);
+        returns the jobs whose prompt is now complete (their blocks enter the prefix cache)."""
         done: list[PrefillJob] = []
         for job, chunk in plan.chunks:
+            chunk *= steps
             job.done_tokens += chunk
             self.queued_prefill_tokens -= chunk
             self.total_prefill_tokens += chunk
@@ -276,6 +288,5 @@ class Rank:
             self._release(job.reserved_blocks)
             return None
         seq = DecodeSeq(job.index, job.prompt_tokens + 1, remaining, job.reserved_blocks)
-        self.running.append(seq)
-        self.running_kv_tokens += seq.kv_tokens
+        self._join(seq)
         return seq

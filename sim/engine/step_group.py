@@ -6,21 +6,38 @@ rank), or a single rank of a dense engine. One process per group.
 
 Two ways to advance time:
 
-- **step by step** while any rank has prefill work (or always, with ``fast_forward=False``, the
-  exact reference mode): plan one step per rank, ask the perf model for its duration, wait, apply.
-  Jobs waiting for lower-tier KV fetches are not work: a step in which every admitted job is
-  fetching is not taken (the group waits for the fetch to notify it).
-- **decode fast-forward** when the group only decodes: the batch composition cannot change until
-  the next sequence finishes (``n = min(remaining)`` steps) unless new work arrives, so the ``n``
-  step times are computed in one vectorised perf-model call (KV lengths grow by one token per
-  sequence per step) and the process waits once. New work interrupts the wait; the step in
-  progress then completes and the batch is re-planned, exactly where the step-by-step mode would
-  re-plan. Events per request therefore do not grow with output length.
+- **step by step** (always, with ``fast_forward=False``, the exact reference mode): plan one step
+  per rank, ask the perf model for its duration, wait, apply. Jobs waiting for lower-tier KV
+  fetches are not work: a step in which every admitted job is fetching is not taken (the group
+  waits for the fetch to notify it).
+- **fast-forward** (default): while the group's composition cannot change, ``n`` steps are
+  computed in one vectorised perf-model call (shape ``(n, R)``) and the process waits once.
+
+  * Decode: every running sequence adds one token of KV per step, so ``decode_ctx_tokens`` grows
+    by the batch size per step; the batch is unchanged until the first sequence finishes
+    (``n <= min(remaining)``, the finishing step included).
+  * Chunked prefill: a step in which no prefill job finishes schedules exactly one job per rank
+    (FIFO chunking gives every earlier job its whole remainder, which would finish it; jobs waiting
+    for KV fetches are skipped) and gives it the whole token budget ``c``; while that holds, the
+    next steps repeat it with the job's prefix growing by ``c`` tokens per step (attention pairs
+    ``c * (done + j * c) + c * (c + 1) / 2`` at step ``j``). A rank contributes
+    ``(remaining - 1) // c`` such steps; the step in which a job finishes is planned and taken on
+    its own at its real start time, so admissions (prefix-cache lookup, KV reservation, tier
+    fetches) of the jobs behind it and its prefill-done callback happen exactly when the
+    step-by-step mode has them. Mixed ranks are covered by the same rule (their budget is
+    ``max_prefill_tokens`` minus the constant decode batch).
+
+  An EP group steps at the max over ranks per step (inside the perf model); a segment lasts the
+  fewest steps any rank allows. New work (arrival, KV transfer, fetch completion) interrupts the
+  wait; the step in progress then completes and the group re-plans, exactly where the
+  step-by-step mode would re-plan. Events per request therefore do not grow with output length
+  or prompt length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import numpy as np
 import simpy
@@ -28,8 +45,13 @@ import simpy
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, RankPlan
 from sim.perf.base import PerfModel
 
-#: Longest decode segment evaluated in one vectorised call (bounds memory: steps x ranks floats).
+#: Longest segment evaluated in one vectorised call (bounds memory: steps x ranks floats).
 MAX_SEGMENT_STEPS = 4096
+
+_running = attrgetter("running")
+_running_kv_tokens = attrgetter("running_kv_tokens")
+_decode_waiting = attrgetter("decode_waiting")
+_prefill_queue = attrgetter("prefill_queue")
 
 
 class StepGroup:
@@ -39,6 +61,11 @@ class StepGroup:
         on_prefill_done(rank, job, now_s): a prompt finished prefill on the rank.
         on_decode_admitted(rank, seq, now_s): a waiting sequence joined the running batch.
         on_decode_finished(rank, seq, now_s): a sequence generated its last token.
+
+    Attributes:
+        num_steps: forward steps simulated (equal in both modes).
+        num_waits: SimPy waits (events) the process made.
+        busy_s: seconds the group spent stepping.
     """
 
     def __init__(
@@ -60,8 +87,8 @@ class StepGroup:
         self.on_decode_finished = on_decode_finished
         self.fast_forward = fast_forward
         self._wake = env.event()
-        self.num_steps = 0  # forward steps simulated
-        self.num_waits = 0  # SimPy waits (events) this process made
+        self.num_steps = 0
+        self.num_waits = 0
         self.busy_s = 0.0
         self.process = env.process(self._run())
 
@@ -78,60 +105,96 @@ class StepGroup:
             if self._wake.triggered:
                 self._wake = env.event()
             now = env.now
-            for rank in ranks:
+            for rank in filter(_decode_waiting, ranks):
                 for seq in rank.admit_decode():
                     self.on_decode_admitted(rank, seq, now)
-            has_prefill = any(r.has_schedulable_prefill for r in ranks)
-            has_decode = any(r.running for r in ranks)
-            if not has_prefill and not has_decode:
+            has_prefill = any(r.has_schedulable_prefill for r in filter(_prefill_queue, ranks))
+            if not has_prefill:
+                if not any(map(_running, ranks)):
+                    self.num_waits += 1
+                    yield self._wake
+                    continue
+                if self.fast_forward:
+                    n = min(r.min_remaining for r in ranks if r.running)
+                    yield from self._segment(None, max(1, min(n, MAX_SEGMENT_STEPS)))
+                    continue
+            plans = [r.plan() for r in ranks]
+            if not any(p.chunks or p.decode_seqs for p in plans):
+                # every admitted job is fetching from a lower KV tier (and the next one may wait
+                # for KV blocks those fetching jobs reserved): a fetch completion notifies us
                 self.num_waits += 1
                 yield self._wake
                 continue
-            if has_prefill or not self.fast_forward:
-                plans = [r.plan() for r in ranks]
-                if not any(p.chunks or p.decode_seqs for p in plans):
-                    continue  # every admitted job is fetching from a lower KV tier: wait for it
-                for plan in plans:
-                    for job, _ in plan.chunks:
-                        if job.start_s < 0:
-                            job.start_s = now
-                dt = float(
-                    self.perf.step_time_s(
-                        np.array([p.prefill_tokens for p in plans], dtype=np.float64),
-                        np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
-                        np.array([p.decode_seqs for p in plans], dtype=np.float64),
-                        np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64),
-                    )
+            for plan in plans:
+                for job, _ in plan.chunks:
+                    if job.start_s < 0:
+                        job.start_s = now
+            n = self._steady_steps(plans) if self.fast_forward else 1
+            if n > 1:
+                yield from self._segment(plans, n)
+                continue
+            dt = float(
+                self.perf.step_time_s(
+                    np.array([p.prefill_tokens for p in plans], dtype=np.float64),
+                    np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
+                    np.array([p.decode_seqs for p in plans], dtype=np.float64),
+                    np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64),
                 )
-                self.num_waits += 1
-                yield env.timeout(dt)
-                self.num_steps += 1
-                self.busy_s += dt
-                self._apply(plans, 1)
-            else:
-                yield from self._decode_segment()
+            )
+            self.num_waits += 1
+            yield env.timeout(dt)
+            self.num_steps += 1
+            self.busy_s += dt
+            self._apply(plans, 1)
+
+    def _steady_steps(self, plans: list[RankPlan]) -> int:
+        """Steps from now (this one included) for which every rank's plan repeats with only its
+        prefix and KV lengths growing: no prefill job finishes in them and no decode sequence
+        finishes before the last. 1 when this step itself changes the composition."""
+        n = MAX_SEGMENT_STEPS
+        for rank, plan in zip(self.ranks, plans):
+            if plan.chunks:
+                if len(plan.chunks) > 1:
+                    return 1  # an earlier job finishes in this step
+                job, chunk = plan.chunks[0]
+                n = min(n, (job.prompt_tokens - job.done_tokens - 1) // chunk)
+            if rank.running:
+                n = min(n, rank.min_remaining)
+            if n <= 1:
+                return 1
+        return n
 
     def _apply(self, plans: list[RankPlan] | None, steps: int) -> None:
         now = self.env.now
         for i, rank in enumerate(self.ranks):
-            finished = rank.apply_decode(steps)
-            for seq in finished:
-                self.on_decode_finished(rank, seq, now)
+            if rank.running:
+                for seq in rank.apply_decode(steps):
+                    self.on_decode_finished(rank, seq, now)
             if plans is not None and plans[i].chunks:
-                for job in rank.apply_prefill(plans[i]):
+                for job in rank.apply_prefill(plans[i], steps):
                     self.on_prefill_done(rank, job, now)
 
-    def _decode_segment(self):  # noqa: ANN202
+    def _segment(self, plans: list[RankPlan] | None, n: int):  # noqa: ANN202
+        """Fast-forward: up to ``n`` steps in one wait. ``plans`` are this step's plans when a
+        rank prefills (every rank's plan then steady for ``n`` steps, see :meth:`_steady_steps`),
+        or None for a decode-only group (``n`` <= steps until the first sequence finishes)."""
         env = self.env
         ranks = self.ranks
-        batch = np.array([len(r.running) for r in ranks], dtype=np.float64)
-        ctx0 = np.array([r.running_kv_tokens for r in ranks], dtype=np.float64)
-        n = min(min(s.remaining for s in r.running) for r in ranks if r.running)
-        n = max(1, min(n, MAX_SEGMENT_STEPS))
+        batch = np.array(list(map(len, map(_running, ranks))), dtype=np.float64)
+        ctx0 = np.array(list(map(_running_kv_tokens, ranks)), dtype=np.float64)
         k = np.arange(n, dtype=np.float64)[:, None]
-        ctx = ctx0[None, :] + k * batch[None, :]
-        zeros = np.zeros_like(ctx)
-        times = np.asarray(self.perf.step_time_s(zeros, zeros, np.broadcast_to(batch, ctx.shape), ctx), dtype=np.float64)
+        ctx = ctx0 + k * batch
+        seqs = np.empty_like(ctx)
+        seqs[:] = batch
+        if plans is None:
+            tokens = pairs = np.zeros_like(ctx)
+        else:
+            chunk = np.array([p.prefill_tokens for p in plans], dtype=np.float64)
+            done0 = np.array([p.chunks[0][0].done_tokens if p.chunks else 0 for p in plans], dtype=np.float64)
+            tokens = np.empty_like(ctx)
+            tokens[:] = chunk
+            pairs = chunk * (done0 + k * chunk) + chunk * (chunk + 1.0) / 2.0  # causal_attn_pairs
+        times = np.asarray(self.perf.step_time_s(tokens, pairs, seqs, ctx), dtype=np.float64)
         cum = np.cumsum(times)
         start = env.now
         wake = self._wake
@@ -149,4 +212,4 @@ class StepGroup:
                 yield env.timeout(rest)
         self.num_steps += steps
         self.busy_s += float(cum[steps - 1])
-        self._apply(None, steps)
+        self._apply(plans, steps)

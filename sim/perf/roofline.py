@@ -210,6 +210,11 @@ class RooflinePerf:
         if m.is_moe and self.ep_synchronous and self.num_gpus > 1:
             self._comm_tok_ll, self._comm_tok_normal = self._comm_per_token()
 
+        # ---- folded constants of the step formula ----
+        self._weight_reads = 2.0 if self.tbo else 1.0  # TBO: each micro-batch streams the weights
+        self._m_weight_reads = self._weight_reads * self._m_weights
+        self._log1p_not_routed = float(np.log1p(-self._route_p)) if self._route_p < 1 else 0.0
+
         self.kv_capacity_tokens_per_rank = self._kv_capacity()
 
     @classmethod
@@ -313,50 +318,104 @@ class RooflinePerf:
         ``moe`` (shared expert roofline, EP only), ``comm`` (dispatch/combine; after
         ``comm_overlap`` without TBO, before the max with compute under TBO),
         ``overhead`` and ``total``; plus ``rank_all`` with the per-rank times ``(..., R)``."""
-        pt, pp, ds, dc = (np.asarray(a, dtype=np.float64) for a in
-                          (prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens))
-        if prefill_cached_tokens is None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                pc = np.where(pt > 0, pp / np.where(pt > 0, pt, 1.0) - (pt + 1.0) / 2.0, 0.0)
-            pc = np.maximum(pc, 0.0)
-        else:
-            pc = np.asarray(prefill_cached_tokens, dtype=np.float64)
-        pt, pp, ds, dc, pc = np.broadcast_arrays(pt, pp, ds, dc, pc)
-        if pt.ndim == 0:
-            pt, pp, ds, dc, pc = (a.reshape(1) for a in (pt, pp, ds, dc, pc))
+        rank, rank_max, moe, comm, total_s = self._step(prefill_tokens, prefill_attn_pairs, decode_seqs,
+                                                        decode_ctx_tokens, prefill_cached_tokens)
+        shape = np.shape(rank_max)
+        return {"rank": np.asarray(rank_max), "moe": np.broadcast_to(moe, shape).copy(),
+                "comm": np.broadcast_to(comm, shape).copy(),
+                "overhead": np.full(shape, self.step_overhead_s), "total": np.asarray(total_s),
+                "rank_all": np.asarray(rank)}
 
-        tokens = pt + ds
+    def _step(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
+              decode_ctx_tokens: ArrayLike, prefill_cached_tokens: ArrayLike | None):  # noqa: ANN202
+        """``(rank_all, rank_max, moe, comm, total)``; ``moe``/``comm`` may be the scalar 0.0.
+
+        The simulator calls this once per step or segment, so it avoids per-call overhead: no
+        re-broadcasting of inputs that already share a shape, constants folded at construction,
+        and a plain-float path for one rank (same operations in the same order as the array path,
+        hence the same IEEE results)."""
+        f64 = np.float64
+        pt = np.asarray(prefill_tokens, dtype=f64)
+        pp = np.asarray(prefill_attn_pairs, dtype=f64)
+        ds = np.asarray(decode_seqs, dtype=f64)
+        dc = np.asarray(decode_ctx_tokens, dtype=f64)
+        if prefill_cached_tokens is None and pt.shape == (1,) and pp.shape == ds.shape == dc.shape == (1,):
+            return self._step_one_rank(float(pt[0]), float(pp[0]), float(ds[0]), float(dc[0]))
+        has_prefill = bool(pt.any())
+        if prefill_cached_tokens is not None:
+            pc = np.asarray(prefill_cached_tokens, dtype=f64)
+        elif has_prefill:
+            pos = pt > 0
+            pc = np.maximum(np.where(pos, pp / np.where(pos, pt, 1.0) - (pt + 1.0) / 2.0, 0.0), 0.0)
+        else:
+            pc = 0.0  # no prefill: no cached prefix read
+        if not (pt.shape == pp.shape == ds.shape == dc.shape and np.shape(pc) in (pt.shape, ())):
+            pt, pp, ds, dc, pc = np.broadcast_arrays(pt, pp, ds, dc, pc)
+        if pt.ndim == 0:
+            pt, pp, ds, dc = (a.reshape(1) for a in (pt, pp, ds, dc))
+            pc = np.reshape(pc, 1) if np.ndim(pc) else pc
+
+        tokens = pt + ds if has_prefill else ds  # (0 + x == x)
         compute = tokens * self._c_tok + pp * self._c_pf_pair + dc * self._c_dec_pair
-        weight_reads = 2.0 if self.tbo else 1.0  # TBO: each micro-batch streams the weights
-        memory = weight_reads * self._m_weights + (dc + pc + tokens) * self._m_kv_tok
+        kv_tokens = dc + pc + tokens if has_prefill or prefill_cached_tokens is not None else dc + tokens
+        memory = self._m_weight_reads + kv_tokens * self._m_kv_tok
         rank = np.maximum(compute, memory)
 
-        zeros = np.zeros(rank.shape[:-1])
-        moe, comm = zeros, zeros
+        moe = comm = 0.0
         if self.model.is_moe:
             if self.ep_synchronous:
-                total = tokens.sum(axis=-1)
-                moe = self._moe_time(total, weight_reads)
-                per_tok = np.where(pt.sum(axis=-1) > 0, self._comm_tok_normal, self._comm_tok_ll)
+                moe = self._moe_time(tokens.sum(axis=-1), self._weight_reads)
+                if pt.ndim == 1 or not has_prefill:  # prefill tokens are >= 0: any == (sum > 0)
+                    per_tok = self._comm_tok_normal if has_prefill else self._comm_tok_ll
+                else:
+                    per_tok = np.where(pt.sum(axis=-1) > 0, self._comm_tok_normal, self._comm_tok_ll)
                 comm = tokens.max(axis=-1) * per_tok
-                if not self.tbo:
+                if not self.tbo and self.comm_overlap:
                     comm = (1.0 - self.comm_overlap) * comm
             else:  # each rank runs its own experts on its own tokens
-                rank = rank + self._moe_time(tokens, weight_reads)
-        rank_max = rank.max(axis=-1)
+                rank = rank + self._moe_time(tokens, self._weight_reads)
+        rank_max = rank[..., 0] if rank.shape[-1] == 1 else rank.max(axis=-1)
         if self.tbo:  # compute of one micro-batch hides the other's dispatch/combine
             total_s = np.maximum(rank_max + moe, comm) + self.tbo_overhead_s + self.step_overhead_s
         else:
             total_s = rank_max + moe + comm + self.step_overhead_s
-        return {"rank": rank_max, "moe": moe, "comm": comm,
-                "overhead": np.full(rank_max.shape, self.step_overhead_s), "total": total_s,
-                "rank_all": rank}
+        return rank, rank_max, moe, comm, total_s
+
+    def _step_one_rank(self, pt: float, pp: float, ds: float, dc: float):  # noqa: ANN202
+        """:meth:`_step` for one rank (``R = 1``, no leading axes) in plain floats."""
+        pc = max(pp / pt - (pt + 1.0) / 2.0, 0.0) if pt > 0 else 0.0
+        tokens = pt + ds
+        compute = tokens * self._c_tok + pp * self._c_pf_pair + dc * self._c_dec_pair
+        memory = self._m_weight_reads + (dc + pc + tokens) * self._m_kv_tok
+        rank = max(compute, memory)
+        moe = comm = 0.0
+        if self.model.is_moe:
+            if self.ep_synchronous:
+                moe = self._moe_time_one(tokens)
+                comm = tokens * (self._comm_tok_normal if pt > 0 else self._comm_tok_ll)
+                if not self.tbo:
+                    comm = (1.0 - self.comm_overlap) * comm
+            else:
+                rank = rank + self._moe_time_one(tokens)
+        if self.tbo:
+            total_s = max(rank + moe, comm) + self.tbo_overhead_s + self.step_overhead_s
+        else:
+            total_s = rank + moe + comm + self.step_overhead_s
+        return np.array([rank]), np.array(rank), moe, comm, np.array(total_s)
 
     def _moe_time(self, tokens: np.ndarray, weight_reads: float = 1.0) -> np.ndarray:
         """Routed-expert roofline on one GPU of the expert group for ``tokens`` group tokens
         (``weight_reads``: how often the touched experts are streamed, 2 under TBO)."""
-        touched = -np.expm1(tokens * np.log1p(-self._route_p)) if self._route_p < 1 else (tokens > 0) * 1.0
-        return np.maximum(tokens * self._moe_c_tok, weight_reads * touched * self._moe_m_all)
+        if self._route_p < 1:  # -expm1(x) * (w * m) == w * -expm1(x) * m: w is 1 or 2, exact
+            streamed = np.expm1(tokens * self._log1p_not_routed) * (-weight_reads * self._moe_m_all)
+        else:
+            streamed = weight_reads * ((tokens > 0) * 1.0) * self._moe_m_all
+        return np.maximum(tokens * self._moe_c_tok, streamed)
+
+    def _moe_time_one(self, tokens: float) -> float:
+        """:meth:`_moe_time` of a plain float (``weight_reads`` of the engine)."""
+        touched = -float(np.expm1(tokens * self._log1p_not_routed)) if self._route_p < 1 else float(tokens > 0)
+        return max(tokens * self._moe_c_tok, self._weight_reads * touched * self._moe_m_all)
 
     def step_time_s(
         self,
@@ -372,9 +431,8 @@ class RooflinePerf:
         ``prefill_cached_tokens`` (optional, not part of the ``PerfModel`` protocol): cached prefix
         tokens the rank's prefill chunks read; estimated from the pairs when omitted.
         """
-        return self.step_time_breakdown(prefill_tokens, prefill_attn_pairs, decode_seqs,
-                                        decode_ctx_tokens,
-                                        prefill_cached_tokens=prefill_cached_tokens)["total"]
+        return np.asarray(self._step(prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens,
+                                     prefill_cached_tokens)[4])
 
     def __repr__(self) -> str:
         return (f"RooflinePerf({self.model.name}, {self.hardware.name}, dp={self.num_dp_ranks}, "
