@@ -54,6 +54,9 @@ DS_DECODE_SEQS_PER_GPU = round(14_800 / 8 / 21)
 #: DeepSeek-V3 paper sec. 5.4.3: MTP second-token acceptance 85-90% -> 1.875 tokens per step
 DS_MTP_TOKENS_PER_STEP = 1.875
 DEEPINFER_DECODE_SEQS_PER_GPU = 60
+#: uncalibrated normal-mode (prefill) dispatch/combine efficiency: DeepEP README, normal kernels on
+#: H800 + CX7 at EP32: 44 GB/s dispatch, 47 GB/s combine RDMA bottleneck bandwidth of ~50 GB/s
+NORMAL_COMM_EFFICIENCY = 0.9
 
 
 def _node_gpus(scenario: Scenario, perf: PerfConfig) -> int:
@@ -151,10 +154,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure("sglang-decode-2k", "decode output tok/s/node, batch 256/GPU, 2K ctx", SGLANG, 22_282, "tok/s",
            "sglang-h100-ep", _sglang_decode, "calibration point"),
     Figure("deepseek-prefill", "prefill input tok/s/node incl. 56.3% cache hits", DAY6, 73_700, "tok/s",
-           "deepseek-v3-h800", _ds_prefill, f"{DS_PROMPT_TOKENS}-token prompts (derived), 56.3% cached"),
+           "deepseek-v3-h800", _ds_prefill,
+           f"{DS_PROMPT_TOKENS}-token prompts (derived), 56.3% cached (hits read from HBM); saturated step "
+           "vs a 24-h fleet average (no load adjustment: utilisation not published)"),
     Figure("deepseek-decode-node", "decode output tok/s/node, avg KV 4,989", DAY6, 14_800, "tok/s",
            "deepseek-v3-h800", _ds_decode_node,
-           f"{DS_DECODE_SEQS_PER_GPU} seqs/GPU (derived), MTP {DS_MTP_TOKENS_PER_STEP} tok/step"),
+           f"{DS_DECODE_SEQS_PER_GPU} seqs/GPU (derived from the 24-h averages), MTP {DS_MTP_TOKENS_PER_STEP} tok/step"),
     Figure("deepseek-decode-seq", "decode tok/s per sequence (20-22)", DAY6, 21, "tok/s",
            "deepseek-v3-h800", _ds_decode_seq, "same step as the per-node figure"),
     Figure("deepinfer-decode-seq", "decode tok/s per sequence", DEEPINFER, 230, "tok/s",
@@ -206,12 +211,15 @@ def run_validation(keys: list[str] | None = None,
 
 
 def derated(perf: PerfConfig, scale: float) -> PerfConfig:
-    """``perf`` with mfu, mbu and comm_efficiency = ``scale`` x the roofline defaults (capped at 1)
+    """``perf`` with mfu, mbu and comm_efficiency = ``scale`` x the roofline defaults (capped at 1),
+    ``comm_efficiency_normal`` (when the preset sets it) = ``scale`` x ``NORMAL_COMM_EFFICIENCY``,
     and the default step overhead."""
-    return perf.model_copy(update={
-        "mfu": min(1.0, scale * DEFAULT_MFU), "mbu": min(1.0, scale * DEFAULT_MBU),
-        "comm_efficiency": min(1.0, scale * DEFAULT_COMM_EFFICIENCY),
-        "step_overhead_s": DEFAULT_STEP_OVERHEAD_S})
+    upd = {"mfu": min(1.0, scale * DEFAULT_MFU), "mbu": min(1.0, scale * DEFAULT_MBU),
+           "comm_efficiency": min(1.0, scale * DEFAULT_COMM_EFFICIENCY),
+           "step_overhead_s": DEFAULT_STEP_OVERHEAD_S}
+    if perf.comm_efficiency_normal is not None:
+        upd["comm_efficiency_normal"] = min(1.0, scale * NORMAL_COMM_EFFICIENCY)
+    return perf.model_copy(update=upd)
 
 
 def calibrate(key: str = CALIBRATION_POINT, *, tol: float = 1e-9) -> tuple[float, PerfConfig, Result]:
@@ -230,7 +238,7 @@ def calibrate(key: str = CALIBRATION_POINT, *, tol: float = 1e-9) -> tuple[float
     def value(s: float) -> float:
         return f.simulate(sc, derated(base, s))
 
-    lo, hi = 1e-3, 1.0 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY)
+    lo, hi = 1e-3, 1.0 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY, NORMAL_COMM_EFFICIENCY)
     if not value(lo) <= f.published <= value(hi):
         raise ValueError(f"{key}: published {f.published:g} is outside what the efficiency constants can "
                          f"reach ({value(lo):.4g} .. {value(hi):.4g} {f.unit})")
@@ -267,7 +275,9 @@ def run_validate(args: argparse.Namespace, console) -> int:
         console.print(f"calibrated on [bold]{args.calibrate}[/] ({res.figure.source}: "
                       f"{res.figure.published:,.0f} {res.figure.unit}): derating s = {s:.4f} of the roofline defaults")
         console.print("lines for the \\[perf] table of the shipped presets (sim/data/presets/*.toml):")
-        for name in ("mfu", "mbu", "comm_efficiency"):
+        names = ("mfu", "mbu", "comm_efficiency") + (
+            ("comm_efficiency_normal",) if perf.comm_efficiency_normal is not None else ())
+        for name in names:
             console.print(f"{name} = {getattr(perf, name):.4g}  # calibrated: pdlb sim validate --calibrate {args.calibrate}",
                           markup=False)
         console.print(f"step_overhead_s = {perf.step_overhead_s:g}  # assumed: roofline default "

@@ -357,3 +357,112 @@ def test_placeholder_flash_model_counts():
     assert fl.dense_params == ds.dense_params - 58 * (256 - 64) * (7168 + 1)
     assert fl.activated_params == ds.activated_params - 58 * (256 - 64) * (7168 + 1)
     assert fl.kv_bytes_per_token == 70_272 and fl.weight_bytes == 1
+
+
+# ----------------------------------------------------------------------------- issue 6: opt-in EP terms
+def _ds_prefill_components(mfu=MFU, comm_eff_normal=0.8):
+    """Hand numbers of the EP32 H800 TBO prefill case above (1,000 fresh tokens per rank)."""
+    ds = get_model("deepseek-v3")
+    lin, attn, bw = 1979e12 * mfu, 989e12 * mfu, 3.35e12 * MBU
+    dense_w = (ds.dense_params - ds.embedding_params) * 1
+    rank = max(1000 * ds.dense_flops_per_token / lin + 500_500 * 4_997_120 / attn, (2 * dense_w + 1000 * 70_272) / bw)
+    touched = 1 - (1 - 8 / 256) ** 32_000
+    moe = max(32_000 * 2 * 58 * 8 * 3 * 7168 * 2048 / 32 / lin, 2 * touched * 653_908_770_816 / 32 / bw)
+    remote = 3 * (1 - 0.75 ** 8)
+    comm = max(1000 * remote * 21_504 * 58 / (50e9 * comm_eff_normal),
+               1000 * 8 * (7 / 8) * 21_504 * 58 / (200e9 * comm_eff_normal))
+    return rank, moe, comm
+
+
+def _phases(rank, moe, comm):
+    # per layer, micro-batch A's [attention] / [MoE] against B's [combine] / [dispatch]:
+    # a = rank/2, e = moe/2 per micro-batch; dispatch is 1/3 of the bytes (FP8 vs BF16 combine)
+    a, e, d, c = rank / 2, moe / 2, comm / 6, comm / 3
+    return max(a, c) + max(a, d) + max(e, d) + max(e, c)
+
+
+def test_tbo_phases_hand_case():
+    z, pt = np.zeros(32), np.full(32, 1000.0)
+    pairs = causal_attn_pairs(pt, 0)
+    rank, moe, comm = _ds_prefill_components()
+    e = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True, tbo_phases=True)
+    b = e.step_time_breakdown(pt, pairs, z, z)
+    assert (b["rank"], b["moe"], b["comm"]) == pytest.approx((rank, moe, comm))
+    assert b["total"] == pytest.approx(_phases(rank, moe, comm) + OVH, rel=1e-12)
+    # never faster than perfect overlap, never slower than no overlap
+    assert max(rank + moe, comm) + OVH <= b["total"] <= rank + moe + comm + OVH
+    # the phase sum reduces to the max when one side dominates in every phase
+    assert _phases(4.0, 2.0, 0.3) == pytest.approx(6.0) and _phases(0.1, 0.1, 6.0) == pytest.approx(6.0)
+    # tbo_phases without tbo changes nothing (no overlap to refine)
+    plain = engine("deepseek-v3", "H800", num_dp_ranks=32)
+    assert engine("deepseek-v3", "H800", num_dp_ranks=32, tbo_phases=True).step_time_s(pt, pairs, z, z) == \
+        pytest.approx(plain.step_time_s(pt, pairs, z, z), rel=1e-12)
+
+
+def test_prefill_comm_sm_fraction_and_normal_efficiency_hand_case():
+    z, pt = np.zeros(32), np.full(32, 1000.0)
+    pairs = causal_attn_pairs(pt, 0)
+    # 20 of 132 SMs held by normal-mode kernels: compute runs at 112/132 -> times x 132/112;
+    # normal-mode comm at 0.9 of the links (45 GB/s NIC, 180 GB/s NVLink)
+    rank, moe, comm = _ds_prefill_components(comm_eff_normal=0.9)
+    e = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True, tbo_phases=True,
+               prefill_comm_sm_fraction=20 / 132, comm_efficiency_normal=0.9)
+    b = e.step_time_breakdown(pt, pairs, z, z)
+    slow = 132 / 112
+    assert (b["rank"], b["moe"], b["comm"]) == pytest.approx((rank * slow, moe * slow, comm))
+    assert b["total"] == pytest.approx(_phases(rank * slow, moe * slow, comm) + OVH)
+    # decode steps: low-latency kernels hold no SMs and keep comm_efficiency (0.8): unchanged
+    d = np.full(32, 100.0)
+    ref = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True, tbo_phases=True)
+    assert e.step_time_s(z, z, d, d * 2000) == pytest.approx(ref.step_time_s(z, z, d, d * 2000), rel=1e-12)
+    # without TBO nothing overlaps, so no SM contention is charged
+    e0 = engine("deepseek-v3", "H800", num_dp_ranks=32, prefill_comm_sm_fraction=20 / 132,
+                comm_efficiency_normal=0.9)
+    b0 = e0.step_time_breakdown(pt, pairs, z, z)
+    assert b0["comm"] == pytest.approx(comm) and b0["total"] == pytest.approx(b0["rank"] + b0["moe"] + comm + OVH)
+
+
+def test_ep_imbalance_hand_case():
+    z, pt = np.zeros(32), np.full(32, 1000.0)
+    pairs = causal_attn_pairs(pt, 0)
+    rank, moe, comm = _ds_prefill_components()
+    # max/mean load 1.25 on the busiest GPU: its routed experts and received copies scale by it
+    e = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True, ep_imbalance_prefill=1.25, ep_imbalance_decode=1.5)
+    b = e.step_time_breakdown(pt, pairs, z, z)
+    assert (b["rank"], b["moe"], b["comm"]) == pytest.approx((rank, 1.25 * moe, 1.25 * comm))
+    assert b["total"] == pytest.approx(max(rank + 1.25 * moe, 1.25 * comm) + OVH)
+    # decode step: 1.5 on the low-latency comm (100 tokens * 8 copies * 21,504 B * 58 / 40 GB/s)
+    d = np.full(32, 100.0)
+    assert e.step_time_breakdown(z, z, d, d * 10)["comm"] == pytest.approx(1.5 * 100 * 8 * 21_504 * 58 / 40e9)
+    # mixed leading axis: row 0 prefill (1.25), row 1 decode only (1.5)
+    pt2 = np.stack([pt, z])
+    b2 = e.step_time_breakdown(pt2, np.stack([pairs, z]), np.stack([z, d]), np.stack([z, d * 10]))
+    assert b2["comm"][0] == pytest.approx(1.25 * comm)
+    assert b2["comm"][1] == pytest.approx(1.5 * 100 * 8 * 21_504 * 58 / 40e9)
+
+
+def test_new_terms_off_by_default_and_validated():
+    z, pt = np.zeros(32), np.full(32, 1000.0)
+    pairs = causal_attn_pairs(pt, 0)
+    a = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True)
+    b = engine("deepseek-v3", "H800", num_dp_ranks=32, tbo=True, tbo_phases=False, comm_efficiency_normal=None,
+               prefill_comm_sm_fraction=0.0, ep_imbalance_prefill=1.0, ep_imbalance_decode=1.0)
+    assert not a._extended and not b._extended
+    assert a.step_time_s(pt, pairs, z, z) == b.step_time_s(pt, pairs, z, z)  # bit-identical
+    for kw, msg in (({"comm_efficiency_normal": 0.0}, "comm_efficiency_normal"),
+                    ({"prefill_comm_sm_fraction": 1.0}, "prefill_comm_sm_fraction"),
+                    ({"ep_imbalance_decode": 0.9}, "ep_imbalance")):
+        with pytest.raises(ValueError, match=msg):
+            engine("deepseek-v3", "H800", num_dp_ranks=32, **kw)
+    with pytest.raises(ValueError):
+        PerfConfig(ep_imbalance_prefill=0.5)
+
+
+def test_extended_single_rank_matches_array_path():
+    # the one-rank fast path is skipped when an opt-in term is on; the array path gives the same
+    # numbers for one rank given as shape (1,) and as shape (2, 1) rows
+    e = engine("deepseek-v3", "H200", num_dp_ranks=1, gpus_per_rank=8, ep_synchronous=True, tbo=True, tbo_phases=True,
+               ep_imbalance_decode=1.2)
+    one = e.step_time_s([0.0], [0.0], [64.0], [64_000.0])
+    two = e.step_time_s([[0.0], [0.0]], [[0.0], [0.0]], [[64.0], [64.0]], [[64_000.0], [64_000.0]])
+    assert float(np.ravel(one)[0]) == pytest.approx(two[0], rel=1e-12) == pytest.approx(two[1], rel=1e-12)

@@ -48,6 +48,14 @@ class PerfConfig(BaseModel):
         ep_ll_nvlink: decode (low-latency) dispatch/combine sends copies to experts on the own node
             over NVLink and only off-node copies over the NIC; ``False`` = pure-RDMA low-latency
             kernels (DeepEP's original design), every copy over the NIC.
+        tbo_phases: under ``tbo``, each layer is four phases (one micro-batch's attention / MoE against
+            the other's combine / dispatch) instead of max(compute, comm); see ``sim.perf.roofline``.
+        comm_efficiency_normal: fraction of link peak reached by normal-mode (prefill) dispatch/combine;
+            ``None`` = ``comm_efficiency``.
+        prefill_comm_sm_fraction: fraction of SMs normal-mode kernels hold while TBO overlaps them with
+            compute (prefill compute time x 1/(1 - f)); 0 = none.
+        ep_imbalance_prefill / ep_imbalance_decode: max/mean expert load of the busiest GPU (>= 1),
+            scaling its routed-expert and dispatch/combine time.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -64,6 +72,11 @@ class PerfConfig(BaseModel):
     fp8_weights: bool | None = None
     gpus_per_node: int | None = Field(None, ge=1)
     ep_ll_nvlink: bool = False
+    tbo_phases: bool = False
+    comm_efficiency_normal: float | None = Field(None, gt=0, le=1)
+    prefill_comm_sm_fraction: float = Field(0.0, ge=0, lt=1)
+    ep_imbalance_prefill: float = Field(1.0, ge=1)
+    ep_imbalance_decode: float = Field(1.0, ge=1)
 
 
 def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | None = None) -> RooflinePerf:
@@ -87,4 +100,6 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
         ep_synchronous=pool.ep, mfu=cfg.mfu, mbu=cfg.mbu, step_overhead_s=cfg.step_overhead_s,
         kv_cache_fraction=cfg.kv_cache_fraction, activation_reserve_bytes=cfg.activation_reserve_bytes,
         comm_efficiency=cfg.comm_efficiency, comm_overlap=cfg.comm_overlap, tbo=cfg.tbo,
-        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink)
+        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink, tbo_phases=cfg.tbo_phases,
+        comm_efficiency_normal=cfg.comm_efficiency_normal, prefill_comm_sm_fraction=cfg.prefill_comm_sm_fraction,
+        ep_imbalance_prefill=cfg.ep_imbalance_prefill, ep_imbalance_decode=cfg.ep_imbalance_decode)

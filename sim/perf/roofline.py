@@ -56,6 +56,20 @@ where ``T`` is the token count of the whole step group. Details:
   where each micro-batch streams the weights again: the weight-read part of the rank and MoE
   memory terms counts twice (KV reads do not: each micro-batch reads its own sequences). With
   ``tbo=False``, ``comm_overlap`` hides a fixed fraction of ``comm`` instead (default 0).
+* Opt-in wide-EP terms (all off by default, so existing configurations are unchanged; sources in
+  docs/validate.md and the presets):
+
+  - ``tbo_phases``: under TBO a layer is four phases, each one micro-batch's compute segment against
+    the other's transfer (SGLang's ``[attention] yield [dispatch, MoE] yield [combine]`` schedule):
+    ``max(a, c) + max(a, d) + max(e, d) + max(e, c)`` with ``a = rank/2``, ``e = moe/2``,
+    ``d = DISPATCH_SHARE * comm/2``, ``c = (1 - DISPATCH_SHARE) * comm/2`` (dispatch FP8 = 1/3 of
+    the bytes). It is >= the perfect-overlap max and <= the sum.
+  - ``comm_efficiency_normal``: link fraction of the normal (prefill) kernels (DeepEP: 44/47 GB/s of
+    ~50 at EP32); ``None`` = ``comm_efficiency``.
+  - ``prefill_comm_sm_fraction`` ``f``: under TBO, normal-mode kernels hold ``f`` of the SMs, so a
+    prefill step's ``rank`` and ``moe`` times are divided by ``1 - f`` (decode kernels hold none).
+  - ``ep_imbalance_prefill`` / ``ep_imbalance_decode``: max/mean expert load on the busiest GPU;
+    multiplies ``moe`` and ``comm`` of prefill / decode-only steps.
 * TP collectives (dense engines with ``gpus_per_rank > 1``) are ignored.
 * ``ep_synchronous=False`` with ``R > 1`` returns the max over ranks (callers should evaluate each
   independent rank with ``R = 1``).
@@ -97,6 +111,8 @@ DEFAULT_ACTIVATION_RESERVE_BYTES = 2e9
 #: bytes per hidden element sent to an expert (FP8 dispatch) and back (BF16 combine)
 DISPATCH_BYTES = 1
 COMBINE_BYTES = 2
+#: dispatch's share of the dispatch + combine bytes (and time: both go over the same links)
+DISPATCH_SHARE = DISPATCH_BYTES / (DISPATCH_BYTES + COMBINE_BYTES)
 
 
 def ep_dispatch_combine_bytes(
@@ -152,6 +168,11 @@ class RooflinePerf:
         tbo: bool = False,
         tbo_overhead_s: float = 0.0,
         ep_ll_nvlink: bool = False,
+        tbo_phases: bool = False,
+        comm_efficiency_normal: float | None = None,
+        prefill_comm_sm_fraction: float = 0.0,
+        ep_imbalance_prefill: float = 1.0,
+        ep_imbalance_decode: float = 1.0,
     ) -> None:
         self.model = get_model(model)
         self.hardware = get_hardware(hardware)
@@ -165,6 +186,12 @@ class RooflinePerf:
             raise ValueError("kv_cache_fraction must be in (0, 1]")
         if step_overhead_s < 0 or activation_reserve_bytes < 0 or tbo_overhead_s < 0:
             raise ValueError("step_overhead_s, tbo_overhead_s and activation_reserve_bytes must be >= 0")
+        if comm_efficiency_normal is not None and not 0 < comm_efficiency_normal <= 1:
+            raise ValueError("comm_efficiency_normal must be in (0, 1] (or None: same as comm_efficiency)")
+        if not 0 <= prefill_comm_sm_fraction < 1:
+            raise ValueError("prefill_comm_sm_fraction must be in [0, 1)")
+        if ep_imbalance_prefill < 1 or ep_imbalance_decode < 1:
+            raise ValueError("ep_imbalance_prefill and ep_imbalance_decode (max/mean load) must be >= 1")
         m, hw = self.model, self.hardware
         self.num_dp_ranks = int(num_dp_ranks)
         self.gpus_per_rank = int(gpus_per_rank)
@@ -181,6 +208,12 @@ class RooflinePerf:
         self.tbo = bool(tbo)
         self.tbo_overhead_s = float(tbo_overhead_s)
         self.ep_ll_nvlink = bool(ep_ll_nvlink)
+        self.tbo_phases = bool(tbo_phases)
+        self.comm_efficiency_normal = (self.comm_efficiency if comm_efficiency_normal is None
+                                       else float(comm_efficiency_normal))
+        self.prefill_comm_sm_fraction = float(prefill_comm_sm_fraction)
+        self.ep_imbalance_prefill = float(ep_imbalance_prefill)
+        self.ep_imbalance_decode = float(ep_imbalance_decode)
         self.kv_bytes_per_token = int(m.kv_bytes_per_token)
 
         tp = self.gpus_per_rank
@@ -209,6 +242,16 @@ class RooflinePerf:
         self._comm_tok_ll = self._comm_tok_normal = 0.0
         if m.is_moe and self.ep_synchronous and self.num_gpus > 1:
             self._comm_tok_ll, self._comm_tok_normal = self._comm_per_token()
+            # the busiest GPU receives max/mean times the mean traffic (expert-load imbalance)
+            if self.ep_imbalance_decode != 1.0:
+                self._comm_tok_ll *= self.ep_imbalance_decode
+            if self.ep_imbalance_prefill != 1.0:
+                self._comm_tok_normal *= self.ep_imbalance_prefill
+        #: extended step model (any opt-in term on): the general path in :meth:`_step_ext`
+        self._extended = bool(self.tbo_phases or self.prefill_comm_sm_fraction
+                              or self.ep_imbalance_prefill != 1.0 or self.ep_imbalance_decode != 1.0)
+        #: compute slow-down of prefill steps while normal-mode kernels hold SMs (TBO only)
+        self._pf_sm_slowdown = 1.0 / (1.0 - self.prefill_comm_sm_fraction) if self.tbo else 1.0
 
         # ---- folded constants of the step formula ----
         self._weight_reads = 2.0 if self.tbo else 1.0  # TBO: each micro-batch streams the weights
@@ -236,6 +279,11 @@ class RooflinePerf:
         tbo: bool = False,
         tbo_overhead_s: float = 0.0,
         ep_ll_nvlink: bool = False,
+        tbo_phases: bool = False,
+        comm_efficiency_normal: float | None = None,
+        prefill_comm_sm_fraction: float = 0.0,
+        ep_imbalance_prefill: float = 1.0,
+        ep_imbalance_decode: float = 1.0,
     ) -> RooflinePerf:
         """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
 
@@ -247,7 +295,10 @@ class RooflinePerf:
                    ep_synchronous=ep_synchronous, mfu=mfu, mbu=mbu, step_overhead_s=step_overhead_s,
                    kv_cache_fraction=kv_cache_fraction, activation_reserve_bytes=activation_reserve_bytes,
                    comm_efficiency=comm_efficiency, comm_overlap=comm_overlap, tbo=tbo,
-                   tbo_overhead_s=tbo_overhead_s, ep_ll_nvlink=ep_ll_nvlink)
+                   tbo_overhead_s=tbo_overhead_s, ep_ll_nvlink=ep_ll_nvlink, tbo_phases=tbo_phases,
+                   comm_efficiency_normal=comm_efficiency_normal,
+                   prefill_comm_sm_fraction=prefill_comm_sm_fraction,
+                   ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode)
 
     def _comm_per_token(self) -> tuple[float, float]:
         """Seconds of dispatch+combine per token of the busiest rank: (low-latency, normal) mode."""
@@ -256,12 +307,14 @@ class RooflinePerf:
         k, g, gpn = m.experts_per_token, self.num_gpus, hw.gpus_per_node
         nvl = hw.nvlink_bw * self.comm_efficiency
         net = hw.scale_out_bw * self.comm_efficiency
+        nvl_n = hw.nvlink_bw * self.comm_efficiency_normal  # normal-mode (prefill) kernels
+        net_n = hw.scale_out_bw * self.comm_efficiency_normal
         # copies leaving the GPU inside the node (experts on the other GPUs of the NVLink domain)
         nvl_s = k * (1.0 - 1.0 / min(g, gpn)) * elem / nvl
+        nvl_s_n = nvl_s if nvl_n == nvl else k * (1.0 - 1.0 / min(g, gpn)) * elem / nvl_n
         nodes = -(-g // gpn)
         if nodes == 1:
-            both = nvl_s / self.gpus_per_rank
-            return both, both
+            return nvl_s / self.gpus_per_rank, nvl_s_n / self.gpus_per_rank
         # low-latency kernels (decode): every top-k copy goes point-to-point over RDMA, or with
         # ep_ll_nvlink only the off-node ones (the rest over NVLink, concurrently)
         if self.ep_ll_nvlink:
@@ -278,7 +331,7 @@ class RooflinePerf:
         remote = (nodes - 1) * (1.0 - q)
         if m.max_routed_nodes and distinct > m.max_routed_nodes:
             remote *= m.max_routed_nodes / distinct
-        normal = max(remote * elem / net, nvl_s)
+        normal = max(remote * elem / net_n, nvl_s_n)
         return ll / self.gpus_per_rank, normal / self.gpus_per_rank
 
     # ------------------------------------------------------------------ memory
@@ -339,7 +392,8 @@ class RooflinePerf:
         pp = np.asarray(prefill_attn_pairs, dtype=f64)
         ds = np.asarray(decode_seqs, dtype=f64)
         dc = np.asarray(decode_ctx_tokens, dtype=f64)
-        if prefill_cached_tokens is None and pt.shape == (1,) and pp.shape == ds.shape == dc.shape == (1,):
+        if (prefill_cached_tokens is None and pt.shape == (1,) and pp.shape == ds.shape == dc.shape == (1,)
+                and not self._extended):
             return self._step_one_rank(float(pt[0]), float(pp[0]), float(ds[0]), float(dc[0]))
         has_prefill = bool(pt.any())
         if prefill_cached_tokens is not None:
@@ -375,7 +429,31 @@ class RooflinePerf:
             else:  # each rank runs its own experts on its own tokens
                 rank = rank + self._moe_time(tokens, self._weight_reads)
         rank_max = rank[..., 0] if rank.shape[-1] == 1 else rank.max(axis=-1)
+        if self._extended and self.ep_synchronous and self.model.is_moe:
+            pf = has_prefill if (pt.ndim == 1 or not has_prefill) else pt.sum(axis=-1) > 0
+            return self._step_ext(rank, rank_max, moe, comm, pf)
         if self.tbo:  # compute of one micro-batch hides the other's dispatch/combine
+            total_s = np.maximum(rank_max + moe, comm) + self.tbo_overhead_s + self.step_overhead_s
+        else:
+            total_s = rank_max + moe + comm + self.step_overhead_s
+        return rank, rank_max, moe, comm, total_s
+
+    def _step_ext(self, rank, rank_max, moe, comm, pf):  # noqa: ANN001, ANN202
+        """The opt-in terms of a wide-EP step (``comm`` already carries the imbalance, folded into
+        the per-token constants). ``pf``: bool or bool array over the leading axes, "step has
+        prefill" (normal-mode kernels)."""
+        imb = (np.where(pf, self.ep_imbalance_prefill, self.ep_imbalance_decode) if np.ndim(pf)
+               else (self.ep_imbalance_prefill if pf else self.ep_imbalance_decode))
+        moe = moe * imb
+        if self.tbo and self.prefill_comm_sm_fraction:
+            slow = np.where(pf, self._pf_sm_slowdown, 1.0) if np.ndim(pf) else (self._pf_sm_slowdown if pf else 1.0)
+            rank, rank_max, moe = rank * (slow[..., None] if np.ndim(slow) else slow), rank_max * slow, moe * slow
+        if self.tbo and self.tbo_phases:
+            a, e = 0.5 * rank_max, 0.5 * moe
+            d, c = (0.5 * DISPATCH_SHARE) * comm, (0.5 * (1.0 - DISPATCH_SHARE)) * comm
+            core = np.maximum(a, c) + np.maximum(a, d) + np.maximum(e, d) + np.maximum(e, c)
+            total_s = core + self.tbo_overhead_s + self.step_overhead_s
+        elif self.tbo:
             total_s = np.maximum(rank_max + moe, comm) + self.tbo_overhead_s + self.step_overhead_s
         else:
             total_s = rank_max + moe + comm + self.step_overhead_s
