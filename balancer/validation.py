@@ -1,0 +1,52 @@
+"""One-line messages for pydantic validation errors (config files, CLI-built configs).
+
+pydantic's own ``str(ValidationError)`` is a multi-line dump with a documentation URL; users of
+``pdlb sim`` and ``pdlb serve`` get one line per problem instead::
+
+    my.toml: prefill.num_engine: unknown field (valid: num_engines, dp_ranks, ...)
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from pydantic import BaseModel, ValidationError
+
+
+def _valid_fields(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The field names accepted at ``loc`` (a pydantic error location) in ``model``, if known."""
+    cls = model
+    for part in loc[:-1]:
+        if cls is None or not isinstance(part, str):
+            return []
+        field = cls.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or (ann,)
+        cls = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return sorted(cls.model_fields) if cls is not None else []
+
+
+def format_validation_error(err: ValidationError, source: str | None = None,
+                            model: type[BaseModel] | None = None) -> str:
+    """``err`` as ``"<source>: <field.path>: <message>"``, problems joined by ``"; "``.
+
+    Unknown fields name the closest valid one ("did you mean") when ``model`` is given.
+    """
+    parts = []
+    for e in err.errors():
+        loc = tuple(e.get("loc", ()))
+        where = ".".join(str(p) for p in loc)
+        msg = e.get("msg", "invalid")
+        if e.get("type") == "extra_forbidden":
+            valid = _valid_fields(model, loc)
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1) if valid else []
+            msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
+            if valid and not close:
+                msg += f" (valid: {', '.join(valid)})"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        parts.append(f"{where}: {msg}" if where else msg)  # model-level checks have no field
+    text = "; ".join(parts)
+    return f"{source}: {text}" if source else text
