@@ -362,7 +362,8 @@ def test_processes_setting_and_busy_port(capsys):
             _reserve_port("127.0.0.1", port)
         code = main(["serve", "--processes", "2", "--port", str(port), "--pd-protocol", "none",
                      "--mixed", "http://127.0.0.1:9"])
-    assert code == 2 and "address already in use" in capsys.readouterr().err
+    assert code == 2 and capsys.readouterr().err == (
+        f"error: port {port} is already in use on 127.0.0.1 (another pdlb serve or engine still running?)\n")
     free = _reserve_port("127.0.0.1", 0)
     try:
         assert free.getsockname()[1] > 0

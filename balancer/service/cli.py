@@ -25,24 +25,20 @@ import time
 
 from aiohttp import web
 
+from balancer.policies import available_policies
 from balancer.service.app import create_app
-from balancer.service.config import ServiceConfig, load_service_config
+from balancer.service.config import WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, parse_worker_spec
 
 
-def _worker_arg(role: str):  # noqa: ANN202
-    def parse(text: str) -> dict:
-        # URL[,dp=N][,bootstrap=PORT]
-        parts = text.split(",")
-        out: dict = {"url": parts[0], "role": role}
-        for p in parts[1:]:
-            k, _, v = p.partition("=")
-            key = {"dp": "dp_size", "dp_size": "dp_size", "bootstrap": "bootstrap_port",
-                   "bootstrap_port": "bootstrap_port", "kv": "kv_capacity_tokens"}.get(k)
-            if key is None or not v:
-                raise argparse.ArgumentTypeError(f"bad worker option {p!r} (use dp=N, bootstrap=PORT, kv=TOKENS)")
-            out[key] = None if v == "none" else int(v)
-        return out
-    return parse
+def listen_error(host: str, port: int, err: OSError) -> str:
+    """One line saying why ``host:port`` could not be listened on (``pdlb serve`` and ``pdlb engine``)."""
+    if err.errno == errno.EADDRINUSE:
+        return f"port {port} is already in use on {host} (another pdlb serve or engine still running?)"
+    if err.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}:{port}: {host} is not an address of this machine"
+    if err.errno == errno.EACCES:
+        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges)"
+    return f"cannot listen on {host}:{port}: {err.strerror or err}"
 
 
 def event_loop_factory(choice: str = "asyncio"):  # noqa: ANN201
@@ -66,62 +62,108 @@ def event_loop_factory(choice: str = "asyncio"):  # noqa: ANN201
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``pdlb serve`` on the top-level subparsers."""
+    """Register ``pdlb serve`` on the top-level subparsers.
+
+    Options that are also config-file settings default to ``None`` here (so that a ``--config``
+    value is kept unless the flag is given); their help states the :class:`ServiceConfig` default.
+    """
+    d = ServiceConfig()
+    policies = ", ".join(available_policies())
     p = subparsers.add_parser(
         "serve", help="run the PD router (OpenAI-compatible HTTP proxy)",
         description="Route OpenAI / SGLang requests to prefill and decode engines with pdlb's policies. "
-                    "Workers: URL[,dp=N][,bootstrap=PORT]. Prints 'pdlb serve ready on http://HOST:PORT'.")
-    d = ServiceConfig()
-    p.add_argument("--config", metavar="FILE", help="YAML/TOML/JSON config (see docs/serving.md)")
-    p.add_argument("--host", help=f"bind address (default {d.host})")
-    p.add_argument("--port", type=int, help=f"port; 0 picks a free one (default {d.port})")
-    p.add_argument("--pd-protocol", choices=["sglang", "vllm", "none"], help=f"PD wire protocol (default {d.pd_protocol})")
-    p.add_argument("--prefill", nargs="+", default=[], type=_worker_arg("prefill"), metavar="URL", help="prefill workers")
-    p.add_argument("--decode", nargs="+", default=[], type=_worker_arg("decode"), metavar="URL", help="decode workers")
-    p.add_argument("--mixed", nargs="+", default=[], type=_worker_arg("mixed"), metavar="URL", help="mixed (aggregated) workers")
-    p.add_argument("--prefill-policy", help=f"prefill policy (default {d.prefill_policy.name})")
-    p.add_argument("--decode-policy", help=f"decode policy (default {d.decode_policy.name})")
-    p.add_argument("--block-size", type=int, help=f"tokens per hashed block (default {d.block_size})")
-    p.add_argument("--tokenizer", dest="tokenizer_path", metavar="TOKENIZER_JSON", help="local tokenizer.json (needs 'tokenizers')")
-    p.add_argument("--pd-min-uncached-tokens", type=int, help="serve requests with fewer uncached tokens on decode alone")
-    p.add_argument("--request-timeout-s", type=float, help=f"per client request, retries included (default {d.request_timeout_s:g})")
-    p.add_argument("--first-byte-timeout-s", type=float,
-                   help="per leg: fail and retry elsewhere when a worker sends no headers / first chunk within this (default: off)")
-    p.add_argument("--max-retries", type=int)
-    p.add_argument("--health-check-interval-s", type=float)
-    p.add_argument("--served-model-name")
+                    f"Workers: {WORKER_SPEC_SYNTAX} (dp: attention DP ranks of the engine; bootstrap: SGLang "
+                    "prefill KV bootstrap port; kv: KV capacity per DP rank in tokens, for KV-aware policies); "
+                    "repeat --prefill/--decode/--mixed or list several specs after one. Flags override --config. "
+                    "Prints 'pdlb serve ready on http://HOST:PORT ...' once listening.")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML/TOML/JSON config file, schema ServiceConfig (see docs/serving.md); flags override it "
+                        "(default: none)")
+    p.add_argument("--host", help=f"bind address (default: {d.host})")
+    p.add_argument("--port", type=int, help=f"TCP port; 0 picks a free one (default: {d.port})")
+    p.add_argument("--pd-protocol", choices=["sglang", "vllm", "none"],
+                   help="PD wire protocol: sglang (both legs at once, bootstrap room), vllm (prefill, then decode "
+                        f"with kv_transfer_params), none (mixed workers only) (default: {d.pd_protocol})")
+    for role, what in (("prefill", "prefill engine(s)"), ("decode", "decode engine(s)"),
+                       ("mixed", "mixed (aggregated, prefill + decode) engine(s)")):
+        p.add_argument(f"--{role}", action="extend", nargs="+", default=[], metavar="SPEC",
+                       help=f"{what}, each {WORKER_SPEC_SYNTAX}; the flag can be repeated (default: none)")
+    p.add_argument("--prefill-policy", metavar="NAME",
+                   help=f"prefill-pool routing policy, one of: {policies} (default: {d.prefill_policy.name})")
+    p.add_argument("--decode-policy", metavar="NAME",
+                   help=f"decode- and mixed-pool routing policy, same names (default: {d.decode_policy.name}, "
+                        "whatever --prefill-policy is; note that 'pdlb sim run --policy P' uses P for both pools)")
+    p.add_argument("--block-size", type=int, metavar="TOKENS",
+                   help=f"tokens per hashed prefix block of the router's prefix index (default: {d.block_size}; "
+                        "the simulator's scenarios use 512, the Mooncake traces' block size; see docs/serving.md)")
+    p.add_argument("--tokenizer", dest="tokenizer_path", metavar="TOKENIZER_JSON",
+                   help="local tokenizer.json: hash real token blocks (needs 'tokenizers') (default: none, hash "
+                        f"chunks of block_size * {d.chars_per_token:g} characters)")
+    p.add_argument("--pd-min-uncached-tokens", type=int, metavar="TOKENS",
+                   help="conditional disaggregation: requests with fewer uncached prompt tokens run on the decode "
+                        f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
+    p.add_argument("--request-timeout-s", type=float, metavar="SECONDS",
+                   help=f"per client request, retries included; 504 after (default: {d.request_timeout_s:g})")
+    p.add_argument("--first-byte-timeout-s", type=float, metavar="SECONDS",
+                   help="per leg: fail and retry elsewhere when a worker sends no headers / first chunk within this "
+                        "(default: off)")
+    p.add_argument("--max-retries", type=int, metavar="N",
+                   help="retries of a request that failed before any byte reached the client, each on a new "
+                        f"prefill/decode pair (default: {d.retry.max_retries})")
+    p.add_argument("--health-check-interval-s", type=float, metavar="SECONDS",
+                   help=f"seconds between active health checks of each worker (default: {d.health_check.interval_s:g})")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="model id that /v1/models lists (default: ask a worker)")
     p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only)")
     p.add_argument("--processes", type=int, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT); each keeps its own load and prefix "
-                        "state, the admin API cannot add/remove workers when N > 1 (default 1)")
+                        f"state, the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
-                   help="event loop (default asyncio; uvloop needs 'pip install uvloop')")
-    p.add_argument("--log-level", default="WARNING")
+                   help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
+    p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   default="WARNING", help="log level of the router's own messages on stderr (default: %(default)s)")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    """Merge ``--config`` with the flags. Raises ``ValueError`` with a readable message."""
+    """Merge ``--config`` with the flags (flags win; workers of both are kept).
+
+    Raises:
+        ValueError: one line: a bad config file (``"<file>: <field>: <problem>"``), a bad worker
+            spec (``"worker spec '<spec>': <problem>"``) or a bad flag value (``"<field>: <problem>"``,
+            problems joined by ``"; "``).
+    """
+    workers = [parse_worker_spec(text, role) for role in ("prefill", "decode", "mixed")
+               for text in getattr(args, role)]
+    data = load_service_config(args.config).model_dump() if args.config else {}
     over: dict = {"host": args.host, "port": args.port, "pd_protocol": args.pd_protocol,
                   "block_size": args.block_size, "tokenizer_path": args.tokenizer_path,
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
                   "first_byte_timeout_s": args.first_byte_timeout_s,
                   "served_model_name": args.served_model_name, "processes": args.processes,
                   "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY")}
+    data |= {k: v for k, v in over.items() if v is not None}
     if args.prefill_policy:
-        over["prefill_policy"] = {"name": args.prefill_policy}
+        data["prefill_policy"] = {"name": args.prefill_policy}
     if args.decode_policy:
-        over["decode_policy"] = {"name": args.decode_policy}
-    data = load_service_config(args.config, over).model_dump()
-    data["workers"] += args.prefill + args.decode + args.mixed
+        data["decode_policy"] = {"name": args.decode_policy}
+    data["workers"] = data.get("workers", []) + workers
     if args.max_retries is not None:
-        data["retry"]["max_retries"] = args.max_retries
+        data.setdefault("retry", {})["max_retries"] = args.max_retries
     if args.health_check_interval_s is not None:
-        data["health_check"]["interval_s"] = args.health_check_interval_s
-    try:
-        return ServiceConfig.model_validate(data)
-    except ValueError as e:
-        raise ValueError(f"invalid settings: {e}") from e
+        data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
+    return load_service_config(None, data)
+
+
+def no_workers_warning(cfg: ServiceConfig) -> str | None:
+    """The warning ``pdlb serve`` prints when it starts with no workers (``None`` if it has some)."""
+    if cfg.workers:
+        return None
+    if cfg.processes > 1:
+        return ("warning: no workers: every request gets 503, and with processes > 1 the admin API cannot "
+                "add any; give --prefill/--decode/--mixed or workers in --config")
+    return ("warning: no workers: every request gets 503 until workers are added with the admin API "
+            "(POST /workers) or given with --prefill/--decode/--mixed")
 
 
 def _ready_line(cfg: ServiceConfig, port: int) -> str:
@@ -146,12 +188,13 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if cfg.processes > 1 else None)
     try:
         await site.start()
-    except OSError as e:
+    except OSError as e:  # port in use, address not ours, ...: one line, nothing left open
         await runner.cleanup()
         if ready is not None:
-            ready.send(("error", f"cannot listen on {cfg.host}:{cfg.port}: {e}"))
-            return 2
-        raise
+            ready.send(("error", listen_error(cfg.host, cfg.port, e)))
+        else:
+            print(f"error: {listen_error(cfg.host, cfg.port, e)}", file=sys.stderr)
+        return 2
     port = runner.addresses[0][1]
     if ready is None:
         print(_ready_line(cfg, port), flush=True)
@@ -168,13 +211,15 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``pdlb serve`` until SIGINT/SIGTERM; returns the exit status."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
         loop_factory = event_loop_factory(args.event_loop)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if (warning := no_workers_warning(cfg)) is not None:
+        print(warning, file=sys.stderr)
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key: the admin API (/workers) answers loopback clients only", file=sys.stderr)
     if cfg.processes > 1:
@@ -222,8 +267,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     try:
         reservation = _reserve_port(cfg.host, cfg.port)
     except OSError as e:
-        what = "address already in use" if e.errno == errno.EADDRINUSE else str(e)
-        print(f"error: cannot listen on {cfg.host}:{cfg.port}: {what}", file=sys.stderr)
+        print(f"error: {listen_error(cfg.host, cfg.port, e)}", file=sys.stderr)
         return 2
     port = reservation.getsockname()[1]
     cfg = cfg.model_copy(update={"port": port})

@@ -8,15 +8,19 @@ stays open 60 s; health checks every 60 s with a 5 s timeout.
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from balancer.policies import make_policy
+from balancer.policies import available_policies, make_policy
+from balancer.validation import format_validation_error
+
+WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
 
 
 class WorkerConfig(BaseModel):
@@ -46,7 +50,7 @@ class WorkerConfig(BaseModel):
     def _check_url(cls, v: str) -> str:
         v = v.strip().rstrip("/")
         if not (v.startswith("http://") or v.startswith("https://")):
-            raise ValueError(f"worker url must start with http:// or https://, got {v!r}")
+            raise ValueError(f"worker url {v!r} must start with http:// or https:// (e.g. 'http://{v}')")
         return v
 
 
@@ -60,7 +64,12 @@ class PolicyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
-        make_policy(self.name, **self.params)  # raises ValueError listing valid names/params
+        valid = available_policies()
+        if self.name not in valid:
+            close = difflib.get_close_matches(self.name.replace("-", "_"), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown policy {self.name!r}{hint}; valid policies: {', '.join(valid)}")
+        make_policy(self.name, **self.params)  # raises ValueError listing valid params
         return self
 
 
@@ -177,7 +186,7 @@ class ServiceConfig(BaseModel):
         urls = [w.url for w in self.workers]
         dup = {u for u in urls if urls.count(u) > 1}
         if dup:
-            raise ValueError(f"duplicate worker urls: {', '.join(sorted(dup))}")
+            raise ValueError(f"duplicate worker url(s) {', '.join(sorted(dup))}: list each engine once")
         if self.pd_protocol == "none" and any(w.role == "prefill" for w in self.workers):
             raise ValueError("pd_protocol 'none' cannot use prefill workers; use mixed workers or pick sglang/vllm")
         return self
@@ -188,8 +197,9 @@ def load_service_config(path: str | Path | None = None, overrides: dict[str, Any
     (top-level keys, e.g. from CLI flags; ``None`` values are ignored).
 
     Raises:
-        ValueError: unreadable file, unknown suffix, or invalid settings (pydantic's message,
-            prefixed with the file name).
+        ValueError: unreadable file, unknown suffix, or invalid settings (one line,
+            ``"<file>: <field.path>: <problem>"``, problems joined by ``"; "``; see
+            :func:`balancer.validation.format_validation_error`).
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -213,5 +223,63 @@ def load_service_config(path: str | Path | None = None, overrides: dict[str, Any
             data[k] = v
     try:
         return ServiceConfig.model_validate(data)
-    except ValueError as e:
-        raise ValueError(f"{path or 'config'}: {e}") from e
+    except ValidationError as e:  # one line per problem, "did you mean" for unknown fields
+        raise ValueError(format_validation_error(e, str(path) if path is not None else None, ServiceConfig)) from None
+
+
+_SPEC_KEYS = {"dp": "dp_size", "dp_size": "dp_size", "bootstrap": "bootstrap_port", "bootstrap_port": "bootstrap_port",
+              "kv": "kv_capacity_tokens", "kv_capacity_tokens": "kv_capacity_tokens"}
+
+
+def _spec_int(v: str) -> int | None:
+    try:
+        return int(v)
+    except ValueError:
+        return None
+
+
+def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
+    """One ``--prefill/--decode/--mixed`` value, ``URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]``,
+    as :class:`WorkerConfig` fields.
+
+    Example: ``parse_worker_spec("http://10.0.0.1:30000,dp=8,bootstrap=8998", "prefill")`` ->
+    ``{"url": "http://10.0.0.1:30000", "role": "prefill", "dp_size": 8, "bootstrap_port": 8998}``.
+
+    Raises:
+        ValueError: ``"worker spec '<text>': <problem>"`` naming the bad part: a URL without
+            ``http://``/``https://``, an unknown or repeated key, or a value that is not an integer
+            in range (``dp`` >= 1 DP ranks, ``bootstrap`` a port 1..65535 or ``none``, ``kv`` >= 0
+            tokens of KV capacity per DP rank).
+    """
+    def bad(why: str) -> ValueError:
+        return ValueError(f"worker spec {text!r}: {why}")
+
+    parts = [p.strip() for p in text.split(",")]
+    url = parts[0].rstrip("/")
+    if not url:
+        raise bad(f"no URL (syntax: {WORKER_SPEC_SYNTAX})")
+    if not url.startswith(("http://", "https://")):
+        raise bad(f"the URL must start with http:// or https:// (e.g. 'http://{url}')")
+    out: dict[str, Any] = {"url": url, "role": role}
+    for part in parts[1:]:
+        k, _, v = part.partition("=")
+        k, v = k.strip(), v.strip()
+        key = _SPEC_KEYS.get(k)
+        if key is None:
+            raise bad(f"unknown option {part!r} (syntax: {WORKER_SPEC_SYNTAX})")
+        if key in out:
+            raise bad(f"{k} given more than once")
+        n = _spec_int(v)
+        if key == "bootstrap_port":
+            if v.lower() == "none":
+                out[key] = None
+                continue
+            if n is None or not 1 <= n <= 65535:
+                raise bad(f"bootstrap must be a port number 1..65535 or none, got {v!r}")
+        elif key == "dp_size":
+            if n is None or n < 1:
+                raise bad(f"dp must be an integer number of DP ranks >= 1, got {v!r}")
+        elif n is None or n < 0:
+            raise bad(f"kv must be an integer number of tokens >= 0, got {v!r}")
+        out[key] = n
+    return out

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sim.hardware import get_hardware
+from sim.models import get_model
 
 
 class FaultConfig(BaseModel):
@@ -73,3 +76,15 @@ class EmulatorConfig(BaseModel):
     engine_id: str | None = None
     default_max_tokens: int = Field(16, ge=1)
     faults: FaultConfig = FaultConfig()
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str) -> str:
+        get_model(v)  # ValueError listing the valid names
+        return v
+
+    @field_validator("hardware")
+    @classmethod
+    def _check_hardware(cls, v: str) -> str:
+        get_hardware(v)  # ValueError listing the valid names (case-insensitive)
+        return v

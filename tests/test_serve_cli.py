@@ -1,0 +1,210 @@
+"""``pdlb serve`` / ``pdlb engine`` command lines: worker flags, one-line errors with exit status 2,
+the no-workers warning and --help texts.
+
+Expected messages are written by hand from the rules they check (the option's range, the worker
+spec syntax, the registry of names); numbers in the "does not fit" message are derived by hand
+next to the assertion. Every failing command is run in-process through ``sim.cli.main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import socket
+
+import pytest
+
+from balancer.policies import available_policies
+from balancer.service.cli import _ready_line, config_from_args
+from balancer.service.config import parse_worker_spec
+from sim.cli import build_parser, main
+
+POLICIES = ", ".join(available_policies())
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _serve_cfg(*argv: str):
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def _fails(argv: list[str], capsys) -> str:
+    """Run ``pdlb ARGV`` in-process; it must exit 2 and print exactly one line on stderr."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.out == ""
+    return captured.err
+
+
+# ---------------------------------------------------------------------- 1. worker flags
+def test_repeated_worker_flags_accumulate_in_order():
+    cfg = _serve_cfg("--prefill", "http://127.0.0.1:31000", "--prefill", "http://127.0.0.1:31001,dp=2",
+                     "http://127.0.0.1:31002", "--decode", "http://127.0.0.1:32000",
+                     "--decode", "http://127.0.0.1:32001,kv=4096")
+    assert [(w.url, w.role, w.dp_size) for w in cfg.workers] == [
+        ("http://127.0.0.1:31000", "prefill", 1), ("http://127.0.0.1:31001", "prefill", 2),
+        ("http://127.0.0.1:31002", "prefill", 1), ("http://127.0.0.1:32000", "decode", 1),
+        ("http://127.0.0.1:32001", "decode", 1)]
+    assert cfg.workers[4].kv_capacity_tokens == 4096
+    assert "workers=P3/D2/M0" in _ready_line(cfg, 8000)
+    mixed = _serve_cfg("--pd-protocol", "none", "--mixed", "http://a:1", "--mixed", "http://b:1")
+    assert [w.url for w in mixed.workers] == ["http://a:1", "http://b:1"]
+
+
+def test_flag_workers_add_to_config_file_workers(tmp_path):
+    f = tmp_path / "pdlb.yaml"
+    f.write_text("workers:\n  - {url: 'http://a:1', role: prefill}\nblock_size: 32\n")
+    cfg = _serve_cfg("--config", str(f), "--decode", "http://b:1", "--decode", "http://c:1")
+    assert [(w.url, w.role) for w in cfg.workers] == [("http://a:1", "prefill"), ("http://b:1", "decode"),
+                                                      ("http://c:1", "decode")]
+    assert cfg.block_size == 32  # the file's value survives: --block-size not given
+
+
+@pytest.mark.parametrize("argv", [
+    ["--prefill", "http://127.0.0.1:31000", "--prefill", "http://127.0.0.1:31000"],
+    ["--prefill", "http://127.0.0.1:31000", "--decode", "http://127.0.0.1:31000/"],  # same URL after normalising
+])
+def test_duplicate_worker_url_is_an_error_naming_it(argv, capsys):
+    err = _fails(["serve", "--port", "0", *argv], capsys)
+    assert err == "error: duplicate worker url(s) http://127.0.0.1:31000: list each engine once\n"
+
+
+def test_parse_worker_spec_fields():
+    assert parse_worker_spec(" http://h:1/ ,dp=8, bootstrap=none,kv=0", "prefill") == {
+        "url": "http://h:1", "role": "prefill", "dp_size": 8, "bootstrap_port": None, "kv_capacity_tokens": 0}
+    assert parse_worker_spec("https://h:1,bootstrap=8998", "decode") == {
+        "url": "https://h:1", "role": "decode", "bootstrap_port": 8998}
+
+
+# ---------------------------------------------------------------------- 3. config errors
+SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prefill-policy", "cache-aware"],
+     f"prefill_policy: unknown policy 'cache-aware' (did you mean 'cache_aware'?); valid policies: {POLICIES}"),
+    (["--decode-policy", "fastest"], f"decode_policy: unknown policy 'fastest'; valid policies: {POLICIES}"),
+    (["--port", "99999"], "port: Input should be less than or equal to 65535"),
+    (["--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
+    (["--processes", "0", "--max-retries", "-1"],  # two problems on one line, pydantic's field order
+     "retry.max_retries: Input should be greater than or equal to 0; "
+     "processes: Input should be greater than or equal to 1"),
+    (["--prefill", "localhost:31000"],
+     "worker spec 'localhost:31000': the URL must start with http:// or https:// (e.g. 'http://localhost:31000')"),
+    (["--prefill", "http://127.0.0.1:31000,dp=0"],
+     "worker spec 'http://127.0.0.1:31000,dp=0': dp must be an integer number of DP ranks >= 1, got '0'"),
+    (["--decode", "http://127.0.0.1:31000,kv=abc"],
+     "worker spec 'http://127.0.0.1:31000,kv=abc': kv must be an integer number of tokens >= 0, got 'abc'"),
+    (["--prefill", "http://127.0.0.1:31000,bootstrap=70000"],
+     "worker spec 'http://127.0.0.1:31000,bootstrap=70000': bootstrap must be a port number 1..65535 or none, "
+     "got '70000'"),
+    (["--mixed", "http://127.0.0.1:31000,tp=2"],
+     f"worker spec 'http://127.0.0.1:31000,tp=2': unknown option 'tp=2' (syntax: {SPEC_SYNTAX})"),
+    (["--prefill", "http://127.0.0.1:31000,dp=2,dp=4"],
+     "worker spec 'http://127.0.0.1:31000,dp=2,dp=4': dp given more than once"),
+])
+def test_serve_config_errors_are_one_line(argv, message, capsys):
+    assert _fails(["serve", "--port", "0", *argv], capsys) == f"error: {message}\n"
+
+
+def test_serve_config_file_errors_name_the_file_and_suggest_fields(tmp_path, capsys):
+    f = tmp_path / "pdlb.yaml"
+    f.write_text("port: 99999\nworkerz: []\nretry: {max_retry: 2}\n")
+    assert _fails(["serve", "--config", str(f)], capsys) == (
+        f"error: {f}: port: Input should be less than or equal to 65535; "
+        "retry.max_retry: unknown field (did you mean 'max_retries'?); "
+        "workerz: unknown field (did you mean 'workers'?)\n")
+
+
+# ---------------------------------------------------------------------- 2. engine errors
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "nosuch"],
+     "model: unknown model 'nosuch'; valid names: deepseek-v3, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b"),
+    (["--hardware", "h999"], "hardware: unknown hardware 'h999'; valid names: B200, H100, H200, H800"),
+    # 671e9 parameters x 1 byte (FP8) = 671.0 GB; 72.0 GB = 90% of the H100's 80 GB; 2.0 GB reserve
+    (["--role", "prefill", "--model", "deepseek-v3"],
+     "deepseek-v3 does not fit on 1 x 1 H100 (ep_synchronous=False): 671.0 GB of weights + 2.0 GB activation "
+     "reserve per GPU > 72.0 GB (90% of 80 GB); use more GPUs (more EP ranks / TP) or a larger GPU "
+     "(pdlb engine: --gpus-per-rank, --dp-ranks, --hardware)"),
+    (["--dp-ranks", "0", "--error-status", "200"],
+     "dp_ranks: Input should be greater than or equal to 1; "
+     "faults.error_status: Input should be greater than or equal to 400"),
+    (["--port", "99999"], "--port 99999: not a TCP port (0..65535)"),
+])
+def test_engine_errors_are_one_line(argv, message, capsys):
+    argv = ["engine", "--port", "0", *argv] if "--port" not in argv else ["engine", *argv]
+    assert _fails(argv, capsys) == f"error: {message}\n"
+
+
+def _no_unclosed_session(caplog) -> None:
+    gc.collect()  # an unclosed aiohttp ClientSession reports itself when collected
+    assert not [r for r in caplog.records if "Unclosed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("argv", [
+    ["engine", "--port", "{port}"],
+    ["engine", "--port", "0", "--bootstrap-port", "{port}"],
+    ["serve", "--port", "{port}", "--pd-protocol", "none", "--mixed", "http://127.0.0.1:9"],
+])
+def test_port_in_use_is_one_line_and_closes_everything(argv, capsys, caplog):
+    caplog.set_level(logging.WARNING)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = _fails([a.format(port=port) for a in argv], capsys)
+    assert err == f"error: port {port} is already in use on 127.0.0.1 (another pdlb serve or engine still running?)\n"
+    _no_unclosed_session(caplog)
+
+
+# ---------------------------------------------------------------------- 4. no workers
+def test_serve_without_workers_warns(capsys):
+    with socket.socket() as busy:  # the warning comes before listening; a busy port ends the run there
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = _fails(["serve", "--port", str(port)], capsys)
+    assert err.splitlines() == [
+        "warning: no workers: every request gets 503 until workers are added with the admin API (POST /workers) "
+        "or given with --prefill/--decode/--mixed",
+        f"error: port {port} is already in use on 127.0.0.1 (another pdlb serve or engine still running?)"]
+
+
+# ---------------------------------------------------------------------- 5./6. --help
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_every_option_has_help_with_a_default(command):
+    p = _subparser(command)
+    for a in p._actions:
+        if isinstance(a, argparse._HelpAction):
+            continue
+        assert a.help, a.option_strings
+        if not isinstance(a, argparse._StoreTrueAction):  # on/off switches: default off
+            assert "(default: " in a.help, a.option_strings
+    text = p.format_help()
+    assert "(default: None)" not in text and "%(default)" not in text
+
+
+def test_serve_help_names_syntax_policies_and_simulator_differences():
+    p = _subparser("serve")
+    helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
+    assert "kv=TOKENS" in p.description
+    assert f"one of: {POLICIES} (default: cache_aware)" in helps["prefill_policy"]
+    assert "(default: least_load" in helps["decode_policy"] and "'pdlb sim run --policy P' uses P for both" \
+        in helps["decode_policy"]
+    assert "(default: 64;" in helps["block_size"] and "512" in helps["block_size"]
+    assert "(default: 0," in helps["pd_min_uncached_tokens"]
+    assert "(default: 5)" in helps["max_retries"] and "(default: 60)" in helps["health_check_interval_s"]
+
+
+def test_engine_help_lists_model_and_hardware_names():
+    helps = {a.dest: " ".join(a.help.split()) for a in _subparser("engine")._actions if a.help}
+    assert helps["model"] == ("model preset, one of: deepseek-v3, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b "
+                              "(default: %(default)s)")
+    assert "B200, H100, H200, H800" in helps["hardware"]
+    assert "(default: %(default)s)" in helps["role"]
