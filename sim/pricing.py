@@ -1018,9 +1018,10 @@ def run_price(args, console) -> int:  # noqa: ANN001
     for h in hits:
         _check_fraction("--hit-rate", h)
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
+    # read (and check) the summaries before printing anything: a missing file is one error line
+    runs = load_summaries(args.from_summary) if args.from_summary is not None else None
     console.print(sheets_table(sheets))
-    if args.from_summary is not None:
-        runs = load_summaries(args.from_summary)
+    if runs is not None:
         _price_runs(console, [(f"{r.get('scenario', '?')}/{r.get('policy', i)}",
                                rates_from_summary(r, f"{args.from_summary} run {i}")) for i, r in enumerate(runs)],
                     sheets, args)

@@ -175,7 +175,8 @@ def plot_results(out_dir: Path, results: Sequence[SimResult]) -> list[Path]:
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF — {results[0].scenario.name}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no finished request: no curve to label
+        ax.legend(fontsize=8)
     fig.tight_layout()
     p = out_dir / "ttft_cdf.png"
     fig.savefig(p, dpi=120)
@@ -209,7 +210,7 @@ def plot_results(out_dir: Path, results: Sequence[SimResult]) -> list[Path]:
             ax.set_ylabel(ylabel, fontsize=8)
             ax.set_title(f"{res.label}: per-rank {ylabel}", fontsize=9)
             ax.tick_params(labelsize=7)
-            if k == 0 and j == 0:
+            if k == 0 and j == 0 and ax.get_legend_handles_labels()[0]:  # an empty pool has no lines
                 ax.legend(fontsize=7, loc="upper right")
     for ax in axes[-1]:
         ax.set_xlabel("simulated time (s)")

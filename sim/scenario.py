@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from balancer.validation import format_validation_error
 from sim.perf.config import PerfConfig
 
 
@@ -221,16 +222,50 @@ class Scenario(BaseModel):
 
     def with_pools(self, *, prefill_engines: int | None = None, decode_engines: int | None = None,
                    mixed_engines: int | None = None) -> Scenario:
-        """A copy with other engine counts (CLI ``--prefill-engines`` etc.)."""
-        upd: dict[str, PoolConfig] = {}
+        """A validated copy with other engine counts (CLI ``--prefill-engines`` etc.).
+
+        The copy's ``description`` becomes the new pool shape (:func:`describe_pools`) followed by
+        ``"(overridden: 8 prefill engines)"``, so reports never show the preset's old counts.
+
+        Raises:
+            ValueError: a count is not an int >= 1 (the message names the keyword, e.g.
+                ``prefill_engines``), the scenario has no such pool, or the copy is invalid.
+        """
+        upd: dict[str, object] = {}
+        changed: list[str] = []
         for name, n in (("prefill", prefill_engines), ("decode", decode_engines), ("mixed", mixed_engines)):
             if n is None:
                 continue
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name}_engines must be an int >= 1, got {n!r}")
             pool = getattr(self, name)
             if pool is None:
                 raise ValueError(f"scenario {self.name!r} has no {name} pool")
-            upd[name] = pool.model_copy(update={"num_engines": n})
-        return self.model_copy(update=upd)
+            upd[name] = pool.model_dump() | {"num_engines": n}
+            changed.append(f"{n} {name} engine{'s' if n != 1 else ''}")
+        if not upd:
+            return self
+        # model_copy(update=...) skips validation: rebuild from a dump so every check runs again
+        try:
+            sc = Scenario.model_validate(self.model_dump() | upd)
+        except ValidationError as e:
+            raise ValueError(format_validation_error(e, source=f"scenario {self.name!r}", model=Scenario)) from None
+        return sc.model_copy(update={"description": f"{describe_pools(sc)} (overridden: {', '.join(changed)})"})
+
+
+def describe_pools(sc: Scenario) -> str:
+    """The cluster shape in words, e.g. ``"deepseek-v3 PD on h200: 6 prefill engines x 8 DP ranks,
+    1 decode engine x 8 DP ranks"`` (``x TP4`` when a rank spans several GPUs)."""
+
+    def pool(role: str, p: PoolConfig) -> str:
+        text = f"{p.num_engines} {role} engine{'s' if p.num_engines != 1 else ''}"
+        if p.dp_ranks > 1:
+            text += f" x {p.dp_ranks} DP ranks"
+        return text + (f" x TP{p.gpus_per_rank}" if p.gpus_per_rank > 1 else "")
+
+    pools = [("prefill", sc.prefill), ("decode", sc.decode), ("mixed", sc.mixed)]
+    kind = "PD" if sc.disaggregated else "aggregated"
+    return f"{sc.model} {kind} on {sc.hardware}: " + ", ".join(pool(r, p) for r, p in pools if p is not None)
 
 
 #: Named scenarios. Numbers are chosen so that the embedded Mooncake trace loads the cluster
@@ -276,8 +311,10 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     """A preset by name, or a scenario file (``.toml``, ``.yaml``/``.yml``, ``.json``).
 
     Raises:
-        ValueError: unknown preset (the message lists them) or an invalid file (pydantic's message,
-            prefixed with the file name).
+        ValueError: unknown preset (the message lists them), an unreadable file, or an invalid
+            one: one line, ``"<file>: <field.path>: <message>"`` per problem joined by ``"; "``
+            (:func:`balancer.validation.format_validation_error`, with "did you mean" for unknown
+            fields), or ``"<file>: <parser message>"`` for TOML/YAML syntax errors.
     """
     key = str(name_or_path)
     if key in PRESETS:
@@ -285,23 +322,24 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     path = Path(key)
     if not path.exists():
         raise ValueError(f"unknown scenario {key!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a file")
-    text = path.read_text()
+    if path.suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ValueError(f"{path}: unknown scenario file type {path.suffix!r} (use .toml, .yaml or .json)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read: {e}") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
         elif path.suffix == ".json":
             return Scenario.model_validate_json(text)
         else:
-            raise ValueError(f"{path}: unknown scenario file type {path.suffix!r} (use .toml, .yaml or .json)")
+            data = yaml.safe_load(text)
         return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, source=str(path), model=Scenario)) from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"{path}: {e}") from e
-    except ValueError as e:
-        if str(path) in str(e):
-            raise
-        raise ValueError(f"{path}: {e}") from e
+        raise ValueError(f"{path}: {' '.join(str(e).split())}") from None
 
 
 #: Shipped preset files (package data ``sim/data/presets/*.toml``); every number in them carries a

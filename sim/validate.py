@@ -288,7 +288,8 @@ def run_validate(args: argparse.Namespace, console) -> int:
     t = Table(title=f"perf model vs published figures (pass = within +-{TOLERANCE:.0%}; "
                     f"calibrated on {CALIBRATION_POINT})")
     for col, just in (("figure", "left"), ("key", "left"), ("source", "left"), ("published", "right"),
-                      ("simulated", "right"), ("error", "right"), ("", "center"), ("workload", "left")):
+                      ("simulated", "right"), ("error", "right"), (f"±{TOLERANCE:.0%}", "center"),
+                      ("workload", "left")):
         t.add_column(col, justify=just)
     for r in results:
         f = r.figure

@@ -56,6 +56,7 @@ def test_cli_compare_writes_results(tmp_path: Path, capsys) -> None:
     assert "round_robin" in printed and "cache_aware" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert [r["policy"] for r in summary["runs"]] == ["round_robin", "cache_aware"]
+    assert "--index-mode" not in printed  # the default mode is not mentioned
     assert all(r["num_finished"] == 120 for r in summary["runs"])
     for name in ("requests_round_robin.csv", "requests_cache_aware.csv", "ttft_cdf.png", "rank_load.png", "summary.md"):
         assert (out / name).stat().st_size > 0, name
@@ -79,6 +80,7 @@ def test_cli_tier_preset_events_mode_prints_the_tier_table(tmp_path: Path, capsy
     assert rc == 0
     out = capsys.readouterr().out
     assert "KV tiers" in out and "hit hbm/host/store" in out
+    assert "TPOT<=100ms, --index-mode events" in out  # the non-default index mode is named in the title
     run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
     # the token-weighted split covers every prompt token exactly once: hbm + host + store + miss = 1
     split = run["kv"]["hit_rate"]
@@ -94,11 +96,15 @@ def test_parse_tier_weights() -> None:
     assert parse_tier_weights("host=0.9, store=0.25") == {"host": 0.9, "store": 0.25}
     with pytest.raises(ValueError, match="name=number"):
         parse_tier_weights("host")
+    # names and the [0, 1] range are checked here too, the way balancer.router.Router checks them
+    assert parse_tier_weights("host=0,store=1") == {"host": 0.0, "store": 1.0}
+    with pytest.raises(ValueError, match=r"^--tier-weights: unknown tier 'disk'; valid: host, store$"):
+        parse_tier_weights("disk=0.5")
+    with pytest.raises(ValueError, match=r"^--tier-weights: store weight must be in \[0, 1\], got -0.1$"):
+        parse_tier_weights("store=-0.1")
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["sim", "run", "--tier-weights", "host=x", "--limit", "10"], "expected name=number pairs"),
-    (["sim", "run", "--tier-weights", "disk=0.5", "--limit", "10"], "unknown tier 'disk'"),
     (["sim", "compare", "--policies", "round_robin,nope", "--limit", "10"], "unknown policy 'nope'"),
     (["sim", "run", "--scenario", "no-such-preset", "--limit", "10"], "unknown scenario 'no-such-preset'"),
     (["sim", "run", "--trace", "/no/such/file.jsonl", "--limit", "10"], "/no/such/file.jsonl"),

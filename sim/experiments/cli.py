@@ -152,6 +152,15 @@ def _parse_class_ttls(text: str) -> dict[str, float]:
     return out
 
 
+def _check_classes(class_ttl: dict[str, float], known: set[str], source: str) -> None:
+    """Raise ValueError naming ``--class-ttl-hours`` if it names a class ``source`` does not have."""
+    unknown = sorted(set(class_ttl) - known)
+    if unknown:
+        listed = ", ".join(sorted(known)) if known else "none (no request has a traffic_class)"
+        raise ValueError(f"--class-ttl-hours: unknown traffic class {', '.join(map(repr, unknown))}; "
+                         f"classes in {source}: {listed}")
+
+
 def _label_ttl(ttl_s: float | None) -> str:
     return "none" if ttl_s is None else f"{ttl_s / HOUR_S:g}"
 
@@ -167,6 +176,10 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     caps_f = _parse_list(args.capacity_blocks, "--capacity-blocks", 1.0)
     caps = [None if c is None else int(c) for c in caps_f]
     class_ttl = _parse_class_ttls(args.class_ttl_hours)
+    if not args.trace:  # the generator's classes; a trace's are checked once it is read
+        from sim.workload.sessions import AGENT, CHATBOT
+
+        _check_classes(class_ttl, {AGENT, CHATBOT}, "the generated sessions")
     if args.warmup_days < 0:
         raise ValueError(f"--warmup-days must be >= 0, got {args.warmup_days}")
     warm_s = args.warmup_days * DAY_S
@@ -184,6 +197,8 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
                   f"agent fraction {cfg.agent_fraction:g}, seed {cfg.seed}")
     if not requests:
         raise ValueError("the workload is empty")
+    if args.trace:
+        _check_classes(class_ttl, {r.traffic_class for r in requests if r.traffic_class}, f"{args.trace}")
     measured = sum(1 for r in requests if r.arrival_time_s >= warm_s)
     if not args.quiet:
         console.print(f"workload: {source}; {len(requests)} requests ({measured} measured), "
