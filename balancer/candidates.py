@@ -72,10 +72,9 @@ class Candidates:
     @property
     def kv_usage(self) -> np.ndarray:
         """Fraction of KV capacity used by decode sequences, in [0, 1] (0 where unknown), float64."""
-        cap = self.kv_capacity_tokens.astype(np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            u = np.where(cap > 0, self.decode_kv_tokens / np.where(cap > 0, cap, 1.0), 0.0)
-        return np.minimum(u, 1.0)
+        cap = self.kv_capacity_tokens
+        u = np.divide(self.decode_kv_tokens, cap, out=np.zeros(len(cap), dtype=np.float64), where=cap > 0)
+        return np.minimum(u, 1.0, out=u)
 
     @classmethod
     def from_views(cls, views: Sequence[ReplicaView], role: Role | None = None) -> Candidates:

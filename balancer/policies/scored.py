@@ -56,11 +56,10 @@ class Scored(Policy):
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         c = self.component_scores(request, cands)
-        total = (
-            self.prefix_weight * c["prefix"]
-            + self.queue_weight * c["queue"]
-            + self.kv_utilization_weight * c["kv_utilization"]
-            + self.load_weight * c["load"]
-        )
+        total = np.zeros(len(cands))
+        for name, w in (("prefix", self.prefix_weight), ("queue", self.queue_weight),
+                        ("kv_utilization", self.kv_utilization_weight), ("load", self.load_weight)):
+            if w:  # a zero-weight scorer adds nothing (the default load_weight is 0)
+                total += w * c[name]
         i = argmax_random(total, ctx.rng)
         return Choice(cands.replicas[i], scores_of(cands, total), reason="max_score")
