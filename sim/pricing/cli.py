@@ -1,0 +1,243 @@
+"""``pdlb sim price``: argument parser (:func:`add_price_parser`) and runner (:func:`run_price`).
+
+Modes: the analytic target analysis on ``--scenario`` (default; :mod:`sim.pricing.analysis`),
+``--from-summary`` (price the runs of a results ``summary.json``) and ``--simulate`` (simulate,
+then price the measured throughput; :mod:`sim.pricing.measured`). See docs/pricing.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from sim.pricing.analysis import (
+    DEEPINFER_DECODE_BATCH_PER_RANK,
+    DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ,
+    DEEPINFER_TARGET_USD_PER_GPU_HOUR,
+    DEEPINFER_TOKENS_PER_DAY,
+    implied_fleet_gpus,
+    operating_point_table,
+    revenue_grid,
+    target_table,
+)
+from sim.pricing.measured import load_summaries, rates_from_summary, simulate_rates
+from sim.pricing.report import (
+    economics_table,
+    operating_point_markdown,
+    plot_revenue_heatmaps,
+    sheets_table,
+    target_markdown,
+    target_rows_table,
+)
+from sim.pricing.revenue import DEFAULT_GPU_HOUR_COST_USD, TokenRates, economics
+from sim.pricing.sheets import (
+    PERIODS,
+    PriceSheet,
+    _check_fraction,
+    _check_nonneg,
+    load_price_sheets,
+    shipped_price_sheets,
+)
+from sim.pricing.throughput import steady_state
+
+
+DEFAULT_SCENARIO = "deepinfer-sm100"
+DEFAULT_HIT_RATES = (0.563, 0.8, 0.9, 0.96)
+DEFAULT_RATIOS = (1.0, 2.0, 3.6, 8.0, 16.0, 32.0)
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from e
+    if not vals:
+        raise ValueError(f"{what}: no values in {text!r}")
+    return vals
+
+
+def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
+    """Register ``pdlb sim price``."""
+    import argparse
+
+    p = simsub.add_parser(
+        "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serving economics from an API price sheet (USD per 1M tokens: input cache hit / miss, output, "
+                    "off-peak discount) and a GPU-hour cost.\n\n"
+                    "  default          what load and hit rate earn --target $/GPU-h on --scenario (analytic, "
+                    "no simulation)\n"
+                    "  --from-summary   price the measured throughput of simulation runs (results/*/summary.json)\n"
+                    "  --simulate       simulate --scenario on a trace, then price its measured throughput\n\n"
+                    f"Shipped sheets: {', '.join(shipped_price_sheets())}. See docs/pricing.md.")
+    p.add_argument("--prices", default="all", metavar="NAME|FILE[,...]",
+                   help="price sheets: shipped names or .toml/.yaml/.json files, comma-separated (default: all shipped)")
+    p.add_argument("--period", default="valley", choices=PERIODS,
+                   help="list prices, valley (off-peak) prices, or blended over the day (default valley)")
+    p.add_argument("--gpu-hour-cost", type=float, default=DEFAULT_GPU_HOUR_COST_USD, metavar="USD",
+                   help=f"GPU cost per hour for cost per 1M tokens and margin (default {DEFAULT_GPU_HOUR_COST_USD:g}, "
+                        "DeepSeek's H800 basis)")
+    p.add_argument("--scenario", default=DEFAULT_SCENARIO, metavar="NAME|FILE",
+                   help=f"PD scenario preset or file (default {DEFAULT_SCENARIO})")
+    p.add_argument("--target", type=float, default=DEEPINFER_TARGET_USD_PER_GPU_HOUR, metavar="USD",
+                   help=f"target revenue per GPU-hour (default {DEEPINFER_TARGET_USD_PER_GPU_HOUR:g}, DeepInfer)")
+    p.add_argument("--hit-rate", default=",".join(f"{h:g}" for h in DEFAULT_HIT_RATES), metavar="H[,...]",
+                   help="input cache-hit rates to tabulate (default %(default)s)")
+    p.add_argument("--ratio", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), metavar="R[,...]",
+                   help="input:output token ratios to tabulate (default %(default)s)")
+    p.add_argument("--output-tokens", type=int, default=1000, metavar="N",
+                   help="output tokens per request; prompt = ratio x N (default 1000)")
+    p.add_argument("--tok-s-per-seq", type=float, default=DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ, metavar="TPS",
+                   help=f"decode tokens/s per sequence (default {DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ:g}, DeepInfer)")
+    p.add_argument("--roofline-decode", action="store_true",
+                   help="take decode speed from the perf model instead of --tok-s-per-seq (heatmap and steady state)")
+    p.add_argument("--published-batch", type=int, default=DEEPINFER_DECODE_BATCH_PER_RANK, metavar="B",
+                   help="decode sequences per rank of the operating-point table (default %(default)s, DeepInfer's "
+                        "'~60 sequences per rank')")
+    p.add_argument("--decode-batch", type=int, metavar="B",
+                   help="decode sequences per rank for the heatmap (default: the scenario's max_decode_batch)")
+    p.add_argument("--no-kv-link", action="store_true",
+                   help="do not cap prefill by its NIC sending every prompt's KV to decode")
+    p.add_argument("--png", type=Path, metavar="PATH", help="write the revenue heatmap PNG here")
+    p.add_argument("--markdown", action="store_true", help="also print the target table as Markdown")
+    src = p.add_argument_group("measured throughput")
+    src.add_argument("--from-summary", type=Path, metavar="SUMMARY.json",
+                     help="price the runs of a results summary.json (pdlb sim run/compare)")
+    src.add_argument("--simulate", action="store_true", help="simulate --scenario on a trace and price it")
+    src.add_argument("--trace", metavar="PATH", help="trace for --simulate (default: the embedded Mooncake trace)")
+    src.add_argument("--limit", type=int, default=2000, metavar="N", help="first N requests for --simulate (default 2000)")
+    src.add_argument("--rate-scale", type=float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate")
+    src.add_argument("--policy", default="cache_aware", help="routing policy for --simulate (default cache_aware)")
+    src.add_argument("--seed", type=int, default=0, help="seed for --simulate (default 0)")
+    src.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheets: Sequence[PriceSheet],
+                args) -> None:  # noqa: ANN001
+    rows = [(label, economics(rates, s, args.gpu_hour_cost, args.period))
+            for label, rates in labelled_rates for s in sheets]
+    console.print(economics_table(rows, f"measured throughput priced at {args.period} prices, "
+                                        f"GPU ${args.gpu_hour_cost:g}/h"))
+
+
+def run_price(args, console) -> int:  # noqa: ANN001
+    """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
+    from sim.scenario import load_scenario
+
+    sheets = load_price_sheets(args.prices)
+    hits = _floats(args.hit_rate, "--hit-rate")
+    ratios = _floats(args.ratio, "--ratio")
+    for h in hits:
+        _check_fraction("--hit-rate", h)
+    _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
+    # read (and check) the summaries before printing anything: a missing file is one error line
+    runs = load_summaries(args.from_summary) if args.from_summary is not None else None
+    console.print(sheets_table(sheets))
+    if runs is not None:
+        _price_runs(console, [(f"{r.get('scenario', '?')}/{r.get('policy', i)}",
+                               rates_from_summary(r, f"{args.from_summary} run {i}")) for i, r in enumerate(runs)],
+                    sheets, args)
+        return 0
+    scenario = load_scenario(args.scenario)
+    if args.simulate:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from sim.workload import read_trace, scale_rate, spread_batches, take_slice
+
+        reqs = read_trace(args.trace, "auto")
+        if args.limit:
+            reqs = take_slice(reqs, 0, args.limit)
+        reqs = spread_batches(reqs, 3.0, seed=args.seed)
+        if args.rate_scale != 1.0:
+            reqs = scale_rate(reqs, args.rate_scale)
+        with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=args.quiet) as prog:
+            task = prog.add_task("sim", total=len(reqs))
+            rates, summary = simulate_rates(scenario, reqs, args.policy, seed=args.seed,
+                                            progress=lambda d, t: prog.update(task, completed=d))
+        console.print(f"{scenario.name}: {len(reqs)} requests, makespan {summary['makespan_s']:.0f} s, "
+                      f"{scenario.num_gpus} GPUs, prefix hit {100 * summary['prefix_hit_rate']:.1f}%")
+        _price_runs(console, [(f"{scenario.name}/{args.policy}", rates)], sheets, args)
+        return 0
+
+    kv_link = not args.no_kv_link
+    speed = None if args.roofline_decode else args.tok_s_per_seq
+    pp, dp = scenario.prefill, scenario.decode
+    if pp is None or dp is None:
+        raise ValueError(f"scenario {scenario.name!r} is aggregated; pdlb sim price needs prefill and decode pools")
+    console.print(f"[bold]{scenario.name}[/]: {scenario.description} ({pp.num_gpus} prefill + {dp.num_gpus} decode "
+                  f"GPUs, {dp.num_ranks} decode ranks)")
+    rows = target_table(scenario, sheets, hits, ratios, target_usd_per_gpu_hour=args.target, period=args.period,
+                        output_tokens=args.output_tokens, tokens_per_s_per_seq=args.tok_s_per_seq, kv_link=kv_link)
+    console.print(target_rows_table(rows, f"what earns ${args.target:g}/GPU-h at {args.period} prices "
+                                          f"({args.tok_s_per_seq:g} tok/s per sequence, "
+                                          f"{args.output_tokens} output tokens per request)"))
+    from rich.table import Table
+
+    if args.markdown:
+        console.print(target_markdown(rows), markup=False, highlight=False, soft_wrap=True)
+    ops = operating_point_table(scenario, sheets, hits, batch_per_rank=args.published_batch,
+                                tokens_per_s_per_seq=args.tok_s_per_seq, target_usd_per_gpu_hour=args.target,
+                                period=args.period, output_tokens=args.output_tokens, kv_link=kv_link)
+    ot = Table(title=f"at {args.published_batch} sequences per rank x {args.tok_s_per_seq:g} tok/s: the input:output "
+                     f"ratio that earns ${args.target:g}/GPU-h ({args.period} prices)")
+    for c in ("sheet", "hit", "out tok/s/GPU", "fixed: in:out", "fixed: P load", "balanced: in:out",
+              "balanced: P/D GPUs"):
+        ot.add_column(c, justify="left" if c == "sheet" else "right", no_wrap=c == "sheet")
+    for o in ops:
+        ot.add_row(o.sheet, f"{100 * o.hit_rate:.1f}%", f"{o.output_tokens_per_s_per_gpu:,.0f}",
+                   f"{o.fixed_input_per_output:.2f}",
+                   f"[red]{o.fixed_prefill_load:.2f}[/]" if o.fixed_prefill_load > 1 else f"{o.fixed_prefill_load:.2f}",
+                   f"{o.balanced_input_per_output:.2f}", f"{o.balanced_prefill_gpus_per_decode_gpu:.3f}")
+    console.print(ot)
+    if args.markdown:
+        console.print(operating_point_markdown(ops), markup=False, highlight=False, soft_wrap=True)
+    batch = args.decode_batch or dp.max_decode_batch
+    ss = steady_state(scenario, prompt_tokens=int(round(ratios[0] * args.output_tokens)),
+                      output_tokens=args.output_tokens, hit_rate=hits[-1], decode_batch_per_rank=batch,
+                      decode_tokens_per_s_per_seq=speed, kv_link=kv_link)
+    roof = steady_state(scenario, prompt_tokens=ss.prompt_tokens, output_tokens=args.output_tokens,
+                        hit_rate=hits[-1], decode_batch_per_rank=batch, kv_link=kv_link)
+    console.print(f"perf model at decode batch {ss.decode_batch_per_rank}/rank, context "
+                  f"{ss.prompt_tokens + args.output_tokens / 2:.0f}: decode step {1e3 * roof.decode_step_s:.1f} ms "
+                  f"= {roof.decode_tokens_per_s_per_seq:.0f} tok/s per sequence (published: "
+                  f"{DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ:g}); prefill {ss.prefill_input_tokens_per_s / pp.num_gpus:,.0f} "
+                  f"input tok/s per GPU at {100 * hits[-1]:.0f}% hit ({ss.prefill_limit}-bound)")
+    grids = {split: [(s, revenue_grid(scenario, s, hits, ratios, period=args.period, output_tokens=args.output_tokens,
+                                      decode_batch_per_rank=batch, tokens_per_s_per_seq=speed, kv_link=kv_link,
+                                      split=split)) for s in sheets]
+             for split in ("fixed", "balanced")}
+    from rich.table import Table
+
+    speed_txt = "perf-model" if speed is None else f"{speed:g} tok/s"
+    split_txt = {"fixed": f"{pp.num_gpus} prefill + {dp.num_gpus} decode GPUs",
+                 "balanced": "prefill pool sized to the decode pool"}
+    for split, gs in grids.items():
+        t = Table(title=f"revenue $/GPU-h, {split_txt[split]}, decode batch <= {batch}/rank ({speed_txt} per "
+                        f"sequence), {args.period} prices")
+        t.add_column("sheet", no_wrap=True)
+        t.add_column("hit", justify="right")
+        for r in ratios:
+            t.add_column(f"in:out {r:g}", justify="right")
+        for s, g in gs:
+            for i, h in enumerate(hits):
+                t.add_row(s.name if i == 0 else "", f"{100 * h:.1f}%",
+                          *[(f"[green]{v:.1f}[/]" if v >= args.target else f"{v:.1f}") for v in g[i]])
+        console.print(t)
+    h_pub = 0.96
+    ft = Table(title=f"cross-check: {DEEPINFER_TOKENS_PER_DAY / 1e12:g}T tokens/day at {100 * h_pub:.0f}% hit "
+                     f"earning ${args.target:g}/GPU-h implies a fleet of")
+    ft.add_column("sheet")
+    for r in ratios:
+        ft.add_column(f"in:out {r:g}", justify="right")
+    for s in sheets:
+        ft.add_row(s.name, *[f"{implied_fleet_gpus(s, tokens_per_day=DEEPINFER_TOKENS_PER_DAY, hit_rate=h_pub, input_per_output=r, target_usd_per_gpu_hour=args.target, period=args.period):,.0f} GPUs" for r in ratios])
+    console.print(ft)
+    if args.png:
+        out = plot_revenue_heatmaps(args.png, grids["fixed"] + grids["balanced"], hits, ratios,
+                                    target_usd_per_gpu_hour=args.target, row_labels=(f"{pp.num_gpus}P+{dp.num_gpus}D",
+                                                                                     "balanced"),
+                                    title=f"{scenario.name}: revenue per GPU-hour at {args.period} prices, decode "
+                                          f"batch <= {batch}/rank, {speed_txt} per sequence")
+        console.print(f"wrote {out}")
+    return 0
