@@ -369,3 +369,17 @@ def test_processes_setting_and_busy_port(capsys):
         assert free.getsockname()[1] > 0
     finally:
         free.close()
+
+
+def test_max_output_tokens_reads_each_api_spelling():
+    # shared by the router (load accounting) and the emulated engine (output length)
+    from balancer.service.prompt import PromptError, max_output_tokens
+
+    assert max_output_tokens("generate", {"sampling_params": {"max_new_tokens": 7}}, 16) == 7
+    assert max_output_tokens("generate", {"sampling_params": "junk"}, 16) == 16
+    assert max_output_tokens("chat", {"max_completion_tokens": 5, "max_tokens": 9}, 16) == 5
+    assert max_output_tokens("completions", {"max_tokens": 9}, 16) == 9
+    assert max_output_tokens("completions", {}, 16) == 16
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(PromptError, match="positive integer"):
+            max_output_tokens("completions", {"max_tokens": bad}, 16)

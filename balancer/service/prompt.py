@@ -119,6 +119,25 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     raise PromptError("'prompt' is required: a string, an array of strings, or an array of token ids")
 
 
+def max_output_tokens(endpoint: str, body: dict[str, Any], default: int) -> int:
+    """The output-token limit a request asks for: ``sampling_params.max_new_tokens`` on SGLang's
+    ``/generate``, else ``max_completion_tokens`` or ``max_tokens`` (OpenAI); ``default`` if none.
+
+    Raises:
+        PromptError: the limit is not a positive integer (the caller answers 400).
+    """
+    if endpoint == "generate":
+        sp = body.get("sampling_params")
+        v = sp.get("max_new_tokens") if isinstance(sp, dict) else None
+    else:
+        v = body.get("max_completion_tokens", body.get("max_tokens"))
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PromptError("'max_tokens' must be a positive integer")
+    return v
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """Load a HuggingFace ``tokenizer.json`` (a ``tokenizers.Tokenizer``) from a local file.
 

@@ -46,7 +46,7 @@ from aiohttp import web
 from balancer.router import NoReplicaError, Router
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
-from balancer.service.prompt import PromptError, PromptHasher, extract_prompt
+from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
 
@@ -119,19 +119,6 @@ class _Legs:
     done: bool = False
 
 
-def _max_tokens(endpoint: str, body: dict[str, Any], default: int) -> int:
-    if endpoint == "generate":
-        sp = body.get("sampling_params")
-        v = sp.get("max_new_tokens") if isinstance(sp, dict) else None
-    else:
-        v = body.get("max_completion_tokens", body.get("max_tokens"))
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise PromptError("'max_tokens' must be a positive integer")
-    return v
-
-
 def _relayed_headers(resp: aiohttp.ClientResponse, default_type: str) -> dict[str, str]:
     """Headers of the decode leg passed to the client: its Content-Type and, since the client
     session does not decompress, its Content-Encoding if any."""
@@ -174,7 +161,7 @@ class Proxy:
         t0 = time.monotonic()
         try:
             prompt = extract_prompt(endpoint, body)
-            max_out = _max_tokens(endpoint, body, cfg.default_max_tokens)
+            max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
         except PromptError as e:
             return error_response(400, str(e))
         if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
@@ -400,27 +387,25 @@ class Proxy:
     async def _full(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
                     legs: _Legs) -> bytes:
         resp = await self._open(w, path, body, headers, legs)
+        data = await self._read_all(w, resp)
+        self.pool.record_result(w, True, time.monotonic())
+        return data
+
+    async def _read_all(self, w: Worker, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body of ``resp``; a failure mid-body counts against ``w`` and is retryable."""
         try:
-            data = await resp.read()
+            return await resp.read()
         except (aiohttp.ClientError, OSError) as e:
             self._failed(w, "read")
             raise Failure(502, f"worker {w.url} failed mid-response ({type(e).__name__})", True, "read") from None
         finally:
             resp.release()
-        self.pool.record_result(w, True, time.monotonic())
-        return data
 
     async def _relay(self, ctx: _Ctx, d: Worker, d_resp: aiohttp.ClientResponse, router_id: str,
                      legs: _Legs, deadline: float | None = None) -> web.StreamResponse:
         """Send the decode leg's answer to the client (chunk by chunk when streaming)."""
         if not ctx.stream:
-            try:
-                data = await d_resp.read()
-            except (aiohttp.ClientError, OSError) as e:
-                self._failed(d, "read")
-                raise Failure(502, f"worker {d.url} failed mid-response ({type(e).__name__})", True, "read") from None
-            finally:
-                d_resp.release()
+            data = await self._read_all(d, d_resp)
             self.router.on_first_token(router_id, time.monotonic())
             self.pool.record_result(d, True, time.monotonic())
             return web.Response(status=d_resp.status, body=data, headers=_relayed_headers(d_resp, "application/json"))

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
-from balancer.service.prompt import PromptError, extract_prompt
+from balancer.service.prompt import PromptError, extract_prompt, max_output_tokens
 from sim.emulator.config import EmulatorConfig, FaultConfig
 from sim.emulator.engine import EngineCore
 
@@ -216,19 +216,6 @@ class _Shape:
                 "usage": self.usage(cached)}
 
 
-def _max_tokens(endpoint: str, body: dict[str, Any], default: int) -> int:
-    if endpoint == "generate":
-        sp = body.get("sampling_params") or {}
-        v = sp.get("max_new_tokens") if isinstance(sp, dict) else None
-    else:
-        v = body.get("max_completion_tokens", body.get("max_tokens"))
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise PromptError("max_tokens must be a positive integer")
-    return v
-
-
 # ---------------------------------------------------------------------- handlers
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     st = request.app[STATE]
@@ -256,7 +243,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         return _err(st.faults.error_status, "injected fault", "server_error")
     try:
         prompt = extract_prompt(endpoint, body)
-        out_tokens = _max_tokens(endpoint, body, cfg.default_max_tokens)
+        out_tokens = max_output_tokens(endpoint, body, cfg.default_max_tokens)
     except PromptError as e:
         return _err(400, str(e))
     if prompt.token_ids is not None:
