@@ -20,7 +20,8 @@ DEFAULT_TRACE_NAME = "mooncake_conversation.jsonl.gz"
 TRACE_FORMATS = ("auto", "mooncake", "azure")
 """Values accepted by :func:`read_trace`'s ``fmt``."""
 
-_EXTENSIONS = {".jsonl": "mooncake", ".jsonl.gz": "mooncake", ".csv": "azure", ".csv.gz": "azure"}
+#: File extensions :func:`read_trace` recognises with ``fmt="auto"``, and their formats.
+TRACE_EXTENSIONS = {".jsonl": "mooncake", ".jsonl.gz": "mooncake", ".csv": "azure", ".csv.gz": "azure"}
 
 
 def default_trace_path() -> Path:
@@ -42,14 +43,19 @@ def default_trace_path() -> Path:
     return path
 
 
-def _detect_format(path: str | os.PathLike[str]) -> str:
+def detect_trace_format(path: str | os.PathLike[str]) -> str:
+    """The trace format of ``path`` from its extension (:data:`TRACE_EXTENSIONS`).
+
+    Raises:
+        ValueError: an unknown extension (the message lists the known ones).
+    """
     name = os.fspath(path).lower()
-    for ext, fmt in _EXTENSIONS.items():
+    for ext, fmt in TRACE_EXTENSIONS.items():
         if name.endswith(ext):
             return fmt
     raise ValueError(
         f"cannot infer the trace format of {os.fspath(path)!r} from its extension "
-        f"(known: {', '.join(_EXTENSIONS)}); pass fmt='mooncake' or fmt='azure'"
+        f"(known: {', '.join(TRACE_EXTENSIONS)}); pass fmt='mooncake' or fmt='azure'"
     )
 
 
@@ -79,7 +85,7 @@ def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **
             raise ValueError(f"the embedded default trace is in mooncake format, not {fmt!r}")
         path = default_trace_path()
     if fmt == "auto":
-        fmt = _detect_format(path)
+        fmt = detect_trace_format(path)
     if fmt == "mooncake":
         return read_mooncake(path, **kwargs)
     return read_azure(path, **kwargs)
