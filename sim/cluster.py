@@ -51,7 +51,7 @@ from sim.hardware import get_hardware
 from sim.models import get_model
 from sim.perf.base import PerfModel
 from sim.perf.roofline import RooflinePerf
-from sim.records import LoadSamples, RequestRecords
+from sim.records import MAX_LOAD_SAMPLES, LoadSamples, RequestRecords
 from sim.scenario import PoolConfig, Scenario, tier_capacity_blocks
 
 _MEDIUM = {"hbm": MEDIUM_GPU, HOST: MEDIUM_CPU, STORE: MEDIUM_STORE}
@@ -283,6 +283,11 @@ class Cluster:
             s.prefill_queued_tokens.append(np.array([r.queued_prefill_tokens for r in ranks], dtype=np.int64))
             s.decode_running.append(np.array([len(r.running) for r in ranks], dtype=np.int64))
             s.decode_kv_tokens.append(np.array([r.running_kv_tokens for r in ranks], dtype=np.int64))
+            if len(s.times_s) >= MAX_LOAD_SAMPLES:  # the run outlasts the arrivals by far
+                s.thin()  # drops the sample just taken (odd index): the next one is `interval` away
+                yield env.timeout(interval)
+                interval = s.interval_s
+                continue
             yield env.timeout(interval)
 
     # ------------------------------------------------------------------ engine callbacks

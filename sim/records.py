@@ -78,6 +78,10 @@ class RequestRecords:
         return {name: getattr(self, name) for name in TIME_FIELDS + INT_FIELDS}
 
 
+#: Most load samples kept per run; beyond it the sampler thins them and doubles its period.
+MAX_LOAD_SAMPLES = 4096
+
+
 @dataclass
 class LoadSamples:
     """Per-rank load sampled every ``interval_s``: arrays of shape ``(num_samples, num_ranks)``."""
@@ -87,6 +91,14 @@ class LoadSamples:
     prefill_queued_tokens: list[np.ndarray] = field(default_factory=list)
     decode_running: list[np.ndarray] = field(default_factory=list)
     decode_kv_tokens: list[np.ndarray] = field(default_factory=list)
+
+    def thin(self) -> None:
+        """Keep every other sample and double ``interval_s`` (the samples stay evenly spaced when
+        the count is even). Bounds memory and sampler events when a run lasts far longer than its
+        arrivals span (e.g. very long outputs): see :data:`MAX_LOAD_SAMPLES`."""
+        for xs in (self.times_s, self.prefill_queued_tokens, self.decode_running, self.decode_kv_tokens):
+            del xs[1::2]
+        self.interval_s *= 2.0
 
     def as_arrays(self) -> dict[str, np.ndarray]:
         def stack(xs: list[np.ndarray]) -> np.ndarray:

@@ -303,3 +303,24 @@ def test_cache_aware_beats_round_robin_on_hit_rate_and_nothing_beats_ideal(trace
     assert ca["prefix_hit_rate"] > rr["prefix_hit_rate"] + 0.05
     for s in (rr, ca):
         assert s["prefix_hit_rate"] <= s["ideal_hit_rate"]
+
+
+def test_load_samples_stay_bounded_and_evenly_spaced_on_a_long_run():
+    # One request with a 100k-token output: the arrivals span nothing, so the sampling period
+    # starts at 1 ms (duration 1 s / 400 -> 2.5 ms) while the run lasts minutes. The sampler must
+    # thin itself (keep every other sample, double the period) instead of taking ~10^5 samples.
+    from sim.cluster import simulate
+    from sim.records import MAX_LOAD_SAMPLES
+    from sim.scenario import load_scenario
+
+    sc = load_scenario("llama8b-agg-h100").with_pools(mixed_engines=1)
+    req = Request("long", 0.0, 1000, (), 100_000, 100_000)
+    res = simulate(sc, [req], "round_robin")
+    t = np.asarray(res.samples.times_s)
+    assert 0 < len(t) <= MAX_LOAD_SAMPLES
+    # the period is 2.5 ms doubled k times (k >= 1 here), and the kept samples are evenly spaced
+    k = np.log2(res.samples.interval_s / 2.5e-3)
+    assert k >= 1 and abs(k - round(k)) < 1e-9
+    assert np.allclose(np.diff(t), res.samples.interval_s, rtol=1e-9, atol=1e-12)
+    # the samples cover the whole run: the last one is within one period of the finish
+    assert res.records.finish_s[0] - t[-1] <= res.samples.interval_s + 1e-9
