@@ -12,7 +12,8 @@
 Bad arguments end in one error line and exit status 2: argparse's ``argument --flag: ...`` for
 values checked while parsing (numbers, engine counts, tier weights), ``error: ...`` for the rest
 (files, scenarios, policies). A closed stdout (``pdlb sim compare | head -1``) does not stop a
-run: the results folder is still written and the exit status is 141 (128 + SIGPIPE).
+run: the results folder is still written and the exit status is 141 (128 + SIGPIPE). Ctrl-C prints
+``interrupted`` on stderr and exits 130 (128 + SIGINT).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ DEFAULT_INDEX_MODE = "approximate"
 
 
 # argparse ``type=`` checks: a bad value stops the parser with "argument --flag: <message>", exit 2
-def _int_at_least_1(text: str) -> int:
+def positive_int(text: str) -> int:
     """An int >= 1 (request counts, engine counts)."""
     try:
         value = int(text)
@@ -63,14 +64,33 @@ def _float_checked(text: str, *, allow_zero: bool) -> float:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     """A finite float > 0 (rate factor, durations, SLOs)."""
     return _float_checked(text, allow_zero=False)
 
 
-def _nonnegative_float(text: str) -> float:
+def nonnegative_float(text: str) -> float:
     """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
     return _float_checked(text, allow_zero=True)
+
+
+def unique_results_dir(base: Path) -> Path:
+    """Create and return ``base``, or ``base-2``, ``base-3``, ... if it exists: the default results
+    folder of two runs started in the same second is never shared. ``mkdir`` without ``exist_ok``
+    makes the claim atomic, so concurrent processes get different folders.
+
+    Raises:
+        OSError: the parent cannot be created or written.
+    """
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 10_000):
+        path = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{base}: 9999 results folders of that name exist")
 
 
 def _tier_weights_arg(text: str) -> dict[str, float] | None:
@@ -85,19 +105,19 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="PATH", help="trace file (default: the embedded Mooncake conversation trace)")
     g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"],
                    help="trace format (default: by extension: .jsonl[.gz] mooncake, .csv azure)")
-    g.add_argument("--rate-scale", type=_positive_float, default=1.0, metavar="F",
+    g.add_argument("--rate-scale", type=positive_float, default=1.0, metavar="F",
                    help="multiply the arrival rate by F (divides arrival times; default 1)")
-    g.add_argument("--limit", type=_int_at_least_1, metavar="N", help="use only the first N requests")
-    g.add_argument("--duration-s", type=_positive_float, metavar="S", help="use only requests arriving in the first S seconds (after rate scaling)")
-    g.add_argument("--spread-s", type=_nonnegative_float, default=3.0, metavar="S",
+    g.add_argument("--limit", type=positive_int, metavar="N", help="use only the first N requests")
+    g.add_argument("--duration-s", type=positive_float, metavar="S", help="use only requests arriving in the first S seconds (after rate scaling)")
+    g.add_argument("--spread-s", type=nonnegative_float, default=3.0, metavar="S",
                    help="spread requests that share a timestamp uniformly over S seconds (Mooncake logs arrivals "
                         "in ~3 s batches; 0 keeps the batches; default 3)")
     g = p.add_argument_group("cluster")
     g.add_argument("--scenario", default=DEFAULT_PRESET, metavar="NAME|FILE",
                    help=f"scenario preset ({', '.join(sorted(PRESETS))}) or a .toml/.yaml/.json file (default {DEFAULT_PRESET})")
-    g.add_argument("--prefill-engines", type=_int_at_least_1, metavar="N", help="override the number of prefill engines")
-    g.add_argument("--decode-engines", type=_int_at_least_1, metavar="N", help="override the number of decode engines")
-    g.add_argument("--mixed-engines", type=_int_at_least_1, metavar="N",
+    g.add_argument("--prefill-engines", type=positive_int, metavar="N", help="override the number of prefill engines")
+    g.add_argument("--decode-engines", type=positive_int, metavar="N", help="override the number of decode engines")
+    g.add_argument("--mixed-engines", type=positive_int, metavar="N",
                    help="override the number of mixed (aggregated) engines")
     g.add_argument("--exact", action="store_true", help="step-by-step decode (reference mode; slower, same results)")
     g = p.add_argument_group("router")
@@ -110,12 +130,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-router-tiers", action="store_true",
                    help="with KV tiers configured, let the router see only HBM prefix matches")
     g = p.add_argument_group("metrics and output")
-    g.add_argument("--slo-ttft-s", type=_positive_float, default=DEFAULT_SLO_TTFT_S, metavar="S",
+    g.add_argument("--slo-ttft-s", type=positive_float, default=DEFAULT_SLO_TTFT_S, metavar="S",
                    help=f"TTFT SLO in seconds for goodput (default {DEFAULT_SLO_TTFT_S})")
-    g.add_argument("--slo-tpot-s", type=_positive_float, default=DEFAULT_SLO_TPOT_S, metavar="S",
+    g.add_argument("--slo-tpot-s", type=positive_float, default=DEFAULT_SLO_TPOT_S, metavar="S",
                    help=f"TPOT SLO in seconds for goodput (default {DEFAULT_SLO_TPOT_S})")
     g.add_argument("--seed", type=int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
-    g.add_argument("--out", type=Path, metavar="DIR", help="results folder (default results/<scenario>-<time>)")
+    g.add_argument("--out", type=Path, metavar="DIR",
+                   help="results folder; an existing DIR is reused and the files of this run overwrite those of "
+                        "the same name (default results/<scenario>-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended "
+                        "when that folder exists)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -253,6 +276,8 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
     from sim.workload import ideal_hit_rate
 
     scenario = _scenario(args)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out}: is a file, not a directory")
     for p, d in runs:  # fail fast on bad names before loading or simulating anything
         make_policy(p), make_policy(d)
     requests, meta = _load_workload(args)
@@ -283,10 +308,11 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
         console.print(kv)
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
-    out = args.out or Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     meta |= {"command": " ".join(sys.argv), "wall_s": wall}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")
+    files.append(out / "summary.md")
     console.print(f"results: {out}/ ({', '.join(f.name for f in files[:1])}, {len(files) - 1} more)")
     return 0
 
@@ -342,6 +368,8 @@ class _PipeSafeStdout:
 #: Exit status after stdout's reader went away: 128 + SIGPIPE, what a shell reports for a
 #: process killed by SIGPIPE (``set -o pipefail`` sees it).
 EXIT_BROKEN_PIPE = 141
+#: Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a process killed by SIGINT.
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # raised outside the console (argparse --help into a closed pipe)
         out.close_pipe()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # Ctrl-C, often deep inside simpy: one line, not a traceback
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_BROKEN_PIPE if out.broken and rc == 0 else rc
 
 
@@ -387,6 +418,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 return 0
             if args.sim_command == "compare":
                 names = [p.strip() for p in args.policies.split(",") if p.strip()]
+                if not names:
+                    raise ValueError("--policies: give at least one policy")
                 runs = [(p, args.decode_policy or p) for p in names]
                 return _run_many(args, runs, console)
             if args.sim_command == "run":

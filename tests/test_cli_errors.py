@@ -210,3 +210,90 @@ def test_closed_stdout_error_goes_to_stderr(tmp_path: Path, monkeypatch, capsys)
     assert rc == 2  # the error status wins over 141
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: unknown scenario '{tmp_path / 'none.toml'}': not a preset (")
+
+
+# ---- new-user trial, round 2: each bad input is one line naming the flag, before any output
+@pytest.mark.parametrize("argv, message", [
+    # were ZeroDivisionError tracebacks in sim/pricing/analysis.py
+    (["sim", "price", "--tok-s-per-seq", "0"],
+     "pdlb sim price: error: argument --tok-s-per-seq: must be a finite number > 0, got '0'"),
+    (["sim", "price", "--target", "0"], "pdlb sim price: error: argument --target: must be a finite number > 0, got '0'"),
+    # was: 0 silently replaced by the scenario's batch; -5 rejected only after the tables
+    (["sim", "price", "--decode-batch", "0"], "pdlb sim price: error: argument --decode-batch: must be >= 1, got 0"),
+    (["sim", "price", "--decode-batch", "-5"], "pdlb sim price: error: argument --decode-batch: must be >= 1, got -5"),
+    (["sim", "price", "--output-tokens", "0"], "pdlb sim price: error: argument --output-tokens: must be >= 1, got 0"),
+    (["sim", "price", "--published-batch", "0"], "pdlb sim price: error: argument --published-batch: must be >= 1, got 0"),
+])
+def test_price_numbers_are_rejected_while_parsing(argv, message, capsys) -> None:
+    assert _argparse_error(argv, capsys) == message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sim", "price", "--ratio", "1,0"], "error: --ratio: values must be finite and > 0, got 0"),
+    (["sim", "price", "--scenario", "nosuch"],
+     f"error: unknown scenario 'nosuch': not a preset ({', '.join(sorted(PRESETS))}) nor a file"),
+    (["sim", "price", "--scenario", "llama8b-agg-h100"],
+     "error: --scenario llama8b-agg-h100: the scenario is aggregated; pdlb sim price needs prefill and decode pools "
+     "(or --simulate)"),
+    (["sim", "compare", "--policies", ""], "error: --policies: give at least one policy"),
+    (["sim", "compare", "--policies", " , "], "error: --policies: give at least one policy"),
+    # were multi-line pydantic dumps; bounds from SessionWorkloadConfig (gt=0, le=1, ge=1)
+    (["sim", "sessions", "--out", "s.jsonl", "--sessions-per-hour", "0"],
+     "error: --sessions-per-hour: Input should be greater than 0"),
+    (["sim", "sessions", "--out", "s.jsonl", "--agent-fraction", "2"],
+     "error: --agent-fraction: Input should be less than or equal to 1"),
+    (["sim", "sessions", "--out", "s.jsonl", "--block-size", "0"],
+     "error: --block-size: Input should be greater than or equal to 1"),
+])
+def test_errors_before_any_output(argv, message, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # sessions' relative --out, never written
+    assert _error_line(argv, capsys) == message  # the whole stdout: no table printed first
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sessions_out_must_be_a_writable_file(tmp_path: Path, capsys) -> None:
+    # was: IsADirectoryError traceback after generating the workload
+    assert _error_line(["sim", "sessions", "--days", "0.01", "--out", str(tmp_path)], capsys) == (
+        f"error: --out {tmp_path}: is a directory")
+    missing = tmp_path / "no" / "s.jsonl"
+    assert _error_line(["sim", "sessions", "--days", "0.01", "--out", str(missing)], capsys) == (
+        f"error: --out {missing}: folder {missing.parent} does not exist")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path: Path) -> None:
+    import sim.cluster
+
+    def interrupted(*args, **kwargs):  # what simpy raises when Ctrl-C lands mid-run
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim.cluster, "simulate", interrupted)
+    for cmd in (["run"], ["compare", "--policies", "round_robin"]):
+        rc = main(["sim", *cmd, "--limit", "5", "--quiet", "--out", str(tmp_path)])
+        assert rc == 130  # 128 + SIGINT (2)
+        assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_default_results_folders_are_unique_and_counted(monkeypatch, capsys, tmp_path: Path) -> None:
+    import time as time_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time_mod, "strftime", lambda fmt, *a: "20260101-000000")  # two runs in the same second
+    argv = ["sim", "compare", "--policies", "round_robin,random", "--limit", "5", "--no-plots", "--quiet"]
+    lines = []
+    for _ in range(3):
+        assert main(argv) == 0
+        lines.append(capsys.readouterr().out.strip().splitlines()[-1])
+    base = "results/dsv3-pd-h200-20260101-000000"
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
+        "dsv3-pd-h200-20260101-000000", "dsv3-pd-h200-20260101-000000-2", "dsv3-pd-h200-20260101-000000-3"]
+    # files: summary.json, requests_round_robin.csv, requests_random.csv, summary.md -> "3 more"
+    assert lines == [f"results: {d}/ (summary.json, 3 more)" for d in (base, base + "-2", base + "-3")]
+    for d in (base, base + "-2", base + "-3"):
+        assert len(list((tmp_path / d).iterdir())) == 4
+
+
+def test_explicit_out_is_reused(tmp_path: Path, capsys) -> None:
+    argv = ["sim", "run", "--policy", "round_robin", "--limit", "5", "--no-plots", "--quiet", "--out", str(tmp_path)]
+    assert main(argv) == 0 and main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requests_round_robin.csv", "summary.json", "summary.md"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"results: {tmp_path}/ (summary.json, 2 more)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,9 @@ HOUR_S = 3600.0
 DAY_S = 86400.0
 DEFAULT_TTL_HOURS = "6,12,24,48,72,120,168"
 DEEPSEEK_CLASS_TTL_HOURS = "agent=72,chatbot=168"
+#: SessionWorkloadConfig field -> the flag that sets it (error messages name the flag)
+_FIELD_FLAGS = {"sessions_per_hour": "--sessions-per-hour", "agent_fraction": "--agent-fraction",
+                "block_size": "--block-size", "duration_s": "--days", "seed": "--seed"}
 
 
 def _add_workload_args(p: argparse.ArgumentParser, days_default: float) -> None:
@@ -39,7 +43,8 @@ def add_session_parsers(simsub: Any) -> None:
         description="Generate multi-turn chatbot conversations and agent sessions over days (prompts grow turn "
                     "by turn; sessions return after hours or days; agents share long system prompts) and write "
                     "them as Mooncake-style JSONL with session_id and traffic_class. Prints a summary.")
-    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="output .jsonl or .jsonl.gz")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE",
+                   help="output .jsonl or .jsonl.gz (an existing file is overwritten)")
     _add_workload_args(p, 7.0)
     p.set_defaults(session_cmd="sessions")
 
@@ -59,23 +64,58 @@ def add_session_parsers(simsub: Any) -> None:
                    help="store capacities in blocks; 'none' = unbounded (default none)")
     s.add_argument("--class-ttl-hours", default=DEEPSEEK_CLASS_TTL_HOURS, metavar="C=H,...",
                    help=f"also run one per-class TTL setting (default DeepSeek's {DEEPSEEK_CLASS_TTL_HOURS}; '' to skip)")
-    s.add_argument("--out", type=Path, metavar="DIR", help="results folder (default results/store-sweep-<time>)")
+    s.add_argument("--out", type=Path, metavar="DIR",
+                   help="results folder; an existing DIR is reused and its store_sweep.* files overwritten "
+                        "(default results/store-sweep-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended when that exists)")
     s.add_argument("--no-plots", action="store_true", help="skip the PNG")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(session_cmd="store-sweep")
 
 
 def _config(args: argparse.Namespace, days: float):
+    """The SessionWorkloadConfig of ``--config`` with the flags applied.
+
+    Raises:
+        ValueError: one line; a bad value set by a flag names the flag
+            (``"--agent-fraction: Input should be less than or equal to 1"``), one from
+            ``--config`` names the file and field, as :func:`balancer.validation.format_validation_error`.
+    """
+    from pydantic import ValidationError
+
     from sim.workload.sessions import SessionWorkloadConfig, load_session_config
 
     base = load_session_config(args.config) if args.config else SessionWorkloadConfig()
     upd: dict[str, Any] = {"duration_s": days * DAY_S, "seed": args.seed}
-    for flag, field in (("sessions_per_hour", "sessions_per_hour"), ("agent_fraction", "agent_fraction"),
-                        ("block_size", "block_size")):
-        v = getattr(args, flag)
+    for field in ("sessions_per_hour", "agent_fraction", "block_size"):
+        v = getattr(args, field)
         if v is not None:
             upd[field] = v
-    return SessionWorkloadConfig.model_validate(base.model_dump() | upd)
+    try:
+        return SessionWorkloadConfig.model_validate(base.model_dump() | upd)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            loc = tuple(err.get("loc", ()))
+            field = str(loc[0]) if loc else ""
+            msg = err.get("msg", "invalid").removeprefix("Value error, ")
+            if field in upd and field in _FIELD_FLAGS:
+                parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
+            else:  # a field of --config (already checked alone) or a check across fields
+                where = ".".join(str(x) for x in loc)
+                text = f"{where}: {msg}" if where else msg
+                parts.append(f"{args.config}: {text}" if args.config and field not in upd else text)
+        raise ValueError("; ".join(parts)) from None
+
+
+def _check_out_file(path: Path) -> None:
+    """Fail before any work if ``--out`` cannot be written as a file (one line naming ``--out``)."""
+    if path.is_dir():
+        raise ValueError(f"--out {path}: is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {path}: folder {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise ValueError(f"--out {path}: not writable")
 
 
 def run_session_command(args: argparse.Namespace, console: Console) -> int:
@@ -101,6 +141,7 @@ def _summary_table(summary: dict[str, dict[str, float]], title: str) -> Table:
 def _run_sessions(args: argparse.Namespace, console: Console) -> int:
     from sim.workload import session_workload, workload_summary, write_mooncake
 
+    _check_out_file(args.out)
     cfg = _config(args, args.days)
     t0 = time.perf_counter()
     with console.status(f"generating {args.days:g} days of sessions..."):
@@ -228,8 +269,13 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
             rows.append((cap, label, res1))
 
     classes = ["all"] + sorted({c for _, _, r in rows for c in r if c != "all"})
-    out = args.out or Path("results") / f"store-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    if args.out is not None:
+        out = args.out
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        from sim.cli import unique_results_dir
+
+        out = unique_results_dir(Path("results") / f"store-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(out / "store_sweep.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["capacity_blocks", "ttl_hours"] + [f"hit_rate_{c}" for c in classes]

@@ -43,6 +43,14 @@ DEEPINFER_TOKENS_PER_DAY = 155e12
 DEEPINFER_DECODE_BATCH_PER_RANK = 60
 
 
+def _check_positive(**values: float) -> None:
+    """Raise ValueError ``"<name> must be a finite number > 0, got <v>"`` for the first value that
+    is not (a zero target or speed would divide by zero below)."""
+    for name, v in values.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+
 # ---------------------------------------------------------------------------- the target analysis
 @dataclass(frozen=True)
 class TargetRow:
@@ -90,6 +98,8 @@ def target_table(scenario: Scenario, sheets: Iterable[PriceSheet], hit_rates: It
     pp, dp = scenario.prefill, scenario.decode
     if pp is None or dp is None:
         raise ValueError(f"scenario {scenario.name!r} is aggregated; the target analysis needs prefill and decode pools")
+    _check_positive(target_usd_per_gpu_hour=target_usd_per_gpu_hour, tokens_per_s_per_seq=tokens_per_s_per_seq,
+                    output_tokens=output_tokens)
     pperf, dperf = perf_factory(scenario, pp), perf_factory(scenario, dp)
     kv_cap = dp.kv_capacity_tokens or dperf.kv_capacity_tokens_per_rank
     n, n_dr = scenario.num_gpus, dp.num_ranks
@@ -164,6 +174,8 @@ def operating_point_table(scenario: Scenario, sheets: Iterable[PriceSheet], hit_
     pp, dp = scenario.prefill, scenario.decode
     if pp is None or dp is None:
         raise ValueError(f"scenario {scenario.name!r} is aggregated; needs prefill and decode pools")
+    _check_positive(target_usd_per_gpu_hour=target_usd_per_gpu_hour, tokens_per_s_per_seq=tokens_per_s_per_seq,
+                    output_tokens=output_tokens, batch_per_rank=batch_per_rank)
     pperf = perf_factory(scenario, pp)
     o_d = batch_per_rank * tokens_per_s_per_seq / dp.gpus_per_rank  # output tokens/s per decode GPU
     out = dp.num_ranks * batch_per_rank * tokens_per_s_per_seq / scenario.num_gpus
@@ -230,4 +242,5 @@ def implied_fleet_gpus(sheet: PriceSheet, *, tokens_per_day: float, hit_rate: fl
                        target_usd_per_gpu_hour: float, period: Period = "valley") -> float:
     """GPUs a fleet serving ``tokens_per_day`` (input + output) would have if it earned exactly
     ``target_usd_per_gpu_hour``: ``tokens_per_day / 1e6 * usd_per_mtok / (target * 24)``."""
+    _check_positive(target_usd_per_gpu_hour=target_usd_per_gpu_hour)
     return tokens_per_day / 1e6 * sheet.usd_per_mtok(hit_rate, input_per_output, period) / (target_usd_per_gpu_hour * 24.0)

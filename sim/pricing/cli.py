@@ -7,6 +7,7 @@ then price the measured throughput; :mod:`sim.pricing.measured`). See docs/prici
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,8 +58,11 @@ def _floats(text: str, what: str) -> list[float]:
 
 
 def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
-    """Register ``pdlb sim price``."""
+    """Register ``pdlb sim price``. Numbers that must be positive are checked while parsing
+    (``argument --flag: must be ...``, exit 2), before any table is printed."""
     import argparse
+
+    from sim.cli import positive_float as pos_float, positive_int as pos_int
 
     p = simsub.add_parser(
         "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",
@@ -79,22 +83,22 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
                         "DeepSeek's H800 basis)")
     p.add_argument("--scenario", default=DEFAULT_SCENARIO, metavar="NAME|FILE",
                    help=f"PD scenario preset or file (default {DEFAULT_SCENARIO})")
-    p.add_argument("--target", type=float, default=DEEPINFER_TARGET_USD_PER_GPU_HOUR, metavar="USD",
+    p.add_argument("--target", type=pos_float, default=DEEPINFER_TARGET_USD_PER_GPU_HOUR, metavar="USD",
                    help=f"target revenue per GPU-hour (default {DEEPINFER_TARGET_USD_PER_GPU_HOUR:g}, DeepInfer)")
     p.add_argument("--hit-rate", default=",".join(f"{h:g}" for h in DEFAULT_HIT_RATES), metavar="H[,...]",
                    help="input cache-hit rates to tabulate (default %(default)s)")
     p.add_argument("--ratio", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), metavar="R[,...]",
                    help="input:output token ratios to tabulate (default %(default)s)")
-    p.add_argument("--output-tokens", type=int, default=1000, metavar="N",
+    p.add_argument("--output-tokens", type=pos_int, default=1000, metavar="N",
                    help="output tokens per request; prompt = ratio x N (default 1000)")
-    p.add_argument("--tok-s-per-seq", type=float, default=DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ, metavar="TPS",
+    p.add_argument("--tok-s-per-seq", type=pos_float, default=DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ, metavar="TPS",
                    help=f"decode tokens/s per sequence (default {DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ:g}, DeepInfer)")
     p.add_argument("--roofline-decode", action="store_true",
                    help="take decode speed from the perf model instead of --tok-s-per-seq (heatmap and steady state)")
-    p.add_argument("--published-batch", type=int, default=DEEPINFER_DECODE_BATCH_PER_RANK, metavar="B",
+    p.add_argument("--published-batch", type=pos_int, default=DEEPINFER_DECODE_BATCH_PER_RANK, metavar="B",
                    help="decode sequences per rank of the operating-point table (default %(default)s, DeepInfer's "
                         "'~60 sequences per rank')")
-    p.add_argument("--decode-batch", type=int, metavar="B",
+    p.add_argument("--decode-batch", type=pos_int, metavar="B",
                    help="decode sequences per rank for the heatmap (default: the scenario's max_decode_batch)")
     p.add_argument("--no-kv-link", action="store_true",
                    help="do not cap prefill by its NIC sending every prompt's KV to decode")
@@ -105,8 +109,8 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
                      help="price the runs of a results summary.json (pdlb sim run/compare)")
     src.add_argument("--simulate", action="store_true", help="simulate --scenario on a trace and price it")
     src.add_argument("--trace", metavar="PATH", help="trace for --simulate (default: the embedded Mooncake trace)")
-    src.add_argument("--limit", type=int, default=2000, metavar="N", help="first N requests for --simulate (default 2000)")
-    src.add_argument("--rate-scale", type=float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate")
+    src.add_argument("--limit", type=pos_int, default=2000, metavar="N", help="first N requests for --simulate (default 2000)")
+    src.add_argument("--rate-scale", type=pos_float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate")
     src.add_argument("--policy", default="cache_aware", help="routing policy for --simulate (default cache_aware)")
     src.add_argument("--seed", type=int, default=0, help="seed for --simulate (default 0)")
     src.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -129,16 +133,23 @@ def run_price(args, console) -> int:  # noqa: ANN001
     ratios = _floats(args.ratio, "--ratio")
     for h in hits:
         _check_fraction("--hit-rate", h)
+    for r in ratios:
+        if not (math.isfinite(r) and r > 0):
+            raise ValueError(f"--ratio: values must be finite and > 0, got {r:g}")
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
-    # read (and check) the summaries before printing anything: a missing file is one error line
+    # read (and check) the summaries and the scenario before printing anything: one error line
     runs = load_summaries(args.from_summary) if args.from_summary is not None else None
+    scenario = load_scenario(args.scenario) if runs is None else None
+    if scenario is not None and not args.simulate and (scenario.prefill is None or scenario.decode is None):
+        raise ValueError(f"--scenario {scenario.name}: the scenario is aggregated; pdlb sim price needs prefill "
+                         "and decode pools (or --simulate)")
     console.print(sheets_table(sheets))
     if runs is not None:
         _price_runs(console, [(f"{r.get('scenario', '?')}/{r.get('policy', i)}",
                                rates_from_summary(r, f"{args.from_summary} run {i}")) for i, r in enumerate(runs)],
                     sheets, args)
         return 0
-    scenario = load_scenario(args.scenario)
+    assert scenario is not None
     if args.simulate:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
