@@ -38,7 +38,7 @@ per-tier columns on :class:`~balancer.candidates.Candidates`. Policies therefore
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,14 +219,13 @@ class Router:
     # ------------------------------------------------------------------ decisions
     def candidates(self, request: Request, pool_name: str, matches: dict[ReplicaId, int] | None = None) -> Candidates:
         """The snapshot a policy sees for ``pool_name`` (``"prefill"`` or ``"decode"``)."""
-        return self._candidates(request, pool_name, None if matches is not None else
+        return self._candidates(request, self._get_pools()[pool_name], None if matches is not None else
                                 self.index.match_depths(request.block_hashes), matches)
 
-    def _candidates(self, request: Request, pool_name: str, depths: np.ndarray | None,
+    def _candidates(self, request: Request, pool: _Pool, depths: np.ndarray | None,
                     matches: dict[ReplicaId, int] | None) -> Candidates:
-        """:meth:`candidates` from the index's per-number match depths (the hot path: vectorised)
-        or from a ``{replica: blocks}`` dict."""
-        pool = self._get_pools()[pool_name]
+        """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
+        vectorised) or from a ``{replica: blocks}`` dict."""
         n = len(pool.replicas)
         if depths is not None:
             nums = self.index.numbers(pool.replicas)
@@ -290,13 +289,36 @@ class Router:
                     store[depth == d] = self.store_index.match_replica(STORE_HOLDER, block_hashes[d:])
         return host, store
 
+    @staticmethod
+    def _without(pool: _Pool, exclude_engines: Collection[str]) -> _Pool:
+        """``pool`` less the replicas whose engine is in ``exclude_engines``, built per call (the
+        cached pools stay as they are); ``pool`` itself when that removes none or all of them."""
+        keep = [k for k, r in enumerate(pool.replicas) if r.engine not in exclude_engines]
+        if not keep or len(keep) == len(pool.replicas):
+            return pool
+        take = np.array(keep, dtype=np.intp)
+        reps = tuple(pool.replicas[k] for k in keep)
+        return _Pool(reps, pool.slots[take], pool.capacity[take], {r: i for i, r in enumerate(reps)}, pool.role)
+
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
         ctx = SelectContext(self.rng, now_s, self._decisions[pool_name])
         self._decisions[pool_name] += 1
         return policy.select(request, cands, ctx)
 
-    def route(self, request: Request, now_s: float) -> Route:
+    def route(self, request: Request, now_s: float, exclude_engines: Collection[str] = ()) -> Route:
         """Pick the replicas for ``request`` and count it on them (dispatch).
+
+        Args:
+            request: the request (``block_hashes`` of ``block_size``-token blocks).
+            now_s: the caller's clock, seconds.
+            exclude_engines: engine names (:attr:`ReplicaId.engine`, the worker URL in the
+                service) to avoid, e.g. the workers that already failed this client request:
+                a retry must not land on the same dead worker again just because its load went
+                back to 0 (``least_load``) or its prefix is cached there (``cache_aware``). In
+                each pool (prefill, decode) the candidates omit the DP ranks of these engines,
+                unless that leaves the pool empty: then the whole pool stays (trying the same
+                worker again beats a 503). Any collection with ``in``; empty (default): the
+                cached pools are used as they are, at no extra cost.
 
         Raises:
             NoReplicaError: no healthy decode (or mixed) replica.
@@ -314,16 +336,20 @@ class Router:
                 self.host_index.expire(now_s)
         if self.store_index is not None and self.store_index.ttl_s is not None:
             self.store_index.expire(now_s)
+        d_pool, p_pool = pools["decode"], pools["prefill"]
+        if exclude_engines:
+            d_pool = self._without(d_pool, exclude_engines)
+            p_pool = self._without(p_pool, exclude_engines)
         depths = self.index.match_depths(request.block_hashes)
-        d_cands = self._candidates(request, "decode", depths, None)
+        d_cands = self._candidates(request, d_pool, depths, None)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
         d_pos = d_cands.replicas.index(d_choice.replica)
         d_matched = int(d_cands.matched_tokens[d_pos])
         prefill: ReplicaId | None = None
         p_choice: Choice | None = None
         p_matched = 0
-        if pools["prefill"].replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
-            p_cands = self._candidates(request, "prefill", depths, None)
+        if p_pool.replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
+            p_cands = self._candidates(request, p_pool, depths, None)
             p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s)
             prefill = p_choice.replica
             p_matched = int(p_cands.matched_tokens[p_cands.replicas.index(prefill)])

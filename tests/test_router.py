@@ -348,3 +348,61 @@ def test_explain_is_json_friendly():
     # hand: kv cost of an empty decode replica = 1*(64/16) + 64/16 = 8 blocks
     assert e["decode_scores"] == {"d/dp0": 8.0, "d/dp1": 8.0}
     assert e["prefill_matched_tokens"] == 0 and e["decode_matched_tokens"] == 0
+
+
+# ---------------------------------------------------------------------------------- retries: exclude_engines
+DA, DA1, DB = rid("http://d-a", 0), rid("http://d-a", 1), rid("http://d-b", 0)
+PA, PB = rid("http://p-a", 0), rid("http://p-b", 0)
+
+
+def _two_engine_router(**kw) -> Router:
+    """Decode engine d-a with 2 DP ranks, d-b with 1; prefill engines p-a, p-b."""
+    r = Router(block_size=BS, **kw)
+    for x in (PA, PB):
+        r.add_replica(x, Role.PREFILL)
+    for x in (DA, DA1, DB):
+        r.add_replica(x, Role.DECODE)
+    return r
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load"])
+def test_exclude_engines_skips_every_dp_rank_of_the_engine(policy):
+    r = _two_engine_router(prefill_policy=policy, decode_policy=policy)
+    cached = r._get_pools()
+    routes = [r.route(rq(f"x{i}", 32, prompt(i, 2)), 0.0, exclude_engines={"http://d-a", "http://p-a"})
+              for i in range(4)]
+    # hand: d-a's two ranks and p-a are out, so each pool has one candidate left
+    assert [x.decode for x in routes] == [DB] * 4 and [x.prefill for x in routes] == [PB] * 4
+    assert r.load.get(DB).num_requests == 4 and r.load.get(DA).num_requests == 0
+    assert r._get_pools() is cached and cached["decode"].replicas == (DA, DA1, DB)  # cache untouched
+    if policy == "least_load":
+        # hand: d-b now holds 4 x 32 KV tokens, d-a's ranks 0: without exclusion d-a wins
+        assert r.route(rq("y", 32, prompt(9, 2)), 0.0).decode in (DA, DA1)
+
+
+def test_exclude_engines_of_a_whole_pool_keeps_the_pool():
+    r = _two_engine_router(prefill_policy="round_robin", decode_policy="least_load")
+    for i in range(3):
+        r.route(rq(f"x{i}", 32, prompt(i, 2)), 0.0, exclude_engines=("http://d-a",))  # loads d-b
+    # every decode engine excluded -> whole pool; hand: least KV load is one of d-a's empty ranks
+    got = r.route(rq("all", 32, prompt(5, 2)), 0.0, exclude_engines=("http://d-a", "http://d-b"))
+    assert got.decode in (DA, DA1)
+    # round robin over the whole prefill pool (decisions 3, 4): p-b, p-a
+    assert got.prefill == PB
+    assert r.route(rq("all2", 32, prompt(6, 2)), 0.0, exclude_engines={"http://p-a", "http://p-b"}).prefill == PA
+    # unknown engine names change nothing
+    assert r.route(rq("unk", 32, prompt(7, 2)), 0.0, exclude_engines={"http://nowhere"}).prefill == PB
+
+
+def test_exclude_engines_keeps_prefix_matches_of_the_remaining_replicas():
+    r = _two_engine_router(prefill_policy="cache_aware", decode_policy="cache_aware")
+    x = prompt(3, 4)  # 4 blocks = 64 tokens
+    first = r.route(rq("a", 64, x), 0.0, exclude_engines={"http://d-a"})
+    assert first.decode == DB
+    # approximate index: d-b now holds x; excluding d-b the match on d-a's ranks is 0
+    second = r.route(rq("b", 64, x), 0.0, exclude_engines={"http://d-b"})
+    assert second.decode in (DA, DA1) and second.decode_matched_tokens == 0
+    # excluding the other engine, d-b's full 64-token hit is seen through the filtered pool
+    third = r.route(rq("c", 64, x), 0.0, exclude_engines={"http://d-a"})
+    assert third.decode == DB and third.decode_matched_tokens == 64
+    assert third.decode_choice.reason == "cache_hit"

@@ -108,6 +108,15 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
      f"worker spec 'http://127.0.0.1:31000,tp=2': unknown option 'tp=2' (syntax: {SPEC_SYNTAX})"),
     (["--prefill", "http://127.0.0.1:31000,dp=2,dp=4"],
      "worker spec 'http://127.0.0.1:31000,dp=2,dp=4': dp given more than once"),
+    # worker URLs are parsed at startup (as the HTTP client would), not on the first request
+    (["--prefill", "http://127.0.0.1:notaport"],
+     "worker spec 'http://127.0.0.1:notaport': port 'notaport' is not an integer 1..65535"),
+    (["--decode", "http://127.0.0.1:70000"],
+     "worker spec 'http://127.0.0.1:70000': port '70000' is not an integer 1..65535"),
+    (["--decode", "http://127.0.0.1:0,dp=2"],
+     "worker spec 'http://127.0.0.1:0,dp=2': port '0' is not an integer 1..65535"),
+    (["--mixed", "http://:8000"],
+     "worker spec 'http://:8000': the URL has no host (e.g. 'http://10.0.0.5:30000')"),
 ])
 def test_serve_config_errors_are_one_line(argv, message, capsys):
     assert _fails(["serve", "--port", "0", *argv], capsys) == f"error: {message}\n"
@@ -174,6 +183,52 @@ def test_serve_without_workers_warns(capsys):
         "warning: no workers: every request gets 503 until workers are added with the admin API (POST /workers) "
         "or given with --prefill/--decode/--mixed",
         f"error: port {port} is already in use on 127.0.0.1 (another pdlb serve or engine still running?)"]
+
+
+def test_config_file_worker_url_with_a_bad_port_is_one_line(tmp_path, capsys):
+    f = tmp_path / "pdlb.yaml"
+    f.write_text("workers:\n  - {url: 'http://127.0.0.1:notaport', role: decode}\n")
+    assert _fails(["serve", "--config", str(f)], capsys) == (
+        f"error: {f}: workers.0.url: worker url 'http://127.0.0.1:notaport': port 'notaport' is not an "
+        "integer 1..65535\n")
+
+
+def _serve_warnings(argv: list[str], capsys) -> list[str]:
+    """stderr lines of ``pdlb serve ARGV`` up to its (forced) busy-port error, which is dropped."""
+    with socket.socket() as busy:  # the warnings come before listening; a busy port ends the run there
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        lines = _fails(["serve", "--port", str(busy.getsockname()[1]), *argv], capsys).splitlines()
+    assert lines[-1].startswith("error: port ")
+    return lines[:-1]
+
+
+BOOTSTRAP_WARNING = (
+    "warning: prefill worker http://127.0.0.1:31000 has no bootstrap port: with pd_protocol sglang its requests "
+    "carry bootstrap_port null and decode engines that need it fail every PD request (502); give the engine's "
+    "--disaggregation-bootstrap-port as http://127.0.0.1:31000,bootstrap=PORT (bootstrap_port: PORT in a config "
+    "file), or bootstrap=none to send null on purpose")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--pd-protocol", "sglang", "--prefill", "http://127.0.0.1:31000", "--decode", "http://127.0.0.1:32000"],
+     [BOOTSTRAP_WARNING]),
+    # bootstrap=none is the documented way to send null: no warning; nor for vLLM (no bootstrap)
+    (["--pd-protocol", "sglang", "--prefill", "http://127.0.0.1:31000,bootstrap=none",
+      "--decode", "http://127.0.0.1:32000"], []),
+    (["--pd-protocol", "vllm", "--prefill", "http://127.0.0.1:31000", "--decode", "http://127.0.0.1:32000"], []),
+    (["--pd-protocol", "sglang", "--prefill", "http://127.0.0.1:31000,bootstrap=31000"],
+     ["warning: pd_protocol sglang with 1 prefill worker(s) but no decode worker: every request gets 503 until "
+      "one is added (--decode URL or POST /workers)"]),
+    (["--pd-protocol", "vllm", "--decode", "http://127.0.0.1:32000", "http://127.0.0.1:32001"],
+     ["warning: pd_protocol vllm with 2 decode worker(s) but no prefill worker: requests go to the decode workers "
+      "alone, which PD decode engines reject; add --prefill URL, or serve aggregated engines with --pd-protocol "
+      "none --mixed URL"]),
+    # mixed (aggregated) engines alone are a valid setup under any protocol
+    (["--pd-protocol", "sglang", "--mixed", "http://127.0.0.1:32000"], []),
+])
+def test_serve_warns_about_pd_setups_that_cannot_work(argv, expected, capsys):
+    assert _serve_warnings(argv, capsys) == expected
 
 
 # ---------------------------------------------------------------------- 5./6. --help

@@ -168,6 +168,61 @@ async def test_retries_on_503_and_breaker_opens():
         assert _load(c) == 0
 
 
+def _metric(text: str, line_prefix: str) -> float:
+    """The value of the Prometheus sample line starting with ``line_prefix`` (0 if absent)."""
+    for ln in text.splitlines():
+        if ln.startswith(line_prefix + " "):
+            return float(ln.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_retries_avoid_the_worker_that_failed(protocol):
+    # a decode worker with nothing listening (a bound, non-listening socket: connection refused),
+    # the breaker off so that only the retry exclusion keeps requests away from it. least_load
+    # breaks the 0-load tie at random, so without exclusion about half of the retries would go
+    # back to the dead worker (fixed seed: several of these 20 requests would need 2+ retries).
+    import socket
+
+    router = {"retry": {"max_retries": 5, "initial_backoff_s": 0.001, "max_backoff_s": 0.002},
+              "circuit_breaker": {"enabled": False}, "decode_policy": {"name": "least_load"}}
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        async with inprocess_cluster(protocol, num_decode=1, engine=FAST, router=router) as c, \
+                aiohttp.ClientSession() as s:
+            r = await s.post(c.url + "/workers", json={"url": dead, "role": "decode"})
+            assert r.status == 201
+            n, failed_before = 20, 0.0
+            for i in range(n):
+                r = await s.post(c.url + "/v1/completions", json={"prompt": f"{i} " * 200, "max_tokens": 2})
+                assert r.status == 200, await r.text()
+                metrics = await (await s.get(c.url + "/metrics")).text()
+                failed = _metric(metrics, f'pdlb_upstream_failures_total{{kind="connect",worker="{dead}"}}')
+                assert failed - failed_before <= 1  # at most one attempt of each request on the dead worker
+                failed_before = failed
+            retries = _metric(metrics, 'pdlb_retries_total{reason="connect"}')
+            assert retries == failed_before >= 1  # every retry followed exactly one dead-worker failure
+            # the healthy decode engine served each request exactly once (no failed attempt on it)
+            assert sum(len(x) for x in await _logs(s, c.decode)) == n
+            assert _load(c) == 0
+
+
+async def test_admin_add_sglang_prefill_without_bootstrap_warns(caplog):
+    async with inprocess_cluster("sglang", engine=FAST) as c, aiohttp.ClientSession() as s:
+        r = await s.post(c.url + "/workers", json={"url": "http://127.0.0.1:31999", "role": "prefill"})
+        assert r.status == 201
+        msg = ("prefill worker http://127.0.0.1:31999 has no bootstrap port: with pd_protocol sglang its requests "
+               "carry bootstrap_port null and decode engines that need it fail every PD request (502); give the "
+               "engine's --disaggregation-bootstrap-port as http://127.0.0.1:31999,bootstrap=PORT (bootstrap_port: "
+               "PORT in a config file), or bootstrap=none to send null on purpose")
+        assert (await r.json())["warnings"] == [msg]
+        assert msg in [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+        r = await s.post(c.url + "/workers", json={"url": "http://127.0.0.1:31998", "role": "prefill",
+                                                   "bootstrap_port": 31998})
+        assert r.status == 201 and "warnings" not in await r.json()
+
+
 async def test_all_workers_failing_gives_503_after_retries():
     router = {"retry": {"max_retries": 2, "initial_backoff_s": 0.001}, "circuit_breaker": {"enabled": False}}
     async with inprocess_cluster("vllm", engine=FAST, router=router) as c, aiohttp.ClientSession() as s:

@@ -15,6 +15,8 @@ Endpoints:
   otherwise); without one only loopback clients may use it (403 otherwise). With several router
   processes (``processes`` > 1) each has its own worker pool, so adding or removing workers is
   refused with 409 (change the config and restart); the list shows the answering process's view.
+  Adding an SGLang prefill worker without ``bootstrap_port`` logs a warning and returns it in the
+  201 body's ``warnings`` (:func:`balancer.service.config.bootstrap_warning`).
 
 Errors are OpenAI-style JSON objects (``{"error": {"message", "type", "code"}}``): invalid JSON or
 missing fields 400, unknown route 404, wrong method 405, body over ``max_body_bytes`` 413, no
@@ -42,7 +44,7 @@ from pydantic import ValidationError
 
 from balancer.policies import make_policy
 from balancer.router import Router
-from balancer.service.config import ServiceConfig, WorkerConfig
+from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import Proxy, error_response
@@ -298,7 +300,11 @@ async def _add_worker(request: web.Request) -> web.Response:
         w = svc.pool.add(wcfg)
     except ValueError as e:
         return error_response(409, str(e), "conflict")
-    return web.json_response(w.describe(), status=201)
+    out = w.describe()
+    if (warning := bootstrap_warning(svc.cfg.pd_protocol, wcfg)) is not None:
+        log.warning("%s", warning.removeprefix("warning: "))
+        out["warnings"] = [warning.removeprefix("warning: ")]
+    return web.json_response(out, status=201)
 
 
 async def _remove_worker(request: web.Request) -> web.Response:

@@ -27,7 +27,8 @@ from aiohttp import web
 
 from balancer.policies import available_policies
 from balancer.service.app import create_app
-from balancer.service.config import WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, parse_worker_spec
+from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
+                                     parse_worker_spec)
 
 
 def listen_error(host: str, port: int, err: OSError) -> str:
@@ -219,6 +220,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if (warning := no_workers_warning(cfg)) is not None:
+        print(warning, file=sys.stderr)
+    for warning in config_warnings(cfg):
         print(warning, file=sys.stderr)
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key: the admin API (/workers) answers loopback clients only", file=sys.stderr)

@@ -13,6 +13,7 @@ import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,6 +22,34 @@ from balancer.policies import available_policies, make_policy
 from balancer.validation import format_validation_error
 
 WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
+
+
+def worker_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a worker's base URL, or ``None`` if it can.
+
+    A worker URL needs the scheme ``http`` or ``https``, a host and, if it names a port, an
+    integer port 1..65535; it is parsed with :class:`yarl.URL`, as the HTTP client will parse it
+    (so that a bad URL fails at startup, not as a 500 on every request).
+    """
+    from yarl import URL  # aiohttp's own URL type
+
+    if not url.startswith(("http://", "https://")):
+        return f"the URL must start with http:// or https:// (e.g. 'http://{url}')"
+    hostport = urlsplit(url).netloc.rpartition("@")[2]
+    port_text = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+    port_text = port_text.partition(":")[2] if ":" in port_text else None
+    if port_text is not None and port_text != "":
+        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            return f"port {port_text!r} is not an integer 1..65535"
+    try:
+        parsed = URL(url)
+    except ValueError as e:
+        if "host is required" in str(e):
+            return "the URL has no host (e.g. 'http://10.0.0.5:30000')"
+        return f"not a valid URL ({e})"
+    if not parsed.host:
+        return "the URL has no host (e.g. 'http://10.0.0.5:30000')"
+    return None
 
 
 class WorkerConfig(BaseModel):
@@ -49,8 +78,8 @@ class WorkerConfig(BaseModel):
     @classmethod
     def _check_url(cls, v: str) -> str:
         v = v.strip().rstrip("/")
-        if not (v.startswith("http://") or v.startswith("https://")):
-            raise ValueError(f"worker url {v!r} must start with http:// or https:// (e.g. 'http://{v}')")
+        if (problem := worker_url_problem(v)) is not None:
+            raise ValueError(f"worker url {v!r}: {problem}")
         return v
 
 
@@ -192,6 +221,43 @@ class ServiceConfig(BaseModel):
         return self
 
 
+def bootstrap_warning(pd_protocol: str, worker: WorkerConfig) -> str | None:
+    """The warning for an SGLang PD prefill worker given without a bootstrap port, else ``None``.
+
+    With ``pd_protocol`` ``sglang`` each request tells the decode engine where to fetch the KV
+    (``bootstrap_host`` and the prefill's ``bootstrap_port``); a prefill worker whose
+    ``bootstrap_port`` was left out sends ``bootstrap_port: null``, which a decode engine that
+    needs the port rejects, so every PD request fails on the decode leg (502). ``bootstrap=none``
+    (``bootstrap_port: null`` in a config file) asks for that null on purpose and is not warned
+    about.
+    """
+    if pd_protocol != "sglang" or worker.role != "prefill" or "bootstrap_port" in worker.model_fields_set:
+        return None
+    return (f"warning: prefill worker {worker.url} has no bootstrap port: with pd_protocol sglang its requests "
+            f"carry bootstrap_port null and decode engines that need it fail every PD request (502); give the "
+            f"engine's --disaggregation-bootstrap-port as {worker.url},bootstrap=PORT (bootstrap_port: PORT in "
+            f"a config file), or bootstrap=none to send null on purpose")
+
+
+def config_warnings(cfg: ServiceConfig) -> list[str]:
+    """Warning lines for a config that starts but cannot serve PD requests as given: SGLang
+    prefill workers without a bootstrap port (:func:`bootstrap_warning`), and a PD protocol with
+    prefill workers but no decode/mixed worker (every request 503) or decode workers but no prefill
+    worker (requests go to PD decode engines alone). No workers at all is warned about elsewhere."""
+    out = [w for w in (bootstrap_warning(cfg.pd_protocol, wc) for wc in cfg.workers) if w is not None]
+    if cfg.pd_protocol == "none" or not cfg.workers:
+        return out
+    n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
+    if n["prefill"] and not (n["decode"] or n["mixed"]):
+        out.append(f"warning: pd_protocol {cfg.pd_protocol} with {n['prefill']} prefill worker(s) but no decode worker: "
+                   f"every request gets 503 until one is added (--decode URL or POST /workers)")
+    elif n["decode"] and not n["prefill"]:
+        out.append(f"warning: pd_protocol {cfg.pd_protocol} with {n['decode']} decode worker(s) but no prefill worker: "
+                   f"requests go to the decode workers alone, which PD decode engines reject; add --prefill URL, "
+                   f"or serve aggregated engines with --pd-protocol none --mixed URL")
+    return out
+
+
 def load_service_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
     """Read a config file (``.yaml``/``.yml``, ``.toml``, ``.json``) and apply ``overrides``
     (top-level keys, e.g. from CLI flags; ``None`` values are ignored).
@@ -247,7 +313,8 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
 
     Raises:
         ValueError: ``"worker spec '<text>': <problem>"`` naming the bad part: a URL without
-            ``http://``/``https://``, an unknown or repeated key, or a value that is not an integer
+            ``http://``/``https://``, without a host or with a port that is not an integer 1..65535
+            (:func:`worker_url_problem`), an unknown or repeated key, or a value that is not an integer
             in range (``dp`` >= 1 DP ranks, ``bootstrap`` a port 1..65535 or ``none``, ``kv`` >= 0
             tokens of KV capacity per DP rank).
     """
@@ -258,8 +325,8 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
     url = parts[0].rstrip("/")
     if not url:
         raise bad(f"no URL (syntax: {WORKER_SPEC_SYNTAX})")
-    if not url.startswith(("http://", "https://")):
-        raise bad(f"the URL must start with http:// or https:// (e.g. 'http://{url}')")
+    if (problem := worker_url_problem(url)) is not None:
+        raise bad(problem)
     out: dict[str, Any] = {"url": url, "role": role}
     for part in parts[1:]:
         k, _, v = part.partition("=")

@@ -14,7 +14,10 @@ Flows (ANCHORS.md, "PD request flows"):
 
 Retries: a failure before any byte reached the client (connect error, a status in
 ``retry.retry_statuses``, an upstream that vanished before its first byte) is retried with
-exponential backoff and jitter on a *new* route (new pair, new room, request id ``<id>-r<k>``).
+exponential backoff and jitter on a *new* route (new pair, new room, request id ``<id>-r<k>``)
+that avoids every worker that failed earlier in the same client request (``Router.route``'s
+``exclude_engines``; a pool whose every worker failed is used whole), so a retry does not pick the
+same dead worker again while its circuit breaker is still closed.
 With ``first_byte_timeout_s`` set, a leg whose response headers (and, for the streamed decode
 leg, first body chunk) do not arrive within that many seconds of sending it is such a failure
 too (kind ``first_byte_timeout``): a wedged engine that accepted the connection is retried
@@ -31,6 +34,7 @@ first byte (streaming) or full answer, ``on_finished`` in a ``finally`` so load 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import logging
@@ -51,6 +55,10 @@ from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
 
 log = logging.getLogger("pdlb.service")
+
+_FAILED_WORKERS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("pdlb_failed_workers", default=None)
+"""URLs of the workers that failed during the current client request (set by :meth:`Proxy.handle`,
+added to by :meth:`Proxy._failed`; legs run in tasks that copy the context, so they share the set)."""
 
 TOKENIZE_IN_THREAD_CHARS = 4096
 """Text prompts at least this long (characters) are tokenised in a worker thread."""
@@ -173,6 +181,7 @@ class Proxy:
         base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._client_ids)}")
         ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0, raw)
         attempt = 0
+        failed_token = _FAILED_WORKERS.set(set())
         try:
             async with asyncio.timeout(cfg.request_timeout_s):
                 while True:
@@ -193,6 +202,8 @@ class Proxy:
             return error_response(504, msg, "timeout")
         except ConnectionResetError:  # the client went away while we were writing
             return ctx.resp if ctx.resp is not None else web.Response(status=499)
+        finally:
+            _FAILED_WORKERS.reset(failed_token)
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based), with jitter."""
@@ -207,7 +218,8 @@ class Proxy:
         self.pool.refresh(now)
         router_id = f"a{next(self._ids)}"
         try:
-            route = self.router.route(Request(router_id, now, n_tokens, hashes, max_output_tokens=max_out), now)
+            route = self.router.route(Request(router_id, now, n_tokens, hashes, max_output_tokens=max_out), now,
+                                      exclude_engines=_FAILED_WORKERS.get() or ())
         except NoReplicaError as e:
             raise Failure(503, f"no healthy worker: {e}", True, "no_worker") from None
         self._record_route(route, n_tokens)
@@ -335,6 +347,11 @@ class Proxy:
 
     # ------------------------------------------------------------------ upstream I/O
     def _failed(self, w: Worker, kind: str) -> None:
+        """Count a failure of ``w`` (metrics, circuit breaker) and keep the current request's
+        retries off it."""
+        failed = _FAILED_WORKERS.get()
+        if failed is not None:
+            failed.add(w.url)
         self.metrics.child(self.metrics.upstream_failures, w.url, kind).inc()
         self.pool.record_result(w, False, time.monotonic())
 
