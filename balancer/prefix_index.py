@@ -1,32 +1,48 @@
-"""Which replica holds which KV blocks: a bounded, chained-block-hash prefix index.
+"""Which replica holds which prompt prefixes: a radix tree of KV block hashes with exact block LRU.
 
-Because a block hash chains its parent's hash (see :mod:`balancer.hashing`), a hash names a whole
-prefix, so no tree is needed: a replica holds the first ``k`` blocks of a prompt iff it holds the
-hashes ``h_0 .. h_{k-1}``. The index keeps
+The router's view of each replica's HBM prefix cache. A prompt is a chain of block hashes
+(:mod:`balancer.hashing`: block ``k``'s hash chains block ``k-1``'s, so a hash names a whole
+prefix). The index stores prompts as paths in a radix tree whose edges are *runs* of blocks
+(``_Node.blocks``): a run splits only where two prompts diverge or one ends, so a 64-block prompt
+that shares a 32-block system prompt with earlier ones is two nodes, not 64 entries. Each node
+keeps
 
-- ``holders[h]``: the replicas believed to hold block ``h``, as a bit set (a Python ``int`` with
-  bit ``b`` set for the replica numbered ``b``), so a prefix match is one ``&`` per prompt block
-  whatever the number of replicas, and a held block costs an ``int`` rather than a ``set``;
-- per replica, an LRU order of its blocks (``OrderedDict``: oldest first) with the time each
-  block was last inserted or touched (kept up to date only when a TTL is set), bounded by ``capacity_blocks`` per replica, with optional
-  TTL expiry (Dynamo's approximate mode keeps routing decisions for 120 s).
+- ``holders``: the replicas holding all of its blocks, as a bit set (a Python ``int`` with bit
+  ``b`` set for the replica numbered ``b``), so a prefix match is one ``&`` per *node* on the
+  prompt's path, whatever the number of replicas;
+- one LRU entry per holder, linked into that replica's LRU list (oldest first) with the time the
+  replica last inserted or touched it.
 
-On insert the blocks are touched deepest-first, so a prompt's root block is the most recently
-used and LRU eviction takes leaves before the prefixes they hang from (as vLLM frees the tail
-blocks of a sequence first). Evicted hashes are returned to the caller.
+Semantics are those of a per-replica, per-block LRU (and what :class:`balancer.block_index.BlockIndex`
+does block by block; the tests check both against one list model): inserting a prompt touches
+its blocks deepest-first, so the root block ends most recently used and eviction takes leaves
+before the prefixes they hang from (vLLM frees a sequence's tail blocks first); a replica holds at
+most ``capacity_blocks`` blocks, the least recently used beyond that are evicted and returned,
+oldest first; with a TTL, blocks not touched for ``ttl_s`` are dropped by :meth:`expire`. A run's
+blocks are always touched together, so they stay adjacent in each holder's LRU order; when an
+eviction, a removal or a diverging prompt needs part of a run, the node splits in two and both
+pieces keep their exact places in every holder's order; pieces whose holders and places agree
+again are merged back.
 
-Cost: ``match`` is O(prompt blocks + matching replicas); ``insert`` is O(prompt blocks + evicted
-blocks). Memory is O(sum over replicas of held blocks) <= ``capacity_blocks x replicas``; about
-230 bytes per held block (``bench/route_latency.py`` measures it).
+Cost per decision: ``match_depths``/``match`` O(nodes on the prompt's path + depth changes);
+``insert`` O(nodes on the path + evicted nodes) plus O(new blocks) and O(evicted blocks) in C-level
+dict bulk updates (the block -> node map), plus O(holders) for a split of a shared node. Memory:
+one map entry per distinct held block and one node (with its holders' entries) per run.
 
-Sources: Dynamo KV router radix tree of block hashes (ANCHORS.md), llm-d approximate
-block-hash LRU index, vLLM automatic prefix caching.
+Inserted block lists must be a prompt's leading blocks (from block 0), as routed prompts and
+engines' ``BlockStored`` events are; an insert whose first new block is already indexed at
+another place (a list that did not start at block 0) raises ``ValueError``. Blocks from arbitrary positions (lower KV tiers) go to
+:class:`balancer.block_index.BlockIndex`.
+
+Sources: SGLang's cache-aware router (an approximate radix tree per worker, LRU leaf eviction),
+Dynamo's KV router radix tree of block hashes (ANCHORS.md), vLLM automatic prefix caching.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -39,8 +55,58 @@ def _bit_numbers(mask: int, nbytes: int, size: int) -> np.ndarray:
     return np.unpackbits(raw, bitorder="little")[:size].astype(bool)
 
 
+class _Entry:
+    """A node's place in one replica's LRU list (doubly linked; the list's sentinel has node None)."""
+
+    __slots__ = ("node", "time", "prev", "next")
+
+    def __init__(self, node: _Node | None, time: float) -> None:
+        self.node = node
+        self.time = time
+        self.prev: _Entry = self
+        self.next: _Entry = self
+
+
+class _Node:
+    """A run of blocks: ``blocks`` (hashes, in prompt order) hangs from ``parent``'s last block."""
+
+    __slots__ = ("blocks", "parent", "children", "holders", "entries")
+
+    def __init__(self, blocks: tuple[int, ...], parent: _Node | None) -> None:
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[int, _Node] = {}  # first block hash of a child -> child
+        self.holders = 0  # bit set of the replicas holding every block of the run
+        self.entries: dict[int, _Entry] = {}  # replica number -> its LRU entry for this node
+
+
+class _Replica:
+    """Per-replica state: its number (bit), LRU list sentinel and held block count."""
+
+    __slots__ = ("num", "bit", "head", "blocks")
+
+    def __init__(self, num: int) -> None:
+        self.num = num
+        self.bit = 1 << num
+        self.head = _Entry(None, 0.0)  # head.next: least recently used; head.prev: most
+        self.blocks = 0
+
+
+def _link_after(ref: _Entry, e: _Entry) -> None:
+    nxt = ref.next
+    e.prev = ref
+    e.next = nxt
+    nxt.prev = e
+    ref.next = e
+
+
+def _unlink(e: _Entry) -> None:
+    e.prev.next = e.next
+    e.next.prev = e.prev
+
+
 class PrefixIndex:
-    """Bounded per-replica index of cached KV blocks, keyed by chained block hashes.
+    """Bounded per-replica index of cached prompt prefixes (see the module docstring).
 
     Args:
         capacity_blocks: most blocks remembered per replica (LRU beyond that); ``None`` means
@@ -52,8 +118,8 @@ class PrefixIndex:
         ValueError: on a non-positive capacity or TTL.
     """
 
-    __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru", "_bit", "_replica_of_bit", "_free_bits",
-                 "_version", "_numbers_cache")
+    __slots__ = ("capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
+                 "_version", "_numbers_cache", "_unique")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 1:
@@ -62,32 +128,55 @@ class PrefixIndex:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self.capacity_blocks = capacity_blocks
         self.ttl_s = ttl_s
-        self._holders: dict[int, int] = {}  # block hash -> bit set of holder numbers
-        self._lru: dict[ReplicaId, OrderedDict[int, float]] = {}
-        self._bit: dict[ReplicaId, int] = {}  # replica -> 1 << its number
-        self._replica_of_bit: dict[int, ReplicaId] = {}  # number -> replica
-        self._free_bits: list[int] = []  # numbers released by clear(), reused first
+        self._root = _Node((), None)
+        self._node_of: dict[int, _Node] = {}  # block hash -> the node whose run holds it
+        self._state: dict[ReplicaId, _Replica] = {}
+        self._replica_of_num: dict[int, ReplicaId] = {}
+        self._free_nums: list[int] = []  # numbers released by clear(), reused first
         self._version = 0  # bumped whenever a number is assigned or released
         self._numbers_cache: dict[int, tuple[tuple[ReplicaId, ...], int, np.ndarray]] = {}
+        self._unique = 0  # blocks of nodes with at least one holder
 
-    def _bit_of(self, replica: ReplicaId) -> int:
-        bit = self._bit.get(replica)
-        if bit is None:
-            num = self._free_bits.pop() if self._free_bits else len(self._bit)
-            bit = self._bit[replica] = 1 << num
-            self._replica_of_bit[num] = replica
+    # ------------------------------------------------------------------ numbering
+    def _state_of(self, replica: ReplicaId) -> _Replica:
+        rs = self._state.get(replica)
+        if rs is None:
+            num = self._free_nums.pop() if self._free_nums else len(self._state)
+            rs = self._state[replica] = _Replica(num)
+            self._replica_of_num[num] = replica
             self._version += 1
-        return bit
+        return rs
 
     def _replicas_in(self, mask: int) -> list[ReplicaId]:
         """The replicas whose bits are set in ``mask``, lowest number first."""
         out = []
-        of = self._replica_of_bit
+        of = self._replica_of_num
         while mask:
             low = mask & -mask
             out.append(of[low.bit_length() - 1])
             mask ^= low
         return out
+
+    def _size(self) -> int:
+        return len(self._state) + len(self._free_nums)
+
+    # ------------------------------------------------------------------ the walk
+    @staticmethod
+    def _common(run: tuple[int, ...], hs: Sequence[int], pos: int) -> int:
+        """Leading blocks of ``run`` equal to ``hs[pos:]``: >= 1 when called (the child was found by
+        its first block). Full runs are one C-level tuple compare; a partial run costs a binary
+        search over prefix compares (prefix equality is monotone in the length)."""
+        n = len(run)
+        if len(hs) - pos >= n and tuple(hs[pos:pos + n]) == run:
+            return n
+        lo, hi = 1, min(n, len(hs) - pos)  # run[:lo] matches; run[:hi + 1] does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tuple(hs[pos:pos + mid]) == run[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # ------------------------------------------------------------------ queries (read-only)
     def match(self, block_hashes: Sequence[int], replicas: Iterable[ReplicaId] | None = None) -> dict[ReplicaId, int]:
@@ -96,60 +185,62 @@ class PrefixIndex:
         Returns ``{replica: matched_blocks}`` for every replica with at least one matched block
         (restricted to ``replicas`` when given). Never exceeds ``len(block_hashes)``.
         """
-        if not block_hashes:
-            return {}
-        holders = self._holders
-        active = holders.get(block_hashes[0], 0)
-        if replicas is not None and active:
+        allowed = -1
+        if replicas is not None:
             allowed = 0
             for r in replicas:
-                allowed |= self._bit.get(r, 0)
-            active &= allowed
-        if not active:
-            return {}
+                rs = self._state.get(r)
+                if rs is not None:
+                    allowed |= rs.bit
         result: dict[ReplicaId, int] = {}
-        depth = 1
-        for h in block_hashes[1:]:
-            still = active & holders.get(h, 0)
-            if still != active:
-                for r in self._replicas_in(active ^ still):
-                    result[r] = depth
-                active = still
-                if not active:
-                    return result
-            depth += 1
-        for r in self._replicas_in(active):
-            result[r] = depth
+        for mask, depth in self._depth_changes(block_hashes, allowed):
+            for r in self._replicas_in(mask):
+                result[r] = depth
         return result
+
+    def _depth_changes(self, hs: Sequence[int], active: int = -1) -> list[tuple[int, int]]:
+        """``[(bit set, depth)]``: the replicas (within ``active``) whose match ends at ``depth``
+        blocks, for every depth where some match ends (depth >= 1)."""
+        out: list[tuple[int, int]] = []
+        node = self._root
+        pos = 0
+        n = len(hs)
+        first = True
+        while pos < n:
+            child = node.children.get(hs[pos])
+            if child is None:
+                break
+            still = active & child.holders
+            if still != active and not first:
+                out.append((active ^ still, pos))
+            first = False
+            active = still
+            if not active:
+                return out
+            k = self._common(child.blocks, hs, pos)
+            pos += k
+            if k < len(child.blocks):
+                break
+            node = child
+        if pos and active and not first:
+            out.append((active, pos))
+        return out
 
     def match_depths(self, block_hashes: Sequence[int]) -> np.ndarray:
         """Leading blocks of ``block_hashes`` held by every numbered replica, as one array.
 
         Returns shape ``(number of replica numbers,)``, int64, indexed by replica number (see
-        :meth:`numbers`); 0 for replicas holding nothing of the prompt. The same walk as
-        :meth:`match`, but replicas that stop matching are marked with one vectorised write per
-        depth at which any stop, so the cost is O(prompt blocks + depth changes), not
-        O(matching replicas) Python work (with a shared system prompt every replica matches).
+        :meth:`numbers`); 0 for replicas holding nothing of the prompt. Replicas whose match ends
+        at the same node are written with one vectorised store, so the cost is O(nodes on the
+        path + depth changes), not O(matching replicas) Python work.
         """
-        size = len(self._bit) + len(self._free_bits)
+        size = self._size()
         out = np.zeros(size, dtype=np.int64)
         if not block_hashes or not size:
             return out
-        holders = self._holders
-        active = holders.get(block_hashes[0], 0)
-        if not active:
-            return out
         nbytes = (size + 7) // 8
-        depth = 1
-        for h in block_hashes[1:]:
-            still = active & holders.get(h, 0)
-            if still != active:
-                out[_bit_numbers(active ^ still, nbytes, size)] = depth
-                active = still
-                if not active:
-                    return out
-            depth += 1
-        out[_bit_numbers(active, nbytes, size)] = depth
+        for mask, depth in self._depth_changes(block_hashes):
+            out[_bit_numbers(mask, nbytes, size)] = depth
         return out
 
     def numbers(self, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
@@ -161,9 +252,8 @@ class PrefixIndex:
         hit = self._numbers_cache.get(id(replicas))
         if hit is not None and hit[0] is replicas and hit[1] == self._version:
             return hit[2]
-        bit = self._bit
-        arr = np.fromiter(((bit[r].bit_length() - 1) if r in bit else -1 for r in replicas),
-                          dtype=np.int64, count=len(replicas))
+        state = self._state
+        arr = np.fromiter((state[r].num if r in state else -1 for r in replicas), dtype=np.int64, count=len(replicas))
         if len(self._numbers_cache) >= 16:
             self._numbers_cache.clear()
         self._numbers_cache[id(replicas)] = (replicas, self._version, arr)
@@ -171,39 +261,52 @@ class PrefixIndex:
 
     def match_replica(self, replica: ReplicaId, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` held by one replica."""
-        lru = self._lru.get(replica)
-        if not lru:
+        rs = self._state.get(replica)
+        if rs is None:
             return 0
-        n = 0
-        for h in block_hashes:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        changes = self._depth_changes(block_hashes, rs.bit)
+        return changes[0][1] if changes else 0
 
     def num_blocks(self, replica: ReplicaId | None = None) -> int:
         """Blocks held by ``replica``, or by all replicas together (counted per replica)."""
         if replica is not None:
-            lru = self._lru.get(replica)
-            return len(lru) if lru else 0
-        return sum(len(lru) for lru in self._lru.values())
+            rs = self._state.get(replica)
+            return rs.blocks if rs is not None else 0
+        return sum(rs.blocks for rs in self._state.values())
 
     def num_unique_blocks(self) -> int:
         """Distinct block hashes held anywhere."""
-        return len(self._holders)
+        return self._unique
+
+    def num_nodes(self) -> int:
+        """Runs (tree nodes) in the index, held or kept as the parent of held runs."""
+        count, stack = 0, [self._root]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count - 1
 
     def replicas(self) -> list[ReplicaId]:
         """Replicas that hold at least one block."""
-        return [r for r, lru in self._lru.items() if lru]
+        return [r for r, rs in self._state.items() if rs.blocks]
 
     def holds(self, replica: ReplicaId, block_hash: int) -> bool:
-        lru = self._lru.get(replica)
-        return lru is not None and block_hash in lru
+        rs = self._state.get(replica)
+        node = self._node_of.get(block_hash)
+        return rs is not None and node is not None and bool(node.holders & rs.bit)
 
     def lru_order(self, replica: ReplicaId) -> list[int]:
         """The replica's blocks from least to most recently used (for tests and debugging)."""
-        lru = self._lru.get(replica)
-        return list(lru) if lru else []
+        rs = self._state.get(replica)
+        out: list[int] = []
+        if rs is None:
+            return out
+        e = rs.head.next
+        while e is not rs.head:
+            out.extend(reversed(e.node.blocks))
+            e = e.next
+        return out
 
     # ------------------------------------------------------------------ updates (hooks only)
     def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0) -> list[int]:
@@ -212,100 +315,185 @@ class PrefixIndex:
         Touches the blocks deepest-first (the root ends most recently used), then evicts least
         recently used blocks beyond ``capacity_blocks``. Returns the evicted hashes, oldest first.
         If the prompt alone exceeds the capacity, only its first ``capacity_blocks`` blocks are kept.
+
+        Raises:
+            ValueError: a block of the prompt's new part is already in the tree at another
+                place (the list does not start at a prompt's first block, or hashes are not
+                chained).
         """
-        lru = self._lru.get(replica)
-        if lru is None:
-            lru = self._lru[replica] = OrderedDict()
-        holders = self._holders
-        bit = self._bit_of(replica)
+        rs = self._state_of(replica)
         cap = self.capacity_blocks
-        blocks = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
-        move_to_end = lru.move_to_end
-        if self.ttl_s is None:  # times are only read by expire(): a held block just moves
-            for h in reversed(blocks):
-                if h in lru:
-                    move_to_end(h)
-                else:
-                    lru[h] = now_s
-                    holders[h] = holders.get(h, 0) | bit
-        else:
-            for h in reversed(blocks):
-                if h in lru:
-                    move_to_end(h)
-                    lru[h] = now_s
-                else:
-                    lru[h] = now_s
-                    holders[h] = holders.get(h, 0) | bit
-        if cap is None or len(lru) <= cap:
+        hs = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
+        n = len(hs)
+        if not n:
+            return []
+        path: list[_Node] = []
+        node = self._root
+        pos = 0
+        node_of = self._node_of
+        while pos < n:
+            child = node.children.get(hs[pos])
+            if child is None:
+                run = tuple(hs[pos:])
+                if run[0] in node_of:  # then the list did not start at block 0 (chained hashes: the
+                    # first block of a new run is new, and so is every block after it)
+                    raise ValueError("block hashes must be a prompt's leading blocks, chained from block 0: "
+                                     f"block {pos} is new under its parent here but already indexed elsewhere")
+                child = _Node(run, node)
+                node.children[run[0]] = child
+                node_of.update(zip(run, repeat(child)))
+                path.append(child)
+                break
+            k = self._common(child.blocks, hs, pos)
+            if k < len(child.blocks):
+                child = self._split(child, k)  # the prompt diverges or ends inside the run
+            path.append(child)
+            pos += k
+            node = child
+        num, bit, head = rs.num, rs.bit, rs.head
+        for node in reversed(path):  # deepest first: each lands most recently used
+            e = node.entries.get(num)
+            if e is None:
+                e = node.entries[num] = _Entry(node, now_s)
+                if not node.holders:
+                    self._unique += len(node.blocks)
+                node.holders |= bit
+                rs.blocks += len(node.blocks)
+            else:
+                _unlink(e)
+                e.time = now_s
+            _link_after(head.prev, e)
+        for k in range(len(path) - 1):  # a touch may have made a split run whole again
+            if len(path[k].children) == 1:
+                self._try_merge(path[k])
+        if cap is None or rs.blocks <= cap:
             return []
         evicted: list[int] = []
-        keep = ~bit
-        popitem = lru.popitem
-        while len(lru) > cap:
-            h = popitem(last=False)[0]
-            mask = holders[h] & keep
-            if mask:
-                holders[h] = mask
-            else:
-                del holders[h]
-            evicted.append(h)
+        while rs.blocks > cap:
+            node = head.next.node
+            excess = rs.blocks - cap
+            if len(node.blocks) > excess:
+                self._split(node, len(node.blocks) - excess)  # node keeps the deepest `excess` blocks
+            evicted.extend(reversed(node.blocks))
+            self._drop(rs, node)
         return evicted
 
     def remove(self, replica: ReplicaId, block_hashes: Iterable[int]) -> int:
         """Forget blocks on one replica (e.g. a ``BlockRemoved`` KV event). Returns how many were held."""
-        lru = self._lru.get(replica)
-        if not lru:
+        rs = self._state.get(replica)
+        if rs is None or not rs.blocks:
             return 0
-        bit = self._bit[replica]
         n = 0
+        node_of = self._node_of
         for h in block_hashes:
-            if lru.pop(h, None) is not None:
-                self._drop_holder(h, bit)
-                n += 1
+            node = node_of.get(h)
+            if node is None or not node.holders & rs.bit:
+                continue
+            i = node.blocks.index(h)
+            if i:
+                self._split(node, i)  # node keeps h onwards
+            if len(node.blocks) > 1:
+                node = self._split(node, 1)  # the one-block piece with h
+            self._drop(rs, node)
+            n += 1
         return n
 
     def clear(self, replica: ReplicaId) -> int:
         """Forget every block of one replica (``AllBlocksCleared`` event, or replica removed)."""
-        lru = self._lru.pop(replica, None)
-        bit = self._bit.pop(replica, None)
-        if bit is not None:
-            num = bit.bit_length() - 1
-            del self._replica_of_bit[num]
-            self._free_bits.append(num)
-            self._version += 1
-        if not lru:
+        rs = self._state.pop(replica, None)
+        if rs is None:
             return 0
-        assert bit is not None
-        for h in lru:
-            self._drop_holder(h, bit)
-        return len(lru)
+        n = rs.blocks
+        e = rs.head.next
+        while e is not rs.head:
+            nxt = e.next
+            self._drop(rs, e.node)
+            e = nxt
+        del self._replica_of_num[rs.num]
+        self._free_nums.append(rs.num)
+        self._version += 1
+        return n
 
     def expire(self, now_s: float) -> int:
         """Drop blocks last touched more than ``ttl_s`` before ``now_s``; returns how many.
 
         A block touched at ``t`` survives while ``now_s - t <= ttl_s`` and is dropped once
-        ``now_s - t > ttl_s``. Cost O(replicas + expired blocks): LRU order is time order.
+        ``now_s - t > ttl_s``. Cost O(replicas + expired nodes): LRU order is time order.
         """
         if self.ttl_s is None:
             return 0
         ttl = self.ttl_s
         n = 0
-        for replica, lru in self._lru.items():
-            bit = self._bit[replica]
-            while lru:
-                h, t = next(iter(lru.items()))
-                if now_s - t <= ttl:  # the documented rule, exact in floats (not t >= now - ttl)
+        for rs in list(self._state.values()):
+            head = rs.head
+            while head.next is not head:
+                e = head.next
+                if now_s - e.time <= ttl:  # the documented rule, exact in floats (not t >= now - ttl)
                     break
-                lru.popitem(last=False)
-                self._drop_holder(h, bit)
-                n += 1
+                n += len(e.node.blocks)
+                self._drop(rs, e.node)
         return n
 
-    def _drop_holder(self, h: int, bit: int) -> None:
-        mask = self._holders.get(h)
-        if mask is not None:
-            mask &= ~bit
-            if mask:
-                self._holders[h] = mask
-            else:
-                del self._holders[h]
+    # ------------------------------------------------------------------ tree surgery
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut ``node``'s run after its first ``k`` blocks (0 < k < len). ``node`` keeps the deeper
+        part (and its children); the returned new node holds the first ``k`` blocks. Every holder
+        gets an entry for the new node right after its entry for ``node`` (the shallower part of a
+        run is touched after the deeper one), so each holder's block LRU order is unchanged."""
+        head, tail = node.blocks[:k], node.blocks[k:]
+        parent = node.parent
+        top = _Node(head, parent)
+        parent.children[head[0]] = top
+        top.children[tail[0]] = node
+        top.holders = node.holders
+        node.parent = top
+        node.blocks = tail
+        self._node_of.update(zip(head, repeat(top)))
+        entries = top.entries
+        for num, e in node.entries.items():
+            te = entries[num] = _Entry(top, e.time)
+            _link_after(e, te)
+        return top
+
+    def _try_merge(self, top: _Node) -> None:
+        """Merge ``top`` with its only child when no holder can tell them apart: same holders,
+        and in each holder's LRU the child's entry directly before ``top``'s with the same time."""
+        if len(top.children) != 1 or top is self._root:
+            return
+        (node,) = top.children.values()
+        if node.holders != top.holders:
+            return
+        entries = node.entries
+        for num, te in top.entries.items():
+            e = entries[num]
+            if e.next is not te or e.time != te.time:
+                return
+        for te in top.entries.values():
+            _unlink(te)
+        parent = top.parent
+        node.blocks = top.blocks + node.blocks
+        node.parent = parent
+        parent.children[top.blocks[0]] = node
+        self._node_of.update(zip(top.blocks, repeat(node)))
+
+    def _drop(self, rs: _Replica, node: _Node) -> None:
+        """``rs`` no longer holds ``node``; prune runs nobody holds and nothing hangs from, and
+        merge what the drop made indistinguishable."""
+        _unlink(node.entries.pop(rs.num))
+        node.holders &= ~rs.bit
+        rs.blocks -= len(node.blocks)
+        if node.holders:
+            if len(node.children) == 1:
+                self._try_merge(node)
+            if len(node.parent.children) == 1:
+                self._try_merge(node.parent)
+            return
+        self._unique -= len(node.blocks)
+        node_of = self._node_of
+        while node is not self._root and not node.holders and not node.children:
+            parent = node.parent
+            del parent.children[node.blocks[0]]
+            deque(map(node_of.__delitem__, node.blocks), 0)
+            node = parent
+        if len(node.children) == 1:
+            self._try_merge(node)

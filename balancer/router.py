@@ -22,7 +22,8 @@ Prefix index modes: ``"approximate"`` records each routed prompt on its chosen r
 SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does).
 
 Lower KV tiers (optional; off by default, and then nothing below changes any decision): with
-``host_tier=True`` a second :class:`PrefixIndex` records each replica's host-DRAM tier, with
+``host_tier=True`` a :class:`~balancer.block_index.BlockIndex` records each replica's host-DRAM tier (blocks
+arrive from any position of a prompt, so not the prefix tree), with
 ``shared_store=True`` a third one with a single pseudo holder (:data:`STORE_HOLDER`) records the
 cluster-wide store. Events mode feeds them from KV events by ``medium``
 (:func:`balancer.kv_events.tier_of_medium`); approximate mode inserts each routed prompt into the
@@ -47,6 +48,7 @@ from balancer.candidates import Candidates
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadTracker
 from balancer.policies import Policy, SelectContext, make_policy
+from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
 from balancer.types import Choice, ReplicaId, Request, Role, Route
 
@@ -150,9 +152,9 @@ class Router:
             weights[k] = float(w)
         self.tier_weights = weights
         #: host-DRAM tier view per replica, or None
-        self.host_index = PrefixIndex(host_index_capacity_blocks, index_ttl_s) if host_tier else None
+        self.host_index = BlockIndex(host_index_capacity_blocks, index_ttl_s) if host_tier else None
         #: shared-store view (one holder, STORE_HOLDER), or None
-        self.store_index = PrefixIndex(store_index_capacity_blocks, store_ttl_s) if shared_store else None
+        self.store_index = BlockIndex(store_index_capacity_blocks, store_ttl_s) if shared_store else None
         self.load = LoadTracker()
         self.rng = random.Random(seed)
         self._replicas: dict[ReplicaId, ReplicaInfo] = {}

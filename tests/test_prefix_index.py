@@ -1,5 +1,7 @@
-"""PrefixIndex: hand-worked LRU orders, exact TTL boundaries, and Hypothesis properties checked
-against an independent list-based reference model (``RefIndex`` below)."""
+"""PrefixIndex (radix tree) and BlockIndex (flat): hand-worked LRU orders, exact TTL boundaries,
+and Hypothesis properties checked against an independent list-based reference model
+(``RefIndex`` below). Both indexes must give the same answers on prompts inserted whole; the
+tree's own structure (runs splitting and merging) is tested at the end."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
 from balancer_factories import blocks, rid
 
 R0, R1, R2 = rid("r", 0), rid("r", 1), rid("r", 2)
 REPLICAS = [R0, R1, R2]
+INDEXES = [PrefixIndex, BlockIndex]
+both = pytest.mark.parametrize("Index", INDEXES)
 
 
 class RefIndex:
@@ -67,10 +72,11 @@ class RefIndex:
 
 
 # ---------------------------------------------------------------------------------- hand cases
-def test_deepest_first_touch_and_lru_eviction_by_hand():
+@both
+def test_deepest_first_touch_and_lru_eviction_by_hand(Index):
     a, b, c = blocks([1, 2, 3])  # prompt X = [a, b, c]
     _, d = blocks([1, 4])  # prompt Y = [a, d] shares root a
-    idx = PrefixIndex(capacity_blocks=3)
+    idx = Index(capacity_blocks=3)
     assert idx.insert(R0, [a, b, c], 0.0) == []
     # hand: touched c, b, a -> LRU (oldest first) c, b, a: root most recent
     assert idx.lru_order(R0) == [c, b, a]
@@ -85,9 +91,10 @@ def test_deepest_first_touch_and_lru_eviction_by_hand():
     assert idx.lru_order(R0) == [c, b, a]
 
 
-def test_prompt_longer_than_capacity_keeps_its_first_blocks():
+@both
+def test_prompt_longer_than_capacity_keeps_its_first_blocks(Index):
     hs = blocks(range(6))
-    idx = PrefixIndex(capacity_blocks=4)
+    idx = Index(capacity_blocks=4)
     old = blocks([9])
     idx.insert(R0, old, 0.0)
     # hand: keeps hs[:4], touched deepest-first -> [h3, h2, h1, h0]; the old block is evicted
@@ -96,9 +103,10 @@ def test_prompt_longer_than_capacity_keeps_its_first_blocks():
     assert idx.match(hs) == {R0: 4}
 
 
-def test_match_multiple_replicas_and_restriction():
+@both
+def test_match_multiple_replicas_and_restriction(Index):
     hs = blocks([1, 2, 3, 4])
-    idx = PrefixIndex()
+    idx = Index()
     idx.insert(R0, hs, 0.0)  # full 4
     idx.insert(R1, hs[:2], 0.0)  # 2
     idx.insert(R2, blocks([7, 8]), 0.0)  # other root: no match
@@ -111,9 +119,10 @@ def test_match_multiple_replicas_and_restriction():
     assert idx.match(blocks([1, 2, 9, 9])) == {R0: 2, R1: 2}
 
 
-def test_remove_and_clear_update_holders():
+@both
+def test_remove_and_clear_update_holders(Index):
     hs = blocks([1, 2, 3, 4])
-    idx = PrefixIndex()
+    idx = Index()
     idx.insert(R0, hs, 0.0)
     idx.insert(R1, hs, 0.0)
     # hand: removing blocks 2,3 on R0 (plus one it never held) -> 2 removed; R0 now matches 2
@@ -132,11 +141,12 @@ def test_remove_and_clear_update_holders():
     assert idx.clear(R2) == 0 and idx.remove(R2, hs) == 0
 
 
-def test_replica_churn_reuses_holder_numbers_and_keeps_matches_apart():
+@both
+def test_replica_churn_reuses_holder_numbers_and_keeps_matches_apart(Index):
     # Holders are bit sets; a cleared replica's number is reused by the next new replica, so the
     # index does not grow with replica churn. The new replica must not inherit the old one's blocks.
     hs = blocks([1, 2, 3])
-    idx = PrefixIndex()
+    idx = Index()
     for k in range(50):  # 50 generations of a replica that comes and goes
         gone = rid("tmp", k)
         idx.insert(gone, hs, 0.0)
@@ -145,13 +155,15 @@ def test_replica_churn_reuses_holder_numbers_and_keeps_matches_apart():
         assert idx.match(hs) == {gone: 3, R0: 1}
         assert idx.clear(gone) == 3
         assert idx.match(hs) == {R0: 1}
-    assert len(idx._bit) == 1 and len(idx._replica_of_bit) == 1  # only R0 is numbered
+    # hand: the first temporary replica took number 0, R0 number 1; every later one reused 0
+    assert idx.numbers((R0,)).tolist() == [1] and len(idx.match_depths(hs)) == 2
 
 
-def test_match_with_many_replicas_beyond_one_machine_word():
+@both
+def test_match_with_many_replicas_beyond_one_machine_word(Index):
     # 200 replicas (bit numbers up to 199): replica i holds the first i % 7 blocks of one prompt.
     hs = blocks(list(range(1, 7)))
-    idx = PrefixIndex()
+    idx = Index()
     reps = [rid("w", i) for i in range(200)]
     for i, r in enumerate(reps):
         if i % 7:
@@ -166,15 +178,16 @@ def test_match_with_many_replicas_beyond_one_machine_word():
     assert idx.match(hs, sub) == {r: i % 7 for i, r in enumerate(reps) if 150 <= i < 160 and i % 7}
 
 
+@both
 @pytest.mark.parametrize("t", [0.0, 5.0, 0.3, 0.1, 1.7, 123.5, 1e6 + 0.3])
-def test_ttl_exact_boundary(t):
+def test_ttl_exact_boundary(Index, t):
     # documented rule: a block touched at t survives while now - t <= ttl, dropped once > ttl.
     # now = t + 10 (rounded as a float); pick cases where (t + 10) - t == 10 exactly in floats.
     ttl = 10.0
     now = t + ttl
     assert now - t == ttl  # precondition: the boundary is exact for this t
     hs = blocks([1, 2])
-    idx = PrefixIndex(ttl_s=ttl)
+    idx = Index(ttl_s=ttl)
     idx.insert(R0, hs, t)
     assert idx.expire(now) == 0
     assert idx.match(hs) == {R0: 2}
@@ -183,21 +196,23 @@ def test_ttl_exact_boundary(t):
     assert idx.match(hs) == {} and idx.num_unique_blocks() == 0
 
 
-def test_ttl_touch_refreshes_and_expires_per_block():
+@both
+def test_ttl_touch_refreshes_and_expires_per_block(Index):
     a, b, c = blocks([1, 2, 3])
-    idx = PrefixIndex(ttl_s=10.0)
+    idx = Index(ttl_s=10.0)
     idx.insert(R0, [a, b, c], 0.0)
     idx.insert(R0, [a], 6.0)  # refresh root only
     # hand: at 12: b, c touched at 0 (12 > 10) go; a touched at 6 stays
     assert idx.expire(12.0) == 2
     assert idx.lru_order(R0) == [a] and idx.match([a, b, c]) == {R0: 1}
-    assert PrefixIndex().expire(1e9) == 0  # no TTL: nothing expires
+    assert Index().expire(1e9) == 0  # no TTL: nothing expires
 
 
-def test_constructor_validation():
+@both
+def test_constructor_validation(Index):
     for kw in (dict(capacity_blocks=0), dict(ttl_s=0), dict(ttl_s=-1.0)):
         with pytest.raises(ValueError):
-            PrefixIndex(**kw)
+            Index(**kw)
 
 
 # ---------------------------------------------------------------------------------- properties
@@ -218,8 +233,9 @@ op = st.one_of(
     ops=st.lists(op, max_size=40),
     queries=st.lists(prompt_ids, min_size=1, max_size=5),
 )
-def test_index_matches_reference_model(cap, ttl, ops, queries):
-    idx = PrefixIndex(capacity_blocks=cap, ttl_s=ttl)
+@both
+def test_index_matches_reference_model(Index, cap, ttl, ops, queries):
+    idx = Index(capacity_blocks=cap, ttl_s=ttl)
     ref = RefIndex(cap, ttl)
     ever = {r: [] for r in REPLICAS}  # every prompt ever inserted per replica
     now = 0.0
@@ -275,8 +291,9 @@ def _common(p, q):
     cap=st.integers(1, 5),
     ops=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 50), max_size=10)), max_size=60),
 )
-def test_memory_bounded_with_many_distinct_blocks(cap, ops):
-    idx = PrefixIndex(capacity_blocks=cap)
+@both
+def test_memory_bounded_with_many_distinct_blocks(Index, cap, ops):
+    idx = Index(capacity_blocks=cap)
     for ri, ids in ops:
         idx.insert(REPLICAS[ri], blocks(ids), 0.0)
         assert max(idx.num_blocks(r) for r in REPLICAS) <= cap
@@ -292,12 +309,13 @@ def test_memory_bounded_with_many_distinct_blocks(cap, ops):
         max_size=50,
     ),
 )
-def test_evicted_order_matches_reference_for_interleaved_partial_evictions(cap, ops):
+@both
+def test_evicted_order_matches_reference_for_interleaved_partial_evictions(Index, cap, ops):
     # Prompts longer than a third of the capacity, interleaved over 3 replicas, so most inserts
     # evict part of one earlier insert and part of another (and re-touch shared prefixes in
     # between); some steps also remove the second half of the prompt (stale LRU entries).
     # Expected: the independent list model RefIndex, evicted hashes oldest first, after every step.
-    idx = PrefixIndex(capacity_blocks=cap)
+    idx = Index(capacity_blocks=cap)
     ref = RefIndex(cap, None)
     for step, (ri, ids, remove_tail) in enumerate(ops):
         r = REPLICAS[ri]
@@ -314,3 +332,112 @@ def test_evicted_order_matches_reference_for_interleaved_partial_evictions(cap, 
     assert idx.lru_order(R0) == [e[0] for e in ref.lists[R0]] and idx.num_blocks(R0) == len(ref.lists[R0])
     # hand: the last insert keeps the prompt's first min(cap, 6) blocks, all most recently used
     assert idx.match(hs).get(R0, 0) == min(cap, len(hs))
+
+
+# ---------------------------------------------------------------------------------- the tree
+def check_tree(idx: PrefixIndex) -> None:
+    """Structural invariants of the radix tree, from its parts (independent of how it got there):
+    every block maps to the node whose run holds it; holders == the replicas with an entry;
+    every non-root node is held or has children; each replica's LRU list holds exactly its nodes
+    and its block count; unique blocks == blocks of held runs."""
+    seen_blocks, unique, stack = 0, 0, [idx._root]
+    per_replica: dict[int, set] = {}
+    while stack:
+        node = stack.pop()
+        for key, child in node.children.items():
+            assert child.parent is node and child.blocks[0] == key
+            stack.append(child)
+        if node is idx._root:
+            continue
+        assert node.blocks and (node.holders or node.children)
+        for h in node.blocks:
+            assert idx._node_of[h] is node
+        seen_blocks += len(node.blocks)
+        assert node.holders == sum(1 << num for num in node.entries)
+        unique += len(node.blocks) if node.holders else 0
+        for num, e in node.entries.items():
+            assert e.node is node
+            per_replica.setdefault(num, set()).add(id(node))
+    assert seen_blocks == len(idx._node_of) and unique == idx.num_unique_blocks()
+    for rs in idx._state.values():
+        nodes, count, e = set(), 0, rs.head.next
+        while e is not rs.head:
+            assert e.next.prev is e and e.node.entries[rs.num] is e
+            nodes.add(id(e.node))
+            count += len(e.node.blocks)
+            e = e.next
+        assert nodes == per_replica.get(rs.num, set()) and count == rs.blocks
+
+
+def test_runs_split_where_prompts_diverge_and_end():
+    # hand: X = 6 blocks, Y shares X's first 3, Z is X's first 2: runs [x0 x1] [x2] [x3..x5] [y3 y4]
+    x = blocks([1, 2, 3, 4, 5, 6])
+    y = blocks([1, 2, 3, 7, 8])
+    z = x[:2]
+    idx = PrefixIndex()
+    idx.insert(R0, x, 0.0)
+    assert idx.num_nodes() == 1
+    idx.insert(R1, y, 1.0)
+    assert idx.num_nodes() == 3  # [x0..x2] [x3..x5] [y3 y4]
+    idx.insert(R2, z, 2.0)
+    assert idx.num_nodes() == 4  # [x0 x1] [x2] [x3..x5] [y3 y4]
+    check_tree(idx)
+    assert idx.match(x) == {R0: 6, R1: 3, R2: 2}
+    assert idx.match(y) == {R0: 3, R1: 5, R2: 2}
+    assert idx.match(x[:4] + (12345,)) == {R0: 4, R1: 3, R2: 2}  # diverges inside a run
+    # splits keep each holder's block order: R0 still sees X touched deepest-first
+    assert idx.lru_order(R0) == list(reversed(x))
+    assert idx.lru_order(R1) == list(reversed(y))
+
+
+def test_eviction_split_then_retouch_merges_the_run_back():
+    # hand (LRU lists oldest first): R0 and R1 hold X = [a..f] (cap 6). Y = [g, h] on R0:
+    # R0 = f e d c b a h g -> 8 > 6 -> evicts f, e; X splits into [a..d] [e f] (R1 holds both).
+    x = blocks([1, 2, 3, 4, 5, 6])
+    y = blocks([9, 10])
+    idx = PrefixIndex(capacity_blocks=6)
+    idx.insert(R0, x, 0.0)
+    idx.insert(R1, x, 0.0)
+    assert idx.insert(R0, y, 1.0) == [x[5], x[4]]
+    assert idx.num_nodes() == 3 and idx.match(x) == {R0: 4, R1: 6}
+    check_tree(idx)
+    # X again on R0: touches f e d c b a -> h g f e d c b a -> evicts h, g. R0 and R1 now hold
+    # [e f] just before [a..d] in their lists, so nobody can tell the runs apart: merged.
+    assert idx.insert(R0, x, 2.0) == [y[1], y[0]]
+    assert idx.num_nodes() == 1 and idx.match(x) == {R0: 6, R1: 6}
+    check_tree(idx)
+
+
+def test_insert_of_a_chain_fragment_is_refused_and_changes_nothing():
+    x = blocks([1, 2, 3])
+    idx = PrefixIndex()
+    idx.insert(R0, x, 0.0)
+    with pytest.raises(ValueError, match="leading blocks"):
+        idx.insert(R1, x[1:], 1.0)  # blocks 1.. without block 0: already indexed under block 0
+    assert idx.lru_order(R0) == list(reversed(x)) and idx.lru_order(R1) == []
+    assert idx.match(x) == {R0: 3}
+    check_tree(idx)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cap=st.one_of(st.none(), st.integers(1, 8)),
+    ttl=st.one_of(st.none(), st.sampled_from([1.0, 2.5])),
+    ops=st.lists(op, max_size=40),
+)
+def test_tree_invariants_hold_after_every_operation(cap, ttl, ops):
+    # the same random operations as the reference-model test, checking structure after each
+    idx = PrefixIndex(capacity_blocks=cap, ttl_s=ttl)
+    now = 0.0
+    for kind, ri, ids, dt in ops:
+        now += dt * 0.5
+        r, hs = REPLICAS[ri], blocks(ids)
+        if kind == "insert":
+            idx.insert(r, hs, now)
+        elif kind == "remove":
+            idx.remove(r, hs[len(hs) // 2:])
+        elif kind == "clear":
+            idx.clear(r)
+        else:
+            idx.expire(now)
+        check_tree(idx)
