@@ -321,7 +321,7 @@ class PrefixIndex:
                 place (the list does not start at a prompt's first block, or hashes are not
                 chained).
         """
-        rs = self._state_of(replica)
+        rs = self._state.get(replica) or self._state_of(replica)
         cap = self.capacity_blocks
         hs = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
         n = len(hs)
@@ -344,14 +344,18 @@ class PrefixIndex:
                 node_of.update(zip(run, repeat(child)))
                 path.append(child)
                 break
-            k = self._common(child.blocks, hs, pos)
-            if k < len(child.blocks):
-                child = self._split(child, k)  # the prompt diverges or ends inside the run
+            run = child.blocks
+            if len(run) == 1:  # found by its first block: matched (one-block runs are common)
+                k = 1
+            else:
+                k = self._common(run, hs, pos)
+                if k < len(run):
+                    child = self._split(child, k)[0]  # the prompt diverges or ends inside the run
             path.append(child)
             pos += k
             node = child
         num, bit, head = rs.num, rs.bit, rs.head
-        for node in reversed(path):  # deepest first: each lands most recently used
+        for node in reversed(path):  # deepest first: each lands most recently used (list tail)
             e = node.entries.get(num)
             if e is None:
                 e = node.entries[num] = _Entry(node, now_s)
@@ -359,43 +363,77 @@ class PrefixIndex:
                     self._unique += len(node.blocks)
                 node.holders |= bit
                 rs.blocks += len(node.blocks)
-            else:
-                _unlink(e)
+            else:  # unlink (inlined: this loop is the hot path)
+                e.prev.next = e.next
+                e.next.prev = e.prev
                 e.time = now_s
-            _link_after(head.prev, e)
+            last = head.prev
+            e.prev = last
+            e.next = head
+            last.next = e
+            head.prev = e
         for k in range(len(path) - 1):  # a touch may have made a split run whole again
             if len(path[k].children) == 1:
-                self._try_merge(path[k])
+                path[k + 1] = self._try_merge(path[k]) or path[k + 1]
         if cap is None or rs.blocks <= cap:
             return []
         evicted: list[int] = []
         while rs.blocks > cap:
             node = head.next.node
             excess = rs.blocks - cap
-            if len(node.blocks) > excess:
-                self._split(node, len(node.blocks) - excess)  # node keeps the deepest `excess` blocks
+            if len(node.blocks) > excess:  # evict the deepest `excess` blocks of the run
+                node = self._split(node, len(node.blocks) - excess)[1]
             evicted.extend(reversed(node.blocks))
             self._drop(rs, node)
         return evicted
 
     def remove(self, replica: ReplicaId, block_hashes: Iterable[int]) -> int:
-        """Forget blocks on one replica (e.g. a ``BlockRemoved`` KV event). Returns how many were held."""
+        """Forget blocks on one replica (e.g. a ``BlockRemoved`` KV event). Returns how many were held.
+
+        The blocks are grouped by run first, so an engine evicting a whole run (or its tail)
+        costs one or two splits, not one per block.
+        """
         rs = self._state.get(replica)
         if rs is None or not rs.blocks:
             return 0
-        n = 0
         node_of = self._node_of
+        bit = rs.bit
+        groups: dict[int, tuple[tuple[int, ...], set[int]]] = {}  # id(node) -> (its run, hashes)
         for h in block_hashes:
             node = node_of.get(h)
-            if node is None or not node.holders & rs.bit:
+            if node is None or not node.holders & bit:
                 continue
-            i = node.blocks.index(h)
-            if i:
-                self._split(node, i)  # node keeps h onwards
-            if len(node.blocks) > 1:
-                node = self._split(node, 1)  # the one-block piece with h
-            self._drop(rs, node)
-            n += 1
+            group = groups.get(id(node))
+            if group is None:
+                group = groups[id(node)] = (node.blocks, set())
+            group[1].add(h)
+        n = 0
+        for run, hashes in groups.values():
+            if len(hashes) == len(run):  # the whole run (an engine evicting a sequence's blocks)
+                node = node_of[run[0]]
+                if node.blocks == run:
+                    self._drop(rs, node)
+                    n += len(run)
+                    continue
+            ordered = [i for i, h in enumerate(run) if h in hashes]
+            segments = []  # maximal runs of consecutive positions, as (start, end)
+            start = prev = ordered[0]
+            for p in ordered[1:]:
+                if p != prev + 1:
+                    segments.append((start, prev + 1))
+                    start = p
+                prev = p
+            segments.append((start, prev + 1))
+            for a, b in segments:
+                node = node_of[run[a]]  # looked up afresh: earlier drops may have split or merged
+                i = node.blocks.index(run[a])
+                j = i + (b - a)
+                if j < len(node.blocks):
+                    node = self._split(node, j)[0]  # the piece ending with the segment
+                if i:
+                    node = self._split(node, i)[1]  # the segment
+                self._drop(rs, node)
+                n += b - a
         return n
 
     def clear(self, replica: ReplicaId) -> int:
@@ -404,11 +442,9 @@ class PrefixIndex:
         if rs is None:
             return 0
         n = rs.blocks
-        e = rs.head.next
-        while e is not rs.head:
-            nxt = e.next
-            self._drop(rs, e.node)
-            e = nxt
+        head = rs.head
+        while head.next is not head:  # re-read each time: a drop may merge runs (and their entries)
+            self._drop(rs, head.next.node)
         del self._replica_of_num[rs.num]
         self._free_nums.append(rs.num)
         self._version += 1
@@ -435,46 +471,75 @@ class PrefixIndex:
         return n
 
     # ------------------------------------------------------------------ tree surgery
-    def _split(self, node: _Node, k: int) -> _Node:
-        """Cut ``node``'s run after its first ``k`` blocks (0 < k < len). ``node`` keeps the deeper
-        part (and its children); the returned new node holds the first ``k`` blocks. Every holder
-        gets an entry for the new node right after its entry for ``node`` (the shallower part of a
-        run is touched after the deeper one), so each holder's block LRU order is unchanged."""
+    def _split(self, node: _Node, k: int) -> tuple[_Node, _Node]:
+        """Cut ``node``'s run after its first ``k`` blocks (0 < k < len); returns ``(top, bottom)``:
+        the piece with the first ``k`` blocks and the piece with the rest (which keeps the
+        children). ``node`` stays one of them, whichever makes the other cheaper to build (the
+        new piece's blocks are re-mapped, and a new bottom adopts the children). Every holder's
+        entry for the new piece goes right next to its entry for ``node``, the bottom (deeper)
+        piece first, as blocks are touched deepest-first, so each holder's block LRU order is
+        unchanged."""
         head, tail = node.blocks[:k], node.blocks[k:]
-        parent = node.parent
-        top = _Node(head, parent)
-        parent.children[head[0]] = top
-        top.children[tail[0]] = node
-        top.holders = node.holders
-        node.parent = top
-        node.blocks = tail
-        self._node_of.update(zip(head, repeat(top)))
-        entries = top.entries
+        node_of = self._node_of
+        if len(head) <= len(tail) + len(node.children):  # new top piece; node keeps the tail
+            bottom = node
+            top = _Node(head, node.parent)
+            node.parent.children[head[0]] = top
+            top.children[tail[0]] = node
+            node.parent = top
+            node.blocks = tail
+            node_of.update(zip(head, repeat(top)))
+            new, after = top, True
+        else:  # new bottom piece; node keeps the head
+            top = node
+            bottom = _Node(tail, node)
+            bottom.children = node.children
+            for child in bottom.children.values():
+                child.parent = bottom
+            node.children = {tail[0]: bottom}
+            node.blocks = head
+            node_of.update(zip(tail, repeat(bottom)))
+            new, after = bottom, False
+        new.holders = node.holders
+        entries = new.entries
         for num, e in node.entries.items():
-            te = entries[num] = _Entry(top, e.time)
-            _link_after(e, te)
-        return top
+            ne = entries[num] = _Entry(new, e.time)
+            _link_after(e if after else e.prev, ne)
+        return top, bottom
 
-    def _try_merge(self, top: _Node) -> None:
+    def _try_merge(self, top: _Node) -> _Node | None:
         """Merge ``top`` with its only child when no holder can tell them apart: same holders,
-        and in each holder's LRU the child's entry directly before ``top``'s with the same time."""
+        and in each holder's LRU the child's entry directly before ``top``'s with the same time.
+        The shorter side's blocks are re-mapped (the child's children adopted if ``top`` stays).
+        Returns the merged node (``top`` or its child; the other is detached), or None."""
         if len(top.children) != 1 or top is self._root:
-            return
+            return None
         (node,) = top.children.values()
         if node.holders != top.holders:
-            return
+            return None
         entries = node.entries
         for num, te in top.entries.items():
             e = entries[num]
             if e.next is not te or e.time != te.time:
-                return
-        for te in top.entries.values():
-            _unlink(te)
-        parent = top.parent
-        node.blocks = top.blocks + node.blocks
-        node.parent = parent
-        parent.children[top.blocks[0]] = node
-        self._node_of.update(zip(top.blocks, repeat(node)))
+                return None
+        if len(top.blocks) <= len(node.blocks) + len(node.children):  # node absorbs top
+            for te in top.entries.values():
+                _unlink(te)
+            parent = top.parent
+            node.blocks = top.blocks + node.blocks
+            node.parent = parent
+            parent.children[top.blocks[0]] = node
+            self._node_of.update(zip(top.blocks, repeat(node)))
+            return node
+        # top absorbs node
+        for e in entries.values():
+            _unlink(e)
+        top.blocks = top.blocks + node.blocks
+        top.children = node.children
+        for child in top.children.values():
+            child.parent = top
+        self._node_of.update(zip(node.blocks, repeat(top)))
+        return top
 
     def _drop(self, rs: _Replica, node: _Node) -> None:
         """``rs`` no longer holds ``node``; prune runs nobody holds and nothing hangs from, and
@@ -484,7 +549,7 @@ class PrefixIndex:
         rs.blocks -= len(node.blocks)
         if node.holders:
             if len(node.children) == 1:
-                self._try_merge(node)
+                node = self._try_merge(node) or node
             if len(node.parent.children) == 1:
                 self._try_merge(node.parent)
             return

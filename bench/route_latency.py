@@ -6,8 +6,10 @@ For 8, 64 and 512 decode replicas (plus as many prefill replicas), prompts of 1k
 ``Router.route`` wall time per request, p50 / p99, after a warm-up that fills the prefix index
 (2,048 blocks = 1M tokens per replica, about one GPU's KV) so that every insert evicts, as in a
 long-running router. Baseline in the same run: ``round_robin`` (the cheapest policy), so the ratio column
-shows what each policy costs on top of the router's fixed work. Also reports the prefix index's
-bytes per million held blocks (tracemalloc).
+shows what each policy costs on top of the router's fixed work. Then the prefix index alone
+(one match and two inserts per decision) for the radix tree (``PrefixIndex``) against the flat
+per-block index (``BlockIndex``) as the same-run baseline, and both indexes' bytes per million
+held blocks (tracemalloc).
 
     .venv/bin/python bench/route_latency.py [--requests 2000]
 
@@ -27,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from balancer.block_index import BlockIndex  # noqa: E402
 from balancer.hashing import chain_block_ids  # noqa: E402
 from balancer.policies import available_policies  # noqa: E402
 from balancer.prefix_index import PrefixIndex  # noqa: E402
@@ -82,20 +85,45 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int) -> tuple[float
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6), fill
 
 
-def index_bytes_per_million_blocks(num_blocks: int = 200_000, replicas: int = 8) -> float:
+def index_bytes_per_million_blocks(index_cls: type, num_blocks: int = 200_000, replicas: int = 8) -> float:
+    """Bytes per million held blocks (replica, block pairs) when every replica holds its own
+    distinct 32-block prompts: no sharing, the tree's worst case per block."""
+    rng = random.Random(0)
+    prompts = [tuple(chain_block_ids([rng.getrandbits(40) for _ in range(32)]))
+               for _ in range(num_blocks // 32)]
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
-    idx = PrefixIndex()
-    per = num_blocks // replicas
-    rng = random.Random(0)
-    for r in range(replicas):
-        ids = [rng.getrandbits(63) for _ in range(per)]
-        for s in range(0, per, 32):
-            idx.insert(ReplicaId("e", r), ids[s:s + 32])
+    idx = index_cls()
+    for k, p in enumerate(prompts):
+        idx.insert(ReplicaId("e", k % replicas), p)
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     used = sum(st.size_diff for st in after.compare_to(before, "filename"))
     return used / idx.num_blocks() * 1e6
+
+
+def index_only(index_cls: type, replicas: int, prompt_tokens: int, n: int) -> tuple[float, float]:
+    """p50 / p99 (us) of the prefix-index work of one PD decision alone (one match, two inserts
+    on random replicas), in steady state (index full, every insert evicts)."""
+    idx = index_cls(INDEX_CAPACITY_BLOCKS)
+    reps = [ReplicaId(f"e{i // 8}", i % 8) for i in range(replicas)]
+    rng = random.Random(0)
+    blocks = -(-prompt_tokens // BLOCK)
+    n_warm = min(MAX_WARM, max(n, 3 * replicas * INDEX_CAPACITY_BLOCKS // (2 * blocks)))
+    for r in make_requests(n_warm, prompt_tokens, seed=1):
+        a, b = rng.sample(reps, 2)
+        idx.insert(a, r.block_hashes)
+        idx.insert(b, r.block_hashes)
+    lat = np.empty(n)
+    clock = time.perf_counter
+    for k, r in enumerate(make_requests(n, prompt_tokens, seed=2)):
+        a, b = rng.sample(reps, 2)
+        t0 = clock()
+        idx.match_depths(r.block_hashes)
+        idx.insert(a, r.block_hashes, 1.0)
+        idx.insert(b, r.block_hashes, 1.0)
+        lat[k] = clock() - t0
+    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
 def main() -> int:
@@ -112,7 +140,20 @@ def main() -> int:
                 p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, args.requests)
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{p50:>9.1f}{p99:>9.1f}{p99 / base[1]:>19.2f}"
                       f"{100 * fill:>11.0f}%")
-    print(f"prefix index: {index_bytes_per_million_blocks() / 1e6:.1f} MB per million held blocks")
+    print()
+    print("prefix index alone, one PD decision (match + 2 inserts), steady state; baseline: the flat"
+          " BlockIndex in the same run")
+    print(f"{'replicas':>9}{'prompt':>8}{'tree p50':>10}{'tree p99':>10}{'flat p50':>10}{'flat p99':>10}"
+          f"{'p50 tree/flat':>15}")
+    for replicas in (int(x) for x in args.replicas.split(",")):
+        for prompt in (1024, 32768):
+            t50, t99 = index_only(PrefixIndex, replicas, prompt, args.requests)
+            f50, f99 = index_only(BlockIndex, replicas, prompt, args.requests)
+            print(f"{replicas:>9}{prompt:>8}{t50:>10.1f}{t99:>10.1f}{f50:>10.1f}{f99:>10.1f}{t50 / f50:>15.2f}")
+    tree_mb = index_bytes_per_million_blocks(PrefixIndex) / 1e6
+    flat_mb = index_bytes_per_million_blocks(BlockIndex) / 1e6
+    print(f"memory per million held blocks (unshared 32-block prompts): tree {tree_mb:.1f} MB, flat {flat_mb:.1f} MB"
+          f" (ratio {tree_mb / flat_mb:.2f})")
     return 0
 
 
