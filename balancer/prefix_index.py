@@ -26,12 +26,14 @@ again are merged back.
 
 Cost per decision: ``match_depths``/``match`` O(nodes on the prompt's path + depth changes);
 ``insert`` O(nodes on the path + evicted nodes) plus O(new blocks) and O(evicted blocks) in C-level
-dict bulk updates (the block -> node map), plus O(holders) for a split of a shared node. Memory:
-one map entry per distinct held block and one node (with its holders' entries) per run.
+dict bulk updates of the block -> node map when it is kept (events mode), plus O(holders) for a
+split of a shared node. Memory: one node (with its holders' entries) per run, and one map entry
+per distinct block when the map is kept.
 
 Inserted block lists must be a prompt's leading blocks (from block 0), as routed prompts and
-engines' ``BlockStored`` events are; an insert whose first new block is already indexed at
-another place (a list that did not start at block 0) raises ``ValueError``. Blocks from arbitrary positions (lower KV tiers) go to
+engines' ``BlockStored`` events are; with the block map on (``block_map=True``, events mode), an
+insert whose first new block is already indexed at another place (a list that did not start at
+block 0) raises ``ValueError``. Blocks from arbitrary positions (lower KV tiers) go to
 :class:`balancer.block_index.BlockIndex`.
 
 Sources: SGLang's cache-aware router (an approximate radix tree per worker, LRU leaf eviction),
@@ -113,6 +115,12 @@ class PrefixIndex:
             unbounded. Must be >= 1 when given.
         ttl_s: blocks not inserted/touched for this many seconds are dropped by :meth:`expire`;
             ``None`` disables TTL.
+        block_map: keep a block hash -> run map from the start, so that :meth:`remove` and
+            :meth:`holds` cost O(1) per block and an insert that does not start at a prompt's
+            first block is refused (``ValueError``). Costs a dict entry per distinct block and
+            C-level map updates on every new, split, merged or pruned run. Without it the map is
+            built on the first :meth:`remove` / :meth:`holds` call and kept from then on; routing
+            alone (approximate mode) never needs it. The router turns it on in events mode.
 
     Raises:
         ValueError: on a non-positive capacity or TTL.
@@ -121,7 +129,8 @@ class PrefixIndex:
     __slots__ = ("capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
                  "_version", "_numbers_cache", "_unique")
 
-    def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None) -> None:
+    def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None, *,
+                 block_map: bool = False) -> None:
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
         if ttl_s is not None and ttl_s <= 0:
@@ -129,7 +138,9 @@ class PrefixIndex:
         self.capacity_blocks = capacity_blocks
         self.ttl_s = ttl_s
         self._root = _Node((), None)
-        self._node_of: dict[int, _Node] = {}  # block hash -> the node whose run holds it
+        # block hash -> the node whose run holds it; built on the first query that needs it
+        # (remove(), holds()), then kept up to date: routing alone never pays for it
+        self._node_of: dict[int, _Node] | None = {} if block_map else None
         self._state: dict[ReplicaId, _Replica] = {}
         self._replica_of_num: dict[int, ReplicaId] = {}
         self._free_nums: list[int] = []  # numbers released by clear(), reused first
@@ -159,6 +170,18 @@ class PrefixIndex:
 
     def _size(self) -> int:
         return len(self._state) + len(self._free_nums)
+
+    def _block_map(self) -> dict[int, _Node]:
+        """The block hash -> node map, built from the tree on first use (O(blocks) once)."""
+        if self._node_of is None:
+            node_of: dict[int, _Node] = {}
+            stack = list(self._root.children.values())
+            while stack:
+                node = stack.pop()
+                node_of.update(zip(node.blocks, repeat(node)))
+                stack.extend(node.children.values())
+            self._node_of = node_of
+        return self._node_of
 
     # ------------------------------------------------------------------ the walk
     @staticmethod
@@ -293,7 +316,7 @@ class PrefixIndex:
 
     def holds(self, replica: ReplicaId, block_hash: int) -> bool:
         rs = self._state.get(replica)
-        node = self._node_of.get(block_hash)
+        node = self._block_map().get(block_hash)
         return rs is not None and node is not None and bool(node.holders & rs.bit)
 
     def lru_order(self, replica: ReplicaId) -> list[int]:
@@ -317,9 +340,9 @@ class PrefixIndex:
         If the prompt alone exceeds the capacity, only its first ``capacity_blocks`` blocks are kept.
 
         Raises:
-            ValueError: a block of the prompt's new part is already in the tree at another
-                place (the list does not start at a prompt's first block, or hashes are not
-                chained).
+            ValueError: with the block map on, the first block of the prompt's new part is
+                already in the tree at another place (the list does not start at a prompt's
+                first block, or hashes are not chained).
         """
         rs = self._state.get(replica) or self._state_of(replica)
         cap = self.capacity_blocks
@@ -335,13 +358,15 @@ class PrefixIndex:
             child = node.children.get(hs[pos])
             if child is None:
                 run = tuple(hs[pos:])
-                if run[0] in node_of:  # then the list did not start at block 0 (chained hashes: the
-                    # first block of a new run is new, and so is every block after it)
-                    raise ValueError("block hashes must be a prompt's leading blocks, chained from block 0: "
-                                     f"block {pos} is new under its parent here but already indexed elsewhere")
+                if node_of is not None:
+                    if run[0] in node_of:  # the list did not start at block 0 (chained hashes: the
+                        # first block of a new run is new, and so is every block after it)
+                        raise ValueError("block hashes must be a prompt's leading blocks, chained from block 0: "
+                                         f"block {pos} is new under its parent here but already indexed elsewhere")
                 child = _Node(run, node)
                 node.children[run[0]] = child
-                node_of.update(zip(run, repeat(child)))
+                if node_of is not None:
+                    node_of.update(zip(run, repeat(child)))
                 path.append(child)
                 break
             run = child.blocks
@@ -396,7 +421,7 @@ class PrefixIndex:
         rs = self._state.get(replica)
         if rs is None or not rs.blocks:
             return 0
-        node_of = self._node_of
+        node_of = self._block_map()
         bit = rs.bit
         groups: dict[int, tuple[tuple[int, ...], set[int]]] = {}  # id(node) -> (its run, hashes)
         for h in block_hashes:
@@ -488,7 +513,8 @@ class PrefixIndex:
             top.children[tail[0]] = node
             node.parent = top
             node.blocks = tail
-            node_of.update(zip(head, repeat(top)))
+            if node_of is not None:
+                node_of.update(zip(head, repeat(top)))
             new, after = top, True
         else:  # new bottom piece; node keeps the head
             top = node
@@ -498,7 +524,8 @@ class PrefixIndex:
                 child.parent = bottom
             node.children = {tail[0]: bottom}
             node.blocks = head
-            node_of.update(zip(tail, repeat(bottom)))
+            if node_of is not None:
+                node_of.update(zip(tail, repeat(bottom)))
             new, after = bottom, False
         new.holders = node.holders
         entries = new.entries
@@ -529,7 +556,8 @@ class PrefixIndex:
             node.blocks = top.blocks + node.blocks
             node.parent = parent
             parent.children[top.blocks[0]] = node
-            self._node_of.update(zip(top.blocks, repeat(node)))
+            if self._node_of is not None:
+                self._node_of.update(zip(top.blocks, repeat(node)))
             return node
         # top absorbs node
         for e in entries.values():
@@ -538,7 +566,8 @@ class PrefixIndex:
         top.children = node.children
         for child in top.children.values():
             child.parent = top
-        self._node_of.update(zip(node.blocks, repeat(top)))
+        if self._node_of is not None:
+            self._node_of.update(zip(node.blocks, repeat(top)))
         return top
 
     def _drop(self, rs: _Replica, node: _Node) -> None:
@@ -558,7 +587,8 @@ class PrefixIndex:
         while node is not self._root and not node.holders and not node.children:
             parent = node.parent
             del parent.children[node.blocks[0]]
-            deque(map(node_of.__delitem__, node.blocks), 0)
+            if node_of is not None:
+                deque(map(node_of.__delitem__, node.blocks), 0)
             node = parent
         if len(node.children) == 1:
             self._try_merge(node)

@@ -142,7 +142,8 @@ class Router:
         self.block_size = block_size
         self.index_mode = index_mode
         self.pd_min_uncached_tokens = pd_min_uncached_tokens
-        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s)
+        # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
+        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode == "events")
         weights = dict(DEFAULT_TIER_WEIGHTS)
         for k, w in (tier_weights or {}).items():
             if k not in DEFAULT_TIER_WEIGHTS:

@@ -341,6 +341,7 @@ def check_tree(idx: PrefixIndex) -> None:
     every non-root node is held or has children; each replica's LRU list holds exactly its nodes
     and its block count; unique blocks == blocks of held runs."""
     seen_blocks, unique, stack = 0, 0, [idx._root]
+    node_of = idx._node_of  # None until built (block_map=False and no remove()/holds() yet)
     per_replica: dict[int, set] = {}
     while stack:
         node = stack.pop()
@@ -350,15 +351,17 @@ def check_tree(idx: PrefixIndex) -> None:
         if node is idx._root:
             continue
         assert node.blocks and (node.holders or node.children)
-        for h in node.blocks:
-            assert idx._node_of[h] is node
+        if node_of is not None:
+            for h in node.blocks:
+                assert node_of[h] is node
         seen_blocks += len(node.blocks)
         assert node.holders == sum(1 << num for num in node.entries)
         unique += len(node.blocks) if node.holders else 0
         for num, e in node.entries.items():
             assert e.node is node
             per_replica.setdefault(num, set()).add(id(node))
-    assert seen_blocks == len(idx._node_of) and unique == idx.num_unique_blocks()
+    assert unique == idx.num_unique_blocks()
+    assert node_of is None or seen_blocks == len(node_of)
     for rs in idx._state.values():
         nodes, count, e = set(), 0, rs.head.next
         while e is not rs.head:
@@ -410,13 +413,21 @@ def test_eviction_split_then_retouch_merges_the_run_back():
 
 def test_insert_of_a_chain_fragment_is_refused_and_changes_nothing():
     x = blocks([1, 2, 3])
-    idx = PrefixIndex()
+    idx = PrefixIndex(block_map=True)
     idx.insert(R0, x, 0.0)
     with pytest.raises(ValueError, match="leading blocks"):
         idx.insert(R1, x[1:], 1.0)  # blocks 1.. without block 0: already indexed under block 0
     assert idx.lru_order(R0) == list(reversed(x)) and idx.lru_order(R1) == []
     assert idx.match(x) == {R0: 3}
     check_tree(idx)
+    # without the map (the router's approximate mode) the check is off; with it built by a
+    # holds() or remove() it is on again
+    lazy = PrefixIndex()
+    lazy.insert(R0, x, 0.0)
+    assert lazy._node_of is None
+    assert not lazy.holds(R1, x[0]) and lazy._node_of is not None
+    with pytest.raises(ValueError, match="leading blocks"):
+        lazy.insert(R1, x[1:], 1.0)
 
 
 @settings(max_examples=600, deadline=None)
@@ -425,9 +436,11 @@ def test_insert_of_a_chain_fragment_is_refused_and_changes_nothing():
     ttl=st.one_of(st.none(), st.sampled_from([1.0, 2.5])),
     ops=st.lists(op, max_size=40),
 )
-def test_tree_invariants_hold_after_every_operation(cap, ttl, ops):
+@pytest.mark.parametrize("block_map", [False, True])
+def test_tree_invariants_hold_after_every_operation(block_map, cap, ttl, ops):
     # the same random operations as the reference-model test, checking structure after each
-    idx = PrefixIndex(capacity_blocks=cap, ttl_s=ttl)
+    # (without the map, the first remove() builds it from the tree and it is kept after that)
+    idx = PrefixIndex(capacity_blocks=cap, ttl_s=ttl, block_map=block_map)
     now = 0.0
     for kind, ri, ids, dt in ops:
         now += dt * 0.5
