@@ -15,7 +15,8 @@ import numpy as np
 from balancer.types import ReplicaId, ReplicaView, Role
 
 
-@dataclass(frozen=True, slots=True)
+# Read-only by contract. Not frozen: one is built per routing decision, and a frozen __init__ is ~3x slower.
+@dataclass(slots=True)
 class Candidates:
     """Candidate replicas of one pool for one request. All arrays have shape ``(n,)``, int64.
 
@@ -73,7 +74,14 @@ class Candidates:
     def kv_usage(self) -> np.ndarray:
         """Fraction of KV capacity used by decode sequences, in [0, 1] (0 where unknown), float64."""
         cap = self.kv_capacity_tokens
-        u = np.divide(self.decode_kv_tokens, cap, out=np.zeros(len(cap), dtype=np.float64), where=cap > 0)
+        if not len(cap):
+            return np.zeros(0, dtype=np.float64)
+        if cap[cap.argmin()] > 0:  # every capacity known (the usual case): no masked divide
+            u = self.decode_kv_tokens / cap
+        elif cap[cap.argmax()] <= 0:  # none known
+            return np.zeros(len(cap), dtype=np.float64)
+        else:
+            u = np.divide(self.decode_kv_tokens, cap, out=np.zeros(len(cap), dtype=np.float64), where=cap > 0)
         return np.minimum(u, 1.0, out=u)
 
     @classmethod

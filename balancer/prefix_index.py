@@ -158,6 +158,12 @@ class PrefixIndex:
             self._version += 1
         return rs
 
+    def register(self, replica: ReplicaId) -> int:
+        """Give ``replica`` its number now (see :meth:`numbers`) rather than at its first insert;
+        returns it. The router registers every replica it adds, so the cached number arrays stay
+        valid while replicas receive their first prompts (a new number invalidates them all)."""
+        return (self._state.get(replica) or self._state_of(replica)).num
+
     def _replicas_in(self, mask: int) -> list[ReplicaId]:
         """The replicas whose bits are set in ``mask``, lowest number first."""
         out = []

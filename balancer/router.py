@@ -172,6 +172,7 @@ class Router:
             raise ValueError(f"{replica} is already registered as {info.role.value}")
         self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
         self.load.add_replica(replica)
+        self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid
         self._pools = None
 
     def remove_replica(self, replica: ReplicaId) -> None:
@@ -232,7 +233,13 @@ class Router:
         n = len(pool.replicas)
         if depths is not None:
             nums = self.index.numbers(pool.replicas)
-            matched = np.where(nums >= 0, depths[nums], 0) if len(depths) else np.zeros(n, dtype=np.int64)
+            if not n or not len(depths):
+                matched = np.zeros(n, dtype=np.int64)
+            elif nums[nums.argmin()] >= 0:  # every candidate has a number (the steady state)
+                matched = depths[nums]
+            else:
+                matched = np.where(nums >= 0, depths[nums], 0)
+            most = len(request.block_hashes)  # bound: a depth never exceeds the prompt's blocks
         else:
             matched = np.zeros(n, dtype=np.int64)
             position = pool.position
@@ -240,12 +247,12 @@ class Router:
                 pos = position.get(r)
                 if pos is not None:
                     matched[pos] = k
-        most = int(matched.max()) if n else 0  # most blocks any candidate matches
+            most = int(matched.max()) if n else 0  # most blocks any candidate matches
         slots = pool.slots
         load = self.load
         if self.host_index is None and self.store_index is None:
             tokens = matched * self.block_size
-            if most * self.block_size > request.prompt_tokens:  # a partial last block matched
+            if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
             return Candidates(pool.role, pool.replicas, load.num_requests[slots], load.prefill_tokens[slots],
                               load.decode_kv_tokens[slots], pool.capacity, matched, tokens, self.block_size)
@@ -346,8 +353,7 @@ class Router:
         depths = self.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
-        d_pos = d_cands.replicas.index(d_choice.replica)
-        d_matched = int(d_cands.matched_tokens[d_pos])
+        d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
         prefill: ReplicaId | None = None
         p_choice: Choice | None = None
         p_matched = 0
@@ -355,7 +361,7 @@ class Router:
             p_cands = self._candidates(request, p_pool, depths, None)
             p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s)
             prefill = p_choice.replica
-            p_matched = int(p_cands.matched_tokens[p_cands.replicas.index(prefill)])
+            p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
         uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)
         self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens)
         if self.index_mode == "approximate":

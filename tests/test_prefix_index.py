@@ -498,3 +498,16 @@ def test_clear_survives_merges_its_own_drops_cause():
     assert idx.clear(R2) == 4
     assert idx.num_nodes() == 0 and idx.num_unique_blocks() == 0 and idx.match(x) == {}
     check_tree(idx)
+
+
+def test_registered_replicas_are_numbered_before_their_first_insert():
+    # hand: numbers are given in registration order; the cached array for a pool stays the same
+    # object while registered replicas receive their first prompts (no re-numbering)
+    idx = PrefixIndex()
+    pool = (R0, R1, R2)
+    assert [idx.register(r) for r in pool] == [0, 1, 2] and idx.register(R1) == 1
+    nums = idx.numbers(pool)
+    assert nums.tolist() == [0, 1, 2]
+    idx.insert(R2, blocks([1, 2]), 0.0)
+    assert idx.numbers(pool) is nums
+    assert idx.match_depths(blocks([1, 2])).tolist() == [0, 0, 2]

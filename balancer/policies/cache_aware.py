@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from balancer.candidates import Candidates
-from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
+from balancer.policies.base import Policy, SelectContext, argmin_random, array_max, array_min, register, scores_of
 from balancer.types import Choice, Request
 
 
@@ -43,15 +43,15 @@ class CacheAware(Policy):
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         load = cands.num_requests
-        max_load, min_load = int(load.max()), int(load.min())
+        max_load, min_load = int(array_max(load)), int(array_min(load))
         scores = scores_of(cands, cands.matched_tokens)
         if max_load - min_load > self.balance_abs and max_load > min_load * self.balance_rel:
             i = argmin_random(load, ctx.rng)
             return Choice(cands.replicas[i], scores, reason="imbalanced")
-        best = int(cands.matched_tokens.max())
+        best = int(array_max(cands.matched_tokens))
         if best / request.prompt_tokens > self.cache_threshold:
-            deepest = cands.matched_tokens == best
-            i = argmin_random(load.astype(float), ctx.rng, mask=deepest)
+            deepest = (cands.matched_tokens == best).nonzero()[0]
+            i = int(deepest[argmin_random(load[deepest], ctx.rng)])
             return Choice(cands.replicas[i], scores, reason="cache_hit")
         i = argmin_random(load, ctx.rng)
         return Choice(cands.replicas[i], scores, reason="cache_miss")

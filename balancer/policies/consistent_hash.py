@@ -40,6 +40,7 @@ from balancer.types import Choice, ReplicaId, Request
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_SHIFT30, _SHIFT27, _SHIFT31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def affinity_key(request: Request, key_block: int = 1) -> bytes:
@@ -58,10 +59,14 @@ def replica_hash(replica: ReplicaId) -> int:
 
 
 def splitmix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on a ``uint64`` array (wrapping arithmetic), same shape."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    """SplitMix64's finaliser on a ``uint64`` array (wrapping arithmetic: numpy does not check
+    integer array overflow), same shape; ``z`` is not modified."""
+    z = z ^ (z >> _SHIFT30)
+    z *= _MIX1
+    z ^= z >> _SHIFT27
+    z *= _MIX2
+    z ^= z >> _SHIFT31
+    return z
 
 
 # Replica hashes per candidate tuple. The router hands policies the same tuple object for a pool
@@ -82,9 +87,7 @@ def _replica_hashes(replicas: tuple[ReplicaId, ...]) -> np.ndarray:
 
 def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
     """``w_i`` of the module docstring for every replica, shape ``(n,)``, ``uint64``."""
-    k = np.uint64(xxhash.xxh3_64_intdigest(key))
-    with np.errstate(over="ignore"):
-        return splitmix64(_replica_hashes(replicas) ^ k)
+    return splitmix64(_replica_hashes(replicas) ^ np.uint64(xxhash.xxh3_64_intdigest(key)))
 
 
 @register
@@ -104,7 +107,7 @@ class ConsistentHash(Policy):
         w = rendezvous_weights(affinity_key(request, self.key_block), cands.replicas)
         n = len(cands)
         cap = math.ceil((1.0 + self.epsilon) * (int(cands.num_requests.sum()) + 1) / n)
-        first = int(np.argmax(w))
+        first = int(w.argmax())
         if cands.num_requests[first] + 1 <= cap:
             chosen, reason = first, "affinity"
         else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.candidates import Candidates
-from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
+from balancer.policies.base import Policy, SelectContext, argmin_random, array_min, register, scores_of
 from balancer.types import Choice, Request
 
 
@@ -43,16 +43,21 @@ class KvCost(Policy):
         """``cost_i`` as in the module docstring, shape ``(n,)``, float64, in blocks."""
         bs = float(cands.block_size)
         prompt = float(request.prompt_tokens)
-        prefill_blocks = (cands.prefill_tokens + (prompt - cands.matched_tokens)) / bs
-        decode_blocks = (cands.decode_kv_tokens + prompt) / bs
-        return self.overlap_weight * prefill_blocks + decode_blocks
+        cost = (cands.prefill_tokens + (prompt - cands.matched_tokens)) / bs  # prefill_blocks
+        if self.overlap_weight != 1.0:  # (1.0 * x is x: no array operation at the default)
+            cost *= self.overlap_weight
+        cost += (cands.decode_kv_tokens + prompt) / bs  # + decode_blocks
+        return cost
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         cost = self.costs(request, cands)
         scores = scores_of(cands, cost)
         if self.temperature == 0.0:
-            tied = cost == cost.min()
-            i = argmin_random(cands.matched_blocks.astype(np.float64), ctx.rng, mask=tied)
+            tied = (cost == array_min(cost)).nonzero()[0]
+            if len(tied) == 1:
+                i = int(tied[0])
+            else:  # fewest cached blocks among the cheapest, then random
+                i = int(tied[argmin_random(cands.matched_blocks[tied], ctx.rng)])
             return Choice(cands.replicas[i], scores, reason="min_cost")
         lo, hi = float(cost.min()), float(cost.max())
         if hi == lo:

@@ -17,13 +17,17 @@ prefix 3, queue 2, kv-cache utilisation 2). Scores: the weighted total (higher i
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 
 from balancer.candidates import Candidates
-from balancer.policies.base import Policy, SelectContext, argmax_random, register, scores_of
+from balancer.policies.base import Policy, SelectContext, argmax_random, array_max, array_min, register, scores_of
 from balancer.types import Choice, Request
+
+#: The scorers, in the order their weighted scores are summed.
+SCORERS = ("prefix", "queue", "kv_utilization", "load")
 
 
 @register
@@ -43,23 +47,33 @@ class Scored(Policy):
         if self.load_queue_cap < 1:
             raise ValueError("scored: load_queue_cap must be >= 1")
 
-    def component_scores(self, request: Request, cands: Candidates) -> dict[str, np.ndarray]:
-        """Each scorer's values, shape ``(n,)``, in [0, 1]."""
-        n_blocks = len(request.block_hashes)
-        prefix = cands.matched_blocks / n_blocks if n_blocks else np.zeros(len(cands))
+    def component_scores(self, request: Request, cands: Candidates,
+                         names: Collection[str] = SCORERS) -> dict[str, np.ndarray]:
+        """Each scorer's values, shape ``(n,)``, in [0, 1], for the scorers in ``names``
+        (default: all of :data:`SCORERS`)."""
+        out: dict[str, np.ndarray] = {}
+        if "prefix" in names:
+            n_blocks = len(request.block_hashes)
+            prefix = cands.matched_blocks / n_blocks if n_blocks else np.zeros(len(cands))
+            out["prefix"] = np.minimum(prefix, 1.0, out=prefix)
         q = cands.num_requests.astype(np.float64)
-        qmin, qmax = q.min(), q.max()
-        queue = np.ones(len(cands)) if qmax == qmin else (qmax - q) / (qmax - qmin)
-        kv = 1.0 - cands.kv_usage
-        load = 0.5 * (1.0 - np.minimum(q, self.load_queue_cap) / self.load_queue_cap)
-        return {"prefix": np.minimum(prefix, 1.0), "queue": queue, "kv_utilization": kv, "load": load}
+        if "queue" in names:
+            qmin, qmax = array_min(q), array_max(q)
+            out["queue"] = np.ones(len(cands)) if qmax == qmin else (qmax - q) / (qmax - qmin)
+        if "kv_utilization" in names:
+            out["kv_utilization"] = 1.0 - cands.kv_usage
+        if "load" in names:
+            out["load"] = 0.5 * (1.0 - np.minimum(q, self.load_queue_cap) / self.load_queue_cap)
+        return out
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
-        c = self.component_scores(request, cands)
-        total = np.zeros(len(cands))
-        for name, w in (("prefix", self.prefix_weight), ("queue", self.queue_weight),
-                        ("kv_utilization", self.kv_utilization_weight), ("load", self.load_weight)):
-            if w:  # a zero-weight scorer adds nothing (the default load_weight is 0)
-                total += w * c[name]
+        weighted = [(name, w) for name, w in (("prefix", self.prefix_weight), ("queue", self.queue_weight),
+                                              ("kv_utilization", self.kv_utilization_weight),
+                                              ("load", self.load_weight)) if w]
+        # only the scorers that count are computed (the default load_weight is 0)
+        c = self.component_scores(request, cands, [name for name, _ in weighted])
+        total = weighted[0][1] * c[weighted[0][0]]  # = 0.0 + that term (scores are >= 0, never -0.0)
+        for name, w in weighted[1:]:
+            total += w * c[name]
         i = argmax_random(total, ctx.rng)
         return Choice(cands.replicas[i], scores_of(cands, total), reason="max_score")
