@@ -19,10 +19,12 @@ Goal (issue 4): p99 <= 100 us at 64 replicas, <= 300 us at 512.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +87,7 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int) -> tuple[float
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6), fill
 
 
-def index_bytes_per_million_blocks(index_cls: type, num_blocks: int = 200_000, replicas: int = 8) -> float:
+def index_bytes_per_million_blocks(index_cls: Callable[[], object], num_blocks: int = 200_000, replicas: int = 8) -> float:
     """Bytes per million held blocks (replica, block pairs) when every replica holds its own
     distinct 32-block prompts: no sharing, the tree's worst case per block."""
     rng = random.Random(0)
@@ -150,10 +152,12 @@ def main() -> int:
             t50, t99 = index_only(PrefixIndex, replicas, prompt, args.requests)
             f50, f99 = index_only(BlockIndex, replicas, prompt, args.requests)
             print(f"{replicas:>9}{prompt:>8}{t50:>10.1f}{t99:>10.1f}{f50:>10.1f}{f99:>10.1f}{t50 / f50:>15.2f}")
-    tree_mb = index_bytes_per_million_blocks(PrefixIndex) / 1e6
     flat_mb = index_bytes_per_million_blocks(BlockIndex) / 1e6
-    print(f"memory per million held blocks (unshared 32-block prompts): tree {tree_mb:.1f} MB, flat {flat_mb:.1f} MB"
-          f" (ratio {tree_mb / flat_mb:.2f})")
+    tree_mb = index_bytes_per_million_blocks(PrefixIndex) / 1e6
+    mapped_mb = index_bytes_per_million_blocks(functools.partial(PrefixIndex, block_map=True)) / 1e6
+    print(f"memory per million held blocks (unshared 32-block prompts): flat {flat_mb:.1f} MB; tree {tree_mb:.1f} MB"
+          f" ({tree_mb / flat_mb:.2f}x), tree with its block map (events mode) {mapped_mb:.1f} MB"
+          f" ({mapped_mb / flat_mb:.2f}x)")
     return 0
 
 
