@@ -32,15 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
 from balancer.types import ReplicaId
-
-
-def _bit_numbers(mask: int, nbytes: int, size: int) -> np.ndarray:
-    """Boolean array of shape ``(size,)``: True where bit ``i`` of ``mask`` is set."""
-    raw = np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8)
-    return np.unpackbits(raw, bitorder="little")[:size].astype(bool)
 
 
 class BlockIndex:
@@ -56,8 +48,7 @@ class BlockIndex:
         ValueError: on a non-positive capacity or TTL.
     """
 
-    __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru", "_bit", "_replica_of_bit", "_free_bits",
-                 "_version", "_numbers_cache")
+    __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru", "_bit", "_replica_of_bit", "_free_bits")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 1:
@@ -71,8 +62,6 @@ class BlockIndex:
         self._bit: dict[ReplicaId, int] = {}  # replica -> 1 << its number
         self._replica_of_bit: dict[int, ReplicaId] = {}  # number -> replica
         self._free_bits: list[int] = []  # numbers released by clear(), reused first
-        self._version = 0  # bumped whenever a number is assigned or released
-        self._numbers_cache: dict[int, tuple[tuple[ReplicaId, ...], int, np.ndarray]] = {}
 
     def _bit_of(self, replica: ReplicaId) -> int:
         bit = self._bit.get(replica)
@@ -80,7 +69,6 @@ class BlockIndex:
             num = self._free_bits.pop() if self._free_bits else len(self._bit)
             bit = self._bit[replica] = 1 << num
             self._replica_of_bit[num] = replica
-            self._version += 1
         return bit
 
     def _replicas_in(self, mask: int) -> list[ReplicaId]:
@@ -125,53 +113,6 @@ class BlockIndex:
         for r in self._replicas_in(active):
             result[r] = depth
         return result
-
-    def match_depths(self, block_hashes: Sequence[int]) -> np.ndarray:
-        """Leading blocks of ``block_hashes`` held by every numbered replica, as one array.
-
-        Returns shape ``(number of replica numbers,)``, int64, indexed by replica number (see
-        :meth:`numbers`); 0 for replicas holding nothing of the prompt. The same walk as
-        :meth:`match`, but replicas that stop matching are marked with one vectorised write per
-        depth at which any stop, so the cost is O(prompt blocks + depth changes), not
-        O(matching replicas) Python work (with a shared system prompt every replica matches).
-        """
-        size = len(self._bit) + len(self._free_bits)
-        out = np.zeros(size, dtype=np.int64)
-        if not block_hashes or not size:
-            return out
-        holders = self._holders
-        active = holders.get(block_hashes[0], 0)
-        if not active:
-            return out
-        nbytes = (size + 7) // 8
-        depth = 1
-        for h in block_hashes[1:]:
-            still = active & holders.get(h, 0)
-            if still != active:
-                out[_bit_numbers(active ^ still, nbytes, size)] = depth
-                active = still
-                if not active:
-                    return out
-            depth += 1
-        out[_bit_numbers(active, nbytes, size)] = depth
-        return out
-
-    def numbers(self, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
-        """Each replica's number in :meth:`match_depths` (-1 if it holds nothing), shape ``(n,)``.
-
-        Cached per ``replicas`` tuple object until a number is assigned or released, so a router
-        passing the same candidate tuple pays a dict lookup, not O(n) work.
-        """
-        hit = self._numbers_cache.get(id(replicas))
-        if hit is not None and hit[0] is replicas and hit[1] == self._version:
-            return hit[2]
-        bit = self._bit
-        arr = np.fromiter(((bit[r].bit_length() - 1) if r in bit else -1 for r in replicas),
-                          dtype=np.int64, count=len(replicas))
-        if len(self._numbers_cache) >= 16:
-            self._numbers_cache.clear()
-        self._numbers_cache[id(replicas)] = (replicas, self._version, arr)
-        return arr
 
     def match_replica(self, replica: ReplicaId, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` held by one replica."""
@@ -276,7 +217,6 @@ class BlockIndex:
             num = bit.bit_length() - 1
             del self._replica_of_bit[num]
             self._free_bits.append(num)
-            self._version += 1
         if not lru:
             return 0
         assert bit is not None
