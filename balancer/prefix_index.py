@@ -51,10 +51,15 @@ import numpy as np
 from balancer.types import ReplicaId
 
 
-def _bit_numbers(mask: int, nbytes: int, size: int) -> np.ndarray:
-    """Boolean array of shape ``(size,)``: True where bit ``i`` of ``mask`` is set."""
+#: Most holder bit sets whose replica numbers :meth:`PrefixIndex.match_depths` keeps converted.
+MASK_CACHE_SIZE = 1024
+
+
+def _bit_numbers(mask: int) -> np.ndarray:
+    """The numbers of the bits set in ``mask``, ascending, as an int64 array."""
+    nbytes = (mask.bit_length() + 7) // 8
     raw = np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8)
-    return np.unpackbits(raw, bitorder="little")[:size].astype(bool)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
 
 
 class _Entry:
@@ -127,7 +132,7 @@ class PrefixIndex:
     """
 
     __slots__ = ("capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
-                 "_version", "_numbers_cache", "_unique")
+                 "_version", "_numbers_cache", "_unique", "_mask_numbers")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None, *,
                  block_map: bool = False) -> None:
@@ -147,6 +152,9 @@ class PrefixIndex:
         self._version = 0  # bumped whenever a number is assigned or released
         self._numbers_cache: dict[int, tuple[tuple[ReplicaId, ...], int, np.ndarray]] = {}
         self._unique = 0  # blocks of nodes with at least one holder
+        # holder bit set -> its replica numbers (np.ndarray): the same few sets (a shared prefix's
+        # holders, a prompt's pair of replicas) come back decision after decision
+        self._mask_numbers: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------------ numbering
     def _state_of(self, replica: ReplicaId) -> _Replica:
@@ -260,16 +268,22 @@ class PrefixIndex:
 
         Returns shape ``(number of replica numbers,)``, int64, indexed by replica number (see
         :meth:`numbers`); 0 for replicas holding nothing of the prompt. Replicas whose match ends
-        at the same node are written with one vectorised store, so the cost is O(nodes on the
-        path + depth changes), not O(matching replicas) Python work.
+        at the same node are written with one vectorised store (their numbers converted from the
+        bit set once and cached), so the cost is O(nodes on the path + depth changes), not
+        O(matching replicas) Python work.
         """
         size = self._size()
         out = np.zeros(size, dtype=np.int64)
         if not block_hashes or not size:
             return out
-        nbytes = (size + 7) // 8
+        cache = self._mask_numbers
         for mask, depth in self._depth_changes(block_hashes):
-            out[_bit_numbers(mask, nbytes, size)] = depth
+            nums = cache.get(mask)
+            if nums is None:
+                if len(cache) >= MASK_CACHE_SIZE:
+                    cache.clear()
+                nums = cache[mask] = _bit_numbers(mask)
+            out[nums] = depth
         return out
 
     def numbers(self, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
