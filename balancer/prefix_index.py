@@ -21,14 +21,15 @@ most ``capacity_blocks`` blocks, the least recently used beyond that are evicted
 oldest first; with a TTL, blocks not touched for ``ttl_s`` are dropped by :meth:`expire`. A run's
 blocks are always touched together, so they stay adjacent in each holder's LRU order; when an
 eviction, a removal or a diverging prompt needs part of a run, the node splits in two and both
-pieces keep their exact places in every holder's order; pieces whose holders and places agree
-again are merged back.
+pieces keep their exact places in every holder's order. Pieces whose holders and places agree
+again are merged back when an insert's path or a drop passes them (opportunistically: the tree
+may keep more runs than the minimum, which never changes an answer).
 
 Cost per decision: ``match_depths``/``match`` O(nodes on the prompt's path + depth changes);
 ``insert`` O(nodes on the path + evicted nodes) plus O(new blocks) and O(evicted blocks) in C-level
 dict bulk updates of the block -> node map when it is kept (events mode), plus O(holders) for a
 split of a shared node. Memory: one node (with its holders' entries) per run, and one map entry
-per distinct block when the map is kept.
+per block in the tree (held, or in a run kept as the parent of held runs) when the map is kept.
 
 Inserted block lists must be a prompt's leading blocks (from block 0), as routed prompts and
 engines' ``BlockStored`` events are; with the block map on (``block_map=True``, events mode), an
@@ -264,7 +265,7 @@ class PrefixIndex:
         return out
 
     def match_depths(self, block_hashes: Sequence[int]) -> np.ndarray:
-        """Leading blocks of ``block_hashes`` held by every numbered replica, as one array.
+        """Leading blocks of ``block_hashes`` held by each numbered replica, as one array.
 
         Returns shape ``(number of replica numbers,)``, int64, indexed by replica number (see
         :meth:`numbers`); 0 for replicas holding nothing of the prompt. Replicas whose match ends
@@ -287,10 +288,12 @@ class PrefixIndex:
         return out
 
     def numbers(self, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
-        """Each replica's number in :meth:`match_depths` (-1 if it holds nothing), shape ``(n,)``.
+        """Each replica's number in :meth:`match_depths`, shape ``(n,)``: -1 for a replica without
+        a number (never registered nor inserted, or cleared); a numbered replica that holds
+        nothing of a prompt reads depth 0.
 
-        Cached per ``replicas`` tuple object until a number is assigned or released, so a router
-        passing the same candidate tuple pays a dict lookup, not O(n) work.
+        Cached per ``replicas`` tuple object (tuples cannot change) until a number is assigned or
+        released, so a router passing the same candidate tuple pays a dict lookup, not O(n) work.
         """
         hit = self._numbers_cache.get(id(replicas))
         if hit is not None and hit[0] is replicas and hit[1] == self._version:
@@ -335,6 +338,8 @@ class PrefixIndex:
         return [r for r, rs in self._state.items() if rs.blocks]
 
     def holds(self, replica: ReplicaId, block_hash: int) -> bool:
+        """Whether ``replica`` holds the block (the first call builds the block map if it is
+        not kept: O(blocks in the tree) once)."""
         rs = self._state.get(replica)
         node = self._block_map().get(block_hash)
         return rs is not None and node is not None and bool(node.holders & rs.bit)
@@ -443,14 +448,14 @@ class PrefixIndex:
             return 0
         node_of = self._block_map()
         bit = rs.bit
-        groups: dict[int, tuple[tuple[int, ...], set[int]]] = {}  # id(node) -> (its run, hashes)
+        groups: dict[_Node, tuple[tuple[int, ...], set[int]]] = {}  # node -> (its run now, hashes)
         for h in block_hashes:
             node = node_of.get(h)
             if node is None or not node.holders & bit:
                 continue
-            group = groups.get(id(node))
+            group = groups.get(node)
             if group is None:
-                group = groups[id(node)] = (node.blocks, set())
+                group = groups[node] = (node.blocks, set())
             group[1].add(h)
         n = 0
         for run, hashes in groups.values():
@@ -482,7 +487,9 @@ class PrefixIndex:
         return n
 
     def clear(self, replica: ReplicaId) -> int:
-        """Forget every block of one replica (``AllBlocksCleared`` event, or replica removed)."""
+        """Forget every block of one replica (``AllBlocksCleared`` event, or replica removed);
+        returns how many it held. Its number is released too (reused by the next new replica),
+        so cached :meth:`numbers` arrays are rebuilt once."""
         rs = self._state.pop(replica, None)
         if rs is None:
             return 0

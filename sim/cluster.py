@@ -138,6 +138,7 @@ class Cluster:
             else [("mixed", Role.MIXED, scenario.mixed)]
         )
         first_capacity_blocks: int | None = None
+        largest_capacity_blocks = 0
         for name, role, pool in pools:
             assert pool is not None
             perf = perf_factory(scenario, pool)
@@ -145,6 +146,7 @@ class Cluster:
             cap_blocks = max(1, cap_tokens // scenario.block_size)
             if first_capacity_blocks is None:
                 first_capacity_blocks = cap_blocks
+            largest_capacity_blocks = max(largest_capacity_blocks, cap_blocks)
             block_bytes = perf.kv_bytes_per_token * scenario.block_size
             block_bytes_of[name] = block_bytes
             if ss is not None and self.store is None and role is not Role.DECODE:
@@ -188,6 +190,10 @@ class Cluster:
                     self._group_of.extend(g for _ in members)
         cap = scenario.index_capacity_blocks
         self.router = router_factory(first_capacity_blocks if cap == "auto" else cap)
+        if cap == "auto" and self.router.index_mode == "events":
+            # KV events keep the view exact (BlockRemoved); a bound below a rank's cache (decode
+            # ranks hold more than prefill ranks) would drop blocks that rank still holds
+            self.router.index.capacity_blocks = largest_capacity_blocks
         for rank in self.ranks:
             self.router.add_replica(rank.replica, rank.role, rank.kv_capacity_blocks * scenario.block_size)
         self.kv_events = (self.router.index_mode == "events") if kv_events is None else kv_events

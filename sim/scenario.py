@@ -148,7 +148,9 @@ class Scenario(BaseModel):
         kv_transfer_latency_s: fixed cost per transfer.
         pd_min_uncached_tokens: conditional disaggregation threshold handed to the router.
         index_capacity_blocks: the router's prefix-index bound per replica; ``"auto"`` = the KV
-            capacity of a prefill (PD) or mixed rank in blocks; ``None`` = unbounded.
+            capacity of a prefill (PD) or mixed rank in blocks (with ``index_mode="events"``: of
+            the largest rank, so the view never drops blocks an engine still holds); ``None`` =
+            unbounded.
         fast_forward: while a step group's work does not change (no arrival, admission, finish
             or fetch completion), advance many decode steps and chunked-prefill steps per event
             with vectorised step times (``False`` = exact step-by-step reference mode; both give

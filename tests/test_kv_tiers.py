@@ -354,11 +354,34 @@ def test_end_to_end_conservation(mooncake_300: list[Request], mode: str) -> None
     assert st.store_write_bytes == st.store_written_blocks * cl.ranks[0].tiers.block_bytes
     if mode == "events":
         # the router's views equal the simulated caches: every change was published
-        for rank in cl.ranks:
-            assert set(cl.router.index.lru_order(rank.replica)) == set(rank.cache._lru), rank.replica
+        for rank in cl.ranks:  # same blocks in the same LRU order (the tree keeps exact block LRU)
+            assert cl.router.index.lru_order(rank.replica) == list(rank.cache._lru), rank.replica
             if rank.tiers is not None:
                 assert set(cl.router.host_index.lru_order(rank.replica)) == set(rank.tiers.host.store)
         assert set(cl.router.store_index.lru_order(STORE_HOLDER)) == set(s)
+
+
+def test_events_mode_auto_index_bound_keeps_every_rank_view_exact(mooncake_300: list[Request]) -> None:
+    # Prefill ranks hold 20,000 tokens (39 blocks), decode ranks far more. With the default
+    # index_capacity_blocks="auto", an events-mode router must not cap its view at the prefill
+    # rank's 39 blocks (it would drop blocks decode ranks still hold): expected, from the
+    # simulated caches themselves (an independent implementation), view == cache per rank, in
+    # LRU order, and the bound is the largest rank's capacity.
+    sc = Scenario(name="pd", model="deepseek-v3", hardware="h200",
+                  prefill=PoolConfig(num_engines=2, dp_ranks=8, kv_capacity_tokens=20_000),
+                  decode=PoolConfig(num_engines=1, dp_ranks=8))
+    cl = Cluster(sc, lambda cap: Router("cache_aware", "cache_aware", block_size=sc.block_size,
+                                        index_capacity_blocks=cap, index_mode="events"))
+    cl.run(mooncake_300)
+    caps = {rank.role: rank.kv_capacity_blocks for rank in cl.ranks}
+    assert caps[Role.PREFILL] == 20_000 // sc.block_size < caps[Role.DECODE]
+    assert cl.router.index.capacity_blocks == caps[Role.DECODE]
+    decode_held = 0
+    for rank in cl.ranks:
+        assert cl.router.index.lru_order(rank.replica) == list(rank.cache._lru), rank.replica
+        if rank.role is Role.DECODE:
+            decode_held = max(decode_held, len(rank.cache._lru))
+    assert decode_held > caps[Role.PREFILL]  # the case the old bound got wrong actually occurs
 
 
 def test_summary_kv_split(mooncake_300: list[Request]) -> None:

@@ -341,7 +341,7 @@ def check_tree(idx: PrefixIndex) -> None:
     """Structural invariants of the radix tree, from its parts (independent of how it got there):
     every block maps to the node whose run holds it; holders == the replicas with an entry;
     every non-root node is held or has children; each replica's LRU list holds exactly its nodes
-    and its block count; unique blocks == blocks of held runs."""
+    and its block count, with non-decreasing times; unique blocks == blocks of held runs."""
     seen_blocks, unique, stack = 0, 0, [idx._root]
     node_of = idx._node_of  # None until built (block_map=False and no remove()/holds() yet)
     per_replica: dict[int, set] = {}
@@ -365,9 +365,11 @@ def check_tree(idx: PrefixIndex) -> None:
     assert unique == idx.num_unique_blocks()
     assert node_of is None or seen_blocks == len(node_of)
     for rs in idx._state.values():
-        nodes, count, e = set(), 0, rs.head.next
+        nodes, count, e, last = set(), 0, rs.head.next, float("-inf")
         while e is not rs.head:
             assert e.next.prev is e and e.node.entries[rs.num] is e
+            assert e.time >= last  # LRU order is time order (expire() stops at the first live one)
+            last = e.time
             nodes.add(id(e.node))
             count += len(e.node.blocks)
             e = e.next
@@ -413,7 +415,7 @@ def test_eviction_split_then_retouch_merges_the_run_back():
     check_tree(idx)
 
 
-def test_insert_of_a_chain_fragment_is_refused_and_changes_nothing():
+def test_insert_of_a_chain_fragment_is_refused_and_changes_no_answer():
     x = blocks([1, 2, 3])
     idx = PrefixIndex(block_map=True)
     idx.insert(R0, x, 0.0)
