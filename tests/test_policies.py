@@ -184,6 +184,28 @@ def rendezvous_order(key: bytes, replicas):
     return sorted(replicas, key=lambda r: w[r], reverse=True)
 
 
+def test_rendezvous_weights_cached_per_key_and_candidate_set_equal_fresh_ones():
+    # Expected: the plain-int splitmix64 above (independent of numpy), for a first (computed) and
+    # a second (cached) call; a different candidate tuple with other replicas gets its own weights;
+    # the shared cached array cannot be written by a caller.
+    from balancer.policies.consistent_hash import rendezvous_weights
+    a = tuple(rid("w", i) for i in range(5))
+    b = tuple(rid("v", i) for i in range(5))
+    key = b"s:sess-1"
+    k = xxhash.xxh3_64_intdigest(key)
+
+    def expected(reps):
+        return [_splitmix64(k ^ xxhash.xxh3_64_intdigest(r.engine.encode() + b"|" + r.dp_rank.to_bytes(4, "little")))
+                for r in reps]
+
+    first = rendezvous_weights(key, a)
+    assert first.tolist() == expected(a)
+    assert rendezvous_weights(key, a) is first  # cached
+    assert rendezvous_weights(key, b).tolist() == expected(b)
+    with pytest.raises(ValueError):
+        first[0] = 0
+
+
 def test_consistent_hash_same_session_same_replica_and_matches_rendezvous():
     names = [("w", i) for i in range(6)]
     cs = cands(*(view(e, dp=d) for e, d in names))

@@ -10,7 +10,8 @@ Candidates are ranked by rendezvous (highest-random-weight) hashing with weight
 ``w_i = splitmix64(xxh3_64(key) XOR xxh3_64(engine | dp_rank as 4 bytes LE))``, descending. This
 is a consistent hash: adding or removing a replica moves only the keys it wins or held. The
 replica hashes are computed once per candidate set and the weights in one vectorised numpy pass,
-so a decision is O(replicas) array work (no per-replica hashing or sorting per request).
+cached per key (affinity keys recur), so a decision is O(replicas) array work at most (no
+per-replica hashing or sorting per request).
 ``splitmix64`` (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA
 2014; the finaliser constants of Vigna's SplitMix64) is a bijection on 64-bit words that mixes
 every input bit into every output bit, which makes the XOR-combined weights independent per key.
@@ -85,9 +86,26 @@ def _replica_hashes(replicas: tuple[ReplicaId, ...]) -> np.ndarray:
     return arr
 
 
+# Weights per (key, candidate tuple): affinity keys recur by design (a session's turns, prompts
+# sharing a prefix), so most decisions reuse their key's weights. Bounded to about 4 MB of
+# weights whatever the number of replicas; cleared when full.
+_WEIGHTS_CACHE: dict[tuple[bytes, int], tuple[tuple[ReplicaId, ...], np.ndarray]] = {}
+_WEIGHTS_CACHE_ELEMENTS = 1 << 19
+
+
 def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
-    """``w_i`` of the module docstring for every replica, shape ``(n,)``, ``uint64``."""
-    return splitmix64(_replica_hashes(replicas) ^ np.uint64(xxhash.xxh3_64_intdigest(key)))
+    """``w_i`` of the module docstring for every replica, shape ``(n,)``, ``uint64``, read-only
+    (cached per key and candidate tuple)."""
+    slot = (key, id(replicas))
+    hit = _WEIGHTS_CACHE.get(slot)
+    if hit is not None and hit[0] is replicas:
+        return hit[1]
+    w = splitmix64(_replica_hashes(replicas) ^ np.uint64(xxhash.xxh3_64_intdigest(key)))
+    w.flags.writeable = False  # shared by every decision with this key
+    if len(_WEIGHTS_CACHE) >= max(64, _WEIGHTS_CACHE_ELEMENTS // max(1, len(replicas))):
+        _WEIGHTS_CACHE.clear()
+    _WEIGHTS_CACHE[slot] = (replicas, w)
+    return w
 
 
 @register
