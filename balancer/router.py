@@ -398,7 +398,9 @@ class Router:
         then only the publisher); events for a tier the router does not track are ignored.
 
         Raises:
-            TypeError: not a KV event. ValueError: an unknown medium.
+            TypeError: not a KV event. ValueError: an unknown medium, or an HBM ``BlockStored``
+                whose blocks do not start at a prompt's first block (the prefix tree needs whole
+                prompts; see :class:`~balancer.prefix_index.PrefixIndex`).
         """
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"unknown KV event {event!r}")

@@ -406,3 +406,18 @@ def test_exclude_engines_keeps_prefix_matches_of_the_remaining_replicas():
     third = r.route(rq("c", 64, x), 0.0, exclude_engines={"http://d-a"})
     assert third.decode == DB and third.decode_matched_tokens == 64
     assert third.decode_choice.reason == "cache_hit"
+
+
+def test_events_mode_refuses_an_hbm_block_stored_that_is_not_a_whole_prompt():
+    # The events-mode prefix tree keeps its block map, so a BlockStored whose blocks continue a
+    # chain (block 1 onwards, without block 0) is a clear error rather than a silently unmatched
+    # run; the router's view is unchanged (hand: replica holds the 3 blocks it stored first).
+    r = Router("cache_aware", "cache_aware", index_mode="events")
+    a, b = rid("a"), rid("b")
+    r.add_replica(a, "decode")
+    r.add_replica(b, "decode")
+    x = blocks([1, 2, 3])
+    r.on_kv_event(a, BlockStored(x), 0.0)
+    with pytest.raises(ValueError, match="leading blocks"):
+        r.on_kv_event(b, BlockStored(x[1:]), 1.0)
+    assert r.index.match(x) == {a: 3}
