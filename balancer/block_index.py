@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from balancer.hashing import leading_held
 from balancer.types import ReplicaId
 
 
@@ -117,14 +118,7 @@ class BlockIndex:
     def match_replica(self, replica: ReplicaId, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` held by one replica."""
         lru = self._lru.get(replica)
-        if not lru:
-            return 0
-        n = 0
-        for h in block_hashes:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        return leading_held(block_hashes, lru) if lru else 0
 
     def num_blocks(self, replica: ReplicaId | None = None) -> int:
         """Blocks held by ``replica``, or by all replicas together (counted per replica)."""

@@ -25,7 +25,8 @@ text-hashed prompts in one index.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
+from itertools import takewhile
 
 import numpy as np
 import xxhash
@@ -204,3 +205,10 @@ def text_chunk_hashes(text: str, chunk_chars: int, parent_hash: int | None = Non
         h = _xxh3(h.to_bytes(8, "little") + text[off : off + chunk_chars].encode("utf-8", "surrogatepass"))
         out.append(h)
     return out
+
+
+def leading_held(block_hashes: Iterable[int], held: Container[int]) -> int:
+    """How many leading blocks of ``block_hashes`` are in ``held`` (a set, dict or LRU of block
+    hashes): the prefix hit of a prompt on one cache. Stops at the first block not held (a later
+    block, even if held, cannot be reused without its prefix). C-level iteration."""
+    return sum(1 for _ in takewhile(held.__contains__, block_hashes))

@@ -159,3 +159,13 @@ def test_text_chunk_hashes() -> None:
         text_chunk_hashes("abc", 0)
     with pytest.raises(TypeError):
         text_chunk_hashes(b"abc", 1)  # type: ignore[arg-type]
+
+
+def test_leading_held_counts_only_the_unbroken_prefix():
+    # hand: blocks 0 and 1 held, 2 not, 3 held again -> 2 (block 3 is useless without block 2)
+    from balancer.hashing import leading_held
+    hs = [10, 11, 12, 13]
+    assert leading_held(hs, {10, 11, 13}) == 2
+    assert leading_held(hs, {11, 12, 13}) == 0  # the root is missing
+    assert leading_held(hs, dict.fromkeys(hs)) == 4 and leading_held([], {10}) == 0
+    assert leading_held(iter(hs), {10}) == 1  # any iterable

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from balancer.hashing import leading_held
+
 
 class BlockCache:
     """LRU set of block hashes, at most ``capacity_blocks`` of them.
@@ -36,13 +38,7 @@ class BlockCache:
 
     def match(self, block_hashes: Sequence[int]) -> int:
         """Number of leading blocks of ``block_hashes`` held."""
-        lru = self._lru
-        n = 0
-        for h in block_hashes:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        return leading_held(block_hashes, self._lru)
 
     def insert(self, block_hashes: Sequence[int]) -> list[int]:
         """Hold ``block_hashes`` (most recently used); returns the evicted hashes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from balancer.hashing import leading_held
 from balancer.types import Request
 
 from ._checks import check_positive_int
@@ -38,11 +39,7 @@ def ideal_hit_rate(requests: Sequence[Request], block_size: int) -> tuple[float,
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
     for r in sorted(requests, key=lambda r: r.arrival_time_s):
         hashes = r.block_hashes
-        k = 0
-        for h in hashes:
-            if h not in seen:
-                break
-            k += 1
+        k = leading_held(hashes, seen)
         hit_blocks += k
         total_blocks += len(hashes)
         hit_tokens += min(k * block_size, r.prompt_tokens)

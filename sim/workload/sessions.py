@@ -48,7 +48,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from balancer.hashing import hash_token_blocks
+from balancer.hashing import hash_token_blocks, leading_held
 from balancer.types import Request
 
 __all__ = [
@@ -318,11 +318,7 @@ def workload_summary(requests: Sequence[Request], block_size: int) -> dict[str, 
     acc: dict[str, dict[str, float]] = {}
     sessions: dict[str, set[str]] = {}
     for r in sorted(requests, key=lambda r: r.arrival_time_s):
-        k = 0
-        for h in r.block_hashes:
-            if h not in seen:
-                break
-            k += 1
+        k = leading_held(r.block_hashes, seen)
         seen.update(r.block_hashes)
         for cls in ("all", r.traffic_class or "none"):
             a = acc.setdefault(cls, {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "hit_tokens": 0})
