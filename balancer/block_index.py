@@ -145,12 +145,15 @@ class BlockIndex:
         return list(lru) if lru else []
 
     # ------------------------------------------------------------------ updates (hooks only)
-    def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0) -> list[int]:
+    def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0, *,
+               parent_block_hash: int | None = None) -> list[int]:
         """Record that ``replica`` holds ``block_hashes`` (a prompt's leading blocks) at ``now_s``.
 
         Touches the blocks deepest-first (the root ends most recently used), then evicts least
         recently used blocks beyond ``capacity_blocks``. Returns the evicted hashes, oldest first.
         If the prompt alone exceeds the capacity, only its first ``capacity_blocks`` blocks are kept.
+        ``parent_block_hash`` (the block a continuation hangs from) is accepted for the same call
+        as :meth:`PrefixIndex.insert`; a flat index keeps blocks wherever they are, so needs none.
         """
         lru = self._lru.get(replica)
         if lru is None:

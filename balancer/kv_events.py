@@ -50,10 +50,14 @@ def tier_of_medium(medium: str | None) -> str:
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """The replica (or, for a shared-store medium, the store) now holds these blocks.
-    ``block_hashes`` are a prompt's leading blocks in order."""
+
+    ``block_hashes`` are consecutive blocks of one prompt, in order: its leading blocks when
+    ``parent_block_hash`` is ``None``, else the blocks that follow the block with that hash (vLLM's
+    ``BlockStored`` announces only new blocks and names their parent this way)."""
 
     block_hashes: tuple[int, ...]
     medium: str | None = None
+    parent_block_hash: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

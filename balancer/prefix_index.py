@@ -31,10 +31,10 @@ dict bulk updates of the block -> node map when it is kept (events mode), plus O
 split of a shared node. Memory: one node (with its holders' entries) per run, and one map entry
 per block in the tree (held, or in a run kept as the parent of held runs) when the map is kept.
 
-Inserted block lists must be a prompt's leading blocks (from block 0), as routed prompts and
-engines' ``BlockStored`` events are; with the block map on (``block_map=True``, events mode), an
-insert whose first new block is already indexed at another place (a list that did not start at
-block 0) raises ``ValueError``. Blocks from arbitrary positions (lower KV tiers) go to
+Inserted block lists must be a prompt's leading blocks (from block 0), as routed prompts are, or
+name the block they continue (``parent_block_hash``, as vLLM's ``BlockStored`` events do); a list
+without a parent is taken as a prompt's start. With the block map on (``block_map=True``, events
+mode), an insert whose first new block is already indexed at another place raises ``ValueError``. Blocks from arbitrary positions (lower KV tiers) go to
 :class:`balancer.block_index.BlockIndex`.
 
 Sources: SGLang's cache-aware router (an approximate radix tree per worker, LRU leaf eviction),
@@ -357,17 +357,22 @@ class PrefixIndex:
         return out
 
     # ------------------------------------------------------------------ updates (hooks only)
-    def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0) -> list[int]:
-        """Record that ``replica`` holds ``block_hashes`` (a prompt's leading blocks) at ``now_s``.
+    def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0, *,
+               parent_block_hash: int | None = None) -> list[int]:
+        """Record that ``replica`` holds ``block_hashes`` at ``now_s``: a prompt's leading blocks,
+        or, with ``parent_block_hash``, the blocks that continue the block with that hash (as an
+        engine's ``BlockStored`` event announces only its new blocks).
 
-        Touches the blocks deepest-first (the root ends most recently used), then evicts least
-        recently used blocks beyond ``capacity_blocks``. Returns the evicted hashes, oldest first.
-        If the prompt alone exceeds the capacity, only its first ``capacity_blocks`` blocks are kept.
+        Touches the given blocks deepest-first (the first ends most recently used), then evicts
+        least recently used blocks beyond ``capacity_blocks``. Returns the evicted hashes, oldest
+        first. If the list alone exceeds the capacity, only its first ``capacity_blocks`` blocks
+        are kept. A continuation of a block the index does not know is dropped (returns ``[]``):
+        it could never be matched, since a match starts at a prompt's first block.
 
         Raises:
-            ValueError: with the block map on, the first block of the prompt's new part is
-                already in the tree at another place (the list does not start at a prompt's
-                first block, or hashes are not chained).
+            ValueError: with the block map on, the first block of the list's new part is
+                already in the tree at another place (the list neither starts at a prompt's
+                first block nor names its parent, or hashes are not chained).
         """
         rs = self._state.get(replica) or self._state_of(replica)
         cap = self.capacity_blocks
@@ -377,6 +382,12 @@ class PrefixIndex:
             return []
         path: list[_Node] = []
         node = self._root
+        if parent_block_hash is not None:  # start below the parent block (split its run after it)
+            parent = self._block_map().get(parent_block_hash)
+            if parent is None:
+                return []
+            i = parent.blocks.index(parent_block_hash) + 1
+            node = parent if i == len(parent.blocks) else self._split(parent, i)[0]
         pos = 0
         node_of = self._node_of
         while pos < n:
@@ -386,8 +397,10 @@ class PrefixIndex:
                 if node_of is not None:
                     if run[0] in node_of:  # the list did not start at block 0 (chained hashes: the
                         # first block of a new run is new, and so is every block after it)
-                        raise ValueError("block hashes must be a prompt's leading blocks, chained from block 0: "
-                                         f"block {pos} is new under its parent here but already indexed elsewhere")
+                        raise ValueError("block hashes must be a prompt's leading blocks, chained from block 0, or "
+                                         f"name their parent block: block {pos} is new under its parent here but "
+                                         "already indexed elsewhere (was a continuation stored earlier without "
+                                         "its parent hash?)")
                 child = _Node(run, node)
                 node.children[run[0]] = child
                 if node_of is not None:

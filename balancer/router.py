@@ -165,8 +165,24 @@ class Router:
 
     # ------------------------------------------------------------------ registry
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
-        """Register a DP rank (idempotent for the same role; re-adding marks it healthy)."""
-        role = Role(role)
+        """Register a DP rank (idempotent for the same role; re-adding marks it healthy).
+
+        Raises:
+            TypeError: ``replica`` is not a :class:`~balancer.types.ReplicaId`.
+            ValueError: unknown role, negative ``dp_rank`` or ``kv_capacity_tokens``, or the
+                replica is already registered with another role.
+        """
+        if not isinstance(replica, ReplicaId) or not isinstance(replica.engine, str) \
+                or not isinstance(replica.dp_rank, int):
+            raise TypeError(f"replica must be a ReplicaId(engine: str, dp_rank: int), got {replica!r}")
+        if replica.dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {replica.dp_rank} for {replica}")
+        if kv_capacity_tokens < 0:
+            raise ValueError(f"kv_capacity_tokens must be >= 0 (0 = unknown), got {kv_capacity_tokens} for {replica}")
+        try:
+            role = Role(role)
+        except ValueError:
+            raise ValueError(f"unknown role {role!r}; valid: {', '.join(r.value for r in Role)}") from None
         info = self._replicas.get(replica)
         if info is not None and info.role is not role:
             raise ValueError(f"{replica} is already registered as {info.role.value}")
@@ -187,8 +203,15 @@ class Router:
         self._pools = None
 
     def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
-        """Mark a DP rank (un)healthy; unhealthy ranks are not candidates but keep their state."""
-        self._replicas[replica].healthy = healthy
+        """Mark a DP rank (un)healthy; unhealthy ranks are not candidates but keep their state.
+
+        Raises:
+            KeyError: unknown replica.
+        """
+        info = self._replicas.get(replica)
+        if info is None:
+            raise KeyError(f"unknown replica {replica}")
+        info.healthy = healthy
         self._pools = None
 
     def replicas(self, role: Role | None = None) -> list[ReplicaInfo]:
@@ -330,6 +353,11 @@ class Router:
                 worker again beats a 503). Any collection with ``in``; empty (default): the
                 cached pools are used as they are, at no extra cost.
 
+        With prefill replicas registered but none healthy, the request is served by its decode
+        replica alone (``Route.prefill`` is ``None``), as in an aggregated deployment; callers
+        whose decode engines cannot prefill should check ``Route.prefill`` (or
+        :attr:`disaggregated`) before dispatching.
+
         Raises:
             NoReplicaError: no healthy decode (or mixed) replica.
             ValueError: the request id is already in flight.
@@ -399,8 +427,9 @@ class Router:
 
         Raises:
             TypeError: not a KV event. ValueError: an unknown medium, or an HBM ``BlockStored``
-                whose blocks do not start at a prompt's first block (the prefix tree needs whole
-                prompts; see :class:`~balancer.prefix_index.PrefixIndex`).
+                whose blocks neither start at a prompt's first block nor name their parent
+                block, detected when its first block is already indexed elsewhere (see
+                :class:`~balancer.prefix_index.PrefixIndex`).
         """
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"unknown KV event {event!r}")
@@ -414,7 +443,7 @@ class Router:
             return
         holder = STORE_HOLDER if tier == "store" else replica
         if isinstance(event, BlockStored):
-            index.insert(holder, event.block_hashes, now_s)
+            index.insert(holder, event.block_hashes, now_s, parent_block_hash=event.parent_block_hash)
         elif isinstance(event, BlockRemoved):
             index.remove(holder, event.block_hashes)
         else:

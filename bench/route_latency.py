@@ -3,9 +3,11 @@
 
 For 8, 64 and 512 decode replicas (plus as many prefill replicas), prompts of 1k and 32k tokens
 (512-token blocks, half of them sharing a prefix with earlier requests), measures
-``Router.route`` wall time per request, p50 / p99, after a warm-up that fills the prefix index
-(2,048 blocks = 1M tokens per replica, about one GPU's KV) so that every insert evicts, as in a
-long-running router. Baseline in the same run: ``round_robin`` (the cheapest policy), so the ratio column
+``Router.route`` wall time per request, p50 / p99, after a warm-up that routes until the prefix
+index is full (2,048 blocks = 1M tokens per replica, about one GPU's KV; then every insert
+evicts, as in a long-running router) or 20,000 decisions were made. The "index fill" column
+says how full it got: policies that keep prompts on few replicas, and short prompts on many
+replicas, leave most replicas' indexes partly empty. Baseline in the same run: ``round_robin`` (the cheapest policy), so the ratio column
 shows what each policy costs on top of the router's fixed work. Then the prefix index alone
 (one match and two inserts per decision) for the radix tree (``PrefixIndex``) against the flat
 per-block index (``BlockIndex``) as the same-run baseline, and both indexes' bytes per million

@@ -515,3 +515,55 @@ def test_registered_replicas_are_numbered_before_their_first_insert():
     idx.insert(R2, blocks([1, 2]), 0.0)
     assert idx.numbers(pool) is nums
     assert idx.match_depths(blocks([1, 2])).tolist() == [0, 0, 2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.integers(0, 2), prompt_ids, st.integers(0, 6), st.booleans()),
+                   min_size=1, max_size=25),
+    cap=st.one_of(st.none(), st.integers(6, 12)),
+)
+@both
+def test_continuations_with_a_parent_hash_match_reference(Index, steps, cap):
+    # An engine announces a prompt in two events: its first k blocks, then the rest naming block
+    # k-1 as parent (vLLM's BlockStored). Expected: the list model given the same blocks (a
+    # continuation touches only its own blocks), after every step; the capacity (>= 6) keeps the
+    # parent just stored.
+    idx = Index(capacity_blocks=cap)
+    ref = RefIndex(cap, None)
+    for step, (ri, ids, k, also_remove) in enumerate(steps):
+        r, hs = REPLICAS[ri], blocks(ids)
+        k = min(k, len(hs))
+        now = float(step)
+        if 0 < k < len(hs):
+            assert idx.insert(r, hs[:k], now) == ref.insert(r, hs[:k], now)
+            assert (idx.insert(r, hs[k:], now, parent_block_hash=hs[k - 1])
+                    == ref.insert(r, hs[k:], now))
+        else:
+            assert idx.insert(r, hs, now) == ref.insert(r, hs, now)
+        if also_remove:
+            sub = hs[: len(hs) // 2]
+            assert idx.remove(r, sub) == ref.remove(r, sub)
+        for rr in REPLICAS:
+            assert idx.lru_order(rr) == [e[0] for e in ref.lists[rr]]
+        if Index is PrefixIndex:
+            check_tree(idx)
+    for ids in ([0, 1, 2, 3], [0, 1], [2, 1, 0, 1]):
+        q = blocks(ids)
+        got = idx.match(q)
+        assert {r: got.get(r, 0) for r in REPLICAS} == {r: ref.match(r, q) for r in REPLICAS}
+
+
+def test_continuation_of_an_unknown_parent_is_dropped():
+    # hand: nothing indexed has hash 12345, so blocks hanging from it can never be matched
+    idx = PrefixIndex(block_map=True)
+    x = blocks([1, 2, 3])
+    assert idx.insert(R0, x[1:], 0.0, parent_block_hash=12345) == []
+    assert idx.num_blocks() == 0 and idx.num_nodes() == 0
+    # a known parent in the middle of a run splits it there: R1 holds [x0] + [y1], R0 all of x
+    idx.insert(R0, x, 1.0)
+    y = blocks([1, 7])
+    idx.insert(R1, x[:1], 2.0)
+    idx.insert(R1, y[1:], 2.0, parent_block_hash=x[0])
+    assert idx.match(y) == {R0: 1, R1: 2} and idx.match(x) == {R0: 3, R1: 1}
+    check_tree(idx)

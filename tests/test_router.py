@@ -421,3 +421,41 @@ def test_events_mode_refuses_an_hbm_block_stored_that_is_not_a_whole_prompt():
     with pytest.raises(ValueError, match="leading blocks"):
         r.on_kv_event(b, BlockStored(x[1:]), 1.0)
     assert r.index.match(x) == {a: 3}
+
+
+def test_events_mode_continuation_events_name_their_parent():
+    # vLLM announces new blocks only, with the parent's hash. Hand: replica a stores blocks 0-2,
+    # then 3-5 under block 2 -> a matches 6; a whole-prompt event for b afterwards is accepted
+    # (the continuation was not mistaken for a prompt start) and b matches 6 too. A continuation
+    # of a block nobody holds changes nothing.
+    r = Router("cache_aware", "cache_aware", index_mode="events")
+    a, b = rid("a"), rid("b")
+    r.add_replica(a, "decode")
+    r.add_replica(b, "decode")
+    h = blocks(list(range(10)))
+    r.on_kv_event(a, BlockStored(h[:3]), 0.0)
+    r.on_kv_event(a, BlockStored(h[3:6], parent_block_hash=h[2]), 0.5)
+    assert r.index.match(h) == {a: 6}
+    r.on_kv_event(b, BlockStored(h[:6]), 1.0)
+    assert r.index.match(h) == {a: 6, b: 6}
+    r.on_kv_event(b, BlockStored(h[7:], parent_block_hash=h[6]), 1.5)  # block 6 unknown
+    assert r.index.match(h) == {a: 6, b: 6} and r.index.num_blocks(b) == 6
+
+
+def test_add_replica_rejects_bad_ids_roles_and_capacities_up_front():
+    # each bad registration is a one-line error at add_replica, and leaves the router usable
+    r = Router()
+    with pytest.raises(TypeError, match="ReplicaId"):
+        r.add_replica(("z", 1), "decode")
+    with pytest.raises(TypeError, match="ReplicaId"):
+        r.add_replica("p-9", "prefill")
+    with pytest.raises(ValueError, match="dp_rank must be >= 0"):
+        r.add_replica(rid("d", -1), "decode")
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        r.add_replica(rid("d"), "decode", kv_capacity_tokens=-5)
+    with pytest.raises(ValueError, match="valid: prefill, decode, mixed"):
+        r.add_replica(rid("d"), "prefil")
+    with pytest.raises(KeyError, match="unknown replica zz/dp0"):
+        r.set_healthy(rid("zz"), False)
+    r.add_replica(rid("d"), "decode")
+    assert r.route(req("x", 100, [1]), 0.0).decode == rid("d")
