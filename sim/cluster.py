@@ -44,6 +44,7 @@ from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemove
 from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role
+from sim.cost_model import cost_model_for
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
 from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
@@ -393,15 +394,17 @@ def simulate(
     KV events (see :class:`Cluster`). ``router_tiers``: when the scenario has KV tiers, give the
     router views of them (host tier per replica, shared store; ``False`` = HBM only).
     ``tier_weights``: the router's weights of lower-tier hits (default
-    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`)."""
+    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
+    (:func:`sim.cost_model.cost_model_for`) for cost-based policies."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
+    cost_model = cost_model_for(scenario, perf_factory)
 
     def make_router(capacity_blocks: int | None) -> Router:
         return Router(prefill_policy, decode_policy, block_size=scenario.block_size,
                       index_capacity_blocks=capacity_blocks, index_mode=index_mode,
                       pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed,
-                      tier_weights=tier_weights, **tier_kw)
+                      tier_weights=tier_weights, cost_model=cost_model, **tier_kw)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, make_router, perf_factory)
