@@ -1,0 +1,234 @@
+"""Where simulation points run: this process, a local process pool, or a Ray cluster.
+
+Every executor has one method that matters, :meth:`Executor.submit`, which takes a
+:class:`sim.point.Point` and returns a :class:`concurrent.futures.Future` of its
+:class:`sim.point.PointResult`, and a number of ``slots`` (points it runs at once). Searches and
+sweeps submit points and consume futures as they complete (:func:`concurrent.futures.wait`), so
+results stream back in completion order.
+
+- :class:`SerialExecutor`: runs each point when submitted (1 slot); for tests and ``--jobs 1``.
+- :class:`ProcessExecutor`: a ``concurrent.futures.ProcessPoolExecutor`` of ``jobs`` worker
+  processes (``forkserver`` start: no fork of a multi-threaded parent). In-memory workloads are
+  handed to each worker once, at start; trace workloads are read once per worker and cached.
+- :class:`RayExecutor` (``pip install 'pdlb[ray]'``): one Ray task per point; in-memory workloads
+  go to the object store once (``ray.put``). A task whose worker dies is retried
+  (``max_retries``), then its future raises; callers turn that into an error row, never a silently
+  missing one.
+
+Ray on a small shared machine: :func:`ray_init_kwargs` gives the settings the tests and the
+benchmark use: ``num_cpus`` bounded, a small object store, no dashboard, and Ray's memory monitor
+(which kills workers when the *node's* memory use, every process on the machine included, crosses
+``RAY_memory_usage_threshold``, default 0.95) raised to 0.98 so that other tenants of a shared
+24 GB machine do not get pdlb's workers killed; ``RAY_memory_monitor_refresh_ms=0`` turns the
+monitor off altogether. These are environment variables read when Ray starts its local instance.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from balancer.types import Request
+from sim.point import Point, PointResult, evaluate_point, import_policy_modules, register_workload
+
+
+class Executor:
+    """Base class: ``submit(point) -> Future[PointResult]``, ``slots``, context manager."""
+
+    slots: int = 1
+    name: str = "serial"
+
+    def submit(self, point: Point) -> cf.Future:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def add_workloads(self, workloads: Mapping[str, Sequence[Request]]) -> None:
+        """Make in-memory workloads available to the points submitted from now on."""
+        for key, reqs in workloads.items():
+            register_workload(key, reqs)
+
+    def shutdown(self) -> None:
+        """Release workers (idempotent)."""
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class SerialExecutor(Executor):
+    """Evaluate each point in this process, at submit time (the returned future is done).
+
+    Args:
+        workloads: in-memory workloads ``{key: requests}`` the points refer to by key.
+    """
+
+    def __init__(self, workloads: Mapping[str, Sequence[Request]] | None = None) -> None:
+        for key, reqs in (workloads or {}).items():
+            register_workload(key, reqs)
+
+    def submit(self, point: Point) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        try:
+            fut.set_result(evaluate_point(point))
+        except Exception as e:  # noqa: BLE001 - delivered through the future like the others
+            fut.set_exception(e)
+        return fut
+
+
+def _init_worker(workloads: Mapping[str, Sequence[Request]], modules: Sequence[str]) -> None:
+    for key, reqs in workloads.items():
+        register_workload(key, reqs)
+    import_policy_modules(modules)
+
+
+def default_jobs() -> int:
+    """Cores this process may use (``os.sched_getaffinity`` where available)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class ProcessExecutor(Executor):
+    """A local pool of ``jobs`` worker processes.
+
+    Args:
+        jobs: worker processes (>= 1).
+        workloads: in-memory workloads handed to every worker once, at start.
+        modules: policy modules imported in every worker (``--policy-module``).
+
+    Raises:
+        ValueError: ``jobs`` < 1.
+    """
+
+    name = "process"
+
+    def __init__(self, jobs: int, workloads: Mapping[str, Sequence[Request]] | None = None,
+                 modules: Sequence[str] = ()) -> None:
+        if jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {jobs}")
+        self.slots = jobs
+        self._workloads = {k: list(v) for k, v in (workloads or {}).items()}
+        self._modules = tuple(modules)
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def add_workloads(self, workloads: Mapping[str, Sequence[Request]]) -> None:
+        """Add in-memory workloads; a started pool is restarted so every worker has them."""
+        self._workloads.update({k: list(v) for k, v in workloads.items()})
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def submit(self, point: Point) -> cf.Future:
+        if self._pool is None:
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            self._pool = cf.ProcessPoolExecutor(max_workers=self.slots, mp_context=ctx, initializer=_init_worker,
+                                                initargs=(self._workloads, self._modules))
+        return self._pool.submit(evaluate_point, point)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def ray_init_kwargs(num_cpus: int | None = None, object_store_memory_bytes: int = 200 * 2**20) -> dict[str, Any]:
+    """``ray.init`` keyword arguments for a small local instance (see the module docstring), and
+    the memory-monitor environment set for it: ``num_cpus`` (default: :func:`default_jobs`), an
+    object store of ``object_store_memory_bytes`` (default 200 MiB; a full trace is ~4 MB), no
+    dashboard, logs kept off the terminal."""
+    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    return {"num_cpus": num_cpus or default_jobs(), "object_store_memory": object_store_memory_bytes,
+            "include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+
+
+_RAY_EVAL = None
+
+
+def _ray_eval_fn():  # noqa: ANN202 - the remote function, made once per process
+    global _RAY_EVAL
+    if _RAY_EVAL is None:
+        import ray
+
+        @ray.remote(num_cpus=1)
+        def ray_evaluate(point: Point, workloads: Mapping[str, Sequence[Request]], modules: Sequence[str]) -> PointResult:
+            _init_worker(workloads, modules)  # cheap after the first task of a worker (cached)
+            return evaluate_point(point)
+
+        _RAY_EVAL = ray_evaluate
+    return _RAY_EVAL
+
+
+class RayExecutor(Executor):
+    """One Ray task per point.
+
+    Args:
+        address: a running cluster (``"auto"``, ``"ray://host:port"``, ``"host:port"``) or
+            ``None`` to start a local instance (:func:`ray_init_kwargs`; stopped by
+            :meth:`shutdown`). An already initialised Ray is used as it is.
+        num_cpus: CPUs of a local instance (default: this machine's).
+        workloads / modules: as for :class:`ProcessExecutor`.
+        max_retries: times a task whose worker died is retried before its future raises.
+
+    Raises:
+        ImportError: Ray is not installed (the message says ``pip install 'pdlb[ray]'``).
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
+                 workloads: Mapping[str, Sequence[Request]] | None = None, modules: Sequence[str] = (),
+                 max_retries: int = 2) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ImportError("--executor ray needs Ray: pip install 'pdlb[ray]'") from None
+        self._ray = ray
+        self._owns = False
+        if not ray.is_initialized():
+            if address is None:
+                ray.init(**ray_init_kwargs(num_cpus))
+            else:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            self._owns = True
+        self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self._workloads = ray.put({k: list(v) for k, v in (workloads or {}).items()})
+        self._modules = tuple(modules)
+        self._fn = _ray_eval_fn().options(max_retries=max_retries)
+
+    def add_workloads(self, workloads: Mapping[str, Sequence[Request]]) -> None:
+        merged = self._ray.get(self._workloads) | {k: list(v) for k, v in workloads.items()}
+        self._workloads = self._ray.put(merged)
+
+    def submit(self, point: Point) -> cf.Future:
+        return self._fn.remote(point, self._workloads, self._modules).future()
+
+    def shutdown(self) -> None:
+        if self._owns and self._ray.is_initialized():
+            self._ray.shutdown()
+            self._owns = False
+
+
+def make_executor(kind: str = "process", *, jobs: int | None = None, ray_address: str | None = None,
+                  workloads: Mapping[str, Sequence[Request]] | None = None, modules: Sequence[str] = ()) -> Executor:
+    """``"serial"``, ``"process"`` (``jobs`` workers, default :func:`default_jobs`; 1 job = serial)
+    or ``"ray"`` (``ray_address``: None = a local instance of ``jobs`` CPUs).
+
+    Raises:
+        ValueError: unknown kind.
+        ImportError: ``"ray"`` without Ray installed.
+    """
+    if kind == "serial" or (kind == "process" and (jobs or default_jobs()) == 1):
+        import_policy_modules(modules)
+        return SerialExecutor(workloads)
+    if kind == "process":
+        return ProcessExecutor(jobs or default_jobs(), workloads, modules)
+    if kind == "ray":
+        return RayExecutor(ray_address, num_cpus=jobs, workloads=workloads, modules=modules)
+    raise ValueError(f"unknown executor {kind!r}; valid: serial, process, ray")

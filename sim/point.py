@@ -1,0 +1,573 @@
+"""One simulation point: ``(scenario, workload, policies, rate scale, seed)`` -> its summary and SLO verdict.
+
+Capacity searches (:mod:`sim.capacity`) and sweeps (:mod:`sim.sweep`) are made of points; an
+executor (:mod:`sim.executor`) evaluates them in this process, a process pool or on Ray. Everything
+here is plain, picklable data so that a point can travel to another process:
+
+- :class:`WorkloadSpec` names a trace and how it is cut (limit, duration, batch spreading); a
+  worker reads it once and keeps it (:func:`load_workload`).
+- :class:`PolicySpec` is a prefill and a decode policy with parameters, parsed from the command
+  line form ``name:param=value,param=value`` (:func:`parse_policy`), plus the modules that
+  register user policies (``--policy-module``), imported wherever the point runs.
+- :class:`SLO` states the service level: an attainment target over per-request TTFT and TPOT
+  budgets (the TTFT budget may grow with prompt length), or percentile targets.
+- :func:`evaluate_point` runs one point and returns a :class:`PointResult`.
+
+Rate scaling compresses time: at rate scale ``f`` every arrival time of the (cut) workload is
+divided by ``f`` (:func:`sim.workload.scale_rate`), so the same requests arrive ``f`` times as
+fast. The offered rate is ``num_requests / arrival_window_s`` (:mod:`sim.metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from balancer.policies import Policy, make_policy
+from balancer.policies.base import _REGISTRY
+from balancer.router import Router
+from balancer.types import Request
+from sim.scenario import PoolConfig, Scenario
+
+# ---------------------------------------------------------------------- SLO
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A service-level objective on TTFT and TPOT.
+
+    Per request ``i`` the TTFT budget is ``ttft_s + ttft_per_1k_prompt_tokens_s * prompt_tokens_i
+    / 1000`` (0 by default: a flat budget); the TPOT budget is ``tpot_s`` (requests with one output
+    token have no TPOT and need only the TTFT budget; an unfinished request meets nothing).
+
+    Two forms, as users state them:
+
+    - attainment (``percentile is None``, the default; DistServe's form): at least ``attainment``
+      of the requests meet both budgets, e.g. 90% of requests with TTFT <= 2 s and TPOT <= 100 ms;
+    - percentile (``percentile = p``): the p-th percentile of ``ttft_i / budget_i`` is <= 1 and
+      the p-th percentile of TPOT is <= ``tpot_s`` (with a flat budget: TTFT p99 <= ``ttft_s``
+      and TPOT p99 <= ``tpot_s``); ``attainment`` is then not used. Percentiles are numpy's
+      linear interpolation, as in :mod:`sim.metrics`.
+
+    Raises:
+        ValueError: a non-positive budget, ``attainment`` outside (0, 1], ``percentile`` outside
+            (0, 100].
+    """
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+    attainment: float = 0.9
+    percentile: float | None = None
+    ttft_per_1k_prompt_tokens_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"SLO {name} must be a finite number > 0, got {v!r}")
+        if not (0 < self.attainment <= 1):
+            raise ValueError(f"SLO attainment must be in (0, 1], got {self.attainment!r}")
+        if self.percentile is not None and not (0 < self.percentile <= 100):
+            raise ValueError(f"SLO percentile must be in (0, 100], got {self.percentile!r}")
+        if not (math.isfinite(self.ttft_per_1k_prompt_tokens_s) and self.ttft_per_1k_prompt_tokens_s >= 0):
+            raise ValueError(f"SLO ttft_per_1k_prompt_tokens_s must be >= 0, got {self.ttft_per_1k_prompt_tokens_s!r}")
+
+    def ttft_budget_s(self, prompt_tokens: np.ndarray) -> np.ndarray:
+        """Per-request TTFT budget in seconds, shape of ``prompt_tokens``."""
+        return self.ttft_s + self.ttft_per_1k_prompt_tokens_s * np.asarray(prompt_tokens, dtype=np.float64) / 1000.0
+
+    def describe(self) -> str:
+        """E.g. ``"90% of requests TTFT<=2s & TPOT<=100ms"`` or ``"TTFT p99<=2s & TPOT p99<=100ms"``."""
+        ttft = f"{self.ttft_s:g}s"
+        if self.ttft_per_1k_prompt_tokens_s:
+            ttft += f"+{self.ttft_per_1k_prompt_tokens_s:g}s/1k prompt tokens"
+        tpot = f"{1e3 * self.tpot_s:g}ms"
+        if self.percentile is not None:
+            return f"TTFT p{self.percentile:g}<={ttft} & TPOT p{self.percentile:g}<={tpot}"
+        return f"{100 * self.attainment:g}% of requests TTFT<={ttft} & TPOT<={tpot}"
+
+    def max_misses(self, n: int) -> int:
+        """Most requests of ``n`` that may miss their budget with the SLO still met (a bound
+        used to stop a hopeless run early; exact for the attainment form). For the percentile
+        form: with ``m`` values above the target, the interpolated p-th percentile exceeds it once
+        ``m >= n - floor(p / 100 * (n - 1))``, so ``n - floor(...) - 1`` misses may still pass."""
+        if n == 0:
+            return 0
+        if self.percentile is None:
+            return n - math.ceil(self.attainment * n - 1e-9)
+        return n - math.floor(self.percentile / 100.0 * (n - 1)) - 1
+
+    def verdict(self, ttft_s: np.ndarray, tpot_s: np.ndarray, prompt_tokens: np.ndarray) -> dict[str, Any]:
+        """SLO figures of one run: ``meets`` (bool), ``attainment`` (fraction of requests meeting
+        both budgets), ``num_ok`` and, for the percentile form, ``ttft_ratio_pctl`` (the p-th
+        percentile of TTFT / budget) and ``tpot_pctl_s``. NaN TTFT (unfinished) misses."""
+        n = len(ttft_s)
+        budget = self.ttft_budget_s(prompt_tokens)
+        with np.errstate(invalid="ignore"):
+            ok_ttft = ttft_s <= budget
+            ok_tpot = np.where(np.isnan(tpot_s), True, tpot_s <= self.tpot_s)
+        ok = ok_ttft & ok_tpot
+        out: dict[str, Any] = {"num_ok": int(ok.sum()), "attainment": float(ok.mean()) if n else float("nan")}
+        if self.percentile is None:
+            out["meets"] = bool(n and out["num_ok"] >= math.ceil(self.attainment * n - 1e-9))
+            return out
+        ratio = np.where(np.isnan(ttft_s), np.inf, ttft_s / budget)
+        tp = tpot_s[~np.isnan(tpot_s)]
+        out["ttft_ratio_pctl"] = float(np.percentile(ratio, self.percentile)) if n else float("nan")
+        out["tpot_pctl_s"] = float(np.percentile(tp, self.percentile)) if len(tp) else 0.0
+        out["meets"] = bool(n and out["ttft_ratio_pctl"] <= 1.0 and out["tpot_pctl_s"] <= self.tpot_s)
+        return out
+
+
+# ---------------------------------------------------------------------- policies
+
+
+def parse_param_value(text: str, default: object = None) -> object:
+    """A policy parameter from text, typed by the parameter's default when it has one:
+    ``bool`` from true/false/1/0/yes/no, ``int``, ``float``, ``str``; with no typed default
+    (``None``) the first of int, float, bool, str that parses.
+
+    Raises:
+        ValueError: the text is not of the default's type.
+    """
+    t = text.strip()
+    low = t.lower()
+    bools = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if isinstance(default, bool):
+        if low not in bools:
+            raise ValueError(f"expected true or false, got {text!r}")
+        return bools[low]
+    if isinstance(default, int):
+        try:
+            return int(t)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if isinstance(default, float):
+        try:
+            return float(t)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    if isinstance(default, str):
+        return t
+    if low == "none":
+        return None
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    return bools.get(low, t)
+
+
+def import_policy_modules(modules: Sequence[str]) -> None:
+    """Import user modules whose ``@register`` decorators add policies (``--policy-module``).
+
+    Raises:
+        ValueError: a module cannot be imported (the message names it and the import error).
+    """
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
+            raise ValueError(f"--policy-module {mod}: cannot import: {type(e).__name__}: {e}") from None
+
+
+def _parse_one(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
+    name, _, rest = text.strip().partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"policy {text!r}: missing the policy name before ':'")
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        make_policy(name)  # raises the registry's error, listing the valid names
+    assert cls is not None
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    params: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"policy {text!r}: expected param=value, got {part!r}")
+        if key not in defaults:
+            raise ValueError(f"policy {name!r} has no parameter {key!r}; accepted: {', '.join(sorted(defaults)) or 'none'}")
+        default = defaults[key]
+        try:
+            params[key] = parse_param_value(value, None if default is dataclasses.MISSING else default)
+        except ValueError as e:
+            raise ValueError(f"policy {name!r}: {key}: {e}") from None
+    make_policy(name, **params)  # the policy's own checks, now rather than in a worker
+    return name, tuple(sorted(params.items()))
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A prefill and a decode policy with their parameters (``decode`` None = the prefill one).
+
+    Attributes:
+        prefill / decode: registered policy names (:func:`balancer.policies.available_policies`).
+        prefill_params / decode_params: ``((name, value), ...)`` sorted by name.
+        modules: modules to import before building (user policies registered there).
+    """
+
+    prefill: str
+    decode: str | None = None
+    prefill_params: tuple[tuple[str, object], ...] = ()
+    decode_params: tuple[tuple[str, object], ...] = ()
+    modules: tuple[str, ...] = ()
+
+    @property
+    def decode_name(self) -> str:
+        return self.prefill if self.decode is None else self.decode
+
+    @property
+    def label(self) -> str:
+        """``cache_aware``, ``cache_aware(cache_threshold=0.5)``, ``kv_cost+least_load`` ..."""
+        def one(name: str, params: tuple) -> str:
+            return name + (f"({','.join(f'{k}={v}' for k, v in params)})" if params else "")
+        p = one(self.prefill, self.prefill_params)
+        if self.decode is None:
+            return p
+        return f"{p}+{one(self.decode, self.decode_params)}"
+
+    def build(self) -> tuple[Policy, Policy]:
+        """The (prefill, decode) policy objects; imports :attr:`modules` first.
+
+        Raises:
+            ValueError: unknown policy or parameter, or a module that does not import.
+        """
+        import_policy_modules(self.modules)
+        prefill = make_policy(self.prefill, **dict(self.prefill_params))
+        if self.decode is None:
+            return prefill, make_policy(self.prefill, **dict(self.prefill_params))
+        return prefill, make_policy(self.decode, **dict(self.decode_params))
+
+
+def parse_policy(text: str | PolicySpec, decode: str | None = None, modules: Sequence[str] = ()) -> PolicySpec:
+    """``"cache_aware:cache_threshold=0.5,balance_abs=8"`` -> :class:`PolicySpec` (values typed by
+    the parameters' defaults); ``decode`` in the same form, None = the prefill policy. A
+    :class:`PolicySpec` passes through (with ``modules`` added).
+
+    Raises:
+        ValueError: unknown policy (lists the valid ones), unknown parameter (lists the accepted
+            ones), a value of the wrong type, or the policy's own check failing.
+    """
+    import_policy_modules(modules)
+    if isinstance(text, PolicySpec):
+        return dataclasses.replace(text, modules=tuple(dict.fromkeys((*text.modules, *modules))))
+    name, params = _parse_one(text)
+    if decode is None:
+        return PolicySpec(name, None, params, (), tuple(modules))
+    dname, dparams = _parse_one(decode)
+    if (dname, dparams) == (name, params):
+        return PolicySpec(name, None, params, (), tuple(modules))
+    return PolicySpec(name, dname, params, dparams, tuple(modules))
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A trace and how it is cut; every point of a search or sweep scales this same workload.
+
+    Steps, in order: read ``trace`` (None = the embedded Mooncake conversation trace) in
+    ``format``; keep the first ``limit`` requests; spread requests sharing a timestamp over
+    ``spread_s`` seconds (seeded by ``seed``; Mooncake logs arrivals in ~3 s batches); keep
+    requests arriving in the first ``duration_s`` seconds. Rate scaling comes after (per point),
+    so every rate of a search sees the same requests.
+    """
+
+    trace: str | None = None
+    format: str = "auto"
+    limit: int | None = None
+    duration_s: float | None = None
+    spread_s: float = 3.0
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.trace or "embedded:mooncake_conversation.jsonl.gz"
+
+    def read(self) -> list[Request]:
+        """The cut workload (see the class docstring).
+
+        Raises:
+            ValueError: unknown format, an undetectable format, an empty trace.
+            FileNotFoundError: no such trace file.
+            sim.workload.TraceFormatError: a malformed line (names file and line).
+        """
+        from sim.workload import read_trace, spread_batches, take_slice
+        from sim.workload.loader import TRACE_EXTENSIONS, detect_trace_format
+
+        fmt = self.format
+        if self.trace is None and fmt == "azure":
+            raise ValueError("--format azure needs --trace (the embedded trace is in mooncake format)")
+        if fmt == "auto":
+            try:
+                fmt = detect_trace_format(self.trace) if self.trace else "mooncake"
+            except ValueError:
+                raise ValueError(f"--trace {self.trace}: cannot infer the trace format from the file extension "
+                                 f"(known: {', '.join(TRACE_EXTENSIONS)}); pass --format mooncake or --format azure") from None
+        requests = read_trace(self.trace, fmt)
+        if not requests:
+            raise ValueError(f"--trace {self.trace}: the trace has no requests")
+        if self.limit is not None:
+            requests = take_slice(requests, 0, self.limit)
+        if self.spread_s > 0:
+            requests = spread_batches(requests, self.spread_s, seed=self.seed)
+        if self.duration_s is not None:
+            requests = take_slice(requests, duration_s=self.duration_s)
+        if not requests:
+            raise ValueError(f"--duration-s {self.duration_s}: no request arrives in the first {self.duration_s} s")
+        return requests
+
+
+#: Workloads a process has read or been handed, by key (bounded: a worker holds at most a few).
+_WORKLOADS: dict[object, list[Request]] = {}
+_MAX_CACHED_WORKLOADS = 4
+
+
+def register_workload(key: str, requests: Sequence[Request]) -> None:
+    """Make an in-memory workload available to :func:`load_workload` under ``key`` in this process
+    (executors call it in their workers with the parent's requests)."""
+    _remember(key, list(requests))
+
+
+def _remember(key: object, requests: list[Request]) -> None:
+    if key not in _WORKLOADS and len(_WORKLOADS) >= _MAX_CACHED_WORKLOADS:
+        _WORKLOADS.pop(next(iter(_WORKLOADS)))
+    _WORKLOADS[key] = requests
+
+
+def load_workload(workload: WorkloadSpec | str) -> list[Request]:
+    """The requests of a spec (read once per process, then cached) or of a registered key.
+
+    Raises:
+        KeyError: an in-memory key that was not registered in this process.
+        ValueError / FileNotFoundError: see :meth:`WorkloadSpec.read`.
+    """
+    if isinstance(workload, str):
+        if workload not in _WORKLOADS:
+            raise KeyError(f"workload {workload!r} was not registered in this process")
+        return _WORKLOADS[workload]
+    if workload not in _WORKLOADS:
+        _remember(workload, workload.read())
+    return _WORKLOADS[workload]
+
+
+# ---------------------------------------------------------------------- points
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Router options of a run (the CLI's ``--index-mode``, ``--no-router-tiers``, ``--tier-weights``).
+
+    ``perf_factory``: ``(scenario, pool) -> PerfModel`` (default: the roofline,
+    :func:`sim.cluster.build_perf`); must be a module-level callable to travel to other processes.
+    """
+
+    index_mode: str = "approximate"
+    router_tiers: bool = True
+    tier_weights: tuple[tuple[str, float], ...] | None = None
+    perf_factory: Callable[[Scenario, PoolConfig], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Point:
+    """One simulation to run.
+
+    Attributes:
+        scenario: the cluster (engine counts already applied).
+        workload: a :class:`WorkloadSpec` or the key of a registered in-memory workload.
+        policy: the policies.
+        rate_scale: arrival-rate multiplier (> 0).
+        slo: judged against this SLO.
+        seed: the router's RNG seed.
+        options: router options.
+        early_stop: stop the simulation once more requests have provably missed the SLO than it
+            allows (:meth:`SLO.max_misses`); the result then has ``stopped_early`` and only SLO
+            figures. Used by searches, where a failing point needs no more than its verdict.
+        tag: free-form labels carried to the result (search id, sweep parameters).
+    """
+
+    scenario: Scenario
+    workload: WorkloadSpec | str
+    policy: PolicySpec
+    rate_scale: float = 1.0
+    slo: SLO = field(default_factory=SLO)
+    seed: int = 0
+    options: SimOptions = field(default_factory=SimOptions)
+    early_stop: bool = False
+    tag: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass
+class PointResult:
+    """What one point gave.
+
+    Attributes:
+        point: the point.
+        meets: the SLO holds (``point.slo``).
+        attainment: fraction of requests meeting both budgets (an upper bound when
+            ``stopped_early``).
+        goodput_rps: SLO-meeting requests per second of the arrival window (:mod:`sim.metrics`;
+            with the SLO's own budgets; NaN when stopped early).
+        offered_rps: requests / arrival window at this rate scale.
+        num_requests, num_gpus, prefill_engines, decode_engines, mixed_engines: sizes.
+        ttft_p99_s / tpot_p99_s / ttft_mean_s: latency figures (NaN when stopped early).
+        stopped_early: the run was cut once the SLO was provably missed.
+        summary: :func:`sim.metrics.summarize` of a complete run (``None`` when stopped early).
+        verdict: :meth:`SLO.verdict` figures.
+        wall_s: seconds the simulation took.
+        error: the exception text if the point failed (then ``meets`` is False).
+    """
+
+    point: Point
+    meets: bool
+    attainment: float
+    goodput_rps: float
+    offered_rps: float
+    num_requests: int
+    num_gpus: int
+    prefill_engines: int | None
+    decode_engines: int | None
+    mixed_engines: int | None
+    ttft_p99_s: float = float("nan")
+    tpot_p99_s: float = float("nan")
+    ttft_mean_s: float = float("nan")
+    stopped_early: bool = False
+    summary: dict[str, Any] | None = None
+    verdict: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput_rps / self.num_gpus if self.num_gpus else float("nan")
+
+
+def _pool_sizes(sc: Scenario) -> dict[str, int | None]:
+    return {f"{p}_engines": (getattr(sc, p).num_engines if getattr(sc, p) is not None else None)
+            for p in ("prefill", "decode", "mixed")}
+
+
+class _Stop(Exception):
+    """Raised from the progress hook to end a run whose SLO is already lost."""
+
+
+def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[int | None], Router]:
+    # the same router simulate() builds (sim.cluster.simulate); tests compare the two paths
+    from sim.cluster import build_perf, router_tier_kwargs
+
+    sc = point.scenario
+    opts = point.options
+    tier_kw = router_tier_kwargs(sc, opts.perf_factory or build_perf) if opts.router_tiers else {}
+    tier_weights = dict(opts.tier_weights) if opts.tier_weights is not None else None
+
+    def make(capacity_blocks: int | None) -> Router:
+        return Router(prefill, decode, block_size=sc.block_size, index_capacity_blocks=capacity_blocks,
+                      index_mode=opts.index_mode, pd_min_uncached_tokens=sc.pd_min_uncached_tokens,
+                      seed=point.seed, tier_weights=tier_weights, **tier_kw)
+    return make
+
+
+def _misses_so_far(rec: Any, now: float, budget: np.ndarray, tpot_s: float) -> int:
+    """Requests that have provably missed the SLO by ``now``: TTFT over budget (first token
+    late, or still missing past its deadline), or TPOT over budget (finished, or already
+    slower than the budget allows for its remaining tokens)."""
+    arrived = rec.arrival_s <= now
+    first = rec.first_token_s
+    with np.errstate(invalid="ignore", divide="ignore"):
+        late = np.where(np.isnan(first), arrived & (now - rec.arrival_s > budget), first - rec.arrival_s > budget)
+        multi = rec.output_tokens > 1
+        end = np.where(np.isnan(rec.finish_s), now, rec.finish_s)
+        slow = multi & ~np.isnan(first) & ((end - first) / np.maximum(rec.output_tokens - 1, 1) > tpot_s)
+    return int(np.count_nonzero(late | slow))
+
+
+def _result_of(cluster: Any, point: Point, requests: list[Request], records: Any, prefill: Policy,
+               decode: Policy, wall_s: float) -> Any:
+    """The :class:`sim.cluster.SimResult` of a cluster run to completion (as simulate() builds it)."""
+    from sim.cluster import RankInfo, SimResult
+
+    sc = point.scenario
+    return SimResult(
+        scenario=sc, prefill_policy=prefill.name, decode_policy=decode.name, seed=point.seed,
+        requests=requests, records=records,
+        ranks=[RankInfo(r.replica, r.role, r.kv_capacity_blocks * sc.block_size) for r in cluster.ranks],
+        samples=cluster.samples,
+        rank_prefill_tokens=np.array([r.total_prefill_tokens for r in cluster.ranks], dtype=np.int64),
+        rank_decode_tokens=np.array([r.total_decode_tokens for r in cluster.ranks], dtype=np.int64),
+        num_steps=sum(g.num_steps for g in cluster.groups), num_waits=sum(g.num_waits for g in cluster.groups),
+        wall_s=wall_s, extra={"tiers": cluster.tier_stats} if sc.has_kv_tiers else {})
+
+
+def evaluate_point(point: Point) -> PointResult:
+    """Run one point; never raises for a failing simulation (``error`` is set instead), so one bad
+    point cannot take a sweep down. Raises only for bad input that no point could run with
+    (unknown policy, unreadable trace)."""
+    from sim.cluster import Cluster, simulate
+    from sim.metrics import per_request, summarize
+    from sim.workload import scale_rate
+
+    base = load_workload(point.workload)
+    requests = scale_rate(base, point.rate_scale) if point.rate_scale != 1.0 else list(base)
+    prefill, decode = point.policy.build()
+    sc = point.scenario
+    n = len(requests)
+    window = requests[-1].arrival_time_s - requests[0].arrival_time_s if n else 0.0
+    offered = n / window if window > 0 else float("nan")
+    sizes = _pool_sizes(sc)
+    common = dict(point=point, offered_rps=offered, num_requests=n, num_gpus=sc.num_gpus, **sizes)
+    slo = point.slo
+    t0 = time.perf_counter()
+    try:
+        if not point.early_stop:
+            kw: dict[str, Any] = {}
+            if point.options.perf_factory is not None:
+                kw["perf_factory"] = point.options.perf_factory
+            res = simulate(sc, requests, prefill, decode, seed=point.seed, index_mode=point.options.index_mode,
+                           router_tiers=point.options.router_tiers,
+                           tier_weights=dict(point.options.tier_weights) if point.options.tier_weights else None, **kw)
+        else:
+            from sim.cluster import build_perf
+
+            cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
+            budget = slo.ttft_budget_s(np.fromiter((r.prompt_tokens for r in requests), dtype=np.float64, count=n))
+            allowed = slo.max_misses(n)
+            misses = [0]
+
+            def check(done: int, total: int) -> None:
+                rec = cluster.records
+                m = _misses_so_far(rec, cluster.env.now, budget, slo.tpot_s)
+                if m > allowed:
+                    misses[0] = m
+                    raise _Stop
+
+            try:
+                records = cluster.run(requests, check)
+            except _Stop:
+                wall = time.perf_counter() - t0
+                return PointResult(meets=False, attainment=1.0 - misses[0] / n, goodput_rps=float("nan"),
+                                   stopped_early=True, verdict={"misses_at_stop": misses[0], "allowed_misses": allowed},
+                                   wall_s=wall, **common)
+            res = _result_of(cluster, point, requests, records, prefill, decode, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported in the table, never silently dropped
+        return PointResult(meets=False, attainment=float("nan"), goodput_rps=float("nan"),
+                           error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - t0, **common)
+    wall = time.perf_counter() - t0
+    d = per_request(res)
+    verdict = slo.verdict(d["ttft_s"], d["tpot_s"], res.records.prompt_tokens)
+    summary = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+    summary["wall_s"] = wall
+    return PointResult(meets=verdict["meets"], attainment=verdict["attainment"],
+                       goodput_rps=verdict["num_ok"] / window if window > 0 else float("nan"),
+                       ttft_p99_s=summary["ttft_s"]["p99"], tpot_p99_s=summary["tpot_s"]["p99"],
+                       ttft_mean_s=summary["ttft_s"]["mean"], summary=summary, verdict=verdict, wall_s=wall, **common)

@@ -1,0 +1,227 @@
+"""Capacity searches (sim.capacity) on a hand-computable cluster, the zero-load floor, early stop.
+
+The synthetic cluster (capacity_factories.py): one dense rank per engine, 1 s of prefill per
+request (1000 tokens x 1 ms), one request per step, requests every 1 s at rate scale 1 with one
+output token. At rate scale ``f > 1`` the gap is ``g = 1 / f`` < 1 s, the rank is busy back to
+back from request 0 on, request ``i`` finishes at ``i + 1`` and its TTFT is ``1 + i * (1 - g)``
+(a D/D/1 queue). With ``n = 101`` requests, a TTFT SLO of ``T = 3 s`` and a 90% attainment
+target, 91 requests (``i = 0..90``) must meet it: ``1 + 90 * (1 - 1/f) <= 3``, so the capacity is
+``f* = 1 / (1 - 2/90) = 45/44``. Below ``f = 1`` no request waits (TTFT = 1 s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from capacity_factories import (
+    fixed_cost_perf,
+    mixed_scenario,
+    pd_scenario,
+    uniform_requests,
+)
+
+from sim.capacity import GpuSearch, RateSearch, run_searches, search_gpus, search_rate, zero_load_floor
+from sim.cluster import simulate
+from sim.executor import SerialExecutor
+from sim.metrics import per_request, summarize
+from sim.point import SLO, Point, SimOptions, WorkloadSpec, evaluate_point, parse_policy, register_workload
+from sim.scenario import load_scenario
+from sim.workload import scale_rate
+
+OPTS = SimOptions(perf_factory=fixed_cost_perf)
+SLO_3S = SLO(ttft_s=3.0, tpot_s=0.1, attainment=0.9)
+F_STAR = 45 / 44  # hand-computed capacity, module docstring
+
+
+def test_rate_bisection_finds_the_hand_computed_capacity_within_tolerance() -> None:
+    tol = 0.005
+    r = search_rate(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, tol=tol, options=OPTS)
+    assert r.status == "found", r.reason
+    lo, hi = r.bracket
+    assert lo <= F_STAR < hi  # the true capacity is inside the final bracket
+    assert hi / lo <= 1 + tol
+    assert r.rate_scale == lo
+    # offered rate: 101 requests over a 100 s window at scale 1 -> 1.01 req/s, times the scale
+    assert r.base_rps == pytest.approx(1.01)
+    assert r.rate_rps == pytest.approx(1.01 * lo)
+    # the answer's point met the SLO with its own numbers: >= 91 of 101 requests, goodput = ok / window
+    assert r.best is not None and r.best.meets
+    assert r.best.verdict["num_ok"] >= 91
+    assert r.best.goodput_rps == pytest.approx(r.best.verdict["num_ok"] / (100 / lo))
+    # geometric bisection from start=1: 1 (pass), 2 (miss), then log2(ln 2 / ln 1.005) ~ 7.1 -> 8 halvings
+    assert len(r.points) == 10
+    assert not r.notes
+
+
+def test_rate_search_with_two_points_per_round_gives_a_bracket_as_tight() -> None:
+    s = RateSearch(mixed_scenario(), "syn-101", parse_policy("round_robin"), SLO_3S, tol=0.005, options=OPTS, width=2)
+    register_workload("syn-101", uniform_requests())
+    (r,) = run_searches([s], SerialExecutor())
+    lo, hi = r.bracket
+    assert r.status == "found" and lo <= F_STAR < hi and hi / lo <= 1.005
+    # a round of 2 splits the bracket into 3 equal ratios: fewer rounds than width 1's 10 points / 10 rounds
+    rounds = len(r.points) / 2
+    assert rounds <= 7
+
+
+def test_rate_search_reports_bounds_instead_of_searching_on() -> None:
+    # capacity 45/44 is above a rate_max of 0.5: the SLO holds at the bound
+    r = search_rate(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, rate_min=0.1, rate_max=0.5,
+                    start=0.5, options=OPTS)
+    assert r.status == "above_bounds" and r.rate_scale == 0.5 and "upper bound" in r.reason
+    assert len(r.points) == 1
+    # capacity below rate_min = 2: fails at the bound, though the floor (TTFT 1 s <= 3 s) allows it
+    r = search_rate(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, rate_min=2, rate_max=8,
+                    start=2, options=OPTS)
+    assert r.status == "below_bounds" and r.rate_scale is None and r.bracket == (None, 2)
+    assert r.floor is not None and r.floor.meets
+
+
+def test_unreachable_slo_is_reported_with_the_zero_load_floor_and_no_simulation() -> None:
+    # a 10,000-token prompt needs 10 s of prefill alone (1 ms/token) against a 3 s TTFT SLO; the
+    # other 100 requests (1 s each) can meet it: at most 100/101 = 99.0% < 99.5%
+    reqs = uniform_requests(100) + [uniform_requests(1, prompt_tokens=10_000)[0].__class__(
+        "long", 100.0, 10_000, tuple(range(10**6, 10**6 + 20)))]
+    slo = SLO(ttft_s=3.0, attainment=0.995)
+    r = search_rate(mixed_scenario(), reqs, "round_robin", slo=slo, options=OPTS)
+    assert r.status == "unreachable"
+    assert r.points == []  # said so before simulating anything
+    assert r.floor is not None
+    assert r.floor.ttft_lb_s[-1] == pytest.approx(10.0)  # 10 chunks of 1000 tokens x 1 s
+    assert r.floor.verdict["attainment"] == pytest.approx(100 / 101)
+    assert "request long" in r.reason and "10,000-token prompt" in r.reason and "99%" in r.reason.replace("99.0%", "99%")
+    g = search_gpus(mixed_scenario(), reqs, "round_robin", slo=slo, options=OPTS)
+    assert g.status == "unreachable" and g.points == [] and g.num_gpus is None
+
+
+def test_gpu_search_aggregated_finds_the_hand_computed_engine_count() -> None:
+    # rate scale 2.5 (gap 0.4 s) with round robin over m engines: each engine sees a gap of 0.4 m s.
+    # m = 3: 1.2 s >= the 1 s service, nobody waits -> all meet. m = 2: 0.8 s, engine 0 serves requests
+    # 0, 2, ..., 100 (51) and its k-th waits 0.2 k s: TTFT 1 + 0.2 k <= 3 for k <= 10 only; 11 + 11 of
+    # 101 meet < 91. So the fewest engines is 3.
+    g = search_gpus(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, rate_scale=2.5,
+                    max_engines={"mixed": 8}, options=OPTS)
+    assert g.status == "found", g.reason
+    assert (g.mixed_engines, g.num_gpus) == (3, 3)
+    assert g.best is not None and g.best.meets and g.best.mixed_engines == 3
+    tried = {p.mixed_engines: p.meets for p in g.points}
+    assert tried[2] is False and tried[8] is True  # the maximum first, then bisection down to 3
+    assert g.max_engines == {"mixed": 8}
+
+
+def test_gpu_search_pd_searches_both_pools_together() -> None:
+    # PD: the same 1 s prefill per request on prefill ranks (3 needed at rate 2.5, as above); decode
+    # needs one 20 ms step per request (2 output tokens), so one decode engine suffices.
+    reqs = uniform_requests(output_tokens=2)
+    g = search_gpus(pd_scenario(), reqs, "round_robin", slo=SLO_3S, rate_scale=2.5,
+                    max_engines={"prefill": 6, "decode": 4}, options=OPTS)
+    assert g.status == "found", g.reason
+    assert (g.prefill_engines, g.decode_engines, g.num_gpus) == (3, 1, 4)
+
+
+def test_gpu_search_above_bounds() -> None:
+    g = search_gpus(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, rate_scale=2.5,
+                    max_engines={"mixed": 2}, options=OPTS)
+    assert g.status == "above_bounds" and "raise the maximum" in g.reason and g.num_gpus is None
+
+
+def test_zero_load_floor_is_a_lower_bound_of_simulated_latencies_and_tight_at_low_load() -> None:
+    # the real perf model and trace: every simulated TTFT and TPOT is >= the floor, at any load,
+    # and at a twentieth of the trace's rate (near zero load) the median TTFT is within 5% of it
+    sc = load_scenario("dsv3-pd-h200")
+    reqs = WorkloadSpec(limit=300).read()
+    floor = zero_load_floor(sc, reqs, SLO())
+    for f, policy in ((0.05, "cache_aware"), (2.0, "round_robin")):
+        d = per_request(simulate(sc, scale_rate(reqs, f), policy))
+        assert np.all(d["ttft_s"] >= floor.ttft_lb_s * (1 - 1e-9))
+        multi = ~np.isnan(d["tpot_s"])
+        assert np.all(d["tpot_s"][multi] >= floor.tpot_lb_s[multi] * (1 - 1e-9))
+        if f < 1:
+            assert np.median(d["ttft_s"] / floor.ttft_lb_s) < 1.05
+
+
+def test_early_stop_keeps_verdicts_and_full_runs_match_simulate() -> None:
+    register_workload("syn-101", uniform_requests())
+    spec = parse_policy("round_robin")
+    for f in (0.9, 1.2):
+        full = evaluate_point(Point(mixed_scenario(), "syn-101", spec, f, SLO_3S, options=OPTS))
+        fast = evaluate_point(Point(mixed_scenario(), "syn-101", spec, f, SLO_3S, options=OPTS, early_stop=True))
+        assert full.meets == fast.meets == (f <= F_STAR)
+        if fast.stopped_early:
+            assert not full.meets and fast.attainment >= full.attainment  # an upper bound
+        else:
+            for key in ("ttft_s", "goodput_rps", "num_steps", "makespan_s"):
+                assert fast.summary[key] == full.summary[key], key
+    # a passing early-stop run on the real trace is the same run as simulate()'s
+    sc = load_scenario("dsv3-pd-h200")
+    w = WorkloadSpec(limit=200)
+    pt = Point(sc, w, parse_policy("cache_aware"), 0.5, SLO(ttft_s=30, attainment=0.5), early_stop=True)
+    got = evaluate_point(pt)
+    assert got.meets and not got.stopped_early
+    want = summarize(simulate(sc, scale_rate(w.read(), 0.5), "cache_aware"), slo_ttft_s=30, slo_tpot_s=0.1)
+    for key in ("ttft_s", "tpot_s", "goodput_rps", "prefix_hit_rate", "num_steps", "decode_load_imbalance"):
+        assert got.summary[key] == want[key], key
+
+
+def test_slo_forms() -> None:
+    ttft = np.array([1.0, 2.0, 3.0, 4.0, np.nan])
+    tpot = np.array([0.05, np.nan, 0.2, 0.05, 0.05])
+    prompt = np.array([1000, 1000, 1000, 4000, 1000])
+    v = SLO(ttft_s=2.5, tpot_s=0.1, attainment=0.4).verdict(ttft, tpot, prompt)
+    assert (v["num_ok"], v["meets"]) == (2, True)  # requests 0 and 1 (one-token output: TTFT only)
+    v = SLO(ttft_s=2.5, tpot_s=0.1, attainment=0.41).verdict(ttft, tpot, prompt)
+    assert v["meets"] is False
+    # budget 2.5 + 0.5 s per 1k prompt tokens: request 3 gets 4.5 s and meets
+    v = SLO(ttft_s=2.5, tpot_s=0.1, attainment=0.6, ttft_per_1k_prompt_tokens_s=0.5).verdict(ttft, tpot, prompt)
+    assert v["num_ok"] == 4 - 1  # 0, 1, 3 (request 2 misses TPOT, 4 never finished)
+    # percentile form: p50 of TTFT/budget over [1/2, 2/2, 3/2, 4/2, inf] = 1.5 > 1
+    v = SLO(ttft_s=2.0, tpot_s=0.1, percentile=50).verdict(ttft, tpot, prompt)
+    assert v["ttft_ratio_pctl"] == pytest.approx(1.5) and v["meets"] is False
+    assert SLO(attainment=0.9).max_misses(101) == 10  # 91 must meet
+    assert SLO(percentile=99).max_misses(1000) == 1000 - math.floor(0.99 * 999) - 1
+    with pytest.raises(ValueError, match="attainment"):
+        SLO(attainment=1.5)
+
+
+def test_policy_spec_parsing() -> None:
+    spec = parse_policy("cache_aware:cache_threshold=0.25,balance_abs=8")
+    assert dict(spec.prefill_params) == {"cache_threshold": 0.25, "balance_abs": 8}
+    assert spec.label == "cache_aware(balance_abs=8,cache_threshold=0.25)"
+    p, d = spec.build()
+    assert p.cache_threshold == 0.25 and d.balance_abs == 8
+    split = parse_policy("kv_cost", "least_load")
+    assert split.label == "kv_cost+least_load" and split.decode_name == "least_load"
+    with pytest.raises(ValueError, match="no parameter 'bogus'.*accepted"):
+        parse_policy("cache_aware:bogus=1")
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        parse_policy("nope")
+    with pytest.raises(ValueError, match="expected a number"):
+        parse_policy("cache_aware:cache_threshold=high")
+    with pytest.raises(ValueError, match="param=value"):
+        parse_policy("cache_aware:cache_threshold")
+    with pytest.raises(ValueError, match="--policy-module no_such_module_xyz: cannot import"):
+        parse_policy("cache_aware", modules=["no_such_module_xyz"])
+
+
+def test_rate_search_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="rate bounds"):
+        search_rate(mixed_scenario(), uniform_requests(), "round_robin", rate_min=2, rate_max=1, start=1.5)
+    with pytest.raises(ValueError, match="tol"):
+        search_rate(mixed_scenario(), uniform_requests(), "round_robin", tol=0)
+    with pytest.raises(ValueError, match="max_engines"):
+        GpuSearch(mixed_scenario(), "x", parse_policy("round_robin"), max_engines={"prefill": 3})
+
+
+def test_process_pool_gives_the_serial_answer() -> None:
+    serial = search_rate(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, tol=0.01, options=OPTS)
+    pooled = search_rate(mixed_scenario(), uniform_requests(), "round_robin", slo=SLO_3S, tol=0.01, options=OPTS,
+                         jobs=2)
+    # two slots for one search: two rates per round, so different points but a bracket as good
+    assert pooled.status == serial.status == "found"
+    for r in (serial, pooled):
+        lo, hi = r.bracket
+        assert lo <= F_STAR < hi and hi / lo <= 1.01
+    same = {p.point.rate_scale: p.meets for p in serial.points} | {p.point.rate_scale: p.meets for p in pooled.points}
+    assert all(meets == (f <= F_STAR) for f, meets in same.items())
