@@ -85,11 +85,14 @@ class EpAware(Policy):
     name = "ep_aware"
     externality_weight: float = 1.0
     horizon_weight: float = 0.0
+    tie_tolerance: float = 0.05
     max_output_estimate_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
             raise ValueError(f"externality_weight must be >= 0, got {self.externality_weight}")
+        if not 0.0 <= self.tie_tolerance < 1.0:
+            raise ValueError(f"tie_tolerance must be in [0, 1), got {self.tie_tolerance}")
         if not self.horizon_weight >= 0:
             raise ValueError(f"horizon_weight must be >= 0, got {self.horizon_weight}")
         if self.max_output_estimate_tokens < 1:
@@ -109,7 +112,7 @@ class EpAware(Policy):
                     + self.decode_cost(request, cands, model, names, idx, rows, transfer=False))
             reason = "ep_aware:mixed"
         cost, feasible = self._capacity(request, cands, cost)
-        i = argmin_random(cost, ctx.rng)
+        i = self._pick(cost, cands, ctx)
         return Choice(cands.replicas[i], scores_of(cands, cost), reason=reason if feasible else reason + ":no_kv_room")
 
     # ------------------------------------------------------------------ prefill
@@ -203,6 +206,20 @@ class EpAware(Policy):
         return cost
 
     # ------------------------------------------------------------------ helpers
+    def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext) -> int:
+        """The cheapest candidate; costs within ``tie_tolerance`` of the cheapest are ties, broken
+        by the least queued work (prefill tokens or decode KV tokens), then at random."""
+        i = int(cost.argmin())
+        best = float(cost[i])
+        if self.tie_tolerance <= 0 or not np.isfinite(best):
+            return argmin_random(cost, ctx.rng)
+        near = cost <= best * (1.0 + self.tie_tolerance)
+        if int(near.sum()) == 1:
+            return i
+        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
+        return argmin_random(load.astype(np.float64), ctx.rng, near)
+
+
     def _capacity(self, request: Request, cands: Candidates, cost: np.ndarray) -> tuple[np.ndarray, bool]:
         """Push candidates whose known KV capacity cannot take the whole sequence behind every one
         that can; when none can, prefer the most room. Returns ``(cost, any_feasible)``."""
