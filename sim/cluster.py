@@ -95,10 +95,15 @@ class SimResult:
 def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
     """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
     with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
-    (:func:`sim.perf.config.roofline_for_pool`)."""
+    (:func:`sim.perf.config.roofline_for_pool`); decode and mixed pools speculate when the scenario
+    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`)."""
     from sim.perf.config import roofline_for_pool  # sim.perf.config imports sim.scenario
 
-    return roofline_for_pool(scenario, pool)
+    perf = roofline_for_pool(scenario, pool)
+    if scenario.speculative is not None and pool is not scenario.prefill:
+        from sim.perf.spec import SpecDecodePerf
+        return SpecDecodePerf(perf, scenario.speculative)
+    return perf
 
 
 class Cluster:

@@ -24,12 +24,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-AttentionKind = Literal["mha", "gqa", "mla"]
+AttentionKind = Literal["mha", "gqa", "mla", "compressed"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture of a decoder-only transformer, dense or MoE, with GQA/MHA or MLA attention."""
+    """Architecture of a decoder-only transformer, dense or MoE, with GQA/MHA, MLA or DeepSeek-V4
+    hybrid compressed attention (``attention="compressed"``, see :meth:`decode_attended_keys`)."""
 
     name: str
     num_layers: int
@@ -64,15 +65,51 @@ class ModelSpec:
     weight_bytes: int = 2
     #: bytes per KV-cache element
     kv_bytes: int = 2
+    # --- DeepSeek-V4 hybrid compressed attention (attention="compressed"; HF config.json names) ---
+    #: per main layer: 0 = sliding window only, 4 = CSA (4x compressed KV + lightning indexer
+    #: selecting ``index_topk`` rows), 128 = HCA (128x compressed KV, all rows attended)
+    compress_ratios: tuple[int, ...] = ()
+    #: raw (uncompressed) KV rows every layer keeps and attends: the latest ``sliding_window`` tokens
+    sliding_window: int = 0
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    #: grouped low-rank output projection (``wo_a``: heads*head_dim/o_groups -> o_lora_rank per group)
+    o_lora_rank: int = 0
+    o_groups: int = 0
+    #: manifold-constrained hyper-connection streams (mHC; 0 = plain residual)
+    hc_mult: int = 0
+    #: bytes of one cached KV row of one layer (compressed or window row); 0 = derived for GQA/MLA
+    kv_row_bytes: int = 0
+    #: bytes of one lightning-indexer key row (CSA layers)
+    index_row_bytes: int = 0
+    #: bytes per routed-expert weight (FP4 experts: 0.5 + scales); None = ``weight_bytes``
+    expert_weight_bytes_per_param: float | None = None
     #: total parameters; derived from the dims when None
     total_params: int | None = None
     #: parameters a token passes through (incl. embeddings); derived when None
     activated_params: int | None = None
 
     def __post_init__(self) -> None:
-        if self.attention not in ("mha", "gqa", "mla"):
-            raise ValueError(f"{self.name}: attention must be 'mha', 'gqa' or 'mla', not {self.attention!r}")
-        if self.attention == "mla":
+        if self.attention not in ("mha", "gqa", "mla", "compressed"):
+            raise ValueError(f"{self.name}: attention must be 'mha', 'gqa', 'mla' or 'compressed', "
+                             f"not {self.attention!r}")
+        if self.attention == "compressed":
+            if len(self.compress_ratios) != self.num_layers:
+                raise ValueError(f"{self.name}: compressed attention needs one compress ratio per layer "
+                                 f"({len(self.compress_ratios)} given for {self.num_layers} layers)")
+            if any(r not in (0, 4, 128) for r in self.compress_ratios):
+                raise ValueError(f"{self.name}: compress ratios must be 0, 4 or 128 (got {sorted(set(self.compress_ratios))})")
+            if min(self.head_dim, self.sliding_window, self.kv_row_bytes, self.qk_rope_head_dim) <= 0:
+                raise ValueError(f"{self.name}: compressed attention needs head_dim, qk_rope_head_dim, "
+                                 "sliding_window and kv_row_bytes > 0")
+            if 4 in self.compress_ratios and min(self.index_topk, self.index_n_heads, self.index_head_dim,
+                                                 self.index_row_bytes) <= 0:
+                raise ValueError(f"{self.name}: CSA layers need index_topk, index_n_heads, index_head_dim "
+                                 "and index_row_bytes > 0")
+            if self.num_kv_heads != 1:
+                raise ValueError(f"{self.name}: compressed attention has one shared KV head (num_kv_heads=1)")
+        elif self.attention == "mla":
             if min(self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim) <= 0:
                 raise ValueError(f"{self.name}: MLA needs kv_lora_rank, qk_rope/nope_head_dim, v_head_dim")
         else:
@@ -101,6 +138,11 @@ class ModelSpec:
         return self.attention == "mla"
 
     @property
+    def is_compressed(self) -> bool:
+        """DeepSeek-V4 hybrid compressed attention (CSA/HCA + sliding window)."""
+        return self.attention == "compressed"
+
+    @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_k_dense if self.is_moe else 0
 
@@ -121,6 +163,8 @@ class ModelSpec:
     @property
     def attention_params_per_layer(self) -> int:
         h, n = self.hidden_size, self.num_attention_heads
+        if self.is_compressed:
+            return self._compressed_attention_params() // self.num_layers
         if self.is_mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             if self.q_lora_rank:
@@ -154,8 +198,38 @@ class ModelSpec:
         """Everything but routed experts: replicated on every DP-attention rank."""
         return int(self.total_params) - self.routed_expert_params
 
+    def _compressed_attention_params(self) -> int:
+        """All layers' attention parameters of DeepSeek-V4 (tensor shapes of the V4-Flash
+        checkpoint, see the preset's comment): wq_a (h x q_lora) + q_norm, wq_b (q_lora x n*hd),
+        wkv (h x hd, one KV head) + kv_norm, grouped wo_a (n*hd -> o_groups*o_lora), wo_b
+        (o_groups*o_lora x h), attention sinks (n); per compressed layer a compressor (wkv and
+        wgate: h x c*hd with c = 2 for the overlapping ratio-4 compressor, else 1, plus its
+        positional bias ratio x c*hd and norm); per CSA layer the lightning indexer (wq_b: q_lora x
+        index_heads*index_dim, weights_proj: h x index_heads, and its own ratio-4 compressor of
+        width index_dim)."""
+        h, n, hd, q = self.hidden_size, self.num_attention_heads, self.head_dim, self.q_lora_rank or 0
+        base = (h * q + q + q * n * hd if q else h * n * hd) + h * hd + hd
+        base += n * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * h + n
+        total = self.num_layers * base
+
+        def compressor(width: int, ratio: int) -> int:
+            c = 2 if ratio == 4 else 1
+            return 2 * h * c * width + ratio * c * width + width
+
+        for r in self.compress_ratios:
+            if r:
+                total += compressor(hd, r)
+            if r == 4:
+                ih, idim = self.index_n_heads, self.index_head_dim
+                total += q * ih * idim + h * ih + compressor(idim, 4)
+        return total
+
     def _layer_common(self) -> int:
-        return self.attention_params_per_layer + 2 * self.hidden_size  # + input/post-attn norms
+        common = self.attention_params_per_layer + 2 * self.hidden_size  # + input/post-attn norms
+        if self.hc_mult:  # mHC mixing for the attention and FFN sublayer: fn, base, scale each
+            m = self.hc_mult
+            common += 2 * ((m * m + 2 * m) * m * self.hidden_size + (m * m + 2 * m) + 3)
+        return common
 
     def _dense_ffn(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size
@@ -167,6 +241,8 @@ class ModelSpec:
 
     def _count_total(self) -> int:
         per_layer = self.num_layers * self._layer_common()
+        if self.is_compressed:  # attention params are not the same in every layer: count them whole
+            per_layer += self._compressed_attention_params() - self.num_layers * self.attention_params_per_layer
         ffn = self.num_dense_ffn_layers * self._dense_ffn()
         moe = self.num_moe_layers * (self._moe_non_routed() + self.num_routed_experts * self.params_per_expert)
         return self.embedding_params + self.lm_head_params + self.hidden_size + per_layer + ffn + moe
@@ -207,6 +283,8 @@ class ModelSpec:
         projections cost ``2 * kv_b_proj params`` per token, which ``linear_flops_per_token``
         already counts.
         """
+        if self.is_compressed:  # per (query, key row) of ONE layer: see decode_attended_keys
+            return float(self.num_attention_heads * 2 * (self.head_dim + self.head_dim))
         if self.is_mla:
             return float(self.num_layers * self.num_attention_heads * 2
                          * ((self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank))
@@ -227,7 +305,122 @@ class ModelSpec:
         if self.is_mla:
             return float(self.num_layers * self.num_attention_heads * 2
                          * ((self.qk_nope_head_dim + self.qk_rope_head_dim) + self.v_head_dim))
-        return self.attn_flops_per_pair
+        return self.attn_flops_per_pair  # compressed: the sparse kernels run the same MQA in prefill
+
+    # ------------------------------------------------------------------ compressed attention (V4)
+    @property
+    def num_csa_layers(self) -> int:
+        return sum(1 for r in self.compress_ratios if r == 4)
+
+    @property
+    def num_hca_layers(self) -> int:
+        return sum(1 for r in self.compress_ratios if r == 128)
+
+    @property
+    def indexer_flops_per_pair(self) -> float:
+        """Lightning-indexer FLOPs per (query, compressed key) of one CSA layer:
+        ``2 * index_n_heads * index_head_dim`` (a ReLU-weighted dot product per indexer head; run in
+        FP8). V4-Flash: 2 * 64 * 128 = 16,384, 1/8 of a main-attention pair."""
+        return float(2 * self.index_n_heads * self.index_head_dim)
+
+    def decode_attended_keys(self, ctx_tokens):  # noqa: ANN001, ANN201 (float or ndarray)
+        """(query, key row) pairs summed over layers for ONE query that sees ``ctx_tokens`` tokens.
+
+        Compressed attention (DeepSeek-V4): every layer attends its raw sliding window,
+        ``min(L, sliding_window)`` rows; a CSA layer (ratio 4) adds the ``index_topk`` compressed
+        rows its lightning indexer selects, ``min(index_topk, L / 4)``; an HCA layer (ratio 128)
+        adds all ``L / 128`` of its compressed rows. So the cost grows with the selected top-k, not
+        with L, once ``L > 4 * index_topk`` (2,048 tokens for V4-Flash); only the HCA rows (1/128)
+        and the indexer's scoring (:meth:`indexer_keys`) still grow with L. Rows are counted
+        fractionally (``L / r``, no floor), the mean over positions.
+
+        For MLA/GQA this is ``num_layers * L`` in the same per-layer units (unused there: their
+        ``attn_flops_per_pair`` already covers all layers).
+
+        Hand check (V4-Flash, L = 5,000): 43 * 128 + 21 * 512 + 20 * 5000/128 = 5,504 + 10,752 +
+        781.25 = 17,037.25.
+        """
+        import numpy as np
+
+        L = np.asarray(ctx_tokens, dtype=np.float64)
+        if not self.is_compressed:
+            return self.num_layers * L
+        w = np.minimum(L, float(self.sliding_window)) * self.num_layers
+        out = w + self.num_csa_layers * np.minimum(float(self.index_topk), L / 4.0) + self.num_hca_layers * (L / 128.0)
+        return out if out.ndim else float(out)
+
+    def indexer_keys(self, ctx_tokens):  # noqa: ANN001, ANN201
+        """(query, compressed key) pairs the lightning indexers score for one query seeing
+        ``ctx_tokens`` tokens: ``num_csa_layers * L / 4`` (0 without CSA layers)."""
+        import numpy as np
+
+        L = np.asarray(ctx_tokens, dtype=np.float64)
+        out = self.num_csa_layers * L / 4.0 if self.is_compressed else 0.0 * L
+        return out if np.ndim(out) else float(out)
+
+    def decode_kv_read_bytes(self, ctx_tokens):  # noqa: ANN001, ANN201
+        """KV bytes one decode step of one sequence reads (all layers).
+
+        Compressed attention: the attended rows (:meth:`decode_attended_keys`) of ``kv_row_bytes``
+        each, plus the indexer keys scored (:meth:`indexer_keys`) of ``index_row_bytes``. Other
+        kinds: ``ctx_tokens * kv_bytes_per_token``. V4-Flash at L = 5,000: 17,037.25 * 584 +
+        26,250 * 132 = 13.41 MB (DeepSeek-V3, BF16 MLA: 5,000 * 70,272 = 351 MB).
+        """
+        if not self.is_compressed:
+            import numpy as np
+            out = np.asarray(ctx_tokens, dtype=np.float64) * self.kv_bytes_per_token
+            return out if out.ndim else float(out)
+        return self.decode_attended_keys(ctx_tokens) * self.kv_row_bytes + self.indexer_keys(ctx_tokens) * self.index_row_bytes
+
+    def _prefix_sum(self, f, new_tokens, cached_tokens):  # noqa: ANN001, ANN202
+        """``sum_{j = p+1}^{p+c} f(j)`` by the trapezoid rule on ``f``'s integral (exact for
+        piecewise-linear ``f`` away from its kinks): ``F(p + c) - F(p) + (f(p + c) - f(p)) / 2``."""
+        import numpy as np
+
+        c = np.asarray(new_tokens, dtype=np.float64)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        a, b = p, p + c
+        return f[0](b) - f[0](a) + 0.5 * (f[1](b) - f[1](a))
+
+    def _attended_integral(self, x):  # noqa: ANN001, ANN202
+        """Antiderivative of :meth:`decode_attended_keys` in L (x >= 0)."""
+        import numpy as np
+
+        def int_min(x, cap, slope):  # noqa: ANN001, ANN202 (int_0^x min(cap, slope*t) dt)
+            x0 = cap / slope
+            return np.where(x <= x0, 0.5 * slope * x * x, 0.5 * cap * x0 + cap * (x - x0))
+
+        W = float(self.sliding_window)
+        return (self.num_layers * int_min(x, W, 1.0) + self.num_csa_layers * int_min(x, float(self.index_topk), 0.25)
+                + self.num_hca_layers * x * x / 256.0)
+
+    def prefill_attended_keys(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
+        """(query, key row) pairs over layers of a prefill chunk of ``new_tokens`` after
+        ``cached_tokens``: the sum of :meth:`decode_attended_keys` over the chunk's positions
+        (trapezoid rule). For MLA/GQA the causal pair count ``c * p + c * (c + 1) / 2`` (per
+        layer-summed convention of ``prefill_attn_flops_per_pair``)."""
+        import numpy as np
+
+        if not self.is_compressed:
+            from sim.perf.base import causal_attn_pairs
+            return causal_attn_pairs(new_tokens, cached_tokens)
+        out = self._prefix_sum((self._attended_integral, self.decode_attended_keys), new_tokens, cached_tokens)
+        return out if np.ndim(out) else float(out)
+
+    def prefill_indexer_keys(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
+        """Indexer (query, key) pairs of a prefill chunk: ``num_csa_layers / 4`` times the causal
+        pair count."""
+        from sim.perf.base import causal_attn_pairs
+        if not self.is_compressed:
+            return 0.0 * causal_attn_pairs(new_tokens, cached_tokens)
+        return self.num_csa_layers / 4.0 * causal_attn_pairs(new_tokens, cached_tokens)
+
+    @property
+    def kv_bytes_per_seq_fixed(self) -> int:
+        """Per-sequence KV that does not grow with context: the sliding-window rows of every layer
+        (``num_layers * sliding_window * kv_row_bytes``; V4-Flash 43 * 128 * 584 = 3.21 MB). 0 for
+        other kinds."""
+        return self.num_layers * self.sliding_window * self.kv_row_bytes if self.is_compressed else 0
 
     # ------------------------------------------------------------------ bytes
     @property
@@ -237,7 +430,16 @@ class ModelSpec:
         GQA: ``2 (K and V) * layers * kv_heads * head_dim * kv_bytes``.
         MLA: only the compressed latent and the shared RoPE key are cached:
         ``layers * (kv_lora_rank + qk_rope_head_dim) * kv_bytes``.
+        Compressed (DeepSeek-V4): one ``kv_row_bytes`` row per ``r`` tokens per compressed layer,
+        plus one ``index_row_bytes`` indexer key per 4 tokens per CSA layer, rounded up; the
+        sliding-window rows are per sequence (:attr:`kv_bytes_per_seq_fixed`). V4-Flash:
+        21 * (584 + 132) / 4 + 20 * 584 / 128 = 3,850.25 -> 3,851 B (DeepSeek-V3 BF16: 70,272 B).
         """
+        if self.is_compressed:  # amortised compressed rows + indexer keys (window: kv_bytes_per_seq_fixed)
+            import math
+            b = sum((self.kv_row_bytes + (self.index_row_bytes if r == 4 else 0)) / r
+                    for r in self.compress_ratios if r)
+            return math.ceil(b)
         if self.is_mla:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes
@@ -257,9 +459,15 @@ class ModelSpec:
         return float(self.dense_params - self.embedding_params) * self.weight_bytes
 
     @property
+    def expert_param_bytes(self) -> float:
+        """Bytes per routed-expert parameter (``expert_weight_bytes_per_param``, else ``weight_bytes``)."""
+        b = self.expert_weight_bytes_per_param
+        return float(self.weight_bytes if b is None else b)
+
+    @property
     def expert_weight_bytes(self) -> float:
-        """Resident bytes of all routed experts."""
-        return float(self.routed_expert_params) * self.weight_bytes
+        """Resident bytes of all routed experts (FP4 experts: 0.53 B per parameter)."""
+        return float(self.routed_expert_params) * self.expert_param_bytes
 
 
 # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; paper arXiv 2412.19437): 61 layers, hidden 7168,
@@ -326,18 +534,58 @@ LLAMA_3_1_70B = ModelSpec(
     kv_bytes=2,
 )
 
-# PLACEHOLDER for DeepSeek V4.1 Flash (the model behind the DeepInfer figures). Its architecture is
-# not published in the material pdlb cites, so this is DeepSeek-V3 with ONE change, chosen to fit
-# the published deployment: 64 routed experts instead of 256 (everything else, incl. MLA, top-8
-# routing, 61 layers, hidden 7168, FP8 weights, is V3's). Why 64: the published prefill units are
-# EP2-8 on SM100 (B200-class, 180 GB): at EP2 a GPU holds the 17.1 GB dense part + half the experts;
-# 256 experts (654 GB) or 128 (327 GB) do not fit in 0.9 * 180 GB at EP2, 64 (163.5 GB -> 81.8 GB
-# per GPU) does. Derived: 180.7B total, 37.5B activated (same per-token cost as V3). Treat every
-# result on this model as an assumption-laden estimate.
-DEEPSEEK_V4_1_FLASH = dataclasses.replace(DEEPSEEK_V3, name="deepseek-v4.1-flash", num_routed_experts=64,
-                                          total_params=None, activated_params=None)
+# DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash on Hugging Face, released 2026-04; MIT). Every
+# value is the checkpoint's config.json (fetched verbatim in the mistral.rs DeepSeek-V4 audit notes;
+# NVIDIA NeMo AutoModel's DeepseekV4Config defaults agree: hidden 4096, 43 layers, 64 heads,
+# 1 KV head, head_dim 512, qk_rope 64, q_lora 1024, o_lora 1024, o_groups 8, 256 routed + 1
+# shared experts, top-6, moe_intermediate 2048, sliding_window 128, index_topk 512, index 64 heads
+# x 128, hc_mult 4, one MTP layer, vocab 129,280, max_position_embeddings 1,048,576):
+#   compress_ratios = [0, 0, 4, 128, 4, 128, ..., 4, 128, 4] for the 43 main layers (+ 0 for the
+#   MTP block): 2 sliding-window-only layers, 21 CSA layers (ratio 4, with a lightning indexer;
+#   the safetensors index has indexer tensors on exactly layers 2, 4, ..., 42) and 20 HCA layers
+#   (ratio 128). No dense FFN layer (all 43 are MoE; 3 hash-routed layers, same weights).
+#   Weights: FP8 e4m3 with 128x128 block scales (quantization_config) except the routed experts,
+#   "expert_dtype": "fp4": packed FP4 (I8 [2048, 2048] for a logical [2048, 4096]) with one E8M0
+#   scale per 32 weights -> 0.5 + 1/32 bytes per expert parameter.
+#   KV rows: 584 B per row (448 FP8 NoPE + 64 BF16 RoPE + 8 B of UE8M0 scales; SGLang
+#   DeepSeekV4SingleKVPool asserts bytes_per_token == 448 + 64 * 2 + 8); indexer keys 132 B
+#   (128 FP8 + 4 B scale; SGLang DeepSeekV4IndexerPool, non-FP4 branch).
+# Derived here: 284.5B total, 13.2B activated (model card: 284B total, 13B activated; the 6.6B MTP
+# block excluded as for V3); KV 3,851 B per token + 3.21 MB of window rows per sequence.
+# MTP (num_nextn_predict_layers = 1) is modelled by the speculative-decoding settings of a scenario.
+DEEPSEEK_V4_FLASH = ModelSpec(
+    name="deepseek-v4-flash",
+    num_layers=43,
+    hidden_size=4096,
+    num_attention_heads=64,
+    vocab_size=129280,
+    intermediate_size=0,
+    attention="compressed",
+    num_kv_heads=1,
+    head_dim=512,
+    q_lora_rank=1024,
+    qk_rope_head_dim=64,
+    o_lora_rank=1024,
+    o_groups=8,
+    compress_ratios=(0, 0) + (4, 128) * 20 + (4,),
+    sliding_window=128,
+    index_topk=512,
+    index_n_heads=64,
+    index_head_dim=128,
+    hc_mult=4,
+    kv_row_bytes=584,
+    index_row_bytes=132,
+    num_routed_experts=256,
+    experts_per_token=6,
+    num_shared_experts=1,
+    moe_intermediate_size=2048,
+    first_k_dense=0,
+    weight_bytes=1,
+    kv_bytes=1,
+    expert_weight_bytes_per_param=0.5 + 1 / 32,
+)
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_1_FLASH, LLAMA_3_1_8B, LLAMA_3_1_70B)}
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_8B, LLAMA_3_1_70B)}
 
 
 def get_model(name: str | ModelSpec) -> ModelSpec:

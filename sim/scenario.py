@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from balancer.validation import format_validation_error
 from sim.perf.config import PerfConfig
+from sim.perf.spec import SpecDecodeConfig
 
 
 # ---------------------------------------------------------------------- KV tiers (host DRAM, shared store)
@@ -164,6 +165,9 @@ class Scenario(BaseModel):
             save (perf model); ``"always"`` always fetches (Mooncake / LMCache behaviour).
         perf: roofline settings (efficiencies, TBO, FP8 weights, GPUs per node;
             :class:`sim.perf.config.PerfConfig`); ``None`` = the roofline's defaults.
+        speculative: speculative decoding / MTP of the decode (and mixed) pools: draft length,
+            per-position acceptance, draft cost, fixed or dynamic verification
+            (:class:`sim.perf.spec.SpecDecodeConfig`); ``None`` = off.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -186,6 +190,7 @@ class Scenario(BaseModel):
     shared_store: SharedStoreConfig | None = None
     kv_fetch_rule: Literal["faster", "always"] = "faster"
     perf: PerfConfig | None = None
+    speculative: SpecDecodeConfig | None = None
 
     @model_validator(mode="after")
     def _check_pools(self) -> Scenario:
