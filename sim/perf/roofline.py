@@ -71,6 +71,14 @@ where ``T`` is the token count of the whole step group. Details:
   - ``ep_imbalance_prefill`` / ``ep_imbalance_decode``: max/mean expert load on the busiest GPU;
     multiplies ``moe`` and ``comm`` of prefill / decode-only steps.
 * TP collectives (dense engines with ``gpus_per_rank > 1``) are ignored.
+* Context-parallel ranks (``context_parallel=True``, a pool's ``context_parallel``): the
+  ``gpus_per_rank`` GPUs split prompts by sequence instead of sharding weights: linear and
+  attention compute and the KV are divided by them, each GPU holds and streams the whole dense
+  part, and a prefill step's compute is ``max(compute, (new + cached tokens) * kv_bytes_per_token *
+  (cp - 1) / cp / (nvlink_bw * comm_efficiency))``: ring attention passes every other GPU's KV
+  shard of the chunk and its cached prefix around the ring while attention runs (ring attention,
+  Liu et al. 2023, arXiv 2310.01889). Load imbalance of causal attention across the shards is not
+  modelled (striped / zig-zag sharding balances it).
 * ``ep_synchronous=False`` with ``R > 1`` returns the max over ranks (callers should evaluate each
   independent rank with ``R = 1``).
 
@@ -173,6 +181,7 @@ class RooflinePerf:
         prefill_comm_sm_fraction: float = 0.0,
         ep_imbalance_prefill: float = 1.0,
         ep_imbalance_decode: float = 1.0,
+        context_parallel: bool = False,
     ) -> None:
         self.model = get_model(model)
         self.hardware = get_hardware(hardware)
@@ -217,10 +226,13 @@ class RooflinePerf:
         self.kv_bytes_per_token = int(m.kv_bytes_per_token)
 
         tp = self.gpus_per_rank
+        #: context-parallel rank: its GPUs split prompts by sequence (ring attention), not weights
+        self.context_parallel = bool(context_parallel) and tp > 1
         #: GPUs the routed experts are sharded over (whole engine under EP, else the rank's TP group)
         self.expert_gpus = self.num_gpus if self.ep_synchronous else tp
         #: fraction of a token's KV one GPU of a rank stores/reads
-        self.kv_gpu_share = 1.0 if m.is_mla else 1.0 / min(tp, m.num_kv_heads)
+        self.kv_gpu_share = (1.0 / tp if self.context_parallel
+                             else 1.0 if (m.is_mla or m.is_compressed) else 1.0 / min(tp, m.num_kv_heads))
 
         # ---- per-GPU coefficients (rank-local part) ----
         lin_peak = hw.peak_flops(m.weight_bytes) * self.mfu
@@ -235,8 +247,11 @@ class RooflinePerf:
         self._sparse = m.is_compressed
         self._c_idx_pair = (m.indexer_flops_per_pair / tp / (hw.fp8_flops * self.mfu)) if self._sparse else 0.0
         # seconds of HBM traffic
-        self._m_weights = m.dense_weight_read_bytes / tp / bw
+        self._m_weights = m.dense_weight_read_bytes / (1 if self.context_parallel else tp) / bw
         self._m_kv_tok = self.kv_bytes_per_token * self.kv_gpu_share / bw
+        #: CP: seconds per (new or cached) prompt token of KV one GPU receives from the others
+        self._cp_comm_tok = (self.kv_bytes_per_token * (tp - 1) / tp / (hw.nvlink_bw * self.comm_efficiency)
+                             if self.context_parallel else 0.0)
         # ---- MoE (per GPU of the expert group) ----
         self._moe_c_tok = m.expert_flops_per_token / self.expert_gpus / lin_peak if m.is_moe else 0.0
         self._moe_m_all = m.expert_weight_bytes / self.expert_gpus / bw if m.is_moe else 0.0
@@ -287,6 +302,7 @@ class RooflinePerf:
         prefill_comm_sm_fraction: float = 0.0,
         ep_imbalance_prefill: float = 1.0,
         ep_imbalance_decode: float = 1.0,
+        context_parallel: bool = False,
     ) -> RooflinePerf:
         """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
 
@@ -301,7 +317,8 @@ class RooflinePerf:
                    tbo_overhead_s=tbo_overhead_s, ep_ll_nvlink=ep_ll_nvlink, tbo_phases=tbo_phases,
                    comm_efficiency_normal=comm_efficiency_normal,
                    prefill_comm_sm_fraction=prefill_comm_sm_fraction,
-                   ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode)
+                   ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode,
+                   context_parallel=context_parallel)
 
     def _comm_per_token(self) -> tuple[float, float]:
         """Seconds of dispatch+combine per token of the busiest rank: (low-latency, normal) mode."""
@@ -340,9 +357,10 @@ class RooflinePerf:
     # ------------------------------------------------------------------ memory
     @property
     def weight_bytes_per_gpu(self) -> float:
-        """Resident weight bytes on one GPU: dense part / tp + routed experts / expert GPUs."""
+        """Resident weight bytes on one GPU: dense part / tp (all of it under context parallelism)
+        + routed experts / expert GPUs."""
         m = self.model
-        return m.dense_weight_bytes / self.gpus_per_rank + (
+        return m.dense_weight_bytes / (1 if self.context_parallel else self.gpus_per_rank) + (
             m.expert_weight_bytes / self.expert_gpus if m.is_moe else 0.0)
 
     def _kv_capacity(self) -> int:
@@ -403,7 +421,7 @@ class RooflinePerf:
         if not k_verify >= 1.0:
             raise ValueError(f"decode_tokens_per_seq must be >= 1, got {decode_tokens_per_seq!r}")
         if (prefill_cached_tokens is None and pt.shape == (1,) and pp.shape == ds.shape == dc.shape == (1,)
-                and not self._extended and not self._sparse and k_verify == 1.0):
+                and not self._extended and not self._sparse and k_verify == 1.0 and not self.context_parallel):
             return self._step_one_rank(float(pt[0]), float(pp[0]), float(ds[0]), float(dc[0]))
         has_prefill = bool(pt.any())
         if prefill_cached_tokens is not None:
@@ -428,6 +446,10 @@ class RooflinePerf:
             compute = tokens * self._c_tok + pp * self._c_pf_pair + dpairs * self._c_dec_pair
             # KV is read once per sequence however many tokens it verifies
             kv_tokens = dc + pc + tokens if has_prefill or prefill_cached_tokens is not None else dc + tokens
+        if self.context_parallel and has_prefill:
+            # ring attention: each GPU receives the other GPUs' KV of the chunk and of the cached
+            # prefix over NVLink while it computes (hidden when shorter than the compute)
+            compute = np.maximum(compute, (pt + pc) * self._cp_comm_tok)
         memory = self._m_weight_reads + kv_tokens * self._m_kv_tok
         rank = np.maximum(compute, memory)
 
