@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_price_parser(simsub)
     from sim.experiments.cli import add_session_parsers
     add_session_parsers(simsub)
+    from sim.workload.generate_cli import add_workload_parser
+    add_workload_parser(simsub)
 
     sub.add_parser("policies", help="list routing policies and their parameters")
     from balancer.service.cli import add_serve_parser
@@ -406,6 +408,9 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
             if args.sim_command == "validate":
                 from sim.validate import run_validate
                 return run_validate(args, console)
+            if args.sim_command == "workload":
+                from sim.workload.generate_cli import run_workload
+                return run_workload(args, console)
             if args.sim_command == "price":
                 from sim.pricing import run_price
                 return run_price(args, console)
