@@ -453,8 +453,22 @@ def simulate(
         num_steps=sum(g.num_steps for g in cluster.groups),
         num_waits=sum(g.num_waits for g in cluster.groups),
         wall_s=wall,
-        extra={"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {},
+        extra={**({"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {}),
+               "step_imbalance": step_imbalance(cluster.groups)},
     )
+
+
+def step_imbalance(groups: Sequence[StepGroup]) -> dict[str, float]:
+    """Sums over the step groups of more than one rank (wide-EP engines) of their imbalance
+    counters (:class:`~sim.engine.step_group.StepGroup`), keyed ``{prefill,decode}_{busy,imbalance,wait}_s``
+    (prefill: steps with prefill work, on prefill or mixed engines; decode: decode-only steps)."""
+    out = {f"{k}_{m}_s": 0.0 for k in ("prefill", "decode") for m in ("busy", "imbalance", "wait")}
+    for g in groups:
+        if len(g.ranks) < 2:
+            continue
+        for key in out:
+            out[key] += getattr(g, key)
+    return out
 
 
 def router_tier_kwargs(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf
