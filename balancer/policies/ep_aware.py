@@ -84,7 +84,7 @@ class EpAware(Policy):
 
     name = "ep_aware"
     externality_weight: float = 1.0
-    horizon_weight: float = 0.0
+    horizon_weight: float = 4.0
     tie_tolerance: float = 0.05
     max_output_estimate_tokens: int = 4096
 
@@ -149,7 +149,11 @@ class EpAware(Policy):
         cost = feats @ eng.prefill.coef() + fetch
         if eng.ep_synchronous:
             ext = self.externality_weight * eng.prefill.per_group_token_s * u * self._requests_after(q, cands, idx, rows)
-            cost = cost + ext + self.horizon_weight * horizon
+            if self.horizon_weight:
+                busy = float(np.count_nonzero(q)) / len(q)  # the pool's share of ranks with queued work
+                cost = cost + ext + (self.horizon_weight * busy) * horizon
+            else:
+                cost = cost + ext
         return cost if sub is None else np.asarray(cost)[sub]
 
     @staticmethod
