@@ -8,25 +8,33 @@ engine's GPUs. ``ep_aware`` prices each candidate with the engine's step model
 (:class:`balancer.cost_model.EngineCost`, from ``ctx.cost_model`` or
 :data:`balancer.cost_model.DEFAULT_COST_MODEL`) and picks the cheapest (random tie-break).
 
-**Prefill** (candidate ``i`` on engine ``e``; ``q`` queued uncached tokens per rank, counted at
-dispatch; ``C`` the chunked-prefill budget; the prompt has ``u_i`` uncached tokens after
-``p_i`` cached ones on ``i``, counting HBM, host-tier and shared-store hits)::
+**Prefill** (candidate ``i`` on engine ``e``; ``q`` queued uncached tokens and ``a`` their
+attention pairs per rank, counted at dispatch; ``C`` the chunked-prefill budget; the prompt has
+``u_i`` uncached tokens after ``p_i`` cached ones on ``i``, counting HBM, host-tier and
+shared-store hits)::
 
-    S_i     = ceil((q_i + u_i) / C)                                  steps until it is done
-    wait_i  = S_i * overhead + per_token * min(max(M_e, q_i + u_i), S_i C)    slowest rank's pace
-              + per_group_token * sum_r min(q'_r, S_i C)               routed experts of the group
-              + per_attn_pair * (u_i p_i + u_i (u_i + 1) / 2)          its own attention pairs
-    fetch_i = host_tokens_i * host_fetch_s_per_token + store_tokens_i * store_fetch_s_per_token
-    ext_i   = per_group_token * u_i * N_after_i                      delay it adds to the others
-    cost_i  = wait_i + fetch_i + externality_weight * ext_i
+    S_i       = ceil((q_i + u_i) / C)                          steps until the prompt is done
+    f_r       = min(1, S_i C / q_r)                            share of rank r's queue done by then
+    slowest   = argmax_r f_r (per_token q_r + per_attn_pair a_r)   with i's prompt added on i
+    wait_i    = S_i overhead + per_token f* q* + per_attn_pair f* a*     the engine steps at its pace
+                + per_group_token sum_r min(q'_r, S_i C)        routed experts shared by the group
+    fetch_i   = host_tokens_i host_fetch_s_per_token + store_tokens_i store_fetch_s_per_token
+    ext_i     = per_group_token u_i N_after_i                   delay it adds to queued requests
+    horizon_i = max(0, w'_i - max_{r != i} w_r)                 how far it extends the slowest rank
+    cost_i    = wait_i + fetch_i + externality_weight ext_i + horizon_weight rho horizon_i
 
-``M_e`` is the engine's largest queue, ``q'`` the queues with the prompt added on ``i``,
-``N_after_i = sum_{r != i} n_r * clip((q_r - q_i) / q_r, 0, 1)`` the requests of the engine's
-other ranks still queued when ``i`` starts the prompt (``n_r`` requests on rank ``r``). A hit is
-compute not done (``u_i`` shrinks); a hit on a rank whose engine is busy is worth exactly the
-wait it costs, so a hot prefix is replicated on an idle engine when waiting behind the holder
-costs more than recomputing it (no collapse onto one replica). For a dense engine (each rank its
-own step group) ``M_e`` is the rank's own queue and the group terms vanish.
+(:func:`balancer.cost_model.prefill_wait_features`). ``w_r = per_token q_r + per_attn_pair a_r``
+is a rank's own work in seconds, ``w'_i`` with the prompt; ``N_after_i = sum_{r != i} n_r
+clip((q_r - q_i) / q_r, 0, 1)`` the requests of the engine's other ranks still queued when ``i``
+starts the prompt (``n_r`` requests on ``r``); ``rho`` the share of the pool's ranks with queued
+work. ``horizon`` prices the future: while an engine's slowest rank is busy every step runs at
+its pace, so each request that lands on the engine's other ranks meanwhile waits longer; under
+load (``rho`` near 1) there is no idle engine left to take those requests, and filling the
+lagging ranks of busy engines is free throughput. A hit is compute not done (``u_i`` shrinks);
+a hit on a busy rank is worth exactly the wait it costs, so a hot prefix is replicated on an
+idle engine when waiting behind the holder costs more than recomputing it (no collapse onto one
+replica). For a dense engine (each rank its own step group) the slowest rank is ``i`` itself and
+the group terms vanish.
 
 **Decode** (candidate ``i`` of engine ``e``; ``b`` sequences and ``k`` KV tokens per rank; the
 request adds one sequence of ``prompt + output / 2`` KV tokens on average over its life, output =
@@ -38,13 +46,21 @@ request adds one sequence of ``prompt + output / 2`` KV tokens on average over i
                 + transfer_s_per_token * (prompt - matched_tokens_i)      the KV it need not move
 
 ``B_e``/``K_e`` the engine's largest batch and KV, ``T_e`` its step time now, ``n_e`` its
-sequences. Candidates where ``k_i + prompt + output`` exceeds a known KV capacity are taken only
+sequences.
+
+**Ties**: costs within ``tie_tolerance`` (relative) of the cheapest are ties, broken by the least
+queued work, then at random: otherwise a small shared prefix (a system prompt's first block) makes
+the few ranks that hold it marginally cheaper for every request, all traffic collapses onto them
+and their caches thrash (measured: hit rate 8% instead of 33% at light load). Candidates where ``k_i + prompt + output`` exceeds a known KV capacity are taken only
 when none has room (then the one with most room). **Mixed** (aggregated) pools add both costs
 (without the transfer).
 
 Parameters:
     externality_weight: weight of the delay a placement adds to requests already on the engine
         (1 = count it fully, 0 = purely selfish).
+    horizon_weight: weight of the slow-horizon term (0 = off; 4 measured best on the Mooncake
+        trace at 0.35-1x its rate, see bench/policy_goodput.py).
+    tie_tolerance: relative cost difference below which candidates tie (0.05).
     max_output_estimate_tokens: cap on the output length the decode cost projects.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
