@@ -55,3 +55,54 @@ def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolCon
     if scenario.shared_store is not None:
         kw["store_fetch_s_per_token"] = kv_bytes * pool.dp_ranks / scenario.shared_store.engine_read_bandwidth_bytes_per_s
     return CostModel(prefill=prefill, decode=decode, **kw)
+
+
+# ---------------------------------------------------------------------- pdlb sim cost-model
+def to_toml(model: CostModel, scenario_name: str) -> str:
+    """``model`` as a ``[cost_model]`` TOML table that ``pdlb serve --cost-model FILE`` (or a
+    service config file's ``cost_model`` key) reads back."""
+    lines = [f"# pdlb cost model fitted to scenario {scenario_name!r} (pdlb sim cost-model)", "[cost_model]"]
+    d = model.to_dict()
+
+    def emit(prefix: str, table: dict) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for k, v in scalars.items():
+            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(f"{prefix}.{k}" if prefix else f"cost_model.{k}", v)
+
+    scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+    for k, v in scalars.items():
+        lines.append(f"{k} = {v!r}")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            emit(f"cost_model.{k}", v)
+    return "\n".join(lines) + "\n"
+
+
+def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
+    p = subparsers.add_parser(
+        "cost-model", help="print the step-time cost model of a scenario (for pdlb serve --cost-model)",
+        description="Fit the cost model that ep_aware prices placements with to a scenario's perf model and print "
+                    "it as a TOML table for 'pdlb serve --cost-model FILE' (the service then refits it online).")
+    p.add_argument("--scenario", default="dsv3-pd-h200", metavar="NAME|FILE",
+                   help="scenario preset or file (default dsv3-pd-h200)")
+    p.add_argument("--out", metavar="FILE", help="write the table to FILE instead of standard output")
+
+
+def run_cost_model(args, console) -> int:  # noqa: ANN001
+    from sim.scenario import load_scenario
+
+    sc = load_scenario(args.scenario)
+    text = to_toml(cost_model_for(sc), sc.name)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text)
+        console.print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
