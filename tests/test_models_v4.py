@@ -204,3 +204,14 @@ def test_cumulative_acceptance_and_a_separate_draft_model():
     assert float(spec.step_time_s(z, z, ds, dc)[0]) == pytest.approx((t4 + 3 * td) / (1 + 0.8 + 0.56 + 0.336))
     with pytest.raises(ValueError, match="draft perf model"):
         SpecDecodePerf(target, sc.speculative)
+
+
+def test_speculative_fast_forward_equals_exact_step_by_step():
+    sc = load_scenario("deepinfer-sm100")
+    from sim.workload import poisson_workload
+    reqs = poisson_workload(60, 20.0, prompt_tokens_mean=3000, output_tokens_mean=80, seed=3,
+                            shared_prefix_tokens=2048, num_prefix_groups=4)
+    ff = simulate(sc, reqs, "cache_aware").records
+    ex = simulate(sc.model_copy(update={"fast_forward": False}), reqs, "cache_aware").records
+    np.testing.assert_allclose(ff.finish_s, ex.finish_s, rtol=1e-9)
+    np.testing.assert_allclose(ff.first_token_s, ex.first_token_s, rtol=1e-9)
