@@ -107,8 +107,8 @@ def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
 
     perf = roofline_for_pool(scenario, pool)
     if scenario.speculative is not None and pool is not scenario.prefill:
-        from sim.perf.spec import SpecDecodePerf
-        return SpecDecodePerf(perf, scenario.speculative)
+        from sim.perf.spec import spec_perf_for_pool
+        return spec_perf_for_pool(perf, scenario, pool)
     return perf
 
 

@@ -442,7 +442,8 @@ class ModelSpec:
 
     @property
     def weight_bytes_total(self) -> float:
-        return float(self.total_params) * self.weight_bytes
+        """Resident bytes of all weights (routed experts at their own width, e.g. FP4)."""
+        return self.dense_weight_bytes + self.expert_weight_bytes
 
     @property
     def dense_weight_bytes(self) -> float:

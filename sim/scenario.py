@@ -287,9 +287,12 @@ def describe_pools(sc: Scenario) -> str:
         text = f"{p.num_engines} {role} engine{'s' if p.num_engines != 1 else ''}"
         if p.dp_ranks > 1:
             text += f" x {p.dp_ranks} DP ranks"
-        return text + (f" x TP{p.gpus_per_rank}" if p.gpus_per_rank > 1 else "")
+        par = "CP" if p.context_parallel else "TP"
+        return text + (f" x {par}{p.gpus_per_rank}" if p.gpus_per_rank > 1 else "")
 
     pools = [("prefill", sc.prefill), ("decode", sc.decode), ("mixed", sc.mixed)]
+    if sc.long_prefill is not None:
+        pools.append((f"long-prompt (>= {sc.long_prompt_threshold_tokens:,} tokens) prefill", sc.long_prefill))
     kind = "PD" if sc.disaggregated else "aggregated"
     return f"{sc.model} {kind} on {sc.hardware}: " + ", ".join(pool(r, p) for r, p in pools if p is not None)
 

@@ -104,7 +104,7 @@ def spec_decode_time_per_token_s(scenario: Scenario, perf: PerfConfig, seqs_per_
     """Seconds per accepted token of the decode unit under the scenario's ``[speculative]`` table
     (:class:`sim.perf.spec.SpecDecodePerf`), every rank holding ``seqs_per_gpu`` sequences of
     ``ctx_tokens``; ``dynamic`` / ``draft_tokens`` override the table's mode and fixed length."""
-    from sim.perf.spec import SpecDecodePerf
+    from sim.perf.spec import spec_perf_for_pool
     if scenario.speculative is None:
         raise ValueError(f"{scenario.name}: no [speculative] table")
     cfg = scenario.speculative
@@ -113,7 +113,8 @@ def spec_decode_time_per_token_s(scenario: Scenario, perf: PerfConfig, seqs_per_
         upd["dynamic"] = dynamic
     if draft_tokens is not None:
         upd["draft_tokens"] = draft_tokens
-    spec = SpecDecodePerf(roofline_for_pool(scenario, scenario.decode, perf), cfg.model_copy(update=upd))
+    sc = scenario.model_copy(update={"speculative": cfg.model_copy(update=upd)})
+    spec = spec_perf_for_pool(roofline_for_pool(scenario, scenario.decode, perf), sc, scenario.decode)
     ones = np.ones((1, scenario.decode.dp_ranks))
     return float(spec.step_time_s(0 * ones, 0 * ones, ones * seqs_per_gpu, ones * seqs_per_gpu * ctx_tokens)[0])
 

@@ -80,3 +80,22 @@ def test_unsupported_is_a_value_error_listing_the_supported(tmp_path):
         get_model(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="or a Hugging Face config.json path"):
         get_model("no-such-model")
+
+
+def test_deepseek_v2_lite_without_q_lora():
+    # DeepSeek-V2-Lite config.json (architecture fields): the paper's 15.7B total / 2.4B activated
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+           "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+           "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+           "n_group": 1, "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 102400, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+    m = model_from_hf_config(cfg, name="deepseek-v2-lite")
+    assert m.q_lora_rank is None and m.max_routed_nodes == 0 and m.num_moe_layers == 26
+    assert abs(m.total_params / 15.7e9 - 1) < 0.01
+    # routed experts by hand: 26 MoE layers x 64 x 3 x 2048 x 1408, 6 of them per token
+    assert m.routed_expert_params == 26 * 64 * 3 * 2048 * 1408
+    assert m.activated_params == m.total_params - 26 * 58 * 3 * 2048 * 1408
+    # 2.66B with the 0.21B input embedding and 0.21B LM head (the paper's 2.4B activated)
+    assert 2.4e9 < m.activated_params - m.embedding_params < 2.5e9
+    assert m.kv_bytes_per_token == 27 * 576 * 2

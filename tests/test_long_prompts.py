@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from balancer.policies import available_policies
 from balancer.types import Request
 from sim.cluster import simulate
 from sim.metrics import per_request
@@ -54,7 +55,7 @@ def _workload() -> list[Request]:
     return reqs
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "kv_cost"])
+@pytest.mark.parametrize("policy", available_policies())
 def test_long_prompts_go_to_the_long_pool_under_every_policy(policy):
     sc = _scenario(True)
     reqs = _workload()

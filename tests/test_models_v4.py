@@ -183,3 +183,35 @@ def test_simulated_tpot_comes_from_accepted_tokens():
     assert t_plain == pytest.approx(plain, rel=1e-3)
     assert t_spec == pytest.approx(three / 2.2, rel=1e-3)
     assert t_spec < t_plain
+
+
+def test_cumulative_acceptance_and_a_separate_draft_model():
+    # measured rates 0.8, 0.4 of positions 1, 2 -> conditional 0.8, 0.5 -> tau(2) = 2.2 (hand check above)
+    cfg = SpecDecodeConfig(draft_tokens=2, acceptance=[0.8, 0.4], acceptance_kind="cumulative")
+    assert cfg.conditional_acceptance == pytest.approx([0.8, 0.5]) and cfg.tau(2) == pytest.approx(2.2)
+    with pytest.raises(ValueError, match="must not increase"):
+        SpecDecodeConfig(draft_tokens=2, acceptance=[0.4, 0.8], acceptance_kind="cumulative")
+    # Llama-3.1-70B target with a Llama-3.1-8B draft on the same 4 x H200 TP rank
+    sc = Scenario(model="llama-3.1-70b", hardware="H200", mixed=PoolConfig(dp_ranks=1, gpus_per_rank=4),
+                  speculative=SpecDecodeConfig(draft_tokens=3, acceptance=[0.8, 0.7, 0.6], draft_model="llama-3.1-8b"))
+    from sim.cluster import build_perf
+    spec = build_perf(sc, sc.mixed)
+    target = roofline_for_pool(sc, sc.mixed)
+    draft = RooflinePerf.for_engine("llama-3.1-8b", "H200", num_dp_ranks=1, gpus_per_rank=4, ep_synchronous=False)
+    z, ds, dc = np.zeros((1, 1)), np.full((1, 1), 32.0), np.full((1, 1), 32.0 * 2000)
+    t4 = float(target.step_time_s(z, z, ds, dc, decode_tokens_per_seq=4)[0])
+    td = float(draft.step_time_s(z, z, ds, dc)[0])
+    assert float(spec.step_time_s(z, z, ds, dc)[0]) == pytest.approx((t4 + 3 * td) / (1 + 0.8 + 0.56 + 0.336))
+    with pytest.raises(ValueError, match="draft perf model"):
+        SpecDecodePerf(target, sc.speculative)
+
+
+def test_speculative_fast_forward_equals_exact_step_by_step():
+    sc = load_scenario("deepinfer-sm100")
+    from sim.workload import poisson_workload
+    reqs = poisson_workload(60, 20.0, prompt_tokens_mean=3000, output_tokens_mean=80, seed=3,
+                            shared_prefix_tokens=2048, num_prefix_groups=4)
+    ff = simulate(sc, reqs, "cache_aware").records
+    ex = simulate(sc.model_copy(update={"fast_forward": False}), reqs, "cache_aware").records
+    np.testing.assert_allclose(ff.finish_s, ex.finish_s, rtol=1e-9)
+    np.testing.assert_allclose(ff.first_token_s, ex.first_token_s, rtol=1e-9)

@@ -9,10 +9,12 @@ the draft's own forwards, and yields ``tau(d)`` tokens per sequence on average:
 
 where ``a_j`` is the acceptance probability of draft position ``j`` given that position ``j - 1``
 was accepted (:attr:`SpecDecodeConfig.acceptance`; a verifier accepts the longest correct prefix).
-Draft cost: ``draft_forwards(d) * draft_cost_fraction * T1`` with ``T1`` the target's one-token step
-of the same batch; ``draft_forwards`` is ``d`` for a sequential drafter (MTP layers reused
-autoregressively, EAGLE, a separate draft model) and 1 for a parallel drafter (DSpark / DFlash
-backbone: one forward proposes the whole block).
+Draft cost: ``draft_forwards(d) * Tdraft`` where ``draft_forwards`` is ``d`` for a sequential
+drafter (MTP layers reused autoregressively, EAGLE, a separate draft model) and 1 for a parallel
+drafter (DSpark / DFlash backbone: one forward proposes the whole block), and one draft forward
+``Tdraft`` is either ``draft_cost_fraction * T1`` (``T1``: the target's one-token step of the same
+batch; an MTP layer) or, with ``draft_model``, that model's own roofline step for the batch on the
+same GPUs (each rank runs its sequences' drafts; the slowest rank counts).
 
 * Fixed length: ``d = draft_tokens`` every step.
 * Dynamic length (``dynamic = true``; DSpark's confidence-scheduled, load-aware verification): each
@@ -38,7 +40,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step"]
+__all__ = ["SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
 
 
 class SpecDecodeConfig(BaseModel):
@@ -46,10 +48,14 @@ class SpecDecodeConfig(BaseModel):
 
     Attributes:
         draft_tokens: draft length of fixed-length verification (>= 1).
-        acceptance: conditional acceptance probability of draft positions 1, 2, ... (each in
-            [0, 1]; at least ``max(draft_tokens, max_draft_tokens)`` entries). A measured
-            per-position acceptance rate ``r_i`` (fraction of steps whose position ``i`` is
-            accepted) converts as ``a_i = r_i / r_{i-1}``.
+        acceptance: per draft position 1, 2, ... (each in [0, 1]; at least
+            ``max(draft_tokens, max_draft_tokens)`` entries): conditional probabilities ``a_i``
+            (position ``i`` accepted given ``i - 1`` was), or with ``acceptance_kind =
+            "cumulative"`` measured acceptance rates ``r_i`` (fraction of steps whose position
+            ``i`` is accepted; non-increasing), converted as ``a_i = r_i / r_{i-1}``.
+        acceptance_kind: ``"conditional"`` (default) or ``"cumulative"``.
+        draft_model: a separate draft model (preset name or config.json path) whose roofline step
+            is the draft forward's cost; ``None`` = ``draft_cost_fraction`` of the target step.
         drafter: ``"sequential"`` (one draft forward per drafted token: MTP, EAGLE, a separate
             draft model) or ``"parallel"`` (one forward for the whole block: DSpark/DFlash).
         draft_cost_fraction: seconds of one draft forward as a fraction of the target's one-token
@@ -64,6 +70,8 @@ class SpecDecodeConfig(BaseModel):
 
     draft_tokens: int = Field(ge=1, le=64)
     acceptance: list[float] = Field(min_length=1, max_length=64)
+    acceptance_kind: Literal["conditional", "cumulative"] = "conditional"
+    draft_model: str | None = None
     drafter: Literal["sequential", "parallel"] = "sequential"
     draft_cost_fraction: float = Field(0.1, ge=0, le=10)
     dynamic: bool = False
@@ -74,6 +82,9 @@ class SpecDecodeConfig(BaseModel):
     def _check(self) -> SpecDecodeConfig:
         if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"speculative.acceptance: every entry must be in [0, 1], got {self.acceptance}")
+        if self.acceptance_kind == "cumulative" and any(b > a for a, b in zip(self.acceptance, self.acceptance[1:])):
+            raise ValueError("speculative.acceptance: cumulative acceptance rates must not increase with the "
+                             f"position, got {self.acceptance}")
         need = max(self.draft_tokens, self.max_draft_tokens or 0)
         if len(self.acceptance) < need:
             raise ValueError(f"speculative.acceptance: {len(self.acceptance)} entries for drafts of up to "
@@ -84,9 +95,20 @@ class SpecDecodeConfig(BaseModel):
     def longest_draft(self) -> int:
         return (self.max_draft_tokens or self.draft_tokens) if self.dynamic else self.draft_tokens
 
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """``a_i`` per position (cumulative rates converted; a 0 rate makes later positions 0)."""
+        if self.acceptance_kind == "conditional":
+            return list(self.acceptance)
+        out, prev = [], 1.0
+        for r in self.acceptance:
+            out.append(r / prev if prev > 0 else 0.0)
+            prev = r
+        return out
+
     def tau(self, d: int) -> float:
         """Expected tokens per step with a draft of ``d``: :func:`accepted_tokens_per_step`."""
-        return accepted_tokens_per_step(self.acceptance, d)
+        return accepted_tokens_per_step(self.conditional_acceptance, d)
 
 
 def accepted_tokens_per_step(acceptance: list[float], d: int) -> float:
@@ -105,8 +127,13 @@ class SpecDecodePerf:
     lengths picked by the last call, for tests and reports).
     """
 
-    def __init__(self, base, config: SpecDecodeConfig) -> None:  # noqa: ANN001
+    def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
+        """``base``: the target's roofline; ``draft``: the draft model's perf model on the same
+        ranks (required iff ``config.draft_model`` is set; :func:`spec_perf_for_pool` builds it)."""
+        if (config.draft_model is None) != (draft is None):
+            raise ValueError("a draft perf model is needed exactly when speculative.draft_model is set")
         self.base = base
+        self.draft = draft
         self.config = config
         self.kv_bytes_per_token = base.kv_bytes_per_token
         self.kv_capacity_tokens_per_rank = base.kv_capacity_tokens_per_rank
@@ -129,11 +156,16 @@ class SpecDecodePerf:
         t1 = np.asarray(self.base.step_time_s(z, z, ds, dc), dtype=np.float64)
         return self._per_token(z, ds, dc, t1, d)
 
+    def _draft_forward_s(self, z, ds, dc, t1):  # noqa: ANN001, ANN202
+        if self.draft is None:
+            return self.config.draft_cost_fraction * t1
+        return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
+
     def _per_token(self, z, ds, dc, t1, d):  # noqa: ANN001, ANN202
         if d == 0:
             return t1
         tv = np.asarray(self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + d), dtype=np.float64)
-        return (tv + self._draft_forwards(d) * self.config.draft_cost_fraction * t1) / self._tau[d]
+        return (tv + self._draft_forwards(d) * self._draft_forward_s(z, ds, dc, t1)) / self._tau[d]
 
     def step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
                     decode_ctx_tokens: ArrayLike) -> np.ndarray:
@@ -164,3 +196,17 @@ class SpecDecodePerf:
         c = self.config
         mode = f"dynamic<= {c.longest_draft}" if c.dynamic else f"fixed {c.draft_tokens}"
         return f"SpecDecodePerf({self.base!r}, {mode}, tau({c.longest_draft})={self._tau[-1]:.3f})"
+
+
+def spec_perf_for_pool(base, scenario, pool) -> SpecDecodePerf:  # noqa: ANN001
+    """``base`` (the pool's roofline) wrapped with the scenario's ``[speculative]`` table; a
+    ``draft_model`` gets its own roofline on the pool's ranks (same hardware and ``[perf]``
+    efficiencies, each DP rank stepping alone: a dense draft has no EP)."""
+    cfg = scenario.speculative
+    draft = None
+    if cfg.draft_model is not None:
+        from sim.perf.config import roofline_for_pool
+        dsc = scenario.model_copy(update={"model": cfg.draft_model})
+        dpool = pool.model_copy(update={"ep": False})
+        draft = roofline_for_pool(dsc, dpool)
+    return SpecDecodePerf(base, cfg, draft)
