@@ -250,8 +250,8 @@ def test_serve_help_names_syntax_policies_and_simulator_differences():
     p = _subparser("serve")
     helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
     assert "kv=TOKENS" in p.description
-    assert f"one of: {POLICIES} (default: cache_aware)" in helps["prefill_policy"]
-    assert "(default: least_load" in helps["decode_policy"] and "'pdlb sim run --policy P' uses P for both" \
+    assert f"one of: {POLICIES} (default: ep_aware)" in helps["prefill_policy"]
+    assert "(default: ep_aware" in helps["decode_policy"] and "'pdlb sim run --policy P' uses P for both" \
         in helps["decode_policy"]
     assert "(default: 64;" in helps["block_size"] and "512" in helps["block_size"]
     assert "(default: 0," in helps["pd_min_uncached_tokens"]
