@@ -329,7 +329,8 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     """Features ``(n, 4)`` of the time until a new prompt's prefill completes on each candidate,
     such that ``features @ cost.prefill.coef()`` is that time in seconds; and the "slow
     horizon" ``(n,)``: rank-local work seconds by which the placement extends the engine's
-    busiest rank (0 when another rank stays the slowest).
+    busiest rank (0 when another rank stays the slowest, and on an engine whose other ranks are
+    idle).
 
     Candidate ``i`` has ``q_i`` queued uncached tokens with ``a_i`` attention pairs; the prompt
     has ``u_i`` uncached tokens after ``p_i`` cached ones there (pairs ``u_i p_i + u_i (u_i + 1) / 2``).
@@ -380,7 +381,10 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     clip = np.minimum(Q, X[:, None]).sum(axis=1) - np.minimum(q, X) + q_new
     W_other = W.copy()
     W_other[ar, own] = 0.0
-    horizon = np.maximum(w_new - W_other.max(axis=1), 0.0)
+    busiest_other = W_other.max(axis=1)
+    # an idle engine has no slow pace to extend: starting one is not a horizon (and charging it
+    # would pile shared-prefix bursts onto busy engines while others idle)
+    horizon = np.where(busiest_other > 0, np.maximum(w_new - busiest_other, 0.0), 0.0)
     return np.column_stack([steps, tok, pairs, clip]), horizon
 
 
@@ -388,19 +392,25 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
 class OnlineFit:
     """Exponentially forgetting ridge regression of a linear cost model, bounded memory.
 
-    Minimises ``sum_j lam^(t - j) (y_j - x_j . c)^2 + rho * |D (c - prior)|^2`` where ``D`` scales
-    each coefficient by its feature's typical size (so ``rho`` counts "pseudo-observations" of the
-    prior). State: the ``k x k`` Gram matrix and ``k``-vector, decayed by ``lam`` per observation;
-    a solve every ``refit_every`` observations. Coefficients are clipped to ``>= 0``.
+    Minimises ``sum_j lam^(t - j) (y_j - x_j . c)^2 + rho * sum_k m_k (c_k - prior_k)^2`` where
+    ``m_k`` is the decayed mean of ``x_k^2`` (so ``rho`` counts "pseudo-observations" of the
+    prior). Features differ by many orders of magnitude (steps ~1, tokens ~1e4, attention pairs
+    ~1e9), so the sums are kept for features divided by their running maximum magnitude
+    (rescaled in place when it grows) and the ``k x k`` system is solved in those units.
+    State: the Gram matrix, a ``k``-vector and the scales; a solve every ``refit_every``
+    observations. Coefficients are clipped to ``>= 0``.
 
     Args:
         prior: starting coefficients, shape ``(k,)``.
         forgetting: ``lam`` in (0, 1]; 0.999 keeps an effective window of ~1,000 observations.
-        prior_weight: ``rho``, in observations.
+        prior_weight: ``rho``, in observations. Small (default 0.01): features are nearly
+            collinear (steps grow with tokens), and a stronger pull towards a wrong prior shifts
+            the fit a long way along that direction; it mostly keeps the solve well-posed for a
+            feature that never varies (e.g. the group term of a dense engine stays at its prior).
         refit_every: observations between solves.
     """
 
-    def __init__(self, prior: np.ndarray, *, forgetting: float = 0.999, prior_weight: float = 20.0,
+    def __init__(self, prior: np.ndarray, *, forgetting: float = 0.999, prior_weight: float = 0.01,
                  refit_every: int = 16) -> None:
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
@@ -410,43 +420,53 @@ class OnlineFit:
         self.forgetting = forgetting
         self.prior_weight = float(prior_weight)
         self.refit_every = max(1, int(refit_every))
-        self._gram = np.zeros((k, k))
+        self._scale = np.ones(k)
+        self._gram = np.zeros((k, k))  # of x / scale
         self._xy = np.zeros(k)
-        self._feat_sq = np.zeros(k)  # decayed mean of x_j^2, for the prior's scaling
+        self._feat_sq = np.zeros(k)
         self._weight = 0.0
         self.num_observations = 0
 
     def observe(self, x: np.ndarray, y: float) -> None:
-        """Add one observation (features ``(k,)``, seconds). Non-finite ones are ignored."""
+        """Add one observation (features ``(k,)``, seconds). Non-finite or negative ones are ignored."""
         x = np.asarray(x, dtype=np.float64)
         if not (np.all(np.isfinite(x)) and math.isfinite(y)) or y < 0:
             return
+        mag = np.abs(x)
+        grow = mag > self._scale
+        if grow.any():
+            new = np.where(grow, mag, self._scale)
+            r = self._scale / new
+            self._gram *= np.outer(r, r)
+            self._xy *= r
+            self._feat_sq *= r * r
+            self._scale = new
+        z = x / self._scale
         lam = self.forgetting
         self._gram *= lam
         self._xy *= lam
         self._feat_sq *= lam
         self._weight = self._weight * lam + 1.0
-        self._gram += np.outer(x, x)
-        self._xy += x * y
-        self._feat_sq += x * x
+        self._gram += np.outer(z, z)
+        self._xy += z * y
+        self._feat_sq += z * z
         self.num_observations += 1
         if self.num_observations % self.refit_every == 0:
             self.refit()
 
     def refit(self) -> np.ndarray:
-        """Solve now; returns the coefficients."""
+        """Solve now; returns the coefficients (in the features' own units)."""
         if self._weight <= 0:
             return self.coef
         typical = self._feat_sq / self._weight
         typical[typical <= 0] = 1.0
         D = self.prior_weight * np.diag(typical)
-        A = self._gram + D
-        b = self._xy + D @ self.prior
+        prior_z = self.prior * self._scale
         try:
-            c = np.linalg.solve(A, b)
+            c = np.linalg.solve(self._gram + D, self._xy + D @ prior_z)
         except np.linalg.LinAlgError:
             return self.coef
-        self.coef = np.maximum(c, 0.0)
+        self.coef = np.maximum(c / self._scale, 0.0)
         return self.coef
 
 
@@ -464,7 +484,7 @@ class CostLearner:
     after each refit).
     """
 
-    def __init__(self, prior: CostModel, *, forgetting: float = 0.999, prior_weight: float = 20.0,
+    def __init__(self, prior: CostModel, *, forgetting: float = 0.999, prior_weight: float = 0.01,
                  max_pending: int = 65_536) -> None:
         self.model = prior
         self._fits = {

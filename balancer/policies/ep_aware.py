@@ -21,13 +21,14 @@ shared-store hits)::
     fetch_i   = host_tokens_i host_fetch_s_per_token + store_tokens_i store_fetch_s_per_token
     ext_i     = per_group_token u_i N_after_i                   delay it adds to queued requests
     horizon_i = max(0, w'_i - max_{r != i} w_r)                 how far it extends the slowest rank
+                (0 on an engine whose other ranks are idle)
     cost_i    = wait_i + fetch_i + externality_weight ext_i + horizon_weight rho horizon_i
 
 (:func:`balancer.cost_model.prefill_wait_features`). ``w_r = per_token q_r + per_attn_pair a_r``
 is a rank's own work in seconds, ``w'_i`` with the prompt; ``N_after_i = sum_{r != i} n_r
 clip((q_r - q_i) / q_r, 0, 1)`` the requests of the engine's other ranks still queued when ``i``
 starts the prompt (``n_r`` requests on ``r``); ``rho`` the share of the pool's ranks with queued
-work. ``horizon`` prices the future: while an engine's slowest rank is busy every step runs at
+work (raised to ``horizon_power``). ``horizon`` prices the future: while an engine's slowest rank is busy every step runs at
 its pace, so each request that lands on the engine's other ranks meanwhile waits longer; under
 load (``rho`` near 1) there is no idle engine left to take those requests, and filling the
 lagging ranks of busy engines is free throughput. A hit is compute not done (``u_i`` shrinks);
@@ -60,6 +61,7 @@ Parameters:
         (1 = count it fully, 0 = purely selfish).
     horizon_weight: weight of the slow-horizon term (0 = off; 4 measured best on the Mooncake
         trace at 0.35-1x its rate, see bench/policy_goodput.py).
+    horizon_power: exponent of ``rho`` in the horizon weight (1).
     tie_tolerance: relative cost difference below which candidates tie (0.05).
     max_output_estimate_tokens: cap on the output length the decode cost projects.
 
@@ -101,6 +103,7 @@ class EpAware(Policy):
     name = "ep_aware"
     externality_weight: float = 1.0
     horizon_weight: float = 4.0
+    horizon_power: float = 1.0
     tie_tolerance: float = 0.05
     max_output_estimate_tokens: int = 4096
 
@@ -109,6 +112,8 @@ class EpAware(Policy):
             raise ValueError(f"externality_weight must be >= 0, got {self.externality_weight}")
         if not 0.0 <= self.tie_tolerance < 1.0:
             raise ValueError(f"tie_tolerance must be in [0, 1), got {self.tie_tolerance}")
+        if not self.horizon_power >= 0:
+            raise ValueError(f"horizon_power must be >= 0, got {self.horizon_power}")
         if not self.horizon_weight >= 0:
             raise ValueError(f"horizon_weight must be >= 0, got {self.horizon_weight}")
         if self.max_output_estimate_tokens < 1:
@@ -167,7 +172,7 @@ class EpAware(Policy):
             ext = self.externality_weight * eng.prefill.per_group_token_s * u * self._requests_after(q, cands, idx, rows)
             if self.horizon_weight:
                 busy = float(np.count_nonzero(q)) / len(q)  # the pool's share of ranks with queued work
-                cost = cost + ext + (self.horizon_weight * busy) * horizon
+                cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
             else:
                 cost = cost + ext
         return cost if sub is None else np.asarray(cost)[sub]

@@ -1,0 +1,329 @@
+"""``ep_aware`` and its cost model (balancer/policies/ep_aware.py, balancer/cost_model.py).
+
+Expected costs are hand-computed from the formulas in the module docstrings with round
+coefficients (stated in each test); fits are checked against the coefficients that generated the
+synthetic timings.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balancer.cost_model import (
+    CostLearner,
+    CostModel,
+    DecodeStepCost,
+    EngineCost,
+    OnlineFit,
+    PrefillStepCost,
+    fit_step_cost,
+)
+from balancer.policies import make_policy
+from balancer.policies.base import SelectContext
+from balancer.router import Router
+from balancer.types import ReplicaId, Request, Role
+from tests.balancer_factories import blocks, cands, view
+
+C = 8192
+# prefill: 10 ms per step + 0.1 ms per token on the slowest rank; no attention or expert terms
+PF = PrefillStepCost(overhead_s=0.01, per_token_s=1e-4, per_attn_pair_s=0.0, per_group_token_s=0.0)
+DC = DecodeStepCost(overhead_s=0.02, per_seq_s=1e-4, per_kv_token_s=1e-8, per_group_seq_s=0.0)
+
+
+def model(ep: bool = True, pf: PrefillStepCost = PF, dc: DecodeStepCost = DC, **kw) -> CostModel:
+    e = EngineCost(pf, dc, C, ep)
+    return CostModel(prefill=e, decode=e, **kw)
+
+
+def ctx(cm: CostModel, seed: int = 0) -> SelectContext:
+    return SelectContext(random.Random(seed), 0.0, 0, cm)
+
+
+def exact(**kw):
+    """ep_aware without the heuristic terms, so hand computation is exact."""
+    return make_policy("ep_aware", horizon_weight=0.0, tie_tolerance=0.0, **kw)
+
+
+def pview(engine: str, dp: int, q: int = 0, n: int = 0, matched: int = 0):
+    return view(engine, Role.PREFILL, dp=dp, prefill_tokens=q, num_requests=n, matched_tokens=matched,
+                block_size=512)
+
+
+# ---------------------------------------------------------------------- prefill
+def test_avoids_an_ep_engine_with_one_loaded_rank_even_if_another_rank_is_empty():
+    # engine A: rank 0 has 32,768 queued tokens, rank 1 none; engine B idle; a 1,000-token prompt.
+    c = cands(pview("A", 0, 32768, 1), pview("A", 1), pview("B", 0), pview("B", 1))
+    ch = exact().select(Request("r", 0.0, 1000), c, ctx(model()))
+    s = {f"{r.engine}{r.dp_rank}": v for r, v in ch.scores.items()}
+    # A1: S = 1 step; A0 does min(1, 8192/32768) = 1/4 of its queue = 8,192 tokens in it, the
+    # slowest rank: 0.01 + 1e-4 * 8192 = 0.8292 s
+    assert s["A1"] == pytest.approx(0.8292)
+    # A0: 33,768 tokens, S = 5: 0.05 + 3.3768
+    assert s["A0"] == pytest.approx(3.4268)
+    # B: one step of 1,000 tokens: 0.01 + 0.1
+    assert s["B0"] == pytest.approx(0.11) and s["B1"] == pytest.approx(0.11)
+    assert ch.replica.engine == "B"
+    # with the default (heuristic) terms the answer is the same
+    assert make_policy("ep_aware").select(Request("r", 0.0, 1000), c, ctx(model())).replica.engine == "B"
+    # an anchor that scores ranks one by one takes the empty rank of the loaded engine as readily
+    assert make_policy("least_load").select(Request("r", 0.0, 1000), c, ctx(model())).replica != ReplicaId("A", 0)
+
+
+def test_a_long_prompt_goes_where_it_delays_fewer_queued_requests():
+    # routed experts cost 1e-5 s per token of the whole group. A: rank 0 holds 8 short requests
+    # (8,000 tokens); B: rank 0 holds one request of 8,000 tokens. A 40,000-token prompt.
+    pf = PrefillStepCost(0.01, 1e-4, 0.0, 1e-5)
+    c = cands(pview("A", 0, 8000, 8), pview("A", 1), pview("B", 0, 8000, 1), pview("B", 1))
+    ch = exact().select(Request("r", 0.0, 40000), c, ctx(model(pf=pf)))
+    s = {f"{r.engine}{r.dp_rank}": v for r, v in ch.scores.items()}
+    # rank 1 of either engine: S = 5, itself the slowest (4.0 s of work vs 0.8), group sum
+    # 8,000 + 40,000: wait = 0.05 + 4.0 + 0.48 = 4.53; externality 1e-5 * 40,000 * N_after with
+    # N_after = 8 (A) or 1 (B) requests still queued on rank 0
+    assert s["A1"] == pytest.approx(4.53 + 3.2)
+    assert s["B1"] == pytest.approx(4.53 + 0.4)
+    # rank 0 of either: 48,000 tokens, S = 6: 0.06 + 4.8 + 0.48, nobody queued after it
+    assert s["A0"] == pytest.approx(5.34) and s["B0"] == pytest.approx(5.34)
+    assert ch.replica == ReplicaId("B", 1)
+
+
+@pytest.mark.parametrize("queued, expect", [(4096, "hit"), (16384, "idle")])
+def test_the_hit_worth_a_wait_and_the_one_that_is_not(queued, expect):
+    # dense engines (each rank steps alone). A 10,240-token prompt: 8,192 tokens cached on "hit"
+    # behind `queued` tokens, nothing cached on the idle rank.
+    c = cands(pview("hit", 0, queued, 1, matched=8192), pview("idle", 0))
+    ch = exact().select(Request("r", 0.0, 10240), c, ctx(model(ep=False)))
+    s = {r.engine: v for r, v in ch.scores.items()}
+    assert s["idle"] == pytest.approx(0.02 + 1.024)  # 10,240 tokens in 2 steps
+    steps = math.ceil((queued + 2048) / C)
+    assert s["hit"] == pytest.approx(0.01 * steps + 1e-4 * (queued + 2048))
+    assert ch.replica.engine == expect
+
+
+def test_later_chunks_of_a_long_prompt_cost_more_attention():
+    e = EngineCost(PrefillStepCost(0.01, 1e-4, 1e-9, 0.0), DC, C, False)
+    # the same 8,192 new tokens after 32,768 cached ones pay 8192 * 32768 more attention pairs
+    assert e.prefill_time_s(8192, 32768) - e.prefill_time_s(8192, 0) == pytest.approx(1e-9 * 8192 * 32768)
+
+
+def test_lower_tier_fetch_time_is_added():
+    cm = model(ep=False, host_fetch_s_per_token=1e-5)
+    c = cands(pview("a", 0), pview("b", 0))
+    c.hbm_blocks = np.array([0, 0])
+    c.host_blocks = np.array([4, 0])  # 4 blocks of 512 on a's host tier
+    c.store_blocks = np.array([0, 0])
+    s = {r.engine: v for r, v in exact().select(Request("r", 0.0, 4096), c, ctx(cm)).scores.items()}
+    # a: computes 2,048 tokens (1 step) and fetches 2,048: 0.01 + 0.2048 + 0.02048
+    assert s["a"] == pytest.approx(0.01 + 0.2048 + 0.02048)
+    assert s["b"] == pytest.approx(0.01 + 0.4096)
+
+
+# ---------------------------------------------------------------------- decode
+def dview(engine: str, dp: int, b: int, kv: int, cap: int = 10**7, matched: int = 0):
+    return view(engine, Role.DECODE, dp=dp, num_requests=b, decode_kv_tokens=kv, kv_capacity_tokens=cap,
+                matched_tokens=matched, block_size=512)
+
+
+def test_decode_avoids_an_engine_whose_busiest_rank_sets_a_slow_step():
+    # A's rank 0 runs 200 sequences over 2M KV tokens, its rank 1 is empty; B's ranks are even.
+    c = cands(dview("A", 0, 200, 2_000_000), dview("A", 1, 0, 0), dview("B", 0, 5, 50_000), dview("B", 1, 5, 50_000))
+    r = Request("r", 0.0, 1000, max_output_tokens=100)
+    ch = exact().select(r, c, ctx(model()))
+    s = {f"{x.engine}{x.dp_rank}": v for x, v in ch.scores.items()}
+    # A1: A steps at 0.02 + 200e-4 + 2e6 * 1e-8 = 0.06 s before and after: 100 tokens x 0.06
+    assert s["A1"] == pytest.approx(6.0)
+    # B0: 0.021 s before; after max seqs 6, max KV 50,000 + 1,000 + 50: 0.0211105; 10 sequences
+    # share the step: 100 * (0.0211105 + 10 * 0.0001105)
+    assert s["B0"] == pytest.approx(100 * (0.0211105 + 10 * 0.0001105))
+    assert ch.replica.engine == "B"
+    # least_load (KV tokens) takes the empty rank of the slow engine
+    assert make_policy("least_load").select(r, c, ctx(model())).replica == ReplicaId("A", 1)
+
+
+def test_decode_respects_kv_capacity_and_reports_when_no_rank_has_room():
+    r = Request("r", 0.0, 2000, max_output_tokens=100)
+    c = cands(dview("small", 0, 0, 0, cap=1000), dview("big", 0, 50, 50_000, cap=1_000_000))
+    ch = exact().select(r, c, ctx(model(ep=False)))
+    assert ch.replica.engine == "big" and ch.reason == "ep_aware:decode"
+    # neither has room for 2,100 tokens: the one with most room, flagged
+    c = cands(dview("a", 0, 0, 0, cap=1000), dview("b", 0, 0, 0, cap=1500))
+    ch = exact().select(r, c, ctx(model(ep=False)))
+    assert ch.replica.engine == "b" and ch.reason.endswith("no_kv_room")
+
+
+def test_decode_prefers_the_rank_that_saves_the_transfer():
+    cm = model(ep=False, transfer_s_per_token=1e-4)
+    r = Request("r", 0.0, 4096, max_output_tokens=10)
+    c = cands(dview("a", 0, 1, 1000, matched=4096), dview("b", 0, 0, 0))
+    s = {x.engine: v for x, v in exact().select(r, c, ctx(cm)).scores.items()}
+    # a (holds the prompt, one sequence of 1,000 KV): 0.02011 s before; after 2 sequences and
+    # 1,000 + 4,096 + 5 KV: 0.02025101; 1 sequence shares it: 10 * (0.02025101 + 0.00014101)
+    assert s["a"] == pytest.approx(10 * (0.02025101 + 0.00014101))
+    # b (empty): 10 * 0.02014101, plus moving 4,096 tokens at 1e-4 s each
+    assert s["b"] == pytest.approx(10 * 0.02014101 + 0.4096)
+    assert min(s, key=s.get) == "a"
+
+
+# ---------------------------------------------------------------------- no collapse
+@settings(max_examples=30, deadline=None)
+@given(prefix_blocks=st.integers(4, 32), question_tokens=st.integers(64, 2048), engines=st.integers(2, 4),
+       ranks=st.integers(1, 4), burst=st.integers(8, 64), ep=st.booleans())
+def test_shared_prefix_traffic_does_not_collapse_onto_one_replica(prefix_blocks, question_tokens, engines, ranks,
+                                                                  burst, ep):
+    """A burst of prompts sharing a long system prompt, all in flight at once: the holder's queue
+    never grows past the cost of recomputing the prefix elsewhere, so while some rank is idle no
+    rank holds more than one prompt's worth of queued tokens above the least loaded."""
+    bs = 512
+    router = Router("ep_aware", "ep_aware", block_size=bs, cost_model=model(ep=ep), seed=1)
+    for e in range(engines):
+        for d in range(ranks):
+            router.add_replica(ReplicaId(f"p{e}", d), "prefill")
+    router.add_replica(ReplicaId("d", 0), "decode", kv_capacity_tokens=10**9)
+    prefix = list(range(1, prefix_blocks + 1))
+    prompt = prefix_blocks * bs + question_tokens
+    for i in range(burst):
+        ids = prefix + [10_000 + i]
+        r = Request(f"r{i}", 0.0, prompt, blocks(ids[: prompt // bs]), max_output_tokens=8)
+        router.route(r, 0.0)
+        q = np.array([router.load.get(ReplicaId(f"p{e}", d)).prefill_tokens
+                      for e in range(engines) for d in range(ranks)])
+        if q.min() == 0:
+            assert q.max() <= prompt + C, q
+
+
+# ---------------------------------------------------------------------- cost model fitting
+def test_fit_step_cost_recovers_a_linear_step_model():
+    true_p = np.array([0.01, 1e-4, 1e-9, 2e-5])
+    true_d = np.array([0.02, 1e-4, 1e-8, 3e-5])
+
+    def step(pt, pp, ds, dc):  # a wide-EP engine whose step is exactly linear in the features
+        pt, pp, ds, dc = map(np.asarray, (pt, pp, ds, dc))
+        pf = true_p[0] + true_p[1] * pt.max(-1) + true_p[2] * pp.max(-1) + true_p[3] * pt.sum(-1)
+        de = true_d[0] + true_d[1] * ds.max(-1) + true_d[2] * dc.max(-1) + true_d[3] * ds.sum(-1)
+        return np.where(pt.sum(-1) > 0, pf, de)
+
+    e = fit_step_cost(step, 8, C)
+    np.testing.assert_allclose(e.prefill.coef(), true_p, rtol=1e-6)
+    np.testing.assert_allclose(e.decode.coef(), true_d, rtol=1e-6)
+    assert e.ep_synchronous and e.chunk_tokens == C
+
+
+def test_fitted_model_matches_the_simulator_perf_model_within_a_tenth():
+    from sim.cluster import build_perf
+    from sim.cost_model import cost_model_for
+    from sim.scenario import load_scenario
+
+    sc = load_scenario("dsv3-pd-h200")
+    cm = cost_model_for(sc)
+    perf = build_perf(sc, sc.prefill)
+    # one full 8,192-token chunk on every rank after 4k cached tokens, and one alone
+    for tok in (np.full(8, 8192.0), np.array([8192.0] + [0.0] * 7)):
+        pairs = tok * 4096 + tok * (tok + 1) / 2
+        true = float(perf.step_time_s(tok[None], pairs[None], np.zeros((1, 8)), np.zeros((1, 8)))[0])
+        x = np.array([1.0, tok.max(), pairs.max(), tok.sum()])
+        assert x @ cm.prefill.prefill.coef() == pytest.approx(true, rel=0.1)
+
+
+def test_online_fit_converges_to_the_generating_coefficients():
+    rng = np.random.default_rng(0)
+    true = np.array([0.01, 1e-4, 1e-9, 2e-5])
+    fits = {w: OnlineFit(2 * true, forgetting=0.999, prior_weight=w) for w in (0.0, 0.01)}
+    xs = []
+    for _ in range(3000):
+        x = np.array([rng.integers(1, 5), rng.uniform(0, 30000), rng.uniform(0, 5e8), rng.uniform(0, 2e5)])
+        xs.append(x)
+        for fit in fits.values():
+            fit.observe(x, float(x @ true))
+    # without the prior the noise-free data give the coefficients back
+    np.testing.assert_allclose(fits[0.0].refit(), true, rtol=1e-6)
+    # with the default pull towards a 2x-wrong prior predictions stay within 1% on average
+    # and 5% at worst (the small overhead term gives way first)
+    X = np.array(xs[-500:])
+    err = np.abs(X @ fits[0.01].refit() / (X @ true) - 1.0)
+    assert err.mean() < 0.01 and err.max() < 0.05, (err.mean(), err.max())
+
+
+def test_router_learns_the_prefill_model_from_hook_timestamps():
+    """The router records the chosen placement's features at dispatch and observes the prefill
+    time the hooks report; timings generated by a known model are learned back."""
+    true = PrefillStepCost(0.015, 7e-5, 2e-10, 0.0)
+    prior = model(ep=False, pf=PrefillStepCost(0.03, 2e-5, 1e-9, 0.0))
+    router = Router("ep_aware", "ep_aware", block_size=512, cost_model=prior, learn_cost_model=True)
+    router.add_replica(ReplicaId("p", 0), "prefill")
+    router.add_replica(ReplicaId("d", 0), "decode", kv_capacity_tokens=10**9)
+    rng = random.Random(0)
+    t = 0.0
+    for i in range(600):
+        p = rng.randint(500, 40000)
+        router.route(Request(f"r{i}", t, p, max_output_tokens=2), t)
+        dt = EngineCost(true, DC, C, False).prefill_time_s(p)  # alone on an idle rank
+        router.on_prefill_done(f"r{i}", t + dt)
+        router.on_first_token(f"r{i}", t + dt + 0.01)
+        router.on_finished(f"r{i}", t + dt + 0.05, 2)  # one gap of 40 ms
+        t += dt + 1.0
+    learned = EngineCost(router.cost_learner.model.prefill.prefill, DC, C, False)
+    truth = EngineCost(true, DC, C, False)
+    for p in (800, 5000, 20000, 38000):  # the prior was off by 2-5x; the fit predicts within 3%
+        assert learned.prefill_time_s(p) == pytest.approx(truth.prefill_time_s(p), rel=0.03)
+    assert router.cost_learner.num_observations["prefill"] == 600
+    # decode: one sequence at a time, each with one inter-token gap of 40 ms: the fit predicts
+    # 40 ms for such a step whatever its KV length
+    dc = router.cost_learner.model.decode.decode.coef()
+    for kv in (1000.0, 20000.0):
+        assert np.array([1.0, 1.0, kv, 0.0]) @ dc == pytest.approx(0.04, rel=0.05)
+    assert router.cost_learner.num_observations["decode"] == 600
+
+
+def test_cost_model_round_trips_through_its_table_and_rejects_bad_terms():
+    from sim.cost_model import cost_model_for
+    from sim.scenario import load_scenario
+
+    cm = cost_model_for(load_scenario("llama8b-agg-h100"))
+    assert CostModel.from_dict(cm.to_dict()) == cm
+    with pytest.raises(ValueError, match="per_tokens"):
+        CostModel.from_dict({"prefill": {"prefill": {"per_tokens": 1.0}}})
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        CostModel.from_dict({"transfer_s_per_token": -1})
+
+
+# ---------------------------------------------------------------------- one core, sim and service
+def test_same_decisions_in_the_simulator_router_and_the_service_router():
+    """The service builds its router from its config exactly as the simulator does from a
+    scenario: the same requests and hooks give the same decisions (learning on in both)."""
+    from balancer.service.config import ServiceConfig
+    from balancer.service.app import Service
+    from sim.cost_model import cost_model_for
+    from sim.scenario import load_scenario
+
+    cm = cost_model_for(load_scenario("dsv3-pd-h200"))
+    sim_router = Router("ep_aware", "ep_aware", block_size=64, cost_model=cm, learn_cost_model=True, seed=7)
+    svc = Service(ServiceConfig(cost_model=cm.to_dict(), seed=7))
+    svc_router = svc.router
+    for router in (sim_router, svc_router):
+        for e in range(3):
+            for d in range(4):
+                router.add_replica(ReplicaId(f"http://p{e}", d), "prefill")
+        router.add_replica(ReplicaId("http://d0", 0), "decode", kv_capacity_tokens=10**7)
+    rng = random.Random(3)
+    live: list[tuple[float, str, str]] = []
+    t = 0.0
+    for i in range(300):
+        t += rng.expovariate(4.0)
+        hashes = tuple(rng.randint(1, 30) for _ in range(rng.randint(1, 40)))
+        req = Request(f"r{i}", t, max(1, len(hashes) * 64 - rng.randint(0, 63)), hashes, max_output_tokens=50)
+        a, b = sim_router.route(req, t), svc_router.route(req, t)
+        assert (a.prefill, a.decode) == (b.prefill, b.decode), i
+        live.append((t + rng.uniform(0.1, 2.0), "done", req.request_id))
+        live.sort()
+        while live and live[0][0] <= t:
+            when, _, rid_ = live.pop(0)
+            for router in (sim_router, svc_router):
+                router.on_prefill_done(rid_, when)
+                router.on_first_token(rid_, when)
+                router.on_finished(rid_, when + 0.5, 50)
+    assert svc_router.cost_learner is not None and sim_router.cost_learner.model == svc_router.cost_learner.model
