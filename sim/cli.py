@@ -7,6 +7,7 @@
     pdlb sim validate           the perf model vs published deployment figures
     pdlb sim sessions           generate a multi-turn chatbot/agent session workload (JSONL)
     pdlb sim store-sweep        shared KV store hit rate vs TTL and capacity (docs/kv_cache.md)
+    pdlb sim capacity           highest rate at SLO / fewest engines at a rate, per policy (sim.capacity_cli)
     pdlb policies               the routing policies and their parameters
 
 Bad arguments end in one error line and exit status 2: argparse's ``argument --flag: ...`` for
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_price_parser(simsub)
     from sim.experiments.cli import add_session_parsers
     add_session_parsers(simsub)
+    from sim.capacity_cli import add_capacity_parser
+    add_capacity_parser(simsub)
 
     sub.add_parser("policies", help="list routing policies and their parameters")
     from balancer.service.cli import add_serve_parser
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for reports: the command that made them
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     if args.command in ("serve", "engine"):
         from balancer.service.cli import run_serve
@@ -290,6 +294,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
             if args.sim_command in ("sessions", "store-sweep"):
                 from sim.experiments.cli import run_session_command
                 return run_session_command(args, console)
+            if getattr(args, "run", None) is not None:  # commands in their own modules (capacity, sweep)
+                return args.run(args, console)
             if args.sim_command == "scenarios":
                 for name, sc in sorted(PRESETS.items()):
                     console.print(_describe(sc))

@@ -28,11 +28,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from balancer.types import Request
-from sim.point import Point, PointResult, evaluate_point, import_policy_modules, register_workload
+from sim.point import Point, PointResult, error_result, evaluate_point, import_policy_modules, register_workload
 
 
 class Executor:
@@ -213,6 +213,25 @@ class RayExecutor(Executor):
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
             self._owns = False
+
+
+def run_points(points: Sequence[Point], executor: Executor,
+               on_point: Callable[[int, PointResult], None] | None = None) -> list[PointResult]:
+    """Evaluate independent ``points`` on ``executor`` (all submitted at once, at most ``slots``
+    running); returns results in the order of ``points``. ``on_point(index, result)`` is called
+    as each completes. A point whose future raises becomes an error result (never a gap)."""
+    futures = {executor.submit(p): i for i, p in enumerate(points)}
+    out: list[PointResult | None] = [None] * len(points)
+    for fut in cf.as_completed(futures):
+        i = futures[fut]
+        try:
+            res = fut.result()
+        except Exception as e:  # noqa: BLE001 - a dead worker or failed task, after retries
+            res = error_result(points[i], f"{type(e).__name__}: {e}")
+        out[i] = res
+        if on_point is not None:
+            on_point(i, res)
+    return out  # type: ignore[return-value]
 
 
 def make_executor(kind: str = "process", *, jobs: int | None = None, ray_address: str | None = None,
