@@ -8,6 +8,7 @@
     pdlb sim sessions           generate a multi-turn chatbot/agent session workload (JSONL)
     pdlb sim store-sweep        shared KV store hit rate vs TTL and capacity (docs/kv_cache.md)
     pdlb sim capacity           highest rate at SLO / fewest engines at a rate, per policy (sim.capacity_cli)
+    pdlb sim sweep SWEEP.toml   a resumable sweep of scenario fields, policies, rates, seeds (sim.sweep_cli)
     pdlb policies               the routing policies and their parameters
 
 Bad arguments end in one error line and exit status 2: argparse's ``argument --flag: ...`` for
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_session_parsers(simsub)
     from sim.capacity_cli import add_capacity_parser
     add_capacity_parser(simsub)
+    from sim.sweep_cli import add_sweep_parser
+    add_sweep_parser(simsub)
 
     sub.add_parser("policies", help="list routing policies and their parameters")
     from balancer.service.cli import add_serve_parser

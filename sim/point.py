@@ -395,6 +395,7 @@ class Point:
             allows (:meth:`SLO.max_misses`); the result then has ``stopped_early`` and only SLO
             figures. Used by searches, where a failing point needs no more than its verdict.
         tag: free-form labels carried to the result (search id, sweep parameters).
+        save_dir: write the run's per-request CSV and summary there (sweeps' ``--per-point``).
     """
 
     scenario: Scenario
@@ -406,6 +407,7 @@ class Point:
     options: SimOptions = field(default_factory=SimOptions)
     early_stop: bool = False
     tag: tuple[tuple[str, object], ...] = ()
+    save_dir: str | None = None
 
 
 @dataclass
@@ -567,6 +569,13 @@ def evaluate_point(point: Point) -> PointResult:
     verdict = slo.verdict(d["ttft_s"], d["tpot_s"], res.records.prompt_tokens)
     summary = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     summary["wall_s"] = wall
+    if point.save_dir is not None:
+        from pathlib import Path
+
+        from sim.report import write_results
+
+        write_results(Path(point.save_dir), [res], [summary], {"tag": dict(point.tag), "rate_scale": point.rate_scale},
+                      plots=False)
     return PointResult(meets=verdict["meets"], attainment=verdict["attainment"],
                        goodput_rps=verdict["num_ok"] / window if window > 0 else float("nan"),
                        ttft_p99_s=summary["ttft_s"]["p99"], tpot_p99_s=summary["tpot_s"]["p99"],
