@@ -151,3 +151,41 @@ def test_policy_module_registers_a_user_policy(tmp_path: Path, monkeypatch, caps
         from balancer.policies.base import _REGISTRY
         _REGISTRY.pop("user_first", None)
         sys.modules.pop("userpol_pkg.firstpol", None)
+
+
+def _browser() -> str | None:
+    import shutil
+
+    for name in ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.mark.slow
+def test_report_html_renders_in_headless_chromium(tmp_path: Path) -> None:
+    """The report opens in a real browser with its plot drawn: a screenshot has the plot's blue
+    (matplotlib's first line colour, #1f77b4) in it, which only the embedded PNG can put there.
+    Needs Chromium (Debian: apt-get install chromium-headless-shell); skipped without it."""
+    import subprocess
+
+    import matplotlib.image
+    import numpy as np
+
+    browser = _browser()
+    if browser is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium-headless-shell)")
+    out = tmp_path / "cap"
+    assert main(["sim", "capacity", "--policies", "least_load", "--limit", "100", "--jobs", "1", "--tol", "0.2",
+                 "--slo-ttft-per-1k-tokens-s", "0.5", "--out", str(out), "--quiet"]) == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1300,1400", (out / "report.html").as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    img = matplotlib.image.imread(shot)[..., :3]
+    assert img.shape[:2] == (1400, 1300)
+    blue = np.array([0x1F, 0x77, 0xB4]) / 255
+    near = np.abs(img - blue).max(axis=-1) < 0.06
+    assert near.sum() > 50  # the plot's markers and lines (the page without its image has none: checked by hand)
+    assert img.std() > 0.05  # not a blank page
