@@ -14,7 +14,7 @@ anchor policy.
 ``serial-full`` is the serial search with early stop off (every failing point run to the end):
 the speed-up of ``serial`` over it is what early stop saves. The default SLO (90% of requests
 within TTFT 2 s + 0.5 s per 1k prompt tokens, TPOT 100 ms) is reachable at zero load on the
-default scenario; the flat 2 s TTFT is not (about 22% of the trace's prompts cannot prefill in
+default scenario; the flat 2 s TTFT is not (17% of the trace's requests cannot prefill in
 2 s on one H200 DP rank), which every search would report at once without simulating.
 """
 

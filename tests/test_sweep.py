@@ -135,3 +135,9 @@ def test_sweep_per_point_folders(tmp_path: Path) -> None:
     (pid,) = [d.name for d in (out / "per_point").iterdir()]
     csv_rows = (out / "per_point" / pid / "requests_round_robin.csv").read_text().strip().splitlines()
     assert len(csv_rows) == 26  # header + 25 requests
+
+
+def test_the_documented_example_sweep_expands() -> None:
+    sw = load_sweep(Path(__file__).parents[1] / "docs" / "examples" / "sweep.toml")
+    assert len(sw.points) == 24 and sw.grid_keys == ["prefill.num_engines", "decode.num_engines"]
+    assert sw.points[0].slo.ttft_per_1k_prompt_tokens_s == 0.5 and sw.points[0].workload.limit == 2000
