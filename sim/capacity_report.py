@@ -232,7 +232,7 @@ def plot_gpus(results: Sequence[GpuSearchResult], path: Path) -> None:
     """Bars of GPUs needed per policy, split by pool (policies that found no answer are omitted)."""
     plt = _plt()
     ok = [r for r in results if r.num_gpus is not None]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(ok) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok) + 2), 4.3))
     labels = [r.policy for r in ok]
     bottom = [0.0] * len(ok)
     for pool in ("prefill", "decode", "mixed"):
@@ -252,7 +252,7 @@ def plot_gpus(results: Sequence[GpuSearchResult], path: Path) -> None:
         ax.text(0.5, 0.5, "no policy met the SLO within the bounds", ha="center", transform=ax.transAxes)
     else:
         ax.legend(fontsize=8)
-        ax.set_title(f"fewest GPUs meeting {ok[0].slo.describe()} at rate x{ok[0].rate_scale:g}", fontsize=9)
+        ax.set_title(f"fewest GPUs meeting\n{ok[0].slo.describe()} at rate x{ok[0].rate_scale:g}", fontsize=9)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
