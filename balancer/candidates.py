@@ -31,6 +31,8 @@ class Candidates:
             ``tier_weights``), so policies that read it prefer HBM hits without knowing tiers.
         matched_tokens: ``min(matched_blocks * block_size, prompt_tokens)`` (rounded to tokens).
         block_size: tokens per KV block.
+        prefill_attn_pairs: attention pairs of the queued uncached prefill tokens (float64,
+            :mod:`balancer.load`), or ``None`` when not known (hand-built candidates).
         hbm_blocks / host_blocks / store_blocks: per-tier columns (int64) when lower tiers are
             configured, else ``None``: leading blocks in the replica's HBM; consecutive blocks
             after those in its host tier; consecutive blocks after both in the shared store.
@@ -48,6 +50,7 @@ class Candidates:
     hbm_blocks: np.ndarray | None = None
     host_blocks: np.ndarray | None = None
     store_blocks: np.ndarray | None = None
+    prefill_attn_pairs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.replicas)

@@ -15,6 +15,11 @@ mixed         +1 dispatch, -1 finished    + at dispatch, - at prefill done /   a
                                           first token
 ============  ==========================  ==================================  =======================
 
+Prefill replicas also carry ``prefill_attn_pairs`` (float64): the causal attention (query, key)
+pairs of those uncached tokens, ``u * p + u * (u + 1) / 2`` for ``u`` uncached tokens after ``p``
+cached ones, released with them (long prompts cost quadratically more attention; cost-based
+policies read it).
+
 Every release is idempotent per request and phase, and ``on_finished`` releases whatever is left,
 so load returns exactly to zero after any order of hooks (tested).
 
@@ -37,6 +42,7 @@ class _InFlight:
     decode_slot: int
     prefill_tokens: int
     decode_kv_tokens: int
+    prefill_attn_pairs: float = 0.0
     prefill_released: bool = False
 
 
@@ -61,6 +67,7 @@ class LoadTracker:
         self.num_requests = np.zeros(n, dtype=np.int64)
         self.prefill_tokens = np.zeros(n, dtype=np.int64)
         self.decode_kv_tokens = np.zeros(n, dtype=np.int64)
+        self.prefill_attn_pairs = np.zeros(n, dtype=np.float64)
         self._slot: dict[ReplicaId, int] = {}
         self._free: list[int] = []
         self._next = 0
@@ -79,12 +86,13 @@ class LoadTracker:
             self._next += 1
             if slot >= len(self.num_requests):
                 grow = len(self.num_requests)
-                for name in ("num_requests", "prefill_tokens", "decode_kv_tokens"):
+                for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "prefill_attn_pairs"):
                     arr = getattr(self, name)
-                    setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=np.int64)]))
+                    setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=arr.dtype)]))
         self.num_requests[slot] = 0
         self.prefill_tokens[slot] = 0
         self.decode_kv_tokens[slot] = 0
+        self.prefill_attn_pairs[slot] = 0.0
         self._slot[replica] = slot
         return slot
 
@@ -122,6 +130,7 @@ class LoadTracker:
         decode: ReplicaId,
         prefill_tokens: int,
         decode_kv_tokens: int,
+        prefill_attn_pairs: float = 0.0,
     ) -> None:
         """Count a routed request. ``prefill`` is None when the decode (mixed) replica prefills it
         itself; then ``prefill_tokens`` count on the decode replica until prefill is done."""
@@ -132,11 +141,13 @@ class LoadTracker:
         if p >= 0:
             self.num_requests[p] += 1
             self.prefill_tokens[p] += prefill_tokens
+            self.prefill_attn_pairs[p] += prefill_attn_pairs
         else:
             self.prefill_tokens[d] += prefill_tokens
+            self.prefill_attn_pairs[d] += prefill_attn_pairs
         self.num_requests[d] += 1
         self.decode_kv_tokens[d] += decode_kv_tokens
-        self._inflight[request_id] = _InFlight(p, d, prefill_tokens, decode_kv_tokens)
+        self._inflight[request_id] = _InFlight(p, d, prefill_tokens, decode_kv_tokens, float(prefill_attn_pairs))
 
     def on_prefill_done(self, request_id: str) -> None:
         """Release the prefill share (idempotent; unknown ids are ignored)."""
@@ -147,8 +158,17 @@ class LoadTracker:
         if rec.prefill_slot >= 0:
             self.num_requests[rec.prefill_slot] -= 1
             self.prefill_tokens[rec.prefill_slot] -= rec.prefill_tokens
+            self._release_pairs(rec.prefill_slot, rec.prefill_attn_pairs)
         elif rec.prefill_slot == -1 and rec.decode_slot >= 0:
             self.prefill_tokens[rec.decode_slot] -= rec.prefill_tokens
+            self._release_pairs(rec.decode_slot, rec.prefill_attn_pairs)
+
+    def _release_pairs(self, slot: int, pairs: float) -> None:
+        # float sums do not return exactly to 0 after any order: snap to 0 with the token count
+        if self.prefill_tokens[slot] == 0:
+            self.prefill_attn_pairs[slot] = 0.0
+        else:
+            self.prefill_attn_pairs[slot] = max(self.prefill_attn_pairs[slot] - pairs, 0.0)
 
     def on_finished(self, request_id: str) -> None:
         """Release everything the request still holds (idempotent; unknown ids are ignored)."""

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.candidates import Candidates
+from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, placement_features
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadTracker
 from balancer.policies import Policy, SelectContext, make_policy
@@ -108,6 +109,12 @@ class Router:
         store_ttl_s: TTL of the store view (from last insert), ``None`` = none.
         tier_weights: ``{"host": w, "store": w}``, each in [0, 1]; missing keys take
             :data:`DEFAULT_TIER_WEIGHTS`.
+        cost_model: step-time model handed to policies (``SelectContext.cost_model``) for
+            cost-based policies (``ep_aware``); ``None``: none (``ep_aware`` then uses
+            :data:`balancer.cost_model.DEFAULT_COST_MODEL`).
+        learn_cost_model: fit the cost model online from the hooks' timestamps
+            (:class:`balancer.cost_model.CostLearner`, starting from ``cost_model`` or the
+            default); policies see the latest fit.
 
     Raises:
         ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
@@ -130,6 +137,8 @@ class Router:
         store_index_capacity_blocks: int | None = None,
         store_ttl_s: float | None = None,
         tier_weights: Mapping[str, float] | None = None,
+        cost_model: CostModel | None = None,
+        learn_cost_model: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -162,6 +171,10 @@ class Router:
         self._pools: dict[str, _Pool] | None = None
         self._decisions = {"prefill": 0, "decode": 0}
         self._now_s = 0.0  # latest time a caller passed in (for KV events given without one)
+        self.cost_model = cost_model
+        #: online fit of the cost model, or None (see ``learn_cost_model``)
+        self.cost_learner: CostLearner | None = (
+            CostLearner(cost_model if cost_model is not None else DEFAULT_COST_MODEL) if learn_cost_model else None)
 
     # ------------------------------------------------------------------ registry
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
@@ -278,7 +291,8 @@ class Router:
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
             return Candidates(pool.role, pool.replicas, load.num_requests[slots], load.prefill_tokens[slots],
-                              load.decode_kv_tokens[slots], pool.capacity, matched, tokens, self.block_size)
+                              load.decode_kv_tokens[slots], pool.capacity, matched, tokens, self.block_size,
+                              prefill_attn_pairs=load.prefill_attn_pairs[slots])
         host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
         w = self.tier_weights
         effective = matched + w["host"] * host + w["store"] * store
@@ -294,6 +308,7 @@ class Router:
             matched_tokens=tokens,
             block_size=self.block_size,
             hbm_blocks=matched, host_blocks=host, store_blocks=store,
+            prefill_attn_pairs=load.prefill_attn_pairs[slots],
         )
 
     def _lower_tier_matches(self, block_hashes: tuple[int, ...], replicas: tuple[ReplicaId, ...],
@@ -334,7 +349,9 @@ class Router:
         return _Pool(reps, pool.slots[take], pool.capacity[take], {r: i for i, r in enumerate(reps)}, pool.role)
 
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
-        ctx = SelectContext(self.rng, now_s, self._decisions[pool_name])
+        learner = self.cost_learner
+        ctx = SelectContext(self.rng, now_s, self._decisions[pool_name],
+                            learner.model if learner is not None else self.cost_model)
         self._decisions[pool_name] += 1
         return policy.select(request, cands, ctx)
 
@@ -391,7 +408,13 @@ class Router:
             prefill = p_choice.replica
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
         uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)
-        self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens)
+        if self.cost_learner is not None:
+            self._record_features(request, now_s, d_cands, d_pool.position[d_choice.replica],
+                                  p_cands if prefill is not None else None,
+                                  p_pool.position[prefill] if prefill is not None else -1)
+        cached = request.prompt_tokens - uncached
+        self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens,
+                              uncached * cached + uncached * (uncached + 1) / 2.0)
         if self.index_mode == "approximate":
             if prefill is not None:
                 self.index.insert(prefill, request.block_hashes, now_s)
@@ -403,18 +426,43 @@ class Router:
                 self.store_index.insert(STORE_HOLDER, request.block_hashes, now_s)
         return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
 
+    def _record_features(self, request: Request, now_s: float, d_cands: Candidates, d_pos: int,
+                         p_cands: Candidates | None, p_pos: int) -> None:
+        """Learning path: the chosen placement's cost-model features, for the online fit."""
+        learner = self.cost_learner
+        assert learner is not None
+        model = learner.model
+        out = float(request.output_tokens)
+        d_eng = model.engine(d_cands.replicas[d_pos].engine, "decode")
+        px, dx = placement_features(request.prompt_tokens, out, d_cands, d_pos, d_eng)
+        learner.on_decode_dispatch(request.request_id, dx)
+        if p_cands is not None:
+            p_eng = model.engine(p_cands.replicas[p_pos].engine, "prefill")
+            px, _ = placement_features(request.prompt_tokens, out, p_cands, p_pos, p_eng)
+            learner.on_prefill_dispatch(request.request_id, px, now_s, "prefill")
+        elif d_cands.role is Role.MIXED:
+            learner.on_prefill_dispatch(request.request_id, px, now_s, "decode")
+        # else: served decode-only by a PD router: not an observation of either prefill model
+
     # ------------------------------------------------------------------ hooks
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
         """The prefill replica finished the request's prompt (its KV is ready to transfer)."""
         self.load.on_prefill_done(request_id)
+        if self.cost_learner is not None:
+            self.cost_learner.on_prefill_done(request_id, now_s)
 
     def on_first_token(self, request_id: str, now_s: float) -> None:
         """The first output token exists; implies prefill is done (aggregated or PD)."""
         self.load.on_prefill_done(request_id)
+        if self.cost_learner is not None:
+            self.cost_learner.on_prefill_done(request_id, now_s)  # aggregated: no separate prefill hook
+            self.cost_learner.on_first_token(request_id, now_s)
 
     def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
         """The request finished, failed or was aborted: release all its load."""
         self.load.on_finished(request_id)
+        if self.cost_learner is not None:
+            self.cost_learner.on_decode_finished(request_id, now_s, num_output_tokens)
 
     def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float | None = None) -> None:
         """Apply an engine's KV cache event to the prefix index (exact cache state).

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="use this policy for the decode pool in every run (default: the run's policy)")
     _add_common(cmp_)
     run = simsub.add_parser("run", help="run one policy", description="Simulate one policy and print its summary.")
-    run.add_argument("--policy", default="cache_aware", choices=available_policies(), help="prefill (and decode) policy (default cache_aware)")
+    run.add_argument("--policy", default="ep_aware", choices=available_policies(), help="prefill (and decode) policy (default ep_aware)")
     run.add_argument("--decode-policy", choices=available_policies(), help="decode-pool policy (default: --policy)")
     _add_common(run)
     simsub.add_parser("scenarios", help="list scenario presets")
@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_price_parser(simsub)
     from sim.experiments.cli import add_session_parsers
     add_session_parsers(simsub)
+    from sim.workload.generate_cli import add_workload_parser
+    add_workload_parser(simsub)
+    from sim.cost_model import add_cost_model_parser
+    add_cost_model_parser(simsub)
     from sim.capacity_cli import add_capacity_parser
     add_capacity_parser(simsub)
     from sim.sweep_cli import add_sweep_parser
@@ -291,6 +295,12 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
             if args.sim_command == "validate":
                 from sim.validate import run_validate
                 return run_validate(args, console)
+            if args.sim_command == "workload":
+                from sim.workload.generate_cli import run_workload
+                return run_workload(args, console)
+            if args.sim_command == "cost-model":
+                from sim.cost_model import run_cost_model
+                return run_cost_model(args, console)
             if args.sim_command == "price":
                 from sim.pricing import run_price
                 return run_price(args, console)

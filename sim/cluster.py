@@ -7,6 +7,11 @@ simulator calls exactly the router's hooks with ``now = env.now``:
     -> KV transfer (bytes / link bandwidth) -> decode rank admission (KV capacity) -> first token
     (router.on_first_token) -> decode steps -> finish (router.on_finished)
 
+With a long-prompt pool (``scenario.long_prefill``) a request of at least
+``long_prompt_threshold_tokens`` prompt tokens is routed among that pool's prefill ranks and any
+other among the prefill pool's: the one router is asked with ``exclude_engines`` set to the other
+pool's engines, so every routing policy works across both pools unchanged.
+
 In aggregated mode a mixed rank prefills, emits the first token at the end of prefill and
 decodes in place. A PD request with one output token finishes when its KV transfer completes
 (the prefill produced its only token). Every transition is timestamped in
@@ -44,6 +49,7 @@ from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemove
 from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role
+from sim.cost_model import cost_model_for
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
 from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
@@ -95,10 +101,15 @@ class SimResult:
 def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
     """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
     with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
-    (:func:`sim.perf.config.roofline_for_pool`)."""
+    (:func:`sim.perf.config.roofline_for_pool`); decode and mixed pools speculate when the scenario
+    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`)."""
     from sim.perf.config import roofline_for_pool  # sim.perf.config imports sim.scenario
 
-    return roofline_for_pool(scenario, pool)
+    perf = roofline_for_pool(scenario, pool)
+    if scenario.speculative is not None and pool is not scenario.prefill:
+        from sim.perf.spec import spec_perf_for_pool
+        return spec_perf_for_pool(perf, scenario, pool)
+    return perf
 
 
 class Cluster:
@@ -137,6 +148,11 @@ class Cluster:
             if scenario.disaggregated
             else [("mixed", Role.MIXED, scenario.mixed)]
         )
+        if scenario.long_prefill is not None:
+            pools.append(("long-prefill", Role.PREFILL, scenario.long_prefill))
+        #: engines of the prefill pool / the long-prompt pool (each request excludes the other's)
+        self._short_engines: frozenset[str] = frozenset()
+        self._long_engines: frozenset[str] = frozenset()
         first_capacity_blocks: int | None = None
         largest_capacity_blocks = 0
         for name, role, pool in pools:
@@ -188,6 +204,11 @@ class Cluster:
                                   fast_forward=scenario.fast_forward)
                     self.groups.append(g)
                     self._group_of.extend(g for _ in members)
+                if scenario.long_prefill is not None and role is Role.PREFILL:
+                    if name == "long-prefill":
+                        self._long_engines |= {f"{name}-{e}"}
+                    else:
+                        self._short_engines |= {f"{name}-{e}"}
         cap = scenario.index_capacity_blocks
         self.router = router_factory(first_capacity_blocks if cap == "auto" else cap)
         if cap == "auto" and self.router.index_mode == "events":
@@ -258,11 +279,17 @@ class Cluster:
         rec = self.records
         assert rec is not None
         router = self.router
+        threshold = self.scenario.long_prompt_threshold_tokens
+        long_pool = bool(self._long_engines)
         for i, req in enumerate(self._requests):
             delay = req.arrival_time_s - env.now
             if delay > 0:
                 yield env.timeout(delay)
-            route = router.route(req, env.now)
+            if long_pool:  # the same router and policies, restricted to the request's pool
+                exclude = self._short_engines if req.prompt_tokens >= threshold else self._long_engines
+                route = router.route(req, env.now, exclude_engines=exclude)
+            else:
+                route = router.route(req, env.now)
             rec.num_routed += 1
             job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
             if route.prefill is not None:
@@ -393,15 +420,17 @@ def simulate(
     KV events (see :class:`Cluster`). ``router_tiers``: when the scenario has KV tiers, give the
     router views of them (host tier per replica, shared store; ``False`` = HBM only).
     ``tier_weights``: the router's weights of lower-tier hits (default
-    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`)."""
+    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
+    (:func:`sim.cost_model.cost_model_for`) for cost-based policies."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
+    cost_model = cost_model_for(scenario, perf_factory)
 
     def make_router(capacity_blocks: int | None) -> Router:
         return Router(prefill_policy, decode_policy, block_size=scenario.block_size,
                       index_capacity_blocks=capacity_blocks, index_mode=index_mode,
                       pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed,
-                      tier_weights=tier_weights, **tier_kw)
+                      tier_weights=tier_weights, cost_model=cost_model, **tier_kw)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, make_router, perf_factory)
@@ -424,8 +453,22 @@ def simulate(
         num_steps=sum(g.num_steps for g in cluster.groups),
         num_waits=sum(g.num_waits for g in cluster.groups),
         wall_s=wall,
-        extra={"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {},
+        extra={**({"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {}),
+               "step_imbalance": step_imbalance(cluster.groups)},
     )
+
+
+def step_imbalance(groups: Sequence[StepGroup]) -> dict[str, float]:
+    """Sums over the step groups of more than one rank (wide-EP engines) of their imbalance
+    counters (:class:`~sim.engine.step_group.StepGroup`), keyed ``{prefill,decode}_{busy,imbalance,wait}_s``
+    (prefill: steps with prefill work, on prefill or mixed engines; decode: decode-only steps)."""
+    out = {f"{k}_{m}_s": 0.0 for k in ("prefill", "decode") for m in ("busy", "imbalance", "wait")}
+    for g in groups:
+        if len(g.ranks) < 2:
+            continue
+        for key in out:
+            out[key] += getattr(g, key)
+    return out
 
 
 def router_tier_kwargs(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf

@@ -20,7 +20,15 @@ Definitions (per request ``i``):
 - Load imbalance across DP ranks of a pool (max / mean): ``*_work_imbalance`` over the whole run's
   work per rank (prefill tokens computed, decode tokens generated); ``*_load_imbalance`` the
   time average of instantaneous max / mean over load samples in which the pool is busy (queued
-  prefill tokens, decode KV tokens), which is what EP-synchronous steps pay for.
+  prefill tokens, decode KV tokens). These count queued prompts whose cached part is not known
+  yet, and at light load approach the rank count (one busy rank among idle ones).
+- Step imbalance (``*_step_imbalance``, what EP-synchronous steps pay for; the compare table's
+  "P imb." / "D imb."): over the steps of wide-EP engines (step groups of > 1 rank), the
+  time-weighted ``max_r work_r / mean_r work_r`` of the work that sets the step, counted only
+  while the engine steps: uncached prompt tokens computed in steps with prefill, decode KV tokens
+  attended in decode-only steps. 1 = balanced; ``R`` = one rank does all the work. 1 when there
+  is no wide-EP engine. ``*_ep_wait_fraction``: the share of those steps' time the average rank
+  waits for the slowest, ``sum dt (1 - mean/max) / sum dt``.
 - KV tiers (:func:`kv_summary`): token-weighted hit rate per tier, ``sum(<tier>_hit_tokens) /
   sum(prompt_tokens)`` for tier in hbm / host / store, and ``miss = 1 - hbm - host - store``
   (they sum to 1; hbm + host + store = ``prefix_hit_rate``). Bytes moved: lower-tier fetches and
@@ -68,6 +76,16 @@ def _sampled_imbalance(samples: np.ndarray, cols: np.ndarray) -> float:
     if not busy.any():
         return 1.0
     return float((s[busy].max(axis=1) / mean[busy]).mean())
+
+
+def _step_imbalance(result: SimResult) -> dict[str, float]:
+    si = result.extra.get("step_imbalance") or {}
+    out = {}
+    for kind in ("prefill", "decode"):
+        busy = si.get(f"{kind}_busy_s", 0.0)
+        out[f"{kind}_step_imbalance"] = si[f"{kind}_imbalance_s"] / busy if busy > 0 else 1.0
+        out[f"{kind}_ep_wait_fraction"] = si[f"{kind}_wait_s"] / busy if busy > 0 else 0.0
+    return out
 
 
 def per_request(result: SimResult) -> dict[str, np.ndarray]:
@@ -169,6 +187,7 @@ def summarize(result: SimResult, *, slo_ttft_s: float = 2.0, slo_tpot_s: float =
         "decode_work_imbalance": _max_over_mean(result.rank_decode_tokens[decode_cols]),
         "prefill_load_imbalance": _sampled_imbalance(smp["prefill_queued_tokens"], prefill_cols),
         "decode_load_imbalance": _sampled_imbalance(smp["decode_kv_tokens"], decode_cols),
+        **_step_imbalance(result),
         "num_gpus": gpus,
         "num_steps": result.num_steps,
         "events_per_request": result.num_waits / n if n else 0.0,

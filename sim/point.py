@@ -467,16 +467,18 @@ class _Stop(Exception):
 def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[int | None], Router]:
     # the same router simulate() builds (sim.cluster.simulate); tests compare the two paths
     from sim.cluster import build_perf, router_tier_kwargs
+    from sim.cost_model import cost_model_for
 
     sc = point.scenario
     opts = point.options
     tier_kw = router_tier_kwargs(sc, opts.perf_factory or build_perf) if opts.router_tiers else {}
+    cost_model = cost_model_for(sc, opts.perf_factory or build_perf)
     tier_weights = dict(opts.tier_weights) if opts.tier_weights is not None else None
 
     def make(capacity_blocks: int | None) -> Router:
         return Router(prefill, decode, block_size=sc.block_size, index_capacity_blocks=capacity_blocks,
                       index_mode=opts.index_mode, pd_min_uncached_tokens=sc.pd_min_uncached_tokens,
-                      seed=point.seed, tier_weights=tier_weights, **tier_kw)
+                      seed=point.seed, tier_weights=tier_weights, cost_model=cost_model, **tier_kw)
     return make
 
 

@@ -66,8 +66,8 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table
             f"{100 * s['slo_attainment']:.1f}%",
             f"{s['goodput_rps']:.2f}",
             f"{s['output_tokens_per_s_per_gpu']:.0f}",
-            f"{s['prefill_load_imbalance']:.2f}",
-            f"{s['decode_load_imbalance']:.2f}",
+            f"{s['prefill_step_imbalance']:.2f}",
+            f"{s['decode_step_imbalance']:.2f}",
         )
     return t
 
@@ -96,7 +96,7 @@ def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {s['policy']} | {s['ttft_s']['mean']:.3f} | {s['ttft_s']['p99']:.3f} | {1e3 * s['tpot_s']['mean']:.1f} "
             f"| {1e3 * s['tpot_s']['p99']:.1f} | {100 * s['prefix_hit_rate']:.1f}% | {100 * s['slo_attainment']:.1f}% "
-            f"| {s['goodput_rps']:.2f} | {s['prefill_load_imbalance']:.2f} | {s['decode_load_imbalance']:.2f} |"
+            f"| {s['goodput_rps']:.2f} | {s['prefill_step_imbalance']:.2f} | {s['decode_step_imbalance']:.2f} |"
         )
     if _tiered(summaries):
         lines += ["", "| policy | " + " | ".join(KV_COLUMNS) + " |", "|---" * (len(KV_COLUMNS) + 1) + "|"]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from balancer.validation import format_validation_error
 from sim.perf.config import PerfConfig
+from sim.perf.spec import SpecDecodeConfig
 
 
 # ---------------------------------------------------------------------- KV tiers (host DRAM, shared store)
@@ -113,6 +114,10 @@ class PoolConfig(BaseModel):
         kv_capacity_tokens: override the perf model's KV capacity per rank, in tokens (default:
             GPU memory minus weights and activation reserve, ``PerfModel.kv_capacity_tokens_per_rank``).
         host_tier: this pool's host-DRAM tier (overrides the scenario's; prefill/mixed pools only).
+        context_parallel: the ``gpus_per_rank`` GPUs of a rank split each prompt by sequence
+            (context-parallel prefill, ring attention) instead of sharding weights (TP): compute and
+            KV are divided over them, every GPU holds and streams the full dense weights, and each
+            step exchanges the chunk's KV between them (:mod:`sim.perf.roofline`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -125,6 +130,7 @@ class PoolConfig(BaseModel):
     max_decode_batch: int = Field(256, ge=1)
     kv_capacity_tokens: int | None = Field(None, ge=1)
     host_tier: HostTierConfig | None = None
+    context_parallel: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -164,6 +170,15 @@ class Scenario(BaseModel):
             save (perf model); ``"always"`` always fetches (Mooncake / LMCache behaviour).
         perf: roofline settings (efficiencies, TBO, FP8 weights, GPUs per node;
             :class:`sim.perf.config.PerfConfig`); ``None`` = the roofline's defaults.
+        long_prefill: a separate prefill pool for long prompts (PD only): requests of at least
+            ``long_prompt_threshold_tokens`` prompt tokens are routed among its ranks, all others
+            among the ``prefill`` pool's (the same router and policy, restricted per request), so
+            one long prompt never stalls the EP group that serves short ones. Combine with
+            ``context_parallel`` to split each long prompt over several GPUs.
+        long_prompt_threshold_tokens: the length threshold of ``long_prefill`` (prompt tokens).
+        speculative: speculative decoding / MTP of the decode (and mixed) pools: draft length,
+            per-position acceptance, draft cost, fixed or dynamic verification
+            (:class:`sim.perf.spec.SpecDecodeConfig`); ``None`` = off.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -186,6 +201,9 @@ class Scenario(BaseModel):
     shared_store: SharedStoreConfig | None = None
     kv_fetch_rule: Literal["faster", "always"] = "faster"
     perf: PerfConfig | None = None
+    speculative: SpecDecodeConfig | None = None
+    long_prefill: PoolConfig | None = None
+    long_prompt_threshold_tokens: int = Field(32768, ge=1)
 
     @model_validator(mode="after")
     def _check_pools(self) -> Scenario:
@@ -198,6 +216,12 @@ class Scenario(BaseModel):
             raise ValueError("a scenario needs prefill+decode pools or a mixed pool")
         if self.decode is not None and self.decode.host_tier is not None:
             raise ValueError("host_tier on the decode pool is not modelled (decode ranks receive KV by transfer)")
+        if self.long_prefill is not None and not pd:
+            raise ValueError("long_prefill needs a PD scenario (prefill + decode pools)")
+        for name, p in (("prefill", self.prefill), ("decode", self.decode), ("mixed", self.mixed),
+                        ("long_prefill", self.long_prefill)):
+            if p is not None and p.context_parallel and p.gpus_per_rank < 2:
+                raise ValueError(f"{name}.context_parallel needs gpus_per_rank >= 2 (the CP degree)")
         return self
 
     def host_tier_of(self, pool: PoolConfig) -> HostTierConfig | None:
@@ -219,7 +243,7 @@ class Scenario(BaseModel):
 
     @property
     def num_gpus(self) -> int:
-        pools = [self.prefill, self.decode] if self.disaggregated else [self.mixed]
+        pools = [self.prefill, self.decode, self.long_prefill] if self.disaggregated else [self.mixed]
         return sum(p.num_gpus for p in pools if p is not None)
 
     def with_pools(self, *, prefill_engines: int | None = None, decode_engines: int | None = None,
@@ -263,9 +287,12 @@ def describe_pools(sc: Scenario) -> str:
         text = f"{p.num_engines} {role} engine{'s' if p.num_engines != 1 else ''}"
         if p.dp_ranks > 1:
             text += f" x {p.dp_ranks} DP ranks"
-        return text + (f" x TP{p.gpus_per_rank}" if p.gpus_per_rank > 1 else "")
+        par = "CP" if p.context_parallel else "TP"
+        return text + (f" x {par}{p.gpus_per_rank}" if p.gpus_per_rank > 1 else "")
 
     pools = [("prefill", sc.prefill), ("decode", sc.decode), ("mixed", sc.mixed)]
+    if sc.long_prefill is not None:
+        pools.append((f"long-prompt (>= {sc.long_prompt_threshold_tokens:,} tokens) prefill", sc.long_prefill))
     kind = "PD" if sc.disaggregated else "aggregated"
     return f"{sc.model} {kind} on {sc.hardware}: " + ", ".join(pool(r, p) for r, p in pools if p is not None)
 

@@ -55,7 +55,7 @@ def _argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     # 8. compare's --decode-policy lists the choices
     (["sim", "compare", "--decode-policy", "nope"],
      "pdlb sim compare: error: argument --decode-policy: invalid choice: 'nope' (choose from 'cache_aware', "
-     "'consistent_hash', 'kv_cost', 'least_load', 'power_of_two', 'random', 'round_robin', 'scored')"),
+     "'consistent_hash', 'ep_aware', 'kv_cost', 'least_load', 'power_of_two', 'random', 'round_robin', 'scored')"),
 ])
 def test_bad_values_are_rejected_while_parsing(argv, message, capsys) -> None:
     assert _argparse_error(argv, capsys) == message

@@ -225,9 +225,12 @@ def test_prefill_fast_forward_equals_exact_step_by_step(trace_slice, make) -> No
     assert ff.num_steps == ex.num_steps
     # prompts average ~8k tokens here, i.e. many chunk steps each; the fast-forward waits far less
     assert ff.num_waits < 0.5 * ex.num_waits, (ff.num_waits, ex.num_waits)
-    if ff.extra:  # tiers: the fetches really happened, the same in both modes
+    if "tiers" in ff.extra:  # tiers: the fetches really happened, the same in both modes
         assert ff.extra["tiers"] == ex.extra["tiers"]
         assert ff.records.host_hit_tokens.sum() > 0 and ff.records.store_hit_tokens.sum() > 0
+    # the step-imbalance counters see the same steps in both modes (a segment sums its steps)
+    for key, value in ex.extra["step_imbalance"].items():
+        assert ff.extra["step_imbalance"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
 def test_prefill_fast_forward_takes_the_chunk_steps_in_one_event() -> None:

@@ -20,6 +20,7 @@ from typing import ClassVar
 import numpy as np
 
 from balancer.candidates import Candidates
+from balancer.cost_model import CostModel
 from balancer.types import Choice, Request, Role
 
 
@@ -32,11 +33,15 @@ class SelectContext:
         rng: the router's seeded random source (the only randomness a policy may use).
         now_s: the caller's clock, seconds (for time-aware policies; most ignore it).
         decision_index: how many decisions this router made before for this pool (round robin).
+        cost_model: the router's step-time cost model (:class:`balancer.cost_model.CostModel`)
+            for cost-based policies (``ep_aware``), or None; the simulator fits it to its perf
+            model, the service takes it from its config and may learn it online.
     """
 
     rng: random.Random
     now_s: float = 0.0
     decision_index: int = 0
+    cost_model: CostModel | None = None
 
 
 class Policy(ABC):

@@ -94,6 +94,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--decode-policy", metavar="NAME",
                    help=f"decode- and mixed-pool routing policy, same names (default: {d.decode_policy.name}, "
                         "whatever --prefill-policy is; note that 'pdlb sim run --policy P' uses P for both pools)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="TOML/JSON cost-model table for ep_aware, as 'pdlb sim cost-model --scenario NAME' writes it "
+                        "(default: a generic DeepSeek-V3-class model, refitted online)")
+    p.add_argument("--no-learn-cost-model", action="store_true",
+                   help="keep the cost model fixed instead of refitting it from observed timings (default: learn)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help=f"tokens per hashed prefix block of the router's prefix index (default: {d.block_size}; "
                         "the simulator's scenarios use 512, the Mooncake traces' block size; see docs/serving.md)")
@@ -126,6 +131,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def read_cost_model_file(path: str) -> dict:
+    """The table of a ``--cost-model`` file (``.toml`` or ``.json``; a ``[cost_model]`` table or
+    the bare table). Raises ValueError naming the file."""
+    import json
+    import tomllib
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--cost-model {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--cost-model {path}: expected a table")
+    return data.get("cost_model", data)
+
+
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """Merge ``--config`` with the flags (flags win; workers of both are kept).
 
@@ -148,6 +171,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data["prefill_policy"] = {"name": args.prefill_policy}
     if args.decode_policy:
         data["decode_policy"] = {"name": args.decode_policy}
+    if getattr(args, "cost_model", None):
+        data["cost_model"] = read_cost_model_file(args.cost_model)
+    if getattr(args, "no_learn_cost_model", False):
+        data["learn_cost_model"] = False
     data["workers"] = data.get("workers", []) + workers
     if args.max_retries is not None:
         data.setdefault("retry", {})["max_retries"] = args.max_retries

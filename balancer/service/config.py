@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from balancer.cost_model import CostModel
 from balancer.policies import available_policies, make_policy
 from balancer.validation import format_validation_error
 
@@ -156,7 +157,14 @@ class ServiceConfig(BaseModel):
             decode with ``kv_transfer_params``) or ``none`` (mixed workers only). ANCHORS.md,
             "PD request flows".
         workers: the engines at start (more can be added with the admin API).
-        prefill_policy / decode_policy: routing policies (decode also routes mixed pools).
+        prefill_policy / decode_policy: routing policies (decode also routes mixed pools);
+            default ``ep_aware`` for both (the simulator's default; bench/policy_goodput.py).
+        cost_model: the step-time cost model cost-based policies (``ep_aware``) price placements
+            with, as the table ``pdlb sim cost-model --scenario NAME`` prints
+            (:meth:`balancer.cost_model.CostModel.to_dict`); ``None``: the generic
+            :data:`balancer.cost_model.DEFAULT_COST_MODEL`.
+        learn_cost_model: refit the cost model online from observed prefill times and
+            inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on).
         block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
             :mod:`balancer.service.prompt`.
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
@@ -188,8 +196,10 @@ class ServiceConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     pd_protocol: Literal["sglang", "vllm", "none"] = "sglang"
     workers: list[WorkerConfig] = Field(default_factory=list)
-    prefill_policy: PolicyConfig = PolicyConfig(name="cache_aware")
-    decode_policy: PolicyConfig = PolicyConfig(name="least_load")
+    prefill_policy: PolicyConfig = PolicyConfig(name="ep_aware")
+    decode_policy: PolicyConfig = PolicyConfig(name="ep_aware")
+    cost_model: dict[str, Any] | None = None
+    learn_cost_model: bool = True
     block_size: int = Field(64, ge=1)
     chars_per_token: float = Field(4.0, gt=0)
     tokenizer_path: str | None = None
@@ -209,6 +219,17 @@ class ServiceConfig(BaseModel):
     default_max_tokens: int = Field(16, ge=1)
     seed: int = 0
     processes: int = Field(1, ge=1, le=256)
+
+    @field_validator("cost_model")
+    @classmethod
+    def _check_cost_model(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            CostModel.from_dict(v)  # raises ValueError naming the bad key or term
+        return v
+
+    def build_cost_model(self) -> CostModel | None:
+        """The configured :class:`~balancer.cost_model.CostModel` (``None`` = the default)."""
+        return CostModel.from_dict(self.cost_model) if self.cost_model is not None else None
 
     @model_validator(mode="after")
     def _check_workers(self) -> ServiceConfig:

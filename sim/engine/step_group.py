@@ -66,6 +66,14 @@ class StepGroup:
         num_steps: forward steps simulated (equal in both modes).
         num_waits: SimPy waits (events) the process made.
         busy_s: seconds the group spent stepping.
+        prefill_busy_s / decode_busy_s: seconds of steps with prefill work / of decode-only steps.
+        prefill_imbalance_s / decode_imbalance_s: the same steps' seconds weighted by the step's
+            ``max_r work_r / mean_r work_r`` (work = prefill tokens computed in a prefill step,
+            decode KV tokens attended in a decode-only step): their ratio to the busy seconds is
+            the time-weighted imbalance of the work that sets the step (1 = balanced, ``R`` = one
+            rank does everything).
+        prefill_wait_s / decode_wait_s: ``sum_steps dt * (1 - mean_r work_r / max_r work_r)``: the
+            average rank's seconds spent waiting for the slowest one (0 for a group of one rank).
     """
 
     def __init__(
@@ -90,6 +98,9 @@ class StepGroup:
         self.num_steps = 0
         self.num_waits = 0
         self.busy_s = 0.0
+        self.prefill_busy_s = self.decode_busy_s = 0.0
+        self.prefill_imbalance_s = self.decode_imbalance_s = 0.0
+        self.prefill_wait_s = self.decode_wait_s = 0.0
         self.process = env.process(self._run())
 
     def notify(self) -> None:
@@ -133,14 +144,18 @@ class StepGroup:
             if n > 1:
                 yield from self._segment(plans, n)
                 continue
+            pt = np.array([p.prefill_tokens for p in plans], dtype=np.float64)
+            dc = np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64)
             dt = float(
                 self.perf.step_time_s(
-                    np.array([p.prefill_tokens for p in plans], dtype=np.float64),
+                    pt,
                     np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
                     np.array([p.decode_seqs for p in plans], dtype=np.float64),
-                    np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64),
+                    dc,
                 )
             )
+            if len(plans) > 1:
+                self._account_one(pt, dc, dt)
             self.num_waits += 1
             yield env.timeout(dt)
             self.num_steps += 1
@@ -212,4 +227,38 @@ class StepGroup:
                 yield env.timeout(rest)
         self.num_steps += steps
         self.busy_s += float(cum[steps - 1])
+        self._account(tokens[:steps], ctx[:steps], times[:steps])
         self._apply(plans, steps)
+
+    def _account_one(self, pt: np.ndarray, dc: np.ndarray, dt: float) -> None:
+        """:meth:`_account` of one step, in plain floats (the per-event path)."""
+        if pt[pt.argmax()] > 0:
+            w, kind = pt, "prefill"
+        else:
+            w, kind = dc, "decode"
+        mx = float(w[w.argmax()])
+        if mx <= 0:
+            return
+        ratio = float(w.sum()) / (len(w) * mx)
+        setattr(self, f"{kind}_busy_s", getattr(self, f"{kind}_busy_s") + dt)
+        setattr(self, f"{kind}_imbalance_s", getattr(self, f"{kind}_imbalance_s") + dt / ratio)
+        setattr(self, f"{kind}_wait_s", getattr(self, f"{kind}_wait_s") + dt * (1.0 - ratio))
+
+    def _account(self, prefill_tokens: np.ndarray, decode_ctx: np.ndarray, times: np.ndarray) -> None:
+        """Imbalance counters (class docstring) of steps ``(k, R)`` taking ``times`` ``(k,)`` s."""
+        if prefill_tokens.shape[-1] < 2:
+            return
+        pf = prefill_tokens.max(axis=1) > 0
+        for mask, work, kind in ((pf, prefill_tokens, "prefill"), (~pf, decode_ctx, "decode")):
+            if not mask.any():
+                continue
+            w = work[mask]
+            mx = w.max(axis=1)
+            ok = mx > 0
+            if not ok.any():
+                continue
+            t = times[mask][ok]
+            ratio = w[ok].mean(axis=1) / mx[ok]  # mean / max in (0, 1]
+            setattr(self, f"{kind}_busy_s", getattr(self, f"{kind}_busy_s") + float(t.sum()))
+            setattr(self, f"{kind}_imbalance_s", getattr(self, f"{kind}_imbalance_s") + float((t / ratio).sum()))
+            setattr(self, f"{kind}_wait_s", getattr(self, f"{kind}_wait_s") + float((t * (1.0 - ratio)).sum()))

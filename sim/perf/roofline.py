@@ -71,6 +71,14 @@ where ``T`` is the token count of the whole step group. Details:
   - ``ep_imbalance_prefill`` / ``ep_imbalance_decode``: max/mean expert load on the busiest GPU;
     multiplies ``moe`` and ``comm`` of prefill / decode-only steps.
 * TP collectives (dense engines with ``gpus_per_rank > 1``) are ignored.
+* Context-parallel ranks (``context_parallel=True``, a pool's ``context_parallel``): the
+  ``gpus_per_rank`` GPUs split prompts by sequence instead of sharding weights: linear and
+  attention compute and the KV are divided by them, each GPU holds and streams the whole dense
+  part, and a prefill step's compute is ``max(compute, (new + cached tokens) * kv_bytes_per_token *
+  (cp - 1) / cp / (nvlink_bw * comm_efficiency))``: ring attention passes every other GPU's KV
+  shard of the chunk and its cached prefix around the ring while attention runs (ring attention,
+  Liu et al. 2023, arXiv 2310.01889). Load imbalance of causal attention across the shards is not
+  modelled (striped / zig-zag sharding balances it).
 * ``ep_synchronous=False`` with ``R > 1`` returns the max over ranks (callers should evaluate each
   independent rank with ``R = 1``).
 
@@ -173,6 +181,7 @@ class RooflinePerf:
         prefill_comm_sm_fraction: float = 0.0,
         ep_imbalance_prefill: float = 1.0,
         ep_imbalance_decode: float = 1.0,
+        context_parallel: bool = False,
     ) -> None:
         self.model = get_model(model)
         self.hardware = get_hardware(hardware)
@@ -217,10 +226,13 @@ class RooflinePerf:
         self.kv_bytes_per_token = int(m.kv_bytes_per_token)
 
         tp = self.gpus_per_rank
+        #: context-parallel rank: its GPUs split prompts by sequence (ring attention), not weights
+        self.context_parallel = bool(context_parallel) and tp > 1
         #: GPUs the routed experts are sharded over (whole engine under EP, else the rank's TP group)
         self.expert_gpus = self.num_gpus if self.ep_synchronous else tp
         #: fraction of a token's KV one GPU of a rank stores/reads
-        self.kv_gpu_share = 1.0 if m.is_mla else 1.0 / min(tp, m.num_kv_heads)
+        self.kv_gpu_share = (1.0 / tp if self.context_parallel
+                             else 1.0 if (m.is_mla or m.is_compressed) else 1.0 / min(tp, m.num_kv_heads))
 
         # ---- per-GPU coefficients (rank-local part) ----
         lin_peak = hw.peak_flops(m.weight_bytes) * self.mfu
@@ -231,9 +243,15 @@ class RooflinePerf:
         self._c_tok = dense_per_tok / tp / lin_peak
         self._c_pf_pair = m.prefill_attn_flops_per_pair / tp / attn_peak
         self._c_dec_pair = m.attn_flops_per_pair / tp / attn_peak
+        #: compressed attention (DeepSeek-V4): pairs are (query, key row) of one layer, see _step
+        self._sparse = m.is_compressed
+        self._c_idx_pair = (m.indexer_flops_per_pair / tp / (hw.fp8_flops * self.mfu)) if self._sparse else 0.0
         # seconds of HBM traffic
-        self._m_weights = m.dense_weight_read_bytes / tp / bw
+        self._m_weights = m.dense_weight_read_bytes / (1 if self.context_parallel else tp) / bw
         self._m_kv_tok = self.kv_bytes_per_token * self.kv_gpu_share / bw
+        #: CP: seconds per (new or cached) prompt token of KV one GPU receives from the others
+        self._cp_comm_tok = (self.kv_bytes_per_token * (tp - 1) / tp / (hw.nvlink_bw * self.comm_efficiency)
+                             if self.context_parallel else 0.0)
         # ---- MoE (per GPU of the expert group) ----
         self._moe_c_tok = m.expert_flops_per_token / self.expert_gpus / lin_peak if m.is_moe else 0.0
         self._moe_m_all = m.expert_weight_bytes / self.expert_gpus / bw if m.is_moe else 0.0
@@ -284,6 +302,7 @@ class RooflinePerf:
         prefill_comm_sm_fraction: float = 0.0,
         ep_imbalance_prefill: float = 1.0,
         ep_imbalance_decode: float = 1.0,
+        context_parallel: bool = False,
     ) -> RooflinePerf:
         """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
 
@@ -298,7 +317,8 @@ class RooflinePerf:
                    tbo_overhead_s=tbo_overhead_s, ep_ll_nvlink=ep_ll_nvlink, tbo_phases=tbo_phases,
                    comm_efficiency_normal=comm_efficiency_normal,
                    prefill_comm_sm_fraction=prefill_comm_sm_fraction,
-                   ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode)
+                   ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode,
+                   context_parallel=context_parallel)
 
     def _comm_per_token(self) -> tuple[float, float]:
         """Seconds of dispatch+combine per token of the busiest rank: (low-latency, normal) mode."""
@@ -337,9 +357,10 @@ class RooflinePerf:
     # ------------------------------------------------------------------ memory
     @property
     def weight_bytes_per_gpu(self) -> float:
-        """Resident weight bytes on one GPU: dense part / tp + routed experts / expert GPUs."""
+        """Resident weight bytes on one GPU: dense part / tp (all of it under context parallelism)
+        + routed experts / expert GPUs."""
         m = self.model
-        return m.dense_weight_bytes / self.gpus_per_rank + (
+        return m.dense_weight_bytes / (1 if self.context_parallel else self.gpus_per_rank) + (
             m.expert_weight_bytes / self.expert_gpus if m.is_moe else 0.0)
 
     def _kv_capacity(self) -> int:
@@ -365,14 +386,17 @@ class RooflinePerf:
         decode_ctx_tokens: ArrayLike,
         *,
         prefill_cached_tokens: ArrayLike | None = None,
+        decode_tokens_per_seq: float = 1.0,
     ) -> dict[str, np.ndarray]:
         """Components of the step time (seconds, rank axis reduced, shape ``(...)``):
         ``rank`` (the slowest rank's own roofline, incl. experts for a non-EP MoE rank),
         ``moe`` (shared expert roofline, EP only), ``comm`` (dispatch/combine; after
         ``comm_overlap`` without TBO, before the max with compute under TBO),
-        ``overhead`` and ``total``; plus ``rank_all`` with the per-rank times ``(..., R)``."""
+        ``overhead`` and ``total``; plus ``rank_all`` with the per-rank times ``(..., R)``.
+        ``decode_tokens_per_seq``: see :meth:`step_time_s`."""
         rank, rank_max, moe, comm, total_s = self._step(prefill_tokens, prefill_attn_pairs, decode_seqs,
-                                                        decode_ctx_tokens, prefill_cached_tokens)
+                                                        decode_ctx_tokens, prefill_cached_tokens,
+                                                        decode_tokens_per_seq)
         shape = np.shape(rank_max)
         return {"rank": np.asarray(rank_max), "moe": np.broadcast_to(moe, shape).copy(),
                 "comm": np.broadcast_to(comm, shape).copy(),
@@ -380,7 +404,8 @@ class RooflinePerf:
                 "rank_all": np.asarray(rank)}
 
     def _step(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
-              decode_ctx_tokens: ArrayLike, prefill_cached_tokens: ArrayLike | None):  # noqa: ANN202
+              decode_ctx_tokens: ArrayLike, prefill_cached_tokens: ArrayLike | None,
+              decode_tokens_per_seq: float = 1.0):  # noqa: ANN202
         """``(rank_all, rank_max, moe, comm, total)``; ``moe``/``comm`` may be the scalar 0.0.
 
         The simulator calls this once per step or segment, so it avoids per-call overhead: no
@@ -392,8 +417,11 @@ class RooflinePerf:
         pp = np.asarray(prefill_attn_pairs, dtype=f64)
         ds = np.asarray(decode_seqs, dtype=f64)
         dc = np.asarray(decode_ctx_tokens, dtype=f64)
+        k_verify = float(decode_tokens_per_seq)
+        if not k_verify >= 1.0:
+            raise ValueError(f"decode_tokens_per_seq must be >= 1, got {decode_tokens_per_seq!r}")
         if (prefill_cached_tokens is None and pt.shape == (1,) and pp.shape == ds.shape == dc.shape == (1,)
-                and not self._extended):
+                and not self._extended and not self._sparse and k_verify == 1.0 and not self.context_parallel):
             return self._step_one_rank(float(pt[0]), float(pp[0]), float(ds[0]), float(dc[0]))
         has_prefill = bool(pt.any())
         if prefill_cached_tokens is not None:
@@ -409,9 +437,19 @@ class RooflinePerf:
             pt, pp, ds, dc = (a.reshape(1) for a in (pt, pp, ds, dc))
             pc = np.reshape(pc, 1) if np.ndim(pc) else pc
 
-        tokens = pt + ds if has_prefill else ds  # (0 + x == x)
-        compute = tokens * self._c_tok + pp * self._c_pf_pair + dc * self._c_dec_pair
-        kv_tokens = dc + pc + tokens if has_prefill or prefill_cached_tokens is not None else dc + tokens
+        dtok = ds * k_verify if k_verify != 1.0 else ds  # decode tokens computed (verification: k per seq)
+        tokens = pt + dtok if has_prefill else dtok  # (0 + x == x)
+        if self._sparse:
+            compute, kv_tokens = self._sparse_work(pt, pp, pc, ds, dc, tokens, k_verify, has_prefill)
+        else:
+            dpairs = dc * k_verify if k_verify != 1.0 else dc  # each verified token attends the context
+            compute = tokens * self._c_tok + pp * self._c_pf_pair + dpairs * self._c_dec_pair
+            # KV is read once per sequence however many tokens it verifies
+            kv_tokens = dc + pc + tokens if has_prefill or prefill_cached_tokens is not None else dc + tokens
+        if self.context_parallel and has_prefill:
+            # ring attention: each GPU receives the other GPUs' KV of the chunk and of the cached
+            # prefix over NVLink while it computes (hidden when shorter than the compute)
+            compute = np.maximum(compute, (pt + pc) * self._cp_comm_tok)
         memory = self._m_weight_reads + kv_tokens * self._m_kv_tok
         rank = np.maximum(compute, memory)
 
@@ -437,6 +475,43 @@ class RooflinePerf:
         else:
             total_s = rank_max + moe + comm + self.step_overhead_s
         return rank, rank_max, moe, comm, total_s
+
+    def _sparse_work(self, pt, pp, pc, ds, dc, tokens, k_verify, has_prefill):  # noqa: ANN001, ANN202
+        """Compute seconds and KV tokens read+written of a rank under compressed attention
+        (DeepSeek-V4, :meth:`ModelSpec.decode_attended_keys`).
+
+        * Decode: a rank's ``ds`` sequences with ``dc`` context tokens in all are taken at their
+          mean context ``L = dc / ds`` (the cost is concave in L, so a spread of contexts costs
+          slightly less than this). Each of the ``k_verify`` tokens per sequence attends
+          ``decode_attended_keys(L)`` rows and scores ``indexer_keys(L)`` indexer keys; the rows
+          and keys are read once per sequence (``decode_kv_read_bytes(L)``).
+        * Prefill: the rank's ``pt`` new tokens after ``pc`` cached, with ``pp`` causal pairs, are
+          taken as ``m`` equal chunks of ``c`` tokens after ``p`` cached (``m c = pt``, ``m p = pc``,
+          ``m (c p + c (c + 1) / 2) = pp`` determine them; one chunk when ``pc`` is recovered from the
+          pairs); each attends ``prefill_attended_keys(c, p)`` rows, and the indexers score
+          ``num_csa_layers / 4`` keys per causal pair; the cached prefix's compressed KV is read once
+          (``pc`` tokens of ``kv_bytes_per_token``).
+        * Written: ``kv_bytes_per_token`` per new token (the window row write is not counted).
+        """
+        m = self.model
+        has_dec = bool(np.any(ds))
+        att = idx = 0.0
+        kv_read = pc if has_prefill else 0.0
+        if has_prefill:
+            # the rank's chunks as m equal chunks of c new tokens after p cached, recovered exactly
+            # from pt = m c, pc = m p, pp = m (c p + c (c + 1) / 2): c = (pp/pt - 1/2) / (pc/pt + 1/2)
+            safe = np.where(pt > 0, pt, 1.0)
+            chunk = np.maximum((pp / safe - 0.5) / (pc / safe + 0.5), 1.0)
+            chunks = np.where(pt > 0, pt / chunk, 0.0)
+            att = chunks * m.prefill_attended_keys(chunk, pc / safe * chunk) * self._c_pf_pair
+            idx = (m.num_csa_layers / 4.0) * pp
+        if has_dec:
+            L = dc / np.where(ds > 0, ds, 1.0)
+            att = att + (ds * k_verify) * m.decode_attended_keys(L) * self._c_dec_pair
+            idx = idx + (ds * k_verify) * m.indexer_keys(L)
+            kv_read = kv_read + ds * (m.decode_kv_read_bytes(L) / self.kv_bytes_per_token)
+        compute = tokens * self._c_tok + att + idx * self._c_idx_pair
+        return compute, kv_read + tokens
 
     def _step_ext(self, rank, rank_max, moe, comm, pf):  # noqa: ANN001, ANN202
         """The opt-in terms of a wide-EP step (``comm`` already carries the imbalance, folded into
@@ -503,14 +578,19 @@ class RooflinePerf:
         decode_ctx_tokens: ArrayLike,
         *,
         prefill_cached_tokens: ArrayLike | None = None,
+        decode_tokens_per_seq: float = 1.0,
     ) -> np.ndarray:
         """Seconds one step takes for per-rank work of shape ``(..., R)``; returns shape ``(...)``.
 
         ``prefill_cached_tokens`` (optional, not part of the ``PerfModel`` protocol): cached prefix
         tokens the rank's prefill chunks read; estimated from the pairs when omitted.
+        ``decode_tokens_per_seq`` (>= 1, optional): tokens each decode sequence computes this step
+        (speculative verification: 1 + draft length). Linear, expert and dispatch/combine work and
+        attention FLOPs scale with it; KV is read once per sequence (the verified tokens of a
+        sequence share its KV in one kernel).
         """
         return np.asarray(self._step(prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens,
-                                     prefill_cached_tokens)[4])
+                                     prefill_cached_tokens, decode_tokens_per_seq)[4])
 
     def __repr__(self) -> str:
         return (f"RooflinePerf({self.model.name}, {self.hardware.name}, dp={self.num_dp_ranks}, "

@@ -8,13 +8,15 @@ Readers turn request traces into :class:`~balancer.types.Request` lists:
   conversation trace (:func:`default_trace_path`).
 
 Malformed files raise :class:`TraceFormatError` naming ``file:line``.
-:func:`poisson_workload` generates synthetic traffic; :func:`session_workload` multi-turn
+:func:`poisson_workload` generates synthetic traffic; :func:`shared_prefix_workload` and
+:func:`load_ramp_workload` the standard router benchmarks (shared-prefix groups, stepped ramps); :func:`session_workload` multi-turn
 chatbot and agent sessions over days (:func:`write_mooncake` saves any workload as JSONL); :func:`scale_rate`, :func:`take_slice`
 and :func:`spread_batches` transform request lists without mutating them;
 :func:`ideal_hit_rate` is the infinite-cache prefix hit rate of a workload.
 """
 
 from .analysis import ideal_hit_rate
+from .benchmarks import load_ramp_workload, shared_prefix_workload
 from .azure import parse_azure_timestamp_ns, read_azure
 from .errors import TraceFormatError
 from .loader import DEFAULT_TRACE_NAME, TRACE_FORMATS, default_trace_path, read_trace
@@ -31,6 +33,8 @@ __all__ = [
     "TraceFormatError",
     "default_trace_path",
     "ideal_hit_rate",
+    "load_ramp_workload",
+    "shared_prefix_workload",
     "parse_azure_timestamp_ns",
     "poisson_workload",
     "read_azure",

@@ -1,0 +1,563 @@
+"""Per-engine step-time cost model for cost-based routing (``ep_aware``), and its online fitting.
+
+An engine step is one forward pass of a *step group* (all DP ranks of a wide-EP engine, or one
+rank of a dense engine). The policy needs to know, in seconds, what a placement costs, so this
+module models a step as a linear function of the per-rank work (the features the simulator's
+roofline, :mod:`sim.perf.roofline`, is made of)::
+
+    prefill step_s = overhead_s + per_token_s * max_r tokens_r + per_attn_pair_s * max_r pairs_r
+                     + per_group_token_s * sum_r tokens_r
+    decode  step_s = overhead_s + per_seq_s * max_r seqs_r + per_kv_token_s * max_r kv_r
+                     + per_group_seq_s * sum_r seqs_r
+
+``max_r`` is the step group's slowest rank (attention, dense layers and shared experts run per
+rank, and a wide-EP engine waits for the slowest one); ``sum_r`` is the routed-expert work, spread
+over all GPUs of an EP group (0 for a dense engine, whose group is one rank). ``pairs`` are causal
+attention (query, key) pairs: ``c * p + c * (c + 1) / 2`` for ``c`` new tokens after ``p`` cached
+ones, so later chunks of a long prompt cost more. Sources: the roofline's own terms (DeepSeek's
+DP-attention + EP layout, DeepSeek V3 technical report section 3.4; SGLang's large-scale EP blog).
+
+Where the coefficients come from:
+
+- The simulator fits them to its perf model (:func:`fit_step_cost` on ``perf.step_time_s``),
+  so the policy's predictions and the simulated engines agree up to the linearisation.
+- The live router starts from a config (``pdlb sim cost-model`` prints one per scenario, or
+  :data:`DEFAULT_COST_MODEL`) and **learns online** (:class:`OnlineFit`): at each decision the
+  router records the chosen candidate's features (:func:`prefill_wait_features`); when the hooks report
+  the prefill done (or a request's decode finished) it adds ``(features, observed seconds)`` to an
+  exponentially forgetting ridge regression towards the prior coefficients, ``O(k^2)`` memory
+  (``k = 4``), clipped to non-negative coefficients.
+
+Everything here is pure: no clock, no I/O; arrays are numpy float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+#: Feature names of the prefill and decode step models (the coefficient order everywhere).
+PREFILL_TERMS = ("overhead_s", "per_token_s", "per_attn_pair_s", "per_group_token_s")
+DECODE_TERMS = ("overhead_s", "per_seq_s", "per_kv_token_s", "per_group_seq_s")
+
+
+@dataclass(frozen=True)
+class PrefillStepCost:
+    """Linear prefill step time (module docstring), seconds per step / token / pair."""
+
+    overhead_s: float = 0.02
+    per_token_s: float = 2.0e-5
+    per_attn_pair_s: float = 1.0e-10
+    per_group_token_s: float = 0.0
+
+    def coef(self) -> np.ndarray:
+        return np.array([self.overhead_s, self.per_token_s, self.per_attn_pair_s, self.per_group_token_s])
+
+    @classmethod
+    def from_coef(cls, c: np.ndarray) -> PrefillStepCost:
+        return cls(*(float(x) for x in c))
+
+
+@dataclass(frozen=True)
+class DecodeStepCost:
+    """Linear decode step time (module docstring), seconds per step / sequence / KV token."""
+
+    overhead_s: float = 0.02
+    per_seq_s: float = 5.0e-5
+    per_kv_token_s: float = 2.0e-9
+    per_group_seq_s: float = 0.0
+
+    def coef(self) -> np.ndarray:
+        return np.array([self.overhead_s, self.per_seq_s, self.per_kv_token_s, self.per_group_seq_s])
+
+    @classmethod
+    def from_coef(cls, c: np.ndarray) -> DecodeStepCost:
+        return cls(*(float(x) for x in c))
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """Cost model of one engine kind (all engines of a pool, unless overridden per engine).
+
+    Attributes:
+        prefill / decode: step models.
+        chunk_tokens: chunked-prefill budget per rank per step (``max_prefill_tokens``).
+        ep_synchronous: all DP ranks of the engine step together (wide EP).
+    """
+
+    prefill: PrefillStepCost = field(default_factory=PrefillStepCost)
+    decode: DecodeStepCost = field(default_factory=DecodeStepCost)
+    chunk_tokens: int = 8192
+    ep_synchronous: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+    def prefill_time_s(self, tokens: float, context_tokens: float = 0.0) -> float:
+        """Seconds for one rank of an otherwise idle engine to prefill ``tokens`` new tokens after
+        ``context_tokens`` cached ones, in ``ceil(tokens / chunk_tokens)`` chunked steps."""
+        tokens = max(float(tokens), 1.0)
+        steps = math.ceil(tokens / self.chunk_tokens)
+        p = self.prefill
+        pairs = tokens * context_tokens + tokens * (tokens + 1.0) / 2.0
+        return (steps * p.overhead_s + (p.per_token_s + p.per_group_token_s) * tokens
+                + p.per_attn_pair_s * pairs)
+
+    def decode_step_time_s(self, batch: float, kv_tokens: float) -> float:
+        """Seconds of one decode step of one rank with ``batch`` sequences attending to
+        ``kv_tokens`` KV tokens in total (the other ranks of the engine idle)."""
+        d = self.decode
+        return d.overhead_s + (d.per_seq_s + d.per_group_seq_s) * batch + d.per_kv_token_s * kv_tokens
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a cost-based policy needs to price a placement in seconds.
+
+    Attributes:
+        prefill: the prefill pool's engines (PD).
+        decode: the decode pool's engines (or the mixed pool's, aggregated).
+        engines: per-engine overrides by engine name (heterogeneous pools), else the pool's.
+        transfer_latency_s / transfer_s_per_token: prefill -> decode KV transfer,
+            ``latency + tokens * kv_bytes_per_token / bandwidth``.
+        host_fetch_s_per_token / store_fetch_s_per_token: loading one cached token's KV from the
+            host-DRAM tier / the shared store.
+    """
+
+    prefill: EngineCost = field(default_factory=EngineCost)
+    decode: EngineCost = field(default_factory=EngineCost)
+    engines: Mapping[str, EngineCost] = field(default_factory=dict)
+    transfer_latency_s: float = 0.0
+    transfer_s_per_token: float = 0.0
+    host_fetch_s_per_token: float = 0.0
+    store_fetch_s_per_token: float = 0.0
+
+    def engine(self, name: str, role: str) -> EngineCost:
+        """The cost of engine ``name`` of pool ``role`` (``"prefill"``, ``"decode"``, ``"mixed"``)."""
+        got = self.engines.get(name)
+        if got is not None:
+            return got
+        return self.prefill if role == "prefill" else self.decode
+
+    def to_dict(self) -> dict:
+        """Plain dict (TOML/JSON-friendly) that :meth:`from_dict` reads back."""
+        def eng(e: EngineCost) -> dict:
+            return {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous,
+                    "prefill": dict(zip(PREFILL_TERMS, e.prefill.coef().tolist())),
+                    "decode": dict(zip(DECODE_TERMS, e.decode.coef().tolist()))}
+        out = {"prefill": eng(self.prefill), "decode": eng(self.decode),
+               "transfer_latency_s": self.transfer_latency_s, "transfer_s_per_token": self.transfer_s_per_token,
+               "host_fetch_s_per_token": self.host_fetch_s_per_token,
+               "store_fetch_s_per_token": self.store_fetch_s_per_token}
+        if self.engines:
+            out["engines"] = {k: eng(v) for k, v in self.engines.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> CostModel:
+        """Inverse of :meth:`to_dict`; missing keys take the defaults.
+
+        Raises:
+            ValueError: unknown keys, negative coefficients.
+        """
+        def eng(x: Mapping) -> EngineCost:
+            unknown = set(x) - {"chunk_tokens", "ep_synchronous", "prefill", "decode"}
+            if unknown:
+                raise ValueError(f"cost model engine: unknown key(s) {', '.join(sorted(unknown))}")
+            p = _terms(x.get("prefill", {}), PREFILL_TERMS, "prefill")
+            dd = _terms(x.get("decode", {}), DECODE_TERMS, "decode")
+            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), int(x.get("chunk_tokens", 8192)),
+                              bool(x.get("ep_synchronous", True)))
+        scalars = ("transfer_latency_s", "transfer_s_per_token", "host_fetch_s_per_token", "store_fetch_s_per_token")
+        unknown = set(d) - {"prefill", "decode", "engines", *scalars}
+        if unknown:
+            raise ValueError(f"cost model: unknown key(s) {', '.join(sorted(unknown))}")
+        kw = {}
+        for k in scalars:
+            if k in d:
+                v = float(d[k])
+                if not v >= 0.0 or math.isinf(v):
+                    raise ValueError(f"cost model: {k} must be finite and >= 0, got {d[k]!r}")
+                kw[k] = v
+        return cls(prefill=eng(d.get("prefill", {})), decode=eng(d.get("decode", {})),
+                   engines={str(k): eng(v) for k, v in d.get("engines", {}).items()}, **kw)
+
+
+def _terms(x: Mapping, names: tuple[str, ...], what: str) -> dict[str, float]:
+    unknown = set(x) - set(names)
+    if unknown:
+        raise ValueError(f"cost model {what}: unknown term(s) {', '.join(sorted(unknown))}; valid: {', '.join(names)}")
+    out = {}
+    for k, v in x.items():
+        f = float(v)
+        if not f >= 0.0 or math.isinf(f):
+            raise ValueError(f"cost model {what}.{k} must be finite and >= 0, got {v!r}")
+        out[k] = f
+    return out
+
+
+#: A generic starting point for a live router with no configured model: DeepSeek-V3-class wide-EP
+#: engines on H200-class GPUs, rounded from ``pdlb sim cost-model --scenario dsv3-pd-h200``. The
+#: online fit replaces it within a few hundred requests.
+DEFAULT_COST_MODEL = CostModel(
+    prefill=EngineCost(PrefillStepCost(0.02, 3.5e-5, 6.0e-11, 1.5e-5), DecodeStepCost(), 8192, True),
+    decode=EngineCost(PrefillStepCost(), DecodeStepCost(0.03, 2.0e-5, 1.0e-9, 2.0e-5), 8192, True),
+    transfer_latency_s=0.005, transfer_s_per_token=1.0e-6,
+)
+
+
+# ---------------------------------------------------------------------- fitting to a step-time model
+def fit_step_cost(
+    step_time_s: Callable[..., np.ndarray],
+    num_ranks: int,
+    chunk_tokens: int,
+    *,
+    max_decode_batch: int = 256,
+    max_context_tokens: int = 32_768,
+    ep_synchronous: bool = True,
+    samples: int = 768,
+    seed: int = 0,
+) -> EngineCost:
+    """Fit :class:`EngineCost` by least squares to a step-time function of the
+    :class:`sim.perf.base.PerfModel` shape ``step_time_s(prefill_tokens, prefill_attn_pairs,
+    decode_seqs, decode_ctx_tokens)`` (arrays ``(n, R)`` -> ``(n,)``), sampled on ``samples``
+    random steps of ``R = num_ranks`` ranks (``1`` for a dense engine) each: prefill steps with
+    per-rank chunks up to ``chunk_tokens`` after up to ``max_context_tokens`` cached tokens, some
+    ranks idle; decode steps with up to ``max_decode_batch`` sequences of up to
+    ``max_context_tokens`` KV each. Non-negative least squares by clipping and refitting the rest.
+    Deterministic for a given ``seed``.
+    """
+    rng = np.random.default_rng(seed)
+    R = max(1, int(num_ranks))
+    n = int(samples)
+    # prefill: per-rank fill fractions, with a share of idle ranks (imbalanced EP steps)
+    busy = rng.random((n, R)) < rng.uniform(0.2, 1.0, (n, 1))
+    busy[np.arange(n), rng.integers(0, R, n)] = True
+    tok = np.where(busy, np.ceil(rng.uniform(0.05, 1.0, (n, R)) * chunk_tokens), 0.0)
+    ctx = np.floor(rng.uniform(0.0, 1.0, (n, R)) ** 2 * max_context_tokens)
+    pairs = tok * ctx + tok * (tok + 1.0) / 2.0
+    zeros = np.zeros((n, R))
+    y = np.asarray(step_time_s(tok, pairs, zeros, zeros), dtype=np.float64)
+    X = prefill_design(tok, pairs, ep_synchronous and R > 1)
+    p = PrefillStepCost.from_coef(_nnls(X, y))
+    # decode
+    b = np.where(busy, np.ceil(rng.uniform(0.02, 1.0, (n, R)) * max_decode_batch), 0.0)
+    kv = b * np.floor(rng.uniform(0.05, 1.0, (n, R)) * max_context_tokens)
+    y = np.asarray(step_time_s(zeros, zeros, b, kv), dtype=np.float64)
+    X = decode_design(b, kv, ep_synchronous and R > 1)
+    d = DecodeStepCost.from_coef(_nnls(X, y))
+    return EngineCost(p, d, int(chunk_tokens), bool(ep_synchronous and R > 1))
+
+
+def prefill_design(tokens: np.ndarray, pairs: np.ndarray, ep: bool) -> np.ndarray:
+    """Design matrix ``(n, 4)`` of prefill steps ``(n, R)``: ``[1, max tokens, max pairs, sum tokens]``
+    (sum 0 for a dense engine, whose per-token cost is all in ``per_token_s``)."""
+    ones = np.ones(len(tokens))
+    s = tokens.sum(axis=1) if ep else np.zeros(len(tokens))
+    return np.column_stack([ones, tokens.max(axis=1), pairs.max(axis=1), s])
+
+
+def decode_design(seqs: np.ndarray, kv: np.ndarray, ep: bool) -> np.ndarray:
+    """Design matrix ``(n, 4)`` of decode steps ``(n, R)``: ``[1, max seqs, max kv, sum seqs]``."""
+    ones = np.ones(len(seqs))
+    s = seqs.sum(axis=1) if ep else np.zeros(len(seqs))
+    return np.column_stack([ones, seqs.max(axis=1), kv.max(axis=1), s])
+
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients clipped at 0 (refit without the clipped columns, a few
+    rounds): enough for 4 well-scaled columns. Columns that are all zero get 0."""
+    k = X.shape[1]
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    Xs = X / scale
+    active = np.array([bool(np.any(X[:, j])) for j in range(k)])
+    coef = np.zeros(k)
+    for _ in range(k):
+        c, *_ = np.linalg.lstsq(Xs[:, active], y, rcond=None)
+        coef[:] = 0.0
+        coef[active] = c
+        neg = coef < 0
+        if not neg.any():
+            break
+        active &= ~neg
+    return np.maximum(coef, 0.0) / scale
+
+
+# ---------------------------------------------------------------------- features of a placement
+_GROUPS: dict[int, tuple] = {}
+_GROUPS_MAX = 64
+
+
+def engine_groups(replicas: tuple) -> tuple[tuple[str, ...], np.ndarray, np.ndarray | None]:
+    """``(engine names, engine index per candidate (n,) int64, rows (E, R) or None)`` of a tuple
+    of :class:`~balancer.types.ReplicaId`: ``rows[e]`` are the positions of engine ``e``'s
+    candidates when every engine has ``R`` consecutive ones (the router sorts by engine), else
+    ``None``. Cached per tuple object (bounded), as the router reuses its pools' tuples."""
+    got = _GROUPS.get(id(replicas))
+    if got is not None and got[0] is replicas:
+        return got[1], got[2], got[3]
+    names: list[str] = []
+    pos: dict[str, int] = {}
+    idx = np.empty(len(replicas), dtype=np.int64)
+    for k, r in enumerate(replicas):
+        e = pos.get(r.engine)
+        if e is None:
+            e = pos[r.engine] = len(names)
+            names.append(r.engine)
+        idx[k] = e
+    rows = None
+    n_eng = len(names)
+    if n_eng and len(replicas) % n_eng == 0:
+        R = len(replicas) // n_eng
+        if np.array_equal(idx, np.repeat(np.arange(n_eng), R)):
+            rows = np.arange(len(replicas)).reshape(n_eng, R)
+    if len(_GROUPS) >= _GROUPS_MAX:
+        _GROUPS.clear()
+    _GROUPS[id(replicas)] = (replicas, tuple(names), idx, rows)
+    return tuple(names), idx, rows
+
+
+def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_tokens: np.ndarray,
+                          cached_tokens: np.ndarray, cost: EngineCost, idx: np.ndarray,
+                          rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Features ``(n, 4)`` of the time until a new prompt's prefill completes on each candidate,
+    such that ``features @ cost.prefill.coef()`` is that time in seconds; and the "slow
+    horizon" ``(n,)``: rank-local work seconds by which the placement extends the engine's
+    busiest rank (0 when another rank stays the slowest).
+
+    Candidate ``i`` has ``q_i`` queued uncached tokens with ``a_i`` attention pairs; the prompt
+    has ``u_i`` uncached tokens after ``p_i`` cached ones there (pairs ``u_i p_i + u_i (u_i + 1) / 2``).
+    The rank needs ``S_i = ceil((q_i + u_i) / C)`` steps. During them each rank ``r`` of the engine
+    processes ``f_r = min(1, S_i C / q_r)`` of its queue; a wide-EP engine steps at its slowest
+    rank, the one with the most rank-local work ``f_r (per_token q_r + per_attn_pair a_r)`` (``i``
+    itself with the prompt added), so features are ``[S_i, f* q*, f* a*, sum_r min(q'_r, S_i C)]``
+    with ``*`` that rank (the group sum feeds the routed-expert term). A dense engine (each rank its
+    own step group): ``[S_i, q'_i, a'_i, 0]``. Shapes ``(n,)``; ``idx``/``rows`` from
+    :func:`engine_groups`.
+    """
+    c = cost.prefill
+    C = float(cost.chunk_tokens)
+    q = queued
+    a = queued_pairs
+    u = new_tokens
+    own_pairs = u * cached_tokens + u * (u + 1.0) / 2.0
+    q_new = q + u
+    a_new = a + own_pairs
+    steps = np.ceil(q_new / C)
+    n = len(q)
+    if not cost.ep_synchronous:
+        feats = np.column_stack([steps, q_new, a_new, np.zeros(n)])
+        return feats, np.zeros(n)
+    X = steps * C
+    w = c.per_token_s * q + c.per_attn_pair_s * a
+    w_new = c.per_token_s * q_new + c.per_attn_pair_s * a_new
+    if rows is not None:
+        R = rows.shape[1]
+        Q, A, W = q[rows][idx], a[rows][idx], w[rows][idx]  # (n, R): each candidate's engine
+        own = np.arange(n) % R
+    else:
+        same = idx[:, None] == idx[None, :]
+        Q = np.where(same, q[None, :], 0.0)
+        A = np.where(same, a[None, :], 0.0)
+        W = np.where(same, w[None, :], 0.0)
+        own = np.arange(n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(Q > 0, np.minimum(1.0, X[:, None] / np.where(Q > 0, Q, 1.0)), 0.0)
+    work = W * frac
+    ar = np.arange(n)
+    work[ar, own] = -1.0  # the candidate's own rank counts with the prompt added
+    j = work.argmax(axis=1)
+    other = work[ar, j]
+    use_own = w_new >= other
+    tok = np.where(use_own, q_new, Q[ar, j] * frac[ar, j])
+    pairs = np.where(use_own, a_new, A[ar, j] * frac[ar, j])
+    clip = np.minimum(Q, X[:, None]).sum(axis=1) - np.minimum(q, X) + q_new
+    W_other = W.copy()
+    W_other[ar, own] = 0.0
+    horizon = np.maximum(w_new - W_other.max(axis=1), 0.0)
+    return np.column_stack([steps, tok, pairs, clip]), horizon
+
+
+# ---------------------------------------------------------------------- online fitting
+class OnlineFit:
+    """Exponentially forgetting ridge regression of a linear cost model, bounded memory.
+
+    Minimises ``sum_j lam^(t - j) (y_j - x_j . c)^2 + rho * |D (c - prior)|^2`` where ``D`` scales
+    each coefficient by its feature's typical size (so ``rho`` counts "pseudo-observations" of the
+    prior). State: the ``k x k`` Gram matrix and ``k``-vector, decayed by ``lam`` per observation;
+    a solve every ``refit_every`` observations. Coefficients are clipped to ``>= 0``.
+
+    Args:
+        prior: starting coefficients, shape ``(k,)``.
+        forgetting: ``lam`` in (0, 1]; 0.999 keeps an effective window of ~1,000 observations.
+        prior_weight: ``rho``, in observations.
+        refit_every: observations between solves.
+    """
+
+    def __init__(self, prior: np.ndarray, *, forgetting: float = 0.999, prior_weight: float = 20.0,
+                 refit_every: int = 16) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        self.prior = np.asarray(prior, dtype=np.float64).copy()
+        self.coef = self.prior.copy()
+        k = len(self.prior)
+        self.forgetting = forgetting
+        self.prior_weight = float(prior_weight)
+        self.refit_every = max(1, int(refit_every))
+        self._gram = np.zeros((k, k))
+        self._xy = np.zeros(k)
+        self._feat_sq = np.zeros(k)  # decayed mean of x_j^2, for the prior's scaling
+        self._weight = 0.0
+        self.num_observations = 0
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        """Add one observation (features ``(k,)``, seconds). Non-finite ones are ignored."""
+        x = np.asarray(x, dtype=np.float64)
+        if not (np.all(np.isfinite(x)) and math.isfinite(y)) or y < 0:
+            return
+        lam = self.forgetting
+        self._gram *= lam
+        self._xy *= lam
+        self._feat_sq *= lam
+        self._weight = self._weight * lam + 1.0
+        self._gram += np.outer(x, x)
+        self._xy += x * y
+        self._feat_sq += x * x
+        self.num_observations += 1
+        if self.num_observations % self.refit_every == 0:
+            self.refit()
+
+    def refit(self) -> np.ndarray:
+        """Solve now; returns the coefficients."""
+        if self._weight <= 0:
+            return self.coef
+        typical = self._feat_sq / self._weight
+        typical[typical <= 0] = 1.0
+        D = self.prior_weight * np.diag(typical)
+        A = self._gram + D
+        b = self._xy + D @ self.prior
+        try:
+            c = np.linalg.solve(A, b)
+        except np.linalg.LinAlgError:
+            return self.coef
+        self.coef = np.maximum(c, 0.0)
+        return self.coef
+
+
+class CostLearner:
+    """Learns a :class:`CostModel` online from a router's hook timestamps (bounded memory).
+
+    The router calls :meth:`on_prefill_dispatch` with the chosen prefill candidate's features
+    (:func:`prefill_wait_features` row), the dispatch time and the pool that prefills (``"prefill"``,
+    or ``"decode"`` for an aggregated pool, whose mixed engines' prefill model is then fitted),
+    :meth:`on_prefill_done` with the time the prefill finished; :meth:`on_decode_dispatch` with
+    the decode engine's step features (``[1, max seqs, max kv, sum seqs]`` after the placement),
+    :meth:`on_first_token` and :meth:`on_decode_finished` with the finish time and the output
+    length, observing the mean inter-token latency. Pending records are bounded
+    (``max_pending``, oldest dropped). :attr:`model` is the current model (a new frozen object
+    after each refit).
+    """
+
+    def __init__(self, prior: CostModel, *, forgetting: float = 0.999, prior_weight: float = 20.0,
+                 max_pending: int = 65_536) -> None:
+        self.model = prior
+        self._fits = {
+            "prefill": OnlineFit(prior.prefill.prefill.coef(), forgetting=forgetting, prior_weight=prior_weight),
+            "mixed": OnlineFit(prior.decode.prefill.coef(), forgetting=forgetting, prior_weight=prior_weight),
+            "decode": OnlineFit(prior.decode.decode.coef(), forgetting=forgetting, prior_weight=prior_weight),
+        }
+        self._pending_prefill: OrderedDict[str, tuple[np.ndarray, float, str]] = OrderedDict()
+        self._pending_decode: OrderedDict[str, list] = OrderedDict()
+        self.max_pending = max(1, int(max_pending))
+
+    @staticmethod
+    def _put(d: OrderedDict, key: str, value: object, bound: int) -> None:
+        d[key] = value
+        while len(d) > bound:
+            d.popitem(last=False)
+
+    def _observe(self, which: str, x: np.ndarray, y: float) -> None:
+        fit = self._fits[which]
+        before = fit.num_observations
+        fit.observe(x, y)
+        if fit.num_observations != before and fit.num_observations % fit.refit_every == 0:
+            self._publish()
+
+    def on_prefill_dispatch(self, request_id: str, features: np.ndarray, now_s: float, pool: str = "prefill") -> None:
+        if pool not in ("prefill", "decode"):
+            raise ValueError(f"pool must be 'prefill' or 'decode', got {pool!r}")
+        self._put(self._pending_prefill, request_id,
+                  (np.asarray(features, dtype=np.float64), now_s, "prefill" if pool == "prefill" else "mixed"),
+                  self.max_pending)
+
+    def on_prefill_done(self, request_id: str, now_s: float) -> None:
+        got = self._pending_prefill.pop(request_id, None)
+        if got is not None:
+            x, t0, which = got
+            self._observe(which, x, now_s - t0)
+
+    def on_decode_dispatch(self, request_id: str, features: np.ndarray) -> None:
+        self._put(self._pending_decode, request_id, [np.asarray(features, dtype=np.float64), None], self.max_pending)
+
+    def on_first_token(self, request_id: str, now_s: float) -> None:
+        rec = self._pending_decode.get(request_id)
+        if rec is not None and rec[1] is None:
+            rec[1] = now_s
+
+    def on_decode_finished(self, request_id: str, now_s: float, num_output_tokens: int | None) -> None:
+        rec = self._pending_decode.pop(request_id, None)
+        self._pending_prefill.pop(request_id, None)
+        if rec is None or rec[1] is None or not num_output_tokens or num_output_tokens < 2:
+            return
+        x, first_token_s = rec
+        self._observe("decode", x, (now_s - first_token_s) / (num_output_tokens - 1))
+
+    def _publish(self) -> None:
+        m = self.model
+        f = self._fits
+        dc = replace(m.decode, decode=DecodeStepCost.from_coef(f["decode"].coef),
+                     prefill=PrefillStepCost.from_coef(f["mixed"].coef))
+        self.model = replace(m, prefill=replace(m.prefill, prefill=PrefillStepCost.from_coef(f["prefill"].coef)),
+                             decode=dc)
+
+    @property
+    def num_observations(self) -> dict[str, int]:
+        """Observations so far per fit: ``prefill`` (prefill pool), ``mixed`` (aggregated
+        prefill), ``decode`` (inter-token latency)."""
+        return {k: v.num_observations for k, v in self._fits.items()}
+
+
+# ---------------------------------------------------------------------- features of one placement
+def placement_features(request_prompt_tokens: int, output_tokens: float, cands, i: int,
+                       eng: EngineCost) -> tuple[np.ndarray, np.ndarray]:
+    """``(prefill_x, decode_x)``, each ``(4,)``: the features of placing a request on candidate
+    ``i`` of ``cands`` (:class:`balancer.candidates.Candidates`), for the online fit: prefill
+    as :func:`prefill_wait_features` with the HBM match as the cached part; decode
+    ``[1, max seqs, max kv, sum seqs]`` of the engine after the placement (one more sequence on
+    ``i`` with ``prompt + output / 2`` KV tokens)."""
+    names, idx, rows = engine_groups(cands.replicas)
+    same = idx == idx[i]
+    sel = np.flatnonzero(same)
+    k = int(np.searchsorted(sel, i))
+    sub_idx = np.zeros(len(sel), dtype=np.int64)
+    q = cands.prefill_tokens[sel].astype(np.float64)
+    a = (cands.prefill_attn_pairs[sel] if cands.prefill_attn_pairs is not None else np.zeros(len(sel)))
+    matched = (cands.hbm_blocks[sel] * float(cands.block_size) if cands.hbm_blocks is not None
+               else cands.matched_tokens[sel].astype(np.float64))
+    cached = np.minimum(matched, request_prompt_tokens - 1.0)
+    u = request_prompt_tokens - cached
+    eng_here = eng if len(sel) > 1 else replace(eng, ep_synchronous=False)
+    px = prefill_wait_features(q, np.asarray(a, dtype=np.float64), u, cached, eng_here, sub_idx,
+                               np.arange(len(sel))[None, :])[0][k]
+    b = cands.num_requests[sel].astype(np.float64)
+    kv = cands.decode_kv_tokens[sel].astype(np.float64)
+    b[k] += 1.0
+    kv[k] += request_prompt_tokens + output_tokens / 2.0
+    dx = decode_design(b[None, :], kv[None, :], eng.ep_synchronous and len(sel) > 1)[0]
+    return px, dx

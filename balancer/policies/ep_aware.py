@@ -1,0 +1,265 @@
+"""``ep_aware``: pdlb's own policy: the placement with the least predicted delay, in seconds,
+knowing that a wide-EP engine steps at the pace of its busiest DP rank.
+
+The anchor policies (``cache_aware``, ``kv_cost``, ``scored``, ``least_load``) score DP ranks one
+by one. In a wide-EP engine all ranks run each forward step together (MoE dispatch/combine), so a
+step lasts as long as its most loaded rank, and routed-expert work of every rank shares the
+engine's GPUs. ``ep_aware`` prices each candidate with the engine's step model
+(:class:`balancer.cost_model.EngineCost`, from ``ctx.cost_model`` or
+:data:`balancer.cost_model.DEFAULT_COST_MODEL`) and picks the cheapest (random tie-break).
+
+**Prefill** (candidate ``i`` on engine ``e``; ``q`` queued uncached tokens and ``a`` their
+attention pairs per rank, counted at dispatch; ``C`` the chunked-prefill budget; the prompt has
+``u_i`` uncached tokens after ``p_i`` cached ones on ``i``, counting HBM, host-tier and
+shared-store hits)::
+
+    S_i       = ceil((q_i + u_i) / C)                          steps until the prompt is done
+    f_r       = min(1, S_i C / q_r)                            share of rank r's queue done by then
+    slowest   = argmax_r f_r (per_token q_r + per_attn_pair a_r)   with i's prompt added on i
+    wait_i    = S_i overhead + per_token f* q* + per_attn_pair f* a*     the engine steps at its pace
+                + per_group_token sum_r min(q'_r, S_i C)        routed experts shared by the group
+    fetch_i   = host_tokens_i host_fetch_s_per_token + store_tokens_i store_fetch_s_per_token
+    ext_i     = per_group_token u_i N_after_i                   delay it adds to queued requests
+    horizon_i = max(0, w'_i - max_{r != i} w_r)                 how far it extends the slowest rank
+    cost_i    = wait_i + fetch_i + externality_weight ext_i + horizon_weight rho horizon_i
+
+(:func:`balancer.cost_model.prefill_wait_features`). ``w_r = per_token q_r + per_attn_pair a_r``
+is a rank's own work in seconds, ``w'_i`` with the prompt; ``N_after_i = sum_{r != i} n_r
+clip((q_r - q_i) / q_r, 0, 1)`` the requests of the engine's other ranks still queued when ``i``
+starts the prompt (``n_r`` requests on ``r``); ``rho`` the share of the pool's ranks with queued
+work. ``horizon`` prices the future: while an engine's slowest rank is busy every step runs at
+its pace, so each request that lands on the engine's other ranks meanwhile waits longer; under
+load (``rho`` near 1) there is no idle engine left to take those requests, and filling the
+lagging ranks of busy engines is free throughput. A hit is compute not done (``u_i`` shrinks);
+a hit on a busy rank is worth exactly the wait it costs, so a hot prefix is replicated on an
+idle engine when waiting behind the holder costs more than recomputing it (no collapse onto one
+replica). For a dense engine (each rank its own step group) the slowest rank is ``i`` itself and
+the group terms vanish.
+
+**Decode** (candidate ``i`` of engine ``e``; ``b`` sequences and ``k`` KV tokens per rank; the
+request adds one sequence of ``prompt + output / 2`` KV tokens on average over its life, output =
+``Request.output_tokens`` capped at ``max_output_estimate_tokens``)::
+
+    T_after_i = overhead + per_seq * max(B_e, b_i + 1) + per_kv_token * max(K_e, k_i + kv_new)
+                + per_group_seq * (sum_r b_r + 1)
+    cost_i    = out * (T_after_i + externality_weight * n_e * (T_after_i - T_e))
+                + transfer_s_per_token * (prompt - matched_tokens_i)      the KV it need not move
+
+``B_e``/``K_e`` the engine's largest batch and KV, ``T_e`` its step time now, ``n_e`` its
+sequences.
+
+**Ties**: costs within ``tie_tolerance`` (relative) of the cheapest are ties, broken by the least
+queued work, then at random: otherwise a small shared prefix (a system prompt's first block) makes
+the few ranks that hold it marginally cheaper for every request, all traffic collapses onto them
+and their caches thrash (measured: hit rate 8% instead of 33% at light load). Candidates where ``k_i + prompt + output`` exceeds a known KV capacity are taken only
+when none has room (then the one with most room). **Mixed** (aggregated) pools add both costs
+(without the transfer).
+
+Parameters:
+    externality_weight: weight of the delay a placement adds to requests already on the engine
+        (1 = count it fully, 0 = purely selfish).
+    horizon_weight: weight of the slow-horizon term (0 = off; 4 measured best on the Mooncake
+        trace at 0.35-1x its rate, see bench/policy_goodput.py).
+    tie_tolerance: relative cost difference below which candidates tie (0.05).
+    max_output_estimate_tokens: cap on the output length the decode cost projects.
+
+Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
+layout); the marginal-delay (externality) term is the usual social-cost argument of queueing
+(the cost of a job = its own delay + the delay it imposes on others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from balancer.candidates import Candidates
+from balancer.cost_model import DEFAULT_COST_MODEL, CostModel, EngineCost, engine_groups, prefill_wait_features
+from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
+from balancer.types import Choice, Request, Role
+
+def _per_engine_max(x: np.ndarray, idx: np.ndarray, rows: np.ndarray | None, n_eng: int) -> np.ndarray:
+    """Each candidate's engine maximum of ``x``, shape ``(n,)``."""
+    if rows is not None:
+        return x[rows].max(axis=1)[idx]
+    out = np.full(n_eng, -np.inf)
+    np.maximum.at(out, idx, x)
+    return out[idx]
+
+
+def _per_engine_sum(x: np.ndarray, idx: np.ndarray, n_eng: int) -> np.ndarray:
+    """Each candidate's engine sum of ``x``, shape ``(n,)``."""
+    return np.bincount(idx, weights=x, minlength=n_eng)[idx]
+
+
+@register
+@dataclass(frozen=True)
+class EpAware(Policy):
+    """Scores are predicted costs in seconds (lower is better); see the module docstring."""
+
+    name = "ep_aware"
+    externality_weight: float = 1.0
+    horizon_weight: float = 4.0
+    tie_tolerance: float = 0.05
+    max_output_estimate_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.externality_weight >= 0:
+            raise ValueError(f"externality_weight must be >= 0, got {self.externality_weight}")
+        if not 0.0 <= self.tie_tolerance < 1.0:
+            raise ValueError(f"tie_tolerance must be in [0, 1), got {self.tie_tolerance}")
+        if not self.horizon_weight >= 0:
+            raise ValueError(f"horizon_weight must be >= 0, got {self.horizon_weight}")
+        if self.max_output_estimate_tokens < 1:
+            raise ValueError(f"max_output_estimate_tokens must be >= 1, got {self.max_output_estimate_tokens}")
+
+    def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
+        names, idx, rows = engine_groups(cands.replicas)
+        if cands.role is Role.PREFILL:
+            cost = self.prefill_cost(request, cands, model, names, idx, rows, "prefill")
+            reason = "ep_aware:prefill"
+        elif cands.role is Role.DECODE:
+            cost = self.decode_cost(request, cands, model, names, idx, rows, transfer=True)
+            reason = "ep_aware:decode"
+        else:
+            cost = (self.prefill_cost(request, cands, model, names, idx, rows, "mixed")
+                    + self.decode_cost(request, cands, model, names, idx, rows, transfer=False))
+            reason = "ep_aware:mixed"
+        cost, feasible = self._capacity(request, cands, cost)
+        i = self._pick(cost, cands, ctx)
+        return Choice(cands.replicas[i], scores_of(cands, cost), reason=reason if feasible else reason + ":no_kv_room")
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                     idx: np.ndarray, rows: np.ndarray | None, role: str) -> np.ndarray:
+        """Predicted seconds until the prompt's prefill completes, plus weighted externality, ``(n,)``."""
+        eng = self._uniform_engine(model, names, role)
+        if eng is None:  # heterogeneous pool: price each engine's candidates with its own model
+            out = np.empty(len(cands))
+            for e, name in enumerate(names):
+                m = idx == e
+                sub = np.flatnonzero(m)
+                out[sub] = self._prefill_cost_one(request, cands, model, model.engine(name, role), idx, rows, sub)
+            return out
+        return self._prefill_cost_one(request, cands, model, eng, idx, rows, None)
+
+    def _prefill_cost_one(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
+                          idx: np.ndarray, rows: np.ndarray | None, sub: np.ndarray | None) -> np.ndarray:
+        bs = float(cands.block_size)
+        P = float(request.prompt_tokens)
+        q = cands.prefill_tokens.astype(np.float64)
+        a = cands.prefill_attn_pairs if cands.prefill_attn_pairs is not None else np.zeros(len(q))
+        if cands.hbm_blocks is not None:
+            hbm = cands.hbm_blocks * bs
+            cached = np.minimum(hbm + (cands.host_blocks + cands.store_blocks) * bs, P - 1.0)
+            host_t = np.clip(np.minimum(hbm + cands.host_blocks * bs, cached) - hbm, 0.0, None)
+            store_t = np.clip(cached - hbm - host_t, 0.0, None)
+            fetch = host_t * model.host_fetch_s_per_token + store_t * model.store_fetch_s_per_token
+        else:
+            cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
+            fetch = 0.0
+        u = P - cached
+        feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+        cost = feats @ eng.prefill.coef() + fetch
+        if eng.ep_synchronous:
+            ext = self.externality_weight * eng.prefill.per_group_token_s * u * self._requests_after(q, cands, idx, rows)
+            if self.horizon_weight:
+                busy = float(np.count_nonzero(q)) / len(q)  # the pool's share of ranks with queued work
+                cost = cost + ext + (self.horizon_weight * busy) * horizon
+            else:
+                cost = cost + ext
+        return cost if sub is None else np.asarray(cost)[sub]
+
+    @staticmethod
+    def _requests_after(q: np.ndarray, cands: Candidates, idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """``N_after_i``: requests of the engine's other ranks still queued when ``i`` starts the
+        prompt, ``sum_{r != i} n_r clip((q_r - q_i) / q_r, 0, 1)``, shape ``(n,)``."""
+        n_req = cands.num_requests.astype(np.float64)
+        if rows is not None:
+            Q, N = q[rows][idx], n_req[rows][idx]
+        else:
+            same = idx[:, None] == idx[None, :]
+            Q = np.where(same, q[None, :], 0.0)
+            N = np.where(same, n_req[None, :], 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = np.where(Q > 0, np.clip((Q - q[:, None]) / np.where(Q > 0, Q, 1.0), 0.0, 1.0), 0.0)
+        return (N * frac).sum(axis=1)  # the own rank contributes 0 (q_r == q_i)
+
+    # ------------------------------------------------------------------ decode
+    def decode_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                    idx: np.ndarray, rows: np.ndarray | None, transfer: bool) -> np.ndarray:
+        """Predicted decode seconds of the request plus weighted externality and transfer, ``(n,)``."""
+        role = "decode" if cands.role is Role.DECODE else "mixed"
+        eng = self._uniform_engine(model, names, role)
+        if eng is None:
+            out = np.empty(len(cands))
+            for e, name in enumerate(names):
+                sub = np.flatnonzero(idx == e)
+                out[sub] = self._decode_cost_one(request, cands, model, model.engine(name, role), idx, rows,
+                                                 transfer)[sub]
+            return out
+        return self._decode_cost_one(request, cands, model, eng, idx, rows, transfer)
+
+    def _decode_cost_one(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
+                         idx: np.ndarray, rows: np.ndarray | None, transfer: bool) -> np.ndarray:
+        d = eng.decode
+        out = float(min(request.output_tokens, self.max_output_estimate_tokens))
+        kv_new = request.prompt_tokens + out / 2.0
+        b = cands.num_requests.astype(np.float64)
+        k = cands.decode_kv_tokens.astype(np.float64)
+        n_eng = int(idx.max()) + 1 if len(idx) else 0
+        if eng.ep_synchronous:
+            B = _per_engine_max(b, idx, rows, n_eng)
+            K = _per_engine_max(k, idx, rows, n_eng)
+            n_e = _per_engine_sum(b, idx, n_eng)
+        else:
+            B, K, n_e = b, k, b
+        before = d.overhead_s + d.per_seq_s * B + d.per_kv_token_s * K + d.per_group_seq_s * n_e
+        after = (d.overhead_s + d.per_seq_s * np.maximum(B, b + 1.0) + d.per_kv_token_s * np.maximum(K, k + kv_new)
+                 + d.per_group_seq_s * (n_e + 1.0))
+        cost = out * (after + self.externality_weight * n_e * (after - before))
+        if transfer:
+            moved = request.prompt_tokens - cands.matched_tokens.astype(np.float64)
+            cost = cost + model.transfer_s_per_token * np.maximum(moved, 0.0)
+        return cost
+
+    # ------------------------------------------------------------------ helpers
+    def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext) -> int:
+        """The cheapest candidate; costs within ``tie_tolerance`` of the cheapest are ties, broken
+        by the least queued work (prefill tokens or decode KV tokens), then at random."""
+        i = int(cost.argmin())
+        best = float(cost[i])
+        if self.tie_tolerance <= 0 or not np.isfinite(best):
+            return argmin_random(cost, ctx.rng)
+        near = cost <= best * (1.0 + self.tie_tolerance)
+        if int(near.sum()) == 1:
+            return i
+        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
+        return argmin_random(load.astype(np.float64), ctx.rng, near)
+
+
+    def _capacity(self, request: Request, cands: Candidates, cost: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Push candidates whose known KV capacity cannot take the whole sequence behind every one
+        that can; when none can, prefer the most room. Returns ``(cost, any_feasible)``."""
+        if cands.role is Role.PREFILL:
+            return cost, True
+        cap = cands.kv_capacity_tokens
+        if not len(cap) or cap[cap.argmax()] <= 0:
+            return cost, True
+        need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
+        room = cap - cands.decode_kv_tokens
+        bad = (cap > 0) & (room < need)
+        if not bad.any():
+            return cost, True
+        if bad.all():
+            return cost.max() + 1.0 + (need - room).astype(np.float64), False
+        cost = np.where(bad, np.inf, cost)
+        return cost, True
+
+    @staticmethod
+    def _uniform_engine(model: CostModel, names: tuple[str, ...], role: str) -> EngineCost | None:
+        if not model.engines or not any(n in model.engines for n in names):
+            return model.prefill if role == "prefill" else model.decode
+        return None

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Benchmark: ``ep_aware`` against every anchor policy, on several workloads and clusters.
+
+For each row (a workload on a scenario), each policy (the same policy on both pools, as
+``pdlb sim compare`` runs them) and each seed (router seed and the workload's arrival spreading
+or generator seed), in one run:
+
+- **goodput at the trace rate**: SLO-meeting requests per second of the arrival window
+  (:mod:`sim.metrics`), a complete simulation at rate scale 1;
+- **highest rate at SLO**: :func:`sim.capacity.search_rate` (geometric bisection, 3% tolerance);
+- **GPUs needed at the trace rate** (the rows marked ``gpus``): :func:`sim.capacity.search_gpus`,
+  prefill and decode engines searched together.
+
+Every figure is printed with its ratio to the best anchor of its row (mean over seeds, and the
+spread min..max); ratios > 1 favour ``ep_aware`` (for GPUs, < 1). Then an explanation run on the
+default row at the best anchor's sustained rate: hit rate, step imbalance, time the average rank
+waits for the slowest one, TTFT split, and a figure (TTFT CDF, and the busiest rank's queued
+prefill tokens over time per policy).
+
+    .venv/bin/python bench/policy_goodput.py                 # every row, 2 seeds, all cores
+    .venv/bin/python bench/policy_goodput.py --quick         # the Mooncake default row, 1 seed
+    .venv/bin/python bench/policy_goodput.py --rows mooncake:default,shared_prefix:default --seeds 3
+
+Rows (``--rows``, ``workload:scenario``): workloads ``mooncake`` (embedded trace),
+``azure_code`` / ``azure_conv`` (``--traces-dir``), ``chatbot`` / ``agent`` (``pdlb sim
+sessions`` generator, one day), ``shared_prefix`` (SGLang's generated-shared-prefix layout at
+2 req/s); scenarios ``default`` (dsv3-pd-h200: 6 prefill engines of EP8, 1 decode engine of EP8),
+``p16`` (the same with 16 prefill engines), ``dense`` (llama70b-pd-h100), ``agg``
+(llama8b-agg-h100). The SLO (``--slo-*``) is the same on every row: by default 90% of requests
+with TTFT <= 2 s + 0.1 s per 1k prompt tokens and TPOT <= 50 ms (a flat 2 s TTFT cannot be met
+by 90% of the Mooncake trace at any rate: 16% of its prompts take longer than 2 s to prefill
+alone even with every prefix cached; the searches report such a floor instead of searching).
+Results: ``--out`` (default ``bench_results/policy_goodput-<time>/``): ``results.json``,
+``table.md``, ``explain.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ANCHORS = ("cache_aware", "kv_cost", "scored", "least_load", "consistent_hash", "power_of_two", "round_robin")
+OURS = "ep_aware"
+WORKLOADS = ("mooncake", "azure_code", "azure_conv", "chatbot", "agent", "shared_prefix")
+SCENARIOS = {"default": "dsv3-pd-h200", "p16": "dsv3-pd-h200", "dense": "llama70b-pd-h100", "agg": "llama8b-agg-h100"}
+DEFAULT_ROWS = ("mooncake:default", "mooncake:p16", "mooncake:dense", "mooncake:agg", "azure_code:dense",
+                "azure_conv:dense", "chatbot:default", "agent:default", "shared_prefix:default", "shared_prefix:agg")
+GPU_ROWS = ("mooncake:default",)
+
+
+def scenario_of(name: str):
+    from sim.scenario import load_scenario
+
+    sc = load_scenario(SCENARIOS[name])
+    if name == "p16":
+        sc = sc.model_copy(update={"name": f"{sc.name}-p16",
+                                   "prefill": sc.prefill.model_copy(update={"num_engines": 16})})
+    return sc
+
+
+def workload_of(name: str, seed: int, traces_dir: Path | None, tmp: Path):
+    """A :class:`sim.point.WorkloadSpec` (trace files; generated workloads are written as JSONL)."""
+    from sim.point import WorkloadSpec
+
+    if name == "mooncake":
+        return WorkloadSpec(seed=seed)
+    if name in ("azure_code", "azure_conv"):
+        if traces_dir is None:
+            raise SystemExit(f"row {name}: pass --traces-dir (the folder with azure_llm_2023_*.csv)")
+        return WorkloadSpec(trace=str(traces_dir / f"azure_llm_2023_{name.split('_')[1]}.csv"), seed=seed)
+    path = tmp / f"{name}-{seed}.jsonl"
+    if not path.exists():
+        from sim.workload import write_mooncake
+        if name in ("chatbot", "agent"):
+            from sim.workload import SessionWorkloadConfig, session_workload
+            reqs = session_workload(SessionWorkloadConfig(duration_s=86_400.0, sessions_per_hour=60.0,
+                                                          agent_fraction=1.0 if name == "agent" else 0.0, seed=seed))
+        elif name == "shared_prefix":
+            from sim.workload.benchmarks import shared_prefix_workload
+            reqs = shared_prefix_workload(64, 16, rate_per_s=2.0, seed=seed)
+        else:
+            raise SystemExit(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+        write_mooncake(reqs, path)
+    return WorkloadSpec(trace=str(path), spread_s=0.0, seed=seed)
+
+
+def mean_spread(xs: list[float]) -> tuple[float, float, float]:
+    v = [x for x in xs if x is not None and math.isfinite(x)]
+    if not v:
+        return float("nan"), float("nan"), float("nan")
+    return sum(v) / len(v), min(v), max(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="workload:scenario,... (default: all rows)")
+    ap.add_argument("--policies", default=",".join((OURS, *ANCHORS)), help="policies (default ep_aware and every anchor)")
+    ap.add_argument("--seeds", type=int, default=2, help="seeds per row (default 2)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    ap.add_argument("--quick", action="store_true", help="only the Mooncake default row, 1 seed, no GPU search")
+    ap.add_argument("--no-gpus", action="store_true", help="skip the GPU searches")
+    ap.add_argument("--no-explain", action="store_true", help="skip the explanation runs and figure")
+    ap.add_argument("--traces-dir", type=Path, default=None,
+                    help="folder with azure_llm_2023_code.csv / _conv.csv (default: ../shared/traces if present)")
+    ap.add_argument("--slo-ttft-s", type=float, default=2.0)
+    ap.add_argument("--slo-ttft-per-1k-s", type=float, default=0.1, help="TTFT budget per 1k prompt tokens (default 0.1)")
+    ap.add_argument("--slo-tpot-s", type=float, default=0.05)
+    ap.add_argument("--slo-attainment", type=float, default=0.9)
+    ap.add_argument("--tol", type=float, default=0.03, help="rate search tolerance (default 0.03)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from sim.capacity import GpuSearch, RateSearch, run_searches
+    from sim.executor import make_executor
+    from sim.point import SLO, Point, parse_policy
+
+    console = Console()
+    rows = ["mooncake:default"] if args.quick else [r.strip() for r in args.rows.split(",") if r.strip()]
+    seeds = list(range(1 if args.quick else args.seeds))
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    anchors = [p for p in policies if p != OURS]
+    traces_dir = args.traces_dir
+    if traces_dir is None and (ROOT.parent / "shared" / "traces").is_dir():
+        traces_dir = ROOT.parent / "shared" / "traces"
+    slo = SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
+              ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_s)
+    out = args.out or ROOT / "bench_results" / f"policy_goodput-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="pdlb-bench-"))  # generated workloads as JSONL
+    t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ plan every search and point
+    searches: list = []
+    keys: list[tuple] = []
+    points: list = []
+    point_keys: list[tuple] = []
+    for row in rows:
+        wl_name, sc_name = row.split(":")
+        sc = scenario_of(sc_name)
+        for seed in seeds:
+            wl = workload_of(wl_name, seed, traces_dir, tmp)
+            for pol in policies:
+                spec = parse_policy(pol)
+                searches.append(RateSearch(sc, wl, spec, slo, rate_min=1 / 256, tol=args.tol, seed=seed))
+                keys.append(("rate", row, pol, seed))
+                points.append(Point(sc, wl, spec, 1.0, slo, seed))
+                point_keys.append(("trace_rate", row, pol, seed))
+                if row in GPU_ROWS and seed == 0 and not (args.quick or args.no_gpus):
+                    searches.append(GpuSearch(sc, wl, spec, slo, rate_scale=1.0,
+                                              max_engines={"prefill": 32, "decode": 4}))
+                    keys.append(("gpus", row, pol, seed))
+    executor = make_executor("process", jobs=args.jobs)
+    results: dict[tuple, object] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("trace-rate runs", total=len(points))
+        futs = [executor.submit(p) for p in points]
+        for k, f in zip(point_keys, futs):
+            results[k] = f.result()
+            progress.advance(task)
+        task2 = progress.add_task("searches (points)", total=None)
+        for k, r in zip(keys, run_searches(searches, executor, on_point=lambda s, r: progress.advance(task2))):
+            results[k] = r
+    wall = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ tables
+    def fig(kind: str, row: str, pol: str) -> list[float]:
+        xs = []
+        for seed in seeds:
+            r = results.get((kind, row, pol, seed))
+            if r is None:
+                continue
+            if kind == "trace_rate":
+                xs.append(r.goodput_rps)
+            elif kind == "rate":
+                xs.append(r.rate_rps if r.rate_rps is not None else 0.0)
+            else:
+                xs.append(float(r.num_gpus) if r.num_gpus is not None else float("nan"))
+        return xs
+
+    report: dict = {"slo": slo.__dict__, "rows": {}, "wall_s": wall, "jobs": args.jobs, "seeds": seeds}
+    md = [f"SLO: {args.slo_attainment:.0%} of requests with TTFT <= {args.slo_ttft_s:g} s + "
+          f"{args.slo_ttft_per_1k_s:g} s per 1k prompt tokens and TPOT <= {args.slo_tpot_s * 1e3:g} ms; "
+          f"{len(seeds)} seed(s); mean (min..max); ratio = ep_aware / best anchor (GPUs: best anchor's / ep_aware's)", ""]
+    for kind, title, better in (("trace_rate", "goodput at the trace rate, req/s", max),
+                                ("rate", "highest rate at SLO, req/s", max),
+                                ("gpus", "GPUs needed at the trace rate", min)):
+        table = Table(title=title)
+        for c in ("row", *policies, "best anchor", "ratio"):
+            table.add_column(c, justify="right" if c != "row" else "left")
+        md += [f"### {title}", "", "| row | " + " | ".join(policies) + " | best anchor | ratio |",
+               "|---" * (len(policies) + 3) + "|"]
+        any_row = False
+        for row in rows:
+            vals = {p: mean_spread(fig(kind, row, p)) for p in policies}
+            if all(math.isnan(v[0]) for v in vals.values()):
+                continue
+            any_row = True
+            finite = [(vals[a][0], a) for a in anchors if not math.isnan(vals[a][0])]
+            best_val, best = better(finite) if finite else (float("nan"), "-")
+            ours = vals.get(OURS, (float("nan"),) * 3)[0]
+            if kind == "gpus":
+                ratio = best_val / ours if ours and not math.isnan(ours) else float("nan")
+            else:
+                ratio = ours / best_val if best_val and not math.isnan(best_val) else float("inf") if ours > 0 else float("nan")
+            cells = [f"{v[0]:.3g} ({v[1]:.3g}..{v[2]:.3g})" if len(seeds) > 1 else f"{v[0]:.3g}" for v in vals.values()]
+            table.add_row(row, *cells, best, f"{ratio:.2f}x")
+            md.append(f"| {row} | " + " | ".join(cells) + f" | {best} | {ratio:.2f}x |")
+            report["rows"].setdefault(row, {})[kind] = {"values": {p: list(vals[p]) for p in policies},
+                                                        "best_anchor": best, "ratio": ratio}
+        if any_row:
+            console.print(table)
+        md.append("")
+    statuses = {f"{k[0]}|{k[1]}|{k[2]}|{k[3]}": (r.status, r.reason) for k, r in results.items() if hasattr(r, "status")
+                and r.status != "found"}
+    if statuses:
+        console.print("[yellow]searches not 'found':[/yellow]")
+        for k, v in statuses.items():
+            console.print(f"  {k}: {v[0]} {v[1]}")
+    report["not_found"] = statuses
+    console.print(f"wall {wall:.0f} s on {args.jobs} worker(s)")
+
+    # ------------------------------------------------------------------ explain the win
+    if not args.no_explain and "mooncake:default" in rows and OURS in policies and anchors:
+        md += explain(results, seeds, anchors, slo, out, console)
+    (out / "table.md").write_text("\n".join(md) + "\n")
+    (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
+    console.print(f"results: {out}/")
+    return 0
+
+
+def explain(results: dict, seeds: list[int], anchors: list[str], slo, out: Path, console) -> list[str]:
+    """Run ep_aware and the best anchor of the default row at ep_aware's sustained rate (where the
+    anchor no longer meets the SLO): what differs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from sim.cluster import simulate
+    from sim.metrics import per_request, summarize
+    from sim.workload import read_trace, scale_rate, spread_batches
+
+    row = "mooncake:default"
+    rates = {a: results[("rate", row, a, 0)] for a in anchors if ("rate", row, a, 0) in results}
+    best = max(rates, key=lambda a: rates[a].rate_scale or 0.0)
+    ours = results.get(("rate", row, OURS, 0))
+    rate = (ours.rate_scale if ours is not None and ours.rate_scale else None) or rates[best].rate_scale or 0.1
+    reqs = scale_rate(spread_batches(read_trace(None), 3.0, seed=0), rate)
+    sc = scenario_of("default")
+    lines = [f"### Why (Mooncake, default scenario; ep_aware vs the best anchor {best} at ep_aware's sustained rate "
+             f"{rate:.3f}x)", "",
+             "| policy | attainment | TTFT mean s | queue s | compute s | hit rate | P step imb. | rank wait share |",
+             "|---|---|---|---|---|---|---|---|"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for pol in (OURS, best):
+        res = simulate(sc, reqs, pol)
+        s = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+        split = s["kv"]["ttft_split_s"]
+        d = per_request(res)
+        budget = slo.ttft_budget_s(res.records.prompt_tokens.astype(float))
+        ok = (d["ttft_s"] <= budget) & np.where(np.isnan(d["tpot_s"]), True, d["tpot_s"] <= slo.tpot_s)
+        lines.append(f"| {pol} | {ok.mean():.1%} | {s['ttft_s']['mean']:.2f} | {split['queue_s']['mean']:.2f} | "
+                     f"{split['compute_s']['mean']:.2f} | {s['prefix_hit_rate']:.1%} | {s['prefill_step_imbalance']:.2f} | "
+                     f"{s['prefill_ep_wait_fraction']:.1%} |")
+        x = np.sort(d["ttft_s"][~np.isnan(d["ttft_s"])])
+        ax1.plot(x, np.arange(1, len(x) + 1) / len(x), label=pol)
+        smp = res.samples.as_arrays()
+        cols = [i for i, r in enumerate(res.ranks) if r.role.value == "prefill"]
+        q = smp["prefill_queued_tokens"][:, cols]
+        ax2.plot(smp["times_s"], q.max(axis=1) / 1e3, label=f"{pol}: busiest rank", lw=0.8)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("TTFT, s")
+    ax1.set_ylabel("fraction of requests")
+    ax1.axvline(slo.ttft_s, color="grey", ls=":")
+    ax1.legend()
+    ax1.set_title("TTFT CDF")
+    ax2.set_xlabel("time, s")
+    ax2.set_ylabel("queued prefill tokens, thousands")
+    ax2.set_title("busiest prefill rank")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out / "explain.png", dpi=110)
+    console.print("\n".join(lines))
+    return lines + ["", "![explain](explain.png)", ""]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

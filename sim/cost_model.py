@@ -1,0 +1,108 @@
+"""The simulator's side of :mod:`balancer.cost_model`: a :class:`~balancer.cost_model.CostModel`
+fitted to a scenario's perf models, handed to the router so cost-based policies (``ep_aware``)
+price placements with the same step times the simulated engines take.
+
+Each pool's :class:`~balancer.cost_model.EngineCost` is a least-squares fit
+(:func:`balancer.cost_model.fit_step_cost`) of the pool's perf model (``perf.step_time_s``)
+over random steps of the pool's step group (all DP ranks of a wide-EP engine, one rank of a dense
+one); the transfer and tier-fetch costs come from the scenario's bandwidths and the model's KV
+bytes per token. ``pdlb sim cost-model`` prints the result as a config table for ``pdlb serve``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from balancer.cost_model import CostModel, EngineCost, fit_step_cost
+from sim.perf.base import PerfModel
+from sim.scenario import PoolConfig, Scenario
+
+
+def engine_cost(perf: PerfModel, pool: PoolConfig) -> EngineCost:
+    """Fit one pool's engine cost to its perf model (see module docstring)."""
+    ep = bool(perf.ep_synchronous) and pool.dp_ranks > 1
+    return fit_step_cost(perf.step_time_s, pool.dp_ranks if ep else 1, pool.max_prefill_tokens,
+                         max_decode_batch=pool.max_decode_batch, ep_synchronous=ep)
+
+
+def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] | None = None
+                   ) -> CostModel:
+    """The :class:`CostModel` of ``scenario`` (``perf_factory`` defaults to the simulator's
+    :func:`sim.cluster.build_perf`). Deterministic."""
+    if perf_factory is None:
+        from sim.cluster import build_perf  # sim.cluster imports this module
+
+        perf_factory = build_perf
+    if scenario.disaggregated:
+        assert scenario.prefill is not None and scenario.decode is not None
+        p_perf = perf_factory(scenario, scenario.prefill)
+        d_perf = perf_factory(scenario, scenario.decode)
+        prefill, decode = engine_cost(p_perf, scenario.prefill), engine_cost(d_perf, scenario.decode)
+        pool, kv_bytes = scenario.prefill, p_perf.kv_bytes_per_token
+    else:
+        assert scenario.mixed is not None
+        m_perf = perf_factory(scenario, scenario.mixed)
+        decode = engine_cost(m_perf, scenario.mixed)
+        prefill = decode
+        pool, kv_bytes = scenario.mixed, m_perf.kv_bytes_per_token
+    kw: dict[str, float] = {
+        "transfer_latency_s": scenario.kv_transfer_latency_s,
+        "transfer_s_per_token": kv_bytes / scenario.kv_transfer_bandwidth_bytes_per_s,
+    }
+    host = scenario.host_tier_of(pool)
+    if host is not None:  # the engine's host bandwidth is shared by its DP ranks
+        kw["host_fetch_s_per_token"] = kv_bytes * pool.dp_ranks / host.bandwidth_bytes_per_s
+    if scenario.shared_store is not None:
+        kw["store_fetch_s_per_token"] = kv_bytes * pool.dp_ranks / scenario.shared_store.engine_read_bandwidth_bytes_per_s
+    return CostModel(prefill=prefill, decode=decode, **kw)
+
+
+# ---------------------------------------------------------------------- pdlb sim cost-model
+def to_toml(model: CostModel, scenario_name: str) -> str:
+    """``model`` as a ``[cost_model]`` TOML table that ``pdlb serve --cost-model FILE`` (or a
+    service config file's ``cost_model`` key) reads back."""
+    lines = [f"# pdlb cost model fitted to scenario {scenario_name!r} (pdlb sim cost-model)", "[cost_model]"]
+    d = model.to_dict()
+
+    def emit(prefix: str, table: dict) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for k, v in scalars.items():
+            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(f"{prefix}.{k}" if prefix else f"cost_model.{k}", v)
+
+    scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+    for k, v in scalars.items():
+        lines.append(f"{k} = {v!r}")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            emit(f"cost_model.{k}", v)
+    return "\n".join(lines) + "\n"
+
+
+def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
+    p = subparsers.add_parser(
+        "cost-model", help="print the step-time cost model of a scenario (for pdlb serve --cost-model)",
+        description="Fit the cost model that ep_aware prices placements with to a scenario's perf model and print "
+                    "it as a TOML table for 'pdlb serve --cost-model FILE' (the service then refits it online).")
+    p.add_argument("--scenario", default="dsv3-pd-h200", metavar="NAME|FILE",
+                   help="scenario preset or file (default dsv3-pd-h200)")
+    p.add_argument("--out", metavar="FILE", help="write the table to FILE instead of standard output")
+
+
+def run_cost_model(args, console) -> int:  # noqa: ANN001
+    from sim.scenario import load_scenario
+
+    sc = load_scenario(args.scenario)
+    text = to_toml(cost_model_for(sc), sc.name)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text)
+        console.print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,469 @@
+"""The :class:`ModelSpec` dataclass: what a roofline step-latency model needs to know about an LLM
+(the presets live in :mod:`sim.models`, config.json loading in :mod:`sim.hf_models`).
+
+Parameter counts are derived from the architecture dimensions (the HF ``config.json`` values)
+unless given explicitly; the presets' derived counts match the published totals (checked in
+``tests/test_perf.py``).
+
+Conventions (all per *token* unless noted):
+
+* ``linear_flops_per_token = 2 * (activated_params - input embedding params)``: one multiply-add per
+  weight the token touches. The input embedding is a table lookup (no FLOPs, only one row read) so
+  it is excluded; the LM head is a real matmul and is included. Norms/biases/routers are counted as
+  parameters (they are tiny). Attention score/value FLOPs are *not* in it: they scale with the
+  number of (query, key) pairs and are given by ``attn_flops_per_pair``.
+* Weights are split into the *expert* part (routed experts of MoE layers, sharded over the EP group)
+  and the *dense* part (everything else: embeddings, attention, dense FFN layers, shared experts,
+  routers, LM head), which every DP-attention rank holds in full.
+* All weights are counted at ``weight_bytes`` (DeepSeek-V3 ships FP8 linear weights; its BF16
+  embeddings/norms are ~2% of the dense part and are ignored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+AttentionKind = Literal["mha", "gqa", "mla", "compressed"]
+
+
+def _causal_pairs(new_tokens, cached_tokens):  # noqa: ANN001, ANN202
+    """``c * p + c * (c + 1) / 2`` (same as :func:`sim.perf.base.causal_attn_pairs`)."""
+    c = np.asarray(new_tokens, dtype=np.float64)
+    p = np.asarray(cached_tokens, dtype=np.float64)
+    return c * p + c * (c + 1.0) / 2.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a decoder-only transformer, dense or MoE, with GQA/MHA, MLA or DeepSeek-V4
+    hybrid compressed attention (``attention="compressed"``, see :meth:`decode_attended_keys`)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    #: FFN width of dense layers (all layers of a dense model, the first ``first_k_dense`` of an MoE)
+    intermediate_size: int
+    #: "mha"/"gqa" (standard K/V heads) or "mla" (DeepSeek multi-head latent attention)
+    attention: AttentionKind = "gqa"
+    #: K/V heads (GQA); for MLA the number of heads is ``num_attention_heads``
+    num_kv_heads: int = 0
+    #: per-head dim of Q/K/V (GQA)
+    head_dim: int = 0
+    # --- MLA dims (DeepSeek-V3 config.json) ---
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # --- MoE ---
+    num_routed_experts: int = 0
+    experts_per_token: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    #: the first ``first_k_dense`` layers use a dense FFN, the rest are MoE (MoE models only)
+    first_k_dense: int = 0
+    #: node-limited routing: a token's experts span at most this many EP nodes (0 = no limit)
+    max_routed_nodes: int = 0
+    tie_word_embeddings: bool = False
+    #: bytes per weight element (1 = FP8, 2 = BF16)
+    weight_bytes: int = 2
+    #: bytes per KV-cache element
+    kv_bytes: int = 2
+    # --- DeepSeek-V4 hybrid compressed attention (attention="compressed"; HF config.json names) ---
+    #: per main layer: 0 = sliding window only, 4 = CSA (4x compressed KV + lightning indexer
+    #: selecting ``index_topk`` rows), 128 = HCA (128x compressed KV, all rows attended)
+    compress_ratios: tuple[int, ...] = ()
+    #: raw (uncompressed) KV rows every layer keeps and attends: the latest ``sliding_window`` tokens
+    sliding_window: int = 0
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    #: grouped low-rank output projection (``wo_a``: heads*head_dim/o_groups -> o_lora_rank per group)
+    o_lora_rank: int = 0
+    o_groups: int = 0
+    #: manifold-constrained hyper-connection streams (mHC; 0 = plain residual)
+    hc_mult: int = 0
+    #: bytes of one cached KV row of one layer (compressed or window row); 0 = derived for GQA/MLA
+    kv_row_bytes: int = 0
+    #: bytes of one lightning-indexer key row (CSA layers)
+    index_row_bytes: int = 0
+    #: bytes per routed-expert weight (FP4 experts: 0.5 + scales); None = ``weight_bytes``
+    expert_weight_bytes_per_param: float | None = None
+    #: total parameters; derived from the dims when None
+    total_params: int | None = None
+    #: parameters a token passes through (incl. embeddings); derived when None
+    activated_params: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("mha", "gqa", "mla", "compressed"):
+            raise ValueError(f"{self.name}: attention must be 'mha', 'gqa', 'mla' or 'compressed', "
+                             f"not {self.attention!r}")
+        if self.attention == "compressed":
+            if len(self.compress_ratios) != self.num_layers:
+                raise ValueError(f"{self.name}: compressed attention needs one compress ratio per layer "
+                                 f"({len(self.compress_ratios)} given for {self.num_layers} layers)")
+            if any(r not in (0, 4, 128) for r in self.compress_ratios):
+                raise ValueError(f"{self.name}: compress ratios must be 0, 4 or 128 (got {sorted(set(self.compress_ratios))})")
+            if min(self.head_dim, self.sliding_window, self.kv_row_bytes, self.qk_rope_head_dim) <= 0:
+                raise ValueError(f"{self.name}: compressed attention needs head_dim, qk_rope_head_dim, "
+                                 "sliding_window and kv_row_bytes > 0")
+            if 4 in self.compress_ratios and min(self.index_topk, self.index_n_heads, self.index_head_dim,
+                                                 self.index_row_bytes) <= 0:
+                raise ValueError(f"{self.name}: CSA layers need index_topk, index_n_heads, index_head_dim "
+                                 "and index_row_bytes > 0")
+            if self.num_kv_heads != 1:
+                raise ValueError(f"{self.name}: compressed attention has one shared KV head (num_kv_heads=1)")
+        elif self.attention == "mla":
+            if min(self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim) <= 0:
+                raise ValueError(f"{self.name}: MLA needs kv_lora_rank, qk_rope/nope_head_dim, v_head_dim")
+        else:
+            if self.num_kv_heads <= 0 or self.head_dim <= 0:
+                raise ValueError(f"{self.name}: GQA/MHA needs num_kv_heads and head_dim")
+            if self.num_attention_heads % self.num_kv_heads:
+                raise ValueError(f"{self.name}: num_attention_heads must be a multiple of num_kv_heads")
+        if self.num_routed_experts:
+            if not (0 < self.experts_per_token <= self.num_routed_experts) or self.moe_intermediate_size <= 0:
+                raise ValueError(f"{self.name}: MoE needs 0 < experts_per_token <= num_routed_experts "
+                                 "and moe_intermediate_size > 0")
+            if not 0 <= self.first_k_dense <= self.num_layers:
+                raise ValueError(f"{self.name}: first_k_dense out of range")
+        if self.total_params is None:
+            object.__setattr__(self, "total_params", self._count_total())
+        if self.activated_params is None:
+            object.__setattr__(self, "activated_params", self._count_activated())
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def is_moe(self) -> bool:
+        return self.num_routed_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def is_compressed(self) -> bool:
+        """DeepSeek-V4 hybrid compressed attention (CSA/HCA + sliding window)."""
+        return self.attention == "compressed"
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense if self.is_moe else 0
+
+    @property
+    def num_dense_ffn_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    # ------------------------------------------------------------------ parameter counts
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding table (lookup only: no FLOPs, not streamed each step)."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        h, n = self.hidden_size, self.num_attention_heads
+        if self.is_compressed:
+            return self._compressed_attention_params() // self.num_layers
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.q_lora_rank:
+                q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk  # q_a, norm, q_b
+            else:
+                q = h * n * qk
+            kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # + kv_a norm
+            kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+            o = n * self.v_head_dim * h
+            return q + kv_a + kv_b + o
+        hd = self.head_dim
+        return h * n * hd + 2 * h * self.num_kv_heads * hd + n * hd * h  # q, k, v, o (no biases)
+
+    @property
+    def params_per_expert(self) -> int:
+        """One SwiGLU expert: gate, up (hidden x moe_inter) and down (moe_inter x hidden)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def routed_expert_params(self) -> int:
+        """All routed experts of all MoE layers (the part EP shards)."""
+        return self.num_moe_layers * self.num_routed_experts * self.params_per_expert
+
+    @property
+    def activated_routed_params(self) -> int:
+        """Routed-expert parameters one token passes through."""
+        return self.num_moe_layers * self.experts_per_token * self.params_per_expert
+
+    @property
+    def dense_params(self) -> int:
+        """Everything but routed experts: replicated on every DP-attention rank."""
+        return int(self.total_params) - self.routed_expert_params
+
+    def _compressed_attention_params(self) -> int:
+        """All layers' attention parameters of DeepSeek-V4 (tensor shapes of the V4-Flash
+        checkpoint, see the preset's comment): wq_a (h x q_lora) + q_norm, wq_b (q_lora x n*hd),
+        wkv (h x hd, one KV head) + kv_norm, grouped wo_a (n*hd -> o_groups*o_lora), wo_b
+        (o_groups*o_lora x h), attention sinks (n); per compressed layer a compressor (wkv and
+        wgate: h x c*hd with c = 2 for the overlapping ratio-4 compressor, else 1, plus its
+        positional bias ratio x c*hd and norm); per CSA layer the lightning indexer (wq_b: q_lora x
+        index_heads*index_dim, weights_proj: h x index_heads, and its own ratio-4 compressor of
+        width index_dim)."""
+        h, n, hd, q = self.hidden_size, self.num_attention_heads, self.head_dim, self.q_lora_rank or 0
+        base = (h * q + q + q * n * hd if q else h * n * hd) + h * hd + hd
+        base += n * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * h + n
+        total = self.num_layers * base
+
+        def compressor(width: int, ratio: int) -> int:
+            c = 2 if ratio == 4 else 1
+            return 2 * h * c * width + ratio * c * width + width
+
+        for r in self.compress_ratios:
+            if r:
+                total += compressor(hd, r)
+            if r == 4:
+                ih, idim = self.index_n_heads, self.index_head_dim
+                total += q * ih * idim + h * ih + compressor(idim, 4)
+        return total
+
+    def _layer_common(self) -> int:
+        common = self.attention_params_per_layer + 2 * self.hidden_size  # + input/post-attn norms
+        if self.hc_mult:  # mHC mixing for the attention and FFN sublayer: fn, base, scale each
+            m = self.hc_mult
+            common += 2 * ((m * m + 2 * m) * m * self.hidden_size + (m * m + 2 * m) + 3)
+        return common
+
+    def _dense_ffn(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def _moe_non_routed(self) -> int:
+        # shared experts + router weight and its bias (DeepSeek-V3 e_score_correction_bias)
+        gate = self.num_routed_experts * self.hidden_size + self.num_routed_experts
+        return self.num_shared_experts * self.params_per_expert + gate
+
+    def _count_total(self) -> int:
+        per_layer = self.num_layers * self._layer_common()
+        if self.is_compressed:  # attention params are not the same in every layer: count them whole
+            per_layer += self._compressed_attention_params() - self.num_layers * self.attention_params_per_layer
+        ffn = self.num_dense_ffn_layers * self._dense_ffn()
+        moe = self.num_moe_layers * (self._moe_non_routed() + self.num_routed_experts * self.params_per_expert)
+        return self.embedding_params + self.lm_head_params + self.hidden_size + per_layer + ffn + moe
+
+    def _count_activated(self) -> int:
+        return self._count_total() - self.routed_expert_params + self.activated_routed_params
+
+    # ------------------------------------------------------------------ FLOPs
+    @property
+    def linear_flops_per_token(self) -> float:
+        """2 * (activated params - input embedding): weight matmuls incl. LM head, per token."""
+        return 2.0 * (int(self.activated_params) - self.embedding_params)
+
+    @property
+    def expert_flops_per_token(self) -> float:
+        """Routed-expert share of ``linear_flops_per_token`` (what EP spreads over the group)."""
+        return 2.0 * self.activated_routed_params
+
+    @property
+    def dense_flops_per_token(self) -> float:
+        """Non-expert share of ``linear_flops_per_token`` (attention projections, dense FFN,
+        shared experts, router, LM head): done by the rank that owns the token."""
+        return self.linear_flops_per_token - self.expert_flops_per_token
+
+    @property
+    def attn_flops_per_pair(self) -> float:
+        """FLOPs of one (query, key) pair over all layers, in the decode formulation.
+
+        GQA/MHA: per head, ``q.k`` is ``head_dim`` multiply-adds and ``p * v`` another
+        ``head_dim``: ``4 * layers * heads * head_dim`` (GQA shares K/V, not FLOPs).
+
+        MLA, weight-absorbed (FlashMLA decode): W_UK is folded into the query and W_UV into the
+        output, so each head attends in the latent space. The score is
+        ``q_latent . c_kv + q_rope . k_rope`` = ``kv_lora_rank + qk_rope_head_dim`` multiply-adds,
+        the output ``p * c_kv`` = ``kv_lora_rank``:
+        ``layers * heads * 2 * ((kv_lora_rank + qk_rope_head_dim) + kv_lora_rank)``
+        (DeepSeek-V3: 61 * 128 * 2 * (576 + 512) = 16.99 MFLOP per pair). The absorbing
+        projections cost ``2 * kv_b_proj params`` per token, which ``linear_flops_per_token``
+        already counts.
+        """
+        if self.is_compressed:  # per (query, key row) of ONE layer: see decode_attended_keys
+            return float(self.num_attention_heads * 2 * (self.head_dim + self.head_dim))
+        if self.is_mla:
+            return float(self.num_layers * self.num_attention_heads * 2
+                         * ((self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank))
+        return float(4 * self.num_layers * self.num_attention_heads * self.head_dim)
+
+    @property
+    def prefill_attn_flops_per_pair(self) -> float:
+        """FLOPs per (query, key) pair in the prefill formulation.
+
+        Same as ``attn_flops_per_pair`` for GQA/MHA. For MLA, prefill kernels (FA3 in SGLang/vLLM,
+        DeepSeek's MHA-mode prefill) do *not* absorb: K/V are expanded from the latent and attention
+        runs as ordinary MHA with ``qk_nope + qk_rope`` dims for the score and ``v_head_dim`` for the
+        output: ``layers * heads * 2 * ((qk_nope + qk_rope) + v_head_dim)`` (DeepSeek-V3:
+        61 * 128 * 2 * (192 + 128) = 5.00 MFLOP, 3.4x less than absorbed). The per-token K/V
+        up-projection is in ``linear_flops_per_token``; re-expanding a *cached* prefix
+        (2 * kv_b params per cached token, ~3% of a new token) is ignored.
+        """
+        if self.is_mla:
+            return float(self.num_layers * self.num_attention_heads * 2
+                         * ((self.qk_nope_head_dim + self.qk_rope_head_dim) + self.v_head_dim))
+        return self.attn_flops_per_pair  # compressed: the sparse kernels run the same MQA in prefill
+
+    # ------------------------------------------------------------------ compressed attention (V4)
+    @property
+    def num_csa_layers(self) -> int:
+        return sum(1 for r in self.compress_ratios if r == 4)
+
+    @property
+    def num_hca_layers(self) -> int:
+        return sum(1 for r in self.compress_ratios if r == 128)
+
+    @property
+    def indexer_flops_per_pair(self) -> float:
+        """Lightning-indexer FLOPs per (query, compressed key) of one CSA layer:
+        ``2 * index_n_heads * index_head_dim`` (a ReLU-weighted dot product per indexer head; run in
+        FP8). V4-Flash: 2 * 64 * 128 = 16,384, 1/8 of a main-attention pair."""
+        return float(2 * self.index_n_heads * self.index_head_dim)
+
+    def decode_attended_keys(self, ctx_tokens):  # noqa: ANN001, ANN201 (float or ndarray)
+        """(query, key row) pairs summed over layers for ONE query that sees ``ctx_tokens`` tokens.
+
+        Compressed attention (DeepSeek-V4): every layer attends its raw sliding window,
+        ``min(L, sliding_window)`` rows; a CSA layer (ratio 4) adds the ``index_topk`` compressed
+        rows its lightning indexer selects, ``min(index_topk, L / 4)``; an HCA layer (ratio 128)
+        adds all ``L / 128`` of its compressed rows. So the cost grows with the selected top-k, not
+        with L, once ``L > 4 * index_topk`` (2,048 tokens for V4-Flash); only the HCA rows (1/128)
+        and the indexer's scoring (:meth:`indexer_keys`) still grow with L. Rows are counted
+        fractionally (``L / r``, no floor), the mean over positions.
+
+        For MLA/GQA this is ``num_layers * L`` in the same per-layer units (unused there: their
+        ``attn_flops_per_pair`` already covers all layers).
+
+        Hand check (V4-Flash, L = 5,000): 43 * 128 + 21 * 512 + 20 * 5000/128 = 5,504 + 10,752 +
+        781.25 = 17,037.25.
+        """
+        L = np.asarray(ctx_tokens, dtype=np.float64)
+        if not self.is_compressed:
+            return self.num_layers * L
+        w = np.minimum(L, float(self.sliding_window)) * self.num_layers
+        out = w + self.num_csa_layers * np.minimum(float(self.index_topk), L / 4.0) + self.num_hca_layers * (L / 128.0)
+        return out if out.ndim else float(out)
+
+    def indexer_keys(self, ctx_tokens):  # noqa: ANN001, ANN201
+        """(query, compressed key) pairs the lightning indexers score for one query seeing
+        ``ctx_tokens`` tokens: ``num_csa_layers * L / 4`` (0 without CSA layers)."""
+        L = np.asarray(ctx_tokens, dtype=np.float64)
+        out = self.num_csa_layers * L / 4.0 if self.is_compressed else 0.0 * L
+        return out if np.ndim(out) else float(out)
+
+    def decode_kv_read_bytes(self, ctx_tokens):  # noqa: ANN001, ANN201
+        """KV bytes one decode step of one sequence reads (all layers).
+
+        Compressed attention: the attended rows (:meth:`decode_attended_keys`) of ``kv_row_bytes``
+        each, plus the indexer keys scored (:meth:`indexer_keys`) of ``index_row_bytes``. Other
+        kinds: ``ctx_tokens * kv_bytes_per_token``. V4-Flash at L = 5,000: 17,037.25 * 584 +
+        26,250 * 132 = 13.41 MB (DeepSeek-V3, BF16 MLA: 5,000 * 70,272 = 351 MB).
+        """
+        if not self.is_compressed:
+            out = np.asarray(ctx_tokens, dtype=np.float64) * self.kv_bytes_per_token
+            return out if out.ndim else float(out)
+        return self.decode_attended_keys(ctx_tokens) * self.kv_row_bytes + self.indexer_keys(ctx_tokens) * self.index_row_bytes
+
+    def _prefix_sum(self, f, new_tokens, cached_tokens):  # noqa: ANN001, ANN202
+        """``sum_{j = p+1}^{p+c} f(j)`` by the trapezoid rule on ``f``'s integral (exact for
+        piecewise-linear ``f`` away from its kinks): ``F(p + c) - F(p) + (f(p + c) - f(p)) / 2``."""
+        c = np.asarray(new_tokens, dtype=np.float64)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        a, b = p, p + c
+        return f[0](b) - f[0](a) + 0.5 * (f[1](b) - f[1](a))
+
+    def _attended_integral(self, x):  # noqa: ANN001, ANN202
+        """Antiderivative of :meth:`decode_attended_keys` in L (x >= 0)."""
+        def int_min(x, cap, slope):  # noqa: ANN001, ANN202 (int_0^x min(cap, slope*t) dt)
+            x0 = cap / slope
+            return np.where(x <= x0, 0.5 * slope * x * x, 0.5 * cap * x0 + cap * (x - x0))
+
+        W = float(self.sliding_window)
+        return (self.num_layers * int_min(x, W, 1.0) + self.num_csa_layers * int_min(x, float(self.index_topk), 0.25)
+                + self.num_hca_layers * x * x / 256.0)
+
+    def prefill_attended_keys(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
+        """(query, key row) pairs over layers of a prefill chunk of ``new_tokens`` after
+        ``cached_tokens``: the sum of :meth:`decode_attended_keys` over the chunk's positions
+        (trapezoid rule). For MLA/GQA the causal pair count ``c * p + c * (c + 1) / 2`` (per
+        layer-summed convention of ``prefill_attn_flops_per_pair``)."""
+        if not self.is_compressed:
+            return _causal_pairs(new_tokens, cached_tokens)
+        out = self._prefix_sum((self._attended_integral, self.decode_attended_keys), new_tokens, cached_tokens)
+        return out if np.ndim(out) else float(out)
+
+    def prefill_indexer_keys(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
+        """Indexer (query, key) pairs of a prefill chunk: ``num_csa_layers / 4`` times the causal
+        pair count."""
+        if not self.is_compressed:
+            return 0.0 * _causal_pairs(new_tokens, cached_tokens)
+        return self.num_csa_layers / 4.0 * _causal_pairs(new_tokens, cached_tokens)
+
+    @property
+    def kv_bytes_per_seq_fixed(self) -> int:
+        """Per-sequence KV that does not grow with context: the sliding-window rows of every layer
+        (``num_layers * sliding_window * kv_row_bytes``; V4-Flash 43 * 128 * 584 = 3.21 MB). 0 for
+        other kinds."""
+        return self.num_layers * self.sliding_window * self.kv_row_bytes if self.is_compressed else 0
+
+    # ------------------------------------------------------------------ bytes
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes of one token over all layers.
+
+        GQA: ``2 (K and V) * layers * kv_heads * head_dim * kv_bytes``.
+        MLA: only the compressed latent and the shared RoPE key are cached:
+        ``layers * (kv_lora_rank + qk_rope_head_dim) * kv_bytes``.
+        Compressed (DeepSeek-V4): one ``kv_row_bytes`` row per ``r`` tokens per compressed layer,
+        plus one ``index_row_bytes`` indexer key per 4 tokens per CSA layer, rounded up; the
+        sliding-window rows are per sequence (:attr:`kv_bytes_per_seq_fixed`). V4-Flash:
+        21 * (584 + 132) / 4 + 20 * 584 / 128 = 3,850.25 -> 3,851 B (DeepSeek-V3 BF16: 70,272 B).
+        """
+        if self.is_compressed:  # amortised compressed rows + indexer keys (window: kv_bytes_per_seq_fixed)
+            b = sum((self.kv_row_bytes + (self.index_row_bytes if r == 4 else 0)) / r
+                    for r in self.compress_ratios if r)
+            return math.ceil(b)
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes
+
+    @property
+    def weight_bytes_total(self) -> float:
+        """Resident bytes of all weights (routed experts at their own width, e.g. FP4)."""
+        return self.dense_weight_bytes + self.expert_weight_bytes
+
+    @property
+    def dense_weight_bytes(self) -> float:
+        """Resident bytes of the non-expert part (incl. embedding table)."""
+        return float(self.dense_params) * self.weight_bytes
+
+    @property
+    def dense_weight_read_bytes(self) -> float:
+        """Non-expert bytes streamed from HBM once per step (the embedding table is not streamed)."""
+        return float(self.dense_params - self.embedding_params) * self.weight_bytes
+
+    @property
+    def expert_param_bytes(self) -> float:
+        """Bytes per routed-expert parameter (``expert_weight_bytes_per_param``, else ``weight_bytes``)."""
+        b = self.expert_weight_bytes_per_param
+        return float(self.weight_bytes if b is None else b)
+
+    @property
+    def expert_weight_bytes(self) -> float:
+        """Resident bytes of all routed experts (FP4 experts: 0.53 B per parameter)."""
+        return float(self.routed_expert_params) * self.expert_param_bytes
+
+

@@ -1,0 +1,212 @@
+"""Speculative decoding (MTP, draft models, parallel drafters) as a step-latency model.
+
+A decode step with a draft of ``d`` tokens per sequence costs the target's verification of
+``1 + d`` tokens per sequence (:meth:`RooflinePerf.step_time_s` with ``decode_tokens_per_seq``:
+more linear, expert, dispatch/combine and attention work; the KV is read once per sequence), plus
+the draft's own forwards, and yields ``tau(d)`` tokens per sequence on average:
+
+    tau(d) = 1 + sum_{i=1..d} prod_{j<=i} a_j            (the bonus token + the accepted prefix)
+
+where ``a_j`` is the acceptance probability of draft position ``j`` given that position ``j - 1``
+was accepted (:attr:`SpecDecodeConfig.acceptance`; a verifier accepts the longest correct prefix).
+Draft cost: ``draft_forwards(d) * Tdraft`` where ``draft_forwards`` is ``d`` for a sequential
+drafter (MTP layers reused autoregressively, EAGLE, a separate draft model) and 1 for a parallel
+drafter (DSpark / DFlash backbone: one forward proposes the whole block), and one draft forward
+``Tdraft`` is either ``draft_cost_fraction * T1`` (``T1``: the target's one-token step of the same
+batch; an MTP layer) or, with ``draft_model``, that model's own roofline step for the batch on the
+same GPUs (each rank runs its sequences' drafts; the slowest rank counts).
+
+* Fixed length: ``d = draft_tokens`` every step.
+* Dynamic length (``dynamic = true``; DSpark's confidence-scheduled, load-aware verification): each
+  step picks the ``d`` in ``0 .. max_draft_tokens`` that minimises the time per accepted token
+  ``T(d) / tau(d)`` at that step's batch -- long drafts while the engine is memory-bound, short ones
+  once extra verified tokens cost real compute -- plus ``dynamic_overhead_s`` per step (confidence
+  head and scheduler). This is the mean-field form of DSpark's scheduler: it uses the mean
+  acceptance curve, not per-request confidences, so it captures the load-aware part of the gain and
+  not the per-request part.
+
+Mean-field time: the simulator advances every sequence by one token per step, so a speculative
+step is charged ``T(d) / tau(d)`` per token: TPOT and tokens per second per sequence come from the
+accepted tokens per step, while the batch composition (and the KV growth) stays deterministic.
+Steps in which any rank of the group prefills do not speculate (their time is the plain step):
+speculation applies to decode-only steps, i.e. to every step of a PD decode pool.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
+
+
+class SpecDecodeConfig(BaseModel):
+    """The ``[speculative]`` table of a scenario (off when absent).
+
+    Attributes:
+        draft_tokens: draft length of fixed-length verification (>= 1).
+        acceptance: per draft position 1, 2, ... (each in [0, 1]; at least
+            ``max(draft_tokens, max_draft_tokens)`` entries): conditional probabilities ``a_i``
+            (position ``i`` accepted given ``i - 1`` was), or with ``acceptance_kind =
+            "cumulative"`` measured acceptance rates ``r_i`` (fraction of steps whose position
+            ``i`` is accepted; non-increasing), converted as ``a_i = r_i / r_{i-1}``.
+        acceptance_kind: ``"conditional"`` (default) or ``"cumulative"``.
+        draft_model: a separate draft model (preset name or config.json path) whose roofline step
+            is the draft forward's cost; ``None`` = ``draft_cost_fraction`` of the target step.
+        drafter: ``"sequential"`` (one draft forward per drafted token: MTP, EAGLE, a separate
+            draft model) or ``"parallel"`` (one forward for the whole block: DSpark/DFlash).
+        draft_cost_fraction: seconds of one draft forward as a fraction of the target's one-token
+            decode step at the same batch (an MTP layer of a 43-layer model plus the LM head and
+            launch costs is ~0.1; a separate draft model: its step / the target's).
+        dynamic: pick the draft length per step (see the module docstring) instead of fixed.
+        max_draft_tokens: longest draft of dynamic verification (default: ``draft_tokens``).
+        dynamic_overhead_s: extra seconds per dynamic step (confidence head, scheduling).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_tokens: int = Field(ge=1, le=64)
+    acceptance: list[float] = Field(min_length=1, max_length=64)
+    acceptance_kind: Literal["conditional", "cumulative"] = "conditional"
+    draft_model: str | None = None
+    drafter: Literal["sequential", "parallel"] = "sequential"
+    draft_cost_fraction: float = Field(0.1, ge=0, le=10)
+    dynamic: bool = False
+    max_draft_tokens: int | None = Field(None, ge=1, le=64)
+    dynamic_overhead_s: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> SpecDecodeConfig:
+        if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
+            raise ValueError(f"speculative.acceptance: every entry must be in [0, 1], got {self.acceptance}")
+        if self.acceptance_kind == "cumulative" and any(b > a for a, b in zip(self.acceptance, self.acceptance[1:])):
+            raise ValueError("speculative.acceptance: cumulative acceptance rates must not increase with the "
+                             f"position, got {self.acceptance}")
+        need = max(self.draft_tokens, self.max_draft_tokens or 0)
+        if len(self.acceptance) < need:
+            raise ValueError(f"speculative.acceptance: {len(self.acceptance)} entries for drafts of up to "
+                             f"{need} tokens; give one per draft position")
+        return self
+
+    @property
+    def longest_draft(self) -> int:
+        return (self.max_draft_tokens or self.draft_tokens) if self.dynamic else self.draft_tokens
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """``a_i`` per position (cumulative rates converted; a 0 rate makes later positions 0)."""
+        if self.acceptance_kind == "conditional":
+            return list(self.acceptance)
+        out, prev = [], 1.0
+        for r in self.acceptance:
+            out.append(r / prev if prev > 0 else 0.0)
+            prev = r
+        return out
+
+    def tau(self, d: int) -> float:
+        """Expected tokens per step with a draft of ``d``: :func:`accepted_tokens_per_step`."""
+        return accepted_tokens_per_step(self.conditional_acceptance, d)
+
+
+def accepted_tokens_per_step(acceptance: list[float], d: int) -> float:
+    """``1 + sum_{i<=d} prod_{j<=i} a_j``: the bonus token plus the expected accepted prefix of a
+    ``d``-token draft. Hand check: a = (0.8, 0.5), d = 2 -> 1 + 0.8 + 0.4 = 2.2."""
+    if d < 0 or d > len(acceptance):
+        raise ValueError(f"draft length {d} outside 0..{len(acceptance)}")
+    return 1.0 + float(np.sum(np.cumprod(np.asarray(acceptance[:d], dtype=np.float64)))) if d else 1.0
+
+
+class SpecDecodePerf:
+    """``PerfModel`` of an engine with speculative decoding: wraps a roofline (anything whose
+    ``step_time_s`` accepts ``decode_tokens_per_seq``). See the module docstring for the formula.
+
+    Attributes (besides the wrapped model's): ``config``; ``last_draft_tokens`` (array of the draft
+    lengths picked by the last call, for tests and reports).
+    """
+
+    def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
+        """``base``: the target's roofline; ``draft``: the draft model's perf model on the same
+        ranks (required iff ``config.draft_model`` is set; :func:`spec_perf_for_pool` builds it)."""
+        if (config.draft_model is None) != (draft is None):
+            raise ValueError("a draft perf model is needed exactly when speculative.draft_model is set")
+        self.base = base
+        self.draft = draft
+        self.config = config
+        self.kv_bytes_per_token = base.kv_bytes_per_token
+        self.kv_capacity_tokens_per_rank = base.kv_capacity_tokens_per_rank
+        self.ep_synchronous = base.ep_synchronous
+        self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
+        self.last_draft_tokens: np.ndarray | None = None
+
+    def __getattr__(self, name: str):  # noqa: ANN204 (model, hardware, ... of the wrapped roofline)
+        return getattr(self.base, name)
+
+    def _draft_forwards(self, d: int) -> int:
+        return 0 if d == 0 else (d if self.config.drafter == "sequential" else 1)
+
+    def step_time_per_token_s(self, decode_seqs: ArrayLike, decode_ctx_tokens: ArrayLike, d: int) -> np.ndarray:
+        """Seconds per accepted token of a decode-only step with draft length ``d`` (``T(d) /
+        tau(d)``, without ``dynamic_overhead_s``); shapes as :meth:`step_time_s`."""
+        ds = np.asarray(decode_seqs, dtype=np.float64)
+        dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
+        z = np.zeros_like(ds)
+        t1 = np.asarray(self.base.step_time_s(z, z, ds, dc), dtype=np.float64)
+        return self._per_token(z, ds, dc, t1, d)
+
+    def _draft_forward_s(self, z, ds, dc, t1):  # noqa: ANN001, ANN202
+        if self.draft is None:
+            return self.config.draft_cost_fraction * t1
+        return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
+
+    def _per_token(self, z, ds, dc, t1, d):  # noqa: ANN001, ANN202
+        if d == 0:
+            return t1
+        tv = np.asarray(self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + d), dtype=np.float64)
+        return (tv + self._draft_forwards(d) * self._draft_forward_s(z, ds, dc, t1)) / self._tau[d]
+
+    def step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
+                    decode_ctx_tokens: ArrayLike) -> np.ndarray:
+        """Seconds per step for per-rank work ``(..., R)``: decode-only steps are charged the time
+        per accepted token of the chosen draft length, other steps the plain step."""
+        pt = np.asarray(prefill_tokens, dtype=np.float64)
+        ds = np.asarray(decode_seqs, dtype=np.float64)
+        dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
+        base = np.asarray(self.base.step_time_s(pt, prefill_attn_pairs, ds, dc), dtype=np.float64)
+        decode_only = ~np.any(pt > 0, axis=-1) & np.any(ds > 0, axis=-1)
+        if not np.any(decode_only):
+            self.last_draft_tokens = np.zeros(np.shape(base), dtype=np.int64)
+            return base
+        z = np.zeros_like(ds)
+        cfg = self.config
+        if cfg.dynamic:
+            cands = range(0, cfg.longest_draft + 1)
+            per = np.stack([self._per_token(z, ds, dc, base, d) for d in cands])
+            pick = np.argmin(per, axis=0)
+            spec = np.take_along_axis(per, pick[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
+        else:
+            pick = np.full(np.shape(base), cfg.draft_tokens, dtype=np.int64)
+            spec = self._per_token(z, ds, dc, base, cfg.draft_tokens)
+        self.last_draft_tokens = np.where(decode_only, pick, 0)
+        return np.where(decode_only, spec, base)
+
+    def __repr__(self) -> str:
+        c = self.config
+        mode = f"dynamic<= {c.longest_draft}" if c.dynamic else f"fixed {c.draft_tokens}"
+        return f"SpecDecodePerf({self.base!r}, {mode}, tau({c.longest_draft})={self._tau[-1]:.3f})"
+
+
+def spec_perf_for_pool(base, scenario, pool) -> SpecDecodePerf:  # noqa: ANN001
+    """``base`` (the pool's roofline) wrapped with the scenario's ``[speculative]`` table; a
+    ``draft_model`` gets its own roofline on the pool's ranks (same hardware and ``[perf]``
+    efficiencies, each DP rank stepping alone: a dense draft has no EP)."""
+    cfg = scenario.speculative
+    draft = None
+    if cfg.draft_model is not None:
+        from sim.perf.config import roofline_for_pool
+        dsc = scenario.model_copy(update={"model": cfg.draft_model})
+        dpool = pool.model_copy(update={"ep": False})
+        draft = roofline_for_pool(dsc, dpool)
+    return SpecDecodePerf(base, cfg, draft)

@@ -1,0 +1,250 @@
+"""Standard router-benchmark workloads as generators: shared-prefix groups and stepped load ramps.
+
+Published router results are measured on a few synthetic workloads; these generators reproduce
+their shape as :class:`~balancer.types.Request` lists (write them with
+:func:`sim.workload.write_mooncake`, or from the shell with ``pdlb sim workload ...``).
+
+* :func:`shared_prefix_workload` mirrors SGLang's ``bench_serving --dataset-name
+  generated-shared-prefix`` ("gsp"): ``N`` groups, each with one system prompt of
+  ``system_prompt_tokens`` shared by ``M`` prompts that append their own question of
+  ``question_tokens``; every request generates ``output_tokens`` (``--gsp-output-len``; the
+  benchmark runs with ignore-EOS semantics, so the output length is exact). SGLang's defaults are
+  64 groups x 16 prompts, system prompt 2,048, question 128, output 256 tokens (its
+  ``--gsp-*`` option defaults); llm-d's prefix-aware routing benchmark uses the same layout.
+* :func:`load_ramp_workload` mirrors stepped rate sweeps (NVIDIA AIPerf's request-rate ramping,
+  vLLM ``bench serve --ramp-up-strategy``; vLLM raises the rate per request index, this generator
+  holds each rate for a fixed wall-clock step, which is what a capacity search wants): a Poisson
+  process whose rate is ``rates_per_s[k]`` during step ``k`` of ``step_duration_s`` seconds.
+
+Both are deterministic for a given ``seed`` and build block hashes with
+:func:`balancer.hashing.chain_block_ids` rooted at a hash of the generator name and seed, so two
+workloads with different seeds share no block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from balancer.hashing import chain_block_ids
+from balancer.types import Request
+
+from ._checks import check_positive_float, check_positive_int
+
+__all__ = ["load_ramp_workload", "shared_prefix_workload"]
+
+#: SGLang ``bench_serving`` generated-shared-prefix defaults (``--gsp-num-groups``,
+#: ``--gsp-prompts-per-group``, ``--gsp-system-prompt-len``, ``--gsp-question-len``, ``--gsp-output-len``)
+GSP_DEFAULTS = {"num_groups": 64, "prompts_per_group": 16, "system_prompt_tokens": 2048,
+                "question_tokens": 128, "output_tokens": 256}
+
+
+def _check_nonneg_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def _root(kind: str, seed: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"pdlb/{kind}/{int(seed)}".encode())
+
+
+def shared_prefix_workload(
+    num_groups: int = GSP_DEFAULTS["num_groups"],
+    prompts_per_group: int = GSP_DEFAULTS["prompts_per_group"],
+    *,
+    system_prompt_tokens: int = GSP_DEFAULTS["system_prompt_tokens"],
+    question_tokens: int = GSP_DEFAULTS["question_tokens"],
+    output_tokens: int = GSP_DEFAULTS["output_tokens"],
+    rate_per_s: float | None = None,
+    seed: int = 0,
+    block_size: int = 512,
+    ignore_eos: bool = True,
+    output_tokens_sigma: float = 0.5,
+    shuffle: bool = True,
+    traffic_class: str | None = None,
+) -> list[Request]:
+    """``num_groups * prompts_per_group`` requests; the prompts of a group share a system prompt.
+
+    Layout of request ``(g, j)``: ``system_prompt_tokens`` of group ``g``'s system prompt, then
+    ``question_tokens`` of its own question. Prompt length = system + question (>= 1). Its first
+    ``system_prompt_tokens // block_size`` block hashes are those of group ``g`` (only full
+    blocks can be shared: the block that straddles the system/question boundary is unique), the
+    rest are unique to the request.
+
+    Order and arrivals: with ``shuffle`` (SGLang shuffles the generated prompts) the requests come
+    in a seeded random order, else group by group. ``rate_per_s=None`` sends them all at t = 0
+    (SGLang's default ``--request-rate inf``); otherwise arrivals are a Poisson process of that
+    rate starting after one exponential gap.
+
+    Output: ``ignore_eos=True`` (the benchmark's setting) makes every request generate exactly
+    ``output_tokens``; ``False`` draws lengths lognormal with mean ``output_tokens`` and log-space
+    sigma ``output_tokens_sigma`` (an EOS-terminated spread), rounded and clipped to >= 1.
+
+    Returns:
+        Requests sorted by arrival, ids ``f"g{g}-p{j}"``; ``session_id`` is ``f"g{g}"`` (the group),
+        so session-affine policies see the groups.
+
+    Raises:
+        ValueError: a count < 1, a negative length, a prompt of 0 tokens, ``rate_per_s <= 0`` or a
+            non-finite sigma.
+
+    Hand check (tests/test_workload_benchmarks.py): 2 groups x 3 prompts, system 1,024, question
+    100, block 512 -> 1,124-token prompts of 3 blocks, the first 2 shared within a group, and an
+    ideal (infinite-cache) hit rate of (6 * 2 - 2 * 2) / 18 = 8/18 blocks.
+    """
+    check_positive_int(num_groups, "num_groups")
+    check_positive_int(prompts_per_group, "prompts_per_group")
+    _check_nonneg_int(system_prompt_tokens, "system_prompt_tokens")
+    _check_nonneg_int(question_tokens, "question_tokens")
+    check_positive_int(output_tokens, "output_tokens")
+    check_positive_int(block_size, "block_size")
+    _check_seed(seed)
+    if system_prompt_tokens + question_tokens < 1:
+        raise ValueError("system_prompt_tokens + question_tokens must be >= 1 (a prompt needs a token)")
+    if rate_per_s is not None:
+        check_positive_float(rate_per_s, "rate_per_s")
+    if not (isinstance(output_tokens_sigma, (int, float)) and math.isfinite(output_tokens_sigma)
+            and output_tokens_sigma >= 0):
+        raise ValueError(f"output_tokens_sigma must be a finite number >= 0, got {output_tokens_sigma!r}")
+
+    rng = np.random.default_rng(seed)
+    n = num_groups * prompts_per_group
+    prompt = system_prompt_tokens + question_tokens
+    n_blocks = -(-prompt // block_size)
+    shared = system_prompt_tokens // block_size
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    arrivals = (np.zeros(n) if rate_per_s is None
+                else np.cumsum(rng.exponential(1.0 / float(rate_per_s), size=n)))
+    if ignore_eos or output_tokens_sigma == 0:
+        outs = np.full(n, output_tokens, dtype=np.int64)
+    else:
+        mu = math.log(output_tokens) - output_tokens_sigma ** 2 / 2.0
+        outs = np.maximum(np.rint(rng.lognormal(mu, output_tokens_sigma, size=n)), 1).astype(np.int64)
+
+    root = _root("shared-prefix", seed)
+    next_id = num_groups * shared  # ids below are the groups' system-prompt blocks
+    out: list[Request] = []
+    for pos, idx in enumerate(order):
+        g, j = divmod(int(idx), prompts_per_group)
+        ids = list(range(g * shared, (g + 1) * shared))
+        own = n_blocks - shared
+        ids.extend(range(next_id, next_id + own))
+        next_id += own
+        o = int(outs[pos])
+        out.append(Request(request_id=f"g{g}-p{j}", arrival_time_s=float(arrivals[pos]), prompt_tokens=prompt,
+                           block_hashes=tuple(chain_block_ids(ids, parent_hash=root)),
+                           max_output_tokens=o, expected_output_tokens=o, session_id=f"g{g}",
+                           traffic_class=traffic_class))
+    return out
+
+
+def load_ramp_workload(
+    rates_per_s: Sequence[float],
+    step_duration_s: float,
+    *,
+    prompt_tokens_mean: float = 1024,
+    output_tokens_mean: float = 256,
+    prompt_tokens_sigma: float = 0.0,
+    output_tokens_sigma: float = 0.0,
+    shared_prefix_tokens: int = 0,
+    num_prefix_groups: int = 1,
+    seed: int = 0,
+    block_size: int = 512,
+    max_requests: int = 10_000_000,
+    traffic_class: str | None = None,
+) -> list[Request]:
+    """A Poisson process whose rate rises (or falls) in steps: ``rates_per_s[k]`` requests/s
+    during ``[k * step_duration_s, (k + 1) * step_duration_s)``.
+
+    Arrivals of step ``k`` are a homogeneous Poisson process on that interval (exponential gaps,
+    the process restarted at each step boundary, which is exact: a Poisson process is memoryless).
+    A rate of 0 leaves the step empty. Prompt / output lengths are lognormal with the given means
+    and log-space sigmas (0 = constant, the usual ``random`` benchmark setting with range ratio 1),
+    rounded and clipped to >= 1. With ``shared_prefix_tokens >= block_size`` each request joins one
+    of ``num_prefix_groups`` groups uniformly at random and shares its first
+    ``min(shared_prefix_tokens, prompt) // block_size`` blocks with the group.
+
+    Returns:
+        Requests sorted by arrival, ids ``f"s{k}-r{i}"`` (step ``k``, ``i``-th of the step).
+
+    Raises:
+        ValueError: no rates, a negative or non-finite rate, ``step_duration_s <= 0``, bad lengths,
+            or more than ``max_requests`` requests (the expected count ``sum(rates) * step`` is
+            checked before anything is drawn, so a typo cannot exhaust memory).
+    """
+    rates = [float(r) for r in rates_per_s]
+    if not rates:
+        raise ValueError("rates_per_s: give at least one rate")
+    for r in rates:
+        if not math.isfinite(r) or r < 0:
+            raise ValueError(f"rates_per_s: every rate must be a finite number >= 0, got {r!r}")
+    step = check_positive_float(step_duration_s, "step_duration_s")
+    pmean = check_positive_float(prompt_tokens_mean, "prompt_tokens_mean")
+    omean = check_positive_float(output_tokens_mean, "output_tokens_mean")
+    for name, s in (("prompt_tokens_sigma", prompt_tokens_sigma), ("output_tokens_sigma", output_tokens_sigma)):
+        if not (isinstance(s, (int, float)) and math.isfinite(s) and s >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {s!r}")
+    _check_nonneg_int(shared_prefix_tokens, "shared_prefix_tokens")
+    check_positive_int(num_prefix_groups, "num_prefix_groups")
+    check_positive_int(block_size, "block_size")
+    check_positive_int(max_requests, "max_requests")
+    _check_seed(seed)
+    expected = sum(rates) * step
+    if expected > max_requests:
+        raise ValueError(f"the ramp expects {expected:,.0f} requests (sum of rates x step), more than "
+                         f"max_requests={max_requests:,}; shorten the steps or lower the rates")
+
+    rng = np.random.default_rng(seed)
+    times: list[tuple[int, int, float]] = []
+    for k, r in enumerate(rates):
+        if r == 0:
+            continue
+        t, i, end = k * step, 0, (k + 1) * step
+        while True:  # bounded: the count is Poisson(r * step) and capped below
+            t += float(rng.exponential(1.0 / r))
+            if t >= end:
+                break
+            times.append((k, i, t))
+            i += 1
+            if len(times) > max_requests:
+                raise ValueError(f"more than max_requests={max_requests:,} arrivals drawn")
+    n = len(times)
+
+    def lengths(mean: float, sigma: float) -> np.ndarray:
+        if sigma == 0:
+            return np.full(n, max(1, round(mean)), dtype=np.int64)
+        mu = math.log(mean) - sigma * sigma / 2.0
+        return np.maximum(np.rint(rng.lognormal(mu, sigma, size=n)), 1).astype(np.int64)
+
+    prompts = lengths(pmean, float(prompt_tokens_sigma))
+    outs = lengths(omean, float(output_tokens_sigma))
+    shared = shared_prefix_tokens // block_size
+    groups = rng.integers(0, num_prefix_groups, size=n) if shared else None
+    root = _root("load-ramp", seed)
+    next_id = num_prefix_groups * shared
+    out: list[Request] = []
+    for m, (k, i, t) in enumerate(times):
+        p = int(prompts[m])
+        nb = -(-p // block_size)
+        ids: list[int] = []
+        if groups is not None:
+            kk = min(shared_prefix_tokens, p) // block_size
+            base = int(groups[m]) * shared
+            ids.extend(range(base, base + kk))
+        own = nb - len(ids)
+        ids.extend(range(next_id, next_id + own))
+        next_id += own
+        o = int(outs[m])
+        out.append(Request(request_id=f"s{k}-r{i}", arrival_time_s=t, prompt_tokens=p,
+                           block_hashes=tuple(chain_block_ids(ids, parent_hash=root)),
+                           max_output_tokens=o, expected_output_tokens=o, traffic_class=traffic_class))
+    return out

@@ -1,0 +1,114 @@
+"""``pdlb sim workload ...``: write a benchmark workload (:mod:`sim.workload.benchmarks`) as JSONL.
+
+The files are Mooncake-style JSONL (:func:`sim.workload.write_mooncake`), so ``pdlb sim run
+--trace FILE`` replays them like any trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .analysis import ideal_hit_rate
+from .benchmarks import GSP_DEFAULTS, load_ramp_workload, shared_prefix_workload
+from .writer import write_mooncake
+
+
+def _int(minimum: int):  # noqa: ANN202
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+        return v
+    return parse
+
+
+def _pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}") from None
+    if not rates or any(not (r >= 0 and r != float("inf")) for r in rates):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite rates >= 0, got {text!r}")
+    return rates
+
+
+def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
+    """Register ``pdlb sim workload {shared-prefix,ramp}``."""
+    p = simsub.add_parser("workload", help="generate a benchmark workload (shared-prefix groups, load ramps) as JSONL",
+                          description="Write a standard router-benchmark workload as Mooncake-style JSONL, "
+                                      "replayable with `pdlb sim run --trace FILE`.")
+    sub = p.add_subparsers(dest="workload_kind", required=True)
+    d = GSP_DEFAULTS
+    sp = sub.add_parser("shared-prefix", help="N groups x M prompts sharing a system prompt (SGLang generated-shared-prefix)",
+                        description="Mirrors SGLang bench_serving --dataset-name generated-shared-prefix: each of "
+                                    "--groups system prompts is shared by --prompts-per-group prompts that add their "
+                                    "own question. Defaults are SGLang's --gsp-* defaults.")
+    sp.add_argument("--groups", type=_int(1), default=d["num_groups"], help="prefix groups (default %(default)s)")
+    sp.add_argument("--prompts-per-group", type=_int(1), default=d["prompts_per_group"],
+                    help="prompts per group (default %(default)s)")
+    sp.add_argument("--system-prompt-tokens", type=_int(0), default=d["system_prompt_tokens"],
+                    help="shared system prompt length, tokens (default %(default)s)")
+    sp.add_argument("--question-tokens", type=_int(0), default=d["question_tokens"],
+                    help="per-prompt question length, tokens (default %(default)s)")
+    sp.add_argument("--output-tokens", type=_int(1), default=d["output_tokens"],
+                    help="output tokens per request (default %(default)s)")
+    sp.add_argument("--rate", type=_pos_float, default=None, metavar="REQ_PER_S",
+                    help="Poisson arrival rate; omitted: every request at t = 0 (request rate inf)")
+    sp.add_argument("--no-ignore-eos", action="store_true",
+                    help="draw output lengths lognormal around --output-tokens instead of exactly that many")
+    sp.add_argument("--no-shuffle", action="store_true", help="requests group by group instead of shuffled")
+    rp = sub.add_parser("ramp", help="Poisson arrivals whose rate rises in steps",
+                        description="A stepped load ramp: rate R_k req/s during step k of --step-s seconds "
+                                    "(capacity searches; AIPerf request-rate ramping, vLLM --ramp-up-strategy).")
+    rp.add_argument("--rates", type=_rates, required=True, metavar="R1,R2,...", help="rate of each step, req/s")
+    rp.add_argument("--step-s", type=_pos_float, required=True, help="duration of each step, seconds")
+    rp.add_argument("--prompt-tokens", type=_pos_float, default=1024.0, help="mean prompt length (default %(default)g)")
+    rp.add_argument("--output-tokens", type=_pos_float, default=256.0, help="mean output length (default %(default)g)")
+    rp.add_argument("--prompt-sigma", type=float, default=0.0,
+                    help="lognormal sigma of prompt lengths (default 0: constant)")
+    rp.add_argument("--output-sigma", type=float, default=0.0,
+                    help="lognormal sigma of output lengths (default 0: constant)")
+    rp.add_argument("--shared-prefix-tokens", type=_int(0), default=0, help="shared prefix per group, tokens (default 0)")
+    rp.add_argument("--prefix-groups", type=_int(1), default=1, help="number of shared prefixes (default 1)")
+    for q in (sp, rp):
+        q.add_argument("--out", type=Path, required=True, help="output JSONL file (.gz: gzip); overwritten")
+        q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        q.add_argument("--block-size", type=_int(1), default=512, help="tokens per hash block (default 512)")
+
+
+def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
+    """Generate and write the workload; print a one-line summary. Returns 0."""
+    if args.workload_kind == "shared-prefix":
+        reqs = shared_prefix_workload(args.groups, args.prompts_per_group,
+                                      system_prompt_tokens=args.system_prompt_tokens,
+                                      question_tokens=args.question_tokens, output_tokens=args.output_tokens,
+                                      rate_per_s=args.rate, seed=args.seed, block_size=args.block_size,
+                                      ignore_eos=not args.no_ignore_eos, shuffle=not args.no_shuffle)
+    else:
+        reqs = load_ramp_workload(args.rates, args.step_s, prompt_tokens_mean=args.prompt_tokens,
+                                  output_tokens_mean=args.output_tokens, prompt_tokens_sigma=args.prompt_sigma,
+                                  output_tokens_sigma=args.output_sigma,
+                                  shared_prefix_tokens=args.shared_prefix_tokens,
+                                  num_prefix_groups=args.prefix_groups, seed=args.seed, block_size=args.block_size)
+    if args.out.parent and not args.out.parent.exists():
+        raise ValueError(f"--out: folder {args.out.parent} does not exist")
+    n = write_mooncake(reqs, args.out, block_size=args.block_size)
+    span = reqs[-1].arrival_time_s if reqs else 0.0
+    hit, _ = ideal_hit_rate(reqs, args.block_size)
+    console.print(f"wrote {n:,} requests over {span:,.1f} s to {args.out} (ideal prefix hit rate {hit:.1%} of blocks)",
+                  markup=False)
+    return 0
