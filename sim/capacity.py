@@ -74,6 +74,7 @@ from sim.point import (
     PolicySpec,
     SimOptions,
     WorkloadSpec,
+    error_result,
     load_workload,
     parse_policy,
     register_workload,
@@ -592,11 +593,7 @@ def run_searches(searches: Sequence[RateSearch | GpuSearch], executor: Executor,
             try:
                 res = fut.result()
             except Exception as e:  # noqa: BLE001 - the worker died after its retries
-                pt = batch_points[i][j]
-                res = PointResult(point=pt, meets=False, attainment=float("nan"), goodput_rps=float("nan"),
-                                  offered_rps=float("nan"), num_requests=0, num_gpus=pt.scenario.num_gpus,
-                                  prefill_engines=None, decode_engines=None, mixed_engines=None,
-                                  error=f"{type(e).__name__}: {e}")
+                res = error_result(batch_points[i][j], f"{type(e).__name__}: {e}")
             batches[i][j] = res
             if on_point is not None:
                 on_point(searches[i], res)

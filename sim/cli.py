@@ -7,6 +7,8 @@
     pdlb sim validate           the perf model vs published deployment figures
     pdlb sim sessions           generate a multi-turn chatbot/agent session workload (JSONL)
     pdlb sim store-sweep        shared KV store hit rate vs TTL and capacity (docs/kv_cache.md)
+    pdlb sim capacity           highest rate at SLO / fewest engines at a rate, per policy (sim.capacity_cli)
+    pdlb sim sweep SWEEP.toml   a resumable sweep of scenario fields, policies, rates, seeds (sim.sweep_cli)
     pdlb policies               the routing policies and their parameters
 
 Bad arguments end in one error line and exit status 2: argparse's ``argument --flag: ...`` for
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import math
 import os
 import sys
 import time
@@ -34,142 +35,31 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from balancer.policies import available_policies, make_policy
 from balancer.policies.base import _REGISTRY
-from balancer.router import DEFAULT_TIER_WEIGHTS
-from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, describe_pools, load_scenario
-
-DEFAULT_SLO_TTFT_S = 2.0
-DEFAULT_SLO_TPOT_S = 0.1
-DEFAULT_INDEX_MODE = "approximate"
-
-
-# argparse ``type=`` checks: a bad value stops the parser with "argument --flag: <message>", exit 2
-def positive_int(text: str) -> int:
-    """An int >= 1 (request counts, engine counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _float_checked(text: str, *, allow_zero: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_zero else '>'} 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite float > 0 (rate factor, durations, SLOs)."""
-    return _float_checked(text, allow_zero=False)
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
-    return _float_checked(text, allow_zero=True)
-
-
-def unique_results_dir(base: Path) -> Path:
-    """Create and return ``base``, or ``base-2``, ``base-3``, ... if it exists: the default results
-    folder of two runs started in the same second is never shared. ``mkdir`` without ``exist_ok``
-    makes the claim atomic, so concurrent processes get different folders.
-
-    Raises:
-        OSError: the parent cannot be created or written.
-    """
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for i in range(1, 10_000):
-        path = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(f"{base}: 9999 results folders of that name exist")
-
-
-def _tier_weights_arg(text: str) -> dict[str, float] | None:
-    try:
-        return parse_tier_weights(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--tier-weights: ")) from None
-
+from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of sim.cli)
+    DEFAULT_INDEX_MODE,
+    DEFAULT_SLO_TPOT_S,
+    DEFAULT_SLO_TTFT_S,
+    add_cluster_args,
+    add_output_args,
+    add_router_args,
+    add_slo_args,
+    add_workload_args,
+    nonnegative_float,
+    parse_tier_weights,
+    positive_float,
+    positive_int,
+    scenario_from_args,
+    unique_results_dir,
+)
+from sim.scenario import PRESETS, Scenario, describe_pools
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--trace", metavar="PATH", help="trace file (default: the embedded Mooncake conversation trace)")
-    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"],
-                   help="trace format (default: by extension: .jsonl[.gz] mooncake, .csv azure)")
-    g.add_argument("--rate-scale", type=positive_float, default=1.0, metavar="F",
-                   help="multiply the arrival rate by F (divides arrival times; default 1)")
-    g.add_argument("--limit", type=positive_int, metavar="N", help="use only the first N requests")
-    g.add_argument("--duration-s", type=positive_float, metavar="S", help="use only requests arriving in the first S seconds (after rate scaling)")
-    g.add_argument("--spread-s", type=nonnegative_float, default=3.0, metavar="S",
-                   help="spread requests that share a timestamp uniformly over S seconds (Mooncake logs arrivals "
-                        "in ~3 s batches; 0 keeps the batches; default 3)")
-    g = p.add_argument_group("cluster")
-    g.add_argument("--scenario", default=DEFAULT_PRESET, metavar="NAME|FILE",
-                   help=f"scenario preset ({', '.join(sorted(PRESETS))}) or a .toml/.yaml/.json file (default {DEFAULT_PRESET})")
-    g.add_argument("--prefill-engines", type=positive_int, metavar="N", help="override the number of prefill engines")
-    g.add_argument("--decode-engines", type=positive_int, metavar="N", help="override the number of decode engines")
-    g.add_argument("--mixed-engines", type=positive_int, metavar="N",
-                   help="override the number of mixed (aggregated) engines")
-    g.add_argument("--exact", action="store_true", help="step-by-step decode (reference mode; slower, same results)")
-    g = p.add_argument_group("router")
-    g.add_argument("--index-mode", default=DEFAULT_INDEX_MODE, choices=["approximate", "events"],
-                   help="prefix index: 'approximate' records routed prompts (SGLang, llm-d); 'events' trusts only the "
-                        "simulated engines' KV events (Dynamo) (default approximate)")
-    g.add_argument("--tier-weights", type=_tier_weights_arg, metavar="host=W,store=W",
-                   help="weights of host-tier and shared-store prefix hits relative to HBM hits, each in [0, 1], when "
-                        "the scenario has KV tiers (default host=0.75,store=0.5)")
-    g.add_argument("--no-router-tiers", action="store_true",
-                   help="with KV tiers configured, let the router see only HBM prefix matches")
-    g = p.add_argument_group("metrics and output")
-    g.add_argument("--slo-ttft-s", type=positive_float, default=DEFAULT_SLO_TTFT_S, metavar="S",
-                   help=f"TTFT SLO in seconds for goodput (default {DEFAULT_SLO_TTFT_S})")
-    g.add_argument("--slo-tpot-s", type=positive_float, default=DEFAULT_SLO_TPOT_S, metavar="S",
-                   help=f"TPOT SLO in seconds for goodput (default {DEFAULT_SLO_TPOT_S})")
+    add_workload_args(p)
+    add_cluster_args(p)
+    add_router_args(p)
+    g = add_output_args(p)
+    add_slo_args(g)
     g.add_argument("--seed", type=int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
-    g.add_argument("--out", type=Path, metavar="DIR",
-                   help="results folder; an existing DIR is reused and the files of this run overwrite those of "
-                        "the same name (default results/<scenario>-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended "
-                        "when that folder exists)")
-    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def parse_tier_weights(text: str | None) -> dict[str, float] | None:
-    """``"host=0.8,store=0.4"`` -> ``{"host": 0.8, "store": 0.4}``; ``None`` -> ``None``.
-
-    Checked here, before any work, the same way :class:`balancer.router.Router` checks them.
-
-    Raises:
-        ValueError: not ``name=number`` pairs, a name other than ``host``/``store``
-            (:data:`balancer.router.DEFAULT_TIER_WEIGHTS`), or a weight outside [0, 1].
-    """
-    if not text:
-        return None
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.partition("=")
-        name = name.strip()
-        try:
-            if not sep:
-                raise ValueError
-            weight = float(value)
-        except ValueError:
-            raise ValueError(f"--tier-weights: expected name=number pairs like host=0.75,store=0.5, got {part!r}") from None
-        if name not in DEFAULT_TIER_WEIGHTS:
-            raise ValueError(f"--tier-weights: unknown tier {name!r}; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
-        if not 0.0 <= weight <= 1.0:
-            raise ValueError(f"--tier-weights: {name} weight must be in [0, 1], got {value.strip()}")
-        out[name] = weight
-    return out
 
 
 def _version() -> str:
@@ -209,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_parser(simsub)
     from sim.cost_model import add_cost_model_parser
     add_cost_model_parser(simsub)
+    from sim.capacity_cli import add_capacity_parser
+    add_capacity_parser(simsub)
+    from sim.sweep_cli import add_sweep_parser
+    add_sweep_parser(simsub)
 
     sub.add_parser("policies", help="list routing policies and their parameters")
     from balancer.service.cli import add_serve_parser
@@ -255,17 +149,7 @@ def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
-    sc = load_scenario(args.scenario)
-    counts = {"prefill": args.prefill_engines, "decode": args.decode_engines, "mixed": args.mixed_engines}
-    for pool, n in counts.items():
-        if n is not None and getattr(sc, pool) is None:
-            shape = "PD (prefill + decode pools)" if sc.disaggregated else "aggregated (one mixed pool)"
-            raise ValueError(f"--{pool}-engines: scenario {sc.name!r} has no {pool} pool; it is {shape}")
-    sc = sc.with_pools(prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
-                       mixed_engines=args.mixed_engines)
-    if args.exact:
-        sc = sc.model_copy(update={"fast_forward": False})
-    return sc
+    return scenario_from_args(args)
 
 
 def _describe(sc: Scenario) -> str:
@@ -393,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for reports: the command that made them
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     if args.command in ("serve", "engine"):
         from balancer.service.cli import run_serve
@@ -422,6 +307,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
             if args.sim_command in ("sessions", "store-sweep"):
                 from sim.experiments.cli import run_session_command
                 return run_session_command(args, console)
+            if getattr(args, "run", None) is not None:  # commands in their own modules (capacity, sweep)
+                return args.run(args, console)
             if args.sim_command == "scenarios":
                 for name, sc in sorted(PRESETS.items()):
                     console.print(_describe(sc))

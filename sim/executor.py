@@ -28,11 +28,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from balancer.types import Request
-from sim.point import Point, PointResult, evaluate_point, import_policy_modules, register_workload
+from sim.point import Point, PointResult, error_result, evaluate_point, import_policy_modules, register_workload
 
 
 class Executor:
@@ -141,11 +141,27 @@ def ray_init_kwargs(num_cpus: int | None = None, object_store_memory_bytes: int 
     """``ray.init`` keyword arguments for a small local instance (see the module docstring), and
     the memory-monitor environment set for it: ``num_cpus`` (default: :func:`default_jobs`), an
     object store of ``object_store_memory_bytes`` (default 200 MiB; a full trace is ~4 MB), no
-    dashboard, logs kept off the terminal."""
+    dashboard, logs kept off the terminal, every Ray process on the loopback address."""
     os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    _loopback_only()
     return {"num_cpus": num_cpus or default_jobs(), "object_store_memory": object_store_memory_bytes,
-            "include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            "include_dashboard": False, "log_to_driver": False, "configure_logging": False,
+            "_node_ip_address": "127.0.0.1"}
+
+
+def _loopback_only() -> None:
+    """Keep a local Ray instance on 127.0.0.1. On Linux Ray registers its node under the
+    machine's outward address; with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (what Ray does on
+    macOS/Windows, read by every Ray process it starts) it uses the loopback address. The driver
+    read that flag when ``ray`` was imported, so its module constant is set too."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # pragma: no cover - a Ray without the flag
+        pass
 
 
 _RAY_EVAL = None
@@ -175,6 +191,8 @@ class RayExecutor(Executor):
         num_cpus: CPUs of a local instance (default: this machine's).
         workloads / modules: as for :class:`ProcessExecutor`.
         max_retries: times a task whose worker died is retried before its future raises.
+        runtime_env: Ray's ``runtime_env`` for the job (e.g. ``{"env_vars": {"PYTHONPATH": ...}}`` so
+            workers find a ``--policy-module`` outside the installed packages).
 
     Raises:
         ImportError: Ray is not installed (the message says ``pip install 'pdlb[ray]'``).
@@ -184,7 +202,7 @@ class RayExecutor(Executor):
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
                  workloads: Mapping[str, Sequence[Request]] | None = None, modules: Sequence[str] = (),
-                 max_retries: int = 2) -> None:
+                 max_retries: int = 2, runtime_env: dict | None = None) -> None:
         try:
             import ray
         except ImportError:
@@ -192,10 +210,11 @@ class RayExecutor(Executor):
         self._ray = ray
         self._owns = False
         if not ray.is_initialized():
+            extra = {"runtime_env": runtime_env} if runtime_env else {}
             if address is None:
-                ray.init(**ray_init_kwargs(num_cpus))
+                ray.init(**ray_init_kwargs(num_cpus), **extra)
             else:
-                ray.init(address=address, log_to_driver=False, configure_logging=False)
+                ray.init(address=address, log_to_driver=False, configure_logging=False, **extra)
             self._owns = True
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._workloads = ray.put({k: list(v) for k, v in (workloads or {}).items()})
@@ -213,6 +232,25 @@ class RayExecutor(Executor):
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
             self._owns = False
+
+
+def run_points(points: Sequence[Point], executor: Executor,
+               on_point: Callable[[int, PointResult], None] | None = None) -> list[PointResult]:
+    """Evaluate independent ``points`` on ``executor`` (all submitted at once, at most ``slots``
+    running); returns results in the order of ``points``. ``on_point(index, result)`` is called
+    as each completes. A point whose future raises becomes an error result (never a gap)."""
+    futures = {executor.submit(p): i for i, p in enumerate(points)}
+    out: list[PointResult | None] = [None] * len(points)
+    for fut in cf.as_completed(futures):
+        i = futures[fut]
+        try:
+            res = fut.result()
+        except Exception as e:  # noqa: BLE001 - a dead worker or failed task, after retries
+            res = error_result(points[i], f"{type(e).__name__}: {e}")
+        out[i] = res
+        if on_point is not None:
+            on_point(i, res)
+    return out  # type: ignore[return-value]
 
 
 def make_executor(kind: str = "process", *, jobs: int | None = None, ray_address: str | None = None,

@@ -395,6 +395,7 @@ class Point:
             allows (:meth:`SLO.max_misses`); the result then has ``stopped_early`` and only SLO
             figures. Used by searches, where a failing point needs no more than its verdict.
         tag: free-form labels carried to the result (search id, sweep parameters).
+        save_dir: write the run's per-request CSV and summary there (sweeps' ``--per-point``).
     """
 
     scenario: Scenario
@@ -406,6 +407,7 @@ class Point:
     options: SimOptions = field(default_factory=SimOptions)
     early_stop: bool = False
     tag: tuple[tuple[str, object], ...] = ()
+    save_dir: str | None = None
 
 
 @dataclass
@@ -569,7 +571,54 @@ def evaluate_point(point: Point) -> PointResult:
     verdict = slo.verdict(d["ttft_s"], d["tpot_s"], res.records.prompt_tokens)
     summary = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     summary["wall_s"] = wall
+    if point.save_dir is not None:
+        from pathlib import Path
+
+        from sim.report import write_results
+
+        write_results(Path(point.save_dir), [res], [summary], {"tag": dict(point.tag), "rate_scale": point.rate_scale},
+                      plots=False)
     return PointResult(meets=verdict["meets"], attainment=verdict["attainment"],
                        goodput_rps=verdict["num_ok"] / window if window > 0 else float("nan"),
                        ttft_p99_s=summary["ttft_s"]["p99"], tpot_p99_s=summary["tpot_s"]["p99"],
                        ttft_mean_s=summary["ttft_s"]["mean"], summary=summary, verdict=verdict, wall_s=wall, **common)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"ttft_s": {"p99": 1.0}}`` -> ``{"ttft_s.p99": 1.0}`` (dotted keys, depth-first)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def point_row(r: PointResult, *, summary: bool = True) -> dict[str, Any]:
+    """One flat table row of a point: its parameters (``tag`` entries first, then policy, rate
+    scale, seed, engine counts), the SLO figures and, with ``summary``, every summary metric of
+    a complete run as dotted keys (``ttft_s.p99``, ``kv.hit_rate.hbm`` ...)."""
+    p = r.point
+    row: dict[str, Any] = {k: v for k, v in p.tag}
+    row |= {
+        "scenario": p.scenario.name, "policy": p.policy.label, "rate_scale": p.rate_scale, "seed": p.seed,
+        "prefill_engines": r.prefill_engines, "decode_engines": r.decode_engines, "mixed_engines": r.mixed_engines,
+        "num_gpus": r.num_gpus, "num_requests": r.num_requests, "offered_rps": r.offered_rps,
+        "slo": p.slo.describe(), "meets_slo": r.meets, "attainment": r.attainment, "goodput_rps": r.goodput_rps,
+        "goodput_rps_per_gpu": r.goodput_per_gpu, "ttft_p99_s": r.ttft_p99_s, "tpot_p99_s": r.tpot_p99_s,
+        "stopped_early": r.stopped_early, "wall_s": r.wall_s, "error": r.error or "",
+    }
+    if summary and r.summary is not None:
+        skip = {"policy", "scenario", "seed", "num_requests", "num_gpus", "wall_s", "goodput_rps"}
+        row |= {f"summary.{k}": v for k, v in flatten(r.summary).items() if k not in skip}
+    return row
+
+
+def error_result(point: Point, error: str) -> PointResult:
+    """The result of a point whose evaluation never returned (its worker died, its task failed
+    after retries): ``meets`` False, figures NaN, ``error`` set, so it shows in every table."""
+    sizes = _pool_sizes(point.scenario)
+    return PointResult(point=point, meets=False, attainment=float("nan"), goodput_rps=float("nan"),
+                       offered_rps=float("nan"), num_requests=0, num_gpus=point.scenario.num_gpus, error=error, **sizes)

@@ -225,3 +225,20 @@ def test_process_pool_gives_the_serial_answer() -> None:
         assert lo <= F_STAR < hi and hi / lo <= 1.01
     same = {p.point.rate_scale: p.meets for p in serial.points} | {p.point.rate_scale: p.meets for p in pooled.points}
     assert all(meets == (f <= F_STAR) for f, meets in same.items())
+
+
+def test_goodput_is_per_second_of_the_arrival_window_not_the_makespan() -> None:
+    # D/D/1 at rate scale 1.5 (module docstring): TTFT_i = 1 + i/3 <= 3 s for i <= 6, so 7 of 101
+    # requests meet a 3 s TTFT SLO. Arrivals span 100 / 1.5 = 66.7 s; the last request finishes at
+    # 101 s (makespan 101 s). Goodput = 7 / 66.7 = 0.105 req/s (per makespan it would be 7 / 101).
+    res = simulate(mixed_scenario(), scale_rate(uniform_requests(), 1.5), "round_robin", perf_factory=fixed_cost_perf)
+    s = summarize(res, slo_ttft_s=3.0)
+    assert s["makespan_s"] == pytest.approx(101.0)
+    assert s["arrival_window_s"] == pytest.approx(100 / 1.5)
+    assert s["slo_attainment"] == pytest.approx(7 / 101)
+    assert s["goodput_rps"] == pytest.approx(7 / (100 / 1.5))
+    assert s["offered_rps"] == pytest.approx(101 / (100 / 1.5))
+    # with every request meeting the SLO (rate scale 1, no queue) goodput is the offered rate
+    s1 = summarize(simulate(mixed_scenario(), uniform_requests(), "round_robin", perf_factory=fixed_cost_perf),
+                   slo_ttft_s=3.0)
+    assert s1["slo_attainment"] == 1.0 and s1["goodput_rps"] == pytest.approx(s1["offered_rps"]) == pytest.approx(1.01)

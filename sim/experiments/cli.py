@@ -273,7 +273,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         out = args.out
         out.mkdir(parents=True, exist_ok=True)
     else:
-        from sim.cli import unique_results_dir
+        from sim.cli_args import unique_results_dir
 
         out = unique_results_dir(Path("results") / f"store-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(out / "store_sweep.csv", "w", newline="") as fh:

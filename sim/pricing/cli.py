@@ -62,7 +62,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     (``argument --flag: must be ...``, exit 2), before any table is printed."""
     import argparse
 
-    from sim.cli import positive_float as pos_float, positive_int as pos_int
+    from sim.cli_args import positive_float as pos_float, positive_int as pos_int
 
     p = simsub.add_parser(
         "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",

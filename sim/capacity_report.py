@@ -1,0 +1,259 @@
+"""Tables, plots and result files of capacity searches (:mod:`sim.capacity`).
+
+- :func:`rate_table` / :func:`gpu_table`: the terminal tables (rich) and their Markdown twins,
+  one row per policy with the searched answer, GPUs, goodput, goodput per GPU, attainment,
+  latency figures and the ratio to the best *anchor* policy (:func:`anchor_policies`);
+- :func:`plot_rate` (attainment, goodput and TTFT p99 vs request rate per policy, the
+  DistServe-style figure), :func:`plot_gpus` (GPUs needed per policy);
+- :func:`results_json` / :func:`write_points_csv`: every search and every evaluated point.
+
+Anchors are the policies pdlb ships as baselines: every policy registered from
+``balancer.policies`` except pdlb's own new ones (:data:`NOT_ANCHORS`); a user's
+``--policy-module`` policies are never anchors.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from balancer.policies.base import _REGISTRY
+from sim.capacity import GpuSearchResult, RateSearchResult
+from sim.point import PointResult, point_row
+
+#: Shipped policies that are pdlb's own contributions, compared *against* the anchors.
+NOT_ANCHORS = frozenset({"ep_aware"})
+
+
+def anchor_policies() -> list[str]:
+    """Registered policies shipped in ``balancer.policies`` that are baselines (not :data:`NOT_ANCHORS`)."""
+    return sorted(n for n, cls in _REGISTRY.items()
+                  if cls.__module__.startswith("balancer.policies.") and n not in NOT_ANCHORS)
+
+
+def _is_anchor(label: str) -> bool:
+    """A policy label is an anchor when both its policies are anchors (with any parameters)."""
+    anchors = set(anchor_policies())
+    names = [part.split("(")[0] for part in label.split("+")]
+    return all(n in anchors for n in names)
+
+
+def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x * scale, fmt)
+
+
+def rate_ratios(results: Sequence[RateSearchResult]) -> list[float | None]:
+    """Each policy's sustainable req/s over the best anchor's (None when either is unknown)."""
+    best = max((r.rate_rps for r in results if r.rate_rps is not None and _is_anchor(r.policy)), default=None)
+    return [r.rate_rps / best if best and r.rate_rps is not None else None for r in results]
+
+
+def gpu_ratios(results: Sequence[GpuSearchResult]) -> list[float | None]:
+    """Each policy's GPUs over the best (fewest) anchor's (None when either is unknown)."""
+    best = min((r.num_gpus for r in results if r.num_gpus is not None and _is_anchor(r.policy)), default=None)
+    return [r.num_gpus / best if best and r.num_gpus is not None else None for r in results]
+
+
+def _best_cells(best: PointResult | None) -> list[str]:
+    if best is None:
+        return ["-"] * 5
+    return [_f(best.goodput_rps, ".3f"), _f(best.goodput_per_gpu, ".4f"), _f(best.attainment, ".1f", 100),
+            _f(best.ttft_p99_s, ".2f"), _f(best.tpot_p99_s, ".1f", 1e3)]
+
+
+RATE_HEAD = ("policy", "rate scale", "req/s", "GPUs", "goodput r/s", "goodput/GPU", "attain. %", "TTFT p99 s",
+             "TPOT p99 ms", "evals", "vs best anchor", "status")
+GPU_HEAD = ("policy", "prefill eng.", "decode eng.", "mixed eng.", "GPUs", "goodput r/s", "goodput/GPU", "attain. %",
+            "TTFT p99 s", "TPOT p99 ms", "evals", "GPUs vs best anchor", "status")
+
+
+def rate_rows(results: Sequence[RateSearchResult]) -> list[list[str]]:
+    rows = []
+    for r, ratio in zip(results, rate_ratios(results)):
+        rows.append([r.policy, _f(r.rate_scale, ".3f"), _f(r.rate_rps, ".3f"), str(r.num_gpus), *_best_cells(r.best),
+                     str(len(r.points)), _f(ratio, ".2f"), r.status])
+    return rows
+
+
+def gpu_rows(results: Sequence[GpuSearchResult]) -> list[list[str]]:
+    rows = []
+    for r, ratio in zip(results, gpu_ratios(results)):
+        cnt = [str(x) if x is not None else "-" for x in (r.prefill_engines, r.decode_engines, r.mixed_engines)]
+        rows.append([r.policy, *cnt, str(r.num_gpus) if r.num_gpus is not None else "-", *_best_cells(r.best),
+                     str(len(r.points)), _f(ratio, ".2f"), r.status])
+    return rows
+
+
+def _drop_empty(head: Sequence[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    keep = [i for i, h in enumerate(head) if not h.endswith("eng.") or any(row[i] != "-" for row in rows)]
+    return [head[i] for i in keep], [[row[i] for i in keep] for row in rows]
+
+
+def rich_table(head: Sequence[str], rows: list[list[str]], title: str) -> Table:
+    t = Table(title=title)
+    for i, h in enumerate(head):
+        t.add_column(h, justify="left" if i == 0 or h == "status" else "right")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def markdown(head: Sequence[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def rate_table(results: Sequence[RateSearchResult]) -> tuple[list[str], list[list[str]]]:
+    return list(RATE_HEAD), rate_rows(results)
+
+
+def gpu_table(results: Sequence[GpuSearchResult]) -> tuple[list[str], list[list[str]]]:
+    return _drop_empty(GPU_HEAD, gpu_rows(results))
+
+
+def reasons(results: Sequence[RateSearchResult | GpuSearchResult]) -> list[str]:
+    """One line per policy whose search did not simply succeed, and per note."""
+    out = []
+    for r in results:
+        if r.reason:
+            out.append(f"{r.policy}: {r.status}: {r.reason}")
+        out += [f"{r.policy}: note: {n}" for n in r.notes]
+    return out
+
+
+# ---------------------------------------------------------------------- files
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return _jsonable(x.item())
+    return x
+
+
+def result_dict(r: RateSearchResult | GpuSearchResult) -> dict[str, Any]:
+    """A search result as JSON-friendly data (floor arrays summarised, points as rows)."""
+    d: dict[str, Any] = {"policy": r.policy, "scenario": r.scenario, "slo": dataclasses.asdict(r.slo),
+                         "slo_text": r.slo.describe(), "status": r.status, "reason": r.reason, "notes": r.notes}
+    if isinstance(r, RateSearchResult):
+        d |= {"search": "rate", "rate_scale": r.rate_scale, "rate_rps": r.rate_rps, "bracket": list(r.bracket),
+              "base_rps": r.base_rps, "num_gpus": r.num_gpus}
+    else:
+        d |= {"search": "gpus", "rate_scale": r.rate_scale, "prefill_engines": r.prefill_engines,
+              "decode_engines": r.decode_engines, "mixed_engines": r.mixed_engines, "num_gpus": r.num_gpus,
+              "max_engines": r.max_engines}
+    d["goodput_rps"] = r.goodput_rps
+    d["best"] = point_row(r.best, summary=True) if r.best is not None else None
+    if r.floor is not None:
+        d["zero_load_floor"] = {"meets": r.floor.meets, "max_attainment": r.floor.verdict.get("attainment"),
+                                "reason": r.floor.reason}
+    d["points"] = [point_row(p, summary=False) for p in r.points]
+    return _jsonable(d)
+
+
+def write_points_csv(path: Path, points: Sequence[PointResult], *, summary: bool = True) -> None:
+    """One row per point (:func:`sim.point.point_row`); columns are the union, in first-seen order."""
+    rows = [point_row(p, summary=summary) for p in points]
+    cols: dict[str, None] = {}
+    for row in rows:
+        cols.update(dict.fromkeys(row))
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(cols))
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+
+
+# ---------------------------------------------------------------------- plots
+def _plt():  # noqa: ANN202
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_rate(results: Sequence[RateSearchResult], curves: dict[str, list[PointResult]], path: Path) -> None:
+    """Three panels against offered request rate (req/s), one line per policy: SLO attainment
+    (complete runs; hollow triangles = upper bounds of runs stopped early), goodput (complete
+    runs; the dashed diagonal is the offered rate), TTFT p99 (complete runs); a dotted vertical
+    line marks each policy's searched capacity. ``curves``: extra complete runs per policy."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    top = 0.0
+    for i, r in enumerate(results):
+        c = colors[i % len(colors)]
+        pts = sorted([*r.points, *curves.get(r.policy, [])], key=lambda p: p.offered_rps)
+        pts = [p for p in pts if not p.error and math.isfinite(p.offered_rps)]
+        if not pts:
+            continue
+        top = max(top, max(p.offered_rps for p in pts))
+        full = [p for p in pts if not p.stopped_early]
+        early = [p for p in pts if p.stopped_early]
+        axes[0].plot([p.offered_rps for p in full], [100 * p.attainment for p in full], "o-", color=c, label=r.policy)
+        axes[0].plot([p.offered_rps for p in early], [100 * p.attainment for p in early], "v", mfc="none", color=c,
+                     label="stopped early (upper bound)" if i == 0 else None)
+        axes[1].plot([p.offered_rps for p in full], [p.goodput_rps for p in full], "o-", color=c, label=r.policy)
+        axes[2].plot([p.offered_rps for p in full], [p.ttft_p99_s for p in full], "o-", color=c, label=r.policy)
+        if r.rate_rps is not None:
+            for ax in axes:
+                ax.axvline(r.rate_rps, color=c, ls=":", lw=1)
+    slo = results[0].slo if results else None
+    if slo is not None and slo.percentile is None:
+        axes[0].axhline(100 * slo.attainment, color="k", ls="--", lw=1, label=f"target {100 * slo.attainment:g}%")
+    if slo is not None and not slo.ttft_per_1k_prompt_tokens_s:
+        axes[2].axhline(slo.ttft_s, color="k", ls="--", lw=1, label=f"TTFT SLO {slo.ttft_s:g}s")
+    axes[1].plot([0, top], [0, top], "k--", lw=1, label="offered rate")
+    for ax, yl in zip(axes, ("SLO attainment (%)", "goodput (req/s)", "TTFT p99 (s)")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(slo.describe() if slo else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_gpus(results: Sequence[GpuSearchResult], path: Path) -> None:
+    """Bars of GPUs needed per policy, split by pool (policies that found no answer are omitted)."""
+    plt = _plt()
+    ok = [r for r in results if r.num_gpus is not None]
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok) + 2), 4.3))
+    labels = [r.policy for r in ok]
+    bottom = [0.0] * len(ok)
+    for pool in ("prefill", "decode", "mixed"):
+        vals = []
+        for r in ok:
+            n = getattr(r, f"{pool}_engines")
+            sc = r.best.point.scenario if r.best else None
+            p = getattr(sc, pool) if sc is not None else None
+            vals.append(n * p.dp_ranks * p.gpus_per_rank if n and p is not None else 0)
+        if any(vals):
+            ax.bar(labels, vals, bottom=bottom, label=f"{pool} GPUs")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    for x, r in enumerate(ok):
+        ax.text(x, r.num_gpus, str(r.num_gpus), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("GPUs needed")
+    if not ok:
+        ax.text(0.5, 0.5, "no policy met the SLO within the bounds", ha="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize=8)
+        ax.set_title(f"fewest GPUs meeting\n{ok[0].slo.describe()} at rate x{ok[0].rate_scale:g}", fontsize=9)
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

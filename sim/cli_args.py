@@ -1,0 +1,356 @@
+"""Argument types and option groups shared by pdlb's command-line modules.
+
+The floor under every CLI module (:mod:`sim.cli`, :mod:`sim.capacity_cli`, :mod:`sim.sweep_cli`,
+:mod:`sim.experiments.cli`, :mod:`sim.pricing.cli`): they import from here, never from each other,
+so there is no import circle.
+
+- ``type=`` checks for argparse (:func:`positive_int`, :func:`positive_float`,
+  :func:`nonnegative_float`, :func:`fraction`, :func:`tier_weights_arg`): a bad value stops the
+  parser with ``argument --flag: <message>`` and exit status 2;
+- option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
+  :func:`add_slo_args`, :func:`add_output_args`) and what they build
+  (:func:`workload_spec`, :func:`scenario_from_args`, :func:`sim_options`, :func:`slo_from_args`);
+- ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
+- :func:`unique_results_dir` for default results folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from balancer.router import DEFAULT_TIER_WEIGHTS
+from balancer.validation import format_validation_error
+from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, load_scenario
+
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.1
+DEFAULT_INDEX_MODE = "approximate"
+
+
+# ---------------------------------------------------------------------- argparse type= checks
+def positive_int(text: str) -> int:
+    """An int >= 1 (request counts, engine counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _float_checked(text: str, *, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_zero else '>'} 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (rate factor, durations, SLOs)."""
+    return _float_checked(text, allow_zero=False)
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
+    return _float_checked(text, allow_zero=True)
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1] (attainment targets); ``90%`` is accepted as 0.9."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (or a percentage like 90%), got {text!r}")
+    return value
+
+
+def parse_tier_weights(text: str | None) -> dict[str, float] | None:
+    """``"host=0.8,store=0.4"`` -> ``{"host": 0.8, "store": 0.4}``; ``None`` -> ``None``.
+
+    Checked here, before any work, the same way :class:`balancer.router.Router` checks them.
+
+    Raises:
+        ValueError: not ``name=number`` pairs, a name other than ``host``/``store``
+            (:data:`balancer.router.DEFAULT_TIER_WEIGHTS`), or a weight outside [0, 1].
+    """
+    if not text:
+        return None
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        try:
+            if not sep:
+                raise ValueError
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"--tier-weights: expected name=number pairs like host=0.75,store=0.5, got {part!r}") from None
+        if name not in DEFAULT_TIER_WEIGHTS:
+            raise ValueError(f"--tier-weights: unknown tier {name!r}; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"--tier-weights: {name} weight must be in [0, 1], got {value.strip()}")
+        out[name] = weight
+    return out
+
+
+def tier_weights_arg(text: str) -> dict[str, float] | None:
+    """argparse form of :func:`parse_tier_weights`."""
+    try:
+        return parse_tier_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--tier-weights: ")) from None
+
+
+def unique_results_dir(base: Path) -> Path:
+    """Create and return ``base``, or ``base-2``, ``base-3``, ... if it exists: the default results
+    folder of two runs started in the same second is never shared. ``mkdir`` without ``exist_ok``
+    makes the claim atomic, so concurrent processes get different folders.
+
+    Raises:
+        OSError: the parent cannot be created or written.
+    """
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 10_000):
+        path = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{base}: 9999 results folders of that name exist")
+
+
+# ---------------------------------------------------------------------- --set overrides
+#: Most ``--set`` overrides and the deepest dotted path taken (input-driven loops are bounded).
+MAX_OVERRIDES = 256
+MAX_PATH_DEPTH = 8
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: a TOML value if it parses as one (``8``, ``0.5``, ``true``, ``"x"``,
+    ``[1, 2]``, ``{a = 1}``), else the text itself as a string (``h200``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"prefill.num_engines=8"`` -> ``("prefill.num_engines", 8)``.
+
+    Raises:
+        ValueError: no ``=``, an empty key or key part, or a path deeper than :data:`MAX_PATH_DEPTH`.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ValueError(f"--set {text!r}: expected dotted.key=value, e.g. prefill.num_engines=8")
+    if key.count(".") >= MAX_PATH_DEPTH:
+        raise ValueError(f"--set {text!r}: paths are at most {MAX_PATH_DEPTH} keys deep")
+    return key, parse_value(value.strip())
+
+
+def override_arg(text: str) -> tuple[str, Any]:
+    """argparse form of :func:`parse_override`."""
+    try:
+        return parse_override(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def apply_overrides(sc: Scenario, overrides: Sequence[tuple[str, Any]], *, source: str = "--set") -> Scenario:
+    """A validated copy of ``sc`` with each ``(dotted.path, value)`` set, in order.
+
+    A path may reach into a table that is unset in the scenario (``shared_store.ttl_s=3600`` on a
+    scenario without a shared store creates one with defaults). The copy's description says what
+    was overridden.
+
+    Raises:
+        ValueError: more than :data:`MAX_OVERRIDES`, a path through a non-table value, or an
+            invalid result (one line per problem, with "did you mean" for unknown fields).
+    """
+    if not overrides:
+        return sc
+    if len(overrides) > MAX_OVERRIDES:
+        raise ValueError(f"{source}: at most {MAX_OVERRIDES} overrides, got {len(overrides)}")
+    data = sc.model_dump(exclude_unset=False)
+    for path, value in overrides:
+        node = data
+        parts = path.split(".")
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ValueError(f"{source} {path}: {'.'.join(parts[:i + 1])} is {nxt!r}, not a table")
+            node = nxt
+        node[parts[-1]] = value
+    try:
+        out = Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, source=f"{source} on scenario {sc.name!r}", model=Scenario)) from None
+    what = ", ".join(f"{p}={v!r}" for p, v in overrides)
+    return out.model_copy(update={"description": f"{sc.description or sc.name} (set {what})"})
+
+
+# ---------------------------------------------------------------------- option groups
+def add_workload_args(p: argparse.ArgumentParser, *, rate_scale: bool = True) -> argparse._ArgumentGroup:
+    """``--trace``, ``--format``, ``--rate-scale`` (unless ``rate_scale=False``), ``--limit``,
+    ``--duration-s``, ``--spread-s``."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", metavar="PATH", help="trace file (default: the embedded Mooncake conversation trace)")
+    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"],
+                   help="trace format (default: by extension: .jsonl[.gz] mooncake, .csv azure)")
+    if rate_scale:
+        g.add_argument("--rate-scale", type=positive_float, default=1.0, metavar="F",
+                       help="multiply the arrival rate by F (divides arrival times; default 1)")
+    g.add_argument("--limit", type=positive_int, metavar="N", help="use only the first N requests")
+    g.add_argument("--duration-s", type=positive_float, metavar="S",
+                   help="use only requests arriving in the first S seconds " + ("(after rate scaling)" if rate_scale else
+                        "of the trace (before rate scaling: every rate sees the same requests)"))
+    g.add_argument("--spread-s", type=nonnegative_float, default=3.0, metavar="S",
+                   help="spread requests that share a timestamp uniformly over S seconds (Mooncake logs arrivals "
+                        "in ~3 s batches; 0 keeps the batches; default 3)")
+    return g
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--scenario``, ``--set``, ``--prefill-engines``/``--decode-engines``/``--mixed-engines``, ``--exact``."""
+    g = p.add_argument_group("cluster")
+    g.add_argument("--scenario", default=DEFAULT_PRESET, metavar="NAME|FILE",
+                   help=f"scenario preset ({', '.join(sorted(PRESETS))}) or a .toml/.yaml/.json file (default {DEFAULT_PRESET})")
+    g.add_argument("--set", dest="overrides", type=override_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario field by dotted path, e.g. --set prefill.num_engines=8 --set perf.mfu=0.5 "
+                        "--set shared_store.class_ttl_s.chatbot=3600 (values in TOML syntax; repeatable)")
+    g.add_argument("--prefill-engines", type=positive_int, metavar="N", help="override the number of prefill engines")
+    g.add_argument("--decode-engines", type=positive_int, metavar="N", help="override the number of decode engines")
+    g.add_argument("--mixed-engines", type=positive_int, metavar="N",
+                   help="override the number of mixed (aggregated) engines")
+    g.add_argument("--exact", action="store_true", help="step-by-step decode (reference mode; slower, same results)")
+    return g
+
+
+def add_router_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--index-mode``, ``--tier-weights``, ``--no-router-tiers``."""
+    g = p.add_argument_group("router")
+    g.add_argument("--index-mode", default=DEFAULT_INDEX_MODE, choices=["approximate", "events"],
+                   help="prefix index: 'approximate' records routed prompts (SGLang, llm-d); 'events' trusts only the "
+                        "simulated engines' KV events (Dynamo) (default approximate)")
+    g.add_argument("--tier-weights", type=tier_weights_arg, metavar="host=W,store=W",
+                   help="weights of host-tier and shared-store prefix hits relative to HBM hits, each in [0, 1], when "
+                        "the scenario has KV tiers (default host=0.75,store=0.5)")
+    g.add_argument("--no-router-tiers", action="store_true",
+                   help="with KV tiers configured, let the router see only HBM prefix matches")
+    return g
+
+
+def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
+    """``--slo-ttft-s`` and ``--slo-tpot-s``; with ``targets``, also ``--slo-attainment``,
+    ``--slo-percentile`` and ``--slo-ttft-per-1k-tokens-s`` (capacity searches, sweeps)."""
+    g.add_argument("--slo-ttft-s", type=positive_float, default=DEFAULT_SLO_TTFT_S, metavar="S",
+                   help=f"TTFT SLO in seconds for goodput (default {DEFAULT_SLO_TTFT_S})")
+    g.add_argument("--slo-tpot-s", type=positive_float, default=DEFAULT_SLO_TPOT_S, metavar="S",
+                   help=f"TPOT SLO in seconds for goodput (default {DEFAULT_SLO_TPOT_S})")
+    if targets:
+        g.add_argument("--slo-attainment", type=fraction, default=0.9, metavar="FRAC",
+                       help="fraction of requests that must meet both the TTFT and TPOT SLO (default 0.9)")
+        g.add_argument("--slo-percentile", type=positive_float, metavar="P",
+                       help="percentile form instead: TTFT pP <= --slo-ttft-s and TPOT pP <= --slo-tpot-s (e.g. 99)")
+        g.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=0.0, metavar="S",
+                       help="TTFT budget grows by S seconds per 1000 prompt tokens (budget = --slo-ttft-s + "
+                            "S * prompt_tokens / 1000; default 0)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--out``, ``--no-plots``, ``--quiet`` (with the SLO options added by the caller)."""
+    g = p.add_argument_group("metrics and output")
+    g.add_argument("--out", type=Path, metavar="DIR",
+                   help="results folder; an existing DIR is reused and the files of this run overwrite those of "
+                        "the same name (default results/<scenario>-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended "
+                        "when that folder exists)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return g
+
+
+def add_executor_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--jobs``, ``--executor``, ``--ray-address`` (capacity searches and sweeps)."""
+    from sim.executor import default_jobs
+
+    g = p.add_argument_group("execution")
+    g.add_argument("--jobs", "-j", type=positive_int, default=default_jobs(), metavar="N",
+                   help="simulations at once: local worker processes, or Ray CPUs of a local Ray instance "
+                        "(default: this machine's cores, %(default)s)")
+    g.add_argument("--executor", default="process", choices=["process", "ray"],
+                   help="where simulations run: a local process pool, or Ray tasks (pip install 'pdlb[ray]') "
+                        "(default process)")
+    g.add_argument("--ray-address", metavar="ADDR",
+                   help="Ray cluster to join ('auto' = the one this machine is part of, or host:port); default: "
+                        "start a local Ray instance of --jobs CPUs")
+    return g
+
+
+# ---------------------------------------------------------------------- what the groups build
+def workload_spec(args: argparse.Namespace):  # noqa: ANN201 - sim.point.WorkloadSpec
+    """The :class:`sim.point.WorkloadSpec` of the workload options (rate scaling not included)."""
+    from sim.point import WorkloadSpec
+
+    return WorkloadSpec(args.trace, args.format, args.limit, getattr(args, "duration_s", None), args.spread_s, args.seed)
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    """The scenario of the cluster options: the preset or file, then ``--set`` overrides in order,
+    then the engine-count flags, then ``--exact``.
+
+    Raises:
+        ValueError: unknown scenario, a bad override, an engine flag for a pool the scenario lacks.
+    """
+    sc = load_scenario(args.scenario)
+    sc = apply_overrides(sc, getattr(args, "overrides", None) or [])
+    counts = {"prefill": args.prefill_engines, "decode": args.decode_engines, "mixed": args.mixed_engines}
+    for pool, n in counts.items():
+        if n is not None and getattr(sc, pool) is None:
+            shape = "PD (prefill + decode pools)" if sc.disaggregated else "aggregated (one mixed pool)"
+            raise ValueError(f"--{pool}-engines: scenario {sc.name!r} has no {pool} pool; it is {shape}")
+    sc = sc.with_pools(prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
+                       mixed_engines=args.mixed_engines)
+    if args.exact:
+        sc = sc.model_copy(update={"fast_forward": False})
+    return sc
+
+
+def sim_options(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SimOptions
+    """The :class:`sim.point.SimOptions` of the router options."""
+    from sim.point import SimOptions
+
+    tw = args.tier_weights
+    return SimOptions(index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
+                      tier_weights=tuple(sorted(tw.items())) if tw else None)
+
+
+def slo_from_args(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SLO
+    """The :class:`sim.point.SLO` of the SLO options.
+
+    Raises:
+        ValueError: a percentile above 100.
+    """
+    from sim.point import SLO
+
+    if args.slo_percentile is not None and args.slo_percentile > 100:
+        raise ValueError(f"--slo-percentile: must be in (0, 100], got {args.slo_percentile:g}")
+    return SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
+               percentile=args.slo_percentile, ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_tokens_s)

@@ -1,0 +1,371 @@
+"""Sweeps: many simulation points from one TOML file, run on an executor, resumable, one table.
+
+A sweep file (``pdlb sim sweep SWEEP.toml``)::
+
+    scenario = "dsv3-pd-h200"                 # base scenario: preset name or file (relative to this file)
+    policies = ["cache_aware", "least_load", "cache_aware:cache_threshold=0.5,balance_abs=8"]
+    decode_policy = "least_load"              # optional; default: each point's policy
+    policy_modules = ["mypkg.mypolicy"]       # optional; @register-ed user policies
+    rates = [0.5, 1.0, 2.0]                   # rate scales (default [1.0])
+    seeds = [0, 1]                            # router seeds (default [0])
+    traces = ["a.jsonl.gz"]                   # optional; default: the embedded trace
+    limit = 2000                              # optional workload cut (also duration_s, spread_s, format)
+
+    [slo]                                     # optional (sim.point.SLO fields)
+    ttft_s = 2.0
+    attainment = 0.9
+
+    [grid]                                    # cartesian product over scenario fields by dotted path
+    "prefill.num_engines" = [4, 6, 8]
+    "perf.mfu" = [0.4, 0.5]
+
+    [[points]]                                # and/or listed points: each a set of dotted overrides
+    "prefill.num_engines" = 4
+    "decode.num_engines" = 2
+
+The points are the product of policies x rates x seeds x traces x scenario variations, where the
+variations are the grid's product, the listed points, or (both given) each listed point applied
+after each grid combination. At most :data:`MAX_POINTS` points.
+
+Results (folder ``--out``):
+
+- ``points.jsonl``: one line per finished point, written as it finishes (a stopped sweep loses
+  nothing), keyed by a stable ``point_id`` (a hash of the point's parameters, the base scenario
+  and the SLO); rerunning the same sweep into the same folder skips the points already there
+  (resumable). Failed points are kept with their ``error`` and retried on the next run.
+- ``sweep.csv`` and ``sweep.json``: one row per point, every summary metric (dotted keys) and the
+  point's parameters (``set.<path>`` columns for the scenario overrides).
+- ``per_point/<point_id>/`` with each run's per-request CSV and summary, only with ``--per-point``
+  (a full-trace per-request CSV is ~2 MB).
+- plots: goodput and TTFT p99 vs request rate per policy (when several rates), an SLO-attainment
+  heatmap over the first two grid parameters (when the grid has two), and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim.cli_args import apply_overrides
+from sim.point import SLO, Point, PointResult, PolicySpec, SimOptions, WorkloadSpec, parse_policy, point_row
+from sim.scenario import PRESETS, Scenario, load_scenario
+
+#: Most points one sweep may expand to (every input-driven loop is bounded).
+MAX_POINTS = 10_000
+
+_KEYS = {"scenario", "policies", "decode_policy", "policy_modules", "rates", "seeds", "traces", "limit", "duration_s",
+         "spread_s", "format", "slo", "grid", "points", "index_mode", "router_tiers", "tier_weights"}
+
+
+@dataclass
+class Sweep:
+    """An expanded sweep.
+
+    Attributes:
+        base: the base scenario.
+        points: the points, in file order (policies outermost, then traces, variations, rates, seeds).
+        ids: ``point_id`` of each point.
+        grid_keys: the grid's dotted paths, in file order (for the heatmap).
+        source: the file.
+        raw: the parsed file.
+    """
+
+    base: Scenario
+    points: list[Point]
+    ids: list[str]
+    grid_keys: list[str]
+    source: Path
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def _list(raw: dict, key: str, default: list, kind: type | tuple, source: Path) -> list:
+    v = raw.get(key, default)
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"{source}: {key} must be a non-empty list, got {v!r}")
+    for x in v:
+        if not isinstance(x, kind) or isinstance(x, bool):
+            raise ValueError(f"{source}: {key}: {x!r} is not a {getattr(kind, '__name__', kind)}")
+    return v
+
+
+def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], policy: PolicySpec, rate: float,
+             seed: int, workload: WorkloadSpec, options: SimOptions) -> str:
+    """A stable 16-hex-digit id of a point's parameters (base scenario, overrides, policy, rate,
+    seed, workload, SLO, router options): equal ids mean the same simulation."""
+    doc = {"base": json.loads(base.model_dump_json()), "set": [[k, v] for k, v in overrides],
+           "policy": [policy.prefill, list(map(list, policy.prefill_params)), policy.decode_name,
+                      list(map(list, policy.decode_params))],
+           "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit, workload.duration_s,
+                                                   workload.spread_s, workload.seed],
+           "slo": [slo.ttft_s, slo.tpot_s, slo.attainment, slo.percentile, slo.ttft_per_1k_prompt_tokens_s],
+           "options": [options.index_mode, options.router_tiers, options.tier_weights]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
+    """Read and expand a sweep file (see the module docstring).
+
+    Args:
+        limit: override the file's ``limit`` (CLI ``--limit``).
+
+    Raises:
+        ValueError: unreadable file, unknown keys, wrong types, an unknown policy or scenario field
+            (checked for every variation before anything runs), more than :data:`MAX_POINTS`.
+    """
+    source = Path(path)
+    try:
+        raw = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{source}: no such sweep file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{source}: cannot read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{source}: {e}") from None
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_KEYS))}")
+    scen = raw.get("scenario", "dsv3-pd-h200")
+    if not isinstance(scen, str):
+        raise ValueError(f"{source}: scenario must be a preset name or a file path")
+    rel = source.parent / scen
+    base = load_scenario(scen if scen in PRESETS or not rel.exists() else rel)
+    modules = _list(raw, "policy_modules", [""], str, source) if "policy_modules" in raw else []
+    policies = [parse_policy(p, raw.get("decode_policy"), modules) for p in _list(raw, "policies", ["cache_aware"], str, source)]
+    rates = [float(r) for r in _list(raw, "rates", [1.0], (int, float), source)]
+    if any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise ValueError(f"{source}: rates must be finite numbers > 0, got {rates}")
+    seeds = _list(raw, "seeds", [0], int, source)
+    traces = _list(raw, "traces", [None], (str, type(None)), source) if "traces" in raw else [None]
+    traces = [None if t is None else str(source.parent / t) if not Path(t).is_absolute() and (source.parent / t).exists()
+              else t for t in traces]
+    slo_raw = raw.get("slo", {})
+    if not isinstance(slo_raw, dict):
+        raise ValueError(f"{source}: [slo] must be a table")
+    try:
+        slo = SLO(**slo_raw)
+    except TypeError as e:
+        raise ValueError(f"{source}: [slo]: {e}") from None
+    tw = raw.get("tier_weights")
+    options = SimOptions(index_mode=raw.get("index_mode", "approximate"), router_tiers=bool(raw.get("router_tiers", True)),
+                         tier_weights=tuple(sorted(tw.items())) if isinstance(tw, dict) else None)
+    grid = raw.get("grid", {})
+    if not isinstance(grid, dict):
+        raise ValueError(f"{source}: [grid] must be a table of dotted.path = [values]")
+    grid_keys = list(grid)
+    for k, vals in grid.items():
+        if not isinstance(vals, list) or not vals:
+            raise ValueError(f"{source}: grid.{k} must be a non-empty list of values")
+    listed = raw.get("points", [])
+    if not isinstance(listed, list) or any(not isinstance(p, dict) for p in listed):
+        raise ValueError(f"{source}: [[points]] must be tables of dotted.path = value")
+    combos = [list(zip(grid_keys, vals)) for vals in itertools.product(*grid.values())] if grid else [[]]
+    variations = [c + list(p.items()) for c in combos for p in listed] if listed else combos
+    total = len(policies) * len(traces) * len(variations) * len(rates) * len(seeds)
+    if total > MAX_POINTS:
+        raise ValueError(f"{source}: {total} points; at most {MAX_POINTS}")
+    scenarios = []
+    for var in variations:
+        try:
+            scenarios.append(apply_overrides(base, var, source=str(source)))
+        except ValueError as e:
+            raise ValueError(f"{e} (point {dict(var)})") from None
+    points, ids = [], []
+    for policy in policies:
+        for trace in traces:
+            wl = WorkloadSpec(trace, raw.get("format", "auto"), limit if limit is not None else raw.get("limit"),
+                              raw.get("duration_s"), float(raw.get("spread_s", 3.0)), 0)
+            for var, sc in zip(variations, scenarios):
+                for rate in rates:
+                    for seed in seeds:
+                        tag = (("sweep_trace", trace or "embedded"),
+                               *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
+                        points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
+                        ids.append(point_id(base, slo, var, policy, rate, seed, wl, options))
+    return Sweep(base, points, ids, grid_keys, source, raw)
+
+
+# ---------------------------------------------------------------------- results
+def read_done(path: Path) -> dict[str, dict[str, Any]]:
+    """``{point_id: row}`` of a ``points.jsonl`` (missing file: empty). Lines of failed points
+    (``error`` set) are not counted as done. A truncated last line (a sweep killed mid-write) is
+    ignored; any other malformed line raises.
+
+    Raises:
+        ValueError: a malformed line other than the last (names file and line).
+    """
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    out: dict[str, dict[str, Any]] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                continue
+            raise ValueError(f"{path}:{n}: not a JSON line") from None
+        if not row.get("error"):
+            out[row["point_id"]] = row
+    return out
+
+
+def result_row(pid: str, r: PointResult) -> dict[str, Any]:
+    from sim.capacity_report import _jsonable
+
+    return _jsonable({"point_id": pid} | point_row(r, summary=True))
+
+
+def run_sweep(sweep: Sweep, out: Path, executor: Any, *, resume: bool = True, per_point: bool = False,
+              on_point: Callable[[str, dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Run the points of ``sweep`` not yet in ``out/points.jsonl`` (all of them without
+    ``resume``), appending each result line as it completes. Returns ``(rows, num_run)``: one
+    row per point of the sweep in sweep order (from this run or an earlier one) and how many ran now."""
+    import concurrent.futures as cf
+    import dataclasses
+
+    from sim.point import error_result
+
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "points.jsonl"
+    done = read_done(log) if resume else {}
+    if not resume and log.exists():
+        log.unlink()
+    todo = [(pid, p) for pid, p in zip(sweep.ids, sweep.points) if pid not in done]
+    seen: set[str] = set()
+    todo = [(pid, p) for pid, p in todo if not (pid in seen or seen.add(pid))]  # duplicates run once
+    if per_point:
+        todo = [(pid, dataclasses.replace(p, save_dir=str(out / "per_point" / pid))) for pid, p in todo]
+    with open(log, "a") as fh:
+        futures = {executor.submit(p): (pid, p) for pid, p in todo}
+        for fut in cf.as_completed(futures):
+            pid, p = futures[fut]
+            try:
+                res = fut.result()
+            except Exception as e:  # noqa: BLE001 - a dead worker after its retries: an error row
+                res = error_result(p, f"{type(e).__name__}: {e}")
+            row = result_row(pid, res)
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            if not row.get("error"):
+                done[pid] = row
+            else:
+                done.setdefault(pid, row)
+            if on_point is not None:
+                on_point(pid, row)
+    rows = [done[pid] for pid in sweep.ids if pid in done]
+    return rows, len(todo)
+
+
+def write_table(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    """``sweep.csv`` and ``sweep.json`` (one row per point; columns the union in first-seen order)."""
+    import csv
+
+    cols: dict[str, None] = {}
+    for row in rows:
+        cols.update(dict.fromkeys(row))
+    with open(out / "sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(cols))
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    (out / "sweep.json").write_text(json.dumps({"columns": list(cols), "rows": list(rows)}, indent=1) + "\n")
+    return [out / "sweep.csv", out / "sweep.json"]
+
+
+def _num(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
+    """Goodput and TTFT p99 vs offered request rate, one line per policy (means over the other
+    swept dimensions); False (nothing written) with fewer than two rates."""
+    rates = sorted({r["rate_scale"] for r in rows})
+    if len(rates) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        xs, gp, tt = [], [], []
+        for f in rates:
+            sel = [r for r in rows if r["policy"] == pol and r["rate_scale"] == f and not r.get("error")]
+            if not sel:
+                continue
+            xs.append(sum(_num(r["offered_rps"]) for r in sel) / len(sel))
+            gp.append(sum(_num(r["goodput_rps"]) for r in sel) / len(sel))
+            tt.append(sum(_num(r["ttft_p99_s"]) for r in sel) / len(sel))
+        axes[0].plot(xs, gp, "o-", label=pol)
+        axes[1].plot(xs, tt, "o-", label=pol)
+    top = max((_num(r["offered_rps"]) for r in rows), default=1.0)
+    axes[0].plot([0, top], [0, top], "k--", lw=1, label="offered rate")
+    for ax, yl in zip(axes, ("goodput (req/s)", "TTFT p99 (s)")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path, metric: str = "attainment") -> bool:
+    """SLO attainment over the first two grid parameters, one panel per (policy, rate) (at most
+    12; means over seeds and other parameters); False (nothing written) without two grid keys."""
+    if len(keys) < 2:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kx, ky = f"set.{keys[0]}", f"set.{keys[1]}"
+    xs = list(dict.fromkeys(r[kx] for r in rows))
+    ys = list(dict.fromkeys(r[ky] for r in rows))
+    panels = list(dict.fromkeys((r["policy"], r["rate_scale"]) for r in rows))[:12]
+    cols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols + 1, 3.0 * nrows + 0.6), squeeze=False)
+    im = None
+    for ax, (pol, rate) in zip(axes.flat, panels):
+        z = np.full((len(ys), len(xs)), np.nan)
+        for i, yv in enumerate(ys):
+            for j, xv in enumerate(xs):
+                sel = [_num(r[metric]) for r in rows if r["policy"] == pol and r["rate_scale"] == rate
+                       and r[kx] == xv and r[ky] == yv and not r.get("error")]
+                if sel:
+                    z[i, j] = 100 * sum(sel) / len(sel)
+        im = ax.imshow(z, origin="lower", cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i in range(len(ys)):
+            for j in range(len(xs)):
+                if not np.isnan(z[i, j]):
+                    ax.text(j, i, f"{z[i, j]:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs], fontsize=7)
+        ax.set_yticks(range(len(ys)), [str(y) for y in ys], fontsize=7)
+        ax.set_xlabel(keys[0], fontsize=8)
+        ax.set_ylabel(keys[1], fontsize=8)
+        ax.set_title(f"{pol} @x{rate:g}", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8, label="SLO attainment (%)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True

@@ -1,0 +1,143 @@
+"""Sweeps (sim.sweep, pdlb sim sweep): expansion, resumability, the table, failures kept as rows."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.cli import main
+from sim.executor import Executor, SerialExecutor
+from sim.sweep import MAX_POINTS, load_sweep, read_done, run_sweep
+
+SWEEP = """
+policies = ["round_robin", "least_load:metric=requests"]
+rates = [0.5, 1.0]
+limit = 40
+[slo]
+ttft_s = 5.0
+[grid]
+"prefill.num_engines" = [1, 2]
+"decode.num_engines" = [1, 2]
+"""
+
+
+def _write(tmp_path: Path, text: str = SWEEP) -> Path:
+    p = tmp_path / "sw.toml"
+    p.write_text(text)
+    return p
+
+
+def test_expansion_is_the_product_with_stable_distinct_ids(tmp_path: Path) -> None:
+    sw = load_sweep(_write(tmp_path))
+    assert len(sw.points) == 2 * 2 * 2 * 2  # policies x rates x grid (2 x 2)
+    assert len(set(sw.ids)) == len(sw.ids)
+    assert load_sweep(_write(tmp_path)).ids == sw.ids  # stable across loads
+    p = sw.points[0]
+    assert (p.policy.label, p.rate_scale, p.scenario.prefill.num_engines, p.scenario.decode.num_engines) == \
+        ("round_robin", 0.5, 1, 1)
+    assert p.slo.ttft_s == 5.0 and p.workload.limit == 40
+    assert dict(sw.points[-1].tag)["set.prefill.num_engines"] == 2
+    # listed points, applied after each grid combination
+    sw2 = load_sweep(_write(tmp_path, 'policies = ["round_robin"]\n[grid]\n"prefill.num_engines" = [1, 2]\n'
+                                      '[[points]]\n"decode.num_engines" = 1\n[[points]]\n"decode.num_engines" = 3\n'))
+    assert [(p.scenario.prefill.num_engines, p.scenario.decode.num_engines) for p in sw2.points] == \
+        [(1, 1), (1, 3), (2, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bogus = 1\n", "unknown key(s) bogus"),
+    ('policies = ["nope"]\n', "unknown policy 'nope'"),
+    ('[grid]\n"prefill.num_enignes" = [1]\n', "num_enignes"),
+    ('[grid]\n"prefill.num_engines" = [1, 0]\n', "point {'prefill.num_engines': 0}"),
+    ("rates = [0]\n", "rates must be finite numbers > 0"),
+    ("[slo]\nttft = 1\n", "[slo]"),
+    ("policies = [\n", "sw.toml"),
+    ('[grid]\n"perf.mfu" = [' + ",".join(["0.5"] * 101) + ']\n"prefill.num_engines" = [' + ",".join(["1"] * 100) + "]\n",
+     f"at most {MAX_POINTS}"),
+])
+def test_bad_sweep_files_are_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_sweep(_write(tmp_path, text))
+    assert message in str(e.value)
+
+
+class _FailFirst(Executor):
+    """Fails the first point submitted (as a Ray task whose retries ran out would), runs the rest."""
+
+    def __init__(self) -> None:
+        self.inner = SerialExecutor()
+        self.n = 0
+
+    def submit(self, point):  # noqa: ANN001, ANN201
+        self.n += 1
+        if self.n == 1:
+            fut: cf.Future = cf.Future()
+            fut.set_exception(RuntimeError("worker died"))
+            return fut
+        return self.inner.submit(point)
+
+
+def test_sweep_resumes_and_keeps_failed_points_as_rows(tmp_path: Path) -> None:
+    sw = load_sweep(_write(tmp_path, 'policies = ["round_robin"]\nlimit = 30\nrates = [0.5, 1.0, 2.0]\n'))
+    out = tmp_path / "out"
+    rows, ran = run_sweep(sw, out, _FailFirst())
+    assert ran == 3 and len(rows) == 3
+    failed = [r for r in rows if r["error"]]
+    assert len(failed) == 1 and "worker died" in failed[0]["error"]
+    assert len(read_done(out / "points.jsonl")) == 2  # the failed point is not done
+    # rerun: only the failed point runs again, and now succeeds
+    rows, ran = run_sweep(sw, out, SerialExecutor())
+    assert ran == 1 and all(not r["error"] for r in rows) and len(rows) == 3
+    # a run killed mid-write leaves a truncated last line: ignored, that point reruns
+    log = out / "points.jsonl"
+    text = log.read_text()
+    log.write_text(text + text.splitlines()[-1][:40])
+    rows, ran = run_sweep(sw, out, SerialExecutor())
+    assert ran == 0 and len(rows) == 3
+    log.write_text("{bad\n" + text)
+    with pytest.raises(ValueError, match="points.jsonl:1: not a JSON line"):
+        read_done(log)
+
+
+def test_sweep_cli_table_csv_json_plots_report_and_resume(tmp_path: Path, capsys) -> None:
+    f = _write(tmp_path)
+    out = tmp_path / "res"
+    assert main(["sim", "sweep", str(f), "--out", str(out), "--jobs", "1", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "16 points (16 run now" in printed
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    assert len(rows) == 16
+    cols = set(rows[0])
+    # the point's parameters and every summary metric
+    assert {"set.prefill.num_engines", "set.decode.num_engines", "policy", "rate_scale", "seed", "attainment",
+            "goodput_rps", "summary.ttft_s.p99", "summary.kv.hit_rate.hbm", "summary.decode_load_imbalance"} <= cols
+    r = rows[0]
+    assert int(r["num_gpus"]) == 8 * (int(r["set.prefill.num_engines"]) + int(r["set.decode.num_engines"]))
+    # goodput = SLO-meeting requests per second of the arrival window, with the sweep's SLO
+    assert float(r["goodput_rps"]) == pytest.approx(float(r["attainment"]) * float(r["offered_rps"]))
+    doc = json.loads((out / "sweep.json").read_text())
+    assert len(doc["rows"]) == 16 and "summary.ttft_s.p99" in doc["columns"]
+    for name in ("sweep_rates.png", "sweep_heatmap.png", "report.html"):
+        assert (out / name).stat().st_size > 5_000, name
+    assert not (out / "per_point").exists()  # only if asked
+    assert main(["sim", "sweep", str(f), "--out", str(out), "--jobs", "1", "--quiet"]) == 0
+    assert "16 points (0 run now" in capsys.readouterr().out
+
+
+def test_sweep_per_point_folders(tmp_path: Path) -> None:
+    f = _write(tmp_path, 'policies = ["round_robin"]\nlimit = 25\n')
+    out = tmp_path / "res"
+    assert main(["sim", "sweep", str(f), "--out", str(out), "--jobs", "1", "--quiet", "--per-point", "--no-plots"]) == 0
+    (pid,) = [d.name for d in (out / "per_point").iterdir()]
+    csv_rows = (out / "per_point" / pid / "requests_round_robin.csv").read_text().strip().splitlines()
+    assert len(csv_rows) == 26  # header + 25 requests
+
+
+def test_the_documented_example_sweep_expands() -> None:
+    sw = load_sweep(Path(__file__).parents[1] / "docs" / "examples" / "sweep.toml")
+    assert len(sw.points) == 24 and sw.grid_keys == ["prefill.num_engines", "decode.num_engines"]
+    assert sw.points[0].slo.ttft_per_1k_prompt_tokens_s == 0.5 and sw.points[0].workload.limit == 2000
