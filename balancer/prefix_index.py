@@ -89,13 +89,14 @@ class _Node:
 
 
 class _Replica:
-    """Per-replica state: its number (bit), LRU list sentinel and held block count."""
+    """Per-replica state: its number, LRU list sentinel and held block count. O(1) memory: the
+    replica's bit (``1 << num``, ``num / 8`` bytes) is built when needed, not stored, so that
+    n replicas cost O(n), not O(n**2) bits."""
 
-    __slots__ = ("num", "bit", "head", "blocks")
+    __slots__ = ("num", "head", "blocks")
 
     def __init__(self, num: int) -> None:
         self.num = num
-        self.bit = 1 << num
         self.head = _Entry(None, 0.0)  # head.next: least recently used; head.prev: most
         self.blocks = 0
 
@@ -229,7 +230,7 @@ class PrefixIndex:
             for r in replicas:
                 rs = self._state.get(r)
                 if rs is not None:
-                    allowed |= rs.bit
+                    allowed |= 1 << rs.num
         result: dict[ReplicaId, int] = {}
         for mask, depth in self._depth_changes(block_hashes, allowed):
             for r in self._replicas_in(mask):
@@ -310,7 +311,7 @@ class PrefixIndex:
         rs = self._state.get(replica)
         if rs is None:
             return 0
-        changes = self._depth_changes(block_hashes, rs.bit)
+        changes = self._depth_changes(block_hashes, 1 << rs.num)
         return changes[0][1] if changes else 0
 
     def num_blocks(self, replica: ReplicaId | None = None) -> int:
@@ -342,7 +343,7 @@ class PrefixIndex:
         not kept: O(blocks in the tree) once)."""
         rs = self._state.get(replica)
         node = self._block_map().get(block_hash)
-        return rs is not None and node is not None and bool(node.holders & rs.bit)
+        return rs is not None and node is not None and bool(node.holders >> rs.num & 1)
 
     def lru_order(self, replica: ReplicaId) -> list[int]:
         """The replica's blocks from least to most recently used (for tests and debugging)."""
@@ -417,7 +418,8 @@ class PrefixIndex:
             path.append(child)
             pos += k
             node = child
-        num, bit, head = rs.num, rs.bit, rs.head
+        num, head = rs.num, rs.head
+        bit = 1 << num
         for node in reversed(path):  # deepest first: each lands most recently used (list tail)
             e = node.entries.get(num)
             if e is None:
@@ -460,7 +462,7 @@ class PrefixIndex:
         if rs is None or not rs.blocks:
             return 0
         node_of = self._block_map()
-        bit = rs.bit
+        bit = 1 << rs.num
         groups: dict[_Node, tuple[tuple[int, ...], set[int]]] = {}  # node -> (its run now, hashes)
         for h in block_hashes:
             node = node_of.get(h)
@@ -614,7 +616,7 @@ class PrefixIndex:
         """``rs`` no longer holds ``node``; prune runs nobody holds and nothing hangs from, and
         merge what the drop made indistinguishable."""
         _unlink(node.entries.pop(rs.num))
-        node.holders &= ~rs.bit
+        node.holders &= ~(1 << rs.num)
         rs.blocks -= len(node.blocks)
         if node.holders:
             if len(node.children) == 1:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import ipaddress
 import logging
 import os
 import time
@@ -47,7 +47,8 @@ from balancer.router import Router
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
-from balancer.service.proxy import Proxy, error_response
+from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
+from balancer.service.request_checks import parse_json_body
 from balancer.service.workers import WorkerPool
 from balancer.types import Role
 
@@ -73,10 +74,12 @@ class Service:
             make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
             index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index)
-        self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
+        self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
+        self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check,
+                               on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(
+                                   url, state.name.lower()).inc())
         for w in cfg.workers:
             self.pool.add(w)
-        self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
         if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
             self.metrics.in_flight.set_function(lambda: self.in_flight)
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
@@ -88,8 +91,8 @@ class Service:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def check_health_once(self) -> None:
-        """One round of active health checks of every worker (concurrently)."""
+    async def check_health_once(self, workers: list | None = None) -> None:
+        """One round of active health checks of every worker (or of ``workers``), concurrently."""
         assert self.session is not None
         hc = self.cfg.health_check
         timeout = aiohttp.ClientTimeout(total=hc.timeout_s)
@@ -103,7 +106,7 @@ class Service:
                 ok = False
             self.pool.record_health(w, ok, time.monotonic())
 
-        await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
+        await asyncio.gather(*(one(w) for w in (list(self.pool.workers.values()) if workers is None else workers)))
 
     async def _health_loop(self) -> None:
         while True:
@@ -112,6 +115,19 @@ class Service:
                 await self.check_health_once()
             except Exception:  # never let the checker die
                 log.exception("health check round failed")
+
+    async def _probe_loop(self) -> None:
+        """Every ``circuit_breaker.probe_interval_s``: health-check the workers that are not
+        routable (breaker open, or unhealthy), so that one that recovered gets traffic back within
+        about that long (a passing probe turns an open breaker half-open)."""
+        while True:
+            await asyncio.sleep(self.cfg.circuit_breaker.probe_interval_s)
+            try:
+                self.pool.refresh(time.monotonic())
+                if (down := self.pool.to_probe()):
+                    await self.check_health_once(down)
+            except Exception:  # never let the prober die
+                log.exception("health probe round failed")
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -158,7 +174,7 @@ async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, A
     status = 500
     try:
         resp = await handler(request)
-        status = resp.status
+        status = request.get(STREAM_STATUS, resp.status)  # a stream that failed after its 200 headers
         return resp
     except web.HTTPException as e:
         status = e.status
@@ -189,9 +205,9 @@ async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Res
     """The parsed JSON object body (or the 400 response) and the raw bytes."""
     raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) over client_max_size
     try:
-        body = json.loads(raw)
+        body = parse_json_body(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"invalid JSON body: {e}"), raw
+        return error_response(400, f"invalid JSON body: {str(e)[:200]}"), raw
     if not isinstance(body, dict):
         return error_response(400, "the JSON body must be an object"), raw
     return body, raw
@@ -220,7 +236,10 @@ async def _health(request: web.Request) -> web.Response:
     svc.pool.refresh(time.monotonic())
     counts = {r.value: len(svc.pool.routable((r,))) for r in Role}
     ok = (counts["decode"] + counts["mixed"]) > 0 and not svc.draining
-    status = "draining" if svc.draining else ("ok" if ok else "unavailable")
+    # PD with prefill workers registered but none routable: requests get 503 (see proxy)
+    no_prefill = svc.cfg.pd_protocol != "none" and svc.pool.num_prefill > 0 and counts["prefill"] == 0
+    ok = ok and not no_prefill
+    status = "draining" if svc.draining else ("ok" if ok else ("no_prefill" if no_prefill else "unavailable"))
     return web.json_response({"status": status, "routable_workers": counts, "in_flight": svc.in_flight,
                               "process": svc.process_info()}, status=200 if ok else 503)
 
@@ -246,6 +265,21 @@ async def _models(request: web.Request) -> web.Response:
     return error_response(503, "no worker answered /v1/models")
 
 
+def is_loopback(peer: str | None) -> bool:
+    """Whether a peer address is loopback: ``127.0.0.0/8``, ``::1`` or ``::ffff:127.x.y.z``.
+    Behind a reverse proxy on the same host every client looks like loopback: configure
+    ``admin_api_key`` there."""
+    if not peer:
+        return False
+    try:
+        addr = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
 def admin_denied(request: web.Request, api_key: str | None) -> web.Response | None:
     """``None`` if the request may use the admin API, else the 401/403 error response."""
     if api_key:
@@ -253,8 +287,7 @@ def admin_denied(request: web.Request, api_key: str | None) -> web.Response | No
         if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             return error_response(401, "admin API: missing or wrong bearer token", "authentication_error")
         return None
-    peer = request.remote or ""
-    if peer == "::1" or peer.startswith("127.") or peer == "localhost":
+    if is_loopback(request.remote):
         return None
     return error_response(403, "admin API is loopback-only when no admin_api_key is configured", "permission_error")
 
@@ -352,6 +385,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
         svc.session = make_client_session(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
+        if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
+            loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
         yield
