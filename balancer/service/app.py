@@ -326,7 +326,7 @@ async def _add_worker(request: web.Request) -> web.Response:
     try:
         wcfg = WorkerConfig.model_validate(body)
     except ValidationError as e:
-        return error_response(400, f"invalid worker: {e.errors(include_url=False, include_context=False)}")
+        return error_response(400, f"invalid worker: {e.errors(include_url=False, include_context=False, include_input=False)}")
     if wcfg.role == "prefill" and svc.cfg.pd_protocol == "none":
         return error_response(400, "pd_protocol 'none' takes no prefill workers")
     try:

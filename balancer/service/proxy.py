@@ -103,7 +103,7 @@ class _RequestFaults:
     charged: set[str] = field(default_factory=set)
 
 
-STREAM_STATUS = "pdlb_stream_status"
+STREAM_STATUS: web.RequestKey[int] = web.RequestKey("pdlb_stream_status", int)
 """Request key: the status a started stream ended with when it failed (the metrics use it)."""
 
 
