@@ -44,6 +44,7 @@ from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemove
 from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role
+from sim.admission import admit, check_block_size
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
 from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
@@ -404,7 +405,13 @@ def simulate(
                       tier_weights=tier_weights, **tier_kw)
 
     t0 = time.perf_counter()
+    check_block_size(requests, scenario.block_size)
     cluster = Cluster(scenario, make_router, perf_factory)
+    # refused at arrival, as real engines refuse them (sim.admission): never simulated
+    cap = {role: max((r.kv_capacity_blocks * scenario.block_size for r in cluster.ranks if r.role in roles), default=0)
+           for role, roles in (("decode", (Role.DECODE, Role.MIXED)), ("prefill", (Role.PREFILL,)))}
+    requests, rejected = admit(requests, scenario.effective_max_model_len, cap["decode"],
+                               cap["prefill"] if scenario.disaggregated else None)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
@@ -424,7 +431,7 @@ def simulate(
         num_steps=sum(g.num_steps for g in cluster.groups),
         num_waits=sum(g.num_waits for g in cluster.groups),
         wall_s=wall,
-        extra={"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {},
+        extra=({"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {}) | ({"rejected": rejected} if rejected else {}),
     )
 
 

@@ -72,7 +72,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from balancer.router import NoReplicaError, Router
+from balancer.router import NoReplicaError, RequestTooLargeError, Router
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
@@ -320,6 +320,8 @@ class Proxy:
                                       exclude_engines=faults.failed if (faults := _FAULTS.get()) is not None else ())
         except NoReplicaError as e:
             raise Failure(503, f"no healthy worker: {e}", True, "no_worker") from None
+        except RequestTooLargeError as e:
+            raise Failure(400, str(e), False, "too_large") from None
         self._record_route(route, n_tokens)
         legs = _Legs()
         try:
