@@ -368,3 +368,58 @@ def test_loopback_check_and_non_loopback_bind():
     assert load_service_config(None, {"host": "0.0.0.0", "admin_api_key": "k"}).host == "0.0.0.0"
     assert load_service_config(None, {"host": "0.0.0.0", "allow_unauthenticated_admin": True}).host == "0.0.0.0"
     assert load_service_config(None, {"host": "::1"}).host == "::1"
+
+
+# ---------------------------------------------------------------------- item 8: slow clients
+async def test_slow_clients_are_cut_off_and_connections_are_limited():
+    from balancer.service.app import create_app, limit_connections, make_runner
+
+    cfg = ServiceConfig.model_validate({"pd_protocol": "none", "port": 0, "client_idle_timeout_s": 0.5,
+                                        "body_read_timeout_s": 0.5, "max_connections": 4,
+                                        "health_check": {"enabled": False}})
+    runner = make_runner(create_app(cfg), cfg)
+    await runner.setup()
+    limit_connections(runner, cfg.max_connections)
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        # slowloris: headers never complete -> closed after the idle timeout (was: held ~1 h)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        await w.drain()
+        t0 = time.monotonic()
+        try:
+            for _ in range(30):
+                await asyncio.sleep(0.1)
+                w.write(b"X-a: b\r\n")  # a header line now and then does not keep it open
+                await w.drain()
+            data = await asyncio.wait_for(r.read(), 3.0)
+        except ConnectionError:
+            data = b""
+        took = time.monotonic() - t0
+        assert data == b"" and 0.4 < took < 2.0, took
+        w.close()
+        # a body that never arrives -> 408 JSON
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        await w.drain()
+        head = await asyncio.wait_for(r.read(65536), 3.0)
+        assert head.startswith(b"HTTP/1.1 408") and b"body_read_timeout_s" in head
+        w.close()
+        # connections beyond max_connections are closed at once; the first ones still work
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(6)]
+        await asyncio.sleep(0.1)
+        closed = 0
+        for rr, ww in conns:
+            ww.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                data = await asyncio.wait_for(rr.read(12), 2.0)
+            except ConnectionError:
+                data = b""
+            closed += data == b""
+            ww.close()
+        assert closed == 2
+    finally:
+        await runner.cleanup()

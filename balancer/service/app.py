@@ -203,7 +203,12 @@ async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
 
 async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Response, bytes]:
     """The parsed JSON object body (or the 400 response) and the raw bytes."""
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) over client_max_size
+    try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size
+        async with asyncio.timeout(request.app[SERVICE].cfg.body_read_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        return error_response(408, "request body not received within body_read_timeout_s="
+                                   f"{request.app[SERVICE].cfg.body_read_timeout_s:g} s", "timeout"), b""
     try:
         body = parse_json_body(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -357,6 +362,37 @@ async def _remove_worker(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------- factory
+def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
+    """The :class:`aiohttp.web.AppRunner` for ``app``: handler cancellation (a client disconnect
+    aborts both PD legs), no access log, ``client_idle_timeout_s`` as the keep-alive timeout (it
+    also closes a connection whose headers never complete: slowloris), graceful shutdown for
+    ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
+                         keepalive_timeout=cfg.client_idle_timeout_s)
+
+
+def limit_connections(runner: web.AppRunner, max_connections: int) -> None:
+    """Close client connections beyond ``max_connections`` as they are accepted (logged once per
+    burst at warning level)."""
+    server = runner.server
+    assert server is not None, "call after runner.setup()"
+    accept = server.connection_made
+    state = {"warned": False}
+
+    def connection_made(handler, transport):  # noqa: ANN001, ANN202
+        if len(server.connections) >= max_connections:
+            if not state["warned"]:
+                log.warning("more than %d client connections: closing new ones (max_connections)", max_connections)
+                state["warned"] = True
+            transport.abort()
+            return
+        state["warned"] = False
+        accept(handler, transport)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+
+
+
 def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
     """The one HTTP client session to the workers: unlimited keep-alive connections (60 s idle),
     no cookie jar (engines set none; the jar would be consulted per request), no

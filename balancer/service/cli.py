@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 
 from balancer.policies import available_policies
-from balancer.service.app import create_app
+from balancer.service.app import create_app, limit_connections, make_runner
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
                                      parse_worker_spec)
 
@@ -197,8 +197,9 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:
             ready.send(("error", str(e)))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s)
+    runner = make_runner(app, cfg)
     await runner.setup()
+    limit_connections(runner, cfg.max_connections)
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if cfg.processes > 1 else None)
     try:
         await site.start()

@@ -213,6 +213,12 @@ class ServiceConfig(BaseModel):
             ``max_completion_tokens``, ``sampling_params.max_new_tokens``); larger gets 400.
         max_model_len: if set, a request whose prompt tokens (estimated without a tokenizer)
             plus output limit exceed it gets 400, as the engine would refuse it.
+        client_idle_timeout_s: a client connection that has not sent a complete request's
+            headers this long after it opened or after its last answer is closed (aiohttp's
+            keep-alive timeout, which also bounds a slow header read; its default is an hour).
+        body_read_timeout_s: the most time a client may take to send a request body (408).
+        max_connections: client connections held at once; more are closed at once (a slowloris
+            flood cannot exhaust file descriptors).
         allow_unauthenticated_admin: allow a non-loopback ``host`` without ``admin_api_key``
             (the admin API then answers loopback peers only; behind a reverse proxy on the same
             host every client is a loopback peer, so set ``admin_api_key`` there).
@@ -250,6 +256,9 @@ class ServiceConfig(BaseModel):
     max_tokens_limit: int = Field(1_048_576, ge=1, le=2**31 - 1)
     max_model_len: int | None = Field(None, ge=2, le=2**40)
     allow_unauthenticated_admin: bool = False
+    client_idle_timeout_s: float = Field(30.0, gt=0, le=3600)
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    max_connections: int = Field(10_000, ge=1, le=1_000_000)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     retry: RetryConfig = RetryConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
