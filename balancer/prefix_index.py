@@ -122,6 +122,11 @@ class PrefixIndex:
             unbounded. Must be >= 1 when given.
         ttl_s: blocks not inserted/touched for this many seconds are dropped by :meth:`expire`;
             ``None`` disables TTL.
+        total_capacity_blocks: most blocks remembered over all replicas together (``None``:
+            no global bound): each replica's bound becomes ``min(capacity_blocks,
+            total_capacity_blocks // numbered replicas)``, shrinking (with LRU evictions of the
+            replicas above it) when a replica is numbered, so 512 replicas cannot hold 512 times
+            the per-replica bound. Must be >= 1 when given.
         block_map: keep a block hash -> run map from the start, so that :meth:`remove` and
             :meth:`holds` cost O(1) per block and an insert that does not start at a prompt's
             first block is refused (``ValueError``). Costs a dict entry per distinct block and
@@ -133,13 +138,16 @@ class PrefixIndex:
         ValueError: on a non-positive capacity or TTL.
     """
 
-    __slots__ = ("capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
+    __slots__ = ("capacity_blocks", "total_capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
                  "_version", "_numbers_cache", "_unique", "_mask_numbers")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None, *,
-                 block_map: bool = False) -> None:
+                 block_map: bool = False, total_capacity_blocks: int | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
+        if total_capacity_blocks is not None and total_capacity_blocks < 1:
+            raise ValueError(f"total_capacity_blocks must be >= 1 or None, got {total_capacity_blocks}")
+        self.total_capacity_blocks = total_capacity_blocks
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self.capacity_blocks = capacity_blocks
@@ -166,7 +174,21 @@ class PrefixIndex:
             rs = self._state[replica] = _Replica(num)
             self._replica_of_num[num] = replica
             self._version += 1
+            if self.total_capacity_blocks is not None:  # the per-replica share shrank
+                cap = self.effective_capacity_blocks()
+                for other in list(self._state.values()):
+                    if other.blocks > cap:
+                        self._evict_to(other, cap)
         return rs
+
+    def effective_capacity_blocks(self) -> int | None:
+        """The bound per replica now: ``capacity_blocks``, lowered to an even share of
+        ``total_capacity_blocks`` over the numbered replicas (at least 1)."""
+        cap = self.capacity_blocks
+        if self.total_capacity_blocks is not None:
+            share = max(1, self.total_capacity_blocks // max(1, len(self._state)))
+            cap = share if cap is None else min(cap, share)
+        return cap
 
     def register(self, replica: ReplicaId) -> int:
         """Give ``replica`` its number now (see :meth:`numbers`) rather than at its first insert;
@@ -376,7 +398,7 @@ class PrefixIndex:
                 first block nor names its parent, or hashes are not chained).
         """
         rs = self._state.get(replica) or self._state_of(replica)
-        cap = self.capacity_blocks
+        cap = self.capacity_blocks if self.total_capacity_blocks is None else self.effective_capacity_blocks()
         hs = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
         n = len(hs)
         if not n:
@@ -389,6 +411,14 @@ class PrefixIndex:
                 return []
             i = parent.blocks.index(parent_block_hash) + 1
             node = parent if i == len(parent.blocks) else self._split(parent, i)[0]
+            # the engine's sequence uses the blocks it continues: they are touched too (root to
+            # parent), so the chain's runs share one time and LRU place and merge into one node
+            # (1,000 continuation events of one chain: 1 node, not 1,000)
+            up = node
+            while up is not self._root:
+                path.append(up)
+                up = up.parent
+            path.reverse()
         pos = 0
         node_of = self._node_of
         while pos < n:
@@ -442,6 +472,11 @@ class PrefixIndex:
                 path[k + 1] = self._try_merge(path[k]) or path[k + 1]
         if cap is None or rs.blocks <= cap:
             return []
+        return self._evict_to(rs, cap)
+
+    def _evict_to(self, rs: _Replica, cap: int) -> list[int]:
+        """Evict ``rs``'s least recently used blocks until it holds ``cap``; returns them, oldest first."""
+        head = rs.head
         evicted: list[int] = []
         while rs.blocks > cap:
             node = head.next.node

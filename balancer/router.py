@@ -113,6 +113,8 @@ class Router:
         store_ttl_s: TTL of the store view (from last insert), ``None`` = none.
         tier_weights: ``{"host": w, "store": w}``, each in [0, 1]; missing keys take
             :data:`DEFAULT_TIER_WEIGHTS`.
+        index_total_capacity_blocks: prefix-index bound over all replicas together (each gets
+            an even share when it is lower than ``index_capacity_blocks``), ``None`` = none.
 
     Raises:
         ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
@@ -135,6 +137,7 @@ class Router:
         store_index_capacity_blocks: int | None = None,
         store_ttl_s: float | None = None,
         tier_weights: Mapping[str, float] | None = None,
+        index_total_capacity_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -148,7 +151,8 @@ class Router:
         self.index_mode = index_mode
         self.pd_min_uncached_tokens = pd_min_uncached_tokens
         # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
-        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode == "events")
+        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode == "events",
+                                 total_capacity_blocks=index_total_capacity_blocks)
         weights = dict(DEFAULT_TIER_WEIGHTS)
         for k, w in (tier_weights or {}).items():
             if k not in DEFAULT_TIER_WEIGHTS:

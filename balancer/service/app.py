@@ -73,7 +73,8 @@ class Service:
             make_policy(cfg.prefill_policy.name, **cfg.prefill_policy.params),
             make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
-            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index)
+            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
+            index_total_capacity_blocks=cfg.index_total_capacity_blocks)
         self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check,
                                on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(

@@ -198,6 +198,9 @@ class ServiceConfig(BaseModel):
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
             tokens the decode engine serves the request alone (0 = always PD).
         index_capacity_blocks / index_ttl_s: prefix-index bounds per replica (LRU / TTL).
+        index_total_capacity_blocks: prefix-index bound over all replicas (default 4,194,304
+            blocks, about 300 MB at ~70 bytes a block; 512 replicas x 262,144 blocks would be
+            ~9 GB); each replica then keeps at most an even share.
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
@@ -249,6 +252,7 @@ class ServiceConfig(BaseModel):
     pd_min_uncached_tokens: int = Field(0, ge=0)
     index_capacity_blocks: int | None = Field(262_144, ge=1)
     index_ttl_s: float | None = Field(None, gt=0)
+    index_total_capacity_blocks: int | None = Field(4_194_304, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     first_byte_timeout_s: float | None = Field(None, gt=0)
