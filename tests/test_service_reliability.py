@@ -374,7 +374,7 @@ def test_loopback_check_and_non_loopback_bind():
 
 # ---------------------------------------------------------------------- item 8: slow clients
 async def test_slow_clients_are_cut_off_and_connections_are_limited():
-    from balancer.service.app import create_app, limit_connections, make_runner
+    from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
 
     cfg = ServiceConfig.model_validate({"pd_protocol": "none", "port": 0, "client_idle_timeout_s": 0.5,
                                         "body_read_timeout_s": 0.5, "max_connections": 4,
@@ -382,6 +382,7 @@ async def test_slow_clients_are_cut_off_and_connections_are_limited():
     runner = make_runner(create_app(cfg), cfg)
     await runner.setup()
     limit_connections(runner, cfg.max_connections)
+    json_parser_errors(runner)
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
@@ -410,6 +411,18 @@ async def test_slow_clients_are_cut_off_and_connections_are_limited():
         head = await asyncio.wait_for(r.read(65536), 3.0)
         assert head.startswith(b"HTTP/1.1 408") and b"body_read_timeout_s" in head
         w.close()
+        # HTTP parser errors are OpenAI-style JSON too (item 7), not text/plain
+        for bad in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(bad)
+            await w.drain()
+            raw = await asyncio.wait_for(r.read(), 3.0)
+            w.close()
+            head, _, body = raw.partition(b"\r\n\r\n")
+            assert head.split(b" ")[1] == b"400" and b"application/json" in head, raw
+            err = json.loads(body)["error"]
+            assert err["code"] == 400 and err["message"].startswith("malformed HTTP request"), err
         # connections beyond max_connections are closed at once; the first ones still work
         conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(6)]
         await asyncio.sleep(0.1)

@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -370,6 +370,33 @@ def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
     ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
                          keepalive_timeout=cfg.client_idle_timeout_s)
+
+
+class _JsonErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering HTTP parser errors (bad request line, headers,
+    chunked encoding) with an OpenAI-style JSON error instead of text/plain."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):  # noqa: ANN001, ANN201
+        resp = super().handle_error(request, status, exc, message)  # logs; raises if already sent
+        text = (message or (exc.message if isinstance(getattr(exc, "message", None), str) else "") or
+                f"HTTP {status}").replace("\n", " ")[:300]
+        out = error_response(status, f"malformed HTTP request: {text}" if status < 500 else "internal router error")
+        out.force_close()
+        del resp
+        return out
+
+
+class _JsonErrorServer(web_server.Server):
+    __slots__ = ()
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+def json_parser_errors(runner: web.AppRunner) -> None:
+    """Make ``runner``'s server answer HTTP parser errors with JSON (call after ``setup()``)."""
+    assert runner.server is not None, "call after runner.setup()"
+    runner.server.__class__ = _JsonErrorServer
 
 
 def limit_connections(runner: web.AppRunner, max_connections: int) -> None:

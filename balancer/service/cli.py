@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 
 from balancer.policies import available_policies
-from balancer.service.app import create_app, limit_connections, make_runner
+from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
                                      parse_worker_spec)
 
@@ -200,6 +200,7 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:
     runner = make_runner(app, cfg)
     await runner.setup()
     limit_connections(runner, cfg.max_connections)
+    json_parser_errors(runner)
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if cfg.processes > 1 else None)
     try:
         await site.start()
