@@ -438,3 +438,22 @@ async def test_slow_clients_are_cut_off_and_connections_are_limited():
         assert closed == 2
     finally:
         await runner.cleanup()
+
+
+async def test_wedged_sglang_prefill_is_charged_not_its_decode():
+    # the prefill engine accepts and never answers; the decode engine gives up waiting for the KV
+    # (bootstrap timeout 0.3 s) first: the prefill worker is charged (kind prefill_stalled) and the
+    # request is retried on the other prefill worker
+    router = {"retry": {"max_retries": 2, **NO_BACKOFF}, "prefill_policy": {"name": "round_robin"},
+              "circuit_breaker": {"failure_threshold": 100}}
+    async with inprocess_cluster("sglang", num_prefill=2, num_decode=1, engine={"speed": 20.0, "bootstrap_timeout_s": 0.3},
+                                 router=router) as c, aiohttp.ClientSession() as s:
+        await s.post(_url(c.prefill[0]) + "/emulator/faults", json={"hang": True})
+        r = await s.post(c.url + "/v1/completions", json={"prompt": "w " * 40, "max_tokens": 2})  # round robin: P0 first
+        assert r.status == 200
+        ws = await _workers(s, c)
+        assert ws[_url(c.decode[0])]["consecutive_failures"] == 0
+        assert ws[_url(c.prefill[0])]["consecutive_failures"] == 1
+        metrics = await (await s.get(c.url + "/metrics")).text()
+        assert f'pdlb_upstream_failures_total{{kind="prefill_stalled",worker="{_url(c.prefill[0])}"}}' in metrics
+        assert _load(c) == 0

@@ -33,8 +33,9 @@ count at once. A 500 answer counts only if the request then succeeds elsewhere: 
 same request (from another worker) means the request itself is at fault (an engine that cannot
 parse a field), so it is not retried further, nobody is charged and the engine's answer is relayed.
 When an SGLang decode leg fails because its prefill leg failed (both fail, or the decode leg fails
-first and its prefill fails within :data:`PREFILL_BLAME_GRACE_S`), only the prefill worker is
-charged.
+first and its prefill fails within :data:`PREFILL_BLAME_GRACE_S`, or the decode leg answered 502,
+as a decode engine does that could not get the KV, and the prefill is still running then: kind
+``prefill_stalled``), only the prefill worker is charged.
 
 With a PD protocol and prefill workers registered but none routable (every prefill breaker open or
 every prefill worker unhealthy), requests get 503 ("no healthy prefill worker", retried while the
@@ -258,7 +259,8 @@ class Proxy:
                         if f.worker is not None:
                             self._failed(f.worker, f.kind, charge=f.charge == "now")
                         if f.charge == "deferred":
-                            if any(d.status == f.status for d in deferred):
+                            if f.status == 500 and f.body is not None and any(
+                                    d.status == 500 and d.body is not None for d in deferred):
                                 # the same error from a second worker: the request is at fault
                                 log.info("request %s: %d from %s and %s; not retried (request-caused error)",
                                          visible_id, f.status, deferred[0].worker.url if deferred[0].worker else "?",
@@ -406,8 +408,17 @@ class Proxy:
             # D failed while P runs: a decode leg whose prefill failed fails too, often first; wait
             # briefly for P so that the failure is charged to the worker at fault
             await asyncio.wait({p_task}, timeout=PREFILL_BLAME_GRACE_S)
-        if p_task.done() and d_task.exception() is not None:
-            p_task.result()  # P failed too: raise its Failure (D not charged)
+        if d_task.exception() is not None:
+            if p_task.done():
+                p_task.result()  # P failed too: raise its Failure (D not charged)
+            # P still running PREFILL_BLAME_GRACE_S after its decode leg answered 502 (a decode
+            # engine that could not get the KV from its prefill): the prefill is the one stalled,
+            # charge it, not D. Other decode failures (503, timeouts, resets) are D's own.
+            df = d_task.exception()
+            if not (isinstance(df, Failure) and df.kind == "http_502"):
+                raise df
+            raise Failure(504, f"prefill worker {p.url} had not finished when the decode leg on {d.url} failed "
+                               f"({d_task.exception()})", True, "prefill_stalled", worker=p, charge="now")
         d_resp = d_task.result()
         if not p_task.done():
             # D answered before P: if P fails now, close D so that the relay fails (and retries
