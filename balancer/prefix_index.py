@@ -89,13 +89,14 @@ class _Node:
 
 
 class _Replica:
-    """Per-replica state: its number (bit), LRU list sentinel and held block count."""
+    """Per-replica state: its number, LRU list sentinel and held block count. O(1) memory: the
+    replica's bit (``1 << num``, ``num / 8`` bytes) is built when needed, not stored, so that
+    n replicas cost O(n), not O(n**2) bits."""
 
-    __slots__ = ("num", "bit", "head", "blocks")
+    __slots__ = ("num", "head", "blocks")
 
     def __init__(self, num: int) -> None:
         self.num = num
-        self.bit = 1 << num
         self.head = _Entry(None, 0.0)  # head.next: least recently used; head.prev: most
         self.blocks = 0
 
@@ -121,6 +122,11 @@ class PrefixIndex:
             unbounded. Must be >= 1 when given.
         ttl_s: blocks not inserted/touched for this many seconds are dropped by :meth:`expire`;
             ``None`` disables TTL.
+        total_capacity_blocks: most blocks remembered over all replicas together (``None``:
+            no global bound): each replica's bound becomes ``min(capacity_blocks,
+            total_capacity_blocks // numbered replicas)``, shrinking (with LRU evictions of the
+            replicas above it) when a replica is numbered, so 512 replicas cannot hold 512 times
+            the per-replica bound. Must be >= 1 when given.
         block_map: keep a block hash -> run map from the start, so that :meth:`remove` and
             :meth:`holds` cost O(1) per block and an insert that does not start at a prompt's
             first block is refused (``ValueError``). Costs a dict entry per distinct block and
@@ -132,13 +138,16 @@ class PrefixIndex:
         ValueError: on a non-positive capacity or TTL.
     """
 
-    __slots__ = ("capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
+    __slots__ = ("capacity_blocks", "total_capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
                  "_version", "_numbers_cache", "_unique", "_mask_numbers")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None, *,
-                 block_map: bool = False) -> None:
+                 block_map: bool = False, total_capacity_blocks: int | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
+        if total_capacity_blocks is not None and total_capacity_blocks < 1:
+            raise ValueError(f"total_capacity_blocks must be >= 1 or None, got {total_capacity_blocks}")
+        self.total_capacity_blocks = total_capacity_blocks
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self.capacity_blocks = capacity_blocks
@@ -165,7 +174,21 @@ class PrefixIndex:
             rs = self._state[replica] = _Replica(num)
             self._replica_of_num[num] = replica
             self._version += 1
+            if self.total_capacity_blocks is not None:  # the per-replica share shrank
+                cap = self.effective_capacity_blocks()
+                for other in list(self._state.values()):
+                    if other.blocks > cap:
+                        self._evict_to(other, cap)
         return rs
+
+    def effective_capacity_blocks(self) -> int | None:
+        """The bound per replica now: ``capacity_blocks``, lowered to an even share of
+        ``total_capacity_blocks`` over the numbered replicas (at least 1)."""
+        cap = self.capacity_blocks
+        if self.total_capacity_blocks is not None:
+            share = max(1, self.total_capacity_blocks // max(1, len(self._state)))
+            cap = share if cap is None else min(cap, share)
+        return cap
 
     def register(self, replica: ReplicaId) -> int:
         """Give ``replica`` its number now (see :meth:`numbers`) rather than at its first insert;
@@ -229,7 +252,7 @@ class PrefixIndex:
             for r in replicas:
                 rs = self._state.get(r)
                 if rs is not None:
-                    allowed |= rs.bit
+                    allowed |= 1 << rs.num
         result: dict[ReplicaId, int] = {}
         for mask, depth in self._depth_changes(block_hashes, allowed):
             for r in self._replicas_in(mask):
@@ -310,7 +333,7 @@ class PrefixIndex:
         rs = self._state.get(replica)
         if rs is None:
             return 0
-        changes = self._depth_changes(block_hashes, rs.bit)
+        changes = self._depth_changes(block_hashes, 1 << rs.num)
         return changes[0][1] if changes else 0
 
     def num_blocks(self, replica: ReplicaId | None = None) -> int:
@@ -342,7 +365,7 @@ class PrefixIndex:
         not kept: O(blocks in the tree) once)."""
         rs = self._state.get(replica)
         node = self._block_map().get(block_hash)
-        return rs is not None and node is not None and bool(node.holders & rs.bit)
+        return rs is not None and node is not None and bool(node.holders >> rs.num & 1)
 
     def lru_order(self, replica: ReplicaId) -> list[int]:
         """The replica's blocks from least to most recently used (for tests and debugging)."""
@@ -375,7 +398,7 @@ class PrefixIndex:
                 first block nor names its parent, or hashes are not chained).
         """
         rs = self._state.get(replica) or self._state_of(replica)
-        cap = self.capacity_blocks
+        cap = self.capacity_blocks if self.total_capacity_blocks is None else self.effective_capacity_blocks()
         hs = block_hashes if cap is None or len(block_hashes) <= cap else block_hashes[:cap]
         n = len(hs)
         if not n:
@@ -388,6 +411,14 @@ class PrefixIndex:
                 return []
             i = parent.blocks.index(parent_block_hash) + 1
             node = parent if i == len(parent.blocks) else self._split(parent, i)[0]
+            # the engine's sequence uses the blocks it continues: they are touched too (root to
+            # parent), so the chain's runs share one time and LRU place and merge into one node
+            # (1,000 continuation events of one chain: 1 node, not 1,000)
+            up = node
+            while up is not self._root:
+                path.append(up)
+                up = up.parent
+            path.reverse()
         pos = 0
         node_of = self._node_of
         while pos < n:
@@ -417,7 +448,8 @@ class PrefixIndex:
             path.append(child)
             pos += k
             node = child
-        num, bit, head = rs.num, rs.bit, rs.head
+        num, head = rs.num, rs.head
+        bit = 1 << num
         for node in reversed(path):  # deepest first: each lands most recently used (list tail)
             e = node.entries.get(num)
             if e is None:
@@ -440,6 +472,11 @@ class PrefixIndex:
                 path[k + 1] = self._try_merge(path[k]) or path[k + 1]
         if cap is None or rs.blocks <= cap:
             return []
+        return self._evict_to(rs, cap)
+
+    def _evict_to(self, rs: _Replica, cap: int) -> list[int]:
+        """Evict ``rs``'s least recently used blocks until it holds ``cap``; returns them, oldest first."""
+        head = rs.head
         evicted: list[int] = []
         while rs.blocks > cap:
             node = head.next.node
@@ -460,7 +497,7 @@ class PrefixIndex:
         if rs is None or not rs.blocks:
             return 0
         node_of = self._block_map()
-        bit = rs.bit
+        bit = 1 << rs.num
         groups: dict[_Node, tuple[tuple[int, ...], set[int]]] = {}  # node -> (its run now, hashes)
         for h in block_hashes:
             node = node_of.get(h)
@@ -614,7 +651,7 @@ class PrefixIndex:
         """``rs`` no longer holds ``node``; prune runs nobody holds and nothing hangs from, and
         merge what the drop made indistinguishable."""
         _unlink(node.entries.pop(rs.num))
-        node.holders &= ~rs.bit
+        node.holders &= ~(1 << rs.num)
         rs.blocks -= len(node.blocks)
         if node.holders:
             if len(node.children) == 1:

@@ -58,6 +58,10 @@ class NoReplicaError(RuntimeError):
     """No healthy replica can take the request (the service maps it to HTTP 503)."""
 
 
+class RequestTooLargeError(ValueError):
+    """The request cannot fit any candidate replica's KV capacity (the service maps it to 400)."""
+
+
 @dataclass(slots=True)
 class ReplicaInfo:
     """Static facts about a registered replica."""
@@ -75,6 +79,7 @@ class _Pool:
     capacity: np.ndarray
     position: dict[ReplicaId, int]
     role: Role
+    min_capacity: int = 0  # smallest known (> 0) KV capacity in tokens; 0: none known
 
 
 INDEX_MODES = ("approximate", "events")
@@ -115,6 +120,8 @@ class Router:
         learn_cost_model: fit the cost model online from the hooks' timestamps
             (:class:`balancer.cost_model.CostLearner`, starting from ``cost_model`` or the
             default); policies see the latest fit.
+        index_total_capacity_blocks: prefix-index bound over all replicas together (each gets
+            an even share when it is lower than ``index_capacity_blocks``), ``None`` = none.
 
     Raises:
         ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
@@ -139,6 +146,7 @@ class Router:
         tier_weights: Mapping[str, float] | None = None,
         cost_model: CostModel | None = None,
         learn_cost_model: bool = False,
+        index_total_capacity_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -152,7 +160,8 @@ class Router:
         self.index_mode = index_mode
         self.pd_min_uncached_tokens = pd_min_uncached_tokens
         # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
-        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode == "events")
+        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode == "events",
+                                 total_capacity_blocks=index_total_capacity_blocks)
         weights = dict(DEFAULT_TIER_WEIGHTS)
         for k, w in (tier_weights or {}).items():
             if k not in DEFAULT_TIER_WEIGHTS:
@@ -254,7 +263,28 @@ class Router:
             capacity=np.array([i.kv_capacity_tokens for i in infos], dtype=np.int64),
             position={r: k for k, r in enumerate(reps)},
             role=role,
+            min_capacity=min((i.kv_capacity_tokens for i in infos if i.kv_capacity_tokens > 0), default=0),
         )
+
+    @staticmethod
+    def _fitting(pool: _Pool, need_tokens: int, what: str) -> _Pool:
+        """``pool`` less the replicas whose known KV capacity is below ``need_tokens`` (unknown
+        capacity, 0, counts as fitting); ``pool`` itself when all fit (the usual case, O(1)).
+
+        Raises:
+            RequestTooLargeError: no replica of a non-empty pool fits.
+        """
+        if not pool.min_capacity or need_tokens <= pool.min_capacity:
+            return pool
+        keep = [k for k, c in enumerate(pool.capacity.tolist()) if c == 0 or c >= need_tokens]
+        if not keep and pool.replicas:
+            raise RequestTooLargeError(f"{what} needs {need_tokens} tokens of KV; the largest {pool.role.value} "
+                                       f"replica holds {int(pool.capacity.max())}")
+        take = np.array(keep, dtype=np.intp)
+        reps = tuple(pool.replicas[k] for k in keep)
+        cap = pool.capacity[take]
+        return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
+                     min((c for c in cap.tolist() if c > 0), default=0))
 
     # ------------------------------------------------------------------ decisions
     def candidates(self, request: Request, pool_name: str, matches: dict[ReplicaId, int] | None = None) -> Candidates:
@@ -346,7 +376,9 @@ class Router:
             return pool
         take = np.array(keep, dtype=np.intp)
         reps = tuple(pool.replicas[k] for k in keep)
-        return _Pool(reps, pool.slots[take], pool.capacity[take], {r: i for i, r in enumerate(reps)}, pool.role)
+        cap = pool.capacity[take]
+        return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
+                     min((c for c in cap.tolist() if c > 0), default=0))
 
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
         learner = self.cost_learner
@@ -375,8 +407,13 @@ class Router:
         whose decode engines cannot prefill should check ``Route.prefill`` (or
         :attr:`disaggregated`) before dispatching.
 
+        Replicas registered with a KV capacity (``kv_capacity_tokens`` > 0) are candidates only
+        if they can hold the request: the prompt on a prefill replica, prompt + output on a
+        decode or mixed one.
+
         Raises:
             NoReplicaError: no healthy decode (or mixed) replica.
+            RequestTooLargeError: no candidate's KV capacity can hold the request.
             ValueError: the request id is already in flight.
         """
         if self.load.is_in_flight(request.request_id):
@@ -395,6 +432,11 @@ class Router:
         if exclude_engines:
             d_pool = self._without(d_pool, exclude_engines)
             p_pool = self._without(p_pool, exclude_engines)
+        # only replicas whose known KV capacity can hold the request (prompt + output on decode)
+        d_pool = self._fitting(d_pool, request.prompt_tokens + request.output_tokens,
+                               f"request {request.request_id!r} (prompt + output)")
+        if p_pool.replicas:
+            p_pool = self._fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
         depths = self.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)

@@ -51,7 +51,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     scenario_from_args,
     unique_results_dir,
 )
-from sim.scenario import PRESETS, Scenario, describe_pools
+from sim.scenario import PRESETS, Scenario, describe_pools, load_scenario
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
@@ -152,6 +152,17 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     return scenario_from_args(args)
 
 
+def _check_writable_dir(out: Path) -> None:
+    """Fail before any work if ``--out`` cannot hold the results (a file, or not writable)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file, not a directory")
+    probe_dir = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not probe_dir.is_dir():
+        raise ValueError(f"--out {out}: {probe_dir} is not a directory")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {probe_dir} is not writable")
+
+
 def _describe(sc: Scenario) -> str:
     """``"<name>: <description or pool shape> (<N> GPUs)"`` (rich markup)."""
     return f"[bold]{escape(sc.name)}[/]: {escape(sc.description or describe_pools(sc))} ({sc.num_gpus} GPUs)"
@@ -164,11 +175,13 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
     from sim.workload import ideal_hit_rate
 
     scenario = _scenario(args)
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out}: is a file, not a directory")
+    if args.out is not None:
+        _check_writable_dir(args.out)
     for p, d in runs:  # fail fast on bad names before loading or simulating anything
         make_policy(p), make_policy(d)
     requests, meta = _load_workload(args)
+    from sim.admission import check_block_size
+    check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation
     span = requests[-1].arrival_time_s - requests[0].arrival_time_s
     ideal = ideal_hit_rate(requests, scenario.block_size)[1]
     if not args.quiet:
@@ -194,6 +207,11 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
     kv = kv_tier_table(summaries)
     if kv is not None:
         console.print(kv)
+    for smry in summaries:
+        if smry["num_rejected"]:
+            why = ", ".join(f"{n} over {r}" for r, n in sorted(smry["rejected"].items()))
+            console.print(f"{smry['policy']}: {smry['num_rejected']} requests rejected at arrival ({why}; "
+                          f"max_model_len {scenario.effective_max_model_len}), not simulated")
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -317,14 +335,19 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 names = [p.strip() for p in args.policies.split(",") if p.strip()]
                 if not names:
                     raise ValueError("--policies: give at least one policy")
+                if len(set(names)) != len(names):
+                    dup = sorted({n for n in names if names.count(n) > 1})
+                    raise ValueError(f"--policies: {', '.join(dup)} given more than once")
+                if args.decode_policy and not load_scenario(args.scenario).disaggregated:
+                    raise ValueError(f"--decode-policy: scenario {args.scenario!r} is aggregated (one mixed pool, "
+                                     "routed by the decode policy): every run would use "
+                                     f"{args.decode_policy}; compare with --policies instead")
                 runs = [(p, args.decode_policy or p) for p in names]
                 return _run_many(args, runs, console)
             if args.sim_command == "run":
                 return _run_many(args, [(args.policy, args.decode_policy or args.policy)], console)
-    except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)  # one line, however long
-        if out.broken:  # nobody reads stdout any more: the error still has to reach the user
-            print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # one line on stderr, however long; no traceback
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     parser.error("unknown command")
     return 2

@@ -223,8 +223,10 @@ def add_workload_args(p: argparse.ArgumentParser, *, rate_scale: bool = True) ->
                    help="use only requests arriving in the first S seconds " + ("(after rate scaling)" if rate_scale else
                         "of the trace (before rate scaling: every rate sees the same requests)"))
     g.add_argument("--spread-s", type=nonnegative_float, default=3.0, metavar="S",
-                   help="spread requests that share a timestamp uniformly over S seconds (Mooncake logs arrivals "
-                        "in ~3 s batches; 0 keeps the batches; default 3)")
+                   help="move every request of a timestamp group (requests sharing an arrival time, and lone "
+                        "ones too) to a uniform time in [t, t + S) (Mooncake logs arrivals in ~3 s batches; 0 keeps "
+                        "the batches; default 3); order within a group is kept, but requests of neighbouring "
+                        "groups may swap, so two turns of one session can reorder")
     return g
 
 

@@ -50,6 +50,7 @@ from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role
 from sim.cost_model import cost_model_for
+from sim.admission import admit, check_block_size
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
 from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
@@ -423,6 +424,7 @@ def simulate(
     :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
     (:func:`sim.cost_model.cost_model_for`) for cost-based policies."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
+    check_block_size(requests, scenario.block_size)
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
     cost_model = cost_model_for(scenario, perf_factory)
 
@@ -434,6 +436,11 @@ def simulate(
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, make_router, perf_factory)
+    # refused at arrival, as real engines refuse them (sim.admission): never simulated
+    cap = {role: max((r.kv_capacity_blocks * scenario.block_size for r in cluster.ranks if r.role in roles), default=0)
+           for role, roles in (("decode", (Role.DECODE, Role.MIXED)), ("prefill", (Role.PREFILL,)))}
+    requests, rejected = admit(requests, scenario.effective_max_model_len, cap["decode"],
+                               cap["prefill"] if scenario.disaggregated else None)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
@@ -454,6 +461,7 @@ def simulate(
         num_waits=sum(g.num_waits for g in cluster.groups),
         wall_s=wall,
         extra={**({"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {}),
+               **({"rejected": rejected} if rejected else {}),
                "step_imbalance": step_imbalance(cluster.groups)},
     )
 

@@ -5,7 +5,7 @@ price placements with the same step times the simulated engines take.
 Each pool's :class:`~balancer.cost_model.EngineCost` is a least-squares fit
 (:func:`balancer.cost_model.fit_step_cost`) of the pool's perf model (``perf.step_time_s``)
 over random steps of the pool's step group (all DP ranks of a wide-EP engine, one rank of a dense
-one); the transfer and tier-fetch costs come from the scenario's bandwidths and the model's KV
+one; a long-prompt pool's engines get their own, by engine name); the transfer and tier-fetch costs come from the scenario's bandwidths and the model's KV
 bytes per token. ``pdlb sim cost-model`` prints the result as a config table for ``pdlb serve``.
 """
 
@@ -54,7 +54,12 @@ def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolCon
         kw["host_fetch_s_per_token"] = kv_bytes * pool.dp_ranks / host.bandwidth_bytes_per_s
     if scenario.shared_store is not None:
         kw["store_fetch_s_per_token"] = kv_bytes * pool.dp_ranks / scenario.shared_store.engine_read_bandwidth_bytes_per_s
-    return CostModel(prefill=prefill, decode=decode, **kw)
+    engines: dict[str, EngineCost] = {}
+    long_pool = getattr(scenario, "long_prefill", None)
+    if scenario.disaggregated and long_pool is not None:  # its engines are named like the cluster's
+        long_cost = engine_cost(perf_factory(scenario, long_pool), long_pool)
+        engines = {f"long-prefill-{e}": long_cost for e in range(long_pool.num_engines)}
+    return CostModel(prefill=prefill, decode=decode, engines=engines, **kw)
 
 
 # ---------------------------------------------------------------------- pdlb sim cost-model

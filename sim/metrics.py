@@ -166,6 +166,9 @@ def summarize(result: SimResult, *, slo_ttft_s: float = 2.0, slo_tpot_s: float =
         "seed": result.seed,
         "num_requests": n,
         "num_finished": int(r.num_finished),
+        # refused at arrival (sim.admission: over max_model_len or any rank's KV), not simulated
+        "num_rejected": sum(result.extra.get("rejected", {}).values()),
+        "rejected": dict(result.extra.get("rejected", {})),
         "makespan_s": makespan,
         "arrival_window_s": window,
         "offered_rps": n / window,

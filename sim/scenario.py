@@ -6,6 +6,7 @@ A scenario is a pydantic model, loadable from a TOML or YAML file or one of the 
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -16,6 +17,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from balancer.validation import format_validation_error
 from sim.perf.config import PerfConfig
 from sim.perf.spec import SpecDecodeConfig
+
+
+#: Scenario models are strict: counts must be integers (not booleans or strings), numbers finite
+#: (no infinite bandwidth), unknown fields refused.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+#: Bounds on sizes, so that no scenario can ask for more objects or loop iterations than a
+#: simulation on one machine can hold (all far above real clusters).
+MAX_RANKS = 65_536
+"""Most DP ranks over all pools of a scenario."""
+MAX_TOKENS = 1 << 24
+"""Largest token count of a setting (prefill budget, KV capacity per rank is separate), 16.8M."""
+MAX_KV_CAPACITY_TOKENS = 1 << 40
+MAX_BYTES = 1e18
+MAX_BANDWIDTH_BYTES_PER_S = 1e16
+#: Default ``max_model_len`` per model (tokens of prompt + output an engine accepts): the models'
+#: ``max_position_embeddings`` (DeepSeek-V3 config.json: 163,840; Llama 3.1: 131,072).
+DEFAULT_MAX_MODEL_LEN = {"deepseek-v3": 163_840, "deepseek-v4.1-flash": 163_840,
+                         "llama-3.1-8b": 131_072, "llama-3.1-70b": 131_072}
+FALLBACK_MAX_MODEL_LEN = 131_072
 
 
 # ---------------------------------------------------------------------- KV tiers (host DRAM, shared store)
@@ -36,11 +56,11 @@ class HostTierConfig(BaseModel):
             PCIe Gen5 x16 is 64 GB/s per direction per GPU, ~50 GB/s achieved).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
-    capacity_bytes: float | None = Field(None, gt=0)
-    capacity_blocks: int | None = Field(None, ge=1)
-    bandwidth_bytes_per_s: float = Field(400e9, gt=0)
+    capacity_bytes: float | None = Field(None, gt=0, le=MAX_BYTES)
+    capacity_blocks: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
+    bandwidth_bytes_per_s: float = Field(400e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
 
     @model_validator(mode="after")
     def _one_capacity(self) -> HostTierConfig:
@@ -68,14 +88,14 @@ class SharedStoreConfig(BaseModel):
             about 3 days for agent traffic, 7 days for chatbot).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
-    capacity_bytes: float | None = Field(None, gt=0)
-    capacity_blocks: int | None = Field(None, ge=1)
-    read_bandwidth_bytes_per_s: float = Field(6.6e12, gt=0)
-    write_bandwidth_bytes_per_s: float = Field(1e12, gt=0)
-    engine_read_bandwidth_bytes_per_s: float = Field(40e9, gt=0)
-    engine_write_bandwidth_bytes_per_s: float = Field(20e9, gt=0)
+    capacity_bytes: float | None = Field(None, gt=0, le=MAX_BYTES)
+    capacity_blocks: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
+    read_bandwidth_bytes_per_s: float = Field(6.6e12, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    write_bandwidth_bytes_per_s: float = Field(1e12, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    engine_read_bandwidth_bytes_per_s: float = Field(40e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    engine_write_bandwidth_bytes_per_s: float = Field(20e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
     ttl_s: float | None = Field(None, gt=0)
     class_ttl_s: dict[str, float] = Field(default_factory=dict)
 
@@ -120,15 +140,15 @@ class PoolConfig(BaseModel):
             step exchanges the chunk's KV between them (:mod:`sim.perf.roofline`).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
-    num_engines: int = Field(1, ge=1)
-    dp_ranks: int = Field(1, ge=1)
-    gpus_per_rank: int = Field(1, ge=1)
+    num_engines: int = Field(1, ge=1, le=MAX_RANKS)
+    dp_ranks: int = Field(1, ge=1, le=4096)
+    gpus_per_rank: int = Field(1, ge=1, le=64)
     ep: bool | None = None
-    max_prefill_tokens: int = Field(8192, ge=1)
-    max_decode_batch: int = Field(256, ge=1)
-    kv_capacity_tokens: int | None = Field(None, ge=1)
+    max_prefill_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)
+    max_decode_batch: int = Field(256, ge=1, le=1 << 20)
+    kv_capacity_tokens: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
     host_tier: HostTierConfig | None = None
     context_parallel: bool = False
 
@@ -179,22 +199,28 @@ class Scenario(BaseModel):
         speculative: speculative decoding / MTP of the decode (and mixed) pools: draft length,
             per-position acceptance, draft cost, fixed or dynamic verification
             (:class:`sim.perf.spec.SpecDecodeConfig`); ``None`` = off.
+        max_model_len: most prompt + output tokens an engine accepts; longer requests are
+            rejected at arrival (counted in the summary's ``num_rejected``), as real engines
+            refuse them. ``None`` = the model's default (:data:`DEFAULT_MAX_MODEL_LEN`).
+
+    All counts must be integers and all numbers finite; sizes are bounded (:data:`MAX_RANKS`
+    DP ranks in all, ...), so that no scenario can hang or exhaust memory.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     name: str = "custom"
     description: str = ""
     model: str = "deepseek-v3"
     hardware: str = "h800"
-    block_size: int = Field(512, ge=1)
+    block_size: int = Field(512, ge=1, le=1 << 16)
     prefill: PoolConfig | None = None
     decode: PoolConfig | None = None
     mixed: PoolConfig | None = None
-    kv_transfer_bandwidth_bytes_per_s: float = Field(50e9, gt=0)
-    kv_transfer_latency_s: float = Field(0.001, ge=0)
-    pd_min_uncached_tokens: int = Field(0, ge=0)
-    index_capacity_blocks: int | Literal["auto"] | None = "auto"
+    kv_transfer_bandwidth_bytes_per_s: float = Field(50e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    kv_transfer_latency_s: float = Field(0.001, ge=0, le=3600)
+    pd_min_uncached_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
+    index_capacity_blocks: int | Literal["auto"] | None = Field("auto", union_mode="left_to_right")
     fast_forward: bool = True
     sample_interval_s: float | None = Field(None, gt=0)
     host_tier: HostTierConfig | None = None
@@ -204,9 +230,22 @@ class Scenario(BaseModel):
     speculative: SpecDecodeConfig | None = None
     long_prefill: PoolConfig | None = None
     long_prompt_threshold_tokens: int = Field(32768, ge=1)
+    max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS)
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """``max_model_len``, else the model's default (:data:`DEFAULT_MAX_MODEL_LEN`)."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return DEFAULT_MAX_MODEL_LEN.get(self.model, FALLBACK_MAX_MODEL_LEN)
 
     @model_validator(mode="after")
     def _check_pools(self) -> Scenario:
+        ranks = sum(p.num_ranks for p in (self.prefill, self.decode, self.mixed) if p is not None)
+        if ranks > MAX_RANKS:
+            raise ValueError(f"the pools have {ranks} DP ranks in all; at most {MAX_RANKS} can be simulated")
+        if isinstance(self.index_capacity_blocks, int) and not 1 <= self.index_capacity_blocks <= MAX_KV_CAPACITY_TOKENS:
+            raise ValueError(f"index_capacity_blocks must be 1..{MAX_KV_CAPACITY_TOKENS}, 'auto' or null")
         pd = self.prefill is not None or self.decode is not None
         if pd and self.mixed is not None:
             raise ValueError("give either prefill+decode pools (PD) or a mixed pool (aggregated), not both")
@@ -359,16 +398,57 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
         raise ValueError(f"{path}: cannot read: {e}") from None
     try:
         if path.suffix == ".toml":
-            data = tomllib.loads(text)
+            data = tomllib.loads(text)  # TOML itself forbids duplicate keys
         elif path.suffix == ".json":
-            return Scenario.model_validate_json(text)
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
         else:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of scenario fields")
         return Scenario.model_validate(data)
     except ValidationError as e:
         raise ValueError(format_validation_error(e, source=str(path), model=Scenario)) from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: {' '.join(str(e).split())}") from None
+    except _BadText as e:
+        raise ValueError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply") from None
+
+
+class _BadText(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _BadText(f"key {k!r} given twice")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> float:
+    raise _BadText(f"{name} is not a number (numbers must be finite)")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001, ANN201
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise _BadText(f"line {key_node.start_mark.line + 1}: keys must be plain names")
+            if key in seen:
+                raise _BadText(f"line {key_node.start_mark.line + 1}: key {key!r} given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
 
 
 #: Shipped preset files (package data ``sim/data/presets/*.toml``); every number in them carries a

@@ -89,7 +89,7 @@ def test_capacity_gpus_cli(tmp_path: Path, capsys) -> None:
 def test_capacity_bad_input_is_one_error_line(argv, message, tmp_path: Path, capsys) -> None:
     rc = main(["sim", "capacity", "--limit", "50", "--jobs", "1", "--quiet", "--out", str(tmp_path), *argv])
     assert rc == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "error:" in out and message in out
     assert not (tmp_path / "capacity.json").exists()
 

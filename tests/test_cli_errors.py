@@ -62,10 +62,12 @@ def test_bad_values_are_rejected_while_parsing(argv, message, capsys) -> None:
 
 
 def _error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The whole stdout of a run that fails after parsing; asserts exit 2 and exactly one line."""
+    """The whole stderr of a run that fails after parsing (errors go to stderr, stdout stays
+    empty); asserts exit 2 and exactly one line."""
     rc = main(argv)
-    out = capsys.readouterr().out
-    assert rc == 2
+    captured = capsys.readouterr()
+    out = captured.err
+    assert rc == 2 and captured.out == "", captured
     lines = out.strip().splitlines()
     assert len(lines) == 1, out
     return lines[0]

@@ -112,7 +112,7 @@ def test_parse_tier_weights() -> None:
 def test_cli_errors_are_clear(argv, message, capsys, tmp_path: Path) -> None:
     rc = main(argv + ["--out", str(tmp_path), "--quiet"])
     assert rc == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
 
 
 def test_cli_reports_malformed_trace_line(tmp_path: Path, capsys) -> None:
@@ -120,7 +120,7 @@ def test_cli_reports_malformed_trace_line(tmp_path: Path, capsys) -> None:
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n{"timestamp": 5, "input_length": }\n')
     rc = main(["sim", "run", "--trace", str(bad), "--out", str(tmp_path / "o"), "--quiet"])
     assert rc == 2
-    assert f"{bad}:2:" in capsys.readouterr().out
+    assert f"{bad}:2:" in capsys.readouterr().err
 
 
 def test_cli_lists(capsys) -> None:

@@ -330,8 +330,13 @@ def test_end_to_end_conservation(mooncake_300: list[Request], mode: str) -> None
 
     cl = Cluster(sc, make_router)
     holder.append(cl)
-    rec = cl.run(mooncake_300)
-    n = len(mooncake_300)
+    # prompts over a prefill rank's KV (20,000 tokens, 19,968 in whole blocks) cannot run (the router refuses them, and
+    # simulate() rejects them at arrival, sim.admission); the rest of the slice runs
+    cap = max(r.kv_capacity_blocks * sc.block_size for r in cl.ranks if r.role.value == "prefill")  # 19,968
+    reqs = [r for r in mooncake_300 if r.prompt_tokens <= cap]
+    assert len(reqs) > 200
+    rec = cl.run(reqs)
+    n = len(reqs)
     # every request finishes exactly once (a second finish raises inside the cluster)
     assert rec.num_finished == n and not np.isnan(rec.finish_s).any()
     # per request, reused = hbm + host + store; the split of all prompt tokens sums to 1
@@ -372,7 +377,8 @@ def test_events_mode_auto_index_bound_keeps_every_rank_view_exact(mooncake_300: 
                   decode=PoolConfig(num_engines=1, dp_ranks=8))
     cl = Cluster(sc, lambda cap: Router("cache_aware", "cache_aware", block_size=sc.block_size,
                                         index_capacity_blocks=cap, index_mode="events"))
-    cl.run(mooncake_300)
+    # prompts over a prefill rank's KV cannot run (the router refuses them, simulate() rejects them)
+    cl.run([r for r in mooncake_300 if r.prompt_tokens <= 20_000 // sc.block_size * sc.block_size])
     caps = {rank.role: rank.kv_capacity_blocks for rank in cl.ranks}
     assert caps[Role.PREFILL] == 20_000 // sc.block_size < caps[Role.DECODE]
     assert cl.router.index.capacity_blocks == caps[Role.DECODE]

@@ -350,5 +350,5 @@ def test_cli_price_bad_sheet_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     p = tmp_path / "broken.toml"
     p.write_text('name = "x"\n')
     rc = main(["sim", "price", "--prices", str(p)])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert rc == 2 and "broken.toml" in out

@@ -98,9 +98,9 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
     (["--prefill", "localhost:31000"],
      "worker spec 'localhost:31000': the URL must start with http:// or https:// (e.g. 'http://localhost:31000')"),
     (["--prefill", "http://127.0.0.1:31000,dp=0"],
-     "worker spec 'http://127.0.0.1:31000,dp=0': dp must be an integer number of DP ranks >= 1, got '0'"),
+     "worker spec 'http://127.0.0.1:31000,dp=0': dp must be an integer number of DP ranks 1..4096, got '0'"),
     (["--decode", "http://127.0.0.1:31000,kv=abc"],
-     "worker spec 'http://127.0.0.1:31000,kv=abc': kv must be an integer number of tokens >= 0, got 'abc'"),
+     "worker spec 'http://127.0.0.1:31000,kv=abc': kv must be an integer number of tokens 0..1099511627776, got 'abc'"),
     (["--prefill", "http://127.0.0.1:31000,bootstrap=70000"],
      "worker spec 'http://127.0.0.1:31000,bootstrap=70000': bootstrap must be a port number 1..65535 or none, "
      "got '70000'"),

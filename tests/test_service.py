@@ -41,6 +41,7 @@ async def test_pd_flow_non_streaming_and_streaming(protocol):
                          headers={"X-Request-Id": "client-1"})
         assert r.status == 200
         body = await r.json()
+        r_first_id = r.headers["X-Request-Id"]
         assert body["choices"][0]["text"] == " t0 t1 t2 t3 t4 t5" and body["usage"]["completion_tokens"] == 6
         r = await s.post(c.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 200}],
                                                                 "max_tokens": 5, "stream": True})
@@ -53,8 +54,13 @@ async def test_pd_flow_non_streaming_and_streaming(protocol):
         p_all = [e for log in p_logs for e in log]
         d_all = [e for log in d_logs for e in log]
         assert len(p_all) == 2 and len(d_all) == 2
-        first_p = next(e for e in p_all if e["rid"] == "client-1" or e["x_request_id"] == "client-1")
-        first_d = next(e for e in d_all if e["rid"] == "client-1" or e["x_request_id"] == "client-1")
+        # the engines never see the client's id (issue 14, item 1): the router's own, the same on both
+        # legs of one attempt, while the client sees its own id in the body and X-Request-Id
+        assert not [e for e in p_all + d_all if "client-1" in (e["rid"], e["x_request_id"])]
+        assert body["id"] == "client-1" and r_first_id == "client-1"
+        first_p = next(e for e in p_all if not e["stream"] or protocol == "vllm")
+        first_d = next(e for e in d_all if not e["stream"])
+        assert first_d["x_request_id"] == first_p["x_request_id"] and first_d["x_request_id"].startswith("pdlb-")
         if protocol == "sglang":  # same room on both legs, prefill host/port as bootstrap
             assert first_p["bootstrap_room"] == first_d["bootstrap_room"] is not None
             p_port = int(first_p["bootstrap_port"])
@@ -65,7 +71,7 @@ async def test_pd_flow_non_streaming_and_streaming(protocol):
             assert first_p["output_tokens"] == 1 and first_p["stream"] is False
             assert first_d["kv_transfer_params"]["do_remote_prefill"] is True
             assert first_d["kv_transfer_params"]["remote_port"] in [srv.port for srv in c.prefill]
-            assert first_p["x_request_id"] == first_d["x_request_id"] == "client-1"
+            assert first_p["x_request_id"] == first_d["x_request_id"]
         assert _load(c) == 0
 
 

@@ -142,7 +142,7 @@ def test_cli_validate_table_and_calibrate(capsys):
     assert "mfu = 0.377  # calibrated" in out and "comm_efficiency = 0.6032" in out
     assert "comm_efficiency_normal = 0.6786" in out
     assert main(["sim", "validate", "--figures", "sglang-prefill-1k,bogus"]) == 2
-    assert "unknown figure 'bogus'" in capsys.readouterr().out
+    assert "unknown figure 'bogus'" in capsys.readouterr().err
 
 
 def test_deepinfer_rows_compose_by_hand():

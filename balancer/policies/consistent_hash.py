@@ -87,10 +87,14 @@ def _replica_hashes(replicas: tuple[ReplicaId, ...]) -> np.ndarray:
 
 
 # Weights per (key, candidate tuple): affinity keys recur by design (a session's turns, prompts
-# sharing a prefix), so most decisions reuse their key's weights. Bounded to about 4 MB of
-# weights whatever the number of replicas; cleared when full.
+# sharing a prefix), so most decisions reuse their key's weights. Bounded to about
+# _WEIGHTS_CACHE_BYTES whatever the number of replicas, counting each entry's Python objects
+# (key bytes, tuples, dict slot, array header: ~_ENTRY_OVERHEAD_BYTES, measured with tracemalloc)
+# as well as its 8 bytes per replica; cleared when full. (Counting only the weights let 262,144
+# entries of 2 replicas take ~45 MB.)
 _WEIGHTS_CACHE: dict[tuple[bytes, int], tuple[tuple[ReplicaId, ...], np.ndarray]] = {}
-_WEIGHTS_CACHE_ELEMENTS = 1 << 19
+_WEIGHTS_CACHE_BYTES = 4 << 20
+_ENTRY_OVERHEAD_BYTES = 400
 
 
 def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarray:
@@ -102,7 +106,7 @@ def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarra
         return hit[1]
     w = splitmix64(_replica_hashes(replicas) ^ np.uint64(xxhash.xxh3_64_intdigest(key)))
     w.flags.writeable = False  # shared by every decision with this key
-    if len(_WEIGHTS_CACHE) >= max(64, _WEIGHTS_CACHE_ELEMENTS // max(1, len(replicas))):
+    if len(_WEIGHTS_CACHE) >= max(64, _WEIGHTS_CACHE_BYTES // (_ENTRY_OVERHEAD_BYTES + 8 * len(replicas))):
         _WEIGHTS_CACHE.clear()
     _WEIGHTS_CACHE[slot] = (replicas, w)
     return w

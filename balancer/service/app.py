@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import ipaddress
 import logging
 import os
 import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -47,7 +47,8 @@ from balancer.router import Router
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
-from balancer.service.proxy import Proxy, error_response
+from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
+from balancer.service.request_checks import parse_json_body
 from balancer.service.workers import WorkerPool
 from balancer.types import Role
 
@@ -73,11 +74,14 @@ class Service:
             make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
             index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
-            cost_model=cfg.build_cost_model(), learn_cost_model=cfg.learn_cost_model)
-        self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
+            cost_model=cfg.build_cost_model(), learn_cost_model=cfg.learn_cost_model,
+            index_total_capacity_blocks=cfg.index_total_capacity_blocks)
+        self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
+        self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check,
+                               on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(
+                                   url, state.name.lower()).inc())
         for w in cfg.workers:
             self.pool.add(w)
-        self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
         if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
             self.metrics.in_flight.set_function(lambda: self.in_flight)
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
@@ -89,8 +93,8 @@ class Service:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def check_health_once(self) -> None:
-        """One round of active health checks of every worker (concurrently)."""
+    async def check_health_once(self, workers: list | None = None) -> None:
+        """One round of active health checks of every worker (or of ``workers``), concurrently."""
         assert self.session is not None
         hc = self.cfg.health_check
         timeout = aiohttp.ClientTimeout(total=hc.timeout_s)
@@ -104,7 +108,7 @@ class Service:
                 ok = False
             self.pool.record_health(w, ok, time.monotonic())
 
-        await asyncio.gather(*(one(w) for w in list(self.pool.workers.values())))
+        await asyncio.gather(*(one(w) for w in (list(self.pool.workers.values()) if workers is None else workers)))
 
     async def _health_loop(self) -> None:
         while True:
@@ -113,6 +117,19 @@ class Service:
                 await self.check_health_once()
             except Exception:  # never let the checker die
                 log.exception("health check round failed")
+
+    async def _probe_loop(self) -> None:
+        """Every ``circuit_breaker.probe_interval_s``: health-check the workers that are not
+        routable (breaker open, or unhealthy), so that one that recovered gets traffic back within
+        about that long (a passing probe turns an open breaker half-open)."""
+        while True:
+            await asyncio.sleep(self.cfg.circuit_breaker.probe_interval_s)
+            try:
+                self.pool.refresh(time.monotonic())
+                if (down := self.pool.to_probe()):
+                    await self.check_health_once(down)
+            except Exception:  # never let the prober die
+                log.exception("health probe round failed")
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -159,7 +176,7 @@ async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, A
     status = 500
     try:
         resp = await handler(request)
-        status = resp.status
+        status = request.get(STREAM_STATUS, resp.status)  # a stream that failed after its 200 headers
         return resp
     except web.HTTPException as e:
         status = e.status
@@ -188,11 +205,16 @@ async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
 
 async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Response, bytes]:
     """The parsed JSON object body (or the 400 response) and the raw bytes."""
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) over client_max_size
+    try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size
+        async with asyncio.timeout(request.app[SERVICE].cfg.body_read_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        return error_response(408, "request body not received within body_read_timeout_s="
+                                   f"{request.app[SERVICE].cfg.body_read_timeout_s:g} s", "timeout"), b""
     try:
-        body = json.loads(raw)
+        body = parse_json_body(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"invalid JSON body: {e}"), raw
+        return error_response(400, f"invalid JSON body: {str(e)[:200]}"), raw
     if not isinstance(body, dict):
         return error_response(400, "the JSON body must be an object"), raw
     return body, raw
@@ -221,7 +243,10 @@ async def _health(request: web.Request) -> web.Response:
     svc.pool.refresh(time.monotonic())
     counts = {r.value: len(svc.pool.routable((r,))) for r in Role}
     ok = (counts["decode"] + counts["mixed"]) > 0 and not svc.draining
-    status = "draining" if svc.draining else ("ok" if ok else "unavailable")
+    # PD with prefill workers registered but none routable: requests get 503 (see proxy)
+    no_prefill = svc.cfg.pd_protocol != "none" and svc.pool.num_prefill > 0 and counts["prefill"] == 0
+    ok = ok and not no_prefill
+    status = "draining" if svc.draining else ("ok" if ok else ("no_prefill" if no_prefill else "unavailable"))
     return web.json_response({"status": status, "routable_workers": counts, "in_flight": svc.in_flight,
                               "process": svc.process_info()}, status=200 if ok else 503)
 
@@ -247,6 +272,21 @@ async def _models(request: web.Request) -> web.Response:
     return error_response(503, "no worker answered /v1/models")
 
 
+def is_loopback(peer: str | None) -> bool:
+    """Whether a peer address is loopback: ``127.0.0.0/8``, ``::1`` or ``::ffff:127.x.y.z``.
+    Behind a reverse proxy on the same host every client looks like loopback: configure
+    ``admin_api_key`` there."""
+    if not peer:
+        return False
+    try:
+        addr = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
 def admin_denied(request: web.Request, api_key: str | None) -> web.Response | None:
     """``None`` if the request may use the admin API, else the 401/403 error response."""
     if api_key:
@@ -254,8 +294,7 @@ def admin_denied(request: web.Request, api_key: str | None) -> web.Response | No
         if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             return error_response(401, "admin API: missing or wrong bearer token", "authentication_error")
         return None
-    peer = request.remote or ""
-    if peer == "::1" or peer.startswith("127.") or peer == "localhost":
+    if is_loopback(request.remote):
         return None
     return error_response(403, "admin API is loopback-only when no admin_api_key is configured", "permission_error")
 
@@ -294,7 +333,7 @@ async def _add_worker(request: web.Request) -> web.Response:
     try:
         wcfg = WorkerConfig.model_validate(body)
     except ValidationError as e:
-        return error_response(400, f"invalid worker: {e.errors(include_url=False, include_context=False)}")
+        return error_response(400, f"invalid worker: {e.errors(include_url=False, include_context=False, include_input=False)}")
     if wcfg.role == "prefill" and svc.cfg.pd_protocol == "none":
         return error_response(400, "pd_protocol 'none' takes no prefill workers")
     try:
@@ -325,6 +364,64 @@ async def _remove_worker(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------- factory
+def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
+    """The :class:`aiohttp.web.AppRunner` for ``app``: handler cancellation (a client disconnect
+    aborts both PD legs), no access log, ``client_idle_timeout_s`` as the keep-alive timeout (it
+    also closes a connection whose headers never complete: slowloris), graceful shutdown for
+    ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
+                         keepalive_timeout=cfg.client_idle_timeout_s)
+
+
+class _JsonErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering HTTP parser errors (bad request line, headers,
+    chunked encoding) with an OpenAI-style JSON error instead of text/plain."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):  # noqa: ANN001, ANN201
+        resp = super().handle_error(request, status, exc, message)  # logs; raises if already sent
+        text = (message or (exc.message if isinstance(getattr(exc, "message", None), str) else "") or
+                f"HTTP {status}").replace("\n", " ")[:300]
+        out = error_response(status, f"malformed HTTP request: {text}" if status < 500 else "internal router error")
+        out.force_close()
+        del resp
+        return out
+
+
+class _JsonErrorServer(web_server.Server):
+    __slots__ = ()
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+def json_parser_errors(runner: web.AppRunner) -> None:
+    """Make ``runner``'s server answer HTTP parser errors with JSON (call after ``setup()``)."""
+    assert runner.server is not None, "call after runner.setup()"
+    runner.server.__class__ = _JsonErrorServer
+
+
+def limit_connections(runner: web.AppRunner, max_connections: int) -> None:
+    """Close client connections beyond ``max_connections`` as they are accepted (logged once per
+    burst at warning level)."""
+    server = runner.server
+    assert server is not None, "call after runner.setup()"
+    accept = server.connection_made
+    state = {"warned": False}
+
+    def connection_made(handler, transport):  # noqa: ANN001, ANN202
+        if len(server.connections) >= max_connections:
+            if not state["warned"]:
+                log.warning("more than %d client connections: closing new ones (max_connections)", max_connections)
+                state["warned"] = True
+            transport.abort()
+            return
+        state["warned"] = False
+        accept(handler, transport)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+
+
+
 def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
     """The one HTTP client session to the workers: unlimited keep-alive connections (60 s idle),
     no cookie jar (engines set none; the jar would be consulted per request), no
@@ -353,6 +450,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
         svc.session = make_client_session(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
+        if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
+            loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
         yield

@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 
 from balancer.policies import available_policies
-from balancer.service.app import create_app
+from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
                                      parse_worker_spec)
 
@@ -113,6 +113,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--first-byte-timeout-s", type=float, metavar="SECONDS",
                    help="per leg: fail and retry elsewhere when a worker sends no headers / first chunk within this "
                         "(default: off)")
+    p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
+                   help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
+                        f"0 turns it off (default: {d.prefill_timeout_s:g})")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="refuse (400) requests whose prompt plus output limit exceed this (default: no limit)")
     p.add_argument("--max-retries", type=int, metavar="N",
                    help="retries of a request that failed before any byte reached the client, each on a new "
                         f"prefill/decode pair (default: {d.retry.max_retries})")
@@ -120,7 +125,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"seconds between active health checks of each worker (default: {d.health_check.interval_s:g})")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="model id that /v1/models lists (default: ask a worker)")
-    p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only)")
+    p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only; "
+                                           "required with a non-loopback --host, and behind a reverse proxy)")
+    p.add_argument("--allow-unauthenticated-admin", action="store_true", default=None,
+                   help="allow a non-loopback --host without an admin API key (the admin API then answers loopback "
+                        "peers only, which a reverse proxy on this host makes every client) (default: refuse)")
     p.add_argument("--processes", type=int, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT); each keeps its own load and prefix "
                         f"state, the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
@@ -163,10 +172,14 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     over: dict = {"host": args.host, "port": args.port, "pd_protocol": args.pd_protocol,
                   "block_size": args.block_size, "tokenizer_path": args.tokenizer_path,
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
-                  "first_byte_timeout_s": args.first_byte_timeout_s,
+                  "first_byte_timeout_s": args.first_byte_timeout_s, "max_model_len": args.max_model_len,
+                  "prefill_timeout_s": args.prefill_timeout_s,
+                  "allow_unauthenticated_admin": args.allow_unauthenticated_admin,
                   "served_model_name": args.served_model_name, "processes": args.processes,
                   "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY")}
     data |= {k: v for k, v in over.items() if v is not None}
+    if args.prefill_timeout_s == 0:
+        data["prefill_timeout_s"] = None
     if args.prefill_policy:
         data["prefill_policy"] = {"name": args.prefill_policy}
     if args.decode_policy:
@@ -211,8 +224,10 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:
             ready.send(("error", str(e)))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s)
+    runner = make_runner(app, cfg)
     await runner.setup()
+    limit_connections(runner, cfg.max_connections)
+    json_parser_errors(runner)
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if cfg.processes > 1 else None)
     try:
         await site.start()
@@ -251,7 +266,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for warning in config_warnings(cfg):
         print(warning, file=sys.stderr)
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
-        print("note: no admin_api_key: the admin API (/workers) answers loopback clients only", file=sys.stderr)
+        print("note: no admin_api_key (--allow-unauthenticated-admin): the admin API (/workers) answers loopback "
+              "peers only; behind a reverse proxy on this host every client is one", file=sys.stderr)
     if cfg.processes > 1:
         return _run_processes(cfg, args.event_loop, args.log_level)
     with asyncio.Runner(loop_factory=loop_factory) as runner:

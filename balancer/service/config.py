@@ -25,18 +25,49 @@ from balancer.validation import format_validation_error
 WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
 
 
+MAX_URL_CHARS = 2048
+"""Longest worker URL accepted."""
+MAX_DP_SIZE = 4096
+"""Most DP ranks of one worker (wide-EP decode engines have 64-320)."""
+MAX_KV_CAPACITY_TOKENS = 2**40
+"""Largest ``kv_capacity_tokens`` accepted (far beyond any engine; bounds arithmetic on it)."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any user name and password replaced by ``***`` (for messages and logs)."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return (scheme + sep + netloc + slash + tail)[:200]
+
+
 def worker_url_problem(url: str) -> str | None:
     """Why ``url`` cannot be a worker's base URL, or ``None`` if it can.
 
-    A worker URL needs the scheme ``http`` or ``https``, a host and, if it names a port, an
-    integer port 1..65535; it is parsed with :class:`yarl.URL`, as the HTTP client will parse it
-    (so that a bad URL fails at startup, not as a 500 on every request).
+    A worker URL is ``http(s)://host[:port]``: the scheme ``http`` or ``https``, a host and, if it
+    names a port, an integer port 1..65535; no user name or password (they would be shown by
+    ``/metrics`` and ``/workers``, which need no credentials), no path, query or fragment (the
+    router appends the endpoint's path itself); at most :data:`MAX_URL_CHARS` characters of
+    printable ASCII. It is parsed with :class:`yarl.URL`, as the HTTP client will parse it (so that
+    a bad URL fails at startup, not as a 500 on every request). The message never repeats a
+    password.
     """
     from yarl import URL  # aiohttp's own URL type
 
+    if len(url) > MAX_URL_CHARS:
+        return f"the URL is longer than {MAX_URL_CHARS} characters"
+    if not url.isascii() or not url.isprintable() or " " in url:
+        return "the URL must be printable ASCII without spaces"
     if not url.startswith(("http://", "https://")):
-        return f"the URL must start with http:// or https:// (e.g. 'http://{url}')"
-    hostport = urlsplit(url).netloc.rpartition("@")[2]
+        example = "10.0.0.5:30000" if "@" in url else url[:200]
+        return f"the URL must start with http:// or https:// (e.g. 'http://{example}')"
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        return "the URL must not contain a user name or password (it would be shown by /metrics and /workers)"
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
+        return "the URL must be the engine's base URL, scheme://host:port, without a path, query or fragment"
+    hostport = parts.netloc
     port_text = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
     port_text = port_text.partition(":")[2] if ":" in port_text else None
     if port_text is not None and port_text != "":
@@ -67,20 +98,20 @@ class WorkerConfig(BaseModel):
         kv_capacity_tokens: KV capacity per DP rank in tokens, for KV-aware policies (0 = unknown).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     url: str
     role: Literal["prefill", "decode", "mixed"]
-    dp_size: int = Field(1, ge=1)
+    dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
-    kv_capacity_tokens: int = Field(0, ge=0)
+    kv_capacity_tokens: int = Field(0, ge=0, le=MAX_KV_CAPACITY_TOKENS)
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, v: str) -> str:
         v = v.strip().rstrip("/")
         if (problem := worker_url_problem(v)) is not None:
-            raise ValueError(f"worker url {v!r}: {problem}")
+            raise ValueError(f"worker url {redact_url(v)!r}: {problem}")
         return v
 
 
@@ -121,16 +152,21 @@ class RetryConfig(BaseModel):
 
 
 class CircuitBreakerConfig(BaseModel):
-    """Per-worker breaker: ``failure_threshold`` consecutive failures open it for
-    ``open_duration_s``; then it is half-open (routable); ``success_threshold`` successes close it,
-    one failure reopens it."""
+    """Per-worker breaker: ``failure_threshold`` consecutive failed client requests open it (a
+    client request counts once per worker however many attempts it made, and an error answer the
+    request itself caused counts not at all); it goes half-open (routable: trial requests) after
+    ``open_duration_s`` or as soon as a health probe passes (with health checks on, open and
+    unhealthy workers are probed every ``probe_interval_s``); ``success_threshold`` successes
+    close it, one failure reopens it. So traffic returns about ``probe_interval_s`` after a worker
+    recovers, not after a fixed open period (SGLang's router keeps a breaker open 60 s)."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    failure_threshold: int = Field(10, ge=1)
-    success_threshold: int = Field(3, ge=1)
-    open_duration_s: float = Field(60.0, gt=0)
+    failure_threshold: int = Field(10, ge=1, le=1_000_000)
+    success_threshold: int = Field(3, ge=1, le=1_000_000)
+    open_duration_s: float = Field(5.0, gt=0, le=86_400)
+    probe_interval_s: float = Field(1.0, gt=0, le=3600)
 
 
 class HealthCheckConfig(BaseModel):
@@ -170,6 +206,9 @@ class ServiceConfig(BaseModel):
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
             tokens the decode engine serves the request alone (0 = always PD).
         index_capacity_blocks / index_ttl_s: prefix-index bounds per replica (LRU / TTL).
+        index_total_capacity_blocks: prefix-index bound over all replicas (default 4,194,304
+            blocks, about 300 MB at ~70 bytes a block; 512 replicas x 262,144 blocks would be
+            ~9 GB); each replica then keeps at most an even share.
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
@@ -177,6 +216,23 @@ class ServiceConfig(BaseModel):
             fails the attempt, which is retried on a new pair and counts against the worker's
             circuit breaker. Engines send a non-streaming answer only when generation ends, so
             set it above your longest non-streaming generation. ``None`` (default): off.
+        prefill_timeout_s: per attempt, seconds from sending a prefill leg (PD) to its complete
+            answer (it answers once the prompt is prefilled); a miss fails the attempt like a
+            first-byte timeout. Default 60 s (well above the prefill of a 128k-token prompt on
+            one node); ``None``: off.
+        max_tokens_limit: the largest output-token limit a request may ask for (``max_tokens``,
+            ``max_completion_tokens``, ``sampling_params.max_new_tokens``); larger gets 400.
+        max_model_len: if set, a request whose prompt tokens (estimated without a tokenizer)
+            plus output limit exceed it gets 400, as the engine would refuse it.
+        client_idle_timeout_s: a client connection that has not sent a complete request's
+            headers this long after it opened or after its last answer is closed (aiohttp's
+            keep-alive timeout, which also bounds a slow header read; its default is an hour).
+        body_read_timeout_s: the most time a client may take to send a request body (408).
+        max_connections: client connections held at once; more are closed at once (a slowloris
+            flood cannot exhaust file descriptors).
+        allow_unauthenticated_admin: allow a non-loopback ``host`` without ``admin_api_key``
+            (the admin API then answers loopback peers only; behind a reverse proxy on the same
+            host every client is a loopback peer, so set ``admin_api_key`` there).
         max_body_bytes: larger request bodies get 413.
         admin_api_key: bearer token for ``/workers``; without one the admin API answers loopback
             clients only.
@@ -206,9 +262,17 @@ class ServiceConfig(BaseModel):
     pd_min_uncached_tokens: int = Field(0, ge=0)
     index_capacity_blocks: int | None = Field(262_144, ge=1)
     index_ttl_s: float | None = Field(None, gt=0)
+    index_total_capacity_blocks: int | None = Field(4_194_304, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     first_byte_timeout_s: float | None = Field(None, gt=0)
+    prefill_timeout_s: float | None = Field(60.0, gt=0)
+    max_tokens_limit: int = Field(1_048_576, ge=1, le=2**31 - 1)
+    max_model_len: int | None = Field(None, ge=2, le=2**40)
+    allow_unauthenticated_admin: bool = False
+    client_idle_timeout_s: float = Field(30.0, gt=0, le=3600)
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    max_connections: int = Field(10_000, ge=1, le=1_000_000)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     retry: RetryConfig = RetryConfig()
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
@@ -233,6 +297,11 @@ class ServiceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_workers(self) -> ServiceConfig:
+        if not self.admin_api_key and not self.allow_unauthenticated_admin and not _loopback_host(self.host):
+            raise ValueError(f"host {self.host!r} is not a loopback address and no admin_api_key is set: anyone who "
+                             "can reach the router could add or remove workers through a reverse proxy on the same "
+                             "host; set admin_api_key (--admin-api-key), or allow_unauthenticated_admin "
+                             "(--allow-unauthenticated-admin) to accept that")
         urls = [w.url for w in self.workers]
         dup = {u for u in urls if urls.count(u) > 1}
         if dup:
@@ -240,6 +309,17 @@ class ServiceConfig(BaseModel):
         if self.pd_protocol == "none" and any(w.role == "prefill" for w in self.workers):
             raise ValueError("pd_protocol 'none' cannot use prefill workers; use mixed workers or pick sglang/vllm")
         return self
+
+
+def _loopback_host(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bootstrap_warning(pd_protocol: str, worker: WorkerConfig) -> str | None:
@@ -340,7 +420,7 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
             tokens of KV capacity per DP rank).
     """
     def bad(why: str) -> ValueError:
-        return ValueError(f"worker spec {text!r}: {why}")
+        return ValueError(f"worker spec {redact_url(text)!r}: {why}")
 
     parts = [p.strip() for p in text.split(",")]
     url = parts[0].rstrip("/")
@@ -365,9 +445,9 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
             if n is None or not 1 <= n <= 65535:
                 raise bad(f"bootstrap must be a port number 1..65535 or none, got {v!r}")
         elif key == "dp_size":
-            if n is None or n < 1:
-                raise bad(f"dp must be an integer number of DP ranks >= 1, got {v!r}")
-        elif n is None or n < 0:
-            raise bad(f"kv must be an integer number of tokens >= 0, got {v!r}")
+            if n is None or not 1 <= n <= MAX_DP_SIZE:
+                raise bad(f"dp must be an integer number of DP ranks 1..{MAX_DP_SIZE}, got {v[:20]!r}")
+        elif n is None or not 0 <= n <= MAX_KV_CAPACITY_TOKENS:
+            raise bad(f"kv must be an integer number of tokens 0..{MAX_KV_CAPACITY_TOKENS}, got {v[:20]!r}")
         out[key] = n
     return out

@@ -62,6 +62,9 @@ class ServiceMetrics:
                                            ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livesum")
         self.breaker = Gauge("pdlb_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open",
                              ["worker"], registry=r, multiprocess_mode="livemax")
+        self.breaker_transitions = Counter("pdlb_circuit_breaker_transitions",
+                                           "Circuit breaker state changes by worker and new state",
+                                           ["worker", "state"], registry=r)
         self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r,
                              multiprocess_mode="livemin")
         self._scrape_registry = r

@@ -79,9 +79,13 @@ def render_messages(messages: Any) -> str:
     return "".join(out)
 
 
+TOKEN_ID_LIMIT = 2**32
+"""Token ids must be below this (block hashes serialise them as ``uint32``; vocabularies are far smaller)."""
+
+
 def _token_list(value: Any, field: str) -> tuple[int, ...]:
-    if not value or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        raise PromptError(f"'{field}' must be a non-empty string or array of non-negative token ids")
+    if not value or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_ID_LIMIT for t in value):
+        raise PromptError(f"'{field}' must be a non-empty string or array of token ids in 0..{TOKEN_ID_LIMIT - 1}")
     return tuple(value)
 
 

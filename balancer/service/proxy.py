@@ -12,16 +12,42 @@ Flows (ANCHORS.md, "PD request flows"):
   returned ``kv_transfer_params`` to D with the same ``X-Request-Id``; relay D.
 * ``none`` (or conditional disaggregation chose no prefill): POST to the decode/mixed worker.
 
+Request ids: every attempt sends the engines an id of the router's own (``X-Request-Id`` and, for
+SGLang, ``rid``), unique per attempt and per router process, so that no client can name another
+client's request (an engine refuses a duplicate id, and the cleanup's ``/abort_request`` would kill
+the other request). The client's own id (``rid`` or ``X-Request-Id``, checked by
+:func:`balancer.service.request_checks.client_request_id`), or else the first attempt's id, is the
+one the client sees: the relayed body has the upstream id replaced by it (SSE line by line, so
+no event is held back), and the response carries it in ``X-Request-Id``.
+
 Retries: a failure before any byte reached the client (connect error, a status in
 ``retry.retry_statuses``, an upstream that vanished before its first byte) is retried with
-exponential backoff and jitter on a *new* route (new pair, new room, request id ``<id>-r<k>``)
+exponential backoff and jitter on a *new* route (new pair, new room, new request id)
 that avoids every worker that failed earlier in the same client request (``Router.route``'s
 ``exclude_engines``; a pool whose every worker failed is used whole), so a retry does not pick the
 same dead worker again while its circuit breaker is still closed.
+
+Failures and circuit breakers: a client request counts at most one failure against each worker,
+however many attempts it made. Connect errors, resets, timeouts and 502/503/504/408/429 answers
+count at once. A 500 answer counts only if the request then succeeds elsewhere: a second 500 for the
+same request (from another worker) means the request itself is at fault (an engine that cannot
+parse a field), so it is not retried further, nobody is charged and the engine's answer is relayed.
+When an SGLang decode leg fails because its prefill leg failed (both fail, or the decode leg fails
+first and its prefill fails within :data:`PREFILL_BLAME_GRACE_S`, or the decode leg answered 502,
+as a decode engine does that could not get the KV, and the prefill is still running then: kind
+``prefill_stalled``), only the prefill worker is charged.
+
+With a PD protocol and prefill workers registered but none routable (every prefill breaker open or
+every prefill worker unhealthy), requests get 503 ("no healthy prefill worker", retried while the
+request's time lasts) rather than reaching PD decode engines without bootstrap fields; ``/health``
+then answers 503 too. Conditional disaggregation (``pd_min_uncached_tokens``) still serves short
+prompts on the decode engine alone, as configured.
 With ``first_byte_timeout_s`` set, a leg whose response headers (and, for the streamed decode
 leg, first body chunk) do not arrive within that many seconds of sending it is such a failure
 too (kind ``first_byte_timeout``): a wedged engine that accepted the connection is retried
 elsewhere and trips its circuit breaker instead of holding the request until ``request_timeout_s``.
+A prefill leg must also answer in full within ``prefill_timeout_s`` (default 60 s; kind
+``prefill_timeout``), so a wedged prefill engine costs a request at most that long by default.
 Other 4xx answers are passed through unchanged. Once streaming started, an upstream failure ends
 the stream with an SSE ``data: {"error": ...}`` event. The whole request, retries included, is
 bounded by ``request_timeout_s`` (504). A client disconnect (handler cancellation or a failed write)
@@ -47,21 +73,39 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from balancer.router import NoReplicaError, Router
+from balancer.router import NoReplicaError, RequestTooLargeError, Router
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
+from balancer.service.request_checks import check_request, client_request_id
 from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
 
 log = logging.getLogger("pdlb.service")
 
-_FAILED_WORKERS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("pdlb_failed_workers", default=None)
-"""URLs of the workers that failed during the current client request (set by :meth:`Proxy.handle`,
-added to by :meth:`Proxy._failed`; legs run in tasks that copy the context, so they share the set)."""
+_FAULTS: contextvars.ContextVar[_RequestFaults | None] = contextvars.ContextVar("pdlb_request_faults", default=None)
+"""The current client request's :class:`_RequestFaults` (set by :meth:`Proxy.handle`, added to by
+:meth:`Proxy._failed`; legs run in tasks that copy the context, so they share it)."""
 
 TOKENIZE_IN_THREAD_CHARS = 4096
 """Text prompts at least this long (characters) are tokenised in a worker thread."""
+PREFILL_BLAME_GRACE_S = 2.0
+"""After an SGLang decode leg failed while its prefill leg was still running: how long to wait for
+the prefill leg's outcome to decide which worker to charge (a decode leg whose prefill failed
+fails too, often first)."""
+
+
+@dataclass(slots=True)
+class _RequestFaults:
+    """Workers that failed during one client request: ``failed`` (kept off its retries) and
+    ``charged`` (already counted once against their circuit breakers)."""
+
+    failed: set[str] = field(default_factory=set)
+    charged: set[str] = field(default_factory=set)
+
+
+STREAM_STATUS: web.RequestKey[int] = web.RequestKey("pdlb_stream_status", int)
+"""Request key: the status a started stream ended with when it failed (the metrics use it)."""
 
 
 def error_response(status: int, message: str, etype: str | None = None) -> web.Response:
@@ -92,16 +136,26 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
 
 
 class Failure(Exception):
-    """An attempt failed before any byte reached the client."""
+    """An attempt failed before any byte reached the client.
+
+    ``worker``: the worker at fault (``None``: none, e.g. no routable worker); ``answered``: it sent
+    an HTTP error answer (``body``), as opposed to failing to connect, reset or time out;
+    ``charge``: whether it counts against the worker's breaker at once (``"now"``), only if the
+    request later succeeds elsewhere (``"deferred"``), or not (``"no"``).
+    """
 
     def __init__(self, status: int, message: str, retryable: bool, kind: str,
-                 body: bytes | None = None, content_type: str | None = None) -> None:
+                 body: bytes | None = None, content_type: str | None = None, *,
+                 worker: Worker | None = None, charge: str = "no") -> None:
         super().__init__(message)
         self.status, self.message, self.retryable, self.kind = status, message, retryable, kind
         self.body, self.content_type = body, content_type
+        self.worker, self.charge = worker, charge
 
-    def response(self) -> web.Response:
-        if self.body is not None and not self.retryable and 400 <= self.status < 500:
+    def response(self, passthrough: bool = False) -> web.Response:
+        """The client's answer: the engine's own 4xx (or, with ``passthrough``, any) error body, else
+        an OpenAI-style error object."""
+        if self.body is not None and (passthrough or (not self.retryable and 400 <= self.status < 500)):
             return web.Response(status=self.status, body=self.body, content_type=self.content_type or "application/json")
         return error_response(self.status, self.message)
 
@@ -115,6 +169,8 @@ class _Ctx:
     t0: float
     raw: bytes | None = None  # the client's encoding of body, passed through where unchanged
     resp: web.StreamResponse | None = None
+    visible_id: str = ""  # the request id the client sees
+    upstream_id: str = ""  # the current attempt's id at the engines
 
 
 @dataclass
@@ -125,6 +181,7 @@ class _Legs:
     tasks: list[asyncio.Task] = field(default_factory=list)
     responses: list[aiohttp.ClientResponse] = field(default_factory=list)
     done: bool = False
+    prefill_failure: BaseException | None = None  # set when the prefill leg failed after decode answered
 
 
 def _relayed_headers(resp: aiohttp.ClientResponse, default_type: str) -> dict[str, str]:
@@ -157,6 +214,7 @@ class Proxy:
         self._id_prefix = f"pdlb-{secrets.token_hex(6)}-"
         self._client_ids = itertools.count()
         self._ids = itertools.count()
+        self._no_prefill = False  # the last attempt found no routable prefill worker (logged once)
         self.background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ entry point
@@ -168,6 +226,8 @@ class Proxy:
         cfg = self.cfg
         t0 = time.monotonic()
         try:
+            check_request(endpoint, body, cfg.max_tokens_limit)
+            client_id = client_request_id(body, request.headers)
             prompt = extract_prompt(endpoint, body)
             max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
         except PromptError as e:
@@ -178,32 +238,59 @@ class Proxy:
             n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt)
         else:
             n_tokens, hashes = self.hasher.hash(prompt)
-        base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._client_ids)}")
-        ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0, raw)
+        if cfg.max_model_len is not None and n_tokens + max_out > cfg.max_model_len:
+            return error_response(400, f"the prompt ({n_tokens} tokens{'' if prompt.token_ids else ', estimated'}) plus "
+                                       f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")
+        visible_id = client_id if client_id is not None else self.new_upstream_id()
+        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id)
         attempt = 0
-        failed_token = _FAILED_WORKERS.set(set())
+        faults = _RequestFaults()
+        faults_token = _FAULTS.set(faults)
+        deferred: list[Failure] = []  # 500 answers, charged only if the request succeeds elsewhere
         try:
             async with asyncio.timeout(cfg.request_timeout_s):
                 while True:
-                    upstream_id = base_id if attempt == 0 else f"{base_id}-r{attempt}"
+                    # the router's own id at the engines, new per attempt (the first attempt of a
+                    # request without a client id uses the id the client will see)
+                    ctx.upstream_id = visible_id if attempt == 0 and client_id is None else self.new_upstream_id()
                     try:
-                        return await self._attempt(ctx, upstream_id, n_tokens, hashes, max_out)
+                        result = await self._attempt(ctx, ctx.upstream_id, n_tokens, hashes, max_out)
                     except Failure as f:
+                        if f.worker is not None:
+                            self._failed(f.worker, f.kind, charge=f.charge == "now")
+                        if f.charge == "deferred":
+                            if f.status == 500 and f.body is not None and any(
+                                    d.status == 500 and d.body is not None for d in deferred):
+                                # the same error from a second worker: the request is at fault
+                                log.info("request %s: %d from %s and %s; not retried (request-caused error)",
+                                         visible_id, f.status, deferred[0].worker.url if deferred[0].worker else "?",
+                                         f.worker.url if f.worker else "?")
+                                return f.response(passthrough=True)
+                            deferred.append(f)
                         if not f.retryable or attempt >= cfg.retry.max_retries:
                             return f.response()
                         attempt += 1
                         self.metrics.child(self.metrics.retries, f.kind).inc()
                         await asyncio.sleep(self.backoff_s(attempt))
+                    else:
+                        for d in deferred:  # the request was fine: those workers really failed
+                            if d.worker is not None:
+                                self._charge(d.worker)
+                        return result
         except TimeoutError:
             msg = f"request timed out after {cfg.request_timeout_s:g} s"
             if ctx.resp is not None:  # already streaming: end the stream with an error event
-                await self._stream_error(ctx.resp, 504, msg)
+                await self._stream_error(ctx, 504, msg)
                 return ctx.resp
             return error_response(504, msg, "timeout")
         except ConnectionResetError:  # the client went away while we were writing
             return ctx.resp if ctx.resp is not None else web.Response(status=499)
         finally:
-            _FAILED_WORKERS.reset(failed_token)
+            _FAULTS.reset(faults_token)
+
+    def new_upstream_id(self) -> str:
+        """A request id of this router process, unique per attempt: ``pdlb-<12 random hex>-<n>``."""
+        return f"{self._id_prefix}{next(self._client_ids)}"
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based), with jitter."""
@@ -216,12 +303,27 @@ class Proxy:
                        max_out: int) -> web.StreamResponse:
         now = time.monotonic()
         self.pool.refresh(now)
+        if self.cfg.pd_protocol != "none" and self.pool.num_prefill and not self.router.disaggregated:
+            # PD decode engines cannot serve a request without its prefill leg: 503, not a silent
+            # decode-only request (pd_min_uncached_tokens still serves short prompts decode-only
+            # while a prefill worker is routable)
+            if not self._no_prefill:
+                self._no_prefill = True
+                log.warning("no routable prefill worker (%d registered): PD requests get 503 until one recovers",
+                            self.pool.num_prefill)
+            raise Failure(503, "no healthy prefill worker (every prefill worker is unhealthy or its circuit "
+                               "breaker is open)", True, "no_prefill")
+        if self._no_prefill:
+            self._no_prefill = False
+            log.info("a prefill worker is routable again: PD requests are served")
         router_id = f"a{next(self._ids)}"
         try:
             route = self.router.route(Request(router_id, now, n_tokens, hashes, max_output_tokens=max_out), now,
-                                      exclude_engines=_FAILED_WORKERS.get() or ())
+                                      exclude_engines=faults.failed if (faults := _FAULTS.get()) is not None else ())
         except NoReplicaError as e:
             raise Failure(503, f"no healthy worker: {e}", True, "no_worker") from None
+        except RequestTooLargeError as e:
+            raise Failure(400, str(e), False, "too_large") from None
         self._record_route(route, n_tokens)
         legs = _Legs()
         try:
@@ -258,7 +360,8 @@ class Proxy:
         path = ctx.request.path
         headers = self._headers(upstream_id)
         if route.prefill is None or cfg.pd_protocol == "none":
-            extra: dict[str, Any] = {"rid": upstream_id} if cfg.pd_protocol == "sglang" else {}
+            # the client's rid (if any) is replaced by the router's: never forwarded
+            extra: dict[str, Any] = {"rid": upstream_id} if cfg.pd_protocol == "sglang" or "rid" in ctx.body else {}
             self._dp_rank(extra, headers, d, route.decode.dp_rank)
             legs.started.append((d, upstream_id))
             deadline = self._first_byte_deadline()
@@ -288,12 +391,12 @@ class Proxy:
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started += [(p, upstream_id), (d, upstream_id)]
-        deadline = self._first_byte_deadline()
+        deadline = d_deadline = self._first_byte_deadline()
         p_data = encode_with(ctx.raw, ctx.body, p_extra)
         # the same bytes for both legs unless their DP ranks differ
         d_data = p_data if p_extra == d_extra else encode_with(ctx.raw, ctx.body, d_extra)
-        p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs))
-        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, deadline))
+        p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs, prefill=True))
+        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline))
         legs.tasks += [p_task, d_task]
         pending: set[asyncio.Task] = {p_task, d_task}
         while d_task in pending:
@@ -301,17 +404,33 @@ class Proxy:
             if p_task in done:
                 p_task.result()  # raises the prefill's Failure: the finally of _attempt aborts D
                 self.router.on_prefill_done(router_id, time.monotonic())
+        if d_task.exception() is not None and not p_task.done():
+            # D failed while P runs: a decode leg whose prefill failed fails too, often first; wait
+            # briefly for P so that the failure is charged to the worker at fault
+            await asyncio.wait({p_task}, timeout=PREFILL_BLAME_GRACE_S)
+        if d_task.exception() is not None:
+            if p_task.done():
+                p_task.result()  # P failed too: raise its Failure (D not charged)
+            # P still running PREFILL_BLAME_GRACE_S after its decode leg answered 502 (a decode
+            # engine that could not get the KV from its prefill): the prefill is the one stalled,
+            # charge it, not D. Other decode failures (503, timeouts, resets) are D's own.
+            df = d_task.exception()
+            if not (isinstance(df, Failure) and df.kind == "http_502"):
+                raise df
+            raise Failure(504, f"prefill worker {p.url} had not finished when the decode leg on {d.url} failed "
+                               f"({d_task.exception()})", True, "prefill_stalled", worker=p, charge="now")
         d_resp = d_task.result()
         if not p_task.done():
             # D answered before P: if P fails now, close D so that the relay fails (and retries
-            # if nothing reached the client yet).
+            # if nothing reached the client yet), charging P, not D.
             def _watch(t: asyncio.Task) -> None:
                 if t.cancelled() or t.exception() is not None:
+                    legs.prefill_failure = None if t.cancelled() else t.exception()
                     d_resp.close()
                 else:
                     self.router.on_prefill_done(router_id, time.monotonic())
             p_task.add_done_callback(_watch)
-        return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
+        return await self._relay(ctx, d, d_resp, router_id, legs, d_deadline)
 
     async def _vllm(self, ctx: _Ctx, p: Worker, d: Worker, route: Route, path: str, upstream_id: str,
                     router_id: str, legs: _Legs) -> web.StreamResponse:
@@ -323,21 +442,25 @@ class Proxy:
             "remote_block_ids": None, "remote_host": None, "remote_port": None})
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
+        if "rid" in p_body:  # the client's rid is never forwarded
+            p_body["rid"] = upstream_id
         p_headers = self._headers(upstream_id)
         p_extra: dict[str, Any] = {}
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
         p_body.update(p_extra)
         legs.started.append((p, upstream_id))
-        data = await self._full(p, path, p_body, p_headers, legs)
+        data = await self._full(p, path, p_body, p_headers, legs, prefill=True)
         try:
             kv = json.loads(data)["kv_transfer_params"]
             if not isinstance(kv, dict):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
-            self._failed(p, "bad_response")
-            raise Failure(502, f"prefill worker {p.url} answered without kv_transfer_params", True, "bad_response") from None
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise Failure(502, f"prefill worker {p.url} answered without kv_transfer_params", True, "bad_response",
+                          worker=p, charge="now") from None
         self.router.on_prefill_done(router_id, time.monotonic())
         d_extra: dict[str, Any] = {"kv_transfer_params": kv}
+        if "rid" in ctx.body:
+            d_extra["rid"] = upstream_id
         d_headers = self._headers(upstream_id)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started.append((d, upstream_id))
@@ -346,14 +469,25 @@ class Proxy:
         return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     # ------------------------------------------------------------------ upstream I/O
-    def _failed(self, w: Worker, kind: str) -> None:
-        """Count a failure of ``w`` (metrics, circuit breaker) and keep the current request's
-        retries off it."""
-        failed = _FAILED_WORKERS.get()
-        if failed is not None:
-            failed.add(w.url)
+    def _failed(self, w: Worker, kind: str, charge: bool = True) -> None:
+        """Count a failure of ``w`` in the metrics, keep the current request's retries off it and,
+        with ``charge``, count it against its circuit breaker (at most once per client request)."""
+        faults = _FAULTS.get()
+        if faults is not None:
+            faults.failed.add(w.url)
         self.metrics.child(self.metrics.upstream_failures, w.url, kind).inc()
-        self.pool.record_result(w, False, time.monotonic())
+        if charge:
+            self._charge(w)
+
+    def _charge(self, w: Worker) -> None:
+        """One failure of the current client request against ``w``'s breaker (once per request)."""
+        faults = _FAULTS.get()
+        if faults is not None:
+            if w.url in faults.charged:
+                return
+            faults.charged.add(w.url)
+        if self.pool.get(w.url) is w:  # not removed meanwhile
+            self.pool.record_result(w, False, time.monotonic())
 
     def _first_byte_deadline(self) -> float | None:
         """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
@@ -361,16 +495,16 @@ class Proxy:
         return None if t is None else asyncio.get_running_loop().time() + t
 
     def _first_byte_failure(self, w: Worker) -> Failure:
-        self._failed(w, "first_byte_timeout")
         return Failure(504, f"worker {w.url} sent no response within first_byte_timeout_s="
-                            f"{self.cfg.first_byte_timeout_s:g} s", True, "first_byte_timeout")
+                            f"{self.cfg.first_byte_timeout_s:g} s", True, "first_byte_timeout", worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
-                    legs: _Legs, deadline: float | None = None) -> aiohttp.ClientResponse:
+                    legs: _Legs, deadline: float | None | bool = True) -> aiohttp.ClientResponse:
         """POST ``body`` (a JSON object, or its encoding) and wait for the response headers (until
-        ``deadline``, event-loop time; default ``first_byte_timeout_s`` from now); non-2xx answers
-        and a missed deadline become :class:`Failure`."""
-        if deadline is None:
+        ``deadline``, event-loop time; ``True``: ``first_byte_timeout_s`` from now; ``None``: no
+        deadline); non-2xx answers and a missed deadline become :class:`Failure` (naming ``w``;
+        the caller charges it)."""
+        if deadline is True:
             deadline = self._first_byte_deadline()
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
@@ -384,8 +518,8 @@ class Proxy:
         except TimeoutError:
             raise self._first_byte_failure(w) from None
         except (aiohttp.ClientError, OSError) as e:
-            self._failed(w, "connect")
-            raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect") from None
+            raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
+                          worker=w, charge="now") from None
         legs.responses.append(resp)
         if resp.status >= 400:
             try:
@@ -395,16 +529,31 @@ class Proxy:
             finally:
                 resp.release()
             retryable = resp.status in self.cfg.retry.retry_statuses
-            if retryable:
-                self._failed(w, f"http_{resp.status}")
+            # 500 is what an engine answers when the request broke it: charged only once the same
+            # request succeeded elsewhere (see the module docstring); other retryable statuses are
+            # the worker's (overload, gateway errors); the remaining 4xx are the request's
+            charge = ("deferred" if resp.status == 500 else "now") if retryable else "no"
             raise Failure(resp.status, f"worker {w.url} answered {resp.status}", retryable, f"http_{resp.status}",
-                          data, resp.content_type)
+                          data, resp.content_type, worker=w if charge != "no" else None, charge=charge)
         return resp
 
     async def _full(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
-                    legs: _Legs) -> bytes:
-        resp = await self._open(w, path, body, headers, legs)
-        data = await self._read_all(w, resp)
+                    legs: _Legs, prefill: bool = False) -> bytes:
+        """The whole answer of one leg; a prefill leg (``prefill``) must have it within
+        ``prefill_timeout_s`` (kind ``prefill_timeout``) as well as its headers within
+        ``first_byte_timeout_s``."""
+        t = self.cfg.prefill_timeout_s if prefill else None
+        if t is None:
+            resp = await self._open(w, path, body, headers, legs)
+            data = await self._read_all(w, resp)
+        else:
+            try:
+                async with asyncio.timeout(t):  # inside handle()'s request timeout (see _open)
+                    resp = await self._open(w, path, body, headers, legs)
+                    data = await self._read_all(w, resp)
+            except TimeoutError:
+                raise Failure(504, f"prefill worker {w.url} did not answer within prefill_timeout_s={t:g} s",
+                              True, "prefill_timeout", worker=w, charge="now") from None
         self.pool.record_result(w, True, time.monotonic())
         return data
 
@@ -413,19 +562,41 @@ class Proxy:
         try:
             return await resp.read()
         except (aiohttp.ClientError, OSError) as e:
-            self._failed(w, "read")
-            raise Failure(502, f"worker {w.url} failed mid-response ({type(e).__name__})", True, "read") from None
+            raise Failure(502, f"worker {w.url} failed mid-response ({type(e).__name__})", True, "read",
+                          worker=w, charge="now") from None
         finally:
             resp.release()
 
+    def _blame(self, legs: _Legs, failure: Failure) -> Failure:
+        """The prefill leg's failure instead of ``failure`` when the prefill leg failed (the decode
+        leg was closed because of it)."""
+        pf = legs.prefill_failure
+        return pf if isinstance(pf, Failure) else failure
+
+    def _rewriter(self, ctx: _Ctx, d_resp: aiohttp.ClientResponse) -> tuple[bytes, bytes] | None:
+        """``(upstream id, client's id)`` as they appear in a JSON body, if the relayed body needs
+        the ids swapped (they differ and the body is not compressed)."""
+        if ctx.upstream_id == ctx.visible_id or "Content-Encoding" in d_resp.headers:
+            return None
+        return ctx.upstream_id.encode(), json.dumps(ctx.visible_id)[1:-1].encode()
+
     async def _relay(self, ctx: _Ctx, d: Worker, d_resp: aiohttp.ClientResponse, router_id: str,
                      legs: _Legs, deadline: float | None = None) -> web.StreamResponse:
-        """Send the decode leg's answer to the client (chunk by chunk when streaming)."""
+        """Send the decode leg's answer to the client (chunk by chunk when streaming), with the
+        upstream request id replaced by the client's."""
+        swap = self._rewriter(ctx, d_resp)
         if not ctx.stream:
-            data = await self._read_all(d, d_resp)
+            try:
+                data = await self._read_all(d, d_resp)
+            except Failure as f:
+                raise self._blame(legs, f) from None
             self.router.on_first_token(router_id, time.monotonic())
             self.pool.record_result(d, True, time.monotonic())
-            return web.Response(status=d_resp.status, body=data, headers=_relayed_headers(d_resp, "application/json"))
+            if swap is not None:
+                data = data.replace(*swap)
+            headers = _relayed_headers(d_resp, "application/json")
+            headers["X-Request-Id"] = ctx.visible_id
+            return web.Response(status=d_resp.status, body=data, headers=headers)
         it = d_resp.content.iter_any()
         try:
             if deadline is None:
@@ -436,18 +607,22 @@ class Proxy:
         except StopAsyncIteration:
             first = b""
         except TimeoutError:
-            raise self._first_byte_failure(d) from None
+            raise self._blame(legs, self._first_byte_failure(d)) from None
         except (aiohttp.ClientError, OSError) as e:
-            self._failed(d, "read")
-            raise Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})", True, "read") from None
+            raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
+                                            True, "read", worker=d, charge="now")) from None
         now = time.monotonic()
         self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
         self.router.on_first_token(router_id, now)
         headers = _relayed_headers(d_resp, "text/event-stream")
         headers["Cache-Control"] = "no-cache"
+        headers["X-Request-Id"] = ctx.visible_id
         resp = web.StreamResponse(status=d_resp.status, headers=headers)
         ctx.resp = resp
         await resp.prepare(ctx.request)
+        held = b""  # with id swapping: the last chunk's incomplete line (SSE events end in newlines)
+        if swap is not None:
+            first, held = self._swap_lines(first, swap)
         if first:
             await resp.write(first)
         while True:
@@ -456,18 +631,38 @@ class Proxy:
             except StopAsyncIteration:
                 break
             except (aiohttp.ClientError, OSError) as e:
-                self._failed(d, "mid_stream")
-                await self._stream_error(resp, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
+                f = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
+                if f.worker is not None:
+                    self._failed(f.worker, "mid_stream")
+                if held:
+                    await resp.write(held.replace(*swap))
+                await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
                 self._abort(legs)
                 legs.done = True
                 return resp
-            await resp.write(chunk)
+            if swap is not None:
+                chunk, held = self._swap_lines(held + chunk, swap)
+            if chunk:
+                await resp.write(chunk)
         d_resp.release()
+        if held:
+            await resp.write(held.replace(*swap))
         await resp.write_eof()
         self.pool.record_result(d, True, time.monotonic())
         return resp
 
-    async def _stream_error(self, resp: web.StreamResponse, status: int, message: str) -> None:
+    @staticmethod
+    def _swap_lines(data: bytes, swap: tuple[bytes, bytes]) -> tuple[bytes, bytes]:
+        """``(complete lines of data with the id swapped, the incomplete last line)``."""
+        cut = data.rfind(b"\n") + 1
+        return data[:cut].replace(*swap), data[cut:]
+
+    async def _stream_error(self, ctx: _Ctx, status: int, message: str) -> None:
+        """End a started stream with an SSE error event; the request counts with ``status`` (not
+        200) in ``pdlb_requests_total``."""
+        resp = ctx.resp
+        assert resp is not None
+        ctx.request[STREAM_STATUS] = status
         err = {"error": {"message": message, "type": "server_error", "code": status}}
         try:
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")

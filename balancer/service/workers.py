@@ -10,6 +10,8 @@ their prefix-index state). Time is passed in (``now_s``, ``time.monotonic()`` in
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -18,6 +20,13 @@ from yarl import URL
 from balancer.router import Router
 from balancer.service.config import CircuitBreakerConfig, HealthCheckConfig, WorkerConfig
 from balancer.types import ReplicaId, Role
+
+log = logging.getLogger("pdlb.service")
+
+MAX_WORKERS = 4096
+"""Most workers one router holds (admin API and config); bounds what one admin request can add."""
+MAX_REPLICAS = 65_536
+"""Most DP ranks over all workers (each is a router replica)."""
 
 
 class BreakerState(enum.IntEnum):
@@ -30,40 +39,74 @@ class BreakerState(enum.IntEnum):
 
 @dataclass(slots=True)
 class CircuitBreaker:
-    """Consecutive-failure circuit breaker (see :class:`~balancer.service.config.CircuitBreakerConfig`)."""
+    """Consecutive-failure circuit breaker with half-open probing (see
+    :class:`~balancer.service.config.CircuitBreakerConfig`).
+
+    CLOSED -> OPEN after ``failure_threshold`` consecutive failures (the service counts at most one
+    per client request); OPEN -> HALF_OPEN once ``open_duration_s`` passed *or* a health probe
+    passed (:meth:`probe_passed`), whichever comes first; HALF_OPEN is routable (trial requests),
+    ``success_threshold`` successes close it and one failure reopens it. Every state change is
+    logged (``pdlb.service`` logger) and reported to ``on_change`` (the service counts it in
+    ``pdlb_circuit_breaker_transitions_total``).
+    """
 
     cfg: CircuitBreakerConfig
+    name: str = ""
+    on_change: Callable[[str, BreakerState], None] | None = None
     state: BreakerState = BreakerState.CLOSED
     failures: int = 0
     successes: int = 0
     opened_at_s: float = 0.0
     num_opened: int = 0
 
+    def _set(self, state: BreakerState, why: str) -> None:
+        if state is self.state:
+            return
+        self.state = state
+        if state is BreakerState.OPEN:
+            log.warning("circuit breaker of %s opened: %s", self.name, why)
+        else:
+            log.info("circuit breaker of %s is %s: %s", self.name, state.name.lower().replace("_", "-"), why)
+        if self.on_change is not None:
+            self.on_change(self.name, state)
+
     def allows(self, now_s: float) -> bool:
         """Whether requests may go to the worker; moves OPEN -> HALF_OPEN once the open period ended."""
         if not self.cfg.enabled:
             return True
         if self.state is BreakerState.OPEN and now_s - self.opened_at_s >= self.cfg.open_duration_s:
-            self.state = BreakerState.HALF_OPEN
             self.successes = 0
+            self._set(BreakerState.HALF_OPEN, f"open for {self.cfg.open_duration_s:g} s, letting trial requests through")
         return self.state is not BreakerState.OPEN
+
+    def probe_passed(self) -> None:
+        """A health probe of the worker passed: an open breaker goes half-open at once (trial
+        requests), without waiting for the rest of ``open_duration_s``."""
+        if self.cfg.enabled and self.state is BreakerState.OPEN:
+            self.successes = 0
+            self._set(BreakerState.HALF_OPEN, "health probe passed, letting trial requests through")
 
     def record_success(self) -> None:
         self.failures = 0
         if self.state is BreakerState.HALF_OPEN:
             self.successes += 1
             if self.successes >= self.cfg.success_threshold:
-                self.state = BreakerState.CLOSED
+                self._set(BreakerState.CLOSED, f"{self.successes} trial requests succeeded")
 
     def record_failure(self, now_s: float) -> None:
         self.failures += 1
         if not self.cfg.enabled:
             return
-        if self.state is BreakerState.HALF_OPEN or self.failures >= self.cfg.failure_threshold:
-            self.state = BreakerState.OPEN
+        if self.state is BreakerState.HALF_OPEN or (self.state is BreakerState.CLOSED
+                                                    and self.failures >= self.cfg.failure_threshold):
+            why = ("a trial request failed" if self.state is BreakerState.HALF_OPEN
+                   else f"{self.failures} consecutive failed requests")
             self.opened_at_s = now_s
             self.successes = 0
             self.num_opened += 1
+            self._set(BreakerState.OPEN, why)
+        elif self.state is BreakerState.OPEN:
+            self.opened_at_s = now_s
 
 
 @dataclass(slots=True)
@@ -107,25 +150,45 @@ class Worker:
 class WorkerPool:
     """Workers by URL, kept in sync with a :class:`~balancer.router.Router`."""
 
-    def __init__(self, router: Router, breaker_cfg: CircuitBreakerConfig, health_cfg: HealthCheckConfig) -> None:
+    def __init__(self, router: Router, breaker_cfg: CircuitBreakerConfig, health_cfg: HealthCheckConfig,
+                 on_breaker_change: Callable[[str, BreakerState], None] | None = None) -> None:
         self.router = router
         self.breaker_cfg = breaker_cfg
         self.health_cfg = health_cfg
+        self.on_breaker_change = on_breaker_change
         self.workers: dict[str, Worker] = {}
+        self.num_replicas = 0
+        self.num_prefill = 0  # registered prefill workers
 
     def add(self, cfg: WorkerConfig) -> Worker:
-        """Register a worker and its DP ranks.
+        """Register a worker and its DP ranks, atomically: if any rank cannot be registered, none
+        stays registered (no ghost replicas that routes could pick).
 
         Raises:
-            ValueError: the URL is already registered.
+            ValueError: the URL is already registered, or the pool would exceed
+                :data:`MAX_WORKERS` workers or :data:`MAX_REPLICAS` DP ranks.
         """
         if cfg.url in self.workers:
             raise ValueError(f"worker {cfg.url} is already registered")
+        if len(self.workers) >= MAX_WORKERS:
+            raise ValueError(f"the router already has {len(self.workers)} workers (at most {MAX_WORKERS})")
+        if self.num_replicas + cfg.dp_size > MAX_REPLICAS:
+            raise ValueError(f"adding {cfg.dp_size} DP ranks would give {self.num_replicas + cfg.dp_size} "
+                             f"(at most {MAX_REPLICAS} over all workers)")
         reps = tuple(ReplicaId(cfg.url, r) for r in range(cfg.dp_size))
-        for rep in reps:
-            self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
-        w = Worker(cfg, CircuitBreaker(self.breaker_cfg), replicas=reps)
+        done: list[ReplicaId] = []
+        try:
+            for rep in reps:
+                self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
+                done.append(rep)
+        except BaseException:
+            for rep in done:
+                self.router.remove_replica(rep)
+            raise
+        w = Worker(cfg, CircuitBreaker(self.breaker_cfg, cfg.url, self.on_breaker_change), replicas=reps)
         self.workers[cfg.url] = w
+        self.num_replicas += len(reps)
+        self.num_prefill += cfg.role == "prefill"
         return w
 
     def remove(self, url: str) -> Worker:
@@ -135,6 +198,8 @@ class WorkerPool:
             KeyError: unknown URL.
         """
         w = self.workers.pop(url.rstrip("/"))
+        self.num_replicas -= len(w.replicas)
+        self.num_prefill -= w.cfg.role == "prefill"
         for rep in w.replicas:
             self.router.remove_replica(rep)
         return w
@@ -167,12 +232,21 @@ class WorkerPool:
             w.health_successes += 1
             if not w.healthy and w.health_successes >= cfg.success_threshold:
                 w.healthy = True
+                log.info("worker %s passes health checks again", w.url)
+            w.breaker.probe_passed()
         else:
             w.health_successes = 0
             w.health_failures += 1
             if w.healthy and w.health_failures >= cfg.failure_threshold:
                 w.healthy = False
+                log.warning("worker %s failed %d health checks in a row: not routable", w.url, w.health_failures)
         self.refresh(now_s)
+
+    def to_probe(self) -> list[Worker]:
+        """Workers that are not routable now (unhealthy or breaker open): the ones the service
+        probes every ``circuit_breaker.probe_interval_s`` so that traffic returns soon after they
+        recover."""
+        return [w for w in self.workers.values() if not w.routable]
 
     def routable(self, roles: tuple[Role, ...]) -> list[Worker]:
         return [w for w in self.workers.values() if w.routable and w.role in roles]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 
+MAX_TRACE_TOKENS = 1 << 24
+"""Largest prompt or output length a trace line may give (16.8M tokens, far above any model's
+context): larger is refused as malformed, so one line cannot ask for billions of blocks or steps."""
+
 
 def check_limit(limit: int | None) -> None:
     """Raise ValueError unless ``limit`` is ``None`` or an int >= 0."""

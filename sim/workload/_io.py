@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
+import zlib
+from collections.abc import Callable, Iterator
 from typing import IO, cast
+
+from .errors import TraceFormatError
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -36,3 +41,24 @@ def open_text(path: str | os.PathLike[str]) -> IO[str]:
         OSError: as :func:`open` (e.g. :class:`FileNotFoundError`).
     """
     return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig", newline="")
+
+
+@contextlib.contextmanager
+def read_errors(path: str | os.PathLike[str], line: Callable[[], int]) -> Iterator[None]:
+    """Turn failures to read ``path`` into one :class:`TraceFormatError` naming the file and the
+    line being read (``line()``): a directory, a file that cannot be opened, a corrupt or
+    truncated gzip stream."""
+    try:
+        yield
+    except IsADirectoryError:
+        raise TraceFormatError(path, 0, "is a directory, not a trace file") from None
+    except FileNotFoundError:
+        raise
+    except gzip.BadGzipFile as exc:
+        raise TraceFormatError(path, line(), f"corrupt gzip data: {exc}") from None
+    except EOFError:
+        raise TraceFormatError(path, line(), "truncated gzip file (it ends in the middle of the compressed stream)") from None
+    except zlib.error as exc:
+        raise TraceFormatError(path, line(), f"corrupt gzip data: {exc}") from None
+    except OSError as exc:
+        raise TraceFormatError(path, line(), f"cannot read: {exc.strerror or exc}") from None

@@ -22,15 +22,15 @@ import xxhash
 from balancer.hashing import chain_block_ids
 from balancer.types import Request
 
-from ._checks import check_limit, check_positive_int
-from ._io import open_text
+from ._checks import MAX_TRACE_TOKENS, check_limit, check_positive_int
+from ._io import open_text, read_errors
 from .errors import TraceFormatError
 
 __all__ = ["parse_azure_timestamp_ns", "read_azure"]
 
 _COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _TS_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:?\d{2})?")
-_INT_RE = re.compile(r"[+-]?\d+")
+_INT_RE = re.compile(r"[+-]?\d{1,19}")  # at most 19 digits: no huge int() conversions
 
 
 def parse_azure_timestamp_ns(text: str) -> int:
@@ -112,13 +112,17 @@ def read_azure(
     next_id = 0
     t0_ns: int | None = None
     prev_ns = 0
-    with open_text(path) as fh:
+    reader = None
+    with read_errors(path, lambda: (reader.line_num if reader is not None else 0) + 1), open_text(path) as fh:
         reader = csv.reader(fh)
         try:
             header = next((row for row in reader if row), None)
             if header is None:
                 raise TraceFormatError(path, max(reader.line_num, 1), "empty file, expected a CSV header")
             names = [h.strip() for h in header]
+            twice = sorted({c for c in names if names.count(c) > 1 and c})
+            if twice:
+                raise TraceFormatError(path, reader.line_num, f"header names column(s) {twice} more than once")
             missing = [c for c in _COLUMNS if c not in names]
             if missing:
                 raise TraceFormatError(path, reader.line_num, f"header lacks column(s) {missing}, got {names}")
@@ -143,10 +147,10 @@ def read_azure(
                         path, line, f"timestamp goes backwards: {row[i_ts].strip()!r} is before the previous row"
                     )
                 prev_ns = ts_ns
-                if ctx < 1:
-                    raise TraceFormatError(path, line, f"column 'ContextTokens' must be >= 1, got {ctx}")
-                if gen < 0:
-                    raise TraceFormatError(path, line, f"column 'GeneratedTokens' must be >= 0, got {gen}")
+                if not 1 <= ctx <= MAX_TRACE_TOKENS:
+                    raise TraceFormatError(path, line, f"column 'ContextTokens' must be >= 1 and <= {MAX_TRACE_TOKENS}, got {ctx}")
+                if not 0 <= gen <= MAX_TRACE_TOKENS:
+                    raise TraceFormatError(path, line, f"column 'GeneratedTokens' must be >= 0 and <= {MAX_TRACE_TOKENS}, got {gen}")
                 n_blocks = -(-ctx // block_size)
                 hashes = tuple(chain_block_ids(range(next_id, next_id + n_blocks), parent_hash=root))
                 next_id += n_blocks
@@ -174,5 +178,5 @@ def read_azure(
 def _parse_int(path: str | os.PathLike[str], line: int, column: str, text: str) -> int:
     text = text.strip()
     if not _INT_RE.fullmatch(text):
-        raise TraceFormatError(path, line, f"column {column!r} must be an integer, got {text!r}")
+        raise TraceFormatError(path, line, f"column {column!r} must be an integer of at most 19 digits, got {text[:40]!r}")
     return int(text)

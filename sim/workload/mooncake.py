@@ -25,7 +25,8 @@ import os
 from balancer.hashing import chain_block_ids
 from balancer.types import Request
 
-from ._checks import check_limit, check_positive_int
+from ._checks import MAX_TRACE_TOKENS, check_limit, check_positive_int
+from ._io import read_errors
 from ._io import open_binary
 from .errors import TraceFormatError
 
@@ -41,15 +42,26 @@ class _BadRecord(Exception):
     """Internal: one record is invalid; the caller adds file and line."""
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"key {dup!r} given twice")
+    return out
+
+
 def _parse_record(
     raw: bytes, block_size: int, prev_ts: float
 ) -> tuple[float, int, int, tuple[int, ...], str | None, str | None]:
     """Validate one JSON line; return ``(timestamp_ms, input_length, max(output_length, 1),
     block_hashes, session_id, traffic_class)`` or raise :class:`_BadRecord`."""
     try:
-        rec = json.loads(raw)
+        rec = json.loads(raw, object_pairs_hook=_unique_keys)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise _BadRecord(f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise _BadRecord("invalid JSON: nested too deeply") from None
     if not isinstance(rec, dict):
         raise _BadRecord(f"expected a JSON object, got {type(rec).__name__}")
     for name in _FIELDS:
@@ -65,12 +77,12 @@ def _parse_record(
         raise _BadRecord(f"timestamp goes backwards: {ts!r} after {prev_ts!r}")
     if type(n_in) is not int:
         raise _BadRecord(f"field 'input_length' must be an integer, got {n_in!r}")
-    if n_in < 1:
-        raise _BadRecord(f"field 'input_length' must be >= 1, got {n_in}")
+    if not 1 <= n_in <= MAX_TRACE_TOKENS:
+        raise _BadRecord(f"field 'input_length' must be >= 1 and <= {MAX_TRACE_TOKENS}, got {n_in}")
     if type(n_out) is not int:
         raise _BadRecord(f"field 'output_length' must be an integer, got {n_out!r}")
-    if n_out < 0:
-        raise _BadRecord(f"field 'output_length' must be >= 0, got {n_out}")
+    if not 0 <= n_out <= MAX_TRACE_TOKENS:
+        raise _BadRecord(f"field 'output_length' must be >= 0 and <= {MAX_TRACE_TOKENS}, got {n_out}")
     if type(ids) is not list:
         raise _BadRecord(f"field 'hash_ids' must be a list of integers, got {type(ids).__name__}")
     expected = -(-n_in // block_size)
@@ -147,7 +159,8 @@ def read_mooncake(
     if limit == 0:
         return requests
     prev_ts = -math.inf
-    with open_binary(path) as fh:
+    lineno = 0
+    with read_errors(path, lambda: lineno + 1), open_binary(path) as fh:
         for lineno, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue

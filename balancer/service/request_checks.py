@@ -1,0 +1,159 @@
+"""Checks of a generation request body before anything is forwarded (OpenAI-style 400s).
+
+The router forwards a client's body to engines almost unchanged, so anything it lets through
+reaches every engine it retries on. What it checks here:
+
+* **Fields the router owns** are refused (:data:`ROUTER_FIELDS`): the PD handshake
+  (``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` for SGLang, ``kv_transfer_params`` for
+  vLLM) and the DP rank (``data_parallel_rank``). Forwarded from a client they would make a decode
+  engine fetch KV from a host and port the client chose, or address a rank the router did not pick.
+* **Fields the router reads or that engines reject with a 5xx** are type- and range-checked the way
+  an OpenAI server does: ``stream`` a boolean (``"false"`` is truthy in Python), the output limit
+  (``max_tokens``, ``max_completion_tokens``, ``sampling_params.max_new_tokens``) an integer
+  1..``max_tokens_limit``, ``n``/``best_of`` 1..:data:`MAX_N`, sampling numbers finite
+  (``temperature`` >= 0, ``top_p`` in (0, 1], penalties in [-2, 2], ``repetition_penalty`` > 0),
+  ``top_k`` an integer >= -1, ``seed`` an integer, ``stop`` a string or at most :data:`MAX_STOP`
+  strings.
+* **The client's request id** (``rid`` body field or ``X-Request-Id`` header): a string (or
+  integer) of at most :data:`MAX_REQUEST_ID_CHARS` printable characters. It is echoed to the
+  client and logged, never sent upstream (the router uses its own ids there).
+
+Every error is a :class:`~balancer.service.prompt.PromptError` naming the field; the service
+answers 400. NaN and infinities are refused when the body is parsed (:func:`parse_json_body`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from balancer.service.prompt import PromptError
+
+__all__ = ["MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP", "ROUTER_FIELDS", "check_request", "client_request_id",
+           "parse_json_body"]
+
+ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params", "data_parallel_rank")
+"""Body fields the router sets itself; a client request that carries one is refused."""
+MAX_REQUEST_ID_CHARS = 256
+"""Longest client request id accepted (``rid`` / ``X-Request-Id``)."""
+MAX_N = 128
+"""Most choices per request (``n``, ``best_of``), as the OpenAI API allows."""
+MAX_STOP = 16
+"""Most stop strings per request."""
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """``json.loads(raw)`` that refuses ``NaN``/``Infinity`` and too deeply nested documents.
+
+    Raises:
+        ValueError: not JSON, not UTF-8, a non-finite constant, or nesting beyond what the
+            parser can recurse into (the message says which).
+    """
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("the JSON body is nested too deeply") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: Mapping[str, Any], key: str, where: str, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> None:
+    v = body.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise PromptError(f"'{where}{key}' must be a finite number")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise PromptError(f"'{where}{key}' must be {'>' if lo_open else '>='} {lo:g}, got {v!r}")
+    if hi is not None and v > hi:
+        raise PromptError(f"'{where}{key}' must be <= {hi:g}, got {v!r}")
+
+
+def _integer(body: Mapping[str, Any], key: str, where: str, lo: int, hi: int) -> None:
+    v = body.get(key)
+    if v is None:
+        return
+    if not _is_int(v) or not lo <= v <= hi:
+        raise PromptError(f"'{where}{key}' must be an integer {lo}..{hi}")
+
+
+def _sampling(body: Mapping[str, Any], where: str, max_tokens_limit: int) -> None:
+    _number(body, "temperature", where, 0.0)
+    _number(body, "top_p", where, 0.0, 1.0, lo_open=True)
+    _number(body, "min_p", where, 0.0, 1.0)
+    _number(body, "presence_penalty", where, -2.0, 2.0)
+    _number(body, "frequency_penalty", where, -2.0, 2.0)
+    _number(body, "repetition_penalty", where, 0.0, lo_open=True)
+    _integer(body, "top_k", where, -1, 2**31 - 1)
+    _integer(body, "n", where, 1, MAX_N)
+    _integer(body, "best_of", where, 1, MAX_N)
+    _integer(body, "seed", where, -(2**63), 2**64 - 1)
+    for key in ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens"):
+        _integer(body, key, where, 0 if key == "min_tokens" else 1, max_tokens_limit)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+            raise PromptError(f"'{where}stop' must be a string or an array of at most {MAX_STOP} strings")
+
+
+def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int) -> None:
+    """Check a generation request body (see the module docstring).
+
+    Args:
+        endpoint: ``"completions"``, ``"chat"`` or ``"generate"``.
+        body: the parsed JSON object.
+        max_tokens_limit: the largest output-token limit accepted.
+
+    Raises:
+        PromptError: the first problem found, naming the field.
+    """
+    for key in ROUTER_FIELDS:
+        if key in body:
+            raise PromptError(f"'{key}' is set by the router (PD handshake and DP rank); remove it from the request")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise PromptError("'stream' must be a boolean")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise PromptError("'stream_options' must be an object")
+    _sampling(body, "", max_tokens_limit)
+    if endpoint == "generate":
+        sp = body.get("sampling_params")
+        if sp is not None:
+            if not isinstance(sp, dict):
+                raise PromptError("'sampling_params' must be an object")
+            _sampling(sp, "sampling_params.", max_tokens_limit)
+        if "max_new_tokens" in body:  # top level is not where SGLang reads it: refuse rather than ignore
+            raise PromptError("'max_new_tokens' belongs in 'sampling_params'")
+
+
+def client_request_id(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+    """The client's own request id (body ``rid``, else the ``X-Request-Id`` header), or ``None``.
+
+    Raises:
+        PromptError: ``rid`` is not a string or integer, or the id is empty, longer than
+            :data:`MAX_REQUEST_ID_CHARS` or has non-printable characters.
+    """
+    v = body.get("rid")
+    where = "rid"
+    if v is None:
+        v = headers.get("X-Request-Id")
+        where = "X-Request-Id"
+        if v is None:
+            return None
+    elif _is_int(v):
+        v = str(v)
+    elif not isinstance(v, str):
+        raise PromptError("'rid' must be a string (one request id)")
+    if not v or len(v) > MAX_REQUEST_ID_CHARS or not v.isprintable():
+        raise PromptError(f"'{where}' must be 1..{MAX_REQUEST_ID_CHARS} printable characters")
+    return v

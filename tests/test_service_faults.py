@@ -1,0 +1,107 @@
+"""Fault matrix on emulated engines (issue 14, "tests that keep it so").
+
+Both PD protocols x {5xx answers, 500 answers, connection refused, hang before headers, hang after
+headers, death mid-stream, a slow engine} on a prefill or decode engine, streamed and not. In each
+cell concurrent requests must every one end within its deadline in success (the full answer) or a
+clear error (a JSON error object with 502/503/504, or a stream that ends with an SSE error event);
+afterwards every engine has cleaned up both legs (no request task left) and the router's load is
+back to 0. Loopback only; each cell takes well under two seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from balancer.service.app import SERVICE
+from sim.emulator.testing import inprocess_cluster
+
+REQUEST_TIMEOUT_S = 2.0
+ROUTER = {"first_byte_timeout_s": 0.4, "prefill_timeout_s": 0.6, "request_timeout_s": REQUEST_TIMEOUT_S,
+          "retry": {"max_retries": 3, "initial_backoff_s": 0.001, "max_backoff_s": 0.01},
+          "prefill_policy": {"name": "round_robin"}, "decode_policy": {"name": "round_robin"}}
+MAX_TOKENS = 4
+
+# (name, role of the faulty engine, faults it gets)
+FAULTS = [
+    ("http_503", "prefill", {"error_rate": 1.0, "error_status": 503}),
+    ("http_503", "decode", {"error_rate": 1.0, "error_status": 503}),
+    ("http_500_half", "decode", {"error_rate": 0.5, "error_status": 500}),
+    ("refused", "prefill", None),
+    ("refused", "decode", None),
+    ("hang", "prefill", {"hang": True}),
+    ("hang", "decode", {"hang": True}),
+    ("hang_after_headers", "decode", {"hang_after_headers": True}),
+    ("die_mid_stream", "decode", {"die_after_tokens": 2}),
+    ("slow", "decode", "slow"),
+]
+
+
+async def _one(s: aiohttp.ClientSession, url: str, i: int, stream: bool) -> str:
+    """Send one request; returns its outcome ("ok", "error <status>", "stream_error") or fails the test."""
+    body = {"prompt": f"request {i} " * 40, "max_tokens": MAX_TOKENS, "stream": stream}
+    t0 = time.monotonic()
+    async with s.post(url + "/v1/completions", json=body) as r:
+        text = await r.text()
+    took = time.monotonic() - t0
+    assert took < REQUEST_TIMEOUT_S + 1.0, f"request {i} took {took:.2f} s"
+    if r.status != 200:
+        err = json.loads(text)["error"]
+        assert r.status in (502, 503, 504) and err["message"] and err["code"] == r.status, text
+        return f"error {r.status}"
+    if not stream:
+        assert json.loads(text)["usage"]["completion_tokens"] == MAX_TOKENS
+        return "ok"
+    events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    if events and events[-1] == "[DONE]":
+        assert not any('"error"' in e for e in events)
+        return "ok"
+    assert json.loads(events[-1])["error"]["message"], text  # ended by an error event
+    return "stream_error"
+
+
+async def _settled(c) -> None:
+    """Within 3 s: no engine holds a request task, the router counts no load."""
+    svc = c.router.app[SERVICE]
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = {e.port: list(c.state(e).tasks) for e in c.engines if c.state(e).tasks}
+        load = svc.router.load.num_in_flight + int(svc.router.load.num_requests.sum())
+        if not left and load == 0 and svc.in_flight == 0:
+            return
+        assert time.monotonic() < deadline, f"not cleaned up: engine tasks {left}, router load {load}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+@pytest.mark.parametrize("name,role,faults", FAULTS, ids=[f"{n}-{r}" for n, r, _ in FAULTS])
+async def test_fault_matrix(protocol, name, role, faults):
+    engine = {"speed": 20.0, "bootstrap_timeout_s": 1.0}
+    async with inprocess_cluster(protocol, engine=engine, router=ROUTER) as c, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S + 5)) as s:
+        bad = (c.prefill if role == "prefill" else c.decode)[0]
+        if faults is None:
+            await bad.close()  # connection refused from now on
+        elif faults == "slow":
+            c.state(bad).core.speed = 0.001  # its virtual clock runs 1000x slower than the perf model
+        else:
+            async with s.post(f"http://127.0.0.1:{bad.port}/emulator/faults", json=faults) as r:
+                assert r.status == 200
+        outcomes: list[str] = []
+        for stream in (True, False):  # streamed first: a death is then mid-stream
+            outcomes += await asyncio.gather(*(_one(s, c.url, i, stream) for i in range(6)))
+        await _settled(c)
+        # one faulty engine of two per pool: retries on the healthy one serve every request that was
+        # not already streaming when its engine failed
+        if name == "die_mid_stream":  # the streams on the dying engine end in an error event, no others
+            assert 1 <= outcomes.count("stream_error") <= 3 and outcomes.count("ok") == 12 - outcomes.count("stream_error")
+            assert all(o == "ok" for o in outcomes[6:]), outcomes
+        elif name == "slow":  # a slow engine is not a failure: its requests end in 504 at the deadline
+            assert outcomes.count("ok") + outcomes.count("error 504") + outcomes.count("stream_error") == 12
+            assert outcomes.count("ok") >= 6, outcomes
+        else:
+            assert outcomes == ["ok"] * 12, outcomes
