@@ -72,7 +72,10 @@ class Service:
             make_policy(cfg.prefill_policy.name, **cfg.prefill_policy.params),
             make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
-            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index)
+            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
+            index_mode=cfg.index_mode, speculative_ttl_s=cfg.speculative_ttl_s,
+            load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None)
+        self.kv_subscriber = None  # started with the app when a worker has an events endpoint
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
         for w in cfg.workers:
             self.pool.add(w)
@@ -335,6 +338,30 @@ def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
 
 
+def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
+    """Start what feeds the router from the engines: the KV-event subscriber (index_mode events
+    or hybrid, workers with ``events``) and the load scraper (``load_scrape.enabled``)."""
+    cfg = svc.cfg
+    tasks: list[asyncio.Task] = []
+    if cfg.index_mode != "approximate":
+        from balancer.service.kv_subscriber import KvEventsCollector, start_for_service
+
+        started = start_for_service(cfg.workers, svc.router, cfg.block_size, asyncio.get_running_loop(), cfg.kv_events)
+        if started is not None:
+            svc.kv_subscriber = started[0]
+            if not svc.multiprocess:
+                svc.metrics.registry.register(KvEventsCollector(*started))
+    if cfg.load_scrape.enabled:
+        from balancer.service.load_scraper import scrape_loop
+
+        assert svc.session is not None
+        ls = cfg.load_scrape
+        tasks.append(asyncio.create_task(scrape_loop(
+            svc.session, svc.router, lambda: [(w.url, w.cfg.dp_size) for w in svc.pool.workers.values()],
+            ls.interval_s, ls.timeout_s)))
+    return tasks
+
+
 def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
     ``process_index``: this process's number when ``cfg.processes`` > 1.
@@ -354,12 +381,15 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
+        loops += _start_engine_feeds(svc)
         yield
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         for t in list(svc.proxy.background):
             t.cancel()
+        if svc.kv_subscriber is not None:
+            await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
         await svc.session.close()
 
     async def on_shutdown(app: web.Application) -> None:

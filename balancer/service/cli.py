@@ -100,6 +100,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--tokenizer", dest="tokenizer_path", metavar="TOKENIZER_JSON",
                    help="local tokenizer.json: hash real token blocks (needs 'tokenizers') (default: none, hash "
                         f"chunks of block_size * {d.chars_per_token:g} characters)")
+    p.add_argument("--index-mode", choices=["approximate", "events", "hybrid"],
+                   help="prefix index: approximate (what the router routed), events (the engines' KV events, workers' "
+                        "events=tcp://HOST:PORT), hybrid (events plus the router's own routed prompts for "
+                        f"--speculative-ttl-s) (default: {d.index_mode})")
+    p.add_argument("--speculative-ttl-s", type=float, metavar="SECONDS",
+                   help=f"hybrid mode: how long a routed prompt counts as cached before its engine announces it "
+                        f"(default: {d.speculative_ttl_s:g})")
+    p.add_argument("--scrape-load", action="store_true", default=None,
+                   help="scrape the engines' /metrics (running, waiting, KV usage) every "
+                        f"{d.load_scrape.interval_s:g} s as load reports, so that several routers see the whole load "
+                        "(default: off)")
     p.add_argument("--pd-min-uncached-tokens", type=int, metavar="TOKENS",
                    help="conditional disaggregation: requests with fewer uncached prompt tokens run on the decode "
                         f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
@@ -142,7 +153,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
                   "first_byte_timeout_s": args.first_byte_timeout_s,
                   "served_model_name": args.served_model_name, "processes": args.processes,
-                  "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY")}
+                  "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY"),
+                  "index_mode": getattr(args, "index_mode", None),
+                  "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     if args.prefill_policy:
         data["prefill_policy"] = {"name": args.prefill_policy}
@@ -151,6 +164,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     data["workers"] = data.get("workers", []) + workers
     if args.max_retries is not None:
         data.setdefault("retry", {})["max_retries"] = args.max_retries
+    if getattr(args, "scrape_load", None):
+        data.setdefault("load_scrape", {})["enabled"] = True
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
     return load_service_config(None, data)
