@@ -29,15 +29,15 @@ router's own today); they are counted as ``extra_key_blocks``. An extra key that
 event's LoRA name is the LoRA identity above, not an extra key. KV cache groups that are not full
 attention (sliding window, Mamba state) are skipped and counted (``skipped_group_events``).
 
-Memory is bounded: at most ``capacity_blocks`` engine blocks per tier (LRU); each keeps its own
+Memory is bounded: at most ``capacity_blocks`` engine blocks per tier (the oldest announced go first); each keeps its own
 token ids (as the engine's message carried them) and the router hashes it overlaps.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 from typing import Any
 
 import msgpack
@@ -51,7 +51,7 @@ from balancer.kv_wire import (EngineAllBlocksCleared, EngineBlockRemoved, Engine
 
 __all__ = ["DEFAULT_TRANSLATOR_CAPACITY_BLOCKS", "KvEventTranslator", "TranslatorStats", "chain_root"]
 
-#: Default bound of engine blocks remembered per replica and tier (LRU beyond it).
+#: Default bound of engine blocks remembered per replica and tier (the oldest announced go first).
 DEFAULT_TRANSLATOR_CAPACITY_BLOCKS = 1 << 20
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -87,20 +87,48 @@ class TranslatorStats:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
 
 
-class _Block:
-    """One engine block: its tokens, parent, and where the router's chain stands at its end."""
+class _Segment:
+    """The blocks one ``BlockStored`` announced, kept together: every engine hash of the event maps
+    to ``(segment, block index)``, so an event of ``n`` blocks costs one C-level dict update, and
+    each block's place in the router's chain is computed from the segment when needed."""
 
-    __slots__ = ("tokens", "parent", "root", "base", "rem", "covers", "extra")
+    __slots__ = ("hashes", "tokens", "e_size", "root", "base", "rem0", "pend_tokens", "pend_owners", "router_hashes",
+                 "extras", "late_covers")
 
-    def __init__(self, tokens: np.ndarray, parent: EngineHash | None, root: int, base: int | None, rem: int,
-                 covers: list[int], extra: Any) -> None:
-        self.tokens = tokens  # its own token ids (uint32)
-        self.parent = parent
+    def __init__(self, hashes: tuple[EngineHash, ...], tokens: np.ndarray, e_size: int, root: int, base: int | None,
+                 rem0: int, pend_tokens: np.ndarray | None, pend_owners: list[tuple[_Segment, int]],
+                 router_hashes: list[int], extras: list[Any] | None) -> None:
+        self.hashes = hashes  # the engine hashes, in order
+        self.tokens = tokens  # all their token ids (uint32), len(hashes) * e_size
+        self.e_size = e_size
         self.root = root  # chain root (ROOT_HASH or a LoRA root)
-        self.base = base  # pdlb hash of the last whole router block ending at or before its end; None: none yet
-        self.rem = rem  # tokens after that boundary up to its end (0 <= rem < B)
-        self.covers = covers  # pdlb hashes of the router blocks it overlaps (appended as they complete)
-        self.extra = extra  # its extra key (None for plain blocks)
+        self.base = base  # pdlb hash of the last whole router block before the segment's first token; None: none
+        self.rem0 = rem0  # tokens between that boundary and the segment's first token (< B)
+        self.pend_tokens = pend_tokens  # those rem0 tokens (from the parent blocks), or None
+        self.pend_owners = pend_owners  # the engine blocks they belong to: (segment, index)
+        self.router_hashes = router_hashes  # pdlb hashes of the router blocks completed in this event
+        self.extras = extras  # per-block extra keys, or None
+        self.late_covers: dict[int, list[int]] | None = None  # block index -> router blocks completed by later events
+
+    def end_state(self, i: int, b_size: int) -> tuple[int | None, int]:
+        """(base, rem) at the end of block ``i``: the last whole router block's pdlb hash (None:
+        none yet in this chain) and the tokens after it."""
+        end = self.rem0 + (i + 1) * self.e_size
+        k = end // b_size
+        return (self.router_hashes[k - 1] if k > 0 else self.base), end - k * b_size
+
+    def covers(self, i: int, b_size: int) -> list[int]:
+        """pdlb hashes of the router blocks block ``i`` overlaps (completed so far)."""
+        lo, hi = self.rem0 + i * self.e_size, self.rem0 + (i + 1) * self.e_size
+        out = self.router_hashes[lo // b_size: min(-(-hi // b_size), len(self.router_hashes))]
+        if self.late_covers is not None and i in self.late_covers:
+            out = out + self.late_covers[i]
+        return out
+
+    def add_late_cover(self, i: int, h: int) -> None:
+        if self.late_covers is None:
+            self.late_covers = {}
+        self.late_covers.setdefault(i, []).append(h)
 
 
 def _is_full_attention(kind: str | None) -> bool:
@@ -116,7 +144,7 @@ class KvEventTranslator:
 
     Args:
         block_size: the router's block size ``B`` (its ``Router.block_size``), tokens.
-        capacity_blocks: engine blocks remembered per tier (LRU beyond).
+        capacity_blocks: engine blocks remembered per tier (the oldest announced are forgotten beyond).
 
     Not thread-safe: one translator per replica, used by one thread.
     """
@@ -124,7 +152,7 @@ class KvEventTranslator:
     block_size: int
     capacity_blocks: int = DEFAULT_TRANSLATOR_CAPACITY_BLOCKS
     stats: TranslatorStats = field(default_factory=TranslatorStats)
-    _tiers: dict[str, OrderedDict[EngineHash, _Block]] = field(default_factory=dict)
+    _tiers: dict[str, dict[EngineHash, tuple[_Segment, int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -179,80 +207,83 @@ class KvEventTranslator:
         if len(ev.token_ids) != n * e_size:
             raise KvWireError(f"BlockStored has {len(ev.token_ids)} token ids for {n} blocks of {e_size} tokens "
                               f"(expected {n * e_size})")
+        if not set(map(type, ev.token_ids)) <= {int}:
+            raise KvWireError("BlockStored token_ids must be integers in [0, 2**32)")
         try:
-            own = np.asarray(ev.token_ids, dtype=np.int64)
-        except (OverflowError, ValueError, TypeError):
+            own = np.fromiter(ev.token_ids, dtype=np.int64, count=len(ev.token_ids))
+        except OverflowError:
             raise KvWireError("BlockStored token_ids must be integers in [0, 2**32)") from None
-        if own.ndim != 1 or (own.size and (own.min() < 0 or own.max() >= 1 << 32)):
+        if own.size and (own.min() < 0 or own.max() >= 1 << 32):
             raise KvWireError("BlockStored token_ids must be integers in [0, 2**32)")
         own = own.astype(np.uint32)
         extras = self._extras(ev, n)
-        states = self._tiers.setdefault(tier, OrderedDict())
-        # where the chain stands before the first new block: base hash, pending tokens and their owners
-        pend: list[np.ndarray] = []
-        owners: list[tuple[_Block, int, int]] = []  # (engine block, start, end) in `seq` coordinates
+        states = self._tiers.setdefault(tier, {})
+        # where the chain stands before the first new block: base hash, pending tokens, their owners
+        pend: np.ndarray | None = None
+        owners: list[tuple[_Segment, int]] = []
         if ev.parent_block_hash is None:
             root = chain_root(ev.lora_name, ev.lora_id)
             base: int | None = None
             rem = 0
         else:
-            p = states.get(ev.parent_block_hash)
-            if p is None:
+            where = states.get(ev.parent_block_hash)
+            if where is None:
                 self.stats.unknown_parent_blocks += n
                 return []
-            root, base, rem = p.root, p.base, p.rem
-            need, cur, h = rem, p, ev.parent_block_hash
-            segs: list[tuple[_Block, np.ndarray]] = []
-            while need > 0:
-                take = min(need, len(cur.tokens))
-                segs.append((cur, cur.tokens[len(cur.tokens) - take:]))
-                need -= take
-                if need > 0:
-                    h = cur.parent
-                    nxt = states.get(h) if h is not None else None
-                    if nxt is None:  # a block of the pending router block is gone: prefix not whole
-                        self.stats.unknown_parent_blocks += n
-                        return []
-                    cur = nxt
-            pos = 0
-            for blk, toks in reversed(segs):
-                pend.append(toks)
-                owners.append((blk, pos, pos + len(toks)))
-                pos += len(toks)
-            states.move_to_end(ev.parent_block_hash)
-        seq = np.concatenate(pend + [own]) if pend else own
+            seg, i = where
+            root = seg.root
+            base, rem = seg.end_state(i, b_size)
+            if rem:
+                got = self._pending(states, seg, i, rem)
+                if got is None:  # a block of the pending router block is gone: prefix not whole
+                    self.stats.unknown_parent_blocks += n
+                    return []
+                pend, owners = got
+        seq = np.concatenate((pend, own)) if pend is not None else own
         start_hash = root if base is None else base
         nfull = len(seq) // b_size
-        if extras is None:
+        if extras is None and not any(o.extras is not None for o, _ in owners):
             hashes = hash_token_blocks(seq, b_size, start_hash)
         else:
             hashes = self._hash_with_extras(seq, b_size, start_hash, rem, e_size, extras, owners)
-        # the pending owners overlap router block 0
-        if nfull and owners:
-            for blk, _, _ in owners:
-                blk.covers.append(hashes[0])
+        if nfull and owners:  # the pending owners overlap router block 0
+            for o, k in owners:
+                o.add_late_cover(k, hashes[0])
+        seg = _Segment(ev.block_hashes, own, e_size, root, base, rem, pend, owners, hashes, extras)
         self.stats.engine_blocks_stored += n
         self.stats.router_blocks_stored += nfull
         if extras is not None:
             self.stats.extra_key_blocks += sum(1 for x in extras if x is not None)
-        parent_hash = ev.parent_block_hash
-        for i, h in enumerate(ev.block_hashes):
-            lo, hi = rem + i * e_size, rem + (i + 1) * e_size  # its tokens in `seq`
-            k = hi // b_size
-            covers = hashes[lo // b_size: min(k + (1 if hi % b_size else 0), nfull)]
-            blk = _Block(own[i * e_size:(i + 1) * e_size], parent_hash, root,
-                         hashes[k - 1] if k > 0 else base, hi - k * b_size, list(covers),
-                         None if extras is None else extras[i])
-            if h in states:
+        states.update(zip(ev.block_hashes, zip(repeat(seg), range(n))))
+        over = len(states) - self.capacity_blocks
+        if over > 0:  # oldest announced first (dicts keep insertion order)
+            for h in list(islice(states, over)):
                 del states[h]
-            states[h] = blk
-            parent_hash = h
-        while len(states) > self.capacity_blocks:
-            states.popitem(last=False)
-            self.stats.evicted_blocks += 1
+            self.stats.evicted_blocks += over
         if not nfull:
             return []
-        return [BlockStored(tuple(hashes), ev.medium, None if base is None else base)]
+        return [BlockStored(tuple(hashes), ev.medium, base)]
+
+    @staticmethod
+    def _pending(states: dict[EngineHash, tuple[_Segment, int]], seg: _Segment, i: int,
+                 rem: int) -> tuple[np.ndarray, list[tuple[_Segment, int]]] | None:
+        """The ``rem`` tokens before the end of block ``i`` of ``seg`` (since the last router-block
+        boundary) and the engine blocks they belong to; ``None`` if one of those blocks is gone."""
+        e = seg.e_size
+        end = (i + 1) * e  # in segment coordinates
+        if rem <= end:
+            first = (end - rem) // e
+            owners = [(seg, k) for k in range(first, i + 1)]
+            toks = seg.tokens[end - rem:end]
+        else:  # no router-block boundary since the segment began: rem = rem0 + end, so the
+            # pending router block is the one the segment's own pending tokens started
+            assert seg.pend_tokens is not None and rem - end == len(seg.pend_tokens)
+            owners = list(seg.pend_owners) + [(seg, k) for k in range(i + 1)]
+            toks = np.concatenate((seg.pend_tokens, seg.tokens[:end]))
+        for o, k in owners:
+            if states.get(o.hashes[k]) != (o, k):
+                return None
+        return toks, owners
 
     def _extras(self, ev: EngineBlockStored, n: int) -> list[Any] | None:
         """Per-block extra keys that change identity (``None`` if no block has one)."""
@@ -271,19 +302,20 @@ class KvEventTranslator:
         return out if any(x is not None for x in out) else None
 
     @staticmethod
-    def _hash_with_extras(seq: np.ndarray, b_size: int, start: int, rem: int, e_size: int, extras: list[Any],
-                          owners: list[tuple[_Block, int, int]]) -> list[int]:
+    def _hash_with_extras(seq: np.ndarray, b_size: int, start: int, rem: int, e_size: int, extras: list[Any] | None,
+                          owners: list[tuple[_Segment, int]]) -> list[int]:
         """Chained hashes of ``seq``'s full router blocks with the extra keys of the engine blocks
-        each overlaps mixed in (after the tokens, msgpack-serialised, behind a marker byte)."""
+        each overlaps mixed in (after the tokens, msgpack-serialised, behind a marker byte). The
+        pending owners (``seq[:rem]``) all overlap router block 0."""
         out: list[int] = []
         h = start
         data = seq.astype("<u4", copy=False)
         for j in range(len(seq) // b_size):
             lo, hi = j * b_size, (j + 1) * b_size
-            keys = [o.extra for o, s, e in owners if s < hi and e > lo and o.extra is not None]
-            first = max(0, (lo - rem) // e_size) if hi > rem else 0
-            last = (hi - 1 - rem) // e_size if hi > rem else -1
-            keys += [extras[i] for i in range(first, last + 1) if 0 <= i < len(extras) and extras[i] is not None]
+            keys = [o.extras[k] for o, k in owners if j == 0 and o.extras is not None and o.extras[k] is not None]
+            if extras is not None and hi > rem:
+                first, last = max(0, (lo - rem) // e_size), (hi - 1 - rem) // e_size
+                keys += [extras[i] for i in range(first, min(last, len(extras) - 1) + 1) if extras[i] is not None]
             payload = h.to_bytes(8, "little") + data[lo:hi].tobytes()
             if keys:
                 payload += b"\xffextra" + msgpack.packb(keys, default=repr)
@@ -295,12 +327,13 @@ class KvEventTranslator:
         tier = self._tier(ev.medium)
         states = self._tiers.get(tier)
         gone: dict[int, None] = {}
+        b_size = self.block_size
         for h in ev.block_hashes:
-            blk = states.pop(h, None) if states is not None else None
-            if blk is None:
+            where = states.pop(h, None) if states is not None else None
+            if where is None:
                 self.stats.unknown_removed_blocks += 1
                 continue
-            gone.update(dict.fromkeys(blk.covers))
+            gone.update(dict.fromkeys(where[0].covers(where[1], b_size)))
         if not gone:
             return []
         self.stats.router_blocks_removed += len(gone)

@@ -166,10 +166,16 @@ def _hash(v: Any, what: str) -> EngineHash:
     return v
 
 
+_HASH_TYPES = {int, bytes}
+
+
 def _hashes(v: Any, what: str) -> tuple[EngineHash, ...]:
     if not isinstance(v, (list, tuple)):
         raise KvWireError(f"{what} must be an array of block hashes, got {type(v).__name__}")
-    return tuple(_hash(h, f"{what}[{i}]") for i, h in enumerate(v))
+    if not set(map(type, v)) <= _HASH_TYPES:  # one C-level pass; find the culprit only on failure
+        for i, h in enumerate(v):
+            _hash(h, f"{what}[{i}]")
+    return tuple(v)
 
 
 def _opt_int(v: Any, what: str) -> int | None:

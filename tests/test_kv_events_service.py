@@ -84,6 +84,9 @@ async def test_engines_announce_prefixes_the_router_never_routed(encoding, hash_
                 assert [len(e.app[STATE].log) for e in engines][k] >= 1
             counts = [len(e.app[STATE].log) for e in engines]
             assert counts == [1, 1, 2]
+            # the subscriber runs in a child process: its counters arrive every 0.5 s
+            assert await _wait(lambda: all(d.get("batches") == 1 for d in svc.kv_subscriber.stats().values())
+                               and len(svc.kv_subscriber.stats()) == 3)
             text = await (await s.get(f"http://127.0.0.1:{router.port}/metrics")).text()
             assert 'pdlb_kv_events_batches_total{dp_rank="0",worker="http://127.0.0.1:%d"} 1.0' % engines[0].port in text
         m = svc.router.metrics()

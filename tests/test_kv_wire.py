@@ -366,3 +366,66 @@ def test_subscriber_dp_ranks_on_port_plus_rank_and_staleness():
         sub.stop()
         base.close()
         r1.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 24), st.integers(1, 24), st.integers(0, 2**32), st.lists(st.tuples(st.integers(0, 50),
+                                                                                   st.integers(1, 6)), min_size=1, max_size=12))
+def test_property_translation_equals_the_routers_hashes_of_every_announced_prefix(e_size, b_size, seed, steps):
+    """Random chains with branches, announced event by event (each continues a random block seen
+    so far, or starts anew), at random engine and router block sizes: the router blocks announced
+    are exactly, and only once each, the router's own hashes of every announced prefix
+    (independent model: hash_token_blocks of each whole prefix); removing an engine block then
+    removes exactly the router blocks whose tokens it overlaps."""
+    eng = FakeEngine("array", "int", block_size=e_size)
+    try:
+        rng = random.Random(seed)
+        tr = KvEventTranslator(b_size)
+        prefix_of = {}  # engine hash -> all token ids from the root to the end of that block
+        announced: list[int] = []
+        for pick, nblocks in steps:
+            parents = list(prefix_of)
+            parent = parents[pick % len(parents)] if parents and pick % 3 else None
+            base = prefix_of[parent] if parent is not None else []
+            t = [rng.randrange(1000) for _ in range(nblocks * e_size)]
+            hs, ev = eng.stored(t, parent=parent)
+            for k, h in enumerate(hs):
+                prefix_of[h] = base + t[:(k + 1) * e_size]
+            for e in tr.translate(decode(eng, [ev])[0]):
+                announced += e.block_hashes
+        expected = set()
+        for p in prefix_of.values():
+            expected |= set(hash_token_blocks(p, b_size))
+        assert sorted(announced) == sorted(expected)
+        victim = rng.choice(list(prefix_of))
+        p = prefix_of[victim]
+        lo, hi = len(p) - e_size, len(p)
+        want = set()  # router blocks over its tokens, in every announced chain through it
+        for q in prefix_of.values():
+            if q[:len(p)] == p:
+                router = hash_token_blocks(q, b_size)
+                want |= {router[j] for j in range(len(router)) if j * b_size < hi and (j + 1) * b_size > lo}
+        got = tr.translate(decode(eng, [eng.removed([victim])])[0])
+        assert {h for e in got for h in e.block_hashes} == want
+    finally:
+        eng.close()
+
+
+def test_subscriber_process_delivers_the_same_events_and_reports_stats():
+    """The child-process runner (what pdlb serve uses) gives the same pdlb events as the thread."""
+    eng = FakeEngine("map", "int", block_size=16)
+    t = toks(128)
+    eng.publish([eng.stored(t)[1]], send=False)  # only in the replay buffer: caught up at start
+    got = Collect()
+    rep = ReplicaId("http://w", 0)
+    from balancer.service.kv_subscriber import KvEventSubscriberProcess
+
+    sub = KvEventSubscriberProcess([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 32, got,
+                                   stats_interval_s=0.05)
+    try:
+        sub.start()
+        assert got.wait(lambda items: _stored_hashes(items) == hash_token_blocks(t, 32), 10.0)
+        assert got.wait(lambda items: sub.stats().get(rep, {}).get("batches") == 1, 5.0)
+    finally:
+        sub.stop()
+        eng.close()

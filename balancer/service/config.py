@@ -186,10 +186,13 @@ class KvEventsConfig(BaseModel):
         stale_after_s: a DP rank whose events stopped this long is marked stale (log, metric).
         replay_timeout_s: a replay request that takes longer is given up (counted).
         translator_capacity_blocks: engine blocks remembered per DP rank for hash translation.
+        runner: ``process`` (default: decode and translate in a child process, off the router's
+            GIL) or ``thread`` (in a thread of the router process; no extra process).
     """
 
     model_config = ConfigDict(extra="forbid")
 
+    runner: Literal["process", "thread"] = "process"
     stale_after_s: float = Field(60.0, gt=0)
     replay_timeout_s: float = Field(2.0, gt=0)
     translator_capacity_blocks: int = Field(1 << 20, ge=1)

@@ -5,9 +5,12 @@ the worker's ``events`` port + ``r``, :func:`balancer.kv_wire.offset_port`) and 
 Per message ``[topic, seq, payload]`` it decodes the batch (:mod:`balancer.kv_wire`), translates
 the events into pdlb's hash space (:mod:`balancer.kv_translate`, one translator per replica) and
 hands the result, ``[(ReplicaId, KvEvent), ...]`` per poll round, to ``deliver`` (called in the
-subscriber thread; the service queues them for its event loop, :class:`LoopDelivery`). Decoding
-and hashing (a 32k-token ``BlockStored`` is ~1 ms of msgpack and hashing) therefore stay off the
-thread that routes requests; the event loop only applies ready pdlb events to the index.
+subscriber thread; the service queues them for its event loop, :class:`LoopDelivery`).
+:class:`KvEventSubscriberProcess` runs the same subscriber in a child process, which is what
+``pdlb serve`` does: decoding and hashing a 32k-token ``BlockStored`` is 1-3 ms of work that
+holds the GIL, so a thread beside the event loop would still delay requests by that much; in a
+child process it runs on another core, and the event loop only applies ready pdlb events to the
+index (about 70 us for 512 router blocks).
 
 Sequence handling per source (ANCHORS.md, "Replay"; llm-d's consumer does likewise):
 
@@ -49,7 +52,8 @@ from balancer.kv_translate import DEFAULT_TRANSLATOR_CAPACITY_BLOCKS, KvEventTra
 from balancer.kv_wire import END_OF_REPLAY, KvWireError, decode_batch, decode_seq, encode_seq, offset_port
 from balancer.types import ReplicaId
 
-__all__ = ["KvEventSource", "KvEventSubscriber", "LoopDelivery", "SourceStats", "sources_for_worker"]
+__all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector", "LoopDelivery",
+           "SourceStats", "sources_for_worker", "start_for_service"]
 
 log = logging.getLogger("pdlb.kv_events")
 
@@ -369,6 +373,136 @@ class KvEventSubscriber:
             sock.close(0)
 
 
+class KvEventSubscriberProcess:
+    """A :class:`KvEventSubscriber` in a child process (same interface: ``start``, ``stop``,
+    ``stats``, ``error``): decoding and hash translation run on another core, outside this
+    process's GIL, and only the translated pdlb events (a few integers per router block) cross a
+    pipe, read by a thread here that hands them to ``deliver``. What ``pdlb serve`` runs: a
+    thread in the router process would hold the GIL for the ~1-3 ms a 32k-token event costs to
+    decode and hash, and the event loop would wait on it (``bench/kv_events_hot_path.py``).
+
+    The child is a daemon (it dies with this process) and sends its counters every
+    ``stats_interval_s``. Arguments are those of :class:`KvEventSubscriber` (``clock`` and
+    ``context`` excepted).
+    """
+
+    def __init__(self, sources: Sequence[KvEventSource], block_size: int, deliver: Deliver, *,
+                 stale_after_s: float = 60.0, replay_timeout_s: float = 2.0,
+                 translator_capacity_blocks: int = DEFAULT_TRANSLATOR_CAPACITY_BLOCKS,
+                 stats_interval_s: float = 0.5) -> None:
+        self._args = (list(sources), block_size, stale_after_s, replay_timeout_s, translator_capacity_blocks,
+                      stats_interval_s)
+        self._deliver = deliver
+        self._stats: dict[ReplicaId, dict[str, float | int | bool]] = {}
+        self._proc = None
+        self._conn = None
+        self._reader: threading.Thread | None = None
+        self._ready = threading.Event()
+        self.error: BaseException | str | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start the child and wait until its sockets are connected.
+
+        Raises:
+            RuntimeError: the child failed to start (its error) or did not report within ``timeout_s``.
+        """
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        recv, send = ctx.Pipe(duplex=False)
+        self._stop_r, self._stop_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_subscriber_child, args=(*self._args, send, self._stop_r),
+                                 name="pdlb-kv-events", daemon=True)
+        self._proc.start()
+        send.close()
+        self._conn = recv
+        self._reader = threading.Thread(target=self._read, name="pdlb-kv-events-reader", daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout_s):
+            self.stop()
+            raise RuntimeError(f"KV event subscriber process did not start within {timeout_s:g} s")
+        if self.error is not None:
+            self.stop()
+            raise RuntimeError(f"KV event subscriber process failed: {self.error}")
+
+    def _read(self) -> None:
+        assert self._conn is not None
+        while True:
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "events":
+                try:
+                    self._deliver(payload)
+                except Exception:  # noqa: BLE001 - never let the reader die
+                    log.exception("KV events: delivery failed")
+            elif kind == "stats":
+                self._stats = payload
+            elif kind == "ready":
+                self._ready.set()
+            elif kind == "error":
+                self.error = payload
+                log.error("KV event subscriber process: %s", payload)
+                self._ready.set()
+        self._ready.set()
+
+    def stats(self) -> dict[ReplicaId, dict[str, float | int | bool]]:
+        """The child's latest counters (see :meth:`KvEventSubscriber.stats`), at most
+        ``stats_interval_s`` old."""
+        return {k: dict(v) for k, v in self._stats.items()}
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the child (politely, then SIGKILL) and the reader thread (idempotent)."""
+        if self._proc is None:
+            return
+        try:
+            self._stop_w.send(True)
+        except (OSError, BrokenPipeError):
+            pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout_s)
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+        self._proc = None
+
+
+def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capacity, stats_interval_s,  # noqa: ANN001
+                      conn, stop_conn) -> None:  # noqa: ANN001
+    """Entry point of :class:`KvEventSubscriberProcess`'s child."""
+    send_lock = threading.Lock()
+
+    def send(kind: str, payload) -> None:  # noqa: ANN001
+        with send_lock:
+            conn.send((kind, payload))
+
+    try:
+        sub = KvEventSubscriber(sources, block_size, lambda items: send("events", items), stale_after_s=stale_after_s,
+                                replay_timeout_s=replay_timeout_s, translator_capacity_blocks=capacity)
+        sub.start()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        send("error", f"{type(e).__name__}: {e}")
+        return
+    send("ready", None)
+    try:
+        while not stop_conn.poll(stats_interval_s):
+            send("stats", sub.stats())
+            if sub.error is not None:
+                send("error", f"{type(sub.error).__name__}: {sub.error}")
+                break
+    except (OSError, BrokenPipeError, EOFError):
+        pass
+    finally:
+        sub.stop()
+        try:
+            send("stats", sub.stats())
+        except (OSError, BrokenPipeError):
+            pass
+        conn.close()
+
+
 class LoopDelivery:
     """Hands batches from the subscriber thread to an asyncio loop, which applies them with
     ``apply(replica, event)`` (``Router.on_kv_event``) in one callback per wake-up: the loop
@@ -425,16 +559,21 @@ class LoopDelivery:
 
 
 def start_for_service(workers, router, block_size: int, loop: asyncio.AbstractEventLoop,  # noqa: ANN001
-                      settings) -> tuple[KvEventSubscriber, LoopDelivery] | None:  # noqa: ANN001
+                      settings) -> tuple[KvEventSubscriber | KvEventSubscriberProcess, LoopDelivery] | None:  # noqa: ANN001
     """The running subscriber of every worker config in ``workers`` with an ``events`` endpoint,
-    applying into ``router`` on ``loop`` (``settings``: a ``KvEventsConfig``); ``None`` if none has one."""
+    applying into ``router`` on ``loop`` (``settings``: a ``KvEventsConfig``; ``settings.runner``
+    ``"process"`` or ``"thread"``); ``None`` if no worker has one."""
     sources = [s for w in workers if w.events for s in sources_for_worker(w.url, w.dp_size, w.events, w.replay)]
     if not sources:
         return None
     delivery = LoopDelivery(loop, router.on_kv_event)
-    sub = KvEventSubscriber(sources, block_size, delivery, stale_after_s=settings.stale_after_s,
-                            replay_timeout_s=settings.replay_timeout_s,
-                            translator_capacity_blocks=settings.translator_capacity_blocks)
+    kw = dict(stale_after_s=settings.stale_after_s, replay_timeout_s=settings.replay_timeout_s,
+              translator_capacity_blocks=settings.translator_capacity_blocks)
+    sub: KvEventSubscriber | KvEventSubscriberProcess
+    if settings.runner == "process":
+        sub = KvEventSubscriberProcess(sources, block_size, delivery, **kw)  # type: ignore[arg-type]
+    else:
+        sub = KvEventSubscriber(sources, block_size, delivery, **kw)  # type: ignore[arg-type]
     sub.start()
     return sub, delivery
 
@@ -446,7 +585,8 @@ class KvEventsCollector:
                 "replay_failures", "restarts", "decode_errors", "dp_rank_mismatches",
                 "translator_unknown_parent_blocks", "translator_extra_key_blocks")
 
-    def __init__(self, subscriber: KvEventSubscriber, delivery: LoopDelivery | None = None) -> None:
+    def __init__(self, subscriber: KvEventSubscriber | KvEventSubscriberProcess,
+                 delivery: LoopDelivery | None = None) -> None:
         self.subscriber = subscriber
         self.delivery = delivery
 
