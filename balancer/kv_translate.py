@@ -84,7 +84,7 @@ class TranslatorStats:
     evicted_blocks: int = 0  # map entries dropped by the capacity bound
 
     def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 class _Segment:

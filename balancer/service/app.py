@@ -75,7 +75,8 @@ class Service:
             index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
             index_mode=cfg.index_mode, speculative_ttl_s=cfg.speculative_ttl_s,
             load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None)
-        self.kv_subscriber = None  # started with the app when a worker has an events endpoint
+        #: the KV-event subscriber, started with the app when a worker has an events endpoint
+        self.kv_subscriber: Any = None
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
         for w in cfg.workers:
             self.pool.add(w)

@@ -48,8 +48,8 @@ def worker_url_problem(url: str) -> str | None:
     if not url.startswith(("http://", "https://")):
         return f"the URL must start with http:// or https:// (e.g. 'http://{url}')"
     hostport = urlsplit(url).netloc.rpartition("@")[2]
-    port_text = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
-    port_text = port_text.partition(":")[2] if ":" in port_text else None
+    after_host = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+    port_text = after_host.partition(":")[2] if ":" in after_host else None
     if port_text is not None and port_text != "":
         if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
             return f"port {port_text!r} is not an integer 1..65535"

@@ -45,6 +45,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import zmq
 
 from balancer.kv_events import AllBlocksCleared, KvEvent
@@ -97,7 +99,7 @@ class SourceStats:
     seconds_since_last_batch: float = -1.0
 
     def as_dict(self) -> dict[str, float | int | bool]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 @dataclass(slots=True)
@@ -394,8 +396,8 @@ class KvEventSubscriberProcess:
                       stats_interval_s)
         self._deliver = deliver
         self._stats: dict[ReplicaId, dict[str, float | int | bool]] = {}
-        self._proc = None
-        self._conn = None
+        self._proc: Any = None  # multiprocessing's SpawnProcess
+        self._conn: Any = None  # its Connection
         self._reader: threading.Thread | None = None
         self._ready = threading.Event()
         self.error: BaseException | str | None = None
@@ -567,13 +569,13 @@ def start_for_service(workers, router, block_size: int, loop: asyncio.AbstractEv
     if not sources:
         return None
     delivery = LoopDelivery(loop, router.on_kv_event)
-    kw = dict(stale_after_s=settings.stale_after_s, replay_timeout_s=settings.replay_timeout_s,
-              translator_capacity_blocks=settings.translator_capacity_blocks)
+    kw: dict[str, Any] = dict(stale_after_s=settings.stale_after_s, replay_timeout_s=settings.replay_timeout_s,
+                              translator_capacity_blocks=settings.translator_capacity_blocks)
     sub: KvEventSubscriber | KvEventSubscriberProcess
     if settings.runner == "process":
-        sub = KvEventSubscriberProcess(sources, block_size, delivery, **kw)  # type: ignore[arg-type]
+        sub = KvEventSubscriberProcess(sources, block_size, delivery, **kw)
     else:
-        sub = KvEventSubscriber(sources, block_size, delivery, **kw)  # type: ignore[arg-type]
+        sub = KvEventSubscriber(sources, block_size, delivery, **kw)
     sub.start()
     return sub, delivery
 
