@@ -97,8 +97,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help=f"tokens per hashed prefix block of the router's prefix index (default: {d.block_size}; "
                         "the simulator's scenarios use 512, the Mooncake traces' block size; see docs/serving.md)")
-    p.add_argument("--tokenizer", dest="tokenizer_path", metavar="TOKENIZER_JSON",
-                   help="local tokenizer.json: hash real token blocks (needs 'tokenizers') (default: none, hash "
+    p.add_argument("--tokenizer", dest="tokenizer_path", metavar="MODEL_DIR_OR_TOKENIZER_JSON",
+                   help="local model folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
+                        "tokenizer.json: hash the engine's real token blocks, chat requests rendered with the model's "
+                        "chat template (needs 'tokenizers', 'jinja2') (default: none, hash "
                         f"chunks of block_size * {d.chars_per_token:g} characters)")
     p.add_argument("--index-mode", choices=["approximate", "events", "hybrid"],
                    help="prefix index: approximate (what the router routed), events (the engines' KV events, workers' "

@@ -172,12 +172,15 @@ class Proxy:
             max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
         except PromptError as e:
             return error_response(400, str(e))
-        if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
-            # long prompts are tokenised in a worker thread so that the event loop keeps serving other
-            # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
-            n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt)
-        else:
-            n_tokens, hashes = self.hasher.hash(prompt)
+        try:
+            if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
+                # long prompts are tokenised in a worker thread so that the event loop keeps serving other
+                # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
+                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt)
+            else:
+                n_tokens, hashes = self.hasher.hash(prompt)
+        except PromptError as e:  # e.g. the model's chat template rejected the messages
+            return error_response(400, str(e))
         base_id = str(body.get("rid") or request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._client_ids)}")
         ctx = _Ctx(request, endpoint, body, bool(body.get("stream")), t0, raw)
         attempt = 0
