@@ -354,3 +354,13 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         for sig, h in old.items():
             signal.signal(sig, h)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pdlb-serve ARGS``: ``pdlb serve`` for an install with only the ``serve`` extra
+    (``pip install 'pdlb[serve]'``; the ``pdlb`` command also needs the simulator's ``sim`` extra)."""
+    parser = argparse.ArgumentParser(prog="pdlb-serve", description="the pdlb router service (pdlb serve)")
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub).prog = "pdlb-serve"
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return run_serve(args)
