@@ -196,7 +196,7 @@ class Cluster:
             self.router.index.capacity_blocks = largest_capacity_blocks
         for rank in self.ranks:
             self.router.add_replica(rank.replica, rank.role, rank.kv_capacity_blocks * scenario.block_size)
-        self.kv_events = (self.router.index_mode == "events") if kv_events is None else kv_events
+        self.kv_events = (self.router.index_mode != "approximate") if kv_events is None else kv_events
         if self.kv_events:
             for rank in self.ranks:
                 rank.kv_listener = self._publish
@@ -385,6 +385,7 @@ def simulate(
     index_mode: str = "approximate",
     router_tiers: bool = True,
     tier_weights: dict[str, float] | None = None,
+    router_wrapper: Callable[[Callable[[int | None], Router]], Callable[[int | None], Router]] | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -393,7 +394,9 @@ def simulate(
     KV events (see :class:`Cluster`). ``router_tiers``: when the scenario has KV tiers, give the
     router views of them (host tier per replica, shared store; ``False`` = HBM only).
     ``tier_weights``: the router's weights of lower-tier hits (default
-    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`)."""
+    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). ``router_wrapper``: turns the router factory
+    into another one with the same interface (e.g. several routers splitting the traffic,
+    :mod:`sim.experiments.k_routers`)."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
 
@@ -404,7 +407,7 @@ def simulate(
                       tier_weights=tier_weights, **tier_kw)
 
     t0 = time.perf_counter()
-    cluster = Cluster(scenario, make_router, perf_factory)
+    cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
