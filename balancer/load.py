@@ -21,6 +21,10 @@ so load returns exactly to zero after any order of hooks (tested).
 Counters live in numpy arrays indexed by a per-replica slot, so a routing decision gathers a
 pool's load with one fancy-indexing operation (O(replicas), no Python loop).
 
+*Peer* load (``peer_requests``, ``peer_prefill_tokens``, ``peer_kv_tokens``) is what the other
+processes of one ``pdlb serve --processes N`` have in flight (:mod:`balancer.service.shared_load`
+keeps it fresh through :attr:`LoadTracker.peer`); the router adds it to the own counters.
+
 *External* load (``external_requests``, ``external_kv_tokens``) is what engine load reports
 (:class:`LoadReport`, :meth:`LoadTracker.on_report`) show beyond this tracker's own count: other
 routers' traffic. The router adds it to the own counters in its snapshots.
@@ -98,6 +102,12 @@ class LoadTracker:
         self.decode_kv_tokens = np.zeros(n, dtype=np.int64)
         self.external_requests = np.zeros(n, dtype=np.int64)
         self.external_kv_tokens = np.zeros(n, dtype=np.int64)
+        # the other router processes' counts (balancer.service.shared_load), when shared
+        self.peer_requests = np.zeros(n, dtype=np.int64)
+        self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
+        self.peer_kv_tokens = np.zeros(n, dtype=np.int64)
+        #: the shared view that keeps the peer arrays fresh (``refresh()``/``publish()``), or None
+        self.peer = None
         #: True once any load report arrived (snapshots then add the external arrays)
         self.has_external = False
         self._report_s: dict[int, float] = {}  # slot -> time of its last report
@@ -107,6 +117,11 @@ class LoadTracker:
         self._free: list[int] = []
         self._next = 0
         self._inflight: dict[str, _InFlight] = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["peer"] = None  # a shared-memory view belongs to its process
+        return state
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, replica: ReplicaId) -> int:
@@ -122,7 +137,7 @@ class LoadTracker:
             if slot >= len(self.num_requests):
                 grow = len(self.num_requests)
                 for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "external_requests",
-                             "external_kv_tokens"):
+                             "external_kv_tokens", "peer_requests", "peer_prefill_tokens", "peer_kv_tokens"):
                     arr = getattr(self, name)
                     setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=np.int64)]))
         self.num_requests[slot] = 0
@@ -130,6 +145,7 @@ class LoadTracker:
         self.decode_kv_tokens[slot] = 0
         self.external_requests[slot] = 0
         self.external_kv_tokens[slot] = 0
+        self.peer_requests[slot] = self.peer_prefill_tokens[slot] = self.peer_kv_tokens[slot] = 0
         self._report_s.pop(slot, None)
         self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
         self._slot[replica] = slot

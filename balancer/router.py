@@ -358,6 +358,11 @@ class Router:
         slots = pool.slots
         load = self.load
         num_requests, decode_kv = load.num_requests[slots], load.decode_kv_tokens[slots]
+        prefill_tokens = load.prefill_tokens[slots]
+        if load.peer is not None:  # the other processes of one pdlb serve (shared memory)
+            num_requests = num_requests + load.peer_requests[slots]
+            decode_kv = decode_kv + load.peer_kv_tokens[slots]
+            prefill_tokens = prefill_tokens + load.peer_prefill_tokens[slots]
         if load.has_external:  # engine load reports: the part of the load that is not this router's
             num_requests = num_requests + load.external_requests[slots]
             decode_kv = decode_kv + load.external_kv_tokens[slots]
@@ -365,7 +370,7 @@ class Router:
             tokens = matched * self.block_size
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
-            return Candidates(pool.role, pool.replicas, num_requests, load.prefill_tokens[slots],
+            return Candidates(pool.role, pool.replicas, num_requests, prefill_tokens,
                               decode_kv, pool.capacity, matched, tokens, self.block_size)
         host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
         w = self.tier_weights
@@ -375,7 +380,7 @@ class Router:
             role=pool.role,
             replicas=pool.replicas,
             num_requests=num_requests,
-            prefill_tokens=load.prefill_tokens[slots],
+            prefill_tokens=prefill_tokens,
             decode_kv_tokens=decode_kv,
             kv_capacity_tokens=pool.capacity,
             matched_blocks=effective,
@@ -463,6 +468,8 @@ class Router:
             self.load.expire_reports(now_s - self.load_report_max_age_s)
         if self.load.is_in_flight(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already in flight")
+        if self.load.peer is not None:
+            self.load.peer.refresh()
         self._now_s = max(self._now_s, now_s)
         pools = self._get_pools()
         if not pools["decode"].replicas:
@@ -495,6 +502,8 @@ class Router:
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
         uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)
         self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens, now_s)
+        if self.load.peer is not None:
+            self.load.peer.publish()
         self._matched_tokens["decode"] += d_matched
         self._matched_tokens["prefill"] += p_matched
         if self.speculative is not None:
@@ -517,16 +526,22 @@ class Router:
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
         """The prefill replica finished the request's prompt (its KV is ready to transfer)."""
         self.load.on_prefill_done(request_id)
+        if self.load.peer is not None:
+            self.load.peer.publish()
 
     @_locked
     def on_first_token(self, request_id: str, now_s: float) -> None:
         """The first output token exists; implies prefill is done (aggregated or PD)."""
         self.load.on_prefill_done(request_id)
+        if self.load.peer is not None:
+            self.load.peer.publish()
 
     @_locked
     def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
         """The request finished, failed or was aborted: release all its load."""
         self.load.on_finished(request_id)
+        if self.load.peer is not None:
+            self.load.peer.publish()
 
     @_locked
     def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float | None = None) -> None:

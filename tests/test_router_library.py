@@ -191,3 +191,43 @@ def test_hybrid_mode_speculative_entries_expire():
     assert d.decode == engine and d.decode_matched_tokens == 512
     with pytest.raises(ValueError, match="speculative_ttl_s"):
         Router(index_mode="hybrid", speculative_ttl_s=0)
+
+
+def test_processes_share_in_flight_load_through_shared_memory():
+    """Two routers (two processes' views, two rows of one block): A routes 3 requests to e0;
+    B, before its own decision, reads A's row: e0 carries 3 requests there, so least_load sends
+    B's request to e1; when A's requests finish, B sees 0 again. Closing A zeroes its row."""
+    from balancer.service.shared_load import SharedLoad, create_shared_load_block
+
+    reps = [ReplicaId("e0", 0), ReplicaId("e1", 0)]
+    routers = []
+    for _ in range(2):
+        r = Router("least_load", "least_load", block_size=64)
+        for rep in reversed(reps):  # slots in another order than the shared columns
+            r.add_replica(rep, "mixed")
+        routers.append(r)
+    a, b = routers
+    shm = create_shared_load_block(2, 2)
+    try:
+        va, vb = SharedLoad(shm.name, 2, 0, reps, a.load), SharedLoad(shm.name, 2, 1, reps, b.load)
+        a.set_healthy(reps[1], False)  # A's own least_load would spread: keep it on e0
+        for i in range(3):
+            assert a.route(_prompt(10 + i), 1.0).decode == reps[0]
+        assert b.route(_prompt(20), 1.0).decode == reps[1]
+        s0 = b.load.slot(reps[0])
+        assert int(b.load.peer_requests[s0]) == 3
+        cands = b.candidates(_prompt(21), "decode")
+        assert dict(zip(cands.replicas, cands.num_requests.tolist())) == {reps[0]: 3, reps[1]: 1}
+        for i in range(3):
+            a.on_finished(f"r{10 + i}", 2.0)
+        b.on_finished("r20", 2.0)
+        b.route(_prompt(22), 3.0)
+        assert int(b.load.peer_requests[s0]) == 0
+        a.route(_prompt(30), 4.0)
+        va.close()
+        b.route(_prompt(31), 5.0)
+        assert int(b.load.peer_requests.sum()) == 0  # A's row zeroed on close
+        vb.close()
+    finally:
+        shm.close()
+        shm.unlink()

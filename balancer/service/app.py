@@ -77,6 +77,8 @@ class Service:
             load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None)
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
+        #: this process's view of the in-flight load shared by the processes of one pdlb serve
+        self.shared_load: Any = None
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check)
         for w in cfg.workers:
             self.pool.add(w)
@@ -363,9 +365,10 @@ def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
     return tasks
 
 
-def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
+def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | None = None) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
-    ``process_index``: this process's number when ``cfg.processes`` > 1.
+    ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
+    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`).
 
     Raises:
         ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
@@ -373,6 +376,11 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
         RuntimeError: ``cfg.tokenizer_path`` is set but ``tokenizers`` is not installed.
     """
     svc = Service(cfg, process_index)
+    if shared_load is not None:
+        from balancer.service.shared_load import SharedLoad
+
+        reps = [rep for w in cfg.workers for rep in svc.pool.workers[w.url].replicas]
+        svc.shared_load = SharedLoad(shared_load, cfg.processes, process_index, reps, svc.router.load)
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SERVICE] = svc
 
@@ -391,6 +399,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
             t.cancel()
         if svc.kv_subscriber is not None:
             await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
+        if svc.shared_load is not None:
+            svc.shared_load.close()
         await svc.session.close()
 
     async def on_shutdown(app: web.Application) -> None:

@@ -130,8 +130,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="model id that /v1/models lists (default: ask a worker)")
     p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only)")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="router processes sharing the port (SO_REUSEPORT); each keeps its own load and prefix "
-                        f"state, the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
+                   help="router processes sharing the port (SO_REUSEPORT); they share in-flight load (shared "
+                        "memory) and, with workers' events=, the engines' KV events; the approximate prefix index is "
+                        f"per process; the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -190,12 +191,12 @@ def _ready_line(cfg: ServiceConfig, port: int) -> str:
             f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}" + (f" processes={cfg.processes}" if cfg.processes > 1 else ""))
 
 
-async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:  # noqa: ANN001
+async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None) -> int:  # noqa: ANN001
     """Serve until SIGINT/SIGTERM. One process: print the ready line. Process ``process_index`` of
     several: listen with ``SO_REUSEPORT`` and send ``("ready", port)`` or ``("error", message)``
     on the pipe ``ready`` instead."""
     try:
-        app = create_app(cfg, process_index)
+        app = create_app(cfg, process_index, shared_load=shared_load)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
         if ready is not None:
             ready.send(("error", str(e)))
@@ -273,12 +274,14 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return s
 
 
-def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready) -> None:  # noqa: ANN001
-    """Entry point of router process ``index`` (a spawned interpreter)."""
+def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
+                  shared_load: str | None = None) -> None:
+    """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
+    of the shared in-flight load block (:mod:`balancer.service.shared_load`)."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        code = runner.run(_serve(cfg, index, ready))
+        code = runner.run(_serve(cfg, index, ready, shared_load))
     sys.exit(code)
 
 
@@ -292,6 +295,9 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     port = reservation.getsockname()[1]
     cfg = cfg.model_copy(update={"port": port})
     metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-")
+    from balancer.service.shared_load import create_shared_load_block
+
+    shm = create_shared_load_block(cfg.processes, sum(w.dp_size for w in cfg.workers))
     # read by prometheus_client at import in each spawned process (multiprocess mode)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
@@ -307,7 +313,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         pipes = []
         for i in range(cfg.processes):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send),
+            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send, shm.name),
                             name=f"pdlb-serve-{i}", daemon=False)
             p.start()
             send.close()
@@ -354,6 +360,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         for sig, h in old.items():
             signal.signal(sig, h)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shm.close()
+        shm.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -255,8 +255,10 @@ class ServiceConfig(BaseModel):
         default_max_tokens: the output length assumed for load accounting when a request names none.
         seed: the router's RNG seed (process ``i`` of ``processes`` uses ``seed + i``).
         processes: router processes sharing the port (``SO_REUSEPORT``; the kernel spreads client
-            connections over them). Each has its own router state (in-flight load, prefix index,
-            breakers), like independent gateway replicas; ``/metrics`` aggregates all of them; the
+            connections over them). In-flight load is shared through shared memory
+            (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
+            them, so prefix views agree; the approximate prefix index and breakers are per process;
+            ``/metrics`` aggregates all of them; the
             admin API cannot add or remove workers (409) when > 1. See docs/serving.md, "Overhead".
     """
 
