@@ -231,3 +231,54 @@ def test_processes_share_in_flight_load_through_shared_memory():
     finally:
         shm.close()
         shm.unlink()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "remove", "clear", "report", "route"]), st.integers(0, 3),
+                          st.integers(0, 7), st.integers(0, 9)), min_size=1, max_size=40))
+def test_property_routers_fed_the_same_events_and_loads_decide_alike(ops):
+    """Three independent routers (different seeds, as router replicas or processes have) that
+    consume the same KV events and load reports route every probe request to the same replica
+    (events mode: the prefix view comes from the events only; probes finish at once, so the
+    routers' own load stays equal). Policies: cache_aware prefill over kv_cost decode, whose
+    choices depend on the prefix match and load but on the RNG only for exact ties."""
+    routers = []
+    for seed in range(3):
+        r = Router("cache_aware", "kv_cost", block_size=64, index_mode="events", seed=seed)
+        for i in range(4):
+            r.add_replica(ReplicaId(f"p{i}", 0), "prefill", 64_000)
+            r.add_replica(ReplicaId(f"d{i}", 0), "decode", 64_000)
+        routers.append(r)
+    prompts = [_prompt(100 + k) for k in range(8)]
+    for n, (op, rep_i, k, x) in enumerate(ops):
+        rep = ReplicaId(("p" if x % 2 else "d") + str(rep_i), 0)
+        p = prompts[k]
+        for r in routers:
+            if op == "store":
+                r.on_kv_event(rep, BlockStored(p.block_hashes[: 1 + x]))
+            elif op == "remove":
+                r.on_kv_event(rep, BlockRemoved(p.block_hashes[x:]))
+            elif op == "clear":
+                r.on_kv_event(rep, AllBlocksCleared())
+            elif op == "report":
+                r.on_load_report(rep, LoadReport(x, k, x / 10), float(n))
+        if op == "route":
+            routes = [r.route(Request(f"q{n}", float(n), p.prompt_tokens, p.block_hashes), float(n)) for r in routers]
+            for r in routers:
+                r.on_finished(f"q{n}", float(n))
+            assert len({(rt.prefill, rt.decode) for rt in routes}) == 1 or _tied(routes)
+
+
+def _tied(routes) -> bool:  # noqa: ANN001
+    """True when the routers disagree only between replicas their policies scored equal."""
+    for attr in ("prefill_choice", "decode_choice"):
+        chosen = {getattr(rt, attr).replica for rt in routes}
+        if len(chosen) > 1:
+            scores = getattr(routes[0], attr).scores
+            if len({scores[c] for c in chosen}) != 1:
+                return False
+    return True
