@@ -205,6 +205,9 @@ class Router:
         self._matched_tokens = {"prefill": 0, "decode": 0}
         self._kv_events = {"applied": 0, "ignored": 0}
         self._reaped = 0
+        #: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after each
+        #: decision recorded a prompt (e.g. to share it with other router processes); or None
+        self.on_routed: Any = None
         weights = dict(DEFAULT_TIER_WEIGHTS)
         for k, w in (tier_weights or {}).items():
             if k not in DEFAULT_TIER_WEIGHTS:
@@ -519,6 +522,9 @@ class Router:
                                        request.block_hashes, now_s)
             if self.store_index is not None:
                 self.store_index.insert(STORE_HOLDER, request.block_hashes, now_s)
+            if self.on_routed is not None and request.block_hashes:
+                self.on_routed((d_choice.replica,) if prefill is None else (prefill, d_choice.replica),
+                               request.block_hashes, now_s)
         return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
 
     # ------------------------------------------------------------------ hooks
@@ -603,6 +609,17 @@ class Router:
         now_s = self._now_s if now_s is None else now_s
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
 
+    @_locked
+    def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
+        """Approximate mode: record a prompt another router (process) routed to ``replicas``, as
+        :meth:`route` records its own (prefix index only; unknown replicas are ignored)."""
+        if self.index_mode != "approximate":
+            return
+        self._now_s = max(self._now_s, now_s)
+        for rep in replicas:
+            if rep in self._replicas:
+                self.index.insert(rep, block_hashes, now_s)
+
     # ------------------------------------------------------------------ state
     @_locked
     def metrics(self) -> dict[str, Any]:
@@ -648,7 +665,7 @@ class Router:
 
     def __getstate__(self) -> dict[str, Any]:
         with self.lock:
-            state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "index", "speculative")}
+            state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "index", "speculative", "on_routed")}
             state["index"] = _flat_index(self.index)
             state["speculative"] = _flat_index(self.speculative) if self.speculative is not None else None
             return state
@@ -661,6 +678,7 @@ class Router:
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self._pools = None
+        self.on_routed = None
 
 
 _RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)

@@ -192,3 +192,37 @@ async def test_scraped_engine_load_steers_an_independent_router():
         await router.close()
         for e in engines:
             await e.close()
+
+
+async def test_processes_share_their_approximate_prefix_views(tmp_path):
+    """Two router processes' sides (two routers, one loop here): what A routes, B learns over the
+    ipc sockets, so B sends the same prompt to the replica A chose, with the whole prompt matched
+    (10 blocks of 64 = 640 tokens); without the share B would see no match."""
+    from balancer.router import Router
+    from balancer.service.shared_prefix import PrefixShare
+    from balancer.types import Request
+    from balancer.hashing import hash_token_blocks
+
+    routers = []
+    for seed in range(2):
+        r = Router("cache_aware", "cache_aware", block_size=64, seed=seed)
+        for i in range(4):
+            r.add_replica(ReplicaId(f"e{i}", 0), "mixed")
+        routers.append(r)
+    a, b = routers
+    shares = [PrefixShare(r, str(tmp_path), 2, i) for i, r in enumerate(routers)]
+    try:
+        for sh in shares:
+            sh.start()
+        await asyncio.sleep(0.3)  # subscriptions join
+        toks = [random.Random(9).randrange(30_000) for _ in range(640)]
+        hs = tuple(hash_token_blocks(toks, 64))
+        first = a.route(Request("x", 0.0, 640, hs), 0.0)
+        assert await _wait(lambda: shares[1].received == 1)
+        second = b.route(Request("y", 1.0, 640, hs), 1.0)
+        assert second.decode == first.decode and second.decode_matched_tokens == 640
+        assert shares[0].sent == 1 and shares[1].sent == 1  # B's own decision went out too
+        assert await _wait(lambda: shares[0].received == 1)
+    finally:
+        for sh in shares:
+            await sh.close()

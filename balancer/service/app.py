@@ -365,10 +365,13 @@ def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
     return tasks
 
 
-def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | None = None) -> web.Application:
+def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | None = None,
+               shared_prefix_dir: str | None = None) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
     ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
-    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`).
+    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`);
+    ``shared_prefix_dir``: where the processes' approximate-index sockets live
+    (:mod:`balancer.service.shared_prefix`).
 
     Raises:
         ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
@@ -391,7 +394,15 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
         loops += _start_engine_feeds(svc)
+        share = None
+        if shared_prefix_dir is not None and cfg.index_mode == "approximate" and cfg.processes > 1:
+            from balancer.service.shared_prefix import PrefixShare
+
+            share = PrefixShare(svc.router, shared_prefix_dir, cfg.processes, process_index)
+            share.start()
         yield
+        if share is not None:
+            await share.close()
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)

@@ -131,8 +131,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only)")
     p.add_argument("--processes", type=int, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT); they share in-flight load (shared "
-                        "memory) and, with workers' events=, the engines' KV events; the approximate prefix index is "
-                        f"per process; the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
+                        "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
+                        f"events; the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -191,12 +191,13 @@ def _ready_line(cfg: ServiceConfig, port: int) -> str:
             f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}" + (f" processes={cfg.processes}" if cfg.processes > 1 else ""))
 
 
-async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None) -> int:  # noqa: ANN001
+async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None,  # noqa: ANN001
+                 shared_prefix_dir: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM. One process: print the ready line. Process ``process_index`` of
     several: listen with ``SO_REUSEPORT`` and send ``("ready", port)`` or ``("error", message)``
     on the pipe ``ready`` instead."""
     try:
-        app = create_app(cfg, process_index, shared_load=shared_load)
+        app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
         if ready is not None:
             ready.send(("error", str(e)))
@@ -275,13 +276,13 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
-                  shared_load: str | None = None) -> None:
+                  shared_load: str | None = None, shared_prefix_dir: str | None = None) -> None:
     """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
     of the shared in-flight load block (:mod:`balancer.service.shared_load`)."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        code = runner.run(_serve(cfg, index, ready, shared_load))
+        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir))
     sys.exit(code)
 
 
@@ -298,6 +299,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     from balancer.service.shared_load import create_shared_load_block
 
     shm = create_shared_load_block(cfg.processes, sum(w.dp_size for w in cfg.workers))
+    prefix_dir = tempfile.mkdtemp(prefix="pdlb-prefix-")  # the processes' approximate-index sockets
     # read by prometheus_client at import in each spawned process (multiprocess mode)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
@@ -313,7 +315,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         pipes = []
         for i in range(cfg.processes):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send, shm.name),
+            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send, shm.name,
+                                                              prefix_dir),
                             name=f"pdlb-serve-{i}", daemon=False)
             p.start()
             send.close()
@@ -362,6 +365,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shm.close()
         shm.unlink()
+        shutil.rmtree(prefix_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

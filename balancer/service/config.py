@@ -257,7 +257,8 @@ class ServiceConfig(BaseModel):
         processes: router processes sharing the port (``SO_REUSEPORT``; the kernel spreads client
             connections over them). In-flight load is shared through shared memory
             (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
-            them, so prefix views agree; the approximate prefix index and breakers are per process;
+            them, so prefix views agree; in approximate mode each process sends its decisions to
+            the others (:mod:`balancer.service.shared_prefix`); breakers are per process;
             ``/metrics`` aggregates all of them; the
             admin API cannot add or remove workers (409) when > 1. See docs/serving.md, "Overhead".
     """
