@@ -36,6 +36,7 @@ record keeps its dispatch time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -107,7 +108,7 @@ class LoadTracker:
         self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
         self.peer_kv_tokens = np.zeros(n, dtype=np.int64)
         #: the shared view that keeps the peer arrays fresh (``refresh()``/``publish()``), or None
-        self.peer = None
+        self.peer: Any = None
         #: True once any load report arrived (snapshots then add the external arrays)
         self.has_external = False
         self._report_s: dict[int, float] = {}  # slot -> time of its last report

@@ -226,3 +226,67 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
     finally:
         for sh in shares:
             await sh.close()
+
+
+async def test_lora_requests_follow_the_engine_holding_that_adapters_blocks():
+    """Engine 0 holds a prefix computed with adapter "sql" (LoRA blocks), engine 1 the same
+    tokens with the base model. A request for model "sql" goes to engine 0, a base-model request
+    to engine 1: the adapter is part of the block identity on both sides."""
+    pubs = [FakeEngine("map", "int", block_size=16) for _ in range(2)]
+    router, engines = await _cluster(2, "events", pubs, lora_adapters=["sql"])
+    try:
+        await asyncio.sleep(0.4)
+        rng = random.Random(11)
+        prefix = [rng.randrange(30_000) for _ in range(128)]
+        pubs[0].publish([pubs[0].stored(prefix, lora_name="sql")[1]])
+        pubs[1].publish([pubs[1].stored(prefix)[1]])
+        svc = router.app[SERVICE]
+        assert await _wait(lambda: svc.router.index.num_blocks() == 2 * 128 // BS)
+        async with aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            for model, want in (("sql", [1, 0]), ("base", [1, 1]), ("sql", [2, 1])):
+                r = await s.post(url, json={"model": model, "prompt": prefix + [7, 8, 9], "max_tokens": 1})
+                assert r.status == 200
+                await r.read()
+                assert [len(e.app[STATE].log) for e in engines] == want
+    finally:
+        await router.close()
+        for e in engines:
+            await e.close()
+        for p in pubs:
+            p.close()
+
+
+async def test_workers_added_at_run_time_have_their_events_followed():
+    """POST /workers with an events endpoint: the router subscribes (the first such worker starts
+    the subscriber, the second is added to it) and routes to the engine that announced a prefix;
+    DELETE unsubscribes."""
+    pubs = [FakeEngine("map", "int", block_size=16) for _ in range(2)]
+    router, engines = await _cluster(2, "events", None)
+    svc = router.app[SERVICE]
+    try:
+        async with aiohttp.ClientSession() as s:
+            base = f"http://127.0.0.1:{router.port}"
+            for e in engines:  # replace the workers by the same engines with events
+                assert (await s.delete(f"{base}/workers", params={"url": f"http://127.0.0.1:{e.port}"})).status == 200
+            for e, p in zip(engines, pubs):
+                r = await s.post(f"{base}/workers", json={"url": f"http://127.0.0.1:{e.port}", "role": "mixed",
+                                                          "events": p.endpoint, "replay": p.replay_endpoint})
+                assert r.status == 201
+            rng = random.Random(4)
+            prefix = [rng.randrange(30_000) for _ in range(128)]
+            await asyncio.sleep(0.5)
+            pubs[1].publish([pubs[1].stored(prefix)[1]])
+            assert await _wait(lambda: svc.router.index.num_blocks() == 128 // BS, 10.0)
+            r = await s.post(f"{base}/v1/completions", json={"prompt": prefix + [1, 2], "max_tokens": 1})
+            assert r.status == 200
+            await r.read()
+            assert [len(e.app[STATE].log) for e in engines] == [0, 1]
+            assert (await s.delete(f"{base}/workers", params={"url": f"http://127.0.0.1:{engines[1].port}"})).status == 200
+            assert await _wait(lambda: len(svc.kv_subscriber.stats()) == 1, 5.0)
+    finally:
+        await router.close()
+        for e in engines:
+            await e.close()
+        for p in pubs:
+            p.close()

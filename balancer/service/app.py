@@ -306,6 +306,7 @@ async def _add_worker(request: web.Request) -> web.Response:
         w = svc.pool.add(wcfg)
     except ValueError as e:
         return error_response(409, str(e), "conflict")
+    await _follow_kv_events(svc, wcfg)
     out = w.describe()
     if (warning := bootstrap_warning(svc.cfg.pd_protocol, wcfg)) is not None:
         log.warning("%s", warning.removeprefix("warning: "))
@@ -326,7 +327,27 @@ async def _remove_worker(request: web.Request) -> web.Response:
         w = svc.pool.remove(url)
     except KeyError:
         return error_response(404, f"no worker {url}", "not_found")
+    if svc.kv_subscriber is not None:
+        svc.kv_subscriber.remove_replicas(list(w.replicas))
     return web.json_response({"removed": w.url})
+
+
+async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
+    """A worker added at run time with an ``events`` endpoint: subscribe to it (starting the
+    subscriber if it is the first), off the event loop (the child process takes a second to start)."""
+    if wcfg.events is None or svc.cfg.index_mode == "approximate":
+        return
+    from balancer.service.kv_subscriber import KvEventsCollector, sources_for_worker, start_for_service
+
+    loop = asyncio.get_running_loop()
+    if svc.kv_subscriber is not None:
+        svc.kv_subscriber.add_sources(sources_for_worker(wcfg.url, wcfg.dp_size, wcfg.events, wcfg.replay))
+        return
+    started = await loop.run_in_executor(None, start_for_service, [wcfg], svc.router, svc.cfg.block_size, loop,
+                                         svc.cfg.kv_events)
+    if started is not None:
+        svc.kv_subscriber = started[0]
+        svc.metrics.registry.register(KvEventsCollector(*started))
 
 
 # ---------------------------------------------------------------------- factory

@@ -239,6 +239,10 @@ class ServiceConfig(BaseModel):
         speculative_ttl_s: hybrid mode: seconds a routed prompt counts as cached before its
             engine announces it.
         kv_events: the KV-event subscriber's settings (:class:`KvEventsConfig`).
+        lora_adapters: LoRA adapter names the engines serve (requests choose one with ``model``):
+            a request for one hashes its prompt from that adapter's chain root, as the engines'
+            KV events for it are translated (:func:`balancer.kv_translate.chain_root`), so
+            adapter and base-model caches are never conflated.
         load_scrape: engine metrics scraping (:class:`LoadScrapeConfig`).
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
@@ -279,6 +283,7 @@ class ServiceConfig(BaseModel):
     index_ttl_s: float | None = Field(None, gt=0)
     index_mode: Literal["approximate", "events", "hybrid"] = "approximate"
     speculative_ttl_s: float = Field(5.0, gt=0)
+    lora_adapters: list[str] = Field(default_factory=list)
     kv_events: KvEventsConfig = KvEventsConfig()
     load_scrape: LoadScrapeConfig = LoadScrapeConfig()
     request_timeout_s: float = Field(600.0, gt=0)

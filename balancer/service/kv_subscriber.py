@@ -137,7 +137,10 @@ class KvEventSubscriber:
             if s.replica in seen:
                 raise ValueError(f"two KV event sources for {s.replica}")
             seen.add(s.replica)
+        self._block_size = block_size
+        self._capacity = translator_capacity_blocks
         self._sources = [_Source(s, KvEventTranslator(block_size, translator_capacity_blocks)) for s in sources]
+        self._commands: deque[tuple[str, list]] = deque()  # ("add", sources) / ("remove", replicas)
         self._deliver = deliver
         self.stale_after_s = stale_after_s
         self.replay_timeout_s = replay_timeout_s
@@ -167,6 +170,15 @@ class KvEventSubscriber:
         if self._own_ctx:
             self._ctx.term() if self._thread is None or not self._thread.is_alive() else None
 
+    def add_sources(self, sources: Sequence[KvEventSource]) -> None:
+        """Subscribe to more publishers (a worker added at run time); thread-safe. Each is caught
+        up from its replay buffer as at start. Sources of an already subscribed replica are ignored."""
+        self._commands.append(("add", list(sources)))
+
+    def remove_replicas(self, replicas: Sequence[ReplicaId]) -> None:
+        """Stop consuming these replicas' events (a worker removed at run time); thread-safe."""
+        self._commands.append(("remove", list(replicas)))
+
     def stats(self) -> dict[ReplicaId, dict[str, float | int | bool]]:
         """Per replica: a copy of its :class:`SourceStats` and translator counters."""
         now = self._clock()
@@ -185,31 +197,21 @@ class KvEventSubscriber:
         poller = zmq.Poller()
         by_socket: dict[zmq.Socket, _Source] = {}
         try:
-            start = self._clock()
             for s in self._sources:
-                sub = self._ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.RCVHWM, 100_000)
-                sub.setsockopt(zmq.SUBSCRIBE, s.src.topic)
-                sub.connect(s.src.endpoint)
-                s.sub = sub
-                s.last_msg_s = start
-                poller.register(sub, zmq.POLLIN)
-                by_socket[sub] = s
+                self._connect(s, poller, by_socket)
             self._started.set()
             # a router that starts after the engines asks each for what its buffer still holds
             for s in self._sources:
-                if s.src.replay_endpoint is not None:
-                    out: list[tuple[ReplicaId, KvEvent]] = []
-                    self._catch_up(s, 0, out)
-                    s.replayed_from_start = True
-                    if out:
-                        self._deliver(out)
+                self._initial_catch_up(s)
             while not self._stop.is_set():
+                while self._commands:
+                    self._command(*self._commands.popleft(), poller, by_socket)
                 ready = dict(poller.poll(100))
-                out = []
+                out: list[tuple[ReplicaId, KvEvent]] = []
                 for sock in ready:
-                    s = by_socket[sock]
+                    s = by_socket.get(sock)
+                    if s is None:
+                        continue
                     for _ in range(1000):  # bounded per round: other sources get their turn
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -227,6 +229,51 @@ class KvEventSubscriber:
             for s in self._sources:
                 if s.sub is not None:
                     s.sub.close(0)
+
+    def _connect(self, s: _Source, poller: zmq.Poller, by_socket: dict[zmq.Socket, _Source]) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, s.src.topic)
+        sub.connect(s.src.endpoint)
+        s.sub = sub
+        s.last_msg_s = self._clock()
+        poller.register(sub, zmq.POLLIN)
+        by_socket[sub] = s
+
+    def _initial_catch_up(self, s: _Source) -> None:
+        if s.src.replay_endpoint is not None:
+            out: list[tuple[ReplicaId, KvEvent]] = []
+            self._catch_up(s, 0, out)
+            s.replayed_from_start = True
+            if out:
+                self._deliver(out)
+
+    def _command(self, kind: str, items: list, poller: zmq.Poller, by_socket: dict[zmq.Socket, _Source]) -> None:
+        if kind == "add":
+            have = {s.src.replica for s in self._sources}
+            new = [_Source(src, KvEventTranslator(self._block_size, self._capacity))
+                   for src in items if src.replica not in have]
+            for s in new:
+                self._connect(s, poller, by_socket)
+            with self._lock:
+                self._sources.extend(new)
+            time.sleep(0.05)  # let the subscriptions join before asking for the buffer
+            for s in new:
+                self._initial_catch_up(s)
+        else:
+            gone = set(items)
+            keep = []
+            for s in self._sources:
+                if s.src.replica in gone and s.sub is not None:
+                    poller.unregister(s.sub)
+                    by_socket.pop(s.sub, None)
+                    s.sub.close(0)
+                    s.sub = None
+                else:
+                    keep.append(s)
+            with self._lock:
+                self._sources = keep
 
     def _check_stale(self) -> None:
         now = self._clock()
@@ -449,6 +496,14 @@ class KvEventSubscriberProcess:
                 self._ready.set()
         self._ready.set()
 
+    def add_sources(self, sources: Sequence[KvEventSource]) -> None:
+        """See :meth:`KvEventSubscriber.add_sources` (sent to the child)."""
+        self._stop_w.send(("add", list(sources)))
+
+    def remove_replicas(self, replicas: Sequence[ReplicaId]) -> None:
+        """See :meth:`KvEventSubscriber.remove_replicas` (sent to the child)."""
+        self._stop_w.send(("remove", list(replicas)))
+
     def stats(self) -> dict[ReplicaId, dict[str, float | int | bool]]:
         """The child's latest counters (see :meth:`KvEventSubscriber.stats`), at most
         ``stats_interval_s`` old."""
@@ -459,7 +514,7 @@ class KvEventSubscriberProcess:
         if self._proc is None:
             return
         try:
-            self._stop_w.send(True)
+            self._stop_w.send(("stop", None))
         except (OSError, BrokenPipeError):
             pass
         self._proc.join(timeout_s)
@@ -489,7 +544,15 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
         return
     send("ready", None)
     try:
-        while not stop_conn.poll(stats_interval_s):
+        while True:
+            if stop_conn.poll(stats_interval_s):
+                kind, items = stop_conn.recv()
+                if kind == "stop":
+                    break
+                if kind == "add":
+                    sub.add_sources(items)
+                elif kind == "remove":
+                    sub.remove_replicas(items)
             send("stats", sub.stats())
             if sub.error is not None:
                 send("error", f"{type(sub.error).__name__}: {sub.error}")

@@ -324,14 +324,17 @@ class PromptHasher:
             return self._tokenizer.encode(text, add_special_tokens=False).ids
         return self._tokenizer.encode(prompt.text or "", add_special_tokens=prompt.messages is None).ids
 
-    def hash(self, prompt: Prompt) -> tuple[int, tuple[int, ...]]:
-        """``(prompt_tokens >= 1, block_hashes)`` of ``prompt``.
+    def hash(self, prompt: Prompt, root_hash: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """``(prompt_tokens >= 1, block_hashes)`` of ``prompt``; ``root_hash``: this request's
+        chain root (a LoRA adapter's, :func:`balancer.kv_translate.chain_root`), default the
+        hasher's.
 
         Raises:
             PromptError: the chat template rejected the messages.
         """
+        root = self.root_hash if root_hash is None else root_hash
         ids = self.token_ids(prompt)
         if ids is not None:
-            return max(1, len(ids)), tuple(hash_token_blocks(ids, self.block_size, self.root_hash))
+            return max(1, len(ids)), tuple(hash_token_blocks(ids, self.block_size, root))
         text = prompt.text or ""
-        return self.token_estimate(text), tuple(text_chunk_hashes(text, self.chunk_chars, self.root_hash))
+        return self.token_estimate(text), tuple(text_chunk_hashes(text, self.chunk_chars, root))
