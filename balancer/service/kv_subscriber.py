@@ -209,15 +209,15 @@ class KvEventSubscriber:
                 ready = dict(poller.poll(100))
                 out: list[tuple[ReplicaId, KvEvent]] = []
                 for sock in ready:
-                    s = by_socket.get(sock)
-                    if s is None:
+                    src = by_socket.get(sock)
+                    if src is None:
                         continue
                     for _ in range(1000):  # bounded per round: other sources get their turn
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(s, frames, out)
+                        self._on_message(src, frames, out)
                 if out:
                     self._deliver(out)
                 self._check_stale()
