@@ -242,14 +242,18 @@ class LoadTracker:
 
     # ------------------------------------------------------------------ engine reports
     def on_report(self, replica: ReplicaId, report: LoadReport, kv_capacity_tokens: int, now_s: float) -> None:
-        """Keep what ``report`` shows beyond this tracker's own count as external load:
-        ``max(0, running + waiting - own requests)`` and, with a known capacity,
-        ``max(0, kv_usage * capacity - own decode KV tokens)``."""
+        """Keep what ``report`` shows beyond this tracker's own count (plus its peers', when
+        shared) as external load: ``max(0, running + waiting - own requests)`` and, with a known
+        capacity, ``max(0, kv_usage * capacity - own decode KV tokens)``."""
         s = self._slot[replica]
-        self.external_requests[s] = max(0, report.num_running + report.num_waiting - int(self.num_requests[s]))
+        own_requests, own_kv = int(self.num_requests[s]), int(self.decode_kv_tokens[s])
+        if self.peer is not None:  # the other processes of this pdlb serve are not "external"
+            own_requests += int(self.peer_requests[s])
+            own_kv += int(self.peer_kv_tokens[s])
+        self.external_requests[s] = max(0, report.num_running + report.num_waiting - own_requests)
         if report.kv_usage is not None and kv_capacity_tokens > 0:
             used = int(round(report.kv_usage * kv_capacity_tokens))
-            self.external_kv_tokens[s] = max(0, used - int(self.decode_kv_tokens[s]))
+            self.external_kv_tokens[s] = max(0, used - own_kv)
         self._report_s[s] = now_s
         self.oldest_report_s = min(self._report_s.values())
         self.has_external = True

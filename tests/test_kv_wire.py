@@ -338,12 +338,16 @@ def test_subscriber_late_start_replays_from_zero_and_restart_clears():
 
 
 def test_subscriber_dp_ranks_on_port_plus_rank_and_staleness():
-    base = FakeEngine("map", "int", block_size=16, dp_rank=0)
-    try:  # rank r publishes on the base port + r
-        r1 = FakeEngine("map", "int", block_size=16, dp_rank=1, port=base.port + 1, replay_port=base.replay_port + 1)
-    except Exception:  # port taken by chance
-        base.close()
-        pytest.skip("port + 1 busy")
+    for _attempt in range(20):  # rank r publishes on the base port + r: find a free pair
+        base = FakeEngine("map", "int", block_size=16, dp_rank=0)
+        try:
+            r1 = FakeEngine("map", "int", block_size=16, dp_rank=1, port=base.port + 1,
+                            replay_port=base.replay_port + 1)
+            break
+        except Exception:  # noqa: BLE001 - port + 1 taken by chance: try another pair
+            base.close()
+    else:
+        pytest.fail("no free port pair")
     got = Collect()
     srcs = sources_for_worker("http://w", 2, base.endpoint, base.replay_endpoint)
     assert [s.endpoint for s in srcs] == [base.endpoint, r1.endpoint]
