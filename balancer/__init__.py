@@ -1,0 +1,29 @@
+"""pdlb's routing library: pick a prefill and a decode DP rank per request (no I/O, time passed in).
+
+The names a gateway embedding the router needs::
+
+    from balancer import Router, Request, ReplicaId, Role, hash_token_blocks
+
+    router = Router("cache_aware", "least_load", block_size=64)
+    router.add_replica(ReplicaId("http://10.0.0.1:8000", 0), Role.MIXED)
+    route = router.route(Request("r1", now, len(ids), tuple(hash_token_blocks(ids, 64))), now)
+
+See :mod:`balancer.router` for the life of a request, :mod:`balancer.kv_wire` /
+:mod:`balancer.kv_translate` for engine KV events, :mod:`balancer.service` for ``pdlb serve``.
+"""
+
+from balancer.hashing import ROOT_HASH, chain_block_ids, hash_token_blocks, text_chunk_hashes
+from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from balancer.kv_translate import KvEventTranslator, chain_root
+from balancer.kv_wire import EngineBatch, KvWireError, decode_batch, decode_seq
+from balancer.load import LoadReport
+from balancer.policies import Policy, available_policies, make_policy
+from balancer.router import INDEX_MODES, NoReplicaError, ReplicaInfo, Router
+from balancer.types import Choice, ReplicaId, ReplicaView, Request, Role, Route
+
+__all__ = [
+    "INDEX_MODES", "ROOT_HASH", "AllBlocksCleared", "BlockRemoved", "BlockStored", "Choice", "EngineBatch", "KvEvent",
+    "KvEventTranslator", "KvWireError", "LoadReport", "NoReplicaError", "Policy", "ReplicaId", "ReplicaInfo",
+    "ReplicaView", "Request", "Role", "Route", "Router", "available_policies", "chain_block_ids", "chain_root",
+    "decode_batch", "decode_seq", "hash_token_blocks", "make_policy", "text_chunk_hashes",
+]

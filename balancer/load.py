@@ -25,11 +25,23 @@ so load returns exactly to zero after any order of hooks (tested).
 
 Counters live in numpy arrays indexed by a per-replica slot, so a routing decision gathers a
 pool's load with one fancy-indexing operation (O(replicas), no Python loop).
+
+*Peer* load (``peer_requests``, ``peer_prefill_tokens``, ``peer_kv_tokens``) is what the other
+processes of one ``pdlb serve --processes N`` have in flight (:mod:`balancer.service.shared_load`
+keeps it fresh through :attr:`LoadTracker.peer`); the router adds it to the own counters.
+
+*External* load (``external_requests``, ``external_kv_tokens``) is what engine load reports
+(:class:`LoadReport`, :meth:`LoadTracker.on_report`) show beyond this tracker's own count: other
+routers' traffic. The router adds it to the own counters in its snapshots.
+
+Requests whose release never comes can be reaped (:meth:`LoadTracker.reap`): every in-flight
+record keeps its dispatch time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +56,34 @@ class _InFlight:
     decode_kv_tokens: int
     prefill_attn_pairs: float = 0.0
     prefill_released: bool = False
+    dispatched_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """An engine's own view of one DP rank's load (e.g. its Prometheus metrics).
+
+    Attributes:
+        num_running: requests in the running batch (vLLM ``vllm:num_requests_running``, SGLang
+            ``sglang:num_running_reqs``).
+        num_waiting: requests queued (vLLM ``vllm:num_requests_waiting``, SGLang
+            ``sglang:num_queue_reqs``).
+        kv_usage: KV cache usage in [0, 1] (vLLM ``vllm:kv_cache_usage_perc``, SGLang
+            ``sglang:token_usage``), ``None`` if not reported.
+
+    Raises:
+        ValueError: negative counts or a usage outside [0, 1].
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_running < 0 or self.num_waiting < 0:
+            raise ValueError(f"request counts must be >= 0, got running={self.num_running} waiting={self.num_waiting}")
+        if self.kv_usage is not None and not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +108,28 @@ class LoadTracker:
         self.prefill_tokens = np.zeros(n, dtype=np.int64)
         self.decode_kv_tokens = np.zeros(n, dtype=np.int64)
         self.prefill_attn_pairs = np.zeros(n, dtype=np.float64)
+        self.external_requests = np.zeros(n, dtype=np.int64)
+        self.external_kv_tokens = np.zeros(n, dtype=np.int64)
+        # the other router processes' counts (balancer.service.shared_load), when shared
+        self.peer_requests = np.zeros(n, dtype=np.int64)
+        self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
+        self.peer_kv_tokens = np.zeros(n, dtype=np.int64)
+        #: the shared view that keeps the peer arrays fresh (``refresh()``/``publish()``), or None
+        self.peer: Any = None
+        #: True once any load report arrived (snapshots then add the external arrays)
+        self.has_external = False
+        self._report_s: dict[int, float] = {}  # slot -> time of its last report
+        #: the oldest of those times (inf: none), so an expiry check is O(1)
+        self.oldest_report_s = float("inf")
         self._slot: dict[ReplicaId, int] = {}
         self._free: list[int] = []
         self._next = 0
         self._inflight: dict[str, _InFlight] = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["peer"] = None  # a shared-memory view belongs to its process
+        return state
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, replica: ReplicaId) -> int:
@@ -86,13 +144,20 @@ class LoadTracker:
             self._next += 1
             if slot >= len(self.num_requests):
                 grow = len(self.num_requests)
-                for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "prefill_attn_pairs"):
+                for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "prefill_attn_pairs",
+                             "external_requests", "external_kv_tokens", "peer_requests", "peer_prefill_tokens",
+                             "peer_kv_tokens"):
                     arr = getattr(self, name)
                     setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=arr.dtype)]))
         self.num_requests[slot] = 0
         self.prefill_tokens[slot] = 0
         self.decode_kv_tokens[slot] = 0
         self.prefill_attn_pairs[slot] = 0.0
+        self.external_requests[slot] = 0
+        self.external_kv_tokens[slot] = 0
+        self.peer_requests[slot] = self.peer_prefill_tokens[slot] = self.peer_kv_tokens[slot] = 0
+        self._report_s.pop(slot, None)
+        self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
         self._slot[replica] = slot
         return slot
 
@@ -131,9 +196,11 @@ class LoadTracker:
         prefill_tokens: int,
         decode_kv_tokens: int,
         prefill_attn_pairs: float = 0.0,
+        now_s: float = 0.0,
     ) -> None:
         """Count a routed request. ``prefill`` is None when the decode (mixed) replica prefills it
-        itself; then ``prefill_tokens`` count on the decode replica until prefill is done."""
+        itself; then ``prefill_tokens`` count on the decode replica until prefill is done.
+        ``now_s``: dispatch time, for :meth:`reap`."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} dispatched twice")
         d = self._slot[decode]
@@ -147,7 +214,8 @@ class LoadTracker:
             self.prefill_attn_pairs[d] += prefill_attn_pairs
         self.num_requests[d] += 1
         self.decode_kv_tokens[d] += decode_kv_tokens
-        self._inflight[request_id] = _InFlight(p, d, prefill_tokens, decode_kv_tokens, float(prefill_attn_pairs))
+        self._inflight[request_id] = _InFlight(p, d, prefill_tokens, decode_kv_tokens,
+                                               prefill_attn_pairs=float(prefill_attn_pairs), dispatched_s=now_s)
 
     def on_prefill_done(self, request_id: str) -> None:
         """Release the prefill share (idempotent; unknown ids are ignored)."""
@@ -180,3 +248,48 @@ class LoadTracker:
             self.num_requests[rec.decode_slot] -= 1
             self.decode_kv_tokens[rec.decode_slot] -= rec.decode_kv_tokens
         del self._inflight[request_id]
+
+    def reap(self, dispatched_before_s: float) -> int:
+        """Release every request dispatched before ``dispatched_before_s`` (their release never
+        came); returns how many. O(reaped): records are kept in dispatch order."""
+        n = 0
+        inflight = self._inflight
+        while inflight:
+            rid, rec = next(iter(inflight.items()))
+            if rec.dispatched_s >= dispatched_before_s:
+                break
+            self.on_finished(rid)
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ engine reports
+    def on_report(self, replica: ReplicaId, report: LoadReport, kv_capacity_tokens: int, now_s: float) -> None:
+        """Keep what ``report`` shows beyond this tracker's own count (plus its peers', when
+        shared) as external load: ``max(0, running + waiting - own requests)`` and, with a known
+        capacity, ``max(0, kv_usage * capacity - own decode KV tokens)``."""
+        s = self._slot[replica]
+        own_requests, own_kv = int(self.num_requests[s]), int(self.decode_kv_tokens[s])
+        if self.peer is not None:  # the other processes of this pdlb serve are not "external"
+            own_requests += int(self.peer_requests[s])
+            own_kv += int(self.peer_kv_tokens[s])
+        self.external_requests[s] = max(0, report.num_running + report.num_waiting - own_requests)
+        if report.kv_usage is not None and kv_capacity_tokens > 0:
+            used = int(round(report.kv_usage * kv_capacity_tokens))
+            self.external_kv_tokens[s] = max(0, used - own_kv)
+        self._report_s[s] = now_s
+        self.oldest_report_s = min(self._report_s.values())
+        self.has_external = True
+
+    def expire_reports(self, reported_before_s: float) -> int:
+        """Zero the external load of replicas whose last report is older than ``reported_before_s``."""
+        if self.oldest_report_s >= reported_before_s:
+            return 0
+        old = [s for s, t in self._report_s.items() if t < reported_before_s]
+        for s in old:
+            self.external_requests[s] = 0
+            self.external_kv_tokens[s] = 0
+            del self._report_s[s]
+        self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
+        if not self._report_s:
+            self.has_external = False
+        return len(old)

@@ -19,7 +19,28 @@ without, it routes to one mixed (aggregated) replica and ``Route.prefill`` is ``
 alone (conditional disaggregation; the vLLM router skips PD below 256 uncached tokens).
 
 Prefix index modes: ``"approximate"`` records each routed prompt on its chosen replicas (as the
-SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does).
+SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does);
+``"hybrid"`` trusts KV events and, in a second index whose entries live ``speculative_ttl_s``
+(default :data:`DEFAULT_SPECULATIVE_TTL_S`), the prompts it routed itself, so that a burst of
+sibling requests lands together before the engine has announced the first one's blocks (Dynamo's
+predicted blocks, the vLLM router's speculative entries); a replica's match is the larger of the
+two.
+
+Thread safety: every public method takes the router's lock (a ``threading.RLock``), so a gateway
+may call ``route`` on one thread and ``on_kv_event`` / ``on_load_report`` on others. Reads of the
+attributes (``router.index``, ``router.load``) are not locked: take ``router.lock`` around them.
+
+Engine load reports (:meth:`Router.on_load_report`, e.g. scraped from the engines' Prometheus
+metrics): a report says how many requests the engine runs and queues and how full its KV cache
+is, counting every router's traffic. The router keeps the part of it that is not its own
+(``reported - own count at report time``, floored at 0) as *external* load on that replica and
+adds it to its own counters in every snapshot until the next report or until the report is
+older than ``load_report_max_age_s``; so several independent routers see the whole load, not
+their share.
+
+Warm starts: :meth:`Router.snapshot` / :meth:`Router.restore` (or plain ``pickle``) save and load
+the whole state (replicas, prefix index, load, RNG); the prefix index is written flat, so a deep
+index does not hit Python's recursion limit.
 
 Lower KV tiers (optional; off by default, and then nothing below changes any decision): with
 ``host_tier=True`` a :class:`~balancer.block_index.BlockIndex` records each replica's host-DRAM tier (blocks
@@ -38,20 +59,33 @@ per-tier columns on :class:`~balancer.candidates.Candidates`. Policies therefore
 
 from __future__ import annotations
 
+import functools
+import pickle
 import random
+import threading
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, placement_features
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
-from balancer.load import LoadTracker
+from balancer.load import LoadReport, LoadTracker
 from balancer.policies import Policy, SelectContext, make_policy
 from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
 from balancer.types import Choice, ReplicaId, Request, Role, Route
+
+
+def _locked(fn):  # noqa: ANN001, ANN202
+    """Run the method holding ``self.lock``."""
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        with self.lock:
+            return fn(self, *args, **kwargs)
+    return locked
 
 
 class NoReplicaError(RuntimeError):
@@ -82,7 +116,10 @@ class _Pool:
     min_capacity: int = 0  # smallest known (> 0) KV capacity in tokens; 0: none known
 
 
-INDEX_MODES = ("approximate", "events")
+INDEX_MODES = ("approximate", "events", "hybrid")
+#: Default lifetime of the hybrid mode's own routed-prompt entries: long enough for an engine to
+#: prefill and announce a prompt under load, short enough not to outlive its real cache entry.
+DEFAULT_SPECULATIVE_TTL_S = 5.0
 #: Default prefix-index bound per replica: 262,144 blocks (134M tokens at 512-token blocks, more
 #: than any GPU's HBM holds), so an embedded router never grows without bound.
 DEFAULT_INDEX_CAPACITY_BLOCKS = 262_144
@@ -122,6 +159,12 @@ class Router:
             default); policies see the latest fit.
         index_total_capacity_blocks: prefix-index bound over all replicas together (each gets
             an even share when it is lower than ``index_capacity_blocks``), ``None`` = none.
+        speculative_ttl_s: hybrid mode: seconds a routed prompt counts as cached on its replicas.
+        inflight_timeout_s: requests still in flight this long after dispatch (their
+            ``on_finished`` never came: a lost callback, a crashed caller) are released and
+            counted (``metrics()["reaped_requests"]``); ``None`` (default) never reaps.
+        load_report_max_age_s: engine load reports older than this stop counting (``None``: a
+            report counts until the next one).
 
     Raises:
         ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
@@ -147,6 +190,9 @@ class Router:
         cost_model: CostModel | None = None,
         learn_cost_model: bool = False,
         index_total_capacity_blocks: int | None = None,
+        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+        inflight_timeout_s: float | None = None,
+        load_report_max_age_s: float | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -154,14 +200,32 @@ class Router:
             raise ValueError(f"unknown index_mode {index_mode!r}; valid: {', '.join(INDEX_MODES)}")
         if pd_min_uncached_tokens < 0:
             raise ValueError("pd_min_uncached_tokens must be >= 0")
+        for name, v in (("speculative_ttl_s", speculative_ttl_s), ("inflight_timeout_s", inflight_timeout_s),
+                        ("load_report_max_age_s", load_report_max_age_s)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
         self.prefill_policy = make_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
         self.decode_policy = make_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
         self.block_size = block_size
         self.index_mode = index_mode
         self.pd_min_uncached_tokens = pd_min_uncached_tokens
         # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
-        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode == "events",
+        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode != "approximate",
                                  total_capacity_blocks=index_total_capacity_blocks)
+        #: hybrid mode: the router's own routed prompts, for speculative_ttl_s; else None
+        self.speculative = PrefixIndex(index_capacity_blocks, speculative_ttl_s) if index_mode == "hybrid" else None
+        self.speculative_ttl_s = speculative_ttl_s
+        self.inflight_timeout_s = inflight_timeout_s
+        self.load_report_max_age_s = load_report_max_age_s
+        #: the lock every public method holds (re-entrant)
+        self.lock = threading.RLock()
+        self._reasons: dict[tuple[str, str], int] = {}
+        self._matched_tokens = {"prefill": 0, "decode": 0}
+        self._kv_events = {"applied": 0, "ignored": 0}
+        self._reaped = 0
+        #: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after each
+        #: decision recorded a prompt (e.g. to share it with other router processes); or None
+        self.on_routed: Any = None
         weights = dict(DEFAULT_TIER_WEIGHTS)
         for k, w in (tier_weights or {}).items():
             if k not in DEFAULT_TIER_WEIGHTS:
@@ -186,6 +250,7 @@ class Router:
             CostLearner(cost_model if cost_model is not None else DEFAULT_COST_MODEL) if learn_cost_model else None)
 
     # ------------------------------------------------------------------ registry
+    @_locked
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
         """Register a DP rank (idempotent for the same role; re-adding marks it healthy).
 
@@ -211,8 +276,11 @@ class Router:
         self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
         self.load.add_replica(replica)
         self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid
+        if self.speculative is not None:
+            self.speculative.register(replica)
         self._pools = None
 
+    @_locked
     def remove_replica(self, replica: ReplicaId) -> None:
         """Unregister a DP rank: forget its cached blocks; in-flight requests stop counting on it."""
         if replica not in self._replicas:
@@ -220,10 +288,13 @@ class Router:
         del self._replicas[replica]
         self.load.remove_replica(replica)
         self.index.clear(replica)
+        if self.speculative is not None:
+            self.speculative.clear(replica)
         if self.host_index is not None:
             self.host_index.clear(replica)
         self._pools = None
 
+    @_locked
     def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
         """Mark a DP rank (un)healthy; unhealthy ranks are not candidates but keep their state.
 
@@ -236,10 +307,14 @@ class Router:
         info.healthy = healthy
         self._pools = None
 
+    @_locked
     def replicas(self, role: Role | None = None) -> list[ReplicaInfo]:
-        """Registered replicas (of one role), sorted by engine then DP rank."""
-        infos = sorted(self._replicas.values(), key=lambda i: (i.replica.engine, i.replica.dp_rank))
-        return [i for i in infos if role is None or i.role is role]
+        """Registered replicas (of one role), sorted by engine then DP rank: copies (changing one
+        changes nothing in the router; use :meth:`set_healthy` and friends)."""
+        return [replace(i) for i in self._sorted_infos() if role is None or i.role is role]
+
+    def _sorted_infos(self) -> list[ReplicaInfo]:
+        return sorted(self._replicas.values(), key=lambda i: (i.replica.engine, i.replica.dp_rank))
 
     @property
     def disaggregated(self) -> bool:
@@ -248,7 +323,7 @@ class Router:
 
     def _get_pools(self) -> dict[str, _Pool]:
         if self._pools is None:
-            healthy = [i for i in self.replicas() if i.healthy]
+            healthy = [i for i in self._sorted_infos() if i.healthy]
             prefill = [i for i in healthy if i.role is Role.PREFILL]
             decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
             self._pools = {"prefill": self._make_pool(prefill, Role.PREFILL),
@@ -287,24 +362,36 @@ class Router:
                      min((c for c in cap.tolist() if c > 0), default=0))
 
     # ------------------------------------------------------------------ decisions
+    @_locked
     def candidates(self, request: Request, pool_name: str, matches: dict[ReplicaId, int] | None = None) -> Candidates:
         """The snapshot a policy sees for ``pool_name`` (``"prefill"`` or ``"decode"``)."""
-        return self._candidates(request, self._get_pools()[pool_name], None if matches is not None else
-                                self.index.match_depths(request.block_hashes), matches)
+        if matches is not None:
+            return self._candidates(request, self._get_pools()[pool_name], None, matches)
+        spec = self.speculative.match_depths(request.block_hashes) if self.speculative is not None else None
+        return self._candidates(request, self._get_pools()[pool_name], self.index.match_depths(request.block_hashes),
+                                None, spec)
+
+    @staticmethod
+    def _gather(index: PrefixIndex, pool: _Pool, depths: np.ndarray) -> np.ndarray:
+        """Per candidate of ``pool``, its depth in ``depths`` (an index's per-number match depths)."""
+        n = len(pool.replicas)
+        nums = index.numbers(pool.replicas)
+        if not n or not len(depths):
+            return np.zeros(n, dtype=np.int64)
+        if nums[nums.argmin()] >= 0:  # every candidate has a number (the steady state)
+            return depths[nums]
+        return np.where(nums >= 0, depths[np.maximum(nums, 0)], 0)
 
     def _candidates(self, request: Request, pool: _Pool, depths: np.ndarray | None,
-                    matches: dict[ReplicaId, int] | None) -> Candidates:
+                    matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None) -> Candidates:
         """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
-        vectorised) or from a ``{replica: blocks}`` dict."""
+        vectorised; with ``spec_depths``, the hybrid mode's speculative index's, the larger per
+        candidate) or from a ``{replica: blocks}`` dict."""
         n = len(pool.replicas)
         if depths is not None:
-            nums = self.index.numbers(pool.replicas)
-            if not n or not len(depths):
-                matched = np.zeros(n, dtype=np.int64)
-            elif nums[nums.argmin()] >= 0:  # every candidate has a number (the steady state)
-                matched = depths[nums]
-            else:
-                matched = np.where(nums >= 0, depths[nums], 0)
+            matched = self._gather(self.index, pool, depths)
+            if spec_depths is not None and self.speculative is not None:
+                matched = np.maximum(matched, self._gather(self.speculative, pool, spec_depths))
             most = len(request.block_hashes)  # bound: a depth never exceeds the prompt's blocks
         else:
             matched = np.zeros(n, dtype=np.int64)
@@ -316,12 +403,21 @@ class Router:
             most = int(matched.max()) if n else 0  # most blocks any candidate matches
         slots = pool.slots
         load = self.load
+        num_requests, decode_kv = load.num_requests[slots], load.decode_kv_tokens[slots]
+        prefill_tokens = load.prefill_tokens[slots]
+        if load.peer is not None:  # the other processes of one pdlb serve (shared memory)
+            num_requests = num_requests + load.peer_requests[slots]
+            decode_kv = decode_kv + load.peer_kv_tokens[slots]
+            prefill_tokens = prefill_tokens + load.peer_prefill_tokens[slots]
+        if load.has_external:  # engine load reports: the part of the load that is not this router's
+            num_requests = num_requests + load.external_requests[slots]
+            decode_kv = decode_kv + load.external_kv_tokens[slots]
         if self.host_index is None and self.store_index is None:
             tokens = matched * self.block_size
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
-            return Candidates(pool.role, pool.replicas, load.num_requests[slots], load.prefill_tokens[slots],
-                              load.decode_kv_tokens[slots], pool.capacity, matched, tokens, self.block_size,
+            return Candidates(pool.role, pool.replicas, num_requests, prefill_tokens,
+                              decode_kv, pool.capacity, matched, tokens, self.block_size,
                               prefill_attn_pairs=load.prefill_attn_pairs[slots])
         host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
         w = self.tier_weights
@@ -330,9 +426,9 @@ class Router:
         return Candidates(
             role=pool.role,
             replicas=pool.replicas,
-            num_requests=load.num_requests[slots],
-            prefill_tokens=load.prefill_tokens[slots],
-            decode_kv_tokens=load.decode_kv_tokens[slots],
+            num_requests=num_requests,
+            prefill_tokens=prefill_tokens,
+            decode_kv_tokens=decode_kv,
             kv_capacity_tokens=pool.capacity,
             matched_blocks=effective,
             matched_tokens=tokens,
@@ -385,7 +481,10 @@ class Router:
         ctx = SelectContext(self.rng, now_s, self._decisions[pool_name],
                             learner.model if learner is not None else self.cost_model)
         self._decisions[pool_name] += 1
-        return policy.select(request, cands, ctx)
+        choice = policy.select(request, cands, ctx)
+        key = (pool_name, choice.reason)
+        self._reasons[key] = self._reasons.get(key, 0) + 1
+        return choice
 
     def route(self, request: Request, now_s: float, exclude_engines: Collection[str] = ()) -> Route:
         """Pick the replicas for ``request`` and count it on them (dispatch).
@@ -416,8 +515,18 @@ class Router:
             RequestTooLargeError: no candidate's KV capacity can hold the request.
             ValueError: the request id is already in flight.
         """
+        with self.lock:
+            return self._route(request, now_s, exclude_engines)
+
+    def _route(self, request: Request, now_s: float, exclude_engines: Collection[str]) -> Route:
+        if self.inflight_timeout_s is not None:
+            self._reaped += self.load.reap(now_s - self.inflight_timeout_s)
+        if self.load.has_external and self.load_report_max_age_s is not None:
+            self.load.expire_reports(now_s - self.load_report_max_age_s)
         if self.load.is_in_flight(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already in flight")
+        if self.load.peer is not None:
+            self.load.peer.refresh()
         self._now_s = max(self._now_s, now_s)
         pools = self._get_pools()
         if not pools["decode"].replicas:
@@ -428,6 +537,10 @@ class Router:
                 self.host_index.expire(now_s)
         if self.store_index is not None and self.store_index.ttl_s is not None:
             self.store_index.expire(now_s)
+        spec = None
+        if self.speculative is not None:
+            self.speculative.expire(now_s)
+            spec = self.speculative.match_depths(request.block_hashes)
         d_pool, p_pool = pools["decode"], pools["prefill"]
         if exclude_engines:
             d_pool = self._without(d_pool, exclude_engines)
@@ -438,14 +551,14 @@ class Router:
         if p_pool.replicas:
             p_pool = self._fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
         depths = self.index.match_depths(request.block_hashes)
-        d_cands = self._candidates(request, d_pool, depths, None)
+        d_cands = self._candidates(request, d_pool, depths, None, spec)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
         d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
         prefill: ReplicaId | None = None
         p_choice: Choice | None = None
         p_matched = 0
         if p_pool.replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
-            p_cands = self._candidates(request, p_pool, depths, None)
+            p_cands = self._candidates(request, p_pool, depths, None, spec)
             p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s)
             prefill = p_choice.replica
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
@@ -456,7 +569,15 @@ class Router:
                                   p_pool.position[prefill] if prefill is not None else -1)
         cached = request.prompt_tokens - uncached
         self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens,
-                              uncached * cached + uncached * (uncached + 1) / 2.0)
+                              prefill_attn_pairs=uncached * cached + uncached * (uncached + 1) / 2.0, now_s=now_s)
+        if self.load.peer is not None:
+            self.load.peer.publish()
+        self._matched_tokens["decode"] += d_matched
+        self._matched_tokens["prefill"] += p_matched
+        if self.speculative is not None:
+            if prefill is not None:
+                self.speculative.insert(prefill, request.block_hashes, now_s)
+            self.speculative.insert(d_choice.replica, request.block_hashes, now_s)
         if self.index_mode == "approximate":
             if prefill is not None:
                 self.index.insert(prefill, request.block_hashes, now_s)
@@ -466,6 +587,9 @@ class Router:
                                        request.block_hashes, now_s)
             if self.store_index is not None:
                 self.store_index.insert(STORE_HOLDER, request.block_hashes, now_s)
+            if self.on_routed is not None and request.block_hashes:
+                self.on_routed((d_choice.replica,) if prefill is None else (prefill, d_choice.replica),
+                               request.block_hashes, now_s)
         return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
 
     def _record_features(self, request: Request, now_s: float, d_cands: Candidates, d_pos: int,
@@ -487,25 +611,35 @@ class Router:
         # else: served decode-only by a PD router: not an observation of either prefill model
 
     # ------------------------------------------------------------------ hooks
+    @_locked
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
         """The prefill replica finished the request's prompt (its KV is ready to transfer)."""
         self.load.on_prefill_done(request_id)
         if self.cost_learner is not None:
             self.cost_learner.on_prefill_done(request_id, now_s)
+        if self.load.peer is not None:
+            self.load.peer.publish()
 
+    @_locked
     def on_first_token(self, request_id: str, now_s: float) -> None:
         """The first output token exists; implies prefill is done (aggregated or PD)."""
         self.load.on_prefill_done(request_id)
         if self.cost_learner is not None:
             self.cost_learner.on_prefill_done(request_id, now_s)  # aggregated: no separate prefill hook
             self.cost_learner.on_first_token(request_id, now_s)
+        if self.load.peer is not None:
+            self.load.peer.publish()
 
+    @_locked
     def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
         """The request finished, failed or was aborted: release all its load."""
         self.load.on_finished(request_id)
         if self.cost_learner is not None:
             self.cost_learner.on_decode_finished(request_id, now_s, num_output_tokens)
+        if self.load.peer is not None:
+            self.load.peer.publish()
 
+    @_locked
     def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float | None = None) -> None:
         """Apply an engine's KV cache event to the prefix index (exact cache state).
 
@@ -524,17 +658,172 @@ class Router:
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"unknown KV event {event!r}")
         if replica not in self._replicas:
+            self._kv_events["ignored"] += 1
             return
         now_s = self._now_s if now_s is None else max(self._now_s, now_s)
         self._now_s = now_s
         tier = tier_of_medium(event.medium)
         index = self.index if tier == "hbm" else (self.host_index if tier == "host" else self.store_index)
         if index is None:
+            self._kv_events["ignored"] += 1
             return
         holder = STORE_HOLDER if tier == "store" else replica
+        self._kv_events["applied"] += 1
         if isinstance(event, BlockStored):
             index.insert(holder, event.block_hashes, now_s, parent_block_hash=event.parent_block_hash)
         elif isinstance(event, BlockRemoved):
             index.remove(holder, event.block_hashes)
         else:
             index.clear(holder)
+            if isinstance(index, PrefixIndex):  # keep its number: cached pool numbers stay valid
+                index.register(holder)
+
+    @_locked
+    def on_load_report(self, replica: ReplicaId, report: LoadReport, now_s: float | None = None) -> None:
+        """An engine's own view of its load (e.g. scraped Prometheus metrics; see the module
+        docstring): the part beyond this router's own count is kept as external load.
+
+        Args:
+            replica: the DP rank the report is about (unknown replicas are ignored).
+            report: running and waiting requests and KV cache usage (0..1) on the engine.
+            now_s: the caller's clock (default: the latest time passed to :meth:`route`).
+
+        Raises:
+            TypeError: ``report`` is not a :class:`~balancer.load.LoadReport`.
+        """
+        if not isinstance(report, LoadReport):
+            raise TypeError(f"report must be a LoadReport, got {type(report).__name__}")
+        info = self._replicas.get(replica)
+        if info is None:
+            return
+        now_s = self._now_s if now_s is None else now_s
+        self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
+
+    @_locked
+    def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
+        """Approximate mode: record a prompt another router (process) routed to ``replicas``, as
+        :meth:`route` records its own (prefix index only; unknown replicas are ignored)."""
+        if self.index_mode != "approximate":
+            return
+        self._now_s = max(self._now_s, now_s)
+        for rep in replicas:
+            if rep in self._replicas:
+                self.index.insert(rep, block_hashes, now_s)
+
+    # ------------------------------------------------------------------ state
+    @_locked
+    def metrics(self) -> dict[str, Any]:
+        """Counters for a gateway's own metrics (a fresh dict; values are plain numbers):
+        ``decisions`` ``{pool: {reason: n}}``, ``matched_tokens`` ``{pool: prefix tokens the
+        chosen replicas were believed to hold, summed}``, ``index_blocks`` (held, per replica,
+        summed), ``index_unique_blocks``, ``speculative_blocks`` (hybrid), ``in_flight``,
+        ``reaped_requests``, ``kv_events`` ``{"applied", "ignored"}``, ``replicas`` (registered)
+        and ``healthy_replicas``."""
+        decisions: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
+        for (pool, reason), n in self._reasons.items():
+            decisions[pool][reason] = n
+        return {
+            "decisions": decisions,
+            "matched_tokens": dict(self._matched_tokens),
+            "index_blocks": self.index.num_blocks(),
+            "index_unique_blocks": self.index.num_unique_blocks(),
+            "speculative_blocks": self.speculative.num_blocks() if self.speculative is not None else 0,
+            "in_flight": self.load.num_in_flight,
+            "reaped_requests": self._reaped,
+            "kv_events": dict(self._kv_events),
+            "replicas": len(self._replicas),
+            "healthy_replicas": sum(1 for i in self._replicas.values() if i.healthy),
+        }
+
+    @_locked
+    def snapshot(self) -> bytes:
+        """The router's whole state (replicas, prefix index, load, RNG, counters) as bytes, for a
+        warm start with :meth:`restore`. A pickle: restore only snapshots you wrote."""
+        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def restore(data: bytes) -> Router:
+        """The router saved by :meth:`snapshot` (its policies are the saved objects).
+
+        Raises:
+            TypeError: ``data`` is not a router snapshot.
+        """
+        obj = pickle.loads(data)
+        if not isinstance(obj, Router):
+            raise TypeError(f"not a Router snapshot (got {type(obj).__name__})")
+        return obj
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self.lock:
+            state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "index", "speculative", "on_routed")}
+            state["index"] = _flat_index(self.index)
+            state["speculative"] = _flat_index(self.speculative) if self.speculative is not None else None
+            return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["index"] = _unflat_index(state["index"])
+        if state["speculative"] is not None:
+            state["speculative"] = _unflat_index(state["speculative"])
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+        self._pools = None
+        self.on_routed = None
+
+
+_RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)
+
+
+def _flat_index(ix: PrefixIndex) -> dict[str, Any]:
+    """A :class:`PrefixIndex` as flat lists (no linked structure for ``pickle`` to recurse into):
+    its runs parent-first ``[(parent run number or -1, blocks)]``, each replica's LRU order
+    ``[(run number, time)]`` oldest first, and the replica numbers. Reads the index's internals
+    (the tree and the LRU lists), which it leaves unchanged."""
+    runs: list[tuple[int, tuple[int, ...]]] = []
+    number: dict[int, int] = {}
+    stack = [(ix._root, -1)]
+    while stack:
+        node, parent = stack.pop()
+        for child in node.children.values():
+            number[id(child)] = len(runs)
+            runs.append((parent, child.blocks))
+            stack.append((child, number[id(child)]))
+    lru: list[tuple[ReplicaId, int, list[tuple[int, float]]]] = []
+    for rep, rs in ix._state.items():
+        order = []
+        e = rs.head.next
+        while e is not rs.head:
+            order.append((number[id(e.node)], e.time))
+            e = e.next
+        lru.append((rep, rs.num, order))
+    lru.sort(key=lambda t: t[1])
+    return {"capacity_blocks": ix.capacity_blocks, "ttl_s": ix.ttl_s, "block_map": ix._node_of is not None,
+            "runs": runs, "lru": lru}
+
+
+def _unflat_index(flat: dict[str, Any]) -> PrefixIndex:
+    """The :class:`PrefixIndex` :func:`_flat_index` wrote, rebuilt through its public methods:
+    replicas numbered in their old order, the tree laid out under a temporary holder, each
+    replica's runs inserted in its LRU order with their times, then the holder cleared."""
+    ix = PrefixIndex(None, flat["ttl_s"], block_map=True)
+    runs = flat["runs"]
+    for rep, _num, _order in flat["lru"]:
+        ix.register(rep)
+    paths: list[tuple[int, ...]] = []
+    has_child = [False] * len(runs)
+    for parent, blocks in runs:
+        paths.append((paths[parent] if parent >= 0 else ()) + blocks)
+        if parent >= 0:
+            has_child[parent] = True
+    for k, path in enumerate(paths):
+        if not has_child[k]:
+            ix.insert(_RESTORE_HOLDER, path, 0.0)
+    for rep, _num, order in flat["lru"]:
+        for k, t in order:
+            parent, blocks = runs[k]
+            ix.insert(rep, blocks, t, parent_block_hash=runs[parent][1][-1] if parent >= 0 else None)
+    ix.clear(_RESTORE_HOLDER)
+    ix.capacity_blocks = flat["capacity_blocks"]
+    if not flat["block_map"]:
+        ix._node_of = None  # as saved: the block map is built again on first use
+    return ix

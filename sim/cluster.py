@@ -218,7 +218,7 @@ class Cluster:
             self.router.index.capacity_blocks = largest_capacity_blocks
         for rank in self.ranks:
             self.router.add_replica(rank.replica, rank.role, rank.kv_capacity_blocks * scenario.block_size)
-        self.kv_events = (self.router.index_mode == "events") if kv_events is None else kv_events
+        self.kv_events = (self.router.index_mode != "approximate") if kv_events is None else kv_events
         if self.kv_events:
             for rank in self.ranks:
                 rank.kv_listener = self._publish
@@ -413,6 +413,7 @@ def simulate(
     index_mode: str = "approximate",
     router_tiers: bool = True,
     tier_weights: dict[str, float] | None = None,
+    router_wrapper: Callable[[Callable[[int | None], Router]], Callable[[int | None], Router]] | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -422,7 +423,9 @@ def simulate(
     router views of them (host tier per replica, shared store; ``False`` = HBM only).
     ``tier_weights``: the router's weights of lower-tier hits (default
     :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
-    (:func:`sim.cost_model.cost_model_for`) for cost-based policies."""
+    (:func:`sim.cost_model.cost_model_for`) for cost-based policies. ``router_wrapper``: turns the router factory
+    into another one with the same interface (e.g. several routers splitting the traffic,
+    :mod:`sim.experiments.k_routers`)."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     check_block_size(requests, scenario.block_size)
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
@@ -435,7 +438,7 @@ def simulate(
                       tier_weights=tier_weights, cost_model=cost_model, **tier_kw)
 
     t0 = time.perf_counter()
-    cluster = Cluster(scenario, make_router, perf_factory)
+    cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
     # refused at arrival, as real engines refuse them (sim.admission): never simulated
     cap = {role: max((r.kv_capacity_blocks * scenario.block_size for r in cluster.ranks if r.role in roles), default=0)
            for role, roles in (("decode", (Role.DECODE, Role.MIXED)), ("prefill", (Role.PREFILL,)))}

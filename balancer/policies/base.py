@@ -86,13 +86,13 @@ def make_policy(name: str, **params: object) -> Policy:
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}")
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    fields: set[str] = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(
             f"policy {name!r} has no parameter(s) {', '.join(unknown)}; accepted: {', '.join(sorted(fields)) or 'none'}"
         )
-    return cls(**params)  # type: ignore[arg-type]
+    return cls(**params)
 
 
 # ---------------------------------------------------------------------- shared helpers

@@ -58,7 +58,7 @@ class Scored(Policy):
             out["prefix"] = np.minimum(prefix, 1.0, out=prefix)
         q = cands.num_requests.astype(np.float64)
         if "queue" in names:
-            qmin, qmax = array_min(q), array_max(q)
+            qmin, qmax = float(array_min(q)), float(array_max(q))
             out["queue"] = np.ones(len(cands)) if qmax == qmin else (qmax - q) / (qmax - qmin)
         if "kv_utilization" in names:
             out["kv_utilization"] = 1.0 - cands.kv_usage

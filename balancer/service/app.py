@@ -75,7 +75,13 @@ class Service:
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
             index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
             cost_model=cfg.build_cost_model(), learn_cost_model=cfg.learn_cost_model,
-            index_total_capacity_blocks=cfg.index_total_capacity_blocks)
+            index_total_capacity_blocks=cfg.index_total_capacity_blocks,
+            index_mode=cfg.index_mode, speculative_ttl_s=cfg.speculative_ttl_s,
+            load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None)
+        #: the KV-event subscriber, started with the app when a worker has an events endpoint
+        self.kv_subscriber: Any = None
+        #: this process's view of the in-flight load shared by the processes of one pdlb serve
+        self.shared_load: Any = None
         self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check,
                                on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(
@@ -340,6 +346,7 @@ async def _add_worker(request: web.Request) -> web.Response:
         w = svc.pool.add(wcfg)
     except ValueError as e:
         return error_response(409, str(e), "conflict")
+    await _follow_kv_events(svc, wcfg)
     out = w.describe()
     if (warning := bootstrap_warning(svc.cfg.pd_protocol, wcfg)) is not None:
         log.warning("%s", warning.removeprefix("warning: "))
@@ -360,7 +367,27 @@ async def _remove_worker(request: web.Request) -> web.Response:
         w = svc.pool.remove(url)
     except KeyError:
         return error_response(404, f"no worker {url}", "not_found")
+    if svc.kv_subscriber is not None:
+        svc.kv_subscriber.remove_replicas(list(w.replicas))
     return web.json_response({"removed": w.url})
+
+
+async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
+    """A worker added at run time with an ``events`` endpoint: subscribe to it (starting the
+    subscriber if it is the first), off the event loop (the child process takes a second to start)."""
+    if wcfg.events is None or svc.cfg.index_mode == "approximate":
+        return
+    from balancer.service.kv_subscriber import KvEventsCollector, sources_for_worker, start_for_service
+
+    loop = asyncio.get_running_loop()
+    if svc.kv_subscriber is not None:
+        svc.kv_subscriber.add_sources(sources_for_worker(wcfg.url, wcfg.dp_size, wcfg.events, wcfg.replay))
+        return
+    started = await loop.run_in_executor(None, start_for_service, [wcfg], svc.router, svc.cfg.block_size, loop,
+                                         svc.cfg.kv_events)
+    if started is not None:
+        svc.kv_subscriber = started[0]
+        svc.metrics.registry.register(KvEventsCollector(*started))
 
 
 # ---------------------------------------------------------------------- factory
@@ -433,9 +460,37 @@ def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
 
 
-def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
+def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
+    """Start what feeds the router from the engines: the KV-event subscriber (index_mode events
+    or hybrid, workers with ``events``) and the load scraper (``load_scrape.enabled``)."""
+    cfg = svc.cfg
+    tasks: list[asyncio.Task] = []
+    if cfg.index_mode != "approximate":
+        from balancer.service.kv_subscriber import KvEventsCollector, start_for_service
+
+        started = start_for_service(cfg.workers, svc.router, cfg.block_size, asyncio.get_running_loop(), cfg.kv_events)
+        if started is not None:
+            svc.kv_subscriber = started[0]
+            if not svc.multiprocess:
+                svc.metrics.registry.register(KvEventsCollector(*started))
+    if cfg.load_scrape.enabled:
+        from balancer.service.load_scraper import scrape_loop
+
+        assert svc.session is not None
+        ls = cfg.load_scrape
+        tasks.append(asyncio.create_task(scrape_loop(
+            svc.session, svc.router, lambda: [(w.url, w.cfg.dp_size) for w in svc.pool.workers.values()],
+            ls.interval_s, ls.timeout_s)))
+    return tasks
+
+
+def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | None = None,
+               shared_prefix_dir: str | None = None) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
-    ``process_index``: this process's number when ``cfg.processes`` > 1.
+    ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
+    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`);
+    ``shared_prefix_dir``: where the processes' approximate-index sockets live
+    (:mod:`balancer.service.shared_prefix`).
 
     Raises:
         ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
@@ -443,6 +498,11 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
         RuntimeError: ``cfg.tokenizer_path`` is set but ``tokenizers`` is not installed.
     """
     svc = Service(cfg, process_index)
+    if shared_load is not None:
+        from balancer.service.shared_load import SharedLoad
+
+        reps = [rep for w in cfg.workers for rep in svc.pool.workers[w.url].replicas]
+        svc.shared_load = SharedLoad(shared_load, cfg.processes, process_index, reps, svc.router.load)
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SERVICE] = svc
 
@@ -454,12 +514,25 @@ def create_app(cfg: ServiceConfig, process_index: int = 0) -> web.Application:
             loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
+        loops += _start_engine_feeds(svc)
+        share = None
+        if shared_prefix_dir is not None and cfg.index_mode == "approximate" and cfg.processes > 1:
+            from balancer.service.shared_prefix import PrefixShare
+
+            share = PrefixShare(svc.router, shared_prefix_dir, cfg.processes, process_index)
+            share.start()
         yield
+        if share is not None:
+            await share.close()
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         for t in list(svc.proxy.background):
             t.cancel()
+        if svc.kv_subscriber is not None:
+            await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
+        if svc.shared_load is not None:
+            svc.shared_load.close()
         await svc.session.close()
 
     async def on_shutdown(app: web.Application) -> None:

@@ -102,9 +102,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help=f"tokens per hashed prefix block of the router's prefix index (default: {d.block_size}; "
                         "the simulator's scenarios use 512, the Mooncake traces' block size; see docs/serving.md)")
-    p.add_argument("--tokenizer", dest="tokenizer_path", metavar="TOKENIZER_JSON",
-                   help="local tokenizer.json: hash real token blocks (needs 'tokenizers') (default: none, hash "
+    p.add_argument("--tokenizer", dest="tokenizer_path", metavar="MODEL_DIR_OR_TOKENIZER_JSON",
+                   help="local model folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
+                        "tokenizer.json: hash the engine's real token blocks, chat requests rendered with the model's "
+                        "chat template (needs 'tokenizers', 'jinja2') (default: none, hash "
                         f"chunks of block_size * {d.chars_per_token:g} characters)")
+    p.add_argument("--index-mode", choices=["approximate", "events", "hybrid"],
+                   help="prefix index: approximate (what the router routed), events (the engines' KV events, workers' "
+                        "events=tcp://HOST:PORT), hybrid (events plus the router's own routed prompts for "
+                        f"--speculative-ttl-s) (default: {d.index_mode})")
+    p.add_argument("--speculative-ttl-s", type=float, metavar="SECONDS",
+                   help=f"hybrid mode: how long a routed prompt counts as cached before its engine announces it "
+                        f"(default: {d.speculative_ttl_s:g})")
+    p.add_argument("--scrape-load", action="store_true", default=None,
+                   help="scrape the engines' /metrics (running, waiting, KV usage) every "
+                        f"{d.load_scrape.interval_s:g} s as load reports, so that several routers see the whole load "
+                        "(default: off)")
     p.add_argument("--pd-min-uncached-tokens", type=int, metavar="TOKENS",
                    help="conditional disaggregation: requests with fewer uncached prompt tokens run on the decode "
                         f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
@@ -131,8 +144,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="allow a non-loopback --host without an admin API key (the admin API then answers loopback "
                         "peers only, which a reverse proxy on this host makes every client) (default: refuse)")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="router processes sharing the port (SO_REUSEPORT); each keeps its own load and prefix "
-                        f"state, the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
+                   help="router processes sharing the port (SO_REUSEPORT); they share in-flight load (shared "
+                        "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
+                        f"events; the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -176,7 +190,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "prefill_timeout_s": args.prefill_timeout_s,
                   "allow_unauthenticated_admin": args.allow_unauthenticated_admin,
                   "served_model_name": args.served_model_name, "processes": args.processes,
-                  "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY")}
+                  "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY"),
+                  "index_mode": getattr(args, "index_mode", None),
+                  "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     if args.prefill_timeout_s == 0:
         data["prefill_timeout_s"] = None
@@ -191,6 +207,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     data["workers"] = data.get("workers", []) + workers
     if args.max_retries is not None:
         data.setdefault("retry", {})["max_retries"] = args.max_retries
+    if getattr(args, "scrape_load", None):
+        data.setdefault("load_scrape", {})["enabled"] = True
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
     return load_service_config(None, data)
@@ -213,12 +231,13 @@ def _ready_line(cfg: ServiceConfig, port: int) -> str:
             f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}" + (f" processes={cfg.processes}" if cfg.processes > 1 else ""))
 
 
-async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None) -> int:  # noqa: ANN001
+async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None,  # noqa: ANN001
+                 shared_prefix_dir: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM. One process: print the ready line. Process ``process_index`` of
     several: listen with ``SO_REUSEPORT`` and send ``("ready", port)`` or ``("error", message)``
     on the pipe ``ready`` instead."""
     try:
-        app = create_app(cfg, process_index)
+        app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
         if ready is not None:
             ready.send(("error", str(e)))
@@ -299,12 +318,14 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return s
 
 
-def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready) -> None:  # noqa: ANN001
-    """Entry point of router process ``index`` (a spawned interpreter)."""
+def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
+                  shared_load: str | None = None, shared_prefix_dir: str | None = None) -> None:
+    """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
+    of the shared in-flight load block (:mod:`balancer.service.shared_load`)."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        code = runner.run(_serve(cfg, index, ready))
+        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir))
     sys.exit(code)
 
 
@@ -318,6 +339,10 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     port = reservation.getsockname()[1]
     cfg = cfg.model_copy(update={"port": port})
     metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-")
+    from balancer.service.shared_load import create_shared_load_block
+
+    shm = create_shared_load_block(cfg.processes, sum(w.dp_size for w in cfg.workers))
+    prefix_dir = tempfile.mkdtemp(prefix="pdlb-prefix-")  # the processes' approximate-index sockets
     # read by prometheus_client at import in each spawned process (multiprocess mode)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
@@ -333,7 +358,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         pipes = []
         for i in range(cfg.processes):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send),
+            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send, shm.name,
+                                                              prefix_dir),
                             name=f"pdlb-serve-{i}", daemon=False)
             p.start()
             send.close()
@@ -380,3 +406,16 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         for sig, h in old.items():
             signal.signal(sig, h)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shm.close()
+        shm.unlink()
+        shutil.rmtree(prefix_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pdlb-serve ARGS``: ``pdlb serve`` for an install with only the ``serve`` extra
+    (``pip install 'pdlb[serve]'``; the ``pdlb`` command also needs the simulator's ``sim`` extra)."""
+    parser = argparse.ArgumentParser(prog="pdlb-serve", description="the pdlb router service (pdlb serve)")
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub).prog = "pdlb-serve"
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return run_serve(args)

@@ -22,7 +22,19 @@ from balancer.cost_model import CostModel
 from balancer.policies import available_policies, make_policy
 from balancer.validation import format_validation_error
 
-WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS]"
+WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
+
+
+def zmq_endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be a KV-event endpoint (``tcp://HOST:PORT``, ``ipc://PATH``), or ``None``."""
+    if endpoint.startswith("ipc://") and len(endpoint) > 6:
+        return None
+    if not endpoint.startswith("tcp://"):
+        return "a KV event endpoint must be tcp://HOST:PORT (or ipc://PATH)"
+    host, sep, port = endpoint[6:].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{endpoint!r} needs a host and a port 1..65535 (tcp://HOST:PORT, the engine's KV event publisher)"
+    return None
 
 
 MAX_URL_CHARS = 2048
@@ -96,6 +108,11 @@ class WorkerConfig(BaseModel):
         bootstrap_port: SGLang prefill engines' KV bootstrap port (``--disaggregation-bootstrap-port``);
             ``None`` sends ``bootstrap_port: null``.
         kv_capacity_tokens: KV capacity per DP rank in tokens, for KV-aware policies (0 = unknown).
+        events: the engine's KV event publisher (vLLM ``--kv-events-config`` ``endpoint``, SGLang
+            ``--kv-events-config``), ``tcp://HOST:PORT`` of DP rank 0; rank ``r`` on PORT + ``r``.
+            Used with ``index_mode`` ``events`` or ``hybrid`` (:mod:`balancer.service.kv_subscriber`).
+        replay: the engine's replay endpoint (``replay_endpoint``), rank ``r`` on PORT + ``r``;
+            lets the router fill gaps and catch up after a late start.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -105,6 +122,21 @@ class WorkerConfig(BaseModel):
     dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     kv_capacity_tokens: int = Field(0, ge=0, le=MAX_KV_CAPACITY_TOKENS)
+    events: str | None = None
+    replay: str | None = None
+
+    @field_validator("events", "replay")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and (problem := zmq_endpoint_problem(v.strip())) is not None:
+            raise ValueError(problem)
+        return v.strip() if v is not None else None
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> WorkerConfig:
+        if self.replay is not None and self.events is None:
+            raise ValueError(f"worker {self.url}: replay is set but events is not (give the publisher's events endpoint)")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -184,6 +216,45 @@ class HealthCheckConfig(BaseModel):
     success_threshold: int = Field(2, ge=1)
 
 
+class KvEventsConfig(BaseModel):
+    """The KV-event subscriber (workers with ``events``; :mod:`balancer.service.kv_subscriber`).
+
+    Attributes:
+        stale_after_s: a DP rank whose events stopped this long is marked stale (log, metric).
+        replay_timeout_s: a replay request that takes longer is given up (counted).
+        translator_capacity_blocks: engine blocks remembered per DP rank for hash translation.
+        runner: ``process`` (default: decode and translate in a child process, off the router's
+            GIL) or ``thread`` (in a thread of the router process; no extra process).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    runner: Literal["process", "thread"] = "process"
+    stale_after_s: float = Field(60.0, gt=0)
+    replay_timeout_s: float = Field(2.0, gt=0)
+    translator_capacity_blocks: int = Field(1 << 20, ge=1)
+
+
+class LoadScrapeConfig(BaseModel):
+    """Scraping the engines' Prometheus ``/metrics`` into engine load reports
+    (:mod:`balancer.service.load_scraper`): running and waiting requests and KV cache usage per DP
+    rank, so several independent routers see the engines' whole load, not their own share.
+
+    Attributes:
+        enabled: scrape at all (off by default: one extra GET per worker per interval).
+        interval_s: seconds between scrapes of each worker.
+        timeout_s: per scrape.
+        max_age_s: a report older than this stops counting (the engine stopped answering).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    max_age_s: float = Field(10.0, gt=0)
+
+
 class ServiceConfig(BaseModel):
     """Everything ``pdlb serve`` needs.
 
@@ -209,6 +280,17 @@ class ServiceConfig(BaseModel):
         index_total_capacity_blocks: prefix-index bound over all replicas (default 4,194,304
             blocks, about 300 MB at ~70 bytes a block; 512 replicas x 262,144 blocks would be
             ~9 GB); each replica then keeps at most an even share.
+        index_mode: ``approximate`` (the router records what it routes), ``events`` (only the
+            engines' KV events, workers' ``events`` endpoints) or ``hybrid`` (events plus the router's
+            own routed prompts for ``speculative_ttl_s``); see :mod:`balancer.router`.
+        speculative_ttl_s: hybrid mode: seconds a routed prompt counts as cached before its
+            engine announces it.
+        kv_events: the KV-event subscriber's settings (:class:`KvEventsConfig`).
+        lora_adapters: LoRA adapter names the engines serve (requests choose one with ``model``):
+            a request for one hashes its prompt from that adapter's chain root, as the engines'
+            KV events for it are translated (:func:`balancer.kv_translate.chain_root`), so
+            adapter and base-model caches are never conflated.
+        load_scrape: engine metrics scraping (:class:`LoadScrapeConfig`).
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
@@ -241,8 +323,11 @@ class ServiceConfig(BaseModel):
         default_max_tokens: the output length assumed for load accounting when a request names none.
         seed: the router's RNG seed (process ``i`` of ``processes`` uses ``seed + i``).
         processes: router processes sharing the port (``SO_REUSEPORT``; the kernel spreads client
-            connections over them). Each has its own router state (in-flight load, prefix index,
-            breakers), like independent gateway replicas; ``/metrics`` aggregates all of them; the
+            connections over them). In-flight load is shared through shared memory
+            (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
+            them, so prefix views agree; in approximate mode each process sends its decisions to
+            the others (:mod:`balancer.service.shared_prefix`); breakers are per process;
+            ``/metrics`` aggregates all of them; the
             admin API cannot add or remove workers (409) when > 1. See docs/serving.md, "Overhead".
     """
 
@@ -263,6 +348,11 @@ class ServiceConfig(BaseModel):
     index_capacity_blocks: int | None = Field(262_144, ge=1)
     index_ttl_s: float | None = Field(None, gt=0)
     index_total_capacity_blocks: int | None = Field(4_194_304, ge=1)
+    index_mode: Literal["approximate", "events", "hybrid"] = "approximate"
+    speculative_ttl_s: float = Field(5.0, gt=0)
+    lora_adapters: list[str] = Field(default_factory=list)
+    kv_events: KvEventsConfig = KvEventsConfig()
+    load_scrape: LoadScrapeConfig = LoadScrapeConfig()
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     first_byte_timeout_s: float | None = Field(None, gt=0)
@@ -346,6 +436,16 @@ def config_warnings(cfg: ServiceConfig) -> list[str]:
     prefill workers but no decode/mixed worker (every request 503) or decode workers but no prefill
     worker (requests go to PD decode engines alone). No workers at all is warned about elsewhere."""
     out = [w for w in (bootstrap_warning(cfg.pd_protocol, wc) for wc in cfg.workers) if w is not None]
+    if cfg.index_mode != "approximate":
+        blind = [w.url for w in cfg.workers if w.events is None]
+        if blind:
+            out.append(f"warning: index_mode {cfg.index_mode} but no events endpoint for {', '.join(blind)}: the router "
+                       f"never learns what those workers cache" + (" (beyond its own routed prompts for "
+                       f"{cfg.speculative_ttl_s:g} s)" if cfg.index_mode == "hybrid" else "")
+                       + "; give URL,events=tcp://HOST:PORT")
+    elif any(w.events is not None for w in cfg.workers):
+        out.append("warning: workers have events endpoints but index_mode is approximate: their KV events are not "
+                   "used (set --index-mode events or hybrid)")
     if cfg.pd_protocol == "none" or not cfg.workers:
         return out
     n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
@@ -395,7 +495,8 @@ def load_service_config(path: str | Path | None = None, overrides: dict[str, Any
 
 
 _SPEC_KEYS = {"dp": "dp_size", "dp_size": "dp_size", "bootstrap": "bootstrap_port", "bootstrap_port": "bootstrap_port",
-              "kv": "kv_capacity_tokens", "kv_capacity_tokens": "kv_capacity_tokens"}
+              "kv": "kv_capacity_tokens", "kv_capacity_tokens": "kv_capacity_tokens", "events": "events",
+              "replay": "replay"}
 
 
 def _spec_int(v: str) -> int | None:
@@ -417,7 +518,8 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
             ``http://``/``https://``, without a host or with a port that is not an integer 1..65535
             (:func:`worker_url_problem`), an unknown or repeated key, or a value that is not an integer
             in range (``dp`` >= 1 DP ranks, ``bootstrap`` a port 1..65535 or ``none``, ``kv`` >= 0
-            tokens of KV capacity per DP rank).
+            tokens of KV capacity per DP rank, ``events``/``replay`` a ``tcp://HOST:PORT`` KV event
+            endpoint, :func:`zmq_endpoint_problem`).
     """
     def bad(why: str) -> ValueError:
         return ValueError(f"worker spec {redact_url(text)!r}: {why}")
@@ -437,6 +539,11 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
             raise bad(f"unknown option {part!r} (syntax: {WORKER_SPEC_SYNTAX})")
         if key in out:
             raise bad(f"{k} given more than once")
+        if key in ("events", "replay"):
+            if (problem := zmq_endpoint_problem(v)) is not None:
+                raise bad(f"{k}: {problem}")
+            out[key] = v
+            continue
         n = _spec_int(v)
         if key == "bootstrap_port":
             if v.lower() == "none":

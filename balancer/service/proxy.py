@@ -206,6 +206,10 @@ class Proxy:
         self.metrics = metrics
         self.session = session
         self.hasher = hasher or PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
+        from balancer.kv_translate import chain_root
+
+        #: request "model" -> chain root, for the LoRA adapters named in cfg.lora_adapters
+        self._lora_roots = {name: chain_root(name) for name in cfg.lora_adapters}
         self.rng = random.Random(cfg.seed)
         # request ids and bootstrap rooms must not collide across router processes in front of the
         # same engines: a per-process random id prefix and a room generator seeded from the OS
@@ -232,12 +236,17 @@ class Proxy:
             max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
         except PromptError as e:
             return error_response(400, str(e))
-        if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
-            # long prompts are tokenised in a worker thread so that the event loop keeps serving other
-            # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
-            n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt)
-        else:
-            n_tokens, hashes = self.hasher.hash(prompt)
+        model = body.get("model")
+        root = self._lora_roots.get(model) if self._lora_roots and isinstance(model, str) else None  # a LoRA's chain
+        try:
+            if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
+                # long prompts are tokenised in a worker thread so that the event loop keeps serving other
+                # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
+                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt, root)
+            else:
+                n_tokens, hashes = self.hasher.hash(prompt, root)
+        except PromptError as e:  # e.g. the model's chat template rejected the messages
+            return error_response(400, str(e))
         if cfg.max_model_len is not None and n_tokens + max_out > cfg.max_model_len:
             return error_response(400, f"the prompt ({n_tokens} tokens{'' if prompt.token_ids else ', estimated'}) plus "
                                        f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")

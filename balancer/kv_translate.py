@@ -1,0 +1,348 @@
+"""Engine KV events (engine hashes, engine block size) -> pdlb KV events (pdlb hashes, router block size).
+
+An engine names its blocks with its own hashes (vLLM: seeded sha256; SGLang: Python ``hash``),
+which a router cannot recompute reliably (ANCHORS.md). But every ``BlockStored`` carries the
+blocks' ``token_ids`` and names its parent block, so the router recomputes *its own* chained hash
+of each block (:func:`balancer.hashing.hash_token_blocks`) under the parent's, exactly as it hashes
+a routed prompt, and keeps, per replica, a map engine hash -> what it needs to continue the chain
+and to remove the block later. Dynamo and llm-d do the same (ANCHORS.md, "Consistency").
+
+**Block sizes.** The engine's block size ``E`` (vLLM 16, SGLang's page size, often 1) need not be
+the router's ``B``. Tokens are regrouped by position: router block ``j`` is tokens
+``[j*B, (j+1)*B)`` of the sequence, whatever engine blocks they arrived in. A router block is
+stored once all its tokens are held (``E < B``: the ``B/E``-th engine block completes it; ``E > B``:
+one engine block yields several router blocks; sizes need not divide each other). An engine
+block's map entry lists the router blocks it overlaps, and a ``BlockRemoved`` of any of them
+removes those router blocks (a router block needs all its tokens). A continuation is translated
+by walking back along the parents for the tokens since the last router-block boundary; if one of
+those engine blocks is gone (removed, or never seen), the continuation is counted as
+``unknown_parent`` and dropped: its prefix is not whole on the engine, and a prefix match could
+never reach it.
+
+**Identity.** LoRA adapters are part of a block's identity: a chain computed with adapter ``name``
+hashes from :func:`chain_root` ``(name)`` instead of :data:`~balancer.hashing.ROOT_HASH` (a router
+hashing a request for that adapter must use the same root; :class:`balancer.service.prompt.PromptHasher`
+does). Blocks with ``extra_keys`` (multimodal ids, cache salt: content the router cannot see in a
+request) are honoured, never conflated: the extra keys are mixed into the pdlb hash, so such
+blocks and everything after them can only match prompts that hash the same keys (none of the
+router's own today); they are counted as ``extra_key_blocks``. An extra key that is only the
+event's LoRA name is the LoRA identity above, not an extra key. KV cache groups that are not full
+attention (sliding window, Mamba state) are skipped and counted (``skipped_group_events``).
+
+Memory is bounded: at most ``capacity_blocks`` engine blocks per tier (the oldest announced go first); each keeps its own
+token ids (as the engine's message carried them) and the router hashes it overlaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import islice, repeat
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from balancer.hashing import ROOT_HASH, hash_token_blocks
+from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
+from balancer.kv_wire import (EngineAllBlocksCleared, EngineBlockRemoved, EngineBlockStored, EngineEvent,
+                              EngineHash, KvWireError)
+
+__all__ = ["DEFAULT_TRANSLATOR_CAPACITY_BLOCKS", "KvEventTranslator", "TranslatorStats", "chain_root"]
+
+#: Default bound of engine blocks remembered per replica and tier (the oldest announced go first).
+DEFAULT_TRANSLATOR_CAPACITY_BLOCKS = 1 << 20
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def chain_root(lora_name: str | None = None, lora_id: int | None = None) -> int:
+    """The hash a block chain starts from: :data:`~balancer.hashing.ROOT_HASH` for the base model,
+    ``XXH3_64(b"pdlb-lora:" + name)`` for LoRA adapter ``name`` (``lora_id`` alone, the older
+    events' spelling: ``b"pdlb-lora-id:" + str(id)``). Pass it as ``parent_hash`` to
+    :func:`balancer.hashing.hash_token_blocks` to hash a request for that adapter."""
+    if lora_name:
+        return _xxh3(b"pdlb-lora:" + lora_name.encode("utf-8", "surrogatepass"))
+    if lora_id is not None:
+        return _xxh3(b"pdlb-lora-id:" + str(int(lora_id)).encode())
+    return ROOT_HASH
+
+
+@dataclass(slots=True)
+class TranslatorStats:
+    """Counters of one translator (all monotonic)."""
+
+    engine_blocks_stored: int = 0
+    router_blocks_stored: int = 0
+    router_blocks_removed: int = 0
+    unknown_parent_blocks: int = 0  # continuations of blocks never seen (or gone): dropped
+    unknown_removed_blocks: int = 0  # BlockRemoved of blocks never seen
+    extra_key_blocks: int = 0
+    skipped_group_events: int = 0
+    clears: int = 0
+    evicted_blocks: int = 0  # map entries dropped by the capacity bound
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _Segment:
+    """The blocks one ``BlockStored`` announced, kept together: every engine hash of the event maps
+    to ``(segment, block index)``, so an event of ``n`` blocks costs one C-level dict update, and
+    each block's place in the router's chain is computed from the segment when needed."""
+
+    __slots__ = ("hashes", "tokens", "e_size", "root", "base", "rem0", "pend_tokens", "pend_owners", "router_hashes",
+                 "extras", "late_covers")
+
+    def __init__(self, hashes: tuple[EngineHash, ...], tokens: np.ndarray, e_size: int, root: int, base: int | None,
+                 rem0: int, pend_tokens: np.ndarray | None, pend_owners: list[tuple[_Segment, int]],
+                 router_hashes: list[int], extras: list[Any] | None) -> None:
+        self.hashes = hashes  # the engine hashes, in order
+        self.tokens = tokens  # all their token ids (uint32), len(hashes) * e_size
+        self.e_size = e_size
+        self.root = root  # chain root (ROOT_HASH or a LoRA root)
+        self.base = base  # pdlb hash of the last whole router block before the segment's first token; None: none
+        self.rem0 = rem0  # tokens between that boundary and the segment's first token (< B)
+        self.pend_tokens = pend_tokens  # those rem0 tokens (from the parent blocks), or None
+        self.pend_owners = pend_owners  # the engine blocks they belong to: (segment, index)
+        self.router_hashes = router_hashes  # pdlb hashes of the router blocks completed in this event
+        self.extras = extras  # per-block extra keys, or None
+        self.late_covers: dict[int, list[int]] | None = None  # block index -> router blocks completed by later events
+
+    def end_state(self, i: int, b_size: int) -> tuple[int | None, int]:
+        """(base, rem) at the end of block ``i``: the last whole router block's pdlb hash (None:
+        none yet in this chain) and the tokens after it."""
+        end = self.rem0 + (i + 1) * self.e_size
+        k = end // b_size
+        return (self.router_hashes[k - 1] if k > 0 else self.base), end - k * b_size
+
+    def covers(self, i: int, b_size: int) -> list[int]:
+        """pdlb hashes of the router blocks block ``i`` overlaps (completed so far)."""
+        lo, hi = self.rem0 + i * self.e_size, self.rem0 + (i + 1) * self.e_size
+        out = self.router_hashes[lo // b_size: min(-(-hi // b_size), len(self.router_hashes))]
+        if self.late_covers is not None and i in self.late_covers:
+            out = out + self.late_covers[i]
+        return out
+
+    def add_late_cover(self, i: int, h: int) -> None:
+        if self.late_covers is None:
+            self.late_covers = {}
+        self.late_covers.setdefault(i, []).append(h)
+
+
+def _is_full_attention(kind: str | None) -> bool:
+    if kind is None:
+        return True
+    k = kind.lower()
+    return "full" in k or "mla" in k
+
+
+@dataclass
+class KvEventTranslator:
+    """Translates one replica's engine events into pdlb events (see the module docstring).
+
+    Args:
+        block_size: the router's block size ``B`` (its ``Router.block_size``), tokens.
+        capacity_blocks: engine blocks remembered per tier (the oldest announced are forgotten beyond).
+
+    Not thread-safe: one translator per replica, used by one thread.
+    """
+
+    block_size: int
+    capacity_blocks: int = DEFAULT_TRANSLATOR_CAPACITY_BLOCKS
+    stats: TranslatorStats = field(default_factory=TranslatorStats)
+    _tiers: dict[str, dict[EngineHash, tuple[_Segment, int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
+
+    def num_blocks(self) -> int:
+        """Engine blocks currently remembered, all tiers."""
+        return sum(len(t) for t in self._tiers.values())
+
+    def reset(self) -> None:
+        """Forget every engine block (the engine restarted)."""
+        self._tiers.clear()
+
+    def translate(self, event: EngineEvent) -> list[KvEvent]:
+        """The pdlb events equivalent to ``event`` (possibly none).
+
+        Raises:
+            KvWireError: a ``BlockStored`` whose ``token_ids`` are not ``len(block_hashes) *
+                block_size`` ids in ``[0, 2**32)``, an unknown medium, or an unknown event.
+        """
+        if isinstance(event, EngineBlockStored):
+            return self._stored(event)
+        if isinstance(event, EngineBlockRemoved):
+            return self._removed(event)
+        if isinstance(event, EngineAllBlocksCleared):
+            self.stats.clears += 1
+            out: list[KvEvent] = [AllBlocksCleared(None)]
+            if self._tiers.get("host"):
+                out.append(AllBlocksCleared("CPU"))
+            for tier in ("hbm", "host"):
+                self._tiers.pop(tier, None)
+            return out
+        raise KvWireError(f"not an engine KV event: {event!r}")
+
+    # ------------------------------------------------------------------ internals
+    def _tier(self, medium: str | None) -> str:
+        try:
+            return tier_of_medium(medium)
+        except ValueError as e:
+            raise KvWireError(str(e)) from None
+
+    def _stored(self, ev: EngineBlockStored) -> list[KvEvent]:
+        if not _is_full_attention(ev.kv_cache_spec_kind):
+            self.stats.skipped_group_events += 1
+            return []
+        tier = self._tier(ev.medium)
+        n, e_size, b_size = len(ev.block_hashes), ev.block_size, self.block_size
+        if n == 0:
+            return []
+        if len(ev.token_ids) != n * e_size:
+            raise KvWireError(f"BlockStored has {len(ev.token_ids)} token ids for {n} blocks of {e_size} tokens "
+                              f"(expected {n * e_size})")
+        if not set(map(type, ev.token_ids)) <= {int}:
+            raise KvWireError("BlockStored token_ids must be integers in [0, 2**32)")
+        try:
+            own = np.fromiter(ev.token_ids, dtype=np.int64, count=len(ev.token_ids))
+        except OverflowError:
+            raise KvWireError("BlockStored token_ids must be integers in [0, 2**32)") from None
+        if own.size and (own.min() < 0 or own.max() >= 1 << 32):
+            raise KvWireError("BlockStored token_ids must be integers in [0, 2**32)")
+        own = own.astype(np.uint32)
+        extras = self._extras(ev, n)
+        states = self._tiers.setdefault(tier, {})
+        # where the chain stands before the first new block: base hash, pending tokens, their owners
+        pend: np.ndarray | None = None
+        owners: list[tuple[_Segment, int]] = []
+        if ev.parent_block_hash is None:
+            root = chain_root(ev.lora_name, ev.lora_id)
+            base: int | None = None
+            rem = 0
+        else:
+            where = states.get(ev.parent_block_hash)
+            if where is None:
+                self.stats.unknown_parent_blocks += n
+                return []
+            seg, i = where
+            root = seg.root
+            base, rem = seg.end_state(i, b_size)
+            if rem:
+                got = self._pending(states, seg, i, rem)
+                if got is None:  # a block of the pending router block is gone: prefix not whole
+                    self.stats.unknown_parent_blocks += n
+                    return []
+                pend, owners = got
+        seq = np.concatenate((pend, own)) if pend is not None else own
+        start_hash = root if base is None else base
+        nfull = len(seq) // b_size
+        if extras is None and not any(o.extras is not None for o, _ in owners):
+            hashes = hash_token_blocks(seq, b_size, start_hash)
+        else:
+            hashes = self._hash_with_extras(seq, b_size, start_hash, rem, e_size, extras, owners)
+        if nfull and owners:  # the pending owners overlap router block 0
+            for o, k in owners:
+                o.add_late_cover(k, hashes[0])
+        seg = _Segment(ev.block_hashes, own, e_size, root, base, rem, pend, owners, hashes, extras)
+        self.stats.engine_blocks_stored += n
+        self.stats.router_blocks_stored += nfull
+        if extras is not None:
+            self.stats.extra_key_blocks += sum(1 for x in extras if x is not None)
+        states.update(zip(ev.block_hashes, zip(repeat(seg), range(n))))
+        over = len(states) - self.capacity_blocks
+        if over > 0:  # oldest announced first (dicts keep insertion order)
+            for h in list(islice(states, over)):
+                del states[h]
+            self.stats.evicted_blocks += over
+        if not nfull:
+            return []
+        return [BlockStored(tuple(hashes), ev.medium, base)]
+
+    @staticmethod
+    def _pending(states: dict[EngineHash, tuple[_Segment, int]], seg: _Segment, i: int,
+                 rem: int) -> tuple[np.ndarray, list[tuple[_Segment, int]]] | None:
+        """The ``rem`` tokens before the end of block ``i`` of ``seg`` (since the last router-block
+        boundary) and the engine blocks they belong to; ``None`` if one of those blocks is gone."""
+        e = seg.e_size
+        end = (i + 1) * e  # in segment coordinates
+        if rem <= end:
+            first = (end - rem) // e
+            owners = [(seg, k) for k in range(first, i + 1)]
+            toks = seg.tokens[end - rem:end]
+        else:  # no router-block boundary since the segment began: rem = rem0 + end, so the
+            # pending router block is the one the segment's own pending tokens started
+            assert seg.pend_tokens is not None and rem - end == len(seg.pend_tokens)
+            owners = list(seg.pend_owners) + [(seg, k) for k in range(i + 1)]
+            toks = np.concatenate((seg.pend_tokens, seg.tokens[:end]))
+        for o, k in owners:
+            if states.get(o.hashes[k]) != (o, k):
+                return None
+        return toks, owners
+
+    def _extras(self, ev: EngineBlockStored, n: int) -> list[Any] | None:
+        """Per-block extra keys that change identity (``None`` if no block has one)."""
+        if not ev.extra_keys:
+            return None
+        if len(ev.extra_keys) != n:
+            raise KvWireError(f"BlockStored has {len(ev.extra_keys)} extra_keys for {n} blocks")
+        out: list[Any] = []
+        for x in ev.extra_keys:
+            if x is not None and ev.lora_name is not None and (x == ev.lora_name or (
+                    isinstance(x, (list, tuple)) and len(x) == 1 and x[0] == ev.lora_name)):
+                x = None  # the LoRA identity, already in the chain root
+            if isinstance(x, (list, tuple)) and not x:
+                x = None
+            out.append(x)
+        return out if any(x is not None for x in out) else None
+
+    @staticmethod
+    def _hash_with_extras(seq: np.ndarray, b_size: int, start: int, rem: int, e_size: int, extras: list[Any] | None,
+                          owners: list[tuple[_Segment, int]]) -> list[int]:
+        """Chained hashes of ``seq``'s full router blocks with the extra keys of the engine blocks
+        each overlaps mixed in (after the tokens, msgpack-serialised, behind a marker byte). The
+        pending owners (``seq[:rem]``) all overlap router block 0."""
+        out: list[int] = []
+        h = start
+        data = seq.astype("<u4", copy=False)
+        for j in range(len(seq) // b_size):
+            lo, hi = j * b_size, (j + 1) * b_size
+            keys = [o.extras[k] for o, k in owners if j == 0 and o.extras is not None and o.extras[k] is not None]
+            if extras is not None and hi > rem:
+                first, last = max(0, (lo - rem) // e_size), (hi - 1 - rem) // e_size
+                keys += [extras[i] for i in range(first, min(last, len(extras) - 1) + 1) if extras[i] is not None]
+            payload = h.to_bytes(8, "little") + data[lo:hi].tobytes()
+            if keys:
+                payload += b"\xffextra" + msgpack.packb(keys, default=repr)
+            h = _xxh3(payload)
+            out.append(h)
+        return out
+
+    def _removed(self, ev: EngineBlockRemoved) -> list[KvEvent]:
+        tier = self._tier(ev.medium)
+        states = self._tiers.get(tier)
+        gone: dict[int, None] = {}
+        b_size = self.block_size
+        for h in ev.block_hashes:
+            where = states.pop(h, None) if states is not None else None
+            if where is None:
+                self.stats.unknown_removed_blocks += 1
+                continue
+            gone.update(dict.fromkeys(where[0].covers(where[1], b_size)))
+        if not gone:
+            return []
+        self.stats.router_blocks_removed += len(gone)
+        return [BlockRemoved(tuple(gone), ev.medium)]
+
+
+def translate_all(translator: KvEventTranslator, events: Sequence[EngineEvent]) -> list[KvEvent]:
+    """:meth:`KvEventTranslator.translate` of each event, concatenated (errors propagate)."""
+    out: list[KvEvent] = []
+    for ev in events:
+        out.extend(translator.translate(ev))
+    return out

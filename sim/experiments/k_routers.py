@@ -1,0 +1,201 @@
+"""Several routers in front of one cluster: what do independent approximate routers lose?
+
+A real gateway runs K router replicas (or ``pdlb serve --processes K``) behind an L4 balancer that
+spreads requests over them. With ``index_mode="approximate"`` each replica only knows the prompts
+*it* routed, so a prefix cached through replica 1 is invisible to replica 2; with
+``index_mode="events"`` every replica consumes every engine's KV events (Dynamo and llm-d do this),
+so their prefix views agree. In-flight load is each replica's own, unless ``+shared-load``: one
+load view for all (what the processes of one ``pdlb serve`` would get from shared memory).
+
+:class:`KRouters` is a drop-in for :class:`balancer.router.Router` in the simulator: request ``i``
+(in arrival order) goes to replica ``i mod K``, its hooks to the same replica, and KV events to
+all of them. :func:`run` simulates K in ``--ks`` for both modes on the embedded Mooncake trace
+(default scenario ``dsv3-pd-h200``, cache_aware prefill, least_load decode) and reports the
+prefix hit rate and TTFT, with ratios to K = 1 of the same mode.
+
+Run: ``python -m sim.experiments.k_routers [--ks 1,2,4,8] [--limit 3000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from balancer.router import Router
+from balancer.types import ReplicaId, Request, Role, Route
+
+
+class _IndexGroup:
+    """``router.index`` of a :class:`KRouters`: setting ``capacity_blocks`` sets it on all."""
+
+    def __init__(self, routers: list[Router]) -> None:
+        self._routers = routers
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        return self._routers[0].index.capacity_blocks
+
+    @capacity_blocks.setter
+    def capacity_blocks(self, v: int | None) -> None:
+        for r in self._routers:
+            r.index.capacity_blocks = v
+
+
+class _LoadGroup:
+    def __init__(self, routers: list[Router]) -> None:
+        self._routers = routers
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(t.num_in_flight for t in {id(r.load): r.load for r in self._routers}.values())
+
+
+class KRouters:
+    """K independent routers splitting the traffic round-robin (see the module docstring).
+
+    Args:
+        routers: the replicas (same policies and settings); router ``k``'s RNG is reseeded with
+            ``seed * 1000 + k`` so that they do not make correlated random choices.
+        shared_load: all replicas count in-flight load in one tracker (what shared memory
+            between the processes of one ``pdlb serve`` gives); else each counts its own.
+    """
+
+    def __init__(self, routers: list[Router], seed: int = 0, shared_load: bool = False) -> None:
+        if not routers:
+            raise ValueError("need at least one router")
+        self.routers = routers
+        for k, r in enumerate(routers):
+            r.rng = random.Random(seed * 1000 + k)
+            if shared_load:
+                r.load = routers[0].load
+        self.index_mode = routers[0].index_mode
+        self.index = _IndexGroup(routers)
+        self.load = _LoadGroup(routers)
+        self._owner: dict[str, Router] = {}
+        self._next = 0
+
+    @classmethod
+    def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False
+                ) -> Callable[[Callable[[int | None], Router]], Callable[[int | None], Any]]:
+        """For :func:`sim.cluster.simulate` ``router_wrapper``: K routers from its factory."""
+        def wrap(factory: Callable[[int | None], Router]) -> Callable[[int | None], Any]:
+            return lambda cap: cls([factory(cap) for _ in range(k)], seed, shared_load)
+        return wrap
+
+    def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
+        for r in self.routers:
+            r.add_replica(replica, role, kv_capacity_tokens)
+
+    def route(self, request: Request, now_s: float) -> Route:
+        r = self.routers[self._next % len(self.routers)]
+        self._next += 1
+        self._owner[request.request_id] = r
+        return r.route(request, now_s)
+
+    def on_prefill_done(self, request_id: str, now_s: float) -> None:
+        r = self._owner.get(request_id)
+        if r is not None:
+            r.on_prefill_done(request_id, now_s)
+
+    def on_first_token(self, request_id: str, now_s: float) -> None:
+        r = self._owner.get(request_id)
+        if r is not None:
+            r.on_first_token(request_id, now_s)
+
+    def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
+        r = self._owner.pop(request_id, None)
+        if r is not None:
+            r.on_finished(request_id, now_s, num_output_tokens)
+
+    def on_kv_event(self, replica: ReplicaId, event: Any, now_s: float | None = None) -> None:
+        for r in self.routers:
+            r.on_kv_event(replica, event, now_s)
+
+
+def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0,
+        rate_scale: float = 1.0) -> list[dict[str, Any]]:
+    """One summary row per (mode, K)."""
+    from sim.cluster import simulate
+    from sim.metrics import summarize
+    from sim.scenario import DEFAULT_PRESET, load_scenario
+    from sim.workload import read_trace, scale_rate, spread_batches, take_slice
+
+    sc = load_scenario(DEFAULT_PRESET)
+    reqs = read_trace()
+    if limit is not None:
+        reqs = take_slice(reqs, 0, limit)
+    reqs = spread_batches(reqs, 3.0, seed=seed)
+    if rate_scale != 1.0:
+        reqs = scale_rate(reqs, rate_scale)
+    rows = []
+    for label in modes:
+        mode, _, shared = label.partition("+")
+        for k in ks:
+            t0 = time.perf_counter()
+            res = simulate(sc, reqs, "cache_aware", "least_load", seed=seed, index_mode=mode,
+                           router_wrapper=KRouters.wrapper(k, seed, shared_load=shared == "shared-load"))
+            s = summarize(res)
+            rows.append({"mode": label, "k": k, "hit_rate": s["prefix_hit_rate"], "ideal_hit_rate": s["ideal_hit_rate"],
+                         "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"],
+                         "ttft_p90_s": s["ttft_s"]["p90"], "ttft_p99_s": s["ttft_s"]["p99"],
+                         "goodput_rps": s["goodput_rps"], "prefill_load_imbalance": s["prefill_load_imbalance"],
+                         "num_requests": s["num_requests"], "wall_s": time.perf_counter() - t0})
+            print(f"  {mode:>11} K={k}: hit {100 * rows[-1]['hit_rate']:.1f}%  TTFT mean {rows[-1]['ttft_mean_s']:.3f} s"
+                  f"  p90 {rows[-1]['ttft_p90_s']:.3f} s  ({rows[-1]['wall_s']:.1f} s wall)", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    base = {(r["mode"]): r for r in rows if r["k"] == min(x["k"] for x in rows)}
+    out = ["| index mode | K routers | prefix hit rate | TTFT mean s | TTFT p90 s | TTFT p99 s | goodput r/s "
+           "| TTFT mean vs K=1 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base[r["mode"]]
+        out.append(f"| {r['mode']} | {r['k']} | {100 * r['hit_rate']:.1f}% | {r['ttft_mean_s']:.3f} | "
+                   f"{r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.2f} | {r['goodput_rps']:.2f} | "
+                   f"x{r['ttft_mean_s'] / b['ttft_mean_s']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim.experiments.k_routers", description=__doc__.split("\n")[0])
+    ap.add_argument("--ks", default="1,2,4,8", help="router counts, comma-separated (default: %(default)s)")
+    ap.add_argument("--modes", default="approximate,events,events+shared-load",
+                    help="index modes, each optionally +shared-load (one in-flight load view for all routers) "
+                         "(default: %(default)s)")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all)")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=None, help="write summary.json and summary.md here (default: none)")
+    args = ap.parse_args(argv)
+    try:
+        ks = [int(x) for x in args.ks.split(",")]
+        if any(k < 1 for k in ks):
+            raise ValueError
+    except ValueError:
+        print(f"error: --ks must be positive integers, got {args.ks!r}", file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in args.modes.split(",")]
+    bad = [m for m in modes if m.partition("+")[0] not in ("approximate", "events", "hybrid")
+           or m.partition("+")[2] not in ("", "shared-load")]
+    if bad:
+        print(f"error: unknown index mode(s) {', '.join(bad)} (approximate, events, hybrid)", file=sys.stderr)
+        return 2
+    rows = run(ks, modes, args.limit, args.seed, args.rate_scale)
+    md = markdown(rows)
+    print(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+        (args.out / "summary.md").write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The extras split: the library imports and routes without the service's or the simulator's
+dependencies, and the service without the simulator's (each checked in a fresh interpreter that
+refuses to import the packages of the extras left out)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_BLOCK = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not installed (blocked by the test)")
+sys.meta_path.insert(0, Refuse())
+"""
+
+SIM_ONLY = {"simpy", "rich", "matplotlib"}
+SERVE_ONLY = {"aiohttp", "prometheus_client", "yaml", "zmq", "jinja2", "tokenizers", "yarl"}
+
+
+def _run(blocked: set[str], code: str) -> subprocess.CompletedProcess:
+    prog = f"BLOCKED = {sorted(blocked)!r}\n" + _BLOCK + code
+    return subprocess.run([sys.executable, "-c", prog], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_library_needs_neither_the_service_nor_the_simulator():
+    r = _run(SIM_ONLY | SERVE_ONLY, """
+import msgpack
+from balancer import Router, Request, ReplicaId, hash_token_blocks, decode_batch, KvEventTranslator
+r = Router(block_size=4, index_mode="events")
+r.add_replica(ReplicaId("a"), "mixed")
+b = decode_batch(msgpack.packb([1.0, [["BlockStored", [7], None, [1, 2, 3, 4], 4, None, "GPU"]]]))
+for e in KvEventTranslator(4).translate(b.events[0]):
+    r.on_kv_event(ReplicaId("a"), e)
+print(r.route(Request("q", 0.0, 4, tuple(hash_token_blocks([1, 2, 3, 4], 4))), 0.0).decode_matched_tokens)
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "4"
+
+
+def test_service_needs_not_the_simulator():
+    r = _run(SIM_ONLY, """
+from balancer.service.cli import main
+from balancer.service.app import create_app
+from balancer.service.config import ServiceConfig
+create_app(ServiceConfig())
+print("ok")
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_extras_declare_what_each_part_imports():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(meta["dependencies"])
+    extras = meta["optional-dependencies"]
+    assert not any(p in core for p in ("simpy", "rich", "matplotlib", "aiohttp", "pyzmq"))
+    assert all(any(d.startswith(p) for d in extras["serve"]) for p in ("aiohttp", "pyzmq", "prometheus-client", "jinja2"))
+    assert "pdlb[serve]" in extras["sim"] and any(d.startswith("simpy") for d in extras["sim"])
+    assert "pdlb[sim,tokenizer]" in extras["test"]  # python3 dev.py test installs .[test]: everything
+    assert meta["scripts"]["pdlb-serve"] == "balancer.service.cli:main"

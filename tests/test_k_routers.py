@@ -1,0 +1,42 @@
+"""K routers splitting the traffic in the simulator (sim.experiments.k_routers)."""
+
+from __future__ import annotations
+
+from sim.cluster import simulate
+from sim.experiments.k_routers import KRouters
+from sim.metrics import summarize
+from sim.scenario import DEFAULT_PRESET, load_scenario
+from sim.workload import read_trace, spread_batches, take_slice
+
+
+def _reqs():  # noqa: ANN202
+    return spread_batches(take_slice(read_trace(), 0, 300), 3.0, seed=0)
+
+
+def test_one_router_behind_the_wrapper_is_the_plain_router():
+    sc, reqs = load_scenario(DEFAULT_PRESET), _reqs()
+    plain = summarize(simulate(sc, reqs, "cache_aware", "least_load", seed=0))
+    wrapped = summarize(simulate(sc, reqs, "cache_aware", "least_load", seed=0, router_wrapper=KRouters.wrapper(1, 0)))
+    for key in ("prefix_hit_rate", "num_finished", "makespan_s"):
+        assert wrapped[key] == plain[key]
+
+
+def test_requests_split_round_robin_and_events_reach_every_router():
+    sc, reqs = load_scenario(DEFAULT_PRESET), _reqs()
+    made = []
+
+    def wrap(factory):  # noqa: ANN001, ANN202
+        def build(cap):  # noqa: ANN001, ANN202
+            g = KRouters([factory(cap) for _ in range(3)], seed=0)
+            made.append(g)
+            return g
+        return build
+
+    simulate(sc, reqs, "cache_aware", "least_load", seed=0, index_mode="events", router_wrapper=wrap)
+    (g,) = made
+    decisions = [r.metrics()["decisions"]["prefill"] for r in g.routers]
+    counts = [sum(d.values()) for d in decisions]
+    assert counts == [100, 100, 100]  # 300 requests, i mod 3
+    applied = [r.metrics()["kv_events"]["applied"] for r in g.routers]
+    assert applied[0] > 0 and applied[0] == applied[1] == applied[2]  # every router saw every event
+    assert [r.index.num_blocks() for r in g.routers] == [g.routers[0].index.num_blocks()] * 3
