@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tpot-s", type=float, default=0.05)
     ap.add_argument("--slo-attainment", type=float, default=0.9)
     ap.add_argument("--tol", type=float, default=0.03, help="rate search tolerance (default 0.03)")
+    ap.add_argument("--max-evals", type=int, default=16, help="most simulations per search (default 16)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -154,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             wl = workload_of(wl_name, seed, traces_dir, tmp)
             for pol in policies:
                 spec = parse_policy(pol)
-                searches.append(RateSearch(sc, wl, spec, slo, rate_min=1 / 256, tol=args.tol, seed=seed))
+                searches.append(RateSearch(sc, wl, spec, slo, rate_min=1 / 256, tol=args.tol, seed=seed,
+                                           max_evals=args.max_evals))
                 keys.append(("rate", row, pol, seed))
                 points.append(Point(sc, wl, spec, 1.0, slo, seed))
                 point_keys.append(("trace_rate", row, pol, seed))
                 if row in GPU_ROWS and seed == 0 and not (args.quick or args.no_gpus):
                     searches.append(GpuSearch(sc, wl, spec, slo, rate_scale=1.0,
-                                              max_engines={"prefill": 32, "decode": 4}))
+                                              max_engines={"prefill": 24, "decode": 4}, max_evals=args.max_evals))
                     keys.append(("gpus", row, pol, seed))
     executor = make_executor("process", jobs=args.jobs)
     results: dict[tuple, object] = {}
@@ -172,8 +174,20 @@ def main(argv: list[str] | None = None) -> int:
             results[k] = f.result()
             progress.advance(task)
         task2 = progress.add_task("searches (points)", total=None)
-        for k, r in zip(keys, run_searches(searches, executor, on_point=lambda s, r: progress.advance(task2))):
+        log = (out / "points.jsonl").open("a")  # every point as it finishes: a cut-off run keeps them
+
+        def on_point(search, r) -> None:
+            progress.advance(task2)
+            log.write(json.dumps({"search": type(search).__name__, "policy": search.label,
+                                  "scenario": search.scenario.name, "seed": search.seed,
+                                  "rate_scale": r.point.rate_scale, "engines": [r.prefill_engines, r.decode_engines,
+                                                                                r.mixed_engines],
+                                  "meets": r.meets, "attainment": r.attainment, "error": r.error}) + "\n")
+            log.flush()
+
+        for k, r in zip(keys, run_searches(searches, executor, on_point=on_point)):
             results[k] = r
+        log.close()
     wall = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ tables
