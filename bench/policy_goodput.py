@@ -31,7 +31,7 @@ with TTFT <= 2 s + 0.1 s per 1k prompt tokens and TPOT <= 50 ms (a flat 2 s TTFT
 by 90% of the Mooncake trace at any rate: 16% of its prompts take longer than 2 s to prefill
 alone even with every prefix cached; the searches report such a floor instead of searching).
 Results: ``--out`` (default ``bench_results/policy_goodput-<time>/``): ``results.json``,
-``table.md``, ``explain.png``.
+``table.md``, ``explain.png``, ``points.jsonl``.
 """
 
 from __future__ import annotations
@@ -94,10 +94,17 @@ def workload_of(name: str, seed: int, traces_dir: Path | None, tmp: Path):
 
 
 def mean_spread(xs: list[float]) -> tuple[float, float, float]:
-    v = [x for x in xs if x is not None and math.isfinite(x)]
+    """(mean, min, max) of the numbers (NaN = failed, skipped; +inf = beyond the search bounds)."""
+    v = [x for x in xs if x is not None and not math.isnan(x)]
     if not v:
         return float("nan"), float("nan"), float("nan")
     return sum(v) / len(v), min(v), max(v)
+
+
+def cell(v: tuple[float, float, float], spread: bool, beyond: str) -> str:
+    if math.isinf(v[0]):
+        return beyond
+    return f"{v[0]:.3g} ({v[1]:.3g}..{v[2]:.3g})" if spread else f"{v[0]:.3g}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,13 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             elif kind == "rate":
                 xs.append(r.rate_rps if r.rate_rps is not None else 0.0)
             else:
-                xs.append(float(r.num_gpus) if r.num_gpus is not None else float("nan"))
+                xs.append(float(r.num_gpus) if r.num_gpus is not None else
+                          float("inf") if r.status == "above_bounds" else float("nan"))
         return xs
 
     report: dict = {"slo": slo.__dict__, "rows": {}, "wall_s": wall, "jobs": args.jobs, "seeds": seeds}
     md = [f"SLO: {args.slo_attainment:.0%} of requests with TTFT <= {args.slo_ttft_s:g} s + "
           f"{args.slo_ttft_per_1k_s:g} s per 1k prompt tokens and TPOT <= {args.slo_tpot_s * 1e3:g} ms; "
-          f"{len(seeds)} seed(s); mean (min..max); ratio = ep_aware / best anchor (GPUs: best anchor's / ep_aware's)", ""]
+          f"{len(seeds)} seed(s); mean (min..max); ratio = ep_aware / best anchor (GPUs: ep_aware's / best anchor's)", ""]
     for kind, title, better in (("trace_rate", "goodput at the trace rate, req/s", max),
                                 ("rate", "highest rate at SLO, req/s", max),
                                 ("gpus", "GPUs needed at the trace rate", min)):
@@ -226,13 +234,20 @@ def main(argv: list[str] | None = None) -> int:
             finite = [(vals[a][0], a) for a in anchors if not math.isnan(vals[a][0])]
             best_val, best = better(finite) if finite else (float("nan"), "-")
             ours = vals.get(OURS, (float("nan"),) * 3)[0]
+            beyond = "-"
             if kind == "gpus":
+                sc = scenario_of(row.split(":")[1])
+                most = (24 * sc.prefill.dp_ranks * sc.prefill.gpus_per_rank + 4 * sc.decode.dp_ranks * sc.decode.gpus_per_rank) if sc.disaggregated else None
+                beyond = f"> {most}" if most else "> max"
                 ratio = best_val / ours if ours and not math.isnan(ours) else float("nan")
+                ratio_text = (f"< {ours / most:.2f}x GPUs" if math.isinf(best_val) and most and math.isfinite(ours)
+                              else f"{1 / ratio:.2f}x GPUs" if ratio and math.isfinite(ratio) else "n/a")
             else:
                 ratio = ours / best_val if best_val and not math.isnan(best_val) else float("inf") if ours > 0 else float("nan")
-            cells = [f"{v[0]:.3g} ({v[1]:.3g}..{v[2]:.3g})" if len(seeds) > 1 else f"{v[0]:.3g}" for v in vals.values()]
-            table.add_row(row, *cells, best, f"{ratio:.2f}x")
-            md.append(f"| {row} | " + " | ".join(cells) + f" | {best} | {ratio:.2f}x |")
+                ratio_text = f"{ratio:.2f}x" if math.isfinite(ratio) else ("no anchor meets it" if ours > 0 else "n/a")
+            cells = [cell(v, len(seeds) > 1, beyond) for v in vals.values()]
+            table.add_row(row, *cells, best, ratio_text)
+            md.append(f"| {row} | " + " | ".join(cells) + f" | {best} | {ratio_text} |")
             report["rows"].setdefault(row, {})[kind] = {"values": {p: list(vals[p]) for p in policies},
                                                         "best_anchor": best, "ratio": ratio}
         if any_row:
@@ -293,19 +308,25 @@ def explain(results: dict, seeds: list[int], anchors: list[str], slo, out: Path,
                      f"{s['prefill_ep_wait_fraction']:.1%} |")
         x = np.sort(d["ttft_s"][~np.isnan(d["ttft_s"])])
         ax1.plot(x, np.arange(1, len(x) + 1) / len(x), label=pol)
-        smp = res.samples.as_arrays()
-        cols = [i for i, r in enumerate(res.ranks) if r.role.value == "prefill"]
-        q = smp["prefill_queued_tokens"][:, cols]
-        ax2.plot(smp["times_s"], q.max(axis=1) / 1e3, label=f"{pol}: busiest rank", lw=0.8)
+        rec = res.records
+        compute = rec.prefill_end_s - rec.prefill_start_s
+        edges = np.array([0, 2000, 8000, 32000, 10**9])
+        bucket = np.digitize(rec.prompt_tokens, edges) - 1
+        means = [float(np.nanmean(compute[bucket == b])) for b in range(4)]
+        width = 0.38
+        xpos = np.arange(4) + (-width / 2 if pol == OURS else width / 2)
+        ax2.bar(xpos, means, width, label=pol)
     ax1.set_xscale("log")
     ax1.set_xlabel("TTFT, s")
     ax1.set_ylabel("fraction of requests")
     ax1.axvline(slo.ttft_s, color="grey", ls=":")
     ax1.legend()
     ax1.set_title("TTFT CDF")
-    ax2.set_xlabel("time, s")
-    ax2.set_ylabel("queued prefill tokens, thousands")
-    ax2.set_title("busiest prefill rank")
+    ax2.set_xticks(range(4), ["< 2k", "2k-8k", "8k-32k", "> 32k"])
+    ax2.set_xlabel("prompt tokens")
+    ax2.set_ylabel("mean prefill time (first chunk to last), s")
+    ax2.set_yscale("log")
+    ax2.set_title("prefill time: short prompts stepped at a long one's pace")
     ax2.legend()
     fig.tight_layout()
     fig.savefig(out / "explain.png", dpi=110)
