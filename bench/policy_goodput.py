@@ -23,8 +23,8 @@ prefill tokens over time per policy).
 
 Rows (``--rows``, ``workload:scenario``): workloads ``mooncake`` (embedded trace),
 ``azure_code`` / ``azure_conv`` (``--traces-dir``), ``chatbot`` / ``agent`` (``pdlb sim
-sessions`` generator, one day), ``shared_prefix`` (SGLang's generated-shared-prefix layout at
-2 req/s); scenarios ``default`` (dsv3-pd-h200: 6 prefill engines of EP8, 1 decode engine of EP8),
+sessions`` generator, one day), ``shared_prefix`` (SGLang's generated-shared-prefix layout, 256 groups x 16
+prompts, at 4 req/s); scenarios ``default`` (dsv3-pd-h200: 6 prefill engines of EP8, 1 decode engine of EP8),
 ``p16`` (the same with 16 prefill engines), ``dense`` (llama70b-pd-h100), ``agg``
 (llama8b-agg-h100). The SLO (``--slo-*``) is the same on every row: by default 90% of requests
 with TTFT <= 2 s + 0.1 s per 1k prompt tokens and TPOT <= 50 ms (a flat 2 s TTFT cannot be met
@@ -86,7 +86,7 @@ def workload_of(name: str, seed: int, traces_dir: Path | None, tmp: Path):
                                                           agent_fraction=1.0 if name == "agent" else 0.0, seed=seed))
         elif name == "shared_prefix":
             from sim.workload.benchmarks import shared_prefix_workload
-            reqs = shared_prefix_workload(64, 16, rate_per_s=2.0, seed=seed)
+            reqs = shared_prefix_workload(256, 16, rate_per_s=4.0, seed=seed)
         else:
             raise SystemExit(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
         write_mooncake(reqs, path)
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tpot-s", type=float, default=0.05)
     ap.add_argument("--slo-attainment", type=float, default=0.9)
     ap.add_argument("--tol", type=float, default=0.03, help="rate search tolerance (default 0.03)")
-    ap.add_argument("--max-evals", type=int, default=16, help="most simulations per search (default 16)")
+    ap.add_argument("--max-evals", type=int, default=20, help="most simulations per search (default 20)")
+    ap.add_argument("--rate-max", type=float, default=4096.0,
+                    help="upper bound of the rate search, as a rate scale (default 4096: light generated workloads)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             wl = workload_of(wl_name, seed, traces_dir, tmp)
             for pol in policies:
                 spec = parse_policy(pol)
-                searches.append(RateSearch(sc, wl, spec, slo, rate_min=1 / 256, tol=args.tol, seed=seed,
+                searches.append(RateSearch(sc, wl, spec, slo, rate_min=1 / 256, rate_max=args.rate_max, tol=args.tol, seed=seed,
                                            max_evals=args.max_evals))
                 keys.append(("rate", row, pol, seed))
                 points.append(Point(sc, wl, spec, 1.0, slo, seed))
