@@ -119,11 +119,18 @@ def gpu_table(results: Sequence[GpuSearchResult]) -> tuple[list[str], list[list[
 
 
 def reasons(results: Sequence[RateSearchResult | GpuSearchResult]) -> list[str]:
-    """One line per policy whose search did not simply succeed, and per note."""
-    out = []
+    """One line per distinct (status, reason) of the searches that did not simply succeed, naming
+    the policies it applies to (the zero-load floor's reason is the same for every policy), then
+    one per note."""
+    groups: dict[tuple[str, str], list[str]] = {}
     for r in results:
         if r.reason:
-            out.append(f"{r.policy}: {r.status}: {r.reason}")
+            groups.setdefault((r.status, r.reason), []).append(r.policy)
+    out = []
+    for (status, reason), pols in groups.items():
+        who = pols[0] if len(pols) == 1 else (f"all {len(pols)} policies" if len(pols) == len(results) else ", ".join(pols))
+        out.append(f"{who}: {status}: {reason}")
+    for r in results:
         out += [f"{r.policy}: note: {n}" for n in r.notes]
     return out
 

@@ -189,3 +189,11 @@ def test_report_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     near = np.abs(img - blue).max(axis=-1) < 0.06
     assert near.sum() > 50  # the plot's markers and lines (the page without its image has none: checked by hand)
     assert img.std() > 0.05  # not a blank page
+
+
+def test_a_reason_shared_by_every_policy_is_printed_once(tmp_path: Path, capsys) -> None:
+    rc = main(["sim", "capacity", "--policies", "least_load,round_robin", "--limit", "300", "--slo-ttft-s", "0.5",
+               "--slo-attainment", "0.99", "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert printed.count("even at zero load") == 1 and "all 2 policies: unreachable" in printed
