@@ -197,3 +197,12 @@ def test_a_reason_shared_by_every_policy_is_printed_once(tmp_path: Path, capsys)
     assert rc == 0
     printed = capsys.readouterr().out
     assert printed.count("even at zero load") == 1 and "all 2 policies: unreachable" in printed
+
+
+def test_set_on_sim_price(capsys) -> None:
+    # the default price scenario has 4 prefill GPUs (one engine of 4); two engines make it 8
+    assert main(["sim", "price", "--set", "prefill.num_engines=2"]) == 0
+    out = capsys.readouterr().out
+    assert "(set prefill.num_engines=2) (8 prefill + 64 decode" in out
+    assert main(["sim", "price", "--set", "prefill.bogus=2"]) == 2
+    assert "prefill.bogus: unknown field" in capsys.readouterr().out
