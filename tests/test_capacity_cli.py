@@ -139,10 +139,11 @@ def test_policy_module_registers_a_user_policy(tmp_path: Path, monkeypatch, caps
             def select(self, request, cands, ctx):
                 return Choice(cands.replicas[self.offset % len(cands.replicas)])
     '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # found from the current directory, in this process and in pool workers
+    monkeypatch.setattr(sys, "path", list(sys.path))
     try:
         rc = main(["sim", "capacity", "--policy-module", "userpol_pkg.firstpol", "--policy", "user_first:offset=1",
-                   "--limit", "60", "--jobs", "1", "--slo-ttft-per-1k-tokens-s", "1", "--tol", "0.2",
+                   "--limit", "60", "--jobs", "2", "--slo-ttft-per-1k-tokens-s", "1", "--tol", "0.2",
                    "--no-plots", "--out", str(tmp_path / "o"), "--quiet"])
         assert rc == 0
         r = json.loads((tmp_path / "o" / "capacity.json").read_text())["results"][0]
