@@ -131,10 +131,25 @@ class ProcessExecutor(Executor):
                                                 initargs=(self._workloads, self._modules))
         return self._pool.submit(evaluate_point, point)
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop the workers: wait for the running points, or (``kill``, on Ctrl-C or an error)
+        terminate them at once. A pool interrupted mid-call can leave a worker that never
+        reads its stop sentinel, and the interpreter would wait for it at exit forever."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        if not kill:
+            pool.shutdown(wait=True, cancel_futures=True)
+            return
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(timeout=10)
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.shutdown(kill=exc_type is not None)
 
 
 def ray_init_kwargs(num_cpus: int | None = None, object_store_memory_bytes: int = 200 * 2**20) -> dict[str, Any]:
