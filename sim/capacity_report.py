@@ -48,6 +48,11 @@ def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x * scale, fmt)
 
 
+def _ratio(x: float | None) -> str:
+    """``1.00``, ``0.23``; small ratios keep 2 significant digits (``0.0017``)."""
+    return "-" if x is None else (f"{x:.2f}" if x >= 0.1 else f"{x:.2g}")
+
+
 def rate_ratios(results: Sequence[RateSearchResult]) -> list[float | None]:
     """Each policy's sustainable req/s over the best anchor's (None when either is unknown)."""
     best = max((r.rate_rps for r in results if r.rate_rps is not None and _is_anchor(r.policy)), default=None)
@@ -77,7 +82,7 @@ def rate_rows(results: Sequence[RateSearchResult]) -> list[list[str]]:
     rows = []
     for r, ratio in zip(results, rate_ratios(results)):
         rows.append([r.policy, _f(r.rate_scale, ".3f"), _f(r.rate_rps, ".3f"), str(r.num_gpus), *_best_cells(r.best),
-                     str(len(r.points)), _f(ratio, ".2f"), r.status])
+                     str(len(r.points)), _ratio(ratio), r.status])
     return rows
 
 
@@ -86,7 +91,7 @@ def gpu_rows(results: Sequence[GpuSearchResult]) -> list[list[str]]:
     for r, ratio in zip(results, gpu_ratios(results)):
         cnt = [str(x) if x is not None else "-" for x in (r.prefill_engines, r.decode_engines, r.mixed_engines)]
         rows.append([r.policy, *cnt, str(r.num_gpus) if r.num_gpus is not None else "-", *_best_cells(r.best),
-                     str(len(r.points)), _f(ratio, ".2f"), r.status])
+                     str(len(r.points)), _ratio(ratio), r.status])
     return rows
 
 
@@ -119,11 +124,18 @@ def gpu_table(results: Sequence[GpuSearchResult]) -> tuple[list[str], list[list[
 
 
 def reasons(results: Sequence[RateSearchResult | GpuSearchResult]) -> list[str]:
-    """One line per policy whose search did not simply succeed, and per note."""
-    out = []
+    """One line per distinct (status, reason) of the searches that did not simply succeed, naming
+    the policies it applies to (the zero-load floor's reason is the same for every policy), then
+    one per note."""
+    groups: dict[tuple[str, str], list[str]] = {}
     for r in results:
         if r.reason:
-            out.append(f"{r.policy}: {r.status}: {r.reason}")
+            groups.setdefault((r.status, r.reason), []).append(r.policy)
+    out = []
+    for (status, reason), pols in groups.items():
+        who = pols[0] if len(pols) == 1 else (f"all {len(pols)} policies" if len(pols) == len(results) else ", ".join(pols))
+        out.append(f"{who}: {status}: {reason}")
+    for r in results:
         out += [f"{r.policy}: note: {n}" for n in r.notes]
     return out
 

@@ -230,14 +230,19 @@ def add_workload_args(p: argparse.ArgumentParser, *, rate_scale: bool = True) ->
     return g
 
 
+def add_set_arg(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``; apply with :func:`apply_overrides`."""
+    g.add_argument("--set", dest="overrides", type=override_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario field by dotted path, e.g. --set prefill.num_engines=8 --set perf.mfu=0.5 "
+                        "--set shared_store.class_ttl_s.chatbot=3600 (values in TOML syntax; repeatable)")
+
+
 def add_cluster_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """``--scenario``, ``--set``, ``--prefill-engines``/``--decode-engines``/``--mixed-engines``, ``--exact``."""
     g = p.add_argument_group("cluster")
     g.add_argument("--scenario", default=DEFAULT_PRESET, metavar="NAME|FILE",
                    help=f"scenario preset ({', '.join(sorted(PRESETS))}) or a .toml/.yaml/.json file (default {DEFAULT_PRESET})")
-    g.add_argument("--set", dest="overrides", type=override_arg, action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario field by dotted path, e.g. --set prefill.num_engines=8 --set perf.mfu=0.5 "
-                        "--set shared_store.class_ttl_s.chatbot=3600 (values in TOML syntax; repeatable)")
+    add_set_arg(g)
     g.add_argument("--prefill-engines", type=positive_int, metavar="N", help="override the number of prefill engines")
     g.add_argument("--decode-engines", type=positive_int, metavar="N", help="override the number of decode engines")
     g.add_argument("--mixed-engines", type=positive_int, metavar="N",

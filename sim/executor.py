@@ -10,8 +10,9 @@ results stream back in completion order.
 - :class:`ProcessExecutor`: a ``concurrent.futures.ProcessPoolExecutor`` of ``jobs`` worker
   processes (``forkserver`` start: no fork of a multi-threaded parent). In-memory workloads are
   handed to each worker once, at start; trace workloads are read once per worker and cached.
-- :class:`RayExecutor` (``pip install 'pdlb[ray]'``): one Ray task per point; in-memory workloads
-  go to the object store once (``ray.put``). A task whose worker dies is retried
+- :class:`RayExecutor` (``pip install 'pdlb[ray]'``): one Ray task per point; every workload (a
+  trace is read once, by the driver) goes to the object store once (``ray.put``) and each task
+  fetches only its own, so workers on other machines need no copy of the trace. A task whose worker dies is retried
   (``max_retries``), then its future raises; callers turn that into an error row, never a silently
   missing one.
 
@@ -26,13 +27,23 @@ monitor off altogether. These are environment variables read when Ray starts its
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from balancer.types import Request
-from sim.point import Point, PointResult, error_result, evaluate_point, import_policy_modules, register_workload
+from sim.point import (
+    Point,
+    PointResult,
+    WorkloadSpec,
+    error_result,
+    evaluate_point,
+    import_policy_modules,
+    load_workload,
+    register_workload,
+)
 
 
 class Executor:
@@ -131,10 +142,25 @@ class ProcessExecutor(Executor):
                                                 initargs=(self._workloads, self._modules))
         return self._pool.submit(evaluate_point, point)
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def shutdown(self, kill: bool = False) -> None:
+        """Stop the workers: wait for the running points, or (``kill``, on Ctrl-C or an error)
+        terminate them at once. A pool interrupted mid-call can leave a worker that never
+        reads its stop sentinel, and the interpreter would wait for it at exit forever."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        if not kill:
+            pool.shutdown(wait=True, cancel_futures=True)
+            return
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(timeout=10)
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.shutdown(kill=exc_type is not None)
 
 
 def ray_init_kwargs(num_cpus: int | None = None, object_store_memory_bytes: int = 200 * 2**20) -> dict[str, Any]:
@@ -173,8 +199,10 @@ def _ray_eval_fn():  # noqa: ANN202 - the remote function, made once per process
         import ray
 
         @ray.remote(num_cpus=1)
-        def ray_evaluate(point: Point, workloads: Mapping[str, Sequence[Request]], modules: Sequence[str]) -> PointResult:
-            _init_worker(workloads, modules)  # cheap after the first task of a worker (cached)
+        def ray_evaluate(point: Point, modules: Sequence[str], key: str | None,
+                         requests: Sequence[Request] | None) -> PointResult:
+            # ``requests`` arrives resolved from the object store (a top-level ObjectRef argument)
+            _init_worker({key: requests} if key is not None else {}, modules)
             return evaluate_point(point)
 
         _RAY_EVAL = ray_evaluate
@@ -217,16 +245,39 @@ class RayExecutor(Executor):
                 ray.init(address=address, log_to_driver=False, configure_logging=False, **extra)
             self._owns = True
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        self._workloads = ray.put({k: list(v) for k, v in (workloads or {}).items()})
+        self._refs: dict[str, Any] = {}
+        self.add_workloads(workloads or {})
         self._modules = tuple(modules)
         self._fn = _ray_eval_fn().options(max_retries=max_retries)
 
     def add_workloads(self, workloads: Mapping[str, Sequence[Request]]) -> None:
-        merged = self._ray.get(self._workloads) | {k: list(v) for k, v in workloads.items()}
-        self._workloads = self._ray.put(merged)
+        """Put each workload in the object store once (a task fetches only its own)."""
+        for key, reqs in workloads.items():
+            self._refs[key] = self._ray.put(list(reqs))
 
     def submit(self, point: Point) -> cf.Future:
-        return self._fn.remote(point, self._workloads, self._modules).future()
+        """Submit one task. A trace workload is read here, once, and shipped through the object
+        store, so workers on other machines need neither the trace file nor the time to parse it."""
+        wl = point.workload
+        if not isinstance(wl, WorkloadSpec):
+            return self._fn.remote(point, self._modules, wl, self._refs.get(wl)).future()
+        key = f"spec:{wl!r}"
+        if key not in self._refs:
+            self._refs[key] = self._ray.put(load_workload(wl))
+        inner = self._fn.remote(dataclasses.replace(point, workload=key), self._modules, key, self._refs[key]).future()
+        outer: cf.Future = cf.Future()
+
+        def done(f: cf.Future) -> None:  # the result names the point as it was submitted
+            try:
+                res = f.result()
+            except BaseException as e:  # noqa: BLE001 - delivered as the task's failure
+                outer.set_exception(e)
+                return
+            res.point = point
+            outer.set_result(res)
+
+        inner.add_done_callback(done)
+        return outer
 
     def shutdown(self) -> None:
         if self._owns and self._ray.is_initialized():

@@ -169,9 +169,21 @@ def parse_param_value(text: str, default: object = None) -> object:
 def import_policy_modules(modules: Sequence[str]) -> None:
     """Import user modules whose ``@register`` decorators add policies (``--policy-module``).
 
+    A module is looked up on ``sys.path`` with the current directory added (as ``python -m``
+    does), so ``mypkg/mypolicy.py`` next to where ``pdlb`` runs is found, in this process and
+    in local worker processes (they share the directory). Ray workers elsewhere need the module
+    installed, or on ``PYTHONPATH`` through Ray's ``runtime_env``.
+
     Raises:
         ValueError: a module cannot be imported (the message names it and the import error).
     """
+    if modules:
+        import os
+        import sys
+
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.append(cwd)
     for mod in modules:
         try:
             importlib.import_module(mod)

@@ -242,3 +242,20 @@ def test_goodput_is_per_second_of_the_arrival_window_not_the_makespan() -> None:
     s1 = summarize(simulate(mixed_scenario(), uniform_requests(), "round_robin", perf_factory=fixed_cost_perf),
                    slo_ttft_s=3.0)
     assert s1["slo_attainment"] == 1.0 and s1["goodput_rps"] == pytest.approx(s1["offered_rps"]) == pytest.approx(1.01)
+
+
+def test_process_pool_workers_are_terminated_when_the_caller_is_interrupted() -> None:
+    # Ctrl-C in the middle of a search: the pool's workers are killed at once rather than waited
+    # for (an interrupted pool can leave a worker the interpreter would wait for at exit forever)
+    from sim.executor import ProcessExecutor
+
+    ex = ProcessExecutor(2)
+    slow = Point(load_scenario("dsv3-pd-h200"), WorkloadSpec(limit=3000), parse_policy("round_robin"), 0.2)
+    with pytest.raises(KeyboardInterrupt):
+        with ex:
+            ex.submit(slow)
+            procs = list(ex._pool._processes.values())
+            assert procs
+            raise KeyboardInterrupt
+    assert all(not p.is_alive() for p in procs)
+    assert ex._pool is None

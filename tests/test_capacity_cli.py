@@ -139,10 +139,11 @@ def test_policy_module_registers_a_user_policy(tmp_path: Path, monkeypatch, caps
             def select(self, request, cands, ctx):
                 return Choice(cands.replicas[self.offset % len(cands.replicas)])
     '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # found from the current directory, in this process and in pool workers
+    monkeypatch.setattr(sys, "path", list(sys.path))
     try:
         rc = main(["sim", "capacity", "--policy-module", "userpol_pkg.firstpol", "--policy", "user_first:offset=1",
-                   "--limit", "60", "--jobs", "1", "--slo-ttft-per-1k-tokens-s", "1", "--tol", "0.2",
+                   "--limit", "60", "--jobs", "2", "--slo-ttft-per-1k-tokens-s", "1", "--tol", "0.2",
                    "--no-plots", "--out", str(tmp_path / "o"), "--quiet"])
         assert rc == 0
         r = json.loads((tmp_path / "o" / "capacity.json").read_text())["results"][0]
@@ -189,3 +190,20 @@ def test_report_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     near = np.abs(img - blue).max(axis=-1) < 0.06
     assert near.sum() > 50  # the plot's markers and lines (the page without its image has none: checked by hand)
     assert img.std() > 0.05  # not a blank page
+
+
+def test_a_reason_shared_by_every_policy_is_printed_once(tmp_path: Path, capsys) -> None:
+    rc = main(["sim", "capacity", "--policies", "least_load,round_robin", "--limit", "300", "--slo-ttft-s", "0.5",
+               "--slo-attainment", "0.99", "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert printed.count("even at zero load") == 1 and "all 2 policies: unreachable" in printed
+
+
+def test_set_on_sim_price(capsys) -> None:
+    # the default price scenario has 4 prefill GPUs (one engine of 4); two engines make it 8
+    assert main(["sim", "price", "--set", "prefill.num_engines=2"]) == 0
+    out = capsys.readouterr().out
+    assert "(set prefill.num_engines=2) (8 prefill + 64 decode" in out
+    assert main(["sim", "price", "--set", "prefill.bogus=2"]) == 2
+    assert "prefill.bogus: unknown field" in capsys.readouterr().out

@@ -93,3 +93,21 @@ def test_a_dead_worker_is_retried_then_reported(ray_ex, kill_log: Path) -> None:
     sw = Sweep(pt.scenario, [pt], ["p0"], [], Path("x.toml"))
     rows, ran = run_sweep(sw, kill_log.parent / "sweep", ray_ex)
     assert ran == 1 and rows[0]["error"] and rows[0]["policy"] == "round_robin"
+
+
+def test_trace_workloads_travel_through_the_object_store(ray_ex, tmp_path: Path) -> None:
+    # a trace is read once by the driver and shipped through the object store: the file is gone
+    # before the task runs, and the point still runs; the result names the point as submitted
+    from sim.point import evaluate_point, load_workload
+    from sim.workload import write_mooncake
+
+    trace = tmp_path / "t.jsonl"
+    write_mooncake(WorkloadSpec(limit=30, spread_s=0).read(), trace)
+    w = WorkloadSpec(trace=str(trace), limit=30)
+    pt = Point(load_scenario("dsv3-pd-h200"), w, parse_policy("least_load"))
+    want = evaluate_point(pt)  # reads (and caches) the trace in this process
+    trace.unlink()
+    got = ray_ex.submit(pt).result(timeout=120)
+    assert got.error is None and got.point is pt
+    assert (got.attainment, got.goodput_rps, got.ttft_p99_s) == (want.attainment, want.goodput_rps, want.ttft_p99_s)
+    assert load_workload(w) is not None  # still cached here

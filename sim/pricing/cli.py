@@ -62,7 +62,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     (``argument --flag: must be ...``, exit 2), before any table is printed."""
     import argparse
 
-    from sim.cli_args import positive_float as pos_float, positive_int as pos_int
+    from sim.cli_args import add_set_arg, positive_float as pos_float, positive_int as pos_int
 
     p = simsub.add_parser(
         "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",
@@ -83,6 +83,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
                         "DeepSeek's H800 basis)")
     p.add_argument("--scenario", default=DEFAULT_SCENARIO, metavar="NAME|FILE",
                    help=f"PD scenario preset or file (default {DEFAULT_SCENARIO})")
+    add_set_arg(p)
     p.add_argument("--target", type=pos_float, default=DEEPINFER_TARGET_USD_PER_GPU_HOUR, metavar="USD",
                    help=f"target revenue per GPU-hour (default {DEEPINFER_TARGET_USD_PER_GPU_HOUR:g}, DeepInfer)")
     p.add_argument("--hit-rate", default=",".join(f"{h:g}" for h in DEFAULT_HIT_RATES), metavar="H[,...]",
@@ -126,6 +127,7 @@ def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheet
 
 def run_price(args, console) -> int:  # noqa: ANN001
     """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
+    from sim.cli_args import apply_overrides
     from sim.scenario import load_scenario
 
     sheets = load_price_sheets(args.prices)
@@ -139,7 +141,7 @@ def run_price(args, console) -> int:  # noqa: ANN001
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
     # read (and check) the summaries and the scenario before printing anything: one error line
     runs = load_summaries(args.from_summary) if args.from_summary is not None else None
-    scenario = load_scenario(args.scenario) if runs is None else None
+    scenario = apply_overrides(load_scenario(args.scenario), args.overrides) if runs is None else None
     if scenario is not None and not args.simulate and (scenario.prefill is None or scenario.decode is None):
         raise ValueError(f"--scenario {scenario.name}: the scenario is aggregated; pdlb sim price needs prefill "
                          "and decode pools (or --simulate)")
