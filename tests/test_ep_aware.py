@@ -327,3 +327,15 @@ def test_same_decisions_in_the_simulator_router_and_the_service_router():
                 router.on_first_token(rid_, when)
                 router.on_finished(rid_, when + 0.5, 50)
     assert svc_router.cost_learner is not None and sim_router.cost_learner.model == svc_router.cost_learner.model
+
+
+def test_mixed_ranks_price_the_stall_a_prompt_causes_to_their_decode_batch():
+    # dense mixed ranks with 10 running sequences each; a 10,240-token prompt, 8,192 of it cached on
+    # "a": its chunks hold the batch 1e-4 s per computed token -> 10 x 0.2048 s on a, 10 x 1.024 s on b
+    c = cands(view("a", Role.MIXED, num_requests=10, matched_tokens=8192, block_size=512),
+              view("b", Role.MIXED, num_requests=10, block_size=512))
+    cm = model(ep=False)
+    names, idx, rows = ("a", "b"), np.array([0, 1]), np.array([[0], [1]])
+    stall = exact()._mixed_stall(Request("r", 0.0, 10240), c, cm, names, idx, rows)
+    np.testing.assert_allclose(stall, [10 * 0.2048, 10 * 1.024])
+    assert exact().select(Request("r", 0.0, 10240, max_output_tokens=16), c, ctx(cm)).replica.engine == "a"

@@ -54,7 +54,10 @@ queued work, then at random: otherwise a small shared prefix (a system prompt's 
 the few ranks that hold it marginally cheaper for every request, all traffic collapses onto them
 and their caches thrash (measured: hit rate 8% instead of 33% at light load). Candidates where ``k_i + prompt + output`` exceeds a known KV capacity are taken only
 when none has room (then the one with most room). **Mixed** (aggregated) pools add both costs
-(without the transfer).
+(without the transfer) and the stall the prompt's chunks cause to the decode batch they share
+steps with: ``externality_weight * n_seqs * (per_token u + per_attn_pair pairs + per_group_token
+u)`` (``n_seqs`` of the rank, or of the engine for wide EP), so a prefix hit there also spares
+every running sequence.
 
 Parameters:
     externality_weight: weight of the delay a placement adds to requests already on the engine
@@ -130,7 +133,8 @@ class EpAware(Policy):
             reason = "ep_aware:decode"
         else:
             cost = (self.prefill_cost(request, cands, model, names, idx, rows, "mixed")
-                    + self.decode_cost(request, cands, model, names, idx, rows, transfer=False))
+                    + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
+                    + self.externality_weight * self._mixed_stall(request, cands, model, names, idx, rows))
             reason = "ep_aware:mixed"
         cost, feasible = self._capacity(request, cands, cost)
         i = self._pick(cost, cands, ctx)
@@ -176,6 +180,22 @@ class EpAware(Policy):
             else:
                 cost = cost + ext
         return cost if sub is None else np.asarray(cost)[sub]
+
+    def _mixed_stall(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                     idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """Mixed ranks: the prompt's chunks share steps with the rank's running decode batch (the
+        whole engine's for wide EP), so every sequence there waits its compute time:
+        ``n_seqs * (per_token u + per_attn_pair pairs(u, p) + per_group_token u)``, shape ``(n,)``."""
+        eng = self._uniform_engine(model, names, "mixed") or model.decode
+        c = eng.prefill
+        P = float(request.prompt_tokens)
+        cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
+        u = P - cached
+        own = (c.per_token_s + c.per_group_token_s) * u + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0)
+        n = cands.num_requests.astype(np.float64)
+        if eng.ep_synchronous:
+            n = _per_engine_sum(n, idx, int(idx.max()) + 1 if len(idx) else 0)
+        return n * own
 
     @staticmethod
     def _requests_after(q: np.ndarray, cands: Candidates, idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
