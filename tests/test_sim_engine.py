@@ -327,3 +327,17 @@ def test_load_samples_stay_bounded_and_evenly_spaced_on_a_long_run():
     assert np.allclose(np.diff(t), res.samples.interval_s, rtol=1e-9, atol=1e-12)
     # the samples cover the whole run: the last one is within one period of the finish
     assert res.records.finish_s[0] - t[-1] <= res.samples.interval_s + 1e-9
+
+
+def test_step_imbalance_counters_by_hand():
+    # two steps of a 2-rank EP group: [8, 0] tokens for 1 s (max/mean 2, the idle rank waits the
+    # whole second: mean/max 0.5 -> 0.5 s), then [4, 4] for 2 s (balanced)
+    from types import SimpleNamespace
+
+    from sim.engine.step_group import StepGroup
+
+    g = SimpleNamespace(prefill_busy_s=0.0, prefill_imbalance_s=0.0, prefill_wait_s=0.0)
+    StepGroup._account(g, "prefill", np.array([[8.0, 0.0], [4.0, 4.0]]), np.array([1.0, 2.0]))
+    assert g.prefill_busy_s == pytest.approx(3.0)
+    assert g.prefill_imbalance_s / g.prefill_busy_s == pytest.approx((1 * 2 + 2 * 1) / 3)
+    assert g.prefill_wait_s == pytest.approx(0.5)

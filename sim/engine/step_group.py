@@ -227,7 +227,11 @@ class StepGroup:
                 yield env.timeout(rest)
         self.num_steps += steps
         self.busy_s += float(cum[steps - 1])
-        self._account(tokens[:steps], ctx[:steps], times[:steps])
+        if len(ranks) > 1:
+            if plans is None:
+                self._account("decode", ctx[:steps], times[:steps])
+            else:
+                self._account("prefill", tokens[:steps], times[:steps])
         self._apply(plans, steps)
 
     def _account_one(self, pt: np.ndarray, dc: np.ndarray, dt: float) -> None:
@@ -244,21 +248,26 @@ class StepGroup:
         setattr(self, f"{kind}_imbalance_s", getattr(self, f"{kind}_imbalance_s") + dt / ratio)
         setattr(self, f"{kind}_wait_s", getattr(self, f"{kind}_wait_s") + dt * (1.0 - ratio))
 
-    def _account(self, prefill_tokens: np.ndarray, decode_ctx: np.ndarray, times: np.ndarray) -> None:
-        """Imbalance counters (class docstring) of steps ``(k, R)`` taking ``times`` ``(k,)`` s."""
-        if prefill_tokens.shape[-1] < 2:
+    def _account(self, kind: str, work: np.ndarray, times: np.ndarray) -> None:
+        """Imbalance counters (class docstring) of ``k`` steps of one kind: ``work`` ``(k, R)``
+        (prefill tokens of a prefill segment, KV tokens of a decode-only one), ``times`` ``(k,)`` s."""
+        R = work.shape[-1]
+        if R < 2:
             return
-        pf = prefill_tokens.max(axis=1) > 0
-        for mask, work, kind in ((pf, prefill_tokens, "prefill"), (~pf, decode_ctx, "decode")):
-            if not mask.any():
-                continue
-            w = work[mask]
-            mx = w.max(axis=1)
+        mx = work.max(axis=1)
+        if mx[mx.argmin()] <= 0:  # some steps without work (not in steady segments; kept exact)
             ok = mx > 0
-            if not ok.any():
-                continue
-            t = times[mask][ok]
-            ratio = w[ok].mean(axis=1) / mx[ok]  # mean / max in (0, 1]
-            setattr(self, f"{kind}_busy_s", getattr(self, f"{kind}_busy_s") + float(t.sum()))
-            setattr(self, f"{kind}_imbalance_s", getattr(self, f"{kind}_imbalance_s") + float((t / ratio).sum()))
-            setattr(self, f"{kind}_wait_s", getattr(self, f"{kind}_wait_s") + float((t * (1.0 - ratio)).sum()))
+            work, mx, times = work[ok], mx[ok], times[ok]
+            if not len(mx):
+                return
+        ratio = work.sum(axis=1) / (R * mx)  # mean / max in (0, 1]
+        busy = float(times.sum())
+        weighted = float((times / ratio).sum())
+        if kind == "prefill":
+            self.prefill_busy_s += busy
+            self.prefill_imbalance_s += weighted
+            self.prefill_wait_s += busy - float((times * ratio).sum())
+        else:
+            self.decode_busy_s += busy
+            self.decode_imbalance_s += weighted
+            self.decode_wait_s += busy - float((times * ratio).sum())
