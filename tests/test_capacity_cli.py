@@ -206,4 +206,4 @@ def test_set_on_sim_price(capsys) -> None:
     out = capsys.readouterr().out
     assert "(set prefill.num_engines=2) (8 prefill + 64 decode" in out
     assert main(["sim", "price", "--set", "prefill.bogus=2"]) == 2
-    assert "prefill.bogus: unknown field" in capsys.readouterr().out
+    assert "prefill.bogus: unknown field" in capsys.readouterr().err

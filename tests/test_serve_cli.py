@@ -264,3 +264,18 @@ def test_engine_help_lists_model_and_hardware_names():
                               "(default: %(default)s)")
     assert "B200, H100, H200, H800" in helps["hardware"]
     assert "(default: %(default)s)" in helps["role"]
+
+
+@pytest.mark.parametrize("flag, field, default", [("--prefill-timeout-s", "prefill_timeout_s", 60.0),
+                                                   ("--stream-first-chunk-timeout-s", "stream_first_chunk_timeout_s", 120.0)])
+def test_timeout_flags_zero_turns_off(flag, field, default):
+    import argparse
+
+    from balancer.service.cli import add_serve_parser, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers())
+    base = ["serve", "--mixed", "http://127.0.0.1:9", "--pd-protocol", "none"]
+    assert getattr(config_from_args(p.parse_args(base)), field) == default
+    assert getattr(config_from_args(p.parse_args([*base, flag, "7"])), field) == 7.0
+    assert getattr(config_from_args(p.parse_args([*base, flag, "0"])), field) is None

@@ -105,3 +105,20 @@ async def test_fault_matrix(protocol, name, role, faults):
             assert outcomes.count("ok") >= 6, outcomes
         else:
             assert outcomes == ["ok"] * 12, outcomes
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_wedged_streamed_decode_is_bounded_by_default(protocol):
+    # no first_byte_timeout_s (the default): a decode engine that sends headers and then nothing
+    # still costs a streamed request at most stream_first_chunk_timeout_s before it is retried on
+    # the healthy decode engine
+    router = {k: v for k, v in ROUTER.items() if k != "first_byte_timeout_s"} | {"stream_first_chunk_timeout_s": 0.4}
+    async with inprocess_cluster(protocol, engine={"speed": 20.0, "bootstrap_timeout_s": 1.0}, router=router) as c, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S + 5)) as s:
+        assert c.router.app[SERVICE].cfg.first_byte_timeout_s is None
+        async with s.post(f"http://127.0.0.1:{c.decode[0].port}/emulator/faults",
+                          json={"hang_after_headers": True}) as r:
+            assert r.status == 200
+        outcomes = await asyncio.gather(*(_one(s, c.url, i, True) for i in range(6)))
+        assert outcomes == ["ok"] * 6, outcomes
+        await _settled(c)

@@ -123,6 +123,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
     p.add_argument("--request-timeout-s", type=float, metavar="SECONDS",
                    help=f"per client request, retries included; 504 after (default: {d.request_timeout_s:g})")
+    p.add_argument("--stream-first-chunk-timeout-s", type=float, metavar="SECONDS",
+                   help="without --first-byte-timeout-s, still fail and retry elsewhere a streamed decode leg whose "
+                        f"headers and first chunk do not come within this; 0 turns it off (default: "
+                        f"{d.stream_first_chunk_timeout_s:g})")
     p.add_argument("--first-byte-timeout-s", type=float, metavar="SECONDS",
                    help="per leg: fail and retry elsewhere when a worker sends no headers / first chunk within this "
                         "(default: off)")
@@ -194,8 +198,15 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "index_mode": getattr(args, "index_mode", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
+    off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)
+    if getattr(args, "stream_first_chunk_timeout_s", None) is not None:
+        if args.stream_first_chunk_timeout_s == 0:
+            off.append("stream_first_chunk_timeout_s")
+        else:
+            data["stream_first_chunk_timeout_s"] = args.stream_first_chunk_timeout_s
     if args.prefill_timeout_s == 0:
-        data["prefill_timeout_s"] = None
+        data.pop("prefill_timeout_s", None)
+        off.append("prefill_timeout_s")
     if args.prefill_policy:
         data["prefill_policy"] = {"name": args.prefill_policy}
     if args.decode_policy:
@@ -211,7 +222,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data.setdefault("load_scrape", {})["enabled"] = True
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
-    return load_service_config(None, data)
+    cfg = load_service_config(None, data)
+    return cfg.model_copy(update={k: None for k in off}) if off else cfg
 
 
 def no_workers_warning(cfg: ServiceConfig) -> str | None:

@@ -298,6 +298,11 @@ class ServiceConfig(BaseModel):
             fails the attempt, which is retried on a new pair and counts against the worker's
             circuit breaker. Engines send a non-streaming answer only when generation ends, so
             set it above your longest non-streaming generation. ``None`` (default): off.
+        stream_first_chunk_timeout_s: when ``first_byte_timeout_s`` is off, the same bound for
+            streamed decode legs only (headers and first chunk; default 120 s, above
+            ``prefill_timeout_s``: a streamed leg's first token follows its prefill), so a wedged
+            streamed decode costs a request at most that long by default; non-streaming legs
+            answer only when generation ends and are not bounded by it. ``None``: off.
         prefill_timeout_s: per attempt, seconds from sending a prefill leg (PD) to its complete
             answer (it answers once the prompt is prefilled); a miss fails the attempt like a
             first-byte timeout. Default 60 s (well above the prefill of a 128k-token prompt on
@@ -356,6 +361,7 @@ class ServiceConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     first_byte_timeout_s: float | None = Field(None, gt=0)
+    stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)
     max_tokens_limit: int = Field(1_048_576, ge=1, le=2**31 - 1)
     max_model_len: int | None = Field(None, ge=2, le=2**40)

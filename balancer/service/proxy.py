@@ -373,8 +373,9 @@ class Proxy:
             extra: dict[str, Any] = {"rid": upstream_id} if cfg.pd_protocol == "sglang" or "rid" in ctx.body else {}
             self._dp_rank(extra, headers, d, route.decode.dp_rank)
             legs.started.append((d, upstream_id))
-            deadline = self._first_byte_deadline()
-            d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, extra), headers, legs, deadline)
+            deadline = self._first_byte_deadline(ctx.stream)
+            d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, extra), headers, legs, deadline,
+                                      stream=ctx.stream)
             return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
         p = self._worker(route.prefill.engine)
         if cfg.pd_protocol == "sglang":
@@ -400,12 +401,12 @@ class Proxy:
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started += [(p, upstream_id), (d, upstream_id)]
-        deadline = d_deadline = self._first_byte_deadline()
+        d_deadline = self._first_byte_deadline(ctx.stream)
         p_data = encode_with(ctx.raw, ctx.body, p_extra)
         # the same bytes for both legs unless their DP ranks differ
         d_data = p_data if p_extra == d_extra else encode_with(ctx.raw, ctx.body, d_extra)
         p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs, prefill=True))
-        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline))
+        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream))
         legs.tasks += [p_task, d_task]
         pending: set[asyncio.Task] = {p_task, d_task}
         while d_task in pending:
@@ -473,8 +474,9 @@ class Proxy:
         d_headers = self._headers(upstream_id)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started.append((d, upstream_id))
-        deadline = self._first_byte_deadline()
-        d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, d_extra), d_headers, legs, deadline)
+        deadline = self._first_byte_deadline(ctx.stream)
+        d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, d_extra), d_headers, legs, deadline,
+                                  stream=ctx.stream)
         return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     # ------------------------------------------------------------------ upstream I/O
@@ -498,17 +500,27 @@ class Proxy:
         if self.pool.get(w.url) is w:  # not removed meanwhile
             self.pool.record_result(w, False, time.monotonic())
 
-    def _first_byte_deadline(self) -> float | None:
-        """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
-        t = self.cfg.first_byte_timeout_s
-        return None if t is None else asyncio.get_running_loop().time() + t
+    def _first_byte_timeout(self, stream: bool = False) -> tuple[str, float] | None:
+        """``(setting, seconds)`` bounding a leg's first byte: ``first_byte_timeout_s``, else for a
+        streamed decode leg ``stream_first_chunk_timeout_s``; ``None``: unbounded."""
+        if self.cfg.first_byte_timeout_s is not None:
+            return "first_byte_timeout_s", self.cfg.first_byte_timeout_s
+        if stream and self.cfg.stream_first_chunk_timeout_s is not None:
+            return "stream_first_chunk_timeout_s", self.cfg.stream_first_chunk_timeout_s
+        return None
 
-    def _first_byte_failure(self, w: Worker) -> Failure:
-        return Failure(504, f"worker {w.url} sent no response within first_byte_timeout_s="
-                            f"{self.cfg.first_byte_timeout_s:g} s", True, "first_byte_timeout", worker=w, charge="now")
+    def _first_byte_deadline(self, stream: bool = False) -> float | None:
+        """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
+        t = self._first_byte_timeout(stream)
+        return None if t is None else asyncio.get_running_loop().time() + t[1]
+
+    def _first_byte_failure(self, w: Worker, stream: bool = False) -> Failure:
+        name, t = self._first_byte_timeout(stream) or ("first_byte_timeout_s", float("nan"))
+        return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
+                       worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
-                    legs: _Legs, deadline: float | None | bool = True) -> aiohttp.ClientResponse:
+                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False) -> aiohttp.ClientResponse:
         """POST ``body`` (a JSON object, or its encoding) and wait for the response headers (until
         ``deadline``, event-loop time; ``True``: ``first_byte_timeout_s`` from now; ``None``: no
         deadline); non-2xx answers and a missed deadline become :class:`Failure` (naming ``w``;
@@ -525,7 +537,7 @@ class Proxy:
                 async with asyncio.timeout_at(deadline):
                     resp = await self.session.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
-            raise self._first_byte_failure(w) from None
+            raise self._first_byte_failure(w, stream) from None
         except (aiohttp.ClientError, OSError) as e:
             raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
                           worker=w, charge="now") from None
@@ -616,7 +628,7 @@ class Proxy:
         except StopAsyncIteration:
             first = b""
         except TimeoutError:
-            raise self._blame(legs, self._first_byte_failure(d)) from None
+            raise self._blame(legs, self._first_byte_failure(d, ctx.stream)) from None
         except (aiohttp.ClientError, OSError) as e:
             raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
                                             True, "read", worker=d, charge="now")) from None
