@@ -250,3 +250,18 @@ def test_fuzz_sim_cli_traces_and_scenarios(tmp_path: Path, capsys):
         else:
             assert (tmp_path / "o" / "summary.json").is_file()
     assert outcomes[0] >= 3 and outcomes[2] >= 10, outcomes  # both paths exercised
+
+
+@pytest.mark.parametrize("table, line, field", [
+    ("perf", "mfu = true", "mfu"), ("perf", 'mfu = "0.5"', "mfu"), ("perf", "step_overhead_s = inf", "step_overhead_s"),
+    ("perf", "gpus_per_node = 8.5", "gpus_per_node"), ("perf", "bogus = 1", "bogus"),
+    ("speculative", "draft_tokens = true\nacceptance = [0.8]", "draft_tokens"),
+    ("speculative", "draft_tokens = 2\nacceptance = [nan, 0.5]", "acceptance"),
+])
+def test_perf_and_speculative_tables_are_strict(tmp_path: Path, table, line, field):
+    # the [perf] and [speculative] tables refuse booleans and strings as numbers, non-finite
+    # numbers and unknown keys, as the rest of a scenario does
+    f = tmp_path / "sc.toml"
+    f.write_text(f'model = "deepseek-v3"\nhardware = "h200"\n[prefill]\ndp_ranks = 8\n[decode]\ndp_ranks = 8\n[{table}]\n{line}\n')
+    with pytest.raises(ValueError, match=field):
+        load_scenario(f)

@@ -58,7 +58,7 @@ class PerfConfig(BaseModel):
             scaling its routed-expert and dispatch/combine time.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
 
     mfu: float = Field(DEFAULT_MFU, gt=0, le=1)
     mbu: float = Field(DEFAULT_MBU, gt=0, le=1)

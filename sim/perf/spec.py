@@ -66,7 +66,7 @@ class SpecDecodeConfig(BaseModel):
         dynamic_overhead_s: extra seconds per dynamic step (confidence head, scheduling).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
 
     draft_tokens: int = Field(ge=1, le=64)
     acceptance: list[float] = Field(min_length=1, max_length=64)
