@@ -163,42 +163,56 @@ class CostModel:
         """Inverse of :meth:`to_dict`; missing keys take the defaults.
 
         Raises:
-            ValueError: unknown keys, negative coefficients.
+            ValueError: a non-table where a table belongs, unknown keys, a coefficient that is not
+                a finite number >= 0 (booleans and strings included), a non-integer or
+                non-positive ``chunk_tokens``, a non-boolean ``ep_synchronous``; the message names
+                the key by its dotted path (``cost_model.decode.decode.per_seq_s``).
         """
-        def eng(x: Mapping) -> EngineCost:
+        def table(x: object, where: str) -> Mapping:
+            if not isinstance(x, Mapping):
+                raise ValueError(f"{where}: expected a table, got {type(x).__name__} {x!r}"[:200])
+            return x
+
+        def eng(x: object, where: str) -> EngineCost:
+            x = table(x, where)
             unknown = set(x) - {"chunk_tokens", "ep_synchronous", "prefill", "decode"}
             if unknown:
-                raise ValueError(f"cost model engine: unknown key(s) {', '.join(sorted(unknown))}")
-            p = _terms(x.get("prefill", {}), PREFILL_TERMS, "prefill")
-            dd = _terms(x.get("decode", {}), DECODE_TERMS, "decode")
-            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), int(x.get("chunk_tokens", 8192)),
-                              bool(x.get("ep_synchronous", True)))
+                raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+                                 "valid: chunk_tokens, decode, ep_synchronous, prefill")
+            p = _terms(table(x.get("prefill", {}), f"{where}.prefill"), PREFILL_TERMS, f"{where}.prefill")
+            dd = _terms(table(x.get("decode", {}), f"{where}.decode"), DECODE_TERMS, f"{where}.decode")
+            chunk = x.get("chunk_tokens", 8192)
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+                raise ValueError(f"{where}.chunk_tokens must be an integer >= 1, got {chunk!r}")
+            ep = x.get("ep_synchronous", True)
+            if not isinstance(ep, bool):
+                raise ValueError(f"{where}.ep_synchronous must be true or false, got {ep!r}")
+            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep)
+
+        d = table(d, "cost_model")
         scalars = ("transfer_latency_s", "transfer_s_per_token", "host_fetch_s_per_token", "store_fetch_s_per_token")
         unknown = set(d) - {"prefill", "decode", "engines", *scalars}
         if unknown:
-            raise ValueError(f"cost model: unknown key(s) {', '.join(sorted(unknown))}")
-        kw = {}
-        for k in scalars:
-            if k in d:
-                v = float(d[k])
-                if not v >= 0.0 or math.isinf(v):
-                    raise ValueError(f"cost model: {k} must be finite and >= 0, got {d[k]!r}")
-                kw[k] = v
-        return cls(prefill=eng(d.get("prefill", {})), decode=eng(d.get("decode", {})),
-                   engines={str(k): eng(v) for k, v in d.get("engines", {}).items()}, **kw)
+            raise ValueError(f"cost_model: unknown key(s) {', '.join(sorted(map(str, unknown)))}; valid: decode, "
+                             f"engines, prefill, {', '.join(scalars)}")
+        kw = {k: _number(d[k], f"cost_model.{k}") for k in scalars if k in d}
+        engines = table(d.get("engines", {}), "cost_model.engines")
+        return cls(prefill=eng(d.get("prefill", {}), "cost_model.prefill"),
+                   decode=eng(d.get("decode", {}), "cost_model.decode"),
+                   engines={str(k): eng(v, f"cost_model.engines.{k}") for k, v in engines.items()}, **kw)
 
 
-def _terms(x: Mapping, names: tuple[str, ...], what: str) -> dict[str, float]:
+def _number(v: object, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{where} must be a finite number >= 0, got {v!r}"[:200])
+    return float(v)
+
+
+def _terms(x: Mapping, names: tuple[str, ...], where: str) -> dict[str, float]:
     unknown = set(x) - set(names)
     if unknown:
-        raise ValueError(f"cost model {what}: unknown term(s) {', '.join(sorted(unknown))}; valid: {', '.join(names)}")
-    out = {}
-    for k, v in x.items():
-        f = float(v)
-        if not f >= 0.0 or math.isinf(f):
-            raise ValueError(f"cost model {what}.{k} must be finite and >= 0, got {v!r}")
-        out[k] = f
-    return out
+        raise ValueError(f"{where}: unknown term(s) {', '.join(sorted(map(str, unknown)))}; valid: {', '.join(names)}")
+    return {k: _number(v, f"{where}.{k}") for k, v in x.items()}
 
 
 #: A generic starting point for a live router with no configured model: DeepSeek-V3-class wide-EP

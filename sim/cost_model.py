@@ -95,14 +95,21 @@ def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
                     "it as a TOML table for 'pdlb serve --cost-model FILE' (the service then refits it online).")
     p.add_argument("--scenario", default="dsv3-pd-h200", metavar="NAME|FILE",
                    help="scenario preset or file (default dsv3-pd-h200)")
-    p.add_argument("--out", metavar="FILE", help="write the table to FILE instead of standard output")
+    p.add_argument("--out", metavar="FILE",
+                   help="write the table to FILE instead of standard output (JSON if FILE ends in .json, else TOML)")
 
 
 def run_cost_model(args, console) -> int:  # noqa: ANN001
     from sim.scenario import load_scenario
 
     sc = load_scenario(args.scenario)
-    text = to_toml(cost_model_for(sc), sc.name)
+    model = cost_model_for(sc)
+    if args.out and str(args.out).lower().endswith(".json"):
+        import json
+
+        text = json.dumps({"cost_model": model.to_dict()}, indent=2) + "\n"
+    else:
+        text = to_toml(model, sc.name)
     if args.out:
         from pathlib import Path
 

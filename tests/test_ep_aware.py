@@ -287,7 +287,7 @@ def test_cost_model_round_trips_through_its_table_and_rejects_bad_terms():
     assert CostModel.from_dict(cm.to_dict()) == cm
     with pytest.raises(ValueError, match="per_tokens"):
         CostModel.from_dict({"prefill": {"prefill": {"per_tokens": 1.0}}})
-    with pytest.raises(ValueError, match="must be finite and >= 0"):
+    with pytest.raises(ValueError, match="transfer_s_per_token must be a finite number >= 0"):
         CostModel.from_dict({"transfer_s_per_token": -1})
 
 

@@ -159,21 +159,32 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def read_cost_model_file(path: str) -> dict:
-    """The table of a ``--cost-model`` file (``.toml`` or ``.json``; a ``[cost_model]`` table or
-    the bare table). Raises ValueError naming the file."""
+    """The table of a ``--cost-model`` file: JSON when it ends in ``.json``, else TOML (what
+    ``pdlb sim cost-model`` writes); a ``[cost_model]`` table or the bare table. Raises
+    ValueError naming the file."""
     import json
     import tomllib
     from pathlib import Path
 
     p = Path(path)
+    kind = "JSON" if p.suffix.lower() == ".json" else "TOML"
     try:
         text = p.read_text()
-        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--cost-model {path}: {e}") from None
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except OSError as e:
+        raise ValueError(f"--cost-model {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"--cost-model {path}: not valid {kind} ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--cost-model {path}: expected a table")
-    return data.get("cost_model", data)
+    data = data.get("cost_model", data)
+    from balancer.cost_model import CostModel
+
+    try:
+        CostModel.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"--cost-model {path}: {e}") from None
+    return data
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:

@@ -182,6 +182,9 @@ class _Legs:
     responses: list[aiohttp.ClientResponse] = field(default_factory=list)
     done: bool = False
     prefill_failure: BaseException | None = None  # set when the prefill leg failed after decode answered
+    #: streamed answers: SSE data events relayed less the final ``[DONE]`` (about one per output
+    #: token), for the cost model's inter-token latency (``Router.on_finished``); else None
+    output_tokens: int | None = None
 
 
 def _relayed_headers(resp: aiohttp.ClientResponse, default_type: str) -> dict[str, str]:
@@ -340,7 +343,7 @@ class Proxy:
             legs.done = True
             return result
         finally:
-            self.router.on_finished(router_id, time.monotonic())
+            self.router.on_finished(router_id, time.monotonic(), legs.output_tokens)
             if not legs.done:
                 self._abort(legs)
 
@@ -646,6 +649,7 @@ class Proxy:
             first, held = self._swap_lines(first, swap)
         if first:
             await resp.write(first)
+        events = first.count(b"data: ")
         while True:
             try:
                 chunk = await it.__anext__()
@@ -661,10 +665,12 @@ class Proxy:
                 self._abort(legs)
                 legs.done = True
                 return resp
+            events += chunk.count(b"data: ")
             if swap is not None:
                 chunk, held = self._swap_lines(held + chunk, swap)
             if chunk:
                 await resp.write(chunk)
+        legs.output_tokens = max(events - 1, 0)
         d_resp.release()
         if held:
             await resp.write(held.replace(*swap))

@@ -1,0 +1,61 @@
+"""The cost model in the live router: files, errors, and online learning through the proxy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from balancer.cost_model import CostModel
+from balancer.service.app import SERVICE
+from balancer.service.cli import read_cost_model_file
+from sim.cli import main
+from sim.emulator.testing import inprocess_cluster
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json", ""])
+def test_sim_cost_model_file_round_trips_into_serve(tmp_path: Path, suffix: str) -> None:
+    # what pdlb sim cost-model writes (TOML, or JSON for .json) is what pdlb serve --cost-model reads
+    from sim.cost_model import cost_model_for
+    from sim.scenario import load_scenario
+
+    out = tmp_path / f"cm{suffix}"
+    assert main(["sim", "cost-model", "--scenario", "llama70b-pd-h100", "--out", str(out)]) == 0
+    assert CostModel.from_dict(read_cost_model_file(str(out))) == cost_model_for(load_scenario("llama70b-pd-h100"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[cost_model]\nprefill = 3\n", "cost_model.prefill: expected a table"),
+    ("[cost_model.prefill]\nprefill = 5\n", "cost_model.prefill.prefill: expected a table"),
+    ("[cost_model]\nengines = 5\n", "cost_model.engines: expected a table"),
+    ("[cost_model.prefill]\nep_synchronous = \"false\"\n", "ep_synchronous must be true or false"),
+    ("[cost_model.prefill]\nchunk_tokens = 1.5\n", "chunk_tokens must be an integer"),
+    ("[cost_model]\ntransfer_latency_s = true\n", "cost_model.transfer_latency_s must be a finite number"),
+    ("[cost_model.decode.decode]\nper_seq_s = -1\n", "cost_model.decode.decode.per_seq_s must be"),
+    ("[cost_model.prefill.decode]\nper_seq_s = -1\n", "cost_model.prefill.decode.per_seq_s must be"),
+    ("[cost_model.prefill.prefill]\nper_tokens = 1\n", "unknown term(s) per_tokens"),
+    ("not toml [", "not valid TOML"),
+])
+def test_bad_cost_model_files_are_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "cm.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as e:
+        read_cost_model_file(str(f))
+    assert message in str(e.value) and str(f) in str(e.value)
+
+
+async def test_the_service_learns_prefill_and_decode_from_what_it_relays():
+    # streamed answers give the inter-token latency (SSE events ~ output tokens); every request
+    # with a prefill leg gives a prefill time
+    router = {"prefill_policy": {"name": "ep_aware"}, "decode_policy": {"name": "ep_aware"}}
+    async with inprocess_cluster("sglang", engine={"speed": 20.0}, router=router) as c, aiohttp.ClientSession() as s:
+        learner = c.router.app[SERVICE].router.cost_learner
+        assert learner is not None
+        for i in range(6):
+            async with s.post(c.url + "/v1/completions",
+                              json={"prompt": f"q {i} " * 50, "max_tokens": 8, "stream": True}) as r:
+                assert r.status == 200
+                await r.read()
+        n = learner.num_observations
+        assert n["prefill"] == 6 and n["decode"] == 6, n
