@@ -1,5 +1,6 @@
-"""``ep_aware``: pdlb's own policy: the placement with the least predicted delay, in seconds,
-knowing that a wide-EP engine steps at the pace of its busiest DP rank.
+"""``ep_aware``: pdlb's own policy: the placement with the least predicted delay in seconds.
+
+It knows that a wide-EP engine steps at the pace of its busiest DP rank.
 
 The anchor policies (``cache_aware``, ``kv_cost``, ``scored``, ``least_load``) score DP ranks one
 by one. In a wide-EP engine all ranks run each forward step together (MoE dispatch/combine), so a
