@@ -369,6 +369,8 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     if not cost.ep_synchronous:
         feats = np.column_stack([steps, q_new, a_new, np.zeros(n)])
         return feats, np.zeros(n)
+    if q[q.argmax()] <= 0 and a[a.argmax()] <= 0:  # an idle pool: each candidate's own rank is the slowest
+        return np.column_stack([steps, q_new, a_new, q_new]), np.zeros(n)
     X = steps * C
     w = c.per_token_s * q + c.per_attn_pair_s * a
     w_new = c.per_token_s * q_new + c.per_attn_pair_s * a_new

@@ -174,7 +174,8 @@ class EpAware(Policy):
         feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
         cost = feats @ eng.prefill.coef() + fetch
         if eng.ep_synchronous:
-            ext = self.externality_weight * eng.prefill.per_group_token_s * u * self._requests_after(q, cands, idx, rows)
+            w_ext = self.externality_weight * eng.prefill.per_group_token_s
+            ext = w_ext * u * self._requests_after(q, cands, idx, rows) if w_ext and q[q.argmax()] > 0 else 0.0
             if self.horizon_weight:
                 busy = float(np.count_nonzero(q)) / len(q)  # the pool's share of ranks with queued work
                 cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
