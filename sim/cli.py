@@ -113,25 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
-    from sim.workload import read_trace, scale_rate, spread_batches, take_slice
-    from sim.workload.loader import TRACE_EXTENSIONS, detect_trace_format
+    from sim.workload import scale_rate, take_slice
+    from sim.workload.loader import read_trace_cut
 
-    fmt = args.format
-    if args.trace is None and fmt == "azure":
-        raise ValueError("--format azure needs --trace (the embedded trace is in mooncake format)")
-    if fmt == "auto":
-        try:
-            fmt = detect_trace_format(args.trace) if args.trace else "mooncake"
-        except ValueError:
-            raise ValueError(f"--trace {args.trace}: cannot infer the trace format from the file extension "
-                             f"(known: {', '.join(TRACE_EXTENSIONS)}); pass --format mooncake or --format azure") from None
-    requests = read_trace(args.trace, fmt)
-    if not requests:
-        raise ValueError(f"--trace {args.trace}: the trace has no requests")
-    if args.limit is not None:
-        requests = take_slice(requests, 0, args.limit)
-    if args.spread_s > 0:
-        requests = spread_batches(requests, args.spread_s, seed=args.seed)
+    requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed)
     if args.rate_scale != 1.0:
         requests = scale_rate(requests, args.rate_scale)
     if args.duration_s is not None:

@@ -315,25 +315,10 @@ class WorkloadSpec:
             FileNotFoundError: no such trace file.
             sim.workload.TraceFormatError: a malformed line (names file and line).
         """
-        from sim.workload import read_trace, spread_batches, take_slice
-        from sim.workload.loader import TRACE_EXTENSIONS, detect_trace_format
+        from sim.workload import take_slice
+        from sim.workload.loader import read_trace_cut
 
-        fmt = self.format
-        if self.trace is None and fmt == "azure":
-            raise ValueError("--format azure needs --trace (the embedded trace is in mooncake format)")
-        if fmt == "auto":
-            try:
-                fmt = detect_trace_format(self.trace) if self.trace else "mooncake"
-            except ValueError:
-                raise ValueError(f"--trace {self.trace}: cannot infer the trace format from the file extension "
-                                 f"(known: {', '.join(TRACE_EXTENSIONS)}); pass --format mooncake or --format azure") from None
-        requests = read_trace(self.trace, fmt)
-        if not requests:
-            raise ValueError(f"--trace {self.trace}: the trace has no requests")
-        if self.limit is not None:
-            requests = take_slice(requests, 0, self.limit)
-        if self.spread_s > 0:
-            requests = spread_batches(requests, self.spread_s, seed=self.seed)
+        requests, _ = read_trace_cut(self.trace, self.format, limit=self.limit, spread_s=self.spread_s, seed=self.seed)
         if self.duration_s is not None:
             requests = take_slice(requests, duration_s=self.duration_s)
         if not requests:

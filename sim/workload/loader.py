@@ -89,3 +89,34 @@ def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **
     if fmt == "mooncake":
         return read_mooncake(path, **kwargs)
     return read_azure(path, **kwargs)
+
+
+def read_trace_cut(trace: str | os.PathLike[str] | None, fmt: str = "auto", *, limit: int | None = None,
+                   spread_s: float = 0.0, seed: int = 0) -> tuple[list[Request], str]:
+    """What every command does first with ``--trace/--format/--limit/--spread-s``: resolve the
+    format (``auto``: by extension; the embedded trace is Mooncake), read, keep the first
+    ``limit`` requests, spread timestamp groups over ``spread_s`` seconds (seeded). Returns the
+    requests and the resolved format; rate scaling and ``--duration-s`` are the caller's.
+
+    Raises:
+        ValueError: ``azure`` without a trace file, an undetectable format (one line naming the
+            known extensions), an empty trace. FileNotFoundError / TraceFormatError from the reader.
+    """
+    from sim.workload.transform import spread_batches, take_slice
+
+    if trace is None and fmt == "azure":
+        raise ValueError("--format azure needs --trace (the embedded trace is in mooncake format)")
+    if fmt == "auto":
+        try:
+            fmt = detect_trace_format(trace) if trace else "mooncake"
+        except ValueError:
+            raise ValueError(f"--trace {trace}: cannot infer the trace format from the file extension "
+                             f"(known: {', '.join(TRACE_EXTENSIONS)}); pass --format mooncake or --format azure") from None
+    requests = read_trace(trace, fmt)
+    if not requests:
+        raise ValueError(f"--trace {trace}: the trace has no requests")
+    if limit is not None:
+        requests = take_slice(requests, 0, limit)
+    if spread_s > 0:
+        requests = spread_batches(requests, spread_s, seed=seed)
+    return requests, fmt
