@@ -339,3 +339,15 @@ def test_mixed_ranks_price_the_stall_a_prompt_causes_to_their_decode_batch():
     stall = exact()._mixed_stall(Request("r", 0.0, 10240), c, cm, names, idx, rows)
     np.testing.assert_allclose(stall, [10 * 0.2048, 10 * 1.024])
     assert exact().select(Request("r", 0.0, 10240, max_output_tokens=16), c, ctx(cm)).replica.engine == "a"
+
+
+def test_default_cost_model_is_the_rounded_fit_it_claims_to_be():
+    # DEFAULT_COST_MODEL's docstring: dsv3-pd-h200's fit rounded to two digits
+    from balancer.cost_model import DEFAULT_COST_MODEL
+    from sim.cost_model import cost_model_for
+    from sim.scenario import load_scenario
+
+    fit = cost_model_for(load_scenario("dsv3-pd-h200"))
+    np.testing.assert_allclose(DEFAULT_COST_MODEL.prefill.prefill.coef(), fit.prefill.prefill.coef(), rtol=0.05, atol=1e-9)
+    np.testing.assert_allclose(DEFAULT_COST_MODEL.decode.decode.coef(), fit.decode.decode.coef(), rtol=0.05, atol=1e-9)
+    assert DEFAULT_COST_MODEL.transfer_s_per_token == pytest.approx(fit.transfer_s_per_token, rel=0.05)
