@@ -743,12 +743,17 @@ class Router:
 
     @staticmethod
     def restore(data: bytes) -> Router:
-        """The router saved by :meth:`snapshot` (its policies are the saved objects).
+        """A new router: the one saved by :meth:`snapshot` (its policies are the saved objects).
+        Use it as ``router = Router.restore(data)``: it does not change the router it is called on.
+        The snapshot is a pickle: restore only snapshots you made.
 
         Raises:
-            TypeError: ``data`` is not a router snapshot.
+            TypeError: ``data`` is not a router snapshot (including bytes that do not unpickle).
         """
-        obj = pickle.loads(data)
+        try:
+            obj = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - truncated or foreign bytes: UnpicklingError, EOFError, ...
+            raise TypeError(f"not a Router snapshot ({type(e).__name__}: {e})"[:300]) from None
         if not isinstance(obj, Router):
             raise TypeError(f"not a Router snapshot (got {type(obj).__name__})")
         return obj

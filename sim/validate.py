@@ -333,7 +333,7 @@ def derated(perf: PerfConfig, scale: float) -> PerfConfig:
 
 def calibrate(key: str = CALIBRATION_POINT, *, tol: float = 1e-9) -> tuple[float, PerfConfig, Result]:
     """Fit the derating ``s`` so that figure ``key`` is reproduced exactly (bisection; the
-    simulated throughput rises monotonically with ``s``).
+    simulated figure is monotone in ``s``: a throughput rises, a speculative-decoding gain may fall).
 
     Returns:
         ``(s, fitted PerfConfig, result at s)``.
@@ -348,12 +348,14 @@ def calibrate(key: str = CALIBRATION_POINT, *, tol: float = 1e-9) -> tuple[float
         return f.simulate(sc, derated(base, s))
 
     lo, hi = 1e-3, 1.0 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY, NORMAL_COMM_EFFICIENCY)
-    if not value(lo) <= f.published <= value(hi):
+    v_lo, v_hi = value(lo), value(hi)
+    rising = v_hi >= v_lo  # throughputs rise with the constants; a speculative gain can fall
+    if not min(v_lo, v_hi) <= f.published <= max(v_lo, v_hi):
         raise ValueError(f"{key}: published {f.published:g} is outside what the efficiency constants can "
-                         f"reach ({value(lo):.4g} .. {value(hi):.4g} {f.unit})")
+                         f"reach ({min(v_lo, v_hi):.4g} .. {max(v_lo, v_hi):.4g} {f.unit})")
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if value(mid) < f.published else (lo, mid)
+        lo, hi = (mid, hi) if (value(mid) < f.published) == rising else (lo, mid)
     s = 0.5 * (lo + hi)
     perf = derated(base, s)
     return s, perf, Result(f, f.simulate(sc, perf))

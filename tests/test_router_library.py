@@ -120,6 +120,9 @@ def test_snapshot_restore_deep_index_and_identical_decisions():
         assert (a.decode, a.decode_matched_tokens) == (b.decode, b.decode_matched_tokens)
     with pytest.raises(TypeError, match="not a Router snapshot"):
         Router.restore(pickle.dumps({"x": 1}))
+    for junk in (b"", b"not a pickle", pickle.dumps({"x": 1})[:5]):  # empty, foreign, truncated
+        with pytest.raises(TypeError, match="not a Router snapshot"):
+            Router.restore(junk)
 
 
 def test_requests_never_finished_are_reaped():
