@@ -76,7 +76,7 @@ from balancer.load import LoadReport, LoadTracker
 from balancer.policies import Policy, SelectContext, make_policy
 from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
-from balancer.types import Choice, ReplicaId, Request, Role, Route
+from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo
 
 
 def _locked(fn):  # noqa: ANN001, ANN202
@@ -165,6 +165,8 @@ class Router:
             counted (``metrics()["reaped_requests"]``); ``None`` (default) never reaps.
         load_report_max_age_s: engine load reports older than this stop counting (``None``: a
             report counts until the next one).
+        ttft_slo: the TTFT budget to route against (:class:`balancer.types.TtftSlo`), handed to
+            policies as ``SelectContext.ttft_slo``; ``None`` (default): SLO-blind routing.
 
     Raises:
         ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
@@ -193,6 +195,7 @@ class Router:
         speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
         inflight_timeout_s: float | None = None,
         load_report_max_age_s: float | None = None,
+        ttft_slo: TtftSlo | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -245,6 +248,9 @@ class Router:
         self._decisions = {"prefill": 0, "decode": 0}
         self._now_s = 0.0  # latest time a caller passed in (for KV events given without one)
         self.cost_model = cost_model
+        if ttft_slo is not None and not isinstance(ttft_slo, TtftSlo):
+            raise TypeError(f"ttft_slo must be a balancer.TtftSlo or None, got {type(ttft_slo).__name__}")
+        self.ttft_slo = ttft_slo
         #: online fit of the cost model, or None (see ``learn_cost_model``)
         self.cost_learner: CostLearner | None = (
             CostLearner(cost_model if cost_model is not None else DEFAULT_COST_MODEL) if learn_cost_model else None)
@@ -479,7 +485,7 @@ class Router:
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
         learner = self.cost_learner
         ctx = SelectContext(self.rng, now_s, self._decisions[pool_name],
-                            learner.model if learner is not None else self.cost_model)
+                            learner.model if learner is not None else self.cost_model, self.ttft_slo)
         self._decisions[pool_name] += 1
         choice = policy.select(request, cands, ctx)
         key = (pool_name, choice.reason)

@@ -6,6 +6,8 @@ caller uses (``time.monotonic()`` in the service, ``env.now`` in the simulator).
 
 from __future__ import annotations
 
+import math
+
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -122,6 +124,33 @@ class ReplicaView:
 
 
 # Read-only by contract. Not frozen: one is built per routing decision, and a frozen __init__ is ~3x slower.
+@dataclass(frozen=True, slots=True)
+class TtftSlo:
+    """A TTFT budget the router may route against (SLO-aware policies: ``ep_aware``).
+
+    The budget of a request with ``P`` prompt tokens is ``ttft_s + per_1k_prompt_tokens_s * P /
+    1000`` seconds (the form of :class:`sim.point.SLO`; DistServe's per-request TTFT SLO with a
+    length-proportional part, as long prompts cannot meet a flat budget).
+
+    Raises:
+        ValueError: ``ttft_s`` not finite and > 0, or ``per_1k_prompt_tokens_s`` negative.
+    """
+
+    ttft_s: float
+    per_1k_prompt_tokens_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ttft_s, (int, float)) and math.isfinite(self.ttft_s) and self.ttft_s > 0):
+            raise ValueError(f"TtftSlo ttft_s must be a finite number > 0, got {self.ttft_s!r}")
+        v = self.per_1k_prompt_tokens_s
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"TtftSlo per_1k_prompt_tokens_s must be a finite number >= 0, got {v!r}")
+
+    def budget_s(self, prompt_tokens: int) -> float:
+        """The request's TTFT budget in seconds."""
+        return self.ttft_s + self.per_1k_prompt_tokens_s * prompt_tokens / 1000.0
+
+
 @dataclass(slots=True)
 class Choice:
     """A policy's answer: the chosen replica and the scores it computed (for logs/explanation).

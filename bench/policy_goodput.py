@@ -50,11 +50,13 @@ sys.path.insert(0, str(ROOT))
 
 ANCHORS = ("cache_aware", "kv_cost", "scored", "least_load", "consistent_hash", "power_of_two", "round_robin")
 OURS = "ep_aware"
+#: ep_aware told nothing about the SLO (the searches give the router the SLO they search for)
+BLIND = "ep_aware:slo_aware=false"
 WORKLOADS = ("mooncake", "azure_code", "azure_conv", "chatbot", "agent", "shared_prefix")
 SCENARIOS = {"default": "dsv3-pd-h200", "p16": "dsv3-pd-h200", "dense": "llama70b-pd-h100", "agg": "llama8b-agg-h100"}
 DEFAULT_ROWS = ("mooncake:default", "mooncake:p16", "mooncake:dense", "mooncake:agg", "azure_code:dense",
                 "azure_conv:dense", "chatbot:default", "agent:default", "shared_prefix:default", "shared_prefix:agg")
-GPU_ROWS = ("mooncake:default",)
+GPU_ROWS = ("mooncake:default", "mooncake:dense")
 
 
 def scenario_of(name: str):
@@ -110,7 +112,9 @@ def cell(v: tuple[float, float, float], spread: bool, beyond: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="workload:scenario,... (default: all rows)")
-    ap.add_argument("--policies", default=",".join((OURS, *ANCHORS)), help="policies (default ep_aware and every anchor)")
+    ap.add_argument("--policies", default=",".join((OURS, BLIND, *ANCHORS)),
+                    help="policies (default ep_aware, ep_aware SLO-blind, and every anchor); names starting with "
+                         "ep_aware are pdlb's, the rest anchors")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per row (default 2)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     ap.add_argument("--quick", action="store_true", help="only the Mooncake default row, 1 seed, no GPU search")
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = ["mooncake:default"] if args.quick else [r.strip() for r in args.rows.split(",") if r.strip()]
     seeds = list(range(1 if args.quick else args.seeds))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    anchors = [p for p in policies if p != OURS]
+    ours_all = [p for p in policies if p.split(":")[0] == OURS]
+    anchors = [p for p in policies if p not in ours_all]
     traces_dir = args.traces_dir
     if traces_dir is None and (ROOT.parent / "shared" / "traces").is_dir():
         traces_dir = ROOT.parent / "shared" / "traces"
@@ -203,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     def fig(kind: str, row: str, pol: str) -> list[float]:
         xs = []
         for seed in seeds:
-            r = results.get((kind, row, pol, seed))
+            r = results.get(("trace_rate" if kind == "ttft_p99" else kind, row, pol, seed))
             if r is None:
                 continue
             if kind == "trace_rate":
                 xs.append(r.goodput_rps)
+            elif kind == "ttft_p99":
+                xs.append(r.ttft_p99_s)
             elif kind == "rate":
                 xs.append(r.rate_rps if r.rate_rps is not None else 0.0)
             else:
@@ -218,15 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"slo": slo.__dict__, "rows": {}, "wall_s": wall, "jobs": args.jobs, "seeds": seeds}
     md = [f"SLO: {args.slo_attainment:.0%} of requests with TTFT <= {args.slo_ttft_s:g} s + "
           f"{args.slo_ttft_per_1k_s:g} s per 1k prompt tokens and TPOT <= {args.slo_tpot_s * 1e3:g} ms; "
-          f"{len(seeds)} seed(s); mean (min..max); ratio = ep_aware / best anchor (GPUs: ep_aware's / best anchor's)", ""]
+          f"{len(seeds)} seed(s); mean (min..max); ratio = ep_aware / best anchor (GPUs, TTFT p99: ep_aware's / best "
+          f"anchor's); {BLIND} is ep_aware told nothing about the SLO", ""]
     for kind, title, better in (("trace_rate", "goodput at the trace rate, req/s", max),
                                 ("rate", "highest rate at SLO, req/s", max),
-                                ("gpus", "GPUs needed at the trace rate", min)):
+                                ("gpus", "GPUs needed at the trace rate", min),
+                                ("ttft_p99", "TTFT p99 at the trace rate, s", min)):
         table = Table(title=title)
-        for c in ("row", *policies, "best anchor", "ratio"):
+        ratio_cols = ["ratio" if v == OURS else f"ratio {v}" for v in ours_all]
+        for c in ("row", *policies, "best anchor", *ratio_cols):
             table.add_column(c, justify="right" if c != "row" else "left")
-        md += [f"### {title}", "", "| row | " + " | ".join(policies) + " | best anchor | ratio |",
-               "|---" * (len(policies) + 3) + "|"]
+        head = [f"### {title}", "", "| row | " + " | ".join(policies) + " | best anchor | " + " | ".join(ratio_cols) + " |",
+                "|---" * (len(policies) + 2 + len(ratio_cols)) + "|"]
+        body: list[str] = []
         any_row = False
         for row in rows:
             vals = {p: mean_spread(fig(kind, row, p)) for p in policies}
@@ -235,26 +246,35 @@ def main(argv: list[str] | None = None) -> int:
             any_row = True
             finite = [(vals[a][0], a) for a in anchors if not math.isnan(vals[a][0])]
             best_val, best = better(finite) if finite else (float("nan"), "-")
-            ours = vals.get(OURS, (float("nan"),) * 3)[0]
             beyond = "-"
             if kind == "gpus":
                 sc = scenario_of(row.split(":")[1])
                 most = (24 * sc.prefill.dp_ranks * sc.prefill.gpus_per_rank + 4 * sc.decode.dp_ranks * sc.decode.gpus_per_rank) if sc.disaggregated else None
                 beyond = f"> {most}" if most else "> max"
-                ratio = best_val / ours if ours and not math.isnan(ours) else float("nan")
-                ratio_text = (f"< {ours / most:.2f}x GPUs" if math.isinf(best_val) and most and math.isfinite(ours)
-                              else f"{1 / ratio:.2f}x GPUs" if ratio and math.isfinite(ratio) else "n/a")
-            else:
-                ratio = ours / best_val if best_val and not math.isnan(best_val) else float("inf") if ours > 0 else float("nan")
-                ratio_text = f"{ratio:.2f}x" if math.isfinite(ratio) else ("no anchor meets it" if ours > 0 else "n/a")
+            ratios, ratio_texts = {}, []
+            for v in ours_all:
+                ours = vals.get(v, (float("nan"),) * 3)[0]
+                if kind == "gpus":
+                    ratio = best_val / ours if ours and not math.isnan(ours) else float("nan")
+                    text = (f"< {ours / most:.2f}x GPUs" if math.isinf(best_val) and most and math.isfinite(ours)
+                            else f"{1 / ratio:.2f}x GPUs" if ratio and math.isfinite(ratio) else "n/a")
+                elif kind == "ttft_p99":
+                    ratio = ours / best_val if best_val and math.isfinite(best_val) else float("nan")
+                    text = f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"
+                else:
+                    ratio = ours / best_val if best_val and not math.isnan(best_val) else float("inf") if ours > 0 else float("nan")
+                    text = f"{ratio:.2f}x" if math.isfinite(ratio) else ("no anchor meets it" if ours > 0 else "n/a")
+                ratios[v] = ratio
+                ratio_texts.append(text)
             cells = [cell(v, len(seeds) > 1, beyond) for v in vals.values()]
-            table.add_row(row, *cells, best, ratio_text)
-            md.append(f"| {row} | " + " | ".join(cells) + f" | {best} | {ratio_text} |")
+            table.add_row(row, *cells, best, *ratio_texts)
+            body.append(f"| {row} | " + " | ".join(cells) + f" | {best} | " + " | ".join(ratio_texts) + " |")
             report["rows"].setdefault(row, {})[kind] = {"values": {p: list(vals[p]) for p in policies},
-                                                        "best_anchor": best, "ratio": ratio}
+                                                        "best_anchor": best, "ratio": ratios.get(OURS),
+                                                        "ratios": ratios}
         if any_row:
             console.print(table)
-        md.append("")
+            md += [*head, *body, ""]
     statuses = {f"{k[0]}|{k[1]}|{k[2]}|{k[3]}": (r.status, r.reason) for k, r in results.items() if hasattr(r, "status")
                 and r.status != "found"}
     if statuses:
@@ -299,7 +319,7 @@ def explain(results: dict, seeds: list[int], anchors: list[str], slo, out: Path,
              "|---|---|---|---|---|---|---|---|"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for pol in (OURS, best):
-        res = simulate(sc, reqs, pol)
+        res = simulate(sc, reqs, pol, ttft_slo=slo.ttft_slo())  # as the searches route
         s = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
         split = s["kv"]["ttft_split_s"]
         d = per_request(res)

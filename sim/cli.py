@@ -35,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from balancer.policies import available_policies, make_policy
 from balancer.policies.base import _REGISTRY
+from balancer.types import TtftSlo
 from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of sim.cli)
     DEFAULT_INDEX_MODE,
     DEFAULT_SLO_TPOT_S,
@@ -182,13 +183,15 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
             task = progress.add_task(f"{label:<28}", total=len(requests))
             res = simulate(scenario, requests, p, d, seed=args.seed, index_mode=args.index_mode,
                            router_tiers=not args.no_router_tiers, tier_weights=args.tier_weights,
+                           ttft_slo=TtftSlo(args.slo_ttft_s) if args.route_slo else None,
                            progress=lambda done, total, task=task: progress.update(task, completed=done))
             results.append(res)
             summaries.append(summarize(res, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s))
     wall = time.perf_counter() - t0
     index = "" if args.index_mode == DEFAULT_INDEX_MODE else f", --index-mode {args.index_mode}"
     console.print(summary_table(summaries, title=f"{scenario.name}: {len(requests)} requests, "
-                                f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms{index}"))
+                                f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms{index}"
+                                f"{', routed against the TTFT SLO' if args.route_slo else ''}"))
     kv = kv_tier_table(summaries)
     if kv is not None:
         console.print(kv)

@@ -280,6 +280,14 @@ def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
         g.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=0.0, metavar="S",
                        help="TTFT budget grows by S seconds per 1000 prompt tokens (budget = --slo-ttft-s + "
                             "S * prompt_tokens / 1000; default 0)")
+        g.add_argument("--no-route-slo", dest="route_slo", action="store_false",
+                       help="route SLO-blind: by default the router is told the TTFT budget searched for, and "
+                            "SLO-aware policies (ep_aware) route against it")
+    else:
+        g.add_argument("--route-slo", action="store_true",
+                       help="tell the router the TTFT budget (--slo-ttft-s), so SLO-aware policies (ep_aware) "
+                            "place requests that would miss it anywhere where they harm others least "
+                            "(default: SLO-blind routing)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -346,7 +354,8 @@ def sim_options(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SimOption
 
     tw = args.tier_weights
     return SimOptions(index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
-                      tier_weights=tuple(sorted(tw.items())) if tw else None)
+                      tier_weights=tuple(sorted(tw.items())) if tw else None,
+                      route_slo=getattr(args, "route_slo", True))
 
 
 def slo_from_args(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SLO

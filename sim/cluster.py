@@ -48,7 +48,7 @@ import simpy
 from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemoved, BlockStored
 from balancer.policies import Policy
 from balancer.router import Router
-from balancer.types import ReplicaId, Request, Role
+from balancer.types import ReplicaId, Request, Role, TtftSlo
 from sim.cost_model import cost_model_for
 from sim.admission import admit, check_block_size
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
@@ -414,6 +414,7 @@ def simulate(
     router_tiers: bool = True,
     tier_weights: dict[str, float] | None = None,
     router_wrapper: Callable[[Callable[[int | None], Router]], Callable[[int | None], Router]] | None = None,
+    ttft_slo: TtftSlo | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -423,7 +424,8 @@ def simulate(
     router views of them (host tier per replica, shared store; ``False`` = HBM only).
     ``tier_weights``: the router's weights of lower-tier hits (default
     :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
-    (:func:`sim.cost_model.cost_model_for`) for cost-based policies. ``router_wrapper``: turns the router factory
+    (:func:`sim.cost_model.cost_model_for`) for cost-based policies, and ``ttft_slo`` (the TTFT
+    budget SLO-aware policies route against, ``None``: SLO-blind). ``router_wrapper``: turns the router factory
     into another one with the same interface (e.g. several routers splitting the traffic,
     :mod:`sim.experiments.k_routers`)."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
@@ -435,7 +437,7 @@ def simulate(
         return Router(prefill_policy, decode_policy, block_size=scenario.block_size,
                       index_capacity_blocks=capacity_blocks, index_mode=index_mode,
                       pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed,
-                      tier_weights=tier_weights, cost_model=cost_model, **tier_kw)
+                      tier_weights=tier_weights, cost_model=cost_model, ttft_slo=ttft_slo, **tier_kw)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)

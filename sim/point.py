@@ -33,7 +33,7 @@ import numpy as np
 from balancer.policies import Policy, make_policy
 from balancer.policies.base import _REGISTRY
 from balancer.router import Router
-from balancer.types import Request
+from balancer.types import Request, TtftSlo
 from sim.scenario import PoolConfig, Scenario
 
 # ---------------------------------------------------------------------- SLO
@@ -78,6 +78,10 @@ class SLO:
             raise ValueError(f"SLO percentile must be in (0, 100], got {self.percentile!r}")
         if not (math.isfinite(self.ttft_per_1k_prompt_tokens_s) and self.ttft_per_1k_prompt_tokens_s >= 0):
             raise ValueError(f"SLO ttft_per_1k_prompt_tokens_s must be >= 0, got {self.ttft_per_1k_prompt_tokens_s!r}")
+
+    def ttft_slo(self) -> TtftSlo:
+        """The TTFT budget as the router takes it (:class:`balancer.types.TtftSlo`)."""
+        return TtftSlo(self.ttft_s, self.ttft_per_1k_prompt_tokens_s)
 
     def ttft_budget_s(self, prompt_tokens: np.ndarray) -> np.ndarray:
         """Per-request TTFT budget in seconds, shape of ``prompt_tokens``."""
@@ -368,12 +372,15 @@ class SimOptions:
 
     ``perf_factory``: ``(scenario, pool) -> PerfModel`` (default: the roofline,
     :func:`sim.cluster.build_perf`); must be a module-level callable to travel to other processes.
+    ``route_slo``: give the router the point's TTFT budget (:meth:`SLO.ttft_slo`), so SLO-aware
+    policies (``ep_aware``) route against the SLO being judged; ``False``: SLO-blind routing.
     """
 
     index_mode: str = "approximate"
     router_tiers: bool = True
     tier_weights: tuple[tuple[str, float], ...] | None = None
     perf_factory: Callable[[Scenario, PoolConfig], Any] | None = None
+    route_slo: bool = True
 
 
 @dataclass(frozen=True)
@@ -475,7 +482,8 @@ def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Calla
     def make(capacity_blocks: int | None) -> Router:
         return Router(prefill, decode, block_size=sc.block_size, index_capacity_blocks=capacity_blocks,
                       index_mode=opts.index_mode, pd_min_uncached_tokens=sc.pd_min_uncached_tokens,
-                      seed=point.seed, tier_weights=tier_weights, cost_model=cost_model, **tier_kw)
+                      seed=point.seed, tier_weights=tier_weights, cost_model=cost_model,
+                      ttft_slo=point.slo.ttft_slo() if opts.route_slo else None, **tier_kw)
     return make
 
 
@@ -536,7 +544,8 @@ def evaluate_point(point: Point) -> PointResult:
                 kw["perf_factory"] = point.options.perf_factory
             res = simulate(sc, requests, prefill, decode, seed=point.seed, index_mode=point.options.index_mode,
                            router_tiers=point.options.router_tiers,
-                           tier_weights=dict(point.options.tier_weights) if point.options.tier_weights else None, **kw)
+                           tier_weights=dict(point.options.tier_weights) if point.options.tier_weights else None,
+                           ttft_slo=slo.ttft_slo() if point.options.route_slo else None, **kw)
         else:
             from sim.cluster import build_perf
 

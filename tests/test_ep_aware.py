@@ -351,3 +351,106 @@ def test_default_cost_model_is_the_rounded_fit_it_claims_to_be():
     np.testing.assert_allclose(DEFAULT_COST_MODEL.prefill.prefill.coef(), fit.prefill.prefill.coef(), rtol=0.05, atol=1e-9)
     np.testing.assert_allclose(DEFAULT_COST_MODEL.decode.decode.coef(), fit.decode.decode.coef(), rtol=0.05, atol=1e-9)
     assert DEFAULT_COST_MODEL.transfer_s_per_token == pytest.approx(fit.transfer_s_per_token, rel=0.05)
+
+
+# ---------------------------------------------------------------------- SLO-aware placement
+def dense_model() -> CostModel:
+    return model(ep=False)
+
+
+def slo_ctx(cm: CostModel, ttft_s: float, per_1k: float = 0.0) -> SelectContext:
+    from balancer.types import TtftSlo
+
+    return SelectContext(random.Random(0), 0.0, 0, cm, TtftSlo(ttft_s, per_1k))
+
+
+def test_slo_feasible_candidates_only_when_the_cheapest_misses_the_budget():
+    # dense ranks (each its own engine): A holds 10,000 queued tokens, B 20,000; a 3,000-token
+    # prompt whose first 2,000 tokens are cached on B only. Times (0.01 s/step, 1e-4 s/token, C = 8192):
+    #   A: u = 3,000, q' = 13,000, 2 steps: 0.02 + 1.3 = 1.32 s
+    #   B: u = 1,000, q' = 21,000, 3 steps: 0.03 + 2.1 = 2.13 s
+    c = cands(pview("A", 0, 10_000, 1), pview("B", 0, 20_000, 2, matched=2000))
+    req = Request("r", 0.0, 3000)
+    pol = exact()
+    s = {r.engine: v for r, v in pol.select(req, c, ctx(dense_model())).scores.items()}
+    assert s["A"] == pytest.approx(1.32) and s["B"] == pytest.approx(2.13)
+    # a budget both meet: the same answer as SLO-blind (the cheapest, A)
+    assert pol.select(req, c, slo_ctx(dense_model(), 5.0)).replica.engine == "A"
+    # a budget of 1.2 s: neither meets it -> doomed: no harm terms on a dense rank, so the one with
+    # the longest predicted TTFT within 5x the budget (6 s): B, leaving A's short queue to others
+    ch = pol.select(req, c, slo_ctx(dense_model(), 1.2))
+    assert ch.replica.engine == "B" and ch.reason == "ep_aware:prefill:slo_doomed"
+    # the policy's own budget overrides the router's; slo_aware=false ignores the router's
+    assert exact(ttft_slo_s=5.0).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
+    assert exact(slo_aware=False).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
+    # the doomed cap: with slo_doomed_cap = 1.5 (1.8 s) B (2.13 s) is past it, A (1.32 s) is not
+    assert exact(slo_doomed_cap=1.5).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
+    # every queue past the cap: back to the least predicted TTFT (A)
+    assert exact(slo_doomed_cap=1.0).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
+
+
+def test_slo_a_feasible_candidate_beats_a_cheaper_infeasible_one():
+    # the cost includes the externality on EP engines, so the cheapest can miss the budget while
+    # a dearer one meets it. Per-group 1e-5 s/token; engine A (EP2): rank 0 holds 4 requests,
+    # 4,000 tokens; rank 1 empty. Engine B (EP2): rank 0 holds 9,000 tokens in 1 request.
+    pf = PrefillStepCost(overhead_s=0.01, per_token_s=1e-4, per_attn_pair_s=0.0, per_group_token_s=1e-5)
+    cm = model(pf=pf)
+    c = cands(pview("A", 0, 4000, 4), pview("A", 1), pview("B", 0, 9000, 1), pview("B", 1))
+    req = Request("r", 0.0, 4000)
+    pol = exact()
+    ch = pol.select(req, c, ctx(cm))
+    s = {f"{r.engine}{r.dp_rank}": v for r, v in ch.scores.items()}
+    # A1: 1 step; slowest rank A0 (4,000 tokens) vs A1 (4,000): 0.01 + 0.4 + group 1e-5 * 8,000 = 0.49 s
+    #     + externality 1e-5 * 4,000 * N_after; N_after = 4 * clip((4000 - 0) / 4000) = 4 -> 0.16
+    assert s["A1"] == pytest.approx(0.49 + 0.16)
+    # B1: S = 1 step of min(9000, 8192) on B0: 0.01 + 0.8192 + 1e-5 * (8192 + 4000) = 0.95112
+    #     + externality 1e-5 * 4,000 * 1 = 0.04
+    assert s["B1"] == pytest.approx(0.95112 + 0.04)
+    # SLO-blind: A1 (0.65). A budget of 0.6 s: A1's TTFT (0.49) meets it, so still A1; a budget
+    # of 0.45 s: nothing meets it (A1 0.49, B1 0.951, A0 0.81+, B0 1.3+) -> doomed: least harm
+    assert ch.replica == ReplicaId("A", 1)
+    assert pol.select(req, c, slo_ctx(cm, 0.6)).replica == ReplicaId("A", 1)
+    # harm = cost - TTFT = the externality: A1 0.16, B1 0.04, A0 and B0 0 (their partner ranks are
+    # empty). Of A0 and B0 the longer predicted TTFT within 5 x 0.45 s: A0: 1 step of 8,000
+    # tokens: 0.01 + 0.8 + 1e-5 * 8,000 = 0.89 s; B0: 13,000 tokens, 2 steps: 0.02 + 1.3 + 0.13 = 1.45 s
+    doomed = pol.select(req, c, slo_ctx(cm, 0.45))
+    assert doomed.reason.endswith(":slo_doomed") and doomed.replica == ReplicaId("B", 0)
+    assert doomed.scores[ReplicaId("B", 0)] == pytest.approx(-1.45)
+
+
+def test_slo_budget_grows_with_the_prompt():
+    from balancer.types import TtftSlo
+
+    assert TtftSlo(2.0, 0.1).budget_s(30_000) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="ttft_s"):
+        TtftSlo(0.0)
+    with pytest.raises(ValueError, match="per_1k"):
+        TtftSlo(1.0, -1.0)
+    with pytest.raises(ValueError, match="needs ttft_slo_s"):
+        make_policy("ep_aware", ttft_slo_per_1k_tokens_s=0.1)
+    with pytest.raises(ValueError, match="slo_margin"):
+        make_policy("ep_aware", slo_margin=0.0)
+
+
+def test_slo_router_hands_its_budget_to_the_policy_and_the_simulator_routes_against_the_point_slo():
+    from balancer.types import TtftSlo
+    from sim.point import SLO, Point, SimOptions, evaluate_point, parse_policy
+    from sim.scenario import load_scenario
+    from sim.workload import read_trace
+
+    r = Router("ep_aware", "ep_aware", ttft_slo=TtftSlo(1.0))
+    assert r.ttft_slo == TtftSlo(1.0)
+    with pytest.raises(TypeError, match="TtftSlo"):
+        Router("ep_aware", "ep_aware", ttft_slo=1.0)  # type: ignore[arg-type]
+    # an overloaded dense cluster: the SLO-aware run takes doomed decisions, the blind one none
+    sc = load_scenario("llama70b-pd-h100")
+    reqs = read_trace(None)[:600]
+    from sim.point import register_workload
+    register_workload("test-slo-600", reqs)
+    slo = SLO(ttft_s=2.0, tpot_s=0.1, ttft_per_1k_prompt_tokens_s=0.1)
+    aware = evaluate_point(Point(sc, "test-slo-600", parse_policy("ep_aware"), 4.0, slo))
+    blind = evaluate_point(Point(sc, "test-slo-600", parse_policy("ep_aware"), 4.0, slo,
+                                 options=SimOptions(route_slo=False)))
+    assert aware.error is None and blind.error is None
+    # the same requests, the same engines: only who waits differs, and SLO-aware meets more budgets
+    assert aware.attainment > blind.attainment

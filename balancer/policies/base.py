@@ -21,7 +21,7 @@ import numpy as np
 
 from balancer.candidates import Candidates
 from balancer.cost_model import CostModel
-from balancer.types import Choice, Request, Role
+from balancer.types import Choice, Request, Role, TtftSlo
 
 
 # Read-only by contract. Not frozen: one is built per routing decision, and a frozen __init__ is ~3x slower.
@@ -36,12 +36,15 @@ class SelectContext:
         cost_model: the router's step-time cost model (:class:`balancer.cost_model.CostModel`)
             for cost-based policies (``ep_aware``), or None; the simulator fits it to its perf
             model, the service takes it from its config and may learn it online.
+        ttft_slo: the TTFT budget the operator routes against (:class:`balancer.types.TtftSlo`),
+            or None; SLO-aware policies (``ep_aware``) use it, the others ignore it.
     """
 
     rng: random.Random
     now_s: float = 0.0
     decision_index: int = 0
     cost_model: CostModel | None = None
+    ttft_slo: TtftSlo | None = None
 
 
 class Policy(ABC):

@@ -60,6 +60,24 @@ steps with: ``externality_weight * n_seqs * (per_token u + per_attn_pair pairs +
 u)`` (``n_seqs`` of the rank, or of the engine for wide EP), so a prefix hit there also spares
 every running sequence.
 
+**SLO-aware placement** (when the router has a TTFT budget, ``SelectContext.ttft_slo``, or the
+policy its own ``ttft_slo_s``): ``budget = ttft_s + per_1k * prompt / 1000``; the predicted TTFT of
+candidate ``i`` is ``wait_i + fetch_i`` (above). If the cheapest candidate meets
+``slo_margin * ttft_i <= budget`` nothing changes; if only others do, the cheapest of those is
+taken. If none does, the request is *doomed*: its own delay no longer changes whether it meets
+the SLO, only the delay it causes others does. It goes to the least harmful candidates (``harm_i
+= cost_i - ttft_i``, the externality and horizon terms, within ``tie_tolerance``; 0 on dense
+ranks) and, among them, to the one with the *longest* predicted TTFT still within
+``slo_doomed_cap * budget`` (scores are then ``-ttft_i``; past the cap on every one, the shortest
+TTFT): it joins a queue that is already late instead of pushing a short queue's next requests over
+their budgets. Under overload this is the difference between every request missing by a little
+and most meeting their budget: measured on the Mooncake trace on dense PD at the trace rate,
+attainment 48.9% SLO-blind, 64.6% SLO-aware, against cache_aware's 54.3% (bench/policy_goodput.py).
+The cost is the doomed requests' own TTFT (capped at ``slo_doomed_cap`` budgets where a queue that
+short exists; TTFT p99 27.6 s vs 20.4 s SLO-blind there). This is the EDF-with-abandonment argument of
+deadline scheduling (a job that has missed its deadline should not delay jobs that can still meet
+theirs), applied at the router.
+
 Parameters:
     externality_weight: weight of the delay a placement adds to requests already on the engine
         (1 = count it fully, 0 = purely selfish).
@@ -68,6 +86,13 @@ Parameters:
     horizon_power: exponent of ``rho`` in the horizon weight (1).
     tie_tolerance: relative cost difference below which candidates tie (0.05).
     max_output_estimate_tokens: cap on the output length the decode cost projects.
+    slo_aware: use the router's TTFT budget (``SelectContext.ttft_slo``) when it has one (True).
+    ttft_slo_s, ttft_slo_per_1k_tokens_s: the policy's own TTFT budget (0 = none: the router's),
+        seconds and seconds per 1,000 prompt tokens.
+    slo_margin: a candidate meets the budget when ``slo_margin * predicted TTFT <= budget`` (1;
+        > 1 is conservative, < 1 optimistic about the cost model).
+    slo_doomed_cap: a doomed request joins a queue of at most this many budgets (5; ``inf`` =
+        any: the largest goodput under overload, unbounded TTFT for the doomed).
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing
@@ -83,7 +108,7 @@ import numpy as np
 from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostModel, EngineCost, engine_groups, prefill_wait_features
 from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
-from balancer.types import Choice, Request, Role
+from balancer.types import Choice, Request, Role, TtftSlo
 
 def _per_engine_max(x: np.ndarray, idx: np.ndarray, rows: np.ndarray | None, n_eng: int) -> np.ndarray:
     """Each candidate's engine maximum of ``x``, shape ``(n,)``."""
@@ -110,6 +135,11 @@ class EpAware(Policy):
     horizon_power: float = 1.0
     tie_tolerance: float = 0.05
     max_output_estimate_tokens: int = 4096
+    slo_aware: bool = True
+    ttft_slo_s: float = 0.0
+    ttft_slo_per_1k_tokens_s: float = 0.0
+    slo_margin: float = 1.0
+    slo_doomed_cap: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -122,41 +152,63 @@ class EpAware(Policy):
             raise ValueError(f"horizon_weight must be >= 0, got {self.horizon_weight}")
         if self.max_output_estimate_tokens < 1:
             raise ValueError(f"max_output_estimate_tokens must be >= 1, got {self.max_output_estimate_tokens}")
+        for name in ("ttft_slo_s", "ttft_slo_per_1k_tokens_s"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (0 = no SLO), got {v}")
+        if not (np.isfinite(self.slo_margin) and self.slo_margin > 0):
+            raise ValueError(f"slo_margin must be > 0, got {self.slo_margin}")
+        if not self.slo_doomed_cap >= 0:
+            raise ValueError(f"slo_doomed_cap must be >= 0 (a multiple of the budget; inf = none), got {self.slo_doomed_cap}")
+        if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
+            raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
         names, idx, rows = engine_groups(cands.replicas)
+        ttft = None
         if cands.role is Role.PREFILL:
-            cost = self.prefill_cost(request, cands, model, names, idx, rows, "prefill")
+            cost, ttft = self.prefill_cost(request, cands, model, names, idx, rows, "prefill")
             reason = "ep_aware:prefill"
         elif cands.role is Role.DECODE:
             cost = self.decode_cost(request, cands, model, names, idx, rows, transfer=True)
             reason = "ep_aware:decode"
         else:
-            cost = (self.prefill_cost(request, cands, model, names, idx, rows, "mixed")
-                    + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
+            cost, ttft = self.prefill_cost(request, cands, model, names, idx, rows, "mixed")
+            cost = (cost + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
                     + self.externality_weight * self._mixed_stall(request, cands, model, names, idx, rows))
             reason = "ep_aware:mixed"
+        doomed = False
+        slo = self._ttft_slo(ctx) if ttft is not None else None
+        if slo is not None:
+            cost, doomed = self._slo(slo.budget_s(request.prompt_tokens), cost, ttft)
         cost, feasible = self._capacity(request, cands, cost)
-        i = self._pick(cost, cands, ctx)
+        if doomed:  # the longest predicted TTFT among the least harmful: no tie rule on these scores
+            reason += ":slo_doomed"
+            i = argmin_random(cost, ctx.rng)
+        else:
+            i = self._pick(cost, cands, ctx)
         return Choice(cands.replicas[i], scores_of(cands, cost), reason=reason if feasible else reason + ":no_kv_room")
 
     # ------------------------------------------------------------------ prefill
     def prefill_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
-                     idx: np.ndarray, rows: np.ndarray | None, role: str) -> np.ndarray:
-        """Predicted seconds until the prompt's prefill completes, plus weighted externality, ``(n,)``."""
+                     idx: np.ndarray, rows: np.ndarray | None, role: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(cost, ttft)``, shapes ``(n,)``: the cost (predicted seconds until the prompt's prefill
+        completes, plus the weighted externality and horizon terms) and the predicted TTFT alone
+        (seconds until the prefill completes, with tier fetches)."""
         eng = self._uniform_engine(model, names, role)
         if eng is None:  # heterogeneous pool: price each engine's candidates with its own model
-            out = np.empty(len(cands))
+            out, ttft = np.empty(len(cands)), np.empty(len(cands))
             for e, name in enumerate(names):
-                m = idx == e
-                sub = np.flatnonzero(m)
-                out[sub] = self._prefill_cost_one(request, cands, model, model.engine(name, role), idx, rows, sub)
-            return out
+                sub = np.flatnonzero(idx == e)
+                out[sub], ttft[sub] = self._prefill_cost_one(request, cands, model, model.engine(name, role), idx,
+                                                             rows, sub)
+            return out, ttft
         return self._prefill_cost_one(request, cands, model, eng, idx, rows, None)
 
     def _prefill_cost_one(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
-                          idx: np.ndarray, rows: np.ndarray | None, sub: np.ndarray | None) -> np.ndarray:
+                          idx: np.ndarray, rows: np.ndarray | None,
+                          sub: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         bs = float(cands.block_size)
         P = float(request.prompt_tokens)
         q = cands.prefill_tokens.astype(np.float64)
@@ -172,7 +224,7 @@ class EpAware(Policy):
             fetch = 0.0
         u = P - cached
         feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
-        cost = feats @ eng.prefill.coef() + fetch
+        ttft = cost = feats @ eng.prefill.coef() + fetch
         if eng.ep_synchronous:
             w_ext = self.externality_weight * eng.prefill.per_group_token_s
             ext = w_ext * u * self._requests_after(q, cands, idx, rows) if w_ext and q[q.argmax()] > 0 else 0.0
@@ -181,7 +233,30 @@ class EpAware(Policy):
                 cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
             else:
                 cost = cost + ext
-        return cost if sub is None else np.asarray(cost)[sub]
+        cost = np.broadcast_to(cost, ttft.shape)
+        return (cost, ttft) if sub is None else (np.asarray(cost)[sub], np.asarray(ttft)[sub])
+
+    def _ttft_slo(self, ctx: SelectContext) -> TtftSlo | None:
+        """The budget routed against: the policy's own (``ttft_slo_s`` > 0), else the router's
+        (``ctx.ttft_slo``) when ``slo_aware``, else None."""
+        if self.ttft_slo_s > 0:
+            return TtftSlo(self.ttft_slo_s, self.ttft_slo_per_1k_tokens_s)
+        return ctx.ttft_slo if self.slo_aware else None
+
+    def _slo(self, budget: float, cost: np.ndarray, ttft: np.ndarray) -> tuple[np.ndarray, bool]:
+        """SLO-aware placement (module docstring): ``(cost, doomed)``."""
+        ok = ttft * self.slo_margin <= budget
+        if ok.all():
+            return cost, False
+        if ok.any():
+            return np.where(ok, cost, np.inf), False
+        harm = cost - ttft  # the delay it adds to others (externality + horizon); 0 on a dense engine
+        tol = self.tie_tolerance * max(float(np.abs(harm).max()), 1e-9) if self.tie_tolerance > 0 else 0.0
+        near = harm <= float(harm.min()) + tol
+        capped = near & (ttft <= self.slo_doomed_cap * budget)
+        if not capped.any():  # every queue is past the cap: the least predicted TTFT
+            return np.where(near, ttft, np.inf), True
+        return np.where(capped, -ttft, np.inf), True
 
     def _mixed_stall(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
