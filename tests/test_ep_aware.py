@@ -376,10 +376,13 @@ def test_slo_feasible_candidates_only_when_the_cheapest_misses_the_budget():
     assert s["A"] == pytest.approx(1.32) and s["B"] == pytest.approx(2.13)
     # a budget both meet: the same answer as SLO-blind (the cheapest, A)
     assert pol.select(req, c, slo_ctx(dense_model(), 5.0)).replica.engine == "A"
-    # a budget of 1.2 s: neither meets it -> doomed: no harm terms on a dense rank, so the one with
-    # the longest predicted TTFT within 5x the budget (6 s): B, leaving A's short queue to others
+    # a budget of 1.2 s: neither meets it -> doomed: no harm terms on a dense rank, so within 5x
+    # the budget (6 s) the longest wait for the least own work, score 2 own - ttft: A's own
+    # 0.01 + 0.3 = 0.31 s -> -0.70; B's own 0.01 + 0.1 = 0.11 s -> -1.91: B, leaving A's short
+    # queue to others
     ch = pol.select(req, c, slo_ctx(dense_model(), 1.2))
     assert ch.replica.engine == "B" and ch.reason == "ep_aware:prefill:slo_doomed"
+    assert ch.scores[ReplicaId("B", 0)] == pytest.approx(-1.91) and ch.scores[ReplicaId("A", 0)] == pytest.approx(-0.70)
     # the policy's own budget overrides the router's; slo_aware=false ignores the router's
     assert exact(ttft_slo_s=5.0).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
     assert exact(slo_aware=False).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
@@ -411,11 +414,14 @@ def test_slo_a_feasible_candidate_beats_a_cheaper_infeasible_one():
     assert ch.replica == ReplicaId("A", 1)
     assert pol.select(req, c, slo_ctx(cm, 0.6)).replica == ReplicaId("A", 1)
     # harm = cost - TTFT = the externality: A1 0.16, B1 0.04, A0 and B0 0 (their partner ranks are
-    # empty). Of A0 and B0 the longer predicted TTFT within 5 x 0.45 s: A0: 1 step of 8,000
-    # tokens: 0.01 + 0.8 + 1e-5 * 8,000 = 0.89 s; B0: 13,000 tokens, 2 steps: 0.02 + 1.3 + 0.13 = 1.45 s
+    # empty). Of A0 and B0, within 5 x 0.45 s, the longest wait for the least own work, score
+    # 2 own - ttft; own (idle rank) = 0.01 + (1e-4 + 1e-5) * 4,000 = 0.45 s on both.
+    # A0: 1 step of 8,000 tokens: ttft 0.01 + 0.8 + 1e-5 * 8,000 = 0.89 s, score 0.01;
+    # B0: 13,000 tokens, 2 steps: 0.02 + 1.3 + 0.13 = 1.45 s, score -0.55
     doomed = pol.select(req, c, slo_ctx(cm, 0.45))
     assert doomed.reason.endswith(":slo_doomed") and doomed.replica == ReplicaId("B", 0)
-    assert doomed.scores[ReplicaId("B", 0)] == pytest.approx(-1.45)
+    assert doomed.scores[ReplicaId("B", 0)] == pytest.approx(-0.55)
+    assert doomed.scores[ReplicaId("A", 0)] == pytest.approx(0.01)
 
 
 def test_slo_budget_grows_with_the_prompt():
@@ -454,3 +460,17 @@ def test_slo_router_hands_its_budget_to_the_policy_and_the_simulator_routes_agai
     assert aware.error is None and blind.error is None
     # the same requests, the same engines: only who waits differs, and SLO-aware meets more budgets
     assert aware.attainment > blind.attainment
+
+
+def test_slo_intrinsic_blind_places_a_prompt_too_long_for_any_budget_slo_blind():
+    # budget 0.2 s; a 3,000-token prompt takes 0.31 s on an idle dense rank (0.01 + 3,000 * 1e-4),
+    # so it misses everywhere whatever the load. A: 1,000 queued tokens (ttft 0.41 s), B: 5,000
+    # (0.81 s). "dump" treats it as doomed (B: score 2 * 0.31 - 0.81 = -0.19 < A's 0.21);
+    # "blind" places it as without an SLO (A, the cheapest).
+    c = cands(pview("A", 0, 1000, 1), pview("B", 0, 5000, 1))
+    req = Request("r", 0.0, 3000)
+    assert exact().select(req, c, slo_ctx(dense_model(), 0.2)).replica.engine == "B"
+    ch = exact(slo_intrinsic="blind").select(req, c, slo_ctx(dense_model(), 0.2))
+    assert ch.replica.engine == "A" and ch.reason == "ep_aware:prefill"
+    with pytest.raises(ValueError, match="slo_intrinsic"):
+        make_policy("ep_aware", slo_intrinsic="drop")
