@@ -31,10 +31,10 @@ PINNED_ERRORS = {
     "deepseek-prefill": 0.4550,
     "deepseek-decode-node": 0.1324,  # MTP verification now reads each sequence's KV once (was 2x: +5.8%)
     "deepseek-decode-seq": 0.1336,
-    "deepinfer-decode-seq": 0.8060,  # V4-Flash + dynamic speculation (placeholder V3-64E, no spec: -82.5%)
+    "deepinfer-decode-seq": 0.7604,  # V4-Flash + DSpark-5 (placeholder V3-64E, no spec: -82.5%; gamma 8: +80.6%)
     "deepinfer-ttft": 0.3372,
     "deepinfer-spec-gain-60": 0.0,  # range figures: 0 inside the published range
-    "deepinfer-spec-gain-max": 0.2818,  # +14.1% vs the published +11% upper end: (14.1 - 11) / 11
+    "deepinfer-spec-gain-max": 0.1181,  # +12.3% at 96 vs the published +11% upper end: (12.3 - 11) / 11 (was +14.1%)
     "deepinfer-spec-gain-min": 0.0,
 }
 SLACK = 0.01  # one percentage point
@@ -49,7 +49,10 @@ def test_error_not_worse_than_pinned(key):
     (res,) = run_validation([key])
     assert abs(res.error) <= abs(PINNED_ERRORS[key]) + SLACK, (
         f"{key}: error {res.error:+.2%} is worse than the pinned {PINNED_ERRORS[key]:+.2%}")
-    assert res.passed == (abs(res.error) <= TOLERANCE)
+    if res.figure.published_range is None:
+        assert res.passed == (abs(res.error) <= TOLERANCE)
+    else:  # a range figure passes only inside its range (error 0), whatever the distance outside
+        assert res.passed == (res.error == 0.0)
 
 
 def test_calibration_reproduces_the_preset_constants():

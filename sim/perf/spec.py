@@ -9,21 +9,40 @@ the draft's own forwards, and yields ``tau(d)`` tokens per sequence on average:
 
 where ``a_j`` is the acceptance probability of draft position ``j`` given that position ``j - 1``
 was accepted (:attr:`SpecDecodeConfig.acceptance`; a verifier accepts the longest correct prefix).
-Draft cost: ``draft_forwards(d) * Tdraft`` where ``draft_forwards`` is ``d`` for a sequential
-drafter (MTP layers reused autoregressively, EAGLE, a separate draft model) and 1 for a parallel
-drafter (DSpark / DFlash backbone: one forward proposes the whole block), and one draft forward
-``Tdraft`` is either ``draft_cost_fraction * T1`` (``T1``: the target's one-token step of the same
-batch; an MTP layer) or, with ``draft_model``, that model's own roofline step for the batch on the
+Draft cost, by drafter:
+
+* sequential (MTP layers reused autoregressively, EAGLE, a separate draft model): ``d`` forwards of
+  one token per sequence, each ``Tdraft(1)``;
+* parallel (DSpark / DFlash backbone): ONE forward over the whole block of ``g`` drafted positions
+  plus the anchor, ``Tdraft(1 + g)``, where ``g`` is the block length (``draft_tokens``, or
+  ``max_draft_tokens`` under dynamic verification). The block is drafted before the verifier
+  decides how much of it to verify, so a dynamic step pays the whole block even when it verifies
+  fewer tokens (DSpark paper sec. 5.4 "Limitations": "DSpark still incurs a fixed draft-side cost
+  to generate the initial gamma-token block via the parallel backbone"). Its cost grows with the
+  block once the step is compute-bound, like the verification does.
+
+``Tdraft(k)`` is either ``draft_cost_fraction * T(k)`` (``T(k)``: the target's step of the same
+batch computing ``k`` tokens per sequence; a drafter with a fraction of the target's layers and
+the same LM head) or, with ``draft_model``, that model's own roofline step for the batch on the
 same GPUs (each rank runs its sequences' drafts; the slowest rank counts).
 
 * Fixed length: ``d = draft_tokens`` every step.
 * Dynamic length (``dynamic = true``; DSpark's confidence-scheduled, load-aware verification): each
   step picks the ``d`` in ``0 .. max_draft_tokens`` that minimises the time per accepted token
-  ``T(d) / tau(d)`` at that step's batch -- long drafts while the engine is memory-bound, short ones
-  once extra verified tokens cost real compute -- plus ``dynamic_overhead_s`` per step (confidence
-  head and scheduler). This is the mean-field form of DSpark's scheduler: it uses the mean
-  acceptance curve, not per-request confidences, so it captures the load-aware part of the gain and
-  not the per-request part.
+  ``T(d) / tau(d)`` at that step's batch -- the whole block while the engine is memory-bound, a
+  pruned prefix once extra verified tokens cost real compute -- plus ``dynamic_overhead_s`` per
+  step (confidence head and scheduler). This is the mean-field form of DSpark's scheduler: it uses
+  the mean acceptance curve, not per-request confidences, so it captures the load-aware part of
+  the gain and not the per-request part.
+
+  Shape of the gain over fixed ``g``-token drafts when ``max_draft_tokens = g`` (DSpark's
+  production setting, gamma = 5): the scheduler can only prune the block, never extend it, so the
+  gain is ``0 - dynamic_overhead`` while verifying all ``g`` tokens is optimal (light load,
+  memory-bound verification) and rises with the batch once the step turns compute-bound and the
+  tail of the block costs more than its acceptance returns (DSpark Fig. 8: the verification budget
+  per request falls smoothly with load; sec. 5.4: static MTP-3/5 drafts "strictly degrade
+  aggregate throughput under high concurrency"). The block's draft cost, paid in both modes,
+  dilutes the relative gain.
 
 Mean-field time: the simulator advances every sequence by one token per step, so a speculative
 step is charged ``T(d) / tau(d)`` per token: TPOT and tokens per second per sequence come from the
@@ -144,8 +163,10 @@ class SpecDecodePerf:
     def __getattr__(self, name: str):  # noqa: ANN204 (model, hardware, ... of the wrapped roofline)
         return getattr(self.base, name)
 
-    def _draft_forwards(self, d: int) -> int:
-        return 0 if d == 0 else (d if self.config.drafter == "sequential" else 1)
+    def _draft_tokens_per_forward(self) -> int:
+        """Positions per sequence of one draft forward: 1 (sequential) or the block plus its
+        anchor (parallel)."""
+        return 1 if self.config.drafter == "sequential" else 1 + self.config.longest_draft
 
     def step_time_per_token_s(self, decode_seqs: ArrayLike, decode_ctx_tokens: ArrayLike, d: int) -> np.ndarray:
         """Seconds per accepted token of a decode-only step with draft length ``d`` (``T(d) /
@@ -154,18 +175,41 @@ class SpecDecodePerf:
         dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
         z = np.zeros_like(ds)
         t1 = np.asarray(self.base.step_time_s(z, z, ds, dc), dtype=np.float64)
-        return self._per_token(z, ds, dc, t1, d)
+        dyn_block = self.config.dynamic and self.config.drafter == "parallel"
+        return self._per_token(z, ds, dc, t1, d, self._draft_forward_s(z, ds, dc) if dyn_block else None)
 
-    def _draft_forward_s(self, z, ds, dc, t1):  # noqa: ANN001, ANN202
+    def _draft_forward_s(self, z, ds, dc):  # noqa: ANN001, ANN202
+        """Seconds of one draft forward (``Tdraft(k)`` of the module docstring)."""
+        k = float(self._draft_tokens_per_forward())
         if self.draft is None:
-            return self.config.draft_cost_fraction * t1
-        return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
+            return self.config.draft_cost_fraction * np.asarray(
+                self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=k), dtype=np.float64)
+        if k == 1.0:
+            return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
+        return np.asarray(self.draft.step_time_s(z, z, ds, dc, decode_tokens_per_seq=k), dtype=np.float64)
 
-    def _per_token(self, z, ds, dc, t1, d):  # noqa: ANN001, ANN202
+    def draft_cost_s(self, decode_seqs: ArrayLike, decode_ctx_tokens: ArrayLike, d: int) -> np.ndarray:
+        """Seconds of drafting for a step that verifies ``d`` draft tokens per sequence: ``d``
+        one-token forwards (sequential), or one forward over the whole block (parallel; also
+        when ``d = 0`` under dynamic verification, which drafts the block before pruning it)."""
+        ds = np.asarray(decode_seqs, dtype=np.float64)
+        dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
+        z = np.zeros_like(ds)
+        if self.config.drafter == "sequential":
+            n = d
+        else:
+            n = 1 if (d > 0 or self.config.dynamic) else 0
+        return n * self._draft_forward_s(z, ds, dc) if n else np.zeros(np.shape(ds)[:-1])
+
+    def _per_token(self, z, ds, dc, t1, d, draft_block=None):  # noqa: ANN001, ANN202
         if d == 0:
-            return t1
+            return t1 + (draft_block if draft_block is not None else 0.0)
         tv = np.asarray(self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + d), dtype=np.float64)
-        return (tv + self._draft_forwards(d) * self._draft_forward_s(z, ds, dc, t1)) / self._tau[d]
+        if self.config.drafter == "sequential":
+            draft = d * self._draft_forward_s(z, ds, dc)
+        else:
+            draft = self._draft_forward_s(z, ds, dc) if draft_block is None else draft_block
+        return (tv + draft) / self._tau[d]
 
     def step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
                     decode_ctx_tokens: ArrayLike) -> np.ndarray:
@@ -183,7 +227,8 @@ class SpecDecodePerf:
         cfg = self.config
         if cfg.dynamic:
             cands = range(0, cfg.longest_draft + 1)
-            per = np.stack([self._per_token(z, ds, dc, base, d) for d in cands])
+            block = self._draft_forward_s(z, ds, dc) if cfg.drafter == "parallel" else None
+            per = np.stack([self._per_token(z, ds, dc, base, d, block) for d in cands])
             pick = np.argmin(per, axis=0)
             spec = np.take_along_axis(per, pick[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
         else:
