@@ -79,3 +79,15 @@ def test_dynamic_pays_the_parallel_block_even_when_verifying_nothing():
     # the plain step plus the 6-position block = 7 c n, d = 1 costs (2 + 6) / 1.9 = 4.21 c n ...
     # the best is d = 5: (6 + 6) / tau5 = 2.561 c n -- the same as fixed, gain 0
     assert _gain(100_000, f=1.0) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_deepinfer_preset_gain_rises_with_load():
+    # the shipped DSpark-5 preset: nothing to prune at light load (exactly 0: dynamic verifies the
+    # whole block, as fixed drafts do), a gain once verification is compute-bound, never falling
+    from sim.validate import SPEC_GAIN_SWEEP, spec_gain_sweep
+    sweep = spec_gain_sweep()
+    assert list(sweep) == list(SPEC_GAIN_SWEEP)
+    gains = list(sweep.values())
+    assert gains[0] == pytest.approx(0.0, abs=1e-9)
+    assert all(b >= a - 1e-9 for a, b in zip(gains, gains[1:]))
+    assert gains[-1] > 5.0
