@@ -91,3 +91,71 @@ def test_deepinfer_preset_gain_rises_with_load():
     assert gains[0] == pytest.approx(0.0, abs=1e-9)
     assert all(b >= a - 1e-9 for a, b in zip(gains, gains[1:]))
     assert gains[-1] > 5.0
+
+
+def test_admission_order_by_hand():
+    from sim.perf.spec import admission_order
+    # the docstring's example: slots A1 (p 0.9, w 0.5) then B1 (0.5, 0.5)
+    got = admission_order([(0.5, [0.9]), (0.5, [0.5])], 1)
+    assert [p[2] for p in got] == [0, 1, 1]
+    assert [x for p in got for x in p[:2]] == pytest.approx([0, 1, 0.5, 1.45, 1.0, 1.7])
+    # one class: (d, tau(d), d)
+    plans = admission_order([(1.0, [0.8, 0.5])], 2)
+    assert [p[0] for p in plans] == [0, 1, 2] and plans[2][1] == pytest.approx(2.2) and plans[2][2] == 2
+
+
+def _two_class(dynamic: bool, classes):  # noqa: ANN001, ANN202
+    from sim.perf.spec import AcceptanceClass
+    cfg = SpecDecodeConfig(draft_tokens=2, acceptance=[0.6, 0.6], drafter="parallel", draft_cost_fraction=0.0,
+                           dynamic=dynamic, max_draft_tokens=2,
+                           acceptance_classes=None if classes is None else
+                           [AcceptanceClass(share=w, acceptance=a) for w, a in classes])
+    return SpecDecodePerf(_Stub(), cfg)
+
+
+def test_per_request_classes_prune_the_doubtful_class_first():
+    # n = 500: T(k) = max(M, M k / 2), flat up to 2 tokens per sequence. Classes A (half the batch,
+    # a = 0.9) and B (a = 0.3), blocks of 2. Admission: A1 .9, A2 .81, B1 .3, B2 .09 ->
+    # per accepted token (units of M): K0 1/1, K1 1/1.45, K2 1/1.855 = 0.5391 (A verifies 2, B none),
+    # K3 1.25/2.005, K4 1.5/2.05. Fixed 2-token drafts: T(3) = 1.5 M over tau 2.05 = 0.7317
+    classes = [(0.5, [0.9, 0.9]), (0.5, [0.3, 0.3])]
+    ds = np.full((1, 4), 500.0)
+    z = np.zeros_like(ds)
+    fixed = float(_two_class(False, classes).step_time_s(z, z, ds, ds)[0])
+    dyn_perf = _two_class(True, classes)
+    dyn = float(dyn_perf.step_time_s(z, z, ds, ds)[0])
+    assert fixed == pytest.approx(M * 1.5 / 2.05)
+    assert dyn == pytest.approx(M / 1.855)
+    assert float(dyn_perf.last_draft_tokens[0]) == pytest.approx(1.0)  # A's 2 tokens, B's 0: 1 per sequence
+    # the same mean curve as one class (tau(1) = 1.6, tau(2) = 2.05) can only choose one length for
+    # all: best d = 1 at T(2) = M -> 1/1.6; the per-request gain is 0.7317/0.5391 = +35.7% vs +17.1%
+    mean = float(_two_class(True, [(1.0, [0.6, 0.75])]).step_time_s(z, z, ds, ds)[0])
+    assert mean == pytest.approx(M / 1.6)
+    assert 100 * (fixed / dyn - 1) == pytest.approx(35.7, abs=0.05)
+    assert 100 * (fixed / mean - 1) == pytest.approx(17.1, abs=0.05)
+
+
+def test_acceptance_classes_are_checked():
+    from sim.perf.spec import AcceptanceClass
+    with pytest.raises(ValueError, match="add up to 1"):
+        SpecDecodeConfig(draft_tokens=1, acceptance=[0.5], acceptance_classes=[AcceptanceClass(share=0.5, acceptance=[0.5])])
+    with pytest.raises(ValueError, match="one per draft position"):
+        SpecDecodeConfig(draft_tokens=2, acceptance=[0.5, 0.5], acceptance_classes=[AcceptanceClass(share=1.0, acceptance=[0.5])])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        SpecDecodeConfig(draft_tokens=1, acceptance=[0.5], acceptance_classes=[AcceptanceClass(share=1.0, acceptance=[1.5])])
+    # tau of fixed drafts is the share-weighted mean: 0.5 (1 + .9) + 0.5 (1 + .3) = 1.6
+    cfg = SpecDecodeConfig(draft_tokens=1, acceptance=[0.6], acceptance_classes=[
+        AcceptanceClass(share=0.5, acceptance=[0.9]), AcceptanceClass(share=0.5, acceptance=[0.3])])
+    assert cfg.tau(1) == pytest.approx(1.6)
+
+
+def test_acceptance_classes_load_from_a_scenario_toml(tmp_path):
+    from sim.scenario import load_scenario
+    p = tmp_path / "s.toml"
+    p.write_text('model = "deepseek-v4-flash"\nhardware = "B200"\n[decode]\ndp_ranks = 8\n[prefill]\ndp_ranks = 2\n'
+                 '[speculative]\ndraft_tokens = 2\nacceptance = [0.6, 0.6]\ndynamic = true\n'
+                 'acceptance_classes = [{share = 0.5, acceptance = [0.9, 0.9], name = "code"},'
+                 ' {share = 0.5, acceptance = [0.3, 0.3], name = "chat"}]\n')
+    sc = load_scenario(str(p))
+    assert [c.name for c in sc.speculative.acceptance_classes] == ["code", "chat"]
+    assert sc.speculative.tau(2) == pytest.approx(0.5 * 2.71 + 0.5 * 1.39)

@@ -59,7 +59,23 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
+__all__ = ["AcceptanceClass", "SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
+
+
+class AcceptanceClass(BaseModel):
+    """One class of requests in ``[speculative] acceptance_classes`` (e.g. chat, code, math).
+
+    Attributes:
+        share: fraction of the decode batch in this class (the shares add up to 1).
+        acceptance: conditional acceptance per draft position, as ``SpecDecodeConfig.acceptance``.
+        name: a label for reports.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    share: float = Field(gt=0, le=1)
+    acceptance: list[float] = Field(min_length=1, max_length=64)
+    name: str = ""
 
 
 class SpecDecodeConfig(BaseModel):
@@ -83,6 +99,12 @@ class SpecDecodeConfig(BaseModel):
         dynamic: pick the draft length per step (see the module docstring) instead of fixed.
         max_draft_tokens: longest draft of dynamic verification (default: ``draft_tokens``).
         dynamic_overhead_s: extra seconds per dynamic step (confidence head, scheduling).
+        acceptance_classes: optional request classes with their own acceptance curves
+            (:class:`AcceptanceClass`; shares add up to 1). Fixed drafts then yield the
+            share-weighted ``tau``, and dynamic verification admits draft positions across classes
+            by survival probability (DSpark's per-request scheduler, mean-field within a class:
+            the confident class keeps a longer prefix than the doubtful one). ``acceptance`` is
+            then not used (write the classes' mean curve there for readers).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
@@ -96,11 +118,24 @@ class SpecDecodeConfig(BaseModel):
     dynamic: bool = False
     max_draft_tokens: int | None = Field(None, ge=1, le=64)
     dynamic_overhead_s: float = Field(0.0, ge=0)
+    acceptance_classes: list[AcceptanceClass] | None = Field(None, min_length=1, max_length=16)
 
     @model_validator(mode="after")
     def _check(self) -> SpecDecodeConfig:
         if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"speculative.acceptance: every entry must be in [0, 1], got {self.acceptance}")
+        if self.acceptance_classes is not None:
+            total = sum(c.share for c in self.acceptance_classes)
+            if abs(total - 1.0) > 1e-6:
+                raise ValueError(f"speculative.acceptance_classes: shares must add up to 1, got {total:g}")
+            need_c = max(self.draft_tokens, self.max_draft_tokens or 0)
+            for i, c in enumerate(self.acceptance_classes):
+                if any(not 0.0 <= a <= 1.0 for a in c.acceptance):
+                    raise ValueError(f"speculative.acceptance_classes[{i}].acceptance: every entry must be in "
+                                     f"[0, 1], got {c.acceptance}")
+                if len(c.acceptance) < need_c:
+                    raise ValueError(f"speculative.acceptance_classes[{i}].acceptance: {len(c.acceptance)} "
+                                     f"entries for drafts of up to {need_c} tokens; give one per draft position")
         if self.acceptance_kind == "cumulative" and any(b > a for a, b in zip(self.acceptance, self.acceptance[1:])):
             raise ValueError("speculative.acceptance: cumulative acceptance rates must not increase with the "
                              f"position, got {self.acceptance}")
@@ -125,9 +160,18 @@ class SpecDecodeConfig(BaseModel):
             prev = r
         return out
 
+    @property
+    def classes(self) -> list[tuple[float, list[float]]]:
+        """``(share, conditional acceptance)`` per request class (one class of share 1 without
+        ``acceptance_classes``)."""
+        if self.acceptance_classes is None:
+            return [(1.0, self.conditional_acceptance)]
+        return [(c.share, list(c.acceptance)) for c in self.acceptance_classes]
+
     def tau(self, d: int) -> float:
-        """Expected tokens per step with a draft of ``d``: :func:`accepted_tokens_per_step`."""
-        return accepted_tokens_per_step(self.conditional_acceptance, d)
+        """Expected tokens per sequence per step when every sequence drafts ``d``: the
+        share-weighted :func:`accepted_tokens_per_step` of the classes."""
+        return float(sum(w * accepted_tokens_per_step(a, d) for w, a in self.classes))
 
 
 def accepted_tokens_per_step(acceptance: list[float], d: int) -> float:
@@ -142,8 +186,9 @@ class SpecDecodePerf:
     """``PerfModel`` of an engine with speculative decoding: wraps a roofline (anything whose
     ``step_time_s`` accepts ``decode_tokens_per_seq``). See the module docstring for the formula.
 
-    Attributes (besides the wrapped model's): ``config``; ``last_draft_tokens`` (array of the draft
-    lengths picked by the last call, for tests and reports).
+    Attributes (besides the wrapped model's): ``config``; ``last_draft_tokens`` (array of the mean
+    draft tokens verified per sequence in the last call's steps -- the draft length with one
+    acceptance class -- for tests and reports).
     """
 
     def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
@@ -158,6 +203,7 @@ class SpecDecodePerf:
         self.kv_capacity_tokens_per_rank = base.kv_capacity_tokens_per_rank
         self.ep_synchronous = base.ep_synchronous
         self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
+        self._admission = admission_order(config.classes, config.longest_draft)
         self.last_draft_tokens: np.ndarray | None = None
 
     def __getattr__(self, name: str):  # noqa: ANN204 (model, hardware, ... of the wrapped roofline)
@@ -226,21 +272,59 @@ class SpecDecodePerf:
         z = np.zeros_like(ds)
         cfg = self.config
         if cfg.dynamic:
-            cands = range(0, cfg.longest_draft + 1)
             block = self._draft_forward_s(z, ds, dc) if cfg.drafter == "parallel" else None
-            per = np.stack([self._per_token(z, ds, dc, base, d, block) for d in cands])
-            pick = np.argmin(per, axis=0)
-            spec = np.take_along_axis(per, pick[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
+            one = self._draft_forward_s(z, ds, dc) if cfg.drafter == "sequential" else None
+            per, drafted = [], []
+            for t, acc, longest in self._admission:
+                tv = base if t == 0 else np.asarray(
+                    self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + t), dtype=np.float64)
+                draft = block if block is not None else longest * one
+                per.append((tv + draft) / acc)
+                drafted.append(t)
+            per_a = np.stack(per)
+            pick = np.argmin(per_a, axis=0)
+            spec = np.take_along_axis(per_a, pick[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
+            pick = np.asarray(drafted, dtype=np.float64)[pick]
         else:
-            pick = np.full(np.shape(base), cfg.draft_tokens, dtype=np.int64)
+            pick = np.full(np.shape(base), float(cfg.draft_tokens))
             spec = self._per_token(z, ds, dc, base, cfg.draft_tokens)
-        self.last_draft_tokens = np.where(decode_only, pick, 0)
+        self.last_draft_tokens = np.where(decode_only, pick, 0.0)
         return np.where(decode_only, spec, base)
 
     def __repr__(self) -> str:
         c = self.config
         mode = f"dynamic<= {c.longest_draft}" if c.dynamic else f"fixed {c.draft_tokens}"
         return f"SpecDecodePerf({self.base!r}, {mode}, tau({c.longest_draft})={self._tau[-1]:.3f})"
+
+
+def admission_order(classes: list[tuple[float, list[float]]], longest: int) -> list[tuple[float, float, int]]:
+    """Candidate verification plans of a dynamic step, in DSpark's greedy admission order.
+
+    Every (class ``c``, position ``k <= longest``) draft slot has survival probability
+    ``p_ck = prod_{j<=k} a_cj`` and weight ``w_c`` (its class share). Slots are admitted in
+    decreasing ``p`` (ties: class, then position, so a class's prefix is admitted in order); the
+    ``K``-th plan verifies the first ``K`` slots. Returns ``(t_K, tau_K, d_K)`` for ``K = 0, 1, ..``:
+    mean draft tokens verified per sequence ``t_K = sum w``, expected tokens per sequence
+    ``tau_K = 1 + sum w p`` and the longest class draft ``d_K``. With one class this is
+    ``(d, tau(d), d)`` for ``d = 0 .. longest``. Hand check: classes (0.5, [0.9]), (0.5, [0.5]),
+    longest 1 -> (0, 1, 0), (0.5, 1.45, 1), (1.0, 1.7, 1).
+    """
+    slots = []
+    for ci, (w, acc) in enumerate(classes):
+        p = 1.0
+        for k in range(1, longest + 1):
+            p *= acc[k - 1]
+            slots.append((-p, ci, k, w))
+    slots.sort()
+    plans = [(0.0, 1.0, 0)]
+    t, tau = 0.0, 1.0
+    depth = [0] * len(classes)
+    for negp, ci, k, w in slots:
+        t += w
+        tau += w * -negp
+        depth[ci] = k
+        plans.append((t, tau, max(depth)))
+    return plans
 
 
 def spec_perf_for_pool(base, scenario, pool) -> SpecDecodePerf:  # noqa: ANN001
