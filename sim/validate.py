@@ -110,6 +110,18 @@ def spec_decode_time_per_token_s(scenario: Scenario, perf: PerfConfig, seqs_per_
     """Seconds per accepted token of the decode unit under the scenario's ``[speculative]`` table
     (:class:`sim.perf.spec.SpecDecodePerf`), every rank holding ``seqs_per_gpu`` sequences of
     ``ctx_tokens``; ``dynamic`` / ``draft_tokens`` override the table's mode and fixed length."""
+    return _spec_decode(scenario, perf, seqs_per_gpu, ctx_tokens, dynamic=dynamic, draft_tokens=draft_tokens)[0]
+
+
+def spec_decode_step_s(scenario: Scenario, perf: PerfConfig, seqs_per_gpu: float, ctx_tokens: float) -> float:
+    """Seconds of one speculative decode step (time per accepted token x the tokens per sequence
+    the chosen draft yields), same setting as :func:`spec_decode_time_per_token_s`."""
+    per, tokens = _spec_decode(scenario, perf, seqs_per_gpu, ctx_tokens)
+    return per * tokens
+
+
+def _spec_decode(scenario: Scenario, perf: PerfConfig, seqs_per_gpu: float, ctx_tokens: float,
+                 *, dynamic: bool | None = None, draft_tokens: int | None = None) -> tuple[float, float]:
     from sim.perf.spec import spec_perf_for_pool
     if scenario.speculative is None:
         raise ValueError(f"{scenario.name}: no [speculative] table")
@@ -122,7 +134,8 @@ def spec_decode_time_per_token_s(scenario: Scenario, perf: PerfConfig, seqs_per_
     sc = scenario.model_copy(update={"speculative": cfg.model_copy(update=upd)})
     spec = spec_perf_for_pool(roofline_for_pool(scenario, scenario.decode, perf), sc, scenario.decode)
     ones = np.ones((1, scenario.decode.dp_ranks))
-    return float(spec.step_time_s(0 * ones, 0 * ones, ones * seqs_per_gpu, ones * seqs_per_gpu * ctx_tokens)[0])
+    per = float(spec.step_time_s(0 * ones, 0 * ones, ones * seqs_per_gpu, ones * seqs_per_gpu * ctx_tokens)[0])
+    return per, float(spec.last_tokens_per_step[0])
 
 
 @dataclass(frozen=True)
@@ -194,8 +207,7 @@ def deepinfer_ttft_s(sc: Scenario, perf: PerfConfig) -> float:
     if sc.speculative is None:
         first = decode_step_s(sc, perf, DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS)
     else:
-        first = spec_decode_time_per_token_s(sc, perf, DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS) * \
-            sc.speculative.tau(sc.speculative.draft_tokens)
+        first = spec_decode_step_s(sc, perf, DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS)
     return 1.5 * step + transfer + first
 
 

@@ -188,7 +188,8 @@ class SpecDecodePerf:
 
     Attributes (besides the wrapped model's): ``config``; ``last_draft_tokens`` (array of the mean
     draft tokens verified per sequence in the last call's steps -- the draft length with one
-    acceptance class -- for tests and reports).
+    acceptance class) and ``last_tokens_per_step`` (their expected tokens per sequence, ``tau``;
+    a step's wall time is the returned time per token x this), for tests and reports.
     """
 
     def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
@@ -205,6 +206,7 @@ class SpecDecodePerf:
         self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
         self._admission = admission_order(config.classes, config.longest_draft)
         self.last_draft_tokens: np.ndarray | None = None
+        self.last_tokens_per_step: np.ndarray | None = None
 
     def __getattr__(self, name: str):  # noqa: ANN204 (model, hardware, ... of the wrapped roofline)
         return getattr(self.base, name)
@@ -267,28 +269,33 @@ class SpecDecodePerf:
         base = np.asarray(self.base.step_time_s(pt, prefill_attn_pairs, ds, dc), dtype=np.float64)
         decode_only = ~np.any(pt > 0, axis=-1) & np.any(ds > 0, axis=-1)
         if not np.any(decode_only):
-            self.last_draft_tokens = np.zeros(np.shape(base), dtype=np.int64)
+            self.last_draft_tokens = np.zeros(np.shape(base))
+            self.last_tokens_per_step = np.ones(np.shape(base))
             return base
         z = np.zeros_like(ds)
         cfg = self.config
         if cfg.dynamic:
             block = self._draft_forward_s(z, ds, dc) if cfg.drafter == "parallel" else None
             one = self._draft_forward_s(z, ds, dc) if cfg.drafter == "sequential" else None
-            per, drafted = [], []
+            per, drafted, yields = [], [], []
             for t, acc, longest in self._admission:
                 tv = base if t == 0 else np.asarray(
                     self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + t), dtype=np.float64)
                 draft = block if block is not None else longest * one
                 per.append((tv + draft) / acc)
                 drafted.append(t)
+                yields.append(acc)
             per_a = np.stack(per)
-            pick = np.argmin(per_a, axis=0)
-            spec = np.take_along_axis(per_a, pick[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
-            pick = np.asarray(drafted, dtype=np.float64)[pick]
+            best = np.argmin(per_a, axis=0)
+            spec = np.take_along_axis(per_a, best[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
+            pick = np.asarray(drafted, dtype=np.float64)[best]
+            tokens = np.asarray(yields, dtype=np.float64)[best]
         else:
             pick = np.full(np.shape(base), float(cfg.draft_tokens))
+            tokens = np.full(np.shape(base), float(self._tau[cfg.draft_tokens]))
             spec = self._per_token(z, ds, dc, base, cfg.draft_tokens)
         self.last_draft_tokens = np.where(decode_only, pick, 0.0)
+        self.last_tokens_per_step = np.where(decode_only, tokens, 1.0)
         return np.where(decode_only, spec, base)
 
     def __repr__(self) -> str:
