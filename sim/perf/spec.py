@@ -31,9 +31,14 @@ same GPUs (each rank runs its sequences' drafts; the slowest rank counts).
   step picks the ``d`` in ``0 .. max_draft_tokens`` that minimises the time per accepted token
   ``T(d) / tau(d)`` at that step's batch -- the whole block while the engine is memory-bound, a
   pruned prefix once extra verified tokens cost real compute -- plus ``dynamic_overhead_s`` per
-  step (confidence head and scheduler). This is the mean-field form of DSpark's scheduler: it uses
-  the mean acceptance curve, not per-request confidences, so it captures the load-aware part of
-  the gain and not the per-request part.
+  step (confidence head and scheduler). With one acceptance curve this is the mean-field form of
+  DSpark's scheduler: it captures the load-aware part of the gain, not the per-request part. With
+  ``acceptance_classes`` (request classes with their own curves) the step admits draft positions
+  across classes in decreasing survival probability and keeps the best prefix of that order
+  (:func:`admission_order`; DSpark's Algorithm 1 with one confidence per class): the confident
+  class keeps a longer draft than the doubtful one, the per-request part, still mean-field within
+  a class. Not modelled: per-request confidences beyond the classes, and the wide-EP straggler
+  cost of uneven verified tokens per rank (fixed drafts give every rank the same count).
 
   Shape of the gain over fixed ``g``-token drafts when ``max_draft_tokens = g`` (DSpark's
   production setting, gamma = 5): the scheduler can only prune the block, never extend it, so the
@@ -235,19 +240,6 @@ class SpecDecodePerf:
         if k == 1.0:
             return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
         return np.asarray(self.draft.step_time_s(z, z, ds, dc, decode_tokens_per_seq=k), dtype=np.float64)
-
-    def draft_cost_s(self, decode_seqs: ArrayLike, decode_ctx_tokens: ArrayLike, d: int) -> np.ndarray:
-        """Seconds of drafting for a step that verifies ``d`` draft tokens per sequence: ``d``
-        one-token forwards (sequential), or one forward over the whole block (parallel; also
-        when ``d = 0`` under dynamic verification, which drafts the block before pruning it)."""
-        ds = np.asarray(decode_seqs, dtype=np.float64)
-        dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
-        z = np.zeros_like(ds)
-        if self.config.drafter == "sequential":
-            n = d
-        else:
-            n = 1 if (d > 0 or self.config.dynamic) else 0
-        return n * self._draft_forward_s(z, ds, dc) if n else np.zeros(np.shape(ds)[:-1])
 
     def _per_token(self, z, ds, dc, t1, d, draft_block=None):  # noqa: ANN001, ANN202
         if d == 0:
