@@ -37,8 +37,11 @@ same GPUs (each rank runs its sequences' drafts; the slowest rank counts).
   across classes in decreasing survival probability and keeps the best prefix of that order
   (:func:`admission_order`; DSpark's Algorithm 1 with one confidence per class): the confident
   class keeps a longer draft than the doubtful one, the per-request part, still mean-field within
-  a class. Not modelled: per-request confidences beyond the classes, and the wide-EP straggler
-  cost of uneven verified tokens per rank (fixed drafts give every rank the same count).
+  a class. A plan verifies the same number of draft tokens on every rank, which is what a
+  token-budget scheduler does (DSpark sec. 5.2: admission is "a dynamic top-K selection" under a
+  capacity limit K), so uneven verification lengths create no straggler rank in wide EP; the
+  accepted tokens differ between ranks and the mean field averages them. Not modelled:
+  per-request confidences beyond the classes.
 
   Shape of the gain over fixed ``g``-token drafts when ``max_draft_tokens = g`` (DSpark's
   production setting, gamma = 5): the scheduler can only prune the block, never extend it, so the
