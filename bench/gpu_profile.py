@@ -54,6 +54,9 @@ Typical use::
 
     python bench/gpu_profile.py --out "$OUT"                       # H200, full grid
     python bench/gpu_profile.py --tiny --device cpu --out /tmp/p   # smoke test on a CPU
+    python bench/gpu_profile.py --kinds --out "$OUT"               # MLA / sliding-window /
+        # compressed top-k attention and dense / grouped-GEMM MoE kernels vs the roofline
+        # (bench/gpu_kinds.py, docs/gpu_profile.md "Kernel kinds")
 """
 
 from __future__ import annotations
@@ -415,7 +418,13 @@ def attention_backends(device: torch.device, n: int = 8192) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    rest = sys.argv[1:] if argv is None else list(argv)
+    if rest and rest[0] == "--kinds":  # the attention / MoE kernel kinds (bench/gpu_kinds.py)
+        import gpu_kinds
+        return gpu_kinds.main(rest[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="--kinds [ARGS]: time the attention / MoE kernel kinds instead "
+                                        "(bench/gpu_kinds.py; --kinds --help for its options)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--name", default=None, help="file stem (default h200-ish: <gpu>_<model>_bf16)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")

@@ -138,8 +138,11 @@ def test_spec_perf_fixed_and_dynamic_formulas():
     dyn = SpecDecodePerf(e, SpecDecodeConfig(draft_tokens=3, acceptance=acc, drafter="parallel",
                                              draft_cost_fraction=0.1, dynamic=True, max_draft_tokens=4,
                                              dynamic_overhead_s=1e-4))
-    per = [t1] + [(float(e.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1 + d)[0]) + 0.1 * t1)
-                  / accepted_tokens_per_step(acc, d) for d in range(1, 5)]
+    # the parallel drafter runs one forward over the 4-token block + anchor (5 positions) every
+    # dynamic step, also when the scheduler verifies none of it
+    block = 0.1 * float(e.step_time_s(z, z, ds, dc, decode_tokens_per_seq=5)[0])
+    per = [t1 + block] + [(float(e.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1 + d)[0]) + block)
+                          / accepted_tokens_per_step(acc, d) for d in range(1, 5)]
     got = float(dyn.step_time_s(z, z, ds, dc)[0])
     assert got == pytest.approx(min(per) + 1e-4)
     assert int(dyn.last_draft_tokens[0]) == int(np.argmin(per))

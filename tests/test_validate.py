@@ -31,10 +31,10 @@ PINNED_ERRORS = {
     "deepseek-prefill": 0.4550,
     "deepseek-decode-node": 0.1324,  # MTP verification now reads each sequence's KV once (was 2x: +5.8%)
     "deepseek-decode-seq": 0.1336,
-    "deepinfer-decode-seq": 0.8060,  # V4-Flash + dynamic speculation (placeholder V3-64E, no spec: -82.5%)
-    "deepinfer-ttft": 0.3372,
+    "deepinfer-decode-seq": 0.7604,  # V4-Flash + DSpark-5 (placeholder V3-64E, no spec: -82.5%; gamma 8: +80.6%)
+    "deepinfer-ttft": 0.3361,  # first decode step: time per token x tau of the draft the verifier keeps (was tau(5))
     "deepinfer-spec-gain-60": 0.0,  # range figures: 0 inside the published range
-    "deepinfer-spec-gain-max": 0.2818,  # +14.1% vs the published +11% upper end: (14.1 - 11) / 11
+    "deepinfer-spec-gain-max": 0.1181,  # +12.3% at 96 vs the published +11% upper end: (12.3 - 11) / 11 (was +14.1%)
     "deepinfer-spec-gain-min": 0.0,
 }
 SLACK = 0.01  # one percentage point
@@ -49,7 +49,10 @@ def test_error_not_worse_than_pinned(key):
     (res,) = run_validation([key])
     assert abs(res.error) <= abs(PINNED_ERRORS[key]) + SLACK, (
         f"{key}: error {res.error:+.2%} is worse than the pinned {PINNED_ERRORS[key]:+.2%}")
-    assert res.passed == (abs(res.error) <= TOLERANCE)
+    if res.figure.published_range is None:
+        assert res.passed == (abs(res.error) <= TOLERANCE)
+    else:  # a range figure passes only inside its range (error 0), whatever the distance outside
+        assert res.passed == (res.error == 0.0)
 
 
 def test_calibration_reproduces_the_preset_constants():
@@ -163,10 +166,11 @@ def test_deepinfer_rows_compose_by_hand():
     sc = load_scenario("deepinfer-sm100")
     perf = sc.perf
     # TTFT: 1.5 prefill steps (96% of 4,383 cached: 175 new tokens; 16,384 // 175 = 93 prompts per GPU)
-    # + 1 ms + 4,383 x 3,851 B over 50 GB/s + one verification step (time per token x tau(5))
+    # + 1 ms + 4,383 x 3,851 B over 50 GB/s + one verification step (time per token x the tokens
+    # its draft yields: at 60 sequences per rank the verifier keeps 4 of the 5-token block, tau(4))
     step = prefill_step_s(sc, perf, 4383, 4208, 93)
-    tau5 = 1 + 0.875 + 0.875 * 0.8 + 0.875 * 0.8 * 0.75 + 0.875 * 0.8 * 0.75 * 0.7 + 0.875 * 0.8 * 0.75 * 0.7 * 0.65
-    first = spec_decode_time_per_token_s(sc, perf, DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS) * tau5
+    tau4 = 1 + 0.875 + 0.875 * 0.8 + 0.875 * 0.8 * 0.75 + 0.875 * 0.8 * 0.75 * 0.7
+    first = spec_decode_time_per_token_s(sc, perf, DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS) * tau4
     assert deepinfer_ttft_s(sc, perf) == pytest.approx(1.5 * step + 1e-3 + 4383 * 3851 / 50e9 + first)
     # the gain is fixed-5 time per token over dynamic time per token, minus 1, in percent
     f = spec_decode_time_per_token_s(sc, perf, 60, DS_AVG_KV_TOKENS, dynamic=False, draft_tokens=5)

@@ -9,21 +9,48 @@ the draft's own forwards, and yields ``tau(d)`` tokens per sequence on average:
 
 where ``a_j`` is the acceptance probability of draft position ``j`` given that position ``j - 1``
 was accepted (:attr:`SpecDecodeConfig.acceptance`; a verifier accepts the longest correct prefix).
-Draft cost: ``draft_forwards(d) * Tdraft`` where ``draft_forwards`` is ``d`` for a sequential
-drafter (MTP layers reused autoregressively, EAGLE, a separate draft model) and 1 for a parallel
-drafter (DSpark / DFlash backbone: one forward proposes the whole block), and one draft forward
-``Tdraft`` is either ``draft_cost_fraction * T1`` (``T1``: the target's one-token step of the same
-batch; an MTP layer) or, with ``draft_model``, that model's own roofline step for the batch on the
+Draft cost, by drafter:
+
+* sequential (MTP layers reused autoregressively, EAGLE, a separate draft model): ``d`` forwards of
+  one token per sequence, each ``Tdraft(1)``;
+* parallel (DSpark / DFlash backbone): ONE forward over the whole block of ``g`` drafted positions
+  plus the anchor, ``Tdraft(1 + g)``, where ``g`` is the block length (``draft_tokens``, or
+  ``max_draft_tokens`` under dynamic verification). The block is drafted before the verifier
+  decides how much of it to verify, so a dynamic step pays the whole block even when it verifies
+  fewer tokens (DSpark paper sec. 5.4 "Limitations": "DSpark still incurs a fixed draft-side cost
+  to generate the initial gamma-token block via the parallel backbone"). Its cost grows with the
+  block once the step is compute-bound, like the verification does.
+
+``Tdraft(k)`` is either ``draft_cost_fraction * T(k)`` (``T(k)``: the target's step of the same
+batch computing ``k`` tokens per sequence; a drafter with a fraction of the target's layers and
+the same LM head) or, with ``draft_model``, that model's own roofline step for the batch on the
 same GPUs (each rank runs its sequences' drafts; the slowest rank counts).
 
 * Fixed length: ``d = draft_tokens`` every step.
 * Dynamic length (``dynamic = true``; DSpark's confidence-scheduled, load-aware verification): each
   step picks the ``d`` in ``0 .. max_draft_tokens`` that minimises the time per accepted token
-  ``T(d) / tau(d)`` at that step's batch -- long drafts while the engine is memory-bound, short ones
-  once extra verified tokens cost real compute -- plus ``dynamic_overhead_s`` per step (confidence
-  head and scheduler). This is the mean-field form of DSpark's scheduler: it uses the mean
-  acceptance curve, not per-request confidences, so it captures the load-aware part of the gain and
-  not the per-request part.
+  ``T(d) / tau(d)`` at that step's batch -- the whole block while the engine is memory-bound, a
+  pruned prefix once extra verified tokens cost real compute -- plus ``dynamic_overhead_s`` per
+  step (confidence head and scheduler). With one acceptance curve this is the mean-field form of
+  DSpark's scheduler: it captures the load-aware part of the gain, not the per-request part. With
+  ``acceptance_classes`` (request classes with their own curves) the step admits draft positions
+  across classes in decreasing survival probability and keeps the best prefix of that order
+  (:func:`admission_order`; DSpark's Algorithm 1 with one confidence per class): the confident
+  class keeps a longer draft than the doubtful one, the per-request part, still mean-field within
+  a class. A plan verifies the same number of draft tokens on every rank, which is what a
+  token-budget scheduler does (DSpark sec. 5.2: admission is "a dynamic top-K selection" under a
+  capacity limit K), so uneven verification lengths create no straggler rank in wide EP; the
+  accepted tokens differ between ranks and the mean field averages them. Not modelled:
+  per-request confidences beyond the classes.
+
+  Shape of the gain over fixed ``g``-token drafts when ``max_draft_tokens = g`` (DSpark's
+  production setting, gamma = 5): the scheduler can only prune the block, never extend it, so the
+  gain is ``0 - dynamic_overhead`` while verifying all ``g`` tokens is optimal (light load,
+  memory-bound verification) and rises with the batch once the step turns compute-bound and the
+  tail of the block costs more than its acceptance returns (DSpark Fig. 8: the verification budget
+  per request falls smoothly with load; sec. 5.4: static MTP-3/5 drafts "strictly degrade
+  aggregate throughput under high concurrency"). The block's draft cost, paid in both modes,
+  dilutes the relative gain.
 
 Mean-field time: the simulator advances every sequence by one token per step, so a speculative
 step is charged ``T(d) / tau(d)`` per token: TPOT and tokens per second per sequence come from the
@@ -40,7 +67,23 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
+__all__ = ["AcceptanceClass", "SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
+
+
+class AcceptanceClass(BaseModel):
+    """One class of requests in ``[speculative] acceptance_classes`` (e.g. chat, code, math).
+
+    Attributes:
+        share: fraction of the decode batch in this class (the shares add up to 1).
+        acceptance: conditional acceptance per draft position, as ``SpecDecodeConfig.acceptance``.
+        name: a label for reports.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    share: float = Field(gt=0, le=1)
+    acceptance: list[float] = Field(min_length=1, max_length=64)
+    name: str = ""
 
 
 class SpecDecodeConfig(BaseModel):
@@ -64,6 +107,12 @@ class SpecDecodeConfig(BaseModel):
         dynamic: pick the draft length per step (see the module docstring) instead of fixed.
         max_draft_tokens: longest draft of dynamic verification (default: ``draft_tokens``).
         dynamic_overhead_s: extra seconds per dynamic step (confidence head, scheduling).
+        acceptance_classes: optional request classes with their own acceptance curves
+            (:class:`AcceptanceClass`; shares add up to 1). Fixed drafts then yield the
+            share-weighted ``tau``, and dynamic verification admits draft positions across classes
+            by survival probability (DSpark's per-request scheduler, mean-field within a class:
+            the confident class keeps a longer prefix than the doubtful one). ``acceptance`` is
+            then not used (write the classes' mean curve there for readers).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
@@ -77,11 +126,24 @@ class SpecDecodeConfig(BaseModel):
     dynamic: bool = False
     max_draft_tokens: int | None = Field(None, ge=1, le=64)
     dynamic_overhead_s: float = Field(0.0, ge=0)
+    acceptance_classes: list[AcceptanceClass] | None = Field(None, min_length=1, max_length=16)
 
     @model_validator(mode="after")
     def _check(self) -> SpecDecodeConfig:
         if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"speculative.acceptance: every entry must be in [0, 1], got {self.acceptance}")
+        if self.acceptance_classes is not None:
+            total = sum(c.share for c in self.acceptance_classes)
+            if abs(total - 1.0) > 1e-6:
+                raise ValueError(f"speculative.acceptance_classes: shares must add up to 1, got {total:g}")
+            need_c = max(self.draft_tokens, self.max_draft_tokens or 0)
+            for i, c in enumerate(self.acceptance_classes):
+                if any(not 0.0 <= a <= 1.0 for a in c.acceptance):
+                    raise ValueError(f"speculative.acceptance_classes[{i}].acceptance: every entry must be in "
+                                     f"[0, 1], got {c.acceptance}")
+                if len(c.acceptance) < need_c:
+                    raise ValueError(f"speculative.acceptance_classes[{i}].acceptance: {len(c.acceptance)} "
+                                     f"entries for drafts of up to {need_c} tokens; give one per draft position")
         if self.acceptance_kind == "cumulative" and any(b > a for a, b in zip(self.acceptance, self.acceptance[1:])):
             raise ValueError("speculative.acceptance: cumulative acceptance rates must not increase with the "
                              f"position, got {self.acceptance}")
@@ -106,9 +168,18 @@ class SpecDecodeConfig(BaseModel):
             prev = r
         return out
 
+    @property
+    def classes(self) -> list[tuple[float, list[float]]]:
+        """``(share, conditional acceptance)`` per request class (one class of share 1 without
+        ``acceptance_classes``)."""
+        if self.acceptance_classes is None:
+            return [(1.0, self.conditional_acceptance)]
+        return [(c.share, list(c.acceptance)) for c in self.acceptance_classes]
+
     def tau(self, d: int) -> float:
-        """Expected tokens per step with a draft of ``d``: :func:`accepted_tokens_per_step`."""
-        return accepted_tokens_per_step(self.conditional_acceptance, d)
+        """Expected tokens per sequence per step when every sequence drafts ``d``: the
+        share-weighted :func:`accepted_tokens_per_step` of the classes."""
+        return float(sum(w * accepted_tokens_per_step(a, d) for w, a in self.classes))
 
 
 def accepted_tokens_per_step(acceptance: list[float], d: int) -> float:
@@ -123,8 +194,10 @@ class SpecDecodePerf:
     """``PerfModel`` of an engine with speculative decoding: wraps a roofline (anything whose
     ``step_time_s`` accepts ``decode_tokens_per_seq``). See the module docstring for the formula.
 
-    Attributes (besides the wrapped model's): ``config``; ``last_draft_tokens`` (array of the draft
-    lengths picked by the last call, for tests and reports).
+    Attributes (besides the wrapped model's): ``config``; ``last_draft_tokens`` (array of the mean
+    draft tokens verified per sequence in the last call's steps -- the draft length with one
+    acceptance class) and ``last_tokens_per_step`` (their expected tokens per sequence, ``tau``;
+    a step's wall time is the returned time per token x this), for tests and reports.
     """
 
     def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
@@ -139,13 +212,17 @@ class SpecDecodePerf:
         self.kv_capacity_tokens_per_rank = base.kv_capacity_tokens_per_rank
         self.ep_synchronous = base.ep_synchronous
         self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
+        self._admission = admission_order(config.classes, config.longest_draft)
         self.last_draft_tokens: np.ndarray | None = None
+        self.last_tokens_per_step: np.ndarray | None = None
 
     def __getattr__(self, name: str):  # noqa: ANN204 (model, hardware, ... of the wrapped roofline)
         return getattr(self.base, name)
 
-    def _draft_forwards(self, d: int) -> int:
-        return 0 if d == 0 else (d if self.config.drafter == "sequential" else 1)
+    def _draft_tokens_per_forward(self) -> int:
+        """Positions per sequence of one draft forward: 1 (sequential) or the block plus its
+        anchor (parallel)."""
+        return 1 if self.config.drafter == "sequential" else 1 + self.config.longest_draft
 
     def step_time_per_token_s(self, decode_seqs: ArrayLike, decode_ctx_tokens: ArrayLike, d: int) -> np.ndarray:
         """Seconds per accepted token of a decode-only step with draft length ``d`` (``T(d) /
@@ -154,18 +231,28 @@ class SpecDecodePerf:
         dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
         z = np.zeros_like(ds)
         t1 = np.asarray(self.base.step_time_s(z, z, ds, dc), dtype=np.float64)
-        return self._per_token(z, ds, dc, t1, d)
+        dyn_block = self.config.dynamic and self.config.drafter == "parallel"
+        return self._per_token(z, ds, dc, t1, d, self._draft_forward_s(z, ds, dc) if dyn_block else None)
 
-    def _draft_forward_s(self, z, ds, dc, t1):  # noqa: ANN001, ANN202
+    def _draft_forward_s(self, z, ds, dc):  # noqa: ANN001, ANN202
+        """Seconds of one draft forward (``Tdraft(k)`` of the module docstring)."""
+        k = float(self._draft_tokens_per_forward())
         if self.draft is None:
-            return self.config.draft_cost_fraction * t1
-        return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
+            return self.config.draft_cost_fraction * np.asarray(
+                self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=k), dtype=np.float64)
+        if k == 1.0:
+            return np.asarray(self.draft.step_time_s(z, z, ds, dc), dtype=np.float64)
+        return np.asarray(self.draft.step_time_s(z, z, ds, dc, decode_tokens_per_seq=k), dtype=np.float64)
 
-    def _per_token(self, z, ds, dc, t1, d):  # noqa: ANN001, ANN202
+    def _per_token(self, z, ds, dc, t1, d, draft_block=None):  # noqa: ANN001, ANN202
         if d == 0:
-            return t1
+            return t1 + (draft_block if draft_block is not None else 0.0)
         tv = np.asarray(self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + d), dtype=np.float64)
-        return (tv + self._draft_forwards(d) * self._draft_forward_s(z, ds, dc, t1)) / self._tau[d]
+        if self.config.drafter == "sequential":
+            draft = d * self._draft_forward_s(z, ds, dc)
+        else:
+            draft = self._draft_forward_s(z, ds, dc) if draft_block is None else draft_block
+        return (tv + draft) / self._tau[d]
 
     def step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
                     decode_ctx_tokens: ArrayLike) -> np.ndarray:
@@ -177,25 +264,69 @@ class SpecDecodePerf:
         base = np.asarray(self.base.step_time_s(pt, prefill_attn_pairs, ds, dc), dtype=np.float64)
         decode_only = ~np.any(pt > 0, axis=-1) & np.any(ds > 0, axis=-1)
         if not np.any(decode_only):
-            self.last_draft_tokens = np.zeros(np.shape(base), dtype=np.int64)
+            self.last_draft_tokens = np.zeros(np.shape(base))
+            self.last_tokens_per_step = np.ones(np.shape(base))
             return base
         z = np.zeros_like(ds)
         cfg = self.config
         if cfg.dynamic:
-            cands = range(0, cfg.longest_draft + 1)
-            per = np.stack([self._per_token(z, ds, dc, base, d) for d in cands])
-            pick = np.argmin(per, axis=0)
-            spec = np.take_along_axis(per, pick[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
+            block = self._draft_forward_s(z, ds, dc) if cfg.drafter == "parallel" else None
+            one = self._draft_forward_s(z, ds, dc) if cfg.drafter == "sequential" else None
+            per, drafted, yields = [], [], []
+            for t, acc, longest in self._admission:
+                tv = base if t == 0 else np.asarray(
+                    self.base.step_time_s(z, z, ds, dc, decode_tokens_per_seq=1.0 + t), dtype=np.float64)
+                draft = block if block is not None else longest * one
+                per.append((tv + draft) / acc)
+                drafted.append(t)
+                yields.append(acc)
+            per_a = np.stack(per)
+            best = np.argmin(per_a, axis=0)
+            spec = np.take_along_axis(per_a, best[None, ...], axis=0)[0] + cfg.dynamic_overhead_s
+            pick = np.asarray(drafted, dtype=np.float64)[best]
+            tokens = np.asarray(yields, dtype=np.float64)[best]
         else:
-            pick = np.full(np.shape(base), cfg.draft_tokens, dtype=np.int64)
+            pick = np.full(np.shape(base), float(cfg.draft_tokens))
+            tokens = np.full(np.shape(base), float(self._tau[cfg.draft_tokens]))
             spec = self._per_token(z, ds, dc, base, cfg.draft_tokens)
-        self.last_draft_tokens = np.where(decode_only, pick, 0)
+        self.last_draft_tokens = np.where(decode_only, pick, 0.0)
+        self.last_tokens_per_step = np.where(decode_only, tokens, 1.0)
         return np.where(decode_only, spec, base)
 
     def __repr__(self) -> str:
         c = self.config
         mode = f"dynamic<= {c.longest_draft}" if c.dynamic else f"fixed {c.draft_tokens}"
         return f"SpecDecodePerf({self.base!r}, {mode}, tau({c.longest_draft})={self._tau[-1]:.3f})"
+
+
+def admission_order(classes: list[tuple[float, list[float]]], longest: int) -> list[tuple[float, float, int]]:
+    """Candidate verification plans of a dynamic step, in DSpark's greedy admission order.
+
+    Every (class ``c``, position ``k <= longest``) draft slot has survival probability
+    ``p_ck = prod_{j<=k} a_cj`` and weight ``w_c`` (its class share). Slots are admitted in
+    decreasing ``p`` (ties: class, then position, so a class's prefix is admitted in order); the
+    ``K``-th plan verifies the first ``K`` slots. Returns ``(t_K, tau_K, d_K)`` for ``K = 0, 1, ..``:
+    mean draft tokens verified per sequence ``t_K = sum w``, expected tokens per sequence
+    ``tau_K = 1 + sum w p`` and the longest class draft ``d_K``. With one class this is
+    ``(d, tau(d), d)`` for ``d = 0 .. longest``. Hand check: classes (0.5, [0.9]), (0.5, [0.5]),
+    longest 1 -> (0, 1, 0), (0.5, 1.45, 1), (1.0, 1.7, 1).
+    """
+    slots = []
+    for ci, (w, acc) in enumerate(classes):
+        p = 1.0
+        for k in range(1, longest + 1):
+            p *= acc[k - 1]
+            slots.append((-p, ci, k, w))
+    slots.sort()
+    plans = [(0.0, 1.0, 0)]
+    t, tau = 0.0, 1.0
+    depth = [0] * len(classes)
+    for negp, ci, k, w in slots:
+        t += w
+        tau += w * -negp
+        depth[ci] = k
+        plans.append((t, tau, max(depth)))
+    return plans
 
 
 def spec_perf_for_pool(base, scenario, pool) -> SpecDecodePerf:  # noqa: ANN001
