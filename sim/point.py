@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from balancer.policies import Policy, make_policy
-from balancer.policies.base import _REGISTRY
+from balancer.policies.spec import format_policy_spec, parse_param_value, parse_policy_spec  # noqa: F401  (parse_param_value re-exported)
 from balancer.router import Router
 from balancer.types import Request
 from sim.scenario import PoolConfig, Scenario
@@ -129,43 +129,6 @@ class SLO:
 # ---------------------------------------------------------------------- policies
 
 
-def parse_param_value(text: str, default: object = None) -> object:
-    """A policy parameter from text, typed by the parameter's default when it has one:
-    ``bool`` from true/false/1/0/yes/no, ``int``, ``float``, ``str``; with no typed default
-    (``None``) the first of int, float, bool, str that parses.
-
-    Raises:
-        ValueError: the text is not of the default's type.
-    """
-    t = text.strip()
-    low = t.lower()
-    bools = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    if isinstance(default, bool):
-        if low not in bools:
-            raise ValueError(f"expected true or false, got {text!r}")
-        return bools[low]
-    if isinstance(default, int):
-        try:
-            return int(t)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
-    if isinstance(default, float):
-        try:
-            return float(t)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
-    if isinstance(default, str):
-        return t
-    if low == "none":
-        return None
-    for conv in (int, float):
-        try:
-            return conv(t)
-        except ValueError:
-            pass
-    return bools.get(low, t)
-
-
 def import_policy_modules(modules: Sequence[str]) -> None:
     """Import user modules whose ``@register`` decorators add policies (``--policy-module``).
 
@@ -192,29 +155,7 @@ def import_policy_modules(modules: Sequence[str]) -> None:
 
 
 def _parse_one(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
-    name, _, rest = text.strip().partition(":")
-    name = name.strip()
-    if not name:
-        raise ValueError(f"policy {text!r}: missing the policy name before ':'")
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        make_policy(name)  # raises the registry's error, listing the valid names
-    assert cls is not None
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-    params: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"policy {text!r}: expected param=value, got {part!r}")
-        if key not in defaults:
-            raise ValueError(f"policy {name!r} has no parameter {key!r}; accepted: {', '.join(sorted(defaults)) or 'none'}")
-        default = defaults[key]
-        try:
-            params[key] = parse_param_value(value, None if default is dataclasses.MISSING else default)
-        except ValueError as e:
-            raise ValueError(f"policy {name!r}: {key}: {e}") from None
-    make_policy(name, **params)  # the policy's own checks, now rather than in a worker
+    name, params = parse_policy_spec(text)
     return name, tuple(sorted(params.items()))
 
 
@@ -241,12 +182,10 @@ class PolicySpec:
     @property
     def label(self) -> str:
         """``cache_aware``, ``cache_aware(cache_threshold=0.5)``, ``kv_cost+least_load`` ..."""
-        def one(name: str, params: tuple) -> str:
-            return name + (f"({','.join(f'{k}={v}' for k, v in params)})" if params else "")
-        p = one(self.prefill, self.prefill_params)
+        p = format_policy_spec(self.prefill, dict(self.prefill_params))
         if self.decode is None:
             return p
-        return f"{p}+{one(self.decode, self.decode_params)}"
+        return f"{p}+{format_policy_spec(self.decode, dict(self.decode_params))}"
 
     def build(self) -> tuple[Policy, Policy]:
         """The (prefill, decode) policy objects; imports :attr:`modules` first.
