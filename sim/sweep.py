@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from balancer.validation import syntax_error_line
 from sim.cli_args import apply_overrides
 from sim.point import SLO, Point, PointResult, PolicySpec, SimOptions, WorkloadSpec, parse_policy, point_row
 from sim.scenario import PRESETS, Scenario, load_scenario
@@ -127,7 +128,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{source}: cannot read: {e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{source}: {e}") from None
+        raise ValueError(syntax_error_line(str(source), e)) from None
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_KEYS))}")

@@ -72,3 +72,23 @@ def test_ramp_with_only_zero_rates_is_refused(tmp_path: Path, capsys) -> None:
 def test_validate_with_an_empty_figure_list_is_refused(figures: str, capsys) -> None:
     assert _one_error(["sim", "validate", "--figures", figures], capsys) == (
         f"error: --figures: give at least one figure ({', '.join(FIGURES_BY_KEY)}), or leave the flag out for all")
+
+
+# ---------------------------------------------------------------------- config syntax errors: one line
+@pytest.mark.parametrize("name, text, message", [
+    # PyYAML's own report is 5 lines ("while parsing a flow mapping / in "<unicode string>", line 3 ...")
+    ("c.yaml", "port: 8000\nworkers: [\n  {url: http://x:1, role: prefill\n",
+     ":4:1: expected ',' or '}', but got '<stream end>' (in a flow mapping opened at line 3, column 3)"),
+    ("c.yaml", "a: 1\n  b: 2\n", ":2:4: mapping values are not allowed here"),
+    ("c.toml", "port = \n", ":1:8: Invalid value"),
+    ("c.json", '{"port": }', ":1:10: Expecting value"),
+])
+def test_config_syntax_errors_are_one_line_with_file_line_column(tmp_path: Path, name: str, text: str,
+                                                                 message: str, capsys) -> None:
+    f = tmp_path / name
+    f.write_text(text)
+    assert _one_error(["serve", "--config", str(f)], capsys) == f"error: {f}{message}"
+    # a scenario file reads the same way
+    s = tmp_path / f"s{Path(name).suffix}"
+    s.write_text(text)
+    assert _one_error(["sim", "run", "--scenario", str(s), "--limit", "5", "--quiet"], capsys) == f"error: {s}{message}"

@@ -86,3 +86,23 @@ async def test_the_service_answers_400s_in_openai_form_and_forwards_nothing() ->
         assert log == []  # nothing reached an engine
         async with s.post(c.url + "/v1/completions", json={"prompt": ["one"], "max_tokens": 2}) as r:
             assert r.status == 200 and len((await r.json())["choices"]) == 1
+
+
+async def test_admin_api_validation_errors_are_one_readable_line_per_problem() -> None:
+    # was: "invalid worker: [{'type': 'missing', 'loc': ('role',), 'msg': 'Field required'}, ...]"
+    auth = {"Authorization": "Bearer k"}
+    async with inprocess_cluster("sglang", engine={"speed": 20.0}, router={"admin_api_key": "k"}) as c, \
+            aiohttp.ClientSession() as s:
+        cases = [
+            ({"url": "http://127.0.0.1:9"}, "invalid worker: role: Field required"),
+            ({"url": "http://127.0.0.1:9", "role": "decode", "dp_sise": 2},
+             "invalid worker: dp_sise: unknown field (did you mean 'dp_size'?)"),
+            ({"url": "http://127.0.0.1:9", "role": "decoder", "dp_size": 0},
+             "invalid worker: role: Input should be 'prefill', 'decode' or 'mixed'; "
+             "dp_size: Input should be greater than or equal to 1"),
+        ]
+        for body, message in cases:
+            async with s.post(c.url + "/workers", json=body, headers=auth) as r:
+                assert r.status == 400
+                got = (await r.json())["error"]["message"]
+                assert got == message and "\n" not in got

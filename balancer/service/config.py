@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from balancer.cost_model import CostModel
 from balancer.policies.spec import check_policy_params, parse_policy_spec
-from balancer.validation import format_validation_error
+from balancer.validation import format_validation_error, syntax_error_line
 
 WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
 
@@ -490,8 +490,10 @@ def load_service_config(path: str | Path | None = None, overrides: dict[str, Any
                 data = json.loads(text)
             else:
                 raise ValueError(f"unknown config file type {p.suffix!r} (use .yaml, .toml or .json)")
-        except (OSError, yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        except OSError as e:
             raise ValueError(f"{p}: {e}") from e
+        except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:  # one line, file:line:col
+            raise ValueError(syntax_error_line(str(p), e)) from None
         if not isinstance(data, dict):
             raise ValueError(f"{p}: the top level must be a mapping")
     for k, v in (overrides or {}).items():
