@@ -153,14 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
-    from sim.workload import scale_rate, take_slice
     from sim.workload.loader import read_trace_cut
 
-    requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed)
-    if args.rate_scale != 1.0:
-        requests = scale_rate(requests, args.rate_scale)
-    if args.duration_s is not None:
-        requests = take_slice(requests, duration_s=args.duration_s)
+    # limit, spread, rate scale, then --duration-s in simulated time (the order of sim.point.WorkloadSpec too)
+    requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed,
+                                   rate_scale=args.rate_scale, duration_s=args.duration_s)
     meta = {
         "trace": args.trace or "embedded:mooncake_conversation.jsonl.gz",
         "format": fmt,

@@ -228,11 +228,14 @@ def parse_policy(text: str | PolicySpec, decode: str | None = None, modules: Seq
 class WorkloadSpec:
     """A trace and how it is cut; every point of a search or sweep scales this same workload.
 
-    Steps, in order: read ``trace`` (None = the embedded Mooncake conversation trace) in
-    ``format``; keep the first ``limit`` requests; spread requests sharing a timestamp over
-    ``spread_s`` seconds (seeded by ``seed``; Mooncake logs arrivals in ~3 s batches); keep
-    requests arriving in the first ``duration_s`` seconds. Rate scaling comes after (per point),
-    so every rate of a search sees the same requests.
+    Steps, in order (those of ``pdlb sim run``, :func:`sim.workload.loader.read_trace_cut`): read
+    ``trace`` (None = the embedded Mooncake conversation trace) in ``format``; keep the first
+    ``limit`` requests; spread requests sharing a timestamp over ``spread_s`` seconds (seeded by
+    ``seed``; Mooncake logs arrivals in ~3 s batches) -- :meth:`read`, once per process; then per
+    point scale the rate and keep the requests arriving in the first ``duration_s`` seconds of the
+    scaled trace (:meth:`at_rate`). ``duration_s`` is so the simulated arrival window at every
+    rate: a search judges each rate on the same length of load (a higher rate on more requests).
+    Without ``duration_s`` every rate sees the same requests.
     """
 
     trace: str | None = None
@@ -247,22 +250,24 @@ class WorkloadSpec:
         return self.trace or "embedded:mooncake_conversation.jsonl.gz"
 
     def read(self) -> list[Request]:
-        """The cut workload (see the class docstring).
+        """The workload before rate scaling and ``duration_s`` (see the class docstring).
 
         Raises:
             ValueError: unknown format, an undetectable format, an empty trace.
             FileNotFoundError: no such trace file.
             sim.workload.TraceFormatError: a malformed line (names file and line).
         """
-        from sim.workload import take_slice
         from sim.workload.loader import read_trace_cut
 
         requests, _ = read_trace_cut(self.trace, self.format, limit=self.limit, spread_s=self.spread_s, seed=self.seed)
-        if self.duration_s is not None:
-            requests = take_slice(requests, duration_s=self.duration_s)
-        if not requests:
-            raise ValueError(f"--duration-s {self.duration_s}: no request arrives in the first {self.duration_s} s")
         return requests
+
+    def at_rate(self, requests: Sequence[Request], rate_scale: float) -> list[Request]:
+        """``requests`` (from :meth:`read`) at ``rate_scale``, cut to ``duration_s`` seconds of
+        scaled arrivals (:func:`sim.workload.loader.scale_and_cut`)."""
+        from sim.workload.loader import scale_and_cut
+
+        return scale_and_cut(list(requests), rate_scale, self.duration_s)
 
 
 #: Workloads a process has read or been handed, by key (bounded: a worker holds at most a few).
@@ -458,7 +463,10 @@ def evaluate_point(point: Point) -> PointResult:
     from sim.workload import scale_rate
 
     base = load_workload(point.workload)
-    requests = scale_rate(base, point.rate_scale) if point.rate_scale != 1.0 else list(base)
+    if isinstance(point.workload, WorkloadSpec):  # rate scale, then duration_s in simulated time
+        requests = point.workload.at_rate(base, point.rate_scale)
+    else:  # a registered in-memory workload: already cut
+        requests = scale_rate(base, point.rate_scale) if point.rate_scale != 1.0 else list(base)
     prefill, decode = point.policy.build()
     sc = point.scenario
     n = len(requests)

@@ -103,7 +103,10 @@ def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], pol
     doc = {"base": json.loads(base.model_dump_json()), "set": [[k, v] for k, v in overrides],
            "policy": [policy.prefill, list(map(list, policy.prefill_params)), policy.decode_name,
                       list(map(list, policy.decode_params))],
-           "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit, workload.duration_s,
+           "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit,
+                                                   # duration_s counts simulated time (after rate scaling); tagged
+                                                   # so results of the earlier order (cut first) are not resumed
+                                                   None if workload.duration_s is None else ["scaled", workload.duration_s],
                                                    workload.spread_s, workload.seed],
            "slo": [slo.ttft_s, slo.tpot_s, slo.attainment, slo.percentile, slo.ttft_per_1k_prompt_tokens_s],
            "options": [options.index_mode, options.router_tiers, options.tier_weights]}
