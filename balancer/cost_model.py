@@ -547,7 +547,8 @@ class OnlineFit:
             z = self._log_residual(x, y)
             if z is not None and abs(z) > self._gate():
                 why = "outlier"
-                self._streak.append((x, y))
+                if self.reset_after:  # held for a restart; nothing is held when restarts are off
+                    self._streak.append((x, y))
                 if self.reset_after and len(self._streak) >= self.reset_after:
                     self.rejected[why] += 1
                     self._reset()  # this one and the held streak restart the fit
