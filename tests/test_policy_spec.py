@@ -193,3 +193,11 @@ def test_serve_policy_errors_are_one_line(capsys) -> None:
     assert rc == 2
     assert captured.err == ("error: prefill_policy: policy 'cache_aware': balance_abs must be >= 0 and "
                             "balance_rel >= 1\n")
+
+
+def test_capacity_policies_list_takes_specs_too() -> None:
+    from sim.capacity_cli import policy_specs
+
+    args = build_parser().parse_args(["sim", "capacity", "--policies",
+                                      "round_robin,cache_aware:cache_threshold=0.5,balance_abs=8"])
+    assert [s.label for s in policy_specs(args)] == ["round_robin", "cache_aware(balance_abs=8,cache_threshold=0.5)"]
