@@ -26,7 +26,9 @@ Where the coefficients come from:
   router records the chosen candidate's features (:func:`prefill_wait_features`); when the hooks report
   the prefill done (or a request's decode finished) it adds ``(features, observed seconds)`` to an
   exponentially forgetting ridge regression towards the prior coefficients, ``O(k^2)`` memory
-  (``k = 4``), clipped to non-negative coefficients.
+  (``k = 4``), clipped to non-negative coefficients. Absurd timings (NaN, negative, a stalled
+  engine's 1000x) are turned away by a residual test against the current fit and counted; engines
+  with an override in ``CostModel.engines`` are learned per engine (:class:`CostLearner`).
 
 Everything here is pure: no clock, no I/O; arrays are numpy float64.
 """
@@ -406,49 +408,271 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
 
 
 # ---------------------------------------------------------------------- online fitting
-class OnlineFit:
-    """Exponentially forgetting ridge regression of a linear cost model, bounded memory.
+#: Why :class:`OnlineFit` turned an observation away (keys of :attr:`OnlineFit.rejected`).
+REJECT_REASONS = ("invalid", "out_of_range", "outlier")
+#: The spread of log residuals, tracked as the median of ``|z|``: ``median |z| = 0.6745 sigma`` for
+#: Gaussian ``z``; multiplicative steps of 5% per observation; at least 0.1% (noise-free timings).
+_MAD_PER_SIGMA = 0.6745
+_SPREAD_STEP = 1.05
+_MIN_SPREAD = 1e-3
+#: Random subsets tried by the warm-up's least-median start.
+_LMEDS_SUBSETS = 24
+#: Largest credible feature value: attention pairs of a 1M-token context are ~5e11; beyond 1e18 a
+#: value is a bug, and rescaling the fit's sums to it would lose their precision (factors < 1e-18 squared).
+MAX_FEATURE = 1e18
 
-    Minimises ``sum_j lam^(t - j) (y_j - x_j . c)^2 + rho * sum_k m_k (c_k - prior_k)^2`` where
-    ``m_k`` is the decayed mean of ``x_k^2`` (so ``rho`` counts "pseudo-observations" of the
-    prior). Features differ by many orders of magnitude (steps ~1, tokens ~1e4, attention pairs
-    ~1e9), so the sums are kept for features divided by their running maximum magnitude
-    (rescaled in place when it grows) and the ``k x k`` system is solved in those units.
-    State: the Gram matrix, a ``k``-vector and the scales; a solve every ``refit_every``
-    observations. Coefficients are clipped to ``>= 0``.
+
+class OnlineFit:
+    """Exponentially forgetting ridge regression of a linear cost model, robust to absurd timings,
+    bounded memory.
+
+    Minimises ``sum_j lam^(t - j) (y_j - x_j . c)^2 + rho * sum_k m_k (c_k - prior_k)^2`` over the
+    accepted observations, where ``m_k`` is the decayed mean of ``x_k^2`` (so ``rho`` counts
+    "pseudo-observations" of the prior). Features differ by many orders of magnitude (steps ~1,
+    tokens ~1e4, attention pairs ~1e9), so the sums are kept for features divided by their
+    running maximum magnitude (rescaled in place when it grows) and the ``k x k`` system is solved
+    in those units. Coefficients are clipped to ``>= 0``.
+
+    Which observations count (each turned-away one is counted in :attr:`rejected` by reason):
+
+    - ``invalid``: a feature or the time is NaN or infinite, a feature is negative, or the time is
+      ``<= 0`` (a clock step, a hook called twice). Such an observation changes nothing else.
+    - ``out_of_range``: the time is outside ``[min_value, max_value]`` (default 1 us to 3,600 s: no
+      step is faster, no step or prefill takes an hour) or a feature exceeds :data:`MAX_FEATURE`
+      (rescaling the sums to it would wipe their precision).
+    - ``outlier``: a residual test against the current fit, in log space (timings err by factors):
+      ``z = ln(y / x.c)``; rejected when ``|z| > max(ln gate_ratio, gate_sigmas * sigma)``, ``sigma``
+      the robust spread ``median |z| / 0.6745`` (a running median over every residual, so outliers
+      cannot widen the gate that should drop them). With the defaults a timing 4x above or below
+      the prediction is dropped (a stalled engine's 10x or 1000x, a timestamp from another
+      request), ordinary noise is not; very noisy timings widen the gate (sigma 0.6: 8x).
+    - Warm-up: the first ``warmup`` valid observations are held (bounded) and screened together
+      before any enters the fit: each is compared with the median ratio ``y / (x . c)`` of the
+      batch (so a prior that is off by a constant factor does not reject everything), those
+      within ``warmup_gate_ratio`` of it are fitted robustly (the least-median-of-squares fit of
+      random subsets, Rousseeuw 1984, as least squares breaks down on a few 10x timings), then
+      trimmed twice by the residual test against that fit and refitted. Outliers cannot steer the
+      start.
+    - Change, not outliers: after ``reset_after`` consecutive outliers the engine has changed (or
+      the prior was far off): the fit restarts its warm-up from its current coefficients with the
+      last rejected observations (held, at most ``reset_after``) as the first ones, and
+      :attr:`num_resets` counts it. 10% independent outliers reach 16 in a row with probability
+      1e-16 per observation.
+
+    State is ``O(k^2 + (warmup + reset_after) k)``; a solve every ``refit_every`` accepted
+    observations.
 
     Args:
-        prior: starting coefficients, shape ``(k,)``.
+        prior: starting coefficients, shape ``(k,)``, non-negative.
         forgetting: ``lam`` in (0, 1]; 0.999 keeps an effective window of ~1,000 observations.
         prior_weight: ``rho``, in observations. Small (default 0.01): features are nearly
             collinear (steps grow with tokens), and a stronger pull towards a wrong prior shifts
             the fit a long way along that direction; it mostly keeps the solve well-posed for a
             feature that never varies (e.g. the group term of a dense engine stays at its prior).
-        refit_every: observations between solves.
+        refit_every: accepted observations between solves.
+        gate_ratio / gate_sigmas: the residual test (above); ``gate_ratio`` > 1.
+        warmup / warmup_gate_ratio: the warm-up screen (above); ``warmup`` 0 turns it off.
+        reset_after: consecutive outliers that restart the fit (0: never).
+        min_value / max_value: the credible range of an observation (seconds).
+
+    Raises:
+        ValueError: a parameter out of range, a prior that is not finite and ``>= 0``.
     """
 
     def __init__(self, prior: np.ndarray, *, forgetting: float = 0.999, prior_weight: float = 0.01,
-                 refit_every: int = 16) -> None:
+                 refit_every: int = 16, gate_ratio: float = 4.0, gate_sigmas: float = 3.5, warmup: int = 32,
+                 warmup_gate_ratio: float = 10.0, reset_after: int = 16, max_value: float = 3600.0,
+                 min_value: float = 1e-6) -> None:
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if not (gate_ratio > 1.0 and warmup_gate_ratio > 1.0 and gate_sigmas > 0 and 0 < min_value < max_value):
+            raise ValueError("gate_ratio and warmup_gate_ratio must be > 1, gate_sigmas > 0, "
+                             "0 < min_value < max_value")
+        if warmup < 0 or reset_after < 0:
+            raise ValueError("warmup and reset_after must be >= 0")
         self.prior = np.asarray(prior, dtype=np.float64).copy()
+        if not (np.all(np.isfinite(self.prior)) and np.all(self.prior >= 0)):
+            raise ValueError(f"prior coefficients must be finite and >= 0, got {self.prior.tolist()}")
         self.coef = self.prior.copy()
-        k = len(self.prior)
         self.forgetting = forgetting
         self.prior_weight = float(prior_weight)
         self.refit_every = max(1, int(refit_every))
+        self.log_gate = math.log(gate_ratio)
+        self.gate_sigmas = float(gate_sigmas)
+        self.warmup = int(warmup)
+        self.log_warmup_gate = math.log(warmup_gate_ratio)
+        self.reset_after = int(reset_after)
+        self.max_value = float(max_value)
+        self.min_value = float(min_value)
+        #: observations turned away, by reason (:data:`REJECT_REASONS`)
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        #: restarts after ``reset_after`` consecutive outliers
+        self.num_resets = 0
+        #: accepted observations in the fit (warm-up ones once screened)
+        self.num_observations = 0
+        #: bumped by every solve that changed :attr:`coef` (for publishers)
+        self.version = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        k = len(self.prior)
         self._scale = np.ones(k)
         self._gram = np.zeros((k, k))  # of x / scale
         self._xy = np.zeros(k)
         self._feat_sq = np.zeros(k)
         self._weight = 0.0
-        self.num_observations = 0
+        self._med_abs_z = _MIN_SPREAD  # running median of |z| (robust: outliers move it by one step)
+        self._warm: list[tuple[np.ndarray, float]] | None = [] if self.warmup > 0 else None
+        self._streak: list[tuple[np.ndarray, float]] = []  # consecutive outliers, newest last
 
-    def observe(self, x: np.ndarray, y: float) -> None:
-        """Add one observation (features ``(k,)``, seconds). Non-finite or negative ones are ignored."""
-        x = np.asarray(x, dtype=np.float64)
-        if not (np.all(np.isfinite(x)) and math.isfinite(y)) or y < 0:
+    @property
+    def num_pending(self) -> int:
+        """Observations held by the warm-up screen, not yet in the fit."""
+        return len(self._warm) if self._warm is not None else 0
+
+    def _check(self, x: np.ndarray, y: float) -> str | None:
+        if x.shape != self.prior.shape or not (np.all(np.isfinite(x)) and math.isfinite(y)) or y <= 0 \
+                or np.any(x < 0):
+            return "invalid"
+        if not self.min_value <= y <= self.max_value or np.any(x > MAX_FEATURE):
+            return "out_of_range"
+        return None
+
+    def observe(self, x: np.ndarray, y: float) -> str | None:
+        """Offer one observation (features ``(k,)``, seconds); returns None if it entered the fit
+        (or the warm-up screen), else the reason it was turned away (:data:`REJECT_REASONS`)."""
+        try:
+            x = np.asarray(x, dtype=np.float64).reshape(-1)
+            y = float(y)
+        except (TypeError, ValueError):
+            self.rejected["invalid"] += 1
+            return "invalid"
+        why = self._check(x, y)
+        if why is None and self._warm is not None:
+            self._warm.append((x, y))
+            if len(self._warm) >= self.warmup:
+                self._end_warmup()
+            return None
+        if why is None:
+            z = self._log_residual(x, y)
+            outlier = z is not None and abs(z) > self._gate()
+            if z is not None:
+                self._track_spread(z)
+            if outlier:
+                why = "outlier"
+                if self.reset_after:  # held for a restart; nothing is held when restarts are off
+                    self._streak.append((x, y))
+                if self.reset_after and len(self._streak) >= self.reset_after:
+                    self.rejected[why] += 1
+                    self._reset()  # this one and the held streak restart the fit
+                    return None
+            else:
+                self._streak.clear()
+                self._add(x, y, z)
+                return None
+        self.rejected[why] += 1
+        return why
+
+    def _gate(self) -> float:
+        return max(self.log_gate, self.gate_sigmas * self._med_abs_z / _MAD_PER_SIGMA)
+
+    def _track_spread(self, z: float) -> None:
+        """One step of a multiplicative stochastic-approximation median of ``|z|`` (its fixed point
+        has as many ``|z|`` above as below), fed every residual, accepted or not."""
+        m = self._med_abs_z * (_SPREAD_STEP if abs(z) > self._med_abs_z else 1.0 / _SPREAD_STEP)
+        self._med_abs_z = min(max(m, _MIN_SPREAD), 50.0)
+
+    def _log_residual(self, x: np.ndarray, y: float, coef: np.ndarray | None = None) -> float | None:
+        pred = float(x @ (self.coef if coef is None else coef))
+        return math.log(y) - math.log(pred) if pred > 0 else None
+
+    def _reset(self) -> None:
+        """Restart from the current coefficients, the held outliers as the first observations."""
+        held = self._streak[-self.warmup:] if self.warmup else list(self._streak)
+        self.rejected["outlier"] -= len(held)  # not outliers after all: the new regime's first observations
+        coef = self.coef.copy()
+        self._clear()
+        self.coef = coef
+        self.num_resets += 1
+        if self._warm is None:
+            for x, y in held:
+                self._add(x, y, self._log_residual(x, y))
             return
+        self._warm.extend(held)
+        if len(self._warm) >= self.warmup:
+            self._end_warmup()
+
+    def _end_warmup(self) -> None:
+        batch, self._warm = self._warm or [], None
+        X = np.array([b[0] for b in batch])
+        Y = np.array([b[1] for b in batch])
+        pred = X @ self.coef
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(pred > 0, np.log(Y) - np.log(np.where(pred > 0, pred, 1.0)), np.nan)
+        known = np.isfinite(z)
+        keep = np.ones(len(Y), dtype=bool)
+        if known.any():  # against the median ratio: a constant-factor error of the prior is no outlier
+            keep = ~known | (np.abs(z - np.median(z[known])) <= self.log_warmup_gate)
+        # A least-squares start is not robust (three 10x timings among 32 put the fit 2x off), so
+        # start from the least-median fit (LMedS, Rousseeuw 1984): least squares on random subsets
+        # of 2k screened observations, keeping the fit with the smallest median |log residual| over
+        # the screened batch. With 10% outliers a subset of 8 is clean with p = 0.43; 24 subsets all
+        # miss with p < 2e-6. Seeded by the batch size: deterministic.
+        idx = np.flatnonzero(keep)
+        k = len(self.prior)
+        coef = self._solve_batch(X[keep], Y[keep])
+        best = self._median_abs_z(X[idx], Y[idx], coef)
+        if len(idx) > 2 * k:
+            rng = np.random.default_rng(len(idx))
+            for _ in range(_LMEDS_SUBSETS):
+                sub = rng.choice(idx, size=2 * k, replace=False)
+                c = self._solve_batch(X[sub], Y[sub])
+                med = self._median_abs_z(X[idx], Y[idx], c)
+                if med < best:
+                    coef, best = c, med
+        for _ in range(2):  # trim by the residual test against the current fit, refit what is left
+            p = X @ coef
+            with np.errstate(divide="ignore", invalid="ignore"):
+                zz = np.where(p > 0, np.log(Y) - np.log(np.where(p > 0, p, 1.0)), 0.0)
+            scale = float(np.median(np.abs(zz[keep]))) if keep.any() else 0.0
+            gate = max(self.log_gate, self.gate_sigmas * scale / _MAD_PER_SIGMA)
+            new_keep = keep & (np.abs(zz) <= gate)
+            if new_keep.sum() <= k:  # too few left to trust a trim: keep the screen's
+                break
+            keep = new_keep
+            coef = self._solve_batch(X[keep], Y[keep])
+        self.rejected["outlier"] += int((~keep).sum())
+        for i in np.flatnonzero(keep):
+            self._add(X[i], float(Y[i]), None)
+        self.refit()
+        p = X[keep] @ self.coef
+        with np.errstate(divide="ignore", invalid="ignore"):
+            zk = (np.log(Y[keep]) - np.log(p))[p > 0]
+        self._med_abs_z = max(float(np.median(np.abs(zk))) if len(zk) else 0.0, _MIN_SPREAD)
+
+    @staticmethod
+    def _median_abs_z(X: np.ndarray, Y: np.ndarray, coef: np.ndarray) -> float:
+        p = X @ coef
+        if not np.all(p > 0):
+            return math.inf
+        return float(np.median(np.abs(np.log(Y) - np.log(p))))
+
+    def _solve_batch(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+        """Coefficients of ``(X, Y)`` alone, by the same ridge towards the prior (no state change)."""
+        if len(Y) == 0:
+            return self.coef
+        scale = np.maximum(np.abs(X).max(axis=0), 1e-300)
+        Z = X / scale
+        typical = (Z * Z).mean(axis=0)
+        typical[typical <= 0] = 1.0
+        D = max(self.prior_weight, 1e-9) * np.diag(typical)
+        try:
+            c = np.linalg.solve(Z.T @ Z + D, Z.T @ Y + D @ (self.prior * scale))
+        except np.linalg.LinAlgError:
+            return self.coef
+        return np.maximum(c / scale, 0.0)
+
+    def _add(self, x: np.ndarray, y: float, z: float | None) -> None:
         mag = np.abs(x)
         grow = mag > self._scale
         if grow.any():
@@ -458,15 +682,15 @@ class OnlineFit:
             self._xy *= r
             self._feat_sq *= r * r
             self._scale = new
-        z = x / self._scale
+        zx = x / self._scale
         lam = self.forgetting
         self._gram *= lam
         self._xy *= lam
         self._feat_sq *= lam
         self._weight = self._weight * lam + 1.0
-        self._gram += np.outer(z, z)
-        self._xy += z * y
-        self._feat_sq += z * z
+        self._gram += np.outer(zx, zx)
+        self._xy += zx * y
+        self._feat_sq += zx * zx
         self.num_observations += 1
         if self.num_observations % self.refit_every == 0:
             self.refit()
@@ -483,7 +707,10 @@ class OnlineFit:
             c = np.linalg.solve(self._gram + D, self._xy + D @ prior_z)
         except np.linalg.LinAlgError:
             return self.coef
+        if not np.all(np.isfinite(c)):
+            return self.coef
         self.coef = np.maximum(c / self._scale, 0.0)
+        self.version += 1
         return self.coef
 
 
@@ -491,27 +718,59 @@ class CostLearner:
     """Learns a :class:`CostModel` online from a router's hook timestamps (bounded memory).
 
     The router calls :meth:`on_prefill_dispatch` with the chosen prefill candidate's features
-    (:func:`prefill_wait_features` row), the dispatch time and the pool that prefills (``"prefill"``,
-    or ``"decode"`` for an aggregated pool, whose mixed engines' prefill model is then fitted),
-    :meth:`on_prefill_done` with the time the prefill finished; :meth:`on_decode_dispatch` with
-    the decode engine's step features (``[1, max seqs, max kv, sum seqs]`` after the placement),
+    (:func:`prefill_wait_features` row), the dispatch time, the pool that prefills (``"prefill"``,
+    or ``"decode"`` for an aggregated pool, whose mixed engines' prefill model is then fitted) and
+    the engine; :meth:`on_prefill_done` with the time the prefill finished; :meth:`on_decode_dispatch`
+    with the decode engine's step features (``[1, max seqs, max kv, sum seqs]`` after the placement),
     :meth:`on_first_token` and :meth:`on_decode_finished` with the finish time and the output
-    length, observing the mean inter-token latency. Pending records are bounded
-    (``max_pending``, oldest dropped). :attr:`model` is the current model (a new frozen object
-    after each refit).
+    length, observing the mean inter-token latency. Each observation goes through an
+    :class:`OnlineFit`, which turns absurd ones away (NaN, negative, a stalled engine's 1000x;
+    counted in :meth:`stats`, which ``Router.metrics()["cost_learning"]`` reports).
+
+    Which fit an observation feeds:
+
+    - ``prefill``: the prefill pool's prefill model (``model.prefill.prefill``);
+    - ``mixed``: an aggregated pool's prefill model (``model.decode.prefill``);
+    - ``decode``: the decode (or mixed) pool's decode step model (``model.decode.decode``);
+    - per engine: an engine with an override in ``prior.engines`` (a heterogeneous pool, e.g. a
+      long-prompt pool's engines with their own ``pdlb sim cost-model`` table) has fits of its own,
+      ``<engine>/prefill`` (its prefill model, from prefill- or mixed-pool prefills) and
+      ``<engine>/decode``, published as ``model.engines[engine]``; its observations do not enter the
+      pool's fits, and engines without an override share their pool's. The fits are made once
+      from the prior, so their number (3 + 2 per override) is bounded by the config.
+
+    Pending records are bounded (``max_pending``, oldest dropped). :attr:`model` is the current
+    model (a new frozen object after each refit that changed a coefficient).
+
+    Args:
+        prior: the starting model; its ``engines`` overrides are learned per engine.
+        forgetting / prior_weight: see :class:`OnlineFit`.
+        max_pending: dispatched requests remembered per kind until their hook comes.
+        **fit_options: further :class:`OnlineFit` options (``gate_ratio``, ``warmup``, ...).
     """
 
     def __init__(self, prior: CostModel, *, forgetting: float = 0.999, prior_weight: float = 0.01,
-                 max_pending: int = 65_536) -> None:
+                 max_pending: int = 65_536, **fit_options: float) -> None:
         self.model = prior
-        self._fits = {
-            "prefill": OnlineFit(prior.prefill.prefill.coef(), forgetting=forgetting, prior_weight=prior_weight),
-            "mixed": OnlineFit(prior.decode.prefill.coef(), forgetting=forgetting, prior_weight=prior_weight),
-            "decode": OnlineFit(prior.decode.decode.coef(), forgetting=forgetting, prior_weight=prior_weight),
-        }
-        self._pending_prefill: OrderedDict[str, tuple[np.ndarray, float, str]] = OrderedDict()
+
+        def fit(coef: np.ndarray) -> OnlineFit:
+            return OnlineFit(coef, forgetting=forgetting, prior_weight=prior_weight, **fit_options)  # type: ignore[arg-type]
+
+        self._fits = {"prefill": fit(prior.prefill.prefill.coef()), "mixed": fit(prior.decode.prefill.coef()),
+                      "decode": fit(prior.decode.decode.coef())}
+        self._engine_fits = {str(name): {"prefill": fit(e.prefill.coef()), "decode": fit(e.decode.coef())}
+                             for name, e in prior.engines.items()}
+        self._pending_prefill: OrderedDict[str, tuple[np.ndarray, float, str, str | None]] = OrderedDict()
         self._pending_decode: OrderedDict[str, list] = OrderedDict()
         self.max_pending = max(1, int(max_pending))
+
+    @property
+    def fits(self) -> dict[str, OnlineFit]:
+        """Every fit by name: ``prefill``, ``mixed``, ``decode``, ``<engine>/prefill``, ``<engine>/decode``."""
+        out = dict(self._fits)
+        for name, f in self._engine_fits.items():
+            out[f"{name}/prefill"], out[f"{name}/decode"] = f["prefill"], f["decode"]
+        return out
 
     @staticmethod
     def _put(d: OrderedDict, key: str, value: object, bound: int) -> None:
@@ -519,28 +778,36 @@ class CostLearner:
         while len(d) > bound:
             d.popitem(last=False)
 
-    def _observe(self, which: str, x: np.ndarray, y: float) -> None:
-        fit = self._fits[which]
-        before = fit.num_observations
+    def _fit_of(self, which: str, engine: str | None) -> OnlineFit:
+        own = self._engine_fits.get(engine) if engine is not None else None
+        if own is not None:
+            return own["decode" if which == "decode" else "prefill"]
+        return self._fits[which]
+
+    def _observe(self, which: str, engine: str | None, x: np.ndarray, y: float) -> None:
+        fit = self._fit_of(which, engine)
+        before = fit.version
         fit.observe(x, y)
-        if fit.num_observations != before and fit.num_observations % fit.refit_every == 0:
+        if fit.version != before:
             self._publish()
 
-    def on_prefill_dispatch(self, request_id: str, features: np.ndarray, now_s: float, pool: str = "prefill") -> None:
+    def on_prefill_dispatch(self, request_id: str, features: np.ndarray, now_s: float, pool: str = "prefill",
+                            engine: str | None = None) -> None:
         if pool not in ("prefill", "decode"):
             raise ValueError(f"pool must be 'prefill' or 'decode', got {pool!r}")
         self._put(self._pending_prefill, request_id,
-                  (np.asarray(features, dtype=np.float64), now_s, "prefill" if pool == "prefill" else "mixed"),
+                  (np.asarray(features, dtype=np.float64), now_s, "prefill" if pool == "prefill" else "mixed", engine),
                   self.max_pending)
 
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
         got = self._pending_prefill.pop(request_id, None)
         if got is not None:
-            x, t0, which = got
-            self._observe(which, x, now_s - t0)
+            x, t0, which, engine = got
+            self._observe(which, engine, x, now_s - t0)
 
-    def on_decode_dispatch(self, request_id: str, features: np.ndarray) -> None:
-        self._put(self._pending_decode, request_id, [np.asarray(features, dtype=np.float64), None], self.max_pending)
+    def on_decode_dispatch(self, request_id: str, features: np.ndarray, engine: str | None = None) -> None:
+        self._put(self._pending_decode, request_id, [np.asarray(features, dtype=np.float64), None, engine],
+                  self.max_pending)
 
     def on_first_token(self, request_id: str, now_s: float) -> None:
         rec = self._pending_decode.get(request_id)
@@ -552,22 +819,37 @@ class CostLearner:
         self._pending_prefill.pop(request_id, None)
         if rec is None or rec[1] is None or not num_output_tokens or num_output_tokens < 2:
             return
-        x, first_token_s = rec
-        self._observe("decode", x, (now_s - first_token_s) / (num_output_tokens - 1))
+        x, first_token_s, engine = rec
+        self._observe("decode", engine, x, (now_s - first_token_s) / (num_output_tokens - 1))
 
     def _publish(self) -> None:
         m = self.model
         f = self._fits
         dc = replace(m.decode, decode=DecodeStepCost.from_coef(f["decode"].coef),
                      prefill=PrefillStepCost.from_coef(f["mixed"].coef))
+        engines = dict(m.engines)
+        for name, ef in self._engine_fits.items():
+            engines[name] = replace(engines[name], prefill=PrefillStepCost.from_coef(ef["prefill"].coef),
+                                    decode=DecodeStepCost.from_coef(ef["decode"].coef))
         self.model = replace(m, prefill=replace(m.prefill, prefill=PrefillStepCost.from_coef(f["prefill"].coef)),
-                             decode=dc)
+                             decode=dc, engines=engines)
 
     @property
     def num_observations(self) -> dict[str, int]:
-        """Observations so far per fit: ``prefill`` (prefill pool), ``mixed`` (aggregated
-        prefill), ``decode`` (inter-token latency)."""
-        return {k: v.num_observations for k, v in self._fits.items()}
+        """Observations taken so far per fit (:attr:`fits` names; in the fit or held by its
+        warm-up screen): ``prefill`` (prefill pool), ``mixed`` (aggregated prefill), ``decode``
+        (inter-token latency), and per overridden engine."""
+        return {k: v.num_observations + v.num_pending for k, v in self.fits.items()}
+
+    def stats(self) -> dict[str, dict]:
+        """Plain counters for metrics: ``observations`` (as :attr:`num_observations`),
+        ``rejected`` ``{fit: {reason: n}}`` (:data:`REJECT_REASONS`), ``resets`` ``{fit: n}``,
+        ``pending`` ``{"prefill": n, "decode": n}`` dispatched requests awaiting their hook."""
+        fits = self.fits
+        return {"observations": self.num_observations,
+                "rejected": {k: dict(v.rejected) for k, v in fits.items()},
+                "resets": {k: v.num_resets for k, v in fits.items()},
+                "pending": {"prefill": len(self._pending_prefill), "decode": len(self._pending_decode)}}
 
 
 # ---------------------------------------------------------------------- features of one placement

@@ -605,15 +605,17 @@ class Router:
         assert learner is not None
         model = learner.model
         out = float(request.output_tokens)
-        d_eng = model.engine(d_cands.replicas[d_pos].engine, "decode")
+        d_name = d_cands.replicas[d_pos].engine
+        d_eng = model.engine(d_name, "decode")
         px, dx = placement_features(request.prompt_tokens, out, d_cands, d_pos, d_eng)
-        learner.on_decode_dispatch(request.request_id, dx)
+        learner.on_decode_dispatch(request.request_id, dx, d_name)
         if p_cands is not None:
-            p_eng = model.engine(p_cands.replicas[p_pos].engine, "prefill")
+            p_name = p_cands.replicas[p_pos].engine
+            p_eng = model.engine(p_name, "prefill")
             px, _ = placement_features(request.prompt_tokens, out, p_cands, p_pos, p_eng)
-            learner.on_prefill_dispatch(request.request_id, px, now_s, "prefill")
+            learner.on_prefill_dispatch(request.request_id, px, now_s, "prefill", p_name)
         elif d_cands.role is Role.MIXED:
-            learner.on_prefill_dispatch(request.request_id, px, now_s, "decode")
+            learner.on_prefill_dispatch(request.request_id, px, now_s, "decode", d_name)
         # else: served decode-only by a PD router: not an observation of either prefill model
 
     # ------------------------------------------------------------------ hooks
@@ -724,7 +726,9 @@ class Router:
         chosen replicas were believed to hold, summed}``, ``index_blocks`` (held, per replica,
         summed), ``index_unique_blocks``, ``speculative_blocks`` (hybrid), ``in_flight``,
         ``reaped_requests``, ``kv_events`` ``{"applied", "ignored"}``, ``replicas`` (registered)
-        and ``healthy_replicas``."""
+        and ``healthy_replicas``; with ``learn_cost_model``, ``cost_learning``: the online fit's
+        observations, rejected timings by fit and reason, resets and pending records
+        (:meth:`balancer.cost_model.CostLearner.stats`)."""
         decisions: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
         for (pool, reason), n in self._reasons.items():
             decisions[pool][reason] = n
@@ -739,6 +743,7 @@ class Router:
             "kv_events": dict(self._kv_events),
             "replicas": len(self._replicas),
             "healthy_replicas": sum(1 for i in self._replicas.values() if i.healthy),
+            **({"cost_learning": self.cost_learner.stats()} if self.cost_learner is not None else {}),
         }
 
     @_locked

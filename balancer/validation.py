@@ -50,3 +50,36 @@ def format_validation_error(err: ValidationError, source: str | None = None,
         parts.append(f"{where}: {msg}" if where else msg)  # model-level checks have no field
     text = "; ".join(parts)
     return f"{source}: {text}" if source else text
+
+
+def syntax_error_line(source: str, err: Exception) -> str:
+    """A YAML, TOML or JSON syntax error as one line, ``"<source>:<line>:<column>: <message>"``
+    (1-based, as editors and compilers print it; ``"<source>: <message>"`` where the parser gave
+    no position). PyYAML's multi-line "while parsing ... in <unicode string>, line 3, column 3"
+    dump becomes ``"f.yaml:4:1: expected ',' or '}', but got '<stream end>' (in a flow mapping
+    opened at line 3, column 3)"``.
+    """
+    import json
+    import re
+
+    mark = getattr(err, "problem_mark", None)
+    if mark is not None:  # yaml.MarkedYAMLError
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
+        where = ""
+        if context and cmark is not None and (cmark.line, cmark.column) != (mark.line, mark.column):
+            what = context.removeprefix("while parsing ").removeprefix("while scanning ")
+            where = f" (in {what} opened at line {cmark.line + 1}, column {cmark.column + 1})"
+        elif context:
+            where = f" ({context})"
+        return f"{source}:{mark.line + 1}:{mark.column + 1}: {problem}{where}"
+    if isinstance(err, json.JSONDecodeError):
+        return f"{source}:{err.lineno}:{err.colno}: {err.msg}"
+    text = " ".join(str(err).split())
+    m = re.search(r"\s*\(at line (\d+), column (\d+)\)$", text)  # tomllib's message
+    if m:
+        return f"{source}:{m.group(1)}:{m.group(2)}: {text[:m.start()]}"
+    m = re.search(r"\s*\(at end of document\)$", text)
+    if m:
+        return f"{source}: {text[:m.start()]} (at the end of the file)"
+    return f"{source}: {text}"

@@ -47,8 +47,8 @@ from sim.cli_args import (
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     """``--policies``, ``--policy`` (repeatable, with parameters), ``--decode-policy``, ``--policy-module``."""
     g = p.add_argument_group("policies")
-    g.add_argument("--policies", metavar="A,B,...",
-                   help="comma-separated policy names (default: every registered policy)")
+    g.add_argument("--policies", metavar="A,B:K=V,...",
+                   help="comma-separated policies, each NAME or NAME:K=V[,K=V] (default: every registered policy)")
     g.add_argument("--policy", dest="policy_specs", action="append", default=[], metavar="NAME[:K=V,...]",
                    help="a policy with parameters, e.g. --policy cache_aware:cache_threshold=0.5,balance_abs=8 "
                         "(repeatable; replaces --policies)")
@@ -73,7 +73,11 @@ def policy_specs(args: argparse.Namespace) -> list:
     if args.policy_specs:
         texts = list(args.policy_specs)
     elif args.policies is not None:
-        texts = [p.strip() for p in args.policies.split(",") if p.strip()]
+        from balancer.policies.spec import split_policy_list
+        try:
+            texts = split_policy_list(args.policies)  # "a,b:k=v,k2=v2": a K=V part continues its policy
+        except ValueError as e:
+            raise ValueError(f"--policies: {e}") from None
         if not texts:
             raise ValueError("--policies: give at least one policy")
     else:

@@ -63,6 +63,41 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
 
 
+def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy-module", dest="policy_modules", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (e.g. mypkg.mypolicy) so that its @register-ed policies can be named "
+                        "(repeatable)")
+
+
+def _policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None]]) -> list[tuple[Any, Any, str, str]]:
+    """``[(flag, prefill spec, decode spec or None)]`` -> ``[(prefill policy, decode policy,
+    prefill label, decode label)]``, every spec checked before anything runs (the policy spec
+    form of :mod:`balancer.policies.spec`).
+
+    Raises:
+        ValueError: ``"<flag>: <problem>"`` (unknown policy, unknown parameter with the accepted
+            ones, a bad value), or a policy module that does not import.
+    """
+    from balancer.policies.spec import format_policy_spec, parse_policy_spec
+    from sim.point import import_policy_modules
+
+    import_policy_modules(args.policy_modules)
+
+    def one(flag: str, text: str) -> tuple[Any, str]:
+        try:
+            name, params = parse_policy_spec(text)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        return make_policy(name, **params), format_policy_spec(name, params)
+
+    out = []
+    for flag, p, d in texts:
+        prefill, plabel = one(flag, p)
+        decode, dlabel = one("--decode-policy", d) if d is not None else one(flag, p)
+        out.append((prefill, decode, plabel, dlabel))
+    return out
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("pdlb")
@@ -80,14 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = simsub.add_parser("compare", help="run several policies on the same workload and compare them",
                              description="Run each policy (for both the prefill and the decode pool) on the same workload "
                                          "and print a comparison table; writes per-request CSVs, summary.json and plots.")
-    cmp_.add_argument("--policies", default=",".join(available_policies()), metavar="A,B,...",
-                      help="comma-separated policies (default: all: %(default)s)")
-    cmp_.add_argument("--decode-policy", choices=available_policies(),
+    cmp_.add_argument("--policies", default=",".join(available_policies()), metavar="A,B:K=V,...",
+                      help="comma-separated policies, each NAME or NAME:K=V[,K=V] (e.g. round_robin,"
+                           "cache_aware:cache_threshold=0.5,balance_abs=8; see 'pdlb policies'; default: all: %(default)s)")
+    cmp_.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
                       help="use this policy for the decode pool in every run (default: the run's policy)")
+    _add_policy_module_arg(cmp_)
     _add_common(cmp_)
     run = simsub.add_parser("run", help="run one policy", description="Simulate one policy and print its summary.")
-    run.add_argument("--policy", default="ep_aware", choices=available_policies(), help="prefill (and decode) policy (default ep_aware)")
-    run.add_argument("--decode-policy", choices=available_policies(), help="decode-pool policy (default: --policy)")
+    run.add_argument("--policy", "--prefill-policy", dest="policy", default="ep_aware", metavar="NAME[:K=V,...]",
+                     help="prefill (and decode) policy with optional parameters, e.g. "
+                          "cache_aware:cache_threshold=0.5 (see 'pdlb policies'; default ep_aware)")
+    run.add_argument("--decode-policy", metavar="NAME[:K=V,...]", help="decode-pool policy (default: --policy)")
+    _add_policy_module_arg(run)
     _add_common(run)
     simsub.add_parser("scenarios", help="list scenario presets")
     from sim.validate import add_validate_parser
@@ -114,14 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
-    from sim.workload import scale_rate, take_slice
     from sim.workload.loader import read_trace_cut
 
-    requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed)
-    if args.rate_scale != 1.0:
-        requests = scale_rate(requests, args.rate_scale)
-    if args.duration_s is not None:
-        requests = take_slice(requests, duration_s=args.duration_s)
+    # limit, spread, rate scale, then --duration-s in simulated time (the order of sim.point.WorkloadSpec too)
+    requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed,
+                                   rate_scale=args.rate_scale, duration_s=args.duration_s)
     meta = {
         "trace": args.trace or "embedded:mooncake_conversation.jsonl.gz",
         "format": fmt,
@@ -154,7 +191,7 @@ def _describe(sc: Scenario) -> str:
     return f"[bold]{escape(sc.name)}[/]: {escape(sc.description or describe_pools(sc))} ({sc.num_gpus} GPUs)"
 
 
-def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Console) -> int:
+def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
     from sim.report import kv_tier_table, markdown_table, summary_table, write_results
@@ -163,8 +200,6 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
     scenario = _scenario(args)
     if args.out is not None:
         _check_writable_dir(args.out)
-    for p, d in runs:  # fail fast on bad names before loading or simulating anything
-        make_policy(p), make_policy(d)
     requests, meta = _load_workload(args)
     from sim.admission import check_block_size
     check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation
@@ -178,13 +213,14 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[str, str]], console: Co
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=args.quiet, transient=False) as progress:
-        for p, d in runs:
-            label = p if p == d else f"{p}+{d}"
+        for p, d, plabel, dlabel in runs:
+            label = plabel if plabel == dlabel else f"{plabel}+{dlabel}"
             task = progress.add_task(f"{label:<28}", total=len(requests))
             res = simulate(scenario, requests, p, d, seed=args.seed, index_mode=args.index_mode,
                            router_tiers=not args.no_router_tiers, tier_weights=args.tier_weights,
                            ttft_slo=TtftSlo(args.slo_ttft_s) if args.route_slo else None,
                            progress=lambda done, total, task=task: progress.update(task, completed=done))
+            res.prefill_policy, res.decode_policy = plabel, dlabel  # with parameters: "name(k=v)"
             results.append(res)
             summaries.append(summarize(res, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s))
     wall = time.perf_counter() - t0
@@ -296,6 +332,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
                 doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
                 console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}")
+            console.print("parameters on any policy flag or config: NAME:K=V[,K=V], e.g. "
+                          "--policy cache_aware:cache_threshold=0.5,balance_abs=8")
             return 0
         if args.command == "sim":
             if args.sim_command == "validate":
@@ -320,20 +358,28 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                     console.print(_describe(sc))
                 return 0
             if args.sim_command == "compare":
-                names = [p.strip() for p in args.policies.split(",") if p.strip()]
+                from balancer.policies.spec import split_policy_list
+                try:
+                    names = split_policy_list(args.policies)
+                except ValueError as e:
+                    raise ValueError(f"--policies: {e}") from None
                 if not names:
                     raise ValueError("--policies: give at least one policy")
-                if len(set(names)) != len(names):
-                    dup = sorted({n for n in names if names.count(n) > 1})
-                    raise ValueError(f"--policies: {', '.join(dup)} given more than once")
                 if args.decode_policy and not load_scenario(args.scenario).disaggregated:
                     raise ValueError(f"--decode-policy: scenario {args.scenario!r} is aggregated (one mixed pool, "
                                      "routed by the decode policy): every run would use "
                                      f"{args.decode_policy}; compare with --policies instead")
-                runs = [(p, args.decode_policy or p) for p in names]
+                runs = _policy_runs(args, [("--policies", p, args.decode_policy) for p in names])
+                seen: dict[str, str] = {}  # same policies and parameters (defaults spelled out or not)
+                for p, d, plabel, _ in runs:
+                    key = repr((p.name, sorted(p.params().items()), d.name, sorted(d.params().items())))
+                    if key in seen:
+                        same = "" if seen[key] == plabel else f" (the same policy as {seen[key]})"
+                        raise ValueError(f"--policies: {plabel} given more than once{same}")
+                    seen[key] = plabel
                 return _run_many(args, runs, console)
             if args.sim_command == "run":
-                return _run_many(args, [(args.policy, args.decode_policy or args.policy)], console)
+                return _run_many(args, _policy_runs(args, [("--policy", args.policy, args.decode_policy)]), console)
     except (ValueError, OSError) as e:  # one line on stderr, however long; no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

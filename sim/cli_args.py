@@ -220,8 +220,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, rate_scale: bool = True) ->
                        help="multiply the arrival rate by F (divides arrival times; default 1)")
     g.add_argument("--limit", type=positive_int, metavar="N", help="use only the first N requests")
     g.add_argument("--duration-s", type=positive_float, metavar="S",
-                   help="use only requests arriving in the first S seconds " + ("(after rate scaling)" if rate_scale else
-                        "of the trace (before rate scaling: every rate sees the same requests)"))
+                   help="use only requests arriving in the first S seconds of simulated time, after rate scaling "
+                        + ("(--rate-scale 2 --duration-s 60: 60 s at twice the rate)" if rate_scale else
+                           "(every rate is tested over the same S-second window)"))
     g.add_argument("--spread-s", type=nonnegative_float, default=3.0, metavar="S",
                    help="move every request of a timestamp group (requests sharing an arrival time, and lone "
                         "ones too) to a uniform time in [t, t + S) (Mooncake logs arrivals in ~3 s batches; 0 keeps "

@@ -63,10 +63,12 @@ def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolCon
 
 
 # ---------------------------------------------------------------------- pdlb sim cost-model
-def to_toml(model: CostModel, scenario_name: str) -> str:
+def to_toml(model: CostModel, scenario_name: str, overrides: list[str] | None = None) -> str:
     """``model`` as a ``[cost_model]`` TOML table that ``pdlb serve --cost-model FILE`` (or a
-    service config file's ``cost_model`` key) reads back."""
-    lines = [f"# pdlb cost model fitted to scenario {scenario_name!r} (pdlb sim cost-model)", "[cost_model]"]
+    service config file's ``cost_model`` key) reads back; ``overrides`` (``--set`` texts) are
+    named in the header comment."""
+    sets = "".join(f" --set {o}" for o in overrides or [])
+    lines = [f"# pdlb cost model fitted to scenario {scenario_name!r}{sets} (pdlb sim cost-model)", "[cost_model]"]
     d = model.to_dict()
 
     def emit(prefix: str, table: dict) -> None:
@@ -95,21 +97,24 @@ def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
                     "it as a TOML table for 'pdlb serve --cost-model FILE' (the service then refits it online).")
     p.add_argument("--scenario", default="dsv3-pd-h200", metavar="NAME|FILE",
                    help="scenario preset or file (default dsv3-pd-h200)")
+    from sim.cli_args import add_set_arg
+    add_set_arg(p)  # --set KEY=VALUE, as on pdlb sim run
     p.add_argument("--out", metavar="FILE",
                    help="write the table to FILE instead of standard output (JSON if FILE ends in .json, else TOML)")
 
 
 def run_cost_model(args, console) -> int:  # noqa: ANN001
+    from sim.cli_args import apply_overrides
     from sim.scenario import load_scenario
 
-    sc = load_scenario(args.scenario)
+    sc = apply_overrides(load_scenario(args.scenario), args.overrides)  # same order and checks as sim run
     model = cost_model_for(sc)
     if args.out and str(args.out).lower().endswith(".json"):
         import json
 
         text = json.dumps({"cost_model": model.to_dict()}, indent=2) + "\n"
     else:
-        text = to_toml(model, sc.name)
+        text = to_toml(model, sc.name, [f"{k}={v!r}" for k, v in args.overrides])
     if args.out:
         from pathlib import Path
 

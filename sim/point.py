@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from balancer.policies import Policy, make_policy
-from balancer.policies.base import _REGISTRY
+from balancer.policies.spec import format_policy_spec, parse_param_value, parse_policy_spec  # noqa: F401  (parse_param_value re-exported)
 from balancer.router import Router
 from balancer.types import Request, TtftSlo
 from sim.scenario import PoolConfig, Scenario
@@ -133,43 +133,6 @@ class SLO:
 # ---------------------------------------------------------------------- policies
 
 
-def parse_param_value(text: str, default: object = None) -> object:
-    """A policy parameter from text, typed by the parameter's default when it has one:
-    ``bool`` from true/false/1/0/yes/no, ``int``, ``float``, ``str``; with no typed default
-    (``None``) the first of int, float, bool, str that parses.
-
-    Raises:
-        ValueError: the text is not of the default's type.
-    """
-    t = text.strip()
-    low = t.lower()
-    bools = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    if isinstance(default, bool):
-        if low not in bools:
-            raise ValueError(f"expected true or false, got {text!r}")
-        return bools[low]
-    if isinstance(default, int):
-        try:
-            return int(t)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
-    if isinstance(default, float):
-        try:
-            return float(t)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
-    if isinstance(default, str):
-        return t
-    if low == "none":
-        return None
-    for conv in (int, float):
-        try:
-            return conv(t)
-        except ValueError:
-            pass
-    return bools.get(low, t)
-
-
 def import_policy_modules(modules: Sequence[str]) -> None:
     """Import user modules whose ``@register`` decorators add policies (``--policy-module``).
 
@@ -196,29 +159,7 @@ def import_policy_modules(modules: Sequence[str]) -> None:
 
 
 def _parse_one(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
-    name, _, rest = text.strip().partition(":")
-    name = name.strip()
-    if not name:
-        raise ValueError(f"policy {text!r}: missing the policy name before ':'")
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        make_policy(name)  # raises the registry's error, listing the valid names
-    assert cls is not None
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-    params: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"policy {text!r}: expected param=value, got {part!r}")
-        if key not in defaults:
-            raise ValueError(f"policy {name!r} has no parameter {key!r}; accepted: {', '.join(sorted(defaults)) or 'none'}")
-        default = defaults[key]
-        try:
-            params[key] = parse_param_value(value, None if default is dataclasses.MISSING else default)
-        except ValueError as e:
-            raise ValueError(f"policy {name!r}: {key}: {e}") from None
-    make_policy(name, **params)  # the policy's own checks, now rather than in a worker
+    name, params = parse_policy_spec(text)
     return name, tuple(sorted(params.items()))
 
 
@@ -245,12 +186,10 @@ class PolicySpec:
     @property
     def label(self) -> str:
         """``cache_aware``, ``cache_aware(cache_threshold=0.5)``, ``kv_cost+least_load`` ..."""
-        def one(name: str, params: tuple) -> str:
-            return name + (f"({','.join(f'{k}={v}' for k, v in params)})" if params else "")
-        p = one(self.prefill, self.prefill_params)
+        p = format_policy_spec(self.prefill, dict(self.prefill_params))
         if self.decode is None:
             return p
-        return f"{p}+{one(self.decode, self.decode_params)}"
+        return f"{p}+{format_policy_spec(self.decode, dict(self.decode_params))}"
 
     def build(self) -> tuple[Policy, Policy]:
         """The (prefill, decode) policy objects; imports :attr:`modules` first.
@@ -293,11 +232,14 @@ def parse_policy(text: str | PolicySpec, decode: str | None = None, modules: Seq
 class WorkloadSpec:
     """A trace and how it is cut; every point of a search or sweep scales this same workload.
 
-    Steps, in order: read ``trace`` (None = the embedded Mooncake conversation trace) in
-    ``format``; keep the first ``limit`` requests; spread requests sharing a timestamp over
-    ``spread_s`` seconds (seeded by ``seed``; Mooncake logs arrivals in ~3 s batches); keep
-    requests arriving in the first ``duration_s`` seconds. Rate scaling comes after (per point),
-    so every rate of a search sees the same requests.
+    Steps, in order (those of ``pdlb sim run``, :func:`sim.workload.loader.read_trace_cut`): read
+    ``trace`` (None = the embedded Mooncake conversation trace) in ``format``; keep the first
+    ``limit`` requests; spread requests sharing a timestamp over ``spread_s`` seconds (seeded by
+    ``seed``; Mooncake logs arrivals in ~3 s batches) -- :meth:`read`, once per process; then per
+    point scale the rate and keep the requests arriving in the first ``duration_s`` seconds of the
+    scaled trace (:meth:`at_rate`). ``duration_s`` is so the simulated arrival window at every
+    rate: a search judges each rate on the same length of load (a higher rate on more requests).
+    Without ``duration_s`` every rate sees the same requests.
     """
 
     trace: str | None = None
@@ -312,22 +254,24 @@ class WorkloadSpec:
         return self.trace or "embedded:mooncake_conversation.jsonl.gz"
 
     def read(self) -> list[Request]:
-        """The cut workload (see the class docstring).
+        """The workload before rate scaling and ``duration_s`` (see the class docstring).
 
         Raises:
             ValueError: unknown format, an undetectable format, an empty trace.
             FileNotFoundError: no such trace file.
             sim.workload.TraceFormatError: a malformed line (names file and line).
         """
-        from sim.workload import take_slice
         from sim.workload.loader import read_trace_cut
 
         requests, _ = read_trace_cut(self.trace, self.format, limit=self.limit, spread_s=self.spread_s, seed=self.seed)
-        if self.duration_s is not None:
-            requests = take_slice(requests, duration_s=self.duration_s)
-        if not requests:
-            raise ValueError(f"--duration-s {self.duration_s}: no request arrives in the first {self.duration_s} s")
         return requests
+
+    def at_rate(self, requests: Sequence[Request], rate_scale: float) -> list[Request]:
+        """``requests`` (from :meth:`read`) at ``rate_scale``, cut to ``duration_s`` seconds of
+        scaled arrivals (:func:`sim.workload.loader.scale_and_cut`)."""
+        from sim.workload.loader import scale_and_cut
+
+        return scale_and_cut(list(requests), rate_scale, self.duration_s)
 
 
 #: Workloads a process has read or been handed, by key (bounded: a worker holds at most a few).
@@ -527,7 +471,10 @@ def evaluate_point(point: Point) -> PointResult:
     from sim.workload import scale_rate
 
     base = load_workload(point.workload)
-    requests = scale_rate(base, point.rate_scale) if point.rate_scale != 1.0 else list(base)
+    if isinstance(point.workload, WorkloadSpec):  # rate scale, then duration_s in simulated time
+        requests = point.workload.at_rate(base, point.rate_scale)
+    else:  # a registered in-memory workload: already cut
+        requests = scale_rate(base, point.rate_scale) if point.rate_scale != 1.0 else list(base)
     prefill, decode = point.policy.build()
     sc = point.scenario
     n = len(requests)

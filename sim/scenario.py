@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from balancer.validation import format_validation_error
+from balancer.validation import format_validation_error, syntax_error_line
 from sim.perf.config import PerfConfig
 from sim.perf.spec import SpecDecodeConfig
 
@@ -409,7 +409,7 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     except ValidationError as e:
         raise ValueError(format_validation_error(e, source=str(path), model=Scenario)) from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: {' '.join(str(e).split())}") from None
+        raise ValueError(syntax_error_line(str(path), e)) from None
     except _BadText as e:
         raise ValueError(f"{path}: {e}") from None
     except RecursionError:

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from balancer.validation import syntax_error_line
 from sim.cli_args import apply_overrides
 from sim.point import SLO, Point, PointResult, PolicySpec, SimOptions, WorkloadSpec, parse_policy, point_row
 from sim.scenario import PRESETS, Scenario, load_scenario
@@ -102,7 +103,10 @@ def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], pol
     doc = {"base": json.loads(base.model_dump_json()), "set": [[k, v] for k, v in overrides],
            "policy": [policy.prefill, list(map(list, policy.prefill_params)), policy.decode_name,
                       list(map(list, policy.decode_params))],
-           "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit, workload.duration_s,
+           "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit,
+                                                   # duration_s counts simulated time (after rate scaling); tagged
+                                                   # so results of the earlier order (cut first) are not resumed
+                                                   None if workload.duration_s is None else ["scaled", workload.duration_s],
                                                    workload.spread_s, workload.seed],
            "slo": [slo.ttft_s, slo.tpot_s, slo.attainment, slo.percentile, slo.ttft_per_1k_prompt_tokens_s],
            "options": [options.index_mode, options.router_tiers, options.tier_weights]}
@@ -127,7 +131,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{source}: cannot read: {e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{source}: {e}") from None
+        raise ValueError(syntax_error_line(str(source), e)) from None
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_KEYS))}")

@@ -424,7 +424,9 @@ def run_validate(args: argparse.Namespace, console) -> int:
         console.print(f"step_overhead_s = {perf.step_overhead_s:g}  # assumed: roofline default "
                       "(sim/perf/roofline.py), held fixed by the calibration", markup=False)
         return 0
-    keys = [k.strip() for k in args.figures.split(",") if k.strip()] if args.figures else None
+    keys = [k.strip() for k in args.figures.split(",") if k.strip()] if args.figures is not None else None
+    if keys == []:
+        raise ValueError(f"--figures: give at least one figure ({', '.join(FIGURES_BY_KEY)}), or leave the flag out for all")
     results = run_validation(keys)
     t = Table(title=f"perf model vs published figures (pass = within +-{TOLERANCE:.0%}; "
                     f"calibrated on {CALIBRATION_POINT})")

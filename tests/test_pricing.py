@@ -193,7 +193,7 @@ def test_sheet_from_yaml_file(tmp_path: Path) -> None:
      "HH:MM"),
     ('name = "x"\nsource = "s"\ninput_cache_hit_usd_per_mtok = 0.1\ninput_cache_miss_usd_per_mtok = 0.2\n'
      'output_usd_per_mtok = 1\nprice_in_yen = 3\n', "price_in_yen"),
-    ('name = "x"\nsource = "s"\ninput_cache_hit_usd_per_mtok = 0.1\nthis is not toml\n', "line 4"),
+    ('name = "x"\nsource = "s"\ninput_cache_hit_usd_per_mtok = 0.1\nthis is not toml\n', r"\.toml:4:6: "),  # file:line:col
 ])
 def test_invalid_sheet_names_the_file(tmp_path: Path, body: str, match: str) -> None:
     p = tmp_path / "bad_prices.toml"

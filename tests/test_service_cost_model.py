@@ -59,3 +59,26 @@ async def test_the_service_learns_prefill_and_decode_from_what_it_relays():
                 await r.read()
         n = learner.num_observations
         assert n["prefill"] == 6 and n["decode"] == 6, n
+
+
+def test_sim_cost_model_takes_set_like_sim_run(tmp_path: Path, capsys) -> None:
+    # --set on cost-model = --set on sim run: the same dotted scenario fields, applied in order
+    from sim.cost_model import cost_model_for
+    from sim.scenario import load_scenario
+
+    out = tmp_path / "cm.toml"
+    assert main(["sim", "cost-model", "--scenario", "llama70b-pd-h100", "--set", "prefill.max_prefill_tokens=4096",
+                 "--set", "kv_transfer_latency_s=0.5", "--set", "kv_transfer_latency_s=0.005", "--out", str(out)]) == 0
+    got = CostModel.from_dict(read_cost_model_file(str(out)))
+    # by hand: the chunk is the pool's max_prefill_tokens, the transfer latency the scenario's (last --set wins)
+    assert got.prefill.chunk_tokens == 4096 and got.transfer_latency_s == 0.005
+    base = load_scenario("llama70b-pd-h100")
+    independent = base.model_copy(update={"prefill": base.prefill.model_copy(update={"max_prefill_tokens": 4096}),
+                                          "kv_transfer_latency_s": 0.005})
+    assert got == cost_model_for(independent)
+    assert got != cost_model_for(base)
+    assert "--set prefill.max_prefill_tokens=4096" in out.read_text().splitlines()[0]
+    capsys.readouterr()
+    assert main(["sim", "cost-model", "--set", "prefill.max_prefil_tokens=4096"]) == 2
+    assert capsys.readouterr().err == ("error: --set on scenario 'dsv3-pd-h200': prefill.max_prefil_tokens: unknown "
+                                       "field (did you mean 'max_prefill_tokens'?)\n")

@@ -51,6 +51,7 @@ from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
 from balancer.service.request_checks import parse_json_body
 from balancer.service.workers import WorkerPool
 from balancer.types import Role
+from balancer.validation import format_validation_error
 
 log = logging.getLogger("pdlb.service")
 
@@ -338,8 +339,8 @@ async def _add_worker(request: web.Request) -> web.Response:
         return body
     try:
         wcfg = WorkerConfig.model_validate(body)
-    except ValidationError as e:
-        return error_response(400, f"invalid worker: {e.errors(include_url=False, include_context=False, include_input=False)}")
+    except ValidationError as e:  # one readable line: "field: reason; field: reason"
+        return error_response(400, f"invalid worker: {format_validation_error(e, model=WorkerConfig)}")
     if wcfg.role == "prefill" and svc.cfg.pd_protocol == "none":
         return error_response(400, "pd_protocol 'none' takes no prefill workers")
     try:

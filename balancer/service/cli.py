@@ -89,9 +89,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        ("mixed", "mixed (aggregated, prefill + decode) engine(s)")):
         p.add_argument(f"--{role}", action="extend", nargs="+", default=[], metavar="SPEC",
                        help=f"{what}, each {WORKER_SPEC_SYNTAX}; the flag can be repeated (default: none)")
-    p.add_argument("--prefill-policy", metavar="NAME",
-                   help=f"prefill-pool routing policy, one of: {policies} (default: {d.prefill_policy.name})")
-    p.add_argument("--decode-policy", metavar="NAME",
+    p.add_argument("--prefill-policy", metavar="NAME[:K=V,...]",
+                   help=f"prefill-pool routing policy with optional parameters (e.g. cache_aware:cache_threshold=0.5; "
+                        f"'pdlb policies' lists them), one of: {policies} (default: {d.prefill_policy.name})")
+    p.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
                    help=f"decode- and mixed-pool routing policy, same names (default: {d.decode_policy.name}, "
                         "whatever --prefill-policy is; note that 'pdlb sim run --policy P' uses P for both pools)")
     p.add_argument("--cost-model", metavar="FILE",
@@ -219,9 +220,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data.pop("prefill_timeout_s", None)
         off.append("prefill_timeout_s")
     if args.prefill_policy:
-        data["prefill_policy"] = {"name": args.prefill_policy}
+        data["prefill_policy"] = args.prefill_policy  # "name" or "name:k=v,..." (balancer.policies.spec)
     if args.decode_policy:
-        data["decode_policy"] = {"name": args.decode_policy}
+        data["decode_policy"] = args.decode_policy
     if getattr(args, "cost_model", None):
         data["cost_model"] = read_cost_model_file(args.cost_model)
     if getattr(args, "no_learn_cost_model", False):

@@ -8,7 +8,6 @@ stays open 60 s; health checks every 60 s with a 5 s timeout.
 
 from __future__ import annotations
 
-import difflib
 import json
 import tomllib
 from pathlib import Path
@@ -19,8 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from balancer.cost_model import CostModel
-from balancer.policies import available_policies, make_policy
-from balancer.validation import format_validation_error
+from balancer.policies.spec import check_policy_params, parse_policy_spec
+from balancer.validation import format_validation_error, syntax_error_line
 
 WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
 
@@ -148,21 +147,25 @@ class WorkerConfig(BaseModel):
 
 
 class PolicyConfig(BaseModel):
-    """A routing policy by registered name, with its parameters (see ``pdlb policies``)."""
+    """A routing policy by registered name, with its parameters (see ``pdlb policies``): a table
+    ``{name, params}`` or a spec string ``"name:k=v,..."`` (:mod:`balancer.policies.spec`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_spec(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            name, params = parse_policy_spec(data)
+            return {"name": name, "params": params}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
-        valid = available_policies()
-        if self.name not in valid:
-            close = difflib.get_close_matches(self.name.replace("-", "_"), valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown policy {self.name!r}{hint}; valid policies: {', '.join(valid)}")
-        make_policy(self.name, **self.params)  # raises ValueError listing valid params
+        check_policy_params(self.name, self.params)  # unknown name / params (accepted ones listed), own checks
         return self
 
 
@@ -487,8 +490,10 @@ def load_service_config(path: str | Path | None = None, overrides: dict[str, Any
                 data = json.loads(text)
             else:
                 raise ValueError(f"unknown config file type {p.suffix!r} (use .yaml, .toml or .json)")
-        except (OSError, yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        except OSError as e:
             raise ValueError(f"{p}: {e}") from e
+        except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:  # one line, file:line:col
+            raise ValueError(syntax_error_line(str(p), e)) from None
         if not isinstance(data, dict):
             raise ValueError(f"{p}: the top level must be a mapping")
     for k, v in (overrides or {}).items():

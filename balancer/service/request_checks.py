@@ -14,6 +14,15 @@ reaches every engine it retries on. What it checks here:
   (``temperature`` >= 0, ``top_p`` in (0, 1], penalties in [-2, 2], ``repetition_penalty`` > 0),
   ``top_k`` an integer >= -1, ``seed`` an integer, ``stop`` a string or at most :data:`MAX_STOP`
   strings.
+* **The request's shape**: ``model`` a string; ``logprobs`` an integer 0..:data:`MAX_LOGPROBS`
+  on ``/v1/completions``, a boolean on chat (with ``top_logprobs`` an integer 0..:data:`MAX_LOGPROBS`),
+  SGLang's ``return_logprob`` a boolean and ``top_logprobs_num`` an integer; chat ``messages`` each
+  an object with a string ``role`` and a ``content`` that is a string or an array of parts (objects
+  with a string ``type``; a ``text`` part has a string ``text``), ``null`` or absent only on an
+  ``assistant`` message with ``tool_calls`` (or ``function_call``). **Batched prompts** (a
+  ``prompt`` array of several strings or several token-id arrays; SGLang's ``text`` array or
+  ``input_ids`` array of arrays) are refused: one request is routed to one pair of ranks and its
+  answer relayed as is, so a batch would be answered as one prompt; send one request per prompt.
 * **The client's request id** (``rid`` body field or ``X-Request-Id`` header): a string (or
   integer) of at most :data:`MAX_REQUEST_ID_CHARS` printable characters. It is echoed to the
   client and logged, never sent upstream (the router uses its own ids there).
@@ -31,8 +40,8 @@ from typing import Any
 
 from balancer.service.prompt import PromptError
 
-__all__ = ["MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP", "ROUTER_FIELDS", "check_request", "client_request_id",
-           "parse_json_body"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP", "ROUTER_FIELDS", "check_request",
+           "client_request_id", "parse_json_body"]
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params", "data_parallel_rank")
 """Body fields the router sets itself; a client request that carries one is refused."""
@@ -42,6 +51,10 @@ MAX_N = 128
 """Most choices per request (``n``, ``best_of``), as the OpenAI API allows."""
 MAX_STOP = 16
 """Most stop strings per request."""
+MAX_LOGPROBS = 20
+"""Most log-probabilities per token (``logprobs`` on completions, ``top_logprobs`` on chat), as
+vLLM's default ``max_logprobs`` and the OpenAI chat API allow."""
+_BATCH = "batched prompts are not supported by the router ({n} prompts in '{key}'): send one request per prompt"
 
 
 def _reject_constant(name: str) -> float:
@@ -105,6 +118,49 @@ def _sampling(body: Mapping[str, Any], where: str, max_tokens_limit: int) -> Non
             raise PromptError(f"'{where}stop' must be a string or an array of at most {MAX_STOP} strings")
 
 
+def _boolean(body: Mapping[str, Any], key: str) -> None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise PromptError(f"'{key}' must be a boolean")
+
+
+def _messages(messages: Any) -> None:
+    """Chat messages as the OpenAI API requires them (content present; tool-call turns excepted)."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty array")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise PromptError(f"'messages[{i}]' must be an object with a string 'role'")
+        content = m.get("content")
+        if content is None:
+            if m["role"] == "assistant" and (m.get("tool_calls") or m.get("function_call")):
+                continue
+            raise PromptError(f"'messages[{i}].content' is required: a string or an array of content parts")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise PromptError(f"'messages[{i}].content' must be a string or an array of content parts")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise PromptError(f"'messages[{i}].content[{j}]' must be an object with a string 'type'")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise PromptError(f"'messages[{i}].content[{j}].text' must be a string")
+
+
+def _not_batched(body: Mapping[str, Any], endpoint: str) -> None:
+    if endpoint == "completions":
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+            raise PromptError(_BATCH.format(n=len(p), key="prompt"))
+    elif endpoint == "generate":
+        t, ids = body.get("text"), body.get("input_ids")
+        if isinstance(t, list):
+            if len(t) != 1 or not isinstance(t[0], str):
+                raise PromptError(_BATCH.format(n=len(t), key="text") if len(t) > 1 else "'text' must be a string")
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids) and len(ids) > 1:
+            raise PromptError(_BATCH.format(n=len(ids), key="input_ids"))
+
+
 def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int) -> None:
     """Check a generation request body (see the module docstring).
 
@@ -125,6 +181,20 @@ def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise PromptError("'stream_options' must be an object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise PromptError("'model' must be a string")
+    _not_batched(body, endpoint)
+    if endpoint == "completions":
+        _integer(body, "logprobs", "", 0, MAX_LOGPROBS)
+    elif endpoint == "chat":
+        _boolean(body, "logprobs")
+        _integer(body, "top_logprobs", "", 0, MAX_LOGPROBS)
+        _messages(body.get("messages"))
+    else:
+        _boolean(body, "return_logprob")
+        _integer(body, "top_logprobs_num", "", 0, 2**31 - 1)
+        _integer(body, "logprob_start_len", "", -1, 2**63 - 1)
     _sampling(body, "", max_tokens_limit)
     if endpoint == "generate":
         sp = body.get("sampling_params")

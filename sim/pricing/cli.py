@@ -112,7 +112,8 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     src.add_argument("--trace", metavar="PATH", help="trace for --simulate (default: the embedded Mooncake trace)")
     src.add_argument("--limit", type=pos_int, default=2000, metavar="N", help="first N requests for --simulate (default 2000)")
     src.add_argument("--rate-scale", type=pos_float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate")
-    src.add_argument("--policy", default="cache_aware", help="routing policy for --simulate (default cache_aware)")
+    src.add_argument("--policy", default="cache_aware", metavar="NAME[:K=V,...]",
+                     help="routing policy for --simulate, with optional parameters (default cache_aware)")
     src.add_argument("--seed", type=int, default=0, help="seed for --simulate (default 0)")
     src.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -145,6 +146,21 @@ def run_price(args, console) -> int:  # noqa: ANN001
     if scenario is not None and not args.simulate and (scenario.prefill is None or scenario.decode is None):
         raise ValueError(f"--scenario {scenario.name}: the scenario is aggregated; pdlb sim price needs prefill "
                          "and decode pools (or --simulate)")
+    reqs: list = []
+    policy = None
+    if args.simulate and runs is None:  # the trace and the policy before any output, as every command reads them
+        from balancer.policies.spec import build_policy, format_policy_spec, parse_policy_spec
+        from sim.workload import scale_rate
+        from sim.workload.loader import read_trace_cut
+
+        try:
+            name, params = parse_policy_spec(args.policy)
+        except ValueError as e:
+            raise ValueError(f"--policy: {e}") from None
+        policy, policy_label = build_policy(args.policy), format_policy_spec(name, params)
+        reqs, _ = read_trace_cut(args.trace, "auto", limit=args.limit, spread_s=3.0, seed=args.seed)
+        if args.rate_scale != 1.0:
+            reqs = scale_rate(reqs, args.rate_scale)
     console.print(sheets_table(sheets))
     if runs is not None:
         _price_runs(console, [(f"{r.get('scenario', '?')}/{r.get('policy', i)}",
@@ -155,22 +171,14 @@ def run_price(args, console) -> int:  # noqa: ANN001
     if args.simulate:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from sim.workload import read_trace, scale_rate, spread_batches, take_slice
-
-        reqs = read_trace(args.trace, "auto")
-        if args.limit:
-            reqs = take_slice(reqs, 0, args.limit)
-        reqs = spread_batches(reqs, 3.0, seed=args.seed)
-        if args.rate_scale != 1.0:
-            reqs = scale_rate(reqs, args.rate_scale)
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=args.quiet) as prog:
             task = prog.add_task("sim", total=len(reqs))
-            rates, summary = simulate_rates(scenario, reqs, args.policy, seed=args.seed,
+            rates, summary = simulate_rates(scenario, reqs, policy, seed=args.seed,
                                             progress=lambda d, t: prog.update(task, completed=d))
         console.print(f"{scenario.name}: {len(reqs)} requests, makespan {summary['makespan_s']:.0f} s, "
                       f"{scenario.num_gpus} GPUs, prefix hit {100 * summary['prefix_hit_rate']:.1f}%")
-        _price_runs(console, [(f"{scenario.name}/{args.policy}", rates)], sheets, args)
+        _price_runs(console, [(f"{scenario.name}/{policy_label}", rates)], sheets, args)
         return 0
 
     kv_link = not args.no_kv_link

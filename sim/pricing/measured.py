@@ -60,13 +60,25 @@ def load_summaries(path: str | Path) -> list[dict[str, Any]]:
     return runs
 
 
-def simulate_rates(scenario: Scenario, requests: Sequence, policy: str = "cache_aware", *, seed: int = 0,
+def simulate_rates(scenario: Scenario, requests: Sequence, policy: Any = "cache_aware", *, seed: int = 0,
                    progress: Callable[[int, int], None] | None = None) -> tuple[TokenRates, dict[str, Any]]:
-    """Simulate ``requests`` on ``scenario`` with ``policy`` (both pools) and return the measured
-    per-GPU rates and the run summary. The rates are the *delivered* throughput of that workload
-    (its offered load unless the cluster saturates); scale the arrival rate to load the cluster."""
+    """Simulate ``requests`` on ``scenario`` with ``policy`` (a name or a policy object; both
+    pools) and return the measured per-GPU rates and the run summary. The rates are the
+    *delivered* throughput of that workload (its offered load unless the cluster saturates);
+    scale the arrival rate to load the cluster.
+
+    Raises:
+        ValueError: no requests, or none finished (all refused at arrival): nothing to price.
+    """
     from sim.cluster import simulate
     from sim.metrics import summarize
 
+    if not requests:
+        raise ValueError(f"simulation of {scenario.name}: the workload has no requests; nothing to price")
     s = summarize(simulate(scenario, requests, policy, seed=seed, progress=progress))
+    if not s.get("num_finished"):
+        why = ", ".join(f"{n} over {r}" for r, n in sorted(s.get("rejected", {}).items()))
+        raise ValueError(f"simulation of {scenario.name}: none of the {s['num_requests'] + s['num_rejected']} "
+                         f"requests finished ({why or 'none ran'}; max_model_len "
+                         f"{scenario.effective_max_model_len}): nothing to price")
     return rates_from_summary(s, f"simulation of {scenario.name}"), s

@@ -26,6 +26,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from balancer.validation import format_validation_error, syntax_error_line
+
 
 Period = Literal["list", "valley", "blended"]
 PERIODS: tuple[str, ...] = ("list", "valley", "blended")
@@ -181,9 +183,9 @@ def _parse_sheet(text: str, suffix: str, label: str) -> PriceSheet:
             raise ValueError(f"{label}: a price sheet must be a table of fields, got {type(data).__name__}")
         return PriceSheet.model_validate(data)
     except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ValueError(f"{label}: {e}") from e
+        raise ValueError(syntax_error_line(str(label), e)) from None
     except ValidationError as e:
-        raise ValueError(f"{label}: invalid price sheet: {e}") from e
+        raise ValueError(f"{label}: invalid price sheet: {format_validation_error(e, model=PriceSheet)}") from None
 
 
 def load_price_sheet(name_or_path: str | Path) -> PriceSheet:

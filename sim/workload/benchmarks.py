@@ -177,7 +177,7 @@ def load_ramp_workload(
         Requests sorted by arrival, ids ``f"s{k}-r{i}"`` (step ``k``, ``i``-th of the step).
 
     Raises:
-        ValueError: no rates, a negative or non-finite rate, ``step_duration_s <= 0``, bad lengths,
+        ValueError: no rates, a negative or non-finite rate, every rate 0, ``step_duration_s <= 0``, bad lengths,
             or more than ``max_requests`` requests (the expected count ``sum(rates) * step`` is
             checked before anything is drawn, so a typo cannot exhaust memory).
     """
@@ -187,6 +187,8 @@ def load_ramp_workload(
     for r in rates:
         if not math.isfinite(r) or r < 0:
             raise ValueError(f"rates_per_s: every rate must be a finite number >= 0, got {r!r}")
+    if not any(rates):
+        raise ValueError("rates_per_s: every rate is 0, so the workload would be empty; give at least one rate > 0")
     step = check_positive_float(step_duration_s, "step_duration_s")
     pmean = check_positive_float(prompt_tokens_mean, "prompt_tokens_mean")
     omean = check_positive_float(output_tokens_mean, "output_tokens_mean")

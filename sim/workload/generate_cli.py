@@ -36,6 +36,16 @@ def _pos_float(text: str) -> float:
     return v
 
 
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def _rates(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
@@ -43,6 +53,9 @@ def _rates(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}") from None
     if not rates or any(not (r >= 0 and r != float("inf")) for r in rates):
         raise argparse.ArgumentTypeError(f"expected comma-separated finite rates >= 0, got {text!r}")
+    if not any(rates):
+        raise argparse.ArgumentTypeError(f"every rate is 0, so the workload would be empty; give at least one "
+                                         f"rate > 0, got {text!r}")
     return rates
 
 
@@ -78,9 +91,9 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
     rp.add_argument("--step-s", type=_pos_float, required=True, help="duration of each step, seconds")
     rp.add_argument("--prompt-tokens", type=_pos_float, default=1024.0, help="mean prompt length (default %(default)g)")
     rp.add_argument("--output-tokens", type=_pos_float, default=256.0, help="mean output length (default %(default)g)")
-    rp.add_argument("--prompt-sigma", type=float, default=0.0,
+    rp.add_argument("--prompt-sigma", type=_nonneg_float, default=0.0,
                     help="lognormal sigma of prompt lengths (default 0: constant)")
-    rp.add_argument("--output-sigma", type=float, default=0.0,
+    rp.add_argument("--output-sigma", type=_nonneg_float, default=0.0,
                     help="lognormal sigma of output lengths (default 0: constant)")
     rp.add_argument("--shared-prefix-tokens", type=_int(0), default=0, help="shared prefix per group, tokens (default 0)")
     rp.add_argument("--prefix-groups", type=_int(1), default=1, help="number of shared prefixes (default 1)")
@@ -104,6 +117,10 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
                                   output_tokens_sigma=args.output_sigma,
                                   shared_prefix_tokens=args.shared_prefix_tokens,
                                   num_prefix_groups=args.prefix_groups, seed=args.seed, block_size=args.block_size)
+    if not reqs:  # e.g. --rates 0.001 over a 1 s step: an empty file would replay as "the trace has no requests"
+        expected = sum(args.rates) * args.step_s
+        raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
+                         "raise --rates or --step-s, or try another --seed")
     if args.out.parent and not args.out.parent.exists():
         raise ValueError(f"--out: folder {args.out.parent} does not exist")
     n = write_mooncake(reqs, args.out, block_size=args.block_size)

@@ -12,7 +12,7 @@ from balancer.types import Request
 from .azure import read_azure
 from .mooncake import read_mooncake
 
-__all__ = ["DEFAULT_TRACE_NAME", "TRACE_FORMATS", "default_trace_path", "read_trace"]
+__all__ = ["DEFAULT_TRACE_NAME", "TRACE_FORMATS", "default_trace_path", "read_trace", "read_trace_cut", "scale_and_cut"]
 
 DEFAULT_TRACE_NAME = "mooncake_conversation.jsonl.gz"
 """File name of the embedded trace under ``sim/data`` (see ``sim/data/NOTICE.txt``)."""
@@ -91,12 +91,36 @@ def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **
     return read_azure(path, **kwargs)
 
 
+def scale_and_cut(requests: list[Request], rate_scale: float = 1.0, duration_s: float | None = None) -> list[Request]:
+    """``--rate-scale`` then ``--duration-s``, the last steps of :func:`read_trace_cut`: divide
+    every arrival time by ``rate_scale``, then keep the requests arriving in the first
+    ``duration_s`` seconds (from the first arrival) of the *scaled* trace.
+
+    So ``--duration-s`` is the simulated arrival window at every rate: ``--rate-scale 2
+    --duration-s 60`` simulates 60 s of arrivals at twice the trace's rate (twice the requests of
+    ``--rate-scale 1 --duration-s 60``), and a capacity search tests every rate over the same
+    window (a rate is judged on ``duration_s`` seconds of load, not on fewer at higher rates).
+    ``--limit`` comes before both (at most that many requests, whatever the window). The first
+    request always arrives in the window, so the result is never empty when ``requests`` is not.
+    """
+    from sim.workload.transform import scale_rate, take_slice
+
+    out = scale_rate(requests, rate_scale) if rate_scale != 1.0 else list(requests)
+    if duration_s is not None:
+        out = take_slice(out, duration_s=duration_s)
+    return out
+
+
 def read_trace_cut(trace: str | os.PathLike[str] | None, fmt: str = "auto", *, limit: int | None = None,
-                   spread_s: float = 0.0, seed: int = 0) -> tuple[list[Request], str]:
-    """What every command does first with ``--trace/--format/--limit/--spread-s``: resolve the
-    format (``auto``: by extension; the embedded trace is Mooncake), read, keep the first
-    ``limit`` requests, spread timestamp groups over ``spread_s`` seconds (seeded). Returns the
-    requests and the resolved format; rate scaling and ``--duration-s`` are the caller's.
+                   spread_s: float = 0.0, seed: int = 0, rate_scale: float = 1.0,
+                   duration_s: float | None = None) -> tuple[list[Request], str]:
+    """What every command does with ``--trace/--format/--limit/--spread-s/--rate-scale/--duration-s``,
+    in this order: resolve the format (``auto``: by extension; the embedded trace is Mooncake),
+    read, keep the first ``limit`` requests, spread timestamp groups over ``spread_s`` seconds
+    (seeded), scale the rate, keep the first ``duration_s`` seconds of arrivals
+    (:func:`scale_and_cut`: the window is in simulated time, after scaling). Returns the requests
+    and the resolved format. Capacity searches and sweeps read once with the defaults of the last
+    two and apply :func:`scale_and_cut` per rate.
 
     Raises:
         ValueError: ``azure`` without a trace file, an undetectable format (one line naming the
@@ -119,4 +143,4 @@ def read_trace_cut(trace: str | os.PathLike[str] | None, fmt: str = "auto", *, l
         requests = take_slice(requests, 0, limit)
     if spread_s > 0:
         requests = spread_batches(requests, spread_s, seed=seed)
-    return requests, fmt
+    return scale_and_cut(requests, rate_scale, duration_s), fmt

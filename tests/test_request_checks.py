@@ -1,0 +1,108 @@
+"""Request-shape checks of the service (``balancer/service/request_checks.py``): batched prompts,
+``model`` and ``logprobs`` types, chat messages without content; each an OpenAI-style 400 naming
+the field, before anything reaches an engine.
+
+The rules are the OpenAI API's (a ``model`` string; completions ``logprobs`` an integer, chat
+``logprobs`` a boolean with ``top_logprobs`` an integer 0..20; a message needs ``content`` unless
+it is an assistant turn with ``tool_calls``); the expected messages are written by hand from them.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from balancer.service.prompt import PromptError
+from balancer.service.request_checks import check_request
+from sim.emulator.testing import inprocess_cluster
+
+BATCH = "batched prompts are not supported by the router ({n} prompts in '{key}'): send one request per prompt"
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("endpoint, body, message", [
+    ("completions", {"prompt": ["a", "b"]}, BATCH.format(n=2, key="prompt")),
+    ("completions", {"prompt": [[1, 2], [3]]}, BATCH.format(n=2, key="prompt")),
+    ("generate", {"text": ["a", "b", "c"]}, BATCH.format(n=3, key="text")),
+    ("generate", {"input_ids": [[1], [2]]}, BATCH.format(n=2, key="input_ids")),
+    ("generate", {"text": [5]}, "'text' must be a string"),
+    ("completions", {"prompt": "x", "model": 123}, "'model' must be a string"),
+    ("chat", {"messages": [USER], "model": ["m"]}, "'model' must be a string"),
+    ("completions", {"prompt": "x", "logprobs": "x"}, "'logprobs' must be an integer 0..20"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "'logprobs' must be an integer 0..20"),
+    ("completions", {"prompt": "x", "logprobs": True}, "'logprobs' must be an integer 0..20"),
+    ("chat", {"messages": [USER], "logprobs": "x"}, "'logprobs' must be a boolean"),
+    ("chat", {"messages": [USER], "logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer 0..20"),
+    ("generate", {"text": "x", "return_logprob": "yes"}, "'return_logprob' must be a boolean"),
+    ("chat", {"messages": [{"role": "user"}]},
+     "'messages[0].content' is required: a string or an array of content parts"),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": None}]},
+     "'messages[1].content' is required: a string or an array of content parts"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]},
+     "'messages[0].content' must be a string or an array of content parts"),
+    ("chat", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+     "'messages[0].content[0]' must be an object with a string 'type'"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]},
+     "'messages[0].content[0].text' must be a string"),
+    ("chat", {"messages": [{"content": "hi"}]}, "'messages[0]' must be an object with a string 'role'"),
+    ("chat", {"messages": []}, "'messages' must be a non-empty array"),
+])
+def test_bad_shapes_are_refused_naming_the_field(endpoint: str, body: dict, message: str) -> None:
+    with pytest.raises(PromptError) as ei:
+        check_request(endpoint, body, 4096)
+    assert str(ei.value) == message
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("completions", {"prompt": ["one prompt in an array"], "logprobs": 5, "model": "m"}),
+    ("completions", {"prompt": [[1, 2, 3]], "logprobs": 0}),
+    ("completions", {"prompt": [1, 2, 3]}),  # token ids of one prompt, not a batch
+    ("chat", {"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "t"}]},
+                           {"role": "tool", "content": "42"}], "logprobs": True, "top_logprobs": 20}),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]}),
+    ("generate", {"text": ["one"], "return_logprob": False, "top_logprobs_num": 3}),
+    ("generate", {"input_ids": [1, 2, 3]}),
+])
+def test_valid_shapes_pass(endpoint: str, body: dict) -> None:
+    check_request(endpoint, body, 4096)  # raises on a false refusal
+
+
+async def test_the_service_answers_400s_in_openai_form_and_forwards_nothing() -> None:
+    cases = [("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, BATCH.format(n=2, key="prompt")),
+             ("/v1/completions", {"prompt": "x", "model": 123}, "'model' must be a string"),
+             ("/v1/completions", {"prompt": "x", "logprobs": "x"}, "'logprobs' must be an integer 0..20"),
+             ("/v1/chat/completions", {"messages": [{"role": "user"}]},
+              "'messages[0].content' is required: a string or an array of content parts")]
+    async with inprocess_cluster("sglang", num_prefill=1, num_decode=1, engine={"speed": 20.0}) as c, \
+            aiohttp.ClientSession() as s:
+        for path, body, message in cases:
+            async with s.post(c.url + path, json=body) as r:
+                assert r.status == 400
+                assert await r.json() == {"error": {"message": message, "type": "invalid_request_error", "code": 400}}
+        log = []
+        for srv in c.engines:
+            async with s.get(f"http://127.0.0.1:{srv.port}/emulator/requests") as r:
+                log += await r.json()
+        assert log == []  # nothing reached an engine
+        async with s.post(c.url + "/v1/completions", json={"prompt": ["one"], "max_tokens": 2}) as r:
+            assert r.status == 200 and len((await r.json())["choices"]) == 1
+
+
+async def test_admin_api_validation_errors_are_one_readable_line_per_problem() -> None:
+    # was: "invalid worker: [{'type': 'missing', 'loc': ('role',), 'msg': 'Field required'}, ...]"
+    auth = {"Authorization": "Bearer k"}
+    async with inprocess_cluster("sglang", engine={"speed": 20.0}, router={"admin_api_key": "k"}) as c, \
+            aiohttp.ClientSession() as s:
+        cases = [
+            ({"url": "http://127.0.0.1:9"}, "invalid worker: role: Field required"),
+            ({"url": "http://127.0.0.1:9", "role": "decode", "dp_sise": 2},
+             "invalid worker: dp_sise: unknown field (did you mean 'dp_size'?)"),
+            ({"url": "http://127.0.0.1:9", "role": "decoder", "dp_size": 0},
+             "invalid worker: role: Input should be 'prefill', 'decode' or 'mixed'; "
+             "dp_size: Input should be greater than or equal to 1"),
+        ]
+        for body, message in cases:
+            async with s.post(c.url + "/workers", json=body, headers=auth) as r:
+                assert r.status == 400
+                got = (await r.json())["error"]["message"]
+                assert got == message and "\n" not in got
