@@ -178,20 +178,22 @@ class EpAware(Policy):
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
         names, idx, rows = engine_groups(cands.replicas)
         ttft = None
+        slo = self._ttft_slo(ctx) if cands.role is not Role.DECODE else None
+        want = slo is not None
         if cands.role is Role.PREFILL:
-            cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill")
+            cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", want)
             reason = "ep_aware:prefill"
         elif cands.role is Role.DECODE:
             cost = self.decode_cost(request, cands, model, names, idx, rows, transfer=True)
             reason = "ep_aware:decode"
         else:
-            cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed")
+            cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", want)
             cost = (cost + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
                     + self.externality_weight * self._mixed_stall(request, cands, model, names, idx, rows))
             reason = "ep_aware:mixed"
         doomed = False
-        slo = self._ttft_slo(ctx) if ttft is not None else None
         if slo is not None:
+            assert ttft is not None and own is not None  # prefill or mixed, want_own
             cost, doomed = self._slo(slo.budget_s(request.prompt_tokens), cost, ttft, own)
         cost, feasible = self._capacity(request, cands, cost)
         if doomed:  # the longest predicted TTFT among the least harmful: no tie rule on these scores
@@ -204,29 +206,33 @@ class EpAware(Policy):
     # ------------------------------------------------------------------ prefill
     def prefill_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None,
-                     role: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     role: str, want_own: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(cost, ttft, own)``, shapes ``(n,)``: the cost (predicted seconds until the prompt's
         prefill completes, plus the weighted externality and horizon terms), the predicted TTFT
         alone (seconds until the prefill completes, with tier fetches), and the prompt's own
-        prefill seconds on an idle rank (its uncached tokens' steps and the fetches)."""
+        prefill seconds on an idle rank (its uncached tokens' steps and the fetches; None unless
+        ``want_own``)."""
         eng = self._uniform_engine(model, names, role)
         if eng is None:  # heterogeneous pool: price each engine's candidates with its own model
             out, ttft, own = np.empty(len(cands)), np.empty(len(cands)), np.empty(len(cands))
             for e, name in enumerate(names):
                 sub = np.flatnonzero(idx == e)
-                out[sub], ttft[sub], own[sub] = self._prefill_cost_one(request, cands, model, model.engine(name, role),
-                                                                       idx, rows, sub)
-            return out, ttft, own
-        return self._prefill_cost_one(request, cands, model, eng, idx, rows, None)
+                out[sub], ttft[sub], own_e = self._prefill_cost_one(request, cands, model, model.engine(name, role),
+                                                                    idx, rows, sub, want_own)
+                if own_e is not None:
+                    own[sub] = own_e
+            return out, ttft, own if want_own else None
+        return self._prefill_cost_one(request, cands, model, eng, idx, rows, None, want_own)
 
     def _prefill_cost_one(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
                           idx: np.ndarray, rows: np.ndarray | None,
-                          sub: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                          sub: np.ndarray | None,
+                          want_own: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         bs = float(cands.block_size)
         P = float(request.prompt_tokens)
         q = cands.prefill_tokens.astype(np.float64)
         a = cands.prefill_attn_pairs if cands.prefill_attn_pairs is not None else np.zeros(len(q))
-        if cands.hbm_blocks is not None:
+        if cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None:
             hbm = cands.hbm_blocks * bs
             cached = np.minimum(hbm + (cands.host_blocks + cands.store_blocks) * bs, P - 1.0)
             host_t = np.clip(np.minimum(hbm + cands.host_blocks * bs, cached) - hbm, 0.0, None)
@@ -246,13 +252,14 @@ class EpAware(Policy):
                 cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
             else:
                 cost = cost + ext
-        cost = np.broadcast_to(cost, ttft.shape)
-        c = eng.prefill
-        own = (np.ceil(u / float(eng.chunk_tokens)) * c.overhead_s + (c.per_token_s + c.per_group_token_s) * u
-               + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0) + fetch)
+        own = None
+        if want_own:
+            c = eng.prefill
+            own = (np.ceil(u / float(eng.chunk_tokens)) * c.overhead_s + (c.per_token_s + c.per_group_token_s) * u
+                   + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0) + fetch)
         if sub is None:
             return cost, ttft, own
-        return np.asarray(cost)[sub], np.asarray(ttft)[sub], np.asarray(own)[sub]
+        return cost[sub], ttft[sub], (own[sub] if own is not None else None)
 
     def _ttft_slo(self, ctx: SelectContext) -> TtftSlo | None:
         """The budget routed against: the policy's own (``ttft_slo_s`` > 0), else the router's
