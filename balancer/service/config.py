@@ -80,8 +80,8 @@ def worker_url_problem(url: str) -> str | None:
     if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
         return "the URL must be the engine's base URL, scheme://host:port, without a path, query or fragment"
     hostport = parts.netloc
-    port_text = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
-    port_text = port_text.partition(":")[2] if ":" in port_text else None
+    after_host = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+    port_text = after_host.partition(":")[2] if ":" in after_host else None
     if port_text is not None and port_text != "":
         if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
             return f"port {port_text!r} is not an integer 1..65535"
