@@ -332,8 +332,11 @@ class ServiceConfig(BaseModel):
             (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
             them, so prefix views agree; in approximate mode each process sends its decisions to
             the others (:mod:`balancer.service.shared_prefix`); breakers are per process;
-            ``/metrics`` aggregates all of them; the
-            admin API cannot add or remove workers (409) when > 1. See docs/serving.md, "Overhead".
+            ``/metrics`` aggregates all of them; admin API changes are applied by every process
+            (:mod:`balancer.service.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
+            per core it may run on (:func:`balancer.service.cli.default_processes`); an app built
+            in process (:func:`balancer.service.app.create_app`) is one. See docs/serving.md,
+            "Overhead".
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -378,7 +381,7 @@ class ServiceConfig(BaseModel):
     shutdown_timeout_s: float = Field(30.0, ge=0)
     default_max_tokens: int = Field(16, ge=1)
     seed: int = 0
-    processes: int = Field(1, ge=1, le=256)
+    processes: int | None = Field(None, ge=1, le=256)
 
     @field_validator("cost_model")
     @classmethod
