@@ -271,7 +271,9 @@ class ServiceConfig(BaseModel):
             (:meth:`balancer.cost_model.CostModel.to_dict`); ``None``: the generic
             :data:`balancer.cost_model.DEFAULT_COST_MODEL`.
         learn_cost_model: refit the cost model online from observed prefill times and
-            inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on).
+            inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on; only
+            when a pool's policy reads the model,
+            :data:`balancer.service.app.COST_MODEL_POLICIES`).
         block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
             :mod:`balancer.service.prompt`.
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt

@@ -314,7 +314,7 @@ class Proxy:
     async def _attempt(self, ctx: _Ctx, upstream_id: str, n_tokens: int, hashes: tuple[int, ...],
                        max_out: int) -> web.StreamResponse:
         now = time.monotonic()
-        self.pool.refresh(now)
+        self.pool.refresh_due(now)
         if self.cfg.pd_protocol != "none" and self.pool.num_prefill and not self.router.disaggregated:
             # PD decode engines cannot serve a request without its prefill leg: 503, not a silent
             # decode-only request (pd_min_uncached_tokens still serves short prompts decode-only
