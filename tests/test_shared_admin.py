@@ -211,7 +211,7 @@ class _Stats:
         self.batches = batches
 
     def stats(self):  # noqa: ANN201
-        from balancer.service.kv_subscriber import KvEventsCollector
+        from balancer.service.kv_metrics import KvEventsCollector
 
         d = {k: 0 for k in KvEventsCollector.COUNTERS} | {"batches": self.batches, "stale": False, "last_seq": 9,
                                                             "translator_engine_blocks": 3}
@@ -221,7 +221,7 @@ class _Stats:
 def test_kv_event_counters_of_each_process_carry_its_index(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from balancer.service.kv_subscriber import KvEventsFilesCollector, write_stats_file
+    from balancer.service.kv_metrics import KvEventsFilesCollector, write_stats_file
 
     write_stats_file(str(tmp_path), 0, _Stats(4))
     write_stats_file(str(tmp_path), 1, _Stats(5))

@@ -185,7 +185,7 @@ class Service:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if self.kv_subscriber is None or not self.multiprocess or not directory:
             return
-        from balancer.service.kv_subscriber import write_stats_file
+        from balancer.service.kv_metrics import write_stats_file
 
         try:
             write_stats_file(directory, self.process_index, self.kv_subscriber, self.kv_delivery)

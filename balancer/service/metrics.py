@@ -80,7 +80,7 @@ class ServiceMetrics:
             self._scrape_registry.register(_LiveWorkersOnly(prom_multiprocess.MultiProcessCollector(None), self))
             directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
             if directory:
-                from balancer.service.kv_subscriber import KvEventsFilesCollector
+                from balancer.service.kv_metrics import KvEventsFilesCollector
 
                 self._scrape_registry.register(KvEventsFilesCollector(directory))
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
