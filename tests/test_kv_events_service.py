@@ -221,8 +221,16 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
         assert await _wait(lambda: shares[1].received == 1)
         second = b.route(Request("y", 1.0, 640, hs), 1.0)
         assert second.decode == first.decode and second.decode_matched_tokens == 640
-        assert shares[0].sent == 1 and shares[1].sent == 1  # B's own decision went out too
+        assert shares[1].sent == 0  # B's own decision goes out on the event loop's next pass
         assert await _wait(lambda: shares[0].received == 1)
+        assert shares[0].sent == 1 and shares[1].sent == 1
+        # decisions of one loop pass travel in one message: 5 routed in a row reach A together
+        got = []
+        a.record_routed = lambda reps, hashes, now: got.append(len(got))  # type: ignore[method-assign]
+        for i in range(5):
+            b.route(Request(f"z{i}", 2.0, 64, (i,)), 2.0)
+        assert await _wait(lambda: shares[0].received == 6)
+        assert shares[1].sent == 6 and shares[1].messages == 2 and got == [0, 1, 2, 3, 4]
     finally:
         for sh in shares:
             await sh.close()
