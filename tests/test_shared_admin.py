@@ -97,8 +97,9 @@ class _FakeProcess:
                 continue
             if op == "add":
                 self.urls[payload["url"]] = cols
-            else:
-                self.urls.pop(payload, None)
+            elif self.urls.pop(payload, None) is None:
+                self.conn.send(("ack", op_id, False, [404, f"no worker {payload}"]))
+                continue
             self.conn.send(("ack", op_id, True, None))
 
 
@@ -139,6 +140,31 @@ def test_coordinator_applies_everywhere_or_nowhere(monkeypatch):
         coord.apply_everywhere("add", {"url": "http://e", "dp_size": 1})
     assert e.value.status == 409
     assert coord.changes == 4
+
+
+def test_a_removal_that_finds_the_worker_gone_counts_as_done():
+    coord, fakes = _coordinator({}, {})
+    coord.apply_everywhere("add", {"url": "http://b"})
+    del fakes[1].urls["http://b"]  # process 1 answers 404
+    coord.apply_everywhere("remove", "http://b")
+    assert "http://b" not in coord.columns and all("http://b" not in f.urls for f in fakes)
+
+
+async def test_a_worker_is_not_left_half_added_when_following_its_events_fails(monkeypatch):
+    """apply_admin_change: the pool add succeeded but subscribing to the worker's KV events
+    raised: the worker is removed again before the error propagates (the parent then undoes the
+    add in the other processes)."""
+    from balancer.service import app as app_mod
+    from balancer.service.config import ServiceConfig
+
+    async def broken(svc, wcfg):  # noqa: ANN001, ANN202
+        raise RuntimeError("subscriber did not start")
+
+    monkeypatch.setattr(app_mod, "_follow_kv_events", broken)
+    svc = app_mod.Service(ServiceConfig(decode_policy={"name": "round_robin"}))
+    with pytest.raises(RuntimeError, match="did not start"):
+        await app_mod.apply_admin_change(svc, "add", {"url": "http://127.0.0.1:9", "role": "mixed"}, [])
+    assert svc.pool.workers == {} and svc.router.replicas() == []
 
 
 def test_coordinator_undoes_an_add_a_process_never_confirmed(monkeypatch):
@@ -255,3 +281,16 @@ async def test_pdlb_serve_starts_one_process_per_core_by_default():
     finally:
         router.stop()
         engines[0].stop()
+
+
+def test_a_failed_multiprocess_start_leaves_the_environment_as_it_was(tmp_path, capsys):
+    """main() in process with several router processes that fail to start (bad tokenizer path):
+    status 2, one clear line, and PROMETHEUS_MULTIPROC_DIR not left set for the caller."""
+    from balancer.service.cli import main
+
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    code = main(["--processes", "2", "--port", "0", "--pd-protocol", "none", "--mixed", "http://127.0.0.1:9",
+                 "--tokenizer", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: tokenizer_path" in err and "(router process " in err and "Traceback" not in err
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before

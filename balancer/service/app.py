@@ -370,9 +370,15 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
             w = svc.pool.add(wcfg)
         except ValueError as e:
             raise AdminRefused(409, str(e)) from None
-        if svc.shared_load is not None:
-            svc.shared_load.add(dict(zip(w.replicas, columns)))
-        await _follow_kv_events(svc, wcfg)
+        try:
+            if svc.shared_load is not None:
+                svc.shared_load.add(dict(zip(w.replicas, columns)))
+            await _follow_kv_events(svc, wcfg)
+        except BaseException:  # all or nothing here too: no half-registered worker stays
+            if svc.shared_load is not None:
+                svc.shared_load.remove(w.replicas)
+            svc.pool.remove(w.url)
+            raise
     elif op == "remove":
         gone = svc.pool.get(str(payload).rstrip("/"))
         if gone is None:

@@ -392,7 +392,9 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         columns[w.url] = list(range(c, c + w.dp_size))
         c += w.dp_size
     prefix_dir = tempfile.mkdtemp(prefix="pdlb-prefix-")  # the processes' approximate-index sockets
-    # read by prometheus_client at import in each spawned process (multiprocess mode)
+    # read by prometheus_client at import in each spawned process (multiprocess mode); restored at
+    # exit, so that a caller of main() in process is not left in multiprocess mode
+    old_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
     procs: list = []
@@ -427,7 +429,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
             if msg is None:
                 return 0
             if msg[0] != "ready":
-                print(f"error: router process {i}: {msg[1]}", file=sys.stderr)
+                print(f"error: {msg[1]} (router process {i} of {n_processes})", file=sys.stderr)
                 return 2
         reservation.close()
         print(_ready_line(cfg, port), flush=True)
@@ -455,6 +457,10 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
                 p.join(5)
         for sig, h in old.items():
             signal.signal(sig, h)
+        if old_env is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = old_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shm.close()
         shm.unlink()

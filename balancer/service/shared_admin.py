@@ -9,10 +9,12 @@ sends it to the parent over its control pipe (the pipe it reported ``ready`` on)
    (:mod:`balancer.service.shared_load`);
 2. it sends the change to **every** process (the one that asked included) and waits for each one's
    answer; each applies it to its worker pool, router, shared-load view and KV-event subscriber;
-3. if any process refused or did not answer within :data:`APPLY_TIMEOUT_S`, the processes that
-   applied it are told to undo it (an add is removed again), so the worker set stays the same in
-   every process; then the asking process gets the result and answers its client (201 / 200, or
-   the refusal: 409, 404, 503).
+3. if any process refused an add or did not answer within :data:`APPLY_TIMEOUT_S`, the processes
+   that applied it are told to undo it (the worker is removed again), so the worker set stays the
+   same in every process; a removal is not undone (a process that no longer has the worker counts
+   as done; one that does not answer is dying, and the parent then stops them all); then the
+   asking process gets the result and answers its client (201 / 200, or the refusal: 409, 404,
+   503).
 
 So a change is all-or-nothing and every process applies the changes in one order: the processes'
 worker sets (and their shared-load columns) agree whenever no change is in progress. Between the
@@ -179,7 +181,7 @@ class AdminCoordinator:
                 i, msg = self._queue.popleft()
                 if msg[0] == "ack" and msg[1] == op_id and i in pending:
                     pending.discard(i)
-                    if msg[2]:
+                    if msg[2] or (op == "remove" and msg[3][0] == 404):  # a removal finds it gone: done
                         applied.add(i)
                     elif failed is None:
                         failed = AdminRefused(int(msg[3][0]), str(msg[3][1]))
