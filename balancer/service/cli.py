@@ -47,8 +47,8 @@ def listen_error(host: str, port: int, err: OSError) -> str:
 
 def default_processes() -> int:
     """Router processes ``pdlb serve`` starts when none is configured: the CPUs this process
-    may run on (``os.sched_getaffinity``, so a ``taskset`` or container CPU set counts; else
-    ``os.cpu_count()``), at most 256 (the setting's limit)."""
+    may run on (``os.sched_getaffinity``, so a ``taskset`` or cpuset counts, a CPU quota does not;
+    else ``os.cpu_count()``), at most 256 (the setting's limit)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
