@@ -221,7 +221,7 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
         assert await _wait(lambda: shares[1].received == 1)
         second = b.route(Request("y", 1.0, 640, hs), 1.0)
         assert second.decode == first.decode and second.decode_matched_tokens == 640
-        assert shares[1].sent == 0  # B's own decision goes out on the event loop's next pass
+        assert shares[1].sent == 0  # B's own decision goes out within FLUSH_INTERVAL_S
         assert await _wait(lambda: shares[0].received == 1)
         assert shares[0].sent == 1 and shares[1].sent == 1
         # decisions of one loop pass travel in one message: 5 routed in a row reach A together
