@@ -64,11 +64,12 @@ def _bit_numbers(mask: int) -> np.ndarray:
 
 
 class _Entry:
-    """A node's place in one replica's LRU list (doubly linked; the list's sentinel has node None)."""
+    """A node's place in one replica's LRU list (doubly linked; the list's sentinel has node
+    :data:`_NO_NODE`, never read: walks stop at the sentinel)."""
 
     __slots__ = ("node", "time", "prev", "next")
 
-    def __init__(self, node: _Node | None, time: float) -> None:
+    def __init__(self, node: _Node, time: float) -> None:
         self.node = node
         self.time = time
         self.prev: _Entry = self
@@ -88,6 +89,10 @@ class _Node:
         self.entries: dict[int, _Entry] = {}  # replica number -> its LRU entry for this node
 
 
+_NO_NODE = _Node((), None)
+"""The node of every LRU list's sentinel entry (a placeholder: no run, never in a tree)."""
+
+
 class _Replica:
     """Per-replica state: its number, LRU list sentinel and held block count. O(1) memory: the
     replica's bit (``1 << num``, ``num / 8`` bytes) is built when needed, not stored, so that
@@ -97,7 +102,7 @@ class _Replica:
 
     def __init__(self, num: int) -> None:
         self.num = num
-        self.head = _Entry(None, 0.0)  # head.next: least recently used; head.prev: most
+        self.head = _Entry(_NO_NODE, 0.0)  # head.next: least recently used; head.prev: most
         self.blocks = 0
 
 
@@ -176,6 +181,7 @@ class PrefixIndex:
             self._version += 1
             if self.total_capacity_blocks is not None:  # the per-replica share shrank
                 cap = self.effective_capacity_blocks()
+                assert cap is not None  # a global bound gives a per-replica one
                 for other in list(self._state.values()):
                     if other.blocks > cap:
                         self._evict_to(other, cap)
@@ -414,8 +420,9 @@ class PrefixIndex:
             # the engine's sequence uses the blocks it continues: they are touched too (root to
             # parent), so the chain's runs share one time and LRU place and merge into one node
             # (1,000 continuation events of one chain: 1 node, not 1,000)
-            up = node
+            up: _Node | None = node
             while up is not self._root:
+                assert up is not None  # every run below the root has a parent
                 path.append(up)
                 up = up.parent
             path.reverse()
@@ -585,8 +592,10 @@ class PrefixIndex:
         node_of = self._node_of
         if len(head) <= len(tail) + len(node.children):  # new top piece; node keeps the tail
             bottom = node
-            top = _Node(head, node.parent)
-            node.parent.children[head[0]] = top
+            above = node.parent
+            assert above is not None  # the root (no blocks) is never split
+            top = _Node(head, above)
+            above.children[head[0]] = top
             top.children[tail[0]] = node
             node.parent = top
             node.blocks = tail
@@ -630,6 +639,7 @@ class PrefixIndex:
             for te in top.entries.values():
                 _unlink(te)
             parent = top.parent
+            assert parent is not None  # top is not the root (checked above)
             node.blocks = top.blocks + node.blocks
             node.parent = parent
             parent.children[top.blocks[0]] = node
@@ -656,13 +666,14 @@ class PrefixIndex:
         if node.holders:
             if len(node.children) == 1:
                 node = self._try_merge(node) or node
-            if len(node.parent.children) == 1:
-                self._try_merge(node.parent)
+            if (above := node.parent) is not None and len(above.children) == 1:
+                self._try_merge(above)
             return
         self._unique -= len(node.blocks)
         node_of = self._node_of
         while node is not self._root and not node.holders and not node.children:
             parent = node.parent
+            assert parent is not None  # every run below the root has a parent
             del parent.children[node.blocks[0]]
             if node_of is not None:
                 deque(map(node_of.__delitem__, node.blocks), 0)

@@ -266,8 +266,9 @@ async def _per_process(session: aiohttp.ClientSession, url: str, path: str, n_pr
 
 
 async def test_two_router_processes_serve_all_and_return_to_zero():
-    engines = spawn_engines([("prefill", *FAST), ("decode", *FAST), ("decode", *FAST)])
-    procs = list(engines)
+    engines = spawn_engines([("prefill", *FAST), ("decode", *FAST), ("decode", *FAST), ("decode", *FAST)])
+    spare = engines.pop()  # added at run time through the admin API
+    procs = [*engines, spare]
     n = 200
     try:
         router = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2", "--decode-policy", "round_robin")
@@ -301,11 +302,39 @@ async def test_two_router_processes_serve_all_and_return_to_zero():
             # the decode engines saw all n requests (round robin in each process: both got some)
             ok = [(await _json(s, e.url + "/emulator/stats"))["ok"] for e in engines[1:]]
             assert sum(ok) == n and min(ok) > 0
-            # adding or removing workers is refused: it would reach one process only
-            r = await s.post(router.url + "/workers", json={"url": "http://127.0.0.1:9", "role": "decode"})
+            # an added worker reaches both processes before the 201: each lists it and routes to it
+            r = await s.post(router.url + "/workers", json={"url": spare.url, "role": "decode"})
+            assert r.status == 201 and (await r.json())["processes"] == 2
+            r = await s.post(router.url + "/workers", json={"url": spare.url, "role": "decode"})
             assert r.status == 409 and (await r.json())["error"]["type"] == "conflict"
-            r = await s.delete(router.url + "/workers", params={"url": engines[1].url})
-            assert r.status == 409
+            workers = await _per_process(s, router.url, "/workers", 2)
+            assert all(sorted(x["url"] for x in w["workers"]) == sorted(e.url for e in [*engines, spare])
+                       for w in workers.values())
+            # round robin over the 3 decode workers in each process: a process that gets k of the
+            # 40 requests (fresh connections) sends floor(k/3) or ceil(k/3) of them to the spare,
+            # so together at least floor(k/3) + floor((40-k)/3) >= 12
+            for i in range(40):
+                async with s.post(router.url + "/v1/completions", headers={"Connection": "close"},
+                                  json={"model": "emu", "prompt": f"q{i} " * 20, "max_tokens": 1}) as r:
+                    assert r.status == 200
+            assert (await _json(s, spare.url + "/emulator/stats"))["ok"] >= 12
+            assert await _metric(s, router, r'pdlb_worker_in_flight_requests\{dp_rank="0",role="decode",worker="%s"\}'
+                                 % re.escape(spare.url)) == [0.0]
+            # removal reaches both as well; the removed worker's gauges leave /metrics
+            r = await s.delete(router.url + "/workers", params={"url": spare.url})
+            assert r.status == 200 and (await r.json()) == {"removed": spare.url}
+            r = await s.delete(router.url + "/workers", params={"url": spare.url})
+            assert r.status == 404
+            workers = await _per_process(s, router.url, "/workers", 2)
+            assert all(spare.url not in [x["url"] for x in w["workers"]] for w in workers.values())
+            before = (await _json(s, spare.url + "/emulator/stats"))["ok"]
+            for i in range(10):
+                async with s.post(router.url + "/v1/completions", headers={"Connection": "close"},
+                                  json={"model": "emu", "prompt": "z " * 20, "max_tokens": 1}) as r:
+                    assert r.status == 200
+            assert (await _json(s, spare.url + "/emulator/stats"))["ok"] == before
+            for pattern in (r'pdlb_worker_in_flight_requests\{[^}]*worker="%s"\}', r'pdlb_worker_healthy\{worker="%s"\}'):
+                assert await _metric(s, router, pattern % re.escape(spare.url)) == []
         assert router.stop() == 0  # SIGTERM: both processes drain and exit, then the parent
     finally:
         _stop_all(procs)

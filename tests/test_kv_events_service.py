@@ -221,8 +221,16 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
         assert await _wait(lambda: shares[1].received == 1)
         second = b.route(Request("y", 1.0, 640, hs), 1.0)
         assert second.decode == first.decode and second.decode_matched_tokens == 640
-        assert shares[0].sent == 1 and shares[1].sent == 1  # B's own decision went out too
+        assert shares[1].sent == 0  # B's own decision goes out within FLUSH_INTERVAL_S
         assert await _wait(lambda: shares[0].received == 1)
+        assert shares[0].sent == 1 and shares[1].sent == 1
+        # decisions of one loop pass travel in one message: 5 routed in a row reach A together
+        got = []
+        a.record_routed = lambda reps, hashes, now: got.append(len(got))  # type: ignore[method-assign]
+        for i in range(5):
+            b.route(Request(f"z{i}", 2.0, 64, (i,)), 2.0)
+        assert await _wait(lambda: shares[0].received == 6)
+        assert shares[1].sent == 6 and shares[1].messages == 2 and got == [0, 1, 2, 3, 4]
     finally:
         for sh in shares:
             await sh.close()
@@ -290,3 +298,73 @@ async def test_workers_added_at_run_time_have_their_events_followed():
             await e.close()
         for p in pubs:
             p.close()
+
+
+async def test_every_router_process_follows_the_events_and_reports_them():
+    """``pdlb serve --processes 2 --index-mode events``: each process runs its own subscriber, so a
+    prefix engine 1 announces draws requests from both processes there; ``/metrics`` shows each
+    process's counters under its ``process`` label (each received the one batch: not summed to 2).
+    A worker with events added through the admin API is followed by both processes too."""
+    from sim.emulator.testing import spawn_engines, spawn_router
+
+    pubs = [FakeEngine("map", "int", block_size=16) for _ in range(3)]
+    engines = spawn_engines([("mixed", "--zero-delay")] * 3)
+    router = None
+    try:
+        specs = [f"{e.url},events={p.endpoint},replay={p.replay_endpoint}" for e, p in zip(engines[:2], pubs)]
+        router = spawn_router("none", [], [], "--processes", "2", "--index-mode", "events", "--block-size", str(BS),
+                              "--decode-policy", "cache_aware", "--mixed", *specs)
+        rng = random.Random(5)
+        conn = aiohttp.TCPConnector(force_close=True)  # fresh connections: both processes answer
+        async with aiohttp.ClientSession(connector=conn) as s:
+            async def served(prefix: list[int], k: int, n: int = 12) -> list[int]:
+                before = [(await (await s.get(e.url + "/emulator/stats")).json())["ok"] for e in engines]
+                for _ in range(n):
+                    body = {"prompt": prefix + [rng.randrange(30_000) for _ in range(8)], "max_tokens": 1}
+                    async with s.post(router.url + "/v1/completions", json=body) as r:
+                        assert r.status == 200
+                after = [(await (await s.get(e.url + "/emulator/stats")).json())["ok"] for e in engines]
+                return [b - a for a, b in zip(before, after)]
+
+            async def metric_lines() -> list[str]:
+                text = await (await s.get(router.url + "/metrics")).text()
+                return [ln for ln in text.splitlines() if ln.startswith("pdlb_kv_events_batches_total{")]
+
+            async def until(pred, timeout_s: float = 20.0):  # noqa: ANN001, ANN202
+                end = time.monotonic() + timeout_s
+                while time.monotonic() < end:
+                    if (v := await pred()):
+                        return v
+                    await asyncio.sleep(0.2)
+                return await pred()
+
+            prefix = [rng.randrange(30_000) for _ in range(128)]
+            await asyncio.sleep(1.0)  # both subscribers' SUB sockets join
+            pubs[1].publish([pubs[1].stored(prefix)[1]])
+            want = {f'pdlb_kv_events_batches_total{{dp_rank="0",process="{i}",worker="{engines[1].url}"}} 1.0'
+                    for i in range(2)}
+            lines = await until(lambda: _has(metric_lines, want))
+            assert lines, await metric_lines()
+            assert await served(prefix, 1) == [0, 12, 0]  # 12 requests over both processes: all to engine 1
+            # a worker with events added at run time: both processes subscribe to it
+            r = await s.post(router.url + "/workers", json={"url": engines[2].url, "role": "mixed",
+                                                             "events": pubs[2].endpoint, "replay": pubs[2].replay_endpoint})
+            assert r.status == 201
+            await asyncio.sleep(1.5)
+            prefix2 = [rng.randrange(30_000) for _ in range(128)]
+            pubs[2].publish([pubs[2].stored(prefix2)[1]])
+            want2 = {f'pdlb_kv_events_batches_total{{dp_rank="0",process="{i}",worker="{engines[2].url}"}} 1.0'
+                     for i in range(2)}
+            assert await until(lambda: _has(metric_lines, want2)), await metric_lines()
+            assert await served(prefix2, 2) == [0, 0, 12]
+    finally:
+        if router is not None:
+            router.stop()
+        for e in engines:
+            e.stop()
+        for p in pubs:
+            p.close()
+
+
+async def _has(lines_of, want: set[str]) -> bool:  # noqa: ANN001
+    return want <= set(await lines_of())

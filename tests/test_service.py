@@ -444,3 +444,27 @@ def test_max_output_tokens_reads_each_api_spelling():
     for bad in (0, -3, 2.5, True, "8"):
         with pytest.raises(PromptError, match="positive integer"):
             max_output_tokens("completions", {"max_tokens": bad}, 16)
+
+
+def test_cost_model_is_learned_only_for_policies_that_read_it():
+    """The online cost-model fit is skipped when no pool's policy reads the model: that is every
+    policy whose module never mentions ``cost_model`` (checked over all policies, so a new
+    cost-based policy cannot be missed), and the prefill policy of a ``pd_protocol: none`` router
+    (no prefill pool)."""
+    import inspect
+
+    from balancer.policies import available_policies, make_policy
+    from balancer.service.app import COST_MODEL_POLICIES, Service
+
+    reads = {n for n in available_policies()
+             if "cost_model" in inspect.getsource(inspect.getmodule(type(make_policy(n))))}
+    assert reads == COST_MODEL_POLICIES == {"ep_aware"}
+    w = [{"url": "http://127.0.0.1:9", "role": "mixed"}]
+    for decode, prefill, proto, learns in [("round_robin", "ep_aware", "none", False), ("ep_aware", "round_robin", "none", True),
+                                           ("round_robin", "ep_aware", "sglang", True),
+                                           ("round_robin", "least_load", "sglang", False)]:
+        cfg = ServiceConfig.model_validate({"pd_protocol": proto, "workers": w if proto == "none" else [],
+                                            "decode_policy": {"name": decode}, "prefill_policy": {"name": prefill}})
+        assert (Service(cfg).router.cost_learner is not None) is learns, (decode, prefill, proto)
+    cfg = ServiceConfig.model_validate({"decode_policy": {"name": "ep_aware"}, "learn_cost_model": False})
+    assert Service(cfg).router.cost_learner is None

@@ -13,8 +13,10 @@ Endpoints:
 * ``GET/POST/DELETE /workers``: admin API (list, add a :class:`WorkerConfig` JSON body, remove by
   ``?url=``). With ``admin_api_key`` configured it needs ``Authorization: Bearer <key>`` (401
   otherwise); without one only loopback clients may use it (403 otherwise). With several router
-  processes (``processes`` > 1) each has its own worker pool, so adding or removing workers is
-  refused with 409 (change the config and restart); the list shows the answering process's view.
+  processes (``pdlb serve --processes N``) an add or remove is applied by every process, all or
+  none, before it is answered (:mod:`balancer.service.shared_admin`); the list shows the answering
+  process's view (the same workers in every process; health, breakers and in-flight counts are
+  that process's).
   Adding an SGLang prefill worker without ``bootstrap_port`` logs a warning and returns it in the
   201 body's ``warnings`` (:func:`balancer.service.config.bootstrap_warning`).
 
@@ -49,13 +51,25 @@ from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetric
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
 from balancer.service.request_checks import parse_json_body
-from balancer.service.workers import WorkerPool
+from balancer.service.workers import MAX_REPLICAS, WorkerPool
 from balancer.types import Role
 from balancer.validation import format_validation_error
 
 log = logging.getLogger("pdlb.service")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+
+COST_MODEL_POLICIES = frozenset({"ep_aware"})
+"""Policies that read the router's cost model (``SelectContext.cost_model``). ``learn_cost_model``
+refits it online only when a pool uses one of them: for other policies the fit is work whose
+result no decision reads (about 12% of the router's CPU per request under ``round_robin``,
+cProfile; ``tests/test_service.py`` checks that no other policy reads the model)."""
+
+
+def _policies_in_use(cfg: ServiceConfig) -> set[str]:
+    """The policy names that route something: the decode pool's, and the prefill pool's with a PD
+    protocol (``pd_protocol: none`` takes no prefill workers)."""
+    return {cfg.decode_policy.name} | ({cfg.prefill_policy.name} if cfg.pd_protocol != "none" else set())
 
 
 class Service:
@@ -65,28 +79,35 @@ class Service:
     """
 
     def __init__(self, cfg: ServiceConfig, process_index: int = 0) -> None:
-        if not 0 <= process_index < cfg.processes:
-            raise ValueError(f"process_index {process_index} outside 0..{cfg.processes - 1}")
+        #: router processes of this pdlb serve (``cfg.processes``; unset: one, in process)
+        self.processes = cfg.processes or 1
+        if not 0 <= process_index < self.processes:
+            raise ValueError(f"process_index {process_index} outside 0..{self.processes - 1}")
         self.cfg = cfg
         self.process_index = process_index
-        self.multiprocess = cfg.processes > 1
+        self.multiprocess = self.processes > 1
         self.router = Router(
             make_policy(cfg.prefill_policy.name, **cfg.prefill_policy.params),
             make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
             block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
             index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
-            cost_model=cfg.build_cost_model(), learn_cost_model=cfg.learn_cost_model,
+            cost_model=cfg.build_cost_model(),
+            learn_cost_model=cfg.learn_cost_model and bool(COST_MODEL_POLICIES & _policies_in_use(cfg)),
             index_total_capacity_blocks=cfg.index_total_capacity_blocks,
             index_mode=cfg.index_mode, speculative_ttl_s=cfg.speculative_ttl_s,
             load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None)
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
+        self.kv_delivery: Any = None  # its LoopDelivery
         #: this process's view of the in-flight load shared by the processes of one pdlb serve
         self.shared_load: Any = None
+        #: the control channel that applies admin changes in every process (several processes)
+        self.admin: Any = None
         self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check,
                                on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(
                                    url, state.name.lower()).inc())
+        self.metrics.live_workers = lambda: self.pool.workers.keys()
         for w in cfg.workers:
             self.pool.add(w)
         if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
@@ -95,7 +116,7 @@ class Service:
         self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
-        self.in_flight = 0
+        self.in_flight: int = 0
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -156,10 +177,24 @@ class Service:
         process answers."""
         while True:
             self.metrics.refresh_gauges(self.router, self.pool)
+            self.write_kv_stats()
             await asyncio.sleep(MULTIPROCESS_GAUGE_REFRESH_S)
 
+    def write_kv_stats(self) -> None:
+        """Several processes: write this process's KV-event subscriber counters for the scrapes
+        (:func:`balancer.service.kv_subscriber.write_stats_file`)."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if self.kv_subscriber is None or not self.multiprocess or not directory:
+            return
+        from balancer.service.kv_metrics import write_stats_file
+
+        try:
+            write_stats_file(directory, self.process_index, self.kv_subscriber, self.kv_delivery)
+        except OSError as e:
+            log.warning("KV event stats not written: %s", e)
+
     def process_info(self) -> dict[str, int]:
-        return {"index": self.process_index, "count": self.cfg.processes, "pid": os.getpid()}
+        return {"index": self.process_index, "count": self.processes, "pid": os.getpid()}
 
     async def drain(self) -> None:
         """Refuse new requests and wait (at most ``shutdown_timeout_s``) for in-flight ones."""
@@ -213,8 +248,11 @@ async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
 async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Response, bytes]:
     """The parsed JSON object body (or the 400 response) and the raw bytes."""
     try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size
-        async with asyncio.timeout(request.app[SERVICE].cfg.body_read_timeout_s):
+        if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
             raw = await request.read()
+        else:
+            async with asyncio.timeout(request.app[SERVICE].cfg.body_read_timeout_s):
+                raw = await request.read()
     except TimeoutError:
         return error_response(408, "request body not received within body_read_timeout_s="
                                    f"{request.app[SERVICE].cfg.body_read_timeout_s:g} s", "timeout"), b""
@@ -260,6 +298,7 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
+    svc.write_kv_stats()
     return web.Response(body=svc.metrics.render(svc.router, svc.pool), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -306,12 +345,66 @@ def admin_denied(request: web.Request, api_key: str | None) -> web.Response | No
     return error_response(403, "admin API is loopback-only when no admin_api_key is configured", "permission_error")
 
 
-def _single_process(svc: Service) -> web.Response | None:
-    """``None`` if workers may be added/removed, else the 409 (one pool per router process)."""
-    if svc.cfg.processes > 1:
-        return error_response(409, f"this router runs {svc.cfg.processes} processes, each with its own worker pool; "
-                                   "workers cannot be added or removed at run time: change the config and restart",
-                              "conflict")
+def _no_admin_channel(svc: Service) -> web.Response | None:
+    """``None`` if workers may be added/removed, else the 409: several processes (an app built
+    by hand with ``processes`` > 1) but no control channel to reach the others."""
+    if svc.multiprocess and svc.admin is None:
+        return error_response(409, f"this router runs {svc.processes} processes without a control channel between "
+                                   "them (not started by pdlb serve); workers cannot be added or removed at run "
+                                   "time: change the config and restart", "conflict")
+    return None
+
+
+async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[int]) -> None:
+    """Apply one admin change to this process: ``op`` ``"add"`` (``payload``: a worker config
+    dict; ``columns``: its DP ranks' shared-load columns, several processes only) or ``"remove"``
+    (``payload``: the URL).
+
+    Raises:
+        AdminRefused: 409 (already registered, over the limits) or 404 (unknown URL).
+    """
+    from balancer.service.shared_admin import AdminRefused
+
+    if op == "add":
+        wcfg = WorkerConfig.model_validate(payload)
+        try:
+            w = svc.pool.add(wcfg)
+        except ValueError as e:
+            raise AdminRefused(409, str(e)) from None
+        try:
+            if svc.shared_load is not None:
+                svc.shared_load.add(dict(zip(w.replicas, columns)))
+            await _follow_kv_events(svc, wcfg)
+        except BaseException:  # all or nothing here too: no half-registered worker stays
+            if svc.shared_load is not None:
+                svc.shared_load.remove(w.replicas)
+            svc.pool.remove(w.url)
+            raise
+    elif op == "remove":
+        gone = svc.pool.get(str(payload).rstrip("/"))
+        if gone is None:
+            raise AdminRefused(404, f"no worker {payload}")
+        if svc.shared_load is not None:
+            svc.shared_load.remove(gone.replicas)
+        svc.pool.remove(gone.url)
+        if svc.kv_subscriber is not None:
+            svc.kv_subscriber.remove_replicas(list(gone.replicas))
+    else:
+        raise AdminRefused(400, f"unknown admin change {op!r}")
+
+
+async def _admin_change(svc: Service, op: str, payload: Any) -> web.Response | None:
+    """Apply a change here, or in every process through the parent; ``None`` or the refusal."""
+    from balancer.service.shared_admin import AdminRefused
+
+    try:
+        if svc.admin is not None:
+            await svc.admin.request(op, payload)
+        else:
+            await apply_admin_change(svc, op, payload, [])
+    except AdminRefused as e:
+        kind = {404: "not_found", 409: "conflict"}.get(e.status)
+        return error_response(e.status, e.message, kind)
     return None
 
 
@@ -332,7 +425,7 @@ async def _add_worker(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
         return denied
-    if (refused := _single_process(svc)) is not None:
+    if (refused := _no_admin_channel(svc)) is not None:
         return refused
     body = await _read_json(request)
     if isinstance(body, web.Response):
@@ -343,15 +436,18 @@ async def _add_worker(request: web.Request) -> web.Response:
         return error_response(400, f"invalid worker: {format_validation_error(e, model=WorkerConfig)}")
     if wcfg.role == "prefill" and svc.cfg.pd_protocol == "none":
         return error_response(400, "pd_protocol 'none' takes no prefill workers")
-    try:
-        w = svc.pool.add(wcfg)
-    except ValueError as e:
-        return error_response(409, str(e), "conflict")
-    await _follow_kv_events(svc, wcfg)
+    if svc.pool.get(wcfg.url) is not None:  # answered here (every process has the same workers)
+        return error_response(409, f"worker {wcfg.url} is already registered", "conflict")
+    if (refused := await _admin_change(svc, "add", wcfg.model_dump())) is not None:
+        return refused
+    w = svc.pool.get(wcfg.url)
+    assert w is not None  # applied here before the change was confirmed
     out = w.describe()
     if (warning := bootstrap_warning(svc.cfg.pd_protocol, wcfg)) is not None:
         log.warning("%s", warning.removeprefix("warning: "))
         out["warnings"] = [warning.removeprefix("warning: ")]
+    if svc.multiprocess:
+        out["processes"] = svc.processes  # added in every one of them
     return web.json_response(out, status=201)
 
 
@@ -359,17 +455,16 @@ async def _remove_worker(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     if (denied := admin_denied(request, svc.cfg.admin_api_key)) is not None:
         return denied
-    if (refused := _single_process(svc)) is not None:
+    if (refused := _no_admin_channel(svc)) is not None:
         return refused
     url = request.query.get("url")
     if not url:
         return error_response(400, "query parameter 'url' is required")
-    try:
-        w = svc.pool.remove(url)
-    except KeyError:
+    w = svc.pool.get(url.rstrip("/"))
+    if w is None:
         return error_response(404, f"no worker {url}", "not_found")
-    if svc.kv_subscriber is not None:
-        svc.kv_subscriber.remove_replicas(list(w.replicas))
+    if (refused := await _admin_change(svc, "remove", w.url)) is not None:
+        return refused
     return web.json_response({"removed": w.url})
 
 
@@ -387,8 +482,9 @@ async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
     started = await loop.run_in_executor(None, start_for_service, [wcfg], svc.router, svc.cfg.block_size, loop,
                                          svc.cfg.kv_events)
     if started is not None:
-        svc.kv_subscriber = started[0]
-        svc.metrics.registry.register(KvEventsCollector(*started))
+        svc.kv_subscriber, svc.kv_delivery = started
+        if not svc.multiprocess:  # several processes: their stats files (Service.write_kv_stats)
+            svc.metrics.registry.register(KvEventsCollector(*started))
 
 
 # ---------------------------------------------------------------------- factory
@@ -471,8 +567,8 @@ def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
 
         started = start_for_service(cfg.workers, svc.router, cfg.block_size, asyncio.get_running_loop(), cfg.kv_events)
         if started is not None:
-            svc.kv_subscriber = started[0]
-            if not svc.multiprocess:
+            svc.kv_subscriber, svc.kv_delivery = started
+            if not svc.multiprocess:  # several processes: their stats files (Service.write_kv_stats)
                 svc.metrics.registry.register(KvEventsCollector(*started))
     if cfg.load_scrape.enabled:
         from balancer.service.load_scraper import scrape_loop
@@ -486,12 +582,14 @@ def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
 
 
 def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | None = None,
-               shared_prefix_dir: str | None = None) -> web.Application:
+               shared_prefix_dir: str | None = None, control: Any = None) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
     ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
-    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`);
-    ``shared_prefix_dir``: where the processes' approximate-index sockets live
-    (:mod:`balancer.service.shared_prefix`).
+    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`,
+    :data:`~balancer.service.workers.MAX_REPLICAS` columns, the configured workers' DP ranks
+    first); ``shared_prefix_dir``: where the processes' approximate-index sockets live
+    (:mod:`balancer.service.shared_prefix`); ``control``: the duplex pipe to the parent that
+    carries admin changes to every process (:mod:`balancer.service.shared_admin`).
 
     Raises:
         ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
@@ -503,7 +601,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         from balancer.service.shared_load import SharedLoad
 
         reps = [rep for w in cfg.workers for rep in svc.pool.workers[w.url].replicas]
-        svc.shared_load = SharedLoad(shared_load, cfg.processes, process_index, reps, svc.router.load)
+        svc.shared_load = SharedLoad(shared_load, svc.processes, process_index, reps, svc.router.load,
+                                     columns=MAX_REPLICAS)
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SERVICE] = svc
 
@@ -517,12 +616,19 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             loops.append(asyncio.create_task(svc._gauge_loop()))
         loops += _start_engine_feeds(svc)
         share = None
-        if shared_prefix_dir is not None and cfg.index_mode == "approximate" and cfg.processes > 1:
+        if shared_prefix_dir is not None and cfg.index_mode == "approximate" and svc.multiprocess:
             from balancer.service.shared_prefix import PrefixShare
 
-            share = PrefixShare(svc.router, shared_prefix_dir, cfg.processes, process_index)
+            share = PrefixShare(svc.router, shared_prefix_dir, svc.processes, process_index)
             share.start()
+        if control is not None:
+            from balancer.service.shared_admin import AdminChannel
+
+            svc.admin = AdminChannel(control, lambda op, payload, cols: apply_admin_change(svc, op, payload, cols))
+            svc.admin.start()
         yield
+        if svc.admin is not None:
+            await svc.admin.close()
         if share is not None:
             await share.close()
         for t in loops:

@@ -1,11 +1,14 @@
 """``pdlb serve``: run the PD router (config file plus flags; flags win).
 
-With ``--processes N`` (N > 1) the parent process reserves the port, starts N router processes
-that each listen on it with ``SO_REUSEPORT`` (the kernel spreads client connections over them),
-prints the ready line once all of them listen, forwards SIGTERM/SIGINT to them and exits when they
-have drained. If one of them dies, the others are stopped and ``pdlb serve`` exits with status 1
-(let a supervisor restart it). Prometheus multiprocess mode aggregates ``/metrics`` over them
-(a fresh temporary ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
+By default ``pdlb serve`` runs one router process per core it may run on
+(``os.sched_getaffinity``; ``--processes N`` or ``processes:`` in the config to choose). With N > 1
+the parent process reserves the port, starts N router processes that each listen on it with
+``SO_REUSEPORT`` (the kernel spreads client connections over them), prints the ready line once all
+of them listen, forwards SIGTERM/SIGINT to them and exits when they have drained. While they run it
+applies admin changes (``POST``/``DELETE /workers``) to all of them, one at a time, all or none
+(:mod:`balancer.service.shared_admin`). If one of them dies, the others are stopped and ``pdlb
+serve`` exits with status 1 (let a supervisor restart it). Prometheus multiprocess mode aggregates
+``/metrics`` over them (a fresh temporary ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ def listen_error(host: str, port: int, err: OSError) -> str:
     if err.errno == errno.EACCES:
         return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges)"
     return f"cannot listen on {host}:{port}: {err.strerror or err}"
+
+
+def default_processes() -> int:
+    """Router processes ``pdlb serve`` starts when none is configured: the CPUs this process
+    may run on (``os.sched_getaffinity``, so a ``taskset`` or cpuset counts, a CPU quota does not;
+    else ``os.cpu_count()``), at most 256 (the setting's limit)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(256, n))
 
 
 def event_loop_factory(choice: str = "asyncio"):  # noqa: ANN201
@@ -151,7 +165,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--processes", type=int, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT); they share in-flight load (shared "
                         "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
-                        f"events; the admin API cannot add/remove workers when N > 1 (default: {d.processes})")
+                        "events; admin API changes reach all of them (default: one per core this process may run "
+                        f"on, {default_processes()} here)")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -242,9 +257,6 @@ def no_workers_warning(cfg: ServiceConfig) -> str | None:
     """The warning ``pdlb serve`` prints when it starts with no workers (``None`` if it has some)."""
     if cfg.workers:
         return None
-    if cfg.processes > 1:
-        return ("warning: no workers: every request gets 503, and with processes > 1 the admin API cannot "
-                "add any; give --prefill/--decode/--mixed or workers in --config")
     return ("warning: no workers: every request gets 503 until workers are added with the admin API "
             "(POST /workers) or given with --prefill/--decode/--mixed")
 
@@ -252,16 +264,18 @@ def no_workers_warning(cfg: ServiceConfig) -> str | None:
 def _ready_line(cfg: ServiceConfig, port: int) -> str:
     n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
     return (f"pdlb serve ready on http://{cfg.host}:{port} protocol={cfg.pd_protocol} "
-            f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}" + (f" processes={cfg.processes}" if cfg.processes > 1 else ""))
+            f"workers=P{n['prefill']}/D{n['decode']}/M{n['mixed']}" +
+            (f" processes={cfg.processes}" if (cfg.processes or 1) > 1 else ""))
 
 
 async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None,  # noqa: ANN001
                  shared_prefix_dir: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM. One process: print the ready line. Process ``process_index`` of
     several: listen with ``SO_REUSEPORT`` and send ``("ready", port)`` or ``("error", message)``
-    on the pipe ``ready`` instead."""
+    on the duplex pipe ``ready`` instead, which then carries admin changes
+    (:mod:`balancer.service.shared_admin`)."""
     try:
-        app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir)
+        app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir, control=ready)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
         if ready is not None:
             ready.send(("error", str(e)))
@@ -271,7 +285,7 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     await runner.setup()
     limit_connections(runner, cfg.max_connections)
     json_parser_errors(runner)
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if cfg.processes > 1 else None)
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if (cfg.processes or 1) > 1 else None)
     try:
         await site.start()
     except OSError as e:  # port in use, address not ours, ...: one line, nothing left open
@@ -308,10 +322,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     for warning in config_warnings(cfg):
         print(warning, file=sys.stderr)
+    if cfg.processes is None:
+        cfg = cfg.model_copy(update={"processes": default_processes()})
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key (--allow-unauthenticated-admin): the admin API (/workers) answers loopback "
               "peers only; behind a reverse proxy on this host every client is one", file=sys.stderr)
-    if cfg.processes > 1:
+    if cfg.processes is not None and cfg.processes > 1:
         return _run_processes(cfg, args.event_loop, args.log_level)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_serve(cfg))
@@ -355,6 +371,12 @@ def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, re
 
 def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     """Run ``cfg.processes`` router processes on one port (see the module docstring)."""
+    from balancer.service.shared_admin import AdminCoordinator
+    from balancer.service.shared_load import create_shared_load_block
+    from balancer.service.workers import MAX_REPLICAS
+
+    n_processes = cfg.processes
+    assert n_processes is not None
     try:
         reservation = _reserve_port(cfg.host, cfg.port)
     except OSError as e:
@@ -363,11 +385,17 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     port = reservation.getsockname()[1]
     cfg = cfg.model_copy(update={"port": port})
     metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-")
-    from balancer.service.shared_load import create_shared_load_block
-
-    shm = create_shared_load_block(cfg.processes, sum(w.dp_size for w in cfg.workers))
+    # columns: the configured workers' DP ranks first, in order; room for admin-added ones
+    shm = create_shared_load_block(n_processes, MAX_REPLICAS)
+    columns: dict[str, list[int]] = {}
+    c = 0
+    for w in cfg.workers:
+        columns[w.url] = list(range(c, c + w.dp_size))
+        c += w.dp_size
     prefix_dir = tempfile.mkdtemp(prefix="pdlb-prefix-")  # the processes' approximate-index sockets
-    # read by prometheus_client at import in each spawned process (multiprocess mode)
+    # read by prometheus_client at import in each spawned process (multiprocess mode); restored at
+    # exit, so that a caller of main() in process is not left in multiprocess mode
+    old_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
     procs: list = []
@@ -380,15 +408,15 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     code = 0
     try:
         pipes = []
-        for i in range(cfg.processes):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, send, shm.name,
-                                                              prefix_dir),
+        for i in range(n_processes):
+            mine, theirs = ctx.Pipe(duplex=True)  # ready / error, then admin changes both ways
+            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, theirs,
+                                                        shm.name, prefix_dir),
                             name=f"pdlb-serve-{i}", daemon=False)
             p.start()
-            send.close()
+            theirs.close()
             procs.append(p)
-            pipes.append(recv)
+            pipes.append(mine)
         for i, (p, recv) in enumerate(zip(procs, pipes)):
             msg = None
             while msg is None and not stop["signal"]:
@@ -402,10 +430,11 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
             if msg is None:
                 return 0
             if msg[0] != "ready":
-                print(f"error: router process {i}: {msg[1]}", file=sys.stderr)
+                print(f"error: {msg[1]} (router process {i} of {n_processes})", file=sys.stderr)
                 return 2
         reservation.close()
         print(_ready_line(cfg, port), flush=True)
+        admin = AdminCoordinator(pipes, columns, MAX_REPLICAS, alive=lambda i: procs[i].is_alive())
         while not stop["signal"]:
             dead = [(i, p) for i, p in enumerate(procs) if not p.is_alive()]
             if dead:
@@ -414,7 +443,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
                       file=sys.stderr)
                 code = 1
                 break
-            time.sleep(0.2)
+            admin.poll(0.2)  # admin changes; otherwise sleeps 0.2 s
         return code
     finally:
         reservation.close()
@@ -429,6 +458,10 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
                 p.join(5)
         for sig, h in old.items():
             signal.signal(sig, h)
+        if old_env is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = old_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shm.close()
         shm.unlink()

@@ -79,8 +79,8 @@ def worker_url_problem(url: str) -> str | None:
     if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
         return "the URL must be the engine's base URL, scheme://host:port, without a path, query or fragment"
     hostport = parts.netloc
-    port_text = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
-    port_text = port_text.partition(":")[2] if ":" in port_text else None
+    after_host = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+    port_text = after_host.partition(":")[2] if ":" in after_host else None
     if port_text is not None and port_text != "":
         if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
             return f"port {port_text!r} is not an integer 1..65535"
@@ -274,7 +274,9 @@ class ServiceConfig(BaseModel):
             (:meth:`balancer.cost_model.CostModel.to_dict`); ``None``: the generic
             :data:`balancer.cost_model.DEFAULT_COST_MODEL`.
         learn_cost_model: refit the cost model online from observed prefill times and
-            inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on).
+            inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on; only
+            when a pool's policy reads the model,
+            :data:`balancer.service.app.COST_MODEL_POLICIES`).
         block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
             :mod:`balancer.service.prompt`.
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
@@ -335,8 +337,11 @@ class ServiceConfig(BaseModel):
             (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
             them, so prefix views agree; in approximate mode each process sends its decisions to
             the others (:mod:`balancer.service.shared_prefix`); breakers are per process;
-            ``/metrics`` aggregates all of them; the
-            admin API cannot add or remove workers (409) when > 1. See docs/serving.md, "Overhead".
+            ``/metrics`` aggregates all of them; admin API changes are applied by every process
+            (:mod:`balancer.service.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
+            per core it may run on (:func:`balancer.service.cli.default_processes`); an app built
+            in process (:func:`balancer.service.app.create_app`) is one. See docs/serving.md,
+            "Overhead".
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -381,7 +386,7 @@ class ServiceConfig(BaseModel):
     shutdown_timeout_s: float = Field(30.0, ge=0)
     default_max_tokens: int = Field(16, ge=1)
     seed: int = 0
-    processes: int = Field(1, ge=1, le=256)
+    processes: int | None = Field(None, ge=1, le=256)
 
     @field_validator("cost_model")
     @classmethod

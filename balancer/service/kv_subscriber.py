@@ -52,10 +52,12 @@ import zmq
 from balancer.kv_events import AllBlocksCleared, KvEvent
 from balancer.kv_translate import DEFAULT_TRANSLATOR_CAPACITY_BLOCKS, KvEventTranslator
 from balancer.kv_wire import END_OF_REPLAY, KvWireError, decode_batch, decode_seq, encode_seq, offset_port
+from balancer.service.kv_metrics import KvEventsCollector, KvEventsFilesCollector, write_stats_file
 from balancer.types import ReplicaId
 
-__all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector", "LoopDelivery",
-           "SourceStats", "sources_for_worker", "start_for_service"]
+__all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector",
+           "KvEventsFilesCollector", "LoopDelivery", "SourceStats", "sources_for_worker", "start_for_service",
+           "write_stats_file"]
 
 log = logging.getLogger("pdlb.kv_events")
 
@@ -641,42 +643,3 @@ def start_for_service(workers, router, block_size: int, loop: asyncio.AbstractEv
         sub = KvEventSubscriber(sources, block_size, delivery, **kw)
     sub.start()
     return sub, delivery
-
-
-class KvEventsCollector:
-    """Prometheus collector of a subscriber's per-DP-rank counters (``pdlb_kv_events_*``)."""
-
-    COUNTERS = ("batches", "events", "pdlb_events", "duplicates", "gaps", "gaps_unrecovered", "replays",
-                "replay_failures", "restarts", "decode_errors", "dp_rank_mismatches",
-                "translator_unknown_parent_blocks", "translator_extra_key_blocks")
-
-    def __init__(self, subscriber: KvEventSubscriber | KvEventSubscriberProcess,
-                 delivery: LoopDelivery | None = None) -> None:
-        self.subscriber = subscriber
-        self.delivery = delivery
-
-    def collect(self):  # noqa: ANN201
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        stats = self.subscriber.stats()
-        labels = ["worker", "dp_rank"]
-        fams = {k: CounterMetricFamily(f"pdlb_kv_events_{k}", f"KV events: {k.replace('_', ' ')}", labels=labels)
-                for k in self.COUNTERS}
-        stale = GaugeMetricFamily("pdlb_kv_events_stale", "1 if the DP rank published nothing for stale_after_s",
-                                  labels=labels)
-        seq = GaugeMetricFamily("pdlb_kv_events_last_seq", "Last applied batch sequence number", labels=labels)
-        blocks = GaugeMetricFamily("pdlb_kv_events_translator_blocks", "Engine blocks remembered for hash translation",
-                                   labels=labels)
-        for rep, d in stats.items():
-            lv = [rep.engine, str(rep.dp_rank)]
-            for k, fam in fams.items():
-                fam.add_metric(lv, float(d[k]))
-            stale.add_metric(lv, 1.0 if d["stale"] else 0.0)
-            seq.add_metric(lv, float(d["last_seq"]))
-            blocks.add_metric(lv, float(d["translator_engine_blocks"]))
-        yield from fams.values()
-        yield from (stale, seq, blocks)
-        if self.delivery is not None:
-            q = GaugeMetricFamily("pdlb_kv_events_queued", "Translated KV events waiting for the event loop")
-            q.add_metric([], float(self.delivery.pending))
-            yield q

@@ -8,11 +8,16 @@ is used (``PROMETHEUS_MULTIPROC_DIR``, set by the parent before the processes st
 answered by any process reports counters and histograms summed over all processes, per-worker load
 gauges summed over live processes (each process refreshes its own every
 ``MULTIPROCESS_GAUGE_REFRESH_S``), breaker state as the worst (max) and health as the lowest (min)
-view of any process.
+view of any process; the per-worker gauges of a worker removed through the admin API disappear
+(the processes' files keep its last values: the scrape leaves out workers no longer registered);
+``pdlb_kv_events_*`` per process, with a ``process`` label
+(:class:`balancer.service.kv_subscriber.KvEventsFilesCollector`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Collection
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -68,9 +73,16 @@ class ServiceMetrics:
         self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r,
                              multiprocess_mode="livemin")
         self._scrape_registry = r
+        #: the URLs registered now (multiprocess scrapes leave out other workers' gauges)
+        self.live_workers: Callable[[], Collection[str]] | None = None
         if multiprocess:
             self._scrape_registry = CollectorRegistry()
-            prom_multiprocess.MultiProcessCollector(self._scrape_registry)
+            self._scrape_registry.register(_LiveWorkersOnly(prom_multiprocess.MultiProcessCollector(None), self))
+            directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            if directory:
+                from balancer.service.kv_metrics import KvEventsFilesCollector
+
+                self._scrape_registry.register(KvEventsFilesCollector(directory))
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     def child(self, family: Counter | Histogram, *labels: str) -> Any:
@@ -104,3 +116,24 @@ class ServiceMetrics:
         in multiprocess mode)."""
         self.refresh_gauges(router, pool)
         return generate_latest(self._scrape_registry)
+
+
+PER_WORKER_GAUGES = ("pdlb_worker_in_flight_requests", "pdlb_worker_prefill_tokens", "pdlb_circuit_breaker_state",
+                     "pdlb_worker_healthy")
+
+
+class _LiveWorkersOnly:
+    """The multiprocess collector's families, less the per-worker gauges' samples of workers that
+    are no longer registered (``metrics.live_workers()``)."""
+
+    def __init__(self, inner: Any, metrics: ServiceMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    def collect(self):  # noqa: ANN201
+        live_of = self.metrics.live_workers
+        live = None if live_of is None else set(live_of())
+        for fam in self.inner.collect():
+            if live is not None and fam.name in PER_WORKER_GAUGES:
+                fam.samples = [s for s in fam.samples if s.labels.get("worker") in live]
+            yield fam

@@ -314,7 +314,7 @@ class Proxy:
     async def _attempt(self, ctx: _Ctx, upstream_id: str, n_tokens: int, hashes: tuple[int, ...],
                        max_out: int) -> web.StreamResponse:
         now = time.monotonic()
-        self.pool.refresh(now)
+        self.pool.refresh_due(now)
         if self.cfg.pd_protocol != "none" and self.pool.num_prefill and not self.router.disaggregated:
             # PD decode engines cannot serve a request without its prefill leg: 503, not a silent
             # decode-only request (pd_min_uncached_tokens still serves short prompts decode-only
@@ -428,6 +428,7 @@ class Proxy:
             # engine that could not get the KV from its prefill): the prefill is the one stalled,
             # charge it, not D. Other decode failures (503, timeouts, resets) are D's own.
             df = d_task.exception()
+            assert df is not None
             if not (isinstance(df, Failure) and df.kind == "http_502"):
                 raise df
             raise Failure(504, f"prefill worker {p.url} had not finished when the decode leg on {d.url} failed "
@@ -656,10 +657,10 @@ class Proxy:
             except StopAsyncIteration:
                 break
             except (aiohttp.ClientError, OSError) as e:
-                f = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
-                if f.worker is not None:
-                    self._failed(f.worker, "mid_stream")
-                if held:
+                failed = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
+                if failed.worker is not None:
+                    self._failed(failed.worker, "mid_stream")
+                if held and swap is not None:  # (held is only ever set when swapping)
                     await resp.write(held.replace(*swap))
                 await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
                 self._abort(legs)
@@ -672,7 +673,7 @@ class Proxy:
                 await resp.write(chunk)
         legs.output_tokens = max(events - 1, 0)
         d_resp.release()
-        if held:
+        if held and swap is not None:
             await resp.write(held.replace(*swap))
         await resp.write_eof()
         self.pool.record_result(d, True, time.monotonic())

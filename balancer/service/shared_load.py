@@ -4,20 +4,25 @@ Without it each router process counts only the requests *it* routed, so N proces
 about 1/N of the load and pile onto the same "least loaded" ranks (the simulator measures this:
 ``python -m sim.experiments.k_routers``, event-fed routers x1.39 mean TTFT at K = 8 with their own
 load, x1.00 with one shared view). The parent creates one shared-memory block of
-``processes x replicas x 3`` int64 counters (requests, prefill tokens, decode KV tokens per DP rank,
-in the config's worker order); each process writes its own row from its
-:class:`~balancer.load.LoadTracker` after every dispatch and release, and before each decision
-reads the sum of the other rows into the tracker's *peer* arrays, which the router adds to its
-own counts (:attr:`balancer.load.LoadTracker.peer`). Reads are not locked: a decision may see a
-peer's row mid-update (a count off by one request, never a torn integer: aligned int64 stores).
+``processes x columns x 3`` int64 counters (requests, prefill tokens, decode KV tokens per DP rank);
+each process writes its own row from its :class:`~balancer.load.LoadTracker` after every dispatch
+and release, and before each decision reads the sum of the other rows into the tracker's *peer*
+arrays, which the router adds to its own counts (:attr:`balancer.load.LoadTracker.peer`). Reads
+are not locked: a decision may see a peer's row mid-update (a count off by one request, never a
+torn integer: aligned int64 stores).
 
-The worker set is fixed while several processes run (the admin API refuses changes), so the
-column of each replica is fixed too.
+Columns: the config's workers' DP ranks take columns 0, 1, ... in config order; a worker added at
+run time through the admin API gets free columns that the parent assigns
+(:class:`balancer.service.shared_admin.AdminCoordinator`) and every process maps the same way
+(:meth:`SharedLoad.add`); a removed worker's columns are zeroed by every process
+(:meth:`SharedLoad.remove`) before the parent hands them out again. The block is sized for
+:data:`balancer.service.workers.MAX_REPLICAS` columns but never written beyond the used ones, so
+only those pages are ever allocated (a fresh block is sparse and reads as zeros).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -25,17 +30,20 @@ import numpy as np
 from balancer.load import LoadTracker
 from balancer.types import ReplicaId
 
-__all__ = ["SharedLoad", "create_shared_load_block"]
+__all__ = ["SharedLoad", "block_bytes", "create_shared_load_block"]
 
 _FIELDS = 3  # num_requests, prefill_tokens, decode_kv_tokens
 
 
-def create_shared_load_block(processes: int, num_replicas: int) -> shared_memory.SharedMemory:
-    """The zeroed block the parent creates (and unlinks at exit)."""
-    size = max(8, processes * max(1, num_replicas) * _FIELDS * 8)
-    shm = shared_memory.SharedMemory(create=True, size=size)
-    np.ndarray((size // 8,), dtype=np.int64, buffer=shm.buf)[:] = 0
-    return shm
+def create_shared_load_block(processes: int, columns: int) -> shared_memory.SharedMemory:
+    """The block the parent creates (and unlinks at exit) for ``columns`` DP ranks: zeros,
+    untouched (sparse: only the pages of the columns in use get allocated)."""
+    return shared_memory.SharedMemory(create=True, size=block_bytes(processes, columns))
+
+
+def block_bytes(processes: int, columns: int) -> int:
+    """Size of the block of ``processes`` rows of ``columns`` DP ranks."""
+    return max(8, processes * max(1, columns) * _FIELDS * 8)
 
 
 class SharedLoad:
@@ -45,36 +53,93 @@ class SharedLoad:
         name: the shared-memory block's name.
         processes: number of router processes (rows).
         index: this process's row.
-        replicas: the replicas, in the column order every process uses.
+        replicas: the replicas in the block's columns 0, 1, ... (a sequence), or a
+            ``{replica: column}`` map.
         tracker: this process's load tracker (its replicas must be registered already).
+        columns: the block's columns per row (default: as many as ``replicas``).
+
+    Raises:
+        ValueError: ``index`` outside ``0..processes - 1``, or a column outside the block.
     """
 
-    def __init__(self, name: str, processes: int, index: int, replicas: Sequence[ReplicaId], tracker: LoadTracker) -> None:
+    def __init__(self, name: str, processes: int, index: int, replicas: Sequence[ReplicaId] | Mapping[ReplicaId, int],
+                 tracker: LoadTracker, columns: int | None = None) -> None:
         if not 0 <= index < processes:
             raise ValueError(f"process index {index} outside 0..{processes - 1}")
+        cols = dict(replicas) if isinstance(replicas, Mapping) else {r: c for c, r in enumerate(replicas)}
         self._shm = shared_memory.SharedMemory(name=name)
-        n = max(1, len(replicas))
-        self._all = np.ndarray((processes, n, _FIELDS), dtype=np.int64, buffer=self._shm.buf)
+        width = max(1, len(cols)) if columns is None else columns
+        if self._shm.size < block_bytes(processes, width):
+            self._shm.close()
+            raise ValueError(f"shared load block {name!r} holds {self._shm.size} bytes, less than {processes} x {width} columns")
+        self._width = width
+        self._all = np.ndarray((processes, width, _FIELDS), dtype=np.int64, buffer=self._shm.buf)
         self._row = self._all[index]
-        self._slots = np.array([tracker.slot(r) for r in replicas], dtype=np.intp)
-        self._n = len(replicas)
         self.tracker = tracker
+        self._cols: dict[ReplicaId, int] = {}
+        self._slots = np.zeros(0, dtype=np.intp)
+        self._sel: slice | np.ndarray = slice(0, 0)
+        self.add(cols)
         tracker.peer = self
+
+    @property
+    def columns(self) -> dict[ReplicaId, int]:
+        """Replica -> its column (a copy)."""
+        return dict(self._cols)
+
+    def add(self, columns: Mapping[ReplicaId, int]) -> None:
+        """Map more replicas (registered in the tracker) to their columns (zeroing this row's).
+
+        Raises:
+            ValueError: a column outside the block or already used by another replica.
+        """
+        used = set(self._cols.values())
+        for rep, c in columns.items():
+            if not 0 <= c < self._width:
+                raise ValueError(f"column {c} of {rep} outside the shared load block (0..{self._width - 1})")
+            if c in used and self._cols.get(rep) != c:
+                raise ValueError(f"column {c} of {rep} is already used")
+            used.add(c)
+        for rep, c in columns.items():
+            self._cols[rep] = c
+            self._row[c] = 0
+        self._reindex()
+
+    def remove(self, replicas: Sequence[ReplicaId]) -> None:
+        """Unmap replicas (call before the tracker forgets them); this row's columns are zeroed,
+        so that once every process removed them the columns read 0 for their next replica."""
+        for rep in replicas:
+            c = self._cols.pop(rep, None)
+            if c is not None:
+                self._row[c] = 0
+        self._reindex()
+
+    def _reindex(self) -> None:
+        reps = sorted(self._cols, key=self._cols.__getitem__)
+        cols = [self._cols[r] for r in reps]
+        self._slots = np.array([self.tracker.slot(r) for r in reps], dtype=np.intp)
+        # columns 0..n-1 in order (a pool never changed at run time): a slice, no gather
+        self._sel = slice(0, len(cols)) if cols == list(range(len(cols))) else np.array(cols, dtype=np.intp)
+        self._n = len(cols)
 
     def publish(self) -> None:
         """Write this process's counters into its row."""
-        t, s, row = self.tracker, self._slots, self._row
         if self._n:
-            row[:, 0] = t.num_requests[s]
-            row[:, 1] = t.prefill_tokens[s]
-            row[:, 2] = t.decode_kv_tokens[s]
+            t, s, row = self.tracker, self._slots, self._row[self._sel]
+            if isinstance(self._sel, slice):  # row is a view: write in place
+                row[:, 0] = t.num_requests[s]
+                row[:, 1] = t.prefill_tokens[s]
+                row[:, 2] = t.decode_kv_tokens[s]
+            else:
+                self._row[self._sel] = np.stack([t.num_requests[s], t.prefill_tokens[s], t.decode_kv_tokens[s]], axis=1)
 
     def refresh(self) -> None:
         """Publish, then set the tracker's peer arrays to the other rows' sums."""
         self.publish()
         if not self._n:
             return
-        others = self._all.sum(axis=0) - self._row
+        sel = self._sel
+        others = self._all[:, sel].sum(axis=0) - self._row[sel]
         t, s = self.tracker, self._slots
         t.peer_requests[s] = others[:, 0]
         t.peer_prefill_tokens[s] = others[:, 1]
@@ -82,8 +147,8 @@ class SharedLoad:
 
     def close(self) -> None:
         """Zero this process's row (its requests no longer count anywhere) and detach."""
-        if self._n:
-            self._row[:] = 0
+        for c in self._cols.values():
+            self._row[c] = 0
         self.tracker.peer = None
         del self._row, self._all
         self._shm.close()

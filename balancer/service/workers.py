@@ -159,6 +159,8 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self.num_replicas = 0
         self.num_prefill = 0  # registered prefill workers
+        #: URLs of workers whose breaker is open: the only routability that changes with time alone
+        self._open: set[str] = set()
 
     def add(self, cfg: WorkerConfig) -> Worker:
         """Register a worker and its DP ranks, atomically: if any rank cannot be registered, none
@@ -185,7 +187,7 @@ class WorkerPool:
             for rep in done:
                 self.router.remove_replica(rep)
             raise
-        w = Worker(cfg, CircuitBreaker(self.breaker_cfg, cfg.url, self.on_breaker_change), replicas=reps)
+        w = Worker(cfg, CircuitBreaker(self.breaker_cfg, cfg.url, self._breaker_changed), replicas=reps)
         self.workers[cfg.url] = w
         self.num_replicas += len(reps)
         self.num_prefill += cfg.role == "prefill"
@@ -198,6 +200,7 @@ class WorkerPool:
             KeyError: unknown URL.
         """
         w = self.workers.pop(url.rstrip("/"))
+        self._open.discard(w.url)
         self.num_replicas -= len(w.replicas)
         self.num_prefill -= w.cfg.role == "prefill"
         for rep in w.replicas:
@@ -206,6 +209,21 @@ class WorkerPool:
 
     def get(self, url: str) -> Worker | None:
         return self.workers.get(url)
+
+    def _breaker_changed(self, url: str, state: BreakerState) -> None:
+        if state is BreakerState.OPEN:
+            self._open.add(url)
+        else:
+            self._open.discard(url)
+        if self.on_breaker_change is not None:
+            self.on_breaker_change(url, state)
+
+    def refresh_due(self, now_s: float) -> None:
+        """:meth:`refresh` if routability can have changed since the last one by time alone (an
+        open breaker whose open period may have ended): O(1) per request otherwise. Health results
+        and request outcomes refresh as they are recorded."""
+        if self._open:
+            self.refresh(now_s)
 
     def refresh(self, now_s: float) -> None:
         """Recompute routability (health and breaker) and push changes into the router."""
@@ -219,6 +237,9 @@ class WorkerPool:
     def record_result(self, w: Worker, ok: bool, now_s: float) -> None:
         """Feed one request outcome on ``w`` into its breaker (and the router, if routability changed)."""
         if ok:
+            if w.breaker.state is BreakerState.CLOSED:  # the common case: nothing can change
+                w.breaker.failures = 0
+                return
             w.breaker.record_success()
         else:
             w.breaker.record_failure(now_s)

@@ -174,8 +174,12 @@ def spawn_engines(specs: Sequence[Sequence[str]]) -> list[Proc]:
 
 def spawn_router(protocol: str, prefill: Sequence[Proc], decode: Sequence[Proc], *extra: str,
                  mixed: Sequence[Proc] = ()) -> Proc:
-    """Start ``pdlb serve`` in front of engine processes (prefill bootstrap port = its HTTP port)."""
+    """Start ``pdlb serve`` in front of engine processes (prefill bootstrap port = its HTTP port);
+    one router process unless ``extra`` gives ``--processes`` (``pdlb serve``'s default is one
+    per core: tests want one process's state unless they ask for more)."""
     args = ["serve", "--port", "0", "--pd-protocol", protocol]
+    if "--processes" not in extra:
+        args += ["--processes", "1"]
     if prefill:
         args += ["--prefill", *[f"{p.url},bootstrap={p.port}" for p in prefill]]
     if decode:
