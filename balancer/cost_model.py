@@ -387,8 +387,8 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
         A = np.where(same, a[None, :], 0.0)
         W = np.where(same, w[None, :], 0.0)
         own = np.arange(n)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        frac = np.where(Q > 0, np.minimum(1.0, X[:, None] / np.where(Q > 0, Q, 1.0)), 0.0)
+    frac = np.divide(np.broadcast_to(X[:, None], Q.shape), Q, out=np.zeros_like(Q), where=Q > 0)
+    np.minimum(frac, 1.0, out=frac)
     work = W * frac
     ar = np.arange(n)
     work[ar, own] = -1.0  # the candidate's own rank counts with the prompt added
@@ -404,7 +404,9 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     # an idle engine has no slow pace to extend: starting one is not a horizon (and charging it
     # would pile shared-prefix bursts onto busy engines while others idle)
     horizon = np.where(busiest_other > 0, np.maximum(w_new - busiest_other, 0.0), 0.0)
-    return np.column_stack([steps, tok, pairs, clip]), horizon
+    feats = np.empty((n, 4))
+    feats[:, 0], feats[:, 1], feats[:, 2], feats[:, 3] = steps, tok, pairs, clip
+    return feats, horizon
 
 
 # ---------------------------------------------------------------------- online fitting

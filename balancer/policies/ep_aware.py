@@ -315,8 +315,9 @@ class EpAware(Policy):
             same = idx[:, None] == idx[None, :]
             Q = np.where(same, q[None, :], 0.0)
             N = np.where(same, n_req[None, :], 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            frac = np.where(Q > 0, np.clip((Q - q[:, None]) / np.where(Q > 0, Q, 1.0), 0.0, 1.0), 0.0)
+        # (Q - q_i) / Q <= 1 as q_i >= 0, so the clip to [0, 1] is a max with 0 (0 where Q == 0)
+        frac = np.divide(Q - q[:, None], Q, out=np.zeros_like(Q), where=Q > 0)
+        np.maximum(frac, 0.0, out=frac)
         return (N * frac).sum(axis=1)  # the own rank contributes 0 (q_r == q_i)
 
     # ------------------------------------------------------------------ decode
@@ -369,7 +370,7 @@ class EpAware(Policy):
         if int(near.sum()) == 1:
             return i
         load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
-        return argmin_random(load.astype(np.float64), ctx.rng, near)
+        return argmin_random(load, ctx.rng, near)
 
 
     def _capacity(self, request: Request, cands: Candidates, cost: np.ndarray) -> tuple[np.ndarray, bool]:
