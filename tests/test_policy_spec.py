@@ -123,11 +123,16 @@ def test_sim_run_takes_parameters_and_they_reach_the_policy(tmp_path) -> None:
         assert row[key] == pytest.approx(direct[key], rel=1e-12), key
 
 
-def test_sim_compare_runs_two_parameterisations_of_one_policy(tmp_path) -> None:
+def test_sim_compare_runs_two_parameterisations_of_one_policy(tmp_path, capsys) -> None:
     out = tmp_path / "cmp"
     rc = main(["sim", "compare", "--policies", "cache_aware,cache_aware:cache_threshold=0.9,balance_abs=0",
                "--limit", "80", "--quiet", "--no-plots", "--out", str(out)])
     assert rc == 0
+    # the printed table names each variant in full (folded over lines, never cut to 'cache_aware(bal…')
+    printed = capsys.readouterr().out
+    first_column = "".join(line.split("│")[1].strip() for line in printed.splitlines() if line.startswith("│"))
+    assert first_column == "cache_awarecache_aware(balance_abs=0,cache_threshold=0.9)"
+    assert "…" not in printed
     rows = _summary(out)
     assert [r["policy"] for r in rows] == ["cache_aware", "cache_aware(balance_abs=0,cache_threshold=0.9)"]
     # balance_abs=0 falls back to least-load on any imbalance: a different policy, so different routing
