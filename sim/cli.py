@@ -145,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     from sim.sweep_cli import add_sweep_parser
     add_sweep_parser(simsub)
 
-    sub.add_parser("policies", help="list routing policies and their parameters")
+    sub.add_parser("policies", help="list routing policies and their parameters",
+                   description="List every registered routing policy with its parameters and their defaults. "
+                               "Any flag or config entry that names a policy takes them as NAME:K=V[,K=V], "
+                               "e.g. --policy ep_aware:horizon_weight=2; each policy's docstring "
+                               "(balancer/policies/) explains its parameters.")
     from balancer.service.cli import add_serve_parser
     from sim.emulator.cli import add_engine_parser
     add_serve_parser(sub)
@@ -331,7 +335,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 cls = _REGISTRY[name]
                 params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
                 doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-                console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}")
+                console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}",
+                              soft_wrap=True)  # one line per signature, for grep
             console.print("parameters on any policy flag or config: NAME:K=V[,K=V], e.g. "
                           "--policy cache_aware:cache_threshold=0.5,balance_abs=8")
             return 0
