@@ -206,3 +206,22 @@ def test_capacity_policies_list_takes_specs_too() -> None:
     args = build_parser().parse_args(["sim", "capacity", "--policies",
                                       "round_robin,cache_aware:cache_threshold=0.5,balance_abs=8"])
     assert [s.label for s in policy_specs(args)] == ["round_robin", "cache_aware(balance_abs=8,cache_threshold=0.5)"]
+
+
+@pytest.mark.parametrize("argv, warned", [
+    (["--policy", "ep_aware:slo_doomed_cap=2"], "slo_doomed_cap changes nothing"),
+    (["--policy", "ep_aware:slo_doomed_cap=2,slo_intrinsic=blind"], "slo_doomed_cap, slo_intrinsic change nothing"),
+    (["--policy", "ep_aware:slo_doomed_cap=2,slo_aware=false", "--route-slo"], "slo_doomed_cap changes nothing"),
+    (["--policy", "ep_aware:slo_doomed_cap=2", "--route-slo"], None),
+    (["--policy", "ep_aware:slo_doomed_cap=2,ttft_slo_s=3"], None),
+    (["--policy", "ep_aware:horizon_weight=2"], None),
+    (["--policy", "cache_aware"], None),
+])
+def test_slo_parameters_without_a_budget_are_warned_about(argv, warned, tmp_path, capsys) -> None:
+    rc = main(["sim", "run", *argv, "--limit", "5", "--quiet", "--no-plots", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    if warned is None:
+        assert err == []
+    else:
+        assert len(err) == 1 and warned in err[0] and "--route-slo" in err[0], err
