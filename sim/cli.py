@@ -260,7 +260,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta |= {"command": " ".join(sys.argv), "wall_s": wall}
+    meta |= {"command": " ".join(sys.argv), "wall_s": wall, "route_slo": args.route_slo}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")
     files.append(out / "summary.md")

@@ -221,6 +221,8 @@ def test_slo_parameters_without_a_budget_are_warned_about(argv, warned, tmp_path
     rc = main(["sim", "run", *argv, "--limit", "5", "--quiet", "--no-plots", "--out", str(tmp_path / "o")])
     assert rc == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    meta = json.loads((tmp_path / "o" / "summary.json").read_text())["meta"]
+    assert meta["route_slo"] is ("--route-slo" in argv)  # the results say how they were routed
     if warned is None:
         assert err == []
     else:
