@@ -140,10 +140,11 @@ class TtftSlo:
     per_1k_prompt_tokens_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.ttft_s, (int, float)) and math.isfinite(self.ttft_s) and self.ttft_s > 0):
+        if not (isinstance(self.ttft_s, (int, float)) and not isinstance(self.ttft_s, bool)
+                and math.isfinite(self.ttft_s) and self.ttft_s > 0):
             raise ValueError(f"TtftSlo ttft_s must be a finite number > 0, got {self.ttft_s!r}")
         v = self.per_1k_prompt_tokens_s
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
             raise ValueError(f"TtftSlo per_1k_prompt_tokens_s must be a finite number >= 0, got {v!r}")
 
     def budget_s(self, prompt_tokens: int) -> float:

@@ -57,7 +57,7 @@ def run(make, X: np.ndarray, Y: np.ndarray, test: np.ndarray, noise: float) -> t
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--n", type=int, default=20_000, help="observations (default 20,000)")
     ap.add_argument("--outliers", type=float, default=0.10, help="share of absurd timings (default 0.1)")
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of good timings (default 0.05)")

@@ -73,9 +73,14 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+except ImportError:  # --help works without PyTorch; main() says what is missing
+    torch = None  # type: ignore[assignment]
+
+NO_TORCH = "error: {script} needs PyTorch (the device machine's image has it; on a CPU: pip install torch)"
 
 
 # ----------------------------------------------------------------------------- architecture
@@ -439,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=1, help="sweep the whole grid this many times")
     ap.add_argument("--skip-extras", action="store_true", help="no ceilings / backend / eager extras")
     args = ap.parse_args(argv)
+    if torch is None:
+        print(NO_TORCH.format(script="bench/gpu_profile.py"), file=sys.stderr)
+        return 2
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

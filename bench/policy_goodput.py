@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from sim.executor import make_executor
     from sim.point import SLO, Point, parse_policy
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=240)  # piped: rich would cut the 13 columns to 80
     rows = ["mooncake:default"] if args.quick else [r.strip() for r in args.rows.split(",") if r.strip()]
     seeds = list(range(1 if args.quick else args.seeds))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

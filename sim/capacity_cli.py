@@ -253,6 +253,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         title = f"{scenario.name}: highest rate meeting {slo.describe()} (tol {100 * args.tol:g}%)"
     else:
         title = f"{scenario.name}: fewest GPUs meeting {slo.describe()} at rate x{args.rate_scale:g}"
+    if not opts.route_slo:  # the answer depends on it (ep_aware routes against the SLO by default)
+        title += ", routed SLO-blind"
     console.print(rich_table(head, rows, title))
     notes = reasons(results)
     for line in notes:
@@ -263,7 +265,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "pdlb " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     meta = {"command": command, "scenario": json.loads(scenario.model_dump_json()), "workload": vars(wl) | {
-        "num_requests": len(requests), "arrival_window_s": span}, "search": args.search, "executor": args.executor,
+        "num_requests": len(requests), "arrival_window_s": span}, "search": args.search, "route_slo": opts.route_slo, "executor": args.executor,
         "jobs": args.jobs, "wall_s": wall}
     doc = {"meta": meta, "results": [result_dict(r) for r in results],
            "curves": {k: [result_dict_point(p) for p in v] for k, v in curves.items()}}

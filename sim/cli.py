@@ -145,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     from sim.sweep_cli import add_sweep_parser
     add_sweep_parser(simsub)
 
-    sub.add_parser("policies", help="list routing policies and their parameters")
+    sub.add_parser("policies", help="list routing policies and their parameters",
+                   description="List every registered routing policy with its parameters and their defaults. "
+                               "Any flag or config entry that names a policy takes them as NAME:K=V[,K=V], "
+                               "e.g. --policy ep_aware:horizon_weight=2; each policy's docstring "
+                               "(balancer/policies/) explains its parameters.")
     from balancer.service.cli import add_serve_parser
     from sim.emulator.cli import add_engine_parser
     add_serve_parser(sub)
@@ -191,6 +195,17 @@ def _describe(sc: Scenario) -> str:
     return f"[bold]{escape(sc.name)}[/]: {escape(sc.description or describe_pools(sc))} ({sc.num_gpus} GPUs)"
 
 
+def _idle_slo_params(policy: Any, route_slo: bool) -> list[str]:
+    """The ``slo_*`` parameters set away from their defaults on a policy that gets no TTFT budget
+    (neither its own ``ttft_slo_s`` nor ``--route-slo`` with ``slo_aware``): they change nothing."""
+    if not dataclasses.is_dataclass(policy) or not hasattr(policy, "ttft_slo_s"):
+        return []
+    if policy.ttft_slo_s > 0 or (route_slo and getattr(policy, "slo_aware", True)):
+        return []
+    return [f.name for f in dataclasses.fields(policy)
+            if f.name.startswith("slo_") and f.name != "slo_aware" and getattr(policy, f.name) != f.default]
+
+
 def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
@@ -200,6 +215,12 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     scenario = _scenario(args)
     if args.out is not None:
         _check_writable_dir(args.out)
+    for p, _, plabel, _ in runs:
+        idle = _idle_slo_params(p, args.route_slo)
+        if idle:
+            print(f"warning: {plabel}: {', '.join(idle)} change{'s' if len(idle) == 1 else ''} nothing without a "
+                  f"TTFT budget to route against "
+                  f"(add --route-slo, or ttft_slo_s=S to the policy)", file=sys.stderr)
     requests, meta = _load_workload(args)
     from sim.admission import check_block_size
     check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation
@@ -239,7 +260,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta |= {"command": " ".join(sys.argv), "wall_s": wall}
+    meta |= {"command": " ".join(sys.argv), "wall_s": wall, "route_slo": args.route_slo}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")
     files.append(out / "summary.md")
@@ -331,7 +352,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 cls = _REGISTRY[name]
                 params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
                 doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-                console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}")
+                console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}",
+                              soft_wrap=True)  # one line per signature, for grep
             console.print("parameters on any policy flag or config: NAME:K=V[,K=V], e.g. "
                           "--policy cache_aware:cache_threshold=0.5,balance_abs=8")
             return 0

@@ -55,7 +55,9 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table
         ("goodput r/s", "right"), ("out tok/s/GPU", "right"), ("P imb.", "right"), ("D imb.", "right"),
     ]
     for name, justify in cols:
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+        # a policy label with parameters can be wider than its share: fold it, never cut it
+        # (two variants of one policy would otherwise read alike, 'ep_aware(horizon_…')
+        t.add_column(name, justify=justify, overflow="fold" if name == "policy" else "ellipsis")  # type: ignore[arg-type]
     for s in summaries:
         t.add_row(
             s["policy"],
@@ -79,7 +81,7 @@ def kv_tier_table(summaries: Sequence[dict[str, Any]], title: str = "KV tiers") 
     if not _tiered(summaries):
         return None
     t = Table(title=title or None, show_lines=False)
-    t.add_column("policy", justify="left")
+    t.add_column("policy", justify="left", overflow="fold")
     for c in KV_COLUMNS:
         t.add_column(c, justify="right")
     for s in summaries:

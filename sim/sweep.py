@@ -11,6 +11,8 @@ A sweep file (``pdlb sim sweep SWEEP.toml``)::
     traces = ["a.jsonl.gz"]                   # optional; default: the embedded trace
     limit = 2000                              # optional workload cut (also duration_s, spread_s, format)
 
+    route_slo = true                          # optional: the router is told [slo]'s TTFT budget (false: SLO-blind)
+
     [slo]                                     # optional (sim.point.SLO fields)
     ttft_s = 2.0
     attainment = 0.9
@@ -62,7 +64,8 @@ from sim.scenario import PRESETS, Scenario, load_scenario
 MAX_POINTS = 10_000
 
 _KEYS = {"scenario", "policies", "decode_policy", "policy_modules", "rates", "seeds", "traces", "limit", "duration_s",
-         "spread_s", "format", "slo", "grid", "points", "index_mode", "router_tiers", "tier_weights"}
+         "spread_s", "format", "slo", "grid", "points", "index_mode", "router_tiers", "tier_weights",
+         "route_slo"}
 
 
 @dataclass
@@ -109,7 +112,8 @@ def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], pol
                                                    None if workload.duration_s is None else ["scaled", workload.duration_s],
                                                    workload.spread_s, workload.seed],
            "slo": [slo.ttft_s, slo.tpot_s, slo.attainment, slo.percentile, slo.ttft_per_1k_prompt_tokens_s],
-           "options": [options.index_mode, options.router_tiers, options.tier_weights]}
+           # route_slo: points made before the router was told the SLO (SLO-blind) are not resumed as SLO-aware
+           "options": [options.index_mode, options.router_tiers, options.tier_weights, ["route_slo", options.route_slo]]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -157,8 +161,11 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     except TypeError as e:
         raise ValueError(f"{source}: [slo]: {e}") from None
     tw = raw.get("tier_weights")
+    route_slo = raw.get("route_slo", True)
+    if not isinstance(route_slo, bool):
+        raise ValueError(f"{source}: route_slo must be true or false, got {route_slo!r}")
     options = SimOptions(index_mode=raw.get("index_mode", "approximate"), router_tiers=bool(raw.get("router_tiers", True)),
-                         tier_weights=tuple(sorted(tw.items())) if isinstance(tw, dict) else None)
+                         tier_weights=tuple(sorted(tw.items())) if isinstance(tw, dict) else None, route_slo=route_slo)
     grid = raw.get("grid", {})
     if not isinstance(grid, dict):
         raise ValueError(f"{source}: [grid] must be a table of dotted.path = [values]")

@@ -50,6 +50,17 @@ def test_capacity_rate_cli_writes_table_json_csv_plot_and_report(tmp_path: Path,
     assert "| 1.00 |" in md
 
 
+@pytest.mark.parametrize("flags, blind", [([], False), (["--no-route-slo"], True)])
+def test_capacity_says_when_the_router_was_slo_blind(flags, blind, tmp_path: Path, capsys) -> None:
+    # an SLO unreachable even at zero load: no simulation runs, the answer's header and meta still say how it routed
+    rc = main(["sim", "capacity", "--policies", "ep_aware", "--limit", "100", "--slo-ttft-s", "0.1",
+               "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet", *flags])
+    assert rc == 0
+    assert ("routed SLO-blind" in capsys.readouterr().out) is blind
+    assert ("routed SLO-blind" in (tmp_path / "capacity.md").read_text().splitlines()[0]) is blind
+    assert json.loads((tmp_path / "capacity.json").read_text())["meta"]["route_slo"] is (not blind)
+
+
 def test_capacity_reports_an_unreachable_slo_with_its_reason(tmp_path: Path, capsys) -> None:
     # 99% of requests within 0.5 s: long prompts of the trace cannot prefill that fast even alone
     rc = main(["sim", "capacity", "--policies", "least_load", "--limit", "300", "--slo-ttft-s", "0.5",

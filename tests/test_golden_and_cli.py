@@ -127,5 +127,8 @@ def test_cli_lists(capsys) -> None:
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
     assert "cache_aware(cache_threshold=0.3, balance_abs=64, balance_rel=1.5)" in out
+    # one line per signature whatever its length (ep_aware's is over 200 characters), for grep
+    ep = [line for line in out.splitlines() if line.startswith("ep_aware(")]
+    assert len(ep) == 1 and ep[0].endswith(")") and "ttft_slo_per_1k_tokens_s=" in ep[0], ep
     assert main(["sim", "scenarios"]) == 0
     assert "dsv3-pd-h200" in capsys.readouterr().out

@@ -76,3 +76,38 @@ def test_recorded_errors_are_roofline_over_measured():
                 best[key] = min(best.get(key, p), p, key=lambda q: q["time_s"])
         errs = sorted(q["err"] for q in best.values())
         assert s["points"] == len(errs) and s["min_err"] == pytest.approx(errs[0]) and s["max_err"] == pytest.approx(errs[-1])
+
+
+_NO_TORCH = """
+import runpy, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ImportError("torch is not installed (blocked by the test)")
+sys.meta_path.insert(0, Refuse())
+sys.argv = [SCRIPT, *ARGS]
+sys.path.insert(0, SCRIPT.rsplit("/", 1)[0])  # as 'python bench/x.py' does
+runpy.run_path(SCRIPT, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script, args", [("bench/gpu_kinds.py", []), ("bench/gpu_profile.py", []),
+                                          ("bench/gpu_profile.py", ["--kinds"])])
+def test_gpu_benches_give_help_without_pytorch_and_say_what_is_missing(script, args):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(*extra):
+        prog = f"SCRIPT = {script!r}\nARGS = {[*args, *extra]!r}\n" + _NO_TORCH
+        return subprocess.run([sys.executable, "-c", prog], cwd=root, capture_output=True, text=True, timeout=60)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and "--out" in helped.stdout, helped.stderr
+    ran = run("--out", "unused-dir")
+    name = "gpu_profile.py" if args == [] and script.endswith("gpu_profile.py") else "gpu_kinds.py"
+    assert ran.returncode == 2
+    assert ran.stderr.strip().splitlines() == [f"error: bench/{name} needs PyTorch (the device machine's image has it; "
+                                               "on a CPU: pip install torch)"]
+    assert not (root / "unused-dir").exists()

@@ -123,11 +123,16 @@ def test_sim_run_takes_parameters_and_they_reach_the_policy(tmp_path) -> None:
         assert row[key] == pytest.approx(direct[key], rel=1e-12), key
 
 
-def test_sim_compare_runs_two_parameterisations_of_one_policy(tmp_path) -> None:
+def test_sim_compare_runs_two_parameterisations_of_one_policy(tmp_path, capsys) -> None:
     out = tmp_path / "cmp"
     rc = main(["sim", "compare", "--policies", "cache_aware,cache_aware:cache_threshold=0.9,balance_abs=0",
                "--limit", "80", "--quiet", "--no-plots", "--out", str(out)])
     assert rc == 0
+    # the printed table names each variant in full (folded over lines, never cut to 'cache_aware(bal…')
+    printed = capsys.readouterr().out
+    first_column = "".join(line.split("│")[1].strip() for line in printed.splitlines() if line.startswith("│"))
+    assert first_column == "cache_awarecache_aware(balance_abs=0,cache_threshold=0.9)"
+    assert "…" not in printed
     rows = _summary(out)
     assert [r["policy"] for r in rows] == ["cache_aware", "cache_aware(balance_abs=0,cache_threshold=0.9)"]
     # balance_abs=0 falls back to least-load on any imbalance: a different policy, so different routing
@@ -201,3 +206,24 @@ def test_capacity_policies_list_takes_specs_too() -> None:
     args = build_parser().parse_args(["sim", "capacity", "--policies",
                                       "round_robin,cache_aware:cache_threshold=0.5,balance_abs=8"])
     assert [s.label for s in policy_specs(args)] == ["round_robin", "cache_aware(balance_abs=8,cache_threshold=0.5)"]
+
+
+@pytest.mark.parametrize("argv, warned", [
+    (["--policy", "ep_aware:slo_doomed_cap=2"], "slo_doomed_cap changes nothing"),
+    (["--policy", "ep_aware:slo_doomed_cap=2,slo_intrinsic=blind"], "slo_doomed_cap, slo_intrinsic change nothing"),
+    (["--policy", "ep_aware:slo_doomed_cap=2,slo_aware=false", "--route-slo"], "slo_doomed_cap changes nothing"),
+    (["--policy", "ep_aware:slo_doomed_cap=2", "--route-slo"], None),
+    (["--policy", "ep_aware:slo_doomed_cap=2,ttft_slo_s=3"], None),
+    (["--policy", "ep_aware:horizon_weight=2"], None),
+    (["--policy", "cache_aware"], None),
+])
+def test_slo_parameters_without_a_budget_are_warned_about(argv, warned, tmp_path, capsys) -> None:
+    rc = main(["sim", "run", *argv, "--limit", "5", "--quiet", "--no-plots", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    meta = json.loads((tmp_path / "o" / "summary.json").read_text())["meta"]
+    assert meta["route_slo"] is ("--route-slo" in argv)  # the results say how they were routed
+    if warned is None:
+        assert err == []
+    else:
+        assert len(err) == 1 and warned in err[0] and "--route-slo" in err[0], err

@@ -301,3 +301,13 @@ def _tied(routes, load) -> bool:  # noqa: ANN001
             if len({scores[c] for c in chosen}) != 1:
                 return False
     return True
+
+
+@pytest.mark.parametrize("args, field", [((True,), "ttft_s"), ((2.0, True), "per_1k"), (("2",), "ttft_s"),
+                                         ((float("inf"),), "ttft_s"), ((2.0, float("nan")), "per_1k")])
+def test_ttft_slo_refuses_what_is_not_a_number_of_seconds(args, field) -> None:
+    from balancer.types import TtftSlo
+
+    with pytest.raises(ValueError, match=field):
+        TtftSlo(*args)  # a bool is an int to Python, not a budget (True would be a 1 s SLO)
+    assert TtftSlo(2, 0).budget_s(1000) == 2.0  # integers are fine

@@ -54,6 +54,7 @@ def test_expansion_is_the_product_with_stable_distinct_ids(tmp_path: Path) -> No
     ('[grid]\n"prefill.num_enignes" = [1]\n', "num_enignes"),
     ('[grid]\n"prefill.num_engines" = [1, 0]\n', "point {'prefill.num_engines': 0}"),
     ("rates = [0]\n", "rates must be finite numbers > 0"),
+    ('route_slo = "no"\n', "route_slo must be true or false, got 'no'"),
     ("[slo]\nttft = 1\n", "[slo]"),
     ("policies = [\n", "sw.toml"),
     ('[grid]\n"perf.mfu" = [' + ",".join(["0.5"] * 101) + ']\n"prefill.num_engines" = [' + ",".join(["1"] * 100) + "]\n",
@@ -63,6 +64,16 @@ def test_bad_sweep_files_are_one_clear_error(tmp_path: Path, text: str, message:
     with pytest.raises(ValueError) as e:
         load_sweep(_write(tmp_path, text))
     assert message in str(e.value)
+
+
+def test_route_slo_reaches_the_points_and_their_ids(tmp_path: Path) -> None:
+    aware = load_sweep(_write(tmp_path))
+    blind = load_sweep(_write(tmp_path, "route_slo = false\n" + SWEEP))
+    assert {p.options.route_slo for p in aware.points} == {True}  # default: routed against [slo]
+    assert {p.options.route_slo for p in blind.points} == {False}
+    # the same points routed otherwise are other simulations: a resume must not take one for the other
+    assert not set(aware.ids) & set(blind.ids)
+    assert load_sweep(_write(tmp_path, "route_slo = true\n" + SWEEP)).ids == aware.ids
 
 
 class _FailFirst(Executor):
