@@ -67,10 +67,10 @@ candidate ``i`` is ``wait_i + fetch_i`` (above). If the cheapest candidate meets
 taken. If none does, the request is *doomed*: its own delay no longer changes whether it meets
 the SLO, only the delay it causes others does. It goes to the least harmful candidates (``harm_i
 = cost_i - ttft_i``, the externality and horizon terms, within ``tie_tolerance``; 0 on dense
-ranks) and, among them, to the one with the longest wait for the least own work, ``score_i = 2
-own_i - ttft_i = own_i - wait_i`` (``own_i`` its prefill seconds on an idle rank, counting its
-prefix hit there), among those with ``ttft_i <= slo_doomed_cap * budget`` (past the cap on every
-one, the shortest TTFT): it joins a queue that is already late instead of pushing a short queue's
+ranks) among those with ``ttft_i <= slo_doomed_cap * budget`` (past the cap on every one: the
+shortest TTFT) and, among them, to the one with the longest wait for the least own work, ``score_i
+= 2 own_i - ttft_i = own_i - wait_i`` (``own_i`` its prefill seconds on an idle rank, counting its
+prefix hit there): it joins a queue that is already late instead of pushing a short queue's
 next requests over their budgets, and keeps its prefix hit. A prompt that misses the budget even
 on an idle rank (``own`` alone too long) is doomed too (``slo_intrinsic="dump"``): on wide-EP
 engines keeping such prompts off the engines that serve short ones is most of the gain; with
@@ -279,14 +279,15 @@ class EpAware(Policy):
             return np.where(ok, cost, np.inf), False
         if self.slo_intrinsic == "blind" and float(own.min()) * self.slo_margin > budget:
             return cost, False
-        harm = cost - ttft  # the delay it adds to others (externality + horizon); 0 on a dense engine
-        tol = self.tie_tolerance * max(float(np.abs(harm).max()), 1e-9) if self.tie_tolerance > 0 else 0.0
-        near = harm <= float(harm.min()) + tol
-        capped = near & (ttft <= self.slo_doomed_cap * budget)
+        capped = ttft <= self.slo_doomed_cap * budget
         if not capped.any():  # every queue is past the cap: the least predicted TTFT
-            return np.where(near, ttft, np.inf), True
+            return ttft, True
+        harm = np.where(capped, cost - ttft, np.inf)  # the delay it adds to others (externality + horizon)
+        least = float(harm.min())
+        tol = self.tie_tolerance * max(abs(least), float(np.abs(harm[capped]).max()), 1e-9) if self.tie_tolerance > 0 else 0.0
+        near = harm <= least + tol
         # the longest wait (ttft - own) for the least own work: 2 own - ttft = own - wait
-        return np.where(capped, 2.0 * own - ttft, np.inf), True
+        return np.where(near, 2.0 * own - ttft, np.inf), True
 
     def _mixed_stall(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
