@@ -474,3 +474,25 @@ def test_slo_intrinsic_blind_places_a_prompt_too_long_for_any_budget_slo_blind()
     assert ch.replica.engine == "A" and ch.reason == "ep_aware:prefill"
     with pytest.raises(ValueError, match="slo_intrinsic"):
         make_policy("ep_aware", slo_intrinsic="drop")
+
+
+def test_slo_doomed_cap_holds_on_wide_ep_where_the_least_harm_ranks_are_the_busiest():
+    # Regression (fresh-user review): the cap was applied inside the least-harm set, which on a
+    # wide-EP engine is its busiest rank (no other rank waits behind it), so a doomed prompt went
+    # into a 7 s queue while 1 s ones were free. Two EP2 engines; 0.01 s/step, 1e-4 s/token,
+    # 1e-5 s/group token; a 4,000-token prompt, budget 0.3 s (its own 0.45 s already misses),
+    # cap 10 budgets = 3 s. Hand-computed TTFTs:
+    #   A0 (100,000 queued): 13 steps: 0.13 + 10.4 + 1e-5 * 105,000 = 11.58 s, harm 0
+    #   B0 (60,000 queued): 8 steps: 0.08 + 6.4 + 1e-5 * 65,000 = 7.13 s, harm 0
+    #   A1, B1 (1,000 queued): 1 step at the busy partner's pace: 0.01 + 0.8192 + 1e-5 * 13,192
+    #     = 0.96112 s; harm = externality 1e-5 * 4,000 * 0.99 (A1) or * 0.98333 (B1), within 5%
+    pf = PrefillStepCost(overhead_s=0.01, per_token_s=1e-4, per_attn_pair_s=0.0, per_group_token_s=1e-5)
+    cm = model(pf=pf)
+    c = cands(pview("A", 0, 100_000, 1), pview("A", 1, 1000, 1), pview("B", 0, 60_000, 1), pview("B", 1, 1000, 1))
+    req = Request("r", 0.0, 4000)
+    blind = exact().select(req, c, ctx(cm)).scores
+    assert blind[ReplicaId("A", 1)] == pytest.approx(0.96112 + 0.0396)
+    assert blind[ReplicaId("B", 0)] == pytest.approx(7.13)
+    ch = exact(slo_doomed_cap=10.0).select(req, c, slo_ctx(cm, 0.3))
+    assert ch.reason.endswith(":slo_doomed")
+    assert ch.replica in (ReplicaId("A", 1), ReplicaId("B", 1))  # within the cap, not the 7 s or 11.6 s queue
