@@ -97,8 +97,11 @@ Parameters:
     slo_aware: use the router's TTFT budget (``SelectContext.ttft_slo``) when it has one (True).
     ttft_slo_s, ttft_slo_per_1k_tokens_s: the policy's own TTFT budget (0 = none: the router's),
         seconds and seconds per 1,000 prompt tokens.
-    slo_margin: a candidate meets the budget when ``slo_margin * predicted TTFT <= budget`` (1;
-        > 1 is conservative, < 1 optimistic about the cost model).
+    slo_margin: a candidate meets the budget when ``slo_margin * predicted TTFT <= budget`` (0.8:
+        the predicted wait counts in-flight prompts in full, so it runs high; with 1, under a strict
+        percentile SLO too many requests are taken for doomed that would have made it: p97 on the
+        default scenario 0.276x rate vs 0.373x with 0.8, SLO-blind 0.394x; under the 90%
+        attainment SLO 0.8 keeps most of the gain, dense 61.9% vs 66.7% with 1).
     slo_doomed_cap: a doomed request joins a queue of at most this many budgets (5; ``inf`` =
         any: the largest goodput under overload, unbounded TTFT for the doomed).
     slo_intrinsic: ``"dump"`` (default) or ``"blind"``: how a prompt that misses its budget even
@@ -148,7 +151,7 @@ class EpAware(Policy):
     slo_aware: bool = True
     ttft_slo_s: float = 0.0
     ttft_slo_per_1k_tokens_s: float = 0.0
-    slo_margin: float = 1.0
+    slo_margin: float = 0.8
     slo_doomed_cap: float = 5.0
     slo_intrinsic: str = "dump"
 
