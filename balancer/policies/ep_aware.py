@@ -76,10 +76,10 @@ on an idle rank (``own`` alone too long) is doomed too (``slo_intrinsic="dump"``
 engines keeping such prompts off the engines that serve short ones is most of the gain; with
 ``slo_intrinsic="blind"`` it is placed SLO-blind instead (shorter tails, less goodput). Under overload this is the difference between every request missing by a little
 and most meeting their budget: measured on the Mooncake trace on dense PD at the trace rate,
-attainment 48.9% SLO-blind, 66.7% SLO-aware, against cache_aware's 54.3%; default scenario
-72.9% -> 79.5% (seed 0, bench/policy_goodput.py's SLO). The cost is the doomed requests' own TTFT
-(capped at ``slo_doomed_cap`` budgets where a queue that short exists): TTFT p99 27.9 s vs 20.4 s
-SLO-blind on dense; on 16 prefill engines, where the trace rate is within the SLO, p99 42.9 s vs
+attainment 48.9% SLO-blind, 61.9% SLO-aware, against cache_aware's 54.3%; default scenario
+72.9% -> 78.3% (seed 0, bench/policy_goodput.py's SLO). The cost is the doomed requests' own TTFT
+(capped at ``slo_doomed_cap`` budgets where a queue that short exists): TTFT p99 21.2 s vs 20.4 s
+SLO-blind on dense; on 16 prefill engines, where the trace rate is within the SLO, p99 43.4 s vs
 33.3 s for the same attainment. Under a strict percentile SLO (p97, p99) it costs rate: the cost
 model's pessimism (in-flight prompts count in full) marks requests doomed that would have met
 their budget; ``slo_margin=0.8`` recovers SLO-blind's rate there (README, "SLO-aware placement"). This is the EDF-with-abandonment argument of
