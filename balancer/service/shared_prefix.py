@@ -14,9 +14,10 @@ receiver wake-ups cost each of N processes N - 1 wake-ups per interval (with one
 decision, 2 processes at 800 requests/s spent 140-240 us more CPU per request than with nothing
 shared; one process's whole cost was 350-370 us).
 
-Ring layout (little-endian): bytes 0-7 the total bytes ever written (``head``, only grows; an
-aligned 8-byte store the writer makes after the record's bytes), bytes 8-15 the data capacity
-``C``, then ``C`` data bytes; a record is a 4-byte length and that many bytes of msgpack
+Ring layout: bytes 0-7 the total bytes ever written (``head``, only grows; native byte order,
+stored and loaded as one aligned 8-byte word through a ``memoryview`` cast, never byte by byte,
+the writer's store made after the record's bytes), bytes 8-15 the data capacity ``C``
+(little-endian), then ``C`` data bytes; a record is a 4-byte length and that many bytes of msgpack
 (``[[[engine, dp_rank], ...], [block_hash, ...], now_s]``), written at ``head mod C`` and wrapping
 around. A reader keeps its own position in each ring; it copies the bytes between its position
 and ``head``, then reads ``head`` again: when the writer has meanwhile lapped the copied span
@@ -90,11 +91,12 @@ def _open_ring(path: str, create: bool, capacity: int) -> mmap.mmap | None:
 class _Reader:
     """This process's position in another process's ring."""
 
-    __slots__ = ("path", "mm", "pos", "cap")
+    __slots__ = ("path", "mm", "head", "pos", "cap")
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.mm: mmap.mmap | None = None
+        self.head: memoryview | None = None  # the ring's head word
         self.pos = 0
         self.cap = 0
 
@@ -120,6 +122,7 @@ class PrefixShare:
         mm = _open_ring(ring_path(directory, index), True, ring_bytes)
         assert mm is not None
         self._mm = mm
+        self._head_word = memoryview(mm)[0:8].cast("Q")
         self._head = 0
         self._readers = [_Reader(ring_path(directory, k)) for k in range(processes) if k != index]
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,10 +145,10 @@ class PrefixShare:
         if n > self._cap:
             self.dropped += 1
             return
-        mm, cap, head = self._mm, self._cap, self._head
-        self._write(head % cap, _U32.pack(len(rec)) + rec)
+        head = self._head
+        self._write(head % self._cap, _U32.pack(len(rec)) + rec)
         head += n
-        mm[0:8] = _U64.pack(head)  # after the record: a reader never sees a head past unwritten bytes
+        self._head_word[0] = head  # after the record: a reader never sees a head past unwritten bytes
         self._head = head
         self.sent += 1
         if self._loop is not None and not self._drain_soon:
@@ -171,14 +174,15 @@ class PrefixShare:
                 if rd.mm is None:
                     continue
                 rd.cap = len(rd.mm) - _HEADER
+                rd.head = memoryview(rd.mm)[0:8].cast("Q")
             got += self._drain_one(rd)
         self.received += got
         return got
 
     def _drain_one(self, rd: _Reader) -> int:
-        mm, cap = rd.mm, rd.cap
-        assert mm is not None
-        head = _U64.unpack_from(mm, 0)[0]
+        mm, cap, word = rd.mm, rd.cap, rd.head
+        assert mm is not None and word is not None
+        head = word[0]
         if head == rd.pos:
             return 0
         if head < rd.pos or head - rd.pos > cap:  # lapped (or a new ring): resume at its head
@@ -187,7 +191,7 @@ class PrefixShare:
             return 0
         a, b = rd.pos % cap, head % cap
         data = mm[_HEADER + a:_HEADER + b] if a < b else mm[_HEADER + a:_HEADER + cap] + mm[_HEADER:_HEADER + b]
-        now_head = _U64.unpack_from(mm, 0)[0]
+        now_head = word[0]
         if now_head - rd.pos > cap:  # the writer overwrote part of the span while it was copied
             self.lost_bytes += now_head - rd.pos
             rd.pos = now_head
@@ -228,6 +232,9 @@ class PrefixShare:
         self._loop = None
         for rd in self._readers:
             if rd.mm is not None:
+                assert rd.head is not None
+                rd.head.release()
                 rd.mm.close()
-                rd.mm = None
+                rd.mm = rd.head = None
+        self._head_word.release()
         self._mm.close()
