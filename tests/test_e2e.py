@@ -338,3 +338,34 @@ async def test_two_router_processes_serve_all_and_return_to_zero():
         assert router.stop() == 0  # SIGTERM: both processes drain and exit, then the parent
     finally:
         _stop_all(procs)
+
+
+async def test_two_router_processes_share_their_prefix_views():
+    """Approximate mode, 2 router processes, 4 mixed engines: one request with a 1,000-character
+    prompt (250 tokens at 4 characters per token: 3 full 64-token blocks) is routed by one
+    process; 40 more with that prompt, each on a fresh connection (the kernel spreads them over
+    both processes: all on one would be a 2^-39 chance), all find its blocks in their process's
+    index, so /metrics, summed over the processes, shows exactly one decision with no prefix match
+    (match ratio 0: the first) and 40 with 192 / 250 = 0.768 (bucket le=0.8, not le=0.7)."""
+    engines = spawn_engines([("mixed", *FAST)] * 4)
+    procs = list(engines)
+    try:
+        router = spawn_router("none", [], [], "--processes", "2", "--decode-policy", "cache_aware", mixed=engines)
+        procs.append(router)
+        body = {"model": "emu", "prompt": "".join(f"{i:04d} shared prefix line. "[:20] for i in range(50)), "max_tokens": 1}
+        assert len(body["prompt"]) == 1000
+        async with aiohttp.ClientSession() as s:
+            async def one() -> None:
+                async with s.post(router.url + "/v1/completions", json=body, headers={"Connection": "close"}) as r:
+                    assert r.status == 200
+                    await r.read()
+            await one()
+            await asyncio.sleep(0.2)  # the other process reads the first decision within 20 ms
+            for _ in range(40):
+                await one()
+            zero = await _metric(s, router, r'pdlb_prefix_match_ratio_bucket\{le="0.0",pool="decode"\}')
+            le07 = await _metric(s, router, r'pdlb_prefix_match_ratio_bucket\{le="0.7",pool="decode"\}')
+            le08 = await _metric(s, router, r'pdlb_prefix_match_ratio_bucket\{le="0.8",pool="decode"\}')
+            assert (zero, le07, le08) == ([1.0], [1.0], [41.0])
+    finally:
+        _stop_all(procs)

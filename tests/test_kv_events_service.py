@@ -195,8 +195,8 @@ async def test_scraped_engine_load_steers_an_independent_router():
 
 
 async def test_processes_share_their_approximate_prefix_views(tmp_path):
-    """Two router processes' sides (two routers, one loop here): what A routes, B learns over the
-    ipc sockets, so B sends the same prompt to the replica A chose, with the whole prompt matched
+    """Two router processes' sides (two routers, one loop here): what A routes, B learns from A's
+    ring, so B sends the same prompt to the replica A chose, with the whole prompt matched
     (10 blocks of 64 = 640 tokens); without the share B would see no match."""
     from balancer.router import Router
     from balancer.service.shared_prefix import PrefixShare
@@ -214,26 +214,60 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
     try:
         for sh in shares:
             sh.start()
-        await asyncio.sleep(0.3)  # subscriptions join
         toks = [random.Random(9).randrange(30_000) for _ in range(640)]
         hs = tuple(hash_token_blocks(toks, 64))
         first = a.route(Request("x", 0.0, 640, hs), 0.0)
+        assert shares[0].sent == 1  # written at once
         assert await _wait(lambda: shares[1].received == 1)
         second = b.route(Request("y", 1.0, 640, hs), 1.0)
         assert second.decode == first.decode and second.decode_matched_tokens == 640
-        assert shares[1].sent == 0  # B's own decision goes out within FLUSH_INTERVAL_S
         assert await _wait(lambda: shares[0].received == 1)
         assert shares[0].sent == 1 and shares[1].sent == 1
-        # decisions of one loop pass travel in one message: 5 routed in a row reach A together
+        # decisions arrive in the order they were made, each once
         got = []
-        a.record_routed = lambda reps, hashes, now: got.append(len(got))  # type: ignore[method-assign]
+        a.record_routed = lambda reps, hashes, now: got.append(hashes)  # type: ignore[method-assign]
         for i in range(5):
             b.route(Request(f"z{i}", 2.0, 64, (i,)), 2.0)
         assert await _wait(lambda: shares[0].received == 6)
-        assert shares[1].sent == 6 and shares[1].messages == 2 and got == [0, 1, 2, 3, 4]
+        assert shares[1].sent == 6 and got == [(0,), (1,), (2,), (3,), (4,)]
+        assert shares[0].lost_bytes == 0 and shares[1].lost_bytes == 0
     finally:
         for sh in shares:
             await sh.close()
+
+
+def test_prefix_ring_wraps_and_a_lapped_reader_resumes(tmp_path):
+    """A 200-byte ring: records written across its end read back whole (a one-block decision for
+    engine "e0" is a 4-byte length + 18 bytes of msgpack: 9 fit before it wraps); a reader more
+    than 200 bytes behind drops the lapped span (lost_bytes = the bytes it skipped) and reads what
+    comes after; a record larger than the ring is not written."""
+    import msgpack
+
+    from balancer.router import Router
+    from balancer.service.shared_prefix import PrefixShare
+
+    seen: list[tuple[int, ...]] = []
+    routers = [Router("cache_aware", "cache_aware", block_size=64) for _ in range(2)]
+    for r in routers:
+        r.add_replica(ReplicaId("e0", 0), "mixed")
+    w, rd = (PrefixShare(r, str(tmp_path), 2, i, ring_bytes=200) for i, r in enumerate(routers))
+    routers[1].record_routed = lambda reps, hashes, now: seen.append(hashes)  # type: ignore[method-assign]
+    rep = [ReplicaId("e0", 0)]
+    size = 4 + len(msgpack.packb([[["e0", 0]], (7,), 1.0]))
+    assert size == 4 + 18  # fixarray headers 3 + "e0" 3 + 0 1 + fixarray 1 + 7 1 + float64 9
+    for i in range(5):
+        w.publish(rep, (i,), 1.0)
+    assert rd.drain() == 5 and seen == [(i,) for i in range(5)]
+    for i in range(5, 12):  # 12 records x size > 200: these cross the ring's end
+        w.publish(rep, (i,), 1.0)
+    assert rd.drain() == 7 and seen[5:] == [(i,) for i in range(5, 12)]
+    for i in range(12, 30):  # 18 records: more than the ring holds before the reader looks
+        w.publish(rep, (i,), 1.0)
+    assert rd.drain() == 0 and rd.lost_bytes == 18 * size
+    w.publish(rep, (99,), 1.0)
+    assert rd.drain() == 1 and seen[-1] == (99,) and rd.received == 13
+    w.publish(rep, tuple(range(1000, 1100)), 1.0)  # 100 x 3-byte ints: larger than the ring, not written
+    assert w.dropped == 1 and w.sent == 31
 
 
 async def test_lora_requests_follow_the_engine_holding_that_adapters_blocks():

@@ -294,3 +294,41 @@ def test_a_failed_multiprocess_start_leaves_the_environment_as_it_was(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "error: tokenizer_path" in err and "(router process " in err and "Traceback" not in err
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before
+
+
+def test_multiprocess_metrics_take_the_pid_from_a_cache(tmp_path):
+    """A router process's metric updates in multiprocess mode take its id from a cache, not from
+    os.getpid() (a system call, ~10 per request), and the cache follows fork: in a fresh
+    interpreter with PROMETHEUS_MULTIPROC_DIR set, 3 increments land in counter_<pid>.db; with the
+    cache set to 424242 the next one opens counter_424242.db (so the id came from the cache); a
+    forked child's increment lands in counter_<child pid>.db; the collector sums all: 3 + 1 + 1."""
+    import subprocess
+    import sys
+
+    code = """
+import os
+from balancer.service import metrics
+m = metrics.ServiceMetrics(multiprocess=True)
+c = m.child(m.requests, "/v1/completions", "200")
+for _ in range(3):
+    c.inc()
+real = os.getpid()
+metrics._PID["value"] = 424242
+c.inc()
+metrics._PID["value"] = real
+child = os.fork()
+if child == 0:
+    c.inc()
+    os._exit(0)
+os.waitpid(child, 0)
+from prometheus_client import CollectorRegistry, multiprocess
+reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
+total = [s.value for f in reg.collect() for s in f.samples if s.name == "pdlb_requests_total"]
+files = sorted(f for f in os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if f.startswith("counter_"))
+print(total, files == sorted([f"counter_{real}.db", "counter_424242.db", f"counter_{child}.db"]))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[5.0]", "True"]

@@ -587,7 +587,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
     ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
     name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`,
     :data:`~balancer.service.workers.MAX_REPLICAS` columns, the configured workers' DP ranks
-    first); ``shared_prefix_dir``: where the processes' approximate-index sockets live
+    first); ``shared_prefix_dir``: where the processes' approximate-index rings live
     (:mod:`balancer.service.shared_prefix`); ``control``: the duplex pipe to the parent that
     carries admin changes to every process (:mod:`balancer.service.shared_admin`).
 

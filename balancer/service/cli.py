@@ -384,7 +384,9 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         return 2
     port = reservation.getsockname()[1]
     cfg = cfg.model_copy(update={"port": port})
-    metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-")
+    # memory-backed where there is one: the metric files and prefix rings are written per request
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-", dir=shm_dir)
     # columns: the configured workers' DP ranks first, in order; room for admin-added ones
     shm = create_shared_load_block(n_processes, MAX_REPLICAS)
     columns: dict[str, list[int]] = {}
@@ -392,7 +394,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     for w in cfg.workers:
         columns[w.url] = list(range(c, c + w.dp_size))
         c += w.dp_size
-    prefix_dir = tempfile.mkdtemp(prefix="pdlb-prefix-")  # the processes' approximate-index sockets
+    prefix_dir = tempfile.mkdtemp(prefix="pdlb-prefix-", dir=shm_dir)  # the processes' approximate-index rings
     # read by prometheus_client at import in each spawned process (multiprocess mode); restored at
     # exit, so that a caller of main() in process is not left in multiprocess mode
     old_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -28,6 +28,28 @@ from balancer.service.workers import WorkerPool
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_PID = {"value": os.getpid()}
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__("value", os.getpid()))
+_cached_pid_installed = False
+
+
+def _cached_pid() -> int:
+    return _PID["value"]
+
+
+def _install_cached_pid() -> None:
+    """Multiprocess mode: have prometheus-client's mmap-backed values take this process's id from a
+    cache kept right across ``fork`` instead of calling ``os.getpid()`` (a system call) on every
+    ``inc``/``set``/``observe`` (about 10 per request). Done once per process, before its first
+    metric exists (the values of one class share its files; a second class would reopen them)."""
+    global _cached_pid_installed
+    from prometheus_client import values
+
+    if not _cached_pid_installed and getattr(values.ValueClass, "_multiprocess", False):
+        values.ValueClass = values.MultiProcessValue(process_identifier=_cached_pid)
+        _cached_pid_installed = True
+
+
 MULTIPROCESS_GAUGE_REFRESH_S = 1.0
 """Seconds between refreshes of a process's per-worker gauges in multiprocess mode."""
 
@@ -42,6 +64,8 @@ class ServiceMetrics:
 
     def __init__(self, multiprocess: bool = False) -> None:
         self.multiprocess = multiprocess
+        if multiprocess:
+            _install_cached_pid()
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pdlb_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
         self.duration = Histogram("pdlb_request_duration_seconds", "Client request latency (to the last byte)",

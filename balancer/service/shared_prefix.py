@@ -3,133 +3,238 @@
 In approximate mode a router only knows the prompts it routed; N processes behind one port
 would keep N partial views (the simulator measures the cost: ``python -m sim.experiments.k_routers``,
 prefix hit rate 33.0% with one router, 10.6% with 8 independent ones). Here every process
-publishes each decision (the chosen replicas and the prompt's block hashes, msgpack) on its own
-ZMQ PUB socket (``ipc://`` in a private directory the parent creates) and subscribes to all the
-others, recording their decisions with :meth:`balancer.router.Router.record_routed`. The reader is
-an asyncio task of the event loop (``zmq.asyncio``), so the router is touched by one thread.
-Decisions are sent in batches: those made within :data:`FLUSH_INTERVAL_S` of the first queued one
-go out together in one message (at most :data:`MAX_BATCH` per message, sent at once when full), so
-the N - 1 receivers each wake at most once per interval, not once per request: with a message per
-decision, two processes at 800 requests/s spent 140-240 us more CPU per request in approximate mode
-than in events mode, which shares nothing (ZMQ's I/O threads and the receivers' wake-ups; one
-process's whole cost was 350-370 us). A decision reaches the others at most that much later, which
-an approximate index can afford (a request routed meanwhile by another process misses that
-prefix, as without the share).
+appends each decision (the chosen replicas and the prompt's block hashes, msgpack) to its own
+ring buffer, a memory-mapped file in a private directory the parent creates (on ``/dev/shm``
+where there is one), and reads the others' rings, recording their decisions with
+:meth:`balancer.router.Router.record_routed`. Nothing is sent and nobody is woken: a process
+reads the others' new decisions once per event-loop pass in which it routed (right after that
+pass's decisions) and every :data:`DRAIN_INTERVAL_S` otherwise, all in the event loop's thread.
+This replaced one ZMQ PUB socket per process with batches every 5 ms, whose I/O threads and
+receiver wake-ups cost each of N processes N - 1 wake-ups per interval (with one message per
+decision, 2 processes at 800 requests/s spent 140-240 us more CPU per request than with nothing
+shared; one process's whole cost was 350-370 us).
 
-Delivery is best effort (ZMQ PUB drops what a slow subscriber cannot take, and nothing is sent
-before the subscriptions join): an approximate index is a guess anyway; a lost message costs a
-missed prefix hit, never a wrong route.
+Ring layout: bytes 0-7 the total bytes ever written (``head``, only grows; native byte order,
+stored and loaded as one aligned 8-byte word through a ``memoryview`` cast, never byte by byte,
+the writer's store made after the record's bytes), bytes 8-15 the data capacity ``C``
+(little-endian), then ``C`` data bytes; a record is a 4-byte length and that many bytes of msgpack
+(``[[[engine, dp_rank], ...], [block_hash, ...], now_s]``), written at ``head mod C`` and wrapping
+around. A reader keeps its own position in each ring; it copies the bytes between its position
+and ``head``, then reads ``head`` again: when the writer has meanwhile lapped the copied span
+(more than ``C`` bytes ahead), or had already, the span is dropped (counted in ``dropped``) and
+the reader resumes at the new head. This relies on the writer's two stores (record, then head)
+becoming visible in that order, as on x86-64; a record read torn elsewhere fails its length or
+msgpack check and is skipped.
+
+Delivery is best effort: an approximate index is a guess anyway; a lost decision costs a missed
+prefix hit, never a wrong route.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
+import struct
 from collections.abc import Collection
 
 import msgpack
-import zmq
-import zmq.asyncio
 
 from balancer.router import Router
 from balancer.types import ReplicaId
 
-__all__ = ["MAX_BATCH", "PrefixShare", "endpoint"]
+__all__ = ["DRAIN_INTERVAL_S", "RING_BYTES", "PrefixShare", "ring_path"]
 
 log = logging.getLogger("pdlb.shared_prefix")
 
-MAX_BATCH = 256
-"""Most decisions in one message."""
-FLUSH_INTERVAL_S = 0.005
-"""Longest a decision waits for others to share its message."""
+RING_BYTES = 16 * 1024 * 1024
+"""Data capacity of one process's ring: about 500,000 one-block decisions, 900 of a 128k-token
+prompt at 64-token blocks (only the pages written are ever allocated)."""
+DRAIN_INTERVAL_S = 0.02
+"""Longest an idle process leaves the others' new decisions unread."""
+_HEADER = 16
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 
 
-def endpoint(directory: str, index: int) -> str:
-    """The ``ipc://`` endpoint process ``index`` publishes on."""
-    return f"ipc://{os.path.join(directory, f'prefix-{index}.sock')}"
+def ring_path(directory: str, index: int) -> str:
+    """The file process ``index`` writes its decisions to."""
+    return os.path.join(directory, f"prefix-{index}.ring")
+
+
+def _open_ring(path: str, create: bool, capacity: int) -> mmap.mmap | None:
+    """Map a ring file (creating it with ``capacity`` data bytes), or None if it is not there yet
+    or not a ring."""
+    try:
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        if create:
+            os.ftruncate(fd, _HEADER + capacity)  # sparse zeros: head 0
+            mm = mmap.mmap(fd, _HEADER + capacity)
+            mm[8:16] = _U64.pack(capacity)
+            return mm
+        size = os.fstat(fd).st_size
+        if size <= _HEADER:
+            return None
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        if _U64.unpack_from(mm, 8)[0] != size - _HEADER:
+            mm.close()
+            return None  # being created: capacity not written yet
+        return mm
+    finally:
+        os.close(fd)
+
+
+class _Reader:
+    """This process's position in another process's ring."""
+
+    __slots__ = ("path", "mm", "head", "pos", "cap")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.mm: mmap.mmap | None = None
+        self.head: memoryview | None = None  # the ring's head word
+        self.pos = 0
+        self.cap = 0
 
 
 class PrefixShare:
-    """One process's side (see the module docstring): ``start()`` in the event loop, ``close()`` at exit."""
+    """One process's side (see the module docstring): ``start()`` in the event loop, ``close()`` at exit.
 
-    def __init__(self, router: Router, directory: str, processes: int, index: int) -> None:
+    Args:
+        router: this process's router (its ``on_routed`` is set to :meth:`publish`).
+        directory: the directory of the processes' rings (shared by all of them).
+        processes: number of router processes.
+        index: this process's number.
+        ring_bytes: data capacity of this process's ring.
+    """
+
+    def __init__(self, router: Router, directory: str, processes: int, index: int,
+                 ring_bytes: int = RING_BYTES) -> None:
+        if not 0 <= index < processes:
+            raise ValueError(f"process index {index} outside 0..{processes - 1}")
         self.router = router
         self.index = index
-        self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.bind(endpoint(directory, index))
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for k in range(processes):
-            if k != index:
-                self._sub.connect(endpoint(directory, k))
-        self._task: asyncio.Task | None = None
+        self._cap = ring_bytes
+        mm = _open_ring(ring_path(directory, index), True, ring_bytes)
+        assert mm is not None
+        self._mm = mm
+        self._head_word = memoryview(mm)[0:8].cast("Q")
+        self._head = 0
+        self._readers = [_Reader(ring_path(directory, k)) for k in range(processes) if k != index]
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._batch: list[list] = []
+        self._drain_soon = False
         self._timer: asyncio.TimerHandle | None = None
-        self.sent = 0  # decisions sent
-        self.received = 0  # decisions received
-        self.dropped = 0  # decisions dropped (full send queue)
-        self.messages = 0  # messages sent (batches)
+        self._closed = False
+        self.sent = 0  # decisions written
+        self.received = 0  # decisions read and recorded
+        self.dropped = 0  # decisions not written (larger than the ring)
+        self.lost_bytes = 0  # ring bytes a slow reader skipped (overwritten before it read them)
         router.on_routed = self.publish
 
     def publish(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
-        """Queue one decision for the other processes; it is sent with those of the next
-        :data:`FLUSH_INTERVAL_S` (at once before :meth:`start`). Never blocks; a full send queue
-        drops the batch."""
-        self._batch.append([[[r.engine, r.dp_rank] for r in replicas], list(block_hashes), now_s])
-        if self._loop is None or len(self._batch) >= MAX_BATCH:
-            self.flush()
-        elif len(self._batch) == 1:
-            self._timer = self._loop.call_later(FLUSH_INTERVAL_S, self.flush)
-
-    def flush(self) -> None:
-        """Send the queued decisions as one message."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        batch, self._batch = self._batch, []
-        if not batch:
+        """Append one decision to this process's ring (never blocks), and have the others' new
+        decisions read once this event-loop pass ends."""
+        if self._closed:
             return
-        try:
-            self._pub.send(msgpack.packb(batch), zmq.NOBLOCK)
-            self.sent += len(batch)
-            self.messages += 1
-        except zmq.Again:
-            self.dropped += len(batch)
+        rec = msgpack.packb([[[r.engine, r.dp_rank] for r in replicas], block_hashes, now_s])
+        n = 4 + len(rec)
+        if n > self._cap:
+            self.dropped += 1
+            return
+        head = self._head
+        self._write(head % self._cap, _U32.pack(len(rec)) + rec)
+        head += n
+        self._head_word[0] = head  # after the record: a reader never sees a head past unwritten bytes
+        self._head = head
+        self.sent += 1
+        if self._loop is not None and not self._drain_soon:
+            self._drain_soon = True
+            self._loop.call_soon(self.drain)
+
+    def _write(self, at: int, data: bytes) -> None:
+        mm, cap = self._mm, self._cap
+        first = min(len(data), cap - at)
+        mm[_HEADER + at:_HEADER + at + first] = data[:first]
+        if first < len(data):
+            mm[_HEADER:_HEADER + len(data) - first] = data[first:]
+
+    def drain(self) -> int:
+        """Record the other processes' decisions written since the last drain; returns how many."""
+        self._drain_soon = False
+        if self._closed:
+            return 0
+        got = 0
+        for rd in self._readers:
+            if rd.mm is None:
+                rd.mm = _open_ring(rd.path, False, 0)
+                if rd.mm is None:
+                    continue
+                rd.cap = len(rd.mm) - _HEADER
+                rd.head = memoryview(rd.mm)[0:8].cast("Q")
+            got += self._drain_one(rd)
+        self.received += got
+        return got
+
+    def _drain_one(self, rd: _Reader) -> int:
+        mm, cap, word = rd.mm, rd.cap, rd.head
+        assert mm is not None and word is not None
+        head = word[0]
+        if head == rd.pos:
+            return 0
+        if head < rd.pos or head - rd.pos > cap:  # lapped (or a new ring): resume at its head
+            self.lost_bytes += head - rd.pos if head > rd.pos else 0
+            rd.pos = head
+            return 0
+        a, b = rd.pos % cap, head % cap
+        data = mm[_HEADER + a:_HEADER + b] if a < b else mm[_HEADER + a:_HEADER + cap] + mm[_HEADER:_HEADER + b]
+        now_head = word[0]
+        if now_head - rd.pos > cap:  # the writer overwrote part of the span while it was copied
+            self.lost_bytes += now_head - rd.pos
+            rd.pos = now_head
+            return 0
+        rd.pos = head
+        got, off, end = 0, 0, len(data)
+        record = self.router.record_routed
+        while off + 4 <= end:
+            (n,) = _U32.unpack_from(data, off)
+            if off + 4 + n > end:
+                log.warning("shared prefix ring %s: record of %d bytes past the written end; rest skipped", rd.path, n)
+                break
+            try:
+                reps, hashes, now_s = msgpack.unpackb(data[off + 4:off + 4 + n])
+                record([ReplicaId(e, int(d)) for e, d in reps], tuple(hashes), float(now_s))
+                got += 1
+            except Exception as e:  # noqa: BLE001 - a bad record is skipped, the reader lives on
+                log.warning("shared prefix decision skipped: %s", e)
+            off += 4 + n
+        return got
 
     def start(self) -> None:
+        """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, and after each routing pass)."""
         self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._read())
+        self._tick()
 
-    async def _read(self) -> None:
-        while True:
-            try:
-                msg = await self._sub.recv()
-                batch = msgpack.unpackb(msg)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a bad message is skipped, the reader lives on
-                log.warning("shared prefix message skipped: %s", e)
-                continue
-            for item in batch if isinstance(batch, list) else ():
-                try:
-                    reps, hashes, now_s = item
-                    self.router.record_routed([ReplicaId(e, int(d)) for e, d in reps], tuple(hashes), float(now_s))
-                    self.received += 1
-                except Exception as e:  # noqa: BLE001 - a bad decision is skipped, the reader lives on
-                    log.warning("shared prefix decision skipped: %s", e)
+    def _tick(self) -> None:
+        self.drain()
+        assert self._loop is not None
+        self._timer = self._loop.call_later(DRAIN_INTERVAL_S, self._tick)
 
     async def close(self) -> None:
         self.router.on_routed = None
-        self.flush()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._pub.close(0)
-        self._sub.close(0)
-        self._ctx.term()
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._loop = None
+        for rd in self._readers:
+            if rd.mm is not None:
+                assert rd.head is not None
+                rd.head.release()
+                rd.mm.close()
+                rd.mm = rd.head = None
+        self._head_word.release()
+        self._mm.close()
