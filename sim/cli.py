@@ -69,6 +69,18 @@ def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
                         "(repeatable)")
 
 
+def _route_slo_note(args: argparse.Namespace, runs: list) -> str:
+    """The table title's note on ``--route-slo``: which of the runs' policies route against the
+    budget (those with ``slo_aware`` set, e.g. ``ep_aware``); the others ignore it."""
+    if not args.route_slo:
+        return ""
+    aware = [plabel for p, d, plabel, dlabel in runs
+             if any(getattr(make_policy(x) if isinstance(x, str) else x, "slo_aware", False) for x in (p, d))]
+    if not aware:
+        return ", --route-slo: no policy here routes against the SLO"
+    return f", routed against the TTFT SLO by {', '.join(aware)}"
+
+
 def _policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None]]) -> list[tuple[Any, Any, str, str]]:
     """``[(flag, prefill spec, decode spec or None)]`` -> ``[(prefill policy, decode policy,
     prefill label, decode label)]``, every spec checked before anything runs (the policy spec
@@ -248,7 +260,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     index = "" if args.index_mode == DEFAULT_INDEX_MODE else f", --index-mode {args.index_mode}"
     console.print(summary_table(summaries, title=f"{scenario.name}: {len(requests)} requests, "
                                 f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms{index}"
-                                f"{', routed against the TTFT SLO' if args.route_slo else ''}"))
+                                f"{_route_slo_note(args, runs)}"))
     kv = kv_tier_table(summaries)
     if kv is not None:
         console.print(kv)

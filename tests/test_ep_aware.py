@@ -511,3 +511,18 @@ def test_slo_margin_default_takes_the_prediction_as_pessimistic():
     ch = make_policy("ep_aware", horizon_weight=0.0, tie_tolerance=0.0).select(req, c, slo_ctx(dense_model(), 1.2))
     assert ch.replica.engine == "A" and ch.reason == "ep_aware:prefill"
     assert exact().select(req, c, slo_ctx(dense_model(), 1.2)).reason.endswith(":slo_doomed")
+
+
+def test_sim_title_names_the_policies_that_route_against_the_slo():
+    import argparse
+
+    from sim.cli import _route_slo_note
+
+    runs = [(make_policy("ep_aware"), make_policy("ep_aware"), "ep_aware", "ep_aware"),
+            (make_policy("cache_aware"), make_policy("least_load"), "cache_aware", "least_load"),
+            ("ep_aware", "ep_aware", "blind", "blind")]
+    on, off = argparse.Namespace(route_slo=True), argparse.Namespace(route_slo=False)
+    assert _route_slo_note(off, runs) == ""
+    assert _route_slo_note(on, runs) == ", routed against the TTFT SLO by ep_aware, blind"
+    blind = make_policy("ep_aware", slo_aware=False)
+    assert _route_slo_note(on, runs[1:2] + [(blind, blind, "x", "x")]) == ", --route-slo: no policy here routes against the SLO"
