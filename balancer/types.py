@@ -147,8 +147,9 @@ class TtftSlo:
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
             raise ValueError(f"TtftSlo per_1k_prompt_tokens_s must be a finite number >= 0, got {v!r}")
 
-    def budget_s(self, prompt_tokens: int) -> float:
-        """The request's TTFT budget in seconds."""
+    def budget_s(self, prompt_tokens):  # noqa: ANN001, ANN201 - int -> float, or an array -> array
+        """The TTFT budget in seconds of a request of ``prompt_tokens`` (an int, or a numpy array
+        of them: then an array of the same shape)."""
         return self.ttft_s + self.per_1k_prompt_tokens_s * prompt_tokens / 1000.0
 
 

@@ -85,7 +85,7 @@ class SLO:
 
     def ttft_budget_s(self, prompt_tokens: np.ndarray) -> np.ndarray:
         """Per-request TTFT budget in seconds, shape of ``prompt_tokens``."""
-        return self.ttft_s + self.ttft_per_1k_prompt_tokens_s * np.asarray(prompt_tokens, dtype=np.float64) / 1000.0
+        return self.ttft_slo().budget_s(np.asarray(prompt_tokens, dtype=np.float64))
 
     def describe(self) -> str:
         """E.g. ``"90% of requests TTFT<=2s & TPOT<=100ms"`` or ``"TTFT p99<=2s & TPOT p99<=100ms"``."""

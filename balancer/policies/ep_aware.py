@@ -119,9 +119,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.candidates import Candidates
-from balancer.cost_model import DEFAULT_COST_MODEL, CostModel, EngineCost, engine_groups, prefill_wait_features
+from balancer.cost_model import (
+    DEFAULT_COST_MODEL,
+    CostModel,
+    EngineCost,
+    PrefillStepCost,
+    engine_groups,
+    prefill_wait_features,
+)
 from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
+
+def _compute_s(c: PrefillStepCost, u: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    """Seconds of a prompt's own prefill compute, without step overheads: ``(per_token +
+    per_group_token) u + per_attn_pair (u p + u (u + 1) / 2)`` for ``u`` uncached tokens after
+    ``p`` cached ones, shape ``(n,)``."""
+    return (c.per_token_s + c.per_group_token_s) * u + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0)
+
 
 def _per_engine_max(x: np.ndarray, idx: np.ndarray, rows: np.ndarray | None, n_eng: int) -> np.ndarray:
     """Each candidate's engine maximum of ``x``, shape ``(n,)``."""
@@ -259,9 +273,7 @@ class EpAware(Policy):
                 cost = cost + ext
         own = None
         if want_own:
-            c = eng.prefill
-            own = (np.ceil(u / float(eng.chunk_tokens)) * c.overhead_s + (c.per_token_s + c.per_group_token_s) * u
-                   + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0) + fetch)
+            own = np.ceil(u / float(eng.chunk_tokens)) * eng.prefill.overhead_s + _compute_s(eng.prefill, u, cached) + fetch
         if sub is None:
             return cost, ttft, own
         return cost[sub], ttft[sub], (own[sub] if own is not None else None)
@@ -302,7 +314,7 @@ class EpAware(Policy):
         P = float(request.prompt_tokens)
         cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
         u = P - cached
-        own = (c.per_token_s + c.per_group_token_s) * u + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0)
+        own = _compute_s(c, u, cached)
         n = cands.num_requests.astype(np.float64)
         if eng.ep_synchronous:
             n = _per_engine_sum(n, idx, int(idx.max()) + 1 if len(idx) else 0)
