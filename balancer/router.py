@@ -73,7 +73,8 @@ from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, placement_features
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadReport, LoadTracker
-from balancer.policies import Policy, SelectContext, make_policy
+from balancer.policies import Policy, SelectContext
+from balancer.policies.spec import build_policy
 from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
 from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo
@@ -134,7 +135,8 @@ class Router:
     """Routes requests to prefill/decode DP ranks with pluggable policies.
 
     Args:
-        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy` or a registered name.
+        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy`, a registered name, or a
+            spec with parameters (``"ep_aware:ttft_slo_s=2"``, :func:`balancer.policies.spec.build_policy`).
             The decode policy also routes aggregated (mixed) pools.
         block_size: tokens per KV block of the requests' ``block_hashes``.
         index_capacity_blocks: prefix-index bound per replica (LRU), ``None`` = unbounded
@@ -207,8 +209,9 @@ class Router:
                         ("load_report_max_age_s", load_report_max_age_s)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
-        self.prefill_policy = make_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
-        self.decode_policy = make_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
+        # a name, or a spec with parameters ("ep_aware:ttft_slo_s=2"), as on the command line
+        self.prefill_policy = build_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
+        self.decode_policy = build_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
         self.block_size = block_size
         self.index_mode = index_mode
         self.pd_min_uncached_tokens = pd_min_uncached_tokens

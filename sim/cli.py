@@ -70,12 +70,17 @@ def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _route_slo_note(args: argparse.Namespace, runs: list) -> str:
-    """The table title's note on ``--route-slo``: which of the runs' policies route against the
-    budget (those with ``slo_aware`` set, e.g. ``ep_aware``); the others ignore it."""
+    """The table title's note on SLO routing: which of the runs route against a TTFT budget,
+    the router's (``--route-slo``, policies with ``slo_aware``) or their own (``ttft_slo_s`` > 0);
+    the other policies ignore budgets."""
+    def pol(x):  # noqa: ANN001, ANN202
+        return make_policy(x) if isinstance(x, str) else x
+
+    own = [plabel for p, d, plabel, dlabel in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
     if not args.route_slo:
-        return ""
-    aware = [plabel for p, d, plabel, dlabel in runs
-             if any(getattr(make_policy(x) if isinstance(x, str) else x, "slo_aware", False) for x in (p, d))]
+        return f", routed against their own TTFT budget: {', '.join(own)}" if own else ""
+    aware = [plabel for p, d, plabel, dlabel in runs if plabel in own
+             or any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
     if not aware:
         return ", --route-slo: no policy here routes against the SLO"
     return f", routed against the TTFT SLO by {', '.join(aware)}"

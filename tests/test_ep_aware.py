@@ -526,3 +526,15 @@ def test_sim_title_names_the_policies_that_route_against_the_slo():
     assert _route_slo_note(on, runs) == ", routed against the TTFT SLO by ep_aware, blind"
     blind = make_policy("ep_aware", slo_aware=False)
     assert _route_slo_note(on, runs[1:2] + [(blind, blind, "x", "x")]) == ", --route-slo: no policy here routes against the SLO"
+    # a policy with its own budget routes against it with or without --route-slo
+    own = make_policy("ep_aware", ttft_slo_s=2.0, slo_aware=False)
+    assert _route_slo_note(off, runs + [(own, own, "own", "own")]) == ", routed against their own TTFT budget: own"
+    assert _route_slo_note(on, runs[1:2] + [(own, own, "own", "own")]) == ", routed against the TTFT SLO by own"
+
+
+def test_router_takes_policy_specs_with_parameters():
+    r = Router("ep_aware:ttft_slo_s=2,slo_margin=1", "least_load:metric=kv_tokens")
+    assert r.prefill_policy.ttft_slo_s == 2.0 and r.prefill_policy.slo_margin == 1.0
+    assert r.decode_policy.metric == "kv_tokens"
+    with pytest.raises(ValueError, match="slo_margin"):
+        Router("ep_aware:slo_margin=0")
