@@ -187,3 +187,85 @@ def test_calibrate_on_a_figure_that_falls_with_the_constants():
 
     s, _, r = calibrate("deepinfer-spec-gain-60", tol=1e-6)
     assert 0 < s < 2 and r.simulated == pytest.approx(5.5, abs=1e-3)
+
+
+def test_verdicts_blocked_is_a_miss_with_its_fact_and_never_a_pass():
+    from dataclasses import replace
+
+    from sim.validate import Result, summary_line
+    f = FIGURES_BY_KEY["sglang-prefill-1k"]  # published 57,674 tok/s, +-15%
+    blocked = replace(f, blocked_by="a fact")
+    # inside the tolerance a figure passes whether or not it names a blocking fact
+    assert Result(f, 57_674 * 1.10).verdict == Result(blocked, 57_674 * 1.10).verdict == "pass"
+    # outside: "fail" without a blocking fact, "blocked" with one; both are misses
+    assert Result(f, 57_674 * 1.20).verdict == "fail"
+    assert Result(blocked, 57_674 * 1.20).verdict == "blocked"
+    assert not Result(blocked, 57_674 * 1.20).passed
+    # a range figure: blocked outside its range only
+    g = FIGURES_BY_KEY["deepinfer-spec-gain-max"]  # +4 .. +11%, blocked
+    assert Result(g, 10.0).verdict == "pass" and Result(g, 12.3).verdict == "blocked"
+    rs = [Result(f, 57_674.0), Result(f, 0.5 * 57_674), Result(blocked, 2 * 57_674), Result(blocked, 57_674.0)]
+    assert summary_line(rs) == "2 of 4 held-out figures within +-15% (1 blocked by an unpublished fact, 1 fail)"
+
+
+def test_shipped_verdicts_and_their_printed_reasons(capsys):
+    verdicts = {r.figure.key: r.verdict for r in run_validation()}
+    assert {k for k, v in verdicts.items() if v == "blocked"} == {
+        "deepseek-prefill", "deepinfer-decode-seq", "deepinfer-ttft", "deepinfer-spec-gain-max"}
+    assert {k for k, v in verdicts.items() if v == "fail"} == {"sglang-e2e-input-2000"}
+    assert main(["sim", "validate"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "7 of 12 held-out figures within +-15% (4 blocked by an unpublished fact, 1 fail)" in out
+    for k in ("deepseek-prefill", "deepinfer-decode-seq", "deepinfer-ttft", "deepinfer-spec-gain-max"):
+        assert f"blocked: {k}: needs {' '.join(FIGURES_BY_KEY[k].blocked_by.split())}" in out
+    assert "fail: sglang-e2e-input-2000" in out
+    # blocked is a miss: --strict still exits 1
+    assert main(["sim", "validate", "--strict", "--figures", "deepinfer-ttft"]) == 1
+    assert main(["sim", "validate", "--strict", "--figures", "sglang-prefill-1k"]) == 0
+
+
+def test_deepseek_day6_node_split_from_published_totals():
+    from sim.validate import DS_DECODE_NODES_AVG, DS_PREFILL_NODES_AVG
+    # 608e9 / 86,400 / 73,700 = 95.48 prefill nodes; 168e9 / 86,400 / 14,800 = 131.38 decode nodes
+    assert DS_PREFILL_NODES_AVG == pytest.approx(95.48, abs=0.01)
+    assert DS_DECODE_NODES_AVG == pytest.approx(131.38, abs=0.01)
+    # together they are the published 226.75 average nodes (the "~" figures are rounded: 0.05%)
+    assert DS_PREFILL_NODES_AVG + DS_DECODE_NODES_AVG == pytest.approx(226.75, rel=1e-3)
+
+
+def test_blocking_numbers_are_what_the_model_gives(monkeypatch):
+    """The numbers quoted in the blocked_by texts, recomputed."""
+    import dataclasses
+
+    import sim.hardware as hw
+    from sim.validate import deepinfer_ttft_s, spec_gain
+    sc = load_scenario("deepinfer-sm100")
+    f = FIGURES_BY_KEY["deepinfer-decode-seq"]
+    on_8 = sc.perf.model_copy(update={"gpus_per_node": 8})
+    assert f.simulate(sc, sc.perf) == pytest.approx(405, abs=0.5)  # one NVLink domain (the preset)
+    assert f.simulate(sc, on_8) == pytest.approx(103, abs=0.5)  # 8-GPU nodes, 400 Gb/s NIC (B200 datasheet)
+    monkeypatch.setitem(hw.HARDWARE, "B200", dataclasses.replace(hw.B200, scale_out_bw=2 * hw.B200.scale_out_bw))
+    assert f.simulate(sc, on_8) == pytest.approx(188, abs=0.5)  # 8-GPU nodes, 800 Gb/s NIC
+    monkeypatch.undo()
+    # TTFT ~linear in the prefill budget
+    for budget, ms in ((4096, 142), (8192, 271), (12288, 405), (16384, 534)):
+        s2 = sc.model_copy(update={"prefill": sc.prefill.model_copy(update={"max_prefill_tokens": budget})})
+        assert 1e3 * deepinfer_ttft_s(s2, sc.perf) == pytest.approx(ms, abs=0.5), budget
+    # the gain at 96 sequences per rank: assumed decay vs a flat 0.875 curve
+    assert spec_gain(sc, sc.perf, 96) == pytest.approx(12.3, abs=0.05)
+    flat = sc.model_copy(update={"speculative": sc.speculative.model_copy(update={"acceptance": [0.875] * 5})})
+    assert spec_gain(flat, sc.perf, 96) == pytest.approx(1.3, abs=0.05)
+
+
+def test_one_calibration_point_no_per_figure_knobs():
+    # every figure runs its preset's [perf] table unchanged; the three presets share every
+    # efficiency constant (the one fitted number s and the defaults it scales) and differ only in
+    # topology facts: GPUs per NVLink domain and the 20 DeepEP SMs as a share of the GPU's SMs
+    # (132 on H100/H800, 148 on B200)
+    presets = {f.preset for f in FIGURES}
+    assert presets == {"sglang-h100-ep", "deepseek-v3-h800", "deepinfer-sm100"}
+    dumps = {n: load_scenario(n).perf.model_dump() for n in presets}
+    differing = {k for k in dumps["sglang-h100-ep"] if len({str(d[k]) for d in dumps.values()}) > 1}
+    assert differing == {"gpus_per_node", "prefill_comm_sm_fraction"}
+    assert dumps["sglang-h100-ep"]["prefill_comm_sm_fraction"] == pytest.approx(20 / 132, abs=1e-4)
+    assert dumps["deepinfer-sm100"]["prefill_comm_sm_fraction"] == pytest.approx(20 / 148, abs=1e-4)
