@@ -26,9 +26,11 @@ PINNED_ERRORS = {
     "sglang-prefill-1k": 0.0821,
     "sglang-prefill-2k": 0.1043,
     "sglang-prefill-4k": 0.0675,
+    "sglang-perfect-eplb-4k": -0.0951,  # same step as sglang-prefill-4k: the model has no expert imbalance
     "sglang-e2e-input-2000": 0.1550,
     "sglang-decode-2k": 0.0,
     "deepseek-prefill": 0.4550,
+    "deepseek-profile-prefill": -0.1438,  # DeepSeek's balanced-routing profile, the saturated counterpart of day-6
     "deepseek-decode-node": 0.1324,  # MTP verification now reads each sequence's KV once (was 2x: +5.8%)
     "deepseek-decode-seq": 0.1336,
     "deepinfer-decode-seq": 0.7604,  # V4-Flash + DSpark-5 (placeholder V3-64E, no spec: -82.5%; gamma 8: +80.6%)
@@ -215,7 +217,7 @@ def test_shipped_verdicts_and_their_printed_reasons(capsys):
     assert {k for k, v in verdicts.items() if v == "fail"} == {"sglang-e2e-input-2000"}
     assert main(["sim", "validate"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "7 of 12 held-out figures within +-15% (4 blocked by an unpublished fact, 1 fail)" in out
+    assert "9 of 14 held-out figures within +-15% (4 blocked by an unpublished fact, 1 fail)" in out
     for k in ("deepseek-prefill", "deepinfer-decode-seq", "deepinfer-ttft", "deepinfer-spec-gain-max"):
         assert f"blocked: {k}: needs {' '.join(FIGURES_BY_KEY[k].blocked_by.split())}" in out
     assert "fail: sglang-e2e-input-2000" in out
@@ -269,3 +271,16 @@ def test_one_calibration_point_no_per_figure_knobs():
     assert differing == {"gpus_per_node", "prefill_comm_sm_fraction"}
     assert dumps["sglang-h100-ep"]["prefill_comm_sm_fraction"] == pytest.approx(20 / 132, abs=1e-4)
     assert dumps["deepinfer-sm100"]["prefill_comm_sm_fraction"] == pytest.approx(20 / 148, abs=1e-4)
+
+
+def test_balanced_expert_figures_run_the_same_step_as_default_eplb():
+    # the model assumes balanced experts (ep_imbalance = 1): SGLang's default-EPLB and simulated-
+    # perfect-EPLB 4K rows get the same simulated step, and on H800 (same compute and NIC as H100;
+    # NVLink is not on the prefill critical path) DeepSeek's balanced profile gets it too
+    r = {x.figure.key: x for x in run_validation(["sglang-prefill-4k", "sglang-perfect-eplb-4k",
+                                                   "deepseek-profile-prefill"])}
+    sims = {k: x.simulated for k, x in r.items()}
+    assert sims["sglang-prefill-4k"] == pytest.approx(sims["sglang-perfect-eplb-4k"], rel=1e-12)
+    assert sims["deepseek-profile-prefill"] == pytest.approx(sims["sglang-prefill-4k"], rel=1e-9)
+    # so the model sits between the two SGLang measurements: above default EPLB, below balanced
+    assert 50_302 < sims["sglang-prefill-4k"] < 59_337
