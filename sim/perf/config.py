@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sim.hardware import get_hardware
 from sim.models import get_model
+from sim.perf.imbalance import EPLB_RESIDUAL_STD
 from sim.perf.roofline import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_COMM_EFFICIENCY,
@@ -54,8 +55,14 @@ class PerfConfig(BaseModel):
             ``None`` = ``comm_efficiency``.
         prefill_comm_sm_fraction: fraction of SMs normal-mode kernels hold while TBO overlaps them with
             compute (prefill compute time x 1/(1 - f)); 0 = none.
-        ep_imbalance_prefill / ep_imbalance_decode: max/mean expert load of the busiest GPU (>= 1),
-            scaling its routed-expert and dispatch/combine time.
+        ep_imbalance_prefill / ep_imbalance_decode: a fixed max/mean expert load of the busiest GPU
+            (>= 1), scaling its routed-expert compute and dispatch/combine time.
+        eplb_physical_experts: expert slots of an EP group after EPLB (routed + redundant experts,
+            e.g. 288 = 256 + 32); sets the max/mean load of every step from the placement, the EP size
+            and the step's tokens (:func:`sim.perf.imbalance.eplb_imbalance`); ``None`` = off. Excludes
+            the fixed factors.
+        eplb_residual_std: the placement's relative error per slot (default derived from
+            TensorRT-LLM's measured loads, :data:`sim.perf.imbalance.EPLB_RESIDUAL_STD`).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
@@ -77,6 +84,8 @@ class PerfConfig(BaseModel):
     prefill_comm_sm_fraction: float = Field(0.0, ge=0, lt=1)
     ep_imbalance_prefill: float = Field(1.0, ge=1)
     ep_imbalance_decode: float = Field(1.0, ge=1)
+    eplb_physical_experts: int | None = Field(None, ge=1)
+    eplb_residual_std: float = Field(EPLB_RESIDUAL_STD, ge=0)
 
 
 def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | None = None) -> RooflinePerf:
@@ -103,4 +112,5 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
         tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink, tbo_phases=cfg.tbo_phases,
         comm_efficiency_normal=cfg.comm_efficiency_normal, prefill_comm_sm_fraction=cfg.prefill_comm_sm_fraction,
         ep_imbalance_prefill=cfg.ep_imbalance_prefill, ep_imbalance_decode=cfg.ep_imbalance_decode,
+        eplb_physical_experts=cfg.eplb_physical_experts, eplb_residual_std=cfg.eplb_residual_std,
         context_parallel=pool.context_parallel)

@@ -68,8 +68,17 @@ where ``T`` is the token count of the whole step group. Details:
     ~50 at EP32); ``None`` = ``comm_efficiency``.
   - ``prefill_comm_sm_fraction`` ``f``: under TBO, normal-mode kernels hold ``f`` of the SMs, so a
     prefill step's ``rank`` and ``moe`` times are divided by ``1 - f`` (decode kernels hold none).
-  - ``ep_imbalance_prefill`` / ``ep_imbalance_decode``: max/mean expert load on the busiest GPU;
-    multiplies ``moe`` and ``comm`` of prefill / decode-only steps.
+  - ``ep_imbalance_prefill`` / ``ep_imbalance_decode``: a fixed max/mean expert load ``gamma`` on
+    the busiest GPU of prefill / decode-only steps.
+  - ``eplb_physical_experts`` (with ``eplb_residual_std``): ``gamma`` of each step from the expert
+    placement after EPLB and the step's own tokens (:func:`sim.perf.imbalance.eplb_imbalance`: EP
+    size, slots per GPU, tokens per dispatch, i.e. per micro-batch under TBO; sourced from TensorRT-LLM's
+    measured per-rank loads). Excludes the fixed factors.
+
+  ``gamma`` scales the token-proportional part of the routed-expert roofline
+  (``max(gamma * T * flops / peak, streamed weight bytes / bw)``: the busiest GPU computes more
+  tokens but streams the same slots) and the dispatch/combine traffic (it receives ``gamma`` times
+  the mean copies and sends them back).
 * TP collectives (dense engines with ``gpus_per_rank > 1``) are ignored.
 * Context-parallel ranks (``context_parallel=True``, a pool's ``context_parallel``): the
   ``gpus_per_rank`` GPUs split prompts by sequence instead of sharding weights: linear and
@@ -107,6 +116,7 @@ from numpy.typing import ArrayLike
 
 from sim.hardware import HardwareSpec, get_hardware
 from sim.models import ModelSpec, get_model
+from sim.perf.imbalance import EPLB_RESIDUAL_STD, eplb_imbalance
 
 #: default efficiency constants (see module docstring for where they come from)
 DEFAULT_MFU = 0.5
@@ -181,6 +191,8 @@ class RooflinePerf:
         prefill_comm_sm_fraction: float = 0.0,
         ep_imbalance_prefill: float = 1.0,
         ep_imbalance_decode: float = 1.0,
+        eplb_physical_experts: int | None = None,
+        eplb_residual_std: float = EPLB_RESIDUAL_STD,
         context_parallel: bool = False,
     ) -> None:
         self.model = get_model(model)
@@ -201,6 +213,15 @@ class RooflinePerf:
             raise ValueError("prefill_comm_sm_fraction must be in [0, 1)")
         if ep_imbalance_prefill < 1 or ep_imbalance_decode < 1:
             raise ValueError("ep_imbalance_prefill and ep_imbalance_decode (max/mean load) must be >= 1")
+        if eplb_physical_experts is not None:
+            if ep_imbalance_prefill != 1.0 or ep_imbalance_decode != 1.0:
+                raise ValueError("eplb_physical_experts (imbalance from the EPLB placement) excludes the fixed "
+                                 "ep_imbalance_prefill / ep_imbalance_decode factors: set one or the other")
+            if self.model.is_moe and eplb_physical_experts < self.model.num_routed_experts:
+                raise ValueError(f"eplb_physical_experts ({eplb_physical_experts}) must be >= the model's "
+                                 f"{self.model.num_routed_experts} routed experts (routed + redundant slots)")
+        if eplb_residual_std < 0:
+            raise ValueError("eplb_residual_std must be >= 0")
         m, hw = self.model, self.hardware
         self.num_dp_ranks = int(num_dp_ranks)
         self.gpus_per_rank = int(gpus_per_rank)
@@ -223,6 +244,8 @@ class RooflinePerf:
         self.prefill_comm_sm_fraction = float(prefill_comm_sm_fraction)
         self.ep_imbalance_prefill = float(ep_imbalance_prefill)
         self.ep_imbalance_decode = float(ep_imbalance_decode)
+        self.eplb_physical_experts = None if eplb_physical_experts is None else int(eplb_physical_experts)
+        self.eplb_residual_std = float(eplb_residual_std)
         self.kv_bytes_per_token = int(m.kv_bytes_per_token)
 
         tp = self.gpus_per_rank
@@ -260,13 +283,10 @@ class RooflinePerf:
         self._comm_tok_ll = self._comm_tok_normal = 0.0
         if m.is_moe and self.ep_synchronous and self.num_gpus > 1:
             self._comm_tok_ll, self._comm_tok_normal = self._comm_per_token()
-            # the busiest GPU receives max/mean times the mean traffic (expert-load imbalance)
-            if self.ep_imbalance_decode != 1.0:
-                self._comm_tok_ll *= self.ep_imbalance_decode
-            if self.ep_imbalance_prefill != 1.0:
-                self._comm_tok_normal *= self.ep_imbalance_prefill
+        #: expert-load imbalance from the EPLB placement (per step), only for a wide-EP MoE engine
+        self._eplb = self.eplb_physical_experts is not None and m.is_moe and self.ep_synchronous
         #: extended step model (any opt-in term on): the general path in :meth:`_step_ext`
-        self._extended = bool(self.tbo_phases or self.prefill_comm_sm_fraction
+        self._extended = bool(self.tbo_phases or self.prefill_comm_sm_fraction or self._eplb
                               or self.ep_imbalance_prefill != 1.0 or self.ep_imbalance_decode != 1.0)
         #: compute slow-down of prefill steps while normal-mode kernels hold SMs (TBO only)
         self._pf_sm_slowdown = 1.0 / (1.0 - self.prefill_comm_sm_fraction) if self.tbo else 1.0
@@ -302,6 +322,8 @@ class RooflinePerf:
         prefill_comm_sm_fraction: float = 0.0,
         ep_imbalance_prefill: float = 1.0,
         ep_imbalance_decode: float = 1.0,
+        eplb_physical_experts: int | None = None,
+        eplb_residual_std: float = EPLB_RESIDUAL_STD,
         context_parallel: bool = False,
     ) -> RooflinePerf:
         """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
@@ -318,6 +340,7 @@ class RooflinePerf:
                    comm_efficiency_normal=comm_efficiency_normal,
                    prefill_comm_sm_fraction=prefill_comm_sm_fraction,
                    ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode,
+                   eplb_physical_experts=eplb_physical_experts, eplb_residual_std=eplb_residual_std,
                    context_parallel=context_parallel)
 
     def _comm_per_token(self) -> tuple[float, float]:
@@ -456,12 +479,16 @@ class RooflinePerf:
         moe = comm = 0.0
         if self.model.is_moe:
             if self.ep_synchronous:
-                moe = self._moe_time(tokens.sum(axis=-1), self._weight_reads)
+                group_tokens = tokens.sum(axis=-1)
+                gamma = self._ep_gamma(group_tokens, pt, has_prefill) if self._extended else None
+                moe = self._moe_time(group_tokens, self._weight_reads, gamma)
                 if pt.ndim == 1 or not has_prefill:  # prefill tokens are >= 0: any == (sum > 0)
                     per_tok = self._comm_tok_normal if has_prefill else self._comm_tok_ll
                 else:
                     per_tok = np.where(pt.sum(axis=-1) > 0, self._comm_tok_normal, self._comm_tok_ll)
                 comm = tokens.max(axis=-1) * per_tok
+                if gamma is not None:  # the busiest GPU receives gamma x the mean copies
+                    comm = comm * gamma
                 if not self.tbo and self.comm_overlap:
                     comm = (1.0 - self.comm_overlap) * comm
             else:  # each rank runs its own experts on its own tokens
@@ -514,12 +541,9 @@ class RooflinePerf:
         return compute, kv_read + tokens
 
     def _step_ext(self, rank, rank_max, moe, comm, pf):  # noqa: ANN001, ANN202
-        """The opt-in terms of a wide-EP step (``comm`` already carries the imbalance, folded into
-        the per-token constants). ``pf``: bool or bool array over the leading axes, "step has
+        """The opt-in terms of a wide-EP step (``moe`` and ``comm`` already carry the expert-load
+        imbalance, :meth:`_ep_gamma`). ``pf``: bool or bool array over the leading axes, "step has
         prefill" (normal-mode kernels)."""
-        imb = (np.where(pf, self.ep_imbalance_prefill, self.ep_imbalance_decode) if np.ndim(pf)
-               else (self.ep_imbalance_prefill if pf else self.ep_imbalance_decode))
-        moe = moe * imb
         if self.tbo and self.prefill_comm_sm_fraction:
             slow = np.where(pf, self._pf_sm_slowdown, 1.0) if np.ndim(pf) else (self._pf_sm_slowdown if pf else 1.0)
             rank, rank_max, moe = rank * (slow[..., None] if np.ndim(slow) else slow), rank_max * slow, moe * slow
@@ -556,14 +580,30 @@ class RooflinePerf:
             total_s = rank + moe + comm + self.step_overhead_s
         return np.array([rank]), np.array(rank), moe, comm, np.array(total_s)
 
-    def _moe_time(self, tokens: np.ndarray, weight_reads: float = 1.0) -> np.ndarray:
+    def _moe_time(self, tokens: np.ndarray, weight_reads: float = 1.0, gamma=None) -> np.ndarray:  # noqa: ANN001
         """Routed-expert roofline on one GPU of the expert group for ``tokens`` group tokens
-        (``weight_reads``: how often the touched experts are streamed, 2 under TBO)."""
+        (``weight_reads``: how often the touched experts are streamed, 2 under TBO; ``gamma``: the
+        busiest GPU's max/mean load, scaling its compute, not the weights it streams)."""
         if self._route_p < 1:  # -expm1(x) * (w * m) == w * -expm1(x) * m: w is 1 or 2, exact
             streamed = np.expm1(tokens * self._log1p_not_routed) * (-weight_reads * self._moe_m_all)
         else:
             streamed = weight_reads * ((tokens > 0) * 1.0) * self._moe_m_all
-        return np.maximum(tokens * self._moe_c_tok, streamed)
+        compute = tokens * self._moe_c_tok if gamma is None else tokens * self._moe_c_tok * gamma
+        return np.maximum(compute, streamed)
+
+    def _ep_gamma(self, group_tokens: np.ndarray, pt: np.ndarray, has_prefill: bool):  # noqa: ANN202
+        """Max/mean routed load of the busiest EP GPU for steps of ``group_tokens`` tokens (shape of
+        the leading axes): from the EPLB placement and the tokens of one dispatch (half the step
+        under TBO) when ``eplb_physical_experts`` is set, else the fixed prefill / decode factor."""
+        if self._eplb:
+            m = self.model
+            per_dispatch = group_tokens * 0.5 if self.tbo else group_tokens
+            return eplb_imbalance(self.num_gpus, per_dispatch, num_experts=m.num_routed_experts,
+                                  experts_per_token=m.experts_per_token,
+                                  physical_experts=self.eplb_physical_experts, residual_std=self.eplb_residual_std)
+        if pt.ndim == 1 or not has_prefill:
+            return self.ep_imbalance_prefill if has_prefill else self.ep_imbalance_decode
+        return np.where(pt.sum(axis=-1) > 0, self.ep_imbalance_prefill, self.ep_imbalance_decode)
 
     def _moe_time_one(self, tokens: float) -> float:
         """:meth:`_moe_time` of a plain float (``weight_reads`` of the engine)."""
