@@ -36,6 +36,10 @@ class Candidates:
         hbm_blocks / host_blocks / store_blocks: per-tier columns (int64) when lower tiers are
             configured, else ``None``: leading blocks in the replica's HBM; consecutive blocks
             after those in its host tier; consecutive blocks after both in the shared store.
+        prefill_head_start_s / prefill_head_tokens / prefill_head_pairs: the in-service prefill
+            of each replica (:mod:`balancer.load`): when the router's oldest pending prefill there
+            began service (seconds, the caller's clock; ``inf``: none), its uncached tokens
+            (int64) and attention pairs (float64); ``None`` when not known (hand-built).
     """
 
     role: Role
@@ -51,6 +55,9 @@ class Candidates:
     host_blocks: np.ndarray | None = None
     store_blocks: np.ndarray | None = None
     prefill_attn_pairs: np.ndarray | None = None
+    prefill_head_start_s: np.ndarray | None = None
+    prefill_head_tokens: np.ndarray | None = None
+    prefill_head_pairs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.replicas)

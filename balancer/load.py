@@ -36,10 +36,18 @@ routers' traffic. The router adds it to the own counters in its snapshots.
 
 Requests whose release never comes can be reaped (:meth:`LoadTracker.reap`): every in-flight
 record keeps its dispatch time.
+
+*In-service prefill* (``prefill_head_start_s``, ``prefill_head_tokens``, ``prefill_head_pairs``):
+per replica, the oldest of this tracker's requests whose prefill is pending there (dispatch order:
+engines prefill first come, first served), its uncached tokens and attention pairs, and the time it
+began service: ``max(its dispatch, the previous prefill done on that replica)`` (``inf`` when none).
+The counters above count a prompt in full until its prefill is done; a cost model can subtract
+what the head has computed since it began (``balancer.policies.ep_aware``'s in-service progress).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +65,8 @@ class _InFlight:
     prefill_attn_pairs: float = 0.0
     prefill_released: bool = False
     dispatched_s: float = 0.0
+    #: the replica whose in-service prefill queue holds the request (-1: none)
+    queue_slot: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +135,12 @@ class LoadTracker:
         self._free: list[int] = []
         self._next = 0
         self._inflight: dict[str, _InFlight] = {}
+        # in-service prefill (module docstring): per slot, pending prefills in dispatch order
+        self.prefill_head_start_s = np.full(n, np.inf)
+        self.prefill_head_tokens = np.zeros(n, dtype=np.int64)
+        self.prefill_head_pairs = np.zeros(n, dtype=np.float64)
+        self._pending: list[deque[str]] = [deque() for _ in range(n)]
+        self._now_s = 0.0  # latest time a hook was given (for hooks given none)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -146,9 +162,11 @@ class LoadTracker:
                 grow = len(self.num_requests)
                 for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "prefill_attn_pairs",
                              "external_requests", "external_kv_tokens", "peer_requests", "peer_prefill_tokens",
-                             "peer_kv_tokens"):
+                             "peer_kv_tokens", "prefill_head_tokens", "prefill_head_pairs"):
                     arr = getattr(self, name)
                     setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=arr.dtype)]))
+                self.prefill_head_start_s = np.concatenate([self.prefill_head_start_s, np.full(grow, np.inf)])
+                self._pending.extend(deque() for _ in range(grow))
         self.num_requests[slot] = 0
         self.prefill_tokens[slot] = 0
         self.decode_kv_tokens[slot] = 0
@@ -156,6 +174,8 @@ class LoadTracker:
         self.external_requests[slot] = 0
         self.external_kv_tokens[slot] = 0
         self.peer_requests[slot] = self.peer_prefill_tokens[slot] = self.peer_kv_tokens[slot] = 0
+        self._pending[slot].clear()
+        self._set_head(slot, None, 0.0)
         self._report_s.pop(slot, None)
         self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
         self._slot[replica] = slot
@@ -171,6 +191,10 @@ class LoadTracker:
                 rec.prefill_slot = -2
             if rec.decode_slot == slot:
                 rec.decode_slot = -2
+            if rec.queue_slot == slot:
+                rec.queue_slot = -1
+        self._pending[slot].clear()
+        self._set_head(slot, None, 0.0)
 
     def slot(self, replica: ReplicaId) -> int:
         return self._slot[replica]
@@ -200,9 +224,10 @@ class LoadTracker:
     ) -> None:
         """Count a routed request. ``prefill`` is None when the decode (mixed) replica prefills it
         itself; then ``prefill_tokens`` count on the decode replica until prefill is done.
-        ``now_s``: dispatch time, for :meth:`reap`."""
+        ``now_s``: dispatch time, for :meth:`reap` and the in-service prefill (module docstring)."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} dispatched twice")
+        self._now_s = max(self._now_s, now_s)
         d = self._slot[decode]
         p = self._slot[prefill] if prefill is not None else -1
         if p >= 0:
@@ -214,15 +239,51 @@ class LoadTracker:
             self.prefill_attn_pairs[d] += prefill_attn_pairs
         self.num_requests[d] += 1
         self.decode_kv_tokens[d] += decode_kv_tokens
-        self._inflight[request_id] = _InFlight(p, d, prefill_tokens, decode_kv_tokens,
-                                               prefill_attn_pairs=float(prefill_attn_pairs), dispatched_s=now_s)
+        q = (p if p >= 0 else d) if prefill_tokens > 0 else -1
+        rec = _InFlight(p, d, prefill_tokens, decode_kv_tokens, prefill_attn_pairs=float(prefill_attn_pairs),
+                        dispatched_s=now_s, queue_slot=q)
+        self._inflight[request_id] = rec
+        if q >= 0:
+            pending = self._pending[q]
+            pending.append(request_id)
+            if len(pending) == 1:
+                self._set_head(q, rec, now_s)
 
-    def on_prefill_done(self, request_id: str) -> None:
-        """Release the prefill share (idempotent; unknown ids are ignored)."""
+    def _set_head(self, slot: int, rec: _InFlight | None, start_s: float) -> None:
+        if rec is None:
+            self.prefill_head_start_s[slot] = np.inf
+            self.prefill_head_tokens[slot] = 0
+            self.prefill_head_pairs[slot] = 0.0
+        else:
+            self.prefill_head_start_s[slot] = max(rec.dispatched_s, start_s)
+            self.prefill_head_tokens[slot] = rec.prefill_tokens
+            self.prefill_head_pairs[slot] = rec.prefill_attn_pairs
+
+    def _leave_queue(self, request_id: str, rec: _InFlight, now_s: float) -> None:
+        q, rec.queue_slot = rec.queue_slot, -1
+        if q < 0:
+            return
+        pending = self._pending[q]
+        if pending and pending[0] == request_id:
+            pending.popleft()
+            nxt = self._inflight.get(pending[0]) if pending else None
+            self._set_head(q, nxt, now_s)  # the next one begins now (or at its dispatch, if later)
+        else:
+            try:
+                pending.remove(request_id)  # done out of order: the head keeps its start
+            except ValueError:
+                pass
+
+    def on_prefill_done(self, request_id: str, now_s: float | None = None) -> None:
+        """Release the prefill share (idempotent; unknown ids are ignored). ``now_s``: when (the
+        next pending prefill on the replica begins then; default: the latest time given)."""
         rec = self._inflight.get(request_id)
         if rec is None or rec.prefill_released:
             return
         rec.prefill_released = True
+        now_s = self._now_s if now_s is None else max(self._now_s, now_s)
+        self._now_s = now_s
+        self._leave_queue(request_id, rec, now_s)
         if rec.prefill_slot >= 0:
             self.num_requests[rec.prefill_slot] -= 1
             self.prefill_tokens[rec.prefill_slot] -= rec.prefill_tokens
@@ -238,12 +299,12 @@ class LoadTracker:
         else:
             self.prefill_attn_pairs[slot] = max(self.prefill_attn_pairs[slot] - pairs, 0.0)
 
-    def on_finished(self, request_id: str) -> None:
+    def on_finished(self, request_id: str, now_s: float | None = None) -> None:
         """Release everything the request still holds (idempotent; unknown ids are ignored)."""
         rec = self._inflight.get(request_id)
         if rec is None:
             return
-        self.on_prefill_done(request_id)
+        self.on_prefill_done(request_id, now_s)
         if rec.decode_slot >= 0:
             self.num_requests[rec.decode_slot] -= 1
             self.decode_kv_tokens[rec.decode_slot] -= rec.decode_kv_tokens

@@ -427,7 +427,10 @@ class Router:
                 tokens = np.minimum(tokens, request.prompt_tokens)
             return Candidates(pool.role, pool.replicas, num_requests, prefill_tokens,
                               decode_kv, pool.capacity, matched, tokens, self.block_size,
-                              prefill_attn_pairs=load.prefill_attn_pairs[slots])
+                              prefill_attn_pairs=load.prefill_attn_pairs[slots],
+                              prefill_head_start_s=load.prefill_head_start_s[slots],
+                              prefill_head_tokens=load.prefill_head_tokens[slots],
+                              prefill_head_pairs=load.prefill_head_pairs[slots])
         host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
         w = self.tier_weights
         effective = matched + w["host"] * host + w["store"] * store
@@ -444,6 +447,9 @@ class Router:
             block_size=self.block_size,
             hbm_blocks=matched, host_blocks=host, store_blocks=store,
             prefill_attn_pairs=load.prefill_attn_pairs[slots],
+            prefill_head_start_s=load.prefill_head_start_s[slots],
+            prefill_head_tokens=load.prefill_head_tokens[slots],
+            prefill_head_pairs=load.prefill_head_pairs[slots],
         )
 
     def _lower_tier_matches(self, block_hashes: tuple[int, ...], replicas: tuple[ReplicaId, ...],
@@ -625,7 +631,7 @@ class Router:
     @_locked
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
         """The prefill replica finished the request's prompt (its KV is ready to transfer)."""
-        self.load.on_prefill_done(request_id)
+        self.load.on_prefill_done(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_prefill_done(request_id, now_s)
         if self.load.peer is not None:
@@ -634,7 +640,7 @@ class Router:
     @_locked
     def on_first_token(self, request_id: str, now_s: float) -> None:
         """The first output token exists; implies prefill is done (aggregated or PD)."""
-        self.load.on_prefill_done(request_id)
+        self.load.on_prefill_done(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_prefill_done(request_id, now_s)  # aggregated: no separate prefill hook
             self.cost_learner.on_first_token(request_id, now_s)
@@ -644,7 +650,7 @@ class Router:
     @_locked
     def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
         """The request finished, failed or was aborted: release all its load."""
-        self.load.on_finished(request_id)
+        self.load.on_finished(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_decode_finished(request_id, now_s, num_output_tokens)
         if self.load.peer is not None:
