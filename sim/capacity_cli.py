@@ -36,6 +36,7 @@ from sim.cli_args import (
     add_workload_args,
     positive_float,
     positive_int,
+    route_slo_note,
     scenario_from_args,
     sim_options,
     slo_from_args,
@@ -253,8 +254,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         title = f"{scenario.name}: highest rate meeting {slo.describe()} (tol {100 * args.tol:g}%)"
     else:
         title = f"{scenario.name}: fewest GPUs meeting {slo.describe()} at rate x{args.rate_scale:g}"
-    if not opts.route_slo:  # the answer depends on it (ep_aware routes against the SLO by default)
-        title += ", routed SLO-blind"
+    # the answer depends on it (ep_aware routes against the SLO by default)
+    title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
     console.print(rich_table(head, rows, title))
     notes = reasons(results)
     for line in notes:

@@ -49,6 +49,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     parse_tier_weights,
     positive_float,
     positive_int,
+    route_slo_note,
     scenario_from_args,
     unique_results_dir,
 )
@@ -70,20 +71,9 @@ def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _route_slo_note(args: argparse.Namespace, runs: list) -> str:
-    """The table title's note on SLO routing: which of the runs route against a TTFT budget,
-    the router's (``--route-slo``, policies with ``slo_aware``) or their own (``ttft_slo_s`` > 0);
-    the other policies ignore budgets."""
-    def pol(x):  # noqa: ANN001, ANN202
-        return make_policy(x) if isinstance(x, str) else x
-
-    own = [plabel for p, d, plabel, dlabel in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
-    if not args.route_slo:
-        return f", routed against their own TTFT budget: {', '.join(own)}" if own else ""
-    aware = [plabel for p, d, plabel, dlabel in runs if plabel in own
-             or any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
-    if not aware:
-        return ", --route-slo: no policy here routes against the SLO"
-    return f", routed against the TTFT SLO by {', '.join(aware)}"
+    """The table title's note on SLO routing (:func:`sim.cli_args.route_slo_note`) for
+    ``_policy_runs``' ``(prefill, decode, prefill label, decode label)`` runs."""
+    return route_slo_note(args.route_slo, [(plabel, p, d) for p, d, plabel, _ in runs])
 
 
 def _policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None]]) -> list[tuple[Any, Any, str, str]]:

@@ -10,6 +10,7 @@ so there is no import circle.
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and what they build
   (:func:`workload_spec`, :func:`scenario_from_args`, :func:`sim_options`, :func:`slo_from_args`);
+- :func:`route_slo_note` for the titles of results tables;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
 - :func:`unique_results_dir` for default results folders.
 """
@@ -318,6 +319,49 @@ def add_executor_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="Ray cluster to join ('auto' = the one this machine is part of, or host:port); default: "
                         "start a local Ray instance of --jobs CPUs")
     return g
+
+
+# ---------------------------------------------------------------------- run titles
+def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, default: bool = False,
+                   flag: str = "--route-slo") -> str:
+    """The note a results title carries on SLO routing (every command that titles runs uses it:
+    ``sim run``/``compare``, ``sim capacity``, ``sim sweep``): which runs route against a TTFT
+    budget, the router's (``route_slo`` and a policy with ``slo_aware``) or their own (a policy
+    with ``ttft_slo_s`` > 0, which holds whatever ``route_slo`` says); the others ignore budgets.
+
+    Args:
+        route_slo: whether the router was told the SLO's TTFT budget.
+        runs: ``(label, prefill policy, decode policy)`` per run; a policy is an object or a
+            registered name.
+        default: the command's default for ``route_slo`` (``sim run``: off, capacity searches
+            and sweeps: on); the note names ``flag`` when the run departs from it and says
+            nothing for SLO-blind runs where that is the default.
+        flag: how the user departs from the default (``--route-slo``, ``--no-route-slo``,
+            ``route_slo = false``).
+
+    Returns:
+        ``""`` or ``", <note>"``, e.g. ``", routed against the TTFT SLO by ep_aware"``,
+        ``", routed SLO-blind (--no-route-slo) except against their own TTFT budget:
+        ep_aware(ttft_slo_s=2.0)"``.
+    """
+    from balancer.policies import make_policy
+
+    def pol(x: Any) -> Any:
+        return make_policy(x) if isinstance(x, str) else x
+
+    own = [label for label, p, d in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
+    if route_slo:
+        aware = [label for label, p, d in runs
+                 if label in own or any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
+        if aware:
+            return f", routed against the TTFT SLO by {', '.join(aware)}"
+        return ", no policy here routes against the TTFT SLO" if default else \
+            f", {flag}: no policy here routes against the SLO"
+    if not default:
+        return f", routed against their own TTFT budget: {', '.join(own)}" if own else ""
+    if own:
+        return f", routed SLO-blind ({flag}) except against their own TTFT budget: {', '.join(own)}"
+    return f", routed SLO-blind ({flag})"
 
 
 # ---------------------------------------------------------------------- what the groups build
