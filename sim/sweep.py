@@ -59,6 +59,7 @@ from balancer.validation import syntax_error_line
 from sim.cli_args import apply_overrides
 from sim.point import SLO, Point, PointResult, PolicySpec, SimOptions, WorkloadSpec, parse_policy, point_row
 from sim.scenario import PRESETS, Scenario, load_scenario
+from sim.workload.loader import check_trace_path
 
 #: Most points one sweep may expand to (every input-driven loop is bounded).
 MAX_POINTS = 10_000
@@ -153,6 +154,13 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     traces = _list(raw, "traces", [None], (str, type(None)), source) if "traces" in raw else [None]
     traces = [None if t is None else str(source.parent / t) if not Path(t).is_absolute() and (source.parent / t).exists()
               else t for t in traces]
+    for t in traces:  # before anything runs, as every command checks --trace
+        if t is not None:
+            try:
+                check_trace_path(t)
+            except OSError as e:
+                where = "" if Path(t).is_absolute() else f" (nor in {source.parent.resolve()}/, the sweep file's folder)"
+                raise ValueError(f"{source}: traces: {e}{where}") from None
     slo_raw = raw.get("slo", {})
     if not isinstance(slo_raw, dict):
         raise ValueError(f"{source}: [slo] must be a table")

@@ -65,3 +65,54 @@ def test_sweep_title_says_how_it_routed(tmp_path: Path, capsys) -> None:
     assert ("routed SLO-blind (route_slo = false) except against their own TTFT budget: ep_aware(ttft_slo_s=2.0)"
             in out), out
     assert "route_slo = false" in (tmp_path / "out" / "report.html").read_text()
+
+
+# ---------------------------------------------------------------------- 5. a missing trace file, in every command
+def _subcommands_with(option: str) -> list[tuple[str, ...]]:
+    import argparse
+
+    from sim.cli import build_parser
+
+    def walk(p: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    yield from walk(sp, path + (name,))
+        if any(option in a.option_strings for a in p._actions):
+            yield path
+
+    return list(walk(build_parser()))
+
+
+#: what a command needs besides --trace for the trace to be read
+NEEDS = {("sim", "price"): ["--simulate"], ("sim", "capacity"): ["--jobs", "1"]}
+
+
+def test_every_command_taking_a_trace_is_covered() -> None:
+    # a new command with --trace joins the matrix below by itself; this pins the list a reader sees
+    assert sorted(_subcommands_with("--trace")) == sorted(
+        [("sim", "compare"), ("sim", "run"), ("sim", "price"), ("sim", "store-sweep"), ("sim", "capacity")])
+
+
+@pytest.mark.parametrize("cmd", _subcommands_with("--trace"), ids=" ".join)
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_a_trace_that_is_not_a_file_is_one_clear_line(cmd, kind, tmp_path: Path, capsys, monkeypatch) -> None:
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # where a default results folder would go
+    path = tmp_path / "nope.jsonl.gz" if kind == "missing" else tmp_path
+    rc = main([*cmd, "--trace", str(path), *NEEDS.get(cmd, []), "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    what = "trace file not found" if kind == "missing" else "trace file is a directory"
+    assert err == f"error: {what}: {path}\n"
+    assert list((tmp_path / "cwd").iterdir()) == []  # stopped before writing anything
+
+
+def test_a_sweep_with_a_missing_trace_stops_before_running(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text('policies = ["round_robin"]\ntraces = ["nope.jsonl"]\n')
+    rc = main(["sim", "sweep", str(f), "--out", str(tmp_path / "out"), "--jobs", "1", "--quiet"])
+    assert rc == 2
+    assert capsys.readouterr().err == (f"error: {f}: traces: trace file not found: nope.jsonl "
+                                       f"(nor in {tmp_path.resolve()}/, the sweep file's folder)\n")
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
