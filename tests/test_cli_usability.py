@@ -116,3 +116,126 @@ def test_a_sweep_with_a_missing_trace_stops_before_running(tmp_path: Path, capsy
     assert capsys.readouterr().err == (f"error: {f}: traces: trace file not found: nope.jsonl "
                                        f"(nor in {tmp_path.resolve()}/, the sweep file's folder)\n")
     assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+# ---------------------------------------------------------------------- 2. unknown keys in every table of a file
+def _sweep_tables() -> list[tuple[str, str, str, list[str]]]:
+    """(table title, TOML text with an unknown key there, the key, the valid keys)."""
+    import dataclasses
+
+    from balancer.router import DEFAULT_TIER_WEIGHTS
+    from sim.point import SLO
+    from sim.scenario import PoolConfig
+    from sim.sweep import _KEYS
+
+    pool = sorted(PoolConfig.model_fields)
+    return [
+        ("", "bogus_key = 1\n", "bogus_key", sorted(_KEYS)),
+        ("[slo]", "[slo]\nbogus_key = 1\n", "bogus_key", sorted(f.name for f in dataclasses.fields(SLO))),
+        ("[tier_weights]", "tier_weights = {bogus_key = 0.5}\n", "bogus_key", sorted(DEFAULT_TIER_WEIGHTS)),
+        ("[grid]", '[grid]\n"prefill.bogus_key" = [1]\n', "prefill.bogus_key", pool),
+        ("[[points]]", '[[points]]\n"prefill.bogus_key" = 1\n', "prefill.bogus_key", pool),
+    ]
+
+
+@pytest.mark.parametrize("table, text, key, valid", _sweep_tables(), ids=lambda x: x if isinstance(x, str) else "")
+def test_an_unknown_sweep_key_names_file_table_key_and_the_valid_ones(table, text, key, valid, tmp_path: Path,
+                                                                       capsys) -> None:
+    f = tmp_path / "sw.toml"
+    f.write_text('policies = ["round_robin"]\n' + text)
+    rc = main(["sim", "sweep", str(f), "--out", str(tmp_path / "out"), "--jobs", "1", "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {f}: {table + ': ' if table else ''}unknown key {key!r}")
+    assert err.rstrip().endswith(f"valid: {', '.join(valid)}"), err
+    assert "TypeError" not in err and "__init__" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[slo]\nttft = 1\n", "[slo]: unknown key 'ttft' (did you mean 'ttft_s'?); valid: attainment, percentile, "
+                         "tpot_s, ttft_per_1k_prompt_tokens_s, ttft_s"),  # the reported case (a raw TypeError)
+    ('[slo]\nattainment = "x"\n', "[slo] attainment must be a number > 0, got 'x'"),  # was a raw TypeError
+    ("[slo]\nattainment = 2\n", "[slo]: SLO attainment must be in (0, 1], got 2"),
+    ("tier_weights = {host = 2}\n", "[tier_weights] host must be in [0, 1], got 2"),
+    ('index_mode = "exact"\n', "index_mode must be one of approximate, events, hybrid, got 'exact'"),
+    ('spread_s = "3"\n', "spread_s must be a number >= 0, got '3'"),  # was "could not convert string to float"
+    ("limit = 0\n", "limit must be an integer > 0, got 0"),
+    ('format = "csv"\n', "format must be one of auto, mooncake, azure, got 'csv'"),
+])
+def test_bad_sweep_values_name_the_file(text, message, tmp_path: Path) -> None:
+    from sim.sweep import load_sweep
+
+    f = tmp_path / "sw.toml"
+    f.write_text('policies = ["round_robin"]\n' + text)
+    with pytest.raises(ValueError) as e:
+        load_sweep(f)
+    assert str(e.value) == f"{f}: {message}"
+
+
+def _model_of(ann: object) -> tuple[type | None, bool]:
+    """The pydantic model in a field's annotation, and whether it is a list of them."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann, False
+    for a in typing.get_args(ann):
+        m, listed = _model_of(a)
+        if m is not None:
+            return m, listed or typing.get_origin(ann) is list
+    return None, False
+
+
+def _scenario_tables() -> list[tuple]:
+    """Every table of a scenario file as a path of field names (an item of a list of tables as
+    index 0), found from the Scenario model itself, so that a new table joins the test below."""
+    from sim.scenario import Scenario
+
+    out: list[tuple] = [()]
+
+    def walk(cls: type, path: tuple) -> None:
+        for name, f in cls.model_fields.items():
+            m, listed = _model_of(f.annotation)
+            if m is not None:
+                sub = (*path, name, 0) if listed else (*path, name)
+                out.append(sub)
+                walk(m, sub)
+
+    walk(Scenario, ())
+    return out
+
+
+def test_the_scenario_table_walk_finds_the_nested_ones() -> None:
+    tables = _scenario_tables()
+    assert {("prefill",), ("prefill", "host_tier"), ("shared_store",), ("perf",),
+            ("speculative", "acceptance_classes", 0)} <= set(tables) and len(tables) >= 12
+
+
+@pytest.mark.parametrize("path", _scenario_tables(), ids=lambda p: ".".join(map(str, p)) or "top")
+@pytest.mark.parametrize("typo", [False, True], ids=["far", "typo"])
+def test_an_unknown_scenario_key_names_file_table_key_and_the_valid_ones(path, typo, tmp_path: Path) -> None:
+    from sim.scenario import PRESETS, Scenario, load_scenario
+
+    data = json.loads(PRESETS["dsv3-pd-h200"].model_dump_json(exclude_unset=True))
+    node, cls = data, Scenario
+    for i, part in enumerate(path):  # down to the table, adding the ones the preset lacks
+        if isinstance(part, int):
+            node.append({}) if not node else None
+            node = node[0]
+            continue
+        cls, listed = _model_of(cls.model_fields[part].annotation)
+        node = node.setdefault(part, [] if listed else {})
+    valid = sorted(cls.model_fields)
+    key = valid[0] + "x" if typo else "bogus_key"
+    node[key] = 1
+    f = tmp_path / "sc.json"
+    f.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as e:
+        load_scenario(f)
+    msg = str(e.value)
+    # other problems (the required fields of an added table) may come too, on the same line
+    assert msg.startswith(f"{f}: ") and "\n" not in msg
+    hint = f"(did you mean {valid[0]!r}?)" if typo else f"(valid: {', '.join(valid)})"
+    assert f"{'.'.join(map(str, (*path, key)))}: unknown field {hint}" in msg, msg
