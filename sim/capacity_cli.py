@@ -34,6 +34,7 @@ from sim.cli_args import (
     add_router_args,
     add_slo_args,
     add_workload_args,
+    policy_list,
     positive_float,
     positive_int,
     route_slo_note,
@@ -74,13 +75,7 @@ def policy_specs(args: argparse.Namespace) -> list:
     if args.policy_specs:
         texts = list(args.policy_specs)
     elif args.policies is not None:
-        from balancer.policies.spec import split_policy_list
-        try:
-            texts = split_policy_list(args.policies)  # "a,b:k=v,k2=v2": a K=V part continues its policy
-        except ValueError as e:
-            raise ValueError(f"--policies: {e}") from None
-        if not texts:
-            raise ValueError("--policies: give at least one policy")
+        texts = policy_list(args.policies)  # "a,b:k=v,k2=v2": a K=V part continues its policy
     else:
         texts = available_policies()
     specs = [parse_policy(t, args.decode_policy, args.policy_modules) for t in texts]

@@ -47,6 +47,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     add_workload_args,
     nonnegative_float,
     parse_tier_weights,
+    policy_list,
     positive_float,
     positive_int,
     route_slo_note,
@@ -387,13 +388,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                     console.print(_describe(sc))
                 return 0
             if args.sim_command == "compare":
-                from balancer.policies.spec import split_policy_list
-                try:
-                    names = split_policy_list(args.policies)
-                except ValueError as e:
-                    raise ValueError(f"--policies: {e}") from None
-                if not names:
-                    raise ValueError("--policies: give at least one policy")
+                names = policy_list(args.policies)
                 if args.decode_policy and not load_scenario(args.scenario).disaggregated:
                     raise ValueError(f"--decode-policy: scenario {args.scenario!r} is aggregated (one mixed pool, "
                                      "routed by the decode policy): every run would use "

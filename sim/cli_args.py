@@ -321,6 +321,34 @@ def add_executor_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
+# ---------------------------------------------------------------------- policy lists
+def policy_list(text: str, flag: str = "--policies") -> list[str]:
+    """``--policies "a,b:k=v,k2=v2,c"`` -> ``["a", "b:k=v,k2=v2", "c"]`` (a ``k=v`` part continues
+    the policy before it: :func:`balancer.policies.spec.split_policy_list`), for every command
+    that takes a policy list.
+
+    Raises:
+        ValueError: ``"<flag>: ..."``: an empty item (``a,,b``, a leading or trailing comma: a
+            typo, not a request for fewer policies), no policy at all, a ``k=v`` part after no
+            ``name:`` spec.
+    """
+    from balancer.policies.spec import split_policy_list
+
+    parts = text.split(",")
+    if not any(p.strip() for p in parts):
+        raise ValueError(f"{flag}: give at least one policy")
+    for i, part in enumerate(parts):
+        if not part.strip():
+            where = "a leading comma" if i == 0 else "a trailing comma" if i == len(parts) - 1 else \
+                f"two commas in a row after {','.join(parts[:i])!r}"
+            raise ValueError(f"{flag} {text!r}: item {i + 1} is empty ({where}); "
+                             "write NAME[:K=V,...] items separated by single commas")
+    try:
+        return split_policy_list(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 # ---------------------------------------------------------------------- run titles
 def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, default: bool = False,
                    flag: str = "--route-slo") -> str:

@@ -239,3 +239,33 @@ def test_an_unknown_scenario_key_names_file_table_key_and_the_valid_ones(path, t
     assert msg.startswith(f"{f}: ") and "\n" not in msg
     hint = f"(did you mean {valid[0]!r}?)" if typo else f"(valid: {', '.join(valid)})"
     assert f"{'.'.join(map(str, (*path, key)))}: unknown field {hint}" in msg, msg
+
+
+# ---------------------------------------------------------------------- 6. empty items in --policies
+@pytest.mark.parametrize("cmd", [["sim", "compare"], ["sim", "capacity", "--jobs", "1"]], ids=" ".join)
+@pytest.mark.parametrize("text, message", [
+    ("round_robin,,least_load", "item 2 is empty (two commas in a row after 'round_robin')"),
+    (",round_robin", "item 1 is empty (a leading comma)"),
+    ("round_robin,", "item 2 is empty (a trailing comma)"),
+    ("cache_aware:cache_threshold=0.5,,balance_abs=8", "item 2 is empty (two commas in a row after "
+                                                       "'cache_aware:cache_threshold=0.5')"),
+    ("round_robin, ,least_load", "item 2 is empty (two commas in a row after 'round_robin')"),
+])
+def test_an_empty_policy_item_is_rejected(cmd, text, message, tmp_path: Path, capsys) -> None:
+    rc = main([*cmd, "--policies", text, "--limit", "10", "--quiet", "--no-plots", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert capsys.readouterr().err == (f"error: --policies {text!r}: {message}; write NAME[:K=V,...] items "
+                                       "separated by single commas\n")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("round_robin", ["round_robin"]),
+    (" round_robin , least_load ", ["round_robin", "least_load"]),  # spaces around items are fine
+    ("cache_aware:cache_threshold=0.5,balance_abs=8,least_load", ["cache_aware:cache_threshold=0.5,balance_abs=8",
+                                                                  "least_load"]),
+])
+def test_policy_lists_that_are_fine(text, expected) -> None:
+    from sim.cli_args import policy_list
+
+    assert policy_list(text) == expected
