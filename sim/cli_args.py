@@ -5,7 +5,7 @@ The floor under every CLI module (:mod:`sim.cli`, :mod:`sim.capacity_cli`, :mod:
 so there is no import circle.
 
 - ``type=`` checks for argparse (:func:`positive_int`, :func:`positive_float`,
-  :func:`nonnegative_float`, :func:`fraction`, :func:`tier_weights_arg`): a bad value stops the
+  :func:`nonnegative_float`, :func:`fraction`, :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and what they build
@@ -76,6 +76,18 @@ def fraction(text: str) -> float:
         value = math.nan
     if not (0 < value <= 1):
         raise argparse.ArgumentTypeError(f"must be in (0, 1] (or a percentage like 90%), got {text!r}")
+    return value
+
+
+def percentile(text: str) -> float:
+    """A percentile in (0, 100] (``--slo-percentile``; ``p99`` and ``99%`` are accepted as 99)."""
+    t = text.strip().removeprefix("p").removesuffix("%")
+    try:
+        value = float(t)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 100):
+        raise argparse.ArgumentTypeError(f"must be a percentile in (0, 100], e.g. 99, got {text!r}")
     return value
 
 
@@ -277,7 +289,7 @@ def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
     if targets:
         g.add_argument("--slo-attainment", type=fraction, default=0.9, metavar="FRAC",
                        help="fraction of requests that must meet both the TTFT and TPOT SLO (default 0.9)")
-        g.add_argument("--slo-percentile", type=positive_float, metavar="P",
+        g.add_argument("--slo-percentile", type=percentile, metavar="P",
                        help="percentile form instead: TTFT pP <= --slo-ttft-s and TPOT pP <= --slo-tpot-s (e.g. 99)")
         g.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=0.0, metavar="S",
                        help="TTFT budget grows by S seconds per 1000 prompt tokens (budget = --slo-ttft-s + "
@@ -432,14 +444,8 @@ def sim_options(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SimOption
 
 
 def slo_from_args(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SLO
-    """The :class:`sim.point.SLO` of the SLO options.
-
-    Raises:
-        ValueError: a percentile above 100.
-    """
+    """The :class:`sim.point.SLO` of the SLO options (each checked by its argparse type)."""
     from sim.point import SLO
 
-    if args.slo_percentile is not None and args.slo_percentile > 100:
-        raise ValueError(f"--slo-percentile: must be in (0, 100], got {args.slo_percentile:g}")
     return SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
                percentile=args.slo_percentile, ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_tokens_s)

@@ -269,3 +269,31 @@ def test_policy_lists_that_are_fine(text, expected) -> None:
     from sim.cli_args import policy_list
 
     assert policy_list(text) == expected
+
+
+# ---------------------------------------------------------------------- 3. --slo-percentile, checked once
+def _argparse_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "100.5", "120", "nan", "inf", "x", ""])
+def test_a_bad_slo_percentile_is_an_argparse_error(value, capsys) -> None:
+    # one check, while parsing: no second form of the message from sim.cli_args.slo_from_args
+    err = _argparse_error(["sim", "capacity", "--slo-percentile", value, "--limit", "5"], capsys)
+    assert err.strip().splitlines()[-1] == (f"pdlb sim capacity: error: argument --slo-percentile: must be a "
+                                            f"percentile in (0, 100], e.g. 99, got {value!r}")
+
+
+@pytest.mark.parametrize("value, expected", [("99", 99.0), ("p99", 99.0), ("99.9%", 99.9), ("100", 100.0),
+                                             ("0.5", 0.5)])
+def test_slo_percentile_forms(value, expected) -> None:
+    from sim.cli import build_parser
+    from sim.cli_args import slo_from_args
+
+    args = build_parser().parse_args(["sim", "capacity", "--slo-percentile", value])
+    assert slo_from_args(args).percentile == expected
