@@ -297,3 +297,52 @@ def test_slo_percentile_forms(value, expected) -> None:
 
     args = build_parser().parse_args(["sim", "capacity", "--slo-percentile", value])
     assert slo_from_args(args).percentile == expected
+
+
+# ---------------------------------------------------------------------- 8. result file names
+@pytest.mark.parametrize("label, stem", [
+    ("round_robin", "round_robin"),  # plain names unchanged
+    ("kv_cost+least_load", "kv_cost+least_load"),
+    ("ep_aware(horizon_weight=2.0,ttft_slo_s=2.0)", "ep_aware-horizon_weight=2.0-ttft_slo_s=2.0"),
+    ("my policy (v2)", "my-policy-v2"),
+    ("../../etc/passwd", "etc-passwd"),  # no path out of the results folder
+    ("a/b\\c:d", "a-b-c-d"),
+    ("-x", "x"),
+    ("...", "run"),
+])
+def test_safe_file_stem(label, stem) -> None:
+    from sim.report import safe_file_stem
+
+    assert safe_file_stem(label) == stem
+
+
+def test_file_names_are_safe_and_distinct_for_any_labels() -> None:
+    # fuzz: random labels from a hostile alphabet give shell-safe, distinct names
+    import random
+    import re
+
+    from sim.report import results_file_names
+
+    rng = random.Random(0)
+    alphabet = "ab_=.,()+- /\\:'\"$*?\t"
+    for _ in range(300):
+        labels = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12))) for _ in range(rng.randrange(1, 6))]
+        names = results_file_names(labels)
+        assert len(set(names)) == len(names) == len(labels)
+        assert all(re.fullmatch(r"requests_[A-Za-z0-9_+=][A-Za-z0-9._+=-]*\.csv", n) for n in names), names
+    assert results_file_names(["a(x=1)", "a-x=1", "a-x=1"]) == ["requests_a-x=1.csv", "requests_a-x=1-2.csv",
+                                                                  "requests_a-x=1-3.csv"]
+
+
+def test_compare_names_files_safely_and_keeps_the_spec(tmp_path: Path, capsys) -> None:
+    rc = main(["sim", "compare", "--policies", "ep_aware:ttft_slo_s=2,horizon_weight=2,round_robin", "--limit", "20",
+               "--no-plots", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    capsys.readouterr()
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert [(r["policy"], r["requests_csv"]) for r in runs] == [
+        ("ep_aware(horizon_weight=2.0,ttft_slo_s=2.0)", "requests_ep_aware-horizon_weight=2.0-ttft_slo_s=2.0.csv"),
+        ("round_robin", "requests_round_robin.csv")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["summary.json", "summary.md", *(r["requests_csv"]
+                                                                                                  for r in runs)])
+    assert len((tmp_path / runs[0]["requests_csv"]).read_text().splitlines()) == 21  # header + 20 requests
