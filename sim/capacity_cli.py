@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -259,9 +260,10 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{n_points} simulations in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"capacity-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    command = "pdlb " + shlex.join(getattr(args, "argv", sys.argv[1:]))
+    command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
     meta = {"command": command, "scenario": json.loads(scenario.model_dump_json()), "workload": vars(wl) | {
-        "num_requests": len(requests), "arrival_window_s": span}, "search": args.search, "route_slo": opts.route_slo, "executor": args.executor,
+        "trace": os.path.abspath(wl.trace) if wl.trace else None, "num_requests": len(requests),
+        "arrival_window_s": span}, "search": args.search, "route_slo": opts.route_slo, "executor": args.executor,
         "jobs": args.jobs, "wall_s": wall}
     doc = {"meta": meta, "results": [result_dict(r) for r in results],
            "curves": {k: [result_dict_point(p) for p in v] for k, v in curves.items()}}

@@ -45,6 +45,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     add_router_args,
     add_slo_args,
     add_workload_args,
+    command_line,
     nonnegative_float,
     parse_tier_weights,
     policy_list,
@@ -172,7 +173,7 @@ def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
     requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed,
                                    rate_scale=args.rate_scale, duration_s=args.duration_s)
     meta = {
-        "trace": args.trace or "embedded:mooncake_conversation.jsonl.gz",
+        "trace": os.path.abspath(args.trace) if args.trace else "embedded:mooncake_conversation.jsonl.gz",
         "format": fmt,
         "rate_scale": args.rate_scale,
         "limit": args.limit,
@@ -268,7 +269,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta |= {"command": " ".join(sys.argv), "wall_s": wall, "route_slo": args.route_slo}
+    meta |= {"command": args.command_line, "wall_s": wall, "route_slo": args.route_slo}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")
     files.append(out / "summary.md")
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # for reports: the command that made them
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.command_line = command_line(parser, args.argv)  # for reports: the command that made them
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     if args.command in ("serve", "engine"):
         from balancer.service.cli import run_serve

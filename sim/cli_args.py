@@ -10,7 +10,8 @@ so there is no import circle.
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and what they build
   (:func:`workload_spec`, :func:`scenario_from_args`, :func:`sim_options`, :func:`slo_from_args`);
-- :func:`route_slo_note` for the titles of results tables;
+- :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
+  a result records;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
 - :func:`unique_results_dir` for default results folders.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -359,6 +361,104 @@ def policy_list(text: str, flag: str = "--policies") -> list[str]:
         return split_policy_list(text)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
+
+
+# ---------------------------------------------------------------------- the recorded command
+#: Options whose values may name files although their type is not Path: resolved only where the
+#: value (or a comma-separated item of it) is an existing file, so preset names stay names.
+_MAYBE_FILE_DESTS = frozenset({"scenario", "prices"})
+#: Options that always name a path (their type is str).
+_PATH_DESTS = frozenset({"trace"})
+
+
+def _subparser(parser: argparse.ArgumentParser, token: str) -> argparse.ArgumentParser | None:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction) and token in a.choices:
+            return a.choices[token]
+    return None
+
+
+def _option(parser: argparse.ArgumentParser, name: str) -> tuple[str, argparse.Action | None]:
+    """The full option string and action of ``name`` (argparse's unique-prefix abbreviations
+    included: ``--lim`` -> ``--limit``)."""
+    table = parser._option_string_actions
+    if name in table:
+        return name, table[name]
+    hits = [o for o in table if o.startswith(name)] if name.startswith("--") else []
+    return (hits[0], table[hits[0]]) if len(hits) == 1 else (name, None)
+
+
+def _abs(value: str, *, only_files: bool) -> str:
+    def one(v: str) -> str:
+        if only_files and not Path(v).is_file():
+            return v
+        return os.path.abspath(os.path.expanduser(v))
+
+    return ",".join(one(v) for v in value.split(",")) if only_files else one(value)
+
+
+def command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
+    """The command to record in a result's meta, reproducible from any folder: ``pdlb``, the
+    subcommands, then the arguments as given but with abbreviated options spelled out
+    (``--lim 5`` -> ``--limit 5``) and file paths made absolute (``--trace``, ``--out``, every
+    ``type=Path`` option and positional, and ``--scenario``/``--prices`` values that are files
+    rather than preset names), shell-quoted (:func:`shlex.join`).
+
+    ``argv`` is what the parser was given (``sys.argv[1:]``); it has been parsed already, so it
+    is well-formed.
+    """
+    import shlex
+
+    out = ["pdlb"]
+    toks = list(argv)
+    i = 0
+    while i < len(toks):  # the subcommands: the leading words naming a subparser
+        sub = _subparser(parser, toks[i])
+        if sub is None:
+            break
+        out.append(toks[i])
+        parser, i = sub, i + 1
+    positionals = [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+    only_positionals = False
+    while i < len(toks):
+        tok = toks[i]
+        i += 1
+        if tok == "--":
+            out.append(tok)
+            only_positionals = True
+            continue
+        if tok.startswith("-") and tok in parser._option_string_actions and not tok.startswith("--") \
+                and not only_positionals:  # a short option (-j 2)
+            out.append(tok)
+            if parser._option_string_actions[tok].nargs != 0 and i < len(toks):
+                out.append(toks[i])
+                i += 1
+            continue
+        if tok.startswith("--") and not only_positionals:
+            name, eq, inline = tok.partition("=")
+            name, action = _option(parser, name)
+            if action is None or action.nargs == 0:
+                out.append(name + eq + inline)
+                continue
+            if eq:
+                value = inline
+            elif i < len(toks):
+                value, i = toks[i], i + 1
+            else:
+                out.append(name)
+                continue
+            if action.type is Path or action.dest in _PATH_DESTS:
+                value = _abs(value, only_files=False)
+            elif action.dest in _MAYBE_FILE_DESTS:
+                value = _abs(value, only_files=True)
+            out += [f"{name}={value}"] if eq else [name, value]
+            continue
+        if not tok.startswith("-") and positionals and positionals[0].type is Path:
+            tok = _abs(tok, only_files=False)
+        if positionals and not tok.startswith("-"):
+            positionals.pop(0)
+        out.append(tok)
+    return shlex.join(out)
 
 
 # ---------------------------------------------------------------------- run titles

@@ -130,7 +130,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
         if plot_heatmap(rows, sweep.grid_keys, out / "sweep_heatmap.png"):
             plots.append(out / "sweep_heatmap.png")
         files += [p.name for p in plots]
-    command = "pdlb " + shlex.join(getattr(args, "argv", sys.argv[1:]))
+    command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
     sections = [Section("Points", text=title, table=(head, table_rows))]
     sections += [Section(p.stem.replace("_", " "), image=p) for p in plots]
     sections += [Section("Command", pre=command), Section("Sweep file", pre=args.file.read_text()),

@@ -346,3 +346,54 @@ def test_compare_names_files_safely_and_keeps_the_spec(tmp_path: Path, capsys) -
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["summary.json", "summary.md", *(r["requests_csv"]
                                                                                                   for r in runs)])
     assert len((tmp_path / runs[0]["requests_csv"]).read_text().splitlines()) == 21  # header + 20 requests
+
+
+# ---------------------------------------------------------------------- 9. the recorded command
+@pytest.mark.parametrize("argv, expected", [
+    (["sim", "run", "--trace", "t.jsonl", "--lim", "5"], "pdlb sim run --trace {d}/t.jsonl --limit 5"),
+    (["sim", "run", "--trace=t.jsonl", "--out", "res"], "pdlb sim run --trace={d}/t.jsonl --out {d}/res"),
+    # a preset stays a name; a scenario file is made absolute
+    (["sim", "compare", "--scenario", "dsv3-pd-h200"], "pdlb sim compare --scenario dsv3-pd-h200"),
+    (["sim", "compare", "--scenario", "sc.toml"], "pdlb sim compare --scenario {d}/sc.toml"),
+    # values with spaces or parentheses are quoted; short options keep their value
+    (["sim", "capacity", "-j", "2", "--policy", "ep_aware:ttft_slo_s=2", "--set", "description=a b"],
+     "pdlb sim capacity -j 2 --policy ep_aware:ttft_slo_s=2 --set 'description=a b'"),
+    (["sim", "sweep", "sw.toml", "-j", "1", "--no-plots"], "pdlb sim sweep {d}/sw.toml -j 1 --no-plots"),
+    (["sim", "price", "--prices", "deepseek-v3-2025-02,sheet.toml", "--png", "x.png"],
+     "pdlb sim price --prices deepseek-v3-2025-02,{d}/sheet.toml --png {d}/x.png"),
+])
+def test_command_line_is_reproducible_from_anywhere(argv, expected, tmp_path: Path, monkeypatch) -> None:
+    from sim.cli import build_parser
+    from sim.cli_args import command_line
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("sc.toml", "sheet.toml"):
+        (tmp_path / name).write_text("")
+    parser = build_parser()
+    parser.parse_args(argv)  # well-formed, as command_line assumes
+    assert command_line(parser, argv) == expected.format(d=tmp_path)
+
+
+def test_a_recorded_command_reruns_to_the_same_result_from_another_folder(tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    import shlex
+
+    from sim.workload import read_trace
+    from sim.workload.writer import write_mooncake
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    write_mooncake(read_trace()[:25], "t.jsonl")
+    assert main(["sim", "run", "--trace", "t.jsonl", "--policy", "round_robin", "--no-plots", "--quiet",
+                 "--out", "res"]) == 0
+    first = json.loads((tmp_path / "a" / "res" / "summary.json").read_text())
+    cmd = shlex.split(first["meta"]["command"])
+    assert cmd[:3] == ["pdlb", "sim", "run"] and first["meta"]["trace"] == str(tmp_path / "a" / "t.jsonl")
+    monkeypatch.chdir(tmp_path / "b")  # elsewhere: the relative trace path would not be found
+    cmd[cmd.index("--out") + 1] = str(tmp_path / "b" / "res")
+    assert main(cmd[1:]) == 0
+    again = json.loads((tmp_path / "b" / "res" / "summary.json").read_text())
+    keys = ("num_requests", "ttft_s", "tpot_s", "goodput_rps", "prefix_hit_rate")
+    assert [{k: r[k] for k in keys} for r in again["runs"]] == [{k: r[k] for k in keys} for r in first["runs"]]
+    capsys.readouterr()
