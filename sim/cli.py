@@ -11,7 +11,8 @@
     pdlb sim sweep SWEEP.toml   a resumable sweep of scenario fields, policies, rates, seeds (sim.sweep_cli)
     pdlb policies               the routing policies and their parameters
 
-Bad arguments end in one error line and exit status 2: argparse's ``argument --flag: ...`` for
+Bad arguments end in one error line and exit status 2, after one usage line that points at
+``--help`` (:class:`sim.cli_args.ArgumentParser`): argparse's ``argument --flag: ...`` for
 values checked while parsing (numbers, engine counts, tier weights), ``error: ...`` for the rest
 (files, scenarios, policies). A closed stdout (``pdlb sim compare | head -1``) does not stop a
 run: the results folder is still written and the exit status is 141 (128 + SIGPIPE). Ctrl-C prints
@@ -40,6 +41,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     DEFAULT_INDEX_MODE,
     DEFAULT_SLO_TPOT_S,
     DEFAULT_SLO_TTFT_S,
+    ArgumentParser,
     add_cluster_args,
     add_output_args,
     add_router_args,
@@ -115,7 +117,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdlb", description="Cross-replica load balancer for PD-disaggregated LLM serving, and its simulator.")
+    parser = ArgumentParser(prog="pdlb", description="Cross-replica load balancer for PD-disaggregated LLM serving, and its simulator.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 

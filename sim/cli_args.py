@@ -13,7 +13,8 @@ so there is no import circle.
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
-- :func:`unique_results_dir` for default results folders.
+- :func:`unique_results_dir` for default results folders;
+- :class:`ArgumentParser`, argparse's parser with short, clear usage errors.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tomllib
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +131,78 @@ def tier_weights_arg(text: str) -> dict[str, float] | None:
         return parse_tier_weights(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--tier-weights: ")) from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with errors a user reads at a glance (``pdlb`` and every subcommand's
+    parser, which argparse makes of the same class):
+
+    - the error is the last line, ``"<prog>: error: <message>"``, after one usage line: a usage
+      that would take several lines (``pdlb sim capacity`` has 40 options) becomes ``usage: <prog>
+      [options] <positionals> (all options: <prog> --help)``;
+    - an unrecognized argument is reported by the subcommand it was given to (argparse reports it
+      at the top, ``pdlb: error: ...``, under the top-level usage), with the closest option;
+    - an invalid choice (a misspelt subcommand or value) names the closest valid one.
+    """
+
+    def error(self, message: str) -> typing.NoReturn:
+        import difflib
+        import re
+
+        subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        for a in subs:  # "argument sim_command: ..." / "required: sim_command": say "command"
+            names = ", ".join(a.choices)
+            if message == f"the following arguments are required: {a.dest}":
+                message = f"give a command: {names}"
+            elif message.startswith(f"argument {a.dest}: invalid choice: "):
+                bad = message.removeprefix(f"argument {a.dest}: invalid choice: ").split(" (choose from")[0]
+                close = difflib.get_close_matches(bad.strip("'"), list(a.choices), n=1, cutoff=0.75)
+                message = f"unknown command {bad}" + (f" (did you mean {close[0]!r}?)" if close else "") + \
+                    f"; valid: {names}"
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.75)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        usage = self.format_usage()
+        if usage.count("\n") > 1:
+            pos = []
+            for a in self._get_positional_actions():
+                pos.append("COMMAND ..." if isinstance(a, argparse._SubParsersAction) else (a.metavar or a.dest))
+            usage = f"usage: {' '.join([self.prog, '[options]', *pos])}  (all options: {self.prog} --help)\n"
+        self._print_message(usage, sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        import difflib
+
+        argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            target: argparse.ArgumentParser = self
+            siblings: dict[str, argparse.ArgumentParser] = {}
+            for tok in argv:  # the subcommand the extras were given to: the leading subcommand words
+                action = next((a for a in target._actions
+                               if isinstance(a, argparse._SubParsersAction) and tok in a.choices), None)
+                if action is None:
+                    break
+                siblings, target = dict(action.choices), action.choices[tok]
+            hints = []
+            for x in extras:
+                if not x.startswith("--"):
+                    continue
+                name = x.partition("=")[0]
+                close = difflib.get_close_matches(name, list(target._option_string_actions), n=1, cutoff=0.75)
+                elsewhere = [n for n, p in siblings.items() if p is not target and name in p._option_string_actions]
+                if close:
+                    hints.append(f"{name}: did you mean {close[0]}?")
+                elif elsewhere:
+                    parent = target.prog.rsplit(" ", 1)[0]
+                    hints.append(f"{name} is an option of {parent} {', '.join(elsewhere)}, not of {target.prog}")
+            target.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        return ns
 
 
 def unique_results_dir(base: Path) -> Path:

@@ -397,3 +397,55 @@ def test_a_recorded_command_reruns_to_the_same_result_from_another_folder(tmp_pa
     keys = ("num_requests", "ttft_s", "tpot_s", "goodput_rps", "prefix_hit_rate")
     assert [{k: r[k] for k in keys} for r in again["runs"]] == [{k: r[k] for k in keys} for r in first["runs"]]
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------------- 7. argparse errors: one usage line, then the error
+def _all_parsers() -> list[tuple[tuple[str, ...], object]]:
+    import argparse
+
+    from sim.cli import build_parser
+
+    out = []
+
+    def walk(p, path):  # noqa: ANN001, ANN202
+        out.append((path, p))
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    walk(sp, (*path, name))
+
+    walk(build_parser(), ())
+    return out
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _all_parsers()], ids=lambda p: " ".join(p) or "pdlb")
+def test_every_command_answers_a_bad_option_in_two_lines(path, capsys) -> None:
+    err = _argparse_error([*path, "--bogus-flag-zz"], capsys)
+    lines = err.splitlines()
+    prog = " ".join(("pdlb", *path))
+    assert len(lines) == 2, err
+    assert lines[0].startswith(f"usage: {prog}") and len(lines[0]) <= 120
+    # the subcommand given the flag reports it (argparse alone reports at the top, as 'pdlb: error')
+    assert lines[1].startswith(f"{prog}: error: "), err
+
+
+@pytest.mark.parametrize("argv, last", [
+    (["sim", "run", "--limt", "5"], "pdlb sim run: error: unrecognized arguments: --limt 5 (--limt: did you mean --limit?)"),
+    (["sim", "validate", "--trace", "x"], "pdlb sim validate: error: unrecognized arguments: --trace x (--trace is an "
+                                          "option of pdlb sim compare, run, price, store-sweep, capacity, not of "
+                                          "pdlb sim validate)"),
+    (["sim", "runn"], "pdlb sim: error: unknown command 'runn' (did you mean 'run'?); valid: compare, run, scenarios, "
+                      "validate, price, sessions, store-sweep, workload, cost-model, capacity, sweep"),
+    (["sim"], "pdlb sim: error: give a command: compare, run, scenarios, validate, price, sessions, store-sweep, "
+              "workload, cost-model, capacity, sweep"),
+    (["sim", "capacity", "--search", "gpuss"], "pdlb sim capacity: error: argument --search: invalid choice: 'gpuss' "
+                                               "(choose from 'rate', 'gpus'); did you mean 'gpus'?"),
+    (["sim", "run", "--index-mode", "zzz"], "pdlb sim run: error: argument --index-mode: invalid choice: 'zzz' "
+                                            "(choose from 'approximate', 'events')"),  # nothing close: no guess
+    (["sim", "sweep"], "pdlb sim sweep: error: the following arguments are required: SWEEP.toml"),
+    (["sim", "run", "--limit"], "pdlb sim run: error: argument --limit: expected one argument"),
+])
+def test_simple_mistakes_end_in_a_clear_line(argv, last, capsys) -> None:
+    lines = _argparse_error(argv, capsys).splitlines()
+    assert len(lines) == 2 and lines[-1] == last
+    assert "(all options: " in lines[0] or lines[0].startswith("usage: pdlb sim sweep")
