@@ -231,19 +231,37 @@ MAX_PATH_DEPTH = 8
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set`` value: a TOML value if it parses as one (``8``, ``0.5``, ``true``, ``"x"``,
-    ``[1, 2]``, ``{a = 1}``), else the text itself as a string (``h200``)."""
+    """A ``--set`` value: a TOML value (what ``x = <value>`` gives in a TOML file: ``8``, ``0.5``,
+    ``true``, ``"x"``, ``[1, 2]``, ``{a = 1}``, a list of inline tables ``[{share = 0.5,
+    acceptance = [0.9]}, ...]``), or else a bare word taken as a string (``h200``).
+
+    Raises:
+        ValueError: text that starts as a TOML string, list or table (``"``, ``'``, ``[``, ``{``)
+            but does not parse: the TOML parser's message, with the column in the value.
+    """
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+    except tomllib.TOMLDecodeError as e:
+        if not text.lstrip().startswith(('"', "'", "[", "{")):
+            return text
+        import re
+
+        msg = " ".join(str(e).split())
+        m = re.search(r"\s*\(at line 1, column (\d+)\)$|\s*\(at end of document\)$", msg)
+        where = ""
+        if m:
+            where = f" at column {int(m.group(1)) - 4} of the value" if m.group(1) else " at the end of the value"
+            msg = msg[:m.start()]
+        raise ValueError(f"not a TOML value: {msg}{where} (strings in quotes, lists as [a, b], tables as "
+                         "{k = v, k2 = v2})") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``"prefill.num_engines=8"`` -> ``("prefill.num_engines", 8)``.
 
     Raises:
-        ValueError: no ``=``, an empty key or key part, or a path deeper than :data:`MAX_PATH_DEPTH`.
+        ValueError: no ``=``, an empty key or key part, a path deeper than :data:`MAX_PATH_DEPTH`,
+            or a value that is malformed TOML (:func:`parse_value`).
     """
     key, sep, value = text.partition("=")
     key = key.strip()
@@ -251,15 +269,18 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"--set {text!r}: expected dotted.key=value, e.g. prefill.num_engines=8")
     if key.count(".") >= MAX_PATH_DEPTH:
         raise ValueError(f"--set {text!r}: paths are at most {MAX_PATH_DEPTH} keys deep")
-    return key, parse_value(value.strip())
+    try:
+        return key, parse_value(value.strip())
+    except ValueError as e:
+        raise ValueError(f"--set {text!r}: {e}") from None
 
 
 def override_arg(text: str) -> tuple[str, Any]:
     """argparse form of :func:`parse_override`."""
     try:
         return parse_override(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError as e:  # argparse names the flag: "argument --set: 'x=[1': ..."
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--set ")) from None
 
 
 def apply_overrides(sc: Scenario, overrides: Sequence[tuple[str, Any]], *, source: str = "--set") -> Scenario:

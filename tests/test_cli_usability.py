@@ -449,3 +449,40 @@ def test_simple_mistakes_end_in_a_clear_line(argv, last, capsys) -> None:
     lines = _argparse_error(argv, capsys).splitlines()
     assert len(lines) == 2 and lines[-1] == last
     assert "(all options: " in lines[0] or lines[0].startswith("usage: pdlb sim sweep")
+
+
+# ---------------------------------------------------------------------- 11. --set values are TOML values
+def test_set_takes_a_list_of_inline_tables(tmp_path: Path, capsys) -> None:
+    rc = main(["sim", "run", "--limit", "10", "--quiet", "--no-plots", "--out", str(tmp_path),
+               "--set", "speculative.draft_tokens=2", "--set", "speculative.acceptance=[0.8, 0.6]",
+               "--set", 'speculative.acceptance_classes=[{share = 0.5, acceptance = [0.9, 0.8], name = "code"}, '
+                        "{share=0.5, acceptance=[0.5,0.3]}]"])
+    assert rc == 0
+    capsys.readouterr()
+    spec = json.loads((tmp_path / "summary.json").read_text())["scenario"]["speculative"]
+    assert spec["acceptance_classes"] == [{"share": 0.5, "acceptance": [0.9, 0.8], "name": "code"},
+                                          {"share": 0.5, "acceptance": [0.5, 0.3], "name": ""}]
+
+
+@pytest.mark.parametrize("text, value", [
+    ("8", 8), ("0.5", 0.5), ("true", True), ('"x y"', "x y"), ("'lit'", "lit"), ("[1, 2]", [1, 2]),
+    ("{a = 1, b = [2]}", {"a": 1, "b": [2]}), ("[{a = 1}, {a = 2}]", [{"a": 1}, {"a": 2}]),
+    ("h200", "h200"), ("my model", "my model"), ("1.2.3", "1.2.3"),  # bare words: strings, as before
+])
+def test_set_values(text, value) -> None:
+    from sim.cli_args import parse_value
+
+    assert parse_value(text) == value
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("[{share=0.5 acceptance=[0.5]}]", "Unclosed inline table at column 13 of the value"),
+    ("[1, 2", "Unclosed array at the end of the value"),
+    ('"abc', "Unterminated string at the end of the value"),
+    ("{a = }", "Invalid value at column 6 of the value"),
+])
+def test_malformed_set_values_are_argparse_errors(value, problem, capsys) -> None:
+    # they were taken as strings, and the scenario then said "Input should be a valid list"
+    lines = _argparse_error(["sim", "run", "--set", f"speculative.acceptance_classes={value}"], capsys).splitlines()
+    assert lines[-1] == (f"pdlb sim run: error: argument --set: {'speculative.acceptance_classes=' + value!r}: not a "
+                         f"TOML value: {problem} (strings in quotes, lists as [a, b], tables as {{k = v, k2 = v2}})")
