@@ -35,6 +35,7 @@ from sim.cli_args import (
     add_router_args,
     add_slo_args,
     add_workload_args,
+    idle_tier_flags,
     policy_list,
     positive_float,
     positive_int,
@@ -43,6 +44,7 @@ from sim.cli_args import (
     sim_options,
     slo_from_args,
     unique_results_dir,
+    warn_idle_flags,
     workload_spec,
 )
 
@@ -194,6 +196,20 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     requests = load_workload(wl)  # read and checked here, before any worker starts
     opts = sim_options(args)
     early = not args.no_early_stop
+    idle = idle_tier_flags(scenario)
+    if args.search == "rate":
+        idle += [("rate_scale", "with --search rate: the search finds the rate (--rate-scale is the load --search "
+                                "gpus sizes for)")]
+        idle += [(f"max_{p}_engines", "with --search rate: engine limits are for --search gpus")
+                 for p in ("prefill", "decode", "mixed")]
+    else:
+        idle += [(d, "with --search gpus: it shapes the rate search (--search rate)")
+                 for d in ("rate_min", "rate_max", "rate_start", "tol", "curve")]
+    if args.slo_percentile is not None:
+        idle.append(("slo_attainment", "with --slo-percentile: the percentile form has no attainment target"))
+    if args.executor != "ray":
+        idle.append(("ray_address", f"with --executor {args.executor}: it names a Ray cluster"))
+    warn_idle_flags(args, idle)
     if args.search == "rate":
         searches: list = [RateSearch(scenario, wl, s, slo, args.rate_min, args.rate_max, args.rate_start, args.tol,
                                      args.max_evals, args.seed, opts, early) for s in specs]

@@ -48,6 +48,8 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     add_slo_args,
     add_workload_args,
     command_line,
+    given_options,
+    idle_tier_flags,
     nonnegative_float,
     parse_tier_weights,
     policy_list,
@@ -56,6 +58,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     route_slo_note,
     scenario_from_args,
     unique_results_dir,
+    warn_idle_flags,
 )
 from sim.scenario import PRESETS, Scenario, describe_pools, load_scenario
 
@@ -226,6 +229,11 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     scenario = _scenario(args)
     if args.out is not None:
         _check_writable_dir(args.out)
+    idle = idle_tier_flags(scenario)
+    if args.sim_command == "run" and not scenario.disaggregated and args.decode_policy is not None:
+        idle.append(("policy", f"with --decode-policy on the aggregated scenario {scenario.name!r}: its one mixed "
+                               "pool is routed by the decode policy"))
+    warn_idle_flags(args, idle)
     for p, _, plabel, _ in runs:
         idle = _idle_slo_params(p, args.route_slo)
         if idle:
@@ -353,6 +361,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.command_line = command_line(parser, args.argv)  # for reports: the command that made them
+    args.given = given_options(parser, args.argv)  # the flags given, for warn_idle_flags
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     if args.command in ("serve", "engine"):
         from balancer.service.cli import run_serve

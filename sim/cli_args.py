@@ -557,6 +557,53 @@ def command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
     return shlex.join(out)
 
 
+# ---------------------------------------------------------------------- flags without effect
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """``{dest: option as the user meant it}`` of the options given in ``argv`` (abbreviations
+    spelled out), below the subcommand words; what :func:`warn_idle_flags` looks at."""
+    toks = list(argv)
+    i = 0
+    while i < len(toks):
+        sub = _subparser(parser, toks[i])
+        if sub is None:
+            break
+        parser, i = sub, i + 1
+    given: dict[str, str] = {}
+    for tok in toks[i:]:
+        if tok == "--":
+            break
+        if tok.startswith("-") and len(tok) > 1 and not tok[1].isdigit():
+            name, action = _option(parser, tok.partition("=")[0])
+            if action is not None:
+                given.setdefault(action.dest, name)
+    return given
+
+
+def warn_idle_flags(args: argparse.Namespace, idle: Sequence[tuple[str, str]]) -> None:
+    """Warn on stderr, once per flag, about each given flag that has no effect in this mode.
+
+    Args:
+        idle: ``(dest, why)`` of the flags that do nothing in the chosen mode, e.g.
+            ``("rate_scale", "with --search rate: the search finds the rate")``; those the user
+            did not give (:func:`given_options`, in ``args.given``) are passed over.
+    """
+    given = getattr(args, "given", {})
+    warned: set[str] = getattr(args, "_idle_warned", set())
+    for dest, why in idle:
+        if dest in given and dest not in warned:
+            warned.add(dest)
+            print(f"warning: {given[dest]} has no effect {why}", file=sys.stderr)
+    args._idle_warned = warned
+
+
+def idle_tier_flags(scenario: Scenario) -> list[tuple[str, str]]:
+    """The router tier flags, idle on a scenario without KV tiers (host tier, shared store)."""
+    if scenario.has_kv_tiers:
+        return []
+    why = f"on scenario {scenario.name!r}: it has no KV tiers (host_tier, shared_store) for the router to weigh"
+    return [("tier_weights", why), ("no_router_tiers", why)]
+
+
 # ---------------------------------------------------------------------- run titles
 def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, default: bool = False,
                    flag: str = "--route-slo") -> str:

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sim.cli_args import add_executor_args, positive_int, route_slo_note
+from sim.cli_args import add_executor_args, positive_int, route_slo_note, warn_idle_flags
 
 #: Rows printed in the terminal (the files hold them all).
 MAX_PRINTED_ROWS = 40
@@ -76,6 +76,8 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     from sim.sweep import load_sweep, plot_heatmap, plot_rates, run_sweep, write_table
 
     sweep = load_sweep(args.file, limit=args.limit)
+    if args.executor != "ray":
+        warn_idle_flags(args, [("ray_address", f"with --executor {args.executor}: it names a Ray cluster")])
     out = args.out or Path("results") / f"sweep-{args.file.stem}"
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")

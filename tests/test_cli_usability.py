@@ -486,3 +486,55 @@ def test_malformed_set_values_are_argparse_errors(value, problem, capsys) -> Non
     lines = _argparse_error(["sim", "run", "--set", f"speculative.acceptance_classes={value}"], capsys).splitlines()
     assert lines[-1] == (f"pdlb sim run: error: argument --set: {'speculative.acceptance_classes=' + value!r}: not a "
                          f"TOML value: {problem} (strings in quotes, lists as [a, b], tables as {{k = v, k2 = v2}})")
+
+
+# ---------------------------------------------------------------------- 4. flags without effect in the chosen mode
+CAP = ["sim", "capacity", "--policy", "round_robin", "--slo-ttft-s", "0.1", "--limit", "20", "--jobs", "1", "--quiet",
+       "--no-plots"]  # an SLO unreachable at zero load: the search ends before any simulation
+
+
+@pytest.mark.parametrize("argv, warnings", [
+    ([*CAP, "--rate-scale", "2"], ["--rate-scale has no effect with --search rate: the search finds the rate "
+                                   "(--rate-scale is the load --search gpus sizes for)"]),
+    ([*CAP, "--max-prefill-engines", "3", "--max-decode-engines", "2"],
+     ["--max-prefill-engines has no effect with --search rate: engine limits are for --search gpus",
+      "--max-decode-engines has no effect with --search rate: engine limits are for --search gpus"]),
+    ([*CAP, "--search", "gpus", "--rate-min", "0.5", "--tol", "0.1", "--curve", "1,2"],
+     [f"{f} has no effect with --search gpus: it shapes the rate search (--search rate)"
+      for f in ("--rate-min", "--tol", "--curve")]),
+    ([*CAP, "--slo-percentile", "99", "--slo-att", "0.8"],  # abbreviated: named in full
+     ["--slo-attainment has no effect with --slo-percentile: the percentile form has no attainment target"]),
+    ([*CAP, "--ray-address", "auto"], ["--ray-address has no effect with --executor process: it names a Ray cluster"]),
+    ([*CAP, "--tier-weights", "host=0.5", "--no-router-tiers"],
+     [f"{f} has no effect on scenario 'dsv3-pd-h200': it has no KV tiers (host_tier, shared_store) for the router "
+      "to weigh" for f in ("--tier-weights", "--no-router-tiers")]),
+    # the same flags where they do matter: no warning
+    ([*CAP, "--search", "gpus", "--rate-scale", "2", "--max-prefill-engines", "3"], []),
+    ([*CAP, "--slo-attainment", "0.8", "--set", "shared_store.ttl_s=60", "--tier-weights", "host=0.5"], []),
+    (["sim", "run", "--scenario", "llama8b-agg-h100", "--policy", "cache_aware", "--decode-policy", "least_load",
+      "--limit", "5", "--quiet", "--no-plots"],
+     ["--policy has no effect with --decode-policy on the aggregated scenario 'llama8b-agg-h100': its one mixed pool "
+      "is routed by the decode policy"]),
+    (["sim", "price", "--trace", "x.jsonl", "--seed", "3"],
+     ["--trace has no effect without --simulate", "--seed has no effect without --simulate"]),
+    (["sim", "price", "--simulate", "--limit", "20", "--target", "30", "--png", "p.png"],
+     [f"{f} has no effect with --simulate or --from-summary: it shapes the analytic tables only"
+      for f in ("--target", "--png")]),
+])
+def test_a_flag_without_effect_is_warned_about_once(argv, warnings, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, *(["--out", str(tmp_path / "o")] if argv[1] in ("capacity", "run") else [])]) == 0
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if ln.startswith("warning:")] == [f"warning: {w}" for w in warnings]
+
+
+def test_the_warned_policy_really_has_no_effect(tmp_path: Path, capsys) -> None:
+    # the evidence behind the aggregated-scenario warning: a different --policy, the same run
+    got = []
+    for policy in ("cache_aware", "round_robin"):
+        out = tmp_path / policy
+        assert main(["sim", "run", "--scenario", "llama8b-agg-h100", "--policy", policy, "--decode-policy",
+                     "least_load", "--limit", "40", "--quiet", "--no-plots", "--out", str(out)]) == 0
+        got.append((out / "requests_least_load.csv").read_text())
+    capsys.readouterr()
+    assert got[0] == got[1]
