@@ -13,18 +13,30 @@ import difflib
 from pydantic import BaseModel, ValidationError
 
 
+def _model_in(ann: object) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds: ``M``, ``M | None``, ``list[M]``, ``dict[str, M]``."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for a in getattr(ann, "__args__", ()):
+        m = _model_in(a)
+        if m is not None:
+            return m
+    return None
+
+
 def _valid_fields(model: type[BaseModel] | None, loc: tuple) -> list[str]:
-    """The field names accepted at ``loc`` (a pydantic error location) in ``model``, if known."""
+    """The field names accepted at ``loc`` (a pydantic error location) in ``model``, if known.
+    List indexes in ``loc`` (``speculative.acceptance_classes.0.x``) stay on the item's model."""
     cls = model
     for part in loc[:-1]:
-        if cls is None or not isinstance(part, str):
+        if cls is None:
             return []
-        field = cls.model_fields.get(part)
+        if isinstance(part, int):  # an item of a list of tables
+            continue
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
         if field is None:
             return []
-        ann = field.annotation
-        args = getattr(ann, "__args__", ()) or (ann,)
-        cls = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        cls = _model_in(field.annotation)
     return sorted(cls.model_fields) if cls is not None else []
 
 

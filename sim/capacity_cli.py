@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -34,12 +35,16 @@ from sim.cli_args import (
     add_router_args,
     add_slo_args,
     add_workload_args,
+    idle_tier_flags,
+    policy_list,
     positive_float,
     positive_int,
+    route_slo_note,
     scenario_from_args,
     sim_options,
     slo_from_args,
     unique_results_dir,
+    warn_idle_flags,
     workload_spec,
 )
 
@@ -73,13 +78,7 @@ def policy_specs(args: argparse.Namespace) -> list:
     if args.policy_specs:
         texts = list(args.policy_specs)
     elif args.policies is not None:
-        from balancer.policies.spec import split_policy_list
-        try:
-            texts = split_policy_list(args.policies)  # "a,b:k=v,k2=v2": a K=V part continues its policy
-        except ValueError as e:
-            raise ValueError(f"--policies: {e}") from None
-        if not texts:
-            raise ValueError("--policies: give at least one policy")
+        texts = policy_list(args.policies)  # "a,b:k=v,k2=v2": a K=V part continues its policy
     else:
         texts = available_policies()
     specs = [parse_policy(t, args.decode_policy, args.policy_modules) for t in texts]
@@ -197,6 +196,20 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     requests = load_workload(wl)  # read and checked here, before any worker starts
     opts = sim_options(args)
     early = not args.no_early_stop
+    idle = idle_tier_flags(scenario)
+    if args.search == "rate":
+        idle += [("rate_scale", "with --search rate: the search finds the rate (--rate-scale is the load --search "
+                                "gpus sizes for)")]
+        idle += [(f"max_{p}_engines", "with --search rate: engine limits are for --search gpus")
+                 for p in ("prefill", "decode", "mixed")]
+    else:
+        idle += [(d, "with --search gpus: it shapes the rate search (--search rate)")
+                 for d in ("rate_min", "rate_max", "rate_start", "tol", "curve")]
+    if args.slo_percentile is not None:
+        idle.append(("slo_attainment", "with --slo-percentile: the percentile form has no attainment target"))
+    if args.executor != "ray":
+        idle.append(("ray_address", f"with --executor {args.executor}: it names a Ray cluster"))
+    warn_idle_flags(args, idle)
     if args.search == "rate":
         searches: list = [RateSearch(scenario, wl, s, slo, args.rate_min, args.rate_max, args.rate_start, args.tol,
                                      args.max_evals, args.seed, opts, early) for s in specs]
@@ -253,8 +266,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         title = f"{scenario.name}: highest rate meeting {slo.describe()} (tol {100 * args.tol:g}%)"
     else:
         title = f"{scenario.name}: fewest GPUs meeting {slo.describe()} at rate x{args.rate_scale:g}"
-    if not opts.route_slo:  # the answer depends on it (ep_aware routes against the SLO by default)
-        title += ", routed SLO-blind"
+    # the answer depends on it (ep_aware routes against the SLO by default)
+    title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
     console.print(rich_table(head, rows, title))
     notes = reasons(results)
     for line in notes:
@@ -263,9 +276,10 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{n_points} simulations in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"capacity-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    command = "pdlb " + shlex.join(getattr(args, "argv", sys.argv[1:]))
+    command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
     meta = {"command": command, "scenario": json.loads(scenario.model_dump_json()), "workload": vars(wl) | {
-        "num_requests": len(requests), "arrival_window_s": span}, "search": args.search, "route_slo": opts.route_slo, "executor": args.executor,
+        "trace": os.path.abspath(wl.trace) if wl.trace else None, "num_requests": len(requests),
+        "arrival_window_s": span}, "search": args.search, "route_slo": opts.route_slo, "executor": args.executor,
         "jobs": args.jobs, "wall_s": wall}
     doc = {"meta": meta, "results": [result_dict(r) for r in results],
            "curves": {k: [result_dict_point(p) for p in v] for k, v in curves.items()}}

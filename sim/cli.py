@@ -11,7 +11,8 @@
     pdlb sim sweep SWEEP.toml   a resumable sweep of scenario fields, policies, rates, seeds (sim.sweep_cli)
     pdlb policies               the routing policies and their parameters
 
-Bad arguments end in one error line and exit status 2: argparse's ``argument --flag: ...`` for
+Bad arguments end in one error line and exit status 2, after one usage line that points at
+``--help`` (:class:`sim.cli_args.ArgumentParser`): argparse's ``argument --flag: ...`` for
 values checked while parsing (numbers, engine counts, tier weights), ``error: ...`` for the rest
 (files, scenarios, policies). A closed stdout (``pdlb sim compare | head -1``) does not stop a
 run: the results folder is still written and the exit status is 141 (128 + SIGPIPE). Ctrl-C prints
@@ -40,17 +41,24 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     DEFAULT_INDEX_MODE,
     DEFAULT_SLO_TPOT_S,
     DEFAULT_SLO_TTFT_S,
+    ArgumentParser,
     add_cluster_args,
     add_output_args,
     add_router_args,
     add_slo_args,
     add_workload_args,
+    command_line,
+    given_options,
+    idle_tier_flags,
     nonnegative_float,
     parse_tier_weights,
+    policy_list,
     positive_float,
     positive_int,
+    route_slo_note,
     scenario_from_args,
     unique_results_dir,
+    warn_idle_flags,
 )
 from sim.scenario import PRESETS, Scenario, describe_pools, load_scenario
 
@@ -70,20 +78,9 @@ def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _route_slo_note(args: argparse.Namespace, runs: list) -> str:
-    """The table title's note on SLO routing: which of the runs route against a TTFT budget,
-    the router's (``--route-slo``, policies with ``slo_aware``) or their own (``ttft_slo_s`` > 0);
-    the other policies ignore budgets."""
-    def pol(x):  # noqa: ANN001, ANN202
-        return make_policy(x) if isinstance(x, str) else x
-
-    own = [plabel for p, d, plabel, dlabel in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
-    if not args.route_slo:
-        return f", routed against their own TTFT budget: {', '.join(own)}" if own else ""
-    aware = [plabel for p, d, plabel, dlabel in runs if plabel in own
-             or any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
-    if not aware:
-        return ", --route-slo: no policy here routes against the SLO"
-    return f", routed against the TTFT SLO by {', '.join(aware)}"
+    """The table title's note on SLO routing (:func:`sim.cli_args.route_slo_note`) for
+    ``_policy_runs``' ``(prefill, decode, prefill label, decode label)`` runs."""
+    return route_slo_note(args.route_slo, [(plabel, p, d) for p, d, plabel, _ in runs])
 
 
 def _policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None]]) -> list[tuple[Any, Any, str, str]]:
@@ -123,7 +120,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdlb", description="Cross-replica load balancer for PD-disaggregated LLM serving, and its simulator.")
+    parser = ArgumentParser(prog="pdlb", description="Cross-replica load balancer for PD-disaggregated LLM serving, and its simulator.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -181,7 +178,7 @@ def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
     requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed,
                                    rate_scale=args.rate_scale, duration_s=args.duration_s)
     meta = {
-        "trace": args.trace or "embedded:mooncake_conversation.jsonl.gz",
+        "trace": os.path.abspath(args.trace) if args.trace else "embedded:mooncake_conversation.jsonl.gz",
         "format": fmt,
         "rate_scale": args.rate_scale,
         "limit": args.limit,
@@ -232,6 +229,11 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     scenario = _scenario(args)
     if args.out is not None:
         _check_writable_dir(args.out)
+    idle = idle_tier_flags(scenario)
+    if args.sim_command == "run" and not scenario.disaggregated and args.decode_policy is not None:
+        idle.append(("policy", f"with --decode-policy on the aggregated scenario {scenario.name!r}: its one mixed "
+                               "pool is routed by the decode policy"))
+    warn_idle_flags(args, idle)
     for p, _, plabel, _ in runs:
         idle = _idle_slo_params(p, args.route_slo)
         if idle:
@@ -277,7 +279,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta |= {"command": " ".join(sys.argv), "wall_s": wall, "route_slo": args.route_slo}
+    meta |= {"command": args.command_line, "wall_s": wall, "route_slo": args.route_slo}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")
     files.append(out / "summary.md")
@@ -357,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # for reports: the command that made them
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.command_line = command_line(parser, args.argv)  # for reports: the command that made them
+    args.given = given_options(parser, args.argv)  # the flags given, for warn_idle_flags
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     if args.command in ("serve", "engine"):
         from balancer.service.cli import run_serve
@@ -397,13 +401,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                     console.print(_describe(sc))
                 return 0
             if args.sim_command == "compare":
-                from balancer.policies.spec import split_policy_list
-                try:
-                    names = split_policy_list(args.policies)
-                except ValueError as e:
-                    raise ValueError(f"--policies: {e}") from None
-                if not names:
-                    raise ValueError("--policies: give at least one policy")
+                names = policy_list(args.policies)
                 if args.decode_policy and not load_scenario(args.scenario).disaggregated:
                     raise ValueError(f"--decode-policy: scenario {args.scenario!r} is aggregated (one mixed pool, "
                                      "routed by the decode policy): every run would use "

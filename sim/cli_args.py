@@ -5,20 +5,26 @@ The floor under every CLI module (:mod:`sim.cli`, :mod:`sim.capacity_cli`, :mod:
 so there is no import circle.
 
 - ``type=`` checks for argparse (:func:`positive_int`, :func:`positive_float`,
-  :func:`nonnegative_float`, :func:`fraction`, :func:`tier_weights_arg`): a bad value stops the
+  :func:`nonnegative_float`, :func:`fraction`, :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and what they build
   (:func:`workload_spec`, :func:`scenario_from_args`, :func:`sim_options`, :func:`slo_from_args`);
+- :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
+  a result records;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
-- :func:`unique_results_dir` for default results folders.
+- :func:`unique_results_dir` for default results folders;
+- :class:`ArgumentParser`, argparse's parser with short, clear usage errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import tomllib
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +84,18 @@ def fraction(text: str) -> float:
     return value
 
 
+def percentile(text: str) -> float:
+    """A percentile in (0, 100] (``--slo-percentile``; ``p99`` and ``99%`` are accepted as 99)."""
+    t = text.strip().removeprefix("p").removesuffix("%")
+    try:
+        value = float(t)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 100):
+        raise argparse.ArgumentTypeError(f"must be a percentile in (0, 100], e.g. 99, got {text!r}")
+    return value
+
+
 def parse_tier_weights(text: str | None) -> dict[str, float] | None:
     """``"host=0.8,store=0.4"`` -> ``{"host": 0.8, "store": 0.4}``; ``None`` -> ``None``.
 
@@ -115,6 +133,78 @@ def tier_weights_arg(text: str) -> dict[str, float] | None:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--tier-weights: ")) from None
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with errors a user reads at a glance (``pdlb`` and every subcommand's
+    parser, which argparse makes of the same class):
+
+    - the error is the last line, ``"<prog>: error: <message>"``, after one usage line: a usage
+      that would take several lines (``pdlb sim capacity`` has 40 options) becomes ``usage: <prog>
+      [options] <positionals> (all options: <prog> --help)``;
+    - an unrecognized argument is reported by the subcommand it was given to (argparse reports it
+      at the top, ``pdlb: error: ...``, under the top-level usage), with the closest option;
+    - an invalid choice (a misspelt subcommand or value) names the closest valid one.
+    """
+
+    def error(self, message: str) -> typing.NoReturn:
+        import difflib
+        import re
+
+        subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        for a in subs:  # "argument sim_command: ..." / "required: sim_command": say "command"
+            names = ", ".join(a.choices)
+            if message == f"the following arguments are required: {a.dest}":
+                message = f"give a command: {names}"
+            elif message.startswith(f"argument {a.dest}: invalid choice: "):
+                bad = message.removeprefix(f"argument {a.dest}: invalid choice: ").split(" (choose from")[0]
+                close = difflib.get_close_matches(bad.strip("'"), list(a.choices), n=1, cutoff=0.75)
+                message = f"unknown command {bad}" + (f" (did you mean {close[0]!r}?)" if close else "") + \
+                    f"; valid: {names}"
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.75)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        usage = self.format_usage()
+        if usage.count("\n") > 1:
+            pos = []
+            for a in self._get_positional_actions():
+                pos.append("COMMAND ..." if isinstance(a, argparse._SubParsersAction) else (a.metavar or a.dest))
+            usage = f"usage: {' '.join([self.prog, '[options]', *pos])}  (all options: {self.prog} --help)\n"
+        self._print_message(usage, sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        import difflib
+
+        argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            target: argparse.ArgumentParser = self
+            siblings: dict[str, argparse.ArgumentParser] = {}
+            for tok in argv:  # the subcommand the extras were given to: the leading subcommand words
+                action = next((a for a in target._actions
+                               if isinstance(a, argparse._SubParsersAction) and tok in a.choices), None)
+                if action is None:
+                    break
+                siblings, target = dict(action.choices), action.choices[tok]
+            hints = []
+            for x in extras:
+                if not x.startswith("--"):
+                    continue
+                name = x.partition("=")[0]
+                close = difflib.get_close_matches(name, list(target._option_string_actions), n=1, cutoff=0.75)
+                elsewhere = [n for n, p in siblings.items() if p is not target and name in p._option_string_actions]
+                if close:
+                    hints.append(f"{name}: did you mean {close[0]}?")
+                elif elsewhere:
+                    parent = target.prog.rsplit(" ", 1)[0]
+                    hints.append(f"{name} is an option of {parent} {', '.join(elsewhere)}, not of {target.prog}")
+            target.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        return ns
+
+
 def unique_results_dir(base: Path) -> Path:
     """Create and return ``base``, or ``base-2``, ``base-3``, ... if it exists: the default results
     folder of two runs started in the same second is never shared. ``mkdir`` without ``exist_ok``
@@ -141,19 +231,37 @@ MAX_PATH_DEPTH = 8
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set`` value: a TOML value if it parses as one (``8``, ``0.5``, ``true``, ``"x"``,
-    ``[1, 2]``, ``{a = 1}``), else the text itself as a string (``h200``)."""
+    """A ``--set`` value: a TOML value (what ``x = <value>`` gives in a TOML file: ``8``, ``0.5``,
+    ``true``, ``"x"``, ``[1, 2]``, ``{a = 1}``, a list of inline tables ``[{share = 0.5,
+    acceptance = [0.9]}, ...]``), or else a bare word taken as a string (``h200``).
+
+    Raises:
+        ValueError: text that starts as a TOML string, list or table (``"``, ``'``, ``[``, ``{``)
+            but does not parse: the TOML parser's message, with the column in the value.
+    """
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+    except tomllib.TOMLDecodeError as e:
+        if not text.lstrip().startswith(('"', "'", "[", "{")):
+            return text
+        import re
+
+        msg = " ".join(str(e).split())
+        m = re.search(r"\s*\(at line 1, column (\d+)\)$|\s*\(at end of document\)$", msg)
+        where = ""
+        if m:
+            where = f" at column {int(m.group(1)) - 4} of the value" if m.group(1) else " at the end of the value"
+            msg = msg[:m.start()]
+        raise ValueError(f"not a TOML value: {msg}{where} (strings in quotes, lists as [a, b], tables as "
+                         "{k = v, k2 = v2})") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``"prefill.num_engines=8"`` -> ``("prefill.num_engines", 8)``.
 
     Raises:
-        ValueError: no ``=``, an empty key or key part, or a path deeper than :data:`MAX_PATH_DEPTH`.
+        ValueError: no ``=``, an empty key or key part, a path deeper than :data:`MAX_PATH_DEPTH`,
+            or a value that is malformed TOML (:func:`parse_value`).
     """
     key, sep, value = text.partition("=")
     key = key.strip()
@@ -161,15 +269,18 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"--set {text!r}: expected dotted.key=value, e.g. prefill.num_engines=8")
     if key.count(".") >= MAX_PATH_DEPTH:
         raise ValueError(f"--set {text!r}: paths are at most {MAX_PATH_DEPTH} keys deep")
-    return key, parse_value(value.strip())
+    try:
+        return key, parse_value(value.strip())
+    except ValueError as e:
+        raise ValueError(f"--set {text!r}: {e}") from None
 
 
 def override_arg(text: str) -> tuple[str, Any]:
     """argparse form of :func:`parse_override`."""
     try:
         return parse_override(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError as e:  # argparse names the flag: "argument --set: 'x=[1': ..."
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--set ")) from None
 
 
 def apply_overrides(sc: Scenario, overrides: Sequence[tuple[str, Any]], *, source: str = "--set") -> Scenario:
@@ -276,7 +387,7 @@ def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
     if targets:
         g.add_argument("--slo-attainment", type=fraction, default=0.9, metavar="FRAC",
                        help="fraction of requests that must meet both the TTFT and TPOT SLO (default 0.9)")
-        g.add_argument("--slo-percentile", type=positive_float, metavar="P",
+        g.add_argument("--slo-percentile", type=percentile, metavar="P",
                        help="percentile form instead: TTFT pP <= --slo-ttft-s and TPOT pP <= --slo-tpot-s (e.g. 99)")
         g.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=0.0, metavar="S",
                        help="TTFT budget grows by S seconds per 1000 prompt tokens (budget = --slo-ttft-s + "
@@ -320,6 +431,222 @@ def add_executor_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
+# ---------------------------------------------------------------------- policy lists
+def policy_list(text: str, flag: str = "--policies") -> list[str]:
+    """``--policies "a,b:k=v,k2=v2,c"`` -> ``["a", "b:k=v,k2=v2", "c"]`` (a ``k=v`` part continues
+    the policy before it: :func:`balancer.policies.spec.split_policy_list`), for every command
+    that takes a policy list.
+
+    Raises:
+        ValueError: ``"<flag>: ..."``: an empty item (``a,,b``, a leading or trailing comma: a
+            typo, not a request for fewer policies), no policy at all, a ``k=v`` part after no
+            ``name:`` spec.
+    """
+    from balancer.policies.spec import split_policy_list
+
+    parts = text.split(",")
+    if not any(p.strip() for p in parts):
+        raise ValueError(f"{flag}: give at least one policy")
+    for i, part in enumerate(parts):
+        if not part.strip():
+            where = "a leading comma" if i == 0 else "a trailing comma" if i == len(parts) - 1 else \
+                f"two commas in a row after {','.join(parts[:i])!r}"
+            raise ValueError(f"{flag} {text!r}: item {i + 1} is empty ({where}); "
+                             "write NAME[:K=V,...] items separated by single commas")
+    try:
+        return split_policy_list(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+# ---------------------------------------------------------------------- the recorded command
+#: Options whose values may name files although their type is not Path: resolved only where the
+#: value (or a comma-separated item of it) is an existing file, so preset names stay names.
+_MAYBE_FILE_DESTS = frozenset({"scenario", "prices"})
+#: Options that always name a path (their type is str).
+_PATH_DESTS = frozenset({"trace"})
+
+
+def _subparser(parser: argparse.ArgumentParser, token: str) -> argparse.ArgumentParser | None:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction) and token in a.choices:
+            return a.choices[token]
+    return None
+
+
+def _option(parser: argparse.ArgumentParser, name: str) -> tuple[str, argparse.Action | None]:
+    """The full option string and action of ``name`` (argparse's unique-prefix abbreviations
+    included: ``--lim`` -> ``--limit``)."""
+    table = parser._option_string_actions
+    if name in table:
+        return name, table[name]
+    hits = [o for o in table if o.startswith(name)] if name.startswith("--") else []
+    return (hits[0], table[hits[0]]) if len(hits) == 1 else (name, None)
+
+
+def _abs(value: str, *, only_files: bool) -> str:
+    def one(v: str) -> str:
+        if only_files and not Path(v).is_file():
+            return v
+        return os.path.abspath(os.path.expanduser(v))
+
+    return ",".join(one(v) for v in value.split(",")) if only_files else one(value)
+
+
+def command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
+    """The command to record in a result's meta, reproducible from any folder: ``pdlb``, the
+    subcommands, then the arguments as given but with abbreviated options spelled out
+    (``--lim 5`` -> ``--limit 5``) and file paths made absolute (``--trace``, ``--out``, every
+    ``type=Path`` option and positional, and ``--scenario``/``--prices`` values that are files
+    rather than preset names), shell-quoted (:func:`shlex.join`).
+
+    ``argv`` is what the parser was given (``sys.argv[1:]``); it has been parsed already, so it
+    is well-formed.
+    """
+    import shlex
+
+    out = ["pdlb"]
+    toks = list(argv)
+    i = 0
+    while i < len(toks):  # the subcommands: the leading words naming a subparser
+        sub = _subparser(parser, toks[i])
+        if sub is None:
+            break
+        out.append(toks[i])
+        parser, i = sub, i + 1
+    positionals = [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+    only_positionals = False
+    while i < len(toks):
+        tok = toks[i]
+        i += 1
+        if tok == "--":
+            out.append(tok)
+            only_positionals = True
+            continue
+        if tok.startswith("-") and tok in parser._option_string_actions and not tok.startswith("--") \
+                and not only_positionals:  # a short option (-j 2)
+            out.append(tok)
+            if parser._option_string_actions[tok].nargs != 0 and i < len(toks):
+                out.append(toks[i])
+                i += 1
+            continue
+        if tok.startswith("--") and not only_positionals:
+            name, eq, inline = tok.partition("=")
+            name, action = _option(parser, name)
+            if action is None or action.nargs == 0:
+                out.append(name + eq + inline)
+                continue
+            if eq:
+                value = inline
+            elif i < len(toks):
+                value, i = toks[i], i + 1
+            else:
+                out.append(name)
+                continue
+            if action.type is Path or action.dest in _PATH_DESTS:
+                value = _abs(value, only_files=False)
+            elif action.dest in _MAYBE_FILE_DESTS:
+                value = _abs(value, only_files=True)
+            out += [f"{name}={value}"] if eq else [name, value]
+            continue
+        if not tok.startswith("-") and positionals and positionals[0].type is Path:
+            tok = _abs(tok, only_files=False)
+        if positionals and not tok.startswith("-"):
+            positionals.pop(0)
+        out.append(tok)
+    return shlex.join(out)
+
+
+# ---------------------------------------------------------------------- flags without effect
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """``{dest: option as the user meant it}`` of the options given in ``argv`` (abbreviations
+    spelled out), below the subcommand words; what :func:`warn_idle_flags` looks at."""
+    toks = list(argv)
+    i = 0
+    while i < len(toks):
+        sub = _subparser(parser, toks[i])
+        if sub is None:
+            break
+        parser, i = sub, i + 1
+    given: dict[str, str] = {}
+    for tok in toks[i:]:
+        if tok == "--":
+            break
+        if tok.startswith("-") and len(tok) > 1 and not tok[1].isdigit():
+            name, action = _option(parser, tok.partition("=")[0])
+            if action is not None:
+                given.setdefault(action.dest, name)
+    return given
+
+
+def warn_idle_flags(args: argparse.Namespace, idle: Sequence[tuple[str, str]]) -> None:
+    """Warn on stderr, once per flag, about each given flag that has no effect in this mode.
+
+    Args:
+        idle: ``(dest, why)`` of the flags that do nothing in the chosen mode, e.g.
+            ``("rate_scale", "with --search rate: the search finds the rate")``; those the user
+            did not give (:func:`given_options`, in ``args.given``) are passed over.
+    """
+    given = getattr(args, "given", {})
+    warned: set[str] = getattr(args, "_idle_warned", set())
+    for dest, why in idle:
+        if dest in given and dest not in warned:
+            warned.add(dest)
+            print(f"warning: {given[dest]} has no effect {why}", file=sys.stderr)
+    args._idle_warned = warned
+
+
+def idle_tier_flags(scenario: Scenario) -> list[tuple[str, str]]:
+    """The router tier flags, idle on a scenario without KV tiers (host tier, shared store)."""
+    if scenario.has_kv_tiers:
+        return []
+    why = f"on scenario {scenario.name!r}: it has no KV tiers (host_tier, shared_store) for the router to weigh"
+    return [("tier_weights", why), ("no_router_tiers", why)]
+
+
+# ---------------------------------------------------------------------- run titles
+def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, default: bool = False,
+                   flag: str = "--route-slo") -> str:
+    """The note a results title carries on SLO routing (every command that titles runs uses it:
+    ``sim run``/``compare``, ``sim capacity``, ``sim sweep``): which runs route against a TTFT
+    budget, the router's (``route_slo`` and a policy with ``slo_aware``) or their own (a policy
+    with ``ttft_slo_s`` > 0, which holds whatever ``route_slo`` says); the others ignore budgets.
+
+    Args:
+        route_slo: whether the router was told the SLO's TTFT budget.
+        runs: ``(label, prefill policy, decode policy)`` per run; a policy is an object or a
+            registered name.
+        default: the command's default for ``route_slo`` (``sim run``: off, capacity searches
+            and sweeps: on); the note names ``flag`` when the run departs from it and says
+            nothing for SLO-blind runs where that is the default.
+        flag: how the user departs from the default (``--route-slo``, ``--no-route-slo``,
+            ``route_slo = false``).
+
+    Returns:
+        ``""`` or ``", <note>"``, e.g. ``", routed against the TTFT SLO by ep_aware"``,
+        ``", routed SLO-blind (--no-route-slo) except against their own TTFT budget:
+        ep_aware(ttft_slo_s=2.0)"``.
+    """
+    from balancer.policies import make_policy
+
+    def pol(x: Any) -> Any:
+        return make_policy(x) if isinstance(x, str) else x
+
+    own = [label for label, p, d in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
+    if route_slo:
+        aware = [label for label, p, d in runs
+                 if label in own or any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
+        if aware:
+            return f", routed against the TTFT SLO by {', '.join(aware)}"
+        return ", no policy here routes against the TTFT SLO" if default else \
+            f", {flag}: no policy here routes against the SLO"
+    if not default:
+        return f", routed against their own TTFT budget: {', '.join(own)}" if own else ""
+    if own:
+        return f", routed SLO-blind ({flag}) except against their own TTFT budget: {', '.join(own)}"
+    return f", routed SLO-blind ({flag})"
+
+
 # ---------------------------------------------------------------------- what the groups build
 def workload_spec(args: argparse.Namespace):  # noqa: ANN201 - sim.point.WorkloadSpec
     """The :class:`sim.point.WorkloadSpec` of the workload options (rate scaling not included)."""
@@ -360,14 +687,8 @@ def sim_options(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SimOption
 
 
 def slo_from_args(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SLO
-    """The :class:`sim.point.SLO` of the SLO options.
-
-    Raises:
-        ValueError: a percentile above 100.
-    """
+    """The :class:`sim.point.SLO` of the SLO options (each checked by its argparse type)."""
     from sim.point import SLO
 
-    if args.slo_percentile is not None and args.slo_percentile > 100:
-        raise ValueError(f"--slo-percentile: must be in (0, 100], got {args.slo_percentile:g}")
     return SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
                percentile=args.slo_percentile, ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_tokens_s)

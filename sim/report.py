@@ -4,7 +4,9 @@ A results folder holds:
 
 - ``summary.json``: one summary per run (:func:`sim.metrics.summarize`) plus the scenario and
   workload description;
-- ``requests_<policy>.csv``: per-request records and derived TTFT/TPOT/E2E;
+- ``requests_<policy>.csv``: per-request records and derived TTFT/TPOT/E2E; the policy part is
+  the run's label made safe for file names (:func:`safe_file_stem`); ``summary.json`` keeps each
+  run's label (``policy``, with its parameters) and its file (``requests_csv``);
 - ``ttft_cdf.png``: TTFT CDF per policy; ``rank_load.png``: per-rank load over time per policy.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -138,17 +141,46 @@ def write_requests_csv(result: SimResult, path: Path) -> None:
             w.writerow(row)
 
 
+#: Characters kept in file names made from labels; every other run of characters becomes "-".
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
+
+
+def safe_file_stem(label: str) -> str:
+    """A file-name part from a run label: ``ep_aware(horizon_weight=2.0,ttft_slo_s=2.0)`` ->
+    ``ep_aware-horizon_weight=2.0-ttft_slo_s=2.0``: no spaces, parentheses, commas, slashes or
+    quotes (nothing a shell needs quoted), never empty, never starting with ``.`` or ``-``; plain
+    names (``round_robin``, ``kv_cost+least_load``) are unchanged."""
+    stem = _UNSAFE.sub("-", label).strip("-.")
+    return stem[:120] or "run"
+
+
+def results_file_names(labels: Sequence[str], prefix: str = "requests_", suffix: str = ".csv") -> list[str]:
+    """One safe, distinct file name per label, in order (:func:`safe_file_stem`); labels that
+    become the same stem (``a(x=1)`` and ``a-x=1``, or one label given twice) get ``-2``, ``-3``
+    ... in order, so no run's file overwrites another's."""
+    names: list[str] = []
+    for label in labels:
+        stem = safe_file_stem(label)
+        name, k = f"{prefix}{stem}{suffix}", 2
+        while name in names:
+            name, k = f"{prefix}{stem}-{k}{suffix}", k + 1
+        names.append(name)
+    return names
+
+
 def write_results(out_dir: Path, results: Sequence[SimResult], summaries: Sequence[dict[str, Any]],
                   meta: dict[str, Any], plots: bool = True) -> list[Path]:
     """Write the results folder; returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     summary_path = out_dir / "summary.json"
-    payload = {"meta": meta, "scenario": results[0].scenario.model_dump() if results else None, "runs": list(summaries)}
+    names = results_file_names([res.label for res in results])
+    runs = [dict(smry) | {"requests_csv": name} for smry, name in zip(summaries, names)]
+    payload = {"meta": meta, "scenario": results[0].scenario.model_dump() if results else None, "runs": runs}
     summary_path.write_text(json.dumps(_json_safe(payload), indent=2))
     written.append(summary_path)
-    for res in results:
-        p = out_dir / f"requests_{res.label}.csv"
+    for res, name in zip(results, names):
+        p = out_dir / name
         write_requests_csv(res, p)
         written.append(p)
     if plots and results:

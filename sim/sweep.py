@@ -45,6 +45,8 @@ Results (folder ``--out``):
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import itertools
 import json
@@ -55,10 +57,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from balancer.router import DEFAULT_TIER_WEIGHTS, INDEX_MODES
 from balancer.validation import syntax_error_line
 from sim.cli_args import apply_overrides
 from sim.point import SLO, Point, PointResult, PolicySpec, SimOptions, WorkloadSpec, parse_policy, point_row
 from sim.scenario import PRESETS, Scenario, load_scenario
+from sim.workload.loader import TRACE_FORMATS, check_trace_path
 
 #: Most points one sweep may expand to (every input-driven loop is bounded).
 MAX_POINTS = 10_000
@@ -87,6 +93,53 @@ class Sweep:
     grid_keys: list[str]
     source: Path
     raw: dict[str, Any] = field(default_factory=dict)
+
+
+def unknown_key_message(source: Path | str, table: str, key: str, valid: Sequence[str]) -> str:
+    """``"<file>: [<table>]: unknown key 'k' (did you mean 'x'?); valid: a, b"``: the one form of
+    every sweep-file table's unknown key (``table`` ``""`` for the top level)."""
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    where = f" [{table}]:" if table else ""
+    return (f"{source}:{where} unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; valid: {', '.join(sorted(valid))}")
+
+
+def _scenario_path_problem(path: str) -> str | None:
+    """Why the dotted scenario path of a ``[grid]`` / ``[[points]]`` key names no field, or None.
+    Below a non-table field (``shared_store.class_ttl_s.chatbot``, a mapping) any key is taken."""
+    cls: Any = Scenario
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if cls is None:
+            return None
+        if part not in cls.model_fields:
+            owner = ".".join(parts[:i]) or "the scenario"
+            close = difflib.get_close_matches(part, list(cls.model_fields), n=1)
+            return (f"{owner} has no field {part!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; valid: {', '.join(sorted(cls.model_fields))}")
+        ann = cls.model_fields[part].annotation
+        args = [a for a in (getattr(ann, "__args__", None) or (ann,)) if a is not type(None)]
+        cls = args[0] if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel) else None
+    return None
+
+
+def _check_table_keys(source: Path, table: str, keys: Sequence[str]) -> None:
+    for k in keys:
+        problem = _scenario_path_problem(k)
+        if problem is not None:
+            raise ValueError(f"{source}: {table}: unknown key {k!r}: {problem}")
+
+
+def _number(raw: dict, key: str, source: Path, *, table: str = "", integer: bool = False, minimum: float = 0.0,
+            strict: bool = True) -> Any:
+    """``raw[key]`` checked: a finite number (an int with ``integer``) > ``minimum`` (>= with ``strict=False``)."""
+    v = raw[key]
+    kind = "an integer" if integer else "a number"
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool) or not math.isfinite(v) or not (v > minimum if strict else v >= minimum):
+        where = f"[{table}] " if table else ""
+        raise ValueError(f"{source}: {where}{key} must be {kind} {'>' if strict else '>='} {minimum:g}, got {v!r}")
+    return v
 
 
 def _list(raw: dict, key: str, default: list, kind: type | tuple, source: Path) -> list:
@@ -136,9 +189,18 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
         raise ValueError(f"{source}: cannot read: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(syntax_error_line(str(source), e)) from None
-    unknown = sorted(set(raw) - _KEYS)
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_KEYS))}")
+    for k in raw:
+        if k not in _KEYS:
+            raise ValueError(unknown_key_message(source, "", k, _KEYS))
+    for k in ("limit", "duration_s", "spread_s"):
+        if raw.get(k) is not None:
+            _number(raw, k, source, integer=k == "limit", minimum=0.0, strict=k != "spread_s")
+    if raw.get("format", "auto") not in TRACE_FORMATS:
+        raise ValueError(f"{source}: format must be one of {', '.join(TRACE_FORMATS)}, got {raw['format']!r}")
+    if raw.get("index_mode", "approximate") not in INDEX_MODES:
+        raise ValueError(f"{source}: index_mode must be one of {', '.join(INDEX_MODES)}, got {raw['index_mode']!r}")
+    if not isinstance(raw.get("router_tiers", True), bool):
+        raise ValueError(f"{source}: router_tiers must be true or false, got {raw['router_tiers']!r}")
     scen = raw.get("scenario", "dsv3-pd-h200")
     if not isinstance(scen, str):
         raise ValueError(f"{source}: scenario must be a preset name or a file path")
@@ -153,14 +215,35 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     traces = _list(raw, "traces", [None], (str, type(None)), source) if "traces" in raw else [None]
     traces = [None if t is None else str(source.parent / t) if not Path(t).is_absolute() and (source.parent / t).exists()
               else t for t in traces]
+    for t in traces:  # before anything runs, as every command checks --trace
+        if t is not None:
+            try:
+                check_trace_path(t)
+            except OSError as e:
+                where = "" if Path(t).is_absolute() else f" (nor in {source.parent.resolve()}/, the sweep file's folder)"
+                raise ValueError(f"{source}: traces: {e}{where}") from None
     slo_raw = raw.get("slo", {})
     if not isinstance(slo_raw, dict):
         raise ValueError(f"{source}: [slo] must be a table")
+    slo_keys = [f.name for f in dataclasses.fields(SLO)]
+    for k in slo_raw:
+        if k not in slo_keys:
+            raise ValueError(unknown_key_message(source, "slo", k, slo_keys))
+        _number(slo_raw, k, source, table="slo", strict=k != "ttft_per_1k_prompt_tokens_s")
     try:
         slo = SLO(**slo_raw)
-    except TypeError as e:
+    except ValueError as e:  # the ranges SLO checks (attainment <= 1, percentile <= 100)
         raise ValueError(f"{source}: [slo]: {e}") from None
     tw = raw.get("tier_weights")
+    if tw is not None:
+        if not isinstance(tw, dict):
+            raise ValueError(f"{source}: tier_weights must be a table like {{host = 0.75, store = 0.5}}")
+        for k in tw:
+            if k not in DEFAULT_TIER_WEIGHTS:
+                raise ValueError(unknown_key_message(source, "tier_weights", k, DEFAULT_TIER_WEIGHTS))
+            w = _number(tw, k, source, table="tier_weights", strict=False)
+            if w > 1:
+                raise ValueError(f"{source}: [tier_weights] {k} must be in [0, 1], got {w!r}")
     route_slo = raw.get("route_slo", True)
     if not isinstance(route_slo, bool):
         raise ValueError(f"{source}: route_slo must be true or false, got {route_slo!r}")
@@ -170,12 +253,15 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     if not isinstance(grid, dict):
         raise ValueError(f"{source}: [grid] must be a table of dotted.path = [values]")
     grid_keys = list(grid)
+    _check_table_keys(source, "[grid]", grid_keys)
     for k, vals in grid.items():
         if not isinstance(vals, list) or not vals:
             raise ValueError(f"{source}: grid.{k} must be a non-empty list of values")
     listed = raw.get("points", [])
     if not isinstance(listed, list) or any(not isinstance(p, dict) for p in listed):
         raise ValueError(f"{source}: [[points]] must be tables of dotted.path = value")
+    for p in listed:
+        _check_table_keys(source, "[[points]]", list(p))
     combos = [list(zip(grid_keys, vals)) for vals in itertools.product(*grid.values())] if grid else [[]]
     variations = [c + list(p.items()) for c in combos for p in listed] if listed else combos
     total = len(policies) * len(traces) * len(variations) * len(rates) * len(seeds)

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sim.cli_args import add_executor_args, positive_int
+from sim.cli_args import add_executor_args, positive_int, route_slo_note, warn_idle_flags
 
 #: Rows printed in the terminal (the files hold them all).
 MAX_PRINTED_ROWS = 40
@@ -76,6 +76,8 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     from sim.sweep import load_sweep, plot_heatmap, plot_rates, run_sweep, write_table
 
     sweep = load_sweep(args.file, limit=args.limit)
+    if args.executor != "ray":
+        warn_idle_flags(args, [("ray_address", f"with --executor {args.executor}: it names a Ray cluster")])
     out = args.out or Path("results") / f"sweep-{args.file.stem}"
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
@@ -108,7 +110,11 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     files = [p.name for p in write_table(rows, out)] + ["points.jsonl"]
     grid_cols = list(dict.fromkeys(k for p in sweep.points for k, _ in p.tag if k.startswith("set.")))
     head, table_rows = _table(rows, grid_cols)
-    t = Table(title=f"{args.file.name}: {len(rows)} points ({ran} run now in {wall:.1f} s)")
+    policies = {p.policy.label: p.policy for p in sweep.points}
+    route_slo = sweep.points[0].options.route_slo if sweep.points else True
+    title = f"{args.file.name}: {len(rows)} points ({ran} run now in {wall:.1f} s)" + route_slo_note(
+        route_slo, [(label, *spec.build()) for label, spec in policies.items()], default=True, flag="route_slo = false")
+    t = Table(title=title)
     for i, h in enumerate(head):
         t.add_column(h, justify="left" if i == 0 or h == "error" else "right")
     for row in table_rows[:MAX_PRINTED_ROWS]:
@@ -126,8 +132,8 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
         if plot_heatmap(rows, sweep.grid_keys, out / "sweep_heatmap.png"):
             plots.append(out / "sweep_heatmap.png")
         files += [p.name for p in plots]
-    command = "pdlb " + shlex.join(getattr(args, "argv", sys.argv[1:]))
-    sections = [Section("Points", table=(head, table_rows))]
+    command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
+    sections = [Section("Points", text=title, table=(head, table_rows))]
     sections += [Section(p.stem.replace("_", " "), image=p) for p in plots]
     sections += [Section("Command", pre=command), Section("Sweep file", pre=args.file.read_text()),
                  Section("Base scenario", pre=json.dumps(json.loads(sweep.base.model_dump_json()), indent=1))]

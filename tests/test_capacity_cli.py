@@ -95,7 +95,6 @@ def test_capacity_gpus_cli(tmp_path: Path, capsys) -> None:
     (["--rate-min", "2", "--rate-max", "1"], "does not hold"),
     (["--search", "gpus", "--max-mixed-engines", "3"], "has no mixed pool"),
     (["--set", "prefill.bogus=1"], "bogus"),
-    (["--slo-percentile", "120"], "--slo-percentile"),
 ])
 def test_capacity_bad_input_is_one_error_line(argv, message, tmp_path: Path, capsys) -> None:
     rc = main(["sim", "capacity", "--limit", "50", "--jobs", "1", "--quiet", "--out", str(tmp_path), *argv])

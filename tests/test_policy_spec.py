@@ -137,7 +137,7 @@ def test_sim_compare_runs_two_parameterisations_of_one_policy(tmp_path, capsys) 
     assert [r["policy"] for r in rows] == ["cache_aware", "cache_aware(balance_abs=0,cache_threshold=0.9)"]
     # balance_abs=0 falls back to least-load on any imbalance: a different policy, so different routing
     assert (out / "requests_cache_aware.csv").read_text() != (
-        out / "requests_cache_aware(balance_abs=0,cache_threshold=0.9).csv").read_text()
+        out / "requests_cache_aware-balance_abs=0-cache_threshold=0.9.csv").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [

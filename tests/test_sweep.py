@@ -49,7 +49,7 @@ def test_expansion_is_the_product_with_stable_distinct_ids(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("text, message", [
-    ("bogus = 1\n", "unknown key(s) bogus"),
+    ("bogus = 1\n", "unknown key 'bogus'"),
     ('policies = ["nope"]\n', "unknown policy 'nope'"),
     ('[grid]\n"prefill.num_enignes" = [1]\n', "num_enignes"),
     ('[grid]\n"prefill.num_engines" = [1, 0]\n', "point {'prefill.num_engines': 0}"),

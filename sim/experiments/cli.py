@@ -305,7 +305,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     if not args.no_plots:
         _plot(rows, classes, out / "store_sweep.png", args.days)
         files.append("store_sweep.png")
-    console.print(f"results: {out}/ ({', '.join(files)}); command: {' '.join(sys.argv)}")
+    console.print(f"results: {out}/ ({', '.join(files)}); command: {getattr(args, 'command_line', None) or ' '.join(sys.argv)}")
     return 0
 
 

@@ -140,6 +140,19 @@ def run_price(args, console) -> int:  # noqa: ANN001
         if not (math.isfinite(r) and r > 0):
             raise ValueError(f"--ratio: values must be finite and > 0, got {r:g}")
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
+    from sim.cli_args import warn_idle_flags
+
+    measured = [("trace", "without --simulate"), ("limit", "without --simulate"), ("rate_scale", "without --simulate"),
+                ("policy", "without --simulate"), ("seed", "without --simulate"), ("quiet", "without --simulate")]
+    idle = [] if args.simulate and args.from_summary is None else measured
+    if args.from_summary is not None:
+        why = "with --from-summary: the summary's runs are priced as they are"
+        idle += [("simulate", why), ("scenario", why), ("overrides", why)]
+    if args.simulate or args.from_summary is not None:
+        why = "with --simulate or --from-summary: it shapes the analytic tables only"
+        idle += [(d, why) for d in ("target", "hit_rate", "ratio", "output_tokens", "tok_s_per_seq", "roofline_decode",
+                                    "published_batch", "decode_batch", "no_kv_link", "png", "markdown")]
+    warn_idle_flags(args, idle)
     # read (and check) the summaries and the scenario before printing anything: one error line
     runs = load_summaries(args.from_summary) if args.from_summary is not None else None
     scenario = apply_overrides(load_scenario(args.scenario), args.overrides) if runs is None else None

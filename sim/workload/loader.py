@@ -59,6 +59,19 @@ def detect_trace_format(path: str | os.PathLike[str]) -> str:
     )
 
 
+def check_trace_path(path: str | os.PathLike[str]) -> None:
+    """Raise the one error every command prints for a trace path that is not a readable file.
+
+    Raises:
+        FileNotFoundError: ``"trace file not found: PATH"`` (no such file).
+        IsADirectoryError: ``"trace file is a directory: PATH"``.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"trace file not found: {os.fspath(path)}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"trace file is a directory: {os.fspath(path)}")
+
+
 def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **kwargs: Any) -> list[Request]:
     """Read a trace file in any supported format.
 
@@ -76,6 +89,7 @@ def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **
         ValueError: unknown ``fmt`` (the message lists the valid ones), ``fmt="azure"`` with
             ``path=None``, or, with ``"auto"``, an unknown extension.
         TraceFormatError: the file is malformed (see the readers).
+        FileNotFoundError / IsADirectoryError: from :func:`check_trace_path`.
         OSError: the file cannot be opened.
     """
     if fmt not in TRACE_FORMATS:
@@ -84,6 +98,7 @@ def read_trace(path: str | os.PathLike[str] | None = None, fmt: str = "auto", **
         if fmt not in ("auto", "mooncake"):
             raise ValueError(f"the embedded default trace is in mooncake format, not {fmt!r}")
         path = default_trace_path()
+    check_trace_path(path)
     if fmt == "auto":
         fmt = detect_trace_format(path)
     if fmt == "mooncake":
@@ -130,6 +145,8 @@ def read_trace_cut(trace: str | os.PathLike[str] | None, fmt: str = "auto", *, l
 
     if trace is None and fmt == "azure":
         raise ValueError("--format azure needs --trace (the embedded trace is in mooncake format)")
+    if trace is not None:
+        check_trace_path(trace)
     if fmt == "auto":
         try:
             fmt = detect_trace_format(trace) if trace else "mooncake"
