@@ -111,7 +111,7 @@ class KvEventsFilesCollector:
         import os
 
         sources = []
-        fanouts: list[tuple[str, dict]] = []
+        fanouts = []
         try:
             names = sorted(n for n in os.listdir(self.directory)
                            if n.startswith(STATS_FILE_PREFIX) and n.endswith(".json"))

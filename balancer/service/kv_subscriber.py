@@ -61,7 +61,7 @@ __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "Kv
 
 log = logging.getLogger("pdlb.kv_events")
 
-Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], None]
+Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], object]
 
 
 @dataclass(frozen=True, slots=True)
