@@ -75,7 +75,6 @@ import logging
 import mmap
 import os
 import struct
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -659,7 +658,9 @@ class KvFanout:
     def _restart(self, old: Any) -> None:
         try:
             old.stop(1.0)
-        except Exception:  # noqa: BLE001
+            if (writer := getattr(old, "ring_writer", None)) is not None:
+                writer.close()
+        except Exception:  # noqa: BLE001 - the old one is gone either way
             pass
         self.subscriber = None
         self.start_subscriber()
@@ -724,12 +725,3 @@ def start_fanout(workers: Sequence[Any], router: Any, block_size: int, settings:
         fan.start_subscriber()
     return fan
 
-
-def wait_for(pred: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll ``pred`` every 10 ms for at most ``timeout_s`` (tests and benchmarks)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
