@@ -53,6 +53,8 @@ def test_record_bytes_match_the_format_table():
     cl = b"\x09" + b"\x00" * 7 + b"\x03\x02" + b"\x01\x00\x00\x00" + b"\x01\x00y" + b"\x03CPU" + b"\x00" * 4
     assert encode_record(9, ReplicaId("y", 1), AllBlocksCleared("CPU"))[12:] == cl
     with pytest.raises(ValueError):
+        encode_record(0, ReplicaId("x" * 65536, 0), ev)
+    with pytest.raises(ValueError):
         decode_body(body[:-1])  # a hash cut short
     with pytest.raises(ValueError):
         decode_body(b"\x00" * 8 + b"\x09" + body[9:])  # unknown kind
@@ -181,6 +183,16 @@ def test_a_second_writer_takes_the_ring_over_and_a_reader_may_come_first(tmp_pat
     w2.write([(REP, _stored(1))])
     assert [e for _, e in r.poll()[0]] == [_stored(0), _stored(1)] and r.lost_records == 0
     w2.close()
+    r.close()
+
+
+def test_an_event_the_format_cannot_hold_is_skipped_and_counted_not_raised(tmp_path):
+    path = str(tmp_path / "r")
+    w = RingWriter(path, ring_bytes=4096)
+    r = RingReader(path)
+    assert w.write([(ReplicaId("x" * 70_000, 0), _stored(0)), (REP, _stored(1))]) == 1
+    assert w.unencodable == 1 and [e for _, e in r.poll()[0]] == [_stored(1)] and r.lost_records == 0
+    w.close()
     r.close()
 
 

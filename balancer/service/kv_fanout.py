@@ -286,6 +286,7 @@ class RingWriter:
         self.seq = _U64.unpack_from(mm, 24)[0]
         self.records = 0  # written by this writer
         self.split_events = 0  # events written as several records
+        self.unencodable = 0  # events skipped: an engine name or medium too long for the format
 
     def write(self, items: Sequence[tuple[ReplicaId, KvEvent]]) -> int:
         """Append the records of ``items`` (in order) and publish them; returns the records written.
@@ -297,11 +298,17 @@ class RingWriter:
         limit = self.max_record_bytes
         flush_at = self.capacity // 8
         for rep, ev in items:
-            parts = split_event(rep, ev, limit)
+            try:
+                parts = split_event(rep, ev, limit)
+                recs = [encode_record(self.seq + k, rep, part) for k, part in enumerate(parts)]
+            except (ValueError, TypeError) as e:  # bounded names make this unreachable from pdlb serve
+                self.unencodable += 1
+                log.warning("KV event for %s not fanned out: %s", rep, e)
+                continue
             if len(parts) > 1:
                 self.split_events += 1
-            for part in parts:
-                buf += encode_record(self.seq, rep, part)
+            for rec in recs:
+                buf += rec
                 self.seq += 1
                 n += 1
                 if len(buf) >= flush_at:
