@@ -17,6 +17,21 @@ index mode, 8 replicas, router block size 64) and records, per request, the loop
 
 Prints p50 / p99 / max of the added latency per mode and the ratios to the baseline.
 Run: ``.venv/bin/python bench/kv_events_hot_path.py [--seconds 8]``.
+
+``--processes N`` (N >= 2) compares instead, in one run, N router processes (each routing as
+above, like ``pdlb serve --processes N``) in three modes:
+
+* ``baseline``: no events;
+* ``per-process``: every process runs its own ``KvEventSubscriberProcess`` (what ``pdlb serve``
+  did before :mod:`balancer.service.kv_fanout`): each batch decoded and translated N times;
+* ``fanout``: process 0's subscriber writes the translated events to the fan-out ring and every
+  process applies them from it (:class:`~balancer.service.kv_fanout.KvFanout`, as ``pdlb serve``
+  runs now): decoded once.
+
+It prints the routing p50/p99 per mode and the CPU seconds per engine batch spent on events,
+summed over every router process and subscriber child (each mode's CPU less the baseline's,
+divided by the batches published in the window; CPU from ``time.process_time`` in each router
+process and ``/proc/<pid>/stat`` for the subscriber children), and the ratio fanout / per-process.
 """
 
 from __future__ import annotations
@@ -48,8 +63,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def publisher(port: int, events_per_s: float, event_tokens: int, seconds: float, ready) -> None:  # noqa: ANN001
-    """Engine stand-in: positional vLLM batches, one BlockStored of ``event_tokens`` tokens each."""
+def publisher(port: int, events_per_s: float, event_tokens: int, seconds: float, ready, sent=None) -> None:  # noqa: ANN001
+    """Engine stand-in: positional vLLM batches, one BlockStored of ``event_tokens`` tokens each
+    (``sent``: a pipe that gets the ``time.monotonic()`` of every batch sent, at the end)."""
     import msgpack
     import zmq
 
@@ -68,12 +84,16 @@ def publisher(port: int, events_per_s: float, event_tokens: int, seconds: float,
     ready.send(True)
     time.sleep(0.5)
     end = time.monotonic() + seconds
+    times = []
     while time.monotonic() < end:
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payloads[seq % len(payloads)]])
+        times.append(time.monotonic())
         seq += 1
         time.sleep(1.0 / events_per_s)
     pub.close(0)
     ctx.term()
+    if sent is not None:
+        sent.send(times)
 
 
 def make_router() -> tuple[Router, list[ReplicaId]]:
@@ -160,12 +180,141 @@ async def run_mode(mode: str, seconds: float, events_per_s: float, event_tokens:
     return lat, applied[0]
 
 
+# ---------------------------------------------------------------------- --processes N
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``; 0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def _router_process(mode: str, index: int, port: int, ring_dir: str, seconds: float, go, out) -> None:  # noqa: ANN001
+    from balancer.service.config import KvEventsConfig
+    from balancer.service.kv_fanout import KvFanout, fanout_ring_path
+
+    router, reps = make_router()
+    loop = asyncio.get_running_loop()
+    src = KvEventSource(reps[0], f"tcp://127.0.0.1:{port}")
+    applied = [0]
+
+    def apply(rep, ev):  # noqa: ANN001, ANN202
+        router.on_kv_event(rep, ev)
+        applied[0] += 1
+
+    sub = fan = None
+    if mode == "per-process":
+        sub = KvEventSubscriberProcess([src], 64, LoopDelivery(loop, apply))
+        sub.start()
+    elif mode == "fanout":
+        fan = KvFanout(fanout_ring_path(ring_dir), apply, index == 0, [src], 64, KvEventsConfig())
+        if fan.owner:
+            await loop.run_in_executor(None, fan.start_subscriber)
+        fan.follower.start()
+    child = sub.pid if sub is not None else (fan.subscriber.pid if fan is not None and fan.subscriber else None)
+    out.send(("ready", index))
+    await loop.run_in_executor(None, go.wait)
+    t0, cpu0 = time.monotonic(), time.process_time()
+    child0 = _proc_cpu_s(child) if child else 0.0
+    applied0 = applied[0]
+    lat = await route_loop(router, seconds)
+    t1, cpu1 = time.monotonic(), time.process_time()
+    child1 = _proc_cpu_s(child) if child else 0.0
+    out.send(("done", index, t0, t1, cpu1 - cpu0, child1 - child0, applied[0] - applied0, lat))
+    if sub is not None:
+        await loop.run_in_executor(None, sub.stop)
+    if fan is not None:
+        await loop.run_in_executor(None, fan.stop)
+
+
+def _router_process_main(*args) -> None:  # noqa: ANN002
+    asyncio.run(_router_process(*args))
+
+
+def run_processes_mode(mode: str, n: int, seconds: float, events_per_s: float, event_tokens: int) -> dict:
+    """One mode with ``n`` router processes; returns latencies, CPU and the batches in the window."""
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    ring_dir = tempfile.mkdtemp(prefix="pdlb-bench-kv-", dir=shm)
+    go = ctx.Event()
+    conns, procs = [], []
+    for i in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_router_process_main, args=(mode, i, port, ring_dir, seconds, go, send))
+        p.start()
+        conns.append(recv)
+        procs.append(p)
+    for c in conns:
+        assert c.recv()[0] == "ready"
+    pub = times_recv = None
+    if mode != "baseline":
+        ready_r, ready_s = ctx.Pipe(duplex=False)
+        times_recv, times_send = ctx.Pipe(duplex=False)
+        pub = ctx.Process(target=publisher, args=(port, events_per_s, event_tokens, seconds + 3.0, ready_s, times_send))
+        pub.start()
+        ready_r.recv()
+        time.sleep(1.5)  # the publisher starts sending after 0.5 s: warm up for a second
+    go.set()
+    done = [c.recv() for c in conns]
+    for p in procs:
+        p.join(30)
+    times = []
+    if pub is not None:
+        assert times_recv is not None
+        times = times_recv.recv()
+        pub.join(10)
+    import shutil
+
+    shutil.rmtree(ring_dir, ignore_errors=True)
+    t0, t1 = min(d[2] for d in done), max(d[3] for d in done)
+    return {"lat": np.concatenate([d[7] for d in done]), "cpu_s": sum(d[4] + d[5] for d in done),
+            "router_cpu_s": sum(d[4] for d in done), "child_cpu_s": sum(d[5] for d in done),
+            "applied": [d[6] for d in done], "batches": sum(1 for t in times if t0 <= t <= t1),
+            "p99_by_process": [float(np.percentile(d[7], 99)) for d in sorted(done, key=lambda d: d[1])]}
+
+
+def main_processes(args: argparse.Namespace) -> int:
+    n = args.processes
+    print(f"{n} router processes, each routing a 4k-token request every 1 ms for {args.seconds:g} s per mode; "
+          f"events: {args.events_per_s:g}/s x {args.event_tokens} tokens (engine block 16, router block 64), "
+          f"{os.cpu_count()} CPUs")
+    res = {}
+    for mode in ("baseline", "per-process", "fanout"):
+        r = res[mode] = run_processes_mode(mode, n, args.seconds, args.events_per_s, args.event_tokens)
+        lat = r["lat"]
+        print(f"{mode:>12}: {len(lat):6d} routes, {r['batches']:4d} batches in the window, pdlb events applied per "
+              f"process {r['applied']}; routing added latency ms p50 {np.percentile(lat, 50):.3f}  "
+              f"p99 {np.percentile(lat, 99):.3f}  max {lat.max():.2f}; CPU s: routers {r['router_cpu_s']:.2f} "
+              f"+ subscribers {r['child_cpu_s']:.2f}; p99 by process {[round(x, 2) for x in r['p99_by_process']]}")
+    base = res["baseline"]
+    per_batch = {}
+    for mode in ("per-process", "fanout"):
+        r = res[mode]
+        extra = r["cpu_s"] - base["cpu_s"]
+        per_batch[mode] = extra / max(1, r["batches"])
+        print(f"{mode:>12}: CPU on events, summed over processes: {extra:.2f} s = {per_batch[mode] * 1000:.2f} ms "
+              f"per batch; routing p99 x{np.percentile(r['lat'], 99) / np.percentile(base['lat'], 99):.2f} baseline")
+    if per_batch["per-process"] > 0:
+        print(f"fanout / per-process CPU per batch: x{per_batch['fanout'] / per_batch['per-process']:.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0, help="routing time per mode (default: %(default)s)")
     ap.add_argument("--events-per-s", type=float, default=50.0, help="BlockStored batches per second (default: %(default)s)")
     ap.add_argument("--event-tokens", type=int, default=32768, help="tokens per BlockStored (default: %(default)s)")
+    ap.add_argument("--processes", type=int, default=1, metavar="N",
+                    help="N >= 2: compare N router processes with a subscriber each against one subscriber "
+                         "fanned out to all (default: %(default)s, the single-process modes)")
     args = ap.parse_args(argv)
+    if args.processes > 1:
+        return main_processes(args)
     print(f"routing a 4k-token request every 1 ms for {args.seconds:g} s per mode; events: "
           f"{args.events_per_s:g}/s x {args.event_tokens} tokens (engine block 16, router block 64), "
           f"{os.cpu_count()} CPUs")

@@ -335,10 +335,12 @@ async def test_workers_added_at_run_time_have_their_events_followed():
 
 
 async def test_every_router_process_follows_the_events_and_reports_them():
-    """``pdlb serve --processes 2 --index-mode events``: each process runs its own subscriber, so a
-    prefix engine 1 announces draws requests from both processes there; ``/metrics`` shows each
-    process's counters under its ``process`` label (each received the one batch: not summed to 2).
-    A worker with events added through the admin API is followed by both processes too."""
+    """``pdlb serve --processes 2 --index-mode events``: one subscriber (process 0's) decodes each
+    engine batch once and fans the translated events out to both processes
+    (:mod:`balancer.service.kv_fanout`), so a prefix engine 1 announces draws requests from both
+    processes there; ``/metrics`` shows the subscriber's counters once (``process="0"``: one batch,
+    one event, no series of process 1) and each process's fan-out counters (one pdlb event applied
+    in each). A worker with events added through the admin API is followed by both processes too."""
     from sim.emulator.testing import spawn_engines, spawn_router
 
     pubs = [FakeEngine("map", "int", block_size=16) for _ in range(3)]
@@ -362,7 +364,9 @@ async def test_every_router_process_follows_the_events_and_reports_them():
 
             async def metric_lines() -> list[str]:
                 text = await (await s.get(router.url + "/metrics")).text()
-                return [ln for ln in text.splitlines() if ln.startswith("pdlb_kv_events_batches_total{")]
+                return [ln for ln in text.splitlines() if ln.startswith(("pdlb_kv_events_batches_total{",
+                                                                         "pdlb_kv_events_events_total{",
+                                                                         "pdlb_kv_events_fanout_applied_total{"))]
 
             async def until(pred, timeout_s: float = 20.0):  # noqa: ANN001, ANN202
                 end = time.monotonic() + timeout_s
@@ -373,12 +377,14 @@ async def test_every_router_process_follows_the_events_and_reports_them():
                 return await pred()
 
             prefix = [rng.randrange(30_000) for _ in range(128)]
-            await asyncio.sleep(1.0)  # both subscribers' SUB sockets join
+            await asyncio.sleep(1.0)  # the subscriber's SUB sockets join
             pubs[1].publish([pubs[1].stored(prefix)[1]])
-            want = {f'pdlb_kv_events_batches_total{{dp_rank="0",process="{i}",worker="{engines[1].url}"}} 1.0'
-                    for i in range(2)}
+            want = {f'pdlb_kv_events_batches_total{{dp_rank="0",process="0",worker="{engines[1].url}"}} 1.0',
+                    f'pdlb_kv_events_events_total{{dp_rank="0",process="0",worker="{engines[1].url}"}} 1.0'}
+            want |= {f'pdlb_kv_events_fanout_applied_total{{process="{i}"}} 1.0' for i in range(2)}
             lines = await until(lambda: _has(metric_lines, want))
             assert lines, await metric_lines()
+            assert not [ln for ln in await metric_lines() if 'process="1",worker=' in ln]  # decoded once, in 0's
             assert await served(prefix, 1) == [0, 12, 0]  # 12 requests over both processes: all to engine 1
             # a worker with events added at run time: both processes subscribe to it
             r = await s.post(router.url + "/workers", json={"url": engines[2].url, "role": "mixed",
@@ -387,8 +393,8 @@ async def test_every_router_process_follows_the_events_and_reports_them():
             await asyncio.sleep(1.5)
             prefix2 = [rng.randrange(30_000) for _ in range(128)]
             pubs[2].publish([pubs[2].stored(prefix2)[1]])
-            want2 = {f'pdlb_kv_events_batches_total{{dp_rank="0",process="{i}",worker="{engines[2].url}"}} 1.0'
-                     for i in range(2)}
+            want2 = {f'pdlb_kv_events_batches_total{{dp_rank="0",process="0",worker="{engines[2].url}"}} 1.0'}
+            want2 |= {f'pdlb_kv_events_fanout_applied_total{{process="{i}"}} 2.0' for i in range(2)}
             assert await until(lambda: _has(metric_lines, want2)), await metric_lines()
             assert await served(prefix2, 2) == [0, 0, 12]
     finally:

@@ -99,6 +99,8 @@ class Service:
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
         self.kv_delivery: Any = None  # its LoopDelivery
+        #: several processes: the directory of the KV fan-out ring (balancer.service.kv_fanout)
+        self.kv_fanout_dir: str | None = None
         #: this process's view of the in-flight load shared by the processes of one pdlb serve
         self.shared_load: Any = None
         #: the control channel that applies admin changes in every process (several processes)
@@ -473,18 +475,43 @@ async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
     subscriber if it is the first), off the event loop (the child process takes a second to start)."""
     if wcfg.events is None or svc.cfg.index_mode == "approximate":
         return
-    from balancer.service.kv_subscriber import KvEventsCollector, sources_for_worker, start_for_service
+    from balancer.service.kv_subscriber import sources_for_worker
 
     loop = asyncio.get_running_loop()
     if svc.kv_subscriber is not None:
         svc.kv_subscriber.add_sources(sources_for_worker(wcfg.url, wcfg.dp_size, wcfg.events, wcfg.replay))
         return
-    started = await loop.run_in_executor(None, start_for_service, [wcfg], svc.router, svc.cfg.block_size, loop,
-                                         svc.cfg.kv_events)
-    if started is not None:
-        svc.kv_subscriber, svc.kv_delivery = started
-        if not svc.multiprocess:  # several processes: their stats files (Service.write_kv_stats)
-            svc.metrics.registry.register(KvEventsCollector(*started))
+    _install_kv_feed(svc, await loop.run_in_executor(None, _start_kv_feed, svc, [wcfg], loop))
+
+
+def _start_kv_feed(svc: Service, workers: list, loop: asyncio.AbstractEventLoop) -> tuple[Any, Any] | None:
+    """The KV-event feed of ``workers`` (blocking: a subscriber process takes a second to start):
+    several processes with a shared directory, one subscriber in process 0 fanned out to all of
+    them (:mod:`balancer.service.kv_fanout`); else this process's own subscriber."""
+    if svc.kv_fanout_dir is not None:
+        from balancer.service.kv_fanout import start_fanout
+
+        fan = start_fanout(workers, svc.router, svc.cfg.block_size, svc.cfg.kv_events, svc.kv_fanout_dir,
+                           svc.process_index)
+        return None if fan is None else (fan, fan)
+    from balancer.service.kv_subscriber import start_for_service
+
+    return start_for_service(workers, svc.router, svc.cfg.block_size, loop, svc.cfg.kv_events)
+
+
+def _install_kv_feed(svc: Service, started: tuple[Any, Any] | None) -> None:
+    """In the event loop: keep the feed :func:`_start_kv_feed` started and export its counters."""
+    if started is None:
+        return
+    svc.kv_subscriber, svc.kv_delivery = started
+    if svc.kv_fanout_dir is not None:
+        started[0].follower.start()
+        if started[0].owner:
+            started[0].supervise()
+    if not svc.multiprocess:  # several processes: their stats files (Service.write_kv_stats)
+        from balancer.service.kv_metrics import KvEventsCollector
+
+        svc.metrics.registry.register(KvEventsCollector(*started))
 
 
 # ---------------------------------------------------------------------- factory
@@ -557,19 +584,16 @@ def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
 
 
-def _start_engine_feeds(svc: Service) -> list[asyncio.Task]:
+def _start_engine_feeds(svc: Service, shared_dir: str | None = None) -> list[asyncio.Task]:
     """Start what feeds the router from the engines: the KV-event subscriber (index_mode events
-    or hybrid, workers with ``events``) and the load scraper (``load_scrape.enabled``)."""
+    or hybrid, workers with ``events``; with several processes and their shared directory
+    ``shared_dir``, one for all of them, :mod:`balancer.service.kv_fanout`) and the load scraper
+    (``load_scrape.enabled``)."""
     cfg = svc.cfg
     tasks: list[asyncio.Task] = []
     if cfg.index_mode != "approximate":
-        from balancer.service.kv_subscriber import KvEventsCollector, start_for_service
-
-        started = start_for_service(cfg.workers, svc.router, cfg.block_size, asyncio.get_running_loop(), cfg.kv_events)
-        if started is not None:
-            svc.kv_subscriber, svc.kv_delivery = started
-            if not svc.multiprocess:  # several processes: their stats files (Service.write_kv_stats)
-                svc.metrics.registry.register(KvEventsCollector(*started))
+        svc.kv_fanout_dir = shared_dir if svc.multiprocess else None
+        _install_kv_feed(svc, _start_kv_feed(svc, cfg.workers, asyncio.get_running_loop()))
     if cfg.load_scrape.enabled:
         from balancer.service.load_scraper import scrape_loop
 
@@ -614,7 +638,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
-        loops += _start_engine_feeds(svc)
+        loops += _start_engine_feeds(svc, shared_prefix_dir)
         share = None
         if shared_prefix_dir is not None and cfg.index_mode == "approximate" and svc.multiprocess:
             from balancer.service.shared_prefix import PrefixShare

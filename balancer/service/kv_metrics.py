@@ -77,7 +77,11 @@ def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any 
     import os
 
     rows = [[rep.engine, rep.dp_rank, d] for rep, d in subscriber.stats().items()]
-    data = {"stats": rows, "queued": None if delivery is None else delivery.pending}
+    data: dict[str, Any] = {"stats": rows, "queued": None if delivery is None else delivery.pending}
+    fanout = getattr(subscriber, "fanout_stats", None)
+    if fanout is not None:  # balancer.service.kv_fanout.KvFanout: this process's reader of the ring
+        data["fanout"] = fanout()
+        data["queued"] = None
     path = os.path.join(directory, f"{STATS_FILE_PREFIX}{index}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -85,12 +89,19 @@ def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any 
     os.replace(tmp, path)
 
 
+FANOUT_COUNTERS = ("applied", "apply_errors", "records", "lost_records", "lost_bytes", "corrupt_records", "laps")
+"""Per-process counters of the KV fan-out ring's reader (:class:`balancer.service.kv_fanout.FanoutFollower`)."""
+
+
 class KvEventsFilesCollector:
-    """Several router processes (``pdlb serve --processes N``): every process runs its own
-    subscriber of the same engines, so the ``pdlb_kv_events_*`` series carry a ``process`` label
-    (the process's index) instead of being summed (N processes each receive every batch once:
-    a sum would count each N times). Reads the files of :func:`write_stats_file` (each process
-    rewrites its own every second, and the answering process just before the scrape)."""
+    """Several router processes (``pdlb serve --processes N``): one subscriber, in process 0,
+    decodes and translates every engine batch once and fans the result out to every process
+    (:mod:`balancer.service.kv_fanout`). Its ``pdlb_kv_events_*`` series (batches, gaps, replays,
+    stale, ...) count each batch once and carry ``process="0"``, the process that runs it; every
+    process exports ``pdlb_kv_events_fanout_*{process}``: pdlb events applied to its own index,
+    ring records read, lost (lapped) and corrupt, its lag in bytes (and process 0 its subscriber's
+    restarts). Reads the files of :func:`write_stats_file` (each process rewrites its own every
+    second, and the answering process just before the scrape)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -100,6 +111,7 @@ class KvEventsFilesCollector:
         import os
 
         sources = []
+        fanouts = []
         try:
             names = sorted(n for n in os.listdir(self.directory)
                            if n.startswith(STATS_FILE_PREFIX) and n.endswith(".json"))
@@ -115,5 +127,33 @@ class KvEventsFilesCollector:
                 continue  # a process that is just starting or stopping
             q = data.get("queued")
             sources.append(((index,), stats, None if q is None else float(q)))
+            if isinstance(data.get("fanout"), dict):
+                fanouts.append((index, data["fanout"]))
         if sources:
             yield from _kv_families(sources, ("process",))
+        if fanouts:
+            yield from _fanout_families(fanouts)
+
+
+def _fanout_families(fanouts: list[tuple[str, dict]]):  # noqa: ANN202
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    fams = {k: CounterMetricFamily(f"pdlb_kv_events_fanout_{k}", f"KV fan-out ring reader: {k.replace('_', ' ')}",
+                                   labels=["process"]) for k in FANOUT_COUNTERS}
+    lag = GaugeMetricFamily("pdlb_kv_events_fanout_lag_bytes", "Fan-out ring bytes written and not yet applied",
+                            labels=["process"])
+    restarts = CounterMetricFamily("pdlb_kv_events_fanout_subscriber_restarts",
+                                   "Times the one KV event subscriber died and was started again",
+                                   labels=["process"])
+    any_restarts = False
+    for index, d in fanouts:
+        for k, fam in fams.items():
+            fam.add_metric([index], float(d.get(k, 0)))
+        lag.add_metric([index], float(d.get("lag_bytes", 0)))
+        if "subscriber_restarts" in d:
+            restarts.add_metric([index], float(d["subscriber_restarts"]))
+            any_restarts = True
+    yield from fams.values()
+    yield lag
+    if any_restarts:
+        yield restarts

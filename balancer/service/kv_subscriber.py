@@ -61,7 +61,7 @@ __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "Kv
 
 log = logging.getLogger("pdlb.kv_events")
 
-Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], None]
+Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,15 +434,20 @@ class KvEventSubscriberProcess:
 
     The child is a daemon (it dies with this process) and sends its counters every
     ``stats_interval_s``. Arguments are those of :class:`KvEventSubscriber` (``clock`` and
-    ``context`` excepted).
+    ``context`` excepted), and ``ring_path`` instead of ``deliver``: the child appends the
+    translated events to that fan-out ring (:class:`balancer.service.kv_fanout.RingWriter`, created
+    with ``ring_bytes`` of capacity, or taken over) and nothing but counters crosses the pipe
+    (``pdlb serve --processes N``: every router process reads the ring, :mod:`balancer.service.kv_fanout`).
     """
 
-    def __init__(self, sources: Sequence[KvEventSource], block_size: int, deliver: Deliver, *,
+    def __init__(self, sources: Sequence[KvEventSource], block_size: int, deliver: Deliver | None, *,
                  stale_after_s: float = 60.0, replay_timeout_s: float = 2.0,
                  translator_capacity_blocks: int = DEFAULT_TRANSLATOR_CAPACITY_BLOCKS,
-                 stats_interval_s: float = 0.5) -> None:
+                 stats_interval_s: float = 0.5, ring_path: str | None = None, ring_bytes: int | None = None) -> None:
+        if (deliver is None) == (ring_path is None):
+            raise ValueError("give either deliver or ring_path")
         self._args = (list(sources), block_size, stale_after_s, replay_timeout_s, translator_capacity_blocks,
-                      stats_interval_s)
+                      stats_interval_s, ring_path, ring_bytes)
         self._deliver = deliver
         self._stats: dict[ReplicaId, dict[str, float | int | bool]] = {}
         self._proc: Any = None  # multiprocessing's SpawnProcess
@@ -483,7 +488,7 @@ class KvEventSubscriberProcess:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if kind == "events":
+            if kind == "events" and self._deliver is not None:
                 try:
                     self._deliver(payload)
                 except Exception:  # noqa: BLE001 - never let the reader die
@@ -497,6 +502,15 @@ class KvEventSubscriberProcess:
                 log.error("KV event subscriber process: %s", payload)
                 self._ready.set()
         self._ready.set()
+
+    def alive(self) -> bool:
+        """The child runs and reported no error."""
+        return self._proc is not None and self._proc.is_alive() and self.error is None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before start / after stop)."""
+        return None if self._proc is None else self._proc.pid
 
     def add_sources(self, sources: Sequence[KvEventSource]) -> None:
         """See :meth:`KvEventSubscriber.add_sources` (sent to the child)."""
@@ -529,7 +543,7 @@ class KvEventSubscriberProcess:
 
 
 def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capacity, stats_interval_s,  # noqa: ANN001
-                      conn, stop_conn) -> None:  # noqa: ANN001
+                      ring_path, ring_bytes, conn, stop_conn) -> None:  # noqa: ANN001
     """Entry point of :class:`KvEventSubscriberProcess`'s child."""
     send_lock = threading.Lock()
 
@@ -537,8 +551,21 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
         with send_lock:
             conn.send((kind, payload))
 
+    writer = None
     try:
-        sub = KvEventSubscriber(sources, block_size, lambda items: send("events", items), stale_after_s=stale_after_s,
+        deliver: Deliver
+        if ring_path is not None:
+            from balancer.kv_events import AllBlocksCleared as _Cleared
+            from balancer.service.kv_fanout import RING_BYTES, RingWriter
+
+            writer = RingWriter(ring_path, ring_bytes or RING_BYTES)
+            if writer.resumed:  # a subscriber before this one wrote here: what it announced is unknown now
+                writer.write([(s.replica, _Cleared(m)) for s in sources for m in (None, "CPU")])
+            deliver = writer.write
+        else:
+            def deliver(items: list[tuple[ReplicaId, KvEvent]]) -> None:
+                send("events", items)
+        sub = KvEventSubscriber(sources, block_size, deliver, stale_after_s=stale_after_s,
                                 replay_timeout_s=replay_timeout_s, translator_capacity_blocks=capacity)
         sub.start()
     except Exception as e:  # noqa: BLE001 - reported to the parent
@@ -567,6 +594,8 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
             send("stats", sub.stats())
         except (OSError, BrokenPipeError):
             pass
+        if writer is not None:
+            writer.close()
         conn.close()
 
 

@@ -1,0 +1,734 @@
+"""One KV-event subscriber per ``pdlb serve --processes N``, its translated events fanned out to every process.
+
+With several router processes each one needs every engine's KV events (their prefix views must
+agree), but decoding an engine batch and re-hashing its blocks' ``token_ids`` is the expensive
+part (1-3 ms for a 32k-token ``BlockStored``) and its result is the same in every process. So
+router process 0 runs the one :class:`~balancer.service.kv_subscriber.KvEventSubscriberProcess`
+(a child process: sequence tracking, gap replay, restarts, staleness and hash translation, as with
+one process), which appends the translated pdlb events, a few bytes per router block, to a ring
+buffer in a memory-mapped file (on ``/dev/shm``, in the directory ``pdlb serve`` makes for the
+processes' shared state); every router process, the first included, reads the ring in its event
+loop (:class:`FanoutFollower`) and applies the events to its router. Nothing is sent and nobody is
+woken: a follower looks at the ring's head every :data:`POLL_INTERVAL_S` (a few microseconds when
+nothing is new), as :mod:`balancer.service.shared_prefix` does for approximate decisions.
+
+**Ring** (:class:`RingWriter`, :class:`RingReader`): bytes 0-7 the total bytes ever written
+(``head``, only grows; native byte order, stored and loaded as one aligned 8-byte word), 8-15 the
+data capacity ``C``, 16-23 the magic ``b"PDLBKVF1"``, 24-31 the next record's sequence number (for a
+writer that takes the ring over), 32-63 zero; then ``C`` data bytes. Records follow each other
+from ``head mod C``, wrapping byte-wise at the end. A record (all little-endian):
+
+====================  ==================================================================
+``u32 L``             body length (bytes)
+``u64 check``         ``XXH3_64(body)``
+body: ``u64 seq``     record number (consecutive from 0 over the ring's life)
+``u8 kind``           1 ``BlockStored``, 2 ``BlockRemoved``, 3 ``AllBlocksCleared``
+``u8 flags``          bit 0: a parent hash follows; bit 1: a medium follows
+``u32 dp_rank``       the replica's DP rank
+``u16 E`` + E bytes   the replica's engine (worker URL, UTF-8)
+``u8 M`` + M bytes    the medium (UTF-8), only with flag bit 1
+``u64 parent``        ``BlockStored``'s ``parent_block_hash``, only with flag bit 0
+``u32 n`` + n u64     the pdlb block hashes (none for ``AllBlocksCleared``)
+====================  ==================================================================
+
+The writer copies a round's records in, then stores the new head (one aligned word, after the
+bytes: on x86-64 other processes see the stores in that order). A reader copies the bytes between
+its position and the head, then reads the head again; so a process never applies a half-written
+record:
+
+* bytes past the head are never read (the head moves only after whole records);
+* a reader the writer lapped (more than ``C`` bytes behind, or overtaken while it copied) drops
+  the span and resumes at the new head, a record boundary: the records it missed are counted
+  (``lost_records``, from the sequence numbers) and logged; its index may then miss stores and
+  removals until newer events overwrite them, as with a gap the engine's replay buffer no longer
+  holds (nothing is cleared);
+* every record's checksum is verified before it is applied; one that does not match (its bytes
+  not yet visible on a weakly ordered CPU) is retried on the next polls and skipped after
+  :data:`TORN_RETRIES` (``corrupt_records``).
+
+Memory is bounded: one ring of :data:`RING_BYTES` per ``pdlb serve`` (only pages written are
+allocated); a follower copies at most :data:`READ_BYTES_PER_PASS` per pass (it comes back at once
+when more is waiting); a pdlb event larger than :data:`MAX_RECORD_BYTES` is split into several
+records (a ``BlockStored``'s later parts name the previous part's last block as their parent), so
+nothing is too large to fan out. The writer never waits for readers.
+
+**Failures.** Process 0 checks its subscriber every :data:`SUPERVISE_INTERVAL_S`; one that died is
+started again (logged, ``subscriber_restarts``), takes the ring over where it ends, first writes
+``AllBlocksCleared`` for each of its replicas (the new subscriber's translator knows none of the
+engine blocks announced before, so their removals would go unseen) and then catches up from each
+engine's replay buffer, as at start. A router process that dies stops ``pdlb serve`` (its parent
+stops them all), the subscriber with it. A follower that is slower than the others only lags
+(``pdlb_kv_events_fanout_lag_bytes``) until it is lapped (see above).
+
+**Metrics.** The subscriber's ``pdlb_kv_events_*`` counters (batches, events, gaps, replays,
+restarts, decode errors, stale, last seq, translator) count each engine batch once: they are
+exported by process 0 only (``process="0"``). Each process exports its own fan-out counters
+(``pdlb_kv_events_fanout_applied_total`` pdlb events applied to its index,
+``..._records_total``, ``..._lost_records_total``, ``..._corrupt_records_total`` and the gauge
+``..._lag_bytes``) with its ``process`` label (:mod:`balancer.service.kv_metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from balancer.types import ReplicaId
+
+__all__ = ["FanoutFollower", "KvFanout", "MAX_RECORD_BYTES", "POLL_INTERVAL_S", "RING_BYTES", "RingReader",
+           "RingWriter", "encode_record", "fanout_ring_path", "start_fanout"]
+
+log = logging.getLogger("pdlb.kv_events")
+
+RING_BYTES = 32 * 1024 * 1024
+"""Data capacity of the ring: about 7,000 translated 32k-token ``BlockStored`` at 64-token router
+blocks (4.2 KB each) of slack for a follower that falls behind."""
+MAX_RECORD_BYTES = 1 << 20
+"""Largest record body; larger pdlb events are split (about 131,000 block hashes per record)."""
+READ_BYTES_PER_PASS = 4 << 20
+"""Most ring bytes one follower pass copies and applies before yielding to requests."""
+POLL_INTERVAL_S = 0.005
+"""Seconds between a follower's looks at the ring when nothing was waiting."""
+SUPERVISE_INTERVAL_S = 1.0
+"""Seconds between process 0's checks that its subscriber still runs."""
+TORN_RETRIES = 3
+"""Polls a record whose checksum fails is retried on before it is skipped."""
+
+MAGIC = b"PDLBKVF1"
+HEADER_BYTES = 64
+_REC_HEAD = struct.Struct("<IQ")  # body length, XXH3_64(body)
+_BODY_FIXED = struct.Struct("<QBBIH")  # seq, kind, flags, dp_rank, engine length
+_U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
+KIND_STORED, KIND_REMOVED, KIND_CLEARED = 1, 2, 3
+_FLAG_PARENT, _FLAG_MEDIUM = 1, 2
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def fanout_ring_path(directory: str) -> str:
+    """The ring file of one ``pdlb serve`` in its shared-state ``directory``."""
+    return os.path.join(directory, "kv-events.ring")
+
+
+# ---------------------------------------------------------------------- record format
+def _fixed_bytes(engine: bytes, medium: bytes | None, parent: bool) -> int:
+    return _BODY_FIXED.size + len(engine) + (1 + len(medium) if medium is not None else 0) + (8 if parent else 0) + 4
+
+
+def encode_record(seq: int, replica: ReplicaId, event: KvEvent) -> bytes:
+    """One whole record (length, checksum, body; see the module docstring) of ``event`` about ``replica``.
+
+    Raises:
+        TypeError: not a pdlb KV event. ValueError: an engine name over 65535 bytes or a medium over 255.
+    """
+    engine = replica.engine.encode("utf-8", "surrogatepass")
+    if len(engine) > 0xFFFF:
+        raise ValueError(f"engine name of {len(engine)} bytes (at most 65535)")
+    medium = None if event.medium is None else event.medium.encode("utf-8", "surrogatepass")
+    if medium is not None and len(medium) > 0xFF:
+        raise ValueError(f"medium of {len(medium)} bytes (at most 255)")
+    if isinstance(event, BlockStored):
+        kind, parent, hashes = KIND_STORED, event.parent_block_hash, event.block_hashes
+    elif isinstance(event, BlockRemoved):
+        kind, parent, hashes = KIND_REMOVED, None, event.block_hashes
+    elif isinstance(event, AllBlocksCleared):
+        kind, parent, hashes = KIND_CLEARED, None, ()
+    else:
+        raise TypeError(f"not a pdlb KV event: {event!r}")
+    flags = (_FLAG_PARENT if parent is not None else 0) | (_FLAG_MEDIUM if medium is not None else 0)
+    parts = [_BODY_FIXED.pack(seq, kind, flags, replica.dp_rank, len(engine)), engine]
+    if medium is not None:
+        parts += [_U8.pack(len(medium)), medium]
+    if parent is not None:
+        parts.append(_U64.pack(parent))
+    parts.append(struct.pack(f"<I{len(hashes)}Q", len(hashes), *hashes))
+    body = b"".join(parts)
+    return _REC_HEAD.pack(len(body), _xxh3(body)) + body
+
+
+def split_event(replica: ReplicaId, event: KvEvent, max_body_bytes: int) -> list[KvEvent]:
+    """``event`` as pdlb events whose records' bodies fit ``max_body_bytes``: a ``BlockStored``'s
+    later parts name the previous part's last block as their parent (the same chain); a
+    ``BlockRemoved`` is split anywhere.
+
+    Raises:
+        ValueError: ``max_body_bytes`` leaves no room for one block hash.
+    """
+    if isinstance(event, AllBlocksCleared):
+        return [event]
+    engine = replica.engine.encode("utf-8", "surrogatepass")
+    medium = None if event.medium is None else event.medium.encode("utf-8", "surrogatepass")
+    hashes = event.block_hashes
+    room = (max_body_bytes - _fixed_bytes(engine, medium, True)) // 8
+    if room < 1:
+        raise ValueError(f"records of {max_body_bytes} bytes hold no block hash for {replica}")
+    if len(hashes) <= room:
+        return [event]
+    out: list[KvEvent] = []
+    if isinstance(event, BlockRemoved):
+        return [BlockRemoved(hashes[i:i + room], event.medium) for i in range(0, len(hashes), room)]
+    parent = event.parent_block_hash
+    for i in range(0, len(hashes), room):
+        part = hashes[i:i + room]
+        out.append(BlockStored(part, event.medium, parent))
+        parent = part[-1]
+    return out
+
+
+def decode_body(body: bytes | memoryview, engines: dict[tuple[bytes, int], ReplicaId] | None = None
+                ) -> tuple[int, ReplicaId, KvEvent]:
+    """``(seq, replica, event)`` of one record body (checksum already verified).
+
+    ``engines``: a cache of replicas by (engine bytes, DP rank), filled as it goes.
+
+    Raises:
+        ValueError: the body is malformed (lengths past its end, an unknown kind).
+    """
+    try:
+        seq, kind, flags, dp_rank, elen = _BODY_FIXED.unpack_from(body, 0)
+        off = _BODY_FIXED.size
+        ekey = (bytes(body[off:off + elen]), dp_rank)
+        off += elen
+        if len(ekey[0]) != elen:
+            raise ValueError("engine name past the record's end")
+        medium = None
+        if flags & _FLAG_MEDIUM:
+            (mlen,) = _U8.unpack_from(body, off)
+            medium = bytes(body[off + 1:off + 1 + mlen]).decode("utf-8", "surrogatepass")
+            off += 1 + mlen
+        parent = None
+        if flags & _FLAG_PARENT:
+            (parent,) = _U64.unpack_from(body, off)
+            off += 8
+        (n,) = _U32.unpack_from(body, off)
+        off += 4
+        if off + 8 * n != len(body):
+            raise ValueError(f"{n} block hashes do not fill the record's {len(body) - off} bytes")
+        hashes = struct.unpack_from(f"<{n}Q", body, off)
+    except struct.error as e:
+        raise ValueError(f"malformed record: {e}") from None
+    rep = None if engines is None else engines.get(ekey)
+    if rep is None:
+        rep = ReplicaId(ekey[0].decode("utf-8", "surrogatepass"), dp_rank)
+        if engines is not None and len(engines) < 65536:
+            engines[ekey] = rep
+    ev: KvEvent
+    if kind == KIND_STORED:
+        ev = BlockStored(hashes, medium, parent)
+    elif kind == KIND_REMOVED:
+        ev = BlockRemoved(hashes, medium)
+    elif kind == KIND_CLEARED:
+        ev = AllBlocksCleared(medium)
+    else:
+        raise ValueError(f"unknown record kind {kind}")
+    return seq, rep, ev
+
+
+# ---------------------------------------------------------------------- ring
+def _map_ring(path: str) -> mmap.mmap | None:
+    """Map an existing ring file read-write, or None if it is not there (or not a whole ring) yet."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size <= HEADER_BYTES:
+            return None
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if bytes(mm[16:24]) != MAGIC or _U64.unpack_from(mm, 8)[0] != size - HEADER_BYTES:
+        mm.close()
+        return None
+    return mm
+
+
+class RingWriter:
+    """The writing side (one per ring: the subscriber's): creates the ring at ``path`` (atomically:
+    readers never see a ring without its header), or takes over an existing one where it ends
+    (``resumed``: a restarted subscriber).
+
+    Args:
+        path: the ring file.
+        ring_bytes: data capacity of a new ring (an existing one keeps its own).
+        max_record_bytes: largest record body (larger events are split, :func:`split_event`).
+    """
+
+    def __init__(self, path: str, ring_bytes: int = RING_BYTES, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        mm = _map_ring(path)
+        self.resumed = mm is not None
+        if mm is None:
+            if ring_bytes < 4096:
+                raise ValueError(f"ring_bytes must be >= 4096, got {ring_bytes}")
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, HEADER_BYTES + ring_bytes)  # sparse zeros: head 0
+                mm = mmap.mmap(fd, HEADER_BYTES + ring_bytes)
+            finally:
+                os.close(fd)
+            mm[8:16] = _U64.pack(ring_bytes)
+            mm[16:24] = MAGIC
+            os.rename(tmp, path)
+        self._mm = mm
+        self.capacity = len(mm) - HEADER_BYTES
+        self.max_record_bytes = min(max_record_bytes, MAX_RECORD_BYTES, self.capacity // 8)
+        self._head_word = memoryview(mm)[0:8].cast("Q")
+        self.head = self._head_word[0]
+        self.seq = _U64.unpack_from(mm, 24)[0]
+        self.records = 0  # written by this writer
+        self.split_events = 0  # events written as several records
+        self.unencodable = 0  # events skipped: an engine name or medium too long for the format
+
+    def write(self, items: Sequence[tuple[ReplicaId, KvEvent]]) -> int:
+        """Append the records of ``items`` (in order) and publish them; returns the records written.
+        Never blocks. The head is stored after each ``capacity / 8`` bytes at most (so what
+        is being written but not yet published is under a quarter of the ring: readers rely on
+        it, :attr:`RingReader.safe_lag`)."""
+        buf = bytearray()
+        n = 0
+        limit = self.max_record_bytes
+        flush_at = self.capacity // 8
+        for rep, ev in items:
+            try:
+                parts = split_event(rep, ev, limit)
+                recs = [encode_record(self.seq + k, rep, part) for k, part in enumerate(parts)]
+            except (ValueError, TypeError) as e:  # bounded names make this unreachable from pdlb serve
+                self.unencodable += 1
+                log.warning("KV event for %s not fanned out: %s", rep, e)
+                continue
+            if len(parts) > 1:
+                self.split_events += 1
+            for rec in recs:
+                buf += rec
+                self.seq += 1
+                n += 1
+                if len(buf) >= flush_at:
+                    self._publish(buf)
+                    buf = bytearray()
+        if buf:
+            self._publish(buf)
+        self.records += n
+        return n
+
+    def _publish(self, data: bytearray) -> None:
+        mm, cap = self._mm, self.capacity
+        at = self.head % cap
+        first = min(len(data), cap - at)
+        mm[HEADER_BYTES + at:HEADER_BYTES + at + first] = data[:first]
+        if first < len(data):
+            mm[HEADER_BYTES:HEADER_BYTES + len(data) - first] = data[first:]
+        mm[24:32] = _U64.pack(self.seq)
+        self.head += len(data)
+        self._head_word[0] = self.head  # after the bytes: a reader never sees a head past unwritten ones
+
+    def close(self) -> None:
+        self._head_word.release()
+        self._mm.close()
+
+
+class RingReader:
+    """One process's position in the ring (see the module docstring); opens the ring lazily (it
+    may not exist yet when the process starts). Starts at the ring's beginning: what the
+    subscriber wrote before this process looked is applied too.
+
+    Attributes (monotonic counters): ``records`` read and decoded, ``lost_records`` overwritten
+    before they were read, ``lost_bytes`` likewise, ``corrupt_records`` skipped (checksum or
+    format), ``laps`` times this reader was lapped.
+    """
+
+    def __init__(self, path: str, read_bytes: int = READ_BYTES_PER_PASS) -> None:
+        self.path = path
+        self.read_bytes = read_bytes
+        self._mm: mmap.mmap | None = None
+        self._word: memoryview | None = None
+        self.capacity = 0
+        self.pos = 0
+        self.next_seq = 0
+        self.records = 0
+        self.lost_records = 0
+        self.lost_bytes = 0
+        self.corrupt_records = 0
+        self.laps = 0
+        self._torn_at: int | None = None
+        self._torn_polls = 0
+        self._engines: dict[tuple[bytes, int], ReplicaId] = {}
+
+    def _open(self) -> bool:
+        if self._mm is None:
+            mm = _map_ring(self.path)
+            if mm is None:
+                return False
+            self._mm = mm
+            self.capacity = len(mm) - HEADER_BYTES
+            self._word = memoryview(mm)[0:8].cast("Q")
+        return True
+
+    def lag_bytes(self) -> int:
+        """Bytes written and not yet read by this reader (0 before the ring exists)."""
+        if self._word is None:
+            return 0
+        return max(0, self._word[0] - self.pos)
+
+    def poll(self) -> tuple[list[tuple[ReplicaId, KvEvent]], bool]:
+        """The events written since the last poll (at most ``read_bytes`` of records), and whether
+        more are waiting."""
+        if not self._open():
+            return [], False
+        mm, cap, word = self._mm, self.capacity, self._word
+        assert mm is not None and word is not None
+        head = word[0]
+        if head == self.pos:
+            return [], False
+        if head < self.pos or head - self.pos > self.safe_lag:
+            self._lapped(head)
+            return [], False
+        longest = self._longest_record()
+        end = min(head, self.pos + self.read_bytes)
+        data = self._copy(end)
+        if end < head and len(data) >= _REC_HEAD.size:  # a first record longer than read_bytes: take it whole
+            whole = _REC_HEAD.size + _REC_HEAD.unpack_from(data, 0)[0]
+            if len(data) < whole <= longest:
+                end = min(head, self.pos + whole)
+                data = self._copy(end)
+        now = word[0]
+        if now - self.pos > self.safe_lag:  # the writer may have overwritten part of the span meanwhile
+            self._lapped(now)
+            return [], False
+        out: list[tuple[ReplicaId, KvEvent]] = []
+        off, n = 0, len(data)
+        broken: str | None = None
+        view = memoryview(data)
+        try:
+            while off + _REC_HEAD.size <= n:
+                blen, check = _REC_HEAD.unpack_from(data, off)
+                rec_end = off + _REC_HEAD.size + blen
+                if blen > longest or blen < _BODY_FIXED.size:
+                    broken = f"a record length of {blen} bytes"
+                    break
+                if rec_end > n:
+                    if end == head:  # the head moves only after whole records: this one is broken
+                        broken = "a record past the written end"
+                    break  # else: continued in the next pass (read_bytes reached)
+                body = view[off + _REC_HEAD.size:rec_end]
+                if _xxh3(body) != check:
+                    broken = "a checksum mismatch"
+                    break
+                try:
+                    seq, rep, ev = decode_body(body, self._engines)
+                except ValueError as e:
+                    self.corrupt_records += 1
+                    log.warning("KV fan-out ring %s: record skipped: %s", self.path, e)
+                    off = rec_end
+                    continue
+                if seq > self.next_seq:
+                    self.lost_records += seq - self.next_seq
+                self.next_seq = seq + 1
+                self.records += 1
+                out.append((rep, ev))
+                off = rec_end
+            if broken is None and end == head and 0 < n - off < _REC_HEAD.size:
+                broken = "a record header past the written end"
+        finally:
+            view.release()
+        at = self.pos + off
+        if broken is None:
+            self._torn_at, self._torn_polls = None, 0
+            self.pos = at
+        elif self._torn(at, broken):  # given up: skip to the head, a record boundary
+            self.lost_bytes += head - at
+            self.pos = head
+        else:
+            self.pos = at  # read again from the broken record next time
+        return out, self.pos < word[0] and broken is None
+
+    def _copy(self, end: int) -> bytes:
+        """The ring's bytes from this reader's position to ``end`` (total-bytes coordinates)."""
+        mm, cap = self._mm, self.capacity
+        assert mm is not None
+        a, b = self.pos % cap, end % cap
+        if a < b:
+            return mm[HEADER_BYTES + a:HEADER_BYTES + b]
+        return mm[HEADER_BYTES + a:HEADER_BYTES + cap] + mm[HEADER_BYTES:HEADER_BYTES + b]
+
+    @property
+    def safe_lag(self) -> int:
+        """Most bytes a reader may be behind the head and still trust what it copies: the ring,
+        less what the writer may be writing before it next moves the head (:class:`RingWriter`
+        publishes at least every quarter ring)."""
+        return self.capacity - self.capacity // 4 - 64
+
+    def _longest_record(self) -> int:
+        return min(MAX_RECORD_BYTES, self.capacity // 8) + _REC_HEAD.size
+
+    def _lapped(self, head: int) -> None:
+        self.laps += 1
+        if head > self.pos:
+            self.lost_bytes += head - self.pos
+        log.warning("KV fan-out ring %s: this process fell %d bytes behind (the ring holds %d): the events "
+                    "in between are lost to it", self.path, head - self.pos, self.capacity)
+        self.pos = head  # a record boundary; the next record's seq tells how many were lost
+        self._torn_at, self._torn_polls = None, 0
+
+    def _torn(self, at: int, what: str) -> bool:
+        """A record at ring byte ``at`` is not whole: True once it failed :data:`TORN_RETRIES` polls."""
+        if self._torn_at != at:
+            self._torn_at, self._torn_polls = at, 0
+        self._torn_polls += 1
+        if self._torn_polls <= TORN_RETRIES:
+            return False
+        self.corrupt_records += 1
+        log.warning("KV fan-out ring %s: %s at byte %d after %d polls; skipping to the head", self.path, what, at,
+                    TORN_RETRIES)
+        self._torn_at, self._torn_polls = None, 0
+        return True
+
+    def close(self) -> None:
+        if self._word is not None:
+            self._word.release()
+            self._word = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+# ---------------------------------------------------------------------- per process
+class FanoutFollower:
+    """A router process's reader of the ring, in its event loop: applies the events with
+    ``apply(replica, event)`` (``Router.on_kv_event``), at most ``READ_BYTES_PER_PASS`` per
+    callback, every :data:`POLL_INTERVAL_S` (at once again while more is waiting).
+
+    ``pending``: bytes written and not yet applied here (the ``queued`` / lag metric).
+    """
+
+    def __init__(self, path: str, apply: Callable[[ReplicaId, KvEvent], None],
+                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
+        self.reader = RingReader(path)
+        self._apply = apply
+        self.poll_interval_s = poll_interval_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.applied = 0
+        self.errors = 0
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return self.reader.lag_bytes()
+
+    def start(self) -> None:
+        """Begin following (call in the event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._tick()
+
+    def drain(self) -> int:
+        """Apply what is waiting (one pass); returns the events applied."""
+        items, more = self.reader.poll()
+        apply = self._apply
+        for rep, ev in items:
+            try:
+                apply(rep, ev)
+                self.applied += 1
+            except (ValueError, TypeError) as e:
+                self.errors += 1
+                log.warning("KV event for %s not applied: %s", rep, e)
+        self._more = more
+        return len(items)
+
+    def _tick(self) -> None:
+        if self._closed:
+            self.reader.close()
+            return
+        self._more = False
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 - the follower must not die
+            log.exception("KV fan-out: reading the ring failed")
+        assert self._loop is not None
+        if self._more:
+            self._timer = None
+            self._loop.call_soon(self._tick)
+        else:
+            self._timer = self._loop.call_later(self.poll_interval_s, self._tick)
+
+    def stats(self) -> dict[str, int]:
+        r = self.reader
+        return {"applied": self.applied, "apply_errors": self.errors, "records": r.records,
+                "lost_records": r.lost_records, "lost_bytes": r.lost_bytes, "corrupt_records": r.corrupt_records,
+                "laps": r.laps, "lag_bytes": r.lag_bytes()}
+
+    def close(self) -> None:
+        """Stop following (in the event loop's thread; from another thread the next tick closes)."""
+        self._closed = True
+        loop = self._loop
+        if loop is None or _in_thread_of(loop):
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self.reader.close()
+
+
+def _in_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+class KvFanout:
+    """What a router process holds under ``pdlb serve --processes N`` with KV events (assigned to
+    ``Service.kv_subscriber``): its :class:`FanoutFollower`, and in process 0 (``owner``) the one
+    subscriber writing the ring, supervised (restarted if it dies). Same control interface as a
+    subscriber: ``add_sources``, ``remove_replicas``, ``stats``, ``stop``; in the other processes
+    the first two only keep the list (the owner acts on them).
+
+    Args:
+        path: the ring file (:func:`fanout_ring_path`).
+        apply: ``Router.on_kv_event`` of this process.
+        owner: run the subscriber (process 0).
+        sources, block_size, settings: the subscriber's (a ``KvEventsConfig``), owner only.
+        ring_bytes: capacity of the ring the owner creates.
+    """
+
+    def __init__(self, path: str, apply: Callable[[ReplicaId, KvEvent], None], owner: bool,
+                 sources: Sequence[Any] = (), block_size: int = 64, settings: Any = None,
+                 ring_bytes: int = RING_BYTES) -> None:
+        self.path = path
+        self.owner = owner
+        self.follower = FanoutFollower(path, apply)
+        self._sources = list(sources)
+        self._block_size = block_size
+        self._settings = settings
+        self._ring_bytes = ring_bytes
+        self.subscriber: Any = None
+        self.subscriber_restarts = 0
+        self._supervisor: asyncio.Task | None = None
+        self._stopped = False
+
+    # ------------------------------------------------------------------ owner side
+    def _make_subscriber(self) -> Any:
+        from balancer.service.kv_subscriber import KvEventSubscriber, KvEventSubscriberProcess
+
+        s = self._settings
+        kw: dict[str, Any] = dict(stale_after_s=s.stale_after_s, replay_timeout_s=s.replay_timeout_s,
+                                  translator_capacity_blocks=s.translator_capacity_blocks)
+        if s.runner == "process":
+            return KvEventSubscriberProcess(self._sources, self._block_size, None, ring_path=self.path,
+                                            ring_bytes=self._ring_bytes, **kw)
+        writer = RingWriter(self.path, self._ring_bytes)
+        if writer.resumed:
+            writer.write([(src.replica, AllBlocksCleared(m)) for src in self._sources for m in (None, "CPU")])
+        sub = KvEventSubscriber(self._sources, self._block_size, writer.write, **kw)
+        sub.ring_writer = writer  # type: ignore[attr-defined]  # closed with it
+        return sub
+
+    def start_subscriber(self) -> None:
+        """Owner: start the subscriber (blocking: a child process takes about a second)."""
+        sub = self._make_subscriber()
+        sub.start()
+        self.subscriber = sub
+
+    def supervise(self) -> None:
+        """Owner, in the event loop: check the subscriber every :data:`SUPERVISE_INTERVAL_S`."""
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    def subscriber_alive(self) -> bool:
+        sub = self.subscriber
+        if sub is None:
+            return False
+        alive = getattr(sub, "alive", None)
+        return (alive() if alive is not None else sub.error is None)
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopped:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            if self._stopped or self.subscriber_alive():
+                continue
+            old = self.subscriber
+            log.error("KV event subscriber died (%s); starting it again: its replicas are cleared and caught "
+                      "up from the engines' replay buffers", getattr(old, "error", None) or "exited")
+            self.subscriber_restarts += 1
+            try:
+                await loop.run_in_executor(None, self._restart, old)
+            except Exception:  # noqa: BLE001 - retried at the next check
+                log.exception("KV event subscriber could not be started again")
+
+    def _restart(self, old: Any) -> None:
+        try:
+            old.stop(1.0)
+            if (writer := getattr(old, "ring_writer", None)) is not None:
+                writer.close()
+        except Exception:  # noqa: BLE001 - the old one is gone either way
+            pass
+        self.subscriber = None
+        self.start_subscriber()
+
+    # ------------------------------------------------------------------ both
+    def add_sources(self, sources: Sequence[Any]) -> None:
+        have = {s.replica for s in self._sources}
+        self._sources += [s for s in sources if s.replica not in have]
+        if self.owner and self.subscriber is not None:
+            self.subscriber.add_sources(sources)
+
+    def remove_replicas(self, replicas: Sequence[ReplicaId]) -> None:
+        gone = set(replicas)
+        self._sources = [s for s in self._sources if s.replica not in gone]
+        if self.owner and self.subscriber is not None:
+            self.subscriber.remove_replicas(replicas)
+
+    def stats(self) -> dict[ReplicaId, dict[str, float | int | bool]]:
+        """The subscriber's per-replica counters (owner; empty in the other processes)."""
+        if not self.owner or self.subscriber is None:
+            return {}
+        return self.subscriber.stats()
+
+    def fanout_stats(self) -> dict[str, int]:
+        """This process's follower counters (and, owner, the subscriber restarts)."""
+        out = self.follower.stats()
+        if self.owner:
+            out["subscriber_restarts"] = self.subscriber_restarts
+        return out
+
+    @property
+    def pending(self) -> int:
+        return self.follower.pending
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the subscriber (owner) and the follower (idempotent; call from a thread, not the loop)."""
+        self._stopped = True
+        if self._supervisor is not None:
+            self._supervisor.get_loop().call_soon_threadsafe(self._supervisor.cancel)
+        self.follower.close()
+        sub, self.subscriber = self.subscriber, None
+        if sub is not None:
+            sub.stop(timeout_s)
+            writer = getattr(sub, "ring_writer", None)
+            if writer is not None:
+                writer.close()
+
+
+def start_fanout(workers: Sequence[Any], router: Any, block_size: int, settings: Any, directory: str,
+                 process_index: int) -> KvFanout | None:
+    """Process ``process_index``'s :class:`KvFanout` for the worker configs in ``workers`` with an
+    ``events`` endpoint (``None`` if none has one): process 0 starts the subscriber (blocking, about
+    a second: call off the event loop); start the follower with ``fanout.follower.start()`` and the
+    supervision with ``fanout.supervise()`` in the loop."""
+    from balancer.service.kv_subscriber import sources_for_worker
+
+    sources = [s for w in workers if w.events for s in sources_for_worker(w.url, w.dp_size, w.events, w.replay)]
+    if not sources:
+        return None
+    fan = KvFanout(fanout_ring_path(directory), router.on_kv_event, process_index == 0, sources, block_size, settings)
+    if fan.owner:
+        fan.start_subscriber()
+    return fan
+
