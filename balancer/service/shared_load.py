@@ -128,8 +128,8 @@ class SharedLoad:
         self._fast = isinstance(self._sel, slice) and self._slots.tolist() == list(range(len(cols)))
         self._sum = np.zeros((_FIELDS, len(cols)), dtype=np.int64)
         # views of the block, made once for the slices path: every row's used columns, and this row's
-        self._used = self._all[:, :, :len(cols)] if self._fast else None
-        self._mine = self._row[:, :len(cols)] if self._fast else None
+        self._used = self._all[:, :, :len(cols)]  # read only on the slices path
+        self._mine = self._row[:, :len(cols)]
 
     def publish(self) -> None:
         """Write this process's counters into its row."""
