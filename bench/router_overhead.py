@@ -34,7 +34,9 @@ and load generators to the others: the routers compete for the same cores, not w
 process tops out near 10,000 requests/s); ``--engines N`` / ``--pd-engines N`` start N mixed engines
 (regular) or N prefill + N decode engines (pd).
 ``--baseline DIR`` also measures ``pdlb serve`` (one process) from another checkout, e.g. the
-main branch's (row ``pdlb@base``), in the same repeats: CPU per request before / after.
+main branch's (row ``pdlb@base``), in the same repeats: CPU per request before / after. Given
+twice or more, every checkout gets a row (``pdlb@base``, ``pdlb@base2``, ...; the goal is checked
+against the first).
 
 It prints every repeat and a summary: the medians over repeats, the ratios pdlb / sglang-router
 per repeat (median), and the issue-13 goals: one process's CPU per request <= 2/3 of the baseline's
@@ -279,7 +281,8 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
         [("prefill", "--zero-delay")] * n + [("decode", "--zero-delay")] * n
     procs: list[Proc] = []
     sgl = None
-    names = (["pdlb@base"] if args.baseline else []) + [_pdlb_name(k, args) for k in args.pdlb_processes]
+    bases = {_base_name(k): d for k, d in enumerate(args.baseline or [])}
+    names = [*bases] + [_pdlb_name(k, args) for k in args.pdlb_processes]
     out: dict[str, list[dict[str, float]]] = {"direct": [], **{k: [] for k in names}, "sglang": []}
     pdlbs: dict[str, Proc] = {}
     try:
@@ -288,9 +291,9 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
         procs += engines
         direct_engine, engines = engines[-1], engines[:-1]
         with _affinity(args.router_cpus):
-            if args.baseline:
-                pdlbs["pdlb@base"] = _spawn_pdlb_from(args.baseline, _pdlb_args(mode, engines, 1))
-                procs.append(pdlbs["pdlb@base"])
+            for name, checkout in bases.items():
+                pdlbs[name] = _spawn_pdlb_from(checkout, _pdlb_args(mode, engines, 1))
+                procs.append(pdlbs[name])
             for k in args.pdlb_processes:
                 a = _pdlb_args(mode, engines, k if k > 0 else args.default_processes)
                 if k == 0:  # pdlb's own default: no --processes at all
@@ -338,6 +341,10 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
     return out
 
 
+def _base_name(k: int) -> str:
+    return "pdlb@base" if k == 0 else f"pdlb@base{k + 1}"
+
+
 def _pdlb_name(processes: int, args: argparse.Namespace) -> str:
     if processes == 0:
         return f"pdlb x{args.default_processes} (default)"
@@ -361,15 +368,16 @@ def _summary(results: dict[str, dict]) -> None:
             cpu = statistics.median(r["cpu_us"] for r in runs)
             med[name] = (a50, a99, rps, cpu)
             print(f"{mode:9}{name if name != 'sglang' else 'sglang-router':22}{a50:13.2f}{a99:13.2f}{rps:11.0f}{cpu:12.0f}")
-        if "pdlb@base" in res and "pdlb" in res:
-            r_cpu = [o["cpu_us"] / b["cpu_us"] for o, b in zip(res["pdlb"], res["pdlb@base"])]
-            r_rps = [o["rps"] / b["rps"] for o, b in zip(res["pdlb"], res["pdlb@base"])]
+        for base in [k for k in pdlb_names if k.startswith("pdlb@base")] if "pdlb" in res else ():
+            r_cpu = [o["cpu_us"] / b["cpu_us"] for o, b in zip(res["pdlb"], res[base])]
+            r_rps = [o["rps"] / b["rps"] for o, b in zip(res["pdlb"], res[base])]
             rc = statistics.median(r_cpu)
-            print(f"{mode:9}{'pdlb / pdlb@base':22}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
+            print(f"{mode:9}{'pdlb / ' + base:22}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
                   f"   (per repeat: CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
-            verdicts.append(f"{mode}: one process's CPU per request {rc:.2f}x the baseline's "
-                            f"({'meets' if rc <= 2 / 3 else 'misses'} <= 0.67x)")
-        for name in [k for k in pdlb_names if k != "pdlb@base"] if res["sglang"] else ():
+            if base == "pdlb@base":
+                verdicts.append(f"{mode}: one process's CPU per request {rc:.2f}x the baseline's "
+                                f"({'meets' if rc <= 2 / 3 else 'misses'} <= 0.67x)")
+        for name in [k for k in pdlb_names if not k.startswith("pdlb@base")] if res["sglang"] else ():
             r_rps = [o["rps"] / t["rps"] for o, t in zip(res[name], res["sglang"])]
             r_cpu = [o["cpu_us"] / t["cpu_us"] for o, t in zip(res[name], res["sglang"])]
             # a ratio of added latencies only means something when the peer's added latency is > 0.1 ms
@@ -422,8 +430,8 @@ def main() -> int:
                     help="client processes for the throughput run (default 1)")
     ap.add_argument("--router-cpus", metavar="LIST",
                     help="pin both routers to these CPUs (e.g. 0-7) and engines + clients to the others (default: no pinning)")
-    ap.add_argument("--baseline", metavar="DIR", type=Path,
-                    help="also measure pdlb serve (one process) from this checkout, e.g. the main branch's")
+    ap.add_argument("--baseline", metavar="DIR", type=Path, action="append",
+                    help="also measure pdlb serve (one process) from this checkout, e.g. the main branch's (repeatable)")
     ap.add_argument("--sglang-router", default=f"bash {PEER}", metavar="CMD",
                     help="command that runs 'sglang-router launch' with the args appended (default: the peer script)")
     args = ap.parse_args()
@@ -445,8 +453,9 @@ def main() -> int:
     args.default_processes = len(args.router_cpus or all_cpus)
     if min(args.engines, args.pd_engines, args.load_processes) < 1:
         ap.error("--engines, --pd-engines and --load-processes must be >= 1")
-    if args.baseline is not None and not (args.baseline / "sim" / "cli.py").is_file():
-        ap.error(f"--baseline {args.baseline}: not a pdlb checkout (no sim/cli.py)")
+    for checkout in args.baseline or []:
+        if not (checkout / "sim" / "cli.py").is_file():
+            ap.error(f"--baseline {checkout}: not a pdlb checkout (no sim/cli.py)")
     sglang_cmd = None if args.no_sglang else shlex.split(args.sglang_router)
     if sglang_cmd and sglang_cmd[0] == "bash" and len(sglang_cmd) > 1 and not Path(sglang_cmd[1]).is_file():
         print(f"note: {sglang_cmd[1]} not found; skipping the sglang-router comparison")

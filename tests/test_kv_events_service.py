@@ -238,7 +238,7 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
 
 def test_prefix_ring_wraps_and_a_lapped_reader_resumes(tmp_path):
     """A 200-byte ring: records written across its end read back whole (a one-block decision for
-    engine "e0" is a 4-byte length + 18 bytes of msgpack: 9 fit before it wraps); a reader more
+    engine "e0" is a 4-byte length, an 8-byte time and 9 bytes of msgpack: 9 fit before it wraps); a reader more
     than 200 bytes behind drops the lapped span (lost_bytes = the bytes it skipped) and reads what
     comes after; a record larger than the ring is not written."""
     import msgpack
@@ -253,8 +253,8 @@ def test_prefix_ring_wraps_and_a_lapped_reader_resumes(tmp_path):
     w, rd = (PrefixShare(r, str(tmp_path), 2, i, ring_bytes=200) for i, r in enumerate(routers))
     routers[1].record_routed = lambda reps, hashes, now: seen.append(hashes)  # type: ignore[method-assign]
     rep = [ReplicaId("e0", 0)]
-    size = 4 + len(msgpack.packb([[["e0", 0]], (7,), 1.0]))
-    assert size == 4 + 18  # fixarray headers 3 + "e0" 3 + 0 1 + fixarray 1 + 7 1 + float64 9
+    size = 4 + 8 + len(msgpack.packb([[["e0", 0]], (7,)]))
+    assert size == 4 + 8 + 9  # fixarray headers 3 + "e0" 3 + 0 1 + fixarray 1 + 7 1
     for i in range(5):
         w.publish(rep, (i,), 1.0)
     assert rd.drain() == 5 and seen == [(i,) for i in range(5)]

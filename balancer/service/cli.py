@@ -2,9 +2,11 @@
 
 By default ``pdlb serve`` runs one router process per core it may run on
 (``os.sched_getaffinity``; ``--processes N`` or ``processes:`` in the config to choose). With N > 1
-the parent process reserves the port, starts N router processes that each listen on it with
-``SO_REUSEPORT`` (the kernel spreads client connections over them), prints the ready line once all
-of them listen, forwards SIGTERM/SIGINT to them and exits when they have drained. While they run it
+the parent process listens on the port, starts N router processes and hands each accepted client
+connection to the next of them in turn (:mod:`balancer.service.handoff`: the kernel's
+``SO_REUSEPORT`` hashing left some processes with twice the mean number of keep-alive clients),
+prints the ready line once all of them are ready, forwards SIGTERM/SIGINT to them and exits when
+they have drained. While they run it
 applies admin changes (``POST``/``DELETE /workers``) to all of them, one at a time, all or none
 (:mod:`balancer.service.shared_admin`). If one of them dies, the others are stopped and ``pdlb
 serve`` exits with status 1 (let a supervisor restart it). Prometheus multiprocess mode aggregates
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import logging
 import multiprocessing
 import os
@@ -32,6 +35,29 @@ from balancer.policies import available_policies
 from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
                                      parse_worker_spec)
+
+
+GC_GEN0_THRESHOLD = 10_000
+"""Net new container objects (allocations minus frees) that trigger a young-generation garbage
+collection in a serving process (CPython's default: 700). A proxied request leaves almost no
+cyclic garbage, but its live objects (about 40 per request in flight: tasks, futures, headers)
+push the count past 700 about once per 18 requests, and each collection walks what is young
+then: with one process under load, 10-13% of its CPU went to the collector (``perf``: gc_collect_main,
+visit_decref, visit_reachable), and full collections of the startup heap (~70,000 objects:
+numpy, pydantic, aiohttp) paused the event loop for 40-54 ms. At 10,000 a loaded process
+collected once in a 5 s run (``bench/router_overhead.py``)."""
+
+
+def tune_gc() -> None:
+    """Move everything alive now (the imported modules, the app) to the collector's permanent
+    generation (``gc.freeze()``: never walked again, so full collections only see objects made
+    while serving) and raise the young generation's threshold to :data:`GC_GEN0_THRESHOLD`.
+    Called once a serving process is ready; cyclic garbage is still collected, in fewer, larger
+    passes (at most about 10,000 container objects wait for one)."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def listen_error(host: str, port: int, err: OSError) -> str:
@@ -163,7 +189,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="allow a non-loopback --host without an admin API key (the admin API then answers loopback "
                         "peers only, which a reverse proxy on this host makes every client) (default: refuse)")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="router processes sharing the port (SO_REUSEPORT); they share in-flight load (shared "
+                   help="router processes behind the port (client connections handed to them in turn); they share in-flight load (shared "
                         "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
                         "events; admin API changes reach all of them (default: one per core this process may run "
                         f"on, {default_processes()} here)")
@@ -269,10 +295,11 @@ def _ready_line(cfg: ServiceConfig, port: int) -> str:
 
 
 async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None,  # noqa: ANN001
-                 shared_prefix_dir: str | None = None) -> int:
-    """Serve until SIGINT/SIGTERM. One process: print the ready line. Process ``process_index`` of
-    several: listen with ``SO_REUSEPORT`` and send ``("ready", port)`` or ``("error", message)``
-    on the duplex pipe ``ready`` instead, which then carries admin changes
+                 shared_prefix_dir: str | None = None, handoff: socket.socket | None = None) -> int:
+    """Serve until SIGINT/SIGTERM. One process: listen, print the ready line. Process
+    ``process_index`` of several: serve the connections the parent hands over on ``handoff``
+    (:mod:`balancer.service.handoff`) and send ``("ready", port)`` or ``("error", message)`` on the
+    duplex pipe ``ready`` instead, which then carries admin changes
     (:mod:`balancer.service.shared_admin`)."""
     try:
         app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir, control=ready)
@@ -285,17 +312,26 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     await runner.setup()
     limit_connections(runner, cfg.max_connections)
     json_parser_errors(runner)
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=True if (cfg.processes or 1) > 1 else None)
-    try:
-        await site.start()
-    except OSError as e:  # port in use, address not ours, ...: one line, nothing left open
-        await runner.cleanup()
-        if ready is not None:
-            ready.send(("error", listen_error(cfg.host, cfg.port, e)))
-        else:
-            print(f"error: {listen_error(cfg.host, cfg.port, e)}", file=sys.stderr)
-        return 2
-    port = runner.addresses[0][1]
+    stop_adopting = None
+    if handoff is not None:
+        from balancer.service.handoff import adopt_connections
+
+        assert runner.server is not None
+        stop_adopting = adopt_connections(handoff, runner.server)
+        port = cfg.port
+    else:
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
+        try:
+            await site.start()
+        except OSError as e:  # port in use, address not ours, ...: one line, nothing left open
+            await runner.cleanup()
+            if ready is not None:
+                ready.send(("error", listen_error(cfg.host, cfg.port, e)))
+            else:
+                print(f"error: {listen_error(cfg.host, cfg.port, e)}", file=sys.stderr)
+            return 2
+        port = runner.addresses[0][1]
+    tune_gc()
     if ready is None:
         print(_ready_line(cfg, port), flush=True)
     else:
@@ -305,6 +341,8 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if stop_adopting is not None:
+        stop_adopting()
     await runner.cleanup()  # stops listening, drains in-flight requests, closes
     return 0
 
@@ -335,12 +373,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- several processes
 def _reserve_port(host: str, port: int) -> socket.socket:
-    """A bound (not listening) ``SO_REUSEPORT`` socket holding ``host:port`` (``port`` 0: a free
-    one) while the router processes start.
+    """A bound (not yet listening) socket holding ``host:port`` (``port`` 0: a free one) while the
+    router processes start; the parent then listens on it (:class:`balancer.service.handoff.Acceptor`).
 
     Raises:
-        OSError: the address is already in use (checked without ``SO_REUSEPORT`` first, so that
-            another process's ``SO_REUSEPORT`` listener is not silently joined) or cannot be bound.
+        OSError: the address is already in use (checked first with a plain bind, so that another
+            process's ``SO_REUSEPORT`` listener is not silently joined) or cannot be bound.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if port != 0:
@@ -350,7 +388,6 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind((host, port))
     except OSError:
         s.close()
@@ -359,18 +396,21 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
-                  shared_load: str | None = None, shared_prefix_dir: str | None = None) -> None:
+                  shared_load: str | None = None, shared_prefix_dir: str | None = None,
+                  handoff: socket.socket | None = None) -> None:
     """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
-    of the shared in-flight load block (:mod:`balancer.service.shared_load`)."""
+    of the shared in-flight load block (:mod:`balancer.service.shared_load`); ``handoff``: its end
+    of the channel its client connections come on (:mod:`balancer.service.handoff`)."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir))
+        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff))
     sys.exit(code)
 
 
 def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     """Run ``cfg.processes`` router processes on one port (see the module docstring)."""
+    from balancer.service.handoff import Acceptor, channel_pair
     from balancer.service.shared_admin import AdminCoordinator
     from balancer.service.shared_load import create_shared_load_block
     from balancer.service.workers import MAX_REPLICAS
@@ -408,15 +448,20 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 0
+    acceptor = None
+    channels: list[socket.socket] = []
     try:
         pipes = []
         for i in range(n_processes):
             mine, theirs = ctx.Pipe(duplex=True)  # ready / error, then admin changes both ways
+            ours, child_end = channel_pair()  # the client connections it serves
+            channels.append(ours)
             p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, theirs,
-                                                        shm.name, prefix_dir),
+                                                        shm.name, prefix_dir, child_end),
                             name=f"pdlb-serve-{i}", daemon=False)
             p.start()
             theirs.close()
+            child_end.close()
             procs.append(p)
             pipes.append(mine)
         for i, (p, recv) in enumerate(zip(procs, pipes)):
@@ -434,7 +479,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
             if msg[0] != "ready":
                 print(f"error: {msg[1]} (router process {i} of {n_processes})", file=sys.stderr)
                 return 2
-        reservation.close()
+        acceptor = Acceptor(reservation, channels)
         print(_ready_line(cfg, port), flush=True)
         admin = AdminCoordinator(pipes, columns, MAX_REPLICAS, alive=lambda i: procs[i].is_alive())
         while not stop["signal"]:
@@ -448,7 +493,11 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
             admin.poll(0.2)  # admin changes; otherwise sleeps 0.2 s
         return code
     finally:
+        if acceptor is not None:
+            acceptor.close()  # stops taking connections, closes the listener and the channels
         reservation.close()
+        for ch in channels:
+            ch.close()
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)

@@ -332,8 +332,8 @@ class ServiceConfig(BaseModel):
         shutdown_timeout_s: graceful shutdown drains in-flight requests for at most this long.
         default_max_tokens: the output length assumed for load accounting when a request names none.
         seed: the router's RNG seed (process ``i`` of ``processes`` uses ``seed + i``).
-        processes: router processes sharing the port (``SO_REUSEPORT``; the kernel spreads client
-            connections over them). In-flight load is shared through shared memory
+        processes: router processes behind the port (the parent accepts client connections and
+            hands them to the processes in turn: :mod:`balancer.service.handoff`). In-flight load is shared through shared memory
             (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
             them, so prefix views agree; in approximate mode each process sends its decisions to
             the others (:mod:`balancer.service.shared_prefix`); breakers are per process;

@@ -4,7 +4,9 @@ Without it each router process counts only the requests *it* routed, so N proces
 about 1/N of the load and pile onto the same "least loaded" ranks (the simulator measures this:
 ``python -m sim.experiments.k_routers``, event-fed routers x1.39 mean TTFT at K = 8 with their own
 load, x1.00 with one shared view). The parent creates one shared-memory block of
-``processes x columns x 3`` int64 counters (requests, prefill tokens, decode KV tokens per DP rank);
+``processes x 3 x columns`` int64 counters (requests, prefill tokens, decode KV tokens per DP
+rank; each field's columns contiguous, so that a pool whose DP ranks hold the tracker's slots
+0..n-1 in columns 0..n-1, any pool never changed at run time, is read and written as slices);
 each process writes its own row from its :class:`~balancer.load.LoadTracker` after every dispatch
 and release, and before each decision reads the sum of the other rows into the tracker's *peer*
 arrays, which the router adds to its own counts (:attr:`balancer.load.LoadTracker.peer`). Reads
@@ -73,12 +75,14 @@ class SharedLoad:
             self._shm.close()
             raise ValueError(f"shared load block {name!r} holds {self._shm.size} bytes, less than {processes} x {width} columns")
         self._width = width
-        self._all = np.ndarray((processes, width, _FIELDS), dtype=np.int64, buffer=self._shm.buf)
+        self._all = np.ndarray((processes, _FIELDS, width), dtype=np.int64, buffer=self._shm.buf)
         self._row = self._all[index]
         self.tracker = tracker
         self._cols: dict[ReplicaId, int] = {}
         self._slots = np.zeros(0, dtype=np.intp)
         self._sel: slice | np.ndarray = slice(0, 0)
+        self._fast = True  # slots 0..n-1 in columns 0..n-1: slices only
+        self._sum = np.zeros((_FIELDS, 0), dtype=np.int64)
         self.add(cols)
         tracker.peer = self
 
@@ -102,7 +106,7 @@ class SharedLoad:
             used.add(c)
         for rep, c in columns.items():
             self._cols[rep] = c
-            self._row[c] = 0
+            self._row[:, c] = 0
         self._reindex()
 
     def remove(self, replicas: Sequence[ReplicaId]) -> None:
@@ -111,7 +115,7 @@ class SharedLoad:
         for rep in replicas:
             c = self._cols.pop(rep, None)
             if c is not None:
-                self._row[c] = 0
+                self._row[:, c] = 0
         self._reindex()
 
     def _reindex(self) -> None:
@@ -121,34 +125,53 @@ class SharedLoad:
         # columns 0..n-1 in order (a pool never changed at run time): a slice, no gather
         self._sel = slice(0, len(cols)) if cols == list(range(len(cols))) else np.array(cols, dtype=np.intp)
         self._n = len(cols)
+        self._fast = isinstance(self._sel, slice) and self._slots.tolist() == list(range(len(cols)))
+        self._sum = np.zeros((_FIELDS, len(cols)), dtype=np.int64)
+        # views of the block, made once for the slices path: every row's used columns, and this row's
+        self._used = self._all[:, :, :len(cols)]  # read only on the slices path
+        self._mine = self._row[:, :len(cols)]
 
     def publish(self) -> None:
         """Write this process's counters into its row."""
-        if self._n:
-            t, s, row = self.tracker, self._slots, self._row[self._sel]
-            if isinstance(self._sel, slice):  # row is a view: write in place
-                row[:, 0] = t.num_requests[s]
-                row[:, 1] = t.prefill_tokens[s]
-                row[:, 2] = t.decode_kv_tokens[s]
-            else:
-                self._row[self._sel] = np.stack([t.num_requests[s], t.prefill_tokens[s], t.decode_kv_tokens[s]], axis=1)
+        n = self._n
+        if not n:
+            return
+        t, row = self.tracker, self._row
+        if self._fast:
+            row[0, :n] = t.num_requests[:n]
+            row[1, :n] = t.prefill_tokens[:n]
+            row[2, :n] = t.decode_kv_tokens[:n]
+        else:
+            s, sel = self._slots, self._sel
+            row[0, sel] = t.num_requests[s]
+            row[1, sel] = t.prefill_tokens[s]
+            row[2, sel] = t.decode_kv_tokens[s]
 
     def refresh(self) -> None:
         """Publish, then set the tracker's peer arrays to the other rows' sums."""
         self.publish()
-        if not self._n:
+        n = self._n
+        if not n:
             return
-        sel = self._sel
-        others = self._all[:, sel].sum(axis=0) - self._row[sel]
-        t, s = self.tracker, self._slots
-        t.peer_requests[s] = others[:, 0]
-        t.peer_prefill_tokens[s] = others[:, 1]
-        t.peer_kv_tokens[s] = others[:, 2]
+        t, others = self.tracker, self._sum
+        if self._fast:
+            np.add.reduce(self._used, axis=0, out=others)
+            others -= self._mine
+            t.peer_requests[:n] = others[0]
+            t.peer_prefill_tokens[:n] = others[1]
+            t.peer_kv_tokens[:n] = others[2]
+        else:
+            sel, s = self._sel, self._slots
+            np.add.reduce(self._all[:, :, sel], axis=0, out=others)  # a gather: a copy, made afresh
+            others -= self._row[:, sel]
+            t.peer_requests[s] = others[0]
+            t.peer_prefill_tokens[s] = others[1]
+            t.peer_kv_tokens[s] = others[2]
 
     def close(self) -> None:
         """Zero this process's row (its requests no longer count anywhere) and detach."""
         for c in self._cols.values():
-            self._row[c] = 0
+            self._row[:, c] = 0
         self.tracker.peer = None
-        del self._row, self._all
+        del self._row, self._all, self._used, self._mine
         self._shm.close()

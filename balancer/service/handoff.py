@@ -1,0 +1,130 @@
+"""Client connections of ``pdlb serve --processes N``: the parent accepts them and hands them to the
+router processes in turn.
+
+With one ``SO_REUSEPORT`` listener per process the kernel hashes each new connection to one of
+them, and keep-alive clients stay where they landed: 16 connections over 8 processes came out
+as ``[4, 3, 3, 2, 1, 1, 1, 1]`` (and one process with none, 1 time in 3), so the busiest process
+queued twice the mean load and set the router's added p99 latency. Here the parent listens alone,
+accepts on a thread and passes each accepted socket (``SCM_RIGHTS``, :func:`socket.send_fds`) over
+a Unix socket pair to the next process (round robin: 16 connections over 8 processes are 2 each);
+the process adopts it into its aiohttp server (``loop.connect_accepted_socket``). Only the
+connection's set-up passes through the parent (about 20 us of its CPU), never a request.
+Node.js's ``cluster`` module schedules connections the same way by default, for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+__all__ = ["Acceptor", "adopt_connections", "channel_pair"]
+
+log = logging.getLogger("pdlb.handoff")
+
+_BATCH_FDS = 64  # sockets read per message at most
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """The (parent's, process's) ends of one hand-off channel: a Unix ``SOCK_SEQPACKET`` pair,
+    so that each handed socket is one message."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+class Acceptor:
+    """The parent's side: accept on ``listener`` (bound; listened on here) in a daemon thread and
+    send each connection to ``channels[i]`` in turn, skipping a channel whose process is gone (its
+    socket then goes to the next; with none left the connection is closed). :meth:`close` stops
+    it and closes the listener."""
+
+    def __init__(self, listener: socket.socket, channels: Sequence[socket.socket], backlog: int = 1024) -> None:
+        self.listener = listener
+        self.channels = list(channels)
+        self.handed = [0] * len(self.channels)  # connections passed to each process
+        self._closed = False
+        listener.listen(backlog)
+        self._thread = threading.Thread(target=self._run, name="pdlb-accept", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n, i = len(self.channels), 0
+        dead: set[int] = set()
+        while not self._closed:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue  # e.g. ECONNABORTED, EMFILE: the next one
+            try:
+                for _ in range(n):
+                    k, i = i, (i + 1) % n
+                    if k in dead:
+                        continue
+                    try:
+                        socket.send_fds(self.channels[k], [b"c"], [conn.fileno()])
+                        self.handed[k] += 1
+                        break
+                    except OSError:  # that process exited (its end is closed)
+                        dead.add(k)
+            finally:
+                conn.close()  # the process holds its own duplicate now
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self.listener.close()
+        self._thread.join(5)
+        for ch in self.channels:
+            ch.close()
+
+
+def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asyncio.Protocol]) -> Callable[[], None]:
+    """A router process's side: read handed-over sockets from ``channel`` in the running event
+    loop and serve each with ``protocol_factory`` (the aiohttp server); returns the function that
+    stops (call before the runner's cleanup)."""
+    loop = asyncio.get_running_loop()
+    channel.setblocking(False)
+    pending: set[asyncio.Task] = set()
+
+    def readable() -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(channel, _BATCH_FDS, _BATCH_FDS)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("connection hand-off channel failed: %s", e)
+                stop()
+                return
+            if not msg and not fds:  # the parent is gone
+                stop()
+                return
+            for fd in fds:
+                sock = socket.socket(fileno=fd)
+                t = loop.create_task(loop.connect_accepted_socket(protocol_factory, sock))
+                pending.add(t)
+                t.add_done_callback(_done)
+
+    def _done(t: asyncio.Task) -> None:
+        pending.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("handed-over connection not served: %s", t.exception())
+
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        if stopped:
+            return
+        stopped = True
+        loop.remove_reader(channel.fileno())
+        channel.close()
+
+    loop.add_reader(channel.fileno(), readable)
+    return stop
