@@ -139,13 +139,32 @@ class LoadTracker:
         self.prefill_head_start_s = np.full(n, np.inf)
         self.prefill_head_tokens = np.zeros(n, dtype=np.int64)
         self.prefill_head_pairs = np.zeros(n, dtype=np.float64)
-        self._pending: list[deque[str]] = [deque() for _ in range(n)]
+        # records in dispatch order; ones that left out of order stay until they reach the head
+        # or outnumber the live ones (then the deque is compacted): O(1) amortised per hook
+        self._pending: list[deque[_InFlight]] = [deque() for _ in range(n)]
+        self._dead: list[int] = [0] * n  # records in _pending[slot] that left it
         self._now_s = 0.0  # latest time a hook was given (for hooks given none)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["peer"] = None  # a shared-memory view belongs to its process
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        # a tracker pickled before the in-service columns existed: start them empty (its pending
+        # prefills count in full, as they did then)
+        n = len(self.num_requests)
+        if "_pending" not in state:
+            self.prefill_head_start_s = np.full(n, np.inf)
+            self.prefill_head_tokens = np.zeros(n, dtype=np.int64)
+            self.prefill_head_pairs = np.zeros(n, dtype=np.float64)
+            self._pending = [deque() for _ in range(n)]
+            self._now_s = 0.0
+            for rec in self._inflight.values():
+                rec.queue_slot = -1
+        if "_dead" not in state:
+            self._dead = [0] * n
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, replica: ReplicaId) -> int:
@@ -167,6 +186,7 @@ class LoadTracker:
                     setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=arr.dtype)]))
                 self.prefill_head_start_s = np.concatenate([self.prefill_head_start_s, np.full(grow, np.inf)])
                 self._pending.extend(deque() for _ in range(grow))
+                self._dead.extend(0 for _ in range(grow))
         self.num_requests[slot] = 0
         self.prefill_tokens[slot] = 0
         self.decode_kv_tokens[slot] = 0
@@ -175,6 +195,7 @@ class LoadTracker:
         self.external_kv_tokens[slot] = 0
         self.peer_requests[slot] = self.peer_prefill_tokens[slot] = self.peer_kv_tokens[slot] = 0
         self._pending[slot].clear()
+        self._dead[slot] = 0
         self._set_head(slot, None, 0.0)
         self._report_s.pop(slot, None)
         self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
@@ -194,6 +215,7 @@ class LoadTracker:
             if rec.queue_slot == slot:
                 rec.queue_slot = -1
         self._pending[slot].clear()
+        self._dead[slot] = 0
         self._set_head(slot, None, 0.0)
 
     def slot(self, replica: ReplicaId) -> int:
@@ -245,8 +267,8 @@ class LoadTracker:
         self._inflight[request_id] = rec
         if q >= 0:
             pending = self._pending[q]
-            pending.append(request_id)
-            if len(pending) == 1:
+            pending.append(rec)
+            if len(pending) == 1:  # the head is always a live record (see _leave_queue)
                 self._set_head(q, rec, now_s)
 
     def _set_head(self, slot: int, rec: _InFlight | None, start_s: float) -> None:
@@ -264,15 +286,17 @@ class LoadTracker:
         if q < 0:
             return
         pending = self._pending[q]
-        if pending and pending[0] == request_id:
+        if pending and pending[0] is rec:
             pending.popleft()
-            nxt = self._inflight.get(pending[0]) if pending else None
-            self._set_head(q, nxt, now_s)  # the next one begins now (or at its dispatch, if later)
-        else:
-            try:
-                pending.remove(request_id)  # done out of order: the head keeps its start
-            except ValueError:
-                pass
+            while pending and pending[0].queue_slot != q:  # drop those that left out of order
+                pending.popleft()
+                self._dead[q] -= 1
+            self._set_head(q, pending[0] if pending else None, now_s)  # it begins now (or at its dispatch)
+        else:  # done out of order: the head keeps its start; the record is dropped lazily
+            self._dead[q] += 1
+            if self._dead[q] > 32 and 2 * self._dead[q] > len(pending):
+                self._pending[q] = deque(r for r in pending if r.queue_slot == q)
+                self._dead[q] = 0
 
     def on_prefill_done(self, request_id: str, now_s: float | None = None) -> None:
         """Release the prefill share (idempotent; unknown ids are ignored). ``now_s``: when (the

@@ -189,3 +189,72 @@ def test_simulated_dense_cluster_meets_more_budgets_with_in_service_progress():
     # the same requests and engines; measured when written: 73.9% vs 61.9% (bench/policy_goodput.py's
     # dense row at the trace rate, TPOT 50 ms); asserted: at least 5 points
     assert on.attainment > off.attainment + 0.05, (on.attainment, off.attainment)
+
+
+# ---------------------------------------------------------------------- bounds and old snapshots
+def test_head_of_line_matches_a_plain_list_model_under_random_hook_orders():
+    # the reference: a list in dispatch order, removed from directly; the head begins at
+    # max(its dispatch, the time the previous head left). Independent of the lazy deque.
+    rng = random.Random(7)
+    t = tracker()
+    ref: list[tuple[str, float, int]] = []  # (id, dispatch time, tokens) on replica A
+    ref_start = math.inf
+    live: list[str] = []
+    now = 0.0
+    for i in range(3000):
+        now += rng.random()
+        if not live or rng.random() < 0.5:
+            rid = f"r{i}"
+            tokens = rng.randrange(1, 5000)
+            t.on_dispatch(rid, A, D, tokens, tokens, now_s=now)
+            ref.append((rid, now, tokens))
+            live.append(rid)
+            if len(ref) == 1:
+                ref_start = now
+        else:
+            rid = live.pop(rng.randrange(len(live)))
+            was_head = ref[0][0] == rid
+            ref = [r for r in ref if r[0] != rid]
+            (t.on_prefill_done if rng.random() < 0.7 else t.on_finished)(rid, now_s=now)
+            if was_head:
+                ref_start = max(ref[0][1], now) if ref else math.inf
+        start, tokens, _ = head(t, A)
+        assert start == ref_start and tokens == (ref[0][2] if ref else 0)
+        assert t.prefill_tokens[t.slot(A)] == sum(r[2] for r in ref)
+        # bounded: the records that left out of order never outnumber the live ones by much
+        assert len(t._pending[t.slot(A)]) <= 2 * len(ref) + 33
+
+
+def test_prefills_done_in_reverse_order_cost_amortised_constant_work():
+    # 20,000 pending on one replica, done newest first: every record is visited O(1) times
+    # (counted through the deque sizes, not timed): the deque is compacted as dead ones pile up
+    t = tracker()
+    n = 20_000
+    for i in range(n):
+        t.on_dispatch(f"r{i}", A, D, 10, 10, now_s=float(i))
+    sizes = []
+    for i in reversed(range(n)):
+        t.on_prefill_done(f"r{i}", now_s=float(n + i))
+        sizes.append(len(t._pending[t.slot(A)]))
+    assert sizes[-1] == 0 and head(t, A) == (math.inf, 0, 0.0)
+    live_after = [n - 1 - k for k in range(n)]
+    assert all(s <= 2 * live + 34 for s, live in zip(sizes, live_after))
+
+
+def test_a_tracker_pickled_before_the_head_of_line_existed_restores_and_routes():
+    import pickle
+
+    t = tracker()
+    t.on_dispatch("x", A, D, 100, 100, now_s=1.0)
+    state = t.__getstate__()
+    for k in ("prefill_head_start_s", "prefill_head_tokens", "prefill_head_pairs", "_pending", "_dead", "_now_s"):
+        state.pop(k)
+    old = LoadTracker.__new__(LoadTracker)
+    old.__setstate__(state)
+    old = pickle.loads(pickle.dumps(old))
+    assert head(old, A) == (math.inf, 0, 0.0)  # its pending prefill counts in full, as it did then
+    old.on_dispatch("y", A, D, 50, 50, now_s=2.0)
+    assert head(old, A) == (2.0, 50, 0.0)
+    old.on_prefill_done("x", now_s=3.0)  # not in line: nothing moves
+    old.on_prefill_done("y", now_s=4.0)
+    assert head(old, A) == (math.inf, 0, 0.0) and old.prefill_tokens[old.slot(A)] == 0

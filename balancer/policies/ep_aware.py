@@ -107,8 +107,9 @@ Parameters:
     ttft_slo_s, ttft_slo_per_1k_tokens_s: the policy's own TTFT budget (0 = none: the router's),
         seconds and seconds per 1,000 prompt tokens.
     slo_margin: a candidate meets the budget when ``slo_margin * predicted TTFT <= budget``;
-        ``None`` (default): 1 where the queues count in-service progress (dense prefill pools with
-        ``in_service_progress``), else 0.8: a predicted wait that counts in-flight prompts in full
+        ``None`` (default): 1 where the queues count in-service progress (prefill pools whose
+        engines are all dense, with ``in_service_progress``; a pool mixing dense and wide-EP
+        engines has its dense ranks corrected but keeps 0.8), else 0.8: a predicted wait that counts in-flight prompts in full
         runs high, and taken at face value under a strict percentile SLO too many requests are taken
         for doomed that would have made it (p97 on the default scenario 0.276x rate with 1 vs 0.373x
         with 0.8, SLO-blind 0.394x).
