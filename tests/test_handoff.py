@@ -53,3 +53,84 @@ async def test_connections_go_to_the_processes_in_turn_and_a_gone_one_is_skipped
     # closed: the port no longer takes connections
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def test_a_process_whose_channel_ends_is_told_its_parent_is_gone():
+    ours, child = channel_pair()
+    gone = []
+    stop = adopt_connections(child, lambda: _Tag("p"), lambda: gone.append(True))
+    ours.close()  # the parent died: end of file on the channel
+    for _ in range(50):
+        if gone:
+            break
+        await asyncio.sleep(0.01)
+    assert gone == [True]
+    stop()  # idempotent after the channel closed itself
+    assert gone == [True]
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_router_processes_exit_and_clean_up_when_the_serve_parent_is_killed():
+    import os
+    import re
+    import signal
+    import sys
+    import time
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    from sim.emulator.testing import spawn_engines, spawn_router
+
+    engines = spawn_engines([("prefill",), ("decode",)])
+    router = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2")
+    try:
+        kids = [p for p in _children(router.popen.pid)
+                if "spawn_main" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
+        assert len(kids) == 2
+        env = open(f"/proc/{kids[0]}/environ", "rb").read().split(b"\0")
+        metrics_dir = next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+        maps = open(f"/proc/{kids[0]}/maps").read()
+        prefix_dir = re.search(r"(/\S*pdlb-prefix-[^/\s]+)/", maps).group(1)
+        assert os.path.isdir(metrics_dir) and os.path.isdir(prefix_dir)
+        os.kill(router.popen.pid, signal.SIGKILL)  # no clean-up by the parent
+        router.popen.wait(5)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(map(_running, kids)):
+            time.sleep(0.1)
+        # before: both processes kept running with nothing to serve, and the folders stayed
+        assert not any(map(_running, kids))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (os.path.exists(metrics_dir) or os.path.exists(prefix_dir)):
+            time.sleep(0.1)
+        assert not os.path.exists(metrics_dir) and not os.path.exists(prefix_dir)
+    finally:
+        router.kill()
+        for p in _children(router.popen.pid):
+            os.kill(p, signal.SIGKILL)
+        for e in engines:
+            e.stop()

@@ -36,6 +36,8 @@ from balancer.service.app import create_app, json_parser_errors, limit_connectio
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
                                      parse_worker_spec)
 
+log = logging.getLogger("pdlb.serve")
+
 
 GC_GEN0_THRESHOLD = 10_000
 """Net new container objects (allocations minus frees) that trigger a young-generation garbage
@@ -313,11 +315,20 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     limit_connections(runner, cfg.max_connections)
     json_parser_errors(runner)
     stop_adopting = None
+    stop = asyncio.Event()
+    orphaned = False
+
+    def parent_gone() -> None:
+        nonlocal orphaned
+        orphaned = True
+        log.error("router process %d: the pdlb serve parent is gone; draining and exiting", process_index)
+        stop.set()
+
     if handoff is not None:
         from balancer.service.handoff import adopt_connections
 
         assert runner.server is not None
-        stop_adopting = adopt_connections(handoff, runner.server)
+        stop_adopting = adopt_connections(handoff, runner.server, parent_gone)
         port = cfg.port
     else:
         site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
@@ -336,7 +347,6 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
         print(_ready_line(cfg, port), flush=True)
     else:
         ready.send(("ready", port))
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -344,6 +354,11 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     if stop_adopting is not None:
         stop_adopting()
     await runner.cleanup()  # stops listening, drains in-flight requests, closes
+    if orphaned:  # nobody else will remove the shared folders the parent made
+        for d in (shared_prefix_dir, os.environ.get("PROMETHEUS_MULTIPROC_DIR")):
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
+        return 1
     return 0
 
 

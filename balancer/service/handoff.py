@@ -84,10 +84,12 @@ class Acceptor:
             ch.close()
 
 
-def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asyncio.Protocol]) -> Callable[[], None]:
+def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asyncio.Protocol],
+                      on_parent_gone: Callable[[], None] | None = None) -> Callable[[], None]:
     """A router process's side: read handed-over sockets from ``channel`` in the running event
     loop and serve each with ``protocol_factory`` (the aiohttp server); returns the function that
-    stops (call before the runner's cleanup)."""
+    stops (call before the runner's cleanup). ``on_parent_gone`` is called once if the channel
+    reaches end of file or fails (the parent died: no connection will come again)."""
     loop = asyncio.get_running_loop()
     channel.setblocking(False)
     pending: set[asyncio.Task] = set()
@@ -101,9 +103,13 @@ def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asy
             except OSError as e:
                 log.warning("connection hand-off channel failed: %s", e)
                 stop()
+                if on_parent_gone is not None:
+                    on_parent_gone()
                 return
             if not msg and not fds:  # the parent is gone
                 stop()
+                if on_parent_gone is not None:
+                    on_parent_gone()
                 return
             for fd in fds:
                 sock = socket.socket(fileno=fd)
