@@ -160,11 +160,10 @@ class LoadTracker:
             self.prefill_head_tokens = np.zeros(n, dtype=np.int64)
             self.prefill_head_pairs = np.zeros(n, dtype=np.float64)
             self._pending = [deque() for _ in range(n)]
+            self._dead = [0] * n
             self._now_s = 0.0
             for rec in self._inflight.values():
                 rec.queue_slot = -1
-        if "_dead" not in state:
-            self._dead = [0] * n
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, replica: ReplicaId) -> int:
@@ -194,9 +193,7 @@ class LoadTracker:
         self.external_requests[slot] = 0
         self.external_kv_tokens[slot] = 0
         self.peer_requests[slot] = self.peer_prefill_tokens[slot] = self.peer_kv_tokens[slot] = 0
-        self._pending[slot].clear()
-        self._dead[slot] = 0
-        self._set_head(slot, None, 0.0)
+        self._clear_line(slot)
         self._report_s.pop(slot, None)
         self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
         self._slot[replica] = slot
@@ -214,9 +211,7 @@ class LoadTracker:
                 rec.decode_slot = -2
             if rec.queue_slot == slot:
                 rec.queue_slot = -1
-        self._pending[slot].clear()
-        self._dead[slot] = 0
-        self._set_head(slot, None, 0.0)
+        self._clear_line(slot)
 
     def slot(self, replica: ReplicaId) -> int:
         return self._slot[replica]
@@ -281,7 +276,12 @@ class LoadTracker:
             self.prefill_head_tokens[slot] = rec.prefill_tokens
             self.prefill_head_pairs[slot] = rec.prefill_attn_pairs
 
-    def _leave_queue(self, request_id: str, rec: _InFlight, now_s: float) -> None:
+    def _clear_line(self, slot: int) -> None:
+        self._pending[slot].clear()
+        self._dead[slot] = 0
+        self._set_head(slot, None, 0.0)
+
+    def _leave_queue(self, rec: _InFlight, now_s: float) -> None:
         q, rec.queue_slot = rec.queue_slot, -1
         if q < 0:
             return
@@ -307,7 +307,7 @@ class LoadTracker:
         rec.prefill_released = True
         now_s = self._now_s if now_s is None else max(self._now_s, now_s)
         self._now_s = now_s
-        self._leave_queue(request_id, rec, now_s)
+        self._leave_queue(rec, now_s)
         if rec.prefill_slot >= 0:
             self.num_requests[rec.prefill_slot] -= 1
             self.prefill_tokens[rec.prefill_slot] -= rec.prefill_tokens

@@ -74,7 +74,7 @@ except ImportError:  # --help works without PyTorch; main() says what is missing
     torch = None  # type: ignore[assignment]
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_profile import NO_TORCH, Timer, ceilings  # noqa: E402 (sibling bench script; shares the timer)
+from gpu_profile import Timer, ceilings, torch_device  # noqa: E402 (sibling bench script; shares the timer)
 
 #: H200 datasheet: bf16 dense tensor TFLOP/s, HBM3e bytes/s; pdlb's default efficiencies
 PEAK_FLOPS, HBM_BYTES_S = 989e12, 4.8e12
@@ -352,12 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip the points left after this many seconds")
     ap.add_argument("--kinds", default=None, help="comma-separated subset of kinds")
     args = ap.parse_args(argv)
-    if torch is None:
-        print(NO_TORCH.format(script="bench/gpu_kinds.py"), file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA not available; use --device cpu", file=sys.stderr)
+    device = torch_device(args.device, "bench/gpu_kinds.py")
+    if device is None:
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.time()

@@ -422,6 +422,18 @@ def attention_backends(device: torch.device, n: int = 8192) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
+def torch_device(name: str, script: str):  # noqa: ANN201 (torch.device, or None)
+    """``torch.device(name)``, or None after a one-line error when PyTorch or CUDA is missing."""
+    if torch is None:
+        print(NO_TORCH.format(script=script), file=sys.stderr)
+        return None
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA not available; use --device cpu", file=sys.stderr)
+        return None
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     rest = sys.argv[1:] if argv is None else list(argv)
     if rest and rest[0] == "--kinds":  # the attention / MoE kernel kinds (bench/gpu_kinds.py)
@@ -444,13 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=1, help="sweep the whole grid this many times")
     ap.add_argument("--skip-extras", action="store_true", help="no ceilings / backend / eager extras")
     args = ap.parse_args(argv)
-    if torch is None:
-        print(NO_TORCH.format(script="bench/gpu_profile.py"), file=sys.stderr)
-        return 2
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA not available; use --device cpu", file=sys.stderr)
+    device = torch_device(args.device, "bench/gpu_profile.py")
+    if device is None:
         return 2
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     arch = TINY if args.tiny else LLAMA_3_1_8B

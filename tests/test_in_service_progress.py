@@ -122,10 +122,16 @@ def test_in_service_queue_on_a_wide_ep_engine_steps_at_its_slowest_rank():
 
 
 # ---------------------------------------------------------------------- the policy
-def test_a_rank_far_into_a_long_prompt_is_cheaper_than_one_that_just_took_a_shorter_one():
-    r = Router("ep_aware:horizon_weight=0,tie_tolerance=0", "round_robin", cost_model=dense())
+def dense_router(**kw) -> Router:
+    """Prefill replicas A and B, decode D, ``ep_aware`` without its heuristic terms, on :func:`dense`."""
+    r = Router("ep_aware:horizon_weight=0,tie_tolerance=0", "round_robin", cost_model=dense(), **kw)
     for x, role in ((A, "prefill"), (B, "prefill"), (D, "decode")):
         r.add_replica(x, role)
+    return r
+
+
+def test_a_rank_far_into_a_long_prompt_is_cheaper_than_one_that_just_took_a_shorter_one():
+    r = dense_router()
     r.load.on_dispatch("long", A, D, 20_000, 20_000, now_s=0.0)
     r.load.on_dispatch("short", B, D, 8000, 8000, now_s=7.0)
     req = Request("n", 7.5, 1000)
@@ -152,10 +158,7 @@ def test_a_rank_far_into_a_long_prompt_is_cheaper_than_one_that_just_took_a_shor
 def test_slo_margin_is_one_where_progress_is_counted_and_0_8_elsewhere():
     # dense pool, router-built candidates (they carry the head of line), both queues dispatched
     # just now (no progress yet)
-    r = Router("ep_aware:horizon_weight=0,tie_tolerance=0", "round_robin", cost_model=dense(),
-               ttft_slo=TtftSlo(1.2))
-    for x, role in ((A, "prefill"), (B, "prefill"), (D, "decode")):
-        r.add_replica(x, role)
+    r = dense_router(ttft_slo=TtftSlo(1.2))
     r.load.on_dispatch("qa", A, D, 10_000, 10_000, now_s=5.0)
     r.load.on_dispatch("qb", B, D, 11_000, 11_000, now_s=5.0)
     req = Request("n", 5.0, 3000)

@@ -109,8 +109,8 @@ Parameters:
     slo_margin: a candidate meets the budget when ``slo_margin * predicted TTFT <= budget``;
         ``None`` (default): 1 where the queues count in-service progress (prefill pools whose
         engines are all dense, with ``in_service_progress``; a pool mixing dense and wide-EP
-        engines has its dense ranks corrected but keeps 0.8), else 0.8: a predicted wait that counts in-flight prompts in full
-        runs high, and taken at face value under a strict percentile SLO too many requests are taken
+        engines has its dense ranks corrected but keeps 0.8), else 0.8: a predicted wait that
+        counts in-flight prompts in full runs high, and taken at face value under a strict percentile SLO too many requests are taken
         for doomed that would have made it (p97 on the default scenario 0.276x rate with 1 vs 0.373x
         with 0.8, SLO-blind 0.394x).
     in_service_progress: subtract from a dense prefill rank's queue what its in-service prompt has
@@ -150,6 +150,10 @@ def _compute_s(c: PrefillStepCost, u: np.ndarray, cached: np.ndarray) -> np.ndar
     per_group_token) u + per_attn_pair (u p + u (u + 1) / 2)`` for ``u`` uncached tokens after
     ``p`` cached ones, shape ``(n,)``."""
     return (c.per_token_s + c.per_group_token_s) * u + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0)
+
+
+#: ``slo_margin``'s automatic value where queued prompts count in full (module docstring)
+PESSIMISTIC_SLO_MARGIN = 0.8
 
 
 def in_service_queue(q: np.ndarray, a: np.ndarray, head_start_s: np.ndarray, head_tokens: np.ndarray,
@@ -270,7 +274,7 @@ class EpAware(Policy):
             assert ttft is not None and own is not None  # prefill or mixed, want_own
             margin = self.slo_margin
             if margin is None:  # queues corrected for in-service progress are not pessimistic
-                margin = 1.0 if self._progress_applies(cands, model, names) else 0.8
+                margin = 1.0 if self._progress_applies(cands, model, names) else PESSIMISTIC_SLO_MARGIN
             cost, doomed = self._slo(slo.budget_s(request.prompt_tokens), cost, ttft, own, margin)
         cost, feasible = self._capacity(request, cands, cost)
         if doomed:  # the longest predicted TTFT among the least harmful: no tie rule on these scores
@@ -359,7 +363,7 @@ class EpAware(Policy):
         return not any(model.engine(name, "prefill").ep_synchronous for name in names)
 
     def _slo(self, budget: float, cost: np.ndarray, ttft: np.ndarray, own: np.ndarray,
-             margin: float = 0.8) -> tuple[np.ndarray, bool]:
+             margin: float) -> tuple[np.ndarray, bool]:
         """SLO-aware placement (module docstring): ``(cost, doomed)``."""
         ok = ttft * margin <= budget
         if ok.all():
