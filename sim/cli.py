@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--policies", default=",".join(available_policies()), metavar="A,B:K=V,...",
                       help="comma-separated policies, each NAME or NAME:K=V[,K=V] (e.g. round_robin,"
                            "cache_aware:cache_threshold=0.5,balance_abs=8; see 'pdlb policies'; default: all: %(default)s)")
+    cmp_.add_argument("--policy", dest="policy_specs", action="append", default=[], metavar="NAME[:K=V,...]",
+                      help="a policy with parameters, e.g. --policy cache_aware:cache_threshold=0.5,balance_abs=8 "
+                           "(repeatable; replaces --policies; as in 'pdlb sim capacity')")
     cmp_.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
                       help="use this policy for the decode pool in every run (default: the run's policy)")
     _add_policy_module_arg(cmp_)
@@ -401,18 +404,19 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                     console.print(_describe(sc))
                 return 0
             if args.sim_command == "compare":
-                names = policy_list(args.policies)
+                flag = "--policy" if args.policy_specs else "--policies"
+                names = list(args.policy_specs) or policy_list(args.policies)
                 if args.decode_policy and not load_scenario(args.scenario).disaggregated:
                     raise ValueError(f"--decode-policy: scenario {args.scenario!r} is aggregated (one mixed pool, "
                                      "routed by the decode policy): every run would use "
                                      f"{args.decode_policy}; compare with --policies instead")
-                runs = _policy_runs(args, [("--policies", p, args.decode_policy) for p in names])
+                runs = _policy_runs(args, [(flag, p, args.decode_policy) for p in names])
                 seen: dict[str, str] = {}  # same policies and parameters (defaults spelled out or not)
                 for p, d, plabel, _ in runs:
                     key = repr((p.name, sorted(p.params().items()), d.name, sorted(d.params().items())))
                     if key in seen:
                         same = "" if seen[key] == plabel else f" (the same policy as {seen[key]})"
-                        raise ValueError(f"--policies: {plabel} given more than once{same}")
+                        raise ValueError(f"{flag}: {plabel} given more than once{same}")
                     seen[key] = plabel
                 return _run_many(args, runs, console)
             if args.sim_command == "run":
