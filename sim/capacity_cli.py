@@ -45,6 +45,7 @@ from sim.cli_args import (
     slo_from_args,
     unique_results_dir,
     warn_idle_flags,
+    warn_idle_slo_params,
     workload_spec,
 )
 
@@ -210,6 +211,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     if args.executor != "ray":
         idle.append(("ray_address", f"with --executor {args.executor}: it names a Ray cluster"))
     warn_idle_flags(args, idle)
+    warn_idle_slo_params([(s.label, *s.build()) for s in specs], opts.route_slo, "drop --no-route-slo")
     if args.search == "rate":
         searches: list = [RateSearch(scenario, wl, s, slo, args.rate_min, args.rate_max, args.rate_start, args.tol,
                                      args.max_evals, args.seed, opts, early) for s in specs]

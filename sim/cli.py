@@ -59,6 +59,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     scenario_from_args,
     unique_results_dir,
     warn_idle_flags,
+    warn_idle_slo_params,
 )
 from sim.scenario import PRESETS, Scenario, describe_pools, load_scenario
 
@@ -212,17 +213,6 @@ def _describe(sc: Scenario) -> str:
     return f"[bold]{escape(sc.name)}[/]: {escape(sc.description or describe_pools(sc))} ({sc.num_gpus} GPUs)"
 
 
-def _idle_slo_params(policy: Any, route_slo: bool) -> list[str]:
-    """The ``slo_*`` parameters set away from their defaults on a policy that gets no TTFT budget
-    (neither its own ``ttft_slo_s`` nor ``--route-slo`` with ``slo_aware``): they change nothing."""
-    if not dataclasses.is_dataclass(policy) or not hasattr(policy, "ttft_slo_s"):
-        return []
-    if policy.ttft_slo_s > 0 or (route_slo and getattr(policy, "slo_aware", True)):
-        return []
-    return [f.name for f in dataclasses.fields(policy)
-            if f.name.startswith("slo_") and f.name != "slo_aware" and getattr(policy, f.name) != f.default]
-
-
 def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
@@ -237,12 +227,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
         idle.append(("policy", f"with --decode-policy on the aggregated scenario {scenario.name!r}: its one mixed "
                                "pool is routed by the decode policy"))
     warn_idle_flags(args, idle)
-    for p, _, plabel, _ in runs:
-        idle = _idle_slo_params(p, args.route_slo)
-        if idle:
-            print(f"warning: {plabel}: {', '.join(idle)} change{'s' if len(idle) == 1 else ''} nothing without a "
-                  f"TTFT budget to route against "
-                  f"(add --route-slo, or ttft_slo_s=S to the policy)", file=sys.stderr)
+    warn_idle_slo_params([(plabel, p, d) for p, d, plabel, _ in runs], args.route_slo, "add --route-slo")
     requests, meta = _load_workload(args)
     from sim.admission import check_block_size
     check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation

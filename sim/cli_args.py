@@ -604,6 +604,36 @@ def idle_tier_flags(scenario: Scenario) -> list[tuple[str, str]]:
     return [("tier_weights", why), ("no_router_tiers", why)]
 
 
+def idle_slo_params(policy: typing.Any, route_slo: bool) -> list[str]:
+    """The ``slo_*`` parameters set away from their defaults on a policy that gets no TTFT budget
+    (neither its own ``ttft_slo_s`` nor the router's: ``route_slo`` with ``slo_aware``): they
+    change nothing."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(policy) or not hasattr(policy, "ttft_slo_s"):
+        return []
+    if policy.ttft_slo_s > 0 or (route_slo and getattr(policy, "slo_aware", True)):
+        return []
+    return [f.name for f in dataclasses.fields(policy)
+            if f.name.startswith("slo_") and f.name != "slo_aware" and getattr(policy, f.name) != f.default]
+
+
+def warn_idle_slo_params(runs: Sequence[tuple[str, typing.Any, typing.Any]], route_slo: bool, fix: str) -> None:
+    """Warn on stderr, once per run, about :func:`idle_slo_params` of its prefill or decode policy.
+
+    Args:
+        runs: ``(label, prefill policy, decode policy)`` (policy objects).
+        route_slo: whether the router is told the SLO's TTFT budget.
+        fix: how the user gives the policy a budget, e.g. ``"add --route-slo"``,
+            ``"drop --no-route-slo"``.
+    """
+    for label, p, d in runs:
+        idle = list(dict.fromkeys(idle_slo_params(p, route_slo) + idle_slo_params(d, route_slo)))
+        if idle:
+            print(f"warning: {label}: {', '.join(idle)} change{'s' if len(idle) == 1 else ''} nothing without a "
+                  f"TTFT budget to route against ({fix}, or ttft_slo_s=S to the policy)", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------- run titles
 def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, default: bool = False,
                    flag: str = "--route-slo") -> str:

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sim.cli_args import add_executor_args, positive_int, route_slo_note, warn_idle_flags
+from sim.cli_args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
 
 #: Rows printed in the terminal (the files hold them all).
 MAX_PRINTED_ROWS = 40
@@ -95,6 +95,9 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
         executor = make_executor(args.executor, jobs=args.jobs, ray_address=args.ray_address, modules=modules)
     except ImportError as e:
         raise ValueError(str(e)) from None
+    if sweep.points:
+        warn_idle_slo_params([(label, *spec.build()) for label, spec in {p.policy.label: p.policy for p in sweep.points}.items()],
+                             sweep.points[0].options.route_slo, "drop route_slo = false")
     errors = [0]
     with executor as ex, Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
                                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=args.quiet) as progress:
