@@ -654,6 +654,8 @@ def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, def
 
     Returns:
         ``""`` or ``", <note>"``, e.g. ``", routed against the TTFT SLO by ep_aware"``,
+        ``", routed against the TTFT SLO by ep_aware; against their own TTFT budget:
+        ep_aware(ttft_slo_s=2.0)"``,
         ``", routed SLO-blind (--no-route-slo) except against their own TTFT budget:
         ep_aware(ttft_slo_s=2.0)"``.
     """
@@ -663,11 +665,13 @@ def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, def
         return make_policy(x) if isinstance(x, str) else x
 
     own = [label for label, p, d in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
-    if route_slo:
+    if route_slo:  # a policy's own budget takes precedence over the router's
         aware = [label for label, p, d in runs
-                 if label in own or any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
-        if aware:
-            return f", routed against the TTFT SLO by {', '.join(aware)}"
+                 if label not in own and any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
+        parts = ([f"routed against the TTFT SLO by {', '.join(aware)}"] if aware else []) + \
+                ([f"{'' if aware else 'routed '}against their own TTFT budget: {', '.join(own)}"] if own else [])
+        if parts:
+            return ", " + "; ".join(parts)
         return ", no policy here routes against the TTFT SLO" if default else \
             f", {flag}: no policy here routes against the SLO"
     if not default:

@@ -27,7 +27,10 @@ BLIND_EP = make_policy("ep_aware", slo_aware=False)
     (True, False, [("rr", RR, RR), ("ep", EP, EP)], ", routed against the TTFT SLO by ep"),
     (True, False, [("rr", RR, RR), ("x", BLIND_EP, BLIND_EP)], ", --route-slo: no policy here routes against the SLO"),
     # capacity / sweep: SLO-aware by default, --no-route-slo opts out; a policy's own budget still holds
-    (True, True, [("rr", RR, RR), ("own", OWN, OWN)], ", routed against the TTFT SLO by own"),
+    # a policy's own budget takes precedence over the router's: named apart (review finding)
+    (True, True, [("rr", RR, RR), ("own", OWN, OWN)], ", routed against their own TTFT budget: own"),
+    (True, True, [("ep", EP, EP), ("own", OWN, OWN)],
+     ", routed against the TTFT SLO by ep; against their own TTFT budget: own"),
     (True, True, [("rr", RR, RR)], ", no policy here routes against the TTFT SLO"),
     (False, True, [("rr", RR, RR), ("ep", EP, EP)], ", routed SLO-blind (--no-route-slo)"),
     (False, True, [("rr", RR, RR), ("own", OWN, OWN)],
@@ -41,7 +44,7 @@ def test_route_slo_note_matrix(route_slo, default, runs, note) -> None:
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ([], "routed against the TTFT SLO by ep_aware(ttft_slo_s=2.0)"),
+    ([], "routed against their own TTFT budget: ep_aware(ttft_slo_s=2.0)"),
     (["--no-route-slo"], "routed SLO-blind (--no-route-slo) except against their own TTFT budget: "
                          "ep_aware(ttft_slo_s=2.0)"),
 ])

@@ -530,7 +530,7 @@ def test_sim_title_names_the_policies_that_route_against_the_slo():
     # a policy with its own budget routes against it with or without --route-slo
     own = make_policy("ep_aware", ttft_slo_s=2.0, slo_aware=False)
     assert _route_slo_note(off, runs + [(own, own, "own", "own")]) == ", routed against their own TTFT budget: own"
-    assert _route_slo_note(on, runs[1:2] + [(own, own, "own", "own")]) == ", routed against the TTFT SLO by own"
+    assert _route_slo_note(on, runs[1:2] + [(own, own, "own", "own")]) == ", routed against their own TTFT budget: own"
 
 
 def test_router_takes_policy_specs_with_parameters():
