@@ -169,6 +169,63 @@ class Figure:
     blocked_by: str = ""
 
 
+#: SGLang's only published 2,000-token run (reproduction instructions, sglang issue 6017, as the
+#: Dynamo wide-EP guide quotes them): the *decode* stress test, one ``bench_one_batch_server`` batch
+#: of 40,000 pre-tokenized ShareGPT requests, 2,000 input / 100 output tokens
+SGLANG_E2E_BATCH = 40_000
+SGLANG_E2E_INPUT_TOKENS = 2000
+
+
+def sglang_bench_one_batch_input_rate(sc: Scenario, perf: PerfConfig, batch: int = SGLANG_E2E_BATCH,
+                                      input_tokens: int = SGLANG_E2E_INPUT_TOKENS) -> float:
+    """Input tok/s per prefill node as SGLang's ``bench_one_batch_server`` reports it for one batch
+    of ``batch`` fresh prompts of ``input_tokens``: ``batch x input_tokens / ttft`` where ``ttft`` is
+    the first token of the *last* request of the batch (the bench overwrites its TTFT on every
+    first-token chunk), divided by the prefill nodes.
+
+    Simulated: the batch splits evenly over the prefill DP ranks (SGLang's round-robin DP
+    dispatch), each rank runs chunked prefill of ``max_prefill_tokens`` per step (full steps, then
+    one partial step with the rest), then the last prompt's KV transfer and one decode step at the
+    decode pool's largest batch (an upper bound on the first decode step). Not modelled: sending and
+    parsing the one HTTP request of ``batch x input_tokens`` token ids, and the frontend's streaming
+    of the batch's other outputs (no published number for either)."""
+    per_rank_tokens = batch // sc.prefill.dp_ranks * input_tokens
+    budget = sc.prefill.max_prefill_tokens
+    full, rest = divmod(per_rank_tokens, budget)
+    t = full * prefill_step_s(sc, perf, input_tokens, 0, budget / input_tokens)
+    if rest:
+        t += prefill_step_s(sc, perf, input_tokens, 0, rest / input_tokens)
+    kv = roofline_for_pool(sc, sc.prefill, perf).kv_bytes_per_token
+    t += sc.kv_transfer_latency_s + input_tokens * kv / sc.kv_transfer_bandwidth_bytes_per_s
+    t += decode_step_s(sc, perf, sc.decode.max_decode_batch, input_tokens)
+    return batch * input_tokens / t / (sc.prefill.dp_ranks / _node_gpus(sc, perf))
+
+
+#: DeepSeek's decode profile (profile-data README: EP128, TP1, 4K prompts, 128 requests per GPU;
+#: "absolutely balanced MoE routing"), 18,598 tok/s per node as SGLang's blog derived it from the
+#: trace. Not a counted figure: neither source says whether its tokens per step are 1 (no MTP),
+#: 2 (MTP, every computed token), 1.875 (MTP, accepted at the V3 paper's 85-90%) or 1.6 (MTP,
+#: accepted at the 60% SGLang assumes for its own simulated-MTP run it compares with this one)
+DS_PROFILE_DECODE_PUBLISHED = 18_598
+DS_PROFILE_DECODE_READINGS = (("1 token/step (no MTP)", 1, 1.0), ("MTP, 2 computed tokens", 2, 2.0),
+                              ("MTP, 1.875 accepted (V3 paper)", 2, DS_MTP_TOKENS_PER_STEP),
+                              ("MTP, 1.6 accepted (SGLang's 60%)", 2, 1.6))
+
+
+def deepseek_decode_profile_readings(sc: Scenario | None = None, perf: PerfConfig | None = None) -> dict[str, float]:
+    """``{reading: simulated tok/s per node}`` of DeepSeek's decode profile under each reading of
+    its tokens per step (:data:`DS_PROFILE_DECODE_READINGS`), on the ``deepseek-v3-h800`` preset at
+    EP128, 128 sequences of 4,096 tokens per GPU."""
+    sc = sc if sc is not None else load_scenario("deepseek-v3-h800")
+    perf = perf if perf is not None else scenario_perf(sc)
+    sc = sc.model_copy(update={"decode": sc.decode.model_copy(update={"dp_ranks": 128})})
+    out = {}
+    for name, verified, tokens in DS_PROFILE_DECODE_READINGS:
+        t = decode_step_s(sc, perf, 128, 4096, tokens_verified=verified)
+        out[name] = _node_gpus(sc, perf) * 128 * tokens / t
+    return out
+
+
 def _sglang_prefill(prompt: int) -> Callable[[Scenario, PerfConfig], float]:
     def run(sc: Scenario, perf: PerfConfig) -> float:
         n = PREFILL_TOKENS_PER_GPU // prompt
@@ -277,7 +334,16 @@ FIGURES: tuple[Figure, ...] = (
            "group-limited routing), as the model assumes"),
     Figure("sglang-e2e-input-2000", "input tok/s/node, 2,000-token inputs", SGLANG, 52_300, "tok/s",
            "sglang-h100-ep", _sglang_prefill(2000), "8 x 2,000 prompts per GPU; published: the input side of the "
-           "12-node run of 2,000-in / 100-out requests (a different run from the prefill-only rows)"),
+           "12-node run of 2,000-in / 100-out requests (a different run from the prefill-only rows)",
+           blocked_by="how SGLang measured the 52.3k, or the expert load of its default-EPLB prefill steps; either "
+                      "would bring the row within +-15%. (1) The blog states no method; the reproduction's only "
+                      "2,000-token run is the decode stress test (40,000 requests, 2,000 in / 100 out, input rate "
+                      "at the last request's first token). Simulated as that bench measures it the model gives "
+                      "60,389 (+15.5%: the method moves it 0.03 points); the prefill-only 2K row, same hardware, "
+                      "is 54,543, and 52.3k is 4.1% below it with no step-time term to explain it (the model is "
+                      "+10.7% against 54,543). (2) Per-step max/mean expert load of SGLang's default-EPLB prefill "
+                      "batches is unpublished; the model has balanced experts and is +6.7% .. +10.4% on every "
+                      "default-EPLB row; if it matched the 2K row (x 54,543 / 60,234) this row would be +4.6%"),
     Figure("sglang-decode-2k", "decode output tok/s/node, batch 256/GPU, 2K ctx", SGLANG, 22_282, "tok/s",
            "sglang-h100-ep", _sglang_decode, "calibration point"),
     Figure("deepseek-prefill", "prefill input tok/s/node incl. 56.3% cache hits", DAY6, 73_700, "tok/s",
@@ -515,6 +581,12 @@ def run_validate(args: argparse.Namespace, console) -> int:
         console.print(f"deepseek-prefill read the other way: the day-average {DS_PREFILL_NODES_AVG:.1f} prefill nodes "
                       f"would have computed saturated steps {r.figure.published / r.simulated:.0%} of the day "
                       "(published / simulated)", markup=False)
+    if keys is None:
+        readings = "  ".join(f"{k}: {v:,.0f} ({v / DS_PROFILE_DECODE_PUBLISHED - 1:+.1%})"
+                             for k, v in deepseek_decode_profile_readings().items())
+        console.print(f"not counted: DeepSeek's decode profile ({DS_PROFILE_DECODE_PUBLISHED:,} tok/s/node, EP128, "
+                      f"128 seqs/GPU, 4K ctx; whether its tokens count MTP drafts is unpublished), by reading: "
+                      f"{readings}", markup=False)
     if any(r.figure.key.startswith("deepinfer-spec-gain") for r in results):
         sweep = "  ".join(f"{b}: {g:+.1f}%" for b, g in spec_gain_sweep().items())
         console.print(f"deepinfer-sm100 dynamic vs fixed 5-token verification by sequences per rank: {sweep}",
