@@ -377,3 +377,19 @@ def test_rtp_llm_prefill_by_hand():
     ds = FIGURES_BY_KEY["deepseek-profile-prefill"]
     assert f.simulate(sc, perf) / ds.simulate(sc, perf) == pytest.approx(1.004, abs=5e-4)
     assert f.published / ds.published == pytest.approx(0.679, abs=5e-4)
+
+
+def test_rtp_llm_decode_is_the_deepseek_decode_step_again():
+    """docs/validate.md: RTP-LLM's decode figure (EP144, 13,200 concurrent requests, 1,850 tok/s per
+    GPU = 14.8K per node, 4K in / 2K out) is not a row: it is deepseek-decode-node's step again
+    (91.7 vs 88 sequences per GPU, context ~5,000 vs 4,989, the same MTP assumption); the model
+    gives it +14.0%, next to that row's +13.2%."""
+    from sim.validate import DS_MTP_TOKENS_PER_STEP, decode_step_s, scenario_perf
+    sc = load_scenario("deepseek-v3-h800")
+    perf = scenario_perf(sc)
+    assert sc.decode.dp_ranks == 144
+    seqs = 13_200 / 144
+    assert seqs == pytest.approx(91.7, abs=0.05)
+    assert seqs * 20 == pytest.approx(1_850, rel=0.01)  # 20 tok/s per user x 91.7 = the 1,850 per GPU
+    t = decode_step_s(sc, perf, seqs, 4000 + 2000 / 2, tokens_verified=2)
+    assert 8 * seqs * DS_MTP_TOKENS_PER_STEP / t / 14_700 - 1 == pytest.approx(0.140, abs=5e-4)
