@@ -22,7 +22,15 @@ from capacity_factories import (
     uniform_requests,
 )
 
-from sim.capacity import GpuSearch, RateSearch, run_searches, search_gpus, search_rate, zero_load_floor
+from sim.capacity import (
+    GpuSearch,
+    RateSearch,
+    run_searches,
+    search_gpus,
+    search_rate,
+    thin_headroom_note,
+    zero_load_floor,
+)
 from sim.cluster import simulate
 from sim.executor import SerialExecutor
 from sim.metrics import per_request, summarize
@@ -94,6 +102,36 @@ def test_unreachable_slo_is_reported_with_the_zero_load_floor_and_no_simulation(
     assert "request long" in r.reason and "10,000-token prompt" in r.reason and "99%" in r.reason.replace("99.0%", "99%")
     g = search_gpus(mixed_scenario(), reqs, "round_robin", slo=slo, options=OPTS)
     assert g.status == "unreachable" and g.points == [] and g.num_gpus is None
+
+
+def _one_long_request() -> list:
+    """100 requests of 1 s prefill and one of 10 s (the floor misses it against 3 s), module docstring."""
+    return uniform_requests(100) + [uniform_requests(1, prompt_tokens=10_000)[0].__class__(
+        "long", 100.0, 10_000, tuple(range(10**6, 10**6 + 20)))]
+
+
+def test_thin_headroom_is_noted_when_the_floor_leaves_queueing_under_one_percent_of_misses() -> None:
+    reqs = _one_long_request()
+    # 98.5% of 101: SLO.max_misses = 101 - ceil(99.485) = 1 miss allowed; the floor already misses
+    # the long request, so queueing has 0 misses to spend (< 1% of 101) -> noted, and said in numbers
+    tight = SLO(ttft_s=3.0, attainment=0.985)
+    floor = zero_load_floor(mixed_scenario(), reqs, tight, fixed_cost_perf)
+    assert floor.meets and floor.verdict["num_ok"] == 100
+    note = thin_headroom_note(floor, tight)
+    assert note is not None
+    assert "1 of the 101 requests (0.99%) miss" in note and "allows 1, which leaves 0 (0.00%)" in note
+    # 90%: 101 - ceil(90.9) = 10 allowed, 9 left = 8.9% of the requests: no note, unless the limit is 10%
+    loose = SLO(ttft_s=3.0, attainment=0.9)
+    floor = zero_load_floor(mixed_scenario(), reqs, loose, fixed_cost_perf)
+    assert thin_headroom_note(floor, loose) is None
+    assert "leaves 9 (8.91%)" in thin_headroom_note(floor, loose, limit=0.1)
+    # both searches carry it in their notes (the capacity report prints notes)
+    r = search_rate(mixed_scenario(), reqs, "round_robin", slo=tight, options=OPTS)
+    assert r.status == "found" and any(n.startswith("thin headroom") for n in r.notes)
+    g = search_gpus(mixed_scenario(), reqs, "round_robin", slo=tight, rate_scale=0.5, options=OPTS)
+    assert any(n.startswith("thin headroom") for n in g.notes)
+    assert not any(n.startswith("thin headroom") for n in search_rate(
+        mixed_scenario(), reqs, "round_robin", slo=loose, options=OPTS).notes)
 
 
 def test_gpu_search_aggregated_finds_the_hand_computed_engine_count() -> None:

@@ -80,9 +80,9 @@ attainment 48.9% SLO-blind, 61.9% SLO-aware, against cache_aware's 54.3%; defaul
 72.9% -> 78.3% (seed 0, bench/policy_goodput.py's SLO). The cost is the doomed requests' own TTFT
 (capped at ``slo_doomed_cap`` budgets where a queue that short exists): TTFT p99 21.2 s vs 20.4 s
 SLO-blind on dense; on 16 prefill engines, where the trace rate is within the SLO, p99 43.4 s vs
-33.3 s for the same attainment (these figures without in-service progress, below). Under a strict percentile SLO (p97, p99) it costs rate: the cost
-model's pessimism (in-flight prompts count in full) marks requests doomed that would have met
-their budget; ``slo_margin=0.8`` recovers SLO-blind's rate there (README, "SLO-aware placement"). This is the EDF-with-abandonment argument of
+33.3 s for the same attainment (these figures without in-service progress, below). The cost model's pessimism (in-flight prompts count in full) can mark requests doomed that would
+have met their budget; ``slo_margin`` (below) discounts the prediction where that pessimism is not
+corrected. This is the EDF-with-abandonment argument of
 deadline scheduling (a job that has missed its deadline should not delay jobs that can still meet
 theirs), applied at the router.
 
@@ -110,9 +110,10 @@ Parameters:
         ``None`` (default): 1 where the queues count in-service progress (prefill pools whose
         engines are all dense, with ``in_service_progress``; a pool mixing dense and wide-EP
         engines has its dense ranks corrected but keeps 0.8), else 0.8: a predicted wait that
-        counts in-flight prompts in full runs high, and taken at face value under a strict percentile SLO too many requests are taken
-        for doomed that would have made it (p97 on the default scenario 0.276x rate with 1 vs 0.373x
-        with 0.8, SLO-blind 0.394x).
+        counts in-flight prompts in full runs high. The 0.8 was chosen on rates at a p97 SLO that
+        turned out to be noise (README, "thin headroom"); at the 90% SLO margins 0.8 and 1 are
+        alike on wide EP (Mooncake default: highest rate scale 0.430 vs 0.439, attainment at the
+        trace rate 78.3% vs 79.5%, 0.9 gives 77.3%), so the value stands until a sharper measurement.
     in_service_progress: subtract from a dense prefill rank's queue what its in-service prompt has
         computed since it began (:func:`in_service_queue`; True). Not applied on wide-EP engines,
         where it measured worse (Mooncake default scenario at the trace rate: attainment 78.3% ->
