@@ -99,6 +99,9 @@ POLL_INTERVAL_S = 0.005
 """Seconds between a follower's looks at the ring when nothing was waiting."""
 SUPERVISE_INTERVAL_S = 1.0
 """Seconds between process 0's checks that its subscriber still runs."""
+WRITER_LOCK_TIMEOUT_S = 20.0
+"""Seconds a new writer waits for the previous one to let go of the ring (a dead router process
+0's subscriber child exits within about a second of noticing its parent gone)."""
 TORN_RETRIES = 3
 """Polls a record whose checksum fails is retried on before it is skipped."""
 
@@ -251,10 +254,35 @@ def _map_ring(path: str) -> mmap.mmap | None:
     return mm
 
 
+def _lock_writer(path: str, timeout_s: float) -> int:
+    """Take the ring's writer lock (``flock`` on ``path + ".lock"``; the kernel drops it when its
+    holder exits, however it dies); returns the lock file's descriptor.
+
+    Raises:
+        RuntimeError: another writer still holds it after ``timeout_s``.
+    """
+    import fcntl
+    import time
+
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise RuntimeError(f"KV fan-out ring {path}: another writer still holds it after {timeout_s:g} s") from None
+            time.sleep(0.05)
+
+
 class RingWriter:
     """The writing side (one per ring: the subscriber's): creates the ring at ``path`` (atomically:
     readers never see a ring without its header), or takes over an existing one where it ends
-    (``resumed``: a restarted subscriber).
+    (``resumed``: a restarted subscriber). One writer at a time, enforced: it first takes the
+    ring's lock (:func:`_lock_writer`, waiting up to ``lock_timeout_s`` for the previous writer,
+    e.g. the subscriber child of a router process 0 that was killed, to exit).
 
     Args:
         path: the ring file.
@@ -262,7 +290,16 @@ class RingWriter:
         max_record_bytes: largest record body (larger events are split, :func:`split_event`).
     """
 
-    def __init__(self, path: str, ring_bytes: int = RING_BYTES, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+    def __init__(self, path: str, ring_bytes: int = RING_BYTES, max_record_bytes: int = MAX_RECORD_BYTES,
+                 lock_timeout_s: float = WRITER_LOCK_TIMEOUT_S) -> None:
+        self._lock_fd = _lock_writer(path, lock_timeout_s)
+        try:
+            self._open(path, ring_bytes, max_record_bytes)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, path: str, ring_bytes: int, max_record_bytes: int) -> None:
         mm = _map_ring(path)
         self.resumed = mm is not None
         if mm is None:
@@ -333,6 +370,9 @@ class RingWriter:
     def close(self) -> None:
         self._head_word.release()
         self._mm.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = -1
 
 
 class RingReader:
