@@ -192,3 +192,77 @@ async def _metric_fresh(s: aiohttp.ClientSession, router: Proc, pattern: str) ->
     async with s.get(router.url + "/metrics", headers={"Connection": "close"}) as r:
         text = await r.text()
     return [float(m.group(1)) for m in re.finditer(pattern + r" ([0-9.e+-]+)", text)]
+
+
+async def test_killed_router_process_0_restarts_the_kv_subscriber_and_keeps_both_views():
+    """``--index-mode events``, two processes, a worker with events added through the admin API.
+    Process 0 runs the one KV-event subscriber. Killed with SIGKILL, its replacement starts with
+    the admin-added worker (the worker set the other process has), starts a new subscriber once
+    the dead one's child let go of the ring (writer lock), which clears its replicas and catches
+    up from the engines' replay buffers: a prefix announced before the kill, and one announced
+    after the restart, draw all 12 requests (fresh connections, both processes) to the engine
+    that announced it."""
+    import random
+
+    from tests.kv_publisher import FakeEngine
+
+    pubs = [FakeEngine("map", "int", block_size=16) for _ in range(3)]
+    engines = spawn_engines([("mixed", "--zero-delay")] * 3)
+    procs = list(engines)
+    try:
+        specs = [f"{e.url},events={p.endpoint},replay={p.replay_endpoint}" for e, p in zip(engines[:2], pubs)]
+        router = spawn_router("none", [], [], "--processes", "2", "--index-mode", "events", "--block-size", "16",
+                              "--decode-policy", "cache_aware", "--mixed", *specs)
+        procs.append(router)
+        rng = random.Random(7)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def served(prefix: list[int], n: int = 12) -> list[int]:
+                before = [(await (await s.get(e.url + "/emulator/stats")).json())["ok"] for e in engines]
+                for _ in range(n):
+                    body = {"prompt": prefix + [rng.randrange(30_000) for _ in range(8)], "max_tokens": 1}
+                    async with s.post(router.url + "/v1/completions", json=body, headers={"Connection": "close"}) as r:
+                        assert r.status == 200
+                after = [(await (await s.get(e.url + "/emulator/stats")).json())["ok"] for e in engines]
+                return [b - a for a, b in zip(before, after)]
+
+            async def until_served(prefix: list[int], want: list[int], timeout_s: float = 20.0) -> list[int]:
+                end = time.monotonic() + timeout_s
+                while (got := await served(prefix)) != want and time.monotonic() < end:
+                    await asyncio.sleep(0.3)
+                return got
+
+            r = await s.post(router.url + "/workers", json={"url": engines[2].url, "role": "mixed",
+                                                             "events": pubs[2].endpoint, "replay": pubs[2].replay_endpoint})
+            assert r.status == 201
+            await asyncio.sleep(1.5)  # the SUB sockets join
+            before_kill = [rng.randrange(30_000) for _ in range(128)]
+            pubs[2].publish([pubs[2].stored(before_kill)[1]])
+            assert await until_served(before_kill, [0, 0, 12]) == [0, 0, 12]
+            health = await _health_by_index(s, router, 2)
+            os.kill(health[0]["process"]["pid"], signal.SIGKILL)
+            after = await _wait_restarted(s, router, 0, health[0]["process"]["pid"], 2)
+            assert after[1]["process"]["pid"] == health[1]["process"]["pid"]
+            workers = {i: await _workers_of(s, router, i) for i in (0, 1)}
+            assert workers[0] == workers[1] == sorted(e.url for e in engines)
+            assert await until_served(before_kill, [0, 0, 12]) == [0, 0, 12]  # replayed into the new subscriber
+            await asyncio.sleep(1.0)
+            later = [rng.randrange(30_000) for _ in range(128)]
+            pubs[1].publish([pubs[1].stored(later)[1]])
+            assert await until_served(later, [0, 12, 0]) == [0, 12, 0]
+            restarts = await _metric(s, router, r'pdlb_router_process_restarts_total\{process="0"\}')
+            assert restarts == [1.0]
+        assert router.stop() == 0
+    finally:
+        for p in procs:
+            p.stop()
+        for p in pubs:
+            p.close()
+
+
+async def _workers_of(s: aiohttp.ClientSession, router: Proc, index: int) -> list[str]:
+    for _ in range(20):
+        async with s.get(router.url + "/workers", headers={"Connection": "close"}) as r:
+            body = await r.json()
+        if body["process"]["index"] == index:
+            return sorted(w["url"] for w in body["workers"])
+    raise AssertionError(f"process {index} did not answer /workers")
