@@ -322,3 +322,68 @@ def test_ring_property_a_reader_gets_a_gapless_prefix_free_ordered_subsequence(s
         assert all(e == z for e in seen) and len(seen) <= 4 and third.pos == w.head
         for x in (w, slow, fast, third):
             x.close()
+
+
+async def test_a_worker_removed_and_added_again_does_not_inherit_its_predecessors_events(tmp_path):
+    """One subscriber writing the ring; the worker at REP's URL announces prefix A, is removed, and
+    a new engine at the same URL is added and announces prefix B. A reader that reads the ring
+    from its start afterwards (a lagging or restarted router process) applies the old worker's
+    A, then the clear written before the new worker's first event, then B: its index holds B for
+    REP and nothing of A, as a router that followed live does (the clear was the fix: before it,
+    the reader from the start kept A on the new worker)."""
+    old_eng = FakeEngine("map", "int", block_size=16)
+    new_eng = FakeEngine("map", "int", block_size=16)
+    from balancer.service.kv_subscriber import KvEventSubscriber
+
+    path = fanout_ring_path(str(tmp_path))
+    writer = RingWriter(path, 1 << 16)
+    sub = KvEventSubscriber([KvEventSource(REP, old_eng.endpoint)], 16, writer.write)
+    live = Router("cache_aware", "cache_aware", block_size=16, index_mode="events")
+    live.add_replica(REP, "mixed")
+    follower = RingReader(path)
+    a, b = list(range(64)), list(range(500, 532))
+    want_a, want_b = tuple(hash_token_blocks(a, 16)), tuple(hash_token_blocks(b, 16))
+
+    def drain_live() -> None:
+        for rep, ev in follower.poll()[0]:
+            live.on_kv_event(rep, ev)
+
+    async def until(pred, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            drain_live()
+            if pred():
+                return True
+            await asyncio.sleep(0.02)
+        return pred()
+
+    try:
+        sub.start()
+        await asyncio.sleep(0.3)  # the SUB socket joins
+        old_eng.publish([old_eng.stored(a)[1]])
+        assert await until(lambda: live.index.match(want_a) == {REP: 4})
+        sub.remove_replicas([REP])
+        live.remove_replica(REP)  # as the admin removal does in every process
+        await asyncio.sleep(0.3)
+        live.add_replica(REP, "mixed")
+        sub.add_sources([KvEventSource(REP, new_eng.endpoint)])
+        await asyncio.sleep(0.4)
+        new_eng.publish([new_eng.stored(b)[1]])
+        assert await until(lambda: live.index.match(want_b) == {REP: 2})
+        assert live.index.match(want_a) == {}
+        fresh = Router("cache_aware", "cache_aware", block_size=16, index_mode="events")
+        fresh.add_replica(REP, "mixed")
+        from_start = RingReader(path)
+        kinds = []
+        for rep, ev in from_start.poll()[0]:
+            kinds.append(type(ev).__name__)
+            fresh.on_kv_event(rep, ev)
+        assert kinds == ["BlockStored", "AllBlocksCleared", "AllBlocksCleared", "BlockStored"]
+        assert fresh.index.match(want_b) == {REP: 2} and fresh.index.match(want_a) == {}
+        from_start.close()
+    finally:
+        sub.stop()
+        writer.close()
+        follower.close()
+        old_eng.close()
+        new_eng.close()

@@ -174,7 +174,13 @@ class KvEventSubscriber:
 
     def add_sources(self, sources: Sequence[KvEventSource]) -> None:
         """Subscribe to more publishers (a worker added at run time); thread-safe. Each is caught
-        up from its replay buffer as at start. Sources of an already subscribed replica are ignored."""
+        up from its replay buffer as at start, after an ``AllBlocksCleared`` (both media) of its
+        replica is delivered: a worker removed and added again with the same URL must not keep
+        what its predecessor announced, and that predecessor's events may still be waiting
+        downstream (queued for the event loop, or in the fan-out ring for a process that lags or
+        reads it from its start, :mod:`balancer.service.kv_fanout`); the clear comes after them in
+        delivery order, so every reader drops them there, before the new worker's first event.
+        Sources of an already subscribed replica are ignored."""
         self._commands.append(("add", list(sources)))
 
     def remove_replicas(self, replicas: Sequence[ReplicaId]) -> None:
@@ -260,6 +266,8 @@ class KvEventSubscriber:
                 self._connect(s, poller, by_socket)
             with self._lock:
                 self._sources.extend(new)
+            if new:  # a view that starts empty, in delivery order: see add_sources
+                self._deliver([(s.src.replica, AllBlocksCleared(m)) for s in new for m in (None, "CPU")])
             time.sleep(0.05)  # let the subscriptions join before asking for the buffer
             for s in new:
                 self._initial_catch_up(s)
