@@ -61,6 +61,10 @@ __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "Kv
 
 log = logging.getLogger("pdlb.kv_events")
 
+RESYNC_POLL_S = 0.1
+"""Longest a fan-out reader's resync request waits while no engine events come (the subscriber
+child looks at the request file this often; with events flowing, after every write)."""
+
 Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], object]
 
 
@@ -580,9 +584,12 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
         send("error", f"{type(e).__name__}: {e}")
         return
     send("ready", None)
+    next_stats = 0.0
     try:
         while True:
-            if stop_conn.poll(stats_interval_s):
+            if writer is not None:
+                writer.serve_resyncs()  # resync requests that came while no events did
+            if stop_conn.poll(min(stats_interval_s, RESYNC_POLL_S) if writer is not None else stats_interval_s):
                 kind, items = stop_conn.recv()
                 if kind == "stop":
                     break
@@ -590,6 +597,9 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
                     sub.add_sources(items)
                 elif kind == "remove":
                     sub.remove_replicas(items)
+            if time.monotonic() < next_stats:
+                continue
+            next_stats = time.monotonic() + stats_interval_s
             send("stats", sub.stats())
             if sub.error is not None:
                 send("error", f"{type(sub.error).__name__}: {sub.error}")
