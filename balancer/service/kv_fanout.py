@@ -41,9 +41,7 @@ record:
 * bytes past the head are never read (the head moves only after whole records);
 * a reader the writer lapped (more than ``C`` bytes behind, or overtaken while it copied) drops
   the span and resumes at the new head, a record boundary: the records it missed are counted
-  (``lost_records``, from the sequence numbers) and logged; its index may then miss stores and
-  removals until newer events overwrite them, as with a gap the engine's replay buffer no longer
-  holds (nothing is cleared);
+  (``lost_records``, from the sequence numbers) and logged, and it asks for a resync (below);
 * every record's checksum is verified before it is applied; one that does not match (its bytes
   not yet visible on a weakly ordered CPU) is retried on the next polls and skipped after
   :data:`TORN_RETRIES` (``corrupt_records``).
@@ -54,19 +52,37 @@ when more is waiting); a pdlb event larger than :data:`MAX_RECORD_BYTES` is spli
 records (a ``BlockStored``'s later parts name the previous part's last block as their parent), so
 nothing is too large to fan out. The writer never waits for readers.
 
+**Resync.** The writer keeps a mirror of what a reader that missed nothing holds (:class:`ViewMirror`:
+each replica's stored blocks and their parents, per tier, at most ``C / 64`` blocks). A lapped
+reader writes its process index's slot of the request file (:func:`fanout_resync_path`, one
+64-bit counter per process, each written by its own process only); the writer, after its next
+write or within :data:`~balancer.service.kv_subscriber.RESYNC_POLL_S` while no events come,
+writes a snapshot of the mirror as records for that reader alone (flag bit 2 and its index;
+every other reader skips them): ``AllBlocksCleared`` of each replica's HBM and host views, then
+its blocks as ``BlockStored`` runs, each block after its parent. In ring order the snapshot
+turns whatever the reader held into the writer's view at that point, and the records after it
+follow, so once it has read the snapshot the reader's index is what a reader that missed
+nothing holds (blocks the mirror's bound evicted excepted: counted by the writer as ``evicted``);
+between its lap and the snapshot it routes on a stale view. Counted per reader as ``resyncs``
+and ``snapshot_records``.
+
 **Failures.** Process 0 checks its subscriber every :data:`SUPERVISE_INTERVAL_S`; one that died is
 started again (logged, ``subscriber_restarts``), takes the ring over where it ends, first writes
 ``AllBlocksCleared`` for each of its replicas (the new subscriber's translator knows none of the
 engine blocks announced before, so their removals would go unseen) and then catches up from each
-engine's replay buffer, as at start. A router process that dies stops ``pdlb serve`` (its parent
-stops them all), the subscriber with it. A follower that is slower than the others only lags
-(``pdlb_kv_events_fanout_lag_bytes``) until it is lapped (see above).
+engine's replay buffer, as at start. A router process that dies is started again by the parent
+(:mod:`balancer.service.supervise`): its follower reads the ring from the start, or, if the ring
+wrapped since, is lapped at its first look and resyncs. Process 0's replacement also starts a
+new subscriber, which waits for the ring's writer lock until the dead process's subscriber child
+(which exits once it sees its parent gone) lets go. A follower that is slower than the others
+only lags (``pdlb_kv_events_fanout_lag_bytes``) until it is lapped (see above).
 
 **Metrics.** The subscriber's ``pdlb_kv_events_*`` counters (batches, events, gaps, replays,
 restarts, decode errors, stale, last seq, translator) count each engine batch once: they are
 exported by process 0 only (``process="0"``). Each process exports its own fan-out counters
 (``pdlb_kv_events_fanout_applied_total`` pdlb events applied to its index,
-``..._records_total``, ``..._lost_records_total``, ``..._corrupt_records_total`` and the gauge
+``..._records_total``, ``..._lost_records_total``, ``..._corrupt_records_total``,
+``..._laps_total``, ``..._resyncs_total``, ``..._snapshot_records_total`` and the gauge
 ``..._lag_bytes``) with its ``process`` label (:mod:`balancer.service.kv_metrics`).
 """
 

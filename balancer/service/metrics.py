@@ -13,8 +13,18 @@ answering process at the scrape itself (so a scrape never sums another process's
 second ago), breaker state as the worst (max) and health as the lowest (min)
 view of any process; the per-worker gauges of a worker removed through the admin API disappear
 (the processes' files keep its last values: the scrape leaves out workers no longer registered);
-``pdlb_kv_events_*`` per process, with a ``process`` label
-(:class:`balancer.service.kv_subscriber.KvEventsFilesCollector`).
+and the KV-event series from the processes' stats files
+(:class:`balancer.service.kv_metrics.KvEventsFilesCollector`): the one subscriber's
+``pdlb_kv_events_*`` counters (batches, events, gaps, replays, restarts, decode errors, stale,
+last seq, translator blocks) once, labelled ``process="0"`` (the process that runs it: each
+engine batch is decoded once), and each process's fan-out reader
+(:mod:`balancer.service.kv_fanout`) as ``pdlb_kv_events_fanout_{applied,apply_errors,records,
+lost_records,lost_bytes,corrupt_records,laps,resyncs,snapshot_records}_total{process}`` and the
+gauge ``pdlb_kv_events_fanout_lag_bytes{process}`` (ring bytes written, not yet applied there),
+plus ``pdlb_kv_events_fanout_subscriber_restarts_total{process="0"}``. The parent's restarts of
+dead router processes are counted by the replacements:
+``pdlb_router_process_restarts_total{process}`` and ``pdlb_router_process_reaped_requests_total{process}``
+(:mod:`balancer.service.supervise`).
 """
 
 from __future__ import annotations
