@@ -64,7 +64,10 @@ turns whatever the reader held into the writer's view at that point, and the rec
 follow, so once it has read the snapshot the reader's index is what a reader that missed
 nothing holds (blocks the mirror's bound evicted excepted: counted by the writer as ``evicted``);
 between its lap and the snapshot it routes on a stale view. Counted per reader as ``resyncs``
-and ``snapshot_records``.
+and ``snapshot_records``. Cost, in the subscriber child (2-core host): keeping the mirror adds
+about 0.11 ms to writing a translated 32k-token event (512 router blocks; 0.02 ms without it,
+against 2-3 ms to decode and translate it); at its bound for the default ring (524,288 blocks)
+it holds about 46 MB, and a snapshot of it takes about 0.2 s to build.
 
 **Failures.** Process 0 checks its subscriber every :data:`SUPERVISE_INTERVAL_S`; one that died is
 started again (logged, ``subscriber_restarts``), takes the ring over where it ends, first writes
