@@ -134,3 +134,37 @@ def test_router_processes_exit_and_clean_up_when_the_serve_parent_is_killed():
             os.kill(p, signal.SIGKILL)
         for e in engines:
             e.stop()
+
+
+async def test_a_retired_process_gets_nothing_and_its_replacement_takes_its_turn():
+    """``retire(1)``: every connection goes to process 0; ``replace(1, new channel)``: the turn
+    goes 0, 1, 0, 1 again, process 1's now landing on the replacement's channel (tag "p1b")."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    pairs = [channel_pair() for _ in range(2)]
+    stops = [adopt_connections(child, lambda tag=f"p{k}": _Tag(tag)) for k, (_, child) in enumerate(pairs)]
+    acceptor = Acceptor(listener, [ours for ours, _ in pairs])
+    new_ours, new_child = channel_pair()
+    stops.append(adopt_connections(new_child, lambda: _Tag("p1b")))
+    try:
+        async def ask(msg: bytes) -> bytes:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(msg)
+            out = await r.read(100)
+            w.close()
+            return out
+
+        assert [await ask(b"a"), await ask(b"b")] == [b"p0:a", b"p1:b"]
+        acceptor.retire(1)
+        stops[1]()  # the dead process's end
+        assert [await ask(f"r{i}".encode()) for i in range(3)] == [b"p0:r0", b"p0:r1", b"p0:r2"]
+        acceptor.replace(1, new_ours)
+        got = [await ask(f"n{i}".encode()) for i in range(4)]
+        assert sorted(got) == [b"p0:n0", b"p0:n2", b"p1b:n1", b"p1b:n3"] or sorted(got) == [
+            b"p0:n1", b"p0:n3", b"p1b:n0", b"p1b:n2"]
+        assert acceptor.dead == set()
+    finally:
+        acceptor.close()
+        for stop in stops:
+            stop()

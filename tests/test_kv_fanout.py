@@ -322,3 +322,258 @@ def test_ring_property_a_reader_gets_a_gapless_prefix_free_ordered_subsequence(s
         assert all(e == z for e in seen) and len(seen) <= 4 and third.pos == w.head
         for x in (w, slow, fast, third):
             x.close()
+
+
+async def test_a_worker_removed_and_added_again_does_not_inherit_its_predecessors_events(tmp_path):
+    """One subscriber writing the ring; the worker at REP's URL announces prefix A, is removed, and
+    a new engine at the same URL is added and announces prefix B. A reader that reads the ring
+    from its start afterwards (a lagging or restarted router process) applies the old worker's
+    A, then the clear written before the new worker's first event, then B: its index holds B for
+    REP and nothing of A, as a router that followed live does (the clear was the fix: before it,
+    the reader from the start kept A on the new worker)."""
+    old_eng = FakeEngine("map", "int", block_size=16)
+    new_eng = FakeEngine("map", "int", block_size=16)
+    from balancer.service.kv_subscriber import KvEventSubscriber
+
+    path = fanout_ring_path(str(tmp_path))
+    writer = RingWriter(path, 1 << 16)
+    sub = KvEventSubscriber([KvEventSource(REP, old_eng.endpoint)], 16, writer.write)
+    live = Router("cache_aware", "cache_aware", block_size=16, index_mode="events")
+    live.add_replica(REP, "mixed")
+    follower = RingReader(path)
+    a, b = list(range(64)), list(range(500, 532))
+    want_a, want_b = tuple(hash_token_blocks(a, 16)), tuple(hash_token_blocks(b, 16))
+
+    def drain_live() -> None:
+        for rep, ev in follower.poll()[0]:
+            live.on_kv_event(rep, ev)
+
+    async def until(pred, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            drain_live()
+            if pred():
+                return True
+            await asyncio.sleep(0.02)
+        return pred()
+
+    try:
+        sub.start()
+        await asyncio.sleep(0.3)  # the SUB socket joins
+        old_eng.publish([old_eng.stored(a)[1]])
+        assert await until(lambda: live.index.match(want_a) == {REP: 4})
+        sub.remove_replicas([REP])
+        live.remove_replica(REP)  # as the admin removal does in every process
+        await asyncio.sleep(0.3)
+        live.add_replica(REP, "mixed")
+        sub.add_sources([KvEventSource(REP, new_eng.endpoint)])
+        await asyncio.sleep(0.4)
+        new_eng.publish([new_eng.stored(b)[1]])
+        assert await until(lambda: live.index.match(want_b) == {REP: 2})
+        assert live.index.match(want_a) == {}
+        fresh = Router("cache_aware", "cache_aware", block_size=16, index_mode="events")
+        fresh.add_replica(REP, "mixed")
+        from_start = RingReader(path)
+        kinds = []
+        for rep, ev in from_start.poll()[0]:
+            kinds.append(type(ev).__name__)
+            fresh.on_kv_event(rep, ev)
+        assert kinds == ["BlockStored", "AllBlocksCleared", "AllBlocksCleared", "BlockStored"]
+        assert fresh.index.match(want_b) == {REP: 2} and fresh.index.match(want_a) == {}
+        from_start.close()
+    finally:
+        sub.stop()
+        writer.close()
+        follower.close()
+        old_eng.close()
+        new_eng.close()
+
+
+# ---------------------------------------------------------------------- resync of a lapped reader
+_REPS = [ReplicaId(f"http://r{k}", 0) for k in range(3)]
+_PROMPTS = [[1000 * p + t for t in range(16 * (1 + p % 4))] for p in range(12)]  # 1-4 blocks of 16 tokens
+_HASHES = [tuple(hash_token_blocks(p, 16)) for p in _PROMPTS]
+
+
+def _events_router() -> Router:
+    rt = Router("cache_aware", "cache_aware", block_size=16, index_mode="events")
+    for rep in _REPS:
+        rt.add_replica(rep, "mixed")
+    return rt
+
+
+def _random_batch(rng, n: int) -> list:  # noqa: ANN001
+    """Engine-like pdlb events: a prompt's leading blocks stored, its rest as a continuation,
+    blocks removed (a prompt's tail, as LRU evicts leaves), rarely a replica cleared."""
+    out = []
+    for _ in range(n):
+        rep, p = rng.choice(_REPS), rng.randrange(len(_HASHES))
+        hs = _HASHES[p]
+        x = rng.random()
+        if x < 0.5:
+            k = rng.randrange(1, len(hs) + 1)
+            out.append((rep, BlockStored(hs[:k])))
+            if k < len(hs):
+                out.append((rep, BlockStored(hs[k:], None, hs[k - 1])))
+        elif x < 0.95:
+            out.append((rep, BlockRemoved(hs[rng.randrange(len(hs)):])))
+        else:
+            out.append((rep, AllBlocksCleared()))
+    return out
+
+
+def _run_slow_reader(tmp: str, seed: int, slow_pace: float, index: int | None):  # noqa: ANN202
+    """Write random batches; a fast reader polls after each, a slow one with probability
+    ``slow_pace``; at the end both drain. Returns (reference, fast, slow routers, slow reader)."""
+    import random
+
+    rng = random.Random(seed)
+    path = fanout_ring_path(tmp)
+    w = RingWriter(path, 8192, mirror_capacity_blocks=4096)  # holds every live block (at most 3 x 30)
+    fast, slow = RingReader(path, index=0), RingReader(path, index=index)
+    ref, rt_fast, rt_slow = _events_router(), _events_router(), _events_router()
+
+    def drain(reader: RingReader, rt: Router, until_idle: bool) -> None:
+        for _ in range(1000 if until_idle else 1):
+            items, more = reader.poll()
+            for rep, ev in items:
+                rt.on_kv_event(rep, ev)
+            if not more and (not until_idle or reader.lag_bytes() == 0):
+                return
+
+    for _ in range(120):
+        batch = _random_batch(rng, rng.randrange(1, 12))
+        for rep, ev in batch:
+            ref.on_kv_event(rep, ev)
+        w.write(batch)
+        drain(fast, rt_fast, False)
+        if rng.random() < slow_pace:
+            drain(slow, rt_slow, False)
+    w.serve_resyncs()
+    drain(fast, rt_fast, True)
+    drain(slow, rt_slow, True)
+    w.serve_resyncs()  # a lap in the final drain: its snapshot
+    drain(slow, rt_slow, True)
+    drain(fast, rt_fast, True)
+    w.close()
+    fast.close()
+    slow.close()
+    return ref, rt_fast, rt_slow, slow
+
+
+def _views(rt: Router) -> list[dict]:
+    return [rt.index.match(hs) for hs in _HASHES]
+
+
+def test_a_lapped_reader_resyncs_to_the_view_of_one_that_missed_nothing(tmp_path):
+    """A reader polled on 1 write in 25 falls more than the 8 KiB ring's safe lag behind (lapped, counted);
+    it asks for a resync, the writer answers with a snapshot of its mirror for that reader only
+    (clears, then the stored blocks), and after draining its index matches every prompt exactly
+    as a router fed every event directly (the reference, an independent path) and as the fast
+    reader, which never saw the snapshot (targeted records skipped). Without an index (it cannot
+    ask) the same slow reader ends with a different view: what the resync fixes."""
+    os.makedirs(tmp_path / "a")
+    ref, fast, slow, reader = _run_slow_reader(str(tmp_path / "a"), 11, 0.04, 1)
+    assert reader.laps >= 1 and reader.resyncs == reader.laps and reader.snapshot_records > 0
+    assert _views(slow) == _views(ref) == _views(fast)
+    os.makedirs(tmp_path / "b")
+    ref2, _, lost, reader2 = _run_slow_reader(str(tmp_path / "b"), 11, 0.04, None)
+    assert reader2.laps >= 1 and reader2.resyncs == 0
+    assert _views(ref2) == _views(ref) and _views(lost) != _views(ref2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.03, 0.1, 0.3, 1.0]))
+def test_resync_property_any_reader_pace_ends_with_the_reference_view(seed, pace):
+    """Property: whatever the slow reader's pace (lapped many times, or never), after the writes
+    stop and it drains, its view equals the reference's and the fast reader's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, fast, slow, reader = _run_slow_reader(tmp, seed, pace, 1)
+        assert reader.resyncs == reader.laps
+        assert _views(slow) == _views(ref) == _views(fast)
+
+
+def test_view_mirror_snapshot_puts_parents_first_joins_runs_and_is_bounded():
+    """By hand: [1, 2] stored, 3 continuing 2, 5 continuing 4 (4 unknown), 1 stored again (moved to
+    the newest, after its children), 2 removed: the snapshot clears REP's HBM and host views, then
+    stores [1] (root), [3] under 2 (2 is gone: a continuation of a removed block, as the engine
+    announced it), [5] under 4. Over the bound the oldest stored block goes first."""
+    from balancer.service.kv_fanout import ViewMirror
+
+    m = ViewMirror(capacity_blocks=10)
+    for ev in (BlockStored((1, 2)), BlockStored((3,), None, 2), BlockStored((5,), None, 4), BlockStored((1,)),
+               BlockRemoved((2,))):
+        m.apply(REP, ev)
+    assert m.blocks == 3
+    assert m.snapshot() == [(REP, AllBlocksCleared(None)), (REP, AllBlocksCleared("CPU")),
+                            (REP, BlockStored((3,), None, 2)), (REP, BlockStored((5,), None, 4)),
+                            (REP, BlockStored((1,), None, None))]
+    m2 = ViewMirror(capacity_blocks=3)
+    m2.apply(REP, BlockStored((10, 11, 12)))
+    m2.apply(REP, BlockStored((13,), "CPU", None))
+    m2.apply(REP, BlockStored((14,), None, 12))  # 4 + 1 blocks: 10, then 11 evicted (oldest of HBM)
+    assert (m2.blocks, m2.evicted) == (3, 2)
+    assert m2.snapshot()[2:] == [(REP, BlockStored((12, 14), None, 11)), (REP, BlockStored((13,), "CPU", None))]
+    m2.apply(REP, AllBlocksCleared())
+    assert m2.blocks == 1 and m2.snapshot()[2:] == [(REP, BlockStored((13,), "CPU", None))]
+
+
+def test_view_mirror_one_event_over_the_bound_keeps_its_newest_blocks():
+    from balancer.service.kv_fanout import ViewMirror
+
+    m = ViewMirror(capacity_blocks=2)
+    m.apply(ReplicaId("http://other", 0), AllBlocksCleared())  # a known replica with an empty view
+    m.apply(ReplicaId("http://other", 0), BlockStored((7,)))
+    m.apply(ReplicaId("http://other", 0), BlockRemoved((7,)))
+    m.apply(REP, BlockStored((1, 2, 3, 4)))
+    assert (m.blocks, m.evicted) == (2, 2) and m.snapshot()[4:] == [(REP, BlockStored((3, 4), None, 2))]
+
+
+async def test_a_router_process_that_starts_after_the_ring_wrapped_resyncs_from_the_subscriber(tmp_path):
+    """Process 0's KvFanout (subscriber child) writes an 8 KiB ring; 150 prompts are stored and
+    removed again (the ring wraps several times, the live view stays small), then 3 kept. A
+    process-1 follower that starts only now (a replacement router process) is lapped at its first
+    look, asks for a resync, and the subscriber child answers with a snapshot for it alone: its
+    router then matches the 3 kept prompts exactly as process 0's does, and nothing removed."""
+    eng = FakeEngine("map", "int", block_size=16)
+    src = KvEventSource(REP, eng.endpoint)
+    routers = [Router("cache_aware", "cache_aware", block_size=16, index_mode="events") for _ in range(2)]
+    for rt in routers:
+        rt.add_replica(REP, "mixed")
+    path = fanout_ring_path(str(tmp_path))
+    loop = asyncio.get_running_loop()
+    owner = KvFanout(path, routers[0].on_kv_event, True, [src], 16, KvEventsConfig(), ring_bytes=8192, index=0)
+    late = KvFanout(path, routers[1].on_kv_event, False, [src], 16, KvEventsConfig(), index=1)
+    prompts = [[10_000 * p + t for t in range(64)] for p in range(153)]
+    hashes = [tuple(hash_token_blocks(p, 16)) for p in prompts]
+
+    async def until(pred, timeout_s: float = 15.0) -> bool:  # noqa: ANN001
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if pred():
+                return True
+            await asyncio.sleep(0.02)
+        return pred()
+
+    try:
+        await loop.run_in_executor(None, owner.start_subscriber)
+        owner.follower.start()
+        await asyncio.sleep(0.4)  # the SUB socket joins
+        for p in prompts[:150]:
+            hs, ev = eng.stored(p)
+            eng.publish([ev, eng.removed(hs)])
+            await asyncio.sleep(0.005)  # process 0's follower keeps up (it polls every 5 ms)
+        for p in prompts[150:]:
+            eng.publish([eng.stored(p)[1]])
+        assert await until(lambda: all(routers[0].index.match(h) == {REP: 4} for h in hashes[150:]))
+        assert owner.follower.reader.next_seq >= 303 and owner.follower.reader.head_bytes() > 8192
+        late.follower.start()
+        assert await until(lambda: all(routers[1].index.match(h) == {REP: 4} for h in hashes[150:]))
+        st = late.fanout_stats()
+        assert st["laps"] == st["resyncs"] == 1 and st["snapshot_records"] == 2 + 3  # 2 clears, 3 stores
+        assert all(routers[1].index.match(h) == {} for h in hashes[:150])
+        assert owner.fanout_stats()["laps"] == owner.fanout_stats()["snapshot_records"] == 0  # not for it: skipped
+    finally:
+        await loop.run_in_executor(None, owner.stop)
+        late.stop()
+        eng.close()

@@ -8,8 +8,9 @@ connection to the next of them in turn (:mod:`balancer.service.handoff`: the ker
 prints the ready line once all of them are ready, forwards SIGTERM/SIGINT to them and exits when
 they have drained. While they run it
 applies admin changes (``POST``/``DELETE /workers``) to all of them, one at a time, all or none
-(:mod:`balancer.service.shared_admin`). If one of them dies, the others are stopped and ``pdlb
-serve`` exits with status 1 (let a supervisor restart it). Prometheus multiprocess mode aggregates
+(:mod:`balancer.service.shared_admin`). If one of them dies (any cause) it is started again with
+the same index, bounded by a crash-loop limit after which ``pdlb serve`` exits with status 1
+(:mod:`balancer.service.supervise`). Prometheus multiprocess mode aggregates
 ``/metrics`` over them (a fresh temporary ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
 """
 
@@ -33,8 +34,8 @@ from aiohttp import web
 
 from balancer.policies import available_policies
 from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
-from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, config_warnings, load_service_config,
-                                     parse_worker_spec)
+from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, WorkerConfig, config_warnings,
+                                     load_service_config, parse_worker_spec)
 
 log = logging.getLogger("pdlb.serve")
 
@@ -195,6 +196,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
                         "events; admin API changes reach all of them (default: one per core this process may run "
                         f"on, {default_processes()} here)")
+    p.add_argument("--max-process-restarts", type=int, metavar="N",
+                   help="--processes N > 1: restarts of one dead router process allowed within --restart-window-s; "
+                        "one more death stops pdlb serve with status 1 (crash loop) (default: 5)")
+    p.add_argument("--restart-window-s", type=float, metavar="SECONDS",
+                   help="the crash-loop window of --max-process-restarts (default: 60)")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -297,12 +303,13 @@ def _ready_line(cfg: ServiceConfig, port: int) -> str:
 
 
 async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None,  # noqa: ANN001
-                 shared_prefix_dir: str | None = None, handoff: socket.socket | None = None) -> int:
+                 shared_prefix_dir: str | None = None, handoff: socket.socket | None = None,
+                 columns: dict[str, list[int]] | None = None, restart: tuple[bool, int] = (False, 0)) -> int:
     """Serve until SIGINT/SIGTERM. One process: listen, print the ready line. Process
     ``process_index`` of several: serve the connections the parent hands over on ``handoff``
     (:mod:`balancer.service.handoff`) and send ``("ready", port)`` or ``("error", message)`` on the
     duplex pipe ``ready`` instead, which then carries admin changes
-    (:mod:`balancer.service.shared_admin`)."""
+    (:mod:`balancer.service.shared_admin`). ``columns``, ``restart``: see :func:`_process_main`."""
     try:
         app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir, control=ready)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
@@ -310,6 +317,8 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
             ready.send(("error", str(e)))
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if ready is not None:
+        _join_supervision(app, process_index, columns, restart)
     runner = make_runner(app, cfg)
     await runner.setup()
     limit_connections(runner, cfg.max_connections)
@@ -362,6 +371,23 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     return 0
 
 
+def _join_supervision(app: web.Application, index: int, columns: dict[str, list[int]] | None,
+                      restart: tuple[bool, int]) -> None:
+    """Router process ``index`` of several: map its workers to the shared-load ``columns`` the
+    parent gave (a replacement: admin changes may have moved them from the config's order) and
+    export the restart counters (:mod:`balancer.service.supervise`)."""
+    from balancer.service.app import SERVICE
+    from balancer.service.supervise import restart_counters
+
+    svc = app[SERVICE]
+    if columns is not None and svc.shared_load is not None:
+        cols = {rep: c for w in svc.pool.workers.values() for rep, c in zip(w.replicas, columns.get(w.url, ()))}
+        svc.shared_load.remove(list(svc.shared_load.columns))
+        svc.shared_load.add(cols)
+    if svc.multiprocess:
+        restart_counters(index, *restart)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``pdlb serve`` until SIGINT/SIGTERM; returns the exit status."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -381,7 +407,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print("note: no admin_api_key (--allow-unauthenticated-admin): the admin API (/workers) answers loopback "
               "peers only; behind a reverse proxy on this host every client is one", file=sys.stderr)
     if cfg.processes is not None and cfg.processes > 1:
-        return _run_processes(cfg, args.event_loop, args.log_level)
+        return _run_processes(cfg, args.event_loop, args.log_level, getattr(args, "max_process_restarts", None),
+                              getattr(args, "restart_window_s", None))
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_serve(cfg))
 
@@ -412,26 +439,37 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
                   shared_load: str | None = None, shared_prefix_dir: str | None = None,
-                  handoff: socket.socket | None = None) -> None:
+                  handoff: socket.socket | None = None, columns: dict[str, list[int]] | None = None,
+                  restart: tuple[bool, int] = (False, 0)) -> None:
     """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
     of the shared in-flight load block (:mod:`balancer.service.shared_load`); ``handoff``: its end
-    of the channel its client connections come on (:mod:`balancer.service.handoff`)."""
+    of the channel its client connections come on (:mod:`balancer.service.handoff`); ``columns``:
+    each worker's shared-load columns (a replacement: admin changes may have moved them from the
+    config's order); ``restart``: (whether it replaces a dead process, the load the parent reaped)."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff))
+        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff, columns, restart))
     sys.exit(code)
 
 
-def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
-    """Run ``cfg.processes`` router processes on one port (see the module docstring)."""
+def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_restarts: int | None = None,
+                   restart_window_s: float | None = None) -> int:
+    """Run ``cfg.processes`` router processes on one port, restarting any that dies (see the
+    module docstring and :mod:`balancer.service.supervise`)."""
+    from prometheus_client import multiprocess as prom_multiprocess
+
     from balancer.service.handoff import Acceptor, channel_pair
-    from balancer.service.shared_admin import AdminCoordinator
     from balancer.service.shared_load import create_shared_load_block
+    from balancer.service.supervise import (CHECK_INTERVAL_S, DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S,
+                                            READY_TIMEOUT_S, LoadReaper, RestartPolicy, TrackingCoordinator,
+                                            describe_exit)
     from balancer.service.workers import MAX_REPLICAS
 
     n_processes = cfg.processes
     assert n_processes is not None
+    policy = RestartPolicy(DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts,
+                           DEFAULT_RESTART_WINDOW_S if restart_window_s is None else restart_window_s)
     try:
         reservation = _reserve_port(cfg.host, cfg.port)
     except OSError as e:
@@ -444,6 +482,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="pdlb-metrics-", dir=shm_dir)
     # columns: the configured workers' DP ranks first, in order; room for admin-added ones
     shm = create_shared_load_block(n_processes, MAX_REPLICAS)
+    reaper = LoadReaper(shm, n_processes, MAX_REPLICAS)
     columns: dict[str, list[int]] = {}
     c = 0
     for w in cfg.workers:
@@ -465,30 +504,42 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
     code = 0
     acceptor = None
     channels: list[socket.socket] = []
+    generation = [0] * n_processes
+
+    def spawn(i: int, pcfg: ServiceConfig, cols: dict[str, list[int]] | None, restart: tuple[bool, int]):  # noqa: ANN202
+        mine, theirs = ctx.Pipe(duplex=True)  # ready / error, then admin changes both ways
+        ours, child_end = channel_pair()  # the client connections it serves
+        p = ctx.Process(target=_process_main, args=(pcfg.model_dump_json(), i, event_loop, log_level, theirs,
+                                                    shm.name, prefix_dir, child_end, cols, restart),
+                        name=f"pdlb-serve-{i}", daemon=False)
+        p.start()
+        theirs.close()
+        child_end.close()
+        return p, mine, ours
+
+    def wait_ready(i: int, p, recv, deadline: float) -> tuple[str, object] | None:  # noqa: ANN001
+        """("ready", port) / ("error", message), or None on a stop signal."""
+        while not stop["signal"]:
+            if recv.poll(0.2):
+                try:
+                    return recv.recv()
+                except (EOFError, OSError):
+                    return ("error", f"{describe_exit(p.exitcode if not p.is_alive() else None)} before listening")
+            if not p.is_alive():
+                return ("error", f"{describe_exit(p.exitcode)} before listening")
+            if time.monotonic() > deadline:
+                return ("error", f"not ready within {READY_TIMEOUT_S:g} s")
+        return None
+
     try:
         pipes = []
         for i in range(n_processes):
-            mine, theirs = ctx.Pipe(duplex=True)  # ready / error, then admin changes both ways
-            ours, child_end = channel_pair()  # the client connections it serves
-            channels.append(ours)
-            p = ctx.Process(target=_process_main, args=(cfg.model_dump_json(), i, event_loop, log_level, theirs,
-                                                        shm.name, prefix_dir, child_end),
-                            name=f"pdlb-serve-{i}", daemon=False)
-            p.start()
-            theirs.close()
-            child_end.close()
+            p, mine, ours = spawn(i, cfg, None, (False, 0))
             procs.append(p)
             pipes.append(mine)
+            channels.append(ours)
         for i, (p, recv) in enumerate(zip(procs, pipes)):
-            msg = None
-            while msg is None and not stop["signal"]:
-                if recv.poll(0.2):
-                    try:
-                        msg = recv.recv()
-                    except EOFError:
-                        msg = ("error", f"exited with status {p.exitcode} before listening")
-                elif not p.is_alive():
-                    msg = ("error", f"exited with status {p.exitcode} before listening")
+            msg = wait_ready(i, p, recv, float("inf"))
             if msg is None:
                 return 0
             if msg[0] != "ready":
@@ -496,16 +547,60 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
                 return 2
         acceptor = Acceptor(reservation, channels)
         print(_ready_line(cfg, port), flush=True)
-        admin = AdminCoordinator(pipes, columns, MAX_REPLICAS, alive=lambda i: procs[i].is_alive())
-        while not stop["signal"]:
-            dead = [(i, p) for i, p in enumerate(procs) if not p.is_alive()]
-            if dead:
-                i, p = dead[0]
-                print(f"error: router process {i} (pid {p.pid}) exited with status {p.exitcode}; stopping the others",
-                      file=sys.stderr)
-                code = 1
-                break
-            admin.poll(0.2)  # admin changes; otherwise sleeps 0.2 s
+        admin = TrackingCoordinator(pipes, columns, MAX_REPLICAS, {w.url: w.model_dump() for w in cfg.workers},
+                                    alive=lambda i: procs[i].is_alive())
+        due: dict[int, tuple[float, int]] = {}  # index -> (restart time, reaped load)
+        while not stop["signal"] and code == 0:
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                if i in due or p.is_alive():
+                    continue
+                acceptor.retire(i)
+                prom_multiprocess.mark_process_dead(p.pid, metrics_dir)  # its live gauges leave the sums
+                reaped = reaper.reap(i)
+                delay = policy.on_death(i, now)
+                if delay is None:
+                    print(f"error: router process {i} (pid {p.pid}) {describe_exit(p.exitcode)}; it died "
+                          f"{policy.deaths_in_window(i)} times within {policy.window_s:g} s (limit: "
+                          f"{policy.max_restarts} restarts): crash loop, stopping pdlb serve", file=sys.stderr)
+                    code = 1
+                    break
+                print(f"warning: router process {i} (pid {p.pid}) {describe_exit(p.exitcode)}; its connections "
+                      f"are lost, {reaped} in-flight request count(s) it held reset; restarting it in {delay:g} s",
+                      file=sys.stderr, flush=True)
+                due[i] = (now + delay, reaped)
+            for i, (at, reaped) in sorted(due.items()):
+                if code or stop["signal"] or time.monotonic() < at:
+                    continue
+                del due[i]
+                generation[i] += 1
+                # the worker set every process has now, a fresh RNG seed (Service: seed + index)
+                pcfg = cfg.model_copy(update={
+                    "workers": [WorkerConfig.model_validate(d) for d in admin.workers.values()],
+                    "seed": cfg.seed + generation[i] * n_processes})
+                p, mine, ours = spawn(i, pcfg, dict(admin.columns), (True, reaped))
+                procs[i] = p
+                msg = wait_ready(i, p, mine, time.monotonic() + READY_TIMEOUT_S)
+                if msg is None:
+                    mine.close()
+                    ours.close()
+                    break
+                if msg[0] != "ready":
+                    print(f"warning: replacement of router process {i} (pid {p.pid}) failed: {msg[1]}",
+                          file=sys.stderr, flush=True)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(5)
+                    mine.close()
+                    ours.close()
+                    continue  # dead: counted as another death on the next pass
+                admin.conns[i].close()
+                admin.conns[i] = mine
+                acceptor.replace(i, ours)
+                log.warning("router process %d restarted (pid %d)", i, p.pid)
+                print(f"router process {i} restarted (pid {p.pid})", file=sys.stderr, flush=True)
+            if code == 0:
+                admin.poll(CHECK_INTERVAL_S)  # admin changes; otherwise sleeps
         return code
     finally:
         if acceptor is not None:
@@ -529,6 +624,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str) -> int:
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = old_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        reaper.close()
         shm.close()
         shm.unlink()
         shutil.rmtree(prefix_dir, ignore_errors=True)

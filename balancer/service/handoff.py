@@ -36,21 +36,24 @@ def channel_pair() -> tuple[socket.socket, socket.socket]:
 class Acceptor:
     """The parent's side: accept on ``listener`` (bound; listened on here) in a daemon thread and
     send each connection to ``channels[i]`` in turn, skipping a channel whose process is gone (its
-    socket then goes to the next; with none left the connection is closed). :meth:`close` stops
-    it and closes the listener."""
+    socket then goes to the next; with none left the connection is closed). :meth:`retire` and
+    :meth:`replace` take a dead process out and put its replacement in (``pdlb serve`` restarts
+    dead processes, :mod:`balancer.service.supervise`). :meth:`close` stops it and closes the
+    listener."""
 
     def __init__(self, listener: socket.socket, channels: Sequence[socket.socket], backlog: int = 1024) -> None:
         self.listener = listener
         self.channels = list(channels)
         self.handed = [0] * len(self.channels)  # connections passed to each process
+        self.dead: set[int] = set()  # processes handed nothing (gone, or being replaced)
+        self._lock = threading.Lock()
         self._closed = False
         listener.listen(backlog)
         self._thread = threading.Thread(target=self._run, name="pdlb-accept", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        n, i = len(self.channels), 0
-        dead: set[int] = set()
+        i = 0
         while not self._closed:
             try:
                 conn, _ = self.listener.accept()
@@ -59,18 +62,34 @@ class Acceptor:
                     return
                 continue  # e.g. ECONNABORTED, EMFILE: the next one
             try:
-                for _ in range(n):
-                    k, i = i, (i + 1) % n
-                    if k in dead:
-                        continue
-                    try:
-                        socket.send_fds(self.channels[k], [b"c"], [conn.fileno()])
-                        self.handed[k] += 1
-                        break
-                    except OSError:  # that process exited (its end is closed)
-                        dead.add(k)
+                with self._lock:  # against retire / replace from the parent's main thread
+                    n = len(self.channels)
+                    for _ in range(n):
+                        k, i = i, (i + 1) % n
+                        if k in self.dead:
+                            continue
+                        try:
+                            socket.send_fds(self.channels[k], [b"c"], [conn.fileno()])
+                            self.handed[k] += 1
+                            break
+                        except OSError:  # that process exited (its end is closed)
+                            self.dead.add(k)
             finally:
                 conn.close()  # the process holds its own duplicate now
+
+    def retire(self, k: int) -> None:
+        """Process ``k`` died: hand it nothing more, close the parent's end of its channel (what was
+        sent to it and not yet taken is lost with it)."""
+        with self._lock:
+            self.dead.add(k)
+            self.channels[k].close()
+
+    def replace(self, k: int, channel: socket.socket) -> None:
+        """Process ``k``'s replacement is ready: hand it connections on ``channel`` from now on."""
+        with self._lock:
+            old, self.channels[k] = self.channels[k], channel
+            old.close()
+            self.dead.discard(k)
 
     def close(self) -> None:
         self._closed = True
@@ -80,8 +99,9 @@ class Acceptor:
             pass
         self.listener.close()
         self._thread.join(5)
-        for ch in self.channels:
-            ch.close()
+        with self._lock:
+            for ch in self.channels:
+                ch.close()
 
 
 def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asyncio.Protocol],

@@ -23,9 +23,11 @@ from ``head mod C``, wrapping byte-wise at the end. A record (all little-endian)
 ``u64 check``         ``XXH3_64(body)``
 body: ``u64 seq``     record number (consecutive from 0 over the ring's life)
 ``u8 kind``           1 ``BlockStored``, 2 ``BlockRemoved``, 3 ``AllBlocksCleared``
-``u8 flags``          bit 0: a parent hash follows; bit 1: a medium follows
+``u8 flags``          bit 0: a parent hash follows; bit 1: a medium follows; bit 2: a target follows
 ``u32 dp_rank``       the replica's DP rank
 ``u16 E`` + E bytes   the replica's engine (worker URL, UTF-8)
+``u16 target``        only with flag bit 2: the one router process the record is for (a resync
+                      snapshot, see below); every other reader skips it
 ``u8 M`` + M bytes    the medium (UTF-8), only with flag bit 1
 ``u64 parent``        ``BlockStored``'s ``parent_block_hash``, only with flag bit 0
 ``u32 n`` + n u64     the pdlb block hashes (none for ``AllBlocksCleared``)
@@ -39,9 +41,7 @@ record:
 * bytes past the head are never read (the head moves only after whole records);
 * a reader the writer lapped (more than ``C`` bytes behind, or overtaken while it copied) drops
   the span and resumes at the new head, a record boundary: the records it missed are counted
-  (``lost_records``, from the sequence numbers) and logged; its index may then miss stores and
-  removals until newer events overwrite them, as with a gap the engine's replay buffer no longer
-  holds (nothing is cleared);
+  (``lost_records``, from the sequence numbers) and logged, and it asks for a resync (below);
 * every record's checksum is verified before it is applied; one that does not match (its bytes
   not yet visible on a weakly ordered CPU) is retried on the next polls and skipped after
   :data:`TORN_RETRIES` (``corrupt_records``).
@@ -52,19 +52,40 @@ when more is waiting); a pdlb event larger than :data:`MAX_RECORD_BYTES` is spli
 records (a ``BlockStored``'s later parts name the previous part's last block as their parent), so
 nothing is too large to fan out. The writer never waits for readers.
 
+**Resync.** The writer keeps a mirror of what a reader that missed nothing holds (:class:`ViewMirror`:
+each replica's stored blocks and their parents, per tier, at most ``C / 64`` blocks). A lapped
+reader writes its process index's slot of the request file (:func:`fanout_resync_path`, one
+64-bit counter per process, each written by its own process only); the writer, after its next
+write or within :data:`~balancer.service.kv_subscriber.RESYNC_POLL_S` while no events come,
+writes a snapshot of the mirror as records for that reader alone (flag bit 2 and its index;
+every other reader skips them): ``AllBlocksCleared`` of each replica's HBM and host views, then
+its blocks as ``BlockStored`` runs, each block after its parent. In ring order the snapshot
+turns whatever the reader held into the writer's view at that point, and the records after it
+follow, so once it has read the snapshot the reader's index is what a reader that missed
+nothing holds (blocks the mirror's bound evicted excepted: counted by the writer as ``evicted``);
+between its lap and the snapshot it routes on a stale view. Counted per reader as ``resyncs``
+and ``snapshot_records``. Cost, in the subscriber child (2-core host): keeping the mirror adds
+about 0.11 ms to writing a translated 32k-token event (512 router blocks; 0.02 ms without it,
+against 2-3 ms to decode and translate it); at its bound for the default ring (524,288 blocks)
+it holds about 46 MB, and a snapshot of it takes about 0.2 s to build.
+
 **Failures.** Process 0 checks its subscriber every :data:`SUPERVISE_INTERVAL_S`; one that died is
 started again (logged, ``subscriber_restarts``), takes the ring over where it ends, first writes
 ``AllBlocksCleared`` for each of its replicas (the new subscriber's translator knows none of the
 engine blocks announced before, so their removals would go unseen) and then catches up from each
-engine's replay buffer, as at start. A router process that dies stops ``pdlb serve`` (its parent
-stops them all), the subscriber with it. A follower that is slower than the others only lags
-(``pdlb_kv_events_fanout_lag_bytes``) until it is lapped (see above).
+engine's replay buffer, as at start. A router process that dies is started again by the parent
+(:mod:`balancer.service.supervise`): its follower reads the ring from the start, or, if the ring
+wrapped since, is lapped at its first look and resyncs. Process 0's replacement also starts a
+new subscriber, which waits for the ring's writer lock until the dead process's subscriber child
+(which exits once it sees its parent gone) lets go. A follower that is slower than the others
+only lags (``pdlb_kv_events_fanout_lag_bytes``) until it is lapped (see above).
 
 **Metrics.** The subscriber's ``pdlb_kv_events_*`` counters (batches, events, gaps, replays,
 restarts, decode errors, stale, last seq, translator) count each engine batch once: they are
 exported by process 0 only (``process="0"``). Each process exports its own fan-out counters
 (``pdlb_kv_events_fanout_applied_total`` pdlb events applied to its index,
-``..._records_total``, ``..._lost_records_total``, ``..._corrupt_records_total`` and the gauge
+``..._records_total``, ``..._lost_records_total``, ``..._corrupt_records_total``,
+``..._laps_total``, ``..._resyncs_total``, ``..._snapshot_records_total`` and the gauge
 ``..._lag_bytes``) with its ``process`` label (:mod:`balancer.service.kv_metrics`).
 """
 
@@ -75,12 +96,13 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 
-from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.types import ReplicaId
 
 __all__ = ["FanoutFollower", "KvFanout", "MAX_RECORD_BYTES", "POLL_INTERVAL_S", "RING_BYTES", "RingReader",
@@ -99,6 +121,9 @@ POLL_INTERVAL_S = 0.005
 """Seconds between a follower's looks at the ring when nothing was waiting."""
 SUPERVISE_INTERVAL_S = 1.0
 """Seconds between process 0's checks that its subscriber still runs."""
+WRITER_LOCK_TIMEOUT_S = 20.0
+"""Seconds a new writer waits for the previous one to let go of the ring (a dead router process
+0's subscriber child exits within about a second of noticing its parent gone)."""
 TORN_RETRIES = 3
 """Polls a record whose checksum fails is retried on before it is skipped."""
 
@@ -108,7 +133,10 @@ _REC_HEAD = struct.Struct("<IQ")  # body length, XXH3_64(body)
 _BODY_FIXED = struct.Struct("<QBBIH")  # seq, kind, flags, dp_rank, engine length
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 KIND_STORED, KIND_REMOVED, KIND_CLEARED = 1, 2, 3
-_FLAG_PARENT, _FLAG_MEDIUM = 1, 2
+_FLAG_PARENT, _FLAG_MEDIUM, _FLAG_TARGET = 1, 2, 4
+_U16 = struct.Struct("<H")
+RESYNC_SLOTS = 256
+"""Router processes the resync request file has a slot for (``processes`` is at most 256)."""
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
@@ -122,8 +150,9 @@ def _fixed_bytes(engine: bytes, medium: bytes | None, parent: bool) -> int:
     return _BODY_FIXED.size + len(engine) + (1 + len(medium) if medium is not None else 0) + (8 if parent else 0) + 4
 
 
-def encode_record(seq: int, replica: ReplicaId, event: KvEvent) -> bytes:
-    """One whole record (length, checksum, body; see the module docstring) of ``event`` about ``replica``.
+def encode_record(seq: int, replica: ReplicaId, event: KvEvent, target: int | None = None) -> bytes:
+    """One whole record (length, checksum, body; see the module docstring) of ``event`` about
+    ``replica``; ``target``: for that router process only (a resync snapshot).
 
     Raises:
         TypeError: not a pdlb KV event. ValueError: an engine name over 65535 bytes or a medium over 255.
@@ -142,8 +171,11 @@ def encode_record(seq: int, replica: ReplicaId, event: KvEvent) -> bytes:
         kind, parent, hashes = KIND_CLEARED, None, ()
     else:
         raise TypeError(f"not a pdlb KV event: {event!r}")
-    flags = (_FLAG_PARENT if parent is not None else 0) | (_FLAG_MEDIUM if medium is not None else 0)
+    flags = ((_FLAG_PARENT if parent is not None else 0) | (_FLAG_MEDIUM if medium is not None else 0)
+             | (_FLAG_TARGET if target is not None else 0))
     parts = [_BODY_FIXED.pack(seq, kind, flags, replica.dp_rank, len(engine)), engine]
+    if target is not None:
+        parts.append(_U16.pack(target))
     if medium is not None:
         parts += [_U8.pack(len(medium)), medium]
     if parent is not None:
@@ -166,7 +198,7 @@ def split_event(replica: ReplicaId, event: KvEvent, max_body_bytes: int) -> list
     engine = replica.engine.encode("utf-8", "surrogatepass")
     medium = None if event.medium is None else event.medium.encode("utf-8", "surrogatepass")
     hashes = event.block_hashes
-    room = (max_body_bytes - _fixed_bytes(engine, medium, True)) // 8
+    room = (max_body_bytes - _fixed_bytes(engine, medium, True) - 2) // 8  # 2: a target
     if room < 1:
         raise ValueError(f"records of {max_body_bytes} bytes hold no block hash for {replica}")
     if len(hashes) <= room:
@@ -198,6 +230,8 @@ def decode_body(body: bytes | memoryview, engines: dict[tuple[bytes, int], Repli
         off += elen
         if len(ekey[0]) != elen:
             raise ValueError("engine name past the record's end")
+        if flags & _FLAG_TARGET:
+            off += 2
         medium = None
         if flags & _FLAG_MEDIUM:
             (mlen,) = _U8.unpack_from(body, off)
@@ -231,6 +265,128 @@ def decode_body(body: bytes | memoryview, engines: dict[tuple[bytes, int], Repli
     return seq, rep, ev
 
 
+def record_target(body: bytes | memoryview) -> int | None:
+    """The router process a record body is for (flag bit 2), or ``None``: for every reader."""
+    if len(body) < _BODY_FIXED.size or not body[9] & _FLAG_TARGET:
+        return None
+    off = _BODY_FIXED.size + _U16.unpack_from(body, _BODY_FIXED.size - 2)[0]
+    if off + 2 > len(body):
+        raise ValueError("target past the record's end")
+    return _U16.unpack_from(body, off)[0]
+
+
+def fanout_resync_path(ring_path: str) -> str:
+    """The resync request file of the ring at ``ring_path``: one little 64-bit counter per router
+    process (:data:`RESYNC_SLOTS`), each written by its own process only."""
+    return ring_path + ".resync"
+
+
+def _map_resync(ring_path: str) -> mmap.mmap:
+    fd = os.open(fanout_resync_path(ring_path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < 8 * RESYNC_SLOTS:
+            os.ftruncate(fd, 8 * RESYNC_SLOTS)
+        return mmap.mmap(fd, 8 * RESYNC_SLOTS)
+    finally:
+        os.close(fd)
+
+
+class ViewMirror:
+    """What a reader that applied every record written so far holds, per replica and tier: the
+    stored pdlb blocks and their parents (the writer's side; the source of resync snapshots).
+
+    Bounded: at most ``capacity_blocks`` blocks over all replicas; beyond that a store pushes out
+    the oldest stored blocks of the view it writes to (as the engine's own LRU would), or, if that
+    view holds only what it just stored, of the largest other view (``evicted``). A snapshot
+    then lacks them: a reader resynced from it misses those blocks, which its siblings may
+    still hold until the engine removes them.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = max(1, capacity_blocks)
+        self._views: dict[tuple[ReplicaId, str], dict[int, int | None]] = {}
+        self._medium: dict[tuple[ReplicaId, str], str | None] = {}
+        self.replicas: dict[ReplicaId, None] = {}  # every replica written about (ordered set), bounded
+        self.blocks = 0
+        self.evicted = 0
+
+    def apply(self, replica: ReplicaId, event: KvEvent) -> None:
+        try:
+            tier = tier_of_medium(event.medium)
+        except ValueError:
+            return  # readers cannot apply it either
+        if replica not in self.replicas and len(self.replicas) < 65536:
+            self.replicas[replica] = None
+        key = (replica, tier)
+        if isinstance(event, AllBlocksCleared):
+            d = self._views.pop(key, None)
+            if d:
+                self.blocks -= len(d)
+            return
+        d = self._views.get(key)
+        if isinstance(event, BlockRemoved):
+            if d:
+                for h in event.block_hashes:
+                    if d.pop(h, 0) != 0:
+                        self.blocks -= 1
+            return
+        if d is None:
+            d = self._views[key] = {}
+        self._medium[key] = event.medium
+        parent = event.parent_block_hash
+        for h in event.block_hashes:
+            if d.pop(h, 0) == 0:
+                self.blocks += 1
+            d[h] = parent  # re-inserted: the newest
+            parent = h
+        new = len(event.block_hashes)
+        while self.blocks > self.capacity_blocks:
+            victim = d if len(d) > new else max(self._views.values(), key=lambda v: len(v) if v is not d else -1)
+            if not victim:  # no other view holds anything: this event alone is over the bound
+                victim = d
+            victim.pop(next(iter(victim)))
+            self.blocks -= 1
+            self.evicted += 1
+
+    def snapshot(self) -> list[tuple[ReplicaId, KvEvent]]:
+        """Events that turn any view into this one: per replica ``AllBlocksCleared`` of HBM and
+        host (and each shared-store medium once), then its stored blocks as ``BlockStored`` runs,
+        each block after its parent (a run continues the previous one when chained)."""
+        out: list[tuple[ReplicaId, KvEvent]] = []
+        stores: dict[str | None, ReplicaId] = {}
+        for rep in self.replicas:
+            out += [(rep, AllBlocksCleared(None)), (rep, AllBlocksCleared("CPU"))]
+        for (rep, tier), med in self._medium.items():
+            if tier == "store" and med not in stores:
+                stores[med] = rep
+        out += [(rep, AllBlocksCleared(med)) for med, rep in stores.items()]
+        for key, d in self._views.items():
+            if not d:
+                continue
+            rep, med = key[0], self._medium.get(key)
+            done: set[int] = set()
+            run: list[int] = []
+            run_parent: int | None = None
+            for h in d:
+                chain = []
+                x: int | None = h
+                while x is not None and x in d and x not in done:
+                    chain.append(x)
+                    done.add(x)
+                    x = d[x]
+                for y in reversed(chain):
+                    p = d[y]
+                    if run and p == run[-1]:
+                        run.append(y)
+                    else:
+                        if run:
+                            out.append((rep, BlockStored(tuple(run), med, run_parent)))
+                        run, run_parent = [y], p
+            if run:
+                out.append((rep, BlockStored(tuple(run), med, run_parent)))
+        return out
+
+
 # ---------------------------------------------------------------------- ring
 def _map_ring(path: str) -> mmap.mmap | None:
     """Map an existing ring file read-write, or None if it is not there (or not a whole ring) yet."""
@@ -251,18 +407,55 @@ def _map_ring(path: str) -> mmap.mmap | None:
     return mm
 
 
+def _lock_writer(path: str, timeout_s: float) -> int:
+    """Take the ring's writer lock (``flock`` on ``path + ".lock"``; the kernel drops it when its
+    holder exits, however it dies); returns the lock file's descriptor.
+
+    Raises:
+        RuntimeError: another writer still holds it after ``timeout_s``.
+    """
+    import fcntl
+    import time
+
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise RuntimeError(f"KV fan-out ring {path}: another writer still holds it after {timeout_s:g} s") from None
+            time.sleep(0.05)
+
+
 class RingWriter:
     """The writing side (one per ring: the subscriber's): creates the ring at ``path`` (atomically:
     readers never see a ring without its header), or takes over an existing one where it ends
-    (``resumed``: a restarted subscriber).
+    (``resumed``: a restarted subscriber). One writer at a time, enforced: it first takes the
+    ring's lock (:func:`_lock_writer`, waiting up to ``lock_timeout_s`` for the previous writer,
+    e.g. the subscriber child of a router process 0 that was killed, to exit).
 
     Args:
         path: the ring file.
         ring_bytes: data capacity of a new ring (an existing one keeps its own).
         max_record_bytes: largest record body (larger events are split, :func:`split_event`).
+        lock_timeout_s: how long to wait for the previous writer's lock.
+        mirror_capacity_blocks: bound of :attr:`mirror` (default: ``capacity / 64``, so a full
+            snapshot's hashes take an eighth of the ring).
     """
 
-    def __init__(self, path: str, ring_bytes: int = RING_BYTES, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+    def __init__(self, path: str, ring_bytes: int = RING_BYTES, max_record_bytes: int = MAX_RECORD_BYTES,
+                 lock_timeout_s: float = WRITER_LOCK_TIMEOUT_S, mirror_capacity_blocks: int | None = None) -> None:
+        self._lock_fd = _lock_writer(path, lock_timeout_s)
+        try:
+            self._open(path, ring_bytes, max_record_bytes, mirror_capacity_blocks)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, path: str, ring_bytes: int, max_record_bytes: int, mirror_capacity_blocks: int | None) -> None:
         mm = _map_ring(path)
         self.resumed = mm is not None
         if mm is None:
@@ -287,12 +480,56 @@ class RingWriter:
         self.records = 0  # written by this writer
         self.split_events = 0  # events written as several records
         self.unencodable = 0  # events skipped: an engine name or medium too long for the format
+        # a full snapshot's hashes take an eighth of the ring
+        self.mirror = ViewMirror(self.capacity // 64 if mirror_capacity_blocks is None else mirror_capacity_blocks)
+        self.snapshots = 0  # resync snapshots written
+        self._lock = threading.Lock()  # write() in the subscriber's thread, serve_resyncs() elsewhere
+        self._resync = _map_resync(path)
+        self._served = bytes(self._resync)  # requests made before this writer: its clears answer them
 
-    def write(self, items: Sequence[tuple[ReplicaId, KvEvent]]) -> int:
+    def write(self, items: Sequence[tuple[ReplicaId, KvEvent]], target: int | None = None) -> int:
         """Append the records of ``items`` (in order) and publish them; returns the records written.
-        Never blocks. The head is stored after each ``capacity / 8`` bytes at most (so what
-        is being written but not yet published is under a quarter of the ring: readers rely on
-        it, :attr:`RingReader.safe_lag`)."""
+        Never blocks (beyond another thread's write). The head is stored after each ``capacity / 8``
+        bytes at most (so what is being written but not yet published is under a quarter of the
+        ring: readers rely on it, :attr:`RingReader.safe_lag`). ``target``: records for that router
+        process only (a snapshot); otherwise the events also update :attr:`mirror`. Then answers
+        the resync requests waiting (:meth:`serve_resyncs`)."""
+        with self._lock:
+            n = self._write(items, target)
+            if target is None:
+                n += self._serve()
+            return n
+
+    def serve_resyncs(self) -> int:
+        """Write a snapshot of :attr:`mirror` for each router process that asked for a resync
+        since it was last answered (its slot in the request file changed); returns the records
+        written. Called after every :meth:`write` and, while no events come, periodically by the
+        subscriber."""
+        with self._lock:
+            return self._serve()
+
+    def _serve(self) -> int:
+        now = bytes(self._resync)
+        if now == self._served:
+            return 0
+        n = 0
+        snap: list[tuple[ReplicaId, KvEvent]] | None = None
+        for k in range(RESYNC_SLOTS):
+            if now[8 * k:8 * k + 8] != self._served[8 * k:8 * k + 8]:
+                if snap is None:
+                    snap = self.mirror.snapshot()
+                n += self._write(snap, k)
+                self.snapshots += 1
+                log.info("KV fan-out ring: resync snapshot for router process %d (%d events, %d blocks)", k,
+                         len(snap), self.mirror.blocks)
+        self._served = now
+        return n
+
+    def _write(self, items: Sequence[tuple[ReplicaId, KvEvent]], target: int | None) -> int:
+        if target is None:
+            mirror = self.mirror
+            for rep, ev in items:
+                mirror.apply(rep, ev)
         buf = bytearray()
         n = 0
         limit = self.max_record_bytes
@@ -300,7 +537,7 @@ class RingWriter:
         for rep, ev in items:
             try:
                 parts = split_event(rep, ev, limit)
-                recs = [encode_record(self.seq + k, rep, part) for k, part in enumerate(parts)]
+                recs = [encode_record(self.seq + k, rep, part, target) for k, part in enumerate(parts)]
             except (ValueError, TypeError) as e:  # bounded names make this unreachable from pdlb serve
                 self.unencodable += 1
                 log.warning("KV event for %s not fanned out: %s", rep, e)
@@ -333,6 +570,10 @@ class RingWriter:
     def close(self) -> None:
         self._head_word.release()
         self._mm.close()
+        self._resync.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = -1
 
 
 class RingReader:
@@ -345,9 +586,15 @@ class RingReader:
     format), ``laps`` times this reader was lapped.
     """
 
-    def __init__(self, path: str, read_bytes: int = READ_BYTES_PER_PASS) -> None:
+    def __init__(self, path: str, read_bytes: int = READ_BYTES_PER_PASS, index: int | None = None) -> None:
+        if index is not None and not 0 <= index < RESYNC_SLOTS:
+            raise ValueError(f"process index {index} outside 0..{RESYNC_SLOTS - 1}")
         self.path = path
         self.read_bytes = read_bytes
+        self.index = index
+        self.resyncs = 0  # snapshots asked for (each time this reader was lapped)
+        self.snapshot_records = 0  # records of snapshots for this reader, applied
+        self._resync: mmap.mmap | None = None
         self._mm: mmap.mmap | None = None
         self._word: memoryview | None = None
         self.capacity = 0
@@ -371,6 +618,10 @@ class RingReader:
             self.capacity = len(mm) - HEADER_BYTES
             self._word = memoryview(mm)[0:8].cast("Q")
         return True
+
+    def head_bytes(self) -> int:
+        """The ring's head: bytes ever written (0 before the ring exists)."""
+        return 0 if self._word is None else int(self._word[0])
 
     def lag_bytes(self) -> int:
         """Bytes written and not yet read by this reader (0 before the ring exists)."""
@@ -423,7 +674,17 @@ class RingReader:
                     broken = "a checksum mismatch"
                     break
                 try:
+                    target = record_target(body)
+                    if target is not None and target != self.index:  # another reader's snapshot
+                        seq = _U64.unpack_from(body, 0)[0]
+                        if seq > self.next_seq:
+                            self.lost_records += seq - self.next_seq
+                        self.next_seq = seq + 1
+                        off = rec_end
+                        continue
                     seq, rep, ev = decode_body(body, self._engines)
+                    if target is not None:
+                        self.snapshot_records += 1
                 except ValueError as e:
                     self.corrupt_records += 1
                     log.warning("KV fan-out ring %s: record skipped: %s", self.path, e)
@@ -477,6 +738,19 @@ class RingReader:
                     "in between are lost to it", self.path, head - self.pos, self.capacity)
         self.pos = head  # a record boundary; the next record's seq tells how many were lost
         self._torn_at, self._torn_polls = None, 0
+        self._request_resync()
+
+    def _request_resync(self) -> None:
+        """Ask the writer for a snapshot (this reader's slot of the request file, written by it
+        alone): what follows the head it resumed at, plus the snapshot's clears and stores, gives
+        it the view of a reader that missed nothing. A reader without an ``index`` cannot ask."""
+        if self.index is None:
+            return
+        if self._resync is None:
+            self._resync = _map_resync(self.path)
+        self.resyncs += 1
+        self._resync[8 * self.index:8 * self.index + 8] = _U64.pack(self.resyncs)
+        log.warning("KV fan-out ring %s: router process %d asked for a resync snapshot", self.path, self.index)
 
     def _torn(self, at: int, what: str) -> bool:
         """A record at ring byte ``at`` is not whole: True once it failed :data:`TORN_RETRIES` polls."""
@@ -492,6 +766,9 @@ class RingReader:
         return True
 
     def close(self) -> None:
+        if self._resync is not None:
+            self._resync.close()
+            self._resync = None
         if self._word is not None:
             self._word.release()
             self._word = None
@@ -510,8 +787,8 @@ class FanoutFollower:
     """
 
     def __init__(self, path: str, apply: Callable[[ReplicaId, KvEvent], None],
-                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
-        self.reader = RingReader(path)
+                 poll_interval_s: float = POLL_INTERVAL_S, index: int | None = None) -> None:
+        self.reader = RingReader(path, index=index)
         self._apply = apply
         self.poll_interval_s = poll_interval_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -563,7 +840,8 @@ class FanoutFollower:
         r = self.reader
         return {"applied": self.applied, "apply_errors": self.errors, "records": r.records,
                 "lost_records": r.lost_records, "lost_bytes": r.lost_bytes, "corrupt_records": r.corrupt_records,
-                "laps": r.laps, "lag_bytes": r.lag_bytes()}
+                "laps": r.laps, "resyncs": r.resyncs, "snapshot_records": r.snapshot_records,
+                "lag_bytes": r.lag_bytes()}
 
     def close(self) -> None:
         """Stop following (in the event loop's thread; from another thread the next tick closes)."""
@@ -596,14 +874,15 @@ class KvFanout:
         owner: run the subscriber (process 0).
         sources, block_size, settings: the subscriber's (a ``KvEventsConfig``), owner only.
         ring_bytes: capacity of the ring the owner creates.
+        index: this router process's number (its resync slot; ``None``: it cannot ask for one).
     """
 
     def __init__(self, path: str, apply: Callable[[ReplicaId, KvEvent], None], owner: bool,
                  sources: Sequence[Any] = (), block_size: int = 64, settings: Any = None,
-                 ring_bytes: int = RING_BYTES) -> None:
+                 ring_bytes: int = RING_BYTES, index: int | None = None) -> None:
         self.path = path
         self.owner = owner
-        self.follower = FanoutFollower(path, apply)
+        self.follower = FanoutFollower(path, apply, index=index)
         self._sources = list(sources)
         self._block_size = block_size
         self._settings = settings
@@ -651,6 +930,8 @@ class KvFanout:
         loop = asyncio.get_running_loop()
         while not self._stopped:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            if (writer := getattr(self.subscriber, "ring_writer", None)) is not None:
+                writer.serve_resyncs()  # the thread runner's writer; a child process serves its own
             if self._stopped or self.subscriber_alive():
                 continue
             old = self.subscriber
@@ -727,7 +1008,8 @@ def start_fanout(workers: Sequence[Any], router: Any, block_size: int, settings:
     sources = [s for w in workers if w.events for s in sources_for_worker(w.url, w.dp_size, w.events, w.replay)]
     if not sources:
         return None
-    fan = KvFanout(fanout_ring_path(directory), router.on_kv_event, process_index == 0, sources, block_size, settings)
+    fan = KvFanout(fanout_ring_path(directory), router.on_kv_event, process_index == 0, sources, block_size, settings,
+                   index=process_index)
     if fan.owner:
         fan.start_subscriber()
     return fan

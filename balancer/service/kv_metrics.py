@@ -89,7 +89,8 @@ def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any 
     os.replace(tmp, path)
 
 
-FANOUT_COUNTERS = ("applied", "apply_errors", "records", "lost_records", "lost_bytes", "corrupt_records", "laps")
+FANOUT_COUNTERS = ("applied", "apply_errors", "records", "lost_records", "lost_bytes", "corrupt_records", "laps",
+                   "resyncs", "snapshot_records")
 """Per-process counters of the KV fan-out ring's reader (:class:`balancer.service.kv_fanout.FanoutFollower`)."""
 
 
@@ -99,8 +100,8 @@ class KvEventsFilesCollector:
     (:mod:`balancer.service.kv_fanout`). Its ``pdlb_kv_events_*`` series (batches, gaps, replays,
     stale, ...) count each batch once and carry ``process="0"``, the process that runs it; every
     process exports ``pdlb_kv_events_fanout_*{process}``: pdlb events applied to its own index,
-    ring records read, lost (lapped) and corrupt, its lag in bytes (and process 0 its subscriber's
-    restarts). Reads the files of :func:`write_stats_file` (each process rewrites its own every
+    ring records read, lost (lapped) and corrupt, laps, resync snapshots asked for and their
+    records applied, its lag in bytes (and process 0 its subscriber's restarts). Reads the files of :func:`write_stats_file` (each process rewrites its own every
     second, and the answering process just before the scrape)."""
 
     def __init__(self, directory: str) -> None:

@@ -61,6 +61,10 @@ __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "Kv
 
 log = logging.getLogger("pdlb.kv_events")
 
+RESYNC_POLL_S = 0.1
+"""Longest a fan-out reader's resync request waits while no engine events come (the subscriber
+child looks at the request file this often; with events flowing, after every write)."""
+
 Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], object]
 
 
@@ -174,7 +178,13 @@ class KvEventSubscriber:
 
     def add_sources(self, sources: Sequence[KvEventSource]) -> None:
         """Subscribe to more publishers (a worker added at run time); thread-safe. Each is caught
-        up from its replay buffer as at start. Sources of an already subscribed replica are ignored."""
+        up from its replay buffer as at start, after an ``AllBlocksCleared`` (both media) of its
+        replica is delivered: a worker removed and added again with the same URL must not keep
+        what its predecessor announced, and that predecessor's events may still be waiting
+        downstream (queued for the event loop, or in the fan-out ring for a process that lags or
+        reads it from its start, :mod:`balancer.service.kv_fanout`); the clear comes after them in
+        delivery order, so every reader drops them there, before the new worker's first event.
+        Sources of an already subscribed replica are ignored."""
         self._commands.append(("add", list(sources)))
 
     def remove_replicas(self, replicas: Sequence[ReplicaId]) -> None:
@@ -260,6 +270,8 @@ class KvEventSubscriber:
                 self._connect(s, poller, by_socket)
             with self._lock:
                 self._sources.extend(new)
+            if new:  # a view that starts empty, in delivery order: see add_sources
+                self._deliver([(s.src.replica, AllBlocksCleared(m)) for s in new for m in (None, "CPU")])
             time.sleep(0.05)  # let the subscriptions join before asking for the buffer
             for s in new:
                 self._initial_catch_up(s)
@@ -572,9 +584,12 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
         send("error", f"{type(e).__name__}: {e}")
         return
     send("ready", None)
+    next_stats = 0.0
     try:
         while True:
-            if stop_conn.poll(stats_interval_s):
+            if writer is not None:
+                writer.serve_resyncs()  # resync requests that came while no events did
+            if stop_conn.poll(min(stats_interval_s, RESYNC_POLL_S) if writer is not None else stats_interval_s):
                 kind, items = stop_conn.recv()
                 if kind == "stop":
                     break
@@ -582,6 +597,9 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
                     sub.add_sources(items)
                 elif kind == "remove":
                     sub.remove_replicas(items)
+            if time.monotonic() < next_stats:
+                continue
+            next_stats = time.monotonic() + stats_interval_s
             send("stats", sub.stats())
             if sub.error is not None:
                 send("error", f"{type(sub.error).__name__}: {sub.error}")

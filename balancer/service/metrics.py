@@ -6,12 +6,25 @@ Names follow Prometheus conventions: ``pdlb_`` prefix, base units (seconds, rati
 With several router processes (``pdlb serve --processes N``) prometheus-client's multiprocess mode
 is used (``PROMETHEUS_MULTIPROC_DIR``, set by the parent before the processes start): a scrape
 answered by any process reports counters and histograms summed over all processes, per-worker load
-gauges summed over live processes (each process refreshes its own every
-``MULTIPROCESS_GAUGE_REFRESH_S``), breaker state as the worst (max) and health as the lowest (min)
+gauges (in-flight requests, prefill tokens) as the most recent value any live process wrote, each
+process writing the total over all processes (its own counts plus the others' rows of the shared
+load block, :mod:`balancer.service.shared_load`) every ``MULTIPROCESS_GAUGE_REFRESH_S`` and the
+answering process at the scrape itself (so a scrape never sums another process's value of up to a
+second ago), breaker state as the worst (max) and health as the lowest (min)
 view of any process; the per-worker gauges of a worker removed through the admin API disappear
 (the processes' files keep its last values: the scrape leaves out workers no longer registered);
-``pdlb_kv_events_*`` per process, with a ``process`` label
-(:class:`balancer.service.kv_subscriber.KvEventsFilesCollector`).
+and the KV-event series from the processes' stats files
+(:class:`balancer.service.kv_metrics.KvEventsFilesCollector`): the one subscriber's
+``pdlb_kv_events_*`` counters (batches, events, gaps, replays, restarts, decode errors, stale,
+last seq, translator blocks) once, labelled ``process="0"`` (the process that runs it: each
+engine batch is decoded once), and each process's fan-out reader
+(:mod:`balancer.service.kv_fanout`) as ``pdlb_kv_events_fanout_{applied,apply_errors,records,
+lost_records,lost_bytes,corrupt_records,laps,resyncs,snapshot_records}_total{process}`` and the
+gauge ``pdlb_kv_events_fanout_lag_bytes{process}`` (ring bytes written, not yet applied there),
+plus ``pdlb_kv_events_fanout_subscriber_restarts_total{process="0"}``. The parent's restarts of
+dead router processes are counted by the replacements:
+``pdlb_router_process_restarts_total{process}`` and ``pdlb_router_process_reaped_requests_total{process}``
+(:mod:`balancer.service.supervise`).
 """
 
 from __future__ import annotations
@@ -85,10 +98,11 @@ class ServiceMetrics:
                                multiprocess_mode="livesum")
         self.worker_load = Gauge("pdlb_worker_in_flight_requests",
                                  "Requests the router counts on each worker DP rank (from dispatch)",
-                                 ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livesum")
+                                 ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livemostrecent")
         self.worker_prefill_tokens = Gauge("pdlb_worker_prefill_tokens",
                                            "Uncached prompt tokens routed to each rank and not yet prefilled",
-                                           ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livesum")
+                                           ["worker", "dp_rank", "role"], registry=r,
+                                           multiprocess_mode="livemostrecent")
         self.breaker = Gauge("pdlb_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open",
                              ["worker"], registry=r, multiprocess_mode="livemax")
         self.breaker_transitions = Counter("pdlb_circuit_breaker_transitions",
@@ -126,14 +140,23 @@ class ServiceMetrics:
             self.worker_prefill_tokens.clear()
             self.breaker.clear()
             self.healthy.clear()
+        load = router.load
+        shared = load.peer if self.multiprocess else None
+        if shared is not None:
+            shared.refresh()  # every process's counts now, from the shared load block
         for w in pool.workers.values():
             self.breaker.labels(w.url).set(int(w.breaker.state))
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
             for rep in w.replicas:
-                snap = router.load.get(rep)
+                snap = load.get(rep)
+                requests, prefill = snap.num_requests, snap.prefill_tokens
+                if shared is not None:
+                    s = load.slot(rep)
+                    requests += int(load.peer_requests[s])
+                    prefill += int(load.peer_prefill_tokens[s])
                 labels = (w.url, str(rep.dp_rank), w.cfg.role)
-                self.worker_load.labels(*labels).set(snap.num_requests)
-                self.worker_prefill_tokens.labels(*labels).set(snap.prefill_tokens)
+                self.worker_load.labels(*labels).set(requests)
+                self.worker_prefill_tokens.labels(*labels).set(prefill)
 
     def render(self, router: Router, pool: WorkerPool) -> bytes:
         """Refresh this process's per-worker gauges and return the exposition text (all processes'

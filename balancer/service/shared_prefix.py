@@ -136,7 +136,7 @@ class PrefixShare:
         assert mm is not None
         self._mm = mm
         self._head_word = memoryview(mm)[0:8].cast("Q")
-        self._head = 0
+        self._head = self._head_word[0]  # a replacement process continues its predecessor's ring
         self._readers = [_Reader(ring_path(directory, k)) for k in range(processes) if k != index]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_soon = False
