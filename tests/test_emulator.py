@@ -35,7 +35,10 @@ async def _sse_times(resp: aiohttp.ClientResponse) -> tuple[list[float], list[di
 
 
 async def test_mixed_engine_timing_follows_perf_model():
-    speed = 2.0
+    # speed 0.5 makes the prefill 128 ms, so the HTTP and scheduling overhead of a busy test box
+    # (measured up to ~13 ms on 2 shared cores) stays inside a relative tolerance; the emulator
+    # sleeps for the perf model's time, so it can never come in early (a lower bound held tight)
+    speed = 0.5
     c = await _client(role="mixed", speed=speed)
     try:
         perf = RooflinePerf.for_engine(get_model("llama-3.1-8b"), get_hardware("h100"), num_dp_ranks=1)
@@ -50,7 +53,7 @@ async def test_mixed_engine_timing_follows_perf_model():
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert events[-1]["usage"]["completion_tokens"] == out
         ttft = times[0] - t0
-        assert ttft == pytest.approx(prefill_s, abs=0.01)
+        assert prefill_s - 0.002 <= ttft <= prefill_s * 1.15 + 0.005
         assert times[out - 1] - times[0] == pytest.approx(decode_s, rel=0.1, abs=0.01)
     finally:
         await c.close()
