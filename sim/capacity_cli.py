@@ -41,6 +41,7 @@ from sim.cli_args import (
     positive_int,
     route_slo_note,
     scenario_from_args,
+    seed_int,
     sim_options,
     slo_from_args,
     unique_results_dir,
@@ -138,7 +139,7 @@ def add_capacity_parser(simsub: Any) -> None:
     add_executor_args(p)
     out = add_output_args(p)
     add_slo_args(out, targets=True)
-    out.add_argument("--seed", type=int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
+    out.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
     p.set_defaults(run=run_capacity)
 
 

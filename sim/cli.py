@@ -57,6 +57,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     positive_int,
     route_slo_note,
     scenario_from_args,
+    seed_int,
     unique_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
@@ -69,7 +70,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     add_router_args(p)
     g = add_output_args(p)
     add_slo_args(g)
-    g.add_argument("--seed", type=int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
 
 
 def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:

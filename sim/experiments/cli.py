@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sim.cli_args import seed_int
+
 HOUR_S = 3600.0
 DAY_S = 86400.0
 DEFAULT_TTL_HOURS = "6,12,24,48,72,120,168"
@@ -31,7 +33,7 @@ def _add_workload_args(p: argparse.ArgumentParser, days_default: float) -> None:
     g.add_argument("--sessions-per-hour", type=float, metavar="R", help="new sessions per hour, both classes (default 60)")
     g.add_argument("--agent-fraction", type=float, metavar="F", help="fraction of agent sessions (default 0.3)")
     g.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 512)")
-    g.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed (default 0)")
     g.add_argument("--config", type=Path, metavar="FILE",
                    help="a SessionWorkloadConfig as .json/.toml/.yaml (flags above override its fields)")
 

@@ -99,7 +99,7 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
     rp.add_argument("--prefix-groups", type=_int(1), default=1, help="number of shared prefixes (default 1)")
     for q in (sp, rp):
         q.add_argument("--out", type=Path, required=True, help="output JSONL file (.gz: gzip); overwritten")
-        q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        q.add_argument("--seed", type=_int(0), default=0, help="random seed (default 0)")
         q.add_argument("--block-size", type=_int(1), default=512, help="tokens per hash block (default 512)")
 
 
