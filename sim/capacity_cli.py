@@ -77,6 +77,8 @@ def policy_specs(args: argparse.Namespace) -> list:
     from sim.point import import_policy_modules, parse_policy
 
     import_policy_modules(args.policy_modules)
+    if args.policy_specs and args.policies is not None:  # was: --policies silently dropped
+        raise ValueError("--policy and --policies both given: --policy replaces the list, so --policies would be ignored; give one (repeat --policy for several)")
     if args.policy_specs:
         texts = list(args.policy_specs)
     elif args.policies is not None:

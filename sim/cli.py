@@ -390,6 +390,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                     console.print(_describe(sc))
                 return 0
             if args.sim_command == "compare":
+                if args.policy_specs and "policies" in args.given:  # was: --policies silently dropped
+                    raise ValueError("--policy and --policies both given: --policy replaces the list, so --policies would be ignored; give one (repeat --policy for several)")
                 flag = "--policy" if args.policy_specs else "--policies"
                 names = list(args.policy_specs) or policy_list(args.policies)
                 if args.decode_policy and not load_scenario(args.scenario).disaggregated:

@@ -28,3 +28,21 @@ def test_a_negative_seed_names_the_flag(argv: list[str], capsys: pytest.CaptureF
     # was: "error: expected non-negative integer" (numpy's SeedSequence, after parsing), naming no flag
     prog = "pdlb " + " ".join(a for a in argv[:3] if not a.startswith("-") and "." not in a)
     assert _argparse_error([*argv, "--seed", "-1"], capsys) == f"{prog}: error: argument --seed: must be >= 0, got -1"
+
+
+@pytest.mark.parametrize("command", ["compare", "capacity"])
+def test_policy_and_policies_together_are_refused(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: --policy replaced the list and --policies round_robin,least_load was dropped without a word
+    # (compare ran only 'random')
+    rc = main(["sim", command, "--policies", "round_robin,least_load", "--policy", "random", "--limit", "5", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.strip() == (
+        "error: --policy and --policies both given: --policy replaces the list, so --policies would be ignored; "
+        "give one (repeat --policy for several)")
+
+
+def test_policies_given_with_equals_counts_as_given(capsys: pytest.CaptureFixture[str]) -> None:
+    # the '--policies=LIST' spelling is seen as given too (sim.cli_args.given_options)
+    rc = main(["sim", "compare", "--policies=round_robin", "--policy", "random", "--limit", "5", "--quiet"])
+    assert rc == 2 and "--policy and --policies both given" in capsys.readouterr().err
