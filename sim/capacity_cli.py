@@ -58,7 +58,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated policies, each NAME or NAME:K=V[,K=V] (default: every registered policy)")
     g.add_argument("--policy", dest="policy_specs", action="append", default=[], metavar="NAME[:K=V,...]",
                    help="a policy with parameters, e.g. --policy cache_aware:cache_threshold=0.5,balance_abs=8 "
-                        "(repeatable; replaces --policies)")
+                        "(repeatable; instead of --policies, not with it)")
     g.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
                    help="the decode pool's policy for every run (default: each run's policy)")
     g.add_argument("--policy-module", dest="policy_modules", action="append", default=[], metavar="MODULE",

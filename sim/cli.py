@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "cache_aware:cache_threshold=0.5,balance_abs=8; see 'pdlb policies'; default: all: %(default)s)")
     cmp_.add_argument("--policy", dest="policy_specs", action="append", default=[], metavar="NAME[:K=V,...]",
                       help="a policy with parameters, e.g. --policy cache_aware:cache_threshold=0.5,balance_abs=8 "
-                           "(repeatable; replaces --policies; as in 'pdlb sim capacity')")
+                           "(repeatable; instead of --policies, not with it; as in 'pdlb sim capacity')")
     cmp_.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
                       help="use this policy for the decode pool in every run (default: the run's policy)")
     _add_policy_module_arg(cmp_)
