@@ -46,3 +46,19 @@ def test_policies_given_with_equals_counts_as_given(capsys: pytest.CaptureFixtur
     # the '--policies=LIST' spelling is seen as given too (sim.cli_args.given_options)
     rc = main(["sim", "compare", "--policies=round_robin", "--policy", "random", "--limit", "5", "--quiet"])
     assert rc == 2 and "--policy and --policies both given" in capsys.readouterr().err
+
+
+def test_summary_md_has_every_column_of_the_printed_table(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: summary.md ("the same table as Markdown") lacked E2E p50 s and out tok/s/GPU
+    out = tmp_path / "res"
+    assert main(["sim", "run", "--policy", "round_robin", "--limit", "20", "--quiet", "--no-plots",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    head = [c.strip() for c in printed.split("┃")[1:-1] if "\n" not in c]
+    assert head == ["policy", "TTFT mean s", "TTFT p99 s", "TPOT mean ms", "TPOT p99 ms", "E2E p50 s", "hit rate",
+                    "SLO att.", "goodput r/s", "out tok/s/GPU", "P imb.", "D imb."]
+    md_head, rule, row = (out / "summary.md").read_text().splitlines()[:3]
+    assert [c.strip() for c in md_head.strip("|").split("|")] == head
+    assert rule == "|" + "---|" * 12
+    printed_row = next(line for line in printed.splitlines() if line.startswith("│ round_robin"))
+    assert [c.strip() for c in row.strip("|").split("|")] == [c.strip() for c in printed_row.strip("│").split("│")]
