@@ -255,8 +255,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
 
         results = run_searches(searches, ex, on_point)
         for s, r in zip(searches, results):
-            progress.update(tasks[id(s)], total=max(est, len(r.points)), completed=max(est, len(r.points)),
-                            note=r.status)
+            # the bar ends at the simulations run (was: at least the estimate, '11/11' after 7)
+            progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=r.status)
         curves: dict[str, list] = {}
         if curve and args.search == "rate":
             pts = [Point(scenario, wl, s, f, slo, args.seed, opts, False, (("search", "curve"), ("policy", s.label)))

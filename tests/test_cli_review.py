@@ -62,3 +62,16 @@ def test_summary_md_has_every_column_of_the_printed_table(tmp_path, capsys: pyte
     assert rule == "|" + "---|" * 12
     printed_row = next(line for line in printed.splitlines() if line.startswith("│ round_robin"))
     assert [c.strip() for c in row.strip("|").split("|")] == [c.strip() for c in printed_row.strip("│").split("│")]
+
+
+def test_capacity_progress_ends_at_the_simulations_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: the bar ended at max(estimate, run), '11/11 above_bounds' for a search of 7 simulations
+    # (x1, 2, 4, ..., 64: the SLO still holds at the upper bound)
+    rc = main(["sim", "capacity", "--scenario", "llama8b-agg-h100", "--limit", "20", "--policies", "round_robin",
+               "--jobs", "1", "--no-plots", "--out", str(tmp_path / "cap")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    bar = next(line for line in out.splitlines() if line.startswith("round_robin") and "━" in line)
+    assert " 7/7 above_bounds " in bar, bar
+    row = next(line for line in out.splitlines() if line.startswith("│ round_robin"))
+    assert [c.strip() for c in row.strip("│").split("│")][9] == "7"  # the evals column
