@@ -75,3 +75,31 @@ def test_capacity_progress_ends_at_the_simulations_run(tmp_path, capsys: pytest.
     assert " 7/7 above_bounds " in bar, bar
     row = next(line for line in out.splitlines() if line.startswith("│ round_robin"))
     assert [c.strip() for c in row.strip("│").split("│")][9] == "7"  # the evals column
+
+
+def test_sweep_table_never_cuts_the_policy_or_grid_names(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: 'cache_aware…' and 'mixed.num_…' in the 160-column table printed to a file or pipe, so two
+    # variants of one policy, or two grid keys, read alike
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('scenario = "llama8b-agg-h100"\npolicies = ["round_robin", "cache_aware:cache_threshold=0.5"]\n'
+                     'rates = [1.0]\nlimit = 10\n[grid]\n"mixed.num_engines" = [2]\n"mixed.max_prefill_tokens" = [1024]\n')
+    assert main(["sim", "sweep", str(sweep), "--jobs", "1", "--quiet", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("┏"):out.index("┘") + 1]
+    assert "…" not in table
+    cells = lambda line: [c.strip() for c in line.strip("│┃").split("│" if line.startswith("│") else "┃")]  # noqa: E731
+    lines = table.splitlines()
+    heads = [cells(x) for x in lines if x.startswith("┃")]
+    # a folded header reads top to bottom
+    assert ["".join(parts) for parts in zip(*heads)][:5] == [
+        "policy", "rate", "seed", "mixed.num_engines", "mixed.max_prefill_tokens"]
+    body = [cells(x) for x in lines if x.startswith("│")]
+    # rows folded over several lines: a row starts where the rate column is filled
+    labels, cur = [], None
+    for c in body:
+        if c[1]:
+            cur = [c[0]]
+            labels.append(cur)
+        else:
+            cur.append(c[0])
+    assert ["".join(parts) for parts in labels] == ["round_robin", "cache_aware(cache_threshold=0.5)"]
