@@ -135,3 +135,11 @@ def test_load_ramp_is_bounded_before_it_hashes() -> None:
     reqs = load_ramp_workload([10.0], 10.0, prompt_tokens_mean=1e7, prompt_tokens_sigma=3.0, seed=1)
     assert max(r.prompt_tokens for r in reqs) == 1 << 24
     assert all(len(r.block_hashes) == -(-r.prompt_tokens // 512) for r in reqs)
+
+
+def test_workload_out_directory_names_the_flag(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: "error: [Errno 21] Is a directory: '<dir>'"
+    rc = main(["sim", "workload", "ramp", "--rates", "1", "--step-s", "5", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.strip() == (
+        f"error: --out {tmp_path}: is a directory; give a file name, e.g. {tmp_path / 'workload.jsonl'}")
