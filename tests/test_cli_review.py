@@ -143,3 +143,10 @@ def test_workload_out_directory_names_the_flag(tmp_path, capsys: pytest.CaptureF
     captured = capsys.readouterr()
     assert rc == 2 and captured.err.strip() == (
         f"error: --out {tmp_path}: is a directory; give a file name, e.g. {tmp_path / 'workload.jsonl'}")
+
+
+def test_too_many_sessions_names_the_flags(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 1e9 days x 60 sessions per hour > 5 million sessions; was: "lower duration_s or sessions_per_hour"
+    rc = main(["sim", "sessions", "--days", "1e9", "--out", str(tmp_path / "s.jsonl")])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.strip() == "error: more than 5 million sessions: lower --days or --sessions-per-hour"

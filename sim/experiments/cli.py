@@ -6,6 +6,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -103,6 +104,9 @@ def _config(args: argparse.Namespace, days: float):
             if field in upd and field in _FIELD_FLAGS:
                 parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
             else:  # a field of --config (already checked alone) or a check across fields
+                if not loc:  # across fields: name the flags that set them (was: "lower duration_s or ...")
+                    for name, flag in _FIELD_FLAGS.items():
+                        msg = re.sub(rf"\b{name}\b", flag, msg)
                 where = ".".join(str(x) for x in loc)
                 text = f"{where}: {msg}" if where else msg
                 parts.append(f"{args.config}: {text}" if args.config and field not in upd else text)
