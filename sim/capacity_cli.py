@@ -169,6 +169,29 @@ def _estimate_evals(args: argparse.Namespace) -> int:
     return min(args.max_evals, 12)
 
 
+#: An answer whose last request finishes later than this many arrival windows after the start
+#: measured a burst that the cluster drained afterwards, not a rate it sustains.
+BURST_MAKESPAN_RATIO = 2.0
+
+
+def _burst_note(r: Any) -> str:
+    """A note when the answer's run finished more than :data:`BURST_MAKESPAN_RATIO` arrival
+    windows after it started: goodput counts SLO-meeting requests per second of the arrival
+    window, so a short trace compressed by a high rate scale (800 Azure requests at x64 arrive in
+    2.9 s, the last finishes at 13.1 s on 8 GPUs: "280 req/s") reads as a rate the cluster could
+    sustain, while it only absorbed the burst. ``""`` otherwise, or without a complete answer run."""
+    best = getattr(r, "best", None)
+    summary = best.summary if best is not None else None
+    if not summary:
+        return ""
+    window, makespan = summary.get("arrival_window_s"), summary.get("makespan_s")
+    if not (window and makespan and makespan > BURST_MAKESPAN_RATIO * window):
+        return ""
+    return (f"at the answer the {summary['num_requests']} requests arrive over {window:.3g} s and the last "
+            f"finishes at {makespan:.3g} s: the cluster absorbed a burst and drained it, which is not a rate it "
+            "sustains; search over a fixed window (--duration-s S: every rate runs S seconds of arrivals) or a longer trace")
+
+
 def run_capacity(args: argparse.Namespace, console: Console) -> int:
     from sim.capacity import GpuSearch, RateSearch, run_searches
     from sim.capacity_report import (
@@ -274,6 +297,10 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     # the answer depends on it (ep_aware routes against the SLO by default)
     title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
     console.print(rich_table(head, rows, title))
+    for r in results:
+        note = _burst_note(r)
+        if note:
+            r.notes.append(note)
     notes = reasons(results)
     for line in notes:
         console.print(f"  {escape(line)}", soft_wrap=True)
