@@ -57,6 +57,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     positive_int,
     route_slo_note,
     scenario_from_args,
+    seed_int,
     unique_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
@@ -69,7 +70,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     add_router_args(p)
     g = add_output_args(p)
     add_slo_args(g)
-    g.add_argument("--seed", type=int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
 
 
 def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "cache_aware:cache_threshold=0.5,balance_abs=8; see 'pdlb policies'; default: all: %(default)s)")
     cmp_.add_argument("--policy", dest="policy_specs", action="append", default=[], metavar="NAME[:K=V,...]",
                       help="a policy with parameters, e.g. --policy cache_aware:cache_threshold=0.5,balance_abs=8 "
-                           "(repeatable; replaces --policies; as in 'pdlb sim capacity')")
+                           "(repeatable; instead of --policies, not with it; as in 'pdlb sim capacity')")
     cmp_.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
                       help="use this policy for the decode pool in every run (default: the run's policy)")
     _add_policy_module_arg(cmp_)
@@ -389,6 +390,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                     console.print(_describe(sc))
                 return 0
             if args.sim_command == "compare":
+                if args.policy_specs and "policies" in args.given:  # was: --policies silently dropped
+                    raise ValueError("--policy and --policies both given: --policy replaces the list, so --policies would be ignored; give one (repeat --policy for several)")
                 flag = "--policy" if args.policy_specs else "--policies"
                 names = list(args.policy_specs) or policy_list(args.policies)
                 if args.decode_policy and not load_scenario(args.scenario).disaggregated:

@@ -4,7 +4,7 @@ The floor under every CLI module (:mod:`sim.cli`, :mod:`sim.capacity_cli`, :mod:
 :mod:`sim.experiments.cli`, :mod:`sim.pricing.cli`): they import from here, never from each other,
 so there is no import circle.
 
-- ``type=`` checks for argparse (:func:`positive_int`, :func:`positive_float`,
+- ``type=`` checks for argparse (:func:`positive_int`, :func:`seed_int`, :func:`positive_float`,
   :func:`nonnegative_float`, :func:`fraction`, :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
@@ -49,6 +49,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An int >= 0 (``--seed``): numpy's and the trace spreading's seeds must be non-negative, and
+    without this check a negative one surfaced as numpy's bare ``expected non-negative integer``,
+    naming no flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

@@ -48,32 +48,34 @@ def _kv_cells(s: dict[str, Any]) -> list[str]:
 KV_COLUMNS = ("hit hbm/host/store", "fetch GB", "write GB", "PD xfer GB", "TTFT q/f/c/t s")
 
 
+#: The columns of a run's summary: ``(header, justify, cell of a summary)``; the terminal table
+#: (:func:`summary_table`) and ``summary.md`` (:func:`markdown_table`) both print exactly these.
+SUMMARY_COLUMNS: tuple[tuple[str, str, Any], ...] = (
+    ("policy", "left", lambda s: s["policy"]),
+    ("TTFT mean s", "right", lambda s: f"{s['ttft_s']['mean']:.3f}"),
+    ("TTFT p99 s", "right", lambda s: f"{s['ttft_s']['p99']:.3f}"),
+    ("TPOT mean ms", "right", lambda s: f"{1e3 * s['tpot_s']['mean']:.1f}"),
+    ("TPOT p99 ms", "right", lambda s: f"{1e3 * s['tpot_s']['p99']:.1f}"),
+    ("E2E p50 s", "right", lambda s: f"{s['e2e_s']['p50']:.2f}"),
+    ("hit rate", "right", lambda s: f"{100 * s['prefix_hit_rate']:.1f}%"),
+    ("SLO att.", "right", lambda s: f"{100 * s['slo_attainment']:.1f}%"),
+    ("goodput r/s", "right", lambda s: f"{s['goodput_rps']:.2f}"),
+    ("out tok/s/GPU", "right", lambda s: f"{s['output_tokens_per_s_per_gpu']:.0f}"),
+    ("P imb.", "right", lambda s: f"{s['prefill_step_imbalance']:.2f}"),
+    ("D imb.", "right", lambda s: f"{s['decode_step_imbalance']:.2f}"),
+)
+
+
 def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table:
-    """A rich table: one row per run, the columns a capacity planner compares (KV tiers, when
-    configured, get their own table: :func:`kv_tier_table`)."""
+    """A rich table: one row per run, the columns a capacity planner compares (:data:`SUMMARY_COLUMNS`;
+    KV tiers, when configured, get their own table: :func:`kv_tier_table`)."""
     t = Table(title=title or None, show_lines=False)
-    cols = [
-        ("policy", "left"), ("TTFT mean s", "right"), ("TTFT p99 s", "right"), ("TPOT mean ms", "right"),
-        ("TPOT p99 ms", "right"), ("E2E p50 s", "right"), ("hit rate", "right"), ("SLO att.", "right"),
-        ("goodput r/s", "right"), ("out tok/s/GPU", "right"), ("P imb.", "right"), ("D imb.", "right"),
-    ]
-    for name, justify in cols:
+    for name, justify, _ in SUMMARY_COLUMNS:
         # a policy label with parameters can be wider than its share: fold it, never cut it
         # (two variants of one policy would otherwise read alike, 'ep_aware(horizon_…')
         t.add_column(name, justify=justify, overflow="fold" if name == "policy" else "ellipsis")  # type: ignore[arg-type]
     for s in summaries:
-        t.add_row(
-            s["policy"],
-            f"{s['ttft_s']['mean']:.3f}", f"{s['ttft_s']['p99']:.3f}",
-            f"{1e3 * s['tpot_s']['mean']:.1f}", f"{1e3 * s['tpot_s']['p99']:.1f}",
-            f"{s['e2e_s']['p50']:.2f}",
-            f"{100 * s['prefix_hit_rate']:.1f}%",
-            f"{100 * s['slo_attainment']:.1f}%",
-            f"{s['goodput_rps']:.2f}",
-            f"{s['output_tokens_per_s_per_gpu']:.0f}",
-            f"{s['prefill_step_imbalance']:.2f}",
-            f"{s['decode_step_imbalance']:.2f}",
-        )
+        t.add_row(*(cell(s) for _, _, cell in SUMMARY_COLUMNS))
     return t
 
 
@@ -93,16 +95,12 @@ def kv_tier_table(summaries: Sequence[dict[str, Any]], title: str = "KV tiers") 
 
 
 def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
-    """The same table as Markdown (for notes and docs)."""
-    head = ("| policy | TTFT mean s | TTFT p99 s | TPOT mean ms | TPOT p99 ms | hit rate | SLO att. | goodput r/s "
-            "| P imb. | D imb. |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    """The same table as Markdown (for notes and docs): the columns of :func:`summary_table`, then
+    the KV-tier table when tiers are configured."""
+    head = "| " + " | ".join(name for name, _, _ in SUMMARY_COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(SUMMARY_COLUMNS)]
     for s in summaries:
-        lines.append(
-            f"| {s['policy']} | {s['ttft_s']['mean']:.3f} | {s['ttft_s']['p99']:.3f} | {1e3 * s['tpot_s']['mean']:.1f} "
-            f"| {1e3 * s['tpot_s']['p99']:.1f} | {100 * s['prefix_hit_rate']:.1f}% | {100 * s['slo_attainment']:.1f}% "
-            f"| {s['goodput_rps']:.2f} | {s['prefill_step_imbalance']:.2f} | {s['decode_step_imbalance']:.2f} |"
-        )
+        lines.append("| " + " | ".join(cell(s) for _, _, cell in SUMMARY_COLUMNS) + " |")
     if _tiered(summaries):
         lines += ["", "| policy | " + " | ".join(KV_COLUMNS) + " |", "|---" * (len(KV_COLUMNS) + 1) + "|"]
         lines += [f"| {s['policy']} | " + " | ".join(_kv_cells(s)) + " |" for s in summaries]

@@ -119,7 +119,10 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
         route_slo, [(label, *spec.build()) for label, spec in policies.items()], default=True, flag="route_slo = false")
     t = Table(title=title)
     for i, h in enumerate(head):
-        t.add_column(h, justify="left" if i == 0 or h == "error" else "right")
+        # the policy (with its parameters) and the grid columns say which point a row is: fold them,
+        # never cut them (was: 'cache_aware…', 'mixed.num_…' in a 160-column terminal)
+        t.add_column(h, justify="left" if i == 0 or h == "error" else "right",
+                     overflow="fold" if i == 0 or 3 <= i < 3 + len(grid_cols) else "ellipsis")
     for row in table_rows[:MAX_PRINTED_ROWS]:
         t.add_row(*map(escape, row))
     console.print(t)

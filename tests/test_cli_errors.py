@@ -46,7 +46,7 @@ def _argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["sim", "run", "--spread-s", "-1"], "pdlb sim run: error: argument --spread-s: must be a finite number >= 0, got '-1'"),
     (["sim", "run", "--slo-ttft-s", "0"], "pdlb sim run: error: argument --slo-ttft-s: must be a finite number > 0, got '0'"),
     (["sim", "run", "--slo-tpot-s", "nan"], "pdlb sim run: error: argument --slo-tpot-s: must be a finite number > 0, got 'nan'"),
-    (["sim", "run", "--seed", "1.5"], "pdlb sim run: error: argument --seed: invalid int value: '1.5'"),
+    (["sim", "run", "--seed", "1.5"], "pdlb sim run: error: argument --seed: expected an integer >= 0, got '1.5'"),
     # 5. tier weights checked while parsing (were: after the workload loaded and a progress bar started)
     (["sim", "run", "--tier-weights", "host=2"], "pdlb sim run: error: argument --tier-weights: host weight must be in [0, 1], got 2"),
     (["sim", "run", "--tier-weights", "disk=0.5"], "pdlb sim run: error: argument --tier-weights: unknown tier 'disk'; valid: host, store"),

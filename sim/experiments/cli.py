@@ -6,6 +6,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from sim.cli_args import seed_int
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -31,7 +34,7 @@ def _add_workload_args(p: argparse.ArgumentParser, days_default: float) -> None:
     g.add_argument("--sessions-per-hour", type=float, metavar="R", help="new sessions per hour, both classes (default 60)")
     g.add_argument("--agent-fraction", type=float, metavar="F", help="fraction of agent sessions (default 0.3)")
     g.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 512)")
-    g.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed (default 0)")
     g.add_argument("--config", type=Path, metavar="FILE",
                    help="a SessionWorkloadConfig as .json/.toml/.yaml (flags above override its fields)")
 
@@ -101,6 +104,9 @@ def _config(args: argparse.Namespace, days: float):
             if field in upd and field in _FIELD_FLAGS:
                 parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
             else:  # a field of --config (already checked alone) or a check across fields
+                if not loc:  # across fields: name the flags that set them (was: "lower duration_s or ...")
+                    for name, flag in _FIELD_FLAGS.items():
+                        msg = re.sub(rf"\b{name}\b", flag, msg)
                 where = ".".join(str(x) for x in loc)
                 text = f"{where}: {msg}" if where else msg
                 parts.append(f"{args.config}: {text}" if args.config and field not in upd else text)

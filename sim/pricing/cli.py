@@ -62,7 +62,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     (``argument --flag: must be ...``, exit 2), before any table is printed."""
     import argparse
 
-    from sim.cli_args import add_set_arg, positive_float as pos_float, positive_int as pos_int
+    from sim.cli_args import add_set_arg, positive_float as pos_float, positive_int as pos_int, seed_int
 
     p = simsub.add_parser(
         "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",
@@ -114,7 +114,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     src.add_argument("--rate-scale", type=pos_float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate")
     src.add_argument("--policy", default="cache_aware", metavar="NAME[:K=V,...]",
                      help="routing policy for --simulate, with optional parameters (default cache_aware)")
-    src.add_argument("--seed", type=int, default=0, help="seed for --simulate (default 0)")
+    src.add_argument("--seed", type=seed_int, default=0, help="seed for --simulate (default 0)")
     src.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

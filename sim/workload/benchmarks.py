@@ -32,7 +32,7 @@ import xxhash
 from balancer.hashing import chain_block_ids
 from balancer.types import Request
 
-from ._checks import check_positive_float, check_positive_int
+from ._checks import MAX_TRACE_TOKENS, check_positive_float, check_positive_int
 
 __all__ = ["load_ramp_workload", "shared_prefix_workload"]
 
@@ -40,6 +40,26 @@ __all__ = ["load_ramp_workload", "shared_prefix_workload"]
 #: ``--gsp-prompts-per-group``, ``--gsp-system-prompt-len``, ``--gsp-question-len``, ``--gsp-output-len``)
 GSP_DEFAULTS = {"num_groups": 64, "prompts_per_group": 16, "system_prompt_tokens": 2048,
                 "question_tokens": 128, "output_tokens": 256}
+
+
+#: Most block hashes one generated workload may hold (sum over requests of the prompt's blocks):
+#: about 2 GB of Python ints; the embedded Mooncake trace has 0.3M, SGLang's default gsp 5,120.
+MAX_WORKLOAD_BLOCKS = 50_000_000
+
+
+def _check_bounds(num_requests: int, num_blocks: int, tokens: dict[str, float], max_requests: int) -> None:
+    """Refuse, before any allocation, a workload no simulation could take: more than
+    ``max_requests`` requests, more than :data:`MAX_WORKLOAD_BLOCKS` blocks, or a length over
+    :data:`~sim.workload._checks.MAX_TRACE_TOKENS` (what the trace readers refuse too)."""
+    for name, value in tokens.items():
+        if value > MAX_TRACE_TOKENS:
+            raise ValueError(f"{name} must be <= {MAX_TRACE_TOKENS:,} tokens (the longest a trace may give), "
+                             f"got {value:,.0f}")
+    if num_requests > max_requests:
+        raise ValueError(f"{num_requests:,} requests, more than max_requests={max_requests:,}")
+    if num_blocks > MAX_WORKLOAD_BLOCKS:
+        raise ValueError(f"{num_blocks:,} prompt blocks in all, more than {MAX_WORKLOAD_BLOCKS:,}; "
+                         "fewer requests, shorter prompts or a larger block size")
 
 
 def _check_nonneg_int(value: int, name: str) -> int:
@@ -71,6 +91,7 @@ def shared_prefix_workload(
     output_tokens_sigma: float = 0.5,
     shuffle: bool = True,
     traffic_class: str | None = None,
+    max_requests: int = 10_000_000,
 ) -> list[Request]:
     """``num_groups * prompts_per_group`` requests; the prompts of a group share a system prompt.
 
@@ -94,8 +115,10 @@ def shared_prefix_workload(
         so session-affine policies see the groups.
 
     Raises:
-        ValueError: a count < 1, a negative length, a prompt of 0 tokens, ``rate_per_s <= 0`` or a
-            non-finite sigma.
+        ValueError: a count < 1, a negative length, a prompt of 0 tokens, ``rate_per_s <= 0``, a
+            non-finite sigma; or, checked before anything is drawn, more than ``max_requests``
+            requests, a prompt or output over 2^24 tokens, more than :data:`MAX_WORKLOAD_BLOCKS`
+            prompt blocks in all.
 
     Hand check (tests/test_workload_benchmarks.py): 2 groups x 3 prompts, system 1,024, question
     100, block 512 -> 1,124-token prompts of 3 blocks, the first 2 shared within a group, and an
@@ -110,6 +133,11 @@ def shared_prefix_workload(
     _check_seed(seed)
     if system_prompt_tokens + question_tokens < 1:
         raise ValueError("system_prompt_tokens + question_tokens must be >= 1 (a prompt needs a token)")
+    check_positive_int(max_requests, "max_requests")
+    _check_bounds(num_groups * prompts_per_group,
+                  num_groups * prompts_per_group * -(-(system_prompt_tokens + question_tokens) // block_size),
+                  {"system_prompt_tokens + question_tokens": system_prompt_tokens + question_tokens,
+                   "output_tokens": output_tokens}, max_requests)
     if rate_per_s is not None:
         check_positive_float(rate_per_s, "rate_per_s")
     if not (isinstance(output_tokens_sigma, (int, float)) and math.isfinite(output_tokens_sigma)
@@ -169,7 +197,7 @@ def load_ramp_workload(
     the process restarted at each step boundary, which is exact: a Poisson process is memoryless).
     A rate of 0 leaves the step empty. Prompt / output lengths are lognormal with the given means
     and log-space sigmas (0 = constant, the usual ``random`` benchmark setting with range ratio 1),
-    rounded and clipped to >= 1. With ``shared_prefix_tokens >= block_size`` each request joins one
+    rounded and clipped to ``[1, 2^24]``. With ``shared_prefix_tokens >= block_size`` each request joins one
     of ``num_prefix_groups`` groups uniformly at random and shares its first
     ``min(shared_prefix_tokens, prompt) // block_size`` blocks with the group.
 
@@ -178,8 +206,10 @@ def load_ramp_workload(
 
     Raises:
         ValueError: no rates, a negative or non-finite rate, every rate 0, ``step_duration_s <= 0``, bad lengths,
-            or more than ``max_requests`` requests (the expected count ``sum(rates) * step`` is
-            checked before anything is drawn, so a typo cannot exhaust memory).
+            a mean length over 2^24 tokens, or more than ``max_requests`` requests (the expected
+            count ``sum(rates) * step`` is checked before anything is drawn, so a typo cannot
+            exhaust memory), or more than :data:`MAX_WORKLOAD_BLOCKS` prompt blocks in all (checked
+            once the lengths are drawn, before any hash is made).
     """
     rates = [float(r) for r in rates_per_s]
     if not rates:
@@ -200,6 +230,7 @@ def load_ramp_workload(
     check_positive_int(block_size, "block_size")
     check_positive_int(max_requests, "max_requests")
     _check_seed(seed)
+    _check_bounds(0, 0, {"prompt_tokens_mean": pmean, "output_tokens_mean": omean}, max_requests)
     expected = sum(rates) * step
     if expected > max_requests:
         raise ValueError(f"the ramp expects {expected:,.0f} requests (sum of rates x step), more than "
@@ -225,10 +256,11 @@ def load_ramp_workload(
         if sigma == 0:
             return np.full(n, max(1, round(mean)), dtype=np.int64)
         mu = math.log(mean) - sigma * sigma / 2.0
-        return np.maximum(np.rint(rng.lognormal(mu, sigma, size=n)), 1).astype(np.int64)
+        return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), 1, MAX_TRACE_TOKENS).astype(np.int64)
 
     prompts = lengths(pmean, float(prompt_tokens_sigma))
     outs = lengths(omean, float(output_tokens_sigma))
+    _check_bounds(n, int(np.sum(-(-prompts // block_size))), {}, max_requests)
     shared = shared_prefix_tokens // block_size
     groups = rng.integers(0, num_prefix_groups, size=n) if shared else None
     root = _root("load-ramp", seed)

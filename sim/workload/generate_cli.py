@@ -99,7 +99,7 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
     rp.add_argument("--prefix-groups", type=_int(1), default=1, help="number of shared prefixes (default 1)")
     for q in (sp, rp):
         q.add_argument("--out", type=Path, required=True, help="output JSONL file (.gz: gzip); overwritten")
-        q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        q.add_argument("--seed", type=_int(0), default=0, help="random seed (default 0)")
         q.add_argument("--block-size", type=_int(1), default=512, help="tokens per hash block (default 512)")
 
 
@@ -121,6 +121,8 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
                          "raise --rates or --step-s, or try another --seed")
+    if args.out.is_dir():  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
+        raise ValueError(f"--out {args.out}: is a directory; give a file name, e.g. {args.out / 'workload.jsonl'}")
     if args.out.parent and not args.out.parent.exists():
         raise ValueError(f"--out: folder {args.out.parent} does not exist")
     n = write_mooncake(reqs, args.out, block_size=args.block_size)
