@@ -108,6 +108,30 @@ class ServiceMetrics:
 
                 self._scrape_registry.register(KvEventsFilesCollector(directory))
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        #: one process: counter increments not yet applied, (family, labels) -> count (see count)
+        self._pending: dict[tuple[Counter, tuple[str, ...]], int] = {}
+
+    def count(self, family: Counter, *labels: str) -> None:
+        """``family.labels(*labels).inc()``. In one process the increments are batched and applied
+        at the next :meth:`flush` (every scrape flushes first, so scrapes see every count); with
+        several processes at once (other processes' scrapes read this one's files)."""
+        if self.multiprocess:
+            self.child(family, *labels).inc()
+            return
+        key = (family, labels)
+        pending = self._pending
+        pending[key] = pending.get(key, 0) + 1
+
+    def flush(self) -> None:
+        """Apply the batched counter increments (:meth:`count`)."""
+        pending, self._pending = self._pending, {}
+        for (family, labels), n in pending.items():
+            self.child(family, *labels).inc(n)
+
+    def request_done(self, endpoint: str, status: int, duration_s: float) -> None:
+        """One client request answered on ``endpoint`` with ``status`` after ``duration_s``."""
+        self.count(self.requests, endpoint, str(status))
+        self.child(self.duration, endpoint).observe(duration_s)
 
     def child(self, family: Counter | Histogram, *labels: str) -> Any:
         """``family.labels(*labels)``, cached: the hot path skips prometheus-client's label
@@ -138,6 +162,7 @@ class ServiceMetrics:
     def render(self, router: Router, pool: WorkerPool) -> bytes:
         """Refresh this process's per-worker gauges and return the exposition text (all processes'
         in multiprocess mode)."""
+        self.flush()
         self.refresh_gauges(router, pool)
         return generate_latest(self._scrape_registry)
 
