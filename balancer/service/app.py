@@ -114,6 +114,8 @@ class Service:
             self.pool.add(w)
         if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
             self.metrics.in_flight.set_function(lambda: self.in_flight)
+        else:  # set once per event-loop iteration that changed it (ServiceMetrics.flush)
+            self.metrics.in_flight_of = lambda: self.in_flight
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
         self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         self.session: aiohttp.ClientSession | None = None
@@ -165,12 +167,12 @@ class Service:
         self.in_flight += 1
         self._idle.clear()
         if self.multiprocess:
-            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.changed()
 
     def leave(self) -> None:
         self.in_flight -= 1
         if self.multiprocess:
-            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.changed()
         if self.in_flight == 0:
             self._idle.set()
 
@@ -695,6 +697,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
         if svc.shared_load is not None:
             svc.shared_load.close()
+        svc.metrics.flush()  # the last loop iteration's counts
         await svc.session.close()
 
     async def on_shutdown(app: web.Application) -> None:
