@@ -21,7 +21,11 @@ sglang-router with non-streaming ``/v1/completions`` (8 output tokens):
 * max requests/s (closed loop at ``--max-concurrency``);
 * router CPU time per request (user + system, all threads of the router process and its child
   processes, from ``/proc/PID/stat``) during the throughput run: the least contention-sensitive
-  number on a shared host.
+  number on a shared host;
+* with ``--baseline``, after the repeats: ``--paired-rounds`` rounds in which one pdlb process and
+  every baseline are driven at the same time by the same client processes (``--concurrency``
+  connections each), CPU per request of each: what else the host does meanwhile weighs on all of
+  them alike, so the per-round ratio is steadier than that of runs taken in turn.
 
 ``--pdlb-processes 1,4`` measures ``pdlb serve`` once per listed process count (rows ``pdlb``,
 ``pdlb x4``); ``0`` is pdlb's default, one process per core the router may use (row ``pdlb xN
@@ -194,6 +198,60 @@ async def _closed_loop_procs(url: str, concurrency: int, duration_s: float, proc
     return lat, len(lat) / duration_s, sum(o["errors"] for o in outs)
 
 
+_PAIRED_CLIENT = r"""
+import asyncio, json, sys, time
+import aiohttp
+urls, concurrency, start_at, duration_s, body = sys.argv[1].split(","), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+async def main():
+    done, errors = {u: 0 for u in urls}, 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker(u):
+            nonlocal errors
+            while time.time() < stop_at:
+                try:
+                    async with s.post(u + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    done[u] += 1
+                else:
+                    errors += 1
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        stop_at = start_at + duration_s
+        await asyncio.gather(*(worker(u) for u in urls for _ in range(concurrency)))
+    print(json.dumps({"done": done, "errors": errors}))
+asyncio.run(main())
+"""
+
+
+async def _paired_cpu(routers: dict[str, Proc], args: argparse.Namespace) -> dict[str, float]:
+    """One paired round: every router in ``routers`` driven at the same time by the same
+    ``--load-processes`` client processes (``--concurrency`` connections per router in all), for
+    ``--duration-s``; CPU us per request of each. Routers measured at once share whatever else
+    the host runs, so their ratio is steadier than that of turns taken one after another."""
+    import json
+
+    urls = ",".join(p.url for p in routers.values())
+    procs = max(1, min(args.load_processes, args.concurrency))
+    per = [args.concurrency // procs + (1 if k < args.concurrency % procs else 0) for k in range(procs)]
+    start_at = time.time() + 1.5
+    cpu0 = {name: _cpu_s(p.popen.pid) for name, p in routers.items()}
+    kids = [await asyncio.create_subprocess_exec(sys.executable, "-c", _PAIRED_CLIENT, urls, str(c), str(start_at),
+                                                 str(args.duration_s), _BODY_JSON, stdout=subprocess.PIPE,
+                                                 preexec_fn=(lambda: os.sched_setaffinity(0, args.other_cpus))
+                                                 if args.other_cpus else None)
+            for c in per if c > 0]
+    outs = [json.loads((await k.communicate())[0]) for k in kids]
+    errors = sum(o["errors"] for o in outs)
+    if errors:
+        print(f"  warning: {errors} failed requests in a paired round")
+    # the 1.5 s before the start is idle for every router (its CPU then is noise, not requests)
+    return {name: (_cpu_s(p.popen.pid) - cpu0[name]) / max(1, sum(o["done"][p.url] for o in outs)) * 1e6
+            for name, p in routers.items()}
+
+
 async def _measure(url: str, args: argparse.Namespace, pid: int | None = None) -> dict[str, float]:
     await _closed_loop(url, args.concurrency, 1.0)  # warm up connections
     lat, _, e1 = await _closed_loop(url, args.concurrency, args.duration_s)
@@ -329,6 +387,14 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 rows.append(("sglang-router", theirs))
                 out["sglang"].append(theirs)
             _print_repeat(k, rows, direct)
+        paired = {name: p for name, p in pdlbs.items() if name in bases or name == "pdlb"}
+        if args.paired_rounds and "pdlb" in paired and len(paired) > 1:
+            print(f"  paired CPU/req (one process each, driven at once, {args.concurrency} connections each):")
+            for k in range(1, args.paired_rounds + 1):
+                got = await _paired_cpu(paired, args)
+                out.setdefault("paired", []).append(got)
+                print(f"    round {k}: " + ", ".join(f"{name} {us:.0f} us" for name, us in got.items())
+                      + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / got[b]:.2f}x" for b in bases))
     finally:
         if sgl is not None and sgl.poll() is None:
             sgl.terminate()
@@ -356,6 +422,7 @@ def _summary(results: dict[str, dict]) -> None:
     print(f"{'mode':9}{'router':22}{'added p50 ms':>13}{'added p99 ms':>13}{'max req/s':>11}{'CPU us/req':>12}")
     verdicts = []
     for mode, res in results.items():
+        paired = res.get("paired", [])
         pdlb_names = [k for k in res if k.startswith("pdlb")]
         med = {}
         for name in [*pdlb_names, "sglang"]:
@@ -374,9 +441,15 @@ def _summary(results: dict[str, dict]) -> None:
             rc = statistics.median(r_cpu)
             print(f"{mode:9}{'pdlb / ' + base:22}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
                   f"   (per repeat: CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
+            if paired:
+                r_pair = [r["pdlb"] / r[base] for r in paired]
+                rp = statistics.median(r_pair)
+                print(f"{mode:9}{'pdlb / ' + base + ' paired':22}{'':37}{rp:11.2f}x"
+                      f"   (per round: {', '.join(f'{x:.2f}' for x in r_pair)})")
             if base == "pdlb@base":
                 verdicts.append(f"{mode}: one process's CPU per request {rc:.2f}x the baseline's "
-                                f"({'meets' if rc <= 2 / 3 else 'misses'} <= 0.67x)")
+                                f"({'meets' if rc <= 2 / 3 else 'misses'} <= 0.67x)"
+                                + (f", paired {rp:.2f}x ({'meets' if rp <= 2 / 3 else 'misses'})" if paired else ""))
         for name in [k for k in pdlb_names if not k.startswith("pdlb@base")] if res["sglang"] else ():
             r_rps = [o["rps"] / t["rps"] for o, t in zip(res[name], res["sglang"])]
             r_cpu = [o["cpu_us"] / t["cpu_us"] for o, t in zip(res[name], res["sglang"])]
@@ -432,6 +505,9 @@ def main() -> int:
                     help="pin both routers to these CPUs (e.g. 0-7) and engines + clients to the others (default: no pinning)")
     ap.add_argument("--baseline", metavar="DIR", type=Path, action="append",
                     help="also measure pdlb serve (one process) from this checkout, e.g. the main branch's (repeatable)")
+    ap.add_argument("--paired-rounds", type=int, default=5, metavar="N",
+                    help="with --baseline: after the repeats, N rounds driving one pdlb process and every baseline at "
+                         "the same time for CPU per request (0: none; default 5)")
     ap.add_argument("--sglang-router", default=f"bash {PEER}", metavar="CMD",
                     help="command that runs 'sglang-router launch' with the args appended (default: the peer script)")
     args = ap.parse_args()

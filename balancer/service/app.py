@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web, web_protocol, web_server
+from aiohttp import hdrs, web, web_protocol, web_server
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -114,6 +114,8 @@ class Service:
             self.pool.add(w)
         if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
             self.metrics.in_flight.set_function(lambda: self.in_flight)
+        else:  # set once per event-loop iteration that changed it (ServiceMetrics.flush)
+            self.metrics.in_flight_of = lambda: self.in_flight
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
         self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         self.session: aiohttp.ClientSession | None = None
@@ -165,12 +167,12 @@ class Service:
         self.in_flight += 1
         self._idle.clear()
         if self.multiprocess:
-            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.changed()
 
     def leave(self) -> None:
         self.in_flight -= 1
         if self.multiprocess:
-            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.changed()
         if self.in_flight == 0:
             self._idle.set()
 
@@ -213,14 +215,19 @@ SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
 # ---------------------------------------------------------------------- middleware
 @web.middleware
 async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, ANN202
-    svc = request.app[SERVICE]
     route = request.match_info.route.resource
-    endpoint = route.canonical if route is not None else "unmatched"
+    return await _observed(request.app[SERVICE], request, route.canonical if route is not None else "unmatched", handler)
+
+
+async def _observed(svc: Service, request: web.Request, endpoint: str, handler, *args):  # noqa: ANN001, ANN002, ANN202
+    """``handler(request, *args)`` with errors as JSON and the request counted in the metrics under
+    ``endpoint`` (the middleware of every route, and the generation endpoints' fast path)."""
     t0 = time.monotonic()
     status = 500
     try:
-        resp = await handler(request)
-        status = request.get(STREAM_STATUS, resp.status)  # a stream that failed after its 200 headers
+        resp = await handler(request, *args)
+        # a stream that failed after its 200 headers says so in the request (a plain response never)
+        status = resp.status if type(resp) is web.Response else request.get(STREAM_STATUS, resp.status)
         return resp
     except web.HTTPException as e:
         status = e.status
@@ -236,28 +243,26 @@ async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, A
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal router error")
     finally:
-        m = svc.metrics
-        m.child(m.requests, endpoint, str(status)).inc()
-        m.child(m.duration, endpoint).observe(time.monotonic() - t0)
+        svc.metrics.request_done(endpoint, status, time.monotonic() - t0)
 
 
 # ---------------------------------------------------------------------- handlers
 async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
-    body, _ = await _read_json_raw(request)
+    body, _ = await _read_json_raw(request, request.app[SERVICE])
     return body
 
 
-async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Response, bytes]:
+async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, Any] | web.Response, bytes]:
     """The parsed JSON object body (or the 400 response) and the raw bytes."""
     try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size
         if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
             raw = await request.read()
         else:
-            async with asyncio.timeout(request.app[SERVICE].cfg.body_read_timeout_s):
+            async with asyncio.timeout(svc.cfg.body_read_timeout_s):
                 raw = await request.read()
     except TimeoutError:
         return error_response(408, "request body not received within body_read_timeout_s="
-                                   f"{request.app[SERVICE].cfg.body_read_timeout_s:g} s", "timeout"), b""
+                                   f"{svc.cfg.body_read_timeout_s:g} s", "timeout"), b""
     try:
         body = parse_json_body(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -267,15 +272,15 @@ async def _read_json_raw(request: web.Request) -> tuple[dict[str, Any] | web.Res
     return body, raw
 
 
-async def _generate(request: web.Request) -> web.StreamResponse:
-    svc = request.app[SERVICE]
-    endpoint = ENDPOINTS[request.path]
+async def _generate(request: web.Request, svc: Service, endpoint: str) -> web.StreamResponse:
+    """A generation request on ``endpoint`` (a value of :data:`ENDPOINTS`)."""
     if endpoint == "generate" and svc.cfg.pd_protocol == "vllm":
         return error_response(404, "/generate is SGLang's native API; not available with pd_protocol 'vllm'")
     if svc.draining:
         return error_response(503, "the router is shutting down")
-    body, raw = await _read_json_raw(request)
-    if isinstance(body, web.Response):
+    body, raw = await _read_json_raw(request, svc)
+    if type(body) is not dict:  # the error response (an exact type check: cheaper than isinstance on the ABC)
+        assert isinstance(body, web.Response)
         return body
     assert svc.proxy is not None
     svc.enter()
@@ -283,6 +288,23 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return await svc.proxy.handle(request, endpoint, body, raw)
     finally:
         svc.leave()
+
+
+def _fast_path(app: web.Application, fallback):  # noqa: ANN001, ANN202
+    """The server's request handler: ``POST`` to a generation endpoint (no ``Expect`` header) goes
+    straight to :func:`_generate` through :func:`_observed`, as the app would send it (same
+    answers, same metrics), without the app's per-request route resolution and middleware chain
+    (about 6% of the router's CPU per request); every other request goes to ``fallback`` (the
+    app's own handler)."""
+    svc = app[SERVICE]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        endpoint = ENDPOINTS.get(request.path) if request.method == "POST" else None
+        if endpoint is None or hdrs.EXPECT in request.headers:
+            return await fallback(request)
+        return await _observed(svc, request, request.path, _generate, svc, endpoint)
+
+    return handle
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -520,8 +542,20 @@ def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
     aborts both PD legs), no access log, ``client_idle_timeout_s`` as the keep-alive timeout (it
     also closes a connection whose headers never complete: slowloris), graceful shutdown for
     ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
+    return _RouterRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
                          keepalive_timeout=cfg.client_idle_timeout_s)
+
+
+class _RouterRunner(web.AppRunner):
+    """The app's runner, whose server takes the generation endpoints' fast path (:func:`_fast_path`)."""
+
+    __slots__ = ()
+
+    async def setup(self) -> None:
+        await super().setup()
+        server = self.server
+        assert server is not None
+        server.request_handler = _fast_path(self.app, server.request_handler)
 
 
 class _JsonErrorHandler(web_protocol.RequestHandler):
@@ -664,6 +698,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
         if svc.shared_load is not None:
             svc.shared_load.close()
+        svc.metrics.flush()  # the last loop iteration's counts
         await svc.session.close()
 
     async def on_shutdown(app: web.Application) -> None:
@@ -671,8 +706,11 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
-    for path in ENDPOINTS:
-        app.router.add_post(path, _generate)
+    for path, endpoint in ENDPOINTS.items():
+        async def generate(request: web.Request, endpoint: str = endpoint) -> web.StreamResponse:
+            return await _generate(request, svc, endpoint)
+
+        app.router.add_post(path, generate)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -29,6 +29,7 @@ dead router processes are counted by the replacements:
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Collection
 from typing import Any
@@ -122,6 +123,51 @@ class ServiceMetrics:
 
                 self._scrape_registry.register(KvEventsFilesCollector(directory))
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        #: counter increments not yet applied, (family, labels) -> count (see count)
+        self._pending: dict[tuple[Counter, tuple[str, ...]], int] = {}
+        #: several processes: this process's in-flight count, set on the gauge at each flush
+        self.in_flight_of: Callable[[], int] | None = None
+        self._flush_scheduled = False
+
+    def count(self, family: Counter, *labels: str) -> None:
+        """``family.labels(*labels).inc()``, batched: in one process the increments are applied at
+        the next :meth:`flush` (every scrape flushes first, so scrapes see every count); with
+        several processes (whose scrapes read every process's files) also as soon as the event
+        loop is done with what is ready now (:meth:`changed`): one write per counter per loop
+        iteration, not per request."""
+        key = (family, labels)
+        pending = self._pending
+        if not pending and self.multiprocess:
+            self.changed()
+        pending[key] = pending.get(key, 0) + 1
+
+    def changed(self) -> None:
+        """Several processes: flush once the event loop has run what is ready now (at once
+        outside a running loop)."""
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Apply the batched counter increments (:meth:`count`) and, with several processes, the
+        in-flight gauge (:attr:`in_flight_of`)."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for (family, labels), n in pending.items():
+            self.child(family, *labels).inc(n)
+        if self.multiprocess and self.in_flight_of is not None:
+            self.in_flight.set(self.in_flight_of())
+
+    def request_done(self, endpoint: str, status: int, duration_s: float) -> None:
+        """One client request answered on ``endpoint`` with ``status`` after ``duration_s``."""
+        self.count(self.requests, endpoint, str(status))
+        self.child(self.duration, endpoint).observe(duration_s)
 
     def child(self, family: Counter | Histogram, *labels: str) -> Any:
         """``family.labels(*labels)``, cached: the hot path skips prometheus-client's label
@@ -161,6 +207,7 @@ class ServiceMetrics:
     def render(self, router: Router, pool: WorkerPool) -> bytes:
         """Refresh this process's per-worker gauges and return the exposition text (all processes'
         in multiprocess mode)."""
+        self.flush()
         self.refresh_gauges(router, pool)
         return generate_latest(self._scrape_registry)
 

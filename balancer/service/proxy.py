@@ -124,7 +124,9 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
     empty): the request body passes through without being re-encoded, and the engine parses the
     same object ``json.dumps({**body, **extra})`` would give. Otherwise that ``json.dumps``.
     """
-    if raw is not None and not any(k in body for k in extra):
+    if raw is not None and (not extra or not any(k in body for k in extra)):
+        if not extra and raw[-1:] == b"}" and raw[:1] == b"{":  # the usual case, without copies
+            return raw
         head = raw.rstrip()
         # a UTF-16/32 or BOM-prefixed body fails one of these checks and is re-encoded instead
         if head.endswith(b"}") and raw.lstrip()[:1] == b"{":
@@ -160,7 +162,7 @@ class Failure(Exception):
         return error_response(self.status, self.message)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Ctx:
     request: web.Request
     endpoint: str
@@ -350,11 +352,11 @@ class Proxy:
     def _record_route(self, route: Route, n_tokens: int) -> None:
         m = self.metrics
         d = route.decode_choice
-        m.child(m.decisions, route.decode.engine, "decode", self.router.decode_policy.name, d.reason if d else "").inc()
+        m.count(m.decisions, route.decode.engine, "decode", self.router.decode_policy.name, d.reason if d else "")
         m.child(m.match_ratio, "decode").observe(min(1.0, route.decode_matched_tokens / n_tokens))
         if route.prefill is not None:
             p = route.prefill_choice
-            m.child(m.decisions, route.prefill.engine, "prefill", self.router.prefill_policy.name, p.reason if p else "").inc()
+            m.count(m.decisions, route.prefill.engine, "prefill", self.router.prefill_policy.name, p.reason if p else "")
             m.child(m.match_ratio, "prefill").observe(min(1.0, route.prefill_matched_tokens / n_tokens))
 
     def _worker(self, url: str) -> Worker:
