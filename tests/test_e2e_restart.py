@@ -157,6 +157,34 @@ async def test_crash_loop_stops_serve_with_status_1():
             p.stop()
 
 
+async def test_sigterm_of_the_parent_alone_stops_quietly_and_cleans_up():
+    """``kill PID`` of ``pdlb serve`` (``docker stop``: the parent alone gets SIGTERM): the parent
+    closes the hand-off channels, then stops its processes, so each must read that as a stop, not
+    as a dead parent (review finding: every process logged 'ERROR ... the pdlb serve parent is
+    gone' and exited 1 on each clean stop); the shared /dev/shm folders are removed all the same."""
+    engines = spawn_engines([("mixed", *FAST)])
+    procs = list(engines)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    before = set(os.listdir(shm)) if shm else set()
+    try:
+        router = spawn_router("none", [], [], "--processes", "2", mixed=engines)
+        procs.append(router)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            await _health_by_index(s, router, 2)
+            async with s.post(router.url + "/v1/completions", json={"model": "emu", "prompt": "hi", "max_tokens": 1}) as r:
+                assert r.status == 200
+        router.popen.send_signal(signal.SIGTERM)
+        code = router.popen.wait(30)
+        out = router.popen.stdout.read().decode(errors="replace")
+        assert code == 0, out
+        assert "parent is gone" not in out and " ERROR " not in out, out
+        if shm:
+            assert not {d for d in set(os.listdir(shm)) - before if d.startswith(("pdlb-", "psm_"))}
+    finally:
+        for p in procs:
+            p.stop()
+
+
 async def test_worker_gauges_are_exact_right_after_a_request_ends():
     """The per-worker in-flight gauge, scraped at once after the only request ends, reads 0
     whichever process answers. Each process rewrites its gauges every second; one long request

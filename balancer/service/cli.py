@@ -325,12 +325,13 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     json_parser_errors(runner)
     stop_adopting = None
     stop = asyncio.Event()
-    orphaned = False
+    parent_pid = os.getppid()
 
-    def parent_gone() -> None:
-        nonlocal orphaned
-        orphaned = True
-        log.error("router process %d: the pdlb serve parent is gone; draining and exiting", process_index)
+    def parent_gone() -> None:  # the hand-off channel closed: the parent stops pdlb serve, or died
+        if os.getppid() == parent_pid:  # alive: it closes the channels first, then sends SIGTERM
+            log.info("router process %d: pdlb serve is stopping; draining and exiting", process_index)
+        else:
+            log.error("router process %d: the pdlb serve parent is gone; draining and exiting", process_index)
         stop.set()
 
     if handoff is not None:
@@ -363,7 +364,9 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     if stop_adopting is not None:
         stop_adopting()
     await runner.cleanup()  # stops listening, drains in-flight requests, closes
-    if orphaned:  # nobody else will remove the shared folders the parent made
+    # orphaned (the parent died: its children are re-parented, checked after the drain, when a
+    # dying parent is surely gone): nobody else will remove the shared folders the parent made
+    if handoff is not None and os.getppid() != parent_pid:
         for d in (shared_prefix_dir, os.environ.get("PROMETHEUS_MULTIPROC_DIR")):
             if d:
                 shutil.rmtree(d, ignore_errors=True)
