@@ -59,3 +59,31 @@ def test_exit_descriptions():
     assert describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
     assert describe_exit(3) == "exited with status 3"
     assert describe_exit(None) == "is still running"
+
+
+class _DyingProcess:
+    """A process whose ready pipe already closed: it is reaped on the join (SIGKILL, exit code -9)."""
+
+    def __init__(self, reaped_on_join: bool) -> None:
+        self.alive = True
+        self.reaped_on_join = reaped_on_join
+        self.exitcode = None
+        self.joined: list[float] = []
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joined.append(timeout)
+        if self.reaped_on_join:
+            self.alive, self.exitcode = False, -signal.SIGKILL
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_replacement_dying_before_ready_is_described_once_reaped():
+    """Review finding: a replacement SIGKILLed while starting was logged 'failed: is still running
+    before listening' (its pipe closed a moment before it could be reaped); it is joined first."""
+    from balancer.service.supervise import exit_before_ready
+
+    p = _DyingProcess(reaped_on_join=True)
+    assert exit_before_ready(p) == "was killed by SIGKILL before listening" and p.joined == [2.0]
+    assert exit_before_ready(_DyingProcess(reaped_on_join=False), 0.0) == "closed its ready pipe before listening"

@@ -466,7 +466,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
     from balancer.service.shared_load import create_shared_load_block
     from balancer.service.supervise import (CHECK_INTERVAL_S, DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S,
                                             READY_TIMEOUT_S, LoadReaper, RestartPolicy, TrackingCoordinator,
-                                            describe_exit)
+                                            describe_exit, exit_before_ready)
     from balancer.service.workers import MAX_REPLICAS
 
     n_processes = cfg.processes
@@ -527,7 +527,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
                 try:
                     return recv.recv()
                 except (EOFError, OSError):
-                    return ("error", f"{describe_exit(p.exitcode if not p.is_alive() else None)} before listening")
+                    return ("error", exit_before_ready(p))
             if not p.is_alive():
                 return ("error", f"{describe_exit(p.exitcode)} before listening")
             if time.monotonic() > deadline:

@@ -48,7 +48,7 @@ from balancer.service.shared_admin import AdminCoordinator
 
 __all__ = ["BACKOFF_FIRST_S", "BACKOFF_MAX_S", "CHECK_INTERVAL_S", "DEFAULT_MAX_RESTARTS", "DEFAULT_RESTART_WINDOW_S",
            "READY_TIMEOUT_S", "LoadReaper", "RestartPolicy", "TrackingCoordinator", "describe_exit",
-           "restart_counters"]
+           "exit_before_ready", "restart_counters"]
 
 CHECK_INTERVAL_S = 0.2
 """Seconds between the parent's checks that every router process runs."""
@@ -74,6 +74,17 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with status {exitcode}"
+
+
+def exit_before_ready(process: Any, wait_s: float = 2.0) -> str:
+    """Why ``process`` (a ``multiprocessing.Process`` whose ready pipe reached end of file) never
+    reported ready: ``"was killed by SIGKILL before listening"``. Its pipe closes as it dies, a
+    moment before it can be reaped, so it is joined for up to ``wait_s`` first (it was described
+    as ``"is still running before listening"``, review finding)."""
+    process.join(wait_s)
+    if process.is_alive():
+        return "closed its ready pipe before listening"
+    return f"{describe_exit(process.exitcode)} before listening"
 
 
 class RestartPolicy:
