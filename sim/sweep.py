@@ -7,7 +7,8 @@ A sweep file (``pdlb sim sweep SWEEP.toml``)::
     decode_policy = "least_load"              # optional; default: each point's policy
     policy_modules = ["mypkg.mypolicy"]       # optional; @register-ed user policies
     rates = [0.5, 1.0, 2.0]                   # rate scales (default [1.0])
-    seeds = [0, 1]                            # router seeds (default [0])
+    seeds = [0, 1]                            # seeds (default [0]): as `pdlb sim run --seed`, each seeds the
+                                              # router's RNG and the spreading of batched arrivals (spread_s)
     traces = ["a.jsonl.gz"]                   # optional; default: the embedded trace
     limit = 2000                              # optional workload cut (also duration_s, spread_s, format)
 
@@ -276,11 +277,14 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     points, ids = [], []
     for policy in policies:
         for trace in traces:
-            wl = WorkloadSpec(trace, raw.get("format", "auto"), limit if limit is not None else raw.get("limit"),
-                              raw.get("duration_s"), float(raw.get("spread_s", 3.0)), 0)
             for var, sc in zip(variations, scenarios):
                 for rate in rates:
                     for seed in seeds:
+                        # a seed means what `pdlb sim run --seed` means (and capacity's, sim.cli_args.workload_spec):
+                        # the router's RNG and the arrival spreading, so seeds are replicates of the workload too
+                        wl = WorkloadSpec(trace, raw.get("format", "auto"),
+                                          limit if limit is not None else raw.get("limit"), raw.get("duration_s"),
+                                          float(raw.get("spread_s", 3.0)), seed)
                         tag = (("sweep_trace", trace or "embedded"),
                                *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
