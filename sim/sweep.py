@@ -143,13 +143,17 @@ def _number(raw: dict, key: str, source: Path, *, table: str = "", integer: bool
     return v
 
 
+_KIND_NAMES: dict[Any, str] = {int: "an integer", str: "a string", (int, float): "a number",
+                               (str, type(None)): "a string"}
+
+
 def _list(raw: dict, key: str, default: list, kind: type | tuple, source: Path) -> list:
     v = raw.get(key, default)
     if not isinstance(v, list) or not v:
         raise ValueError(f"{source}: {key} must be a non-empty list, got {v!r}")
     for x in v:
         if not isinstance(x, kind) or isinstance(x, bool):
-            raise ValueError(f"{source}: {key}: {x!r} is not a {getattr(kind, '__name__', kind)}")
+            raise ValueError(f"{source}: {key}: {x!r} is not {_KIND_NAMES.get(kind, kind)}")
     return v
 
 
@@ -213,6 +217,8 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     if any(not (math.isfinite(r) and r > 0) for r in rates):
         raise ValueError(f"{source}: rates must be finite numbers > 0, got {rates}")
     seeds = _list(raw, "seeds", [0], int, source)
+    if any(s < 0 for s in seeds):  # as the CLI's --seed (sim.cli_args.seed_int): numpy's seeds are >= 0
+        raise ValueError(f"{source}: seeds must be integers >= 0, got {seeds}")
     traces = _list(raw, "traces", [None], (str, type(None)), source) if "traces" in raw else [None]
     traces = [None if t is None else str(source.parent / t) if not Path(t).is_absolute() and (source.parent / t).exists()
               else t for t in traces]

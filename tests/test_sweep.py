@@ -55,6 +55,9 @@ def test_expansion_is_the_product_with_stable_distinct_ids(tmp_path: Path) -> No
     ('[grid]\n"prefill.num_engines" = [1, 0]\n', "point {'prefill.num_engines': 0}"),
     ("rates = [0]\n", "rates must be finite numbers > 0"),
     ('route_slo = "no"\n', "route_slo must be true or false, got 'no'"),
+    ("seeds = [0, -1]\n", "sw.toml: seeds must be integers >= 0, got [0, -1]"),  # as the CLI's --seed -1
+    ("seeds = [1.5]\n", "sw.toml: seeds: 1.5 is not an integer"),
+    ('rates = ["1"]\n', "sw.toml: rates: '1' is not a number"),
     ("[slo]\nttft = 1\n", "[slo]"),
     ("policies = [\n", "sw.toml"),
     ('[grid]\n"perf.mfu" = [' + ",".join(["0.5"] * 101) + ']\n"prefill.num_engines" = [' + ",".join(["1"] * 100) + "]\n",
