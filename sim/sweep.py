@@ -37,7 +37,9 @@ Results (folder ``--out``):
   and the SLO); rerunning the same sweep into the same folder skips the points already there
   (resumable). Failed points are kept with their ``error`` and retried on the next run.
 - ``sweep.csv`` and ``sweep.json``: one row per point, every summary metric (dotted keys) and the
-  point's parameters (``set.<path>`` columns for the scenario overrides).
+  point's parameters (``set.<path>`` columns for the scenario overrides), and ``goodput_burst``:
+  the run ended more than 2 arrival windows after it started, so its goodput is a burst's
+  (:func:`mark_bursts`).
 - ``per_point/<point_id>/`` with each run's per-request CSV and summary, only with ``--per-point``
   (a full-trace per-request CSV is ~2 MB).
 - plots: goodput and TTFT p99 vs request rate per policy (when several rates), an SLO-attainment
@@ -370,6 +372,36 @@ def run_sweep(sweep: Sweep, out: Path, executor: Any, *, resume: bool = True, pe
                 on_point(pid, row)
     rows = [done[pid] for pid in sweep.ids if pid in done]
     return rows, len(todo)
+
+
+def mark_bursts(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+    """Set each row's ``goodput_burst`` (the check of :func:`sim.metrics.burst_note`, the one
+    ``pdlb sim capacity`` applies to its answer: the run ended more than 2 arrival windows after it
+    started, so its goodput, per second of the arrival window, is a burst's, not a sustained rate;
+    False for a failed point) and return ``[(row, note), ...]`` of the bursts, in row order."""
+    from sim.metrics import burst_note
+
+    out = []
+    for row in rows:
+        note = "" if row.get("error") else burst_note(row.get("num_requests", 0), row.get("summary.arrival_window_s"),
+                                                      row.get("summary.makespan_s"))
+        row["goodput_burst"] = bool(note)
+        if note:
+            out.append((row, note))
+    return out
+
+
+def burst_message(bursts: Sequence[tuple[dict[str, Any], str]], num_rows: int) -> str:
+    """One line on the burst points of :func:`mark_bursts` (``""`` without any): how many, the
+    first as an example, and what to do."""
+    if not bursts:
+        return ""
+    row, note = bursts[0]
+    where = " ".join([str(row["policy"]), f"x{row['rate_scale']:g}", f"seed {row['seed']}",
+                      *(f"{k.removeprefix('set.')}={v}" for k, v in row.items() if k.startswith("set."))])
+    return (f"note: the goodput of {len(bursts)} of {num_rows} points is a burst's (goodput_burst in sweep.csv, * in "
+            f"the table); e.g. {where}: {note}; set duration_s = S in the sweep file (every rate then runs S seconds "
+            "of arrivals) or use a longer trace")
 
 
 def write_table(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
