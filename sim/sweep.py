@@ -42,7 +42,8 @@ Results (folder ``--out``):
   (:func:`mark_bursts`).
 - ``per_point/<point_id>/`` with each run's per-request CSV and summary, only with ``--per-point``
   (a full-trace per-request CSV is ~2 MB).
-- plots: goodput and TTFT p99 vs request rate per policy (when several rates), an SLO-attainment
+- plots: goodput and TTFT p99 vs request rate, one line per configuration (:func:`rates_figure`;
+  when several rates), an SLO-attainment
   heatmap over the first two grid parameters (when the grid has two), and ``report.html``.
 """
 
@@ -427,63 +428,109 @@ def _num(x: Any) -> float:
         return float("nan")
 
 
-def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
-    """Goodput and TTFT p99 vs offered request rate, one line per policy (means over the other
-    swept dimensions); False (nothing written) with fewer than two rates."""
+#: Most lines per panel of the rates plot: up to this many configurations get a line each; with more,
+#: each policy gets one line of means over its configurations, and the plot's title says so.
+MAX_RATE_LINES = 12
+
+
+def _varying(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
+    return [k for k in keys if len({json.dumps(r.get(k), sort_keys=True, default=str) for r in rows}) > 1]
+
+
+def rates_figure(rows: Sequence[dict[str, Any]]) -> Any:
+    """The figure of :func:`plot_rates` (axes: goodput, TTFT p99), or None with fewer than two rates.
+
+    A configuration is a policy with the values of the sweep parameters that vary between rows
+    (``set.<path>`` columns, the trace); seeds are its replicates. Up to :data:`MAX_RATE_LINES`
+    configurations each get a line of means over their seeds (labelled ``policy, path=value``);
+    with more, one line per policy of means over its configurations and seeds. The title says
+    what each line averages."""
     rates = sorted({r["rate_scale"] for r in rows})
     if len(rates) < 2:
-        return False
-    import matplotlib
+        return None
+    from sim.plots import plain_log_ticks, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    ok = [r for r in rows if not r.get("error")]
+    params = _varying(ok, list(dict.fromkeys(k for r in ok for k in r if k.startswith("set.") or k == "sweep_trace")))
+    configs = list(dict.fromkeys((r["policy"], *(json.dumps(r.get(k), default=str) for k in params)) for r in ok))
+    per_config = len(configs) <= MAX_RATE_LINES
+    if not per_config:
+        configs = list(dict.fromkeys((r["policy"],) for r in ok))
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for pol in dict.fromkeys(r["policy"] for r in rows):
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["policy"], *(json.dumps(r.get(k), default=str) for k in params)) if per_config else (r["policy"],)
+
+    n_seeds = len({r["seed"] for r in ok})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
+    for cfg in configs:
         xs, gp, tt = [], [], []
         for f in rates:
-            sel = [r for r in rows if r["policy"] == pol and r["rate_scale"] == f and not r.get("error")]
+            sel = [r for r in ok if key(r) == cfg and r["rate_scale"] == f]
             if not sel:
                 continue
             xs.append(sum(_num(r["offered_rps"]) for r in sel) / len(sel))
             gp.append(sum(_num(r["goodput_rps"]) for r in sel) / len(sel))
             tt.append(sum(_num(r["ttft_p99_s"]) for r in sel) / len(sel))
-        axes[0].plot(xs, gp, "o-", label=pol)
-        axes[1].plot(xs, tt, "o-", label=pol)
-    top = max((_num(r["offered_rps"]) for r in rows), default=1.0)
+        label = ", ".join([cfg[0], *(f"{k.removeprefix('set.').replace('sweep_trace', 'trace')}={json.loads(v)}"
+                                     for k, v in zip(params, cfg[1:]))])
+        axes[0].plot(xs, gp, "o-", label=label)
+        axes[1].plot(xs, tt, "o-", label=label)
+    top = max((_num(r["offered_rps"]) for r in ok), default=1.0)
     axes[0].plot([0, top], [0, top], "k--", lw=1, label="offered rate")
     for ax, yl in zip(axes, ("goodput (req/s)", "TTFT p99 (s)")):
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    plain_log_ticks(axes[1].yaxis)
+    seeds = f" and {n_seeds} seeds" if n_seeds > 1 else ""
+    if per_config:
+        what = "one line per configuration" + (f" (mean over {n_seeds} seeds)" if n_seeds > 1 else "")
+    else:
+        n_cfg = len({tuple(json.dumps(r.get(k), default=str) for k in params) for r in ok})
+        what = (f"one line per policy: the mean over its {n_cfg} configurations ({', '.join(p.removeprefix('set.') for p in params)})"
+                f"{seeds}; every point in sweep.csv")
+    fig.suptitle(what, fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: a dozen entries would cover the lines
+    fig.legend(handles, labels, loc="outside lower center", ncols=2 if len(labels) > 4 else len(labels), fontsize=7)
+    return fig
+
+
+def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
+    """Goodput and TTFT p99 vs offered request rate (:func:`rates_figure`) to ``path``; False
+    (nothing written) with fewer than two rates."""
+    fig = rates_figure(rows)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
-def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path, metric: str = "attainment") -> bool:
-    """SLO attainment over the first two grid parameters, one panel per (policy, rate) (at most
-    12; means over seeds and other parameters); False (nothing written) without two grid keys."""
+def heatmap_figure(rows: Sequence[dict[str, Any]], keys: Sequence[str], metric: str = "attainment") -> Any:
+    """The figure of :func:`plot_heatmap`, or None without two grid keys. The y-axis label is on
+    the left column's panels only and the x-axis label on each column's lowest panel (all panels
+    share both axes; was: every panel's y label overlapping the panel to its left)."""
     if len(keys) < 2:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        return None
     import numpy as np
 
+    from sim.plots import pyplot
+
+    plt = pyplot()
     kx, ky = f"set.{keys[0]}", f"set.{keys[1]}"
     xs = list(dict.fromkeys(r[kx] for r in rows))
     ys = list(dict.fromkeys(r[ky] for r in rows))
     panels = list(dict.fromkeys((r["policy"], r["rate_scale"]) for r in rows))[:12]
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols + 1, 3.0 * nrows + 0.6), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols + 1, 3.0 * nrows + 0.6), squeeze=False,
+                             layout="constrained")
     im = None
-    for ax, (pol, rate) in zip(axes.flat, panels):
+    for n, (ax, (pol, rate)) in enumerate(zip(axes.flat, panels)):
         z = np.full((len(ys), len(xs)), np.nan)
         for i, yv in enumerate(ys):
             for j, xv in enumerate(xs):
@@ -498,13 +545,34 @@ def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path
                     ax.text(j, i, f"{z[i, j]:.0f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(xs)), [str(x) for x in xs], fontsize=7)
         ax.set_yticks(range(len(ys)), [str(y) for y in ys], fontsize=7)
-        ax.set_xlabel(keys[0], fontsize=8)
-        ax.set_ylabel(keys[1], fontsize=8)
+        if n + cols >= len(panels):  # no panel below
+            ax.set_xlabel(keys[0], fontsize=8)
+        if n % cols == 0:
+            ax.set_ylabel(keys[1], fontsize=8)
         ax.set_title(f"{pol} @x{rate:g}", fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label="SLO attainment (%)")
+    ok = [r for r in rows if not r.get("error")]
+    others = _varying(ok, list(dict.fromkeys(k for r in ok for k in r if (k.startswith("set.") and k not in (kx, ky))
+                                             or k in ("sweep_trace", "seed"))))
+    if others:  # the cells average over them: say so on the plot
+        fig.suptitle("each cell: the mean over " + ", ".join(k.removeprefix("set.").replace("sweep_trace", "trace") + "s"
+                                                            if k == "seed" else k.removeprefix("set.").replace("sweep_trace", "trace")
+                                                            for k in others), fontsize=9)
+    return fig
+
+
+def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path, metric: str = "attainment") -> bool:
+    """SLO attainment over the first two grid parameters, one panel per (policy, rate) (at most
+    12; means over seeds and other parameters), to ``path``; False (nothing written) without two
+    grid keys."""
+    fig = heatmap_figure(rows, keys, metric)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
