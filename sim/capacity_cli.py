@@ -169,27 +169,18 @@ def _estimate_evals(args: argparse.Namespace) -> int:
     return min(args.max_evals, 12)
 
 
-#: An answer whose last request finishes later than this many arrival windows after the start
-#: measured a burst that the cluster drained afterwards, not a rate it sustains.
-BURST_MAKESPAN_RATIO = 2.0
-
-
 def _burst_note(r: Any) -> str:
-    """A note when the answer's run finished more than :data:`BURST_MAKESPAN_RATIO` arrival
-    windows after it started: goodput counts SLO-meeting requests per second of the arrival
-    window, so a short trace compressed by a high rate scale (800 Azure requests at x64 arrive in
-    2.9 s, the last finishes at 13.1 s on 8 GPUs: "280 req/s") reads as a rate the cluster could
-    sustain, while it only absorbed the burst. ``""`` otherwise, or without a complete answer run."""
+    """The answer's :func:`sim.metrics.burst_note` with what to do about it; ``""`` for a steady
+    answer, or without a complete answer run."""
+    from sim.metrics import burst_note
+
     best = getattr(r, "best", None)
     summary = best.summary if best is not None else None
     if not summary:
         return ""
-    window, makespan = summary.get("arrival_window_s"), summary.get("makespan_s")
-    if not (window and makespan and makespan > BURST_MAKESPAN_RATIO * window):
-        return ""
-    return (f"at the answer the {summary['num_requests']} requests arrive over {window:.3g} s and the last "
-            f"finishes at {makespan:.3g} s: the cluster absorbed a burst and drained it, which is not a rate it "
-            "sustains; search over a fixed window (--duration-s S: every rate runs S seconds of arrivals) or a longer trace")
+    note = burst_note(summary["num_requests"], summary.get("arrival_window_s"), summary.get("makespan_s"))
+    return (f"at the answer {note}; search over a fixed window (--duration-s S: every rate runs S seconds of arrivals) "
+            "or a longer trace") if note else ""
 
 
 def run_capacity(args: argparse.Namespace, console: Console) -> int:

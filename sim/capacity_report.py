@@ -188,23 +188,37 @@ def write_points_csv(path: Path, points: Sequence[PointResult], *, summary: bool
 
 # ---------------------------------------------------------------------- plots
 def _plt():  # noqa: ANN202
-    import matplotlib
+    from sim.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return pyplot()
 
-    return plt
+
+#: Legend entry of the hollow triangles (runs stopped early), listed only when some are drawn.
+STOPPED_EARLY_LABEL = "stopped early (upper bound)"
 
 
 def plot_rate(results: Sequence[RateSearchResult], curves: dict[str, list[PointResult]], path: Path) -> None:
     """Three panels against offered request rate (req/s), one line per policy: SLO attainment
     (complete runs; hollow triangles = upper bounds of runs stopped early), goodput (complete
-    runs; the dashed diagonal is the offered rate), TTFT p99 (complete runs); a dotted vertical
-    line marks each policy's searched capacity. ``curves``: extra complete runs per policy."""
+    runs; the dashed diagonal is the offered rate), TTFT p99 (complete runs, log scale with decimal
+    tick labels); a dotted vertical line marks each policy's searched capacity. ``curves``: extra
+    complete runs per policy. Written to ``path`` (PNG); :func:`rate_figure` builds it."""
+    plt = _plt()
+    fig = rate_figure(results, curves)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rate_figure(results: Sequence[RateSearchResult], curves: dict[str, list[PointResult]]) -> Any:
+    """The :class:`matplotlib.figure.Figure` of :func:`plot_rate` (axes: attainment, goodput,
+    TTFT p99); the caller closes it."""
+    from sim.plots import plain_log_ticks
+
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     top = 0.0
+    any_early = False
     for i, r in enumerate(results):
         c = colors[i % len(colors)]
         pts = sorted([*r.points, *curves.get(r.policy, [])], key=lambda p: p.offered_rps)
@@ -215,13 +229,16 @@ def plot_rate(results: Sequence[RateSearchResult], curves: dict[str, list[PointR
         full = [p for p in pts if not p.stopped_early]
         early = [p for p in pts if p.stopped_early]
         axes[0].plot([p.offered_rps for p in full], [100 * p.attainment for p in full], "o-", color=c, label=r.policy)
-        axes[0].plot([p.offered_rps for p in early], [100 * p.attainment for p in early], "v", mfc="none", color=c,
-                     label="stopped early (upper bound)" if i == 0 else None)
+        if early:  # the legend entry is added once below, only when some run stopped early (was: always listed)
+            axes[0].plot([p.offered_rps for p in early], [100 * p.attainment for p in early], "v", mfc="none", color=c)
+            any_early = True
         axes[1].plot([p.offered_rps for p in full], [p.goodput_rps for p in full], "o-", color=c, label=r.policy)
         axes[2].plot([p.offered_rps for p in full], [p.ttft_p99_s for p in full], "o-", color=c, label=r.policy)
         if r.rate_rps is not None:
             for ax in axes:
                 ax.axvline(r.rate_rps, color=c, ls=":", lw=1)
+    if any_early:
+        axes[0].plot([], [], "v", mfc="none", color="0.35", label=STOPPED_EARLY_LABEL)
     slo = results[0].slo if results else None
     if slo is not None and slo.percentile is None:
         axes[0].axhline(100 * slo.attainment, color="k", ls="--", lw=1, label=f"target {100 * slo.attainment:g}%")
@@ -233,11 +250,11 @@ def plot_rate(results: Sequence[RateSearchResult], curves: dict[str, list[PointR
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     axes[2].set_yscale("log")
+    plain_log_ticks(axes[2].yaxis)  # 0.6, 2 (was: 6×10^-1, 2×10^0)
     axes[0].legend(fontsize=7)
     fig.suptitle(slo.describe() if slo else "")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def plot_gpus(results: Sequence[GpuSearchResult], path: Path) -> None:

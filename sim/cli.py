@@ -217,7 +217,7 @@ def _describe(sc: Scenario) -> str:
 def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
-    from sim.report import kv_tier_table, markdown_table, summary_table, write_results
+    from sim.report import kv_tier_table, markdown_table, nothing_simulated, rejection_line, summary_table, write_results
     from sim.workload import ideal_hit_rate
 
     scenario = _scenario(args)
@@ -254,17 +254,18 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
             summaries.append(summarize(res, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s))
     wall = time.perf_counter() - t0
     index = "" if args.index_mode == DEFAULT_INDEX_MODE else f", --index-mode {args.index_mode}"
-    console.print(summary_table(summaries, title=f"{scenario.name}: {len(requests)} requests, "
-                                f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms{index}"
-                                f"{_route_slo_note(args, runs)}"))
-    kv = kv_tier_table(summaries)
-    if kv is not None:
-        console.print(kv)
+    none_simulated = all(nothing_simulated(s) for s in summaries)
+    if not none_simulated:  # else a table of '-' only: the rejection lines below say it all
+        console.print(summary_table(summaries, title=f"{scenario.name}: {len(requests)} requests, "
+                                    f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms{index}"
+                                    f"{_route_slo_note(args, runs)}"))
+        kv = kv_tier_table(summaries)
+        if kv is not None:
+            console.print(kv)
     for smry in summaries:
-        if smry["num_rejected"]:
-            why = ", ".join(f"{n} over {r}" for r, n in sorted(smry["rejected"].items()))
-            console.print(f"{smry['policy']}: {smry['num_rejected']} requests rejected at arrival ({why}; "
-                          f"max_model_len {scenario.effective_max_model_len}), not simulated")
+        line = rejection_line(smry, scenario.effective_max_model_len)
+        if line:
+            console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")

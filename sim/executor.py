@@ -22,12 +22,19 @@ benchmark use: ``num_cpus`` bounded, a small object store, no dashboard, and Ray
 ``RAY_memory_usage_threshold``, default 0.95) raised to 0.98 so that other tenants of a shared
 24 GB machine do not get pdlb's workers killed; ``RAY_memory_monitor_refresh_ms=0`` turns the
 monitor off altogether. These are environment variables read when Ray starts its local instance.
+Ray's own output stays off pdlb's terminal: workers' logs are not forwarded (``log_to_driver``),
+and while Ray starts or connects its loggers pass errors only (:func:`quiet_ray_logs`), so its
+"Token authentication is enabled for this Ray cluster..." banner (Ray turns token authentication
+on for a new local instance; setting ``RAY_AUTH_MODE=token`` ourselves instead breaks the start,
+Ray having read its config at import) does not land in the middle of a table.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -176,6 +183,21 @@ def ray_init_kwargs(num_cpus: int | None = None, object_store_memory_bytes: int 
             "_node_ip_address": "127.0.0.1"}
 
 
+@contextlib.contextmanager
+def quiet_ray_logs():  # noqa: ANN201 - a context manager
+    """While Ray starts or connects: its loggers (``ray`` and below) pass errors only, so its
+    banners and notices (``logger.info`` / ``logger.warning``, which reach the terminal through
+    Python's last-resort handler with ``configure_logging=False``) stay out of pdlb's tables and
+    progress bars; real errors still show. The level is restored afterwards."""
+    logger = logging.getLogger("ray")
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
 def _loopback_only() -> None:
     """Keep a local Ray instance on 127.0.0.1. On Linux Ray registers its node under the
     machine's outward address; with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (what Ray does on
@@ -239,10 +261,11 @@ class RayExecutor(Executor):
         self._owns = False
         if not ray.is_initialized():
             extra = {"runtime_env": runtime_env} if runtime_env else {}
-            if address is None:
-                ray.init(**ray_init_kwargs(num_cpus), **extra)
-            else:
-                ray.init(address=address, log_to_driver=False, configure_logging=False, **extra)
+            with quiet_ray_logs():
+                if address is None:
+                    ray.init(**ray_init_kwargs(num_cpus), **extra)
+                else:
+                    ray.init(address=address, log_to_driver=False, configure_logging=False, **extra)
             self._owns = True
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._refs: dict[str, Any] = {}

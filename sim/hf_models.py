@@ -86,10 +86,10 @@ def _get(cfg: dict[str, Any], key: str, where: str, default: Any = ...) -> Any: 
     return default
 
 
-def _int(cfg: dict[str, Any], key: str, where: str, default: Any = ...) -> int:  # noqa: ANN401
+def _int(cfg: dict[str, Any], key: str, where: str, default: Any = ..., *, minimum: int = 0) -> int:  # noqa: ANN401
     v = _get(cfg, key, where, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{where}: {key} must be an integer >= 0, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{where}: {key} must be an integer >= {minimum}, got {v!r}")
     return v
 
 
@@ -132,11 +132,10 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike[str], name: 
             f"unsupported architecture {arch!r} (config 'architectures'); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     where = f"{name or arch}"
     name = str(name or cfg.get("_name") or arch)
-    layers = _int(cfg, "num_hidden_layers", where)
-    hidden = _int(cfg, "hidden_size", where)
-    heads = _int(cfg, "num_attention_heads", where)
-    if min(layers, hidden, heads) < 1:
-        raise ValueError(f"{where}: num_hidden_layers, hidden_size and num_attention_heads must be >= 1")
+    # one check each, with the bound that holds (was: '>= 0', then 0 refused by a second check)
+    layers = _int(cfg, "num_hidden_layers", where, minimum=1)
+    hidden = _int(cfg, "hidden_size", where, minimum=1)
+    heads = _int(cfg, "num_attention_heads", where, minimum=1)
     common: dict[str, Any] = dict(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                   vocab_size=_int(cfg, "vocab_size", where),
                                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -66,6 +66,34 @@ SUMMARY_COLUMNS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+def nothing_simulated(summary: dict[str, Any]) -> bool:
+    """Every request of the run was rejected at arrival (:mod:`sim.admission`): no figure exists."""
+    return summary["num_requests"] == 0 and summary.get("num_rejected", 0) > 0
+
+
+def _row_cells(s: dict[str, Any]) -> list[str]:
+    """A summary's cells of :data:`SUMMARY_COLUMNS`; a run of only rejected requests has ``-`` in
+    every figure (was: ``nan`` / ``nan%``), the rejection being reported by the caller."""
+    if nothing_simulated(s):
+        return [s["policy"], *("-" for _ in SUMMARY_COLUMNS[1:])]
+    return [cell(s) for _, _, cell in SUMMARY_COLUMNS]
+
+
+def rejection_line(summary: dict[str, Any], max_model_len: int) -> str:
+    """``"<policy>: N requests rejected at arrival (N over max_model_len; max_model_len M), not
+    simulated"`` (``"... all N requests ..."``, and what to change, when none was simulated); ``""``
+    when none was rejected."""
+    n = summary.get("num_rejected", 0)
+    if not n:
+        return ""
+    why = ", ".join(f"{count} over {reason}" for reason, count in sorted(summary["rejected"].items()))
+    if nothing_simulated(summary):
+        return (f"{summary['policy']}: all {n} requests rejected at arrival ({why}; max_model_len {max_model_len}): "
+                "nothing was simulated; raise the scenario's max_model_len (--set max_model_len=N) or its KV "
+                "capacity, or use shorter requests")
+    return f"{summary['policy']}: {n} requests rejected at arrival ({why}; max_model_len {max_model_len}), not simulated"
+
+
 def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table:
     """A rich table: one row per run, the columns a capacity planner compares (:data:`SUMMARY_COLUMNS`;
     KV tiers, when configured, get their own table: :func:`kv_tier_table`)."""
@@ -75,7 +103,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table
         # (two variants of one policy would otherwise read alike, 'ep_aware(horizon_…')
         t.add_column(name, justify=justify, overflow="fold" if name == "policy" else "ellipsis")  # type: ignore[arg-type]
     for s in summaries:
-        t.add_row(*(cell(s) for _, _, cell in SUMMARY_COLUMNS))
+        t.add_row(*_row_cells(s))
     return t
 
 
@@ -100,7 +128,7 @@ def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
     head = "| " + " | ".join(name for name, _, _ in SUMMARY_COLUMNS) + " |"
     lines = [head, "|" + "---|" * len(SUMMARY_COLUMNS)]
     for s in summaries:
-        lines.append("| " + " | ".join(cell(s) for _, _, cell in SUMMARY_COLUMNS) + " |")
+        lines.append("| " + " | ".join(_row_cells(s)) + " |")
     if _tiered(summaries):
         lines += ["", "| policy | " + " | ".join(KV_COLUMNS) + " |", "|---" * (len(KV_COLUMNS) + 1) + "|"]
         lines += [f"| {s['policy']} | " + " | ".join(_kv_cells(s)) + " |" for s in summaries]

@@ -7,7 +7,8 @@ A sweep file (``pdlb sim sweep SWEEP.toml``)::
     decode_policy = "least_load"              # optional; default: each point's policy
     policy_modules = ["mypkg.mypolicy"]       # optional; @register-ed user policies
     rates = [0.5, 1.0, 2.0]                   # rate scales (default [1.0])
-    seeds = [0, 1]                            # router seeds (default [0])
+    seeds = [0, 1]                            # seeds (default [0]): as `pdlb sim run --seed`, each seeds the
+                                              # router's RNG and the spreading of batched arrivals (spread_s)
     traces = ["a.jsonl.gz"]                   # optional; default: the embedded trace
     limit = 2000                              # optional workload cut (also duration_s, spread_s, format)
 
@@ -36,10 +37,13 @@ Results (folder ``--out``):
   and the SLO); rerunning the same sweep into the same folder skips the points already there
   (resumable). Failed points are kept with their ``error`` and retried on the next run.
 - ``sweep.csv`` and ``sweep.json``: one row per point, every summary metric (dotted keys) and the
-  point's parameters (``set.<path>`` columns for the scenario overrides).
+  point's parameters (``set.<path>`` columns for the scenario overrides), and ``goodput_burst``:
+  the run ended more than 2 arrival windows after it started, so its goodput is a burst's
+  (:func:`mark_bursts`).
 - ``per_point/<point_id>/`` with each run's per-request CSV and summary, only with ``--per-point``
   (a full-trace per-request CSV is ~2 MB).
-- plots: goodput and TTFT p99 vs request rate per policy (when several rates), an SLO-attainment
+- plots: goodput and TTFT p99 vs request rate, one line per configuration (:func:`rates_figure`;
+  when several rates), an SLO-attainment
   heatmap over the first two grid parameters (when the grid has two), and ``report.html``.
 """
 
@@ -142,13 +146,17 @@ def _number(raw: dict, key: str, source: Path, *, table: str = "", integer: bool
     return v
 
 
+_KIND_NAMES: dict[Any, str] = {int: "an integer", str: "a string", (int, float): "a number",
+                               (str, type(None)): "a string"}
+
+
 def _list(raw: dict, key: str, default: list, kind: type | tuple, source: Path) -> list:
     v = raw.get(key, default)
     if not isinstance(v, list) or not v:
         raise ValueError(f"{source}: {key} must be a non-empty list, got {v!r}")
     for x in v:
         if not isinstance(x, kind) or isinstance(x, bool):
-            raise ValueError(f"{source}: {key}: {x!r} is not a {getattr(kind, '__name__', kind)}")
+            raise ValueError(f"{source}: {key}: {x!r} is not {_KIND_NAMES.get(kind, kind)}")
     return v
 
 
@@ -212,6 +220,8 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     if any(not (math.isfinite(r) and r > 0) for r in rates):
         raise ValueError(f"{source}: rates must be finite numbers > 0, got {rates}")
     seeds = _list(raw, "seeds", [0], int, source)
+    if any(s < 0 for s in seeds):  # as the CLI's --seed (sim.cli_args.seed_int): numpy's seeds are >= 0
+        raise ValueError(f"{source}: seeds must be integers >= 0, got {seeds}")
     traces = _list(raw, "traces", [None], (str, type(None)), source) if "traces" in raw else [None]
     traces = [None if t is None else str(source.parent / t) if not Path(t).is_absolute() and (source.parent / t).exists()
               else t for t in traces]
@@ -276,11 +286,14 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     points, ids = [], []
     for policy in policies:
         for trace in traces:
-            wl = WorkloadSpec(trace, raw.get("format", "auto"), limit if limit is not None else raw.get("limit"),
-                              raw.get("duration_s"), float(raw.get("spread_s", 3.0)), 0)
             for var, sc in zip(variations, scenarios):
                 for rate in rates:
                     for seed in seeds:
+                        # a seed means what `pdlb sim run --seed` means (and capacity's, sim.cli_args.workload_spec):
+                        # the router's RNG and the arrival spreading, so seeds are replicates of the workload too
+                        wl = WorkloadSpec(trace, raw.get("format", "auto"),
+                                          limit if limit is not None else raw.get("limit"), raw.get("duration_s"),
+                                          float(raw.get("spread_s", 3.0)), seed)
                         tag = (("sweep_trace", trace or "embedded"),
                                *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
@@ -362,6 +375,36 @@ def run_sweep(sweep: Sweep, out: Path, executor: Any, *, resume: bool = True, pe
     return rows, len(todo)
 
 
+def mark_bursts(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+    """Set each row's ``goodput_burst`` (the check of :func:`sim.metrics.burst_note`, the one
+    ``pdlb sim capacity`` applies to its answer: the run ended more than 2 arrival windows after it
+    started, so its goodput, per second of the arrival window, is a burst's, not a sustained rate;
+    False for a failed point) and return ``[(row, note), ...]`` of the bursts, in row order."""
+    from sim.metrics import burst_note
+
+    out = []
+    for row in rows:
+        note = "" if row.get("error") else burst_note(row.get("num_requests", 0), row.get("summary.arrival_window_s"),
+                                                      row.get("summary.makespan_s"))
+        row["goodput_burst"] = bool(note)
+        if note:
+            out.append((row, note))
+    return out
+
+
+def burst_message(bursts: Sequence[tuple[dict[str, Any], str]], num_rows: int) -> str:
+    """One line on the burst points of :func:`mark_bursts` (``""`` without any): how many, the
+    first as an example, and what to do."""
+    if not bursts:
+        return ""
+    row, note = bursts[0]
+    where = " ".join([str(row["policy"]), f"x{row['rate_scale']:g}", f"seed {row['seed']}",
+                      *(f"{k.removeprefix('set.')}={v}" for k, v in row.items() if k.startswith("set."))])
+    return (f"note: the goodput of {len(bursts)} of {num_rows} points is a burst's (goodput_burst in sweep.csv, * in "
+            f"the table); e.g. {where}: {note}; set duration_s = S in the sweep file (every rate then runs S seconds "
+            "of arrivals) or use a longer trace")
+
+
 def write_table(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     """``sweep.csv`` and ``sweep.json`` (one row per point; columns the union in first-seen order)."""
     import csv
@@ -385,63 +428,109 @@ def _num(x: Any) -> float:
         return float("nan")
 
 
-def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
-    """Goodput and TTFT p99 vs offered request rate, one line per policy (means over the other
-    swept dimensions); False (nothing written) with fewer than two rates."""
+#: Most lines per panel of the rates plot: up to this many configurations get a line each; with more,
+#: each policy gets one line of means over its configurations, and the plot's title says so.
+MAX_RATE_LINES = 12
+
+
+def _varying(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
+    return [k for k in keys if len({json.dumps(r.get(k), sort_keys=True, default=str) for r in rows}) > 1]
+
+
+def rates_figure(rows: Sequence[dict[str, Any]]) -> Any:
+    """The figure of :func:`plot_rates` (axes: goodput, TTFT p99), or None with fewer than two rates.
+
+    A configuration is a policy with the values of the sweep parameters that vary between rows
+    (``set.<path>`` columns, the trace); seeds are its replicates. Up to :data:`MAX_RATE_LINES`
+    configurations each get a line of means over their seeds (labelled ``policy, path=value``);
+    with more, one line per policy of means over its configurations and seeds. The title says
+    what each line averages."""
     rates = sorted({r["rate_scale"] for r in rows})
     if len(rates) < 2:
-        return False
-    import matplotlib
+        return None
+    from sim.plots import plain_log_ticks, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    ok = [r for r in rows if not r.get("error")]
+    params = _varying(ok, list(dict.fromkeys(k for r in ok for k in r if k.startswith("set.") or k == "sweep_trace")))
+    configs = list(dict.fromkeys((r["policy"], *(json.dumps(r.get(k), default=str) for k in params)) for r in ok))
+    per_config = len(configs) <= MAX_RATE_LINES
+    if not per_config:
+        configs = list(dict.fromkeys((r["policy"],) for r in ok))
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for pol in dict.fromkeys(r["policy"] for r in rows):
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["policy"], *(json.dumps(r.get(k), default=str) for k in params)) if per_config else (r["policy"],)
+
+    n_seeds = len({r["seed"] for r in ok})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
+    for cfg in configs:
         xs, gp, tt = [], [], []
         for f in rates:
-            sel = [r for r in rows if r["policy"] == pol and r["rate_scale"] == f and not r.get("error")]
+            sel = [r for r in ok if key(r) == cfg and r["rate_scale"] == f]
             if not sel:
                 continue
             xs.append(sum(_num(r["offered_rps"]) for r in sel) / len(sel))
             gp.append(sum(_num(r["goodput_rps"]) for r in sel) / len(sel))
             tt.append(sum(_num(r["ttft_p99_s"]) for r in sel) / len(sel))
-        axes[0].plot(xs, gp, "o-", label=pol)
-        axes[1].plot(xs, tt, "o-", label=pol)
-    top = max((_num(r["offered_rps"]) for r in rows), default=1.0)
+        label = ", ".join([cfg[0], *(f"{k.removeprefix('set.').replace('sweep_trace', 'trace')}={json.loads(v)}"
+                                     for k, v in zip(params, cfg[1:]))])
+        axes[0].plot(xs, gp, "o-", label=label)
+        axes[1].plot(xs, tt, "o-", label=label)
+    top = max((_num(r["offered_rps"]) for r in ok), default=1.0)
     axes[0].plot([0, top], [0, top], "k--", lw=1, label="offered rate")
     for ax, yl in zip(axes, ("goodput (req/s)", "TTFT p99 (s)")):
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    plain_log_ticks(axes[1].yaxis)
+    seeds = f" and {n_seeds} seeds" if n_seeds > 1 else ""
+    if per_config:
+        what = "one line per configuration" + (f" (mean over {n_seeds} seeds)" if n_seeds > 1 else "")
+    else:
+        n_cfg = len({tuple(json.dumps(r.get(k), default=str) for k in params) for r in ok})
+        what = (f"one line per policy: the mean over its {n_cfg} configurations ({', '.join(p.removeprefix('set.') for p in params)})"
+                f"{seeds}; every point in sweep.csv")
+    fig.suptitle(what, fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: a dozen entries would cover the lines
+    fig.legend(handles, labels, loc="outside lower center", ncols=2 if len(labels) > 4 else len(labels), fontsize=7)
+    return fig
+
+
+def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
+    """Goodput and TTFT p99 vs offered request rate (:func:`rates_figure`) to ``path``; False
+    (nothing written) with fewer than two rates."""
+    fig = rates_figure(rows)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
-def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path, metric: str = "attainment") -> bool:
-    """SLO attainment over the first two grid parameters, one panel per (policy, rate) (at most
-    12; means over seeds and other parameters); False (nothing written) without two grid keys."""
+def heatmap_figure(rows: Sequence[dict[str, Any]], keys: Sequence[str], metric: str = "attainment") -> Any:
+    """The figure of :func:`plot_heatmap`, or None without two grid keys. The y-axis label is on
+    the left column's panels only and the x-axis label on each column's lowest panel (all panels
+    share both axes; was: every panel's y label overlapping the panel to its left)."""
     if len(keys) < 2:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        return None
     import numpy as np
 
+    from sim.plots import pyplot
+
+    plt = pyplot()
     kx, ky = f"set.{keys[0]}", f"set.{keys[1]}"
     xs = list(dict.fromkeys(r[kx] for r in rows))
     ys = list(dict.fromkeys(r[ky] for r in rows))
     panels = list(dict.fromkeys((r["policy"], r["rate_scale"]) for r in rows))[:12]
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols + 1, 3.0 * nrows + 0.6), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols + 1, 3.0 * nrows + 0.6), squeeze=False,
+                             layout="constrained")
     im = None
-    for ax, (pol, rate) in zip(axes.flat, panels):
+    for n, (ax, (pol, rate)) in enumerate(zip(axes.flat, panels)):
         z = np.full((len(ys), len(xs)), np.nan)
         for i, yv in enumerate(ys):
             for j, xv in enumerate(xs):
@@ -456,13 +545,34 @@ def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path
                     ax.text(j, i, f"{z[i, j]:.0f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(xs)), [str(x) for x in xs], fontsize=7)
         ax.set_yticks(range(len(ys)), [str(y) for y in ys], fontsize=7)
-        ax.set_xlabel(keys[0], fontsize=8)
-        ax.set_ylabel(keys[1], fontsize=8)
+        if n + cols >= len(panels):  # no panel below
+            ax.set_xlabel(keys[0], fontsize=8)
+        if n % cols == 0:
+            ax.set_ylabel(keys[1], fontsize=8)
         ax.set_title(f"{pol} @x{rate:g}", fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label="SLO attainment (%)")
+    ok = [r for r in rows if not r.get("error")]
+    others = _varying(ok, list(dict.fromkeys(k for r in ok for k in r if (k.startswith("set.") and k not in (kx, ky))
+                                             or k in ("sweep_trace", "seed"))))
+    if others:  # the cells average over them: say so on the plot
+        fig.suptitle("each cell: the mean over " + ", ".join(k.removeprefix("set.").replace("sweep_trace", "trace") + "s"
+                                                            if k == "seed" else k.removeprefix("set.").replace("sweep_trace", "trace")
+                                                            for k in others), fontsize=9)
+    return fig
+
+
+def plot_heatmap(rows: Sequence[dict[str, Any]], keys: Sequence[str], path: Path, metric: str = "attainment") -> bool:
+    """SLO attainment over the first two grid parameters, one panel per (policy, rate) (at most
+    12; means over seeds and other parameters), to ``path``; False (nothing written) without two
+    grid keys."""
+    fig = heatmap_figure(rows, keys, metric)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True

@@ -64,7 +64,8 @@ def _table(rows: list[dict[str, Any]], grid_cols: list[str]) -> tuple[list[str],
     for r in rows:
         out.append([r["policy"], f"{r['rate_scale']:g}", str(r["seed"]), *[str(r.get(c, "")) for c in grid_cols],
                     str(r["num_gpus"]), f(r["offered_rps"], ".3f"), f(r["attainment"], ".1f", 100),
-                    f(r["goodput_rps"], ".3f"), f(r["goodput_rps_per_gpu"], ".4f"), f(r["ttft_p99_s"], ".2f"),
+                    f(r["goodput_rps"], ".3f") + ("*" if r.get("goodput_burst") else ""),
+                    f(r["goodput_rps_per_gpu"], ".4f"), f(r["ttft_p99_s"], ".2f"),
                     f(r["tpot_p99_s"], ".1f", 1e3), f(r.get("summary.prefix_hit_rate"), ".1%", 1),
                     (r.get("error") or "")[:60]])
     return head, out
@@ -73,7 +74,7 @@ def _table(rows: list[dict[str, Any]], grid_cols: list[str]) -> tuple[list[str],
 def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     from sim.executor import make_executor
     from sim.html_report import Section, write_report
-    from sim.sweep import load_sweep, plot_heatmap, plot_rates, run_sweep, write_table
+    from sim.sweep import burst_message, load_sweep, mark_bursts, plot_heatmap, plot_rates, run_sweep, write_table
 
     sweep = load_sweep(args.file, limit=args.limit)
     if args.executor != "ray":
@@ -110,6 +111,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
 
         rows, ran = run_sweep(sweep, out, ex, resume=not args.no_resume, per_point=args.per_point, on_point=on_point)
     wall = time.perf_counter() - t0
+    burst = burst_message(mark_bursts(rows), len(rows))
     files = [p.name for p in write_table(rows, out)] + ["points.jsonl"]
     grid_cols = list(dict.fromkeys(k for p in sweep.points for k, _ in p.tag if k.startswith("set.")))
     head, table_rows = _table(rows, grid_cols)
@@ -128,6 +130,8 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     console.print(t)
     if len(table_rows) > MAX_PRINTED_ROWS:
         console.print(f"... {len(table_rows) - MAX_PRINTED_ROWS} more rows in {out}/sweep.csv")
+    if burst:
+        console.print(escape(burst), soft_wrap=True)
     failed = [r for r in rows if r.get("error")]
     if failed:
         console.print(f"[red]{len(failed)} points failed[/] (kept in the table with their error; rerun to retry them)")
@@ -139,7 +143,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
             plots.append(out / "sweep_heatmap.png")
         files += [p.name for p in plots]
     command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
-    sections = [Section("Points", text=title, table=(head, table_rows))]
+    sections = [Section("Points", text=title, table=(head, table_rows), items=[burst] if burst else ())]
     sections += [Section(p.stem.replace("_", " "), image=p) for p in plots]
     sections += [Section("Command", pre=command), Section("Sweep file", pre=args.file.read_text()),
                  Section("Base scenario", pre=json.dumps(json.loads(sweep.base.model_dump_json()), indent=1))]

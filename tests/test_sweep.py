@@ -55,6 +55,9 @@ def test_expansion_is_the_product_with_stable_distinct_ids(tmp_path: Path) -> No
     ('[grid]\n"prefill.num_engines" = [1, 0]\n', "point {'prefill.num_engines': 0}"),
     ("rates = [0]\n", "rates must be finite numbers > 0"),
     ('route_slo = "no"\n', "route_slo must be true or false, got 'no'"),
+    ("seeds = [0, -1]\n", "sw.toml: seeds must be integers >= 0, got [0, -1]"),  # as the CLI's --seed -1
+    ("seeds = [1.5]\n", "sw.toml: seeds: 1.5 is not an integer"),
+    ('rates = ["1"]\n', "sw.toml: rates: '1' is not a number"),
     ("[slo]\nttft = 1\n", "[slo]"),
     ("policies = [\n", "sw.toml"),
     ('[grid]\n"perf.mfu" = [' + ",".join(["0.5"] * 101) + ']\n"prefill.num_engines" = [' + ",".join(["1"] * 100) + "]\n",
@@ -152,3 +155,69 @@ def test_the_documented_example_sweep_expands() -> None:
     sw = load_sweep(Path(__file__).parents[1] / "docs" / "examples" / "sweep.toml")
     assert len(sw.points) == 24 and sw.grid_keys == ["prefill.num_engines", "decode.num_engines"]
     assert sw.points[0].slo.ttft_per_1k_prompt_tokens_s == 0.5 and sw.points[0].workload.limit == 2000
+
+
+def test_a_sweep_seed_means_what_sim_run_seed_means(tmp_path: Path) -> None:
+    """A sweep's seed seeds the router and the arrival spreading, as ``pdlb sim run --seed`` does
+    (was: the router's only, so round_robin gave the same result to 16 digits for every seed). The
+    independent implementation is ``pdlb sim run`` itself: each seed's row must equal its summary."""
+    f = _write(tmp_path, 'policies = ["round_robin"]\nlimit = 40\nseeds = [0, 1]\nroute_slo = false\n')
+    sw = load_sweep(f)
+    assert [(p.seed, p.workload.seed) for p in sw.points] == [(0, 0), (1, 1)]
+    rows, _ = run_sweep(sw, tmp_path / "out", SerialExecutor())
+    by_seed = {r["seed"]: r for r in rows}
+    # round_robin ignores the router's RNG: only the spreading can make seeds differ
+    assert by_seed[0]["summary.ttft_s.mean"] != by_seed[1]["summary.ttft_s.mean"]
+    for seed in (0, 1):
+        out = tmp_path / f"run{seed}"
+        assert main(["sim", "run", "--policy", "round_robin", "--limit", "40", "--seed", str(seed), "--out", str(out),
+                     "--no-plots", "--quiet"]) == 0
+        (run,) = json.loads((out / "summary.json").read_text())["runs"]
+        for key in ("ttft_s.mean", "ttft_s.p99", "tpot_s.mean", "e2e_s.p50", "makespan_s", "offered_rps"):
+            head, _, tail = key.partition(".")
+            expect = run[head][tail] if tail else run[head]
+            assert by_seed[seed][f"summary.{key}"] == expect, (seed, key)  # bit for bit: the same simulation
+
+
+def test_sweep_marks_burst_goodput_with_capacitys_check(tmp_path: Path, capsys) -> None:
+    """A point whose run ends more than 2 arrival windows after it starts has a burst's goodput
+    (sim.metrics.burst_note, the check `pdlb sim capacity` applies to its answer); the sweep says so
+    in the table, the CSV, the console and the report (was: silent, 20 requests at x64 read as a
+    sustained ~200 req/s). Expected: the condition from each row's own summary fields."""
+    f = _write(tmp_path, 'scenario = "llama8b-agg-h100"\npolicies = ["round_robin"]\nlimit = 20\nrates = [64.0]\n'
+                         'route_slo = false\n')
+    out = tmp_path / "burst"
+    assert main(["sim", "sweep", str(f), "--out", str(out), "--jobs", "1", "--quiet", "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    (row,) = list(csv.DictReader(open(out / "sweep.csv")))
+    window, makespan = float(row["summary.arrival_window_s"]), float(row["summary.makespan_s"])
+    assert makespan > 2 * window and row["goodput_burst"] == "True"
+    note = (f"note: the goodput of 1 of 1 points is a burst's (goodput_burst in sweep.csv, * in the table); e.g. "
+            f"round_robin x64 seed 0: the 20 requests arrive over {window:.3g} s and the last finishes at "
+            f"{makespan:.3g} s: the cluster absorbed a burst and drained it, which is not a rate it sustains; set "
+            "duration_s = S in the sweep file (every rate then runs S seconds of arrivals) or use a longer trace")
+    assert note in " ".join(printed.split())
+    assert f"{float(row['goodput_rps']):.3f}*" in printed
+    assert note.replace("'", "&#x27;") in (out / "report.html").read_text()
+    # a steady run: 2 req/s for 60 s of 512-token prompts and 16-token answers, each done within a second
+    trace = tmp_path / "ramp.jsonl"
+    assert main(["sim", "workload", "ramp", "--rates", "2", "--step-s", "60", "--prompt-tokens", "512",
+                 "--output-tokens", "16", "--out", str(trace)]) == 0
+    f = _write(tmp_path, f'scenario = "llama8b-agg-h100"\npolicies = ["round_robin"]\ntraces = ["{trace}"]\n')
+    capsys.readouterr()
+    assert main(["sim", "sweep", str(f), "--out", str(tmp_path / "steady"), "--jobs", "1", "--quiet", "--no-plots"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    (row,) = list(csv.DictReader(open(tmp_path / "steady" / "sweep.csv")))
+    assert row["goodput_burst"] == "False"
+    assert float(row["summary.makespan_s"]) < 1.1 * float(row["summary.arrival_window_s"])
+
+
+def test_burst_note_boundary_and_missing_fields() -> None:
+    from sim.metrics import burst_note
+
+    # makespan > 2 x window (strict), by hand: 2.0 s over a 1.0 s window is not a burst, 2.01 s is
+    assert burst_note(10, 1.0, 2.0) == ""
+    assert burst_note(10, 1.0, 2.01).startswith("the 10 requests arrive over 1 s and the last finishes at 2.01 s")
+    # no window (all arrive at once: NaN; or 0), a missing field (a failed point): no claim either way
+    for window, makespan in ((float("nan"), 5.0), (0.0, 5.0), (None, 5.0), (1.0, None), (1.0, "")):
+        assert burst_note(10, window, makespan) == ""

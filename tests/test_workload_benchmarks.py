@@ -95,3 +95,46 @@ def test_cli_writes_replayable_jsonl(tmp_path):
     assert len(read_mooncake(ramp)) > 30
     assert main(["sim", "workload", "ramp", "--rates", "1", "--step-s", "1",
                  "--out", str(tmp_path / "missing" / "x.jsonl")]) == 2
+
+
+def test_load_ramp_sigma_is_bounded_and_the_mean_holds_within_it():
+    from sim.workload.benchmarks import MAX_LENGTH_SIGMA
+
+    with pytest.raises(ValueError, match=r"prompt_tokens_sigma must be a number in \[0, 2\]"):
+        load_ramp_workload([1.0], 10.0, prompt_tokens_sigma=MAX_LENGTH_SIGMA + 0.01)
+    with pytest.raises(ValueError, match=r"output_tokens_sigma must be a number in \[0, 2\]"):
+        load_ramp_workload([1.0], 10.0, output_tokens_sigma=50)
+    # sigma 1, ~20,000 prompts: the sample mean's sd is 1024 * sqrt(e - 1) / sqrt(n) ~ 9.5 tokens (the
+    # lognormal's variance), so 5% (51 tokens) is > 5 sd; the median is 1024 * exp(-1/2) = 621 (formula)
+    reqs = load_ramp_workload([2000.0], 10.0, prompt_tokens_sigma=1.0)
+    prompts = np.array([r.prompt_tokens for r in reqs])
+    assert len(prompts) > 19_000
+    assert prompts.mean() == pytest.approx(1024, rel=0.05)
+    assert np.median(prompts) == pytest.approx(1024 * math.exp(-0.5), rel=0.05)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # was: accepted, every prompt 1 token under a "mean" of 1024
+    (["--prompt-sigma", "50"], "error: --prompt-sigma must be a number in [0, 2] (lognormal lengths keep the mean "
+                               "asked for, but their median is mean x exp(-sigma^2/2): at 2, 13.5% of it), got 50.0"),
+    # was: silently cut to the 1024-token prompts
+    (["--shared-prefix-tokens", "2048"], "error: --shared-prefix-tokens (2048) is longer than the prompts "
+                                         "(--prompt-tokens 1024); a prefix is part of its prompt: lower "
+                                         "--shared-prefix-tokens or raise --prompt-tokens"),
+    # was: silently nothing shared (whole blocks only)
+    (["--shared-prefix-tokens", "100"], "error: --shared-prefix-tokens (100) is shorter than one block "
+                                        "(--block-size 512), so nothing would be shared; give 0 or at least 512"),
+])
+def test_ramp_cli_refuses_lengths_it_cannot_honour(tmp_path, capsys, argv, message):
+    out = tmp_path / "w.jsonl"
+    assert main(["sim", "workload", "ramp", "--rates", "1", "--step-s", "5", *argv, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == message
+    assert not out.exists()
+
+
+def test_ramp_shared_prefix_as_long_as_the_prompt_is_accepted():
+    # the boundary: every 1024-token prompt is its group's 2 shared blocks (one group): by hand, all
+    # requests after the first hit both blocks
+    reqs = load_ramp_workload([1.0], 20.0, prompt_tokens_mean=1024, shared_prefix_tokens=1024)
+    assert len(reqs) > 2 and {r.block_hashes for r in reqs} == {reqs[0].block_hashes}
+    assert len(reqs[0].block_hashes) == 2

@@ -46,6 +46,14 @@ GSP_DEFAULTS = {"num_groups": 64, "prompts_per_group": 16, "system_prompt_tokens
 #: about 2 GB of Python ints; the embedded Mooncake trace has 0.3M, SGLang's default gsp 5,120.
 MAX_WORKLOAD_BLOCKS = 50_000_000
 
+#: Largest log-space sigma of a lognormal length. Lengths are drawn with ``mu = ln(mean) - sigma^2/2``,
+#: so the distribution's mean is the mean asked for, but its median is ``mean * exp(-sigma^2 / 2)``
+#: and a sample's mean converges ever more slowly (variance ``mean^2 (exp(sigma^2) - 1)``): at sigma
+#: 2 the median is 13.5% of the mean; at 50 every prompt is 1 token (was accepted: ``--prompt-sigma
+#: 50`` wrote 1-token prompts under a 1024-token "mean"). Real traces' prompt lengths have log-space
+#: sigmas of about 1 to 1.5.
+MAX_LENGTH_SIGMA = 2.0
+
 
 def _check_bounds(num_requests: int, num_blocks: int, tokens: dict[str, float], max_requests: int) -> None:
     """Refuse, before any allocation, a workload no simulation could take: more than
@@ -66,6 +74,16 @@ def _check_nonneg_int(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
+
+
+def _check_sigma(sigma: float, name: str) -> float:
+    """A log-space sigma in ``[0, MAX_LENGTH_SIGMA]`` (see :data:`MAX_LENGTH_SIGMA`)."""
+    if not (isinstance(sigma, (int, float)) and not isinstance(sigma, bool) and math.isfinite(sigma)
+            and 0 <= sigma <= MAX_LENGTH_SIGMA):
+        raise ValueError(f"{name} must be a number in [0, {MAX_LENGTH_SIGMA:g}] (lognormal lengths keep the mean "
+                         f"asked for, but their median is mean x exp(-sigma^2/2): at {MAX_LENGTH_SIGMA:g}, 13.5% of it), "
+                         f"got {sigma!r}")
+    return sigma
 
 
 def _check_seed(seed: int) -> None:
@@ -140,9 +158,7 @@ def shared_prefix_workload(
                    "output_tokens": output_tokens}, max_requests)
     if rate_per_s is not None:
         check_positive_float(rate_per_s, "rate_per_s")
-    if not (isinstance(output_tokens_sigma, (int, float)) and math.isfinite(output_tokens_sigma)
-            and output_tokens_sigma >= 0):
-        raise ValueError(f"output_tokens_sigma must be a finite number >= 0, got {output_tokens_sigma!r}")
+    _check_sigma(output_tokens_sigma, "output_tokens_sigma")
 
     rng = np.random.default_rng(seed)
     n = num_groups * prompts_per_group
@@ -196,16 +212,20 @@ def load_ramp_workload(
     Arrivals of step ``k`` are a homogeneous Poisson process on that interval (exponential gaps,
     the process restarted at each step boundary, which is exact: a Poisson process is memoryless).
     A rate of 0 leaves the step empty. Prompt / output lengths are lognormal with the given means
-    and log-space sigmas (0 = constant, the usual ``random`` benchmark setting with range ratio 1),
-    rounded and clipped to ``[1, 2^24]``. With ``shared_prefix_tokens >= block_size`` each request joins one
-    of ``num_prefix_groups`` groups uniformly at random and shares its first
-    ``min(shared_prefix_tokens, prompt) // block_size`` blocks with the group.
+    (the distribution's mean: ``mu = ln(mean) - sigma^2 / 2``; the median is ``mean * exp(-sigma^2/2)``)
+    and log-space sigmas in ``[0, MAX_LENGTH_SIGMA]`` (0 = constant, the usual ``random`` benchmark
+    setting with range ratio 1), rounded and clipped to ``[1, 2^24]``. With ``shared_prefix_tokens``
+    (0, or ``block_size`` .. ``prompt_tokens_mean``) each request joins one of ``num_prefix_groups``
+    groups uniformly at random and shares its first ``min(shared_prefix_tokens, prompt) // block_size``
+    blocks with the group (a drawn prompt shorter than the prefix shares its own length).
 
     Returns:
         Requests sorted by arrival, ids ``f"s{k}-r{i}"`` (step ``k``, ``i``-th of the step).
 
     Raises:
         ValueError: no rates, a negative or non-finite rate, every rate 0, ``step_duration_s <= 0``, bad lengths,
+            a sigma outside ``[0, MAX_LENGTH_SIGMA]``, ``shared_prefix_tokens`` above ``prompt_tokens_mean`` or
+            between 1 and ``block_size - 1``,
             a mean length over 2^24 tokens, or more than ``max_requests`` requests (the expected
             count ``sum(rates) * step`` is checked before anything is drawn, so a typo cannot
             exhaust memory), or more than :data:`MAX_WORKLOAD_BLOCKS` prompt blocks in all (checked
@@ -223,11 +243,17 @@ def load_ramp_workload(
     pmean = check_positive_float(prompt_tokens_mean, "prompt_tokens_mean")
     omean = check_positive_float(output_tokens_mean, "output_tokens_mean")
     for name, s in (("prompt_tokens_sigma", prompt_tokens_sigma), ("output_tokens_sigma", output_tokens_sigma)):
-        if not (isinstance(s, (int, float)) and math.isfinite(s) and s >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {s!r}")
+        _check_sigma(s, name)
     _check_nonneg_int(shared_prefix_tokens, "shared_prefix_tokens")
     check_positive_int(num_prefix_groups, "num_prefix_groups")
     check_positive_int(block_size, "block_size")
+    if shared_prefix_tokens > pmean:  # was: silently cut to each prompt's length
+        raise ValueError(f"shared_prefix_tokens ({shared_prefix_tokens}) is longer than the prompts "
+                         f"(prompt_tokens_mean {pmean:g}); a prefix is part of its prompt: lower shared_prefix_tokens "
+                         "or raise prompt_tokens_mean")
+    if 0 < shared_prefix_tokens < block_size:  # was: silently nothing shared (prefixes are shared by whole blocks)
+        raise ValueError(f"shared_prefix_tokens ({shared_prefix_tokens}) is shorter than one block (block_size "
+                         f"{block_size}), so nothing would be shared; give 0 or at least {block_size}")
     check_positive_int(max_requests, "max_requests")
     _check_seed(seed)
     _check_bounds(0, 0, {"prompt_tokens_mean": pmean, "output_tokens_mean": omean}, max_requests)

@@ -89,18 +89,28 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
                                     "(capacity searches; AIPerf request-rate ramping, vLLM --ramp-up-strategy).")
     rp.add_argument("--rates", type=_rates, required=True, metavar="R1,R2,...", help="rate of each step, req/s")
     rp.add_argument("--step-s", type=_pos_float, required=True, help="duration of each step, seconds")
-    rp.add_argument("--prompt-tokens", type=_pos_float, default=1024.0, help="mean prompt length (default %(default)g)")
+    rp.add_argument("--prompt-tokens", type=_pos_float, default=1024.0,
+                    help="mean prompt length: the lognormal's mean, exact in expectation (default %(default)g)")
     rp.add_argument("--output-tokens", type=_pos_float, default=256.0, help="mean output length (default %(default)g)")
     rp.add_argument("--prompt-sigma", type=_nonneg_float, default=0.0,
-                    help="lognormal sigma of prompt lengths (default 0: constant)")
+                    help="lognormal log-space sigma of prompt lengths, 0..2 (default 0: constant); the median is "
+                         "mean x exp(-sigma^2/2), e.g. 61%% of the mean at 1")
     rp.add_argument("--output-sigma", type=_nonneg_float, default=0.0,
-                    help="lognormal sigma of output lengths (default 0: constant)")
-    rp.add_argument("--shared-prefix-tokens", type=_int(0), default=0, help="shared prefix per group, tokens (default 0)")
+                    help="lognormal log-space sigma of output lengths, 0..2 (default 0: constant)")
+    rp.add_argument("--shared-prefix-tokens", type=_int(0), default=0,
+                    help="shared prefix per group, tokens: 0 or from --block-size up to --prompt-tokens (default 0)")
     rp.add_argument("--prefix-groups", type=_int(1), default=1, help="number of shared prefixes (default 1)")
     for q in (sp, rp):
         q.add_argument("--out", type=Path, required=True, help="output JSONL file (.gz: gzip); overwritten")
         q.add_argument("--seed", type=_int(0), default=0, help="random seed (default 0)")
         q.add_argument("--block-size", type=_int(1), default=512, help="tokens per hash block (default 512)")
+
+
+#: load_ramp_workload's parameters by the flags that set them (its errors are reworded with them).
+_RAMP_FLAGS = {"prompt_tokens_mean": "--prompt-tokens", "output_tokens_mean": "--output-tokens",
+               "prompt_tokens_sigma": "--prompt-sigma", "output_tokens_sigma": "--output-sigma",
+               "shared_prefix_tokens": "--shared-prefix-tokens", "num_prefix_groups": "--prefix-groups",
+               "block_size": "--block-size"}
 
 
 def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
@@ -112,11 +122,17 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
                                       rate_per_s=args.rate, seed=args.seed, block_size=args.block_size,
                                       ignore_eos=not args.no_ignore_eos, shuffle=not args.no_shuffle)
     else:
-        reqs = load_ramp_workload(args.rates, args.step_s, prompt_tokens_mean=args.prompt_tokens,
-                                  output_tokens_mean=args.output_tokens, prompt_tokens_sigma=args.prompt_sigma,
-                                  output_tokens_sigma=args.output_sigma,
-                                  shared_prefix_tokens=args.shared_prefix_tokens,
-                                  num_prefix_groups=args.prefix_groups, seed=args.seed, block_size=args.block_size)
+        try:
+            reqs = load_ramp_workload(args.rates, args.step_s, prompt_tokens_mean=args.prompt_tokens,
+                                      output_tokens_mean=args.output_tokens, prompt_tokens_sigma=args.prompt_sigma,
+                                      output_tokens_sigma=args.output_sigma,
+                                      shared_prefix_tokens=args.shared_prefix_tokens,
+                                      num_prefix_groups=args.prefix_groups, seed=args.seed, block_size=args.block_size)
+        except ValueError as e:  # the generator's checks, in the flags' names
+            msg = str(e)
+            for name, flag in _RAMP_FLAGS.items():
+                msg = msg.replace(name, flag)
+            raise ValueError(msg) from None
     if not reqs:  # e.g. --rates 0.001 over a 1 s step: an empty file would replay as "the trace has no requests"
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
