@@ -304,12 +304,20 @@ class Router:
     # ------------------------------------------------------------------ registry
     @_locked
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
-        """Register a DP rank (idempotent for the same role; re-adding marks it healthy).
+        """Register a DP rank of ``role`` holding ``kv_capacity_tokens`` of KV (0: unknown).
+
+        Re-registering a replica already registered with the same role is allowed and is an
+        update, not a restart (e.g. a gateway re-applying its worker list after a config reload
+        or a health flap): the replica takes the ``kv_capacity_tokens`` given (0 makes it
+        unknown again) and is marked healthy; its in-flight load and its cached prefix blocks are
+        kept. To start a replica afresh (an engine restarted with an empty cache), call
+        :meth:`remove_replica` first.
 
         Raises:
             TypeError: ``replica`` is not a :class:`~balancer.types.ReplicaId`.
             ValueError: unknown role, negative ``dp_rank`` or ``kv_capacity_tokens``, or the
-                replica is already registered with another role.
+                replica is already registered with another role (nothing changes then; a role
+                change is :meth:`remove_replica` then ``add_replica``).
         """
         if not isinstance(replica, ReplicaId) or not isinstance(replica.engine, str) \
                 or not isinstance(replica.dp_rank, int):
@@ -324,7 +332,8 @@ class Router:
             raise ValueError(f"unknown role {role!r}; valid: {', '.join(r.value for r in Role)}") from None
         info = self._replicas.get(replica)
         if info is not None and info.role is not role:
-            raise ValueError(f"{replica} is already registered as {info.role.value}")
+            raise ValueError(f"{replica} is already registered as {info.role.value}, not {role.value} "
+                             f"(remove_replica it first to change its role)")
         self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
         self.load.add_replica(replica)
         self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid

@@ -184,3 +184,41 @@ def test_route_accepts_full_or_partial_last_block(prompt_tokens: int, hashes: in
     r = _router()
     r.route(req("a", prompt_tokens, list(range(hashes)) or None), 1.0)
     assert r.metrics()["index_blocks"] == hashes  # approximate mode records every hash on the replica
+
+
+# ------------------------------------------------------------------------------ add_replica again
+def test_add_replica_again_with_the_same_role_updates_capacity_and_health_and_keeps_state() -> None:
+    r = Router(block_size=16)
+    d, e = ReplicaId("d", 0), ReplicaId("e", 0)
+    r.add_replica(d, Role.DECODE, kv_capacity_tokens=1000)
+    r.add_replica(e, Role.DECODE, kv_capacity_tokens=1000)
+    h = blocks([1, 2, 3])
+    first = r.route(req("a", 48, block_hashes=h), 1.0).decode
+    load = r.load.get(first)
+    r.set_healthy(first, False)
+    r.add_replica(first, "decode", kv_capacity_tokens=5000)  # same role: an update
+    info = {i.replica: i for i in r.replicas()}[first]
+    assert (info.kv_capacity_tokens, info.healthy) == (5000, True)
+    assert r.load.get(first) == load and r.metrics()["in_flight"] == 1  # in-flight load kept
+    assert r.index.match(h) == {first: 3}  # cached blocks kept
+    # a request of 2000 + 1 tokens now fits only the re-registered replica (hand: 2001 > 1000)
+    assert r.route(req("big", 2000), 2.0).decode == first
+    r.add_replica(first, Role.DECODE)  # again without a capacity: unknown (0) again
+    assert {i.replica: i for i in r.replicas()}[first].kv_capacity_tokens == 0
+
+
+def test_add_replica_with_another_role_is_refused_and_changes_nothing() -> None:
+    r = Router(block_size=16)
+    d = ReplicaId("d", 0)
+    r.add_replica(d, Role.DECODE, kv_capacity_tokens=1000)
+    r.route(req("a", 32), 1.0)
+    for role in (Role.PREFILL, "mixed"):
+        with pytest.raises(ValueError) as e:
+            r.add_replica(d, role, kv_capacity_tokens=99)
+        assert str(e.value) == (f"d/dp0 is already registered as decode, not {Role(role).value} "
+                                f"(remove_replica it first to change its role)")
+    [info] = r.replicas()
+    assert (info.role, info.kv_capacity_tokens) == (Role.DECODE, 1000) and r.metrics()["in_flight"] == 1
+    r.remove_replica(d)  # the documented way to change a role
+    r.add_replica(d, Role.MIXED)
+    assert [i.role for i in r.replicas()] == [Role.MIXED]
