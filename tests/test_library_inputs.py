@@ -222,3 +222,19 @@ def test_add_replica_with_another_role_is_refused_and_changes_nothing() -> None:
     r.remove_replica(d)  # the documented way to change a role
     r.add_replica(d, Role.MIXED)
     assert [i.role for i in r.replicas()] == [Role.MIXED]
+
+
+# ------------------------------------------------------------------------------ kv_cost parameters
+@pytest.mark.parametrize("spec, name, value", [
+    ("kv_cost:temperature=-1", "temperature", "-1.0"), ("kv_cost:overlap_weight=-0.5", "overlap_weight", "-0.5"),
+    ("kv_cost:overlap_weight=-2,temperature=3", "overlap_weight", "-2.0"),
+])
+def test_kv_cost_names_the_bad_parameter_and_its_value(spec: str, name: str, value: str) -> None:
+    from balancer.policies.kv_cost import KvCost
+    from balancer.policies.spec import build_policy
+
+    with pytest.raises(ValueError) as e:
+        build_policy(spec)
+    assert str(e.value) == f"policy 'kv_cost': {name} must be >= 0, got {value}"
+    with pytest.raises(ValueError, match=f"^kv_cost: {name} must be >= 0, got {value}$"):  # built directly
+        KvCost(**{name: float(value)})
