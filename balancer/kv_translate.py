@@ -47,7 +47,7 @@ import xxhash
 from balancer.hashing import ROOT_HASH, hash_token_blocks
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.kv_wire import (EngineAllBlocksCleared, EngineBlockRemoved, EngineBlockStored, EngineEvent,
-                              EngineHash, KvWireError)
+                              EngineHash, KvWireError, is_full_attention)
 
 __all__ = ["DEFAULT_TRANSLATOR_CAPACITY_BLOCKS", "KvEventTranslator", "TranslatorStats", "chain_root"]
 
@@ -131,11 +131,7 @@ class _Segment:
         self.late_covers.setdefault(i, []).append(h)
 
 
-def _is_full_attention(kind: str | None) -> bool:
-    if kind is None:
-        return True
-    k = kind.lower()
-    return "full" in k or "mla" in k
+_is_full_attention = is_full_attention  # one definition, beside the wire format
 
 
 @dataclass

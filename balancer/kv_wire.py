@@ -21,7 +21,11 @@ Format (ANCHORS.md, "vLLM KV cache events"; vLLM ``vllm/distributed/kv_events.py
 * Block hashes are the engine's own: 64-bit integers (vLLM's default, the low 64 bits of a
   sha256; SGLang's Python ``hash``, which may be negative) or byte strings (vLLM's 32-byte
   digests). They are opaque keys here; :mod:`balancer.kv_translate` maps them onto pdlb's hashes.
-* ``token_ids`` of a ``BlockStored`` are all of its blocks' tokens, concatenated.
+* ``token_ids`` of a ``BlockStored`` are all of its blocks' tokens, concatenated:
+  ``len(token_ids) == len(block_hashes) * block_size``. One exception: for a KV cache group that
+  is not full attention (``kv_cache_spec_kind`` sliding window, Mamba), vLLM leaves the group's
+  null blocks out of ``block_hashes`` while ``token_ids`` still spans them, so there the tokens
+  may be more whole blocks than the hashes (never fewer, never a partial block).
 
 Replay (a ROUTER socket beside the PUB socket): a client sends ``[b"", start_seq]`` (8-byte
 big-endian) and receives ``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on,
@@ -40,7 +44,8 @@ from typing import Any
 import msgpack
 
 __all__ = ["END_OF_REPLAY", "EngineAllBlocksCleared", "EngineBatch", "EngineBlockRemoved", "EngineBlockStored",
-           "EngineEvent", "EngineHash", "KvWireError", "decode_batch", "decode_seq", "encode_seq", "offset_port"]
+           "EngineEvent", "EngineHash", "KvWireError", "decode_batch", "decode_seq", "encode_seq",
+           "is_full_attention", "offset_port"]
 
 #: An engine block hash: an int (vLLM default, SGLang) or bytes (vLLM sha256 digests).
 EngineHash = int | bytes
@@ -70,8 +75,10 @@ class EngineBlockStored:
         block_hashes: the new blocks' engine hashes, in order.
         parent_block_hash: the engine hash of the block before the first one, ``None`` when the
             first block starts a sequence.
-        token_ids: all blocks' token ids, concatenated (``len == len(block_hashes) * block_size``
-            for a well-formed event; :mod:`balancer.kv_translate` checks it).
+        token_ids: all blocks' token ids, concatenated (``len == len(block_hashes) * block_size``;
+            more whole blocks for a group that is not full attention, see the module docstring;
+            :func:`decode_batch` refuses any other length, :mod:`balancer.kv_translate` checks
+            events built by hand).
         block_size: tokens per engine block.
         lora_id / lora_name: the LoRA adapter the blocks were computed with (``lora_id`` is the
             older spelling); both ``None`` for the base model.
@@ -120,6 +127,15 @@ class EngineBatch:
     ts: float
     events: tuple[EngineEvent, ...]
     data_parallel_rank: int | None = None
+
+
+def is_full_attention(kind: str | None) -> bool:
+    """Whether a ``kv_cache_spec_kind`` names a full-attention KV cache group (``None``: not sent,
+    a model with one group, which is full attention; MLA counts as full attention)."""
+    if kind is None:
+        return True
+    k = kind.lower()
+    return "full" in k or "mla" in k
 
 
 # ---------------------------------------------------------------------- sequence numbers
@@ -233,8 +249,15 @@ def _event(ev: Any, where: str) -> EngineEvent:
         extra = f.get("extra_keys")
         if extra is not None and not isinstance(extra, (list, tuple)):
             raise KvWireError(f"{where}: BlockStored extra_keys must be an array or nil")
+        hashes = _hashes(f["block_hashes"], f"{where}: BlockStored block_hashes")
+        kind = _opt_str(f.get("kv_cache_spec_kind"), f"{where}: kv_cache_spec_kind")
+        want = len(hashes) * bs
+        if len(tokens) != want and (is_full_attention(kind) or len(tokens) < want or len(tokens) % bs):
+            more = "" if is_full_attention(kind) else f", or whole blocks more for a {kind} group"
+            raise KvWireError(f"{where}: BlockStored has {len(tokens)} token_ids for {len(hashes)} block hashes of "
+                              f"block_size {bs} (expected len(block_hashes) * block_size = {want}{more})")
         return EngineBlockStored(
-            block_hashes=_hashes(f["block_hashes"], f"{where}: BlockStored block_hashes"),
+            block_hashes=hashes,
             parent_block_hash=None if parent is None else _hash(parent, f"{where}: BlockStored parent_block_hash"),
             token_ids=tokens, block_size=bs,
             lora_id=_opt_int(f.get("lora_id"), f"{where}: lora_id"),
@@ -242,7 +265,7 @@ def _event(ev: Any, where: str) -> EngineEvent:
             lora_name=_opt_str(f.get("lora_name"), f"{where}: lora_name"),
             extra_keys=None if extra is None else tuple(extra),
             group_idx=_opt_int(f.get("group_idx"), f"{where}: group_idx"),
-            kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), f"{where}: kv_cache_spec_kind"),
+            kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=_opt_int(f.get("kv_cache_spec_sliding_window"),
                                                   f"{where}: kv_cache_spec_sliding_window"))
     if tag == "BlockRemoved":
@@ -261,8 +284,10 @@ def decode_batch(payload: bytes) -> EngineBatch:
     """One msgpack batch payload (either encoding, see the module docstring) as an :class:`EngineBatch`.
 
     Raises:
-        KvWireError: not msgpack, not a batch, an unknown event type, or a field of the wrong
-            type (the message names the event's index and field).
+        KvWireError: not msgpack, not a batch, an unknown event type, a field of the wrong
+            type, or a ``BlockStored`` whose ``token_ids`` are not its blocks' tokens (see the
+            module docstring; the message names the event's index and field). The caller counts
+            and drops the batch (``pdlb serve``: ``decode_errors`` of the source).
     """
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True,

@@ -26,6 +26,16 @@ sibling requests lands together before the engine has announced the first one's 
 predicted blocks, the vLLM router's speculative entries); a replica's match is the larger of the
 two.
 
+Clock: every ``now_s`` must be a finite number of seconds (``ValueError`` otherwise: a NaN or an
+infinity would poison TTLs, the LRU order and the load tracker's timings for good). Times are
+expected not to go backwards; one that does (earlier than the latest ``now_s`` any method was
+given) is taken as that latest time and counted in :meth:`Router.metrics`
+(``clock_regressions``, and ``clock_regression_max_s``, the largest step back). A gateway
+whose threads read ``time.monotonic()`` before taking the router's lock passes times slightly
+out of order in the normal course of things; refusing those would fail real requests, while
+clamping keeps the prefix index's timestamps non-decreasing, which its TTL expiry and LRU order
+assume. A large ``clock_regression_max_s`` points at a caller mixing clocks.
+
 Thread safety: every public method takes the router's lock (a ``threading.RLock``), so a gateway
 may call ``route`` on one thread and ``on_kv_event`` / ``on_load_report`` on others. Reads of the
 attributes (``router.index``, ``router.load``) are not locked: take ``router.lock`` around them.
@@ -60,6 +70,8 @@ per-tier columns on :class:`~balancer.candidates.Candidates`. Policies therefore
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import pickle
 import random
 import threading
@@ -77,7 +89,7 @@ from balancer.policies import Policy, SelectContext
 from balancer.policies.spec import build_policy
 from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
-from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo
+from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, is_finite_seconds
 
 
 def _locked(fn):  # noqa: ANN001, ANN202
@@ -249,7 +261,9 @@ class Router:
         self._replicas: dict[ReplicaId, ReplicaInfo] = {}
         self._pools: dict[str, _Pool] | None = None
         self._decisions = {"prefill": 0, "decode": 0}
-        self._now_s = 0.0  # latest time a caller passed in (for KV events given without one)
+        self._now_s = -math.inf  # latest time a caller passed in (see _clock); -inf: none yet
+        self._clock_regressions = 0
+        self._clock_regression_max_s = 0.0
         self.cost_model = cost_model
         if ttft_slo is not None and not isinstance(ttft_slo, TtftSlo):
             raise TypeError(f"ttft_slo must be a balancer.TtftSlo or None, got {type(ttft_slo).__name__}")
@@ -258,15 +272,52 @@ class Router:
         self.cost_learner: CostLearner | None = (
             CostLearner(cost_model if cost_model is not None else DEFAULT_COST_MODEL) if learn_cost_model else None)
 
+    # ------------------------------------------------------------------ clock
+    def _clock(self, now_s: float) -> float:
+        """``now_s`` checked and made non-decreasing (see the module docstring, "Clock"): the
+        latest time seen so far, which ``now_s`` becomes when it is later, else that latest time
+        (counted as a clock regression).
+
+        Raises:
+            ValueError: ``now_s`` is not a finite number (NaN, an infinity, a bool, a string).
+        """
+        latest = self._now_s
+        if type(now_s) is float and -math.inf < latest <= now_s < math.inf:  # the usual case (no -inf yet: a first call takes the slow path)
+            self._now_s = now_s
+            return now_s
+        if not is_finite_seconds(now_s):
+            raise ValueError(f"now_s must be a finite number of seconds, got {now_s!r}")
+        now_s = float(now_s)
+        if now_s >= latest:
+            self._now_s = now_s
+            return now_s
+        self._clock_regressions += 1
+        self._clock_regression_max_s = max(self._clock_regression_max_s, latest - now_s)
+        return latest
+
+    def _default_now(self, now_s: float | None) -> float:
+        """``now_s`` through :meth:`_clock`, or when ``None`` the latest time seen (0.0 before any)."""
+        if now_s is not None:
+            return self._clock(now_s)
+        return self._now_s if self._now_s > -math.inf else 0.0
+
     # ------------------------------------------------------------------ registry
     @_locked
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
-        """Register a DP rank (idempotent for the same role; re-adding marks it healthy).
+        """Register a DP rank of ``role`` holding ``kv_capacity_tokens`` of KV (0: unknown).
+
+        Re-registering a replica already registered with the same role is allowed and is an
+        update, not a restart (e.g. a gateway re-applying its worker list after a config reload
+        or a health flap): the replica takes the ``kv_capacity_tokens`` given (0 makes it
+        unknown again) and is marked healthy; its in-flight load and its cached prefix blocks are
+        kept. To start a replica afresh (an engine restarted with an empty cache), call
+        :meth:`remove_replica` first.
 
         Raises:
             TypeError: ``replica`` is not a :class:`~balancer.types.ReplicaId`.
             ValueError: unknown role, negative ``dp_rank`` or ``kv_capacity_tokens``, or the
-                replica is already registered with another role.
+                replica is already registered with another role (nothing changes then; a role
+                change is :meth:`remove_replica` then ``add_replica``).
         """
         if not isinstance(replica, ReplicaId) or not isinstance(replica.engine, str) \
                 or not isinstance(replica.dp_rank, int):
@@ -281,7 +332,8 @@ class Router:
             raise ValueError(f"unknown role {role!r}; valid: {', '.join(r.value for r in Role)}") from None
         info = self._replicas.get(replica)
         if info is not None and info.role is not role:
-            raise ValueError(f"{replica} is already registered as {info.role.value}")
+            raise ValueError(f"{replica} is already registered as {info.role.value}, not {role.value} "
+                             f"(remove_replica it first to change its role)")
         self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
         self.load.add_replica(replica)
         self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid
@@ -525,15 +577,28 @@ class Router:
         if they can hold the request: the prompt on a prefill replica, prompt + output on a
         decode or mixed one.
 
+        ``now_s`` earlier than the latest time the router was given is taken as that latest time
+        and counted (see the module docstring, "Clock").
+
         Raises:
             NoReplicaError: no healthy decode (or mixed) replica.
             RequestTooLargeError: no candidate's KV capacity can hold the request.
-            ValueError: the request id is already in flight.
+            ValueError: the request id is already in flight; ``now_s`` is not a finite number; the
+                request carries more block hashes than its prompt has ``block_size``-token blocks
+                (``ceil(prompt_tokens / block_size)``: hashes made at another block size, or a
+                prompt length that is not the hashed prompt's). Nothing is counted then.
         """
         with self.lock:
             return self._route(request, now_s, exclude_engines)
 
     def _route(self, request: Request, now_s: float, exclude_engines: Collection[str]) -> Route:
+        nb = len(request.block_hashes)
+        if nb and (nb - 1) * self.block_size >= request.prompt_tokens:  # nb > ceil(prompt / block_size)
+            most = -(-request.prompt_tokens // self.block_size)
+            raise ValueError(f"request {request.request_id!r} carries {nb} block hashes, but its prompt of "
+                             f"{request.prompt_tokens} tokens has at most {most} blocks of {self.block_size} tokens "
+                             f"(block hashes made at another block size, or a wrong prompt_tokens?)")
+        now_s = self._clock(now_s)
         if self.inflight_timeout_s is not None:
             self._reaped += self.load.reap(now_s - self.inflight_timeout_s)
         if self.load.has_external and self.load_report_max_age_s is not None:
@@ -542,7 +607,6 @@ class Router:
             raise ValueError(f"request {request.request_id!r} is already in flight")
         if self.load.peer is not None:
             self.load.peer.refresh()
-        self._now_s = max(self._now_s, now_s)
         pools = self._get_pools()
         if not pools["decode"].replicas:
             raise NoReplicaError("no healthy decode or mixed replica")
@@ -630,7 +694,12 @@ class Router:
     # ------------------------------------------------------------------ hooks
     @_locked
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
-        """The prefill replica finished the request's prompt (its KV is ready to transfer)."""
+        """The prefill replica finished the request's prompt (its KV is ready to transfer).
+
+        Raises:
+            ValueError: ``now_s`` is not a finite number (see the module docstring, "Clock").
+        """
+        now_s = self._clock(now_s)
         self.load.on_prefill_done(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_prefill_done(request_id, now_s)
@@ -639,7 +708,12 @@ class Router:
 
     @_locked
     def on_first_token(self, request_id: str, now_s: float) -> None:
-        """The first output token exists; implies prefill is done (aggregated or PD)."""
+        """The first output token exists; implies prefill is done (aggregated or PD).
+
+        Raises:
+            ValueError: ``now_s`` is not a finite number (see the module docstring, "Clock").
+        """
+        now_s = self._clock(now_s)
         self.load.on_prefill_done(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_prefill_done(request_id, now_s)  # aggregated: no separate prefill hook
@@ -649,7 +723,23 @@ class Router:
 
     @_locked
     def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
-        """The request finished, failed or was aborted: release all its load."""
+        """The request finished, failed or was aborted: release all its load.
+
+        Args:
+            request_id: the routed request (unknown ids are ignored: released already, or reaped).
+            now_s: the caller's clock, seconds.
+            num_output_tokens: output tokens the request produced (>= 0; 0 when it failed or was
+                aborted before its first token), for the online cost fit; ``None``: not known.
+
+        Raises:
+            ValueError: ``now_s`` is not a finite number, or ``num_output_tokens`` is not ``None``
+                or an integer >= 0. Nothing is released then: call again with valid values.
+        """
+        if num_output_tokens is not None and (isinstance(num_output_tokens, bool) or not isinstance(
+                num_output_tokens, numbers.Integral) or num_output_tokens < 0):
+            raise ValueError(f"request {request_id!r}: num_output_tokens must be an integer >= 0 or None, "
+                             f"got {num_output_tokens!r}")
+        now_s = self._clock(now_s)
         self.load.on_finished(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_decode_finished(request_id, now_s, num_output_tokens)
@@ -667,7 +757,8 @@ class Router:
         then only the publisher); events for a tier the router does not track are ignored.
 
         Raises:
-            TypeError: not a KV event. ValueError: an unknown medium, or an HBM ``BlockStored``
+            TypeError: not a KV event. ValueError: ``now_s`` given and not a finite number, an
+                unknown medium, or an HBM ``BlockStored``
                 whose blocks neither start at a prompt's first block nor name their parent
                 block, detected when its first block is already indexed elsewhere (see
                 :class:`~balancer.prefix_index.PrefixIndex`).
@@ -677,8 +768,7 @@ class Router:
         if replica not in self._replicas:
             self._kv_events["ignored"] += 1
             return
-        now_s = self._now_s if now_s is None else max(self._now_s, now_s)
-        self._now_s = now_s
+        now_s = self._default_now(now_s)
         tier = tier_of_medium(event.medium)
         index = self.index if tier == "hbm" else (self.host_index if tier == "host" else self.store_index)
         if index is None:
@@ -707,22 +797,27 @@ class Router:
 
         Raises:
             TypeError: ``report`` is not a :class:`~balancer.load.LoadReport`.
+            ValueError: ``now_s`` given and not a finite number.
         """
         if not isinstance(report, LoadReport):
             raise TypeError(f"report must be a LoadReport, got {type(report).__name__}")
+        now_s = self._default_now(now_s)
         info = self._replicas.get(replica)
         if info is None:
             return
-        now_s = self._now_s if now_s is None else now_s
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
 
     @_locked
     def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
         """Approximate mode: record a prompt another router (process) routed to ``replicas``, as
-        :meth:`route` records its own (prefix index only; unknown replicas are ignored)."""
+        :meth:`route` records its own (prefix index only; unknown replicas are ignored).
+
+        Raises:
+            ValueError: ``now_s`` is not a finite number.
+        """
+        now_s = self._clock(now_s)
         if self.index_mode != "approximate":
             return
-        self._now_s = max(self._now_s, now_s)
         for rep in replicas:
             if rep in self._replicas:
                 self.index.insert(rep, block_hashes, now_s)
@@ -734,8 +829,10 @@ class Router:
         ``decisions`` ``{pool: {reason: n}}``, ``matched_tokens`` ``{pool: prefix tokens the
         chosen replicas were believed to hold, summed}``, ``index_blocks`` (held, per replica,
         summed), ``index_unique_blocks``, ``speculative_blocks`` (hybrid), ``in_flight``,
-        ``reaped_requests``, ``kv_events`` ``{"applied", "ignored"}``, ``replicas`` (registered)
-        and ``healthy_replicas``; with ``learn_cost_model``, ``cost_learning``: the online fit's
+        ``reaped_requests``, ``kv_events`` ``{"applied", "ignored"}``, ``replicas`` (registered),
+        ``healthy_replicas``, ``clock_regressions`` (calls whose ``now_s`` went backwards and was
+        clamped, see the module docstring) and ``clock_regression_max_s`` (the largest such step,
+        seconds); with ``learn_cost_model``, ``cost_learning``: the online fit's
         observations, rejected timings by fit and reason, resets and pending records
         (:meth:`balancer.cost_model.CostLearner.stats`)."""
         decisions: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
@@ -752,6 +849,8 @@ class Router:
             "kv_events": dict(self._kv_events),
             "replicas": len(self._replicas),
             "healthy_replicas": sum(1 for i in self._replicas.values() if i.healthy),
+            "clock_regressions": self._clock_regressions,
+            "clock_regression_max_s": self._clock_regression_max_s,
             **({"cost_learning": self.cost_learner.stats()} if self.cost_learner is not None else {}),
         }
 
@@ -790,6 +889,8 @@ class Router:
         state["index"] = _unflat_index(state["index"])
         if state["speculative"] is not None:
             state["speculative"] = _unflat_index(state["speculative"])
+        state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
+        state.setdefault("_clock_regression_max_s", 0.0)
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self._pools = None

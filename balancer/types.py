@@ -6,12 +6,22 @@ caller uses (``time.monotonic()`` in the service, ``env.now`` in the simulator).
 
 from __future__ import annotations
 
-import math
-
 import enum
+import math
+import numbers
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+
+def is_finite_seconds(value: object) -> bool:
+    """True for a finite real number of seconds (an int, a float, a numpy scalar); False for NaN,
+    the infinities, bools, strings and anything else (the check behind every ``*_s`` argument
+    of the router library)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return math.isfinite(value)
 
 
 class Role(str, enum.Enum):
@@ -25,15 +35,40 @@ class Role(str, enum.Enum):
     MIXED = "mixed"
 
 
-class ReplicaId(NamedTuple):
+class _ReplicaIdFields(NamedTuple):
+    engine: str
+    dp_rank: int = 0
+
+
+class ReplicaId(_ReplicaIdFields):
     """One attention data-parallel (DP) rank of one engine: the unit requests are placed on.
 
     ``engine`` names the serving process group (e.g. ``"decode-0"``, or a worker URL in the
-    service); ``dp_rank`` is the DP rank inside it (0 for engines without DP attention).
+    service); ``dp_rank`` is the DP rank inside it (0 for engines without DP attention). A tuple
+    ``(engine, dp_rank)``: it compares, hashes and pickles as one.
+
+    Raises:
+        TypeError: ``engine`` is not a string, or ``dp_rank`` is not an integer (a bool is not;
+            numpy integers are taken as Python ints).
+        ValueError: ``dp_rank`` is negative (DP ranks count from 0).
     """
 
-    engine: str
-    dp_rank: int = 0
+    __slots__ = ()
+
+    def __new__(cls, engine: str, dp_rank: int = 0) -> ReplicaId:
+        if not isinstance(engine, str):
+            raise TypeError(f"ReplicaId engine must be a string, got {type(engine).__name__} {engine!r}")
+        if type(dp_rank) is not int:
+            if isinstance(dp_rank, bool) or not hasattr(dp_rank, "__index__"):
+                raise TypeError(f"ReplicaId dp_rank must be an integer, got {type(dp_rank).__name__} {dp_rank!r}")
+            dp_rank = operator.index(dp_rank)
+        if dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {dp_rank} for engine {engine!r}")
+        return super().__new__(cls, engine, dp_rank)
+
+    @classmethod
+    def _make(cls, iterable):  # noqa: ANN001, ANN206 - as NamedTuple's, but checked (``_replace`` uses it)
+        return cls(*iterable)
 
     def __str__(self) -> str:
         return f"{self.engine}/dp{self.dp_rank}"
@@ -55,6 +90,10 @@ class Request:
         expected_output_tokens: the output length known in advance (traces) or predicted, if any.
         session_id: conversation / agent session id, if known (used by ``consistent_hash``).
         traffic_class: e.g. ``"chatbot"`` or ``"agent"``; used for KV TTLs and reporting.
+
+    Raises:
+        ValueError: ``arrival_time_s`` is not a finite number (NaN, an infinity, a bool, a
+            string), ``prompt_tokens`` or ``max_output_tokens`` is below 1.
     """
 
     request_id: str
@@ -67,6 +106,9 @@ class Request:
     traffic_class: str | None = None
 
     def __post_init__(self) -> None:
+        t = self.arrival_time_s
+        if not (type(t) is float and math.isfinite(t)) and not is_finite_seconds(t):
+            raise ValueError(f"request {self.request_id}: arrival_time_s must be a finite number of seconds, got {t!r}")
         if self.prompt_tokens < 1:
             raise ValueError(f"request {self.request_id}: prompt_tokens must be >= 1, got {self.prompt_tokens}")
         if self.max_output_tokens < 1:

@@ -162,3 +162,46 @@ async def test_abort_request_and_probe_endpoints():
             assert name in metrics
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize("endpoint, body, n_in, n_out", [
+    ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 1_000_000}, 10, 1_000_000),
+    ("/generate", {"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 1_000_000}}, 10, 1_000_000),
+    ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 131_063}, 10, 131_063),  # 131,073: one over
+    ("/v1/completions", {"prompt": [1] * 131_073, "max_tokens": 1}, 131_073, 1),    # the prompt alone is too long
+    # text prompts count ceil(chars / 4) tokens of the templated chat: the count is read from the message
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 40}],
+                              "max_completion_tokens": 1_000_000}, None, 1_000_000),
+])
+async def test_requests_over_max_model_len_get_a_400_and_run_nothing(endpoint: str, body: dict, n_in, n_out) -> None:
+    import re
+
+    c = await _client(role="mixed", zero_delay=True)
+    try:
+        [model] = (await (await c.get("/v1/models")).json())["data"]
+        assert model["max_model_len"] == 131_072
+        r = await c.post(endpoint, json=body)
+        assert r.status == 400
+        err = (await r.json())["error"]
+        if n_in is None:
+            n_in = int(re.search(r"\((\d+) in the messages", err["message"]).group(1))
+            assert n_in >= 10  # at least the 40 characters' 10 tokens
+        assert err == {"message": f"This model's maximum context length is 131072 tokens. However, you requested "
+                                  f"{n_in + n_out} tokens ({n_in} in the messages, {n_out} in the completion). "
+                                  f"Please reduce the length of the messages or completion.",
+                       "type": "invalid_request_error", "code": 400}
+        stats = await (await c.get("/emulator/stats")).json()
+        assert stats["tokens_streamed"] == 0 and stats["in_flight"] == 0 and stats["error"] == 1
+    finally:
+        await c.close()
+
+
+async def test_max_model_len_is_configurable_and_its_limit_is_inclusive() -> None:
+    c = await _client(role="mixed", zero_delay=True, max_model_len=100)
+    try:
+        assert (await (await c.get("/v1/models")).json())["data"][0]["max_model_len"] == 100
+        ok = await c.post("/v1/completions", json={"prompt": [1] * 10, "max_tokens": 90})  # 10 + 90 = 100: fits
+        assert ok.status == 200 and (await ok.json())["usage"]["completion_tokens"] == 90
+        assert (await c.post("/v1/completions", json={"prompt": [1] * 10, "max_tokens": 91})).status == 400
+    finally:
+        await c.close()

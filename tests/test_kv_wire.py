@@ -95,6 +95,58 @@ def test_malformed_payloads_name_the_problem(payload, match):
         decode_batch(payload)
 
 
+def _stored_payload(encoding: str, n_hashes: int, n_tokens: int, block_size: int, kind: str | None = None) -> bytes:
+    hs, tokens = list(range(1, n_hashes + 1)), list(range(n_tokens))
+    if encoding == "map":
+        ev = {"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None, "token_ids": tokens,
+              "block_size": block_size}
+        if kind is not None:
+            ev |= {"group_idx": 1, "kv_cache_spec_kind": kind}
+        return msgpack.packb({"ts": 1.0, "events": [ev]})
+    ev = ["BlockStored", hs, None, tokens, block_size, None]
+    if kind is not None:
+        ev += ["GPU", None, None, 1, kind]
+    return msgpack.packb([1.0, [ev]])
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize("n_hashes, n_tokens, block_size", [
+    (2, 3, 16),    # the review's case: 2 blocks of 16 are 32 tokens, not 3
+    (2, 31, 16), (2, 33, 16), (2, 48, 16), (1, 0, 16), (0, 16, 16), (3, 2, 1), (1, 4, 2),
+])
+def test_block_stored_whose_tokens_are_not_its_blocks_is_malformed(encoding, n_hashes, n_tokens, block_size):
+    # vLLM: token_ids = all_token_ids[cached * block_size : full * block_size], one block_size per hash
+    with pytest.raises(KvWireError) as e:
+        decode_batch(_stored_payload(encoding, n_hashes, n_tokens, block_size))
+    assert str(e.value) == (f"event 0: BlockStored has {n_tokens} token_ids for {n_hashes} block hashes of block_size "
+                            f"{block_size} (expected len(block_hashes) * block_size = {n_hashes * block_size})")
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize("n_hashes, block_size", [(0, 16), (1, 16), (2, 16), (5, 1), (3, 7)])
+def test_block_stored_with_one_block_of_tokens_per_hash_decodes(encoding, n_hashes, block_size):
+    [ev] = decode_batch(_stored_payload(encoding, n_hashes, n_hashes * block_size, block_size)).events
+    assert len(ev.block_hashes) == n_hashes and len(ev.token_ids) == n_hashes * block_size
+
+
+@pytest.mark.parametrize("n_tokens, ok", [(48, True), (64, True), (32, True), (40, False), (16, False), (3, False)])
+def test_sliding_window_groups_may_span_skipped_null_blocks(n_tokens, ok):
+    # vLLM leaves a sliding-window / Mamba group's null blocks out of block_hashes while token_ids
+    # still spans them: whole blocks more are well formed there, fewer or a partial block are not
+    payload = _stored_payload("map", 2, n_tokens, 16, kind="sliding_window")
+    if ok:
+        [ev] = decode_batch(payload).events
+        tr = KvEventTranslator(16)
+        assert tr.translate(ev) == [] and tr.stats.skipped_group_events == 1
+    else:
+        with pytest.raises(KvWireError, match=f"has {n_tokens} token_ids for 2 block hashes of block_size 16 "
+                                              r"\(expected len\(block_hashes\) \* block_size = 32, or whole blocks "
+                                              r"more for a sliding_window group\)"):
+            decode_batch(payload)
+    with pytest.raises(KvWireError, match="= 32\\)$"):  # full attention: exactly one block per hash
+        decode_batch(_stored_payload("map", 2, 48, 16, kind="full_attention"))
+
+
 _LEAF = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
          | st.binary(max_size=8) | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type", "GPU"]))
 _EVENT = st.lists(_LEAF | st.lists(st.integers(-5, 2**33), max_size=40), max_size=12).map(
@@ -304,6 +356,27 @@ def test_subscriber_gap_is_answered_by_replay_and_duplicates_skipped(encoding, h
         s = sub.stats()[rep]
         assert s["gaps"] == 1 and s["gaps_unrecovered"] == 0 and s["last_seq"] == 2 and s["batches"] == 3
         assert 1 in eng.replay_requests
+    finally:
+        sub.stop()
+        eng.close()
+
+
+def test_subscriber_counts_a_block_stored_with_the_wrong_token_count_and_applies_nothing_of_it():
+    eng = FakeEngine("map", "int", block_size=16)
+    got = Collect()
+    rep = ReplicaId("http://w", 0)
+    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 16, got)
+    try:
+        sub.start()
+        _connect(sub, eng)
+        t = toks(64)
+        hs, bad = eng.stored(t[:32])
+        bad["token_ids"] = t[:3]  # 2 blocks of 16 with 3 token ids
+        eng.publish([bad])                           # seq 0: malformed, counted, dropped
+        eng.publish([eng.stored(t[:32])[1]])         # seq 1: the same blocks, well formed
+        assert got.wait(lambda items: _stored_hashes(items) == hash_token_blocks(t[:32], 16)), got.items
+        s = sub.stats()[rep]
+        assert s["decode_errors"] == 1 and len(got.items) == 1
     finally:
         sub.stop()
         eng.close()

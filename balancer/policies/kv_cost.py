@@ -36,8 +36,10 @@ class KvCost(Policy):
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.overlap_weight < 0 or self.temperature < 0:
-            raise ValueError("kv_cost: overlap_weight and temperature must be >= 0")
+        for name in ("overlap_weight", "temperature"):
+            v = getattr(self, name)
+            if v < 0:
+                raise ValueError(f"kv_cost: {name} must be >= 0, got {v!r}")
 
     def costs(self, request: Request, cands: Candidates) -> np.ndarray:
         """``cost_i`` as in the module docstring, shape ``(n,)``, float64, in blocks."""

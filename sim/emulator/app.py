@@ -6,6 +6,8 @@ Endpoints (the shapes of SGLang's and vLLM's OpenAI servers, trimmed to what rou
   JSON or SSE (``stream: true``), one SSE event per generated token, ``data: [DONE]`` at the end.
   Output length is exactly ``max_tokens`` / ``max_completion_tokens`` /
   ``sampling_params.max_new_tokens`` (as with ``ignore_eos``).
+* A request whose prompt + output limit exceeds ``max_model_len`` (reported by ``/v1/models``)
+  is answered HTTP 400 with an OpenAI-style JSON error before anything runs, as vLLM does.
 * ``GET /health``, ``/health_generate``, ``/v1/models``, ``/server_info`` (``/get_server_info``),
   ``/model_info`` (``/get_model_info``): what SGLang's router probes (ANCHORS.md).
 * ``POST /abort_request`` ``{"rid": ...}``: abort a request (SGLang); closing the connection
@@ -253,6 +255,12 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         text = prompt.text or ""
         prompt_tokens = max(1, math.ceil(len(text) / cfg.chars_per_token))
         hashes = tuple(text_chunk_hashes(text, max(1, round(cfg.block_size * cfg.chars_per_token))))
+    if prompt_tokens + out_tokens > cfg.max_model_len:  # as vLLM: 400 before anything runs
+        st.counts["error"] += 1
+        st.c_requests.labels("error").inc()
+        return _err(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+                         f"requested {prompt_tokens + out_tokens} tokens ({prompt_tokens} in the messages, "
+                         f"{out_tokens} in the completion). Please reduce the length of the messages or completion.")
     rid = str(body.get("rid") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
     stream = bool(body.get("stream"))
     kv_in = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
@@ -445,7 +453,7 @@ async def _models(request: web.Request) -> web.Response:
     cfg = request.app[STATE].cfg
     return web.json_response({"object": "list", "data": [
         {"id": cfg.served_model_name, "object": "model", "created": _now_s(), "owned_by": "pdlb-emulator",
-         "root": cfg.model, "max_model_len": 131072}]})
+         "root": cfg.model, "max_model_len": cfg.max_model_len}]})
 
 
 async def _server_info(request: web.Request) -> web.Response:

@@ -59,6 +59,9 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--engine-id", default=None, help="vLLM remote_engine_id (default: emulator-PORT)")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="TOKENS",
                    help="output tokens of a request that gives no max_tokens (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, metavar="TOKENS",
+                   help="most prompt + max_tokens per request; longer requests get HTTP 400, as in vLLM "
+                        "(default: %(default)s)")
     p.add_argument("--kv-transfer-bandwidth", type=float, default=d.kv_transfer_bandwidth_bytes_per_s,
                    metavar="BYTES_PER_S",
                    help="prefill -> decode KV transfer bandwidth in bytes/s (default: %(default)g)")
@@ -92,7 +95,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             gpus_per_rank=args.gpus_per_rank, block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
             max_decode_batch=args.max_decode_batch, kv_capacity_tokens=args.kv_capacity_tokens, speed=args.speed,
             zero_delay=args.zero_delay, served_model_name=args.served_model_name, engine_id=args.engine_id,
-            default_max_tokens=args.default_max_tokens, kv_transfer_bandwidth_bytes_per_s=args.kv_transfer_bandwidth,
+            default_max_tokens=args.default_max_tokens, max_model_len=args.max_model_len, kv_transfer_bandwidth_bytes_per_s=args.kv_transfer_bandwidth,
             kv_transfer_latency_s=args.kv_transfer_latency_s,
             faults={"error_rate": args.error_rate, "error_status": args.error_status, "hang": args.hang,
                     "hang_after_headers": args.hang_after_headers, "die_after_tokens": args.die_after_tokens,

@@ -52,6 +52,9 @@ class EmulatorConfig(BaseModel):
         bootstrap_timeout_s: how long an SGLang decode leg waits for its prefill leg.
         engine_id: id reported as vLLM ``remote_engine_id`` (default: derived from the port).
         default_max_tokens: output length when a request gives none.
+        max_model_len: most prompt + output tokens a request may ask for (reported by
+            ``/v1/models``); a request over it is answered HTTP 400, as vLLM and SGLang do
+            (default 131,072: Llama 3.1's context).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -75,6 +78,7 @@ class EmulatorConfig(BaseModel):
     bootstrap_timeout_s: float = Field(30.0, gt=0)
     engine_id: str | None = None
     default_max_tokens: int = Field(16, ge=1)
+    max_model_len: int = Field(131_072, ge=2, le=1 << 30)
     faults: FaultConfig = FaultConfig()
 
     @field_validator("model")
