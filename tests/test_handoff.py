@@ -69,6 +69,27 @@ async def test_a_process_whose_channel_ends_is_told_its_parent_is_gone():
     assert gone == [True]
 
 
+async def test_a_process_told_to_stop_is_not_told_its_parent_is_gone():
+    # Acceptor.close sends STOP before it closes: the process must not take the end of file that
+    # follows for its parent's death (it would remove the shared folders while its siblings drain)
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    ours, child = channel_pair()
+    acceptor = Acceptor(listener, [ours])
+    gone, stopped = [], []
+    adopt_connections(child, lambda: _Tag("p"), lambda: gone.append(True), lambda: stopped.append(True))
+    acceptor.close()
+    for _ in range(50):
+        if gone or stopped:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the end of file after STOP, if it were read, would add to gone
+    assert stopped == [True] and gone == []
+
+
 def _children(pid: int) -> list[int]:
     import os
 

@@ -325,20 +325,23 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     json_parser_errors(runner)
     stop_adopting = None
     stop = asyncio.Event()
-    parent_pid = os.getppid()
+    orphaned = False
 
-    def parent_gone() -> None:  # the hand-off channel closed: the parent stops pdlb serve, or died
-        if os.getppid() == parent_pid:  # alive: it closes the channels first, then sends SIGTERM
-            log.info("router process %d: pdlb serve is stopping; draining and exiting", process_index)
-        else:
-            log.error("router process %d: the pdlb serve parent is gone; draining and exiting", process_index)
+    def parent_stops() -> None:  # the parent said so on the hand-off channel, then sends SIGTERM
+        log.info("router process %d: pdlb serve is stopping; draining and exiting", process_index)
+        stop.set()
+
+    def parent_gone() -> None:  # the channel ended without that: the parent died
+        nonlocal orphaned
+        orphaned = True
+        log.error("router process %d: the pdlb serve parent is gone; draining and exiting", process_index)
         stop.set()
 
     if handoff is not None:
         from balancer.service.handoff import adopt_connections
 
         assert runner.server is not None
-        stop_adopting = adopt_connections(handoff, runner.server, parent_gone)
+        stop_adopting = adopt_connections(handoff, runner.server, parent_gone, parent_stops)
         port = cfg.port
     else:
         site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
@@ -364,9 +367,10 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     if stop_adopting is not None:
         stop_adopting()
     await runner.cleanup()  # stops listening, drains in-flight requests, closes
-    # orphaned (the parent died: its children are re-parented, checked after the drain, when a
-    # dying parent is surely gone): nobody else will remove the shared folders the parent made
-    if handoff is not None and os.getppid() != parent_pid:
+    # orphaned (the channel ended without the parent's STOP): nobody else will remove the shared
+    # folders the parent made. Not told by the parent pid: a dying parent's files close before
+    # its children are re-parented, so that check raced (the SIGKILL test failed on it)
+    if orphaned:
         for d in (shared_prefix_dir, os.environ.get("PROMETHEUS_MULTIPROC_DIR")):
             if d:
                 shutil.rmtree(d, ignore_errors=True)

@@ -92,6 +92,8 @@ class Acceptor:
             self.dead.discard(k)
 
     def close(self) -> None:
+        """Stop accepting; tell every process ``pdlb serve`` stops (a ``b"s"`` on its channel, so
+        it does not take the channel's end for its parent's death) and close the channels."""
         self._closed = True
         try:
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
@@ -100,16 +102,29 @@ class Acceptor:
         self.listener.close()
         self._thread.join(5)
         with self._lock:
-            for ch in self.channels:
+            for k, ch in enumerate(self.channels):
+                if k not in self.dead:
+                    try:
+                        ch.send(STOP)
+                    except OSError:  # that process exited, or its buffer is full: it sees the close
+                        pass
                 ch.close()
 
 
+#: The byte the parent sends before it closes a channel on purpose (a connection comes with b"c").
+STOP = b"s"
+
+
 def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asyncio.Protocol],
-                      on_parent_gone: Callable[[], None] | None = None) -> Callable[[], None]:
+                      on_parent_gone: Callable[[], None] | None = None,
+                      on_stop: Callable[[], None] | None = None) -> Callable[[], None]:
     """A router process's side: read handed-over sockets from ``channel`` in the running event
     loop and serve each with ``protocol_factory`` (the aiohttp server); returns the function that
-    stops (call before the runner's cleanup). ``on_parent_gone`` is called once if the channel
-    reaches end of file or fails (the parent died: no connection will come again)."""
+    stops (call before the runner's cleanup). ``on_stop`` is called once when the parent says
+    ``pdlb serve`` stops (:data:`STOP`, sent by :meth:`Acceptor.close`); ``on_parent_gone`` once
+    if the channel reaches end of file or fails without it (the parent died: no connection will
+    come again, and nobody else will clean up). A process cannot tell the two apart by its parent
+    pid: the kernel closes a dying parent's files before it re-parents its children."""
     loop = asyncio.get_running_loop()
     channel.setblocking(False)
     pending: set[asyncio.Task] = set()
@@ -126,16 +141,26 @@ def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asy
                 if on_parent_gone is not None:
                     on_parent_gone()
                 return
-            if not msg and not fds:  # the parent is gone
+            if STOP in msg:  # the parent stops pdlb serve (connections sent before it are served)
+                for fd in fds:
+                    _serve(fd)
+                stop()
+                if on_stop is not None:
+                    on_stop()
+                return
+            if not msg and not fds:  # end of file without STOP: the parent is gone
                 stop()
                 if on_parent_gone is not None:
                     on_parent_gone()
                 return
             for fd in fds:
-                sock = socket.socket(fileno=fd)
-                t = loop.create_task(loop.connect_accepted_socket(protocol_factory, sock))
-                pending.add(t)
-                t.add_done_callback(_done)
+                _serve(fd)
+
+    def _serve(fd: int) -> None:
+        sock = socket.socket(fileno=fd)
+        t = loop.create_task(loop.connect_accepted_socket(protocol_factory, sock))
+        pending.add(t)
+        t.add_done_callback(_done)
 
     def _done(t: asyncio.Task) -> None:
         pending.discard(t)
