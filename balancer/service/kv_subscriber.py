@@ -68,6 +68,10 @@ child looks at the request file this often; with events flowing, after every wri
 Deliver = Callable[[list[tuple[ReplicaId, KvEvent]]], object]
 
 
+#: ZMQ contexts of subscriber threads that did not stop: kept referenced, never finalised
+_UNSTOPPED: list = []
+
+
 @dataclass(frozen=True, slots=True)
 class KvEventSource:
     """One publisher: a DP rank's PUB endpoint (already offset) and, optionally, its replay ROUTER."""
@@ -174,7 +178,13 @@ class KvEventSubscriber:
         if self._thread is not None:
             self._thread.join(timeout_s)
         if self._own_ctx:
-            self._ctx.term() if self._thread is None or not self._thread.is_alive() else None
+            if self._thread is None or not self._thread.is_alive():
+                self._ctx.term()
+            else:  # its sockets are still open in that thread: term() (here or in the context's
+                # finaliser, wherever the garbage collector runs it) would block until they close
+                log.warning("KV event subscriber thread did not stop within %.1f s; its ZMQ context is left open",
+                            timeout_s)
+                _UNSTOPPED.append(self._ctx)
 
     def add_sources(self, sources: Sequence[KvEventSource]) -> None:
         """Subscribe to more publishers (a worker added at run time); thread-safe. Each is caught
