@@ -41,28 +41,26 @@ DEFAULT_INDEX_MODE = "approximate"
 
 
 # ---------------------------------------------------------------------- argparse type= checks
-def positive_int(text: str) -> int:
-    """An int >= 1 (request counts, engine counts)."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (request counts, engine counts)."""
+    return _int_at_least(text, 1)
 
 
 def seed_int(text: str) -> int:
     """An int >= 0 (``--seed``): numpy's and the trace spreading's seeds must be non-negative, and
     without this check a negative one surfaced as numpy's bare ``expected non-negative integer``,
     naming no flag."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def _float_checked(text: str, *, allow_zero: bool) -> float:

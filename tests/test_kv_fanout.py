@@ -33,6 +33,16 @@ from tests.kv_publisher import FakeEngine
 REP = ReplicaId("http://e", 3)
 
 
+
+async def _until(pred, timeout_s: float = 15.0) -> bool:  # noqa: ANN001
+    """Poll ``pred`` every 20 ms until it holds or ``timeout_s`` passes; its last value."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return pred()
+
 def test_record_bytes_match_the_format_table():
     ev = BlockStored((1, 2**64 - 1), "GPU", 7)
     body = (b"\x05\x00\x00\x00\x00\x00\x00\x00"  # seq 5
@@ -212,14 +222,6 @@ async def test_one_subscriber_feeds_two_routers_and_is_restarted_when_it_dies(tm
     t = list(range(64))
     want = tuple(hash_token_blocks(t, 16))
 
-    async def until(pred, timeout_s: float = 15.0) -> bool:  # noqa: ANN001
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if pred():
-                return True
-            await asyncio.sleep(0.02)
-        return pred()
-
     try:
         await loop.run_in_executor(None, owner.start_subscriber)
         owner.follower.start()
@@ -227,22 +229,22 @@ async def test_one_subscriber_feeds_two_routers_and_is_restarted_when_it_dies(tm
         other.follower.start()
         await asyncio.sleep(0.4)  # the SUB socket joins
         eng.publish([eng.stored(t)[1]])
-        assert await until(lambda: all(rt.index.match(want) == {REP: 4} for rt in routers))
-        assert await until(lambda: owner.stats().get(REP, {}).get("batches") == 1)
+        assert await _until(lambda: all(rt.index.match(want) == {REP: 4} for rt in routers))
+        assert await _until(lambda: owner.stats().get(REP, {}).get("batches") == 1)
         assert other.stats() == {}  # decoded in the owner's subscriber only
         assert owner.fanout_stats()["applied"] == other.fanout_stats()["applied"] == 1
         pid = owner.subscriber.pid
         os.kill(pid, signal.SIGKILL)
-        assert await until(lambda: owner.subscriber_restarts == 1 and owner.subscriber is not None
+        assert await _until(lambda: owner.subscriber_restarts == 1 and owner.subscriber is not None
                            and owner.subscriber.pid != pid and owner.subscriber_alive())
         # the new subscriber cleared the replica (2 media) and replayed the engine's buffer (seq 0)
-        assert await until(lambda: all(f.fanout_stats()["applied"] == 4 for f in (owner, other)))
+        assert await _until(lambda: all(f.fanout_stats()["applied"] == 4 for f in (owner, other)))
         assert all(rt.index.match(want) == {REP: 4} for rt in routers)
         await asyncio.sleep(0.4)
         t2 = list(range(1000, 1032))
         eng.publish([eng.stored(t2)[1]])
         want2 = tuple(hash_token_blocks(t2, 16))
-        assert await until(lambda: all(rt.index.match(want2) == {REP: 2} for rt in routers))
+        assert await _until(lambda: all(rt.index.match(want2) == {REP: 2} for rt in routers))
         assert other.fanout_stats()["lost_records"] == 0
     finally:
         await loop.run_in_executor(None, owner.stop)
@@ -348,7 +350,7 @@ async def test_a_worker_removed_and_added_again_does_not_inherit_its_predecessor
         for rep, ev in follower.poll()[0]:
             live.on_kv_event(rep, ev)
 
-    async def until(pred, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+    async def until_drained(pred, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             drain_live()
@@ -361,7 +363,7 @@ async def test_a_worker_removed_and_added_again_does_not_inherit_its_predecessor
         sub.start()
         await asyncio.sleep(0.3)  # the SUB socket joins
         old_eng.publish([old_eng.stored(a)[1]])
-        assert await until(lambda: live.index.match(want_a) == {REP: 4})
+        assert await until_drained(lambda: live.index.match(want_a) == {REP: 4})
         sub.remove_replicas([REP])
         live.remove_replica(REP)  # as the admin removal does in every process
         await asyncio.sleep(0.3)
@@ -369,7 +371,7 @@ async def test_a_worker_removed_and_added_again_does_not_inherit_its_predecessor
         sub.add_sources([KvEventSource(REP, new_eng.endpoint)])
         await asyncio.sleep(0.4)
         new_eng.publish([new_eng.stored(b)[1]])
-        assert await until(lambda: live.index.match(want_b) == {REP: 2})
+        assert await until_drained(lambda: live.index.match(want_b) == {REP: 2})
         assert live.index.match(want_a) == {}
         fresh = Router("cache_aware", "cache_aware", block_size=16, index_mode="events")
         fresh.add_replica(REP, "mixed")
@@ -547,14 +549,6 @@ async def test_a_router_process_that_starts_after_the_ring_wrapped_resyncs_from_
     prompts = [[10_000 * p + t for t in range(64)] for p in range(153)]
     hashes = [tuple(hash_token_blocks(p, 16)) for p in prompts]
 
-    async def until(pred, timeout_s: float = 15.0) -> bool:  # noqa: ANN001
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if pred():
-                return True
-            await asyncio.sleep(0.02)
-        return pred()
-
     try:
         await loop.run_in_executor(None, owner.start_subscriber)
         owner.follower.start()
@@ -565,10 +559,10 @@ async def test_a_router_process_that_starts_after_the_ring_wrapped_resyncs_from_
             await asyncio.sleep(0.005)  # process 0's follower keeps up (it polls every 5 ms)
         for p in prompts[150:]:
             eng.publish([eng.stored(p)[1]])
-        assert await until(lambda: all(routers[0].index.match(h) == {REP: 4} for h in hashes[150:]))
+        assert await _until(lambda: all(routers[0].index.match(h) == {REP: 4} for h in hashes[150:]))
         assert owner.follower.reader.next_seq >= 303 and owner.follower.reader.head_bytes() > 8192
         late.follower.start()
-        assert await until(lambda: all(routers[1].index.match(h) == {REP: 4} for h in hashes[150:]))
+        assert await _until(lambda: all(routers[1].index.match(h) == {REP: 4} for h in hashes[150:]))
         st = late.fanout_stats()
         assert st["laps"] == st["resyncs"] == 1 and st["snapshot_records"] == 2 + 3  # 2 clears, 3 stores
         assert all(routers[1].index.match(h) == {} for h in hashes[:150])
