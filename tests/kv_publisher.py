@@ -45,7 +45,9 @@ class FakeEngine:
         self.port = port or free_port()
         self.replay_port = replay_port or free_port()
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        # XPUB: a PUB socket (the same wire for subscribers) that also hands up each new
+        # subscription, so a test can wait for a subscriber instead of sleeping a fixed time
+        self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -54,6 +56,7 @@ class FakeEngine:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.seq = 0
         self.replay_requests: list[int] = []
+        self.replays_answered = 0  # replay requests answered in full (terminator sent)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
@@ -153,6 +156,26 @@ class FakeEngine:
             for s, p in items:
                 self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
             self.router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+            self.replays_answered += 1
+
+    def wait_subscribed(self, timeout_s: float = 10.0) -> None:
+        """Block until a subscriber's subscription has reached this publisher (PUB/SUB joins
+        asynchronously: what is published before that is lost to the subscriber); fails the
+        test after ``timeout_s``."""
+        if not self.pub.poll(int(timeout_s * 1000)):
+            raise AssertionError(f"no subscriber on {self.endpoint} within {timeout_s} s")
+        msg = self.pub.recv()
+        assert msg[:1] == b"\x01", msg  # 1 = subscribe, then the topic filter
+
+    def wait_replays_answered(self, n: int = 1, timeout_s: float = 10.0) -> None:
+        """Block until ``n`` replay requests have been answered in full (a subscriber asks for
+        replay from 0 when it connects; events published before that answer could reach it by
+        replay instead of live, hiding a gap a test means to make)."""
+        end = time.monotonic() + timeout_s
+        while self.replays_answered < n:
+            if time.monotonic() > end:
+                raise AssertionError(f"{self.replays_answered} of {n} replay requests answered within {timeout_s} s")
+            time.sleep(0.005)
 
     def close(self) -> None:
         self._stop.set()

@@ -331,8 +331,10 @@ def _stored_hashes(items, rep=None) -> list[int]:  # noqa: ANN001
 
 
 def _connect(sub: KvEventSubscriber, eng: FakeEngine) -> None:
-    """PUB/SUB joins asynchronously: publish nothing until the subscription is in place."""
-    time.sleep(0.3)
+    """PUB/SUB joins asynchronously: publish nothing until the subscription is in place and the
+    subscriber's replay-on-connect (from 0) has been answered."""
+    eng.wait_subscribed()
+    eng.wait_replays_answered(1)
 
 
 @pytest.mark.parametrize("encoding,hash_kind", ENCODINGS)
@@ -429,6 +431,7 @@ def test_subscriber_dp_ranks_on_port_plus_rank_and_staleness():
     try:
         sub.start()
         _connect(sub, base)
+        _connect(sub, r1)
         a, b = toks(32, 1), toks(32, 2)
         base.publish([base.stored(a)[1]])
         r1.publish([r1.stored(b)[1]])
