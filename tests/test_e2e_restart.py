@@ -80,7 +80,8 @@ async def test_killed_router_process_is_restarted_under_traffic():
             victim = before[1]["process"]["pid"]
 
             async def long_one(i: int) -> int | str:
-                body = {"model": "emu", "prompt": f"long {i} " * 30, "max_tokens": LONG_TOKENS}
+                # 560 characters: two text chunks, so each decision is shared through the rings
+                body = {"model": "emu", "prompt": f"long {i} " * 80, "max_tokens": LONG_TOKENS}
                 try:
                     async with s.post(router.url + "/v1/completions", json=body, headers={"Connection": "close"}) as r:
                         assert r.status == 200, await r.text()
@@ -120,6 +121,13 @@ async def test_killed_router_process_is_restarted_under_traffic():
             assert await _metric(s, router, r'pdlb_router_process_reaped_requests_total\{process="1"\}') == [4.0]
             # both processes' counters survive in the sums: 4 + 30 completions, the dead one's 2 included
             assert await _metric(s, router, r'pdlb_requests_total\{endpoint="/v1/completions",status="200"\}') == [34.0]
+            # the replacement read back the 4 decisions its predecessor routed (the long prompts,
+            # each at least one block) from its own ring; the counters are written at each
+            # process's gauge refresh (every second)
+            await asyncio.sleep(1.2)
+            shared = r'pdlb_shared_prefix_decisions_total\{kind="%s",process="%d"\}'
+            assert await _metric(s, router, shared % ("recovered", 1)) == [4.0]
+            assert await _metric(s, router, shared % ("recovered", 0)) == []
         assert router.stop() == 0
     finally:
         for p in procs:

@@ -552,7 +552,7 @@ async def test_a_router_process_that_starts_after_the_ring_wrapped_resyncs_from_
     try:
         await loop.run_in_executor(None, owner.start_subscriber)
         owner.follower.start()
-        await asyncio.sleep(0.4)  # the SUB socket joins
+        await loop.run_in_executor(None, eng.wait_subscribed)  # the SUB socket has joined
         for p in prompts[:150]:
             hs, ev = eng.stored(p)
             eng.publish([ev, eng.removed(hs)])
@@ -567,7 +567,37 @@ async def test_a_router_process_that_starts_after_the_ring_wrapped_resyncs_from_
         assert st["laps"] == st["resyncs"] == 1 and st["snapshot_records"] == 2 + 3  # 2 clears, 3 stores
         assert all(routers[1].index.match(h) == {} for h in hashes[:150])
         assert owner.fanout_stats()["laps"] == owner.fanout_stats()["snapshot_records"] == 0  # not for it: skipped
+        # the child's writer counters reach the owner (its stats come every 0.5 s): one snapshot
+        # written, the mirror holds the 3 kept prompts' 4 blocks each and never reached its bound
+        # (8192 / 64 = 128 blocks; at most 3 x 4 + 4 live at once)
+        assert await _until(lambda: owner.fanout_stats().get("snapshots_written") == 1)
+        w = owner.fanout_stats()
+        assert (w["mirror_blocks"], w["mirror_evicted"]) == (12, 0) and w["writer_records"] >= 303
     finally:
         await loop.run_in_executor(None, owner.stop)
         late.stop()
         eng.close()
+
+
+def test_ring_writer_stats_count_the_mirror_bound_and_reach_the_metrics(tmp_path):
+    """A writer whose resync mirror holds 3 blocks: HBM (10, 11, 12), host (13), then 14 under 12:
+    10 and 11 evicted (hand count, as test_view_mirror_... above); its counters go out as
+    pdlb_kv_events_fanout_mirror_* for the owner's process, not for processes without a writer."""
+    from prometheus_client.core import Metric
+
+    from balancer.service.kv_metrics import _fanout_families
+
+    w = RingWriter(fanout_ring_path(str(tmp_path)), 8192, mirror_capacity_blocks=3)
+    try:
+        w.write([(REP, BlockStored((10, 11, 12))), (REP, BlockStored((13,), "CPU", None)),
+                 (REP, BlockStored((14,), None, 12))])
+        st = w.stats()
+        assert st == {"writer_records": 3, "snapshots_written": 0, "mirror_blocks": 3, "mirror_evicted": 2}
+    finally:
+        w.close()
+    fams: list[Metric] = list(_fanout_families([("0", {"records": 3, **st}), ("1", {"records": 3})]))
+    by = {(s.name, s.labels["process"]): s.value for f in fams for s in f.samples}
+    assert by[("pdlb_kv_events_fanout_mirror_evicted_total", "0")] == 2
+    assert by[("pdlb_kv_events_fanout_mirror_blocks", "0")] == 3
+    assert by[("pdlb_kv_events_fanout_snapshots_written_total", "0")] == 0
+    assert ("pdlb_kv_events_fanout_mirror_blocks", "1") not in by

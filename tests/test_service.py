@@ -113,6 +113,9 @@ async def test_bad_inputs_are_openai_errors():
             assert "Traceback" not in body["error"]["message"]
         metrics = await (await s.get(c.url + "/metrics")).text()
         assert 'pdlb_requests_total{endpoint="/v1/completions",status="413"} 1.0' in metrics
+        # a known path with the wrong method keeps its name; an unknown path is one label (bounded)
+        assert 'pdlb_requests_total{endpoint="/v1/completions",status="405"} 1.0' in metrics
+        assert 'pdlb_requests_total{endpoint="unmatched",status="404"} 1.0' in metrics
         # the engines never saw any of them
         assert sum(len(x) for x in await _logs(s, c.engines)) == 0
 

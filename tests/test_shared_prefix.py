@@ -78,3 +78,80 @@ def test_the_same_decision_from_every_process_is_one_insert(tmp_path):
     assert shares[0].drain() == 2 and calls == [150.0, 152.0, 151.0]  # rings read in process order
     for sh in shares:
         asyncio.run(sh.close())
+
+
+def _collecting(r: Router) -> list[tuple]:
+    got: list[tuple] = []
+    r.record_routed = lambda reps, hs, now_s: got.append((tuple(reps), tuple(hs), now_s))  # type: ignore[method-assign]
+    return got
+
+
+async def _started(share: PrefixShare) -> PrefixShare:
+    share.start()
+    return share
+
+
+def test_a_replacement_process_reads_its_predecessors_decisions_back(tmp_path):
+    """Process 1 routes 40 decisions and dies (its ring file stays); its replacement (same index)
+    starts with those 40 in its index (reference: a router fed them one by one through
+    record_routed, as the other processes' drains record them) and writes on after them."""
+    rng = random.Random(11)
+    dead = PrefixShare(_router(None), str(tmp_path), 2, 1)
+    written = []
+    for i in range(40):
+        reps, hs = (rng.choice(REPS),), tuple(1000 * i + k for k in range(rng.randrange(1, 4)))
+        dead.publish(reps, hs, float(i))
+        written.append((reps, hs, float(i)))
+    head_before = dead._head
+    asyncio.run(dead.close())  # what a SIGKILL leaves: the file and its bytes
+
+    new_r, reference = _router(None), _router(None)
+    for reps, hs, now_s in written:
+        reference.record_routed(reps, hs, now_s)
+
+    async def main():
+        share = await _started(PrefixShare(new_r, str(tmp_path), 2, 1))
+        assert share.recovered == 40
+        assert _state(new_r) == _state(reference)
+        share.publish((REPS[0],), (7,), 41.0)  # goes on after the predecessor's records
+        assert share._head > head_before
+        await share.close()
+
+    asyncio.run(main())
+    # a reader joining now sees the predecessor's 40 and the replacement's one, in order
+    sibling_r = _router(None)
+    got = _collecting(sibling_r)
+    sib = PrefixShare(sibling_r, str(tmp_path), 2, 0)
+    assert sib.drain() == 41
+    assert [g[1] for g in got] == [w[1] for w in written] + [(7,)]
+    asyncio.run(sib.close())
+
+
+def test_a_late_reader_of_a_wrapped_ring_reads_a_suffix_of_at_least_half_of_it(tmp_path):
+    """A 4 KiB ring written far past its capacity: a reader that opens it late gets exactly the
+    most recent decisions (a suffix of what was written, none torn, none repeated) spanning at
+    least half the ring and at most all of it (the property the mark gives, checked against the
+    writer's own record sizes), where before it got nothing until the next write."""
+    cap = 4096
+    for seed in range(20):
+        rng = random.Random(seed)
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        w = PrefixShare(_router(None), str(d), 2, 1, ring_bytes=cap)
+        starts, written = [], []
+        for i in range(rng.randrange(200, 600)):
+            hs = tuple(10_000 * i + k for k in range(rng.randrange(1, 30)))  # distinct: nothing folds
+            starts.append(w._head)
+            w.publish((REPS[i % len(REPS)],), hs, float(i))
+            written.append(hs)
+        assert w._head > cap  # wrapped
+        reader_r = _router(None)
+        got = _collecting(reader_r)
+        late = PrefixShare(reader_r, str(d), 2, 0, ring_bytes=cap)
+        n = late.drain()
+        assert n == len(got) > 0
+        assert [g[1] for g in got] == written[-n:]
+        span = w._head - starts[-n]
+        assert cap // 2 <= span <= cap, (seed, span)
+        for sh in (w, late):
+            asyncio.run(sh.close())

@@ -216,7 +216,12 @@ SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
 @web.middleware
 async def _errors_and_metrics(request: web.Request, handler):  # noqa: ANN001, ANN202
     route = request.match_info.route.resource
-    return await _observed(request.app[SERVICE], request, route.canonical if route is not None else "unmatched", handler)
+    if route is not None:
+        endpoint = route.canonical
+    else:  # no route: a known path with another method (405) keeps its name; anything else is one label
+        endpoint = request.path if any(r.canonical == request.path for r in request.app.router.resources()) \
+            else "unmatched"
+    return await _observed(request.app[SERVICE], request, endpoint, handler)
 
 
 async def _observed(svc: Service, request: web.Request, endpoint: str, handler, *args):  # noqa: ANN001, ANN002, ANN202
@@ -679,6 +684,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
 
             share = PrefixShare(svc.router, shared_prefix_dir, svc.processes, process_index)
             share.start()
+            svc.metrics.prefix_share, svc.metrics.process_index = share, process_index
         if control is not None:
             from balancer.service.shared_admin import AdminChannel
 
@@ -688,6 +694,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         if svc.admin is not None:
             await svc.admin.close()
         if share is not None:
+            svc.metrics.prefix_share = None
             await share.close()
         for t in loops:
             t.cancel()

@@ -500,6 +500,13 @@ class RingWriter:
                 n += self._serve()
             return n
 
+    def stats(self) -> dict[str, int]:
+        """The writer's counters: records written, resync snapshots written, the mirror's
+        blocks and the blocks its bound evicted (a reader resynced after that misses them)."""
+        with self._lock:
+            return {"writer_records": self.records, "snapshots_written": self.snapshots,
+                    "mirror_blocks": self.mirror.blocks, "mirror_evicted": self.mirror.evicted}
+
     def serve_resyncs(self) -> int:
         """Write a snapshot of :attr:`mirror` for each router process that asked for a resync
         since it was last answered (its slot in the request file changed); returns the records
@@ -973,10 +980,16 @@ class KvFanout:
         return self.subscriber.stats()
 
     def fanout_stats(self) -> dict[str, int]:
-        """This process's follower counters (and, owner, the subscriber restarts)."""
+        """This process's follower counters (and, owner, the subscriber restarts and the ring
+        writer's counters, :meth:`RingWriter.stats`)."""
         out = self.follower.stats()
         if self.owner:
             out["subscriber_restarts"] = self.subscriber_restarts
+            sub = self.subscriber
+            writer = getattr(sub, "ring_writer", None)  # the subscriber in a thread of this process
+            w = writer.stats() if writer is not None else getattr(sub, "writer_stats", None)  # or its child's
+            if w:
+                out.update(w)
         return out
 
     @property

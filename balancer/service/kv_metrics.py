@@ -101,7 +101,9 @@ class KvEventsFilesCollector:
     stale, ...) count each batch once and carry ``process="0"``, the process that runs it; every
     process exports ``pdlb_kv_events_fanout_*{process}``: pdlb events applied to its own index,
     ring records read, lost (lapped) and corrupt, laps, resync snapshots asked for and their
-    records applied, its lag in bytes (and process 0 its subscriber's restarts). Reads the files of :func:`write_stats_file` (each process rewrites its own every
+    records applied, its lag in bytes (and process 0 its subscriber's restarts and its ring
+    writer's resync mirror: ``pdlb_kv_events_fanout_mirror_blocks``,
+    ``..._mirror_evicted_total``, ``..._snapshots_written_total``). Reads the files of :func:`write_stats_file` (each process rewrites its own every
     second, and the answering process just before the scrape)."""
 
     def __init__(self, directory: str) -> None:
@@ -146,7 +148,14 @@ def _fanout_families(fanouts: list[tuple[str, dict]]):  # noqa: ANN202
     restarts = CounterMetricFamily("pdlb_kv_events_fanout_subscriber_restarts",
                                    "Times the one KV event subscriber died and was started again",
                                    labels=["process"])
-    any_restarts = False
+    evicted = CounterMetricFamily("pdlb_kv_events_fanout_mirror_evicted",
+                                  "Blocks the ring writer's resync mirror dropped at its bound (a reader "
+                                  "resynced afterwards misses them)", labels=["process"])
+    mirror = GaugeMetricFamily("pdlb_kv_events_fanout_mirror_blocks",
+                               "Blocks held by the ring writer's resync mirror", labels=["process"])
+    snapshots = CounterMetricFamily("pdlb_kv_events_fanout_snapshots_written",
+                                    "Resync snapshots the ring writer wrote", labels=["process"])
+    any_restarts = any_writer = False
     for index, d in fanouts:
         for k, fam in fams.items():
             fam.add_metric([index], float(d.get(k, 0)))
@@ -154,7 +163,14 @@ def _fanout_families(fanouts: list[tuple[str, dict]]):  # noqa: ANN202
         if "subscriber_restarts" in d:
             restarts.add_metric([index], float(d["subscriber_restarts"]))
             any_restarts = True
+        if "mirror_blocks" in d:
+            evicted.add_metric([index], float(d.get("mirror_evicted", 0)))
+            mirror.add_metric([index], float(d["mirror_blocks"]))
+            snapshots.add_metric([index], float(d.get("snapshots_written", 0)))
+            any_writer = True
     yield from fams.values()
     yield lag
     if any_restarts:
         yield restarts
+    if any_writer:
+        yield from (evicted, mirror, snapshots)

@@ -472,6 +472,9 @@ class KvEventSubscriberProcess:
                       stats_interval_s, ring_path, ring_bytes)
         self._deliver = deliver
         self._stats: dict[ReplicaId, dict[str, float | int | bool]] = {}
+        #: with ``ring_path``: the child's ring writer counters (:meth:`RingWriter.stats`), at most
+        #: ``stats_interval_s`` old; ``None`` until the first report
+        self.writer_stats: dict[str, int] | None = None
         self._proc: Any = None  # multiprocessing's SpawnProcess
         self._conn: Any = None  # its Connection
         self._reader: threading.Thread | None = None
@@ -517,6 +520,8 @@ class KvEventSubscriberProcess:
                     log.exception("KV events: delivery failed")
             elif kind == "stats":
                 self._stats = payload
+            elif kind == "writer":
+                self.writer_stats = payload
             elif kind == "ready":
                 self._ready.set()
             elif kind == "error":
@@ -611,6 +616,8 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
                 continue
             next_stats = time.monotonic() + stats_interval_s
             send("stats", sub.stats())
+            if writer is not None:
+                send("writer", writer.stats())
             if sub.error is not None:
                 send("error", f"{type(sub.error).__name__}: {sub.error}")
                 break

@@ -21,7 +21,13 @@ engine batch is decoded once), and each process's fan-out reader
 (:mod:`balancer.service.kv_fanout`) as ``pdlb_kv_events_fanout_{applied,apply_errors,records,
 lost_records,lost_bytes,corrupt_records,laps,resyncs,snapshot_records}_total{process}`` and the
 gauge ``pdlb_kv_events_fanout_lag_bytes{process}`` (ring bytes written, not yet applied there),
-plus ``pdlb_kv_events_fanout_subscriber_restarts_total{process="0"}``. The parent's restarts of
+plus ``pdlb_kv_events_fanout_subscriber_restarts_total{process="0"}`` (and process 0's ring
+writer: ``pdlb_kv_events_fanout_mirror_{blocks,evicted_total}``,
+``pdlb_kv_events_fanout_snapshots_written_total``). In approximate mode the processes' shared
+decision rings (:mod:`balancer.service.shared_prefix`) are counted as
+``pdlb_shared_prefix_decisions_total{process,kind}`` (``written``, ``read``, ``folded``,
+``dropped``, ``recovered``: a replacement's predecessor's, read back) and
+``pdlb_shared_prefix_lost_bytes_total{process}``. The parent's restarts of
 dead router processes are counted by the replacements:
 ``pdlb_router_process_restarts_total{process}`` and ``pdlb_router_process_reaped_requests_total{process}``
 (:mod:`balancer.service.supervise`).
@@ -111,6 +117,19 @@ class ServiceMetrics:
                                            ["worker", "state"], registry=r)
         self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r,
                              multiprocess_mode="livemin")
+        self.shared_prefix = Counter("pdlb_shared_prefix_decisions",
+                                     "Approximate mode, several processes: routing decisions shared through the "
+                                     "processes' rings, by process and kind (written, read, folded, dropped, "
+                                     "recovered)", ["process", "kind"], registry=r)
+        self.shared_prefix_lost = Counter("pdlb_shared_prefix_lost_bytes",
+                                          "Approximate mode, several processes: ring bytes a reader skipped "
+                                          "because the writer lapped it", ["process"], registry=r)
+        #: several processes, approximate mode: this process's ring side
+        #: (:class:`balancer.service.shared_prefix.PrefixShare`) and its process number, counted
+        #: at each gauge refresh
+        self.prefix_share: Any = None
+        self.process_index = 0
+        self._share_seen: dict[str, int] = {}
         self._scrape_registry = r
         #: the URLs registered now (multiprocess scrapes leave out other workers' gauges)
         self.live_workers: Callable[[], Collection[str]] | None = None
@@ -186,6 +205,8 @@ class ServiceMetrics:
             self.worker_prefill_tokens.clear()
             self.breaker.clear()
             self.healthy.clear()
+        if self.prefix_share is not None:
+            self._count_share(self.prefix_share)
         load = router.load
         shared = load.peer if self.multiprocess else None
         if shared is not None:
@@ -203,6 +224,20 @@ class ServiceMetrics:
                 labels = (w.url, str(rep.dp_rank), w.cfg.role)
                 self.worker_load.labels(*labels).set(requests)
                 self.worker_prefill_tokens.labels(*labels).set(prefill)
+
+    def _count_share(self, share: Any) -> None:
+        """Add what the shared prefix ring's counters gained since the last call."""
+        seen, process = self._share_seen, str(self.process_index)
+        now = {"written": share.sent, "read": share.received, "folded": share.folded, "dropped": share.dropped,
+               "recovered": share.recovered, "lost_bytes": share.lost_bytes}
+        for kind, value in now.items():
+            step = value - seen.get(kind, 0)
+            if step > 0:
+                if kind == "lost_bytes":
+                    self.shared_prefix_lost.labels(process).inc(step)
+                else:
+                    self.shared_prefix.labels(process, kind).inc(step)
+            seen[kind] = value
 
     def render(self, router: Router, pool: WorkerPool) -> bytes:
         """Refresh this process's per-worker gauges and return the exposition text (all processes'

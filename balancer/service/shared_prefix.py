@@ -17,7 +17,10 @@ shared; one process's whole cost was 350-370 us).
 Ring layout: bytes 0-7 the total bytes ever written (``head``, only grows; native byte order,
 stored and loaded as one aligned 8-byte word through a ``memoryview`` cast, never byte by byte,
 the writer's store made after the record's bytes), bytes 8-15 the data capacity ``C``
-(little-endian), then ``C`` data bytes; a record is a 4-byte length ``n``, the decision's time
+(little-endian), bytes 16-39 three ``marks`` (same kind of words: record starts the writer
+takes as checkpoints whenever ``head`` has moved ``C / 4`` past the newest, shifting the oldest
+out, each store made before that record's bytes; the oldest mark is then ``C / 2`` to about
+``3C / 4`` behind ``head``), then ``C`` data bytes; a record is a 4-byte length ``n``, the decision's time
 (``now_s``, 8-byte little-endian double) and ``n - 8`` bytes of msgpack
 (``[[[engine, dp_rank], ...], [block_hash, ...]]``), written at ``head mod C`` and wrapping
 around. A reader keeps its own position in each ring; it copies the bytes between its position
@@ -36,6 +39,13 @@ and the order of last touches, are the same; tests/test_shared_prefix.py checks 
 one-by-one application). A hot prompt routed by every process costs each of them one insert
 per drain instead of one per decision. Decoded decisions are kept (up to
 :data:`DECODED_CACHE_ENTRIES`) so that a repeated one is not decoded again.
+
+Joining late: a reader that opens a ring reads it from its start, or, once the ring has wrapped
+(``head > C``, so its start is overwritten and record boundaries are unknown), from its oldest
+mark: the last half ring or more of that process's decisions. A replacement process (``pdlb serve``
+restarts a dead one with the same index) first records its predecessor's decisions from its own
+ring the same way (:attr:`PrefixShare.recovered`), then goes on writing where the predecessor
+stopped, so the view it routes with is the dead process's as well as the others'.
 
 Delivery is best effort: an approximate index is a guess anyway; a lost decision costs a missed
 prefix hit, never a wrong route.
@@ -64,7 +74,7 @@ RING_BYTES = 16 * 1024 * 1024
 prompt at 64-token blocks (only the pages written are ever allocated)."""
 DRAIN_INTERVAL_S = 0.02
 """Longest an idle process leaves the others' new decisions unread."""
-_HEADER = 16
+_HEADER = 40
 _U64 = struct.Struct("<Q")
 _REC = struct.Struct("<Id")  # record length (time + msgpack), decision time
 DECODED_CACHE_ENTRIES = 4096
@@ -85,7 +95,7 @@ def _open_ring(path: str, create: bool, capacity: int) -> mmap.mmap | None:
         return None
     try:
         if create:
-            os.ftruncate(fd, _HEADER + capacity)  # sparse zeros: head 0
+            os.ftruncate(fd, _HEADER + capacity)  # sparse zeros: head 0, mark 0
             mm = mmap.mmap(fd, _HEADER + capacity)
             mm[8:16] = _U64.pack(capacity)
             return mm
@@ -109,9 +119,28 @@ class _Reader:
     def __init__(self, path: str) -> None:
         self.path = path
         self.mm: mmap.mmap | None = None
-        self.head: memoryview | None = None  # the ring's head word
+        self.head: memoryview | None = None  # the ring's head, capacity and mark words
         self.pos = 0
         self.cap = 0
+
+    def open(self) -> bool:
+        """Map the ring if it is there (False if not yet) and start at its oldest readable
+        record: the start while it has not wrapped, else its mark (see the module docstring)."""
+        mm = _open_ring(self.path, False, 0)
+        if mm is None:
+            return False
+        self.mm, self.cap = mm, len(mm) - _HEADER
+        self.head = memoryview(mm)[0:_HEADER].cast("Q")
+        head, oldest_mark = self.head[0], self.head[2]
+        self.pos = 0 if head <= self.cap else oldest_mark
+        return True
+
+    def close(self) -> None:
+        if self.mm is not None:
+            assert self.head is not None
+            self.head.release()
+            self.mm.close()
+            self.mm = self.head = None
 
 
 class PrefixShare:
@@ -135,9 +164,12 @@ class PrefixShare:
         mm = _open_ring(ring_path(directory, index), True, ring_bytes)
         assert mm is not None
         self._mm = mm
-        self._head_word = memoryview(mm)[0:8].cast("Q")
+        self._head_word = memoryview(mm)[0:_HEADER].cast("Q")  # head, capacity, 3 marks
         self._head = self._head_word[0]  # a replacement process continues its predecessor's ring
+        self._newest_mark = self._head_word[4]
         self._readers = [_Reader(ring_path(directory, k)) for k in range(processes) if k != index]
+        # a replacement first reads what its predecessor wrote (see the module docstring)
+        self._own: _Reader | None = _Reader(ring_path(directory, index)) if self._head else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_soon = False
         self._timer: asyncio.TimerHandle | None = None
@@ -148,6 +180,7 @@ class PrefixShare:
         self._decoded: dict[bytes, tuple[list[ReplicaId], tuple[int, ...]]] = {}
         self.dropped = 0  # decisions not written (larger than the ring)
         self.lost_bytes = 0  # ring bytes a slow reader skipped (overwritten before it read them)
+        self.recovered = 0  # decisions of this process's predecessor read back from its ring at start
         router.on_routed = self.publish
 
     def publish(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
@@ -161,6 +194,11 @@ class PrefixShare:
             self.dropped += 1
             return
         head = self._head
+        if head - self._newest_mark >= self._cap >> 2:  # this record's start becomes a mark
+            words = self._head_word
+            words[2] = words[3]  # oldest first: a reader sees each mark move forward only
+            words[3] = words[4]
+            words[4] = self._newest_mark = head
         self._write(head % self._cap, _REC.pack(8 + len(rec), now_s) + rec)
         head += n
         self._head_word[0] = head  # after the record: a reader never sees a head past unwritten bytes
@@ -186,12 +224,8 @@ class PrefixShare:
         pending: dict[bytes, float] = {}  # msgpack -> latest time, in the order of last occurrence
         got = 0
         for rd in self._readers:
-            if rd.mm is None:
-                rd.mm = _open_ring(rd.path, False, 0)
-                if rd.mm is None:
-                    continue
-                rd.cap = len(rd.mm) - _HEADER
-                rd.head = memoryview(rd.mm)[0:8].cast("Q")
+            if rd.mm is None and not rd.open():
+                continue
             got += self._drain_one(rd, pending)
         if pending:
             self._apply(pending)
@@ -249,6 +283,13 @@ class PrefixShare:
     def start(self) -> None:
         """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, and after each routing pass)."""
         self._loop = asyncio.get_running_loop()
+        if self._own is not None:  # the predecessor's decisions, before anything new is routed
+            rd, self._own = self._own, None
+            if rd.open():
+                pending: dict[bytes, float] = {}
+                self.recovered = self._drain_one(rd, pending)
+                self._apply(pending)
+                rd.close()
         self._tick()
 
     def _tick(self) -> None:
@@ -264,10 +305,6 @@ class PrefixShare:
             self._timer = None
         self._loop = None
         for rd in self._readers:
-            if rd.mm is not None:
-                assert rd.head is not None
-                rd.head.release()
-                rd.mm.close()
-                rd.mm = rd.head = None
+            rd.close()
         self._head_word.release()
         self._mm.close()
