@@ -302,3 +302,53 @@ async def _workers_of(s: aiohttp.ClientSession, router: Proc, index: int) -> lis
         if body["process"]["index"] == index:
             return sorted(w["url"] for w in body["workers"])
     raise AssertionError(f"process {index} did not answer /workers")
+
+
+async def test_a_second_death_is_handled_while_a_replacement_starts():
+    """Process 1 is killed; once the parent has announced its restart and started the
+    replacement (which takes about a second to import and listen), process 0 is killed too. The
+    parent notices that second death while the replacement is still starting (it polls the
+    starting replacement in its supervision pass instead of waiting for it): process 0's death
+    is reported before process 1's restart completes, and both come back. Before, the parent
+    waited up to 60 s for one replacement, blind to the others."""
+    import threading
+
+    engines = spawn_engines([("mixed", *FAST)])
+    procs = list(engines)
+    try:
+        router = spawn_router("none", [], [], "--processes", "2", mixed=engines)
+        procs.append(router)
+        lines: list[tuple[float, str]] = []
+        assert router.popen.stdout is not None
+
+        def read() -> None:
+            for raw in router.popen.stdout:
+                lines.append((time.monotonic(), raw.decode(errors="replace").rstrip()))
+
+        threading.Thread(target=read, daemon=True).start()
+
+        def first(pattern: str) -> float | None:
+            return next((t for t, line in lines if re.search(pattern, line)), None)
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            before = await _health_by_index(s, router, 2)
+            os.kill(before[1]["process"]["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while first(r"router process 1 .*restarting it in") is None:
+                assert time.monotonic() < deadline, lines
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.35)  # past the 0.1 s backoff and the next 0.2 s pass: spawned
+            if first(r"router process 1 restarted") is not None:
+                pytest.skip("the replacement was ready within 0.35 s: no start-up to overlap with")
+            killed_0 = time.monotonic()
+            os.kill(before[0]["process"]["pid"], signal.SIGKILL)
+            after = await _wait_restarted(s, router, 0, before[0]["process"]["pid"], 2)
+            assert after[1]["process"]["pid"] != before[1]["process"]["pid"]
+            noticed_0, restarted_1 = first(r"router process 0 .*was killed by SIGKILL"), first(r"router process 1 restarted")
+            assert noticed_0 is not None and restarted_1 is not None, lines
+            assert noticed_0 < restarted_1, lines
+            assert noticed_0 - killed_0 < 1.0, lines  # one or two 0.2 s passes, not a start-up
+        assert router.stop() == 0
+    finally:
+        for p in procs:
+            p.stop()

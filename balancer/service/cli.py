@@ -22,6 +22,7 @@ import errno
 import gc
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -512,6 +513,10 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
     acceptor = None
     channels: list[socket.socket] = []
     generation = [0] * n_processes
+    # replacements started and not yet ready: index -> (their pipe, their channel, deadline);
+    # polled each pass, so that a replacement's start-up never holds up the supervision of the
+    # others (their deaths, admin changes)
+    starting: dict[int, tuple[multiprocessing.connection.Connection, socket.socket, float]] = {}
 
     def spawn(i: int, pcfg: ServiceConfig, cols: dict[str, list[int]] | None, restart: tuple[bool, int]):  # noqa: ANN202
         mine, theirs = ctx.Pipe(duplex=True)  # ready / error, then admin changes both ways
@@ -524,18 +529,26 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
         child_end.close()
         return p, mine, ours
 
-    def wait_ready(i: int, p, recv, deadline: float) -> tuple[str, object] | None:  # noqa: ANN001
+    def poll_ready(p, recv, deadline: float, wait_s: float) -> tuple[str, object] | None:  # noqa: ANN001
+        """("ready", port) / ("error", message) once ``p`` has answered or failed; None while it is
+        still starting (after waiting up to ``wait_s`` for its answer)."""
+        if recv.poll(wait_s):
+            try:
+                return recv.recv()
+            except (EOFError, OSError):
+                return ("error", exit_before_ready(p))
+        if not p.is_alive():
+            return ("error", f"{describe_exit(p.exitcode)} before listening")
+        if time.monotonic() > deadline:
+            return ("error", f"not ready within {READY_TIMEOUT_S:g} s")
+        return None
+
+    def wait_ready(p, recv) -> tuple[str, object] | None:  # noqa: ANN001
         """("ready", port) / ("error", message), or None on a stop signal."""
         while not stop["signal"]:
-            if recv.poll(0.2):
-                try:
-                    return recv.recv()
-                except (EOFError, OSError):
-                    return ("error", exit_before_ready(p))
-            if not p.is_alive():
-                return ("error", f"{describe_exit(p.exitcode)} before listening")
-            if time.monotonic() > deadline:
-                return ("error", f"not ready within {READY_TIMEOUT_S:g} s")
+            msg = poll_ready(p, recv, float("inf"), 0.2)
+            if msg is not None:
+                return msg
         return None
 
     try:
@@ -546,7 +559,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
             pipes.append(mine)
             channels.append(ours)
         for i, (p, recv) in enumerate(zip(procs, pipes)):
-            msg = wait_ready(i, p, recv, float("inf"))
+            msg = wait_ready(p, recv)
             if msg is None:
                 return 0
             if msg[0] != "ready":
@@ -560,7 +573,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
         while not stop["signal"] and code == 0:
             now = time.monotonic()
             for i, p in enumerate(procs):
-                if i in due or p.is_alive():
+                if i in due or i in starting or p.is_alive():
                     continue
                 acceptor.retire(i)
                 prom_multiprocess.mark_process_dead(p.pid, metrics_dir)  # its live gauges leave the sums
@@ -587,11 +600,13 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
                     "seed": cfg.seed + generation[i] * n_processes})
                 p, mine, ours = spawn(i, pcfg, dict(admin.columns), (True, reaped))
                 procs[i] = p
-                msg = wait_ready(i, p, mine, time.monotonic() + READY_TIMEOUT_S)
+                starting[i] = (mine, ours, time.monotonic() + READY_TIMEOUT_S)
+            for i, (mine, ours, deadline) in sorted(starting.items()):
+                p = procs[i]
+                msg = poll_ready(p, mine, deadline, 0)
                 if msg is None:
-                    mine.close()
-                    ours.close()
-                    break
+                    continue
+                del starting[i]
                 if msg[0] != "ready":
                     print(f"warning: replacement of router process {i} (pid {p.pid}) failed: {msg[1]}",
                           file=sys.stderr, flush=True)
@@ -610,6 +625,9 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
                 admin.poll(CHECK_INTERVAL_S)  # admin changes; otherwise sleeps
         return code
     finally:
+        for mine, ours, _ in starting.values():
+            mine.close()
+            ours.close()
         if acceptor is not None:
             acceptor.close()  # stops taking connections, closes the listener and the channels
         reservation.close()

@@ -15,9 +15,10 @@ starts a replacement with the same process index, which takes the dead one's pla
   ``pdlb_router_process_restarts_total{process}``;
 * **workers**: the replacement starts with the worker set every process has now (admin changes
   included, :class:`TrackingCoordinator`) and the same shared-load columns;
-* **prefix views**: approximate mode, it reads the others' decision rings from their start if
-  they have not wrapped (a wrapped one from its head) and continues its own ring where the dead
-  one stopped (what the dead one routed itself is missed); events mode,
+* **prefix views**: approximate mode, it first records what the dead one routed, read back from
+  its own decision ring, then reads the others' rings (each from its start if it has not
+  wrapped, else from its oldest checkpoint: the last half ring or more) and continues its own
+  ring where the dead one stopped (:mod:`balancer.service.shared_prefix`); events mode,
   it reads the KV fan-out ring from its start, and, if the ring has wrapped since, asks the
   subscriber for a snapshot (:mod:`balancer.service.kv_fanout`, "Resync"); process 0's
   replacement also restarts the KV-event subscriber (the dead one's subscriber child exits when
