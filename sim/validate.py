@@ -505,7 +505,7 @@ class Result:
 
 
 def summary_line(held: list[Result]) -> str:
-    """``"9 of 15 held-out figures within +-15% (5 blocked by an unpublished fact, 1 fail)"``: a
+    """``"9 of 15 held-out figures within +-15% (6 blocked by an unpublished fact, 0 fail)"``: a
     blocked figure is a miss, counted apart from the model's fails, never as a pass."""
     n_pass = sum(r.verdict == "pass" for r in held)
     n_blocked = sum(r.verdict == "blocked" for r in held)
