@@ -705,7 +705,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     then the engine-count flags, then ``--exact``.
 
     Raises:
-        ValueError: unknown scenario, a bad override, an engine flag for a pool the scenario lacks.
+        ValueError: unknown scenario, a bad override, an engine flag for a pool the scenario lacks,
+            a model that is neither a preset nor a readable, supported config.json.
     """
     sc = load_scenario(args.scenario)
     sc = apply_overrides(sc, getattr(args, "overrides", None) or [])
@@ -718,6 +719,12 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                        mixed_engines=args.mixed_engines)
     if args.exact:
         sc = sc.model_copy(update={"fast_forward": False})
+    from sim.models import get_model
+
+    try:  # an unknown preset or a bad config.json is reported before any header or progress bar
+        get_model(sc.model)
+    except FileNotFoundError as e:
+        raise ValueError(f"model {sc.model!r}: {e.strerror}: {e.filename}" if e.strerror else str(e)) from None
     return sc
 
 

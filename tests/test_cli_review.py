@@ -192,3 +192,21 @@ def test_capacity_adds_no_burst_note_to_a_sustained_answer(tmp_path, capsys: pyt
                                         "round_robin", "--rate-min", "0.5", "--rate-max", "2"], tmp_path / "steady", capsys)
     assert doc["results"][0]["status"] == "above_bounds" and doc["results"][0]["rate_scale"] == 2 and notes == []
     assert best["makespan_s"] < 1.1 * best["arrival_window_s"]
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "capacity"])
+def test_a_bad_model_is_reported_before_the_header_and_progress(command: str, tmp_path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An unsupported config.json, a missing one, an unknown preset: one error line, exit 2, and
+    nothing printed before it (it used to come after the scenario header and a progress bar)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"architectures": ["FooForCausalLM"], "hidden_size": 8}')
+    for model, message in ((str(cfg), f"error: {cfg}: unsupported architecture 'FooForCausalLM'"),
+                           (str(tmp_path / "missing" / "config.json"), "error: model config "),
+                           ("no-such-model", "error: unknown model 'no-such-model'")):
+        rc = main(["sim", command, "--scenario", "llama8b-agg-h100", "--set", f"model={model}", "--duration-s", "5",
+                   "--out", str(tmp_path / "out")])
+        captured = capsys.readouterr()
+        assert rc == 2, captured
+        assert captured.out == "", captured.out
+        assert captured.err.startswith(message) and captured.err.count("\n") == 1, captured.err
