@@ -97,6 +97,8 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:P
      "processes: Input should be greater than or equal to 1"),
     (["--prefill", "localhost:31000"],
      "worker spec 'localhost:31000': the URL must start with http:// or https:// (e.g. 'http://localhost:31000')"),
+    (["--mixed", "ftp://x"],  # another scheme: no example glued onto it ('http://ftp://x' before)
+     "worker spec 'ftp://x': the URL must start with http:// or https://, got scheme 'ftp'"),
     (["--prefill", "http://127.0.0.1:31000,dp=0"],
      "worker spec 'http://127.0.0.1:31000,dp=0': dp must be an integer number of DP ranks 1..4096, got '0'"),
     (["--decode", "http://127.0.0.1:31000,kv=abc"],

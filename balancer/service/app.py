@@ -257,9 +257,39 @@ async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
     return body
 
 
+def _declared_too_large(request: web.Request, svc: Service) -> web.Response | None:
+    """413 at once for a request whose ``Content-Length`` is over ``max_body_bytes`` (without it,
+    the router would wait up to ``body_read_timeout_s`` for a body it is going to refuse, holding
+    the connection), on a connection closed after the answer (its body is never read)."""
+    declared = request.content_length
+    if declared is None or declared <= svc.cfg.max_body_bytes:
+        return None
+    resp = error_response(413, f"request body too large (limit {svc.cfg.max_body_bytes} bytes)")
+    resp.force_close()
+    return resp
+
+
+async def _expect_continue(request: web.Request) -> None:
+    """The generation and admin routes' ``Expect`` handler: no ``100 Continue`` for a declared body
+    over ``max_body_bytes`` (the handler then answers 413 at once, through the middleware, and the
+    client never sends the body); otherwise as aiohttp's default handler: ``100 Continue`` for
+    ``100-continue`` on HTTP/1.1, 417 for another expectation."""
+    if _declared_too_large(request, request.app[SERVICE]) is not None:
+        return
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version == aiohttp.HttpVersion11:
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect[:100]}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response's own bytes start after it
+
+
 async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, Any] | web.Response, bytes]:
-    """The parsed JSON object body (or the 400 response) and the raw bytes."""
-    try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size
+    """The parsed JSON object body (or the 400 / 408 / 413 response) and the raw bytes."""
+    too_large = _declared_too_large(request, svc)
+    if too_large is not None:
+        return too_large, b""
+    try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size (a chunked body, say)
         if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
             raw = await request.read()
         else:
@@ -717,11 +747,11 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         async def generate(request: web.Request, endpoint: str = endpoint) -> web.StreamResponse:
             return await _generate(request, svc, endpoint)
 
-        app.router.add_post(path, generate)
+        app.router.add_post(path, generate, expect_handler=_expect_continue)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/workers", _list_workers)
-    app.router.add_post("/workers", _add_worker)
+    app.router.add_post("/workers", _add_worker, expect_handler=_expect_continue)
     app.router.add_delete("/workers", _remove_worker)
     return app

@@ -71,6 +71,9 @@ def worker_url_problem(url: str) -> str | None:
     if not url.isascii() or not url.isprintable() or " " in url:
         return "the URL must be printable ASCII without spaces"
     if not url.startswith(("http://", "https://")):
+        scheme, sep, _ = url.partition("://")
+        if sep and scheme:  # another scheme: an example made from it would be nonsense
+            return f"the URL must start with http:// or https://, got scheme '{scheme[:20]}'"
         example = "10.0.0.5:30000" if "@" in url else url[:200]
         return f"the URL must start with http:// or https:// (e.g. 'http://{example}')"
     parts = urlsplit(url)

@@ -186,6 +186,10 @@ def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise PromptError("'stream_options' must be an object")
+    if so is not None:
+        for key in ("include_usage", "continuous_usage_stats"):  # OpenAI's and vLLM's flags
+            if so.get(key) is not None and not isinstance(so[key], bool):
+                raise PromptError(f"'stream_options.{key}' must be a boolean")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise PromptError("'model' must be a string")
