@@ -471,14 +471,29 @@ class ModelSpec:
             return float(self.activated_params)
         return self.embedding_params + (self.prefill_dense_flops_per_token + self.prefill_expert_flops_per_token) / 2.0
 
-    def replay_rows(self, new_tokens):  # noqa: ANN001, ANN201
-        """Decoder rows a prefill chunk of ``new_tokens`` runs: ``min(new_tokens, ced_replay_tokens)``
-        under CED (TensorRT-LLM retains "the last min(chunk_length, window) rows of each chunk" when
-        the call has no prompt endpoints; with endpoints only the final chunk's, so this is an upper
-        bound of ``ced_replay_tokens`` rows per earlier chunk), else 0."""
+    def replay_rows(self, new_tokens, cached_tokens=0.0):  # noqa: ANN001, ANN201
+        """Decoder rows of a prefill chunk of ``new_tokens`` after ``cached_tokens``: the prompt's
+        last window, ``min(cached + new, ced_replay_tokens)`` under CED (TensorRT-LLM executes "the
+        intersection of each context chunk with the final prompt window [max(0, prompt_end -
+        window), prompt_end)"; cached positions in that window have no decoder KV and are replayed
+        too), else 0. Every chunk is taken as the prompt's last (a chunk does not say): an earlier
+        chunk of a long prompt is overcharged by up to ``ced_replay_tokens`` rows."""
         c = np.asarray(new_tokens, dtype=np.float64)
-        out = np.minimum(c, float(self.ced_replay_tokens)) if self.is_ced else 0.0 * c
-        return out if out.ndim else float(out)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        out = np.minimum(c + p, float(self.ced_replay_tokens)) * (c > 0) if self.is_ced else 0.0 * (c + p)
+        return out if np.ndim(out) else float(out)
+
+    def rebuild_rows(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
+        """Cached tokens a prefill chunk re-runs through the encoder: ``min(cached, sliding_window)``
+        under CED. SWA bounded replay keeps the window rows out of the prefix cache and "rebuilds it
+        after a prefix hit by recomputing the hit's last window" (vLLM's DeepseekV41ModelState;
+        TensorRT-LLM: "Encoder replay starts at max(0, C - window_size)"); the global records of
+        those tokens stay cached. A chunk continuing its own prompt (cached = its earlier chunks,
+        whose windows are live) is charged the same: up to ``sliding_window`` rows too many."""
+        c = np.asarray(new_tokens, dtype=np.float64)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        out = np.minimum(p, float(self.sliding_window)) * (c > 0) if self.is_ced else 0.0 * (c + p)
+        return out if np.ndim(out) else float(out)
 
     @property
     def attn_flops_per_pair(self) -> float:
@@ -651,14 +666,17 @@ class ModelSpec:
         }
 
     def _csa2_chunk_sum(self, enc: str, dec: str, new_tokens, cached_tokens):  # noqa: ANN001, ANN202
-        """A prefill chunk of ``c`` new tokens after ``p`` cached: the encoder terms summed over
-        positions ``p+1 .. p+c``, the decoder terms over the replayed last ``replay_rows(c)``."""
+        """A prefill chunk of ``c`` new tokens after ``p`` cached: the encoder terms summed over its
+        positions ``p+1 .. p+c`` and the rebuilt window before them (:meth:`rebuild_rows`), the
+        decoder terms over the prompt's last window (:meth:`replay_rows`)."""
         c = np.asarray(new_tokens, dtype=np.float64)
         p = np.asarray(cached_tokens, dtype=np.float64)
         t = self._csa2_terms
-        out = csa2.sum_terms(t[enc], p, p + c)
-        if self.is_ced:
-            out = out + csa2.sum_terms(t[dec], p + c - self.replay_rows(c), p + c)
+        if not self.is_ced:
+            out = csa2.sum_terms(t[enc], p, p + c)
+        else:
+            out = (csa2.sum_terms(t[enc], p - self.rebuild_rows(c, p), p + c)
+                   + csa2.sum_terms(t[dec], p + c - self.replay_rows(c, p), p + c))
         return out if np.ndim(out) else float(out)
 
     @property

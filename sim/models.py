@@ -162,7 +162,7 @@ DEEPSEEK_V4_FLASH = ModelSpec(
 #              16B while generating output", "compresses the KV cache to roughly a quarter of V4
 #              Flash's footprint", 1M context.
 # Layers 0..19 are the causal encoder (every prompt token), 20..39 the decoder (decode tokens, and
-# the last 128 rows of a prefill chunk); layer 20's GLOBAL projection runs for every prompt token.
+# the prompt's last 128 rows); layer 20's GLOBAL projection runs for every prompt token.
 # (vLLM's V4.1 model state replays from layer 21, i.e. runs all of layer 20 on every prompt token:
 # one layer, ~5% of a prompt token's FLOPs; the TensorRT-LLM split is used here.)
 # Derived here (tests/test_models_v41.py): 551.8B total (card: 552B; Engram tables, 196.6B, and the
@@ -176,7 +176,8 @@ DEEPSEEK_V4_FLASH = ModelSpec(
 # token"): 4.6 MB for a 360-token decode step and 208 MB for a 16k-token prefill step, < 1% of either
 # step at 50 GB/s host bandwidth and overlapped, so not in the step time; their 157M-parameter key/value
 # projections are in the encoder's dense FLOPs. Not modelled: the DSpark drafter (the scenario's
-# speculative settings), the vision tower, SWA rebuild after a prefix hit (<= 128 encoder rows).
+# speculative settings), the vision tower. A prefix hit re-runs the hit's last 128 tokens through the
+# encoder (SWA bounded replay: ModelSpec.rebuild_rows) and the decoder replays the prompt's last 128.
 DEEPSEEK_V41_FLASH = ModelSpec(
     name="deepseek-v4.1-flash",
     num_layers=40,  # trt-cfg

@@ -116,17 +116,36 @@ def _brute_indexer(j, layers):
     return out
 
 
-@pytest.mark.parametrize("c,p", [(1, 0), (100, 0), (1000, 0), (4096, 0), (512, 3000), (20_000, 50_000)])
+@pytest.mark.parametrize("c,p", [(1, 0), (100, 0), (1000, 0), (4096, 0), (50, 4000), (175, 4208), (512, 3000),
+                                 (20_000, 50_000)])
 def test_prefill_runs_the_encoder_on_every_token_and_the_decoder_on_the_last_window(c, p):
+    # encoder: the new tokens and, after a prefix hit, the rebuilt window before them (min(p, 128));
+    # decoder: the prompt's last window, min(p + c, 128) positions ending at p + c
     enc, dec = range(20), range(20, 40)
-    rows = min(c, 128)
-    att = sum(_brute_attended(j, enc) for j in range(p + 1, p + c + 1)) + sum(
-        _brute_attended(j, dec) for j in range(p + c - rows + 1, p + c + 1))
-    idx = sum(_brute_indexer(j, enc) for j in range(p + 1, p + c + 1)) + sum(
-        _brute_indexer(j, dec) for j in range(p + c - rows + 1, p + c + 1))
+    rebuilt, rows = min(p, 128), min(p + c, 128)
+    enc_pos, dec_pos = range(p - rebuilt + 1, p + c + 1), range(p + c - rows + 1, p + c + 1)
+    att = sum(_brute_attended(j, enc) for j in enc_pos) + sum(_brute_attended(j, dec) for j in dec_pos)
+    idx = sum(_brute_indexer(j, enc) for j in enc_pos) + sum(_brute_indexer(j, dec) for j in dec_pos)
     assert V41.prefill_attended_keys(c, p) == pytest.approx(att, rel=2e-3)
     assert V41.prefill_indexer_keys(c, p) == pytest.approx(idx, rel=2e-3)
-    assert V41.replay_rows(c) == rows
+    assert (V41.replay_rows(c, p), V41.rebuild_rows(c, p)) == (rows, rebuilt)
+
+
+def test_prefill_at_a_high_cache_hit_pays_window_rows_not_just_new_tokens():
+    # DeepInfer's 96% hit on 4,383-token prompts: 175 new tokens, 128 rebuilt encoder rows and 128
+    # decoder rows, so a prompt costs (175 + 128) prompt-token FLOPs + 128 replayed rows
+    e = _engine()
+    z = np.zeros(4)
+    c, p, n = 175, 4208, 93  # 93 prompts per GPU: 16,384 // 175
+    pairs = n * (c * p + c * (c + 1) / 2)
+    b = e.step_time_breakdown(np.full(4, n * c), np.full(4, pairs), z, z, prefill_cached_tokens=np.full(4, n * p))
+    lin = n * ((c + 128) * V41.prefill_dense_flops_per_token + 128 * V41.replay_dense_flops_per_token) / B200["fp8"]
+    att = n * V41.prefill_attended_keys(c, p) * 64 * 2 * 1024 / B200["bf16"]
+    idx = n * V41.prefill_indexer_keys(c, p) * 2 * 32 * 128 / B200["fp8"]
+    memory = ((V41.dense_params - V41.embedding_params) + n * (p + c) * 890) / B200["bw"]
+    assert float(b["rank"]) == pytest.approx(max(lin + att + idx, memory), rel=1e-6)
+    moe, _ = _moe_and_comm(e, n * ((c + 128) * 0.5 + 128 * 0.5))
+    assert float(b["moe"]) == pytest.approx(moe, rel=1e-9)
 
 
 B200 = dict(fp8=4.5e15 * 0.5, bf16=2.25e15 * 0.5, bw=8e12 * 0.7, nvl=900e9 * 0.8)

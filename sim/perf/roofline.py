@@ -559,12 +559,13 @@ class RooflinePerf:
         with a causal encoder-decoder (DeepSeek-V4.1, :mod:`sim.csa2`).
 
         * Prefill: the rank's ``pt`` new tokens after ``pc`` cached are taken as ``m`` equal chunks
-          of ``c`` after ``p`` (recovered from ``pp`` as in :meth:`_sparse_work`). Every new token
-          runs the encoder (``prefill_dense_flops_per_token``); each chunk replays its last
-          ``replay_rows(c)`` rows through the decoder (``replay_dense_flops_per_token``). Attention
-          rows and index keys: :meth:`ModelSpec.prefill_attended_keys` /
-          :meth:`~ModelSpec.prefill_indexer_keys` of the chunk (encoder over all its positions, the
-          decoder over the replayed ones). The cached prefix's global KV is read once.
+          of ``c`` after ``p`` (recovered from ``pp`` as in :meth:`_sparse_work`). Every new token,
+          and the ``rebuild_rows(c, p)`` cached ones whose window rows a prefix hit must rebuild,
+          runs the encoder (``prefill_dense_flops_per_token``); each chunk replays the prompt's last
+          ``replay_rows(c, p)`` rows through the decoder (``replay_dense_flops_per_token``).
+          Attention rows and index keys: :meth:`ModelSpec.prefill_attended_keys` /
+          :meth:`~ModelSpec.prefill_indexer_keys` of the chunk (the same rows). The cached prefix's
+          global KV is read once.
         * Decode: as :meth:`_sparse_work` (mean context ``L = dc / ds``; every layer; the KV of a
           sequence read once: window rows, selected global records, scored index records).
         * MoE tokens: ``dtok + pt * prefill_expert/expert + replay rows * replay_expert/expert``
@@ -586,9 +587,10 @@ class RooflinePerf:
             att = chunks * m.prefill_attended_keys(chunk, p) * self._c_pf_pair
             idx = chunks * m.prefill_indexer_keys(chunk, p)
             if self._ced:
-                replay = chunks * m.replay_rows(chunk)
-                lin = lin + pt * self._c_tok_pf + replay * self._c_tok_rp
-                moe_tok = moe_tok + pt * self._moe_pf + replay * self._moe_rp
+                enc = pt + chunks * m.rebuild_rows(chunk, p)
+                replay = chunks * m.replay_rows(chunk, p)
+                lin = lin + enc * self._c_tok_pf + replay * self._c_tok_rp
+                moe_tok = moe_tok + enc * self._moe_pf + replay * self._moe_rp
             else:
                 lin = lin + pt * self._c_tok
                 moe_tok = moe_tok + pt
