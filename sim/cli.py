@@ -237,7 +237,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     if not args.quiet:
         console.print(_describe(scenario))
         console.print(f"workload: {meta['trace']}, {len(requests)} requests over {span:.0f} s "
-                      f"(rate x{args.rate_scale}), ideal prefix hit rate {100 * ideal:.1f}%")
+                      f"(rate x{args.rate_scale}), ideal prefix hit rate {100 * ideal:.1f}% of prompt tokens")
     results, summaries = [], []
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -266,7 +266,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
         line = rejection_line(smry, scenario.effective_max_model_len)
         if line:
             console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
-    console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
+    console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}% of prompt tokens   "
                   f"simulated in {wall:.1f} s")
     out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     meta |= {"command": args.command_line, "wall_s": wall, "route_slo": args.route_slo}

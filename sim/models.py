@@ -254,6 +254,11 @@ def get_model(name: str | ModelSpec) -> ModelSpec:
             return spec
     text = str(name).strip()
     if text.endswith(".json") or os.path.isdir(text):
-        return model_from_hf_config(text)
+        try:
+            return model_from_hf_config(text)
+        except ValueError as e:  # name the file: a scenario's model = "..." may point anywhere
+            if text in str(e):
+                raise
+            raise type(e)(f"{text}: {e}") from e
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))} "
                      "(or a Hugging Face config.json path)")

@@ -80,6 +80,7 @@ def test_unsupported_is_a_value_error_listing_the_supported(tmp_path):
     with pytest.raises(UnsupportedArchitectureError) as e:
         get_model(str(p))
     assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+    assert str(e.value).startswith(f"{p}: unsupported architecture 'GPT2LMHeadModel'")  # names the file
     with pytest.raises(FileNotFoundError):
         get_model(str(tmp_path / "missing.json"))
     (tmp_path / "bad.json").write_text("[1, 2]")

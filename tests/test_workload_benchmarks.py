@@ -138,3 +138,17 @@ def test_ramp_shared_prefix_as_long_as_the_prompt_is_accepted():
     reqs = load_ramp_workload([1.0], 20.0, prompt_tokens_mean=1024, shared_prefix_tokens=1024)
     assert len(reqs) > 2 and {r.block_hashes for r in reqs} == {reqs[0].block_hashes}
     assert len(reqs[0].block_hashes) == 2
+
+
+def test_cli_prints_the_ideal_hit_rate_both_ways(tmp_path, capsys):
+    """The generator prints the block- and the token-weighted ideal hit rate (``pdlb sim run``
+    prints the token-weighted one for the same file). Hand count, 4 groups x 8 prompts of a
+    2,048-token system prompt (4 blocks of 512) + a 128-token question: 7 of 8 prompts per group
+    hit the 4 system blocks: 4 x 7 x 4 / (5 x 32) = 70.0% of blocks, 2,048 x 28 / (2,176 x 32) =
+    82.4% of prompt tokens."""
+    out = tmp_path / "sp.jsonl"
+    assert main(["sim", "workload", "shared-prefix", "--groups", "4", "--prompts-per-group", "8",
+                 "--system-prompt-tokens", "2048", "--question-tokens", "128", "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(ideal prefix hit rate 70.0% of blocks, 82.4% of prompt tokens)" in text
+    assert 2048 * 28 / (2176 * 32) == pytest.approx(0.8235, abs=1e-4)

@@ -143,7 +143,8 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
         raise ValueError(f"--out: folder {args.out.parent} does not exist")
     n = write_mooncake(reqs, args.out, block_size=args.block_size)
     span = reqs[-1].arrival_time_s if reqs else 0.0
-    hit, _ = ideal_hit_rate(reqs, args.block_size)
-    console.print(f"wrote {n:,} requests over {span:,.1f} s to {args.out} (ideal prefix hit rate {hit:.1%} of blocks)",
-                  markup=False)
+    hit, hit_tokens = ideal_hit_rate(reqs, args.block_size)
+    # both weightings: `pdlb sim run` prints the token-weighted one for the same file
+    console.print(f"wrote {n:,} requests over {span:,.1f} s to {args.out} (ideal prefix hit rate {hit:.1%} of blocks, "
+                  f"{hit_tokens:.1%} of prompt tokens)", markup=False)
     return 0
