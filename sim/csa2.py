@@ -21,12 +21,13 @@ as :meth:`ModelSpec.prefill_attended_keys` does for V4). Rows are counted fracti
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Terms", "attended_terms", "eval_terms", "indexer_terms", "kv_source_of", "sum_terms"]
+__all__ = ["Terms", "attended_terms", "combine", "eval_terms", "indexer_terms", "kv_source_of", "sum_terms"]
 
 #: ``((count, cap, slope), ...)``: the function ``L -> sum(count * min(cap, slope * L))``; cap may be inf
 Terms = tuple[tuple[float, float, float], ...]
@@ -51,6 +52,12 @@ def _merge(raw: list[tuple[float, float, float]]) -> Terms:
         if count:
             acc[(cap, slope)] = acc.get((cap, slope), 0.0) + count
     return tuple((n, cap, slope) for (cap, slope), n in sorted(acc.items()))
+
+
+def combine(*weighted: tuple[Terms, float]) -> Terms:
+    """The terms of ``sum(weight * f_terms)`` (e.g. seconds: pairs x seconds per pair + keys x
+    seconds per key), merged so that one evaluation covers them all."""
+    return _merge([(n * w, cap, slope) for terms, w in weighted for n, cap, slope in terms])
 
 
 def attended_terms(compress_ratios: Sequence[int], kv_sources: Sequence[int], *, sliding_window: int,
@@ -83,25 +90,35 @@ def indexer_terms(compress_ratios: Sequence[int], kv_sources: Sequence[int], ind
     return _merge(raw)
 
 
+#: stands in for an infinite cap (a context no sequence reaches), keeping the integral finite
+_NO_CAP = 1e18
+
+
+@functools.lru_cache(maxsize=64)
+def _arrays(terms: Terms) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(count, cap, slope, cap / slope)`` as arrays over the terms (infinite caps -> ``_NO_CAP``)."""
+    n = np.array([t[0] for t in terms], dtype=np.float64)
+    cap = np.array([min(t[1], _NO_CAP) for t in terms], dtype=np.float64)
+    slope = np.array([t[2] for t in terms], dtype=np.float64)
+    return n, cap, slope, cap / slope
+
+
 def eval_terms(terms: Terms, ctx_tokens):  # noqa: ANN001, ANN201 (float or ndarray)
     """``sum(count * min(cap, slope * L))`` at ``L = ctx_tokens`` (float in, float out)."""
     L = np.asarray(ctx_tokens, dtype=np.float64)
-    out = np.zeros_like(L)
-    for count, cap, slope in terms:
-        out = out + count * np.minimum(cap, slope * L)
-    return out if out.ndim else float(out)
+    if not terms:
+        out = 0.0 * L
+    else:
+        n, cap, slope, _ = _arrays(terms)
+        out = np.minimum(cap, slope * L[..., None]) @ n
+    return out if np.ndim(out) else float(out)
 
 
 def _integral(terms: Terms, x):  # noqa: ANN001, ANN202
-    """Antiderivative of :func:`eval_terms` from 0 (x >= 0)."""
-    out = np.zeros_like(x)
-    for count, cap, slope in terms:
-        if math.isinf(cap):
-            out = out + count * 0.5 * slope * x * x
-        else:
-            x0 = cap / slope
-            out = out + count * np.where(x <= x0, 0.5 * slope * x * x, 0.5 * cap * x0 + cap * (x - x0))
-    return out
+    """Antiderivative of :func:`eval_terms` from 0 (x >= 0), shape of ``x``."""
+    n, cap, slope, x0 = _arrays(terms)
+    x = x[..., None]
+    return np.where(x <= x0, 0.5 * slope * x * x, cap * (x - 0.5 * x0)) @ n
 
 
 def sum_terms(terms: Terms, start, end):  # noqa: ANN001, ANN201
@@ -110,5 +127,9 @@ def sum_terms(terms: Terms, start, end):  # noqa: ANN001, ANN201
     the two ends; ``end >= start >= 0``)."""
     a = np.asarray(start, dtype=np.float64)
     b = np.asarray(end, dtype=np.float64)
-    out = _integral(terms, b) - _integral(terms, a) + 0.5 * (np.asarray(eval_terms(terms, b)) - np.asarray(eval_terms(terms, a)))
+    if not terms:
+        out = 0.0 * (a + b)
+    else:
+        out = (_integral(terms, b) - _integral(terms, a)
+               + 0.5 * (np.asarray(eval_terms(terms, b)) - np.asarray(eval_terms(terms, a))))
     return out if np.ndim(out) else float(out)

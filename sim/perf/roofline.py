@@ -114,6 +114,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
+from sim import csa2
 from sim.hardware import HardwareSpec, get_hardware
 from sim.models import ModelSpec, get_model
 from sim.perf.imbalance import EPLB_RESIDUAL_STD, eplb_imbalance
@@ -279,6 +280,14 @@ class RooflinePerf:
         #: compressed attention (DeepSeek-V4): pairs are (query, key row) of one layer, see _step
         self._sparse = m.is_compressed or m.is_csa2
         self._c_idx_pair = (m.indexer_flops_per_pair / tp / (hw.fp8_flops * self.mfu)) if self._sparse else 0.0
+        if m.is_csa2:  # attention + indexer seconds (and decode KV bytes) as one set of terms each
+            t = m._csa2_terms
+            self._t_enc = csa2.combine((t["att_enc"], self._c_pf_pair), (t["idx_enc"], self._c_idx_pair))
+            self._t_dec = csa2.combine((t["att_dec"], self._c_pf_pair), (t["idx_dec"], self._c_idx_pair))
+            self._t_decode = csa2.combine((t["att"], self._c_dec_pair), (t["idx"], self._c_idx_pair))
+            self._t_kv = csa2.combine((t["win"], m.swa_row_bytes / m.kv_bytes_per_token),
+                                      (t["glob"], m.kv_row_bytes / m.kv_bytes_per_token),
+                                      (t["idx"], m.index_row_bytes / m.kv_bytes_per_token))
         # seconds of HBM traffic
         self._m_weights = m.dense_weight_read_bytes / (1 if self.context_parallel else tp) / bw
         self._m_kv_tok = self.kv_bytes_per_token * self.kv_gpu_share / bw
@@ -573,9 +582,11 @@ class RooflinePerf:
           the dispatch/combine bytes (both per MoE layer a token passes).
         * Written: ``kv_bytes_per_token`` per new token (window rows not counted, as for V4).
         """
+        # same sums as ModelSpec.prefill_attended_keys / prefill_indexer_keys / decode_attended_keys /
+        # indexer_keys / decode_kv_read_bytes, weighted by their seconds (bytes) in one pass each
         m = self.model
         has_dec = bool(np.any(ds))
-        att = idx = 0.0
+        attn = 0.0
         lin = dtok * self._c_tok
         moe_tok = dtok
         kv_read = pc if has_prefill else 0.0
@@ -584,23 +595,22 @@ class RooflinePerf:
             chunk = np.maximum((pp / safe - 0.5) / (pc / safe + 0.5), 1.0)
             chunks = np.where(pt > 0, pt / chunk, 0.0)
             p = pc / safe * chunk
-            att = chunks * m.prefill_attended_keys(chunk, p) * self._c_pf_pair
-            idx = chunks * m.prefill_indexer_keys(chunk, p)
             if self._ced:
-                enc = pt + chunks * m.rebuild_rows(chunk, p)
-                replay = chunks * m.replay_rows(chunk, p)
-                lin = lin + enc * self._c_tok_pf + replay * self._c_tok_rp
-                moe_tok = moe_tok + enc * self._moe_pf + replay * self._moe_rp
+                rebuild, replay = m.rebuild_rows(chunk, p), m.replay_rows(chunk, p)
+                attn = chunks * (csa2.sum_terms(self._t_enc, p - rebuild, p + chunk)
+                                 + csa2.sum_terms(self._t_dec, p + chunk - replay, p + chunk))
+                enc, rows = pt + chunks * rebuild, chunks * replay
+                lin = lin + enc * self._c_tok_pf + rows * self._c_tok_rp
+                moe_tok = moe_tok + enc * self._moe_pf + rows * self._moe_rp
             else:
+                attn = chunks * csa2.sum_terms(self._t_enc, p, p + chunk)
                 lin = lin + pt * self._c_tok
                 moe_tok = moe_tok + pt
         if has_dec:
             L = dc / np.where(ds > 0, ds, 1.0)
-            att = att + (ds * k_verify) * m.decode_attended_keys(L) * self._c_dec_pair
-            idx = idx + (ds * k_verify) * m.indexer_keys(L)
-            kv_read = kv_read + ds * (m.decode_kv_read_bytes(L) / self.kv_bytes_per_token)
-        compute = lin + att + idx * self._c_idx_pair
-        return compute, kv_read + pt + dtok, moe_tok
+            attn = attn + (ds * k_verify) * csa2.eval_terms(self._t_decode, L)
+            kv_read = kv_read + ds * csa2.eval_terms(self._t_kv, L)
+        return lin + attn, kv_read + pt + dtok, moe_tok
 
     def _step_ext(self, rank, rank_max, moe, comm, pf):  # noqa: ANN001, ANN202
         """The opt-in terms of a wide-EP step (``moe`` and ``comm`` already carry the expert-load
