@@ -11,7 +11,10 @@ Conventions (all per *token* unless noted):
   weight the token touches. The input embedding is a table lookup (no FLOPs, only one row read) so
   it is excluded; the LM head is a real matmul and is included. Norms/biases/routers are counted as
   parameters (they are tiny). Attention score/value FLOPs are *not* in it: they scale with the
-  number of (query, key) pairs and are given by ``attn_flops_per_pair``.
+  number of (query, key) pairs and are given by ``attn_flops_per_pair``. These are a *decode*
+  token's; under a causal encoder-decoder (DeepSeek-V4.1, ``ced_encoder_layers``) a prompt token
+  costs ``prefill_dense_flops_per_token + prefill_expert_flops_per_token`` and each replayed
+  decoder row the rest (``replay_*``).
 * Weights are split into the *expert* part (routed experts of MoE layers, sharded over the EP group)
   and the *dense* part (everything else: embeddings, attention, dense FFN layers, shared experts,
   routers, LM head), which every DP-attention rank holds in full.
@@ -567,9 +570,13 @@ class ModelSpec:
 
         Hand check (V4-Flash, L = 5,000): 43 * 128 + 21 * 512 + 20 * 5000/128 = 5,504 + 10,752 +
         781.25 = 17,037.25.
+
+        CSA2 (DeepSeek-V4.1, :mod:`sim.csa2`): every layer's window plus, for a layer with ratio
+        > 0, ``min(index_topk, L / r)`` rows of its KV source (``r`` the source's ratio); V4.1-Flash
+        at L = 5,000: 40 * 128 + 38 * 512 = 24,576.
         """
         if self.is_csa2:
-            return csa2.eval_terms(self._csa2_terms["att"], ctx_tokens)
+            return csa2.eval_terms(self.csa2_terms["att"], ctx_tokens)
         L = np.asarray(ctx_tokens, dtype=np.float64)
         if not self.is_compressed:
             return self.num_layers * L
@@ -582,7 +589,7 @@ class ModelSpec:
         ``ctx_tokens`` tokens: ``num_csa_layers * L / 4`` (0 without CSA layers); CSA2: each index
         source scores its KV source's ``L / r`` keys (candidate consumers at most the candidate pool)."""
         if self.is_csa2:
-            return csa2.eval_terms(self._csa2_terms["idx"], ctx_tokens)
+            return csa2.eval_terms(self.csa2_terms["idx"], ctx_tokens)
         L = np.asarray(ctx_tokens, dtype=np.float64)
         out = self.num_csa_layers * L / 4.0 if self.is_compressed else 0.0 * L
         return out if np.ndim(out) else float(out)
@@ -596,7 +603,7 @@ class ModelSpec:
         26,250 * 132 = 13.41 MB (DeepSeek-V3, BF16 MLA: 5,000 * 70,272 = 351 MB).
         """
         if self.is_csa2:  # window rows, selected global main records, scored index records
-            t = self._csa2_terms
+            t = self.csa2_terms
             return (csa2.eval_terms(t["win"], ctx_tokens) * self.swa_row_bytes
                     + csa2.eval_terms(t["glob"], ctx_tokens) * self.kv_row_bytes
                     + csa2.eval_terms(t["idx"], ctx_tokens) * self.index_row_bytes)
@@ -645,7 +652,7 @@ class ModelSpec:
         return self.num_csa_layers / 4.0 * _causal_pairs(new_tokens, cached_tokens)
 
     @functools.cached_property
-    def _csa2_terms(self) -> dict[str, csa2.Terms]:
+    def csa2_terms(self) -> dict[str, csa2.Terms]:
         """Piecewise-linear counts per query (:mod:`sim.csa2`): ``win``/``glob`` window and global
         rows attended, ``att`` both, ``idx`` index keys scored, over all layers; ``att_enc``/
         ``idx_enc`` over the encoder layers and ``att_dec``/``idx_dec`` over the decoder ones."""
@@ -671,7 +678,7 @@ class ModelSpec:
         decoder terms over the prompt's last window (:meth:`replay_rows`)."""
         c = np.asarray(new_tokens, dtype=np.float64)
         p = np.asarray(cached_tokens, dtype=np.float64)
-        t = self._csa2_terms
+        t = self.csa2_terms
         if not self.is_ced:
             out = csa2.sum_terms(t[enc], p, p + c)
         else:
@@ -700,6 +707,9 @@ class ModelSpec:
         plus one ``index_row_bytes`` indexer key per 4 tokens per CSA layer, rounded up; the
         sliding-window rows are per sequence (:attr:`kv_bytes_per_seq_fixed`). V4-Flash:
         21 * (584 + 132) / 4 + 20 * 584 / 128 = 3,850.25 -> 3,851 B (DeepSeek-V3 BF16: 70,272 B).
+        CSA2 (DeepSeek-V4.1): one ``kv_row_bytes`` main + one ``index_row_bytes`` index record per
+        ``r`` tokens of each KV source only (the other layers read the sources' rows); V4.1-Flash:
+        3 * (288 + 68) / 2 + (288 + 68) = 890 B. This is the prefix-cacheable, transferable part.
         """
         if self.is_csa2:  # one main + one index record per r tokens of each KV source (window: per seq)
             return math.ceil(sum((self.kv_row_bytes + self.index_row_bytes) / self.compress_ratios[i]

@@ -281,7 +281,7 @@ class RooflinePerf:
         self._sparse = m.is_compressed or m.is_csa2
         self._c_idx_pair = (m.indexer_flops_per_pair / tp / (hw.fp8_flops * self.mfu)) if self._sparse else 0.0
         if m.is_csa2:  # attention + indexer seconds (and decode KV bytes) as one set of terms each
-            t = m._csa2_terms
+            t = m.csa2_terms
             self._t_enc = csa2.combine((t["att_enc"], self._c_pf_pair), (t["idx_enc"], self._c_idx_pair))
             self._t_dec = csa2.combine((t["att_dec"], self._c_pf_pair), (t["idx_dec"], self._c_idx_pair))
             self._t_decode = csa2.combine((t["att"], self._c_dec_pair), (t["idx"], self._c_idx_pair))
