@@ -117,7 +117,7 @@ class ModelSpec:
     #: bytes of one sliding-window row of one layer (CSA2 keeps them apart from the global rows)
     swa_row_bytes: int = 0
     #: CED: layers ``[0, ced_encoder_layers)`` run on every prompt token, the rest (the decoder) only
-    #: on the last ``ced_replay_tokens`` of a prefill chunk ("SWA bounded replay"); 0 = no split
+    #: on the prompt's last ``ced_replay_tokens`` ("SWA bounded replay"); 0 = no split
     ced_encoder_layers: int = 0
     ced_replay_tokens: int = 0
     # --- Engram n-gram memory (DeepSeek-V4.1) ---
@@ -427,9 +427,10 @@ class ModelSpec:
     # --- prompt tokens vs decode tokens (DeepSeek-V4.1 causal encoder-decoder) ---
     # A decode token runs every layer (the properties above). Under CED a prompt token runs only
     # the encoder layers plus the boundary layer's GLOBAL/index projections; the decoder layers
-    # (and the LM head) run on ``ced_replay_tokens`` rows per prefill chunk, each costing the
-    # difference, so ``prefill + replay == decode`` per token. Without CED the prefill values are
-    # the decode ones and the replay ones 0.
+    # (and the LM head) run on the prompt's last ``ced_replay_tokens`` rows (replay_rows), each
+    # costing the difference, so ``prefill + replay == decode`` per token; a prefix hit re-runs its
+    # last window through the encoder (rebuild_rows). Without CED the prefill values are the
+    # decode ones and the replay ones 0.
     def _csa2_layer_dense(self, i: int) -> int:
         """Layer ``i``'s non-routed weights: attention (with its compressor/indexer), norms, mHC,
         shared experts + router (or a dense FFN), Engram projection."""
