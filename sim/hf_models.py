@@ -26,6 +26,21 @@ Supported ``architectures[0]`` (field names as in the Transformers configs):
   ``(head_dim - qk_rope) FP8 + qk_rope BF16 + UE8M0 scales per 64, padded to 8`` bytes (584 for
   V4-Flash) and indexer keys of ``index_head_dim + 4`` bytes; ``"expert_dtype": "fp4"`` gives FP4
   experts (0.5 + 1/32 bytes per weight).
+* ``DeepseekV41ForCausalLM``: the language model is the nested ``text_config`` (NeMo AutoModel's
+  ``DeepseekV41Config``: "Nested checkpoint configuration"; TensorRT-LLM's: "nesting the two above
+  plus a **top-level** ``quantization_config``"), whose top-level ``quantization_config`` is carried
+  into it. CSA2 attention (``compress_ratios`` of the first ``num_hidden_layers`` layers, values
+  0/1/2..., ``kv_source_layer_ids``, ``index_source_layer_ids``, ``candidate_source_layer_id`` with
+  ``candidate_topk_blocks * candidate_block_size`` candidates, ``sliding_window``, ``index_topk``,
+  ``index_n_heads``, ``index_head_dim``), global records of ``head_dim * (0.5 + 1/16)`` (NVFP4 main)
+  + ``index_head_dim * (0.5 + 1/32)`` (MXFP4 index) bytes and window rows of ``head_dim * (1 +
+  1/32)`` bytes (288 / 68 / 528 for V4.1-Flash, TensorRT-LLM's CSA2 README), Engram
+  (``engram_layer_ids``, ``engram_num_embeddings``, ``engram_max_ngram_size``, ``engram_n_heads``,
+  ``engram_head_dim``), routed experts MXFP4 unless ``quantization_config.expert_dtype`` says
+  ``fp8``. The causal encoder-decoder split is at the last KV source when it is unpooled (ratio 1),
+  not the last layer, and no Engram layer follows it (vLLM's decoder-replay conditions); the decoder
+  then replays ``sliding_window`` rows per prefill chunk. Otherwise every layer runs every prompt
+  token.
 
 Weight bytes: 1 with an ``fp8`` ``quantization_config``, else 2 (``torch_dtype`` bfloat16/float16);
 KV bytes 2 (BF16 cache) except V4 (its own FP8 layout).
@@ -46,7 +61,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError", "load_hf_c
 _DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = _DENSE + _MOE + _DEEPSEEK + ("DeepseekV4ForCausalLM",)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = _DENSE + _MOE + _DEEPSEEK + ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
 #: upper bound on a config file's size (bytes): config.json files are a few kB
 MAX_CONFIG_BYTES = 4 << 20
 
@@ -124,9 +139,15 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike[str], name: 
     else:
         cfg = config
     if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        top_quant = cfg.get("quantization_config")
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+        if top_quant is not None and not cfg.get("quantization_config"):
+            cfg["quantization_config"] = top_quant  # V4.1 keeps it at the top level only
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch == "DeepseekV41ForCausalLM" and "num_hidden_layers" not in cfg:
+        raise ValueError(f"{name or arch}: a DeepseekV41ForCausalLM config holds its language model in a "
+                         "nested 'text_config' object (with num_hidden_layers, hidden_size, ...); none found")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {arch!r} (config 'architectures'); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -172,6 +193,9 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike[str], name: 
                          first_k_dense=_int(cfg, "first_k_dense_replace", where, 0),
                          max_routed_nodes=_int(cfg, "topk_group", where, 0) if n_group > 1 else 0)
 
+    if arch == "DeepseekV41ForCausalLM":
+        return _deepseek_v41(cfg, common, moe, layers, where)
+
     # DeepSeek-V4
     ratios = _get(cfg, "compress_ratios", where)
     if not isinstance(ratios, list) or len(ratios) < layers:
@@ -192,3 +216,57 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike[str], name: 
                      index_row_bytes=_int(cfg, "index_head_dim", where) + 4,
                      first_k_dense=_int(cfg, "first_k_dense_replace", where, 0),
                      expert_weight_bytes_per_param=(0.5 + 1 / 32) if fp4 else None)
+
+
+def _int_list(cfg: dict[str, Any], key: str, where: str, default: Any = ...) -> list[int]:  # noqa: ANN401
+    v = _get(cfg, key, where, default)
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
+        raise ValueError(f"{where}: {key} must be a list of integers >= 0, got {v!r}")
+    return v
+
+
+def _deepseek_v41(cfg: dict[str, Any], common: dict[str, Any], moe: dict[str, Any], layers: int, where: str) -> ModelSpec:
+    """``DeepseekV41ForCausalLM`` text_config -> CSA2/CED spec (module docstring)."""
+    ratios = _int_list(cfg, "compress_ratios", where)
+    if len(ratios) < layers:
+        raise ValueError(f"{where}: compress_ratios must list at least num_hidden_layers ({layers}) ratios")
+    ratios = ratios[:layers]  # the trailing entries are the DSpark layers
+    kv_src = _int_list(cfg, "kv_source_layer_ids", where)
+    ix_src = _int_list(cfg, "index_source_layer_ids", where)
+    engram = _int_list(cfg, "engram_layer_ids", where, [])
+    hd = _int(cfg, "head_dim", where, minimum=1)
+    idim = _int(cfg, "index_head_dim", where, minimum=1)
+    if hd % 32 or idim % 32:
+        raise ValueError(f"{where}: head_dim ({hd}) and index_head_dim ({idim}) must be multiples of 32 "
+                         "(the FP4/FP8 KV records carry one scale per 16 or 32 lanes)")
+    window = _int(cfg, "sliding_window", where, minimum=1)
+    boundary = max(kv_src) if kv_src else 0
+    ced = (kv_src and ratios[boundary] == 1 and boundary < layers - 1 and all(i < boundary for i in engram))
+    cand = cfg.get("candidate_source_layer_id")
+    quant = cfg.get("quantization_config") or {}
+    fp4 = str(quant.get("expert_dtype", "fp4") if isinstance(quant, dict) else "fp4").lower() == "fp4"
+    tables = _int_list(cfg, "engram_num_embeddings", where, [])
+    if len(tables) != len(engram):
+        raise ValueError(f"{where}: engram_num_embeddings ({len(tables)} entries) must match engram_layer_ids ({len(engram)})")
+    try:
+        return ModelSpec(**{**common, "kv_bytes": 1}, **moe, intermediate_size=0, attention="csa2",
+                         num_kv_heads=_int(cfg, "num_key_value_heads", where, 1), head_dim=hd,
+                         q_lora_rank=_int(cfg, "q_lora_rank", where), qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", where),
+                         o_lora_rank=_int(cfg, "o_lora_rank", where), o_groups=_int(cfg, "o_groups", where),
+                         compress_ratios=tuple(ratios), kv_source_layers=tuple(kv_src), index_source_layers=tuple(ix_src),
+                         candidate_source_layer=-1 if cand is None else _int(cfg, "candidate_source_layer_id", where),
+                         candidate_tokens=(_int(cfg, "candidate_topk_blocks", where, 0) * _int(cfg, "candidate_block_size", where, 0)
+                                           if cand is not None else 0),
+                         sliding_window=window, index_topk=_int(cfg, "index_topk", where),
+                         index_n_heads=_int(cfg, "index_n_heads", where), index_head_dim=idim,
+                         hc_mult=_int(cfg, "hc_mult", where, 0),
+                         kv_row_bytes=hd // 2 + hd // 16, index_row_bytes=idim // 2 + idim // 32,
+                         swa_row_bytes=hd + hd // 32,
+                         ced_encoder_layers=boundary if ced else 0, ced_replay_tokens=window if ced else 0,
+                         engram_layers=tuple(engram), engram_table_rows=sum(tables),
+                         engram_lookups_per_token=((_int(cfg, "engram_max_ngram_size", where, 1, minimum=1) - 1)
+                                                   * _int(cfg, "engram_n_heads", where, 0)) if engram else 0,
+                         engram_head_dim=_int(cfg, "engram_head_dim", where, 0) if engram else 0,
+                         first_k_dense=0, expert_weight_bytes_per_param=(0.5 + 1 / 32) if fp4 else None)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

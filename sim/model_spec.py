@@ -11,7 +11,10 @@ Conventions (all per *token* unless noted):
   weight the token touches. The input embedding is a table lookup (no FLOPs, only one row read) so
   it is excluded; the LM head is a real matmul and is included. Norms/biases/routers are counted as
   parameters (they are tiny). Attention score/value FLOPs are *not* in it: they scale with the
-  number of (query, key) pairs and are given by ``attn_flops_per_pair``.
+  number of (query, key) pairs and are given by ``attn_flops_per_pair``. These are a *decode*
+  token's; under a causal encoder-decoder (DeepSeek-V4.1, ``ced_encoder_layers``) a prompt token
+  costs ``prefill_dense_flops_per_token + prefill_expert_flops_per_token`` and each replayed
+  decoder row the rest (``replay_*``).
 * Weights are split into the *expert* part (routed experts of MoE layers, sharded over the EP group)
   and the *dense* part (everything else: embeddings, attention, dense FFN layers, shared experts,
   routers, LM head), which every DP-attention rank holds in full.
@@ -21,13 +24,16 @@ Conventions (all per *token* unless noted):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-AttentionKind = Literal["mha", "gqa", "mla", "compressed"]
+from sim import csa2
+
+AttentionKind = Literal["mha", "gqa", "mla", "compressed", "csa2"]
 
 
 def _causal_pairs(new_tokens, cached_tokens):  # noqa: ANN001, ANN202
@@ -39,8 +45,10 @@ def _causal_pairs(new_tokens, cached_tokens):  # noqa: ANN001, ANN202
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture of a decoder-only transformer, dense or MoE, with GQA/MHA, MLA or DeepSeek-V4
-    hybrid compressed attention (``attention="compressed"``, see :meth:`decode_attended_keys`)."""
+    """Architecture of a decoder-only transformer, dense or MoE, with GQA/MHA, MLA, DeepSeek-V4
+    hybrid compressed attention (``attention="compressed"``, see :meth:`decode_attended_keys`) or
+    DeepSeek-V4.1 CSA2 with its causal encoder-decoder split (``attention="csa2"``, see
+    :attr:`ced_encoder_layers` and :mod:`sim.csa2`)."""
 
     name: str
     num_layers: int
@@ -95,16 +103,42 @@ class ModelSpec:
     index_row_bytes: int = 0
     #: bytes per routed-expert weight (FP4 experts: 0.5 + scales); None = ``weight_bytes``
     expert_weight_bytes_per_param: float | None = None
+    # --- DeepSeek-V4.1 CSA2 + causal encoder-decoder (attention="csa2"; HF text_config names) ---
+    # compress_ratios: per layer 0 (window only), 1 (unpooled global rows) or r >= 2 (pooled r:1);
+    # kv_row_bytes: one global main record; index_row_bytes: one global index record
+    #: layers that own a global KV cache (the layers after one read it)
+    kv_source_layers: tuple[int, ...] = ()
+    #: layers that score index keys and select the top-k (the layers after one reuse it)
+    index_source_layers: tuple[int, ...] = ()
+    #: index sources after this layer score only its candidate pool (-1 = none)
+    candidate_source_layer: int = -1
+    #: candidate pool size in tokens (candidate_topk_blocks * candidate_block_size)
+    candidate_tokens: int = 0
+    #: bytes of one sliding-window row of one layer (CSA2 keeps them apart from the global rows)
+    swa_row_bytes: int = 0
+    #: CED: layers ``[0, ced_encoder_layers)`` run on every prompt token, the rest (the decoder) only
+    #: on the prompt's last ``ced_replay_tokens`` ("SWA bounded replay"); 0 = no split
+    ced_encoder_layers: int = 0
+    ced_replay_tokens: int = 0
+    # --- Engram n-gram memory (DeepSeek-V4.1) ---
+    engram_layers: tuple[int, ...] = ()
+    #: table rows of all Engram layers together (the tables are not in ``total_params``)
+    engram_table_rows: int = 0
+    #: rows one token looks up per Engram layer ((max_ngram_size - 1) * n_heads)
+    engram_lookups_per_token: int = 0
+    engram_head_dim: int = 0
     #: total parameters; derived from the dims when None
     total_params: int | None = None
     #: parameters a token passes through (incl. embeddings); derived when None
     activated_params: int | None = None
 
     def __post_init__(self) -> None:
-        if self.attention not in ("mha", "gqa", "mla", "compressed"):
-            raise ValueError(f"{self.name}: attention must be 'mha', 'gqa', 'mla' or 'compressed', "
+        if self.attention not in ("mha", "gqa", "mla", "compressed", "csa2"):
+            raise ValueError(f"{self.name}: attention must be 'mha', 'gqa', 'mla', 'compressed' or 'csa2', "
                              f"not {self.attention!r}")
-        if self.attention == "compressed":
+        if self.attention == "csa2":
+            self._check_csa2()
+        elif self.attention == "compressed":
             if len(self.compress_ratios) != self.num_layers:
                 raise ValueError(f"{self.name}: compressed attention needs one compress ratio per layer "
                                  f"({len(self.compress_ratios)} given for {self.num_layers} layers)")
@@ -138,6 +172,45 @@ class ModelSpec:
         if self.activated_params is None:
             object.__setattr__(self, "activated_params", self._count_activated())
 
+    def _check_csa2(self) -> None:
+        """Consistency of a CSA2/CED spec (the invariants TensorRT-LLM's ``build_layer_descriptors``
+        and vLLM's decoder-replay checks assert for V4.1; see the preset's comment)."""
+        n, r = self.num_layers, self.compress_ratios
+        if len(r) != n:
+            raise ValueError(f"{self.name}: csa2 attention needs one compress ratio per layer "
+                             f"({len(r)} given for {n} layers)")
+        if any(x < 0 for x in r):
+            raise ValueError(f"{self.name}: compress ratios must be >= 0")
+        for what, layers in (("kv_source_layers", self.kv_source_layers), ("index_source_layers", self.index_source_layers),
+                             ("engram_layers", self.engram_layers)):
+            if any(not 0 <= i < n for i in layers):
+                raise ValueError(f"{self.name}: {what} {list(layers)} outside layers 0..{n - 1}")
+        if not self.kv_source_layers or any(r[i] == 0 for i in self.kv_source_layers + self.index_source_layers):
+            raise ValueError(f"{self.name}: csa2 needs kv_source_layers, and every KV/index source a ratio > 0")
+        kv_src = csa2.kv_source_of(r, self.kv_source_layers)
+        ix_src = csa2.kv_source_of(r, self.index_source_layers)
+        if any(x and (kv_src[i] is None or ix_src[i] is None) for i, x in enumerate(r)):
+            raise ValueError(f"{self.name}: a layer with ratio > 0 comes before the first KV or index source")
+        if min(self.head_dim, self.sliding_window, self.kv_row_bytes, self.index_row_bytes, self.swa_row_bytes,
+               self.index_topk, self.index_n_heads, self.index_head_dim, self.qk_rope_head_dim) <= 0:
+            raise ValueError(f"{self.name}: csa2 needs head_dim, qk_rope_head_dim, sliding_window, index_topk, "
+                             "index_n_heads, index_head_dim, kv_row_bytes, index_row_bytes and swa_row_bytes > 0")
+        if self.num_kv_heads != 1:
+            raise ValueError(f"{self.name}: csa2 attention has one shared KV head (num_kv_heads=1)")
+        e = self.ced_encoder_layers
+        if e:
+            if not 0 < e < n or self.ced_replay_tokens <= 0:
+                raise ValueError(f"{self.name}: ced_encoder_layers must be in 1..{n - 1} with ced_replay_tokens > 0")
+            # the decoder's global rows of a whole prompt come from the encoder pass plus the
+            # boundary layer's GLOBAL projection, so no KV source may sit past the boundary, and
+            # Engram (hashed from the whole prompt) must be in the encoder
+            if any(i > e for i in self.kv_source_layers) or any(i >= e for i in self.engram_layers):
+                raise ValueError(f"{self.name}: CED needs every KV source at or before layer {e} and every "
+                                 f"Engram layer before it")
+        if self.engram_layers and min(self.engram_table_rows, self.engram_lookups_per_token, self.engram_head_dim) <= 0:
+            raise ValueError(f"{self.name}: Engram layers need engram_table_rows, engram_lookups_per_token "
+                             "and engram_head_dim > 0")
+
     # ------------------------------------------------------------------ structure
     @property
     def is_moe(self) -> bool:
@@ -151,6 +224,25 @@ class ModelSpec:
     def is_compressed(self) -> bool:
         """DeepSeek-V4 hybrid compressed attention (CSA/HCA + sliding window)."""
         return self.attention == "compressed"
+
+    @property
+    def is_csa2(self) -> bool:
+        """DeepSeek-V4.1 CSA2 attention (shared global KV + sliding window, :mod:`sim.csa2`)."""
+        return self.attention == "csa2"
+
+    @property
+    def is_ced(self) -> bool:
+        """Causal encoder-decoder: prompt tokens skip the decoder layers but a bounded replay."""
+        return self.ced_encoder_layers > 0
+
+    @property
+    def _encoder_layers(self) -> range:
+        """Layers every prompt token runs (all layers without a CED split)."""
+        return range(self.ced_encoder_layers or self.num_layers)
+
+    @property
+    def _decoder_layers(self) -> range:
+        return range(self.ced_encoder_layers or self.num_layers, self.num_layers)
 
     @property
     def num_moe_layers(self) -> int:
@@ -175,6 +267,8 @@ class ModelSpec:
         h, n = self.hidden_size, self.num_attention_heads
         if self.is_compressed:
             return self._compressed_attention_params() // self.num_layers
+        if self.is_csa2:
+            return self._csa2_attention_params(range(self.num_layers)) // self.num_layers
         if self.is_mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             if self.q_lora_rank:
@@ -234,6 +328,55 @@ class ModelSpec:
                 total += q * ih * idim + h * ih + compressor(idim, 4)
         return total
 
+    def _csa2_base_attention(self) -> int:
+        """One CSA2 layer's projections (the V4 set): wq_a (h x q_lora) + q_norm, wq_b (q_lora x n*hd),
+        wkv (h x hd) + kv_norm, grouped wo_a (n*hd x o_lora in all), wo_b (o_groups*o_lora x h),
+        attention sinks (n)."""
+        h, n, hd, q = self.hidden_size, self.num_attention_heads, self.head_dim, self.q_lora_rank or 0
+        base = (h * q + q + q * n * hd if q else h * n * hd) + h * hd + hd
+        return base + n * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * h + n
+
+    def _csa2_source_params(self, layer: int) -> int:
+        """A KV source's own weights: its compressor (ratio >= 2: fused wkv|wgate 2 x h x hd plus a
+        ratio x hd positional bias; ratio 1: wkv h x hd, no gate, TensorRT-LLM CSA2 README) and its
+        norm, and the index-key projection from the compressed latent (hd x index_dim + norm)."""
+        h, hd, r = self.hidden_size, self.head_dim, self.compress_ratios[layer]
+        comp = (2 * h * hd + r * hd if r >= 2 else h * hd) + hd
+        return comp + hd * self.index_head_dim + self.index_head_dim
+
+    def _csa2_attention_params(self, layers) -> int:  # noqa: ANN001
+        """Attention parameters of ``layers``: the base projections, a KV source's compressor and
+        index-key projection, an index source's indexer queries (wq_b: q_lora x index_heads *
+        index_dim) and head weights (h x index_heads)."""
+        kv, ix = set(self.kv_source_layers), set(self.index_source_layers)
+        q, ih, idim = self.q_lora_rank or 0, self.index_n_heads, self.index_head_dim
+        total = 0
+        for i in layers:
+            total += self._csa2_base_attention()
+            if i in kv:
+                total += self._csa2_source_params(i)
+            if i in ix:
+                total += q * ih * idim + self.hidden_size * ih
+        return total
+
+    @property
+    def engram_proj_params_per_layer(self) -> int:
+        """One Engram layer's dense weights: the fused key/value projection from the looked-up rows
+        (``lookups * engram_head_dim`` wide) to ``hc_mult`` keys + one value of ``hidden`` each
+        (TensorRT-LLM ``DeepseekV41Engram``: "WKV splits as [hc_mult * dim, dim] -> (keys, value)"),
+        plus the query/key gate norms (``2 * hc_mult * hidden``). V4.1-Flash: 6,144 x 25,600 +
+        40,960 = 157.3M."""
+        if not self.engram_layers:
+            return 0
+        m = max(self.hc_mult, 1)
+        return (self.engram_lookups_per_token * self.engram_head_dim * (m + 1) * self.hidden_size
+                + 2 * m * self.hidden_size)
+
+    @property
+    def engram_table_params(self) -> int:
+        """Engram table entries (rows x head_dim); not in ``total_params`` (V4.1-Flash: 196.6B)."""
+        return self.engram_table_rows * self.engram_head_dim
+
     def _layer_common(self) -> int:
         common = self.attention_params_per_layer + 2 * self.hidden_size  # + input/post-attn norms
         if self.hc_mult:  # mHC mixing for the attention and FFN sublayer: fn, base, scale each
@@ -253,6 +396,10 @@ class ModelSpec:
         per_layer = self.num_layers * self._layer_common()
         if self.is_compressed:  # attention params are not the same in every layer: count them whole
             per_layer += self._compressed_attention_params() - self.num_layers * self.attention_params_per_layer
+        if self.is_csa2:
+            per_layer += (self._csa2_attention_params(range(self.num_layers))
+                          - self.num_layers * self.attention_params_per_layer
+                          + len(self.engram_layers) * self.engram_proj_params_per_layer)
         ffn = self.num_dense_ffn_layers * self._dense_ffn()
         moe = self.num_moe_layers * (self._moe_non_routed() + self.num_routed_experts * self.params_per_expert)
         return self.embedding_params + self.lm_head_params + self.hidden_size + per_layer + ffn + moe
@@ -277,6 +424,81 @@ class ModelSpec:
         shared experts, router, LM head): done by the rank that owns the token."""
         return self.linear_flops_per_token - self.expert_flops_per_token
 
+    # --- prompt tokens vs decode tokens (DeepSeek-V4.1 causal encoder-decoder) ---
+    # A decode token runs every layer (the properties above). Under CED a prompt token runs only
+    # the encoder layers plus the boundary layer's GLOBAL/index projections; the decoder layers
+    # (and the LM head) run on the prompt's last ``ced_replay_tokens`` rows (replay_rows), each
+    # costing the difference, so ``prefill + replay == decode`` per token; a prefix hit re-runs its
+    # last window through the encoder (rebuild_rows). Without CED the prefill values are the
+    # decode ones and the replay ones 0.
+    def _csa2_layer_dense(self, i: int) -> int:
+        """Layer ``i``'s non-routed weights: attention (with its compressor/indexer), norms, mHC,
+        shared experts + router (or a dense FFN), Engram projection."""
+        common = self._layer_common() - self.attention_params_per_layer + self._csa2_attention_params((i,))
+        ffn = self._moe_non_routed() if (self.is_moe and i >= self.first_k_dense) else self._dense_ffn()
+        return common + ffn + (self.engram_proj_params_per_layer if i in self.engram_layers else 0)
+
+    @property
+    def prefill_dense_flops_per_token(self) -> float:
+        """Non-expert linear FLOPs of one prompt token. CED: ``2 * (encoder layers' non-routed
+        weights + the boundary layer's KV-source projections and input norm)``; no LM head."""
+        if not self.is_ced:
+            return self.dense_flops_per_token
+        e = self.ced_encoder_layers
+        enc = sum(self._csa2_layer_dense(i) for i in self._encoder_layers)
+        prepass = self.hidden_size + (self._csa2_source_params(e) if e in self.kv_source_layers else 0)
+        return 2.0 * (enc + prepass)
+
+    @property
+    def prefill_expert_flops_per_token(self) -> float:
+        """Routed-expert FLOPs of one prompt token: ``2 * experts_per_token * params_per_expert``
+        per MoE layer it runs (CED: the encoder's)."""
+        if not self.is_ced:
+            return self.expert_flops_per_token
+        moe = sum(1 for i in self._encoder_layers if self.is_moe and i >= self.first_k_dense)
+        return 2.0 * moe * self.experts_per_token * self.params_per_expert
+
+    @property
+    def replay_dense_flops_per_token(self) -> float:
+        """Non-expert FLOPs of one replayed (decoder) prefill row: decode token - prompt token."""
+        return self.dense_flops_per_token - self.prefill_dense_flops_per_token if self.is_ced else 0.0
+
+    @property
+    def replay_expert_flops_per_token(self) -> float:
+        return self.expert_flops_per_token - self.prefill_expert_flops_per_token if self.is_ced else 0.0
+
+    @property
+    def prefill_activated_params(self) -> float:
+        """Parameters a prompt token passes through, incl. its embedding row (V4.1-Flash: 8.5B, the
+        published "8B activated while reading input" without embedding)."""
+        if not self.is_ced:
+            return float(self.activated_params)
+        return self.embedding_params + (self.prefill_dense_flops_per_token + self.prefill_expert_flops_per_token) / 2.0
+
+    def replay_rows(self, new_tokens, cached_tokens=0.0):  # noqa: ANN001, ANN201
+        """Decoder rows of a prefill chunk of ``new_tokens`` after ``cached_tokens``: the prompt's
+        last window, ``min(cached + new, ced_replay_tokens)`` under CED (TensorRT-LLM executes "the
+        intersection of each context chunk with the final prompt window [max(0, prompt_end -
+        window), prompt_end)"; cached positions in that window have no decoder KV and are replayed
+        too), else 0. Every chunk is taken as the prompt's last (a chunk does not say): an earlier
+        chunk of a long prompt is overcharged by up to ``ced_replay_tokens`` rows."""
+        c = np.asarray(new_tokens, dtype=np.float64)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        out = np.minimum(c + p, float(self.ced_replay_tokens)) * (c > 0) if self.is_ced else 0.0 * (c + p)
+        return out if np.ndim(out) else float(out)
+
+    def rebuild_rows(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
+        """Cached tokens a prefill chunk re-runs through the encoder: ``min(cached, sliding_window)``
+        under CED. SWA bounded replay keeps the window rows out of the prefix cache and "rebuilds it
+        after a prefix hit by recomputing the hit's last window" (vLLM's DeepseekV41ModelState;
+        TensorRT-LLM: "Encoder replay starts at max(0, C - window_size)"); the global records of
+        those tokens stay cached. A chunk continuing its own prompt (cached = its earlier chunks,
+        whose windows are live) is charged the same: up to ``sliding_window`` rows too many."""
+        c = np.asarray(new_tokens, dtype=np.float64)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        out = np.minimum(p, float(self.sliding_window)) * (c > 0) if self.is_ced else 0.0 * (c + p)
+        return out if np.ndim(out) else float(out)
+
     @property
     def attn_flops_per_pair(self) -> float:
         """FLOPs of one (query, key) pair over all layers, in the decode formulation.
@@ -293,7 +515,7 @@ class ModelSpec:
         projections cost ``2 * kv_b_proj params`` per token, which ``linear_flops_per_token``
         already counts.
         """
-        if self.is_compressed:  # per (query, key row) of ONE layer: see decode_attended_keys
+        if self.is_compressed or self.is_csa2:  # per (query, key row) of ONE layer: see decode_attended_keys
             return float(self.num_attention_heads * 2 * (self.head_dim + self.head_dim))
         if self.is_mla:
             return float(self.num_layers * self.num_attention_heads * 2
@@ -349,7 +571,13 @@ class ModelSpec:
 
         Hand check (V4-Flash, L = 5,000): 43 * 128 + 21 * 512 + 20 * 5000/128 = 5,504 + 10,752 +
         781.25 = 17,037.25.
+
+        CSA2 (DeepSeek-V4.1, :mod:`sim.csa2`): every layer's window plus, for a layer with ratio
+        > 0, ``min(index_topk, L / r)`` rows of its KV source (``r`` the source's ratio); V4.1-Flash
+        at L = 5,000: 40 * 128 + 38 * 512 = 24,576.
         """
+        if self.is_csa2:
+            return csa2.eval_terms(self.csa2_terms["att"], ctx_tokens)
         L = np.asarray(ctx_tokens, dtype=np.float64)
         if not self.is_compressed:
             return self.num_layers * L
@@ -359,7 +587,10 @@ class ModelSpec:
 
     def indexer_keys(self, ctx_tokens):  # noqa: ANN001, ANN201
         """(query, compressed key) pairs the lightning indexers score for one query seeing
-        ``ctx_tokens`` tokens: ``num_csa_layers * L / 4`` (0 without CSA layers)."""
+        ``ctx_tokens`` tokens: ``num_csa_layers * L / 4`` (0 without CSA layers); CSA2: each index
+        source scores its KV source's ``L / r`` keys (candidate consumers at most the candidate pool)."""
+        if self.is_csa2:
+            return csa2.eval_terms(self.csa2_terms["idx"], ctx_tokens)
         L = np.asarray(ctx_tokens, dtype=np.float64)
         out = self.num_csa_layers * L / 4.0 if self.is_compressed else 0.0 * L
         return out if np.ndim(out) else float(out)
@@ -372,6 +603,11 @@ class ModelSpec:
         kinds: ``ctx_tokens * kv_bytes_per_token``. V4-Flash at L = 5,000: 17,037.25 * 584 +
         26,250 * 132 = 13.41 MB (DeepSeek-V3, BF16 MLA: 5,000 * 70,272 = 351 MB).
         """
+        if self.is_csa2:  # window rows, selected global main records, scored index records
+            t = self.csa2_terms
+            return (csa2.eval_terms(t["win"], ctx_tokens) * self.swa_row_bytes
+                    + csa2.eval_terms(t["glob"], ctx_tokens) * self.kv_row_bytes
+                    + csa2.eval_terms(t["idx"], ctx_tokens) * self.index_row_bytes)
         if not self.is_compressed:
             out = np.asarray(ctx_tokens, dtype=np.float64) * self.kv_bytes_per_token
             return out if out.ndim else float(out)
@@ -400,6 +636,8 @@ class ModelSpec:
         ``cached_tokens``: the sum of :meth:`decode_attended_keys` over the chunk's positions
         (trapezoid rule). For MLA/GQA the causal pair count ``c * p + c * (c + 1) / 2`` (per
         layer-summed convention of ``prefill_attn_flops_per_pair``)."""
+        if self.is_csa2:
+            return self._csa2_chunk_sum("att_enc", "att_dec", new_tokens, cached_tokens)
         if not self.is_compressed:
             return _causal_pairs(new_tokens, cached_tokens)
         out = self._prefix_sum((self._attended_integral, self.decode_attended_keys), new_tokens, cached_tokens)
@@ -408,15 +646,54 @@ class ModelSpec:
     def prefill_indexer_keys(self, new_tokens, cached_tokens):  # noqa: ANN001, ANN201
         """Indexer (query, key) pairs of a prefill chunk: ``num_csa_layers / 4`` times the causal
         pair count."""
+        if self.is_csa2:
+            return self._csa2_chunk_sum("idx_enc", "idx_dec", new_tokens, cached_tokens)
         if not self.is_compressed:
             return 0.0 * _causal_pairs(new_tokens, cached_tokens)
         return self.num_csa_layers / 4.0 * _causal_pairs(new_tokens, cached_tokens)
+
+    @functools.cached_property
+    def csa2_terms(self) -> dict[str, csa2.Terms]:
+        """Piecewise-linear counts per query (:mod:`sim.csa2`): ``win``/``glob`` window and global
+        rows attended, ``att`` both, ``idx`` index keys scored, over all layers; ``att_enc``/
+        ``idx_enc`` over the encoder layers and ``att_dec``/``idx_dec`` over the decoder ones."""
+        r, kv, ix = self.compress_ratios, self.kv_source_layers, self.index_source_layers
+        geo = dict(sliding_window=self.sliding_window, index_topk=self.index_topk)
+        cand = dict(candidate_source=self.candidate_source_layer if self.candidate_source_layer >= 0 else None,
+                    candidate_tokens=self.candidate_tokens)
+        every = range(self.num_layers)
+        return {
+            "win": csa2.attended_terms(r, kv, **geo, layers=every, global_rows=False),
+            "glob": csa2.attended_terms(r, kv, **geo, layers=every, window=False),
+            "att": csa2.attended_terms(r, kv, **geo, layers=every),
+            "idx": csa2.indexer_terms(r, kv, ix, **cand, layers=every),
+            "att_enc": csa2.attended_terms(r, kv, **geo, layers=self._encoder_layers),
+            "att_dec": csa2.attended_terms(r, kv, **geo, layers=self._decoder_layers),
+            "idx_enc": csa2.indexer_terms(r, kv, ix, **cand, layers=self._encoder_layers),
+            "idx_dec": csa2.indexer_terms(r, kv, ix, **cand, layers=self._decoder_layers),
+        }
+
+    def _csa2_chunk_sum(self, enc: str, dec: str, new_tokens, cached_tokens):  # noqa: ANN001, ANN202
+        """A prefill chunk of ``c`` new tokens after ``p`` cached: the encoder terms summed over its
+        positions ``p+1 .. p+c`` and the rebuilt window before them (:meth:`rebuild_rows`), the
+        decoder terms over the prompt's last window (:meth:`replay_rows`)."""
+        c = np.asarray(new_tokens, dtype=np.float64)
+        p = np.asarray(cached_tokens, dtype=np.float64)
+        t = self.csa2_terms
+        if not self.is_ced:
+            out = csa2.sum_terms(t[enc], p, p + c)
+        else:
+            out = (csa2.sum_terms(t[enc], p - self.rebuild_rows(c, p), p + c)
+                   + csa2.sum_terms(t[dec], p + c - self.replay_rows(c, p), p + c))
+        return out if np.ndim(out) else float(out)
 
     @property
     def kv_bytes_per_seq_fixed(self) -> int:
         """Per-sequence KV that does not grow with context: the sliding-window rows of every layer
         (``num_layers * sliding_window * kv_row_bytes``; V4-Flash 43 * 128 * 584 = 3.21 MB). 0 for
         other kinds."""
+        if self.is_csa2:  # CSA2 keeps its window rows in their own format (swa_row_bytes)
+            return self.num_layers * self.sliding_window * self.swa_row_bytes
         return self.num_layers * self.sliding_window * self.kv_row_bytes if self.is_compressed else 0
 
     # ------------------------------------------------------------------ bytes
@@ -431,7 +708,13 @@ class ModelSpec:
         plus one ``index_row_bytes`` indexer key per 4 tokens per CSA layer, rounded up; the
         sliding-window rows are per sequence (:attr:`kv_bytes_per_seq_fixed`). V4-Flash:
         21 * (584 + 132) / 4 + 20 * 584 / 128 = 3,850.25 -> 3,851 B (DeepSeek-V3 BF16: 70,272 B).
+        CSA2 (DeepSeek-V4.1): one ``kv_row_bytes`` main + one ``index_row_bytes`` index record per
+        ``r`` tokens of each KV source only (the other layers read the sources' rows); V4.1-Flash:
+        3 * (288 + 68) / 2 + (288 + 68) = 890 B. This is the prefix-cacheable, transferable part.
         """
+        if self.is_csa2:  # one main + one index record per r tokens of each KV source (window: per seq)
+            return math.ceil(sum((self.kv_row_bytes + self.index_row_bytes) / self.compress_ratios[i]
+                                 for i in self.kv_source_layers))
         if self.is_compressed:  # amortised compressed rows + indexer keys (window: kv_bytes_per_seq_fixed)
             b = sum((self.kv_row_bytes + (self.index_row_bytes if r == 4 else 0)) / r
                     for r in self.compress_ratios if r)

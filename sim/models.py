@@ -131,7 +131,98 @@ DEEPSEEK_V4_FLASH = ModelSpec(
     expert_weight_bytes_per_param=0.5 + 1 / 32,
 )
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_8B, LLAMA_3_1_70B)}
+# DeepSeek-V4.1-Flash (deepseek-ai/DeepSeek-V4.1-Flash on Hugging Face, released 2026-10; MIT;
+# DeepseekV41ForCausalLM, model_type deepseek_v41, language model in a nested text_config). Sources:
+#   [trt-cfg]  NVIDIA/TensorRT-LLM tensorrt_llm/_torch/configs/deepseek_v41.py, DeepseekV41TextConfig
+#              ("Every default here is the released DeepSeek-V4.1-Flash value"): hidden 5120, 40 layers,
+#              64 heads x head_dim 512, 1 KV head, qk_rope 64, q_lora 1280, o_lora 1024, o_groups 8,
+#              vocab 129,280, 384 routed + 1 shared experts, top-6, moe_intermediate 2304, no dense
+#              layer, no hash routing, no node-limited routing ("noaux_tc degrades to plain top-k"),
+#              sliding_window 128, index 32 heads x 128, index_topk 512, candidate source layer 20 with
+#              2048 blocks x 8 tokens, hc_mult 4, Engram (8 heads x 256, max n-gram 4), DSpark 3 stages;
+#              routed experts OCP MXFP4 (e2m1, two per byte, one e8m0 scale per 32), dense FP8 e4m3
+#              32x32 blocks; kv_bytes_per_token docstring: "three ratio-2 source layers (2, 8, 14)
+#              emitting every other position, plus the one ratio-1 source layer (20)".
+#   [cfg]      the released text_config values as quoted in public test fixtures (vllm-ascend /
+#              TensorRT-LLM tests, found by find_string): compress_ratios [0, 0] + [2] * 18 + [1] * 20
+#              (+ [0] * 3 for the DSpark layers), kv_source_layer_ids [2, 8, 14, 20],
+#              index_source_layer_ids [2, 8, 14, 20, 24, 28, 32, 36], engram_layer_ids [1, 14],
+#              engram_num_embeddings [384,006,168, 384,016,682], num_nextn_predict_layers 3.
+#   [trt-csa2] TensorRT-LLM _torch/attention/backends/sparse/csa2/README.md: per global position a
+#              288-byte main record (NVFP4 e2m1 + e4m3 scale per 16 channels: 512 * (0.5 + 1/16)) and
+#              a 68-byte index record (MXFP4: 128 * (0.5 + 1/32)); "The published layout uses 890
+#              global bytes per original token, excluding SWA"; "SWA uses 528-byte E4M3/power-of-two
+#              rows"; CED: "Replay is enabled by default and retains one SWA window: 128 rows at layer
+#              20", "The CED prepass applies the boundary layer's collapse, normalization and
+#              GLOBAL/index projections to the complete encoder states before narrowing decoder
+#              queries", "Earlier chunks publish complete Encoder GLOBAL/index KV without Decoder
+#              queries".
+#   [card]     model card as quoted by providers (docs.oxen.ai "DeepSeek V4.1 Flash", docs.thehive.ai):
+#              552B backbone, Causal Encoder-Decoder, "activates 8B parameters while reading input and
+#              16B while generating output", "compresses the KV cache to roughly a quarter of V4
+#              Flash's footprint", 1M context.
+# Layers 0..19 are the causal encoder (every prompt token), 20..39 the decoder (decode tokens, and
+# the prompt's last 128 rows); layer 20's GLOBAL projection runs for every prompt token.
+# (vLLM's V4.1 model state replays from layer 21, i.e. runs all of layer 20 on every prompt token:
+# one layer, ~5% of a prompt token's FLOPs; the TensorRT-LLM split is used here.)
+# Derived here (tests/test_models_v41.py): 551.8B total (card: 552B; Engram tables, 196.6B, and the
+# vision tower and DSpark layers excluded), 16.1B linear parameters per decode token (card 16B) and
+# 7.9B per prompt token (card 8B), both excluding the input embedding; KV 890 B per token (3 x 356 /
+# 2 + 356) + 2.70 MB of window rows per sequence (40 x 128 x 528). Against V4-Flash's 3,851 B the
+# persistent KV is 0.23x ("roughly a quarter"; the 1/8 quoted in pdlb's issue 15 was not found).
+# Engram: tables held in pinned host memory (TensorRT-LLM DeepseekV41Engram: "table shards stay in
+# pinned CPU memory") and looked up asynchronously before layer 0 (hashes depend on token ids only);
+# 2 layers x 24 rows x 264 B = 12.7 KB per token (colibri docs/deepseek-v41.md: "~13 KB of engram per
+# token"): 4.6 MB for a 360-token decode step and 208 MB for a 16k-token prefill step, < 1% of either
+# step at 50 GB/s host bandwidth and overlapped, so not in the step time; their 157M-parameter key/value
+# projections are in the encoder's dense FLOPs. Not modelled: the DSpark drafter (the scenario's
+# speculative settings), the vision tower. A prefix hit re-runs the hit's last 128 tokens through the
+# encoder (SWA bounded replay: ModelSpec.rebuild_rows) and the decoder replays the prompt's last 128.
+DEEPSEEK_V41_FLASH = ModelSpec(
+    name="deepseek-v4.1-flash",
+    num_layers=40,  # trt-cfg
+    hidden_size=5120,  # trt-cfg
+    num_attention_heads=64,  # trt-cfg
+    vocab_size=129280,  # trt-cfg
+    intermediate_size=0,  # trt-cfg: no dense FFN layer
+    attention="csa2",
+    num_kv_heads=1,  # trt-cfg
+    head_dim=512,  # trt-cfg
+    q_lora_rank=1280,  # trt-cfg
+    qk_rope_head_dim=64,  # trt-cfg
+    o_lora_rank=1024,  # trt-cfg
+    o_groups=8,  # trt-cfg
+    compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20,  # cfg (the 3 trailing DSpark entries dropped)
+    kv_source_layers=(2, 8, 14, 20),  # cfg
+    index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),  # cfg
+    candidate_source_layer=20,  # trt-cfg
+    candidate_tokens=2048 * 8,  # trt-cfg: candidate_topk_blocks x candidate_block_size
+    sliding_window=128,  # trt-cfg
+    index_topk=512,  # trt-cfg
+    index_n_heads=32,  # trt-cfg
+    index_head_dim=128,  # trt-cfg
+    hc_mult=4,  # trt-cfg
+    kv_row_bytes=288,  # trt-csa2: main record
+    index_row_bytes=68,  # trt-csa2: index record
+    swa_row_bytes=528,  # trt-csa2
+    ced_encoder_layers=20,  # trt-csa2: decoder replay starts at layer 20
+    ced_replay_tokens=128,  # trt-csa2: one SWA window (not enlarged for DSpark capture: unpublished)
+    engram_layers=(1, 14),  # cfg
+    engram_table_rows=384006168 + 384016682,  # cfg
+    engram_lookups_per_token=(4 - 1) * 8,  # trt-cfg: (max_ngram_size - 1) x n_heads
+    engram_head_dim=256,  # trt-cfg
+    num_routed_experts=384,  # trt-cfg
+    experts_per_token=6,  # trt-cfg
+    num_shared_experts=1,  # trt-cfg
+    moe_intermediate_size=2304,  # trt-cfg
+    first_k_dense=0,  # trt-cfg
+    weight_bytes=1,  # trt-cfg: dense FP8 e4m3
+    kv_bytes=1,
+    expert_weight_bytes_per_param=0.5 + 1 / 32,  # trt-cfg: MXFP4 experts
+)
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, DEEPSEEK_V41_FLASH, LLAMA_3_1_8B,
+                                                    LLAMA_3_1_70B)}
 
 #: shipped Hugging Face configs (``sim/data/models/*.json``; each names its source repository)
 HF_PRESET_DIR = Path(__file__).parent / "data" / "models"

@@ -23,8 +23,7 @@ Workload assumptions (not published, stated where used):
 * DeepSeek decode: 88 sequences per GPU (14.8k tok/s per node / 8 GPUs / 21 tok/s per sequence),
   context 4,989 tokens, MTP: each step verifies 2 tokens per sequence and yields 1.875 (second-token
   acceptance 85-90%, DeepSeek-V3 paper sec. 5.4.3).
-* DeepInfer (``deepinfer-sm100``; DeepSeek-V4-Flash stands in for V4.1 Flash, whose architecture
-  DeepSeek published on 2026-10-14 but pdlb does not model yet, :data:`V41_NOT_MODELLED`):
+* DeepInfer (``deepinfer-sm100``, DeepSeek-V4.1-Flash: ``deepseek-v4.1-flash``, docs/models.md):
   decode at 60 sequences per GPU (the published operating point of its speculative-decoding note),
   context 4,989 (DeepSeek's published V3 average; DeepInfer's is not published), with the preset's
   ``[speculative]`` table (DSpark-5 as in DeepSeek's production: a parallel drafter proposes a
@@ -77,14 +76,6 @@ DS_DECODE_SEQS_PER_GPU = round(14_800 / 8 / 21)
 #: DeepSeek-V3 paper sec. 5.4.3: MTP second-token acceptance 85-90% -> 1.875 tokens per step
 DS_MTP_TOKENS_PER_STEP = 1.875
 DEEPINFER_DECODE_SEQS_PER_GPU = 60
-#: why the DeepInfer rows' numbers are V4-Flash's: V4.1-Flash is published (deepseek-ai/DeepSeek-V4.1-
-#: Flash, ``DeepseekV41ForCausalLM``, released 2026-10-14; NeMo AutoModel's model page: 40 layers,
-#: 384 routed experts top-6 + 1 shared, CSA2 attention sharing compressed KV and index state across
-#: layers, single-pass mHC, Engram tables at layers 1 and 14; model cards: 8B active parameters per
-#: prefill token and 16B per decode token, KV about a quarter of V4-Flash's), but pdlb's roofline has
-#: no encoder/decoder split of the active parameters, no cross-layer KV sharing and no Engram lookup
-V41_NOT_MODELLED = ("readings on the V4-Flash stand-in: V4.1-Flash's architecture is published (2026-10-14) "
-                    "but not modelled (8B / 16B active parameters per prefill / decode token, shared KV, Engram)")
 #: uncalibrated normal-mode (prefill) dispatch/combine efficiency: DeepEP README, normal kernels on
 #: H800 + CX7 at EP32: 44 GB/s dispatch, 47 GB/s combine RDMA bottleneck bandwidth of ~50 GB/s
 NORMAL_COMM_EFFICIENCY = 0.9
@@ -436,20 +427,22 @@ FIGURES: tuple[Figure, ...] = (
                       "model unless halving the batch costs >= 8.1% per token (the model: -0.4%)"),
     Figure("deepinfer-decode-seq", "decode tok/s per sequence", DEEPINFER, 230, "tok/s",
            "deepinfer-sm100", _deepinfer_decode_seq,
-           f"V4-Flash arch, {DEEPINFER_DECODE_SEQS_PER_GPU} seqs/GPU, ctx 4,989 (assumed), DSpark-5 dynamic "
+           f"V4.1-Flash, {DEEPINFER_DECODE_SEQS_PER_GPU} seqs/GPU, ctx 4,989 (assumed), DSpark-5 dynamic "
            "verification (acceptance beyond position 1 assumed), 64 GPUs in one NVLink domain (assumed; "
-           "8-GPU nodes with 400/800 Gb/s NICs give 103/188 tok/s: the interconnect is unpublished)",
-           blocked_by="DeepInfer's decode interconnect (the model gives 405 tok/s with the 64 GPUs in one NVLink "
-                      "domain, 188 / 103 on 8-GPU nodes with 800 / 400 Gb/s NICs; 230 lies between) and, after "
-                      "it, DSpark-5's per-position acceptance on V4 traffic; " + V41_NOT_MODELLED),
+           "8-GPU nodes with 400/800 Gb/s NICs give 91/169 tok/s: the interconnect is unpublished)",
+           blocked_by="DeepInfer's decode interconnect (the model gives 353 tok/s with the 64 GPUs in one NVLink "
+                      "domain, 169 / 91 on 8-GPU nodes with 800 / 400 Gb/s NICs; 230 lies between) and, after "
+                      "it, DSpark-5's per-position acceptance on V4.1 traffic"),
     Figure("deepinfer-ttft", "mean TTFT at 96% input cache hit", DEEPINFER, 400, "ms",
            "deepinfer-sm100", _deepinfer_ttft_ms,
            f"saturated EP4 prefill, 16,384 new tokens/GPU/step of {DS_PROMPT_TOKENS}-token prompts (assumed), "
            "wait 1/2 step + 1 step + KV transfer + first decode step (the prefill load is unpublished: "
-           "TTFT is ~linear in it, 400 ms <-> ~12k new tokens/GPU/step)",
+           "TTFT is ~linear in it, 400 ms <-> ~8k new tokens/GPU/step)",
            blocked_by="DeepInfer's prefill load (new tokens per GPU per step, or the request rate) at which the "
                       "~400 ms was measured: a saturated EP4 unit's mean TTFT is ~linear in it (4,096 / 8,192 / "
-                      "12,288 / 16,384 new tokens per GPU per step: 142 / 271 / 405 / 534 ms; " + V41_NOT_MODELLED + ")"),
+                      "12,288 / 16,384 new tokens per GPU per step: 209 / 404 / 608 / 803 ms), and, at 96% hits, "
+                      "the prompt length (2K / 4K / 8K / 16K / 32K: 1,340 / 832 / 577 / 463 / 387 ms at 16,384): "
+                      "each prompt's 175 new tokens bring 128 rebuilt encoder rows and 128 decoder rows"),
     Figure("deepinfer-spec-gain-60", "dynamic vs fixed 5-token verification, ~60 seqs/rank", DEEPINFER, 5.5, "%",
            "deepinfer-sm100", _spec_gain_60, "mean-field load-aware pruning of DSpark's 5-token block "
            "(sim/perf/spec.py)",
@@ -458,10 +451,10 @@ FIGURES: tuple[Figure, ...] = (
            "deepinfer-sm100", _spec_gain_max_16_96, "published spread -1.5% .. +11%: the largest must be <= 11 "
            "(simulated at 96: the gain rises with load)",
            published_range=(4.0, 11.0),
-           blocked_by="DSpark-5's per-position acceptance on V4 traffic and its spread across requests (plotted "
-                      "for Qwen3 targets only): the gain at 96 is +12.3% with the assumed decay of 0.05 per "
-                      "position, +1.3% with a flat 0.875; fitting the curve to the published gains would make "
-                      "them no longer held out; " + V41_NOT_MODELLED),
+           blocked_by="DSpark-5's per-position acceptance on V4.1 traffic and its spread across requests (plotted "
+                      "for Qwen3 targets only): the gain at 96 is +14.0% with the assumed decay of 0.05 per "
+                      "position, +2.2% with a flat 0.875; fitting the curve to the published gains would make "
+                      "them no longer held out"),
     Figure("deepinfer-spec-gain-min", "dynamic vs fixed gain, smallest over 16-96 seqs/rank", DEEPINFER, -1.5, "%",
            "deepinfer-sm100", _spec_gain_min_16_96, "published spread -1.5% .. +11%: the smallest must be >= -1.5 "
            "(simulated at light load: nothing to prune, no scheduling overhead)",

@@ -67,7 +67,7 @@ def test_published_deployment_shapes():
     assert (sg.hardware, sg.prefill.dp_ranks, sg.decode.dp_ranks, sg.decode.max_decode_batch) == ("H100", 32, 72, 256)
     # DeepInfer: 4 SM100 GPUs prefill, 64 decode (EP64); SM100 = B200-class
     di = load_scenario("deepinfer-sm100")
-    assert (di.hardware, di.model, di.prefill.num_gpus, di.decode.num_gpus) == ("B200", "deepseek-v4-flash", 4, 64)
+    assert (di.hardware, di.model, di.prefill.num_gpus, di.decode.num_gpus) == ("B200", "deepseek-v4.1-flash", 4, 64)
     assert di.num_gpus == 68
     for sc in (ds, sg, di):
         assert sc.prefill.ep and sc.decode.ep and sc.prefill.gpus_per_rank == sc.decode.gpus_per_rank == 1

@@ -114,6 +114,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
+from sim import csa2
 from sim.hardware import HardwareSpec, get_hardware
 from sim.models import ModelSpec, get_model
 from sim.perf.imbalance import EPLB_RESIDUAL_STD, eplb_imbalance
@@ -255,7 +256,7 @@ class RooflinePerf:
         self.expert_gpus = self.num_gpus if self.ep_synchronous else tp
         #: fraction of a token's KV one GPU of a rank stores/reads
         self.kv_gpu_share = (1.0 / tp if self.context_parallel
-                             else 1.0 if (m.is_mla or m.is_compressed) else 1.0 / min(tp, m.num_kv_heads))
+                             else 1.0 if (m.is_mla or m.is_compressed or m.is_csa2) else 1.0 / min(tp, m.num_kv_heads))
 
         # ---- per-GPU coefficients (rank-local part) ----
         lin_peak = hw.peak_flops(m.weight_bytes) * self.mfu
@@ -264,11 +265,29 @@ class RooflinePerf:
         # seconds of compute per unit of work on one GPU of the rank
         dense_per_tok = m.dense_flops_per_token if m.is_moe else m.linear_flops_per_token
         self._c_tok = dense_per_tok / tp / lin_peak
+        #: causal encoder-decoder (DeepSeek-V4.1): a prompt token runs the encoder, a replayed row the
+        #: decoder (ModelSpec.prefill_* / replay_*); expert and dispatch work in decode-token units
+        self._ced = m.is_ced
+        if self._ced:
+            pf_tok = m.prefill_dense_flops_per_token if m.is_moe else m.prefill_dense_flops_per_token + m.prefill_expert_flops_per_token
+            rp_tok = m.replay_dense_flops_per_token if m.is_moe else m.replay_dense_flops_per_token + m.replay_expert_flops_per_token
+            self._c_tok_pf, self._c_tok_rp = pf_tok / tp / lin_peak, rp_tok / tp / lin_peak
+            full = m.expert_flops_per_token if m.is_moe else 1.0
+            self._moe_pf = m.prefill_expert_flops_per_token / full if m.is_moe else 0.0
+            self._moe_rp = m.replay_expert_flops_per_token / full if m.is_moe else 0.0
         self._c_pf_pair = m.prefill_attn_flops_per_pair / tp / attn_peak
         self._c_dec_pair = m.attn_flops_per_pair / tp / attn_peak
         #: compressed attention (DeepSeek-V4): pairs are (query, key row) of one layer, see _step
-        self._sparse = m.is_compressed
+        self._sparse = m.is_compressed or m.is_csa2
         self._c_idx_pair = (m.indexer_flops_per_pair / tp / (hw.fp8_flops * self.mfu)) if self._sparse else 0.0
+        if m.is_csa2:  # attention + indexer seconds (and decode KV bytes) as one set of terms each
+            t = m.csa2_terms
+            self._t_enc = csa2.combine((t["att_enc"], self._c_pf_pair), (t["idx_enc"], self._c_idx_pair))
+            self._t_dec = csa2.combine((t["att_dec"], self._c_pf_pair), (t["idx_dec"], self._c_idx_pair))
+            self._t_decode = csa2.combine((t["att"], self._c_dec_pair), (t["idx"], self._c_idx_pair))
+            self._t_kv = csa2.combine((t["win"], m.swa_row_bytes / m.kv_bytes_per_token),
+                                      (t["glob"], m.kv_row_bytes / m.kv_bytes_per_token),
+                                      (t["idx"], m.index_row_bytes / m.kv_bytes_per_token))
         # seconds of HBM traffic
         self._m_weights = m.dense_weight_read_bytes / (1 if self.context_parallel else tp) / bw
         self._m_kv_tok = self.kv_bytes_per_token * self.kv_gpu_share / bw
@@ -462,7 +481,11 @@ class RooflinePerf:
 
         dtok = ds * k_verify if k_verify != 1.0 else ds  # decode tokens computed (verification: k per seq)
         tokens = pt + dtok if has_prefill else dtok  # (0 + x == x)
-        if self._sparse:
+        if self._sparse and self.model.is_csa2:
+            # tokens becomes the MoE/dispatch work in decode-token units (CED: a prompt token runs
+            # only the encoder's MoE layers)
+            compute, kv_tokens, tokens = self._csa2_work(pt, pp, pc, ds, dc, dtok, k_verify, has_prefill)
+        elif self._sparse:
             compute, kv_tokens = self._sparse_work(pt, pp, pc, ds, dc, tokens, k_verify, has_prefill)
         else:
             dpairs = dc * k_verify if k_verify != 1.0 else dc  # each verified token attends the context
@@ -539,6 +562,55 @@ class RooflinePerf:
             kv_read = kv_read + ds * (m.decode_kv_read_bytes(L) / self.kv_bytes_per_token)
         compute = tokens * self._c_tok + att + idx * self._c_idx_pair
         return compute, kv_read + tokens
+
+    def _csa2_work(self, pt, pp, pc, ds, dc, dtok, k_verify, has_prefill):  # noqa: ANN001, ANN202
+        """``(compute seconds, KV tokens read + written, MoE tokens)`` of a rank under CSA2 attention
+        with a causal encoder-decoder (DeepSeek-V4.1, :mod:`sim.csa2`).
+
+        * Prefill: the rank's ``pt`` new tokens after ``pc`` cached are taken as ``m`` equal chunks
+          of ``c`` after ``p`` (recovered from ``pp`` as in :meth:`_sparse_work`). Every new token,
+          and the ``rebuild_rows(c, p)`` cached ones whose window rows a prefix hit must rebuild,
+          runs the encoder (``prefill_dense_flops_per_token``); each chunk replays the prompt's last
+          ``replay_rows(c, p)`` rows through the decoder (``replay_dense_flops_per_token``).
+          Attention rows and index keys: :meth:`ModelSpec.prefill_attended_keys` /
+          :meth:`~ModelSpec.prefill_indexer_keys` of the chunk (the same rows). The cached prefix's
+          global KV is read once.
+        * Decode: as :meth:`_sparse_work` (mean context ``L = dc / ds``; every layer; the KV of a
+          sequence read once: window rows, selected global records, scored index records).
+        * MoE tokens: ``dtok + pt * prefill_expert/expert + replay rows * replay_expert/expert``
+          (0.5 each for V4.1-Flash: 20 of the 40 MoE layers), which scales the expert roofline and
+          the dispatch/combine bytes (both per MoE layer a token passes).
+        * Written: ``kv_bytes_per_token`` per new token (window rows not counted, as for V4).
+        """
+        # same sums as ModelSpec.prefill_attended_keys / prefill_indexer_keys / decode_attended_keys /
+        # indexer_keys / decode_kv_read_bytes, weighted by their seconds (bytes) in one pass each
+        m = self.model
+        has_dec = bool(np.any(ds))
+        attn = 0.0
+        lin = dtok * self._c_tok
+        moe_tok = dtok
+        kv_read = pc if has_prefill else 0.0
+        if has_prefill:
+            safe = np.where(pt > 0, pt, 1.0)
+            chunk = np.maximum((pp / safe - 0.5) / (pc / safe + 0.5), 1.0)
+            chunks = np.where(pt > 0, pt / chunk, 0.0)
+            p = pc / safe * chunk
+            if self._ced:
+                rebuild, replay = m.rebuild_rows(chunk, p), m.replay_rows(chunk, p)
+                attn = chunks * (csa2.sum_terms(self._t_enc, p - rebuild, p + chunk)
+                                 + csa2.sum_terms(self._t_dec, p + chunk - replay, p + chunk))
+                enc, rows = pt + chunks * rebuild, chunks * replay
+                lin = lin + enc * self._c_tok_pf + rows * self._c_tok_rp
+                moe_tok = moe_tok + enc * self._moe_pf + rows * self._moe_rp
+            else:
+                attn = chunks * csa2.sum_terms(self._t_enc, p, p + chunk)
+                lin = lin + pt * self._c_tok
+                moe_tok = moe_tok + pt
+        if has_dec:
+            L = dc / np.where(ds > 0, ds, 1.0)
+            attn = attn + (ds * k_verify) * csa2.eval_terms(self._t_decode, L)
+            kv_read = kv_read + ds * csa2.eval_terms(self._t_kv, L)
+        return lin + attn, kv_read + pt + dtok, moe_tok
 
     def _step_ext(self, rank, rank_max, moe, comm, pf):  # noqa: ANN001, ANN202
         """The opt-in terms of a wide-EP step (``moe`` and ``comm`` already carry the expert-load
