@@ -49,3 +49,66 @@ def test_peer_counters_are_the_other_rows_sums_on_both_paths():
                 v.close()
             shm.close()
             shm.unlink()
+
+
+async def test_coalesced_views_write_and_read_once_per_event_loop_pass():
+    """coalesce_in(loop), as pdlb serve runs it: process 0's two dispatches in one pass reach
+    the block once, when the pass ends (until then process 1 reads its old row, 0); process 1's
+    peer sums are read at its first decision of a pass and not again in that pass (a change of
+    process 0 made meanwhile shows from the next pass on), except by a forced refresh (a
+    scrape). Expected counts by hand: round robin over e0, e1, e2 from e0."""
+    import asyncio
+
+    routers = [Router("round_robin", "round_robin", block_size=64) for _ in range(2)]
+    for r in routers:
+        for x in REPS:
+            r.add_replica(x, "mixed")
+    shm = create_shared_load_block(2, 8)
+    views = [SharedLoad(shm.name, 2, i, REPS, r.load, columns=8) for i, r in enumerate(routers)]
+    loop = asyncio.get_running_loop()
+    writes = [0, 0]
+    for i, v in enumerate(views):
+        v.coalesce_in(loop)
+        write = v._write  # noqa: SLF001 - counted: the behaviour under test
+
+        def counted(i=i, write=write) -> None:
+            writes[i] += 1
+            write()
+
+        v._write = counted  # type: ignore[method-assign]  # noqa: SLF001
+    try:
+        routers[0].route(Request("a0", 0.0, 100, (), max_output_tokens=10), 0.0)
+        routers[0].route(Request("a1", 0.0, 100, (), max_output_tokens=10), 0.0)
+        views[1].refresh()
+        assert [p[0] for p in _peers(routers[1])] == [0, 0, 0]  # process 0's row not written yet
+        await asyncio.sleep(0)  # the pass ends
+        await asyncio.sleep(0)
+        assert writes[0] == 1  # two dispatches (and two refreshes), one write
+        views[1].refresh()  # a new pass: read afresh
+        assert [p[0] for p in _peers(routers[1])] == [1, 1, 0]
+        routers[0].route(Request("a2", 0.0, 100, (), max_output_tokens=10), 0.0)
+        views[0].refresh(force=True)  # writes nothing: only reads (its row is written at the pass's end)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        views[1].refresh()
+        views[1].refresh()
+        assert [p[0] for p in _peers(routers[1])] == [1, 1, 1]
+        routers[0].on_finished("a0", 1.0)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        views[1].refresh()  # a new pass: a0's release seen
+        assert [p[0] for p in _peers(routers[1])] == [0, 1, 1]
+        # within that same pass: process 0 releases a1 and its row is written at once (as by a
+        # pass of its own): process 1's second refresh of the pass does not read it, a forced one does
+        routers[0].on_finished("a1", 2.0)
+        views[0]._write()  # noqa: SLF001
+        views[1].refresh()
+        assert [p[0] for p in _peers(routers[1])] == [0, 1, 1]
+        views[1].refresh(force=True)
+        assert [p[0] for p in _peers(routers[1])] == [0, 0, 1]
+        assert writes[1] == 0  # process 1 never changed its counts: its row was never rewritten
+    finally:
+        for v in views:
+            v.close()
+        shm.close()
+        shm.unlink()

@@ -700,6 +700,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
     app[SERVICE] = svc
 
     async def lifecycle(app: web.Application):  # noqa: ANN202
+        if svc.shared_load is not None:  # its row written, the others' read, once per event-loop pass
+            svc.shared_load.coalesce_in(asyncio.get_running_loop())
         svc.session = make_client_session(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []

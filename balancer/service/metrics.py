@@ -210,7 +210,7 @@ class ServiceMetrics:
         load = router.load
         shared = load.peer if self.multiprocess else None
         if shared is not None:
-            shared.refresh()  # every process's counts now, from the shared load block
+            shared.refresh(force=True)  # every process's counts now, from the shared load block
         for w in pool.workers.values():
             self.breaker.labels(w.url).set(int(w.breaker.state))
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
