@@ -466,7 +466,7 @@ class Router:
         load = self.load
         num_requests, decode_kv = load.num_requests[slots], load.decode_kv_tokens[slots]
         prefill_tokens = load.prefill_tokens[slots]
-        if load.peer is not None:  # the other processes of one pdlb serve (shared memory)
+        if load.peer is not None and self.uses_load():  # the other processes of one pdlb serve (shared memory)
             num_requests = num_requests + load.peer_requests[slots]
             decode_kv = decode_kv + load.peer_kv_tokens[slots]
             prefill_tokens = prefill_tokens + load.peer_prefill_tokens[slots]
@@ -605,7 +605,7 @@ class Router:
             self.load.expire_reports(now_s - self.load_report_max_age_s)
         if self.load.is_in_flight(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already in flight")
-        if self.load.peer is not None:
+        if self.load.peer is not None and self.uses_load():  # no policy reads load: nothing to refresh
             self.load.peer.refresh()
         pools = self._get_pools()
         if not pools["decode"].replicas:
@@ -806,6 +806,17 @@ class Router:
         if info is None:
             return
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
+
+    def uses_load(self) -> bool:
+        """Whether either policy reads the candidates' load (:attr:`Policy.uses_load`); when
+        neither does, the candidates carry only this router's own load (other processes' is not
+        read)."""
+        return getattr(self.decode_policy, "uses_load", True) or getattr(self.prefill_policy, "uses_load", True)
+
+    def uses_prefix_index(self) -> bool:
+        """Whether either policy reads prefix matches (:attr:`Policy.uses_prefix_index`)."""
+        return (getattr(self.decode_policy, "uses_prefix_index", True)
+                or getattr(self.prefill_policy, "uses_prefix_index", True))
 
     @_locked
     def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:

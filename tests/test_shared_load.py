@@ -112,3 +112,50 @@ async def test_coalesced_views_write_and_read_once_per_event_loop_pass():
             v.close()
         shm.close()
         shm.unlink()
+
+
+def test_policies_that_read_no_load_skip_the_peer_refresh_and_peer_sums():
+    """round_robin and random read no load (Policy.uses_load False): the router neither refreshes
+    the shared view before a decision nor adds the peers' counts to the candidates; a load-aware
+    policy (least_load) does both. Counted with a stand-in peer view whose arrays hold 7s."""
+    from balancer.policies import make_policy
+
+    class Peer:
+        def __init__(self) -> None:
+            self.refreshes = self.publishes = 0
+
+        def refresh(self, force: bool = False) -> None:
+            self.refreshes += 1
+
+        def publish(self) -> None:
+            self.publishes += 1
+
+    seen: list[list[int]] = []
+
+    class Spy(type(make_policy("least_load"))):  # type: ignore[misc]
+        name = "spy_least_load"
+
+        def select(self, request, cands, ctx):  # noqa: ANN001, ANN201
+            seen.append([int(x) for x in cands.num_requests])
+            return super().select(request, cands, ctx)
+
+    for policy, uses in (("round_robin", False), ("random", False), ("least_load", True)):
+        r = Router(policy, policy, block_size=64)
+        assert r.uses_load() is uses
+        assert r.uses_prefix_index() is (policy == "least_load")
+        for x in REPS:
+            r.add_replica(x, "mixed")
+        peer = Peer()
+        r.load.peer = peer
+        r.load.peer_requests[:] = 7
+        r.route(Request("q", 0.0, 100, (), max_output_tokens=10), 0.0)
+        assert peer.refreshes == (1 if uses else 0)
+        assert peer.publishes >= 1  # its own row is still written (other processes and scrapes read it)
+    r = Router("round_robin", "round_robin", block_size=64)
+    r.decode_policy = r.prefill_policy = Spy()  # a policy object set later is honoured
+    for x in REPS:
+        r.add_replica(x, "mixed")
+    r.load.peer = Peer()
+    r.load.peer_requests[:] = 7
+    r.route(Request("s", 0.0, 100, (), max_output_tokens=10), 0.0)
+    assert seen == [[7, 7, 7]] and r.load.peer.refreshes == 1

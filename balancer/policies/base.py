@@ -51,6 +51,18 @@ class Policy(ABC):
     """Base class of routing policies. Subclasses are frozen dataclasses of their parameters."""
 
     name: ClassVar[str] = ""
+    #: whether :meth:`select` reads the candidates' load (``num_requests``, ``prefill_tokens``,
+    #: ``decode_kv_tokens``). ``False`` lets a router skip what only keeps load fresh: with
+    #: ``pdlb serve --processes N``, reading the other processes' load before each decision.
+    #: Subclasses that never look at load (round robin, random) set it ``False``; the default is
+    #: the safe ``True``.
+    uses_load: ClassVar[bool] = True
+    #: whether :meth:`select` reads the candidates' prefix matches (``cached_tokens`` and the
+    #: tiers'). ``False`` (round robin, random, consistent hash) lets ``pdlb serve --processes N``
+    #: in approximate mode skip sharing routing decisions between its processes, which only
+    #: serves prefix matches. Default ``True``. (Load-aware policies keep it: a prefill pool's
+    #: load counts the uncached tokens, which the index's matches decide.)
+    uses_prefix_index: ClassVar[bool] = True
 
     @abstractmethod
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:

@@ -116,6 +116,7 @@ def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarra
 @dataclass(frozen=True)
 class ConsistentHash(Policy):
     name = "consistent_hash"
+    uses_prefix_index = False  # keyed on the request's own block hashes, not the index
     epsilon: float = 0.25
     key_block: int = 2
 

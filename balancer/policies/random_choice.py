@@ -17,6 +17,8 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class Random(Policy):
     name = "random"
+    uses_load = False
+    uses_prefix_index = False
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         return Choice(cands.replicas[ctx.rng.randrange(len(cands))], reason="random")

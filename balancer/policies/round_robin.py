@@ -19,6 +19,8 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class RoundRobin(Policy):
     name = "round_robin"
+    uses_load = False
+    uses_prefix_index = False
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         return Choice(cands.replicas[ctx.decision_index % len(cands)], reason="round_robin")

@@ -711,7 +711,10 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             loops.append(asyncio.create_task(svc._gauge_loop()))
         loops += _start_engine_feeds(svc, shared_prefix_dir)
         share = None
-        if shared_prefix_dir is not None and cfg.index_mode == "approximate" and svc.multiprocess:
+        # decisions are shared only for policies that read prefix matches (round robin, random
+        # and consistent hash do not: Policy.uses_prefix_index)
+        if (shared_prefix_dir is not None and cfg.index_mode == "approximate" and svc.multiprocess
+                and svc.router.uses_prefix_index()):
             from balancer.service.shared_prefix import PrefixShare
 
             share = PrefixShare(svc.router, shared_prefix_dir, svc.processes, process_index)
