@@ -688,6 +688,9 @@ class UpstreamClient:
         except BaseException:
             resp.close()
             raise
+        if resp._exc is not None:  # the bytes that completed the head also broke the body (as aiohttp)
+            resp.close()
+            raise resp._exc
         return resp
 
     async def close(self) -> None:
