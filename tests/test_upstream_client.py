@@ -251,6 +251,23 @@ async def test_many_headers_within_one_read_over_the_bound():
         await settle(c, 0, 0)
 
 
+async def test_oversize_trailers_are_refused():
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        await srv.request(reader, n)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nX-T: ")
+        await writer.drain()
+        for _ in range(64):  # 4 MiB of one trailer line, if the client kept reading
+            writer.write(b"a" * 65536)
+            await writer.drain()
+
+    async with RawServer(script) as srv:
+        c = UpstreamClient(max_head_bytes=8192)
+        resp = await c.post(srv.url, b"{}")
+        with pytest.raises(UpstreamProtocolError, match="trailers"):
+            await resp.read()
+        await settle(c, 0, 0)
+
+
 async def test_body_over_the_bound_is_a_protocol_error():
     big = b"x" * 300_000
     async with RawServer(keepalive(ok(big))) as srv:
@@ -532,6 +549,8 @@ async def test_request_wire_format_and_header_injection():
         assert head == (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
                         "X-Request-Id: r1\r\nContent-Length: 8\r\n\r\n").encode()
         assert body == b'{"a": 1}'
+        conn = next(iter(c._pools.values())).idle[-1]
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)  # no Nagle delay on the legs
         with pytest.raises(ValueError, match="line break"):
             await c.post(srv.url, b"{}", {"X-Request-Id": "a\r\nX-Evil: 1"})
         await settle(c, 1, 1)

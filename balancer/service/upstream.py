@@ -267,6 +267,7 @@ class _Connection(asyncio.Protocol):
         self._got = 0  # bytes of the current answer received
         self._head_done = False
         self._head_len = 0
+        self._framing = 0  # bytes read since the last body byte (after the head)
         self._interim = False  # parsing a 1xx answer
         self._message_done = False
         self._error: UpstreamError | None = None
@@ -283,6 +284,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self._got += len(data)
+        body_before = resp._received
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError:
@@ -294,9 +296,19 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._protocol_error(UpstreamProtocolError(f"malformed response from the engine ({e})"))
             return
-        if not self._head_done and self._got > self.client.max_head_bytes:
-            self._protocol_error(UpstreamProtocolError(
-                f"response head over {self.client.max_head_bytes} bytes"))
+        if not self._head_done:
+            if self._got > self.client.max_head_bytes:
+                self._protocol_error(UpstreamProtocolError(
+                    f"response head over {self.client.max_head_bytes} bytes"))
+        elif resp._received == body_before and not self._message_done:
+            # reads without a body byte after the head: chunk framing or trailers (which the
+            # parser accumulates), bounded like the head
+            self._framing += len(data)
+            if self._framing > self.client.max_head_bytes:
+                self._protocol_error(UpstreamProtocolError(
+                    f"over {self.client.max_head_bytes} bytes of chunk framing or trailers without a body byte"))
+        else:
+            self._framing = 0
 
     def eof_received(self) -> bool:
         return False  # close the transport: connection_lost follows
@@ -437,7 +449,7 @@ class _Connection(asyncio.Protocol):
         """Write one request; the answer's headers resolve ``head_fut``."""
         resp = self.resp = UpstreamResponse(self)
         self.head_fut = self.loop.create_future()
-        self._got = 0
+        self._got = self._framing = 0
         self._head_done = self._message_done = self._interim = False
         self._error = None
         t = self.transport
@@ -538,6 +550,9 @@ class _HostPool:
                         sock = socket.socket(fam, socket.SOCK_STREAM)
                         try:
                             sock.setblocking(False)
+                            # asyncio sets it only on sockets made with proto=IPPROTO_TCP: without it,
+                            # Nagle + delayed ACK can hold a request's last segment for ~40 ms
+                            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                             await loop.sock_connect(sock, addr)
                         except BaseException as e:
                             sock.close()
