@@ -427,15 +427,14 @@ async def test_interim_and_bodiless_answers():
                b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n",
                b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n",  # 304: no body whatever it says
                ok(b"after")]
-    async with RawServer(keepalive(b"")) as srv:
-        it = iter(answers)
-        srv.script = None
+    it = iter(answers)
 
-        async def script(reader, writer, n, srv_):  # noqa: ANN001, ANN202
-            while await srv_.request(reader, n):
-                writer.write(next(it))
-                await writer.drain()
-        srv.script = script
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        while await srv.request(reader, n):
+            writer.write(next(it))
+            await writer.drain()
+
+    async with RawServer(script) as srv:
         c = UpstreamClient()
         got = []
         for _ in answers:
@@ -734,6 +733,43 @@ async def test_proxy_failure_kinds_are_the_same_with_both_clients(client, action
         pytest.skip("aiohttp hangs on a malformed chunk after the head")
     got_status, kinds = await _proxy_case(_answer_then(action), client, router)
     assert (got_status, kinds) == (status, {kind: 1.0})
+
+
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+async def test_proxy_engine_closing_idle_connections_costs_no_failure(client):
+    """An engine that closes each keep-alive connection 50 ms after answering (uvicorn does after
+    5 s): requests spaced wider all succeed, none counted as an upstream failure or retried."""
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        while await srv.request(reader, n):
+            body = json.dumps({"id": "x", "choices": [{"text": "ok"}]}).encode()
+            writer.write(ok(body))
+            await writer.drain()
+            try:
+                async with asyncio.timeout(0.05):
+                    await reader.readuntil(b"\r\n\r\n")
+            except TimeoutError:
+                writer.close()
+                return
+            raise AssertionError("the test sends requests 200 ms apart")
+
+    async with RawServer(script) as srv:
+        cfg = ServiceConfig.model_validate({"pd_protocol": "none", "workers": [{"url": srv.url.rsplit("/", 2)[0],
+                                                                               "role": "mixed"}],
+                                            "health_check": {"enabled": False}, "upstream_client": client})
+        app = TestServer(create_app(cfg), host="127.0.0.1")
+        await app.start_server()
+        try:
+            async with aiohttp.ClientSession() as s:
+                for _ in range(3):
+                    async with s.post(f"http://127.0.0.1:{app.port}/v1/completions", json={"prompt": "hi"}) as r:
+                        assert r.status == 200
+                    await asyncio.sleep(0.2)
+                async with s.get(f"http://127.0.0.1:{app.port}/metrics") as r:
+                    text = await r.text()
+        finally:
+            await app.close()
+        assert srv.connections == 3 and len(srv.requests) == 3
+        assert "pdlb_upstream_failures_total{" not in text and "pdlb_retries_total{" not in text
 
 
 async def test_proxy_connect_refused_with_the_lean_client():
