@@ -793,6 +793,31 @@ async def test_proxy_connect_refused_with_the_lean_client():
         await app.close()
 
 
+async def test_proxy_sends_https_workers_through_aiohttp():
+    """The lean client refuses https URLs; the proxy's legs to an https worker use the aiohttp
+    session (a TLS handshake answered in plain text fails: aiohttp's connect error, 502)."""
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        writer.write(ok())  # before the ClientHello is even read
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(script) as srv:
+        worker = srv.url.rsplit("/", 2)[0].replace("http://", "https://")
+        cfg = ServiceConfig.model_validate({"pd_protocol": "none", "workers": [{"url": worker, "role": "mixed"}],
+                                            "health_check": {"enabled": False}, "retry": {"max_retries": 0}})
+        app = TestServer(create_app(cfg), host="127.0.0.1")
+        await app.start_server()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{app.port}/v1/completions", json={"prompt": "hi"}) as r:
+                    assert r.status == 502 and "unreachable (Client" in (await r.json())["error"]["message"]
+        finally:
+            await app.close()
+    c = UpstreamClient()
+    with pytest.raises(ValueError, match="plain http"):
+        await c.post("https://127.0.0.1:1/x", b"")
+
+
 def test_errors_are_oserrors():
     """The proxy catches ``(aiohttp.ClientError, OSError)`` around both clients' calls."""
     for cls in (UpstreamConnectError, UpstreamConnectTimeout, UpstreamDisconnected, UpstreamProtocolError):

@@ -301,7 +301,8 @@ class ServiceConfig(BaseModel):
         upstream_client: the HTTP client of the engine legs: ``lean`` (default; keep-alive pool
             on asyncio protocols with the ``httptools`` parser, :mod:`balancer.service.upstream`)
             or ``aiohttp`` (aiohttp's client session, the fallback). Same failure handling either
-            way; docs/serving.md, "Upstream client".
+            way; ``https://`` workers use aiohttp's client with either. docs/serving.md,
+            "Upstream client".
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
             headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
             fails the attempt, which is retried on a new pair and counts against the worker's

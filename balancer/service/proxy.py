@@ -218,7 +218,8 @@ class Proxy:
         self.pool = pool
         self.metrics = metrics
         self.session = session  # aborts (and the legs, without ``upstream``)
-        #: the engine legs' client: the lean one (``upstream_client: lean``) or the aiohttp session
+        #: the engine legs' client: the lean one (``upstream_client: lean``; plain-HTTP workers
+        #: only, https workers always use the session) or the aiohttp session
         self.client: UpstreamClient | aiohttp.ClientSession = upstream if upstream is not None else session
         self.hasher = hasher or PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         from balancer.kv_translate import chain_root
@@ -544,14 +545,16 @@ class Proxy:
         if deadline is True:
             deadline = self._first_byte_deadline()
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        # the lean client speaks plain HTTP: https workers use the aiohttp session
+        client = self.client if w.url[4] == ":" else self.session
         try:
             if deadline is None:
-                resp = await self.client.post(w.endpoint(path), data=data, headers=headers)
+                resp = await client.post(w.endpoint(path), data=data, headers=headers)
             else:
                 # the request timeout of handle() is an outer asyncio.timeout: its expiry passes
                 # through this one as a cancellation, so TimeoutError here is the first-byte deadline
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.client.post(w.endpoint(path), data=data, headers=headers)
+                    resp = await client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
             raise self._first_byte_failure(w, stream) from None
         except (aiohttp.ClientError, OSError) as e:
