@@ -250,17 +250,23 @@ async def drive(urls: list[str], total: int, args: argparse.Namespace, procs: in
         for c in per if c > 0]
     # the clients' window is [start_at + warm_s, + duration_s]; read CPU at its edges
     await asyncio.sleep(max(0.0, start_at + warm_s - time.time()))
-    spy = None
+    spy, spy_idle = None, True
     if profile is not None and args.py_spy:
-        spy = subprocess.Popen([args.py_spy, "record", "--pid", str(profile[0]), "--duration", str(int(duration_s)),
-                                "--rate", "200", "--nonblocking", "--format", "raw", "-o", str(profile[1])],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               preexec_fn=(lambda: os.sched_setaffinity(0, {max(args.other_cpus)})) if args.other_cpus
-                               else None)
-    cpu0 = {name: sum(ro._cpu_s(p) for p in pids) for name, pids in watch.items()}
+        for flags in (["--idle"], []):  # with --idle every sample counts (wall time); without, py-spy guesses idle
+            spy = subprocess.Popen([args.py_spy, "record", "--pid", str(profile[0]), "--duration", str(int(duration_s)),
+                                    "--rate", "200", "--nonblocking", *flags, "--format", "raw", "-o", str(profile[1])],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   preexec_fn=(lambda: os.sched_setaffinity(0, {max(args.other_cpus)}))
+                                   if args.other_cpus else None)
+            await asyncio.sleep(0.3)
+            if spy.poll() is None or spy.returncode == 0:
+                break
+            print(f"  py-spy {' '.join(flags)} failed: {spy.stderr.read().decode(errors='replace')[:200]}")
+            spy_idle = False
+    cpu0 = {name: sum(_cpu(p) for p in pids) for name, pids in watch.items()}
     with HostWindow(args) as hw:
         await asyncio.sleep(max(0.0, start_at + warm_s + duration_s - time.time()))
-        cpu1 = {name: sum(ro._cpu_s(p) for p in pids) for name, pids in watch.items()}
+        cpu1 = {name: sum(_cpu(p) for p in pids) for name, pids in watch.items()}
     outs = [json.loads((await k.communicate())[0]) for k in kids]
     if spy is not None:
         try:
@@ -272,7 +278,8 @@ async def drive(urls: list[str], total: int, args: argparse.Namespace, procs: in
     done = {u: sum(o["done"][u] for o in outs) for u in urls}
     n = sum(done.values())
     res = {"n": n, "rps": n / duration_s, "errors": sum(o["errors"] for o in outs), "host": hw.result,
-           "cpu_s": {k: cpu1[k] - cpu0[k] for k in watch}, "done": done, "connections": total}
+           "cpu_s": {k: cpu1[k] - cpu0[k] for k in watch}, "done": done, "connections": total,
+           "spy_idle": spy_idle}
     res["cpu_us"] = sum(res["cpu_s"].values()) / max(1, n) * 1e6
     if keep_latency:
         res["lat"] = [x for o in outs for x in o["lat"]]
@@ -282,6 +289,16 @@ async def drive(urls: list[str], total: int, args: argparse.Namespace, procs: in
 
 
 # ---------------------------------------------------------------------- routers
+def _own_cpu_s(pid: int) -> float:
+    f = ro._stat(pid)
+    return (int(f[11]) + int(f[12])) / ro._TICKS_PER_S if f else float("nan")
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` with its descendants; a negative ``pid``: of ``-pid`` alone."""
+    return _own_cpu_s(-pid) if pid < 0 else ro._cpu_s(pid)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -293,12 +310,17 @@ def _children(pid: int) -> list[int]:
         return out
 
 
-def _busiest_child(pid: int, args: argparse.Namespace) -> int:
-    """The child of ``pid`` that used the most CPU over 0.3 s (a router process under load)."""
-    kids = _children(pid) or [pid]
-    a = {k: ro._cpu_s(k) for k in kids}
-    time.sleep(0.3)
-    return max(kids, key=lambda k: ro._cpu_s(k) - a[k])
+def _router_children(pid: int) -> list[int]:
+    """The router processes of a ``pdlb serve`` parent (its children but multiprocessing's
+    resource tracker)."""
+    out = []
+    for c in _children(pid):
+        try:
+            if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes():
+                out.append(c)
+        except OSError:
+            pass
+    return out
 
 
 def start_pdlb(mode: str, engines: list[Proc], processes: int | None, cpus: set[int], *extra: str) -> Proc:
@@ -310,12 +332,16 @@ def start_pdlb(mode: str, engines: list[Proc], processes: int | None, cpus: set[
         return _spawn([*a, *extra])
 
 
-def start_independent(mode: str, engines: list[Proc], k: int, cpus: set[int]) -> list[Proc]:
+def start_independent(mode: str, engines: list[Proc], k: int, cpus: set[int], pin: bool = False) -> list[Proc]:
+    """``k`` one-process ``pdlb serve`` on their own ports, allowed ``cpus`` (``pin``: the i-th
+    only the i-th of them)."""
     from sim.emulator.testing import _start
 
-    with ro._affinity(cpus):
-        arglists = [ro._pdlb_args(mode, engines, 1) for _ in range(k)]
-        ps = [_start(a) for a in arglists]
+    arglists = [ro._pdlb_args(mode, engines, 1) for _ in range(k)]
+    ps = []
+    for i, a in enumerate(arglists):
+        with ro._affinity({sorted(cpus)[i % len(cpus)]} if pin else cpus):
+            ps.append(_start(a))
     return [_spawn(a, popen=p) for a, p in zip(arglists, ps)]
 
 
@@ -392,25 +418,33 @@ def collapse(raw: Path) -> dict:
     return {"samples": total, "self": self_n.most_common(30), "areas": dict(areas)}
 
 
-def print_profiles(profiles: dict[str, tuple[dict, float]]) -> None:
-    """Top 30 per profile and code areas in us per request (share of samples x CPU per request)."""
-    for name, (col, cpu_us) in profiles.items():
-        if not col["samples"]:
+def print_profiles(profiles: dict[str, tuple[dict, float, float]]) -> None:
+    """Top 30 per profile and code areas in us of CPU per request: samples in the epoll wait
+    (where an idle loop sits; py-spy records idle threads too, ``--idle``) are left out and the
+    rest scaled to the process's measured CPU per request (the wait's own CPU, a few us, is
+    counted in the rest)."""
+    for name, (col, cpu_us, _) in profiles.items():
+        busy = col["samples"] - col["areas"].get("epoll wait", 0)
+        if busy <= 0:
             print(f"\n  profile {name}: no samples")
             continue
-        print(f"\n  profile {name}: {col['samples']} samples, {cpu_us:.0f} us/request; top 30 by self samples:")
+        print(f"\n  profile {name}: {col['samples']} samples, {busy} outside the epoll wait, CPU {cpu_us:.0f} us/request; "
+              "top 30 by self samples (share of those outside the wait, us of CPU per request):")
         for fn, n in col["self"]:
-            print(f"    {n / col['samples']:6.1%} {n / col['samples'] * cpu_us:7.1f} us  {fn[:110]}")
+            if not fn.startswith("EpollSelector.select"):
+                print(f"    {n / busy:6.1%} {n / busy * cpu_us:7.1f} us  {fn[:110]}")
     names = list(profiles)
-    areas = sorted({a for c, _ in profiles.values() for a in c["areas"]})
-    print("\n  code areas, us per request (share of samples x the process's CPU per request):")
-    print("    " + f"{'area':16}" + "".join(f"{n[:18]:>20}" for n in names))
-    for a in areas:
+    areas = sorted({a for c, _, _ in profiles.values() for a in c["areas"]} - {"epoll wait"})
+    print("\n  code areas, us of CPU per request (samples outside the epoll wait, scaled to the measured CPU):")
+    print("    " + f"{'area':20}" + "".join(f"{n[:18]:>20}" for n in names))
+    for a in [*areas, "(measured CPU)", "(epoll wait, share)"]:
         row = []
         for n in names:
-            col, cpu_us = profiles[n]
-            row.append(col["areas"].get(a, 0) / max(1, col["samples"]) * cpu_us)
-        print("    " + f"{a:16}" + "".join(f"{x:20.1f}" for x in row))
+            col, cpu_us, _ = profiles[n]
+            busy = max(1, col["samples"] - col["areas"].get("epoll wait", 0))
+            row.append(cpu_us if a == "(measured CPU)" else col["areas"].get("epoll wait", 0) / max(1, col["samples"])
+                       if a.startswith("(epoll") else col["areas"].get(a, 0) / busy * cpu_us)
+        print("    " + f"{a:20}" + "".join(f"{x:20.2f}" if a.startswith("(epoll") else f"{x:20.1f}" for x in row))
 
 
 # ---------------------------------------------------------------------- latency tails
@@ -455,7 +489,7 @@ async def regular(args: argparse.Namespace, sglang_cmd: list[str] | None, siblin
     with ro._affinity(args.other_cpus):
         engines = spawn_engines([("mixed", "--zero-delay")] * args.engines)
     res: dict = defaultdict(list)
-    profiles: dict[str, tuple[dict, float]] = {}
+    profiles: dict[str, tuple[dict, float, float]] = {}
     d, conc, lp = args.duration_s, args.max_concurrency, args.load_processes
     pyspy_dir = args.out / "pyspy" if args.out else Path("/tmp/pdlb-scaling-pyspy")
     pyspy_dir.mkdir(parents=True, exist_ok=True)
@@ -477,7 +511,8 @@ async def regular(args: argparse.Namespace, sglang_cmd: list[str] | None, siblin
                 r = await drive([one.url], conc, args, lp, d, {"pdlb": [one.popen.pid]}, profile=prof)
                 show("pdlb, 1 process", r)
                 if prof and prof[1].exists():
-                    profiles["1 process"] = (collapse(prof[1]), r["cpu_us"])
+                    profiles["1 process"] = (collapse(prof[1]), r["cpu_us"],
+                                                 d / max(1, r["n"]) * 1e6 if r["spy_idle"] else r["cpu_us"])
                 if rnd == 1:
                     share = max(1, conc // n_proc)
                     r = await drive([one.url], share, args, 1, d, {"pdlb": [one.popen.pid]})
@@ -508,31 +543,36 @@ async def regular(args: argparse.Namespace, sglang_cmd: list[str] | None, siblin
                 many = start_pdlb("regular", engines, args.many, rc, *(["--event-loop", loop] if loop != "asyncio" else []))
                 try:
                     await drive([many.url], conc, args, lp, 1.0, {})  # spread the connections, warm up
-                    kids = _children(many.popen.pid)
+                    kids = _router_children(many.popen.pid)
                     prof = None
                     if rnd == 1 and loop == "asyncio":
-                        prof = (_busiest_child(many.popen.pid, args), pyspy_dir / f"regular_x{n_proc}_child_r{rnd}.txt")
+                        prof = (kids[0], pyspy_dir / f"regular_x{n_proc}_child_r{rnd}.txt")
                     r = await drive([many.url], conc, args, lp, d,
-                                    {"parent": [many.popen.pid], **{f"p{k}": [c] for k, c in enumerate(kids)}},
+                                    {"parent": [-many.popen.pid], **{f"p{k}": [c] for k, c in enumerate(kids)}},
                                     profile=prof)
                     per_child = [r["cpu_s"].get(f"p{k}", 0.0) for k in range(len(kids))]
                     show(f"pdlb x{n_proc} (default, shared state), {loop}", r,
-                         f"  per process CPU s {min(per_child):.2f}-{max(per_child):.2f}, parent {r['cpu_s']['parent']:.2f}"
-                         if per_child else "")
+                         f"  CPU s per child {' '.join(f'{x:.2f}' for x in sorted(per_child))}, parent "
+                         f"{r['cpu_s']['parent']:.2f}")
                     if prof and prof[1].exists():
                         # the profiled process's own CPU per request: its CPU over its share of requests
                         pc = r["cpu_s"].get(f"p{kids.index(prof[0])}", 0.0) if prof[0] in kids else 0.0
-                        share = r["n"] * pc / max(1e-9, sum(per_child))
-                        profiles[f"one of {n_proc} processes"] = (collapse(prof[1]), pc / max(1, share) * 1e6)
+                        share = r["n"] * pc / max(1e-9, sum(per_child))  # its requests, if CPU/request is even
+                        profiles[f"one of {n_proc} processes"] = (
+                            collapse(prof[1]), pc / max(1, share) * 1e6,
+                            d / max(1, share) * 1e6 if r["spy_idle"] else pc / max(1, share) * 1e6)
                 finally:
                     many.stop()
-            indep = start_independent("regular", engines, n_proc, rc)
-            try:
-                r = await drive([p.url for p in indep], conc, args, lp, d, {f"i{k}": [p.popen.pid] for k, p in enumerate(indep)})
-                spread = sorted(r["done"].values())
-                show(f"{n_proc} independent pdlb (1 process each)", r, f"  req per router {spread[0]}-{spread[-1]}")
-            finally:
-                _stop_all(indep)
+            for pin in (False, True) if rnd == 1 else (False,):
+                indep = start_independent("regular", engines, n_proc, rc, pin)
+                try:
+                    r = await drive([p.url for p in indep], conc, args, lp, d,
+                                    {f"i{k}": [p.popen.pid] for k, p in enumerate(indep)})
+                    spread = sorted(r["done"].values())
+                    show(f"{n_proc} independent pdlb (1 process each){', pinned' if pin else ''}", r,
+                         f"  req per router {spread[0]}-{spread[-1]}")
+                finally:
+                    _stop_all(indep)
             if sglang_cmd is not None:
                 for cpus, label in (({c0}, "1 CPU"), (rc, f"{n_proc} CPUs")) if rnd == 1 else ((rc, f"{n_proc} CPUs"),):
                     try:
@@ -550,7 +590,7 @@ async def regular(args: argparse.Namespace, sglang_cmd: list[str] | None, siblin
         _stop_all(engines)
     print_profiles(profiles)
     out["regular"] = dict(res)
-    out["profiles"] = {k: {"cpu_us": v[1], **v[0]} for k, v in profiles.items()}
+    out["profiles"] = {k: {"cpu_us": v[1], "wall_us": v[2], **v[0]} for k, v in profiles.items()}
 
 
 async def pd(args: argparse.Namespace, sglang_cmd: list[str] | None, out: dict) -> None:
