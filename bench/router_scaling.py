@@ -323,13 +323,27 @@ def _router_children(pid: int) -> list[int]:
     return out
 
 
-def start_pdlb(mode: str, engines: list[Proc], processes: int | None, cpus: set[int], *extra: str) -> Proc:
+_ABLATE_DIR = Path(__file__).resolve().parent / "ablate"
+
+
+def start_pdlb(mode: str, engines: list[Proc], processes: int | None, cpus: set[int], *extra: str,
+               ablate: str = "") -> Proc:
+    """``pdlb serve`` (``processes`` None: its default count) on ``cpus``; ``ablate``: a
+    ``PDLB_BENCH_ABLATE`` list (``bench/ablate/sitecustomize.py``) for it and its processes."""
     a = ro._pdlb_args(mode, engines, processes or 1)
     if processes is None:
         i = a.index("--processes")
         del a[i:i + 2]
+    if not ablate:
+        with ro._affinity(cpus):
+            return _spawn([*a, *extra])
+    env = os.environ.copy()
+    env["PDLB_BENCH_ABLATE"] = ablate
+    env["PYTHONPATH"] = os.pathsep.join([str(_ABLATE_DIR), str(ro.ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main(sys.argv[1:]))", *a, *extra]
     with ro._affinity(cpus):
-        return _spawn([*a, *extra])
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    return _spawn([*a, *extra], popen=popen)
 
 
 def start_independent(mode: str, engines: list[Proc], k: int, cpus: set[int], pin: bool = False) -> list[Proc]:
@@ -664,6 +678,45 @@ async def pd(args: argparse.Namespace, sglang_cmd: list[str] | None, out: dict) 
     out["pd"] = dict(res)
 
 
+async def ablate(args: argparse.Namespace, out: dict) -> None:
+    """Regular mode, several processes: CPU per request with the shared state's parts switched
+    off in turn (bench-only, ``bench/ablate``), against independent one-process routers."""
+    rc = args.router_cpus
+    n_proc = args.many or len(rc)
+    with ro._affinity(args.other_cpus):
+        engines = spawn_engines([("mixed", "--zero-delay")] * args.engines)
+    d, conc, lp = args.duration_s, args.max_concurrency, args.load_processes
+    res: dict = defaultdict(list)
+    extra = args.pdlb_extra.split() if args.pdlb_extra else []
+    print(f"\n== ablate: regular, {conc} connections, pdlb x{n_proc} with parts of its shared state off "
+          f"(bench-only switches), {d:g} s windows ==")
+    try:
+        for rnd in range(1, args.rounds + 1):
+            print(f"  round {rnd}:")
+            for what in ("", "peer_refresh", "prefix_share", "peer_refresh,prefix_share"):
+                many = start_pdlb("regular", engines, args.many, rc, *extra, ablate=what)
+                try:
+                    await drive([many.url], conc, args, lp, 1.0, {})
+                    r = await drive([many.url], conc, args, lp, d, {"pdlb": [many.popen.pid]})
+                finally:
+                    many.stop()
+                label = f"pdlb x{n_proc}" + (f", no {what.replace(',', ', no ')}" if what else ", as shipped")
+                print(f"    {label:44} {r['rps']:8.0f} req/s {r['cpu_us']:6.0f} us/req  {_fmt_host(r['host'])}")
+                res[label].append({k: v for k, v in r.items() if k != "lat"})
+            indep = start_independent("regular", engines, n_proc, rc)
+            try:
+                r = await drive([p.url for p in indep], conc, args, lp, d,
+                                {f"i{k}": [p.popen.pid] for k, p in enumerate(indep)})
+            finally:
+                _stop_all(indep)
+            print(f"    {f'{n_proc} independent pdlb':44} {r['rps']:8.0f} req/s {r['cpu_us']:6.0f} us/req  "
+                  f"{_fmt_host(r['host'])}")
+            res[f"{n_proc} independent pdlb"].append({k: v for k, v in r.items() if k != "lat"})
+    finally:
+        _stop_all(engines)
+    out["ablate"] = dict(res)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -677,7 +730,8 @@ def main() -> int:
     ap.add_argument("--engines", type=int, default=4, help="mixed engines, regular mode (default 4)")
     ap.add_argument("--pd-engines", type=int, default=2, help="prefill and decode engines each, pd mode (default 2)")
     ap.add_argument("--router-cpus", required=True, metavar="LIST", help="CPUs for the routers, e.g. 0-7")
-    ap.add_argument("--phases", default="probe,regular,pd", help="comma list of probe, regular, pd")
+    ap.add_argument("--phases", default="probe,regular,pd", help="comma list of probe, regular, pd, ablate")
+    ap.add_argument("--pdlb-extra", default="", metavar="ARGS", help="more 'pdlb serve' arguments for the ablate phase")
     ap.add_argument("--sglang-router", default=f"bash {ro.PEER}", metavar="CMD",
                     help="command that runs 'sglang-router launch' with the args appended ('' to skip)")
     ap.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH", help="py-spy binary (default: on PATH)")
@@ -711,6 +765,8 @@ def main() -> int:
         asyncio.run(regular(args, sglang_cmd, sibling, out))
     if "pd" in phases:
         asyncio.run(pd(args, sglang_cmd, out))
+    if "ablate" in phases:
+        asyncio.run(ablate(args, out))
     print(f"\n(total {time.monotonic() - t0:.0f} s)")
     if args.out:
         (args.out / "scaling.json").write_text(json.dumps(out, indent=1, default=str))
