@@ -21,7 +21,7 @@ sys.meta_path.insert(0, Refuse())
 """
 
 SIM_ONLY = {"simpy", "rich", "matplotlib"}
-SERVE_ONLY = {"aiohttp", "prometheus_client", "yaml", "zmq", "jinja2", "tokenizers", "yarl"}
+SERVE_ONLY = {"aiohttp", "httptools", "prometheus_client", "yaml", "zmq", "jinja2", "tokenizers", "yarl"}
 
 
 def _run(blocked: set[str], code: str) -> subprocess.CompletedProcess:
@@ -61,7 +61,7 @@ def test_extras_declare_what_each_part_imports():
     core = " ".join(meta["dependencies"])
     extras = meta["optional-dependencies"]
     assert not any(p in core for p in ("simpy", "rich", "matplotlib", "aiohttp", "pyzmq"))
-    assert all(any(d.startswith(p) for d in extras["serve"]) for p in ("aiohttp", "pyzmq", "prometheus-client", "jinja2"))
+    assert all(any(d.startswith(p) for d in extras["serve"]) for p in ("aiohttp", "httptools", "pyzmq", "prometheus-client", "jinja2"))
     assert "pdlb[serve]" in extras["sim"] and any(d.startswith("simpy") for d in extras["sim"])
     assert "pdlb[sim,tokenizer]" in extras["test"]  # python3 dev.py test installs .[test]: everything
     assert meta["scripts"]["pdlb-serve"] == "balancer.service.cli:main"

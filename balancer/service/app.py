@@ -51,6 +51,7 @@ from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetric
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
 from balancer.service.request_checks import parse_json_body
+from balancer.service.upstream import UpstreamClient
 from balancer.service.workers import MAX_REPLICAS, WorkerPool
 from balancer.types import Role
 from balancer.validation import format_validation_error
@@ -618,6 +619,15 @@ def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
 
 
+def make_upstream_client(cfg: ServiceConfig) -> UpstreamClient | None:
+    """The engine legs' lean client (``upstream_client: lean``), with the aiohttp session's pool
+    semantics: no limit on connections per worker (the connector's ``limit=0``), 60 s idle
+    keep-alive, ``connect_timeout_s``; ``None`` for ``aiohttp`` (the legs then use the session)."""
+    if cfg.upstream_client != "lean":
+        return None
+    return UpstreamClient(connect_timeout_s=cfg.connect_timeout_s, keepalive_s=60.0, limit_per_host=0)
+
+
 def _start_engine_feeds(svc: Service, shared_dir: str | None = None) -> list[asyncio.Task]:
     """Start what feeds the router from the engines: the KV-event subscriber (index_mode events
     or hybrid, workers with ``events``; with several processes and their shared directory
@@ -666,7 +676,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
 
     async def lifecycle(app: web.Application):  # noqa: ANN202
         svc.session = make_client_session(cfg)
-        svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher)
+        upstream = make_upstream_client(cfg)
+        svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
         if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
             loops.append(asyncio.create_task(svc._probe_loop()))
@@ -700,6 +711,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             svc.shared_load.close()
         svc.metrics.flush()  # the last loop iteration's counts
         await svc.session.close()
+        if upstream is not None:
+            await upstream.close()
 
     async def on_shutdown(app: web.Application) -> None:
         await svc.drain()

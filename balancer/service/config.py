@@ -298,6 +298,10 @@ class ServiceConfig(BaseModel):
         load_scrape: engine metrics scraping (:class:`LoadScrapeConfig`).
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
+        upstream_client: the HTTP client of the engine legs: ``lean`` (default; keep-alive pool
+            on asyncio protocols with the ``httptools`` parser, :mod:`balancer.service.upstream`)
+            or ``aiohttp`` (aiohttp's client session, the fallback). Same failure handling either
+            way; docs/serving.md, "Upstream client".
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
             headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
             fails the attempt, which is retried on a new pair and counts against the worker's
@@ -368,6 +372,7 @@ class ServiceConfig(BaseModel):
     load_scrape: LoadScrapeConfig = LoadScrapeConfig()
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
+    upstream_client: Literal["lean", "aiohttp"] = "lean"
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

@@ -78,10 +78,17 @@ from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id
+from balancer.service.upstream import UpstreamClient, UpstreamResponse
 from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
 
 log = logging.getLogger("pdlb.service")
+
+LegResponse = aiohttp.ClientResponse | UpstreamResponse
+"""An engine leg's answer from either upstream client (``upstream_client``: the lean client's
+:class:`~balancer.service.upstream.UpstreamResponse` or aiohttp's); the proxy uses what both have:
+``status``, ``headers``, ``content_type``, ``read``, ``content.iter_any``, ``release``, ``close``.
+Both clients' connection failures are caught as ``(aiohttp.ClientError, OSError)``."""
 
 _FAULTS: contextvars.ContextVar[_RequestFaults | None] = contextvars.ContextVar("pdlb_request_faults", default=None)
 """The current client request's :class:`_RequestFaults` (set by :meth:`Proxy.handle`, added to by
@@ -181,7 +188,7 @@ class _Legs:
 
     started: list[tuple[Worker, str]] = field(default_factory=list)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    responses: list[aiohttp.ClientResponse] = field(default_factory=list)
+    responses: list[LegResponse] = field(default_factory=list)
     done: bool = False
     prefill_failure: BaseException | None = None  # set when the prefill leg failed after decode answered
     #: streamed answers: SSE data events relayed less the final ``[DONE]`` (about one per output
@@ -189,7 +196,7 @@ class _Legs:
     output_tokens: int | None = None
 
 
-def _relayed_headers(resp: aiohttp.ClientResponse, default_type: str) -> dict[str, str]:
+def _relayed_headers(resp: LegResponse, default_type: str) -> dict[str, str]:
     """Headers of the decode leg passed to the client: its Content-Type and, since the client
     session does not decompress, its Content-Encoding if any."""
     h = resp.headers
@@ -204,12 +211,15 @@ class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
     def __init__(self, cfg: ServiceConfig, router: Router, pool: WorkerPool, metrics: ServiceMetrics,
-                 session: aiohttp.ClientSession, hasher: PromptHasher | None = None) -> None:
+                 session: aiohttp.ClientSession, hasher: PromptHasher | None = None,
+                 upstream: UpstreamClient | None = None) -> None:
         self.cfg = cfg
         self.router = router
         self.pool = pool
         self.metrics = metrics
-        self.session = session
+        self.session = session  # aborts (and the legs, without ``upstream``)
+        #: the engine legs' client: the lean one (``upstream_client: lean``) or the aiohttp session
+        self.client: UpstreamClient | aiohttp.ClientSession = upstream if upstream is not None else session
         self.hasher = hasher or PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         from balancer.kv_translate import chain_root
 
@@ -526,7 +536,7 @@ class Proxy:
                        worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
-                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False) -> aiohttp.ClientResponse:
+                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False) -> LegResponse:
         """POST ``body`` (a JSON object, or its encoding) and wait for the response headers (until
         ``deadline``, event-loop time; ``True``: ``first_byte_timeout_s`` from now; ``None``: no
         deadline); non-2xx answers and a missed deadline become :class:`Failure` (naming ``w``;
@@ -536,12 +546,12 @@ class Proxy:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
             if deadline is None:
-                resp = await self.session.post(w.endpoint(path), data=data, headers=headers)
+                resp = await self.client.post(w.endpoint(path), data=data, headers=headers)
             else:
                 # the request timeout of handle() is an outer asyncio.timeout: its expiry passes
                 # through this one as a cancellation, so TimeoutError here is the first-byte deadline
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(w.endpoint(path), data=data, headers=headers)
+                    resp = await self.client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
             raise self._first_byte_failure(w, stream) from None
         except (aiohttp.ClientError, OSError) as e:
@@ -584,7 +594,7 @@ class Proxy:
         self.pool.record_result(w, True, time.monotonic())
         return data
 
-    async def _read_all(self, w: Worker, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_all(self, w: Worker, resp: LegResponse) -> bytes:
         """The whole body of ``resp``; a failure mid-body counts against ``w`` and is retryable."""
         try:
             return await resp.read()
@@ -600,14 +610,14 @@ class Proxy:
         pf = legs.prefill_failure
         return pf if isinstance(pf, Failure) else failure
 
-    def _rewriter(self, ctx: _Ctx, d_resp: aiohttp.ClientResponse) -> tuple[bytes, bytes] | None:
+    def _rewriter(self, ctx: _Ctx, d_resp: LegResponse) -> tuple[bytes, bytes] | None:
         """``(upstream id, client's id)`` as they appear in a JSON body, if the relayed body needs
         the ids swapped (they differ and the body is not compressed)."""
         if ctx.upstream_id == ctx.visible_id or "Content-Encoding" in d_resp.headers:
             return None
         return ctx.upstream_id.encode(), json.dumps(ctx.visible_id)[1:-1].encode()
 
-    async def _relay(self, ctx: _Ctx, d: Worker, d_resp: aiohttp.ClientResponse, router_id: str,
+    async def _relay(self, ctx: _Ctx, d: Worker, d_resp: LegResponse, router_id: str,
                      legs: _Legs, deadline: float | None = None) -> web.StreamResponse:
         """Send the decode leg's answer to the client (chunk by chunk when streaming), with the
         upstream request id replaced by the client's."""
