@@ -403,7 +403,7 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 got = await _paired_cpu(paired, args)
                 out.setdefault("paired", []).append(got)
                 print(f"    round {k}: " + ", ".join(f"{name} {us:.0f} us" for name, us in got.items())
-                      + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / got[b]:.2f}x" for b in bases))
+                      + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / (got[b] or float('nan')):.2f}x" for b in bases))
     finally:
         if sgl is not None and sgl.poll() is None:
             sgl.terminate()
@@ -451,7 +451,7 @@ def _summary(results: dict[str, dict]) -> None:
             print(f"{mode:9}{'pdlb / ' + base:22}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
                   f"   (per repeat: CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
             if paired:
-                r_pair = [r["pdlb"] / r[base] for r in paired]
+                r_pair = [r["pdlb"] / (r[base] or float("nan")) for r in paired]
                 rp = statistics.median(r_pair)
                 print(f"{mode:9}{'pdlb / ' + base + ' paired':22}{'':37}{rp:11.2f}x"
                       f"   (per round: {', '.join(f'{x:.2f}' for x in r_pair)})")
