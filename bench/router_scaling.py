@@ -398,7 +398,8 @@ def _area(frame: str) -> str:
                       ("/aiohttp/web_", "aiohttp server"), ("/aiohttp/http_", "aiohttp parse/write"),
                       ("/aiohttp/_http", "aiohttp parse/write"), ("/aiohttp/client", "aiohttp client"),
                       ("/aiohttp/connector", "aiohttp client"), ("/aiohttp/", "aiohttp other"),
-                      ("/balancer/service/shared_", "pdlb shared"), ("/balancer/service/", "pdlb service"),
+                      ("/balancer/service/shared_", "pdlb shared"), ("/balancer/service/upstream", "pdlb lean client"),
+                      ("/balancer/service/", "pdlb service"),
                       ("/balancer/", "pdlb core"), ("/prometheus_client/", "prometheus"),
                       ("/yarl/", "yarl/multidict"), ("/multidict/", "yarl/multidict"), ("/json/", "json"),
                       ("/socket.py", "socket")):
@@ -688,18 +689,42 @@ async def ablate(args: argparse.Namespace, out: dict) -> None:
     d, conc, lp = args.duration_s, args.max_concurrency, args.load_processes
     res: dict = defaultdict(list)
     extra = args.pdlb_extra.split() if args.pdlb_extra else []
+    profiles: dict[str, tuple[dict, float, float]] = {}
+    pyspy_dir = args.out / "pyspy" if args.out else Path("/tmp/pdlb-scaling-pyspy")
+    pyspy_dir.mkdir(parents=True, exist_ok=True)
     print(f"\n== ablate: regular, {conc} connections, pdlb x{n_proc} with parts of its shared state off "
           f"(bench-only switches), {d:g} s windows ==")
     try:
         for rnd in range(1, args.rounds + 1):
             print(f"  round {rnd}:")
+            if rnd == 1:
+                one = start_pdlb("regular", engines, 1, rc, *extra)
+                try:
+                    prof = (one.popen.pid, pyspy_dir / "ablate_x1.txt")
+                    r = await drive([one.url], conc, args, lp, d, {"pdlb": [one.popen.pid]}, profile=prof)
+                finally:
+                    one.stop()
+                print(f"    {'pdlb, 1 process':44} {r['rps']:8.0f} req/s {r['cpu_us']:6.0f} us/req  {_fmt_host(r['host'])}")
+                res["pdlb, 1 process"].append({k: v for k, v in r.items() if k != "lat"})
+                if prof[1].exists():
+                    profiles["1 process"] = (collapse(prof[1]), r["cpu_us"], r["cpu_us"])
             for what in ("", "peer_refresh", "prefix_share", "peer_refresh,prefix_share"):
                 many = start_pdlb("regular", engines, args.many, rc, *extra, ablate=what)
                 try:
                     await drive([many.url], conc, args, lp, 1.0, {})
-                    r = await drive([many.url], conc, args, lp, d, {"pdlb": [many.popen.pid]})
+                    kids = _router_children(many.popen.pid)
+                    prof = (kids[0], pyspy_dir / f"ablate_x{n_proc}_child.txt") if rnd == 1 and not what and kids else None
+                    r = await drive([many.url], conc, args, lp, d,
+                                    {"parent": [-many.popen.pid], **{f"p{k}": [c] for k, c in enumerate(kids)}},
+                                    profile=prof)
                 finally:
                     many.stop()
+                if prof and prof[1].exists():
+                    per_child = [r["cpu_s"].get(f"p{k}", 0.0) for k in range(len(kids))]
+                    pc = r["cpu_s"].get("p0", 0.0)
+                    share = r["n"] * pc / max(1e-9, sum(per_child))
+                    profiles[f"one of {n_proc} processes"] = (collapse(prof[1]), pc / max(1, share) * 1e6,
+                                                              pc / max(1, share) * 1e6)
                 label = f"pdlb x{n_proc}" + (f", no {what.replace(',', ', no ')}" if what else ", as shipped")
                 print(f"    {label:44} {r['rps']:8.0f} req/s {r['cpu_us']:6.0f} us/req  {_fmt_host(r['host'])}")
                 res[label].append({k: v for k, v in r.items() if k != "lat"})
@@ -714,7 +739,9 @@ async def ablate(args: argparse.Namespace, out: dict) -> None:
             res[f"{n_proc} independent pdlb"].append({k: v for k, v in r.items() if k != "lat"})
     finally:
         _stop_all(engines)
+    print_profiles(profiles)
     out["ablate"] = dict(res)
+    out["ablate_profiles"] = {k: {"cpu_us": v[1], **v[0]} for k, v in profiles.items()}
 
 
 def main() -> int:
