@@ -24,7 +24,10 @@ Phases (engines and client processes on the CPUs outside ``--router-cpus``, rout
 * **pd** (SGLang PD protocol): latency at ``--concurrency`` of the direct engine, the default
   process count, the independent processes, one process given two connections, uvloop and
   sglang-router, with the tail described (p90/p99/p99.9, how many of the slowest 1% fell within
-  the same 10 ms as another, which connection they came from).
+  the same 10 ms as another, which connection they came from);
+* **ablate** (not in the default phases): regular mode, one process and the default process count
+  as shipped (both profiled), then with the peer-load read, the decision rings, or both switched
+  off by bench-only patches (``bench/ablate/sitecustomize.py``), and as many independent routers.
 
 Everything is printed; ``--out DIR`` also writes ``scaling.json`` and the raw py-spy files.
 """
