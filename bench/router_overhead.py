@@ -37,6 +37,8 @@ and load generators to the others: the routers compete for the same cores, not w
 ``--load-processes K`` drives the throughput run from K client processes (one Python client
 process tops out near 10,000 requests/s); ``--engines N`` / ``--pd-engines N`` start N mixed engines
 (regular) or N prefill + N decode engines (pd).
+``--variant 'NAME=ARGS'`` adds a row ``pdlb xN, NAME``: the default process count with ARGS added
+(e.g. ``--variant 'aiohttp client=--upstream-client aiohttp'``).
 ``--baseline DIR`` also measures ``pdlb serve`` (one process) from another checkout, e.g. the
 main branch's (row ``pdlb@base``), in the same repeats: CPU per request before / after. Given
 twice or more, every checkout gets a row (``pdlb@base``, ``pdlb@base2``, ...; the goal is checked
@@ -340,7 +342,8 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
     procs: list[Proc] = []
     sgl = None
     bases = {_base_name(k): d for k, d in enumerate(args.baseline or [])}
-    names = [*bases] + [_pdlb_name(k, args) for k in args.pdlb_processes]
+    variants = {f"pdlb x{args.default_processes}, {name}": extra for name, extra in args.variant}
+    names = [*bases] + [_pdlb_name(k, args) for k in args.pdlb_processes] + [*variants]
     out: dict[str, list[dict[str, float]]] = {"direct": [], **{k: [] for k in names}, "sglang": []}
     pdlbs: dict[str, Proc] = {}
     try:
@@ -360,6 +363,12 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 pdlb = _spawn(a)
                 procs.append(pdlb)
                 pdlbs[_pdlb_name(k, args)] = pdlb
+            for name, extra in variants.items():  # the default process count with more arguments
+                a = _pdlb_args(mode, engines, args.default_processes)
+                i = a.index("--processes")
+                del a[i:i + 2]
+                pdlbs[name] = _spawn([*a, *extra])
+                procs.append(pdlbs[name])
             sgl_url = None
             if sglang_cmd is not None:
                 try:
@@ -394,7 +403,7 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 got = await _paired_cpu(paired, args)
                 out.setdefault("paired", []).append(got)
                 print(f"    round {k}: " + ", ".join(f"{name} {us:.0f} us" for name, us in got.items())
-                      + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / got[b]:.2f}x" for b in bases))
+                      + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / (got[b] or float('nan')):.2f}x" for b in bases))
     finally:
         if sgl is not None and sgl.poll() is None:
             sgl.terminate()
@@ -442,7 +451,7 @@ def _summary(results: dict[str, dict]) -> None:
             print(f"{mode:9}{'pdlb / ' + base:22}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
                   f"   (per repeat: CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
             if paired:
-                r_pair = [r["pdlb"] / r[base] for r in paired]
+                r_pair = [r["pdlb"] / (r[base] or float("nan")) for r in paired]
                 rp = statistics.median(r_pair)
                 print(f"{mode:9}{'pdlb / ' + base + ' paired':22}{'':37}{rp:11.2f}x"
                       f"   (per round: {', '.join(f'{x:.2f}' for x in r_pair)})")
@@ -461,7 +470,7 @@ def _summary(results: dict[str, dict]) -> None:
             print(f"{mode:9}{(name + ' / sglang'):22}{a50}{'':13}{rr:10.2f}x{statistics.median(r_cpu):11.2f}x"
                   f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r_rps)}; "
                   f"CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
-            if "default" in name or name == pdlb_names[-1]:
+            if "default" in name or (name == pdlb_names[-1] and not any("default" in k for k in pdlb_names)):
                 a99, t99 = med[name][1], med["sglang"][1]
                 verdicts.append(f"{mode} {name}: throughput {rr:.2f}x sglang-router "
                                 f"({'meets' if rr >= 1.0 else 'misses'} >= 1x), added p99 {a99:.2f} ms vs "
@@ -508,6 +517,9 @@ def main() -> int:
     ap.add_argument("--paired-rounds", type=int, default=5, metavar="N",
                     help="with --baseline: after the repeats, N rounds driving one pdlb process and every baseline at "
                          "the same time for CPU per request (0: none; default 5)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also measure pdlb serve with the default process count and ARGS added, as row "
+                         "'pdlb xN, NAME' (repeatable), e.g. 'aiohttp client=--upstream-client aiohttp'")
     ap.add_argument("--sglang-router", default=f"bash {PEER}", metavar="CMD",
                     help="command that runs 'sglang-router launch' with the args appended (default: the peer script)")
     args = ap.parse_args()
@@ -532,6 +544,13 @@ def main() -> int:
     for checkout in args.baseline or []:
         if not (checkout / "sim" / "cli.py").is_file():
             ap.error(f"--baseline {checkout}: not a pdlb checkout (no sim/cli.py)")
+    variants = []
+    for v in args.variant:
+        name, sep, extra = v.partition("=")
+        if not sep or not name.strip():
+            ap.error(f"--variant must be NAME=ARGS, got {v!r}")
+        variants.append((name.strip(), shlex.split(extra)))
+    args.variant = variants
     sglang_cmd = None if args.no_sglang else shlex.split(args.sglang_router)
     if sglang_cmd and sglang_cmd[0] == "bash" and len(sglang_cmd) > 1 and not Path(sglang_cmd[1]).is_file():
         print(f"note: {sglang_cmd[1]} not found; skipping the sglang-router comparison")
