@@ -44,7 +44,7 @@ from sim.cli_args import (
     seed_int,
     sim_options,
     slo_from_args,
-    unique_results_dir,
+    default_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
     workload_spec,
@@ -139,7 +139,7 @@ def add_capacity_parser(simsub: Any) -> None:
     add_cluster_args(p)
     add_router_args(p)
     add_executor_args(p)
-    out = add_output_args(p)
+    out = add_output_args(p, prefix="capacity")
     add_slo_args(out, targets=True)
     out.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
     p.set_defaults(run=run_capacity)
@@ -297,7 +297,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         console.print(f"  {escape(line)}", soft_wrap=True)
     n_points = sum(len(r.points) for r in results) + sum(len(v) for v in curves.values())
     console.print(f"{n_points} simulations in {wall:.1f} s")
-    out = args.out or unique_results_dir(Path("results") / f"capacity-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or default_results_dir("capacity", scenario.name)
     out.mkdir(parents=True, exist_ok=True)
     command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
     meta = {"command": command, "scenario": json.loads(scenario.model_dump_json()), "workload": vars(wl) | {

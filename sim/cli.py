@@ -58,7 +58,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     route_slo_note,
     scenario_from_args,
     seed_int,
-    unique_results_dir,
+    default_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
 )
@@ -268,7 +268,7 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
             console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
-    out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or default_results_dir(scenario.name)
     meta |= {"command": args.command_line, "wall_s": wall, "route_slo": args.route_slo}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")

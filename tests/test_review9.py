@@ -5,6 +5,8 @@ Expected values are worked out by hand in the comments.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -98,3 +100,42 @@ async def test_engine_fault_errors_are_one_line_naming_the_field() -> None:
         assert r.status == 400 and (await r.json())["error"]["message"].startswith("invalid faults: invalid JSON body")
     finally:
         await c.close()
+
+
+# ------------------------------------------------------------------------------ results folders
+_TRACE = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+_SCENARIO = 'name = "{name}"\nmodel = "llama-3.1-8b"\nhardware = "h100"\n[mixed]\nnum_engines = 1\n'
+
+
+@pytest.mark.parametrize("cmd, prefix", [(["sim", "run"], ""), (["sim", "compare", "--policies", "round_robin"], ""),
+                                         (["sim", "capacity", "--policies", "round_robin", "--max-evals", "2",
+                                           "--jobs", "1"], "capacity-")])
+@pytest.mark.parametrize("name, stem", [("../../escape/x", "escape-x"), ("a/b c", "a-b-c")])
+def test_a_scenario_name_cannot_put_the_default_results_folder_elsewhere(cmd, prefix, name, stem, tmp_path: Path,
+                                                                         monkeypatch, capsys) -> None:
+    # a scenario's name is free text and was pasted into results/<name>-<time>: "../../escape/x"
+    # wrote to ../escape/x-<time> (outside the working directory's results/), "a/b c" to a subfolder.
+    # Expected stem by sim.report.safe_file_stem: runs of "/", " " become "-", leading ".-" stripped.
+    from sim.cli import main
+
+    work = tmp_path / "w" / "d"
+    work.mkdir(parents=True)
+    (work / "t.jsonl").write_text(_TRACE)
+    (work / "s.toml").write_text(_SCENARIO.format(name=name))
+    monkeypatch.chdir(work)
+    rc = main([*cmd, "--trace", "t.jsonl", "--scenario", "s.toml", "--quiet", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    made = [p for p in tmp_path.rglob("*") if p.is_dir() and p.name.startswith(f"{prefix}{stem}-")]
+    assert len(made) == 1 and made[0].parent == work / "results", made
+    assert not (tmp_path / "w" / "escape").exists() and not (work / "results" / "a").exists()
+
+
+def test_capacity_out_help_names_its_own_default_folder(capsys) -> None:
+    # the help said results/<scenario>-<time>; capacity writes results/capacity-<scenario>-<time>
+    from sim.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["sim", "capacity", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default results/capacity-<scenario>-<YYYYmmdd- HHMMSS>" in out or \
+        "(default results/capacity-<scenario>-<YYYYmmdd-HHMMSS>" in out
