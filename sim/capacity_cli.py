@@ -169,9 +169,10 @@ def _estimate_evals(args: argparse.Namespace) -> int:
     return min(args.max_evals, 12)
 
 
-def _burst_note(r: Any) -> str:
+def _burst_note(r: Any, duration_s: float | None = None) -> str:
     """The answer's :func:`sim.metrics.burst_note` with what to do about it; ``""`` for a steady
-    answer, or without a complete answer run."""
+    answer, or without a complete answer run. ``duration_s``: the search's ``--duration-s``, if
+    given (the advice is then a longer window, not the flag the user already passed)."""
     from sim.metrics import burst_note
 
     best = getattr(r, "best", None)
@@ -179,8 +180,12 @@ def _burst_note(r: Any) -> str:
     if not summary:
         return ""
     note = burst_note(summary["num_requests"], summary.get("arrival_window_s"), summary.get("makespan_s"))
+    if not note:
+        return ""
+    if duration_s is not None:
+        return f"at the answer {note}; search over a longer window than --duration-s {duration_s:g} or a longer trace"
     return (f"at the answer {note}; search over a fixed window (--duration-s S: every rate runs S seconds of arrivals) "
-            "or a longer trace") if note else ""
+            "or a longer trace")
 
 
 def run_capacity(args: argparse.Namespace, console: Console) -> int:
@@ -289,7 +294,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
     console.print(rich_table(head, rows, title))
     for r in results:
-        note = _burst_note(r)
+        note = _burst_note(r, args.duration_s)
         if note:
             r.notes.append(note)
     notes = reasons(results)

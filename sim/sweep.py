@@ -392,17 +392,19 @@ def mark_bursts(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], st
     return out
 
 
-def burst_message(bursts: Sequence[tuple[dict[str, Any], str]], num_rows: int) -> str:
+def burst_message(bursts: Sequence[tuple[dict[str, Any], str]], num_rows: int, duration_s: float | None = None) -> str:
     """One line on the burst points of :func:`mark_bursts` (``""`` without any): how many, the
-    first as an example, and what to do."""
+    first as an example, and what to do (``duration_s``: the sweep file's ``duration_s``, if it
+    sets one; the advice is then a longer one)."""
     if not bursts:
         return ""
     row, note = bursts[0]
     where = " ".join([str(row["policy"]), f"x{row['rate_scale']:g}", f"seed {row['seed']}",
                       *(f"{k.removeprefix('set.')}={v}" for k, v in row.items() if k.startswith("set."))])
+    todo = (f"set a longer duration_s than {duration_s:g} in the sweep file" if duration_s is not None else
+            "set duration_s = S in the sweep file (every rate then runs S seconds of arrivals)")
     return (f"note: the goodput of {len(bursts)} of {num_rows} points is a burst's (goodput_burst in sweep.csv, * in "
-            f"the table); e.g. {where}: {note}; set duration_s = S in the sweep file (every rate then runs S seconds "
-            "of arrivals) or use a longer trace")
+            f"the table); e.g. {where}: {note}; {todo} or use a longer trace")
 
 
 def write_table(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:

@@ -139,3 +139,29 @@ def test_capacity_out_help_names_its_own_default_folder(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "(default results/capacity-<scenario>-<YYYYmmdd- HHMMSS>" in out or \
         "(default results/capacity-<scenario>-<YYYYmmdd-HHMMSS>" in out
+
+
+# ------------------------------------------------------------------------------ burst notes
+def test_capacity_burst_note_does_not_advise_the_flag_already_given() -> None:
+    # The note told a user who had passed --duration-s 30 to "search over a fixed window
+    # (--duration-s S ...)". A run of 341 requests over 29.7 s that finishes at 69.5 s is a burst
+    # (69.5 > 2 x 29.7, sim.metrics.BURST_MAKESPAN_RATIO).
+    from types import SimpleNamespace
+
+    from sim.capacity_cli import _burst_note
+
+    r = SimpleNamespace(best=SimpleNamespace(summary={"num_requests": 341, "arrival_window_s": 29.7, "makespan_s": 69.5}))
+    given = _burst_note(r, 30.0)
+    assert given.startswith("at the answer the 341 requests arrive over 29.7 s and the last finishes at 69.5 s")
+    assert given.endswith("; search over a longer window than --duration-s 30 or a longer trace")
+    assert "--duration-s S" in _burst_note(r) and "--duration-s S" not in given
+
+
+def test_sweep_burst_message_does_not_advise_the_key_already_set() -> None:
+    from sim.sweep import burst_message
+
+    row = {"policy": "kv_cost", "rate_scale": 2.0, "seed": 0}
+    note = "the 100 requests arrive over 10 s and the last finishes at 50 s"
+    assert "set a longer duration_s than 10 in the sweep file or use a longer trace" in \
+        burst_message([(row, note)], 4, duration_s=10)
+    assert "set duration_s = S in the sweep file" in burst_message([(row, note)], 4)
