@@ -165,3 +165,63 @@ def test_sweep_burst_message_does_not_advise_the_key_already_set() -> None:
     assert "set a longer duration_s than 10 in the sweep file or use a longer trace" in \
         burst_message([(row, note)], 4, duration_s=10)
     assert "set duration_s = S in the sweep file" in burst_message([(row, note)], 4)
+
+
+# ------------------------------------------------------------------------------ pdlb sim store-sweep
+def _store_trace(tmp_path: Path, classes: list[str | None], gap_s: float = 1.0) -> Path:
+    import json
+
+    lines = []
+    for i, cls in enumerate(classes):  # 2-block prompts sharing their first block: hits from the second on
+        rec = {"timestamp": 1000 * gap_s * i, "input_length": 1024, "output_length": 2, "hash_ids": [1, 100 + i]}
+        if cls is not None:
+            rec["traffic_class"] = cls
+        lines.append(json.dumps(rec))
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_store_sweep_on_a_trace_without_classes_runs_without_the_default_class_ttls(tmp_path: Path, capsys) -> None:
+    # The default --class-ttl-hours (agent=72,chatbot=168) made every trace without those classes
+    # (the Mooncake trace, any user trace) fail with an error about a flag the user never gave.
+    import csv
+
+    from sim.cli import main
+
+    trace = _store_trace(tmp_path, [None] * 4)
+    rc = main(["sim", "store-sweep", "--trace", str(trace), "--warmup-days", "0", "--ttl-hours", "1",
+               "--out", str(tmp_path / "o"), "--quiet", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(open(tmp_path / "o" / "store_sweep.csv")))
+    # TTL 1 h and the always-added "none"; no per-class row. Hit rate: requests 2-4 hit block 1
+    # (512 of 1024 tokens) within the hour: 3 * 512 / (4 * 1024) = 0.375
+    assert [r["ttl_hours"] for r in rows] == ["1", "none"]
+    assert [float(r["hit_rate_all"]) for r in rows] == [pytest.approx(0.375)] * 2
+    # a class the trace lacks, given on purpose, is still an error naming the flag
+    assert main(["sim", "store-sweep", "--trace", str(trace), "--warmup-days", "0", "--class-ttl-hours", "agent=1",
+                 "--out", str(tmp_path / "o2"), "--quiet"]) == 2
+    assert "error: --class-ttl-hours: unknown traffic class 'agent'" in capsys.readouterr().err
+
+
+def test_store_sweep_whose_warmup_covers_the_whole_trace_is_an_error(tmp_path: Path, capsys) -> None:
+    # The default --warmup-days 7 on a 3 s trace left nothing measured: a table of 0% and then a
+    # ZeroDivisionError traceback in the chatbot note. Last arrival 3 s = 3 / 86400 = 3.47e-05 days.
+    from sim.cli import main
+
+    trace = _store_trace(tmp_path, ["chatbot"] * 4)
+    rc = main(["sim", "store-sweep", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet", "--no-plots"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == ("error: no request arrives after the 7 warm-up days: the workload's last arrives "
+                                       "at 3.47e-05 days (3 s); lower --warmup-days")
+
+
+def test_store_sweep_chatbot_note_without_any_chatbot_hit_has_no_ratio() -> None:
+    # h7 = 0 divided by zero for the relative cost
+    from sim.experiments.cli import _deepseek_note
+    from sim.experiments.store_hit_rate import ClassHits
+
+    zero = {"chatbot": ClassHits(requests=1, prompt_tokens=100, hit_tokens=0)}
+    rows = [(None, "72", zero), (None, "168", zero)]
+    assert _deepseek_note(rows) == ("chatbot hit rate, unbounded store: TTL 7 days 0.00%, 3 days 0.00%: "
+                                    "a 3-day TTL costs 0.00 percentage points")
