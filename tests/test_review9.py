@@ -225,3 +225,26 @@ def test_store_sweep_chatbot_note_without_any_chatbot_hit_has_no_ratio() -> None
     rows = [(None, "72", zero), (None, "168", zero)]
     assert _deepseek_note(rows) == ("chatbot hit rate, unbounded store: TTL 7 days 0.00%, 3 days 0.00%: "
                                     "a 3-day TTL costs 0.00 percentage points")
+
+
+@pytest.mark.parametrize("name, text, message", [
+    # was "sc.toml: 1 validation error for SessionWorkloadConfig bogus Extra inputs are not permitted
+    # [type=extra_forbidden, ...] For further information visit https://errors.pydantic.dev/..."
+    ("c.toml", "bogus = 1\n", "c.toml: bogus: unknown field (valid: agent, agent_fraction, block_size, chatbot, "
+                              "duration_s, seed, sessions_per_hour, vocab_size)"),
+    ("c.toml", "[chatbot]\nturns_mean = 2\n", "c.toml: chatbot.turns_mean: unknown field (did you mean 'turns_per_visit_mean'?)"),
+    ("c.yaml", "agent_fraction: 2\n", "c.yaml: agent_fraction: Input should be less than or equal to 1"),
+    ("c.json", "[1]", "c.json: the top level must be a table of SessionWorkloadConfig fields, got list"),
+    ("c.json", '{"seed": }', "c.json:1:10: Expecting value"),
+    (None, None, "{dir}/missing.toml: no such file"),  # was "[Errno 2] No such file or directory: ..." without the flag's file first
+])
+def test_session_config_errors_are_one_line_naming_file_and_field(name, text, message, tmp_path: Path, capsys) -> None:
+    from sim.cli import main
+
+    path = tmp_path / (name or "missing.toml")
+    if text is not None:
+        path.write_text(text)
+    for cmd in (["sim", "sessions", "--out", str(tmp_path / "s.jsonl")], ["sim", "store-sweep", "--quiet"]):
+        assert main([*cmd, "--config", str(path), "--days", "0.01"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "error: " + (message if name is None else f"{tmp_path}/{message}").format(dir=tmp_path)
