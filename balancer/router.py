@@ -89,7 +89,7 @@ from balancer.policies import Policy, SelectContext
 from balancer.policies.spec import build_policy
 from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
-from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, is_finite_seconds
+from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, checked_count, checked_ttl_s, is_finite_seconds
 
 
 def _locked(fn):  # noqa: ANN001, ANN202
@@ -211,16 +211,15 @@ class Router:
         load_report_max_age_s: float | None = None,
         ttft_slo: TtftSlo | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        block_size = checked_count("block_size", block_size, 1)  # a float (16.5) or a string was taken
         if index_mode not in INDEX_MODES:
             raise ValueError(f"unknown index_mode {index_mode!r}; valid: {', '.join(INDEX_MODES)}")
-        if pd_min_uncached_tokens < 0:
-            raise ValueError("pd_min_uncached_tokens must be >= 0")
+        pd_min_uncached_tokens = checked_count("pd_min_uncached_tokens", pd_min_uncached_tokens, 0)
         for name, v in (("speculative_ttl_s", speculative_ttl_s), ("inflight_timeout_s", inflight_timeout_s),
                         ("load_report_max_age_s", load_report_max_age_s)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
+        index_ttl_s, store_ttl_s = checked_ttl_s("index_ttl_s", index_ttl_s), checked_ttl_s("store_ttl_s", store_ttl_s)
         # a name, or a spec with parameters ("ep_aware:ttft_slo_s=2"), as on the command line
         self.prefill_policy = build_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
         self.decode_policy = build_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
