@@ -109,6 +109,12 @@ class RequestTooLargeError(ValueError):
     """The request cannot fit any candidate replica's KV capacity (the service maps it to 400)."""
 
 
+class PolicyError(RuntimeError):
+    """A policy's ``select`` returned something other than a :class:`~balancer.types.Choice` of
+    one of the candidates it was given (a user policy's bug; the service answers 500, ``pdlb sim``
+    prints one line naming the policy). Nothing is counted for the request then."""
+
+
 @dataclass(slots=True)
 class ReplicaInfo:
     """Static facts about a registered replica."""
@@ -542,12 +548,19 @@ class Router:
         return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
                      min((c for c in cap.tolist() if c > 0), default=0))
 
-    def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
+    def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float,
+                position: Mapping[ReplicaId, int]) -> Choice:
         learner = self.cost_learner
         ctx = SelectContext(self.rng, now_s, self._decisions[pool_name],
                             learner.model if learner is not None else self.cost_model, self.ttft_slo)
-        self._decisions[pool_name] += 1
         choice = policy.select(request, cands, ctx)
+        if type(choice) is not Choice and not isinstance(choice, Choice):  # a user policy's bug, named
+            raise PolicyError(f"policy {policy.name!r} ({pool_name} pool) returned {type(choice).__name__} "
+                              f"{choice!r:.80} for request {request.request_id!r}, not a balancer.Choice")
+        if choice.replica not in position:  # was a KeyError (or a request counted on an unknown rank)
+            raise PolicyError(f"policy {policy.name!r} ({pool_name} pool) chose {choice.replica!r} for request "
+                              f"{request.request_id!r}, which is not one of its {len(cands)} candidates")
+        self._decisions[pool_name] += 1
         key = (pool_name, choice.reason)
         self._reasons[key] = self._reasons.get(key, 0) + 1
         return choice
@@ -582,6 +595,8 @@ class Router:
         Raises:
             NoReplicaError: no healthy decode (or mixed) replica.
             RequestTooLargeError: no candidate's KV capacity can hold the request.
+            PolicyError: a policy returned something other than a ``Choice`` of one of its
+                candidates.
             ValueError: the request id is already in flight; ``now_s`` is not a finite number; the
                 request carries more block hashes than its prompt has ``block_size``-token blocks
                 (``ceil(prompt_tokens / block_size)``: hashes made at another block size, or a
@@ -630,14 +645,14 @@ class Router:
             p_pool = self._fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
         depths = self.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None, spec)
-        d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
+        d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s, d_pool.position)
         d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
         prefill: ReplicaId | None = None
         p_choice: Choice | None = None
         p_matched = 0
         if p_pool.replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
             p_cands = self._candidates(request, p_pool, depths, None, spec)
-            p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s)
+            p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s, p_pool.position)
             prefill = p_choice.replica
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
         uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)

@@ -36,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from balancer.policies import available_policies, make_policy
 from balancer.policies.base import _REGISTRY
+from balancer.router import PolicyError
 from balancer.types import TtftSlo
 from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of sim.cli)
     DEFAULT_INDEX_MODE,
@@ -410,7 +411,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 return _run_many(args, runs, console)
             if args.sim_command == "run":
                 return _run_many(args, _policy_runs(args, [("--policy", args.policy, args.decode_policy)]), console)
-    except (ValueError, OSError) as e:  # one line on stderr, however long; no traceback
+    except (ValueError, OSError, PolicyError) as e:  # one line on stderr, however long; no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     parser.error("unknown command")

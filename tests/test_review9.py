@@ -319,3 +319,112 @@ def test_router_index_ttl_still_expires_entries_and_inf_means_never() -> None:
         r.route(Request("a", 0.0, 32, (1, 2)), now_s=0.0)
         assert r.route(Request("b", 5.0, 32, (1, 2)), now_s=5.0).decode_matched_tokens == 32
         assert r.route(Request("c", 20.0, 32, (1, 2)), now_s=20.0).decode_matched_tokens == hit_at_20
+
+
+# ------------------------------------------------------------------------------ user policies
+def _bad_policy_router(result):
+    from dataclasses import dataclass
+
+    from balancer import Choice, Policy, ReplicaId, Router
+
+    @dataclass(frozen=True)
+    class Bad(Policy):  # not registered: passed to Router as an object
+        name = "bad"
+
+        def select(self, request, cands, ctx):
+            return result(cands) if callable(result) else result
+
+    r = Router(Bad(), Bad(), block_size=16)
+    r.add_replica(ReplicaId("p", 0), "prefill")
+    r.add_replica(ReplicaId("d", 0), "decode")
+    return r, Choice, ReplicaId
+
+
+@pytest.mark.parametrize("kind", ["unknown replica", "None", "a string", "a bare ReplicaId"])
+def test_a_policy_that_returns_no_valid_choice_is_a_policy_error_and_counts_nothing(kind: str) -> None:
+    # was a KeyError from the router's position map (unknown replica) or an AttributeError
+    # ('NoneType' object has no attribute 'reason'), a traceback deep inside simpy in pdlb sim
+    from balancer import PolicyError, ReplicaId, Request
+    from balancer.types import Choice
+
+    result = {"unknown replica": Choice(ReplicaId("nope", 0), reason="x"), "None": None, "a string": "d",
+              "a bare ReplicaId": ReplicaId("d", 0)}[kind]
+    r, _, _ = _bad_policy_router(result)
+    with pytest.raises(PolicyError) as ei:
+        r.route(Request("q1", 0.0, 32, (1, 2)), now_s=0.0)
+    msg = str(ei.value)
+    assert msg.startswith("policy 'bad' (decode pool) ") and "request 'q1'" in msg
+    if kind == "unknown replica":
+        assert "chose ReplicaId(engine='nope', dp_rank=0)" in msg and "not one of its 1 candidates" in msg
+    else:
+        assert msg.endswith("not a balancer.Choice")
+    m = r.metrics()
+    assert m["in_flight"] == 0 and m["decisions"] == {"prefill": {}, "decode": {}} and m["index_blocks"] == 0
+
+
+def test_pdlb_sim_names_a_user_policy_that_breaks_its_contract(tmp_path: Path, monkeypatch, capsys) -> None:
+    from sim.cli import main
+
+    pkg = tmp_path / "r9pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pol.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from balancer.policies.base import Policy, register\n"
+        "from balancer.types import Choice, ReplicaId\n"
+        "@register\n@dataclass(frozen=True)\nclass R9Bad(Policy):\n    name = 'r9_bad'\n"
+        "    def select(self, request, cands, ctx):\n        return Choice(ReplicaId('nope', 0), reason='x')\n")
+    (tmp_path / "t.jsonl").write_text(_TRACE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["sim", "run", "--policy-module", "r9pkg.pol", "--policy", "r9_bad", "--trace", "t.jsonl",
+               "--scenario", "llama8b-agg-h100", "--quiet", "--no-plots", "--out", "o"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == ("error: policy 'r9_bad' (decode pool) chose ReplicaId(engine='nope', dp_rank=0) for "
+                               "request 'r0', which is not one of its 8 candidates\n")
+
+
+def test_simpys_stall_message_is_the_one_the_cluster_recognises() -> None:
+    # sim.cluster tells a stall (this simpy RuntimeError) from any other RuntimeError by its start;
+    # every other error (a PolicyError at the last arrival) was reported as "simulation stalled"
+    import simpy
+
+    env = simpy.Environment()
+    with pytest.raises(RuntimeError) as ei:
+        env.run(until=env.event())
+    assert str(ei.value).startswith("No scheduled events left")
+
+
+def test_every_python_block_of_the_readme_runs_and_the_policy_example_picks_by_hand(tmp_path: Path) -> None:
+    # The README's library examples were never executed by a test. Run them all, in order, in a
+    # fresh interpreter (the policy example registers a name in the global registry), then call the
+    # example policy on hand-built candidates: requests [2, 0, 0] -> least loaded ranks 1 and 2,
+    # tie=first picks 1, tie=last picks 2.
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    check = '''
+import numpy as np
+from balancer.candidates import Candidates
+from balancer.policies import make_policy
+from balancer.policies.base import SelectContext
+import random
+from balancer.types import ReplicaId, Request, Role
+reps = tuple(ReplicaId("e", i) for i in range(3))
+z = np.zeros(3, dtype=np.int64)
+c = Candidates(role=Role.DECODE, replicas=reps, num_requests=np.array([2, 0, 0]), prefill_tokens=z,
+               decode_kv_tokens=z, kv_capacity_tokens=z, matched_blocks=z, matched_tokens=z, block_size=16)
+ctx = SelectContext(random.Random(0))
+req = Request("x", 0.0, 10)
+print(make_policy("fewest_requests").select(req, c, ctx).replica.dp_rank,
+      make_policy("fewest_requests", tie="last").select(req, c, ctx).replica.dp_rank)
+'''
+    script = tmp_path / "readme_blocks.py"
+    script.write_text("\n".join(blocks) + check)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["1", "2"]
