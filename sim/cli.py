@@ -363,7 +363,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
             for name in available_policies():
                 cls = _REGISTRY[name]
                 params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
-                doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+                doc = next(iter((sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()), "")
                 console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}",
                               soft_wrap=True)  # one line per signature, for grep
             console.print("parameters on any policy flag or config: NAME:K=V[,K=V], e.g. "

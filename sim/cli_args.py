@@ -13,7 +13,8 @@ so there is no import circle.
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
-- :func:`unique_results_dir` and :func:`default_results_dir` for default results folders;
+- :func:`unique_results_dir` and :func:`default_results_dir` for default results folders,
+  :func:`check_out_file` for an ``--out FILE``;
 - :class:`ArgumentParser`, argparse's parser with short, clear usage errors.
 """
 
@@ -233,6 +234,23 @@ def unique_results_dir(base: Path) -> Path:
             continue
         return path
     raise FileExistsError(f"{base}: 9999 results folders of that name exist")
+
+
+def check_out_file(path: Path, example: str) -> None:
+    """Fail before any work if ``--out`` cannot be written as a file: one line naming ``--out``
+    (a directory gets ``example``, a file name, as the suggestion), instead of an
+    ``[Errno 21] Is a directory`` after the work is done.
+
+    Raises:
+        ValueError: ``path`` is a directory, its folder does not exist, or it is not writable.
+    """
+    if path.is_dir():
+        raise ValueError(f"--out {path}: is a directory; give a file name, e.g. {path / example}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {path}: folder {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise ValueError(f"--out {path}: not writable")
 
 
 def default_results_dir(*parts: str) -> Path:

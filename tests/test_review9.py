@@ -363,6 +363,8 @@ def test_a_policy_that_returns_no_valid_choice_is_a_policy_error_and_counts_noth
 
 
 def test_pdlb_sim_names_a_user_policy_that_breaks_its_contract(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
     from sim.cli import main
 
     pkg = tmp_path / "r9pkg"
@@ -377,8 +379,15 @@ def test_pdlb_sim_names_a_user_policy_that_breaks_its_contract(tmp_path: Path, m
     (tmp_path / "t.jsonl").write_text(_TRACE)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    rc = main(["sim", "run", "--policy-module", "r9pkg.pol", "--policy", "r9_bad", "--trace", "t.jsonl",
-               "--scenario", "llama8b-agg-h100", "--quiet", "--no-plots", "--out", "o"])
+    from balancer.policies.base import _REGISTRY
+
+    try:
+        rc = main(["sim", "run", "--policy-module", "r9pkg.pol", "--policy", "r9_bad", "--trace", "t.jsonl",
+                   "--scenario", "llama8b-agg-h100", "--quiet", "--no-plots", "--out", "o"])
+    finally:  # the registry is global: leave no test policy for the tests that list every policy
+        _REGISTRY.pop("r9_bad", None)
+        sys.modules.pop("r9pkg.pol", None)
+        sys.modules.pop("r9pkg", None)
     err = capsys.readouterr().err
     assert rc == 2 and err == ("error: policy 'r9_bad' (decode pool) chose ReplicaId(engine='nope', dp_rank=0) for "
                                "request 'r0', which is not one of its 8 candidates\n")
@@ -428,3 +437,63 @@ print(make_policy("fewest_requests").select(req, c, ctx).replica.dp_rank,
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["1", "2"]
+
+
+def test_price_from_a_summary_whose_runs_were_all_refused_says_so(tmp_path: Path, capsys) -> None:
+    # a compare of requests over max_model_len writes runs with no rates; pricing it said
+    # "key 'input_tokens_per_s_per_gpu' is missing or not a finite number >= 0 (got None)"
+    import json
+
+    from sim.cli import main
+
+    f = tmp_path / "summary.json"
+    f.write_text(json.dumps({"runs": [{"policy": "round_robin", "num_requests": 0, "num_finished": 0,
+                                       "num_rejected": 2, "rejected": {"max_model_len": 2},
+                                       "input_tokens_per_s_per_gpu": None}]}))
+    assert main(["sim", "price", "--from-summary", str(f)]) == 2
+    assert capsys.readouterr().err == (f"error: {f} run 0 (round_robin): nothing was simulated, all 2 requests were "
+                                       "refused at arrival (2 over max_model_len); nothing to price\n")
+
+
+def test_cost_model_out_errors_name_the_flag_before_fitting(tmp_path: Path, capsys) -> None:
+    # were "error: [Errno 21] Is a directory: '/tmp'" and "error: [Errno 2] No such file or directory: ..."
+    from sim.cli import main
+
+    assert main(["sim", "cost-model", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {tmp_path}: is a directory; give a file name, e.g. {tmp_path / 'cost_model.toml'}")
+    missing = tmp_path / "no" / "m.toml"
+    assert main(["sim", "cost-model", "--out", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --out {missing}: folder {missing.parent} does not exist"
+    # the workload generator's message for a missing folder now names the file too
+    assert main(["sim", "workload", "ramp", "--rates", "1", "--step-s", "5", "--out", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --out {missing}: folder {missing.parent} does not exist"
+
+
+def test_pdlb_policies_lists_a_registered_policy_whose_module_has_no_docstring(capsys) -> None:
+    # `pdlb policies` took the first line of the module docstring: IndexError for a user module without one
+    import types
+    import sys
+    from dataclasses import dataclass
+
+    from balancer.policies.base import _REGISTRY, Policy, register
+    from sim.cli import main
+
+    mod = types.ModuleType("r9_nodoc")  # a module without a docstring
+    sys.modules["r9_nodoc"] = mod
+    try:
+        @register
+        @dataclass(frozen=True)
+        class NoDoc(Policy):
+            name = "r9_nodoc"
+            k: int = 3
+
+            def select(self, request, cands, ctx):  # pragma: no cover - never routed
+                raise AssertionError
+
+        NoDoc.__module__ = "r9_nodoc"
+        assert main(["policies"]) == 0
+        assert "r9_nodoc(k=3)" in capsys.readouterr().out
+    finally:
+        _REGISTRY.pop("r9_nodoc", None)
+        sys.modules.pop("r9_nodoc", None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import re
 import sys
 import time
@@ -114,17 +113,6 @@ def _config(args: argparse.Namespace, days: float):
         raise ValueError("; ".join(parts)) from None
 
 
-def _check_out_file(path: Path) -> None:
-    """Fail before any work if ``--out`` cannot be written as a file (one line naming ``--out``)."""
-    if path.is_dir():
-        raise ValueError(f"--out {path}: is a directory")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {path}: folder {parent} does not exist")
-    if not os.access(path if path.exists() else parent, os.W_OK):
-        raise ValueError(f"--out {path}: not writable")
-
-
 def run_session_command(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdlb sim sessions`` or ``pdlb sim store-sweep``; returns the exit status."""
     if args.days <= 0:
@@ -148,7 +136,9 @@ def _summary_table(summary: dict[str, dict[str, float]], title: str) -> Table:
 def _run_sessions(args: argparse.Namespace, console: Console) -> int:
     from sim.workload import session_workload, workload_summary, write_mooncake
 
-    _check_out_file(args.out)
+    from sim.cli_args import check_out_file
+
+    check_out_file(args.out, "sessions.jsonl")
     cfg = _config(args, args.days)
     t0 = time.perf_counter()
     with console.status(f"generating {args.days:g} days of sessions..."):
