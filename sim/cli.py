@@ -218,7 +218,15 @@ def _describe(sc: Scenario) -> str:
 def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
-    from sim.report import kv_tier_table, markdown_table, nothing_simulated, rejection_line, summary_table, write_results
+    from sim.report import (
+        goodput_note,
+        kv_tier_table,
+        markdown_table,
+        nothing_simulated,
+        rejection_line,
+        summary_table,
+        write_results,
+    )
     from sim.workload import ideal_hit_rate
 
     scenario = _scenario(args)
@@ -267,6 +275,9 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
         line = rejection_line(smry, scenario.effective_max_model_len)
         if line:
             console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
+    note = next((n for n in map(goodput_note, summaries) if n), "")  # the arrivals are every run's
+    if note:
+        console.print(escape(note), soft_wrap=True)
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}%   "
                   f"simulated in {wall:.1f} s")
     out = args.out or default_results_dir(scenario.name)

@@ -497,3 +497,34 @@ def test_pdlb_policies_lists_a_registered_policy_whose_module_has_no_docstring(c
     finally:
         _REGISTRY.pop("r9_nodoc", None)
         sys.modules.pop("r9_nodoc", None)
+
+
+def test_a_burst_at_one_instant_shows_no_goodput_as_a_dash_with_the_reason(tmp_path: Path, monkeypatch, capsys) -> None:
+    # README: `pdlb sim workload shared-prefix` puts every request at t = 0, replayed with
+    # --spread-s 0. The arrival window is then 0 s and goodput NaN (sim.metrics): the table and
+    # summary.md printed "nan" with no word on why.
+    import json
+
+    from sim.cli import main
+
+    rec = {"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(rec) for _ in range(3)) + "\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["sim", "run", "--trace", "t.jsonl", "--spread-s", "0", "--scenario", "llama8b-agg-h100", "--quiet",
+               "--no-plots", "--out", "o", "--policy", "round_robin"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "nan" not in out
+    assert ("goodput: - because the 3 requests arrive at one instant (arrival window 0 s; goodput counts "
+            "SLO-meeting requests per second of it)") in " ".join(out.split())
+    row = (tmp_path / "o" / "summary.md").read_text().splitlines()[2].split(" | ")
+    assert row[8] == "-" and row[7] == "100.0%"  # goodput column; attainment still printed
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["runs"][0]["goodput_rps"] is None
+
+
+def test_goodput_note_only_for_a_zero_window() -> None:
+    from sim.report import goodput_note
+
+    assert goodput_note({"policy": "p", "num_requests": 5, "arrival_window_s": 2.0}) == ""
+    assert goodput_note({"policy": "p", "num_requests": 0, "num_rejected": 3, "arrival_window_s": None}) == ""
+    assert goodput_note({"policy": "p", "num_requests": 1, "arrival_window_s": float("nan")}).startswith(
+        "goodput: - because the 1 request arrives at one instant")
