@@ -528,3 +528,12 @@ def test_goodput_note_only_for_a_zero_window() -> None:
     assert goodput_note({"policy": "p", "num_requests": 0, "num_rejected": 3, "arrival_window_s": None}) == ""
     assert goodput_note({"policy": "p", "num_requests": 1, "arrival_window_s": float("nan")}).startswith(
         "goodput: - because the 1 request arrives at one instant")
+
+
+def test_validate_refuses_a_figure_given_twice(capsys) -> None:
+    # `--figures sglang-prefill-1k,sglang-prefill-1k` ran it twice and reported "2 of 2 held-out
+    # figures within +-15%" for one figure
+    from sim.cli import main
+
+    assert main(["sim", "validate", "--figures", "sglang-prefill-1k, sglang-prefill-1k"]) == 2
+    assert capsys.readouterr().err == "error: --figures: sglang-prefill-1k given more than once\n"
