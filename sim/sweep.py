@@ -298,6 +298,15 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
                                *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
                         ids.append(point_id(base, slo, var, policy, rate, seed, wl, options))
+    first: dict[str, int] = {}
+    for i, pid in enumerate(ids):  # was: run (and counted, and plotted) twice under one id
+        if pid in first:
+            pt = points[i]
+            where = " ".join([pt.policy.label, f"x{pt.rate_scale:g}", f"seed {pt.seed}",
+                              *(f"{k.removeprefix('set.')}={v}" for k, v in pt.tag if k.startswith("set."))])
+            raise ValueError(f"{source}: point {where} is listed more than once (a value repeated in policies, "
+                             "rates, seeds, traces, [grid] or [[points]]); list each once")
+        first[pid] = i
     return Sweep(base, points, ids, grid_keys, source, raw)
 
 

@@ -537,3 +537,22 @@ def test_validate_refuses_a_figure_given_twice(capsys) -> None:
 
     assert main(["sim", "validate", "--figures", "sglang-prefill-1k, sglang-prefill-1k"]) == 2
     assert capsys.readouterr().err == "error: --figures: sglang-prefill-1k given more than once\n"
+
+
+@pytest.mark.parametrize("extra, where", [
+    ('policies = ["round_robin", "round_robin"]\nrates = [1]\n', "round_robin x1 seed 0"),
+    ('policies = ["round_robin"]\nrates = [1, 1.0]\n', "round_robin x1 seed 0"),
+    ('policies = ["round_robin"]\nrates = [2]\nseeds = [3, 3]\n', "round_robin x2 seed 3"),
+    ('policies = ["round_robin"]\nrates = [1]\n[grid]\n"mixed.num_engines" = [2, 2]\n', "round_robin x1 seed 0 mixed.num_engines=2"),
+])
+def test_a_sweep_point_listed_twice_is_an_error_before_running(extra: str, where: str, tmp_path: Path, capsys) -> None:
+    # was: run twice under one point id ("2 of 2 points"), while compare and capacity refuse a
+    # policy given twice
+    from sim.cli import main
+
+    f = tmp_path / "s.toml"
+    f.write_text('scenario = "llama8b-agg-h100"\nlimit = 5\n' + extra)
+    assert main(["sim", "sweep", str(f), "--out", str(tmp_path / "o"), "--jobs", "1", "--quiet", "--no-plots"]) == 2
+    assert capsys.readouterr().err == (f"error: {f}: point {where} is listed more than once (a value repeated in "
+                                       "policies, rates, seeds, traces, [grid] or [[points]]); list each once\n")
+    assert not (tmp_path / "o" / "points.jsonl").exists()
