@@ -556,3 +556,19 @@ def test_a_sweep_point_listed_twice_is_an_error_before_running(extra: str, where
     assert capsys.readouterr().err == (f"error: {f}: point {where} is listed more than once (a value repeated in "
                                        "policies, rates, seeds, traces, [grid] or [[points]]); list each once\n")
     assert not (tmp_path / "o" / "points.jsonl").exists()
+
+
+def test_a_nested_check_naming_its_own_path_is_not_prefixed_twice(tmp_path: Path, capsys) -> None:
+    # was "spx.toml: speculative: speculative.acceptance: every entry must be in [0, 1], got [2.0]"
+    from sim.cli import main
+
+    f = tmp_path / "spx.toml"
+    f.write_text('name = "x"\nmodel = "llama-3.1-8b"\nhardware = "h100"\n[mixed]\nnum_engines = 1\n'
+                 "[speculative]\ndraft_tokens = 1\nacceptance = [2.0]\n")
+    assert main(["sim", "run", "--scenario", str(f), "--limit", "5", "--quiet", "--no-plots",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == f"error: {f}: speculative.acceptance: every entry must be in [0, 1], got [2.0]\n"
+    # a plain field error keeps its path
+    f.write_text('name = "x"\nmodel = "llama-3.1-8b"\nhardware = "h100"\n[mixed]\nnum_engines = 0\n')
+    assert main(["sim", "run", "--scenario", str(f), "--limit", "5", "--quiet", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == f"error: {f}: mixed.num_engines: Input should be greater than or equal to 1\n"
