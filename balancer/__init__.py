@@ -18,12 +18,12 @@ from balancer.kv_translate import KvEventTranslator, chain_root
 from balancer.kv_wire import EngineBatch, KvWireError, decode_batch, decode_seq
 from balancer.load import LoadReport
 from balancer.policies import Policy, available_policies, make_policy
-from balancer.router import INDEX_MODES, NoReplicaError, ReplicaInfo, Router
+from balancer.router import INDEX_MODES, NoReplicaError, PolicyError, ReplicaInfo, RequestTooLargeError, Router
 from balancer.types import Choice, ReplicaId, ReplicaView, Request, Role, Route, TtftSlo
 
 __all__ = [
     "INDEX_MODES", "ROOT_HASH", "AllBlocksCleared", "BlockRemoved", "BlockStored", "Choice", "EngineBatch", "KvEvent",
-    "KvEventTranslator", "KvWireError", "LoadReport", "NoReplicaError", "Policy", "ReplicaId", "ReplicaInfo",
-    "ReplicaView", "Request", "Role", "Route", "Router", "TtftSlo", "available_policies", "chain_block_ids", "chain_root",
+    "KvEventTranslator", "KvWireError", "LoadReport", "NoReplicaError", "Policy", "PolicyError", "ReplicaId",
+    "ReplicaInfo", "ReplicaView", "Request", "RequestTooLargeError", "Role", "Route", "Router", "TtftSlo", "available_policies", "chain_block_ids", "chain_root",
     "decode_batch", "decode_seq", "hash_token_blocks", "make_policy", "text_chunk_hashes",
 ]

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from balancer.hashing import leading_held
-from balancer.types import ReplicaId
+from balancer.types import ReplicaId, checked_count, checked_ttl_s
 
 
 class BlockIndex:
@@ -52,10 +52,9 @@ class BlockIndex:
     __slots__ = ("capacity_blocks", "ttl_s", "_holders", "_lru", "_bit", "_replica_of_bit", "_free_bits")
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None) -> None:
-        if capacity_blocks is not None and capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if capacity_blocks is not None:
+            capacity_blocks = checked_count("capacity_blocks", capacity_blocks, 1)
+        ttl_s = checked_ttl_s("ttl_s", ttl_s)
         self.capacity_blocks = capacity_blocks
         self.ttl_s = ttl_s
         self._holders: dict[int, int] = {}  # block hash -> bit set of holder numbers

@@ -49,7 +49,7 @@ from itertools import repeat
 
 import numpy as np
 
-from balancer.types import ReplicaId
+from balancer.types import ReplicaId, checked_count, checked_ttl_s
 
 
 #: Most holder bit sets whose replica numbers :meth:`PrefixIndex.match_depths` keeps converted.
@@ -148,13 +148,12 @@ class PrefixIndex:
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None, *,
                  block_map: bool = False, total_capacity_blocks: int | None = None) -> None:
-        if capacity_blocks is not None and capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
-        if total_capacity_blocks is not None and total_capacity_blocks < 1:
-            raise ValueError(f"total_capacity_blocks must be >= 1 or None, got {total_capacity_blocks}")
+        if capacity_blocks is not None:
+            capacity_blocks = checked_count("capacity_blocks", capacity_blocks, 1)
+        if total_capacity_blocks is not None:
+            total_capacity_blocks = checked_count("total_capacity_blocks", total_capacity_blocks, 1)
         self.total_capacity_blocks = total_capacity_blocks
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        ttl_s = checked_ttl_s("ttl_s", ttl_s)  # NaN was taken: no entry ever expired
         self.capacity_blocks = capacity_blocks
         self.ttl_s = ttl_s
         self._root = _Node((), None)

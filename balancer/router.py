@@ -89,7 +89,7 @@ from balancer.policies import Policy, SelectContext
 from balancer.policies.spec import build_policy
 from balancer.block_index import BlockIndex
 from balancer.prefix_index import PrefixIndex
-from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, is_finite_seconds
+from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, checked_count, checked_ttl_s, is_finite_seconds
 
 
 def _locked(fn):  # noqa: ANN001, ANN202
@@ -107,6 +107,12 @@ class NoReplicaError(RuntimeError):
 
 class RequestTooLargeError(ValueError):
     """The request cannot fit any candidate replica's KV capacity (the service maps it to 400)."""
+
+
+class PolicyError(RuntimeError):
+    """A policy's ``select`` returned something other than a :class:`~balancer.types.Choice` of
+    one of the candidates it was given (a user policy's bug; the service answers 500, ``pdlb sim``
+    prints one line naming the policy). Nothing is counted for the request then."""
 
 
 @dataclass(slots=True)
@@ -211,16 +217,15 @@ class Router:
         load_report_max_age_s: float | None = None,
         ttft_slo: TtftSlo | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        block_size = checked_count("block_size", block_size, 1)  # a float (16.5) or a string was taken
         if index_mode not in INDEX_MODES:
             raise ValueError(f"unknown index_mode {index_mode!r}; valid: {', '.join(INDEX_MODES)}")
-        if pd_min_uncached_tokens < 0:
-            raise ValueError("pd_min_uncached_tokens must be >= 0")
+        pd_min_uncached_tokens = checked_count("pd_min_uncached_tokens", pd_min_uncached_tokens, 0)
         for name, v in (("speculative_ttl_s", speculative_ttl_s), ("inflight_timeout_s", inflight_timeout_s),
                         ("load_report_max_age_s", load_report_max_age_s)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
+        index_ttl_s, store_ttl_s = checked_ttl_s("index_ttl_s", index_ttl_s), checked_ttl_s("store_ttl_s", store_ttl_s)
         # a name, or a spec with parameters ("ep_aware:ttft_slo_s=2"), as on the command line
         self.prefill_policy = build_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
         self.decode_policy = build_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
@@ -543,12 +548,19 @@ class Router:
         return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
                      min((c for c in cap.tolist() if c > 0), default=0))
 
-    def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float) -> Choice:
+    def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float,
+                position: Mapping[ReplicaId, int]) -> Choice:
         learner = self.cost_learner
         ctx = SelectContext(self.rng, now_s, self._decisions[pool_name],
                             learner.model if learner is not None else self.cost_model, self.ttft_slo)
-        self._decisions[pool_name] += 1
         choice = policy.select(request, cands, ctx)
+        if type(choice) is not Choice and not isinstance(choice, Choice):  # a user policy's bug, named
+            raise PolicyError(f"policy {policy.name!r} ({pool_name} pool) returned {type(choice).__name__} "
+                              f"{choice!r:.80} for request {request.request_id!r}, not a balancer.Choice")
+        if choice.replica not in position:  # was a KeyError (or a request counted on an unknown rank)
+            raise PolicyError(f"policy {policy.name!r} ({pool_name} pool) chose {choice.replica!r} for request "
+                              f"{request.request_id!r}, which is not one of its {len(cands)} candidates")
+        self._decisions[pool_name] += 1
         key = (pool_name, choice.reason)
         self._reasons[key] = self._reasons.get(key, 0) + 1
         return choice
@@ -583,6 +595,8 @@ class Router:
         Raises:
             NoReplicaError: no healthy decode (or mixed) replica.
             RequestTooLargeError: no candidate's KV capacity can hold the request.
+            PolicyError: a policy returned something other than a ``Choice`` of one of its
+                candidates.
             ValueError: the request id is already in flight; ``now_s`` is not a finite number; the
                 request carries more block hashes than its prompt has ``block_size``-token blocks
                 (``ceil(prompt_tokens / block_size)``: hashes made at another block size, or a
@@ -631,14 +645,14 @@ class Router:
             p_pool = self._fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
         depths = self.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None, spec)
-        d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s)
+        d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s, d_pool.position)
         d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
         prefill: ReplicaId | None = None
         p_choice: Choice | None = None
         p_matched = 0
         if p_pool.replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
             p_cands = self._candidates(request, p_pool, depths, None, spec)
-            p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s)
+            p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s, p_pool.position)
             prefill = p_choice.replica
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
         uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)

@@ -10,7 +10,7 @@ import enum
 import math
 import numbers
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -22,6 +22,38 @@ def is_finite_seconds(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
     return math.isfinite(value)
+
+
+def checked_count(name: str, value: object, minimum: int, where: str = "") -> int:
+    """``value`` as an ``int`` (a Python or numpy integer) >= ``minimum``: the check behind the
+    router library's token, block and rank counts. ``where`` prefixes the message
+    (``"request r1: "``).
+
+    Raises:
+        TypeError: not an integer (a bool, a float such as ``10.5`` or ``10.0``, a string, None).
+        ValueError: below ``minimum``.
+    """
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{where}{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}")
+        value = int(value)
+    if value < minimum:
+        raise ValueError(f"{where}{name} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def checked_ttl_s(name: str, value: object) -> float | None:
+    """``value`` as a float > 0 (``math.inf`` allowed: never expire), or ``None``: the check
+    behind the library's TTLs and timeouts.
+
+    Raises:
+        ValueError: NaN, 0, negative, or not a real number (a bool, a string).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:  # False for NaN
+        raise ValueError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
+    return float(value)
 
 
 class Role(str, enum.Enum):
@@ -93,7 +125,13 @@ class Request:
 
     Raises:
         ValueError: ``arrival_time_s`` is not a finite number (NaN, an infinity, a bool, a
-            string), ``prompt_tokens`` or ``max_output_tokens`` is below 1.
+            string), ``prompt_tokens``, ``max_output_tokens`` or ``expected_output_tokens`` is
+            below 1.
+        TypeError: a token count is not an integer (a bool, a float, a string; numpy integers
+            are made ``int``), or ``block_hashes`` is not a sequence of integers (a string,
+            floats). A list or array of hashes is checked and stored as a tuple of ``int``; a
+            tuple whose first hash is an ``int`` is taken as it is (the per-request cost stays
+            O(1) for the hashes the library and the simulator make).
     """
 
     request_id: str
@@ -109,17 +147,36 @@ class Request:
         t = self.arrival_time_s
         if not (type(t) is float and math.isfinite(t)) and not is_finite_seconds(t):
             raise ValueError(f"request {self.request_id}: arrival_time_s must be a finite number of seconds, got {t!r}")
-        if self.prompt_tokens < 1:
-            raise ValueError(f"request {self.request_id}: prompt_tokens must be >= 1, got {self.prompt_tokens}")
-        if self.max_output_tokens < 1:
-            raise ValueError(
-                f"request {self.request_id}: max_output_tokens must be >= 1, got {self.max_output_tokens}"
-            )
+        where = f"request {self.request_id}: "
+        n, m, e = self.prompt_tokens, self.max_output_tokens, self.expected_output_tokens
+        if type(n) is not int or n < 1:
+            object.__setattr__(self, "prompt_tokens", checked_count("prompt_tokens", n, 1, where))
+        if type(m) is not int or m < 1:
+            object.__setattr__(self, "max_output_tokens", checked_count("max_output_tokens", m, 1, where))
+        if e is not None and (type(e) is not int or e < 1):
+            object.__setattr__(self, "expected_output_tokens", checked_count("expected_output_tokens", e, 1, where))
+        hashes = self.block_hashes  # a tuple is checked by its first hash (per request, on the hot path)
+        if type(hashes) is not tuple or (hashes and type(hashes[0]) is not int):
+            object.__setattr__(self, "block_hashes", _checked_hashes(hashes, where))
 
     @property
     def output_tokens(self) -> int:
         """Output tokens the request will generate (expected if known, else the maximum)."""
         return self.expected_output_tokens if self.expected_output_tokens is not None else self.max_output_tokens
+
+
+def _checked_hashes(hashes: object, where: str) -> tuple[int, ...]:
+    """``hashes`` (any sequence or array of integers) as a tuple of ``int``; see :class:`Request`."""
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(f"{where}block_hashes must be a sequence of integers, got {type(hashes).__name__} {hashes!r:.80}")
+    out = []
+    for i, h in enumerate(hashes):
+        if type(h) is not int:
+            if isinstance(h, bool) or not isinstance(h, numbers.Integral):
+                raise TypeError(f"{where}block_hashes[{i}] must be an integer, got {type(h).__name__} {h!r:.80}")
+            h = int(h)
+        out.append(h)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

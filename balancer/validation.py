@@ -59,7 +59,9 @@ def format_validation_error(err: ValidationError, source: str | None = None,
                 msg += f" (valid: {', '.join(valid)})"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        parts.append(f"{where}: {msg}" if where else msg)  # model-level checks have no field
+        # model-level checks have no field; a nested model's check that names its own path
+        # ("speculative.acceptance: ...") is not prefixed again ("speculative: speculative.acceptance: ...")
+        parts.append(f"{where}: {msg}" if where and not msg.startswith((f"{where}.", f"{where}:", f"{where}[")) else msg)
     text = "; ".join(parts)
     return f"{source}: {text}" if source else text
 

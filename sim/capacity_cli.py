@@ -44,7 +44,7 @@ from sim.cli_args import (
     seed_int,
     sim_options,
     slo_from_args,
-    unique_results_dir,
+    default_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
     workload_spec,
@@ -139,7 +139,7 @@ def add_capacity_parser(simsub: Any) -> None:
     add_cluster_args(p)
     add_router_args(p)
     add_executor_args(p)
-    out = add_output_args(p)
+    out = add_output_args(p, prefix="capacity")
     add_slo_args(out, targets=True)
     out.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
     p.set_defaults(run=run_capacity)
@@ -169,9 +169,10 @@ def _estimate_evals(args: argparse.Namespace) -> int:
     return min(args.max_evals, 12)
 
 
-def _burst_note(r: Any) -> str:
+def _burst_note(r: Any, duration_s: float | None = None) -> str:
     """The answer's :func:`sim.metrics.burst_note` with what to do about it; ``""`` for a steady
-    answer, or without a complete answer run."""
+    answer, or without a complete answer run. ``duration_s``: the search's ``--duration-s``, if
+    given (the advice is then a longer window, not the flag the user already passed)."""
     from sim.metrics import burst_note
 
     best = getattr(r, "best", None)
@@ -179,8 +180,12 @@ def _burst_note(r: Any) -> str:
     if not summary:
         return ""
     note = burst_note(summary["num_requests"], summary.get("arrival_window_s"), summary.get("makespan_s"))
+    if not note:
+        return ""
+    if duration_s is not None:
+        return f"at the answer {note}; search over a longer window than --duration-s {duration_s:g} or a longer trace"
     return (f"at the answer {note}; search over a fixed window (--duration-s S: every rate runs S seconds of arrivals) "
-            "or a longer trace") if note else ""
+            "or a longer trace")
 
 
 def run_capacity(args: argparse.Namespace, console: Console) -> int:
@@ -289,7 +294,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
     console.print(rich_table(head, rows, title))
     for r in results:
-        note = _burst_note(r)
+        note = _burst_note(r, args.duration_s)
         if note:
             r.notes.append(note)
     notes = reasons(results)
@@ -297,7 +302,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         console.print(f"  {escape(line)}", soft_wrap=True)
     n_points = sum(len(r.points) for r in results) + sum(len(v) for v in curves.values())
     console.print(f"{n_points} simulations in {wall:.1f} s")
-    out = args.out or unique_results_dir(Path("results") / f"capacity-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or default_results_dir("capacity", scenario.name)
     out.mkdir(parents=True, exist_ok=True)
     command = getattr(args, "command_line", None) or "pdlb " + shlex.join(sys.argv[1:])
     meta = {"command": command, "scenario": json.loads(scenario.model_dump_json()), "workload": vars(wl) | {

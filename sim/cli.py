@@ -36,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from balancer.policies import available_policies, make_policy
 from balancer.policies.base import _REGISTRY
+from balancer.router import PolicyError
 from balancer.types import TtftSlo
 from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of sim.cli)
     DEFAULT_INDEX_MODE,
@@ -58,7 +59,7 @@ from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-
     route_slo_note,
     scenario_from_args,
     seed_int,
-    unique_results_dir,
+    default_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
 )
@@ -217,7 +218,15 @@ def _describe(sc: Scenario) -> str:
 def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], console: Console) -> int:
     from sim.cluster import simulate
     from sim.metrics import summarize
-    from sim.report import kv_tier_table, markdown_table, nothing_simulated, rejection_line, summary_table, write_results
+    from sim.report import (
+        goodput_note,
+        kv_tier_table,
+        markdown_table,
+        nothing_simulated,
+        rejection_line,
+        summary_table,
+        write_results,
+    )
     from sim.workload import ideal_hit_rate
 
     scenario = _scenario(args)
@@ -266,9 +275,12 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
         line = rejection_line(smry, scenario.effective_max_model_len)
         if line:
             console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
+    note = next((n for n in map(goodput_note, summaries) if n), "")  # the arrivals are every run's
+    if note:
+        console.print(escape(note), soft_wrap=True)
     console.print(f"ideal (infinite cache) prefix hit rate: {100 * ideal:.1f}% of prompt tokens   "
                   f"simulated in {wall:.1f} s")
-    out = args.out or unique_results_dir(Path("results") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or default_results_dir(scenario.name)
     meta |= {"command": args.command_line, "wall_s": wall, "route_slo": args.route_slo}
     files = write_results(out, results, summaries, meta, plots=not args.no_plots)
     (out / "summary.md").write_text(markdown_table(summaries) + "\n")
@@ -362,7 +374,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
             for name in available_policies():
                 cls = _REGISTRY[name]
                 params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
-                doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+                doc = next(iter((sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()), "")
                 console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}",
                               soft_wrap=True)  # one line per signature, for grep
             console.print("parameters on any policy flag or config: NAME:K=V[,K=V], e.g. "
@@ -410,7 +422,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 return _run_many(args, runs, console)
             if args.sim_command == "run":
                 return _run_many(args, _policy_runs(args, [("--policy", args.policy, args.decode_policy)]), console)
-    except (ValueError, OSError) as e:  # one line on stderr, however long; no traceback
+    except (ValueError, OSError, PolicyError) as e:  # one line on stderr, however long; no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     parser.error("unknown command")

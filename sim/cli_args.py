@@ -13,7 +13,8 @@ so there is no import circle.
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
-- :func:`unique_results_dir` for default results folders;
+- :func:`unique_results_dir` and :func:`default_results_dir` for default results folders,
+  :func:`check_out_file` for an ``--out FILE``;
 - :class:`ArgumentParser`, argparse's parser with short, clear usage errors.
 """
 
@@ -235,6 +236,37 @@ def unique_results_dir(base: Path) -> Path:
     raise FileExistsError(f"{base}: 9999 results folders of that name exist")
 
 
+def check_out_file(path: Path, example: str) -> None:
+    """Fail before any work if ``--out`` cannot be written as a file: one line naming ``--out``
+    (a directory gets ``example``, a file name, as the suggestion), instead of an
+    ``[Errno 21] Is a directory`` after the work is done.
+
+    Raises:
+        ValueError: ``path`` is a directory, its folder does not exist, or it is not writable.
+    """
+    if path.is_dir():
+        raise ValueError(f"--out {path}: is a directory; give a file name, e.g. {path / example}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {path}: folder {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise ValueError(f"--out {path}: not writable")
+
+
+def default_results_dir(*parts: str) -> Path:
+    """The default results folder ``results/<parts>-<YYYYmmdd-HHMMSS>`` (made by
+    :func:`unique_results_dir`), with each part made a safe file name
+    (:func:`sim.report.safe_file_stem`): a scenario's ``name`` is free text, and one such as
+    ``"../../etc/x"`` or ``"a/b"`` must not put the folder outside ``results/`` or in a subfolder.
+    ``default_results_dir("capacity", "dsv3-pd-h200")`` -> ``results/capacity-dsv3-pd-h200-<time>``."""
+    import time
+
+    from sim.report import safe_file_stem
+
+    stem = "-".join(safe_file_stem(p) for p in parts)
+    return unique_results_dir(Path("results") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 # ---------------------------------------------------------------------- --set overrides
 #: Most ``--set`` overrides and the deepest dotted path taken (input-driven loops are bounded).
 MAX_OVERRIDES = 256
@@ -413,13 +445,16 @@ def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
                             "(default: SLO-blind routing)")
 
 
-def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--out``, ``--no-plots``, ``--quiet`` (with the SLO options added by the caller)."""
+def add_output_args(p: argparse.ArgumentParser, prefix: str = "") -> argparse._ArgumentGroup:
+    """``--out``, ``--no-plots``, ``--quiet`` (with the SLO options added by the caller);
+    ``prefix`` is the default folder's first part, as the command passes it to
+    :func:`default_results_dir` (``"capacity"``: ``results/capacity-<scenario>-<time>``)."""
     g = p.add_argument_group("metrics and output")
+    first = f"{prefix}-" if prefix else ""
     g.add_argument("--out", type=Path, metavar="DIR",
                    help="results folder; an existing DIR is reused and the files of this run overwrite those of "
-                        "the same name (default results/<scenario>-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended "
-                        "when that folder exists)")
+                        f"the same name (default results/{first}<scenario>-<YYYYmmdd-HHMMSS>, with -2, -3, ... "
+                        "appended when that folder exists)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     return g

@@ -104,9 +104,13 @@ def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
 
 
 def run_cost_model(args, console) -> int:  # noqa: ANN001
-    from sim.cli_args import apply_overrides
+    from pathlib import Path
+
+    from sim.cli_args import apply_overrides, check_out_file
     from sim.scenario import load_scenario
 
+    if args.out:  # was "[Errno 2] No such file or directory" / "[Errno 21] Is a directory", naming no flag
+        check_out_file(Path(args.out), "cost_model.toml")
     sc = apply_overrides(load_scenario(args.scenario), args.overrides)  # same order and checks as sim run
     model = cost_model_for(sc)
     if args.out and str(args.out).lower().endswith(".json"):
@@ -116,8 +120,6 @@ def run_cost_model(args, console) -> int:  # noqa: ANN001
     else:
         text = to_toml(model, sc.name, [f"{k}={v!r}" for k, v in args.overrides])
     if args.out:
-        from pathlib import Path
-
         Path(args.out).write_text(text)
         console.print(f"wrote {args.out}")
     else:

@@ -73,10 +73,28 @@ def nothing_simulated(summary: dict[str, Any]) -> bool:
 
 def _row_cells(s: dict[str, Any]) -> list[str]:
     """A summary's cells of :data:`SUMMARY_COLUMNS`; a run of only rejected requests has ``-`` in
-    every figure (was: ``nan`` / ``nan%``), the rejection being reported by the caller."""
+    every figure (was: ``nan`` / ``nan%``), the rejection being reported by the caller. So does a
+    single figure that is NaN: goodput when every request arrives at one instant (arrival window
+    0 s, :func:`goodput_note`), TPOT when every request has one output token."""
     if nothing_simulated(s):
         return [s["policy"], *("-" for _ in SUMMARY_COLUMNS[1:])]
-    return [cell(s) for _, _, cell in SUMMARY_COLUMNS]
+    cells = [cell(s) for _, _, cell in SUMMARY_COLUMNS]
+    return [cells[0], *("-" if c.startswith("nan") else c for c in cells[1:])]
+
+
+def goodput_note(summary: dict[str, Any]) -> str:
+    """Why a run has no goodput, or ``""``: its requests all arrive at one instant (a burst
+    replayed with ``--spread-s 0``, one request), so there is no arrival window to divide by
+    (:mod:`sim.metrics`, "Goodput"); its SLO attainment still stands."""
+    if nothing_simulated(summary) or summary.get("num_requests", 0) < 1:
+        return ""
+    window = summary.get("arrival_window_s")
+    if window is not None and window == window and window > 0:  # NaN != NaN
+        return ""
+    n = summary["num_requests"]
+    return (f"goodput: - because the {n} request{'s' if n != 1 else ''} arrive{'s' if n == 1 else ''} at one instant "
+            "(arrival window 0 s; goodput counts SLO-meeting requests per second of it); see SLO att., or spread "
+            "the arrivals (--spread-s S, or pdlb sim workload --rate R)")
 
 
 def rejection_line(summary: dict[str, Any], max_model_len: int) -> str:

@@ -298,6 +298,15 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
                                *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
                         ids.append(point_id(base, slo, var, policy, rate, seed, wl, options))
+    first: dict[str, int] = {}
+    for i, pid in enumerate(ids):  # was: run (and counted, and plotted) twice under one id
+        if pid in first:
+            pt = points[i]
+            where = " ".join([pt.policy.label, f"x{pt.rate_scale:g}", f"seed {pt.seed}",
+                              *(f"{k.removeprefix('set.')}={v}" for k, v in pt.tag if k.startswith("set."))])
+            raise ValueError(f"{source}: point {where} is listed more than once (a value repeated in policies, "
+                             "rates, seeds, traces, [grid] or [[points]]); list each once")
+        first[pid] = i
     return Sweep(base, points, ids, grid_keys, source, raw)
 
 
@@ -392,17 +401,19 @@ def mark_bursts(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], st
     return out
 
 
-def burst_message(bursts: Sequence[tuple[dict[str, Any], str]], num_rows: int) -> str:
+def burst_message(bursts: Sequence[tuple[dict[str, Any], str]], num_rows: int, duration_s: float | None = None) -> str:
     """One line on the burst points of :func:`mark_bursts` (``""`` without any): how many, the
-    first as an example, and what to do."""
+    first as an example, and what to do (``duration_s``: the sweep file's ``duration_s``, if it
+    sets one; the advice is then a longer one)."""
     if not bursts:
         return ""
     row, note = bursts[0]
     where = " ".join([str(row["policy"]), f"x{row['rate_scale']:g}", f"seed {row['seed']}",
                       *(f"{k.removeprefix('set.')}={v}" for k, v in row.items() if k.startswith("set."))])
+    todo = (f"set a longer duration_s than {duration_s:g} in the sweep file" if duration_s is not None else
+            "set duration_s = S in the sweep file (every rate then runs S seconds of arrivals)")
     return (f"note: the goodput of {len(bursts)} of {num_rows} points is a burst's (goodput_burst in sweep.csv, * in "
-            f"the table); e.g. {where}: {note}; set duration_s = S in the sweep file (every rate then runs S seconds "
-            "of arrivals) or use a longer trace")
+            f"the table); e.g. {where}: {note}; {todo} or use a longer trace")
 
 
 def write_table(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:

@@ -111,7 +111,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
 
         rows, ran = run_sweep(sweep, out, ex, resume=not args.no_resume, per_point=args.per_point, on_point=on_point)
     wall = time.perf_counter() - t0
-    burst = burst_message(mark_bursts(rows), len(rows))
+    burst = burst_message(mark_bursts(rows), len(rows), sweep.raw.get("duration_s"))
     files = [p.name for p in write_table(rows, out)] + ["points.jsonl"]
     grid_cols = list(dict.fromkeys(k for p in sweep.points for k, _ in p.tag if k.startswith("set.")))
     head, table_rows = _table(rows, grid_cols)

@@ -256,7 +256,7 @@ def test_errors_before_any_output(argv, message, capsys, tmp_path, monkeypatch) 
 def test_sessions_out_must_be_a_writable_file(tmp_path: Path, capsys) -> None:
     # was: IsADirectoryError traceback after generating the workload
     assert _error_line(["sim", "sessions", "--days", "0.01", "--out", str(tmp_path)], capsys) == (
-        f"error: --out {tmp_path}: is a directory")
+        f"error: --out {tmp_path}: is a directory; give a file name, e.g. {tmp_path / 'sessions.jsonl'}")
     missing = tmp_path / "no" / "s.jsonl"
     assert _error_line(["sim", "sessions", "--days", "0.01", "--out", str(missing)], capsys) == (
         f"error: --out {missing}: folder {missing.parent} does not exist")

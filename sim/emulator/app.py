@@ -7,7 +7,10 @@ Endpoints (the shapes of SGLang's and vLLM's OpenAI servers, trimmed to what rou
   Output length is exactly ``max_tokens`` / ``max_completion_tokens`` /
   ``sampling_params.max_new_tokens`` (as with ``ignore_eos``).
 * A request whose prompt + output limit exceeds ``max_model_len`` (reported by ``/v1/models``)
-  is answered HTTP 400 with an OpenAI-style JSON error before anything runs, as vLLM does.
+  is answered HTTP 400 with an OpenAI-style JSON error before anything runs, as vLLM does. So are
+  what the emulator does not emulate (``n`` or ``best_of`` above 1, batched prompts) and malformed
+  PD fields (``data_parallel_rank`` / ``X-data-parallel-rank`` not a rank of this engine,
+  ``bootstrap_room`` not an integer >= 0).
 * ``GET /health``, ``/health_generate``, ``/v1/models``, ``/server_info`` (``/get_server_info``),
   ``/model_info`` (``/get_model_info``): what SGLang's router probes (ANCHORS.md).
 * ``POST /abort_request`` ``{"rid": ...}``: abort a request (SGLang); closing the connection
@@ -47,10 +50,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
 from balancer.service.prompt import PromptError, extract_prompt, max_output_tokens
-from sim.emulator.config import EmulatorConfig, FaultConfig
+from balancer.validation import format_validation_error
+from sim.emulator.config import MAX_BOOTSTRAP_WAIT_S, EmulatorConfig, FaultConfig
 from sim.emulator.engine import EngineCore
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -59,6 +64,51 @@ STATE: web.AppKey["EmulatorState"] = web.AppKey("emulator_state", object)  # typ
 
 def _err(status: int, message: str, etype: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": etype, "code": status}}, status=status)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _one_completion(endpoint: str, body: dict[str, Any]) -> str | None:
+    """Why the emulator cannot answer ``body`` as asked, or ``None``: it generates one completion
+    of one prompt per request, so ``n`` / ``best_of`` above 1 (``sampling_params.n`` on SGLang's
+    ``/generate``) and batched prompts (a ``prompt`` array of several strings or token-id arrays)
+    get HTTP 400 instead of an answer with fewer choices than asked for (``/generate``'s ``text``
+    / ``input_ids`` batches fail :func:`~balancer.service.prompt.extract_prompt` already)."""
+    sp = body.get("sampling_params") if endpoint == "generate" else body
+    for key in ("n", "best_of"):
+        v = sp.get(key) if isinstance(sp, dict) else None
+        if v is not None and v != 1:
+            return f"'{key}' must be 1: pdlb engine emulates one completion per request, got {v!r}"
+    v = body.get("prompt") if endpoint == "completions" else None  # /generate's batches fail extract_prompt
+    if isinstance(v, list) and len(v) > 1 and (all(isinstance(x, str) for x in v) or all(isinstance(x, list) for x in v)):
+        return f"batched prompts are not emulated ({len(v)} prompts in 'prompt'): send one request per prompt"
+    return None
+
+
+def _pd_leg_fields(body: dict[str, Any], dp_header: str | None, dp_ranks: int) -> tuple[int | None, int | None]:
+    """``(data_parallel_rank, bootstrap_room)`` of a request: the body's ``data_parallel_rank``
+    (else the ``X-data-parallel-rank`` header) as a rank ``0 .. dp_ranks - 1``, and SGLang's
+    ``bootstrap_room`` as an integer >= 0; ``None`` where absent.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range (the caller answers 400), naming
+            the field, instead of a 500 or a request silently served on another rank.
+    """
+    dp = body.get("data_parallel_rank")
+    if dp is None and dp_header is not None:
+        try:
+            dp = int(dp_header.strip())
+        except ValueError:
+            raise ValueError(f"header X-data-parallel-rank must be an integer, got {dp_header!r}") from None
+    if dp is not None and not (_is_int(dp) and 0 <= dp < dp_ranks):
+        raise ValueError(f"data_parallel_rank must be an integer 0..{dp_ranks - 1} (this engine has {dp_ranks} "
+                         f"DP rank{'s' if dp_ranks != 1 else ''}), got {dp!r}")
+    room = body.get("bootstrap_room")
+    if room is not None and not (_is_int(room) and room >= 0):
+        raise ValueError(f"bootstrap_room must be an integer >= 0, got {room!r}")
+    return dp, room
 
 
 class _Room:
@@ -246,8 +296,12 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     try:
         prompt = extract_prompt(endpoint, body)
         out_tokens = max_output_tokens(endpoint, body, cfg.default_max_tokens)
-    except PromptError as e:
+        dp_rank, room = _pd_leg_fields(body, request.headers.get("X-data-parallel-rank"), cfg.dp_ranks)
+    except (PromptError, ValueError) as e:
         return _err(400, str(e))
+    unsupported = _one_completion(endpoint, body)
+    if unsupported is not None:
+        return _err(400, unsupported)
     if prompt.token_ids is not None:
         prompt_tokens = len(prompt.token_ids)
         hashes = tuple(hash_token_blocks(prompt.token_ids, cfg.block_size))
@@ -264,9 +318,6 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     rid = str(body.get("rid") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
     stream = bool(body.get("stream"))
     kv_in = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
-    room = body.get("bootstrap_room")
-    dp_rank = body.get("data_parallel_rank", request.headers.get("X-data-parallel-rank"))
-    dp_rank = int(dp_rank) if dp_rank is not None else None
     if cfg.role == "prefill":
         mode = "prefill"
     elif cfg.role == "decode" and (room is not None or (kv_in and kv_in.get("do_remote_prefill"))):
@@ -293,7 +344,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             await asyncio.Event().wait()
         if mode == "remote":
             if room is not None:
-                err = await _await_bootstrap(st, body, int(room))
+                err = await _await_bootstrap(st, body, room)
                 if err is not None:
                     entry["status"] = "error"
                     st.counts["error"] += 1
@@ -312,7 +363,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             events.put_nowait(("done", "length"))
         def prefill_done() -> None:  # KV ready: release the waiting decode leg before answering
             if room is not None and mode == "prefill":
-                r = st.room(int(room))
+                r = st.room(room)
                 r.ok, r.prompt_tokens = True, prompt_tokens
                 r.event.set()
 
@@ -331,7 +382,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             if st.core is not None:
                 st.core.abort(rid)
             if room is not None and mode == "prefill":
-                r = st.room(int(room))
+                r = st.room(room)
                 r.event.set()  # ok stays False: the decode leg learns the prefill failed
         if st.tasks.get(rid) is task:
             del st.tasks[rid]
@@ -413,9 +464,15 @@ async def _bootstrap(request: web.Request) -> web.Response:
     st = request.app[STATE]
     try:
         room_id = int(request.match_info["room"])
-        timeout_s = float(request.query.get("timeout_s", st.cfg.bootstrap_timeout_s))
     except ValueError:
         return _err(400, "room must be an integer")
+    raw = request.query.get("timeout_s")
+    try:
+        timeout_s = st.cfg.bootstrap_timeout_s if raw is None else float(raw)
+    except ValueError:
+        timeout_s = math.nan
+    if not 0 <= timeout_s <= MAX_BOOTSTRAP_WAIT_S:  # False for NaN: a long poll is bounded
+        return _err(400, f"timeout_s must be a number of seconds 0..{MAX_BOOTSTRAP_WAIT_S:g}, got {raw!r}")
     room = st.room(room_id)
     try:
         await asyncio.wait_for(room.event.wait(), timeout_s)
@@ -507,8 +564,10 @@ async def _set_faults(request: web.Request) -> web.Response:
     st = request.app[STATE]
     try:
         st.faults = FaultConfig.model_validate(await request.json())
-    except ValueError as e:
-        return _err(400, f"invalid faults: {e}")
+    except ValidationError as e:  # one line naming the field, as every pdlb config error
+        return _err(400, f"invalid faults: {format_validation_error(e, model=FaultConfig)}")
+    except ValueError as e:  # not JSON
+        return _err(400, f"invalid faults: invalid JSON body: {e}")
     st.rng = random.Random(st.faults.seed)
     return web.json_response(st.faults.model_dump())
 

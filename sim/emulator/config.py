@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sim.hardware import get_hardware
 from sim.models import get_model
 
+MAX_BOOTSTRAP_WAIT_S = 3600.0
+"""Longest wait of an SGLang bootstrap long poll (``bootstrap_timeout_s``, and the ``timeout_s``
+a ``GET /bootstrap/{room}`` may ask for), seconds."""
+
 
 class FaultConfig(BaseModel):
     """Fault knobs for tests (also settable at run time with ``POST /emulator/faults``).
@@ -49,7 +53,8 @@ class EmulatorConfig(BaseModel):
         served_model_name: the model id in responses and ``/v1/models``.
         kv_transfer_bandwidth_bytes_per_s / kv_transfer_latency_s: the PD KV transfer a decode
             leg waits for (same meaning as in :class:`sim.scenario.Scenario`).
-        bootstrap_timeout_s: how long an SGLang decode leg waits for its prefill leg.
+        bootstrap_timeout_s: how long an SGLang decode leg waits for its prefill leg, seconds
+            (at most :data:`MAX_BOOTSTRAP_WAIT_S`).
         engine_id: id reported as vLLM ``remote_engine_id`` (default: derived from the port).
         default_max_tokens: output length when a request gives none.
         max_model_len: most prompt + output tokens a request may ask for (reported by
@@ -75,7 +80,7 @@ class EmulatorConfig(BaseModel):
     served_model_name: str = "pdlb-emulated"
     kv_transfer_bandwidth_bytes_per_s: float = Field(50e9, gt=0)
     kv_transfer_latency_s: float = Field(0.001, ge=0)
-    bootstrap_timeout_s: float = Field(30.0, gt=0)
+    bootstrap_timeout_s: float = Field(30.0, gt=0, le=MAX_BOOTSTRAP_WAIT_S)
     engine_id: str | None = None
     default_max_tokens: int = Field(16, ge=1)
     max_model_len: int = Field(131_072, ge=2, le=1 << 30)

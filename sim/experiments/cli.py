@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import re
 import sys
 import time
@@ -65,8 +64,9 @@ def add_session_parsers(simsub: Any) -> None:
                    help=f"uniform TTLs to sweep, hours; 'none' = never expire (default {DEFAULT_TTL_HOURS},none)")
     s.add_argument("--capacity-blocks", default="none", metavar="N,N,...",
                    help="store capacities in blocks; 'none' = unbounded (default none)")
-    s.add_argument("--class-ttl-hours", default=DEEPSEEK_CLASS_TTL_HOURS, metavar="C=H,...",
-                   help=f"also run one per-class TTL setting (default DeepSeek's {DEEPSEEK_CLASS_TTL_HOURS}; '' to skip)")
+    s.add_argument("--class-ttl-hours", metavar="C=H,...",
+                   help=f"also run one per-class TTL setting (default DeepSeek's {DEEPSEEK_CLASS_TTL_HOURS}, skipped for "
+                        "a --trace without those traffic classes; '' to skip)")
     s.add_argument("--out", type=Path, metavar="DIR",
                    help="results folder; an existing DIR is reused and its store_sweep.* files overwritten "
                         "(default results/store-sweep-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended when that exists)")
@@ -113,17 +113,6 @@ def _config(args: argparse.Namespace, days: float):
         raise ValueError("; ".join(parts)) from None
 
 
-def _check_out_file(path: Path) -> None:
-    """Fail before any work if ``--out`` cannot be written as a file (one line naming ``--out``)."""
-    if path.is_dir():
-        raise ValueError(f"--out {path}: is a directory")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {path}: folder {parent} does not exist")
-    if not os.access(path if path.exists() else parent, os.W_OK):
-        raise ValueError(f"--out {path}: not writable")
-
-
 def run_session_command(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdlb sim sessions`` or ``pdlb sim store-sweep``; returns the exit status."""
     if args.days <= 0:
@@ -147,7 +136,9 @@ def _summary_table(summary: dict[str, dict[str, float]], title: str) -> Table:
 def _run_sessions(args: argparse.Namespace, console: Console) -> int:
     from sim.workload import session_workload, workload_summary, write_mooncake
 
-    _check_out_file(args.out)
+    from sim.cli_args import check_out_file
+
+    check_out_file(args.out, "sessions.jsonl")
     cfg = _config(args, args.days)
     t0 = time.perf_counter()
     with console.status(f"generating {args.days:g} days of sessions..."):
@@ -222,7 +213,8 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         ttls.append(None)
     caps_f = _parse_list(args.capacity_blocks, "--capacity-blocks", 1.0)
     caps = [None if c is None else int(c) for c in caps_f]
-    class_ttl = _parse_class_ttls(args.class_ttl_hours)
+    given = args.class_ttl_hours is not None
+    class_ttl = _parse_class_ttls(args.class_ttl_hours if given else DEEPSEEK_CLASS_TTL_HOURS)
     if not args.trace:  # the generator's classes; a trace's are checked once it is read
         from sim.workload.sessions import AGENT, CHATBOT
 
@@ -245,8 +237,15 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     if not requests:
         raise ValueError("the workload is empty")
     if args.trace:
-        _check_classes(class_ttl, {r.traffic_class for r in requests if r.traffic_class}, f"{args.trace}")
+        classes_in = {r.traffic_class for r in requests if r.traffic_class}
+        if not given and not set(class_ttl) <= classes_in:  # the default names classes the trace lacks: skip it
+            class_ttl = {}
+        _check_classes(class_ttl, classes_in, f"{args.trace}")
     measured = sum(1 for r in requests if r.arrival_time_s >= warm_s)
+    if not measured:  # every request only fills the store: a table of 0% hit rates measures nothing
+        last_s = max(r.arrival_time_s for r in requests)
+        raise ValueError(f"no request arrives after the {args.warmup_days:g} warm-up days: the workload's last arrives "
+                         f"at {last_s / DAY_S:.3g} days ({last_s:.4g} s); lower --warmup-days")
     if not args.quiet:
         console.print(f"workload: {source}; {len(requests)} requests ({measured} measured), "
                       f"{sum(len(r.block_hashes) for r in requests)} prompt blocks, generated/read in "
@@ -322,8 +321,9 @@ def _deepseek_note(rows: list[tuple[int | None, str, dict]]) -> str:
     if a is None or b is None or "chatbot" not in a:
         return ""
     h3, h7 = a["chatbot"].hit_rate, b["chatbot"].hit_rate
+    relative = f" ({100 * (h7 - h3) / h7:.2f}% relative)" if h7 > 0 else ""  # no chatbot hit at 7 days: no ratio
     return (f"chatbot hit rate, unbounded store: TTL 7 days {100 * h7:.2f}%, 3 days {100 * h3:.2f}%: "
-            f"a 3-day TTL costs {100 * (h7 - h3):.2f} percentage points ({100 * (h7 - h3) / h7:.2f}% relative)")
+            f"a 3-day TTL costs {100 * (h7 - h3):.2f} percentage points{relative}")
 
 
 def _plot(rows: list[tuple[int | None, str, dict]], classes: list[str], path: Path, days: float) -> None:

@@ -111,7 +111,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     src.add_argument("--simulate", action="store_true", help="simulate --scenario on a trace and price it")
     src.add_argument("--trace", metavar="PATH", help="trace for --simulate (default: the embedded Mooncake trace)")
     src.add_argument("--limit", type=pos_int, default=2000, metavar="N", help="first N requests for --simulate (default 2000)")
-    src.add_argument("--rate-scale", type=pos_float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate")
+    src.add_argument("--rate-scale", type=pos_float, default=1.0, metavar="F", help="arrival-rate multiplier for --simulate (default 1)")
     src.add_argument("--policy", default="cache_aware", metavar="NAME[:K=V,...]",
                      help="routing policy for --simulate, with optional parameters (default cache_aware)")
     src.add_argument("--seed", type=seed_int, default=0, help="seed for --simulate (default 0)")

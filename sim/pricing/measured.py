@@ -29,7 +29,13 @@ _SUMMARY_KEYS = ("input_tokens_per_s_per_gpu", "output_tokens_per_s_per_gpu", "p
 def rates_from_summary(summary: dict[str, Any], label: str = "summary") -> TokenRates:
     """Per-GPU rates of a :func:`sim.metrics.summarize` row: the run's input tokens (split by its
     token-weighted prefix hit rate) and output tokens over the makespan, divided by all of the
-    scenario's GPUs. Raises ``ValueError`` naming ``label`` and the missing/invalid key."""
+    scenario's GPUs. Raises ``ValueError`` naming ``label`` and the missing/invalid key, or
+    saying that the run simulated nothing (every request refused at arrival: no rates at all)."""
+    if summary.get("num_finished") == 0 and summary.get("num_rejected"):  # was: "key ... is missing (got None)"
+        why = ", ".join(f"{n} over {r}" for r, n in sorted((summary.get("rejected") or {}).items()))
+        raise ValueError(f"{label} ({summary.get('policy', '?')}): nothing was simulated, all "
+                         f"{summary['num_rejected']} requests were refused at arrival ({why or 'rejected'}); "
+                         "nothing to price")
     for k in _SUMMARY_KEYS:
         v = summary.get(k)
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

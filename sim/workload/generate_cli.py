@@ -137,10 +137,9 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
                          "raise --rates or --step-s, or try another --seed")
-    if args.out.is_dir():  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
-        raise ValueError(f"--out {args.out}: is a directory; give a file name, e.g. {args.out / 'workload.jsonl'}")
-    if args.out.parent and not args.out.parent.exists():
-        raise ValueError(f"--out: folder {args.out.parent} does not exist")
+    from sim.cli_args import check_out_file
+
+    check_out_file(args.out, "workload.jsonl")  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
     n = write_mooncake(reqs, args.out, block_size=args.block_size)
     span = reqs[-1].arrival_time_s if reqs else 0.0
     hit, hit_tokens = ideal_hit_rate(reqs, args.block_size)

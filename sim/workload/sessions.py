@@ -345,26 +345,43 @@ def load_session_config(path: str | os.PathLike[str]) -> SessionWorkloadConfig:
     """Read a :class:`SessionWorkloadConfig` from a ``.json``, ``.toml`` or ``.yaml`` file.
 
     Raises:
-        ValueError: unknown extension, or invalid fields (pydantic's message names them).
-        OSError: the file cannot be read.
+        ValueError: one line starting with the file name: a missing or unreadable file, an
+            unknown extension, a syntax error (``"<file>:<line>:<column>: ..."``), a top level
+            that is not a table, or invalid fields (``"<file>: chatbot.turns_mean: unknown field
+            (valid: ...)"``, :func:`balancer.validation.format_validation_error`).
     """
     import json
     import tomllib
 
     import yaml
+    from pydantic import ValidationError
+
+    from balancer.validation import format_validation_error, syntax_error_line
 
     p = os.fspath(path)
-    with open(p, "rb") as fh:
-        raw = fh.read()
-    if p.endswith(".json"):
-        data = json.loads(raw)
-    elif p.endswith(".toml"):
-        data = tomllib.loads(raw.decode())
-    elif p.endswith((".yaml", ".yml")):
-        data = yaml.safe_load(raw)
-    else:
+    if not p.endswith((".json", ".toml", ".yaml", ".yml")):
         raise ValueError(f"{p}: unknown config extension (use .json, .toml or .yaml)")
     try:
+        with open(p, "rb") as fh:
+            text = fh.read().decode()
+    except FileNotFoundError:
+        raise ValueError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: cannot read: {e}") from None
+    try:
+        if p.endswith(".json"):
+            data = json.loads(text)
+        elif p.endswith(".toml"):
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ValueError(syntax_error_line(p, e)) from None
+    except RecursionError:
+        raise ValueError(f"{p}: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the top level must be a table of SessionWorkloadConfig fields, got {type(data).__name__}")
+    try:
         return SessionWorkloadConfig.model_validate(data)
-    except Exception as exc:  # pydantic.ValidationError -> ValueError with the file name
-        raise ValueError(f"{p}: {exc}") from None
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, source=p, model=SessionWorkloadConfig)) from None
