@@ -147,3 +147,52 @@ def test_fuzzed_answers_keep_the_invariants(seed, body, chunked, close, mutate, 
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_slow_consumer_bounds_what_the_client_holds_and_the_engine_is_held_back():
+    """A fast engine streams 32 MiB chunked while the consumer takes one item per 1 ms for 40
+    items: the response never holds more than ``stream_buffer_bytes`` plus one socket read
+    (asyncio reads at most 256 KiB at a time), and the engine could write only what the kernel
+    buffers and the client's bound take (its drain blocks), far below 32 MiB. Closing the
+    response then ends the engine's connection (it sees the reset or EOF). Bounds from the
+    module docstring and asyncio's read size."""
+    bound = 64 * 1024
+    total = 32 * 1024 * 1024
+    sent = [0]
+
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        await srv.request(reader, n)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"%x\r\n%s\r\n" % (16384, b"x" * 16384)
+        try:
+            while sent[0] < total:
+                writer.write(piece)
+                sent[0] += 16384
+                await writer.drain()
+        except ConnectionError:
+            srv.eofs += 1
+
+    async def run() -> None:
+        async with RawServer(script) as srv:
+            client = UpstreamClient(stream_buffer_bytes=bound)
+            resp = await client.post(srv.url, b"{}")
+            most = 0
+            it = resp.content.iter_any().__aiter__()
+            for _ in range(40):
+                await it.__anext__()
+                await asyncio.sleep(0.001)
+                most = max(most, resp._buffered)
+            await asyncio.sleep(0.05)
+            most = max(most, resp._buffered)
+            assert most <= bound + 256 * 1024 + 16500
+            assert sent[0] < 16 * 1024 * 1024  # held back by TCP, not buffered by the client
+            resp.close()
+            for _ in range(100):
+                if srv.eofs:
+                    break
+                await asyncio.sleep(0.01)
+            assert srv.eofs == 1
+            assert client.stats() == {"open": 0, "idle": 0}
+            await client.close()
+
+    asyncio.run(run())
