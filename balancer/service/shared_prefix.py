@@ -42,7 +42,8 @@ per drain instead of one per decision. Decoded decisions are kept (up to
 
 Joining late: a reader that opens a ring reads it from its start, or, once the ring has wrapped
 (``head > C``, so its start is overwritten and record boundaries are unknown), from its oldest
-mark: the last half ring or more of that process's decisions. A replacement process (``pdlb serve``
+mark still within the ring: the last half ring or more of that process's decisions (records
+over ``C / 4`` spread the marks wider; then a newer mark, at worst only the newest records). A replacement process (``pdlb serve``
 restarts a dead one with the same index) first records its predecessor's decisions from its own
 ring the same way (:attr:`PrefixShare.recovered`), then goes on writing where the predecessor
 stopped, so the view it routes with is the dead process's as well as the others'.
@@ -131,8 +132,12 @@ class _Reader:
             return False
         self.mm, self.cap = mm, len(mm) - _HEADER
         self.head = memoryview(mm)[0:_HEADER].cast("Q")
-        head, oldest_mark = self.head[0], self.head[2]
-        self.pos = 0 if head <= self.cap else oldest_mark
+        words = self.head
+        head = words[0]
+        if head <= self.cap:
+            self.pos = 0
+        else:  # the oldest mark still within the ring (records over C / 4 spread them wider)
+            self.pos = next((m for m in (words[2], words[3], words[4]) if head - m <= self.cap), head)
         return True
 
     def close(self) -> None:
