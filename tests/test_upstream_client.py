@@ -342,46 +342,33 @@ async def test_stale_connection_found_by_peek_is_discarded_before_writing():
         assert srv.connections == 2 and len(srv.requests) == 2
 
 
-async def test_reused_connection_reset_before_the_answer_is_retried_once_on_a_new_one():
-    """The engine resets a pooled connection as the request arrives, unread (its idle close with
-    our bytes in its buffer): sent again on a new connection, read once there."""
-    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
-        await srv.request(reader, n)
-        writer.write(ok())
-        await writer.drain()
-        if n == 1:
-            await reader.readuntil(b"\r\n\r\n")  # the second request arrives: reset, not processed
-            reset(writer)
-            return
-        while await srv.request(reader, n):
-            writer.write(ok())
-            await writer.drain()
-
-    async with RawServer(script) as srv:
-        c = UpstreamClient()
-        assert await (await c.post(srv.url, b"{}")).read() == OK_BODY
-        resp = await c.post(srv.url, b'{"n": 2}')
-        assert await resp.read() == OK_BODY
-        assert srv.connections == 2 and [(n, b) for n, _, b in srv.requests] == [(1, b"{}"), (2, b'{"n": 2}')]
-        await settle(c, 1, 1)
-
-
-async def test_reused_connection_reset_twice_fails_after_one_retry():
-    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
-        if n == 1:
+async def test_reused_connection_reset_after_the_request_went_out_is_not_resent():
+    """The engine resets a pooled connection as the second request arrives. Whether it read the
+    request first cannot be told from the reset (an engine that reads it and then aborts with
+    SO_LINGER 0 resets too), so the client never sends a written request again: the leg fails
+    (UpstreamDisconnected, reset, before the answer) and the proxy's retry on a new route
+    decides, as with aiohttp. Both scripts: reset with the request unread, and after reading it
+    whole; the engine saw the second request at most once, on one connection."""
+    for read_it in (False, True):
+        async def script(reader, writer, n, srv, read_it=read_it):  # noqa: ANN001, ANN202
             await srv.request(reader, n)
             writer.write(ok())
             await writer.drain()
-        await reader.readuntil(b"\r\n\r\n")
-        reset(writer)
+            if read_it:
+                await srv.request(reader, n)  # the whole second request, then an abort
+            else:
+                await reader.readuntil(b"\r\n\r\n")  # its head only
+            reset(writer)
 
-    async with RawServer(script) as srv:
-        c = UpstreamClient()
-        assert await (await c.post(srv.url, b"{}")).read() == OK_BODY
-        with pytest.raises(UpstreamDisconnected) as e:
-            await c.post(srv.url, b"{}")
-        assert e.value.reset and srv.connections == 2  # one retry, not more
-        await settle(c, 0, 0)
+        async with RawServer(script) as srv:
+            c = UpstreamClient()
+            assert await (await c.post(srv.url, b"{}")).read() == OK_BODY
+            with pytest.raises(UpstreamDisconnected) as e:
+                await c.post(srv.url, b'{"n": 2}')
+            assert e.value.reset and e.value.before_response
+            assert srv.connections == 1  # not resent on a new connection
+            assert len(srv.requests) == (2 if read_it else 1)
+            await settle(c, 0, 0)
 
 
 async def test_reused_connection_closed_after_reading_the_request_is_not_retried():

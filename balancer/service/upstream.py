@@ -32,13 +32,13 @@ Semantics (those of the aiohttp session ``app.make_client_session`` builds, unle
   a pooled connection it knows to be closed: one whose end (EOF or reset) the event loop has
   seen, or whose socket a non-blocking ``MSG_PEEK`` read, just before the write, finds at EOF,
   reset or holding unexpected bytes; such a connection is discarded and the next one (or a new
-  one) used; (2) retries a request once, on a new connection, when it was written on a reused
-  connection and that connection was *reset* (``ECONNRESET``/``EPIPE``) before any byte of the
-  answer: a TCP peer that closes with unread data resets (RFC 1122 4.2.2.13, RFC 2525 2.17), so
-  the engine's application had not read the whole request and cannot have processed it. A
-  reused connection that ends cleanly (EOF) after the request was written, before any byte of the
-  answer, is *not* retried: the engine may have read the request and then died, and running a
-  generation twice is worse than the proxy's own retry on a new route. Nothing else is retried here.
+  one) used; (2) never sends a written request again: a request that went out and whose
+  connection then ended (EOF or reset) before the answer fails with :class:`UpstreamDisconnected`
+  and the proxy's own retry on a new route applies, as with aiohttp (which resends only idempotent
+  methods) and Go's net/http (never a written POST that cannot be replayed). A reset does not
+  prove the engine left the request unread: one that reads it and then aborts the connection
+  (``SO_LINGER`` 0) resets too, and an earlier version that resent on a reset ran such a request
+  twice (review finding; ``tests/test_upstream_client.py``).
 * Errors are :class:`UpstreamError` subclasses, all :class:`OSError` (the proxy's handlers catch
   ``OSError`` for both clients, so failure kinds, retries and breakers are the same):
   :class:`UpstreamConnectError` (connect refused/unreachable), :class:`UpstreamConnectTimeout`
@@ -683,16 +683,8 @@ class UpstreamClient:
                 lines.append(f"{k}: {v}\r\n".encode("latin-1"))
         lines.append(b"Content-Length: %d\r\n\r\n" % len(data))
         head = b"".join(lines)
-        conn, reused = await pool.acquire()
-        try:
-            return await self._exchange(conn, head, data)
-        except UpstreamDisconnected as e:
-            if not (reused and e.reset and e.before_response):
-                raise
-        # a reused connection reset before any byte of the answer: the request was not read
-        # (module docstring); once more on a new connection
-        conn = await pool.connect()
-        return await self._exchange(conn, head, data)
+        conn, _reused = await pool.acquire()
+        return await self._exchange(conn, head, data)  # never resent (module docstring)
 
     async def _exchange(self, conn: _Connection, head: bytes, data: bytes) -> UpstreamResponse:
         resp = conn.send(head, data)
