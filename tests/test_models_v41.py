@@ -268,3 +268,60 @@ def test_ced_spec_errors():
         ModelSpec(**{**base, "ced_replay_tokens": 0})
     with pytest.raises(ValueError, match="one compress ratio per layer"):
         ModelSpec(**{**base, "compress_ratios": (0, 2)})
+
+
+def _packed_step_by_hand_inputs():
+    # DeepInfer's operating point of test_prefill_at_a_high_cache_hit_pays_window_rows_not_just_new_tokens:
+    # 93 prompts of 4,383 tokens per rank, 4,208 cached, 175 new each, all in one 16,384-token step
+    return 175, 4208, 93
+
+
+def test_simulated_step_of_many_cached_prompts_pays_a_replay_window_each():
+    # review11: the simulator's step group called the roofline without the cached prefix, which it
+    # then recovered from the pairs as if the rank held one chunk: 93 prompts paid ~2 replay windows
+    # instead of 93 (0.170 s instead of 0.420 s on this engine). Expected: the roofline given the prefix
+    # explicitly, whose terms test_prefill_at_a_high_cache_hit_... checks by hand.
+    import simpy
+
+    from balancer.types import ReplicaId, Role
+    from sim.engine.rank import PrefillJob, Rank
+    from sim.engine.step_group import StepGroup
+
+    c, p, n = _packed_step_by_hand_inputs()
+    e = _engine()
+    env = simpy.Environment()
+    ranks = [Rank(ReplicaId("p", i), i, Role.PREFILL, kv_capacity_blocks=10**6, block_size=64,
+                  max_prefill_tokens=16384, max_decode_batch=1) for i in range(4)]
+    for rank in ranks:
+        for j in range(n):
+            job = PrefillJob(j, c + p, 10, ())
+            job.cached_tokens = job.done_tokens = p  # the prefix hit, as Rank.plan sets it
+            rank.enqueue_prefill(job)
+    done = []
+    group = StepGroup(env, ranks, e, on_prefill_done=lambda r, j, t: done.append(t),
+                      on_decode_admitted=lambda *a: None, on_decode_finished=lambda *a: None)
+    group.notify()
+    env.run(until=10.0)
+    z = np.zeros(4)
+    expected = float(e.step_time_s(np.full(4, n * c), np.full(4, n * (c * p + c * (c + 1) / 2)), z, z,
+                                   prefill_cached_tokens=np.full(4, n * p)))
+    assert len(done) == 4 * n and done == pytest.approx([expected] * (4 * n), rel=1e-9)
+    assert 0.41 < expected < 0.43  # 93 windows (the pairs-only reading gives 0.170 s)
+
+
+def test_pricing_prefill_capacity_pays_a_replay_window_per_prompt():
+    # review11: sim.pricing's prefill capacity of V4.1 at 96% hits packed n prompts in a step and
+    # lost all but ~2 of their replay windows (1.86M input tok/s per GPU at 1k-token prompts; 258k
+    # with one per prompt). Expected: the function's docstring formula, n * L / step, with the step
+    # of the roofline given the prefix (hand-checked above).
+    from sim.pricing.throughput import prefill_input_tokens_per_s_per_rank
+    from sim.scenario import PoolConfig
+
+    c, p, n = _packed_step_by_hand_inputs()
+    e = _engine()
+    pool = PoolConfig(num_engines=1, dp_ranks=4, max_prefill_tokens=16384)
+    z = np.zeros(4)
+    step = float(e.step_time_s(np.full(4, n * c), np.full(4, n * (c * p + c * (c + 1) / 2)), z, z,
+                               prefill_cached_tokens=np.full(4, n * p)))
+    hit = p / (c + p) + 1e-12  # floor(h * L) = 4,208
+    assert prefill_input_tokens_per_s_per_rank(e, pool, c + p, hit) == pytest.approx(n * (c + p) / step, rel=1e-12)

@@ -272,12 +272,15 @@ class EngineCore:
                 continue
             vt = max(vt, loop.time() - MAX_LAG_S)
             plans = [r.plan() for r in g.ranks]
-            dt = float(perf.step_time_s(
-                np.array([p.prefill_tokens for p in plans], dtype=np.float64),
-                np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
-                np.array([p.decode_seqs for p in plans], dtype=np.float64),
-                np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64),
-            ))
+            work = (np.array([p.prefill_tokens for p in plans], dtype=np.float64),
+                    np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
+                    np.array([p.decode_seqs for p in plans], dtype=np.float64),
+                    np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64))
+            if getattr(perf, "wants_prefill_cached_tokens", False):  # as sim.engine.step_group
+                dt = float(perf.step_time_s(*work, prefill_cached_tokens=np.array(
+                    [p.prefill_cached_tokens for p in plans], dtype=np.float64)))
+            else:
+                dt = float(perf.step_time_s(*work))
             vt += dt / speed
             delay = vt - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)

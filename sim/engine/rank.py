@@ -61,6 +61,8 @@ class RankPlan:
     prefill_tokens: int = 0
     prefill_attn_pairs: float = 0.0
     chunks: list[tuple[PrefillJob, int]] = field(default_factory=list)
+    #: prompt tokens before this step's chunks (cached or computed earlier), summed over them
+    prefill_cached_tokens: int = 0
     decode_seqs: int = 0
     decode_ctx_tokens: int = 0
 
@@ -224,6 +226,7 @@ class Rank:
             budget -= chunk
             p.chunks.append((job, chunk))
             p.prefill_tokens += chunk
+            p.prefill_cached_tokens += job.done_tokens
             attn += chunk * job.done_tokens + chunk * (chunk + 1) / 2.0
         p.prefill_attn_pairs = attn
         return p

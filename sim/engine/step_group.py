@@ -94,6 +94,9 @@ class StepGroup:
         self.on_decode_admitted = on_decode_admitted
         self.on_decode_finished = on_decode_finished
         self.fast_forward = fast_forward
+        # a causal encoder-decoder roofline (V4.1) prices a step by its chunk count (a replay window
+        # each), which it recovers from the cached prefix (RooflinePerf.wants_prefill_cached_tokens)
+        self._pass_cached = bool(getattr(perf, "wants_prefill_cached_tokens", False))
         self._wake = env.event()
         self.num_steps = 0
         self.num_waits = 0
@@ -146,14 +149,14 @@ class StepGroup:
                 continue
             pt = np.array([p.prefill_tokens for p in plans], dtype=np.float64)
             dc = np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64)
-            dt = float(
-                self.perf.step_time_s(
-                    pt,
-                    np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
-                    np.array([p.decode_seqs for p in plans], dtype=np.float64),
-                    dc,
-                )
-            )
+            args = (pt, np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
+                    np.array([p.decode_seqs for p in plans], dtype=np.float64), dc)
+            if self._pass_cached:
+                # several prompts in one rank's step: the pairs alone do not say how many
+                dt = float(self.perf.step_time_s(*args, prefill_cached_tokens=np.array(
+                    [p.prefill_cached_tokens for p in plans], dtype=np.float64)))
+            else:
+                dt = float(self.perf.step_time_s(*args))
             if len(plans) > 1:
                 self._account_one(pt, dc, dt)
             self.num_waits += 1

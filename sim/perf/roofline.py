@@ -268,6 +268,11 @@ class RooflinePerf:
         #: causal encoder-decoder (DeepSeek-V4.1): a prompt token runs the encoder, a replayed row the
         #: decoder (ModelSpec.prefill_* / replay_*); expert and dispatch work in decode-token units
         self._ced = m.is_ced
+        #: whether a caller should pass ``prefill_cached_tokens`` to :meth:`step_time_s`: under a
+        #: causal encoder-decoder the prefix sets how many chunks a rank's step holds, hence how
+        #: many replay windows and rebuilt rows it pays, which the pairs alone do not tell when
+        #: several prompts share the step (elsewhere the prefix is only a KV read, and omitted)
+        self.wants_prefill_cached_tokens = bool(self._ced)
         if self._ced:
             pf_tok = m.prefill_dense_flops_per_token if m.is_moe else m.prefill_dense_flops_per_token + m.prefill_expert_flops_per_token
             rp_tok = m.replay_dense_flops_per_token if m.is_moe else m.replay_dense_flops_per_token + m.replay_expert_flops_per_token

@@ -255,13 +255,19 @@ class SpecDecodePerf:
         return (tv + draft) / self._tau[d]
 
     def step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
-                    decode_ctx_tokens: ArrayLike) -> np.ndarray:
+                    decode_ctx_tokens: ArrayLike, *, prefill_cached_tokens: ArrayLike | None = None) -> np.ndarray:
         """Seconds per step for per-rank work ``(..., R)``: decode-only steps are charged the time
-        per accepted token of the chosen draft length, other steps the plain step."""
+        per accepted token of the chosen draft length, other steps the plain step
+        (``prefill_cached_tokens`` goes to the target's roofline, see
+        :meth:`sim.perf.roofline.RooflinePerf.step_time_s`)."""
         pt = np.asarray(prefill_tokens, dtype=np.float64)
         ds = np.asarray(decode_seqs, dtype=np.float64)
         dc = np.asarray(decode_ctx_tokens, dtype=np.float64)
-        base = np.asarray(self.base.step_time_s(pt, prefill_attn_pairs, ds, dc), dtype=np.float64)
+        if prefill_cached_tokens is None:
+            base = np.asarray(self.base.step_time_s(pt, prefill_attn_pairs, ds, dc), dtype=np.float64)
+        else:
+            base = np.asarray(self.base.step_time_s(pt, prefill_attn_pairs, ds, dc,
+                                                    prefill_cached_tokens=prefill_cached_tokens), dtype=np.float64)
         decode_only = ~np.any(pt > 0, axis=-1) & np.any(ds > 0, axis=-1)
         if not np.any(decode_only):
             self.last_draft_tokens = np.zeros(np.shape(base))

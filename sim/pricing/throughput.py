@@ -56,16 +56,21 @@ def prefill_input_tokens_per_s_per_rank(perf: PerfModel, pool: PoolConfig, promp
     new = prompt_tokens - cached
     r = pool.dp_ranks if perf.ep_synchronous else 1
 
-    def step(pt: float, pairs: float) -> float:
-        return float(perf.step_time_s(np.full(r, pt), np.full(r, pairs), np.zeros(r), np.zeros(r)))
+    pass_cached = bool(getattr(perf, "wants_prefill_cached_tokens", False))
+
+    def step(pt: float, pairs: float, before: float) -> float:
+        work = (np.full(r, pt), np.full(r, pairs), np.zeros(r), np.zeros(r))
+        if pass_cached:  # n prompts in one step: a causal encoder-decoder pays a replay window each
+            return float(perf.step_time_s(*work, prefill_cached_tokens=np.full(r, before)))
+        return float(perf.step_time_s(*work))
 
     if new <= budget:
         n = budget // new
-        return n * prompt_tokens / step(n * new, n * float(causal_attn_pairs(new, cached)))
+        return n * prompt_tokens / step(n * new, n * float(causal_attn_pairs(new, cached)), n * cached)
     total_s, done = 0.0, cached
     while done < prompt_tokens:
         c = min(budget, prompt_tokens - done)
-        total_s += step(c, float(causal_attn_pairs(c, done)))
+        total_s += step(c, float(causal_attn_pairs(c, done)), done)
         done += c
     return prompt_tokens / total_s
 
