@@ -811,3 +811,23 @@ def test_errors_are_oserrors():
         assert issubclass(cls, UpstreamError) and issubclass(cls, OSError)
     assert not issubclass(UpstreamDisconnected, ConnectionResetError)  # the proxy's client-gone handler
     assert json.loads(OK_BODY) == {"ok": True}
+
+
+async def test_bare_lf_line_endings_are_accepted_as_by_aiohttp():
+    """review11: an engine whose answer ends its head lines with LF alone (RFC 9112 sec. 2.2: a
+    recipient MAY take a lone LF as a line terminator) was relayed by aiohttp's client and refused
+    by the lean one (strict llhttp: 502 'unreachable'). Expected: aiohttp's reading, status 200 and
+    the body, on both clients; the lean connection is then reused (the answer was complete)."""
+    answer = b"HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: %d\n\n" % len(OK_BODY) + OK_BODY
+    async with RawServer(keepalive(answer)) as srv:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url, data=b"{}") as r:
+                assert (r.status, await r.read()) == (200, OK_BODY)
+        c = UpstreamClient()
+        try:
+            for _ in range(2):
+                resp = await c.post(srv.url, b"{}")
+                assert (resp.status, resp.headers["content-type"], await resp.read()) == (200, "application/json", OK_BODY)
+        finally:
+            await c.close()
+        assert srv.connections == 2  # one for aiohttp, one reused by the lean client

@@ -257,6 +257,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sock: socket.socket | None = None
         self.parser = httptools.HttpResponseParser(self)
+        # a lone LF ends a line, as aiohttp's parser reads answers (RFC 9112 sec. 2.2 allows it);
+        # strict llhttp refused them, so such an engine worked with aiohttp only (review11)
+        self.parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)  # httptools >= 0.6.2
         self.resp: UpstreamResponse | None = None  # the answer being received
         self.head_fut: asyncio.Future[None] | None = None
         self.closed = False
