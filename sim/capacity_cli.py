@@ -249,7 +249,9 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     if not args.quiet:
         console.print(f"[bold]{escape(scenario.name)}[/]: {escape(scenario.description)} ({scenario.num_gpus} GPUs)")
         console.print(f"workload: {escape(wl.label)}, {len(requests)} requests over {span:.0f} s "
-                      f"({len(requests) / span if span > 0 else float('nan'):.3f} req/s at rate x1); "
+                      f"({len(requests) / span if span > 0 else float('nan'):.3f} req/s at rate x1)"
+                      + (f", each rate simulated over its first {wl.duration_s:g} s of arrivals"
+                         if wl.duration_s is not None else "") + "; "
                       f"SLO: {escape(slo.describe())}; {len(specs)} policies, executor {args.executor} "
                       f"({args.jobs} jobs)")
     modules = tuple(args.policy_modules)

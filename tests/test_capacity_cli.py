@@ -61,6 +61,16 @@ def test_capacity_says_when_the_router_was_slo_blind(flags, blind, tmp_path: Pat
     assert json.loads((tmp_path / "capacity.json").read_text())["meta"]["route_slo"] is (not blind)
 
 
+def test_capacity_header_names_the_duration_window(tmp_path: Path, capsys) -> None:
+    # review11: with --duration-s the header described only the whole trace (100 requests over the
+    # slice's span), as if every rate ran all of it; it now names the window it was given
+    rc = main(["sim", "capacity", "--policies", "ep_aware", "--limit", "100", "--duration-s", "10",
+               "--slo-ttft-s", "0.1", "--jobs", "1", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "100 requests over" in printed and "each rate simulated over its first 10 s of arrivals" in printed
+
+
 def test_capacity_reports_an_unreachable_slo_with_its_reason(tmp_path: Path, capsys) -> None:
     # 99% of requests within 0.5 s: long prompts of the trace cannot prefill that fast even alone
     rc = main(["sim", "capacity", "--policies", "least_load", "--limit", "300", "--slo-ttft-s", "0.5",
