@@ -760,6 +760,17 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         get_model(sc.model)
     except FileNotFoundError as e:
         raise ValueError(f"model {sc.model!r}: {e.strerror}: {e.filename}" if e.strerror else str(e)) from None
+    from sim.cluster import build_perf
+
+    for role in ("prefill", "decode", "mixed"):  # a model that does not fit, also before any output
+        pool = getattr(sc, role)
+        if pool is not None:
+            try:
+                build_perf(sc, pool)
+            except ValueError as e:
+                hint = (f" (the scenario's {role}.gpus_per_rank, {role}.dp_ranks, hardware)"
+                        if "does not fit" in str(e) else "")
+                raise ValueError(f"{role} pool: {e}{hint}") from None
     return sc
 
 
