@@ -23,8 +23,9 @@ class FaultConfig(BaseModel):
         hang: accept generation requests and never answer (until the client goes away).
         hang_after_headers: streamed answers send their headers and then nothing (until the client
             goes away); non-streamed answers are unaffected.
-        die_after_tokens: after streaming this many output tokens in total, the process exits
-            abruptly (in-process apps drop every connection and refuse new ones instead).
+        die_after_tokens: after streaming this many output tokens in total (over all requests, not
+            per request), the process exits abruptly (in-process apps drop every connection and
+            refuse new ones instead).
         seed: seed of the error-rate coin.
     """
 
