@@ -75,7 +75,7 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     g.add_argument("--hang", action="store_true", help="never answer generation requests")
     g.add_argument("--hang-after-headers", action="store_true", help="streamed answers: send headers, then nothing")
     g.add_argument("--die-after-tokens", type=int, default=None, metavar="TOKENS",
-                   help="exit abruptly after streaming this many tokens in total, counted over all requests (not per request; default: never)")
+                   help="exit abruptly after streaming this many tokens in total, counted over all requests, not per request (default: never)")
     g.add_argument("--seed", type=int, default=f.seed, help="seed of the --error-rate coin (default: %(default)s)")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
