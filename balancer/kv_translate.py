@@ -499,7 +499,12 @@ class KvEventTranslator:
             cur = nxt
         if new:
             new.reverse()
-            out.append(BlockStored(tuple(new), medium, support[new[0]][0]))
+            last = out[-1] if out else None
+            if (isinstance(last, BlockStored) and last.medium == medium and last.block_hashes
+                    and last.block_hashes[-1] == support[new[0]][0]):  # continues the previous announcement
+                out[-1] = BlockStored(last.block_hashes + tuple(new), medium, last.parent_block_hash)
+            else:
+                out.append(BlockStored(tuple(new), medium, support[new[0]][0]))
 
     def _forget_end(self, tier: str, key: EngineHash, removed: dict[int, None] | None = None) -> None:
         """Drop the valid end ``key``; with ``removed``, lower the support counts along its chain
