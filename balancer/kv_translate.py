@@ -143,11 +143,11 @@ class _Segment:
                  rem0: int, pend_tokens: np.ndarray | None, pend_owners: list[tuple[_Segment, int]],
                  router_hashes: list[int], extras: list[Any] | None,
                  parent: tuple[_Segment, int] | None = None) -> None:
-        self.parent = parent  # the engine block this segment continues: (segment, index), or None
-        self.start = 0 if parent is None else parent[0].start + (parent[1] + 1) * parent[0].e_size  # first token
         self.hashes = hashes  # the engine hashes, in order
         self.tokens = tokens  # all their token ids (uint32), len(hashes) * e_size
-        self.e_size = e_size
+        self.e_size: int = e_size
+        self.parent = parent  # the engine block this segment continues: (segment, index), or None
+        self.start: int = 0 if parent is None else parent[0].start + (parent[1] + 1) * parent[0].e_size  # first token
         self.root = root  # chain root (ROOT_HASH or a LoRA root)
         self.base = base  # pdlb hash of the last whole router block before the segment's first token; None: none
         self.rem0 = rem0  # tokens between that boundary and the segment's first token (< B)
