@@ -246,3 +246,44 @@ def test_events_made_by_vllms_own_block_pool_for_a_hybrid_model():
     # the router's 4 is the documented overestimate for a prompt that leaves a chain between ends
     assert index.match_replica("r", RH) == 4 and index.match_replica("r", rh2) == 6
     assert tr.num_blocks() == 10  # the full group's 8 + 2 blocks, untouched by the window group's removals
+
+
+# ---------------------------------------------------------------------- the simulator's V4 models
+def test_a_v4_ranks_prefix_hit_is_a_multiple_of_256_tokens():
+    # hand: 7 cached blocks of 64 tokens = 448 tokens; DeepSeek-V4's MLA groups keep 256-token
+    # blocks (vLLM 0.33), so the hit every group can serve is 256; a dense model's is 448
+    from balancer.types import ReplicaId, Role
+    from sim.engine.rank import PrefillJob, Rank
+    from sim.models import get_model
+    hashes = tuple(range(1, 9))
+    got = {}
+    for model in ("deepseek-v4-flash", "deepseek-v3"):
+        rank = Rank(ReplicaId("p", 0), 0, Role.PREFILL, kv_capacity_blocks=100, block_size=64,
+                    max_prefill_tokens=4096, max_decode_batch=1)
+        rank.hit_multiple_tokens = get_model(model).prefix_hit_multiple_tokens
+        rank.cache.insert(hashes[:7])
+        job = PrefillJob(0, 512, 1, hashes)
+        rank.enqueue_prefill(job)
+        rank.plan()
+        got[model] = job.cached_tokens
+    assert got == {"deepseek-v4-flash": 256, "deepseek-v3": 448}
+    assert get_model("deepseek-v4.1-flash").prefix_hit_multiple_tokens == 256
+
+
+def test_simulated_v4_hits_change_only_below_256_token_blocks():
+    # the same shared-prefix workload on V4-Flash: with 512-token blocks (the default) every hit is
+    # already a multiple of 256 and nothing changes; with 64-token blocks each hit is rounded down
+    from sim.cluster import simulate
+    from sim.models import get_model
+    from sim.scenario import PoolConfig, Scenario
+    from sim.workload import poisson_workload
+    assert get_model("deepseek-v4-flash").prefix_hit_multiple_tokens == 256
+    for bs in (64, 512):
+        sc = Scenario(model="deepseek-v4-flash", hardware="H200", block_size=bs,
+                      mixed=PoolConfig(dp_ranks=1, gpus_per_rank=8))
+        reqs = poisson_workload(30, 5.0, prompt_tokens_mean=1500, output_tokens_mean=4, seed=1,
+                                shared_prefix_tokens=1344, num_prefix_groups=1, block_size=bs)
+        hits = simulate(sc, reqs, "round_robin").records.hbm_hit_tokens
+        assert (hits % 256 == 0).all() and hits.max() > 0
+        if bs == 64:  # the 1344-token shared prefix (21 blocks of 64) hits 1280 = 5 * 256, not 1344
+            assert hits.max() == 1280
