@@ -339,7 +339,7 @@ class KvEventTranslator:
             for h in list(islice(states, over)):
                 del states[h]
                 if ends and h in ends:  # forgotten, not evicted by the engine: its blocks stay announced
-                    self._forget_end(tier, h)
+                    self._forget_end(tier, h, {})  # (the support counts drop, so their memory is bounded too)
             self.stats.evicted_blocks += over
         if self._groups:  # hybrid: announce only below valid ends
             out: list[KvEvent] = []

@@ -287,3 +287,18 @@ def test_simulated_v4_hits_change_only_below_256_token_blocks():
         assert (hits % 256 == 0).all() and hits.max() > 0
         if bs == 64:  # the 1344-token shared prefix (21 blocks of 64) hits 1280 = 5 * 256, not 1344
             assert hits.max() == 1280
+
+
+def test_hybrid_state_is_bounded_by_the_translator_capacity():
+    # 200 distinct 2-block prompts through a translator that remembers 8 engine blocks per tier:
+    # its ends, support counts and group records stay within that bound, whatever the traffic
+    tr = KvEventTranslator(B, capacity_blocks=8)
+    for p in range(200):
+        toks = [p * 100 + t for t in range(2 * B)]
+        hs = [10_000 + 2 * p, 10_001 + 2 * p]
+        tr.translate(full(hs, toks))
+        tr.translate(swa(hs, toks))
+    assert tr.num_blocks() == 8 and tr.stats.valid_ends == 400  # ends at 16 (window clipped at 0) and 32, per prompt
+    assert len(tr._held[("hbm", 1)]) <= 8 and len(tr._ends["hbm"]) <= 8
+    # each end depends on at most need = 2 window blocks; each supports at most its 2 router blocks
+    assert len(tr._support["hbm"]) <= 16 and sum(len(v) for v in tr._end_deps["hbm"].values()) <= 8 * 2
