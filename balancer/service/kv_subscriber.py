@@ -712,8 +712,11 @@ class KvEventSubscriber:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(s.src.replay_endpoint)
-            sock.send_multipart([b"", encode_seq(r.start_seq)])
             r.sock = sock
+            try:
+                sock.send_multipart([b"", encode_seq(r.start_seq)], zmq.NOBLOCK)
+            except zmq.Again:  # nothing to send to: times out like a replay that never answers
+                pass
             r.deadline_s = now + self.replay_timeout_s
             self._register(sock, "replay", s)
             self._running.append(s)
