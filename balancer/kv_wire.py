@@ -11,12 +11,19 @@ Format (ANCHORS.md, "vLLM KV cache events"; vLLM ``vllm/distributed/kv_events.py
   - positional (SGLang, vLLM before 2026): ``[ts, events]`` or ``[ts, events, data_parallel_rank]``,
     each event an array whose first item is its tag:
     ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-    lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]``
-    (SGLang stops after ``lora_id``; trailing fields with defaults may be left out),
-    ``["BlockRemoved", block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``;
-  - maps (current vLLM): ``{"ts", "events", "data_parallel_rank"}``, each event a map with a
-    ``"type"`` key (``{"type": "BlockStored", "block_hashes": ..., ...}``); fields left at their
-    defaults may be omitted.
+    lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality]``
+    (trailing fields with defaults may be left out),
+    ``["BlockRemoved", block_hashes, medium, group_idx, locality]``, ``["AllBlocksCleared"]``;
+  - maps: ``{"ts", "events", "data_parallel_rank"}``, each event a map with a ``"type"`` key
+    (``{"type": "BlockStored", "block_hashes": ..., ...}``); fields left at their defaults may be
+    omitted. vLLM 0.33 and SGLang 0.5.23 both send the batch positionally
+    (``[ts, events, data_parallel_rank]`` / ``[ts, events, attn_dp_rank]``) and every event as
+    such a tagged map (msgspec ``tag=True, omit_defaults=True``); fields this decoder does not
+    know (``ownership``, ``session_id``, ``cache_salt``, ...) are ignored.
+* ``medium``: vLLM ``"GPU"``, ``"CPU"``, ``"STORAGE"`` (its disk/offload tier, with ``locality``
+  ``"LOCAL"``/``"REMOTE"``: a remote one is decoded as ``"STORE"``, the shared store); SGLang
+  ``"GPU"``, ``"CPU_PINNED"``, ``"DISK"``, ``"EXTERNAL"`` (:func:`balancer.kv_events.tier_of_medium`
+  maps them onto pdlb's tiers).
 
 * Block hashes are the engine's own: 64-bit integers (vLLM's default, the low 64 bits of a
   sha256; SGLang's Python ``hash``, which may be negative) or byte strings (vLLM's 32-byte
@@ -61,8 +68,22 @@ MAX_EVENTS_PER_BATCH = 1_000_000
 MAX_TOKENS_PER_EVENT = 16_777_216
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                  "locality")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+
+
+def _medium(f: dict[str, Any], where: str) -> str | None:
+    """The event's medium, with vLLM's ``locality`` folded in: a lower tier that vLLM marks
+    ``"REMOTE"`` (relative to the publisher: a shared pool, vLLM 0.33 ``kv_offload/base.py``
+    ``Locality``) is pdlb's shared store (``"STORE"``); ``"LOCAL"`` or unset keeps the medium
+    (``"STORAGE"``, vLLM's disk offload tier, is then the replica's own lower tier,
+    :func:`balancer.kv_events.tier_of_medium`)."""
+    medium = _opt_str(f.get("medium"), f"{where}: medium")
+    locality = _opt_str(f.get("locality"), f"{where}: locality")
+    if locality is not None and locality.upper() == "REMOTE" and medium is not None and medium.upper() not in ("GPU", "HBM"):
+        return "STORE"
+    return medium
 
 
 class KvWireError(ValueError):
@@ -292,7 +313,7 @@ def _event(ev: Any, where: str) -> EngineEvent:
             parent_block_hash=None if parent is None else _hash(parent, f"{where}: BlockStored parent_block_hash"),
             token_ids=tokens, block_size=bs,
             lora_id=_opt_int(f.get("lora_id"), f"{where}: lora_id"),
-            medium=_opt_str(f.get("medium"), f"{where}: medium"),
+            medium=_medium(f, where),
             lora_name=_opt_str(f.get("lora_name"), f"{where}: lora_name"),
             extra_keys=None if extra is None else tuple(extra),
             group_idx=_opt_int(f.get("group_idx"), f"{where}: group_idx"),
@@ -304,7 +325,7 @@ def _event(ev: Any, where: str) -> EngineEvent:
         if "block_hashes" not in f:
             raise KvWireError(f"{where}: BlockRemoved without block_hashes")
         return EngineBlockRemoved(_hashes(f["block_hashes"], f"{where}: BlockRemoved block_hashes"),
-                                  _opt_str(f.get("medium"), f"{where}: medium"),
+                                  _medium(f, where),
                                   _opt_int(f.get("group_idx"), f"{where}: group_idx"))
     if tag == "AllBlocksCleared":
         return EngineAllBlocksCleared()

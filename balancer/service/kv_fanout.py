@@ -905,7 +905,8 @@ class KvFanout:
 
         s = self._settings
         kw: dict[str, Any] = dict(stale_after_s=s.stale_after_s, replay_timeout_s=s.replay_timeout_s,
-                                  translator_capacity_blocks=s.translator_capacity_blocks)
+                                  translator_capacity_blocks=s.translator_capacity_blocks,
+                                  max_concurrent_replays=s.max_concurrent_replays)
         if s.runner == "process":
             return KvEventSubscriberProcess(self._sources, self._block_size, None, ring_path=self.path,
                                             ring_bytes=self._ring_bytes, **kw)
