@@ -302,3 +302,63 @@ def test_hybrid_state_is_bounded_by_the_translator_capacity():
     assert len(tr._held[("hbm", 1)]) <= 8 and len(tr._ends["hbm"]) <= 8
     # each end depends on at most need = 2 window blocks; each supports at most its 2 router blocks
     assert len(tr._support["hbm"]) <= 16 and sum(len(v) for v in tr._end_deps["hbm"].values()) <= 8 * 2
+
+
+@pytest.mark.slow
+def test_vllm_publisher_hybrid_groups_route_to_the_engine_that_can_serve_the_hit():
+    """vLLM 0.33's own ``ZmqEventPublisher`` and event classes (tests/engine_publishers.py), two
+    engines of a hybrid model (group 0 ``mla_attention``, group 1 ``sliding_window_mla`` with a
+    33-token window: a hit needs the 2 window blocks before its end), pdlb's subscriber and an
+    events-mode router. Each engine caches 6 prompts of its own in both groups (the window group's
+    event lists only the blocks of its windows at 128 and 256 tokens, nulls skipped, one batch with
+    the full group's event), then its window group evicts the early window (``BlockRemoved``,
+    ``group_idx`` 1). Each engine also holds the other's prompts in the full group, but its window
+    group evicted the tail window: no hit there by vLLM's rule. Every probe must route to the
+    engine that can serve it, with nothing credited to the other. ~15 s."""
+    from tests.test_engine_conformance import PROBES_PER_ENGINE, Cluster, prompt
+
+    full_kw = {"group_idx": 0, "kv_cache_spec_kind": "mla_attention"}
+
+    class HybridCluster(Cluster):
+        def connected(self) -> None:  # the marker as a hybrid engine sends it (group-tagged)
+            assert self.sub is not None
+            end = time.monotonic() + 10
+            marker = prompt(999, tag=99)
+            while time.monotonic() < end:
+                before = {k: self.stats(k)["batches"] for k in "ab"}
+                for e in (self.a, self.b):
+                    e.store(marker, **full_kw)
+                time.sleep(0.2)
+                for e in (self.a, self.b):
+                    e.publish([e.removed_event(marker, group_idx=0)])
+                time.sleep(0.1)
+                if all(self.stats(k)["batches"] >= before[k] + 2 for k in "ab"):
+                    return
+            raise AssertionError(f"subscriber not connected: {self.sub.stats()}")
+
+    def cache(e, tokens, windows_at, evict_at) -> None:  # noqa: ANN001
+        m, hs = e.mod, e.hashes(tokens)
+        win = [hs[i] for end in windows_at for i in (end // 16 - 2, end // 16 - 1)]
+        swa_ev = m.BlockStored(block_hashes=win, parent_block_hash=None, token_ids=list(tokens[:len(hs) * 16]),
+                               block_size=16, lora_id=None, medium=e.medium("gpu"), lora_name=None, group_idx=1,
+                               kv_cache_spec_kind="sliding_window_mla", kv_cache_spec_sliding_window=33)
+        e.publish([e.stored_event(tokens, **full_kw), swa_ev])
+        gone = [hs[i] for end in evict_at for i in (end // 16 - 2, end // 16 - 1)]
+        e.publish([m.BlockRemoved(block_hashes=gone, medium=e.medium("gpu"), group_idx=1)])
+
+    c = HybridCluster("vllm")
+    try:
+        c.connected()
+        want = {"a": [prompt(i, 7) for i in range(PROBES_PER_ENGINE)],
+                "b": [prompt(100 + i, 7) for i in range(PROBES_PER_ENGINE)]}
+        since = time.monotonic()
+        for k, e, other in (("a", c.a, "b"), ("b", c.b, "a")):
+            for t in want[k]:
+                cache(e, t, windows_at=(128, 256), evict_at=(128,))  # its own: the tail window stays
+            for t in want[other]:
+                cache(e, t, windows_at=(256,), evict_at=(256,))  # the other's: no window left
+        c.wait_routed(want, since, what="hybrid groups")
+        for k in "ab":
+            assert c.stats(k)["decode_errors"] == 0
+    finally:
+        c.close()
