@@ -186,3 +186,39 @@ def test_continue_final_message_without_the_text_in_the_render_is_an_error(folde
     with pytest.raises(PromptError, match="drops the final message"):
         t.render_for([USER, {"role": "assistant", "content": "x"}], ChatOptions(continue_final_message=True,
                                                                                  add_generation_prompt=False))
+
+
+async def test_the_service_counts_inexact_prompts_and_refuses_mistyped_fields(folders):
+    """End to end through pdlb serve (one emulated engine): a chat with an image part is counted
+    in pdlb_prompt_inexact_total{reason="multimodal"}; mistyped `tools` is a 400."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from balancer.service.app import create_app
+    from balancer.service.config import ServiceConfig
+    from sim.emulator.app import create_engine_app
+    from sim.emulator.config import EmulatorConfig
+
+    engine = TestServer(create_engine_app(EmulatorConfig(role="mixed", speed=50.0)), host="127.0.0.1")
+    await engine.start_server()
+    cfg = ServiceConfig.model_validate({
+        "pd_protocol": "none", "port": 0, "block_size": 16, "tokenizer_path": str(folders["string"]),
+        "chat_engine": "vllm", "health_check": {"enabled": False},
+        "workers": [{"url": f"http://127.0.0.1:{engine.port}", "role": "mixed"}]})
+    router = TestServer(create_app(cfg), host="127.0.0.1")
+    await router.start_server()
+    try:
+        async with aiohttp.ClientSession() as s:
+            base = f"http://127.0.0.1:{router.port}"
+            image = {"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                                 {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}
+            await s.post(f"{base}/v1/chat/completions", json={"messages": [image], "max_tokens": 2})
+            await s.post(f"{base}/v1/chat/completions", json={"messages": [USER], "tools": TOOLS, "max_tokens": 2})
+            r = await s.post(f"{base}/v1/chat/completions", json={"messages": [USER], "tools": "x"})
+            assert r.status == 400 and "'tools' must be an array" in (await r.json())["error"]["message"]
+            text = await (await s.get(f"{base}/metrics")).text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("pdlb_prompt_inexact_total")]
+        assert lines == ['pdlb_prompt_inexact_total{reason="multimodal"} 1.0']
+    finally:
+        await router.close()
+        await engine.close()
