@@ -11,16 +11,20 @@ engine's package ``__init__`` files skipped (they pull in torch, CUDA kernels an
   and what it imports (``runtime_context``, ``utils/network``, ``arg_groups``), all real. Needs
   ``msgspec``, ``psutil``, ``pyzmq``, ``pydantic`` (the ``test`` extra has them).
 * vLLM 0.33.0: ``vllm/distributed/kv_events.py`` (its ``ZmqEventPublisher``, ``KVEventBatch``,
-  events, ``MEDIUM_STORAGE``), with ``vllm.logger`` and ``vllm.utils.network_utils`` real; two
-  imports are stand-ins because their real modules import torch: ``vllm.config.kv_events``
-  (``KVEventsConfig``, which the publisher only records) and ``vllm.v1.core.kv_cache_utils``
-  (only the type alias ``ExternalBlockHash = bytes | int`` is used).
+  events, ``MEDIUM_STORAGE``), ``vllm/v1/core/block_pool.py`` (``BlockPool``: the GPU prefix cache
+  whose ``cache_full_blocks`` / eviction / reset queue the events), ``vllm/v1/core/kv_cache_utils.py``
+  (block hasher, ``KVCacheBlock``, free queue) and ``vllm/utils/hashing.py`` (``sha256_cbor``),
+  with ``vllm.logger``, ``vllm.envs``, ``vllm.utils.network_utils`` real. The modules of
+  :data:`VLLM_STAND_INS` import torch and are only named as types by that code: stand-ins.
+  Needs ``msgspec`` and ``cbor2``.
 
-:class:`EngineRank` drives one engine DP rank the way its scheduler does: a small prefix cache of
-its own (engine block hashes chained over full blocks: sha256 of the parent hash and the block's
-tokens, as a signed 64-bit int for SGLang, the low 64 bits for vLLM; pdlb treats them as opaque)
-whose stores and evictions become the engine's own event objects, published through the engine's
-own ``ZmqEventPublisher`` (PUB ``[topic, seq, payload]`` and the replay ROUTER). Faults are made
+:class:`EngineRank` drives one engine DP rank: vLLM's GPU tier through its own ``BlockPool``
+(:meth:`EngineRank.serve`: the hits, allocations, evictions and events its scheduler makes); other
+tiers, and SGLang (whose radix cache needs its CUDA kernels), through a small prefix cache of its
+own (engine block hashes chained over full blocks: sha256 of the parent hash and the block's
+tokens, a signed 64-bit int for SGLang; pdlb treats them as opaque) whose stores and evictions
+become the engine's own event objects. Everything is published through the engine's own
+``ZmqEventPublisher`` (PUB ``[topic, seq, payload]`` and the replay ROUTER). Faults are made
 without touching the engine code: :meth:`EngineRank.drop_next` loses batches on the wire only
 (the publisher still buffers them for replay), :meth:`EngineRank.restart` shuts the publisher
 down and starts a new one on the same ports (new numbering, empty buffer, the socket goes away),
@@ -124,28 +128,92 @@ def load_sglang() -> Any:
         return _LOADED["sglang"]
 
 
+class _AnyMeta(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+    def __getitem__(cls, item: Any) -> Any:
+        return cls
+
+    def __or__(cls, other: Any) -> Any:
+        return cls
+
+    def __ror__(cls, other: Any) -> Any:
+        return cls
+
+
+class _StandIn(metaclass=_AnyMeta):
+    """Whatever a stand-in module is asked for: a class that takes any arguments (a type in an
+    annotation or an isinstance check the code under test never reaches)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def _stand_in(name: str) -> None:
+    m = types.ModuleType(name)
+
+    def attr(a: str) -> Any:
+        if a.startswith("__"):
+            raise AttributeError(a)
+        return _StandIn
+
+    m.__getattr__ = attr  # type: ignore[method-assign]
+    m.__path__ = []  # type: ignore[attr-defined]
+    m.__doc__ = "pdlb test stand-in: the real module imports torch"
+    sys.modules[name] = m
+
+
+#: vLLM modules that import torch (or its model config) at import time and are only named, as
+#: types, by the code under test: replaced by stand-ins (every other vLLM module loaded is vLLM's)
+VLLM_STAND_INS = ("vllm.config", "vllm.config.kv_events", "vllm.multimodal.utils", "vllm.v1.kv_cache_interface",
+                  "vllm.v1.request", "vllm.v1.utils", "vllm.v1.core.kv_cache_metrics")
+
+
 def load_vllm() -> Any:
-    """vLLM's own ``vllm.distributed.kv_events`` module (see the module docstring for the two
-    stand-in imports)."""
+    """vLLM's own modules, as a namespace: ``kv_events`` (``vllm/distributed/kv_events.py``),
+    ``block_pool`` (``vllm/v1/core/block_pool.py``), ``kv_cache_utils``
+    (``vllm/v1/core/kv_cache_utils.py``), ``hashing`` (``vllm/utils/hashing.py``), loaded
+    without torch: the modules in :data:`VLLM_STAND_INS` are stand-ins (``KVEventsConfig``,
+    which the publisher only records; ``Request``, ``KVCacheSpec`` classes, the metrics collector
+    and ``get_mm_features_in_window``, only named as types or used for multimodal requests)."""
     with _LOAD_LOCK:
         if "vllm" not in _LOADED:
-            pytest.importorskip("msgspec")
+            for dep in ("msgspec", "cbor2"):
+                pytest.importorskip(dep)
             wheel = engine_wheel("vllm", VLLM_VERSION)
             root = _extract(wheel, "vllm/", cache_dir() / f"vllm-{VLLM_VERSION}-src")
-            _bare_packages(root, ["vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed"])
-            cfg = types.ModuleType("vllm.config.kv_events")
-
-            class KVEventsConfig:  # stand-in: the publisher only keeps its arguments
-                def __init__(self, **kw: Any) -> None:
-                    self.__dict__.update(kw)
-
-            cfg.KVEventsConfig = KVEventsConfig  # type: ignore[attr-defined]
-            sys.modules["vllm.config.kv_events"] = cfg
-            utils = types.ModuleType("vllm.v1.core.kv_cache_utils")
-            utils.ExternalBlockHash = bytes | int  # type: ignore[attr-defined]  # vLLM's own alias
-            sys.modules["vllm.v1.core.kv_cache_utils"] = utils
-            _LOADED["vllm"] = importlib.import_module("vllm.distributed.kv_events")
+            _bare_packages(root, ["vllm", "vllm.utils", "vllm.v1", "vllm.v1.core", "vllm.distributed",
+                                  "vllm.multimodal"])
+            for name in VLLM_STAND_INS:
+                _stand_in(name)
+            _LOADED["vllm"] = types.SimpleNamespace(
+                kv_events=importlib.import_module("vllm.distributed.kv_events"),
+                block_pool=importlib.import_module("vllm.v1.core.block_pool"),
+                kv_cache_utils=importlib.import_module("vllm.v1.core.kv_cache_utils"),
+                hashing=importlib.import_module("vllm.utils.hashing"))
         return _LOADED["vllm"]
+
+
+class _VllmRequest:
+    """The fields of a ``vllm.v1.request.Request`` that vLLM's block hasher and ``BlockPool`` read
+    for a plain text request (no LoRA, multimodal input, cache salt or prompt embeddings)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.all_token_ids = list(token_ids)
+        self.block_hashes: list[Any] = []
+        self.mm_features: list[Any] = []
+        self.lora_request = None
+        self.cache_salt = None
+        self.prompt_embeds = None
+        self._prompt_embeds_per_block_hashes: dict = {}
+        self.session_id = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
 
 
 def free_port_pair() -> tuple[int, int]:
@@ -195,11 +263,17 @@ class EngineRank:
     """
 
     def __init__(self, engine: str, block_size: int = 16, dp_rank: int = 0, buffer_steps: int = 10_000,
-                 ports: tuple[int, int] | None = None) -> None:
+                 ports: tuple[int, int] | None = None, num_gpu_blocks: int = 4096) -> None:
         if engine not in ("sglang", "vllm"):
             raise ValueError(f"engine must be sglang or vllm, got {engine!r}")
         self.engine = engine
-        self.mod = load_sglang() if engine == "sglang" else load_vllm()
+        if engine == "sglang":
+            self.mod = load_sglang()
+        else:
+            self.vllm = load_vllm()
+            self.mod = self.vllm.kv_events
+        self.num_gpu_blocks = num_gpu_blocks
+        self.pool: Any = None
         self.block_size = block_size
         self.dp_rank = dp_rank
         self.buffer_steps = buffer_steps
@@ -208,6 +282,19 @@ class EngineRank:
         self.pub: Any = None
         self._lossy: _LossyPub | None = None
         self._start_publisher()
+        self._new_cache()
+
+    def _new_cache(self) -> None:
+        """vLLM: a fresh ``BlockPool`` (its own prefix cache, block hasher and event queue)."""
+        self.cached.clear()
+        if self.engine != "vllm":
+            return
+        v = self.vllm
+        hash_fn = v.hashing.sha256_cbor  # vLLM's default prefix-caching hash
+        v.kv_cache_utils.init_none_hash(hash_fn)
+        self._hasher = v.kv_cache_utils.get_request_block_hasher(self.block_size, hash_fn)
+        self.pool = v.block_pool.BlockPool(num_gpu_blocks=self.num_gpu_blocks, enable_caching=True,
+                                           hash_block_size=self.block_size, enable_kv_cache_events=True)
 
     # -------------------------------------------------------------- publisher lifecycle
     def _start_publisher(self) -> None:
@@ -235,7 +322,7 @@ class EngineRank:
         """The engine process restarts: the publisher shuts down (its sockets close) and a new one
         binds the same ports, numbering from 0 with an empty replay buffer and an empty cache."""
         self.pub.shutdown()
-        self.cached.clear()
+        self._new_cache()
         for _ in range(100):  # the OS may hold the ports for a moment
             try:
                 self._start_publisher()
@@ -330,8 +417,51 @@ class EngineRank:
         self.pub.publish(m.KVEventBatch(ts=time.time() if ts is None else ts, events=[e for e in events if e]))
 
     def store(self, tokens: list[int], medium: str = "gpu", ts: float | None = None, **extra: Any) -> None:
-        """Cache ``tokens``' full blocks in ``medium`` and publish the event (one batch)."""
+        """Cache ``tokens``' full blocks in ``medium`` and publish the event(s) (one batch). vLLM's
+        GPU tier goes through its own ``BlockPool`` (:meth:`serve`); the rest are the engine's
+        event classes filled here."""
+        if self.engine == "vllm" and medium == "gpu" and not extra:
+            self.serve(tokens, ts)
+            return
         self.publish([self.stored_event(tokens, medium, **extra)], ts)
+
+    def serve(self, tokens: list[int], ts: float | None = None) -> list[Any]:
+        """vLLM: run a request of ``tokens`` through the engine's ``BlockPool`` as its scheduler
+        does (prefix hit via ``get_cached_block`` + ``touch``, new blocks via ``get_new_blocks``,
+        which evicts the least recently freed cached blocks when the pool is full, then
+        ``cache_full_blocks`` and ``free_blocks``) and publish the events the pool queued
+        (``take_events``). Returns them."""
+        assert self.engine == "vllm", "serve() drives vLLM's BlockPool"
+        pool = self.pool
+        req = _VllmRequest(tokens)
+        req.block_hashes = self._hasher(req)
+        hit = []
+        for h in req.block_hashes:
+            got = pool.get_cached_block(h, [0])
+            if not got:
+                break
+            hit.append(got[0])
+        pool.touch(hit)
+        blocks = hit + pool.get_new_blocks(len(req.block_hashes) - len(hit))
+        pool.cache_full_blocks(req, blocks, len(hit), len(req.block_hashes), self.block_size, 0)
+        pool.free_blocks(reversed(blocks))
+        events = pool.take_events()
+        self.publish(events, ts)
+        return events
+
+    def remove(self, tokens: list[int]) -> None:
+        """Evict ``tokens``' cached GPU blocks and publish the removal (vLLM: ``BlockPool.evict_blocks``)."""
+        if self.engine == "vllm":
+            req = _VllmRequest(tokens)
+            ids = set()
+            for h in self._hasher(req):
+                got = self.pool.get_cached_block(h, [0])
+                if got:
+                    ids.add(got[0].block_id)
+            self.pool.evict_blocks(ids)
+            self.publish(self.pool.take_events())
+            return
+        self.publish([self.removed_event(tokens)])
 
     def publish_raw_events(self, events: list[Any], ts: float | None = None) -> None:
         """A batch whose events are whatever ``events`` holds (the engine's encoder takes any

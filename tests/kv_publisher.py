@@ -47,6 +47,7 @@ class FakeEngine:
         self.encoding, self.hash_kind, self.block_size, self.dp_rank, self.sglang = encoding, hash_kind, block_size, dp_rank, sglang
         self.replay_frames = replay_frames
         self.replay_silent = False  # True: replay requests are received and never answered (a sick engine)
+        self.replay_gate: threading.Event | None = None  # set: replies wait until the event is set (a slow replay)
         self.port = port or free_port()
         self.replay_port = replay_port or free_port()
         self.ctx = zmq.Context()
@@ -158,6 +159,8 @@ class FakeEngine:
             self.replay_requests.append(start_seq)
             if self.replay_silent:
                 continue
+            if self.replay_gate is not None:
+                self.replay_gate.wait(10)
             with self._lock:
                 items = [(s, p) for s, p in self.buffer if s >= start_seq]
             topic = [b""] if self.replay_frames == 4 else []

@@ -47,10 +47,10 @@ class Cluster:
     router fed by it (events applied under a lock in the subscriber's thread)."""
 
     def __init__(self, engine: str, host_tier: bool = False, start: bool = True,
-                 replay_endpoints: dict[str, str] | None = None) -> None:
+                 replay_endpoints: dict[str, str] | None = None, num_gpu_blocks: int = 4096) -> None:
         bs = 1 if engine == "sglang" else 16  # SGLang's default page size is 1 token; vLLM's block 16
         self.engine = engine
-        self.a = EngineRank(engine, block_size=bs)
+        self.a = EngineRank(engine, block_size=bs, num_gpu_blocks=num_gpu_blocks)
         self.b = EngineRank(engine, block_size=bs)
         self.rep = {"a": ReplicaId("http://engine-a", 0), "b": ReplicaId("http://engine-b", 0)}
         self.host_tier = host_tier
@@ -90,7 +90,7 @@ class Cluster:
                 e.store(marker)
             time.sleep(0.2)
             for e in (self.a, self.b):
-                e.publish([e.removed_event(marker)])
+                e.remove(marker)
             time.sleep(0.1)
             if all(self.stats(k)["batches"] >= before[k] + 2 for k in "ab"):
                 return
@@ -354,3 +354,23 @@ def test_an_engine_whose_replay_never_answers_delays_no_other(make_cluster, engi
     s = c.stats("a")
     assert s["replay_failures"] >= 1 and s["gaps_unrecovered"] >= 1, s
     assert c.stats("b")["gaps"] == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_evicted_prompts_are_no_longer_credited(make_cluster, engine):
+    """Engine a's cache evicts: vLLM's BlockPool, 56 blocks of 16 tokens (3.5 prompts), serving 6
+    prompts evicts the least recently freed (its own BlockRemoved events); SGLang removes 3 of its
+    6 prompts. The evicted prompts are credited to no engine; the kept ones route to a."""
+    c = make_cluster(engine, num_gpu_blocks=57 if engine == "vllm" else 4096)  # one block is vLLM's null block
+    c.connected()
+    prompts = [prompt(900 + i, tag=8) for i in range(6)]
+    for t in prompts:
+        c.a.store(t)
+    if engine == "vllm":
+        kept, gone = prompts[-3:], prompts[:2]  # 3 whole prompts fit; the 4th from last is partly evicted
+    else:
+        for t in prompts[:3]:
+            c.a.remove(t)
+        kept, gone = prompts[3:], prompts[:3]
+    c.wait_routed({"a": kept}, time.monotonic(), what="after evictions")
+    assert all(c.held_blocks("a", t) == 0 and c.held_blocks("b", t) == 0 for t in gone)

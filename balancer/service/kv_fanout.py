@@ -993,6 +993,19 @@ class KvFanout:
                 out.update(w)
         return out
 
+    def health(self) -> dict[str, Any]:
+        """``/health``'s ``kv_events``: process 0 the state of its subscriber (as
+        :meth:`balancer.service.kv_subscriber.SupervisedSubscriber.health`); the other processes
+        only read the ring (``"subscriber": "process 0"``)."""
+        if not self.owner:
+            return {"subscriber": "process 0"}
+        alive = self.subscriber_alive()
+        st = self.stats() if self.subscriber is not None else {}
+        return {"subscriber": "running" if alive else ("restarting" if not self._stopped else "stopped"),
+                "restarts": self.subscriber_restarts,
+                "stale": sorted(str(r) for r, d in st.items() if d.get("stale")),
+                "replaying": sorted(str(r) for r, d in st.items() if d.get("replaying"))}
+
     @property
     def pending(self) -> int:
         return self.follower.pending

@@ -92,8 +92,8 @@ from balancer.service.kv_metrics import KvEventsCollector, KvEventsFilesCollecto
 from balancer.types import ReplicaId
 
 __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector",
-           "KvEventsFilesCollector", "LoopDelivery", "SourceStats", "sources_for_worker", "start_for_service",
-           "write_stats_file"]
+           "KvEventsFilesCollector", "LoopDelivery", "SourceStats", "SupervisedSubscriber", "sources_for_worker",
+           "start_for_service", "write_stats_file"]
 
 log = logging.getLogger("pdlb.kv_events")
 
@@ -375,8 +375,8 @@ class KvEventSubscriber:
             if s.replay is not None:
                 wait = min(wait, s.replay.deadline_s - now)
         for s in self._waiting:
-            wait = min(wait, s.retry_at_s - now)
-        return max(0, int(math.ceil(wait * 1000)))
+            wait = min(wait, max(0.0, s.retry_at_s - now))
+        return int(math.ceil(max(0.0, wait) * 1000))
 
     def _register(self, sock: zmq.Socket, kind: str, s: _Source) -> None:
         assert self._poller is not None
@@ -1064,11 +1064,136 @@ class LoopDelivery:
                 self._scheduled = False
 
 
+SUPERVISE_INTERVAL_S = 1.0
+"""Seconds between the router's checks that its KV event subscriber (thread or child process) still runs."""
+
+
+class SupervisedSubscriber:
+    """The KV event subscriber of ``pdlb serve`` with one router process (``--processes 1``; with
+    several, :class:`balancer.service.kv_fanout.KvFanout` does the same in process 0): a
+    :class:`KvEventSubscriberProcess` (or :class:`KvEventSubscriber` thread) that is checked every
+    :data:`SUPERVISE_INTERVAL_S` and, when it died (its child killed, an exception in its thread),
+    logged at ERROR, counted (``restarts``; ``pdlb_kv_events_subscriber_restarts_total``) and
+    started again: first an ``AllBlocksCleared`` (HBM and host) of each of its replicas is
+    delivered (the new subscriber's translators know none of the engine blocks announced
+    before, so their removals would go unseen), then each source is caught up from its engine's
+    replay buffer, as at start. Recovery: the check interval plus the child's start (about 1 s)
+    plus one replay round trip. Its state is in ``/health`` (``kv_events``) and in
+    ``pdlb_kv_events_subscriber_up``. Same interface as the subscriber it wraps.
+
+    Args:
+        make: builds a new, unstarted subscriber for a list of sources.
+        sources: the sources to start with (workers added later come through :meth:`add_sources`).
+        deliver: where cleared views are delivered on a restart (the subscriber's own ``deliver``).
+    """
+
+    def __init__(self, make: Callable[[list[KvEventSource]], Any], sources: Sequence[KvEventSource],
+                 deliver: Deliver) -> None:
+        self._make = make
+        self._sources = list(sources)
+        self._deliver = deliver
+        self.subscriber: Any = None
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.state = "starting"
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Start the subscriber (blocking: a child process takes about a second)."""
+        sub = self._make(list(self._sources))
+        sub.start()
+        self.subscriber = sub
+        self.state = "running"
+
+    def alive(self) -> bool:
+        sub = self.subscriber
+        return sub is not None and sub.alive()
+
+    @property
+    def error(self) -> BaseException | str | None:
+        return None if self.subscriber is None else self.subscriber.error
+
+    def supervise(self) -> None:
+        """In the event loop: check the subscriber every :data:`SUPERVISE_INTERVAL_S`."""
+        self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopped:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            if self._stopped or self.alive():
+                continue
+            old = self.subscriber
+            why = (getattr(old, "error", None) or "it exited") if old is not None else "not running"
+            self.restarts += 1
+            self.last_error = str(why)
+            self.state = "restarting"
+            log.error("KV event subscriber died (%s); starting it again (restart %d): its replicas' views are "
+                      "cleared and caught up from the engines' replay buffers", why, self.restarts)
+            try:
+                await loop.run_in_executor(None, self._restart, old)
+                log.warning("KV event subscriber running again (restart %d)", self.restarts)
+            except Exception:  # noqa: BLE001 - retried at the next check
+                self.state = "dead"
+                log.exception("KV event subscriber could not be started again; retrying in %.0f s",
+                              SUPERVISE_INTERVAL_S)
+
+    def _restart(self, old: Any) -> None:
+        if old is not None:
+            try:
+                old.stop(1.0)
+            except Exception:  # noqa: BLE001 - the old one is gone either way
+                pass
+        self.subscriber = None
+        self._deliver([(s.replica, AllBlocksCleared(m)) for s in self._sources for m in (None, "CPU")])
+        self.start()
+
+    def add_sources(self, sources: Sequence[KvEventSource]) -> None:
+        """See :meth:`KvEventSubscriber.add_sources` (kept for a restart too)."""
+        have = {s.replica for s in self._sources}
+        self._sources += [s for s in sources if s.replica not in have]
+        if self.subscriber is not None:
+            self.subscriber.add_sources(sources)
+
+    def remove_replicas(self, replicas: Sequence[ReplicaId]) -> None:
+        """See :meth:`KvEventSubscriber.remove_replicas`."""
+        gone = set(replicas)
+        self._sources = [s for s in self._sources if s.replica not in gone]
+        if self.subscriber is not None:
+            self.subscriber.remove_replicas(replicas)
+
+    def stats(self) -> dict[ReplicaId, dict[str, float | int | bool]]:
+        """The running subscriber's counters (see :meth:`KvEventSubscriber.stats`; a restarted
+        subscriber counts from 0 again)."""
+        sub = self.subscriber
+        return {} if sub is None else sub.stats()
+
+    def health(self) -> dict[str, Any]:
+        """``{"subscriber": "running" | "restarting" | "dead", "restarts", "last_error",
+        "stale": [replicas marked stale or inconsistent], "replaying": [...]}`` for ``/health``."""
+        state = self.state if self.state != "running" or self.alive() else "dead"
+        st = self.stats()
+        return {"subscriber": state, "restarts": self.restarts, "last_error": self.last_error,
+                "stale": sorted(str(r) for r, d in st.items() if d.get("stale")),
+                "replaying": sorted(str(r) for r, d in st.items() if d.get("replaying"))}
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop supervising and the subscriber (idempotent; call from a thread, not the loop)."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
+        sub, self.subscriber = self.subscriber, None
+        if sub is not None:
+            sub.stop(timeout_s)
+
+
 def start_for_service(workers, router, block_size: int, loop: asyncio.AbstractEventLoop,  # noqa: ANN001
-                      settings) -> tuple[KvEventSubscriber | KvEventSubscriberProcess, LoopDelivery] | None:  # noqa: ANN001
-    """The running subscriber of every worker config in ``workers`` with an ``events`` endpoint,
-    applying into ``router`` on ``loop`` (``settings``: a ``KvEventsConfig``; ``settings.runner``
-    ``"process"`` or ``"thread"``); ``None`` if no worker has one."""
+                      settings) -> tuple[SupervisedSubscriber, LoopDelivery] | None:  # noqa: ANN001
+    """The running, supervised subscriber of every worker config in ``workers`` with an ``events``
+    endpoint, applying into ``router`` on ``loop`` (``settings``: a ``KvEventsConfig``;
+    ``settings.runner`` ``"process"`` or ``"thread"``); ``None`` if no worker has one. Call
+    ``.supervise()`` on it in the event loop."""
     sources = [s for w in workers if w.events for s in sources_for_worker(w.url, w.dp_size, w.events, w.replay)]
     if not sources:
         return None
@@ -1076,10 +1201,12 @@ def start_for_service(workers, router, block_size: int, loop: asyncio.AbstractEv
     kw: dict[str, Any] = dict(stale_after_s=settings.stale_after_s, replay_timeout_s=settings.replay_timeout_s,
                               translator_capacity_blocks=settings.translator_capacity_blocks,
                               max_concurrent_replays=settings.max_concurrent_replays)
-    sub: KvEventSubscriber | KvEventSubscriberProcess
-    if settings.runner == "process":
-        sub = KvEventSubscriberProcess(sources, block_size, delivery, **kw)
-    else:
-        sub = KvEventSubscriber(sources, block_size, delivery, **kw)
-    sub.start()
-    return sub, delivery
+
+    def make(srcs: list[KvEventSource]) -> KvEventSubscriber | KvEventSubscriberProcess:
+        if settings.runner == "process":
+            return KvEventSubscriberProcess(srcs, block_size, delivery, **kw)
+        return KvEventSubscriber(srcs, block_size, delivery, **kw)
+
+    sup = SupervisedSubscriber(make, sources, delivery)
+    sup.start()
+    return sup, delivery
