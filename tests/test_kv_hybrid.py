@@ -196,10 +196,20 @@ def test_events_made_by_vllms_own_block_pool_for_a_hybrid_model():
     sliding-window group (window 33 tokens, 16-token blocks; the window group's blocks outside the
     window are null, as ``SlidingWindowManager.remove_skipped_blocks`` leaves them); its events
     are annotated with each group's kind as ``KVCacheManager.take_events`` does, encoded with its
-    msgspec structs and decoded by pdlb. Takes ~10 s (plus a one-time 340 MB wheel download)."""
+    msgspec structs and decoded by pdlb. vLLM's modules and block hasher come from
+    tests/engine_publishers.py. Takes ~5 s (plus a one-time 340 MB wheel download)."""
     msgspec = pytest.importorskip("msgspec")
-    from tests.vllm_block_pool import FakeRequest, load_vllm
+    from tests.engine_publishers import _VllmRequest, load_vllm
     v = load_vllm()
+    hash_fn = v.hashing.sha256_cbor  # vLLM's default prefix-caching hash
+    v.kv_cache_utils.init_none_hash(hash_fn)
+    hasher = v.kv_cache_utils.get_request_block_hasher(B, hash_fn)
+
+    def FakeRequest(v, tokens, bs):  # noqa: ANN001, ANN202, N802 - vLLM's Request fields, hashed by vLLM
+        req = _VllmRequest(tokens)
+        req.block_hashes = hasher(req)
+        return req
+
     kinds = [("full_attention", None), ("sliding_window", 33)]  # KVCacheManager.kv_cache_event_metadata
 
     def take(bp):  # noqa: ANN001, ANN202
