@@ -40,7 +40,8 @@ when ``L`` is shorter); a Mamba or chunked-local group the block that ends at ``
 kinds (encoder-only, cross attention) are skipped and counted (``skipped_group_events``). So:
 
 * The first full-attention group seen is the *primary* group: its events build the chained router
-  hashes as above. Every other group (a further full-attention group, sliding window, Mamba,
+  hashes as above. Events without a ``group_idx`` (SGLang; tiers whose publisher sends none) are
+  taken as the primary group's. Every other group (a further full-attention group, sliding window, Mamba,
   chunked local) only records which of its engine blocks it holds; its ``BlockRemoved`` (matched
   by ``group_idx``) touches only that record, never the primary group's blocks.
 * Once a replica has shown such a group (it is then *hybrid*), router blocks reach the index only
@@ -271,9 +272,12 @@ class KvEventTranslator:
         if cls == "other":
             self.stats.skipped_group_events += 1
             return []
-        if cls == "full" and (self._primary is None or self._primary == (ev.group_idx,)):
-            self._primary = (ev.group_idx,)
-            return self._primary_stored(ev)
+        if cls == "full":
+            g = ev.group_idx
+            if self._primary is None or (self._primary == (None,) and g not in self._groups):
+                self._primary = (g,)  # the first full-attention group (a group number once one is sent)
+            if g is None or self._primary == (g,):  # no group number: the model's only group, or the primary
+                return self._primary_stored(ev)
         return self._group_stored(ev, cls)
 
     def _primary_stored(self, ev: EngineBlockStored) -> list[KvEvent]:
@@ -618,7 +622,8 @@ class KvEventTranslator:
         tier = self._tier(ev.medium)
         if ev.group_idx is not None and ev.group_idx in self._groups and self._primary != (ev.group_idx,):
             return self._group_removed(ev, tier)
-        if ev.group_idx is not None and self._primary is not None and self._primary != (ev.group_idx,):
+        if ev.group_idx is not None and self._primary is not None and self._primary[0] is not None \
+                and self._primary != (ev.group_idx,):
             self.stats.unknown_removed_blocks += len(ev.block_hashes)  # a group never seen storing
             return []
         states = self._tiers.get(tier)

@@ -372,3 +372,17 @@ def test_vllm_publisher_hybrid_groups_route_to_the_engine_that_can_serve_the_hit
             assert c.stats(k)["decode_errors"] == 0
     finally:
         c.close()
+
+
+def test_events_without_a_group_number_are_the_primary_groups():
+    # SGLang sends no group_idx; a tier whose publisher sends none beside vLLM's group-0 GPU events
+    # (the conformance harness's CPU/STORAGE events) is the same chain, not a second full group
+    tr, index = KvEventTranslator(B), PrefixIndex()
+    assert run(tr, index, full(EH[:4], TOKENS[:4 * B], group=None, kind=None)) == [
+        BlockStored(tuple(RH[:4]), None, None)]
+    out = run(tr, index, full(EH[4:], TOKENS[4 * B:], parent=EH[3], group=0, kind="full_attention"))
+    assert out == [BlockStored(tuple(RH[4:]), None, RH[3])] and not tr.hybrid  # group 0 adopted as the primary
+    assert run(tr, index, full([7, 8], TOKENS[:2 * B], group=None, kind=None)) == [
+        BlockStored(tuple(RH[:2]), None, None)]
+    assert run(tr, index, EngineBlockRemoved((EH[7],), "GPU", 0)) == [BlockRemoved((RH[7],), "GPU")]
+    assert run(tr, index, EngineBlockRemoved((EH[6],), "GPU", None)) == [BlockRemoved((RH[6],), "GPU")]
