@@ -116,6 +116,9 @@ SYSTEM = {"role": "system", "content": "you are a helpful assistant"}
              "tool_calls": [{"id": "1", "type": "function", "function": {"name": "get_weather",
                                                                          "arguments": {"city": "Paris"}}}]},
       {"role": "tool", "content": "sunny", "tool_call_id": "1"}]),
+    ("developer role, template without it", {"messages": [USER, {"role": "developer", "content": "be brief"},
+                                                           {"role": "system", "content": "you are a helpful assistant"}]},
+     [{"role": "system", "content": "be brief\n\nyou are a helpful assistant"}, USER]),
 ])
 def test_vllm_chat_prompts_match_apply_chat_template(folders, case, body, engine_messages):
     ids, notes = pdlb_ids(folders["string"], body)

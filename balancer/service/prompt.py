@@ -365,6 +365,9 @@ class ChatTemplate:
             kw.update(user_kwargs)
             text = self.render(msgs, agp is not False, tools=o.tools, documents=None, **kw)
             return text, suffix
+        if any(m.get("role") == "developer" for m in msgs) and not (
+                '"developer"' in self.source or "'developer'" in self.source):
+            msgs = _developer_as_system(msgs)  # vLLM renderers/hf.py, for templates without that role
         # vLLM: documents and reasoning_effort always passed, request kwargs only if the template names them
         kw = {k: v for k, v in user_kwargs.items() if k in self.variables and k not in ("chat_template", "tokenize")}
         if "reasoning_effort" in self.variables:
@@ -474,6 +477,30 @@ def _engine_messages(messages: list[Any], engine: str, content_format: str, inex
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM 0.33's treatment of ``developer`` messages for a template that does not name that role
+    (``_convert_developer_to_system`` then ``_consolidate_system_messages``): they become system
+    messages (without ``tools``), and when a system message is not first or not alone, all system
+    texts are merged, ``"\n\n"``-joined, into one first message."""
+    out = [({k: v for k, v in m.items() if k != "tools"} | {"role": "system"}) if m.get("role") == "developer" else m
+           for m in messages]
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(out):
+        if m.get("role") != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(p["text"] if isinstance(p, dict) and "text" in p else p for p in c
+                           if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if c:
+            texts.append(c)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else out
 
 
 class PromptHasher:
