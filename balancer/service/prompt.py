@@ -496,7 +496,7 @@ def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
         merge = merge or i > 0 or bool(texts)
         c = m.get("content", "")
         if isinstance(c, list):
-            c = "\n".join(p["text"] if isinstance(p, dict) and "text" in p else p for p in c
+            c = "\n".join(str(p["text"]) if isinstance(p, dict) else p for p in c
                            if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
         if c:
             texts.append(c)
