@@ -151,13 +151,15 @@ def run_dynamo(trace: Path, router_mode: str, num_workers: int, engine: MockerEn
 
 
 def pdlb_scenario(num_workers: int, kv_capacity_tokens: int | None = None, max_prefill_tokens: int = 8192,
-                  max_decode_batch: int = 256) -> Scenario:
+                  max_decode_batch: int = 256, kv_accounting: str = "shared") -> Scenario:
     """pdlb's side: ``num_workers`` aggregated Llama-3.1-8B engines on H100 (one GPU each),
     ``max_prefill_tokens`` chunked prefill, 512-token blocks; ``kv_capacity_tokens`` per engine
-    overrides the roofline's memory budget (None: the roofline's, 411,525 tokens)."""
+    overrides the roofline's memory budget (None: the roofline's, 411,525 tokens);
+    ``kv_accounting``: :attr:`sim.scenario.Scenario.kv_accounting`."""
     return Scenario(name=f"agg-{num_workers}", model="llama-3.1-8b", hardware="h100", block_size=TRACE_BLOCK_SIZE,
                     mixed=PoolConfig(num_engines=num_workers, max_prefill_tokens=max_prefill_tokens,
-                                     max_decode_batch=max_decode_batch, kv_capacity_tokens=kv_capacity_tokens))
+                                     max_decode_batch=max_decode_batch, kv_capacity_tokens=kv_capacity_tokens),
+                    kv_accounting=kv_accounting)
 
 
 def pdlb_roofline_capacity_blocks(num_workers: int = 8) -> int:
@@ -166,20 +168,23 @@ def pdlb_roofline_capacity_blocks(num_workers: int = 8) -> int:
     return build_perf(sc, sc.mixed).kv_capacity_tokens_per_rank // TRACE_BLOCK_SIZE
 
 
-def run_pdlb(trace: Path, policy: str, num_workers: int, engine: MockerEngine | None = None) -> dict:
+def run_pdlb(trace: Path, policy: str, num_workers: int, engine: MockerEngine | None = None,
+             kv_accounting: str = "shared") -> dict:
     """pdlb's simulation of ``trace`` with ``policy``. ``engine`` None: the roofline engine of
     :func:`pdlb_scenario`; else the aligned engine: Dynamo's mocker polynomial
     (:mod:`sim.perf.polynomial`) with the engine's KV capacity (``engine.block_size`` must be the
-    trace's block size). Returns ``wall_s`` (reading the trace included, as for Dynamo),
+    trace's block size). ``kv_accounting``: the mixed ranks' (``"shared"``, pdlb's default, or
+    ``"reserve"``). Returns ``wall_s`` (reading the trace included, as for Dynamo),
     ``mean_ttft_ms``, ``p99_ttft_ms``, ``hit`` and ``events_per_request``."""
     t0 = time.perf_counter()
     requests = read_trace(trace)
     if engine is None:
-        res = simulate(pdlb_scenario(num_workers), requests, policy)
+        res = simulate(pdlb_scenario(num_workers, kv_accounting=kv_accounting), requests, policy)
     else:
         if engine.block_size != TRACE_BLOCK_SIZE:
             raise ValueError(f"pdlb's engine blocks are the trace's ({TRACE_BLOCK_SIZE} tokens), got {engine.block_size}")
-        sc = pdlb_scenario(num_workers, engine.kv_capacity_tokens, engine.max_num_batched_tokens, engine.max_num_seqs)
+        sc = pdlb_scenario(num_workers, engine.kv_capacity_tokens, engine.max_num_batched_tokens, engine.max_num_seqs,
+                           kv_accounting)
         res = simulate(sc, requests, policy, perf_factory=mocker_polynomial_factory())
     wall = time.perf_counter() - t0
     s = summarize(res)

@@ -24,6 +24,7 @@ means and p99s with pdlb's relative difference, and both prefix hit rates (token
 prompt tokens / prompt tokens; Dynamo's ``prefix_cache_reused_ratio``) with the difference.
 
     .venv/bin/python bench/sim_vs_dynamo.py [--trace PATH] [--limit N] [--workers 8] [--repeats 1] [--pdlb-only]
+        [--kv-accounting shared|reserve]
 
 ``--pdlb-only`` skips Dynamo (e.g. on a machine without a registry) and prints pdlb's rows alone,
 with its events per request. Dynamo's ``kv_router`` breaks ties between equal-cost workers at
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="take the fastest of N runs of each")
     ap.add_argument("--pdlb-only", action="store_true", help="skip Dynamo; time pdlb alone")
+    ap.add_argument("--kv-accounting", choices=("shared", "reserve"), default="shared",
+                    help="pdlb's KV accounting of its aggregated ranks (Scenario.kv_accounting; default: shared)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = write_trace(Path(tmp) / "trace.jsonl", args.trace, args.limit)
@@ -76,6 +79,7 @@ def main() -> int:
 def run(args: argparse.Namespace, trace: Path) -> int:
     rows = rows_for(args.workers)
     name = args.trace.name if args.trace else "mooncake_conversation (embedded)"
+    print(f"pdlb kv_accounting = {args.kv_accounting!r}")
     print(f"trace {name}{'' if args.limit is None else f', first {args.limit} requests'}, {args.workers} aggregated workers, fastest of {args.repeats}")
     for label, _, eng in rows[1:]:
         print(f"  {label}: Dynamo's mocker polynomial on both, {eng.num_gpu_blocks} blocks x {eng.block_size} tokens "
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace, trace: Path) -> int:
         print(f"{'router':<14}{'engine':<17}{'pdlb wall s':>12}{'events/req':>11}{'TTFT ms':>9}{'p99 ms':>8}{'hit':>7}")
         for _, pol in ROUTERS:
             for label, _, eng in rows:
-                s = min((run_pdlb(trace, pol, args.workers, eng) for _ in range(args.repeats)),
+                s = min((run_pdlb(trace, pol, args.workers, eng, args.kv_accounting) for _ in range(args.repeats)),
                         key=lambda r: r["wall_s"])
                 print(f"{pol:<14}{label:<17}{s['wall_s']:>12.2f}{s['events_per_request']:>11.2f}"
                       f"{s['mean_ttft_ms']:>9.1f}{s['p99_ttft_ms']:>8.0f}{s['hit']:>7.3f}", flush=True)
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace, trace: Path) -> int:
         for label, dyn_eng, pd_eng in rows:
             d = min((run_dynamo(trace, dyn_mode, args.workers, dyn_eng) for _ in range(args.repeats)),
                     key=lambda r: r["wall_s"])
-            p = min((run_pdlb(trace, pol, args.workers, pd_eng) for _ in range(args.repeats)),
+            p = min((run_pdlb(trace, pol, args.workers, pd_eng, args.kv_accounting) for _ in range(args.repeats)),
                     key=lambda r: r["wall_s"])
             d_hit = d["prefix_cache_reused_ratio"]
             print(f"{dyn_mode + ' / ' + pol:<26}{label:<17}{d['wall_s']:>7.2f}{p['wall_s']:>7.2f}"

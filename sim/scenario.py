@@ -240,7 +240,7 @@ class Scenario(BaseModel):
     long_prefill: PoolConfig | None = None
     long_prompt_threshold_tokens: int = Field(32768, ge=1)
     max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS)
-    kv_accounting: Literal["reserve", "shared"] = "reserve"
+    kv_accounting: Literal["reserve", "shared"] = "shared"
 
     @property
     def effective_max_model_len(self) -> int:
