@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, trace: Path) -> int:
                       f"{s['mean_ttft_ms']:>9.1f}{s['p99_ttft_ms']:>8.0f}{s['hit']:>7.3f}", flush=True)
         return 0
     print(f"{'router':<26}{'engine':<17}{'dyn s':>7}{'pdlb s':>7}{'ratio':>7}"
-          f"{'TTFT dyn':>10}{'pdlb':>8}{'diff':>7}{'p99 dyn':>9}{'pdlb':>7}{'diff':>7}"
+          f"{'TTFT dyn':>10}{'pdlb':>8}{'diff':>9}{'p99 dyn':>9}{'pdlb':>7}{'diff':>9}"
           f"{'hit dyn':>9}{'pdlb':>7}{'diff':>8}")
     for dyn_mode, pol in ROUTERS:
         for label, dyn_eng, pd_eng in rows:
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace, trace: Path) -> int:
             d_hit = d["prefix_cache_reused_ratio"]
             print(f"{dyn_mode + ' / ' + pol:<26}{label:<17}{d['wall_s']:>7.2f}{p['wall_s']:>7.2f}"
                   f"{p['wall_s'] / d['wall_s']:>7.2f}"
-                  f"{d['mean_ttft_ms']:>10.1f}{p['mean_ttft_ms']:>8.1f}{_rel(p['mean_ttft_ms'], d['mean_ttft_ms']):>7}"
-                  f"{d['p99_ttft_ms']:>9.0f}{p['p99_ttft_ms']:>7.0f}{_rel(p['p99_ttft_ms'], d['p99_ttft_ms']):>7}"
+                  f"{d['mean_ttft_ms']:>10.1f}{p['mean_ttft_ms']:>8.1f}{_rel(p['mean_ttft_ms'], d['mean_ttft_ms']):>9}"
+                  f"{d['p99_ttft_ms']:>9.0f}{p['p99_ttft_ms']:>7.0f}{_rel(p['p99_ttft_ms'], d['p99_ttft_ms']):>9}"
                   f"{d_hit:>9.4f}{p['hit']:>7.4f}{p['hit'] - d_hit:>+8.4f}", flush=True)
     print("diff: pdlb relative to Dynamo (TTFT), pdlb minus Dynamo (hit). 'as shipped' rows simulate different "
           "engines; the aligned rows the same one.")
