@@ -59,6 +59,20 @@ def test_step_time_sums_prefill_and_decode_and_reduces_ranks() -> None:
         MockerPolynomialPerf(0)
 
 
+def test_one_rank_float_path_equals_the_array_path() -> None:
+    # the simulator calls one rank with shape (1,) (plain floats) and segments with (n, 1) arrays;
+    # fast-forward equals step-by-step only if both give identical IEEE results
+    perf = MockerPolynomialPerf(kv_capacity_tokens_per_rank=411_136)
+    rng = np.random.default_rng(0)
+    t = rng.integers(0, 9000, 200).astype(float)
+    t[::7] = 0.0
+    seqs = rng.integers(0, 5, 200).astype(float)
+    ctx = rng.integers(0, 900_000, 200).astype(float)  # beyond capacity too (clipped)
+    arr = perf.step_time_s(t[:, None], np.zeros((200, 1)), seqs[:, None], ctx[:, None])
+    one = [float(perf.step_time_s(t[i:i + 1], [0.0], seqs[i:i + 1], ctx[i:i + 1])) for i in range(200)]
+    np.testing.assert_array_equal(arr, one)
+
+
 def test_single_request_ttft_is_its_chunks() -> None:
     # one 10,000-token prompt alone on one engine, 8192-token budget: two passes, 8192 then 1808
     # tokens, no decode running -> TTFT = t_pf(8192) + t_pf(1808) (formula above)

@@ -87,11 +87,27 @@ class MockerPolynomialPerf:
                     decode_ctx_tokens: ArrayLike) -> np.ndarray:
         """Seconds of one pass per rank (shape ``(..., R)`` in), max over ranks (shape ``(...)`` out):
         ``t_pf(T) + t_dec(ctx / capacity)`` with the decode term only when ``decode_seqs > 0``.
-        ``prefill_attn_pairs`` is ignored (the polynomial has no attention term)."""
+        ``prefill_attn_pairs`` is ignored (the polynomial has no attention term). One rank
+        (shape ``(1,)``) takes a plain-float path with the same operations in the same order."""
+        if np.shape(prefill_tokens) == np.shape(decode_seqs) == np.shape(decode_ctx_tokens) == (1,):
+            return np.asarray(self._one_rank_ms(float(prefill_tokens[0]), float(decode_seqs[0]),  # type: ignore[index]
+                                                float(decode_ctx_tokens[0])) / 1e3)  # type: ignore[index]
         pf = mocker_prefill_ms(prefill_tokens)
         occ = np.asarray(decode_ctx_tokens, dtype=np.float64) / self.kv_capacity_tokens_per_rank
         dec = np.where(np.asarray(decode_seqs) > 0, mocker_decode_ms(occ), 0.0)
         return np.max(pf + dec, axis=-1) / 1e3
+
+
+    def _one_rank_ms(self, t: float, seqs: float, ctx: float) -> float:
+        pf = 0.0
+        if t > 0:
+            a, b, c = PREFILL_MS_COEFFS
+            pf = a * t * t + b * t + c
+        if seqs > 0:
+            u = min(max(ctx / self.kv_capacity_tokens_per_rank, 0.0), 1.0)
+            a, b, c = DECODE_MS_COEFFS
+            return pf + max(DECODE_MIN_MS, a * u * u + b * u + c)
+        return pf + 0.0
 
 
 def mocker_polynomial_factory(kv_bytes_per_token: int = 131_072) -> Callable:
