@@ -48,6 +48,12 @@ class BlockCache:
         """Blocks held by running sequences (not evictable)."""
         return len(self._pinned)
 
+    def count_unpinned(self, block_hashes: Sequence[int]) -> int:
+        """How many of ``block_hashes`` no running sequence holds (pinning them takes that many
+        blocks out of the evictable ones)."""
+        pinned = self._pinned
+        return sum(1 for h in block_hashes if h not in pinned)
+
     def match(self, block_hashes: Sequence[int]) -> int:
         """Number of leading blocks of ``block_hashes`` held (pinned or not)."""
         return leading_held(block_hashes, self if self._pinned else self._lru)

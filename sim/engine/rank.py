@@ -258,12 +258,10 @@ class Rank:
         # shared: the prefix hits are pinned now (those not pinned by another sequence stop being
         # evictable, so they count against the free blocks too); the rest is reserved
         hits = job.block_hashes[:hbm_blocks]
-        cache = self.cache
-        newly_pinned = sum(1 for h in hits if h not in cache._pinned)
         need -= hbm_blocks
-        if not self._fits(need + newly_pinned):
+        if not self._fits(need + self.cache.count_unpinned(hits)):
             return False
-        self._evicted(cache.pin(hits))
+        self._evicted(self.cache.pin(hits))
         job.pinned_blocks = hbm_blocks
         job.reserved_blocks = need
         self._reserve(need)
