@@ -4,10 +4,11 @@ model (:mod:`sim.perf.polynomial`) by hand.
 
 The slow test installs Dynamo's replay from the registry into a cache venv (``bench/dynamo_peer.py``;
 ai-dynamo 1.6.1, about a minute the first time, cached under ``~/.cache/pdlb-peers/dynamo``) and
-runs both simulators on the first 3,000 requests of the (embedded) Mooncake conversation trace (880 s of
-arrivals) on 8 aggregated workers with the aligned engine: Dynamo's default timing polynomials,
-512-token engine blocks (the trace's), 803 blocks per worker (pdlb's roofline capacity for
-Llama-3.1-8B on an H100, so the prefix cache evicts). About 15 s once installed.
+runs both simulators with the aligned engine on 8 aggregated workers: Dynamo's default timing
+polynomials, 512-token engine blocks (the trace's), 803 blocks per worker (pdlb's roofline
+capacity for Llama-3.1-8B on an H100, so the prefix cache evicts). Round robin on the first 3,000
+requests of the (embedded) Mooncake conversation trace (880 s of arrivals); KV-aware routing on
+the whole trace, as Dynamo's router is random. About 40 s once installed (2-core host).
 """
 
 from __future__ import annotations
@@ -104,17 +105,41 @@ def peer():
     return dynamo_peer
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dynamo_router,pdlb_policy", [("round_robin", "round_robin"), ("kv_router", "kv_cost")])
-def test_aligned_engine_agrees_with_dynamo_replay(peer, tmp_path: Path, dynamo_router: str, pdlb_policy: str) -> None:
-    trace = peer.write_trace(tmp_path / "slice.jsonl", limit=SLICE_REQUESTS)  # the embedded Mooncake trace
+def _aligned(peer):
     engine = peer.MockerEngine(block_size=peer.TRACE_BLOCK_SIZE, num_gpu_blocks=peer.pdlb_roofline_capacity_blocks(8))
     assert engine.num_gpu_blocks == 803  # 411,525 tokens // 512 (the roofline's H100 budget for the 8B model)
-    dyn = peer.run_dynamo(trace, dynamo_router, 8, engine)
-    pd = peer.run_pdlb(trace, pdlb_policy, 8, engine)
-    assert dyn["completed_requests"] == SLICE_REQUESTS
+    return engine
+
+
+def _assert_agrees(pd: dict, dyn_mean_ttft_ms: float, dyn_p99_ttft_ms: float, dyn_hit: float) -> None:
     # the independent simulator is the oracle; the bounds are the issue's (2% on TTFT, 0.01 on hit)
-    assert pd["mean_ttft_ms"] == pytest.approx(dyn["mean_ttft_ms"], rel=0.02)
-    assert pd["p99_ttft_ms"] == pytest.approx(dyn["p99_ttft_ms"], rel=0.02)
-    assert pd["hit"] == pytest.approx(dyn["prefix_cache_reused_ratio"], abs=0.01)
-    assert dyn["prefix_cache_reused_ratio"] > 0.03  # the prefix cache is exercised at all
+    assert pd["mean_ttft_ms"] == pytest.approx(dyn_mean_ttft_ms, rel=0.02)
+    assert pd["p99_ttft_ms"] == pytest.approx(dyn_p99_ttft_ms, rel=0.02)
+    assert pd["hit"] == pytest.approx(dyn_hit, abs=0.01)
+    assert dyn_hit > 0.03  # the prefix cache is exercised at all
+
+
+@pytest.mark.slow
+def test_aligned_engine_agrees_with_dynamo_replay_round_robin(peer, tmp_path: Path) -> None:
+    # round robin is deterministic on both sides: one run each, on a 3,000-request slice
+    trace = peer.write_trace(tmp_path / "slice.jsonl", limit=SLICE_REQUESTS)  # the embedded Mooncake trace
+    engine = _aligned(peer)
+    dyn = peer.run_dynamo(trace, "round_robin", 8, engine)
+    pd = peer.run_pdlb(trace, "round_robin", 8, engine)
+    assert dyn["completed_requests"] == SLICE_REQUESTS
+    _assert_agrees(pd, dyn["mean_ttft_ms"], dyn["p99_ttft_ms"], dyn["prefix_cache_reused_ratio"])
+
+
+@pytest.mark.slow
+def test_aligned_engine_agrees_with_dynamo_replay_kv_routing(peer, tmp_path: Path) -> None:
+    # Dynamo's kv_router picks among equal-cost workers at random (no seed): on the 3,000-request
+    # slice its p99 TTFT moved by 4% and its hit rate by 0.013 between six runs, more than the
+    # bounds. On the whole trace (12,031 requests) five runs spread by 1.3% (p99) and 0.006 (hit);
+    # pdlb (kv_cost, deterministic) is compared with the mean of two of them.
+    trace = peer.write_trace(tmp_path / "trace.jsonl")
+    engine = _aligned(peer)
+    runs = [peer.run_dynamo(trace, "kv_router", 8, engine) for _ in range(2)]
+    pd = peer.run_pdlb(trace, "kv_cost", 8, engine)
+    assert all(d["completed_requests"] == 12_031 for d in runs)
+    mean = {k: sum(d[k] for d in runs) / len(runs) for k in ("mean_ttft_ms", "p99_ttft_ms", "prefix_cache_reused_ratio")}
+    _assert_agrees(pd, mean["mean_ttft_ms"], mean["p99_ttft_ms"], mean["prefix_cache_reused_ratio"])
