@@ -91,7 +91,8 @@ class ServiceMetrics:
         self.duration = Histogram("pdlb_request_duration_seconds", "Client request latency (to the last byte)",
                                   ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("pdlb_time_to_first_token_seconds",
-                              "Router-observed time to the first streamed byte of the decode leg",
+                              "Router-observed time from a streamed request's arrival to the decode leg's first event with "
+                              "generated content (text, tool-call delta or token ids; not the role-only chunk)",
                               ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.decisions = Counter("pdlb_routing_decisions", "Routing decisions by worker, pool, policy and reason",
                                  ["worker", "pool", "policy", "reason"], registry=r)

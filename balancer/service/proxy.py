@@ -53,8 +53,11 @@ the stream with an SSE ``data: {"error": ...}`` event. The whole request, retrie
 bounded by ``request_timeout_s`` (504). A client disconnect (handler cancellation or a failed write)
 aborts every started leg.
 
-Router hooks: ``route`` at dispatch, ``on_prefill_done`` when P answered, ``on_first_token`` at D's
-first byte (streaming) or full answer, ``on_finished`` in a ``finally`` so load always returns to 0.
+Router hooks: ``route`` at dispatch, ``on_prefill_done`` when P answered, ``on_first_token`` when
+D's first event with generated content arrived (streaming; not its first byte: engines send a
+role-only chunk first, some before prefill, :mod:`balancer.service.stream_meter`) or at its full
+answer, ``on_finished`` in a ``finally`` so load always returns to 0. A stream that ends without
+any content event never calls ``on_first_token`` (nor observes TTFT).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id
+from balancer.service.stream_meter import StreamMeter, completion_tokens_in
 from balancer.service.upstream import UpstreamClient, UpstreamResponse
 from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
@@ -191,8 +195,9 @@ class _Legs:
     responses: list[LegResponse] = field(default_factory=list)
     done: bool = False
     prefill_failure: BaseException | None = None  # set when the prefill leg failed after decode answered
-    #: streamed answers: SSE data events relayed less the final ``[DONE]`` (about one per output
-    #: token), for the cost model's inter-token latency (``Router.on_finished``); else None
+    #: output tokens of the relayed answer (:mod:`balancer.service.stream_meter`: the engine's
+    #: ``usage``, else counted for streams), for the cost model's inter-token latency
+    #: (``Router.on_finished``); None: unknown (a failed stream, a JSON answer without usage)
     output_tokens: int | None = None
 
 
@@ -632,6 +637,7 @@ class Proxy:
                 raise self._blame(legs, f) from None
             self.router.on_first_token(router_id, time.monotonic())
             self.pool.record_result(d, True, time.monotonic())
+            legs.output_tokens = completion_tokens_in(data)
             if swap is not None:
                 data = data.replace(*swap)
             headers = _relayed_headers(d_resp, "application/json")
@@ -651,9 +657,9 @@ class Proxy:
         except (aiohttp.ClientError, OSError) as e:
             raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
                                             True, "read", worker=d, charge="now")) from None
-        now = time.monotonic()
-        self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
-        self.router.on_first_token(router_id, now)
+        meter = StreamMeter()
+        if meter.feed(first):
+            self._first_token(ctx, router_id)
         headers = _relayed_headers(d_resp, "text/event-stream")
         headers["Cache-Control"] = "no-cache"
         headers["X-Request-Id"] = ctx.visible_id
@@ -665,7 +671,6 @@ class Proxy:
             first, held = self._swap_lines(first, swap)
         if first:
             await resp.write(first)
-        events = first.count(b"data: ")
         while True:
             try:
                 chunk = await it.__anext__()
@@ -681,18 +686,26 @@ class Proxy:
                 self._abort(legs)
                 legs.done = True
                 return resp
-            events += chunk.count(b"data: ")
+            if meter.feed(chunk):
+                self._first_token(ctx, router_id)
             if swap is not None:
                 chunk, held = self._swap_lines(held + chunk, swap)
             if chunk:
                 await resp.write(chunk)
-        legs.output_tokens = max(events - 1, 0)
+        legs.output_tokens = meter.output_tokens()
         d_resp.release()
         if held and swap is not None:
             await resp.write(held.replace(*swap))
         await resp.write_eof()
         self.pool.record_result(d, True, time.monotonic())
         return resp
+
+    def _first_token(self, ctx: _Ctx, router_id: str) -> None:
+        """The decode leg's first event with generated content arrived (streaming): TTFT metric and
+        ``Router.on_first_token``, now."""
+        now = time.monotonic()
+        self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
+        self.router.on_first_token(router_id, now)
 
     @staticmethod
     def _swap_lines(data: bytes, swap: tuple[bytes, bytes]) -> tuple[bytes, bytes]:
