@@ -39,6 +39,8 @@ FEATURES = ("const_s", "prefill_step_s", "per_prefill_token_s", "per_attn_pair_s
 #: the phases whose steps make the profile (the probe: a burst sent at once, not a compared rate)
 PROFILE_PHASES = ("probe",)
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+#: simulations per phase (seeds of the drawn step-time spread); percentiles are averaged over them
+SEEDS = 5
 
 
 # ----------------------------------------------------------------------------- records
@@ -60,13 +62,40 @@ def step_work(q: list[int], kv: list[int]) -> tuple[int, float, int, int]:
     return pt, pairs, ds, dc
 
 
+def match_prefill_ends(raw: dict) -> dict[tuple[str, int], float]:
+    """When each request's prompt finished, from the engines' step logs: ``{(phase, i): t1}``.
+
+    Requests are taken in the order they were sent; each gets the earliest not yet taken step
+    (either engine) that started after it was sent and holds a prefill chunk ending its prompt
+    (``q > 1`` and ``kv + q`` = the prompt tokens the engine reported in ``usage``). The step's
+    ``t1`` is when the engine handed the first generated token to its server. On the Llama run the
+    client's first content chunk came 2-8 ms (p50 per rate) after that ``t1``."""
+    ends = []
+    for eng in raw["engines"]:
+        for t0, t1, q, kv, *_ in eng["steps"]:
+            ends.extend((t0, t1, qi + ki) for qi, ki in zip(q, kv) if qi > 1)
+    ends.sort()
+    taken: set[int] = set()
+    out: dict[tuple[str, int], float] = {}
+    for p in raw["phases"]:
+        for q in sorted((q for q in p["requests"] if "usage" in q and "sent" in q), key=lambda q: q["sent"]):
+            for j, (t0, t1, tot) in enumerate(ends):
+                if j not in taken and t0 >= q["sent"] - 1e-3 and tot == q["usage"][0]:
+                    taken.add(j)
+                    out[(p["name"], q["i"])] = t1
+                    break
+    return out
+
+
 def compact(raw: dict) -> dict:
     """The committed form of one raw ``gpu_run_<model>.json.gz`` (``bench/gpu_engine_run.py``):
     the engine configs, per step ``[t0, wall_s, prefill_tokens, attn_pairs, decode_seqs,
     decode_ctx_tokens, decode_fast_path]`` and per request ``[sent, first, last, content_chunks, prompt_tokens,
-    completion_tokens]`` (times in seconds from the run's first step; a failed request keeps
-    ``NaN`` times), plus pdlb's TTFT histogram deltas per phase."""
+    completion_tokens, prefill_end]`` (times in seconds from the run's first step, ``None`` where a
+    request failed; ``prefill_end`` from :func:`match_prefill_ends`), plus pdlb's TTFT histogram
+    deltas per phase."""
     t_ref = min(e["steps"][0][0] for e in raw["engines"] if e["steps"])
+    prefill_end = match_prefill_ends(raw)
     r = lambda x: round(x - t_ref, 6)  # noqa: E731
     engines = []
     for e in raw["engines"]:
@@ -80,10 +109,11 @@ def compact(raw: dict) -> dict:
         reqs = []
         for q in p["requests"]:
             ok = "first" in q and "error" not in q and "usage" in q
+            end = prefill_end.get((p["name"], q["i"]))
             reqs.append([r(q["sent"]) if "sent" in q else None,
                          r(q["first"]) if ok else None, r(q["last"]) if ok else None,
                          q.get("chunks", 0), (q.get("usage") or [q["prompt_tokens"], 0])[0],
-                         (q.get("usage") or [0, 0])[1]])
+                         (q.get("usage") or [0, 0])[1], None if end is None else r(end)])
         hb, ha = p.get("pdlb_ttft_before", {}), p.get("pdlb_ttft_after", {})
         pdlb = None
         if "count" in hb and "count" in ha and ha["count"] > hb["count"]:
@@ -172,11 +202,26 @@ class EngineStepPerf:
     ep_synchronous: bool = False
     #: fit quality on the profile steps: {"steps", "mape", "r2"}
     fit: dict = field(default_factory=dict, compare=False)
+    #: measured / fitted time of every profile step; when given, each simulated step's time is the
+    #: fitted one times a ratio drawn from these (a bootstrap of the measured spread), seeded
+    residuals: tuple[float, ...] = field(default=(), compare=False)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
+
+    def mean_step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
+                         decode_ctx_tokens: ArrayLike) -> np.ndarray:
+        """The fitted step time (no drawn spread), shape ``(...)``."""
+        t = features(prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens) @ np.asarray(self.coef)
+        return np.max(t, axis=-1)
 
     def step_time_s(self, prefill_tokens: ArrayLike, prefill_attn_pairs: ArrayLike, decode_seqs: ArrayLike,
                     decode_ctx_tokens: ArrayLike) -> np.ndarray:
-        t = features(prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens) @ np.asarray(self.coef)
-        return np.max(t, axis=-1)
+        t = self.mean_step_time_s(prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens)
+        if self.residuals:
+            t = t * self._rng.choice(np.asarray(self.residuals), size=np.shape(t))
+        return t
 
 
 def profile_steps(run: dict, phases: tuple[str, ...] = PROFILE_PHASES) -> tuple[np.ndarray, np.ndarray]:
@@ -200,20 +245,22 @@ def profile_steps(run: dict, phases: tuple[str, ...] = PROFILE_PHASES) -> tuple[
     return np.asarray(rows, dtype=np.float64).reshape(-1, 4), np.asarray(times, dtype=np.float64)
 
 
-def fit_step_model(run: dict, phases: tuple[str, ...] = PROFILE_PHASES) -> EngineStepPerf:
+def fit_step_model(run: dict, phases: tuple[str, ...] = PROFILE_PHASES, *, spread: bool = False,
+                   seed: int = 0) -> EngineStepPerf:
     """Fit :class:`EngineStepPerf` to the steps logged during ``phases`` (non-negative least
-    squares on relative error: each row divided by its measured time)."""
+    squares on the step times in seconds, so that the fitted mean step is the measured mean)."""
     w, t = profile_steps(run, phases)
     if len(t) < len(FEATURES):
         raise ValueError(f"{len(t)} profile steps, need at least {len(FEATURES)}")
     x = features(w[:, 0], w[:, 1], w[:, 2], w[:, 3])
-    coef = nnls(x / t[:, None], np.ones_like(t))
+    coef = nnls(x, t)
     pred = x @ coef
     r2 = 1.0 - float(np.sum((pred - t) ** 2) / np.sum((t - t.mean()) ** 2))
     cfg = run["engines"][0]["config"]
     cap = int(cfg["num_blocks"]) * int(cfg["block_size"])
     return EngineStepPerf(tuple(float(c) for c in coef), kv_capacity_tokens_per_rank=cap,
-                          fit={"steps": int(len(t)), "mape": float(np.mean(np.abs(pred / t - 1))), "r2": r2})
+                          fit={"steps": int(len(t)), "mape": float(np.mean(np.abs(pred / t - 1))), "r2": r2},
+                          residuals=tuple(float(x) for x in t / pred) if spread else (), seed=seed)
 
 
 # ----------------------------------------------------------------------------- replay
@@ -222,12 +269,52 @@ def _q(v: np.ndarray, p: float) -> float:
     return float(np.percentile(v, 100 * p)) if len(v) else math.nan
 
 
+def first_token_s(q: list) -> float | None:
+    """When a request's first generated token reached the client (run clock, seconds).
+
+    The first content chunk, when the stream has one content chunk per completion token. The
+    transformers server sends one content chunk more than the completion tokens for the Qwen3-MoE
+    model (seen on every request of that run: it arrives 10-30 ms after the request, before the
+    prompt's prefill step has ended, so it is no generated token); then the end of the engine step
+    that finished the prompt (``prefill_end``) stands for it, without the 2-8 ms the Llama run's
+    chunks took from there to the client."""
+    if q[1] is None:
+        return None
+    if q[3] == q[5]:
+        return q[1]
+    return q[6] if len(q) > 6 and q[6] is not None and q[3] == q[5] + 1 else None
+
+
+def measured_samples(phase: dict) -> dict[str, np.ndarray]:
+    """Per-request TTFT and TPOT (seconds) of the phase, as :func:`measured_metrics` reads them."""
+    ttft, tpot = [], []
+    for q in phase["requests"]:
+        f = first_token_s(q)
+        if f is None:
+            continue
+        ttft.append(f - q[0])
+        if q[5] > 1:
+            tpot.append((q[2] - f) / (q[5] - 1))
+    return {"ttft": np.array(ttft), "tpot": np.array(tpot)}
+
+
+def measured_ci(phase: dict, metric: str, *, level: float = 0.9, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of a measured percentile (``metric`` as in :data:`METRICS`): the
+    requests are resampled with replacement ``draws`` times; returns the central ``level`` range."""
+    kind, pct = metric.split("_p")
+    v = measured_samples(phase)[kind]
+    rng = np.random.default_rng(seed)
+    boots = np.percentile(rng.choice(v, size=(draws, len(v))), float(pct), axis=1)
+    return float(np.percentile(boots, 50 * (1 - level))), float(np.percentile(boots, 50 * (1 + level)))
+
+
 def measured_metrics(phase: dict) -> dict[str, float]:
-    """TTFT / TPOT p50 and p90 (seconds) of the phase's requests as the client measured them."""
-    ok = [q for q in phase["requests"] if q[1] is not None]
-    ttft = np.array([q[1] - q[0] for q in ok])
-    tpot = np.array([(q[2] - q[1]) / (q[3] - 1) for q in ok if q[3] > 1])
-    return {"ttft_p50": _q(ttft, .5), "ttft_p90": _q(ttft, .9), "tpot_p50": _q(tpot, .5), "tpot_p90": _q(tpot, .9)}
+    """TTFT / TPOT p50 and p90 (seconds) of the phase's requests as the client measured them
+    (first token as :func:`first_token_s`; TPOT = (last chunk - first token) / (completion tokens - 1))."""
+    v = measured_samples(phase)
+    ttft_a, tpot_a = v["ttft"], v["tpot"]
+    return {"ttft_p50": _q(ttft_a, .5), "ttft_p90": _q(ttft_a, .9), "tpot_p50": _q(tpot_a, .5),
+            "tpot_p90": _q(tpot_a, .9)}
 
 
 def scenario_for(run: dict):
@@ -282,17 +369,29 @@ def rate_phases(run: dict) -> list[dict]:
     return [p for p in run["phases"] if p["name"].startswith("rate")]
 
 
+def held_out_profile(run: dict, phase: str) -> tuple[str, ...]:
+    """The phases whose steps make the profile for simulating ``phase``: the probe burst and every
+    other rate phase (leave-one-phase-out: the compared phase's own steps are never fitted; the
+    warm-up is left out, its first steps build the engine's cache)."""
+    return ("probe",) + tuple(p["name"] for p in rate_phases(run) if p["name"] != phase)
+
+
 @lru_cache(maxsize=8)
-def compare(model: str, profile_phases: tuple[str, ...] = PROFILE_PHASES) -> tuple[PhaseComparison, ...]:
-    """Every rate phase of the shipped ``model`` run: measured vs simulated (cached)."""
+def compare(model: str, seeds: int = SEEDS) -> tuple[PhaseComparison, ...]:
+    """Every rate phase of the shipped ``model`` run: measured vs simulated (cached).
+
+    Each phase is simulated ``seeds`` times with the step model fitted on
+    :func:`held_out_profile` and its measured spread (seeds 0 .. seeds - 1); the simulated
+    percentiles are the means over the seeds."""
     run = load_run(model)
-    perf = fit_step_model(run, profile_phases)
     out = []
     for p in rate_phases(run):
         ok = [q for q in p["requests"] if q[1] is not None]
+        sims = [simulate_phase(run, p, fit_step_model(run, held_out_profile(run, p["name"]), spread=True, seed=s))
+                for s in range(seeds)]
+        sim_mean = {k: float(np.mean([x[k] for x in sims])) for k in METRICS}
         pd = p.get("pdlb_ttft")
-        out.append(PhaseComparison(model, p["name"], float(p["rate_rps"]), len(ok), measured_metrics(p),
-                                   simulate_phase(run, p, perf),
+        out.append(PhaseComparison(model, p["name"], float(p["rate_rps"]), len(ok), measured_metrics(p), sim_mean,
                                    None if not pd else pd["sum_s"] / pd["count"],
                                    float(np.mean([q[1] - q[0] for q in ok]))))
     return tuple(out)
@@ -312,6 +411,8 @@ class Row:
     metric: str
     measured_s: float
     simulated_s: float
+    #: 90% bootstrap interval of the measured percentile (its sampling error over the phase's requests)
+    measured_ci_s: tuple[float, float] = (math.nan, math.nan)
 
     @property
     def error(self) -> float:
@@ -322,12 +423,14 @@ class Row:
         return "pass" if abs(self.error) <= TOLERANCE else "fail"
 
 
-def rows(models: list[str] | None = None, profile_phases: tuple[str, ...] = PROFILE_PHASES) -> list[Row]:
+def rows(models: list[str] | None = None) -> list[Row]:
     """Every metric of every rate phase of the shipped runs (or ``models``)."""
     out = []
     for m in models or shipped_models():
-        for c in compare(m, profile_phases):
-            out.extend(Row(m, c.phase, c.rate_rps, c.requests, k, c.measured[k], c.simulated[k]) for k in METRICS)
+        phases = {p["name"]: p for p in load_run(m)["phases"]}
+        for c in compare(m):
+            out.extend(Row(m, c.phase, c.rate_rps, c.requests, k, c.measured[k], c.simulated[k],
+                           measured_ci(phases[c.phase], k)) for k in METRICS)
     return out
 
 
@@ -339,21 +442,27 @@ def print_rows(console, models: list[str] | None = None) -> list[Row]:
     t = Table(title=f"simulator vs a real engine on one H200 (transformers {_env_value('transformers')} continuous "
                     f"batching, 2 engines behind pdlb serve; pass = within +-{TOLERANCE:.0%})")
     for col, just in (("model", "left"), ("rate", "right"), ("req", "right"), ("metric", "left"),
-                      ("measured ms", "right"), ("simulated ms", "right"), ("error", "right"), ("±15%", "center")):
+                      ("measured ms", "right"), ("90% CI", "right"), ("simulated ms", "right"), ("error", "right"),
+                      ("±15%", "center")):
         t.add_column(col, justify=just)
     for r in rs:
         mark = "[green]pass[/]" if r.verdict == "pass" else "[red]FAIL[/]"
         t.add_row(r.model, f"{r.rate_rps:.2f}/s", str(r.requests), r.metric.replace("_", " "),
-                  f"{r.measured_s * 1e3:,.1f}", f"{r.simulated_s * 1e3:,.1f}", f"{100 * r.error:+.1f}%", mark)
+                  f"{r.measured_s * 1e3:,.1f}", f"{r.measured_ci_s[0] * 1e3:,.0f}-{r.measured_ci_s[1] * 1e3:,.0f}",
+                  f"{r.simulated_s * 1e3:,.1f}", f"{100 * r.error:+.1f}%", mark)
     console.print(t)
     for m in models or shipped_models():
-        perf = fit_step_model(load_run(m))
-        coef = ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, perf.coef) if c > 0)
-        console.print(f"{m}: step model fitted on the {perf.fit['steps']} steps of the probe burst (MAPE "
-                      f"{perf.fit['mape']:.1%}): {coef}", markup=False)
+        run = load_run(m)
+        for p in rate_phases(run):
+            perf = fit_step_model(run, held_out_profile(run, p["name"]))
+            coef = ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, perf.coef) if c > 0)
+            console.print(f"{m} {p['name']}: step model fitted on {perf.fit['steps']} steps of "
+                          f"{'+'.join(held_out_profile(run, p['name']))} (MAPE {perf.fit['mape']:.1%}): {coef}",
+                          markup=False)
     n = sum(r.verdict == "pass" for r in rs)
-    console.print(f"{n} of {len(rs)} GPU-run figures within +-{TOLERANCE:.0%} (every rate phase held out; "
-                  "the step model is fitted on the probe burst only)", markup=False)
+    console.print(f"{n} of {len(rs)} GPU-run figures within +-{TOLERANCE:.0%} (each rate simulated with a step model "
+                  f"fitted on the other phases' steps, their measured spread drawn, mean of {SEEDS} seeds)",
+                  markup=False)
     return rs
 
 
@@ -374,8 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compact", help="raw bench/gpu_engine_run.py output -> committed record")
     c.add_argument("raw")
     c.add_argument("out")
-    r = sub.add_parser("report", help="measured vs simulated for the shipped runs")
-    r.add_argument("--profile", default=",".join(PROFILE_PHASES), help="phases whose steps fit the step model")
+    sub.add_parser("report", help="measured vs simulated for the shipped runs (as pdlb sim validate --gpu-runs)")
     a = ap.parse_args(argv)
     if a.cmd == "compact":
         with gzip.open(a.raw, "rt") as fh:
@@ -383,17 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         with gzip.open(a.out, "wt", compresslevel=9) as fh:
             json.dump(compact(raw), fh, separators=(",", ":"))
         return 0
-    prof = tuple(x for x in a.profile.split(",") if x)
-    for m in shipped_models():
-        perf = fit_step_model(load_run(m), prof)
-        print(f"{m}: step model {dict(zip(FEATURES, (f'{c:.3g}' for c in perf.coef)))} fit {perf.fit}")
-        for c in compare(m, prof):
-            errs = "  ".join(f"{k} {c.measured[k] * 1e3:.1f}/{c.simulated[k] * 1e3:.1f} ms ({c.error(k):+.1%})"
-                             for k in METRICS)
-            pd = "" if c.pdlb_ttft_mean_s is None else (
-                f"  pdlb TTFT mean {c.pdlb_ttft_mean_s * 1e3:.1f} vs client {c.client_ttft_mean_s * 1e3:.1f} ms "
-                f"({c.pdlb_ttft_mean_s / c.client_ttft_mean_s - 1:+.1%})")
-            print(f"  {c.phase} {c.rate_rps:.2f} req/s ({c.requests} req): {errs}{pd}")
+    from rich.console import Console
+
+    print_rows(Console(width=160))
     return 0
 
 
