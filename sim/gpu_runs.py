@@ -112,7 +112,7 @@ def compact(raw: dict) -> dict:
             end = prefill_end.get((p["name"], q["i"]))
             reqs.append([r(q["sent"]) if "sent" in q else None,
                          r(q["first"]) if ok else None, r(q["last"]) if ok else None,
-                         q.get("chunks", 0), (q.get("usage") or [q["prompt_tokens"], 0])[0],
+                         q.get("chunks", 0), (q.get("usage") or [q.get("prompt_tokens", 0), 0])[0],
                          (q.get("usage") or [0, 0])[1], None if end is None else r(end)])
         hb, ha = p.get("pdlb_ttft_before", {}), p.get("pdlb_ttft_after", {})
         pdlb = None
@@ -165,6 +165,9 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (Lawson-Hanson active set; small problems).
 
     Hand check: a = [[1, 0], [0, 1]], b = [2, -1] -> [2, 0]."""
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale  # columns of very different magnitude (1 vs attention pairs ~1e6)
     n = a.shape[1]
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
@@ -181,11 +184,12 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                 x = z
                 break
             neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            den = x[neg] - z[neg]
+            alpha = float(np.min(np.where(den > 0, x[neg] / np.where(den > 0, den, 1.0), 0.0)))
             x = x + alpha * (z - x)
             passive &= x > 1e-15
             x[~passive] = 0.0
-    return x
+    return x / scale
 
 
 @dataclass(frozen=True)
