@@ -42,6 +42,7 @@ TAIL_BYTES = 65_536
 """At least this many of the stream's last bytes are kept for the end-of-stream parse."""
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 
 
 def _non_empty(v: Any) -> bool:
@@ -103,6 +104,46 @@ def completion_tokens_in(body: bytes) -> int | None:
     for m in _COMPLETION_TOKENS.finditer(body):
         last = m
     return None if last is None else int(last.group(1))
+
+
+def cached_tokens_in(body: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (or SGLang's ``meta_info.cached_tokens``) of a
+    whole JSON answer: the last ``"cached_tokens": N`` in it, ``None`` if there is none."""
+    last = None
+    for m in _CACHED_TOKENS.finditer(body):
+        last = m
+    return None if last is None else int(last.group(1))
+
+
+def _set_cached(obj: Any, n: int) -> bool:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") == n:
+        return False
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": n}
+    return True
+
+
+def with_cached_tokens(data: bytes, n: int, sse: bool) -> bytes:
+    """``data`` with ``usage.prompt_tokens_details.cached_tokens`` set to ``n`` wherever a
+    ``usage`` object is: in a JSON answer (``sse`` false) or in the ``data:`` lines of whole SSE
+    lines (``sse`` true; other lines unchanged). PD mode reports the prefill leg's prefix-cache hit
+    this way (issue 22: the decode engine reports 0). Unparseable parts are left as they are."""
+    if not sse:
+        obj = _decode(data)
+        return json.dumps(obj).encode() if _set_cached(obj, n) else data
+    out = []
+    changed = False
+    for line in data.split(b"\n"):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            obj = _decode(line[5:].strip())
+            if _set_cached(obj, n):
+                line = b"data: " + json.dumps(obj).encode()
+                changed = True
+        out.append(line)
+    return b"\n".join(out) if changed else data
 
 
 class StreamMeter:
