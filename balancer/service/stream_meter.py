@@ -14,7 +14,8 @@ deltas, finish-reason-only chunks, usage-only chunks (``choices: []``), error ev
 (``transformers/cli/serving/chat_completion.py``, ``sse_gen``) before prefill starts, so timing
 the first byte measured the queueing delay, not prefill (issue 30: 10-20x too low).
 
-**Output tokens.** ``usage.completion_tokens`` of the last event that has one (vLLM and SGLang send
+**Output tokens.** ``usage.completion_tokens`` (SGLang ``/generate``: ``meta_info.completion_tokens``)
+of the last event that has one (vLLM and SGLang send
 a usage chunk with ``stream_options.include_usage``; transformers' server always sends usage with
 its finish chunk), else counted: the ``data:`` events from the first content event on, less the
 trailing events without content (finish-only, usage-only, ``[DONE]``). The count is one per
@@ -224,6 +225,8 @@ class StreamMeter:
             obj = None if payload == b"[DONE]" else _decode(payload)
             if usage_tokens is None and isinstance(obj, dict):
                 usage = obj.get("usage")
+                if not isinstance(usage, dict):  # SGLang's /generate: meta_info.completion_tokens
+                    usage = obj.get("meta_info")
                 n = usage.get("completion_tokens") if isinstance(usage, dict) else None
                 if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
                     usage_tokens = n
