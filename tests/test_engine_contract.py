@@ -311,3 +311,12 @@ async def test_a_dead_worker_shows_unreachable_in_workers_and_metrics(caplog):
     assert f'pdlb_worker_reachable{{worker="http://127.0.0.1:{dead}"}} 0.0' in metrics
     marked = [r for r in caplog.records if "marked unreachable" in r.getMessage()]
     assert len(marked) == 1 and marked[0].levelname == "WARNING"
+
+
+async def test_shutdown_says_what_it_drained(caplog):
+    with caplog.at_level(logging.INFO, logger="pdlb.service"):
+        async with router_in_front("vllm") as (s, url, _, _):
+            r = await s.post(url + "/v1/chat/completions", json={"model": "m", **CHAT})
+            assert r.status == 200
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shutdown")]
+    assert len(lines) == 1 and lines[0].startswith("shutdown: 0 requests were in flight, drained in ")

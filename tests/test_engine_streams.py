@@ -12,6 +12,8 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from aiohttp.test_utils import TestServer
 
 from balancer.service.app import SERVICE, create_app
@@ -211,3 +213,38 @@ async def test_pdlb_ttft_matches_the_client_on_recorded_streams(upstream):
     finally:
         await router.close()
         await engine.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=12))
+def test_any_bytes_neither_raise_nor_count_below_zero(chunks):
+    """Fuzz: whatever an engine sends (garbage, half events, nested JSON), the meter never raises,
+    reports the first content event at most once, and counts 0 tokens without one."""
+    meter = StreamMeter()
+    firsts = sum(meter.feed(c) for c in chunks)
+    assert firsts <= 1
+    n = meter.output_tokens()
+    assert n >= 0 and (meter.content_seen or n == 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([TX_ROLE, TX_FINISH, b"data: [DONE]\n\n", b": keep-alive\n\n",
+                                 b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n',
+                                 b'data: {"choices":[{"text":"y","index":0}]}\n\n']), max_size=20))
+def test_counted_tokens_are_the_content_events_between_the_first_and_the_trailing_ones(events):
+    """Hand rule: a usage among the last 16 data events gives the count (the finish chunk's 4);
+    else the count is the data events from the first content event to the last content event
+    (non-content events in between count: they are rare and the rule keeps the hot path to two
+    byte searches)."""
+    meter = StreamMeter()
+    for e in events:
+        meter.feed(e)
+    content = [i for i, e in enumerate(events) if b'"content":"x"' in e or b'"text":"y"' in e]
+    if not content:
+        assert meter.output_tokens() == 0
+        return
+    if TX_FINISH in [e for e in events if e.startswith(b"data:")][-16:]:
+        assert meter.output_tokens() == 4
+    else:
+        between = events[content[0]:content[-1] + 1]
+        assert meter.output_tokens() == sum(1 for e in between if e.startswith(b"data:"))

@@ -56,7 +56,7 @@ from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
 from balancer.service.request_checks import MAX_REQUEST_ID_CHARS, parse_json_body
 from balancer.service.upstream import UpstreamClient
-from balancer.service.workers import MAX_REPLICAS, WorkerPool
+from balancer.service.workers import MAX_REPLICAS, Worker, WorkerPool
 from balancer.types import Role
 from balancer.validation import format_validation_error
 
@@ -147,14 +147,21 @@ class Service:
 
         await asyncio.gather(*(one(w) for w in (list(self.pool.workers.values()) if workers is None else workers)))
 
-    async def discover_engines(self, workers: list | None = None) -> None:
+    async def discover_engines(self, workers: list[Worker] | None = None) -> None:
         """Probe the capabilities of every worker (or of ``workers``) not probed yet, concurrently
         (:mod:`balancer.service.engine_caps`); each engine found is logged once (process 0)."""
-        assert self.session is not None
-        from balancer.service.engine_caps import discover
+        session = self.session
+        assert session is not None
+        from balancer.service.engine_caps import EngineCaps, discover
 
         ws = [w for w in (list(self.pool.workers.values()) if workers is None else workers) if not w.caps.probed]
-        found = await asyncio.gather(*(discover(self.session, w.url, self.cfg.health_check.timeout_s) for w in ws))
+        limit = asyncio.Semaphore(64)  # engines probed at once (a router may hold thousands)
+
+        async def one(w: Worker) -> EngineCaps:
+            async with limit:
+                return await discover(session, w.url, self.cfg.health_check.timeout_s)
+
+        found = await asyncio.gather(*(one(w) for w in ws))
         for w, caps in zip(ws, found):
             if self.pool.get(w.url) is not w or not caps.probed:
                 continue

@@ -133,6 +133,8 @@ def error_response(status: int, message: str, etype: str | None = None) -> web.R
 
 MAX_ENGINE_ERROR_CHARS = 4096
 """Most characters of an engine's own error text kept in ``error.engine_error``."""
+MAX_ENGINE_ERROR_PARSE_BYTES = 1 << 20
+"""An engine error body longer than this is not parsed as JSON (kept as cut text)."""
 
 
 def engine_error_response(status: int, body: bytes, content_type: str | None, fallback: str) -> web.Response:
@@ -145,9 +147,9 @@ def engine_error_response(status: int, body: bytes, content_type: str | None, fa
     flat ``{"object": "error", "message", "type", "code"}``, ``{"error": "text"}``, plain text. The
     message is the engine's ``message``/``detail``/``error`` text, else ``fallback``.
     """
-    text = body.decode("utf-8", "replace")
+    text = body[:MAX_ENGINE_ERROR_PARSE_BYTES].decode("utf-8", "replace")
     try:
-        parsed: Any = json.loads(text) if body else None
+        parsed: Any = json.loads(text) if body and len(body) <= MAX_ENGINE_ERROR_PARSE_BYTES else None
     except (ValueError, RecursionError):
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and isinstance(

@@ -15,7 +15,7 @@ deltas, finish-reason-only chunks, usage-only chunks (``choices: []``), error ev
 the first byte measured the queueing delay, not prefill (issue 30: 10-20x too low).
 
 **Output tokens.** ``usage.completion_tokens`` (SGLang ``/generate``: ``meta_info.completion_tokens``)
-of the last event that has one (vLLM and SGLang send
+of the last event that has one among the last :data:`MAX_TRAILING_EVENTS` (vLLM and SGLang send
 a usage chunk with ``stream_options.include_usage``; transformers' server always sends usage with
 its finish chunk), else counted: the ``data:`` events from the first content event on, less the
 trailing events without content (finish-only, usage-only, ``[DONE]``). The count is one per
