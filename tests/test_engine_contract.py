@@ -320,3 +320,24 @@ async def test_shutdown_says_what_it_drained(caplog):
             assert r.status == 200
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shutdown")]
     assert len(lines) == 1 and lines[0].startswith("shutdown: 0 requests were in flight, drained in ")
+
+
+async def test_an_engine_still_starting_is_probed_again():
+    """An engine answering 503 everywhere (still loading) is not taken for a capability-less one:
+    ``probed`` stays false, so the next health-check round asks again."""
+    from balancer.service.engine_caps import discover
+
+    async def loading(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="loading")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", loading)
+    engine = TestServer(app, host="127.0.0.1")
+    await engine.start_server()
+    try:
+        async with aiohttp.ClientSession() as s:
+            caps = await discover(s, f"http://127.0.0.1:{engine.port}", 2.0)
+            dead = await discover(s, "http://127.0.0.1:9", 2.0)  # nothing listens
+    finally:
+        await engine.close()
+    assert (caps.probed, caps.engine) == (False, "unknown") == (dead.probed, dead.engine)

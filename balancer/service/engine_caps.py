@@ -13,7 +13,8 @@ Probes (``GET``, each bounded by ``timeout_s``, all four at once):
 * ``/metrics`` answering Prometheus text (``# HELP`` / ``# TYPE``): what ``--scrape-load`` reads.
 
 ``engine`` is ``sglang``, ``vllm``, ``openai`` (answered, but neither: transformers' server, a
-gateway) or ``unknown`` (nothing answered yet; probed again with the next health-check round).
+gateway) or ``unknown`` (no probe got an answer below 500 yet, as from an engine still starting;
+probed again with the next health-check round).
 A worker's configured ``served_model_name`` wins over the discovered names.
 """
 
@@ -40,7 +41,7 @@ class EngineCaps:
     served_models: tuple[str, ...] = ()
     abort_endpoint: str | None = None
     metrics_endpoint: str | None = None
-    probed: bool = False  # some probe got an HTTP answer
+    probed: bool = False  # some probe got an HTTP answer below 500
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.engine, "served_models": list(self.served_models), "abort_endpoint": self.abort_endpoint,
@@ -81,8 +82,8 @@ async def discover(session: aiohttp.ClientSession, url: str, timeout_s: float = 
         _get(session, url + "/get_server_info", timeout_s), _get(session, url + "/version", timeout_s),
         _get(session, url + "/metrics", timeout_s))
     caps = EngineCaps()
-    answered = [a for a in (models, info, old_info, version, metrics) if a is not None]
-    if not answered:
+    # an engine still starting (5xx everywhere, or no answer) is probed again later
+    if not any(a is not None and a[0] < 500 for a in (models, info, old_info, version, metrics)):
         return caps
     caps.probed = True
     if models is not None and models[0] == 200:

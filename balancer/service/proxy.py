@@ -245,7 +245,8 @@ class _Legs:
     prefill_failure: BaseException | None = None  # set when the prefill leg failed after decode answered
     #: output tokens of the relayed answer (:mod:`balancer.service.stream_meter`: the engine's
     #: ``usage``, else counted for streams), for the cost model's inter-token latency
-    #: (``Router.on_finished``); None: unknown (a failed stream, a JSON answer without usage)
+    #: (``Router.on_finished``); None: unknown (a failed stream, a JSON answer without usage) or
+    #: not needed (no online cost fit)
     output_tokens: int | None = None
     pd: bool = False  # the answer relayed is a PD decode leg's
     #: PD: ``usage.prompt_tokens_details.cached_tokens`` of the prefill leg's answer, reported to
@@ -727,7 +728,8 @@ class Proxy:
                 raise self._blame(legs, f) from None
             self.router.on_first_token(router_id, time.monotonic())
             self.pool.record_result(d, True, time.monotonic())
-            legs.output_tokens = completion_tokens_in(data)
+            if self.router.cost_learner is not None:  # the only reader of the count
+                legs.output_tokens = completion_tokens_in(data)
             if swap is not None:
                 data = data.replace(*swap)
             if legs.prefill_cached_tokens is not None and d_resp.status == 200:
@@ -787,7 +789,8 @@ class Proxy:
                 chunk, held = self._rewrite_lines(held + chunk, swap, legs)
             if chunk:
                 await resp.write(chunk)
-        legs.output_tokens = meter.output_tokens()
+        if self.router.cost_learner is not None:  # the only reader of the count
+            legs.output_tokens = meter.output_tokens()
         d_resp.release()
         if held:
             await resp.write(self._rewrite(held, swap, legs))

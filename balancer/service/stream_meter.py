@@ -39,7 +39,7 @@ MAX_HEAD_BYTES = 1 << 20
 as content from there on (an engine that sends a megabyte of non-content events is not timed)."""
 MAX_TRAILING_EVENTS = 16
 """Events parsed at the end of a stream, last first, for usage and trailing non-content events."""
-TAIL_BYTES = 65_536
+TAIL_BYTES = 16_384
 """At least this many of the stream's last bytes are kept for the end-of-stream parse."""
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})')
@@ -208,8 +208,15 @@ class StreamMeter:
         content events (module docstring); 0 when no content event came."""
         if not self.content_seen:
             return 0
-        lines = b"".join(self._tail).split(b"\n")
-        if self._dropped:  # the kept tail may start inside a line
+        parts: list[bytes] = []  # the last chunks, enough for MAX_TRAILING_EVENTS events
+        seen = 0
+        for c in reversed(self._tail):
+            parts.append(c)
+            seen += c.count(b"data:")
+            if seen > MAX_TRAILING_EVENTS:
+                break
+        lines = b"".join(reversed(parts)).split(b"\n")
+        if self._dropped or len(parts) < len(self._tail):  # the kept bytes may start inside a line
             lines = lines[1:]
         trailing = 0
         parsed = 0
