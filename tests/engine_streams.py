@@ -19,6 +19,9 @@ them):
   carries its text and ``finish_reason``; with ``stream_options.include_usage`` a usage chunk with
   ``choices: []`` (``exclude_none``); then ``data: [DONE]``. Chunks are ``model_dump_json
   (exclude_unset=True)``: explicitly passed ``None`` fields appear as ``null``.
+* SGLang ``/generate`` (``python/sglang/srt/entrypoints/http_server.py``, ``generate_request``'s
+  ``stream_results``): one ``data: {"text", "output_ids", "meta_info"}`` per output, the text
+  cumulative, ``meta_info.completion_tokens`` counting, then ``data: [DONE]``.
 * SGLang (``python/sglang/srt/entrypoints/openai/serving_chat.py``, ``_generate_chat_stream``, and
   ``sse_utils.build_sse_content``, msgspec with ``omit_defaults`` on the delta): on the first
   output a role chunk (``delta: {role, content: ""}``), content chunks, then one finish chunk per
@@ -41,7 +44,7 @@ MODEL_TX = "/models/llama8b@main"
 @dataclass(frozen=True)
 class Recorded:
     name: str
-    endpoint: str  # "chat" or "completions"
+    endpoint: str  # "chat", "completions" or "generate" (SGLang's native API)
     writes: tuple[tuple[float, bytes], ...]
     ttft_s: float  # hand-computed: delays summed through the write holding the first content event
     output_tokens: int  # hand-computed (see the module docstring)
@@ -95,6 +98,12 @@ SGL_USAGE = (b'data: {"id":"9f1c","object":"chat.completion.chunk","created":176
              b'"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3,"prompt_tokens_details":null,'
              b'"reasoning_tokens":0}}\n\n')
 
+def _sgl_gen(text: str, ids: str, n: int, finish: bytes = b"null") -> bytes:
+    return (b'data: {"text":"' + text.encode() + b'","output_ids":[' + ids.encode() + b'],"meta_info":{"id":"9f1d",'
+            b'"finish_reason":' + finish + b',"prompt_tokens":12,"completion_tokens":' + str(n).encode() +
+            b',"cached_tokens":0}}\n\n')
+
+
 STREAMS: tuple[Recorded, ...] = (
     # transformers: role chunk at once, first token after a 0.30 s prefill, two tokens in one write,
     # finish + usage, no [DONE]
@@ -128,4 +137,9 @@ STREAMS: tuple[Recorded, ...] = (
     Recorded("sglang_chat_counted", "chat", (
         (0.12, _sgl(b'{"role":"assistant","content":""}') + _sgl(b'{"content":"A"}')), (0.02, _sgl(b'{"content":"B"}')),
         (0.0, _sgl(b'{}', b'"stop"')), (0.0, DONE)), ttft_s=0.12, output_tokens=2, done=True),
+    # SGLang /generate: the first event already carries the first token; tokens from meta_info
+    Recorded("sglang_generate", "generate", (
+        (0.16, _sgl_gen(" A", "32", 1)), (0.02, _sgl_gen(" A B", "32,33", 2)),
+        (0.02, _sgl_gen(" A B C", "32,33,34", 3, b'{"type":"length","length":3}')), (0.0, DONE)),
+        ttft_s=0.16, output_tokens=3, done=True),
 )

@@ -118,6 +118,9 @@ class ServiceMetrics:
                                            ["worker", "state"], registry=r)
         self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r,
                              multiprocess_mode="livemin")
+        self.reachable = Gauge("pdlb_worker_reachable", "0 while requests cannot connect to the worker (since the "
+                               "first failed connection until it answers again), else 1", ["worker"], registry=r,
+                               multiprocess_mode="livemin")
         self.shared_prefix = Counter("pdlb_shared_prefix_decisions",
                                      "Approximate mode, several processes: routing decisions shared through the "
                                      "processes' rings, by process and kind (written, read, folded, dropped, "
@@ -206,6 +209,7 @@ class ServiceMetrics:
             self.worker_prefill_tokens.clear()
             self.breaker.clear()
             self.healthy.clear()
+            self.reachable.clear()
         if self.prefix_share is not None:
             self._count_share(self.prefix_share)
         load = router.load
@@ -215,6 +219,7 @@ class ServiceMetrics:
         for w in pool.workers.values():
             self.breaker.labels(w.url).set(int(w.breaker.state))
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
+            self.reachable.labels(w.url).set(0 if w.unreachable_since_s is not None else 1)
             for rep in w.replicas:
                 snap = load.get(rep)
                 requests, prefill = snap.num_requests, snap.prefill_tokens

@@ -14,7 +14,8 @@ deltas, finish-reason-only chunks, usage-only chunks (``choices: []``), error ev
 (``transformers/cli/serving/chat_completion.py``, ``sse_gen``) before prefill starts, so timing
 the first byte measured the queueing delay, not prefill (issue 30: 10-20x too low).
 
-**Output tokens.** ``usage.completion_tokens`` of the last event that has one (vLLM and SGLang send
+**Output tokens.** ``usage.completion_tokens`` (SGLang ``/generate``: ``meta_info.completion_tokens``)
+of the last event that has one among the last :data:`MAX_TRAILING_EVENTS` (vLLM and SGLang send
 a usage chunk with ``stream_options.include_usage``; transformers' server always sends usage with
 its finish chunk), else counted: the ``data:`` events from the first content event on, less the
 trailing events without content (finish-only, usage-only, ``[DONE]``). The count is one per
@@ -38,10 +39,11 @@ MAX_HEAD_BYTES = 1 << 20
 as content from there on (an engine that sends a megabyte of non-content events is not timed)."""
 MAX_TRAILING_EVENTS = 16
 """Events parsed at the end of a stream, last first, for usage and trailing non-content events."""
-TAIL_BYTES = 65_536
+TAIL_BYTES = 16_384
 """At least this many of the stream's last bytes are kept for the end-of-stream parse."""
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 
 
 def _non_empty(v: Any) -> bool:
@@ -105,6 +107,46 @@ def completion_tokens_in(body: bytes) -> int | None:
     return None if last is None else int(last.group(1))
 
 
+def cached_tokens_in(body: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (or SGLang's ``meta_info.cached_tokens``) of a
+    whole JSON answer: the last ``"cached_tokens": N`` in it, ``None`` if there is none."""
+    last = None
+    for m in _CACHED_TOKENS.finditer(body):
+        last = m
+    return None if last is None else int(last.group(1))
+
+
+def _set_cached(obj: Any, n: int) -> bool:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") == n:
+        return False
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": n}
+    return True
+
+
+def with_cached_tokens(data: bytes, n: int, sse: bool) -> bytes:
+    """``data`` with ``usage.prompt_tokens_details.cached_tokens`` set to ``n`` wherever a
+    ``usage`` object is: in a JSON answer (``sse`` false) or in the ``data:`` lines of whole SSE
+    lines (``sse`` true; other lines unchanged). PD mode reports the prefill leg's prefix-cache hit
+    this way (issue 22: the decode engine reports 0). Unparseable parts are left as they are."""
+    if not sse:
+        obj = _decode(data)
+        return json.dumps(obj).encode() if _set_cached(obj, n) else data
+    out = []
+    changed = False
+    for line in data.split(b"\n"):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            obj = _decode(line[5:].strip())
+            if _set_cached(obj, n):
+                line = b"data: " + json.dumps(obj).encode()
+                changed = True
+        out.append(line)
+    return b"\n".join(out) if changed else data
+
+
 class StreamMeter:
     """Reads one SSE answer as it is relayed (module docstring).
 
@@ -166,8 +208,15 @@ class StreamMeter:
         content events (module docstring); 0 when no content event came."""
         if not self.content_seen:
             return 0
-        lines = b"".join(self._tail).split(b"\n")
-        if self._dropped:  # the kept tail may start inside a line
+        parts: list[bytes] = []  # the last chunks, enough for MAX_TRAILING_EVENTS events
+        seen = 0
+        for c in reversed(self._tail):
+            parts.append(c)
+            seen += c.count(b"data:")
+            if seen > MAX_TRAILING_EVENTS:
+                break
+        lines = b"".join(reversed(parts)).split(b"\n")
+        if self._dropped or len(parts) < len(self._tail):  # the kept bytes may start inside a line
             lines = lines[1:]
         trailing = 0
         parsed = 0
@@ -183,6 +232,8 @@ class StreamMeter:
             obj = None if payload == b"[DONE]" else _decode(payload)
             if usage_tokens is None and isinstance(obj, dict):
                 usage = obj.get("usage")
+                if not isinstance(usage, dict):  # SGLang's /generate: meta_info.completion_tokens
+                    usage = obj.get("meta_info")
                 n = usage.get("completion_tokens") if isinstance(usage, dict) else None
                 if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
                     usage_tokens = n
