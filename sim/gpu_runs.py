@@ -470,6 +470,45 @@ def print_rows(console, models: list[str] | None = None) -> list[Row]:
     return rs
 
 
+def plot(path: str | Path, models: list[str] | None = None) -> Path:
+    """Measured vs simulated (ms) for every row, one panel per metric, with the +-15% band; PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = rows(models)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
+    markers = {m: mk for m, mk in zip(sorted({r.model for r in rs}), "os^v")}
+    for ax, metric in zip(axes, METRICS):
+        sel = [r for r in rs if r.metric == metric]
+        hi = 1.25 * max(max(r.measured_ci_s[1], r.simulated_s) for r in sel) * 1e3
+        xs = np.array([0.0, hi])
+        ax.fill_between(xs, xs * (1 - TOLERANCE), xs * (1 + TOLERANCE), color="0.9", label="±15%")
+        ax.plot(xs, xs, color="0.5", lw=0.8)
+        for m, mk in markers.items():
+            pts = [r for r in sel if r.model == m]
+            x = np.array([r.measured_s for r in pts]) * 1e3
+            lo = x - np.array([r.measured_ci_s[0] for r in pts]) * 1e3
+            up = np.array([r.measured_ci_s[1] for r in pts]) * 1e3 - x
+            ax.errorbar(x, [r.simulated_s * 1e3 for r in pts], xerr=[lo, up], fmt=mk, capsize=2, label=m)
+            for r in pts:
+                ax.annotate(f"{r.rate_rps:.1f}/s", (r.measured_s * 1e3, r.simulated_s * 1e3), fontsize=7,
+                            xytext=(3, -9), textcoords="offset points")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.set_title(metric.replace("_", " "))
+        ax.set_xlabel("measured ms (90% bootstrap interval)")
+        ax.set_ylabel("simulated ms")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("pdlb's simulator vs transformers continuous batching on one H200 (2 engines behind pdlb serve)")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def _env_value(key: str) -> str:
     for m in shipped_models():
         v = load_run(m).get("environment", {}).get(key)
@@ -487,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compact", help="raw bench/gpu_engine_run.py output -> committed record")
     c.add_argument("raw")
     c.add_argument("out")
-    sub.add_parser("report", help="measured vs simulated for the shipped runs (as pdlb sim validate --gpu-runs)")
+    rp = sub.add_parser("report", help="measured vs simulated for the shipped runs (as pdlb sim validate --gpu-runs)")
+    rp.add_argument("--plot", metavar="PNG", help="also draw measured vs simulated into this file")
     a = ap.parse_args(argv)
     if a.cmd == "compact":
         with gzip.open(a.raw, "rt") as fh:
@@ -498,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     print_rows(Console(width=160))
+    if a.plot:
+        print(f"wrote {plot(a.plot)}")
     return 0
 
 
