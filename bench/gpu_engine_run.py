@@ -194,6 +194,25 @@ def load_trace(path: Path, n: int, max_prompt: int, max_output: int) -> list[dic
     return out
 
 
+def arrival_schedule(rows: list[dict], rate_rps: float, duration_s: float) -> list[dict]:
+    """The trace rows sent in one phase, each with ``at_s`` (seconds from the phase start): the
+    trace's own gaps scaled so that their mean over ``rows`` is ``1 / rate_rps``; only arrivals
+    at most ``duration_s`` after the first. Raises ValueError for a rate that is not > 0 or rows whose gaps
+    sum to 0."""
+    if not rate_rps > 0:
+        raise ValueError(f"request rate must be > 0, got {rate_rps}")
+    mean_gap = sum(r["gap_s"] for r in rows) / max(1, len(rows))
+    if not mean_gap > 0:
+        raise ValueError("the trace rows have no time between arrivals")
+    out, at = [], 0.0
+    for r in rows:
+        if at > duration_s:
+            break
+        out.append(dict(r, at_s=at))
+        at += r["gap_s"] / mean_gap / rate_rps
+    return out
+
+
 async def one_request(client, model: str, rid: str, prompt: str, max_tokens: int, rec: dict) -> None:
     rec["sent"] = time.time()
     try:
@@ -322,14 +341,7 @@ def run_model(name: str, arch: dict, a: argparse.Namespace, deadline: float) -> 
             if left < a.duration_s + 20:
                 log(f"{name}: {left:.0f} s left, skipping rate {rate:.2f}")
                 break
-            gaps = [r["gap_s"] for r in trace[off:]]
-            mean_gap = sum(gaps) / len(gaps)
-            reqs, at = [], 0.0
-            for r in trace[off:]:
-                if at > a.duration_s:
-                    break
-                reqs.append(dict(r, at_s=at))
-                at += r["gap_s"] / mean_gap / rate
+            reqs = arrival_schedule(trace[off:], rate, a.duration_s)
             off += len(reqs)
             phase(f"rate{k}", reqs, rate, 10 + k)
     finally:

@@ -188,3 +188,45 @@ def test_compact_round_trip_of_a_raw_record(tmp_path):
     with pytest.raises(ValueError, match="no GPU run record"):
         g.load_run("nope", tmp_path)
     assert not math.isnan(g.measured_metrics(c["phases"][0])["ttft_p50"])
+
+
+# ----------------------------------------------------------------------------- the bench script's pure parts
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_engine_run.py"
+    spec = importlib.util.spec_from_file_location("gpu_engine_run", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # imports no torch at module level
+    return mod
+
+
+def test_bench_trace_slice_and_schedule_by_hand(tmp_path):
+    b = _bench()
+    csv = tmp_path / "t.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:46.0000000,3000,1\n2023-11-16 18:15:47.0000000,10,500\n"
+                   "2023-11-16 18:15:50.0000000,20,30\n2023-11-16 18:15:50.5000000,5,5\n")
+    rows = b.load_trace(csv, 3, max_prompt=2048, max_output=96)
+    # clipped to 2048 / 96, outputs at least 2; gaps 1 s, 3 s, 0.5 s between the 4 timestamps
+    assert [(r["prompt_tokens"], r["output_tokens"], r["gap_s"]) for r in rows] == [
+        (2048, 2, 1.0), (10, 96, 3.0), (20, 30, 0.5)]
+    # mean gap 1.5 s; at 2 req/s each gap is scaled by 1 / (1.5 * 2): arrivals 0, 1/3, 1 + 1/3
+    sched = b.arrival_schedule(rows, 2.0, duration_s=10.0)
+    assert [round(r["at_s"], 9) for r in sched] == [0.0, round(1 / 3, 9), round(4 / 3, 9)]
+    assert len(b.arrival_schedule(rows, 2.0, duration_s=0.2)) == 1  # the arrival at 1/3 s is past 0.2 s
+    with pytest.raises(ValueError, match="> 0"):
+        b.arrival_schedule(rows, 0.0, 10.0)
+
+
+def test_bench_reads_pdlb_ttft_histogram_over_label_sets(monkeypatch):
+    b = _bench()
+    text = ("# HELP pdlb_time_to_first_token_seconds x\n"
+            'pdlb_time_to_first_token_seconds_bucket{endpoint="chat",le="0.1"} 1.0\n'
+            'pdlb_time_to_first_token_seconds_sum{endpoint="chat"} 0.75\n'
+            'pdlb_time_to_first_token_seconds_count{endpoint="chat"} 3.0\n'
+            'pdlb_time_to_first_token_seconds_sum{endpoint="completions"} 0.25\n'
+            'pdlb_time_to_first_token_seconds_count{endpoint="completions"} 1.0\n')
+    monkeypatch.setattr(b, "get_text", lambda url: text)
+    assert b.pdlb_ttft_hist("http://x") == {"sum": 1.0, "count": 4.0}
