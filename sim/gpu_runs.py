@@ -6,9 +6,9 @@ drove them with the openai client at several request rates and logged every engi
 compact records it leads to are shipped in ``sim/data/gpu_runs/<model>.json.gz`` (made by
 :func:`compact`). This module
 
-1. fits a step-time model of the engine (:class:`EngineStepPerf`) from the steps of the runs
-   named as the profile (default: the ``probe`` phase, a burst of requests sent at once, which is
-   not one of the compared rates);
+1. fits a step-time model of the engine (:class:`EngineStepPerf`) on measured engine steps: for
+   each compared rate, the steps of the probe burst and of the other rates
+   (:func:`held_out_profile`), with their measured spread around the fit drawn per step;
 2. simulates every rate phase with the measured arrivals and token counts on a mixed pool that
    schedules as the engine does (decode first, then FIFO chunked prefill within the engine's
    ``max_batch_tokens``; KV capacity = the engine's blocks), with ``round_robin`` as pdlb served;
@@ -36,7 +36,7 @@ RUNS_DIR = Path(__file__).resolve().parent / "data" / "gpu_runs"
 #: step-model features, in the order of :attr:`EngineStepPerf.coef`
 FEATURES = ("const_s", "prefill_step_s", "per_prefill_token_s", "per_attn_pair_s", "per_decode_seq_s",
             "per_decode_ctx_token_s", "per_query_x_kv_s")
-#: the phases whose steps make the profile (the probe: a burst sent at once, not a compared rate)
+#: the default phases of :func:`fit_step_model` (the probe: a burst sent at once, not a compared rate)
 PROFILE_PHASES = ("probe",)
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 #: simulations per phase (seeds of the drawn step-time spread); percentiles are averaged over them
