@@ -95,8 +95,9 @@ async def router_in_front(kind: str, router: dict | None = None, worker: dict | 
     app, seen = fake_engine(kind)
     engine = TestServer(app, host="127.0.0.1")
     await engine.start_server()
+    # health checks on (capabilities are probed with them), the first round an hour away
     cfg = ServiceConfig.model_validate({
-        "pd_protocol": "none", "port": 0, "health_check": {"enabled": False}, **(router or {}),
+        "pd_protocol": "none", "port": 0, "health_check": {"enabled": True, "interval_s": 3600}, **(router or {}),
         "workers": [{"url": f"http://127.0.0.1:{engine.port}", "role": "mixed", **(worker or {})}]})
     r = TestServer(create_app(cfg), host="127.0.0.1")
     await r.start_server()
@@ -320,6 +321,14 @@ async def test_shutdown_says_what_it_drained(caplog):
             assert r.status == 200
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shutdown")]
     assert len(lines) == 1 and lines[0].startswith("shutdown: 0 requests were in flight, drained in ")
+
+
+async def test_no_probe_without_health_checks():
+    """With health checks off pdlb sends the engines nothing but requests: no capability probes."""
+    async with router_in_front("sglang", router={"health_check": {"enabled": False}}) as (s, url, seen, w):
+        await asyncio.sleep(0.1)
+        w = (await (await s.get(url + "/workers")).json())["workers"][0]
+    assert w["capabilities"]["probed"] is False and w["capabilities"]["engine"] == "unknown"
 
 
 async def test_an_engine_still_starting_is_probed_again():

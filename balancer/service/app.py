@@ -504,7 +504,7 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
             if svc.shared_load is not None:
                 svc.shared_load.add(dict(zip(w.replicas, columns)))
             await _follow_kv_events(svc, wcfg)
-            if svc.session is not None:
+            if svc.session is not None and svc.cfg.health_check.enabled:
                 t = asyncio.create_task(svc.discover_engines([w]))
                 if svc.proxy is not None:
                     svc.proxy.background.add(t)
@@ -679,6 +679,7 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
         text = (message or (exc.message if isinstance(getattr(exc, "message", None), str) else "") or
                 f"HTTP {status}").replace("\n", " ")[:300]
         out = error_response(status, f"malformed HTTP request: {text}" if status < 500 else "internal router error")
+        out.headers["X-Request-Id"] = f"pdlb-{os.urandom(6).hex()}"  # no request to take an id from
         out.force_close()
         del resp
         return out
@@ -792,7 +793,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
-        loops.append(asyncio.create_task(svc.discover_engines()))
+        if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
+            loops.append(asyncio.create_task(svc.discover_engines()))
         if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
             loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:

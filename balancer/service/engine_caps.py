@@ -15,7 +15,10 @@ Probes (``GET``, each bounded by ``timeout_s``, all four at once):
 ``engine`` is ``sglang``, ``vllm``, ``openai`` (answered, but neither: transformers' server, a
 gateway) or ``unknown`` (no probe got an answer below 500 yet, as from an engine still starting;
 probed again with the next health-check round).
-A worker's configured ``served_model_name`` wins over the discovered names.
+A worker's configured ``served_model_name`` wins over the discovered names. Probing is part of
+the active health checks: with ``health_check.enabled: false`` pdlb sends the engines nothing but
+requests, and nothing is discovered (configure ``model=NAME``; aborts then go to engines only with
+``pd_protocol: sglang``).
 """
 
 from __future__ import annotations
