@@ -82,7 +82,7 @@ from sim.point import (
 )
 from sim.scenario import Scenario, load_scenario
 
-__all__ = ["SLO", "Floor", "GpuSearch", "GpuSearchResult", "RateSearch", "RateSearchResult", "run_searches",
+__all__ = ["SLO", "Floor", "at_limit_note", "GpuSearch", "GpuSearchResult", "RateSearch", "RateSearchResult", "run_searches",
            "search_gpus", "search_rate", "thin_headroom_note", "zero_load_floor"]
 
 #: Default bounds and tolerance of the rate search (rate scales).
@@ -175,11 +175,15 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
     zeros = np.zeros(n)
     tpot_step = per_rank(dec_perf, dec_pool.dp_ranks, [zeros, zeros, np.ones(n), prompt.astype(np.float64)])
     tpot = np.where(out > 1, tpot_step, np.nan)
+    # refused at arrival whatever the rate (sim.admission): they miss (was: counted as met)
+    too_long = prompt + out > scenario.effective_max_model_len
+    ttft = np.where(too_long, np.nan, ttft)
+    tpot = np.where(too_long, np.nan, tpot)
     verdict = slo.verdict(ttft, tpot, prompt)
     floor = Floor(ttft, tpot, verdict, bool(verdict["meets"]))
     if not floor.meets:
         budget = slo.ttft_budget_s(prompt)
-        over = ttft / budget
+        over = np.where(too_long, -np.inf, ttft / budget)
         worst = int(np.argmax(over))
         req = requests[worst]
         shape = f"{pre_pool.max_prefill_tokens}-token chunks on one DP rank"
@@ -191,11 +195,16 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
         else:
             bits.append(f"TTFT/budget p{slo.percentile:g} >= {verdict['ttft_ratio_pctl']:.2f}, "
                         f"TPOT p{slo.percentile:g} >= {1e3 * verdict['tpot_pctl_s']:.1f} ms")
-        n_ttft = int(np.count_nonzero(ttft > budget))
+        n_long = int(np.count_nonzero(too_long))
+        if n_long:
+            bits.append(f"; {n_long} requests are longer than max_model_len {scenario.effective_max_model_len:,} "
+                        "(prompt + output tokens) and are rejected at arrival")
+        with np.errstate(invalid="ignore"):
+            n_ttft = int(np.count_nonzero(ttft > budget))
         n_tpot = int(np.count_nonzero(np.nan_to_num(tpot, nan=0.0) > slo.tpot_s))
         bits.append(f"; {n_ttft} requests need more than their TTFT budget to prefill, {n_tpot} decode slower "
                     f"than {1e3 * slo.tpot_s:g} ms per token")
-        if n_ttft:
+        if n_ttft and np.isfinite(over[worst]):
             bits.append(f"; worst: request {req.request_id} with a {req.prompt_tokens:,}-token prompt "
                         f"({int(cached[worst]):,} cacheable) needs >= {ttft[worst]:.2f} s ({shape}) against a "
                         f"{budget[worst]:.2f} s TTFT budget")
@@ -224,7 +233,8 @@ class RateSearchResult:
             ``"max_evals"`` (evaluation budget spent; the bracket so far), ``"error"`` (a point
             failed; see ``reason``).
         rate_scale: the highest rate scale that met the SLO (``None`` if none did).
-        rate_rps: its offered request rate, requests/s.
+        rate_rps: its offered request rate, requests/s: requests simulated at ``rate_scale`` over
+            their arrival window (with ``duration_s``, that window's, not the whole trace's).
         bracket: ``(lo, hi)``: ``lo`` met the SLO, ``hi`` did not (either may be None).
         best: the point at ``rate_scale`` (a complete run: summary, goodput).
         points: every evaluated point, in evaluation order.
@@ -376,9 +386,12 @@ class RateSearch:
 
         def result(status: str, lo: float | None, hi: float | None, reason: str = "") -> RateSearchResult:
             best = next((p for p in points if lo is not None and p.point.rate_scale == lo and p.meets), None)
+            # the rate of the requests simulated at the answer (was: lo x the whole trace's mean rate,
+            # 17-29% too high when --duration-s simulates a calmer first window)
+            rps = best.offered_rps if best is not None and math.isfinite(best.offered_rps) else \
+                (lo * base if lo is not None else None)
             return RateSearchResult(self.label, self.scenario.name, self.scenario.num_gpus, self.slo, status, lo,
-                                    lo * base if lo is not None else None, (lo, hi), best, points, floor,
-                                    reason, notes, base)
+                                    rps, (lo, hi), best, points, floor, reason, notes, base)
 
         if self.check_floor:
             floor = zero_load_floor(self.scenario, requests, self.slo, self.options.perf_factory)
@@ -430,6 +443,15 @@ class RateSearch:
                         notes.append(f"non-monotone: missed the SLO at rate scale {f:.4g} below a pass at {lo:.4g}")
                     elif hi is None or f < hi:
                         hi = f
+
+
+def at_limit_note(counts: dict[str, int], pools_at_max: Sequence[str]) -> str:
+    """The note of a GPU answer with a pool at its search maximum: fewer GPUs may meet the SLO
+    with more engines in that pool and fewer in another, outside the searched bounds."""
+    flags = " and ".join(f"--max-{p}-engines" for p in pools_at_max)
+    which = ", ".join(f"{counts[p]} {p} engines" for p in pools_at_max)
+    return (f"at the limit: the answer's {which} {'is' if len(pools_at_max) == 1 else 'are'} the most searched; "
+            f"raise {flags} (a pair beyond it may need fewer GPUs)")
 
 
 def _pools(sc: Scenario) -> list[str]:
@@ -579,6 +601,9 @@ class GpuSearch:
             passing = [kk for kk in batch_keys if kk in verdicts and verdicts[kk].meets]
             if passing:
                 best = min(passing, key=lambda kk: (self._gpus(dict(zip(pools, kk))), kk))
+                at_max = [p for p, n in zip(pools, best) if n >= mx[p]]
+                if at_max:  # was not flagged: kv_cost's 24 prefill engines were exactly the default maximum
+                    notes.append(at_limit_note(dict(zip(pools, best)), at_max))
                 return result("found", dict(zip(pools, best)), best=verdicts[best])
             for kk in batch_keys:
                 for i, p in enumerate(pools):

@@ -90,8 +90,9 @@ def gpu_rows(results: Sequence[GpuSearchResult]) -> list[list[str]]:
     rows = []
     for r, ratio in zip(results, gpu_ratios(results)):
         cnt = [str(x) if x is not None else "-" for x in (r.prefill_engines, r.decode_engines, r.mixed_engines)]
+        at_limit = any(n.startswith("at the limit") for n in r.notes)
         rows.append([r.policy, *cnt, str(r.num_gpus) if r.num_gpus is not None else "-", *_best_cells(r.best),
-                     str(len(r.points)), _ratio(ratio), r.status])
+                     str(len(r.points)), _ratio(ratio), r.status + (" (at limit)" if at_limit else "")])
     return rows
 
 

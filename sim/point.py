@@ -279,9 +279,11 @@ _WORKLOADS: dict[object, list[Request]] = {}
 _MAX_CACHED_WORKLOADS = 4
 
 
-def register_workload(key: str, requests: Sequence[Request]) -> None:
+def register_workload(key: str | WorkloadSpec, requests: Sequence[Request]) -> None:
     """Make an in-memory workload available to :func:`load_workload` under ``key`` in this process
-    (executors call it in their workers with the parent's requests)."""
+    (executors call it in their workers with the parent's requests). A :class:`WorkloadSpec` key
+    holds the spec's requests as :meth:`WorkloadSpec.read` gives them (Ray ships a trace read
+    once by the driver this way); points naming the spec still cut them per rate."""
     _remember(key, list(requests))
 
 
@@ -466,7 +468,7 @@ def evaluate_point(point: Point) -> PointResult:
     """Run one point; never raises for a failing simulation (``error`` is set instead), so one bad
     point cannot take a sweep down. Raises only for bad input that no point could run with
     (unknown policy, unreadable trace)."""
-    from sim.cluster import Cluster, simulate
+    from sim.cluster import Cluster, admit_to, simulate
     from sim.metrics import per_request, summarize
     from sim.workload import scale_rate
 
@@ -497,31 +499,45 @@ def evaluate_point(point: Point) -> PointResult:
             from sim.cluster import build_perf
 
             cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
-            budget = slo.ttft_budget_s(np.fromiter((r.prompt_tokens for r in requests), dtype=np.float64, count=n))
-            allowed = slo.max_misses(n)
-            misses = [0]
+            # refused at arrival as simulate() refuses them (was: simulated on this path); each one
+            # is a miss spent before the run starts
+            admitted, rejected = admit_to(cluster, requests)
+            num_rejected = sum(rejected.values())
+            budget = slo.ttft_budget_s(np.fromiter((r.prompt_tokens for r in admitted), dtype=np.float64,
+                                                   count=len(admitted)))
+            allowed = slo.max_misses(n) - num_rejected
+            misses = [num_rejected]
 
             def check(done: int, total: int) -> None:
                 rec = cluster.records
-                m = _misses_so_far(rec, cluster.env.now, budget, slo.tpot_s)
-                if m > allowed:
+                m = num_rejected + _misses_so_far(rec, cluster.env.now, budget, slo.tpot_s)
+                if m > allowed + num_rejected:
                     misses[0] = m
                     raise _Stop
 
             try:
-                records = cluster.run(requests, check)
+                if allowed < 0:
+                    raise _Stop
+                records = cluster.run(admitted, check)
             except _Stop:
                 wall = time.perf_counter() - t0
                 return PointResult(meets=False, attainment=1.0 - misses[0] / n, goodput_rps=float("nan"),
-                                   stopped_early=True, verdict={"misses_at_stop": misses[0], "allowed_misses": allowed},
+                                   stopped_early=True, verdict={"misses_at_stop": misses[0], "allowed_misses":
+                                                                slo.max_misses(n), "num_rejected": num_rejected},
                                    wall_s=wall, **common)
-            res = _result_of(cluster, point, requests, records, prefill, decode, time.perf_counter() - t0)
+            res = _result_of(cluster, point, admitted, records, prefill, decode, time.perf_counter() - t0)
+            if rejected:
+                res.extra["rejected"] = rejected
     except Exception as e:  # noqa: BLE001 - reported in the table, never silently dropped
         return PointResult(meets=False, attainment=float("nan"), goodput_rps=float("nan"),
                            error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - t0, **common)
     wall = time.perf_counter() - t0
     d = per_request(res)
-    verdict = slo.verdict(d["ttft_s"], d["tpot_s"], res.records.prompt_tokens)
+    num_rejected = sum(res.extra.get("rejected", {}).values())
+    # a request rejected at arrival never gets a first token: it misses (NaN TTFT), among n
+    miss = np.full(num_rejected, np.nan)
+    verdict = slo.verdict(np.concatenate([d["ttft_s"], miss]), np.concatenate([d["tpot_s"], miss]),
+                          np.concatenate([res.records.prompt_tokens, np.ones(num_rejected, dtype=np.int64)]))
     summary = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     summary["wall_s"] = wall
     if point.save_dir is not None:

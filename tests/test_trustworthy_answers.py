@@ -1,0 +1,264 @@
+"""Issue 24: numbers users act on (capacity req/s, SLO attainment, context limits) are right, and
+bad inputs give one clear line instead of hanging or misleading. Each test names its item; expected
+values are computed by hand in the comments."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from balancer.types import Request
+from sim.capacity import RateSearch, run_searches, zero_load_floor
+from sim.executor import SerialExecutor
+from sim.point import SLO, Point, WorkloadSpec, evaluate_point, parse_policy, register_workload
+from sim.scenario import load_scenario
+from sim.workload import TraceFormatError, read_trace
+
+
+def _mooncake_line(ts_ms: float, n_in: int = 100, n_out: int = 2, first_id: int = 0) -> str:
+    ids = list(range(first_id, first_id + -(-n_in // 512)))
+    return json.dumps({"timestamp": ts_ms, "input_length": n_in, "output_length": n_out, "hash_ids": ids})
+
+
+def _reqs(prompts: list[int], out: int = 2, gap_s: float = 1.0) -> list[Request]:
+    return [Request(request_id=f"q{i}", arrival_time_s=i * gap_s, prompt_tokens=p, block_hashes=(),
+                    max_output_tokens=out, expected_output_tokens=out) for i, p in enumerate(prompts)]
+
+
+LENIENT = SLO(ttft_s=100.0, tpot_s=10.0, attainment=0.9)
+
+
+# ---------------------------------------------------------------- item 2: req/s of the simulated window
+def test_rate_answer_is_the_rate_of_the_window_simulated(tmp_path: Path) -> None:
+    # 10 requests 1 s apart (t = 0..9 s), then 90 requests 10 ms apart (t = 10.00..10.89 s).
+    # whole trace: 100 requests over 10.89 s = 9.183 req/s; the first 9.5 s window holds the first
+    # 10 requests over 9 s: 10 / 9 = 1.111 req/s. The answer (x1, the only rate searched) is the
+    # window's rate; it was 1 x 9.183.
+    lines = [_mooncake_line(1000.0 * i, first_id=i) for i in range(10)]
+    lines += [_mooncake_line(10_000.0 + 10.0 * j, first_id=10 + j) for j in range(90)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    wl = WorkloadSpec(trace=str(trace), duration_s=9.5, spread_s=0.0)
+    search = RateSearch(load_scenario("dsv3-pd-h200"), wl, parse_policy("least_load"), LENIENT,
+                        rate_min=1.0, rate_max=1.0, start=1.0)
+    (res,) = run_searches([search], SerialExecutor())
+    assert res.status == "above_bounds" and res.rate_scale == 1.0
+    assert res.base_rps == pytest.approx(100 / 10.89)
+    assert res.rate_rps == pytest.approx(10 / 9)
+    assert res.best is not None and res.best.num_requests == 10
+
+
+# ---------------------------------------------------------------- item 3: rejected requests miss their SLO
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_rejected_requests_count_as_misses(early_stop: bool) -> None:
+    # 10 requests, 3 of them 9,000 prompt + 2 output tokens over max_model_len 8,192: rejected at
+    # arrival. The 7 others meet a lenient SLO: attainment 7 / 10 = 0.7 < 0.9 (was 7 / 7 = 100%).
+    sc = load_scenario("dsv3-pd-h200").model_copy(update={"max_model_len": 8192})
+    reqs = _reqs([100, 9000, 200, 9000, 300, 400, 9000, 500, 600, 700])
+    register_workload("issue24:rejected", reqs)
+    res = evaluate_point(Point(sc, "issue24:rejected", parse_policy("least_load"), slo=LENIENT, early_stop=early_stop))
+    assert res.error is None and not res.meets
+    if early_stop:  # stopped before the run: 3 misses > the 10 - ceil(0.9 x 10) = 1 allowed
+        assert res.stopped_early and res.attainment == pytest.approx(0.7)
+    else:
+        assert res.attainment == pytest.approx(0.7) and res.verdict["num_ok"] == 7
+        assert res.summary["num_rejected"] == 3 and res.summary["slo_attainment"] == pytest.approx(0.7)
+        assert res.goodput_rps == pytest.approx(7 / 9)  # 7 met over the 9 s arrival window
+
+
+def test_a_search_whose_requests_are_rejected_is_unreachable_on_the_floor() -> None:
+    # 3 of 10 requests over max_model_len: at most 7/10 can ever meet the SLO, below 90%
+    sc = load_scenario("dsv3-pd-h200").model_copy(update={"max_model_len": 8192})
+    reqs = _reqs([100, 9000, 200, 9000, 300, 400, 9000, 500, 600, 700])
+    floor = zero_load_floor(sc, reqs, LENIENT)
+    assert not floor.meets and floor.verdict["attainment"] == pytest.approx(0.7)
+    assert "3 requests are longer than max_model_len 8,192" in floor.reason
+
+
+# ---------------------------------------------------------------- item 4: a HF config's context limit
+LLAMA_8K = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "intermediate_size": 14336, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+
+
+def test_a_hf_configs_max_position_embeddings_is_the_context_limit(tmp_path: Path) -> None:
+    cfg = tmp_path / "llama8k.json"
+    cfg.write_text(json.dumps(LLAMA_8K))
+    sc = load_scenario("llama8b-agg-h100").model_copy(update={"model": str(cfg)})
+    assert sc.effective_max_model_len == 8192  # was the 131,072 fallback
+
+
+def test_a_hf_context_limit_rejects_longer_prompts(tmp_path: Path) -> None:
+    from balancer.policies import make_policy
+    from sim.cluster import simulate
+
+    cfg = tmp_path / "llama8k.json"
+    cfg.write_text(json.dumps(LLAMA_8K))
+    sc = load_scenario("llama8b-agg-h100").model_copy(update={"model": str(cfg)})
+    # 8,190 + 2 = 8,192 fits; 8,191 + 2 = 8,193 does not (hand count): 2 of 4 rejected
+    res = simulate(sc, _reqs([8190, 8191, 100, 9000]), make_policy("least_load"))
+    assert res.extra["rejected"] == {"max_model_len": 2}
+
+
+# ---------------------------------------------------------------- item 8: model paths from the scenario file
+def test_a_scenario_files_model_path_is_resolved_from_the_file(tmp_path: Path, monkeypatch) -> None:
+    d = tmp_path / "cfgs"
+    d.mkdir()
+    (d / "llama8k.json").write_text(json.dumps(LLAMA_8K))
+    (d / "sc.toml").write_text('model = "llama8k.json"\nhardware = "h100"\n[mixed]\nnum_engines = 1\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    sc = load_scenario(d / "sc.toml")
+    assert Path(sc.model) == d / "llama8k.json" and sc.effective_max_model_len == 8192
+    (d / "bad.toml").write_text('model = "missing.json"\nhardware = "h100"\n[mixed]\nnum_engines = 1\n')
+    with pytest.raises(ValueError) as e:
+        load_scenario(d / "bad.toml")
+    msg = str(e.value)
+    assert "\n" not in msg and "missing.json" in msg and str(d.resolve()) in msg and str(elsewhere) in msg
+
+
+# ---------------------------------------------------------------- item 9: huge timestamps
+def test_epoch_timestamps_are_rebased_to_the_first_arrival(tmp_path: Path) -> None:
+    # epoch milliseconds (1.7e12): arrivals 0 and 0.25 s after rebasing (exact in binary)
+    f = tmp_path / "t.jsonl"
+    f.write_text(_mooncake_line(1_700_000_000_000) + "\n" + _mooncake_line(1_700_000_000_250, first_id=5) + "\n")
+    reqs = read_trace(f, "mooncake")
+    assert [r.arrival_time_s for r in reqs] == [0.0, 0.25]
+
+
+@pytest.mark.parametrize("ts", [1.7e18, 1e308, 2**53 + 2])
+def test_timestamps_past_2_53_are_refused_naming_file_and_line(tmp_path: Path, ts: float) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text(_mooncake_line(0) + "\n" + _mooncake_line(ts, first_id=5) + "\n")
+    with pytest.raises(TraceFormatError) as e:
+        read_trace(f, "mooncake")
+    assert str(e.value).startswith(f"{f}:2: ") and "2^53" in str(e.value)
+
+
+# ---------------------------------------------------------------- item 12: bounded reads
+@pytest.mark.parametrize("fmt", ["mooncake", "azure"])
+def test_dev_zero_is_refused_quickly_without_growing(fmt: str) -> None:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with pytest.raises(TraceFormatError) as e:
+        read_trace("/dev/zero", fmt)
+    assert time.perf_counter() - t0 < 10
+    assert str(e.value).startswith("/dev/zero:1: line longer than 4,194,304 bytes")
+    # ru_maxrss is in KiB on Linux: the reader held one bounded line, not gigabytes (was 10 GB in 40 s)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024
+
+
+def test_total_trace_text_is_bounded(tmp_path: Path, monkeypatch) -> None:
+    from sim.workload import _io
+
+    f = tmp_path / "t.jsonl"
+    line = _mooncake_line(0)
+    f.write_text("\n".join([line] * 20) + "\n")
+    monkeypatch.setattr(_io, "MAX_TRACE_BYTES", 10 * (len(line) + 1))  # exactly 10 lines fit
+    with pytest.raises(TraceFormatError) as e:
+        read_trace(f, "mooncake")
+    assert str(e.value).startswith(f"{f}:11: more than ")
+    monkeypatch.setattr(_io, "MAX_TRACE_BYTES", 20 * (len(line) + 1))
+    assert len(read_trace(f, "mooncake")) == 20
+
+
+# ---------------------------------------------------------------- item 7: an answer at the search limit
+class _RuleExecutor(SerialExecutor):
+    """Verdicts by a rule on the point (no simulation), so a search's logic is checked by hand."""
+
+    def __init__(self, rule) -> None:
+        self.rule = rule
+
+    def submit(self, point):  # noqa: ANN001, ANN201
+        import concurrent.futures as cf
+
+        from sim.point import PointResult
+
+        sc = point.scenario
+        fut: cf.Future = cf.Future()
+        p = sc.prefill.num_engines if sc.prefill else None
+        d = sc.decode.num_engines if sc.decode else None
+        fut.set_result(PointResult(point, self.rule(p, d, point.rate_scale), 1.0, 1.0, 1.0, 10, sc.num_gpus, p, d, None))
+        return fut
+
+
+@pytest.mark.parametrize("need_p,need_d,limit", [(8, 2, True), (7, 2, False), (3, 8, True)])
+def test_a_gpu_answer_at_the_search_limit_is_flagged(need_p: int, need_d: int, limit: bool) -> None:
+    from sim.capacity import GpuSearch
+    from sim.capacity_report import gpu_table
+
+    # meets iff prefill >= need_p and decode >= need_d; maxima 8 and 8: the answer is (need_p, need_d),
+    # at the limit exactly when a count equals 8
+    register_workload("issue24:tiny", _reqs([100, 200]))
+    s = GpuSearch(load_scenario("dsv3-pd-h200"), "issue24:tiny", parse_policy("least_load"), LENIENT,
+                  max_engines={"prefill": 8, "decode": 8}, check_floor=False)
+    (res,) = run_searches([s], _RuleExecutor(lambda p, d, f: p >= need_p and d >= need_d))
+    assert res.status == "found" and (res.prefill_engines, res.decode_engines) == (need_p, need_d)
+    notes = [n for n in res.notes if n.startswith("at the limit")]
+    assert bool(notes) is limit
+    if limit:
+        pool = "prefill" if need_p == 8 else "decode"
+        assert f"raise --max-{pool}-engines" in notes[0]
+        assert gpu_table([res])[1][0][-1] == "found (at limit)"
+
+
+# ---------------------------------------------------------------- item 10 and the class: scenario numbers
+def _run_cli(argv: list[str], capsys) -> tuple[int, str, str]:  # noqa: ANN001
+    from sim.cli import main
+
+    rc = main(argv)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_a_vanishing_transfer_bandwidth_is_one_error_line(tmp_path: Path, capsys) -> None:
+    # was: TTFT 'inf', exit 0 and a raw numpy overflow warning
+    rc, out, err = _run_cli(["sim", "run", "--policy", "least_load", "--limit", "10", "--no-plots", "--out",
+                             str(tmp_path), "--set", "kv_transfer_bandwidth_bytes_per_s=1e-300"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: --set on scenario 'dsv3-pd-h200': "
+                                                               "kv_transfer_bandwidth_bytes_per_s: ")
+    assert "1000000" in err and "RuntimeWarning" not in out + err
+
+
+_FIELDS = ["kv_transfer_bandwidth_bytes_per_s", "kv_transfer_latency_s", "sample_interval_s", "max_model_len",
+           "perf.mfu", "perf.mbu", "perf.step_overhead_s", "perf.comm_efficiency", "perf.kv_cache_fraction",
+           "prefill.max_prefill_tokens", "decode.max_decode_batch", "prefill.num_engines", "decode.dp_ranks",
+           "shared_store.read_bandwidth_bytes_per_s", "host_tier.bandwidth_bytes_per_s", "long_prompt_threshold_tokens"]
+_VALUES = ["1e-300", "1e300", "0", "-1", "1", "2", "9007199254740993", "0.5", "nan", "inf"]
+
+
+def test_fuzz_scenario_numbers_give_one_error_line_or_a_finite_run(tmp_path: Path, capsys) -> None:
+    # ~8 s (60 runs of 12 requests, most refused at once). Class test: any one scenario number set to an extreme gives one error line (exit 2) or a run that
+    # finishes within 20 s with finite latencies (or all requests rejected, said on one line)
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(field=st.sampled_from(_FIELDS), value=st.sampled_from(_VALUES))
+    def one(field: str, value: str) -> None:
+        out_dir = tmp_path / "o"
+        extra = ["--set", "host_tier.capacity_blocks=1000"] if field.startswith("host_tier") else []
+        t0 = time.perf_counter()
+        rc, out, err = _run_cli(["sim", "run", "--policy", "least_load", "--limit", "12", "--no-plots", "--quiet",
+                                 "--out", str(out_dir), *extra, "--set", f"{field}={value}"], capsys)
+        assert time.perf_counter() - t0 < 20, (field, value)
+        assert "Warning" not in out + err and "Traceback" not in out + err, (field, value, err)
+        if rc == 2:
+            assert err.count("\n") == 1 and err.startswith("error: "), (field, value, err)
+            return
+        assert rc == 0, (field, value, rc, err)
+        s = json.loads((out_dir / "summary.json").read_text())["runs"][0]
+        if s["num_requests"]:
+            assert all(np.isfinite(v) for v in s["ttft_s"].values()), (field, value, s["ttft_s"])
+            assert all(np.isfinite(v) or v is None for v in s["tpot_s"].values()), (field, value)
+        else:
+            assert s["num_rejected"] == 12
+
+    one()
