@@ -57,6 +57,18 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+#: Largest token count a flag takes (2^24 = 16.8M, far above any model's context; as scenarios).
+MAX_FLAG_TOKENS = 1 << 24
+
+
+def token_count(text: str) -> int:
+    """An int in [1, 2^24] (a request's tokens): larger cannot be a request any model serves."""
+    value = _int_at_least(text, 1)
+    if value > MAX_FLAG_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_FLAG_TOKENS:,} tokens, got {value:,}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """An int >= 0 (``--seed``): numpy's and the trace spreading's seeds must be non-negative, and
     without this check a negative one surfaced as numpy's bare ``expected non-negative integer``,

@@ -213,9 +213,18 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     if not isinstance(scen, str):
         raise ValueError(f"{source}: scenario must be a preset name or a file path")
     rel = source.parent / scen
-    base = load_scenario(scen if scen in PRESETS or not rel.exists() else rel)
+    try:
+        base = load_scenario(scen if scen in PRESETS or not rel.exists() else rel)
+    except ValueError as e:  # named the scenario, not the sweep file that gave it
+        raise ValueError(f"{source}: scenario: {e}") from None
     modules = _list(raw, "policy_modules", [""], str, source) if "policy_modules" in raw else []
-    policies = [parse_policy(p, raw.get("decode_policy"), modules) for p in _list(raw, "policies", ["cache_aware"], str, source)]
+    try:
+        policies = [parse_policy(p, raw.get("decode_policy"), modules)
+                    for p in _list(raw, "policies", ["cache_aware"], str, source)]
+    except ValueError as e:
+        if str(source) in str(e):
+            raise
+        raise ValueError(f"{source}: policies: {e}") from None
     rates = [float(r) for r in _list(raw, "rates", [1.0], (int, float), source)]
     if any(not (math.isfinite(r) and r > 0) for r in rates):
         raise ValueError(f"{source}: rates must be finite numbers > 0, got {rates}")

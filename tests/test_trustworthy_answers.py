@@ -262,3 +262,140 @@ def test_fuzz_scenario_numbers_give_one_error_line_or_a_finite_run(tmp_path: Pat
             assert s["num_rejected"] == 12
 
     one()
+
+
+# ---------------------------------------------------------------- item 13: pdlb sim price --output-tokens
+@pytest.mark.parametrize("argv,message", [
+    # 999999999999 > 2^24 = 16,777,216: refused while parsing
+    (["--output-tokens", "999999999999"], "argument --output-tokens: must be <= 16,777,216 tokens, got 999,999,999,999"),
+    # deepinfer-sm100 serves deepseek-v4.1-flash, max_model_len 163,840; default ratios up to 32:
+    # 10,000 x 33 = 330,000 tokens; the most that fits is floor(163,840 / 33) = 4,964
+    (["--output-tokens", "10000"], "--output-tokens 10,000: with --ratio up to 32 a request has 330,000 tokens, over "
+                                   "the scenario's max_model_len 163,840; give at most 4,964 output tokens"),
+    # ratio 1: 1e6 x 2 = 2,000,000; floor(163,840 / 2) = 81,920
+    (["--output-tokens", "1000000", "--ratio", "1"], "give at most 81,920 output tokens"),
+])
+def test_price_output_tokens_are_bounded(argv: list[str], message: str, capsys) -> None:
+    from sim.cli import main
+
+    t0 = time.perf_counter()
+    try:
+        rc = main(["sim", "price", *argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and time.perf_counter() - t0 < 10
+    assert err.strip().splitlines()[-1].count(message[:20]) == 1
+
+
+# ---------------------------------------------------------------- item 14: a sweep on a truncated trace
+def test_a_sweep_on_a_truncated_trace_says_why_on_stderr(tmp_path: Path, capsys, monkeypatch) -> None:
+    import gzip
+
+    from sim.workload.loader import default_trace_path
+
+    data = default_trace_path().read_bytes()
+    assert gzip.decompress(data)  # the embedded trace is whole; its first 30,000 bytes are not
+    (tmp_path / "t.jsonl.gz").write_bytes(data[:30_000])
+    (tmp_path / "sw.toml").write_text('traces = ["t.jsonl.gz"]\npolicies = ["least_load"]\nlimit = 50\n')
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run_cli(["sim", "sweep", "sw.toml", "--out", "o", "--jobs", "1", "--no-plots"], capsys)
+    # was: exit 1, stderr empty, the reason cut at 60 characters in a table cell
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: t.jsonl.gz:") and "truncated gzip file" in err
+    assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_failed_sweep_points_print_their_whole_error() -> None:
+    from sim.sweep_cli import failure_lines
+
+    long = "ValueError: " + "x" * 100
+    rows = [{"error": long}, {"error": "KeyError: 'a'\n  more"}, {"error": long}]
+    assert failure_lines(rows) == [(long, 2), ("KeyError: 'a' more", 1)]
+
+
+# ---------------------------------------------------------------- class: fuzz over trace and sweep inputs
+def _valid_trace_bytes() -> bytes:
+    lines = [_mooncake_line(1000.0 * i, n_in=100 + 600 * (i % 3), first_id=10 * i) for i in range(8)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+@pytest.mark.parametrize("fmt", ["mooncake", "azure"])
+def test_fuzz_trace_bytes_give_one_error_line_or_valid_requests(tmp_path: Path, fmt: str) -> None:
+    # ~5 s. Any mutation of a valid trace (cut, bytes changed, garbage inserted, gzip or not) reads
+    # as valid requests (arrivals non-decreasing from 0, lengths in bounds) or as one
+    # TraceFormatError line "<file>:<line>: ..." within 2 s
+    import gzip
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    if fmt == "mooncake":
+        base = _valid_trace_bytes()
+    else:
+        base = b"TIMESTAMP,ContextTokens,GeneratedTokens\r\n" + b"".join(
+            f"2023-11-16 18:15:{10 + i:02d}.6805900,{100 + 50 * i},{1 + i}\r\n".encode() for i in range(8))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(cut=st.integers(0, len(base)), pos=st.integers(0, len(base)), junk=st.binary(max_size=12),
+           zipped=st.booleans())
+    def one(cut: int, pos: int, junk: bytes, zipped: bool) -> None:
+        raw = base[:pos] + junk + base[pos:cut] if pos < cut else base[:cut] + junk
+        f = tmp_path / ("t.jsonl" if fmt == "mooncake" else "t.csv")
+        f.write_bytes(gzip.compress(raw)[: max(len(raw) // 2, 10)] if zipped and junk[:1] == b"z" else
+                      (gzip.compress(raw) if zipped else raw))
+        t0 = time.perf_counter()
+        try:
+            reqs = read_trace(f, fmt)
+        except TraceFormatError as e:
+            assert str(e).startswith(f"{f}:") and "\n" not in str(e)
+        else:
+            arr = [r.arrival_time_s for r in reqs]
+            assert arr == sorted(arr) and (not arr or arr[0] == 0.0)
+            assert all(1 <= r.prompt_tokens <= 1 << 24 and r.output_tokens >= 1 for r in reqs)
+        assert time.perf_counter() - t0 < 2
+
+    one()
+
+
+_SWEEP_KEYS = {
+    "scenario": ['"dsv3-pd-h200"', '"nope"', "3", '"../x.toml"'],
+    "policies": ['["least_load"]', '["nope"]', "[]", '"least_load"', '["cache_aware:cache_threshold=2"]'],
+    "rates": ["[1.0]", "[0]", "[-1]", "[1e308]", '["a"]', "[nan]", "[inf]", "[" + ",".join(["1"] * 200) + "]"],
+    "seeds": ["[0]", "[-1]", "[1.5]", "[" + ",".join(str(i) for i in range(200)) + "]"],
+    "limit": ["10", "0", "-3", "1e9", '"x"', "10000000000000000000000"],
+    "duration_s": ["5.0", "0", "-1", "nan", "1e308"],
+    "traces": ['["missing.jsonl"]', "[]", '["t.jsonl"]', "3"],
+    "bogus": ["1"],
+}
+
+
+def test_fuzz_sweep_files_give_one_error_line_or_a_bounded_sweep(tmp_path: Path) -> None:
+    # ~5 s. A sweep file of any mix of these keys and values loads (at most MAX_POINTS points, each
+    # with a positive finite rate) or raises one ValueError line naming the file, within 2 s
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from sim.sweep import MAX_POINTS, load_sweep
+
+    (tmp_path / "t.jsonl").write_bytes(_valid_trace_bytes())
+    choice = st.fixed_dictionaries({}, optional={k: st.sampled_from(v) for k, v in _SWEEP_KEYS.items()})
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(keys=choice, grid=st.sampled_from(["", '[grid]\n"prefill.num_engines" = [1, 2]\n',
+                                              '[grid]\n"prefill.num_engines" = [0]\n',
+                                              '[grid]\n"perf.mfu" = [1e-300]\n', "[slo]\nttft_s = -1\n"]))
+    def one(keys: dict[str, str], grid: str) -> None:
+        f = tmp_path / "sw.toml"
+        f.write_text("".join(f"{k} = {v}\n" for k, v in keys.items()) + grid)
+        t0 = time.perf_counter()
+        try:
+            sw = load_sweep(f)
+        except ValueError as e:
+            assert "\n" not in str(e).strip() and str(f) in str(e), str(e)
+        else:
+            assert 0 < len(sw.points) <= MAX_POINTS
+            assert all(np.isfinite(p.rate_scale) and p.rate_scale > 0 for p in sw.points)
+        assert time.perf_counter() - t0 < 2
+
+    one()
