@@ -82,7 +82,7 @@ from sim.point import (
 )
 from sim.scenario import Scenario, load_scenario
 
-__all__ = ["SLO", "Floor", "at_limit_note", "GpuSearch", "GpuSearchResult", "RateSearch", "RateSearchResult", "run_searches",
+__all__ = ["SLO", "Floor", "at_limit_note", "reachable_ttft_scale", "GpuSearch", "GpuSearchResult", "RateSearch", "RateSearchResult", "run_searches",
            "search_gpus", "search_rate", "thin_headroom_note", "zero_load_floor"]
 
 #: Default bounds and tolerance of the rate search (rate scales).
@@ -212,8 +212,44 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
             w = int(np.nanargmax(tpot))
             bits.append(f"; worst: request {requests[w].request_id} ({requests[w].prompt_tokens:,}-token context) "
                         f"needs >= {1e3 * tpot[w]:.1f} ms per decode step")
+        scale = reachable_ttft_scale(ttft, tpot, prompt, slo)
+        if scale is not None and math.isfinite(scale):
+            bits.append(f"; the closest SLO the floor meets has a TTFT budget {scale:.3g} times as large: "
+                        f"--slo-ttft-s {slo.ttft_s * scale:.3g}"
+                        + (f" --slo-ttft-per-1k-tokens-s {slo.ttft_per_1k_prompt_tokens_s * scale:.3g}"
+                           if slo.ttft_per_1k_prompt_tokens_s else "")
+                        + " (at zero load; allow more for queueing)")
         floor.reason = "".join(bits)
     return floor
+
+
+def reachable_ttft_scale(ttft_s: np.ndarray, tpot_s: np.ndarray, prompt_tokens: np.ndarray, slo: SLO) -> float | None:
+    """The smallest factor ``k`` such that the SLO with its TTFT budget multiplied by ``k`` holds on
+    these per-request TTFTs and TPOTs (the zero-load floor's): the closest reachable SLO printed with
+    an ``unreachable`` verdict. ``None`` when the TPOT budget alone already fails (no TTFT budget
+    helps); ``inf`` when too few requests can finish at all (rejected ones have NaN TTFT).
+
+    Attainment form: the ``ceil(attainment x n)``-th smallest ``ttft_i / budget_i`` over the requests
+    that meet their TPOT budget; percentile form: the p-th percentile of ``ttft_i / budget_i``
+    (numpy's linear interpolation, as :meth:`SLO.verdict`), which scales by ``1 / k`` exactly.
+    """
+    n = len(ttft_s)
+    if n == 0:
+        return None
+    budget = slo.ttft_budget_s(prompt_tokens)
+    with np.errstate(invalid="ignore"):
+        ratio = np.where(np.isnan(ttft_s), np.inf, ttft_s / budget)
+        tpot_ok = np.where(np.isnan(tpot_s), True, tpot_s <= slo.tpot_s)
+    if slo.percentile is None:
+        need = math.ceil(slo.attainment * n - 1e-9)
+        ok = np.sort(ratio[tpot_ok])
+        if len(ok) < need:
+            return None
+        return max(float(ok[need - 1]), 1.0) if need else 1.0
+    tp = tpot_s[~np.isnan(tpot_s)]
+    if len(tp) and float(np.percentile(tp, slo.percentile)) > slo.tpot_s:
+        return None
+    return max(float(np.percentile(ratio, slo.percentile)), 1.0)
 
 
 # ---------------------------------------------------------------------- results

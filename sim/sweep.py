@@ -170,8 +170,12 @@ def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], pol
            "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit,
                                                    # duration_s counts simulated time (after rate scaling); tagged
                                                    # so results of the earlier order (cut first) are not resumed
-                                                   None if workload.duration_s is None else ["scaled", workload.duration_s],
-                                                   workload.spread_s, workload.seed],
+                                                   # "v2": rows cut on Ray before issue 24's fix ignored duration_s
+                                                   # under the same id; such rows are rerun, not resumed
+                                                   None if workload.duration_s is None else
+                                                   ["scaled-v2", workload.duration_s],
+                                                   workload.spread_s, workload.seed,
+                                                   *([["warmup", workload.warmup_s]] if workload.warmup_s else [])],
            "slo": [slo.ttft_s, slo.tpot_s, slo.attainment, slo.percentile, slo.ttft_per_1k_prompt_tokens_s],
            # route_slo: points made before the router was told the SLO (SLO-blind) are not resumed as SLO-aware
            "options": [options.index_mode, options.router_tiers, options.tier_weights, ["route_slo", options.route_slo]]}

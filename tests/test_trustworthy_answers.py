@@ -399,3 +399,105 @@ def test_fuzz_sweep_files_give_one_error_line_or_a_bounded_sweep(tmp_path: Path)
         assert time.perf_counter() - t0 < 2
 
     one()
+
+
+# ---------------------------------------------------------------- item 5: the default capacity question answers
+def test_the_capacity_default_slo_is_reachable_on_the_default_trace() -> None:
+    from sim.cli import build_parser
+    from sim.cli_args import slo_from_args
+
+    args = build_parser().parse_args(["sim", "capacity"])
+    slo = slo_from_args(args)
+    assert slo.ttft_per_1k_prompt_tokens_s == 0.5 and slo.ttft_s == 2.0 and slo.attainment == 0.9
+    reqs = WorkloadSpec().read()
+    sc = load_scenario("dsv3-pd-h200")
+    assert zero_load_floor(sc, reqs, slo).meets  # 99.4% of the requests can meet it at zero load
+    flat = zero_load_floor(sc, reqs, SLO())  # the old default: 83.4% at most, "unreachable"
+    assert not flat.meets and "the closest SLO the floor meets has a TTFT budget" in flat.reason
+
+
+def test_the_closest_reachable_slo_by_hand() -> None:
+    from sim.capacity import reachable_ttft_scale
+
+    ttft = np.array([1.0, 2.0, 3.0, 4.0, 10.0])
+    tpot = np.array([0.01, np.nan, 0.01, 0.01, 0.01])
+    prompt = np.array([1000, 1000, 1000, 1000, 1000])
+    # flat 2 s budget, 80%: 4 of 5 must meet; the 4th smallest TTFT/budget is 4 / 2 = 2
+    assert reachable_ttft_scale(ttft, tpot, prompt, SLO(ttft_s=2.0, attainment=0.8)) == 2.0
+    # 2 s + 1 s per 1k: budget 3 s; 60% -> 3rd smallest: 3 / 3 = 1 (already met)
+    assert reachable_ttft_scale(ttft, tpot, prompt, SLO(ttft_s=2.0, ttft_per_1k_prompt_tokens_s=1.0,
+                                                        attainment=0.6)) == 1.0
+    # p50 of ratios [0.5, 1, 1.5, 2, 5] (linear interpolation) = 1.5
+    assert reachable_ttft_scale(ttft, tpot, prompt, SLO(ttft_s=2.0, percentile=50)) == 1.5
+    # the TPOT budget fails for 3 of 5 (0.01 > 0.005): no TTFT budget reaches 80%
+    assert reachable_ttft_scale(ttft, np.array([0.01, 0.001, 0.01, 0.001, 0.01]), prompt,
+                                SLO(ttft_s=2.0, tpot_s=0.005, attainment=0.8)) is None
+
+
+# ---------------------------------------------------------------- item 6: short windows, warm-up
+def _two_phase_trace(tmp_path: Path) -> Path:
+    # 20 requests 1 s apart (t = 0..19 s), each 1,000 prompt tokens (2 blocks of 512), output 2
+    f = tmp_path / "w.jsonl"
+    f.write_text("\n".join(_mooncake_line(1000.0 * i, n_in=1000, first_id=2 * i) for i in range(20)) + "\n")
+    return f
+
+
+def test_warmup_requests_are_simulated_but_not_judged(tmp_path: Path) -> None:
+    f = _two_phase_trace(tmp_path)
+    sc = load_scenario("dsv3-pd-h200")
+    # warm-up 5 s then a 9.5 s window: simulated t = 0..14 s (15 requests), judged t = 5..14 s:
+    # 10 requests over 9 s = 1.111 req/s; an SLO every request meets: attainment 10/10
+    wl = WorkloadSpec(trace=str(f), duration_s=9.5, warmup_s=5.0, spread_s=0.0)
+    res = evaluate_point(Point(sc, wl, parse_policy("least_load"), slo=LENIENT))
+    assert res.num_requests == 10 and res.offered_rps == pytest.approx(10 / 9)
+    assert res.verdict["warmup_requests"] == 5 and res.verdict["num_ok"] == 10 and res.meets
+    assert res.summary["num_requests"] == 15  # all 15 were simulated
+    # a TTFT budget no request meets: the warm-up's misses are not counted, the 10 judged ones are
+    tight = SLO(ttft_s=1e-6, tpot_s=10.0, attainment=0.5)
+    for early in (False, True):
+        r = evaluate_point(Point(sc, wl, parse_policy("least_load"), slo=tight, early_stop=early))
+        assert not r.meets and r.num_requests == 10
+        if not early:
+            assert r.verdict["num_ok"] == 0 and r.attainment == 0.0
+
+
+def test_a_short_window_answer_is_flagged_with_its_count_and_warmup_share(tmp_path: Path) -> None:
+    from sim.capacity_cli import small_window_note
+    from sim.workload import ideal_hit_rate
+
+    # 40 requests: request i shares its first block with request i - 20 (a trace that repeats after 20 s)
+    f = tmp_path / "r.jsonl"
+    f.write_text("\n".join(json.dumps({"timestamp": 1000.0 * i, "input_length": 1024, "output_length": 2,
+                                       "hash_ids": [i % 20, 100 + i]}) for i in range(40)) + "\n")
+    wl = WorkloadSpec(trace=str(f), duration_s=10.0, spread_s=0.0)
+    reqs = wl.read()
+    # whole trace: 20 of 40 requests hit their first block (512 of 1,024 tokens): 20 x 512 / 40,960 = 25%;
+    # the first 10 s window (requests 0..9) has no repeat: 0%, so the warm-up share is 100%
+    assert ideal_hit_rate(reqs, 512)[1] == pytest.approx(0.25)
+    res = evaluate_point(Point(load_scenario("dsv3-pd-h200"), wl, parse_policy("least_load"), slo=LENIENT))
+
+    class R:
+        best = res
+
+    note = small_window_note(R, reqs, wl, 512)
+    assert "rests on 10 requests of the 10 s window" in note
+    assert "hit rate of 0% against 25% over the whole trace (warm-up share 100%" in note
+    assert "--warmup-s" in note
+    # a 40-request trace judged whole is still a small sample (< 1,000) but no longer cold: share 0%
+    whole = WorkloadSpec(trace=str(f), spread_s=0.0)
+    R.best = evaluate_point(Point(load_scenario("dsv3-pd-h200"), whole, parse_policy("least_load"), slo=LENIENT))
+    assert "rests on 40 requests of the trace" in small_window_note(R, reqs, whole, 512)
+    assert "warm-up share 0%" in small_window_note(R, reqs, whole, 512)
+
+
+def test_sweep_rows_cut_before_the_ray_fix_are_rerun_not_resumed() -> None:
+    # item 1's "a resumed sweep keeps the wrong rows under the same point ids": ids of points with a
+    # duration_s window changed (the old ids below were printed by the code before the fix); points
+    # without a window keep theirs, so their rows are still resumed
+    from sim.point import SimOptions
+    from sim.sweep import point_id
+
+    sc = load_scenario("dsv3-pd-h200")
+    windowed = point_id(sc, SLO(), [], parse_policy("kv_cost"), 1.0, 0, WorkloadSpec(duration_s=300.0), SimOptions())
+    whole = point_id(sc, SLO(), [], parse_policy("kv_cost"), 1.0, 0, WorkloadSpec(), SimOptions())
+    assert windowed != "7e8d44c833830558" and whole == "2fdfd4fdd17a4fd3"
