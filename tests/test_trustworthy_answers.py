@@ -501,3 +501,20 @@ def test_sweep_rows_cut_before_the_ray_fix_are_rerun_not_resumed() -> None:
     windowed = point_id(sc, SLO(), [], parse_policy("kv_cost"), 1.0, 0, WorkloadSpec(duration_s=300.0), SimOptions())
     whole = point_id(sc, SLO(), [], parse_policy("kv_cost"), 1.0, 0, WorkloadSpec(), SimOptions())
     assert windowed != "7e8d44c833830558" and whole == "2fdfd4fdd17a4fd3"
+
+
+# ---------------------------------------------------------------- item 15: pdlb sim compare --jobs
+def test_compare_jobs_runs_policies_in_parallel_with_the_same_table(tmp_path: Path, capsys) -> None:
+    # the serial run is the independent reference: the simulator is deterministic wherever it runs
+    def runs(jobs: int) -> list[dict]:
+        out = tmp_path / f"j{jobs}"
+        rc, _, err = _run_cli(["sim", "compare", "--policies", "least_load,cache_aware,round_robin", "--limit", "150",
+                               "--no-plots", "--quiet", "--jobs", str(jobs), "--out", str(out)], capsys)
+        assert rc == 0, err
+        drop = {"wall_s", "events_per_request"}
+        return [{k: v for k, v in r.items() if k not in drop} for r in
+                json.loads((out / "summary.json").read_text())["runs"]]
+
+    serial, parallel = runs(1), runs(2)
+    assert [r["policy"] for r in parallel] == ["least_load", "cache_aware", "round_robin"]
+    assert parallel == serial
