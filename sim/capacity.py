@@ -656,13 +656,16 @@ class GpuSearch:
 
 
 def run_searches(searches: Sequence[RateSearch | GpuSearch], executor: Executor,
-                 on_point: Callable[[RateSearch | GpuSearch, PointResult], None] | None = None) -> list[Any]:
+                 on_point: Callable[[RateSearch | GpuSearch, PointResult], None] | None = None,
+                 on_done: Callable[[RateSearch | GpuSearch, Any], None] | None = None) -> list[Any]:
     """Run ``searches`` concurrently on ``executor``; returns their results in the given order.
 
     Each search's ``width`` (points per round) is raised to share the executor's free slots:
     ``max(width, slots // len(searches))``, at most 4. A point whose future raises (a worker died
     and its retries were spent) becomes an error result of its search, never a silent gap.
-    ``on_point(search, result)`` is called for every point as it completes (progress bars).
+    ``on_point(search, result)`` is called for every point as it completes (progress bars), and
+    ``on_done(search, answer)`` once per search as soon as it has its answer (so a progress bar can
+    stop that search's clock while others run on).
     """
     share = max(1, min(4, executor.slots // max(1, len(searches))))
     for s in searches:
@@ -678,6 +681,8 @@ def run_searches(searches: Sequence[RateSearch | GpuSearch], executor: Executor,
             pts = next(gens[i]) if sent is None else gens[i].send(sent)
         except StopIteration as stop:
             results[i] = stop.value
+            if on_done is not None:
+                on_done(searches[i], stop.value)
             return
         batches[i] = [None] * len(pts)
         batch_points[i] = pts

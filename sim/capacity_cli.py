@@ -206,6 +206,16 @@ def small_window_note(r: Any, requests: list, wl: Any, block_size: int) -> str:
             f"warm-up (--warmup-s S: simulate S seconds first, judge what follows)")
 
 
+def progress_note(r: Any, search: str) -> str:
+    """A progress bar's note for the point just finished: the rate scale and its request rate
+    (``x0.5 = 2.1 req/s meets``) or the engine counts (``4+2 misses``)."""
+    verdict = "error" if r.error else ("meets" if r.meets else "misses")
+    if search == "rate":
+        rps = f" = {r.offered_rps:.3g} req/s" if math.isfinite(r.offered_rps) else ""
+        return f"x{r.point.rate_scale:.4g}{rps} {verdict}"
+    return "+".join(str(x) for x in (r.prefill_engines, r.decode_engines, r.mixed_engines) if x is not None) + f" {verdict}"
+
+
 def _burst_note(r: Any, duration_s: float | None = None) -> str:
     """The answer's :func:`sim.metrics.burst_note` with what to do about it; ``""`` for a steady
     answer, or without a complete answer run. ``duration_s``: the search's ``--duration-s``, if
@@ -308,15 +318,16 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
 
         def on_point(s: Any, r: Any) -> None:
             counts[id(s)] += 1
-            what = f"x{r.point.rate_scale:.4g}" if args.search == "rate" else \
-                "+".join(str(x) for x in (r.prefill_engines, r.decode_engines, r.mixed_engines) if x is not None)
-            verdict = "error" if r.error else ("meets" if r.meets else "misses")
-            progress.update(tasks[id(s)], completed=min(counts[id(s)], est - 1), note=f"{what} {verdict}")
+            progress.update(tasks[id(s)], completed=min(counts[id(s)], est - 1), note=progress_note(r, args.search))
 
-        results = run_searches(searches, ex, on_point)
-        for s, r in zip(searches, results):
-            # the bar ends at the simulations run (was: at least the estimate, '11/11' after 7)
-            progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=r.status)
+        def on_done(s: Any, r: Any) -> None:
+            # each policy's bar ends, and its clock stops, when its own search does (was: every bar
+            # ran until the last search ended, all showing one shared elapsed time); the bar ends at
+            # the simulations run (was: at least the estimate, '11/11' after 7)
+            answer = f" x{r.rate_scale:.4g} = {r.rate_rps:.3g} req/s" if getattr(r, "rate_rps", None) else ""
+            progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=f"{r.status}{answer}")
+
+        results = run_searches(searches, ex, on_point, on_done)
         curves: dict[str, list] = {}
         if curve and args.search == "rate":
             pts = [Point(scenario, wl, s, f, slo, args.seed, opts, False, (("search", "curve"), ("policy", s.label)))

@@ -518,3 +518,37 @@ def test_compare_jobs_runs_policies_in_parallel_with_the_same_table(tmp_path: Pa
     serial, parallel = runs(1), runs(2)
     assert [r["policy"] for r in parallel] == ["least_load", "cache_aware", "round_robin"]
     assert parallel == serial
+
+
+# ---------------------------------------------------------------- item 16: per-policy progress
+def test_each_search_reports_its_answer_when_it_ends() -> None:
+    # search A meets up to x1 (answer found after few rounds); B up to x8: on_done comes once per search,
+    # with its own answer, A's before B's (A needs fewer rounds), each before run_searches returns
+    register_workload("issue24:tiny2", _reqs([100, 200]))
+    sc = load_scenario("dsv3-pd-h200")
+    a = RateSearch(sc, "issue24:tiny2", parse_policy("least_load"), LENIENT, tol=0.5, check_floor=False)
+    b = RateSearch(sc, "issue24:tiny2", parse_policy("round_robin"), LENIENT, tol=0.5, check_floor=False)
+    limit = {"least_load": 1.0, "round_robin": 8.0}
+    done = []
+
+    class Ex(_RuleExecutor):
+        def submit(self, point):  # noqa: ANN001, ANN201
+            self.rule = lambda p, d, f: f <= limit[point.policy.label]
+            return super().submit(point)
+
+    res = run_searches([a, b], Ex(None), on_done=lambda s, r: done.append((s.label, r.rate_scale)))
+    # A (one rate per round): x1 meets, x2 misses, 2 / 1 > 1.5: x1.41 misses, 1.41 <= 1.5 -> found at 1
+    # after 3 points; B: x1, 2, 4, 8 meet, 16 misses, sqrt(8 x 16) = 11.3 misses, 11.3 / 8 <= 1.5 -> 8, after 6
+    assert done == [("least_load", 1.0), ("round_robin", 8.0)]
+    assert [r.rate_scale for r in res] == [1.0, 8.0]
+
+
+def test_progress_note_names_the_rate_and_its_requests_per_second() -> None:
+    from sim.capacity_cli import progress_note
+    from sim.point import PointResult
+
+    pt = Point(load_scenario("dsv3-pd-h200"), "issue24:tiny", parse_policy("least_load"), 0.5)
+    r = PointResult(pt, True, 1.0, 2.0, 2.125, 10, 56, 6, 1, None)
+    assert progress_note(r, "rate") == "x0.5 = 2.12 req/s meets"
+    r.meets = False
+    assert progress_note(r, "gpus") == "6+1 misses"
