@@ -552,3 +552,91 @@ def test_progress_note_names_the_rate_and_its_requests_per_second() -> None:
     assert progress_note(r, "rate") == "x0.5 = 2.12 req/s meets"
     r.meets = False
     assert progress_note(r, "gpus") == "6+1 misses"
+
+
+# ---------------------------------------------------------------- item 18: a lean install for the main job
+def _dev(monkeypatch, tmp_path: Path):  # noqa: ANN202 - the dev.py module, its venv under tmp_path
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pdlb_dev", Path(__file__).resolve().parents[1] / "dev.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    monkeypatch.setattr(dev, "VENV", tmp_path / ".venv")
+    monkeypatch.setattr(dev, "BIN", tmp_path / ".venv" / "bin")
+    monkeypatch.setattr(dev, "STAMP", tmp_path / ".venv" / ".pdlb-installed")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for exe in ("python", "pdlb"):
+        (tmp_path / ".venv" / "bin" / exe).write_text("")
+    calls: list[list[str]] = []
+    monkeypatch.setattr(dev.subprocess, "check_call", lambda cmd: calls.append(cmd))
+    return dev, calls
+
+
+def test_dev_compare_installs_the_simulator_only_and_test_everything(monkeypatch, tmp_path: Path) -> None:
+    dev, calls = _dev(monkeypatch, tmp_path)
+    dev.ensure_venv(dev.EXTRAS["compare"])  # nothing installed yet: pdlb[sim], without Ray and the test tools
+    assert calls[-1][-1].endswith("[sim]") and len(calls) == 2  # pip upgrade, then the install
+    dev.ensure_venv("sim")  # installed: nothing to do
+    assert len(calls) == 2
+    dev.ensure_venv(dev.EXTRAS["test"])  # the tests need the test extra: installed on top
+    assert calls[-1][-1].endswith("[test]") and len(calls) == 4
+    dev.ensure_venv("sim")  # test includes sim: nothing to do
+    assert len(calls) == 4
+    assert json.loads(dev.STAMP.read_text())["extras"] == ["sim", "test"]
+
+
+def test_the_sim_extra_has_no_ray_and_the_test_extra_has() -> None:
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+
+    def closure(name: str) -> set[str]:
+        out: set[str] = set()
+        for dep in extras[name]:
+            if dep.startswith("pdlb["):
+                for sub in dep[5:-1].split(","):
+                    out |= closure(sub)
+            else:
+                out.add(dep.split(">")[0].split("=")[0].strip())
+        return out
+
+    assert "ray" not in closure("sim") and "pytest" not in closure("sim")
+    assert {"ray", "pytest", "hypothesis"} <= closure("test")
+
+
+def test_the_main_command_runs_without_the_test_extras(tmp_path: Path) -> None:
+    # pdlb sim compare with --jobs 2 in a fresh interpreter that refuses Ray and the test tools
+    import subprocess
+    import sys
+
+    prog = f"""
+import sys
+BLOCKED = {{"ray", "pytest", "hypothesis", "mypy", "openai"}}
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is blocked by the test")
+sys.meta_path.insert(0, Refuse())
+from sim.cli import main
+sys.exit(main(["sim", "compare", "--policies", "least_load,round_robin", "--limit", "40", "--jobs", "2",
+               "--quiet", "--no-plots", "--out", {str(tmp_path)!r}]))
+"""
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((tmp_path / "summary.json").read_text())["runs"]) == 2
+
+
+def test_pyproject_builds_without_setuptools_warnings() -> None:
+    # was: "BuildBackendWarning: `project.license` as a TOML table is deprecated" on every install
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), str(Path(__file__).resolve().parents[1] / "pyproject.toml"))
+    assert [str(w.message) for w in caught if "license" in str(w.message).lower()] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
