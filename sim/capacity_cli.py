@@ -200,10 +200,12 @@ def small_window_note(r: Any, requests: list, wl: Any, block_size: int) -> str:
     if len(judged) >= SMALL_SAMPLE_REQUESTS and share < COLD_CACHE_SHARE:
         return ""
     where = f"the {wl.duration_s:g} s window" if wl.duration_s is not None else "the trace"
-    return (f"small or cold sample: the answer rests on {len(judged)} requests of {where}, with an ideal prefix hit rate "
-            f"of {100 * window:.0f}% against {100 * whole:.0f}% over the whole trace (warm-up share {100 * share:.0f}%: "
-            f"the cache starts cold); policies may rank differently on a longer window (--duration-s) or after a "
-            f"warm-up (--warmup-s S: simulate S seconds first, judge what follows)")
+    cold = share >= COLD_CACHE_SHARE
+    return (f"{'small' if len(judged) < SMALL_SAMPLE_REQUESTS else 'cold'}{' and cold' if cold and len(judged) < SMALL_SAMPLE_REQUESTS else ''} "
+            f"sample: the answer rests on {len(judged)} requests of {where}, with an ideal prefix hit rate "
+            f"of {100 * window:.0f}% against {100 * whole:.0f}% over the whole trace (warm-up share {100 * share:.0f}%"
+            + ("; the cache starts cold" if cold else "") + "); policies may rank differently on a longer window "
+            "(--duration-s) or trace, or after a warm-up (--warmup-s S: simulate S seconds first, judge what follows)")
 
 
 def progress_note(r: Any, search: str) -> str:
