@@ -670,3 +670,46 @@ def test_a_note_shared_by_policies_is_printed_once() -> None:
     got = reasons([res("a", ["n1", "n2"]), res("b", ["n1"]), res("c", ["n1"])])
     assert got == ["all 3 policies: note: n1", "a: note: n2"]
     assert reasons([res("a", ["n1"]), res("b", ["n1"]), res("c", [])]) == ["a, b: note: n1"]
+
+
+@pytest.mark.slow  # ~40 s: a 3-policy capacity search on 150 requests, then a headless Chromium screenshot
+def test_the_report_plot_in_a_real_browser(tmp_path: Path) -> None:
+    # item 17, checked in a real browser (Debian: apt-get install chromium): every policy's colour is
+    # drawn, and also right of the panels' right frame (the legend outside the panels), and the
+    # panels are wide (the frame spans most of the page's 1,200-px column)
+    import shutil
+    import subprocess
+
+    import matplotlib.image
+
+    from sim.cli import main
+
+    browser = next((shutil.which(b) for b in ("chromium", "chromium-headless-shell", "google-chrome")
+                    if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    out = tmp_path / "cap"
+    assert main(["sim", "capacity", "--policies", "least_load,round_robin,kv_cost", "--limit", "150", "--jobs", "1",
+                 "--tol", "0.2", "--curve", "0.5,2,8", "--out", str(out), "--quiet"]) == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1300,1800", (out / "report.html").as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    img = matplotlib.image.imread(shot)[..., :3]
+    dark = img.max(axis=-1) < 0.5  # the black 0.8-pt frame, scaled down with the figure, is grey on screen
+
+    def longest_run(col: np.ndarray) -> int:
+        d = np.diff(np.r_[0, col.astype(int), 0])
+        return int((np.flatnonzero(d == -1) - np.flatnonzero(d == 1)).max(initial=0))
+
+    # the panels' vertical frame lines: columns with a run of > 120 dark pixels (measured by hand on
+    # the report of 9 policies: columns 121 and 973, runs of 300 px, one per panel)
+    frames = np.flatnonzero(np.array([longest_run(c) for c in dark.T]) > 120)
+    assert len(frames) >= 2
+    left, right = frames.min(), frames.max()
+    assert right - left > 650  # wide panels (the page shows the 1,320-px figure in about 1,150 px)
+    for hexcol in ("1f77b4", "ff7f0e", "2ca02c"):  # least_load, round_robin, kv_cost
+        rgb = np.array([int(hexcol[k:k + 2], 16) for k in (0, 2, 4)]) / 255
+        near = np.abs(img - rgb).max(axis=-1) < 0.06
+        assert near[:, left:right].sum() > 30, hexcol  # drawn in the panels
+        assert near[:, right + 5:].sum() > 10, hexcol  # and in the legend, outside them
