@@ -7,10 +7,20 @@ then price the measured throughput; :mod:`sim.pricing.measured`). See docs/prici
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from sim.cli_args import (
+    add_set_arg,
+    apply_overrides,
+    seed_int,
+    token_count,
+    warn_idle_flags,
+)
+from sim.cli_args import positive_float as pos_float
+from sim.cli_args import positive_int as pos_int
 from sim.pricing.analysis import (
     DEEPINFER_DECODE_BATCH_PER_RANK,
     DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ,
@@ -40,6 +50,7 @@ from sim.pricing.sheets import (
     shipped_price_sheets,
 )
 from sim.pricing.throughput import steady_state
+from sim.scenario import load_scenario
 
 
 DEFAULT_SCENARIO = "deepinfer-sm100"
@@ -77,9 +88,6 @@ def check_output_tokens(output_tokens: int, max_ratio: float, max_model_len: int
 def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     """Register ``pdlb sim price``. Numbers that must be positive are checked while parsing
     (``argument --flag: must be ...``, exit 2), before any table is printed."""
-    import argparse
-
-    from sim.cli_args import add_set_arg, positive_float as pos_float, positive_int as pos_int, seed_int, token_count
 
     p = simsub.add_parser(
         "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",
@@ -146,8 +154,6 @@ def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheet
 
 def run_price(args, console) -> int:  # noqa: ANN001
     """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
-    from sim.cli_args import apply_overrides
-    from sim.scenario import load_scenario
 
     sheets = load_price_sheets(args.prices)
     hits = _floats(args.hit_rate, "--hit-rate")
@@ -158,7 +164,6 @@ def run_price(args, console) -> int:  # noqa: ANN001
         if not (math.isfinite(r) and r > 0):
             raise ValueError(f"--ratio: values must be finite and > 0, got {r:g}")
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
-    from sim.cli_args import warn_idle_flags
 
     measured = [("trace", "without --simulate"), ("limit", "without --simulate"), ("rate_scale", "without --simulate"),
                 ("policy", "without --simulate"), ("seed", "without --simulate"), ("quiet", "without --simulate")]
