@@ -22,6 +22,7 @@ run: the results folder is still written and the exit status is 141 (128 + SIGPI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import os
@@ -264,9 +265,12 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
         if jobs > 1:  # policies in parallel (was one at a time: 72% of one core)
             from sim.parallel_runs import simulate_in_parallel
 
-            done = simulate_in_parallel(scenario, requests, [(p, d) for p, d, _, _ in runs], sim_kw, jobs,
-                                        args.policy_modules,
-                                        lambda i, n: progress.update(tasks[i], completed=n))
+            # starting a worker flushes sys.stdout (multiprocessing), which raises once stdout's reader
+            # went away ('| head -1'): flushes go to the console's pipe-safe file meanwhile
+            with contextlib.redirect_stdout(console.file):
+                done = simulate_in_parallel(scenario, requests, [(p, d) for p, d, _, _ in runs], sim_kw, jobs,
+                                            args.policy_modules,
+                                            lambda i, n: progress.update(tasks[i], completed=n))
         else:
             done = [simulate(scenario, requests, p, d, **sim_kw,
                              progress=lambda n, total, task=task: progress.update(task, completed=n))
