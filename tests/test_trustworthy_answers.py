@@ -124,11 +124,15 @@ def test_a_scenario_files_model_path_is_resolved_from_the_file(tmp_path: Path, m
 
 # ---------------------------------------------------------------- item 9: huge timestamps
 def test_epoch_timestamps_are_rebased_to_the_first_arrival(tmp_path: Path) -> None:
-    # epoch milliseconds (1.7e12): arrivals 0 and 0.25 s after rebasing (exact in binary)
+    # epoch milliseconds (1.7e12 >= 2^32): arrivals 0 and 0.25 s after rebasing (exact in binary);
+    # near 2^53 ms (9.007e15) unrebased seconds would be 0.002 s apart at best: 0.25 s read 0.25 exactly
     f = tmp_path / "t.jsonl"
-    f.write_text(_mooncake_line(1_700_000_000_000) + "\n" + _mooncake_line(1_700_000_000_250, first_id=5) + "\n")
-    reqs = read_trace(f, "mooncake")
-    assert [r.arrival_time_s for r in reqs] == [0.0, 0.25]
+    for t0 in (1_700_000_000_000, 2**53 - 1000):
+        f.write_text(_mooncake_line(t0) + "\n" + _mooncake_line(t0 + 250, first_id=5) + "\n")
+        assert [r.arrival_time_s for r in read_trace(f, "mooncake")] == [0.0, 0.25]
+    # a trace starting near 0 (as pdlb writes them) keeps its times: 63.678 s stays 63.678 s
+    f.write_text(_mooncake_line(63_678) + "\n" + _mooncake_line(64_000, first_id=5) + "\n")
+    assert [r.arrival_time_s for r in read_trace(f, "mooncake")] == [63.678, 64.0]
 
 
 @pytest.mark.parametrize("ts", [1.7e18, 1e308, 2**53 + 2])
@@ -224,7 +228,7 @@ def test_a_vanishing_transfer_bandwidth_is_one_error_line(tmp_path: Path, capsys
                              str(tmp_path), "--set", "kv_transfer_bandwidth_bytes_per_s=1e-300"], capsys)
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: --set on scenario 'dsv3-pd-h200': "
                                                                "kv_transfer_bandwidth_bytes_per_s: ")
-    assert "1000000" in err and "RuntimeWarning" not in out + err
+    assert "greater than or equal to 1000" in err and "RuntimeWarning" not in out + err
 
 
 _FIELDS = ["kv_transfer_bandwidth_bytes_per_s", "kv_transfer_latency_s", "sample_interval_s", "max_model_len",

@@ -37,6 +37,10 @@ MOONCAKE_BLOCK_SIZE = 512
 #: Largest ``timestamp`` accepted (ms): 2^53, past which a float no longer holds every millisecond
 #: (1.7e18 ms gave TTFT 0.000 s; near 1e308, 100% attainment).
 MAX_TIMESTAMP_MS = 2**53
+#: A trace whose first ``timestamp`` is at least this (2^32 ms, ~50 days: epoch time) is rebased to
+#: its first line, so arrival gaps stay exact in seconds; traces that start near 0 (as pdlb writes
+#: them) read back unchanged.
+REBASE_FROM_MS = 2**32
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -124,8 +128,9 @@ def read_mooncake(
     Each non-blank line becomes one :class:`~balancer.types.Request`:
 
     * ``request_id = f"r{i}"``, ``i`` the 0-based index among non-blank lines;
-    * ``arrival_time_s = (timestamp - first timestamp) / 1000``: rebased to the first line, so
-      traces logged in epoch milliseconds keep exact gaps (timestamps past 2^53 ms are refused);
+    * ``arrival_time_s = timestamp / 1000``; a trace logged in epoch time (first timestamp >= 2^32
+      ms) is rebased to its first line, ``(timestamp - first) / 1000``, so its gaps stay exact;
+      timestamps past 2^53 ms are refused;
     * ``prompt_tokens = input_length``;
     * ``block_hashes = tuple(chain_block_ids(hash_ids))``: chained, so each hash names the whole
       prefix; ``len(block_hashes) == ceil(input_length / block_size)`` (the last block may be
@@ -179,11 +184,11 @@ def read_mooncake(
                 raise TraceFormatError(path, lineno, str(exc)) from None
             prev_ts = ts
             if first_ts is None:
-                first_ts = ts
+                first_ts = ts if ts >= REBASE_FROM_MS else 0
             requests.append(
                 Request(
                     request_id=f"r{len(requests)}",
-                    arrival_time_s=(ts - first_ts) / 1000.0,  # rebased: exact for any timestamp <= 2^53
+                    arrival_time_s=(ts - first_ts) / 1000.0,  # epoch traces rebased: exact gaps up to 2^53
                     prompt_tokens=n_in,
                     block_hashes=hashes,
                     max_output_tokens=n_out,
