@@ -11,6 +11,7 @@ A sweep file (``pdlb sim sweep SWEEP.toml``)::
                                               # router's RNG and the spreading of batched arrivals (spread_s)
     traces = ["a.jsonl.gz"]                   # optional; default: the embedded trace
     limit = 2000                              # optional workload cut (also duration_s, spread_s, format)
+    warmup_s = 60                             # optional: simulate the first 60 s of arrivals, judge what follows
 
     route_slo = true                          # optional: the router is told [slo]'s TTFT budget (false: SLO-blind)
 
@@ -75,7 +76,7 @@ MAX_POINTS = 10_000
 
 _KEYS = {"scenario", "policies", "decode_policy", "policy_modules", "rates", "seeds", "traces", "limit", "duration_s",
          "spread_s", "format", "slo", "grid", "points", "index_mode", "router_tiers", "tier_weights",
-         "route_slo"}
+         "route_slo", "warmup_s"}
 
 
 @dataclass
@@ -204,9 +205,9 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     for k in raw:
         if k not in _KEYS:
             raise ValueError(unknown_key_message(source, "", k, _KEYS))
-    for k in ("limit", "duration_s", "spread_s"):
+    for k in ("limit", "duration_s", "spread_s", "warmup_s"):
         if raw.get(k) is not None:
-            _number(raw, k, source, integer=k == "limit", minimum=0.0, strict=k != "spread_s")
+            _number(raw, k, source, integer=k == "limit", minimum=0.0, strict=k not in ("spread_s", "warmup_s"))
     if raw.get("format", "auto") not in TRACE_FORMATS:
         raise ValueError(f"{source}: format must be one of {', '.join(TRACE_FORMATS)}, got {raw['format']!r}")
     if raw.get("index_mode", "approximate") not in INDEX_MODES:
@@ -306,7 +307,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
                         # the router's RNG and the arrival spreading, so seeds are replicates of the workload too
                         wl = WorkloadSpec(trace, raw.get("format", "auto"),
                                           limit if limit is not None else raw.get("limit"), raw.get("duration_s"),
-                                          float(raw.get("spread_s", 3.0)), seed)
+                                          float(raw.get("spread_s", 3.0)), seed, float(raw.get("warmup_s", 0.0)))
                         tag = (("sweep_trace", trace or "embedded"),
                                *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))

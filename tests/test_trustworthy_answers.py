@@ -717,3 +717,21 @@ def test_the_report_plot_in_a_real_browser(tmp_path: Path) -> None:
         near = np.abs(img - rgb).max(axis=-1) < 0.06
         assert near[:, left:right].sum() > 30, hexcol  # drawn in the panels
         assert near[:, right + 5:].sum() > 10, hexcol  # and in the legend, outside them
+
+
+def test_a_sweep_file_takes_warmup_s(tmp_path: Path) -> None:
+    from sim.sweep import load_sweep
+
+    _two_phase_trace(tmp_path)  # 20 requests 1 s apart
+    (tmp_path / "a.toml").write_text('traces = ["w.jsonl"]\npolicies = ["least_load"]\nspread_s = 0\n'
+                                     'duration_s = 9.5\nwarmup_s = 5\n[slo]\nttft_s = 100\ntpot_s = 10\n')
+    (tmp_path / "b.toml").write_text('traces = ["w.jsonl"]\npolicies = ["least_load"]\nspread_s = 0\n'
+                                     'duration_s = 9.5\n[slo]\nttft_s = 100\ntpot_s = 10\n')
+    a, b = load_sweep(tmp_path / "a.toml"), load_sweep(tmp_path / "b.toml")
+    assert a.points[0].workload.warmup_s == 5.0 and a.ids != b.ids
+    # judged: t = 5..14 s, 10 requests (hand count); without the warm-up t = 0..9 s, also 10
+    ra, rb = evaluate_point(a.points[0]), evaluate_point(b.points[0])
+    assert ra.num_requests == rb.num_requests == 10 and ra.summary["num_requests"] == 15
+    (tmp_path / "c.toml").write_text('policies = ["least_load"]\nwarmup_s = -1\n')
+    with pytest.raises(ValueError, match="warmup_s must be a number >= 0"):
+        load_sweep(tmp_path / "c.toml")
