@@ -5,8 +5,9 @@ Two searches, each for one policy (:class:`~sim.point.PolicySpec`) on one scenar
 
 :func:`search_rate` (``pdlb sim capacity --search rate``)
     The highest rate scale ``f`` (arrival times divided by ``f``, :func:`sim.workload.scale_rate`)
-    at which the SLO (:class:`~sim.point.SLO`) holds, and its request rate ``f * base_rps``
-    (``base_rps = num_requests / arrival_window_s`` of the workload at scale 1).
+    at which the SLO (:class:`~sim.point.SLO`) holds, and its request rate: the requests simulated
+    at ``f`` over their arrival window (``f * base_rps`` for the whole workload, ``base_rps =
+    num_requests / arrival_window_s`` at scale 1; with ``duration_s`` the window's own rate).
     Geometric bisection inside the stated bounds ``[rate_min, rate_max]`` (default 1/64 .. 64):
     start at ``start`` (default 1), double (or halve) until the SLO flips, then bisect the bracket
     ``[lo, hi)`` (``lo`` meets the SLO, ``hi`` does not) at geometric midpoints until
