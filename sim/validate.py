@@ -589,11 +589,26 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> None:
                         "as the [perf] lines to write into the presets")
     p.add_argument("--figures", metavar="A,B,...", help=f"only these figures ({', '.join(FIGURES_BY_KEY)})")
     p.add_argument("--strict", action="store_true", help="exit 1 if any figure misses")
+    p.add_argument("--agentx-440246", action="store_true", dest="agentx_440246",
+                   help="instead: simulate AgentX point 440246 (DeepSeek-V4-Pro, 8 B200, vLLM DP8/EP8, "
+                        "64 closed-loop agentic lanes) and compare every published figure (about a minute)")
+    p.add_argument("--duration-s", type=float, default=None, metavar="S",
+                   help="with --agentx-440246: measured seconds to simulate (default: the published 3600)")
 
 
 def run_validate(args: argparse.Namespace, console) -> int:
     """``pdlb sim validate``: print the table (or the calibration). Returns the exit code."""
     from rich.table import Table
+
+    if getattr(args, "agentx_440246", False):
+        from sim.validate_agentx import print_rows, run_rows
+        if args.duration_s is not None and not args.duration_s > 0:
+            raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
+        rows, _ = run_rows(args.duration_s)
+        print_rows(rows, console)
+        return 1 if args.strict and any(r.verdict != "pass" for r in rows) else 0
+    if getattr(args, "duration_s", None) is not None:
+        raise ValueError("--duration-s applies only with --agentx-440246")
 
     if args.calibrate:
         s, perf, res = calibrate(args.calibrate)
