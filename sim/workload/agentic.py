@@ -27,13 +27,16 @@ lane's own seeded RNG, lognormals given by median and log-space sigma):
 When a trajectory ends the lane starts the next one (with a new session id). The first
 ``warmup_requests_per_lane`` requests of each lane are warm-up (sent, not measured).
 
-Fitted to point 440246's published request statistics (``sim/data/agentx_440246.json``; the fit
-is :func:`fit_to_published`, its result the defaults below): ``initial_context_median_tokens``,
-``new_tokens_median`` and ``turns_median`` to the mean input (126,019 tokens), the median input
-(79,102) and the theoretical prefix-hit rate (0.9687); ``output_median_tokens``/``output_sigma``
+Fitted to point 440246's published request statistics (``sim/data/measured/agentx_440246.json``;
+the fit is :func:`fit_to_published`, its result the defaults below): ``initial_context_median_tokens``,
+``new_tokens_median``, ``turns_median`` and ``new_tokens_trajectory_sigma`` to the mean input
+(126,019 tokens), the median input (79,102), the input std (147,063) and the theoretical
+prefix-hit rate (0.9687); ``output_median_tokens``/``output_sigma``
 to the published output median (441.5) and mean (984.4); ``think_s`` by Little's law from the
 published completed requests and mean request latency (64 lanes / (6,608 / 3,629.1 s) - 25.48 s).
-Held out (checked, not fitted): the input p75/p90/p95 and std, the output p90/p95.
+Held out (checked, not fitted): the input p75/p90/p95 (fit: 145k / 276k / 420k against the
+published 145k / 270k / 500k), the output p90/p95 (2,236 / 3,552 from the lognormal against
+2,221 / 3,651).
 Assumed (not published): the lognormal shapes and their sigmas, a constant think time, no
 subagent fan-out (aiperf may run a trajectory's subagents concurrently; counted as one lane here).
 """
@@ -169,21 +172,38 @@ def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) ->
             "theoretical_cache_hit_rate": float(r.sum() / a.sum())}
 
 
-def fit_to_published(target_mean: float, target_median: float, target_hit: float,
-                     base: AgenticWorkloadConfig | None = None, *, iterations: int = 12,
-                     requests_per_lane: int = 60) -> AgenticWorkloadConfig:
-    """Fit ``initial_context_median_tokens``, ``turns_median`` and ``new_tokens_median`` so that
-    :func:`replay_stats` matches the targets (mean and median input tokens, theoretical hit rate),
-    by a few rounds of multiplicative fixed-point updates (each parameter moves the statistic it
-    mostly sets: the first prompt the median, the turns the hit rate, the new tokens the mean).
-    Used once to set this module's defaults (``pdlb``'s test re-checks the stats); seconds."""
-    c = base or AgenticWorkloadConfig()
-    for _ in range(max(1, min(iterations, 100))):
+def fit_to_published(target: dict[str, float], grid: dict[str, list[float]],
+                     base: AgenticWorkloadConfig | None = None, *, requests_per_lane: int = 400,
+                     max_points: int = 1000) -> tuple[AgenticWorkloadConfig, float]:
+    """Grid search: the config of ``grid`` (field name -> candidate values, all combinations,
+    at most ``max_points``) whose :func:`replay_stats` has the smallest sum of relative errors
+    against ``target`` (keys of :func:`replay_stats`; for ``theoretical_cache_hit_rate`` the
+    relative error of the miss rate). Returns ``(config, error)``. The defaults of
+    :class:`AgenticWorkloadConfig` come from this search over ``initial_context_median_tokens``
+    {10k, 20k}, ``turns_median`` {22, 28, 34}, ``new_tokens_median`` {200, 260, 330},
+    ``new_tokens_trajectory_sigma`` {1.3, 1.5} against the published mean and median input, std
+    of input and theoretical hit rate (best: 10k, 28, 260, 1.5; sum of errors 0.15).
+
+    Raises:
+        ValueError: an empty grid, an unknown field, or more than ``max_points`` combinations."""
+    import itertools
+    c0 = base or AgenticWorkloadConfig()
+    names = list(grid)
+    if not names or any(not grid[n] for n in names):
+        raise ValueError("fit_to_published: give at least one field with at least one value")
+    if math.prod(len(grid[n]) for n in names) > max_points:
+        raise ValueError(f"fit_to_published: more than {max_points} grid points")
+    best: tuple[float, AgenticWorkloadConfig] | None = None
+    for values in itertools.product(*(grid[n] for n in names)):
+        c = AgenticWorkloadConfig(**{**c0.model_dump(), **dict(zip(names, values))})
         s = replay_stats(c, requests_per_lane)
-        miss_ratio = (1 - s["theoretical_cache_hit_rate"]) / (1 - target_hit)
-        c = c.model_copy(update={
-            "initial_context_median_tokens": c.initial_context_median_tokens * (target_median / s["median_input_tokens"]) ** 0.8,
-            "new_tokens_median": c.new_tokens_median * (target_mean / s["mean_input_tokens"]) ** 0.8,
-            "turns_median": c.turns_median * miss_ratio ** 0.8,
-        })
-    return c
+        err = 0.0
+        for k, v in target.items():
+            if k == "theoretical_cache_hit_rate":
+                err += abs((1 - s[k]) / (1 - v) - 1)
+            else:
+                err += abs(s[k] / v - 1)
+        if best is None or err < best[0]:
+            best = (err, c)
+    assert best is not None
+    return best[1], best[0]
