@@ -14,30 +14,33 @@ The engine, as the 440246 launcher configures vLLM (``sim/data/agentx_440246.jso
 * **scheduler per rank** (vLLM V1): decoding sequences first, ``1 + spec_tokens`` tokens each
   (MTP verifies the drafts in one forward), then prefill chunks first-come-first-served from the
   budget ``max_num_batched_tokens``, at most ``max_num_seqs`` running sequences;
-* **prefill cadence** (``--prefill-schedule-interval 8``): prefill work is scheduled only on every
-  ``prefill_schedule_interval``-th step, on all ranks at once; the steps between are decode-only.
-  Assumed: the interval gates running chunked prefills as well as admissions (with lockstep, the
-  published decode-only p90 of 37.8 ms is only possible if the ranks' prefill steps coincide);
-* ``--long-prefill-token-threshold 512`` is **not** modelled as a per-request cap of 512 tokens a
-  step: the published totals rule it out (1.67e9 measured prompt tokens at a 93.9% GPU hit rate
-  are ~1.1e8 computed tokens over 62,344 prefill-bearing records, ~1,800 tokens per record per
-  rank, while 512 per request with the ~1-2 requests a rank has in prefill gives <= 1,000);
+* **prefill cadence** (``--prefill-schedule-interval 8``, vLLM's "DP prefill balancing" as its
+  scheduler implements it): every ``prefill_schedule_interval``-th step is open; on the steps
+  between, a rank defers all prefill (running chunks and admissions) only if it has a decoding
+  sequence to protect and its last open step left its waiting queue empty
+  (``prefill_capacity_bound``); a rank with nothing to decode prefills on every step (and, in
+  lockstep, makes the other ranks' decode steps that long);
+* ``--long-prefill-token-threshold 512``: a request computes at most 512 prompt tokens per step
+  (vLLM V1 caps running and waiting requests alike), several requests share the 8,192 budget;
 * **speculative decoding**: MTP with 3 draft tokens at the published acceptance length 2.49
   (synthetic acceptance): each decode step gives a sequence ``2`` or ``3`` tokens, 3 with
   probability 0.49; the drafter's own forwards (one MTP layer, 3 times) are not a separate term
   (inside the calibrated efficiency);
 * **prefix cache**: per rank, an LRU over sessions of the tokens each left cached (prompt + output
   of its last turn), bounded by the GPU pool plus the CPU offload tier (both published; loading a
-  CPU hit is not charged: 128 GiB/rank at ~50 GB/s PCIe is ms per turn); a request computes its
-  prompt minus its session's cached tokens on its rank (all of it on another rank);
+  CPU hit is not charged: 128 GiB/rank at ~50 GB/s PCIe is ms per turn). A turn reuses, on the
+  rank that served its session, the previous turn's *prompt* in whole 256-token blocks: the
+  previous reply in its prompt is the trace's recorded reply, not the tokens the server generated
+  (aiperf replays recorded trajectories with ``ignore_eos``), so the prefix diverges at the
+  previous prompt's end (``Turn.server_reusable_tokens``); on another rank nothing is reused;
 * no preemption (the running contexts, 8 lanes x ~130k tokens per rank, fit the ~2.7M-token pool).
 
 Step times: the roofline of :mod:`sim.perf.roofline` for the model and GPU, with TWO fitted
-numbers, each a common derating of its default peak fractions (MFU, MBU, link efficiency): 0.75
+numbers, each a common derating of its default peak fractions (MFU, MBU, link efficiency): 0.74
 for decode-only steps, fitted (:func:`calibrate`) so that the simulated decode-only iteration p50
-equals the published 31.15 ms, and 0.6 for steps that carry prefill, fitted on the published
-mixed-step p50 (160 ms). With one common derating the model cannot meet both (0.75: mixed p50
-125 ms, -22%; 0.6: decode-only p50 38 ms, +23%): the achieved fraction of peak differs between
+equals the published 31.15 ms, and 0.64 for steps that carry prefill, fitted on the published
+mixed-step p50 (160 ms) (both from :func:`calibrate`, rounded). With one common derating the model cannot meet both (0.74: mixed p50
+~140 ms; 0.64: decode-only p50 ~36 ms): the achieved fraction of peak differs between
 the memory-bound MTP decode batches and the compute-bound chunked prefills. Everything else
 (prefill-only p50/p90, mixed p90, decode-only p90, TTFT, ITL, latency, throughput) is held out.
 """
@@ -59,10 +62,10 @@ from sim.workload.agentic import AgenticWorkloadConfig, Turn, lane_turns
 __all__ = ["EngineConfig", "RunResult", "simulate_agentic", "calibrate", "DEFAULT_EFFICIENCY_SCALE"]
 
 #: fitted by :func:`calibrate` on the published decode-only p50 (31.15 ms); see module docstring
-DEFAULT_EFFICIENCY_SCALE = 0.75
-#: fitted on the published mixed-step p50 (160 ms): steps that carry prefill reach 0.6 of the
+DEFAULT_EFFICIENCY_SCALE = 0.74
+#: fitted on the published mixed-step p50 (160 ms): steps that carry prefill reach 0.64 of the
 #: roofline defaults, decode-only steps 0.75 (see module docstring)
-DEFAULT_PREFILL_EFFICIENCY_SCALE = 0.6
+DEFAULT_PREFILL_EFFICIENCY_SCALE = 0.64
 #: most engine steps one run may take (bounds the loop)
 MAX_STEPS = 5_000_000
 
@@ -86,6 +89,9 @@ class EngineConfig:
     #: most prompt tokens one request computes in one step (vLLM ``long_prefill_token_threshold``);
     #: ``None``: only the step budget limits a chunk
     long_prefill_token_threshold: int | None = 512
+    #: a prefix hit resumes at a multiple of this many tokens (vLLM caches whole 256-token blocks;
+    #: a coarser value models V4's sliding-window layers, whose KV vLLM keeps only sparsely)
+    prefix_hit_granularity_tokens: int = 256
     efficiency_scale: float = DEFAULT_EFFICIENCY_SCALE
     #: the derating of steps that carry prefill (fitted on the mixed-step p50, 160 ms); ``None``:
     #: ``efficiency_scale``
@@ -93,6 +99,8 @@ class EngineConfig:
     step_overhead_s: float = 0.002
 
     def __post_init__(self) -> None:
+        if self.prefix_hit_granularity_tokens < 1:
+            raise ValueError("prefix_hit_granularity_tokens must be >= 1")
         if self.dp_ranks < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("dp_ranks, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.prefill_schedule_interval < 1 or self.spec_tokens < 0:
@@ -222,6 +230,7 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
     caches: list[OrderedDict[str, int]] = [OrderedDict() for _ in range(R)]
     cache_used = [0] * R
     rank_reqs = [0] * R
+    capacity_bound = [False] * R
     records: list[tuple[float, float, float, int, int, int]] = []
     it_cls: dict[str, list[float]] = {"prefill_only": [], "decode_only": [], "mixed": []}
     hit_tokens = prompt_tokens = 0
@@ -243,8 +252,11 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
             raise ValueError(f"rank chooser returned {r}, outside [0, {R})")
         req.rank = r
         rank_reqs[r] += 1
-        cached = caches[r].get(turn.session, 0) if turn.reusable_tokens else 0
-        req.cached = min(cached, turn.reusable_tokens, turn.input_tokens - 1)
+        cached = caches[r].get(turn.session, 0) if turn.server_reusable_tokens else 0
+        # full blocks of the previous prompt (its last partial block also holds generated tokens),
+        # resumable only at a multiple of the hit granularity
+        usable = min(cached, turn.server_reusable_tokens) // eng.prefix_hit_granularity_tokens
+        req.cached = min(usable * eng.prefix_hit_granularity_tokens, turn.input_tokens - 1)
         req.to_prefill = turn.input_tokens - req.cached
         waiting[r].append(req)
 
@@ -292,7 +304,9 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
                     budget -= verify
                     dc[r] += q.turn.input_tokens + q.generated
             ds[r] = len(decoders[r])
-            if prefill_step:
+            # vLLM's DP prefill balancing: a throttled step defers prefill only when the rank has
+            # a decode to protect and its last open step drained the waiting queue
+            if prefill_step or capacity_bound[r] or not decoders[r]:
                 for q in running[r]:
                     if q.to_prefill > 0 and budget > 0:
                         n = min(q.to_prefill, budget, cap)
@@ -306,12 +320,13 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
                     n = min(q.to_prefill, budget, cap)
                     chunks[r].append((q, n))
                     budget -= n
+                capacity_bound[r] = bool(waiting[r])
                 for q, n in chunks[r]:
                     done_before = q.turn.input_tokens - q.to_prefill
                     pt[r] += n
                     pc[r] += done_before
                     pp[r] += float(causal_attn_pairs(n, done_before))
-        b = (perf_pf if prefill_step and pt.any() else perf).step_time_breakdown(pt, pp, ds, dc, prefill_cached_tokens=pc, decode_tokens_per_seq=float(verify))
+        b = (perf_pf if pt.any() else perf).step_time_breakdown(pt, pp, ds, dc, prefill_cached_tokens=pc, decode_tokens_per_seq=float(verify))
         dt = float(np.ravel(b["total"])[0])
         t += dt
         step += 1
@@ -351,16 +366,20 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
                      hit_tokens / prompt_tokens if prompt_tokens else 0.0, cancelled, rank_reqs)
 
 
-def calibrate(target_decode_p50_s: float = 0.03115, workload: AgenticWorkloadConfig | None = None,
-              engine: EngineConfig | None = None, *, iterations: int = 6) -> float:
-    """The ``efficiency_scale`` at which the simulated decode-only iteration-time p50 equals
-    ``target_decode_p50_s`` (secant steps on log step time vs log scale, from the roofline's own
-    sensitivity; a few short runs of ``workload``)."""
-    wl = workload or AgenticWorkloadConfig(duration_s=600.0)
+def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 0.15998,
+              workload: AgenticWorkloadConfig | None = None, engine: EngineConfig | None = None, *,
+              iterations: int = 4, seed: int = 0) -> tuple[float, float]:
+    """``(efficiency_scale, prefill_efficiency_scale)`` at which the simulated decode-only and mixed
+    iteration-time p50 equal the targets (the published 31.15 / 159.98 ms): a few rounds of
+    proportional updates (a step time is ~ inversely proportional to its derating), each one run of
+    ``workload`` (default: the published hour). Seconds of CPU per round."""
+    wl = workload or AgenticWorkloadConfig()
     eng = engine or EngineConfig()
-    s = eng.efficiency_scale
+    top = 1 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY)
+    s, sp = eng.efficiency_scale, eng.prefill_efficiency_scale or eng.efficiency_scale
     for _ in range(max(1, min(iterations, 20))):
-        e = EngineConfig(**{**eng.__dict__, "efficiency_scale": s})
-        p50 = float(np.percentile(simulate_agentic(wl, e).iterations["decode_only"], 50))
-        s = min(1 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY), s * p50 / target_decode_p50_s)
-    return s
+        e = EngineConfig(**{**eng.__dict__, "efficiency_scale": s, "prefill_efficiency_scale": sp})
+        it = simulate_agentic(wl, e, seed=seed).iterations
+        s = min(top, s * float(np.percentile(it["decode_only"], 50)) / target_decode_p50_s)
+        sp = min(top, sp * float(np.percentile(it["mixed"], 50)) / target_mixed_p50_s)
+    return s, sp

@@ -100,6 +100,11 @@ class Turn:
     reusable_tokens: int
     output_tokens: int
     first_of_trajectory: bool
+    #: the part of ``reusable_tokens`` the server itself computed: the previous *prompt* (0 on a
+    #: first turn). The previous reply in this prompt is the trace's recorded reply, not the tokens
+    #: the server generated (aiperf replays recorded trajectories with ``ignore_eos``), so a server
+    #: can reuse only up to the previous prompt's end
+    server_reusable_tokens: int = 0
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
@@ -141,7 +146,8 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
         session = f"lane{lane}-traj{k}"
         for t in range(start, len(contexts)):
             reusable = 0 if t == start else contexts[t - 1] + outputs[t - 1]
-            yield Turn(session, t, contexts[t], reusable, outputs[t], t == start)
+            yield Turn(session, t, contexts[t], reusable, outputs[t], t == start,
+                       0 if t == start else contexts[t - 1])
         k += 1
 
 
