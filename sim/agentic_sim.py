@@ -59,7 +59,8 @@ from sim.perf.base import causal_attn_pairs
 from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, RooflinePerf
 from sim.workload.agentic import AgenticWorkloadConfig, Turn, lane_turns
 
-__all__ = ["EngineConfig", "RunResult", "simulate_agentic", "calibrate", "DEFAULT_EFFICIENCY_SCALE"]
+__all__ = ["EngineConfig", "RankLoads", "RunResult", "simulate_agentic", "calibrate", "policy_chooser",
+           "consistent_hash_chooser", "DEFAULT_EFFICIENCY_SCALE"]
 
 #: fitted by :func:`calibrate` on the published decode-only p50 (31.15 ms); see module docstring
 DEFAULT_EFFICIENCY_SCALE = 0.74
@@ -178,7 +179,53 @@ class RunResult:
         return m
 
 
-RankChooser = Callable[[Turn, "list[int]"], int]
+@dataclass(frozen=True)
+class RankLoads:
+    """What a router may know about the ranks when a turn arrives (per rank, shape ``(R,)``):
+    requests queued or running, uncached prompt tokens still to prefill, KV tokens of decoding
+    sequences, and this turn's reusable cached tokens (whole blocks) on each rank."""
+
+    num_requests: np.ndarray
+    prefill_tokens: np.ndarray
+    decode_kv_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    now_s: float
+
+
+RankChooser = Callable[[Turn, RankLoads], int]
+
+
+def policy_chooser(spec: str, dp_ranks: int, kv_capacity_tokens: int = 0, block_size: int = 256,
+                   engine: str = "engine0", seed: int = 0) -> RankChooser:
+    """A rank chooser running a pdlb routing policy (``NAME`` or ``NAME:K=V,...``, any of
+    :func:`balancer.policies.available_policies`) on the ranks of one aggregated (``MIXED``)
+    engine, from :class:`RankLoads` (the router's projected load and an exact prefix index)."""
+    import random
+
+    from balancer.candidates import Candidates
+    from balancer.policies.base import SelectContext
+    from balancer.policies.spec import build_policy
+    from balancer.types import ReplicaId, ReplicaView, Request, Role
+    pol = build_policy(spec)
+    reps = [ReplicaId(engine, r) for r in range(dp_ranks)]
+    rng = random.Random(seed)
+    counter = [0]
+
+    def choose(turn: Turn, loads: RankLoads) -> int:
+        views = [ReplicaView(replica=reps[r], role=Role.MIXED, num_requests=int(loads.num_requests[r]),
+                             prefill_tokens=int(loads.prefill_tokens[r]),
+                             decode_kv_tokens=int(loads.decode_kv_tokens[r]),
+                             kv_capacity_tokens=kv_capacity_tokens,
+                             matched_blocks=int(loads.cached_tokens[r]) // block_size,
+                             matched_tokens=int(loads.cached_tokens[r]), block_size=block_size)
+                 for r in range(dp_ranks)]
+        counter[0] += 1
+        req = Request(request_id=f"{turn.session}-{turn.turn}", arrival_time_s=loads.now_s,
+                      prompt_tokens=turn.input_tokens, session_id=turn.session,
+                      max_output_tokens=max(1, turn.output_tokens))
+        choice = pol.select(req, Candidates.from_views(views), SelectContext(rng, loads.now_s, counter[0]))
+        return choice.replica.dp_rank
+    return choose
 
 
 def consistent_hash_chooser(dp_ranks: int, engine: str = "engine0") -> RankChooser:
@@ -189,7 +236,7 @@ def consistent_hash_chooser(dp_ranks: int, engine: str = "engine0") -> RankChoos
     pos, owner = build_ring(replicas, VIRTUAL_NODES_PER_WORKER)
     cache: dict[str, int] = {}
 
-    def choose(turn: Turn, _loads: list[int]) -> int:
+    def choose(turn: Turn, _loads: RankLoads) -> int:
         r = cache.get(turn.session)
         if r is None:
             r = cache[turn.session] = ring_choice(b"header:x-session-id:" + turn.session.encode(), pos, owner)
@@ -240,23 +287,32 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
     def end_s() -> float:
         return measure_start + wl.duration_s
 
+    def _reusable(r: int, turn: Turn) -> int:
+        """Cached tokens ``turn`` finds on rank ``r``: whole blocks of the previous prompt (its last
+        partial block also holds generated tokens), at a multiple of the hit granularity."""
+        if not turn.server_reusable_tokens:
+            return 0
+        g = eng.prefix_hit_granularity_tokens
+        usable = min(caches[r].get(turn.session, 0), turn.server_reusable_tokens) // g
+        return min(usable * g, turn.input_tokens - 1)
+
     def send(lane: int, now: float) -> None:
         nonlocal warm_left, measure_start
         turn = next(lanes[lane])
         sent[lane] += 1
         measured = sent[lane] > wl.warmup_requests_per_lane and now >= measure_start
         req = _Req(lane, turn, now, measured)
-        loads = [len(waiting[r]) + len(running[r]) for r in range(R)]
+        loads = RankLoads(
+            np.array([len(waiting[r]) + len(running[r]) for r in range(R)]),
+            np.array([sum(q.to_prefill for q in waiting[r]) + sum(q.to_prefill for q in running[r]) for r in range(R)]),
+            np.array([sum(q.turn.input_tokens + q.generated for q in running[r] if q.to_prefill == 0) for r in range(R)]),
+            np.array([_reusable(r, turn) for r in range(R)]), now)
         r = int(choose(turn, loads))
         if not 0 <= r < R:
             raise ValueError(f"rank chooser returned {r}, outside [0, {R})")
         req.rank = r
         rank_reqs[r] += 1
-        cached = caches[r].get(turn.session, 0) if turn.server_reusable_tokens else 0
-        # full blocks of the previous prompt (its last partial block also holds generated tokens),
-        # resumable only at a multiple of the hit granularity
-        usable = min(cached, turn.server_reusable_tokens) // eng.prefix_hit_granularity_tokens
-        req.cached = min(usable * eng.prefix_hit_granularity_tokens, turn.input_tokens - 1)
+        req.cached = _reusable(r, turn)
         req.to_prefill = turn.input_tokens - req.cached
         waiting[r].append(req)
 

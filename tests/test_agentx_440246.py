@@ -12,7 +12,7 @@ import xxhash
 
 from balancer.policies import make_policy
 from balancer.policies.dp_consistent_hash import VIRTUAL_NODES_PER_WORKER, build_ring, ring_choice
-from sim.agentic_sim import EngineConfig, consistent_hash_chooser, simulate_agentic
+from sim.agentic_sim import EngineConfig, RankLoads, consistent_hash_chooser, policy_chooser, simulate_agentic
 from sim.models import get_model
 from sim.validate_agentx import ROWS, load_published, published_value, rows_from_metrics
 from sim.workload.agentic import AgenticWorkloadConfig, lane_turns, replay_stats
@@ -173,6 +173,20 @@ def test_prefix_hits_resume_at_whole_blocks_of_the_previous_prompt():
     _, coarse = _short(lanes=8, duration_s=200.0, prefix_hit_granularity_tokens=8192)
     assert np.all(coarse.requests[:, 5] % 8192 == 0)
     assert coarse.gpu_hit_rate < r.gpu_hit_rate
+
+
+def test_policy_chooser_sees_load_and_prefix():
+    t = next(lane_turns(AgenticWorkloadConfig(), 0))
+    z = np.zeros(4, dtype=np.int64)
+    # least_load: the rank with the fewest uncached prompt tokens in flight
+    busy = RankLoads(np.array([3, 0, 2, 5]), np.array([9000, 10, 500, 7000]), z, z, 0.0)
+    assert policy_chooser("least_load", 4)(t, busy) == 1
+    # cache_aware with an idle engine: the rank holding the session's prefix (2 of 4)
+    held = RankLoads(z, z, z, np.array([0, 0, 100_000, 0]), 0.0)
+    assert policy_chooser("cache_aware", 4)(t, held) == 2
+    # the measured deployment's router ignores both
+    a = policy_chooser("dp_consistent_hash", 4)(t, busy)
+    assert a == policy_chooser("dp_consistent_hash", 4)(t, held) == consistent_hash_chooser(4)(t, busy)
 
 
 def test_chooser_and_config_errors():
