@@ -594,6 +594,8 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> None:
                         "64 closed-loop agentic lanes) and compare every published figure (about a minute)")
     p.add_argument("--duration-s", type=float, default=None, metavar="S",
                    help="with --agentx-440246: measured seconds to simulate (default: the published 3600)")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="with --agentx-440246: also write simulated / published per figure to this PNG")
 
 
 def run_validate(args: argparse.Namespace, console) -> int:
@@ -606,9 +608,12 @@ def run_validate(args: argparse.Namespace, console) -> int:
             raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
         rows, _ = run_rows(args.duration_s)
         print_rows(rows, console)
+        if args.plot:
+            from sim.validate_agentx import plot_rows
+            console.print(f"plot: {plot_rows(rows, args.plot)}", markup=False)
         return 1 if args.strict and any(r.verdict != "pass" for r in rows) else 0
-    if getattr(args, "duration_s", None) is not None:
-        raise ValueError("--duration-s applies only with --agentx-440246")
+    if getattr(args, "duration_s", None) is not None or getattr(args, "plot", None):
+        raise ValueError("--duration-s and --plot apply only with --agentx-440246")
 
     if args.calibrate:
         s, perf, res = calibrate(args.calibrate)

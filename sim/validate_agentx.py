@@ -136,3 +136,34 @@ def print_rows(rows: list[AgentxRow], console) -> None:  # noqa: ANN001
                   f"+-{TOLERANCE:.0%}; {sum(r.verdict == 'pass' for r in rows)} of {len(rows)} rows in all "
                   "(fitted: mean input/output tokens; calibration: decode-only and mixed p50; linked to the latency "
                   "through the think time: requests and throughput)", markup=False)
+
+
+def plot_rows(rows: list[AgentxRow], path: str | Path, title: str = "AgentX 440246: simulated vs published") -> Path:
+    """Write a PNG: each row's simulated / published ratio (log scale) with the +-15% band, markers
+    by role. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    colors = {"held out": "tab:blue", "calibration": "tab:green", "fitted": "tab:gray", "linked": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(11, 5))
+    x = range(len(rows))
+    for i, r in zip(x, rows):
+        ax.scatter(i, r.simulated / r.published, color=colors[r.role], marker="o" if r.verdict == "pass" else "x", s=40)
+    ax.axhspan(1 - TOLERANCE, 1 + TOLERANCE, color="tab:green", alpha=0.12, label=f"+-{TOLERANCE:.0%}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_yticks([0.4, 0.6, 0.8, 1.0, 1.25, 1.5])
+    ax.set_yticklabels(["0.4", "0.6", "0.8", "1.0", "1.25", "1.5"])
+    ax.set_xticks(list(x), [r.key for r in rows], rotation=70, ha="right", fontsize=8)
+    ax.set_ylabel("simulated / published")
+    for role, c in colors.items():
+        ax.scatter([], [], color=c, label=role)
+    ax.legend(fontsize=8, ncol=5, loc="lower left")
+    ax.set_title(title + " (x: outside +-15%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -212,6 +212,19 @@ def test_rows_read_the_published_file():
     assert {r.role for r in rows} == {"linked", "fitted", "held out", "calibration"}
 
 
+def test_plot_rows_writes_a_png(tmp_path):
+    from sim.validate_agentx import plot_rows
+    fake = {sim: 1.0 for *_, sim, _u, _r in ROWS}
+    out = plot_rows(rows_from_metrics(fake), tmp_path / "p.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_flags_apply_only_with_the_point(capsys):
+    from sim.cli import main
+    assert main(["sim", "validate", "--duration-s", "10"]) != 0
+    assert "apply only with --agentx-440246" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_full_point_calibration_and_output_rate():
     # the full hour (about 20-60 s of CPU): the calibration row lands, output throughput within 15%
