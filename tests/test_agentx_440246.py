@@ -105,6 +105,24 @@ def test_turns_grow_context_and_reuse_the_previous_turn():
             prev = t
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_invariants_hold_for_random_configs(seed):
+    # fuzz by class: any valid config keeps prompts within the context limit, outputs within their
+    # cap, and reuse within the previous turn
+    g = np.random.default_rng(seed)
+    c = AgenticWorkloadConfig(lanes=2, turns_median=float(g.uniform(1, 200)), turns_sigma=float(g.uniform(0, 3)),
+                              initial_context_median_tokens=float(g.uniform(10, 2e6)),
+                              new_tokens_median=float(g.uniform(1, 1e5)), output_median_tokens=float(g.uniform(1, 1e5)),
+                              max_output_tokens=int(g.integers(1, 5000)), max_context_tokens=int(g.integers(2, 2_000_000)),
+                              seed=seed)
+    it = lane_turns(c, 1)
+    for _ in range(200):
+        t = next(it)
+        assert 1 <= t.input_tokens < c.max_context_tokens
+        assert 1 <= t.output_tokens <= c.max_output_tokens
+        assert 0 <= t.server_reusable_tokens <= t.reusable_tokens < t.input_tokens or t.reusable_tokens == 0
+
+
 def test_lanes_are_deterministic_and_independent():
     a = [next(lane_turns(AgenticWorkloadConfig(), 3)) for _ in range(2)]
     assert a[0] == a[1]
