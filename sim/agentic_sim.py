@@ -39,8 +39,9 @@ Step times: the roofline of :mod:`sim.perf.roofline` for the model and GPU, with
 numbers, each a common derating of its default peak fractions (MFU, MBU, link efficiency): 0.74
 for decode-only steps, fitted (:func:`calibrate`) so that the simulated decode-only iteration p50
 equals the published 31.15 ms, and 0.64 for steps that carry prefill, fitted on the published
-mixed-step p50 (160 ms) (both from :func:`calibrate`, rounded). With one common derating the model cannot meet both (0.74: mixed p50
-~140 ms; 0.64: decode-only p50 ~36 ms): the achieved fraction of peak differs between
+mixed-step p50 (160 ms) (both from :func:`calibrate`, rounded). With one common derating the
+model cannot meet both (0.74 for all: mixed p50 about 140 ms; 0.64 for all: decode-only p50 about
+36 ms, step time ~ 1 / derating): the achieved fraction of peak differs between
 the memory-bound MTP decode batches and the compute-bound chunked prefills. Everything else
 (prefill-only p50/p90, mixed p90, decode-only p90, TTFT, ITL, latency, throughput) is held out.
 """
@@ -65,7 +66,7 @@ __all__ = ["EngineConfig", "RankLoads", "RunResult", "simulate_agentic", "calibr
 #: fitted by :func:`calibrate` on the published decode-only p50 (31.15 ms); see module docstring
 DEFAULT_EFFICIENCY_SCALE = 0.74
 #: fitted on the published mixed-step p50 (160 ms): steps that carry prefill reach 0.64 of the
-#: roofline defaults, decode-only steps 0.75 (see module docstring)
+#: roofline defaults, decode-only steps 0.74 (see module docstring)
 DEFAULT_PREFILL_EFFICIENCY_SCALE = 0.64
 #: most engine steps one run may take (bounds the loop)
 MAX_STEPS = 5_000_000
@@ -415,9 +416,7 @@ def simulate_agentic(workload: AgenticWorkloadConfig | None = None, engine: Engi
                     still.append(q)
             running[r] = still
     reqs = np.asarray(records, dtype=np.float64).reshape(-1, 6)
-    last = float(reqs[:, 0].max() + 0) if len(reqs) else measure_start
     last_done = float((reqs[:, 0] + reqs[:, 2]).max()) if len(reqs) else measure_start
-    del last
     return RunResult(reqs, {k: np.asarray(v) for k, v in it_cls.items()}, measure_start, last_done, R,
                      hit_tokens / prompt_tokens if prompt_tokens else 0.0, cancelled, rank_reqs)
 
