@@ -38,9 +38,10 @@ POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "
 LOADS = {"1/8x": 8, "1x": 64, "1.5x": 96, "2x": 128}
 
 
-def run(policy: str, lanes: int, duration_s: float, ttft_slo_s: float, itl_slo_ms: float) -> dict[str, float]:
+def run(policy: str, lanes: int, duration_s: float, ttft_slo_s: float, itl_slo_ms: float,
+        seed: int = 42) -> dict[str, float]:
     eng = EngineConfig()
-    wl = AgenticWorkloadConfig(lanes=lanes, duration_s=duration_s)
+    wl = AgenticWorkloadConfig(lanes=lanes, duration_s=duration_s, seed=seed)
     r = simulate_agentic(wl, eng, policy_chooser(policy, eng.dp_ranks, kv_capacity_tokens=eng.gpu_kv_tokens_per_rank))
     req = r.requests
     if len(req) == 0:
@@ -62,15 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo-s", type=float, default=10.0, help="TTFT bound of the SLO, s (default 10)")
     ap.add_argument("--itl-slo-ms", type=float, default=30.0, help="mean-ITL bound of the SLO, ms (default 30)")
     ap.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet it (0.9)")
+    ap.add_argument("--seed", type=int, default=42, help="workload seed (default 42, as the validate rows)")
     a = ap.parse_args(argv)
     pols = [p.strip() for p in a.policies.split(",") if p.strip()]
     print(f"SLO: TTFT <= {a.ttft_slo_s:g} s and mean ITL <= {a.itl_slo_ms:g} ms for >= {a.attainment:.0%} of "
-          f"requests; {a.duration_s:g} s measured per run; loads {LOADS}")
+          f"requests; {a.duration_s:g} s measured per run; workload seed {a.seed}; loads {LOADS}")
     res: dict[tuple[str, str], dict[str, float]] = {}
     for p in pols:
         for load, lanes in LOADS.items():
             t0 = time.time()
-            res[p, load] = m = run(p, lanes, a.duration_s, a.ttft_slo_s, a.itl_slo_ms)
+            res[p, load] = m = run(p, lanes, a.duration_s, a.ttft_slo_s, a.itl_slo_ms, a.seed)
             print(f"{p:20s} {load:5s} lanes {lanes:3d}  req/s {m['req_s']:.2f}  tok/s/GPU {m['tput_gpu']:8,.0f}  "
                   f"TTFT p50/p90/p99 {m['ttft50']:.2f}/{m['ttft90']:.2f}/{m['ttft99']:.2f} s  ITL p50 "
                   f"{m['itl50']:.1f} ms  latency {m['e2e']:.1f} s  hit {m['hit']:.3f}  SLO {m['att']:.1%}  "
