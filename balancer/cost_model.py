@@ -39,6 +39,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -57,7 +58,17 @@ class PrefillStepCost:
     per_group_token_s: float = 0.0
 
     def coef(self) -> np.ndarray:
+        """The coefficients in :data:`PREFILL_TERMS` order, shape ``(4,)``: a new array (the
+        caller may change it); :attr:`coef_view` is the same values, read-only and built once."""
         return np.array([self.overhead_s, self.per_token_s, self.per_attn_pair_s, self.per_group_token_s])
+
+    @cached_property
+    def coef_view(self) -> np.ndarray:
+        """:meth:`coef` built once per instance (the instance is frozen), read-only: the per-decision
+        hot path (``features @ coef_view``) does not rebuild it."""
+        c = self.coef()
+        c.flags.writeable = False
+        return c
 
     @classmethod
     def from_coef(cls, c: np.ndarray) -> PrefillStepCost:
@@ -340,6 +351,14 @@ def engine_groups(replicas: tuple) -> tuple[tuple[str, ...], np.ndarray, np.ndar
     return tuple(names), idx, rows
 
 
+def _columns(n: int, c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray | float) -> np.ndarray:
+    """``np.column_stack([c0, c1, c2, c3])`` (a scalar ``c3`` fills its column), shape ``(n, 4)``,
+    float64, C order: the same array without ``column_stack``'s Python-level work."""
+    out = np.empty((n, 4))
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = c0, c1, c2, c3
+    return out
+
+
 def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_tokens: np.ndarray,
                           cached_tokens: np.ndarray, cost: EngineCost, idx: np.ndarray,
                           rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -370,10 +389,9 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     steps = np.ceil(q_new / C)
     n = len(q)
     if not cost.ep_synchronous:
-        feats = np.column_stack([steps, q_new, a_new, np.zeros(n)])
-        return feats, np.zeros(n)
+        return _columns(n, steps, q_new, a_new, 0.0), np.zeros(n)
     if q[q.argmax()] <= 0 and a[a.argmax()] <= 0:  # an idle pool: each candidate's own rank is the slowest
-        return np.column_stack([steps, q_new, a_new, q_new]), np.zeros(n)
+        return _columns(n, steps, q_new, a_new, q_new), np.zeros(n)
     X = steps * C
     w = c.per_token_s * q + c.per_attn_pair_s * a
     w_new = c.per_token_s * q_new + c.per_attn_pair_s * a_new
