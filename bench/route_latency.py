@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,7 +123,7 @@ class _EventFeeder:
 
 
 def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
-          kv_events_per_s: float = 0.0) -> tuple[float, float, float]:
+          kv_events_per_s: float = 0.0, in_flight: int = 0, clock_name: str = "wall") -> tuple[float, float, float]:
     """p50 and p99 decision latency (us) and the index fill (held / capacity) when measured.
 
     Warm-up first routes (and finishes) requests until every replica's index is full or
@@ -130,6 +131,9 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
     long-running router (LRU eviction on every insert, no dict growth), not a growing index.
     With ``kv_events_per_s`` > 0: events mode, the warm-up also applies as many KV events, and a
     thread applies events at that rate while the decisions are measured (module docstring).
+    ``in_flight``: requests kept dispatched (the oldest finishes when one more is routed; 0: each
+    finishes at once, an idle pool). ``clock_name``: ``"wall"`` (``perf_counter``) or ``"cpu"``
+    (``thread_time``: this thread's CPU time, blind to the host preempting it).
     """
     events = kv_events_per_s > 0
     router = Router(policy, policy, block_size=BLOCK, index_capacity_blocks=INDEX_CAPACITY_BLOCKS, seed=0,
@@ -143,16 +147,23 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
     n_warm = min(MAX_WARM, max(n, 3 * replicas * INDEX_CAPACITY_BLOCKS // blocks))
     warm = make_requests(n_warm, prompt_tokens, seed=1)
     feeder = _EventFeeder(router, reps, [r.block_hashes for r in warm], kv_events_per_s or 1.0)
+    pending: deque[str] = deque()
+
+    def finish_some(now_s: float) -> None:
+        while len(pending) > in_flight:
+            router.on_finished(pending.popleft(), now_s)
+
     for r in warm:
         router.route(r, 0.0)
-        router.on_finished(r.request_id, 0.0)
+        pending.append(r.request_id)
+        finish_some(0.0)
         if events:
             feeder.event()
     fill = router.index.num_blocks() / (2 * replicas * INDEX_CAPACITY_BLOCKS)
     reqs = [Request("m" + r.request_id, 0.0, r.prompt_tokens, r.block_hashes, 128, 128)
             for r in make_requests(n, prompt_tokens, seed=2)]
     lat = np.empty(n)
-    clock = time.perf_counter
+    clock = time.perf_counter if clock_name == "wall" else time.thread_time
     feeder.start()
     for k, r in enumerate(reqs):
         if events:
@@ -160,19 +171,20 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
         t0 = clock()
         router.route(r, 1.0)
         lat[k] = clock() - t0
-        router.on_finished(r.request_id, 1.0)
+        pending.append(r.request_id)
+        finish_some(1.0)
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6), fill
 
 
 def bench_in(tree: str | None, policy: str, replicas: int, prompt_tokens: int, n: int,
-             kv_events_per_s: float) -> tuple[float, float, float]:
+             kv_events_per_s: float, in_flight: int, clock_name: str) -> tuple[float, float, float]:
     """:func:`bench` in a fresh process measuring ``tree``'s ``balancer`` (None: this checkout's)."""
     env = dict(os.environ)
     env.pop(TREE_ENV, None)
     if tree:
         env[TREE_ENV] = str(Path(tree).resolve())
     out = subprocess.run([sys.executable, __file__, "--one", json.dumps([policy, replicas, prompt_tokens, n,
-                                                                         kv_events_per_s])],
+                                                                         kv_events_per_s, in_flight, clock_name])],
                          env=env, check=True, capture_output=True, text=True).stdout
     p50, p99, fill = json.loads(out.strip().splitlines()[-1])
     return p50, p99, fill
@@ -182,7 +194,7 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
     """This checkout against ``--against``, interleaved rounds; medians and ratios (this / that)."""
     print(f"this checkout vs {args.against} (medians of {args.rounds} interleaved rounds, each its own process"
           + (f"; KV events {args.kv_events_per_s:g}/s, events mode" if args.kv_events_per_s else "; approximate mode")
-          + ")")
+          + f"; {args.in_flight} requests in flight; {args.clock} clock)")
     print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'base p50':>10}{'base p99':>10}"
           f"{'p50 ratio':>11}{'p99 ratio':>11}")
     for replicas in args.replica_counts:
@@ -190,8 +202,9 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
             for policy in policies:
                 ours, base = [], []
                 for _ in range(args.rounds):
-                    base.append(bench_in(args.against, policy, replicas, prompt, args.requests, args.kv_events_per_s))
-                    ours.append(bench_in(None, policy, replicas, prompt, args.requests, args.kv_events_per_s))
+                    conf = (args.requests, args.kv_events_per_s, args.in_flight, args.clock)
+                    base.append(bench_in(args.against, policy, replicas, prompt, *conf))
+                    ours.append(bench_in(None, policy, replicas, prompt, *conf))
                 o50, o99 = (statistics.median(x[i] for x in ours) for i in (0, 1))
                 b50, b99 = (statistics.median(x[i] for x in base) for i in (0, 1))
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{o50:>9.1f}{o99:>9.1f}{b50:>10.1f}{b99:>10.1f}"
@@ -251,14 +264,17 @@ def main() -> int:
                     help="events mode with R KV events per second applied concurrently (default 0: approximate mode)")
     ap.add_argument("--against", metavar="DIR", help="another checkout to measure in the same run (ratios this / DIR)")
     ap.add_argument("--rounds", type=int, default=3, help="with --against: interleaved rounds (default 3)")
+    ap.add_argument("--in-flight", type=int, default=0, metavar="N",
+                    help="requests kept in flight, so that policies see load (default 0: each finishes at once)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter (default); cpu: the thread's CPU time, blind to preemption on a busy host")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child process of --against: one JSON configuration
     args = ap.parse_args()
     if args.one:
-        policy, replicas, prompt, n, rate = json.loads(args.one)
-        print(json.dumps(bench(policy, replicas, prompt, n, rate)))
+        print(json.dumps(bench(*json.loads(args.one))))
         return 0
-    if args.requests < 1 or args.rounds < 1 or args.kv_events_per_s < 0:
-        ap.error("--requests and --rounds must be >= 1, --kv-events-per-s >= 0")
+    if args.requests < 1 or args.rounds < 1 or args.kv_events_per_s < 0 or args.in_flight < 0:
+        ap.error("--requests and --rounds must be >= 1, --kv-events-per-s and --in-flight >= 0")
     args.replica_counts = [int(x) for x in args.replicas.split(",")]
     args.prompt_sizes = [int(x) for x in args.prompts.split(",")]
     policies = [p for p in args.policies.split(",") if p] or available_policies()
@@ -269,14 +285,16 @@ def main() -> int:
         compare(args, policies)
         return 0
     rate = args.kv_events_per_s
-    print("events mode, KV events applied concurrently at %g/s" % rate if rate else "approximate mode (no KV events)")
+    print(("events mode, KV events applied concurrently at %g/s" % rate if rate else "approximate mode (no KV events)")
+          + f"; {args.in_flight} requests in flight; {args.clock} clock")
+    conf = (args.requests, rate, args.in_flight, args.clock)
     print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p99 / round_robin':>19}"
           f"{'index fill':>12}")
     for replicas in args.replica_counts:
         for prompt in args.prompt_sizes:
-            base = bench("round_robin", replicas, prompt, args.requests, rate)
+            base = bench("round_robin", replicas, prompt, *conf)
             for policy in policies:
-                p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, args.requests, rate)
+                p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, *conf)
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{p50:>9.1f}{p99:>9.1f}{p99 / base[1]:>19.2f}"
                       f"{100 * fill:>11.0f}%")
     print()
