@@ -179,7 +179,8 @@ class Cluster:
                 for d in range(pool.dp_ranks):
                     rep = ReplicaId(f"{name}-{e}", d)
                     rank = Rank(rep, len(self.ranks), role, cap_blocks, scenario.block_size,
-                                pool.max_prefill_tokens, pool.max_decode_batch)
+                                pool.max_prefill_tokens, pool.max_decode_batch,
+                                share_prompt_blocks=scenario.kv_accounting == "shared")
                     rank.hit_multiple_tokens = hit_multiple
                     self.ranks.append(rank)
                     self._perf_of.append(perf)

@@ -202,6 +202,15 @@ class Scenario(BaseModel):
         max_model_len: most prompt + output tokens an engine accepts; longer requests are
             rejected at arrival (counted in the summary's ``num_rejected``), as real engines
             refuse them. ``None`` = the model's default (:data:`DEFAULT_MAX_MODEL_LEN`).
+        kv_accounting: how a mixed (aggregated) rank counts the KV of running sequences against
+            its prefix cache. ``"reserve"``: a sequence reserves blocks for its whole prompt +
+            output at admission, apart from the cache, which also gets its prompt blocks (as most
+            recently used) when its prefill ends, so a running prompt's blocks count twice.
+            ``"shared"`` (vLLM's and SGLang's paged KV): its prompt blocks are the cache's,
+            counted once and pinned (not evictable) while it runs, and it reserves only the blocks
+            beyond them (output); when it finishes they become evictable as the most recently
+            used. Both reserve the output at admission (no preemption). Prefill and decode ranks
+            (PD) are the same under both.
 
     All counts must be integers and all numbers finite; sizes are bounded (:data:`MAX_RANKS`
     DP ranks in all, ...), so that no scenario can hang or exhaust memory.
@@ -231,6 +240,7 @@ class Scenario(BaseModel):
     long_prefill: PoolConfig | None = None
     long_prompt_threshold_tokens: int = Field(32768, ge=1)
     max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS)
+    kv_accounting: Literal["reserve", "shared"] = "shared"
 
     @property
     def effective_max_model_len(self) -> int:
