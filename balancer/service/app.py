@@ -41,12 +41,14 @@ from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web, web_protocol, web_server
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from balancer.policies import make_policy
 from balancer.router import Router
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
+from balancer.service.log_limit import RateLimitedLog
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
@@ -245,8 +247,10 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
     except asyncio.CancelledError:
         status = 499  # client closed the connection
         raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+    except Exception:  # a bug: its traceback, at most once per 10 s (clients could repeat it at will)
+        if CLIENT_ERRORS_LOG.log(logging.ERROR, "unhandled", time.monotonic(), "unhandled error on %s %s",
+                                 request.method, request.path[:200]):
+            log.error("traceback of the error above", exc_info=True)
         return error_response(500, "internal router error")
     finally:
         svc.metrics.request_done(endpoint, status, time.monotonic() - t0)
@@ -270,12 +274,27 @@ def _declared_too_large(request: web.Request, svc: Service) -> web.Response | No
     return resp
 
 
+def _compressed(request: web.Request) -> web.Response | None:
+    """415 for a request body with a ``Content-Encoding`` other than ``identity`` (gzip, deflate,
+    br, anything), on a connection closed after the answer (its body is never read): the router
+    never inflates a client's body, as Envoy and NGINX do not by default (a 30 KB gzip inflates to
+    a 30 MiB prompt; inflating is CPU and memory a client spends of the router's). ``pdlb serve``'s
+    runner does not decompress request bodies either (:func:`make_runner`)."""
+    enc = request.headers.get(hdrs.CONTENT_ENCODING)
+    if enc is None or enc.strip().lower() in ("", "identity"):
+        return None
+    resp = error_response(415, f"Content-Encoding {enc[:40]!r} is not accepted: send the request body uncompressed")
+    resp.headers["Accept-Encoding"] = "identity"
+    resp.force_close()
+    return resp
+
+
 async def _expect_continue(request: web.Request) -> None:
     """The generation and admin routes' ``Expect`` handler: no ``100 Continue`` for a declared body
     over ``max_body_bytes`` (the handler then answers 413 at once, through the middleware, and the
     client never sends the body); otherwise as aiohttp's default handler: ``100 Continue`` for
     ``100-continue`` on HTTP/1.1, 417 for another expectation."""
-    if _declared_too_large(request, request.app[SERVICE]) is not None:
+    if _declared_too_large(request, request.app[SERVICE]) is not None or _compressed(request) is not None:
         return
     expect = request.headers.get(hdrs.EXPECT, "")
     if request.version == aiohttp.HttpVersion11:
@@ -290,6 +309,8 @@ async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, 
     too_large = _declared_too_large(request, svc)
     if too_large is not None:
         return too_large, b""
+    if (refused := _compressed(request)) is not None:
+        return refused, b""
     try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size (a chunked body, say)
         if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
             raw = await request.read()
@@ -397,7 +418,13 @@ def admin_denied(request: web.Request, api_key: str | None) -> web.Response | No
     """``None`` if the request may use the admin API, else the 401/403 error response."""
     if api_key:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        # header bytes that are not UTF-8 arrive as surrogates (aiohttp decodes with
+        # surrogateescape): encoded back the same way, any malformed credential is a plain 401
+        try:
+            ok = hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {api_key}".encode())
+        except UnicodeError:  # lone surrogates from another decoder: not the key either
+            ok = False
+        if not ok:
             return error_response(401, "admin API: missing or wrong bearer token", "authentication_error")
         return None
     if is_loopback(request.remote):
@@ -576,10 +603,11 @@ def _install_kv_feed(svc: Service, started: tuple[Any, Any] | None) -> None:
 def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
     """The :class:`aiohttp.web.AppRunner` for ``app``: handler cancellation (a client disconnect
     aborts both PD legs), no access log, ``client_idle_timeout_s`` as the keep-alive timeout (it
-    also closes a connection whose headers never complete: slowloris), graceful shutdown for
+    also closes a connection whose headers never complete: slowloris), no decompression of request
+    bodies (a compressed one gets 415 unread, :func:`_compressed`), graceful shutdown for
     ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
     return _RouterRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
-                         keepalive_timeout=cfg.client_idle_timeout_s)
+                         keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
 
 
 class _RouterRunner(web.AppRunner):
@@ -594,9 +622,25 @@ class _RouterRunner(web.AppRunner):
         server.request_handler = _fast_path(self.app, server.request_handler)
 
 
+CLIENT_ERRORS_LOG = RateLimitedLog(log, interval_s=10.0)
+"""What clients can trigger at will is logged through this: one short line per kind per 10 s,
+with a count of the lines left out (malformed HTTP, unexpected errors)."""
+
+
 class _JsonErrorHandler(web_protocol.RequestHandler):
     """aiohttp's connection handler, answering HTTP parser errors (bad request line, headers,
-    chunked encoding) with an OpenAI-style JSON error instead of text/plain."""
+    chunked encoding) with an OpenAI-style JSON error instead of text/plain, and logging them as
+    one short line per 10 s at most (:data:`CLIENT_ERRORS_LOG`), not one traceback each."""
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        now = time.monotonic()
+        if isinstance(exc, HttpProcessingError):  # the client's malformed request: no traceback
+            CLIENT_ERRORS_LOG.log(logging.INFO, "http_parser", now, "malformed HTTP request: %s",
+                                  str(exc.message if isinstance(exc.message, str) else exc).replace("\n", " ")[:200])
+        elif CLIENT_ERRORS_LOG.log(logging.ERROR, "connection_handler", now, "%s",
+                                   str(args[0] if args else "error in the connection handler")[:200]):
+            self.logger.error("traceback of the error above", exc_info=exc)
 
     def handle_error(self, request, status=500, exc=None, message=None):  # noqa: ANN001, ANN201
         resp = super().handle_error(request, status, exc, message)  # logs; raises if already sent

@@ -96,6 +96,10 @@ _FAULTS: contextvars.ContextVar[_RequestFaults | None] = contextvars.ContextVar(
 
 TOKENIZE_IN_THREAD_CHARS = 4096
 """Text prompts at least this long (characters) are tokenised in a worker thread."""
+MAX_SSE_LINE_BYTES = 4 * 1024 * 1024
+"""Longest line of a relayed event stream the router holds back while swapping request ids (an
+SSE event with 20 log-probabilities per token is a few KB); a longer one ends the stream with a
+502 error event and counts as a failure of the engine (kind ``sse_line_too_long``)."""
 PREFILL_BLAME_GRACE_S = 2.0
 """After an SGLang decode leg failed while its prefill leg was still running: how long to wait for
 the prefill leg's outcome to decide which worker to charge (a decode leg whose prefill failed
@@ -109,6 +113,9 @@ class _RequestFaults:
 
     failed: set[str] = field(default_factory=set)
     charged: set[str] = field(default_factory=set)
+    #: the current attempt's legs still waiting for their first byte, by URL: charged to their
+    #: workers if the request times out meanwhile (a wedged engine that passes health checks)
+    waiting: dict[str, Worker] = field(default_factory=dict)
 
 
 STREAM_STATUS: web.RequestKey[int] = web.RequestKey("pdlb_stream_status", int)
@@ -180,6 +187,7 @@ class _Ctx:
     resp: web.StreamResponse | None = None
     visible_id: str = ""  # the request id the client sees
     upstream_id: str = ""  # the current attempt's id at the engines
+    max_out: int | None = None  # the output-token limit (bounds a non-streamed decode leg)
 
 
 @dataclass
@@ -207,6 +215,53 @@ def _relayed_headers(resp: LegResponse, default_type: str) -> dict[str, str]:
     return out
 
 
+class _LineTooLong(Exception):
+    """An upstream SSE line grew past :data:`MAX_SSE_LINE_BYTES` without a newline."""
+
+
+class _SwapLines:
+    """The request-id swap of a relayed event stream, line by line: :meth:`feed` returns the
+    complete lines received so far with the upstream id replaced by the client's, and holds back
+    the incomplete last line (the id could be split across chunks). The held bytes are kept as a
+    list of chunks, joined once when their line completes, so a line of ``n`` bytes costs O(n)
+    whatever its chunking (issue 25 item 6: re-joining per chunk was quadratic), and at most
+    :data:`MAX_SSE_LINE_BYTES` are held (:class:`_LineTooLong` beyond)."""
+
+    __slots__ = ("swap", "held", "held_bytes")
+
+    def __init__(self, swap: tuple[bytes, bytes]) -> None:
+        self.swap = swap
+        self.held: list[bytes] = []
+        self.held_bytes = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        cut = chunk.rfind(b"\n") + 1
+        if cut == 0:
+            self.held_bytes += len(chunk)
+            if self.held_bytes > MAX_SSE_LINE_BYTES:
+                raise _LineTooLong
+            if chunk:
+                self.held.append(chunk)
+            return b""
+        if self.held:
+            self.held.append(chunk[:cut])
+            out = b"".join(self.held)
+        else:
+            out = chunk[:cut] if cut < len(chunk) else chunk
+        tail = chunk[cut:]
+        self.held = [tail] if tail else []
+        self.held_bytes = len(tail)
+        if self.held_bytes > MAX_SSE_LINE_BYTES:
+            raise _LineTooLong
+        return out.replace(*self.swap)
+
+    def rest(self) -> bytes:
+        """The held incomplete line, id swapped (the stream ended without its newline)."""
+        out = b"".join(self.held).replace(*self.swap)
+        self.held, self.held_bytes = [], 0
+        return out
+
+
 class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
@@ -227,12 +282,9 @@ class Proxy:
         #: request "model" -> chain root, for the LoRA adapters named in cfg.lora_adapters
         self._lora_roots = {name: chain_root(name) for name in cfg.lora_adapters}
         self.rng = random.Random(cfg.seed)
-        # request ids and bootstrap rooms must not collide across router processes in front of the
-        # same engines: a per-process random id prefix and a room generator seeded from the OS
-        # (one urandom call at start instead of one per request)
+        # bootstrap rooms must not collide across router processes in front of the same engines: a
+        # room generator seeded from the OS (one urandom call at start instead of one per request)
         self._room_rng = random.Random(secrets.randbits(128))
-        self._id_prefix = f"pdlb-{secrets.token_hex(6)}-"
-        self._client_ids = itertools.count()
         self._ids = itertools.count()
         self._no_prefill = False  # the last attempt found no routable prefill worker (logged once)
         self.background: set[asyncio.Task] = set()
@@ -267,7 +319,7 @@ class Proxy:
             return error_response(400, f"the prompt ({n_tokens} tokens{'' if prompt.token_ids else ', estimated'}) plus "
                                        f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")
         visible_id = client_id if client_id is not None else self.new_upstream_id()
-        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id)
+        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out)
         attempt = 0
         faults = _RequestFaults()
         faults_token = _FAULTS.set(faults)
@@ -278,9 +330,11 @@ class Proxy:
                     # the router's own id at the engines, new per attempt (the first attempt of a
                     # request without a client id uses the id the client will see)
                     ctx.upstream_id = visible_id if attempt == 0 and client_id is None else self.new_upstream_id()
+                    faults.waiting.clear()  # the last attempt's legs were aborted
                     try:
                         result = await self._attempt(ctx, ctx.upstream_id, n_tokens, hashes, max_out)
                     except Failure as f:
+                        faults.waiting.clear()  # the attempt's other legs were aborted
                         if f.worker is not None:
                             self._failed(f.worker, f.kind, charge=f.charge == "now")
                         if f.charge == "deferred":
@@ -304,6 +358,8 @@ class Proxy:
                         return result
         except TimeoutError:
             msg = f"request timed out after {cfg.request_timeout_s:g} s"
+            for w in list(faults.waiting.values()):  # legs that never answered: their engines' fault
+                self._failed(w, "request_timeout")
             if ctx.resp is not None:  # already streaming: end the stream with an error event
                 await self._stream_error(ctx, 504, msg)
                 return ctx.resp
@@ -314,8 +370,10 @@ class Proxy:
             _FAULTS.reset(faults_token)
 
     def new_upstream_id(self) -> str:
-        """A request id of this router process, unique per attempt: ``pdlb-<12 random hex>-<n>``."""
-        return f"{self._id_prefix}{next(self._client_ids)}"
+        """A new request id, unique per attempt and unguessable: ``pdlb-<24 hex digits>`` from the
+        OS's random source (96 bits; no counter, so an id tells a client nothing of the others'
+        traffic, and no router process repeats another's)."""
+        return f"pdlb-{secrets.token_hex(12)}"
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based), with jitter."""
@@ -389,9 +447,9 @@ class Proxy:
             extra: dict[str, Any] = {"rid": upstream_id} if cfg.pd_protocol == "sglang" or "rid" in ctx.body else {}
             self._dp_rank(extra, headers, d, route.decode.dp_rank)
             legs.started.append((d, upstream_id))
-            deadline = self._first_byte_deadline(ctx.stream)
+            deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
             d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, extra), headers, legs, deadline,
-                                      stream=ctx.stream)
+                                      stream=ctx.stream, max_out=ctx.max_out)
             return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
         p = self._worker(route.prefill.engine)
         if cfg.pd_protocol == "sglang":
@@ -417,12 +475,13 @@ class Proxy:
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started += [(p, upstream_id), (d, upstream_id)]
-        d_deadline = self._first_byte_deadline(ctx.stream)
+        d_deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
         p_data = encode_with(ctx.raw, ctx.body, p_extra)
         # the same bytes for both legs unless their DP ranks differ
         d_data = p_data if p_extra == d_extra else encode_with(ctx.raw, ctx.body, d_extra)
         p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs, prefill=True))
-        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream))
+        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream,
+                                                max_out=ctx.max_out))
         legs.tasks += [p_task, d_task]
         pending: set[asyncio.Task] = {p_task, d_task}
         while d_task in pending:
@@ -491,12 +550,22 @@ class Proxy:
         d_headers = self._headers(upstream_id)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         legs.started.append((d, upstream_id))
-        deadline = self._first_byte_deadline(ctx.stream)
+        deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
         d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, d_extra), d_headers, legs, deadline,
-                                  stream=ctx.stream)
+                                  stream=ctx.stream, max_out=ctx.max_out)
         return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     # ------------------------------------------------------------------ upstream I/O
+    @staticmethod
+    def _waiting(w: Worker, waiting: bool) -> None:
+        """Mark a leg on ``w`` as waiting for its first byte (or no longer)."""
+        faults = _FAULTS.get()
+        if faults is not None:
+            if waiting:
+                faults.waiting[w.url] = w
+            else:
+                faults.waiting.pop(w.url, None)
+
     def _failed(self, w: Worker, kind: str, charge: bool = True) -> None:
         """Count a failure of ``w`` in the metrics, keep the current request's retries off it and,
         with ``charge``, count it against its circuit breaker (at most once per client request)."""
@@ -517,27 +586,35 @@ class Proxy:
         if self.pool.get(w.url) is w:  # not removed meanwhile
             self.pool.record_result(w, False, time.monotonic())
 
-    def _first_byte_timeout(self, stream: bool = False) -> tuple[str, float] | None:
+    def _first_byte_timeout(self, stream: bool = False, max_out: int | None = None) -> tuple[str, float] | None:
         """``(setting, seconds)`` bounding a leg's first byte: ``first_byte_timeout_s``, else for a
-        streamed decode leg ``stream_first_chunk_timeout_s``; ``None``: unbounded."""
-        if self.cfg.first_byte_timeout_s is not None:
-            return "first_byte_timeout_s", self.cfg.first_byte_timeout_s
-        if stream and self.cfg.stream_first_chunk_timeout_s is not None:
-            return "stream_first_chunk_timeout_s", self.cfg.stream_first_chunk_timeout_s
+        streamed decode leg ``stream_first_chunk_timeout_s``, else for a non-streamed decode leg
+        asking for ``max_out`` output tokens ``nonstream_timeout_s + max_out *
+        nonstream_timeout_per_token_s`` (its whole answer); ``None``: unbounded."""
+        cfg = self.cfg
+        if cfg.first_byte_timeout_s is not None:
+            return "first_byte_timeout_s", cfg.first_byte_timeout_s
+        if stream:
+            if cfg.stream_first_chunk_timeout_s is not None:
+                return "stream_first_chunk_timeout_s", cfg.stream_first_chunk_timeout_s
+        elif max_out is not None and cfg.nonstream_timeout_s is not None:
+            return ("nonstream_timeout_s + max_tokens * nonstream_timeout_per_token_s",
+                    cfg.nonstream_timeout_s + max_out * cfg.nonstream_timeout_per_token_s)
         return None
 
-    def _first_byte_deadline(self, stream: bool = False) -> float | None:
+    def _first_byte_deadline(self, stream: bool = False, max_out: int | None = None) -> float | None:
         """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
-        t = self._first_byte_timeout(stream)
+        t = self._first_byte_timeout(stream, max_out)
         return None if t is None else asyncio.get_running_loop().time() + t[1]
 
-    def _first_byte_failure(self, w: Worker, stream: bool = False) -> Failure:
-        name, t = self._first_byte_timeout(stream) or ("first_byte_timeout_s", float("nan"))
-        return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
+    def _first_byte_failure(self, w: Worker, stream: bool = False, max_out: int | None = None) -> Failure:
+        name, t = self._first_byte_timeout(stream, max_out) or ("first_byte_timeout_s", float("nan"))
+        return Failure(504, f"worker {w.url} sent no response within {name} = {t:g} s", True, "first_byte_timeout",
                        worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
-                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False) -> LegResponse:
+                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False,
+                    max_out: int | None = None) -> LegResponse:
         """POST ``body`` (a JSON object, or its encoding) and wait for the response headers (until
         ``deadline``, event-loop time; ``True``: ``first_byte_timeout_s`` from now; ``None``: no
         deadline); non-2xx answers and a missed deadline become :class:`Failure` (naming ``w``;
@@ -547,6 +624,7 @@ class Proxy:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         # the lean client speaks plain HTTP: https workers use the aiohttp session
         client = self.client if w.url[4] == ":" else self.session
+        self._waiting(w, True)  # until its first byte (cleared on an answer or a failure, kept if cancelled)
         try:
             if deadline is None:
                 resp = await client.post(w.endpoint(path), data=data, headers=headers)
@@ -556,10 +634,14 @@ class Proxy:
                 async with asyncio.timeout_at(deadline):
                     resp = await client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
-            raise self._first_byte_failure(w, stream) from None
+            self._waiting(w, False)
+            raise self._first_byte_failure(w, stream, max_out) from None
         except (aiohttp.ClientError, OSError) as e:
+            self._waiting(w, False)
             raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
                           worker=w, charge="now") from None
+        if not stream or resp.status >= 400:  # a streamed decode leg waits for its first chunk (_relay)
+            self._waiting(w, False)
         legs.responses.append(resp)
         if resp.status >= 400:
             try:
@@ -627,7 +709,13 @@ class Proxy:
         swap = self._rewriter(ctx, d_resp)
         if not ctx.stream:
             try:
-                data = await self._read_all(d, d_resp)
+                if deadline is None:
+                    data = await self._read_all(d, d_resp)
+                else:  # the answer in full, not only its headers, by the deadline
+                    async with asyncio.timeout_at(deadline):
+                        data = await self._read_all(d, d_resp)
+            except TimeoutError:
+                raise self._blame(legs, self._first_byte_failure(d, ctx.stream, ctx.max_out)) from None
             except Failure as f:
                 raise self._blame(legs, f) from None
             self.router.on_first_token(router_id, time.monotonic())
@@ -647,10 +735,13 @@ class Proxy:
         except StopAsyncIteration:
             first = b""
         except TimeoutError:
-            raise self._blame(legs, self._first_byte_failure(d, ctx.stream)) from None
+            self._waiting(d, False)
+            raise self._blame(legs, self._first_byte_failure(d, ctx.stream, ctx.max_out)) from None
         except (aiohttp.ClientError, OSError) as e:
+            self._waiting(d, False)
             raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
                                             True, "read", worker=d, charge="now")) from None
+        self._waiting(d, False)
         now = time.monotonic()
         self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
         self.router.on_first_token(router_id, now)
@@ -660,45 +751,48 @@ class Proxy:
         resp = web.StreamResponse(status=d_resp.status, headers=headers)
         ctx.resp = resp
         await resp.prepare(ctx.request)
-        held = b""  # with id swapping: the last chunk's incomplete line (SSE events end in newlines)
-        if swap is not None:
-            first, held = self._swap_lines(first, swap)
-        if first:
-            await resp.write(first)
+        # with id swapping: the incomplete last line is held back (SSE events end in newlines)
+        lines = _SwapLines(swap) if swap is not None else None
         events = first.count(b"data: ")
-        while True:
-            try:
-                chunk = await it.__anext__()
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientError, OSError) as e:
-                failed = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
-                if failed.worker is not None:
-                    self._failed(failed.worker, "mid_stream")
-                if held and swap is not None:  # (held is only ever set when swapping)
-                    await resp.write(held.replace(*swap))
-                await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
-                self._abort(legs)
-                legs.done = True
-                return resp
-            events += chunk.count(b"data: ")
-            if swap is not None:
-                chunk, held = self._swap_lines(held + chunk, swap)
-            if chunk:
-                await resp.write(chunk)
+        try:
+            if lines is not None:
+                first = lines.feed(first)
+            if first:
+                await resp.write(first)
+            while True:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, OSError) as e:
+                    failed = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
+                    if failed.worker is not None:
+                        self._failed(failed.worker, "mid_stream")
+                    if lines is not None and (rest := lines.rest()):
+                        await resp.write(rest)
+                    await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
+                    self._abort(legs)
+                    legs.done = True
+                    return resp
+                events += chunk.count(b"data: ")
+                if lines is not None:
+                    chunk = lines.feed(chunk)
+                if chunk:
+                    await resp.write(chunk)
+        except _LineTooLong:
+            self._failed(d, "sse_line_too_long")
+            await self._stream_error(ctx, 502, f"worker {d.url} sent an SSE line over {MAX_SSE_LINE_BYTES} bytes")
+            self._abort(legs)
+            legs.done = True
+            return resp
         legs.output_tokens = max(events - 1, 0)
         d_resp.release()
-        if held and swap is not None:
-            await resp.write(held.replace(*swap))
+        if lines is not None and (rest := lines.rest()):
+            await resp.write(rest)
         await resp.write_eof()
         self.pool.record_result(d, True, time.monotonic())
         return resp
 
-    @staticmethod
-    def _swap_lines(data: bytes, swap: tuple[bytes, bytes]) -> tuple[bytes, bytes]:
-        """``(complete lines of data with the id swapped, the incomplete last line)``."""
-        cut = data.rfind(b"\n") + 1
-        return data[:cut].replace(*swap), data[cut:]
 
     async def _stream_error(self, ctx: _Ctx, status: int, message: str) -> None:
         """End a started stream with an SSE error event; the request counts with ``status`` (not
