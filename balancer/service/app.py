@@ -32,6 +32,7 @@ cancels the handler and aborts both PD legs. On shutdown the app stops taking ne
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import ipaddress
 import logging
@@ -47,6 +48,7 @@ from pydantic import ValidationError
 
 from balancer.policies import make_policy
 from balancer.router import Router
+from balancer.service.body_offload import MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.log_limit import RateLimitedLog
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
@@ -61,6 +63,9 @@ from balancer.validation import format_validation_error
 log = logging.getLogger("pdlb.service")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+
+GC_AFTER_LARGE_BYTES = 1024 * 1024
+"""Bytes of large request bodies after which :meth:`Service.after_large_body` collects garbage."""
 
 COST_MODEL_POLICIES = frozenset({"ep_aware"})
 """Policies that read the router's cost model (``SelectContext.cost_model``). ``learn_cost_model``
@@ -124,6 +129,11 @@ class Service:
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight: int = 0
+        #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
+        self.offload = BodyOffload(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
+                                   cfg.max_tokens_limit, cfg.default_max_tokens)
+        self._large_bytes_since_gc = 0
+        self._last_gc_s = float("-inf")
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -200,6 +210,19 @@ class Service:
         except OSError as e:
             log.warning("KV event stats not written: %s", e)
 
+    def after_large_body(self, nbytes: int, now_s: float | None = None) -> None:
+        """A request with a large body (``nbytes``) ended: once such bodies add up to
+        :data:`GC_AFTER_LARGE_BYTES` and a second has passed since the last time, collect the young
+        generations now, so that a failed request's reference cycles (exceptions, tracebacks and
+        frames that hold the body) free it within seconds rather than after thousands of other
+        requests (``pdlb serve`` raises the young generation's threshold: :func:`~balancer.service.cli.tune_gc`)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        self._large_bytes_since_gc += nbytes
+        if self._large_bytes_since_gc >= GC_AFTER_LARGE_BYTES and now_s - self._last_gc_s >= 1.0:
+            self._large_bytes_since_gc = 0
+            self._last_gc_s = now_s
+            gc.collect(1)
+
     def process_info(self) -> dict[str, int]:
         return {"index": self.process_index, "count": self.processes, "pid": os.getpid()}
 
@@ -213,6 +236,8 @@ class Service:
 
 
 SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+"""Largest ``POST /workers`` body (a worker's config is well under 1 KB); larger gets 413."""
 
 
 # ---------------------------------------------------------------------- middleware
@@ -258,18 +283,20 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
 
 # ---------------------------------------------------------------------- handlers
 async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
-    body, _ = await _read_json_raw(request, request.app[SERVICE])
+    body, _ = await _read_json_raw(request, request.app[SERVICE], MAX_ADMIN_BODY_BYTES)
     return body
 
 
-def _declared_too_large(request: web.Request, svc: Service) -> web.Response | None:
-    """413 at once for a request whose ``Content-Length`` is over ``max_body_bytes`` (without it,
-    the router would wait up to ``body_read_timeout_s`` for a body it is going to refuse, holding
-    the connection), on a connection closed after the answer (its body is never read)."""
+def _declared_too_large(request: web.Request, svc: Service, limit: int | None = None) -> web.Response | None:
+    """413 at once for a request whose ``Content-Length`` is over ``max_body_bytes`` (or the
+    route's lower ``limit``; without it, the router would wait up to ``body_read_timeout_s`` for a
+    body it is going to refuse, holding the connection), on a connection closed after the answer
+    (its body is never read)."""
     declared = request.content_length
-    if declared is None or declared <= svc.cfg.max_body_bytes:
+    limit = svc.cfg.max_body_bytes if limit is None else min(limit, svc.cfg.max_body_bytes)
+    if declared is None or declared <= limit:
         return None
-    resp = error_response(413, f"request body too large (limit {svc.cfg.max_body_bytes} bytes)")
+    resp = error_response(413, f"request body too large (limit {limit} bytes)")
     resp.force_close()
     return resp
 
@@ -304,13 +331,14 @@ async def _expect_continue(request: web.Request) -> None:
         request.writer.output_size = 0  # the response's own bytes start after it
 
 
-async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, Any] | web.Response, bytes]:
-    """The parsed JSON object body (or the 400 / 408 / 413 response) and the raw bytes."""
-    too_large = _declared_too_large(request, svc)
+async def _read_raw(request: web.Request, svc: Service, limit: int | None = None) -> bytes | web.Response:
+    """The raw body, or the 408 / 413 / 415 response (``limit``: a lower bound than
+    ``max_body_bytes`` for this route, in bytes)."""
+    too_large = _declared_too_large(request, svc, limit)
     if too_large is not None:
-        return too_large, b""
+        return too_large
     if (refused := _compressed(request)) is not None:
-        return refused, b""
+        return refused
     try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size (a chunked body, say)
         if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
             raw = await request.read()
@@ -319,14 +347,33 @@ async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, 
                 raw = await request.read()
     except TimeoutError:
         return error_response(408, "request body not received within body_read_timeout_s="
-                                   f"{svc.cfg.body_read_timeout_s:g} s", "timeout"), b""
+                                   f"{svc.cfg.body_read_timeout_s:g} s", "timeout")
+    if limit is not None and len(raw) > limit:
+        return error_response(413, f"request body too large (limit {limit} bytes)")
+    return raw
+
+
+async def _read_json_raw(request: web.Request, svc: Service, limit: int | None = None
+                         ) -> tuple[dict[str, Any] | web.Response, bytes]:
+    """The parsed JSON object body (or the 400 / 408 / 413 / 415 response) and the raw bytes."""
+    raw = await _read_raw(request, svc, limit)
+    if type(raw) is not bytes:
+        assert isinstance(raw, web.Response)
+        return raw, b""
+    return _parse_json_object(raw), raw
+
+
+def _parse_json_object(raw: bytes) -> dict[str, Any] | web.Response:
+    """The JSON object of ``raw`` (on the event loop: bodies under ``OFFLOAD_BODY_BYTES``), or the 400."""
     try:
         body = parse_json_body(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"invalid JSON body: {str(e)[:200]}"), raw
+        return error_response(400, f"invalid JSON body: {str(e)[:200]}")
     if not isinstance(body, dict):
-        return error_response(400, "the JSON body must be an object"), raw
-    return body, raw
+        return error_response(400, "the JSON body must be an object")
+    if len(body) > MAX_TOP_LEVEL_FIELDS:
+        return error_response(400, f"the JSON body has more than {MAX_TOP_LEVEL_FIELDS} top-level fields")
+    return body
 
 
 async def _generate(request: web.Request, svc: Service, endpoint: str) -> web.StreamResponse:
@@ -335,16 +382,42 @@ async def _generate(request: web.Request, svc: Service, endpoint: str) -> web.St
         return error_response(404, "/generate is SGLang's native API; not available with pd_protocol 'vllm'")
     if svc.draining:
         return error_response(503, "the router is shutting down")
-    body, raw = await _read_json_raw(request, svc)
-    if type(body) is not dict:  # the error response (an exact type check: cheaper than isinstance on the ABC)
-        assert isinstance(body, web.Response)
-        return body
-    assert svc.proxy is not None
-    svc.enter()
+    raw = await _read_raw(request, svc)
+    if type(raw) is not bytes:  # the error response (an exact type check: cheaper than isinstance)
+        assert isinstance(raw, web.Response)
+        return raw
+    pre = None
+    if len(raw) >= OFFLOAD_BODY_BYTES:  # parsed, checked and hashed in the worker process
+        svc.enter()  # counted in flight (a drain waits for it) from here
+        try:
+            pre = await svc.offload.analyze(raw, endpoint, request.headers.get("X-Request-Id"))
+        except BaseException:
+            svc.leave()
+            raise
+        if type(pre) is not Analysis:
+            svc.leave()
+            if pre is None:
+                resp = error_response(503, f"the router is busy parsing large request bodies (at most {MAX_PENDING} "
+                                           "at once): retry shortly")
+                resp.headers["Retry-After"] = "1"
+                return resp
+            return error_response(400, pre if isinstance(pre, str) else "invalid request body")
+        body: dict[str, Any] | web.Response = pre.body
+        if pre.raw is not None:
+            raw = pre.raw
+    else:
+        body = _parse_json_object(raw)
+        if type(body) is not dict:
+            assert isinstance(body, web.Response)
+            return body
+        svc.enter()
+    assert svc.proxy is not None and type(body) is dict
     try:
-        return await svc.proxy.handle(request, endpoint, body, raw)
+        return await svc.proxy.handle(request, endpoint, body, raw, pre)
     finally:
         svc.leave()
+        if pre is not None:
+            svc.after_large_body(len(raw))
 
 
 def _fast_path(app: web.Application, fallback):  # noqa: ANN001, ANN202
@@ -795,6 +868,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
         if svc.shared_load is not None:
             svc.shared_load.close()
+        svc.offload.close()
         svc.metrics.flush()  # the last loop iteration's counts
         await svc.session.close()
         if upstream is not None:

@@ -74,6 +74,7 @@ import aiohttp
 from aiohttp import web
 
 from balancer.router import NoReplicaError, RequestTooLargeError, Router
+from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
@@ -136,7 +137,8 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
     ``{...}`` object text and no key of ``extra`` is in ``body``, the result is ``raw`` with
     ``extra``'s members spliced in before its closing brace (``raw`` itself when ``extra`` is
     empty): the request body passes through without being re-encoded, and the engine parses the
-    same object ``json.dumps({**body, **extra})`` would give. Otherwise that ``json.dumps``.
+    same object ``json.dumps({**body, **extra})`` would give. Otherwise that ``json.dumps``
+    (with a light body's elided values copied from ``raw``: :func:`~balancer.service.body_offload.encode_body`).
     """
     if raw is not None and (not extra or not any(k in body for k in extra)):
         if not extra and raw[-1:] == b"}" and raw[:1] == b"{":  # the usual case, without copies
@@ -147,8 +149,8 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
             if not extra:
                 return raw
             tail = json.dumps(extra).encode()  # b'{"k": v, ...}'
-            return head[:-1] + (b", " if body else b"") + tail[1:]
-    return json.dumps({**body, **extra} if extra else body).encode()
+            return b"".join((memoryview(head)[:-1], b", " if body else b"", tail[1:]))  # one copy of raw
+    return encode_body({**body, **extra} if extra else body, raw)
 
 
 class Failure(Exception):
@@ -291,32 +293,38 @@ class Proxy:
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any],
-                     raw: bytes | None = None) -> web.StreamResponse:
+                     raw: bytes | None = None, pre: Analysis | None = None) -> web.StreamResponse:
         """Serve one parsed request body on ``endpoint`` (``completions``, ``chat``, ``generate``);
         ``raw`` is the body as the client sent it (forwarded without re-encoding where the legs
-        only add fields, see :func:`encode_with`)."""
+        only add fields, see :func:`encode_with`); ``pre``: a large body's analysis from the
+        worker process (:mod:`balancer.service.body_offload`; ``body`` is then its light body,
+        checked and hashed there)."""
         cfg = self.cfg
         t0 = time.monotonic()
-        try:
-            check_request(endpoint, body, cfg.max_tokens_limit)
-            client_id = client_request_id(body, request.headers)
-            prompt = extract_prompt(endpoint, body)
-            max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
-        except PromptError as e:
-            return error_response(400, str(e))
-        model = body.get("model")
-        root = self._lora_roots.get(model) if self._lora_roots and isinstance(model, str) else None  # a LoRA's chain
-        try:
-            if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
-                # long prompts are tokenised in a worker thread so that the event loop keeps serving other
-                # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
-                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt, root)
-            else:
-                n_tokens, hashes = self.hasher.hash(prompt, root)
-        except PromptError as e:  # e.g. the model's chat template rejected the messages
-            return error_response(400, str(e))
+        if pre is not None:
+            client_id, max_out, n_tokens, hashes, exact = pre.client_id, pre.max_out, pre.n_tokens, pre.hashes, pre.tokenized
+        else:
+            try:
+                check_request(endpoint, body, cfg.max_tokens_limit)
+                client_id = client_request_id(body, request.headers)
+                prompt = extract_prompt(endpoint, body)
+                max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
+            except PromptError as e:
+                return error_response(400, str(e))
+            model = body.get("model")
+            root = self._lora_roots.get(model) if self._lora_roots and isinstance(model, str) else None  # a LoRA's chain
+            try:
+                if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
+                    # long prompts are tokenised in a worker thread so that the event loop keeps serving other
+                    # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
+                    n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt, root)
+                else:
+                    n_tokens, hashes = self.hasher.hash(prompt, root)
+            except PromptError as e:  # e.g. the model's chat template rejected the messages
+                return error_response(400, str(e))
+            exact = prompt.token_ids is not None
         if cfg.max_model_len is not None and n_tokens + max_out > cfg.max_model_len:
-            return error_response(400, f"the prompt ({n_tokens} tokens{'' if prompt.token_ids else ', estimated'}) plus "
+            return error_response(400, f"the prompt ({n_tokens} tokens{'' if exact else ', estimated'}) plus "
                                        f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")
         visible_id = client_id if client_id is not None else self.new_upstream_id()
         ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out)
@@ -535,7 +543,7 @@ class Proxy:
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
         p_body.update(p_extra)
         legs.started.append((p, upstream_id))
-        data = await self._full(p, path, p_body, p_headers, legs, prefill=True)
+        data = await self._full(p, path, encode_body(p_body, ctx.raw), p_headers, legs, prefill=True)
         try:
             kv = json.loads(data)["kv_transfer_params"]
             if not isinstance(kv, dict):
@@ -609,7 +617,7 @@ class Proxy:
 
     def _first_byte_failure(self, w: Worker, stream: bool = False, max_out: int | None = None) -> Failure:
         name, t = self._first_byte_timeout(stream, max_out) or ("first_byte_timeout_s", float("nan"))
-        return Failure(504, f"worker {w.url} sent no response within {name} = {t:g} s", True, "first_byte_timeout",
+        return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
                        worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
@@ -621,7 +629,7 @@ class Proxy:
         the caller charges it)."""
         if deadline is True:
             deadline = self._first_byte_deadline()
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else encode_body(body, None)
         # the lean client speaks plain HTTP: https workers use the aiohttp session
         client = self.client if w.url[4] == ":" else self.session
         self._waiting(w, True)  # until its first byte (cleared on an answer or a failure, kept if cancelled)
