@@ -132,6 +132,10 @@ class Service:
         #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
         self.offload = BodyOffload(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
                                    cfg.max_tokens_limit, cfg.default_max_tokens)
+        #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
+        self.metrics_cache: tuple[float, bytes] | None = None
+        #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
+        self.metrics_cache: tuple[float, bytes] | None = None
         self._large_bytes_since_gc = 0
         self._last_gc_s = float("-inf")
         self.draining = False
@@ -236,6 +240,11 @@ class Service:
 
 
 SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
+METRICS_CACHE_MIN_WORKERS = 64
+METRICS_CACHE_S = 1.0
+"""With more than ``METRICS_CACHE_MIN_WORKERS`` workers, ``GET /metrics`` answers scrapes within
+``METRICS_CACHE_S`` of a render with that render (1,024 workers: ~300 KB, ~0.1 s to render), so a
+flood of unauthenticated scrapes costs the event loop at most one render a second."""
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 """Largest ``POST /workers`` body (a worker's config is well under 1 KB); larger gets 413."""
 
@@ -452,8 +461,15 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    svc.write_kv_stats()
-    return web.Response(body=svc.metrics.render(svc.router, svc.pool), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    now = time.monotonic()
+    cached = svc.metrics_cache
+    if cached is not None and now - cached[0] < METRICS_CACHE_S and len(svc.pool.workers) > METRICS_CACHE_MIN_WORKERS:
+        body = cached[1]
+    else:
+        svc.write_kv_stats()
+        body = svc.metrics.render(svc.router, svc.pool)
+        svc.metrics_cache = (now, body)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _models(request: web.Request) -> web.Response:

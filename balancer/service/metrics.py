@@ -211,9 +211,11 @@ class ServiceMetrics:
         shared = load.peer if self.multiprocess else None
         if shared is not None:
             shared.refresh(force=True)  # every process's counts now, from the shared load block
+        per_rank = pool.num_replicas <= PER_RANK_SERIES_MAX
         for w in pool.workers.values():
             self.breaker.labels(w.url).set(int(w.breaker.state))
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
+            total_requests = total_prefill = 0
             for rep in w.replicas:
                 snap = load.get(rep)
                 requests, prefill = snap.num_requests, snap.prefill_tokens
@@ -221,9 +223,17 @@ class ServiceMetrics:
                     s = load.slot(rep)
                     requests += int(load.peer_requests[s])
                     prefill += int(load.peer_prefill_tokens[s])
-                labels = (w.url, str(rep.dp_rank), w.cfg.role)
-                self.worker_load.labels(*labels).set(requests)
-                self.worker_prefill_tokens.labels(*labels).set(prefill)
+                if per_rank:
+                    labels = (w.url, str(rep.dp_rank), w.cfg.role)
+                    self.worker_load.labels(*labels).set(requests)
+                    self.worker_prefill_tokens.labels(*labels).set(prefill)
+                else:
+                    total_requests += requests
+                    total_prefill += prefill
+            if not per_rank:  # one series per worker: the sum over its ranks
+                labels = (w.url, "all", w.cfg.role)
+                self.worker_load.labels(*labels).set(total_requests)
+                self.worker_prefill_tokens.labels(*labels).set(total_prefill)
 
     def _count_share(self, share: Any) -> None:
         """Add what the shared prefix ring's counters gained since the last call."""
@@ -246,6 +256,12 @@ class ServiceMetrics:
         self.refresh_gauges(router, pool)
         return generate_latest(self._scrape_registry)
 
+
+PER_RANK_SERIES_MAX = 1024
+"""Up to this many DP ranks over all workers, ``pdlb_worker_in_flight_requests`` and
+``pdlb_worker_prefill_tokens`` have one series per rank; beyond, one per worker (``dp_rank="all"``,
+the sum over its ranks), so that a scrape of a large fleet stays a few hundred KB and well under
+100 ms (16,384 ranks rendered per rank: 2.9 MB in 1.5-2 s, the event loop blocked throughout)."""
 
 PER_WORKER_GAUGES = ("pdlb_worker_in_flight_requests", "pdlb_worker_prefill_tokens", "pdlb_circuit_breaker_state",
                      "pdlb_worker_healthy")

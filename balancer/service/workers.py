@@ -23,9 +23,9 @@ from balancer.types import ReplicaId, Role
 
 log = logging.getLogger("pdlb.service")
 
-MAX_WORKERS = 4096
+MAX_WORKERS = 1024
 """Most workers one router holds (admin API and config); bounds what one admin request can add."""
-MAX_REPLICAS = 65_536
+MAX_REPLICAS = 16_384
 """Most DP ranks over all workers (each is a router replica)."""
 
 
