@@ -169,9 +169,8 @@ class PrefixIndex:
         # holder bit set -> its replica numbers (np.ndarray): the same few sets (a shared prefix's
         # holders, a prompt's pair of replicas) come back decision after decision
         self._mask_numbers: dict[int, np.ndarray] = {}
-        #: with total_capacity_blocks: no replica holds more blocks than this (every insert keeps
-        #: to the share in force, which rises only when a replica is cleared); None: unknown
-        self._blocks_bound: int | None = None
+        #: no replica holds more blocks than this (raised by inserts, lowered by eviction passes)
+        self._blocks_bound = 0
 
     # ------------------------------------------------------------------ numbering
     def _state_of(self, replica: ReplicaId) -> _Replica:
@@ -186,12 +185,14 @@ class PrefixIndex:
                 assert cap is not None  # a global bound gives a per-replica one
                 # no replica holds more than _blocks_bound: the pass over all of them is needed
                 # only when the share fell below it (registering n replicas was O(n^2) otherwise:
-                # 3 s for the 4,096 ranks of one engine next to 12k others)
-                if self._blocks_bound is None or self._blocks_bound > cap:
+                # 3 s for the 4,096 ranks of one engine next to 12k empty others)
+                if self._blocks_bound > cap:
+                    bound = 0
                     for other in list(self._state.values()):
                         if other.blocks > cap:
                             self._evict_to(other, cap)
-                    self._blocks_bound = cap
+                        bound = max(bound, other.blocks)
+                    self._blocks_bound = bound
         return rs
 
     def effective_capacity_blocks(self) -> int | None:
@@ -484,6 +485,8 @@ class PrefixIndex:
         for k in range(len(path) - 1):  # a touch may have made a split run whole again
             if len(path[k].children) == 1:
                 path[k + 1] = self._try_merge(path[k]) or path[k + 1]
+        if rs.blocks > self._blocks_bound:
+            self._blocks_bound = rs.blocks
         if cap is None or rs.blocks <= cap:
             return []
         return self._evict_to(rs, cap)
@@ -564,8 +567,6 @@ class PrefixIndex:
         del self._replica_of_num[rs.num]
         self._free_nums.append(rs.num)
         self._version += 1
-        if self._blocks_bound is not None:  # the share grew: inserts may fill up to it
-            self._blocks_bound = max(self._blocks_bound, self.effective_capacity_blocks() or 0)
         return n
 
     def expire(self, now_s: float) -> int:

@@ -44,7 +44,7 @@ from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, m
 from balancer.service.request_checks import check_request, client_request_id, parse_json_body
 
 __all__ = ["ELIDE_VALUE_BYTES", "MALLOC_MMAP_THRESHOLD_BYTES", "MAX_PENDING", "MAX_TOP_LEVEL_FIELDS", "OFFLOAD_BODY_BYTES", "Analysis",
-           "BodyOffload", "Elided", "analyze", "encode_body", "tune_malloc"]
+           "BodyOffload", "Elided", "analyze", "encode_body", "trim_malloc", "tune_malloc"]
 
 log = logging.getLogger("pdlb.service")
 
@@ -243,10 +243,11 @@ def _analyze_in_worker(*args: Any) -> Analysis | str:
         return analyze(*args)
     finally:  # the body's objects are garbage now: give their memory back to the OS
         gc.collect()
-        _trim()
+        trim_malloc()
 
 
-def _trim() -> None:
+def trim_malloc() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``; elsewhere a no-op)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere a no-op
     except (OSError, AttributeError):
@@ -266,6 +267,10 @@ def encode_body(body: dict[str, Any], raw: bytes | None) -> bytes:
                   view[v.start:v.end] if type(v) is Elided else json.dumps(v).encode())
     parts.append(b"}")
     return b"".join(parts)  # one copy of the large values, straight from raw
+
+
+def _ignore(fut: concurrent.futures.Future) -> None:
+    fut.exception() if not fut.cancelled() else None  # retrieved: no "never retrieved" warning
 
 
 class BodyOffload:
@@ -333,6 +338,10 @@ class BodyOffload:
                 return None
         finally:
             self.pending -= 1
+            if self._pool is not None:
+                # multiprocessing's queue threads keep the last item they sent (the pickled body,
+                # ~35 MB for a 32 MB body) and received until the next one: send a tiny one after it
+                self._pool.submit(int).add_done_callback(_ignore)
 
     def pids(self) -> list[int]:
         """Process ids of the worker processes now running (for tests and the soak bench)."""

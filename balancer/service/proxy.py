@@ -425,6 +425,10 @@ class Proxy:
             self.router.on_finished(router_id, time.monotonic(), legs.output_tokens)
             if not legs.done:
                 self._abort(legs)
+            # a failed leg's task holds its exception, whose traceback holds frames that hold the
+            # legs (and the body): drop the legs' references so no cycle keeps the body alive
+            legs.tasks.clear()
+            legs.responses.clear()
 
     def _record_route(self, route: Route, n_tokens: int) -> None:
         m = self.metrics

@@ -234,3 +234,253 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
+
+
+# ---------------------------------------------------------------------- hostile actions
+def raw_exchange(url: str, data: bytes, timeout_s: float = 60.0) -> tuple[int, bytes]:
+    """Send ``data`` (a whole HTTP request, as bytes) on a new connection and return the status of
+    the answer and its bytes (until the router closes, or ``timeout_s``)."""
+    import socket
+
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            out += chunk
+            head, sep, body = out.partition(b"\r\n\r\n")
+            if sep and b"content-length:" in head.lower():
+                n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                if len(body) >= n:
+                    break
+    status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/1.") else -1
+    return status, out
+
+
+def http_request(url: str, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None, timeout_s: float = 120.0) -> tuple[int, bytes]:
+    """One HTTP request on a new connection (http.client); ``(status, body)``."""
+    import http.client
+
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        h = {"Content-Type": "application/json", **(headers or {})}
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def set_mode(engine: Proc, **state: object) -> None:
+    """Switch a fake engine's behaviour (``mode=...``, ``sse_bytes=...``)."""
+    status, _ = http_request(engine.url, "POST", "/fake/mode", json.dumps(state).encode())
+    assert status == 200
+
+
+def token_id_prompt(n_tokens: int = 3_700_000) -> bytes:
+    """A ``/v1/completions`` body whose prompt is ``n_tokens`` token ids (8-9 bytes each: 3.7M
+    is about 32 MB, just under the default ``max_body_bytes``)."""
+    ids = str(list(range(100_000, 100_000 + n_tokens))).encode()  # a list's repr is its JSON
+    return b'{"max_tokens": 4, "prompt": ' + ids + b"}"
+
+
+def logit_bias_body(n_entries: int = 1_400_000) -> bytes:
+    """A short prompt with a ``logit_bias`` map of ``n_entries`` token ids (about 20 MB)."""
+    entries = b", ".join(b'"%d": 1' % i for i in range(100_000, 100_000 + n_entries))
+    return b'{"prompt": "hello", "max_tokens": 4, "logit_bias": {' + entries + b"}}"
+
+
+def many_messages_body(n_messages: int = 900_000) -> bytes:
+    """A chat body of ``n_messages`` one-character messages (about 34 bytes each: 30 MB)."""
+    msgs = b", ".join([b'{"role": "user", "content": "x"}'] * n_messages)
+    return b'{"max_tokens": 4, "messages": [' + msgs + b"]}"
+
+
+def gzip_bomb(inflated_bytes: int = 30 * 1024 * 1024) -> bytes:
+    """A gzip of a JSON body that inflates to about ``inflated_bytes`` (about 30 KB compressed)."""
+    import gzip
+
+    return gzip.compress(b'{"prompt": "' + b"a" * inflated_bytes + b'", "max_tokens": 4}', 9)
+
+
+ADMIN_KEY = "s3cret"
+"""The router's ``admin_api_key`` in :func:`spawn_hostile_cluster`."""
+
+
+@dataclass
+class HostileCluster:
+    """A ``pdlb serve`` process in front of one prefill and two decode fake engines."""
+
+    router: Proc
+    prefill: Proc
+    decode: list[Proc]
+
+    @property
+    def engines(self) -> list[Proc]:
+        return [self.prefill, *self.decode]
+
+    def stop(self) -> None:
+        for p in (self.router, *self.engines):
+            p.stop()
+
+    def worker_pids(self) -> list[int]:
+        """The router's child processes (its body-parsing worker and fork server)."""
+        return children(self.router.popen.pid)
+
+    def rss(self) -> tuple[int, int]:
+        """``(router process RSS, RSS of its children)`` in bytes."""
+        main = rss_bytes(self.router.popen.pid)
+        return main, tree_rss_bytes(self.router.popen.pid) - main
+
+
+def spawn_hostile_cluster(config_dir: str, **router: object) -> HostileCluster:
+    """Fake engines (1 prefill, 2 decode, SGLang protocol) and a ``pdlb serve`` in front of them
+    with ``admin_api_key`` :data:`ADMIN_KEY`, non-streamed and prefill legs bounded at 2 s, and
+    ``router`` settings on top (a config file written to ``config_dir``)."""
+    from sim.emulator.testing import spawn_router
+
+    engines: list[Proc] = []
+    try:
+        for _ in range(3):
+            engines.append(spawn_fake_engine())
+        cfg = {"admin_api_key": ADMIN_KEY, "nonstream_timeout_s": 2.0, "nonstream_timeout_per_token_s": 0.0,
+               "prefill_timeout_s": 2.0, "stream_first_chunk_timeout_s": 2.0,
+               "circuit_breaker": {"failure_threshold": 3, "open_duration_s": 2.0}, **router}
+        path = os.path.join(config_dir, "hostile-router.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        r = spawn_router("sglang", engines[:1], engines[1:], "--config", path)
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return HostileCluster(r, engines[0], engines[1:])
+
+
+def _ok(status: int) -> bool:
+    return status < 500
+
+
+def _act_token_ids_rejected(c: HostileCluster) -> list[int]:
+    """A 32 MB token-id prompt that the engines refuse (400, relayed)."""
+    for e in c.engines:
+        set_mode(e, mode="reject")
+    try:
+        return [http_request(c.router.url, "POST", "/v1/completions", token_id_prompt())[0]]
+    finally:
+        for e in c.engines:
+            set_mode(e, mode="ok")
+
+
+def _act_logit_bias(c: HostileCluster) -> list[int]:
+    """A 20 MB ``logit_bias`` map, served."""
+    return [http_request(c.router.url, "POST", "/v1/completions", logit_bias_body())[0]]
+
+
+def _act_many_messages(c: HostileCluster) -> list[int]:
+    """A 30 MB chat of 900k messages, served."""
+    return [http_request(c.router.url, "POST", "/v1/chat/completions", many_messages_body())[0]]
+
+
+def _act_gzip(c: HostileCluster) -> list[int]:
+    """A 30 KB gzip that inflates to 30 MiB, and an invalid gzip body (both 415, never inflated)."""
+    h = {"Content-Encoding": "gzip"}
+    return [http_request(c.router.url, "POST", "/v1/completions", gzip_bomb(), h)[0],
+            http_request(c.router.url, "POST", "/v1/completions", b"\x1f\x8bnot gzip at all", h)[0]]
+
+
+def _act_bad_bearer(c: HostileCluster) -> list[int]:
+    """``Authorization: Bearer s3cret\\xff`` (and other malformed credentials) on the admin API (401)."""
+    out = []
+    for cred in (b"Bearer " + ADMIN_KEY.encode() + b"\xff", b"Bearer \xc3\x28", b"Basic \xff\xfe", b"Bearer"):
+        req = (b"GET /workers HTTP/1.1\r\nHost: x\r\nAuthorization: " + cred + b"\r\nConnection: close\r\n\r\n")
+        out.append(raw_exchange(c.router.url, req, 10.0)[0])
+    return out
+
+
+def _act_admin_scale(c: HostileCluster) -> list[int]:
+    """Four workers of 1,024 DP ranks added, ``/metrics`` scraped five times, the workers removed."""
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    out = []
+    urls = [f"http://10.255.0.{i}:9" for i in range(4)]
+    for u in urls:
+        body = json.dumps({"url": u, "role": "decode", "dp_size": 1024}).encode()
+        out.append(http_request(c.router.url, "POST", "/workers", body, auth)[0])
+    for _ in range(5):
+        out.append(http_request(c.router.url, "GET", "/metrics")[0])
+    for u in urls:
+        out.append(http_request(c.router.url, "DELETE", f"/workers?url={u}", None, auth)[0])
+    return out
+
+
+def _act_sse_no_newline(c: HostileCluster) -> list[int]:
+    """A streamed answer that is one 60 MB SSE line without a newline, while the client set ``rid``
+    (the router swaps ids line by line): the stream ends with an error event, status 200."""
+    for e in c.decode:
+        set_mode(e, mode="sse_no_newline", sse_bytes=60 * 1024 * 1024)
+    try:
+        body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True, "rid": "client-7"}).encode()
+        status, data = http_request(c.router.url, "POST", "/v1/completions", body)
+        return [status if b'"error"' in data[-400:] else 599]  # the error event must end the stream
+    finally:
+        for e in c.decode:
+            set_mode(e, mode="ok")
+
+
+def _act_bad_content_length(c: HostileCluster, n: int = 300) -> list[int]:
+    """``n`` requests with ``Content-Length: -5`` (400 each, one log line per 10 s)."""
+    req = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\nConnection: close\r\n\r\n{}"
+    return [raw_exchange(c.router.url, req, 10.0)[0] for _ in range(n)]
+
+
+def _act_wedged_engine(c: HostileCluster) -> list[int]:
+    """One decode engine passes health checks and never answers: non-streamed requests are retried
+    on the other within ``nonstream_timeout_s`` (2 s here) and served."""
+    set_mode(c.decode[0], mode="wedged")
+    try:
+        body = json.dumps({"prompt": "hello there", "max_tokens": 4}).encode()
+        return [http_request(c.router.url, "POST", "/v1/completions", body)[0] for _ in range(4)]
+    finally:
+        set_mode(c.decode[0], mode="ok")
+
+
+ACTIONS = {
+    "token_ids_32mb_rejected": _act_token_ids_rejected,
+    "logit_bias_20mb": _act_logit_bias,
+    "chat_900k_messages": _act_many_messages,
+    "gzip_bomb_and_invalid_gzip": _act_gzip,
+    "malformed_bearer": _act_bad_bearer,
+    "admin_1024_ranks_and_metrics": _act_admin_scale,
+    "sse_line_60mb_without_newline": _act_sse_no_newline,
+    "content_length_minus_5": _act_bad_content_length,
+    "wedged_decode_engine": _act_wedged_engine,
+}
+"""Issue 25's hostile requests, admin calls and engine misbehaviours: name -> action(cluster) ->
+the HTTP statuses it got."""
+
+EXPECTED = {
+    "token_ids_32mb_rejected": {400}, "logit_bias_20mb": {200}, "chat_900k_messages": {200},
+    "gzip_bomb_and_invalid_gzip": {415}, "malformed_bearer": {401},
+    "admin_1024_ranks_and_metrics": {200, 201}, "sse_line_60mb_without_newline": {200},
+    "content_length_minus_5": {400}, "wedged_decode_engine": {200},
+}
+"""The statuses each action must get (never a 5xx)."""
+
+
+def warm_up(c: HostileCluster) -> None:
+    """One large body through the router (starts its body-parsing worker) and a few small requests,
+    so that a baseline RSS taken afterwards includes what any serving router holds."""
+    body = json.dumps({"prompt": "warm " * 100_000, "max_tokens": 2}).encode()
+    for _ in range(2):
+        assert http_request(c.router.url, "POST", "/v1/completions", body)[0] == 200
+    small = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    for _ in range(20):
+        http_request(c.router.url, "POST", "/v1/completions", small)
