@@ -206,10 +206,10 @@ def analyze(raw: bytes, endpoint: str, header_request_id: str | None, max_tokens
     assert hasher is not None, "the worker process was not initialised"
     try:
         try:
-            text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-            if text[:1] == "\ufeff":  # json.loads refuses a BOM too
-                return "invalid JSON body: Unexpected UTF-8 BOM (decode using utf-8-sig)"
+            text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as parse_json_body decodes
             parsed = _members(text)
+        except PromptError:
+            raise
         except (ValueError, UnicodeDecodeError):
             parsed = None
         except RecursionError:

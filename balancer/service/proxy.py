@@ -342,6 +342,7 @@ class Proxy:
                     try:
                         result = await self._attempt(ctx, ctx.upstream_id, n_tokens, hashes, max_out)
                     except Failure as f:
+                        f.__traceback__ = None  # its frames hold the attempt's tasks and body (never logged)
                         faults.waiting.clear()  # the attempt's other legs were aborted
                         if f.worker is not None:
                             self._failed(f.worker, f.kind, charge=f.charge == "now")
@@ -425,8 +426,12 @@ class Proxy:
             self.router.on_finished(router_id, time.monotonic(), legs.output_tokens)
             if not legs.done:
                 self._abort(legs)
-            # a failed leg's task holds its exception, whose traceback holds frames that hold the
-            # legs (and the body): drop the legs' references so no cycle keeps the body alive
+            # a failed leg's task holds its exception, whose traceback holds the frames that hold
+            # the task (and the body): cut those cycles so that the body is freed when the request
+            # ends, not at the next full collection (issue 25 item 1)
+            for t in legs.tasks:
+                if t.done() and not t.cancelled() and (e := t.exception()) is not None:
+                    e.__traceback__ = None
             legs.tasks.clear()
             legs.responses.clear()
 
