@@ -65,6 +65,8 @@ log = logging.getLogger("pdlb.service")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
 
+LOOP_LAG_INTERVAL_S = 0.05
+"""How often the event loop's lag is measured (``pdlb_event_loop_lag_seconds``)."""
 GC_AFTER_LARGE_BYTES = 1024 * 1024
 """Bytes of large request bodies after which :meth:`Service.after_large_body` collects garbage."""
 
@@ -180,6 +182,16 @@ class Service:
                     await self.check_health_once(down)
             except Exception:  # never let the prober die
                 log.exception("health probe round failed")
+
+    async def _lag_loop(self) -> None:
+        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke this timer, into
+        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it)."""
+        loop = asyncio.get_running_loop()
+        lag = self.metrics.loop_lag
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            lag.observe(max(0.0, loop.time() - t - LOOP_LAG_INTERVAL_S))
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -853,6 +865,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
+        loops.append(asyncio.create_task(svc._lag_loop()))
         if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
             loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:

@@ -98,6 +98,10 @@ class ServiceMetrics:
         self.match_ratio = Histogram("pdlb_prefix_match_ratio",
                                      "Prompt fraction the chosen replica is believed to hold (router's prefix index)",
                                      ["pool"], buckets=RATIO_BUCKETS, registry=r)
+        self.loop_lag = Histogram("pdlb_event_loop_lag_seconds",
+                                  "How late the event loop woke a timer due every 50 ms: time it spent on "
+                                  "other work (a blocked loop delays every client)",
+                                  buckets=LOOP_LAG_BUCKETS_S, registry=r)
         self.retries = Counter("pdlb_retries", "Request attempts retried, by reason", ["reason"], registry=r)
         self.upstream_failures = Counter("pdlb_upstream_failures", "Failed worker legs by worker and kind",
                                          ["worker", "kind"], registry=r)
@@ -256,6 +260,9 @@ class ServiceMetrics:
         self.refresh_gauges(router, pool)
         return generate_latest(self._scrape_registry)
 
+
+LOOP_LAG_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Buckets of ``pdlb_event_loop_lag_seconds`` (issue 25's bounds: p99 under 0.1 s, never over 0.25 s)."""
 
 PER_RANK_SERIES_MAX = 1024
 """Up to this many DP ranks over all workers, ``pdlb_worker_in_flight_requests`` and

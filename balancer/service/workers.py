@@ -180,9 +180,10 @@ class WorkerPool:
         reps = tuple(ReplicaId(cfg.url, r) for r in range(cfg.dp_size))
         done: list[ReplicaId] = []
         try:
-            for rep in reps:
-                self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
-                done.append(rep)
+            with self.router.registering():  # the index's share enforced once for all the ranks
+                for rep in reps:
+                    self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
+                    done.append(rep)
         except BaseException:
             for rep in done:
                 self.router.remove_replica(rep)
