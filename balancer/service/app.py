@@ -21,8 +21,14 @@ Endpoints:
   201 body's ``warnings`` (:func:`balancer.service.config.bootstrap_warning`).
 
 Errors are OpenAI-style JSON objects (``{"error": {"message", "type", "code"}}``): invalid JSON or
-missing fields 400, unknown route 404, wrong method 405, body over ``max_body_bytes`` 413, no
-routable worker 503, timeout 504; unexpected exceptions 500 without details (logged).
+missing fields 400, a missing, wrong or malformed admin credential 401, unknown route 404, wrong
+method 405, body over ``max_body_bytes`` 413, a compressed body 415 (never inflated), no routable
+worker (or too many large bodies being parsed) 503, timeout 504; unexpected exceptions 500 without
+details (logged, at most once per 10 s: :data:`CLIENT_ERRORS_LOG`).
+
+Bodies of :data:`~balancer.service.body_offload.OFFLOAD_BODY_BYTES` or more are parsed, checked and
+hashed in a worker process (:mod:`balancer.service.body_offload`); docs/serving.md, "Limits and
+hardening", lists every limit, its default and its answer.
 
 Run it with ``handler_cancellation=True`` (as ``pdlb serve`` does) so that a client disconnect
 cancels the handler and aborts both PD legs. On shutdown the app stops taking new requests
