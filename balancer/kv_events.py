@@ -28,8 +28,12 @@ TIERS = ("hbm", "host", "store")
 _TIER_OF_MEDIUM = {
     "gpu": "hbm", "hbm": "hbm", "cuda": "hbm", "device": "hbm",
     "cpu": "host", "host": "host", "dram": "host", "cpu_pinned": "host", "localcpu": "host",
+    # vLLM 0.33 MEDIUM_STORAGE: the engine's own disk/offload tier (locality LOCAL; a REMOTE one is
+    # decoded as "STORE", balancer.kv_wire): the replica's lower tier, like its CPU tier
+    "storage": "host",
     "store": "store", "disk": "store", "ssd": "store", "nvme": "store", "remote": "store", "3fs": "store",
     "localdisk": "store",
+    "external": "store",  # SGLang 0.5.23 StorageMedium.EXTERNAL: a shared / remote pool (e.g. Mooncake)
 }
 
 

@@ -11,21 +11,30 @@ Format (ANCHORS.md, "vLLM KV cache events"; vLLM ``vllm/distributed/kv_events.py
   - positional (SGLang, vLLM before 2026): ``[ts, events]`` or ``[ts, events, data_parallel_rank]``,
     each event an array whose first item is its tag:
     ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-    lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]``
-    (SGLang stops after ``lora_id``; trailing fields with defaults may be left out),
-    ``["BlockRemoved", block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``;
-  - maps (current vLLM): ``{"ts", "events", "data_parallel_rank"}``, each event a map with a
-    ``"type"`` key (``{"type": "BlockStored", "block_hashes": ..., ...}``); fields left at their
-    defaults may be omitted.
+    lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality]``
+    (trailing fields with defaults may be left out),
+    ``["BlockRemoved", block_hashes, medium, group_idx, locality]``, ``["AllBlocksCleared"]``;
+  - maps: ``{"ts", "events", "data_parallel_rank"}``, each event a map with a ``"type"`` key
+    (``{"type": "BlockStored", "block_hashes": ..., ...}``); fields left at their defaults may be
+    omitted. vLLM 0.33 and SGLang 0.5.23 both send the batch positionally
+    (``[ts, events, data_parallel_rank]`` / ``[ts, events, attn_dp_rank]``) and every event as
+    such a tagged map (msgspec ``tag=True, omit_defaults=True``); fields this decoder does not
+    know (``ownership``, ``session_id``, ``cache_salt``, ...) are ignored.
+* ``medium``: vLLM ``"GPU"``, ``"CPU"``, ``"STORAGE"`` (its disk/offload tier, with ``locality``
+  ``"LOCAL"``/``"REMOTE"``: a remote one is decoded as ``"STORE"``, the shared store); SGLang
+  ``"GPU"``, ``"CPU_PINNED"``, ``"DISK"``, ``"EXTERNAL"`` (:func:`balancer.kv_events.tier_of_medium`
+  maps them onto pdlb's tiers).
 
 * Block hashes are the engine's own: 64-bit integers (vLLM's default, the low 64 bits of a
   sha256; SGLang's Python ``hash``, which may be negative) or byte strings (vLLM's 32-byte
   digests). They are opaque keys here; :mod:`balancer.kv_translate` maps them onto pdlb's hashes.
 * ``token_ids`` of a ``BlockStored`` are all of its blocks' tokens, concatenated:
   ``len(token_ids) == len(block_hashes) * block_size``. One exception: for a KV cache group that
-  is not full attention (``kv_cache_spec_kind`` sliding window, Mamba), vLLM leaves the group's
-  null blocks out of ``block_hashes`` while ``token_ids`` still spans them, so there the tokens
-  may be more whole blocks than the hashes (never fewer, never a partial block).
+  is not full attention (``kv_cache_spec_kind`` sliding window incl. ``sliding_window_mla``, Mamba,
+  chunked local: :func:`kv_group_class`), vLLM 0.33 (``BlockPool.cache_full_blocks``) leaves the
+  group's null blocks, and blocks its hit rule never reads (``block_mask``), out of
+  ``block_hashes`` while ``token_ids`` still spans them, so there the tokens may be more whole
+  blocks than the hashes (never fewer, never a partial block).
 
 Replay (a ROUTER socket beside the PUB socket): a client sends ``[b"", start_seq]`` (8-byte
 big-endian) and receives ``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on,
@@ -45,7 +54,7 @@ import msgpack
 
 __all__ = ["END_OF_REPLAY", "EngineAllBlocksCleared", "EngineBatch", "EngineBlockRemoved", "EngineBlockStored",
            "EngineEvent", "EngineHash", "KvWireError", "decode_batch", "decode_seq", "encode_seq",
-           "is_full_attention", "offset_port"]
+           "is_full_attention", "kv_group_class", "offset_port"]
 
 #: An engine block hash: an int (vLLM default, SGLang) or bytes (vLLM sha256 digests).
 EngineHash = int | bytes
@@ -59,8 +68,22 @@ MAX_EVENTS_PER_BATCH = 1_000_000
 MAX_TOKENS_PER_EVENT = 16_777_216
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                  "locality")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+
+
+def _medium(f: dict[str, Any], where: str) -> str | None:
+    """The event's medium, with vLLM's ``locality`` folded in: a lower tier that vLLM marks
+    ``"REMOTE"`` (relative to the publisher: a shared pool, vLLM 0.33 ``kv_offload/base.py``
+    ``Locality``) is pdlb's shared store (``"STORE"``); ``"LOCAL"`` or unset keeps the medium
+    (``"STORAGE"``, vLLM's disk offload tier, is then the replica's own lower tier,
+    :func:`balancer.kv_events.tier_of_medium`)."""
+    medium = _opt_str(f.get("medium"), f"{where}: medium")
+    locality = _opt_str(f.get("locality"), f"{where}: locality")
+    if locality is not None and locality.upper() == "REMOTE" and medium is not None and medium.upper() not in ("GPU", "HBM"):
+        return "STORE"
+    return medium
 
 
 class KvWireError(ValueError):
@@ -129,13 +152,42 @@ class EngineBatch:
     data_parallel_rank: int | None = None
 
 
+#: ``kv_cache_spec_kind`` values (vLLM 0.33 ``KVCacheSpecKind``) by what a prefix hit needs of the group:
+#: ``full``: every block of the prefix (full attention, MLA incl. DeepSeek-V4's compressed groups,
+#: attention with sinks); ``window``: the blocks of the last sliding window before the hit's end;
+#: ``last``: the block (state) that ends the hit (Mamba; chunked local attention, whose chunk size
+#: the events do not carry); ``other``: groups that take no part in prefix caching.
+KV_GROUP_CLASSES = {
+    "full_attention": "full", "mla_attention": "full", "sink_full_attention": "full",
+    "sliding_window": "window", "sliding_window_mla": "window",
+    "mamba": "last", "chunked_local_attention": "last",
+    "encoder_only_attention": "other", "cross_attention": "other", "unknown": "other",
+}
+
+
+def kv_group_class(kind: str | None) -> str:
+    """What a prefix hit needs of a KV cache group of ``kv_cache_spec_kind`` ``kind``:
+    ``"full"``, ``"window"``, ``"last"`` or ``"other"`` (see :data:`KV_GROUP_CLASSES`; ``None``,
+    not sent, is a model with one group, taken as full attention). A kind this table does not
+    list is classed by its name: ``sliding`` -> window, else ``full`` -> full, else other.
+    Source: vLLM ``v1/core/single_type_kv_cache_manager.py`` (each manager's
+    ``find_longest_cache_hit``) and ``v1/kv_cache_interface.py`` (``get_kv_cache_spec_kind``)."""
+    if kind is None:
+        return "full"
+    k = kind.lower()
+    got = KV_GROUP_CLASSES.get(k)
+    if got is not None:
+        return got
+    if "sliding" in k:
+        return "window"
+    return "full" if "full" in k else "other"
+
+
 def is_full_attention(kind: str | None) -> bool:
     """Whether a ``kv_cache_spec_kind`` names a full-attention KV cache group (``None``: not sent,
-    a model with one group, which is full attention; MLA counts as full attention)."""
-    if kind is None:
-        return True
-    k = kind.lower()
-    return "full" in k or "mla" in k
+    a model with one group, which is full attention; ``mla_attention`` is, ``sliding_window_mla``
+    is not: :func:`kv_group_class`)."""
+    return kv_group_class(kind) == "full"
 
 
 # ---------------------------------------------------------------------- sequence numbers
@@ -261,7 +313,7 @@ def _event(ev: Any, where: str) -> EngineEvent:
             parent_block_hash=None if parent is None else _hash(parent, f"{where}: BlockStored parent_block_hash"),
             token_ids=tokens, block_size=bs,
             lora_id=_opt_int(f.get("lora_id"), f"{where}: lora_id"),
-            medium=_opt_str(f.get("medium"), f"{where}: medium"),
+            medium=_medium(f, where),
             lora_name=_opt_str(f.get("lora_name"), f"{where}: lora_name"),
             extra_keys=None if extra is None else tuple(extra),
             group_idx=_opt_int(f.get("group_idx"), f"{where}: group_idx"),
@@ -273,7 +325,7 @@ def _event(ev: Any, where: str) -> EngineEvent:
         if "block_hashes" not in f:
             raise KvWireError(f"{where}: BlockRemoved without block_hashes")
         return EngineBlockRemoved(_hashes(f["block_hashes"], f"{where}: BlockRemoved block_hashes"),
-                                  _opt_str(f.get("medium"), f"{where}: medium"),
+                                  _medium(f, where),
                                   _opt_int(f.get("group_idx"), f"{where}: group_idx"))
     if tag == "AllBlocksCleared":
         return EngineAllBlocksCleared()

@@ -5,8 +5,10 @@ It builds msgpack payloads by hand with ``msgpack.packb``: positional arrays wit
 (SGLang / older vLLM) or maps with a ``"type"`` key (current vLLM), and its own engine block
 hashes: sha256 of (parent hash, token ids), as a 64-bit int (low 8 bytes, vLLM's default) or the
 32-byte digest. ZMQ: PUB multipart ``[topic, seq (8-byte BE), payload]`` and a ROUTER replay socket
-answering ``[identity, b"", start_seq]`` with ``[identity, b"", seq, payload]`` ... and the end
-marker ``seq = -1`` (signed 8-byte BE) with an empty payload.
+answering ``[identity, b"", start_seq]`` with ``[identity, b"", topic, seq, payload]`` ... and the
+end marker ``[identity, b"", b"", seq = -1 (signed 8-byte BE), b""]``: the framing of vLLM 0.33's
+and SGLang 0.5.23's ``ZmqEventPublisher._service_replay`` (``tests/test_engine_conformance.py`` runs
+their own code). ``replay_frames=3`` answers without the topic frame (older publishers).
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ class FakeEngine:
     """
 
     def __init__(self, encoding: str = "array", hash_kind: str = "int", block_size: int = 16, dp_rank: int = 0,
-                 port: int | None = None, replay_port: int | None = None, sglang: bool = False) -> None:
+                 port: int | None = None, replay_port: int | None = None, sglang: bool = False,
+                 replay_frames: int = 4) -> None:
         self.encoding, self.hash_kind, self.block_size, self.dp_rank, self.sglang = encoding, hash_kind, block_size, dp_rank, sglang
+        self.replay_frames = replay_frames
+        self.replay_silent = False  # True: replay requests are received and never answered (a sick engine)
+        self.replay_gate: threading.Event | None = None  # set: replies wait until the event is set (a slow replay)
         self.port = port or free_port()
         self.replay_port = replay_port or free_port()
         self.ctx = zmq.Context()
@@ -151,11 +157,16 @@ class FakeEngine:
             ident, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            if self.replay_silent:
+                continue
+            if self.replay_gate is not None:
+                self.replay_gate.wait(10)
             with self._lock:
                 items = [(s, p) for s, p in self.buffer if s >= start_seq]
+            topic = [b""] if self.replay_frames == 4 else []
             for s, p in items:
-                self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
-            self.router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                self.router.send_multipart([ident, b"", *topic, s.to_bytes(8, "big"), p])
+            self.router.send_multipart([ident, b"", *topic, (-1).to_bytes(8, "big", signed=True), b""])
             self.replays_answered += 1
 
     def wait_subscribed(self, timeout_s: float = 10.0) -> None:

@@ -134,7 +134,8 @@ class Service:
         else:  # set once per event-loop iteration that changed it (ServiceMetrics.flush)
             self.metrics.in_flight_of = lambda: self.in_flight
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
-        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
+        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, engine=cfg.chat_engine)
+        self.hasher.on_inexact = lambda reason: self.metrics.prompt_inexact.labels(reason).inc()
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight: int = 0
@@ -477,8 +478,11 @@ async def _health(request: web.Request) -> web.Response:
     no_prefill = svc.cfg.pd_protocol != "none" and svc.pool.num_prefill > 0 and counts["prefill"] == 0
     ok = ok and not no_prefill
     status = "draining" if svc.draining else ("ok" if ok else ("no_prefill" if no_prefill else "unavailable"))
-    return web.json_response({"status": status, "routable_workers": counts, "in_flight": svc.in_flight,
-                              "process": svc.process_info()}, status=200 if ok else 503)
+    body = {"status": status, "routable_workers": counts, "in_flight": svc.in_flight, "process": svc.process_info()}
+    health = getattr(svc.kv_subscriber, "health", None)
+    if health is not None:  # the KV-event feed: routing goes on without it, on a view that ages
+        body["kv_events"] = health()
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -704,6 +708,8 @@ def _install_kv_feed(svc: Service, started: tuple[Any, Any] | None) -> None:
         started[0].follower.start()
         if started[0].owner:
             started[0].supervise()
+    else:  # one router process: its subscriber is checked and started again if it dies
+        started[0].supervise()
     if not svc.multiprocess:  # several processes: their stats files (Service.write_kv_stats)
         from balancer.service.kv_metrics import KvEventsCollector
 

@@ -228,7 +228,11 @@ class KvEventsConfig(BaseModel):
 
     Attributes:
         stale_after_s: a DP rank whose events stopped this long is marked stale (log, metric).
-        replay_timeout_s: a replay request that takes longer is given up (counted).
+        replay_timeout_s: a replay request that takes longer is given up (counted); the source
+            then waits this long (doubling, at most 60 s) before its next replay, applying its live
+            batches meanwhile.
+        max_concurrent_replays: replays of different DP ranks running at once (each source's
+            replay is independent: one that never answers delays no other source's events).
         translator_capacity_blocks: engine blocks remembered per DP rank for hash translation.
         runner: ``process`` (default: decode and translate in a child process, off the router's
             GIL) or ``thread`` (in a thread of the router process; no extra process).
@@ -239,6 +243,7 @@ class KvEventsConfig(BaseModel):
     runner: Literal["process", "thread"] = "process"
     stale_after_s: float = Field(60.0, gt=0)
     replay_timeout_s: float = Field(2.0, gt=0)
+    max_concurrent_replays: int = Field(8, ge=1, le=1024)
     translator_capacity_blocks: int = Field(1 << 20, ge=1)
 
 
@@ -281,6 +286,9 @@ class ServiceConfig(BaseModel):
             inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on; only
             when a pool's policy reads the model,
             :data:`balancer.service.app.COST_MODEL_POLICIES`).
+        chat_engine: whose chat rendering ``tokenizer_path``'s template reproduces (``vllm``, ``sglang``:
+            they join text content parts and continue a final message differently; see
+            :meth:`balancer.service.prompt.ChatTemplate.render_for`).
         block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
             :mod:`balancer.service.prompt`.
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
@@ -376,6 +384,7 @@ class ServiceConfig(BaseModel):
     block_size: int = Field(64, ge=1)
     chars_per_token: float = Field(4.0, gt=0)
     tokenizer_path: str | None = None
+    chat_engine: Literal["vllm", "sglang"] = "vllm"
     pd_min_uncached_tokens: int = Field(0, ge=0)
     index_capacity_blocks: int | None = Field(262_144, ge=1)
     index_ttl_s: float | None = Field(None, gt=0)

@@ -905,7 +905,8 @@ class KvFanout:
 
         s = self._settings
         kw: dict[str, Any] = dict(stale_after_s=s.stale_after_s, replay_timeout_s=s.replay_timeout_s,
-                                  translator_capacity_blocks=s.translator_capacity_blocks)
+                                  translator_capacity_blocks=s.translator_capacity_blocks,
+                                  max_concurrent_replays=s.max_concurrent_replays)
         if s.runner == "process":
             return KvEventSubscriberProcess(self._sources, self._block_size, None, ring_path=self.path,
                                             ring_bytes=self._ring_bytes, **kw)
@@ -991,6 +992,19 @@ class KvFanout:
             if w:
                 out.update(w)
         return out
+
+    def health(self) -> dict[str, Any]:
+        """``/health``'s ``kv_events``: process 0 the state of its subscriber (as
+        :meth:`balancer.service.kv_subscriber.SupervisedSubscriber.health`); the other processes
+        only read the ring (``"subscriber": "process 0"``)."""
+        if not self.owner:
+            return {"subscriber": "process 0"}
+        alive = self.subscriber_alive()
+        st = self.stats() if self.subscriber is not None else {}
+        return {"subscriber": "running" if alive else ("restarting" if not self._stopped else "stopped"),
+                "restarts": self.subscriber_restarts,
+                "stale": sorted(str(r) for r, d in st.items() if d.get("stale")),
+                "replaying": sorted(str(r) for r, d in st.items() if d.get("replaying"))}
 
     @property
     def pending(self) -> int:

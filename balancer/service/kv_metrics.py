@@ -18,8 +18,9 @@ class KvEventsCollector:
     """Prometheus collector of a subscriber's per-DP-rank counters (``pdlb_kv_events_*``)."""
 
     COUNTERS = ("batches", "events", "pdlb_events", "duplicates", "gaps", "gaps_unrecovered", "replays",
-                "replay_failures", "restarts", "decode_errors", "dp_rank_mismatches",
-                "translator_unknown_parent_blocks", "translator_extra_key_blocks")
+                "replay_failures", "restarts", "decode_errors", "refused_batches", "held_dropped", "disconnects",
+                "dp_rank_mismatches", "translator_unknown_parent_blocks", "translator_extra_key_blocks",
+                "translator_skipped_group_events", "translator_valid_ends", "translator_invalidated_ends")
 
     def __init__(self, subscriber: Any, delivery: Any = None) -> None:
         """``subscriber``: a ``KvEventSubscriber`` or ``KvEventSubscriberProcess`` (its ``stats()``);
@@ -30,6 +31,18 @@ class KvEventsCollector:
     def collect(self):  # noqa: ANN201
         queued = None if self.delivery is None else float(self.delivery.pending)
         yield from _kv_families([((), self.subscriber.stats(), queued)], ())
+        health = getattr(self.subscriber, "health", None)
+        if health is not None and hasattr(self.subscriber, "restarts"):  # SupervisedSubscriber (one process)
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+            up = GaugeMetricFamily("pdlb_kv_events_subscriber_up",
+                                   "1 while the KV event subscriber runs (0: dead, being started again)")
+            up.add_metric([], 1.0 if self.subscriber.alive() else 0.0)
+            restarts = CounterMetricFamily("pdlb_kv_events_subscriber_restarts",
+                                           "Times the KV event subscriber died and was started again")
+            restarts.add_metric([], float(self.subscriber.restarts))
+            yield up
+            yield restarts
 
 
 def _kv_families(sources, extra_labels: tuple[str, ...]):  # noqa: ANN001, ANN202
@@ -40,8 +53,12 @@ def _kv_families(sources, extra_labels: tuple[str, ...]):  # noqa: ANN001, ANN20
     labels = ["worker", "dp_rank", *extra_labels]
     fams = {k: CounterMetricFamily(f"pdlb_kv_events_{k}", f"KV events: {k.replace('_', ' ')}", labels=labels)
             for k in KvEventsCollector.COUNTERS}
-    stale = GaugeMetricFamily("pdlb_kv_events_stale", "1 if the DP rank published nothing for stale_after_s",
-                              labels=labels)
+    stale = GaugeMetricFamily("pdlb_kv_events_stale", "1 if the DP rank published nothing for stale_after_s, "
+                              "or a batch of it was refused and none applied in sequence since", labels=labels)
+    inconsistent = GaugeMetricFamily("pdlb_kv_events_inconsistent", "1 if a batch of the DP rank was refused (bad "
+                                     "timestamp or sequence number) and none applied in sequence since", labels=labels)
+    replaying = GaugeMetricFamily("pdlb_kv_events_replaying", "1 while a replay of the DP rank runs or waits",
+                                  labels=labels)
     seq = GaugeMetricFamily("pdlb_kv_events_last_seq", "Last applied batch sequence number", labels=labels)
     blocks = GaugeMetricFamily("pdlb_kv_events_translator_blocks", "Engine blocks remembered for hash translation",
                                labels=labels)
@@ -52,15 +69,17 @@ def _kv_families(sources, extra_labels: tuple[str, ...]):  # noqa: ANN001, ANN20
         for rep, d in stats.items():
             lv = [rep.engine, str(rep.dp_rank), *extra]
             for k, fam in fams.items():
-                fam.add_metric(lv, float(d[k]))
+                fam.add_metric(lv, float(d.get(k, 0)))
             stale.add_metric(lv, 1.0 if d["stale"] else 0.0)
+            inconsistent.add_metric(lv, 1.0 if d.get("inconsistent") else 0.0)
+            replaying.add_metric(lv, 1.0 if d.get("replaying") else 0.0)
             seq.add_metric(lv, float(d["last_seq"]))
             blocks.add_metric(lv, float(d["translator_engine_blocks"]))
         if queued is not None:
             q.add_metric(list(extra), queued)
             any_queue = True
     yield from fams.values()
-    yield from (stale, seq, blocks)
+    yield from (stale, inconsistent, replaying, seq, blocks)
     if any_queue:
         yield q
 
