@@ -141,7 +141,7 @@ class Service:
         self.in_flight: int = 0
         #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
         self.offload = BodyOffload(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
-                                   cfg.max_tokens_limit, cfg.default_max_tokens)
+                                   cfg.max_tokens_limit, cfg.default_max_tokens, cfg.chat_engine)
         #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
         self.metrics_cache: tuple[float, bytes] | None = None
         #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)

@@ -107,6 +107,7 @@ class Analysis:
     max_out: int
     client_id: str | None
     tokenized: bool  # the prompt was token ids (exact count), not text estimated
+    inexact: tuple[str, ...] = ()  # why the prompt's tokens may differ from the engine's (PromptHasher.on_inexact)
 
 
 def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | None:
@@ -177,12 +178,13 @@ _HASHER: PromptHasher | None = None
 _LORA_ROOTS: dict[str, int] = {}
 
 
-def _init_worker(block_size: int, chars_per_token: float, tokenizer_path: str | None, lora_adapters: list[str]) -> None:
+def _init_worker(block_size: int, chars_per_token: float, tokenizer_path: str | None, lora_adapters: list[str],
+                 chat_engine: str = "vllm") -> None:
     global _HASHER, _LORA_ROOTS
     from balancer.kv_translate import chain_root
 
     tune_malloc()
-    _HASHER = PromptHasher(block_size, chars_per_token, tokenizer_path)
+    _HASHER = PromptHasher(block_size, chars_per_token, tokenizer_path, engine=chat_engine)
     _LORA_ROOTS = {name: chain_root(name) for name in lora_adapters}
 
 
@@ -226,7 +228,12 @@ def analyze(raw: bytes, endpoint: str, header_request_id: str | None, max_tokens
         prompt = extract_prompt(endpoint, body)
         max_out = max_output_tokens(endpoint, body, default_max_tokens)
         model = body.get("model")
-        n_tokens, hashes = hasher.hash(prompt, roots.get(model) if isinstance(model, str) else None)
+        inexact: list[str] = []
+        saved, hasher.on_inexact = hasher.on_inexact, inexact.append  # reported by the router (Analysis.inexact)
+        try:
+            n_tokens, hashes = hasher.hash(prompt, roots.get(model) if isinstance(model, str) else None)
+        finally:
+            hasher.on_inexact = saved
     except PromptError as e:
         return str(e)
     new_raw = None
@@ -235,7 +242,8 @@ def analyze(raw: bytes, endpoint: str, header_request_id: str | None, max_tokens
         new_raw = utf8
     bspans = _byte_spans(text, spans, raw.isascii())
     light = {k: (Elided(*bspans[k]) if bspans[k][1] - bspans[k][0] > ELIDE_VALUE_BYTES else v) for k, v in body.items()}
-    return Analysis(light, new_raw, n_tokens, tuple(hashes), max_out, client_id, prompt.token_ids is not None)
+    return Analysis(light, new_raw, n_tokens, tuple(hashes), max_out, client_id, prompt.token_ids is not None,
+                    tuple(inexact))
 
 
 def _analyze_in_worker(*args: Any) -> Analysis | str:
@@ -283,12 +291,13 @@ class BodyOffload:
 
     Args:
         block_size, chars_per_token, tokenizer_path, lora_adapters, max_tokens_limit,
-            default_max_tokens: the service's settings of those names.
+            default_max_tokens, chat_engine: the service's settings of those names.
     """
 
     def __init__(self, block_size: int, chars_per_token: float, tokenizer_path: str | None,
-                 lora_adapters: list[str], max_tokens_limit: int, default_max_tokens: int) -> None:
-        self._init_args = (block_size, chars_per_token, tokenizer_path, list(lora_adapters))
+                 lora_adapters: list[str], max_tokens_limit: int, default_max_tokens: int,
+                 chat_engine: str = "vllm") -> None:
+        self._init_args = (block_size, chars_per_token, tokenizer_path, list(lora_adapters), chat_engine)
         self._limits = (max_tokens_limit, default_max_tokens)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._starting: asyncio.Future | None = None

@@ -303,6 +303,8 @@ class Proxy:
         t0 = time.monotonic()
         if pre is not None:
             client_id, max_out, n_tokens, hashes, exact = pre.client_id, pre.max_out, pre.n_tokens, pre.hashes, pre.tokenized
+            if pre.inexact:
+                self.hasher._note(list(pre.inexact))
         else:
             try:
                 check_request(endpoint, body, cfg.max_tokens_limit)
