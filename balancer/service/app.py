@@ -144,8 +144,6 @@ class Service:
                                    cfg.max_tokens_limit, cfg.default_max_tokens, cfg.chat_engine)
         #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
         self.metrics_cache: tuple[float, bytes] | None = None
-        #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
-        self.metrics_cache: tuple[float, bytes] | None = None
         self._large_bytes_since_gc = 0
         self._last_gc_s = float("-inf")
         self.draining = False
@@ -418,22 +416,23 @@ async def _generate(request: web.Request, svc: Service, endpoint: str) -> web.St
     if type(raw) is not bytes:  # the error response (an exact type check: cheaper than isinstance)
         assert isinstance(raw, web.Response)
         return raw
-    pre = None
+    pre: Analysis | None = None
     if len(raw) >= OFFLOAD_BODY_BYTES:  # parsed, checked and hashed in the worker process
         svc.enter()  # counted in flight (a drain waits for it) from here
         try:
-            pre = await svc.offload.analyze(raw, endpoint, request.headers.get("X-Request-Id"))
+            out = await svc.offload.analyze(raw, endpoint, request.headers.get("X-Request-Id"))
         except BaseException:
             svc.leave()
             raise
-        if type(pre) is not Analysis:
+        if not isinstance(out, Analysis):
             svc.leave()
-            if pre is None:
+            if out is None:
                 resp = error_response(503, f"the router is busy parsing large request bodies (at most {MAX_PENDING} "
                                            "at once): retry shortly")
                 resp.headers["Retry-After"] = "1"
                 return resp
-            return error_response(400, pre if isinstance(pre, str) else "invalid request body")
+            return error_response(400, out)
+        pre = out
         body: dict[str, Any] | web.Response = pre.body
         if pre.raw is not None:
             raw = pre.raw

@@ -37,7 +37,6 @@ import logging
 import multiprocessing
 import re
 from dataclasses import dataclass
-from json.decoder import scanstring
 from typing import Any
 
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
@@ -80,6 +79,13 @@ def tune_malloc() -> None:
 
 
 _WS = re.compile(r"[ \t\n\r]*")
+_SCANSTRING = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def _skip(text: str, i: int) -> int:
+    """The index of the first non-whitespace character of ``text`` at or after ``i``."""
+    m = _WS.match(text, i)
+    return i if m is None else m.end()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +121,10 @@ def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | N
     ``None`` if ``text`` is not a well-formed JSON object (the caller gets the error from
     :func:`parse_json_body`). Duplicate keys keep the last value, as ``json.loads`` does."""
     scan = _SCANNER
-    i = _WS.match(text, 0).end()
+    i = _skip(text, 0)
     if text[i:i + 1] != "{":
         return None
-    i = _WS.match(text, i + 1).end()
+    i = _skip(text, i + 1)
     body: dict[str, Any] = {}
     spans: dict[str, tuple[int, int]] = {}
     if text[i:i + 1] == "}":
@@ -127,11 +133,11 @@ def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | N
         while True:
             if text[i:i + 1] != '"':
                 return None
-            key, i = scanstring(text, i + 1, True)
-            i = _WS.match(text, i).end()
+            key, i = _SCANSTRING(text, i + 1, True)
+            i = _skip(text, i)
             if text[i:i + 1] != ":":
                 return None
-            i = _WS.match(text, i + 1).end()
+            i = _skip(text, i + 1)
             try:
                 value, end = scan(text, i)
             except StopIteration:
@@ -140,14 +146,14 @@ def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | N
             spans[key] = (i, end)
             if len(body) > MAX_TOP_LEVEL_FIELDS:
                 raise PromptError(f"the JSON body has more than {MAX_TOP_LEVEL_FIELDS} top-level fields")
-            i = _WS.match(text, end).end()
+            i = _skip(text, end)
             c = text[i:i + 1]
-            i = _WS.match(text, i + 1).end()
+            i = _skip(text, i + 1)
             if c == "}":
                 break
             if c != ",":
                 return None
-    if _WS.match(text, i).end() != len(text):
+    if _skip(text, i) != len(text):
         return None
     return body, spans
 

@@ -432,8 +432,8 @@ class Proxy:
             # the task (and the body): cut those cycles so that the body is freed when the request
             # ends, not at the next full collection (issue 25 item 1)
             for t in legs.tasks:
-                if t.done() and not t.cancelled() and (e := t.exception()) is not None:
-                    e.__traceback__ = None
+                if t.done() and not t.cancelled() and (leg_exc := t.exception()) is not None:
+                    leg_exc.__traceback__ = None
             legs.tasks.clear()
             legs.responses.clear()
 
