@@ -52,6 +52,7 @@ DEEPSEEK_V3 = ModelSpec(
 # head_dim 128, intermediate 14336, vocab 128256, untied; BF16. Derived 8.03B params (published 8B).
 LLAMA_3_1_8B = ModelSpec(
     name="llama-3.1-8b",
+    max_position_embeddings=131072,  # Llama 3.1 config.json
     num_layers=32,
     hidden_size=4096,
     num_attention_heads=32,
@@ -68,6 +69,7 @@ LLAMA_3_1_8B = ModelSpec(
 # head_dim 128, intermediate 28672, vocab 128256, untied; BF16. Derived 70.55B params (published 70B).
 LLAMA_3_1_70B = ModelSpec(
     name="llama-3.1-70b",
+    max_position_embeddings=131072,  # Llama 3.1 config.json
     num_layers=80,
     hidden_size=8192,
     num_attention_heads=64,
@@ -101,6 +103,7 @@ LLAMA_3_1_70B = ModelSpec(
 # MTP (num_nextn_predict_layers = 1) is modelled by the speculative-decoding settings of a scenario.
 DEEPSEEK_V4_FLASH = ModelSpec(
     name="deepseek-v4-flash",
+    max_position_embeddings=1048576,  # config.json, above
     num_layers=43,
     hidden_size=4096,
     num_attention_heads=64,

@@ -589,12 +589,20 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> None:
                         "as the [perf] lines to write into the presets")
     p.add_argument("--figures", metavar="A,B,...", help=f"only these figures ({', '.join(FIGURES_BY_KEY)})")
     p.add_argument("--strict", action="store_true", help="exit 1 if any figure misses")
+    p.add_argument("--gpu-runs", action="store_true", dest="gpu_runs",
+                   help="instead: replay the shipped runs of a real engine on one H200 (transformers continuous "
+                        "batching behind pdlb serve, sim/data/gpu_runs) and compare TTFT / TPOT p50 and p90 at "
+                        "every measured request rate (docs/validate.md, 'A real engine on a real GPU')")
 
 
 def run_validate(args: argparse.Namespace, console) -> int:
     """``pdlb sim validate``: print the table (or the calibration). Returns the exit code."""
     from rich.table import Table
 
+    if getattr(args, "gpu_runs", False):
+        from sim.gpu_runs import print_rows
+        gpu_rows = print_rows(console)
+        return 1 if args.strict and any(r.verdict != "pass" for r in gpu_rows) else 0
     if args.calibrate:
         s, perf, res = calibrate(args.calibrate)
         console.print(f"calibrated on [bold]{args.calibrate}[/] ({res.figure.source}: "

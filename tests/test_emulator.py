@@ -205,3 +205,22 @@ async def test_max_model_len_is_configurable_and_its_limit_is_inclusive() -> Non
         assert (await c.post("/v1/completions", json={"prompt": [1] * 10, "max_tokens": 91})).status == 400
     finally:
         await c.close()
+
+
+async def test_transformers_stream_format_sends_the_role_chunk_first_and_no_done():
+    """``stream_format: transformers`` frames streams as transformers serve 5.17 does
+    (``transformers/cli/serving/chat_completion.py``): a role-only chunk before any token, the
+    finish chunk with usage, no ``[DONE]``; completions have no role chunk."""
+    app = create_engine_app(EmulatorConfig(role="mixed", zero_delay=True, stream_format="transformers"))
+    async with TestClient(TestServer(app)) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 3, "stream": True})
+        events = [ln[6:] for ln in (await r.text()).splitlines() if ln.startswith("data: ")]
+        assert "[DONE]" not in events
+        objs = [json.loads(e) for e in events]
+        assert objs[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert [o["choices"][0]["delta"].get("content") for o in objs[1:4]] == [" t0", " t1", " t2"]
+        assert objs[-1]["choices"][0]["finish_reason"] == "length" and objs[-1]["usage"]["completion_tokens"] == 3
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        events = [ln[6:] for ln in (await r.text()).splitlines() if ln.startswith("data: ")]
+        assert "[DONE]" not in events and json.loads(events[0])["choices"][0]["text"] == " t0"

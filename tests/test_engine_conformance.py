@@ -373,4 +373,10 @@ def test_evicted_prompts_are_no_longer_credited(make_cluster, engine):
             c.a.remove(t)
         kept, gone = prompts[3:], prompts[:3]
     c.wait_routed({"a": kept}, time.monotonic(), what="after evictions")
+    # the kept prompts route to a before the removal batches may be applied: wait for those too
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if all(c.held_blocks("a", t) == 0 and c.held_blocks("b", t) == 0 for t in gone):
+            break
+        time.sleep(0.02)
     assert all(c.held_blocks("a", t) == 0 and c.held_blocks("b", t) == 0 for t in gone)

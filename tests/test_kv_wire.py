@@ -342,7 +342,8 @@ def test_subscriber_gap_is_answered_by_replay_and_duplicates_skipped(encoding, h
     eng = FakeEngine(encoding, hash_kind, block_size=16)
     got = Collect()
     rep = ReplicaId("http://w", 0)
-    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 16, got)
+    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 16, got,
+                            replay_timeout_s=10.0)  # a loaded CI host can take seconds to read a replay
     try:
         sub.start()
         _connect(sub, eng)
@@ -367,7 +368,7 @@ def test_subscriber_counts_a_block_stored_with_the_wrong_token_count_and_applies
     eng = FakeEngine("map", "int", block_size=16)
     got = Collect()
     rep = ReplicaId("http://w", 0)
-    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 16, got)
+    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 16, got, replay_timeout_s=10.0)
     try:
         sub.start()
         _connect(sub, eng)
@@ -391,7 +392,7 @@ def test_subscriber_late_start_replays_from_zero_and_restart_clears():
     eng.publish([ev], send=False)  # published before any router listened: only the replay buffer has it
     got = Collect()
     rep = ReplicaId("http://w", 0)
-    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 64, got)
+    sub = KvEventSubscriber([KvEventSource(rep, eng.endpoint, eng.replay_endpoint)], 64, got, replay_timeout_s=10.0)
     try:
         sub.start()
         assert got.wait(lambda items: _stored_hashes(items) == hash_token_blocks(t, 64))

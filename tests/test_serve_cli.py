@@ -83,7 +83,7 @@ def test_parse_worker_spec_fields():
 
 
 # ---------------------------------------------------------------------- 3. config errors
-SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
+SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT][,model=NAME]"
 
 
 @pytest.mark.parametrize("argv,message", [

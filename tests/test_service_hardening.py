@@ -301,13 +301,13 @@ def test_swap_lines_equals_a_whole_stream_replace(seed):
     stream = b"".join(b'data: {"id": "pdlb-abc", "t": "%d"}\n\n' % i for i in range(200)) + b'data: {"id": "pdlb-abc"'
     cuts = sorted(rng.sample(range(1, len(stream)), 60))
     chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
-    lines = _SwapLines(swap)
+    lines = _SwapLines(lambda data: data.replace(*swap))
     out = b"".join(lines.feed(c) for c in chunks) + lines.rest()
     assert out == _reference_swap(chunks, swap)
 
 
 def test_swap_lines_is_linear_and_bounded():
-    lines = _SwapLines((b"a", b"b"))
+    lines = _SwapLines(lambda data: data.replace(b"a", b"b"))
     piece = b"x" * 4096
     t0 = time.perf_counter()
     with pytest.raises(_LineTooLong):
@@ -346,7 +346,7 @@ async def test_malformed_requests_log_one_short_line_per_10_s(caplog):
         for _ in range(200):
             out = await _raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}")
             assert out.split(b" ", 2)[1] == b"400", out[:100]
-    lines = [r for r in caplog.records if r.name.startswith(("pdlb", "aiohttp"))]
+        lines = [r for r in caplog.records if r.name.startswith(("pdlb", "aiohttp"))]  # before shutdown's
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert "malformed HTTP request" in lines[0].getMessage() and lines[0].exc_info is None
     assert len(lines[0].getMessage()) < 300

@@ -421,6 +421,7 @@ async def test_slow_clients_are_cut_off_and_connections_are_limited():
             w.close()
             head, _, body = raw.partition(b"\r\n\r\n")
             assert head.split(b" ")[1] == b"400" and b"application/json" in head, raw
+            assert b"\r\nX-Request-Id: pdlb-" in head, raw  # every answer has one (issue 30)
             err = json.loads(body)["error"]
             assert err["code"] == 400 and err["message"].startswith("malformed HTTP request"), err
         # connections beyond max_connections are closed at once; the first ones still work

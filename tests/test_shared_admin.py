@@ -267,17 +267,23 @@ def test_default_process_count_is_the_cores_this_process_may_use():
     from balancer.service.config import ServiceConfig
 
     assert ServiceConfig().processes is None
-    assert default_processes() == min(256, len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0))
+    assert default_processes() == min(256, cores)
+    assert default_processes(["http://10.1.2.3:8000"]) == min(256, cores)
+    # an engine on this host (issue 30): one process per 4 cores, at least one
+    for local in ("http://127.0.0.1:8000", "http://localhost:9", "http://[::1]:9"):
+        assert default_processes(["http://10.1.2.3:8000", local]) == max(1, cores // 4)
 
 
-async def test_pdlb_serve_starts_one_process_per_core_by_default():
+async def test_pdlb_serve_default_process_count_leaves_cores_to_a_local_engine():
     from sim.emulator.testing import _spawn, spawn_engines
 
     engines = spawn_engines([("mixed", "--zero-delay")])
     router = _spawn(["serve", "--port", "0", "--pd-protocol", "none", "--mixed", engines[0].url])
     try:
         async with aiohttp.ClientSession() as s, s.get(router.url + "/health") as r:
-            assert (await r.json())["process"]["count"] == len(os.sched_getaffinity(0))
+            # the engine is on this host: one process per 4 cores (at least one)
+            assert (await r.json())["process"]["count"] == max(1, len(os.sched_getaffinity(0)) // 4)
     finally:
         router.stop()
         engines[0].stop()

@@ -2,7 +2,10 @@
 
 Algorithm: pick ``candidates[decision_index % n]``, where ``decision_index`` counts this
 router's earlier decisions for the pool (passed in the context, so the policy stays pure) and
-candidates are in the router's stable order. Parameters: none. Source: every router's baseline
+candidates are in the router's stable order. The count is one router's: under
+``pdlb serve --processes N`` each process keeps its own, so the turns are per process (N
+processes with few requests each can split a run unevenly, e.g. 24/16 over two workers; issue 30).
+Parameters: none. Source: every router's baseline
 (SGLang, vLLM router, Dynamo ``round_robin``).
 """
 

@@ -5,7 +5,8 @@ Endpoints:
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /generate`` (SGLang native;
   not with ``pd_protocol: vllm``): routed and forwarded (:mod:`balancer.service.proxy`),
   JSON or SSE passed through chunk by chunk.
-* ``GET /v1/models``: the configured ``served_model_name``, else a routable worker's list.
+* ``GET /v1/models``: the configured ``served_model_name``, else a routable worker's list, else
+  (no engine lists its models) the workers' configured or discovered model names.
 * ``GET /health``: 200 when a decode/mixed worker is routable and the router is not draining,
   else 503; the body counts routable workers per role and names the answering process
   (``{"index", "count", "pid"}``; ``count`` > 1 with ``pdlb serve --processes``).
@@ -20,7 +21,10 @@ Endpoints:
   Adding an SGLang prefill worker without ``bootstrap_port`` logs a warning and returns it in the
   201 body's ``warnings`` (:func:`balancer.service.config.bootstrap_warning`).
 
-Errors are OpenAI-style JSON objects (``{"error": {"message", "type", "code"}}``): invalid JSON or
+Every answer carries ``X-Request-Id`` (the request's id at the engines' side as the client sees
+it; for pdlb's own answers the client's ``X-Request-Id`` or a new id). Errors are OpenAI-style JSON
+objects (``{"error": {"message", "type", "code"}}``; an engine's error in another shape is wrapped,
+its original in ``error.engine_error``, :func:`balancer.service.proxy.engine_error_response`): invalid JSON or
 missing fields 400, a missing, wrong or malformed admin credential 401, unknown route 404, wrong
 method 405, body over ``max_body_bytes`` 413, a compressed body 415 (never inflated), no routable
 worker (or too many large bodies being parsed) 503, timeout 504; unexpected exceptions 500 without
@@ -61,9 +65,9 @@ from balancer.service.log_limit import RateLimitedLog
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
-from balancer.service.request_checks import parse_json_body
+from balancer.service.request_checks import MAX_REQUEST_ID_CHARS, parse_json_body
 from balancer.service.upstream import UpstreamClient
-from balancer.service.workers import MAX_REPLICAS, WorkerPool
+from balancer.service.workers import MAX_REPLICAS, Worker, WorkerPool
 from balancer.types import Role
 from balancer.validation import format_validation_error
 
@@ -167,11 +171,36 @@ class Service:
 
         await asyncio.gather(*(one(w) for w in (list(self.pool.workers.values()) if workers is None else workers)))
 
+    async def discover_engines(self, workers: list[Worker] | None = None) -> None:
+        """Probe the capabilities of every worker (or of ``workers``) not probed yet, concurrently
+        (:mod:`balancer.service.engine_caps`); each engine found is logged once (process 0)."""
+        session = self.session
+        assert session is not None
+        from balancer.service.engine_caps import EngineCaps, discover
+
+        ws = [w for w in (list(self.pool.workers.values()) if workers is None else workers) if not w.caps.probed]
+        limit = asyncio.Semaphore(64)  # engines probed at once (a router may hold thousands)
+
+        async def one(w: Worker) -> EngineCaps:
+            async with limit:
+                return await discover(session, w.url, self.cfg.health_check.timeout_s)
+
+        found = await asyncio.gather(*(one(w) for w in ws))
+        for w, caps in zip(ws, found):
+            if self.pool.get(w.url) is not w or not caps.probed:
+                continue
+            w.caps = caps
+            if self.process_index == 0:
+                log.info("engine %s: %s, models %s, abort %s, metrics %s", w.url, caps.engine,
+                         ", ".join(caps.served_models[:4]) or "not listed", caps.abort_endpoint or "none",
+                         caps.metrics_endpoint or "none")
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_check.interval_s)
             try:
                 await self.check_health_once()
+                await self.discover_engines()  # those that did not answer before
             except Exception:  # never let the checker die
                 log.exception("health check round failed")
 
@@ -252,12 +281,19 @@ class Service:
         return {"index": self.process_index, "count": self.processes, "pid": os.getpid()}
 
     async def drain(self) -> None:
-        """Refuse new requests and wait (at most ``shutdown_timeout_s``) for in-flight ones."""
+        """Refuse new requests and wait (at most ``shutdown_timeout_s``) for in-flight ones; one
+        log line says what was left and how it ended."""
         self.draining = True
+        t0, n = time.monotonic(), self.in_flight
+        unreachable = [w.url for w in self.pool.workers.values() if w.unreachable_since_s is not None]
         try:
             await asyncio.wait_for(self._idle.wait(), self.cfg.shutdown_timeout_s)
         except asyncio.TimeoutError:
             log.warning("shutdown: %d requests still in flight after %.1f s", self.in_flight, self.cfg.shutdown_timeout_s)
+        else:
+            log.info("shutdown%s: %d requests were in flight, drained in %.1f s%s",
+                     f" (process {self.process_index})" if self.multiprocess else "", n, time.monotonic() - t0,
+                     f"; unreachable workers: {', '.join(unreachable)}" if unreachable else "")
 
 
 SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
@@ -290,7 +326,12 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
     try:
         resp = await handler(request, *args)
         # a stream that failed after its 200 headers says so in the request (a plain response never)
-        status = resp.status if type(resp) is web.Response else request.get(STREAM_STATUS, resp.status)
+        if type(resp) is web.Response:
+            status = resp.status
+            if "X-Request-Id" not in resp.headers:
+                resp.headers["X-Request-Id"] = _answer_id(request, svc)
+        else:
+            status = request.get(STREAM_STATUS, resp.status)
         return resp
     except web.HTTPException as e:
         status = e.status
@@ -298,7 +339,9 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
             raise
         msg = {404: f"no route for {request.method} {request.path}", 405: f"method {request.method} not allowed on {request.path}",
                413: f"request body too large (limit {svc.cfg.max_body_bytes} bytes)"}.get(e.status, e.reason)
-        return error_response(e.status, msg)
+        out = error_response(e.status, msg)
+        out.headers["X-Request-Id"] = _answer_id(request, svc)
+        return out
     except asyncio.CancelledError:
         status = 499  # client closed the connection
         raise
@@ -306,9 +349,21 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
         if CLIENT_ERRORS_LOG.log(logging.ERROR, "unhandled", time.monotonic(), "unhandled error on %s %s",
                                  request.method, request.path[:200]):
             log.error("traceback of the error above", exc_info=True)
-        return error_response(500, "internal router error")
+        out = error_response(500, "internal router error")
+        out.headers["X-Request-Id"] = _answer_id(request, svc)
+        return out
     finally:
         svc.metrics.request_done(endpoint, status, time.monotonic() - t0)
+
+
+def _answer_id(request: web.Request, svc: Service) -> str:
+    """The ``X-Request-Id`` of an answer that has none yet (pdlb's own answers: errors before
+    routing, ``/health``, ``/metrics``...): the client's ``X-Request-Id`` when it is a valid one
+    (1..256 printable characters), else a new router id."""
+    given = request.headers.get("X-Request-Id")
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
+        return given
+    return svc.proxy.new_upstream_id() if svc.proxy is not None else f"pdlb-{os.urandom(6).hex()}"
 
 
 # ---------------------------------------------------------------------- handlers
@@ -507,10 +562,20 @@ async def _models(request: web.Request) -> web.Response:
         try:
             async with svc.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
-                    return web.json_response(await r.json())
+                    listing = await r.json()
+                    if isinstance(listing, dict) and isinstance(listing.get("data"), list):
+                        return web.json_response(listing)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             continue
-    return error_response(503, "no worker answered /v1/models")
+    # no engine listed its models (transformers serve answers 500 without a Hugging Face cache):
+    # the names the workers were configured with, else those discovered at registration
+    names = dict.fromkeys(n for w in svc.pool.routable((Role.DECODE, Role.MIXED, Role.PREFILL))
+                          for n in w.model_names())
+    if names:
+        return web.json_response({"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "pdlb"} for n in names]})
+    return error_response(503, "no routable worker listed its models (GET /v1/models) and none has a configured "
+                               "served_model_name (worker spec model=NAME, or --served-model-name)")
 
 
 def is_loopback(peer: str | None) -> bool:
@@ -576,6 +641,11 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
             if svc.shared_load is not None:
                 svc.shared_load.add(dict(zip(w.replicas, columns)))
             await _follow_kv_events(svc, wcfg)
+            if svc.session is not None and svc.cfg.health_check.enabled:
+                t = asyncio.create_task(svc.discover_engines([w]))
+                if svc.proxy is not None:
+                    svc.proxy.background.add(t)
+                    t.add_done_callback(svc.proxy.background.discard)
         except BaseException:  # all or nothing here too: no half-registered worker stays
             if svc.shared_load is not None:
                 svc.shared_load.remove(w.replicas)
@@ -763,6 +833,7 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
         text = (message or (exc.message if isinstance(getattr(exc, "message", None), str) else "") or
                 f"HTTP {status}").replace("\n", " ")[:300]
         out = error_response(status, f"malformed HTTP request: {text}" if status < 500 else "internal router error")
+        out.headers["X-Request-Id"] = f"pdlb-{os.urandom(6).hex()}"  # no request to take an id from
         out.force_close()
         del resp
         return out
@@ -877,6 +948,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
         loops.append(asyncio.create_task(svc._lag_loop()))
+        if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
+            loops.append(asyncio.create_task(svc.discover_engines()))
         if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
             loops.append(asyncio.create_task(svc._probe_loop()))
         if svc.multiprocess:

@@ -1,7 +1,8 @@
 """``pdlb serve``: run the PD router (config file plus flags; flags win).
 
 By default ``pdlb serve`` runs one router process per core it may run on
-(``os.sched_getaffinity``; ``--processes N`` or ``processes:`` in the config to choose). With N > 1
+(``os.sched_getaffinity``; ``--processes N`` or ``processes:`` in the config to choose), one per
+four cores when a worker runs on the same host (:func:`default_processes`). With N > 1
 the parent process listens on the port, starts N router processes and hands each accepted client
 connection to the next of them in turn (:mod:`balancer.service.handoff`: the kernel's
 ``SO_REUSEPORT`` hashing left some processes with twice the mean number of keep-alive clients),
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import errno
 import gc
+import ipaddress
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,6 +32,8 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from urllib.parse import urlparse
 
 from aiohttp import web
 
@@ -76,14 +80,35 @@ def listen_error(host: str, port: int, err: OSError) -> str:
     return f"cannot listen on {host}:{port}: {err.strerror or err}"
 
 
-def default_processes() -> int:
+LOCAL_ENGINE_CORE_SHARE = 4
+"""With an engine on the router's own host, ``pdlb serve`` takes one core in this many by default."""
+
+
+def worker_on_this_host(url: str) -> bool:
+    """Whether a worker URL names this host: a loopback address, ``localhost``, or this host's
+    name (no name resolution)."""
+    host = (urlparse(url).hostname or "").lower()
+    if host in ("localhost", socket.gethostname().lower(), socket.getfqdn().lower()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_processes(worker_urls: Iterable[str] = ()) -> int:
     """Router processes ``pdlb serve`` starts when none is configured: the CPUs this process
     may run on (``os.sched_getaffinity``, so a ``taskset`` or cpuset counts, a CPU quota does not;
-    else ``os.cpu_count()``), at most 256 (the setting's limit)."""
+    else ``os.cpu_count()``), at most 256 (the setting's limit); when a worker runs on this host
+    (:func:`worker_on_this_host`), one in :data:`LOCAL_ENGINE_CORE_SHARE` of them (at least one),
+    leaving the rest to the engines (issue 30: 16 router processes on a 16-core host starved two
+    transformers engines there)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         n = os.cpu_count() or 1
+    if any(worker_on_this_host(u) for u in worker_urls):
+        n //= LOCAL_ENGINE_CORE_SHARE
     return max(1, min(256, n))
 
 
@@ -203,7 +228,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="router processes behind the port (client connections handed to them in turn); they share in-flight load (shared "
                         "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
                         "events; admin API changes reach all of them (default: one per core this process may run "
-                        f"on, {default_processes()} here)")
+                        f"on, {default_processes()} here; with a worker on this host one per "
+                        f"{LOCAL_ENGINE_CORE_SHARE} cores, {default_processes(['http://127.0.0.1'])} here, leaving "
+                        "the rest to the engines). Round robin counts per process")
     p.add_argument("--max-process-restarts", type=int, metavar="N",
                    help="--processes N > 1: restarts of one dead router process allowed within --restart-window-s; "
                         "one more death stops pdlb serve with status 1 (crash loop) (default: 5)")
@@ -419,7 +446,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for warning in config_warnings(cfg):
         print(warning, file=sys.stderr)
     if cfg.processes is None:
-        cfg = cfg.model_copy(update={"processes": default_processes()})
+        cfg = cfg.model_copy(update={"processes": default_processes(w.url for w in cfg.workers)})
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key (--allow-unauthenticated-admin): the admin API (/workers) answers loopback "
               "peers only; behind a reverse proxy on this host every client is one", file=sys.stderr)

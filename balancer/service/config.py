@@ -21,7 +21,8 @@ from balancer.cost_model import CostModel
 from balancer.policies.spec import check_policy_params, parse_policy_spec
 from balancer.validation import format_validation_error, syntax_error_line
 
-WORKER_SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
+WORKER_SPEC_SYNTAX = ("URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
+                      "[,model=NAME]")
 
 
 def zmq_endpoint_problem(endpoint: str) -> str | None:
@@ -38,6 +39,9 @@ def zmq_endpoint_problem(endpoint: str) -> str | None:
 
 MAX_URL_CHARS = 2048
 """Longest worker URL accepted."""
+MAX_MODEL_NAME_CHARS = 1024
+"""Longest model name a worker may be given (a model folder path)."""
+
 MAX_DP_SIZE = 1024
 """Most DP ranks of one worker (wide-EP decode engines have 64-320); registering 1,024 ranks takes
 the event loop about 50 ms (4,096 took 0.2-0.4 s, during which no client was served)."""
@@ -116,6 +120,10 @@ class WorkerConfig(BaseModel):
             Used with ``index_mode`` ``events`` or ``hybrid`` (:mod:`balancer.service.kv_subscriber`).
         replay: the engine's replay endpoint (``replay_endpoint``), rank ``r`` on PORT + ``r``;
             lets the router fill gaps and catch up after a late start.
+        served_model_name: the model name this engine accepts (``model=NAME`` in a worker spec);
+            a request naming the router's ``served_model_name`` (its alias) is sent with this name
+            instead. ``None``: discovered from the engine's ``/v1/models``
+            (:mod:`balancer.service.engine_caps`).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -127,6 +135,7 @@ class WorkerConfig(BaseModel):
     kv_capacity_tokens: int = Field(0, ge=0, le=MAX_KV_CAPACITY_TOKENS)
     events: str | None = None
     replay: str | None = None
+    served_model_name: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
 
     @field_validator("events", "replay")
     @classmethod
@@ -355,7 +364,9 @@ class ServiceConfig(BaseModel):
         max_body_bytes: larger request bodies get 413.
         admin_api_key: bearer token for ``/workers``; without one the admin API answers loopback
             clients only.
-        served_model_name: the id ``/v1/models`` lists; ``None`` asks a worker.
+        served_model_name: the id ``/v1/models`` lists; ``None`` asks a worker. It is the alias
+            clients use: a request naming it goes to each engine under that engine's own name
+            (the worker's ``served_model_name``, else the one its ``/v1/models`` listed).
         shutdown_timeout_s: graceful shutdown drains in-flight requests for at most this long.
         default_max_tokens: the output length assumed for load accounting when a request names none.
         seed: the router's RNG seed (process ``i`` of ``processes`` uses ``seed + i``).
@@ -366,7 +377,10 @@ class ServiceConfig(BaseModel):
             the others (:mod:`balancer.service.shared_prefix`); breakers are per process;
             ``/metrics`` aggregates all of them; admin API changes are applied by every process
             (:mod:`balancer.service.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
-            per core it may run on (:func:`balancer.service.cli.default_processes`); an app built
+            per core it may run on, one per four cores when a worker runs on the same host
+            (:func:`balancer.service.cli.default_processes`); round robin counts per process (each
+            process takes the candidates in turn, so N processes split a short run unevenly by up
+            to N requests per worker; load-aware policies read the shared load); an app built
             in process (:func:`balancer.service.app.create_app`) is one. See docs/serving.md,
             "Overhead".
     """
@@ -543,7 +557,7 @@ def load_service_config(path: str | Path | None = None, overrides: dict[str, Any
 
 _SPEC_KEYS = {"dp": "dp_size", "dp_size": "dp_size", "bootstrap": "bootstrap_port", "bootstrap_port": "bootstrap_port",
               "kv": "kv_capacity_tokens", "kv_capacity_tokens": "kv_capacity_tokens", "events": "events",
-              "replay": "replay"}
+              "replay": "replay", "model": "served_model_name", "served_model_name": "served_model_name"}
 
 
 def _spec_int(v: str) -> int | None:
@@ -586,6 +600,11 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
             raise bad(f"unknown option {part!r} (syntax: {WORKER_SPEC_SYNTAX})")
         if key in out:
             raise bad(f"{k} given more than once")
+        if key == "served_model_name":
+            if not v or len(v) > MAX_MODEL_NAME_CHARS or not v.isprintable():
+                raise bad(f"model must be 1..{MAX_MODEL_NAME_CHARS} printable characters")
+            out[key] = v
+            continue
         if key in ("events", "replay"):
             if (problem := zmq_endpoint_problem(v)) is not None:
                 raise bad(f"{k}: {problem}")

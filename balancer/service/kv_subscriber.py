@@ -793,7 +793,10 @@ class KvEventSubscriber:
             if s.last_seq is not None and seq > s.last_seq + 1:
                 break
             self._apply_replayed(s, seq, payload, out)
-        # then the held live batches: each one as if it came now, without a new replay
+        # then the held live batches, each as if it came now. A gap the replay could not cover
+        # (its batches were published after the engine answered it) asks for one more replay; a
+        # gap inside what it returned is the engine's buffer's hole and is counted as lost.
+        covered = max((q for q, _ in got), default=r.start_seq - 1)
         held = sorted(s.held, key=lambda x: x[0])
         s.held.clear()
         s.held_bytes = 0
@@ -802,7 +805,8 @@ class KvEventSubscriber:
                 for q, p in held[i:]:
                     self._hold(s, q, p)
                 break
-            self._on_batch(s, seq, payload, out, replay_ok=False)
+            beyond = ok and s.last_seq is not None and s.last_seq >= covered
+            self._on_batch(s, seq, payload, out, replay_ok=beyond)
         self._set_flags(s)
 
     def _apply_replayed(self, s: _Source, seq: int, payload: bytes, out: list[tuple[ReplicaId, KvEvent]]) -> None:

@@ -87,22 +87,44 @@ def parse_load_metrics(text: str) -> dict[int, LoadReport]:
     return out
 
 
+def _no_metrics(warned: set[str] | None, url: str, why: str) -> None:
+    """An engine that answered but has no load metrics: one WARNING per engine until it has them."""
+    if warned is not None and url not in warned:
+        if len(warned) < 65_536:
+            warned.add(url)
+        log.warning("--scrape-load: %s %s; its load is not scraped (this router counts only its own in-flight "
+                    "requests there). Said once per engine.", url, why)
+
+
 async def scrape_once(session: aiohttp.ClientSession, router: Router, workers: list[tuple[str, int]],
-                      timeout_s: float, clock: Callable[[], float] = time.monotonic) -> int:
+                      timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                      warned: set[str] | None = None) -> int:
     """Scrape each ``(url, dp_size)`` once (concurrently) and feed the router; returns the number
-    of reports given."""
+    of reports given. ``warned``: engines already reported as having no load metrics (an engine
+    that answers ``/metrics`` with an error status, or without any metric of the module table, is
+    logged once at WARNING and added; one that has them again is logged at INFO and removed)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def one(url: str, dp_size: int) -> int:
         try:
             async with session.get(url + "/metrics", timeout=timeout) as r:
                 if r.status != 200:
+                    _no_metrics(warned, url, f"answers GET /metrics with HTTP {r.status}")
                     return 0
                 text = await r.text()
             reports = parse_load_metrics(text)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, UnicodeDecodeError) as e:
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, UnicodeDecodeError) as e:
             log.debug("load scrape of %s failed: %s", url, e)
             return 0
+        except ValueError:
+            _no_metrics(warned, url, "answers GET /metrics with something that is not Prometheus text")
+            return 0
+        if not reports:
+            _no_metrics(warned, url, "has none of the load metrics " + ", ".join(RUNNING_METRICS + WAITING_METRICS))
+            return 0
+        if warned is not None and url in warned:
+            warned.discard(url)
+            log.info("--scrape-load: %s has load metrics now", url)
         now = clock()
         n = 0
         for rank, rep in reports.items():
@@ -117,9 +139,10 @@ async def scrape_once(session: aiohttp.ClientSession, router: Router, workers: l
 async def scrape_loop(session: aiohttp.ClientSession, router: Router, workers: Callable[[], list[tuple[str, int]]],
                       interval_s: float, timeout_s: float) -> None:
     """Scrape every ``interval_s`` until cancelled (``workers()`` is read each round)."""
+    warned: set[str] = set()
     while True:
         try:
-            await scrape_once(session, router, workers(), timeout_s)
+            await scrape_once(session, router, workers(), timeout_s, warned=warned)
         except Exception:  # never let the scraper die
             log.exception("load scrape round failed")
         await asyncio.sleep(interval_s)

@@ -91,7 +91,8 @@ class ServiceMetrics:
         self.duration = Histogram("pdlb_request_duration_seconds", "Client request latency (to the last byte)",
                                   ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("pdlb_time_to_first_token_seconds",
-                              "Router-observed time to the first streamed byte of the decode leg",
+                              "Router-observed time from a streamed request's arrival to the decode leg's first event with "
+                              "generated content (text, tool-call delta or token ids; not the role-only chunk)",
                               ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.decisions = Counter("pdlb_routing_decisions", "Routing decisions by worker, pool, policy and reason",
                                  ["worker", "pool", "policy", "reason"], registry=r)
@@ -124,6 +125,9 @@ class ServiceMetrics:
                                            ["worker", "state"], registry=r)
         self.healthy = Gauge("pdlb_worker_healthy", "1 if the worker passes active health checks", ["worker"], registry=r,
                              multiprocess_mode="livemin")
+        self.reachable = Gauge("pdlb_worker_reachable", "0 while requests cannot connect to the worker (since the "
+                               "first failed connection until it answers again), else 1", ["worker"], registry=r,
+                               multiprocess_mode="livemin")
         self.shared_prefix = Counter("pdlb_shared_prefix_decisions",
                                      "Approximate mode, several processes: routing decisions shared through the "
                                      "processes' rings, by process and kind (written, read, folded, dropped, "
@@ -212,6 +216,7 @@ class ServiceMetrics:
             self.worker_prefill_tokens.clear()
             self.breaker.clear()
             self.healthy.clear()
+            self.reachable.clear()
         if self.prefix_share is not None:
             self._count_share(self.prefix_share)
         load = router.load
@@ -222,6 +227,7 @@ class ServiceMetrics:
         for w in pool.workers.values():
             self.breaker.labels(w.url).set(int(w.breaker.state))
             self.healthy.labels(w.url).set(1 if w.healthy else 0)
+            self.reachable.labels(w.url).set(0 if w.unreachable_since_s is not None else 1)
             total_requests = total_prefill = 0
             for rep in w.replicas:
                 snap = load.get(rep)

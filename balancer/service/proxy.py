@@ -53,8 +53,11 @@ the stream with an SSE ``data: {"error": ...}`` event. The whole request, retrie
 bounded by ``request_timeout_s`` (504). A client disconnect (handler cancellation or a failed write)
 aborts every started leg.
 
-Router hooks: ``route`` at dispatch, ``on_prefill_done`` when P answered, ``on_first_token`` at D's
-first byte (streaming) or full answer, ``on_finished`` in a ``finally`` so load always returns to 0.
+Router hooks: ``route`` at dispatch, ``on_prefill_done`` when P answered, ``on_first_token`` when
+D's first event with generated content arrived (streaming; not its first byte: engines send a
+role-only chunk first, some before prefill, :mod:`balancer.service.stream_meter`) or at its full
+answer, ``on_finished`` in a ``finally`` so load always returns to 0. A stream that ends without
+any content event never calls ``on_first_token`` (nor observes TTFT).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -79,7 +83,8 @@ from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id
-from balancer.service.upstream import UpstreamClient, UpstreamResponse
+from balancer.service.stream_meter import StreamMeter, cached_tokens_in, completion_tokens_in, with_cached_tokens
+from balancer.service.upstream import UpstreamClient, UpstreamConnectError, UpstreamConnectTimeout, UpstreamResponse
 from balancer.service.workers import Worker, WorkerPool
 from balancer.types import Request, Route
 
@@ -119,6 +124,11 @@ class _RequestFaults:
     waiting: dict[str, Worker] = field(default_factory=dict)
 
 
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    UpstreamConnectError, UpstreamConnectTimeout, aiohttp.ClientConnectorError, ConnectionRefusedError,
+    *((aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()))  # aiohttp >= 3.10
+"""Failures to open a connection at all (both upstream clients): the worker is unreachable."""
+
 STREAM_STATUS: web.RequestKey[int] = web.RequestKey("pdlb_stream_status", int)
 """Request key: the status a started stream ended with when it failed (the metrics use it)."""
 
@@ -128,6 +138,48 @@ def error_response(status: int, message: str, etype: str | None = None) -> web.R
     if etype is None:
         etype = "invalid_request_error" if status < 500 else "server_error"
     return web.json_response({"error": {"message": message, "type": etype, "code": status}}, status=status)
+
+
+MAX_ENGINE_ERROR_CHARS = 4096
+"""Most characters of an engine's own error text kept in ``error.engine_error``."""
+MAX_ENGINE_ERROR_PARSE_BYTES = 1 << 20
+"""An engine error body longer than this is not parsed as JSON (kept as cut text)."""
+
+
+def engine_error_response(status: int, body: bytes, content_type: str | None, fallback: str) -> web.Response:
+    """The client's answer for an engine's error answer, in OpenAI's shape
+    ``{"error": {"message", "type", "code"}}`` whatever the engine sent.
+
+    An answer already in that shape (vLLM's) is passed through unchanged. Others are wrapped, the
+    engine's original kept in ``error.engine_error`` (parsed JSON, or text cut to
+    :data:`MAX_ENGINE_ERROR_CHARS`): FastAPI's ``{"detail": ...}`` (transformers' server), SGLang's
+    flat ``{"object": "error", "message", "type", "code"}``, ``{"error": "text"}``, plain text. The
+    message is the engine's ``message``/``detail``/``error`` text, else ``fallback``.
+    """
+    text = body[:MAX_ENGINE_ERROR_PARSE_BYTES].decode("utf-8", "replace")
+    try:
+        parsed: Any = json.loads(text) if body and len(body) <= MAX_ENGINE_ERROR_PARSE_BYTES else None
+    except (ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) and isinstance(
+            parsed["error"].get("message"), str):
+        return web.Response(status=status, body=body, content_type="application/json")
+    message = None
+    if isinstance(parsed, dict):
+        for key in ("message", "detail", "error"):
+            v = parsed.get(key)
+            if isinstance(v, str) and v:
+                message = v
+                break
+            if v is not None and key == "detail":  # FastAPI validation errors: a list of objects
+                message = json.dumps(v)[:500]
+                break
+    elif text.strip() and parsed is None:
+        message = text.strip()[:500]
+    original: Any = parsed if parsed is not None and len(text) <= MAX_ENGINE_ERROR_CHARS else text[:MAX_ENGINE_ERROR_CHARS]
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    err = {"message": message or fallback, "type": etype, "code": status, "engine_error": original}
+    return web.json_response({"error": err}, status=status)
 
 
 def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
@@ -169,12 +221,13 @@ class Failure(Exception):
         self.status, self.message, self.retryable, self.kind = status, message, retryable, kind
         self.body, self.content_type = body, content_type
         self.worker, self.charge = worker, charge
+        self.unreachable = False  # kind "connect" because no connection could be opened at all
 
     def response(self, passthrough: bool = False) -> web.Response:
-        """The client's answer: the engine's own 4xx (or, with ``passthrough``, any) error body, else
-        an OpenAI-style error object."""
+        """The client's answer: the engine's own 4xx (or, with ``passthrough``, any) error in
+        OpenAI's shape (:func:`engine_error_response`), else pdlb's OpenAI-style error object."""
         if self.body is not None and (passthrough or (not self.retryable and 400 <= self.status < 500)):
-            return web.Response(status=self.status, body=self.body, content_type=self.content_type or "application/json")
+            return engine_error_response(self.status, self.body, self.content_type, self.message)
         return error_response(self.status, self.message)
 
 
@@ -201,9 +254,15 @@ class _Legs:
     responses: list[LegResponse] = field(default_factory=list)
     done: bool = False
     prefill_failure: BaseException | None = None  # set when the prefill leg failed after decode answered
-    #: streamed answers: SSE data events relayed less the final ``[DONE]`` (about one per output
-    #: token), for the cost model's inter-token latency (``Router.on_finished``); else None
+    #: output tokens of the relayed answer (:mod:`balancer.service.stream_meter`: the engine's
+    #: ``usage``, else counted for streams), for the cost model's inter-token latency
+    #: (``Router.on_finished``); None: unknown (a failed stream, a JSON answer without usage) or
+    #: not needed (no online cost fit)
     output_tokens: int | None = None
+    pd: bool = False  # the answer relayed is a PD decode leg's
+    #: PD: ``usage.prompt_tokens_details.cached_tokens`` of the prefill leg's answer, reported to
+    #: the client instead of the decode leg's (the prefill engine is the one that hit its cache)
+    prefill_cached_tokens: int | None = None
 
 
 def _relayed_headers(resp: LegResponse, default_type: str) -> dict[str, str]:
@@ -222,17 +281,17 @@ class _LineTooLong(Exception):
 
 
 class _SwapLines:
-    """The request-id swap of a relayed event stream, line by line: :meth:`feed` returns the
-    complete lines received so far with the upstream id replaced by the client's, and holds back
-    the incomplete last line (the id could be split across chunks). The held bytes are kept as a
+    """A relayed event stream rewritten line by line (the upstream id replaced by the client's, PD
+    usage): :meth:`feed` returns the complete lines received so far rewritten, and holds back the
+    incomplete last line (the id could be split across chunks). The held bytes are kept as a
     list of chunks, joined once when their line completes, so a line of ``n`` bytes costs O(n)
     whatever its chunking (issue 25 item 6: re-joining per chunk was quadratic), and at most
     :data:`MAX_SSE_LINE_BYTES` are held (:class:`_LineTooLong` beyond)."""
 
-    __slots__ = ("swap", "held", "held_bytes")
+    __slots__ = ("rewrite", "held", "held_bytes")
 
-    def __init__(self, swap: tuple[bytes, bytes]) -> None:
-        self.swap = swap
+    def __init__(self, rewrite: Callable[[bytes], bytes]) -> None:
+        self.rewrite = rewrite  # whole lines -> what the client gets (the id swapped, usage rewritten)
         self.held: list[bytes] = []
         self.held_bytes = 0
 
@@ -255,11 +314,11 @@ class _SwapLines:
         self.held_bytes = len(tail)
         if self.held_bytes > MAX_SSE_LINE_BYTES:
             raise _LineTooLong
-        return out.replace(*self.swap)
+        return self.rewrite(out)
 
     def rest(self) -> bytes:
-        """The held incomplete line, id swapped (the stream ended without its newline)."""
-        out = b"".join(self.held).replace(*self.swap)
+        """The held incomplete line, rewritten (the stream ended without its newline)."""
+        out = self.rewrite(b"".join(self.held)) if self.held else b""
         self.held, self.held_bytes = [], 0
         return out
 
@@ -330,6 +389,16 @@ class Proxy:
                                        f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")
         visible_id = client_id if client_id is not None else self.new_upstream_id()
         ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out)
+        resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
+        if "X-Request-Id" not in resp.headers and not resp.prepared:
+            resp.headers["X-Request-Id"] = visible_id
+        return resp
+
+    async def _handle(self, ctx: _Ctx, client_id: str | None, n_tokens: int, hashes: tuple[int, ...],
+                      max_out: int) -> web.StreamResponse:
+        """:meth:`handle` once the request is checked: attempts, retries, the timeout."""
+        cfg = self.cfg
+        visible_id = ctx.visible_id
         attempt = 0
         faults = _RequestFaults()
         faults_token = _FAULTS.set(faults)
@@ -347,7 +416,8 @@ class Proxy:
                         f.__traceback__ = None  # its frames hold the attempt's tasks and body (never logged)
                         faults.waiting.clear()  # the attempt's other legs were aborted
                         if f.worker is not None:
-                            self._failed(f.worker, f.kind, charge=f.charge == "now")
+                            self._failed(f.worker, f.kind, charge=f.charge == "now",
+                                         unreachable=f.message if f.unreachable else None)
                         if f.charge == "deferred":
                             if f.status == 500 and f.body is not None and any(
                                     d.status == 500 and d.body is not None for d in deferred):
@@ -453,6 +523,17 @@ class Proxy:
             raise Failure(503, f"worker {url} was removed", True, "removed")
         return w
 
+    def _model_for(self, ctx: _Ctx, w: Worker, fields: dict[str, Any]) -> None:
+        """Add ``model`` to a leg's ``fields`` when the request names the router's alias
+        (``served_model_name``) and ``w`` serves another name (configured, else discovered): the
+        engine gets the one name it accepts (transformers' server refuses any other, 400)."""
+        alias = self.cfg.served_model_name
+        if alias is None or ctx.body.get("model") != alias:
+            return
+        names = w.model_names()
+        if names and alias not in names:
+            fields["model"] = names[0]
+
     def _headers(self, upstream_id: str) -> dict[str, str]:
         return {"Content-Type": "application/json", "X-Request-Id": upstream_id}
 
@@ -465,6 +546,7 @@ class Proxy:
             # the client's rid (if any) is replaced by the router's: never forwarded
             extra: dict[str, Any] = {"rid": upstream_id} if cfg.pd_protocol == "sglang" or "rid" in ctx.body else {}
             self._dp_rank(extra, headers, d, route.decode.dp_rank)
+            self._model_for(ctx, d, extra)
             legs.started.append((d, upstream_id))
             deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
             d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, extra), headers, legs, deadline,
@@ -493,6 +575,8 @@ class Proxy:
         p_headers, d_headers = self._headers(upstream_id), self._headers(upstream_id)
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
+        self._model_for(ctx, p, p_extra)
+        self._model_for(ctx, d, d_extra)
         legs.started += [(p, upstream_id), (d, upstream_id)]
         d_deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
         p_data = encode_with(ctx.raw, ctx.body, p_extra)
@@ -506,7 +590,8 @@ class Proxy:
         while d_task in pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done:
-                p_task.result()  # raises the prefill's Failure: the finally of _attempt aborts D
+                # raises the prefill's Failure: the finally of _attempt aborts D
+                legs.prefill_cached_tokens = cached_tokens_in(p_task.result())
                 self.router.on_prefill_done(router_id, time.monotonic())
         if d_task.exception() is not None and not p_task.done():
             # D failed while P runs: a decode leg whose prefill failed fails too, often first; wait
@@ -525,6 +610,7 @@ class Proxy:
             raise Failure(504, f"prefill worker {p.url} had not finished when the decode leg on {d.url} failed "
                                f"({d_task.exception()})", True, "prefill_stalled", worker=p, charge="now")
         d_resp = d_task.result()
+        legs.pd = True
         if not p_task.done():
             # D answered before P: if P fails now, close D so that the relay fails (and retries
             # if nothing reached the client yet), charging P, not D.
@@ -533,6 +619,7 @@ class Proxy:
                     legs.prefill_failure = None if t.cancelled() else t.exception()
                     d_resp.close()
                 else:
+                    legs.prefill_cached_tokens = cached_tokens_in(t.result())
                     self.router.on_prefill_done(router_id, time.monotonic())
             p_task.add_done_callback(_watch)
         return await self._relay(ctx, d, d_resp, router_id, legs, d_deadline)
@@ -552,6 +639,7 @@ class Proxy:
         p_headers = self._headers(upstream_id)
         p_extra: dict[str, Any] = {}
         self._dp_rank(p_extra, p_headers, p, route.prefill.dp_rank)
+        self._model_for(ctx, p, p_extra)
         p_body.update(p_extra)
         legs.started.append((p, upstream_id))
         data = await self._full(p, path, encode_body(p_body, ctx.raw), p_headers, legs, prefill=True)
@@ -563,11 +651,13 @@ class Proxy:
             raise Failure(502, f"prefill worker {p.url} answered without kv_transfer_params", True, "bad_response",
                           worker=p, charge="now") from None
         self.router.on_prefill_done(router_id, time.monotonic())
+        legs.pd, legs.prefill_cached_tokens = True, cached_tokens_in(data)
         d_extra: dict[str, Any] = {"kv_transfer_params": kv}
         if "rid" in ctx.body:
             d_extra["rid"] = upstream_id
         d_headers = self._headers(upstream_id)
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
+        self._model_for(ctx, d, d_extra)
         legs.started.append((d, upstream_id))
         deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
         d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, d_extra), d_headers, legs, deadline,
@@ -585,13 +675,17 @@ class Proxy:
             else:
                 faults.waiting.pop(w.url, None)
 
-    def _failed(self, w: Worker, kind: str, charge: bool = True) -> None:
+    def _failed(self, w: Worker, kind: str, charge: bool = True, unreachable: str | None = None) -> None:
         """Count a failure of ``w`` in the metrics, keep the current request's retries off it and,
-        with ``charge``, count it against its circuit breaker (at most once per client request)."""
+        with ``charge``, count it against its circuit breaker (at most once per client request);
+        ``unreachable`` (why no connection could be opened) also marks it unreachable
+        (:meth:`WorkerPool.record_connect_failure`)."""
         faults = _FAULTS.get()
         if faults is not None:
             faults.failed.add(w.url)
         self.metrics.child(self.metrics.upstream_failures, w.url, kind).inc()
+        if unreachable is not None and self.pool.get(w.url) is w:
+            self.pool.record_connect_failure(w, time.monotonic(), unreachable)
         if charge:
             self._charge(w)
 
@@ -657,8 +751,11 @@ class Proxy:
             raise self._first_byte_failure(w, stream, max_out) from None
         except (aiohttp.ClientError, OSError) as e:
             self._waiting(w, False)
-            raise Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
-                          worker=w, charge="now") from None
+            f = Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
+                        worker=w, charge="now")
+            # no connection could be opened (not a pooled connection closed under the request)
+            f.unreachable = isinstance(e, _CONNECT_ERRORS)
+            raise f from None
         if not stream or resp.status >= 400:  # a streamed decode leg waits for its first chunk (_relay)
             self._waiting(w, False)
         legs.responses.append(resp)
@@ -739,8 +836,12 @@ class Proxy:
                 raise self._blame(legs, f) from None
             self.router.on_first_token(router_id, time.monotonic())
             self.pool.record_result(d, True, time.monotonic())
+            if self.router.cost_learner is not None:  # the only reader of the count
+                legs.output_tokens = completion_tokens_in(data)
             if swap is not None:
                 data = data.replace(*swap)
+            if legs.prefill_cached_tokens is not None and d_resp.status == 200:
+                data = with_cached_tokens(data, legs.prefill_cached_tokens, sse=False)
             headers = _relayed_headers(d_resp, "application/json")
             headers["X-Request-Id"] = ctx.visible_id
             return web.Response(status=d_resp.status, body=data, headers=headers)
@@ -761,18 +862,18 @@ class Proxy:
             raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
                                             True, "read", worker=d, charge="now")) from None
         self._waiting(d, False)
-        now = time.monotonic()
-        self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
-        self.router.on_first_token(router_id, now)
+        meter = StreamMeter()
+        if meter.feed(first):
+            self._first_token(ctx, router_id)
         headers = _relayed_headers(d_resp, "text/event-stream")
         headers["Cache-Control"] = "no-cache"
         headers["X-Request-Id"] = ctx.visible_id
         resp = web.StreamResponse(status=d_resp.status, headers=headers)
         ctx.resp = resp
         await resp.prepare(ctx.request)
-        # with id swapping: the incomplete last line is held back (SSE events end in newlines)
-        lines = _SwapLines(swap) if swap is not None else None
-        events = first.count(b"data: ")
+        # with id swapping or PD usage rewriting, chunks are relayed by whole lines (SSE events end
+        # in newlines): the incomplete last line is held back (_SwapLines: linear cost, bounded)
+        lines = _SwapLines(lambda data: self._rewrite(data, swap, legs)) if swap is not None or legs.pd else None
         try:
             if lines is not None:
                 first = lines.feed(first)
@@ -793,7 +894,8 @@ class Proxy:
                     self._abort(legs)
                     legs.done = True
                     return resp
-                events += chunk.count(b"data: ")
+                if meter.feed(chunk):
+                    self._first_token(ctx, router_id)
                 if lines is not None:
                     chunk = lines.feed(chunk)
                 if chunk:
@@ -804,7 +906,8 @@ class Proxy:
             self._abort(legs)
             legs.done = True
             return resp
-        legs.output_tokens = max(events - 1, 0)
+        if self.router.cost_learner is not None:  # the only reader of the count
+            legs.output_tokens = meter.output_tokens()
         d_resp.release()
         if lines is not None and (rest := lines.rest()):
             await resp.write(rest)
@@ -812,6 +915,22 @@ class Proxy:
         self.pool.record_result(d, True, time.monotonic())
         return resp
 
+    def _first_token(self, ctx: _Ctx, router_id: str) -> None:
+        """The decode leg's first event with generated content arrived (streaming): TTFT metric and
+        ``Router.on_first_token``, now."""
+        now = time.monotonic()
+        self.metrics.child(self.metrics.ttft, ctx.endpoint).observe(now - ctx.t0)
+        self.router.on_first_token(router_id, now)
+
+    @staticmethod
+    def _rewrite(data: bytes, swap: tuple[bytes, bytes] | None, legs: _Legs) -> bytes:
+        """Whole SSE lines as the client gets them: the id swapped, and in PD the prefill leg's
+        ``cached_tokens`` in the usage."""
+        if swap is not None:
+            data = data.replace(*swap)
+        if legs.prefill_cached_tokens is not None and b'"usage"' in data:
+            data = with_cached_tokens(data, legs.prefill_cached_tokens, sse=True)
+        return data
 
     async def _stream_error(self, ctx: _Ctx, status: int, message: str) -> None:
         """End a started stream with an SSE error event; the request counts with ``status`` (not
@@ -829,7 +948,8 @@ class Proxy:
     # ------------------------------------------------------------------ aborts
     def _abort(self, legs: _Legs) -> None:
         """Abort every started leg: cancel pending POSTs, close open responses (vLLM aborts on
-        disconnect) and send SGLang's ``/abort_request`` (best effort, in the background)."""
+        disconnect) and send SGLang's ``/abort_request`` (best effort, in the background) to the
+        engines that have it (:attr:`Worker.caps`)."""
         for t in legs.tasks:
             if not t.done():
                 t.cancel()
@@ -840,6 +960,10 @@ class Proxy:
         if self.cfg.pd_protocol == "vllm":
             return
         for w, rid in legs.started:
+            # only engines that have the endpoint (SGLang); before the probe answered, as configured
+            # (an SGLang PD router's engines are SGLang)
+            if w.caps.abort_endpoint is None and (w.caps.probed or self.cfg.pd_protocol != "sglang"):
+                continue
             t = asyncio.create_task(self._post_abort(w, rid))
             self.background.add(t)
             t.add_done_callback(self.background.discard)

@@ -19,6 +19,7 @@ from yarl import URL
 
 from balancer.router import Router
 from balancer.service.config import CircuitBreakerConfig, HealthCheckConfig, WorkerConfig
+from balancer.service.engine_caps import EngineCaps
 from balancer.types import ReplicaId, Role
 
 log = logging.getLogger("pdlb.service")
@@ -27,6 +28,8 @@ MAX_WORKERS = 1024
 """Most workers one router holds (admin API and config); bounds what one admin request can add."""
 MAX_REPLICAS = 16_384
 """Most DP ranks over all workers (each is a router replica)."""
+UNREACHABLE_LOG_EVERY_S = 60.0
+"""While a worker stays unreachable, its burst of failed connections is logged this often."""
 
 
 class BreakerState(enum.IntEnum):
@@ -120,7 +123,20 @@ class Worker:
     health_successes: int = 0
     routable: bool = True
     replicas: tuple[ReplicaId, ...] = field(default_factory=tuple)
+    #: what the engine can do (:mod:`balancer.service.engine_caps`), probed after registration
+    caps: EngineCaps = field(default_factory=EngineCaps)
+    #: since when requests cannot connect to it (None: reachable), and the failed connections of
+    #: the current burst / since registration (WorkerPool.record_connect_failure)
+    unreachable_since_s: float | None = None
+    burst_connect_failures: int = 0
+    connect_failures: int = 0
+    last_unreachable_log_s: float = 0.0
     _urls: dict[str, URL] = field(default_factory=dict)
+
+    def model_names(self) -> tuple[str, ...]:
+        """The model names the engine accepts: the configured ``served_model_name``, else the
+        discovered ones (empty: unknown)."""
+        return (self.cfg.served_model_name,) if self.cfg.served_model_name else self.caps.served_models
 
     @property
     def url(self) -> str:
@@ -144,7 +160,9 @@ class Worker:
 
     def describe(self) -> dict:
         return {**self.cfg.model_dump(), "healthy": self.healthy, "routable": self.routable,
-                "circuit": self.breaker.state.name.lower(), "consecutive_failures": self.breaker.failures}
+                "circuit": self.breaker.state.name.lower(), "consecutive_failures": self.breaker.failures,
+                "reachable": self.unreachable_since_s is None, "connect_failures": self.connect_failures,
+                "capabilities": self.caps.describe()}
 
 
 class WorkerPool:
@@ -235,9 +253,38 @@ class WorkerPool:
                 for rep in w.replicas:
                     self.router.set_healthy(rep, r)
 
+    def record_connect_failure(self, w: Worker, now_s: float, why: str) -> None:
+        """A request could not connect to ``w``: it is marked unreachable (``/workers``,
+        ``pdlb_worker_reachable``) until a request or health check gets through. Logged at WARNING
+        once when a burst starts, again every :data:`UNREACHABLE_LOG_EVERY_S` while it lasts (with
+        the count), and at INFO with the burst's count when the worker answers again."""
+        w.connect_failures += 1
+        if w.unreachable_since_s is None:
+            w.unreachable_since_s = w.last_unreachable_log_s = now_s
+            w.burst_connect_failures = 1
+            log.warning("worker %s: cannot connect (%s); marked unreachable until it answers (further failures "
+                        "are counted, not logged one by one)", w.url, why)
+            return
+        w.burst_connect_failures += 1
+        if now_s - w.last_unreachable_log_s >= UNREACHABLE_LOG_EVERY_S:
+            w.last_unreachable_log_s = now_s
+            log.warning("worker %s: still unreachable: %d failed connections in %.0f s (last: %s)", w.url,
+                        w.burst_connect_failures, now_s - w.unreachable_since_s, why)
+
+    def _reachable_again(self, w: Worker, now_s: float) -> None:
+        since = w.unreachable_since_s
+        if since is None:
+            return
+        w.unreachable_since_s = None
+        log.info("worker %s answers again after %d failed connections in %.1f s", w.url, w.burst_connect_failures,
+                 now_s - since)
+        w.burst_connect_failures = 0
+
     def record_result(self, w: Worker, ok: bool, now_s: float) -> None:
         """Feed one request outcome on ``w`` into its breaker (and the router, if routability changed)."""
         if ok:
+            if w.unreachable_since_s is not None:
+                self._reachable_again(w, now_s)
             if w.breaker.state is BreakerState.CLOSED:  # the common case: nothing can change
                 w.breaker.failures = 0
                 return
@@ -250,6 +297,7 @@ class WorkerPool:
         """Feed one active health-check result into ``w``."""
         cfg = self.health_cfg
         if ok:
+            self._reachable_again(w, now_s)
             w.health_failures = 0
             w.health_successes += 1
             if not w.healthy and w.health_successes >= cfg.success_threshold:

@@ -3,7 +3,8 @@
 Endpoints (the shapes of SGLang's and vLLM's OpenAI servers, trimmed to what routers use):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /generate`` (SGLang native):
-  JSON or SSE (``stream: true``), one SSE event per generated token, ``data: [DONE]`` at the end.
+  JSON or SSE (``stream: true``), one SSE event per generated token, ``data: [DONE]`` at the end
+  (``stream_format: transformers``: a role-only chat chunk before prefill and no ``[DONE]``).
   Output length is exactly ``max_tokens`` / ``max_completion_tokens`` /
   ``sampling_params.max_new_tokens`` (as with ``ignore_eos``).
 * A request whose prompt + output limit exceeds ``max_model_len`` (reported by ``/v1/models``)
@@ -436,7 +437,13 @@ async def _respond(request: web.Request, st: EmulatorState, shape: _Shape, event
     await resp.prepare(request)
     if st.faults.hang_after_headers:
         await asyncio.Event().wait()
+    tx = cfg.stream_format == "transformers"
     first = True
+    if tx and shape.endpoint == "chat":  # transformers serve: the role chunk goes out before prefill
+        role = shape.chunk("", None, True)
+        role["choices"][0]["delta"] = {"role": "assistant"}
+        await resp.write(b"data: " + json.dumps(role).encode() + b"\n\n")
+        first = False
     while True:
         kind, val = await events.get()
         if kind == "done":
@@ -455,7 +462,8 @@ async def _respond(request: web.Request, st: EmulatorState, shape: _Shape, event
     if shape.endpoint != "generate":
         last["usage"] = shape.usage(cached)
     await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
+    if not tx:
+        await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 

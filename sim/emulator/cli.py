@@ -67,6 +67,10 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="prefill -> decode KV transfer bandwidth in bytes/s (default: %(default)g)")
     p.add_argument("--kv-transfer-latency-s", type=float, default=d.kv_transfer_latency_s, metavar="SECONDS",
                    help="fixed latency of one KV transfer in seconds (default: %(default)s)")
+    p.add_argument("--stream-format", choices=["openai", "transformers"], default=d.stream_format,
+                   help="framing of streamed answers: openai (role with the first token, [DONE] at the end) or "
+                        "transformers (as transformers serve: a role-only chunk before prefill, usage in the "
+                        "finish chunk, no [DONE]) (default: %(default)s)")
     g = p.add_argument_group("faults (for tests)")
     g.add_argument("--error-rate", type=float, default=f.error_rate,
                    help="fraction 0..1 of requests answered with --error-status (default: %(default)s)")
@@ -96,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             max_decode_batch=args.max_decode_batch, kv_capacity_tokens=args.kv_capacity_tokens, speed=args.speed,
             zero_delay=args.zero_delay, served_model_name=args.served_model_name, engine_id=args.engine_id,
             default_max_tokens=args.default_max_tokens, max_model_len=args.max_model_len, kv_transfer_bandwidth_bytes_per_s=args.kv_transfer_bandwidth,
-            kv_transfer_latency_s=args.kv_transfer_latency_s,
+            kv_transfer_latency_s=args.kv_transfer_latency_s, stream_format=args.stream_format,
             faults={"error_rate": args.error_rate, "error_status": args.error_status, "hang": args.hang,
                     "hang_after_headers": args.hang_after_headers, "die_after_tokens": args.die_after_tokens,
                     "seed": args.seed})

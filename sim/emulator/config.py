@@ -61,6 +61,11 @@ class EmulatorConfig(BaseModel):
         max_model_len: most prompt + output tokens a request may ask for (reported by
             ``/v1/models``); a request over it is answered HTTP 400, as vLLM and SGLang do
             (default 131,072: Llama 3.1's context).
+        stream_format: how streamed chat answers are framed: ``openai`` (the role rides on the
+            first token's chunk; a finish chunk with ``usage``; ``data: [DONE]``), or
+            ``transformers`` (as ``transformers serve`` 5.17: a role-only chunk at once, before
+            prefill; the finish chunk carries ``usage``; no ``[DONE]``; completions likewise
+            without ``[DONE]``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -85,6 +90,7 @@ class EmulatorConfig(BaseModel):
     engine_id: str | None = None
     default_max_tokens: int = Field(16, ge=1)
     max_model_len: int = Field(131_072, ge=2, le=1 << 30)
+    stream_format: Literal["openai", "transformers"] = "openai"
     faults: FaultConfig = FaultConfig()
 
     @field_validator("model")

@@ -19,7 +19,7 @@ class PrefillJob:
 
     __slots__ = ("index", "prompt_tokens", "output_tokens", "block_hashes", "cached_tokens", "done_tokens",
                  "reserved_blocks", "start_s", "traffic_class", "hbm_tokens", "host_tokens", "store_tokens",
-                 "fetch_pending", "fetch_start_s", "fetch_end_s")
+                 "fetch_pending", "fetch_start_s", "fetch_end_s", "pinned_blocks")
 
     def __init__(self, index: int, prompt_tokens: int, output_tokens: int, block_hashes: tuple[int, ...],
                  traffic_class: str | None = None) -> None:
@@ -31,6 +31,7 @@ class PrefillJob:
         self.cached_tokens = -1  # unknown until first scheduled (= hbm + host + store tokens)
         self.done_tokens = 0  # prompt tokens whose KV exists (cached + computed)
         self.reserved_blocks = 0  # mixed ranks reserve KV for the whole sequence at prefill start
+        self.pinned_blocks = 0  # shared prompt blocks: leading blocks of block_hashes it holds pinned
         self.start_s = -1.0  # when its first chunk was scheduled (set by the step group)
         self.hbm_tokens = 0  # reused from this rank's HBM prefix cache
         self.host_tokens = 0  # fetched from the rank's host tier
@@ -43,15 +44,18 @@ class PrefillJob:
 class DecodeSeq:
     """A sequence in (or waiting for) a rank's decode batch."""
 
-    __slots__ = ("index", "kv_tokens", "remaining", "reserved_blocks", "block_hashes")
+    __slots__ = ("index", "kv_tokens", "remaining", "reserved_blocks", "block_hashes", "pinned")
 
     def __init__(self, index: int, kv_tokens: int, remaining: int, reserved_blocks: int,
-                 block_hashes: tuple[int, ...] = ()) -> None:
+                 block_hashes: tuple[int, ...] = (), pinned: bool = False) -> None:
         self.index = index
         self.kv_tokens = kv_tokens  # KV length the next step attends to
         self.remaining = remaining  # output tokens still to generate by decode steps
         self.reserved_blocks = reserved_blocks
-        self.block_hashes = block_hashes  # prompt blocks; a decode rank caches them when it finishes
+        # prompt blocks; a decode rank caches them when it finishes; with ``pinned`` (shared prompt
+        # blocks on a mixed rank) they are pinned in the rank's cache and unpinned when it finishes
+        self.block_hashes = block_hashes
+        self.pinned = pinned
 
 
 @dataclass(slots=True)
@@ -82,6 +86,13 @@ class Rank:
         block_size: tokens per KV block.
         max_prefill_tokens: chunked-prefill token budget per step (mixed: shared with decode).
         max_decode_batch: most running decode sequences.
+        share_prompt_blocks: KV accounting of a mixed rank (``Scenario.kv_accounting``). False
+            ("reserve"): a sequence reserves blocks for its whole prompt + output at admission,
+            apart from the prefix cache, which also holds its prompt once prefilled. True
+            ("shared", vLLM / SGLang paged KV): its prompt blocks are the cache's, pinned while it
+            runs (its prefix hits from admission, the rest from the end of its prefill), and it
+            reserves only the blocks beyond them; when it finishes they become evictable as the
+            most recently used. Prefill and decode ranks are not affected.
 
     Attributes:
         tiers: the rank's lower KV tiers (:class:`sim.engine.tiers.RankTiers`), or None.
@@ -98,8 +109,10 @@ class Rank:
         block_size: int,
         max_prefill_tokens: int,
         max_decode_batch: int,
+        share_prompt_blocks: bool = False,
     ) -> None:
         self.replica = replica
+        self.share_prompt_blocks = share_prompt_blocks and role is Role.MIXED
         self.index = index
         self.role = role
         self.kv_capacity_blocks = kv_capacity_blocks
@@ -142,7 +155,9 @@ class Rank:
         return any(not job.fetch_pending for job in self.prefill_queue)
 
     def free_blocks(self) -> int:
-        return self.kv_capacity_blocks - self.reserved_blocks
+        """Blocks neither reserved by a running sequence nor pinned in the cache (evictable cached
+        blocks count as free)."""
+        return self.kv_capacity_blocks - self.reserved_blocks - self.cache.num_pinned
 
     def _reserve(self, blocks: int) -> None:
         self.reserved_blocks += blocks
@@ -168,7 +183,8 @@ class Rank:
 
     def _fits(self, blocks: int) -> bool:
         # A sequence larger than the whole rank is admitted alone rather than blocking forever.
-        return blocks <= self.free_blocks() or (not self.running and self.reserved_blocks == 0)
+        return blocks <= self.free_blocks() or (not self.running and self.reserved_blocks == 0
+                                                and self.cache.num_pinned == 0)
 
     def admit_decode(self) -> list[DecodeSeq]:
         """Move waiting sequences into the running batch (FIFO) while KV blocks and batch slots
@@ -217,7 +233,7 @@ class Rank:
                 if self.hit_multiple_tokens > 1:  # hybrid KV: the hit every KV cache group can serve
                     m = self.hit_multiple_tokens
                     hbm_blocks = hbm_blocks * self.block_size // m * m // self.block_size
-                if self.role is not Role.PREFILL and not self._fits_job(job):
+                if self.role is not Role.PREFILL and not self._fits_job(job, hbm_blocks):
                     break
                 if self.tiers is not None:
                     job.cached_tokens = self.tiers.admit(job, hbm_blocks)
@@ -236,10 +252,22 @@ class Rank:
         p.prefill_attn_pairs = attn
         return p
 
-    def _fits_job(self, job: PrefillJob) -> bool:
+    def _fits_job(self, job: PrefillJob, hbm_blocks: int) -> bool:
         need = blocks_for(job.prompt_tokens + job.output_tokens, self.block_size)
-        if not self._fits(need):
+        if not self.share_prompt_blocks:
+            if not self._fits(need):
+                return False
+            job.reserved_blocks = need
+            self._reserve(need)
+            return True
+        # shared: the prefix hits are pinned now (those not pinned by another sequence stop being
+        # evictable, so they count against the free blocks too); the rest is reserved
+        hits = job.block_hashes[:hbm_blocks]
+        need -= hbm_blocks
+        if not self._fits(need + self.cache.count_unpinned(hits)):
             return False
+        self._evicted(self.cache.pin(hits))
+        job.pinned_blocks = hbm_blocks
         job.reserved_blocks = need
         self._reserve(need)
         return True
@@ -266,7 +294,9 @@ class Rank:
             for seq in finished:
                 self.running_kv_tokens -= seq.kv_tokens
                 self._release(seq.reserved_blocks)
-                if self.role is Role.DECODE and seq.block_hashes:
+                if seq.pinned:
+                    self._unpin_prompt(seq.block_hashes)
+                elif self.role is Role.DECODE and seq.block_hashes:
                     # the prompt's KV stays as evictable prefix cache (vLLM / SGLang keep freed blocks)
                     self.cache_insert(seq.block_hashes)
         return finished
@@ -285,8 +315,26 @@ class Rank:
                 done.append(job)
         for job in done:
             self.prefill_queue.remove(job) if self.prefill_queue[0] is not job else self.prefill_queue.popleft()
-            self.cache_insert(job.block_hashes)
+            if self.share_prompt_blocks:
+                self._pin_prompt(job)
+            else:
+                self.cache_insert(job.block_hashes)
         return done
+
+    def _pin_prompt(self, job: PrefillJob) -> None:
+        """Shared prompt blocks: the prefilled prompt's remaining blocks move from the job's
+        reservation into the cache, pinned (announced as stored, as :meth:`cache_insert`)."""
+        rest = job.block_hashes[job.pinned_blocks:]
+        moved = min(len(rest), job.reserved_blocks)
+        job.reserved_blocks -= moved
+        self._release(moved)
+        self._evicted(self.cache.pin(rest))
+        job.pinned_blocks = len(job.block_hashes)
+        if self.kv_listener is not None and job.block_hashes:
+            self.kv_listener("hbm", True, job.block_hashes, self.index)
+
+    def _unpin_prompt(self, block_hashes: tuple[int, ...]) -> None:
+        self._evicted(self.cache.unpin(block_hashes))
 
     def start_decode_local(self, job: PrefillJob, remaining: int) -> DecodeSeq | None:
         """Mixed rank: a prefilled job joins this rank's running batch (its KV is already
@@ -294,7 +342,12 @@ class Rank:
         reservation is released)."""
         if remaining <= 0:
             self._release(job.reserved_blocks)
+            if self.share_prompt_blocks:
+                self._unpin_prompt(job.block_hashes)
             return None
-        seq = DecodeSeq(job.index, job.prompt_tokens + 1, remaining, job.reserved_blocks)
+        if self.share_prompt_blocks:
+            seq = DecodeSeq(job.index, job.prompt_tokens + 1, remaining, job.reserved_blocks, job.block_hashes, True)
+        else:
+            seq = DecodeSeq(job.index, job.prompt_tokens + 1, remaining, job.reserved_blocks)
         self._join(seq)
         return seq
