@@ -88,3 +88,28 @@ def test_hostile_action_neither_freezes_nor_bloats_nor_crashes_the_router(cluste
     if not (rss_back and children_back):
         problems.append(f"RSS {cluster.rss()} not back within 10% of {baseline}")
     assert not problems, problems
+
+
+def test_large_bodies_are_parsed_off_the_loop_in_every_router_process():
+    # pdlb serve --processes 2: each router process starts its own body worker (a daemonic child
+    # could not: the router processes are not daemonic); 6 large bodies over 2 processes, all served
+    import json
+
+    from sim.emulator.hostile import children, http_request, spawn_fake_engine
+    from sim.emulator.testing import spawn_router
+
+    engines = [spawn_fake_engine(), spawn_fake_engine()]
+    try:
+        r = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2")
+        try:
+            body = json.dumps({"prompt": "big " * 100_000, "max_tokens": 2}).encode()
+            assert [http_request(r.url, "POST", "/v1/completions", body)[0] for _ in range(6)] == [200] * 6
+            routers = children(r.popen.pid)
+            assert len(routers) >= 2
+            with_workers = [p for p in routers if children(p)]
+            assert len(with_workers) == 2, (routers, with_workers)  # both router processes parsed some
+        finally:
+            r.stop()
+    finally:
+        for e in engines:
+            e.stop()
