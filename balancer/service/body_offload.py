@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import concurrent.futures.process
 import ctypes
+import functools
 import gc
 import json
 import logging
@@ -65,6 +66,12 @@ MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
 (glibc's default start value, kept fixed: :func:`tune_malloc`)."""
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library of this process (loaded once)."""
+    return ctypes.CDLL(None)
+
+
 def tune_malloc() -> None:
     """Fix glibc's mmap threshold at :data:`MALLOC_MMAP_THRESHOLD_BYTES` (``mallopt``; a no-op
     without glibc). By default glibc raises it after a large block is freed, up to 32 MiB, so
@@ -72,8 +79,7 @@ def tune_malloc() -> None:
     pages stay resident after they are freed: the router's RSS grew by ~65 MB per 30 MB request
     and stayed there (issue 25 item 1). Fixed, every large buffer is unmapped when freed."""
     try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, MALLOC_MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD (also stops the dynamic adjustment)
+        _libc().mallopt(-3, MALLOC_MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD (also stops the dynamic adjustment)
     except (OSError, AttributeError):
         pass
 
@@ -263,7 +269,7 @@ def _analyze_in_worker(*args: Any) -> Analysis | str:
 def trim_malloc() -> None:
     """Return the C heap's free pages to the OS (glibc ``malloc_trim(0)``; elsewhere a no-op)."""
     try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere a no-op
+        _libc().malloc_trim(0)  # glibc; elsewhere a no-op
     except (OSError, AttributeError):
         pass
 
