@@ -52,6 +52,17 @@ from sim.point import (
 )
 
 
+
+def stop_pool_now(pool: cf.ProcessPoolExecutor) -> None:
+    """Stop ``pool`` at once (an error or Ctrl-C): cancel what has not started, terminate the
+    workers and wait up to 10 s for each to exit."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+
 class Executor:
     """Base class: ``submit(point) -> Future[PointResult]``, ``slots``, context manager."""
 
@@ -158,12 +169,7 @@ class ProcessExecutor(Executor):
         if not kill:
             pool.shutdown(wait=True, cancel_futures=True)
             return
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.join(timeout=10)
+        stop_pool_now(pool)
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.shutdown(kill=exc_type is not None)

@@ -18,6 +18,7 @@ from typing import Any
 
 from balancer.types import Request
 from sim.cluster import SimResult, simulate
+from sim.executor import stop_pool_now
 from sim.point import import_policy_modules
 from sim.scenario import Scenario
 
@@ -75,12 +76,7 @@ def simulate_in_parallel(scenario: Scenario, requests: Sequence[Request], pairs:
         if ok:
             pool.shutdown(wait=True)
         else:  # an error or Ctrl-C: stop the workers at once
-            procs = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.join(timeout=10)
+            stop_pool_now(pool)
         q.close()
         q.join_thread()
     return out  # type: ignore[return-value]
