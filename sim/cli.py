@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_session_parsers(simsub)
     from sim.workload.generate_cli import add_workload_parser
     add_workload_parser(simsub)
-    from sim.cost_model import add_cost_model_parser
+    from sim.cost_model_cli import add_cost_model_parser
     add_cost_model_parser(simsub)
     from sim.capacity_cli import add_capacity_parser
     add_capacity_parser(simsub)
@@ -407,7 +407,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 from sim.workload.generate_cli import run_workload
                 return run_workload(args, console)
             if args.sim_command == "cost-model":
-                from sim.cost_model import run_cost_model
+                from sim.cost_model_cli import run_cost_model
                 return run_cost_model(args, console)
             if args.sim_command == "price":
                 from sim.pricing import run_price

@@ -781,7 +781,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         get_model(sc.model)
     except FileNotFoundError as e:
         raise ValueError(f"model {sc.model!r}: {e.strerror}: {e.filename}" if e.strerror else str(e)) from None
-    from sim.cluster import build_perf
+    from sim.perf.build import build_perf
 
     for role in ("prefill", "decode", "mixed"):  # a model that does not fit, also before any output
         pool = getattr(sc, role)

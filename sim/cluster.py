@@ -57,6 +57,7 @@ from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, Tier
 from sim.hardware import get_hardware
 from sim.models import get_model
 from sim.perf.base import PerfModel
+from sim.perf.build import build_perf
 from sim.perf.roofline import RooflinePerf
 from sim.records import MAX_LOAD_SAMPLES, LoadSamples, RequestRecords
 from sim.scenario import PoolConfig, Scenario, tier_capacity_blocks
@@ -97,20 +98,6 @@ class SimResult:
         if self.prefill_policy == self.decode_policy or not self.scenario.disaggregated:
             return self.decode_policy
         return f"{self.prefill_policy}+{self.decode_policy}"
-
-
-def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
-    """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
-    with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
-    (:func:`sim.perf.config.roofline_for_pool`); decode and mixed pools speculate when the scenario
-    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`)."""
-    from sim.perf.config import roofline_for_pool  # sim.perf.config imports sim.scenario
-
-    perf = roofline_for_pool(scenario, pool)
-    if scenario.speculative is not None and pool is not scenario.prefill:
-        from sim.perf.spec import spec_perf_for_pool
-        return spec_perf_for_pool(perf, scenario, pool)
-    return perf
 
 
 class Cluster:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from balancer.cost_model import CostModel, EngineCost, fit_step_cost
 from sim.perf.base import PerfModel
+from sim.perf.build import build_perf
 from sim.scenario import PoolConfig, Scenario
 
 
@@ -28,10 +29,8 @@ def engine_cost(perf: PerfModel, pool: PoolConfig) -> EngineCost:
 def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] | None = None
                    ) -> CostModel:
     """The :class:`CostModel` of ``scenario`` (``perf_factory`` defaults to the simulator's
-    :func:`sim.cluster.build_perf`). Deterministic."""
+    :func:`sim.perf.build.build_perf`). Deterministic."""
     if perf_factory is None:
-        from sim.cluster import build_perf  # sim.cluster imports this module
-
         perf_factory = build_perf
     if scenario.disaggregated:
         assert scenario.prefill is not None and scenario.decode is not None
@@ -88,40 +87,3 @@ def to_toml(model: CostModel, scenario_name: str, overrides: list[str] | None = 
         if isinstance(v, dict):
             emit(f"cost_model.{k}", v)
     return "\n".join(lines) + "\n"
-
-
-def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
-    p = subparsers.add_parser(
-        "cost-model", help="print the step-time cost model of a scenario (for pdlb serve --cost-model)",
-        description="Fit the cost model that ep_aware prices placements with to a scenario's perf model and print "
-                    "it as a TOML table for 'pdlb serve --cost-model FILE' (the service then refits it online).")
-    p.add_argument("--scenario", default="dsv3-pd-h200", metavar="NAME|FILE",
-                   help="scenario preset or file (default dsv3-pd-h200)")
-    from sim.cli_args import add_set_arg
-    add_set_arg(p)  # --set KEY=VALUE, as on pdlb sim run
-    p.add_argument("--out", metavar="FILE",
-                   help="write the table to FILE instead of standard output (JSON if FILE ends in .json, else TOML)")
-
-
-def run_cost_model(args, console) -> int:  # noqa: ANN001
-    from pathlib import Path
-
-    from sim.cli_args import apply_overrides, check_out_file
-    from sim.scenario import load_scenario
-
-    if args.out:  # was "[Errno 2] No such file or directory" / "[Errno 21] Is a directory", naming no flag
-        check_out_file(Path(args.out), "cost_model.toml")
-    sc = apply_overrides(load_scenario(args.scenario), args.overrides)  # same order and checks as sim run
-    model = cost_model_for(sc)
-    if args.out and str(args.out).lower().endswith(".json"):
-        import json
-
-        text = json.dumps({"cost_model": model.to_dict()}, indent=2) + "\n"
-    else:
-        text = to_toml(model, sc.name, [f"{k}={v!r}" for k, v in args.overrides])
-    if args.out:
-        Path(args.out).write_text(text)
-        console.print(f"wrote {args.out}")
-    else:
-        print(text, end="")
-    return 0

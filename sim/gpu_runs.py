@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
+from sim.tolerance import TOLERANCE
+
 RUNS_DIR = Path(__file__).resolve().parent / "data" / "gpu_runs"
 #: step-model features, in the order of :attr:`EngineStepPerf.coef`
 FEATURES = ("const_s", "prefill_step_s", "per_prefill_token_s", "per_attn_pair_s", "per_decode_seq_s",
@@ -399,9 +401,6 @@ def compare(model: str, seeds: int = SEEDS) -> tuple[PhaseComparison, ...]:
                                    None if not pd else pd["sum_s"] / pd["count"],
                                    float(np.mean([q[1] - q[0] for q in ok]))))
     return tuple(out)
-
-
-TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,7 @@ class SimOptions:
     """Router options of a run (the CLI's ``--index-mode``, ``--no-router-tiers``, ``--tier-weights``).
 
     ``perf_factory``: ``(scenario, pool) -> PerfModel`` (default: the roofline,
-    :func:`sim.cluster.build_perf`); must be a module-level callable to travel to other processes.
+    :func:`sim.perf.build.build_perf`); must be a module-level callable to travel to other processes.
     ``route_slo``: give the router the point's TTFT budget (:meth:`SLO.ttft_slo`), so SLO-aware
     policies (``ep_aware``) route against the SLO being judged; ``False``: SLO-blind routing.
     """
@@ -429,8 +429,9 @@ class _Stop(Exception):
 
 def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[int | None], Router]:
     # the same router simulate() builds (sim.cluster.simulate); tests compare the two paths
-    from sim.cluster import build_perf, router_tier_kwargs
+    from sim.cluster import router_tier_kwargs
     from sim.cost_model import cost_model_for
+    from sim.perf.build import build_perf
 
     sc = point.scenario
     opts = point.options
@@ -515,7 +516,7 @@ def evaluate_point(point: Point) -> PointResult:
                            tier_weights=dict(point.options.tier_weights) if point.options.tier_weights else None,
                            ttft_slo=slo.ttft_slo() if point.options.route_slo else None, **kw)
         else:
-            from sim.cluster import build_perf
+            from sim.perf.build import build_perf
 
             cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
             # refused at arrival as simulate() refuses them (was: simulated on this path); each one

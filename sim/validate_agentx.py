@@ -6,7 +6,7 @@ through ai-dynamo/aisimulate's reproduction, per-rank iteration times by step cl
 and their sources are ``sim/data/measured/agentx_440246.json``. :func:`run_rows` simulates the point
 (:func:`sim.agentic_sim.simulate_agentic`, with :mod:`sim.workload.agentic`'s fitted lanes and
 :mod:`balancer.policies.dp_consistent_hash`'s ring) and compares every figure; pass = within
-+-15% (:data:`sim.validate.TOLERANCE`).
++-15% (:data:`sim.tolerance.TOLERANCE`).
 
 What is fitted and what is held out (the ``role`` column):
 
@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sim.validate import TOLERANCE
+from sim.tolerance import TOLERANCE
 
 DATA_PATH = Path(__file__).parent / "data" / "measured" / "agentx_440246.json"
 

@@ -216,7 +216,7 @@ def test_fit_step_cost_recovers_a_linear_step_model():
 
 
 def test_fitted_model_matches_the_simulator_perf_model_within_a_tenth():
-    from sim.cluster import build_perf
+    from sim.perf.build import build_perf
     from sim.cost_model import cost_model_for
     from sim.scenario import load_scenario
 

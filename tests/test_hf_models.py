@@ -10,7 +10,7 @@ import pytest
 
 from sim.hf_models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, model_from_hf_config
 from sim.models import DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_70B, MODELS, get_model
-from sim.perf.config import roofline_for_pool
+from sim.perf.build import roofline_for_pool
 from sim.scenario import PoolConfig, Scenario
 
 DATA = Path(__file__).parent / "data" / "hf"

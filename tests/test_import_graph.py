@@ -135,10 +135,6 @@ def graph():
 #: listed one is gone (then delete it here)
 KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"balancer.service.kv_fanout", "balancer.service.kv_subscriber"}),
-    frozenset({"sim.cli_args", "sim.cluster", "sim.cost_model", "sim.executor", "sim.metrics", "sim.point",
-               "sim.report"}),
-    frozenset({"sim.perf.config", "sim.perf.spec", "sim.scenario"}),
-    frozenset({"sim.validate", "sim.validate_agentx"}),
 }
 
 

@@ -1,18 +1,14 @@
 """Per-scenario settings of the roofline perf model (the ``[perf]`` table of a scenario file).
 
 Every field defaults to the roofline's built-in value, so a scenario without ``perf`` gets exactly
-the model it always had. :func:`roofline_for_pool` builds the engine model of one pool with them.
+the model it always had. :func:`sim.perf.build.roofline_for_pool` builds the engine model of one pool
+with them. This module imports nothing above the perf models (the scenario embeds it).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from sim.hardware import get_hardware
-from sim.models import get_model
 from sim.perf.imbalance import EPLB_RESIDUAL_STD
 from sim.perf.roofline import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
@@ -22,11 +18,7 @@ from sim.perf.roofline import (
     DEFAULT_MBU,
     DEFAULT_MFU,
     DEFAULT_STEP_OVERHEAD_S,
-    RooflinePerf,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sim.scenario import PoolConfig, Scenario
 
 #: Lowest efficiency accepted (0.1%): 1e-300 made every step take ``inf`` seconds, reported as a
 #: TTFT of ``inf`` with exit status 0.
@@ -92,31 +84,3 @@ class PerfConfig(BaseModel):
     ep_imbalance_decode: float = Field(1.0, ge=1)
     eplb_physical_experts: int | None = Field(None, ge=1)
     eplb_residual_std: float = Field(EPLB_RESIDUAL_STD, ge=0)
-
-
-def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | None = None) -> RooflinePerf:
-    """Roofline model of one engine of ``pool``, with ``perf`` (default: ``scenario.perf``, else
-    the built-in defaults). A scenario without ``perf`` gives the same model as
-    ``RooflinePerf.for_engine(model, hardware, num_dp_ranks=..., gpus_per_rank=..., ep_synchronous=...)``.
-
-    Raises:
-        ValueError: unknown model/hardware, or the weights do not fit (see ``RooflinePerf``).
-    """
-    cfg = perf if perf is not None else (getattr(scenario, "perf", None) or PerfConfig())
-    model = get_model(scenario.model)
-    if cfg.fp8_weights is not None:
-        model = dataclasses.replace(model, weight_bytes=1 if cfg.fp8_weights else 2,
-                                    total_params=model.total_params, activated_params=model.activated_params)
-    hardware = get_hardware(scenario.hardware)
-    if cfg.gpus_per_node is not None:
-        hardware = dataclasses.replace(hardware, gpus_per_node=cfg.gpus_per_node)
-    return RooflinePerf.for_engine(
-        model, hardware, num_dp_ranks=pool.dp_ranks, gpus_per_rank=pool.gpus_per_rank,
-        ep_synchronous=pool.ep, mfu=cfg.mfu, mbu=cfg.mbu, step_overhead_s=cfg.step_overhead_s,
-        kv_cache_fraction=cfg.kv_cache_fraction, activation_reserve_bytes=cfg.activation_reserve_bytes,
-        comm_efficiency=cfg.comm_efficiency, comm_overlap=cfg.comm_overlap, tbo=cfg.tbo,
-        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink, tbo_phases=cfg.tbo_phases,
-        comm_efficiency_normal=cfg.comm_efficiency_normal, prefill_comm_sm_fraction=cfg.prefill_comm_sm_fraction,
-        ep_imbalance_prefill=cfg.ep_imbalance_prefill, ep_imbalance_decode=cfg.ep_imbalance_decode,
-        eplb_physical_experts=cfg.eplb_physical_experts, eplb_residual_std=cfg.eplb_residual_std,
-        context_parallel=pool.context_parallel)

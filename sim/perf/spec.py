@@ -67,7 +67,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["AcceptanceClass", "SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step", "spec_perf_for_pool"]
+__all__ = ["AcceptanceClass", "SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step"]
 
 
 class AcceptanceClass(BaseModel):
@@ -202,7 +202,7 @@ class SpecDecodePerf:
 
     def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
         """``base``: the target's roofline; ``draft``: the draft model's perf model on the same
-        ranks (required iff ``config.draft_model`` is set; :func:`spec_perf_for_pool` builds it)."""
+        ranks (required iff ``config.draft_model`` is set; :func:`sim.perf.build.spec_perf_for_pool` builds it)."""
         if (config.draft_model is None) != (draft is None):
             raise ValueError("a draft perf model is needed exactly when speculative.draft_model is set")
         self.base = base
@@ -333,17 +333,3 @@ def admission_order(classes: list[tuple[float, list[float]]], longest: int) -> l
         depth[ci] = k
         plans.append((t, tau, max(depth)))
     return plans
-
-
-def spec_perf_for_pool(base, scenario, pool) -> SpecDecodePerf:  # noqa: ANN001
-    """``base`` (the pool's roofline) wrapped with the scenario's ``[speculative]`` table; a
-    ``draft_model`` gets its own roofline on the pool's ranks (same hardware and ``[perf]``
-    efficiencies, each DP rank stepping alone: a dense draft has no EP)."""
-    cfg = scenario.speculative
-    draft = None
-    if cfg.draft_model is not None:
-        from sim.perf.config import roofline_for_pool
-        dsc = scenario.model_copy(update={"model": cfg.draft_model})
-        dpool = pool.model_copy(update={"ep": False})
-        draft = roofline_for_pool(dsc, dpool)
-    return SpecDecodePerf(base, cfg, draft)

@@ -1,0 +1,74 @@
+"""Building the perf model of one engine of a scenario's pool: the roofline with the scenario's
+``[perf]`` table (:class:`sim.perf.config.PerfConfig`), wrapped for speculative decoding when it has
+a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`).
+
+This module sits above :mod:`sim.scenario` (it reads a :class:`~sim.scenario.Scenario`) and below
+the run (:mod:`sim.cluster`, :mod:`sim.cost_model`); :mod:`sim.perf.config` and
+:mod:`sim.perf.spec` hold only the settings the scenario embeds, so they import nothing above them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sim.hardware import get_hardware
+from sim.models import get_model
+from sim.perf.base import PerfModel
+from sim.perf.config import PerfConfig
+from sim.perf.roofline import RooflinePerf
+from sim.perf.spec import SpecDecodePerf
+from sim.scenario import PoolConfig, Scenario
+
+__all__ = ["build_perf", "roofline_for_pool", "spec_perf_for_pool"]
+
+
+def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | None = None) -> RooflinePerf:
+    """Roofline model of one engine of ``pool``, with ``perf`` (default: ``scenario.perf``, else
+    the built-in defaults). A scenario without ``perf`` gives the same model as
+    ``RooflinePerf.for_engine(model, hardware, num_dp_ranks=..., gpus_per_rank=..., ep_synchronous=...)``.
+
+    Raises:
+        ValueError: unknown model/hardware, or the weights do not fit (see ``RooflinePerf``).
+    """
+    cfg = perf if perf is not None else (getattr(scenario, "perf", None) or PerfConfig())
+    model = get_model(scenario.model)
+    if cfg.fp8_weights is not None:
+        model = dataclasses.replace(model, weight_bytes=1 if cfg.fp8_weights else 2,
+                                    total_params=model.total_params, activated_params=model.activated_params)
+    hardware = get_hardware(scenario.hardware)
+    if cfg.gpus_per_node is not None:
+        hardware = dataclasses.replace(hardware, gpus_per_node=cfg.gpus_per_node)
+    return RooflinePerf.for_engine(
+        model, hardware, num_dp_ranks=pool.dp_ranks, gpus_per_rank=pool.gpus_per_rank,
+        ep_synchronous=pool.ep, mfu=cfg.mfu, mbu=cfg.mbu, step_overhead_s=cfg.step_overhead_s,
+        kv_cache_fraction=cfg.kv_cache_fraction, activation_reserve_bytes=cfg.activation_reserve_bytes,
+        comm_efficiency=cfg.comm_efficiency, comm_overlap=cfg.comm_overlap, tbo=cfg.tbo,
+        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink, tbo_phases=cfg.tbo_phases,
+        comm_efficiency_normal=cfg.comm_efficiency_normal, prefill_comm_sm_fraction=cfg.prefill_comm_sm_fraction,
+        ep_imbalance_prefill=cfg.ep_imbalance_prefill, ep_imbalance_decode=cfg.ep_imbalance_decode,
+        eplb_physical_experts=cfg.eplb_physical_experts, eplb_residual_std=cfg.eplb_residual_std,
+        context_parallel=pool.context_parallel)
+
+
+def spec_perf_for_pool(base: PerfModel, scenario: Scenario, pool: PoolConfig) -> SpecDecodePerf:
+    """``base`` (the pool's roofline) wrapped with the scenario's ``[speculative]`` table; a
+    ``draft_model`` gets its own roofline on the pool's ranks (same hardware and ``[perf]``
+    efficiencies, each DP rank stepping alone: a dense draft has no EP)."""
+    cfg = scenario.speculative
+    draft = None
+    if cfg.draft_model is not None:
+        dsc = scenario.model_copy(update={"model": cfg.draft_model})
+        dpool = pool.model_copy(update={"ep": False})
+        draft = roofline_for_pool(dsc, dpool)
+    return SpecDecodePerf(base, cfg, draft)
+
+
+def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
+    """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
+    with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
+    (:func:`roofline_for_pool`); decode and mixed pools speculate when the scenario
+    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`)."""
+    perf = roofline_for_pool(scenario, pool)
+    if scenario.speculative is not None and pool is not scenario.prefill:
+        return spec_perf_for_pool(perf, scenario, pool)
+    return perf
