@@ -193,7 +193,8 @@ def _proc_cpu_s(pid: int) -> float:
 
 async def _router_process(mode: str, index: int, port: int, ring_dir: str, seconds: float, go, out) -> None:  # noqa: ANN001
     from balancer.service.config import KvEventsConfig
-    from balancer.service.kv_fanout import KvFanout, fanout_ring_path
+    from balancer.service.kv_fanout import KvFanout
+    from balancer.service.kv_ring import fanout_ring_path
 
     router, reps = make_router()
     loop = asyncio.get_running_loop()

@@ -24,8 +24,9 @@ from balancer.hashing import hash_token_blocks
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from balancer.router import Router
 from balancer.service.config import KvEventsConfig
-from balancer.service.kv_fanout import (HEADER_BYTES, TORN_RETRIES, FanoutFollower, KvFanout, RingReader, RingWriter,
-                                        decode_body, encode_record, fanout_ring_path, split_event)
+from balancer.service.kv_fanout import FanoutFollower, KvFanout
+from balancer.service.kv_ring import (HEADER_BYTES, TORN_RETRIES, RingReader, RingWriter, decode_body, encode_record,
+                                      fanout_ring_path, split_event)
 from balancer.service.kv_subscriber import KvEventSource
 from balancer.types import ReplicaId
 from tests.kv_publisher import FakeEngine
@@ -500,7 +501,7 @@ def test_view_mirror_snapshot_puts_parents_first_joins_runs_and_is_bounded():
     the newest, after its children), 2 removed: the snapshot clears REP's HBM and host views, then
     stores [1] (root), [3] under 2 (2 is gone: a continuation of a removed block, as the engine
     announced it), [5] under 4. Over the bound the oldest stored block goes first."""
-    from balancer.service.kv_fanout import ViewMirror
+    from balancer.service.kv_ring import ViewMirror
 
     m = ViewMirror(capacity_blocks=10)
     for ev in (BlockStored((1, 2)), BlockStored((3,), None, 2), BlockStored((5,), None, 4), BlockStored((1,)),
@@ -521,7 +522,7 @@ def test_view_mirror_snapshot_puts_parents_first_joins_runs_and_is_bounded():
 
 
 def test_view_mirror_one_event_over_the_bound_keeps_its_newest_blocks():
-    from balancer.service.kv_fanout import ViewMirror
+    from balancer.service.kv_ring import ViewMirror
 
     m = ViewMirror(capacity_blocks=2)
     m.apply(ReplicaId("http://other", 0), AllBlocksCleared())  # a known replica with an empty view

@@ -89,6 +89,7 @@ from balancer.kv_events import AllBlocksCleared, KvEvent
 from balancer.kv_translate import DEFAULT_TRANSLATOR_CAPACITY_BLOCKS, KvEventTranslator
 from balancer.kv_wire import END_OF_REPLAY, EngineBatch, KvWireError, decode_batch, decode_seq, encode_seq, offset_port
 from balancer.service.kv_metrics import KvEventsCollector, KvEventsFilesCollector, write_stats_file
+from balancer.service.kv_ring import RING_BYTES, RingWriter
 from balancer.types import ReplicaId
 
 __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector",
@@ -834,7 +835,7 @@ class KvEventSubscriberProcess:
     The child is a daemon (it dies with this process) and sends its counters every
     ``stats_interval_s``. Arguments are those of :class:`KvEventSubscriber` (``clock`` and
     ``context`` excepted), and ``ring_path`` instead of ``deliver``: the child appends the
-    translated events to that fan-out ring (:class:`balancer.service.kv_fanout.RingWriter`, created
+    translated events to that fan-out ring (:class:`balancer.service.kv_ring.RingWriter`, created
     with ``ring_bytes`` of capacity, or taken over) and nothing but counters crosses the pipe
     (``pdlb serve --processes N``: every router process reads the ring, :mod:`balancer.service.kv_fanout`).
     """
@@ -960,12 +961,9 @@ def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capa
     try:
         deliver: Deliver
         if ring_path is not None:
-            from balancer.kv_events import AllBlocksCleared as _Cleared
-            from balancer.service.kv_fanout import RING_BYTES, RingWriter
-
             writer = RingWriter(ring_path, ring_bytes or RING_BYTES)
             if writer.resumed:  # a subscriber before this one wrote here: what it announced is unknown now
-                writer.write([(s.replica, _Cleared(m)) for s in sources for m in (None, "CPU")])
+                writer.write([(s.replica, AllBlocksCleared(m)) for s in sources for m in (None, "CPU")])
             deliver = writer.write
         else:
             def deliver(items: list[tuple[ReplicaId, KvEvent]]) -> None:
