@@ -176,3 +176,23 @@ def test_balancer_core_imports_no_service_network_or_clock(graph) -> None:
            if m.split(".")[0] == "balancer" and not (m == "balancer.service" or m.startswith("balancer.service."))
            for n, line in ns if any(n == f or n.startswith(f + ".") for f in CORE_FORBIDDEN)]
     assert not bad, bad
+
+
+#: module -> modules (or package prefixes) it must not import, even inside a function or for
+#: types only: the lower side of each circle broken for issue 27
+FLOORS: dict[str, tuple[str, ...]] = {
+    "sim.perf.config": ("sim.scenario", "sim.perf.build", "sim.cluster"),
+    "sim.perf.spec": ("sim.scenario", "sim.perf.build", "sim.perf.config", "sim.cluster"),
+    "sim.cost_model": ("sim.cluster", "sim.cli_args", "sim.cli", "sim.point"),
+    "sim.validate_agentx": ("sim.validate",),
+    "balancer.service.kv_ring": ("balancer.service",),
+    "balancer.service.kv_subscriber": ("balancer.service.kv_fanout",),
+}
+
+
+@pytest.mark.parametrize("module", sorted(FLOORS))
+def test_lower_module_imports_nothing_above_it(graph, module: str) -> None:
+    edges, _ = graph
+    bad = {b: line for b, line in edges[module].items()
+           if any(b == f or b.startswith(f + ".") for f in FLOORS[module])}
+    assert not bad, f"{module} imports {bad} (module: first line)"
