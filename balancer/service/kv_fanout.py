@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from balancer.kv_events import KvEvent
+from balancer.kv_events import AllBlocksCleared, KvEvent
 from balancer.service.kv_ring import RING_BYTES, RingReader, RingWriter, fanout_ring_path
 from balancer.service.kv_subscriber import KvEventSubscriber, KvEventSubscriberProcess, sources_for_worker
 from balancer.types import ReplicaId

@@ -53,8 +53,13 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
 def spec_perf_for_pool(base: PerfModel, scenario: Scenario, pool: PoolConfig) -> SpecDecodePerf:
     """``base`` (the pool's roofline) wrapped with the scenario's ``[speculative]`` table; a
     ``draft_model`` gets its own roofline on the pool's ranks (same hardware and ``[perf]``
-    efficiencies, each DP rank stepping alone: a dense draft has no EP)."""
+    efficiencies, each DP rank stepping alone: a dense draft has no EP).
+
+    Raises:
+        ValueError: the scenario has no ``[speculative]`` table."""
     cfg = scenario.speculative
+    if cfg is None:
+        raise ValueError(f"scenario {scenario.name!r} has no [speculative] table")
     draft = None
     if cfg.draft_model is not None:
         dsc = scenario.model_copy(update={"model": cfg.draft_model})
