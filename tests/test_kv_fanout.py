@@ -602,3 +602,26 @@ def test_ring_writer_stats_count_the_mirror_bound_and_reach_the_metrics(tmp_path
     assert by[("pdlb_kv_events_fanout_mirror_blocks", "0")] == 3
     assert by[("pdlb_kv_events_fanout_snapshots_written_total", "0")] == 0
     assert ("pdlb_kv_events_fanout_mirror_blocks", "1") not in by
+
+
+def test_a_thread_subscriber_taking_an_existing_ring_over_first_clears_its_replicas(tmp_path):
+    """``runner="thread"`` (the subscriber in the owner's own process): on a ring an earlier writer
+    left, the new writer first writes ``AllBlocksCleared`` for each replica's HBM (medium None) and
+    host (``"CPU"``) views, as the child process does (kv_subscriber's process target); expected
+    records from the module docstring's Failures paragraph."""
+    eng = FakeEngine("map", "int", block_size=16)
+    src = KvEventSource(REP, eng.endpoint, eng.replay_endpoint)
+    path = fanout_ring_path(str(tmp_path))
+    old = RingWriter(path, ring_bytes=8192)
+    old.write([(REP, _stored(0))])
+    old.close()
+    reader = RingReader(path)
+    fan = KvFanout(path, lambda rep, ev: None, True, [src], 16, KvEventsConfig(runner="thread"), ring_bytes=8192)
+    try:
+        fan.start_subscriber()
+        events, _ = reader.poll()
+        assert events[:3] == [(REP, _stored(0)), (REP, AllBlocksCleared(None)), (REP, AllBlocksCleared("CPU"))]
+    finally:
+        fan.stop()
+        reader.close()
+        eng.close()
