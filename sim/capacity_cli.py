@@ -43,13 +43,32 @@ from sim.cli_args import (
     route_slo_note,
     scenario_from_args,
     seed_int,
-    sim_options,
-    slo_from_args,
     default_results_dir,
     warn_idle_flags,
     warn_idle_slo_params,
-    workload_spec,
 )
+from sim.point import SLO, SimOptions, WorkloadSpec
+
+
+# ---------------------------------------------------------------------- what the option groups build
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The :class:`sim.point.WorkloadSpec` of the workload options (rate scaling not included)."""
+    return WorkloadSpec(args.trace, args.format, args.limit, getattr(args, "duration_s", None), args.spread_s, args.seed,
+                        getattr(args, "warmup_s", 0.0))
+
+
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    """The :class:`sim.point.SimOptions` of the router options."""
+    tw = args.tier_weights
+    return SimOptions(index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
+                      tier_weights=tuple(sorted(tw.items())) if tw else None,
+                      route_slo=getattr(args, "route_slo", True))
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    """The :class:`sim.point.SLO` of the SLO options (each checked by its argparse type)."""
+    return SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
+               percentile=args.slo_percentile, ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_tokens_s)
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:

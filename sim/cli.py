@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="use this policy for the decode pool in every run (default: the run's policy)")
     _add_policy_module_arg(cmp_)
     _add_common(cmp_)
-    from sim.executor import default_jobs
+    from sim.host import default_jobs
 
     cmp_.add_argument("--jobs", "-j", type=positive_int, default=default_jobs(), metavar="N",
                       help="policies simulated at once, in local worker processes (default: this machine's cores, "

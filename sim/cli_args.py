@@ -8,8 +8,9 @@ so there is no import circle.
   :func:`nonnegative_float`, :func:`fraction`, :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
-  :func:`add_slo_args`, :func:`add_output_args`) and what they build
-  (:func:`workload_spec`, :func:`scenario_from_args`, :func:`sim_options`, :func:`slo_from_args`);
+  :func:`add_slo_args`, :func:`add_output_args`) and the scenario they build (:func:`scenario_from_args`;
+  the :mod:`sim.point` types they build are :mod:`sim.capacity_cli`'s, so this module imports nothing
+  above the scenario and its perf model);
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;
 - ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
@@ -34,6 +35,10 @@ from pydantic import ValidationError
 
 from balancer.router import DEFAULT_TIER_WEIGHTS
 from balancer.validation import format_validation_error
+from sim.file_names import safe_file_stem
+from sim.host import default_jobs
+from sim.models import get_model
+from sim.perf.build import build_perf
 from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, load_scenario
 
 DEFAULT_SLO_TTFT_S = 2.0
@@ -268,12 +273,10 @@ def check_out_file(path: Path, example: str) -> None:
 def default_results_dir(*parts: str) -> Path:
     """The default results folder ``results/<parts>-<YYYYmmdd-HHMMSS>`` (made by
     :func:`unique_results_dir`), with each part made a safe file name
-    (:func:`sim.report.safe_file_stem`): a scenario's ``name`` is free text, and one such as
+    (:func:`sim.file_names.safe_file_stem`): a scenario's ``name`` is free text, and one such as
     ``"../../etc/x"`` or ``"a/b"`` must not put the folder outside ``results/`` or in a subfolder.
     ``default_results_dir("capacity", "dsv3-pd-h200")`` -> ``results/capacity-dsv3-pd-h200-<time>``."""
     import time
-
-    from sim.report import safe_file_stem
 
     stem = "-".join(safe_file_stem(p) for p in parts)
     return unique_results_dir(Path("results") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -482,8 +485,6 @@ def add_output_args(p: argparse.ArgumentParser, prefix: str = "") -> argparse._A
 
 def add_executor_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """``--jobs``, ``--executor``, ``--ray-address`` (capacity searches and sweeps)."""
-    from sim.executor import default_jobs
-
     g = p.add_argument_group("execution")
     g.add_argument("--jobs", "-j", type=positive_int, default=default_jobs(), metavar="N",
                    help="simulations at once: local worker processes, or Ray CPUs of a local Ray instance "
@@ -748,14 +749,6 @@ def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, def
 
 
 # ---------------------------------------------------------------------- what the groups build
-def workload_spec(args: argparse.Namespace):  # noqa: ANN201 - sim.point.WorkloadSpec
-    """The :class:`sim.point.WorkloadSpec` of the workload options (rate scaling not included)."""
-    from sim.point import WorkloadSpec
-
-    return WorkloadSpec(args.trace, args.format, args.limit, getattr(args, "duration_s", None), args.spread_s, args.seed,
-                        getattr(args, "warmup_s", 0.0))
-
-
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """The scenario of the cluster options: the preset or file, then ``--set`` overrides in order,
     then the engine-count flags, then ``--exact``.
@@ -775,14 +768,10 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                        mixed_engines=args.mixed_engines)
     if args.exact:
         sc = sc.model_copy(update={"fast_forward": False})
-    from sim.models import get_model
-
     try:  # an unknown preset or a bad config.json is reported before any header or progress bar
         get_model(sc.model)
     except FileNotFoundError as e:
         raise ValueError(f"model {sc.model!r}: {e.strerror}: {e.filename}" if e.strerror else str(e)) from None
-    from sim.perf.build import build_perf
-
     for role in ("prefill", "decode", "mixed"):  # a model that does not fit, also before any output
         pool = getattr(sc, role)
         if pool is not None:
@@ -794,20 +783,3 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                 raise ValueError(f"{role} pool: {e}{hint}") from None
     return sc
 
-
-def sim_options(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SimOptions
-    """The :class:`sim.point.SimOptions` of the router options."""
-    from sim.point import SimOptions
-
-    tw = args.tier_weights
-    return SimOptions(index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
-                      tier_weights=tuple(sorted(tw.items())) if tw else None,
-                      route_slo=getattr(args, "route_slo", True))
-
-
-def slo_from_args(args: argparse.Namespace):  # noqa: ANN201 - sim.point.SLO
-    """The :class:`sim.point.SLO` of the SLO options (each checked by its argparse type)."""
-    from sim.point import SLO
-
-    return SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
-               percentile=args.slo_percentile, ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_tokens_s)

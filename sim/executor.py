@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from balancer.types import Request
+from sim.host import default_jobs
 from sim.point import (
     Point,
     PointResult,
@@ -111,14 +112,6 @@ def _init_worker(workloads: Mapping[str, Sequence[Request]], modules: Sequence[s
     for key, reqs in workloads.items():
         register_workload(key, reqs)
     import_policy_modules(modules)
-
-
-def default_jobs() -> int:
-    """Cores this process may use (``os.sched_getaffinity`` where available)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class ProcessExecutor(Executor):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from rich.table import Table
 
 from balancer.types import Role
 from sim.cluster import SimResult
+from sim.file_names import safe_file_stem
 from sim.metrics import per_request
 from sim.records import INT_FIELDS, TIME_FIELDS
 
@@ -183,19 +183,6 @@ def write_requests_csv(result: SimResult, path: Path) -> None:
                 row.append("" if isinstance(v, float) and math.isnan(v) else (f"{v:.6f}" if isinstance(v, float) else int(v)))
             row += [ranks[p] if p >= 0 else "", ranks[d] if d >= 0 else ""]
             w.writerow(row)
-
-
-#: Characters kept in file names made from labels; every other run of characters becomes "-".
-_UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
-
-
-def safe_file_stem(label: str) -> str:
-    """A file-name part from a run label: ``ep_aware(horizon_weight=2.0,ttft_slo_s=2.0)`` ->
-    ``ep_aware-horizon_weight=2.0-ttft_slo_s=2.0``: no spaces, parentheses, commas, slashes or
-    quotes (nothing a shell needs quoted), never empty, never starting with ``.`` or ``-``; plain
-    names (``round_robin``, ``kv_cost+least_load``) are unchanged."""
-    stem = _UNSAFE.sub("-", label).strip("-.")
-    return stem[:120] or "run"
 
 
 def results_file_names(labels: Sequence[str], prefix: str = "requests_", suffix: str = ".csv") -> list[str]:

@@ -303,7 +303,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
             for var, sc in zip(variations, scenarios):
                 for rate in rates:
                     for seed in seeds:
-                        # a seed means what `pdlb sim run --seed` means (and capacity's, sim.cli_args.workload_spec):
+                        # a seed means what `pdlb sim run --seed` means (and capacity's, sim.capacity_cli.workload_spec):
                         # the router's RNG and the arrival spreading, so seeds are replicates of the workload too
                         wl = WorkloadSpec(trace, raw.get("format", "auto"),
                                           limit if limit is not None else raw.get("limit"), raw.get("duration_s"),

@@ -286,7 +286,7 @@ def _argparse_error(argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("value", ["0", "-5", "100.5", "120", "nan", "inf", "x", ""])
 def test_a_bad_slo_percentile_is_an_argparse_error(value, capsys) -> None:
-    # one check, while parsing: no second form of the message from sim.cli_args.slo_from_args
+    # one check, while parsing: no second form of the message from sim.capacity_cli.slo_from_args
     err = _argparse_error(["sim", "capacity", "--slo-percentile", value, "--limit", "5"], capsys)
     assert err.strip().splitlines()[-1] == (f"pdlb sim capacity: error: argument --slo-percentile: must be a "
                                             f"percentile in (0, 100], e.g. 99, got {value!r}")
@@ -296,7 +296,7 @@ def test_a_bad_slo_percentile_is_an_argparse_error(value, capsys) -> None:
                                              ("0.5", 0.5)])
 def test_slo_percentile_forms(value, expected) -> None:
     from sim.cli import build_parser
-    from sim.cli_args import slo_from_args
+    from sim.capacity_cli import slo_from_args
 
     args = build_parser().parse_args(["sim", "capacity", "--slo-percentile", value])
     assert slo_from_args(args).percentile == expected
@@ -314,7 +314,7 @@ def test_slo_percentile_forms(value, expected) -> None:
     ("...", "run"),
 ])
 def test_safe_file_stem(label, stem) -> None:
-    from sim.report import safe_file_stem
+    from sim.file_names import safe_file_stem
 
     assert safe_file_stem(label) == stem
 

@@ -187,6 +187,9 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "sim.validate_agentx": ("sim.validate",),
     "balancer.service.kv_ring": ("balancer.service",),
     "balancer.service.kv_subscriber": ("balancer.service.kv_fanout",),
+    # argument types and option groups: nothing above the scenario and its perf model
+    "sim.cli_args": ("sim.cluster", "sim.point", "sim.executor", "sim.report", "sim.metrics", "sim.cost_model",
+                     "sim.capacity", "sim.capacity_cli", "sim.sweep", "sim.sweep_cli", "sim.cli"),
 }
 
 

@@ -408,7 +408,7 @@ def test_fuzz_sweep_files_give_one_error_line_or_a_bounded_sweep(tmp_path: Path)
 # ---------------------------------------------------------------- item 5: the default capacity question answers
 def test_the_capacity_default_slo_is_reachable_on_the_default_trace() -> None:
     from sim.cli import build_parser
-    from sim.cli_args import slo_from_args
+    from sim.capacity_cli import slo_from_args
 
     args = build_parser().parse_args(["sim", "capacity"])
     slo = slo_from_args(args)
