@@ -349,6 +349,14 @@ class ChatTemplate:
             notes.append("request_chat_template")
         msgs = _engine_messages(messages, engine, self.content_format, notes)
         user_kwargs = dict(o.chat_template_kwargs or {})
+        # Variables pdlb sets from the request itself: a request kwarg of the same name cannot also
+        # reach the template (the engines call the template with those names bound: vLLM's
+        # merge_kwargs lets the request field win, a second ``messages`` / ``tools`` is a TypeError
+        # in both engines), so the field wins here and the prompt is counted inexact.
+        clash = sorted(k for k in user_kwargs if k in _BOUND_TEMPLATE_VARS)
+        if clash:
+            notes.append("chat_template_kwargs")
+            user_kwargs = {k: v for k, v in user_kwargs.items() if k not in _BOUND_TEMPLATE_VARS}
         if engine == "sglang":
             suffix = None
             agp = o.add_generation_prompt
@@ -429,6 +437,9 @@ _TEXT_PARTS = {"vllm": (frozenset({"text", "input_text", "output_text", "refusal
                "sglang": (frozenset({"text", "input_text"}), " ")}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+#: template variables that :meth:`ChatTemplate.render_for` binds from request fields; the same
+#: names in ``chat_template_kwargs`` are dropped (reason ``chat_template_kwargs``)
+_BOUND_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"})
 ENGINES = ("vllm", "sglang")
 
 
@@ -531,7 +542,7 @@ class PromptHasher:
         #: whose chat rendering to reproduce (:meth:`ChatTemplate.render_for`)
         self.engine = engine
         #: called with a reason each time a prompt's token ids may differ from the engine's
-        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``); the service counts
+        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``, ``chat_template_kwargs``); the service counts
         #: them as ``pdlb_prompt_inexact_total{reason}``
         self.on_inexact: Any = None
         self.block_size = int(block_size)
