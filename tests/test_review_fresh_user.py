@@ -40,3 +40,48 @@ def test_chat_template_kwargs_without_a_clash_are_not_counted():
     text, _ = ChatTemplate(TEMPLATE).render_for([USER], ChatOptions(chat_template_kwargs={"custom": "x"}),
                                                 "vllm", inexact)
     assert (text, inexact) == ("C=x;<user>hi<assistant>", [])
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory):  # noqa: ANN001, ANN201
+    """A lone tokenizer.json whose post-processor adds a BOS token ``<s>`` (as Llama's does)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["tell me the weather in Paris today"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    path = tmp_path_factory.mktemp("bos") / "tokenizer.json"
+    tok.save(str(path))
+    return tok, str(path)
+
+
+@pytest.mark.parametrize("engine,special,bos_expected", [
+    ("vllm", None, True),    # vLLM CompletionRequest.add_special_tokens defaults to true
+    ("vllm", True, True),
+    ("vllm", False, False),  # honoured: the engine's prompt has no BOS
+    ("sglang", False, True),  # SGLang's CompletionRequest has no such field: its default, BOS added
+])
+def test_a_completion_add_special_tokens_is_honoured_as_the_engine_does(bos_tokenizer, engine, special, bos_expected):
+    """`/v1/completions` with `add_special_tokens: false` hashed the prompt with a BOS token that
+    vLLM then leaves out: every block of the prompt shifted by one token, no prefix hit ever
+    matched the engine's KV events. Expected ids by hand: the BOS id, then the text's ids."""
+    from balancer.service.prompt import PromptHasher, extract_prompt
+    tok, path = bos_tokenizer
+    text = "tell me the weather in Paris today"
+    body: dict = {"prompt": text, "max_tokens": 1}
+    if special is not None:
+        body["add_special_tokens"] = special
+    ids = PromptHasher(4, tokenizer_path=path, engine=engine).token_ids(extract_prompt("completions", body))
+    plain = tok.encode(text, add_special_tokens=False).ids
+    bos = tok.token_to_id("<s>")
+    assert ids == ([bos] + plain if bos_expected else plain)
+
+
+def test_a_mistyped_completion_add_special_tokens_is_a_400_error():
+    from balancer.service.prompt import PromptError, extract_prompt
+    with pytest.raises(PromptError, match="'add_special_tokens' must be a boolean"):
+        extract_prompt("completions", {"prompt": "hi", "add_special_tokens": "no"})

@@ -9,7 +9,8 @@ the prefix index (:mod:`balancer.prefix_index`) matches on:
   blocks are hashed with :func:`balancer.hashing.hash_token_blocks`, so they equal the pdlb hashes
   the router derives from the engine's KV events (:mod:`balancer.kv_translate`). Completion and
   ``/generate`` text: ``encode(text, add_special_tokens=True)`` (vLLM's and SGLang's default, e.g.
-  a BOS token). Chat: the folder's chat template (``tokenizer_config.json`` ``chat_template``, or
+  a BOS token; a completion's ``add_special_tokens: false`` is honoured with ``engine="vllm"``,
+  whose completions have the field). Chat: the folder's chat template (``tokenizer_config.json`` ``chat_template``, or
   ``chat_template.jinja``) is rendered with jinja2 as HuggingFace's ``apply_chat_template`` does
   (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``add_generation_prompt=True``, ``bos_token``/
   ``eos_token`` from the config, ``raise_exception``), then encoded with
@@ -73,6 +74,9 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
     messages: list[Any] | None = field(default=None, compare=False)
     chat: ChatOptions | None = field(default=None, compare=False)
+    #: a completion's ``add_special_tokens`` (vLLM 0.33 ``CompletionRequest``, default true; SGLang's
+    #: completions have no such field); ``None``: not given
+    add_special_tokens: bool | None = field(default=None, compare=False)
 
 
 def _chat_options(body: dict[str, Any]) -> ChatOptions:
@@ -173,11 +177,14 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     if endpoint != "completions":
         raise ValueError(f"unknown endpoint {endpoint!r}")
     p = body.get("prompt")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise PromptError("'add_special_tokens' must be a boolean")
     if isinstance(p, str):
-        return Prompt(text=p)
+        return Prompt(text=p, add_special_tokens=special)
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
-            return Prompt(text="".join(p))
+            return Prompt(text="".join(p), add_special_tokens=special)
         if all(isinstance(x, list) for x in p):
             return Prompt(token_ids=_token_list([t for x in p for t in x], "prompt"))
         return Prompt(token_ids=_token_list(p, "prompt"))
@@ -587,7 +594,10 @@ class PromptHasher:
             return ids
         if prompt.messages is not None:  # a tokenizer without a chat template: the engine's rendering is unknown
             self._note(["no_chat_template"])
-        return self._tokenizer.encode(prompt.text or "", add_special_tokens=prompt.messages is None).ids
+        special = prompt.messages is None
+        if special and prompt.add_special_tokens is not None and self.engine == "vllm":
+            special = prompt.add_special_tokens  # vLLM's completions honour it; SGLang's have no such field
+        return self._tokenizer.encode(prompt.text or "", add_special_tokens=special).ids
 
     def _note(self, reasons: list[str]) -> None:
         if reasons and self.on_inexact is not None:
