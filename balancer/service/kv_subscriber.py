@@ -45,8 +45,11 @@ buffered batches):
   replay whose batch ``last`` differs from the one applied (the new numbering overtook the old
   before the subscriber saw it: the replay starts one batch early to check exactly this); after
   the SUB socket lost its connection (a ZMQ monitor event: the publisher's process went away),
-  the next batch is checked by such a replay (without a replay endpoint, any batch but
-  ``last + 1`` counts as a restart); or a run of :data:`RESTART_RUN` consecutive batches whose
+  such a replay is asked as soon as it connects again (or at the next batch), and a replay that
+  holds nothing numbered ``last`` or later is a restart too (the engine that published ``last``
+  still holds it: a new engine numbering below it, whose first batches may have gone out before
+  the socket reconnected); without a replay endpoint, any batch but ``last + 1`` counts as a
+  restart; or a run of :data:`RESTART_RUN` consecutive batches whose
   numbers jumped too far (below). Answered by clearing the replica's view (``AllBlocksCleared``
   of HBM and host; its translator forgets every engine block) and replaying the new engine's
   buffer from 0: the view is the new engine's within one replay round trip.
@@ -397,7 +400,7 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, s.src.topic)
         # the publisher's process going away shows as a disconnect: a restart signal (see module docstring)
-        s.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        s.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sub.connect(s.src.endpoint)
         s.sub = sub
         s.last_msg_s = self._clock()
@@ -510,6 +513,13 @@ class KvEventSubscriber:
                     s.disconnected = True
                     log.info("KV events of %s: publisher disconnected; the next batch is checked for a restart",
                              s.src.replica)
+            elif msg.get("event") == zmq.EVENT_CONNECTED and s.disconnected and s.replay is None \
+                    and s.src.replay_endpoint is not None and s.last_seq is not None and s.last_digest is not None:
+                # connected again: check now, not at the next batch, whether the engine behind the
+                # port still has the last batch applied (a restarted engine's first batches may
+                # have gone out before this socket reconnected, and it may publish nothing more)
+                s.disconnected = False
+                self._ask_replay(s, s.last_seq, "verify", verify=(s.last_seq, s.last_digest))
 
     def _hold(self, s: _Source, seq: int, payload: bytes) -> None:
         s.held.append((seq, payload))
@@ -780,9 +790,12 @@ class KvEventSubscriber:
         if ok and r.verify is not None:
             vseq, vdigest = r.verify
             theirs = next((_digest(p) for q, p in got if q == vseq), None)
-            if theirs is not None and theirs != vdigest:
-                # the engine's batch `vseq` is not the one applied: a new engine, numbering overtaken
-                self._clear_view(s, f"its replayed batch {vseq} differs from the one applied", out)
+            # the engine's batch `vseq` is not the one applied: a new engine, numbering overtaken;
+            # or it has nothing numbered `vseq` or later, which the engine that published `vseq`
+            # still would (its buffer keeps the newest batches): a new engine numbering below it
+            if (theirs is not None and theirs != vdigest) or not got:
+                self._clear_view(s, f"its replayed batch {vseq} differs from the one applied" if got else
+                                 f"its replay holds nothing from batch {vseq} on", out)
                 self._ask_replay(s, 0, "restart")
                 self._set_flags(s)
                 return  # the held batches stay held for that replay
