@@ -30,7 +30,10 @@ Config (``--config FILE``, JSON; flags given on the command line win): ``engine`
 engine, cycled; e.g. ``["cuda:0"]``), ``engine_args`` (extra engine flags, a list),
 ``env`` (extra environment for the engines, e.g. ``{"HF_HUB_CACHE": "/tmp/hf"}``),
 ``router_args`` (extra ``pdlb serve`` flags), ``requests``, ``concurrency``, ``max_tokens``,
-``shared_prefix_words``, ``warmup`` (streamed requests sent first and not counted),
+``shared_prefix_words``, ``word_format`` (the prompt words, ``"w{}"``: word ``i`` is ``w<i>``, one
+token of ``--make-random-model``'s tokenizer; give the format of another model's vocabulary, since
+a prompt of unknown words can make a random model answer special tokens only, no content),
+``warmup`` (streamed requests sent first and not counted),
 ``request_model`` (the ``model`` field sent; default: the engine's own
 name: the model folder for transformers, which pins it), ``ready_timeout_s``.
 Example (two 8B engines on one H200)::
@@ -68,7 +71,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "engine": "emulated", "num_engines": 2, "base_port": 18100, "model": None, "devices": ["cuda:0"],
     "engine_args": [], "env": {}, "router_args": [], "requests": 160, "concurrency": 16, "max_tokens": 16,
-    "shared_prefix_words": 1200, "warmup": 4, "request_model": None, "ready_timeout_s": 600.0, "speed": 1.0,
+    "shared_prefix_words": 1200, "word_format": "w{}", "warmup": 4, "request_model": None, "ready_timeout_s": 600.0, "speed": 1.0,
 }
 ROUTER_PORT_OFFSET = 99  # pdlb serve listens on base_port + this
 
@@ -214,21 +217,25 @@ async def drive(router_url: str, cfg: dict[str, Any], model: str) -> dict[str, A
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=router_url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+    def word(i: int) -> str:
+        return cfg["word_format"].format(i)
+
     for i in range(cfg["warmup"]):
-        s = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"w{50 + i}"}],
+        s = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": word(50 + i)}],
                                                  max_tokens=2, stream=True)
         async for _ in s:
             pass
     before = ttft_metric(router_url)
-    shared = " ".join(f"w{100 + (i * 7919) % 100_000}" for i in range(cfg["shared_prefix_words"]))
+    shared = " ".join(word(100 + (i * 7919) % 100_000) for i in range(cfg["shared_prefix_words"]))
     sem = asyncio.Semaphore(cfg["concurrency"])
     ttft, first_chunk, e2e, errors = [], [], [], []
 
     async def one(i: int) -> None:
         stream = i % 2 == 0
-        system = shared if (i // 2) % 2 == 0 else " ".join(f"w{20_000 + i * 50 + j}" for j in range(
+        system = shared if (i // 2) % 2 == 0 else " ".join(word(20_000 + i * 50 + j) for j in range(
             cfg["shared_prefix_words"]))
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"w{300 + i} w{400 + i}"}]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{word(300 + i)} {word(400 + i)}"}]
         async with sem:
             t0 = time.monotonic()
             try:

@@ -5,8 +5,9 @@ Two searches, each for one policy (:class:`~sim.point.PolicySpec`) on one scenar
 
 :func:`search_rate` (``pdlb sim capacity --search rate``)
     The highest rate scale ``f`` (arrival times divided by ``f``, :func:`sim.workload.scale_rate`)
-    at which the SLO (:class:`~sim.point.SLO`) holds, and its request rate ``f * base_rps``
-    (``base_rps = num_requests / arrival_window_s`` of the workload at scale 1).
+    at which the SLO (:class:`~sim.point.SLO`) holds, and its request rate: the requests simulated
+    at ``f`` over their arrival window (``f * base_rps`` for the whole workload, ``base_rps =
+    num_requests / arrival_window_s`` at scale 1; with ``duration_s`` the window's own rate).
     Geometric bisection inside the stated bounds ``[rate_min, rate_max]`` (default 1/64 .. 64):
     start at ``start`` (default 1), double (or halve) until the SLO flips, then bisect the bracket
     ``[lo, hi)`` (``lo`` meets the SLO, ``hi`` does not) at geometric midpoints until
@@ -82,7 +83,7 @@ from sim.point import (
 )
 from sim.scenario import Scenario, load_scenario
 
-__all__ = ["SLO", "Floor", "GpuSearch", "GpuSearchResult", "RateSearch", "RateSearchResult", "run_searches",
+__all__ = ["SLO", "Floor", "at_limit_note", "reachable_ttft_scale", "GpuSearch", "GpuSearchResult", "RateSearch", "RateSearchResult", "run_searches",
            "search_gpus", "search_rate", "thin_headroom_note", "zero_load_floor"]
 
 #: Default bounds and tolerance of the rate search (rate scales).
@@ -175,11 +176,15 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
     zeros = np.zeros(n)
     tpot_step = per_rank(dec_perf, dec_pool.dp_ranks, [zeros, zeros, np.ones(n), prompt.astype(np.float64)])
     tpot = np.where(out > 1, tpot_step, np.nan)
+    # refused at arrival whatever the rate (sim.admission): they miss (was: counted as met)
+    too_long = prompt + out > scenario.effective_max_model_len
+    ttft = np.where(too_long, np.nan, ttft)
+    tpot = np.where(too_long, np.nan, tpot)
     verdict = slo.verdict(ttft, tpot, prompt)
     floor = Floor(ttft, tpot, verdict, bool(verdict["meets"]))
     if not floor.meets:
         budget = slo.ttft_budget_s(prompt)
-        over = ttft / budget
+        over = np.where(too_long, -np.inf, ttft / budget)
         worst = int(np.argmax(over))
         req = requests[worst]
         shape = f"{pre_pool.max_prefill_tokens}-token chunks on one DP rank"
@@ -191,11 +196,16 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
         else:
             bits.append(f"TTFT/budget p{slo.percentile:g} >= {verdict['ttft_ratio_pctl']:.2f}, "
                         f"TPOT p{slo.percentile:g} >= {1e3 * verdict['tpot_pctl_s']:.1f} ms")
-        n_ttft = int(np.count_nonzero(ttft > budget))
+        n_long = int(np.count_nonzero(too_long))
+        if n_long:
+            bits.append(f"; {n_long} requests are longer than max_model_len {scenario.effective_max_model_len:,} "
+                        "(prompt + output tokens) and are rejected at arrival")
+        with np.errstate(invalid="ignore"):
+            n_ttft = int(np.count_nonzero(ttft > budget))
         n_tpot = int(np.count_nonzero(np.nan_to_num(tpot, nan=0.0) > slo.tpot_s))
         bits.append(f"; {n_ttft} requests need more than their TTFT budget to prefill, {n_tpot} decode slower "
                     f"than {1e3 * slo.tpot_s:g} ms per token")
-        if n_ttft:
+        if n_ttft and np.isfinite(over[worst]):
             bits.append(f"; worst: request {req.request_id} with a {req.prompt_tokens:,}-token prompt "
                         f"({int(cached[worst]):,} cacheable) needs >= {ttft[worst]:.2f} s ({shape}) against a "
                         f"{budget[worst]:.2f} s TTFT budget")
@@ -203,8 +213,44 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
             w = int(np.nanargmax(tpot))
             bits.append(f"; worst: request {requests[w].request_id} ({requests[w].prompt_tokens:,}-token context) "
                         f"needs >= {1e3 * tpot[w]:.1f} ms per decode step")
+        scale = reachable_ttft_scale(ttft, tpot, prompt, slo)
+        if scale is not None and math.isfinite(scale):
+            bits.append(f"; the closest SLO the floor meets has a TTFT budget {scale:.3g} times as large: "
+                        f"--slo-ttft-s {slo.ttft_s * scale:.3g}"
+                        + (f" --slo-ttft-per-1k-tokens-s {slo.ttft_per_1k_prompt_tokens_s * scale:.3g}"
+                           if slo.ttft_per_1k_prompt_tokens_s else "")
+                        + " (at zero load; allow more for queueing)")
         floor.reason = "".join(bits)
     return floor
+
+
+def reachable_ttft_scale(ttft_s: np.ndarray, tpot_s: np.ndarray, prompt_tokens: np.ndarray, slo: SLO) -> float | None:
+    """The smallest factor ``k`` such that the SLO with its TTFT budget multiplied by ``k`` holds on
+    these per-request TTFTs and TPOTs (the zero-load floor's): the closest reachable SLO printed with
+    an ``unreachable`` verdict. ``None`` when the TPOT budget alone already fails (no TTFT budget
+    helps); ``inf`` when too few requests can finish at all (rejected ones have NaN TTFT).
+
+    Attainment form: the ``ceil(attainment x n)``-th smallest ``ttft_i / budget_i`` over the requests
+    that meet their TPOT budget; percentile form: the p-th percentile of ``ttft_i / budget_i``
+    (numpy's linear interpolation, as :meth:`SLO.verdict`), which scales by ``1 / k`` exactly.
+    """
+    n = len(ttft_s)
+    if n == 0:
+        return None
+    budget = slo.ttft_budget_s(prompt_tokens)
+    with np.errstate(invalid="ignore"):
+        ratio = np.where(np.isnan(ttft_s), np.inf, ttft_s / budget)
+        tpot_ok = np.where(np.isnan(tpot_s), True, tpot_s <= slo.tpot_s)
+    if slo.percentile is None:
+        need = math.ceil(slo.attainment * n - 1e-9)
+        ok = np.sort(ratio[tpot_ok])
+        if len(ok) < need:
+            return None
+        return max(float(ok[need - 1]), 1.0) if need else 1.0
+    tp = tpot_s[~np.isnan(tpot_s)]
+    if len(tp) and float(np.percentile(tp, slo.percentile)) > slo.tpot_s:
+        return None
+    return max(float(np.percentile(ratio, slo.percentile)), 1.0)
 
 
 # ---------------------------------------------------------------------- results
@@ -224,7 +270,8 @@ class RateSearchResult:
             ``"max_evals"`` (evaluation budget spent; the bracket so far), ``"error"`` (a point
             failed; see ``reason``).
         rate_scale: the highest rate scale that met the SLO (``None`` if none did).
-        rate_rps: its offered request rate, requests/s.
+        rate_rps: its offered request rate, requests/s: requests simulated at ``rate_scale`` over
+            their arrival window (with ``duration_s``, that window's, not the whole trace's).
         bracket: ``(lo, hi)``: ``lo`` met the SLO, ``hi`` did not (either may be None).
         best: the point at ``rate_scale`` (a complete run: summary, goodput).
         points: every evaluated point, in evaluation order.
@@ -376,9 +423,12 @@ class RateSearch:
 
         def result(status: str, lo: float | None, hi: float | None, reason: str = "") -> RateSearchResult:
             best = next((p for p in points if lo is not None and p.point.rate_scale == lo and p.meets), None)
+            # the rate of the requests simulated at the answer (was: lo x the whole trace's mean rate,
+            # 17-29% too high when --duration-s simulates a calmer first window)
+            rps = best.offered_rps if best is not None and math.isfinite(best.offered_rps) else \
+                (lo * base if lo is not None else None)
             return RateSearchResult(self.label, self.scenario.name, self.scenario.num_gpus, self.slo, status, lo,
-                                    lo * base if lo is not None else None, (lo, hi), best, points, floor,
-                                    reason, notes, base)
+                                    rps, (lo, hi), best, points, floor, reason, notes, base)
 
         if self.check_floor:
             floor = zero_load_floor(self.scenario, requests, self.slo, self.options.perf_factory)
@@ -430,6 +480,15 @@ class RateSearch:
                         notes.append(f"non-monotone: missed the SLO at rate scale {f:.4g} below a pass at {lo:.4g}")
                     elif hi is None or f < hi:
                         hi = f
+
+
+def at_limit_note(counts: dict[str, int], pools_at_max: Sequence[str]) -> str:
+    """The note of a GPU answer with a pool at its search maximum: fewer GPUs may meet the SLO
+    with more engines in that pool and fewer in another, outside the searched bounds."""
+    flags = " and ".join(f"--max-{p}-engines" for p in pools_at_max)
+    which = ", ".join(f"{counts[p]} {p} engines" for p in pools_at_max)
+    return (f"at the limit: the answer's {which} {'is' if len(pools_at_max) == 1 else 'are'} the most searched; "
+            f"raise {flags} (a pair beyond it may need fewer GPUs)")
 
 
 def _pools(sc: Scenario) -> list[str]:
@@ -579,6 +638,9 @@ class GpuSearch:
             passing = [kk for kk in batch_keys if kk in verdicts and verdicts[kk].meets]
             if passing:
                 best = min(passing, key=lambda kk: (self._gpus(dict(zip(pools, kk))), kk))
+                at_max = [p for p, n in zip(pools, best) if n >= mx[p]]
+                if at_max:  # was not flagged: kv_cost's 24 prefill engines were exactly the default maximum
+                    notes.append(at_limit_note(dict(zip(pools, best)), at_max))
                 return result("found", dict(zip(pools, best)), best=verdicts[best])
             for kk in batch_keys:
                 for i, p in enumerate(pools):
@@ -595,13 +657,16 @@ class GpuSearch:
 
 
 def run_searches(searches: Sequence[RateSearch | GpuSearch], executor: Executor,
-                 on_point: Callable[[RateSearch | GpuSearch, PointResult], None] | None = None) -> list[Any]:
+                 on_point: Callable[[RateSearch | GpuSearch, PointResult], None] | None = None,
+                 on_done: Callable[[RateSearch | GpuSearch, Any], None] | None = None) -> list[Any]:
     """Run ``searches`` concurrently on ``executor``; returns their results in the given order.
 
     Each search's ``width`` (points per round) is raised to share the executor's free slots:
     ``max(width, slots // len(searches))``, at most 4. A point whose future raises (a worker died
     and its retries were spent) becomes an error result of its search, never a silent gap.
-    ``on_point(search, result)`` is called for every point as it completes (progress bars).
+    ``on_point(search, result)`` is called for every point as it completes (progress bars), and
+    ``on_done(search, answer)`` once per search as soon as it has its answer (so a progress bar can
+    stop that search's clock while others run on).
     """
     share = max(1, min(4, executor.slots // max(1, len(searches))))
     for s in searches:
@@ -617,6 +682,8 @@ def run_searches(searches: Sequence[RateSearch | GpuSearch], executor: Executor,
             pts = next(gens[i]) if sent is None else gens[i].send(sent)
         except StopIteration as stop:
             results[i] = stop.value
+            if on_done is not None:
+                on_done(searches[i], stop.value)
             return
         batches[i] = [None] * len(pts)
         batch_points[i] = pts

@@ -29,6 +29,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sim.cli_args import (
+    CAPACITY_TTFT_PER_1K_TOKENS_S,
     add_cluster_args,
     add_executor_args,
     add_output_args,
@@ -132,6 +133,10 @@ def add_capacity_parser(simsub: Any) -> None:
     g.add_argument("--curve", metavar="F,F,...",
                    help="--search rate: also run every policy to completion at these rate scales, for the goodput "
                         "and TTFT p99 vs rate plot (e.g. 0.25,0.5,1,2)")
+    g.add_argument("--warmup-s", type=positive_float, default=0.0, metavar="S",
+                   help="simulate the first S seconds of (scaled) arrivals to fill the caches before judging: the "
+                        "SLO, goodput and req/s are those of the requests after them (with --duration-s, S + the "
+                        "window is simulated; default 0)")
     g.add_argument("--no-early-stop", action="store_true",
                    help="run failing points to completion (slower; same verdicts, fuller plots)")
     add_policy_args(p)
@@ -140,7 +145,7 @@ def add_capacity_parser(simsub: Any) -> None:
     add_router_args(p)
     add_executor_args(p)
     out = add_output_args(p, prefix="capacity")
-    add_slo_args(out, targets=True)
+    add_slo_args(out, targets=True, ttft_per_1k_default=CAPACITY_TTFT_PER_1K_TOKENS_S)
     out.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
     p.set_defaults(run=run_capacity)
 
@@ -167,6 +172,50 @@ def _estimate_evals(args: argparse.Namespace) -> int:
         bracket = math.ceil(math.log2(max(args.rate_max / args.rate_start, args.rate_start / args.rate_min, 2.0)))
         return min(args.max_evals, 2 + math.ceil(math.log2(math.log(2) / math.log1p(args.tol))) + min(bracket, 3))
     return min(args.max_evals, 12)
+
+
+#: An answer resting on fewer judged requests than this gets a small-sample note.
+SMALL_SAMPLE_REQUESTS = 1000
+#: ... as does one whose window holds less than this share of the whole trace's ideal prefix hits.
+COLD_CACHE_SHARE = 0.2
+
+
+def small_window_note(r: Any, requests: list, wl: Any, block_size: int) -> str:
+    """A note when a search's answer rests on a short window: its count of judged requests and its
+    warm-up share, ``1 - window ideal hit rate / whole-trace ideal hit rate`` (the share of the
+    cacheable prompt an infinite cache would still miss because the window starts cold;
+    :func:`sim.workload.ideal_hit_rate`); ``""`` for an answer on at least
+    :data:`SMALL_SAMPLE_REQUESTS` requests with a warm-up share under :data:`COLD_CACHE_SHARE`, or
+    without an answer run. ``requests``: the workload before rate scaling (``wl.read()``)."""
+    from sim.workload import ideal_hit_rate
+
+    best = getattr(r, "best", None)
+    if best is None or best.error:
+        return ""
+    at_rate = wl.at_rate(requests, best.point.rate_scale)
+    judged = [q for q, j in zip(at_rate, wl.measured(at_rate)) if j]
+    whole = ideal_hit_rate(requests, block_size)[1]
+    window = ideal_hit_rate(at_rate, block_size)[1] if wl.warmup_s > 0 else ideal_hit_rate(judged, block_size)[1]
+    share = max(0.0, 1.0 - window / whole) if whole > 0 else 0.0
+    if len(judged) >= SMALL_SAMPLE_REQUESTS and share < COLD_CACHE_SHARE:
+        return ""
+    where = f"the {wl.duration_s:g} s window" if wl.duration_s is not None else "the trace"
+    cold = share >= COLD_CACHE_SHARE
+    return (f"{'small' if len(judged) < SMALL_SAMPLE_REQUESTS else 'cold'}{' and cold' if cold and len(judged) < SMALL_SAMPLE_REQUESTS else ''} "
+            f"sample: the answer rests on {len(judged)} requests of {where}, with an ideal prefix hit rate "
+            f"of {100 * window:.0f}% against {100 * whole:.0f}% over the whole trace (warm-up share {100 * share:.0f}%"
+            + ("; the cache starts cold" if cold else "") + "); policies may rank differently on a longer window "
+            "(--duration-s) or trace, or after a warm-up (--warmup-s S: simulate S seconds first, judge what follows)")
+
+
+def progress_note(r: Any, search: str) -> str:
+    """A progress bar's note for the point just finished: the rate scale and its request rate
+    (``x0.5 = 2.1 req/s meets``) or the engine counts (``4+2 misses``)."""
+    verdict = "error" if r.error else ("meets" if r.meets else "misses")
+    if search == "rate":
+        rps = f" = {r.offered_rps:.3g} req/s" if math.isfinite(r.offered_rps) else ""
+        return f"x{r.point.rate_scale:.4g}{rps} {verdict}"
+    return "+".join(str(x) for x in (r.prefill_engines, r.decode_engines, r.mixed_engines) if x is not None) + f" {verdict}"
 
 
 def _burst_note(r: Any, duration_s: float | None = None) -> str:
@@ -251,7 +300,9 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         console.print(f"workload: {escape(wl.label)}, {len(requests)} requests over {span:.0f} s "
                       f"({len(requests) / span if span > 0 else float('nan'):.3f} req/s at rate x1)"
                       + (f", each rate simulated over its first {wl.duration_s:g} s of arrivals"
-                         if wl.duration_s is not None else "") + "; "
+                         if wl.duration_s is not None else "")
+                      + (f" after a {wl.warmup_s:g} s warm-up that is simulated but not judged" if wl.warmup_s else "")
+                      + "; "
                       f"SLO: {escape(slo.describe())}; {len(specs)} policies, executor {args.executor} "
                       f"({args.jobs} jobs)")
     modules = tuple(args.policy_modules)
@@ -269,15 +320,16 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
 
         def on_point(s: Any, r: Any) -> None:
             counts[id(s)] += 1
-            what = f"x{r.point.rate_scale:.4g}" if args.search == "rate" else \
-                "+".join(str(x) for x in (r.prefill_engines, r.decode_engines, r.mixed_engines) if x is not None)
-            verdict = "error" if r.error else ("meets" if r.meets else "misses")
-            progress.update(tasks[id(s)], completed=min(counts[id(s)], est - 1), note=f"{what} {verdict}")
+            progress.update(tasks[id(s)], completed=min(counts[id(s)], est - 1), note=progress_note(r, args.search))
 
-        results = run_searches(searches, ex, on_point)
-        for s, r in zip(searches, results):
-            # the bar ends at the simulations run (was: at least the estimate, '11/11' after 7)
-            progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=r.status)
+        def on_done(s: Any, r: Any) -> None:
+            # each policy's bar ends, and its clock stops, when its own search does (was: every bar
+            # ran until the last search ended, all showing one shared elapsed time); the bar ends at
+            # the simulations run (was: at least the estimate, '11/11' after 7)
+            answer = f" x{r.rate_scale:.4g} = {r.rate_rps:.3g} req/s" if getattr(r, "rate_rps", None) else ""
+            progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=f"{r.status}{answer}")
+
+        results = run_searches(searches, ex, on_point, on_done)
         curves: dict[str, list] = {}
         if curve and args.search == "rate":
             pts = [Point(scenario, wl, s, f, slo, args.seed, opts, False, (("search", "curve"), ("policy", s.label)))
@@ -296,9 +348,9 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
     console.print(rich_table(head, rows, title))
     for r in results:
-        note = _burst_note(r, args.duration_s)
-        if note:
-            r.notes.append(note)
+        for note in (_burst_note(r, args.duration_s), small_window_note(r, requests, wl, scenario.block_size)):
+            if note:
+                r.notes.append(note)
     notes = reasons(results)
     for line in notes:
         console.print(f"  {escape(line)}", soft_wrap=True)

@@ -90,8 +90,9 @@ def gpu_rows(results: Sequence[GpuSearchResult]) -> list[list[str]]:
     rows = []
     for r, ratio in zip(results, gpu_ratios(results)):
         cnt = [str(x) if x is not None else "-" for x in (r.prefill_engines, r.decode_engines, r.mixed_engines)]
+        at_limit = any(n.startswith("at the limit") for n in r.notes)
         rows.append([r.policy, *cnt, str(r.num_gpus) if r.num_gpus is not None else "-", *_best_cells(r.best),
-                     str(len(r.points)), _ratio(ratio), r.status])
+                     str(len(r.points)), _ratio(ratio), r.status + (" (at limit)" if at_limit else "")])
     return rows
 
 
@@ -135,8 +136,13 @@ def reasons(results: Sequence[RateSearchResult | GpuSearchResult]) -> list[str]:
     for (status, reason), pols in groups.items():
         who = pols[0] if len(pols) == 1 else (f"all {len(pols)} policies" if len(pols) == len(results) else ", ".join(pols))
         out.append(f"{who}: {status}: {reason}")
+    by_note: dict[str, list[str]] = {}  # a note several policies share is printed once, naming them
     for r in results:
-        out += [f"{r.policy}: note: {n}" for n in r.notes]
+        for n in r.notes:
+            by_note.setdefault(n, []).append(r.policy)
+    for n, pols in by_note.items():
+        who = pols[0] if len(pols) == 1 else (f"all {len(pols)} policies" if len(pols) == len(results) else ", ".join(pols))
+        out.append(f"{who}: note: {n}")
     return out
 
 
@@ -198,62 +204,111 @@ STOPPED_EARLY_LABEL = "stopped early (upper bound)"
 
 
 def plot_rate(results: Sequence[RateSearchResult], curves: dict[str, list[PointResult]], path: Path) -> None:
-    """Three panels against offered request rate (req/s), one line per policy: SLO attainment
-    (complete runs; hollow triangles = upper bounds of runs stopped early), goodput (complete
-    runs; the dashed diagonal is the offered rate), TTFT p99 (complete runs, log scale with decimal
-    tick labels); a dotted vertical line marks each policy's searched capacity. ``curves``: extra
-    complete runs per policy. Written to ``path`` (PNG); :func:`rate_figure` builds it."""
+    """The capacity figure (:func:`rate_figure`) written to ``path`` (PNG)."""
     plt = _plt()
     fig = rate_figure(results, curves)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing cut at the edges (the legend's right side was)
     plt.close(fig)
 
 
+#: Rates spanning more than this ratio get a log x axis (8 policies' answers piled up near 0
+#: on a linear axis running to the highest rate tried).
+LOG_RATE_SPAN = 4.0
+#: Rows of answer labels above the attainment panel.
+ANSWER_LEVELS = 4
+#: Markers cycled with the colours, so lines stay apart in grey print and for colour-blind readers.
+_MARKERS = "osD^v<>pXh"
+
+
 def rate_figure(results: Sequence[RateSearchResult], curves: dict[str, list[PointResult]]) -> Any:
-    """The :class:`matplotlib.figure.Figure` of :func:`plot_rate` (axes: attainment, goodput,
-    TTFT p99); the caller closes it."""
+    """The :class:`matplotlib.figure.Figure` of a rate search, readable without the text around it.
+
+    Three panels stacked over one request-rate axis (req/s; logarithmic when the rates span more
+    than :data:`LOG_RATE_SPAN` x): SLO attainment (complete runs; hollow triangles = upper bounds
+    of runs stopped early) with the target line labelled, goodput (the dashed diagonal is the
+    offered rate: a run on it served every request within the SLO), TTFT p99 (log scale, decimal
+    tick labels) with the flat TTFT budget labelled. Each policy's answer (the highest rate meeting
+    the SLO) is a dotted vertical line in its colour, marked and labelled with its req/s on the
+    attainment panel. One legend, outside the panels on the right, names the policies with their
+    answers and explains the marks; the title states the SLO. ``curves``: extra complete runs per
+    policy. Axes: ``fig.axes`` = attainment, goodput, TTFT p99; the caller closes the figure.
+    """
+    from matplotlib.lines import Line2D
+
     from sim.plots import plain_log_ticks
 
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(3, 1, figsize=(12, 11), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    top = 0.0
     any_early = False
+    handles: list[Any] = []
+    rates: list[float] = []
     for i, r in enumerate(results):
-        c = colors[i % len(colors)]
+        c, m = colors[i % len(colors)], _MARKERS[i % len(_MARKERS)]
         pts = sorted([*r.points, *curves.get(r.policy, [])], key=lambda p: p.offered_rps)
-        pts = [p for p in pts if not p.error and math.isfinite(p.offered_rps)]
+        pts = [p for p in pts if not p.error and math.isfinite(p.offered_rps) and p.offered_rps > 0]
+        answer = f"{r.policy}: {r.rate_rps:.3g} req/s" if r.rate_rps is not None else f"{r.policy}: {r.status}"
+        handles.append(Line2D([], [], color=c, marker=m, label=answer))
         if not pts:
             continue
-        top = max(top, max(p.offered_rps for p in pts))
+        rates += [p.offered_rps for p in pts]
         full = [p for p in pts if not p.stopped_early]
         early = [p for p in pts if p.stopped_early]
-        axes[0].plot([p.offered_rps for p in full], [100 * p.attainment for p in full], "o-", color=c, label=r.policy)
-        if early:  # the legend entry is added once below, only when some run stopped early (was: always listed)
+        axes[0].plot([p.offered_rps for p in full], [100 * p.attainment for p in full], "-", marker=m, color=c)
+        if early:
             axes[0].plot([p.offered_rps for p in early], [100 * p.attainment for p in early], "v", mfc="none", color=c)
             any_early = True
-        axes[1].plot([p.offered_rps for p in full], [p.goodput_rps for p in full], "o-", color=c, label=r.policy)
-        axes[2].plot([p.offered_rps for p in full], [p.ttft_p99_s for p in full], "o-", color=c, label=r.policy)
+        axes[1].plot([p.offered_rps for p in full], [p.goodput_rps for p in full], "-", marker=m, color=c)
+        axes[2].plot([p.offered_rps for p in full], [p.ttft_p99_s for p in full], "-", marker=m, color=c)
         if r.rate_rps is not None:
             for ax in axes:
-                ax.axvline(r.rate_rps, color=c, ls=":", lw=1)
-    if any_early:
-        axes[0].plot([], [], "v", mfc="none", color="0.35", label=STOPPED_EARLY_LABEL)
+                ax.axvline(r.rate_rps, color=c, ls=":", lw=1.2)
+            best = r.best
+            y = 100 * best.attainment if best is not None else 100.0
+            axes[0].plot([r.rate_rps], [y], marker="*", ms=14, color=c, mec="k", mew=0.6, zorder=5)
+    # each answer's req/s in a band above the attainment panel, at its line; neighbours (in rate order)
+    # on different levels so close answers do not print over each other
+    answered = sorted((r.rate_rps, i) for i, r in enumerate(results) if r.rate_rps is not None)
+    for level, (rps, i) in enumerate(answered):
+        axes[0].annotate(f"{rps:.3g}", (rps, 1.0), xycoords=("data", "axes fraction"),
+                         xytext=(0, 3 + 10 * (level % ANSWER_LEVELS)), textcoords="offset points", ha="center",
+                         fontsize=8, color=colors[i % len(colors)], fontweight="bold")
     slo = results[0].slo if results else None
+    log_x = bool(rates) and max(rates) / min(rates) > LOG_RATE_SPAN
+    top = max(rates, default=1.0)
+    low = min(rates, default=0.0)
+    diag = [low, top] if log_x else [0.0, top]
+    axes[1].plot(diag, diag, "k--", lw=1)
     if slo is not None and slo.percentile is None:
-        axes[0].axhline(100 * slo.attainment, color="k", ls="--", lw=1, label=f"target {100 * slo.attainment:g}%")
+        axes[0].axhline(100 * slo.attainment, color="k", ls="--", lw=1)
+        axes[0].annotate(f"SLO target: {100 * slo.attainment:g}% of requests", (0.005, 100 * slo.attainment),
+                         xycoords=("axes fraction", "data"), xytext=(0, -12), textcoords="offset points", fontsize=8)
     if slo is not None and not slo.ttft_per_1k_prompt_tokens_s:
-        axes[2].axhline(slo.ttft_s, color="k", ls="--", lw=1, label=f"TTFT SLO {slo.ttft_s:g}s")
-    axes[1].plot([0, top], [0, top], "k--", lw=1, label="offered rate")
-    for ax, yl in zip(axes, ("SLO attainment (%)", "goodput (req/s)", "TTFT p99 (s)")):
-        ax.set_xlabel("request rate (req/s)")
+        axes[2].axhline(slo.ttft_s, color="k", ls="--", lw=1)
+        axes[2].annotate(f"TTFT budget {slo.ttft_s:g} s", (0.005, slo.ttft_s), xycoords=("axes fraction", "data"),
+                         xytext=(0, 4), textcoords="offset points", fontsize=8)
+    axes[1].annotate("offered rate (every request met the SLO)", (0.005, 0.95), xycoords="axes fraction",
+                     fontsize=8, va="top")
+    for ax, yl in zip(axes, ("SLO attainment (%)", "goodput (req/s meeting the SLO)", "TTFT p99 (s)")):
         ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both" if log_x else "major")
+    axes[2].set_xlabel("offered request rate (req/s)" + (", log scale" if log_x else ""))
+    if log_x:
+        axes[2].set_xscale("log")
+        plain_log_ticks(axes[2].xaxis)
     axes[2].set_yscale("log")
     plain_log_ticks(axes[2].yaxis)  # 0.6, 2 (was: 6×10^-1, 2×10^0)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(slo.describe() if slo else "")
-    fig.tight_layout()
+    extra = [Line2D([], [], color="0.3", ls=":", lw=1.2, marker="*", ms=10, mec="k",
+                    label="answer: highest rate\nmeeting the SLO")]
+    if any_early:
+        extra.append(Line2D([], [], color="0.35", ls="", marker="v", mfc="none", label=STOPPED_EARLY_LABEL))
+    if slo is not None and slo.percentile is None:
+        extra.append(Line2D([], [], color="k", ls="--", lw=1, label=f"target {100 * slo.attainment:g}%"))
+    fig.legend(handles=handles + extra, loc="upper left", bbox_to_anchor=(0.765, 0.89), fontsize=9,
+               title="policy: answer", title_fontsize=9, frameon=True)
+    fig.suptitle(f"highest request rate meeting {slo.describe()}\n(dotted lines and stars: each policy's answer, "
+                 "its req/s above the top panel)" if slo else "", fontsize=11)
+    fig.subplots_adjust(left=0.08, right=0.75, top=0.87, bottom=0.06, hspace=0.08)
     return fig
 
 

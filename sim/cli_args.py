@@ -57,6 +57,18 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+#: Largest token count a flag takes (2^24 = 16.8M, far above any model's context; as scenarios).
+MAX_FLAG_TOKENS = 1 << 24
+
+
+def token_count(text: str) -> int:
+    """An int in [1, 2^24] (a request's tokens): larger cannot be a request any model serves."""
+    value = _int_at_least(text, 1)
+    if value > MAX_FLAG_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_FLAG_TOKENS:,} tokens, got {value:,}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """An int >= 0 (``--seed``): numpy's and the trace spreading's seeds must be non-negative, and
     without this check a negative one surfaced as numpy's bare ``expected non-negative integer``,
@@ -420,9 +432,17 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
-def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
+#: ``pdlb sim capacity``'s default TTFT budget growth per 1000 prompt tokens: with a flat 2 s budget
+#: the embedded Mooncake trace (prompts up to ~125k tokens) cannot meet 90% attainment even at zero
+#: load (83.4% at most), so every policy was "unreachable"; with 0.5 s per 1k tokens the floor
+#: reaches 99.4% (:func:`sim.capacity.zero_load_floor`) and the search answers.
+CAPACITY_TTFT_PER_1K_TOKENS_S = 0.5
+
+
+def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False, ttft_per_1k_default: float = 0.0) -> None:
     """``--slo-ttft-s`` and ``--slo-tpot-s``; with ``targets``, also ``--slo-attainment``,
-    ``--slo-percentile`` and ``--slo-ttft-per-1k-tokens-s`` (capacity searches, sweeps)."""
+    ``--slo-percentile`` and ``--slo-ttft-per-1k-tokens-s`` (default ``ttft_per_1k_default``;
+    capacity searches, sweeps)."""
     g.add_argument("--slo-ttft-s", type=positive_float, default=DEFAULT_SLO_TTFT_S, metavar="S",
                    help=f"TTFT SLO in seconds for goodput (default {DEFAULT_SLO_TTFT_S})")
     g.add_argument("--slo-tpot-s", type=positive_float, default=DEFAULT_SLO_TPOT_S, metavar="S",
@@ -432,9 +452,9 @@ def add_slo_args(g: argparse._ArgumentGroup, *, targets: bool = False) -> None:
                        help="fraction of requests that must meet both the TTFT and TPOT SLO (default 0.9)")
         g.add_argument("--slo-percentile", type=percentile, metavar="P",
                        help="percentile form instead: TTFT pP <= --slo-ttft-s and TPOT pP <= --slo-tpot-s (e.g. 99)")
-        g.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=0.0, metavar="S",
+        g.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=ttft_per_1k_default, metavar="S",
                        help="TTFT budget grows by S seconds per 1000 prompt tokens (budget = --slo-ttft-s + "
-                            "S * prompt_tokens / 1000; default 0)")
+                            f"S * prompt_tokens / 1000; default {ttft_per_1k_default:g}; 0 = a flat budget)")
         g.add_argument("--no-route-slo", dest="route_slo", action="store_false",
                        help="route SLO-blind: by default the router is told the TTFT budget searched for, and "
                             "SLO-aware policies (ep_aware) route against it")
@@ -732,7 +752,8 @@ def workload_spec(args: argparse.Namespace):  # noqa: ANN201 - sim.point.Workloa
     """The :class:`sim.point.WorkloadSpec` of the workload options (rate scaling not included)."""
     from sim.point import WorkloadSpec
 
-    return WorkloadSpec(args.trace, args.format, args.limit, getattr(args, "duration_s", None), args.spread_s, args.seed)
+    return WorkloadSpec(args.trace, args.format, args.limit, getattr(args, "duration_s", None), args.spread_s, args.seed,
+                        getattr(args, "warmup_s", 0.0))
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:

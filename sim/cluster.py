@@ -447,11 +447,7 @@ def simulate(
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
-    # refused at arrival, as real engines refuse them (sim.admission): never simulated
-    cap = {role: max((r.kv_capacity_blocks * scenario.block_size for r in cluster.ranks if r.role in roles), default=0)
-           for role, roles in (("decode", (Role.DECODE, Role.MIXED)), ("prefill", (Role.PREFILL,)))}
-    requests, rejected = admit(requests, scenario.effective_max_model_len, cap["decode"],
-                               cap["prefill"] if scenario.disaggregated else None)
+    requests, rejected = admit_to(cluster, requests)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
@@ -475,6 +471,17 @@ def simulate(
                **({"rejected": rejected} if rejected else {}),
                "step_imbalance": step_imbalance(cluster.groups)},
     )
+
+
+def admit_to(cluster: Cluster, requests: Sequence[Request]) -> tuple[list[Request], dict[str, int]]:
+    """The requests ``cluster`` accepts at arrival and counts of the refused ones by reason
+    (:func:`sim.admission.admit` with the scenario's ``max_model_len`` and its ranks' KV
+    capacities): refused requests are never simulated, as real engines refuse them."""
+    scenario = cluster.scenario
+    cap = {role: max((r.kv_capacity_blocks * scenario.block_size for r in cluster.ranks if r.role in roles), default=0)
+           for role, roles in (("decode", (Role.DECODE, Role.MIXED)), ("prefill", (Role.PREFILL,)))}
+    return admit(requests, scenario.effective_max_model_len, cap["decode"],
+                 cap["prefill"] if scenario.disaggregated else None)
 
 
 def step_imbalance(groups: Sequence[StepGroup]) -> dict[str, float]:

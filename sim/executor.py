@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -221,10 +220,14 @@ def _ray_eval_fn():  # noqa: ANN202 - the remote function, made once per process
         import ray
 
         @ray.remote(num_cpus=1)
-        def ray_evaluate(point: Point, modules: Sequence[str], key: str | None,
+        def ray_evaluate(point: Point, modules: Sequence[str], key: str | WorkloadSpec | None,
                          requests: Sequence[Request] | None) -> PointResult:
-            # ``requests`` arrives resolved from the object store (a top-level ObjectRef argument)
-            _init_worker({key: requests} if key is not None else {}, modules)
+            # ``requests`` arrives resolved from the object store (a top-level ObjectRef argument);
+            # a trace's requests are registered under their WorkloadSpec itself, so evaluate_point
+            # cuts them (rate scale, then duration_s) exactly as in a local worker
+            if key is not None:
+                register_workload(key, requests or [])
+            import_policy_modules(modules)
             return evaluate_point(point)
 
         _RAY_EVAL = ray_evaluate
@@ -268,7 +271,7 @@ class RayExecutor(Executor):
                     ray.init(address=address, log_to_driver=False, configure_logging=False, **extra)
             self._owns = True
         self.slots = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        self._refs: dict[str, Any] = {}
+        self._refs: dict[object, Any] = {}
         self.add_workloads(workloads or {})
         self._modules = tuple(modules)
         self._fn = _ray_eval_fn().options(max_retries=max_retries)
@@ -284,10 +287,11 @@ class RayExecutor(Executor):
         wl = point.workload
         if not isinstance(wl, WorkloadSpec):
             return self._fn.remote(point, self._modules, wl, self._refs.get(wl)).future()
-        key = f"spec:{wl!r}"
-        if key not in self._refs:
-            self._refs[key] = self._ray.put(load_workload(wl))
-        inner = self._fn.remote(dataclasses.replace(point, workload=key), self._modules, key, self._refs[key]).future()
+        # the point travels unchanged: was swapped for an in-memory key, which evaluate_point takes
+        # as already cut, so --duration-s was ignored on Ray (issue 24)
+        if wl not in self._refs:
+            self._refs[wl] = self._ray.put(load_workload(wl))
+        inner = self._fn.remote(point, self._modules, wl, self._refs[wl]).future()
         outer: cf.Future = cf.Future()
 
         def done(f: cf.Future) -> None:  # the result names the point as it was submitted

@@ -160,7 +160,8 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike[str], name: 
     common: dict[str, Any] = dict(name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                   vocab_size=_int(cfg, "vocab_size", where),
                                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                                  weight_bytes=_weight_bytes(cfg), kv_bytes=2)
+                                  weight_bytes=_weight_bytes(cfg), kv_bytes=2,
+                                  max_position_embeddings=_int(cfg, "max_position_embeddings", where, 0))
 
     if arch in _DENSE or arch in _MOE:
         kv = _int(cfg, "num_key_value_heads", where, heads)

@@ -130,6 +130,8 @@ class ModelSpec:
     #: rows one token looks up per Engram layer ((max_ngram_size - 1) * n_heads)
     engram_lookups_per_token: int = 0
     engram_head_dim: int = 0
+    #: the context the model was trained for (HF ``max_position_embeddings``), tokens; 0 = unknown
+    max_position_embeddings: int = 0
     #: total parameters; derived from the dims when None
     total_params: int | None = None
     #: parameters a token passes through (incl. embeddings); derived when None

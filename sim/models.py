@@ -52,6 +52,7 @@ DEEPSEEK_V3 = ModelSpec(
 # head_dim 128, intermediate 14336, vocab 128256, untied; BF16. Derived 8.03B params (published 8B).
 LLAMA_3_1_8B = ModelSpec(
     name="llama-3.1-8b",
+    max_position_embeddings=131072,  # Llama 3.1 config.json
     num_layers=32,
     hidden_size=4096,
     num_attention_heads=32,
@@ -68,6 +69,7 @@ LLAMA_3_1_8B = ModelSpec(
 # head_dim 128, intermediate 28672, vocab 128256, untied; BF16. Derived 70.55B params (published 70B).
 LLAMA_3_1_70B = ModelSpec(
     name="llama-3.1-70b",
+    max_position_embeddings=131072,  # Llama 3.1 config.json
     num_layers=80,
     hidden_size=8192,
     num_attention_heads=64,
@@ -101,6 +103,7 @@ LLAMA_3_1_70B = ModelSpec(
 # MTP (num_nextn_predict_layers = 1) is modelled by the speculative-decoding settings of a scenario.
 DEEPSEEK_V4_FLASH = ModelSpec(
     name="deepseek-v4-flash",
+    max_position_embeddings=1048576,  # config.json, above
     num_layers=43,
     hidden_size=4096,
     num_attention_heads=64,
@@ -125,6 +128,54 @@ DEEPSEEK_V4_FLASH = ModelSpec(
     experts_per_token=6,
     num_shared_experts=1,
     moe_intermediate_size=2048,
+    first_k_dense=0,
+    weight_bytes=1,
+    kv_bytes=1,
+    expert_weight_bytes_per_param=0.5 + 1 / 32,
+)
+
+# DeepSeek-V4-Pro (deepseek-ai/DeepSeek-V4-Pro on Hugging Face, released 2026-04 with V4-Flash; MIT;
+# the model of AgentX point 440246, sim/data/agentx_440246.json). Same architecture as V4-Flash
+# (DeepseekV4ForCausalLM); the config.json values are MindSpore MindFormers' DeepseekV4Config
+# defaults ("similar configuration to that of the DeepSeek-V4"), which are the Pro checkpoint's:
+# hidden 7168, 61 layers, 128 heads, 1 KV head, head_dim 512, qk_rope 64, q_lora 1536, o_lora 1024,
+# o_groups 16, 384 routed + 1 shared experts, top-6, moe_intermediate 3072, index 64 heads x 128,
+# index_topk 1024, sliding_window 128, hc_mult 4, 3 hash layers, one MTP layer, vocab 129,280,
+# expert_dtype fp4. Assumed (not in the defaults, which leave compress_ratios None): V4-Flash's layer
+# pattern extended to 61 layers, 2 sliding-window-only layers then CSA (4) / HCA (128) alternating,
+# ending on CSA: 30 CSA + 29 HCA. KV rows as V4-Flash (584 B per row, indexer keys 132 B; the
+# 440246 launcher's FP4 indexer cache would make them smaller; the difference is < 1% of a step).
+# Derived here (tests/test_models_v4_pro.py): 1.573T total, 49.8B activated (model card: "1.6T
+# parameters (49B activated)"; the MTP block, ~1/61 of the layers = 26B, is excluded as for V3 and
+# V4-Flash and brings the count to 1.599T); FP4 experts + FP8 dense
+# weights 0.85 TB, i.e. 106 GB per GPU on 8 GPUs (the 440246 launcher: "model weights need
+# ~137 GiB/GPU", which includes the MTP block, embeddings in BF16 and runtime buffers).
+DEEPSEEK_V4_PRO = ModelSpec(
+    name="deepseek-v4-pro",
+    num_layers=61,
+    hidden_size=7168,
+    num_attention_heads=128,
+    vocab_size=129280,
+    intermediate_size=0,
+    attention="compressed",
+    num_kv_heads=1,
+    head_dim=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    o_lora_rank=1024,
+    o_groups=16,
+    compress_ratios=(0, 0) + (4, 128) * 29 + (4,),
+    sliding_window=128,
+    index_topk=1024,
+    index_n_heads=64,
+    index_head_dim=128,
+    hc_mult=4,
+    kv_row_bytes=584,
+    index_row_bytes=132,
+    num_routed_experts=384,
+    experts_per_token=6,
+    num_shared_experts=1,
+    moe_intermediate_size=3072,
     first_k_dense=0,
     weight_bytes=1,
     kv_bytes=1,
@@ -221,7 +272,7 @@ DEEPSEEK_V41_FLASH = ModelSpec(
     expert_weight_bytes_per_param=0.5 + 1 / 32,  # trt-cfg: MXFP4 experts
 )
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, DEEPSEEK_V41_FLASH, LLAMA_3_1_8B,
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (DEEPSEEK_V3, DEEPSEEK_V4_FLASH, DEEPSEEK_V4_PRO, DEEPSEEK_V41_FLASH, LLAMA_3_1_8B,
                                                     LLAMA_3_1_70B)}
 
 #: shipped Hugging Face configs (``sim/data/models/*.json``; each names its source repository)

@@ -240,6 +240,11 @@ class WorkloadSpec:
     scaled trace (:meth:`at_rate`). ``duration_s`` is so the simulated arrival window at every
     rate: a search judges each rate on the same length of load (a higher rate on more requests).
     Without ``duration_s`` every rate sees the same requests.
+
+    ``warmup_s`` (seconds of scaled arrivals, default 0): the requests of the first ``warmup_s``
+    seconds are simulated first, to fill the prefix caches and queues, and are not judged; the SLO,
+    goodput and offered rate are those of the requests after them (the ``duration_s`` window then
+    starts after the warm-up: ``warmup_s + duration_s`` seconds are simulated).
     """
 
     trace: str | None = None
@@ -248,6 +253,7 @@ class WorkloadSpec:
     duration_s: float | None = None
     spread_s: float = 3.0
     seed: int = 0
+    warmup_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -271,7 +277,14 @@ class WorkloadSpec:
         scaled arrivals (:func:`sim.workload.loader.scale_and_cut`)."""
         from sim.workload.loader import scale_and_cut
 
-        return scale_and_cut(list(requests), rate_scale, self.duration_s)
+        window = None if self.duration_s is None else self.duration_s + self.warmup_s
+        return scale_and_cut(list(requests), rate_scale, window)
+
+    def measured(self, requests: Sequence[Request]) -> np.ndarray:
+        """Boolean mask over ``requests`` (from :meth:`at_rate`): those judged, arriving at least
+        ``warmup_s`` seconds after the first."""
+        arr = np.fromiter((r.arrival_time_s for r in requests), dtype=np.float64, count=len(requests))
+        return arr - arr[0] >= self.warmup_s if len(arr) else np.zeros(0, dtype=bool)
 
 
 #: Workloads a process has read or been handed, by key (bounded: a worker holds at most a few).
@@ -279,9 +292,11 @@ _WORKLOADS: dict[object, list[Request]] = {}
 _MAX_CACHED_WORKLOADS = 4
 
 
-def register_workload(key: str, requests: Sequence[Request]) -> None:
+def register_workload(key: str | WorkloadSpec, requests: Sequence[Request]) -> None:
     """Make an in-memory workload available to :func:`load_workload` under ``key`` in this process
-    (executors call it in their workers with the parent's requests)."""
+    (executors call it in their workers with the parent's requests). A :class:`WorkloadSpec` key
+    holds the spec's requests as :meth:`WorkloadSpec.read` gives them (Ray ships a trace read
+    once by the driver this way); points naming the spec still cut them per rate."""
     _remember(key, list(requests))
 
 
@@ -431,7 +446,7 @@ def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Calla
     return make
 
 
-def _misses_so_far(rec: Any, now: float, budget: np.ndarray, tpot_s: float) -> int:
+def _misses_so_far(rec: Any, now: float, budget: np.ndarray, tpot_s: float, judged: np.ndarray | None = None) -> int:
     """Requests that have provably missed the SLO by ``now``: TTFT over budget (first token
     late, or still missing past its deadline), or TPOT over budget (finished, or already
     slower than the budget allows for its remaining tokens)."""
@@ -442,6 +457,8 @@ def _misses_so_far(rec: Any, now: float, budget: np.ndarray, tpot_s: float) -> i
         multi = rec.output_tokens > 1
         end = np.where(np.isnan(rec.finish_s), now, rec.finish_s)
         slow = multi & ~np.isnan(first) & ((end - first) / np.maximum(rec.output_tokens - 1, 1) > tpot_s)
+    if judged is not None:  # warm-up requests are not judged
+        slow = slow & judged
     return int(np.count_nonzero(late | slow))
 
 
@@ -466,19 +483,23 @@ def evaluate_point(point: Point) -> PointResult:
     """Run one point; never raises for a failing simulation (``error`` is set instead), so one bad
     point cannot take a sweep down. Raises only for bad input that no point could run with
     (unknown policy, unreadable trace)."""
-    from sim.cluster import Cluster, simulate
+    from sim.cluster import Cluster, admit_to, simulate
     from sim.metrics import per_request, summarize
     from sim.workload import scale_rate
 
     base = load_workload(point.workload)
     if isinstance(point.workload, WorkloadSpec):  # rate scale, then duration_s in simulated time
         requests = point.workload.at_rate(base, point.rate_scale)
+        judged = point.workload.measured(requests)
     else:  # a registered in-memory workload: already cut
         requests = scale_rate(base, point.rate_scale) if point.rate_scale != 1.0 else list(base)
+        judged = np.ones(len(requests), dtype=bool)
     prefill, decode = point.policy.build()
     sc = point.scenario
-    n = len(requests)
-    window = requests[-1].arrival_time_s - requests[0].arrival_time_s if n else 0.0
+    warm = not judged.all()
+    judged_reqs = [r for r, j in zip(requests, judged) if j] if warm else requests
+    n = len(judged_reqs)  # the requests judged (after the warm-up)
+    window = judged_reqs[-1].arrival_time_s - judged_reqs[0].arrival_time_s if n else 0.0
     offered = n / window if window > 0 else float("nan")
     sizes = _pool_sizes(sc)
     common = dict(point=point, offered_rps=offered, num_requests=n, num_gpus=sc.num_gpus, **sizes)
@@ -497,31 +518,54 @@ def evaluate_point(point: Point) -> PointResult:
             from sim.cluster import build_perf
 
             cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
-            budget = slo.ttft_budget_s(np.fromiter((r.prompt_tokens for r in requests), dtype=np.float64, count=n))
-            allowed = slo.max_misses(n)
-            misses = [0]
+            # refused at arrival as simulate() refuses them (was: simulated on this path); each one
+            # is a miss spent before the run starts
+            admitted, rejected = admit_to(cluster, requests)
+            num_rejected = sum(admit_to(cluster, judged_reqs)[1].values()) if warm else sum(rejected.values())
+            budget = slo.ttft_budget_s(np.fromiter((r.prompt_tokens for r in admitted), dtype=np.float64,
+                                                   count=len(admitted)))
+            if warm:  # warm-up requests never count as misses: an infinite budget
+                t_first = requests[0].arrival_time_s + point.workload.warmup_s  # type: ignore[union-attr]
+                budget = np.where([r.arrival_time_s >= t_first for r in admitted], budget, np.inf)
+            allowed = slo.max_misses(n) - num_rejected
+            misses = [num_rejected]
 
             def check(done: int, total: int) -> None:
                 rec = cluster.records
-                m = _misses_so_far(rec, cluster.env.now, budget, slo.tpot_s)
-                if m > allowed:
+                m = num_rejected + _misses_so_far(rec, cluster.env.now, budget, slo.tpot_s, budget < np.inf)
+                if m > allowed + num_rejected:
                     misses[0] = m
                     raise _Stop
 
             try:
-                records = cluster.run(requests, check)
+                if allowed < 0:
+                    raise _Stop
+                records = cluster.run(admitted, check)
             except _Stop:
                 wall = time.perf_counter() - t0
                 return PointResult(meets=False, attainment=1.0 - misses[0] / n, goodput_rps=float("nan"),
-                                   stopped_early=True, verdict={"misses_at_stop": misses[0], "allowed_misses": allowed},
+                                   stopped_early=True, verdict={"misses_at_stop": misses[0], "allowed_misses":
+                                                                slo.max_misses(n), "num_rejected": num_rejected},
                                    wall_s=wall, **common)
-            res = _result_of(cluster, point, requests, records, prefill, decode, time.perf_counter() - t0)
+            res = _result_of(cluster, point, admitted, records, prefill, decode, time.perf_counter() - t0)
+            if rejected:
+                res.extra["rejected"] = rejected
     except Exception as e:  # noqa: BLE001 - reported in the table, never silently dropped
         return PointResult(meets=False, attainment=float("nan"), goodput_rps=float("nan"),
                            error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - t0, **common)
     wall = time.perf_counter() - t0
     d = per_request(res)
-    verdict = slo.verdict(d["ttft_s"], d["tpot_s"], res.records.prompt_tokens)
+    num_rejected = sum(res.extra.get("rejected", {}).values())
+    ttft_s, tpot_s, prompt = d["ttft_s"], d["tpot_s"], res.records.prompt_tokens
+    if warm:  # judge the requests after the warm-up only
+        t_first = requests[0].arrival_time_s + point.workload.warmup_s  # type: ignore[union-attr]
+        keep = res.records.arrival_s >= t_first
+        ttft_s, tpot_s, prompt = ttft_s[keep], tpot_s[keep], prompt[keep]
+        num_rejected = n - int(keep.sum())
+    # a request rejected at arrival never gets a first token: it misses (NaN TTFT), among n
+    miss = np.full(num_rejected, np.nan)
+    verdict = slo.verdict(np.concatenate([ttft_s, miss]), np.concatenate([tpot_s, miss]),
+                          np.concatenate([prompt, np.ones(num_rejected, dtype=np.int64)]))
     summary = summarize(res, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     summary["wall_s"] = wall
     if point.save_dir is not None:
@@ -531,10 +575,17 @@ def evaluate_point(point: Point) -> PointResult:
 
         write_results(Path(point.save_dir), [res], [summary], {"tag": dict(point.tag), "rate_scale": point.rate_scale},
                       plots=False)
+    if warm:
+        verdict["warmup_requests"] = len(requests) - n
+        pct = lambda x: float(np.percentile(x[~np.isnan(x)], 99)) if np.any(~np.isnan(x)) else float("nan")  # noqa: E731
+        lat = {"ttft_p99_s": pct(ttft_s), "tpot_p99_s": pct(tpot_s),
+               "ttft_mean_s": float(np.nanmean(ttft_s)) if np.any(~np.isnan(ttft_s)) else float("nan")}
+    else:
+        lat = {"ttft_p99_s": summary["ttft_s"]["p99"], "tpot_p99_s": summary["tpot_s"]["p99"],
+               "ttft_mean_s": summary["ttft_s"]["mean"]}
     return PointResult(meets=verdict["meets"], attainment=verdict["attainment"],
                        goodput_rps=verdict["num_ok"] / window if window > 0 else float("nan"),
-                       ttft_p99_s=summary["ttft_s"]["p99"], tpot_p99_s=summary["tpot_s"]["p99"],
-                       ttft_mean_s=summary["ttft_s"]["mean"], summary=summary, verdict=verdict, wall_s=wall, **common)
+                       summary=summary, verdict=verdict, wall_s=wall, **lat, **common)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -7,6 +7,7 @@ A scenario is a pydantic model, loadable from a TOML or YAML file or one of the 
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from balancer.validation import format_validation_error, syntax_error_line
+from sim.models import MODELS, get_model
 from sim.perf.config import PerfConfig
 from sim.perf.spec import SpecDecodeConfig
 
@@ -31,6 +33,12 @@ MAX_TOKENS = 1 << 24
 MAX_KV_CAPACITY_TOKENS = 1 << 40
 MAX_BYTES = 1e18
 MAX_BANDWIDTH_BYTES_PER_S = 1e16
+#: Slowest link accepted (1 kB/s, far below any datacenter link; hand-timed test scenarios use
+#: 100 kB/s): 1e-300 B/s made every transfer take ``inf`` seconds and the run report TTFT ``inf``
+#: with exit status 0.
+MIN_BANDWIDTH_BYTES_PER_S = 1e3
+#: Shortest load-sampling period (1 ms): a smaller one asks for billions of samples.
+MIN_SAMPLE_INTERVAL_S = 1e-3
 #: Default ``max_model_len`` per model (tokens of prompt + output an engine accepts): the models'
 #: ``max_position_embeddings`` (DeepSeek-V3 config.json: 163,840; Llama 3.1: 131,072).
 DEFAULT_MAX_MODEL_LEN = {"deepseek-v3": 163_840, "deepseek-v4.1-flash": 163_840,
@@ -60,7 +68,7 @@ class HostTierConfig(BaseModel):
 
     capacity_bytes: float | None = Field(None, gt=0, le=MAX_BYTES)
     capacity_blocks: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
-    bandwidth_bytes_per_s: float = Field(400e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    bandwidth_bytes_per_s: float = Field(400e9, ge=MIN_BANDWIDTH_BYTES_PER_S, le=MAX_BANDWIDTH_BYTES_PER_S)
 
     @model_validator(mode="after")
     def _one_capacity(self) -> HostTierConfig:
@@ -92,10 +100,10 @@ class SharedStoreConfig(BaseModel):
 
     capacity_bytes: float | None = Field(None, gt=0, le=MAX_BYTES)
     capacity_blocks: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
-    read_bandwidth_bytes_per_s: float = Field(6.6e12, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
-    write_bandwidth_bytes_per_s: float = Field(1e12, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
-    engine_read_bandwidth_bytes_per_s: float = Field(40e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
-    engine_write_bandwidth_bytes_per_s: float = Field(20e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    read_bandwidth_bytes_per_s: float = Field(6.6e12, ge=MIN_BANDWIDTH_BYTES_PER_S, le=MAX_BANDWIDTH_BYTES_PER_S)
+    write_bandwidth_bytes_per_s: float = Field(1e12, ge=MIN_BANDWIDTH_BYTES_PER_S, le=MAX_BANDWIDTH_BYTES_PER_S)
+    engine_read_bandwidth_bytes_per_s: float = Field(40e9, ge=MIN_BANDWIDTH_BYTES_PER_S, le=MAX_BANDWIDTH_BYTES_PER_S)
+    engine_write_bandwidth_bytes_per_s: float = Field(20e9, ge=MIN_BANDWIDTH_BYTES_PER_S, le=MAX_BANDWIDTH_BYTES_PER_S)
     ttl_s: float | None = Field(None, gt=0)
     class_ttl_s: dict[str, float] = Field(default_factory=dict)
 
@@ -201,7 +209,7 @@ class Scenario(BaseModel):
             (:class:`sim.perf.spec.SpecDecodeConfig`); ``None`` = off.
         max_model_len: most prompt + output tokens an engine accepts; longer requests are
             rejected at arrival (counted in the summary's ``num_rejected``), as real engines
-            refuse them. ``None`` = the model's default (:data:`DEFAULT_MAX_MODEL_LEN`).
+            refuse them. ``None`` = the model's context (:attr:`effective_max_model_len`).
         kv_accounting: how a mixed (aggregated) rank counts the KV of running sequences against
             its prefix cache. ``"reserve"``: a sequence reserves blocks for its whole prompt +
             output at admission, apart from the cache, which also gets its prompt blocks (as most
@@ -226,12 +234,12 @@ class Scenario(BaseModel):
     prefill: PoolConfig | None = None
     decode: PoolConfig | None = None
     mixed: PoolConfig | None = None
-    kv_transfer_bandwidth_bytes_per_s: float = Field(50e9, gt=0, le=MAX_BANDWIDTH_BYTES_PER_S)
+    kv_transfer_bandwidth_bytes_per_s: float = Field(50e9, ge=MIN_BANDWIDTH_BYTES_PER_S, le=MAX_BANDWIDTH_BYTES_PER_S)
     kv_transfer_latency_s: float = Field(0.001, ge=0, le=3600)
     pd_min_uncached_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     index_capacity_blocks: int | Literal["auto"] | None = Field("auto", union_mode="left_to_right")
     fast_forward: bool = True
-    sample_interval_s: float | None = Field(None, gt=0)
+    sample_interval_s: float | None = Field(None, ge=MIN_SAMPLE_INTERVAL_S, le=1e6)
     host_tier: HostTierConfig | None = None
     shared_store: SharedStoreConfig | None = None
     kv_fetch_rule: Literal["faster", "always"] = "faster"
@@ -244,10 +252,18 @@ class Scenario(BaseModel):
 
     @property
     def effective_max_model_len(self) -> int:
-        """``max_model_len``, else the model's default (:data:`DEFAULT_MAX_MODEL_LEN`)."""
+        """``max_model_len``, else the model's context: :data:`DEFAULT_MAX_MODEL_LEN` for the
+        built-in models, a Hugging Face config's ``max_position_embeddings`` (was ignored: an 8k
+        model served 273 prompts over 8k), else :data:`FALLBACK_MAX_MODEL_LEN`."""
         if self.max_model_len is not None:
             return self.max_model_len
-        return DEFAULT_MAX_MODEL_LEN.get(self.model, FALLBACK_MAX_MODEL_LEN)
+        if self.model in DEFAULT_MAX_MODEL_LEN:
+            return DEFAULT_MAX_MODEL_LEN[self.model]
+        try:  # a Hugging Face config (a path, or a shipped one): its max_position_embeddings
+            context = get_model(self.model).max_position_embeddings
+        except (ValueError, OSError):  # an unknown model is reported where the perf model is built
+            context = 0
+        return context or FALLBACK_MAX_MODEL_LEN
 
     @model_validator(mode="after")
     def _check_pools(self) -> Scenario:
@@ -415,6 +431,8 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
             data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping of scenario fields")
+        if isinstance(data.get("model"), str):
+            data["model"] = resolve_model_path(data["model"], path)
         return Scenario.model_validate(data)
     except ValidationError as e:
         raise ValueError(format_validation_error(e, source=str(path), model=Scenario)) from None
@@ -424,6 +442,27 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
         raise ValueError(f"{path}: {e}") from None
     except RecursionError:
         raise ValueError(f"{path}: nested too deeply") from None
+
+
+def resolve_model_path(model: str, source: Path) -> str:
+    """A scenario file's ``model``: a preset name as it is; a Hugging Face config path (``.json``
+    or a folder) relative to the scenario file's folder, as sweeps resolve their traces (was: from
+    the current directory), else from the current directory; an absolute path as it is.
+
+    Raises:
+        ValueError: a config path found in neither place; the message names both.
+    """
+    text = model.strip()
+    looks_like_path = text.endswith(".json") or "/" in text or os.sep in text
+    if not looks_like_path or text.lower() in (k.lower() for k in MODELS) or Path(text).is_absolute():
+        return model
+    beside = source.parent / text
+    if beside.exists():
+        return str(beside)
+    if Path(text).exists():
+        return text
+    raise ValueError(f"{source}: model {model!r}: no such file: looked in {source.parent.resolve()}/ (the scenario "
+                     f"file's folder) and {Path.cwd()}/ (the current directory)")
 
 
 class _BadText(Exception):

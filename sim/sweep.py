@@ -11,6 +11,7 @@ A sweep file (``pdlb sim sweep SWEEP.toml``)::
                                               # router's RNG and the spreading of batched arrivals (spread_s)
     traces = ["a.jsonl.gz"]                   # optional; default: the embedded trace
     limit = 2000                              # optional workload cut (also duration_s, spread_s, format)
+    warmup_s = 60                             # optional: simulate the first 60 s of arrivals, judge what follows
 
     route_slo = true                          # optional: the router is told [slo]'s TTFT budget (false: SLO-blind)
 
@@ -75,7 +76,7 @@ MAX_POINTS = 10_000
 
 _KEYS = {"scenario", "policies", "decode_policy", "policy_modules", "rates", "seeds", "traces", "limit", "duration_s",
          "spread_s", "format", "slo", "grid", "points", "index_mode", "router_tiers", "tier_weights",
-         "route_slo"}
+         "route_slo", "warmup_s"}
 
 
 @dataclass
@@ -170,8 +171,12 @@ def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], pol
            "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit,
                                                    # duration_s counts simulated time (after rate scaling); tagged
                                                    # so results of the earlier order (cut first) are not resumed
-                                                   None if workload.duration_s is None else ["scaled", workload.duration_s],
-                                                   workload.spread_s, workload.seed],
+                                                   # "v2": rows cut on Ray before issue 24's fix ignored duration_s
+                                                   # under the same id; such rows are rerun, not resumed
+                                                   None if workload.duration_s is None else
+                                                   ["scaled-v2", workload.duration_s],
+                                                   workload.spread_s, workload.seed,
+                                                   *([["warmup", workload.warmup_s]] if workload.warmup_s else [])],
            "slo": [slo.ttft_s, slo.tpot_s, slo.attainment, slo.percentile, slo.ttft_per_1k_prompt_tokens_s],
            # route_slo: points made before the router was told the SLO (SLO-blind) are not resumed as SLO-aware
            "options": [options.index_mode, options.router_tiers, options.tier_weights, ["route_slo", options.route_slo]]}
@@ -200,9 +205,9 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     for k in raw:
         if k not in _KEYS:
             raise ValueError(unknown_key_message(source, "", k, _KEYS))
-    for k in ("limit", "duration_s", "spread_s"):
+    for k in ("limit", "duration_s", "spread_s", "warmup_s"):
         if raw.get(k) is not None:
-            _number(raw, k, source, integer=k == "limit", minimum=0.0, strict=k != "spread_s")
+            _number(raw, k, source, integer=k == "limit", minimum=0.0, strict=k not in ("spread_s", "warmup_s"))
     if raw.get("format", "auto") not in TRACE_FORMATS:
         raise ValueError(f"{source}: format must be one of {', '.join(TRACE_FORMATS)}, got {raw['format']!r}")
     if raw.get("index_mode", "approximate") not in INDEX_MODES:
@@ -213,9 +218,18 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     if not isinstance(scen, str):
         raise ValueError(f"{source}: scenario must be a preset name or a file path")
     rel = source.parent / scen
-    base = load_scenario(scen if scen in PRESETS or not rel.exists() else rel)
+    try:
+        base = load_scenario(scen if scen in PRESETS or not rel.exists() else rel)
+    except ValueError as e:  # named the scenario, not the sweep file that gave it
+        raise ValueError(f"{source}: scenario: {e}") from None
     modules = _list(raw, "policy_modules", [""], str, source) if "policy_modules" in raw else []
-    policies = [parse_policy(p, raw.get("decode_policy"), modules) for p in _list(raw, "policies", ["cache_aware"], str, source)]
+    try:
+        policies = [parse_policy(p, raw.get("decode_policy"), modules)
+                    for p in _list(raw, "policies", ["cache_aware"], str, source)]
+    except ValueError as e:
+        if str(source) in str(e):
+            raise
+        raise ValueError(f"{source}: policies: {e}") from None
     rates = [float(r) for r in _list(raw, "rates", [1.0], (int, float), source)]
     if any(not (math.isfinite(r) and r > 0) for r in rates):
         raise ValueError(f"{source}: rates must be finite numbers > 0, got {rates}")
@@ -293,7 +307,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
                         # the router's RNG and the arrival spreading, so seeds are replicates of the workload too
                         wl = WorkloadSpec(trace, raw.get("format", "auto"),
                                           limit if limit is not None else raw.get("limit"), raw.get("duration_s"),
-                                          float(raw.get("spread_s", 3.0)), seed)
+                                          float(raw.get("spread_s", 3.0)), seed, float(raw.get("warmup_s", 0.0)))
                         tag = (("sweep_trace", trace or "embedded"),
                                *((f"set.{k}", json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in var))
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))

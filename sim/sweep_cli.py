@@ -71,6 +71,16 @@ def _table(rows: list[dict[str, Any]], grid_cols: list[str]) -> tuple[list[str],
     return head, out
 
 
+def failure_lines(failed: list[dict[str, Any]], most: int = 10) -> list[tuple[str, int]]:
+    """``[(error on one line, number of points)]`` of failed rows, distinct errors in first-seen
+    order, at most ``most`` (the rest are in ``sweep.csv``)."""
+    counts: dict[str, int] = {}
+    for r in failed:
+        key = " ".join(str(r.get("error")).split())
+        counts[key] = counts.get(key, 0) + 1
+    return list(counts.items())[:most]
+
+
 def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     from sim.executor import make_executor
     from sim.html_report import Section, write_report
@@ -82,6 +92,12 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     out = args.out or Path("results") / f"sweep-{args.file.stem}"
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
+    # every trace read and checked here, before any worker starts: a truncated or malformed trace is
+    # one error line (was: exit 1 with the reason cut off in a table cell, nothing on stderr)
+    from sim.point import WorkloadSpec, load_workload
+
+    for wl in dict.fromkeys(p.workload for p in sweep.points if isinstance(p.workload, WorkloadSpec)):
+        load_workload(wl)
     from sim.sweep import read_done
 
     done_before = read_done(out / "points.jsonl") if not args.no_resume else {}
@@ -135,6 +151,8 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     failed = [r for r in rows if r.get("error")]
     if failed:
         console.print(f"[red]{len(failed)} points failed[/] (kept in the table with their error; rerun to retry them)")
+        for err, n in failure_lines(failed):  # the whole reason, on stderr (the table cell is cut at 60 characters)
+            print(f"error: {n} point{'s' if n > 1 else ''} failed: {err}", file=sys.stderr)
     plots = []
     if not args.no_plots:
         if plot_rates(rows, out / "sweep_rates.png"):

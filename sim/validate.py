@@ -593,6 +593,13 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> None:
                    help="instead: replay the shipped runs of a real engine on one H200 (transformers continuous "
                         "batching behind pdlb serve, sim/data/gpu_runs) and compare TTFT / TPOT p50 and p90 at "
                         "every measured request rate (docs/validate.md, 'A real engine on a real GPU')")
+    p.add_argument("--agentx-440246", action="store_true", dest="agentx_440246",
+                   help="instead: simulate AgentX point 440246 (DeepSeek-V4-Pro, 8 B200, vLLM DP8/EP8, "
+                        "64 closed-loop agentic lanes) and compare every published figure (about a minute)")
+    p.add_argument("--duration-s", type=float, default=None, metavar="S",
+                   help="with --agentx-440246: measured seconds to simulate (default: the published 3600)")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="with --agentx-440246: also write simulated / published per figure to this PNG")
 
 
 def run_validate(args: argparse.Namespace, console) -> int:
@@ -603,6 +610,19 @@ def run_validate(args: argparse.Namespace, console) -> int:
         from sim.gpu_runs import print_rows
         gpu_rows = print_rows(console)
         return 1 if args.strict and any(r.verdict != "pass" for r in gpu_rows) else 0
+    if getattr(args, "agentx_440246", False):
+        from sim.validate_agentx import print_rows, run_rows
+        if args.duration_s is not None and not args.duration_s > 0:
+            raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
+        rows, _ = run_rows(args.duration_s)
+        print_rows(rows, console)
+        if args.plot:
+            from sim.validate_agentx import plot_rows
+            console.print(f"plot: {plot_rows(rows, args.plot)}", markup=False)
+        return 1 if args.strict and any(r.verdict != "pass" for r in rows) else 0
+    if getattr(args, "duration_s", None) is not None or getattr(args, "plot", None):
+        raise ValueError("--duration-s and --plot apply only with --agentx-440246")
+
     if args.calibrate:
         s, perf, res = calibrate(args.calibrate)
         console.print(f"calibrated on [bold]{args.calibrate}[/] ({res.figure.source}: "

@@ -72,9 +72,10 @@ def test_capacity_header_names_the_duration_window(tmp_path: Path, capsys) -> No
 
 
 def test_capacity_reports_an_unreachable_slo_with_its_reason(tmp_path: Path, capsys) -> None:
-    # 99% of requests within 0.5 s: long prompts of the trace cannot prefill that fast even alone
+    # 99% of requests within a flat 0.5 s (capacity's default adds 0.5 s per 1k prompt tokens; 0 here):
+    # long prompts of the trace cannot prefill that fast even alone
     rc = main(["sim", "capacity", "--policies", "least_load", "--limit", "300", "--slo-ttft-s", "0.5",
-               "--slo-attainment", "99%", "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet"])
+               "--slo-ttft-per-1k-tokens-s", "0", "--slo-attainment", "99%", "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "unreachable" in printed and "even at zero load" in printed and "-token prompt" in printed
@@ -214,7 +215,8 @@ def test_report_html_renders_in_headless_chromium(tmp_path: Path) -> None:
 
 def test_a_reason_shared_by_every_policy_is_printed_once(tmp_path: Path, capsys) -> None:
     rc = main(["sim", "capacity", "--policies", "least_load,round_robin", "--limit", "300", "--slo-ttft-s", "0.5",
-               "--slo-attainment", "0.99", "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet"])
+               "--slo-ttft-per-1k-tokens-s", "0", "--slo-attainment", "0.99", "--jobs", "1", "--no-plots",
+               "--out", str(tmp_path), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert printed.count("even at zero load") == 1 and "all 2 policies: unreachable" in printed

@@ -237,7 +237,7 @@ def test_price_numbers_are_rejected_while_parsing(argv, message, capsys) -> None
     (["sim", "compare", "--policies", " , "], "error: --policies: give at least one policy"),
     # compare's --decode-policy lists the valid names (a policy spec since policy parameters work on every flag)
     (["sim", "compare", "--decode-policy", "nope"],
-     "error: --decode-policy: unknown policy 'nope'; valid policies: cache_aware, consistent_hash, ep_aware, "
+     "error: --decode-policy: unknown policy 'nope'; valid policies: cache_aware, consistent_hash, dp_consistent_hash, ep_aware, "
      "kv_cost, least_load, power_of_two, random, round_robin, scored"),
     # were multi-line pydantic dumps; bounds from SessionWorkloadConfig (gt=0, le=1, ge=1)
     (["sim", "sessions", "--out", "s.jsonl", "--sessions-per-hour", "0"],

@@ -174,11 +174,13 @@ def test_capacity_says_when_its_answer_is_a_burst(tmp_path, capsys: pytest.Captu
     assert doc["results"][0]["rate_scale"] == 64
     window, makespan = best["arrival_window_s"], best["makespan_s"]
     assert makespan > 2 * window  # the condition, from the answer run's own summary
-    assert notes == [f"round_robin: note: at the answer the 20 requests arrive over {window:.3g} s and the last "
+    burst = [n for n in notes if "burst" in n]  # (and issue 24's small-sample note: 20 requests)
+    assert burst == [f"round_robin: note: at the answer the 20 requests arrive over {window:.3g} s and the last "
                      f"finishes at {makespan:.3g} s: the cluster absorbed a burst and drained it, which is not a "
                      "rate it sustains; search over a fixed window (--duration-s S: every rate runs S seconds of "
                      "arrivals) or a longer trace"]
-    assert doc["results"][0]["notes"] == [notes[0].removeprefix("round_robin: note: ")]
+    assert doc["results"][0]["notes"][0] == burst[0].removeprefix("round_robin: note: ")
+    assert [n for n in notes if "small sample: the answer rests on 20 requests" in n]
 
 
 def test_capacity_adds_no_burst_note_to_a_sustained_answer(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,7 +192,8 @@ def test_capacity_adds_no_burst_note_to_a_sustained_answer(tmp_path, capsys: pyt
     capsys.readouterr()
     notes, doc, best = _capacity_notes(["--scenario", "llama8b-agg-h100", "--trace", str(trace), "--policies",
                                         "round_robin", "--rate-min", "0.5", "--rate-max", "2"], tmp_path / "steady", capsys)
-    assert doc["results"][0]["status"] == "above_bounds" and doc["results"][0]["rate_scale"] == 2 and notes == []
+    assert doc["results"][0]["status"] == "above_bounds" and doc["results"][0]["rate_scale"] == 2
+    assert [n for n in notes if "burst" in n] == []  # (issue 24's small-sample note remains: < 1,000 requests)
     assert best["makespan_s"] < 1.1 * best["arrival_window_s"]
 
 

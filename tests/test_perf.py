@@ -42,9 +42,9 @@ def test_model_presets_and_param_counts():
     # routed experts: 58 MoE layers * 256 experts * 3 * 7168 * 2048 = 653.9B
     assert ds.routed_expert_params == 58 * 256 * 3 * 7168 * 2048
     assert ds.num_moe_layers == 58 and ds.is_moe and ds.is_mla
-    with pytest.raises(ValueError, match="deepseek-v3, deepseek-v4-flash, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b, qwen3-30b-a3b, qwen3-32b"):
+    with pytest.raises(ValueError, match="deepseek-v3, deepseek-v4-flash, deepseek-v4-pro, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b, qwen3-30b-a3b, qwen3-32b"):
         get_model("gpt-5")
-    assert set(MODELS) == {"deepseek-v3", "deepseek-v4-flash", "deepseek-v4.1-flash", "llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b", "qwen3-32b"}
+    assert set(MODELS) == {"deepseek-v3", "deepseek-v4-flash", "deepseek-v4-pro", "deepseek-v4.1-flash", "llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b", "qwen3-32b"}
 
 
 def test_kv_bytes_per_token():

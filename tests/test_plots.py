@@ -39,16 +39,66 @@ def _tick_labels(axis) -> list[tuple[float, str]]:  # noqa: ANN001
             if t.label1.get_text() and lo <= t.get_loc() <= hi]
 
 
+def _fig_legend(fig) -> list[str]:  # noqa: ANN001
+    return [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+ANSWER = "answer: highest rate\nmeeting the SLO"
+
+
 def test_capacity_rate_plot_lists_stopped_early_only_when_a_run_stopped_early() -> None:
     steady = [_result("a", [(1.0, 1.0, 0.6, False), (2.0, 0.95, 1.5, False)]),
               _result("b", [(1.0, 1.0, 0.7, False), (2.0, 0.92, 2.5, False)])]
     fig = rate_figure(steady, {})
-    assert _legend(fig.axes[0]) == ["a", "b", "target 90%"]  # was: "stopped early (upper bound)" as well
+    # one legend for the figure, each policy with its answer (_result: 1.0 req/s)
+    assert _fig_legend(fig) == ["a: 1 req/s", "b: 1 req/s", ANSWER, "target 90%"]  # no "stopped early"
     plt.close(fig)
     # the second policy's run stopped early: listed once, whichever policy it was (was: tied to the first)
     mixed = [steady[0], _result("b", [(1.0, 1.0, 0.7, False), (4.0, 0.5, 0.0, True)])]
     fig = rate_figure(mixed, {})
-    assert _legend(fig.axes[0]) == ["a", "b", STOPPED_EARLY_LABEL, "target 90%"]
+    assert _fig_legend(fig) == ["a: 1 req/s", "b: 1 req/s", ANSWER, STOPPED_EARLY_LABEL, "target 90%"]
+    plt.close(fig)
+
+
+def _rated(policy: str, answer_rps: float, rates: list[float]) -> RateSearchResult:
+    r = _result(policy, [(x, 1.0 if x <= answer_rps else 0.5, 0.5 * x, False) for x in rates])
+    r.rate_rps = answer_rps
+    r.best = next(p for p in r.points if p.offered_rps == answer_rps)
+    return r
+
+
+def test_capacity_rate_plot_reads_without_the_text() -> None:
+    # issue 24 item 17: 8 policies with answers between 0.1 and 0.8 req/s, rates tried up to 12.8:
+    # the rate axis is logarithmic (12.8 / 0.1 = 128 > 4), the legend sits right of every panel,
+    # each answer is starred and labelled with its req/s, the SLO target line is labelled
+    rates = [0.1 * 2 ** k for k in range(8)]  # 0.1 .. 12.8
+    results = [_rated(f"p{i}", rates[i % 4], rates) for i in range(8)]
+    fig = rate_figure(results, {})
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    att, good, ttft = fig.axes
+    assert ttft.get_xscale() == "log" and att.get_xscale() == "log"  # shared axis
+    legend_box = fig.legends[0].get_window_extent(renderer)
+    for ax in fig.axes:  # the legend covers no panel (was: drawn over the points of the first)
+        assert legend_box.x0 >= ax.get_window_extent(renderer).x1
+    # each panel at least 800 px wide and 250 px tall at the report's 110 dpi (was ~370 x 330 px)
+    fig.set_dpi(110)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        box = ax.get_window_extent(fig.canvas.get_renderer())
+        assert box.width >= 800 and box.height >= 250
+    labels = [t.get_text() for t in att.texts]
+    assert "SLO target: 90% of requests" in labels
+    assert sorted(x for x in labels if x[0].isdigit()) == sorted(f"{rates[i % 4]:.3g}" for i in range(8))
+    # answer labels do not overlap one another (was: 0.405, 0.482, 0.526 ... printed over each other)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent(fig.canvas.get_renderer()) for t in att.texts if t.get_text()[0].isdigit()]
+    assert not [(a, b) for k, a in enumerate(boxes) for b in boxes[k + 1:] if a.overlaps(b)]
+    assert _fig_legend(fig)[:8] == [f"p{i}: {rates[i % 4]:.3g} req/s" for i in range(8)]
+    plt.close(fig)
+    # rates within 4x: a linear axis
+    fig = rate_figure([_rated("a", 1.0, [1.0, 2.0, 3.0])], {})
+    assert fig.axes[2].get_xscale() == "linear"
     plt.close(fig)
 
 

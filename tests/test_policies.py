@@ -542,7 +542,7 @@ def test_scored_weighted_pick(weights, totals, expected):
 # ---------------------------------------------------------------------------------- registry
 def test_available_policies():
     assert available_policies() == [
-        "cache_aware", "consistent_hash", "ep_aware", "kv_cost", "least_load",
+        "cache_aware", "consistent_hash", "dp_consistent_hash", "ep_aware", "kv_cost", "least_load",
         "power_of_two", "random", "round_robin", "scored",
     ]
 

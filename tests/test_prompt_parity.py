@@ -172,6 +172,32 @@ def test_what_pdlb_cannot_render_exactly_is_counted(folders, tmp_path):
     assert pdlb_ids(tmp_path, {"messages": [USER]})[1] == ["no_chat_template"]
 
 
+@pytest.mark.parametrize("files, engine, want", [
+    # vLLM 0.33 picks its own encoder for these (vllm/config/model.py, tokenizer_mode "auto" by
+    # architecture; vllm/tokenizers/registry.py, Mistral by tekken.json / tokenizer.model.v*)
+    ({"config.json": {"architectures": ["DeepseekV4ForCausalLM"]}}, "vllm", "deepseek_v4"),
+    ({"config.json": {"architectures": ["DeepseekV32ForCausalLM"]}}, "vllm", "deepseek_v32"),
+    ({"tekken.json": {}}, "vllm", "mistral"),
+    ({"config.json": {"architectures": ["DeepseekV4ForCausalLM"]}}, "sglang", None),  # SGLang: the template
+    ({"config.json": {"architectures": ["LlamaForCausalLM"]}}, "vllm", None),
+    ({"config.json": "not json"}, "vllm", None),
+])
+def test_chat_an_engine_renders_with_its_own_encoder_is_counted(folders, tmp_path, files, engine, want):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((folders["string"] / name).read_text())
+    for name, doc in files.items():
+        (tmp_path / name).write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    h = PromptHasher(16, tokenizer_path=str(tmp_path), engine=engine)
+    assert h.engine_renderer == want
+    notes: list[str] = []
+    h.on_inexact = notes.append
+    h.token_ids(extract_prompt("chat", {"messages": [USER]}))
+    assert notes == (["engine_renderer"] if want else [])
+    notes.clear()
+    h.token_ids(extract_prompt("completions", {"prompt": "plain text"}))  # no chat: rendered by no one
+    assert notes == []
+
+
 @pytest.mark.parametrize("body, match", [
     ({"messages": [USER], "tools": "x"}, "'tools' must be an array"),
     ({"messages": [USER], "add_special_tokens": "yes"}, "'add_special_tokens' must be a boolean"),

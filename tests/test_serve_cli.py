@@ -136,7 +136,7 @@ def test_serve_config_file_errors_name_the_file_and_suggest_fields(tmp_path, cap
 # ---------------------------------------------------------------------- 2. engine errors
 @pytest.mark.parametrize("argv,message", [
     (["--model", "nosuch"],
-     "model: unknown model 'nosuch'; valid names: deepseek-v3, deepseek-v4-flash, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b, qwen3-30b-a3b, qwen3-32b "
+     "model: unknown model 'nosuch'; valid names: deepseek-v3, deepseek-v4-flash, deepseek-v4-pro, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b, qwen3-30b-a3b, qwen3-32b "
      "(or a Hugging Face config.json path)"),
     (["--hardware", "h999"], "hardware: unknown hardware 'h999'; valid names: B200, H100, H200, H800"),
     # 671e9 parameters x 1 byte (FP8) = 671.0 GB; 72.0 GB = 90% of the H100's 80 GB; 2.0 GB reserve
@@ -262,7 +262,7 @@ def test_serve_help_names_syntax_policies_and_simulator_differences():
 
 def test_engine_help_lists_model_and_hardware_names():
     helps = {a.dest: " ".join(a.help.split()) for a in _subparser("engine")._actions if a.help}
-    assert helps["model"] == ("model preset, one of: deepseek-v3, deepseek-v4-flash, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b, qwen3-30b-a3b, qwen3-32b "
+    assert helps["model"] == ("model preset, one of: deepseek-v3, deepseek-v4-flash, deepseek-v4-pro, deepseek-v4.1-flash, llama-3.1-70b, llama-3.1-8b, qwen3-30b-a3b, qwen3-32b "
                               "(default: %(default)s)")
     assert "B200, H100, H200, H800" in helps["hardware"]
     assert "(default: %(default)s)" in helps["role"]

@@ -2,12 +2,13 @@
 
 >>> from balancer.policies import make_policy, available_policies
 >>> available_policies()
-['cache_aware', 'consistent_hash', 'ep_aware', 'kv_cost', 'least_load', 'power_of_two', 'random', 'round_robin', 'scored']
+['cache_aware', 'consistent_hash', 'dp_consistent_hash', 'ep_aware', 'kv_cost', 'least_load', 'power_of_two', 'random', 'round_robin', 'scored']
 """
 
 from balancer.policies import (  # noqa: F401  (imported for registration)
     cache_aware,
     consistent_hash,
+    dp_consistent_hash,
     ep_aware,
     kv_cost,
     least_load,

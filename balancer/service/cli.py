@@ -87,12 +87,10 @@ def worker_on_this_host(url: str) -> bool:
     """Whether a worker URL names this host: a loopback address, ``localhost``, or this host's
     name (no name resolution)."""
     host = (urlparse(url).hostname or "").lower()
-    if host in ("localhost", socket.gethostname().lower(), socket.getfqdn().lower()):
-        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        return host == "localhost" or host == socket.gethostname().lower()
 
 
 def default_processes(worker_urls: Iterable[str] = ()) -> int:

@@ -521,6 +521,44 @@ def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else out
 
 
+#: model architectures (config.json ``architectures``) whose chat vLLM 0.33 renders with its own
+#: encoder instead of the folder's jinja template: ``ModelConfig`` sets ``tokenizer_mode`` from the
+#: architecture when it is ``auto`` (vllm/config/model.py; renderers in vllm/renderers/deepseek_v*.py)
+VLLM_OWN_RENDERER_ARCHS = {
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+    "DeepseekV4ForConditionalGeneration": "deepseek_v4",
+    "DeepseekV41ForCausalLM": "deepseek_v41",
+    "KimiK3ForConditionalGeneration": "kimi_k3",
+    "InklingForCausalLM": "inkling",
+    "InklingForConditionalGeneration": "inkling",
+}
+
+
+def engine_renderer(folder: str | Path, engine: str) -> str | None:
+    """The tokenizer mode under which ``engine`` renders chat for the model in ``folder`` with its
+    own code rather than the folder's chat template, or ``None``.
+
+    vLLM 0.33 (``tokenizer_mode="auto"``): the architectures of :data:`VLLM_OWN_RENDERER_ARCHS`,
+    and Mistral's tokenizer when the folder holds ``tekken.json`` or ``tokenizer.model.v*``
+    (``vllm/tokenizers/registry.py``). SGLang renders with the folder's template: ``None``. An
+    unreadable ``config.json`` is treated as naming no architecture.
+    """
+    if engine != "vllm":
+        return None
+    d = Path(folder)
+    try:
+        archs = json.loads((d / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []
+    for arch in archs if isinstance(archs, list) else []:
+        if isinstance(arch, str) and arch in VLLM_OWN_RENDERER_ARCHS:
+            return VLLM_OWN_RENDERER_ARCHS[arch]
+    if (d / "tekken.json").exists() or any(d.glob("tokenizer.model.v*")):
+        return "mistral"
+    return None
+
+
 class PromptHasher:
     """Turns a :class:`Prompt` into ``(prompt_tokens, block_hashes)`` for :class:`balancer.types.Request`.
 
@@ -549,7 +587,8 @@ class PromptHasher:
         #: whose chat rendering to reproduce (:meth:`ChatTemplate.render_for`)
         self.engine = engine
         #: called with a reason each time a prompt's token ids may differ from the engine's
-        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``, ``chat_template_kwargs``); the service counts
+        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``, ``chat_template_kwargs``,
+        #: ``engine_renderer``); the service counts
         #: them as ``pdlb_prompt_inexact_total{reason}``
         self.on_inexact: Any = None
         self.block_size = int(block_size)
@@ -559,10 +598,14 @@ class PromptHasher:
         self.root_hash = root_hash
         #: the model folder's chat template, if ``tokenizer_path`` is a folder that has one
         self.chat_template: ChatTemplate | None = None
+        #: the engine renders this model's chat with its own encoder, not the folder's template
+        #: (:func:`engine_renderer`): chat prompts are counted ``engine_renderer``
+        self.engine_renderer: str | None = None
         if tokenizer_path:
             self._tokenizer = load_tokenizer(tokenizer_path)
             if Path(tokenizer_path).is_dir():
                 self.chat_template = ChatTemplate.from_folder(tokenizer_path)
+                self.engine_renderer = engine_renderer(tokenizer_path, engine)
 
     def tokenizes(self, prompt: Prompt) -> bool:
         """Whether :meth:`hash` runs the tokenizer on ``prompt`` (text prompt, tokenizer configured)."""
@@ -590,6 +633,8 @@ class PromptHasher:
             ids = self._tokenizer.encode(text, add_special_tokens=special).ids
             if suffix:
                 ids = ids + self._tokenizer.encode(suffix, add_special_tokens=False).ids
+            if self.engine_renderer is not None:
+                notes.append("engine_renderer")
             self._note(notes)
             return ids
         if prompt.messages is not None:  # a tokenizer without a chat template: the engine's rendering is unknown

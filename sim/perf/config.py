@@ -28,6 +28,12 @@ from sim.perf.roofline import (
 if TYPE_CHECKING:  # pragma: no cover
     from sim.scenario import PoolConfig, Scenario
 
+#: Lowest efficiency accepted (0.1%): 1e-300 made every step take ``inf`` seconds, reported as a
+#: TTFT of ``inf`` with exit status 0.
+MIN_EFFICIENCY = 1e-3
+#: Longest fixed cost per step accepted, seconds.
+MAX_STEP_OVERHEAD_S = 60.0
+
 
 class PerfConfig(BaseModel):
     """Roofline settings of a scenario (see :mod:`sim.perf.roofline` for the formulas).
@@ -67,20 +73,20 @@ class PerfConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
 
-    mfu: float = Field(DEFAULT_MFU, gt=0, le=1)
-    mbu: float = Field(DEFAULT_MBU, gt=0, le=1)
-    step_overhead_s: float = Field(DEFAULT_STEP_OVERHEAD_S, ge=0)
-    comm_efficiency: float = Field(DEFAULT_COMM_EFFICIENCY, gt=0, le=1)
+    mfu: float = Field(DEFAULT_MFU, ge=MIN_EFFICIENCY, le=1)
+    mbu: float = Field(DEFAULT_MBU, ge=MIN_EFFICIENCY, le=1)
+    step_overhead_s: float = Field(DEFAULT_STEP_OVERHEAD_S, ge=0, le=MAX_STEP_OVERHEAD_S)
+    comm_efficiency: float = Field(DEFAULT_COMM_EFFICIENCY, ge=MIN_EFFICIENCY, le=1)
     comm_overlap: float = Field(DEFAULT_COMM_OVERLAP, ge=0, le=1)
-    kv_cache_fraction: float = Field(DEFAULT_KV_CACHE_FRACTION, gt=0, le=1)
+    kv_cache_fraction: float = Field(DEFAULT_KV_CACHE_FRACTION, ge=MIN_EFFICIENCY, le=1)
     activation_reserve_bytes: float = Field(DEFAULT_ACTIVATION_RESERVE_BYTES, ge=0)
     tbo: bool = False
-    tbo_overhead_s: float = Field(0.0, ge=0)
+    tbo_overhead_s: float = Field(0.0, ge=0, le=MAX_STEP_OVERHEAD_S)
     fp8_weights: bool | None = None
     gpus_per_node: int | None = Field(None, ge=1)
     ep_ll_nvlink: bool = False
     tbo_phases: bool = False
-    comm_efficiency_normal: float | None = Field(None, gt=0, le=1)
+    comm_efficiency_normal: float | None = Field(None, ge=MIN_EFFICIENCY, le=1)
     prefill_comm_sm_fraction: float = Field(0.0, ge=0, lt=1)
     ep_imbalance_prefill: float = Field(1.0, ge=1)
     ep_imbalance_decode: float = Field(1.0, ge=1)

@@ -7,10 +7,20 @@ then price the measured throughput; :mod:`sim.pricing.measured`). See docs/prici
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from sim.cli_args import (
+    add_set_arg,
+    apply_overrides,
+    seed_int,
+    token_count,
+    warn_idle_flags,
+)
+from sim.cli_args import positive_float as pos_float
+from sim.cli_args import positive_int as pos_int
 from sim.pricing.analysis import (
     DEEPINFER_DECODE_BATCH_PER_RANK,
     DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ,
@@ -40,6 +50,7 @@ from sim.pricing.sheets import (
     shipped_price_sheets,
 )
 from sim.pricing.throughput import steady_state
+from sim.scenario import load_scenario
 
 
 DEFAULT_SCENARIO = "deepinfer-sm100"
@@ -57,12 +68,26 @@ def _floats(text: str, what: str) -> list[float]:
     return vals
 
 
+def check_output_tokens(output_tokens: int, max_ratio: float, max_model_len: int) -> None:
+    """Refuse an ``--output-tokens`` whose longest request (prompt ``max_ratio x N`` plus ``N``
+    output tokens) the scenario's engines would reject (``max_model_len``): such a row prices a
+    request no engine serves, and the analytic tables' cost grows with the prompt's length (was:
+    unbounded; 1e6 output tokens ran for minutes, 999999999999 was accepted).
+
+    Raises:
+        ValueError: one line with the largest ``--output-tokens`` that fits.
+    """
+    longest = output_tokens * (1.0 + max_ratio)
+    if longest > max_model_len:
+        fits = int(max_model_len // (1.0 + max_ratio))
+        raise ValueError(f"--output-tokens {output_tokens:,}: with --ratio up to {max_ratio:g} a request has "
+                         f"{longest:,.0f} tokens, over the scenario's max_model_len {max_model_len:,}; give at most "
+                         f"{fits:,} output tokens (or smaller ratios)")
+
+
 def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
     """Register ``pdlb sim price``. Numbers that must be positive are checked while parsing
     (``argument --flag: must be ...``, exit 2), before any table is printed."""
-    import argparse
-
-    from sim.cli_args import add_set_arg, positive_float as pos_float, positive_int as pos_int, seed_int
 
     p = simsub.add_parser(
         "price", help="revenue per GPU-hour and cost per million tokens from a price sheet",
@@ -90,8 +115,9 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
                    help="input cache-hit rates to tabulate (default %(default)s)")
     p.add_argument("--ratio", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), metavar="R[,...]",
                    help="input:output token ratios to tabulate (default %(default)s)")
-    p.add_argument("--output-tokens", type=pos_int, default=1000, metavar="N",
-                   help="output tokens per request; prompt = ratio x N (default 1000)")
+    p.add_argument("--output-tokens", type=token_count, default=1000, metavar="N",
+                   help="output tokens per request; prompt = ratio x N, and (ratio + 1) x N must fit the scenario's "
+                        "max_model_len (default 1000)")
     p.add_argument("--tok-s-per-seq", type=pos_float, default=DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ, metavar="TPS",
                    help=f"decode tokens/s per sequence (default {DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ:g}, DeepInfer)")
     p.add_argument("--roofline-decode", action="store_true",
@@ -128,8 +154,6 @@ def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheet
 
 def run_price(args, console) -> int:  # noqa: ANN001
     """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
-    from sim.cli_args import apply_overrides
-    from sim.scenario import load_scenario
 
     sheets = load_price_sheets(args.prices)
     hits = _floats(args.hit_rate, "--hit-rate")
@@ -140,7 +164,6 @@ def run_price(args, console) -> int:  # noqa: ANN001
         if not (math.isfinite(r) and r > 0):
             raise ValueError(f"--ratio: values must be finite and > 0, got {r:g}")
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
-    from sim.cli_args import warn_idle_flags
 
     measured = [("trace", "without --simulate"), ("limit", "without --simulate"), ("rate_scale", "without --simulate"),
                 ("policy", "without --simulate"), ("seed", "without --simulate"), ("quiet", "without --simulate")]
@@ -159,6 +182,8 @@ def run_price(args, console) -> int:  # noqa: ANN001
     if scenario is not None and not args.simulate and (scenario.prefill is None or scenario.decode is None):
         raise ValueError(f"--scenario {scenario.name}: the scenario is aggregated; pdlb sim price needs prefill "
                          "and decode pools (or --simulate)")
+    if scenario is not None and not args.simulate:
+        check_output_tokens(args.output_tokens, max(ratios), scenario.effective_max_model_len)
     reqs: list = []
     policy = None
     if args.simulate and runs is None:  # the trace and the policy before any output, as every command reads them

@@ -14,6 +14,42 @@ from .errors import TraceFormatError
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
+#: Longest trace line read (4 MiB; a Mooncake line at the 16.8M-token prompt bound is ~0.4 MB):
+#: a longer one is refused before it is held whole (``/dev/zero`` has no newline at all).
+MAX_LINE_BYTES = 1 << 22
+#: Most trace text read, after decompression (2 GiB, ~5M Mooncake lines; the embedded trace is
+#: 12,031 lines): more is refused, since its requests would not fit in memory anyway.
+MAX_TRACE_BYTES = 1 << 31
+
+
+def bounded_lines(fh: IO[bytes], path: str | os.PathLike[str], *, max_line_bytes: int | None = None,
+                  max_total_bytes: int | None = None) -> Iterator[bytes]:
+    """The lines of ``fh`` (with their newline), each read with a length bound, so that neither one
+    line nor the whole file can take more memory than the bounds (defaults :data:`MAX_LINE_BYTES`,
+    :data:`MAX_TRACE_BYTES`, read at call time).
+
+    Raises:
+        TraceFormatError: a line longer than the bound (``"<path>:<line>: line longer than ..."``),
+            or more text than the total bound.
+    """
+    max_line = MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes
+    max_total = MAX_TRACE_BYTES if max_total_bytes is None else max_total_bytes
+    total = 0
+    lineno = 0
+    while True:
+        raw = fh.readline(max_line + 1)
+        if not raw:
+            return
+        lineno += 1
+        total += len(raw)
+        if len(raw) > max_line:
+            raise TraceFormatError(path, lineno, f"line longer than {max_line:,} bytes: not a trace of one request "
+                                                 "per line (a binary file, or a file with no line breaks?)")
+        if total > max_total:
+            raise TraceFormatError(path, lineno, f"more than {max_total:,} bytes of trace text; read the first "
+                                                 "requests only (--limit N) or split the trace")
+        yield raw
+
 
 def _is_gzip(path: str | os.PathLike[str]) -> bool:
     with open(path, "rb") as fh:

@@ -16,6 +16,7 @@ import calendar
 import csv
 import os
 import re
+from collections.abc import Iterator
 
 import xxhash
 
@@ -23,7 +24,7 @@ from balancer.hashing import chain_block_ids
 from balancer.types import Request
 
 from ._checks import MAX_TRACE_TOKENS, check_limit, check_positive_int
-from ._io import open_text, read_errors
+from ._io import bounded_lines, open_binary, read_errors
 from .errors import TraceFormatError
 
 __all__ = ["parse_azure_timestamp_ns", "read_azure"]
@@ -31,6 +32,17 @@ __all__ = ["parse_azure_timestamp_ns", "read_azure"]
 _COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _TS_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:?\d{2})?")
 _INT_RE = re.compile(r"[+-]?\d{1,19}")  # at most 19 digits: no huge int() conversions
+
+
+def _text_lines(lines: Iterator[bytes]) -> Iterator[str]:
+    """UTF-8 text of each line (a byte-order mark before the first is skipped); raises
+    UnicodeDecodeError on bad UTF-8, which the reader reports with its line."""
+    first = True
+    for raw in lines:
+        if first and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        first = False
+        yield raw.decode("utf-8")
 
 
 def parse_azure_timestamp_ns(text: str) -> int:
@@ -113,8 +125,8 @@ def read_azure(
     t0_ns: int | None = None
     prev_ns = 0
     reader = None
-    with read_errors(path, lambda: (reader.line_num if reader is not None else 0) + 1), open_text(path) as fh:
-        reader = csv.reader(fh)
+    with read_errors(path, lambda: (reader.line_num if reader is not None else 0) + 1), open_binary(path) as fh:
+        reader = csv.reader(_text_lines(bounded_lines(fh, path)))  # bounded: one line, and the whole file
         try:
             header = next((row for row in reader if row), None)
             if header is None:

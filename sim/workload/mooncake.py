@@ -26,14 +26,21 @@ from balancer.hashing import chain_block_ids
 from balancer.types import Request
 
 from ._checks import MAX_TRACE_TOKENS, check_limit, check_positive_int
-from ._io import read_errors
-from ._io import open_binary
+from ._io import bounded_lines, open_binary, read_errors
 from .errors import TraceFormatError
 
 __all__ = ["MOONCAKE_BLOCK_SIZE", "read_mooncake"]
 
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per ``hash_ids`` entry in the published Mooncake traces."""
+
+#: Largest ``timestamp`` accepted (ms): 2^53, past which a float no longer holds every millisecond
+#: (1.7e18 ms gave TTFT 0.000 s; near 1e308, 100% attainment).
+MAX_TIMESTAMP_MS = 2**53
+#: A trace whose first ``timestamp`` is at least this (2^32 ms, ~50 days: epoch time) is rebased to
+#: its first line, so arrival gaps stay exact in seconds; traces that start near 0 (as pdlb writes
+#: them) read back unchanged.
+REBASE_FROM_MS = 2**32
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -73,6 +80,9 @@ def _parse_record(
         raise _BadRecord(f"field 'timestamp' must be a finite number, got {ts!r}")
     if ts < 0:
         raise _BadRecord(f"field 'timestamp' must be >= 0, got {ts!r}")
+    if ts > MAX_TIMESTAMP_MS:
+        raise _BadRecord(f"field 'timestamp' {ts!r} ms is past 2^53 ms, where milliseconds are no longer exact "
+                         "numbers (arrival gaps and TTFTs would round to 0); rebase the trace's timestamps")
     if ts < prev_ts:
         raise _BadRecord(f"timestamp goes backwards: {ts!r} after {prev_ts!r}")
     if type(n_in) is not int:
@@ -118,7 +128,9 @@ def read_mooncake(
     Each non-blank line becomes one :class:`~balancer.types.Request`:
 
     * ``request_id = f"r{i}"``, ``i`` the 0-based index among non-blank lines;
-    * ``arrival_time_s = timestamp / 1000``;
+    * ``arrival_time_s = timestamp / 1000``; a trace logged in epoch time (first timestamp >= 2^32
+      ms) is rebased to its first line, ``(timestamp - first) / 1000``, so its gaps stay exact;
+      timestamps past 2^53 ms are refused;
     * ``prompt_tokens = input_length``;
     * ``block_hashes = tuple(chain_block_ids(hash_ids))``: chained, so each hash names the whole
       prefix; ``len(block_hashes) == ceil(input_length / block_size)`` (the last block may be
@@ -145,11 +157,12 @@ def read_mooncake(
     Raises:
         TraceFormatError: with ``"path:line: "`` prefix, for invalid JSON or UTF-8, a line that
             is not an object, a missing field, a field of the wrong type (lengths and ids must
-            be JSON integers, ``timestamp`` a finite number), ``timestamp`` < 0 or smaller than
+            be JSON integers, ``timestamp`` a finite number), ``timestamp`` < 0, past 2^53, or smaller than
             the previous line's, ``input_length`` < 1, ``output_length`` < 0, an id outside
             ``[0, 2**64)``, ``len(hash_ids) != ceil(input_length / block_size)``, a
             ``session_id`` that is not a non-empty string or an integer, or a ``traffic_class``
-            that is not a non-empty string.
+            that is not a non-empty string; a line over 4 MiB or more than 2 GiB of text
+            (:func:`sim.workload._io.bounded_lines`).
         ValueError: ``block_size`` < 1 or a bad ``limit``.
         OSError: the file cannot be opened.
     """
@@ -159,9 +172,10 @@ def read_mooncake(
     if limit == 0:
         return requests
     prev_ts = -math.inf
+    first_ts: float | None = None
     lineno = 0
     with read_errors(path, lambda: lineno + 1), open_binary(path) as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        for lineno, raw in enumerate(bounded_lines(fh, path), start=1):
             if not raw.strip():
                 continue
             try:
@@ -169,10 +183,12 @@ def read_mooncake(
             except _BadRecord as exc:
                 raise TraceFormatError(path, lineno, str(exc)) from None
             prev_ts = ts
+            if first_ts is None:
+                first_ts = ts if ts >= REBASE_FROM_MS else 0
             requests.append(
                 Request(
                     request_id=f"r{len(requests)}",
-                    arrival_time_s=ts / 1000.0,
+                    arrival_time_s=(ts - first_ts) / 1000.0,  # epoch traces rebased: exact gaps up to 2^53
                     prompt_tokens=n_in,
                     block_hashes=hashes,
                     max_output_tokens=n_out,

@@ -1,0 +1,215 @@
+"""Closed-loop, session-based agentic workload (AgentX / aiperf trace replay, as in point 440246).
+
+Open-loop arrival replay cannot express this load: each of ``lanes`` clients runs one agent
+trajectory at a time and sends the next turn only after the previous reply has finished and a
+*think time* has passed (tool execution), so the offered rate falls when the server slows down.
+The simulator (:mod:`sim.agentic_sim`) drives the lanes; this module generates what they send.
+
+A *trajectory* (one agent session) is a chain of turns whose context grows: turn ``k``'s prompt is
+turn ``k-1``'s prompt, plus turn ``k-1``'s output, plus ``new_k`` new tokens (tool results, user
+text). So a turn's prompt extends the previous one; on the rank that served the previous turn
+everything but ``new_k`` is a prefix hit (if still cached). Per trajectory (all draws from the
+lane's own seeded RNG, lognormals given by median and log-space sigma):
+
+* ``T = 1 + round(LogNormal(turns_median, turns_sigma))`` turns, cut where the context would pass
+  ``max_context_tokens``;
+* a first prompt ``C_0 ~ LogNormal(initial_context_median_tokens, initial_context_sigma)``;
+* a per-trajectory scale ``s ~ LogNormal(1, new_tokens_trajectory_sigma)`` and per-turn new tokens
+  ``new_k ~ s * LogNormal(new_tokens_median, new_tokens_sigma)`` (some sessions read huge files);
+* outputs ``O_k ~ LogNormal(output_median_tokens, output_sigma)`` capped at ``max_output_tokens``
+  (aiperf sends ``ignore_eos``, so the output length is exact);
+* the replay starts at turn ``floor(u * T)``, ``u ~ U(start_min_ratio, start_max_ratio)`` (aiperf
+  ``--trajectory-start-{min,max}-ratio``), and that first replayed prompt is entirely new to the
+  server (aiperf ``--cache-bust first_turn_prefix`` makes every lane's copy of a trajectory
+  distinct, so nothing is shared across lanes);
+* think time between a reply and the lane's next request: ``think_s`` (constant).
+
+When a trajectory ends the lane starts the next one (with a new session id). The first
+``warmup_requests_per_lane`` requests of each lane are warm-up (sent, not measured).
+
+Fitted to point 440246's published request statistics (``sim/data/measured/agentx_440246.json``;
+the fit is :func:`fit_to_published`, its result the defaults below): ``initial_context_median_tokens``,
+``new_tokens_median``, ``turns_median`` and ``new_tokens_trajectory_sigma`` to the mean input
+(126,019 tokens), the median input (79,102), the input std (147,063) and the theoretical
+prefix-hit rate (0.9687); ``output_median_tokens``/``output_sigma``
+to the published output median (441.5) and mean (984.4); ``think_s`` by Little's law from the
+published completed requests and mean request latency (64 lanes / (6,608 / 3,629.1 s) - 25.48 s).
+Held out (checked, not fitted): the input p75/p90/p95 (fit: 145k / 276k / 420k against the
+published 145k / 270k / 500k), the output p90/p95 (2,236 / 3,552 from the lognormal against
+2,221 / 3,651).
+Assumed (not published): the lognormal shapes and their sigmas, a constant think time, no
+subagent fan-out (aiperf may run a trajectory's subagents concurrently; counted as one lane here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "replay_stats", "fit_to_published"]
+
+#: bound on the turns of one trajectory (every input-driven loop is bounded)
+MAX_TURNS_PER_TRAJECTORY = 10_000
+
+
+class AgenticWorkloadConfig(BaseModel):
+    """Lanes, trajectory shape and timing of a closed-loop agentic replay. Seeded, frozen.
+    Token counts in tokens, times in seconds; lognormals are (median, log-space sigma)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    lanes: int = Field(64, ge=1, le=100_000)
+    duration_s: float = Field(3600.0, gt=0)
+    warmup_requests_per_lane: int = Field(10, ge=0)
+    start_min_ratio: float = Field(0.25, ge=0, le=1)
+    start_max_ratio: float = Field(0.75, ge=0, le=1)
+    turns_median: float = Field(28.0, gt=0)
+    turns_sigma: float = Field(0.8, ge=0, le=5)
+    initial_context_median_tokens: float = Field(10_000.0, gt=0)
+    initial_context_sigma: float = Field(0.8, ge=0, le=5)
+    new_tokens_median: float = Field(260.0, gt=0)
+    new_tokens_sigma: float = Field(1.2, ge=0, le=5)
+    new_tokens_trajectory_sigma: float = Field(1.5, ge=0, le=5)
+    output_median_tokens: float = Field(441.5, gt=0)
+    output_sigma: float = Field(1.267, ge=0, le=5)
+    max_output_tokens: int = Field(32_768, ge=1)
+    max_context_tokens: int = Field(1_048_576, ge=2)
+    think_s: float = Field(9.67, ge=0)
+    seed: int = Field(42, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AgenticWorkloadConfig:
+        if self.start_min_ratio > self.start_max_ratio:
+            raise ValueError(f"start_min_ratio ({self.start_min_ratio}) > start_max_ratio ({self.start_max_ratio})")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of a lane. ``input_tokens`` = the whole prompt; ``reusable_tokens`` = its part
+    that the previous turn of the same trajectory left in the KV cache (previous prompt + previous
+    output; 0 on a trajectory's first replayed turn); ``session`` names the trajectory."""
+
+    session: str
+    turn: int
+    input_tokens: int
+    reusable_tokens: int
+    output_tokens: int
+    first_of_trajectory: bool
+    #: the part of ``reusable_tokens`` the server itself computed: the previous *prompt* (0 on a
+    #: first turn). The previous reply in this prompt is the trace's recorded reply, not the tokens
+    #: the server generated (aiperf replays recorded trajectories with ``ignore_eos``), so a server
+    #: can reuse only up to the previous prompt's end
+    server_reusable_tokens: int = 0
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
+    return float(median * math.exp(sigma * rng.standard_normal())) if sigma > 0 else float(median)
+
+
+def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig) -> tuple[list[int], list[int]]:
+    """``(contexts, outputs)``: every turn's prompt length and output length of one trajectory."""
+    turns = min(MAX_TURNS_PER_TRAJECTORY, 1 + int(round(_lognormal(rng, c.turns_median, c.turns_sigma))))
+    scale = _lognormal(rng, 1.0, c.new_tokens_trajectory_sigma)
+    ctx = max(1, int(_lognormal(rng, c.initial_context_median_tokens, c.initial_context_sigma)))
+    ctx = min(ctx, c.max_context_tokens - 1)
+    contexts: list[int] = []
+    outputs: list[int] = []
+    for _ in range(turns):
+        out = max(1, min(c.max_output_tokens, int(round(_lognormal(rng, c.output_median_tokens, c.output_sigma)))))
+        if ctx + out > c.max_context_tokens:
+            break
+        contexts.append(ctx)
+        outputs.append(out)
+        ctx = ctx + out + max(1, int(round(scale * _lognormal(rng, c.new_tokens_median, c.new_tokens_sigma))))
+    if not contexts:  # the first prompt alone fills the context: one short turn
+        contexts.append(c.max_context_tokens - 1)
+        outputs.append(1)
+    return contexts, outputs
+
+
+def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
+    """The endless sequence of turns lane ``lane`` sends (the simulator stops reading it at the
+    end of the run). Deterministic: lane ``j`` draws from ``SeedSequence([seed, 7, j])``."""
+    if not 0 <= lane < config.lanes:
+        raise ValueError(f"lane {lane} outside [0, {config.lanes})")
+    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, lane]))
+    k = 0
+    while True:
+        contexts, outputs = _trajectory(rng, config)
+        u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
+        start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
+        session = f"lane{lane}-traj{k}"
+        for t in range(start, len(contexts)):
+            reusable = 0 if t == start else contexts[t - 1] + outputs[t - 1]
+            yield Turn(session, t, contexts[t], reusable, outputs[t], t == start,
+                       0 if t == start else contexts[t - 1])
+        k += 1
+
+
+def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) -> dict[str, float]:
+    """Request-level statistics of the replayed turns (``requests_per_lane`` from every lane, the
+    warm-up excluded): input mean/median/p75/p90/p95/std, output mean/median/p90/p95, and the
+    theoretical prefix-hit rate ``sum(reusable) / sum(input)`` (unbounded cache, one rank per
+    session). Weights every turn equally, as a request count does (the closed loop's pacing is
+    not modelled here: a long-context turn takes longer, which the simulator accounts for)."""
+    if requests_per_lane < 1:
+        raise ValueError("requests_per_lane must be >= 1")
+    inp, reuse, out = [], [], []
+    for lane in range(config.lanes):
+        it = lane_turns(config, lane)
+        for i in range(config.warmup_requests_per_lane + requests_per_lane):
+            t = next(it)
+            if i >= config.warmup_requests_per_lane:
+                inp.append(t.input_tokens)
+                reuse.append(t.reusable_tokens)
+                out.append(t.output_tokens)
+    a, r, o = np.asarray(inp, float), np.asarray(reuse, float), np.asarray(out, float)
+    q = np.percentile
+    return {"mean_input_tokens": float(a.mean()), "median_input_tokens": float(q(a, 50)),
+            "p75_input_tokens": float(q(a, 75)), "p90_input_tokens": float(q(a, 90)),
+            "p95_input_tokens": float(q(a, 95)), "std_input_tokens": float(a.std()),
+            "mean_output_tokens": float(o.mean()), "median_output_tokens": float(q(o, 50)),
+            "p90_output_tokens": float(q(o, 90)), "p95_output_tokens": float(q(o, 95)),
+            "theoretical_cache_hit_rate": float(r.sum() / a.sum())}
+
+
+def fit_to_published(target: dict[str, float], grid: dict[str, list[float]],
+                     base: AgenticWorkloadConfig | None = None, *, requests_per_lane: int = 400,
+                     max_points: int = 1000) -> tuple[AgenticWorkloadConfig, float]:
+    """Grid search: the config of ``grid`` (field name -> candidate values, all combinations,
+    at most ``max_points``) whose :func:`replay_stats` has the smallest sum of relative errors
+    against ``target`` (keys of :func:`replay_stats`; for ``theoretical_cache_hit_rate`` the
+    relative error of the miss rate). Returns ``(config, error)``. The defaults of
+    :class:`AgenticWorkloadConfig` come from this search over ``initial_context_median_tokens``
+    {10k, 20k}, ``turns_median`` {22, 28, 34}, ``new_tokens_median`` {200, 260, 330},
+    ``new_tokens_trajectory_sigma`` {1.3, 1.5} against the published mean and median input, std
+    of input and theoretical hit rate (best: 10k, 28, 260, 1.5; sum of errors 0.15).
+
+    Raises:
+        ValueError: an empty grid, an unknown field, or more than ``max_points`` combinations."""
+    import itertools
+    c0 = base or AgenticWorkloadConfig()
+    names = list(grid)
+    if not names or any(not grid[n] for n in names):
+        raise ValueError("fit_to_published: give at least one field with at least one value")
+    if math.prod(len(grid[n]) for n in names) > max_points:
+        raise ValueError(f"fit_to_published: more than {max_points} grid points")
+    best: tuple[float, AgenticWorkloadConfig] | None = None
+    for values in itertools.product(*(grid[n] for n in names)):
+        c = AgenticWorkloadConfig(**{**c0.model_dump(), **dict(zip(names, values))})
+        s = replay_stats(c, requests_per_lane)
+        err = 0.0
+        for k, v in target.items():
+            if k == "theoretical_cache_hit_rate":
+                err += abs((1 - s[k]) / (1 - v) - 1)
+            else:
+                err += abs(s[k] / v - 1)
+        if best is None or err < best[0]:
+            best = (err, c)
+    assert best is not None
+    return best[1], best[0]
