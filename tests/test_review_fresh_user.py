@@ -118,3 +118,40 @@ def test_a_restarted_engine_whose_first_batches_were_lost_while_reconnecting_is_
         assert c.stats("a")["restarts"] == 1
     finally:
         c.close()
+
+
+def test_the_subscriber_child_process_logs_in_the_routers_format(capfd):
+    """`pdlb serve` (runner: process, the default) printed the child's lines bare, e.g.
+    `KV events of http://127.0.0.1:31100/dp0: nothing for 60 s (stale)` beside the router's
+    `2026-12-04 21:56:33,188 ERROR pdlb.kv_events: ...`, and dropped its INFO lines: a spawned child
+    starts with no logging set up. It now takes the router's format and level. Expected line by
+    hand: the format below applied to the stale warning of a source that never publishes."""
+    pytest.importorskip("zmq")
+    import logging
+    import re
+
+    from balancer.service.kv_subscriber import KvEventSource, KvEventSubscriberProcess
+    from balancer.types import ReplicaId
+    from tests.kv_publisher import free_port
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.handlers = [handler]
+    root.setLevel(logging.INFO)
+    sub = KvEventSubscriberProcess([KvEventSource(ReplicaId("http://silent", 0), f"tcp://127.0.0.1:{free_port()}")],
+                                   64, lambda items: None, stale_after_s=0.3)
+    try:
+        sub.start()
+        deadline = time.monotonic() + 10
+        err = ""
+        while time.monotonic() < deadline and "stale" not in err:
+            time.sleep(0.2)
+            err += capfd.readouterr().err
+    finally:
+        sub.stop()
+        root.handlers, _ = saved[0], root.setLevel(saved[1])
+    line = next((ln for ln in err.splitlines() if "stale" in ln), "")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING pdlb\.kv_events: KV events of "
+                        r"http://silent/dp0: nothing for \d+ s \(stale\)", line), err

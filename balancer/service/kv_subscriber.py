@@ -883,7 +883,7 @@ class KvEventSubscriberProcess:
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
         self._stop_r, self._stop_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_subscriber_child, args=(*self._args, send, self._stop_r),
+        self._proc = ctx.Process(target=_subscriber_child, args=(*self._args, send, self._stop_r, _log_setup()),
                                  name="pdlb-kv-events", daemon=True)
         self._proc.start()
         send.close()
@@ -960,9 +960,22 @@ class KvEventSubscriberProcess:
         self._proc = None
 
 
+def _log_setup() -> tuple[int, str | None]:
+    """This process's ``pdlb.kv_events`` level and root handler format, for a spawned child (which
+    starts with no logging configured: its lines would come out bare and its INFO lines not at all)."""
+    root = logging.getLogger()
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)  # noqa: SLF001
+    return log.getEffectiveLevel(), fmt
+
+
 def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capacity, stats_interval_s,  # noqa: ANN001
-                      ring_path, ring_bytes, max_concurrent_replays, conn, stop_conn) -> None:  # noqa: ANN001
-    """Entry point of :class:`KvEventSubscriberProcess`'s child."""
+                      ring_path, ring_bytes, max_concurrent_replays, conn, stop_conn,  # noqa: ANN001
+                      log_setup: tuple[int, str | None] | None = None) -> None:
+    """Entry point of :class:`KvEventSubscriberProcess`'s child (``log_setup``: :func:`_log_setup`
+    of the parent, applied here so the child logs as the router does)."""
+    if log_setup is not None and not logging.getLogger().handlers:
+        level, fmt = log_setup
+        logging.basicConfig(level=level, format=fmt or logging.BASIC_FORMAT)
     send_lock = threading.Lock()
 
     def send(kind: str, payload) -> None:  # noqa: ANN001
