@@ -155,3 +155,17 @@ def test_the_subscriber_child_process_logs_in_the_routers_format(capfd):
     line = next((ln for ln in err.splitlines() if "stale" in ln), "")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING pdlb\.kv_events: KV events of "
                         r"http://silent/dp0: nothing for \d+ s \(stale\)", line), err
+
+
+def test_chat_engine_without_a_tokenizer_is_warned_about(bos_tokenizer):
+    """`pdlb serve --chat-engine sglang` without `--tokenizer` started silently; the option does
+    nothing then (chat prompts are hashed as text chunks)."""
+    from balancer.service.config import ServiceConfig, config_warnings
+    base = {"pd_protocol": "none", "workers": [{"url": "http://127.0.0.1:8000", "role": "mixed"}]}
+    warned = config_warnings(ServiceConfig.model_validate({**base, "chat_engine": "sglang"}))
+    assert [w for w in warned if "chat_engine" in w] == [
+        "warning: chat_engine sglang has no effect without a tokenizer: chat prompts are hashed as text chunks "
+        "(give --tokenizer MODEL_DIR to render them as sglang does)"]
+    assert not [w for w in config_warnings(ServiceConfig.model_validate(base)) if "chat_engine" in w]
+    with_tok = ServiceConfig.model_validate({**base, "chat_engine": "sglang", "tokenizer_path": bos_tokenizer[1]})
+    assert not [w for w in config_warnings(with_tok) if "chat_engine" in w]
