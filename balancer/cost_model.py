@@ -39,6 +39,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -57,7 +58,17 @@ class PrefillStepCost:
     per_group_token_s: float = 0.0
 
     def coef(self) -> np.ndarray:
+        """The coefficients in :data:`PREFILL_TERMS` order, shape ``(4,)``: a new array (the
+        caller may change it); :attr:`coef_view` is the same values, read-only and built once."""
         return np.array([self.overhead_s, self.per_token_s, self.per_attn_pair_s, self.per_group_token_s])
+
+    @cached_property
+    def coef_view(self) -> np.ndarray:
+        """:meth:`coef` built once per instance (the instance is frozen), read-only: the per-decision
+        hot path (``features @ coef_view``) does not rebuild it."""
+        c = self.coef()
+        c.flags.writeable = False
+        return c
 
     @classmethod
     def from_coef(cls, c: np.ndarray) -> PrefillStepCost:
@@ -340,6 +351,36 @@ def engine_groups(replicas: tuple) -> tuple[tuple[str, ...], np.ndarray, np.ndar
     return tuple(names), idx, rows
 
 
+_LAYOUT: dict[tuple[int, int, int], tuple] = {}
+
+
+def engine_layout(idx: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows[idx], arange(n), arange(n) % R)`` for :func:`engine_groups`' ``idx`` (n,) and
+    ``rows`` (E, R): each candidate's engine's positions (n, R), the candidates' positions and each
+    one's column in its engine's row. Read-only, cached per (``idx``, ``rows``) object pair (the
+    groups are cached per candidate tuple, so the same pair comes back every decision)."""
+    key = (id(idx), id(rows), len(idx))
+    got = _LAYOUT.get(key)
+    if got is not None and got[0] is idx and got[1] is rows:
+        return got[2], got[3], got[4]
+    n, R = len(idx), rows.shape[1]
+    ri, ar, own = rows[idx], np.arange(n), np.arange(n) % R
+    for a in (ri, ar, own):
+        a.flags.writeable = False
+    if len(_LAYOUT) >= _GROUPS_MAX:
+        _LAYOUT.clear()
+    _LAYOUT[key] = (idx, rows, ri, ar, own)
+    return ri, ar, own
+
+
+def _columns(n: int, c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray | float) -> np.ndarray:
+    """``np.column_stack([c0, c1, c2, c3])`` (a scalar ``c3`` fills its column), shape ``(n, 4)``,
+    float64, C order: the same array without ``column_stack``'s Python-level work."""
+    out = np.empty((n, 4))
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = c0, c1, c2, c3
+    return out
+
+
 def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_tokens: np.ndarray,
                           cached_tokens: np.ndarray, cost: EngineCost, idx: np.ndarray,
                           rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -370,37 +411,37 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     steps = np.ceil(q_new / C)
     n = len(q)
     if not cost.ep_synchronous:
-        feats = np.column_stack([steps, q_new, a_new, np.zeros(n)])
-        return feats, np.zeros(n)
+        return _columns(n, steps, q_new, a_new, 0.0), np.zeros(n)
     if q[q.argmax()] <= 0 and a[a.argmax()] <= 0:  # an idle pool: each candidate's own rank is the slowest
-        return np.column_stack([steps, q_new, a_new, q_new]), np.zeros(n)
+        return _columns(n, steps, q_new, a_new, q_new), np.zeros(n)
     X = steps * C
     w = c.per_token_s * q + c.per_attn_pair_s * a
     w_new = c.per_token_s * q_new + c.per_attn_pair_s * a_new
+    # (ufunc calls and reductions below instead of ndarray methods and broadcast_to: the same
+    # values without their Python-level wrappers, about 1-4 us each at this size)
     if rows is not None:
-        R = rows.shape[1]
-        Q, A, W = q[rows][idx], a[rows][idx], w[rows][idx]  # (n, R): each candidate's engine
-        own = np.arange(n) % R
+        ri, ar, own = engine_layout(idx, rows)
+        Q, A, W = q[ri], a[ri], w[ri]  # (n, R): each candidate's engine
     else:
         same = idx[:, None] == idx[None, :]
         Q = np.where(same, q[None, :], 0.0)
         A = np.where(same, a[None, :], 0.0)
         W = np.where(same, w[None, :], 0.0)
-        own = np.arange(n)
-    frac = np.divide(np.broadcast_to(X[:, None], Q.shape), Q, out=np.zeros_like(Q), where=Q > 0)
+        ar = own = np.arange(n)
+    frac = np.divide(X[:, None], Q, out=np.zeros(Q.shape, dtype=Q.dtype), where=Q > 0)
     np.minimum(frac, 1.0, out=frac)
     work = W * frac
-    ar = np.arange(n)
     work[ar, own] = -1.0  # the candidate's own rank counts with the prompt added
     j = work.argmax(axis=1)
     other = work[ar, j]
     use_own = w_new >= other
-    tok = np.where(use_own, q_new, Q[ar, j] * frac[ar, j])
-    pairs = np.where(use_own, a_new, A[ar, j] * frac[ar, j])
-    clip = np.minimum(Q, X[:, None]).sum(axis=1) - np.minimum(q, X) + q_new
+    frac_j = frac[ar, j]
+    tok = np.where(use_own, q_new, Q[ar, j] * frac_j)
+    pairs = np.where(use_own, a_new, A[ar, j] * frac_j)
+    clip = np.add.reduce(np.minimum(Q, X[:, None]), axis=1) - np.minimum(q, X) + q_new
     W_other = W.copy()
     W_other[ar, own] = 0.0
-    busiest_other = W_other.max(axis=1)
+    busiest_other = np.maximum.reduce(W_other, axis=1)
     # an idle engine has no slow pace to extend: starting one is not a horizon (and charging it
     # would pile shared-prefix bursts onto busy engines while others idle)
     horizon = np.where(busiest_other > 0, np.maximum(w_new - busiest_other, 0.0), 0.0)

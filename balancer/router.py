@@ -69,13 +69,14 @@ per-tier columns on :class:`~balancer.candidates.Candidates`. Policies therefore
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
 import pickle
 import random
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -345,6 +346,24 @@ class Router:
         if self.speculative is not None:
             self.speculative.register(replica)
         self._pools = None
+
+    @contextlib.contextmanager
+    def registering(self) -> Iterator[None]:
+        """A batch of :meth:`add_replica` calls: the prefix index's per-replica share (with
+        ``index_total_capacity_blocks``) is enforced once at the end, not once per replica (which
+        walked every replica per registration: a worker of 1,024 DP ranks next to a replica holding
+        a long prompt took seconds)."""
+        indexes = [i for i in (self.index, self.speculative) if i is not None]
+        with self.lock:
+            for i in indexes:
+                i.defer_rebalance = True
+        try:
+            yield
+        finally:
+            with self.lock:
+                for i in indexes:
+                    i.defer_rebalance = False
+                    i.rebalance()
 
     @_locked
     def remove_replica(self, replica: ReplicaId) -> None:

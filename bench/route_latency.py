@@ -14,27 +14,52 @@ per-block index (``BlockIndex``) as the same-run baseline, and both indexes' byt
 held blocks (tracemalloc).
 
     .venv/bin/python bench/route_latency.py [--requests 2000]
+    .venv/bin/python bench/route_latency.py --against ../main --policies ep_aware,round_robin \
+        --prompts 32768 --rounds 3 --kv-events-per-s 2000
 
-Goal (issue 4): p99 <= 100 us at 64 replicas, <= 300 us at 512.
+``--against DIR`` measures another checkout (e.g. main's) in the same run: every configuration
+is measured ``--rounds`` times, alternating between DIR's ``balancer`` and this one's (each in its
+own process), and the table gives both and the ratio of the medians, this / DIR: on a busy
+host that ratio, not the absolute figures, is the measurement.
+
+``--kv-events-per-s R`` runs the routers in events mode (``index_mode="events"``) and applies KV
+events concurrently with the decisions: R events per second of wall-clock time (one
+``BlockStored`` of a whole prompt of the workload on a random replica, or, one time in four, a
+``BlockRemoved`` of a prompt's second half), applied with ``Router.on_kv_event`` between
+decisions on the routing thread, as ``pdlb serve`` does (its subscriber thread hands events to
+the event loop, ``LoopDelivery``, which applies them between requests); the warm-up applies one
+event per warm-up decision. The index then changes under the decisions (new runs, removals,
+splits), and the table's time is the decision's alone. 0 (default): approximate mode, no events.
+
+Goals: issue 4: p99 <= 100 us at 64 replicas, <= 300 us at 512; issue 26: <= 100 / 200 us for
+every policy, 32k-token prompts, with KV events applied concurrently.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import random
+import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+#: the checkout whose ``balancer`` is measured: this one, or ``--against``'s (set for the child)
+TREE_ENV = "PDLB_ROUTE_LATENCY_TREE"
+sys.path.insert(0, os.environ.get(TREE_ENV) or str(Path(__file__).resolve().parents[1]))
 
 from balancer.block_index import BlockIndex  # noqa: E402
 from balancer.hashing import chain_block_ids  # noqa: E402
+from balancer.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from balancer.policies import available_policies  # noqa: E402
 from balancer.prefix_index import PrefixIndex  # noqa: E402
 from balancer.router import Router  # noqa: E402
@@ -60,33 +85,130 @@ INDEX_CAPACITY_BLOCKS = 2048
 MAX_WARM = 20_000
 
 
-def bench(policy: str, replicas: int, prompt_tokens: int, n: int) -> tuple[float, float, float]:
+class _EventFeeder:
+    """KV events for ``router`` at ``rate_per_s`` of wall-clock time (see the module docstring):
+    a ``BlockStored`` of one of ``prompts`` on a random replica, every fourth event a
+    ``BlockRemoved`` of the second half of a prompt. :meth:`catch_up` applies the events due
+    since :meth:`start`, between two decisions, on the routing thread, as the service's
+    ``LoopDelivery`` applies events on the event loop's thread between requests."""
+
+    def __init__(self, router: Router, replicas: list[ReplicaId], prompts: list[tuple[int, ...]],
+                 rate_per_s: float, seed: int = 3) -> None:
+        self.router, self.replicas, self.prompts = router, replicas, prompts
+        self.rate_per_s = rate_per_s
+        self.rng = random.Random(seed)
+        self.applied = 0
+        self._t0 = 0.0
+        self._due0 = 0
+
+    def event(self) -> None:
+        """Apply one event now."""
+        rng = self.rng
+        rep = self.replicas[rng.randrange(len(self.replicas))]
+        hs = self.prompts[rng.randrange(len(self.prompts))]
+        if self.applied % 4 == 3:
+            self.router.on_kv_event(rep, BlockRemoved(hs[len(hs) // 2:]))
+        else:
+            self.router.on_kv_event(rep, BlockStored(hs))
+        self.applied += 1
+
+    def start(self) -> None:
+        self._t0, self._due0 = time.perf_counter(), self.applied
+
+    def catch_up(self) -> None:
+        """Apply the events due by now (at most 10,000 at once: a stall does not snowball)."""
+        due = self._due0 + int((time.perf_counter() - self._t0) * self.rate_per_s)
+        for _ in range(min(10_000, due - self.applied)):
+            self.event()
+
+
+def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
+          kv_events_per_s: float = 0.0, in_flight: int = 0, clock_name: str = "wall") -> tuple[float, float, float]:
     """p50 and p99 decision latency (us) and the index fill (held / capacity) when measured.
 
     Warm-up first routes (and finishes) requests until every replica's index is full or
     :data:`MAX_WARM` decisions were made, so the measurement sees the steady state of a
     long-running router (LRU eviction on every insert, no dict growth), not a growing index.
+    With ``kv_events_per_s`` > 0: events mode, the warm-up also applies as many KV events, and a
+    thread applies events at that rate while the decisions are measured (module docstring).
+    ``in_flight``: requests kept dispatched (the oldest finishes when one more is routed; 0: each
+    finishes at once, an idle pool). ``clock_name``: ``"wall"`` (``perf_counter``) or ``"cpu"``
+    (``thread_time``: this thread's CPU time, blind to the host preempting it).
     """
-    router = Router(policy, policy, block_size=BLOCK, index_capacity_blocks=INDEX_CAPACITY_BLOCKS, seed=0)
+    events = kv_events_per_s > 0
+    router = Router(policy, policy, block_size=BLOCK, index_capacity_blocks=INDEX_CAPACITY_BLOCKS, seed=0,
+                    index_mode="events" if events else "approximate")
+    reps = []
     for i in range(replicas):
-        router.add_replica(ReplicaId(f"p{i // 8}", i % 8), "prefill")
-        router.add_replica(ReplicaId(f"d{i // 8}", i % 8), "decode", kv_capacity_tokens=1_000_000)
+        reps += [ReplicaId(f"p{i // 8}", i % 8), ReplicaId(f"d{i // 8}", i % 8)]
+        router.add_replica(reps[-2], "prefill")
+        router.add_replica(reps[-1], "decode", kv_capacity_tokens=1_000_000)
     blocks = -(-prompt_tokens // BLOCK)
     n_warm = min(MAX_WARM, max(n, 3 * replicas * INDEX_CAPACITY_BLOCKS // blocks))
-    for r in make_requests(n_warm, prompt_tokens, seed=1):
+    warm = make_requests(n_warm, prompt_tokens, seed=1)
+    feeder = _EventFeeder(router, reps, [r.block_hashes for r in warm], kv_events_per_s or 1.0)
+    pending: deque[str] = deque()
+
+    def finish_some(now_s: float) -> None:
+        while len(pending) > in_flight:
+            router.on_finished(pending.popleft(), now_s)
+
+    for r in warm:
         router.route(r, 0.0)
-        router.on_finished(r.request_id, 0.0)
+        pending.append(r.request_id)
+        finish_some(0.0)
+        if events:
+            feeder.event()
     fill = router.index.num_blocks() / (2 * replicas * INDEX_CAPACITY_BLOCKS)
     reqs = [Request("m" + r.request_id, 0.0, r.prompt_tokens, r.block_hashes, 128, 128)
             for r in make_requests(n, prompt_tokens, seed=2)]
     lat = np.empty(n)
-    clock = time.perf_counter
+    clock = time.perf_counter if clock_name == "wall" else time.thread_time
+    feeder.start()
     for k, r in enumerate(reqs):
+        if events:
+            feeder.catch_up()
         t0 = clock()
         router.route(r, 1.0)
         lat[k] = clock() - t0
-        router.on_finished(r.request_id, 1.0)
+        pending.append(r.request_id)
+        finish_some(1.0)
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6), fill
+
+
+def bench_in(tree: str | None, policy: str, replicas: int, prompt_tokens: int, n: int,
+             kv_events_per_s: float, in_flight: int, clock_name: str) -> tuple[float, float, float]:
+    """:func:`bench` in a fresh process measuring ``tree``'s ``balancer`` (None: this checkout's)."""
+    env = dict(os.environ)
+    env.pop(TREE_ENV, None)
+    if tree:
+        env[TREE_ENV] = str(Path(tree).resolve())
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps([policy, replicas, prompt_tokens, n,
+                                                                         kv_events_per_s, in_flight, clock_name])],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    p50, p99, fill = json.loads(out.strip().splitlines()[-1])
+    return p50, p99, fill
+
+
+def compare(args: argparse.Namespace, policies: list[str]) -> None:
+    """This checkout against ``--against``, interleaved rounds; medians and ratios (this / that)."""
+    print(f"this checkout vs {args.against} (medians of {args.rounds} interleaved rounds, each its own process"
+          + (f"; KV events {args.kv_events_per_s:g}/s, events mode" if args.kv_events_per_s else "; approximate mode")
+          + f"; {args.in_flight} requests in flight; {args.clock} clock)")
+    print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'base p50':>10}{'base p99':>10}"
+          f"{'p50 ratio':>11}{'p99 ratio':>11}")
+    for replicas in args.replica_counts:
+        for prompt in args.prompt_sizes:
+            for policy in policies:
+                ours, base = [], []
+                for _ in range(args.rounds):
+                    conf = (args.requests, args.kv_events_per_s, args.in_flight, args.clock)
+                    base.append(bench_in(args.against, policy, replicas, prompt, *conf))
+                    ours.append(bench_in(None, policy, replicas, prompt, *conf))
+                o50, o99 = (statistics.median(x[i] for x in ours) for i in (0, 1))
+                b50, b99 = (statistics.median(x[i] for x in base) for i in (0, 1))
+                print(f"{policy:<16}{replicas:>9}{prompt:>8}{o50:>9.1f}{o99:>9.1f}{b50:>10.1f}{b99:>10.1f}"
+                      f"{o50 / b50:>11.2f}{o99 / b99:>11.2f}", flush=True)
 
 
 def index_bytes_per_million_blocks(index_cls: Callable[[], object], num_blocks: int = 200_000, replicas: int = 8) -> float:
@@ -136,14 +258,43 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2000, help="measured decisions per configuration (default 2000)")
     ap.add_argument("--replicas", default="8,64,512", help="comma-separated replica counts per pool (default 8,64,512)")
+    ap.add_argument("--prompts", default="1024,32768", help="comma-separated prompt sizes, tokens (default 1024,32768)")
+    ap.add_argument("--policies", default="", help="comma-separated policies (default: all registered)")
+    ap.add_argument("--kv-events-per-s", type=float, default=0.0, metavar="R",
+                    help="events mode with R KV events per second applied concurrently (default 0: approximate mode)")
+    ap.add_argument("--against", metavar="DIR", help="another checkout to measure in the same run (ratios this / DIR)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --against: interleaved rounds (default 3)")
+    ap.add_argument("--in-flight", type=int, default=0, metavar="N",
+                    help="requests kept in flight, so that policies see load (default 0: each finishes at once)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter (default); cpu: the thread's CPU time, blind to preemption on a busy host")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child process of --against: one JSON configuration
     args = ap.parse_args()
+    if args.one:
+        print(json.dumps(bench(*json.loads(args.one))))
+        return 0
+    if args.requests < 1 or args.rounds < 1 or args.kv_events_per_s < 0 or args.in_flight < 0:
+        ap.error("--requests and --rounds must be >= 1, --kv-events-per-s and --in-flight >= 0")
+    args.replica_counts = [int(x) for x in args.replicas.split(",")]
+    args.prompt_sizes = [int(x) for x in args.prompts.split(",")]
+    policies = [p for p in args.policies.split(",") if p] or available_policies()
+    unknown = sorted(set(policies) - set(available_policies()))
+    if unknown:
+        ap.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
+    if args.against:
+        compare(args, policies)
+        return 0
+    rate = args.kv_events_per_s
+    print(("events mode, KV events applied concurrently at %g/s" % rate if rate else "approximate mode (no KV events)")
+          + f"; {args.in_flight} requests in flight; {args.clock} clock")
+    conf = (args.requests, rate, args.in_flight, args.clock)
     print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p99 / round_robin':>19}"
           f"{'index fill':>12}")
-    for replicas in (int(x) for x in args.replicas.split(",")):
-        for prompt in (1024, 32768):
-            base = bench("round_robin", replicas, prompt, args.requests)
-            for policy in available_policies():
-                p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, args.requests)
+    for replicas in args.replica_counts:
+        for prompt in args.prompt_sizes:
+            base = bench("round_robin", replicas, prompt, *conf)
+            for policy in policies:
+                p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, *conf)
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{p50:>9.1f}{p99:>9.1f}{p99 / base[1]:>19.2f}"
                       f"{100 * fill:>11.0f}%")
     print()
@@ -151,8 +302,8 @@ def main() -> int:
           " BlockIndex in the same run")
     print(f"{'replicas':>9}{'prompt':>8}{'tree p50':>10}{'tree p99':>10}{'flat p50':>10}{'flat p99':>10}"
           f"{'p50 tree/flat':>15}")
-    for replicas in (int(x) for x in args.replicas.split(",")):
-        for prompt in (1024, 32768):
+    for replicas in args.replica_counts:
+        for prompt in args.prompt_sizes:
             t50, t99 = index_only(PrefixIndex, replicas, prompt, args.requests)
             f50, f99 = index_only(BlockIndex, replicas, prompt, args.requests)
             print(f"{replicas:>9}{prompt:>8}{t50:>10.1f}{t99:>10.1f}{f50:>10.1f}{f99:>10.1f}{t50 / f50:>15.2f}")

@@ -1,20 +1,31 @@
-"""Router overhead: pdlb vs sglang-router in front of the same zero-delay emulated engines.
+"""Router overhead: pdlb vs the newest Rust routers in front of the same zero-delay emulated engines.
 
 Run by hand::
 
-    .venv/bin/python bench/router_overhead.py                 # both modes, 3 interleaved repeats
-    .venv/bin/python bench/router_overhead.py --no-sglang     # pdlb vs the direct engine only
+    .venv/bin/python bench/router_overhead.py                 # all modes, all peers, 3 interleaved repeats
+    .venv/bin/python bench/router_overhead.py --peers none    # pdlb vs the direct engine only
     .venv/bin/python bench/router_overhead.py --modes regular --repeat 2 --duration-s 5
-    .venv/bin/python bench/router_overhead.py --pdlb-processes 1,4   # also pdlb serve --processes 4
+    .venv/bin/python bench/router_overhead.py --pdlb-processes 1,0   # also pdlb serve's default process count
+    .venv/bin/python bench/router_overhead.py --smg '/opt/smg/bin/smg launch' --vllm-router /opt/vr/bin/vllm-router
 
-The peer is SGLang's Rust router (``../shared/peers/sglang_router.sh``, or ``--sglang-router CMD``;
-its first run installs the ``sglang-router`` package). When the peer script is missing or the
-router does not start, the comparison is skipped with a note and pdlb is still measured.
+Peers (``--peers``, default all three; each pinned to the version in :data:`PEERS`): ``smg``
+(SGLang's model gateway, ``smg launch``), ``sglang-router`` (``sglang-router launch``) and
+``vllm-router``. Each runs from ``--smg CMD`` / ``--sglang-router CMD`` / ``--vllm-router CMD`` when
+given, else from its own virtual environment under ``~/.cache/pdlb-peers/NAME-VERSION``, made on
+first use with ``pip install NAME==VERSION`` (``--peer-wheels DIR``: pip also looks in DIR, e.g.
+downloaded wheels). A peer that cannot be installed or does not start is skipped with a note, and
+the others are still measured. smg and sglang-router take both the same worker list (regular) and
+SGLang's PD protocol; vllm-router the worker list and vLLM's PD protocol
+(``--vllm-pd-disaggregation``: prefill with ``kv_transfer_params``, then decode).
 
-For each mode (``regular``: 2 mixed engines; ``pd``: 1 prefill + 1 decode engine, by default; SGLang PD
-protocol) it starts the engines (``pdlb engine --zero-delay``), a separate direct engine, pdlb
-and sglang-router once, then for each repeat measures, in turn, the direct engine, pdlb and
-sglang-router with non-streaming ``/v1/completions`` (8 output tokens):
+Modes (``--modes``, default all): ``regular`` (``--engines`` mixed engines, every peer), ``pd``
+(``--pd-engines`` prefill + as many decode engines, SGLang PD protocol with a bootstrap room:
+pdlb ``--pd-protocol sglang``, smg and sglang-router ``--pd-disaggregation``) and ``vllm-pd`` (the
+same engines, vLLM's PD protocol: pdlb ``--pd-protocol vllm``, vllm-router). For each mode it starts the
+engines (``pdlb engine --zero-delay``), a separate direct engine, pdlb and the mode's peers once,
+then for each repeat measures, in turn, the direct engine, pdlb and every peer with
+non-streaming ``/v1/completions`` (8 output tokens, model ``pdlb-emulated``: the name the
+emulated engines serve):
 
 * latency at ``--concurrency`` (closed loop); *added* latency = router percentile - the same
   percentile sending directly to one engine, measured in the same repeat;
@@ -31,12 +42,12 @@ sglang-router with non-streaming ``/v1/completions`` (8 output tokens):
 ``pdlb x4``); ``0`` is pdlb's default, one process per core the router may use (row ``pdlb xN
 (default)``); several processes add throughput, not CPU efficiency.
 
-``--router-cpus 0-7`` pins both routers to those CPUs (they are started with that affinity, so
-pdlb's default process count and sglang-router's worker threads both follow it) and the engines
+``--router-cpus 0-7`` pins every router to those CPUs (they are started with that affinity, so
+pdlb's default process count and the peers' worker threads follow it) and the engines
 and load generators to the others: the routers compete for the same cores, not with the load.
 ``--load-processes K`` drives the throughput run from K client processes (one Python client
 process tops out near 10,000 requests/s); ``--engines N`` / ``--pd-engines N`` start N mixed engines
-(regular) or N prefill + N decode engines (pd).
+(regular) or N prefill + N decode engines (pd, vllm-pd).
 ``--variant 'NAME=ARGS'`` adds a row ``pdlb xN, NAME``: the default process count with ARGS added
 (e.g. ``--variant 'aiohttp client=--upstream-client aiohttp'``).
 ``--baseline DIR`` also measures ``pdlb serve`` (one process) from another checkout, e.g. the
@@ -44,12 +55,14 @@ main branch's (row ``pdlb@base``), in the same repeats: CPU per request before /
 twice or more, every checkout gets a row (``pdlb@base``, ``pdlb@base2``, ...; the goal is checked
 against the first).
 
-It prints every repeat and a summary: the medians over repeats, the ratios pdlb / sglang-router
-per repeat (median), and the issue-13 goals: one process's CPU per request <= 2/3 of the baseline's
-(``--baseline``); the default process count at least sglang-router's throughput with an added p99
-no higher than its.
+It prints every repeat and a summary: the medians over repeats; per pdlb row and peer the
+ratios pdlb / peer per repeat (median); the issue-26 table (the default-process row, or the last
+pdlb row, against each peer: req/s, CPU per request, added p99) and its goals: req/s >= 1.0x the
+best peer's, added p99 <= the best peer's, CPU per request <= 1.5x the best peer's and <= 1.3x
+pdlb's own one-process figure (when both rows were measured); and issue 13's: one process's CPU
+per request <= 2/3 of the baseline's (``--baseline``).
 The load generator shares the host with routers and engines, so on a small or busy host absolute
-numbers are pessimistic for both routers; the ratios from the same repeat are the point.
+numbers are pessimistic for every router; the ratios from the same repeat are the point.
 """
 
 from __future__ import annotations
@@ -64,19 +77,74 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from sim.emulator.config import EmulatorConfig  # noqa: E402
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
 
-PEER = ROOT.parent / "shared" / "peers" / "sglang_router.sh"
-BODY = {"model": "emu", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 8}
+PEER = ROOT.parent / "shared" / "peers" / "sglang_router.sh"  # the older peer script (router_scaling.py)
+#: the model name pdlb's emulated engines serve (sim.emulator.config); smg checks it (model_not_found)
+MODEL = EmulatorConfig.model_fields["served_model_name"].default
+BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 8}
 _BODY_JSON = __import__("json").dumps(BODY)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer router: its package (pinned), the command its package installs, its modes."""
+
+    name: str
+    package: str
+    version: str
+    argv: tuple[str, ...]  # the console script and subcommand, inside its environment's bin/
+    modes: tuple[str, ...]
+    log_level: str  # its spelling of "warnings and worse"
+
+    def pd_args(self, prefill: list[Proc], decode: list[Proc]) -> list[str]:
+        if "vllm-pd" in self.modes:
+            return ["--vllm-pd-disaggregation", *[a for e in prefill for a in ("--prefill", e.url)],
+                    *[a for e in decode for a in ("--decode", e.url)]]
+        return ["--pd-disaggregation", *[a for e in prefill for a in ("--prefill", e.url, str(e.port))],
+                *[a for e in decode for a in ("--decode", e.url)]]
+
+
+#: The peers, newest on the registry when pinned (2026-12): smg and sglang-router speak SGLang's
+#: PD protocol (the prefill's bootstrap port after its URL), vllm-router vLLM's.
+PEERS = {p.name: p for p in (
+    Peer("smg", "smg", "1.13.0", ("smg", "launch"), ("regular", "pd"), "warn"),
+    Peer("sglang-router", "sglang-router", "0.3.2", ("sglang-router", "launch"), ("regular", "pd"), "warn"),
+    Peer("vllm-router", "vllm-router", "0.1.17", ("vllm-router",), ("regular", "vllm-pd"), "warning"),
+)}
+MODES = ("regular", "pd", "vllm-pd")
+
+
+def peer_command(peer: Peer, given: str | None, wheels: Path | None) -> list[str] | None:
+    """The command that starts ``peer`` (arguments appended): ``given`` (split like a shell), else
+    its pinned package in ``~/.cache/pdlb-peers/NAME-VERSION`` (installed now if missing); None
+    with a printed note when it cannot be had."""
+    if given:
+        return shlex.split(given)
+    venv = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdlb-peers" / f"{peer.name}-{peer.version}"
+    exe = venv / "bin" / peer.argv[0]
+    if not exe.is_file():
+        print(f"installing {peer.package}=={peer.version} into {venv} ...", flush=True)
+        extra = ["--find-links", str(wheels)] if wheels else []
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *extra, f"{peer.package}=={peer.version}"],
+                           check=True)
+        except (subprocess.CalledProcessError, OSError) as e:
+            print(f"note: could not install {peer.package}=={peer.version} ({e}); skipping {peer.name}")
+            return None
+    return [str(exe), *peer.argv[1:]]
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -270,21 +338,25 @@ async def _measure(url: str, args: argparse.Namespace, pid: int | None = None) -
             "cpu_us": cpu_us}
 
 
-def _start_sglang(mode: str, engines: list[Proc], cmd: list[str]) -> tuple[subprocess.Popen, str]:
+def _start_peer(peer: Peer, mode: str, engines: list[Proc], cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start ``peer`` (``cmd``) in front of ``engines`` (regular: all mixed; PD: the first half
+    prefill, the rest decode), round robin; returns the process and its URL. Its output goes to
+    ``/tmp/pdlb-bench-NAME-MODE.log``."""
     port = _free_port()
     args = [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
-            "--policy", "round_robin", "--log-level", "warn"]
+            "--policy", "round_robin", "--log-level", peer.log_level]
     if mode == "regular":
         args += ["--worker-urls", *[e.url for e in engines]]
     else:
         half = len(engines) // 2
-        args += ["--pd-disaggregation"]
-        for e in engines[:half]:
-            args += ["--prefill", e.url, str(e.port)]
-        for e in engines[half:]:
-            args += ["--decode", e.url]
-    log = open(f"/tmp/pdlb-bench-sglang-{mode}.log", "w")
+        args += peer.pd_args(engines[:half], engines[half:])
+    log = open(f"/tmp/pdlb-bench-{peer.name}-{mode}.log", "w")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+
+
+def _start_sglang(mode: str, engines: list[Proc], cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """sglang-router (``cmd``) in ``mode`` (``regular`` or ``pd``), as :func:`_start_peer`."""
+    return _start_peer(PEERS["sglang-router"], mode, engines, cmd)
 
 
 def _added_ms(r: dict[str, float], direct: dict[str, float], q: str) -> float:
@@ -329,22 +401,29 @@ def _pdlb_args(mode: str, engines: list[Proc], processes: int) -> list[str]:
     if mode == "regular":
         return ["serve", "--port", "0", "--pd-protocol", "none", "--mixed", *[e.url for e in engines],
                 "--decode-policy", "round_robin", "--processes", str(processes)]
+    if mode == "vllm-pd":
+        return ["serve", "--port", "0", "--pd-protocol", "vllm",
+                "--prefill", *[e.url for e in engines[:half]], "--decode", *[e.url for e in engines[half:]],
+                "--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--processes", str(processes)]
     return ["serve", "--port", "0", "--pd-protocol", "sglang",
             "--prefill", *[f"{e.url},bootstrap={e.port}" for e in engines[:half]], "--decode", *[e.url for e in engines[half:]],
             "--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--processes", str(processes)]
 
 
-async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | None) -> dict:
-    """Measure one mode; returns per-repeat results ``{"direct": [...], "pdlb": [...], "sglang": [...]}``."""
+async def run_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, list[str]]) -> dict:
+    """Measure one mode; returns per-repeat results ``{"direct": [...], "pdlb": [...], PEER: [...]}``
+    (``peer_cmds``: the peers to run, those of them that speak ``mode``), and ``"peers"``: the
+    names of the peers that started."""
     n = args.engines if mode == "regular" else args.pd_engines
     specs = [("mixed", "--zero-delay")] * n if mode == "regular" else \
         [("prefill", "--zero-delay")] * n + [("decode", "--zero-delay")] * n
     procs: list[Proc] = []
-    sgl = None
+    peers = {name: cmd for name, cmd in peer_cmds.items() if mode in PEERS[name].modes}
+    started: dict[str, tuple[subprocess.Popen, str]] = {}
     bases = {_base_name(k): d for k, d in enumerate(args.baseline or [])}
     variants = {f"pdlb x{args.default_processes}, {name}": extra for name, extra in args.variant}
     names = [*bases] + [_pdlb_name(k, args) for k in args.pdlb_processes] + [*variants]
-    out: dict[str, list[dict[str, float]]] = {"direct": [], **{k: [] for k in names}, "sglang": []}
+    out: dict[str, Any] = {"direct": [], **{k: [] for k in names}, **{k: [] for k in peers}}
     pdlbs: dict[str, Proc] = {}
     try:
         with _affinity(args.other_cpus):
@@ -369,17 +448,19 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 del a[i:i + 2]
                 pdlbs[name] = _spawn([*a, *extra])
                 procs.append(pdlbs[name])
-            sgl_url = None
-            if sglang_cmd is not None:
+            for name, cmd in peers.items():
                 try:
-                    sgl, sgl_url = _start_sglang(mode, engines, sglang_cmd)
-                    await _wait_ready(sgl_url, sgl)
+                    started[name] = _start_peer(PEERS[name], mode, engines, cmd)
+                    await _wait_ready(started[name][1], started[name][0])
                 except (RuntimeError, OSError) as e:
-                    print(f"  sglang-router unavailable: {e} (see /tmp/pdlb-bench-sglang-{mode}.log); skipping it")
-                    sgl_url = None
+                    print(f"  {name} unavailable: {e} (see /tmp/pdlb-bench-{name}-{mode}.log); skipping it")
+        for name in [k for k in peers if k not in started or started[k][0].poll() is not None]:
+            del out[name]
         if args.other_cpus:
             os.sched_setaffinity(0, args.other_cpus)  # the load generator too
-        desc = f"{n} mixed engines" if mode == "regular" else f"{n} prefill + {n} decode, SGLang PD"
+        out["peers"] = [k for k in peers if k in out]
+        desc = {"regular": f"{n} mixed engines", "pd": f"{n} prefill + {n} decode, SGLang PD",
+                "vllm-pd": f"{n} prefill + {n} decode, vLLM PD"}[mode]
         print(f"\n== {mode} ({desc}), zero-delay engines, latency at concurrency {args.concurrency}, "
               f"throughput at {args.max_concurrency} from {args.load_processes} client process(es), "
               f"{args.duration_s:g} s each ==")
@@ -391,10 +472,11 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 ours = await _measure(pdlb.url, args, pdlb.popen.pid)
                 rows.append((name, ours))
                 out[name].append(ours)
-            if sgl_url is not None:
-                theirs = await _measure(sgl_url, args, sgl.pid if sgl is not None else None)
-                rows.append(("sglang-router", theirs))
-                out["sglang"].append(theirs)
+            for name in out["peers"]:
+                popen, url = started[name]
+                theirs = await _measure(url, args, popen.pid)
+                rows.append((name, theirs))
+                out[name].append(theirs)
             _print_repeat(k, rows, direct)
         paired = {name: p for name, p in pdlbs.items() if name in bases or name == "pdlb"}
         if args.paired_rounds and "pdlb" in paired and len(paired) > 1:
@@ -405,12 +487,13 @@ async def run_mode(mode: str, args: argparse.Namespace, sglang_cmd: list[str] | 
                 print(f"    round {k}: " + ", ".join(f"{name} {us:.0f} us" for name, us in got.items())
                       + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / (got[b] or float('nan')):.2f}x" for b in bases))
     finally:
-        if sgl is not None and sgl.poll() is None:
-            sgl.terminate()
-            try:
-                sgl.wait(10)
-            except subprocess.TimeoutExpired:
-                sgl.kill()
+        for popen, _ in started.values():
+            if popen.poll() is None:
+                popen.terminate()
+                try:
+                    popen.wait(10)
+                except subprocess.TimeoutExpired:
+                    popen.kill()
         for p in procs:
             p.stop()
     return out
@@ -426,15 +509,34 @@ def _pdlb_name(processes: int, args: argparse.Namespace) -> str:
     return "pdlb" if processes == 1 else f"pdlb x{processes}"
 
 
+def _ratios(res: dict, name: str, peer: str) -> dict[str, list[float]]:
+    """Per repeat, ``name`` / ``peer``: req/s, CPU per request, added p50 and p99 (added-latency
+    ratios only where the peer's added latency is over 0.1 ms: below that it is noise)."""
+    out: dict[str, list[float]] = {"rps": [], "cpu": [], "a50": [], "a99": []}
+    for o, t, d in zip(res[name], res[peer], res["direct"]):
+        out["rps"].append(o["rps"] / t["rps"])
+        out["cpu"].append(o["cpu_us"] / t["cpu_us"])
+        for q, key in (("p50", "a50"), ("p99", "a99")):
+            if _added_ms(t, d, q) > 0.1:
+                out[key].append(_added_ms(o, d, q) / _added_ms(t, d, q))
+    return out
+
+
+def _med(xs: list[float], width: int = 10) -> str:
+    return f"{statistics.median(xs):{width}.2f}x" if xs else f"{'n/a':>{width + 1}}"
+
+
 def _summary(results: dict[str, dict]) -> None:
     print("\n== summary (medians over repeats; ratios taken per repeat, then the median) ==")
-    print(f"{'mode':9}{'router':22}{'added p50 ms':>13}{'added p99 ms':>13}{'max req/s':>11}{'CPU us/req':>12}")
+    print(f"{'mode':9}{'router':24}{'added p50 ms':>13}{'added p99 ms':>13}{'max req/s':>11}{'CPU us/req':>12}")
     verdicts = []
+    table = []
     for mode, res in results.items():
         paired = res.get("paired", [])
+        peers = res.get("peers", [])
         pdlb_names = [k for k in res if k.startswith("pdlb")]
         med = {}
-        for name in [*pdlb_names, "sglang"]:
+        for name in [*pdlb_names, *peers]:
             runs = res[name]
             if not runs:
                 continue
@@ -443,41 +545,58 @@ def _summary(results: dict[str, dict]) -> None:
             rps = statistics.median(r["rps"] for r in runs)
             cpu = statistics.median(r["cpu_us"] for r in runs)
             med[name] = (a50, a99, rps, cpu)
-            print(f"{mode:9}{name if name != 'sglang' else 'sglang-router':22}{a50:13.2f}{a99:13.2f}{rps:11.0f}{cpu:12.0f}")
+            print(f"{mode:9}{name:24}{a50:13.2f}{a99:13.2f}{rps:11.0f}{cpu:12.0f}")
         for base in [k for k in pdlb_names if k.startswith("pdlb@base")] if "pdlb" in res else ():
             r_cpu = [o["cpu_us"] / b["cpu_us"] for o, b in zip(res["pdlb"], res[base])]
             r_rps = [o["rps"] / b["rps"] for o, b in zip(res["pdlb"], res[base])]
             rc = statistics.median(r_cpu)
-            print(f"{mode:9}{'pdlb / ' + base:22}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
+            print(f"{mode:9}{'pdlb / ' + base:24}{'':26}{statistics.median(r_rps):10.2f}x{rc:11.2f}x"
                   f"   (per repeat: CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
             if paired:
                 r_pair = [r["pdlb"] / (r[base] or float("nan")) for r in paired]
                 rp = statistics.median(r_pair)
-                print(f"{mode:9}{'pdlb / ' + base + ' paired':22}{'':37}{rp:11.2f}x"
+                print(f"{mode:9}{'pdlb / ' + base + ' paired':24}{'':37}{rp:11.2f}x"
                       f"   (per round: {', '.join(f'{x:.2f}' for x in r_pair)})")
             if base == "pdlb@base":
                 verdicts.append(f"{mode}: one process's CPU per request {rc:.2f}x the baseline's "
                                 f"({'meets' if rc <= 2 / 3 else 'misses'} <= 0.67x)"
                                 + (f", paired {rp:.2f}x ({'meets' if rp <= 2 / 3 else 'misses'})" if paired else ""))
-        for name in [k for k in pdlb_names if not k.startswith("pdlb@base")] if res["sglang"] else ():
-            r_rps = [o["rps"] / t["rps"] for o, t in zip(res[name], res["sglang"])]
-            r_cpu = [o["cpu_us"] / t["cpu_us"] for o, t in zip(res[name], res["sglang"])]
-            # a ratio of added latencies only means something when the peer's added latency is > 0.1 ms
-            r_50 = [_added_ms(o, d, "p50") / _added_ms(t, d, "p50")
-                    for o, t, d in zip(res[name], res["sglang"], res["direct"]) if _added_ms(t, d, "p50") > 0.1]
-            rr = statistics.median(r_rps)
-            a50 = f"{statistics.median(r_50):12.2f}x" if r_50 else f"{'n/a':>13}"
-            print(f"{mode:9}{(name + ' / sglang'):22}{a50}{'':13}{rr:10.2f}x{statistics.median(r_cpu):11.2f}x"
-                  f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r_rps)}; "
-                  f"CPU/req {', '.join(f'{x:.2f}' for x in r_cpu)})")
-            if "default" in name or (name == pdlb_names[-1] and not any("default" in k for k in pdlb_names)):
-                a99, t99 = med[name][1], med["sglang"][1]
-                verdicts.append(f"{mode} {name}: throughput {rr:.2f}x sglang-router "
-                                f"({'meets' if rr >= 1.0 else 'misses'} >= 1x), added p99 {a99:.2f} ms vs "
-                                f"{t99:.2f} ms ({'meets' if a99 <= t99 else 'misses'} <= sglang-router's)")
-        if not res["sglang"]:
-            verdicts.append(f"{mode}: no sglang-router comparison")
-    print("goals (issue 13): " + "; ".join(verdicts))
+        ours = [k for k in pdlb_names if not k.startswith("pdlb@base") and res[k]]
+        for name in ours:
+            for peer in peers:
+                r = _ratios(res, name, peer)
+                print(f"{mode:9}{(name + ' / ' + peer)[:23]:24}{_med(r['a50'], 12)}{_med(r['a99'], 12)}"
+                      f"{_med(r['rps'])}{_med(r['cpu'], 11)}"
+                      f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r['rps'])}; "
+                      f"CPU/req {', '.join(f'{x:.2f}' for x in r['cpu'])})")
+        # the issue-26 table and goals: the default process count (else the last pdlb row) vs each peer
+        main_row = next((k for k in ours if "default" in k), ours[-1] if ours else None)
+        if main_row is None or not peers:
+            verdicts.append(f"{mode}: no peer comparison" if main_row else f"{mode}: no pdlb row")
+            continue
+        cells = {p: _ratios(res, main_row, p) for p in peers}
+        table.append((mode, main_row, cells))
+        best_rps = max(med[p][2] for p in peers)
+        best_a99 = min(med[p][1] for p in peers)
+        best_cpu = min(med[p][3] for p in peers)
+        a50, a99, rps, cpu = med[main_row]
+        goal = [f"req/s {rps / best_rps:.2f}x the best peer's ({'meets' if rps >= best_rps else 'misses'} >= 1.0x)",
+                f"added p99 {a99:.2f} ms vs the best peer's {best_a99:.2f} ({'meets' if a99 <= best_a99 else 'misses'})",
+                f"CPU/req {cpu / best_cpu:.2f}x the best peer's ({'meets' if cpu <= 1.5 * best_cpu else 'misses'} <= 1.5x)"]
+        if main_row != "pdlb" and "pdlb" in med:
+            own = cpu / med["pdlb"][3]
+            goal.append(f"{own:.2f}x one pdlb process's ({'meets' if own <= 1.3 else 'misses'} <= 1.3x)")
+        verdicts.append(f"{mode} {main_row}: " + ", ".join(goal))
+    if table:
+        print("\nissue 26 table (medians of per-repeat ratios, pdlb row / peer; added p99 'n/a' where the peer"
+              " adds under 0.1 ms):")
+        print("| mode | pdlb row | peer | req/s | CPU per request | added p99 |")
+        print("|---|---|---|---|---|---|")
+        for mode, row, cells in table:
+            for peer, r in cells.items():
+                print(f"| {mode} | {row} | {peer} | {_med(r['rps'], 0).strip()} | {_med(r['cpu'], 0).strip()} | "
+                      f"{_med(r['a99'], 0).strip()} |")
+    print("goals: " + "; ".join(verdicts))
     print("(added p99 from closed-loop runs on a shared host is dominated by CPU contention; compare ratios)")
 
 
@@ -501,8 +620,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for latency (default 16)")
     ap.add_argument("--max-concurrency", type=int, default=64, help="closed-loop clients for max req/s (default 64)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats per mode (default 3)")
-    ap.add_argument("--modes", default="regular,pd", help="comma list of regular, pd (default both)")
-    ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router comparison")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default all)")
+    ap.add_argument("--peers", default=",".join(PEERS), metavar="LIST",
+                    help=f"comma list of peers to measure, of {', '.join(PEERS)}; 'none': pdlb alone (default all)")
     ap.add_argument("--pdlb-processes", default="1", metavar="LIST",
                     help="comma list of 'pdlb serve --processes' values to measure (default 1)")
     ap.add_argument("--engines", type=int, default=2, metavar="N", help="mixed engines in regular mode (default 2)")
@@ -520,11 +640,15 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="also measure pdlb serve with the default process count and ARGS added, as row "
                          "'pdlb xN, NAME' (repeatable), e.g. 'aiohttp client=--upstream-client aiohttp'")
-    ap.add_argument("--sglang-router", default=f"bash {PEER}", metavar="CMD",
-                    help="command that runs 'sglang-router launch' with the args appended (default: the peer script)")
+    for peer in PEERS.values():
+        ap.add_argument(f"--{peer.name}", metavar="CMD", dest=f"cmd_{peer.name}",
+                        help=f"command that runs '{' '.join(peer.argv)}' with the args appended (default: "
+                             f"{peer.package}=={peer.version} in its own environment, installed on first use)")
+    ap.add_argument("--peer-wheels", type=Path, metavar="DIR",
+                    help="a folder of wheels pip may use when it installs a peer (default: the registry only)")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("regular", "pd")]
+    bad = [m for m in modes if m not in MODES]
     if bad or args.repeat < 1 or args.duration_s <= 0:
         ap.error(f"bad --modes {bad}" if bad else "--repeat must be >= 1 and --duration-s > 0")
     try:
@@ -551,12 +675,18 @@ def main() -> int:
             ap.error(f"--variant must be NAME=ARGS, got {v!r}")
         variants.append((name.strip(), shlex.split(extra)))
     args.variant = variants
-    sglang_cmd = None if args.no_sglang else shlex.split(args.sglang_router)
-    if sglang_cmd and sglang_cmd[0] == "bash" and len(sglang_cmd) > 1 and not Path(sglang_cmd[1]).is_file():
-        print(f"note: {sglang_cmd[1]} not found; skipping the sglang-router comparison")
-        sglang_cmd = None
+    wanted = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
+    unknown = [p for p in wanted if p not in PEERS]
+    if unknown:
+        ap.error(f"unknown --peers {unknown}; valid: {', '.join(PEERS)}, none")
+    peer_cmds = {}
+    for name in wanted:
+        if any(m in PEERS[name].modes for m in modes):
+            cmd = peer_command(PEERS[name], getattr(args, f"cmd_{name}"), args.peer_wheels)
+            if cmd is not None:
+                peer_cmds[name] = cmd
     print(f"host: {os.cpu_count()} CPUs shared by the load generator, routers and engines")
-    results = {mode: asyncio.run(run_mode(mode, args, sglang_cmd)) for mode in modes}
+    results = {mode: asyncio.run(run_mode(mode, args, peer_cmds)) for mode in modes}
     _summary(results)
     return 0
 

@@ -100,7 +100,7 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:P
     (["--mixed", "ftp://x"],  # another scheme: no example glued onto it ('http://ftp://x' before)
      "worker spec 'ftp://x': the URL must start with http:// or https://, got scheme 'ftp'"),
     (["--prefill", "http://127.0.0.1:31000,dp=0"],
-     "worker spec 'http://127.0.0.1:31000,dp=0': dp must be an integer number of DP ranks 1..4096, got '0'"),
+     "worker spec 'http://127.0.0.1:31000,dp=0': dp must be an integer number of DP ranks 1..1024, got '0'"),
     (["--decode", "http://127.0.0.1:31000,kv=abc"],
      "worker spec 'http://127.0.0.1:31000,kv=abc': kv must be an integer number of tokens 0..1099511627776, got 'abc'"),
     (["--prefill", "http://127.0.0.1:31000,bootstrap=70000"],

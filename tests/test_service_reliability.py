@@ -155,12 +155,12 @@ async def test_admin_bounds_and_atomic_registration():
 def test_pool_bounds_total_replicas():
     pool = WorkerPool(Router(), ServiceConfig().circuit_breaker, ServiceConfig().health_check)
     n = 0
-    while pool.num_replicas + 4096 <= MAX_REPLICAS:
-        pool.add(WorkerConfig(url=f"http://127.0.0.1:{1000 + n}", role="decode", dp_size=4096))
+    while pool.num_replicas + 1024 <= MAX_REPLICAS:
+        pool.add(WorkerConfig(url=f"http://127.0.0.1:{1000 + n}", role="decode", dp_size=1024))
         n += 1
-    with pytest.raises(ValueError, match="at most 65536"):
-        pool.add(WorkerConfig(url="http://127.0.0.1:9", role="decode", dp_size=4096))
-    assert pool.num_replicas == MAX_REPLICAS == 16 * 4096 and len(pool.router.replicas()) == MAX_REPLICAS
+    with pytest.raises(ValueError, match="at most 16384"):
+        pool.add(WorkerConfig(url="http://127.0.0.1:9", role="decode", dp_size=1024))
+    assert pool.num_replicas == MAX_REPLICAS == 16 * 1024 and len(pool.router.replicas()) == MAX_REPLICAS
 
 
 def test_prefix_index_replica_memory_is_linear():

@@ -141,6 +141,7 @@ from balancer.cost_model import (
     EngineCost,
     PrefillStepCost,
     engine_groups,
+    engine_layout,
     prefill_wait_features,
 )
 from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
@@ -198,8 +199,8 @@ def in_service_queue(q: np.ndarray, a: np.ndarray, head_start_s: np.ndarray, hea
 
 def _per_engine_max(x: np.ndarray, idx: np.ndarray, rows: np.ndarray | None, n_eng: int) -> np.ndarray:
     """Each candidate's engine maximum of ``x``, shape ``(n,)``."""
-    if rows is not None:
-        return x[rows].max(axis=1)[idx]
+    if rows is not None:  # np.maximum.reduce: ndarray.max's Python wrapper costs about 1 us more
+        return np.maximum.reduce(x[rows], axis=1)[idx]
     out = np.full(n_eng, -np.inf)
     np.maximum.at(out, idx, x)
     return out[idx]
@@ -333,7 +334,7 @@ class EpAware(Policy):
             fetch = 0.0
         u = P - cached
         feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
-        ttft = cost = feats @ eng.prefill.coef() + fetch
+        ttft = cost = feats @ eng.prefill.coef_view + fetch
         if eng.ep_synchronous:
             w_ext = self.externality_weight * eng.prefill.per_group_token_s
             ext = w_ext * u * self._requests_after(q, cands, idx, rows) if w_ext and q[q.argmax()] > 0 else 0.0
@@ -405,15 +406,16 @@ class EpAware(Policy):
         prompt, ``sum_{r != i} n_r clip((q_r - q_i) / q_r, 0, 1)``, shape ``(n,)``."""
         n_req = cands.num_requests.astype(np.float64)
         if rows is not None:
-            Q, N = q[rows][idx], n_req[rows][idx]
+            ri = engine_layout(idx, rows)[0]
+            Q, N = q[ri], n_req[ri]
         else:
             same = idx[:, None] == idx[None, :]
             Q = np.where(same, q[None, :], 0.0)
             N = np.where(same, n_req[None, :], 0.0)
         # (Q - q_i) / Q <= 1 as q_i >= 0, so the clip to [0, 1] is a max with 0 (0 where Q == 0)
-        frac = np.divide(Q - q[:, None], Q, out=np.zeros_like(Q), where=Q > 0)
+        frac = np.divide(Q - q[:, None], Q, out=np.zeros(Q.shape, dtype=Q.dtype), where=Q > 0)
         np.maximum(frac, 0.0, out=frac)
-        return (N * frac).sum(axis=1)  # the own rank contributes 0 (q_r == q_i)
+        return np.add.reduce(N * frac, axis=1)  # the own rank contributes 0 (q_r == q_i)
 
     # ------------------------------------------------------------------ decode
     def decode_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
@@ -437,7 +439,7 @@ class EpAware(Policy):
         kv_new = request.prompt_tokens + out / 2.0
         b = cands.num_requests.astype(np.float64)
         k = cands.decode_kv_tokens.astype(np.float64)
-        n_eng = int(idx.max()) + 1 if len(idx) else 0
+        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
         if eng.ep_synchronous:
             B = _per_engine_max(b, idx, rows, n_eng)
             K = _per_engine_max(k, idx, rows, n_eng)
@@ -462,7 +464,7 @@ class EpAware(Policy):
         if self.tie_tolerance <= 0 or not np.isfinite(best):
             return argmin_random(cost, ctx.rng)
         near = cost <= best * (1.0 + self.tie_tolerance)
-        if int(near.sum()) == 1:
+        if np.count_nonzero(near) == 1:
             return i
         load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
         return argmin_random(load, ctx.rng, near)
@@ -479,9 +481,9 @@ class EpAware(Policy):
         need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
         room = cap - cands.decode_kv_tokens
         bad = (cap > 0) & (room < need)
-        if not bad.any():
+        if not np.count_nonzero(bad):
             return cost, True
-        if bad.all():
+        if np.count_nonzero(bad) == len(bad):
             return cost.max() + 1.0 + (need - room).astype(np.float64), False
         cost = np.where(bad, np.inf, cost)
         return cost, True

@@ -25,8 +25,14 @@ Every answer carries ``X-Request-Id`` (the request's id at the engines' side as 
 it; for pdlb's own answers the client's ``X-Request-Id`` or a new id). Errors are OpenAI-style JSON
 objects (``{"error": {"message", "type", "code"}}``; an engine's error in another shape is wrapped,
 its original in ``error.engine_error``, :func:`balancer.service.proxy.engine_error_response`): invalid JSON or
-missing fields 400, unknown route 404, wrong method 405, body over ``max_body_bytes`` 413, no
-routable worker 503, timeout 504; unexpected exceptions 500 without details (logged).
+missing fields 400, a missing, wrong or malformed admin credential 401, unknown route 404, wrong
+method 405, body over ``max_body_bytes`` 413, a compressed body 415 (never inflated), no routable
+worker (or too many large bodies being parsed) 503, timeout 504; unexpected exceptions 500 without
+details (logged, at most once per 10 s: :data:`CLIENT_ERRORS_LOG`).
+
+Bodies of :data:`~balancer.service.body_offload.OFFLOAD_BODY_BYTES` or more are parsed, checked and
+hashed in a worker process (:mod:`balancer.service.body_offload`); docs/serving.md, "Limits and
+hardening", lists every limit, its default and its answer.
 
 Run it with ``handler_cancellation=True`` (as ``pdlb serve`` does) so that a client disconnect
 cancels the handler and aborts both PD legs. On shutdown the app stops taking new requests
@@ -36,6 +42,7 @@ cancels the handler and aborts both PD legs. On shutdown the app stops taking ne
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import ipaddress
 import logging
@@ -45,12 +52,16 @@ from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web, web_protocol, web_server
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from balancer.policies import make_policy
 from balancer.router import Router
+from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload,
+                                           trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
+from balancer.service.log_limit import RateLimitedLog
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
@@ -63,6 +74,11 @@ from balancer.validation import format_validation_error
 log = logging.getLogger("pdlb.service")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+
+LOOP_LAG_INTERVAL_S = 0.05
+"""How often the event loop's lag is measured (``pdlb_event_loop_lag_seconds``)."""
+GC_AFTER_LARGE_BYTES = 1024 * 1024
+"""Bytes of large request bodies after which :meth:`Service.after_large_body` collects garbage."""
 
 COST_MODEL_POLICIES = frozenset({"ep_aware"})
 """Policies that read the router's cost model (``SelectContext.cost_model``). ``learn_cost_model``
@@ -127,6 +143,13 @@ class Service:
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight: int = 0
+        #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
+        self.offload = BodyOffload(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
+                                   cfg.max_tokens_limit, cfg.default_max_tokens, cfg.chat_engine)
+        #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
+        self.metrics_cache: tuple[float, bytes] | None = None
+        self._large_bytes_since_gc = 0
+        self._last_gc_s = float("-inf")
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -194,6 +217,16 @@ class Service:
             except Exception:  # never let the prober die
                 log.exception("health probe round failed")
 
+    async def _lag_loop(self) -> None:
+        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke this timer, into
+        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it)."""
+        loop = asyncio.get_running_loop()
+        lag = self.metrics.loop_lag
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            lag.observe(max(0.0, loop.time() - t - LOOP_LAG_INTERVAL_S))
+
     def enter(self) -> None:
         self.in_flight += 1
         self._idle.clear()
@@ -228,6 +261,22 @@ class Service:
         except OSError as e:
             log.warning("KV event stats not written: %s", e)
 
+    def after_large_body(self, nbytes: int, now_s: float | None = None) -> None:
+        """A request with a large body (``nbytes``) ended: once such bodies add up to
+        :data:`GC_AFTER_LARGE_BYTES` and a second has passed since the last time, collect the young
+        generations now, so that a failed request's reference cycles (exceptions, tracebacks and
+        frames that hold the body) free it within seconds rather than after thousands of other
+        requests (``pdlb serve`` raises the young generation's threshold: :func:`~balancer.service.cli.tune_gc`),
+        and hand the heap's free pages back to the OS (``malloc_trim``: the body arrived in 64 KB
+        socket chunks, below the mmap threshold, and their pages stayed resident after the join)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        self._large_bytes_since_gc += nbytes
+        if self._large_bytes_since_gc >= GC_AFTER_LARGE_BYTES and now_s - self._last_gc_s >= 1.0:
+            self._large_bytes_since_gc = 0
+            self._last_gc_s = now_s
+            gc.collect(1)
+            trim_malloc()  # the body's socket chunks (64 KB each, from the heap) back to the OS
+
     def process_info(self) -> dict[str, int]:
         return {"index": self.process_index, "count": self.processes, "pid": os.getpid()}
 
@@ -248,6 +297,13 @@ class Service:
 
 
 SERVICE: web.AppKey[Service] = web.AppKey("pdlb_service", Service)
+METRICS_CACHE_MIN_WORKERS = 64
+METRICS_CACHE_S = 1.0
+"""With more than ``METRICS_CACHE_MIN_WORKERS`` workers, ``GET /metrics`` answers scrapes within
+``METRICS_CACHE_S`` of a render with that render (1,024 workers: ~300 KB, ~0.1 s to render), so a
+flood of unauthenticated scrapes costs the event loop at most one render a second."""
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+"""Largest ``POST /workers`` body (a worker's config is well under 1 KB); larger gets 413."""
 
 
 # ---------------------------------------------------------------------- middleware
@@ -289,8 +345,10 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
     except asyncio.CancelledError:
         status = 499  # client closed the connection
         raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+    except Exception:  # a bug: its traceback, at most once per 10 s (clients could repeat it at will)
+        if CLIENT_ERRORS_LOG.log(logging.ERROR, "unhandled", time.monotonic(), "unhandled error on %s %s",
+                                 request.method, request.path[:200]):
+            log.error("traceback of the error above", exc_info=True)
         out = error_response(500, "internal router error")
         out.headers["X-Request-Id"] = _answer_id(request, svc)
         return out
@@ -310,18 +368,35 @@ def _answer_id(request: web.Request, svc: Service) -> str:
 
 # ---------------------------------------------------------------------- handlers
 async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
-    body, _ = await _read_json_raw(request, request.app[SERVICE])
+    body, _ = await _read_json_raw(request, request.app[SERVICE], MAX_ADMIN_BODY_BYTES)
     return body
 
 
-def _declared_too_large(request: web.Request, svc: Service) -> web.Response | None:
-    """413 at once for a request whose ``Content-Length`` is over ``max_body_bytes`` (without it,
-    the router would wait up to ``body_read_timeout_s`` for a body it is going to refuse, holding
-    the connection), on a connection closed after the answer (its body is never read)."""
+def _declared_too_large(request: web.Request, svc: Service, limit: int | None = None) -> web.Response | None:
+    """413 at once for a request whose ``Content-Length`` is over ``max_body_bytes`` (or the
+    route's lower ``limit``; without it, the router would wait up to ``body_read_timeout_s`` for a
+    body it is going to refuse, holding the connection), on a connection closed after the answer
+    (its body is never read)."""
     declared = request.content_length
-    if declared is None or declared <= svc.cfg.max_body_bytes:
+    limit = svc.cfg.max_body_bytes if limit is None else min(limit, svc.cfg.max_body_bytes)
+    if declared is None or declared <= limit:
         return None
-    resp = error_response(413, f"request body too large (limit {svc.cfg.max_body_bytes} bytes)")
+    resp = error_response(413, f"request body too large (limit {limit} bytes)")
+    resp.force_close()
+    return resp
+
+
+def _compressed(request: web.Request) -> web.Response | None:
+    """415 for a request body with a ``Content-Encoding`` other than ``identity`` (gzip, deflate,
+    br, anything), on a connection closed after the answer (its body is never read): the router
+    never inflates a client's body, as Envoy and NGINX do not by default (a 30 KB gzip inflates to
+    a 30 MiB prompt; inflating is CPU and memory a client spends of the router's). ``pdlb serve``'s
+    runner does not decompress request bodies either (:func:`make_runner`)."""
+    enc = request.headers.get(hdrs.CONTENT_ENCODING)
+    if enc is None or enc.strip().lower() in ("", "identity"):
+        return None
+    resp = error_response(415, f"Content-Encoding {enc[:40]!r} is not accepted: send the request body uncompressed")
+    resp.headers["Accept-Encoding"] = "identity"
     resp.force_close()
     return resp
 
@@ -331,7 +406,7 @@ async def _expect_continue(request: web.Request) -> None:
     over ``max_body_bytes`` (the handler then answers 413 at once, through the middleware, and the
     client never sends the body); otherwise as aiohttp's default handler: ``100 Continue`` for
     ``100-continue`` on HTTP/1.1, 417 for another expectation."""
-    if _declared_too_large(request, request.app[SERVICE]) is not None:
+    if _declared_too_large(request, request.app[SERVICE]) is not None or _compressed(request) is not None:
         return
     expect = request.headers.get(hdrs.EXPECT, "")
     if request.version == aiohttp.HttpVersion11:
@@ -341,11 +416,14 @@ async def _expect_continue(request: web.Request) -> None:
         request.writer.output_size = 0  # the response's own bytes start after it
 
 
-async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, Any] | web.Response, bytes]:
-    """The parsed JSON object body (or the 400 / 408 / 413 response) and the raw bytes."""
-    too_large = _declared_too_large(request, svc)
+async def _read_raw(request: web.Request, svc: Service, limit: int | None = None) -> bytes | web.Response:
+    """The raw body, or the 408 / 413 / 415 response (``limit``: a lower bound than
+    ``max_body_bytes`` for this route, in bytes)."""
+    too_large = _declared_too_large(request, svc, limit)
     if too_large is not None:
-        return too_large, b""
+        return too_large
+    if (refused := _compressed(request)) is not None:
+        return refused
     try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size (a chunked body, say)
         if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
             raw = await request.read()
@@ -354,14 +432,33 @@ async def _read_json_raw(request: web.Request, svc: Service) -> tuple[dict[str, 
                 raw = await request.read()
     except TimeoutError:
         return error_response(408, "request body not received within body_read_timeout_s="
-                                   f"{svc.cfg.body_read_timeout_s:g} s", "timeout"), b""
+                                   f"{svc.cfg.body_read_timeout_s:g} s", "timeout")
+    if limit is not None and len(raw) > limit:
+        return error_response(413, f"request body too large (limit {limit} bytes)")
+    return raw
+
+
+async def _read_json_raw(request: web.Request, svc: Service, limit: int | None = None
+                         ) -> tuple[dict[str, Any] | web.Response, bytes]:
+    """The parsed JSON object body (or the 400 / 408 / 413 / 415 response) and the raw bytes."""
+    raw = await _read_raw(request, svc, limit)
+    if type(raw) is not bytes:
+        assert isinstance(raw, web.Response)
+        return raw, b""
+    return _parse_json_object(raw), raw
+
+
+def _parse_json_object(raw: bytes) -> dict[str, Any] | web.Response:
+    """The JSON object of ``raw`` (on the event loop: bodies under ``OFFLOAD_BODY_BYTES``), or the 400."""
     try:
         body = parse_json_body(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"invalid JSON body: {str(e)[:200]}"), raw
+        return error_response(400, f"invalid JSON body: {str(e)[:200]}")
     if not isinstance(body, dict):
-        return error_response(400, "the JSON body must be an object"), raw
-    return body, raw
+        return error_response(400, "the JSON body must be an object")
+    if len(body) > MAX_TOP_LEVEL_FIELDS:
+        return error_response(400, f"the JSON body has more than {MAX_TOP_LEVEL_FIELDS} top-level fields")
+    return body
 
 
 async def _generate(request: web.Request, svc: Service, endpoint: str) -> web.StreamResponse:
@@ -370,16 +467,43 @@ async def _generate(request: web.Request, svc: Service, endpoint: str) -> web.St
         return error_response(404, "/generate is SGLang's native API; not available with pd_protocol 'vllm'")
     if svc.draining:
         return error_response(503, "the router is shutting down")
-    body, raw = await _read_json_raw(request, svc)
-    if type(body) is not dict:  # the error response (an exact type check: cheaper than isinstance on the ABC)
-        assert isinstance(body, web.Response)
-        return body
-    assert svc.proxy is not None
-    svc.enter()
+    raw = await _read_raw(request, svc)
+    if type(raw) is not bytes:  # the error response (an exact type check: cheaper than isinstance)
+        assert isinstance(raw, web.Response)
+        return raw
+    pre: Analysis | None = None
+    if len(raw) >= OFFLOAD_BODY_BYTES:  # parsed, checked and hashed in the worker process
+        svc.enter()  # counted in flight (a drain waits for it) from here
+        try:
+            out = await svc.offload.analyze(raw, endpoint, request.headers.get("X-Request-Id"))
+        except BaseException:
+            svc.leave()
+            raise
+        if not isinstance(out, Analysis):
+            svc.leave()
+            if out is None:
+                resp = error_response(503, f"the router is busy parsing large request bodies (at most {MAX_PENDING} "
+                                           "at once): retry shortly")
+                resp.headers["Retry-After"] = "1"
+                return resp
+            return error_response(400, out)
+        pre = out
+        body: dict[str, Any] | web.Response = pre.body
+        if pre.raw is not None:
+            raw = pre.raw
+    else:
+        body = _parse_json_object(raw)
+        if type(body) is not dict:
+            assert isinstance(body, web.Response)
+            return body
+        svc.enter()
+    assert svc.proxy is not None and type(body) is dict
     try:
-        return await svc.proxy.handle(request, endpoint, body, raw)
+        return await svc.proxy.handle(request, endpoint, body, raw, pre)
     finally:
         svc.leave()
+        if pre is not None:  # once this handler's frame (which holds the body) is gone
+            asyncio.get_running_loop().call_later(0.2, svc.after_large_body, len(raw))
 
 
 def _fast_path(app: web.Application, fallback):  # noqa: ANN001, ANN202
@@ -417,8 +541,15 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    svc.write_kv_stats()
-    return web.Response(body=svc.metrics.render(svc.router, svc.pool), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    now = time.monotonic()
+    cached = svc.metrics_cache
+    if cached is not None and now - cached[0] < METRICS_CACHE_S and len(svc.pool.workers) > METRICS_CACHE_MIN_WORKERS:
+        body = cached[1]
+    else:
+        svc.write_kv_stats()
+        body = svc.metrics.render(svc.router, svc.pool)
+        svc.metrics_cache = (now, body)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -466,7 +597,13 @@ def admin_denied(request: web.Request, api_key: str | None) -> web.Response | No
     """``None`` if the request may use the admin API, else the 401/403 error response."""
     if api_key:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        # header bytes that are not UTF-8 arrive as surrogates (aiohttp decodes with
+        # surrogateescape): encoded back the same way, any malformed credential is a plain 401
+        try:
+            ok = hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {api_key}".encode())
+        except UnicodeError:  # lone surrogates from another decoder: not the key either
+            ok = False
+        if not ok:
             return error_response(401, "admin API: missing or wrong bearer token", "authentication_error")
         return None
     if is_loopback(request.remote):
@@ -652,10 +789,11 @@ def _install_kv_feed(svc: Service, started: tuple[Any, Any] | None) -> None:
 def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
     """The :class:`aiohttp.web.AppRunner` for ``app``: handler cancellation (a client disconnect
     aborts both PD legs), no access log, ``client_idle_timeout_s`` as the keep-alive timeout (it
-    also closes a connection whose headers never complete: slowloris), graceful shutdown for
+    also closes a connection whose headers never complete: slowloris), no decompression of request
+    bodies (a compressed one gets 415 unread, :func:`_compressed`), graceful shutdown for
     ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
     return _RouterRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
-                         keepalive_timeout=cfg.client_idle_timeout_s)
+                         keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
 
 
 class _RouterRunner(web.AppRunner):
@@ -670,9 +808,25 @@ class _RouterRunner(web.AppRunner):
         server.request_handler = _fast_path(self.app, server.request_handler)
 
 
+CLIENT_ERRORS_LOG = RateLimitedLog(log, interval_s=10.0)
+"""What clients can trigger at will is logged through this: one short line per kind per 10 s,
+with a count of the lines left out (malformed HTTP, unexpected errors)."""
+
+
 class _JsonErrorHandler(web_protocol.RequestHandler):
     """aiohttp's connection handler, answering HTTP parser errors (bad request line, headers,
-    chunked encoding) with an OpenAI-style JSON error instead of text/plain."""
+    chunked encoding) with an OpenAI-style JSON error instead of text/plain, and logging them as
+    one short line per 10 s at most (:data:`CLIENT_ERRORS_LOG`), not one traceback each."""
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        now = time.monotonic()
+        if isinstance(exc, HttpProcessingError):  # the client's malformed request: no traceback
+            CLIENT_ERRORS_LOG.log(logging.INFO, "http_parser", now, "malformed HTTP request: %s",
+                                  str(exc.message if isinstance(exc.message, str) else exc).replace("\n", " ")[:200])
+        elif CLIENT_ERRORS_LOG.log(logging.ERROR, "connection_handler", now, "%s",
+                                   str(args[0] if args else "error in the connection handler")[:200]):
+            self.logger.error("traceback of the error above", exc_info=exc)
 
     def handle_error(self, request, status=500, exc=None, message=None):  # noqa: ANN001, ANN201
         resp = super().handle_error(request, status, exc, message)  # logs; raises if already sent
@@ -793,6 +947,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
+        loops.append(asyncio.create_task(svc._lag_loop()))
         if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
             loops.append(asyncio.create_task(svc.discover_engines()))
         if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
@@ -830,6 +985,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             await asyncio.get_running_loop().run_in_executor(None, svc.kv_subscriber.stop)
         if svc.shared_load is not None:
             svc.shared_load.close()
+        svc.offload.close()
         svc.metrics.flush()  # the last loop iteration's counts
         await svc.session.close()
         if upstream is not None:

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from balancer.policies import available_policies
 from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
+from balancer.service.body_offload import tune_malloc
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, WorkerConfig, config_warnings,
                                      load_service_config, parse_worker_spec)
 
@@ -389,6 +390,7 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
             return 2
         port = runner.addresses[0][1]
     tune_gc()
+    tune_malloc()
     if ready is None:
         print(_ready_line(cfg, port), flush=True)
     else:

@@ -42,8 +42,9 @@ MAX_URL_CHARS = 2048
 MAX_MODEL_NAME_CHARS = 1024
 """Longest model name a worker may be given (a model folder path)."""
 
-MAX_DP_SIZE = 4096
-"""Most DP ranks of one worker (wide-EP decode engines have 64-320)."""
+MAX_DP_SIZE = 1024
+"""Most DP ranks of one worker (wide-EP decode engines have 64-320); registering 1,024 ranks takes
+the event loop about 50 ms (4,096 took 0.2-0.4 s, during which no client was served)."""
 MAX_KV_CAPACITY_TOKENS = 2**40
 """Largest ``kv_capacity_tokens`` accepted (far beyond any engine; bounds arithmetic on it)."""
 
@@ -333,6 +334,16 @@ class ServiceConfig(BaseModel):
             ``prefill_timeout_s``: a streamed leg's first token follows its prefill), so a wedged
             streamed decode costs a request at most that long by default; non-streaming legs
             answer only when generation ends and are not bounded by it. ``None``: off.
+        nonstream_timeout_s: when ``first_byte_timeout_s`` is off, a non-streamed decode (or
+            mixed) leg must answer in full within ``nonstream_timeout_s + max_tokens *
+            nonstream_timeout_per_token_s`` seconds (``max_tokens``: the request's output limit,
+            else ``default_max_tokens``; default 60 s + 0.25 s per token, i.e. generation at 4
+            tokens/s or faster); a miss fails the attempt like a first-byte timeout (retried,
+            charged to the worker's circuit breaker), so an engine that passes health checks but
+            never answers costs a short request about a minute, not ``request_timeout_s``.
+            ``None``: off (the request is then bounded by ``request_timeout_s`` alone; a leg
+            still waiting for its answer when that expires is charged to its worker too).
+        nonstream_timeout_per_token_s: see ``nonstream_timeout_s`` (seconds per output token).
         prefill_timeout_s: per attempt, seconds from sending a prefill leg (PD) to its complete
             answer (it answers once the prompt is prefilled); a miss fails the attempt like a
             first-byte timeout. Default 60 s (well above the prefill of a 128k-token prompt on
@@ -403,6 +414,8 @@ class ServiceConfig(BaseModel):
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)
+    nonstream_timeout_s: float | None = Field(60.0, gt=0)
+    nonstream_timeout_per_token_s: float = Field(0.25, ge=0)
     max_tokens_limit: int = Field(1_048_576, ge=1, le=2**31 - 1)
     max_model_len: int | None = Field(None, ge=2, le=2**40)
     allow_unauthenticated_admin: bool = False

@@ -71,12 +71,14 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from balancer.router import NoReplicaError, RequestTooLargeError, Router
+from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
@@ -100,6 +102,10 @@ _FAULTS: contextvars.ContextVar[_RequestFaults | None] = contextvars.ContextVar(
 
 TOKENIZE_IN_THREAD_CHARS = 4096
 """Text prompts at least this long (characters) are tokenised in a worker thread."""
+MAX_SSE_LINE_BYTES = 4 * 1024 * 1024
+"""Longest line of a relayed event stream the router holds back while swapping request ids (an
+SSE event with 20 log-probabilities per token is a few KB); a longer one ends the stream with a
+502 error event and counts as a failure of the engine (kind ``sse_line_too_long``)."""
 PREFILL_BLAME_GRACE_S = 2.0
 """After an SGLang decode leg failed while its prefill leg was still running: how long to wait for
 the prefill leg's outcome to decide which worker to charge (a decode leg whose prefill failed
@@ -113,6 +119,9 @@ class _RequestFaults:
 
     failed: set[str] = field(default_factory=set)
     charged: set[str] = field(default_factory=set)
+    #: the current attempt's legs still waiting for their first byte, by URL: charged to their
+    #: workers if the request times out meanwhile (a wedged engine that passes health checks)
+    waiting: dict[str, Worker] = field(default_factory=dict)
 
 
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (
@@ -180,7 +189,8 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
     ``{...}`` object text and no key of ``extra`` is in ``body``, the result is ``raw`` with
     ``extra``'s members spliced in before its closing brace (``raw`` itself when ``extra`` is
     empty): the request body passes through without being re-encoded, and the engine parses the
-    same object ``json.dumps({**body, **extra})`` would give. Otherwise that ``json.dumps``.
+    same object ``json.dumps({**body, **extra})`` would give. Otherwise that ``json.dumps``
+    (with a light body's elided values copied from ``raw``: :func:`~balancer.service.body_offload.encode_body`).
     """
     if raw is not None and (not extra or not any(k in body for k in extra)):
         if not extra and raw[-1:] == b"}" and raw[:1] == b"{":  # the usual case, without copies
@@ -191,8 +201,8 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
             if not extra:
                 return raw
             tail = json.dumps(extra).encode()  # b'{"k": v, ...}'
-            return head[:-1] + (b", " if body else b"") + tail[1:]
-    return json.dumps({**body, **extra} if extra else body).encode()
+            return b"".join((memoryview(head)[:-1], b", " if body else b"", tail[1:]))  # one copy of raw
+    return encode_body({**body, **extra} if extra else body, raw)
 
 
 class Failure(Exception):
@@ -232,6 +242,7 @@ class _Ctx:
     resp: web.StreamResponse | None = None
     visible_id: str = ""  # the request id the client sees
     upstream_id: str = ""  # the current attempt's id at the engines
+    max_out: int | None = None  # the output-token limit (bounds a non-streamed decode leg)
 
 
 @dataclass
@@ -265,6 +276,53 @@ def _relayed_headers(resp: LegResponse, default_type: str) -> dict[str, str]:
     return out
 
 
+class _LineTooLong(Exception):
+    """An upstream SSE line grew past :data:`MAX_SSE_LINE_BYTES` without a newline."""
+
+
+class _SwapLines:
+    """A relayed event stream rewritten line by line (the upstream id replaced by the client's, PD
+    usage): :meth:`feed` returns the complete lines received so far rewritten, and holds back the
+    incomplete last line (the id could be split across chunks). The held bytes are kept as a
+    list of chunks, joined once when their line completes, so a line of ``n`` bytes costs O(n)
+    whatever its chunking (issue 25 item 6: re-joining per chunk was quadratic), and at most
+    :data:`MAX_SSE_LINE_BYTES` are held (:class:`_LineTooLong` beyond)."""
+
+    __slots__ = ("rewrite", "held", "held_bytes")
+
+    def __init__(self, rewrite: Callable[[bytes], bytes]) -> None:
+        self.rewrite = rewrite  # whole lines -> what the client gets (the id swapped, usage rewritten)
+        self.held: list[bytes] = []
+        self.held_bytes = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        cut = chunk.rfind(b"\n") + 1
+        if cut == 0:
+            self.held_bytes += len(chunk)
+            if self.held_bytes > MAX_SSE_LINE_BYTES:
+                raise _LineTooLong
+            if chunk:
+                self.held.append(chunk)
+            return b""
+        if self.held:
+            self.held.append(chunk[:cut])
+            out = b"".join(self.held)
+        else:
+            out = chunk[:cut] if cut < len(chunk) else chunk
+        tail = chunk[cut:]
+        self.held = [tail] if tail else []
+        self.held_bytes = len(tail)
+        if self.held_bytes > MAX_SSE_LINE_BYTES:
+            raise _LineTooLong
+        return self.rewrite(out)
+
+    def rest(self) -> bytes:
+        """The held incomplete line, rewritten (the stream ended without its newline)."""
+        out = self.rewrite(b"".join(self.held)) if self.held else b""
+        self.held, self.held_bytes = [], 0
+        return out
+
+
 class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
@@ -285,47 +343,52 @@ class Proxy:
         #: request "model" -> chain root, for the LoRA adapters named in cfg.lora_adapters
         self._lora_roots = {name: chain_root(name) for name in cfg.lora_adapters}
         self.rng = random.Random(cfg.seed)
-        # request ids and bootstrap rooms must not collide across router processes in front of the
-        # same engines: a per-process random id prefix and a room generator seeded from the OS
-        # (one urandom call at start instead of one per request)
+        # bootstrap rooms must not collide across router processes in front of the same engines: a
+        # room generator seeded from the OS (one urandom call at start instead of one per request)
         self._room_rng = random.Random(secrets.randbits(128))
-        self._id_prefix = f"pdlb-{secrets.token_hex(6)}-"
-        self._client_ids = itertools.count()
         self._ids = itertools.count()
         self._no_prefill = False  # the last attempt found no routable prefill worker (logged once)
         self.background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any],
-                     raw: bytes | None = None) -> web.StreamResponse:
+                     raw: bytes | None = None, pre: Analysis | None = None) -> web.StreamResponse:
         """Serve one parsed request body on ``endpoint`` (``completions``, ``chat``, ``generate``);
         ``raw`` is the body as the client sent it (forwarded without re-encoding where the legs
-        only add fields, see :func:`encode_with`)."""
+        only add fields, see :func:`encode_with`); ``pre``: a large body's analysis from the
+        worker process (:mod:`balancer.service.body_offload`; ``body`` is then its light body,
+        checked and hashed there)."""
         cfg = self.cfg
         t0 = time.monotonic()
-        try:
-            check_request(endpoint, body, cfg.max_tokens_limit)
-            client_id = client_request_id(body, request.headers)
-            prompt = extract_prompt(endpoint, body)
-            max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
-        except PromptError as e:
-            return error_response(400, str(e))
-        model = body.get("model")
-        root = self._lora_roots.get(model) if self._lora_roots and isinstance(model, str) else None  # a LoRA's chain
-        try:
-            if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
-                # long prompts are tokenised in a worker thread so that the event loop keeps serving other
-                # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
-                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt, root)
-            else:
-                n_tokens, hashes = self.hasher.hash(prompt, root)
-        except PromptError as e:  # e.g. the model's chat template rejected the messages
-            return error_response(400, str(e))
+        if pre is not None:
+            client_id, max_out, n_tokens, hashes, exact = pre.client_id, pre.max_out, pre.n_tokens, pre.hashes, pre.tokenized
+            if pre.inexact:
+                self.hasher._note(list(pre.inexact))
+        else:
+            try:
+                check_request(endpoint, body, cfg.max_tokens_limit)
+                client_id = client_request_id(body, request.headers)
+                prompt = extract_prompt(endpoint, body)
+                max_out = max_output_tokens(endpoint, body, cfg.default_max_tokens)
+            except PromptError as e:
+                return error_response(400, str(e))
+            model = body.get("model")
+            root = self._lora_roots.get(model) if self._lora_roots and isinstance(model, str) else None  # a LoRA's chain
+            try:
+                if self.hasher.tokenizes(prompt) and len(prompt.text or "") >= TOKENIZE_IN_THREAD_CHARS:
+                    # long prompts are tokenised in a worker thread so that the event loop keeps serving other
+                    # requests' I/O (at least between GIL switch intervals) while a big prompt is encoded
+                    n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(None, self.hasher.hash, prompt, root)
+                else:
+                    n_tokens, hashes = self.hasher.hash(prompt, root)
+            except PromptError as e:  # e.g. the model's chat template rejected the messages
+                return error_response(400, str(e))
+            exact = prompt.token_ids is not None
         if cfg.max_model_len is not None and n_tokens + max_out > cfg.max_model_len:
-            return error_response(400, f"the prompt ({n_tokens} tokens{'' if prompt.token_ids else ', estimated'}) plus "
+            return error_response(400, f"the prompt ({n_tokens} tokens{'' if exact else ', estimated'}) plus "
                                        f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")
         visible_id = client_id if client_id is not None else self.new_upstream_id()
-        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id)
+        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out)
         resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
         if "X-Request-Id" not in resp.headers and not resp.prepared:
             resp.headers["X-Request-Id"] = visible_id
@@ -346,9 +409,12 @@ class Proxy:
                     # the router's own id at the engines, new per attempt (the first attempt of a
                     # request without a client id uses the id the client will see)
                     ctx.upstream_id = visible_id if attempt == 0 and client_id is None else self.new_upstream_id()
+                    faults.waiting.clear()  # the last attempt's legs were aborted
                     try:
                         result = await self._attempt(ctx, ctx.upstream_id, n_tokens, hashes, max_out)
                     except Failure as f:
+                        f.__traceback__ = None  # its frames hold the attempt's tasks and body (never logged)
+                        faults.waiting.clear()  # the attempt's other legs were aborted
                         if f.worker is not None:
                             self._failed(f.worker, f.kind, charge=f.charge == "now",
                                          unreachable=f.message if f.unreachable else None)
@@ -373,6 +439,8 @@ class Proxy:
                         return result
         except TimeoutError:
             msg = f"request timed out after {cfg.request_timeout_s:g} s"
+            for w in list(faults.waiting.values()):  # legs that never answered: their engines' fault
+                self._failed(w, "request_timeout")
             if ctx.resp is not None:  # already streaming: end the stream with an error event
                 await self._stream_error(ctx, 504, msg)
                 return ctx.resp
@@ -383,8 +451,10 @@ class Proxy:
             _FAULTS.reset(faults_token)
 
     def new_upstream_id(self) -> str:
-        """A request id of this router process, unique per attempt: ``pdlb-<12 random hex>-<n>``."""
-        return f"{self._id_prefix}{next(self._client_ids)}"
+        """A new request id, unique per attempt and unguessable: ``pdlb-<24 hex digits>`` from the
+        OS's random source (96 bits; no counter, so an id tells a client nothing of the others'
+        traffic, and no router process repeats another's)."""
+        return f"pdlb-{secrets.token_hex(12)}"
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based), with jitter."""
@@ -428,6 +498,14 @@ class Proxy:
             self.router.on_finished(router_id, time.monotonic(), legs.output_tokens)
             if not legs.done:
                 self._abort(legs)
+            # a failed leg's task holds its exception, whose traceback holds the frames that hold
+            # the task (and the body): cut those cycles so that the body is freed when the request
+            # ends, not at the next full collection (issue 25 item 1)
+            for t in legs.tasks:
+                if t.done() and not t.cancelled() and (leg_exc := t.exception()) is not None:
+                    leg_exc.__traceback__ = None
+            legs.tasks.clear()
+            legs.responses.clear()
 
     def _record_route(self, route: Route, n_tokens: int) -> None:
         m = self.metrics
@@ -470,9 +548,9 @@ class Proxy:
             self._dp_rank(extra, headers, d, route.decode.dp_rank)
             self._model_for(ctx, d, extra)
             legs.started.append((d, upstream_id))
-            deadline = self._first_byte_deadline(ctx.stream)
+            deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
             d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, extra), headers, legs, deadline,
-                                      stream=ctx.stream)
+                                      stream=ctx.stream, max_out=ctx.max_out)
             return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
         p = self._worker(route.prefill.engine)
         if cfg.pd_protocol == "sglang":
@@ -500,12 +578,13 @@ class Proxy:
         self._model_for(ctx, p, p_extra)
         self._model_for(ctx, d, d_extra)
         legs.started += [(p, upstream_id), (d, upstream_id)]
-        d_deadline = self._first_byte_deadline(ctx.stream)
+        d_deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
         p_data = encode_with(ctx.raw, ctx.body, p_extra)
         # the same bytes for both legs unless their DP ranks differ
         d_data = p_data if p_extra == d_extra else encode_with(ctx.raw, ctx.body, d_extra)
         p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs, prefill=True))
-        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream))
+        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream,
+                                                max_out=ctx.max_out))
         legs.tasks += [p_task, d_task]
         pending: set[asyncio.Task] = {p_task, d_task}
         while d_task in pending:
@@ -563,7 +642,7 @@ class Proxy:
         self._model_for(ctx, p, p_extra)
         p_body.update(p_extra)
         legs.started.append((p, upstream_id))
-        data = await self._full(p, path, p_body, p_headers, legs, prefill=True)
+        data = await self._full(p, path, encode_body(p_body, ctx.raw), p_headers, legs, prefill=True)
         try:
             kv = json.loads(data)["kv_transfer_params"]
             if not isinstance(kv, dict):
@@ -580,12 +659,22 @@ class Proxy:
         self._dp_rank(d_extra, d_headers, d, route.decode.dp_rank)
         self._model_for(ctx, d, d_extra)
         legs.started.append((d, upstream_id))
-        deadline = self._first_byte_deadline(ctx.stream)
+        deadline = self._first_byte_deadline(ctx.stream, ctx.max_out)
         d_resp = await self._open(d, path, encode_with(ctx.raw, ctx.body, d_extra), d_headers, legs, deadline,
-                                  stream=ctx.stream)
+                                  stream=ctx.stream, max_out=ctx.max_out)
         return await self._relay(ctx, d, d_resp, router_id, legs, deadline)
 
     # ------------------------------------------------------------------ upstream I/O
+    @staticmethod
+    def _waiting(w: Worker, waiting: bool) -> None:
+        """Mark a leg on ``w`` as waiting for its first byte (or no longer)."""
+        faults = _FAULTS.get()
+        if faults is not None:
+            if waiting:
+                faults.waiting[w.url] = w
+            else:
+                faults.waiting.pop(w.url, None)
+
     def _failed(self, w: Worker, kind: str, charge: bool = True, unreachable: str | None = None) -> None:
         """Count a failure of ``w`` in the metrics, keep the current request's retries off it and,
         with ``charge``, count it against its circuit breaker (at most once per client request);
@@ -610,36 +699,45 @@ class Proxy:
         if self.pool.get(w.url) is w:  # not removed meanwhile
             self.pool.record_result(w, False, time.monotonic())
 
-    def _first_byte_timeout(self, stream: bool = False) -> tuple[str, float] | None:
+    def _first_byte_timeout(self, stream: bool = False, max_out: int | None = None) -> tuple[str, float] | None:
         """``(setting, seconds)`` bounding a leg's first byte: ``first_byte_timeout_s``, else for a
-        streamed decode leg ``stream_first_chunk_timeout_s``; ``None``: unbounded."""
-        if self.cfg.first_byte_timeout_s is not None:
-            return "first_byte_timeout_s", self.cfg.first_byte_timeout_s
-        if stream and self.cfg.stream_first_chunk_timeout_s is not None:
-            return "stream_first_chunk_timeout_s", self.cfg.stream_first_chunk_timeout_s
+        streamed decode leg ``stream_first_chunk_timeout_s``, else for a non-streamed decode leg
+        asking for ``max_out`` output tokens ``nonstream_timeout_s + max_out *
+        nonstream_timeout_per_token_s`` (its whole answer); ``None``: unbounded."""
+        cfg = self.cfg
+        if cfg.first_byte_timeout_s is not None:
+            return "first_byte_timeout_s", cfg.first_byte_timeout_s
+        if stream:
+            if cfg.stream_first_chunk_timeout_s is not None:
+                return "stream_first_chunk_timeout_s", cfg.stream_first_chunk_timeout_s
+        elif max_out is not None and cfg.nonstream_timeout_s is not None:
+            return ("nonstream_timeout_s + max_tokens * nonstream_timeout_per_token_s",
+                    cfg.nonstream_timeout_s + max_out * cfg.nonstream_timeout_per_token_s)
         return None
 
-    def _first_byte_deadline(self, stream: bool = False) -> float | None:
+    def _first_byte_deadline(self, stream: bool = False, max_out: int | None = None) -> float | None:
         """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
-        t = self._first_byte_timeout(stream)
+        t = self._first_byte_timeout(stream, max_out)
         return None if t is None else asyncio.get_running_loop().time() + t[1]
 
-    def _first_byte_failure(self, w: Worker, stream: bool = False) -> Failure:
-        name, t = self._first_byte_timeout(stream) or ("first_byte_timeout_s", float("nan"))
+    def _first_byte_failure(self, w: Worker, stream: bool = False, max_out: int | None = None) -> Failure:
+        name, t = self._first_byte_timeout(stream, max_out) or ("first_byte_timeout_s", float("nan"))
         return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
                        worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
-                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False) -> LegResponse:
+                    legs: _Legs, deadline: float | None | bool = True, stream: bool = False,
+                    max_out: int | None = None) -> LegResponse:
         """POST ``body`` (a JSON object, or its encoding) and wait for the response headers (until
         ``deadline``, event-loop time; ``True``: ``first_byte_timeout_s`` from now; ``None``: no
         deadline); non-2xx answers and a missed deadline become :class:`Failure` (naming ``w``;
         the caller charges it)."""
         if deadline is True:
             deadline = self._first_byte_deadline()
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else encode_body(body, None)
         # the lean client speaks plain HTTP: https workers use the aiohttp session
         client = self.client if w.url[4] == ":" else self.session
+        self._waiting(w, True)  # until its first byte (cleared on an answer or a failure, kept if cancelled)
         try:
             if deadline is None:
                 resp = await client.post(w.endpoint(path), data=data, headers=headers)
@@ -649,13 +747,17 @@ class Proxy:
                 async with asyncio.timeout_at(deadline):
                     resp = await client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
-            raise self._first_byte_failure(w, stream) from None
+            self._waiting(w, False)
+            raise self._first_byte_failure(w, stream, max_out) from None
         except (aiohttp.ClientError, OSError) as e:
+            self._waiting(w, False)
             f = Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
                         worker=w, charge="now")
             # no connection could be opened (not a pooled connection closed under the request)
             f.unreachable = isinstance(e, _CONNECT_ERRORS)
             raise f from None
+        if not stream or resp.status >= 400:  # a streamed decode leg waits for its first chunk (_relay)
+            self._waiting(w, False)
         legs.responses.append(resp)
         if resp.status >= 400:
             try:
@@ -723,7 +825,13 @@ class Proxy:
         swap = self._rewriter(ctx, d_resp)
         if not ctx.stream:
             try:
-                data = await self._read_all(d, d_resp)
+                if deadline is None:
+                    data = await self._read_all(d, d_resp)
+                else:  # the answer in full, not only its headers, by the deadline
+                    async with asyncio.timeout_at(deadline):
+                        data = await self._read_all(d, d_resp)
+            except TimeoutError:
+                raise self._blame(legs, self._first_byte_failure(d, ctx.stream, ctx.max_out)) from None
             except Failure as f:
                 raise self._blame(legs, f) from None
             self.router.on_first_token(router_id, time.monotonic())
@@ -747,10 +855,13 @@ class Proxy:
         except StopAsyncIteration:
             first = b""
         except TimeoutError:
-            raise self._blame(legs, self._first_byte_failure(d, ctx.stream)) from None
+            self._waiting(d, False)
+            raise self._blame(legs, self._first_byte_failure(d, ctx.stream, ctx.max_out)) from None
         except (aiohttp.ClientError, OSError) as e:
+            self._waiting(d, False)
             raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
                                             True, "read", worker=d, charge="now")) from None
+        self._waiting(d, False)
         meter = StreamMeter()
         if meter.feed(first):
             self._first_token(ctx, router_id)
@@ -761,39 +872,45 @@ class Proxy:
         ctx.resp = resp
         await resp.prepare(ctx.request)
         # with id swapping or PD usage rewriting, chunks are relayed by whole lines (SSE events end
-        # in newlines); held: the last chunk's incomplete line
-        held = b""
-        lines = swap is not None or legs.pd
-        if lines:
-            first, held = self._rewrite_lines(first, swap, legs)
-        if first:
-            await resp.write(first)
-        while True:
-            try:
-                chunk = await it.__anext__()
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientError, OSError) as e:
-                failed = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
-                if failed.worker is not None:
-                    self._failed(failed.worker, "mid_stream")
-                if held:  # (held is only ever set in line mode)
-                    await resp.write(self._rewrite(held, swap, legs))
-                await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
-                self._abort(legs)
-                legs.done = True
-                return resp
-            if meter.feed(chunk):
-                self._first_token(ctx, router_id)
-            if lines:
-                chunk, held = self._rewrite_lines(held + chunk, swap, legs)
-            if chunk:
-                await resp.write(chunk)
+        # in newlines): the incomplete last line is held back (_SwapLines: linear cost, bounded)
+        lines = _SwapLines(lambda data: self._rewrite(data, swap, legs)) if swap is not None or legs.pd else None
+        try:
+            if lines is not None:
+                first = lines.feed(first)
+            if first:
+                await resp.write(first)
+            while True:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, OSError) as e:
+                    failed = self._blame(legs, Failure(502, "", True, "mid_stream", worker=d, charge="now"))
+                    if failed.worker is not None:
+                        self._failed(failed.worker, "mid_stream")
+                    if lines is not None and (rest := lines.rest()):
+                        await resp.write(rest)
+                    await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
+                    self._abort(legs)
+                    legs.done = True
+                    return resp
+                if meter.feed(chunk):
+                    self._first_token(ctx, router_id)
+                if lines is not None:
+                    chunk = lines.feed(chunk)
+                if chunk:
+                    await resp.write(chunk)
+        except _LineTooLong:
+            self._failed(d, "sse_line_too_long")
+            await self._stream_error(ctx, 502, f"worker {d.url} sent an SSE line over {MAX_SSE_LINE_BYTES} bytes")
+            self._abort(legs)
+            legs.done = True
+            return resp
         if self.router.cost_learner is not None:  # the only reader of the count
             legs.output_tokens = meter.output_tokens()
         d_resp.release()
-        if held:
-            await resp.write(self._rewrite(held, swap, legs))
+        if lines is not None and (rest := lines.rest()):
+            await resp.write(rest)
         await resp.write_eof()
         self.pool.record_result(d, True, time.monotonic())
         return resp
@@ -814,11 +931,6 @@ class Proxy:
         if legs.prefill_cached_tokens is not None and b'"usage"' in data:
             data = with_cached_tokens(data, legs.prefill_cached_tokens, sse=True)
         return data
-
-    def _rewrite_lines(self, data: bytes, swap: tuple[bytes, bytes] | None, legs: _Legs) -> tuple[bytes, bytes]:
-        """``(complete lines of data rewritten, the incomplete last line)``."""
-        cut = data.rfind(b"\n") + 1
-        return self._rewrite(data[:cut], swap, legs), data[cut:]
 
     async def _stream_error(self, ctx: _Ctx, status: int, message: str) -> None:
         """End a started stream with an SSE error event; the request counts with ``status`` (not

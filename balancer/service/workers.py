@@ -24,9 +24,9 @@ from balancer.types import ReplicaId, Role
 
 log = logging.getLogger("pdlb.service")
 
-MAX_WORKERS = 4096
+MAX_WORKERS = 1024
 """Most workers one router holds (admin API and config); bounds what one admin request can add."""
-MAX_REPLICAS = 65_536
+MAX_REPLICAS = 16_384
 """Most DP ranks over all workers (each is a router replica)."""
 UNREACHABLE_LOG_EVERY_S = 60.0
 """While a worker stays unreachable, its burst of failed connections is logged this often."""
@@ -198,9 +198,10 @@ class WorkerPool:
         reps = tuple(ReplicaId(cfg.url, r) for r in range(cfg.dp_size))
         done: list[ReplicaId] = []
         try:
-            for rep in reps:
-                self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
-                done.append(rep)
+            with self.router.registering():  # the index's share enforced once for all the ranks
+                for rep in reps:
+                    self.router.add_replica(rep, cfg.role, cfg.kv_capacity_tokens)
+                    done.append(rep)
         except BaseException:
             for rep in done:
                 self.router.remove_replica(rep)

@@ -1,0 +1,133 @@
+"""Soak of ``pdlb serve`` under mixed hostile traffic (issue 25): RSS and ``/health`` latency.
+
+A real ``pdlb serve`` (one process) in front of three fake engines (1 prefill, 2 decode; SGLang
+protocol; :func:`sim.emulator.hostile.spawn_hostile_cluster`). First an idle phase (the anchor:
+the same router, probed with no other traffic), then ``--duration-s`` of mixed hostile traffic:
+the actions of :data:`sim.emulator.hostile.ACTIONS` (32 MB token-id prompts the engines refuse,
+20 MB ``logit_bias`` maps, 900k-message chats, gzip bombs, malformed bearer tokens, admin adds of
+1,024 DP ranks with ``/metrics`` scrapes, endless SSE lines, ``Content-Length: -5`` floods, a
+wedged engine) chosen at random, one after another, while a child process probes ``GET /health``
+every 50 ms and the router's RSS (and its body-parsing worker's) is sampled every second.
+
+Prints, for the idle phase and the hostile phase: probe p50/p99/max, the router's own event-loop
+lag (``pdlb_event_loop_lag_seconds``: share over 100 ms, count over 250 ms), RSS at the start,
+the peak and the end, the ratios hostile/idle, and per action the statuses and the probe's worst.
+
+Run (from the repository root)::
+
+    .venv/bin/python bench/hostile_soak.py --duration-s 600
+    .venv/bin/python bench/hostile_soak.py --duration-s 120 --seed 3   # a shorter run
+
+Exit status 1 if an action got an unexpected status (a 5xx) or the router died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sim.emulator.hostile import (ACTIONS, EXPECTED, LoopLag, Probe, loop_lag_counts,  # noqa: E402
+                                  spawn_hostile_cluster, warm_up)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _line(label: str, lat: list[float], lag: LoopLag) -> str:
+    return (f"{label:8s} probes {len(lat):6d}  p50 {_pct(lat, 0.5) * 1e3:7.1f} ms  p99 {_pct(lat, 0.99) * 1e3:7.1f} ms  "
+            f"max {max(lat, default=float('nan')) * 1e3:7.1f} ms | loop lag samples {lag.samples:6d}  "
+            f">100 ms {100 * lag.over_100ms / max(1, lag.samples):5.2f}%  >250 ms {lag.over_250ms}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration-s", type=float, default=600.0, help="hostile phase length (default 600)")
+    p.add_argument("--idle-s", type=float, default=20.0, help="idle (anchor) phase length (default 20)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    c = spawn_hostile_cluster(tempfile.mkdtemp(prefix="pdlb-soak-"))
+    rss: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            rss.append((time.monotonic(), *c.rss()))
+            stop.wait(1.0)
+
+    try:
+        warm_up(c)
+        time.sleep(1.0)
+        base_main, base_children = c.rss()
+        # idle anchor
+        lag0 = loop_lag_counts(c.router.url)
+        probe = Probe(c.router.url)
+        time.sleep(args.idle_s)
+        idle = probe.stop()
+        idle_lag = LoopLag.between(lag0, loop_lag_counts(c.router.url))
+        # hostile phase
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        lag1 = loop_lag_counts(c.router.url)
+        probe = Probe(c.router.url)
+        t0 = time.monotonic()
+        per_action: dict[str, list[tuple[float, float, list[int]]]] = {}
+        bad = 0
+        names = list(ACTIONS)
+        while time.monotonic() - t0 < args.duration_s:
+            name = rng.choice(names)
+            a0 = time.monotonic()
+            statuses = ACTIONS[name](c)
+            per_action.setdefault(name, []).append((a0, time.monotonic(), statuses))
+            if not set(statuses) <= EXPECTED[name] or not c.router.alive():
+                bad += 1
+                print(f"unexpected: {name} -> {statuses}", flush=True)
+                if not c.router.alive():
+                    break
+        hostile = probe.stop()
+        hostile_lag = LoopLag.between(lag1, loop_lag_counts(c.router.url))
+        took = time.monotonic() - t0
+        time.sleep(5.0)  # memory settles
+        stop.set()
+        sampler.join()
+        end_main, end_children = c.rss()
+    finally:
+        stop.set()
+        c.stop()
+
+    print(f"pdlb serve (1 process) + 3 fake engines; idle {args.idle_s:.0f} s, then {took:.0f} s of hostile traffic "
+          f"({sum(len(v) for v in per_action.values())} actions, seed {args.seed}); machine: {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(_line("idle", idle.latencies_s, idle_lag))
+    print(_line("hostile", hostile.latencies_s, hostile_lag))
+    print(f"ratio hostile/idle: probe p99 {_pct(hostile.latencies_s, 0.99) / _pct(idle.latencies_s, 0.99):.2f}x, "
+          f"max {hostile.max_s() / idle.max_s():.2f}x; probes that failed: {hostile.errors()}")
+    peak_main = max((r[1] for r in rss), default=0)
+    peak_children = max((r[2] for r in rss), default=0)
+    print(f"RSS router: baseline {base_main / 1e6:.0f} MB, peak {peak_main / 1e6:.0f} MB, end {end_main / 1e6:.0f} MB "
+          f"({end_main / base_main:.2f}x baseline); body worker + fork server: baseline {base_children / 1e6:.0f} MB, "
+          f"peak {peak_children / 1e6:.0f} MB, end {end_children / 1e6:.0f} MB ({end_children / max(1, base_children):.2f}x)")
+    if rss:
+        tail = [r[1] for r in rss if r[0] > rss[-1][0] - 60]
+        print(f"RSS router over the last 60 s: median {statistics.median(tail) / 1e6:.0f} MB")
+    print("per action: runs, statuses seen, worst probe latency during it")
+    times, lats = hostile.times_s, hostile.latencies_s
+    for name, runs in sorted(per_action.items()):
+        worst = max((lat for t, lat in zip(times, lats) if any(a <= t <= b for a, b, _ in runs)), default=float("nan"))
+        seen = sorted({s for _, _, st in runs for s in st})
+        print(f"  {name:32s} {len(runs):4d}  {seen}  {worst * 1e3:7.1f} ms")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
