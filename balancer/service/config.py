@@ -505,6 +505,9 @@ def config_warnings(cfg: ServiceConfig) -> list[str]:
     elif any(w.events is not None for w in cfg.workers):
         out.append("warning: workers have events endpoints but index_mode is approximate: their KV events are not "
                    "used (set --index-mode events or hybrid)")
+    if cfg.chat_engine != "vllm" and cfg.tokenizer_path is None:
+        out.append(f"warning: chat_engine {cfg.chat_engine} has no effect without a tokenizer: chat prompts are hashed "
+                   f"as text chunks (give --tokenizer MODEL_DIR to render them as {cfg.chat_engine} does)")
     if cfg.pd_protocol == "none" or not cfg.workers:
         return out
     n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
