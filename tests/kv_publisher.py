@@ -48,17 +48,25 @@ class FakeEngine:
         self.replay_frames = replay_frames
         self.replay_silent = False  # True: replay requests are received and never answered (a sick engine)
         self.replay_gate: threading.Event | None = None  # set: replies wait until the event is set (a slow replay)
-        self.port = port or free_port()
-        self.replay_port = replay_port or free_port()
         self.ctx = zmq.Context()
         # XPUB: a PUB socket (the same wire for subscribers) that also hands up each new
         # subscription, so a test can wait for a subscriber instead of sleeping a fixed time
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        # no port given: bound to a free one atomically (free_port() then bind raced other test
+        # processes on a shared host: "Address already in use")
+        if port:
+            self.pub.bind(f"tcp://127.0.0.1:{port}")
+            self.port = port
+        else:
+            self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        if replay_port:
+            self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+            self.replay_port = replay_port
+        else:
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.seq = 0
         self.replay_requests: list[int] = []

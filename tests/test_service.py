@@ -304,6 +304,23 @@ async def test_health_and_metrics():
         assert h.status == 503 and (await h.json())["routable_workers"]["decode"] == 0
 
 
+async def test_health_is_unavailable_while_every_decode_worker_refuses_connections():
+    """The proxy marks a worker unreachable at a refused connection, before its breaker opens
+    (10 failures) or a health round notices: /health counts only routable and reachable workers,
+    so with both decode workers refusing it answers 503 at once (it said "ok" before)."""
+    async with inprocess_cluster("sglang", engine=FAST) as c, aiohttp.ClientSession() as s:
+        svc = c.router.app[SERVICE]
+        decode = [w for w in svc.pool.workers.values() if w.role.value == "decode"]
+        now = time.monotonic()
+        svc.pool.record_connect_failure(decode[0], now, "UpstreamConnectError")
+        h = await s.get(c.url + "/health")  # one of two decode workers left: still serving
+        assert h.status == 200 and (await h.json())["routable_workers"]["decode"] == 1
+        svc.pool.record_connect_failure(decode[1], now, "UpstreamConnectError")
+        h = await s.get(c.url + "/health")
+        body = await h.json()
+        assert h.status == 503 and body["status"] == "unavailable" and body["routable_workers"]["decode"] == 0
+
+
 def test_circuit_breaker_half_open_cycle():
     b = CircuitBreaker(CircuitBreakerConfig(failure_threshold=2, success_threshold=2, open_duration_s=10))
     b.record_failure(0.0)
@@ -471,3 +488,16 @@ def test_cost_model_is_learned_only_for_policies_that_read_it():
         assert (Service(cfg).router.cost_learner is not None) is learns, (decode, prefill, proto)
     cfg = ServiceConfig.model_validate({"decode_policy": {"name": "ep_aware"}, "learn_cost_model": False})
     assert Service(cfg).router.cost_learner is None
+
+
+@pytest.mark.parametrize("field, value", [("stale_after_s", 1e308), ("stale_after_s", float("inf")),
+                                          ("replay_timeout_s", 601.0), ("replay_timeout_s", float("nan"))])
+def test_kv_event_timers_are_bounded(field, value):
+    # a review found 1e308 and inf accepted: every timer of the subscriber must stay finite
+    from pydantic import ValidationError
+
+    from balancer.service.config import KvEventsConfig
+
+    with pytest.raises(ValidationError, match=field):
+        KvEventsConfig(**{field: value})
+    assert getattr(KvEventsConfig(**{field: 600.0}), field) == 600.0

@@ -526,7 +526,9 @@ def _fast_path(app: web.Application, fallback):  # noqa: ANN001, ANN202
 async def _health(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     svc.pool.refresh(time.monotonic())
-    counts = {r.value: len(svc.pool.routable((r,))) for r in Role}
+    # routable and reachable: a worker whose connections are refused (marked by the proxy until a
+    # request or health check gets through) serves nobody, even before its breaker opens
+    counts = {r.value: sum(1 for w in svc.pool.routable((r,)) if w.unreachable_since_s is None) for r in Role}
     ok = (counts["decode"] + counts["mixed"]) > 0 and not svc.draining
     # PD with prefill workers registered but none routable: requests get 503 (see proxy)
     no_prefill = svc.cfg.pd_protocol != "none" and svc.pool.num_prefill > 0 and counts["prefill"] == 0

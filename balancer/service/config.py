@@ -236,10 +236,11 @@ class KvEventsConfig(BaseModel):
     """The KV-event subscriber (workers with ``events``; :mod:`balancer.service.kv_subscriber`).
 
     Attributes:
-        stale_after_s: a DP rank whose events stopped this long is marked stale (log, metric).
+        stale_after_s: a DP rank whose events stopped this long is marked stale (log, metric);
+            (0, 86,400] s.
         replay_timeout_s: a replay request that takes longer is given up (counted); the source
             then waits this long (doubling, at most 60 s) before its next replay, applying its live
-            batches meanwhile.
+            batches meanwhile; (0, 600] s.
         max_concurrent_replays: replays of different DP ranks running at once (each source's
             replay is independent: one that never answers delays no other source's events).
         translator_capacity_blocks: engine blocks remembered per DP rank for hash translation.
@@ -250,8 +251,8 @@ class KvEventsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     runner: Literal["process", "thread"] = "process"
-    stale_after_s: float = Field(60.0, gt=0)
-    replay_timeout_s: float = Field(2.0, gt=0)
+    stale_after_s: float = Field(60.0, gt=0, le=86_400.0)
+    replay_timeout_s: float = Field(2.0, gt=0, le=600.0)
     max_concurrent_replays: int = Field(8, ge=1, le=1024)
     translator_capacity_blocks: int = Field(1 << 20, ge=1)
 
@@ -505,6 +506,9 @@ def config_warnings(cfg: ServiceConfig) -> list[str]:
     elif any(w.events is not None for w in cfg.workers):
         out.append("warning: workers have events endpoints but index_mode is approximate: their KV events are not "
                    "used (set --index-mode events or hybrid)")
+    if cfg.chat_engine != "vllm" and cfg.tokenizer_path is None:
+        out.append(f"warning: chat_engine {cfg.chat_engine} has no effect without a tokenizer: chat prompts are hashed "
+                   f"as text chunks (give --tokenizer MODEL_DIR to render them as {cfg.chat_engine} does)")
     if cfg.pd_protocol == "none" or not cfg.workers:
         return out
     n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}

@@ -45,8 +45,11 @@ buffered batches):
   replay whose batch ``last`` differs from the one applied (the new numbering overtook the old
   before the subscriber saw it: the replay starts one batch early to check exactly this); after
   the SUB socket lost its connection (a ZMQ monitor event: the publisher's process went away),
-  the next batch is checked by such a replay (without a replay endpoint, any batch but
-  ``last + 1`` counts as a restart); or a run of :data:`RESTART_RUN` consecutive batches whose
+  such a replay is asked as soon as it connects again (or at the next batch), and a replay that
+  holds nothing numbered ``last`` or later is a restart too (the engine that published ``last``
+  still holds it: a new engine numbering below it, whose first batches may have gone out before
+  the socket reconnected); without a replay endpoint, any batch but ``last + 1`` counts as a
+  restart; or a run of :data:`RESTART_RUN` consecutive batches whose
   numbers jumped too far (below). Answered by clearing the replica's view (``AllBlocksCleared``
   of HBM and host; its translator forgets every engine block) and replaying the new engine's
   buffer from 0: the view is the new engine's within one replay round trip.
@@ -398,7 +401,7 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, s.src.topic)
         # the publisher's process going away shows as a disconnect: a restart signal (see module docstring)
-        s.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        s.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sub.connect(s.src.endpoint)
         s.sub = sub
         s.last_msg_s = self._clock()
@@ -511,6 +514,13 @@ class KvEventSubscriber:
                     s.disconnected = True
                     log.info("KV events of %s: publisher disconnected; the next batch is checked for a restart",
                              s.src.replica)
+            elif msg.get("event") == zmq.EVENT_CONNECTED and s.disconnected and s.replay is None \
+                    and s.src.replay_endpoint is not None and s.last_seq is not None and s.last_digest is not None:
+                # connected again: check now, not at the next batch, whether the engine behind the
+                # port still has the last batch applied (a restarted engine's first batches may
+                # have gone out before this socket reconnected, and it may publish nothing more)
+                s.disconnected = False
+                self._ask_replay(s, s.last_seq, "verify", verify=(s.last_seq, s.last_digest))
 
     def _hold(self, s: _Source, seq: int, payload: bytes) -> None:
         s.held.append((seq, payload))
@@ -781,9 +791,12 @@ class KvEventSubscriber:
         if ok and r.verify is not None:
             vseq, vdigest = r.verify
             theirs = next((_digest(p) for q, p in got if q == vseq), None)
-            if theirs is not None and theirs != vdigest:
-                # the engine's batch `vseq` is not the one applied: a new engine, numbering overtaken
-                self._clear_view(s, f"its replayed batch {vseq} differs from the one applied", out)
+            # the engine's batch `vseq` is not the one applied: a new engine, numbering overtaken;
+            # or it has nothing numbered `vseq` or later, which the engine that published `vseq`
+            # still would (its buffer keeps the newest batches): a new engine numbering below it
+            if (theirs is not None and theirs != vdigest) or not got:
+                self._clear_view(s, f"its replayed batch {vseq} differs from the one applied" if got else
+                                 f"its replay holds nothing from batch {vseq} on", out)
                 self._ask_replay(s, 0, "restart")
                 self._set_flags(s)
                 return  # the held batches stay held for that replay
@@ -871,7 +884,7 @@ class KvEventSubscriberProcess:
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
         self._stop_r, self._stop_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_subscriber_child, args=(*self._args, send, self._stop_r),
+        self._proc = ctx.Process(target=_subscriber_child, args=(*self._args, send, self._stop_r, _log_setup()),
                                  name="pdlb-kv-events", daemon=True)
         self._proc.start()
         send.close()
@@ -948,9 +961,22 @@ class KvEventSubscriberProcess:
         self._proc = None
 
 
+def _log_setup() -> tuple[int, str | None]:
+    """This process's ``pdlb.kv_events`` level and root handler format, for a spawned child (which
+    starts with no logging configured: its lines would come out bare and its INFO lines not at all)."""
+    root = logging.getLogger()
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)  # noqa: SLF001
+    return log.getEffectiveLevel(), fmt
+
+
 def _subscriber_child(sources, block_size, stale_after_s, replay_timeout_s, capacity, stats_interval_s,  # noqa: ANN001
-                      ring_path, ring_bytes, max_concurrent_replays, conn, stop_conn) -> None:  # noqa: ANN001
-    """Entry point of :class:`KvEventSubscriberProcess`'s child."""
+                      ring_path, ring_bytes, max_concurrent_replays, conn, stop_conn,  # noqa: ANN001
+                      log_setup: tuple[int, str | None] | None = None) -> None:
+    """Entry point of :class:`KvEventSubscriberProcess`'s child (``log_setup``: :func:`_log_setup`
+    of the parent, applied here so the child logs as the router does)."""
+    if log_setup is not None and not logging.getLogger().handlers:
+        level, fmt = log_setup
+        logging.basicConfig(level=level, format=fmt or logging.BASIC_FORMAT)
     send_lock = threading.Lock()
 
     def send(kind: str, payload) -> None:  # noqa: ANN001

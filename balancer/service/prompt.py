@@ -9,7 +9,8 @@ the prefix index (:mod:`balancer.prefix_index`) matches on:
   blocks are hashed with :func:`balancer.hashing.hash_token_blocks`, so they equal the pdlb hashes
   the router derives from the engine's KV events (:mod:`balancer.kv_translate`). Completion and
   ``/generate`` text: ``encode(text, add_special_tokens=True)`` (vLLM's and SGLang's default, e.g.
-  a BOS token). Chat: the folder's chat template (``tokenizer_config.json`` ``chat_template``, or
+  a BOS token; a completion's ``add_special_tokens: false`` is honoured with ``engine="vllm"``,
+  whose completions have the field). Chat: the folder's chat template (``tokenizer_config.json`` ``chat_template``, or
   ``chat_template.jinja``) is rendered with jinja2 as HuggingFace's ``apply_chat_template`` does
   (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``add_generation_prompt=True``, ``bos_token``/
   ``eos_token`` from the config, ``raise_exception``), then encoded with
@@ -73,6 +74,9 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
     messages: list[Any] | None = field(default=None, compare=False)
     chat: ChatOptions | None = field(default=None, compare=False)
+    #: a completion's ``add_special_tokens`` (vLLM 0.33 ``CompletionRequest``, default true; SGLang's
+    #: completions have no such field); ``None``: not given
+    add_special_tokens: bool | None = field(default=None, compare=False)
 
 
 def _chat_options(body: dict[str, Any]) -> ChatOptions:
@@ -173,11 +177,14 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     if endpoint != "completions":
         raise ValueError(f"unknown endpoint {endpoint!r}")
     p = body.get("prompt")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise PromptError("'add_special_tokens' must be a boolean")
     if isinstance(p, str):
-        return Prompt(text=p)
+        return Prompt(text=p, add_special_tokens=special)
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
-            return Prompt(text="".join(p))
+            return Prompt(text="".join(p), add_special_tokens=special)
         if all(isinstance(x, list) for x in p):
             return Prompt(token_ids=_token_list([t for x in p for t in x], "prompt"))
         return Prompt(token_ids=_token_list(p, "prompt"))
@@ -349,6 +356,14 @@ class ChatTemplate:
             notes.append("request_chat_template")
         msgs = _engine_messages(messages, engine, self.content_format, notes)
         user_kwargs = dict(o.chat_template_kwargs or {})
+        # Variables pdlb sets from the request itself: a request kwarg of the same name cannot also
+        # reach the template (the engines call the template with those names bound: vLLM's
+        # merge_kwargs lets the request field win, a second ``messages`` / ``tools`` is a TypeError
+        # in both engines), so the field wins here and the prompt is counted inexact.
+        clash = sorted(k for k in user_kwargs if k in _BOUND_TEMPLATE_VARS)
+        if clash:
+            notes.append("chat_template_kwargs")
+            user_kwargs = {k: v for k, v in user_kwargs.items() if k not in _BOUND_TEMPLATE_VARS}
         if engine == "sglang":
             suffix = None
             agp = o.add_generation_prompt
@@ -429,6 +444,9 @@ _TEXT_PARTS = {"vllm": (frozenset({"text", "input_text", "output_text", "refusal
                "sglang": (frozenset({"text", "input_text"}), " ")}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+#: template variables that :meth:`ChatTemplate.render_for` binds from request fields; the same
+#: names in ``chat_template_kwargs`` are dropped (reason ``chat_template_kwargs``)
+_BOUND_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"})
 ENGINES = ("vllm", "sglang")
 
 
@@ -569,7 +587,8 @@ class PromptHasher:
         #: whose chat rendering to reproduce (:meth:`ChatTemplate.render_for`)
         self.engine = engine
         #: called with a reason each time a prompt's token ids may differ from the engine's
-        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``, ``engine_renderer``); the service counts
+        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``, ``chat_template_kwargs``,
+        #: ``engine_renderer``); the service counts
         #: them as ``pdlb_prompt_inexact_total{reason}``
         self.on_inexact: Any = None
         self.block_size = int(block_size)
@@ -620,7 +639,10 @@ class PromptHasher:
             return ids
         if prompt.messages is not None:  # a tokenizer without a chat template: the engine's rendering is unknown
             self._note(["no_chat_template"])
-        return self._tokenizer.encode(prompt.text or "", add_special_tokens=prompt.messages is None).ids
+        special = prompt.messages is None
+        if special and prompt.add_special_tokens is not None and self.engine == "vllm":
+            special = prompt.add_special_tokens  # vLLM's completions honour it; SGLang's have no such field
+        return self._tokenizer.encode(prompt.text or "", add_special_tokens=special).ids
 
     def _note(self, reasons: list[str]) -> None:
         if reasons and self.on_inexact is not None:
