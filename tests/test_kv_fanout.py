@@ -233,10 +233,13 @@ async def test_one_subscriber_feeds_two_routers_and_is_restarted_when_it_dies(tm
         assert await _until(lambda: owner.stats().get(REP, {}).get("batches") == 1)
         assert other.stats() == {}  # decoded in the owner's subscriber only
         assert owner.fanout_stats()["applied"] == other.fanout_stats()["applied"] == 1
+        assert owner.health()["subscriber"] == "running" and owner.health()["restarts"] == 0
+        assert other.health() == {"subscriber": "process 0"}
         pid = owner.subscriber.pid
         os.kill(pid, signal.SIGKILL)
         assert await _until(lambda: owner.subscriber_restarts == 1 and owner.subscriber is not None
                            and owner.subscriber.pid != pid and owner.subscriber_alive())
+        assert owner.health()["subscriber"] == "running" and owner.health()["restarts"] == 1
         # the new subscriber cleared the replica (2 media) and replayed the engine's buffer (seq 0)
         assert await _until(lambda: all(f.fanout_stats()["applied"] == 4 for f in (owner, other)))
         assert all(rt.index.match(want) == {REP: 4} for rt in routers)
