@@ -30,9 +30,11 @@ Format (ANCHORS.md, "vLLM KV cache events"; vLLM ``vllm/distributed/kv_events.py
   digests). They are opaque keys here; :mod:`balancer.kv_translate` maps them onto pdlb's hashes.
 * ``token_ids`` of a ``BlockStored`` are all of its blocks' tokens, concatenated:
   ``len(token_ids) == len(block_hashes) * block_size``. One exception: for a KV cache group that
-  is not full attention (``kv_cache_spec_kind`` sliding window, Mamba), vLLM leaves the group's
-  null blocks out of ``block_hashes`` while ``token_ids`` still spans them, so there the tokens
-  may be more whole blocks than the hashes (never fewer, never a partial block).
+  is not full attention (``kv_cache_spec_kind`` sliding window incl. ``sliding_window_mla``, Mamba,
+  chunked local: :func:`kv_group_class`), vLLM 0.33 (``BlockPool.cache_full_blocks``) leaves the
+  group's null blocks, and blocks its hit rule never reads (``block_mask``), out of
+  ``block_hashes`` while ``token_ids`` still spans them, so there the tokens may be more whole
+  blocks than the hashes (never fewer, never a partial block).
 
 Replay (a ROUTER socket beside the PUB socket): a client sends ``[b"", start_seq]`` (8-byte
 big-endian) and receives ``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on,
@@ -52,7 +54,7 @@ import msgpack
 
 __all__ = ["END_OF_REPLAY", "EngineAllBlocksCleared", "EngineBatch", "EngineBlockRemoved", "EngineBlockStored",
            "EngineEvent", "EngineHash", "KvWireError", "decode_batch", "decode_seq", "encode_seq",
-           "is_full_attention", "offset_port"]
+           "is_full_attention", "kv_group_class", "offset_port"]
 
 #: An engine block hash: an int (vLLM default, SGLang) or bytes (vLLM sha256 digests).
 EngineHash = int | bytes
@@ -150,13 +152,42 @@ class EngineBatch:
     data_parallel_rank: int | None = None
 
 
+#: ``kv_cache_spec_kind`` values (vLLM 0.33 ``KVCacheSpecKind``) by what a prefix hit needs of the group:
+#: ``full``: every block of the prefix (full attention, MLA incl. DeepSeek-V4's compressed groups,
+#: attention with sinks); ``window``: the blocks of the last sliding window before the hit's end;
+#: ``last``: the block (state) that ends the hit (Mamba; chunked local attention, whose chunk size
+#: the events do not carry); ``other``: groups that take no part in prefix caching.
+KV_GROUP_CLASSES = {
+    "full_attention": "full", "mla_attention": "full", "sink_full_attention": "full",
+    "sliding_window": "window", "sliding_window_mla": "window",
+    "mamba": "last", "chunked_local_attention": "last",
+    "encoder_only_attention": "other", "cross_attention": "other", "unknown": "other",
+}
+
+
+def kv_group_class(kind: str | None) -> str:
+    """What a prefix hit needs of a KV cache group of ``kv_cache_spec_kind`` ``kind``:
+    ``"full"``, ``"window"``, ``"last"`` or ``"other"`` (see :data:`KV_GROUP_CLASSES`; ``None``,
+    not sent, is a model with one group, taken as full attention). A kind this table does not
+    list is classed by its name: ``sliding`` -> window, else ``full`` -> full, else other.
+    Source: vLLM ``v1/core/single_type_kv_cache_manager.py`` (each manager's
+    ``find_longest_cache_hit``) and ``v1/kv_cache_interface.py`` (``get_kv_cache_spec_kind``)."""
+    if kind is None:
+        return "full"
+    k = kind.lower()
+    got = KV_GROUP_CLASSES.get(k)
+    if got is not None:
+        return got
+    if "sliding" in k:
+        return "window"
+    return "full" if "full" in k else "other"
+
+
 def is_full_attention(kind: str | None) -> bool:
     """Whether a ``kv_cache_spec_kind`` names a full-attention KV cache group (``None``: not sent,
-    a model with one group, which is full attention; MLA counts as full attention)."""
-    if kind is None:
-        return True
-    k = kind.lower()
-    return "full" in k or "mla" in k
+    a model with one group, which is full attention; ``mla_attention`` is, ``sliding_window_mla``
+    is not: :func:`kv_group_class`)."""
+    return kv_group_class(kind) == "full"
 
 
 # ---------------------------------------------------------------------- sequence numbers

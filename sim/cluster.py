@@ -156,6 +156,8 @@ class Cluster:
         self._long_engines: frozenset[str] = frozenset()
         first_capacity_blocks: int | None = None
         largest_capacity_blocks = 0
+        # hybrid-KV models (DeepSeek-V4): a prefix hit is a multiple of the full-attention groups' block
+        hit_multiple = get_model(scenario.model).prefix_hit_multiple_tokens
         for name, role, pool in pools:
             assert pool is not None
             perf = perf_factory(scenario, pool)
@@ -178,6 +180,7 @@ class Cluster:
                     rep = ReplicaId(f"{name}-{e}", d)
                     rank = Rank(rep, len(self.ranks), role, cap_blocks, scenario.block_size,
                                 pool.max_prefill_tokens, pool.max_decode_batch)
+                    rank.hit_multiple_tokens = hit_multiple
                     self.ranks.append(rank)
                     self._perf_of.append(perf)
                     self._by_replica[rep] = rank

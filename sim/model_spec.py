@@ -35,6 +35,9 @@ from sim import csa2
 
 AttentionKind = Literal["mha", "gqa", "mla", "compressed", "csa2"]
 
+#: Tokens per KV block of DeepSeek-V4's full-attention (compressed MLA) KV cache groups in vLLM 0.33.
+V4_KV_BLOCK_TOKENS = 256
+
 
 def _causal_pairs(new_tokens, cached_tokens):  # noqa: ANN001, ANN202
     """``c * p + c * (c + 1) / 2`` (same as :func:`sim.perf.base.causal_attn_pairs`)."""
@@ -229,6 +232,23 @@ class ModelSpec:
     def is_csa2(self) -> bool:
         """DeepSeek-V4.1 CSA2 attention (shared global KV + sliding window, :mod:`sim.csa2`)."""
         return self.attention == "csa2"
+
+    @property
+    def prefix_hit_multiple_tokens(self) -> int:
+        """Tokens a prefix-cache hit is a multiple of on vLLM 0.33 (1: any whole block).
+
+        DeepSeek-V4 and V4.1 keep hybrid KV (vLLM's hybrid KV cache manager): full-attention MLA
+        groups with compressed KV (CSA 4:1, HCA 128:1) beside sliding-window groups. A hit must
+        suit every group (``HybridKVCacheCoordinator.find_longest_cache_hit``), and the MLA
+        groups' blocks are :data:`V4_KV_BLOCK_TOKENS` tokens (V4's sparse MLA kernel supports no
+        other size: ``models/deepseek_v4/sparse_mla.py``, ``get_supported_kernel_block_sizes``),
+        so a hit is a multiple of 256 tokens. The sliding-window groups need only the window
+        before the hit's end; vLLM keeps it cached at each such boundary (``reachable_block_mask``)
+        and the simulator's cache evicts it with the prefix, so it adds no further condition here
+        (V4.1's window is not cached at all: it is replayed, :attr:`ced_replay_tokens`).
+        balancer/kv_translate.py applies the same rule to engines' events; docs/kv_cache.md.
+        """
+        return V4_KV_BLOCK_TOKENS if self.attention in ("compressed", "csa2") else 1
 
     @property
     def is_ced(self) -> bool:

@@ -118,7 +118,8 @@ class Service:
         else:  # set once per event-loop iteration that changed it (ServiceMetrics.flush)
             self.metrics.in_flight_of = lambda: self.in_flight
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
-        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
+        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, engine=cfg.chat_engine)
+        self.hasher.on_inexact = lambda reason: self.metrics.prompt_inexact.labels(reason).inc()
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight: int = 0

@@ -152,6 +152,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "tokenizer.json: hash the engine's real token blocks, chat requests rendered with the model's "
                         "chat template (needs 'tokenizers', 'jinja2') (default: none, hash "
                         f"chunks of block_size * {d.chars_per_token:g} characters)")
+    p.add_argument("--chat-engine", choices=["vllm", "sglang"],
+                   help="whose chat rendering --tokenizer reproduces: vllm or sglang (they join text content parts "
+                        "and continue a final message differently) (default: %s)" % d.chat_engine)
     p.add_argument("--index-mode", choices=["approximate", "events", "hybrid"],
                    help="prefix index: approximate (what the router routed), events (the engines' KV events, workers' "
                         "events=tcp://HOST:PORT), hybrid (events plus the router's own routed prompts for "
@@ -253,7 +256,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                for text in getattr(args, role)]
     data = load_service_config(args.config).model_dump() if args.config else {}
     over: dict = {"host": args.host, "port": args.port, "pd_protocol": args.pd_protocol,
-                  "block_size": args.block_size, "tokenizer_path": args.tokenizer_path,
+                  "block_size": args.block_size, "tokenizer_path": args.tokenizer_path, "chat_engine": args.chat_engine,
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
                   "first_byte_timeout_s": args.first_byte_timeout_s, "max_model_len": args.max_model_len,
                   "prefill_timeout_s": args.prefill_timeout_s,

@@ -285,6 +285,9 @@ class ServiceConfig(BaseModel):
             inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on; only
             when a pool's policy reads the model,
             :data:`balancer.service.app.COST_MODEL_POLICIES`).
+        chat_engine: whose chat rendering ``tokenizer_path``'s template reproduces (``vllm``, ``sglang``:
+            they join text content parts and continue a final message differently; see
+            :meth:`balancer.service.prompt.ChatTemplate.render_for`).
         block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
             :mod:`balancer.service.prompt`.
         pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
@@ -370,6 +373,7 @@ class ServiceConfig(BaseModel):
     block_size: int = Field(64, ge=1)
     chars_per_token: float = Field(4.0, gt=0)
     tokenizer_path: str | None = None
+    chat_engine: Literal["vllm", "sglang"] = "vllm"
     pd_min_uncached_tokens: int = Field(0, ge=0)
     index_capacity_blocks: int | None = Field(262_144, ge=1)
     index_ttl_s: float | None = Field(None, gt=0)

@@ -19,7 +19,8 @@ class KvEventsCollector:
 
     COUNTERS = ("batches", "events", "pdlb_events", "duplicates", "gaps", "gaps_unrecovered", "replays",
                 "replay_failures", "restarts", "decode_errors", "refused_batches", "held_dropped", "disconnects",
-                "dp_rank_mismatches", "translator_unknown_parent_blocks", "translator_extra_key_blocks")
+                "dp_rank_mismatches", "translator_unknown_parent_blocks", "translator_extra_key_blocks",
+                "translator_skipped_group_events", "translator_valid_ends", "translator_invalidated_ends")
 
     def __init__(self, subscriber: Any, delivery: Any = None) -> None:
         """``subscriber``: a ``KvEventSubscriber`` or ``KvEventSubscriberProcess`` (its ``stats()``);

@@ -99,6 +99,9 @@ class ServiceMetrics:
                                      "Prompt fraction the chosen replica is believed to hold (router's prefix index)",
                                      ["pool"], buckets=RATIO_BUCKETS, registry=r)
         self.retries = Counter("pdlb_retries", "Request attempts retried, by reason", ["reason"], registry=r)
+        self.prompt_inexact = Counter("pdlb_prompt_inexact",
+                                      "Chat prompts whose token ids may differ from the engine's, by reason "
+                                      "(no_chat_template, multimodal, request_chat_template)", ["reason"], registry=r)
         self.upstream_failures = Counter("pdlb_upstream_failures", "Failed worker legs by worker and kind",
                                          ["worker", "kind"], registry=r)
         self.in_flight = Gauge("pdlb_in_flight_requests", "Client requests being served", registry=r,

@@ -41,7 +41,7 @@ from typing import Any
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
 
-__all__ = ["ChatTemplate", "Prompt", "PromptError", "PromptHasher", "extract_prompt", "load_tokenizer", "render_messages"]
+__all__ = ["ChatOptions", "ChatTemplate", "Prompt", "PromptError", "PromptHasher", "extract_prompt", "load_tokenizer", "render_messages"]
 
 
 class PromptError(ValueError):
@@ -49,13 +49,62 @@ class PromptError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """The chat request fields that change the prompt an engine renders (vLLM 0.33
+    ``ChatCompletionRequest``, SGLang 0.5.23 the same names), with the engines' defaults."""
+
+    tools: list[Any] | None = None
+    add_generation_prompt: bool | None = None  # None: not given (True in vLLM; SGLang then turns a final assistant message into a user one)
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[Any] | None = None
+    reasoning_effort: str | None = None
+    chat_template: str | None = None  # a per-request template: pdlb cannot render it exactly (counted)
+
+
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """A request's prompt as the router sees it: text, or token ids (exactly one is set); for
-    chat also the ``messages`` (``text`` is then their :func:`render_messages` rendering)."""
+    chat also the ``messages`` (``text`` is then their :func:`render_messages` rendering) and the
+    request's :class:`ChatOptions`."""
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: list[Any] | None = field(default=None, compare=False)
+    chat: ChatOptions | None = field(default=None, compare=False)
+
+
+def _chat_options(body: dict[str, Any]) -> ChatOptions:
+    """The :class:`ChatOptions` of a chat body. Raises :class:`PromptError` on a mistyped field
+    (the engines answer 400 to the same)."""
+    def opt_bool(name: str, default: bool | None) -> bool | None:
+        v = body.get(name, default)
+        if v is not None and not isinstance(v, bool):
+            raise PromptError(f"'{name}' must be a boolean")
+        return v
+
+    def opt(name: str, kind: type, what: str) -> Any:
+        v = body.get(name)
+        if v is not None and not isinstance(v, kind):
+            raise PromptError(f"'{name}' must be {what}")
+        return v
+
+    tools = opt("tools", list, "an array of tools")
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise PromptError("'tools' must be an array of objects")
+    documents = opt("documents", list, "an array of objects")
+    if documents is not None and not all(isinstance(d, dict) for d in documents):
+        raise PromptError("'documents' must be an array of objects")
+    agp = opt_bool("add_generation_prompt", None)
+    cont = bool(opt_bool("continue_final_message", False))
+    if cont and agp:  # vLLM and SGLang refuse the pair
+        raise PromptError("cannot set both 'continue_final_message' and 'add_generation_prompt' to true")
+    return ChatOptions(tools=tools, add_generation_prompt=agp, continue_final_message=cont,
+                       add_special_tokens=bool(opt_bool("add_special_tokens", False)),
+                       chat_template_kwargs=opt("chat_template_kwargs", dict, "an object"), documents=documents,
+                       reasoning_effort=opt("reasoning_effort", str, "a string"),
+                       chat_template=opt("chat_template", str, "a string"))
 
 
 def render_messages(messages: Any) -> str:
@@ -114,7 +163,7 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     """
     if endpoint == "chat":
         messages = body.get("messages")
-        return Prompt(text=render_messages(messages), messages=messages)
+        return Prompt(text=render_messages(messages), messages=messages, chat=_chat_options(body))
     if endpoint == "generate":
         if isinstance(body.get("text"), str):
             return Prompt(text=body["text"])
@@ -216,8 +265,15 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         try:
             self._template = env.from_string(template)
+            ast = env.parse(template)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template does not compile: {e}") from None
+        import jinja2.meta
+        self.source = template
+        #: the template's free variables (request ``chat_template_kwargs`` vLLM passes on are those)
+        self.variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+        #: ``"openai"`` when the template loops over a message's content parts, else ``"string"``
+        self.content_format = _content_format(ast)
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
@@ -253,7 +309,7 @@ class ChatTemplate:
         return cls(template, tokens)
 
     def render(self, messages: list[Any], add_generation_prompt: bool = True, **extra: Any) -> str:
-        """The prompt text for ``messages``.
+        """The prompt text for ``messages`` (``extra``: further template variables, e.g. ``tools``).
 
         Raises:
             PromptError: the template raised (``raise_exception``) or failed on these messages.
@@ -262,11 +318,189 @@ class ChatTemplate:
 
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **extra)
+                                         **{**self.special_tokens, **extra})
         except PromptError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise PromptError(f"chat template failed on these messages: {e}") from None
+
+    def render_for(self, messages: list[Any], options: ChatOptions | None, engine: str = "vllm",
+                   inexact: list[str] | None = None) -> tuple[str, str | None]:
+        """``(prompt text, suffix)`` as ``engine`` (``"vllm"`` or ``"sglang"``) renders a chat
+        request: the text goes through the tokenizer with ``options.add_special_tokens``, the
+        suffix (SGLang's continued final message, else ``None``) without special tokens, and the
+        two token lists are concatenated. Sources: vLLM 0.33 ``ChatCompletionRequest.
+        build_chat_params`` and ``renderers/hf.py`` (``safe_apply_chat_template``,
+        ``resolve_chat_template_kwargs``: request kwargs reach the template only if it names
+        them), which call transformers' ``apply_chat_template`` (``continue_final_message``: the
+        render is cut right after the final message's text); SGLang 0.5.23 ``serving_chat.py``
+        (a final assistant message is removed and its text appended after the generation prompt
+        when continued, turned into a user message when ``add_generation_prompt`` is not given).
+        Reasons pdlb cannot be exact are appended to ``inexact``.
+
+        Raises:
+            PromptError: the template raised, or ``continue_final_message`` cannot be honoured.
+        """
+        o = options or ChatOptions()
+        notes = inexact if inexact is not None else []
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if o.chat_template is not None:
+            notes.append("request_chat_template")
+        msgs = _engine_messages(messages, engine, self.content_format, notes)
+        user_kwargs = dict(o.chat_template_kwargs or {})
+        if engine == "sglang":
+            suffix = None
+            agp = o.add_generation_prompt
+            if (agp is None or o.continue_final_message) and msgs and msgs[-1].get("role") == "assistant" \
+                    and isinstance(msgs[-1].get("content"), str):
+                if o.continue_final_message:
+                    suffix = msgs[-1]["content"]
+                    msgs = msgs[:-1]
+                else:
+                    msgs[-1] = {"role": "user", "content": msgs[-1]["content"]}
+            kw: dict[str, Any] = {}
+            if o.reasoning_effort is not None:
+                kw["reasoning_effort"] = o.reasoning_effort
+            kw.update(user_kwargs)
+            text = self.render(msgs, agp is not False, tools=o.tools, documents=None, **kw)
+            return text, suffix
+        if any(m.get("role") == "developer" for m in msgs) and not (
+                '"developer"' in self.source or "'developer'" in self.source):
+            msgs = _developer_as_system(msgs)  # vLLM renderers/hf.py, for templates without that role
+        # vLLM: documents and reasoning_effort always passed, request kwargs only if the template names them
+        kw = {k: v for k, v in user_kwargs.items() if k in self.variables and k not in ("chat_template", "tokenize")}
+        if "reasoning_effort" in self.variables:
+            kw.setdefault("reasoning_effort", o.reasoning_effort)
+        agp = True if o.add_generation_prompt is None else o.add_generation_prompt
+        if not o.continue_final_message:
+            return self.render(msgs, agp, tools=o.tools, documents=o.documents, **kw), None
+        if not msgs or not isinstance(msgs[-1], dict):
+            raise PromptError("continue_final_message is set but the conversation is empty")
+        last = dict(msgs[-1])
+        content = last.get("content")
+        if isinstance(content, list):
+            parts = [dict(p) for p in content]
+            for p in reversed(parts):
+                if "text" in p:
+                    final = p["text"]
+                    p["text"] = p["text"] + _CONTINUE_TAG
+                    break
+            else:
+                raise PromptError("continue_final_message is set but the final message has no text to continue")
+            last["content"] = parts
+        elif isinstance(content, str):
+            final = content
+            last["content"] = content + _CONTINUE_TAG
+        else:
+            raise PromptError("continue_final_message is set but the final message has no content to continue")
+        text = self.render(msgs[:-1] + [last], agp, tools=o.tools, documents=o.documents, **kw)
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise PromptError("continue_final_message is set but the chat template drops the final message's text")
+        at = text.rindex(tag)
+        return (text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()), None
+
+
+def _content_format(ast: Any) -> str:
+    """vLLM's and SGLang's content-format detection (vLLM ``renderers/hf.py``
+    ``_detect_content_format``; SGLang ``jinja_template_utils``): ``"openai"`` when the template
+    iterates over a message's ``content`` (``{% for part in message['content'] %}``, directly or
+    through a variable set from it), else ``"string"`` (content parts are joined into one string)."""
+    import jinja2.nodes as n
+
+    def reads_content(x: Any) -> bool:
+        return ((isinstance(x, n.Getitem) and isinstance(x.arg, n.Const) and x.arg.value == "content")
+                or (isinstance(x, n.Getattr) and x.attr == "content"))
+
+    names = {a.target.name for a in ast.find_all(n.Assign) if isinstance(a.target, n.Name) and reads_content(a.node)}
+    for loop in ast.find_all(n.For):
+        it = loop.iter
+        if isinstance(it, n.Filter) and it.node is not None:  # e.g. message['content'] | selectattr(...)
+            it = it.node
+        if reads_content(it) or (isinstance(it, n.Name) and it.name in names):
+            return "openai"
+    return "string"
+
+
+#: Content part types each engine reads as text (vLLM 0.33 ``TEXT_PART_TYPES``; SGLang 0.5.23
+#: ``process_content_for_template_format``), and how it joins them for a ``"string"`` template.
+_TEXT_PARTS = {"vllm": (frozenset({"text", "input_text", "output_text", "refusal", "thinking"}), "\n"),
+               "sglang": (frozenset({"text", "input_text"}), " ")}
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+ENGINES = ("vllm", "sglang")
+
+
+def _engine_messages(messages: list[Any], engine: str, content_format: str, inexact: list[str]) -> list[dict[str, Any]]:
+    """``messages`` as ``engine`` hands them to the chat template: content parts joined (string
+    templates) or kept as text parts (openai templates), non-text parts noted in ``inexact``
+    (``"multimodal"``: their placeholders are the engine's processor's); vLLM also parses
+    assistant ``tool_calls`` arguments from JSON into objects (``_postprocess_messages``)."""
+    types_, sep = _TEXT_PARTS[engine]
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):
+            texts: list[str] = []
+            for part in content:
+                if isinstance(part, str):
+                    texts.append(part)
+                elif isinstance(part, dict) and part.get("type", "text") in types_ and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif isinstance(part, dict) and part.get("type") == "text" and part.get("text") is None:
+                    continue  # vLLM skips a text part without text
+                else:
+                    inexact.append("multimodal")
+            m["content"] = sep.join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
+        if engine == "vllm" and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            if not m["tool_calls"]:
+                m.pop("tool_calls")
+            else:
+                calls = []
+                for c in m["tool_calls"]:
+                    c = dict(c) if isinstance(c, dict) else c
+                    f = c.get("function") if isinstance(c, dict) else None
+                    if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+                        try:
+                            args = json.loads(f["arguments"])
+                        except ValueError:
+                            args = {}
+                        c["function"] = {**f, "arguments": args if isinstance(args, dict) else {}}
+                    calls.append(c)
+                m["tool_calls"] = calls
+        if engine == "sglang":
+            m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:  # transformers' apply_chat_template aliases them (both engines call it)
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM 0.33's treatment of ``developer`` messages for a template that does not name that role
+    (``_convert_developer_to_system`` then ``_consolidate_system_messages``): they become system
+    messages (without ``tools``), and when a system message is not first or not alone, all system
+    texts are merged, ``"\n\n"``-joined, into one first message."""
+    out = [({k: v for k, v in m.items() if k != "tools"} | {"role": "system"}) if m.get("role") == "developer" else m
+           for m in messages]
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(out):
+        if m.get("role") != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(str(p["text"]) if isinstance(p, dict) else p for p in c
+                           if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if c:
+            texts.append(c)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else out
 
 
 class PromptHasher:
@@ -289,9 +523,17 @@ class PromptHasher:
     """
 
     def __init__(self, block_size: int, chars_per_token: float = 4.0, tokenizer_path: str | None = None,
-                 root_hash: int | None = None) -> None:
+                 root_hash: int | None = None, engine: str = "vllm") -> None:
         if block_size < 1 or chars_per_token <= 0:
             raise ValueError("block_size must be >= 1 and chars_per_token > 0")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        #: whose chat rendering to reproduce (:meth:`ChatTemplate.render_for`)
+        self.engine = engine
+        #: called with a reason each time a prompt's token ids may differ from the engine's
+        #: (``no_chat_template``, ``multimodal``, ``request_chat_template``); the service counts
+        #: them as ``pdlb_prompt_inexact_total{reason}``
+        self.on_inexact: Any = None
         self.block_size = int(block_size)
         self.chars_per_token = float(chars_per_token)
         self.chunk_chars = max(1, round(block_size * chars_per_token))
@@ -324,9 +566,22 @@ class PromptHasher:
         if self._tokenizer is None:
             return None
         if prompt.messages is not None and self.chat_template is not None:
-            text = self.chat_template.render(prompt.messages)
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
+            notes: list[str] = []
+            text, suffix = self.chat_template.render_for(prompt.messages, prompt.chat, self.engine, notes)
+            special = prompt.chat.add_special_tokens if prompt.chat is not None else False
+            ids = self._tokenizer.encode(text, add_special_tokens=special).ids
+            if suffix:
+                ids = ids + self._tokenizer.encode(suffix, add_special_tokens=False).ids
+            self._note(notes)
+            return ids
+        if prompt.messages is not None:  # a tokenizer without a chat template: the engine's rendering is unknown
+            self._note(["no_chat_template"])
         return self._tokenizer.encode(prompt.text or "", add_special_tokens=prompt.messages is None).ids
+
+    def _note(self, reasons: list[str]) -> None:
+        if reasons and self.on_inexact is not None:
+            for r in dict.fromkeys(reasons):
+                self.on_inexact(r)
 
     def hash(self, prompt: Prompt, root_hash: int | None = None) -> tuple[int, tuple[int, ...]]:
         """``(prompt_tokens >= 1, block_hashes)`` of ``prompt``; ``root_hash``: this request's

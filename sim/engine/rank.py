@@ -116,6 +116,8 @@ class Rank:
         self.min_remaining = 0
         self.reserved_blocks = 0
         self.cache = BlockCache(kv_capacity_blocks)
+        #: a prefix hit is a multiple of this many tokens (hybrid KV models, ModelSpec.prefix_hit_multiple_tokens)
+        self.hit_multiple_tokens = 1
         self.tiers = None  # RankTiers | None (sim.engine.tiers)
         self.kv_listener = None
         # totals for imbalance metrics
@@ -212,6 +214,9 @@ class Rank:
                 break
             if job.cached_tokens < 0:
                 hbm_blocks = self.cache.match(job.block_hashes)
+                if self.hit_multiple_tokens > 1:  # hybrid KV: the hit every KV cache group can serve
+                    m = self.hit_multiple_tokens
+                    hbm_blocks = hbm_blocks * self.block_size // m * m // self.block_size
                 if self.role is not Role.PREFILL and not self._fits_job(job):
                     break
                 if self.tiers is not None:
