@@ -321,7 +321,10 @@ class EngineRank:
     def restart(self) -> None:
         """The engine process restarts: the publisher shuts down (its sockets close) and a new one
         binds the same ports, numbering from 0 with an empty replay buffer and an empty cache."""
+        import atexit
+
         self.pub.shutdown()
+        atexit.unregister(self.pub.shutdown)
         self._new_cache()
         for _ in range(100):  # the OS may hold the ports for a moment
             try:
@@ -332,7 +335,10 @@ class EngineRank:
         raise AssertionError(f"could not bind {self.port}/{self.replay_port} again")
 
     def close(self) -> None:
+        import atexit
+
         self.pub.shutdown()
+        atexit.unregister(self.pub.shutdown)  # SGLang's publisher registers it; once is enough
 
     # -------------------------------------------------------------- faults
     def drop_next(self, n: int = 1) -> None:

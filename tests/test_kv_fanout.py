@@ -27,6 +27,7 @@ from balancer.service.config import KvEventsConfig
 from balancer.service.kv_fanout import FanoutFollower, KvFanout
 from balancer.service.kv_ring import (HEADER_BYTES, TORN_RETRIES, RingReader, RingWriter, decode_body, encode_record,
                                       fanout_ring_path, split_event)
+from balancer.service.kv_metrics import KvEventsFilesCollector, write_stats_file
 from balancer.service.kv_subscriber import KvEventSource
 from balancer.types import ReplicaId
 from tests.kv_publisher import FakeEngine
@@ -234,10 +235,25 @@ async def test_one_subscriber_feeds_two_routers_and_is_restarted_when_it_dies(tm
         assert await _until(lambda: owner.stats().get(REP, {}).get("batches") == 1)
         assert other.stats() == {}  # decoded in the owner's subscriber only
         assert owner.fanout_stats()["applied"] == other.fanout_stats()["applied"] == 1
+        assert owner.health()["subscriber"] == "running" and owner.health()["restarts"] == 0
+        assert other.health() == {"subscriber": "process 0"}
         pid = owner.subscriber.pid
         os.kill(pid, signal.SIGKILL)
         assert await _until(lambda: owner.subscriber_restarts == 1 and owner.subscriber is not None
                            and owner.subscriber.pid != pid and owner.subscriber_alive())
+        assert owner.health()["subscriber"] == "running" and owner.health()["restarts"] == 1
+        # the other processes read process 0's state from the stats file it writes
+        stats_dir = tmp_path / "prom"
+        stats_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(stats_dir)
+        try:
+            write_stats_file(str(stats_dir), 0, owner)
+            assert other.health() == {"subscriber": "process 0", "up": True, "restarts": 1}
+            text = "".join(f"{m.name} {s.labels} {s.value}\n" for m in KvEventsFilesCollector(str(stats_dir)).collect()
+                           for s in m.samples)
+            assert "kv_events_subscriber_up {'process': '0'} 1.0" in text
+        finally:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
         # the new subscriber cleared the replica (2 media) and replayed the engine's buffer (seq 0)
         assert await _until(lambda: all(f.fanout_stats()["applied"] == 4 for f in (owner, other)))
         assert all(rt.index.match(want) == {REP: 4} for rt in routers)

@@ -38,11 +38,14 @@ exported by process 0 only (``process="0"``). Each process exports its own fan-o
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from balancer.kv_events import AllBlocksCleared, KvEvent
+from balancer.service.kv_metrics import STATS_FILE_PREFIX
 from balancer.service.kv_ring import RING_BYTES, RingReader, RingWriter, fanout_ring_path
 from balancer.service.kv_subscriber import KvEventSubscriber, KvEventSubscriberProcess, sources_for_worker
 from balancer.types import ReplicaId
@@ -257,6 +260,7 @@ class KvFanout:
         out = self.follower.stats()
         if self.owner:
             out["subscriber_restarts"] = self.subscriber_restarts
+            out["subscriber_up"] = int(self.subscriber_alive())
             sub = self.subscriber
             writer = getattr(sub, "ring_writer", None)  # the subscriber in a thread of this process
             w = writer.stats() if writer is not None else getattr(sub, "writer_stats", None)  # or its child's
@@ -268,8 +272,8 @@ class KvFanout:
         """``/health``'s ``kv_events``: process 0 the state of its subscriber (as
         :meth:`balancer.service.kv_subscriber.SupervisedSubscriber.health`); the other processes
         only read the ring (``"subscriber": "process 0"``)."""
-        if not self.owner:
-            return {"subscriber": "process 0"}
+        if not self.owner:  # process 0's state, from the stats file it rewrites every second
+            return {"subscriber": "process 0", **_owner_health()}
         alive = self.subscriber_alive()
         st = self.stats() if self.subscriber is not None else {}
         return {"subscriber": "running" if alive else ("restarting" if not self._stopped else "stopped"),
@@ -293,6 +297,20 @@ class KvFanout:
             writer = getattr(sub, "ring_writer", None)
             if writer is not None:
                 writer.close()
+
+
+def _owner_health() -> dict[str, Any]:
+    """What process 0 last wrote about its subscriber (``write_stats_file`` in
+    ``$PROMETHEUS_MULTIPROC_DIR``): ``{"up": bool, "restarts": n}``, empty if not readable."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        return {}
+    try:
+        with open(os.path.join(directory, f"{STATS_FILE_PREFIX}0.json")) as f:
+            fan = json.load(f).get("fanout") or {}
+        return {"up": bool(fan["subscriber_up"]), "restarts": int(fan["subscriber_restarts"])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def start_fanout(workers: Sequence[Any], router: Any, block_size: int, settings: Any, directory: str,

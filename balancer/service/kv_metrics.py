@@ -174,6 +174,8 @@ def _fanout_families(fanouts: list[tuple[str, dict]]):  # noqa: ANN202
                                "Blocks held by the ring writer's resync mirror", labels=["process"])
     snapshots = CounterMetricFamily("pdlb_kv_events_fanout_snapshots_written",
                                     "Resync snapshots the ring writer wrote", labels=["process"])
+    up = GaugeMetricFamily("pdlb_kv_events_subscriber_up",
+                           "1 while the KV event subscriber runs (0: dead, being started again)", labels=["process"])
     any_restarts = any_writer = False
     for index, d in fanouts:
         for k, fam in fams.items():
@@ -181,6 +183,7 @@ def _fanout_families(fanouts: list[tuple[str, dict]]):  # noqa: ANN202
         lag.add_metric([index], float(d.get("lag_bytes", 0)))
         if "subscriber_restarts" in d:
             restarts.add_metric([index], float(d["subscriber_restarts"]))
+            up.add_metric([index], float(d.get("subscriber_up", 1)))
             any_restarts = True
         if "mirror_blocks" in d:
             evicted.add_metric([index], float(d.get("mirror_evicted", 0)))
@@ -191,5 +194,6 @@ def _fanout_families(fanouts: list[tuple[str, dict]]):  # noqa: ANN202
     yield lag
     if any_restarts:
         yield restarts
+        yield up
     if any_writer:
         yield from (evicted, mirror, snapshots)
