@@ -58,6 +58,7 @@ from pydantic import ValidationError
 
 from balancer.policies import make_policy
 from balancer.router import Router
+from balancer.service import memory_debug
 from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload,
                                            trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
@@ -1009,4 +1010,18 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
     app.router.add_get("/workers", _list_workers)
     app.router.add_post("/workers", _add_worker, expect_handler=_expect_continue)
     app.router.add_delete("/workers", _remove_worker)
+    if memory_debug.enabled():
+        app.router.add_get("/debug/memory", _debug_memory)
     return app
+
+
+async def _debug_memory(request: web.Request) -> web.Response:
+    """``GET /debug/memory`` (only with ``PDLB_DEBUG_MEMORY=1``; admin API's access rules):
+    :func:`balancer.service.memory_debug.memory_report`."""
+    if (denied := admin_denied(request, request.app[SERVICE].cfg.admin_api_key)) is not None:
+        return denied
+    q = request.query
+    trace = q.get("trace", "0")
+    report = memory_debug.memory_report(collect=q.get("collect") == "1", trim=q.get("trim") == "1",
+                                        garbage=q.get("garbage") == "1", trace_frames=int(trace) if trace.isdigit() else 0)
+    return web.json_response(report)
