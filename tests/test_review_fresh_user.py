@@ -86,7 +86,7 @@ def test_a_completion_add_special_tokens_is_honoured_as_the_engine_does(bos_toke
 def test_a_mistyped_completion_add_special_tokens_is_a_400_error():
     from balancer.service.prompt import PromptError, extract_prompt
     with pytest.raises(PromptError, match="'add_special_tokens' must be a boolean"):
-        extract_prompt("completions", {"prompt": "hi", "add_special_tokens": "no"})
+        extract_prompt("completions", {"prompt": "hi", "add_special_tokens": "nope"})  # "no" is a boolean (lax_bool)
 
 
 def test_a_restarted_engine_whose_first_batches_were_lost_while_reconnecting_is_resynced():

@@ -54,7 +54,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
-from balancer.service.prompt import PromptError, extract_prompt, max_output_tokens
+from balancer.service.prompt import PromptError, extract_prompt, lax_bool, max_output_tokens
 from balancer.validation import format_validation_error
 from sim.emulator.config import MAX_BOOTSTRAP_WAIT_S, EmulatorConfig, FaultConfig
 from sim.emulator.engine import EngineCore
@@ -298,6 +298,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         prompt = extract_prompt(endpoint, body)
         out_tokens = max_output_tokens(endpoint, body, cfg.default_max_tokens)
         dp_rank, room = _pd_leg_fields(body, request.headers.get("X-data-parallel-rank"), cfg.dp_ranks)
+        stream = bool(lax_bool(body.get("stream"), "stream"))  # "no" is false to vLLM and SGLang, as here
     except (PromptError, ValueError) as e:
         return _err(400, str(e))
     unsupported = _one_completion(endpoint, body)
@@ -317,7 +318,6 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
                          f"requested {prompt_tokens + out_tokens} tokens ({prompt_tokens} in the messages, "
                          f"{out_tokens} in the completion). Please reduce the length of the messages or completion.")
     rid = str(body.get("rid") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
-    stream = bool(body.get("stream"))
     kv_in = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
     if cfg.role == "prefill":
         mode = "prefill"
