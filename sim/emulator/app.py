@@ -58,6 +58,7 @@ from balancer.service.prompt import PromptError, extract_prompt, lax_bool, max_o
 from balancer.validation import format_validation_error
 from sim.emulator.config import MAX_BOOTSTRAP_WAIT_S, EmulatorConfig, FaultConfig
 from sim.emulator.engine import EngineCore
+from sim.emulator.kv_events import KvEventPublisher
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 STATE: web.AppKey["EmulatorState"] = web.AppKey("emulator_state", object)  # type: ignore[arg-type]
@@ -144,6 +145,12 @@ class EmulatorState:
             self.core = EngineCore(perf, cfg.role, dp_ranks=cfg.dp_ranks, block_size=cfg.block_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, max_decode_batch=cfg.max_decode_batch,
                                    kv_capacity_tokens=cfg.kv_capacity_tokens, speed=cfg.speed, name=cfg.engine_id or "engine")
+        self.kv_events: KvEventPublisher | None = None
+        if cfg.kv_events_endpoint is not None and self.core is not None:
+            self.kv_events = KvEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.dp_ranks,
+                                              cfg.block_size)
+            for rank in self.core.ranks:
+                rank.kv_listener = self.kv_events.on_change
         self.rooms: OrderedDict[int, _Room] = OrderedDict()  # creation order (expiry pops the front)
         self.tasks: dict[str, asyncio.Task] = {}  # rid -> handler task (abort_request cancels it)
         self.log: deque[dict[str, Any]] = deque(maxlen=5000)
@@ -307,6 +314,8 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     if prompt.token_ids is not None:
         prompt_tokens = len(prompt.token_ids)
         hashes = tuple(hash_token_blocks(prompt.token_ids, cfg.block_size))
+        if st.kv_events is not None:
+            st.kv_events.register(hashes, prompt.token_ids)
     else:
         text = prompt.text or ""
         prompt_tokens = max(1, math.ceil(len(text) / cfg.chars_per_token))
@@ -600,10 +609,20 @@ def create_engine_app(cfg: EmulatorConfig, *, exit_on_die: bool = False) -> web.
     app[STATE] = st
 
     async def lifecycle(app: web.Application):  # noqa: ANN202
+        if st.kv_events is not None:
+            import zmq
+
+            try:
+                st.kv_events.start()
+            except zmq.ZMQError as e:
+                raise ValueError(f"--kv-events: cannot bind {' '.join(st.kv_events.endpoints + st.kv_events.replay_endpoints)}: "
+                                 f"{e}") from None
         st.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         if st.core is not None:
             st.core.start()
         yield
+        if st.kv_events is not None:
+            await st.kv_events.stop()
         for t in list(st.tasks.values()):
             t.cancel()
         if st.core is not None:
