@@ -14,6 +14,15 @@ about C / (L + 1) of a core. CPU time shows the work each way costs (the paralle
 start-up and the trace's pickling per worker).
 
     .venv/bin/python bench/compare_jobs.py [--jobs 2] [--limit N] [--policies a,b,...] [--repeat R]
+
+On a quiet many-core machine (the 16-core GPU host, which starts bare with Python 3.12 and reaches
+no registry): fetch the wheels here, carry them, install offline there::
+
+    .venv/bin/pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d wheels312 '.[sim]'
+    # device run, carry ["wheels312"] (about 40 MB):
+    python3 -m venv /tmp/v && /tmp/v/bin/pip install -q --no-index --find-links wheels312 '.[sim]' &&
+      /tmp/v/bin/python bench/compare_jobs.py --jobs 2 --repeat 2 && /tmp/v/bin/python bench/compare_jobs.py --jobs 10
 """
 
 from __future__ import annotations
