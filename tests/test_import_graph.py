@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("balancer", "sim")
+PACKAGES = ("balancer", "sim", "pdlb_cli")
 #: what balancer's core (outside balancer/service/) must not import: the simulator, the service,
 #: network and event-loop libraries, the clock (time is passed in) and the operating system (no I/O)
 CORE_FORBIDDEN = ("sim", "balancer.service", "aiohttp", "zmq", "asyncio", "socket", "time", "datetime", "os",
@@ -159,8 +159,8 @@ def test_edges_match_hand_reading(graph) -> None:
     # read by hand from the files' import lines (module docstring)
     assert set(edges["balancer.types"]) == set()
     assert set(edges["sim.scenario"]) == {"balancer.validation", "sim.models", "sim.perf.config", "sim.perf.spec"}
-    # a function-level import counts: sim.cli (the dispatcher) imports sim.point inside functions
-    assert "sim.point" in edges["sim.cli"]
+    # a function-level import counts: pdlb_cli.main (the dispatcher) imports sim.point inside functions
+    assert "sim.point" in edges["pdlb_cli.main"]
 
 
 def test_balancer_never_imports_sim(graph) -> None:
@@ -183,13 +183,13 @@ def test_balancer_core_imports_no_service_network_or_clock(graph) -> None:
 FLOORS: dict[str, tuple[str, ...]] = {
     "sim.perf.config": ("sim.scenario", "sim.perf.build", "sim.cluster"),
     "sim.perf.spec": ("sim.scenario", "sim.perf.build", "sim.perf.config", "sim.cluster"),
-    "sim.cost_model": ("sim.cluster", "sim.cli_args", "sim.cli", "sim.point"),
+    "sim.cost_model": ("sim.cluster", "pdlb_cli.args", "pdlb_cli.main", "sim.point"),
     "sim.validate_agentx": ("sim.validate",),
     "balancer.service.kv_ring": ("balancer.service",),
     "balancer.service.kv_subscriber": ("balancer.service.kv_fanout",),
     # argument types and option groups: nothing above the scenario and its perf model
-    "sim.cli_args": ("sim.cluster", "sim.point", "sim.executor", "sim.report", "sim.metrics", "sim.cost_model",
-                     "sim.capacity", "sim.capacity_cli", "sim.sweep", "sim.sweep_cli", "sim.cli"),
+    "pdlb_cli.args": ("sim.cluster", "sim.point", "sim.executor", "sim.report", "sim.metrics", "sim.cost_model",
+                     "sim.capacity", "pdlb_cli.sim.capacity", "sim.sweep", "pdlb_cli.sim.sweep", "pdlb_cli.main"),
 }
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .analysis import ideal_hit_rate
-from .benchmarks import GSP_DEFAULTS, load_ramp_workload, shared_prefix_workload
-from .writer import write_mooncake
+from sim.workload.analysis import ideal_hit_rate
+from sim.workload.benchmarks import GSP_DEFAULTS, load_ramp_workload, shared_prefix_workload
+from sim.workload.writer import write_mooncake
 
 
 def _int(minimum: int):  # noqa: ANN202
@@ -137,7 +137,7 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
                          "raise --rates or --step-s, or try another --seed")
-    from sim.cli_args import check_out_file
+    from pdlb_cli.args import check_out_file
 
     check_out_file(args.out, "workload.jsonl")  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
     n = write_mooncake(reqs, args.out, block_size=args.block_size)

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sim.cli_args import seed_int
+from pdlb_cli.args import seed_int
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -136,7 +136,7 @@ def _summary_table(summary: dict[str, dict[str, float]], title: str) -> Table:
 def _run_sessions(args: argparse.Namespace, console: Console) -> int:
     from sim.workload import session_workload, workload_summary, write_mooncake
 
-    from sim.cli_args import check_out_file
+    from pdlb_cli.args import check_out_file
 
     check_out_file(args.out, "sessions.jsonl")
     cfg = _config(args, args.days)
@@ -278,7 +278,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         out = args.out
         out.mkdir(parents=True, exist_ok=True)
     else:
-        from sim.cli_args import unique_results_dir
+        from pdlb_cli.args import unique_results_dir
 
         out = unique_results_dir(Path("results") / f"store-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(out / "store_sweep.csv", "w", newline="") as fh:

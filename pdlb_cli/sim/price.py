@@ -12,15 +12,15 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from sim.cli_args import (
+from pdlb_cli.args import (
     add_set_arg,
     apply_overrides,
     seed_int,
     token_count,
     warn_idle_flags,
 )
-from sim.cli_args import positive_float as pos_float
-from sim.cli_args import positive_int as pos_int
+from pdlb_cli.args import positive_float as pos_float
+from pdlb_cli.args import positive_int as pos_int
 from sim.pricing.analysis import (
     DEEPINFER_DECODE_BATCH_PER_RANK,
     DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ,

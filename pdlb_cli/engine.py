@@ -10,7 +10,7 @@ import sys
 from aiohttp import web
 from pydantic import ValidationError
 
-from balancer.service.cli import event_loop_factory, listen_error
+from balancer.service.launch import event_loop_factory, listen_error
 from balancer.validation import format_validation_error
 from sim.emulator.app import STATE, create_engine_app
 from sim.emulator.config import EmulatorConfig

@@ -1,7 +1,7 @@
 """Argument types and option groups shared by pdlb's command-line modules.
 
-The floor under every CLI module (:mod:`sim.cli`, :mod:`sim.capacity_cli`, :mod:`sim.sweep_cli`,
-:mod:`sim.experiments.cli`, :mod:`sim.pricing.cli`): they import from here, never from each other,
+The floor under every CLI module (:mod:`pdlb_cli.main`, :mod:`pdlb_cli.sim.capacity`, :mod:`pdlb_cli.sim.sweep`,
+:mod:`pdlb_cli.sim.sessions`, :mod:`pdlb_cli.sim.price`): they import from here, never from each other,
 so there is no import circle.
 
 - ``type=`` checks for argparse (:func:`positive_int`, :func:`seed_int`, :func:`positive_float`,
@@ -9,7 +9,7 @@ so there is no import circle.
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and the scenario they build (:func:`scenario_from_args`;
-  the :mod:`sim.point` types they build are :mod:`sim.capacity_cli`'s, so this module imports nothing
+  the :mod:`sim.point` types they build are :mod:`pdlb_cli.sim.capacity`'s, so this module imports nothing
   above the scenario and its perf model);
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;

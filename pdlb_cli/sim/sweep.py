@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sim.cli_args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
+from pdlb_cli.args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
 
 #: Rows printed in the terminal (the files hold them all).
 MAX_PRINTED_ROWS = 40

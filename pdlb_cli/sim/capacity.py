@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sim.cli_args import (
+from pdlb_cli.args import (
     CAPACITY_TTFT_PER_1K_TOKENS_S,
     add_cluster_args,
     add_executor_args,

@@ -7,12 +7,12 @@
     pdlb sim validate           the perf model vs published deployment figures
     pdlb sim sessions           generate a multi-turn chatbot/agent session workload (JSONL)
     pdlb sim store-sweep        shared KV store hit rate vs TTL and capacity (docs/kv_cache.md)
-    pdlb sim capacity           highest rate at SLO / fewest engines at a rate, per policy (sim.capacity_cli)
-    pdlb sim sweep SWEEP.toml   a resumable sweep of scenario fields, policies, rates, seeds (sim.sweep_cli)
+    pdlb sim capacity           highest rate at SLO / fewest engines at a rate, per policy (pdlb_cli.sim.capacity)
+    pdlb sim sweep SWEEP.toml   a resumable sweep of scenario fields, policies, rates, seeds (pdlb_cli.sim.sweep)
     pdlb policies               the routing policies and their parameters
 
 Bad arguments end in one error line and exit status 2, after one usage line that points at
-``--help`` (:class:`sim.cli_args.ArgumentParser`): argparse's ``argument --flag: ...`` for
+``--help`` (:class:`pdlb_cli.args.ArgumentParser`): argparse's ``argument --flag: ...`` for
 values checked while parsing (numbers, engine counts, tier weights), ``error: ...`` for the rest
 (files, scenarios, policies). A closed stdout (``pdlb sim compare | head -1``) does not stop a
 run: the results folder is still written and the exit status is 141 (128 + SIGPIPE). Ctrl-C prints
@@ -39,7 +39,7 @@ from balancer.policies import available_policies, make_policy
 from balancer.policies.base import _REGISTRY
 from balancer.router import PolicyError
 from balancer.types import TtftSlo
-from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of sim.cli)
+from pdlb_cli.args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of pdlb_cli.main)
     DEFAULT_INDEX_MODE,
     DEFAULT_SLO_TPOT_S,
     DEFAULT_SLO_TTFT_S,
@@ -82,7 +82,7 @@ def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _route_slo_note(args: argparse.Namespace, runs: list) -> str:
-    """The table title's note on SLO routing (:func:`sim.cli_args.route_slo_note`) for
+    """The table title's note on SLO routing (:func:`pdlb_cli.args.route_slo_note`) for
     ``_policy_runs``' ``(prefill, decode, prefill label, decode label)`` runs."""
     return route_slo_note(args.route_slo, [(plabel, p, d) for p, d, plabel, _ in runs])
 
@@ -158,17 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     simsub.add_parser("scenarios", help="list scenario presets")
     from sim.validate import add_validate_parser
     add_validate_parser(simsub)
-    from sim.pricing import add_price_parser
+    from pdlb_cli.sim.price import add_price_parser
     add_price_parser(simsub)
-    from sim.experiments.cli import add_session_parsers
+    from pdlb_cli.sim.sessions import add_session_parsers
     add_session_parsers(simsub)
-    from sim.workload.generate_cli import add_workload_parser
+    from pdlb_cli.sim.workload import add_workload_parser
     add_workload_parser(simsub)
-    from sim.cost_model_cli import add_cost_model_parser
+    from pdlb_cli.sim.cost_model import add_cost_model_parser
     add_cost_model_parser(simsub)
-    from sim.capacity_cli import add_capacity_parser
+    from pdlb_cli.sim.capacity import add_capacity_parser
     add_capacity_parser(simsub)
-    from sim.sweep_cli import add_sweep_parser
+    from pdlb_cli.sim.sweep import add_sweep_parser
     add_sweep_parser(simsub)
 
     sub.add_parser("policies", help="list routing policies and their parameters",
@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "Any flag or config entry that names a policy takes them as NAME:K=V[,K=V], "
                                "e.g. --policy ep_aware:horizon_weight=2; each policy's docstring "
                                "(balancer/policies/) explains its parameters.")
-    from balancer.service.cli import add_serve_parser
-    from sim.emulator.cli import add_engine_parser
+    from balancer.service.launch import add_serve_parser
+    from pdlb_cli.engine import add_engine_parser
     add_serve_parser(sub)
     add_engine_parser(sub)
     return parser
@@ -385,8 +385,8 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     args.given = given_options(parser, args.argv)  # the flags given, for warn_idle_flags
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     if args.command in ("serve", "engine"):
-        from balancer.service.cli import run_serve
-        from sim.emulator.cli import run_engine
+        from balancer.service.launch import run_serve
+        from pdlb_cli.engine import run_engine
         return run_serve(args) if args.command == "serve" else run_engine(args)
     try:
         if args.command == "policies":
@@ -404,16 +404,16 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
                 from sim.validate import run_validate
                 return run_validate(args, console)
             if args.sim_command == "workload":
-                from sim.workload.generate_cli import run_workload
+                from pdlb_cli.sim.workload import run_workload
                 return run_workload(args, console)
             if args.sim_command == "cost-model":
-                from sim.cost_model_cli import run_cost_model
+                from pdlb_cli.sim.cost_model import run_cost_model
                 return run_cost_model(args, console)
             if args.sim_command == "price":
-                from sim.pricing import run_price
+                from pdlb_cli.sim.price import run_price
                 return run_price(args, console)
             if args.sim_command in ("sessions", "store-sweep"):
-                from sim.experiments.cli import run_session_command
+                from pdlb_cli.sim.sessions import run_session_command
                 return run_session_command(args, console)
             if getattr(args, "run", None) is not None:  # commands in their own modules (capacity, sweep)
                 return args.run(args, console)

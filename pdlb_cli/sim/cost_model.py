@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sim.cli_args import add_set_arg, apply_overrides, check_out_file
+from pdlb_cli.args import add_set_arg, apply_overrides, check_out_file
 from sim.cost_model import cost_model_for, to_toml
 from sim.scenario import load_scenario
 
