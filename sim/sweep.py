@@ -66,7 +66,7 @@ from pydantic import BaseModel
 
 from balancer.router import DEFAULT_TIER_WEIGHTS, INDEX_MODES
 from balancer.validation import syntax_error_line
-from pdlb_cli.args import apply_overrides
+from sim.overrides import apply_overrides
 from sim.point import SLO, Point, PointResult, PolicySpec, SimOptions, WorkloadSpec, parse_policy, point_row
 from sim.scenario import PRESETS, Scenario, load_scenario
 from sim.workload.loader import TRACE_FORMATS, check_trace_path

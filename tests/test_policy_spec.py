@@ -23,7 +23,7 @@ from balancer.policies.spec import (
     parse_policy_spec,
     split_policy_list,
 )
-from balancer.service.launch import config_from_args
+from pdlb_cli.serve import config_from_args
 from balancer.service.config import load_service_config
 from pdlb_cli.main import build_parser, main
 

@@ -218,7 +218,7 @@ def test_store_sweep_whose_warmup_covers_the_whole_trace_is_an_error(tmp_path: P
 
 def test_store_sweep_chatbot_note_without_any_chatbot_hit_has_no_ratio() -> None:
     # h7 = 0 divided by zero for the relative cost
-    from pdlb_cli.sim.sessions import _deepseek_note
+    from pdlb_cli.sim.store_sweep import _deepseek_note
     from sim.experiments.store_hit_rate import ClassHits
 
     zero = {"chatbot": ClassHits(requests=1, prompt_tokens=100, hit_tokens=0)}

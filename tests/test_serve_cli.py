@@ -16,7 +16,8 @@ import socket
 import pytest
 
 from balancer.policies import available_policies
-from balancer.service.launch import _ready_line, config_from_args
+from balancer.service.launch import _ready_line
+from pdlb_cli.serve import config_from_args
 from balancer.service.config import parse_worker_spec
 from pdlb_cli.main import build_parser, main
 
@@ -273,7 +274,7 @@ def test_engine_help_lists_model_and_hardware_names():
 def test_timeout_flags_zero_turns_off(flag, field, default):
     import argparse
 
-    from balancer.service.launch import add_serve_parser, config_from_args
+    from pdlb_cli.serve import add_serve_parser, config_from_args
 
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers())
