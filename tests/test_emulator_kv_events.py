@@ -119,7 +119,7 @@ async def test_pdlbs_subscriber_credits_each_engines_prompts_to_it() -> None:
 
 
 def test_the_emulator_refuses_a_bad_events_endpoint(capsys) -> None:  # noqa: ANN001
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     rc = main(["engine", "--port", "0", "--kv-events", "localhost:5557"])
     assert rc == 2
