@@ -90,14 +90,29 @@ def _maximum(x, y):  # noqa: ANN001, ANN202
     return x if x > y else y
 
 
+@_jit("f8(f8, f8)")
+def _frac(X, Qr):  # noqa: ANN001, ANN202
+    """``np.minimum(np.divide(X, Qr, where=Qr > 0, out=0), 1.0)`` of two floats, without the
+    division where ``0 < Qr <= X < inf``: there ``X / Qr >= 1`` (a correctly rounded quotient of
+    ``X >= Qr`` is not below 1), so the minimum is 1.0 either way."""
+    if Qr > 0:
+        if Qr <= X and X < np.inf:
+            return 1.0
+        return _minimum(X / Qr, 1.0)
+    return 0.0
+
+
 @_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
 def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon):  # noqa: ANN001, ANN201
     """:func:`balancer.cost_model.prefill_wait_features` of a wide-EP pool in the row layout
-    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,):
-    its numpy expressions one candidate at a time, in its order of operations."""
+    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,): its numpy expressions
+    one candidate at a time, in its order of operations (``w`` per rank computed once, as there)."""
     n = q.shape[0]
     R = rows.shape[1]
     mins = np.empty(R)
+    W = np.empty(n)
+    for r in range(n):
+        W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
     for i in range(n):
         ui = u[i]
         own_pairs = ui * cached[i] + ui * (ui + 1.0) / 2.0
@@ -117,10 +132,8 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
         for c in range(R):
             r = rows[e, c]
             Qr = q[r]
-            Wr = per_token_s * Qr + per_attn_pair_s * a[r]
-            f = X / Qr if Qr > 0 else 0.0
-            f = _minimum(f, 1.0)
-            wk = -1.0 if c == own else Wr * f
+            Wr = W[r]
+            wk = -1.0 if c == own else Wr * _frac(X, Qr)
             if c == 0:
                 best = wk
                 done = wk != wk
@@ -131,15 +144,13 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
             mins[c] = _minimum(Qr, X)
             wo = 0.0 if c == own else Wr
             busiest = wo if c == 0 else _maximum(busiest, wo)
-        rj = rows[e, j]
-        Qj = q[rj]
-        fj = X / Qj if Qj > 0 else 0.0
-        fj = _minimum(fj, 1.0)
         if w_new >= best:
             tok = q_new
             pairs = a_new
         else:
-            tok = Qj * fj
+            rj = rows[e, j]
+            fj = _frac(X, q[rj])
+            tok = q[rj] * fj
             pairs = a[rj] * fj
         feats[i, 0] = steps
         feats[i, 1] = tok
@@ -151,7 +162,8 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
 @_jit("void(f8[::1], f8[::1], i8[::1], i8[:, ::1], f8[::1])")
 def requests_after_rows(q, n_req, idx, rows, out):  # noqa: ANN001, ANN201
     """``ep_aware``'s ``N_after`` (``EpAware._requests_after``) in the row layout, into ``out`` (n,):
-    ``np.add.reduce(N * max((Q - q_i) / Q, 0), axis=1)`` with 0 where ``Q == 0``."""
+    ``np.add.reduce(N * max((Q - q_i) / Q, 0), axis=1)`` with 0 where ``Q == 0`` (no division
+    where ``0 < Q <= q_i``: the clipped fraction is 0.0 there)."""
     n = q.shape[0]
     R = rows.shape[1]
     vals = np.empty(R)
@@ -161,8 +173,10 @@ def requests_after_rows(q, n_req, idx, rows, out):  # noqa: ANN001, ANN201
         for c in range(R):
             r = rows[e, c]
             Qr = q[r]
-            f = (Qr - qi) / Qr if Qr > 0 else 0.0
-            vals[c] = n_req[r] * _maximum(f, 0.0)
+            if Qr > 0 and not Qr <= qi:
+                vals[c] = n_req[r] * _maximum((Qr - qi) / Qr, 0.0)
+            else:
+                vals[c] = n_req[r] * 0.0
         out[i] = _row_sum(vals, R)
 
 
@@ -171,11 +185,15 @@ def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens
                      per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost):
     """``EpAware._decode_cost_one`` for wide-EP engines in the row layout, into ``cost`` (n,):
     ``B``/``K`` the engine maxima of ``b``/``k`` (``np.maximum.reduce`` of the row), ``n_e`` their
-    sum in candidate order (``np.bincount`` with weights), then its elementwise expressions."""
+    sum in candidate order (``np.bincount`` with weights), once per engine; then its elementwise
+    expressions per candidate."""
     n = b.shape[0]
+    E = rows.shape[0]
     R = rows.shape[1]
-    for i in range(n):
-        e = idx[i]
+    Bs = np.empty(E)
+    Ks = np.empty(E)
+    Ns = np.empty(E)
+    for e in range(E):
         r0 = rows[e, 0]
         B = b[r0]
         K = k[r0]
@@ -185,6 +203,14 @@ def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens
             B = _maximum(B, b[r])
             K = _maximum(K, k[r])
             n_e += b[r]
+        Bs[e] = B
+        Ks[e] = K
+        Ns[e] = n_e
+    for i in range(n):
+        e = idx[i]
+        B = Bs[e]
+        K = Ks[e]
+        n_e = Ns[e]
         bi = b[i]
         ki = k[i]
         before = ((overhead_s + per_seq_s * B) + per_kv_token_s * K) + per_group_seq_s * n_e
