@@ -46,7 +46,7 @@ print(r.route(Request("q", 0.0, 4, tuple(hash_token_blocks([1, 2, 3, 4], 4))), 0
 
 def test_service_needs_not_the_simulator():
     r = _run(SIM_ONLY, """
-from balancer.service.cli import main
+from pdlb_cli.serve import main
 from balancer.service.app import create_app
 from balancer.service.config import ServiceConfig
 create_app(ServiceConfig())
@@ -64,7 +64,7 @@ def test_extras_declare_what_each_part_imports():
     assert all(any(d.startswith(p) for d in extras["serve"]) for p in ("aiohttp", "httptools", "pyzmq", "prometheus-client", "jinja2"))
     assert "pdlb[serve]" in extras["sim"] and any(d.startswith("simpy") for d in extras["sim"])
     assert "pdlb[sim,tokenizer]" in extras["test"]  # python3 dev.py test installs .[test]: everything
-    assert meta["scripts"]["pdlb-serve"] == "balancer.service.cli:main"
+    assert meta["scripts"]["pdlb-serve"] == "pdlb_cli.serve:main"
     assert extras["fast"] == ["numba>=0.60"] and "pdlb[fast]" in extras["serve"]  # compiled ep_aware loops
 
 
