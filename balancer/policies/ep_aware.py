@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from balancer import kernels
 from balancer.candidates import Candidates
 from balancer.cost_model import (
     DEFAULT_COST_MODEL,
@@ -192,6 +193,7 @@ class EpAware(Policy):
             raise ValueError(f"slo_doomed_cap must be >= 0 (a multiple of the budget; inf = none), got {self.slo_doomed_cap}")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
+        kernels.compiled()  # compile (or load) the compiled cost loops now, not in the first decision
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
@@ -345,6 +347,9 @@ class EpAware(Policy):
         prompt, ``sum_{r != i} n_r clip((q_r - q_i) / q_r, 0, 1)``, shape ``(n,)``."""
         n_req = cands.num_requests.astype(np.float64)
         if rows is not None:
+            got = kernels.requests_after_rows(q, n_req, idx, rows)  # the compiled loop, when there is one
+            if got is not None:
+                return got
             ri = engine_layout(idx, rows)[0]
             Q, N = q[ri], n_req[ri]
         else:
@@ -376,6 +381,13 @@ class EpAware(Policy):
         d = eng.decode
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         kv_new = request.prompt_tokens + out / 2.0
+        if eng.ep_synchronous and rows is not None:  # the compiled loop, when there is one
+            got = kernels.decode_cost_rows(cands.num_requests, cands.decode_kv_tokens, cands.matched_tokens, idx, rows,
+                                           out, kv_new, request.prompt_tokens, d.overhead_s, d.per_seq_s,
+                                           d.per_kv_token_s, d.per_group_seq_s, self.externality_weight,
+                                           model.transfer_s_per_token, transfer)
+            if got is not None:
+                return got
         b = cands.num_requests.astype(np.float64)
         k = cands.decode_kv_tokens.astype(np.float64)
         n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
