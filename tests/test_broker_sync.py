@@ -69,6 +69,31 @@ def test_malformed_rows_drop_the_whole_snapshot(rows):
     assert ("p" in t.peers) == valid
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(["g", "d", "t", "x"]),
+                                                                               inner, max_size=4),
+                    max_leaves=25))
+def test_malformed_decisions_are_dropped_never_raised(obj):
+    r = Router("cache_aware", "cache_aware", index_mode="approximate")
+    r.add_replica(R0, "mixed")
+    sync = BrokerSync(BrokerConfig(url="nats://127.0.0.1:1"), r, lambda: [R0], group="me", share_decisions=True)
+    sync._record(obj)  # never raises; whatever was recorded names valid replicas and 64-bit hashes
+    assert sync.decisions["recorded"] <= (len(obj["d"]) if isinstance(obj, dict) and isinstance(obj.get("d"), list)
+                                          else 0)
+    assert set(r.index.match((1,))) <= {R0}
+
+
+def test_decisions_from_a_peer_are_recorded():
+    r = Router("cache_aware", "cache_aware", index_mode="approximate")
+    r.add_replica(R0, "mixed")
+    sync = BrokerSync(BrokerConfig(url="nats://127.0.0.1:1"), r, lambda: [R0], group="me", share_decisions=True)
+    assert sync._record({"g": "other", "d": [[[["http://m0", 0]], [5, 6, 7]], [[["http://gone", 0]], [8]]]})
+    assert r.index.match((5, 6, 7)) == {R0: 3}  # the unknown replica's decision is ignored by the index
+    assert not sync._record({"g": "me", "d": [[[["http://m0", 0]], [9]]]}) and r.index.match((9,)) == {}
+    assert sync.decisions["recorded"] == 2 and sync.dropped == {"own_group": 1}
+
+
 def test_encode_load_sends_own_nonzero_ranks_only():
     r = Router("least_load", "least_load", seed=0)
     for rep in (R0, R1):

@@ -346,8 +346,25 @@ class BrokerSync:
     async def _run(self) -> None:
         import nats  # the broker extra (pip install 'pdlb[broker]')
 
+        while True:
+            try:
+                await self._connect_and_publish(nats)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever breaks the connection: start over, never raise
+                self._set_up(False, f"{type(e).__name__}: {e}")
+                nc, self._nc = self._nc, None
+                if nc is not None:
+                    try:
+                        await asyncio.wait_for(nc.close(), timeout=self.cfg.connect_timeout_s)
+                    except Exception:  # noqa: BLE001 - closing a broken connection
+                        pass
+                await asyncio.sleep(self.cfg.reconnect_wait_s)
+
+    async def _connect_and_publish(self, nats: Any) -> None:
         cfg = self.cfg
         log.info("broker: connecting to %s (cluster %r, peer id %s)", cfg.url, cfg.cluster, self.router_id)
+        # retries for ever (max_reconnect_attempts -1), also before the first connection
         self._nc = await nats.connect(
             servers=cfg.servers, name=self.router_id, allow_reconnect=True, max_reconnect_attempts=-1,
             reconnect_time_wait=cfg.reconnect_wait_s, connect_timeout=cfg.connect_timeout_s, no_echo=True,
