@@ -16,8 +16,9 @@ K = 1 of the same mode, measured in the same run. Writes ``summary.json``, ``tab
 ``k_routers.png``.
 
 **Live** (``--live``): a real ``nats-server`` and emulated mixed engines on loopback; a multi-turn
-workload (sessions sharing a system prompt, each turn extending its session's prompt) whose turns
-alternate between two ``pdlb serve`` routers (approximate mode, cache_aware), once without a
+workload (sessions sharing a system prompt, each turn extending its session's prompt; by default
+48 sessions of 2 turns, so that the second turn reaches a router that did not route the first)
+whose turns alternate between two ``pdlb serve`` routers (approximate mode, cache_aware), once without a
 broker and once with ``--broker``, plus one router alone as the baseline. Each configuration gets
 fresh engines. Prefix hit rate is the engines' own count (``usage.prompt_tokens_details.cached_tokens``
 over prompt tokens), TTFT the client's (first streamed token), goodput the requests per second
@@ -71,7 +72,7 @@ def _sessions(n_sessions: int, turns: int) -> list[list[str]]:
     system = "You are a careful assistant for the ACME support desk. " * 60  # ~800 tokens at 4 chars/token
     out = []
     for s in range(n_sessions):
-        ctx = system + f"Session {s} customer file: " + f"record {s} line item detail " * 120
+        ctx = system + f"Session {s} customer file: " + f"record {s} line item detail " * 400  # ~2,900 tokens of its own
         prompts = []
         for t in range(turns):
             ctx += f" Question {t} of session {s}: what about item {t * 7 + s}? " * 4
@@ -230,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator part")
     ap.add_argument("--live", action="store_true", help="also run the loopback check (2 routers)")
     ap.add_argument("--engines", type=int, default=2, help="live: emulated mixed engines (default: %(default)s)")
-    ap.add_argument("--sessions", type=int, default=12, help="live: concurrent sessions (default: %(default)s)")
-    ap.add_argument("--turns", type=int, default=8, help="live: turns per session (default: %(default)s)")
+    ap.add_argument("--sessions", type=int, default=48, help="live: concurrent sessions (default: %(default)s)")
+    ap.add_argument("--turns", type=int, default=2, help="live: turns per session (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=16, help="live: output tokens per turn (default: %(default)s)")
     ap.add_argument("--speed", type=float, default=1.0, help="live: engine speed factor (default: %(default)s)")
     ap.add_argument("--ttft-slo-s", type=float, default=0.5, help="live: TTFT SLO for goodput (default: %(default)s)")

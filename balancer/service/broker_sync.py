@@ -240,6 +240,7 @@ class BrokerSync:
         self._prev_on_routed: Any = None
         self._outage_logged = False
         self._unregister: Callable[[], None] | None = None
+        self._closing = False  # close() began: a disconnect is ours, not an outage
         # counters (read by BrokerMetrics)
         self.sent = {"load": 0, "routed": 0}
         self.received = {"load": 0, "routed": 0}
@@ -381,7 +382,7 @@ class BrokerSync:
             await asyncio.sleep(cfg.publish_interval_s)
 
     def _set_up(self, up: bool, what: str) -> None:
-        if up == self.up:
+        if up == self.up or self._closing:
             return
         self.up = up
         if up:
@@ -511,6 +512,7 @@ class BrokerSync:
     async def close(self) -> None:
         """Stop publishing, restore the router's hooks, close the connection (peers drop this
         router after ``peer_ttl_s``)."""
+        self._closing = True
         if self.router.on_routed == self._on_routed:
             self.router.on_routed = self._prev_on_routed
         if self._task is not None:
