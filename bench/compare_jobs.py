@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PDLB = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main(sys.argv[1:]))"]
+PDLB = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))"]
 
 
 def run(jobs: int, args: argparse.Namespace, out: Path) -> tuple[float, list[dict]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 
 
 def _argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -43,7 +43,7 @@ def test_policy_and_policies_together_are_refused(command: str, capsys: pytest.C
 
 
 def test_policies_given_with_equals_counts_as_given(capsys: pytest.CaptureFixture[str]) -> None:
-    # the '--policies=LIST' spelling is seen as given too (sim.cli_args.given_options)
+    # the '--policies=LIST' spelling is seen as given too (pdlb_cli.args.given_options)
     rc = main(["sim", "compare", "--policies=round_robin", "--policy", "random", "--limit", "5", "--quiet"])
     assert rc == 2 and "--policy and --policies both given" in capsys.readouterr().err
 

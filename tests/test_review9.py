@@ -116,7 +116,7 @@ def test_a_scenario_name_cannot_put_the_default_results_folder_elsewhere(cmd, pr
     # a scenario's name is free text and was pasted into results/<name>-<time>: "../../escape/x"
     # wrote to ../escape/x-<time> (outside the working directory's results/), "a/b c" to a subfolder.
     # Expected stem by sim.file_names.safe_file_stem: runs of "/", " " become "-", leading ".-" stripped.
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     work = tmp_path / "w" / "d"
     work.mkdir(parents=True)
@@ -132,7 +132,7 @@ def test_a_scenario_name_cannot_put_the_default_results_folder_elsewhere(cmd, pr
 
 def test_capacity_out_help_names_its_own_default_folder(capsys) -> None:
     # the help said results/<scenario>-<time>; capacity writes results/capacity-<scenario>-<time>
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     with pytest.raises(SystemExit):
         main(["sim", "capacity", "--help"])
@@ -148,7 +148,7 @@ def test_capacity_burst_note_does_not_advise_the_flag_already_given() -> None:
     # (69.5 > 2 x 29.7, sim.metrics.BURST_MAKESPAN_RATIO).
     from types import SimpleNamespace
 
-    from sim.capacity_cli import _burst_note
+    from pdlb_cli.sim.capacity import _burst_note
 
     r = SimpleNamespace(best=SimpleNamespace(summary={"num_requests": 341, "arrival_window_s": 29.7, "makespan_s": 69.5}))
     given = _burst_note(r, 30.0)
@@ -187,7 +187,7 @@ def test_store_sweep_on_a_trace_without_classes_runs_without_the_default_class_t
     # (the Mooncake trace, any user trace) fail with an error about a flag the user never gave.
     import csv
 
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     trace = _store_trace(tmp_path, [None] * 4)
     rc = main(["sim", "store-sweep", "--trace", str(trace), "--warmup-days", "0", "--ttl-hours", "1",
@@ -207,7 +207,7 @@ def test_store_sweep_on_a_trace_without_classes_runs_without_the_default_class_t
 def test_store_sweep_whose_warmup_covers_the_whole_trace_is_an_error(tmp_path: Path, capsys) -> None:
     # The default --warmup-days 7 on a 3 s trace left nothing measured: a table of 0% and then a
     # ZeroDivisionError traceback in the chatbot note. Last arrival 3 s = 3 / 86400 = 3.47e-05 days.
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     trace = _store_trace(tmp_path, ["chatbot"] * 4)
     rc = main(["sim", "store-sweep", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet", "--no-plots"])
@@ -218,7 +218,7 @@ def test_store_sweep_whose_warmup_covers_the_whole_trace_is_an_error(tmp_path: P
 
 def test_store_sweep_chatbot_note_without_any_chatbot_hit_has_no_ratio() -> None:
     # h7 = 0 divided by zero for the relative cost
-    from sim.experiments.cli import _deepseek_note
+    from pdlb_cli.sim.store_sweep import _deepseek_note
     from sim.experiments.store_hit_rate import ClassHits
 
     zero = {"chatbot": ClassHits(requests=1, prompt_tokens=100, hit_tokens=0)}
@@ -239,7 +239,7 @@ def test_store_sweep_chatbot_note_without_any_chatbot_hit_has_no_ratio() -> None
     (None, None, "{dir}/missing.toml: no such file"),  # was "[Errno 2] No such file or directory: ..." without the flag's file first
 ])
 def test_session_config_errors_are_one_line_naming_file_and_field(name, text, message, tmp_path: Path, capsys) -> None:
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     path = tmp_path / (name or "missing.toml")
     if text is not None:
@@ -365,7 +365,7 @@ def test_a_policy_that_returns_no_valid_choice_is_a_policy_error_and_counts_noth
 def test_pdlb_sim_names_a_user_policy_that_breaks_its_contract(tmp_path: Path, monkeypatch, capsys) -> None:
     import sys
 
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     pkg = tmp_path / "r9pkg"
     pkg.mkdir()
@@ -444,7 +444,7 @@ def test_price_from_a_summary_whose_runs_were_all_refused_says_so(tmp_path: Path
     # "key 'input_tokens_per_s_per_gpu' is missing or not a finite number >= 0 (got None)"
     import json
 
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     f = tmp_path / "summary.json"
     f.write_text(json.dumps({"runs": [{"policy": "round_robin", "num_requests": 0, "num_finished": 0,
@@ -457,7 +457,7 @@ def test_price_from_a_summary_whose_runs_were_all_refused_says_so(tmp_path: Path
 
 def test_cost_model_out_errors_name_the_flag_before_fitting(tmp_path: Path, capsys) -> None:
     # were "error: [Errno 21] Is a directory: '/tmp'" and "error: [Errno 2] No such file or directory: ..."
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     assert main(["sim", "cost-model", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -477,7 +477,7 @@ def test_pdlb_policies_lists_a_registered_policy_whose_module_has_no_docstring(c
     from dataclasses import dataclass
 
     from balancer.policies.base import _REGISTRY, Policy, register
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     mod = types.ModuleType("r9_nodoc")  # a module without a docstring
     sys.modules["r9_nodoc"] = mod
@@ -505,7 +505,7 @@ def test_a_burst_at_one_instant_shows_no_goodput_as_a_dash_with_the_reason(tmp_p
     # summary.md printed "nan" with no word on why.
     import json
 
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     rec = {"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(rec) for _ in range(3)) + "\n")
@@ -533,7 +533,7 @@ def test_goodput_note_only_for_a_zero_window() -> None:
 def test_validate_refuses_a_figure_given_twice(capsys) -> None:
     # `--figures sglang-prefill-1k,sglang-prefill-1k` ran it twice and reported "2 of 2 held-out
     # figures within +-15%" for one figure
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     assert main(["sim", "validate", "--figures", "sglang-prefill-1k, sglang-prefill-1k"]) == 2
     assert capsys.readouterr().err == "error: --figures: sglang-prefill-1k given more than once\n"
@@ -548,7 +548,7 @@ def test_validate_refuses_a_figure_given_twice(capsys) -> None:
 def test_a_sweep_point_listed_twice_is_an_error_before_running(extra: str, where: str, tmp_path: Path, capsys) -> None:
     # was: run twice under one point id ("2 of 2 points"), while compare and capacity refuse a
     # policy given twice
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     f = tmp_path / "s.toml"
     f.write_text('scenario = "llama8b-agg-h100"\nlimit = 5\n' + extra)
@@ -560,7 +560,7 @@ def test_a_sweep_point_listed_twice_is_an_error_before_running(extra: str, where
 
 def test_a_nested_check_naming_its_own_path_is_not_prefixed_twice(tmp_path: Path, capsys) -> None:
     # was "spx.toml: speculative: speculative.acceptance: every entry must be in [0, 1], got [2.0]"
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     f = tmp_path / "spx.toml"
     f.write_text('name = "x"\nmodel = "llama-3.1-8b"\nhardware = "h100"\n[mixed]\nnum_engines = 1\n'

@@ -266,7 +266,7 @@ class Service:
         :data:`GC_AFTER_LARGE_BYTES` and a second has passed since the last time, collect the young
         generations now, so that a failed request's reference cycles (exceptions, tracebacks and
         frames that hold the body) free it within seconds rather than after thousands of other
-        requests (``pdlb serve`` raises the young generation's threshold: :func:`~balancer.service.cli.tune_gc`),
+        requests (``pdlb serve`` raises the young generation's threshold: :func:`~balancer.service.launch.tune_gc`),
         and hand the heap's free pages back to the OS (``malloc_trim``: the body arrived in 64 KB
         socket chunks, below the mmap threshold, and their pages stayed resident after the join)."""
         now_s = time.monotonic() if now_s is None else now_s

@@ -382,7 +382,7 @@ class ServiceConfig(BaseModel):
             ``/metrics`` aggregates all of them; admin API changes are applied by every process
             (:mod:`balancer.service.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
             per core it may run on, one per four cores when a worker runs on the same host
-            (:func:`balancer.service.cli.default_processes`); round robin counts per process (each
+            (:func:`balancer.service.launch.default_processes`); round robin counts per process (each
             process takes the candidates in turn, so N processes split a short run unevenly by up
             to N requests per worker; load-aware policies read the shared load); an app built
             in process (:func:`balancer.service.app.create_app`) is one. See docs/serving.md,

@@ -1,7 +1,7 @@
 """Supervision of the router processes of ``pdlb serve --processes N`` (the parent's side).
 
 A router process may die of anything: SIGKILL, a crash, the kernel's OOM killer. The parent
-(:func:`balancer.service.cli._run_processes`) notices within :data:`CHECK_INTERVAL_S`, logs it and
+(:func:`balancer.service.launch._run_processes`) notices within :data:`CHECK_INTERVAL_S`, logs it and
 starts a replacement with the same process index, which takes the dead one's place everywhere:
 
 * **in-flight load**: the dead process's row of the shared load block

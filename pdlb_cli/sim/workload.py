@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .analysis import ideal_hit_rate
-from .benchmarks import GSP_DEFAULTS, load_ramp_workload, shared_prefix_workload
-from .writer import write_mooncake
+from rich.console import Console
+
+from pdlb_cli.args import check_out_file
+from sim.workload.analysis import ideal_hit_rate
+from sim.workload.benchmarks import GSP_DEFAULTS, load_ramp_workload, shared_prefix_workload
+from sim.workload.writer import write_mooncake
 
 
 def _int(minimum: int):  # noqa: ANN202
@@ -59,7 +62,7 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
+def add_workload_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``pdlb sim workload {shared-prefix,ramp}``."""
     p = simsub.add_parser("workload", help="generate a benchmark workload (shared-prefix groups, load ramps) as JSONL",
                           description="Write a standard router-benchmark workload as Mooncake-style JSONL, "
@@ -104,6 +107,7 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> None:
         q.add_argument("--out", type=Path, required=True, help="output JSONL file (.gz: gzip); overwritten")
         q.add_argument("--seed", type=_int(0), default=0, help="random seed (default 0)")
         q.add_argument("--block-size", type=_int(1), default=512, help="tokens per hash block (default 512)")
+    return p
 
 
 #: load_ramp_workload's parameters by the flags that set them (its errors are reworded with them).
@@ -113,7 +117,7 @@ _RAMP_FLAGS = {"prompt_tokens_mean": "--prompt-tokens", "output_tokens_mean": "-
                "block_size": "--block-size"}
 
 
-def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
+def run_workload(args: argparse.Namespace, console: Console) -> int:
     """Generate and write the workload; print a one-line summary. Returns 0."""
     if args.workload_kind == "shared-prefix":
         reqs = shared_prefix_workload(args.groups, args.prompts_per_group,
@@ -137,8 +141,6 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
                          "raise --rates or --step-s, or try another --seed")
-    from sim.cli_args import check_out_file
-
     check_out_file(args.out, "workload.jsonl")  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
     n = write_mooncake(reqs, args.out, block_size=args.block_size)
     span = reqs[-1].arrival_time_s if reqs else 0.0
@@ -147,3 +149,11 @@ def run_workload(args: argparse.Namespace, console) -> int:  # noqa: ANN001
     console.print(f"wrote {n:,} requests over {span:,.1f} s to {args.out} (ideal prefix hit rate {hit:.1%} of blocks, "
                   f"{hit_tokens:.1%} of prompt tokens)", markup=False)
     return 0
+
+
+class Workload:
+    """``pdlb sim workload {shared-prefix,ramp}`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "workload"
+    add_parser = staticmethod(add_workload_parser)
+    run = staticmethod(run_workload)

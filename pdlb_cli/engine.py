@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
-from aiohttp import web
 from pydantic import ValidationError
+from rich.console import Console
 
-from balancer.service.cli import event_loop_factory, listen_error
+from balancer.service.launch import event_loop_factory
 from balancer.validation import format_validation_error
-from sim.emulator.app import STATE, create_engine_app
 from sim.emulator.config import EmulatorConfig
+from sim.emulator.launch import serve_engine
 from sim.hardware import HARDWARE
 from sim.models import MODELS
 
@@ -108,39 +107,6 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         raise ValueError(format_validation_error(e, None, EmulatorConfig)) from None
 
 
-async def _serve(cfg: EmulatorConfig, host: str, port: int, bootstrap_port: int | None) -> int:
-    """Listen until SIGINT/SIGTERM (0); 2 after printing one ``error:`` line if the engine cannot
-    be built (e.g. the model does not fit the GPUs) or a port cannot be listened on."""
-    try:
-        app = create_engine_app(cfg, exit_on_die=True)  # builds the perf model: ValueError if it does not fit
-    except ValueError as e:
-        hint = " (pdlb engine: --gpus-per-rank, --dp-ranks, --hardware)" if "does not fit" in str(e) else ""
-        print(f"error: {e}{hint}", file=sys.stderr)
-        return 2
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    listening = port
-    try:
-        await web.TCPSite(runner, host, port).start()
-        bound = runner.addresses[0][1]
-        if bootstrap_port is not None:
-            listening = bootstrap_port
-            await web.TCPSite(runner, host, bootstrap_port).start()
-    except OSError as e:
-        await runner.cleanup()  # closes the app's client session too
-        print(f"error: {listen_error(host, listening, e)}", file=sys.stderr)
-        return 2
-    app[STATE].port = bound
-    print(f"pdlb engine ready on http://{host}:{bound} role={cfg.role} speed={cfg.speed}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    return 0
-
-
 def run_engine(args: argparse.Namespace) -> int:
     """Run ``pdlb engine`` until SIGINT/SIGTERM; returns the exit status (2 after one ``error:``
     line on stderr for bad flags, a model that does not fit, or a port in use)."""
@@ -154,4 +120,14 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(cfg, args.host, args.port, args.bootstrap_port))
+        return runner.run(serve_engine(cfg, args.host, args.port, args.bootstrap_port))
+
+
+class Engine:
+    """``pdlb engine`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "engine"
+    add_parser = staticmethod(add_engine_parser)
+
+    def run(self, args: argparse.Namespace, console: Console) -> int:
+        return run_engine(args)
