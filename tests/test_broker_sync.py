@@ -135,8 +135,8 @@ def test_config_checks():
 
 
 def test_cli_flag_sets_the_section():
-    from balancer.service.cli import config_from_args
-    from sim.cli import build_parser
+    from pdlb_cli.main import build_parser
+    from pdlb_cli.serve import config_from_args
 
     args = build_parser().parse_args(["serve", "--broker", "nats://10.0.0.5:4222", "--mixed", "http://127.0.0.1:9"])
     cfg = config_from_args(args)
