@@ -86,6 +86,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="scrape the engines' /metrics (running, waiting, KV usage) every "
                         f"{d.load_scrape.interval_s:g} s as load reports, so that several routers see the whole load "
                         "(default: off)")
+    p.add_argument("--broker", metavar="NATS_URL",
+                   help="share in-flight load (and, in approximate mode, routing decisions) with the other routers "
+                        "on this NATS broker, e.g. nats://10.0.0.5:4222; needs pdlb[broker]; more settings in the config "
+                        "file's broker: section (default: none)")
     p.add_argument("--pd-min-uncached-tokens", type=int, metavar="TOKENS",
                    help="conditional disaggregation: requests with fewer uncached prompt tokens run on the decode "
                         f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
@@ -205,6 +209,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data.setdefault("retry", {})["max_retries"] = args.max_retries
     if getattr(args, "scrape_load", None):
         data.setdefault("load_scrape", {})["enabled"] = True
+    if getattr(args, "broker", None):
+        data.setdefault("broker", {})["url"] = args.broker
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
     cfg = load_service_config(None, data)

@@ -968,12 +968,19 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             share = PrefixShare(svc.router, shared_prefix_dir, svc.processes, process_index)
             share.start()
             svc.metrics.prefix_share, svc.metrics.process_index = share, process_index
+        broker = None
+        if cfg.broker.enabled:  # routers on several hosts (after the rings: it chains their hook)
+            from balancer.service.broker_sync import start_for_service
+
+            broker = start_for_service(svc, shared_load)
         if control is not None:
             from balancer.service.shared_admin import AdminChannel
 
             svc.admin = AdminChannel(control, lambda op, payload, cols: apply_admin_change(svc, op, payload, cols))
             svc.admin.start()
         yield
+        if broker is not None:
+            await broker.close()
         if svc.admin is not None:
             await svc.admin.close()
         if share is not None:
