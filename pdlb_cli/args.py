@@ -794,7 +794,7 @@ def session_config(args: argparse.Namespace, days: float) -> SessionWorkloadConf
             if field in upd and field in _FIELD_FLAGS:
                 parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
             else:  # a field of --config (already checked alone) or a check across fields
-                if not loc:  # across fields: name the flags that set them (was: "lower duration_s or ...")
+                if not loc:  # across fields: name the flags that set them, not the config fields
                     for name, flag in _FIELD_FLAGS.items():
                         msg = re.sub(rf"\b{name}\b", flag, msg)
                 where = ".".join(str(x) for x in loc)

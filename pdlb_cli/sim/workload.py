@@ -141,7 +141,7 @@ def run_workload(args: argparse.Namespace, console: Console) -> int:
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
                          "raise --rates or --step-s, or try another --seed")
-    check_out_file(args.out, "workload.jsonl")  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
+    check_out_file(args.out, "workload.jsonl")  # an error naming the flag, not "[Errno 21] Is a directory"
     n = write_mooncake(reqs, args.out, block_size=args.block_size)
     span = reqs[-1].arrival_time_s if reqs else 0.0
     hit, hit_tokens = ideal_hit_rate(reqs, args.block_size)
