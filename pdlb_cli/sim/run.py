@@ -166,7 +166,7 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
                   console=console, disable=args.quiet, transient=False) as progress:
         tasks = [progress.add_task(f"{(pl if pl == dl else f'{pl}+{dl}'):<28}", total=len(requests))
                  for _, _, pl, dl in runs]
-        if jobs > 1:  # policies in parallel (was one at a time: 72% of one core)
+        if jobs > 1:  # policies in parallel, one worker process each
             # starting a worker flushes sys.stdout (multiprocessing), which raises once stdout's reader
             # went away ('| head -1'): flushes go to the console's pipe-safe file meanwhile
             with contextlib.redirect_stdout(console.file):

@@ -85,7 +85,7 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
     keys = [k.strip() for k in args.figures.split(",") if k.strip()] if args.figures is not None else None
     if keys == []:
         raise ValueError(f"--figures: give at least one figure ({', '.join(FIGURES_BY_KEY)}), or leave the flag out for all")
-    twice = sorted({k for k in keys or [] if keys.count(k) > 1})  # was counted twice: "2 of 2 within"
+    twice = sorted({k for k in keys or [] if keys.count(k) > 1})  # would be counted twice in the summary line
     if twice:
         raise ValueError(f"--figures: {', '.join(twice)} given more than once")
     results = run_validation(keys)
