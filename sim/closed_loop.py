@@ -121,11 +121,13 @@ def simulate_closed_loop(
     index_mode: str = "approximate",
     max_requests: int = DEFAULT_MAX_REQUESTS,
     router_factory: Callable[[int | None], Router] | None = None,
+    cluster_hook: Callable[[Cluster], None] | None = None,
 ) -> ClosedLoopResult:
     """Run ``workload``'s lanes through ``scenario`` routed by ``policy`` (both roles; an aggregated
     scenario routes among its mixed ranks). The router is built as :func:`sim.cluster.simulate`
     builds it (the scenario's cost model and KV-tier views), unless ``router_factory`` is given.
-    Deterministic for given inputs.
+    ``cluster_hook``: called with the built cluster before the first request (sensitivity runs
+    change engine attributes there, e.g. ``Rank.hit_multiple_tokens``). Deterministic for given inputs.
 
     Raises:
         ValueError: ``drain_s`` < 0, ``max_requests`` < 1.
@@ -147,6 +149,8 @@ def simulate_closed_loop(
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_factory, perf_factory, record_iterations=True)
+    if cluster_hook is not None:
+        cluster_hook(cluster)
     env = cluster.env
     cluster.begin_dynamic(max_requests)
     roles = (Role.DECODE, Role.MIXED)

@@ -140,3 +140,41 @@ def test_options_are_validated():
     for bad in ({"max_num_seqs": 0}, {"max_chunk_tokens": 0}, {"prefill_schedule_interval": 0}):
         with pytest.raises(ValueError):
             PoolConfig(**bad)
+
+
+def test_records_grow_keeps_rows_and_fills_new_ones():
+    from sim.records import RequestRecords
+    rec = RequestRecords(2)
+    rec.finish_s[0] = 1.0
+    rec.prompt_tokens[1] = 5
+    rec.grow(5)
+    assert rec.num_requests == 5 and len(rec.finish_s) == 5 and len(rec.router_matched_tokens) == 5
+    assert rec.finish_s[0] == 1.0 and np.isnan(rec.finish_s[1:]).all()
+    assert rec.prompt_tokens.tolist() == [-1, 5, -1, -1, -1] and rec.cached_tokens.tolist() == [0] * 5
+    with pytest.raises(ValueError):
+        rec.grow(3)
+
+
+def test_dynamic_submission_routes_at_the_current_time_and_calls_the_hook():
+    # two requests submitted at t=0 and (from the hook) when the first finishes: the second's
+    # arrival is the first's finish time (hand: 8-token prompt, 3 out, 1 s steps -> done at t=3)
+    from balancer.router import Router
+    from sim.cluster import Cluster
+    sc = _agg()
+    cl = Cluster(sc, lambda cap: Router("round_robin", block_size=4, index_capacity_blocks=cap),
+                 lambda s, p: OneSecondPerf())
+    with pytest.raises(RuntimeError, match="begin_dynamic"):
+        cl.submit(_req("A", 0.0, 8, 3))
+    rec = cl.begin_dynamic(2)
+    seen = []
+
+    def hook(i, now):
+        seen.append((i, now))
+        if i == 0:
+            cl.submit(_req("B", now, 8, 3))
+    cl.on_request_finished = hook
+    assert cl.submit(_req("A", 0.0, 8, 3)) == 0
+    cl.env.run(until=100)
+    assert seen == [(0, 3.0), (1, 6.0)] and rec.arrival_s.tolist() == [0.0, 3.0]
+    with pytest.raises(RuntimeError, match="more than 2"):
+        cl.submit(_req("C", 100.0, 8, 3))
