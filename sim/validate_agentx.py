@@ -253,7 +253,8 @@ def print_rows(rows: list[AgentxRow], console) -> None:  # noqa: ANN001
                   "through the think time: requests and throughput)", markup=False)
 
 
-def plot_rows(rows: list[AgentxRow], path: str | Path, title: str = "AgentX 440246: simulated vs published") -> Path:
+def plot_rows(rows: list[AgentxRow], path: str | Path,
+              title: str = "AgentX 440246 on pdlb's cluster simulator: simulated vs published") -> Path:
     """Write a PNG: each row's simulated / published ratio (log scale) with the +-15% band, markers
     by role. Returns the path."""
     import matplotlib
