@@ -235,17 +235,21 @@ def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | 
     Raises:
         PromptError: the value is longer than :data:`MAX_REQUEST_ID_CHARS` or not printable.
     """
+    found: tuple[str, str] | None = None
     for name in SESSION_HEADERS:
-        v = headers.get(name)
-        if v:
+        h = headers.get(name)
+        if h:
+            found = (name, h)
             break
-    else:
+    if found is None:
         for name in SESSION_FIELDS:
-            v = body.get(name)
-            if isinstance(v, str) and v:
+            b = body.get(name)
+            if isinstance(b, str) and b:
+                found = (name, b)
                 break
-        else:
-            return None
+    if found is None:
+        return None
+    name, v = found
     if len(v) > MAX_REQUEST_ID_CHARS or not v.isprintable():
         raise PromptError(f"'{name}' (the session id) must be 1..{MAX_REQUEST_ID_CHARS} printable characters")
     return v
