@@ -111,6 +111,10 @@ class Cluster:
         perf_factory: ``(scenario, pool) -> PerfModel``; the roofline by default.
         kv_events: publish every cache change to ``router.on_kv_event`` (the router's events
             mode); default: when the router's ``index_mode`` is ``"events"``.
+        record_iterations: keep per-rank step records by class (:meth:`StepGroup.iteration_times`).
+
+    Closed-loop workloads (:mod:`sim.closed_loop`) use :meth:`begin_dynamic`, :meth:`submit` and
+    the completion hook :attr:`on_request_finished` ``(index, now_s)`` instead of :meth:`run`.
     """
 
     def __init__(
@@ -119,8 +123,11 @@ class Cluster:
         router_factory: Callable[[int | None], Router],
         perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
         kv_events: bool | None = None,
+        record_iterations: bool = False,
     ) -> None:
         self.scenario = scenario
+        #: called as ``(request index, now_s)`` when a request finishes (closed-loop drivers)
+        self.on_request_finished: Callable[[int, float], None] | None = None
         self.env = simpy.Environment()
         self.tier_stats = TierStats()
         self.store: SharedStore | None = None
@@ -169,6 +176,11 @@ class Cluster:
                                 pool.max_prefill_tokens, pool.max_decode_batch,
                                 share_prompt_blocks=scenario.kv_accounting == "shared")
                     rank.hit_multiple_tokens = hit_multiple
+                    # vLLM scheduler options of the pool and MTP verification (off by default)
+                    rank.max_num_seqs = pool.max_num_seqs
+                    rank.max_chunk_tokens = pool.max_chunk_tokens
+                    rank.verify_tokens_per_seq = getattr(perf, "verify_tokens_per_seq", 1)
+                    rank.decode_tokens_per_step = getattr(perf, "decode_tokens_per_step", 1.0)
                     self.ranks.append(rank)
                     self._perf_of.append(perf)
                     self._by_replica[rep] = rank
@@ -193,7 +205,9 @@ class Cluster:
                                   on_prefill_done=self._on_prefill_done,
                                   on_decode_admitted=self._on_decode_admitted,
                                   on_decode_finished=self._on_decode_finished,
-                                  fast_forward=scenario.fast_forward)
+                                  fast_forward=scenario.fast_forward,
+                                  prefill_schedule_interval=pool.prefill_schedule_interval,
+                                  record_iterations=record_iterations)
                     self.groups.append(g)
                     self._group_of.extend(g for _ in members)
                 if scenario.long_prefill is not None and role is Role.PREFILL:
@@ -268,35 +282,81 @@ class Cluster:
             progress(rec.num_finished, n)
         return rec
 
+    def begin_dynamic(self, capacity: int, sample_interval_s: float = 10.0) -> RequestRecords:
+        """Closed-loop mode: records for up to ``capacity`` requests, submitted one by one at the
+        current simulated time with :meth:`submit` (no arrival list). Returns the records (they
+        grow by doubling up to ``capacity`` rows; rows beyond the submitted requests stay unused,
+        read :attr:`records` again after the run).
+
+        Raises:
+            ValueError: ``capacity`` < 1."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._requests = []
+        self._index_of = {}
+        self._capacity = capacity
+        self.records = RequestRecords(min(capacity, 1024))
+        self._done = self.env.event()
+        self.samples = LoadSamples(sample_interval_s)
+        return self.records
+
+    def submit(self, req: Request) -> int:
+        """Route ``req`` now (``env.now``; its ``arrival_time_s`` should equal it) and queue it on
+        its rank; returns its row in the records.
+
+        Raises:
+            RuntimeError: not in dynamic mode, or the records' capacity is used up.
+            ValueError: a duplicate request id."""
+        rec = self.records
+        if rec is None or not isinstance(self._requests, list):
+            raise RuntimeError("submit() needs begin_dynamic() first")
+        i = len(self._requests)
+        if i >= rec.num_requests:
+            if i >= self._capacity:
+                raise RuntimeError(f"more than {self._capacity} requests submitted (the capacity given to begin_dynamic)")
+            rec.grow(min(self._capacity, 2 * rec.num_requests))
+        if req.request_id in self._index_of:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self._index_of[req.request_id] = i
+        self._requests.append(req)
+        rec.arrival_s[i] = self.env.now
+        rec.prompt_tokens[i] = req.prompt_tokens
+        rec.output_tokens[i] = req.output_tokens
+        self._dispatch(i, req)
+        return i
+
     def _arrivals(self):  # noqa: ANN202
         env = self.env
-        rec = self.records
-        assert rec is not None
-        router = self.router
-        threshold = self.scenario.long_prompt_threshold_tokens
-        long_pool = bool(self._long_engines)
         for i, req in enumerate(self._requests):
             delay = req.arrival_time_s - env.now
             if delay > 0:
                 yield env.timeout(delay)
-            if long_pool:  # the same router and policies, restricted to the request's pool
-                exclude = self._short_engines if req.prompt_tokens >= threshold else self._long_engines
-                route = router.route(req, env.now, exclude_engines=exclude)
-            else:
-                route = router.route(req, env.now)
-            rec.num_routed += 1
-            job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
-            if route.prefill is not None:
-                rank = self._by_replica[route.prefill]
-                rec.router_matched_tokens[i] = route.prefill_matched_tokens
-                rec.decode_rank[i] = self._by_replica[route.decode].index
-            else:
-                rank = self._by_replica[route.decode]
-                rec.router_matched_tokens[i] = route.decode_matched_tokens
-                rec.decode_rank[i] = rank.index
-            rec.prefill_rank[i] = rank.index
-            rank.enqueue_prefill(job)
-            self._group_of[rank.index].notify()
+            self._dispatch(i, req)
+
+    def _dispatch(self, i: int, req: Request) -> None:
+        """Route request ``i`` at ``env.now`` and queue it on its prefill (or mixed) rank."""
+        env = self.env
+        rec = self.records
+        router = self.router
+        if self._long_engines:  # the same router and policies, restricted to the request's pool
+            threshold = self.scenario.long_prompt_threshold_tokens
+            exclude = self._short_engines if req.prompt_tokens >= threshold else self._long_engines
+            route = router.route(req, env.now, exclude_engines=exclude)
+        else:
+            route = router.route(req, env.now)
+        rec.num_routed += 1
+        job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
+        if route.prefill is not None:
+            rank = self._by_replica[route.prefill]
+            rec.router_matched_tokens[i] = route.prefill_matched_tokens
+            rec.decode_rank[i] = self._by_replica[route.decode].index
+        else:
+            rank = self._by_replica[route.decode]
+            rec.router_matched_tokens[i] = route.decode_matched_tokens
+            rec.decode_rank[i] = rank.index
+        rec.prefill_rank[i] = rank.index
+        rank.enqueue_prefill(job)
+        self._group_of[rank.index].notify()
 
     def _sampler(self, interval: float):  # noqa: ANN202
         env = self.env
@@ -392,6 +452,8 @@ class Cluster:
         self.router.on_finished(self._requests[i].request_id, now, int(rec.output_tokens[i]))
         if rec.num_finished == rec.num_requests:
             self._done.succeed()
+        if self.on_request_finished is not None:
+            self.on_request_finished(i, now)
 
 
 def simulate(
