@@ -11,14 +11,19 @@ The algorithm (the shape of llm-d's flow control and Dynamo's deadline queues, n
 1. **Deadline.** A request's deadline is ``arrival_s + budget``: the budget is the TTFT SLO's
    (:class:`~balancer.types.TtftSlo`, ``ttft_s + per_1k_prompt_tokens_s * prompt / 1000``) unless
    the client gave its own (``x-pdlb-deadline-ms`` in the service), at most
-   :data:`MAX_DEADLINE_S`.
+   :data:`MAX_DEADLINE_S`. A request that no idle replica could serve within its budget (its own
+   prefill ``P / r`` is longer) gets ``arrival_s + P / r + budget``: held forever as "late anyway",
+   such prompts filled the queue in a first version (the Mooncake trace's 100k-token prompts
+   against a flat 2 s SLO).
 2. **Gate.** The cluster's prefill backlog ``B`` (prompt tokens dispatched and not yet prefilled,
    from the router's load tracker: :func:`prefill_backlog`) drains at ``R`` tokens/s
    (``prefill_tokens_per_s`` per prefill replica, or the router's cost model, times the healthy
    prefill (or mixed) replicas). The predicted engine wait is ``W = B / R`` (a fluid model: work
-   spread over the pool). Held requests are dispatched while ``W < dispatch_wait_s``; each dispatch
-   adds its prompt to ``B``. With ``W`` under that bound nothing is held (the light-load path costs
-   one comparison).
+   spread over the pool). Held requests are dispatched while ``W < dispatch_wait_s`` and, when the
+   decode replicas' KV capacities are known, while their free KV (:func:`decode_headroom`: 90% of
+   the capacity less the prompts in flight) is above 0; each dispatch adds its prompt to ``B`` and
+   takes its prompt + output from the free KV. With both under their bounds nothing is held (the
+   light-load path costs two comparisons).
 3. **Order.** Held requests are served by strict priority between classes (``priority_classes``,
    first = highest), then **deficit round robin** between the tenants of a class (Shreedhar and
    Varghese, "Efficient Fair Queuing Using Deficit Round Robin", SIGCOMM 1995): each visit adds
@@ -42,8 +47,10 @@ Every request offered gets exactly one outcome: dispatched or shed (or cancelled
 ``(class, tenant)`` (at most ``max_tenants_tracked`` tenants by name; the rest are counted as
 ``"other"``) are in :meth:`DeadlineAdmission.stats`.
 
-Known limits: the gate sees prefill work only; a decode-bound overload (KV capacity full, decode
-admission queues) is not held here. ``R`` is a configured or modelled rate, not measured.
+Known limits: the decode side is gated on KV tokens only (not on decode step time, TPOT); the
+predicted wait ``W`` counts prefill work only, so a request held behind a full decode pool is shed
+by (c) when its deadline is near rather than at arrival. ``R`` is a configured or modelled rate,
+not measured.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from typing import Any
 from balancer.types import Role, TtftSlo, is_finite_seconds
 
 __all__ = ["MAX_DEADLINE_S", "OUTCOMES", "AdmissionConfig", "DeadlineAdmission", "Held", "Outcome",
-           "prefill_backlog", "prefill_rate_tokens_per_s"]
+           "decode_headroom", "prefill_backlog", "prefill_rate_tokens_per_s"]
 
 #: Longest deadline a request may ask for (seconds after its arrival).
 MAX_DEADLINE_S = 3600.0
@@ -145,6 +152,7 @@ class Held:
     arrival_s: float
     deadline_s: float
     seq: int = 0
+    kv_tokens: int = 0  # KV tokens it will need on a decode (or mixed) replica; 0: not gated on KV
     done: bool = False  # dispatched, shed or cancelled (a lazily deleted heap entry)
 
 
@@ -251,11 +259,12 @@ class DeadlineAdmission:
 
     # ------------------------------------------------------------------ decisions
     def offer(self, key: Any, tenant: str, priority: str | None, prompt_tokens: int, now_s: float,
-              backlog_tokens: float, deadline_s: float | None = None) -> Outcome:
+              backlog_tokens: float, deadline_s: float | None = None, kv_tokens: int = 0) -> Outcome:
         """Queue a request arriving at ``now_s`` (or shed it: module docstring, 4a-b).
 
-        ``deadline_s``: its absolute deadline (default :meth:`deadline_s` from the SLO). Follow with
-        :meth:`drain`, which dispatches it at once when the gate is open.
+        ``deadline_s``: its absolute deadline (default :meth:`deadline_s` from the SLO).
+        ``kv_tokens``: the decode KV it will hold (prompt + output; the KV gate of :meth:`drain`).
+        Follow with :meth:`drain`, which dispatches it at once when the gate is open.
 
         Raises:
             ValueError: ``now_s`` or ``deadline_s`` not finite, ``prompt_tokens`` < 1.
@@ -268,9 +277,12 @@ class DeadlineAdmission:
             deadline_s = self.deadline_s(now_s, prompt_tokens)
         elif not is_finite_seconds(deadline_s):
             raise ValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
+        own = self.own_prefill_s(prompt_tokens)
+        if now_s + own > deadline_s:  # no idle cluster could: its budget counts from its own prefill's end
+            deadline_s = now_s + own + (deadline_s - now_s if deadline_s > now_s else 0.0)
         cls = self.resolve_priority(priority)
         tenant = str(tenant)
-        h = Held(key, tenant, cls, prompt_tokens, float(now_s), float(deadline_s), next(self._seq))
+        h = Held(key, tenant, cls, prompt_tokens, float(now_s), float(deadline_s), next(self._seq), max(0, int(kv_tokens)))
         q = self._classes[self._class_rank[cls]]
         tq = q.tenants.get(tenant)
         w = self.engine_wait_s(backlog_tokens)
@@ -287,11 +299,16 @@ class DeadlineAdmission:
         self._push(q, h)
         return Outcome(h, "hold")
 
-    def drain(self, now_s: float, backlog_tokens: float) -> list[Outcome]:
+    def drain(self, now_s: float, backlog_tokens: float, kv_headroom_tokens: float | None = None) -> list[Outcome]:
         """Shed the held requests that can no longer start in time, then dispatch in order while the
         gate is open (module docstring, 2-4); returns the outcomes in that order (``dispatch``
-        outcomes are to be routed now, in the order given)."""
+        outcomes are to be routed now, in the order given).
+
+        ``kv_headroom_tokens``: decode KV tokens free for new requests (:func:`decode_headroom`);
+        when given, the gate also stays closed while it is <= 0, and each dispatch takes its
+        ``kv_tokens`` from it (``None``: no KV gate)."""
         out: list[Outcome] = []
+        kv = math.inf if kv_headroom_tokens is None else float(kv_headroom_tokens)
         backlog = max(0.0, float(backlog_tokens))
         w = self.engine_wait_s(backlog)
         exp = self._expiry
@@ -300,7 +317,7 @@ class DeadlineAdmission:
             if not h.done:
                 self._remove(h)
                 out.append(self._shed(h, "deadline", w, now_s))
-        while self._num_held and w < self.dispatch_wait_s:
+        while self._num_held and w < self.dispatch_wait_s and kv > 0:
             h = self._pop_next()
             if self._misses(h, now_s, w):  # (d): would miss
                 out.append(self._shed(h, "deadline", w, now_s))
@@ -310,6 +327,7 @@ class DeadlineAdmission:
             out.append(Outcome(h, "dispatch"))
             backlog += h.prompt_tokens
             w = self.engine_wait_s(backlog)
+            kv -= h.kv_tokens
         if not self._num_held:
             exp.clear()
         elif len(exp) > 2 * self._num_held + 64:  # entries of requests that left: keep it O(held)
@@ -349,11 +367,8 @@ class DeadlineAdmission:
         self._wait_sum_s[(h.priority, t)] = self._wait_sum_s.get((h.priority, t), 0.0) + max(0.0, waited_s)
 
     def _misses(self, h: Held, now_s: float, start_s: float) -> bool:
-        """True when starting ``start_s`` after ``now_s`` makes ``h`` miss its deadline although
-        starting at its arrival on an idle replica would not (a request no idle cluster could serve in
-        time is not shed: its miss is the budget's, not the queue's)."""
-        own = self.own_prefill_s(h.prompt_tokens)
-        return now_s + start_s + own > h.deadline_s and h.arrival_s + own <= h.deadline_s
+        """True when starting ``start_s`` after ``now_s`` makes ``h`` miss its deadline."""
+        return now_s + start_s + self.own_prefill_s(h.prompt_tokens) > h.deadline_s
 
     def _shed(self, h: Held, reason: str, wait_s: float, now_s: float) -> Outcome:
         h.done = True
@@ -385,9 +400,7 @@ class DeadlineAdmission:
         q.num += 1
         q.tokens += h.prompt_tokens
         self._num_held += 1
-        latest = h.deadline_s - self.own_prefill_s(h.prompt_tokens)
-        if latest >= h.arrival_s:  # feasible on an idle replica (see _misses): may expire while held
-            heapq.heappush(self._expiry, (latest, h.seq, h))
+        heapq.heappush(self._expiry, (h.deadline_s - self.own_prefill_s(h.prompt_tokens), h.seq, h))
 
     def _pop_next(self) -> Held:
         """The next request by class, then DRR, then EDF (module docstring, 3)."""
@@ -454,6 +467,23 @@ def prefill_backlog(router: Any) -> tuple[int, int]:
             s = load.slot(i.replica)
             tokens += int(load.prefill_tokens[s]) + int(load.peer_prefill_tokens[s])
         return tokens, len(pool)
+
+
+def decode_headroom(router: Any, max_kv_usage: float = 0.9) -> float | None:
+    """KV tokens the healthy decode (or mixed) replicas can take: ``max_kv_usage`` of their summed
+    KV capacity less the tokens their in-flight requests hold (the load tracker's projected
+    ``decode_kv_tokens``, other processes' and engine reports' shares included); ``None`` when a
+    replica's capacity is unknown (0: no KV gate). Reads under ``router.lock``."""
+    with router.lock:
+        pool = [i for i in router.replicas() if i.healthy and i.role is not Role.PREFILL]
+        if not pool or any(i.kv_capacity_tokens <= 0 for i in pool):
+            return None
+        load = router.load
+        used = 0
+        for i in pool:
+            s = load.slot(i.replica)
+            used += int(load.decode_kv_tokens[s]) + int(load.peer_kv_tokens[s]) + int(load.external_kv_tokens[s])
+        return max_kv_usage * sum(i.kv_capacity_tokens for i in pool) - used
 
 
 def prefill_rate_tokens_per_s(cost_model: Any, disaggregated: bool) -> float:

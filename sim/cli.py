@@ -73,6 +73,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g = add_output_args(p)
     add_slo_args(g)
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
+    from balancer.service.admission_config import add_admission_args
+    add_admission_args(p, serve=False)
 
 
 def _add_policy_module_arg(p: argparse.ArgumentParser) -> None:
@@ -257,6 +259,10 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
     t0 = time.perf_counter()
     sim_kw = dict(seed=args.seed, index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
                   tier_weights=args.tier_weights, ttft_slo=TtftSlo(args.slo_ttft_s) if args.route_slo else None)
+    from sim.deadline_gate import admission_from_args, admission_line
+    adm_cfg = admission_from_args(args)
+    if adm_cfg is not None:
+        sim_kw["admission"] = adm_cfg
     jobs = min(getattr(args, "jobs", 1), len(runs))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=args.quiet, transient=False) as progress:
@@ -294,6 +300,9 @@ def _run_many(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]], c
         line = rejection_line(smry, scenario.effective_max_model_len)
         if line:
             console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
+    for smry in summaries:
+        if "admission" in smry:
+            console.print(escape(admission_line(smry)), soft_wrap=True)
     note = next((n for n in map(goodput_note, summaries) if n), "")  # the arrivals are every run's
     if note:
         console.print(escape(note), soft_wrap=True)

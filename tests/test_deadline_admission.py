@@ -114,12 +114,15 @@ def test_dispatch_time_check_sheds_a_doomed_head():
         assert [o.action for o in out] == [action]
 
 
-def test_a_request_no_idle_cluster_could_serve_in_time_is_not_shed():
-    # 5000-token prompt takes 5 s alone, SLO 2 s: its miss is the budget's, not the queue's
+def test_a_request_no_idle_cluster_could_serve_in_time_gets_its_budget_after_its_own_prefill():
+    # 5000-token prompt takes 5 s alone, SLO 2 s: deadline 0 + 5 + 2 = 7 s, latest start 2 s
     adm = make(dispatch_wait_s=0.5, ttft_s=2.0)
-    assert adm.offer("big", "t", None, 5000, 0.0, 1000).action == "hold"
-    assert adm.drain(10.0, 1000) == []      # never expired by the sweep
-    assert keys(adm.drain(11.0, 0)) == ["big"]
+    out = adm.offer("big", "t", None, 5000, 0.0, 1000)
+    assert out.action == "hold" and out.held.deadline_s == 7.0
+    assert adm.drain(0.95, 1000) == []      # W 1.0: 0.95 + 1.0 <= 2.0
+    assert keys(adm.drain(1.5, 0)) == ["big"]
+    adm.offer("big2", "t", None, 5000, 0.0, 1000)
+    assert [o.reason for o in adm.drain(1.05, 1000)] == ["deadline"]  # 1.05 + 1.0 > 2.0
 
 
 def test_bounded_queues():
