@@ -40,6 +40,7 @@ from aiohttp import web
 from balancer.policies import available_policies
 from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
 from balancer.service.body_offload import tune_malloc
+from balancer.service.admission_config import add_admission_args, admission_overrides
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, WorkerConfig, config_warnings,
                                      load_service_config, parse_worker_spec)
 
@@ -236,6 +237,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="the crash-loop window of --max-process-restarts (default: 60)")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
+    add_admission_args(p, serve=True)
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default="WARNING", help="log level of the router's own messages on stderr (default: %(default)s)")
     return p
@@ -317,6 +319,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data.setdefault("load_scrape", {})["enabled"] = True
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
+    if adm := admission_overrides(args):
+        data.setdefault("admission", {}).update(adm)
     cfg = load_service_config(None, data)
     return cfg.model_copy(update={k: None for k in off}) if off else cfg
 
