@@ -119,18 +119,18 @@ def add_admission_args(p: argparse.ArgumentParser, *, serve: bool) -> argparse._
                         "share, and shed (HTTP 429 + Retry-After) those whose predicted wait passes their deadline")
     if serve:
         g.add_argument("--admission-ttft-slo-s", type=float, metavar="S",
-                       help="TTFT budget that sets each request's deadline (default 2)")
+                       help="TTFT budget that sets each request's deadline (default: 2)")
     g.add_argument("--admission-dispatch-wait-s", type=float, metavar="S",
-                   help="dispatch held requests while the predicted engine wait is below S (default: SLO / 4)")
+                   help="dispatch held requests while the predicted engine wait is below S (default: a quarter of the TTFT SLO)")
     g.add_argument("--admission-prefill-tokens-per-s", type=float, metavar="TOKENS",
                    help="one prefill replica's prefill rate (default: from the cost model)")
-    g.add_argument("--admission-max-queue", type=int, metavar="N", help="most requests held at once (default 1024)")
+    g.add_argument("--admission-max-queue", type=int, metavar="N", help="most requests held at once (default: 1024)")
     g.add_argument("--admission-max-queue-per-tenant", type=int, metavar="N",
-                   help="most requests one tenant may have held (default 256)")
+                   help="most requests one tenant may have held (default: 256)")
     g.add_argument("--admission-quantum-tokens", type=int, metavar="TOKENS",
-                   help="deficit round robin quantum in prompt tokens (default 8192)")
+                   help="deficit round robin quantum in prompt tokens (default: 8192)")
     g.add_argument("--admission-tenant-weights", type=parse_tenant_weights, metavar="T=W,...",
-                   help="deficit round robin weight per tenant (default 1 each)")
+                   help="deficit round robin weight per tenant (default: 1 each)")
     return g
 
 

@@ -87,7 +87,7 @@ class AdmissionGate:
                                 "and outcome (dispatched, shed_deadline, shed_queue_full, cancelled)",
                                 ["class", "tenant", "outcome"], registry=registry)
         self.held = Gauge("pdlb_admission_held_requests", "Requests held by deadline admission, by class", ["class"],
-                          registry=registry, **({"multiprocess_mode": "livesum"} if multiprocess else {}))
+                          registry=registry, multiprocess_mode="livesum")  # summed over live processes
         self.wait = Histogram("pdlb_admission_wait_seconds", "Time from arrival to dispatch or shed in the admission "
                               "queue", ["class"], buckets=_WAIT_BUCKETS_S, registry=registry)
 
