@@ -6,7 +6,11 @@ when a request reaches :meth:`balancer.router.Router.route` at all. Pure: no I/O
 method takes ``now_s``); the simulator (:mod:`sim.deadline_gate`) and the service
 (:mod:`balancer.service.admission_gate`) drive the same object.
 
-The algorithm (the shape of llm-d's flow control and Dynamo's deadline queues, not their code):
+The algorithm has the shape of llm-d's EPP flow control (requests keyed by tenant and priority, held
+at the router instead of in an engine's queue, dispatched by priority band first, then round robin
+over the tenants of a band, then an ordering within a tenant; llm-d docs, "Flow Control"), with
+deadlines ordering each tenant's queue and deciding sheds (what Dynamo's deadline queues and
+llm-d's EDF ordering add). None of their code is used:
 
 1. **Deadline.** A request's deadline is ``arrival_s + budget``: the budget is the TTFT SLO's
    (:class:`~balancer.types.TtftSlo`, ``ttft_s + per_1k_prompt_tokens_s * prompt / 1000``) unless

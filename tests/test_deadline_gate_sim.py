@@ -116,6 +116,13 @@ def test_pdlb_sim_admission_flags(tmp_path, capsys) -> None:  # noqa: ANN001
     runs = summ if isinstance(summ, list) else summ.get("runs", summ.get("summaries", [summ]))
     adm = runs[0]["admission"]
     assert adm["by_tenant"]["default"]["answered"] == adm["by_tenant"]["default"]["requests"] == 300
+    import csv
+    (csv_path,) = (tmp_path / "o").glob("requests_*.csv")
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 300 and {r["tenant"] for r in rows} == {"default"}
+    shed_rows = [r for r in rows if r["shed_s"]]
+    assert len(shed_rows) == adm["num_shed"] and all(r["shed_reason"] and not r["first_token_s"] for r in shed_rows)
+    assert all(r["dispatch_s"] and r["first_token_s"] for r in rows if not r["shed_s"])
     # a tuning flag without --admission is an error (it would do nothing)
     rc = main(["sim", "run", "--policy", "least_load", "--limit", "10", "--admission-max-queue", "5",
                "--out", str(tmp_path / "p"), "--no-plots", "--quiet"])
