@@ -193,3 +193,25 @@ def test_settings_validation_and_flags():
     assert cfg.admission.enabled and cfg.admission.ttft_slo_s == 3.0 and cfg.admission.max_queue_requests == 7
     assert cfg.admission.tenant_weights == {"a": 2.0}
     assert not config_from_args(build_parser().parse_args(["serve", "--mixed", "http://127.0.0.1:1"])).admission.enabled
+
+
+def test_rate_follows_the_routers_online_cost_fit():
+    # prefill step = 1e-4 s per token, nothing else: a 8192-token chunk takes 0.8192 s -> 10,000
+    # tokens/s (hand-computed); without a configured rate the gate takes it from the learner's fit
+    from prometheus_client import CollectorRegistry
+
+    from balancer.cost_model import CostModel, EngineCost, PrefillStepCost
+    from balancer.types import ReplicaId, Role
+
+    r = Router("round_robin", "round_robin", learn_cost_model=True)
+    r.add_replica(ReplicaId("m0"), Role.MIXED)
+    gate = AdmissionGate(AdmissionSettings(enabled=True), r, CollectorRegistry())
+    first = gate._core().rate_tokens_per_s
+    fast = EngineCost(prefill=PrefillStepCost(overhead_s=0.0, per_token_s=1e-4, per_attn_pair_s=0.0))
+    r.cost_learner.model = CostModel(prefill=fast, decode=fast)
+    assert gate._core().rate_tokens_per_s == first  # refreshed at most once a second
+    gate._rate_at_s = -1e9
+    assert gate._core().rate_tokens_per_s == pytest.approx(10_000.0)
+    # a configured rate wins
+    fixed = AdmissionGate(AdmissionSettings(enabled=True, prefill_tokens_per_s=123.0), r, CollectorRegistry())
+    assert fixed._core().rate_tokens_per_s == 123.0

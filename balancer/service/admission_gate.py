@@ -10,6 +10,10 @@ something is held (deadlines pass, prefills complete). Every held request ends d
 (429) or cancelled (its client went away: the handler's task is cancelled and the request leaves the
 queue); none is dropped without an answer.
 
+The prefill rate is ``prefill_tokens_per_s`` when configured, else the router's cost model's, refreshed
+every :data:`RATE_REFRESH_S` from the router's online fit when it learns one (``learn_cost_model``,
+on by default with ``ep_aware``), so the gate follows the engines' measured prefill times.
+
 Tenant, class and deadline come from headers (``x-pdlb-tenant``, ``x-pdlb-priority``,
 ``x-pdlb-deadline-ms``; names configurable) or, for the tenant, a hash of the API key (never the key
 itself). A bad deadline header is answered 400.
@@ -50,6 +54,9 @@ log = logging.getLogger("pdlb.admission")
 
 __all__ = ["AdmissionGate", "Shed", "admission_answer"]
 
+#: Seconds between refreshes of the gate's prefill rate from the router's online cost-model fit
+#: (``learn_cost_model``; only when ``prefill_tokens_per_s`` is not configured).
+RATE_REFRESH_S = 1.0
 _WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
@@ -83,6 +90,7 @@ class AdmissionGate:
         self._keys = itertools.count()
         self._pending_tokens = 0  # dispatched, not yet routed (the waiter has not resumed)
         self._ticker: asyncio.TimerHandle | None = None
+        self._rate_at_s = -math.inf  # when the rate was last taken from the router's online cost fit
         self.requests = Counter("pdlb_admission_requests", "Requests leaving the admission queue, by class, tenant "
                                 "and outcome (dispatched, shed_deadline, shed_queue_full, cancelled)",
                                 ["class", "tenant", "outcome"], registry=registry)
@@ -93,13 +101,21 @@ class AdmissionGate:
 
     # ------------------------------------------------------------------ the core
     def _core(self) -> DeadlineAdmission:
-        backlog, num = prefill_backlog(self.router)
+        _, num = prefill_backlog(self.router)
         if self.core is None:
             rate = self._config.prefill_tokens_per_s or prefill_rate_tokens_per_s(
                 self.router.cost_model or DEFAULT_COST_MODEL, self.router.disaggregated)
             self.core = DeadlineAdmission(self._config, rate, num)
         else:
             self.core.num_replicas = max(1, num)  # workers come and go (health, admin API)
+        learner = self.router.cost_learner
+        if learner is not None and self._config.prefill_tokens_per_s is None:
+            now = time.monotonic()
+            if now - self._rate_at_s >= RATE_REFRESH_S:  # the online fit's latest prefill rate
+                self._rate_at_s = now
+                rate = prefill_rate_tokens_per_s(learner.model, self.router.disaggregated)
+                if math.isfinite(rate) and rate > 0:
+                    self.core.rate_tokens_per_s = rate
         return self.core
 
     def _backlog(self) -> int:
