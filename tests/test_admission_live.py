@@ -26,3 +26,47 @@ def test_live_burst_overload_and_answers():
             assert r["answered"] == r["requests"], (key, r["outcomes"])
             assert set(r["outcomes"]) <= {"ok", "shed"}, (key, r["outcomes"])  # no errors either
     assert runs["overload/on"]["outcomes"].get("shed", 0) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_pdlb_serve_admission_flags_real_processes(processes):
+    # real `pdlb engine` + `pdlb serve --admission` processes on loopback: the flags reach the
+    # gate, requests pass it, and the admission series are exported (with two processes through
+    # prometheus-client's multiprocess files). About 10 s each.
+    import json
+    import urllib.error
+    import urllib.request
+
+    from sim.emulator.testing import spawn_engine, spawn_router
+
+    engine = spawn_engine("mixed")
+    router = None
+    try:
+        router = spawn_router("none", [], [], "--admission", "--admission-prefill-tokens-per-s", "1000",
+                              "--admission-dispatch-wait-s", "0.4", "--processes", processes, mixed=[engine])
+
+        def post(headers: dict, timeout: float = 10.0):  # noqa: ANN202
+            body = json.dumps({"prompt": "word " * 400, "max_tokens": 2}).encode()
+            req = urllib.request.Request(router.url + "/v1/completions", body,
+                                         {"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return r.status, dict(r.headers)
+            except urllib.error.HTTPError as e:
+                return e.code, dict(e.headers)
+
+        assert post({})[0] == 200
+        # 100 ms: less than the prompt's own 0.5 s prefill at 1,000 tokens/s, so its budget counts from the
+        # end of that prefill (deadline 0.6 s after arrival); the cluster is idle: served, not shed
+        status, headers = post({"x-pdlb-deadline-ms": "100", "x-pdlb-tenant": "t1"})
+        assert status == 200
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'pdlb_admission_requests_total{class="normal",outcome="dispatched",tenant="default"} 1.0' in text
+        assert 'pdlb_admission_requests_total{class="normal",outcome="dispatched",tenant="t1"} 1.0' in text
+        assert "pdlb_admission_held_requests" in text and "pdlb_admission_wait_seconds_bucket" in text
+    finally:
+        if router is not None:
+            router.stop()
+        engine.stop()
