@@ -16,9 +16,9 @@ llm-d's EDF ordering add). None of their code is used:
    (:class:`~balancer.types.TtftSlo`, ``ttft_s + per_1k_prompt_tokens_s * prompt / 1000``) unless
    the client gave its own (``x-pdlb-deadline-ms`` in the service), at most
    :data:`MAX_DEADLINE_S`. A request that no idle replica could serve within its budget (its own
-   prefill ``P / r`` is longer) gets ``arrival_s + P / r + budget``: held forever as "late anyway",
-   such prompts filled the queue in a first version (the Mooncake trace's 100k-token prompts
-   against a flat 2 s SLO).
+   prefill ``P / r`` is longer) gets ``arrival_s + P / r + budget`` (a first version never shed
+   such requests, and on the Mooncake trace, 100k-token prompts against a flat 2 s SLO, they filled
+   the queue).
 2. **Gate.** The cluster's prefill backlog ``B`` (prompt tokens dispatched and not yet prefilled,
    from the router's load tracker: :func:`prefill_backlog`) drains at ``R`` tokens/s
    (``prefill_tokens_per_s`` per prefill replica, or the router's cost model, times the healthy
@@ -37,11 +37,12 @@ llm-d's EDF ordering add). None of their code is used:
    Large Language Models", OSDI 2024, without its output-token term). Within a tenant: earliest
    deadline first (EDF), ties by arrival order.
 4. **Shed.** A request is refused (HTTP 429 with ``Retry-After`` in the service, a ``shed`` row in
-   the simulator) when (a) its class's or its tenant's queue is full (``max_queue_requests``,
-   ``max_queue_per_tenant``); (b) at arrival, its predicted start ``now + W + A / R_t`` plus its own
-   prefill ``P / r`` passes its deadline, where ``A`` is the prompt tokens held ahead of it in its
-   tenant's queue (earlier deadlines) and ``R_t = R * weight / (sum of the weights of tenants with
-   held requests in its class, its own included)`` its fair share of the rate; (c) while held, its
+   the simulator) when (a) the whole queue or its tenant's queue (in its class) is full
+   (``max_queue_requests``, ``max_queue_per_tenant``); (b) at arrival, its predicted start
+   ``now + W + H / R + A / R_t`` plus its own prefill ``P / r`` passes its deadline, where ``H`` is
+   the prompt tokens held in higher classes, ``A`` those held ahead of it in its tenant's queue
+   (deadlines up to its own) and ``R_t = R * weight / (sum of the weights of tenants with held
+   requests in its class, its own included)`` its fair share of the rate; (c) while held, its
    latest start ``deadline - P / r - W`` passes (a sweep at every drain, O(log n) per request); (d)
    at dispatch, ``now + W + P / r`` passes its deadline (it would miss anyway; serving it would make
    others miss). ``Retry-After`` is the predicted time for the queue ahead to drain, at least 1 s.
@@ -53,8 +54,8 @@ Every request offered gets exactly one outcome: dispatched or shed (or cancelled
 
 Known limits: the decode side is gated on KV tokens only (not on decode step time, TPOT); the
 predicted wait ``W`` counts prefill work only, so a request held behind a full decode pool is shed
-by (c) when its deadline is near rather than at arrival. ``R`` is a configured or modelled rate,
-not measured.
+by (c) when its deadline is near rather than at arrival. ``R`` is configured or modelled (the
+service refreshes it from the router's online cost fit when there is one), not measured here.
 """
 
 from __future__ import annotations
