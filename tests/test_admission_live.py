@@ -16,7 +16,8 @@ from sim.experiments.overload_live import live_table
 
 @pytest.mark.slow
 def test_live_burst_overload_and_answers():
-    runs = live_table(duration_s=12.0, runs=("calm", "burst", "overload"))
+    # TTFT SLO 3 s (the bench's 2.5 s plus margin: a busy CI host delays the client and the engines)
+    runs = live_table(duration_s=12.0, ttft_slo_s=3.0, runs=("calm", "burst", "overload"))
     calm, burst = runs["calm/on"], runs["burst/on"]
     for t in ("A", "C"):
         assert burst["by_tenant"][t] >= calm["by_tenant"][t] - 0.05, (t, calm["by_tenant"], burst["by_tenant"])
