@@ -184,8 +184,8 @@ def test_settings_validation_and_flags():
     for bad in ("A", "A=0", "=1", "A=x"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_tenant_weights(bad)
-    from balancer.service.cli import config_from_args
-    from sim.cli import build_parser
+    from pdlb_cli.serve import config_from_args
+    from pdlb_cli.main import build_parser
     args = build_parser().parse_args(["serve", "--mixed", "http://127.0.0.1:1", "--admission",
                                       "--admission-ttft-slo-s", "3", "--admission-max-queue", "7",
                                       "--admission-tenant-weights", "a=2"])

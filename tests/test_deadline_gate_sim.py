@@ -104,7 +104,7 @@ def test_priority_class_is_served_first_in_the_simulator(scenario, cap) -> None:
 
 
 def test_pdlb_sim_admission_flags(tmp_path, capsys) -> None:  # noqa: ANN001
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     rc = main(["sim", "run", "--policy", "least_load", "--limit", "300", "--rate-scale", "4", "--admission",
                "--admission-max-queue", "50", "--slo-ttft-s", "2", "--out", str(tmp_path / "o"), "--no-plots", "--quiet"])
