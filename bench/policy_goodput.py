@@ -240,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
         at_rate = [(("at_rate", k[1], k[2], k[3]), Point(s_.scenario, s_.workload, s_.policy, r.rate_scale, s_.slo, k[3]))
                    for k, s_, r in ((k, s_, results[k]) for k, s_ in zip(keys, searches))
                    if k[0] == "rate" and getattr(r, "rate_scale", None)]
+        # ... and pdlb's policies at the best anchor's highest rate at SLO: the tail at equal load
+        for row in rows:
+            for seed in seeds:
+                found = [(results[("rate", row, a, seed)].rate_scale, a, s_) for a in anchors for k, s_ in zip(keys, searches)
+                         if k == ("rate", row, a, seed) and getattr(results[k], "rate_scale", None)]
+                if not found:
+                    continue
+                f_best, _, s_best = max(found, key=lambda t: t[0])
+                for pol in ours_all:
+                    at_rate.append((("at_anchor_rate", row, pol, seed),
+                                    Point(s_best.scenario, s_best.workload, parse_policy(pol), f_best, s_best.slo, seed)))
         task3 = progress.add_task("runs at the found rates", total=len(at_rate))
         futs = [executor.submit(p) for _, p in at_rate]
         for (k, _), f in zip(at_rate, futs):
@@ -251,13 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     def fig(kind: str, row: str, pol: str) -> list[float]:
         xs = []
         for seed in seeds:
-            src = {"ttft_p99": "trace_rate", "light_attainment": "light", "ttft_p99_at_rate": "at_rate"}.get(kind, kind)
+            src = {"ttft_p99": "trace_rate", "light_attainment": "light", "ttft_p99_at_rate": "at_rate",
+                   "ttft_p99_at_anchor_rate": "at_rate"}.get(kind, kind)
+            if kind == "ttft_p99_at_anchor_rate" and pol in ours_all:
+                src = "at_anchor_rate"
             r = results.get((src, row, pol, seed))
             if r is None:
                 continue
             if kind == "trace_rate":
                 xs.append(r.goodput_rps)
-            elif kind in ("ttft_p99", "ttft_p99_at_rate"):
+            elif kind in ("ttft_p99", "ttft_p99_at_rate", "ttft_p99_at_anchor_rate"):
                 xs.append(r.ttft_p99_s)
             elif kind == "light_attainment":
                 xs.append(r.attainment)
@@ -306,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, title, better in (("trace_rate", "goodput at the trace rate, req/s", max),
                                 ("rate", "highest rate at SLO, req/s", max),
                                 ("ttft_p99_at_rate", "TTFT p99 at each policy's highest rate at SLO, s", min),
+                                ("ttft_p99_at_anchor_rate", "TTFT p99 at equal load: pdlb's policies at the best "
+                                 "anchor's highest rate at SLO (anchors at their own), s", None),
                                 ("gpus", "GPUs needed at the trace rate", min),
                                 ("ttft_p99", "TTFT p99 at the trace rate, s", min)):
         table = Table(title=title)
@@ -322,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             any_row = True
             finite = [(vals[a][0], a) for a in anchors if not math.isnan(vals[a][0])]
-            best_val, best = better(finite) if finite else (float("nan"), "-")
+            if better is None:  # the anchor with the highest rate at SLO, its TTFT p99 there
+                rates = [(mean_spread(fig("rate", row, a))[0], a) for a in anchors]
+                rates = [t for t in rates if not math.isnan(t[0])]
+                best = max(rates)[1] if rates else "-"
+                best_val = vals[best][0] if rates else float("nan")
+            else:
+                best_val, best = better(finite) if finite else (float("nan"), "-")
             beyond = "-"
             if kind == "gpus":
                 sc = scenario_of(row.split(":")[1])
@@ -335,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     ratio = best_val / ours if ours and not math.isnan(ours) else float("nan")
                     text = (f"< {ours / most:.2f}x GPUs" if math.isinf(best_val) and most and math.isfinite(ours)
                             else f"{1 / ratio:.2f}x GPUs" if ratio and math.isfinite(ratio) else "n/a")
-                elif kind in ("ttft_p99", "ttft_p99_at_rate"):
+                elif kind in ("ttft_p99", "ttft_p99_at_rate", "ttft_p99_at_anchor_rate"):
                     ratio = ours / best_val if best_val and math.isfinite(best_val) else float("nan")
                     text = f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"
                 else:

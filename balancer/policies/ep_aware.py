@@ -229,6 +229,7 @@ class EpAware(Policy):
     slo_doomed_cap: float = 5.0
     slo_intrinsic: str = "dump"
     in_service_progress: bool = True
+    slo_doomed_tail: float = float("inf")
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -251,6 +252,9 @@ class EpAware(Policy):
             raise ValueError(f"slo_intrinsic must be 'dump' or 'blind', got {self.slo_intrinsic!r}")
         if not self.slo_doomed_cap >= 0:
             raise ValueError(f"slo_doomed_cap must be >= 0 (a multiple of the budget; inf = none), got {self.slo_doomed_cap}")
+        if not self.slo_doomed_tail >= 0:
+            raise ValueError(f"slo_doomed_tail must be >= 0 (a fraction over the shortest predicted TTFT; inf = off), "
+                             f"got {self.slo_doomed_tail}")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
 
@@ -374,7 +378,7 @@ class EpAware(Policy):
             return np.where(ok, cost, np.inf), False
         if self.slo_intrinsic == "blind" and float(own.min()) * margin > budget:
             return cost, False
-        capped = ttft <= self.slo_doomed_cap * budget
+        capped = (ttft <= self.slo_doomed_cap * budget) & self._tail_guard(ttft)
         if not capped.any():  # every queue is past the cap: the least predicted TTFT
             return ttft, True
         harm = np.where(capped, cost - ttft, np.inf)  # the delay it adds to others (externality + horizon)
@@ -383,6 +387,15 @@ class EpAware(Policy):
         near = harm <= least + tol
         # the longest wait (ttft - own) for the least own work: 2 own - ttft = own - wait
         return np.where(near, 2.0 * own - ttft, np.inf), True
+
+    def _tail_guard(self, ttft: np.ndarray) -> np.ndarray | bool:
+        """Candidates a doomed request may join, shape ``(n,)``: those whose predicted TTFT is at most
+        ``1 + slo_doomed_tail`` times the shortest (True everywhere when ``slo_doomed_tail`` is inf).
+        Bounds the TTFT a doomed request pays for sparing others (the tail), relative to where it
+        would finish first."""
+        if not np.isfinite(self.slo_doomed_tail):
+            return True
+        return ttft <= (1.0 + self.slo_doomed_tail) * float(ttft.min())
 
     def _mixed_stall(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
