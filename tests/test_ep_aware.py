@@ -541,18 +541,23 @@ def test_router_takes_policy_specs_with_parameters():
         Router("ep_aware:slo_margin=0")
 
 
-def test_slo_doomed_tail_bounds_a_doomed_requests_ttft_against_the_shortest():
-    # the dense case of the first SLO test: A predicts 1.32 s, B 2.13 s (hand-computed there); budget
-    # 1.2 s: doomed, and by default it goes to B (the longest wait for the least own work).
+def test_slo_doomed_tail_bounds_the_ttft_of_prompts_that_miss_even_on_an_idle_rank():
+    # the dense case of the first SLO test: A predicts 1.32 s, B 2.13 s; own (idle-rank) prefill
+    # A 0.31 s, B 0.11 s (hand-computed there). Budget 0.1 s: even idle both miss (intrinsically
+    # doomed); no doomed cap (inf): by default it goes to B (score 2 own - ttft: A -0.70, B -1.91).
     c = cands(pview("A", 0, 10_000, 1), pview("B", 0, 20_000, 2, matched=2000))
     req = Request("r", 0.0, 3000)
-    assert exact().select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "B"
+    inf = float("inf")
+    assert exact(slo_doomed_cap=inf).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "B"
     # tail guard 0.5: B's 2.13 s > 1.5 x 1.32 = 1.98 s is out, A is left (still a doomed decision)
-    ch = exact(slo_doomed_tail=0.5).select(req, c, slo_ctx(dense_model(), 1.2))
+    ch = exact(slo_doomed_cap=inf, slo_doomed_tail=0.5).select(req, c, slo_ctx(dense_model(), 0.1))
     assert ch.replica.engine == "A" and ch.reason.endswith(":slo_doomed")
     # 0.7: 1.7 x 1.32 = 2.244 s >= 2.13 s, B allowed again; 0: only the shortest (A)
-    assert exact(slo_doomed_tail=0.7).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "B"
-    assert exact(slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 1.2)).replica.engine == "A"
+    assert exact(slo_doomed_cap=inf, slo_doomed_tail=0.7).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "B"
+    assert exact(slo_doomed_cap=inf, slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "A"
+    # doomed by queueing only (budget 1.2 s: both own times fit, both queues miss): not guarded, B
+    ch = exact(slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 1.2))
+    assert ch.replica.engine == "B" and ch.reason.endswith(":slo_doomed")
     # requests that can still meet the budget are not touched: budget 5 s, the cheapest (A) either way
     assert exact(slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 5.0)).replica.engine == "A"
     for bad in (-0.1, float("nan")):

@@ -230,6 +230,7 @@ class EpAware(Policy):
     slo_intrinsic: str = "dump"
     in_service_progress: bool = True
     slo_doomed_tail: float = float("inf")
+    slo_doomed_tail_own: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -252,6 +253,8 @@ class EpAware(Policy):
             raise ValueError(f"slo_intrinsic must be 'dump' or 'blind', got {self.slo_intrinsic!r}")
         if not self.slo_doomed_cap >= 0:
             raise ValueError(f"slo_doomed_cap must be >= 0 (a multiple of the budget; inf = none), got {self.slo_doomed_cap}")
+        if not (np.isfinite(self.slo_doomed_tail_own) and self.slo_doomed_tail_own >= 0):
+            raise ValueError(f"slo_doomed_tail_own must be a finite number >= 0 (budgets), got {self.slo_doomed_tail_own}")
         if not self.slo_doomed_tail >= 0:
             raise ValueError(f"slo_doomed_tail must be >= 0 (a fraction over the shortest predicted TTFT; inf = off), "
                              f"got {self.slo_doomed_tail}")
@@ -378,7 +381,7 @@ class EpAware(Policy):
             return np.where(ok, cost, np.inf), False
         if self.slo_intrinsic == "blind" and float(own.min()) * margin > budget:
             return cost, False
-        capped = (ttft <= self.slo_doomed_cap * budget) & self._tail_guard(ttft)
+        capped = (ttft <= self.slo_doomed_cap * budget) & self._tail_guard(ttft, float(own.min()) * margin > self.slo_doomed_tail_own * budget)
         if not capped.any():  # every queue is past the cap: the least predicted TTFT
             return ttft, True
         harm = np.where(capped, cost - ttft, np.inf)  # the delay it adds to others (externality + horizon)
@@ -388,12 +391,14 @@ class EpAware(Policy):
         # the longest wait (ttft - own) for the least own work: 2 own - ttft = own - wait
         return np.where(near, 2.0 * own - ttft, np.inf), True
 
-    def _tail_guard(self, ttft: np.ndarray) -> np.ndarray | bool:
-        """Candidates a doomed request may join, shape ``(n,)``: those whose predicted TTFT is at most
-        ``1 + slo_doomed_tail`` times the shortest (True everywhere when ``slo_doomed_tail`` is inf).
-        Bounds the TTFT a doomed request pays for sparing others (the tail), relative to where it
-        would finish first."""
-        if not np.isfinite(self.slo_doomed_tail):
+    def _tail_guard(self, ttft: np.ndarray, intrinsic: bool) -> np.ndarray | bool:
+        """Candidates a doomed request may join, shape ``(n,)``: for a prompt that misses its budget
+        ``slo_doomed_tail_own`` times over even on an idle rank (``intrinsic``), those whose predicted TTFT is at most ``1 +
+        slo_doomed_tail`` times the shortest; every candidate otherwise, or when ``slo_doomed_tail`` is
+        inf. Bounds the TTFT the longest prompts pay for sparing others (they make the TTFT p99),
+        relative to where they would finish first; requests doomed by queueing alone keep the
+        unguarded placement that gives SLO-aware routing its attainment under overload."""
+        if not intrinsic or not np.isfinite(self.slo_doomed_tail):
             return True
         return ttft <= (1.0 + self.slo_doomed_tail) * float(ttft.min())
 
