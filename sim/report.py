@@ -73,7 +73,7 @@ def nothing_simulated(summary: dict[str, Any]) -> bool:
 
 def _row_cells(s: dict[str, Any]) -> list[str]:
     """A summary's cells of :data:`SUMMARY_COLUMNS`; a run of only rejected requests has ``-`` in
-    every figure (was: ``nan`` / ``nan%``), the rejection being reported by the caller. So does a
+    every figure (not ``nan`` / ``nan%``), the rejection being reported by the caller. So does a
     single figure that is NaN: goodput when every request arrives at one instant (arrival window
     0 s, :func:`goodput_note`), TPOT when every request has one output token."""
     if nothing_simulated(s):

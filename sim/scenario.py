@@ -253,8 +253,8 @@ class Scenario(BaseModel):
     @property
     def effective_max_model_len(self) -> int:
         """``max_model_len``, else the model's context: :data:`DEFAULT_MAX_MODEL_LEN` for the
-        built-in models, a Hugging Face config's ``max_position_embeddings`` (was ignored: an 8k
-        model served 273 prompts over 8k), else :data:`FALLBACK_MAX_MODEL_LEN`."""
+        built-in models, a Hugging Face config's ``max_position_embeddings``, else
+        :data:`FALLBACK_MAX_MODEL_LEN`."""
         if self.max_model_len is not None:
             return self.max_model_len
         if self.model in DEFAULT_MAX_MODEL_LEN:
@@ -446,8 +446,8 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 
 def resolve_model_path(model: str, source: Path) -> str:
     """A scenario file's ``model``: a preset name as it is; a Hugging Face config path (``.json``
-    or a folder) relative to the scenario file's folder, as sweeps resolve their traces (was: from
-    the current directory), else from the current directory; an absolute path as it is.
+    or a folder) relative to the scenario file's folder, as sweeps resolve their traces, else from
+    the current directory; an absolute path as it is.
 
     Raises:
         ValueError: a config path found in neither place; the message names both.

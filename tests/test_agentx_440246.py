@@ -238,7 +238,7 @@ def test_plot_rows_writes_a_png(tmp_path):
 
 
 def test_cli_flags_apply_only_with_the_point(capsys):
-    from sim.cli import main
+    from pdlb_cli.main import main
     assert main(["sim", "validate", "--duration-s", "10"]) != 0
     assert "apply only with --agentx-440246" in capsys.readouterr().err
 

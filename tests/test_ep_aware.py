@@ -521,7 +521,7 @@ def test_slo_margin_default_takes_the_prediction_as_pessimistic():
 def test_sim_title_names_the_policies_that_route_against_the_slo():
     import argparse
 
-    from sim.cli import _route_slo_note
+    from pdlb_cli.sim.run import runs_slo_note as _route_slo_note
 
     runs = [(make_policy("ep_aware"), make_policy("ep_aware"), "ep_aware", "ep_aware"),
             (make_policy("cache_aware"), make_policy("least_load"), "cache_aware", "least_load"),

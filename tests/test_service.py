@@ -430,8 +430,8 @@ def test_encode_with_passes_the_client_body_through():
 def test_processes_setting_and_busy_port(capsys):
     import socket
 
-    from balancer.service.cli import _reserve_port
-    from sim.cli import main
+    from balancer.service.launch import _reserve_port
+    from pdlb_cli.main import main
 
     with pytest.raises(ValueError, match="processes"):
         ServiceConfig(processes=0)

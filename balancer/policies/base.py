@@ -91,6 +91,18 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as ``name`` (its dataclass fields are the policy's parameters).
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names).
+    """
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}")
+    return cls
+
+
 def make_policy(name: str, **params: object) -> Policy:
     """Construct a registered policy by name.
 

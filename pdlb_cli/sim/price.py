@@ -12,15 +12,19 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from sim.cli_args import (
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from balancer.policies.spec import build_policy, format_policy_spec, parse_policy_spec
+from pdlb_cli.args import (
     add_set_arg,
-    apply_overrides,
     seed_int,
     token_count,
     warn_idle_flags,
 )
-from sim.cli_args import positive_float as pos_float
-from sim.cli_args import positive_int as pos_int
+from pdlb_cli.args import positive_float as pos_float
+from pdlb_cli.args import positive_int as pos_int
 from sim.pricing.analysis import (
     DEEPINFER_DECODE_BATCH_PER_RANK,
     DEEPINFER_DECODE_TOKENS_PER_S_PER_SEQ,
@@ -50,7 +54,10 @@ from sim.pricing.sheets import (
     shipped_price_sheets,
 )
 from sim.pricing.throughput import steady_state
+from sim.overrides import apply_overrides
 from sim.scenario import load_scenario
+from sim.workload import scale_rate
+from sim.workload.loader import read_trace_cut
 
 
 DEFAULT_SCENARIO = "deepinfer-sm100"
@@ -71,8 +78,8 @@ def _floats(text: str, what: str) -> list[float]:
 def check_output_tokens(output_tokens: int, max_ratio: float, max_model_len: int) -> None:
     """Refuse an ``--output-tokens`` whose longest request (prompt ``max_ratio x N`` plus ``N``
     output tokens) the scenario's engines would reject (``max_model_len``): such a row prices a
-    request no engine serves, and the analytic tables' cost grows with the prompt's length (was:
-    unbounded; 1e6 output tokens ran for minutes, 999999999999 was accepted).
+    request no engine serves, and the analytic tables' cost grows with the prompt's length (an
+    unbounded count runs for minutes).
 
     Raises:
         ValueError: one line with the largest ``--output-tokens`` that fits.
@@ -85,7 +92,7 @@ def check_output_tokens(output_tokens: int, max_ratio: float, max_model_len: int
                          f"{fits:,} output tokens (or smaller ratios)")
 
 
-def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
+def add_price_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``pdlb sim price``. Numbers that must be positive are checked while parsing
     (``argument --flag: must be ...``, exit 2), before any table is printed."""
 
@@ -142,6 +149,7 @@ def add_price_parser(simsub) -> None:  # noqa: ANN001  (argparse subparsers)
                      help="routing policy for --simulate, with optional parameters (default cache_aware)")
     src.add_argument("--seed", type=seed_int, default=0, help="seed for --simulate (default 0)")
     src.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
 
 
 def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheets: Sequence[PriceSheet],
@@ -152,7 +160,7 @@ def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheet
                                         f"GPU ${args.gpu_hour_cost:g}/h"))
 
 
-def run_price(args, console) -> int:  # noqa: ANN001
+def run_price(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
 
     sheets = load_price_sheets(args.prices)
@@ -187,10 +195,6 @@ def run_price(args, console) -> int:  # noqa: ANN001
     reqs: list = []
     policy = None
     if args.simulate and runs is None:  # the trace and the policy before any output, as every command reads them
-        from balancer.policies.spec import build_policy, format_policy_spec, parse_policy_spec
-        from sim.workload import scale_rate
-        from sim.workload.loader import read_trace_cut
-
         try:
             name, params = parse_policy_spec(args.policy)
         except ValueError as e:
@@ -207,8 +211,6 @@ def run_price(args, console) -> int:  # noqa: ANN001
         return 0
     assert scenario is not None
     if args.simulate:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, disable=args.quiet) as prog:
             task = prog.add_task("sim", total=len(reqs))
@@ -231,8 +233,6 @@ def run_price(args, console) -> int:  # noqa: ANN001
     console.print(target_rows_table(rows, f"what earns ${args.target:g}/GPU-h at {args.period} prices "
                                           f"({args.tok_s_per_seq:g} tok/s per sequence, "
                                           f"{args.output_tokens} output tokens per request)"))
-    from rich.table import Table
-
     if args.markdown:
         console.print(target_markdown(rows), markup=False, highlight=False, soft_wrap=True)
     ops = operating_point_table(scenario, sheets, hits, batch_per_rank=args.published_batch,
@@ -266,8 +266,6 @@ def run_price(args, console) -> int:  # noqa: ANN001
                                       decode_batch_per_rank=batch, tokens_per_s_per_seq=speed, kv_link=kv_link,
                                       split=split)) for s in sheets]
              for split in ("fixed", "balanced")}
-    from rich.table import Table
-
     speed_txt = "perf-model" if speed is None else f"{speed:g} tok/s"
     split_txt = {"fixed": f"{pp.num_gpus} prefill + {dp.num_gpus} decode GPUs",
                  "balanced": "prefill pool sized to the decode pool"}
@@ -300,3 +298,11 @@ def run_price(args, console) -> int:  # noqa: ANN001
                                           f"batch <= {batch}/rank, {speed_txt} per sequence")
         console.print(f"wrote {out}")
     return 0
+
+
+class Price:
+    """``pdlb sim price`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "price"
+    add_parser = staticmethod(add_price_parser)
+    run = staticmethod(run_price)

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from sim.cli_args import add_set_arg, apply_overrides, check_out_file
+from rich.console import Console
+
+from pdlb_cli.args import add_set_arg, check_out_file
 from sim.cost_model import cost_model_for, to_toml
+from sim.overrides import apply_overrides
 from sim.scenario import load_scenario
 
 
-def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
+def add_cost_model_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``cost-model`` (``--scenario``, ``--set``, ``--out``) to the ``pdlb sim`` subparsers."""
     p = subparsers.add_parser(
         "cost-model", help="print the step-time cost model of a scenario (for pdlb serve --cost-model)",
@@ -22,12 +26,13 @@ def add_cost_model_parser(subparsers) -> None:  # noqa: ANN001
     add_set_arg(p)  # --set KEY=VALUE, as on pdlb sim run
     p.add_argument("--out", metavar="FILE",
                    help="write the table to FILE instead of standard output (JSON if FILE ends in .json, else TOML)")
+    return p
 
 
-def run_cost_model(args, console) -> int:  # noqa: ANN001
+def run_cost_model(args: argparse.Namespace, console: Console) -> int:
     """``pdlb sim cost-model``: fit :func:`sim.cost_model.cost_model_for` and print or write it.
     Returns the exit code (0); a bad ``--out`` or ``--set`` raises ``ValueError``."""
-    if args.out:  # was "[Errno 2] No such file or directory" / "[Errno 21] Is a directory", naming no flag
+    if args.out:  # an error naming the flag, before fitting, not "[Errno 2]" / "[Errno 21]" after
         check_out_file(Path(args.out), "cost_model.toml")
     sc = apply_overrides(load_scenario(args.scenario), args.overrides)  # same order and checks as sim run
     model = cost_model_for(sc)
@@ -41,3 +46,11 @@ def run_cost_model(args, console) -> int:  # noqa: ANN001
     else:
         print(text, end="")
     return 0
+
+
+class CostModel:
+    """``pdlb sim cost-model`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "cost-model"
+    add_parser = staticmethod(add_cost_model_parser)
+    run = staticmethod(run_cost_model)

@@ -20,13 +20,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sim.cli_args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
+from pdlb_cli.args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
+from sim.executor import make_executor
+from sim.html_report import Section, write_report
+from sim.point import WorkloadSpec, load_workload
+from sim.sweep import burst_message, load_sweep, mark_bursts, plot_heatmap, plot_rates, read_done, run_sweep, write_table
 
 #: Rows printed in the terminal (the files hold them all).
 MAX_PRINTED_ROWS = 40
 
 
-def add_sweep_parser(simsub: Any) -> None:
+def add_sweep_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``pdlb sim sweep``."""
     p = simsub.add_parser(
         "sweep", help="run a sweep file: scenario fields x policies x rates x seeds x traces, resumable",
@@ -47,7 +51,7 @@ def add_sweep_parser(simsub: Any) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_executor_args(p)
-    p.set_defaults(run=run_sweep_command)
+    return p
 
 
 def _table(rows: list[dict[str, Any]], grid_cols: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -82,10 +86,6 @@ def failure_lines(failed: list[dict[str, Any]], most: int = 10) -> list[tuple[st
 
 
 def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
-    from sim.executor import make_executor
-    from sim.html_report import Section, write_report
-    from sim.sweep import burst_message, load_sweep, mark_bursts, plot_heatmap, plot_rates, run_sweep, write_table
-
     sweep = load_sweep(args.file, limit=args.limit)
     if args.executor != "ray":
         warn_idle_flags(args, [("ray_address", f"with --executor {args.executor}: it names a Ray cluster")])
@@ -93,13 +93,9 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
     # every trace read and checked here, before any worker starts: a truncated or malformed trace is
-    # one error line (was: exit 1 with the reason cut off in a table cell, nothing on stderr)
-    from sim.point import WorkloadSpec, load_workload
-
+    # one error line on stderr, not a reason cut off in a table cell
     for wl in dict.fromkeys(p.workload for p in sweep.points if isinstance(p.workload, WorkloadSpec)):
         load_workload(wl)
-    from sim.sweep import read_done
-
     done_before = read_done(out / "points.jsonl") if not args.no_resume else {}
     todo = len(set(sweep.ids) - set(done_before))
     if not args.quiet:
@@ -138,7 +134,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     t = Table(title=title)
     for i, h in enumerate(head):
         # the policy (with its parameters) and the grid columns say which point a row is: fold them,
-        # never cut them (was: 'cache_aware…', 'mixed.num_…' in a 160-column terminal)
+        # never cut them ('cache_aware…', 'mixed.num_…' in a 160-column terminal say nothing)
         t.add_column(h, justify="left" if i == 0 or h == "error" else "right",
                      overflow="fold" if i == 0 or 3 <= i < 3 + len(grid_cols) else "ellipsis")
     for row in table_rows[:MAX_PRINTED_ROWS]:
@@ -170,3 +166,11 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     files.append("report.html")
     console.print(f"results: {out}/ ({', '.join(files)})")
     return 1 if failed else 0
+
+
+class Sweep:
+    """``pdlb sim sweep`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "sweep"
+    add_parser = staticmethod(add_sweep_parser)
+    run = staticmethod(run_sweep_command)

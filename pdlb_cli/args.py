@@ -1,19 +1,23 @@
-"""Argument types and option groups shared by pdlb's command-line modules.
+"""Argument types and option groups shared by the ``pdlb`` subcommand modules.
 
-The floor under every CLI module (:mod:`sim.cli`, :mod:`sim.capacity_cli`, :mod:`sim.sweep_cli`,
-:mod:`sim.experiments.cli`, :mod:`sim.pricing.cli`): they import from here, never from each other,
-so there is no import circle.
+The floor under every subcommand module of :mod:`pdlb_cli`: they import from here, never from each
+other (``tests/test_import_graph.py``), and this module imports nothing above the scenario and its
+perf model (no simulation, search or report module; no other module of :mod:`pdlb_cli`).
 
-- ``type=`` checks for argparse (:func:`positive_int`, :func:`seed_int`, :func:`positive_float`,
-  :func:`nonnegative_float`, :func:`fraction`, :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
+- ``type=`` checks for argparse (:func:`positive_int`, :func:`int_at_least`, :func:`seed_int`,
+  :func:`positive_float`, :func:`nonnegative_float`, :func:`rate_list`, :func:`fraction`,
+  :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and the scenario they build (:func:`scenario_from_args`;
-  the :mod:`sim.point` types they build are :mod:`sim.capacity_cli`'s, so this module imports nothing
+  the :mod:`sim.point` types they build are :mod:`pdlb_cli.sim.capacity`'s, so this module imports nothing
   above the scenario and its perf model);
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;
-- ``--set dotted.key=value`` scenario overrides (:func:`apply_overrides`);
+- ``--set dotted.key=value`` scenario overrides (:func:`parse_override`; applied by
+  :func:`sim.overrides.apply_overrides`);
+- the session workload options and their :class:`sim.workload.sessions.SessionWorkloadConfig`
+  (:func:`add_session_workload_args`, :func:`session_config`); :func:`describe_scenario`;
 - :func:`unique_results_dir` and :func:`default_results_dir` for default results folders,
   :func:`check_out_file` for an ``--out FILE``;
 - :class:`ArgumentParser`, argparse's parser with short, clear usage errors.
@@ -22,9 +26,14 @@ so there is no import circle.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import math
 import os
+import re
+import shlex
 import sys
+import time
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -32,14 +41,18 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from rich.markup import escape
 
+from balancer.policies import make_policy
+from balancer.policies.spec import split_policy_list
 from balancer.router import DEFAULT_TIER_WEIGHTS
-from balancer.validation import format_validation_error
 from sim.file_names import safe_file_stem
 from sim.host import default_jobs
 from sim.models import get_model
 from sim.perf.build import build_perf
-from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, load_scenario
+from sim.overrides import apply_overrides
+from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, describe_pools, load_scenario
+from sim.workload.sessions import SessionWorkloadConfig, load_session_config
 
 DEFAULT_SLO_TTFT_S = 2.0
 DEFAULT_SLO_TPOT_S = 0.1
@@ -55,6 +68,13 @@ def _int_at_least(text: str, minimum: int) -> int:
     if value < minimum:
         raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def int_at_least(minimum: int) -> typing.Callable[[str], int]:
+    """An argparse ``type=``: an int >= ``minimum`` (the messages of :func:`positive_int`)."""
+    def parse(text: str) -> int:
+        return _int_at_least(text, minimum)
+    return parse
 
 
 def positive_int(text: str) -> int:
@@ -99,6 +119,20 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
     return _float_checked(text, allow_zero=True)
+
+
+def rate_list(text: str) -> list[float]:
+    """Comma-separated request rates, req/s: finite, >= 0, at least one > 0 (a load ramp's steps)."""
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}") from None
+    if not rates or any(not (r >= 0 and r != float("inf")) for r in rates):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite rates >= 0, got {text!r}")
+    if not any(rates):
+        raise argparse.ArgumentTypeError(f"every rate is 0, so the workload would be empty; give at least one "
+                                         f"rate > 0, got {text!r}")
+    return rates
 
 
 def fraction(text: str) -> float:
@@ -175,9 +209,6 @@ class ArgumentParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> typing.NoReturn:
-        import difflib
-        import re
-
         subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
         for a in subs:  # "argument sim_command: ..." / "required: sim_command": say "command"
             names = ", ".join(a.choices)
@@ -205,8 +236,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
-        import difflib
-
         argv = list(sys.argv[1:] if args is None else args)
         ns, extras = self.parse_known_args(argv, namespace)
         if extras:
@@ -276,15 +305,12 @@ def default_results_dir(*parts: str) -> Path:
     (:func:`sim.file_names.safe_file_stem`): a scenario's ``name`` is free text, and one such as
     ``"../../etc/x"`` or ``"a/b"`` must not put the folder outside ``results/`` or in a subfolder.
     ``default_results_dir("capacity", "dsv3-pd-h200")`` -> ``results/capacity-dsv3-pd-h200-<time>``."""
-    import time
-
     stem = "-".join(safe_file_stem(p) for p in parts)
     return unique_results_dir(Path("results") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 # ---------------------------------------------------------------------- --set overrides
 #: Most ``--set`` overrides and the deepest dotted path taken (input-driven loops are bounded).
-MAX_OVERRIDES = 256
 MAX_PATH_DEPTH = 8
 
 
@@ -302,8 +328,6 @@ def parse_value(text: str) -> Any:
     except tomllib.TOMLDecodeError as e:
         if not text.lstrip().startswith(('"', "'", "[", "{")):
             return text
-        import re
-
         msg = " ".join(str(e).split())
         m = re.search(r"\s*\(at line 1, column (\d+)\)$|\s*\(at end of document\)$", msg)
         where = ""
@@ -339,41 +363,6 @@ def override_arg(text: str) -> tuple[str, Any]:
         return parse_override(text)
     except ValueError as e:  # argparse names the flag: "argument --set: 'x=[1': ..."
         raise argparse.ArgumentTypeError(str(e).removeprefix("--set ")) from None
-
-
-def apply_overrides(sc: Scenario, overrides: Sequence[tuple[str, Any]], *, source: str = "--set") -> Scenario:
-    """A validated copy of ``sc`` with each ``(dotted.path, value)`` set, in order.
-
-    A path may reach into a table that is unset in the scenario (``shared_store.ttl_s=3600`` on a
-    scenario without a shared store creates one with defaults). The copy's description says what
-    was overridden.
-
-    Raises:
-        ValueError: more than :data:`MAX_OVERRIDES`, a path through a non-table value, or an
-            invalid result (one line per problem, with "did you mean" for unknown fields).
-    """
-    if not overrides:
-        return sc
-    if len(overrides) > MAX_OVERRIDES:
-        raise ValueError(f"{source}: at most {MAX_OVERRIDES} overrides, got {len(overrides)}")
-    data = sc.model_dump(exclude_unset=False)
-    for path, value in overrides:
-        node = data
-        parts = path.split(".")
-        for i, part in enumerate(parts[:-1]):
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                raise ValueError(f"{source} {path}: {'.'.join(parts[:i + 1])} is {nxt!r}, not a table")
-            node = nxt
-        node[parts[-1]] = value
-    try:
-        out = Scenario.model_validate(data)
-    except ValidationError as e:
-        raise ValueError(format_validation_error(e, source=f"{source} on scenario {sc.name!r}", model=Scenario)) from None
-    what = ", ".join(f"{p}={v!r}" for p, v in overrides)
-    return out.model_copy(update={"description": f"{sc.description or sc.name} (set {what})"})
 
 
 # ---------------------------------------------------------------------- option groups
@@ -509,8 +498,6 @@ def policy_list(text: str, flag: str = "--policies") -> list[str]:
             typo, not a request for fewer policies), no policy at all, a ``k=v`` part after no
             ``name:`` spec.
     """
-    from balancer.policies.spec import split_policy_list
-
     parts = text.split(",")
     if not any(p.strip() for p in parts):
         raise ValueError(f"{flag}: give at least one policy")
@@ -570,8 +557,6 @@ def command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
     ``argv`` is what the parser was given (``sys.argv[1:]``); it has been parsed already, so it
     is well-formed.
     """
-    import shlex
-
     out = ["pdlb"]
     toks = list(argv)
     i = 0
@@ -675,8 +660,6 @@ def idle_slo_params(policy: typing.Any, route_slo: bool) -> list[str]:
     """The ``slo_*`` parameters set away from their defaults on a policy that gets no TTFT budget
     (neither its own ``ttft_slo_s`` nor the router's: ``route_slo`` with ``slo_aware``): they
     change nothing."""
-    import dataclasses
-
     if not dataclasses.is_dataclass(policy) or not hasattr(policy, "ttft_slo_s"):
         return []
     if policy.ttft_slo_s > 0 or (route_slo and getattr(policy, "slo_aware", True)):
@@ -726,8 +709,6 @@ def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, def
         ``", routed SLO-blind (--no-route-slo) except against their own TTFT budget:
         ep_aware(ttft_slo_s=2.0)"``.
     """
-    from balancer.policies import make_policy
-
     def pol(x: Any) -> Any:
         return make_policy(x) if isinstance(x, str) else x
 
@@ -783,3 +764,62 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                 raise ValueError(f"{role} pool: {e}{hint}") from None
     return sc
 
+
+def describe_scenario(sc: Scenario) -> str:
+    """``"<name>: <description or pool shape> (<N> GPUs)"`` (rich markup), as ``pdlb sim scenarios``
+    lists it and ``pdlb sim run`` heads its output."""
+    return f"[bold]{escape(sc.name)}[/]: {escape(sc.description or describe_pools(sc))} ({sc.num_gpus} GPUs)"
+
+
+# ---------------------------------------------------------------------- session workloads
+DAY_S = 86400.0
+#: SessionWorkloadConfig field -> the flag that sets it (error messages name the flag)
+_FIELD_FLAGS = {"sessions_per_hour": "--sessions-per-hour", "agent_fraction": "--agent-fraction",
+                "block_size": "--block-size", "duration_s": "--days", "seed": "--seed"}
+
+
+def add_session_workload_args(p: argparse.ArgumentParser, days_default: float) -> None:
+    """The session workload options of ``pdlb sim sessions`` and ``store-sweep`` (``--days`` ..., ``--config``)."""
+    g = p.add_argument_group("session workload (see sim/workload/sessions.py for every parameter)")
+    g.add_argument("--days", type=float, default=days_default, metavar="D",
+                   help=f"simulated days of session starts (default {days_default:g})")
+    g.add_argument("--sessions-per-hour", type=float, metavar="R", help="new sessions per hour, both classes (default 60)")
+    g.add_argument("--agent-fraction", type=float, metavar="F", help="fraction of agent sessions (default 0.3)")
+    g.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 512)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed (default 0)")
+    g.add_argument("--config", type=Path, metavar="FILE",
+                   help="a SessionWorkloadConfig as .json/.toml/.yaml (flags above override its fields)")
+
+
+def session_config(args: argparse.Namespace, days: float) -> SessionWorkloadConfig:
+    """The SessionWorkloadConfig of ``--config`` with the flags applied.
+
+    Raises:
+        ValueError: one line; a bad value set by a flag names the flag
+            (``"--agent-fraction: Input should be less than or equal to 1"``), one from
+            ``--config`` names the file and field, as :func:`balancer.validation.format_validation_error`.
+    """
+    base = load_session_config(args.config) if args.config else SessionWorkloadConfig()
+    upd: dict[str, Any] = {"duration_s": days * DAY_S, "seed": args.seed}
+    for field in ("sessions_per_hour", "agent_fraction", "block_size"):
+        v = getattr(args, field)
+        if v is not None:
+            upd[field] = v
+    try:
+        return SessionWorkloadConfig.model_validate(base.model_dump() | upd)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            loc = tuple(err.get("loc", ()))
+            field = str(loc[0]) if loc else ""
+            msg = err.get("msg", "invalid").removeprefix("Value error, ")
+            if field in upd and field in _FIELD_FLAGS:
+                parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
+            else:  # a field of --config (already checked alone) or a check across fields
+                if not loc:  # across fields: name the flags that set them, not the config fields
+                    for name, flag in _FIELD_FLAGS.items():
+                        msg = re.sub(rf"\b{name}\b", flag, msg)
+                where = ".".join(str(x) for x in loc)
+                text = f"{where}: {msg}" if where else msg
+                parts.append(f"{args.config}: {text}" if args.config and field not in upd else text)
+        raise ValueError("; ".join(parts)) from None

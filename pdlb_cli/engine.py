@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
-from aiohttp import web
 from pydantic import ValidationError
+from rich.console import Console
 
-from balancer.service.cli import event_loop_factory, listen_error
+from balancer.service.launch import event_loop_factory
 from balancer.validation import format_validation_error
-from sim.emulator.app import STATE, create_engine_app
 from sim.emulator.config import EmulatorConfig
+from sim.emulator.launch import serve_engine
 from sim.hardware import HARDWARE
 from sim.models import MODELS
 
@@ -67,6 +66,12 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="prefill -> decode KV transfer bandwidth in bytes/s (default: %(default)g)")
     p.add_argument("--kv-transfer-latency-s", type=float, default=d.kv_transfer_latency_s, metavar="SECONDS",
                    help="fixed latency of one KV transfer in seconds (default: %(default)s)")
+    p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="publish KV cache events on vLLM's ZMQ wire from this endpoint (DP rank r on PORT + r), "
+                        "for pdlb serve --index-mode events; only token-id prompts' blocks are announced "
+                        "(default: none)")
+    p.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
+                   help="with --kv-events: the replay endpoint (a ZMQ ROUTER; DP rank r on PORT + r)")
     p.add_argument("--stream-format", choices=["openai", "transformers"], default=d.stream_format,
                    help="framing of streamed answers: openai (role with the first token, [DONE] at the end) or "
                         "transformers (as transformers serve: a role-only chunk before prefill, usage in the "
@@ -101,44 +106,12 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             zero_delay=args.zero_delay, served_model_name=args.served_model_name, engine_id=args.engine_id,
             default_max_tokens=args.default_max_tokens, max_model_len=args.max_model_len, kv_transfer_bandwidth_bytes_per_s=args.kv_transfer_bandwidth,
             kv_transfer_latency_s=args.kv_transfer_latency_s, stream_format=args.stream_format,
+            kv_events_endpoint=args.kv_events, kv_events_replay_endpoint=args.kv_events_replay,
             faults={"error_rate": args.error_rate, "error_status": args.error_status, "hang": args.hang,
                     "hang_after_headers": args.hang_after_headers, "die_after_tokens": args.die_after_tokens,
                     "seed": args.seed})
     except ValidationError as e:
         raise ValueError(format_validation_error(e, None, EmulatorConfig)) from None
-
-
-async def _serve(cfg: EmulatorConfig, host: str, port: int, bootstrap_port: int | None) -> int:
-    """Listen until SIGINT/SIGTERM (0); 2 after printing one ``error:`` line if the engine cannot
-    be built (e.g. the model does not fit the GPUs) or a port cannot be listened on."""
-    try:
-        app = create_engine_app(cfg, exit_on_die=True)  # builds the perf model: ValueError if it does not fit
-    except ValueError as e:
-        hint = " (pdlb engine: --gpus-per-rank, --dp-ranks, --hardware)" if "does not fit" in str(e) else ""
-        print(f"error: {e}{hint}", file=sys.stderr)
-        return 2
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    listening = port
-    try:
-        await web.TCPSite(runner, host, port).start()
-        bound = runner.addresses[0][1]
-        if bootstrap_port is not None:
-            listening = bootstrap_port
-            await web.TCPSite(runner, host, bootstrap_port).start()
-    except OSError as e:
-        await runner.cleanup()  # closes the app's client session too
-        print(f"error: {listen_error(host, listening, e)}", file=sys.stderr)
-        return 2
-    app[STATE].port = bound
-    print(f"pdlb engine ready on http://{host}:{bound} role={cfg.role} speed={cfg.speed}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    return 0
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -154,4 +127,14 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(cfg, args.host, args.port, args.bootstrap_port))
+        return runner.run(serve_engine(cfg, args.host, args.port, args.bootstrap_port))
+
+
+class Engine:
+    """``pdlb engine`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "engine"
+    add_parser = staticmethod(add_engine_parser)
+
+    def run(self, args: argparse.Namespace, console: Console) -> int:
+        return run_engine(args)

@@ -21,14 +21,14 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sim.cli_args import (
+from balancer.policies import available_policies
+from pdlb_cli.args import (
     CAPACITY_TTFT_PER_1K_TOKENS_S,
     add_cluster_args,
     add_executor_args,
@@ -47,7 +47,24 @@ from sim.cli_args import (
     warn_idle_flags,
     warn_idle_slo_params,
 )
-from sim.point import SLO, SimOptions, WorkloadSpec
+from sim.capacity import GpuSearch, RateSearch, run_searches
+from sim.capacity_report import (
+    _jsonable,
+    gpu_table,
+    markdown,
+    plot_gpus,
+    plot_rate,
+    rate_table,
+    reasons,
+    result_dict,
+    rich_table,
+    write_points_csv,
+)
+from sim.executor import make_executor, run_points
+from sim.html_report import Section, write_report
+from sim.metrics import burst_note
+from sim.point import SLO, Point, SimOptions, WorkloadSpec, import_policy_modules, load_workload, parse_policy, point_row
+from sim.workload import ideal_hit_rate
 
 
 # ---------------------------------------------------------------------- what the option groups build
@@ -93,11 +110,8 @@ def policy_specs(args: argparse.Namespace) -> list:
         ValueError: unknown policy or parameter, a bad value, a module that does not import,
             an empty list.
     """
-    from balancer.policies import available_policies
-    from sim.point import import_policy_modules, parse_policy
-
     import_policy_modules(args.policy_modules)
-    if args.policy_specs and args.policies is not None:  # was: --policies silently dropped
+    if args.policy_specs and args.policies is not None:  # --policy would silently replace --policies
         raise ValueError("--policy and --policies both given: --policy replaces the list, so --policies would be ignored; give one (repeat --policy for several)")
     if args.policy_specs:
         texts = list(args.policy_specs)
@@ -113,7 +127,7 @@ def policy_specs(args: argparse.Namespace) -> list:
     return specs
 
 
-def add_capacity_parser(simsub: Any) -> None:
+def add_capacity_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``pdlb sim capacity``."""
     p = simsub.add_parser(
         "capacity", help="highest rate at SLO, or fewest engines at a rate, per policy",
@@ -166,7 +180,7 @@ def add_capacity_parser(simsub: Any) -> None:
     out = add_output_args(p, prefix="capacity")
     add_slo_args(out, targets=True, ttft_per_1k_default=CAPACITY_TTFT_PER_1K_TOKENS_S)
     out.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
-    p.set_defaults(run=run_capacity)
+    return p
 
 
 def _curve(text: str | None) -> list[float]:
@@ -206,8 +220,6 @@ def small_window_note(r: Any, requests: list, wl: Any, block_size: int) -> str:
     :func:`sim.workload.ideal_hit_rate`); ``""`` for an answer on at least
     :data:`SMALL_SAMPLE_REQUESTS` requests with a warm-up share under :data:`COLD_CACHE_SHARE`, or
     without an answer run. ``requests``: the workload before rate scaling (``wl.read()``)."""
-    from sim.workload import ideal_hit_rate
-
     best = getattr(r, "best", None)
     if best is None or best.error:
         return ""
@@ -241,8 +253,6 @@ def _burst_note(r: Any, duration_s: float | None = None) -> str:
     """The answer's :func:`sim.metrics.burst_note` with what to do about it; ``""`` for a steady
     answer, or without a complete answer run. ``duration_s``: the search's ``--duration-s``, if
     given (the advice is then a longer window, not the flag the user already passed)."""
-    from sim.metrics import burst_note
-
     best = getattr(r, "best", None)
     summary = best.summary if best is not None else None
     if not summary:
@@ -257,21 +267,6 @@ def _burst_note(r: Any, duration_s: float | None = None) -> str:
 
 
 def run_capacity(args: argparse.Namespace, console: Console) -> int:
-    from sim.capacity import GpuSearch, RateSearch, run_searches
-    from sim.capacity_report import (
-        gpu_table,
-        markdown,
-        plot_gpus,
-        plot_rate,
-        rate_table,
-        reasons,
-        result_dict,
-        rich_table,
-        write_points_csv,
-    )
-    from sim.executor import make_executor, run_points
-    from sim.point import Point, load_workload
-
     if args.rate_min > args.rate_max or not args.rate_min <= args.rate_start <= args.rate_max:
         raise ValueError(f"--rate-min {args.rate_min:g} <= --rate-start {args.rate_start:g} <= --rate-max "
                          f"{args.rate_max:g} does not hold")
@@ -342,9 +337,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
             progress.update(tasks[id(s)], completed=min(counts[id(s)], est - 1), note=progress_note(r, args.search))
 
         def on_done(s: Any, r: Any) -> None:
-            # each policy's bar ends, and its clock stops, when its own search does (was: every bar
-            # ran until the last search ended, all showing one shared elapsed time); the bar ends at
-            # the simulations run (was: at least the estimate, '11/11' after 7)
+            # each policy's bar ends, and its clock stops, when its own search does (not when the
+            # last search ends); the bar's total becomes the simulations run, not the estimate
             answer = f" x{r.rate_scale:.4g} = {r.rate_rps:.3g} req/s" if getattr(r, "rate_rps", None) else ""
             progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=f"{r.status}{answer}")
 
@@ -397,8 +391,6 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
         else:
             plot_gpus(results, plot)
         files.append(plot.name)
-    from sim.html_report import Section, write_report
-
     sections = [Section("Answer", text=title, table=(head, rows), items=notes)]
     if plot is not None:
         sections.append(Section("Plot", image=plot))
@@ -414,9 +406,6 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
 
 
 def result_dict_point(p: Any) -> dict:
-    from sim.capacity_report import _jsonable
-    from sim.point import point_row
-
     return _jsonable(point_row(p, summary=False))
 
 
@@ -430,3 +419,11 @@ def _points_table(points: list) -> tuple[list[str], list[list[str]]]:
                      "error" if p.error else ("yes" if p.meets else "no"), f"{100 * p.attainment:.1f}",
                      f"{p.goodput_rps:.3f}", f"{p.ttft_p99_s:.2f}", "yes" if p.stopped_early else "", f"{p.wall_s:.1f}"])
     return head, rows
+
+
+class Capacity:
+    """``pdlb sim capacity`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "capacity"
+    add_parser = staticmethod(add_capacity_parser)
+    run = staticmethod(run_capacity)

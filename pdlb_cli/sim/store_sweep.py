@@ -1,61 +1,39 @@
-"""``pdlb sim sessions`` (generate a session workload) and ``pdlb sim store-sweep`` (experiment 1)."""
+"""``pdlb sim store-sweep`` (experiment 1): a shared KV store's token-weighted prefix hit rate per
+traffic class for each TTL and capacity (:mod:`sim.experiments.store_hit_rate`), on generated
+sessions or a trace; writes a CSV, a Markdown table and a PNG curve (docs/kv_cache.md)."""
 
 from __future__ import annotations
 
 import argparse
 import csv
 import math
-import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sim.cli_args import seed_int
+from pdlb_cli.args import DAY_S, add_session_workload_args, session_config, unique_results_dir
+from sim.engine.kv_store import KvStore
+from sim.experiments.store_hit_rate import replay_store, ttl_hit_rates
+from sim.workload import read_trace, session_workload
+from sim.workload.sessions import AGENT, CHATBOT
 
 HOUR_S = 3600.0
-DAY_S = 86400.0
 DEFAULT_TTL_HOURS = "6,12,24,48,72,120,168"
 DEEPSEEK_CLASS_TTL_HOURS = "agent=72,chatbot=168"
-#: SessionWorkloadConfig field -> the flag that sets it (error messages name the flag)
-_FIELD_FLAGS = {"sessions_per_hour": "--sessions-per-hour", "agent_fraction": "--agent-fraction",
-                "block_size": "--block-size", "duration_s": "--days", "seed": "--seed"}
 
 
-def _add_workload_args(p: argparse.ArgumentParser, days_default: float) -> None:
-    g = p.add_argument_group("session workload (see sim/workload/sessions.py for every parameter)")
-    g.add_argument("--days", type=float, default=days_default, metavar="D",
-                   help=f"simulated days of session starts (default {days_default:g})")
-    g.add_argument("--sessions-per-hour", type=float, metavar="R", help="new sessions per hour, both classes (default 60)")
-    g.add_argument("--agent-fraction", type=float, metavar="F", help="fraction of agent sessions (default 0.3)")
-    g.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default 512)")
-    g.add_argument("--seed", type=seed_int, default=0, help="seed (default 0)")
-    g.add_argument("--config", type=Path, metavar="FILE",
-                   help="a SessionWorkloadConfig as .json/.toml/.yaml (flags above override its fields)")
-
-
-def add_session_parsers(simsub: Any) -> None:
-    """Register ``sessions`` and ``store-sweep`` under ``pdlb sim``."""
-    p = simsub.add_parser(
-        "sessions", help="generate a multi-turn chatbot/agent session workload (JSONL)",
-        description="Generate multi-turn chatbot conversations and agent sessions over days (prompts grow turn "
-                    "by turn; sessions return after hours or days; agents share long system prompts) and write "
-                    "them as Mooncake-style JSONL with session_id and traffic_class. Prints a summary.")
-    p.add_argument("--out", type=Path, required=True, metavar="FILE",
-                   help="output .jsonl or .jsonl.gz (an existing file is overwritten)")
-    _add_workload_args(p, 7.0)
-    p.set_defaults(session_cmd="sessions")
-
+def add_store_sweep_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``pdlb sim store-sweep``."""
     s = simsub.add_parser(
         "store-sweep", help="experiment 1: shared KV store hit rate vs TTL and capacity, per traffic class",
         description="Replay a session workload (or a trace) through a shared KV store (KvStore) and report the "
                     "token-weighted prefix hit rate per traffic class for each TTL and capacity; writes a CSV, a "
                     "markdown table and a PNG curve. The first --warmup-days only fill the store.")
-    _add_workload_args(s, 7.0)
+    add_session_workload_args(s, 7.0)
     s.add_argument("--warmup-days", type=float, default=7.0, metavar="D",
                    help="days generated before the measured --days; their requests only fill the store (default 7)")
     s.add_argument("--trace", type=Path, metavar="FILE",
@@ -72,86 +50,7 @@ def add_session_parsers(simsub: Any) -> None:
                         "(default results/store-sweep-<YYYYmmdd-HHMMSS>, with -2, -3, ... appended when that exists)")
     s.add_argument("--no-plots", action="store_true", help="skip the PNG")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    s.set_defaults(session_cmd="store-sweep")
-
-
-def _config(args: argparse.Namespace, days: float):
-    """The SessionWorkloadConfig of ``--config`` with the flags applied.
-
-    Raises:
-        ValueError: one line; a bad value set by a flag names the flag
-            (``"--agent-fraction: Input should be less than or equal to 1"``), one from
-            ``--config`` names the file and field, as :func:`balancer.validation.format_validation_error`.
-    """
-    from pydantic import ValidationError
-
-    from sim.workload.sessions import SessionWorkloadConfig, load_session_config
-
-    base = load_session_config(args.config) if args.config else SessionWorkloadConfig()
-    upd: dict[str, Any] = {"duration_s": days * DAY_S, "seed": args.seed}
-    for field in ("sessions_per_hour", "agent_fraction", "block_size"):
-        v = getattr(args, field)
-        if v is not None:
-            upd[field] = v
-    try:
-        return SessionWorkloadConfig.model_validate(base.model_dump() | upd)
-    except ValidationError as e:
-        parts = []
-        for err in e.errors():
-            loc = tuple(err.get("loc", ()))
-            field = str(loc[0]) if loc else ""
-            msg = err.get("msg", "invalid").removeprefix("Value error, ")
-            if field in upd and field in _FIELD_FLAGS:
-                parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
-            else:  # a field of --config (already checked alone) or a check across fields
-                if not loc:  # across fields: name the flags that set them (was: "lower duration_s or ...")
-                    for name, flag in _FIELD_FLAGS.items():
-                        msg = re.sub(rf"\b{name}\b", flag, msg)
-                where = ".".join(str(x) for x in loc)
-                text = f"{where}: {msg}" if where else msg
-                parts.append(f"{args.config}: {text}" if args.config and field not in upd else text)
-        raise ValueError("; ".join(parts)) from None
-
-
-def run_session_command(args: argparse.Namespace, console: Console) -> int:
-    """Run ``pdlb sim sessions`` or ``pdlb sim store-sweep``; returns the exit status."""
-    if args.days <= 0:
-        raise ValueError(f"--days must be > 0, got {args.days}")
-    if args.session_cmd == "sessions":
-        return _run_sessions(args, console)
-    return _run_sweep(args, console)
-
-
-def _summary_table(summary: dict[str, dict[str, float]], title: str) -> Table:
-    t = Table(title=title)
-    for col in ("class", "requests", "sessions", "mean prompt tokens", "mean output tokens", "ideal hit rate"):
-        t.add_column(col, justify="right" if col != "class" else "left")
-    for cls, s in summary.items():
-        n = max(1, int(s["requests"]))
-        t.add_row(cls, f"{int(s['requests'])}", f"{int(s['sessions'])}", f"{s['prompt_tokens'] / n:.0f}",
-                  f"{s['output_tokens'] / n:.0f}", f"{100 * s['ideal_hit_rate']:.1f}%")
-    return t
-
-
-def _run_sessions(args: argparse.Namespace, console: Console) -> int:
-    from sim.workload import session_workload, workload_summary, write_mooncake
-
-    from sim.cli_args import check_out_file
-
-    check_out_file(args.out, "sessions.jsonl")
-    cfg = _config(args, args.days)
-    t0 = time.perf_counter()
-    with console.status(f"generating {args.days:g} days of sessions..."):
-        requests = session_workload(cfg)
-    gen_s = time.perf_counter() - t0
-    if not requests:
-        raise ValueError("the workload is empty: raise --days or --sessions-per-hour")
-    n = write_mooncake(requests, args.out, block_size=cfg.block_size)
-    console.print(_summary_table(workload_summary(requests, cfg.block_size),
-                                 f"{args.days:g} days, {cfg.sessions_per_hour:g} sessions/h, seed {cfg.seed}"))
-    console.print(f"wrote {n} requests to {args.out} (generated in {gen_s:.1f} s); "
-                  f"read it back with block_size={cfg.block_size}")
-    return 0
+    return s
 
 
 def _parse_list(text: str, what: str, scale: float) -> list[float | None]:
@@ -203,11 +102,11 @@ def _label_ttl(ttl_s: float | None) -> str:
     return "none" if ttl_s is None else f"{ttl_s / HOUR_S:g}"
 
 
-def _run_sweep(args: argparse.Namespace, console: Console) -> int:
-    from sim.engine.kv_store import KvStore
-    from sim.experiments.store_hit_rate import replay_store, ttl_hit_rates
-    from sim.workload import read_trace, session_workload
-
+def run_store_sweep(args: argparse.Namespace, console: Console) -> int:
+    """Replay the sessions (or ``--trace``) through the store for each TTL and capacity, print the
+    table and write the results folder; returns 0."""
+    if args.days <= 0:
+        raise ValueError(f"--days must be > 0, got {args.days}")
     ttls = _parse_list(args.ttl_hours, "--ttl-hours", HOUR_S)
     if None not in ttls:
         ttls.append(None)
@@ -216,8 +115,6 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     given = args.class_ttl_hours is not None
     class_ttl = _parse_class_ttls(args.class_ttl_hours if given else DEEPSEEK_CLASS_TTL_HOURS)
     if not args.trace:  # the generator's classes; a trace's are checked once it is read
-        from sim.workload.sessions import AGENT, CHATBOT
-
         _check_classes(class_ttl, {AGENT, CHATBOT}, "the generated sessions")
     if args.warmup_days < 0:
         raise ValueError(f"--warmup-days must be >= 0, got {args.warmup_days}")
@@ -228,7 +125,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         requests = read_trace(args.trace, "mooncake", block_size=block_size)
         source = str(args.trace)
     else:
-        cfg = _config(args, args.warmup_days + args.days)
+        cfg = session_config(args, args.warmup_days + args.days)
         block_size = cfg.block_size
         with console.status(f"generating {args.warmup_days + args.days:g} days of sessions..."):
             requests = session_workload(cfg)
@@ -278,8 +175,6 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         out = args.out
         out.mkdir(parents=True, exist_ok=True)
     else:
-        from sim.cli_args import unique_results_dir
-
         out = unique_results_dir(Path("results") / f"store-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(out / "store_sweep.csv", "w", newline="") as fh:
         w = csv.writer(fh)
@@ -360,3 +255,11 @@ def _plot(rows: list[tuple[int | None, str, dict]], classes: list[str], path: Pa
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+class StoreSweep:
+    """``pdlb sim store-sweep`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "store-sweep"
+    add_parser = staticmethod(add_store_sweep_parser)
+    run = staticmethod(run_store_sweep)
