@@ -21,7 +21,7 @@ alone (conditional disaggregation; the vLLM router skips PD below 256 uncached t
 Prefix index modes: ``"approximate"`` records each routed prompt on its chosen replicas (as the
 SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does);
 ``"hybrid"`` trusts KV events and, in a second index whose entries live ``speculative_ttl_s``
-(default :data:`DEFAULT_SPECULATIVE_TTL_S`), the prompts it routed itself, so that a burst of
+(default :data:`balancer.config.DEFAULT_SPECULATIVE_TTL_S`), the prompts it routed itself, so that a burst of
 sibling requests lands together before the engine has announced the first one's blocks (Dynamo's
 predicted blocks, the vLLM router's speculative entries); a replica's match is the larger of the
 two.
@@ -76,21 +76,23 @@ import numbers
 import pickle
 import random
 import threading
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, placement_features
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadReport, LoadTracker
-from balancer.policies import Policy, SelectContext
-from balancer.policies.spec import build_policy
 from balancer.block_index import BlockIndex
+from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
+from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
-from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, checked_count, checked_ttl_s, is_finite_seconds
+from balancer.types import Choice, ReplicaId, Request, Role, Route, is_finite_seconds
+from balancer.validation import format_validation_error
 
 
 def _locked(fn):  # noqa: ANN001, ANN202
@@ -136,16 +138,6 @@ class _Pool:
     min_capacity: int = 0  # smallest known (> 0) KV capacity in tokens; 0: none known
 
 
-INDEX_MODES = ("approximate", "events", "hybrid")
-#: Default lifetime of the hybrid mode's own routed-prompt entries: long enough for an engine to
-#: prefill and announce a prompt under load, short enough not to outlive its real cache entry.
-DEFAULT_SPECULATIVE_TTL_S = 5.0
-#: Default prefix-index bound per replica: 262,144 blocks (134M tokens at 512-token blocks, more
-#: than any GPU's HBM holds), so an embedded router never grows without bound.
-DEFAULT_INDEX_CAPACITY_BLOCKS = 262_144
-#: Default weights of lower-tier hits relative to an HBM hit (1.0): Dynamo's KV router weighs host
-#: (CPU) hits at 0.75 of device hits; a shared-store hit pays a network fetch, so 0.5.
-DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"host": 0.75, "store": 0.5}
 #: The pseudo replica that holds the shared store's blocks in the router's store view.
 STORE_HOLDER = ReplicaId("shared-store", 0)
 
@@ -153,94 +145,52 @@ STORE_HOLDER = ReplicaId("shared-store", 0)
 class Router:
     """Routes requests to prefill/decode DP ranks with pluggable policies.
 
+    Built from a :class:`~balancer.config.RouterConfig` (every setting and its default is
+    documented there): ``Router.from_config(config)``. ``Router(prefill, decode, **settings)``
+    is the same with the settings given as keywords (``RouterConfig`` fields) over ``config``.
+
     Args:
-        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy`, a registered name, or a
-            spec with parameters (``"ep_aware:ttft_slo_s=2"``, :func:`balancer.policies.spec.build_policy`).
-            The decode policy also routes aggregated (mixed) pools.
-        block_size: tokens per KV block of the requests' ``block_hashes``.
-        index_capacity_blocks: prefix-index bound per replica (LRU), ``None`` = unbounded
-            (default :data:`DEFAULT_INDEX_CAPACITY_BLOCKS`).
-        index_ttl_s: prefix-index TTL, ``None`` = none (Dynamo's approximate mode uses 120 s).
-        index_mode: ``"approximate"`` or ``"events"`` (see module docstring).
-        pd_min_uncached_tokens: below this many uncached prompt tokens on the chosen decode
-            replica, skip the prefill pool (0 = always disaggregate).
-        seed: seed of the router's ``random.Random`` (the only randomness policies may use).
-        host_tier: keep a view of each replica's host-DRAM KV tier (see module docstring).
-        host_index_capacity_blocks: bound per replica of the host view (LRU), ``None`` = unbounded.
-        shared_store: keep a view of a cluster-wide shared KV store.
-        store_index_capacity_blocks: bound of the store view (LRU), ``None`` = unbounded.
-        store_ttl_s: TTL of the store view (from last insert), ``None`` = none.
-        tier_weights: ``{"host": w, "store": w}``, each in [0, 1]; missing keys take
-            :data:`DEFAULT_TIER_WEIGHTS`.
-        cost_model: step-time model handed to policies (``SelectContext.cost_model``) for
-            cost-based policies (``ep_aware``); ``None``: none (``ep_aware`` then uses
-            :data:`balancer.cost_model.DEFAULT_COST_MODEL`).
-        learn_cost_model: fit the cost model online from the hooks' timestamps
-            (:class:`balancer.cost_model.CostLearner`, starting from ``cost_model`` or the
-            default); policies see the latest fit.
-        index_total_capacity_blocks: prefix-index bound over all replicas together (each gets
-            an even share when it is lower than ``index_capacity_blocks``), ``None`` = none.
-        speculative_ttl_s: hybrid mode: seconds a routed prompt counts as cached on its replicas.
-        inflight_timeout_s: requests still in flight this long after dispatch (their
-            ``on_finished`` never came: a lost callback, a crashed caller) are released and
-            counted (``metrics()["reaped_requests"]``); ``None`` (default) never reaps.
-        load_report_max_age_s: engine load reports older than this stop counting (``None``: a
-            report counts until the next one).
-        ttft_slo: the TTFT budget to route against (:class:`balancer.types.TtftSlo`), handed to
-            policies as ``SelectContext.ttft_slo``; ``None`` (default): SLO-blind routing.
+        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy` object, a spec
+            (``"ep_aware:ttft_slo_s=2"``, :class:`~balancer.config.PolicySpec`), or ``None``: the
+            config's. The decode policy also routes aggregated (mixed) pools.
+        config: the settings (default: :class:`~balancer.config.RouterConfig`'s defaults).
+        on_routed: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after
+            each decision recorded a prompt (e.g. to share it with other router processes).
+        **settings: :class:`~balancer.config.RouterConfig` fields that replace the config's.
 
     Raises:
-        ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
+        ValueError: unknown policy name or index mode, negative sizes, bad tier weights, an
+            unknown setting.
+        TypeError: a count that is not an integer, a ``ttft_slo`` that is not a ``TtftSlo``.
     """
 
     def __init__(
         self,
-        prefill_policy: Policy | str = "cache_aware",
-        decode_policy: Policy | str = "least_load",
+        prefill_policy: Policy | str | PolicySpec | None = None,
+        decode_policy: Policy | str | PolicySpec | None = None,
         *,
-        block_size: int = 512,
-        index_capacity_blocks: int | None = DEFAULT_INDEX_CAPACITY_BLOCKS,
-        index_ttl_s: float | None = None,
-        index_mode: str = "approximate",
-        pd_min_uncached_tokens: int = 0,
-        seed: int = 0,
-        host_tier: bool = False,
-        host_index_capacity_blocks: int | None = DEFAULT_INDEX_CAPACITY_BLOCKS,
-        shared_store: bool = False,
-        store_index_capacity_blocks: int | None = None,
-        store_ttl_s: float | None = None,
-        tier_weights: Mapping[str, float] | None = None,
-        cost_model: CostModel | None = None,
-        learn_cost_model: bool = False,
-        index_total_capacity_blocks: int | None = None,
-        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
-        inflight_timeout_s: float | None = None,
-        load_report_max_age_s: float | None = None,
-        ttft_slo: TtftSlo | None = None,
+        config: RouterConfig | None = None,
+        on_routed: Callable[[tuple[ReplicaId, ...], tuple[int, ...], float], None] | None = None,
+        **settings: Any,
     ) -> None:
-        block_size = checked_count("block_size", block_size, 1)  # a float (16.5) or a string was taken
-        if index_mode not in INDEX_MODES:
-            raise ValueError(f"unknown index_mode {index_mode!r}; valid: {', '.join(INDEX_MODES)}")
-        pd_min_uncached_tokens = checked_count("pd_min_uncached_tokens", pd_min_uncached_tokens, 0)
-        for name, v in (("speculative_ttl_s", speculative_ttl_s), ("inflight_timeout_s", inflight_timeout_s),
-                        ("load_report_max_age_s", load_report_max_age_s)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v}")
-        index_ttl_s, store_ttl_s = checked_ttl_s("index_ttl_s", index_ttl_s), checked_ttl_s("store_ttl_s", store_ttl_s)
-        # a name, or a spec with parameters ("ep_aware:ttft_slo_s=2"), as on the command line
-        self.prefill_policy = build_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
-        self.decode_policy = build_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
-        self.block_size = block_size
-        self.index_mode = index_mode
-        self.pd_min_uncached_tokens = pd_min_uncached_tokens
+        if config is None or settings:
+            config = _config_with(config or RouterConfig(), settings)
+        self.config = config
+        self.prefill_policy = _policy_of(prefill_policy, config.prefill_policy)
+        self.decode_policy = _policy_of(decode_policy, config.decode_policy)
+        self.block_size = config.block_size
+        self.index_mode = config.index_mode
+        self.pd_min_uncached_tokens = config.pd_min_uncached_tokens
+        index_capacity_blocks = config.index_capacity_blocks
         # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
-        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode != "approximate",
-                                 total_capacity_blocks=index_total_capacity_blocks)
+        self.index = PrefixIndex(index_capacity_blocks, config.index_ttl_s, block_map=config.index_mode != "approximate",
+                                 total_capacity_blocks=config.index_total_capacity_blocks)
         #: hybrid mode: the router's own routed prompts, for speculative_ttl_s; else None
-        self.speculative = PrefixIndex(index_capacity_blocks, speculative_ttl_s) if index_mode == "hybrid" else None
-        self.speculative_ttl_s = speculative_ttl_s
-        self.inflight_timeout_s = inflight_timeout_s
-        self.load_report_max_age_s = load_report_max_age_s
+        self.speculative = (PrefixIndex(index_capacity_blocks, config.speculative_ttl_s)
+                            if config.index_mode == "hybrid" else None)
+        self.speculative_ttl_s = config.speculative_ttl_s
+        self.inflight_timeout_s = config.inflight_timeout_s
+        self.load_report_max_age_s = config.load_report_max_age_s
         #: the lock every public method holds (re-entrant)
         self.lock = threading.RLock()
         self._reasons: dict[tuple[str, str], int] = {}
@@ -249,34 +199,37 @@ class Router:
         self._reaped = 0
         #: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after each
         #: decision recorded a prompt (e.g. to share it with other router processes); or None
-        self.on_routed: Any = None
-        weights = dict(DEFAULT_TIER_WEIGHTS)
-        for k, w in (tier_weights or {}).items():
-            if k not in DEFAULT_TIER_WEIGHTS:
-                raise ValueError(f"unknown tier {k!r} in tier_weights; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
-            if not 0.0 <= float(w) <= 1.0:
-                raise ValueError(f"tier_weights[{k!r}] must be in [0, 1], got {w}")
-            weights[k] = float(w)
-        self.tier_weights = weights
+        self.on_routed: Any = on_routed
+        self.tier_weights = config.weights
         #: host-DRAM tier view per replica, or None
-        self.host_index = BlockIndex(host_index_capacity_blocks, index_ttl_s) if host_tier else None
+        self.host_index = BlockIndex(config.host_index_capacity_blocks, config.index_ttl_s) if config.host_tier else None
         #: shared-store view (one holder, STORE_HOLDER), or None
-        self.store_index = BlockIndex(store_index_capacity_blocks, store_ttl_s) if shared_store else None
+        self.store_index = (BlockIndex(config.store_index_capacity_blocks, config.store_ttl_s)
+                            if config.shared_store else None)
         self.load = LoadTracker()
-        self.rng = random.Random(seed)
+        self.rng = random.Random(config.seed)
         self._replicas: dict[ReplicaId, ReplicaInfo] = {}
         self._pools: dict[str, _Pool] | None = None
         self._decisions = {"prefill": 0, "decode": 0}
         self._now_s = -math.inf  # latest time a caller passed in (see _clock); -inf: none yet
         self._clock_regressions = 0
         self._clock_regression_max_s = 0.0
-        self.cost_model = cost_model
-        if ttft_slo is not None and not isinstance(ttft_slo, TtftSlo):
-            raise TypeError(f"ttft_slo must be a balancer.TtftSlo or None, got {type(ttft_slo).__name__}")
-        self.ttft_slo = ttft_slo
-        #: online fit of the cost model, or None (see ``learn_cost_model``)
+        self.cost_model = config.cost_model
+        self.ttft_slo = config.ttft_slo
+        learn = config.learn_cost_model
+        if learn is None:  # auto: when a policy reads the model
+            learn = self.prefill_policy.uses_cost_model or self.decode_policy.uses_cost_model
+        #: online fit of the cost model, or None (see ``RouterConfig.learn_cost_model``)
         self.cost_learner: CostLearner | None = (
-            CostLearner(cost_model if cost_model is not None else DEFAULT_COST_MODEL) if learn_cost_model else None)
+            CostLearner(config.cost_model if config.cost_model is not None else DEFAULT_COST_MODEL) if learn else None)
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, *, prefill_policy: Policy | None = None,
+                    decode_policy: Policy | None = None,
+                    on_routed: Callable[[tuple[ReplicaId, ...], tuple[int, ...], float], None] | None = None) -> Router:
+        """The router of ``config``; ``prefill_policy`` / ``decode_policy``: policy objects to use
+        instead of the config's specs (e.g. a policy class that is not registered)."""
+        return cls(prefill_policy, decode_policy, config=config, on_routed=on_routed)
 
     # ------------------------------------------------------------------ clock
     def _clock(self, now_s: float) -> float:
@@ -939,6 +892,33 @@ class Router:
         self.lock = threading.RLock()
         self._pools = None
         self.on_routed = None
+
+
+def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterConfig:
+    """``config`` with ``settings`` (RouterConfig fields) applied; one-line errors.
+
+    Raises:
+        ValueError: an unknown setting or a bad value (the field's own message).
+        TypeError: a count that is not an integer, a ``ttft_slo`` that is not a ``TtftSlo``.
+    """
+    unknown = sorted(set(settings) - set(RouterConfig.model_fields))
+    if unknown:
+        raise TypeError(f"Router got unknown setting(s) {', '.join(unknown)}; valid: {', '.join(RouterConfig.model_fields)}")
+    try:
+        return config.with_(**settings)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, None, RouterConfig)) from None
+
+
+def _policy_of(given: Policy | str | PolicySpec | None, spec: PolicySpec) -> Policy:
+    """The policy object: ``given`` itself, built from its spec, or the config's ``spec``'s."""
+    if given is None:
+        return spec.build()
+    if isinstance(given, str):
+        return PolicySpec.parse(given).build()
+    if isinstance(given, PolicySpec):
+        return given.build()
+    return given
 
 
 _RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)

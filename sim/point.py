@@ -34,6 +34,8 @@ from balancer.policies import Policy, make_policy
 from balancer.policies.spec import format_policy_spec, parse_param_value, parse_policy_spec  # noqa: F401  (parse_param_value re-exported)
 from balancer.router import Router
 from balancer.types import Request, TtftSlo
+from sim.perf.build import build_perf
+from sim.router_config import RankCacheBlocks, router_config_for, router_factory
 from sim.scenario import PoolConfig, Scenario
 
 # ---------------------------------------------------------------------- SLO
@@ -427,24 +429,16 @@ class _Stop(Exception):
     """Raised from the progress hook to end a run whose SLO is already lost."""
 
 
-def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[int | None], Router]:
-    # the same router simulate() builds (sim.cluster.simulate); tests compare the two paths
-    from sim.cluster import router_tier_kwargs
-    from sim.cost_model import cost_model_for
-    from sim.perf.build import build_perf
-
-    sc = point.scenario
+def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[RankCacheBlocks], Router]:
+    """The router factory of ``point``: the settings simulate() gives its router (both build
+    them with :mod:`sim.router_config`)."""
     opts = point.options
-    tier_kw = router_tier_kwargs(sc, opts.perf_factory or build_perf) if opts.router_tiers else {}
-    cost_model = cost_model_for(sc, opts.perf_factory or build_perf)
-    tier_weights = dict(opts.tier_weights) if opts.tier_weights is not None else None
-
-    def make(capacity_blocks: int | None) -> Router:
-        return Router(prefill, decode, block_size=sc.block_size, index_capacity_blocks=capacity_blocks,
-                      index_mode=opts.index_mode, pd_min_uncached_tokens=sc.pd_min_uncached_tokens,
-                      seed=point.seed, tier_weights=tier_weights, cost_model=cost_model,
-                      ttft_slo=point.slo.ttft_slo() if opts.route_slo else None, **tier_kw)
-    return make
+    config = router_config_for(point.scenario, seed=point.seed, index_mode=opts.index_mode,
+                               router_tiers=opts.router_tiers,
+                               tier_weights=dict(opts.tier_weights) if opts.tier_weights is not None else None,
+                               ttft_slo=point.slo.ttft_slo() if opts.route_slo else None,
+                               perf_factory=opts.perf_factory or build_perf)
+    return router_factory(point.scenario, config, prefill, decode)
 
 
 def _misses_so_far(rec: Any, now: float, budget: np.ndarray, tpot_s: float, judged: np.ndarray | None = None) -> int:
@@ -516,8 +510,6 @@ def evaluate_point(point: Point) -> PointResult:
                            tier_weights=dict(point.options.tier_weights) if point.options.tier_weights else None,
                            ttft_slo=slo.ttft_slo() if point.options.route_slo else None, **kw)
         else:
-            from sim.perf.build import build_perf
-
             cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
             # refused at arrival as simulate() refuses them (was: simulated on this path); each one
             # is a miss spent before the run starts

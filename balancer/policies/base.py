@@ -63,6 +63,10 @@ class Policy(ABC):
     #: serves prefix matches. Default ``True``. (Load-aware policies keep it: a prefill pool's
     #: load counts the uncached tokens, which the index's matches decide.)
     uses_prefix_index: ClassVar[bool] = True
+    #: whether :meth:`select` reads ``SelectContext.cost_model``; a router fits the cost model
+    #: online (``RouterConfig.learn_cost_model``) only when one of its policies does. Default
+    #: ``False``; ``ep_aware`` sets it.
+    uses_cost_model: ClassVar[bool] = False
 
     @abstractmethod
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
@@ -83,6 +87,18 @@ def register(cls: type[Policy]) -> type[Policy]:
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"policy name {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names).
+    """
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}")
     return cls
 
 
