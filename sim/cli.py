@@ -35,8 +35,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from balancer.policies import available_policies, make_policy
-from balancer.policies.base import _REGISTRY
+from balancer.config import PolicySpec
+from balancer.policies import available_policies
+from balancer.policies.base import policy_class
 from balancer.router import PolicyError
 from balancer.types import TtftSlo
 from sim.cli_args import (  # noqa: F401  (positive_* and parse_tier_weights re-exported for callers of sim.cli)
@@ -96,17 +97,16 @@ def _policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | Non
         ValueError: ``"<flag>: <problem>"`` (unknown policy, unknown parameter with the accepted
             ones, a bad value), or a policy module that does not import.
     """
-    from balancer.policies.spec import format_policy_spec, parse_policy_spec
     from sim.point import import_policy_modules
 
     import_policy_modules(args.policy_modules)
 
     def one(flag: str, text: str) -> tuple[Any, str]:
         try:
-            name, params = parse_policy_spec(text)
+            spec = PolicySpec.parse(text)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
-        return make_policy(name, **params), format_policy_spec(name, params)
+        return spec.build(), spec.label
 
     out = []
     for flag, p, d in texts:
@@ -391,7 +391,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     try:
         if args.command == "policies":
             for name in available_policies():
-                cls = _REGISTRY[name]
+                cls = policy_class(name)
                 params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
                 doc = next(iter((sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()), "")
                 console.print(f"[bold]{name}[/]({escape(params)})\n    {escape(doc.replace('``', ''))}",
