@@ -90,7 +90,7 @@ from balancer.load import LoadReport, LoadTracker
 from balancer.block_index import BlockIndex
 from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
 from balancer.policies import Policy, SelectContext
-from balancer.prefix_index import PrefixIndex
+from balancer.prefix_index import PrefixIndex, _flat_index, _unflat_index
 from balancer.types import Choice, ReplicaId, Request, Role, Route, is_finite_seconds
 from balancer.validation import format_validation_error
 
@@ -919,61 +919,3 @@ def _policy_of(given: Policy | str | PolicySpec | None, spec: PolicySpec) -> Pol
     if isinstance(given, PolicySpec):
         return given.build()
     return given
-
-
-_RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)
-
-
-def _flat_index(ix: PrefixIndex) -> dict[str, Any]:
-    """A :class:`PrefixIndex` as flat lists (no linked structure for ``pickle`` to recurse into):
-    its runs parent-first ``[(parent run number or -1, blocks)]``, each replica's LRU order
-    ``[(run number, time)]`` oldest first, and the replica numbers. Reads the index's internals
-    (the tree and the LRU lists), which it leaves unchanged."""
-    runs: list[tuple[int, tuple[int, ...]]] = []
-    number: dict[int, int] = {}
-    stack = [(ix._root, -1)]
-    while stack:
-        node, parent = stack.pop()
-        for child in node.children.values():
-            number[id(child)] = len(runs)
-            runs.append((parent, child.blocks))
-            stack.append((child, number[id(child)]))
-    lru: list[tuple[ReplicaId, int, list[tuple[int, float]]]] = []
-    for rep, rs in ix._state.items():
-        order = []
-        e = rs.head.next
-        while e is not rs.head:
-            order.append((number[id(e.node)], e.time))
-            e = e.next
-        lru.append((rep, rs.num, order))
-    lru.sort(key=lambda t: t[1])
-    return {"capacity_blocks": ix.capacity_blocks, "ttl_s": ix.ttl_s, "block_map": ix._node_of is not None,
-            "runs": runs, "lru": lru}
-
-
-def _unflat_index(flat: dict[str, Any]) -> PrefixIndex:
-    """The :class:`PrefixIndex` :func:`_flat_index` wrote, rebuilt through its public methods:
-    replicas numbered in their old order, the tree laid out under a temporary holder, each
-    replica's runs inserted in its LRU order with their times, then the holder cleared."""
-    ix = PrefixIndex(None, flat["ttl_s"], block_map=True)
-    runs = flat["runs"]
-    for rep, _num, _order in flat["lru"]:
-        ix.register(rep)
-    paths: list[tuple[int, ...]] = []
-    has_child = [False] * len(runs)
-    for parent, blocks in runs:
-        paths.append((paths[parent] if parent >= 0 else ()) + blocks)
-        if parent >= 0:
-            has_child[parent] = True
-    for k, path in enumerate(paths):
-        if not has_child[k]:
-            ix.insert(_RESTORE_HOLDER, path, 0.0)
-    for rep, _num, order in flat["lru"]:
-        for k, t in order:
-            parent, blocks = runs[k]
-            ix.insert(rep, blocks, t, parent_block_hash=runs[parent][1][-1] if parent >= 0 else None)
-    ix.clear(_RESTORE_HOLDER)
-    ix.capacity_blocks = flat["capacity_blocks"]
-    if not flat["block_map"]:
-        ix._node_of = None  # as saved: the block map is built again on first use
-    return ix
