@@ -90,7 +90,7 @@ from balancer.load import LoadReport, LoadTracker
 from balancer.block_index import BlockIndex
 from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
 from balancer.policies import Policy, SelectContext
-from balancer.prefix_index import PrefixIndex, _flat_index, _unflat_index
+from balancer.prefix_index import PrefixIndex
 from balancer.types import Choice, ReplicaId, Request, Role, Route, is_finite_seconds
 from balancer.validation import format_validation_error
 
@@ -875,17 +875,14 @@ class Router:
         return obj
 
     def __getstate__(self) -> dict[str, Any]:
-        with self.lock:
-            state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "index", "speculative", "on_routed")}
-            state["index"] = _flat_index(self.index)
-            state["speculative"] = _flat_index(self.speculative) if self.speculative is not None else None
-            return state
+        with self.lock:  # the prefix indexes pickle themselves flat (PrefixIndex.to_flat)
+            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "on_routed")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state["index"] = _unflat_index(state["index"])
-        if state["speculative"] is not None:
-            state["speculative"] = _unflat_index(state["speculative"])
+        for key in ("index", "speculative"):  # snapshots that stored the flat form themselves
+            if isinstance(state.get(key), dict):
+                state[key] = PrefixIndex.from_flat(state[key])
         state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
         state.setdefault("_clock_regression_max_s", 0.0)
         self.__dict__.update(state)
