@@ -91,6 +91,7 @@ from balancer.block_index import BlockIndex
 from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
 from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
+from balancer.replicas import Pool, ReplicaInfo, ReplicaRegistry, RequestTooLargeError, fitting, without  # noqa: F401  (ReplicaInfo, RequestTooLargeError re-exported)
 from balancer.types import Choice, ReplicaId, Request, Role, Route, is_finite_seconds
 from balancer.validation import format_validation_error
 
@@ -108,34 +109,10 @@ class NoReplicaError(RuntimeError):
     """No healthy replica can take the request (the service maps it to HTTP 503)."""
 
 
-class RequestTooLargeError(ValueError):
-    """The request cannot fit any candidate replica's KV capacity (the service maps it to 400)."""
-
-
 class PolicyError(RuntimeError):
     """A policy's ``select`` returned something other than a :class:`~balancer.types.Choice` of
     one of the candidates it was given (a user policy's bug; the service answers 500, ``pdlb sim``
     prints one line naming the policy). Nothing is counted for the request then."""
-
-
-@dataclass(slots=True)
-class ReplicaInfo:
-    """Static facts about a registered replica."""
-
-    replica: ReplicaId
-    role: Role
-    kv_capacity_tokens: int = 0
-    healthy: bool = True
-
-
-@dataclass(slots=True)
-class _Pool:
-    replicas: tuple[ReplicaId, ...]
-    slots: np.ndarray
-    capacity: np.ndarray
-    position: dict[ReplicaId, int]
-    role: Role
-    min_capacity: int = 0  # smallest known (> 0) KV capacity in tokens; 0: none known
 
 
 #: The pseudo replica that holds the shared store's blocks in the router's store view.
@@ -207,9 +184,9 @@ class Router:
         self.store_index = (BlockIndex(config.store_index_capacity_blocks, config.store_ttl_s)
                             if config.shared_store else None)
         self.load = LoadTracker()
+        #: the registered replicas and their candidate pools
+        self.registry = ReplicaRegistry(self.load.slot)
         self.rng = random.Random(config.seed)
-        self._replicas: dict[ReplicaId, ReplicaInfo] = {}
-        self._pools: dict[str, _Pool] | None = None
         self._decisions = {"prefill": 0, "decode": 0}
         self._now_s = -math.inf  # latest time a caller passed in (see _clock); -inf: none yet
         self._clock_regressions = 0
@@ -278,27 +255,11 @@ class Router:
                 replica is already registered with another role (nothing changes then; a role
                 change is :meth:`remove_replica` then ``add_replica``).
         """
-        if not isinstance(replica, ReplicaId) or not isinstance(replica.engine, str) \
-                or not isinstance(replica.dp_rank, int):
-            raise TypeError(f"replica must be a ReplicaId(engine: str, dp_rank: int), got {replica!r}")
-        if replica.dp_rank < 0:
-            raise ValueError(f"dp_rank must be >= 0, got {replica.dp_rank} for {replica}")
-        if kv_capacity_tokens < 0:
-            raise ValueError(f"kv_capacity_tokens must be >= 0 (0 = unknown), got {kv_capacity_tokens} for {replica}")
-        try:
-            role = Role(role)
-        except ValueError:
-            raise ValueError(f"unknown role {role!r}; valid: {', '.join(r.value for r in Role)}") from None
-        info = self._replicas.get(replica)
-        if info is not None and info.role is not role:
-            raise ValueError(f"{replica} is already registered as {info.role.value}, not {role.value} "
-                             f"(remove_replica it first to change its role)")
-        self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
+        self.registry.add(replica, role, kv_capacity_tokens)
         self.load.add_replica(replica)
         self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid
         if self.speculative is not None:
             self.speculative.register(replica)
-        self._pools = None
 
     @contextlib.contextmanager
     def registering(self) -> Iterator[None]:
@@ -321,16 +282,13 @@ class Router:
     @_locked
     def remove_replica(self, replica: ReplicaId) -> None:
         """Unregister a DP rank: forget its cached blocks; in-flight requests stop counting on it."""
-        if replica not in self._replicas:
-            raise KeyError(f"unknown replica {replica}")
-        del self._replicas[replica]
+        self.registry.remove(replica)
         self.load.remove_replica(replica)
         self.index.clear(replica)
         if self.speculative is not None:
             self.speculative.clear(replica)
         if self.host_index is not None:
             self.host_index.clear(replica)
-        self._pools = None
 
     @_locked
     def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
@@ -339,78 +297,31 @@ class Router:
         Raises:
             KeyError: unknown replica.
         """
-        info = self._replicas.get(replica)
-        if info is None:
-            raise KeyError(f"unknown replica {replica}")
-        info.healthy = healthy
-        self._pools = None
+        self.registry.set_healthy(replica, healthy)
 
     @_locked
     def replicas(self, role: Role | None = None) -> list[ReplicaInfo]:
         """Registered replicas (of one role), sorted by engine then DP rank: copies (changing one
         changes nothing in the router; use :meth:`set_healthy` and friends)."""
-        return [replace(i) for i in self._sorted_infos() if role is None or i.role is role]
-
-    def _sorted_infos(self) -> list[ReplicaInfo]:
-        return sorted(self._replicas.values(), key=lambda i: (i.replica.engine, i.replica.dp_rank))
+        return [replace(i) for i in self.registry.sorted_infos() if role is None or i.role is role]
 
     @property
     def disaggregated(self) -> bool:
         """True when healthy prefill replicas exist (PD mode)."""
-        return len(self._get_pools()["prefill"].replicas) > 0
-
-    def _get_pools(self) -> dict[str, _Pool]:
-        if self._pools is None:
-            healthy = [i for i in self._sorted_infos() if i.healthy]
-            prefill = [i for i in healthy if i.role is Role.PREFILL]
-            decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
-            self._pools = {"prefill": self._make_pool(prefill, Role.PREFILL),
-                           "decode": self._make_pool(decode, decode[0].role if decode else Role.DECODE)}
-        return self._pools
-
-    def _make_pool(self, infos: list[ReplicaInfo], role: Role) -> _Pool:
-        reps = tuple(i.replica for i in infos)
-        return _Pool(
-            replicas=reps,
-            slots=np.array([self.load.slot(r) for r in reps], dtype=np.int64),
-            capacity=np.array([i.kv_capacity_tokens for i in infos], dtype=np.int64),
-            position={r: k for k, r in enumerate(reps)},
-            role=role,
-            min_capacity=min((i.kv_capacity_tokens for i in infos if i.kv_capacity_tokens > 0), default=0),
-        )
-
-    @staticmethod
-    def _fitting(pool: _Pool, need_tokens: int, what: str) -> _Pool:
-        """``pool`` less the replicas whose known KV capacity is below ``need_tokens`` (unknown
-        capacity, 0, counts as fitting); ``pool`` itself when all fit (the usual case, O(1)).
-
-        Raises:
-            RequestTooLargeError: no replica of a non-empty pool fits.
-        """
-        if not pool.min_capacity or need_tokens <= pool.min_capacity:
-            return pool
-        keep = [k for k, c in enumerate(pool.capacity.tolist()) if c == 0 or c >= need_tokens]
-        if not keep and pool.replicas:
-            raise RequestTooLargeError(f"{what} needs {need_tokens} tokens of KV; the largest {pool.role.value} "
-                                       f"replica holds {int(pool.capacity.max())}")
-        take = np.array(keep, dtype=np.intp)
-        reps = tuple(pool.replicas[k] for k in keep)
-        cap = pool.capacity[take]
-        return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
-                     min((c for c in cap.tolist() if c > 0), default=0))
+        return len(self.registry.pools()["prefill"].replicas) > 0
 
     # ------------------------------------------------------------------ decisions
     @_locked
     def candidates(self, request: Request, pool_name: str, matches: dict[ReplicaId, int] | None = None) -> Candidates:
         """The snapshot a policy sees for ``pool_name`` (``"prefill"`` or ``"decode"``)."""
         if matches is not None:
-            return self._candidates(request, self._get_pools()[pool_name], None, matches)
+            return self._candidates(request, self.registry.pools()[pool_name], None, matches)
         spec = self.speculative.match_depths(request.block_hashes) if self.speculative is not None else None
-        return self._candidates(request, self._get_pools()[pool_name], self.index.match_depths(request.block_hashes),
+        return self._candidates(request, self.registry.pools()[pool_name], self.index.match_depths(request.block_hashes),
                                 None, spec)
 
     @staticmethod
-    def _gather(index: PrefixIndex, pool: _Pool, depths: np.ndarray) -> np.ndarray:
+    def _gather(index: PrefixIndex, pool: Pool, depths: np.ndarray) -> np.ndarray:
         """Per candidate of ``pool``, its depth in ``depths`` (an index's per-number match depths)."""
         n = len(pool.replicas)
         nums = index.numbers(pool.replicas)
@@ -420,7 +331,7 @@ class Router:
             return depths[nums]
         return np.where(nums >= 0, depths[np.maximum(nums, 0)], 0)
 
-    def _candidates(self, request: Request, pool: _Pool, depths: np.ndarray | None,
+    def _candidates(self, request: Request, pool: Pool, depths: np.ndarray | None,
                     matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None) -> Candidates:
         """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
         vectorised; with ``spec_depths``, the hybrid mode's speculative index's, the larger per
@@ -507,19 +418,6 @@ class Router:
                     store[depth == d] = self.store_index.match_replica(STORE_HOLDER, block_hashes[d:])
         return host, store
 
-    @staticmethod
-    def _without(pool: _Pool, exclude_engines: Collection[str]) -> _Pool:
-        """``pool`` less the replicas whose engine is in ``exclude_engines``, built per call (the
-        cached pools stay as they are); ``pool`` itself when that removes none or all of them."""
-        keep = [k for k, r in enumerate(pool.replicas) if r.engine not in exclude_engines]
-        if not keep or len(keep) == len(pool.replicas):
-            return pool
-        take = np.array(keep, dtype=np.intp)
-        reps = tuple(pool.replicas[k] for k in keep)
-        cap = pool.capacity[take]
-        return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
-                     min((c for c in cap.tolist() if c > 0), default=0))
-
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float,
                 position: Mapping[ReplicaId, int]) -> Choice:
         learner = self.cost_learner
@@ -593,7 +491,7 @@ class Router:
             raise ValueError(f"request {request.request_id!r} is already in flight")
         if self.load.peer is not None and self.uses_load():  # no policy reads load: nothing to refresh
             self.load.peer.refresh()
-        pools = self._get_pools()
+        pools = self.registry.pools()
         if not pools["decode"].replicas:
             raise NoReplicaError("no healthy decode or mixed replica")
         if self.index.ttl_s is not None:
@@ -608,13 +506,13 @@ class Router:
             spec = self.speculative.match_depths(request.block_hashes)
         d_pool, p_pool = pools["decode"], pools["prefill"]
         if exclude_engines:
-            d_pool = self._without(d_pool, exclude_engines)
-            p_pool = self._without(p_pool, exclude_engines)
+            d_pool = without(d_pool, exclude_engines)
+            p_pool = without(p_pool, exclude_engines)
         # only replicas whose known KV capacity can hold the request (prompt + output on decode)
-        d_pool = self._fitting(d_pool, request.prompt_tokens + request.output_tokens,
+        d_pool = fitting(d_pool, request.prompt_tokens + request.output_tokens,
                                f"request {request.request_id!r} (prompt + output)")
         if p_pool.replicas:
-            p_pool = self._fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
+            p_pool = fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
         depths = self.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None, spec)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s, d_pool.position)
@@ -751,7 +649,7 @@ class Router:
         """
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"unknown KV event {event!r}")
-        if replica not in self._replicas:
+        if replica not in self.registry:
             self._kv_events["ignored"] += 1
             return
         now_s = self._default_now(now_s)
@@ -788,7 +686,7 @@ class Router:
         if not isinstance(report, LoadReport):
             raise TypeError(f"report must be a LoadReport, got {type(report).__name__}")
         now_s = self._default_now(now_s)
-        info = self._replicas.get(replica)
+        info = self.registry.get(replica)
         if info is None:
             return
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
@@ -816,7 +714,7 @@ class Router:
         if self.index_mode != "approximate":
             return
         for rep in replicas:
-            if rep in self._replicas:
+            if rep in self.registry:
                 self.index.insert(rep, block_hashes, now_s)
 
     # ------------------------------------------------------------------ state
@@ -844,8 +742,8 @@ class Router:
             "in_flight": self.load.num_in_flight,
             "reaped_requests": self._reaped,
             "kv_events": dict(self._kv_events),
-            "replicas": len(self._replicas),
-            "healthy_replicas": sum(1 for i in self._replicas.values() if i.healthy),
+            "replicas": len(self.registry),
+            "healthy_replicas": sum(1 for i in self.registry if i.healthy),
             "clock_regressions": self._clock_regressions,
             "clock_regression_max_s": self._clock_regression_max_s,
             **({"cost_learning": self.cost_learner.stats()} if self.cost_learner is not None else {}),
@@ -876,7 +774,7 @@ class Router:
 
     def __getstate__(self) -> dict[str, Any]:
         with self.lock:  # the prefix indexes pickle themselves flat (PrefixIndex.to_flat)
-            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "on_routed")}
+            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "on_routed")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -885,9 +783,14 @@ class Router:
                 state[key] = PrefixIndex.from_flat(state[key])
         state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
         state.setdefault("_clock_regression_max_s", 0.0)
+        if "_replicas" in state:  # snapshots from before the registry part
+            registry = ReplicaRegistry(state["load"].slot)
+            for info in state.pop("_replicas").values():
+                registry.add(info.replica, info.role, info.kv_capacity_tokens)
+                registry.set_healthy(info.replica, info.healthy)
+            state["registry"] = registry
         self.__dict__.update(state)
         self.lock = threading.RLock()
-        self._pools = None
         self.on_routed = None
 
 
