@@ -88,6 +88,7 @@ from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, plac
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadReport, LoadTracker
 from balancer.block_index import BlockIndex
+from balancer.cache_view import STORE_HOLDER, CacheView  # noqa: F401  (STORE_HOLDER re-exported)
 from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
 from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
@@ -115,8 +116,6 @@ class PolicyError(RuntimeError):
     prints one line naming the policy). Nothing is counted for the request then."""
 
 
-#: The pseudo replica that holds the shared store's blocks in the router's store view.
-STORE_HOLDER = ReplicaId("shared-store", 0)
 
 
 class Router:
@@ -158,13 +157,8 @@ class Router:
         self.block_size = config.block_size
         self.index_mode = config.index_mode
         self.pd_min_uncached_tokens = config.pd_min_uncached_tokens
-        index_capacity_blocks = config.index_capacity_blocks
-        # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
-        self.index = PrefixIndex(index_capacity_blocks, config.index_ttl_s, block_map=config.index_mode != "approximate",
-                                 total_capacity_blocks=config.index_total_capacity_blocks)
-        #: hybrid mode: the router's own routed prompts, for speculative_ttl_s; else None
-        self.speculative = (PrefixIndex(index_capacity_blocks, config.speculative_ttl_s)
-                            if config.index_mode == "hybrid" else None)
+        #: where prompts are cached: the prefix index, the speculative index, the tier views
+        self.cache = CacheView(config)
         self.speculative_ttl_s = config.speculative_ttl_s
         self.inflight_timeout_s = config.inflight_timeout_s
         self.load_report_max_age_s = config.load_report_max_age_s
@@ -177,12 +171,6 @@ class Router:
         #: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after each
         #: decision recorded a prompt (e.g. to share it with other router processes); or None
         self.on_routed: Any = on_routed
-        self.tier_weights = config.weights
-        #: host-DRAM tier view per replica, or None
-        self.host_index = BlockIndex(config.host_index_capacity_blocks, config.index_ttl_s) if config.host_tier else None
-        #: shared-store view (one holder, STORE_HOLDER), or None
-        self.store_index = (BlockIndex(config.store_index_capacity_blocks, config.store_ttl_s)
-                            if config.shared_store else None)
         self.load = LoadTracker()
         #: the registered replicas and their candidate pools
         self.registry = ReplicaRegistry(self.load.slot)
@@ -207,6 +195,32 @@ class Router:
         """The router of ``config``; ``prefill_policy`` / ``decode_policy``: policy objects to use
         instead of the config's specs (e.g. a policy class that is not registered)."""
         return cls(prefill_policy, decode_policy, config=config, on_routed=on_routed)
+
+    # the cache view's parts, by their old names (read them under ``router.lock``)
+    @property
+    def index(self) -> PrefixIndex:
+        """The HBM prefix index (:attr:`CacheView.index`)."""
+        return self.cache.index
+
+    @property
+    def speculative(self) -> PrefixIndex | None:
+        """Hybrid mode: the index of the router's own routed prompts; else None."""
+        return self.cache.speculative
+
+    @property
+    def host_index(self) -> BlockIndex | None:
+        """Host-DRAM tier view per replica, or None."""
+        return self.cache.host_index
+
+    @property
+    def store_index(self) -> BlockIndex | None:
+        """Shared-store view (one holder, :data:`STORE_HOLDER`), or None."""
+        return self.cache.store_index
+
+    @property
+    def tier_weights(self) -> dict[str, float]:
+        """Weights of lower-tier hits (defaults filled in)."""
+        return self.cache.tier_weights
 
     # ------------------------------------------------------------------ clock
     def _clock(self, now_s: float) -> float:
@@ -257,9 +271,7 @@ class Router:
         """
         self.registry.add(replica, role, kv_capacity_tokens)
         self.load.add_replica(replica)
-        self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid
-        if self.speculative is not None:
-            self.speculative.register(replica)
+        self.cache.register(replica)  # numbered now: the index's cached pool numbers stay valid
 
     @contextlib.contextmanager
     def registering(self) -> Iterator[None]:
@@ -267,28 +279,21 @@ class Router:
         ``index_total_capacity_blocks``) is enforced once at the end, not once per replica (which
         walked every replica per registration: a worker of 1,024 DP ranks next to a replica holding
         a long prompt took seconds)."""
-        indexes = [i for i in (self.index, self.speculative) if i is not None]
         with self.lock:
-            for i in indexes:
-                i.defer_rebalance = True
+            deferring = self.cache.deferring_rebalance()
+            deferring.__enter__()
         try:
             yield
         finally:
             with self.lock:
-                for i in indexes:
-                    i.defer_rebalance = False
-                    i.rebalance()
+                deferring.__exit__(None, None, None)
 
     @_locked
     def remove_replica(self, replica: ReplicaId) -> None:
         """Unregister a DP rank: forget its cached blocks; in-flight requests stop counting on it."""
         self.registry.remove(replica)
         self.load.remove_replica(replica)
-        self.index.clear(replica)
-        if self.speculative is not None:
-            self.speculative.clear(replica)
-        if self.host_index is not None:
-            self.host_index.clear(replica)
+        self.cache.forget(replica)
 
     @_locked
     def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
@@ -320,27 +325,15 @@ class Router:
         return self._candidates(request, self.registry.pools()[pool_name], self.index.match_depths(request.block_hashes),
                                 None, spec)
 
-    @staticmethod
-    def _gather(index: PrefixIndex, pool: Pool, depths: np.ndarray) -> np.ndarray:
-        """Per candidate of ``pool``, its depth in ``depths`` (an index's per-number match depths)."""
-        n = len(pool.replicas)
-        nums = index.numbers(pool.replicas)
-        if not n or not len(depths):
-            return np.zeros(n, dtype=np.int64)
-        if nums[nums.argmin()] >= 0:  # every candidate has a number (the steady state)
-            return depths[nums]
-        return np.where(nums >= 0, depths[np.maximum(nums, 0)], 0)
-
     def _candidates(self, request: Request, pool: Pool, depths: np.ndarray | None,
                     matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None) -> Candidates:
         """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
         vectorised; with ``spec_depths``, the hybrid mode's speculative index's, the larger per
         candidate) or from a ``{replica: blocks}`` dict."""
         n = len(pool.replicas)
+        cache = self.cache
         if depths is not None:
-            matched = self._gather(self.index, pool, depths)
-            if spec_depths is not None and self.speculative is not None:
-                matched = np.maximum(matched, self._gather(self.speculative, pool, spec_depths))
+            matched = cache.hbm_matches(pool.replicas, depths, spec_depths)
             most = len(request.block_hashes)  # bound: a depth never exceeds the prompt's blocks
         else:
             matched = np.zeros(n, dtype=np.int64)
@@ -361,7 +354,7 @@ class Router:
         if load.has_external:  # engine load reports: the part of the load that is not this router's
             num_requests = num_requests + load.external_requests[slots]
             decode_kv = decode_kv + load.external_kv_tokens[slots]
-        if self.host_index is None and self.store_index is None:
+        if not cache.has_tiers:
             tokens = matched * self.block_size
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
@@ -371,8 +364,8 @@ class Router:
                               prefill_head_start_s=load.prefill_head_start_s[slots],
                               prefill_head_tokens=load.prefill_head_tokens[slots],
                               prefill_head_pairs=load.prefill_head_pairs[slots])
-        host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
-        w = self.tier_weights
+        host, store = cache.lower_tier_matches(request.block_hashes, pool.replicas, matched)
+        w = cache.tier_weights
         effective = matched + w["host"] * host + w["store"] * store
         tokens = np.minimum(np.rint(effective * self.block_size).astype(np.int64), request.prompt_tokens)
         return Candidates(
@@ -391,32 +384,6 @@ class Router:
             prefill_head_tokens=load.prefill_head_tokens[slots],
             prefill_head_pairs=load.prefill_head_pairs[slots],
         )
-
-    def _lower_tier_matches(self, block_hashes: tuple[int, ...], replicas: tuple[ReplicaId, ...],
-                            hbm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per replica (shape ``(n,)``, int64): consecutive blocks after its HBM match held in its
-        host tier, and consecutive blocks after both held in the shared store. Cost: one index
-        match per distinct HBM depth and per distinct host depth (few), not per replica."""
-        n = len(replicas)
-        host = np.zeros(n, dtype=np.int64)
-        store = np.zeros(n, dtype=np.int64)
-        nb = len(block_hashes)
-        if self.host_index is not None and nb:
-            for d in np.unique(hbm).tolist():
-                if d >= nb:
-                    continue
-                ks = np.flatnonzero(hbm == d)
-                got = self.host_index.match(block_hashes[d:], [replicas[k] for k in ks.tolist()])
-                if got:
-                    pos = {r: k for k, r in zip(ks.tolist(), (replicas[k] for k in ks.tolist()))}
-                    for r, m in got.items():
-                        host[pos[r]] = m
-        if self.store_index is not None and nb:
-            depth = hbm + host
-            for d in np.unique(depth).tolist():
-                if d < nb:
-                    store[depth == d] = self.store_index.match_replica(STORE_HOLDER, block_hashes[d:])
-        return host, store
 
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float,
                 position: Mapping[ReplicaId, int]) -> Choice:
@@ -494,16 +461,9 @@ class Router:
         pools = self.registry.pools()
         if not pools["decode"].replicas:
             raise NoReplicaError("no healthy decode or mixed replica")
-        if self.index.ttl_s is not None:
-            self.index.expire(now_s)
-            if self.host_index is not None:
-                self.host_index.expire(now_s)
-        if self.store_index is not None and self.store_index.ttl_s is not None:
-            self.store_index.expire(now_s)
-        spec = None
-        if self.speculative is not None:
-            self.speculative.expire(now_s)
-            spec = self.speculative.match_depths(request.block_hashes)
+        cache = self.cache
+        cache.expire(now_s)
+        spec = cache.speculative.match_depths(request.block_hashes) if cache.speculative is not None else None
         d_pool, p_pool = pools["decode"], pools["prefill"]
         if exclude_engines:
             d_pool = without(d_pool, exclude_engines)
@@ -513,7 +473,7 @@ class Router:
                                f"request {request.request_id!r} (prompt + output)")
         if p_pool.replicas:
             p_pool = fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
-        depths = self.index.match_depths(request.block_hashes)
+        depths = cache.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None, spec)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s, d_pool.position)
         d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
@@ -537,19 +497,7 @@ class Router:
             self.load.peer.publish()
         self._matched_tokens["decode"] += d_matched
         self._matched_tokens["prefill"] += p_matched
-        if self.speculative is not None:
-            if prefill is not None:
-                self.speculative.insert(prefill, request.block_hashes, now_s)
-            self.speculative.insert(d_choice.replica, request.block_hashes, now_s)
-        if self.index_mode == "approximate":
-            if prefill is not None:
-                self.index.insert(prefill, request.block_hashes, now_s)
-            self.index.insert(d_choice.replica, request.block_hashes, now_s)
-            if self.host_index is not None:  # the replica that computes the prompt gets it
-                self.host_index.insert(prefill if prefill is not None else d_choice.replica,
-                                       request.block_hashes, now_s)
-            if self.store_index is not None:
-                self.store_index.insert(STORE_HOLDER, request.block_hashes, now_s)
+        if cache.record_routed(prefill, d_choice.replica, request.block_hashes, now_s):
             if self.on_routed is not None and request.block_hashes:
                 self.on_routed((d_choice.replica,) if prefill is None else (prefill, d_choice.replica),
                                request.block_hashes, now_s)
@@ -653,21 +601,8 @@ class Router:
             self._kv_events["ignored"] += 1
             return
         now_s = self._default_now(now_s)
-        tier = tier_of_medium(event.medium)
-        index = self.index if tier == "hbm" else (self.host_index if tier == "host" else self.store_index)
-        if index is None:
-            self._kv_events["ignored"] += 1
-            return
-        holder = STORE_HOLDER if tier == "store" else replica
-        self._kv_events["applied"] += 1
-        if isinstance(event, BlockStored):
-            index.insert(holder, event.block_hashes, now_s, parent_block_hash=event.parent_block_hash)
-        elif isinstance(event, BlockRemoved):
-            index.remove(holder, event.block_hashes)
-        else:
-            index.clear(holder)
-            if isinstance(index, PrefixIndex):  # keep its number: cached pool numbers stay valid
-                index.register(holder)
+        applied = self.cache.apply_kv_event(replica, event, now_s)
+        self._kv_events["applied" if applied else "ignored"] += 1
 
     @_locked
     def on_load_report(self, replica: ReplicaId, report: LoadReport, now_s: float | None = None) -> None:
@@ -711,11 +646,7 @@ class Router:
             ValueError: ``now_s`` is not a finite number.
         """
         now_s = self._clock(now_s)
-        if self.index_mode != "approximate":
-            return
-        for rep in replicas:
-            if rep in self.registry:
-                self.index.insert(rep, block_hashes, now_s)
+        self.cache.record_peer_routed([r for r in replicas if r in self.registry], block_hashes, now_s)
 
     # ------------------------------------------------------------------ state
     @_locked
@@ -781,6 +712,14 @@ class Router:
         for key in ("index", "speculative"):  # snapshots that stored the flat form themselves
             if isinstance(state.get(key), dict):
                 state[key] = PrefixIndex.from_flat(state[key])
+        if "cache" not in state:  # snapshots from before the cache view part: its indexes were the router's
+            cache = CacheView.__new__(CacheView)
+            cache.index_mode = state["index_mode"]
+            cache.index, cache.speculative = state.pop("index"), state.pop("speculative")
+            cache.host_index, cache.store_index = state.pop("host_index"), state.pop("store_index")
+            cache.tier_weights = state.pop("tier_weights")
+            cache.has_tiers = cache.host_index is not None or cache.store_index is not None
+            state["cache"] = cache
         state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
         state.setdefault("_clock_regression_max_s", 0.0)
         if "_replicas" in state:  # snapshots from before the registry part

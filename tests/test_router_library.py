@@ -329,10 +329,15 @@ def test_the_prefix_index_saves_and_restores_itself_with_its_bounds():
     alone = pickle.loads(pickle.dumps(r.index))
     assert isinstance(alone, PrefixIndex) and alone.to_flat() == r.index.to_flat()
     # a snapshot that stored the flat form itself (written before the index saved itself) restores
-    old_state = r.__getstate__()
+    # (the router's state as it was then: its own indexes, tier views and replica dict, no parts)
+    old_state = {k: v for k, v in r.__getstate__().items() if k not in ("cache", "registry")}
     old_state["index"] = {k: v for k, v in r.index.to_flat().items() if k != "total_capacity_blocks"}
     old_state["speculative"] = r.speculative.to_flat()
+    old_state.update(host_index=None, store_index=None, tier_weights=dict(r.tier_weights),
+                     _replicas={i.replica: i for i in r.replicas()})
     r3 = Router.__new__(Router)
-    r3.__setstate__(old_state)
+    r3.__setstate__(pickle.loads(pickle.dumps(old_state)))  # its own copy of every part
     assert [r3.index.lru_order(rep) for rep in reps] == [r.index.lru_order(rep) for rep in reps]
     assert r3.index.total_capacity_blocks is None  # not in that form: no total bound, as those snapshots restored
+    assert [i.replica for i in r3.replicas()] == reps
+    assert r3.route(_prompt(99), 30.0).decode == r.route(_prompt(99), 30.0).decode
