@@ -67,6 +67,7 @@ class ReplicaRegistry:
         self._slot_of = slot_of
         self._infos: dict[ReplicaId, ReplicaInfo] = {}
         self._pools: dict[str, Pool] | None = None
+        self._prefill_registered = False  # any prefill replica registered (set with the pools)
 
     def __contains__(self, replica: object) -> bool:
         return replica in self._infos
@@ -138,12 +139,18 @@ class ReplicaRegistry:
     def pools(self) -> dict[str, Pool]:
         """``{"prefill": Pool, "decode": Pool}`` of the healthy replicas (cached until a change)."""
         if self._pools is None:
+            self._prefill_registered = any(i.role is Role.PREFILL for i in self._infos.values())
             healthy = [i for i in self.sorted_infos() if i.healthy]
             prefill = [i for i in healthy if i.role is Role.PREFILL]
             decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
             self._pools = {"prefill": self._make_pool(prefill, Role.PREFILL),
                            "decode": self._make_pool(decode, decode[0].role if decode else Role.DECODE)}
         return self._pools
+
+    def prefill_registered(self) -> bool:
+        """Whether prefill replicas are registered (healthy or not): the prefill policy runs."""
+        self.pools()
+        return self._prefill_registered
 
     def forget_pools(self) -> None:
         """Drop the cached pools (they are built again on next use)."""

@@ -627,15 +627,24 @@ class Router:
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
 
     def uses_load(self) -> bool:
-        """Whether either policy reads the candidates' load (:attr:`Policy.uses_load`); when
-        neither does, the candidates carry only this router's own load (other processes' is not
-        read)."""
-        return getattr(self.decode_policy, "uses_load", True) or getattr(self.prefill_policy, "uses_load", True)
+        """Whether a policy that decides reads the candidates' load (:attr:`Policy.uses_load`):
+        the decode policy, and the prefill policy while prefill replicas are registered (a router
+        of mixed replicas never runs it); when none does, the candidates carry only this router's
+        own load (other processes' is not read)."""
+        if getattr(self.decode_policy, "uses_load", True):
+            return True
+        return self._prefill_decides() and getattr(self.prefill_policy, "uses_load", True)
 
     def uses_prefix_index(self) -> bool:
-        """Whether either policy reads prefix matches (:attr:`Policy.uses_prefix_index`)."""
-        return (getattr(self.decode_policy, "uses_prefix_index", True)
-                or getattr(self.prefill_policy, "uses_prefix_index", True))
+        """Whether a policy that decides reads prefix matches (:attr:`Policy.uses_prefix_index`):
+        the decode policy, and the prefill policy while prefill replicas are registered."""
+        if getattr(self.decode_policy, "uses_prefix_index", True):
+            return True
+        return self._prefill_decides() and getattr(self.prefill_policy, "uses_prefix_index", True)
+
+    def _prefill_decides(self) -> bool:
+        """Whether prefill replicas are registered (healthy or not), so the prefill policy runs."""
+        return self.registry.prefill_registered()
 
     @_locked
     def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:

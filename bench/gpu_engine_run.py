@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new rates after this")
     ap.add_argument("--base-port", type=int, default=18000)
     ap.add_argument("--engine-python", default=sys.executable)
-    ap.add_argument("--pdlb-cmd", default=f"{sys.executable} -c 'from balancer.service.cli import main; main()'",
+    ap.add_argument("--pdlb-cmd", default=f"{sys.executable} -c 'from pdlb_cli.serve import main; main()'",
                     help="command that runs pdlb serve (shell words)")
     a = ap.parse_args(argv)
     a.engine_device = a.engine_device or ("cpu" if a.device == "cpu" else "cuda:0")

@@ -391,7 +391,7 @@ def _spawn_pdlb_from(checkout: Path, args: list[str]) -> Proc:
 
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+    cmd = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))", *args]
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(checkout))
     return _spawn(args, popen=popen)
 
@@ -667,7 +667,7 @@ def main() -> int:
         ap.error("--engines, --pd-engines and --load-processes must be >= 1")
     for checkout in args.baseline or []:
         if not (checkout / "sim" / "cli.py").is_file():
-            ap.error(f"--baseline {checkout}: not a pdlb checkout (no sim/cli.py)")
+            ap.error(f"--baseline {checkout}: not a pdlb checkout (no pdlb_cli/main.py)")
     variants = []
     for v in args.variant:
         name, sep, extra = v.partition("=")

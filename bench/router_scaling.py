@@ -343,7 +343,7 @@ def start_pdlb(mode: str, engines: list[Proc], processes: int | None, cpus: set[
     env = os.environ.copy()
     env["PDLB_BENCH_ABLATE"] = ablate
     env["PYTHONPATH"] = os.pathsep.join([str(_ABLATE_DIR), str(ro.ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main(sys.argv[1:]))", *a, *extra]
+    cmd = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))", *a, *extra]
     with ro._affinity(cpus):
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     return _spawn([*a, *extra], popen=popen)

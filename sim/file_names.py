@@ -1,5 +1,5 @@
 """File-name parts made from free text (run labels, scenario names): :func:`safe_file_stem`, for
-the per-run files of :mod:`sim.report` and the default results folders of :mod:`sim.cli_args`."""
+the per-run files of :mod:`sim.report` and the default results folders of :mod:`pdlb_cli.args`."""
 
 from __future__ import annotations
 

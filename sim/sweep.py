@@ -66,7 +66,7 @@ from pydantic import BaseModel
 
 from balancer.router import DEFAULT_TIER_WEIGHTS, INDEX_MODES
 from balancer.validation import syntax_error_line
-from sim.cli_args import apply_overrides
+from sim.overrides import apply_overrides
 from sim.point import SLO, Point, PointResult, PolicyPair, SimOptions, WorkloadSpec, parse_policy, point_row
 from sim.scenario import PRESETS, Scenario, load_scenario
 from sim.workload.loader import TRACE_FORMATS, check_trace_path
@@ -234,7 +234,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
     if any(not (math.isfinite(r) and r > 0) for r in rates):
         raise ValueError(f"{source}: rates must be finite numbers > 0, got {rates}")
     seeds = _list(raw, "seeds", [0], int, source)
-    if any(s < 0 for s in seeds):  # as the CLI's --seed (sim.cli_args.seed_int): numpy's seeds are >= 0
+    if any(s < 0 for s in seeds):  # as the CLI's --seed (pdlb_cli.args.seed_int): numpy's seeds are >= 0
         raise ValueError(f"{source}: seeds must be integers >= 0, got {seeds}")
     traces = _list(raw, "traces", [None], (str, type(None)), source) if "traces" in raw else [None]
     traces = [None if t is None else str(source.parent / t) if not Path(t).is_absolute() and (source.parent / t).exists()
@@ -303,7 +303,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
             for var, sc in zip(variations, scenarios):
                 for rate in rates:
                     for seed in seeds:
-                        # a seed means what `pdlb sim run --seed` means (and capacity's, sim.capacity_cli.workload_spec):
+                        # a seed means what `pdlb sim run --seed` means (and capacity's, pdlb_cli.sim.capacity.workload_spec):
                         # the router's RNG and the arrival spreading, so seeds are replicates of the workload too
                         wl = WorkloadSpec(trace, raw.get("format", "auto"),
                                           limit if limit is not None else raw.get("limit"), raw.get("duration_s"),
@@ -313,7 +313,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
                         ids.append(point_id(base, slo, var, policy, rate, seed, wl, options))
     first: dict[str, int] = {}
-    for i, pid in enumerate(ids):  # was: run (and counted, and plotted) twice under one id
+    for i, pid in enumerate(ids):  # a point listed twice would run, count and plot twice under one id
         if pid in first:
             pt = points[i]
             where = " ".join([pt.policy.label, f"x{pt.rate_scale:g}", f"seed {pt.seed}",
@@ -538,7 +538,7 @@ def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
 def heatmap_figure(rows: Sequence[dict[str, Any]], keys: Sequence[str], metric: str = "attainment") -> Any:
     """The figure of :func:`plot_heatmap`, or None without two grid keys. The y-axis label is on
     the left column's panels only and the x-axis label on each column's lowest panel (all panels
-    share both axes; was: every panel's y label overlapping the panel to its left)."""
+    share both axes, so no panel's y label overlaps the panel to its left)."""
     if len(keys) < 2:
         return None
     import numpy as np

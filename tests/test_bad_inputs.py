@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.validate import FIGURES_BY_KEY
 from sim.workload.benchmarks import load_ramp_workload
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
-from sim.cli_args import apply_overrides, parse_override
+from pdlb_cli.main import main
+from pdlb_cli.args import apply_overrides, parse_override
 from sim.scenario import load_scenario
 
 

@@ -1,6 +1,6 @@
 """What a new user of ``pdlb sim`` sees on bad input: one error line naming the flag, exit 2.
 
-Two kinds of error line (sim/cli.py module docstring): values checked while parsing end in
+Two kinds of error line (pdlb_cli/main.py module docstring): values checked while parsing end in
 argparse's ``pdlb <cmd>: error: argument --flag: ...`` on stderr and ``SystemExit(2)``; the rest
 (files, scenarios) end in ``error: ...`` on stdout and ``main`` returns 2. Expected messages are
 written out by hand from the inputs; GPU counts are engines x DP ranks x GPUs per rank.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import EXIT_BROKEN_PIPE, main
+from pdlb_cli.main import EXIT_BROKEN_PIPE, main
 from sim.scenario import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from balancer.policies import make_policy
-from sim.cli import main
-from sim.cli_args import route_slo_note
+from pdlb_cli.main import main
+from pdlb_cli.args import route_slo_note
 
 EP = make_policy("ep_aware")
 OWN = make_policy("ep_aware", ttft_slo_s=2.0)
@@ -74,7 +74,7 @@ def test_sweep_title_says_how_it_routed(tmp_path: Path, capsys) -> None:
 def _subcommands_with(option: str) -> list[tuple[str, ...]]:
     import argparse
 
-    from sim.cli import build_parser
+    from pdlb_cli.main import build_parser
 
     def walk(p: argparse.ArgumentParser, path: tuple[str, ...] = ()):
         for a in p._actions:
@@ -269,7 +269,7 @@ def test_an_empty_policy_item_is_rejected(cmd, text, message, tmp_path: Path, ca
                                                                   "least_load"]),
 ])
 def test_policy_lists_that_are_fine(text, expected) -> None:
-    from sim.cli_args import policy_list
+    from pdlb_cli.args import policy_list
 
     assert policy_list(text) == expected
 
@@ -286,7 +286,7 @@ def _argparse_error(argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("value", ["0", "-5", "100.5", "120", "nan", "inf", "x", ""])
 def test_a_bad_slo_percentile_is_an_argparse_error(value, capsys) -> None:
-    # one check, while parsing: no second form of the message from sim.capacity_cli.slo_from_args
+    # one check, while parsing: no second form of the message from pdlb_cli.sim.capacity.slo_from_args
     err = _argparse_error(["sim", "capacity", "--slo-percentile", value, "--limit", "5"], capsys)
     assert err.strip().splitlines()[-1] == (f"pdlb sim capacity: error: argument --slo-percentile: must be a "
                                             f"percentile in (0, 100], e.g. 99, got {value!r}")
@@ -295,8 +295,8 @@ def test_a_bad_slo_percentile_is_an_argparse_error(value, capsys) -> None:
 @pytest.mark.parametrize("value, expected", [("99", 99.0), ("p99", 99.0), ("99.9%", 99.9), ("100", 100.0),
                                              ("0.5", 0.5)])
 def test_slo_percentile_forms(value, expected) -> None:
-    from sim.cli import build_parser
-    from sim.capacity_cli import slo_from_args
+    from pdlb_cli.main import build_parser
+    from pdlb_cli.sim.capacity import slo_from_args
 
     args = build_parser().parse_args(["sim", "capacity", "--slo-percentile", value])
     assert slo_from_args(args).percentile == expected
@@ -366,8 +366,8 @@ def test_compare_names_files_safely_and_keeps_the_spec(tmp_path: Path, capsys) -
      "pdlb sim price --prices deepseek-v3-2025-02,{d}/sheet.toml --png {d}/x.png"),
 ])
 def test_command_line_is_reproducible_from_anywhere(argv, expected, tmp_path: Path, monkeypatch) -> None:
-    from sim.cli import build_parser
-    from sim.cli_args import command_line
+    from pdlb_cli.main import build_parser
+    from pdlb_cli.args import command_line
 
     monkeypatch.chdir(tmp_path)
     for name in ("sc.toml", "sheet.toml"):
@@ -406,7 +406,7 @@ def test_a_recorded_command_reruns_to_the_same_result_from_another_folder(tmp_pa
 def _all_parsers() -> list[tuple[tuple[str, ...], object]]:
     import argparse
 
-    from sim.cli import build_parser
+    from pdlb_cli.main import build_parser
 
     out = []
 
@@ -473,7 +473,7 @@ def test_set_takes_a_list_of_inline_tables(tmp_path: Path, capsys) -> None:
     ("h200", "h200"), ("my model", "my model"), ("1.2.3", "1.2.3"),  # bare words: strings, as before
 ])
 def test_set_values(text, value) -> None:
-    from sim.cli_args import parse_value
+    from pdlb_cli.args import parse_value
 
     assert parse_value(text) == value
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 
-from sim.cli import build_parser, main
+from pdlb_cli.main import build_parser, main
 
 
 def test_compare_policy_is_a_repeatable_policy_spec() -> None:

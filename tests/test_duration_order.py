@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from balancer.types import Request
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.point import SLO, Point, PolicyPair, WorkloadSpec, evaluate_point
 from sim.scenario import load_scenario
 from sim.workload import read_trace, spread_batches, take_slice

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.cluster import simulate
 from sim.metrics import summarize
 from sim.scenario import PoolConfig, Scenario
@@ -90,7 +90,7 @@ def test_cli_tier_preset_events_mode_prints_the_tier_table(tmp_path: Path, capsy
 
 
 def test_parse_tier_weights() -> None:
-    from sim.cli import parse_tier_weights
+    from pdlb_cli.args import parse_tier_weights
 
     assert parse_tier_weights(None) is None
     assert parse_tier_weights("host=0.9, store=0.25") == {"host": 0.9, "store": 0.25}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sim import gpu_runs as g
-from sim.cli import main
+from pdlb_cli.main import main
 
 #: simulated / measured - 1 per (model, phase, metric) as of this commit (mean of 5 seeds). A
 #: regression pin, not a truth: a change may move these, but must not make any |error| worse by

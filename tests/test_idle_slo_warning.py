@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 
 BASE = ["--scenario", "llama70b-pd-h100", "--limit", "10", "--quiet", "--no-plots"]
 MSG = ("warning: ep_aware(slo_margin=0.5): slo_margin changes nothing without a TTFT budget to route against "

@@ -1,7 +1,9 @@
-"""The import graph of ``balancer`` and ``sim``, read from the source with :mod:`ast` (nothing is
-imported): no import circle, whether the imports are at module level, inside functions or under
-``if TYPE_CHECKING:``; ``balancer`` never imports ``sim``; ``balancer``'s core (everything outside
-``balancer/service/``) imports neither ``balancer.service``, the network libraries nor the clock.
+"""The import graph of ``balancer``, ``sim`` and ``pdlb_cli``, read from the source with :mod:`ast`
+(nothing is imported): no import circle, whether the imports are at module level, inside functions
+or under ``if TYPE_CHECKING:``; ``balancer`` never imports ``sim``; ``balancer``'s core (everything
+outside ``balancer/service/``) imports neither ``balancer.service``, the network libraries nor the
+clock; nothing below the command line imports ``pdlb_cli``; the command line imports at module
+level only (no import inside a function, so none can hide a circle or a layer broken at run time).
 
 An edge ``a -> b`` is any ``import b``/``import b.c``/``from b import x`` written anywhere in module
 ``a``, where ``b`` is the longest module of the two packages that the imported name starts with;
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("balancer", "sim")
+PACKAGES = ("balancer", "sim", "pdlb_cli")
 #: what balancer's core (outside balancer/service/) must not import: the simulator, the service,
 #: network and event-loop libraries, the clock (time is passed in) and the operating system (no I/O)
 CORE_FORBIDDEN = ("sim", "balancer.service", "aiohttp", "zmq", "asyncio", "socket", "time", "datetime", "os",
@@ -159,8 +161,9 @@ def test_edges_match_hand_reading(graph) -> None:
     # read by hand from the files' import lines (module docstring)
     assert set(edges["balancer.types"]) == set()
     assert set(edges["sim.scenario"]) == {"balancer.validation", "sim.models", "sim.perf.config", "sim.perf.spec"}
-    # a function-level import counts: sim.cli (the dispatcher) imports sim.point inside functions
-    assert "sim.point" in edges["sim.cli"]
+    # a function-level import counts: sim.point imports sim.cluster inside functions only
+    # (_make_router_factory, _result_of, evaluate_point)
+    assert "sim.cluster" in edges["sim.point"]
 
 
 def test_balancer_never_imports_sim(graph) -> None:
@@ -183,13 +186,17 @@ def test_balancer_core_imports_no_service_network_or_clock(graph) -> None:
 FLOORS: dict[str, tuple[str, ...]] = {
     "sim.perf.config": ("sim.scenario", "sim.perf.build", "sim.cluster"),
     "sim.perf.spec": ("sim.scenario", "sim.perf.build", "sim.perf.config", "sim.cluster"),
-    "sim.cost_model": ("sim.cluster", "sim.cli_args", "sim.cli", "sim.point"),
+    "sim.cost_model": ("sim.cluster", "pdlb_cli", "sim.point"),
     "sim.validate_agentx": ("sim.validate",),
     "balancer.service.kv_ring": ("balancer.service",),
     "balancer.service.kv_subscriber": ("balancer.service.kv_fanout",),
     # argument types and option groups: nothing above the scenario and its perf model
-    "sim.cli_args": ("sim.cluster", "sim.point", "sim.executor", "sim.report", "sim.metrics", "sim.cost_model",
-                     "sim.capacity", "sim.capacity_cli", "sim.sweep", "sim.sweep_cli", "sim.cli"),
+    "pdlb_cli.args": ("sim.cluster", "sim.point", "sim.executor", "sim.report", "sim.metrics", "sim.cost_model",
+                      "sim.capacity", "sim.sweep", "pdlb_cli.command", "pdlb_cli.main", "pdlb_cli.sim",
+                      "pdlb_cli.serve", "pdlb_cli.engine", "pdlb_cli.policies"),
+    # pdlb-serve runs with the serve extra only: nothing of the simulator (test_install_extras runs it so)
+    "pdlb_cli.serve": ("sim", "pdlb_cli.args", "pdlb_cli.main"),
+    "pdlb_cli.command": ("sim", "balancer", "pdlb_cli.args", "pdlb_cli.main", "pdlb_cli.sim"),
 }
 
 
@@ -238,3 +245,65 @@ def _private_imports_of(module: str, source: str) -> list[str]:
     """The check above on one hand-written module (that it can fail)."""
     return [f"{module}:{n.lineno} {a.name}" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)
             for a in n.names if a.name.startswith("_")]
+
+
+def _in(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_nothing_below_the_command_line_imports_it(graph) -> None:
+    edges, _ = graph
+    bad = [(a, b, line) for a, out in edges.items() if not _in(a, "pdlb_cli")
+           for b, line in out.items() if _in(b, "pdlb_cli")]
+    assert not bad, bad
+
+
+#: the one import the command line may make inside a function: matplotlib, whose backend must be
+#: chosen (``matplotlib.use("Agg")``) before ``matplotlib.pyplot`` is imported
+CLI_DEFERRED_IMPORTS = ("matplotlib",)
+
+
+def _function_level_imports(path: Path) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out += [(a.name, node.lineno) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    out.append((("." * node.level) + (node.module or ""), node.lineno))
+    return sorted(set(out), key=lambda x: x[1])
+
+
+def test_function_level_imports_are_found() -> None:
+    # a hand-made module: two imports inside functions (one nested, one async), one at module level
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "m.py"
+        f.write_text("import os\n\ndef a():\n    def b():\n        from sim import point\n    return b\n\n"
+                     "async def c():\n    import json\n")
+        assert _function_level_imports(f) == [("sim", 5), ("json", 9)]
+
+
+def test_the_command_line_imports_at_module_level_only() -> None:
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name} inside a function"
+           for path in sorted((ROOT / "pdlb_cli").rglob("*.py"))
+           for name, line in _function_level_imports(path)
+           if not any(_in(name, d) for d in CLI_DEFERRED_IMPORTS)]
+    assert not bad, "\n".join(bad)
+
+
+#: subcommand modules import the argument types and option groups (pdlb_cli.args) and the
+#: protocol, never each other; the registries (main, sim.main) import the subcommands they list
+CLI_REGISTRIES = {"pdlb_cli.main", "pdlb_cli.sim.main"}
+#: the one sharing between subcommands: compare runs its policies with run's machinery
+CLI_SHARED = {("pdlb_cli.sim.compare", "pdlb_cli.sim.run")}
+
+
+def test_subcommand_modules_do_not_import_each_other(graph) -> None:
+    edges, _ = graph
+    floor = {"pdlb_cli", "pdlb_cli.args", "pdlb_cli.command", "pdlb_cli.sim"}
+    bad = [(a, b) for a, out in edges.items() if _in(a, "pdlb_cli") and a not in CLI_REGISTRIES | floor
+           for b in out if _in(b, "pdlb_cli") and b not in floor and (a, b) not in CLI_SHARED]
+    assert not bad, bad

@@ -23,9 +23,9 @@ from balancer.policies.spec import (
     parse_policy_spec,
     split_policy_list,
 )
-from balancer.service.cli import config_from_args
 from balancer.service.config import config_warnings, load_service_config
-from sim.cli import build_parser, main
+from pdlb_cli.main import build_parser, main
+from pdlb_cli.serve import config_from_args
 
 CACHE_AWARE_ACCEPTED = "balance_abs=64, balance_rel=1.5, cache_threshold=0.3"
 POLICIES = ", ".join(available_policies())
@@ -218,7 +218,7 @@ def test_serve_policy_errors_are_one_line(capsys) -> None:
 
 
 def test_capacity_policies_list_takes_specs_too() -> None:
-    from sim.capacity_cli import policy_specs
+    from pdlb_cli.sim.capacity import policy_specs
 
     args = build_parser().parse_args(["sim", "capacity", "--policies",
                                       "round_robin,cache_aware:cache_threshold=0.5,balance_abs=8"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import sim.scenario as scenario_mod
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.perf.build import roofline_for_pool
 from sim.scenario import DEFAULT_PRESET, PRESET_DIR, PRESETS, load_scenario
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.pricing import (
     K_HOUR_PER_MTOK,
     PriceSheet,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 
 
 def _run(tmp_path: Path, capsys: pytest.CaptureFixture[str], max_model_len: int) -> tuple[int, str, str]:

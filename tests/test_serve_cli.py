@@ -3,7 +3,7 @@ the no-workers warning and --help texts.
 
 Expected messages are written by hand from the rules they check (the option's range, the worker
 spec syntax, the registry of names); numbers in the "does not fit" message are derived by hand
-next to the assertion. Every failing command is run in-process through ``sim.cli.main``.
+next to the assertion. Every failing command is run in-process through ``pdlb_cli.main.main``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import socket
 import pytest
 
 from balancer.policies import available_policies
-from balancer.service.cli import _ready_line, config_from_args
+from balancer.service.launch import _ready_line
+from pdlb_cli.serve import config_from_args
 from balancer.service.config import parse_worker_spec
-from sim.cli import build_parser, main
+from pdlb_cli.main import build_parser, main
 
 POLICIES = ", ".join(available_policies())
 
@@ -273,7 +274,7 @@ def test_engine_help_lists_model_and_hardware_names():
 def test_timeout_flags_zero_turns_off(flag, field, default):
     import argparse
 
-    from balancer.service.cli import add_serve_parser, config_from_args
+    from pdlb_cli.serve import add_serve_parser, config_from_args
 
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers())

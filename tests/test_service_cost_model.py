@@ -9,8 +9,8 @@ import pytest
 
 from balancer.cost_model import CostModel
 from balancer.service.app import SERVICE
-from balancer.service.cli import read_cost_model_file
-from sim.cli import main
+from pdlb_cli.serve import read_cost_model_file
+from pdlb_cli.main import main
 from sim.emulator.testing import inprocess_cluster
 
 

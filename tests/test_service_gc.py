@@ -1,15 +1,15 @@
-"""``pdlb serve``'s garbage-collector tuning (:func:`balancer.service.cli.tune_gc`), run in a child
+"""``pdlb serve``'s garbage-collector tuning (:func:`balancer.service.launch.tune_gc`), run in a child
 interpreter so that the test process keeps its own collector settings."""
 
 import json
 import subprocess
 import sys
 
-from balancer.service.cli import GC_GEN0_THRESHOLD
+from balancer.service.launch import GC_GEN0_THRESHOLD
 
 
 def test_tune_gc_freezes_the_startup_heap_and_raises_the_young_threshold():
-    code = ("import gc, json; import balancer.service.app; from balancer.service.cli import tune_gc; "
+    code = ("import gc, json; import balancer.service.app; from balancer.service.launch import tune_gc; "
             "before = gc.get_threshold(); tune_gc(); "
             "print(json.dumps([before, gc.get_threshold(), gc.get_freeze_count(), gc.get_count()[0]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from balancer.hashing import hash_token_blocks
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.engine.kv_store import KvStore
 from sim.experiments.store_hit_rate import replay_store
 from sim.workload import (

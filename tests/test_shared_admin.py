@@ -263,7 +263,7 @@ def test_kv_event_counters_of_each_process_carry_its_index(tmp_path):
 
 # ---------------------------------------------------------------------- default process count
 def test_default_process_count_is_the_cores_this_process_may_use():
-    from balancer.service.cli import default_processes
+    from balancer.service.launch import default_processes
     from balancer.service.config import ServiceConfig
 
     assert ServiceConfig().processes is None
@@ -292,7 +292,7 @@ async def test_pdlb_serve_default_process_count_leaves_cores_to_a_local_engine()
 def test_a_failed_multiprocess_start_leaves_the_environment_as_it_was(tmp_path, capsys):
     """main() in process with several router processes that fail to start (bad tokenizer path):
     status 2, one clear line, and PROMETHEUS_MULTIPROC_DIR not left set for the caller."""
-    from balancer.service.cli import main
+    from pdlb_cli.serve import main
 
     before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     code = main(["--processes", "2", "--port", "0", "--pd-protocol", "none", "--mixed", "http://127.0.0.1:9",

@@ -15,7 +15,7 @@ import pytest
 from balancer.router import RequestTooLargeError, Router
 from balancer.types import ReplicaId, Request
 from sim.admission import admit, check_block_size
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.cluster import simulate
 from sim.metrics import summarize
 from sim.scenario import PoolConfig, Scenario, load_scenario

@@ -8,7 +8,7 @@ import csv
 import pytest
 
 from balancer.types import Request
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.engine.kv_store import KvStore
 from sim.experiments.store_hit_rate import replay_store, ttl_hit_rates
 from sim.workload import SessionWorkloadConfig, session_workload

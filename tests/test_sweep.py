@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.executor import Executor, SerialExecutor
 from sim.sweep import MAX_POINTS, load_sweep, read_done, run_sweep
 

@@ -18,7 +18,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from balancer.service.app import create_app  # noqa: E402
 from balancer.service.config import ServiceConfig  # noqa: E402
 from balancer.service.prompt import PromptHasher, extract_prompt, load_tokenizer  # noqa: E402
-from sim.cli import main as pdlb_main  # noqa: E402
+from pdlb_cli.main import main as pdlb_main  # noqa: E402
 from sim.emulator.testing import inprocess_cluster  # noqa: E402
 
 VOCAB = {"[UNK]": 0, "system": 1, "user": 2, ":": 3, "you": 4, "are": 5, "a": 6, "helpful": 7,

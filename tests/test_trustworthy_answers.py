@@ -215,7 +215,7 @@ def test_a_gpu_answer_at_the_search_limit_is_flagged(need_p: int, need_d: int, l
 
 # ---------------------------------------------------------------- item 10 and the class: scenario numbers
 def _run_cli(argv: list[str], capsys) -> tuple[int, str, str]:  # noqa: ANN001
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     rc = main(argv)
     cap = capsys.readouterr()
@@ -280,7 +280,7 @@ def test_fuzz_scenario_numbers_give_one_error_line_or_a_finite_run(tmp_path: Pat
     (["--output-tokens", "1000000", "--ratio", "1"], "give at most 81,920 output tokens"),
 ])
 def test_price_output_tokens_are_bounded(argv: list[str], message: str, capsys) -> None:
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     t0 = time.perf_counter()
     try:
@@ -311,7 +311,7 @@ def test_a_sweep_on_a_truncated_trace_says_why_on_stderr(tmp_path: Path, capsys,
 
 
 def test_failed_sweep_points_print_their_whole_error() -> None:
-    from sim.sweep_cli import failure_lines
+    from pdlb_cli.sim.sweep import failure_lines
 
     long = "ValueError: " + "x" * 100
     rows = [{"error": long}, {"error": "KeyError: 'a'\n  more"}, {"error": long}]
@@ -407,8 +407,8 @@ def test_fuzz_sweep_files_give_one_error_line_or_a_bounded_sweep(tmp_path: Path)
 
 # ---------------------------------------------------------------- item 5: the default capacity question answers
 def test_the_capacity_default_slo_is_reachable_on_the_default_trace() -> None:
-    from sim.cli import build_parser
-    from sim.capacity_cli import slo_from_args
+    from pdlb_cli.main import build_parser
+    from pdlb_cli.sim.capacity import slo_from_args
 
     args = build_parser().parse_args(["sim", "capacity"])
     slo = slo_from_args(args)
@@ -466,7 +466,7 @@ def test_warmup_requests_are_simulated_but_not_judged(tmp_path: Path) -> None:
 
 
 def test_a_short_window_answer_is_flagged_with_its_count_and_warmup_share(tmp_path: Path) -> None:
-    from sim.capacity_cli import small_window_note
+    from pdlb_cli.sim.capacity import small_window_note
     from sim.workload import ideal_hit_rate
 
     # 40 requests: request i shares its first block with request i - 20 (a trace that repeats after 20 s)
@@ -560,7 +560,7 @@ def test_each_search_reports_its_answer_when_it_ends() -> None:
 
 
 def test_progress_note_names_the_rate_and_its_requests_per_second() -> None:
-    from sim.capacity_cli import progress_note
+    from pdlb_cli.sim.capacity import progress_note
     from sim.point import PointResult
 
     pt = Point(load_scenario("dsv3-pd-h200"), "issue24:tiny", parse_policy("least_load"), 0.5)
@@ -634,7 +634,7 @@ class Refuse:
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{{name}} is blocked by the test")
 sys.meta_path.insert(0, Refuse())
-from sim.cli import main
+from pdlb_cli.main import main
 sys.exit(main(["sim", "compare", "--policies", "least_load,round_robin", "--limit", "40", "--jobs", "2",
                "--quiet", "--no-plots", "--out", {str(tmp_path)!r}]))
 """
@@ -698,7 +698,7 @@ def test_the_report_plot_in_a_real_browser(tmp_path: Path) -> None:
 
     import matplotlib.image
 
-    from sim.cli import main
+    from pdlb_cli.main import main
 
     browser = next((shutil.which(b) for b in ("chromium", "chromium-headless-shell", "google-chrome")
                     if shutil.which(b)), None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.perf.base import causal_attn_pairs
 from sim.scenario import load_scenario
 from sim.validate import (

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sim.cli import main
+from pdlb_cli.main import main
 from sim.workload import ideal_hit_rate, read_mooncake
 from sim.workload.benchmarks import load_ramp_workload, shared_prefix_workload
 

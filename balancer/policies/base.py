@@ -90,8 +90,13 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_REGISTRY)
+
+
 def policy_class(name: str) -> type[Policy]:
-    """The class registered as ``name``.
+    """The class registered as ``name`` (its dataclass fields are the policy's parameters).
 
     Raises:
         ValueError: unknown name (the message lists the valid names).
@@ -100,11 +105,6 @@ def policy_class(name: str) -> type[Policy]:
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(available_policies())}")
     return cls
-
-
-def available_policies() -> list[str]:
-    """Registered policy names, sorted."""
-    return sorted(_REGISTRY)
 
 
 def make_policy(name: str, **params: object) -> Policy:

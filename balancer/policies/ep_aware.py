@@ -1,131 +1,76 @@
 """``ep_aware``: pdlb's own policy: the placement with the least predicted delay in seconds.
 
-It knows that a wide-EP engine steps at the pace of its busiest DP rank.
+It knows that a wide-EP engine steps at the pace of its busiest DP rank: every candidate rank is
+priced with its engine's step model (:class:`balancer.cost_model.EngineCost`, from
+``ctx.cost_model`` or :data:`balancer.cost_model.DEFAULT_COST_MODEL`) and the cheapest is taken.
+All costs are seconds. Derivation, design choices and the measurements behind the defaults:
+docs/policies/ep_aware.md.
 
-The anchor policies (``cache_aware``, ``kv_cost``, ``scored``, ``least_load``) score DP ranks one
-by one. In a wide-EP engine all ranks run each forward step together (MoE dispatch/combine), so a
-step lasts as long as its most loaded rank, and routed-expert work of every rank shares the
-engine's GPUs. ``ep_aware`` prices each candidate with the engine's step model
-(:class:`balancer.cost_model.EngineCost`, from ``ctx.cost_model`` or
-:data:`balancer.cost_model.DEFAULT_COST_MODEL`) and picks the cheapest (random tie-break).
+**Prefill** (candidate ``i``; :func:`balancer.cost_model.prefill_wait_features`)::
 
-**Prefill** (candidate ``i`` on engine ``e``; ``q`` queued uncached tokens and ``a`` their
-attention pairs per rank, counted at dispatch; ``C`` the chunked-prefill budget; the prompt has
-``u_i`` uncached tokens after ``p_i`` cached ones on ``i``, counting HBM, host-tier and
-shared-store hits)::
+    cost_i = wait_i + fetch_i + externality_weight ext_i + horizon_weight rho horizon_i
 
-    S_i       = ceil((q_i + u_i) / C)                          steps until the prompt is done
-    f_r       = min(1, S_i C / q_r)                            share of rank r's queue done by then
-    slowest   = argmax_r f_r (per_token q_r + per_attn_pair a_r)   with i's prompt added on i
-    wait_i    = S_i overhead + per_token f* q* + per_attn_pair f* a*     the engine steps at its pace
-                + per_group_token sum_r min(q'_r, S_i C)        routed experts shared by the group
-    fetch_i   = host_tokens_i host_fetch_s_per_token + store_tokens_i store_fetch_s_per_token
-    ext_i     = per_group_token u_i N_after_i                   delay it adds to queued requests
-    horizon_i = max(0, w'_i - max_{r != i} w_r)                 how far it extends the slowest rank
-                (0 on an engine whose other ranks are idle)
-    cost_i    = wait_i + fetch_i + externality_weight ext_i + horizon_weight rho horizon_i
+``wait_i``: until ``i``'s engine, stepping at its slowest rank's pace, has computed the prompt's
+``u_i`` uncached tokens (HBM, host-tier and shared-store hits are cached); ``fetch_i``: the
+host-tier and store fetches of the hit; ``ext_i = per_group_token u_i N_after_i``: the delay it
+adds to the ``N_after_i`` requests queued on the engine's other ranks; ``horizon_i = max(0, w'_i -
+max_{r != i} w_r)``: how far it extends the engine's slowest rank (``w_r`` a rank's queued work),
+weighted by ``rho``, the share of the pool's ranks with queued work to the power ``horizon_power``.
+On a dense engine (each rank its own step group) the group terms vanish. Dense prefill ranks'
+queues count their in-service prompt's progress (:func:`in_service_queue`).
 
-(:func:`balancer.cost_model.prefill_wait_features`). ``w_r = per_token q_r + per_attn_pair a_r``
-is a rank's own work in seconds, ``w'_i`` with the prompt; ``N_after_i = sum_{r != i} n_r
-clip((q_r - q_i) / q_r, 0, 1)`` the requests of the engine's other ranks still queued when ``i``
-starts the prompt (``n_r`` requests on ``r``); ``rho`` the share of the pool's ranks with queued
-work (raised to ``horizon_power``). ``horizon`` prices the future: while an engine's slowest rank is busy every step runs at
-its pace, so each request that lands on the engine's other ranks meanwhile waits longer; under
-load (``rho`` near 1) there is no idle engine left to take those requests, and filling the
-lagging ranks of busy engines is free throughput. A hit is compute not done (``u_i`` shrinks);
-a hit on a busy rank is worth exactly the wait it costs, so a hot prefix is replicated on an
-idle engine when waiting behind the holder costs more than recomputing it (no collapse onto one
-replica). For a dense engine (each rank its own step group) the slowest rank is ``i`` itself and
-the group terms vanish.
+**Decode** (candidate ``i`` of engine ``e``)::
 
-**Decode** (candidate ``i`` of engine ``e``; ``b`` sequences and ``k`` KV tokens per rank; the
-request adds one sequence of ``prompt + output / 2`` KV tokens on average over its life, output =
-``Request.output_tokens`` capped at ``max_output_estimate_tokens``)::
+    cost_i = out (T_after_i + externality_weight n_e (T_after_i - T_e))
+             + transfer_s_per_token (prompt - matched_tokens_i)
 
-    T_after_i = overhead + per_seq * max(B_e, b_i + 1) + per_kv_token * max(K_e, k_i + kv_new)
-                + per_group_seq * (sum_r b_r + 1)
-    cost_i    = out * (T_after_i + externality_weight * n_e * (T_after_i - T_e))
-                + transfer_s_per_token * (prompt - matched_tokens_i)      the KV it need not move
+``T_after_i``: the engine's step time with the request added (one sequence of ``prompt + out / 2``
+KV tokens; ``out`` = ``Request.output_tokens`` capped at ``max_output_estimate_tokens``), ``T_e``
+now, ``n_e`` its sequences. **Mixed** pools add both costs (without the transfer) and the stall the
+prompt's chunks cause to the batch they share steps with.
 
-``B_e``/``K_e`` the engine's largest batch and KV, ``T_e`` its step time now, ``n_e`` its
-sequences.
+**Ties and room**: costs within ``tie_tolerance`` (relative) of the cheapest tie, broken by the
+least queued work, then with ``ctx.rng``; candidates without KV room for prompt + output (known
+capacities) are taken only when none has room (then the one with most room).
 
-**Ties**: costs within ``tie_tolerance`` (relative) of the cheapest are ties, broken by the least
-queued work, then at random: otherwise a small shared prefix (a system prompt's first block) makes
-the few ranks that hold it marginally cheaper for every request, all traffic collapses onto them
-and their caches thrash (measured: hit rate 8% instead of 33% at light load). Candidates where ``k_i + prompt + output`` exceeds a known KV capacity are taken only
-when none has room (then the one with most room). **Mixed** (aggregated) pools add both costs
-(without the transfer) and the stall the prompt's chunks cause to the decode batch they share
-steps with: ``externality_weight * n_seqs * (per_token u + per_attn_pair pairs + per_group_token
-u)`` (``n_seqs`` of the rank, or of the engine for wide EP), so a prefix hit there also spares
-every running sequence.
-
-**SLO-aware placement** (when the router has a TTFT budget, ``SelectContext.ttft_slo``, or the
-policy its own ``ttft_slo_s``): ``budget = ttft_s + per_1k * prompt / 1000``; the predicted TTFT of
-candidate ``i`` is ``wait_i + fetch_i`` (above). If the cheapest candidate meets
-``slo_margin * ttft_i <= budget`` nothing changes; if only others do, the cheapest of those is
-taken. If none does, the request is *doomed*: its own delay no longer changes whether it meets
-the SLO, only the delay it causes others does. It goes to the least harmful candidates (``harm_i
-= cost_i - ttft_i``, the externality and horizon terms, within ``tie_tolerance``; 0 on dense
-ranks) among those with ``ttft_i <= slo_doomed_cap * budget`` (past the cap on every one: the
-shortest TTFT) and, among them, to the one with the longest wait for the least own work, ``score_i
-= 2 own_i - ttft_i = own_i - wait_i`` (``own_i`` its prefill seconds on an idle rank, counting its
-prefix hit there): it joins a queue that is already late instead of pushing a short queue's
-next requests over their budgets, and keeps its prefix hit. A prompt that misses the budget even
-on an idle rank (``own`` alone too long) is doomed too (``slo_intrinsic="dump"``): on wide-EP
-engines keeping such prompts off the engines that serve short ones is most of the gain; with
-``slo_intrinsic="blind"`` it is placed SLO-blind instead (shorter tails, less goodput). Under overload this is the difference between every request missing by a little
-and most meeting their budget: measured on the Mooncake trace on dense PD at the trace rate,
-attainment 48.9% SLO-blind, 61.9% SLO-aware, against cache_aware's 54.3%; default scenario
-72.9% -> 78.3% (seed 0, bench/policy_goodput.py's SLO). The cost is the doomed requests' own TTFT
-(capped at ``slo_doomed_cap`` budgets where a queue that short exists): TTFT p99 21.2 s vs 20.4 s
-SLO-blind on dense; on 16 prefill engines, where the trace rate is within the SLO, p99 43.4 s vs
-33.3 s for the same attainment (these figures without in-service progress, below). The cost model's pessimism (in-flight prompts count in full) can mark requests doomed that would
-have met their budget; ``slo_margin`` (below) discounts the prediction where that pessimism is not
-corrected. This is the EDF-with-abandonment argument of
-deadline scheduling (a job that has missed its deadline should not delay jobs that can still meet
-theirs), applied at the router.
-
-**In-service progress** (dense prefill pools): the load counters hold a queued prompt in full
-until its prefill is reported done, so a rank 90% into a 100k-token prompt looks as busy as one
-that just took it. The router keeps each replica's head of line (:mod:`balancer.load`: its oldest
-pending prefill and when it began service) and the policy subtracts what the engine's current
-pace has computed of it since (:func:`in_service_queue`). On Mooncake dense PD at the trace rate:
-attainment 61.9% -> 73.9% SLO-aware (with the margin 1 this allows), rate at the SLO 0.723x ->
-0.841x the trace rate, rate at TTFT/TPOT p99 0.582x -> 0.635x (kv_cost 0.588x). Not applied on
-wide-EP engines, where it measured worse (``in_service_progress`` below).
+**SLO-aware placement** (a TTFT budget ``ttft_s + per_1k * prompt / 1000`` from
+``SelectContext.ttft_slo``, or the policy's own ``ttft_slo_s``): a candidate meets it when
+``slo_margin * (wait_i + fetch_i) <= budget``; the cheapest that meets it is taken. When none does
+(or the prompt misses it even on an idle rank, with ``slo_intrinsic="dump"``) the request is
+doomed: among the candidates within ``slo_doomed_cap`` budgets, the least harmful (``cost_i -
+ttft_i`` within ``tie_tolerance``), then the longest wait for the least own work. A prompt that
+misses its budget even idle is kept within ``1 + slo_doomed_tail`` times its shortest predicted TTFT
+(the tail guard: such prompts make the TTFT p99).
 
 Parameters:
     externality_weight: weight of the delay a placement adds to requests already on the engine
         (1 = count it fully, 0 = purely selfish).
-    horizon_weight: weight of the slow-horizon term (0 = off; 4 measured best on the Mooncake
-        trace at 0.35-1x its rate, see bench/policy_goodput.py).
-    horizon_power: exponent of ``rho`` in the horizon weight (1).
-    tie_tolerance: relative cost difference below which candidates tie (0.05).
-    max_output_estimate_tokens: cap on the output length the decode cost projects.
-    slo_aware: use the router's TTFT budget (``SelectContext.ttft_slo``) when it has one (True).
+    horizon_weight: weight of the slow-horizon term (0 = off).
+    horizon_power: exponent of ``rho`` in the horizon weight.
+    tie_tolerance: relative cost difference below which candidates tie.
+    max_output_estimate_tokens: cap on the output length the decode cost projects, tokens.
+    slo_aware: use the router's TTFT budget (``SelectContext.ttft_slo``) when it has one.
     ttft_slo_s, ttft_slo_per_1k_tokens_s: the policy's own TTFT budget (0 = none: the router's),
         seconds and seconds per 1,000 prompt tokens.
     slo_margin: a candidate meets the budget when ``slo_margin * predicted TTFT <= budget``;
-        ``None`` (default): 1 where the queues count in-service progress (prefill pools whose
-        engines are all dense, with ``in_service_progress``; a pool mixing dense and wide-EP
-        engines has its dense ranks corrected but keeps 0.8), else 0.8: a predicted wait that
-        counts in-flight prompts in full runs high. The 0.8 was chosen on rates at a p97 SLO that
-        turned out to be noise (README, "thin headroom"); at the 90% SLO margins 0.8 and 1 are
-        alike on wide EP (Mooncake default: highest rate scale 0.430 vs 0.439, attainment at the
-        trace rate 78.3% vs 79.5%, 0.9 gives 77.3%), so the value stands until a sharper measurement.
+        ``None``: 1 where the queues count in-service progress (prefill pools whose engines are
+        all dense, with ``in_service_progress``), else :data:`PESSIMISTIC_SLO_MARGIN` (a
+        predicted wait that counts in-flight prompts in full runs high).
     in_service_progress: subtract from a dense prefill rank's queue what its in-service prompt has
-        computed since it began (:func:`in_service_queue`; True). Not applied on wide-EP engines,
-        where it measured worse (Mooncake default scenario at the trace rate: attainment 78.3% ->
-        75.1% SLO-aware, 72.9% -> 71.9% SLO-blind), nor on mixed pools.
-    slo_doomed_cap: a doomed request joins a queue of at most this many budgets (5; ``inf`` =
-        any: the largest goodput under overload, unbounded TTFT for the doomed).
-    slo_intrinsic: ``"dump"`` (default) or ``"blind"``: how a prompt that misses its budget even
-        on an idle rank is placed (as a doomed one, or SLO-blind).
+        computed since it began (:func:`in_service_queue`); not applied on wide-EP engines nor on
+        mixed pools.
+    slo_doomed_cap: a doomed request joins a queue of at most this many budgets (``inf`` = any).
+    slo_intrinsic: ``"dump"`` or ``"blind"``: how a prompt that misses its budget even on an idle
+        rank is placed (as a doomed one, or SLO-blind).
+    slo_doomed_tail: the tail guard (``inf`` = off): a prompt that misses its budget even on an
+        idle rank (by more than ``slo_doomed_tail_own`` budgets) is placed as a doomed one only among
+        candidates whose predicted TTFT is at most ``1 + slo_doomed_tail`` times the shortest.
+    slo_doomed_tail_own: budgets a prompt's own idle-rank TTFT must exceed for the guard to apply.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
-layout); the marginal-delay (externality) term is the usual social-cost argument of queueing
-(the cost of a job = its own delay + the delay it imposes on others).
+layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
+cost of a job = its own delay + the delay it imposes on others); placing doomed requests is the
+EDF-with-abandonment argument of deadline scheduling.
 """
 
 from __future__ import annotations
@@ -134,6 +79,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from balancer import kernels
 from balancer.candidates import Candidates
 from balancer.cost_model import (
     DEFAULT_COST_MODEL,
@@ -154,7 +100,7 @@ def _compute_s(c: PrefillStepCost, u: np.ndarray, cached: np.ndarray) -> np.ndar
     return (c.per_token_s + c.per_group_token_s) * u + c.per_attn_pair_s * (u * cached + u * (u + 1.0) / 2.0)
 
 
-#: ``slo_margin``'s automatic value where queued prompts count in full (module docstring)
+#: ``slo_margin``'s automatic value where queued prompts count in full (docs/policies/ep_aware.md)
 PESSIMISTIC_SLO_MARGIN = 0.8
 
 
@@ -230,6 +176,8 @@ class EpAware(Policy):
     slo_doomed_cap: float = 5.0
     slo_intrinsic: str = "dump"
     in_service_progress: bool = True
+    slo_doomed_tail: float = 0.5
+    slo_doomed_tail_own: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -252,8 +200,14 @@ class EpAware(Policy):
             raise ValueError(f"slo_intrinsic must be 'dump' or 'blind', got {self.slo_intrinsic!r}")
         if not self.slo_doomed_cap >= 0:
             raise ValueError(f"slo_doomed_cap must be >= 0 (a multiple of the budget; inf = none), got {self.slo_doomed_cap}")
+        if not (np.isfinite(self.slo_doomed_tail_own) and self.slo_doomed_tail_own >= 0):
+            raise ValueError(f"slo_doomed_tail_own must be a finite number >= 0 (budgets), got {self.slo_doomed_tail_own}")
+        if not self.slo_doomed_tail >= 0:
+            raise ValueError(f"slo_doomed_tail must be >= 0 (a fraction over the shortest predicted TTFT; inf = off), "
+                             f"got {self.slo_doomed_tail}")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
+        kernels.compiled()  # compile (or load) the compiled cost loops now, not in the first decision
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
@@ -375,7 +329,7 @@ class EpAware(Policy):
             return np.where(ok, cost, np.inf), False
         if self.slo_intrinsic == "blind" and float(own.min()) * margin > budget:
             return cost, False
-        capped = ttft <= self.slo_doomed_cap * budget
+        capped = (ttft <= self.slo_doomed_cap * budget) & self._tail_guard(ttft, float(own.min()) * margin > self.slo_doomed_tail_own * budget)
         if not capped.any():  # every queue is past the cap: the least predicted TTFT
             return ttft, True
         harm = np.where(capped, cost - ttft, np.inf)  # the delay it adds to others (externality + horizon)
@@ -384,6 +338,17 @@ class EpAware(Policy):
         near = harm <= least + tol
         # the longest wait (ttft - own) for the least own work: 2 own - ttft = own - wait
         return np.where(near, 2.0 * own - ttft, np.inf), True
+
+    def _tail_guard(self, ttft: np.ndarray, intrinsic: bool) -> np.ndarray | bool:
+        """Candidates a doomed request may join, shape ``(n,)``: for a prompt that misses its budget
+        ``slo_doomed_tail_own`` times over even on an idle rank (``intrinsic``), those whose predicted TTFT is at most ``1 +
+        slo_doomed_tail`` times the shortest; every candidate otherwise, or when ``slo_doomed_tail`` is
+        inf. Bounds the TTFT the longest prompts pay for sparing others (they make the TTFT p99),
+        relative to where they would finish first; requests doomed by queueing alone keep the
+        unguarded placement that gives SLO-aware routing its attainment under overload."""
+        if not intrinsic or not np.isfinite(self.slo_doomed_tail):
+            return True
+        return ttft <= (1.0 + self.slo_doomed_tail) * float(ttft.min())
 
     def _mixed_stall(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
@@ -407,6 +372,9 @@ class EpAware(Policy):
         prompt, ``sum_{r != i} n_r clip((q_r - q_i) / q_r, 0, 1)``, shape ``(n,)``."""
         n_req = cands.num_requests.astype(np.float64)
         if rows is not None:
+            got = kernels.requests_after_rows(q, n_req, idx, rows)  # the compiled loop, when there is one
+            if got is not None:
+                return got
             ri = engine_layout(idx, rows)[0]
             Q, N = q[ri], n_req[ri]
         else:
@@ -438,6 +406,13 @@ class EpAware(Policy):
         d = eng.decode
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         kv_new = request.prompt_tokens + out / 2.0
+        if eng.ep_synchronous and rows is not None:  # the compiled loop, when there is one
+            got = kernels.decode_cost_rows(cands.num_requests, cands.decode_kv_tokens, cands.matched_tokens, idx, rows,
+                                           out, kv_new, request.prompt_tokens, d.overhead_s, d.per_seq_s,
+                                           d.per_kv_token_s, d.per_group_seq_s, self.externality_weight,
+                                           model.transfer_s_per_token, transfer)
+            if got is not None:
+                return got
         b = cands.num_requests.astype(np.float64)
         k = cands.decode_kv_tokens.astype(np.float64)
         n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0

@@ -18,7 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from balancer.config import RouterConfig
+from balancer.service.broker_config import BrokerConfig
 from balancer.validation import format_validation_error, syntax_error_line
+from balancer.service.admission_config import AdmissionSettings
 
 WORKER_SPEC_SYNTAX = ("URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
                       "[,model=NAME]")
@@ -310,6 +312,10 @@ class ServiceConfig(BaseModel):
             KV events for it are translated (:func:`balancer.kv_translate.chain_root`), so
             adapter and base-model caches are never conflated.
         load_scrape: engine metrics scraping (:class:`LoadScrapeConfig`).
+        admission: deadline admission (:class:`balancer.service.admission_config.AdmissionSettings`;
+            off by default).
+        broker: routers on several hosts sharing in-flight load (and approximate-mode decisions)
+            through a NATS broker (:class:`balancer.service.broker_config.BrokerConfig`; off by default).
         request_timeout_s: total time for one client request including retries (504 after).
         connect_timeout_s: TCP connect timeout to a worker.
         upstream_client: the HTTP client of the engine legs: ``lean`` (default; keep-alive pool
@@ -370,7 +376,7 @@ class ServiceConfig(BaseModel):
             ``/metrics`` aggregates all of them; admin API changes are applied by every process
             (:mod:`balancer.service.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
             per core it may run on, one per four cores when a worker runs on the same host
-            (:func:`balancer.service.cli.default_processes`); round robin counts per process (each
+            (:func:`balancer.service.launch.default_processes`); round robin counts per process (each
             process takes the candidates in turn, so N processes split a short run unevenly by up
             to N requests per worker; load-aware policies read the shared load); an app built
             in process (:func:`balancer.service.app.create_app`) is one. See docs/serving.md,
@@ -390,6 +396,8 @@ class ServiceConfig(BaseModel):
     lora_adapters: list[str] = Field(default_factory=list)
     kv_events: KvEventsConfig = KvEventsConfig()
     load_scrape: LoadScrapeConfig = LoadScrapeConfig()
+    admission: AdmissionSettings = AdmissionSettings()
+    broker: BrokerConfig = BrokerConfig()
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     upstream_client: Literal["lean", "aiohttp"] = "lean"

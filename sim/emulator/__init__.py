@@ -1,6 +1,6 @@
 """An emulated SGLang/vLLM engine: a real HTTP server timed by the simulator's perf model.
 
-``pdlb engine --role prefill|decode|mixed --speed F`` (:mod:`sim.emulator.cli`); the app is
+``pdlb engine --role prefill|decode|mixed --speed F`` (:mod:`pdlb_cli.engine`); the app is
 :func:`sim.emulator.app.create_engine_app`, the scheduler :class:`sim.emulator.engine.EngineCore`.
 """
 

@@ -120,7 +120,7 @@ class Proc:
 
 
 def _start(args: Sequence[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from sim.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+    cmd = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
 
 

@@ -14,7 +14,6 @@ Modules, by concern:
 - :mod:`sim.pricing.analysis`: the $38 analysis (:func:`target_table`,
   :func:`operating_point_table`, :func:`revenue_grid`, :func:`implied_fleet_gpus`).
 - :mod:`sim.pricing.report`: rich and Markdown tables and the revenue heatmap PNG.
-- :mod:`sim.pricing.cli`: ``pdlb sim price``.
 
 Throughput comes from a price-independent place: a simulation summary (:func:`rates_from_summary`,
 the measured input/output tokens and prefix hit rate over all GPUs), or the perf model at steady
@@ -37,7 +36,6 @@ from sim.pricing.analysis import (
     revenue_grid,
     target_table,
 )
-from sim.pricing.cli import DEFAULT_HIT_RATES, DEFAULT_RATIOS, DEFAULT_SCENARIO, add_price_parser, run_price
 from sim.pricing.measured import load_summaries, rates_from_summary, simulate_rates
 from sim.pricing.report import (
     economics_table,
@@ -87,6 +85,4 @@ __all__ = [
     # report
     "economics_table", "operating_point_markdown", "plot_revenue_heatmaps", "sheets_table", "target_markdown",
     "target_rows_table",
-    # cli
-    "DEFAULT_HIT_RATES", "DEFAULT_RATIOS", "DEFAULT_SCENARIO", "add_price_parser", "run_price",
 ]
