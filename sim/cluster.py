@@ -523,7 +523,7 @@ def simulate(
         from sim.deadline_gate import SimAdmission, default_tenant
 
         cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
-                                         priority_of or (lambda r: None), cost_model)
+                                         priority_of or (lambda r: None), config.cost_model)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
