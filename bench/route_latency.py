@@ -136,8 +136,12 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
     (``thread_time``: this thread's CPU time, blind to the host preempting it).
     """
     events = kv_events_per_s > 0
+    # the decision alone: no online cost fit (RouterConfig's default fits the model when ep_aware
+    # reads it, which the service measures on its own), no total index bound (2,048 blocks per
+    # replica stay under the 4,194,304 default anyway); both as the routers before RouterConfig
     router = Router(policy, policy, block_size=BLOCK, index_capacity_blocks=INDEX_CAPACITY_BLOCKS, seed=0,
-                    index_mode="events" if events else "approximate")
+                    index_mode="events" if events else "approximate", learn_cost_model=False,
+                    index_total_capacity_blocks=None)
     reps = []
     for i in range(replicas):
         reps += [ReplicaId(f"p{i // 8}", i % 8), ReplicaId(f"d{i // 8}", i % 8)]
