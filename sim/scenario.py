@@ -146,6 +146,12 @@ class PoolConfig(BaseModel):
             (context-parallel prefill, ring attention) instead of sharding weights (TP): compute and
             KV are divided over them, every GPU holds and streams the full dense weights, and each
             step exchanges the chunk's KV between them (:mod:`sim.perf.roofline`).
+        max_num_seqs: vLLM ``max_num_seqs``: most sequences per rank running or admitted to
+            prefill (``None``: only ``max_decode_batch`` bounds the decode batch).
+        max_chunk_tokens: vLLM ``long_prefill_token_threshold``: most prompt tokens one request
+            computes per step (``None``: only the step budget bounds a chunk).
+        prefill_schedule_interval: vLLM ``--prefill-schedule-interval`` (DP prefill balancing,
+            :class:`sim.engine.step_group.StepGroup`): 1 = prefill on every step.
     """
 
     model_config = _STRICT
@@ -159,6 +165,9 @@ class PoolConfig(BaseModel):
     kv_capacity_tokens: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
     host_tier: HostTierConfig | None = None
     context_parallel: bool = False
+    max_num_seqs: int | None = Field(None, ge=1, le=1 << 20)
+    max_chunk_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    prefill_schedule_interval: int = Field(1, ge=1, le=1 << 16)
 
     @property
     def num_ranks(self) -> int:

@@ -45,7 +45,8 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
                         "every measured request rate (docs/validate.md, 'A real engine on a real GPU')")
     p.add_argument("--agentx-440246", action="store_true", dest="agentx_440246",
                    help="instead: simulate AgentX point 440246 (DeepSeek-V4-Pro, 8 B200, vLLM DP8/EP8, "
-                        "64 closed-loop agentic lanes) and compare every published figure (about a minute)")
+                        "64 closed-loop agentic lanes) on pdlb's cluster simulator, routed by the Router, and "
+                        "compare every published figure (about 15 s of CPU)")
     p.add_argument("--duration-s", type=float, default=None, metavar="S",
                    help="with --agentx-440246: measured seconds to simulate (default: the published 3600)")
     p.add_argument("--plot", metavar="PNG", default=None,
