@@ -17,6 +17,14 @@ Run (from the repository root)::
 
     .venv/bin/python bench/hostile_soak.py --duration-s 600
     .venv/bin/python bench/hostile_soak.py --duration-s 120 --seed 3   # a shorter run
+    .venv/bin/python bench/hostile_soak.py --duration-s 120 --memory-report [--tracemalloc 12]
+
+``--memory-report`` starts the router with ``PDLB_DEBUG_MEMORY=1`` and reads its
+``GET /debug/memory`` (:mod:`balancer.service.memory_debug`) after the warm-up and at the end, then
+again after a full garbage collection and after ``malloc_trim``: the RSS each step gives back tells
+cyclic garbage (collection) from free heap kept by malloc (trim) from live objects (neither), and
+the growth of object counts per type (and, with ``--tracemalloc N``, of allocations per traceback
+of N frames) says what lives. ``--actions a,b`` runs only those actions.
 
 Exit status 1 if an action got an unexpected status (a 5xx) or the router died.
 """
@@ -54,8 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=600.0, help="hostile phase length (default 600)")
     p.add_argument("--idle-s", type=float, default=20.0, help="idle (anchor) phase length (default 20)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-report", action="store_true", help="read GET /debug/memory before and after (docstring)")
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="with --memory-report: trace the router's allocations from the warm-up on, FRAMES frames deep")
+    p.add_argument("--actions", help="comma-separated subset of the actions (default: all)")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
+    names = list(ACTIONS)
+    if args.actions:
+        names = [n.strip() for n in args.actions.split(",")]
+        if unknown := set(names) - set(ACTIONS):
+            p.error(f"unknown actions {sorted(unknown)}; known: {', '.join(ACTIONS)}")
+    if args.memory_report:
+        os.environ["PDLB_DEBUG_MEMORY"] = "1"
+    reports: list[tuple[str, dict]] = []
     c = spawn_hostile_cluster(tempfile.mkdtemp(prefix="pdlb-soak-"))
     rss: list[tuple[float, int, int]] = []
     stop = threading.Event()
@@ -68,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         warm_up(c)
         time.sleep(1.0)
+        if args.memory_report:
+            reports.append(("after warm-up", memory_report(c, f"trace={args.tracemalloc}" if args.tracemalloc else "")))
         base_main, base_children = c.rss()
         # idle anchor
         lag0 = loop_lag_counts(c.router.url)
@@ -83,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         per_action: dict[str, list[tuple[float, float, list[int]]]] = {}
         bad = 0
-        names = list(ACTIONS)
         while time.monotonic() - t0 < args.duration_s:
             name = rng.choice(names)
             a0 = time.monotonic()
@@ -101,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         sampler.join()
         end_main, end_children = c.rss()
+        if args.memory_report:
+            reports.append(("end", memory_report(c)))
+            reports.append(("after gc.collect()", memory_report(c, "collect=1&garbage=1")))
+            reports.append(("after malloc_trim", memory_report(c, "trim=1")))
     finally:
         stop.set()
         c.stop()
@@ -126,7 +151,49 @@ def main(argv: list[str] | None = None) -> int:
         worst = max((lat for t, lat in zip(times, lats) if any(a <= t <= b for a, b, _ in runs)), default=float("nan"))
         seen = sorted({s for _, _, st in runs for s in st})
         print(f"  {name:32s} {len(runs):4d}  {seen}  {worst * 1e3:7.1f} ms")
+    if reports:
+        print_memory_reports(reports)
     return 1 if bad else 0
+
+
+def memory_report(c, query: str = "") -> dict:  # noqa: ANN001
+    """The router's ``GET /debug/memory`` (JSON)."""
+    import json
+
+    from sim.emulator.hostile import ADMIN_KEY, http_request
+
+    status, body = http_request(c.router.url, "GET", "/debug/memory" + (f"?{query}" if query else ""),
+                                headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout_s=300)
+    if status != 200:
+        raise RuntimeError(f"/debug/memory answered {status}: {body[:200]!r}")
+    return json.loads(body)
+
+
+def print_memory_reports(reports: list[tuple[str, dict]]) -> None:
+    """RSS, Python and malloc figures of each report, object-type growth and allocation growth."""
+    print("router memory (GET /debug/memory):")
+    for label, r in reports:
+        m, py, pm, sm = r.get("malloc") or {}, r["python"], r.get("pymalloc") or {}, r.get("smaps") or {}
+        print(f"  {label:20s} RSS {r['rss_bytes'] / 1e6:6.1f} MB (anonymous {sm.get('Anonymous', 0) / 1e6:6.1f})  "
+              f"pymalloc: arenas {pm.get('arena_bytes', 0) / 1e6:6.1f} MB (high-water {pm.get('arenas_highwater', 0)}), blocks in use "
+              f"{pm.get('allocated_bytes', 0) / 1e6:6.1f} MB | malloc: in use {m.get('uordblks', 0) / 1e6:6.1f} MB, "
+              f"free kept {m.get('fordblks', 0) / 1e6:5.1f} MB, mmapped {m.get('hblkhd', 0) / 1e6:5.1f} MB, "
+              f"arenas {m.get('arenas', '?')} | gc objects {py['gc_objects']}"
+              + (f", collected {r['collected']}" if "collected" in r else "")
+              + (f" (RSS before trim {r['rss_before_trim_bytes'] / 1e6:.1f} MB)" if "rss_before_trim_bytes" in r else ""))
+    first, last = reports[0][1]["python"]["types"], reports[1][1]["python"]["types"]
+    growth = sorted(((last.get(k, 0) - first.get(k, 0), k) for k in set(first) | set(last)), reverse=True)
+    print("  object types, end minus after warm-up: " + ", ".join(f"{k} {d:+d}" for d, k in growth if d)[:1500])
+    for label, r in reports:
+        if "garbage_types" in r:
+            print(f"  cyclic garbage at the end ({label}): types " + ", ".join(f"{k} {v}" for k, v in r["garbage_types"].items()))
+            print("    frames: " + ", ".join(f"{k} {v}" for k, v in r["garbage_frames"].items()))
+            print("    exceptions: " + ", ".join(f"{k} {v}" for k, v in r["garbage_exceptions"].items()))
+    tm = reports[1][1].get("tracemalloc")
+    if tm and tm.get("growth"):
+        print(f"  tracemalloc: traced {tm['traced_bytes'] / 1e6:.1f} MB; growth by traceback since the warm-up:")
+        for g in tm["growth"][:12]:
+            print(f"    {g['size_diff_bytes'] / 1e3:+9.1f} kB {g['count_diff']:+7d} blocks  {' <- '.join(reversed(g['traceback']))}")
 
 
 if __name__ == "__main__":

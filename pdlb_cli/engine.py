@@ -66,6 +66,13 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="prefill -> decode KV transfer bandwidth in bytes/s (default: %(default)g)")
     p.add_argument("--kv-transfer-latency-s", type=float, default=d.kv_transfer_latency_s, metavar="SECONDS",
                    help="fixed latency of one KV transfer in seconds (default: %(default)s)")
+    p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="publish KV cache events on vLLM's ZMQ wire from this endpoint (DP rank r on PORT + r), "
+                        "for pdlb serve --index-mode events; only token-id prompts' blocks are announced "
+                        "(default: none)")
+    p.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
+                   help="with --kv-events: the replay endpoint (a ZMQ ROUTER; DP rank r on PORT + r) (default: none, no "
+                        "replay)")
     p.add_argument("--stream-format", choices=["openai", "transformers"], default=d.stream_format,
                    help="framing of streamed answers: openai (role with the first token, [DONE] at the end) or "
                         "transformers (as transformers serve: a role-only chunk before prefill, usage in the "
@@ -100,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             zero_delay=args.zero_delay, served_model_name=args.served_model_name, engine_id=args.engine_id,
             default_max_tokens=args.default_max_tokens, max_model_len=args.max_model_len, kv_transfer_bandwidth_bytes_per_s=args.kv_transfer_bandwidth,
             kv_transfer_latency_s=args.kv_transfer_latency_s, stream_format=args.stream_format,
+            kv_events_endpoint=args.kv_events, kv_events_replay_endpoint=args.kv_events_replay,
             faults={"error_rate": args.error_rate, "error_status": args.error_status, "hang": args.hang,
                     "hang_after_headers": args.hang_after_headers, "die_after_tokens": args.die_after_tokens,
                     "seed": args.seed})

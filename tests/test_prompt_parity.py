@@ -200,7 +200,7 @@ def test_chat_an_engine_renders_with_its_own_encoder_is_counted(folders, tmp_pat
 
 @pytest.mark.parametrize("body, match", [
     ({"messages": [USER], "tools": "x"}, "'tools' must be an array"),
-    ({"messages": [USER], "add_special_tokens": "yes"}, "'add_special_tokens' must be a boolean"),
+    ({"messages": [USER], "add_special_tokens": "yess"}, "'add_special_tokens' must be a boolean"),
     ({"messages": [USER], "chat_template_kwargs": [1]}, "'chat_template_kwargs' must be an object"),
     ({"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}, "cannot set both"),
 ])

@@ -278,7 +278,7 @@ async def test_failed_prefill_is_not_charged_to_the_decode_worker():
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 1000}, "n"),
-    ({"prompt": "x", "stream": "false"}, "stream"),
+    ({"prompt": "x", "stream": "fals"}, "stream"),  # "false" is a boolean to vLLM and SGLang (lax_bool)
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),

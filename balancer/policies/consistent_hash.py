@@ -23,7 +23,9 @@ wins (one always exists, since not every replica can exceed the mean).
 Parameters: ``epsilon`` (default 0.25, the balance factor c = 1.25 of the paper), ``key_block``
 (default 2, 1-based).
 Source: Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads" (SODA 2018);
-Thaler & Ravishankar rendezvous hashing; vLLM router ``consistent_hash``.
+Thaler & Ravishankar, "Using name-based mappings to increase hit rates" (IEEE/ACM ToN 1998:
+rendezvous hashing). Not vllm-router's ``consistent_hash``, which is a ring of virtual nodes with
+no load bound: that one is :mod:`balancer.policies.dp_consistent_hash`.
 Scores: the rendezvous rank (0 = first choice), computed only when read.
 """
 

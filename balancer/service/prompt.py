@@ -49,6 +49,34 @@ class PromptError(ValueError):
     """The request body has no usable prompt (missing or mistyped field)."""
 
 
+_BOOL = None
+
+
+def lax_bool(value: Any, name: str) -> bool | None:
+    """A request's boolean field read the way vLLM's and SGLang's request models read it
+    (pydantic v2 ``bool`` in its default lax mode, e.g. vLLM 0.33 ``CompletionRequest.stream`` and
+    SGLang 0.5.23's; pdlb validates with the same library): ``true``/``false``, the numbers 0 and
+    1 (integer or float), and the strings ``"1" "0" "true" "false" "t" "f" "yes" "no" "y" "n" "on"
+    "off"`` in any case. ``None`` (absent or ``null``) stays ``None``.
+
+    Raises:
+        PromptError: anything else (``2``, ``"maybe"``, ``""``, an array, ...), naming ``name``.
+    """
+    if value is None or type(value) is bool:
+        return value
+    global _BOOL
+    from pydantic import TypeAdapter, ValidationError
+
+    if _BOOL is None:
+        _BOOL = TypeAdapter(bool)
+    if isinstance(value, (str, int, float)) and not (isinstance(value, str) and len(value) > 5):  # "false": 5
+        try:
+            return bool(_BOOL.validate_python(value))
+        except ValidationError:
+            pass
+    raise PromptError(f"'{name}' must be a boolean")
+
+
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
     """The chat request fields that change the prompt an engine renders (vLLM 0.33
@@ -83,10 +111,8 @@ def _chat_options(body: dict[str, Any]) -> ChatOptions:
     """The :class:`ChatOptions` of a chat body. Raises :class:`PromptError` on a mistyped field
     (the engines answer 400 to the same)."""
     def opt_bool(name: str, default: bool | None) -> bool | None:
-        v = body.get(name, default)
-        if v is not None and not isinstance(v, bool):
-            raise PromptError(f"'{name}' must be a boolean")
-        return v
+        v = lax_bool(body.get(name), name)
+        return default if v is None else v
 
     def opt(name: str, kind: type, what: str) -> Any:
         v = body.get(name)
@@ -177,9 +203,7 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     if endpoint != "completions":
         raise ValueError(f"unknown endpoint {endpoint!r}")
     p = body.get("prompt")
-    special = body.get("add_special_tokens")
-    if special is not None and not isinstance(special, bool):
-        raise PromptError("'add_special_tokens' must be a boolean")
+    special = lax_bool(body.get("add_special_tokens"), "add_special_tokens")
     if isinstance(p, str):
         return Prompt(text=p, add_special_tokens=special)
     if isinstance(p, list) and p:

@@ -8,7 +8,9 @@ reaches every engine it retries on. What it checks here:
   vLLM) and the DP rank (``data_parallel_rank``). Forwarded from a client they would make a decode
   engine fetch KV from a host and port the client chose, or address a rank the router did not pick.
 * **Fields the router reads or that engines reject with a 5xx** are type- and range-checked the way
-  an OpenAI server does: ``stream`` a boolean (``"false"`` is truthy in Python), the output limit
+  an OpenAI server does: ``stream`` a boolean (``"false"`` is truthy in Python; the spellings
+  vLLM's and SGLang's pydantic models accept, ``"no"``, ``1``, ``"on"``..., are accepted and
+  replaced by their boolean: :func:`~balancer.service.prompt.lax_bool`), the output limit
   (``max_tokens``, ``max_completion_tokens``, ``sampling_params.max_new_tokens``) an integer
   1..``max_tokens_limit``, ``n``/``best_of`` 1..:data:`MAX_N`, sampling numbers finite
   (``temperature`` >= 0, ``top_p`` in (0, 1], penalties in [-2, 2], ``repetition_penalty`` > 0),
@@ -38,7 +40,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from balancer.service.prompt import PromptError
+from balancer.service.prompt import PromptError, lax_bool
 
 __all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP", "ROUTER_FIELDS", "check_request",
            "client_request_id", "parse_json_body"]
@@ -123,10 +125,13 @@ def _sampling(body: Mapping[str, Any], where: str, max_tokens_limit: int) -> Non
             raise PromptError(f"'{where}stop' must be a string or an array of at most {MAX_STOP} strings")
 
 
-def _boolean(body: Mapping[str, Any], key: str) -> None:
+def _boolean(body: dict[str, Any], key: str, where: str = "") -> None:
+    """``body[key]`` a boolean as the engines read one (:func:`~balancer.service.prompt.lax_bool`);
+    an accepted non-boolean (``"yes"``, ``0``) is replaced by its boolean in ``body``, so that the
+    router reads what the engine will (``"stream": "yes"`` streams)."""
     v = body.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise PromptError(f"'{key}' must be a boolean")
+    if v is not None and type(v) is not bool:
+        body[key] = lax_bool(v, where + key)
 
 
 def _messages(messages: Any) -> None:
@@ -166,8 +171,10 @@ def _not_batched(body: Mapping[str, Any], endpoint: str) -> None:
             raise PromptError(_BATCH.format(n=len(ids), key="input_ids"))
 
 
-def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int) -> None:
-    """Check a generation request body (see the module docstring).
+def check_request(endpoint: str, body: dict[str, Any], max_tokens_limit: int) -> None:
+    """Check a generation request body (see the module docstring). Boolean fields the engines
+    accept in another spelling (``"yes"``, ``1``: :func:`~balancer.service.prompt.lax_bool`) are
+    replaced in ``body`` by their boolean.
 
     Args:
         endpoint: ``"completions"``, ``"chat"`` or ``"generate"``.
@@ -180,16 +187,13 @@ def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int)
     for key in ROUTER_FIELDS:
         if key in body:
             raise PromptError(f"'{key}' is set by the router (PD handshake and DP rank); remove it from the request")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise PromptError("'stream' must be a boolean")
+    _boolean(body, "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise PromptError("'stream_options' must be an object")
     if so is not None:
         for key in ("include_usage", "continuous_usage_stats"):  # OpenAI's and vLLM's flags
-            if so.get(key) is not None and not isinstance(so[key], bool):
-                raise PromptError(f"'stream_options.{key}' must be a boolean")
+            _boolean(so, key, "stream_options.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise PromptError("'model' must be a string")
@@ -213,6 +217,42 @@ def check_request(endpoint: str, body: Mapping[str, Any], max_tokens_limit: int)
             _sampling(sp, "sampling_params.", max_tokens_limit)
         if "max_new_tokens" in body:  # top level is not where SGLang reads it: refuse rather than ignore
             raise PromptError("'max_new_tokens' belongs in 'sampling_params'")
+
+
+#: headers naming a conversation / agent session, in the order vllm-router reads them for its
+#: consistent hashing (``src/policies/hash_key.rs`` of the 0.1.17 sdist; its per-request ids,
+#: ``x-request-id`` and ``x-trace-id``, are left out: they give no affinity)
+SESSION_HEADERS = ("X-Session-Id", "X-User-Id", "X-Tenant-Id", "X-Correlation-Id")
+#: body fields naming a session, in order (``user`` is OpenAI's end-user id)
+SESSION_FIELDS = ("session_id", "user")
+
+
+def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+    """The request's session key for session-affine policies (``Request.session_id``): the first
+    non-empty header of :data:`SESSION_HEADERS`, else the first string field of
+    :data:`SESSION_FIELDS` in the body, else ``None``.
+
+    Raises:
+        PromptError: the value is longer than :data:`MAX_REQUEST_ID_CHARS` or not printable.
+    """
+    found: tuple[str, str] | None = None
+    for name in SESSION_HEADERS:
+        h = headers.get(name)
+        if h:
+            found = (name, h)
+            break
+    if found is None:
+        for name in SESSION_FIELDS:
+            b = body.get(name)
+            if isinstance(b, str) and b:
+                found = (name, b)
+                break
+    if found is None:
+        return None
+    name, v = found
+    if len(v) > MAX_REQUEST_ID_CHARS or not v.isprintable():
+        raise PromptError(f"'{name}' (the session id) must be 1..{MAX_REQUEST_ID_CHARS} printable characters")
+    return v
 
 
 def client_request_id(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:

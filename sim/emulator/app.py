@@ -54,10 +54,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
-from balancer.service.prompt import PromptError, extract_prompt, max_output_tokens
+from balancer.service.prompt import PromptError, extract_prompt, lax_bool, max_output_tokens
 from balancer.validation import format_validation_error
 from sim.emulator.config import MAX_BOOTSTRAP_WAIT_S, EmulatorConfig, FaultConfig
 from sim.emulator.engine import EngineCore
+from sim.emulator.kv_events import KvEventPublisher
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 STATE: web.AppKey["EmulatorState"] = web.AppKey("emulator_state", object)  # type: ignore[arg-type]
@@ -144,6 +145,12 @@ class EmulatorState:
             self.core = EngineCore(perf, cfg.role, dp_ranks=cfg.dp_ranks, block_size=cfg.block_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, max_decode_batch=cfg.max_decode_batch,
                                    kv_capacity_tokens=cfg.kv_capacity_tokens, speed=cfg.speed, name=cfg.engine_id or "engine")
+        self.kv_events: KvEventPublisher | None = None
+        if cfg.kv_events_endpoint is not None and self.core is not None:
+            self.kv_events = KvEventPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.dp_ranks,
+                                              cfg.block_size)
+            for rank in self.core.ranks:
+                rank.kv_listener = self.kv_events.on_change
         self.rooms: OrderedDict[int, _Room] = OrderedDict()  # creation order (expiry pops the front)
         self.tasks: dict[str, asyncio.Task] = {}  # rid -> handler task (abort_request cancels it)
         self.log: deque[dict[str, Any]] = deque(maxlen=5000)
@@ -298,6 +305,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         prompt = extract_prompt(endpoint, body)
         out_tokens = max_output_tokens(endpoint, body, cfg.default_max_tokens)
         dp_rank, room = _pd_leg_fields(body, request.headers.get("X-data-parallel-rank"), cfg.dp_ranks)
+        stream = bool(lax_bool(body.get("stream"), "stream"))  # "no" is false to vLLM and SGLang, as here
     except (PromptError, ValueError) as e:
         return _err(400, str(e))
     unsupported = _one_completion(endpoint, body)
@@ -306,6 +314,8 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     if prompt.token_ids is not None:
         prompt_tokens = len(prompt.token_ids)
         hashes = tuple(hash_token_blocks(prompt.token_ids, cfg.block_size))
+        if st.kv_events is not None:
+            st.kv_events.register(hashes, prompt.token_ids)
     else:
         text = prompt.text or ""
         prompt_tokens = max(1, math.ceil(len(text) / cfg.chars_per_token))
@@ -317,7 +327,6 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
                          f"requested {prompt_tokens + out_tokens} tokens ({prompt_tokens} in the messages, "
                          f"{out_tokens} in the completion). Please reduce the length of the messages or completion.")
     rid = str(body.get("rid") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
-    stream = bool(body.get("stream"))
     kv_in = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
     if cfg.role == "prefill":
         mode = "prefill"
@@ -600,10 +609,20 @@ def create_engine_app(cfg: EmulatorConfig, *, exit_on_die: bool = False) -> web.
     app[STATE] = st
 
     async def lifecycle(app: web.Application):  # noqa: ANN202
+        if st.kv_events is not None:
+            import zmq
+
+            try:
+                st.kv_events.start()
+            except zmq.ZMQError as e:
+                raise ValueError(f"--kv-events: cannot bind {' '.join(st.kv_events.endpoints + st.kv_events.replay_endpoints)}: "
+                                 f"{e}") from None
         st.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         if st.core is not None:
             st.core.start()
         yield
+        if st.kv_events is not None:
+            await st.kv_events.stop()
         for t in list(st.tasks.values()):
             t.cancel()
         if st.core is not None:

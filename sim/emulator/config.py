@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sim.hardware import get_hardware
 from sim.models import get_model
@@ -66,6 +66,9 @@ class EmulatorConfig(BaseModel):
             ``transformers`` (as ``transformers serve`` 5.17: a role-only chunk at once, before
             prefill; the finish chunk carries ``usage``; no ``[DONE]``; completions likewise
             without ``[DONE]``).
+        kv_events_endpoint: publish KV cache events on vLLM's wire (:mod:`sim.emulator.kv_events`)
+            from this ZMQ endpoint, ``tcp://HOST:PORT`` (DP rank ``r`` on PORT + ``r``); None: none.
+        kv_events_replay_endpoint: the replay ROUTER endpoint (same offsets); None: no replay.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -91,7 +94,28 @@ class EmulatorConfig(BaseModel):
     default_max_tokens: int = Field(16, ge=1)
     max_model_len: int = Field(131_072, ge=2, le=1 << 30)
     stream_format: Literal["openai", "transformers"] = "openai"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     faults: FaultConfig = FaultConfig()
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> EmulatorConfig:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (--kv-events)")
+        if self.kv_events_endpoint is not None and self.zero_delay:
+            raise ValueError("kv_events_endpoint: a zero-delay engine has no prefix cache to publish (drop --zero-delay)")
+        return self
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            from sim.emulator.kv_events import offset_endpoint
+
+            offset_endpoint(v, 0)  # ValueError: expected tcp://HOST:PORT
+            if int(v.rpartition(":")[2]) > 65535:
+                raise ValueError(f"KV events endpoint {v!r}: port above 65535")
+        return v
 
     @field_validator("model")
     @classmethod

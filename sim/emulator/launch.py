@@ -24,7 +24,11 @@ async def serve_engine(cfg: EmulatorConfig, host: str, port: int, bootstrap_port
         print(f"error: {e}{hint}", file=sys.stderr)
         return 2
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
+    try:
+        await runner.setup()  # binds the KV event sockets (--kv-events)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     listening = port
     try:
         await web.TCPSite(runner, host, port).start()
