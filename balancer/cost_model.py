@@ -43,6 +43,8 @@ from functools import cached_property
 
 import numpy as np
 
+from balancer import kernels
+
 #: Feature names of the prefill and decode step models (the coefficient order everywhere).
 PREFILL_TERMS = ("overhead_s", "per_token_s", "per_attn_pair_s", "per_group_token_s")
 DECODE_TERMS = ("overhead_s", "per_seq_s", "per_kv_token_s", "per_group_seq_s")
@@ -405,6 +407,11 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     q = queued
     a = queued_pairs
     u = new_tokens
+    idle = cost.ep_synchronous and q[q.argmax()] <= 0 and a[a.argmax()] <= 0
+    if cost.ep_synchronous and rows is not None and not idle:  # the compiled loop, when there is one
+        got = kernels.prefill_wait_rows(q, a, u, cached_tokens, C, c.per_token_s, c.per_attn_pair_s, idx, rows)
+        if got is not None:
+            return got
     own_pairs = u * cached_tokens + u * (u + 1.0) / 2.0
     q_new = q + u
     a_new = a + own_pairs
@@ -412,7 +419,7 @@ def prefill_wait_features(queued: np.ndarray, queued_pairs: np.ndarray, new_toke
     n = len(q)
     if not cost.ep_synchronous:
         return _columns(n, steps, q_new, a_new, 0.0), np.zeros(n)
-    if q[q.argmax()] <= 0 and a[a.argmax()] <= 0:  # an idle pool: each candidate's own rank is the slowest
+    if idle:  # an idle pool: each candidate's own rank is the slowest
         return _columns(n, steps, q_new, a_new, q_new), np.zeros(n)
     X = steps * C
     w = c.per_token_s * q + c.per_attn_pair_s * a

@@ -265,6 +265,7 @@ class Router:
         self.load = LoadTracker()
         self.rng = random.Random(seed)
         self._replicas: dict[ReplicaId, ReplicaInfo] = {}
+        self._prefill_registered = False  # any prefill replica registered (set with the pools)
         self._pools: dict[str, _Pool] | None = None
         self._decisions = {"prefill": 0, "decode": 0}
         self._now_s = -math.inf  # latest time a caller passed in (see _clock); -inf: none yet
@@ -408,6 +409,7 @@ class Router:
 
     def _get_pools(self) -> dict[str, _Pool]:
         if self._pools is None:
+            self._prefill_registered = any(i.role is Role.PREFILL for i in self._replicas.values())
             healthy = [i for i in self._sorted_infos() if i.healthy]
             prefill = [i for i in healthy if i.role is Role.PREFILL]
             decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
@@ -841,15 +843,25 @@ class Router:
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
 
     def uses_load(self) -> bool:
-        """Whether either policy reads the candidates' load (:attr:`Policy.uses_load`); when
-        neither does, the candidates carry only this router's own load (other processes' is not
-        read)."""
-        return getattr(self.decode_policy, "uses_load", True) or getattr(self.prefill_policy, "uses_load", True)
+        """Whether a policy that decides reads the candidates' load (:attr:`Policy.uses_load`):
+        the decode policy, and the prefill policy while prefill replicas are registered (a router
+        of mixed replicas never runs it); when none does, the candidates carry only this router's
+        own load (other processes' is not read)."""
+        if getattr(self.decode_policy, "uses_load", True):
+            return True
+        return self._prefill_decides() and getattr(self.prefill_policy, "uses_load", True)
 
     def uses_prefix_index(self) -> bool:
-        """Whether either policy reads prefix matches (:attr:`Policy.uses_prefix_index`)."""
-        return (getattr(self.decode_policy, "uses_prefix_index", True)
-                or getattr(self.prefill_policy, "uses_prefix_index", True))
+        """Whether a policy that decides reads prefix matches (:attr:`Policy.uses_prefix_index`):
+        the decode policy, and the prefill policy while prefill replicas are registered."""
+        if getattr(self.decode_policy, "uses_prefix_index", True):
+            return True
+        return self._prefill_decides() and getattr(self.prefill_policy, "uses_prefix_index", True)
+
+    def _prefill_decides(self) -> bool:
+        """Whether prefill replicas are registered (healthy or not), so the prefill policy runs."""
+        self._get_pools()
+        return self._prefill_registered
 
     @_locked
     def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
@@ -935,6 +947,7 @@ class Router:
             state["speculative"] = _unflat_index(state["speculative"])
         state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
         state.setdefault("_clock_regression_max_s", 0.0)
+        state.setdefault("_prefill_registered", False)  # recomputed with the pools
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self._pools = None

@@ -4,8 +4,9 @@ The floor under every subcommand module of :mod:`pdlb_cli`: they import from her
 other (``tests/test_import_graph.py``), and this module imports nothing above the scenario and its
 perf model (no simulation, search or report module; no other module of :mod:`pdlb_cli`).
 
-- ``type=`` checks for argparse (:func:`positive_int`, :func:`seed_int`, :func:`positive_float`,
-  :func:`nonnegative_float`, :func:`fraction`, :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
+- ``type=`` checks for argparse (:func:`positive_int`, :func:`int_at_least`, :func:`seed_int`,
+  :func:`positive_float`, :func:`nonnegative_float`, :func:`rate_list`, :func:`fraction`,
+  :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and the scenario they build (:func:`scenario_from_args`;
@@ -69,6 +70,13 @@ def _int_at_least(text: str, minimum: int) -> int:
     return value
 
 
+def int_at_least(minimum: int) -> typing.Callable[[str], int]:
+    """An argparse ``type=``: an int >= ``minimum`` (the messages of :func:`positive_int`)."""
+    def parse(text: str) -> int:
+        return _int_at_least(text, minimum)
+    return parse
+
+
 def positive_int(text: str) -> int:
     """An int >= 1 (request counts, engine counts)."""
     return _int_at_least(text, 1)
@@ -111,6 +119,20 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
     return _float_checked(text, allow_zero=True)
+
+
+def rate_list(text: str) -> list[float]:
+    """Comma-separated request rates, req/s: finite, >= 0, at least one > 0 (a load ramp's steps)."""
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}") from None
+    if not rates or any(not (r >= 0 and r != float("inf")) for r in rates):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite rates >= 0, got {text!r}")
+    if not any(rates):
+        raise argparse.ArgumentTypeError(f"every rate is 0, so the workload would be empty; give at least one "
+                                         f"rate > 0, got {text!r}")
+    return rates
 
 
 def fraction(text: str) -> float:
@@ -794,7 +816,7 @@ def session_config(args: argparse.Namespace, days: float) -> SessionWorkloadConf
             if field in upd and field in _FIELD_FLAGS:
                 parts.append(f"{_FIELD_FLAGS[field]}: {msg}")
             else:  # a field of --config (already checked alone) or a check across fields
-                if not loc:  # across fields: name the flags that set them (was: "lower duration_s or ...")
+                if not loc:  # across fields: name the flags that set them, not the config fields
                     for name, flag in _FIELD_FLAGS.items():
                         msg = re.sub(rf"\b{name}\b", flag, msg)
                 where = ".".join(str(x) for x in loc)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from balancer.cost_model import CostModel
 from balancer.policies import available_policies
+from balancer.service.admission_config import add_admission_args, admission_overrides
 from balancer.service.config import WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, parse_worker_spec
 from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE, default_processes, event_loop_factory, serve
 
@@ -86,6 +87,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="scrape the engines' /metrics (running, waiting, KV usage) every "
                         f"{d.load_scrape.interval_s:g} s as load reports, so that several routers see the whole load "
                         "(default: off)")
+    p.add_argument("--broker", metavar="NATS_URL",
+                   help="share in-flight load (and, in approximate mode, routing decisions) with the other routers "
+                        "on this NATS broker, e.g. nats://10.0.0.5:4222; needs pdlb[broker]; more settings in the config "
+                        "file's broker: section (default: none)")
     p.add_argument("--pd-min-uncached-tokens", type=int, metavar="TOKENS",
                    help="conditional disaggregation: requests with fewer uncached prompt tokens run on the decode "
                         f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
@@ -134,6 +139,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default="WARNING", help="log level of the router's own messages on stderr (default: %(default)s)")
+    add_admission_args(p, serve=True)
     return p
 
 
@@ -205,8 +211,12 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data.setdefault("retry", {})["max_retries"] = args.max_retries
     if getattr(args, "scrape_load", None):
         data.setdefault("load_scrape", {})["enabled"] = True
+    if getattr(args, "broker", None):
+        data.setdefault("broker", {})["url"] = args.broker
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
+    if adm := admission_overrides(args):
+        data.setdefault("admission", {}).update(adm)
     cfg = load_service_config(None, data)
     return cfg.model_copy(update={k: None for k in off}) if off else cfg
 

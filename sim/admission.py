@@ -1,9 +1,9 @@
 """What a simulated cluster refuses at arrival, as real engines do, and workload/scenario mismatches.
 
 Real engines reject a request whose prompt plus output limit exceeds ``max_model_len`` (vLLM and
-SGLang answer 400), and a request that could never fit a rank's KV cache cannot run there. The
-simulator used to admit such requests silently: a 300k + 100k request on a 370k-token rank
-"finished" after 33 simulated minutes and stalled its EP engine; 10**12 output tokens never ended.
+SGLang answer 400), and a request that could never fit a rank's KV cache cannot run there.
+Admitted, a 300k + 100k request on a 370k-token rank would "finish" after 33 simulated minutes and
+stall its EP engine, and 10**12 output tokens would never end.
 
 :func:`admit` splits a workload into the requests a scenario accepts and counts of the refused
 ones by reason (:data:`REJECT_REASONS`); :func:`sim.cluster.simulate` runs only the accepted ones

@@ -176,7 +176,7 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
     zeros = np.zeros(n)
     tpot_step = per_rank(dec_perf, dec_pool.dp_ranks, [zeros, zeros, np.ones(n), prompt.astype(np.float64)])
     tpot = np.where(out > 1, tpot_step, np.nan)
-    # refused at arrival whatever the rate (sim.admission): they miss (was: counted as met)
+    # refused at arrival whatever the rate (sim.admission): they miss
     too_long = prompt + out > scenario.effective_max_model_len
     ttft = np.where(too_long, np.nan, ttft)
     tpot = np.where(too_long, np.nan, tpot)
@@ -423,8 +423,8 @@ class RateSearch:
 
         def result(status: str, lo: float | None, hi: float | None, reason: str = "") -> RateSearchResult:
             best = next((p for p in points if lo is not None and p.point.rate_scale == lo and p.meets), None)
-            # the rate of the requests simulated at the answer (was: lo x the whole trace's mean rate,
-            # 17-29% too high when --duration-s simulates a calmer first window)
+            # the rate of the requests simulated at the answer, not lo x the whole trace's mean rate
+            # (17-29% too high when --duration-s simulates a calmer first window)
             rps = best.offered_rps if best is not None and math.isfinite(best.offered_rps) else \
                 (lo * base if lo is not None else None)
             return RateSearchResult(self.label, self.scenario.name, self.scenario.num_gpus, self.slo, status, lo,
@@ -639,7 +639,7 @@ class GpuSearch:
             if passing:
                 best = min(passing, key=lambda kk: (self._gpus(dict(zip(pools, kk))), kk))
                 at_max = [p for p, n in zip(pools, best) if n >= mx[p]]
-                if at_max:  # was not flagged: kv_cost's 24 prefill engines were exactly the default maximum
+                if at_max:  # an answer at the search's maximum may be the maximum, not the need
                     notes.append(at_limit_note(dict(zip(pools, best)), at_max))
                 # the answer's neighbours, whatever the search evaluated on its way (which depends on
                 # its width), then every evaluated pair: the monotonicity verdict (issue 24 item 7)

@@ -297,7 +297,7 @@ def rate_figure(results: Sequence[RateSearchResult], curves: dict[str, list[Poin
         axes[2].set_xscale("log")
         plain_log_ticks(axes[2].xaxis)
     axes[2].set_yscale("log")
-    plain_log_ticks(axes[2].yaxis)  # 0.6, 2 (was: 6×10^-1, 2×10^0)
+    plain_log_ticks(axes[2].yaxis)  # 0.6, 2 (not 6×10^-1, 2×10^0)
     extra = [Line2D([], [], color="0.3", ls=":", lw=1.2, marker="*", ms=10, mec="k",
                     label="answer: highest rate\nmeeting the SLO")]
     if any_early:

@@ -41,10 +41,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import simpy
 
+from balancer.deadline_admission import AdmissionConfig
 from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemoved, BlockStored
 from balancer.policies import Policy
 from balancer.router import Router
@@ -111,6 +113,10 @@ class Cluster:
         perf_factory: ``(scenario, pool) -> PerfModel``; the roofline by default.
         kv_events: publish every cache change to ``router.on_kv_event`` (the router's events
             mode); default: when the router's ``index_mode`` is ``"events"``.
+        record_iterations: keep per-rank step records by class (:meth:`StepGroup.iteration_times`).
+
+    Closed-loop workloads (:mod:`sim.closed_loop`) use :meth:`begin_dynamic`, :meth:`submit` and
+    the completion hook :attr:`on_request_finished` ``(index, now_s)`` instead of :meth:`run`.
     """
 
     def __init__(
@@ -119,8 +125,11 @@ class Cluster:
         router_factory: Callable[[int | None], Router],
         perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
         kv_events: bool | None = None,
+        record_iterations: bool = False,
     ) -> None:
         self.scenario = scenario
+        #: called as ``(request index, now_s)`` when a request finishes (closed-loop drivers)
+        self.on_request_finished: Callable[[int, float], None] | None = None
         self.env = simpy.Environment()
         self.tier_stats = TierStats()
         self.store: SharedStore | None = None
@@ -169,6 +178,11 @@ class Cluster:
                                 pool.max_prefill_tokens, pool.max_decode_batch,
                                 share_prompt_blocks=scenario.kv_accounting == "shared")
                     rank.hit_multiple_tokens = hit_multiple
+                    # vLLM scheduler options of the pool and MTP verification (off by default)
+                    rank.max_num_seqs = pool.max_num_seqs
+                    rank.max_chunk_tokens = pool.max_chunk_tokens
+                    rank.verify_tokens_per_seq = getattr(perf, "verify_tokens_per_seq", 1)
+                    rank.decode_tokens_per_step = getattr(perf, "decode_tokens_per_step", 1.0)
                     self.ranks.append(rank)
                     self._perf_of.append(perf)
                     self._by_replica[rep] = rank
@@ -193,7 +207,9 @@ class Cluster:
                                   on_prefill_done=self._on_prefill_done,
                                   on_decode_admitted=self._on_decode_admitted,
                                   on_decode_finished=self._on_decode_finished,
-                                  fast_forward=scenario.fast_forward)
+                                  fast_forward=scenario.fast_forward,
+                                  prefill_schedule_interval=pool.prefill_schedule_interval,
+                                  record_iterations=record_iterations)
                     self.groups.append(g)
                     self._group_of.extend(g for _ in members)
                 if scenario.long_prefill is not None and role is Role.PREFILL:
@@ -216,6 +232,8 @@ class Cluster:
                 if rank.tiers is not None:
                     rank.tiers.listener = self._publish
         self.records: RequestRecords | None = None
+        #: deadline admission (:class:`sim.deadline_gate.SimAdmission`) between arrival and routing, or None
+        self.admission: Any = None
         self._requests: Sequence[Request] = ()
         self._index_of: dict[str, int] = {}
         self._done: simpy.Event | None = None
@@ -241,6 +259,8 @@ class Cluster:
         rec.prompt_tokens[:] = [r.prompt_tokens for r in requests]
         rec.output_tokens[:] = [r.output_tokens for r in requests]
         self._done = self.env.event()
+        if self.admission is not None:
+            self.admission.start(requests)
         if n == 0:
             return rec
         duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
@@ -268,35 +288,98 @@ class Cluster:
             progress(rec.num_finished, n)
         return rec
 
+    def begin_dynamic(self, capacity: int, sample_interval_s: float = 10.0) -> RequestRecords:
+        """Closed-loop mode: records for up to ``capacity`` requests, submitted one by one at the
+        current simulated time with :meth:`submit` (no arrival list). Returns the records (they
+        grow by doubling up to ``capacity`` rows; rows beyond the submitted requests stay unused,
+        read :attr:`records` again after the run).
+
+        Raises:
+            ValueError: ``capacity`` < 1."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._requests = []
+        self._index_of = {}
+        self._capacity = capacity
+        self.records = RequestRecords(min(capacity, 1024))
+        self._done = self.env.event()
+        self.samples = LoadSamples(sample_interval_s)
+        return self.records
+
+    def submit(self, req: Request) -> int:
+        """Route ``req`` now (``env.now``; its ``arrival_time_s`` should equal it) and queue it on
+        its rank; returns its row in the records.
+
+        Raises:
+            RuntimeError: not in dynamic mode, or the records' capacity is used up.
+            ValueError: a duplicate request id."""
+        rec = self.records
+        if rec is None or not isinstance(self._requests, list):
+            raise RuntimeError("submit() needs begin_dynamic() first")
+        i = len(self._requests)
+        if i >= rec.num_requests:
+            if i >= self._capacity:
+                raise RuntimeError(f"more than {self._capacity} requests submitted (the capacity given to begin_dynamic)")
+            rec.grow(min(self._capacity, 2 * rec.num_requests))
+        if req.request_id in self._index_of:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self._index_of[req.request_id] = i
+        self._requests.append(req)
+        rec.arrival_s[i] = self.env.now
+        rec.prompt_tokens[i] = req.prompt_tokens
+        rec.output_tokens[i] = req.output_tokens
+        self.dispatch(i, req, self.env.now)
+        return i
+
     def _arrivals(self):  # noqa: ANN202
         env = self.env
         rec = self.records
         assert rec is not None
-        router = self.router
-        threshold = self.scenario.long_prompt_threshold_tokens
-        long_pool = bool(self._long_engines)
         for i, req in enumerate(self._requests):
             delay = req.arrival_time_s - env.now
             if delay > 0:
                 yield env.timeout(delay)
-            if long_pool:  # the same router and policies, restricted to the request's pool
-                exclude = self._short_engines if req.prompt_tokens >= threshold else self._long_engines
-                route = router.route(req, env.now, exclude_engines=exclude)
+            if self.admission is not None:  # held, shed or dispatched by the deadline gate
+                self.admission.on_arrival(i, req, env.now)
             else:
-                route = router.route(req, env.now)
-            rec.num_routed += 1
-            job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
-            if route.prefill is not None:
-                rank = self._by_replica[route.prefill]
-                rec.router_matched_tokens[i] = route.prefill_matched_tokens
-                rec.decode_rank[i] = self._by_replica[route.decode].index
-            else:
-                rank = self._by_replica[route.decode]
-                rec.router_matched_tokens[i] = route.decode_matched_tokens
-                rec.decode_rank[i] = rank.index
-            rec.prefill_rank[i] = rank.index
-            rank.enqueue_prefill(job)
-            self._group_of[rank.index].notify()
+                self.dispatch(i, req, env.now)
+
+    @property
+    def requests(self) -> Sequence[Request]:
+        """The workload of the current run."""
+        return self._requests
+
+    def dispatch(self, i: int, req: Request, now: float) -> None:
+        """Route request ``i`` now and queue it at its prefill (or mixed) rank."""
+        rec = self.records
+        assert rec is not None
+        router = self.router
+        if self._long_engines:  # the same router and policies, restricted to the request's pool
+            exclude = self._short_engines if req.prompt_tokens >= self.scenario.long_prompt_threshold_tokens \
+                else self._long_engines
+            route = router.route(req, now, exclude_engines=exclude)
+        else:
+            route = router.route(req, now)
+        rec.num_routed += 1
+        job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
+        if route.prefill is not None:
+            rank = self._by_replica[route.prefill]
+            rec.router_matched_tokens[i] = route.prefill_matched_tokens
+            rec.decode_rank[i] = self._by_replica[route.decode].index
+        else:
+            rank = self._by_replica[route.decode]
+            rec.router_matched_tokens[i] = route.decode_matched_tokens
+            rec.decode_rank[i] = rank.index
+        rec.prefill_rank[i] = rank.index
+        rank.enqueue_prefill(job)
+        self._group_of[rank.index].notify()
+
+    def on_shed(self, i: int, now: float) -> None:
+        """Request ``i`` was shed by the deadline gate: it ends unanswered by the engines."""
+        rec = self.records
+        rec.num_shed += 1
+        if rec.num_finished + rec.num_shed == rec.num_requests and not self._done.triggered:
+            self._done.succeed()
 
     def _sampler(self, interval: float):  # noqa: ANN202
         env = self.env
@@ -347,6 +430,8 @@ class Cluster:
         if rank.tiers is not None:
             rank.tiers.on_prefill_done(job)
         self.router.on_prefill_done(req_id, now)
+        if self.admission is not None:  # the prefill backlog shrank: the gate may dispatch
+            self.admission.drain(now)
         if rank.role is Role.PREFILL:
             d_idx = int(rec.decode_rank[i])
             nbytes = self.transfer_tokens(job, self.ranks[d_idx]) * self._perf_of[rank.index].kv_bytes_per_token
@@ -390,8 +475,12 @@ class Cluster:
         rec.finish_s[i] = now
         rec.num_finished += 1
         self.router.on_finished(self._requests[i].request_id, now, int(rec.output_tokens[i]))
-        if rec.num_finished == rec.num_requests:
+        if self.admission is not None:
+            self.admission.drain(now)
+        if rec.num_finished + rec.num_shed == rec.num_requests and not self._done.triggered:
             self._done.succeed()
+        if self.on_request_finished is not None:
+            self.on_request_finished(i, now)
 
 
 def simulate(
@@ -408,6 +497,9 @@ def simulate(
     tier_weights: dict[str, float] | None = None,
     router_wrapper: Callable[[Callable[[int | None], Router]], Callable[[int | None], Router]] | None = None,
     ttft_slo: TtftSlo | None = None,
+    admission: AdmissionConfig | None = None,
+    tenant_of: Callable[[Request], str] | None = None,
+    priority_of: Callable[[Request], str | None] | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -420,7 +512,9 @@ def simulate(
     (:func:`sim.cost_model.cost_model_for`) for cost-based policies, and ``ttft_slo`` (the TTFT
     budget SLO-aware policies route against, ``None``: SLO-blind). ``router_wrapper``: turns the router factory
     into another one with the same interface (e.g. several routers splitting the traffic,
-    :mod:`sim.experiments.k_routers`)."""
+    :mod:`sim.experiments.k_routers`). ``admission``: deadline admission between arrival and
+    routing (:mod:`sim.deadline_gate`; ``None``, the default: every request is routed at arrival),
+    with ``tenant_of`` / ``priority_of`` naming a request's tenant and class."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     check_block_size(requests, scenario.block_size)
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
@@ -435,6 +529,11 @@ def simulate(
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
     requests, rejected = admit_to(cluster, requests)
+    if admission is not None:
+        from sim.deadline_gate import SimAdmission, default_tenant
+
+        cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
+                                         priority_of or (lambda r: None), cost_model)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
@@ -456,6 +555,7 @@ def simulate(
         wall_s=wall,
         extra={**({"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {}),
                **({"rejected": rejected} if rejected else {}),
+               **({"admission": cluster.admission.finish()} if cluster.admission is not None else {}),
                "step_imbalance": step_imbalance(cluster.groups)},
     )
 

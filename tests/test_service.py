@@ -501,3 +501,26 @@ def test_kv_event_timers_are_bounded(field, value):
     with pytest.raises(ValidationError, match=field):
         KvEventsConfig(**{field: value})
     assert getattr(KvEventsConfig(**{field: 600.0}), field) == 600.0
+
+
+async def test_session_header_reaches_the_router_as_request_session_id():
+    # issue 23: vllm-router keys its DP-aware ring on x-session-id; pdlb's service passes the
+    # header (else the body's session_id / user) to the Router as Request.session_id, so
+    # session-affine policies keep a conversation on one replica
+    from balancer.service.request_checks import session_id_of
+    from balancer.service.prompt import PromptError
+    assert session_id_of({}, {"X-Session-Id": "s1", "X-User-Id": "u"}) == "s1"
+    assert session_id_of({"user": "u2"}, {}) == "u2" and session_id_of({"session_id": "s", "user": "u"}, {}) == "s"
+    assert session_id_of({"user": 5}, {}) is None and session_id_of({}, {}) is None
+    with pytest.raises(PromptError):
+        session_id_of({}, {"X-Session-Id": "x" * 10_000})
+    async with inprocess_cluster("none", num_decode=4, engine=FAST,
+                                 router={"decode_policy": "dp_consistent_hash"}) as c, aiohttp.ClientSession() as s:
+        for k in range(6):  # different prompts, one session: one engine
+            r = await s.post(c.url + "/v1/completions", json={"prompt": f"turn {k} " * (20 + k), "max_tokens": 2},
+                             headers={"X-Session-Id": "agent-7"})
+            assert r.status == 200
+        counts = sorted(len(x) for x in await _logs(s, c.decode))
+        assert counts == [0, 0, 0, 6]
+        r = await s.post(c.url + "/v1/completions", json={"prompt": "p", "max_tokens": 1, "session_id": "bad\x01id"})
+        assert r.status == 400 and "session id" in (await r.json())["error"]["message"]

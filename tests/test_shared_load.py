@@ -159,3 +159,38 @@ def test_policies_that_read_no_load_skip_the_peer_refresh_and_peer_sums():
     r.load.peer_requests[:] = 7
     r.route(Request("s", 0.0, 100, (), max_output_tokens=10), 0.0)
     assert seen == [[7, 7, 7]] and r.load.peer.refreshes == 1
+
+
+def test_prefill_policy_counts_only_with_prefill_replicas():
+    """A router of mixed replicas never runs its prefill policy, so that policy's reads do not
+    count: ``pdlb serve --mixed ... --decode-policy round_robin`` (the prefill policy left at its
+    default, ep_aware, which reads both) refreshes no peer load per decision and starts no decision
+    rings (issue 26: 2 processes on one CPU, 258-270 us per request as before against 212-228 with
+    both off, one process 206). Registering a prefill replica makes the prefill policy count."""
+    class Peer:
+        refreshes = 0
+
+        def refresh(self, force: bool = False) -> None:
+            Peer.refreshes += 1
+
+        def publish(self) -> None:
+            pass
+
+    r = Router("ep_aware", "round_robin", block_size=64)
+    for x in REPS:
+        r.add_replica(x, "mixed")
+    assert r.uses_load() is False and r.uses_prefix_index() is False
+    r.load.peer = Peer()
+    r.route(Request("q", 0.0, 100, (), max_output_tokens=10), 0.0)
+    assert Peer.refreshes == 0
+    pre = ReplicaId("http://p:1", 0)
+    r2 = Router("ep_aware", "round_robin", block_size=64)
+    r2.add_replica(pre, "prefill")
+    r2.add_replica(ReplicaId("http://d:1", 0), "decode")
+    assert r2.uses_load() is True and r2.uses_prefix_index() is True
+    r2.set_healthy(pre, False)  # registered, unhealthy: still counts (health flaps must not switch sharing)
+    assert r2.uses_load() is True
+    r2.remove_replica(pre)
+    assert r2.uses_load() is False and r2.uses_prefix_index() is False
+    restored = Router.restore(r2.snapshot())
+    assert restored.uses_load() is False

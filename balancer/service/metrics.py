@@ -113,7 +113,8 @@ class ServiceMetrics:
         self.in_flight = Gauge("pdlb_in_flight_requests", "Client requests being served", registry=r,
                                multiprocess_mode="livesum")
         self.worker_load = Gauge("pdlb_worker_in_flight_requests",
-                                 "Requests the router counts on each worker DP rank (from dispatch)",
+                                 "Requests the router counts on each worker DP rank (from dispatch; with several processes or a "
+                                 "broker, every router's that it knows of)",
                                  ["worker", "dp_rank", "role"], registry=r, multiprocess_mode="livemostrecent")
         self.worker_prefill_tokens = Gauge("pdlb_worker_prefill_tokens",
                                            "Uncached prompt tokens routed to each rank and not yet prefilled",
@@ -221,7 +222,7 @@ class ServiceMetrics:
         if self.prefix_share is not None:
             self._count_share(self.prefix_share)
         load = router.load
-        shared = load.peer if self.multiprocess else None
+        shared = load.peer  # sibling processes (shared memory) and, with a broker, the other routers
         if shared is not None:
             shared.refresh(force=True)  # every process's counts now, from the shared load block
         per_rank = pool.num_replicas <= PER_RANK_SERIES_MAX

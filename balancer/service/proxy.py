@@ -78,11 +78,12 @@ import aiohttp
 from aiohttp import web
 
 from balancer.router import NoReplicaError, RequestTooLargeError, Router
+from balancer.service.admission_gate import admission_answer
 from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
-from balancer.service.request_checks import check_request, client_request_id
+from balancer.service.request_checks import check_request, client_request_id, session_id_of
 from balancer.service.stream_meter import StreamMeter, cached_tokens_in, completion_tokens_in, with_cached_tokens
 from balancer.service.upstream import UpstreamClient, UpstreamConnectError, UpstreamConnectTimeout, UpstreamResponse
 from balancer.service.workers import Worker, WorkerPool
@@ -243,6 +244,7 @@ class _Ctx:
     visible_id: str = ""  # the request id the client sees
     upstream_id: str = ""  # the current attempt's id at the engines
     max_out: int | None = None  # the output-token limit (bounds a non-streamed decode leg)
+    session_id: str | None = None  # the session key (X-Session-Id, ...) for Request.session_id
 
 
 @dataclass
@@ -348,6 +350,8 @@ class Proxy:
         self._room_rng = random.Random(secrets.randbits(128))
         self._ids = itertools.count()
         self._no_prefill = False  # the last attempt found no routable prefill worker (logged once)
+        #: deadline admission (:class:`balancer.service.admission_gate.AdmissionGate`), or None
+        self.admission: Any = None
         self.background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ entry point
@@ -387,9 +391,24 @@ class Proxy:
         if cfg.max_model_len is not None and n_tokens + max_out > cfg.max_model_len:
             return error_response(400, f"the prompt ({n_tokens} tokens{'' if exact else ', estimated'}) plus "
                                        f"the output limit ({max_out} tokens) exceed max_model_len={cfg.max_model_len}")
+        try:
+            session_id = session_id_of(body, request.headers)
+        except PromptError as e:
+            return error_response(400, str(e))
         visible_id = client_id if client_id is not None else self.new_upstream_id()
-        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out)
-        resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
+        ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out,
+                   session_id=session_id)
+        if self.admission is not None:  # held, shed (429 + Retry-After) or let through here
+            refused = await admission_answer(self.admission, request, n_tokens, max_out)
+            if refused is not None:
+                refused.headers["X-Request-Id"] = visible_id
+                return refused
+            try:
+                resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
+            finally:
+                self.admission.on_request_done()
+        else:
+            resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
         if "X-Request-Id" not in resp.headers and not resp.prepared:
             resp.headers["X-Request-Id"] = visible_id
         return resp
@@ -482,7 +501,8 @@ class Proxy:
             log.info("a prefill worker is routable again: PD requests are served")
         router_id = f"a{next(self._ids)}"
         try:
-            route = self.router.route(Request(router_id, now, n_tokens, hashes, max_output_tokens=max_out), now,
+            route = self.router.route(Request(router_id, now, n_tokens, hashes, max_output_tokens=max_out,
+                                              session_id=ctx.session_id), now,
                                       exclude_engines=faults.failed if (faults := _FAULTS.get()) is not None else ())
         except NoReplicaError as e:
             raise Failure(503, f"no healthy worker: {e}", True, "no_worker") from None

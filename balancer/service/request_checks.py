@@ -219,6 +219,42 @@ def check_request(endpoint: str, body: dict[str, Any], max_tokens_limit: int) ->
             raise PromptError("'max_new_tokens' belongs in 'sampling_params'")
 
 
+#: headers naming a conversation / agent session, in the order vllm-router reads them for its
+#: consistent hashing (``src/policies/hash_key.rs`` of the 0.1.17 sdist; its per-request ids,
+#: ``x-request-id`` and ``x-trace-id``, are left out: they give no affinity)
+SESSION_HEADERS = ("X-Session-Id", "X-User-Id", "X-Tenant-Id", "X-Correlation-Id")
+#: body fields naming a session, in order (``user`` is OpenAI's end-user id)
+SESSION_FIELDS = ("session_id", "user")
+
+
+def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+    """The request's session key for session-affine policies (``Request.session_id``): the first
+    non-empty header of :data:`SESSION_HEADERS`, else the first string field of
+    :data:`SESSION_FIELDS` in the body, else ``None``.
+
+    Raises:
+        PromptError: the value is longer than :data:`MAX_REQUEST_ID_CHARS` or not printable.
+    """
+    found: tuple[str, str] | None = None
+    for name in SESSION_HEADERS:
+        h = headers.get(name)
+        if h:
+            found = (name, h)
+            break
+    if found is None:
+        for name in SESSION_FIELDS:
+            b = body.get(name)
+            if isinstance(b, str) and b:
+                found = (name, b)
+                break
+    if found is None:
+        return None
+    name, v = found
+    if len(v) > MAX_REQUEST_ID_CHARS or not v.isprintable():
+        raise PromptError(f"'{name}' (the session id) must be 1..{MAX_REQUEST_ID_CHARS} printable characters")
+    return v
+
+
 def client_request_id(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
     """The client's own request id (body ``rid``, else the ``X-Request-Id`` header), or ``None``.
 

@@ -187,19 +187,20 @@ class SharedLoad:
             row[1, sel] = t.prefill_tokens[s]
             row[2, sel] = t.decode_kv_tokens[s]
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self, force: bool = False) -> bool:
         """Publish, then set the tracker's peer arrays to the other rows' sums (coalescing: once
-        per pass unless ``force``; this row is written at the pass's end)."""
+        per pass unless ``force``; this row is written at the pass's end). Returns False when it
+        left the arrays as they were (read already in this pass)."""
         if self._loop is not None:
             if self._fresh and not force:
-                return
+                return False
             self._fresh = True
             self._pass_end()  # the pass's end makes the next pass read afresh
         else:
             self._write()
         n = self._n
         if not n:
-            return
+            return True
         t, others = self.tracker, self._sum
         if self._fast:
             np.add.reduce(self._used, axis=0, out=others)
@@ -214,6 +215,7 @@ class SharedLoad:
             t.peer_requests[s] = others[0]
             t.peer_prefill_tokens[s] = others[1]
             t.peer_kv_tokens[s] = others[2]
+        return True
 
     def close(self) -> None:
         """Zero this process's row (its requests no longer count anywhere) and detach."""

@@ -80,8 +80,8 @@ def describe_exit(exitcode: int | None) -> str:
 def exit_before_ready(process: Any, wait_s: float = 2.0) -> str:
     """Why ``process`` (a ``multiprocessing.Process`` whose ready pipe reached end of file) never
     reported ready: ``"was killed by SIGKILL before listening"``. Its pipe closes as it dies, a
-    moment before it can be reaped, so it is joined for up to ``wait_s`` first (it was described
-    as ``"is still running before listening"``, review finding)."""
+    moment before it can be reaped, so it is joined for up to ``wait_s`` first (else it would be
+    described as ``"is still running before listening"``)."""
     process.join(wait_s)
     if process.is_alive():
         return "closed its ready pipe before listening"

@@ -37,8 +37,8 @@ Semantics (those of the aiohttp session ``app.make_client_session`` builds, unle
   and the proxy's own retry on a new route applies, as with aiohttp (which resends only idempotent
   methods) and Go's net/http (never a written POST that cannot be replayed). A reset does not
   prove the engine left the request unread: one that reads it and then aborts the connection
-  (``SO_LINGER`` 0) resets too, and an earlier version that resent on a reset ran such a request
-  twice (review finding; ``tests/test_upstream_client.py``).
+  (``SO_LINGER`` 0) resets too, and resending on a reset would run such a request twice
+  (``tests/test_upstream_client.py``).
 * Errors are :class:`UpstreamError` subclasses, all :class:`OSError` (the proxy's handlers catch
   ``OSError`` for both clients, so failure kinds, retries and breakers are the same):
   :class:`UpstreamConnectError` (connect refused/unreachable), :class:`UpstreamConnectTimeout`
@@ -260,7 +260,7 @@ class _Connection(asyncio.Protocol):
         self.sock: socket.socket | None = None
         self.parser = httptools.HttpResponseParser(self)
         # a lone LF ends a line, as aiohttp's parser reads answers (RFC 9112 sec. 2.2 allows it);
-        # strict llhttp refused them, so such an engine worked with aiohttp only (review11)
+        # strict llhttp refuses them, and such an engine works with aiohttp's client
         self.parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)  # httptools >= 0.6.2
         self.resp: UpstreamResponse | None = None  # the answer being received
         self.head_fut: asyncio.Future[None] | None = None

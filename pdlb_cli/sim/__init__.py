@@ -1,0 +1,1 @@
+"""``pdlb sim`` and its subcommands, one module each (:data:`pdlb_cli.sim.main.SUBCOMMANDS`)."""

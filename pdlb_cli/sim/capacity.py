@@ -111,7 +111,7 @@ def policy_specs(args: argparse.Namespace) -> list:
             an empty list.
     """
     import_policy_modules(args.policy_modules)
-    if args.policy_specs and args.policies is not None:  # was: --policies silently dropped
+    if args.policy_specs and args.policies is not None:  # --policy would silently replace --policies
         raise ValueError("--policy and --policies both given: --policy replaces the list, so --policies would be ignored; give one (repeat --policy for several)")
     if args.policy_specs:
         texts = list(args.policy_specs)
@@ -337,9 +337,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
             progress.update(tasks[id(s)], completed=min(counts[id(s)], est - 1), note=progress_note(r, args.search))
 
         def on_done(s: Any, r: Any) -> None:
-            # each policy's bar ends, and its clock stops, when its own search does (was: every bar
-            # ran until the last search ended, all showing one shared elapsed time); the bar ends at
-            # the simulations run (was: at least the estimate, '11/11' after 7)
+            # each policy's bar ends, and its clock stops, when its own search does (not when the
+            # last search ends); the bar's total becomes the simulations run, not the estimate
             answer = f" x{r.rate_scale:.4g} = {r.rate_rps:.3g} req/s" if getattr(r, "rate_rps", None) else ""
             progress.update(tasks[id(s)], total=len(r.points), completed=len(r.points), note=f"{r.status}{answer}")
 

@@ -32,7 +32,7 @@ def add_cost_model_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 def run_cost_model(args: argparse.Namespace, console: Console) -> int:
     """``pdlb sim cost-model``: fit :func:`sim.cost_model.cost_model_for` and print or write it.
     Returns the exit code (0); a bad ``--out`` or ``--set`` raises ``ValueError``."""
-    if args.out:  # was "[Errno 2] No such file or directory" / "[Errno 21] Is a directory", naming no flag
+    if args.out:  # an error naming the flag, before fitting, not "[Errno 2]" / "[Errno 21]" after
         check_out_file(Path(args.out), "cost_model.toml")
     sc = apply_overrides(load_scenario(args.scenario), args.overrides)  # same order and checks as sim run
     model = cost_model_for(sc)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 
@@ -35,10 +36,10 @@ class Sim:
                                     description="Simulate prefill/decode pools on a request trace with pdlb's routing "
                                                 "policies.")
         add_subcommands(sim.add_subparsers(dest="sim_command", required=True), SUBCOMMANDS)
-        self.parser = sim
         return sim
 
     def run(self, args: argparse.Namespace, console: Console) -> int:
-        """Reached only without a subcommand, which the parser refuses first: the usage error."""
-        self.parser.error("the following arguments are required: sim_command")
+        """Never reached from the command line (the parser refuses a bare ``pdlb sim`` first, and a
+        subcommand's own ``run`` replaces this one); called directly: the usage error, status 2."""
+        print("pdlb sim: error: give a subcommand (pdlb sim --help lists them)", file=sys.stderr)
         return 2

@@ -78,8 +78,8 @@ def _floats(text: str, what: str) -> list[float]:
 def check_output_tokens(output_tokens: int, max_ratio: float, max_model_len: int) -> None:
     """Refuse an ``--output-tokens`` whose longest request (prompt ``max_ratio x N`` plus ``N``
     output tokens) the scenario's engines would reject (``max_model_len``): such a row prices a
-    request no engine serves, and the analytic tables' cost grows with the prompt's length (was:
-    unbounded; 1e6 output tokens ran for minutes, 999999999999 was accepted).
+    request no engine serves, and the analytic tables' cost grows with the prompt's length (an
+    unbounded count runs for minutes).
 
     Raises:
         ValueError: one line with the largest ``--output-tokens`` that fits.

@@ -93,7 +93,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
     # every trace read and checked here, before any worker starts: a truncated or malformed trace is
-    # one error line (was: exit 1 with the reason cut off in a table cell, nothing on stderr)
+    # one error line on stderr, not a reason cut off in a table cell
     for wl in dict.fromkeys(p.workload for p in sweep.points if isinstance(p.workload, WorkloadSpec)):
         load_workload(wl)
     done_before = read_done(out / "points.jsonl") if not args.no_resume else {}
@@ -134,7 +134,7 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     t = Table(title=title)
     for i, h in enumerate(head):
         # the policy (with its parameters) and the grid columns say which point a row is: fold them,
-        # never cut them (was: 'cache_aware…', 'mixed.num_…' in a 160-column terminal)
+        # never cut them ('cache_aware…', 'mixed.num_…' in a 160-column terminal say nothing)
         t.add_column(h, justify="left" if i == 0 or h == "error" else "right",
                      overflow="fold" if i == 0 or 3 <= i < 3 + len(grid_cols) else "ellipsis")
     for row in table_rows[:MAX_PRINTED_ROWS]:

@@ -45,7 +45,8 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
                         "every measured request rate (docs/validate.md, 'A real engine on a real GPU')")
     p.add_argument("--agentx-440246", action="store_true", dest="agentx_440246",
                    help="instead: simulate AgentX point 440246 (DeepSeek-V4-Pro, 8 B200, vLLM DP8/EP8, "
-                        "64 closed-loop agentic lanes) and compare every published figure (about a minute)")
+                        "64 closed-loop agentic lanes) on pdlb's cluster simulator, routed by the Router, and "
+                        "compare every published figure (about 15 s of CPU)")
     p.add_argument("--duration-s", type=float, default=None, metavar="S",
                    help="with --agentx-440246: measured seconds to simulate (default: the published 3600)")
     p.add_argument("--plot", metavar="PNG", default=None,
@@ -85,7 +86,7 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
     keys = [k.strip() for k in args.figures.split(",") if k.strip()] if args.figures is not None else None
     if keys == []:
         raise ValueError(f"--figures: give at least one figure ({', '.join(FIGURES_BY_KEY)}), or leave the flag out for all")
-    twice = sorted({k for k in keys or [] if keys.count(k) > 1})  # was counted twice: "2 of 2 within"
+    twice = sorted({k for k in keys or [] if keys.count(k) > 1})  # would be counted twice in the summary line
     if twice:
         raise ValueError(f"--figures: {', '.join(twice)} given more than once")
     results = run_validation(keys)

@@ -11,55 +11,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pdlb_cli.args import check_out_file
+from pdlb_cli.args import check_out_file, int_at_least, nonnegative_float, positive_float, rate_list
 from sim.workload.analysis import ideal_hit_rate
 from sim.workload.benchmarks import GSP_DEFAULTS, load_ramp_workload, shared_prefix_workload
 from sim.workload.writer import write_mooncake
-
-
-def _int(minimum: int):  # noqa: ANN202
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
-        return v
-    return parse
-
-
-def _pos_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (v >= 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
-
-
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}") from None
-    if not rates or any(not (r >= 0 and r != float("inf")) for r in rates):
-        raise argparse.ArgumentTypeError(f"expected comma-separated finite rates >= 0, got {text!r}")
-    if not any(rates):
-        raise argparse.ArgumentTypeError(f"every rate is 0, so the workload would be empty; give at least one "
-                                         f"rate > 0, got {text!r}")
-    return rates
 
 
 def add_workload_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -73,16 +28,16 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
                         description="Mirrors SGLang bench_serving --dataset-name generated-shared-prefix: each of "
                                     "--groups system prompts is shared by --prompts-per-group prompts that add their "
                                     "own question. Defaults are SGLang's --gsp-* defaults.")
-    sp.add_argument("--groups", type=_int(1), default=d["num_groups"], help="prefix groups (default %(default)s)")
-    sp.add_argument("--prompts-per-group", type=_int(1), default=d["prompts_per_group"],
+    sp.add_argument("--groups", type=int_at_least(1), default=d["num_groups"], help="prefix groups (default %(default)s)")
+    sp.add_argument("--prompts-per-group", type=int_at_least(1), default=d["prompts_per_group"],
                     help="prompts per group (default %(default)s)")
-    sp.add_argument("--system-prompt-tokens", type=_int(0), default=d["system_prompt_tokens"],
+    sp.add_argument("--system-prompt-tokens", type=int_at_least(0), default=d["system_prompt_tokens"],
                     help="shared system prompt length, tokens (default %(default)s)")
-    sp.add_argument("--question-tokens", type=_int(0), default=d["question_tokens"],
+    sp.add_argument("--question-tokens", type=int_at_least(0), default=d["question_tokens"],
                     help="per-prompt question length, tokens (default %(default)s)")
-    sp.add_argument("--output-tokens", type=_int(1), default=d["output_tokens"],
+    sp.add_argument("--output-tokens", type=int_at_least(1), default=d["output_tokens"],
                     help="output tokens per request (default %(default)s)")
-    sp.add_argument("--rate", type=_pos_float, default=None, metavar="REQ_PER_S",
+    sp.add_argument("--rate", type=positive_float, default=None, metavar="REQ_PER_S",
                     help="Poisson arrival rate; omitted: every request at t = 0 (request rate inf)")
     sp.add_argument("--no-ignore-eos", action="store_true",
                     help="draw output lengths lognormal around --output-tokens instead of exactly that many")
@@ -90,23 +45,23 @@ def add_workload_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
     rp = sub.add_parser("ramp", help="Poisson arrivals whose rate rises in steps",
                         description="A stepped load ramp: rate R_k req/s during step k of --step-s seconds "
                                     "(capacity searches; AIPerf request-rate ramping, vLLM --ramp-up-strategy).")
-    rp.add_argument("--rates", type=_rates, required=True, metavar="R1,R2,...", help="rate of each step, req/s")
-    rp.add_argument("--step-s", type=_pos_float, required=True, help="duration of each step, seconds")
-    rp.add_argument("--prompt-tokens", type=_pos_float, default=1024.0,
+    rp.add_argument("--rates", type=rate_list, required=True, metavar="R1,R2,...", help="rate of each step, req/s")
+    rp.add_argument("--step-s", type=positive_float, required=True, help="duration of each step, seconds")
+    rp.add_argument("--prompt-tokens", type=positive_float, default=1024.0,
                     help="mean prompt length: the lognormal's mean, exact in expectation (default %(default)g)")
-    rp.add_argument("--output-tokens", type=_pos_float, default=256.0, help="mean output length (default %(default)g)")
-    rp.add_argument("--prompt-sigma", type=_nonneg_float, default=0.0,
+    rp.add_argument("--output-tokens", type=positive_float, default=256.0, help="mean output length (default %(default)g)")
+    rp.add_argument("--prompt-sigma", type=nonnegative_float, default=0.0,
                     help="lognormal log-space sigma of prompt lengths, 0..2 (default 0: constant); the median is "
                          "mean x exp(-sigma^2/2), e.g. 61%% of the mean at 1")
-    rp.add_argument("--output-sigma", type=_nonneg_float, default=0.0,
+    rp.add_argument("--output-sigma", type=nonnegative_float, default=0.0,
                     help="lognormal log-space sigma of output lengths, 0..2 (default 0: constant)")
-    rp.add_argument("--shared-prefix-tokens", type=_int(0), default=0,
+    rp.add_argument("--shared-prefix-tokens", type=int_at_least(0), default=0,
                     help="shared prefix per group, tokens: 0 or from --block-size up to --prompt-tokens (default 0)")
-    rp.add_argument("--prefix-groups", type=_int(1), default=1, help="number of shared prefixes (default 1)")
+    rp.add_argument("--prefix-groups", type=int_at_least(1), default=1, help="number of shared prefixes (default 1)")
     for q in (sp, rp):
         q.add_argument("--out", type=Path, required=True, help="output JSONL file (.gz: gzip); overwritten")
-        q.add_argument("--seed", type=_int(0), default=0, help="random seed (default 0)")
-        q.add_argument("--block-size", type=_int(1), default=512, help="tokens per hash block (default 512)")
+        q.add_argument("--seed", type=int_at_least(0), default=0, help="random seed (default 0)")
+        q.add_argument("--block-size", type=int_at_least(1), default=512, help="tokens per hash block (default 512)")
     return p
 
 
@@ -141,7 +96,7 @@ def run_workload(args: argparse.Namespace, console: Console) -> int:
         expected = sum(args.rates) * args.step_s
         raise ValueError(f"no request arrived (expected {expected:.3g}: the sum of --rates x --step-s); "
                          "raise --rates or --step-s, or try another --seed")
-    check_out_file(args.out, "workload.jsonl")  # was: "[Errno 21] Is a directory: '/tmp'", naming no flag
+    check_out_file(args.out, "workload.jsonl")  # an error naming the flag, not "[Errno 21] Is a directory"
     n = write_mooncake(reqs, args.out, block_size=args.block_size)
     span = reqs[-1].arrival_time_s if reqs else 0.0
     hit, hit_tokens = ideal_hit_rate(reqs, args.block_size)

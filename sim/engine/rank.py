@@ -133,6 +133,21 @@ class Rank:
         self.hit_multiple_tokens = 1
         self.tiers = None  # RankTiers | None (sim.engine.tiers)
         self.kv_listener = None
+        # vLLM scheduler options (PoolConfig; all off by default, set by the cluster):
+        #: most sequences running or admitted to prefill (vLLM ``max_num_seqs``); None: only
+        #: ``max_decode_batch`` bounds the running decode batch
+        self.max_num_seqs: int | None = None
+        #: most prompt tokens one request computes in one step (vLLM ``long_prefill_token_threshold``)
+        self.max_chunk_tokens: int | None = None
+        #: step-budget tokens each decoding sequence takes (1 + draft tokens under speculative
+        #: decoding verified in every step, :class:`sim.engine.step_perf.StepClassPerf`)
+        self.verify_tokens_per_seq = 1
+        #: output tokens a decoding sequence gains per step (MTP's mean acceptance length); a
+        #: sequence of ``n`` tokens decodes in ``ceil(n / decode_tokens_per_step)`` steps
+        self.decode_tokens_per_step = 1.0
+        #: vLLM's DP prefill balancing: the last step this rank could prefill on left requests
+        #: waiting for admission (it may then prefill on throttled steps too, StepGroup)
+        self.prefill_capacity_bound = False
         # totals for imbalance metrics
         self.total_prefill_tokens = 0
         self.total_decode_tokens = 0
@@ -202,12 +217,19 @@ class Rank:
         return admitted
 
     def _join(self, seq: DecodeSeq) -> None:
+        if self.decode_tokens_per_step != 1.0:  # MTP: remaining tokens -> remaining steps
+            seq.remaining = -(-seq.remaining * 1000 // round(self.decode_tokens_per_step * 1000))
         self.min_remaining = min(self.min_remaining, seq.remaining) if self.running else seq.remaining
         self.running.append(seq)
         self.running_kv_tokens += seq.kv_tokens
 
     # ------------------------------------------------------------------ planning (pure)
-    def plan(self) -> RankPlan:
+    @property
+    def awaiting_admission(self) -> bool:
+        """A queued prompt that has not been admitted (scheduled for the first time) yet."""
+        return any(job.cached_tokens < 0 for job in self.prefill_queue)
+
+    def plan(self, allow_prefill: bool = True) -> RankPlan:
         """This rank's work for the next step: every running sequence decodes one token; the
         prefill queue fills the remaining token budget in FIFO order (chunked prefill).
 
@@ -219,16 +241,31 @@ class Rank:
         (:meth:`sim.engine.tiers.RankTiers.admit`); a job with fetches in flight is skipped.
         Those admission effects are the only state this method changes; the step's progress is
         applied by :meth:`apply_prefill`/:meth:`apply_decode`.
+
+        vLLM options (off by default): each decoding sequence takes :attr:`verify_tokens_per_seq`
+        tokens of the budget; a job computes at most :attr:`max_chunk_tokens` per step; with
+        :attr:`max_num_seqs` a job is admitted only while running plus admitted sequences stay
+        below it. ``allow_prefill=False`` (a throttled step of vLLM's DP prefill balancing):
+        decode only.
         """
         p = RankPlan(decode_seqs=len(self.running), decode_ctx_tokens=self.running_kv_tokens)
-        budget = self.max_prefill_tokens - (p.decode_seqs if self.role is not Role.PREFILL else 0)
-        if budget <= 0 or not self.prefill_queue:
+        budget = self.max_prefill_tokens - (p.decode_seqs * self.verify_tokens_per_seq
+                                            if self.role is not Role.PREFILL else 0)
+        if budget <= 0 or not self.prefill_queue or not allow_prefill:
             return p
         attn = 0.0
+        cap = self.max_chunk_tokens
+        slots = None
+        if self.max_num_seqs is not None:
+            slots = self.max_num_seqs - len(self.running) - sum(1 for j in self.prefill_queue if j.cached_tokens >= 0)
         for job in self.prefill_queue:
             if budget <= 0:
                 break
             if job.cached_tokens < 0:
+                if slots is not None:
+                    if slots <= 0:
+                        break
+                    slots -= 1
                 hbm_blocks = self.cache.match(job.block_hashes)
                 if self.hit_multiple_tokens > 1:  # hybrid KV: the hit every KV cache group can serve
                     m = self.hit_multiple_tokens
@@ -244,6 +281,8 @@ class Rank:
             if job.fetch_pending:
                 continue
             chunk = min(job.prompt_tokens - job.done_tokens, budget)
+            if cap is not None and chunk > cap:
+                chunk = cap
             budget -= chunk
             p.chunks.append((job, chunk))
             p.prefill_tokens += chunk
@@ -274,16 +313,19 @@ class Rank:
 
     # ------------------------------------------------------------------ applying
     def apply_decode(self, steps: int) -> list[DecodeSeq]:
-        """Advance every running sequence by ``steps`` tokens; returns (and removes) the finished."""
+        """Advance every running sequence by ``steps`` steps (``steps`` tokens, or about ``steps *
+        decode_tokens_per_step`` under MTP: ``remaining`` then counts steps); returns (and
+        removes) the finished."""
         if not self.running:
             return []
         n = len(self.running)
-        self.running_kv_tokens += n * steps
-        self.total_decode_tokens += n * steps
+        grow = steps if self.decode_tokens_per_step == 1.0 else int(round(steps * self.decode_tokens_per_step))
+        self.running_kv_tokens += n * grow
+        self.total_decode_tokens += n * grow
         finished: list[DecodeSeq] = []
         keep: list[DecodeSeq] = []
         for seq in self.running:
-            seq.kv_tokens += steps
+            seq.kv_tokens += grow
             seq.remaining -= steps
             (finished if seq.remaining <= 0 else keep).append(seq)
         if not finished:

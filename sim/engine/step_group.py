@@ -27,6 +27,9 @@ Two ways to advance time:
     step-by-step mode has them. Mixed ranks are covered by the same rule (their budget is
     ``max_prefill_tokens`` minus the constant decode batch).
 
+  With vLLM's DP prefill balancing (``prefill_schedule_interval > 1``) a group with queued prefill
+  goes step by step (decode-only segments without queued prefill still fast-forward).
+
   An EP group steps at the max over ranks per step (inside the perf model); a segment lasts the
   fewest steps any rank allows. New work (arrival, KV transfer, fetch completion) interrupts the
   wait; the step in progress then completes and the group re-plans, exactly where the
@@ -47,6 +50,8 @@ from sim.perf.base import PerfModel
 
 #: Longest segment evaluated in one vectorised call (bounds memory: steps x ranks floats).
 MAX_SEGMENT_STEPS = 4096
+#: Step classes of :meth:`StepGroup.iteration_times` (a rank's part of one step).
+STEP_CLASSES = ("prefill_only", "decode_only", "mixed")
 
 _running = attrgetter("running")
 _running_kv_tokens = attrgetter("running_kv_tokens")
@@ -74,6 +79,17 @@ class StepGroup:
             rank does everything).
         prefill_wait_s / decode_wait_s: ``sum_steps dt * (1 - mean_r work_r / max_r work_r)``: the
             average rank's seconds spent waiting for the slowest one (0 for a group of one rank).
+
+    Options (off by default):
+        prefill_schedule_interval: vLLM's DP prefill balancing (``--prefill-schedule-interval``):
+            every ``k``-th step (counted from the group's first) is open to prefill; on the steps
+            between, a rank defers all prefill (running chunks and admissions) when it has a
+            sequence decoding and its last prefill-capable step left no prompt waiting for
+            admission (:attr:`Rank.prefill_capacity_bound`); a rank with nothing to decode
+            prefills on every step (in an EP group its step then sets every rank's step time).
+        record_iterations: keep one record per rank per step (the step's seconds and the rank's
+            class: prefill-only, decode-only, mixed; idle ranks are not recorded), as vLLM's
+            forward-pass metrics do: :meth:`iteration_times`.
     """
 
     def __init__(
@@ -86,7 +102,11 @@ class StepGroup:
         on_decode_admitted: Callable[[Rank, DecodeSeq, float], None],
         on_decode_finished: Callable[[Rank, DecodeSeq, float], None],
         fast_forward: bool = True,
+        prefill_schedule_interval: int = 1,
+        record_iterations: bool = False,
     ) -> None:
+        if prefill_schedule_interval < 1:
+            raise ValueError(f"prefill_schedule_interval must be >= 1, got {prefill_schedule_interval}")
         self.env = env
         self.ranks = list(ranks)
         self.perf = perf
@@ -104,6 +124,11 @@ class StepGroup:
         self.prefill_busy_s = self.decode_busy_s = 0.0
         self.prefill_imbalance_s = self.decode_imbalance_s = 0.0
         self.prefill_wait_s = self.decode_wait_s = 0.0
+        self.prefill_schedule_interval = prefill_schedule_interval
+        self.record_iterations = record_iterations
+        #: per recorded step or segment: step seconds ``(k,)`` and ranks per class ``(k, 3)``
+        self._iter_times: list[np.ndarray] = []
+        self._iter_counts: list[np.ndarray] = []
         self.process = env.process(self._run())
 
     def notify(self) -> None:
@@ -123,6 +148,7 @@ class StepGroup:
                 for seq in rank.admit_decode():
                     self.on_decode_admitted(rank, seq, now)
             has_prefill = any(r.has_schedulable_prefill for r in filter(_prefill_queue, ranks))
+            interval = self.prefill_schedule_interval
             if not has_prefill:
                 if not any(map(_running, ranks)):
                     self.num_waits += 1
@@ -132,7 +158,16 @@ class StepGroup:
                     n = min(r.min_remaining for r in ranks if r.running)
                     yield from self._segment(None, max(1, min(n, MAX_SEGMENT_STEPS)))
                     continue
-            plans = [r.plan() for r in ranks]
+            if interval == 1:
+                plans = [r.plan() for r in ranks]
+            else:
+                open_step = self.num_steps % interval == 0
+                plans = []
+                for r in ranks:
+                    allow = open_step or r.prefill_capacity_bound or not r.running
+                    plans.append(r.plan(allow))
+                    if allow:
+                        r.prefill_capacity_bound = r.awaiting_admission
             if not any(p.chunks or p.decode_seqs for p in plans):
                 # every admitted job is fetching from a lower KV tier (and the next one may wait
                 # for KV blocks those fetching jobs reserved): a fetch completion notifies us
@@ -143,7 +178,7 @@ class StepGroup:
                 for job, _ in plan.chunks:
                     if job.start_s < 0:
                         job.start_s = now
-            n = self._steady_steps(plans) if self.fast_forward else 1
+            n = self._steady_steps(plans) if self.fast_forward and interval == 1 else 1
             if n > 1:
                 yield from self._segment(plans, n)
                 continue
@@ -159,11 +194,25 @@ class StepGroup:
                 dt = float(self.perf.step_time_s(*args))
             if len(plans) > 1:
                 self._account_one(pt, dc, dt)
+            if self.record_iterations:
+                ds = args[2]
+                self._iter_times.append(np.array([dt]))
+                self._iter_counts.append(np.array([[np.sum((pt > 0) & (ds == 0)), np.sum((pt == 0) & (ds > 0)),
+                                                    np.sum((pt > 0) & (ds > 0))]], dtype=np.int64))
             self.num_waits += 1
             yield env.timeout(dt)
             self.num_steps += 1
             self.busy_s += dt
             self._apply(plans, 1)
+
+    def iteration_times(self) -> dict[str, np.ndarray]:
+        """Recorded per-rank step seconds by class (``STEP_CLASSES``), one entry per rank per
+        step in which the rank had work (``record_iterations``; empty arrays otherwise)."""
+        if not self._iter_times:
+            return {c: np.zeros(0) for c in STEP_CLASSES}
+        t = np.concatenate(self._iter_times)
+        c = np.concatenate(self._iter_counts)
+        return {name: np.repeat(t, c[:, j]) for j, name in enumerate(STEP_CLASSES)}
 
     def _steady_steps(self, plans: list[RankPlan]) -> int:
         """Steps from now (this one included) for which every rank's plan repeats with only its
@@ -201,7 +250,8 @@ class StepGroup:
         batch = np.array(list(map(len, map(_running, ranks))), dtype=np.float64)
         ctx0 = np.array(list(map(_running_kv_tokens, ranks)), dtype=np.float64)
         k = np.arange(n, dtype=np.float64)[:, None]
-        ctx = ctx0 + k * batch
+        tau = ranks[0].decode_tokens_per_step  # KV tokens a sequence gains per step (MTP: > 1)
+        ctx = ctx0 + k * batch * tau if tau != 1.0 else ctx0 + k * batch
         seqs = np.empty_like(ctx)
         seqs[:] = batch
         if plans is None:
@@ -230,6 +280,12 @@ class StepGroup:
                 yield env.timeout(rest)
         self.num_steps += steps
         self.busy_s += float(cum[steps - 1])
+        if self.record_iterations:
+            has_d = batch > 0
+            has_p = (chunk > 0) if plans is not None else np.zeros_like(has_d)
+            cls = np.array([[np.sum(has_p & ~has_d), np.sum(~has_p & has_d), np.sum(has_p & has_d)]], dtype=np.int64)
+            self._iter_times.append(times[:steps].copy())
+            self._iter_counts.append(np.repeat(cls, steps, axis=0))
         if len(ranks) > 1:
             if plans is None:
                 self._account("decode", ctx[:steps], times[:steps])

@@ -31,7 +31,7 @@ def rates_from_summary(summary: dict[str, Any], label: str = "summary") -> Token
     token-weighted prefix hit rate) and output tokens over the makespan, divided by all of the
     scenario's GPUs. Raises ``ValueError`` naming ``label`` and the missing/invalid key, or
     saying that the run simulated nothing (every request refused at arrival: no rates at all)."""
-    if summary.get("num_finished") == 0 and summary.get("num_rejected"):  # was: "key ... is missing (got None)"
+    if summary.get("num_finished") == 0 and summary.get("num_rejected"):  # a run with no rates at all
         why = ", ".join(f"{n} over {r}" for r, n in sorted((summary.get("rejected") or {}).items()))
         raise ValueError(f"{label} ({summary.get('policy', '?')}): nothing was simulated, all "
                          f"{summary['num_rejected']} requests were refused at arrival ({why or 'rejected'}); "

@@ -49,8 +49,8 @@ MAX_WORKLOAD_BLOCKS = 50_000_000
 #: Largest log-space sigma of a lognormal length. Lengths are drawn with ``mu = ln(mean) - sigma^2/2``,
 #: so the distribution's mean is the mean asked for, but its median is ``mean * exp(-sigma^2 / 2)``
 #: and a sample's mean converges ever more slowly (variance ``mean^2 (exp(sigma^2) - 1)``): at sigma
-#: 2 the median is 13.5% of the mean; at 50 every prompt is 1 token (was accepted: ``--prompt-sigma
-#: 50`` wrote 1-token prompts under a 1024-token "mean"). Real traces' prompt lengths have log-space
+#: 2 the median is 13.5% of the mean; at 50 every prompt is 1 token (``--prompt-sigma 50`` would
+#: write 1-token prompts under a 1024-token "mean"). Real traces' prompt lengths have log-space
 #: sigmas of about 1 to 1.5.
 MAX_LENGTH_SIGMA = 2.0
 
@@ -247,11 +247,11 @@ def load_ramp_workload(
     _check_nonneg_int(shared_prefix_tokens, "shared_prefix_tokens")
     check_positive_int(num_prefix_groups, "num_prefix_groups")
     check_positive_int(block_size, "block_size")
-    if shared_prefix_tokens > pmean:  # was: silently cut to each prompt's length
+    if shared_prefix_tokens > pmean:  # else silently cut to each prompt's length
         raise ValueError(f"shared_prefix_tokens ({shared_prefix_tokens}) is longer than the prompts "
                          f"(prompt_tokens_mean {pmean:g}); a prefix is part of its prompt: lower shared_prefix_tokens "
                          "or raise prompt_tokens_mean")
-    if 0 < shared_prefix_tokens < block_size:  # was: silently nothing shared (prefixes are shared by whole blocks)
+    if 0 < shared_prefix_tokens < block_size:  # else silently nothing shared (prefixes are shared by whole blocks)
         raise ValueError(f"shared_prefix_tokens ({shared_prefix_tokens}) is shorter than one block (block_size "
                          f"{block_size}), so nothing would be shared; give 0 or at least {block_size}")
     check_positive_int(max_requests, "max_requests")

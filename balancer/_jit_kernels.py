@@ -1,0 +1,222 @@
+"""numba kernels of the route decision's hot path; import :mod:`balancer.kernels`, not this.
+
+Imported by :mod:`balancer.kernels` only when numba is installed. Each kernel computes, bit for
+bit, what a numpy expression elsewhere in ``balancer`` computes (named in its docstring): the same
+IEEE operations on the same operands in the same order. Elementwise arithmetic is reproduced as
+written (no fused multiply-add: numba contracts only under ``fastmath``); ``ndarray.argmax`` as
+numpy's loop (the first maximum, a NaN wins); ``np.add.reduce`` along a row as numpy's pairwise
+summation (:func:`_row_sum`); ``np.minimum``/``np.maximum`` propagate NaN as numpy's do. The
+tests (tests/test_kernels.py) compare every kernel with its numpy expression with ``==`` on
+fuzzed inputs, so a numpy release that changed its summation order would be caught there.
+
+Compiled ahead of the first call (explicit signatures) and cached on disk by numba
+(``cache=True``: numba's own cache directory, ``__pycache__`` beside this file or the user's
+cache), so a process that finds the cache loads the machine code instead of compiling it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+
+def _jit(signature: str):  # noqa: ANN202
+    """``numba.njit`` with an explicit signature (compiled at import, or loaded from numba's cache),
+    no GIL held, no bounds checks (the callers check shapes), numpy's float error model (x / 0 is
+    inf or NaN, as in numpy, not an exception)."""
+    return njit(signature, cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+
+@_jit("f8(f8[::1], i8, i8)")
+def _pairwise(v, lo, n):  # noqa: ANN001, ANN202
+    """numpy's ``pairwise_sum`` of ``v[lo:lo + n]``: below 8 elements a running sum; up to 128, 8
+    running sums combined as a tree, then the tail; above, the two halves (the first a multiple
+    of 8 long) summed apart."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += v[i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = v[lo], v[lo + 1], v[lo + 2], v[lo + 3]
+        r4, r5, r6, r7 = v[lo + 4], v[lo + 5], v[lo + 6], v[lo + 7]
+        i = lo + 8
+        end = lo + n - n % 8
+        while i < end:
+            r0 += v[i]
+            r1 += v[i + 1]
+            r2 += v[i + 2]
+            r3 += v[i + 3]
+            r4 += v[i + 4]
+            r5 += v[i + 5]
+            r6 += v[i + 6]
+            r7 += v[i + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < lo + n:
+            res += v[i]
+            i += 1
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _pairwise(v, lo, n2) + _pairwise(v, lo + n2, n - n2)
+
+
+@_jit("f8(f8[::1], i8)")
+def _row_sum(v, n):  # noqa: ANN001, ANN202
+    """``np.add.reduce`` of the row ``v[:n]``: its pairwise sum added to the reduction's identity
+    ``0.0`` (numpy starts an add reduction from it)."""
+    return 0.0 + _pairwise(v, 0, n)
+
+
+@_jit("f8(f8, f8)")
+def _minimum(x, y):  # noqa: ANN001, ANN202
+    """``np.minimum(x, y)`` of two floats (a NaN operand is the result)."""
+    if x != x:
+        return x
+    if y != y:
+        return y
+    return x if x < y else y
+
+
+@_jit("f8(f8, f8)")
+def _maximum(x, y):  # noqa: ANN001, ANN202
+    """``np.maximum(x, y)`` of two floats (a NaN operand is the result)."""
+    if x != x:
+        return x
+    if y != y:
+        return y
+    return x if x > y else y
+
+
+@_jit("f8(f8, f8)")
+def _frac(X, Qr):  # noqa: ANN001, ANN202
+    """``np.minimum(np.divide(X, Qr, where=Qr > 0, out=0), 1.0)`` of two floats, without the
+    division where ``0 < Qr <= X < inf``: there ``X / Qr >= 1`` (a correctly rounded quotient of
+    ``X >= Qr`` is not below 1), so the minimum is 1.0 either way."""
+    if Qr > 0:
+        if Qr <= X and X < np.inf:
+            return 1.0
+        return _minimum(X / Qr, 1.0)
+    return 0.0
+
+
+@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
+def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon):  # noqa: ANN001, ANN201
+    """:func:`balancer.cost_model.prefill_wait_features` of a wide-EP pool in the row layout
+    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,): its numpy expressions
+    one candidate at a time, in its order of operations (``w`` per rank computed once, as there)."""
+    n = q.shape[0]
+    R = rows.shape[1]
+    mins = np.empty(R)
+    W = np.empty(n)
+    for r in range(n):
+        W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
+    for i in range(n):
+        ui = u[i]
+        own_pairs = ui * cached[i] + ui * (ui + 1.0) / 2.0
+        q_new = q[i] + ui
+        a_new = a[i] + own_pairs
+        steps = np.ceil(q_new / C)
+        X = steps * C
+        w_new = per_token_s * q_new + per_attn_pair_s * a_new
+        e = idx[i]
+        own = i % R
+        # work = W * frac with the own rank at -1.0; j = its argmax (numpy's: the first maximum,
+        # a NaN ends the search); busiest_other = max of W with the own rank at 0.0
+        best = 0.0
+        j = 0
+        done = False
+        busiest = 0.0
+        for c in range(R):
+            r = rows[e, c]
+            Qr = q[r]
+            Wr = W[r]
+            wk = -1.0 if c == own else Wr * _frac(X, Qr)
+            if c == 0:
+                best = wk
+                done = wk != wk
+            elif not done and not (wk <= best):
+                best = wk
+                j = c
+                done = wk != wk
+            mins[c] = _minimum(Qr, X)
+            wo = 0.0 if c == own else Wr
+            busiest = wo if c == 0 else _maximum(busiest, wo)
+        if w_new >= best:
+            tok = q_new
+            pairs = a_new
+        else:
+            rj = rows[e, j]
+            fj = _frac(X, q[rj])
+            tok = q[rj] * fj
+            pairs = a[rj] * fj
+        feats[i, 0] = steps
+        feats[i, 1] = tok
+        feats[i, 2] = pairs
+        feats[i, 3] = (_row_sum(mins, R) - _minimum(q[i], X)) + q_new
+        horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+
+
+@_jit("void(f8[::1], f8[::1], i8[::1], i8[:, ::1], f8[::1])")
+def requests_after_rows(q, n_req, idx, rows, out):  # noqa: ANN001, ANN201
+    """``ep_aware``'s ``N_after`` (``EpAware._requests_after``) in the row layout, into ``out`` (n,):
+    ``np.add.reduce(N * max((Q - q_i) / Q, 0), axis=1)`` with 0 where ``Q == 0`` (no division
+    where ``0 < Q <= q_i``: the clipped fraction is 0.0 there)."""
+    n = q.shape[0]
+    R = rows.shape[1]
+    vals = np.empty(R)
+    for i in range(n):
+        e = idx[i]
+        qi = q[i]
+        for c in range(R):
+            r = rows[e, c]
+            Qr = q[r]
+            if Qr > 0 and not Qr <= qi:
+                vals[c] = n_req[r] * _maximum((Qr - qi) / Qr, 0.0)
+            else:
+                vals[c] = n_req[r] * 0.0
+        out[i] = _row_sum(vals, R)
+
+
+@_jit("void(f8[::1], f8[::1], f8[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1])")
+def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,  # noqa: ANN001, ANN201
+                     per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost):
+    """``EpAware._decode_cost_one`` for wide-EP engines in the row layout, into ``cost`` (n,):
+    ``B``/``K`` the engine maxima of ``b``/``k`` (``np.maximum.reduce`` of the row), ``n_e`` their
+    sum in candidate order (``np.bincount`` with weights), once per engine; then its elementwise
+    expressions per candidate."""
+    n = b.shape[0]
+    E = rows.shape[0]
+    R = rows.shape[1]
+    Bs = np.empty(E)
+    Ks = np.empty(E)
+    Ns = np.empty(E)
+    for e in range(E):
+        r0 = rows[e, 0]
+        B = b[r0]
+        K = k[r0]
+        n_e = 0.0 + b[r0]
+        for c in range(1, R):
+            r = rows[e, c]
+            B = _maximum(B, b[r])
+            K = _maximum(K, k[r])
+            n_e += b[r]
+        Bs[e] = B
+        Ks[e] = K
+        Ns[e] = n_e
+    for i in range(n):
+        e = idx[i]
+        B = Bs[e]
+        K = Ks[e]
+        n_e = Ns[e]
+        bi = b[i]
+        ki = k[i]
+        before = ((overhead_s + per_seq_s * B) + per_kv_token_s * K) + per_group_seq_s * n_e
+        after = (((overhead_s + per_seq_s * _maximum(B, bi + 1.0)) + per_kv_token_s * _maximum(K, ki + kv_new))
+                 + per_group_seq_s * (n_e + 1.0))
+        c_i = out_tokens * (after + (externality_weight * n_e) * (after - before))
+        if transfer:
+            c_i = c_i + transfer_s_per_token * _maximum(prompt_tokens - matched[i], 0.0)
+        cost[i] = c_i

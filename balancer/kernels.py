@@ -1,0 +1,112 @@
+"""Compiled hot paths of the route decision, with the numpy code they replace as the fallback.
+
+``ep_aware`` prices every candidate against every rank of its engine: ``(n, R)`` matrices for
+``n`` candidates of ``R``-rank engines (:func:`balancer.cost_model.prefill_wait_features`,
+``EpAware._requests_after``, ``EpAware._decode_cost_one``). In numpy that is some 30 calls on
+small arrays per decision, each paying numpy's per-call overhead (1-5 us): at 512 ranks (64
+engines of 8, 32k-token prompts, under load; thread CPU time, 2-core host) the prefill features
+took 93 us, ``N_after`` 30 and the decode cost 14 of ep_aware's ~215 us per decision; compiled,
+16, 10 and 2 us. The kernels here do the same arithmetic in one compiled loop each (numba), **bit
+for bit** (see :mod:`balancer._jit_kernels`): decisions do not change, only their cost.
+
+numba is optional. Without it (``pip install pdlb`` alone), or after :func:`use_compiled` ``(False)``,
+every function here returns ``None`` and the caller runs its numpy code, which stays the
+reference (tests/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
+``sim`` and ``test`` extras install it), the kernels are compiled, or loaded from numba's cache,
+the first time :func:`compiled` is called: :class:`~balancer.policies.ep_aware.EpAware` calls it
+when it is built, so a router's first decision does not pay the compile (about 1-3 s once per
+machine, then well under a second per process to load from the cache).
+
+Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+
+_enabled = True
+_module: ModuleType | None = None
+_tried = False
+
+
+def use_compiled(enabled: bool) -> None:
+    """Turn the compiled paths on (default, when numba is installed) or off (the numpy code runs:
+    to compare the two, or to rule the kernels out when debugging). Process-wide."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def compiled() -> ModuleType | None:
+    """The kernels module (compiling or loading them on the first call), or ``None`` when numba is
+    not installed, fails to import, or :func:`use_compiled` turned them off."""
+    global _module, _tried
+    if not _enabled:
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            from balancer import _jit_kernels
+        except Exception:  # noqa: BLE001 - numba absent (ImportError) or broken (its own errors): numpy path
+            _module = None
+        else:
+            _module = _jit_kernels
+    return _module
+
+
+def _f8(x: np.ndarray) -> np.ndarray:
+    """``x`` as a C-contiguous float64 array (itself when it is one): the value numpy's arithmetic
+    would promote it to."""
+    return np.ascontiguousarray(x, dtype=np.float64)
+
+
+def _layout_ok(k: ModuleType, idx: np.ndarray, rows: np.ndarray) -> bool:
+    return (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
+            and rows.flags.c_contiguous and rows.shape[1] > 0)
+
+
+def prefill_wait_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.ndarray, chunk_tokens: float,
+                      per_token_s: float, per_attn_pair_s: float, idx: np.ndarray,
+                      rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`balancer.cost_model.prefill_wait_features` for a wide-EP pool in the row layout that
+    is not idle: ``(features (n, 4), horizon (n,))``, float64, equal bit for bit; ``None`` when the
+    compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if k is None or not _layout_ok(k, idx, rows):
+        return None
+    n = len(q)
+    feats, horizon = np.empty((n, 4)), np.empty(n)
+    k.prefill_wait_rows(_f8(q), _f8(a), _f8(u), _f8(cached), float(chunk_tokens), float(per_token_s),
+                        float(per_attn_pair_s), idx, rows, feats, horizon)
+    return feats, horizon
+
+
+def requests_after_rows(q: np.ndarray, n_req: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+    """``ep_aware``'s ``N_after`` (``EpAware._requests_after``) in the row layout, shape ``(n,)``,
+    float64, equal bit for bit; ``None`` when the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if k is None or not _layout_ok(k, idx, rows):
+        return None
+    out = np.empty(len(q))
+    k.requests_after_rows(_f8(q), _f8(n_req), idx, rows, out)
+    return out
+
+
+def decode_cost_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray, idx: np.ndarray, rows: np.ndarray,
+                     out_tokens: float, kv_new_tokens: float, prompt_tokens: float, overhead_s: float,
+                     per_seq_s: float, per_kv_token_s: float, per_group_seq_s: float, externality_weight: float,
+                     transfer_s_per_token: float, transfer: bool) -> np.ndarray | None:
+    """``EpAware._decode_cost_one`` for wide-EP engines in the row layout: the decode cost per
+    candidate, shape ``(n,)``, float64, equal bit for bit (``b`` sequences and ``k`` KV tokens per
+    candidate, ``matched_tokens`` its prefix hit; the step model's coefficients); ``None`` when
+    the compiled path is off or cannot take these arrays."""
+    kern = compiled()
+    if kern is None or not _layout_ok(kern, idx, rows):
+        return None
+    cost = np.empty(len(b))
+    kern.decode_cost_rows(_f8(b), _f8(k), _f8(matched_tokens), idx, rows, float(out_tokens), float(kv_new_tokens),
+                          float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
+                          float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
+                          bool(transfer), cost)
+    return cost
