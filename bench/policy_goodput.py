@@ -52,11 +52,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ANCHORS = ("cache_aware", "kv_cost", "scored", "least_load", "consistent_hash", "power_of_two", "round_robin")
+ANCHORS = ("cache_aware", "kv_cost", "scored", "least_load", "dp_consistent_hash", "consistent_hash", "power_of_two",
+           "round_robin")
 OURS = "ep_aware"
 #: ep_aware told nothing about the SLO (the searches give the router the SLO they search for)
 BLIND = "ep_aware:slo_aware=false"
-WORKLOADS = ("mooncake", "azure_code", "azure_conv", "chatbot", "agent", "shared_prefix")
+WORKLOADS = ("mooncake", "mooncake_synthetic", "azure_code", "azure_conv", "chatbot", "agent", "shared_prefix")
+#: the Mooncake FAST25 release's synthetic trace (kvcache-ai/Mooncake, FAST25-release/traces/synthetic_trace.jsonl,
+#: Apache-2.0; 3,993 requests over 1,022 s, mean input 15,325 tokens), looked for in --traces-dir
+MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
 SCENARIOS = {"default": "dsv3-pd-h200", "p16": "dsv3-pd-h200", "dense": "llama70b-pd-h100", "agg": "llama8b-agg-h100"}
 DEFAULT_ROWS = ("mooncake:default", "mooncake:p16", "mooncake:dense", "mooncake:agg", "azure_code:dense",
                 "azure_conv:dense", "chatbot:default", "agent:default", "shared_prefix:default", "shared_prefix:agg")
@@ -79,6 +83,12 @@ def workload_of(name: str, seed: int, traces_dir: Path | None, tmp: Path):
 
     if name == "mooncake":
         return WorkloadSpec(seed=seed)
+    if name == "mooncake_synthetic":
+        path = (traces_dir / MOONCAKE_SYNTHETIC) if traces_dir is not None else None
+        if path is None or not path.is_file():
+            raise SystemExit(f"row {name}: put {MOONCAKE_SYNTHETIC} (Mooncake's FAST25-release/traces/synthetic_trace.jsonl) "
+                             "in --traces-dir")
+        return WorkloadSpec(trace=str(path), seed=seed)
     if name in ("azure_code", "azure_conv"):
         if traces_dir is None:
             raise SystemExit(f"row {name}: pass --traces-dir (the folder with azure_llm_2023_*.csv)")
@@ -137,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--light-scale", type=float, default=1 / 64,
                     help="rate scale of the light-load runs that check every policy meets the SLO when idle "
                          "(default 1/64)")
+    ap.add_argument("--fair-slo", action=argparse.BooleanOptionalAction, default=True,
+                    help="judge each row at a fair SLO (default): the --slo-* TTFT budget times the smallest factor "
+                         "(5%% steps, >= 1) at which every compared policy meets the SLO at light load with "
+                         "--fair-margin to spare (sim.fair_slo); --no-fair-slo: the --slo-* SLO as given")
+    ap.add_argument("--fair-margin", type=float, default=None,
+                    help="attainment every policy must have to spare at light load under the fair SLO (default: "
+                         "half of what the SLO lets miss, 0.05 at 90%%: queueing, not the zero-load floor, then "
+                         "decides at least half of the misses)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -163,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="pdlb-bench-"))  # generated workloads as JSONL
     t0 = time.perf_counter()
+    executor = make_executor("process", jobs=args.jobs)
+
+    # ------------------------------------------------------------------ each row's SLO
+    row_slo = {row: slo for row in rows}
+    fair_report: dict[str, dict] = {}
+    if args.fair_slo:
+        row_slo, fair_report = fair_slos(rows, seeds, policies, slo, args, traces_dir, tmp, executor, console)
 
     # ------------------------------------------------------------------ plan every search and point
     searches: list = []
@@ -172,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         wl_name, sc_name = row.split(":")
         sc = scenario_of(sc_name)
+        slo = row_slo[row]
         for seed in seeds:
             wl = workload_of(wl_name, seed, traces_dir, tmp)
             for pol in policies:
@@ -187,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
                     searches.append(GpuSearch(sc, wl, spec, slo, rate_scale=1.0,
                                               max_engines={"prefill": 24, "decode": 4}, max_evals=args.max_evals))
                     keys.append(("gpus", row, pol, seed))
-    executor = make_executor("process", jobs=args.jobs)
     results: dict[tuple, object] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -212,9 +237,20 @@ def main(argv: list[str] | None = None) -> int:
             results[k] = r
         log.close()
         # TTFT p99 where each policy's highest rate at SLO was found (the tail it buys the rate with)
-        at_rate = [(("at_rate", k[1], k[2], k[3]), Point(s_.scenario, s_.workload, s_.policy, r.rate_scale, slo, k[3]))
+        at_rate = [(("at_rate", k[1], k[2], k[3]), Point(s_.scenario, s_.workload, s_.policy, r.rate_scale, s_.slo, k[3]))
                    for k, s_, r in ((k, s_, results[k]) for k, s_ in zip(keys, searches))
                    if k[0] == "rate" and getattr(r, "rate_scale", None)]
+        # ... and pdlb's policies at the best anchor's highest rate at SLO: the tail at equal load
+        for row in rows:
+            for seed in seeds:
+                found = [(results[("rate", row, a, seed)].rate_scale, a, s_) for a in anchors for k, s_ in zip(keys, searches)
+                         if k == ("rate", row, a, seed) and getattr(results[k], "rate_scale", None)]
+                if not found:
+                    continue
+                f_best, _, s_best = max(found, key=lambda t: t[0])
+                for pol in ours_all:
+                    at_rate.append((("at_anchor_rate", row, pol, seed),
+                                    Point(s_best.scenario, s_best.workload, parse_policy(pol), f_best, s_best.slo, seed)))
         task3 = progress.add_task("runs at the found rates", total=len(at_rate))
         futs = [executor.submit(p) for _, p in at_rate]
         for (k, _), f in zip(at_rate, futs):
@@ -226,13 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     def fig(kind: str, row: str, pol: str) -> list[float]:
         xs = []
         for seed in seeds:
-            src = {"ttft_p99": "trace_rate", "light_attainment": "light", "ttft_p99_at_rate": "at_rate"}.get(kind, kind)
+            src = {"ttft_p99": "trace_rate", "light_attainment": "light", "ttft_p99_at_rate": "at_rate",
+                   "ttft_p99_at_anchor_rate": "at_rate"}.get(kind, kind)
+            if kind == "ttft_p99_at_anchor_rate" and pol in ours_all:
+                src = "at_anchor_rate"
             r = results.get((src, row, pol, seed))
             if r is None:
                 continue
             if kind == "trace_rate":
                 xs.append(r.goodput_rps)
-            elif kind in ("ttft_p99", "ttft_p99_at_rate"):
+            elif kind in ("ttft_p99", "ttft_p99_at_rate", "ttft_p99_at_anchor_rate"):
                 xs.append(r.ttft_p99_s)
             elif kind == "light_attainment":
                 xs.append(r.attainment)
@@ -243,11 +282,24 @@ def main(argv: list[str] | None = None) -> int:
                           float("inf") if r.status == "above_bounds" else float("nan"))
         return xs
 
-    report: dict = {"slo": slo.__dict__, "rows": {}, "wall_s": wall, "jobs": args.jobs, "seeds": seeds}
-    md = [f"SLO: {args.slo_attainment:.0%} of requests with TTFT <= {args.slo_ttft_s:g} s + "
+    base_slo = SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
+                   ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_s)
+    report: dict = {"slo": base_slo.__dict__, "row_slo": {r: s_.__dict__ for r, s_ in row_slo.items()},
+                    "fair": fair_report, "rows": {}, "wall_s": wall, "jobs": args.jobs, "seeds": seeds,
+                    "argv": sys.argv[1:] if argv is None else list(argv)}
+    md = [f"base SLO: {args.slo_attainment:.0%} of requests with TTFT <= {args.slo_ttft_s:g} s + "
           f"{args.slo_ttft_per_1k_s:g} s per 1k prompt tokens and TPOT <= {args.slo_tpot_s * 1e3:g} ms; "
           f"{len(seeds)} seed(s); mean (min..max); ratio = ep_aware / best anchor (GPUs, TTFT p99: ep_aware's / best "
           f"anchor's); {BLIND} is ep_aware told nothing about the SLO", ""]
+    for row in rows:
+        line = f"SLO of {row}: {row_slo[row].describe()}"
+        if row in fair_report:
+            fr = fair_report[row]
+            line += (f" (fair: TTFT budget x{fr['scale']:g}, set by {fr['binding']}; light-load attainment at the base "
+                     "SLO: " + ", ".join(f"{p} {v:.1%}" for p, v in fr["base_light_attainment"].items()) + ")")
+        console.print(line, markup=False)
+        md.append(line)
+    md.append("")
     # is the SLO one every policy meets at light load? If not, a row's "highest rate at SLO" is where a
     # flat attainment curve crosses the target (a threshold artefact), and the row is flagged
     unfair: dict[str, list[str]] = {}
@@ -268,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, title, better in (("trace_rate", "goodput at the trace rate, req/s", max),
                                 ("rate", "highest rate at SLO, req/s", max),
                                 ("ttft_p99_at_rate", "TTFT p99 at each policy's highest rate at SLO, s", min),
+                                ("ttft_p99_at_anchor_rate", "TTFT p99 at equal load: pdlb's policies at the best "
+                                 "anchor's highest rate at SLO (anchors at their own), s", None),
                                 ("gpus", "GPUs needed at the trace rate", min),
                                 ("ttft_p99", "TTFT p99 at the trace rate, s", min)):
         table = Table(title=title)
@@ -284,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             any_row = True
             finite = [(vals[a][0], a) for a in anchors if not math.isnan(vals[a][0])]
-            best_val, best = better(finite) if finite else (float("nan"), "-")
+            if better is None:  # the anchor with the highest rate at SLO, its TTFT p99 there
+                rates = [(mean_spread(fig("rate", row, a))[0], a) for a in anchors]
+                rates = [t for t in rates if not math.isnan(t[0])]
+                best = max(rates)[1] if rates else "-"
+                best_val = vals[best][0] if rates else float("nan")
+            else:
+                best_val, best = better(finite) if finite else (float("nan"), "-")
             beyond = "-"
             if kind == "gpus":
                 sc = scenario_of(row.split(":")[1])
@@ -297,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     ratio = best_val / ours if ours and not math.isnan(ours) else float("nan")
                     text = (f"< {ours / most:.2f}x GPUs" if math.isinf(best_val) and most and math.isfinite(ours)
                             else f"{1 / ratio:.2f}x GPUs" if ratio and math.isfinite(ratio) else "n/a")
-                elif kind in ("ttft_p99", "ttft_p99_at_rate"):
+                elif kind in ("ttft_p99", "ttft_p99_at_rate", "ttft_p99_at_anchor_rate"):
                     ratio = ours / best_val if best_val and math.isfinite(best_val) else float("nan")
                     text = f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"
                 else:
@@ -329,11 +389,68 @@ def main(argv: list[str] | None = None) -> int:
 
     # ------------------------------------------------------------------ explain the win
     if not args.no_explain and "mooncake:default" in rows and OURS in policies and anchors:
-        md += explain(results, seeds, anchors, slo, out, console)
+        md += explain(results, seeds, anchors, row_slo["mooncake:default"], out, console)
     (out / "table.md").write_text("\n".join(md) + "\n")
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
     console.print(f"results: {out}/")
     return 0
+
+
+def light_arrays(folder: Path):
+    """``(ttft_s, tpot_s, prompt_tokens)`` of a point's per-request CSV written under ``folder``."""
+    import csv
+
+    import numpy as np
+
+    (path,) = sorted(folder.glob("requests_*.csv"))
+    cols: dict[str, list[float]] = {"ttft_s": [], "tpot_s": [], "prompt_tokens": []}
+    with path.open(newline="") as f:
+        for rec in csv.DictReader(f):
+            for c, xs in cols.items():
+                xs.append(float(rec[c]) if rec[c] != "" else float("nan"))
+    return tuple(np.asarray(cols[c], dtype=np.float64) for c in ("ttft_s", "tpot_s", "prompt_tokens"))
+
+
+def fair_slos(rows, seeds, policies, slo, args, traces_dir, tmp: Path, executor, console):
+    """Per row, the base SLO with its TTFT budget scaled until every policy (every seed) meets it at
+    ``--light-scale`` with ``--fair-margin`` to spare (:func:`sim.fair_slo.fair_ttft_scale`), from one
+    light-load run per policy and seed at the base SLO. Returns ``(row -> SLO, row -> report)``; a row
+    no budget makes fair keeps the base SLO and says so."""
+    from sim.fair_slo import attainment_at, fair_ttft_scale, scaled_slo
+    from sim.point import Point, parse_policy
+
+    points, keys = [], []
+    for row in rows:
+        wl_name, sc_name = row.split(":")
+        sc = scenario_of(sc_name)
+        for seed in seeds:
+            wl = workload_of(wl_name, seed, traces_dir, tmp)
+            for pol in policies:
+                d = tmp / "light" / str(len(keys))
+                points.append(Point(sc, wl, parse_policy(pol), args.light_scale, slo, seed, save_dir=str(d)))
+                keys.append((row, pol, seed, d))
+    futs = [executor.submit(p) for p in points]
+    for f in futs:
+        f.result()
+    row_slo, report = {}, {}
+    for row in rows:
+        light = {f"{pol}|{seed}": light_arrays(d) for r, pol, seed, d in keys if r == row}
+        margin = args.fair_margin if args.fair_margin is not None else (1.0 - slo.attainment) / 2.0
+        fs = fair_ttft_scale(light, slo, margin=margin)
+        base_att = {pol: sum(attainment_at(*light[f"{pol}|{s}"], slo) for s in seeds) / len(seeds) for pol in policies}
+        if fs.scale == float("inf"):
+            console.print(f"{row}: no TTFT budget lets every policy meet the SLO at light load ({fs.binding}); "
+                          "keeping the base SLO", markup=False)
+            row_slo[row] = slo
+        else:
+            row_slo[row] = scaled_slo(slo, fs.scale)
+        fair_att = {pol: sum(attainment_at(*light[f"{pol}|{s}"], row_slo[row]) for s in seeds) / len(seeds)
+                    for pol in policies}
+        report[row] = {"scale": fs.scale, "margin": margin, "binding": fs.binding.split("|")[0], "needed": fs.needed,
+                       "base_light_attainment": base_att, "fair_light_attainment_base_routing": fair_att}
+        console.print(f"fair SLO of {row}: TTFT budget x{fs.scale:g} (set by {fs.binding}); light-load attainment "
+                      "at the base SLO: " + ", ".join(f"{p} {v:.1%}" for p, v in base_att.items()), markup=False)
+    return row_slo, report
 
 
 def explain(results: dict, seeds: list[int], anchors: list[str], slo, out: Path, console) -> list[str]:

@@ -71,7 +71,8 @@ def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         "for pdlb serve --index-mode events; only token-id prompts' blocks are announced "
                         "(default: none)")
     p.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
-                   help="with --kv-events: the replay endpoint (a ZMQ ROUTER; DP rank r on PORT + r)")
+                   help="with --kv-events: the replay endpoint (a ZMQ ROUTER; DP rank r on PORT + r) (default: none, no "
+                        "replay)")
     p.add_argument("--stream-format", choices=["openai", "transformers"], default=d.stream_format,
                    help="framing of streamed answers: openai (role with the first token, [DONE] at the end) or "
                         "transformers (as transformers serve: a role-only chunk before prefill, usage in the "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from balancer.cost_model import CostModel
 from balancer.policies import available_policies
+from balancer.service.admission_config import add_admission_args, admission_overrides
 from balancer.service.config import WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, parse_worker_spec
 from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE, default_processes, event_loop_factory, serve
 
@@ -138,6 +139,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default="WARNING", help="log level of the router's own messages on stderr (default: %(default)s)")
+    add_admission_args(p, serve=True)
     return p
 
 
@@ -213,6 +215,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data.setdefault("broker", {})["url"] = args.broker
     if args.health_check_interval_s is not None:
         data.setdefault("health_check", {})["interval_s"] = args.health_check_interval_s
+    if adm := admission_overrides(args):
+        data.setdefault("admission", {}).update(adm)
     cfg = load_service_config(None, data)
     return cfg.model_copy(update={k: None for k in off}) if off else cfg
 

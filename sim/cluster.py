@@ -41,10 +41,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import simpy
 
+from balancer.deadline_admission import AdmissionConfig
 from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemoved, BlockStored
 from balancer.policies import Policy
 from balancer.router import Router
@@ -230,6 +232,8 @@ class Cluster:
                 if rank.tiers is not None:
                     rank.tiers.listener = self._publish
         self.records: RequestRecords | None = None
+        #: deadline admission (:class:`sim.deadline_gate.SimAdmission`) between arrival and routing, or None
+        self.admission: Any = None
         self._requests: Sequence[Request] = ()
         self._index_of: dict[str, int] = {}
         self._done: simpy.Event | None = None
@@ -255,6 +259,8 @@ class Cluster:
         rec.prompt_tokens[:] = [r.prompt_tokens for r in requests]
         rec.output_tokens[:] = [r.output_tokens for r in requests]
         self._done = self.env.event()
+        if self.admission is not None:
+            self.admission.start(requests)
         if n == 0:
             return rec
         duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
@@ -322,28 +328,38 @@ class Cluster:
         rec.arrival_s[i] = self.env.now
         rec.prompt_tokens[i] = req.prompt_tokens
         rec.output_tokens[i] = req.output_tokens
-        self._dispatch(i, req)
+        self.dispatch(i, req, self.env.now)
         return i
 
     def _arrivals(self):  # noqa: ANN202
         env = self.env
+        rec = self.records
+        assert rec is not None
         for i, req in enumerate(self._requests):
             delay = req.arrival_time_s - env.now
             if delay > 0:
                 yield env.timeout(delay)
-            self._dispatch(i, req)
+            if self.admission is not None:  # held, shed or dispatched by the deadline gate
+                self.admission.on_arrival(i, req, env.now)
+            else:
+                self.dispatch(i, req, env.now)
 
-    def _dispatch(self, i: int, req: Request) -> None:
-        """Route request ``i`` at ``env.now`` and queue it on its prefill (or mixed) rank."""
-        env = self.env
+    @property
+    def requests(self) -> Sequence[Request]:
+        """The workload of the current run."""
+        return self._requests
+
+    def dispatch(self, i: int, req: Request, now: float) -> None:
+        """Route request ``i`` now and queue it at its prefill (or mixed) rank."""
         rec = self.records
+        assert rec is not None
         router = self.router
         if self._long_engines:  # the same router and policies, restricted to the request's pool
-            threshold = self.scenario.long_prompt_threshold_tokens
-            exclude = self._short_engines if req.prompt_tokens >= threshold else self._long_engines
-            route = router.route(req, env.now, exclude_engines=exclude)
+            exclude = self._short_engines if req.prompt_tokens >= self.scenario.long_prompt_threshold_tokens \
+                else self._long_engines
+            route = router.route(req, now, exclude_engines=exclude)
         else:
-            route = router.route(req, env.now)
+            route = router.route(req, now)
         rec.num_routed += 1
         job = PrefillJob(i, req.prompt_tokens, req.output_tokens, req.block_hashes, req.traffic_class)
         if route.prefill is not None:
@@ -357,6 +373,13 @@ class Cluster:
         rec.prefill_rank[i] = rank.index
         rank.enqueue_prefill(job)
         self._group_of[rank.index].notify()
+
+    def on_shed(self, i: int, now: float) -> None:
+        """Request ``i`` was shed by the deadline gate: it ends unanswered by the engines."""
+        rec = self.records
+        rec.num_shed += 1
+        if rec.num_finished + rec.num_shed == rec.num_requests and not self._done.triggered:
+            self._done.succeed()
 
     def _sampler(self, interval: float):  # noqa: ANN202
         env = self.env
@@ -407,6 +430,8 @@ class Cluster:
         if rank.tiers is not None:
             rank.tiers.on_prefill_done(job)
         self.router.on_prefill_done(req_id, now)
+        if self.admission is not None:  # the prefill backlog shrank: the gate may dispatch
+            self.admission.drain(now)
         if rank.role is Role.PREFILL:
             d_idx = int(rec.decode_rank[i])
             nbytes = self.transfer_tokens(job, self.ranks[d_idx]) * self._perf_of[rank.index].kv_bytes_per_token
@@ -450,7 +475,9 @@ class Cluster:
         rec.finish_s[i] = now
         rec.num_finished += 1
         self.router.on_finished(self._requests[i].request_id, now, int(rec.output_tokens[i]))
-        if rec.num_finished == rec.num_requests:
+        if self.admission is not None:
+            self.admission.drain(now)
+        if rec.num_finished + rec.num_shed == rec.num_requests and not self._done.triggered:
             self._done.succeed()
         if self.on_request_finished is not None:
             self.on_request_finished(i, now)
@@ -470,6 +497,9 @@ def simulate(
     tier_weights: dict[str, float] | None = None,
     router_wrapper: Callable[[Callable[[int | None], Router]], Callable[[int | None], Router]] | None = None,
     ttft_slo: TtftSlo | None = None,
+    admission: AdmissionConfig | None = None,
+    tenant_of: Callable[[Request], str] | None = None,
+    priority_of: Callable[[Request], str | None] | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -482,7 +512,9 @@ def simulate(
     (:func:`sim.cost_model.cost_model_for`) for cost-based policies, and ``ttft_slo`` (the TTFT
     budget SLO-aware policies route against, ``None``: SLO-blind). ``router_wrapper``: turns the router factory
     into another one with the same interface (e.g. several routers splitting the traffic,
-    :mod:`sim.experiments.k_routers`)."""
+    :mod:`sim.experiments.k_routers`). ``admission``: deadline admission between arrival and
+    routing (:mod:`sim.deadline_gate`; ``None``, the default: every request is routed at arrival),
+    with ``tenant_of`` / ``priority_of`` naming a request's tenant and class."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     check_block_size(requests, scenario.block_size)
     tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
@@ -497,6 +529,11 @@ def simulate(
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
     requests, rejected = admit_to(cluster, requests)
+    if admission is not None:
+        from sim.deadline_gate import SimAdmission, default_tenant
+
+        cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
+                                         priority_of or (lambda r: None), cost_model)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
@@ -518,6 +555,7 @@ def simulate(
         wall_s=wall,
         extra={**({"tiers": cluster.tier_stats} if scenario.has_kv_tiers else {}),
                **({"rejected": rejected} if rejected else {}),
+               **({"admission": cluster.admission.finish()} if cluster.admission is not None else {}),
                "step_imbalance": step_imbalance(cluster.groups)},
     )
 

@@ -286,8 +286,8 @@ class RayExecutor(Executor):
         wl = point.workload
         if not isinstance(wl, WorkloadSpec):
             return self._fn.remote(point, self._modules, wl, self._refs.get(wl)).future()
-        # the point travels unchanged: was swapped for an in-memory key, which evaluate_point takes
-        # as already cut, so --duration-s was ignored on Ray (issue 24)
+        # the point travels unchanged: an in-memory key instead would be taken by evaluate_point as
+        # already cut, and --duration-s ignored on Ray (issue 24)
         if wl not in self._refs:
             self._refs[wl] = self._ray.put(load_workload(wl))
         inner = self._fn.remote(point, self._modules, wl, self._refs[wl]).future()

@@ -48,6 +48,7 @@ import numpy as np
 
 from balancer.types import Role
 from sim.cluster import SimResult
+from sim.deadline_gate import admission_summary
 from sim.workload import ideal_hit_rate
 
 PERCENTILES = (50, 90, 99)
@@ -199,6 +200,8 @@ def summarize(result: SimResult, *, slo_ttft_s: float = 2.0, slo_tpot_s: float =
         "events_per_request": result.num_waits / n if n else 0.0,
         "wall_s": result.wall_s,
         "kv": kv_summary(result),
+        **({"admission": admission_summary(result.extra["admission"], r.arrival_s, d["ttft_s"], ok)}
+           if "admission" in result.extra else {}),
     }
 
 

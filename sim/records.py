@@ -53,6 +53,7 @@ class RequestRecords:
         self.router_matched_tokens[:] = 0
         self.num_routed = 0
         self.num_finished = 0
+        self.num_shed = 0  # refused by the deadline gate (sim.deadline_gate), never simulated
 
     # declared for type checkers
     arrival_s: np.ndarray

@@ -171,9 +171,13 @@ def write_requests_csv(result: SimResult, path: Path) -> None:
     derived = per_request(result)
     cols = {name: getattr(rec, name) for name in TIME_FIELDS + INT_FIELDS} | derived
     ranks = [str(info.replica) for info in result.ranks]
+    adm = result.extra.get("admission")  # deadline admission's columns (sim.deadline_gate), when it ran
+    if adm is not None:
+        cols |= {"dispatch_s": adm.dispatch_s, "shed_s": adm.shed_s}
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["request_id", *cols, "prefill_replica", "decode_replica"])
+        w.writerow(["request_id", *cols, "prefill_replica", "decode_replica",
+                    *(("tenant", "priority", "shed_reason") if adm is not None else ())])
         arrays = list(cols.values())
         for i, req in enumerate(result.requests):
             p, d = int(rec.prefill_rank[i]), int(rec.decode_rank[i])
@@ -182,6 +186,8 @@ def write_requests_csv(result: SimResult, path: Path) -> None:
                 v = a[i]
                 row.append("" if isinstance(v, float) and math.isnan(v) else (f"{v:.6f}" if isinstance(v, float) else int(v)))
             row += [ranks[p] if p >= 0 else "", ranks[d] if d >= 0 else ""]
+            if adm is not None:
+                row += [adm.tenant[i], adm.priority[i], adm.shed_reason[i]]
             w.writerow(row)
 
 

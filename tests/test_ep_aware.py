@@ -469,10 +469,14 @@ def test_slo_intrinsic_blind_places_a_prompt_too_long_for_any_budget_slo_blind()
     # budget 0.2 s; a 3,000-token prompt takes 0.31 s on an idle dense rank (0.01 + 3,000 * 1e-4),
     # so it misses everywhere whatever the load. A: 1,000 queued tokens (ttft 0.41 s), B: 5,000
     # (0.81 s). "dump" treats it as doomed (B: score 2 * 0.31 - 0.81 = -0.19 < A's 0.21);
-    # "blind" places it as without an SLO (A, the cheapest).
+    # "blind" places it as without an SLO (A, the cheapest). The default tail guard (0.5) keeps it
+    # within 1.5 x 0.41 = 0.615 s: B (0.81 s) is out, so the doomed placement takes A; without the
+    # guard (inf) it goes to B.
     c = cands(pview("A", 0, 1000, 1), pview("B", 0, 5000, 1))
     req = Request("r", 0.0, 3000)
-    assert exact().select(req, c, slo_ctx(dense_model(), 0.2)).replica.engine == "B"
+    assert exact(slo_doomed_tail=float("inf")).select(req, c, slo_ctx(dense_model(), 0.2)).replica.engine == "B"
+    ch = exact().select(req, c, slo_ctx(dense_model(), 0.2))
+    assert ch.replica.engine == "A" and ch.reason == "ep_aware:prefill:slo_doomed"
     ch = exact(slo_intrinsic="blind").select(req, c, slo_ctx(dense_model(), 0.2))
     assert ch.replica.engine == "A" and ch.reason == "ep_aware:prefill"
     with pytest.raises(ValueError, match="slo_intrinsic"):
@@ -539,3 +543,29 @@ def test_router_takes_policy_specs_with_parameters():
     assert r.decode_policy.metric == "kv_tokens"
     with pytest.raises(ValueError, match="slo_margin"):
         Router("ep_aware:slo_margin=0")
+
+
+def test_slo_doomed_tail_bounds_the_ttft_of_prompts_that_miss_even_on_an_idle_rank():
+    # the dense case of the first SLO test: A predicts 1.32 s, B 2.13 s; own (idle-rank) prefill
+    # A 0.31 s, B 0.11 s (hand-computed there). Budget 0.1 s: even idle both miss (intrinsically
+    # doomed); no doomed cap (inf): without the guard it goes to B (score 2 own - ttft: A -0.70,
+    # B -1.91); the default guard (0.5) is the case below.
+    c = cands(pview("A", 0, 10_000, 1), pview("B", 0, 20_000, 2, matched=2000))
+    req = Request("r", 0.0, 3000)
+    inf = float("inf")
+    assert exact(slo_doomed_cap=inf, slo_doomed_tail=inf).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "B"
+    assert exact(slo_doomed_cap=inf).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "A"
+    # tail guard 0.5: B's 2.13 s > 1.5 x 1.32 = 1.98 s is out, A is left (still a doomed decision)
+    ch = exact(slo_doomed_cap=inf, slo_doomed_tail=0.5).select(req, c, slo_ctx(dense_model(), 0.1))
+    assert ch.replica.engine == "A" and ch.reason.endswith(":slo_doomed")
+    # 0.7: 1.7 x 1.32 = 2.244 s >= 2.13 s, B allowed again; 0: only the shortest (A)
+    assert exact(slo_doomed_cap=inf, slo_doomed_tail=0.7).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "B"
+    assert exact(slo_doomed_cap=inf, slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 0.1)).replica.engine == "A"
+    # doomed by queueing only (budget 1.2 s: both own times fit, both queues miss): not guarded, B
+    ch = exact(slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 1.2))
+    assert ch.replica.engine == "B" and ch.reason.endswith(":slo_doomed")
+    # requests that can still meet the budget are not touched: budget 5 s, the cheapest (A) either way
+    assert exact(slo_doomed_tail=0.0).select(req, c, slo_ctx(dense_model(), 5.0)).replica.engine == "A"
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="slo_doomed_tail"):
+            exact(slo_doomed_tail=bad)

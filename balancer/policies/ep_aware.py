@@ -38,7 +38,9 @@ capacities) are taken only when none has room (then the one with most room).
 ``slo_margin * (wait_i + fetch_i) <= budget``; the cheapest that meets it is taken. When none does
 (or the prompt misses it even on an idle rank, with ``slo_intrinsic="dump"``) the request is
 doomed: among the candidates within ``slo_doomed_cap`` budgets, the least harmful (``cost_i -
-ttft_i`` within ``tie_tolerance``), then the longest wait for the least own work.
+ttft_i`` within ``tie_tolerance``), then the longest wait for the least own work. A prompt that
+misses its budget even idle is kept within ``1 + slo_doomed_tail`` times its shortest predicted TTFT
+(the tail guard: such prompts make the TTFT p99).
 
 Parameters:
     externality_weight: weight of the delay a placement adds to requests already on the engine
@@ -60,6 +62,10 @@ Parameters:
     slo_doomed_cap: a doomed request joins a queue of at most this many budgets (``inf`` = any).
     slo_intrinsic: ``"dump"`` or ``"blind"``: how a prompt that misses its budget even on an idle
         rank is placed (as a doomed one, or SLO-blind).
+    slo_doomed_tail: the tail guard (``inf`` = off): a prompt that misses its budget even on an
+        idle rank (by more than ``slo_doomed_tail_own`` budgets) is placed as a doomed one only among
+        candidates whose predicted TTFT is at most ``1 + slo_doomed_tail`` times the shortest.
+    slo_doomed_tail_own: budgets a prompt's own idle-rank TTFT must exceed for the guard to apply.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
@@ -169,6 +175,8 @@ class EpAware(Policy):
     slo_doomed_cap: float = 5.0
     slo_intrinsic: str = "dump"
     in_service_progress: bool = True
+    slo_doomed_tail: float = 0.5
+    slo_doomed_tail_own: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -191,6 +199,11 @@ class EpAware(Policy):
             raise ValueError(f"slo_intrinsic must be 'dump' or 'blind', got {self.slo_intrinsic!r}")
         if not self.slo_doomed_cap >= 0:
             raise ValueError(f"slo_doomed_cap must be >= 0 (a multiple of the budget; inf = none), got {self.slo_doomed_cap}")
+        if not (np.isfinite(self.slo_doomed_tail_own) and self.slo_doomed_tail_own >= 0):
+            raise ValueError(f"slo_doomed_tail_own must be a finite number >= 0 (budgets), got {self.slo_doomed_tail_own}")
+        if not self.slo_doomed_tail >= 0:
+            raise ValueError(f"slo_doomed_tail must be >= 0 (a fraction over the shortest predicted TTFT; inf = off), "
+                             f"got {self.slo_doomed_tail}")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
         kernels.compiled()  # compile (or load) the compiled cost loops now, not in the first decision
@@ -315,7 +328,7 @@ class EpAware(Policy):
             return np.where(ok, cost, np.inf), False
         if self.slo_intrinsic == "blind" and float(own.min()) * margin > budget:
             return cost, False
-        capped = ttft <= self.slo_doomed_cap * budget
+        capped = (ttft <= self.slo_doomed_cap * budget) & self._tail_guard(ttft, float(own.min()) * margin > self.slo_doomed_tail_own * budget)
         if not capped.any():  # every queue is past the cap: the least predicted TTFT
             return ttft, True
         harm = np.where(capped, cost - ttft, np.inf)  # the delay it adds to others (externality + horizon)
@@ -324,6 +337,17 @@ class EpAware(Policy):
         near = harm <= least + tol
         # the longest wait (ttft - own) for the least own work: 2 own - ttft = own - wait
         return np.where(near, 2.0 * own - ttft, np.inf), True
+
+    def _tail_guard(self, ttft: np.ndarray, intrinsic: bool) -> np.ndarray | bool:
+        """Candidates a doomed request may join, shape ``(n,)``: for a prompt that misses its budget
+        ``slo_doomed_tail_own`` times over even on an idle rank (``intrinsic``), those whose predicted TTFT is at most ``1 +
+        slo_doomed_tail`` times the shortest; every candidate otherwise, or when ``slo_doomed_tail`` is
+        inf. Bounds the TTFT the longest prompts pay for sparing others (they make the TTFT p99),
+        relative to where they would finish first; requests doomed by queueing alone keep the
+        unguarded placement that gives SLO-aware routing its attainment under overload."""
+        if not intrinsic or not np.isfinite(self.slo_doomed_tail):
+            return True
+        return ttft <= (1.0 + self.slo_doomed_tail) * float(ttft.min())
 
     def _mixed_stall(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray:

@@ -69,6 +69,7 @@ from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
 from balancer.service.request_checks import MAX_REQUEST_ID_CHARS, parse_json_body
 from balancer.service.upstream import UpstreamClient
 from balancer.service.workers import MAX_REPLICAS, Worker, WorkerPool
+from balancer.service.admission_gate import AdmissionGate
 from balancer.types import Role
 from balancer.validation import format_validation_error
 
@@ -128,6 +129,9 @@ class Service:
         #: the control channel that applies admin changes in every process (several processes)
         self.admin: Any = None
         self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
+        #: deadline admission (balancer.service.admission_gate), or None (off: the default)
+        self.admission = AdmissionGate(cfg.admission, self.router, self.metrics.registry, self.multiprocess) \
+            if cfg.admission.enabled else None
         self.pool = WorkerPool(self.router, cfg.circuit_breaker, cfg.health_check,
                                on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(
                                    url, state.name.lower()).inc())
@@ -949,6 +953,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         svc.session = make_client_session(cfg)
         upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
+        svc.proxy.admission = svc.admission
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
         loops.append(asyncio.create_task(svc._lag_loop()))
         if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
@@ -979,6 +984,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
             svc.admin = AdminChannel(control, lambda op, payload, cols: apply_admin_change(svc, op, payload, cols))
             svc.admin.start()
         yield
+        if svc.admission is not None:
+            svc.admission.close()
         if broker is not None:
             await broker.close()
         if svc.admin is not None:

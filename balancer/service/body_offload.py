@@ -76,8 +76,8 @@ def tune_malloc() -> None:
     """Fix glibc's mmap threshold at :data:`MALLOC_MMAP_THRESHOLD_BYTES` (``mallopt``; a no-op
     without glibc). By default glibc raises it after a large block is freed, up to 32 MiB, so
     that later large request bodies (a 30 MB prompt, its copies) are carved from the heap and their
-    pages stay resident after they are freed: the router's RSS grew by ~65 MB per 30 MB request
-    and stayed there (issue 25 item 1). Fixed, every large buffer is unmapped when freed."""
+    pages stay resident after they are freed (the router's RSS grows by ~65 MB per 30 MB request and
+    stays there, issue 25 item 1). With the threshold fixed, every large buffer is unmapped when freed."""
     try:
         _libc().mallopt(-3, MALLOC_MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD (also stops the dynamic adjustment)
     except (OSError, AttributeError):

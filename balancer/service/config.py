@@ -21,6 +21,7 @@ from balancer.cost_model import CostModel
 from balancer.service.broker_config import BrokerConfig
 from balancer.policies.spec import check_policy_params, parse_policy_spec
 from balancer.validation import format_validation_error, syntax_error_line
+from balancer.service.admission_config import AdmissionSettings
 
 WORKER_SPEC_SYNTAX = ("URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
                       "[,model=NAME]")
@@ -319,6 +320,8 @@ class ServiceConfig(BaseModel):
             KV events for it are translated (:func:`balancer.kv_translate.chain_root`), so
             adapter and base-model caches are never conflated.
         load_scrape: engine metrics scraping (:class:`LoadScrapeConfig`).
+        admission: deadline admission (:class:`balancer.service.admission_config.AdmissionSettings`;
+            off by default).
         broker: routers on several hosts sharing in-flight load (and approximate-mode decisions)
             through a NATS broker (:class:`balancer.service.broker_config.BrokerConfig`; off by default).
         request_timeout_s: total time for one client request including retries (504 after).
@@ -412,6 +415,7 @@ class ServiceConfig(BaseModel):
     lora_adapters: list[str] = Field(default_factory=list)
     kv_events: KvEventsConfig = KvEventsConfig()
     load_scrape: LoadScrapeConfig = LoadScrapeConfig()
+    admission: AdmissionSettings = AdmissionSettings()
     broker: BrokerConfig = BrokerConfig()
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)

@@ -78,6 +78,7 @@ import aiohttp
 from aiohttp import web
 
 from balancer.router import NoReplicaError, RequestTooLargeError, Router
+from balancer.service.admission_gate import admission_answer
 from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
 from balancer.service.metrics import ServiceMetrics
@@ -349,6 +350,8 @@ class Proxy:
         self._room_rng = random.Random(secrets.randbits(128))
         self._ids = itertools.count()
         self._no_prefill = False  # the last attempt found no routable prefill worker (logged once)
+        #: deadline admission (:class:`balancer.service.admission_gate.AdmissionGate`), or None
+        self.admission: Any = None
         self.background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ entry point
@@ -395,7 +398,17 @@ class Proxy:
         visible_id = client_id if client_id is not None else self.new_upstream_id()
         ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out,
                    session_id=session_id)
-        resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
+        if self.admission is not None:  # held, shed (429 + Retry-After) or let through here
+            refused = await admission_answer(self.admission, request, n_tokens, max_out)
+            if refused is not None:
+                refused.headers["X-Request-Id"] = visible_id
+                return refused
+            try:
+                resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
+            finally:
+                self.admission.on_request_done()
+        else:
+            resp = await self._handle(ctx, client_id, n_tokens, hashes, max_out)
         if "X-Request-Id" not in resp.headers and not resp.prepared:
             resp.headers["X-Request-Id"] = visible_id
         return resp

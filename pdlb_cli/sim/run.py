@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from balancer.policies import make_policy
 from balancer.policies.spec import format_policy_spec, parse_policy_spec
+from balancer.service.admission_config import add_admission_args
 from balancer.types import TtftSlo
 from pdlb_cli.args import (
     DEFAULT_INDEX_MODE,
@@ -39,6 +40,7 @@ from pdlb_cli.args import (
 )
 from sim import cluster  # called as cluster.simulate: a test stands in for it there
 from sim.admission import check_block_size
+from sim.deadline_gate import admission_from_args, admission_line
 from sim.metrics import summarize
 from sim.parallel_runs import simulate_in_parallel
 from sim.point import import_policy_modules
@@ -63,6 +65,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g = add_output_args(p)
     add_slo_args(g)
     g.add_argument("--seed", type=seed_int, default=0, help="seed of the router's RNG and of the arrival spreading (default 0)")
+    add_admission_args(p, serve=False)
 
 
 def add_policy_module_arg(p: argparse.ArgumentParser) -> None:
@@ -161,6 +164,9 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
     t0 = time.perf_counter()
     sim_kw = dict(seed=args.seed, index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
                   tier_weights=args.tier_weights, ttft_slo=TtftSlo(args.slo_ttft_s) if args.route_slo else None)
+    adm_cfg = admission_from_args(args)
+    if adm_cfg is not None:
+        sim_kw["admission"] = adm_cfg
     jobs = min(getattr(args, "jobs", 1), len(runs))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=args.quiet, transient=False) as progress:
@@ -196,6 +202,9 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
         line = rejection_line(smry, scenario.effective_max_model_len)
         if line:
             console.print(f"[red]{escape(line)}[/]" if nothing_simulated(smry) else escape(line), soft_wrap=True)
+    for smry in summaries:
+        if "admission" in smry:
+            console.print(escape(admission_line(smry)), soft_wrap=True)
     note = next((n for n in map(goodput_note, summaries) if n), "")  # the arrivals are every run's
     if note:
         console.print(escape(note), soft_wrap=True)

@@ -1,0 +1,498 @@
+"""Deadline admission under overload: hold, order and shed requests before routing them.
+
+Not to be confused with :mod:`sim.admission`, which is what a simulated *engine* refuses at
+arrival (a prompt over ``max_model_len``). This module is the *router's* flow control: it decides
+when a request reaches :meth:`balancer.router.Router.route` at all. Pure: no I/O, no clock (every
+method takes ``now_s``); the simulator (:mod:`sim.deadline_gate`) and the service
+(:mod:`balancer.service.admission_gate`) drive the same object.
+
+The algorithm has the shape of llm-d's EPP flow control (requests keyed by tenant and priority, held
+at the router instead of in an engine's queue, dispatched by priority band first, then round robin
+over the tenants of a band, then an ordering within a tenant; llm-d docs, "Flow Control"), with
+deadlines ordering each tenant's queue and deciding sheds (what Dynamo's deadline queues and
+llm-d's EDF ordering add). None of their code is used:
+
+1. **Deadline.** A request's deadline is ``arrival_s + budget``: the budget is the TTFT SLO's
+   (:class:`~balancer.types.TtftSlo`, ``ttft_s + per_1k_prompt_tokens_s * prompt / 1000``) unless
+   the client gave its own (``x-pdlb-deadline-ms`` in the service), at most
+   :data:`MAX_DEADLINE_S`. A request that no idle replica could serve within its budget (its own
+   prefill ``P / r`` is longer) gets ``arrival_s + P / r + budget`` (a first version never shed
+   such requests, and on the Mooncake trace, 100k-token prompts against a flat 2 s SLO, they filled
+   the queue).
+2. **Gate.** The cluster's prefill backlog ``B`` (prompt tokens dispatched and not yet prefilled,
+   from the router's load tracker: :func:`prefill_backlog`) drains at ``R`` tokens/s
+   (``prefill_tokens_per_s`` per prefill replica, or the router's cost model, times the healthy
+   prefill (or mixed) replicas). The predicted engine wait is ``W = B / R`` (a fluid model: work
+   spread over the pool). Held requests are dispatched while ``W < dispatch_wait_s`` and, when the
+   decode replicas' KV capacities are known, while their free KV (:func:`decode_headroom`: 90% of
+   the capacity less the prompts in flight) is above 0; each dispatch adds its prompt to ``B`` and
+   takes its prompt + output from the free KV. With both under their bounds nothing is held (the
+   light-load path costs two comparisons).
+3. **Order.** Held requests are served by strict priority between classes (``priority_classes``,
+   first = highest), then **deficit round robin** between the tenants of a class (Shreedhar and
+   Varghese, "Efficient Fair Queuing Using Deficit Round Robin", SIGCOMM 1995): each visit adds
+   ``quantum_tokens * weight`` to a tenant's deficit, and its head is dispatched while its prompt
+   tokens fit the deficit; a tenant whose queue empties loses its deficit. The cost is prompt tokens,
+   the work the gate meters (the token-counting idea of VTC, Sheng et al., "Fairness in Serving
+   Large Language Models", OSDI 2024, without its output-token term). Within a tenant: earliest
+   deadline first (EDF), ties by arrival order.
+4. **Shed.** A request is refused (HTTP 429 with ``Retry-After`` in the service, a ``shed`` row in
+   the simulator) when (a) the whole queue or its tenant's queue (in its class) is full
+   (``max_queue_requests``, ``max_queue_per_tenant``); (b) at arrival, its predicted start
+   ``now + W + H / R + A / R_t`` plus its own prefill ``P / r`` passes its deadline, where ``H`` is
+   the prompt tokens held in higher classes, ``A`` those held ahead of it in its tenant's queue
+   (deadlines up to its own) and ``R_t = R * weight / (sum of the weights of tenants with held
+   requests in its class, its own included)`` its fair share of the rate; (c) while held, its
+   latest start ``deadline - P / r - W`` passes (a sweep at every drain, O(log n) per request); (d)
+   at dispatch, ``now + W + P / r`` passes its deadline (it would miss anyway; serving it would make
+   others miss). ``Retry-After`` is the predicted time for the queue ahead to drain, at least 1 s.
+
+Every request offered gets exactly one outcome: dispatched or shed (or cancelled by the caller,
+:meth:`DeadlineAdmission.cancel`, e.g. a client that went away while held). Counters per
+``(class, tenant)`` (at most ``max_tenants_tracked`` tenants by name; the rest are counted as
+``"other"``) are in :meth:`DeadlineAdmission.stats`.
+
+Known limits: the decode side is gated on KV tokens only (not on decode step time, TPOT); the
+predicted wait ``W`` counts prefill work only, so a request held behind a full decode pool is shed
+by (c) when its deadline is near rather than at arrival. ``R`` is configured or modelled (the
+service refreshes it from the router's online cost fit when there is one), not measured here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from balancer.types import Role, TtftSlo, is_finite_seconds
+
+__all__ = ["MAX_DEADLINE_S", "OUTCOMES", "AdmissionConfig", "DeadlineAdmission", "Held", "Outcome",
+           "decode_headroom", "prefill_backlog", "prefill_rate_tokens_per_s"]
+
+#: Longest deadline a request may ask for (seconds after its arrival).
+MAX_DEADLINE_S = 3600.0
+#: Outcomes counted per (class, tenant).
+OUTCOMES = ("dispatched", "shed_deadline", "shed_queue_full", "cancelled")
+#: The tenant label of tenants past ``max_tenants_tracked``.
+OTHER_TENANT = "other"
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Settings of :class:`DeadlineAdmission` (units in the names).
+
+    Attributes:
+        ttft_slo: the TTFT budget that sets each request's default deadline.
+        dispatch_wait_s: dispatch held requests while the predicted engine wait ``W`` is below this
+            (seconds); default (``None``): a quarter of ``ttft_slo.ttft_s`` (engines keep work queued
+            for that long, and a dispatched request still has most of its budget).
+        prefill_tokens_per_s: prefill rate of one prefill (or mixed) replica, tokens/s; ``None``:
+            from the router's cost model (:func:`prefill_rate_tokens_per_s`).
+        priority_classes: class names, highest priority first; a request names one (unknown or
+            none: ``default_priority``).
+        default_priority: the class of requests that name none.
+        tenant_weights: DRR weight per tenant name (default 1.0 for the others).
+        quantum_tokens: DRR quantum (prompt tokens added to a tenant's deficit per visit).
+        max_queue_requests: most requests held at once (all classes and tenants).
+        max_queue_per_tenant: most requests one tenant may have held.
+        max_tenants_tracked: most tenant names kept in the counters (others count as ``"other"``).
+
+    Raises:
+        ValueError: a number out of range, an empty or duplicate class list, an unknown default.
+    """
+
+    ttft_slo: TtftSlo = field(default_factory=lambda: TtftSlo(2.0))
+    dispatch_wait_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    priority_classes: tuple[str, ...] = ("high", "normal", "low")
+    default_priority: str = "normal"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    quantum_tokens: int = 8192
+    max_queue_requests: int = 1024
+    max_queue_per_tenant: int = 256
+    max_tenants_tracked: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ttft_slo, TtftSlo):
+            raise TypeError(f"ttft_slo must be a TtftSlo, got {type(self.ttft_slo).__name__}")
+        for name in ("dispatch_wait_s", "prefill_tokens_per_s"):
+            v = getattr(self, name)
+            if v is not None and not (is_finite_seconds(v) and v > 0):
+                raise ValueError(f"admission {name} must be a finite number > 0 or None, got {v!r}")
+        classes = tuple(self.priority_classes)
+        if not classes or len(set(classes)) != len(classes) or not all(isinstance(c, str) and c for c in classes):
+            raise ValueError(f"admission priority_classes must be distinct non-empty names, got {classes!r}")
+        object.__setattr__(self, "priority_classes", classes)
+        if self.default_priority not in classes:
+            raise ValueError(f"admission default_priority {self.default_priority!r} is not one of {classes}")
+        for t, w in self.tenant_weights.items():
+            if not (is_finite_seconds(w) and w > 0):
+                raise ValueError(f"admission tenant_weights[{t!r}] must be a finite number > 0, got {w!r}")
+        for name in ("quantum_tokens", "max_queue_requests", "max_queue_per_tenant", "max_tenants_tracked"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"admission {name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def effective_dispatch_wait_s(self) -> float:
+        return self.dispatch_wait_s if self.dispatch_wait_s is not None else self.ttft_slo.ttft_s / 4.0
+
+
+@dataclass(slots=True)
+class Held:
+    """A request in the admission queue (or just decided).
+
+    ``key`` is the caller's handle (a request id, an index); ``prompt_tokens`` the DRR cost and the
+    prefill work; times in the caller's seconds.
+    """
+
+    key: Any
+    tenant: str
+    priority: str
+    prompt_tokens: int
+    arrival_s: float
+    deadline_s: float
+    seq: int = 0
+    kv_tokens: int = 0  # KV tokens it will need on a decode (or mixed) replica; 0: not gated on KV
+    done: bool = False  # dispatched, shed or cancelled (a lazily deleted heap entry)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of a request: ``action`` is ``"hold"``, ``"dispatch"`` or ``"shed"``;
+    ``reason`` for sheds: ``"deadline"`` or ``"queue_full"``; ``retry_after_s`` for sheds
+    (whole seconds, >= 1)."""
+
+    held: Held
+    action: str
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+class _TenantQueue:
+    __slots__ = ("heap", "tokens")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, Held]] = []  # (deadline, seq, held): EDF, ties by arrival
+        self.tokens = 0
+
+
+class _ClassQueue:
+    """One priority class: DRR over its tenants (module docstring, 3)."""
+
+    __slots__ = ("tenants", "active", "deficit", "turn_started", "num", "tokens")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, _TenantQueue] = {}
+        self.active: deque[str] = deque()  # tenants with held requests, in DRR order
+        self.deficit: dict[str, float] = {}
+        self.turn_started = False  # the tenant at active[0] got its quantum for this visit
+        self.num = 0
+        self.tokens = 0
+
+
+class DeadlineAdmission:
+    """The admission queue (see the module docstring for the algorithm).
+
+    Use::
+
+        adm = DeadlineAdmission(cfg, rate_tokens_per_s=..., num_replicas=...)
+        out = adm.offer(key, tenant, priority, prompt_tokens, now_s, backlog_tokens)   # hold or shed
+        for o in adm.drain(now_s, backlog_tokens):   # dispatch or shed, in order
+            ...
+
+    ``backlog_tokens`` is the cluster's prefill backlog now (:func:`prefill_backlog`); ``drain``
+    adds each dispatched prompt to it as it goes. Call ``drain`` after every ``offer`` and whenever
+    the backlog shrinks (a prefill done, a request finished) or time passes (deadlines).
+
+    Args:
+        config: the settings.
+        rate_tokens_per_s: prefill rate of one replica (tokens/s), > 0.
+        num_replicas: prefill (or mixed) replicas sharing the backlog (>= 1; 0 is taken as 1).
+    """
+
+    def __init__(self, config: AdmissionConfig, rate_tokens_per_s: float, num_replicas: int = 1) -> None:
+        if not (is_finite_seconds(rate_tokens_per_s) and rate_tokens_per_s > 0):
+            raise ValueError(f"rate_tokens_per_s must be a finite number > 0, got {rate_tokens_per_s!r}")
+        self.config = config
+        self.rate_tokens_per_s = float(rate_tokens_per_s)
+        self.num_replicas = max(1, int(num_replicas))
+        self.dispatch_wait_s = config.effective_dispatch_wait_s
+        self._class_rank = {c: i for i, c in enumerate(config.priority_classes)}
+        self._classes = [_ClassQueue() for _ in config.priority_classes]
+        self._expiry: list[tuple[float, int, Held]] = []  # (latest start ignoring W, seq, held)
+        self._seq = itertools.count()
+        self._num_held = 0
+        self._tracked: set[str] = set()
+        self._counts: dict[tuple[str, str, str], int] = {}
+        self._wait_sum_s: dict[tuple[str, str], float] = {}
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def cluster_rate_tokens_per_s(self) -> float:
+        return self.rate_tokens_per_s * self.num_replicas
+
+    @property
+    def num_held(self) -> int:
+        return self._num_held
+
+    def held_by_class(self) -> dict[str, int]:
+        return {c: q.num for c, q in zip(self.config.priority_classes, self._classes)}
+
+    def engine_wait_s(self, backlog_tokens: float) -> float:
+        """The predicted engine wait ``W = backlog / (rate * replicas)`` in seconds."""
+        return max(0.0, float(backlog_tokens)) / self.cluster_rate_tokens_per_s
+
+    def own_prefill_s(self, prompt_tokens: int) -> float:
+        """A prompt's own prefill time on one replica, ``P / r`` seconds."""
+        return prompt_tokens / self.rate_tokens_per_s
+
+    def resolve_priority(self, priority: str | None) -> str:
+        """The class of a request naming ``priority`` (unknown or None: the default)."""
+        return priority if priority in self._class_rank else self.config.default_priority
+
+    def deadline_s(self, arrival_s: float, prompt_tokens: int, deadline_ms: float | None = None) -> float:
+        """``arrival_s`` plus the request's own budget (``deadline_ms``, capped at
+        :data:`MAX_DEADLINE_S`) or the TTFT SLO's."""
+        if deadline_ms is not None:
+            return arrival_s + min(float(deadline_ms) / 1000.0, MAX_DEADLINE_S)
+        return arrival_s + float(self.config.ttft_slo.budget_s(prompt_tokens))
+
+    # ------------------------------------------------------------------ decisions
+    def offer(self, key: Any, tenant: str, priority: str | None, prompt_tokens: int, now_s: float,
+              backlog_tokens: float, deadline_s: float | None = None, kv_tokens: int = 0) -> Outcome:
+        """Queue a request arriving at ``now_s`` (or shed it: module docstring, 4a-b).
+
+        ``deadline_s``: its absolute deadline (default :meth:`deadline_s` from the SLO).
+        ``kv_tokens``: the decode KV it will hold (prompt + output; the KV gate of :meth:`drain`).
+        Follow with :meth:`drain`, which dispatches it at once when the gate is open.
+
+        Raises:
+            ValueError: ``now_s`` or ``deadline_s`` not finite, ``prompt_tokens`` < 1.
+        """
+        if not is_finite_seconds(now_s):
+            raise ValueError(f"now_s must be a finite number of seconds, got {now_s!r}")
+        if type(prompt_tokens) is not int or prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens!r}")
+        if deadline_s is None:
+            deadline_s = self.deadline_s(now_s, prompt_tokens)
+        elif not is_finite_seconds(deadline_s):
+            raise ValueError(f"deadline_s must be a finite number of seconds, got {deadline_s!r}")
+        own = self.own_prefill_s(prompt_tokens)
+        if now_s + own > deadline_s:  # no idle cluster could: its budget counts from its own prefill's end
+            deadline_s = now_s + own + (deadline_s - now_s if deadline_s > now_s else 0.0)
+        cls = self.resolve_priority(priority)
+        tenant = str(tenant)
+        h = Held(key, tenant, cls, prompt_tokens, float(now_s), float(deadline_s), next(self._seq), max(0, int(kv_tokens)))
+        q = self._classes[self._class_rank[cls]]
+        tq = q.tenants.get(tenant)
+        w = self.engine_wait_s(backlog_tokens)
+        if self._num_held >= self.config.max_queue_requests or (
+                tq is not None and len(tq.heap) >= self.config.max_queue_per_tenant):
+            return self._shed(h, "queue_full", w + self._held_ahead_tokens(cls) / self.cluster_rate_tokens_per_s,
+                              now_s)
+        # would it start in time behind the engines' backlog and its share of the queue? (4b)
+        ahead = sum(x.prompt_tokens for _, _, x in tq.heap if x.deadline_s <= h.deadline_s) if tq else 0
+        start = w + self._higher_tokens(cls) / self.cluster_rate_tokens_per_s \
+            + ahead / self._share_rate(q, tenant, tq is None)
+        if self._misses(h, now_s, start):
+            return self._shed(h, "deadline", start, now_s)
+        self._push(q, h)
+        return Outcome(h, "hold")
+
+    def drain(self, now_s: float, backlog_tokens: float, kv_headroom_tokens: float | None = None) -> list[Outcome]:
+        """Shed the held requests that can no longer start in time, then dispatch in order while the
+        gate is open (module docstring, 2-4); returns the outcomes in that order (``dispatch``
+        outcomes are to be routed now, in the order given).
+
+        ``kv_headroom_tokens``: decode KV tokens free for new requests (:func:`decode_headroom`);
+        when given, the gate also stays closed while it is <= 0, and each dispatch takes its
+        ``kv_tokens`` from it (``None``: no KV gate)."""
+        out: list[Outcome] = []
+        kv = math.inf if kv_headroom_tokens is None else float(kv_headroom_tokens)
+        backlog = max(0.0, float(backlog_tokens))
+        w = self.engine_wait_s(backlog)
+        exp = self._expiry
+        while exp and exp[0][0] - w < now_s:  # (c): latest start passed
+            _, _, h = heapq.heappop(exp)
+            if not h.done:
+                self._remove(h)
+                out.append(self._shed(h, "deadline", w, now_s))
+        while self._num_held and w < self.dispatch_wait_s and kv > 0:
+            h = self._pop_next()
+            if self._misses(h, now_s, w):  # (d): would miss
+                out.append(self._shed(h, "deadline", w, now_s))
+                continue
+            h.done = True
+            self._count(h, "dispatched", now_s - h.arrival_s)
+            out.append(Outcome(h, "dispatch"))
+            backlog += h.prompt_tokens
+            w = self.engine_wait_s(backlog)
+            kv -= h.kv_tokens
+        if not self._num_held:
+            exp.clear()
+        elif len(exp) > 2 * self._num_held + 64:  # entries of requests that left: keep it O(held)
+            self._expiry = [e for e in exp if not e[2].done]
+            heapq.heapify(self._expiry)
+        return out
+
+    def cancel(self, h: Held, now_s: float) -> bool:
+        """Take a held request out (its client went away); False if it was no longer held."""
+        if h.done:
+            return False
+        self._remove(h)
+        self._count(h, "cancelled", now_s - h.arrival_s)
+        return True
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict[str, Any]:
+        """``{"counts": {(class, tenant, outcome): n}, "held": {class: n}, "held_wait_s": {(class,
+        tenant): seconds held in total by requests that left the queue}}``."""
+        return {"counts": dict(self._counts), "held": self.held_by_class(), "held_wait_s": dict(self._wait_sum_s)}
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` as counted: its name while at most ``max_tenants_tracked`` names are, else
+        :data:`OTHER_TENANT`."""
+        if tenant in self._tracked:
+            return tenant
+        if len(self._tracked) < self.config.max_tenants_tracked:
+            self._tracked.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+    # ------------------------------------------------------------------ internals
+    def _count(self, h: Held, outcome: str, waited_s: float) -> None:
+        t = self.tenant_label(h.tenant)
+        k = (h.priority, t, outcome)
+        self._counts[k] = self._counts.get(k, 0) + 1
+        self._wait_sum_s[(h.priority, t)] = self._wait_sum_s.get((h.priority, t), 0.0) + max(0.0, waited_s)
+
+    def _misses(self, h: Held, now_s: float, start_s: float) -> bool:
+        """True when starting ``start_s`` after ``now_s`` makes ``h`` miss its deadline."""
+        return now_s + start_s + self.own_prefill_s(h.prompt_tokens) > h.deadline_s
+
+    def _shed(self, h: Held, reason: str, wait_s: float, now_s: float) -> Outcome:
+        h.done = True
+        self._count(h, "shed_" + reason, now_s - h.arrival_s)
+        retry = float(max(1, math.ceil(wait_s))) if math.isfinite(wait_s) else 60.0
+        return Outcome(h, "shed", reason, retry)
+
+    def _higher_tokens(self, cls: str) -> int:
+        return sum(q.tokens for q in self._classes[:self._class_rank[cls]])
+
+    def _held_ahead_tokens(self, cls: str) -> int:
+        return sum(q.tokens for q in self._classes[:self._class_rank[cls] + 1])
+
+    def _weight(self, tenant: str) -> float:
+        return float(self.config.tenant_weights.get(tenant, 1.0))
+
+    def _share_rate(self, q: _ClassQueue, tenant: str, new: bool) -> float:
+        total = sum(self._weight(t) for t in q.active) + (self._weight(tenant) if new else 0.0)
+        return self.cluster_rate_tokens_per_s * self._weight(tenant) / total
+
+    def _push(self, q: _ClassQueue, h: Held) -> None:
+        tq = q.tenants.get(h.tenant)
+        if tq is None:
+            tq = q.tenants[h.tenant] = _TenantQueue()
+            q.active.append(h.tenant)
+            q.deficit[h.tenant] = 0.0
+        heapq.heappush(tq.heap, (h.deadline_s, h.seq, h))
+        tq.tokens += h.prompt_tokens
+        q.num += 1
+        q.tokens += h.prompt_tokens
+        self._num_held += 1
+        heapq.heappush(self._expiry, (h.deadline_s - self.own_prefill_s(h.prompt_tokens), h.seq, h))
+
+    def _pop_next(self) -> Held:
+        """The next request by class, then DRR, then EDF (module docstring, 3)."""
+        q = next(q for q in self._classes if q.num)
+        while True:
+            t = q.active[0]
+            if not q.turn_started:
+                q.deficit[t] += self.config.quantum_tokens * self._weight(t)
+                q.turn_started = True
+            tq = q.tenants[t]
+            head = tq.heap[0][2]
+            if head.prompt_tokens <= q.deficit[t]:
+                q.deficit[t] -= head.prompt_tokens
+                self._take(q, tq, t, head)
+                return head
+            q.active.rotate(-1)
+            q.turn_started = False
+
+    def _take(self, q: _ClassQueue, tq: _TenantQueue, t: str, h: Held) -> None:
+        """Remove ``h``, the head of tenant ``t``'s queue, from the class."""
+        heapq.heappop(tq.heap)
+        tq.tokens -= h.prompt_tokens
+        q.num -= 1
+        q.tokens -= h.prompt_tokens
+        self._num_held -= 1
+        if not tq.heap:
+            del q.tenants[t]
+            del q.deficit[t]
+            if q.active[0] == t:
+                q.active.popleft()
+                q.turn_started = False
+            else:
+                q.active.remove(t)
+
+    def _remove(self, h: Held) -> None:
+        """Remove ``h`` from wherever it is held (O(n) in its tenant's queue; sheds and cancels only)."""
+        q = self._classes[self._class_rank[h.priority]]
+        tq = q.tenants[h.tenant]
+        i = next(i for i, e in enumerate(tq.heap) if e[2] is h)
+        if i == 0:
+            self._take(q, tq, h.tenant, h)
+        else:
+            tq.heap[i] = tq.heap[-1]
+            tq.heap.pop()
+            heapq.heapify(tq.heap)
+            tq.tokens -= h.prompt_tokens
+            q.num -= 1
+            q.tokens -= h.prompt_tokens
+            self._num_held -= 1
+        h.done = True
+
+
+def prefill_backlog(router: Any) -> tuple[int, int]:
+    """``(tokens, replicas)``: prompt tokens dispatched to the healthy prefill replicas (PD) or mixed
+    replicas (aggregated) and not yet prefilled (the router's load tracker, other router processes'
+    share included), and how many such replicas there are. Reads under ``router.lock``."""
+    with router.lock:
+        infos = router.replicas()
+        pre = [i for i in infos if i.healthy and i.role is Role.PREFILL]
+        pool = pre or [i for i in infos if i.healthy and i.role is not Role.PREFILL]
+        load = router.load
+        tokens = 0
+        for i in pool:
+            s = load.slot(i.replica)
+            tokens += int(load.prefill_tokens[s]) + int(load.peer_prefill_tokens[s])
+        return tokens, len(pool)
+
+
+def decode_headroom(router: Any, max_kv_usage: float = 0.9) -> float | None:
+    """KV tokens the healthy decode (or mixed) replicas can take: ``max_kv_usage`` of their summed
+    KV capacity less the tokens their in-flight requests hold (the load tracker's projected
+    ``decode_kv_tokens``, other processes' and engine reports' shares included); ``None`` when a
+    replica's capacity is unknown (0: no KV gate). Reads under ``router.lock``."""
+    with router.lock:
+        pool = [i for i in router.replicas() if i.healthy and i.role is not Role.PREFILL]
+        if not pool or any(i.kv_capacity_tokens <= 0 for i in pool):
+            return None
+        load = router.load
+        used = 0
+        for i in pool:
+            s = load.slot(i.replica)
+            used += int(load.decode_kv_tokens[s]) + int(load.peer_kv_tokens[s]) + int(load.external_kv_tokens[s])
+        return max_kv_usage * sum(i.kv_capacity_tokens for i in pool) - used
+
+
+def prefill_rate_tokens_per_s(cost_model: Any, disaggregated: bool) -> float:
+    """One replica's prefill rate from a :class:`~balancer.cost_model.CostModel`: a full chunk's
+    tokens over its prefill time (``chunk_tokens / prefill_time_s(chunk_tokens)``), tokens/s."""
+    eng = cost_model.prefill if disaggregated else cost_model.decode
+    return eng.chunk_tokens / eng.prefill_time_s(eng.chunk_tokens)
