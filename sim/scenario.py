@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, model_serializer
 
 from balancer.validation import format_validation_error, syntax_error_line
 from sim.models import MODELS, get_model
@@ -127,6 +127,10 @@ def tier_capacity_blocks(capacity_bytes: float | None, capacity_blocks: int | No
     return None
 
 
+#: PoolConfig's vLLM scheduler options and their "off" values (left out of dumps when off)
+_VLLM_OPTION_DEFAULTS = (("max_num_seqs", None), ("max_chunk_tokens", None), ("prefill_schedule_interval", 1))
+
+
 class PoolConfig(BaseModel):
     """One pool of identical engines.
 
@@ -168,6 +172,18 @@ class PoolConfig(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1, le=1 << 20)
     max_chunk_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     prefill_schedule_interval: int = Field(1, ge=1, le=1 << 16)
+
+    @model_serializer(mode="wrap")
+    def _without_default_vllm_options(self, handler):  # noqa: ANN001, ANN202
+        """The vLLM scheduler options are left out of a dump while at their defaults (off), so
+        scenario dumps, and the sweep point ids hashed from them, stay what they were before the
+        options existed (the results are the same)."""
+        d = handler(self)
+        if isinstance(d, dict):
+            for key, default in _VLLM_OPTION_DEFAULTS:
+                if key in d and d[key] == default:
+                    del d[key]
+        return d
 
     @property
     def num_ranks(self) -> int:
