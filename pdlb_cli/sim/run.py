@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from balancer.policies import make_policy
 from balancer.policies.spec import format_policy_spec, parse_policy_spec
-from balancer.service.admission_config import add_admission_args
 from balancer.types import TtftSlo
+from pdlb_cli.admission_args import add_admission_args, admission_from_args
 from pdlb_cli.args import (
     DEFAULT_INDEX_MODE,
     add_cluster_args,
@@ -40,7 +40,7 @@ from pdlb_cli.args import (
 )
 from sim import cluster  # called as cluster.simulate: a test stands in for it there
 from sim.admission import check_block_size
-from sim.deadline_gate import admission_from_args, admission_line
+from sim.deadline_gate import admission_line
 from sim.metrics import summarize
 from sim.parallel_runs import simulate_in_parallel
 from sim.point import import_policy_modules
