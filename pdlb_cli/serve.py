@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from balancer.cost_model import CostModel
 from balancer.policies import available_policies
-from balancer.service.admission_config import add_admission_args, admission_overrides
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, move_legacy_router_keys,
                                      parse_worker_spec)
 from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE, default_processes, event_loop_factory, serve
+from pdlb_cli.admission_args import add_admission_args, admission_overrides
 
 if TYPE_CHECKING:  # the simulator's dependency: pdlb-serve runs without it
     from rich.console import Console

@@ -33,7 +33,7 @@ from balancer.deadline_admission import (
 )
 from balancer.types import Request
 
-__all__ = ["AdmissionRecords", "SimAdmission", "admission_from_args", "admission_line", "admission_summary",
+__all__ = ["AdmissionRecords", "SimAdmission", "admission_line", "admission_summary",
            "default_tenant"]
 
 
@@ -161,25 +161,6 @@ def admission_summary(adm: AdmissionRecords, arrival_s: np.ndarray, ttft_s: np.n
 
     return {"num_shed": adm.num_shed, "shed": reasons, "by_tenant": group(adm.tenant),
             "by_class": group(adm.priority)}
-
-
-def admission_from_args(args: Any) -> AdmissionConfig | None:
-    """``pdlb sim``'s ``--admission*`` flags as the core's config (the deadline from ``--slo-ttft-s``),
-    or None without ``--admission``.
-
-    Raises:
-        ValueError: a flag value out of range (pydantic's message), or ``--admission-*`` flags
-            without ``--admission``.
-    """
-    from balancer.service.admission_config import AdmissionSettings, admission_overrides
-    from balancer.types import TtftSlo
-
-    over = admission_overrides(args)
-    if not over:
-        return None
-    if not over.get("enabled"):
-        raise ValueError(f"--admission-* flags ({', '.join(sorted(over))}) need --admission")
-    return AdmissionSettings(**over).to_core(TtftSlo(args.slo_ttft_s))
 
 
 def admission_line(summary: dict[str, Any]) -> str:

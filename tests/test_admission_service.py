@@ -18,7 +18,8 @@ import time
 import aiohttp
 import pytest
 
-from balancer.service.admission_config import AdmissionSettings, parse_tenant_weights
+from balancer.service.admission_config import AdmissionSettings
+from pdlb_cli.admission_args import parse_tenant_weights
 from balancer.service.admission_gate import AdmissionGate, Shed
 from balancer.service.app import SERVICE
 from balancer.router import Router

@@ -196,6 +196,8 @@ FLOORS: dict[str, tuple[str, ...]] = {
                       "pdlb_cli.serve", "pdlb_cli.engine", "pdlb_cli.policies"),
     # pdlb-serve runs with the serve extra only: nothing of the simulator (test_install_extras runs it so)
     "pdlb_cli.serve": ("sim", "pdlb_cli.args", "pdlb_cli.main"),
+    # the admission option group, shared by pdlb serve and pdlb sim: nothing of the simulator either
+    "pdlb_cli.admission_args": ("sim", "pdlb_cli.args", "pdlb_cli.main", "pdlb_cli.sim", "pdlb_cli.serve"),
     "pdlb_cli.command": ("sim", "balancer", "pdlb_cli.args", "pdlb_cli.main", "pdlb_cli.sim"),
 }
 
@@ -294,8 +296,8 @@ def test_the_command_line_imports_at_module_level_only() -> None:
     assert not bad, "\n".join(bad)
 
 
-#: subcommand modules import the argument types and option groups (pdlb_cli.args) and the
-#: protocol, never each other; the registries (main, sim.main) import the subcommands they list
+#: subcommand modules import the argument types and option groups (pdlb_cli.args, and
+#: pdlb_cli.admission_args, which pdlb serve shares) and the protocol, never each other; the registries (main, sim.main) import the subcommands they list
 CLI_REGISTRIES = {"pdlb_cli.main", "pdlb_cli.sim.main"}
 #: the one sharing between subcommands: compare runs its policies with run's machinery
 CLI_SHARED = {("pdlb_cli.sim.compare", "pdlb_cli.sim.run")}
@@ -303,7 +305,7 @@ CLI_SHARED = {("pdlb_cli.sim.compare", "pdlb_cli.sim.run")}
 
 def test_subcommand_modules_do_not_import_each_other(graph) -> None:
     edges, _ = graph
-    floor = {"pdlb_cli", "pdlb_cli.args", "pdlb_cli.command", "pdlb_cli.sim"}
+    floor = {"pdlb_cli", "pdlb_cli.args", "pdlb_cli.admission_args", "pdlb_cli.command", "pdlb_cli.sim"}
     bad = [(a, b) for a, out in edges.items() if _in(a, "pdlb_cli") and a not in CLI_REGISTRIES | floor
            for b in out if _in(b, "pdlb_cli") and b not in floor and (a, b) not in CLI_SHARED]
     assert not bad, bad

@@ -19,8 +19,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from balancer.config import PolicySpec
-from balancer.service.admission_config import add_admission_args
 from balancer.types import TtftSlo
+from pdlb_cli.admission_args import add_admission_args, admission_from_args
 from pdlb_cli.args import (
     DEFAULT_INDEX_MODE,
     add_cluster_args,
@@ -39,7 +39,7 @@ from pdlb_cli.args import (
 )
 from sim import cluster  # called as cluster.simulate: a test stands in for it there
 from sim.admission import check_block_size
-from sim.deadline_gate import admission_from_args, admission_line
+from sim.deadline_gate import admission_line
 from sim.metrics import summarize
 from sim.parallel_runs import simulate_in_parallel
 from sim.point import import_policy_modules
