@@ -2,9 +2,9 @@
 
 The names a gateway embedding the router needs::
 
-    from balancer import Router, Request, ReplicaId, Role, hash_token_blocks
+    from balancer import Router, RouterConfig, Request, ReplicaId, Role, hash_token_blocks
 
-    router = Router("cache_aware", "least_load", block_size=64)
+    router = Router.from_config(RouterConfig(prefill_policy="cache_aware", decode_policy="least_load", block_size=64))
     router.add_replica(ReplicaId("http://10.0.0.1:8000", 0), Role.MIXED)
     route = router.route(Request("r1", now, len(ids), tuple(hash_token_blocks(ids, 64))), now)
 
@@ -18,12 +18,13 @@ from balancer.kv_translate import KvEventTranslator, chain_root
 from balancer.kv_wire import EngineBatch, KvWireError, decode_batch, decode_seq
 from balancer.load import LoadReport
 from balancer.policies import Policy, available_policies, make_policy
-from balancer.router import INDEX_MODES, NoReplicaError, PolicyError, ReplicaInfo, RequestTooLargeError, Router
+from balancer.config import INDEX_MODES, PolicySpec, RouterConfig
+from balancer.router import NoReplicaError, PolicyError, ReplicaInfo, RequestTooLargeError, Router
 from balancer.types import Choice, ReplicaId, ReplicaView, Request, Role, Route, TtftSlo
 
 __all__ = [
     "INDEX_MODES", "ROOT_HASH", "AllBlocksCleared", "BlockRemoved", "BlockStored", "Choice", "EngineBatch", "KvEvent",
     "KvEventTranslator", "KvWireError", "LoadReport", "NoReplicaError", "Policy", "PolicyError", "ReplicaId",
-    "ReplicaInfo", "ReplicaView", "Request", "RequestTooLargeError", "Role", "Route", "Router", "TtftSlo", "available_policies", "chain_block_ids", "chain_root",
+    "PolicySpec", "ReplicaInfo", "ReplicaView", "Request", "RequestTooLargeError", "Role", "Route", "Router", "RouterConfig", "TtftSlo", "available_policies", "chain_block_ids", "chain_root",
     "decode_batch", "decode_seq", "hash_token_blocks", "make_policy", "text_chunk_hashes",
 ]

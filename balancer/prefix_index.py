@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 from itertools import repeat
 
 import numpy as np
@@ -146,6 +147,21 @@ class PrefixIndex:
     __slots__ = ("capacity_blocks", "total_capacity_blocks", "ttl_s", "_root", "_node_of", "_state", "_replica_of_num", "_free_nums",
                  "_version", "_numbers_cache", "_unique", "_mask_numbers", "_blocks_bound",
                  "defer_rebalance")
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickled flat (:meth:`to_flat`): a deep index does not hit Python's recursion limit."""
+        return (PrefixIndex.from_flat, (self.to_flat(),))
+
+    def to_flat(self) -> dict[str, Any]:
+        """The index as plain lists and numbers (its runs, each replica's LRU order with times,
+        replica numbers, bounds), for saving; :meth:`from_flat` rebuilds it. The index is unchanged."""
+        return _flat_index(self)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> PrefixIndex:
+        """The index :meth:`to_flat` saved (same matches, LRU orders, times, replica numbers and
+        bounds), rebuilt through the public methods."""
+        return _unflat_index(flat)
 
     def __init__(self, capacity_blocks: int | None = None, ttl_s: float | None = None, *,
                  block_map: bool = False, total_capacity_blocks: int | None = None) -> None:
@@ -708,3 +724,64 @@ class PrefixIndex:
             node = parent
         if len(node.children) == 1:
             self._try_merge(node)
+
+
+_RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)
+
+
+def _flat_index(ix: PrefixIndex) -> dict[str, Any]:
+    """A :class:`PrefixIndex` as flat lists (no linked structure for ``pickle`` to recurse into):
+    its runs parent-first ``[(parent run number or -1, blocks)]``, each replica's LRU order
+    ``[(run number, time)]`` oldest first, the replica numbers, and its bounds. Reads the index's
+    internals (the tree and the LRU lists), which it leaves unchanged."""
+    runs: list[tuple[int, tuple[int, ...]]] = []
+    number: dict[int, int] = {}
+    stack = [(ix._root, -1)]
+    while stack:
+        node, parent = stack.pop()
+        for child in node.children.values():
+            number[id(child)] = len(runs)
+            runs.append((parent, child.blocks))
+            stack.append((child, number[id(child)]))
+    lru: list[tuple[ReplicaId, int, list[tuple[int, float]]]] = []
+    for rep, rs in ix._state.items():
+        order = []
+        e = rs.head.next
+        while e is not rs.head:
+            order.append((number[id(e.node)], e.time))
+            e = e.next
+        lru.append((rep, rs.num, order))
+    lru.sort(key=lambda t: t[1])
+    return {"capacity_blocks": ix.capacity_blocks, "total_capacity_blocks": ix.total_capacity_blocks,
+            "ttl_s": ix.ttl_s, "block_map": ix._node_of is not None, "runs": runs, "lru": lru}
+
+
+def _unflat_index(flat: dict[str, Any]) -> PrefixIndex:
+    """The :class:`PrefixIndex` :func:`_flat_index` wrote, rebuilt through its public methods:
+    replicas numbered in their old order, the tree laid out under a temporary holder, each
+    replica's runs inserted in its LRU order with their times, then the holder cleared, then its
+    bounds set (the saved state held within them). Reads the form without ``total_capacity_blocks``
+    (snapshots written before it was saved) as no total bound."""
+    ix = PrefixIndex(None, flat["ttl_s"], block_map=True)
+    runs = flat["runs"]
+    for rep, _num, _order in flat["lru"]:
+        ix.register(rep)
+    paths: list[tuple[int, ...]] = []
+    has_child = [False] * len(runs)
+    for parent, blocks in runs:
+        paths.append((paths[parent] if parent >= 0 else ()) + blocks)
+        if parent >= 0:
+            has_child[parent] = True
+    for k, path in enumerate(paths):
+        if not has_child[k]:
+            ix.insert(_RESTORE_HOLDER, path, 0.0)
+    for rep, _num, order in flat["lru"]:
+        for k, t in order:
+            parent, blocks = runs[k]
+            ix.insert(rep, blocks, t, parent_block_hash=runs[parent][1][-1] if parent >= 0 else None)
+    ix.clear(_RESTORE_HOLDER)
+    ix.capacity_blocks = flat["capacity_blocks"]
+    ix.total_capacity_blocks = flat.get("total_capacity_blocks")
+    if not flat["block_map"]:
+        ix._node_of = None  # as saved: the block map is built again on first use
+    return ix

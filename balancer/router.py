@@ -21,7 +21,7 @@ alone (conditional disaggregation; the vLLM router skips PD below 256 uncached t
 Prefix index modes: ``"approximate"`` records each routed prompt on its chosen replicas (as the
 SGLang and llm-d routers do); ``"events"`` trusts only KV events from engines (as Dynamo does);
 ``"hybrid"`` trusts KV events and, in a second index whose entries live ``speculative_ttl_s``
-(default :data:`DEFAULT_SPECULATIVE_TTL_S`), the prompts it routed itself, so that a burst of
+(default :data:`balancer.config.DEFAULT_SPECULATIVE_TTL_S`), the prompts it routed itself, so that a burst of
 sibling requests lands together before the engine has announced the first one's blocks (Dynamo's
 predicted blocks, the vLLM router's speculative entries); a replica's match is the larger of the
 two.
@@ -76,21 +76,25 @@ import numbers
 import pickle
 import random
 import threading
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, placement_features
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadReport, LoadTracker
-from balancer.policies import Policy, SelectContext
-from balancer.policies.spec import build_policy
 from balancer.block_index import BlockIndex
+from balancer.cache_view import STORE_HOLDER, CacheView  # noqa: F401  (STORE_HOLDER re-exported)
+from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
+from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
-from balancer.types import Choice, ReplicaId, Request, Role, Route, TtftSlo, checked_count, checked_ttl_s, is_finite_seconds
+from balancer.replicas import Pool, ReplicaInfo, ReplicaRegistry, RequestTooLargeError, fitting, without  # noqa: F401  (ReplicaInfo, RequestTooLargeError re-exported)
+from balancer.types import Choice, ReplicaId, Request, Role, Route, is_finite_seconds
+from balancer.validation import format_validation_error
 
 
 def _locked(fn):  # noqa: ANN001, ANN202
@@ -106,141 +110,58 @@ class NoReplicaError(RuntimeError):
     """No healthy replica can take the request (the service maps it to HTTP 503)."""
 
 
-class RequestTooLargeError(ValueError):
-    """The request cannot fit any candidate replica's KV capacity (the service maps it to 400)."""
-
-
 class PolicyError(RuntimeError):
     """A policy's ``select`` returned something other than a :class:`~balancer.types.Choice` of
     one of the candidates it was given (a user policy's bug; the service answers 500, ``pdlb sim``
     prints one line naming the policy). Nothing is counted for the request then."""
 
 
-@dataclass(slots=True)
-class ReplicaInfo:
-    """Static facts about a registered replica."""
-
-    replica: ReplicaId
-    role: Role
-    kv_capacity_tokens: int = 0
-    healthy: bool = True
-
-
-@dataclass(slots=True)
-class _Pool:
-    replicas: tuple[ReplicaId, ...]
-    slots: np.ndarray
-    capacity: np.ndarray
-    position: dict[ReplicaId, int]
-    role: Role
-    min_capacity: int = 0  # smallest known (> 0) KV capacity in tokens; 0: none known
-
-
-INDEX_MODES = ("approximate", "events", "hybrid")
-#: Default lifetime of the hybrid mode's own routed-prompt entries: long enough for an engine to
-#: prefill and announce a prompt under load, short enough not to outlive its real cache entry.
-DEFAULT_SPECULATIVE_TTL_S = 5.0
-#: Default prefix-index bound per replica: 262,144 blocks (134M tokens at 512-token blocks, more
-#: than any GPU's HBM holds), so an embedded router never grows without bound.
-DEFAULT_INDEX_CAPACITY_BLOCKS = 262_144
-#: Default weights of lower-tier hits relative to an HBM hit (1.0): Dynamo's KV router weighs host
-#: (CPU) hits at 0.75 of device hits; a shared-store hit pays a network fetch, so 0.5.
-DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"host": 0.75, "store": 0.5}
-#: The pseudo replica that holds the shared store's blocks in the router's store view.
-STORE_HOLDER = ReplicaId("shared-store", 0)
 
 
 class Router:
     """Routes requests to prefill/decode DP ranks with pluggable policies.
 
+    Built from a :class:`~balancer.config.RouterConfig` (every setting and its default is
+    documented there): ``Router.from_config(config)``. ``Router(prefill, decode, **settings)``
+    is the same with the settings given as keywords (``RouterConfig`` fields) over ``config``.
+
     Args:
-        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy`, a registered name, or a
-            spec with parameters (``"ep_aware:ttft_slo_s=2"``, :func:`balancer.policies.spec.build_policy`).
-            The decode policy also routes aggregated (mixed) pools.
-        block_size: tokens per KV block of the requests' ``block_hashes``.
-        index_capacity_blocks: prefix-index bound per replica (LRU), ``None`` = unbounded
-            (default :data:`DEFAULT_INDEX_CAPACITY_BLOCKS`).
-        index_ttl_s: prefix-index TTL, ``None`` = none (Dynamo's approximate mode uses 120 s).
-        index_mode: ``"approximate"`` or ``"events"`` (see module docstring).
-        pd_min_uncached_tokens: below this many uncached prompt tokens on the chosen decode
-            replica, skip the prefill pool (0 = always disaggregate).
-        seed: seed of the router's ``random.Random`` (the only randomness policies may use).
-        host_tier: keep a view of each replica's host-DRAM KV tier (see module docstring).
-        host_index_capacity_blocks: bound per replica of the host view (LRU), ``None`` = unbounded.
-        shared_store: keep a view of a cluster-wide shared KV store.
-        store_index_capacity_blocks: bound of the store view (LRU), ``None`` = unbounded.
-        store_ttl_s: TTL of the store view (from last insert), ``None`` = none.
-        tier_weights: ``{"host": w, "store": w}``, each in [0, 1]; missing keys take
-            :data:`DEFAULT_TIER_WEIGHTS`.
-        cost_model: step-time model handed to policies (``SelectContext.cost_model``) for
-            cost-based policies (``ep_aware``); ``None``: none (``ep_aware`` then uses
-            :data:`balancer.cost_model.DEFAULT_COST_MODEL`).
-        learn_cost_model: fit the cost model online from the hooks' timestamps
-            (:class:`balancer.cost_model.CostLearner`, starting from ``cost_model`` or the
-            default); policies see the latest fit.
-        index_total_capacity_blocks: prefix-index bound over all replicas together (each gets
-            an even share when it is lower than ``index_capacity_blocks``), ``None`` = none.
-        speculative_ttl_s: hybrid mode: seconds a routed prompt counts as cached on its replicas.
-        inflight_timeout_s: requests still in flight this long after dispatch (their
-            ``on_finished`` never came: a lost callback, a crashed caller) are released and
-            counted (``metrics()["reaped_requests"]``); ``None`` (default) never reaps.
-        load_report_max_age_s: engine load reports older than this stop counting (``None``: a
-            report counts until the next one).
-        ttft_slo: the TTFT budget to route against (:class:`balancer.types.TtftSlo`), handed to
-            policies as ``SelectContext.ttft_slo``; ``None`` (default): SLO-blind routing.
+        prefill_policy / decode_policy: a :class:`~balancer.policies.Policy` object, a spec
+            (``"ep_aware:ttft_slo_s=2"``, :class:`~balancer.config.PolicySpec`), or ``None``: the
+            config's. The decode policy also routes aggregated (mixed) pools.
+        config: the settings (default: :class:`~balancer.config.RouterConfig`'s defaults).
+        on_routed: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after
+            each decision recorded a prompt (e.g. to share it with other router processes).
+        **settings: :class:`~balancer.config.RouterConfig` fields that replace the config's.
 
     Raises:
-        ValueError: unknown policy name or index mode, negative sizes, bad tier weights.
+        ValueError: unknown policy name or index mode, negative sizes, bad tier weights, an
+            unknown setting.
+        TypeError: a count that is not an integer, a ``ttft_slo`` that is not a ``TtftSlo``.
     """
 
     def __init__(
         self,
-        prefill_policy: Policy | str = "cache_aware",
-        decode_policy: Policy | str = "least_load",
+        prefill_policy: Policy | str | PolicySpec | None = None,
+        decode_policy: Policy | str | PolicySpec | None = None,
         *,
-        block_size: int = 512,
-        index_capacity_blocks: int | None = DEFAULT_INDEX_CAPACITY_BLOCKS,
-        index_ttl_s: float | None = None,
-        index_mode: str = "approximate",
-        pd_min_uncached_tokens: int = 0,
-        seed: int = 0,
-        host_tier: bool = False,
-        host_index_capacity_blocks: int | None = DEFAULT_INDEX_CAPACITY_BLOCKS,
-        shared_store: bool = False,
-        store_index_capacity_blocks: int | None = None,
-        store_ttl_s: float | None = None,
-        tier_weights: Mapping[str, float] | None = None,
-        cost_model: CostModel | None = None,
-        learn_cost_model: bool = False,
-        index_total_capacity_blocks: int | None = None,
-        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
-        inflight_timeout_s: float | None = None,
-        load_report_max_age_s: float | None = None,
-        ttft_slo: TtftSlo | None = None,
+        config: RouterConfig | None = None,
+        on_routed: Callable[[tuple[ReplicaId, ...], tuple[int, ...], float], None] | None = None,
+        **settings: Any,
     ) -> None:
-        block_size = checked_count("block_size", block_size, 1)  # a float (16.5) or a string was taken
-        if index_mode not in INDEX_MODES:
-            raise ValueError(f"unknown index_mode {index_mode!r}; valid: {', '.join(INDEX_MODES)}")
-        pd_min_uncached_tokens = checked_count("pd_min_uncached_tokens", pd_min_uncached_tokens, 0)
-        for name, v in (("speculative_ttl_s", speculative_ttl_s), ("inflight_timeout_s", inflight_timeout_s),
-                        ("load_report_max_age_s", load_report_max_age_s)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v}")
-        index_ttl_s, store_ttl_s = checked_ttl_s("index_ttl_s", index_ttl_s), checked_ttl_s("store_ttl_s", store_ttl_s)
-        # a name, or a spec with parameters ("ep_aware:ttft_slo_s=2"), as on the command line
-        self.prefill_policy = build_policy(prefill_policy) if isinstance(prefill_policy, str) else prefill_policy
-        self.decode_policy = build_policy(decode_policy) if isinstance(decode_policy, str) else decode_policy
-        self.block_size = block_size
-        self.index_mode = index_mode
-        self.pd_min_uncached_tokens = pd_min_uncached_tokens
-        # events mode removes single blocks (BlockRemoved): keep the prefix tree's block map
-        self.index = PrefixIndex(index_capacity_blocks, index_ttl_s, block_map=index_mode != "approximate",
-                                 total_capacity_blocks=index_total_capacity_blocks)
-        #: hybrid mode: the router's own routed prompts, for speculative_ttl_s; else None
-        self.speculative = PrefixIndex(index_capacity_blocks, speculative_ttl_s) if index_mode == "hybrid" else None
-        self.speculative_ttl_s = speculative_ttl_s
-        self.inflight_timeout_s = inflight_timeout_s
-        self.load_report_max_age_s = load_report_max_age_s
+        if config is None or settings:
+            config = _config_with(config or RouterConfig(), settings)
+        self.config = config
+        self.prefill_policy = _policy_of(prefill_policy, config.prefill_policy)
+        self.decode_policy = _policy_of(decode_policy, config.decode_policy)
+        self.block_size = config.block_size
+        self.index_mode = config.index_mode
+        self.pd_min_uncached_tokens = config.pd_min_uncached_tokens
+        #: where prompts are cached: the prefix index, the speculative index, the tier views
+        self.cache = CacheView(config)
+        self.speculative_ttl_s = config.speculative_ttl_s
+        self.inflight_timeout_s = config.inflight_timeout_s
+        self.load_report_max_age_s = config.load_report_max_age_s
         #: the lock every public method holds (re-entrant)
         self.lock = threading.RLock()
         self._reasons: dict[tuple[str, str], int] = {}
@@ -249,35 +170,57 @@ class Router:
         self._reaped = 0
         #: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after each
         #: decision recorded a prompt (e.g. to share it with other router processes); or None
-        self.on_routed: Any = None
-        weights = dict(DEFAULT_TIER_WEIGHTS)
-        for k, w in (tier_weights or {}).items():
-            if k not in DEFAULT_TIER_WEIGHTS:
-                raise ValueError(f"unknown tier {k!r} in tier_weights; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
-            if not 0.0 <= float(w) <= 1.0:
-                raise ValueError(f"tier_weights[{k!r}] must be in [0, 1], got {w}")
-            weights[k] = float(w)
-        self.tier_weights = weights
-        #: host-DRAM tier view per replica, or None
-        self.host_index = BlockIndex(host_index_capacity_blocks, index_ttl_s) if host_tier else None
-        #: shared-store view (one holder, STORE_HOLDER), or None
-        self.store_index = BlockIndex(store_index_capacity_blocks, store_ttl_s) if shared_store else None
+        self.on_routed: Any = on_routed
         self.load = LoadTracker()
-        self.rng = random.Random(seed)
-        self._replicas: dict[ReplicaId, ReplicaInfo] = {}
-        self._prefill_registered = False  # any prefill replica registered (set with the pools)
-        self._pools: dict[str, _Pool] | None = None
+        #: the registered replicas and their candidate pools
+        self.registry = ReplicaRegistry(self.load.slot)
+        self.rng = random.Random(config.seed)
         self._decisions = {"prefill": 0, "decode": 0}
         self._now_s = -math.inf  # latest time a caller passed in (see _clock); -inf: none yet
         self._clock_regressions = 0
         self._clock_regression_max_s = 0.0
-        self.cost_model = cost_model
-        if ttft_slo is not None and not isinstance(ttft_slo, TtftSlo):
-            raise TypeError(f"ttft_slo must be a balancer.TtftSlo or None, got {type(ttft_slo).__name__}")
-        self.ttft_slo = ttft_slo
-        #: online fit of the cost model, or None (see ``learn_cost_model``)
+        self.cost_model = config.cost_model
+        self.ttft_slo = config.ttft_slo
+        learn = config.learn_cost_model
+        if learn is None:  # auto: when a policy reads the model
+            learn = self.prefill_policy.uses_cost_model or self.decode_policy.uses_cost_model
+        #: online fit of the cost model, or None (see ``RouterConfig.learn_cost_model``)
         self.cost_learner: CostLearner | None = (
-            CostLearner(cost_model if cost_model is not None else DEFAULT_COST_MODEL) if learn_cost_model else None)
+            CostLearner(config.cost_model if config.cost_model is not None else DEFAULT_COST_MODEL) if learn else None)
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, *, prefill_policy: Policy | None = None,
+                    decode_policy: Policy | None = None,
+                    on_routed: Callable[[tuple[ReplicaId, ...], tuple[int, ...], float], None] | None = None) -> Router:
+        """The router of ``config``; ``prefill_policy`` / ``decode_policy``: policy objects to use
+        instead of the config's specs (e.g. a policy class that is not registered)."""
+        return cls(prefill_policy, decode_policy, config=config, on_routed=on_routed)
+
+    # the cache view's parts, by their old names (read them under ``router.lock``)
+    @property
+    def index(self) -> PrefixIndex:
+        """The HBM prefix index (:attr:`CacheView.index`)."""
+        return self.cache.index
+
+    @property
+    def speculative(self) -> PrefixIndex | None:
+        """Hybrid mode: the index of the router's own routed prompts; else None."""
+        return self.cache.speculative
+
+    @property
+    def host_index(self) -> BlockIndex | None:
+        """Host-DRAM tier view per replica, or None."""
+        return self.cache.host_index
+
+    @property
+    def store_index(self) -> BlockIndex | None:
+        """Shared-store view (one holder, :data:`STORE_HOLDER`), or None."""
+        return self.cache.store_index
+
+    @property
+    def tier_weights(self) -> dict[str, float]:
+        """Weights of lower-tier hits (defaults filled in)."""
+        return self.cache.tier_weights
 
     # ------------------------------------------------------------------ clock
     def _clock(self, now_s: float) -> float:
@@ -326,27 +269,9 @@ class Router:
                 replica is already registered with another role (nothing changes then; a role
                 change is :meth:`remove_replica` then ``add_replica``).
         """
-        if not isinstance(replica, ReplicaId) or not isinstance(replica.engine, str) \
-                or not isinstance(replica.dp_rank, int):
-            raise TypeError(f"replica must be a ReplicaId(engine: str, dp_rank: int), got {replica!r}")
-        if replica.dp_rank < 0:
-            raise ValueError(f"dp_rank must be >= 0, got {replica.dp_rank} for {replica}")
-        if kv_capacity_tokens < 0:
-            raise ValueError(f"kv_capacity_tokens must be >= 0 (0 = unknown), got {kv_capacity_tokens} for {replica}")
-        try:
-            role = Role(role)
-        except ValueError:
-            raise ValueError(f"unknown role {role!r}; valid: {', '.join(r.value for r in Role)}") from None
-        info = self._replicas.get(replica)
-        if info is not None and info.role is not role:
-            raise ValueError(f"{replica} is already registered as {info.role.value}, not {role.value} "
-                             f"(remove_replica it first to change its role)")
-        self._replicas[replica] = ReplicaInfo(replica, role, int(kv_capacity_tokens), True)
+        self.registry.add(replica, role, kv_capacity_tokens)
         self.load.add_replica(replica)
-        self.index.register(replica)  # numbered now: the index's cached pool numbers stay valid
-        if self.speculative is not None:
-            self.speculative.register(replica)
-        self._pools = None
+        self.cache.register(replica)  # numbered now: the index's cached pool numbers stay valid
 
     @contextlib.contextmanager
     def registering(self) -> Iterator[None]:
@@ -354,31 +279,21 @@ class Router:
         ``index_total_capacity_blocks``) is enforced once at the end, not once per replica (which
         walked every replica per registration: a worker of 1,024 DP ranks next to a replica holding
         a long prompt took seconds)."""
-        indexes = [i for i in (self.index, self.speculative) if i is not None]
         with self.lock:
-            for i in indexes:
-                i.defer_rebalance = True
+            deferring = self.cache.deferring_rebalance()
+            deferring.__enter__()
         try:
             yield
         finally:
             with self.lock:
-                for i in indexes:
-                    i.defer_rebalance = False
-                    i.rebalance()
+                deferring.__exit__(None, None, None)
 
     @_locked
     def remove_replica(self, replica: ReplicaId) -> None:
         """Unregister a DP rank: forget its cached blocks; in-flight requests stop counting on it."""
-        if replica not in self._replicas:
-            raise KeyError(f"unknown replica {replica}")
-        del self._replicas[replica]
+        self.registry.remove(replica)
         self.load.remove_replica(replica)
-        self.index.clear(replica)
-        if self.speculative is not None:
-            self.speculative.clear(replica)
-        if self.host_index is not None:
-            self.host_index.clear(replica)
-        self._pools = None
+        self.cache.forget(replica)
 
     @_locked
     def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
@@ -387,98 +302,38 @@ class Router:
         Raises:
             KeyError: unknown replica.
         """
-        info = self._replicas.get(replica)
-        if info is None:
-            raise KeyError(f"unknown replica {replica}")
-        info.healthy = healthy
-        self._pools = None
+        self.registry.set_healthy(replica, healthy)
 
     @_locked
     def replicas(self, role: Role | None = None) -> list[ReplicaInfo]:
         """Registered replicas (of one role), sorted by engine then DP rank: copies (changing one
         changes nothing in the router; use :meth:`set_healthy` and friends)."""
-        return [replace(i) for i in self._sorted_infos() if role is None or i.role is role]
-
-    def _sorted_infos(self) -> list[ReplicaInfo]:
-        return sorted(self._replicas.values(), key=lambda i: (i.replica.engine, i.replica.dp_rank))
+        return [replace(i) for i in self.registry.sorted_infos() if role is None or i.role is role]
 
     @property
     def disaggregated(self) -> bool:
         """True when healthy prefill replicas exist (PD mode)."""
-        return len(self._get_pools()["prefill"].replicas) > 0
-
-    def _get_pools(self) -> dict[str, _Pool]:
-        if self._pools is None:
-            self._prefill_registered = any(i.role is Role.PREFILL for i in self._replicas.values())
-            healthy = [i for i in self._sorted_infos() if i.healthy]
-            prefill = [i for i in healthy if i.role is Role.PREFILL]
-            decode = [i for i in healthy if i.role in (Role.DECODE, Role.MIXED)]
-            self._pools = {"prefill": self._make_pool(prefill, Role.PREFILL),
-                           "decode": self._make_pool(decode, decode[0].role if decode else Role.DECODE)}
-        return self._pools
-
-    def _make_pool(self, infos: list[ReplicaInfo], role: Role) -> _Pool:
-        reps = tuple(i.replica for i in infos)
-        return _Pool(
-            replicas=reps,
-            slots=np.array([self.load.slot(r) for r in reps], dtype=np.int64),
-            capacity=np.array([i.kv_capacity_tokens for i in infos], dtype=np.int64),
-            position={r: k for k, r in enumerate(reps)},
-            role=role,
-            min_capacity=min((i.kv_capacity_tokens for i in infos if i.kv_capacity_tokens > 0), default=0),
-        )
-
-    @staticmethod
-    def _fitting(pool: _Pool, need_tokens: int, what: str) -> _Pool:
-        """``pool`` less the replicas whose known KV capacity is below ``need_tokens`` (unknown
-        capacity, 0, counts as fitting); ``pool`` itself when all fit (the usual case, O(1)).
-
-        Raises:
-            RequestTooLargeError: no replica of a non-empty pool fits.
-        """
-        if not pool.min_capacity or need_tokens <= pool.min_capacity:
-            return pool
-        keep = [k for k, c in enumerate(pool.capacity.tolist()) if c == 0 or c >= need_tokens]
-        if not keep and pool.replicas:
-            raise RequestTooLargeError(f"{what} needs {need_tokens} tokens of KV; the largest {pool.role.value} "
-                                       f"replica holds {int(pool.capacity.max())}")
-        take = np.array(keep, dtype=np.intp)
-        reps = tuple(pool.replicas[k] for k in keep)
-        cap = pool.capacity[take]
-        return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
-                     min((c for c in cap.tolist() if c > 0), default=0))
+        return len(self.registry.pools()["prefill"].replicas) > 0
 
     # ------------------------------------------------------------------ decisions
     @_locked
     def candidates(self, request: Request, pool_name: str, matches: dict[ReplicaId, int] | None = None) -> Candidates:
         """The snapshot a policy sees for ``pool_name`` (``"prefill"`` or ``"decode"``)."""
         if matches is not None:
-            return self._candidates(request, self._get_pools()[pool_name], None, matches)
+            return self._candidates(request, self.registry.pools()[pool_name], None, matches)
         spec = self.speculative.match_depths(request.block_hashes) if self.speculative is not None else None
-        return self._candidates(request, self._get_pools()[pool_name], self.index.match_depths(request.block_hashes),
+        return self._candidates(request, self.registry.pools()[pool_name], self.index.match_depths(request.block_hashes),
                                 None, spec)
 
-    @staticmethod
-    def _gather(index: PrefixIndex, pool: _Pool, depths: np.ndarray) -> np.ndarray:
-        """Per candidate of ``pool``, its depth in ``depths`` (an index's per-number match depths)."""
-        n = len(pool.replicas)
-        nums = index.numbers(pool.replicas)
-        if not n or not len(depths):
-            return np.zeros(n, dtype=np.int64)
-        if nums[nums.argmin()] >= 0:  # every candidate has a number (the steady state)
-            return depths[nums]
-        return np.where(nums >= 0, depths[np.maximum(nums, 0)], 0)
-
-    def _candidates(self, request: Request, pool: _Pool, depths: np.ndarray | None,
+    def _candidates(self, request: Request, pool: Pool, depths: np.ndarray | None,
                     matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None) -> Candidates:
         """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
         vectorised; with ``spec_depths``, the hybrid mode's speculative index's, the larger per
         candidate) or from a ``{replica: blocks}`` dict."""
         n = len(pool.replicas)
+        cache = self.cache
         if depths is not None:
-            matched = self._gather(self.index, pool, depths)
-            if spec_depths is not None and self.speculative is not None:
-                matched = np.maximum(matched, self._gather(self.speculative, pool, spec_depths))
+            matched = cache.hbm_matches(pool.replicas, depths, spec_depths)
             most = len(request.block_hashes)  # bound: a depth never exceeds the prompt's blocks
         else:
             matched = np.zeros(n, dtype=np.int64)
@@ -499,7 +354,7 @@ class Router:
         if load.has_external:  # engine load reports: the part of the load that is not this router's
             num_requests = num_requests + load.external_requests[slots]
             decode_kv = decode_kv + load.external_kv_tokens[slots]
-        if self.host_index is None and self.store_index is None:
+        if not cache.has_tiers:
             tokens = matched * self.block_size
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
@@ -509,8 +364,8 @@ class Router:
                               prefill_head_start_s=load.prefill_head_start_s[slots],
                               prefill_head_tokens=load.prefill_head_tokens[slots],
                               prefill_head_pairs=load.prefill_head_pairs[slots])
-        host, store = self._lower_tier_matches(request.block_hashes, pool.replicas, matched)
-        w = self.tier_weights
+        host, store = cache.lower_tier_matches(request.block_hashes, pool.replicas, matched)
+        w = cache.tier_weights
         effective = matched + w["host"] * host + w["store"] * store
         tokens = np.minimum(np.rint(effective * self.block_size).astype(np.int64), request.prompt_tokens)
         return Candidates(
@@ -529,45 +384,6 @@ class Router:
             prefill_head_tokens=load.prefill_head_tokens[slots],
             prefill_head_pairs=load.prefill_head_pairs[slots],
         )
-
-    def _lower_tier_matches(self, block_hashes: tuple[int, ...], replicas: tuple[ReplicaId, ...],
-                            hbm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per replica (shape ``(n,)``, int64): consecutive blocks after its HBM match held in its
-        host tier, and consecutive blocks after both held in the shared store. Cost: one index
-        match per distinct HBM depth and per distinct host depth (few), not per replica."""
-        n = len(replicas)
-        host = np.zeros(n, dtype=np.int64)
-        store = np.zeros(n, dtype=np.int64)
-        nb = len(block_hashes)
-        if self.host_index is not None and nb:
-            for d in np.unique(hbm).tolist():
-                if d >= nb:
-                    continue
-                ks = np.flatnonzero(hbm == d)
-                got = self.host_index.match(block_hashes[d:], [replicas[k] for k in ks.tolist()])
-                if got:
-                    pos = {r: k for k, r in zip(ks.tolist(), (replicas[k] for k in ks.tolist()))}
-                    for r, m in got.items():
-                        host[pos[r]] = m
-        if self.store_index is not None and nb:
-            depth = hbm + host
-            for d in np.unique(depth).tolist():
-                if d < nb:
-                    store[depth == d] = self.store_index.match_replica(STORE_HOLDER, block_hashes[d:])
-        return host, store
-
-    @staticmethod
-    def _without(pool: _Pool, exclude_engines: Collection[str]) -> _Pool:
-        """``pool`` less the replicas whose engine is in ``exclude_engines``, built per call (the
-        cached pools stay as they are); ``pool`` itself when that removes none or all of them."""
-        keep = [k for k, r in enumerate(pool.replicas) if r.engine not in exclude_engines]
-        if not keep or len(keep) == len(pool.replicas):
-            return pool
-        take = np.array(keep, dtype=np.intp)
-        reps = tuple(pool.replicas[k] for k in keep)
-        cap = pool.capacity[take]
-        return _Pool(reps, pool.slots[take], cap, {r: i for i, r in enumerate(reps)}, pool.role,
-                     min((c for c in cap.tolist() if c > 0), default=0))
 
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float,
                 position: Mapping[ReplicaId, int]) -> Choice:
@@ -642,29 +458,22 @@ class Router:
             raise ValueError(f"request {request.request_id!r} is already in flight")
         if self.load.peer is not None and self.uses_load():  # no policy reads load: nothing to refresh
             self.load.peer.refresh()
-        pools = self._get_pools()
+        pools = self.registry.pools()
         if not pools["decode"].replicas:
             raise NoReplicaError("no healthy decode or mixed replica")
-        if self.index.ttl_s is not None:
-            self.index.expire(now_s)
-            if self.host_index is not None:
-                self.host_index.expire(now_s)
-        if self.store_index is not None and self.store_index.ttl_s is not None:
-            self.store_index.expire(now_s)
-        spec = None
-        if self.speculative is not None:
-            self.speculative.expire(now_s)
-            spec = self.speculative.match_depths(request.block_hashes)
+        cache = self.cache
+        cache.expire(now_s)
+        spec = cache.speculative.match_depths(request.block_hashes) if cache.speculative is not None else None
         d_pool, p_pool = pools["decode"], pools["prefill"]
         if exclude_engines:
-            d_pool = self._without(d_pool, exclude_engines)
-            p_pool = self._without(p_pool, exclude_engines)
+            d_pool = without(d_pool, exclude_engines)
+            p_pool = without(p_pool, exclude_engines)
         # only replicas whose known KV capacity can hold the request (prompt + output on decode)
-        d_pool = self._fitting(d_pool, request.prompt_tokens + request.output_tokens,
+        d_pool = fitting(d_pool, request.prompt_tokens + request.output_tokens,
                                f"request {request.request_id!r} (prompt + output)")
         if p_pool.replicas:
-            p_pool = self._fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
-        depths = self.index.match_depths(request.block_hashes)
+            p_pool = fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
+        depths = cache.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None, spec)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s, d_pool.position)
         d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
@@ -688,19 +497,7 @@ class Router:
             self.load.peer.publish()
         self._matched_tokens["decode"] += d_matched
         self._matched_tokens["prefill"] += p_matched
-        if self.speculative is not None:
-            if prefill is not None:
-                self.speculative.insert(prefill, request.block_hashes, now_s)
-            self.speculative.insert(d_choice.replica, request.block_hashes, now_s)
-        if self.index_mode == "approximate":
-            if prefill is not None:
-                self.index.insert(prefill, request.block_hashes, now_s)
-            self.index.insert(d_choice.replica, request.block_hashes, now_s)
-            if self.host_index is not None:  # the replica that computes the prompt gets it
-                self.host_index.insert(prefill if prefill is not None else d_choice.replica,
-                                       request.block_hashes, now_s)
-            if self.store_index is not None:
-                self.store_index.insert(STORE_HOLDER, request.block_hashes, now_s)
+        if cache.record_routed(prefill, d_choice.replica, request.block_hashes, now_s):
             if self.on_routed is not None and request.block_hashes:
                 self.on_routed((d_choice.replica,) if prefill is None else (prefill, d_choice.replica),
                                request.block_hashes, now_s)
@@ -800,25 +597,12 @@ class Router:
         """
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"unknown KV event {event!r}")
-        if replica not in self._replicas:
+        if replica not in self.registry:
             self._kv_events["ignored"] += 1
             return
         now_s = self._default_now(now_s)
-        tier = tier_of_medium(event.medium)
-        index = self.index if tier == "hbm" else (self.host_index if tier == "host" else self.store_index)
-        if index is None:
-            self._kv_events["ignored"] += 1
-            return
-        holder = STORE_HOLDER if tier == "store" else replica
-        self._kv_events["applied"] += 1
-        if isinstance(event, BlockStored):
-            index.insert(holder, event.block_hashes, now_s, parent_block_hash=event.parent_block_hash)
-        elif isinstance(event, BlockRemoved):
-            index.remove(holder, event.block_hashes)
-        else:
-            index.clear(holder)
-            if isinstance(index, PrefixIndex):  # keep its number: cached pool numbers stay valid
-                index.register(holder)
+        applied = self.cache.apply_kv_event(replica, event, now_s)
+        self._kv_events["applied" if applied else "ignored"] += 1
 
     @_locked
     def on_load_report(self, replica: ReplicaId, report: LoadReport, now_s: float | None = None) -> None:
@@ -837,7 +621,7 @@ class Router:
         if not isinstance(report, LoadReport):
             raise TypeError(f"report must be a LoadReport, got {type(report).__name__}")
         now_s = self._default_now(now_s)
-        info = self._replicas.get(replica)
+        info = self.registry.get(replica)
         if info is None:
             return
         self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
@@ -860,8 +644,7 @@ class Router:
 
     def _prefill_decides(self) -> bool:
         """Whether prefill replicas are registered (healthy or not), so the prefill policy runs."""
-        self._get_pools()
-        return self._prefill_registered
+        return self.registry.prefill_registered()
 
     @_locked
     def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
@@ -872,11 +655,7 @@ class Router:
             ValueError: ``now_s`` is not a finite number.
         """
         now_s = self._clock(now_s)
-        if self.index_mode != "approximate":
-            return
-        for rep in replicas:
-            if rep in self._replicas:
-                self.index.insert(rep, block_hashes, now_s)
+        self.cache.record_peer_routed([r for r in replicas if r in self.registry], block_hashes, now_s)
 
     # ------------------------------------------------------------------ state
     @_locked
@@ -903,8 +682,8 @@ class Router:
             "in_flight": self.load.num_in_flight,
             "reaped_requests": self._reaped,
             "kv_events": dict(self._kv_events),
-            "replicas": len(self._replicas),
-            "healthy_replicas": sum(1 for i in self._replicas.values() if i.healthy),
+            "replicas": len(self.registry),
+            "healthy_replicas": sum(1 for i in self.registry if i.healthy),
             "clock_regressions": self._clock_regressions,
             "clock_regression_max_s": self._clock_regression_max_s,
             **({"cost_learning": self.cost_learner.stats()} if self.cost_learner is not None else {}),
@@ -934,79 +713,57 @@ class Router:
         return obj
 
     def __getstate__(self) -> dict[str, Any]:
-        with self.lock:
-            state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "_pools", "index", "speculative", "on_routed")}
-            state["index"] = _flat_index(self.index)
-            state["speculative"] = _flat_index(self.speculative) if self.speculative is not None else None
-            return state
+        with self.lock:  # the prefix indexes pickle themselves flat (PrefixIndex.to_flat)
+            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "on_routed")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state["index"] = _unflat_index(state["index"])
-        if state["speculative"] is not None:
-            state["speculative"] = _unflat_index(state["speculative"])
+        for key in ("index", "speculative"):  # snapshots that stored the flat form themselves
+            if isinstance(state.get(key), dict):
+                state[key] = PrefixIndex.from_flat(state[key])
+        if "cache" not in state:  # snapshots from before the cache view part: its indexes were the router's
+            cache = CacheView.__new__(CacheView)
+            cache.index_mode = state["index_mode"]
+            cache.index, cache.speculative = state.pop("index"), state.pop("speculative")
+            cache.host_index, cache.store_index = state.pop("host_index"), state.pop("store_index")
+            cache.tier_weights = state.pop("tier_weights")
+            cache.has_tiers = cache.host_index is not None or cache.store_index is not None
+            state["cache"] = cache
         state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
         state.setdefault("_clock_regression_max_s", 0.0)
-        state.setdefault("_prefill_registered", False)  # recomputed with the pools
+        if "_replicas" in state:  # snapshots from before the registry part
+            registry = ReplicaRegistry(state["load"].slot)
+            for info in state.pop("_replicas").values():
+                registry.add(info.replica, info.role, info.kv_capacity_tokens)
+                registry.set_healthy(info.replica, info.healthy)
+            state["registry"] = registry
         self.__dict__.update(state)
         self.lock = threading.RLock()
-        self._pools = None
         self.on_routed = None
 
 
-_RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)
+def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterConfig:
+    """``config`` with ``settings`` (RouterConfig fields) applied; one-line errors.
+
+    Raises:
+        ValueError: an unknown setting or a bad value (the field's own message).
+        TypeError: a count that is not an integer, a ``ttft_slo`` that is not a ``TtftSlo``.
+    """
+    unknown = sorted(set(settings) - set(RouterConfig.model_fields))
+    if unknown:
+        raise TypeError(f"Router got unknown setting(s) {', '.join(unknown)}; valid: {', '.join(RouterConfig.model_fields)}")
+    try:
+        return config.with_(**settings)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, None, RouterConfig)) from None
 
 
-def _flat_index(ix: PrefixIndex) -> dict[str, Any]:
-    """A :class:`PrefixIndex` as flat lists (no linked structure for ``pickle`` to recurse into):
-    its runs parent-first ``[(parent run number or -1, blocks)]``, each replica's LRU order
-    ``[(run number, time)]`` oldest first, and the replica numbers. Reads the index's internals
-    (the tree and the LRU lists), which it leaves unchanged."""
-    runs: list[tuple[int, tuple[int, ...]]] = []
-    number: dict[int, int] = {}
-    stack = [(ix._root, -1)]
-    while stack:
-        node, parent = stack.pop()
-        for child in node.children.values():
-            number[id(child)] = len(runs)
-            runs.append((parent, child.blocks))
-            stack.append((child, number[id(child)]))
-    lru: list[tuple[ReplicaId, int, list[tuple[int, float]]]] = []
-    for rep, rs in ix._state.items():
-        order = []
-        e = rs.head.next
-        while e is not rs.head:
-            order.append((number[id(e.node)], e.time))
-            e = e.next
-        lru.append((rep, rs.num, order))
-    lru.sort(key=lambda t: t[1])
-    return {"capacity_blocks": ix.capacity_blocks, "ttl_s": ix.ttl_s, "block_map": ix._node_of is not None,
-            "runs": runs, "lru": lru}
-
-
-def _unflat_index(flat: dict[str, Any]) -> PrefixIndex:
-    """The :class:`PrefixIndex` :func:`_flat_index` wrote, rebuilt through its public methods:
-    replicas numbered in their old order, the tree laid out under a temporary holder, each
-    replica's runs inserted in its LRU order with their times, then the holder cleared."""
-    ix = PrefixIndex(None, flat["ttl_s"], block_map=True)
-    runs = flat["runs"]
-    for rep, _num, _order in flat["lru"]:
-        ix.register(rep)
-    paths: list[tuple[int, ...]] = []
-    has_child = [False] * len(runs)
-    for parent, blocks in runs:
-        paths.append((paths[parent] if parent >= 0 else ()) + blocks)
-        if parent >= 0:
-            has_child[parent] = True
-    for k, path in enumerate(paths):
-        if not has_child[k]:
-            ix.insert(_RESTORE_HOLDER, path, 0.0)
-    for rep, _num, order in flat["lru"]:
-        for k, t in order:
-            parent, blocks = runs[k]
-            ix.insert(rep, blocks, t, parent_block_hash=runs[parent][1][-1] if parent >= 0 else None)
-    ix.clear(_RESTORE_HOLDER)
-    ix.capacity_blocks = flat["capacity_blocks"]
-    if not flat["block_map"]:
-        ix._node_of = None  # as saved: the block map is built again on first use
-    return ix
+def _policy_of(given: Policy | str | PolicySpec | None, spec: PolicySpec) -> Policy:
+    """The policy object: ``given`` itself, built from its spec, or the config's ``spec``'s."""
+    if given is None:
+        return spec.build()
+    if isinstance(given, str):
+        return PolicySpec.parse(given).build()
+    if isinstance(given, PolicySpec):
+        return given.build()
+    return given

@@ -27,6 +27,7 @@ import argparse
 import collections
 import concurrent.futures as cf
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,9 @@ def run_one(point: str, spec: str, traces_dir: str | None) -> dict:
     rate, k = float(rate_s), float(slo_s)
     wl_name, sc_name = row.split(":")
     slo = SLO(ttft_s=2.0 * k, tpot_s=0.05, attainment=0.9, ttft_per_1k_prompt_tokens_s=0.1 * k)
-    wl = workload_of(wl_name, 0, Path(traces_dir) if traces_dir else None, Path("/tmp") / "pdlb-ep-aware-tail")
+    tmp = Path(tempfile.gettempdir()) / "pdlb-ep-aware-tail"  # generated workloads as JSONL
+    tmp.mkdir(parents=True, exist_ok=True)
+    wl = workload_of(wl_name, 0, Path(traces_dir) if traces_dir else None, tmp)
     reqs = wl.at_rate(wl.read(), rate)
     pol, reasons = _recording(spec)
     t0 = time.process_time()

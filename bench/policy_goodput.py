@@ -8,7 +8,8 @@ or generator seed), in one run:
 - **goodput at the trace rate**: SLO-meeting requests per second of the arrival window
   (:mod:`sim.metrics`), a complete simulation at rate scale 1;
 - **highest rate at SLO**: :func:`sim.capacity.search_rate` (geometric bisection, 3% tolerance),
-  with the **TTFT p99 at that rate** beside it (a run at each policy's found rate), and each
+  with the **TTFT p99 at that rate** beside it (a run at each policy's found rate), pdlb's
+  policies' TTFT p99 at the best anchor's found rate (equal load), and each
   policy's **light-load attainment** (a run at ``--light-scale``, default 1/64 of the trace rate):
   a row where some policy misses the SLO even when idle is flagged, since its "highest rate at
   SLO" is then where a flat attainment curve crosses the target, not a capacity;
@@ -30,10 +31,16 @@ Rows (``--rows``, ``workload:scenario``): workloads ``mooncake`` (embedded trace
 sessions`` generator, one day), ``shared_prefix`` (SGLang's generated-shared-prefix layout, 256 groups x 16
 prompts, at 4 req/s); scenarios ``default`` (dsv3-pd-h200: 6 prefill engines of EP8, 1 decode engine of EP8),
 ``p16`` (the same with 16 prefill engines), ``dense`` (llama70b-pd-h100), ``agg``
-(llama8b-agg-h100). The SLO (``--slo-*``) is the same on every row: by default 90% of requests
-with TTFT <= 2 s + 0.1 s per 1k prompt tokens and TPOT <= 50 ms (a flat 2 s TTFT cannot be met
-by 90% of the Mooncake trace at any rate: 16% of its prompts take longer than 2 s to prefill
-alone even with every prefix cached; the searches report such a floor instead of searching).
+(llama8b-agg-h100); ``mooncake_synthetic`` is Mooncake's FAST25 ``synthetic_trace.jsonl`` in
+``--traces-dir``. The base SLO (``--slo-*``): by default 90% of requests with TTFT <= 2 s + 0.1 s
+per 1k prompt tokens and TPOT <= 50 ms (a flat 2 s TTFT cannot be met by 90% of the Mooncake
+trace at any rate: 16% of its prompts take longer than 2 s to prefill alone even with every prefix
+cached; the searches report such a floor instead of searching). With ``--fair-slo`` (the default)
+each row is judged at a **fair SLO**: the base SLO's TTFT budget times the smallest factor (5%
+steps) at which every compared policy meets it at ``--light-scale`` with ``--fair-margin`` to spare
+(:mod:`sim.fair_slo`, from one light-load run per policy and seed); otherwise a policy that barely
+meets the SLO when idle has a flat attainment curve and its "highest rate at SLO" is a threshold
+artefact (issue 23). ``--no-fair-slo`` judges every row at the base SLO.
 Results: ``--out`` (default ``bench_results/policy_goodput-<time>/``): ``results.json``,
 ``table.md``, ``explain.png``, ``points.jsonl``.
 """

@@ -22,6 +22,9 @@ is measured ``--rounds`` times, alternating between DIR's ``balancer`` and this 
 own process), and the table gives both and the ratio of the medians, this / DIR: on a busy
 host that ratio, not the absolute figures, is the measurement.
 
+``--numpy-baseline`` does the same against this checkout with :mod:`balancer.kernels`' compiled
+loops turned off (``use_compiled(False)``): what numba buys, the decisions being the same.
+
 ``--kv-events-per-s R`` runs the routers in events mode (``index_mode="events"``) and applies KV
 events concurrently with the decisions: R events per second of wall-clock time (one
 ``BlockStored`` of a whole prompt of the workload on a random replica, or, one time in four, a
@@ -123,7 +126,8 @@ class _EventFeeder:
 
 
 def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
-          kv_events_per_s: float = 0.0, in_flight: int = 0, clock_name: str = "wall") -> tuple[float, float, float]:
+          kv_events_per_s: float = 0.0, in_flight: int = 0, clock_name: str = "wall",
+          compiled: bool = True) -> tuple[float, float, float]:
     """p50 and p99 decision latency (us) and the index fill (held / capacity) when measured.
 
     Warm-up first routes (and finishes) requests until every replica's index is full or
@@ -133,11 +137,20 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
     thread applies events at that rate while the decisions are measured (module docstring).
     ``in_flight``: requests kept dispatched (the oldest finishes when one more is routed; 0: each
     finishes at once, an idle pool). ``clock_name``: ``"wall"`` (``perf_counter``) or ``"cpu"``
-    (``thread_time``: this thread's CPU time, blind to the host preempting it).
+    (``thread_time``: this thread's CPU time, blind to the host preempting it). ``compiled``:
+    False turns ``balancer.kernels``' compiled loops off (their numpy code runs).
     """
+    if not compiled:
+        from balancer import kernels
+
+        kernels.use_compiled(False)
     events = kv_events_per_s > 0
+    # the decision alone: no online cost fit (RouterConfig's default fits the model when ep_aware
+    # reads it, which the service measures on its own), no total index bound (2,048 blocks per
+    # replica stay under the 4,194,304 default anyway); both as the routers before RouterConfig
     router = Router(policy, policy, block_size=BLOCK, index_capacity_blocks=INDEX_CAPACITY_BLOCKS, seed=0,
-                    index_mode="events" if events else "approximate")
+                    index_mode="events" if events else "approximate", learn_cost_model=False,
+                    index_total_capacity_blocks=None)
     reps = []
     for i in range(replicas):
         reps += [ReplicaId(f"p{i // 8}", i % 8), ReplicaId(f"d{i // 8}", i % 8)]
@@ -177,22 +190,25 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
 
 
 def bench_in(tree: str | None, policy: str, replicas: int, prompt_tokens: int, n: int,
-             kv_events_per_s: float, in_flight: int, clock_name: str) -> tuple[float, float, float]:
-    """:func:`bench` in a fresh process measuring ``tree``'s ``balancer`` (None: this checkout's)."""
+             kv_events_per_s: float, in_flight: int, clock_name: str, compiled: bool = True) -> tuple[float, float, float]:
+    """:func:`bench` in a fresh process measuring ``tree``'s ``balancer`` (None: this checkout's),
+    with its compiled loops on or off (``compiled``)."""
     env = dict(os.environ)
     env.pop(TREE_ENV, None)
     if tree:
         env[TREE_ENV] = str(Path(tree).resolve())
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps([policy, replicas, prompt_tokens, n,
-                                                                         kv_events_per_s, in_flight, clock_name])],
+    conf = [policy, replicas, prompt_tokens, n, kv_events_per_s, in_flight, clock_name] + ([] if compiled else [False])
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(conf)],
                          env=env, check=True, capture_output=True, text=True).stdout
     p50, p99, fill = json.loads(out.strip().splitlines()[-1])
     return p50, p99, fill
 
 
 def compare(args: argparse.Namespace, policies: list[str]) -> None:
-    """This checkout against ``--against``, interleaved rounds; medians and ratios (this / that)."""
-    print(f"this checkout vs {args.against} (medians of {args.rounds} interleaved rounds, each its own process"
+    """This checkout against ``--against`` (or, with ``--numpy-baseline``, against itself with its
+    compiled loops off), interleaved rounds; medians and ratios (this / that)."""
+    base_name = "this checkout's numpy code (compiled loops off)" if args.numpy_baseline else args.against
+    print(f"this checkout vs {base_name} (medians of {args.rounds} interleaved rounds, each its own process"
           + (f"; KV events {args.kv_events_per_s:g}/s, events mode" if args.kv_events_per_s else "; approximate mode")
           + f"; {args.in_flight} requests in flight; {args.clock} clock)")
     print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'base p50':>10}{'base p99':>10}"
@@ -203,7 +219,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
                 ours, base = [], []
                 for _ in range(args.rounds):
                     conf = (args.requests, args.kv_events_per_s, args.in_flight, args.clock)
-                    base.append(bench_in(args.against, policy, replicas, prompt, *conf))
+                    base.append(bench_in(None, policy, replicas, prompt, *conf, compiled=False) if args.numpy_baseline
+                                else bench_in(args.against, policy, replicas, prompt, *conf))
                     ours.append(bench_in(None, policy, replicas, prompt, *conf))
                 o50, o99 = (statistics.median(x[i] for x in ours) for i in (0, 1))
                 b50, b99 = (statistics.median(x[i] for x in base) for i in (0, 1))
@@ -263,6 +280,8 @@ def main() -> int:
     ap.add_argument("--kv-events-per-s", type=float, default=0.0, metavar="R",
                     help="events mode with R KV events per second applied concurrently (default 0: approximate mode)")
     ap.add_argument("--against", metavar="DIR", help="another checkout to measure in the same run (ratios this / DIR)")
+    ap.add_argument("--numpy-baseline", action="store_true",
+                    help="like --against, the baseline being this checkout with balancer.kernels' compiled loops off")
     ap.add_argument("--rounds", type=int, default=3, help="with --against: interleaved rounds (default 3)")
     ap.add_argument("--in-flight", type=int, default=0, metavar="N",
                     help="requests kept in flight, so that policies see load (default 0: each finishes at once)")
@@ -281,7 +300,9 @@ def main() -> int:
     unknown = sorted(set(policies) - set(available_policies()))
     if unknown:
         ap.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
-    if args.against:
+    if args.against and args.numpy_baseline:
+        ap.error("--against and --numpy-baseline are two baselines: give one")
+    if args.against or args.numpy_baseline:
         compare(args, policies)
         return 0
     rate = args.kv_events_per_s

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from balancer.cost_model import CostModel
 from balancer.policies import available_policies
 from balancer.service.admission_config import add_admission_args, admission_overrides
-from balancer.service.config import WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, parse_worker_spec
+from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, move_legacy_router_keys,
+                                     parse_worker_spec)
 from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE, default_processes, event_loop_factory, serve
 
 if TYPE_CHECKING:  # the simulator's dependency: pdlb-serve runs without it
@@ -56,9 +57,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help=f"{what}, each {WORKER_SPEC_SYNTAX}; the flag can be repeated (default: none)")
     p.add_argument("--prefill-policy", metavar="NAME[:K=V,...]",
                    help=f"prefill-pool routing policy with optional parameters (e.g. cache_aware:cache_threshold=0.5; "
-                        f"'pdlb policies' lists them), one of: {policies} (default: {d.prefill_policy.name})")
+                        f"'pdlb policies' lists them), one of: {policies} (default: {d.router.prefill_policy.name})")
     p.add_argument("--decode-policy", metavar="NAME[:K=V,...]",
-                   help=f"decode- and mixed-pool routing policy, same names (default: {d.decode_policy.name}, "
+                   help=f"decode- and mixed-pool routing policy, same names (default: {d.router.decode_policy.name}, "
                         "whatever --prefill-policy is; note that 'pdlb sim run --policy P' uses P for both pools)")
     p.add_argument("--cost-model", metavar="FILE",
                    help="TOML/JSON cost-model table for ep_aware, as 'pdlb sim cost-model --scenario NAME' writes it "
@@ -66,7 +67,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--no-learn-cost-model", action="store_true",
                    help="keep the cost model fixed instead of refitting it from observed timings (default: learn)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",
-                   help=f"tokens per hashed prefix block of the router's prefix index (default: {d.block_size}; "
+                   help=f"tokens per hashed prefix block of the router's prefix index (default: {d.router.block_size}; "
                         "the simulator's scenarios use 512, the Mooncake traces' block size; see docs/serving.md)")
     p.add_argument("--tokenizer", dest="tokenizer_path", metavar="MODEL_DIR_OR_TOKENIZER_JSON",
                    help="local model folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
@@ -79,10 +80,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--index-mode", choices=["approximate", "events", "hybrid"],
                    help="prefix index: approximate (what the router routed), events (the engines' KV events, workers' "
                         "events=tcp://HOST:PORT), hybrid (events plus the router's own routed prompts for "
-                        f"--speculative-ttl-s) (default: {d.index_mode})")
+                        f"--speculative-ttl-s) (default: {d.router.index_mode})")
     p.add_argument("--speculative-ttl-s", type=float, metavar="SECONDS",
                    help=f"hybrid mode: how long a routed prompt counts as cached before its engine announces it "
-                        f"(default: {d.speculative_ttl_s:g})")
+                        f"(default: {d.router.speculative_ttl_s:g})")
     p.add_argument("--scrape-load", action="store_true", default=None,
                    help="scrape the engines' /metrics (running, waiting, KV usage) every "
                         f"{d.load_scrape.interval_s:g} s as load reports, so that several routers see the whole load "
@@ -93,7 +94,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "file's broker: section (default: none)")
     p.add_argument("--pd-min-uncached-tokens", type=int, metavar="TOKENS",
                    help="conditional disaggregation: requests with fewer uncached prompt tokens run on the decode "
-                        f"engine alone (default: {d.pd_min_uncached_tokens}, always prefill + decode)")
+                        f"engine alone (default: {d.router.pd_min_uncached_tokens}, always prefill + decode)")
     p.add_argument("--request-timeout-s", type=float, metavar="SECONDS",
                    help=f"per client request, retries included; 504 after (default: {d.request_timeout_s:g})")
     p.add_argument("--stream-first-chunk-timeout-s", type=float, metavar="SECONDS",
@@ -176,7 +177,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """
     workers = [parse_worker_spec(text, role) for role in ("prefill", "decode", "mixed")
                for text in getattr(args, role)]
-    data = load_service_config(args.config).model_dump() if args.config else {}
+    file_cfg = load_service_config(args.config) if args.config else None
+    data = file_cfg.model_dump() if file_cfg is not None else {}
     over: dict = {"host": args.host, "port": args.port, "pd_protocol": args.pd_protocol,
                   "block_size": args.block_size, "tokenizer_path": args.tokenizer_path, "chat_engine": args.chat_engine,
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
@@ -206,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         data["cost_model"] = read_cost_model_file(args.cost_model)
     if getattr(args, "no_learn_cost_model", False):
         data["learn_cost_model"] = False
+    data, _ = move_legacy_router_keys(data, override=True)  # the router flags above go to the router: section
     data["workers"] = data.get("workers", []) + workers
     if args.max_retries is not None:
         data.setdefault("retry", {})["max_retries"] = args.max_retries
@@ -218,7 +221,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     if adm := admission_overrides(args):
         data.setdefault("admission", {}).update(adm)
     cfg = load_service_config(None, data)
-    return cfg.model_copy(update={k: None for k in off}) if off else cfg
+    cfg = cfg.model_copy(update={k: None for k in off}) if off else cfg
+    if file_cfg is not None:  # the file's deprecated top-level router keys, for config_warnings
+        cfg._legacy_router_keys = file_cfg._legacy_router_keys
+    return cfg
 
 
 def run_serve(args: argparse.Namespace) -> int:

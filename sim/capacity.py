@@ -1,7 +1,7 @@
 """Capacity planning: the highest request rate a cluster sustains at an SLO, and the fewest engines
 that meet an SLO at a given rate.
 
-Two searches, each for one policy (:class:`~sim.point.PolicySpec`) on one scenario and workload:
+Two searches, each for one policy (:class:`~sim.point.PolicyPair`) on one scenario and workload:
 
 :func:`search_rate` (``pdlb sim capacity --search rate``)
     The highest rate scale ``f`` (arrival times divided by ``f``, :func:`sim.workload.scale_rate`)
@@ -73,7 +73,7 @@ from sim.point import (
     SLO,
     Point,
     PointResult,
-    PolicySpec,
+    PolicyPair,
     SimOptions,
     WorkloadSpec,
     error_result,
@@ -384,7 +384,7 @@ class RateSearch:
 
     scenario: Scenario
     workload: WorkloadSpec | str
-    policy: PolicySpec
+    policy: PolicyPair
     slo: SLO = field(default_factory=SLO)
     rate_min: float = RATE_MIN
     rate_max: float = RATE_MAX
@@ -501,7 +501,7 @@ class GpuSearch:
 
     scenario: Scenario
     workload: WorkloadSpec | str
-    policy: PolicySpec
+    policy: PolicyPair
     slo: SLO = field(default_factory=SLO)
     rate_scale: float = 1.0
     max_engines: dict[str, int] | None = None
@@ -773,8 +773,8 @@ def run_searches(searches: Sequence[RateSearch | GpuSearch], executor: Executor,
     return results
 
 
-def _prepare(scenario: Scenario | str, workload: WorkloadSpec | Sequence[Request] | None, policy: str | PolicySpec,
-             decode_policy: str | None) -> tuple[Scenario, WorkloadSpec | str, dict[str, list[Request]], PolicySpec]:
+def _prepare(scenario: Scenario | str, workload: WorkloadSpec | Sequence[Request] | None, policy: str | PolicyPair,
+             decode_policy: str | None) -> tuple[Scenario, WorkloadSpec | str, dict[str, list[Request]], PolicyPair]:
     sc = load_scenario(scenario) if isinstance(scenario, str) else scenario
     inline: dict[str, list[Request]] = {}
     if workload is None:
@@ -802,7 +802,7 @@ def _run_one(search: RateSearch | GpuSearch, inline: dict, executor: Executor | 
 def search_rate(
     scenario: Scenario | str,
     workload: WorkloadSpec | Sequence[Request] | None = None,
-    policy: str | PolicySpec = "cache_aware",
+    policy: str | PolicyPair = "cache_aware",
     *,
     decode_policy: str | None = None,
     slo: SLO = SLO(),
@@ -824,7 +824,7 @@ def search_rate(
         scenario: a :class:`~sim.scenario.Scenario` or a preset name / scenario file.
         workload: a :class:`~sim.point.WorkloadSpec`, a request list (arrival times at rate scale
             1), or None for the embedded trace with the CLI's defaults (3 s batch spreading).
-        policy: ``"name"`` or ``"name:param=value,..."`` or a :class:`~sim.point.PolicySpec`.
+        policy: ``"name"`` or ``"name:param=value,..."`` or a :class:`~sim.point.PolicyPair`.
         decode_policy: the decode pool's policy in the same form (None = ``policy``).
         slo: the SLO (:class:`~sim.point.SLO`; default 90% of requests TTFT <= 2 s, TPOT <= 100 ms).
         rate_min / rate_max: search bounds, rate scales (0 < rate_min <= start <= rate_max).
@@ -850,7 +850,7 @@ def search_rate(
 def search_gpus(
     scenario: Scenario | str,
     workload: WorkloadSpec | Sequence[Request] | None = None,
-    policy: str | PolicySpec = "cache_aware",
+    policy: str | PolicyPair = "cache_aware",
     *,
     decode_policy: str | None = None,
     slo: SLO = SLO(),

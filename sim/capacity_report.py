@@ -23,7 +23,7 @@ from typing import Any
 
 from rich.table import Table
 
-from balancer.policies.base import _REGISTRY
+from balancer.policies.base import available_policies, policy_class
 from sim.capacity import GpuSearchResult, RateSearchResult
 from sim.point import PointResult, point_row
 
@@ -33,8 +33,8 @@ NOT_ANCHORS = frozenset({"ep_aware"})
 
 def anchor_policies() -> list[str]:
     """Registered policies shipped in ``balancer.policies`` that are baselines (not :data:`NOT_ANCHORS`)."""
-    return sorted(n for n, cls in _REGISTRY.items()
-                  if cls.__module__.startswith("balancer.policies.") and n not in NOT_ANCHORS)
+    return [n for n in available_policies()
+            if policy_class(n).__module__.startswith("balancer.policies.") and n not in NOT_ANCHORS]
 
 
 def _is_anchor(label: str) -> bool:

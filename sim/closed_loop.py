@@ -30,16 +30,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from balancer.config import PolicySpec
 from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import Request, Role
 from sim.admission import admit
-from sim.cluster import Cluster, RankInfo, router_tier_kwargs
-from sim.cost_model import cost_model_for
+from sim.cluster import Cluster, RankInfo
 from sim.engine.step_group import STEP_CLASSES
 from sim.perf.base import PerfModel
 from sim.perf.build import build_perf
 from sim.records import RequestRecords
+from sim.router_config import RankCacheBlocks, router_config_for
+from sim.router_config import router_factory as make_router_factory
 from sim.scenario import PoolConfig, Scenario
 from sim.workload.agentic import AgenticWorkloadConfig, lane_turns
 
@@ -120,7 +122,7 @@ def simulate_closed_loop(
     drain_s: float = 30.0,
     index_mode: str = "approximate",
     max_requests: int = DEFAULT_MAX_REQUESTS,
-    router_factory: Callable[[int | None], Router] | None = None,
+    router_factory: Callable[[RankCacheBlocks], Router] | None = None,
     cluster_hook: Callable[[Cluster], None] | None = None,
 ) -> ClosedLoopResult:
     """Run ``workload``'s lanes through ``scenario`` routed by ``policy`` (both roles; an aggregated
@@ -139,13 +141,9 @@ def simulate_closed_loop(
     wl = workload
     bs = scenario.block_size
     if router_factory is None:
-        tier_kw = router_tier_kwargs(scenario, perf_factory)
-        cost_model = cost_model_for(scenario, perf_factory)
-
-        def router_factory(capacity_blocks: int | None) -> Router:
-            return Router(policy, policy, block_size=bs, index_capacity_blocks=capacity_blocks,
-                          index_mode=index_mode, pd_min_uncached_tokens=scenario.pd_min_uncached_tokens,
-                          seed=seed, cost_model=cost_model, **tier_kw)
+        spec = PolicySpec.parse(policy) if isinstance(policy, str) else policy
+        router_factory = make_router_factory(
+            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory), spec, spec)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_factory, perf_factory, record_iterations=True)

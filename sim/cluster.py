@@ -46,12 +46,11 @@ from typing import Any
 import numpy as np
 import simpy
 
+from balancer.config import PolicySpec
 from balancer.deadline_admission import AdmissionConfig
 from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemoved, BlockStored
 from balancer.policies import Policy
-from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role, TtftSlo
-from sim.cost_model import cost_model_for
 from sim.admission import admit, check_block_size
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
@@ -62,6 +61,7 @@ from sim.perf.base import PerfModel
 from sim.perf.build import build_perf
 from sim.perf.roofline import RooflinePerf
 from sim.records import MAX_LOAD_SAMPLES, LoadSamples, RequestRecords
+from sim.router_config import RankCacheBlocks, RouterFactory, router_config_for, router_factory
 from sim.scenario import PoolConfig, Scenario, tier_capacity_blocks
 
 _MEDIUM = {"hbm": MEDIUM_GPU, HOST: MEDIUM_CPU, STORE: MEDIUM_STORE}
@@ -107,9 +107,9 @@ class Cluster:
 
     Args:
         scenario: the cluster.
-        router_factory: makes the router once the ranks are known; called with the default
-            index capacity in blocks. Tests pass their own; :func:`simulate` builds one from
-            policy names.
+        router_factory: makes the router once the ranks are known; called with their KV cache
+            sizes (:class:`sim.router_config.RankCacheBlocks`, for an ``"auto"`` index bound).
+            Tests pass their own; :func:`simulate` builds one (:func:`sim.router_config.router_factory`).
         perf_factory: ``(scenario, pool) -> PerfModel``; the roofline by default.
         kv_events: publish every cache change to ``router.on_kv_event`` (the router's events
             mode); default: when the router's ``index_mode`` is ``"events"``.
@@ -122,7 +122,7 @@ class Cluster:
     def __init__(
         self,
         scenario: Scenario,
-        router_factory: Callable[[int | None], Router],
+        router_factory: RouterFactory,
         perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
         kv_events: bool | None = None,
         record_iterations: bool = False,
@@ -217,12 +217,7 @@ class Cluster:
                         self._long_engines |= {f"{name}-{e}"}
                     else:
                         self._short_engines |= {f"{name}-{e}"}
-        cap = scenario.index_capacity_blocks
-        self.router = router_factory(first_capacity_blocks if cap == "auto" else cap)
-        if cap == "auto" and self.router.index_mode == "events":
-            # KV events keep the view exact (BlockRemoved); a bound below a rank's cache (decode
-            # ranks hold more than prefill ranks) would drop blocks that rank still holds
-            self.router.index.capacity_blocks = largest_capacity_blocks
+        self.router = router_factory(RankCacheBlocks(first_capacity_blocks, largest_capacity_blocks))
         for rank in self.ranks:
             self.router.add_replica(rank.replica, rank.role, rank.kv_capacity_blocks * scenario.block_size)
         self.kv_events = (self.router.index_mode != "approximate") if kv_events is None else kv_events
@@ -495,7 +490,7 @@ def simulate(
     index_mode: str = "approximate",
     router_tiers: bool = True,
     tier_weights: dict[str, float] | None = None,
-    router_wrapper: Callable[[Callable[[int | None], Router]], Callable[[int | None], Router]] | None = None,
+    router_wrapper: Callable[[RouterFactory], RouterFactory] | None = None,
     ttft_slo: TtftSlo | None = None,
     admission: AdmissionConfig | None = None,
     tenant_of: Callable[[Request], str] | None = None,
@@ -508,7 +503,7 @@ def simulate(
     KV events (see :class:`Cluster`). ``router_tiers``: when the scenario has KV tiers, give the
     router views of them (host tier per replica, shared store; ``False`` = HBM only).
     ``tier_weights``: the router's weights of lower-tier hits (default
-    :data:`balancer.router.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
+    :data:`balancer.config.DEFAULT_TIER_WEIGHTS`). The router gets the scenario's cost model
     (:func:`sim.cost_model.cost_model_for`) for cost-based policies, and ``ttft_slo`` (the TTFT
     budget SLO-aware policies route against, ``None``: SLO-blind). ``router_wrapper``: turns the router factory
     into another one with the same interface (e.g. several routers splitting the traffic,
@@ -517,14 +512,9 @@ def simulate(
     with ``tenant_of`` / ``priority_of`` naming a request's tenant and class."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     check_block_size(requests, scenario.block_size)
-    tier_kw = router_tier_kwargs(scenario, perf_factory) if router_tiers else {}
-    cost_model = cost_model_for(scenario, perf_factory)
-
-    def make_router(capacity_blocks: int | None) -> Router:
-        return Router(prefill_policy, decode_policy, block_size=scenario.block_size,
-                      index_capacity_blocks=capacity_blocks, index_mode=index_mode,
-                      pd_min_uncached_tokens=scenario.pd_min_uncached_tokens, seed=seed,
-                      tier_weights=tier_weights, cost_model=cost_model, ttft_slo=ttft_slo, **tier_kw)
+    config = router_config_for(scenario, seed=seed, index_mode=index_mode, router_tiers=router_tiers,
+                               tier_weights=tier_weights, ttft_slo=ttft_slo, perf_factory=perf_factory)
+    make_router = router_factory(scenario, config, _spec_or_policy(prefill_policy), _spec_or_policy(decode_policy))
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
@@ -533,7 +523,7 @@ def simulate(
         from sim.deadline_gate import SimAdmission, default_tenant
 
         cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
-                                         priority_of or (lambda r: None), cost_model)
+                                         priority_of or (lambda r: None), config.cost_model)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
@@ -584,24 +574,5 @@ def step_imbalance(groups: Sequence[StepGroup]) -> dict[str, float]:
     return out
 
 
-def router_tier_kwargs(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf
-                       ) -> dict:
-    """Router arguments that mirror the scenario's KV tiers: a host view per replica bounded by
-    one rank's host capacity, a store view bounded by the store capacity with the store's TTL
-    (the largest class TTL when classes differ; none if the default class never expires)."""
-    pool = scenario.prefill if scenario.disaggregated else scenario.mixed
-    assert pool is not None
-    host_cfg = scenario.host_tier_of(pool)
-    ss = scenario.shared_store
-    if host_cfg is None and ss is None:
-        return {}
-    block_bytes = perf_factory(scenario, pool).kv_bytes_per_token * scenario.block_size
-    out: dict = {}
-    if host_cfg is not None:
-        cap = tier_capacity_blocks(host_cfg.capacity_bytes, host_cfg.capacity_blocks, block_bytes)
-        out.update(host_tier=True, host_index_capacity_blocks=None if cap is None else max(1, cap // pool.dp_ranks))
-    if ss is not None:
-        cap = tier_capacity_blocks(ss.capacity_bytes, ss.capacity_blocks, block_bytes)
-        ttl = None if ss.ttl_s is None else max([ss.ttl_s, *ss.class_ttl_s.values()])
-        out.update(shared_store=True, store_index_capacity_blocks=cap, store_ttl_s=ttl)
-    return out
+def _spec_or_policy(policy: str | Policy) -> PolicySpec | Policy:
+    return PolicySpec.parse(policy) if isinstance(policy, str) else policy

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -206,6 +207,7 @@ class EngineStepPerf:
     kv_capacity_tokens_per_rank: int
     kv_bytes_per_token: int = 131072
     ep_synchronous: bool = False
+    wants_prefill_cached_tokens: ClassVar[bool] = False
     #: fit quality on the profile steps: {"steps", "mape", "r2"}
     fit: dict = field(default_factory=dict, compare=False)
     #: measured / fitted time of every profile step; when given, each simulated step's time is the

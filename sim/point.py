@@ -6,7 +6,7 @@ here is plain, picklable data so that a point can travel to another process:
 
 - :class:`WorkloadSpec` names a trace and how it is cut (limit, duration, batch spreading); a
   worker reads it once and keeps it (:func:`load_workload`).
-- :class:`PolicySpec` is a prefill and a decode policy with parameters, parsed from the command
+- :class:`PolicyPair` is a prefill and a decode policy with parameters, parsed from the command
   line form ``name:param=value,param=value`` (:func:`parse_policy`), plus the modules that
   register user policies (``--policy-module``), imported wherever the point runs.
 - :class:`SLO` states the service level: an attainment target over per-request TTFT and TPOT
@@ -30,10 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from balancer.policies import Policy, make_policy
-from balancer.policies.spec import format_policy_spec, parse_param_value, parse_policy_spec  # noqa: F401  (parse_param_value re-exported)
+from balancer.config import PolicySpec
+from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import Request, TtftSlo
+from sim.perf.build import build_perf
+from sim.router_config import RankCacheBlocks, router_config_for, router_factory
 from sim.scenario import PoolConfig, Scenario
 
 # ---------------------------------------------------------------------- SLO
@@ -158,71 +160,62 @@ def import_policy_modules(modules: Sequence[str]) -> None:
             raise ValueError(f"--policy-module {mod}: cannot import: {type(e).__name__}: {e}") from None
 
 
-def _parse_one(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
-    name, params = parse_policy_spec(text)
-    return name, tuple(sorted(params.items()))
-
-
 @dataclass(frozen=True)
-class PolicySpec:
-    """A prefill and a decode policy with their parameters (``decode`` None = the prefill one).
+class PolicyPair:
+    """The policies of a run: a prefill and a decode :class:`~balancer.config.PolicySpec`
+    (``decode`` None = the prefill one), plus the modules that register user policies.
 
     Attributes:
-        prefill / decode: registered policy names (:func:`balancer.policies.available_policies`).
-        prefill_params / decode_params: ``((name, value), ...)`` sorted by name.
+        prefill / decode: the specs (a spec's text form is taken too: ``PolicyPair("least_load")``).
         modules: modules to import before building (user policies registered there).
     """
 
-    prefill: str
-    decode: str | None = None
-    prefill_params: tuple[tuple[str, object], ...] = ()
-    decode_params: tuple[tuple[str, object], ...] = ()
+    prefill: PolicySpec
+    decode: PolicySpec | None = None
     modules: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefill, PolicySpec):
+            object.__setattr__(self, "prefill", PolicySpec.parse(self.prefill))
+        if self.decode is not None and not isinstance(self.decode, PolicySpec):
+            object.__setattr__(self, "decode", PolicySpec.parse(self.decode))
+
     @property
-    def decode_name(self) -> str:
+    def decode_spec(self) -> PolicySpec:
+        """The decode pool's spec (the prefill one when ``decode`` is None)."""
         return self.prefill if self.decode is None else self.decode
 
     @property
     def label(self) -> str:
         """``cache_aware``, ``cache_aware(cache_threshold=0.5)``, ``kv_cost+least_load`` ..."""
-        p = format_policy_spec(self.prefill, dict(self.prefill_params))
-        if self.decode is None:
-            return p
-        return f"{p}+{format_policy_spec(self.decode, dict(self.decode_params))}"
+        return self.prefill.label if self.decode is None else f"{self.prefill.label}+{self.decode.label}"
 
     def build(self) -> tuple[Policy, Policy]:
-        """The (prefill, decode) policy objects; imports :attr:`modules` first.
+        """The (prefill, decode) policy objects (two objects, also when they are one spec);
+        imports :attr:`modules` first.
 
         Raises:
             ValueError: unknown policy or parameter, or a module that does not import.
         """
         import_policy_modules(self.modules)
-        prefill = make_policy(self.prefill, **dict(self.prefill_params))
-        if self.decode is None:
-            return prefill, make_policy(self.prefill, **dict(self.prefill_params))
-        return prefill, make_policy(self.decode, **dict(self.decode_params))
+        return self.prefill.build(), self.decode_spec.build()
 
 
-def parse_policy(text: str | PolicySpec, decode: str | None = None, modules: Sequence[str] = ()) -> PolicySpec:
-    """``"cache_aware:cache_threshold=0.5,balance_abs=8"`` -> :class:`PolicySpec` (values typed by
-    the parameters' defaults); ``decode`` in the same form, None = the prefill policy. A
-    :class:`PolicySpec` passes through (with ``modules`` added).
+def parse_policy(text: str | PolicyPair, decode: str | None = None, modules: Sequence[str] = ()) -> PolicyPair:
+    """``"cache_aware:cache_threshold=0.5,balance_abs=8"`` -> :class:`PolicyPair` (values typed by
+    the parameters' defaults, :meth:`balancer.config.PolicySpec.parse`); ``decode`` in the same
+    form, None = the prefill policy. A :class:`PolicyPair` passes through (with ``modules`` added).
 
     Raises:
         ValueError: unknown policy (lists the valid ones), unknown parameter (lists the accepted
             ones), a value of the wrong type, or the policy's own check failing.
     """
     import_policy_modules(modules)
-    if isinstance(text, PolicySpec):
+    if isinstance(text, PolicyPair):
         return dataclasses.replace(text, modules=tuple(dict.fromkeys((*text.modules, *modules))))
-    name, params = _parse_one(text)
-    if decode is None:
-        return PolicySpec(name, None, params, (), tuple(modules))
-    dname, dparams = _parse_one(decode)
-    if (dname, dparams) == (name, params):
-        return PolicySpec(name, None, params, (), tuple(modules))
-    return PolicySpec(name, dname, params, dparams, tuple(modules))
+    prefill = PolicySpec.parse(text)
+    dspec = None if decode is None else PolicySpec.parse(decode)
+    return PolicyPair(prefill, None if dspec == prefill else dspec, tuple(modules))
 
 
 # ---------------------------------------------------------------------- workloads
@@ -363,7 +356,7 @@ class Point:
 
     scenario: Scenario
     workload: WorkloadSpec | str
-    policy: PolicySpec
+    policy: PolicyPair
     rate_scale: float = 1.0
     slo: SLO = field(default_factory=SLO)
     seed: int = 0
@@ -427,24 +420,16 @@ class _Stop(Exception):
     """Raised from the progress hook to end a run whose SLO is already lost."""
 
 
-def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[int | None], Router]:
-    # the same router simulate() builds (sim.cluster.simulate); tests compare the two paths
-    from sim.cluster import router_tier_kwargs
-    from sim.cost_model import cost_model_for
-    from sim.perf.build import build_perf
-
-    sc = point.scenario
+def _make_router_factory(point: Point, prefill: Policy, decode: Policy) -> Callable[[RankCacheBlocks], Router]:
+    """The router factory of ``point``: the settings simulate() gives its router (both build
+    them with :mod:`sim.router_config`)."""
     opts = point.options
-    tier_kw = router_tier_kwargs(sc, opts.perf_factory or build_perf) if opts.router_tiers else {}
-    cost_model = cost_model_for(sc, opts.perf_factory or build_perf)
-    tier_weights = dict(opts.tier_weights) if opts.tier_weights is not None else None
-
-    def make(capacity_blocks: int | None) -> Router:
-        return Router(prefill, decode, block_size=sc.block_size, index_capacity_blocks=capacity_blocks,
-                      index_mode=opts.index_mode, pd_min_uncached_tokens=sc.pd_min_uncached_tokens,
-                      seed=point.seed, tier_weights=tier_weights, cost_model=cost_model,
-                      ttft_slo=point.slo.ttft_slo() if opts.route_slo else None, **tier_kw)
-    return make
+    config = router_config_for(point.scenario, seed=point.seed, index_mode=opts.index_mode,
+                               router_tiers=opts.router_tiers,
+                               tier_weights=dict(opts.tier_weights) if opts.tier_weights is not None else None,
+                               ttft_slo=point.slo.ttft_slo() if opts.route_slo else None,
+                               perf_factory=opts.perf_factory or build_perf)
+    return router_factory(point.scenario, config, prefill, decode)
 
 
 def _misses_so_far(rec: Any, now: float, budget: np.ndarray, tpot_s: float, judged: np.ndarray | None = None) -> int:
@@ -516,8 +501,6 @@ def evaluate_point(point: Point) -> PointResult:
                            tier_weights=dict(point.options.tier_weights) if point.options.tier_weights else None,
                            ttft_slo=slo.ttft_slo() if point.options.route_slo else None, **kw)
         else:
-            from sim.perf.build import build_perf
-
             cluster = Cluster(sc, _make_router_factory(point, prefill, decode), point.options.perf_factory or build_perf)
             # refused at arrival as simulate() refuses them; each one
             # is a miss spent before the run starts

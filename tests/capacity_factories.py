@@ -28,6 +28,7 @@ class FixedCostPerf:
     kv_bytes_per_token = 0
     kv_capacity_tokens_per_rank = 10_000_000
     ep_synchronous = False
+    wants_prefill_cached_tokens = False
 
     def step_time_s(self, prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens):  # noqa: ANN001, ANN201
         t = PREFILL_S_PER_TOKEN * np.asarray(prefill_tokens, dtype=np.float64)

@@ -14,3 +14,13 @@ if zmq is not None:
     # an unrelated hypothesis test after one KV test failed. In tests a leaked context is leaked,
     # never terminated from a finaliser; the failure itself is still reported.
     zmq.Context.__del__ = lambda self: None  # type: ignore[method-assign]
+
+
+def pytest_sessionstart(session) -> None:  # noqa: ANN001
+    """Compile ep_aware's numba loops (balancer/kernels.py) once, in this process, before any test
+    starts router processes: on a fresh clone the first compile takes seconds, and several spawned
+    ``pdlb serve`` processes compiling at once would eat a test's start-up timeout. Later processes
+    load numba's cache. Without numba this does nothing."""
+    from balancer import kernels
+
+    kernels.compiled()

@@ -248,12 +248,12 @@ def test_slo_forms() -> None:
 
 def test_policy_spec_parsing() -> None:
     spec = parse_policy("cache_aware:cache_threshold=0.25,balance_abs=8")
-    assert dict(spec.prefill_params) == {"cache_threshold": 0.25, "balance_abs": 8}
+    assert spec.prefill.kwargs == {"cache_threshold": 0.25, "balance_abs": 8}
     assert spec.label == "cache_aware(balance_abs=8,cache_threshold=0.25)"
     p, d = spec.build()
     assert p.cache_threshold == 0.25 and d.balance_abs == 8
     split = parse_policy("kv_cost", "least_load")
-    assert split.label == "kv_cost+least_load" and split.decode_name == "least_load"
+    assert split.label == "kv_cost+least_load" and split.decode_spec.name == "least_load"
     with pytest.raises(ValueError, match="no parameter 'bogus'.*accepted"):
         parse_policy("cache_aware:bogus=1")
     with pytest.raises(ValueError, match="unknown policy 'nope'"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from balancer.types import Request
 from pdlb_cli.main import main
-from sim.point import SLO, Point, PolicySpec, WorkloadSpec, evaluate_point
+from sim.point import SLO, Point, PolicyPair, WorkloadSpec, evaluate_point
 from sim.scenario import load_scenario
 from sim.workload import read_trace, spread_batches, take_slice
 from sim.workload.loader import read_trace_cut, scale_and_cut
@@ -42,7 +42,7 @@ def test_sim_run_and_a_capacity_point_cut_the_same_requests(tmp_path: Path) -> N
     assert main(argv) == 0
     (run,) = json.loads((out / "summary.json").read_text())["runs"]
     point = evaluate_point(Point(load_scenario("dsv3-pd-h200"), WorkloadSpec(limit=300, duration_s=30.0),
-                                 PolicySpec("least_load"), rate_scale=2.0, slo=SLO(ttft_s=2.0, tpot_s=0.1)))
+                                 PolicyPair("least_load"), rate_scale=2.0, slo=SLO(ttft_s=2.0, tpot_s=0.1)))
     # independently: the first 300 requests, spread as every command spreads them, then 30 s at x2
     base = spread_batches(take_slice(read_trace(), 0, 300), 3.0, seed=0)
     t0 = min(r.arrival_time_s for r in base)

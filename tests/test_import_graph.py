@@ -208,6 +208,45 @@ def test_lower_module_imports_nothing_above_it(graph, module: str) -> None:
     assert not bad, f"{module} imports {bad} (module: first line)"
 
 
+# ---------------------------------------------------------------------- the router's one builder
+def _calls_and_private_imports() -> tuple[list[str], list[str]]:
+    """Across PACKAGES: every call ``Router(...)`` (``module:line``) and every ``from X import _name``
+    of a private name from another module (``module:line name``)."""
+    calls, private = [], []
+    for module, (path, _) in _modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Router":
+                calls.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.module is not None and node.module != module:
+                private += [f"{module}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+    return calls, private
+
+
+def test_every_router_is_built_from_a_router_config() -> None:
+    # balancer.router.Router.from_config is the one builder: no module of balancer or sim calls
+    # Router(...) itself (the service and the simulator used to, each with its own defaults)
+    calls, _ = _calls_and_private_imports()
+    assert calls == []  # (from_config's own cls(...) is not a call of the name Router)
+    # the finder does see such a call (hand-written source)
+    assert [n.lineno for n in ast.walk(ast.parse("x = 1\nr = Router('a', block_size=64)\n"))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Router"] == [2]
+
+
+def test_no_module_imports_the_policy_registry() -> None:
+    # policies are reached through balancer.policies.base's public functions (policy_class,
+    # available_policies); sim/cli.py and sim/capacity_report.py read _REGISTRY before
+    _, private = _calls_and_private_imports()
+    assert [p for p in private if p.endswith(" _REGISTRY")] == []
+    assert any(p.endswith(" _REGISTRY") for p in _private_imports_of("import_graph_registry_probe", "from balancer.policies.base import _REGISTRY\n"))
+
+
+def _private_imports_of(module: str, source: str) -> list[str]:
+    """The check above on one hand-written module (that it can fail)."""
+    return [f"{module}:{n.lineno} {a.name}" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)
+            for a in n.names if a.name.startswith("_")]
+
+
 def _in(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 

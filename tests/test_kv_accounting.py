@@ -149,8 +149,9 @@ def test_shared_accounting_releases_every_block_under_pressure(policy: str) -> N
     # 2 mixed engines of 24 blocks of 512 tokens (12,288 tokens) on 300 trace requests that fit
     # one engine: heavy eviction and head-of-line waits; at the end nothing is reserved or
     # pinned, the cache is within capacity, and every request finished once
-    from balancer.router import Router
+    from balancer.config import RouterConfig
     from sim.cluster import Cluster
+    from sim.router_config import router_factory
 
     sc = Scenario(name="tight", model="llama-3.1-8b", hardware="h100",
                   mixed=PoolConfig(num_engines=2, max_prefill_tokens=2048, kv_capacity_tokens=24 * 512),
@@ -158,7 +159,7 @@ def test_shared_accounting_releases_every_block_under_pressure(policy: str) -> N
     reqs = [r for r in spread_batches(take_slice(read_trace(), 0, 300), 3.0, seed=1)
             if r.prompt_tokens + r.max_output_tokens <= 24 * 512]
     assert len(reqs) > 100
-    cl = Cluster(sc, lambda cap: Router(policy, policy, block_size=512, index_capacity_blocks=cap))
+    cl = Cluster(sc, router_factory(sc, RouterConfig(prefill_policy=policy, decode_policy=policy, block_size=512)))
     rec = cl.run(reqs)
     assert rec.num_finished == len(reqs) and not np.isnan(rec.finish_s).any()
     for rank in cl.ranks:

@@ -140,7 +140,7 @@ def test_worker_spec_events_keys_and_config_warnings():
     with pytest.raises(ValueError, match="replay is set but events is not"):
         ServiceConfig.model_validate({"workers": [{"url": "http://h:1", "role": "mixed", "replay": "tcp://h:2"}],
                                       "pd_protocol": "none"})
-    cfg = ServiceConfig.model_validate({"pd_protocol": "none", "index_mode": "events", "workers": [
+    cfg = ServiceConfig.model_validate({"pd_protocol": "none", "router": {"index_mode": "events"}, "workers": [
         {"url": "http://h:1", "role": "mixed", "events": "tcp://h:5557"}, {"url": "http://h:2", "role": "mixed"}]})
     (warning,) = config_warnings(cfg)
     assert "no events endpoint for http://h:2" in warning

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import simpy
 
+from balancer.config import RouterConfig
 from balancer.kv_events import MEDIUM_CPU, MEDIUM_STORE, BlockRemoved, BlockStored, tier_of_medium
 from balancer.router import STORE_HOLDER, Router
 from balancer.types import ReplicaId, Request, Role
@@ -15,6 +16,7 @@ from sim.cluster import Cluster, simulate
 from sim.engine.rank import PrefillJob, Rank
 from sim.engine.tiers import FairShareLinks, HostTier, RankTiers, SharedStore, TierStats, max_min_share
 from sim.metrics import summarize, ttft_split
+from sim.router_config import router_factory
 from sim.scenario import HostTierConfig, PoolConfig, Scenario, SharedStoreConfig
 from sim.workload import read_trace, spread_batches, take_slice
 
@@ -28,6 +30,7 @@ class LinePerf:
 
     def __init__(self, ep_synchronous: bool = False) -> None:
         self.ep_synchronous = ep_synchronous
+        self.wants_prefill_cached_tokens = False
 
     def step_time_s(self, prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens):
         t = 1e-4 * np.asarray(prefill_tokens, dtype=float) + 0.002 * np.asarray(decode_seqs, dtype=float)
@@ -321,9 +324,9 @@ def test_end_to_end_conservation(mooncake_300: list[Request], mode: str) -> None
     sc = _tiered_scenario()
     holder: list[Cluster] = []
 
-    def make_router(cap: int | None) -> Router:
-        from sim.cluster import router_tier_kwargs
-        kw = router_tier_kwargs(sc)
+    def make_router(ranks: object) -> Router:  # an unbounded index: the rank caches are not used
+        from sim.router_config import router_tier_settings
+        kw = router_tier_settings(sc)
         kw.update(host_index_capacity_blocks=None, store_index_capacity_blocks=None, store_ttl_s=None)
         return Router("cache_aware", "least_load", block_size=sc.block_size, index_capacity_blocks=None,
                       index_mode=mode, **kw)
@@ -375,8 +378,9 @@ def test_events_mode_auto_index_bound_keeps_every_rank_view_exact(mooncake_300: 
     sc = Scenario(name="pd", model="deepseek-v3", hardware="h200",
                   prefill=PoolConfig(num_engines=2, dp_ranks=8, kv_capacity_tokens=20_000),
                   decode=PoolConfig(num_engines=1, dp_ranks=8))
-    cl = Cluster(sc, lambda cap: Router("cache_aware", "cache_aware", block_size=sc.block_size,
-                                        index_capacity_blocks=cap, index_mode="events"))
+    cfg = RouterConfig(prefill_policy="cache_aware", decode_policy="cache_aware", block_size=sc.block_size,
+                       index_mode="events")
+    cl = Cluster(sc, router_factory(sc, cfg))  # the simulator's rule for the "auto" bound (sim.router_config)
     # prompts over a prefill rank's KV cannot run (the router refuses them, simulate() rejects them)
     cl.run([r for r in mooncake_300 if r.prompt_tokens <= 20_000 // sc.block_size * sc.block_size])
     caps = {rank.role: rank.kv_capacity_blocks for rank in cl.ranks}

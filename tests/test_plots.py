@@ -10,7 +10,7 @@ import pytest
 from sim.capacity import RateSearchResult
 from sim.capacity_report import STOPPED_EARLY_LABEL, rate_figure
 from sim.plots import plain_log_ticks, pyplot
-from sim.point import SLO, Point, PointResult, PolicySpec
+from sim.point import SLO, Point, PointResult, PolicyPair
 from tests.capacity_factories import mixed_scenario
 
 plt = pyplot()
@@ -21,7 +21,7 @@ def _result(policy: str, pts: list[tuple[float, float, float, bool]]) -> RateSea
     sc = mixed_scenario()
     out = []
     for rps, att, ttft, early in pts:
-        point = Point(sc, "wl", PolicySpec(policy), rps)
+        point = Point(sc, "wl", PolicyPair("round_robin"), rps)  # the plots read the label from the result
         out.append(PointResult(point, att >= 0.9, att, float("nan") if early else att * rps, rps, 10, sc.num_gpus,
                                None, None, 1, ttft_p99_s=float("nan") if early else ttft, stopped_early=early))
     return RateSearchResult(policy, sc.name, sc.num_gpus, SLO(), "found", 1.0, 1.0, (1.0, 2.0), out[0], out, None)

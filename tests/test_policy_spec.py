@@ -23,9 +23,9 @@ from balancer.policies.spec import (
     parse_policy_spec,
     split_policy_list,
 )
-from pdlb_cli.serve import config_from_args
-from balancer.service.config import load_service_config
+from balancer.service.config import config_warnings, load_service_config
 from pdlb_cli.main import build_parser, main
+from pdlb_cli.serve import config_from_args
 
 CACHE_AWARE_ACCEPTED = "balance_abs=64, balance_rel=1.5, cache_threshold=0.3"
 POLICIES = ", ".join(available_policies())
@@ -173,30 +173,47 @@ def _serve_cfg(*argv: str):
 def test_serve_flags_take_parameters() -> None:
     cfg = _serve_cfg("--prefill-policy", "cache_aware:cache_threshold=0.5,balance_abs=8",
                      "--decode-policy", "least_load:metric=kv_tokens")
-    assert (cfg.prefill_policy.name, cfg.prefill_policy.params) == ("cache_aware", {"cache_threshold": 0.5, "balance_abs": 8})
-    assert (cfg.decode_policy.name, cfg.decode_policy.params) == ("least_load", {"metric": "kv_tokens"})
-    assert _serve_cfg("--prefill-policy", "round_robin").prefill_policy.params == {}
+    r = cfg.router
+    assert (r.prefill_policy.name, r.prefill_policy.kwargs) == ("cache_aware", {"cache_threshold": 0.5, "balance_abs": 8})
+    assert (r.decode_policy.name, r.decode_policy.kwargs) == ("least_load", {"metric": "kv_tokens"})
+    assert _serve_cfg("--prefill-policy", "round_robin").router.prefill_policy.kwargs == {}
+    assert config_warnings(cfg) == []  # flags are not deprecated keys
 
 
 def test_serve_config_file_takes_a_spec_string_or_a_table(tmp_path) -> None:
     f = tmp_path / "pdlb.yaml"
     f.write_text("prefill_policy: 'cache_aware:cache_threshold=0.5'\n"
                  "decode_policy: {name: cache_aware, params: {cache_threshold: 0.5}}\n")
-    cfg = load_service_config(f)
-    assert cfg.prefill_policy == cfg.decode_policy
-    assert cfg.prefill_policy.params == {"cache_threshold": 0.5}
-    f.write_text("decode_policy: {name: cache_aware, params: {cache_treshold: 0.5}}\n")
+    for text in ("router:\n  prefill_policy: 'cache_aware:cache_threshold=0.5'\n"
+                 "  decode_policy: {name: cache_aware, params: {cache_threshold: 0.5}}\n",
+                 # the form before the router: section: read into it, with a deprecation warning
+                 "prefill_policy: 'cache_aware:cache_threshold=0.5'\n"
+                 "decode_policy: {name: cache_aware, params: {cache_threshold: 0.5}}\n"):
+        f.write_text(text)
+        cfg = load_service_config(f)
+        assert cfg.router.prefill_policy == cfg.router.decode_policy
+        assert cfg.router.prefill_policy.kwargs == {"cache_threshold": 0.5}
+        legacy = text.startswith("prefill")
+        assert config_warnings(cfg) == ([
+            "warning: deprecated top-level setting(s) prefill_policy, decode_policy: they are router settings now; "
+            "put them under router: (read there this time)"] if legacy else [])
+        # through pdlb serve's flags too (the file's deprecated keys are still reported)
+        assert config_warnings(_serve_cfg("--config", str(f))) == config_warnings(cfg)
+    f.write_text("router:\n  decode_policy: {name: cache_aware, params: {cache_treshold: 0.5}}\n")
     with pytest.raises(ValueError) as ei:
         load_service_config(f)
-    assert str(ei.value) == (f"{f}: decode_policy: policy 'cache_aware' has no parameter(s) 'cache_treshold'; "
+    assert str(ei.value) == (f"{f}: router.decode_policy: policy 'cache_aware' has no parameter(s) 'cache_treshold'; "
                              f"accepted: {CACHE_AWARE_ACCEPTED}")
+    f.write_text("block_size: 16\nrouter: {block_size: 32}\n")
+    with pytest.raises(ValueError, match="block_size given both at the top level and under router:"):
+        load_service_config(f)
 
 
 def test_serve_policy_errors_are_one_line(capsys) -> None:
     rc = main(["serve", "--port", "0", "--prefill-policy", "cache_aware:balance_abs=-1"])
     captured = capsys.readouterr()
     assert rc == 2
-    assert captured.err == ("error: prefill_policy: policy 'cache_aware': balance_abs must be >= 0 and "
+    assert captured.err == ("error: router.prefill_policy: policy 'cache_aware': balance_abs must be >= 0 and "
                             "balance_rel >= 1\n")
 
 

@@ -252,6 +252,7 @@ class FakePerf:
     """step = 10 ms + 10 us per prefill token + 0.1 ms per decode sequence (max over ranks)."""
 
     ep_synchronous = False
+    wants_prefill_cached_tokens = False
     kv_bytes_per_token = 100
     kv_capacity_tokens_per_rank = 1_000_000
 

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from sim.capacity import RateSearch, run_searches  # noqa: E402
 from sim.executor import ProcessExecutor, RayExecutor, SerialExecutor  # noqa: E402
-from sim.point import SLO, Point, PolicySpec, WorkloadSpec, parse_policy  # noqa: E402
+from sim.point import SLO, Point, PolicyPair, WorkloadSpec, parse_policy  # noqa: E402
 from sim.scenario import load_scenario  # noqa: E402
 from sim.sweep import load_sweep, run_sweep  # noqa: E402
 
@@ -80,7 +80,7 @@ def test_the_local_instance_is_bounded_and_on_loopback(ray_ex) -> None:
 
 def test_a_dead_worker_is_retried_then_reported(ray_ex, kill_log: Path) -> None:
     # cap_killer exits its process on import in a Ray worker: every try dies, the future raises
-    spec = PolicySpec("round_robin", modules=("cap_killer",))
+    spec = PolicyPair("round_robin", modules=("cap_killer",))
     pt = Point(load_scenario("dsv3-pd-h200"), WorkloadSpec(limit=10), spec)
     fut = ray_ex.submit(pt)
     with pytest.raises(Exception) as e:

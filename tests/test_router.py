@@ -368,13 +368,13 @@ def _two_engine_router(**kw) -> Router:
 @pytest.mark.parametrize("policy", ["round_robin", "least_load"])
 def test_exclude_engines_skips_every_dp_rank_of_the_engine(policy):
     r = _two_engine_router(prefill_policy=policy, decode_policy=policy)
-    cached = r._get_pools()
+    cached = r.registry.pools()
     routes = [r.route(rq(f"x{i}", 32, prompt(i, 2)), 0.0, exclude_engines={"http://d-a", "http://p-a"})
               for i in range(4)]
     # hand: d-a's two ranks and p-a are out, so each pool has one candidate left
     assert [x.decode for x in routes] == [DB] * 4 and [x.prefill for x in routes] == [PB] * 4
     assert r.load.get(DB).num_requests == 4 and r.load.get(DA).num_requests == 0
-    assert r._get_pools() is cached and cached["decode"].replicas == (DA, DA1, DB)  # cache untouched
+    assert r.registry.pools() is cached and cached["decode"].replicas == (DA, DA1, DB)  # cache untouched
     if policy == "least_load":
         # hand: d-b now holds 4 x 32 KV tokens, d-a's ranks 0: without exclusion d-a wins
         assert r.route(rq("y", 32, prompt(9, 2)), 0.0).decode in (DA, DA1)

@@ -311,3 +311,33 @@ def test_ttft_slo_refuses_what_is_not_a_number_of_seconds(args, field) -> None:
     with pytest.raises(ValueError, match=field):
         TtftSlo(*args)  # a bool is an int to Python, not a budget (True would be a 1 s SLO)
     assert TtftSlo(2, 0).budget_s(1000) == 2.0  # integers are fine
+
+
+def test_the_prefix_index_saves_and_restores_itself_with_its_bounds():
+    # the index pickles itself flat (PrefixIndex.to_flat / from_flat; the router no longer reaches
+    # into it); its bounds come back too: the total bound was lost by a restore before (None after)
+    from balancer.prefix_index import PrefixIndex
+    r, reps = _router(4, index_capacity_blocks=500, index_total_capacity_blocks=1000, index_mode="hybrid")
+    for i in range(20):
+        r.route(_prompt(i), float(i))
+    r2 = Router.restore(r.snapshot())
+    for ix, ix2 in ((r.index, r2.index), (r.speculative, r2.speculative)):
+        assert (ix2.capacity_blocks, ix2.total_capacity_blocks, ix2.ttl_s) == (ix.capacity_blocks, ix.total_capacity_blocks,
+                                                                             ix.ttl_s)
+        assert [ix2.lru_order(rep) for rep in reps] == [ix.lru_order(rep) for rep in reps]
+    assert (r2.index.total_capacity_blocks, r2.speculative.ttl_s) == (1000, 5.0)
+    alone = pickle.loads(pickle.dumps(r.index))
+    assert isinstance(alone, PrefixIndex) and alone.to_flat() == r.index.to_flat()
+    # a snapshot that stored the flat form itself (written before the index saved itself) restores
+    # (the router's state as it was then: its own indexes, tier views and replica dict, no parts)
+    old_state = {k: v for k, v in r.__getstate__().items() if k not in ("cache", "registry")}
+    old_state["index"] = {k: v for k, v in r.index.to_flat().items() if k != "total_capacity_blocks"}
+    old_state["speculative"] = r.speculative.to_flat()
+    old_state.update(host_index=None, store_index=None, tier_weights=dict(r.tier_weights),
+                     _replicas={i.replica: i for i in r.replicas()})
+    r3 = Router.__new__(Router)
+    r3.__setstate__(pickle.loads(pickle.dumps(old_state)))  # its own copy of every part
+    assert [r3.index.lru_order(rep) for rep in reps] == [r.index.lru_order(rep) for rep in reps]
+    assert r3.index.total_capacity_blocks is None  # not in that form: no total bound, as those snapshots restored
+    assert [i.replica for i in r3.replicas()] == reps
+    assert r3.route(_prompt(99), 30.0).decode == r.route(_prompt(99), 30.0).decode

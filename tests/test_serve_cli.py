@@ -64,7 +64,7 @@ def test_flag_workers_add_to_config_file_workers(tmp_path):
     cfg = _serve_cfg("--config", str(f), "--decode", "http://b:1", "--decode", "http://c:1")
     assert [(w.url, w.role) for w in cfg.workers] == [("http://a:1", "prefill"), ("http://b:1", "decode"),
                                                       ("http://c:1", "decode")]
-    assert cfg.block_size == 32  # the file's value survives: --block-size not given
+    assert cfg.router.block_size == 32  # the file's value survives: --block-size not given
 
 
 @pytest.mark.parametrize("argv", [
@@ -89,10 +89,10 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:P
 
 @pytest.mark.parametrize("argv,message", [
     (["--prefill-policy", "cache-aware"],
-     f"prefill_policy: unknown policy 'cache-aware' (did you mean 'cache_aware'?); valid policies: {POLICIES}"),
-    (["--decode-policy", "fastest"], f"decode_policy: unknown policy 'fastest'; valid policies: {POLICIES}"),
+     f"router.prefill_policy: unknown policy 'cache-aware' (did you mean 'cache_aware'?); valid policies: {POLICIES}"),
+    (["--decode-policy", "fastest"], f"router.decode_policy: unknown policy 'fastest'; valid policies: {POLICIES}"),
     (["--port", "99999"], "port: Input should be less than or equal to 65535"),
-    (["--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
+    (["--block-size", "0"], "router.block_size: block_size must be an integer >= 1, got 0"),
     (["--processes", "0", "--max-retries", "-1"],  # two problems on one line, pydantic's field order
      "retry.max_retries: Input should be greater than or equal to 0; "
      "processes: Input should be greater than or equal to 1"),

@@ -20,6 +20,7 @@ class _Stub:
     kv_bytes_per_token = 1
     kv_capacity_tokens_per_rank = 1 << 30
     ep_synchronous = True
+    wants_prefill_cached_tokens = False
 
     def step_time_s(self, pt, pp, ds, dc, decode_tokens_per_seq=1.0):  # noqa: ANN001, ANN201
         ds = np.asarray(ds, dtype=np.float64)

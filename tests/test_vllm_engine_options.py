@@ -24,6 +24,7 @@ class OneSecondPerf:
     kv_bytes_per_token = 100
     kv_capacity_tokens_per_rank = 10_000
     ep_synchronous = False
+    wants_prefill_cached_tokens = False
 
     def __init__(self, extra: float = 0.0) -> None:
         self.extra = extra
@@ -158,10 +159,11 @@ def test_records_grow_keeps_rows_and_fills_new_ones():
 def test_dynamic_submission_routes_at_the_current_time_and_calls_the_hook():
     # two requests submitted at t=0 and (from the hook) when the first finishes: the second's
     # arrival is the first's finish time (hand: 8-token prompt, 3 out, 1 s steps -> done at t=3)
-    from balancer.router import Router
+    from balancer.config import RouterConfig
     from sim.cluster import Cluster
+    from sim.router_config import router_factory
     sc = _agg()
-    cl = Cluster(sc, lambda cap: Router("round_robin", block_size=4, index_capacity_blocks=cap),
+    cl = Cluster(sc, router_factory(sc, RouterConfig(prefill_policy="round_robin", decode_policy="least_load", block_size=4)),
                  lambda s, p: OneSecondPerf())
     with pytest.raises(RuntimeError, match="begin_dynamic"):
         cl.submit(_req("A", 0.0, 8, 3))

@@ -63,6 +63,10 @@ class Policy(ABC):
     #: serves prefix matches. Default ``True``. (Load-aware policies keep it: a prefill pool's
     #: load counts the uncached tokens, which the index's matches decide.)
     uses_prefix_index: ClassVar[bool] = True
+    #: whether :meth:`select` reads ``SelectContext.cost_model``; a router fits the cost model
+    #: online (``RouterConfig.learn_cost_model``) only when one of its policies does. Default
+    #: ``False``; ``ep_aware`` sets it.
+    uses_cost_model: ClassVar[bool] = False
 
     @abstractmethod
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:

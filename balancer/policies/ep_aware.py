@@ -163,6 +163,7 @@ class EpAware(Policy):
     """Scores are predicted costs in seconds (lower is better); see the module docstring."""
 
     name = "ep_aware"
+    uses_cost_model = True
     externality_weight: float = 1.0
     horizon_weight: float = 4.0
     horizon_power: float = 1.0

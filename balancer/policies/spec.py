@@ -26,7 +26,7 @@ import dataclasses
 import difflib
 from collections.abc import Mapping
 
-from balancer.policies.base import _REGISTRY, Policy, available_policies, make_policy
+from balancer.policies.base import Policy, available_policies, make_policy, policy_class
 
 __all__ = ["accepted_params", "build_policy", "format_policy_spec", "parse_param_value", "parse_policy_spec",
            "split_policy_list", "unknown_policy_message"]
@@ -43,10 +43,10 @@ def unknown_policy_message(name: str) -> str:
 
 
 def _policy_class(name: str) -> type[Policy]:
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(unknown_policy_message(name))
-    return cls
+    try:
+        return policy_class(name)
+    except ValueError:
+        raise ValueError(unknown_policy_message(name)) from None
 
 
 def _defaults(cls: type[Policy]) -> dict[str, object]:

@@ -56,7 +56,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from balancer.policies import make_policy
+from balancer.policies import available_policies
+from balancer.policies.base import policy_class
 from balancer.router import Router
 from balancer.service import memory_debug
 from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload,
@@ -82,17 +83,18 @@ LOOP_LAG_INTERVAL_S = 0.05
 GC_AFTER_LARGE_BYTES = 1024 * 1024
 """Bytes of large request bodies after which :meth:`Service.after_large_body` collects garbage."""
 
-COST_MODEL_POLICIES = frozenset({"ep_aware"})
-"""Policies that read the router's cost model (``SelectContext.cost_model``). ``learn_cost_model``
-refits it online only when a pool uses one of them: for other policies the fit is work whose
-result no decision reads (about 12% of the router's CPU per request under ``round_robin``,
-cProfile; ``tests/test_service.py`` checks that no other policy reads the model)."""
+COST_MODEL_POLICIES = frozenset(n for n in available_policies() if policy_class(n).uses_cost_model)
+"""Policies that read the router's cost model (``SelectContext.cost_model``, declared by
+:attr:`balancer.policies.Policy.uses_cost_model`). ``learn_cost_model`` refits it online only when
+a pool uses one of them: for other policies the fit is work whose result no decision reads (about
+12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/test_service.py``
+checks that no other policy reads the model)."""
 
 
 def _policies_in_use(cfg: ServiceConfig) -> set[str]:
     """The policy names that route something: the decode pool's, and the prefill pool's with a PD
     protocol (``pd_protocol: none`` takes no prefill workers)."""
-    return {cfg.decode_policy.name} | ({cfg.prefill_policy.name} if cfg.pd_protocol != "none" else set())
+    return {cfg.router.decode_policy.name} | ({cfg.router.prefill_policy.name} if cfg.pd_protocol != "none" else set())
 
 
 class Service:
@@ -109,16 +111,13 @@ class Service:
         self.cfg = cfg
         self.process_index = process_index
         self.multiprocess = self.processes > 1
-        self.router = Router(
-            make_policy(cfg.prefill_policy.name, **cfg.prefill_policy.params),
-            make_policy(cfg.decode_policy.name, **cfg.decode_policy.params),
-            block_size=cfg.block_size, index_capacity_blocks=cfg.index_capacity_blocks,
-            index_ttl_s=cfg.index_ttl_s, pd_min_uncached_tokens=cfg.pd_min_uncached_tokens, seed=cfg.seed + process_index,
-            cost_model=cfg.build_cost_model(),
-            learn_cost_model=cfg.learn_cost_model and bool(COST_MODEL_POLICIES & _policies_in_use(cfg)),
-            index_total_capacity_blocks=cfg.index_total_capacity_blocks,
-            index_mode=cfg.index_mode, speculative_ttl_s=cfg.speculative_ttl_s,
-            load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None)
+        rc = cfg.router
+        learn = rc.learn_cost_model
+        if learn is None or learn:  # auto, or on: only when a pool that exists reads the model
+            learn = bool(COST_MODEL_POLICIES & _policies_in_use(cfg))
+        self.router = Router.from_config(rc.with_(
+            seed=rc.seed + process_index, learn_cost_model=learn,
+            load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None))
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
         self.kv_delivery: Any = None  # its LoopDelivery
@@ -143,13 +142,13 @@ class Service:
         else:  # set once per event-loop iteration that changed it (ServiceMetrics.flush)
             self.metrics.in_flight_of = lambda: self.in_flight
         # loads tokenizer_path now, so that a bad file fails at startup (ValueError), not per request
-        self.hasher = PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, engine=cfg.chat_engine)
+        self.hasher = PromptHasher(cfg.router.block_size, cfg.chars_per_token, cfg.tokenizer_path, engine=cfg.chat_engine)
         self.hasher.on_inexact = lambda reason: self.metrics.prompt_inexact.labels(reason).inc()
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight: int = 0
         #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
-        self.offload = BodyOffload(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
+        self.offload = BodyOffload(cfg.router.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
                                    cfg.max_tokens_limit, cfg.default_max_tokens, cfg.chat_engine)
         #: the last /metrics render: (time.monotonic(), body), reused for large fleets (METRICS_CACHE_S)
         self.metrics_cache: tuple[float, bytes] | None = None
@@ -749,7 +748,7 @@ async def _remove_worker(request: web.Request) -> web.Response:
 async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
     """A worker added at run time with an ``events`` endpoint: subscribe to it (starting the
     subscriber if it is the first), off the event loop (the child process takes a second to start)."""
-    if wcfg.events is None or svc.cfg.index_mode == "approximate":
+    if wcfg.events is None or svc.cfg.router.index_mode == "approximate":
         return
     from balancer.service.kv_subscriber import sources_for_worker
 
@@ -767,12 +766,12 @@ def _start_kv_feed(svc: Service, workers: list, loop: asyncio.AbstractEventLoop)
     if svc.kv_fanout_dir is not None:
         from balancer.service.kv_fanout import start_fanout
 
-        fan = start_fanout(workers, svc.router, svc.cfg.block_size, svc.cfg.kv_events, svc.kv_fanout_dir,
+        fan = start_fanout(workers, svc.router, svc.cfg.router.block_size, svc.cfg.kv_events, svc.kv_fanout_dir,
                            svc.process_index)
         return None if fan is None else (fan, fan)
     from balancer.service.kv_subscriber import start_for_service
 
-    return start_for_service(workers, svc.router, svc.cfg.block_size, loop, svc.cfg.kv_events)
+    return start_for_service(workers, svc.router, svc.cfg.router.block_size, loop, svc.cfg.kv_events)
 
 
 def _install_kv_feed(svc: Service, started: tuple[Any, Any] | None) -> None:
@@ -908,7 +907,7 @@ def _start_engine_feeds(svc: Service, shared_dir: str | None = None) -> list[asy
     (``load_scrape.enabled``)."""
     cfg = svc.cfg
     tasks: list[asyncio.Task] = []
-    if cfg.index_mode != "approximate":
+    if cfg.router.index_mode != "approximate":
         svc.kv_fanout_dir = shared_dir if svc.multiprocess else None
         _install_kv_feed(svc, _start_kv_feed(svc, cfg.workers, asyncio.get_running_loop()))
     if cfg.load_scrape.enabled:
@@ -966,7 +965,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         share = None
         # decisions are shared only for policies that read prefix matches (round robin, random
         # and consistent hash do not: Policy.uses_prefix_index)
-        if (shared_prefix_dir is not None and cfg.index_mode == "approximate" and svc.multiprocess
+        if (shared_prefix_dir is not None and cfg.router.index_mode == "approximate" and svc.multiprocess
                 and svc.router.uses_prefix_index()):
             from balancer.service.shared_prefix import PrefixShare
 

@@ -482,6 +482,9 @@ class BrokerSync:
                     await nc.publish(self.load_subject, data)
                     self.sent["load"] += 1
                 self._last_publish_s = now
+                # recompute the peer sums at least once per heartbeat: a replica added through the
+                # admin API starts with zeroed peer counts in the tracker
+                self._applied = (-1, -1)
         except Exception as e:  # noqa: BLE001 - a send failing mid-outage: the next interval retries
             self._changed = True
             self._count_drop("send_failed")

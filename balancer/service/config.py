@@ -15,11 +15,10 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from balancer.cost_model import CostModel
+from balancer.config import RouterConfig
 from balancer.service.broker_config import BrokerConfig
-from balancer.policies.spec import check_policy_params, parse_policy_spec
 from balancer.validation import format_validation_error, syntax_error_line
 from balancer.service.admission_config import AdmissionSettings
 
@@ -161,29 +160,6 @@ class WorkerConfig(BaseModel):
         return v
 
 
-class PolicyConfig(BaseModel):
-    """A routing policy by registered name, with its parameters (see ``pdlb policies``): a table
-    ``{name, params}`` or a spec string ``"name:k=v,..."`` (:mod:`balancer.policies.spec`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_spec(cls, data: Any) -> Any:
-        if isinstance(data, str):
-            name, params = parse_policy_spec(data)
-            return {"name": name, "params": params}
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> PolicyConfig:
-        check_policy_params(self.name, self.params)  # unknown name / params (accepted ones listed), own checks
-        return self
-
-
 class RetryConfig(BaseModel):
     """Retries of a request that failed before any byte reached the client (new pair, new room).
 
@@ -279,6 +255,37 @@ class LoadScrapeConfig(BaseModel):
     max_age_s: float = Field(10.0, gt=0)
 
 
+#: The keys of the ``router:`` section that were top-level settings before it (still read there).
+LEGACY_ROUTER_KEYS = ("prefill_policy", "decode_policy", "cost_model", "learn_cost_model", "block_size",
+                      "pd_min_uncached_tokens", "index_capacity_blocks", "index_ttl_s", "index_total_capacity_blocks",
+                      "index_mode", "speculative_ttl_s", "seed")
+
+
+def move_legacy_router_keys(data: dict[str, Any], override: bool = False) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``data`` (a service config mapping) with its top-level :data:`LEGACY_ROUTER_KEYS` moved into
+    its ``router`` section, and the keys moved (a new dict; ``data`` is not changed).
+    ``override``: the top-level values replace the section's (command-line flags over a file).
+
+    Raises:
+        ValueError: a key given both at the top level and in ``router:`` (unless ``override``),
+            or a ``router`` that is not a mapping.
+    """
+    moved = tuple(k for k in LEGACY_ROUTER_KEYS if k in data)
+    if not moved:
+        return data, ()
+    router = data.get("router") or {}
+    if isinstance(router, RouterConfig):
+        router = {k: getattr(router, k) for k in RouterConfig.model_fields if k in router.model_fields_set}
+    if not isinstance(router, dict):
+        raise ValueError(f"router: must be a mapping of router settings, got {type(router).__name__}")
+    both = [k for k in moved if k in router]
+    if both and not override:
+        raise ValueError(f"{', '.join(both)} given both at the top level and under router: (keep the router: one)")
+    out = {k: v for k, v in data.items() if k not in moved}
+    out["router"] = {**router, **{k: data[k] for k in moved}}
+    return out, moved
+
+
 class ServiceConfig(BaseModel):
     """Everything ``pdlb serve`` needs.
 
@@ -288,32 +295,17 @@ class ServiceConfig(BaseModel):
             decode with ``kv_transfer_params``) or ``none`` (mixed workers only). ANCHORS.md,
             "PD request flows".
         workers: the engines at start (more can be added with the admin API).
-        prefill_policy / decode_policy: routing policies (decode also routes mixed pools);
-            default ``ep_aware`` for both (the simulator's default; bench/policy_goodput.py).
-        cost_model: the step-time cost model cost-based policies (``ep_aware``) price placements
-            with, as the table ``pdlb sim cost-model --scenario NAME`` prints
-            (:meth:`balancer.cost_model.CostModel.to_dict`); ``None``: the generic
-            :data:`balancer.cost_model.DEFAULT_COST_MODEL`.
-        learn_cost_model: refit the cost model online from observed prefill times and
-            inter-token latencies (:class:`balancer.cost_model.CostLearner`; default on; only
-            when a pool's policy reads the model,
-            :data:`balancer.service.app.COST_MODEL_POLICIES`).
+        router: the router's settings (:class:`balancer.config.RouterConfig`: policies, block
+            size, prefix index, cost model and its online fit, seed; defaults in
+            :mod:`balancer.config`). Process ``i`` of ``processes`` seeds its router with
+            ``router.seed + i``. The same keys at the top level (the form before the ``router:``
+            section: ``prefill_policy``, ``block_size``, ``index_mode``, ...) are still read, into
+            this section, with a deprecation warning (:func:`config_warnings`).
         chat_engine: whose chat rendering ``tokenizer_path``'s template reproduces (``vllm``, ``sglang``:
             they join text content parts and continue a final message differently; see
             :meth:`balancer.service.prompt.ChatTemplate.render_for`).
-        block_size: tokens per hashed block; chars_per_token / tokenizer_path: see
-            :mod:`balancer.service.prompt`.
-        pd_min_uncached_tokens: conditional disaggregation: below this many uncached prompt
-            tokens the decode engine serves the request alone (0 = always PD).
-        index_capacity_blocks / index_ttl_s: prefix-index bounds per replica (LRU / TTL).
-        index_total_capacity_blocks: prefix-index bound over all replicas (default 4,194,304
-            blocks, about 300 MB at ~70 bytes a block; 512 replicas x 262,144 blocks would be
-            ~9 GB); each replica then keeps at most an even share.
-        index_mode: ``approximate`` (the router records what it routes), ``events`` (only the
-            engines' KV events, workers' ``events`` endpoints) or ``hybrid`` (events plus the router's
-            own routed prompts for ``speculative_ttl_s``); see :mod:`balancer.router`.
-        speculative_ttl_s: hybrid mode: seconds a routed prompt counts as cached before its
-            engine announces it.
+        chars_per_token / tokenizer_path: see :mod:`balancer.service.prompt` (prompts are hashed
+            in blocks of ``router.block_size`` tokens).
         kv_events: the KV-event subscriber's settings (:class:`KvEventsConfig`).
         lora_adapters: LoRA adapter names the engines serve (requests choose one with ``model``):
             a request for one hashes its prompt from that adapter's chain root, as the engines'
@@ -376,7 +368,6 @@ class ServiceConfig(BaseModel):
             (the worker's ``served_model_name``, else the one its ``/v1/models`` listed).
         shutdown_timeout_s: graceful shutdown drains in-flight requests for at most this long.
         default_max_tokens: the output length assumed for load accounting when a request names none.
-        seed: the router's RNG seed (process ``i`` of ``processes`` uses ``seed + i``).
         processes: router processes behind the port (the parent accepts client connections and
             hands them to the processes in turn: :mod:`balancer.service.handoff`). In-flight load is shared through shared memory
             (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
@@ -398,20 +389,10 @@ class ServiceConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     pd_protocol: Literal["sglang", "vllm", "none"] = "sglang"
     workers: list[WorkerConfig] = Field(default_factory=list)
-    prefill_policy: PolicyConfig = PolicyConfig(name="ep_aware")
-    decode_policy: PolicyConfig = PolicyConfig(name="ep_aware")
-    cost_model: dict[str, Any] | None = None
-    learn_cost_model: bool = True
-    block_size: int = Field(64, ge=1)
+    router: RouterConfig = RouterConfig()
     chars_per_token: float = Field(4.0, gt=0)
     tokenizer_path: str | None = None
     chat_engine: Literal["vllm", "sglang"] = "vllm"
-    pd_min_uncached_tokens: int = Field(0, ge=0)
-    index_capacity_blocks: int | None = Field(262_144, ge=1)
-    index_ttl_s: float | None = Field(None, gt=0)
-    index_total_capacity_blocks: int | None = Field(4_194_304, ge=1)
-    index_mode: Literal["approximate", "events", "hybrid"] = "approximate"
-    speculative_ttl_s: float = Field(5.0, gt=0)
     lora_adapters: list[str] = Field(default_factory=list)
     kv_events: KvEventsConfig = KvEventsConfig()
     load_scrape: LoadScrapeConfig = LoadScrapeConfig()
@@ -439,19 +420,21 @@ class ServiceConfig(BaseModel):
     served_model_name: str | None = None
     shutdown_timeout_s: float = Field(30.0, ge=0)
     default_max_tokens: int = Field(16, ge=1)
-    seed: int = 0
     processes: int | None = Field(None, ge=1, le=256)
 
-    @field_validator("cost_model")
-    @classmethod
-    def _check_cost_model(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            CostModel.from_dict(v)  # raises ValueError naming the bad key or term
-        return v
+    #: top-level keys found in the data that belong to ``router:`` (moved there; deprecated)
+    _legacy_router_keys: tuple[str, ...] = PrivateAttr(default=())
 
-    def build_cost_model(self) -> CostModel | None:
-        """The configured :class:`~balancer.cost_model.CostModel` (``None`` = the default)."""
-        return CostModel.from_dict(self.cost_model) if self.cost_model is not None else None
+    @model_validator(mode="wrap")
+    @classmethod
+    def _legacy_keys(cls, data: Any, handler: Any) -> ServiceConfig:
+        moved: tuple[str, ...] = ()
+        if isinstance(data, dict):
+            data, moved = move_legacy_router_keys(data)
+        cfg = handler(data)
+        if moved:
+            cfg._legacy_router_keys = moved
+        return cfg
 
     @model_validator(mode="after")
     def _check_workers(self) -> ServiceConfig:
@@ -504,12 +487,16 @@ def config_warnings(cfg: ServiceConfig) -> list[str]:
     prefill workers but no decode/mixed worker (every request 503) or decode workers but no prefill
     worker (requests go to PD decode engines alone). No workers at all is warned about elsewhere."""
     out = [w for w in (bootstrap_warning(cfg.pd_protocol, wc) for wc in cfg.workers) if w is not None]
-    if cfg.index_mode != "approximate":
+    if cfg._legacy_router_keys:
+        out.append(f"warning: deprecated top-level setting(s) {', '.join(cfg._legacy_router_keys)}: they are router "
+                   f"settings now; put them under router: (read there this time)")
+    index_mode = cfg.router.index_mode
+    if index_mode != "approximate":
         blind = [w.url for w in cfg.workers if w.events is None]
         if blind:
-            out.append(f"warning: index_mode {cfg.index_mode} but no events endpoint for {', '.join(blind)}: the router "
+            out.append(f"warning: index_mode {index_mode} but no events endpoint for {', '.join(blind)}: the router "
                        f"never learns what those workers cache" + (" (beyond its own routed prompts for "
-                       f"{cfg.speculative_ttl_s:g} s)" if cfg.index_mode == "hybrid" else "")
+                       f"{cfg.router.speculative_ttl_s:g} s)" if index_mode == "hybrid" else "")
                        + "; give URL,events=tcp://HOST:PORT")
     elif any(w.events is not None for w in cfg.workers):
         out.append("warning: workers have events endpoints but index_mode is approximate: their KV events are not "

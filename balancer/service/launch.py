@@ -444,7 +444,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
                 # the worker set every process has now, a fresh RNG seed (Service: seed + index)
                 pcfg = cfg.model_copy(update={
                     "workers": [WorkerConfig.model_validate(d) for d in admin.workers.values()],
-                    "seed": cfg.seed + generation[i] * n_processes})
+                    "router": cfg.router.with_(seed=cfg.router.seed + generation[i] * n_processes)})
                 p, mine, ours = spawn(i, pcfg, dict(admin.columns), (True, reaped))
                 procs[i] = p
                 starting[i] = (mine, ours, time.monotonic() + READY_TIMEOUT_S)

@@ -112,7 +112,8 @@ def _arena_count(libc: ctypes.CDLL) -> int:
             libc.malloc_info(0, fp)
         finally:
             libc.fclose(fp)
-        return len(re.findall(rb"<heap nr=", open(tmp.name, "rb").read()))
+        with open(tmp.name, "rb") as f:
+            return len(re.findall(rb"<heap nr=", f.read()))
 
 
 _PYMALLOC_FIELDS = {

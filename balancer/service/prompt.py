@@ -33,6 +33,7 @@ startup; request errors are :class:`PromptError` (the service maps them to 400).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -49,7 +50,11 @@ class PromptError(ValueError):
     """The request body has no usable prompt (missing or mistyped field)."""
 
 
-_BOOL = None
+@functools.cache
+def _bool_adapter() -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(bool)
 
 
 def lax_bool(value: Any, name: str) -> bool | None:
@@ -64,14 +69,11 @@ def lax_bool(value: Any, name: str) -> bool | None:
     """
     if value is None or type(value) is bool:
         return value
-    global _BOOL
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import ValidationError
 
-    if _BOOL is None:
-        _BOOL = TypeAdapter(bool)
     if isinstance(value, (str, int, float)) and not (isinstance(value, str) and len(value) > 5):  # "false": 5
         try:
-            return bool(_BOOL.validate_python(value))
+            return bool(_bool_adapter().validate_python(value))
         except ValidationError:
             pass
     raise PromptError(f"'{name}' must be a boolean")

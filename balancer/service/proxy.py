@@ -339,12 +339,12 @@ class Proxy:
         #: the engine legs' client: the lean one (``upstream_client: lean``; plain-HTTP workers
         #: only, https workers always use the session) or the aiohttp session
         self.client: UpstreamClient | aiohttp.ClientSession = upstream if upstream is not None else session
-        self.hasher = hasher or PromptHasher(cfg.block_size, cfg.chars_per_token, cfg.tokenizer_path)
+        self.hasher = hasher or PromptHasher(cfg.router.block_size, cfg.chars_per_token, cfg.tokenizer_path)
         from balancer.kv_translate import chain_root
 
         #: request "model" -> chain root, for the LoRA adapters named in cfg.lora_adapters
         self._lora_roots = {name: chain_root(name) for name in cfg.lora_adapters}
-        self.rng = random.Random(cfg.seed)
+        self.rng = random.Random(cfg.router.seed)
         # bootstrap rooms must not collide across router processes in front of the same engines: a
         # room generator seeded from the OS (one urandom call at start instead of one per request)
         self._room_rng = random.Random(secrets.randbits(128))

@@ -104,7 +104,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def policy_specs(args: argparse.Namespace) -> list:
-    """The :class:`sim.point.PolicySpec` list of the policy options (checked now).
+    """The :class:`sim.point.PolicyPair` list of the policy options (checked now).
 
     Raises:
         ValueError: unknown policy or parameter, a bad value, a module that does not import,

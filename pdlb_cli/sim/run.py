@@ -18,8 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from balancer.policies import make_policy
-from balancer.policies.spec import format_policy_spec, parse_policy_spec
+from balancer.config import PolicySpec
 from balancer.service.admission_config import add_admission_args
 from balancer.types import TtftSlo
 from pdlb_cli.args import (
@@ -94,10 +93,10 @@ def policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None
 
     def one(flag: str, text: str) -> tuple[Any, str]:
         try:
-            name, params = parse_policy_spec(text)
+            spec = PolicySpec.parse(text)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
-        return make_policy(name, **params), format_policy_spec(name, params)
+        return spec.build(), spec.label
 
     out = []
     for flag, p, d in texts:

@@ -276,7 +276,7 @@ class EngineCore:
                     np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
                     np.array([p.decode_seqs for p in plans], dtype=np.float64),
                     np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64))
-            if getattr(perf, "wants_prefill_cached_tokens", False):  # as sim.engine.step_group
+            if perf.wants_prefill_cached_tokens:  # as sim.engine.step_group
                 dt = float(perf.step_time_s(*work, prefill_cached_tokens=np.array(
                     [p.prefill_cached_tokens for p in plans], dtype=np.float64)))
             else:

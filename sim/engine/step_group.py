@@ -116,7 +116,7 @@ class StepGroup:
         self.fast_forward = fast_forward
         # a causal encoder-decoder roofline (V4.1) prices a step by its chunk count (a replay window
         # each), which it recovers from the cached prefix (RooflinePerf.wants_prefill_cached_tokens)
-        self._pass_cached = bool(getattr(perf, "wants_prefill_cached_tokens", False))
+        self._pass_cached = bool(perf.wants_prefill_cached_tokens)
         self._wake = env.event()
         self.num_steps = 0
         self.num_waits = 0

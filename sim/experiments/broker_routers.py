@@ -94,10 +94,11 @@ class BrokerKRouters(KRouters):
     @classmethod
     def broker_wrapper(cls, k: int, seed: int = 0, interval_s: float = DEFAULT_INTERVAL_S,
                        latency_s: float = DEFAULT_LATENCY_S
-                       ) -> Callable[[Callable[[int | None], Router]], Callable[[int | None], Any]]:
-        """For :func:`sim.cluster.simulate` ``router_wrapper``: K broker-sharing routers."""
-        def wrap(factory: Callable[[int | None], Router]) -> Callable[[int | None], Any]:
-            return lambda cap: cls([factory(cap) for _ in range(k)], seed, interval_s, latency_s)
+                       ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
+        """For :func:`sim.cluster.simulate` ``router_wrapper``: K broker-sharing routers (the
+        factory is called with the cluster's :class:`sim.router_config.RankCacheBlocks`)."""
+        def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
+            return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, interval_s, latency_s)
         return wrap
 
     def _routed_by(self, k: int) -> Callable[[Collection[ReplicaId], tuple[int, ...], float], None]:

@@ -82,10 +82,11 @@ class KRouters:
 
     @classmethod
     def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False
-                ) -> Callable[[Callable[[int | None], Router]], Callable[[int | None], Any]]:
-        """For :func:`sim.cluster.simulate` ``router_wrapper``: K routers from its factory."""
-        def wrap(factory: Callable[[int | None], Router]) -> Callable[[int | None], Any]:
-            return lambda cap: cls([factory(cap) for _ in range(k)], seed, shared_load)
+                ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
+        """For :func:`sim.cluster.simulate` ``router_wrapper``: K routers from its factory
+        (called with the cluster's :class:`sim.router_config.RankCacheBlocks`)."""
+        def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
+            return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, shared_load)
         return wrap
 
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:

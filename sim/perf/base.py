@@ -41,6 +41,11 @@ class PerfModel(Protocol):
     kv_capacity_tokens_per_rank: int
     #: True when all DP ranks of the engine step together (wide EP); False for independent ranks.
     ep_synchronous: bool
+    #: True when :meth:`step_time_s` takes a fifth argument, ``prefill_cached_tokens`` (per rank,
+    #: shape ``(..., R)``: the cached prefix tokens of the prompts in the step), which callers then
+    #: pass: a causal encoder-decoder roofline (DeepSeek-V4.1) prices a step by its chunk count,
+    #: which the prefix sets. Every model declares it (no capability probing).
+    wants_prefill_cached_tokens: bool
 
     def step_time_s(
         self,

@@ -74,6 +74,7 @@ class MockerPolynomialPerf:
     """
 
     ep_synchronous = False
+    wants_prefill_cached_tokens = False
 
     def __init__(self, kv_capacity_tokens_per_rank: int, kv_bytes_per_token: int = 131_072) -> None:
         if kv_capacity_tokens_per_rank < 1:

@@ -211,6 +211,8 @@ class SpecDecodePerf:
         self.kv_bytes_per_token = base.kv_bytes_per_token
         self.kv_capacity_tokens_per_rank = base.kv_capacity_tokens_per_rank
         self.ep_synchronous = base.ep_synchronous
+        #: its step_time_s takes the four work arrays only (the base's cached-prefix pricing is not forwarded)
+        self.wants_prefill_cached_tokens = False
         self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
         self._admission = admission_order(config.classes, config.longest_draft)
         self.last_draft_tokens: np.ndarray | None = None

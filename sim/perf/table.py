@@ -118,6 +118,7 @@ class TablePerf:
     """``PerfModel`` of one dense engine rank from a measured profile (see module docstring)."""
 
     ep_synchronous = False
+    wants_prefill_cached_tokens = False
 
     def __init__(
         self,

@@ -56,7 +56,7 @@ def prefill_input_tokens_per_s_per_rank(perf: PerfModel, pool: PoolConfig, promp
     new = prompt_tokens - cached
     r = pool.dp_ranks if perf.ep_synchronous else 1
 
-    pass_cached = bool(getattr(perf, "wants_prefill_cached_tokens", False))
+    pass_cached = bool(perf.wants_prefill_cached_tokens)
 
     def step(pt: float, pairs: float, before: float) -> float:
         work = (np.full(r, pt), np.full(r, pairs), np.zeros(r), np.zeros(r))
