@@ -40,7 +40,9 @@ def add_admission_args(p: argparse.ArgumentParser, *, serve: bool) -> argparse._
     g = p.add_argument_group("deadline admission (off by default; docs/serving.md, README 'Overload and admission')")
     g.add_argument("--admission", action="store_true", default=None,
                    help="hold requests the cluster cannot serve in time, order them by deadline with per-tenant fair "
-                        "share, and shed (HTTP 429 + Retry-After) those whose predicted wait passes their deadline")
+                        "share, and shed " + ("(HTTP 429 + Retry-After) " if serve else "(counted as SLO misses) ")
+                        + "those whose predicted wait passes their deadline"
+                        + ("" if serve else "; a request's tenant is its trace's traffic class"))
     if serve:
         g.add_argument("--admission-ttft-slo-s", type=float, metavar="S",
                        help="TTFT budget that sets each request's deadline (default: 2)")
@@ -72,6 +74,12 @@ def admission_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def flag_names(overrides: dict[str, Any]) -> str:
+    """The command-line flags behind :func:`admission_overrides`' fields, for error messages."""
+    back = {field: "--" + flag.replace("_", "-") for flag, field in _FLAGS.items()}
+    return ", ".join(sorted(back[f] for f in overrides if f in back))
+
+
 def admission_from_args(args: argparse.Namespace) -> AdmissionConfig | None:
     """``pdlb sim``'s ``--admission*`` flags as the core's config (the deadline from ``--slo-ttft-s``),
     or None without ``--admission``.
@@ -84,5 +92,5 @@ def admission_from_args(args: argparse.Namespace) -> AdmissionConfig | None:
     if not over:
         return None
     if not over.get("enabled"):
-        raise ValueError(f"--admission-* flags ({', '.join(sorted(over))}) need --admission")
+        raise ValueError(f"{flag_names(over)} need --admission")
     return AdmissionSettings(**over).to_core(TtftSlo(args.slo_ttft_s))

@@ -22,7 +22,7 @@ from balancer.policies import available_policies
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, move_legacy_router_keys,
                                      parse_worker_spec)
 from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE, default_processes, event_loop_factory, serve
-from pdlb_cli.admission_args import add_admission_args, admission_overrides
+from pdlb_cli.admission_args import add_admission_args, admission_overrides, flag_names
 
 if TYPE_CHECKING:  # the simulator's dependency: pdlb-serve runs without it
     from rich.console import Console
@@ -221,6 +221,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     if adm := admission_overrides(args):
         data.setdefault("admission", {}).update(adm)
     cfg = load_service_config(None, data)
+    if adm and not cfg.admission.enabled:  # tuning flags without --admission (or admission.enabled in the file)
+        raise ValueError(f"{flag_names(adm)} need --admission (or admission: enabled: true in the config file)")
     cfg = cfg.model_copy(update={k: None for k in off}) if off else cfg
     if file_cfg is not None:  # the file's deprecated top-level router keys, for config_warnings
         cfg._legacy_router_keys = file_cfg._legacy_router_keys

@@ -231,6 +231,15 @@ def run_rows(duration_s: float | None = None, seed: int = 0, workload_seed: int 
     return rows_from_metrics(m), m
 
 
+def _error_text(error: float) -> str:
+    """``error`` as a signed percentage, with two decimals where one would round onto the pass
+    band's edge (a -15.03% miss would print as a failing "-15.0%")."""
+    text = f"{100 * error:+.1f}%"
+    if abs(round(100 * error, 1)) == round(100 * TOLERANCE, 1):
+        text = f"{100 * error:+.2f}%"
+    return text
+
+
 def print_rows(rows: list[AgentxRow], console) -> None:  # noqa: ANN001
     """The table ``pdlb sim validate --agentx-440246`` prints, and its summary line."""
     from rich.table import Table
@@ -243,7 +252,7 @@ def print_rows(rows: list[AgentxRow], console) -> None:  # noqa: ANN001
     for r in rows:
         fmt = "{:,.0f}" if abs(r.published) >= 100 else "{:.3g}" if abs(r.published) < 1 else "{:.2f}"
         t.add_row(r.label, r.key, fmt.format(r.published) + (f" {r.unit}" if r.unit else ""),
-                  fmt.format(r.simulated) + (f" {r.unit}" if r.unit else ""), f"{100 * r.error:+.1f}%",
+                  fmt.format(r.simulated) + (f" {r.unit}" if r.unit else ""), _error_text(r.error),
                   "[green]pass[/]" if r.verdict == "pass" else "[red]FAIL[/]", r.role)
     console.print(t)
     held = [r for r in rows if r.role == "held out"]

@@ -254,7 +254,13 @@ def test_plot_rows_writes_a_png(tmp_path):
 def test_cli_flags_apply_only_with_the_point(capsys):
     from pdlb_cli.main import main
     assert main(["sim", "validate", "--duration-s", "10"]) != 0
-    assert "apply only with --agentx-440246" in capsys.readouterr().err
+    assert "error: --duration-s applies only with --agentx-440246" in capsys.readouterr().err
+    assert main(["sim", "validate", "--plot", "x.png"]) != 0  # names only the flag given
+    assert "error: --plot applies only with --agentx-440246" in capsys.readouterr().err
+    assert main(["sim", "validate", "--duration-s", "10", "--plot", "x.png"]) != 0
+    assert "error: --duration-s and --plot apply only with --agentx-440246" in capsys.readouterr().err
+    assert main(["sim", "validate", "--gpu-runs", "--agentx-440246"]) == 2  # not one of them silently
+    assert "two separate validations" in capsys.readouterr().err
 
 
 @pytest.mark.slow

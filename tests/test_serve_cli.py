@@ -282,3 +282,17 @@ def test_timeout_flags_zero_turns_off(flag, field, default):
     assert getattr(config_from_args(p.parse_args(base)), field) == default
     assert getattr(config_from_args(p.parse_args([*base, flag, "7"])), field) == 7.0
     assert getattr(config_from_args(p.parse_args([*base, flag, "0"])), field) is None
+
+
+def test_admission_tuning_flags_without_admission_are_an_error(tmp_path):
+    # an operator who forgets --admission must not believe the router sheds: the same rule as pdlb sim
+    with pytest.raises(ValueError, match=r"--admission-max-queue, --admission-ttft-slo-s need --admission"):
+        _serve_cfg("--prefill", "http://p:1", "--decode", "http://d:2", "--admission-ttft-slo-s", "1",
+             "--admission-max-queue", "5")
+    on = _serve_cfg("--prefill", "http://p:1", "--decode", "http://d:2", "--admission", "--admission-ttft-slo-s", "1")
+    assert on.admission.enabled and on.admission.ttft_slo_s == 1.0
+    cfg_file = tmp_path / "pdlb.yaml"  # enabled in the file: the flags tune it
+    cfg_file.write_text("admission:\n  enabled: true\n")
+    from_file = _serve_cfg("--config", str(cfg_file), "--prefill", "http://p:1", "--decode", "http://d:2",
+                     "--admission-max-queue", "5")
+    assert from_file.admission.enabled and from_file.admission.max_queue_requests == 5

@@ -386,10 +386,13 @@ class BrokerSync:
             return
         self.up = up
         if up:
+            after_outage = self._outage_logged
             self._outage_logged = False
             self._changed = True  # resync: our snapshot at once; the peers' within heartbeat_s
-            log.info("broker: %s %s; sharing load%s with the other routers", what, self.cfg.url,
-                     " and routing decisions" if self.share_decisions else "")
+            # back after a logged outage: at the outage's level, so a log read at WARNING shows both
+            (log.warning if after_outage else log.info)(
+                "broker: %s %s; sharing load%s with the other routers", what, self.cfg.url,
+                " and routing decisions" if self.share_decisions else "")
         elif not self._outage_logged:
             self._outage_logged = True
             log.warning("broker %s unreachable (%s): routing on this router's own state (peers' load expires after "
@@ -541,7 +544,8 @@ class BrokerSync:
 
 class BrokerCollector:
     """Prometheus collector of one process's :class:`BrokerSync` (``process`` label): ``pdlb_broker_up``,
-    ``pdlb_broker_peers``, ``pdlb_broker_peer_in_flight_requests`` (the peers' requests, all ranks),
+    ``pdlb_broker_peers``, ``pdlb_broker_peer_in_flight_requests`` (the peers' in-flight requests summed over ranks: a PD
+    request counts on its prefill and its decode rank),
     ``pdlb_broker_peer_load_age_seconds`` (the oldest live peer snapshot's age),
     ``pdlb_broker_messages_total{direction,kind}``, ``pdlb_broker_dropped_total{reason}``,
     ``pdlb_broker_decisions_total{kind}`` (sent, recorded, dropped), ``pdlb_broker_disconnects_total``,
@@ -569,8 +573,8 @@ class BrokerCollector:
         yield gauge("pdlb_broker_up", "1 while this router is connected to the broker, else 0", 1 if s.up else 0)
         yield gauge("pdlb_broker_peers", "Other routers whose load snapshot is live (heard within peer_ttl_s)",
                     len(s.table.peers))
-        yield gauge("pdlb_broker_peer_in_flight_requests", "Requests the live peers report in flight (all ranks)",
-                    s.peer_requests_total())
+        yield gauge("pdlb_broker_peer_in_flight_requests", "Requests the live peers report in flight, summed over "
+                    "ranks (a PD request counts on its prefill and its decode rank)", s.peer_requests_total())
         yield gauge("pdlb_broker_peer_load_age_seconds", "Age of the oldest live peer's load snapshot (send time to "
                     "now, wall clocks)", s.peer_load_age_s())
         m = CounterMetricFamily("pdlb_broker_messages", "Broker messages by direction and kind",

@@ -56,6 +56,8 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
 
 def run_validate(args: argparse.Namespace, console: Console) -> int:
     """``pdlb sim validate``: print the table (or the calibration). Returns the exit code."""
+    if getattr(args, "gpu_runs", False) and getattr(args, "agentx_440246", False):
+        raise ValueError("--gpu-runs and --agentx-440246 are two separate validations: give one per run")
     if getattr(args, "gpu_runs", False):
         gpu_rows = print_gpu_rows(console)
         return 1 if args.strict and any(r.verdict != "pass" for r in gpu_rows) else 0
@@ -67,8 +69,10 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
         if args.plot:
             console.print(f"plot: {plot_rows(rows, args.plot)}", markup=False)
         return 1 if args.strict and any(r.verdict != "pass" for r in rows) else 0
-    if getattr(args, "duration_s", None) is not None or getattr(args, "plot", None):
-        raise ValueError("--duration-s and --plot apply only with --agentx-440246")
+    given = [flag for flag, v in (("--duration-s", getattr(args, "duration_s", None)),
+                                  ("--plot", getattr(args, "plot", None))) if v is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --agentx-440246")
 
     if args.calibrate:
         s, perf, res = calibrate(args.calibrate)
