@@ -42,7 +42,8 @@ def add_admission_args(p: argparse.ArgumentParser, *, serve: bool) -> argparse._
                    help="hold requests the cluster cannot serve in time, order them by deadline with per-tenant fair "
                         "share, and shed " + ("(HTTP 429 + Retry-After) " if serve else "(counted as SLO misses) ")
                         + "those whose predicted wait passes their deadline"
-                        + ("" if serve else "; a request's tenant is its trace's traffic class"))
+                        + ("" if serve else " (arrival + --slo-ttft-s); a request's tenant is its trace's "
+                                            "traffic class"))
     if serve:
         g.add_argument("--admission-ttft-slo-s", type=float, metavar="S",
                        help="TTFT budget that sets each request's deadline (default: 2)")
