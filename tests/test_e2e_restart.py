@@ -73,7 +73,9 @@ async def test_killed_router_process_is_restarted_under_traffic():
     engines = spawn_engines([("mixed", "--speed", "1")] * 3)
     procs = list(engines)
     try:
-        router = spawn_router("none", [], [], "--processes", "2", "--decode-policy", "round_robin", mixed=engines)
+        # cache_aware reads the prefix index, so the processes share their decisions through the
+        # rings (a mixed pool whose policy reads neither index nor load runs no rings at all)
+        router = spawn_router("none", [], [], "--processes", "2", "--decode-policy", "cache_aware", mixed=engines)
         procs.append(router)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             before = await _health_by_index(s, router, 2)
