@@ -122,6 +122,9 @@ class Request:
         expected_output_tokens: the output length known in advance (traces) or predicted, if any.
         session_id: conversation / agent session id, if known (used by ``consistent_hash``).
         traffic_class: e.g. ``"chatbot"`` or ``"agent"``; used for KV TTLs and reporting.
+        priority: the deadline-admission class (:mod:`balancer.deadline_admission`: ``"high"``,
+            ``"normal"``, ``"low"`` by default), if the caller names one; None or an unknown name =
+            the configured default class.
 
     Raises:
         ValueError: ``arrival_time_s`` is not a finite number (NaN, an infinity, a bool, a
@@ -142,6 +145,7 @@ class Request:
     expected_output_tokens: int | None = None
     session_id: str | None = None
     traffic_class: str | None = None
+    priority: str | None = None
 
     def __post_init__(self) -> None:
         t = self.arrival_time_s

@@ -52,6 +52,7 @@ from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemove
 from balancer.policies import Policy
 from balancer.types import ReplicaId, Request, Role, TtftSlo
 from sim.admission import admit, check_block_size
+from sim.deadline_gate import SimAdmission, default_priority, default_tenant
 from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.engine.step_group import StepGroup
 from sim.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
@@ -520,10 +521,8 @@ def simulate(
     cluster = Cluster(scenario, router_wrapper(make_router) if router_wrapper else make_router, perf_factory)
     requests, rejected = admit_to(cluster, requests)
     if admission is not None:
-        from sim.deadline_gate import SimAdmission, default_tenant
-
         cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
-                                         priority_of or (lambda r: None), config.cost_model)
+                                         priority_of or default_priority, config.cost_model)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:

@@ -12,7 +12,8 @@ router's prefill backlog shrinks), exactly as the service does with real clocks
 Per-request columns (:class:`AdmissionRecords`, ``SimResult.extra["admission"]``): the tenant and
 class, ``dispatch_s`` (routed; the arrival when never held; NaN when shed), ``shed_s`` and the shed
 reason. The tenant of a request is ``tenant_of(request)`` (default: its ``traffic_class``, else
-``"default"``), its class ``priority_of(request)`` (default: the configured default class).
+``"default"``), its class ``priority_of(request)`` (default: its ``priority``, else the configured
+default class).
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ from balancer.deadline_admission import (
 from balancer.types import Request
 
 __all__ = ["AdmissionRecords", "SimAdmission", "admission_line", "admission_summary",
-           "default_tenant"]
+           "default_priority", "default_tenant"]
 
 
 def default_tenant(req: Request) -> str:
     """A simulated request's tenant: its ``traffic_class``, else ``"default"``."""
     return req.traffic_class or "default"
+
+
+def default_priority(req: Request) -> str | None:
+    """A simulated request's admission class: its ``priority`` (a trace line's ``priority`` field),
+    else None (the configured default class)."""
+    return req.priority
 
 
 @dataclass
@@ -71,7 +78,7 @@ class SimAdmission:
 
     def __init__(self, cluster: Any, config: AdmissionConfig,
                  tenant_of: Callable[[Request], str] = default_tenant,
-                 priority_of: Callable[[Request], str | None] = lambda r: None,
+                 priority_of: Callable[[Request], str | None] = default_priority,
                  cost_model: Any = None) -> None:
         self.cluster = cluster
         router = cluster.router

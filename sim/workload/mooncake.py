@@ -9,7 +9,9 @@ Format (kvcache-ai/Mooncake, ``FAST25-release/traces/*.jsonl``), one JSON object
 * ``hash_ids``: one id per 512-token prompt block (the last one possibly partial), assigned so
   that equal ids at equal positions after equal parents mean equal prefixes.
 * optional (pdlb's session workloads, :func:`sim.workload.write_mooncake`): ``session_id`` (a
-  string or integer) and ``traffic_class`` (a non-empty string); absent or ``null`` = unknown.
+  string or integer), ``traffic_class`` (a non-empty string; the tenant under deadline
+  admission) and ``priority`` (a non-empty string: the admission class, e.g. ``"high"``); absent
+  or ``null`` = unknown.
 
 Checked on the shipped conversation trace (12,031 lines): every line has exactly
 ``ceil(input_length / 512)`` ids, timestamps never decrease, no length is 0 (min output 1), and
@@ -33,6 +35,8 @@ __all__ = ["MOONCAKE_BLOCK_SIZE", "read_mooncake"]
 
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per ``hash_ids`` entry in the published Mooncake traces."""
+MAX_PRIORITY_CHARS = 64
+"""Longest ``priority`` name a trace line may give."""
 
 #: Largest ``timestamp`` accepted (ms): 2^53, past which a float no longer holds every millisecond
 #: (1.7e18 ms gave TTFT 0.000 s; near 1e308, 100% attainment).
@@ -60,9 +64,9 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 def _parse_record(
     raw: bytes, block_size: int, prev_ts: float
-) -> tuple[float, int, int, tuple[int, ...], str | None, str | None]:
+) -> tuple[float, int, int, tuple[int, ...], str | None, str | None, str | None]:
     """Validate one JSON line; return ``(timestamp_ms, input_length, max(output_length, 1),
-    block_hashes, session_id, traffic_class)`` or raise :class:`_BadRecord`."""
+    block_hashes, session_id, traffic_class, priority)`` or raise :class:`_BadRecord`."""
     try:
         rec = json.loads(raw, object_pairs_hook=_unique_keys)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
@@ -113,7 +117,11 @@ def _parse_record(
     cls = rec.get("traffic_class")
     if cls is not None and (type(cls) is not str or not cls):
         raise _BadRecord(f"field 'traffic_class' must be a non-empty string, got {cls!r}")
-    return ts, n_in, max(n_out, 1), tuple(hashes), session, cls
+    priority = rec.get("priority")
+    if priority is not None and (type(priority) is not str or not priority or len(priority) > MAX_PRIORITY_CHARS):
+        raise _BadRecord(f"field 'priority' must be a non-empty string of at most {MAX_PRIORITY_CHARS} characters, "
+                         f"got {priority!r:.80}")
+    return ts, n_in, max(n_out, 1), tuple(hashes), session, cls, priority
 
 
 def read_mooncake(
@@ -179,7 +187,7 @@ def read_mooncake(
             if not raw.strip():
                 continue
             try:
-                ts, n_in, n_out, hashes, session, cls = _parse_record(raw, block_size, prev_ts)
+                ts, n_in, n_out, hashes, session, cls, priority = _parse_record(raw, block_size, prev_ts)
             except _BadRecord as exc:
                 raise TraceFormatError(path, lineno, str(exc)) from None
             prev_ts = ts
@@ -195,6 +203,7 @@ def read_mooncake(
                     expected_output_tokens=n_out,
                     session_id=session,
                     traffic_class=cls if cls is not None else traffic_class,
+                    priority=priority,
                 )
             )
             if limit is not None and len(requests) >= limit:

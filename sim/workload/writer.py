@@ -88,6 +88,8 @@ def write_mooncake(requests: Iterable[Request], path: str | os.PathLike[str], *,
                 rec["session_id"] = r.session_id
             if r.traffic_class is not None:
                 rec["traffic_class"] = r.traffic_class
+            if r.priority is not None:
+                rec["priority"] = r.priority
             fh.write(json.dumps(rec, separators=(",", ":")))
             fh.write("\n")
             n += 1
