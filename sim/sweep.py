@@ -161,22 +161,11 @@ def _list(raw: dict, key: str, default: list, kind: type | tuple, source: Path) 
     return v
 
 
-_ENGINE_OPTIONS_OFF = {"max_num_seqs": None, "max_chunk_tokens": None, "prefill_schedule_interval": 1}
-"""Pool options (vLLM's scheduler limits, issue 23) that change nothing at these values: left out of
-:func:`point_id`, so a sweep made before they existed resumes its rows."""
-
-
 def point_id(base: Scenario, slo: SLO, overrides: Sequence[tuple[str, Any]], policy: PolicyPair, rate: float,
              seed: int, workload: WorkloadSpec, options: SimOptions) -> str:
     """A stable 16-hex-digit id of a point's parameters (base scenario, overrides, policy, rate,
     seed, workload, SLO, router options): equal ids mean the same simulation."""
-    base_doc = json.loads(base.model_dump_json())
-    for pool in ("prefill", "decode"):  # engine options at their off value: ids of points made before them hold
-        if isinstance(base_doc.get(pool), dict):
-            for key, off in _ENGINE_OPTIONS_OFF.items():
-                if key in base_doc[pool] and base_doc[pool][key] == off:
-                    del base_doc[pool][key]
-    doc = {"base": base_doc, "set": [[k, v] for k, v in overrides],
+    doc = {"base": json.loads(base.model_dump_json()), "set": [[k, v] for k, v in overrides],
            "policy": [policy.prefill.name, list(map(list, policy.prefill.params)), policy.decode_spec.name,
                       list(map(list, policy.decode.params if policy.decode is not None else ()))],
            "rate": rate, "seed": seed, "workload": [workload.trace, workload.format, workload.limit,
