@@ -29,6 +29,7 @@ Run: ``python -m sim.experiments.broker_routers [--ks 1,2,4,8] [--limit N]``, or
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -241,8 +242,6 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m sim.experiments.broker_routers", description=__doc__.split("\n")[0])
     ap.add_argument("--ks", default="1,2,4,8", help="router counts, comma-separated (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="sharing modes (default: %(default)s)")
