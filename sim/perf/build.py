@@ -40,14 +40,7 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
         hardware = dataclasses.replace(hardware, gpus_per_node=cfg.gpus_per_node)
     return RooflinePerf.for_engine(
         model, hardware, num_dp_ranks=pool.dp_ranks, gpus_per_rank=pool.gpus_per_rank,
-        ep_synchronous=pool.ep, mfu=cfg.mfu, mbu=cfg.mbu, step_overhead_s=cfg.step_overhead_s,
-        kv_cache_fraction=cfg.kv_cache_fraction, activation_reserve_bytes=cfg.activation_reserve_bytes,
-        comm_efficiency=cfg.comm_efficiency, comm_overlap=cfg.comm_overlap, tbo=cfg.tbo,
-        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink, tbo_phases=cfg.tbo_phases,
-        comm_efficiency_normal=cfg.comm_efficiency_normal, prefill_comm_sm_fraction=cfg.prefill_comm_sm_fraction,
-        ep_imbalance_prefill=cfg.ep_imbalance_prefill, ep_imbalance_decode=cfg.ep_imbalance_decode,
-        eplb_physical_experts=cfg.eplb_physical_experts, eplb_residual_std=cfg.eplb_residual_std,
-        context_parallel=pool.context_parallel)
+        ep_synchronous=pool.ep, context_parallel=pool.context_parallel, settings=cfg.roofline_settings())
 
 
 def spec_perf_for_pool(base: PerfModel, scenario: Scenario, pool: PoolConfig) -> SpecDecodePerf:
