@@ -12,8 +12,8 @@ import json
 import pytest
 
 from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
-from sim.cluster import Cluster, hit_checkpoints_for
-from sim.engine.step_perf import StepClassPerf
+from sim.run.cluster import Cluster, hit_checkpoints_for
+from sim.run.engine.step_perf import StepClassPerf
 from sim.perf.build import build_perf
 from sim.scenario import PRESETS, PoolConfig, Scenario, load_scenario
 

@@ -1,4 +1,4 @@
-"""Retained sliding-window checkpoints (sim/engine/hit_checkpoints.py): where a prefix hit may end
+"""Retained sliding-window checkpoints (sim/run/engine/hit_checkpoints.py): where a prefix hit may end
 on a hybrid-KV model under vLLM 0.28's retention rules. Expected values are hand calculations from
 the rules read in vLLM 0.28.0's SlidingWindowManager / HybridKVCacheCoordinator (the module
 docstring): 256-token blocks, a 64-token window block past the boundary under EAGLE/MTP."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from balancer.types import ReplicaId, Role
-from sim.engine.hit_checkpoints import HitCheckpoints
-from sim.engine.rank import PrefillJob, Rank
+from sim.run.engine.hit_checkpoints import HitCheckpoints
+from sim.run.engine.rank import PrefillJob, Rank
 
 BS = 256
 
