@@ -56,7 +56,8 @@ def retention_arg(text: str) -> int | str:
 
 def add_engine_option_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """``--max-num-seqs``, ``--max-chunk-tokens``, ``--prefill-schedule-interval``,
-    ``--prefix-cache-retention`` (each sets the pool key of the same name on every pool)."""
+    ``--prefix-cache-retention`` (each sets the pool key of the same name on every pool) and
+    ``--speculative-verify`` (the ``[speculative]`` table's ``verify``)."""
     g = p.add_argument_group(
         "vLLM engine options (set on every pool of the scenario; --set POOL.KEY=VALUE sets one pool; "
         "default: the scenario's values, off in the presets)")
@@ -77,15 +78,22 @@ def add_engine_option_args(p: argparse.ArgumentParser) -> argparse._ArgumentGrou
                         "shared-prefix junctions, every TOKENS tokens; 'dense' = every block, vLLM's default; "
                         "under MTP one 64-token window block past it must be shared too). TOML key "
                         "prefix_cache_retention_interval_tokens")
+    g.add_argument("--speculative-verify", dest="speculative_verify", choices=["mean_field", "every_step"],
+                   help="how the scenario's [speculative] table is simulated: 'every_step' = vLLM's MTP as it runs "
+                        "(every decoding sequence verifies 1 + draft_tokens tokens in every step, mixed steps "
+                        "included), 'mean_field' = time per accepted token (TOML key speculative.verify; default "
+                        "the scenario's, mean_field)")
     return g
 
 
 def apply_engine_options(sc: Scenario, args: argparse.Namespace) -> Scenario:
-    """``sc`` with each given engine option flag set on every pool it has.
+    """``sc`` with each given engine option flag set on every pool it has (and
+    ``--speculative-verify`` on its ``[speculative]`` table).
 
     Raises:
         ValueError: ``"<flag>: ..."``, the scenario's own check of the value (e.g. a retention
-            interval that is not a multiple of the block size, or a model without sliding-window KV).
+            interval that is not a multiple of the block size, or a model without sliding-window KV),
+            ``--speculative-verify`` on a scenario without a ``[speculative]`` table.
     """
     pools = [name for name in ("prefill", "decode", "mixed", "long_prefill") if getattr(sc, name) is not None]
     for key, flag in ENGINE_OPTION_FLAGS:
@@ -93,4 +101,10 @@ def apply_engine_options(sc: Scenario, args: argparse.Namespace) -> Scenario:
         if value is None:
             continue
         sc = apply_overrides(sc, [(f"{pool}.{key}", value) for pool in pools], source=flag)
+    verify = getattr(args, "speculative_verify", None)
+    if verify is not None:
+        if sc.speculative is None:
+            raise ValueError(f"--speculative-verify: scenario {sc.name!r} has no [speculative] table (draft_tokens, "
+                             "acceptance) to verify")
+        sc = apply_overrides(sc, [("speculative.verify", verify)], source="--speculative-verify")
     return sc

@@ -13,7 +13,7 @@ import pytest
 
 from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
 from sim.run.cluster import Cluster, hit_checkpoints_for
-from sim.run.engine.step_perf import StepClassPerf
+from sim.perf.step_class import StepClassPerf
 from sim.perf.build import build_perf
 from sim.scenario import PRESETS, PoolConfig, Scenario, load_scenario
 
@@ -116,3 +116,33 @@ def test_options_at_their_off_values_leave_the_dump_unchanged() -> None:
     assert "prefix_cache_retention_interval_tokens" not in plain.model_dump()
     on = PoolConfig(dp_ranks=8, prefix_cache_retention_interval_tokens=0).model_dump()
     assert on["prefix_cache_retention_interval_tokens"] == 0
+
+
+SPEC = TOML + """
+[speculative]
+draft_tokens = 3
+acceptance = [0.7, 0.6, 0.5]
+verify = "every_step"
+"""
+
+
+def test_mtp_every_step_from_toml_reaches_the_ranks(tmp_path) -> None:
+    sc = load_scenario(_write(tmp_path, SPEC))
+    perf = build_perf(sc, sc.mixed)
+    # hand calculation: 1 + 3 verified tokens per sequence; tau(3) = 1 + 0.7 + 0.7*0.6 + 0.7*0.6*0.5 = 2.33
+    assert isinstance(perf, StepClassPerf)
+    assert perf.verify_tokens_per_seq == 4 and perf.decode_tokens_per_step == pytest.approx(2.33)
+    cluster = Cluster(sc, lambda blocks: _NoRouter(), build_perf)
+    rank = cluster.ranks[0]
+    assert rank.verify_tokens_per_seq == 4 and rank.decode_tokens_per_step == pytest.approx(2.33)
+    assert rank.hit_checkpoints.peek_tokens == 64  # MTP on V4: one window block past the hit
+    # the mean-field default keeps SpecDecodePerf, and its dump has no verify key (point ids unchanged)
+    mean_field = load_scenario(_write(tmp_path, SPEC.replace('verify = "every_step"\n', "")))
+    assert not isinstance(build_perf(mean_field, mean_field.mixed), StepClassPerf)
+    assert "verify" not in mean_field.model_dump()["speculative"]
+    # the flag switches it, and refuses a scenario without speculation
+    assert apply_engine_options(mean_field, _parse(["--speculative-verify", "every_step"])).speculative.verify == "every_step"
+    with pytest.raises(ValueError, match="no \\[speculative\\] table"):
+        apply_engine_options(sc.model_copy(update={"speculative": None}), _parse(["--speculative-verify", "every_step"]))
+    with pytest.raises(ValueError, match="dynamic"):
+        load_scenario(_write(tmp_path, SPEC + "dynamic = true\n"))

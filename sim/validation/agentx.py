@@ -6,7 +6,7 @@ through ai-dynamo/aisimulate's reproduction, per-rank iteration times by step cl
 and their sources are ``sim/data/measured/agentx_440246.json``. :func:`run_rows` simulates the point
 on pdlb's own cluster simulator -- the SimPy cluster of :mod:`sim.run.cluster` with its lockstep EP
 step group (:mod:`sim.run.engine.step_group`), vLLM's scheduler limits and prefill cadence
-(:class:`sim.scenario.PoolConfig`), MTP verified on every step (:mod:`sim.run.engine.step_perf`), the
+(:class:`sim.scenario.PoolConfig`), MTP verified on every step (:mod:`sim.perf.step_class`), the
 CPU KV offload tier (:mod:`sim.run.engine.tiers`), every turn routed by :class:`balancer.router.Router`
 with :mod:`balancer.policies.dp_consistent_hash` on ``Request.session_id`` -- driven by the
 closed-loop lanes of :mod:`sim.workload.agentic` (:mod:`sim.run.closed_loop`), and compares every
@@ -169,9 +169,9 @@ def perf_factory_440246(decode_scale: float = DECODE_EFFICIENCY_SCALE,
     """``(scenario, pool) -> PerfModel`` of point 440246: the roofline of the scenario's model and
     GPU with its default peak fractions (MFU, MBU, link efficiency) derated by ``decode_scale`` in
     decode-only steps and ``prefill_scale`` in steps with prefill, and MTP verification on every
-    step (:class:`sim.run.engine.step_perf.StepClassPerf`: 1 + 3 tokens per decoding sequence, 2.49
+    step (:class:`sim.perf.step_class.StepClassPerf`: 1 + 3 tokens per decoding sequence, 2.49
     accepted)."""
-    from sim.run.engine.step_perf import StepClassPerf
+    from sim.perf.step_class import StepClassPerf
     from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, RooflinePerf
 
     def roofline(scenario, pool, s):  # noqa: ANN001, ANN202

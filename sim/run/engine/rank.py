@@ -144,7 +144,7 @@ class Rank:
         #: most prompt tokens one request computes in one step (vLLM ``long_prefill_token_threshold``)
         self.max_chunk_tokens: int | None = None
         #: step-budget tokens each decoding sequence takes (1 + draft tokens under speculative
-        #: decoding verified in every step, :class:`sim.run.engine.step_perf.StepClassPerf`)
+        #: decoding verified in every step, :class:`sim.perf.step_class.StepClassPerf`)
         self.verify_tokens_per_seq = 1
         #: output tokens a decoding sequence gains per step (MTP's mean acceptance length); a
         #: sequence of ``n`` tokens decodes in ``ceil(n / decode_tokens_per_step)`` steps
