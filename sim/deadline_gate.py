@@ -28,7 +28,11 @@ from balancer.cost_model import DEFAULT_COST_MODEL
 from balancer.deadline_admission import (
     AdmissionConfig,
     DeadlineAdmission,
+    TtftPrediction,
     decode_headroom,
+    predict_pool_wait_s,
+    predict_ttft,
+    predictor_of,
     prefill_backlog,
     prefill_rate_tokens_per_s,
 )
@@ -59,6 +63,9 @@ class AdmissionRecords:
     shed_s: np.ndarray
     shed_reason: list[str]
     stats: dict[str, Any]
+    #: the deadline the gate gave each request (seconds; a prompt longer than its budget gets
+    #: its own prefill on top), shape ``(n,)``
+    deadline_s: np.ndarray | None = None
 
     @property
     def num_shed(self) -> int:
@@ -86,6 +93,8 @@ class SimAdmission:
         rate = config.prefill_tokens_per_s or prefill_rate_tokens_per_s(
             cost_model or router.cost_model or DEFAULT_COST_MODEL, router.disaggregated)
         self.core = DeadlineAdmission(config, rate, num)
+        #: the routing policy's TTFT prediction is used (``wait_model`` "policy" or "max", and a policy that has one)
+        self.predicts = config.wait_model != "backlog" and predictor_of(router) is not None
         self.tenant_of = tenant_of
         self.priority_of = priority_of
         self.records: AdmissionRecords | None = None
@@ -95,14 +104,19 @@ class SimAdmission:
         self.records = AdmissionRecords(
             tenant=[self.tenant_of(r) for r in requests],
             priority=[self.core.resolve_priority(self.priority_of(r)) for r in requests],
-            dispatch_s=np.full(n, np.nan), shed_s=np.full(n, np.nan), shed_reason=[""] * n, stats={})
+            dispatch_s=np.full(n, np.nan), shed_s=np.full(n, np.nan), shed_reason=[""] * n, stats={},
+            deadline_s=np.full(n, np.nan))
 
     def on_arrival(self, i: int, req: Request, now_s: float) -> None:
         rec = self.records
         assert rec is not None
-        backlog, _ = prefill_backlog(self.cluster.router)
+        router = self.cluster.router
+        backlog, _ = prefill_backlog(router)
         out = self.core.offer(i, rec.tenant[i], rec.priority[i], req.prompt_tokens, now_s, backlog,
-                              kv_tokens=req.prompt_tokens + req.output_tokens)
+                              kv_tokens=req.prompt_tokens + req.output_tokens,
+                              prediction=predict_ttft(router, req, now_s) if self.predicts else None)
+        assert rec.deadline_s is not None
+        rec.deadline_s[i] = out.held.deadline_s
         if out.action == "shed":
             self._shed(i, out.reason, now_s)
         self.drain(now_s)
@@ -113,8 +127,27 @@ class SimAdmission:
             return
         rec = self.records
         assert rec is not None
-        backlog, _ = prefill_backlog(self.cluster.router)
-        for out in self.core.drain(now_s, backlog, decode_headroom(self.cluster.router)):
+        router = self.cluster.router
+        backlog, _ = prefill_backlog(router)
+        if not self.predicts:
+            self._apply(self.core.drain(now_s, backlog, decode_headroom(router)), now_s)
+            return
+        requests = self.cluster.requests
+
+        def predict(h: Any) -> TtftPrediction | None:
+            return predict_ttft(router, requests[h.key], now_s)
+
+        while True:  # one dispatch at a time, routed before the next prediction (it sees its load)
+            outs = self.core.drain(now_s, prefill_backlog(router)[0], decode_headroom(router),
+                                   predict_pool_wait_s(router, now_s), predict, max_dispatch=1)
+            self._apply(outs, now_s)
+            if not outs or outs[-1].action != "dispatch" or not self.core.num_held:
+                return
+
+    def _apply(self, outs: list[Any], now_s: float) -> None:
+        rec = self.records
+        assert rec is not None
+        for out in outs:
             i = out.held.key
             if out.action == "dispatch":
                 rec.dispatch_s[i] = now_s
