@@ -77,6 +77,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -90,7 +91,8 @@ from balancer.types import Request, Role, TtftSlo, is_finite_seconds
 
 __all__ = ["MAX_DEADLINE_S", "OUTCOMES", "WAIT_MODELS", "AdmissionConfig", "DeadlineAdmission", "Held", "Outcome",
            "TtftPrediction", "TtftPredictor", "decode_headroom", "predict_pool_wait_s", "predict_ttft",
-           "predictor_of", "prefill_backlog", "prefill_rate_tokens_per_s"]
+           "TENANT_SLOTS", "predictor_of", "prefill_backlog", "prefill_rate_tokens_per_s", "process_share",
+           "tenant_slot"]
 
 #: Longest deadline a request may ask for (seconds after its arrival).
 MAX_DEADLINE_S = 3600.0
@@ -102,6 +104,8 @@ OTHER_TENANT = "other"
 #: ``P / r`` ("backlog"), the routing policy's prediction when it has one ("policy"), or the larger
 #: of the two, each term ("max").
 WAIT_MODELS = ("backlog", "policy", "max")
+#: Tenant slots a router process publishes its held work in (:func:`tenant_slot`, :func:`process_share`).
+TENANT_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -274,6 +278,19 @@ class DeadlineAdmission:
     def held_by_class(self) -> dict[str, int]:
         return {c: q.num for c, q in zip(self.config.priority_classes, self._classes)}
 
+    def held_by_slot(self, num_slots: int = TENANT_SLOTS) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens, weights)``, shapes ``(num_slots,)``: the prompt tokens held per tenant slot
+        (:func:`tenant_slot`, all classes) and the largest DRR weight of the tenants held there (0
+        where none is): what a router process publishes for :func:`process_share`."""
+        tokens = np.zeros(num_slots)
+        weights = np.zeros(num_slots)
+        for q in self._classes:
+            for t, tq in q.tenants.items():
+                i = tenant_slot(t, num_slots)
+                tokens[i] += tq.tokens
+                weights[i] = max(weights[i], self._weight(t))
+        return tokens, weights
+
     def engine_wait_s(self, backlog_tokens: float) -> float:
         """The predicted engine wait ``W = backlog / (rate * replicas)`` in seconds."""
         return max(0.0, float(backlog_tokens)) / self.cluster_rate_tokens_per_s
@@ -344,7 +361,8 @@ class DeadlineAdmission:
 
     def drain(self, now_s: float, backlog_tokens: float, kv_headroom_tokens: float | None = None,
               wait_s: float | None = None, predict: Callable[[Held], TtftPrediction | None] | None = None,
-              max_dispatch: int | None = None) -> list[Outcome]:
+              max_dispatch: int | None = None, own_backlog_tokens: float | None = None,
+              share: float = 1.0) -> list[Outcome]:
         """Shed the held requests that can no longer start in time, then dispatch in order while the
         gate is open (module docstring, 2-4); returns the outcomes in that order (``dispatch``
         outcomes are to be routed now, in the order given).
@@ -360,7 +378,11 @@ class DeadlineAdmission:
         test (4d) uses it. Prompts dispatched earlier in the same call add ``tokens / R`` to both
         (the caller's snapshot does not hold them yet). ``max_dispatch``: stop after that many
         dispatches (a caller that routes each before asking again, so that every prediction sees
-        the load of the ones before it; None: no limit)."""
+        the load of the ones before it; None: no limit). ``own_backlog_tokens`` and ``share``:
+        one of several router processes, each with its own queue (module docstring, 5): the gate
+        also stays closed while this process's own prefill backlog (plus what it dispatched in
+        this call) is at least ``share`` of the engines' queue budget ``dispatch_wait_s * R``
+        (``share`` from :func:`process_share`; ``own_backlog_tokens`` None: no such bound)."""
         out: list[Outcome] = []
         kv = math.inf if kv_headroom_tokens is None else float(kv_headroom_tokens)
         fluid = self.engine_wait_s(backlog_tokens)
@@ -377,7 +399,9 @@ class DeadlineAdmission:
         rate = self.cluster_rate_tokens_per_s
         limit = math.inf if max_dispatch is None else max_dispatch
         dispatched = 0
-        while self._num_held and w < self.dispatch_wait_s and kv > 0 and dispatched < limit:
+        own_cap = math.inf if own_backlog_tokens is None else \
+            max(0.0, float(share)) * self.dispatch_wait_s * rate - max(0.0, float(own_backlog_tokens))
+        while self._num_held and w < self.dispatch_wait_s and kv > 0 and dispatched < limit and added < own_cap:
             q, tq, t, h = self._select_next()
             p = predict(h) if predict is not None else None
             hw = w
@@ -534,10 +558,11 @@ class DeadlineAdmission:
         h.done = True
 
 
-def prefill_backlog(router: Any) -> tuple[int, int]:
+def prefill_backlog(router: Any, peers: bool = True) -> tuple[int, int]:
     """``(tokens, replicas)``: prompt tokens dispatched to the healthy prefill replicas (PD) or mixed
     replicas (aggregated) and not yet prefilled (the router's load tracker, other router processes'
-    share included), and how many such replicas there are. Reads under ``router.lock``."""
+    share included unless ``peers`` is False), and how many such replicas there are. Reads under
+    ``router.lock``."""
     with router.lock:
         infos = router.replicas()
         pre = [i for i in infos if i.healthy and i.role is Role.PREFILL]
@@ -546,7 +571,7 @@ def prefill_backlog(router: Any) -> tuple[int, int]:
         tokens = 0
         for i in pool:
             s = load.slot(i.replica)
-            tokens += int(load.prefill_tokens[s]) + int(load.peer_prefill_tokens[s])
+            tokens += int(load.prefill_tokens[s]) + (int(load.peer_prefill_tokens[s]) if peers else 0)
         return tokens, len(pool)
 
 
@@ -572,6 +597,39 @@ def prefill_rate_tokens_per_s(cost_model: Any, disaggregated: bool) -> float:
     tokens over its prefill time (``chunk_tokens / prefill_time_s(chunk_tokens)``), tokens/s."""
     eng = cost_model.prefill if disaggregated else cost_model.decode
     return eng.chunk_tokens / eng.prefill_time_s(eng.chunk_tokens)
+
+
+# ---------------------------------------------------------------------- several router processes
+
+
+def tenant_slot(tenant: str, num_slots: int = TENANT_SLOTS) -> int:
+    """``tenant``'s slot, the same in every process: CRC-32 of its UTF-8 name mod ``num_slots``
+    (tenants that share a slot share its weight in :func:`process_share`)."""
+    return zlib.crc32(str(tenant).encode()) % num_slots
+
+
+def process_share(held_tokens: np.ndarray, weights: np.ndarray, me: int) -> float:
+    """Process ``me``'s share of the engines' queue budget when each router process holds its own
+    queue (module docstring, 5): every tenant slot with held work anywhere has its weight, split
+    between the processes by their held tokens there, ``share_me = sum_s w_s h_me,s / H_s /
+    sum_{s: H_s > 0} w_s``. So each tenant gets its weighted share of the budget whichever
+    processes its requests reach, as one queue's DRR would give it. 1 when nothing is held
+    elsewhere.
+
+    Args:
+        held_tokens: ``(processes, slots)`` held prompt tokens per process and slot.
+        weights: ``(processes, slots)`` their weights (a slot's weight: the largest any process gives).
+        me: this process's row.
+    """
+    h = np.asarray(held_tokens, dtype=np.float64)
+    total = h.sum(axis=0)
+    live = total > 0
+    if not live.any():
+        return 1.0
+    w = np.asarray(weights, dtype=np.float64).max(axis=0)[live]
+    mine = h[me, live] / total[live]
+    den = float(w.sum())
+    return float((w * mine).sum() / den) if den > 0 else 1.0
 
 
 # ---------------------------------------------------------------------- the policy's prediction

@@ -14,6 +14,11 @@ The prefill rate is ``prefill_tokens_per_s`` when configured, else the router's 
 every :data:`RATE_REFRESH_S` from the router's online fit when it learns one (``learn_cost_model``,
 on by default with ``ep_aware``), so the gate follows the engines' measured prefill times.
 
+With several router processes (``pdlb serve --processes N``) each holds its own queue; the processes
+share their held work per tenant through a file in their shared directory and each keeps its own
+prefill backlog under its share of the engines' queue budget (:mod:`balancer.service.shared_admission`),
+so tenants get their weighted shares of the host, not of one process.
+
 Tenant, class and deadline come from headers (``x-pdlb-tenant``, ``x-pdlb-priority``,
 ``x-pdlb-deadline-ms``; names configurable) or, for the tenant, a hash of the API key (never the key
 itself). A bad deadline header is answered 400.
@@ -99,6 +104,8 @@ class AdmissionGate:
         #: the routing policy's TTFT prediction is used (wait_model "policy" or "max" and a policy that has one)
         self.predicts = self._config.wait_model != "backlog" and predictor_of(router) is not None
         self._requests: dict[int, Request] = {}  # held requests as the router would see them (predicts only)
+        #: several router processes: the host's held work per tenant slot (share_across), or None
+        self.shared: Any = None
         self.requests = Counter("pdlb_admission_requests", "Requests leaving the admission queue, by class, tenant "
                                 "and outcome (dispatched, shed_deadline, shed_queue_full, cancelled)",
                                 ["class", "tenant", "outcome"], registry=registry)
@@ -128,6 +135,20 @@ class AdmissionGate:
 
     def _backlog(self) -> int:
         return prefill_backlog(self.router)[0] + self._pending_tokens
+
+    def share_across(self, directory: str, processes: int, index: int) -> None:
+        """Several router processes: share the held work per tenant through ``directory`` (the
+        processes' shared directory) and keep this process's own prefill backlog under its share
+        of the engines' queue budget (:mod:`balancer.service.shared_admission`)."""
+        from balancer.service.shared_admission import SharedAdmission
+
+        self.shared = SharedAdmission(directory, processes, index)
+
+    def _share_args(self) -> dict[str, float]:
+        if self.shared is None:
+            return {}
+        own = prefill_backlog(self.router, peers=False)[0] + self._pending_tokens
+        return {"own_backlog_tokens": float(own), "share": self.shared.share()}
 
     def _pending_wait_s(self) -> float:
         """Seconds of prefill the dispatched, not yet routed prompts add (the router's snapshot,
@@ -193,6 +214,8 @@ class AdmissionGate:
             self._record(out, now)
             raise self._shed_error(out)
         h = out.held
+        if self.shared is not None:
+            self.shared.publish(core)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
         if self.predicts:
@@ -206,6 +229,8 @@ class AdmissionGate:
             if core.cancel(h, time.monotonic()):
                 self._record(Outcome(h, "cancelled"), time.monotonic())
                 self._set_held()
+                if self.shared is not None:
+                    self.shared.publish(core)
             elif fut.done() and not fut.cancelled() and fut.result().action == "dispatch":
                 self._pending_tokens -= h.prompt_tokens  # dispatched but never routed
             raise
@@ -236,9 +261,9 @@ class AdmissionGate:
 
             pool = predict_pool_wait_s(self.router, now)
             outs = core.drain(now, self._backlog(), decode_headroom(self.router),
-                              None if pool is None else pool + self._pending_wait_s(), predict)
+                              None if pool is None else pool + self._pending_wait_s(), predict, **self._share_args())
         else:
-            outs = core.drain(now, self._backlog(), decode_headroom(self.router))
+            outs = core.drain(now, self._backlog(), decode_headroom(self.router), **self._share_args())
         for out in outs:
             if out.action == "dispatch":
                 self._pending_tokens += out.held.prompt_tokens
@@ -247,6 +272,8 @@ class AdmissionGate:
             fut = self._waiters.pop(out.held.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(out)
+        if self.shared is not None and outs:
+            self.shared.publish(core)
         self._set_held()
         self._schedule()
 
@@ -274,6 +301,9 @@ class AdmissionGate:
                 fut.set_exception(Shed(503, "the router is shutting down"))
         self._waiters.clear()
         self._requests.clear()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
     def _record(self, out: Outcome, now: float) -> None:
         h: Held = out.held
