@@ -25,7 +25,7 @@ from balancer.router import Router
 from balancer.service.admission_config import AdmissionSettings
 from balancer.types import ReplicaId, Request, Role, TtftSlo
 from pdlb_cli.admission_args import add_admission_args, admission_overrides
-from sim.cluster import simulate
+from sim.run.cluster import simulate
 from sim.experiments.overload import TENANTS, capacity_rps, small_pd_scenario, tenant_workload
 
 SLO = TtftSlo(2.0)  # dispatch_wait_s = 0.5 s

@@ -4,8 +4,8 @@ Each process of ``pdlb serve --processes N`` keeps its own queue and reads the h
 backlog; with ``shared`` (the default, what the service does through a file in the processes'
 shared directory) each also keeps its own backlog under its share of the engines' queue budget
 (:func:`balancer.deadline_admission.process_share`). Checked: ``process_share`` and the core's
-per-process bound by hand; :class:`balancer.service.shared_admission.SharedAdmission` (two views of
-one file); in the simulator (:class:`sim.deadline_gate.GateProcesses`) issue 28 item 4's fairness
+per-process bound by hand; :class:`balancer.service.processes.shared_admission.SharedAdmission` (two views of
+one file); in the simulator (:class:`sim.run.deadline_gate.GateProcesses`) issue 28 item 4's fairness
 bound with 2 processes (tenants A and C within 5 points of their no-burst attainment while B sends
 10x), and fair shares for the host: with B alone on one process and A, C on the other, under 2x
 overload the three tenants' attainments are within a few points of each other with sharing, and B
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from balancer.deadline_admission import AdmissionConfig, DeadlineAdmission, process_share, tenant_slot
-from balancer.service.shared_admission import SharedAdmission
+from balancer.service.processes.shared_admission import SharedAdmission
 from balancer.types import TtftSlo
-from sim.cluster import simulate
-from sim.deadline_gate import GateProcesses
+from sim.run.cluster import simulate
+from sim.run.deadline_gate import GateProcesses
 from sim.experiments.overload import TENANTS, capacity_rps, small_pd_scenario, tenant_workload
 
 SC = small_pd_scenario()

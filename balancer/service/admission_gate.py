@@ -1,7 +1,7 @@
 """Deadline admission in the live router: the policy core's queue with asyncio waiters.
 
 :class:`AdmissionGate` wraps :class:`balancer.deadline_admission.DeadlineAdmission` (the same object
-the simulator drives, :mod:`sim.deadline_gate`) with ``time.monotonic()`` as its clock. The proxy
+the simulator drives, :mod:`sim.run.deadline_gate`) with ``time.monotonic()`` as its clock. The proxy
 (:meth:`balancer.service.proxy.Proxy.handle`) awaits :meth:`AdmissionGate.admit` once a request is
 parsed and checked, before routing: it returns at once when the gate is open, waits while the
 request is held, and answers **429** with ``Retry-After`` (whole seconds) when the request is shed.
@@ -16,7 +16,7 @@ on by default with ``ep_aware``), so the gate follows the engines' measured pref
 
 With several router processes (``pdlb serve --processes N``) each holds its own queue; the processes
 share their held work per tenant through a file in their shared directory and each keeps its own
-prefill backlog under its share of the engines' queue budget (:mod:`balancer.service.shared_admission`),
+prefill backlog under its share of the engines' queue budget (:mod:`balancer.service.processes.shared_admission`),
 so tenants get their weighted shares of the host, not of one process.
 
 Tenant, class and deadline come from headers (``x-pdlb-tenant``, ``x-pdlb-priority``,
@@ -139,8 +139,8 @@ class AdmissionGate:
     def share_across(self, directory: str, processes: int, index: int) -> None:
         """Several router processes: share the held work per tenant through ``directory`` (the
         processes' shared directory) and keep this process's own prefill backlog under its share
-        of the engines' queue budget (:mod:`balancer.service.shared_admission`)."""
-        from balancer.service.shared_admission import SharedAdmission
+        of the engines' queue budget (:mod:`balancer.service.processes.shared_admission`)."""
+        from balancer.service.processes.shared_admission import SharedAdmission
 
         self.shared = SharedAdmission(directory, processes, index)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from balancer.deadline_admission import prefill_rate_tokens_per_s
 from balancer.types import Request
-from sim.cost_model import cost_model_for
+from sim.run.router_cost import cost_model_for
 from sim.emulator.testing import inprocess_cluster
 from sim.experiments.overload import TENANTS, small_pd_scenario, tenant_workload
 
@@ -78,7 +78,7 @@ async def _send(s: aiohttp.ClientSession, url: str, i: int, req: Request, t0: fl
 
 
 def slowed_cost_model(sc: Any, speed: float) -> dict[str, Any]:
-    """The scenario's cost model (:func:`sim.cost_model.cost_model_for`) with every time divided by
+    """The scenario's cost model (:func:`sim.run.router_cost.cost_model_for`) with every time divided by
     ``speed`` (the emulated engines run ``speed`` times as fast as the hardware), as a dict."""
     d = cost_model_for(sc).to_dict()
 
