@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{wm:<11} {100 * r['slo_attainment']:>8.1f}% {r['goodput_rps']:>11.2f} {r['admitted']:>8} "
                   f"{r['admitted_met_slo']:>8} {r['admitted_met_deadline']:>8} ({100 * r['admitted_met_deadline'] / max(1, r['admitted']):.1f}%) "
                   f"{r['ttft_p50_s']:>9.2f} {r['ttft_p99_s']:>9.2f}")
+        out["wait_models_light"] = light = wait_model_table(("policy",), rate_scale=0.3, seed=a.seed)
+        for label, r in (("3x, policy", w["policy"]), ("0.3x, policy", light["policy"])):
+            e = r["prefill_error_s"]
+            print(f"ep_aware's predicted prefill at dispatch vs simulated, {label}: error (simulated - predicted) "
+                  f"p1 {e['p1']:+.3f} s, p50 {e['p50']:+.3f} s, p99 {e['p99']:+.3f} s")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

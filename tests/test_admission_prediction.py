@@ -133,6 +133,13 @@ def test_simulator_wait_models_answer_every_request(wait_model):
     # light load (30% of capacity): nothing held or shed, the same timings as without admission
     assert on.records.num_shed == 0
     np.testing.assert_allclose(on.records.first_token_s, base.records.first_token_s)
+    # the policy's prediction at dispatch against the simulator's own step model (the cost model is fitted
+    # to it, an independent implementation of the prefill steps): at light load the median error is 0 to
+    # within 1 ms and no prediction is short by more than 10 ms
+    adm = on.extra["admission"]
+    err = (on.records.prefill_end_s - adm.dispatch_s) - adm.predicted_prefill_s
+    assert not np.isnan(err).any()
+    assert abs(float(np.median(err))) < 1e-3 and float(err.max()) < 0.01
     over = tenant_workload({t: 2 * cap / 3 for t in TENANTS}, 10.0, seed=4)
     res = simulate(sc, over, "ep_aware", "least_load", admission=AdmissionConfig(TtftSlo(1.0), wait_model=wait_model))
     served = ~np.isnan(res.records.first_token_s)

@@ -126,7 +126,10 @@ def wait_model_table(wait_models: Sequence[str] = ("backlog", "policy", "max"), 
     --slo-ttft-s 2 --policies ep_aware --admission-wait-model M`` runs): per model, the SLO
     attainment and goodput (a shed request misses), the admitted requests, how many of them met
     the flat SLO and how many met the deadline the gate gave them (a prompt longer than its budget
-    gets its own prefill on top), and the admitted requests' TTFT p50/p99."""
+    gets its own prefill on top), and the admitted requests' TTFT p50/p99; with a prediction
+    (``policy``, ``max``), ``prefill_error_s``: percentiles 1, 50, 99 of the simulated prefill end
+    minus dispatch less the policy's predicted prefill time at dispatch (> 0: the prediction was
+    short)."""
     from sim.scenario import load_scenario
     from sim.workload.loader import read_trace_cut
 
@@ -147,6 +150,11 @@ def wait_model_table(wait_models: Sequence[str] = ("backlog", "policy", "max"), 
                    "admitted_met_deadline": int(np.sum(met_deadline[disp])),
                    "ttft_p50_s": float(np.nanpercentile(ttft[disp], 50)) if disp.any() else float("nan"),
                    "ttft_p99_s": float(np.nanpercentile(ttft[disp], 99)) if disp.any() else float("nan")}
+        pred = adm.predicted_prefill_s
+        have = disp & ~np.isnan(pred)
+        if have.any():  # the policy's prediction at dispatch against the simulated prefill end
+            err = (res.records.prefill_end_s[have] - adm.dispatch_s[have]) - pred[have]
+            out[wm]["prefill_error_s"] = {f"p{q}": float(np.percentile(err, q)) for q in (1, 50, 99)}
     return out
 
 

@@ -67,6 +67,9 @@ class AdmissionRecords:
     #: the deadline the gate gave each request (seconds; a prompt longer than its budget gets
     #: its own prefill on top), shape ``(n,)``
     deadline_s: np.ndarray | None = None
+    #: the routing policy's predicted prefill time at dispatch (wait + own prefill, seconds; NaN:
+    #: not dispatched, or no prediction: ``wait_model`` "backlog" or a policy without one)
+    predicted_prefill_s: np.ndarray | None = None
 
     @property
     def num_shed(self) -> int:
@@ -156,7 +159,7 @@ class SimAdmission:
             tenant=[self.tenant_of(r) for r in requests],
             priority=[self.core.resolve_priority(self.priority_of(r)) for r in requests],
             dispatch_s=np.full(n, np.nan), shed_s=np.full(n, np.nan), shed_reason=[""] * n, stats={},
-            deadline_s=np.full(n, np.nan))
+            deadline_s=np.full(n, np.nan), predicted_prefill_s=np.full(n, np.nan))
         k = len(self.cores)
         self._process = [0] * n if k == 1 else [int(self.process_of(i, r, k)) % k for i, r in enumerate(requests)]
 
@@ -211,8 +214,13 @@ class SimAdmission:
             return
         requests = self.cluster.requests
 
+        predicted = rec.predicted_prefill_s
+        assert predicted is not None
+
         def predict(h: Any) -> TtftPrediction | None:
-            return predict_ttft(router, requests[h.key], now_s)
+            p = predict_ttft(router, requests[h.key], now_s)
+            predicted[h.key] = np.nan if p is None else p.wait_s + p.own_s  # kept if it is dispatched now
+            return p
 
         while True:  # one dispatch at a time, routed before the next prediction (it sees its load)
             outs = core.drain(now_s, prefill_backlog(router)[0], decode_headroom(router),
@@ -233,6 +241,8 @@ class SimAdmission:
                 self.cluster.dispatch(i, self.cluster.requests[i], now_s)
             else:
                 self._shed(i, out.reason, now_s)
+                if rec.predicted_prefill_s is not None:
+                    rec.predicted_prefill_s[i] = np.nan
 
     def on_dispatched_directly(self, i: int, now_s: float) -> None:
         assert self.records is not None
