@@ -399,7 +399,7 @@ class Proxy:
         ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out,
                    session_id=session_id)
         if self.admission is not None:  # held, shed (429 + Retry-After) or let through here
-            refused = await admission_answer(self.admission, request, n_tokens, max_out)
+            refused = await admission_answer(self.admission, request, n_tokens, max_out, hashes)
             if refused is not None:
                 refused.headers["X-Request-Id"] = visible_id
                 return refused

@@ -52,7 +52,7 @@ from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemove
 from balancer.policies import Policy
 from balancer.types import ReplicaId, Request, Role, TtftSlo
 from sim.run.admission import admit, check_block_size
-from sim.run.deadline_gate import SimAdmission, default_priority, default_tenant
+from sim.run.deadline_gate import GateProcesses, SimAdmission, default_priority, default_tenant
 from sim.run.engine.hit_checkpoints import HitCheckpoints
 from sim.run.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.run.engine.step_group import StepGroup
@@ -510,6 +510,7 @@ def simulate(
     admission: AdmissionConfig | None = None,
     tenant_of: Callable[[Request], str] | None = None,
     priority_of: Callable[[Request], str | None] | None = None,
+    admission_processes: GateProcesses | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -524,7 +525,9 @@ def simulate(
     into another one with the same interface (e.g. several routers splitting the traffic,
     :mod:`sim.experiments.k_routers`). ``admission``: deadline admission between arrival and
     routing (:mod:`sim.run.deadline_gate`; ``None``, the default: every request is routed at arrival),
-    with ``tenant_of`` / ``priority_of`` naming a request's tenant and class."""
+    with ``tenant_of`` / ``priority_of`` naming a request's tenant and class;
+    ``admission_processes``: one queue per router process of ``pdlb serve --processes N``
+    (:class:`sim.run.deadline_gate.GateProcesses`; default one)."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     check_block_size(requests, scenario.block_size)
     config = router_config_for(scenario, seed=seed, index_mode=index_mode, router_tiers=router_tiers,
@@ -536,7 +539,7 @@ def simulate(
     requests, rejected = admit_to(cluster, requests)
     if admission is not None:
         cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
-                                         priority_of or default_priority, config.cost_model)
+                                         priority_of or default_priority, config.cost_model, admission_processes)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:
