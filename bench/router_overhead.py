@@ -39,8 +39,10 @@ emulated engines serve):
   them alike, so the per-round ratio is steadier than that of runs taken in turn.
 
 ``--pdlb-processes 1,4`` measures ``pdlb serve`` once per listed process count (rows ``pdlb``,
-``pdlb x4``); ``0`` is pdlb's default, one process per core the router may use (row ``pdlb xN
-(default)``); several processes add throughput, not CPU efficiency.
+``pdlb x4``); ``0`` is pdlb's default (row ``pdlb xN (default)``): one process per core the router
+may use, of which it takes one in ``LOCAL_ENGINE_CORE_SHARE`` (4) since this bench's engines run on
+the same host (issue 30), i.e. 2 with ``--router-cpus 0-7``: list the counts to compare at equal
+cores (``--pdlb-processes 1,2,4,8``); several processes add throughput, not CPU efficiency.
 
 ``--router-cpus 0-7`` pins every router to those CPUs (they are started with that affinity, so
 pdlb's default process count and the peers' worker threads follow it) and the engines
@@ -88,10 +90,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from sim.emulator.config import EmulatorConfig  # noqa: E402
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
+from balancer.service.launch import default_processes  # noqa: E402
 
 PEER = ROOT.parent / "shared" / "peers" / "sglang_router.sh"  # the older peer script (router_scaling.py)
 #: the model name pdlb's emulated engines serve (sim.emulator.config); smg checks it (model_not_found)
 MODEL = EmulatorConfig.model_fields["served_model_name"].default
+LOCAL_URL = "http://127.0.0.1"
+"""Where this bench's engines listen (this host: ``pdlb serve``'s default process count counts it)."""
 BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 8}
 _BODY_JSON = __import__("json").dumps(BODY)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -385,6 +390,14 @@ def _affinity(cpus: set[int] | None):
         os.sched_setaffinity(0, old)
 
 
+def pdlb_default_processes(router_cpus: set[int] | None) -> int:
+    """The router processes ``pdlb serve`` starts without ``--processes`` on ``router_cpus`` (None:
+    this bench's CPUs) in front of this bench's engines: on this host, so one in
+    ``LOCAL_ENGINE_CORE_SHARE`` of the CPUs (issue 30; ``balancer.service.launch.default_processes``)."""
+    with _affinity(router_cpus):
+        return default_processes([LOCAL_URL])
+
+
 def _spawn_pdlb_from(checkout: Path, args: list[str]) -> Proc:
     """``pdlb serve ARGS`` from another checkout (its code first on ``PYTHONPATH``)."""
     from sim.emulator.testing import _spawn
@@ -662,7 +675,9 @@ def main() -> int:
     if args.router_cpus and not args.router_cpus < all_cpus:
         ap.error(f"--router-cpus must be a proper subset of the CPUs this bench may use ({sorted(all_cpus)})")
     args.other_cpus = (all_cpus - args.router_cpus) if args.router_cpus else None
-    args.default_processes = len(args.router_cpus or all_cpus)
+    # what `pdlb serve` starts without --processes: its CPUs (the router CPUs), one in LOCAL_ENGINE_CORE_SHARE of
+    # them since this bench's engines are on this host (issue 30); the rows are named with that count
+    args.default_processes = pdlb_default_processes(args.router_cpus)
     if min(args.engines, args.pd_engines, args.load_processes) < 1:
         ap.error("--engines, --pd-engines and --load-processes must be >= 1")
     for checkout in args.baseline or []:

@@ -60,3 +60,20 @@ def test_summary_prints_the_issue_table_and_goals(capsys: pytest.CaptureFixture[
     assert ("regular pdlb x8 (default): req/s 0.83x the best peer's (misses >= 1.0x), added p99 2.00 ms vs "
             "the best peer's 0.50 (misses), CPU/req 2.00x the best peer's (misses <= 1.5x), "
             "2.00x one pdlb process's (misses <= 1.3x)") in out
+
+
+def test_default_row_is_named_with_the_count_pdlb_serve_really_starts() -> None:
+    # pdlb serve without --processes takes one router CPU in LOCAL_ENGINE_CORE_SHARE (4) when a worker is
+    # on its host, as the bench's are (issue 30): by hand, max(1, CPUs // 4); the bench used to name the
+    # row with the CPU count itself (x8 for 2 processes on --router-cpus 0-7)
+    import os
+
+    from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE
+
+    assert LOCAL_ENGINE_CORE_SHARE == 4
+    cpus = os.sched_getaffinity(0)
+    assert ro.pdlb_default_processes(None) == max(1, len(cpus) // 4)
+    assert ro.pdlb_default_processes({min(cpus)}) == 1
+    assert os.sched_getaffinity(0) == cpus  # the bench's own CPUs restored
+    args = SimpleNamespace(default_processes=ro.pdlb_default_processes(None))
+    assert ro._pdlb_name(0, args) == f"pdlb x{max(1, len(cpus) // 4)} (default)"
