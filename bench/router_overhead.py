@@ -51,6 +51,7 @@ and load generators to the others: the routers compete for the same cores, not w
 process tops out near 10,000 requests/s); ``--engines N`` / ``--pd-engines N`` start N mixed engines
 (regular) or N prefill + N decode engines (pd, vllm-pd).
 ``--variant 'NAME=ARGS'`` adds a row ``pdlb xN, NAME``: the default process count with ARGS added
+(N: ARGS' own ``--processes`` if given)
 (e.g. ``--variant 'aiohttp client=--upstream-client aiohttp'``).
 ``--baseline DIR`` also measures ``pdlb serve`` (one process) from another checkout, e.g. the
 main branch's (row ``pdlb@base``), in the same repeats: CPU per request before / after. Given
@@ -434,7 +435,7 @@ async def run_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, lis
     peers = {name: cmd for name, cmd in peer_cmds.items() if mode in PEERS[name].modes}
     started: dict[str, tuple[subprocess.Popen, str]] = {}
     bases = {_base_name(k): d for k, d in enumerate(args.baseline or [])}
-    variants = {f"pdlb x{args.default_processes}, {name}": extra for name, extra in args.variant}
+    variants = {_variant_name(name, extra, args): extra for name, extra in args.variant}
     names = [*bases] + [_pdlb_name(k, args) for k in args.pdlb_processes] + [*variants]
     out: dict[str, Any] = {"direct": [], **{k: [] for k in names}, **{k: [] for k in peers}}
     pdlbs: dict[str, Proc] = {}
@@ -522,6 +523,14 @@ def _pdlb_name(processes: int, args: argparse.Namespace) -> str:
     return "pdlb" if processes == 1 else f"pdlb x{processes}"
 
 
+def _variant_name(name: str, extra: list[str], args: argparse.Namespace) -> str:
+    """``pdlb xN, NAME``: N the ``--processes`` given in the variant's arguments, else the default."""
+    n = args.default_processes
+    if "--processes" in extra[:-1]:
+        n = extra[extra.index("--processes") + 1]
+    return f"pdlb x{n}, {name}"
+
+
 def _ratios(res: dict, name: str, peer: str) -> dict[str, list[float]]:
     """Per repeat, ``name`` / ``peer``: req/s, CPU per request, added p50 and p99 (added-latency
     ratios only where the peer's added latency is over 0.1 ms: below that it is noise)."""
@@ -583,7 +592,9 @@ def _summary(results: dict[str, dict]) -> None:
                       f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r['rps'])}; "
                       f"CPU/req {', '.join(f'{x:.2f}' for x in r['cpu'])})")
         # the issue-26 table and goals: the default process count (else the last pdlb row) vs each peer
-        main_row = next((k for k in ours if "default" in k), ours[-1] if ours else None)
+        # (else the last --pdlb-processes row, the most processes; variants are not the main row)
+        plain = [k for k in ours if "," not in k] or ours
+        main_row = next((k for k in ours if "default" in k), plain[-1] if plain else None)
         if main_row is None or not peers:
             verdicts.append(f"{mode}: no peer comparison" if main_row else f"{mode}: no pdlb row")
             continue

@@ -77,3 +77,19 @@ def test_default_row_is_named_with_the_count_pdlb_serve_really_starts() -> None:
     assert os.sched_getaffinity(0) == cpus  # the bench's own CPUs restored
     args = SimpleNamespace(default_processes=ro.pdlb_default_processes(None))
     assert ro._pdlb_name(0, args) == f"pdlb x{max(1, len(cpus) // 4)} (default)"
+
+
+def test_variant_rows_name_their_own_process_count_and_are_never_the_main_row(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = SimpleNamespace(default_processes=2)
+    assert ro._variant_name("uvloop", ["--event-loop", "uvloop", "--processes", "8"], args) == "pdlb x8, uvloop"
+    assert ro._variant_name("aiohttp", ["--upstream-client", "aiohttp"], args) == "pdlb x2, aiohttp"
+    # no default row: the goals are judged on the last --pdlb-processes row (x8), not the variant after it
+    res = {"direct": [run(0.5, 1.0, 1000, 50)], "pdlb": [run(1.0, 2.5, 60, 100)],
+           "pdlb x8": [run(1.0, 3.0, 100, 200)], "pdlb x8, uvloop": [run(1.0, 3.0, 110, 180)],
+           "smg": [run(0.8, 2.0, 80, 100)], "peers": ["smg"]}
+    ro._summary({"regular": res})
+    out = capsys.readouterr().out
+    # pdlb x8 / smg by hand: req/s 100/80 = 1.25x, CPU 200/100 = 2.00x, added p99 (3-1)/(2-1) = 2.00x
+    assert "| regular | pdlb x8 | smg | 1.25x | 2.00x | 2.00x |" in out
+    assert "regular pdlb x8: req/s 1.25x the best peer's (meets >= 1.0x)" in out
