@@ -399,6 +399,12 @@ def pdlb_default_processes(router_cpus: set[int] | None) -> int:
         return default_processes([LOCAL_URL])
 
 
+def is_pdlb_checkout(path: Path) -> bool:
+    """Whether ``path`` holds a pdlb tree that :func:`_spawn_pdlb_from` can run (``pdlb_cli/main.py``;
+    it used to look for ``sim/cli.py``, gone since the CLI package, so every ``--baseline`` was refused)."""
+    return (path / "pdlb_cli" / "main.py").is_file() and (path / "balancer" / "router.py").is_file()
+
+
 def _spawn_pdlb_from(checkout: Path, args: list[str]) -> Proc:
     """``pdlb serve ARGS`` from another checkout (its code first on ``PYTHONPATH``)."""
     from sim.emulator.testing import _spawn
@@ -692,7 +698,7 @@ def main() -> int:
     if min(args.engines, args.pd_engines, args.load_processes) < 1:
         ap.error("--engines, --pd-engines and --load-processes must be >= 1")
     for checkout in args.baseline or []:
-        if not (checkout / "sim" / "cli.py").is_file():
+        if not is_pdlb_checkout(checkout):
             ap.error(f"--baseline {checkout}: not a pdlb checkout (no pdlb_cli/main.py)")
     variants = []
     for v in args.variant:

@@ -93,3 +93,12 @@ def test_variant_rows_name_their_own_process_count_and_are_never_the_main_row(
     # pdlb x8 / smg by hand: req/s 100/80 = 1.25x, CPU 200/100 = 2.00x, added p99 (3-1)/(2-1) = 2.00x
     assert "| regular | pdlb x8 | smg | 1.25x | 2.00x | 2.00x |" in out
     assert "regular pdlb x8: req/s 1.25x the best peer's (meets >= 1.0x)" in out
+
+
+def test_baseline_checkouts_are_recognised_by_the_files_that_run_them(tmp_path: Path) -> None:
+    # this checkout runs (pdlb_cli/main.py and balancer/router.py exist); a folder without them does not
+    assert ro.is_pdlb_checkout(Path(__file__).resolve().parents[1])
+    assert not ro.is_pdlb_checkout(tmp_path)
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "cli.py").write_text("")  # what the bench used to look for
+    assert not ro.is_pdlb_checkout(tmp_path)
