@@ -128,7 +128,8 @@ def tier_capacity_blocks(capacity_bytes: float | None, capacity_blocks: int | No
 
 
 #: PoolConfig's vLLM scheduler options and their "off" values (left out of dumps when off)
-_VLLM_OPTION_DEFAULTS = (("max_num_seqs", None), ("max_chunk_tokens", None), ("prefill_schedule_interval", 1))
+_VLLM_OPTION_DEFAULTS = (("max_num_seqs", None), ("max_chunk_tokens", None), ("prefill_schedule_interval", 1),
+                         ("prefix_cache_retention_interval_tokens", None))
 
 
 class PoolConfig(BaseModel):
@@ -156,6 +157,13 @@ class PoolConfig(BaseModel):
             computes per step (``None``: only the step budget bounds a chunk).
         prefill_schedule_interval: vLLM ``--prefill-schedule-interval`` (DP prefill balancing,
             :class:`sim.run.engine.step_group.StepGroup`): 1 = prefill on every step.
+        prefix_cache_retention_interval_tokens: vLLM ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` on a
+            model with cached sliding-window KV groups (DeepSeek-V4): a prefix hit ends only at a
+            retained window checkpoint (:mod:`sim.run.engine.hit_checkpoints`; under EAGLE/MTP
+            speculative decoding one window block past it must be shared too). ``"dense"``: vLLM's
+            default (every block boundary); ``0``: only each request's replay boundary and
+            shared-prefix junctions; ``N > 0``: also every multiple of ``N`` tokens (a multiple of
+            ``block_size``). ``None`` (default): not modelled, a hit is the whole cached prefix.
     """
 
     model_config = _STRICT
@@ -172,6 +180,7 @@ class PoolConfig(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1, le=1 << 20)
     max_chunk_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     prefill_schedule_interval: int = Field(1, ge=1, le=1 << 16)
+    prefix_cache_retention_interval_tokens: int | Literal["dense"] | None = Field(None, union_mode="left_to_right")
 
     @model_serializer(mode="wrap")
     def _without_default_vllm_options(self, handler):  # noqa: ANN001, ANN202
@@ -312,6 +321,19 @@ class Scenario(BaseModel):
                         ("long_prefill", self.long_prefill)):
             if p is not None and p.context_parallel and p.gpus_per_rank < 2:
                 raise ValueError(f"{name}.context_parallel needs gpus_per_rank >= 2 (the CP degree)")
+            ret = p.prefix_cache_retention_interval_tokens if p is not None else None
+            if isinstance(ret, int) and (ret < 0 or ret % self.block_size or ret > MAX_TOKENS):
+                raise ValueError(f"{name}.prefix_cache_retention_interval_tokens = {ret}: give 0, a positive "
+                                 f"multiple of block_size ({self.block_size}) up to {MAX_TOKENS}, or \"dense\"")
+            if ret is not None:
+                try:
+                    window = get_model(self.model).sliding_window_block_tokens
+                except (ValueError, OSError):  # an unknown model is reported where the perf model is built
+                    window = 1
+                if window == 0:
+                    raise ValueError(f"{name}.prefix_cache_retention_interval_tokens is set but model {self.model!r} "
+                                     "has no cached sliding-window KV group, so retention has no effect (as vLLM "
+                                     "refuses it); remove the key")
         return self
 
     def host_tier_of(self, pool: PoolConfig) -> HostTierConfig | None:

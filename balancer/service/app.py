@@ -953,6 +953,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         svc.proxy.admission = svc.admission
+        if svc.admission is not None and svc.multiprocess and shared_prefix_dir is not None:
+            svc.admission.share_across(shared_prefix_dir, svc.processes, process_index)  # fair shares for the host
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
         loops.append(asyncio.create_task(svc._lag_loop()))
         if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
