@@ -20,6 +20,11 @@ Three routers in front of the same zero-delay emulated mixed engines (round robi
   requests with ``httptools`` (the parser the lean client already uses) instead of aiohttp's
   server: what replacing aiohttp's server could reach.
 
+``--ablate 'route;timeouts,route,hash,checks,metrics'`` adds a ``pdlb`` row per ``;``-separated
+list with those parts of its per-request work taken away by bench-only patches
+(``bench/ablate/sitecustomize.py``): what each part costs inside the running service, where
+caches are shared with everything else (a part's in-process microbenchmark understates that).
+
 For each: CPU per request (user + system of the router process, ``/proc``) at
 ``--max-concurrency`` connections, in ``--rounds`` paired rounds (all three driven at once by the
 same client processes, so the host's load weighs on them alike), then the ratios to ``pdlb``:
@@ -112,6 +117,18 @@ def spawn_minimal(kind: str, engines: list[Proc]) -> Proc:
     return _spawn([kind], popen=popen)
 
 
+def spawn_ablated(what: str, engines: list[Proc]) -> Proc:
+    """``pdlb serve`` (one process, regular mode) with the bench-only switches ``what`` (a comma list
+    of ``bench/ablate/sitecustomize.py``'s) on."""
+    a = ro._pdlb_args("regular", engines, 1)
+    env = {**os.environ, "PDLB_BENCH_ABLATE": what,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "ablate"), str(ROOT),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))", *a]
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    return _spawn(a, popen=popen)
+
+
 async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     with ro._affinity(args.other_cpus):
         engines = spawn_engines([("mixed", "--zero-delay")] * args.engines)
@@ -119,6 +136,8 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     try:
         with ro._affinity(args.router_cpus):
             routers["pdlb"] = _spawn(ro._pdlb_args("regular", engines, 1))
+            for what in args.ablate:
+                routers[f"pdlb, no {what.replace(',', ', no ')}"] = spawn_ablated(what, engines)
             routers["aiohttp + lean client"] = spawn_minimal("aiohttp", engines)
             routers["httptools + lean client"] = spawn_minimal("httptools", engines)
         if args.other_cpus:
@@ -148,7 +167,14 @@ def main() -> int:
                     help="connections per router, from all client processes (default 48)")
     ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per round (default 4)")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
+    ap.add_argument("--ablate", default="", metavar="LISTS",
+                    help="';'-separated comma lists of bench/ablate switches (route, timeouts, hash, checks, metrics): "
+                         "a pdlb row each with those parts taken away")
     args = ap.parse_args()
+    args.ablate = [w.strip() for w in args.ablate.split(";") if w.strip()]
+    known = {"route", "timeouts", "hash", "checks", "metrics"}
+    if bad := {x.strip() for w in args.ablate for x in w.split(",")} - known:
+        ap.error(f"unknown --ablate switches {sorted(bad)}; known: {', '.join(sorted(known))}")
     args.router_cpus = ro._cpu_list(args.router_cpus, ap)
     all_cpus = os.sched_getaffinity(0)
     if not args.router_cpus < all_cpus:
@@ -162,7 +188,7 @@ def main() -> int:
     print("\nrouter CPU per request, median of the rounds (ratio to pdlb: median of per-round ratios):")
     for name, us in med.items():
         r = statistics.median(x / b for x, b in zip(got[name], base))
-        print(f"  {name:26} {us:7.0f} us   {r:.2f}x pdlb")
+        print(f"  {name:62} {us:7.0f} us   {r:.2f}x pdlb")
     a, h, p = med["aiohttp + lean client"], med["httptools + lean client"], med["pdlb"]
     print(f"pdlb's own per-request work (pdlb - aiohttp + lean client): {p - a:.0f} us ({(p - a) / p:.0%} of pdlb's); "
           f"aiohttp's server over a bare httptools protocol: {a - h:.0f} us ({(a - h) / p:.0%})")
