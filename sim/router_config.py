@@ -115,13 +115,20 @@ def router_config_for(
 
 
 def router_factory(scenario: Scenario, config: RouterConfig, prefill_policy: Policy | PolicySpec | None = None,
-                   decode_policy: Policy | PolicySpec | None = None) -> Callable[[RankCacheBlocks], Router]:
+                   decode_policy: Policy | PolicySpec | None = None) -> Callable[..., Router]:
     """A :data:`RouterFactory`: the router of ``config`` with these policies (objects, shared by
     every router made; specs, built anew for each; ``None``: the config's) and the scenario's
-    index bound for the cluster's ranks (:func:`index_capacity_blocks`)."""
-    def make(ranks: RankCacheBlocks) -> Router:
-        cfg = config.with_(index_capacity_blocks=index_capacity_blocks(scenario, ranks, config.index_mode))
-        return Router.from_config(cfg, prefill_policy=_built(prefill_policy), decode_policy=_built(decode_policy))
+    index bound for the cluster's ranks (:func:`index_capacity_blocks`).
+
+    The factory is called as ``make(ranks)``, or with a router's parts as keywords
+    (``make(ranks, seed=..., load_sources=..., listeners=...)``: the config's seed, then
+    :meth:`balancer.router.Router.from_config`'s parts), as several routers in front of one
+    cluster are built (:mod:`sim.experiments.k_routers`)."""
+    def make(ranks: RankCacheBlocks, *, seed: int | None = None, **parts: Any) -> Router:
+        cfg = config.with_(index_capacity_blocks=index_capacity_blocks(scenario, ranks, config.index_mode),
+                           **({} if seed is None else {"seed": seed}))
+        return Router.from_config(cfg, prefill_policy=_built(prefill_policy), decode_policy=_built(decode_policy),
+                                  **parts)
     return make
 
 
