@@ -182,8 +182,8 @@ class Cluster:
                     # vLLM scheduler options of the pool and MTP verification (off by default)
                     rank.max_num_seqs = pool.max_num_seqs
                     rank.max_chunk_tokens = pool.max_chunk_tokens
-                    rank.verify_tokens_per_seq = getattr(perf, "verify_tokens_per_seq", 1)
-                    rank.decode_tokens_per_step = getattr(perf, "decode_tokens_per_step", 1.0)
+                    rank.verify_tokens_per_seq = perf.verify_tokens_per_seq
+                    rank.decode_tokens_per_step = perf.decode_tokens_per_step
                     self.ranks.append(rank)
                     self._perf_of.append(perf)
                     self._by_replica[rep] = rank
