@@ -14,6 +14,11 @@ What the scenario sets rather than the config's defaults (:mod:`balancer.config`
 - the KV tier views (:func:`router_tier_settings`) when the scenario has tiers;
 - ``cost_model``: the scenario's exact one (:func:`sim.cost_model.cost_model_for`), and
   ``learn_cost_model`` off (a fit of the exact model could only add noise).
+
+Then the scenario's ``router:`` section (:attr:`sim.scenario.Scenario.router`): each setting it
+gives replaces the one above (e.g. ``index_ttl_s``, ``learn_cost_model = true`` to study the
+online fit, a ``cost_model`` table to study a wrong model); ``tier_weights`` only when the run
+names none. Policies, index mode, seed and SLO are the run's (the section refuses them).
 """
 
 from __future__ import annotations
@@ -107,11 +112,16 @@ def router_config_for(
         ValueError: a bad setting (e.g. an unknown index mode or tier weight).
     """
     tiers = router_tier_settings(scenario, perf_factory) if router_tiers else {}
-    return RouterConfig(
+    section = scenario.router_settings
+    if tier_weights is not None:  # the run's own weights win over the scenario's
+        section.pop("tier_weights", None)
+    config = RouterConfig(
         block_size=scenario.block_size, index_mode=index_mode, pd_min_uncached_tokens=scenario.pd_min_uncached_tokens,
         index_total_capacity_blocks=None, seed=seed,
         tier_weights=dict(tier_weights) if tier_weights is not None else None,
-        cost_model=cost_model_for(scenario, perf_factory), learn_cost_model=False, ttft_slo=ttft_slo, **tiers)
+        cost_model=section["cost_model"] if "cost_model" in section else cost_model_for(scenario, perf_factory),
+        learn_cost_model=False, ttft_slo=ttft_slo, **tiers)
+    return config.with_(**section) if section else config
 
 
 def router_factory(scenario: Scenario, config: RouterConfig, prefill_policy: Policy | PolicySpec | None = None,
