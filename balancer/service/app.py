@@ -298,7 +298,8 @@ class Service:
         from balancer.service.kv_metrics import write_stats_file
 
         try:
-            write_stats_file(directory, self.process_index, self.kv_subscriber, self.kv_delivery)
+            write_stats_file(directory, self.process_index, self.kv_subscriber, self.kv_delivery,
+                             self.kv_subscriber.fanout_stats() if self.kv_fanout_dir is not None else None)
         except OSError as e:
             log.warning("KV event stats not written: %s", e)
 
@@ -576,9 +577,8 @@ async def _health(request: web.Request) -> web.Response:
     ok = ok and not no_prefill
     status = "draining" if svc.draining else ("ok" if ok else ("no_prefill" if no_prefill else "unavailable"))
     body = {"status": status, "routable_workers": counts, "in_flight": svc.in_flight, "process": svc.process_info()}
-    health = getattr(svc.kv_subscriber, "health", None)
-    if health is not None:  # the KV-event feed: routing goes on without it, on a view that ages
-        body["kv_events"] = health()
+    if svc.kv_subscriber is not None:  # the KV-event feed: routing goes on without it, on a view that ages
+        body["kv_events"] = svc.kv_subscriber.health()
     return web.json_response(body, status=200 if ok else 503)
 
 
