@@ -5,7 +5,7 @@ Every router is built from a :class:`RouterConfig` (:meth:`balancer.router.Route
 the service's config file holds one as its ``router:`` section
 (:class:`balancer.service.config.ServiceConfig`), a simulator scenario holds one as its ``router:``
 section (:class:`sim.scenario.Scenario`: the settings it names replace the simulator's, which take
-the block size and index bound from the scenario, :mod:`sim.router_config`), and an embedding
+the block size and index bound from the scenario, :mod:`sim.run.router_config`), and an embedding
 gateway writes one in code::
 
     from balancer import Router, RouterConfig
@@ -39,7 +39,7 @@ trace's) and ``learn_cost_model`` (off: it hands the router the scenario's exact
 fit could only add noise); ``index_capacity_blocks: auto`` (a scenario's default) bounds the
 index by one rank's KV cache, with no total bound; a scenario's ``[router]`` table may set the
 online fit and the total bound back, and any other setting but the block size, policies, index
-mode, seed and SLO (:mod:`sim.router_config`).
+mode, seed and SLO (:mod:`sim.run.router_config`).
 
 A policy with parameters is a :class:`PolicySpec`; its text form (``name`` or
 ``name:param=value,...``) and the errors are those of :mod:`balancer.policies.spec`.

@@ -28,7 +28,7 @@ pool's load with one fancy-indexing operation (O(replicas), no Python loop).
 
 *Peer* load (``peer_requests``, ``peer_prefill_tokens``, ``peer_kv_tokens``) is what other routers
 have in flight: the other processes of one ``pdlb serve --processes N``
-(:mod:`balancer.service.shared_load`) and routers on other hosts
+(:mod:`balancer.service.processes.shared_load`) and routers on other hosts
 (:mod:`balancer.service.broker_sync`). The source that keeps it fresh is given at construction
 (``LoadTracker(peer=...)``, a :class:`balancer.parts.PeerLoad`, which is bound to the tracker then);
 the router adds it to the own counters.
@@ -123,7 +123,7 @@ class LoadTracker:
         self.prefill_attn_pairs = np.zeros(n, dtype=np.float64)
         self.external_requests = np.zeros(n, dtype=np.int64)
         self.external_kv_tokens = np.zeros(n, dtype=np.int64)
-        # the other router processes' counts (balancer.service.shared_load), when shared
+        # the other router processes' counts (balancer.service.processes.shared_load), when shared
         self.peer_requests = np.zeros(n, dtype=np.int64)
         self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
         self.peer_kv_tokens = np.zeros(n, dtype=np.int64)

@@ -29,7 +29,7 @@ instantly).
 
 **Route listeners** (:class:`RouteListener`): approximate and hybrid index modes call each, in the
 order given, after a decision recorded a prompt on its replicas, e.g. to send the decision to other
-router processes (:class:`balancer.service.shared_prefix.PrefixShare`) or hosts
+router processes (:class:`balancer.service.processes.shared_prefix.PrefixShare`) or hosts
 (:class:`balancer.service.broker_sync.BrokerSync`).
 
 **Cost learner** (:class:`CostLearnerPart`): refits the cost model cost-based policies read
@@ -59,7 +59,7 @@ class PeerLoad(Protocol):
 
     The router (its tracker) calls :meth:`bind` once at construction, :meth:`refresh` before each
     decision whose policies read load, and :meth:`publish` after each change of its own counts.
-    Implementations: :class:`balancer.service.shared_load.SharedLoad` (processes of one host),
+    Implementations: :class:`balancer.service.processes.shared_load.SharedLoad` (processes of one host),
     :class:`balancer.service.broker_sync.BrokerSync` (hosts; it wraps the former when both run).
     """
 

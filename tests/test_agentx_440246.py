@@ -12,8 +12,8 @@ import xxhash
 
 from balancer.policies import make_policy
 from balancer.policies.dp_consistent_hash import VIRTUAL_NODES_PER_WORKER, build_ring, ring_choice
-from sim.models import get_model
-from sim.validate_agentx import ROWS, load_published, published_value, rows_from_metrics, simulate_440246
+from sim.models.presets import get_model
+from sim.validation.agentx import ROWS, load_published, published_value, rows_from_metrics, simulate_440246
 from sim.workload.agentic import AgenticWorkloadConfig, lane_turns, replay_stats
 from tests.balancer_factories import cands, ctx, req, view
 
@@ -215,6 +215,37 @@ def test_prefix_hits_resume_at_whole_blocks_of_the_previous_prompt():
             assert rec.cached_tokens[i] == 0
 
 
+def test_hits_end_at_the_retained_window_checkpoints():
+    # vLLM 0.28 under MTP with VLLM_PREFIX_CACHE_RETENTION_INTERVAL=32768 (sim/run/engine/hit_checkpoints.py),
+    # by hand from the previous turn's prompt P (same session, same rank on the ring, no eviction
+    # in this short run): its replay boundary b = floor((P - 1) / 256) * 256 is retained iff the
+    # 64 tokens after it are prompt (P - b >= 64); then the next turn resumes exactly there,
+    # otherwise strictly before it (an earlier turn's boundary)
+    wl, r = _short(lanes=8, duration_s=200.0)
+    rec = r.records
+    good = fallback = 0
+    last: dict[str, int] = {}
+    for i, session in enumerate(r.sessions):
+        j = last.get(session)
+        last[session] = i
+        if j is None or np.isnan(rec.prefill_end_s[i]):
+            continue
+        p = int(rec.prompt_tokens[j])
+        b = (p - 1) // 256 * 256
+        if p - b >= 64:
+            assert rec.cached_tokens[i] == b
+            good += 1
+        else:
+            assert rec.cached_tokens[i] < b
+            fallback += 1
+    # about 63 / 256 of the turns end 1..63 tokens past a block boundary
+    assert good > 0 and fallback > 0
+    assert 0.1 < fallback / (good + fallback) < 0.4
+    # without the retention rule (the option off) every such turn resumes at its boundary
+    _, plain = _short(lanes=8, duration_s=200.0, prefix_cache_retention_interval_tokens=None)
+    assert plain.gpu_hit_rate > r.gpu_hit_rate
+
+
 @pytest.mark.parametrize("policy", ["least_load", "cache_aware", "ep_aware", "consistent_hash"])
 def test_any_policy_routes_the_closed_loop(policy):
     wl, r = _short(policy, lanes=8, duration_s=40.0, warmup=1)
@@ -223,8 +254,8 @@ def test_any_policy_routes_the_closed_loop(policy):
 
 
 def test_closed_loop_errors():
-    from sim.closed_loop import simulate_closed_loop
-    from sim.validate_agentx import scenario_440246
+    from sim.run.closed_loop import simulate_closed_loop
+    from sim.validation.agentx import scenario_440246
     with pytest.raises(ValueError):
         simulate_closed_loop(scenario_440246(), AgenticWorkloadConfig(lanes=1), drain_s=-1)
     with pytest.raises(RuntimeError, match="requests submitted"):
@@ -245,7 +276,7 @@ def test_rows_read_the_published_file():
 
 
 def test_plot_rows_writes_a_png(tmp_path):
-    from sim.validate_agentx import plot_rows
+    from sim.validation.agentx import plot_rows
     fake = {sim: 1.0 for *_, sim, _u, _r in ROWS}
     out = plot_rows(rows_from_metrics(fake), tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -267,7 +298,7 @@ def test_cli_flags_apply_only_with_the_point(capsys):
 def test_full_point_calibration_and_output_rate():
     # the full hour on pdlb's cluster simulator (measured: 17 s of CPU, 68 s wall on the loaded 2-core host):
     # the calibration rows land, output throughput within 15%
-    from sim.validate_agentx import run_rows
+    from sim.validation.agentx import run_rows
     rows, _ = run_rows()
     by = {r.key: r for r in rows}
     assert abs(by["iter-decode-p50"].error) < 0.05 and abs(by["iter-mixed-p50"].error) < 0.05

@@ -1,5 +1,5 @@
 """A scenario's ``[router]`` table (sim.scenario.Scenario.router): the RouterConfig settings it
-names replace the simulator's (sim/router_config.py), the ones a scenario or run sets elsewhere are
+names replace the simulator's (sim/run/router_config.py), the ones a scenario or run sets elsewhere are
 refused, and a scenario without the table dumps, and hashes into sweep point ids, as before."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 
 from balancer.config import DEFAULT_TIER_WEIGHTS, RouterConfig
 from sim.overrides import apply_overrides
-from sim.point import SLO, SimOptions, WorkloadSpec, parse_policy
-from sim.router_config import RankCacheBlocks, router_config_for, router_factory
+from sim.search.point import SLO, SimOptions, WorkloadSpec, parse_policy
+from sim.run.router_config import RankCacheBlocks, router_config_for, router_factory
 from sim.scenario import PRESETS, load_scenario
-from sim.sweep import point_id
+from sim.search.sweep import point_id
 
 #: Sweep point ids computed by main 5e05c84 (before the table existed; /tmp script run on a
 #: ``git archive`` of that commit), with ``point_id(preset, SLO(), [], ep_aware, 1.0, 0,

@@ -1,6 +1,6 @@
 """Several processes of one ``pdlb serve``: admin changes applied everywhere or nowhere
-(:mod:`balancer.service.shared_admin`), shared-load columns of workers added and removed at run
-time (:mod:`balancer.service.shared_load`), per-process KV-event metrics
+(:mod:`balancer.service.processes.shared_admin`), shared-load columns of workers added and removed at run
+time (:mod:`balancer.service.processes.shared_load`), per-process KV-event metrics
 (:class:`balancer.service.kv_subscriber.KvEventsFilesCollector`) and the default process count."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from balancer.parts import LoadSources
 from balancer.router import Router
-from balancer.service import shared_admin
-from balancer.service.shared_admin import AdminChannel, AdminCoordinator, AdminRefused
-from balancer.service.shared_load import SharedLoad, create_shared_load_block
+from balancer.service.processes import shared_admin
+from balancer.service.processes.shared_admin import AdminChannel, AdminCoordinator, AdminRefused
+from balancer.service.processes.shared_load import SharedLoad, create_shared_load_block
 from balancer.types import ReplicaId, Request
 
 
@@ -340,3 +340,26 @@ print(total, files == sorted([f"counter_{real}.db", "counter_424242.db", f"count
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[5.0]", "True"]
+
+
+def test_multiprocess_counts_outside_an_event_loop_are_not_lost(tmp_path):
+    """ServiceMetrics.count with several processes and no running event loop applies each count at
+    once (it flushes right away): 3 counts -> 3.0 in the files the collector sums. It used to
+    increment the batch that the immediate flush had just swapped out, losing every count."""
+    import subprocess
+    import sys
+
+    code = """
+from balancer.service import metrics
+m = metrics.ServiceMetrics(multiprocess=True)
+for _ in range(3):
+    m.count(m.requests, "/v1/completions", "200")
+from prometheus_client import CollectorRegistry, multiprocess
+reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
+print([s.value for f in reg.collect() for s in f.samples if s.name == "pdlb_requests_total"])
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[3.0]"]

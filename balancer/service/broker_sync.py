@@ -49,8 +49,8 @@ Malformed messages are dropped and counted, never raised.
 
 With ``--processes N`` on a host, every process is its own peer on the broker; the processes of
 one ``pdlb serve`` (one *group*) ignore each other's broker messages, since they share load and
-decisions through shared memory already (:mod:`balancer.service.shared_load`,
-:mod:`balancer.service.shared_prefix`).
+decisions through shared memory already (:mod:`balancer.service.processes.shared_load`,
+:mod:`balancer.service.processes.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ import msgpack
 
 from balancer.load import LoadTracker
 from balancer.service.broker_config import BrokerConfig
+from balancer.service.broker_metrics import REFRESH_S, BrokerMetrics
 from balancer.types import ReplicaId
 
-__all__ = ["BrokerCollector", "BrokerSync", "PeerTable", "start_for_service", "PENDING_MESSAGES", "DELIVERY_BUCKETS_S", "new_group_id"]
+__all__ = ["BrokerSync", "PeerTable", "start_for_service", "PENDING_MESSAGES", "DELIVERY_BUCKETS_S", "new_group_id"]
 
 log = logging.getLogger("pdlb.broker")
 
@@ -201,8 +202,9 @@ class BrokerSync:
     """One router process's side of the broker (see the module docstring). Two parts of a router
     (given at its construction, :mod:`balancer.parts`): its peer load source
     (``LoadSources(peer=sync)``: :meth:`bind`, :meth:`refresh`, :meth:`publish`), wrapping
-    ``inner`` (this host's shared-memory view, :class:`balancer.service.shared_load.SharedLoad`)
-    when there is one; and, with ``share_decisions``, a route listener (:meth:`on_routed`).
+    ``inner`` (this host's shared-memory view,
+    :class:`balancer.service.processes.shared_load.SharedLoad`) when there is one; and, with
+    ``share_decisions``, a route listener (:meth:`on_routed`).
 
     Args:
         cfg: the ``broker:`` section (``cfg.url`` set).
@@ -245,7 +247,6 @@ class BrokerSync:
         self._pending: list[list] = []  # decisions to send: [[[engine, rank], ...], [hash, ...]]
         self._pending_bytes = 0
         self._outage_logged = False
-        self._unregister: Callable[[], None] | None = None
         self._closing = False  # close() began: a disconnect is ours, not an outage
         # counters (read by BrokerMetrics)
         self.sent = {"load": 0, "routed": 0}
@@ -258,6 +259,11 @@ class BrokerSync:
         self.delivery_counts = [0] * (len(DELIVERY_BUCKETS_S) + 1)
         self.delivery_sum_s = 0.0
         self.delivery_max_s = 0.0
+        #: called with each peer message's publish-to-receipt seconds, or None
+        self.on_delivery: Callable[[float], None] | None = None
+        #: the pdlb_broker_* metrics this process copies its counters into (start_for_service), or None
+        self.metrics: BrokerMetrics | None = None
+        self._metrics_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ the tracker's peer
     def bind(self, tracker: LoadTracker) -> None:
@@ -374,7 +380,18 @@ class BrokerSync:
             self.replicas = replicas
         if self.tracker is None or self.replicas is None:
             raise ValueError("BrokerSync.start: give it to a router (LoadSources(peer=...)) and name the replicas first")
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        if self.metrics is not None:
+            self._metrics_task = loop.create_task(self._metrics_loop())
+
+    async def _metrics_loop(self) -> None:
+        """Copy the counters into :attr:`metrics` every :data:`REFRESH_S` (for scrapes that any
+        process of the host answers; :mod:`balancer.service.broker_metrics`)."""
+        assert self.metrics is not None
+        while True:
+            self.metrics.update(self)
+            await asyncio.sleep(REFRESH_S)
 
     async def _run(self) -> None:
         import nats  # the broker extra (pip install 'pdlb[broker]')
@@ -489,6 +506,8 @@ class BrokerSync:
         self.delivery_counts[i] += 1
         self.delivery_sum_s += delay_s
         self.delivery_max_s = max(self.delivery_max_s, delay_s)
+        if self.on_delivery is not None:
+            self.on_delivery(delay_s)
 
     async def tick(self) -> None:
         """One interval: expire silent peers, send the decisions batch, publish load when it
@@ -553,18 +572,18 @@ class BrokerSync:
         remain), close the connection (peers drop this router after ``peer_ttl_s``)."""
         self._closing = True
         self._pending, self._pending_bytes = [], 0
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._metrics_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._nc is not None:
             try:
                 await asyncio.wait_for(self._nc.close(), timeout=2.0)
             except Exception:  # noqa: BLE001 - closing a dead connection
                 pass
         self.up = False
-        if self._unregister is not None:
-            self._unregister()
-            self._unregister = None
+        if self.metrics is not None:
+            self.metrics.update(self)
         if self.table.peers:
             self.table.peers.clear()
             self.table.version += 1
@@ -580,72 +599,6 @@ class BrokerSync:
 
 
 
-class BrokerCollector:
-    """Prometheus collector of one process's :class:`BrokerSync` (``process`` label): ``pdlb_broker_up``,
-    ``pdlb_broker_peers``, ``pdlb_broker_peer_in_flight_requests`` (the peers' in-flight requests summed over ranks: a PD
-    request counts on its prefill and its decode rank),
-    ``pdlb_broker_peer_load_age_seconds`` (the oldest live peer snapshot's age),
-    ``pdlb_broker_messages_total{direction,kind}``, ``pdlb_broker_dropped_total{reason}``,
-    ``pdlb_broker_decisions_total{kind}`` (sent, recorded, dropped), ``pdlb_broker_disconnects_total``,
-    ``pdlb_broker_reconnects_total``, ``pdlb_broker_connect_errors_total``,
-    ``pdlb_broker_peers_expired_total`` and the histogram ``pdlb_broker_delivery_seconds``."""
-
-    def __init__(self, sync: BrokerSync) -> None:
-        self.sync = sync
-
-    def collect(self):  # noqa: ANN201
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        s, p = self.sync, str(self.sync.process_index)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["process"])
-            g.add_metric([p], value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["process"])
-            c.add_metric([p], value)
-            return c
-
-        yield gauge("pdlb_broker_up", "1 while this router is connected to the broker, else 0", 1 if s.up else 0)
-        yield gauge("pdlb_broker_peers", "Other routers whose load snapshot is live (heard within peer_ttl_s)",
-                    len(s.table.peers))
-        yield gauge("pdlb_broker_peer_in_flight_requests", "Requests the live peers report in flight, summed over "
-                    "ranks (a PD request counts on its prefill and its decode rank)", s.peer_requests_total())
-        yield gauge("pdlb_broker_peer_load_age_seconds", "Age of the oldest live peer's load snapshot (send time to "
-                    "now, wall clocks)", s.peer_load_age_s())
-        m = CounterMetricFamily("pdlb_broker_messages", "Broker messages by direction and kind",
-                                labels=["process", "direction", "kind"])
-        for kind, n in s.sent.items():
-            m.add_metric([p, "sent", kind], n)
-        for kind, n in s.received.items():
-            m.add_metric([p, "received", kind], n)
-        yield m
-        d = CounterMetricFamily("pdlb_broker_dropped", "Broker messages dropped, by reason", labels=["process", "reason"])
-        for reason, n in sorted({**s.table.dropped, **s.dropped}.items()):
-            d.add_metric([p, reason], n)
-        yield d
-        dec = CounterMetricFamily("pdlb_broker_decisions", "Approximate mode: routing decisions sent, recorded from "
-                                  "peers, or dropped", labels=["process", "kind"])
-        for kind, n in s.decisions.items():
-            dec.add_metric([p, kind], n)
-        yield dec
-        yield counter("pdlb_broker_disconnects", "Times the broker connection was lost", s.disconnects)
-        yield counter("pdlb_broker_reconnects", "Times the broker connection came back", s.reconnects)
-        yield counter("pdlb_broker_connect_errors", "Failed connection attempts and connection errors",
-                      s.connect_errors)
-        yield counter("pdlb_broker_peers_expired", "Peers dropped after peer_ttl_s without a message", s.table.expired)
-        h = HistogramMetricFamily("pdlb_broker_delivery_seconds", "Publish-to-receipt time of peers' messages "
-                                  "(wall clocks; meaningful when the hosts' clocks agree)", labels=["process"])
-        cum, buckets = 0, []
-        for bound, n in zip((*DELIVERY_BUCKETS_S, float("inf")), s.delivery_counts):
-            cum += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
-        h.add_metric([p], buckets, s.delivery_sum_s)
-        yield h
-
-
 def start_for_service(svc: Any) -> BrokerSync:
     """Start ``svc``'s (:class:`balancer.service.app.Service`) broker side (``svc.broker``, built
     with the service's router) and add its metrics to the scrape. Call from the running event loop.
@@ -658,9 +611,8 @@ def start_for_service(svc: Any) -> BrokerSync:
     except ImportError as e:
         raise RuntimeError("broker: the NATS client is not installed: pip install 'pdlb[broker]'") from e
     sync = svc.broker
-    collector = BrokerCollector(sync)
-    registry = svc.metrics._scrape_registry
-    registry.register(collector)
-    sync._unregister = lambda: registry.unregister(collector)
+    metrics = BrokerMetrics(svc.metrics.registry, DELIVERY_BUCKETS_S)
+    sync.on_delivery = metrics.observe_delivery
+    sync.metrics = metrics
     sync.start(svc.router.record_routed, lambda: [rep for w in svc.pool.workers.values() for rep in w.replicas])
     return sync

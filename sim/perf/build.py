@@ -3,7 +3,7 @@
 a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`).
 
 This module sits above :mod:`sim.scenario` (it reads a :class:`~sim.scenario.Scenario`) and below
-the run (:mod:`sim.cluster`, :mod:`sim.cost_model`); :mod:`sim.perf.config` and
+the run (:mod:`sim.run.cluster`, :mod:`sim.run.router_cost`); :mod:`sim.perf.config` and
 :mod:`sim.perf.spec` hold only the settings the scenario embeds, so they import nothing above them.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from sim.hardware import get_hardware
-from sim.models import get_model
+from sim.models.hardware import get_hardware
+from sim.models.presets import get_model
 from sim.perf.base import PerfModel
 from sim.perf.config import PerfConfig
 from sim.perf.roofline import RooflinePerf
 from sim.perf.spec import SpecDecodePerf
+from sim.perf.step_class import StepClassPerf
 from sim.scenario import PoolConfig, Scenario
 
 __all__ = ["build_perf", "roofline_for_pool", "spec_perf_for_pool"]
@@ -72,8 +73,13 @@ def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
     """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
     with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
     (:func:`roofline_for_pool`); decode and mixed pools speculate when the scenario
-    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`)."""
+    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`; with its ``verify =
+    "every_step"``, vLLM's per-step MTP verification, :class:`sim.perf.step_class.StepClassPerf`)."""
     perf = roofline_for_pool(scenario, pool)
-    if scenario.speculative is not None and pool is not scenario.prefill:
+    spec = scenario.speculative
+    if spec is not None and pool is not scenario.prefill:
+        if spec.verify == "every_step":
+            return StepClassPerf(perf, verify_tokens_per_seq=1 + spec.draft_tokens,
+                                 decode_tokens_per_step=spec.tau(spec.draft_tokens))
         return spec_perf_for_pool(perf, scenario, pool)
     return perf
