@@ -110,7 +110,7 @@ def hit_checkpoints_for(scenario: Scenario, pool: PoolConfig, perf: PerfModel) -
     table without a separate draft model) needs one sliding-window block of the model past a hit's
     end (:mod:`sim.run.engine.hit_checkpoints`)."""
     ret = pool.prefix_cache_retention_interval_tokens
-    eagle = getattr(perf, "verify_tokens_per_seq", 1) > 1 or (
+    eagle = perf.verify_tokens_per_seq > 1 or (  # PerfModel declares it
         scenario.speculative is not None and scenario.speculative.draft_model is None)
     peek = get_model(scenario.model).sliding_window_block_tokens if eagle else 0
     return HitCheckpoints(scenario.block_size, None if ret == "dense" else ret, min(peek, scenario.block_size))
