@@ -845,7 +845,8 @@ class Proxy:
         swap = self._rewriter(ctx, d_resp)
         if not ctx.stream:
             try:
-                if deadline is None:
+                if deadline is None or (type(d_resp) is UpstreamResponse and d_resp.arrived()):
+                    # no deadline, or the whole answer is here (most short answers): no timer to set
                     data = await self._read_all(d, d_resp)
                 else:  # the answer in full, not only its headers, by the deadline
                     async with asyncio.timeout_at(deadline):
