@@ -11,7 +11,9 @@ router's prefill backlog shrinks), exactly as the service does with real clocks
 
 Per-request columns (:class:`AdmissionRecords`, ``SimResult.extra["admission"]``): the tenant and
 class, ``dispatch_s`` (routed; the arrival when never held; NaN when shed), ``shed_s`` and the shed
-reason. The tenant of a request is ``tenant_of(request)`` (default: its ``traffic_class``, else
+reason, the deadline the gate gave it (``deadline_s``) and, with the routing policy's prediction
+(``wait_model`` "policy" or "max"), its predicted prefill time at dispatch (``predicted_prefill_s``).
+Several router processes, each with its own queue: :class:`GateProcesses`. The tenant of a request is ``tenant_of(request)`` (default: its ``traffic_class``, else
 ``"default"``), its class ``priority_of(request)`` (default: its ``priority``, else the configured
 default class).
 """
