@@ -1,9 +1,9 @@
 """Deadline admission under overload: hold, order and shed requests before routing them.
 
-Not to be confused with :mod:`sim.admission`, which is what a simulated *engine* refuses at
+Not to be confused with :mod:`sim.run.admission`, which is what a simulated *engine* refuses at
 arrival (a prompt over ``max_model_len``). This module is the *router's* flow control: it decides
 when a request reaches :meth:`balancer.router.Router.route` at all. Pure: no I/O, no clock (every
-method takes ``now_s``); the simulator (:mod:`sim.deadline_gate`) and the service
+method takes ``now_s``); the simulator (:mod:`sim.run.deadline_gate`) and the service
 (:mod:`balancer.service.admission_gate`) drive the same object.
 
 The algorithm has the shape of llm-d's EPP flow control (requests keyed by tenant and priority, held

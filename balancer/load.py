@@ -27,7 +27,7 @@ Counters live in numpy arrays indexed by a per-replica slot, so a routing decisi
 pool's load with one fancy-indexing operation (O(replicas), no Python loop).
 
 *Peer* load (``peer_requests``, ``peer_prefill_tokens``, ``peer_kv_tokens``) is what the other
-processes of one ``pdlb serve --processes N`` have in flight (:mod:`balancer.service.shared_load`
+processes of one ``pdlb serve --processes N`` have in flight (:mod:`balancer.service.processes.shared_load`
 keeps it fresh through :attr:`LoadTracker.peer`); the router adds it to the own counters.
 
 *External* load (``external_requests``, ``external_kv_tokens``) is what engine load reports
@@ -120,7 +120,7 @@ class LoadTracker:
         self.prefill_attn_pairs = np.zeros(n, dtype=np.float64)
         self.external_requests = np.zeros(n, dtype=np.int64)
         self.external_kv_tokens = np.zeros(n, dtype=np.int64)
-        # the other router processes' counts (balancer.service.shared_load), when shared
+        # the other router processes' counts (balancer.service.processes.shared_load), when shared
         self.peer_requests = np.zeros(n, dtype=np.int64)
         self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
         self.peer_kv_tokens = np.zeros(n, dtype=np.int64)

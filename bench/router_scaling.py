@@ -401,7 +401,7 @@ def _area(frame: str) -> str:
                       ("/aiohttp/web_", "aiohttp server"), ("/aiohttp/http_", "aiohttp parse/write"),
                       ("/aiohttp/_http", "aiohttp parse/write"), ("/aiohttp/client", "aiohttp client"),
                       ("/aiohttp/connector", "aiohttp client"), ("/aiohttp/", "aiohttp other"),
-                      ("/balancer/service/shared_", "pdlb shared"), ("/balancer/service/upstream", "pdlb lean client"),
+                      ("/balancer/service/processes/shared_", "pdlb shared"), ("/balancer/service/upstream", "pdlb lean client"),
                       ("/balancer/service/", "pdlb service"),
                       ("/balancer/", "pdlb core"), ("/prometheus_client/", "prometheus"),
                       ("/yarl/", "yarl/multidict"), ("/multidict/", "yarl/multidict"), ("/json/", "json"),

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, model_serializer
 
 from balancer.validation import format_validation_error, syntax_error_line
-from sim.models import MODELS, get_model
+from sim.models.presets import MODELS, get_model
 from sim.perf.config import PerfConfig
 from sim.perf.spec import SpecDecodeConfig
 
@@ -83,7 +83,7 @@ class SharedStoreConfig(BaseModel):
     Prefill (and mixed) ranks read blocks from it and write newly computed blocks back
     asynchronously; a block becomes visible to other ranks once its write completes. Concurrent
     transfers share bandwidth max-min fairly under a per-engine cap and an aggregate cap (read and
-    write are separate directions); see :mod:`sim.engine.tiers`.
+    write are separate directions); see :mod:`sim.run.engine.tiers`.
 
     Attributes:
         capacity_bytes / capacity_blocks: store capacity (at most one; neither = unbounded).
@@ -155,7 +155,7 @@ class PoolConfig(BaseModel):
         max_chunk_tokens: vLLM ``long_prefill_token_threshold``: most prompt tokens one request
             computes per step (``None``: only the step budget bounds a chunk).
         prefill_schedule_interval: vLLM ``--prefill-schedule-interval`` (DP prefill balancing,
-            :class:`sim.engine.step_group.StepGroup`): 1 = prefill on every step.
+            :class:`sim.run.engine.step_group.StepGroup`): 1 = prefill on every step.
     """
 
     model_config = _STRICT
@@ -201,7 +201,7 @@ class Scenario(BaseModel):
 
     Attributes:
         name: label for reports.
-        model / hardware: preset names (:mod:`sim.models`, :mod:`sim.hardware`).
+        model / hardware: preset names (:mod:`sim.models.presets`, :mod:`sim.models.hardware`).
         block_size: tokens per KV block (Mooncake traces: 512).
         kv_transfer_bandwidth_bytes_per_s: prefill -> decode link bandwidth per transfer.
         kv_transfer_latency_s: fixed cost per transfer.

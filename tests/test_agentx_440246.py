@@ -12,8 +12,8 @@ import xxhash
 
 from balancer.policies import make_policy
 from balancer.policies.dp_consistent_hash import VIRTUAL_NODES_PER_WORKER, build_ring, ring_choice
-from sim.models import get_model
-from sim.validate_agentx import ROWS, load_published, published_value, rows_from_metrics, simulate_440246
+from sim.models.presets import get_model
+from sim.validation.agentx import ROWS, load_published, published_value, rows_from_metrics, simulate_440246
 from sim.workload.agentic import AgenticWorkloadConfig, lane_turns, replay_stats
 from tests.balancer_factories import cands, ctx, req, view
 
@@ -223,8 +223,8 @@ def test_any_policy_routes_the_closed_loop(policy):
 
 
 def test_closed_loop_errors():
-    from sim.closed_loop import simulate_closed_loop
-    from sim.validate_agentx import scenario_440246
+    from sim.run.closed_loop import simulate_closed_loop
+    from sim.validation.agentx import scenario_440246
     with pytest.raises(ValueError):
         simulate_closed_loop(scenario_440246(), AgenticWorkloadConfig(lanes=1), drain_s=-1)
     with pytest.raises(RuntimeError, match="requests submitted"):
@@ -245,7 +245,7 @@ def test_rows_read_the_published_file():
 
 
 def test_plot_rows_writes_a_png(tmp_path):
-    from sim.validate_agentx import plot_rows
+    from sim.validation.agentx import plot_rows
     fake = {sim: 1.0 for *_, sim, _u, _r in ROWS}
     out = plot_rows(rows_from_metrics(fake), tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -267,7 +267,7 @@ def test_cli_flags_apply_only_with_the_point(capsys):
 def test_full_point_calibration_and_output_rate():
     # the full hour on pdlb's cluster simulator (measured: 17 s of CPU, 68 s wall on the loaded 2-core host):
     # the calibration rows land, output throughput within 15%
-    from sim.validate_agentx import run_rows
+    from sim.validation.agentx import run_rows
     rows, _ = run_rows()
     by = {r.key: r for r in rows}
     assert abs(by["iter-decode-p50"].error) < 0.05 and abs(by["iter-mixed-p50"].error) < 0.05

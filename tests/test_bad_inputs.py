@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdlb_cli.main import main
-from sim.validate import FIGURES_BY_KEY
+from sim.validation.published import FIGURES_BY_KEY
 from sim.workload.benchmarks import load_ramp_workload
 
 

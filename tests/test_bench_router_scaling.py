@@ -17,14 +17,14 @@ def test_collapse_counts_leaf_functions_and_areas(tmp_path: Path) -> None:
     raw.write_text(
         "main (x.py:1);Proxy.handle (balancer/service/proxy.py:10);ClientSession._request (aiohttp/client.py:5) 7\n"
         "main (x.py:1);Proxy.handle (balancer/service/proxy.py:12);ClientSession._request (aiohttp/client.py:9) 3\n"
-        "main (x.py:1);Router._route (balancer/router.py:3);SharedLoad.refresh (balancer/service/shared_load.py:150) 4\n"
+        "main (x.py:1);Router._route (balancer/router.py:3);SharedLoad.refresh (balancer/service/processes/shared_load.py:150) 4\n"
         "main (x.py:1);BaseEventLoop._run_once (asyncio/base_events.py:1);EpollSelector.select (selectors.py:468) 6\n"
         "not a sample line\n")
     col = rs.collapse(raw)
     # 7 + 3 + 4 + 6 samples; the two aiohttp leaves differ only by line, so they are one function
     assert col["samples"] == 20
     assert col["self"][0] == ("ClientSession._request (aiohttp/client.py)", 10)
-    assert dict(col["self"])["SharedLoad.refresh (balancer/service/shared_load.py)"] == 4
+    assert dict(col["self"])["SharedLoad.refresh (balancer/service/processes/shared_load.py)"] == 4
     assert col["areas"] == {"aiohttp client": 10, "pdlb shared": 4, "epoll wait": 6}
 
 

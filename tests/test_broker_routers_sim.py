@@ -7,10 +7,10 @@ import pytest
 
 from balancer.router import Router
 from balancer.types import ReplicaId, Request
-from sim.cluster import simulate
+from sim.run.cluster import simulate
 from sim.experiments.broker_routers import BrokerKRouters, markdown, run
 from sim.experiments.k_routers import KRouters
-from sim.metrics import summarize
+from sim.run.metrics import summarize
 from sim.scenario import DEFAULT_PRESET, load_scenario
 from sim.workload import read_trace, spread_batches, take_slice
 

@@ -11,7 +11,7 @@ from pathlib import Path
 def test_capacity_burst_note_does_not_advise_the_flag_already_given() -> None:
     # The note told a user who had passed --duration-s 30 to "search over a fixed window
     # (--duration-s S ...)". A run of 341 requests over 29.7 s that finishes at 69.5 s is a burst
-    # (69.5 > 2 x 29.7, sim.metrics.BURST_MAKESPAN_RATIO).
+    # (69.5 > 2 x 29.7, sim.run.metrics.BURST_MAKESPAN_RATIO).
     from types import SimpleNamespace
 
     from pdlb_cli.sim.capacity import _burst_note
@@ -24,7 +24,7 @@ def test_capacity_burst_note_does_not_advise_the_flag_already_given() -> None:
 
 
 def test_sweep_burst_message_does_not_advise_the_key_already_set() -> None:
-    from sim.sweep import burst_message
+    from sim.search.sweep import burst_message
 
     row = {"policy": "kv_cost", "rate_scale": 2.0, "seed": 0}
     note = "the 100 requests arrive over 10 s and the last finishes at 50 s"
@@ -35,7 +35,7 @@ def test_sweep_burst_message_does_not_advise_the_key_already_set() -> None:
 
 def test_a_burst_at_one_instant_shows_no_goodput_as_a_dash_with_the_reason(tmp_path: Path, monkeypatch, capsys) -> None:
     # README: `pdlb sim workload shared-prefix` puts every request at t = 0, replayed with
-    # --spread-s 0. The arrival window is then 0 s and goodput NaN (sim.metrics): the table and
+    # --spread-s 0. The arrival window is then 0 s and goodput NaN (sim.run.metrics): the table and
     # summary.md printed "nan" with no word on why.
     import json
 
@@ -56,7 +56,7 @@ def test_a_burst_at_one_instant_shows_no_goodput_as_a_dash_with_the_reason(tmp_p
 
 
 def test_goodput_note_only_for_a_zero_window() -> None:
-    from sim.report import goodput_note
+    from sim.run.report import goodput_note
 
     assert goodput_note({"policy": "p", "num_requests": 5, "arrival_window_s": 2.0}) == ""
     assert goodput_note({"policy": "p", "num_requests": 0, "num_rejected": 3, "arrival_window_s": None}) == ""

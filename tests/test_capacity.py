@@ -1,4 +1,4 @@
-"""Capacity searches (sim.capacity) on a hand-computable cluster, the zero-load floor, early stop.
+"""Capacity searches (sim.search.capacity) on a hand-computable cluster, the zero-load floor, early stop.
 
 The synthetic cluster (capacity_factories.py): one dense rank per engine, 1 s of prefill per
 request (1000 tokens x 1 ms), one request per step, requests every 1 s at rate scale 1 with one
@@ -22,7 +22,7 @@ from capacity_factories import (
     uniform_requests,
 )
 
-from sim.capacity import (
+from sim.search.capacity import (
     Floor,
     GpuSearch,
     RateSearch,
@@ -32,10 +32,10 @@ from sim.capacity import (
     thin_headroom_note,
     zero_load_floor,
 )
-from sim.cluster import simulate
-from sim.executor import SerialExecutor
-from sim.metrics import per_request, summarize
-from sim.point import SLO, Point, SimOptions, WorkloadSpec, evaluate_point, parse_policy, register_workload
+from sim.run.cluster import simulate
+from sim.search.executor import SerialExecutor
+from sim.run.metrics import per_request, summarize
+from sim.search.point import SLO, Point, SimOptions, WorkloadSpec, evaluate_point, parse_policy, register_workload
 from sim.scenario import load_scenario
 from sim.workload import scale_rate
 
@@ -308,7 +308,7 @@ def test_goodput_is_per_second_of_the_arrival_window_not_the_makespan() -> None:
 def test_process_pool_workers_are_terminated_when_the_caller_is_interrupted() -> None:
     # Ctrl-C in the middle of a search: the pool's workers are killed at once rather than waited
     # for (an interrupted pool can leave a worker the interpreter would wait for at exit forever)
-    from sim.executor import ProcessExecutor
+    from sim.search.executor import ProcessExecutor
 
     ex = ProcessExecutor(2)
     slow = Point(load_scenario("dsv3-pd-h200"), WorkloadSpec(limit=3000), parse_policy("round_robin"), 0.2)

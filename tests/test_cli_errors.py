@@ -176,7 +176,7 @@ def test_policies_print_plain_text(capsys) -> None:
 def test_validate_names_the_pass_column(capsys) -> None:
     assert main(["sim", "validate", "--figures", "sglang-prefill-1k"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if "simulated" in line)  # column names
-    assert "±15%" in header  # TOLERANCE = 0.15 (sim/validate.py)
+    assert "±15%" in header  # TOLERANCE = 0.15 (sim/validation/published.py)
 
 
 class _ClosedPipe(io.TextIOBase):
@@ -263,12 +263,12 @@ def test_sessions_out_must_be_a_writable_file(tmp_path: Path, capsys) -> None:
 
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path: Path) -> None:
-    import sim.cluster
+    import sim.run.cluster
 
     def interrupted(*args, **kwargs):  # what simpy raises when Ctrl-C lands mid-run
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sim.cluster, "simulate", interrupted)
+    monkeypatch.setattr(sim.run.cluster, "simulate", interrupted)
     for cmd in (["run"], ["compare", "--policies", "round_robin"]):
         rc = main(["sim", *cmd, "--limit", "5", "--quiet", "--out", str(tmp_path)])
         assert rc == 130  # 128 + SIGINT (2)

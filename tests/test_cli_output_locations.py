@@ -22,7 +22,7 @@ def test_a_scenario_name_cannot_put_the_default_results_folder_elsewhere(cmd, pr
                                                                          monkeypatch, capsys) -> None:
     # a scenario's name is free text and was pasted into results/<name>-<time>: "../../escape/x"
     # wrote to ../escape/x-<time> (outside the working directory's results/), "a/b c" to a subfolder.
-    # Expected stem by sim.file_names.safe_file_stem: runs of "/", " " become "-", leading ".-" stripped.
+    # Expected stem by sim.run.file_names.safe_file_stem: runs of "/", " " become "-", leading ".-" stripped.
     from pdlb_cli.main import main
 
     work = tmp_path / "w" / "d"

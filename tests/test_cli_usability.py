@@ -127,9 +127,9 @@ def _sweep_tables() -> list[tuple[str, str, str, list[str]]]:
     import dataclasses
 
     from balancer.router import DEFAULT_TIER_WEIGHTS
-    from sim.point import SLO
+    from sim.search.point import SLO
     from sim.scenario import PoolConfig
-    from sim.sweep import _KEYS
+    from sim.search.sweep import _KEYS
 
     pool = sorted(PoolConfig.model_fields)
     return [
@@ -167,7 +167,7 @@ def test_an_unknown_sweep_key_names_file_table_key_and_the_valid_ones(table, tex
     ('format = "csv"\n', "format must be one of auto, mooncake, azure, got 'csv'"),
 ])
 def test_bad_sweep_values_name_the_file(text, message, tmp_path: Path) -> None:
-    from sim.sweep import load_sweep
+    from sim.search.sweep import load_sweep
 
     f = tmp_path / "sw.toml"
     f.write_text('policies = ["round_robin"]\n' + text)
@@ -314,7 +314,7 @@ def test_slo_percentile_forms(value, expected) -> None:
     ("...", "run"),
 ])
 def test_safe_file_stem(label, stem) -> None:
-    from sim.file_names import safe_file_stem
+    from sim.run.file_names import safe_file_stem
 
     assert safe_file_stem(label) == stem
 
@@ -324,7 +324,7 @@ def test_file_names_are_safe_and_distinct_for_any_labels() -> None:
     import random
     import re
 
-    from sim.report import results_file_names
+    from sim.run.report import results_file_names
 
     rng = random.Random(0)
     alphabet = "ab_=.,()+- /\\:'\"$*?\t"

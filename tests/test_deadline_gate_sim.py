@@ -1,4 +1,4 @@
-"""Deadline admission in the simulator (sim.deadline_gate through sim.cluster.simulate).
+"""Deadline admission in the simulator (sim.run.deadline_gate through sim.run.cluster.simulate).
 
 Scenario: sim.experiments.overload's small PD cluster (Llama-3.1-8B, H100, 2 prefill + 2 decode),
 three tenants, 1000-3000-token prompts, 16 output tokens, TTFT SLO 1 s. Expected properties are
@@ -14,9 +14,9 @@ import pytest
 
 from balancer.deadline_admission import AdmissionConfig
 from balancer.types import TtftSlo
-from sim.cluster import simulate
+from sim.run.cluster import simulate
 from sim.experiments.overload import TENANTS, capacity_rps, small_pd_scenario, tenant_workload
-from sim.metrics import summarize
+from sim.run.metrics import summarize
 
 SLO = TtftSlo(1.0)
 

@@ -1,5 +1,5 @@
 """``--duration-s`` counts simulated time (after ``--rate-scale``) in every command: ``pdlb sim
-run`` and the points of capacity searches and sweeps (:class:`sim.point.WorkloadSpec`) cut the
+run`` and the points of capacity searches and sweeps (:class:`sim.search.point.WorkloadSpec`) cut the
 same way, through :func:`sim.workload.loader.scale_and_cut`.
 
 Expected counts are by hand (arrivals at 0, 1, 2, ... s) or by an independent filter of the
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from balancer.types import Request
 from pdlb_cli.main import main
-from sim.point import SLO, Point, PolicyPair, WorkloadSpec, evaluate_point
+from sim.search.point import SLO, Point, PolicyPair, WorkloadSpec, evaluate_point
 from sim.scenario import load_scenario
 from sim.workload import read_trace, spread_batches, take_slice
 from sim.workload.loader import read_trace_cut, scale_and_cut

@@ -1,5 +1,5 @@
 """End-to-end: ``pdlb serve --processes 2`` restarts a router process killed with SIGKILL, under
-traffic, and gives up with status 1 on a crash loop (:mod:`balancer.service.supervise`).
+traffic, and gives up with status 1 on a crash loop (:mod:`balancer.service.processes.supervise`).
 
 Real ``pdlb serve`` and ``pdlb engine`` processes on 127.0.0.1; every process is stopped in teardown.
 """

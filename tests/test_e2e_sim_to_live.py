@@ -1,5 +1,5 @@
 """Sim-to-live: one small workload through ``pdlb serve`` + emulated engines (real processes) and
-through the simulator (:func:`sim.cluster.simulate`) with matching pools; mean TTFT (less the live
+through the simulator (:func:`sim.run.cluster.simulate`) with matching pools; mean TTFT (less the live
 path's own time, measured by probes in the same run) and TPOT agree within 5%. Both sides use the
 same roofline perf model (Llama-3.1-70B, H100, TP4 per engine), the same policies (round robin)
 and the same block hashing; the emulated engines run at SPEED x real time and live times are
@@ -43,9 +43,9 @@ import numpy as np
 
 from balancer.hashing import hash_token_blocks
 from balancer.types import Request
-from sim.cluster import simulate
+from sim.run.cluster import simulate
 from sim.emulator.testing import spawn_engines, spawn_router
-from sim.metrics import per_request
+from sim.run.metrics import per_request
 from sim.scenario import PoolConfig, Scenario
 
 SPEED = 0.5

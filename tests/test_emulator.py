@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sim.emulator import EmulatorConfig, create_engine_app
 from sim.emulator.app import STATE
-from sim.hardware import get_hardware
-from sim.models import get_model
+from sim.models.hardware import get_hardware
+from sim.models.presets import get_model
 from sim.perf.roofline import RooflinePerf
 
 

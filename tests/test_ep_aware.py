@@ -217,7 +217,7 @@ def test_fit_step_cost_recovers_a_linear_step_model():
 
 def test_fitted_model_matches_the_simulator_perf_model_within_a_tenth():
     from sim.perf.build import build_perf
-    from sim.cost_model import cost_model_for
+    from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 
     sc = load_scenario("dsv3-pd-h200")
@@ -282,7 +282,7 @@ def test_router_learns_the_prefill_model_from_hook_timestamps():
 
 
 def test_cost_model_round_trips_through_its_table_and_rejects_bad_terms():
-    from sim.cost_model import cost_model_for
+    from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 
     cm = cost_model_for(load_scenario("llama8b-agg-h100"))
@@ -299,7 +299,7 @@ def test_same_decisions_in_the_simulator_router_and_the_service_router():
     scenario: the same requests and hooks give the same decisions (learning on in both)."""
     from balancer.service.config import ServiceConfig
     from balancer.service.app import Service
-    from sim.cost_model import cost_model_for
+    from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 
     cm = cost_model_for(load_scenario("dsv3-pd-h200"))
@@ -346,7 +346,7 @@ def test_mixed_ranks_price_the_stall_a_prompt_causes_to_their_decode_batch():
 def test_default_cost_model_is_the_rounded_fit_it_claims_to_be():
     # DEFAULT_COST_MODEL's docstring: dsv3-pd-h200's fit rounded to two digits
     from balancer.cost_model import DEFAULT_COST_MODEL
-    from sim.cost_model import cost_model_for
+    from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 
     fit = cost_model_for(load_scenario("dsv3-pd-h200"))
@@ -442,7 +442,7 @@ def test_slo_budget_grows_with_the_prompt():
 
 def test_slo_router_hands_its_budget_to_the_policy_and_the_simulator_routes_against_the_point_slo():
     from balancer.types import TtftSlo
-    from sim.point import SLO, Point, SimOptions, evaluate_point, parse_policy
+    from sim.search.point import SLO, Point, SimOptions, evaluate_point, parse_policy
     from sim.scenario import load_scenario
     from sim.workload import read_trace
 
@@ -453,7 +453,7 @@ def test_slo_router_hands_its_budget_to_the_policy_and_the_simulator_routes_agai
     # an overloaded dense cluster: the SLO-aware run takes doomed decisions, the blind one none
     sc = load_scenario("llama70b-pd-h100")
     reqs = read_trace(None)[:600]
-    from sim.point import register_workload
+    from sim.search.point import register_workload
     register_workload("test-slo-600", reqs)
     slo = SLO(ttft_s=2.0, tpot_s=0.1, ttft_per_1k_prompt_tokens_s=0.1)
     aware = evaluate_point(Point(sc, "test-slo-600", parse_policy("ep_aware"), 1.0, slo))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.models import get_model
+from sim.models.presets import get_model
 from sim.perf.base import causal_attn_pairs
 from sim.perf.config import PerfConfig
 from sim.perf.imbalance import (

@@ -1,4 +1,4 @@
-"""sim.fair_slo: the SLO every compared policy meets at light load (issue 23 part 3).
+"""sim.search.fair_slo: the SLO every compared policy meets at light load (issue 23 part 3).
 
 Expected values are hand-computed from the per-request arrays below (each case says how)."""
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from sim.fair_slo import MAX_STEPS, attainment_at, fair_ttft_scale, scaled_slo
-from sim.point import SLO
+from sim.search.fair_slo import MAX_STEPS, attainment_at, fair_ttft_scale, scaled_slo
+from sim.search.point import SLO
 
 FLAT = SLO(ttft_s=2.0, tpot_s=0.05, attainment=0.9)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pdlb_cli.main import main
-from sim.cluster import simulate
-from sim.metrics import summarize
+from sim.run.cluster import simulate
+from sim.run.metrics import summarize
 from sim.scenario import PoolConfig, Scenario
 from sim.workload import read_trace, spread_batches, take_slice
 

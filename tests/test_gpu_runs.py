@@ -1,4 +1,4 @@
-"""Issue 23 part 2: the simulator against a real engine measured on one H200 (``sim.gpu_runs``,
+"""Issue 23 part 2: the simulator against a real engine measured on one H200 (``sim.validation.gpu_runs``,
 ``pdlb sim validate --gpu-runs``, records in ``sim/data/gpu_runs``, made by ``bench/gpu_engine_run.py``).
 
 Hand-checked pieces (step accounting, the non-negative fit, the request/step matching, the
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from sim import gpu_runs as g
+from sim.validation import gpu_runs as g
 from pdlb_cli.main import main
 
 #: simulated / measured - 1 per (model, phase, metric) as of this commit (mean of 5 seeds). A

@@ -13,9 +13,9 @@ import concurrent.futures as cf
 import pytest
 
 from balancer.types import Request
-from sim.capacity import GpuSearch, monotonicity_note, neighbours, run_searches
-from sim.executor import SerialExecutor
-from sim.point import SLO, PointResult, parse_policy, register_workload
+from sim.search.capacity import GpuSearch, monotonicity_note, neighbours, run_searches
+from sim.search.executor import SerialExecutor
+from sim.search.point import SLO, PointResult, parse_policy, register_workload
 from sim.scenario import load_scenario
 
 LENIENT = SLO(ttft_s=100.0, tpot_s=10.0, attainment=0.9)

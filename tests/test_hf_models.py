@@ -1,4 +1,4 @@
-"""Model specs from Hugging Face config.json (sim.hf_models) and the shipped config presets."""
+"""Model specs from Hugging Face config.json (sim.models.hf) and the shipped config presets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.hf_models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, model_from_hf_config
-from sim.models import DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_70B, MODELS, get_model
+from sim.models.hf import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, model_from_hf_config
+from sim.models.presets import DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_70B, MODELS, get_model
 from sim.perf.build import roofline_for_pool
 from sim.scenario import PoolConfig, Scenario
 

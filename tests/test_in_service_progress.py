@@ -179,7 +179,7 @@ def test_slo_margin_is_one_where_progress_is_counted_and_0_8_elsewhere():
 
 
 def test_simulated_dense_cluster_meets_more_budgets_with_in_service_progress():
-    from sim.point import SLO, Point, evaluate_point, parse_policy, register_workload
+    from sim.search.point import SLO, Point, evaluate_point, parse_policy, register_workload
     from sim.scenario import load_scenario
     from sim.workload import read_trace
 

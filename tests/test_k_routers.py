@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sim.cluster import simulate
+from sim.run.cluster import simulate
 from sim.experiments.k_routers import KRouters
-from sim.metrics import summarize
+from sim.run.metrics import summarize
 from sim.scenario import DEFAULT_PRESET, load_scenario
 from sim.workload import read_trace, spread_batches, take_slice
 

@@ -1,7 +1,7 @@
 """The recorded H200 kernel-kinds profile (sim/data/profiles/h200_kernel_kinds.json, written by
 bench/gpu_kinds.py) charges the FLOPs the simulator's model formulas give for the same shapes.
 
-Independent implementation: ``sim.model_spec.ModelSpec`` (per (query, key) pair FLOPs of each
+Independent implementation: ``sim.models.spec.ModelSpec`` (per (query, key) pair FLOPs of each
 model, expert and FFN widths) against the numbers the benchmark wrote; and the recorded errors
 against ``roofline / measured - 1`` recomputed from the recorded FLOPs, bytes and times.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.models import get_model
+from sim.models.presets import get_model
 
 PROFILE = Path(__file__).resolve().parents[1] / "sim" / "data" / "profiles" / "h200_kernel_kinds.json"
 

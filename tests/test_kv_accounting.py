@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.types import ReplicaId, Role
-from sim.cluster import simulate
-from sim.engine.kv_cache import BlockCache
-from sim.engine.rank import PrefillJob, Rank
+from sim.run.cluster import simulate
+from sim.run.engine.kv_cache import BlockCache
+from sim.run.engine.rank import PrefillJob, Rank
 from sim.scenario import PoolConfig, Scenario
 from sim.workload import read_trace, spread_batches, take_slice
 
@@ -150,8 +150,8 @@ def test_shared_accounting_releases_every_block_under_pressure(policy: str) -> N
     # one engine: heavy eviction and head-of-line waits; at the end nothing is reserved or
     # pinned, the cache is within capacity, and every request finished once
     from balancer.config import RouterConfig
-    from sim.cluster import Cluster
-    from sim.router_config import router_factory
+    from sim.run.cluster import Cluster
+    from sim.run.router_config import router_factory
 
     sc = Scenario(name="tight", model="llama-3.1-8b", hardware="h100",
                   mixed=PoolConfig(num_engines=2, max_prefill_tokens=2048, kv_capacity_tokens=24 * 512),

@@ -199,7 +199,7 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
     ring, so B sends the same prompt to the replica A chose, with the whole prompt matched
     (10 blocks of 64 = 640 tokens); without the share B would see no match."""
     from balancer.router import Router
-    from balancer.service.shared_prefix import PrefixShare
+    from balancer.service.processes.shared_prefix import PrefixShare
     from balancer.types import Request
     from balancer.hashing import hash_token_blocks
 
@@ -244,7 +244,7 @@ def test_prefix_ring_wraps_and_a_lapped_reader_resumes(tmp_path):
     import msgpack
 
     from balancer.router import Router
-    from balancer.service.shared_prefix import PrefixShare
+    from balancer.service.processes.shared_prefix import PrefixShare
 
     seen: list[tuple[int, ...]] = []
     routers = [Router("cache_aware", "cache_aware", block_size=64) for _ in range(2)]
@@ -337,7 +337,7 @@ async def test_workers_added_at_run_time_have_their_events_followed():
 async def test_every_router_process_follows_the_events_and_reports_them():
     """``pdlb serve --processes 2 --index-mode events``: one subscriber (process 0's) decodes each
     engine batch once and fans the translated events out to both processes
-    (:mod:`balancer.service.kv_fanout`), so a prefix engine 1 announces draws requests from both
+    (:mod:`balancer.service.processes.kv_fanout`), so a prefix engine 1 announces draws requests from both
     processes there; ``/metrics`` shows the subscriber's counters once (``process="0"``: one batch,
     one event, no series of process 1) and each process's fan-out counters (one pdlb event applied
     in each). A worker with events added through the admin API is followed by both processes too."""

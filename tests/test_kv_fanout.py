@@ -1,4 +1,4 @@
-"""The KV fan-out ring (:mod:`balancer.service.kv_fanout`): one subscriber's translated events read
+"""The KV fan-out ring (:mod:`balancer.service.processes.kv_fanout`): one subscriber's translated events read
 by every router process.
 
 Expected record bytes are spelled out by hand from the format table in the module docstring
@@ -24,8 +24,8 @@ from balancer.hashing import hash_token_blocks
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from balancer.router import Router
 from balancer.service.config import KvEventsConfig
-from balancer.service.kv_fanout import FanoutFollower, KvFanout
-from balancer.service.kv_ring import (HEADER_BYTES, TORN_RETRIES, RingReader, RingWriter, decode_body, encode_record,
+from balancer.service.processes.kv_fanout import FanoutFollower, KvFanout
+from balancer.service.processes.kv_ring import (HEADER_BYTES, TORN_RETRIES, RingReader, RingWriter, decode_body, encode_record,
                                       fanout_ring_path, split_event)
 from balancer.service.kv_metrics import KvEventsFilesCollector, write_stats_file
 from balancer.service.kv_subscriber import KvEventSource
@@ -517,7 +517,7 @@ def test_view_mirror_snapshot_puts_parents_first_joins_runs_and_is_bounded():
     the newest, after its children), 2 removed: the snapshot clears REP's HBM and host views, then
     stores [1] (root), [3] under 2 (2 is gone: a continuation of a removed block, as the engine
     announced it), [5] under 4. Over the bound the oldest stored block goes first."""
-    from balancer.service.kv_ring import ViewMirror
+    from balancer.service.processes.kv_ring import ViewMirror
 
     m = ViewMirror(capacity_blocks=10)
     for ev in (BlockStored((1, 2)), BlockStored((3,), None, 2), BlockStored((5,), None, 4), BlockStored((1,)),
@@ -538,7 +538,7 @@ def test_view_mirror_snapshot_puts_parents_first_joins_runs_and_is_bounded():
 
 
 def test_view_mirror_one_event_over_the_bound_keeps_its_newest_blocks():
-    from balancer.service.kv_ring import ViewMirror
+    from balancer.service.processes.kv_ring import ViewMirror
 
     m = ViewMirror(capacity_blocks=2)
     m.apply(ReplicaId("http://other", 0), AllBlocksCleared())  # a known replica with an empty view

@@ -263,8 +263,8 @@ def test_a_v4_ranks_prefix_hit_is_a_multiple_of_256_tokens():
     # hand: 7 cached blocks of 64 tokens = 448 tokens; DeepSeek-V4's MLA groups keep 256-token
     # blocks (vLLM 0.33), so the hit every group can serve is 256; a dense model's is 448
     from balancer.types import ReplicaId, Role
-    from sim.engine.rank import PrefillJob, Rank
-    from sim.models import get_model
+    from sim.run.engine.rank import PrefillJob, Rank
+    from sim.models.presets import get_model
     hashes = tuple(range(1, 9))
     got = {}
     for model in ("deepseek-v4-flash", "deepseek-v3"):
@@ -283,8 +283,8 @@ def test_a_v4_ranks_prefix_hit_is_a_multiple_of_256_tokens():
 def test_simulated_v4_hits_change_only_below_256_token_blocks():
     # the same shared-prefix workload on V4-Flash: with 512-token blocks (the default) every hit is
     # already a multiple of 256 and nothing changes; with 64-token blocks each hit is rounded down
-    from sim.cluster import simulate
-    from sim.models import get_model
+    from sim.run.cluster import simulate
+    from sim.models.presets import get_model
     from sim.scenario import PoolConfig, Scenario
     from sim.workload import poisson_workload
     assert get_model("deepseek-v4-flash").prefix_hit_multiple_tokens == 256

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.engine.kv_store import KvStore
+from sim.run.engine.kv_store import KvStore
 
 DAY = 86400.0
 

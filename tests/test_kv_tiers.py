@@ -12,11 +12,11 @@ from balancer.config import RouterConfig
 from balancer.kv_events import MEDIUM_CPU, MEDIUM_STORE, BlockRemoved, BlockStored, tier_of_medium
 from balancer.router import STORE_HOLDER, Router
 from balancer.types import ReplicaId, Request, Role
-from sim.cluster import Cluster, simulate
-from sim.engine.rank import PrefillJob, Rank
-from sim.engine.tiers import FairShareLinks, HostTier, RankTiers, SharedStore, TierStats, max_min_share
-from sim.metrics import summarize, ttft_split
-from sim.router_config import router_factory
+from sim.run.cluster import Cluster, simulate
+from sim.run.engine.rank import PrefillJob, Rank
+from sim.run.engine.tiers import FairShareLinks, HostTier, RankTiers, SharedStore, TierStats, max_min_share
+from sim.run.metrics import summarize, ttft_split
+from sim.run.router_config import router_factory
 from sim.scenario import HostTierConfig, PoolConfig, Scenario, SharedStoreConfig
 from sim.workload import read_trace, spread_batches, take_slice
 
@@ -325,7 +325,7 @@ def test_end_to_end_conservation(mooncake_300: list[Request], mode: str) -> None
     holder: list[Cluster] = []
 
     def make_router(ranks: object) -> Router:  # an unbounded index: the rank caches are not used
-        from sim.router_config import router_tier_settings
+        from sim.run.router_config import router_tier_settings
         kw = router_tier_settings(sc)
         kw.update(host_index_capacity_blocks=None, store_index_capacity_blocks=None, store_ttl_s=None)
         return Router("cache_aware", "least_load", block_size=sc.block_size, index_capacity_blocks=None,
@@ -334,7 +334,7 @@ def test_end_to_end_conservation(mooncake_300: list[Request], mode: str) -> None
     cl = Cluster(sc, make_router)
     holder.append(cl)
     # prompts over a prefill rank's KV (20,000 tokens, 19,968 in whole blocks) cannot run (the router refuses them, and
-    # simulate() rejects them at arrival, sim.admission); the rest of the slice runs
+    # simulate() rejects them at arrival, sim.run.admission); the rest of the slice runs
     cap = max(r.kv_capacity_blocks * sc.block_size for r in cl.ranks if r.role.value == "prefill")  # 19,968
     reqs = [r for r in mooncake_300 if r.prompt_tokens <= cap]
     assert len(reqs) > 200
@@ -380,7 +380,7 @@ def test_events_mode_auto_index_bound_keeps_every_rank_view_exact(mooncake_300: 
                   decode=PoolConfig(num_engines=1, dp_ranks=8))
     cfg = RouterConfig(prefill_policy="cache_aware", decode_policy="cache_aware", block_size=sc.block_size,
                        index_mode="events")
-    cl = Cluster(sc, router_factory(sc, cfg))  # the simulator's rule for the "auto" bound (sim.router_config)
+    cl = Cluster(sc, router_factory(sc, cfg))  # the simulator's rule for the "auto" bound (sim.run.router_config)
     # prompts over a prefill rank's KV cannot run (the router refuses them, simulate() rejects them)
     cl.run([r for r in mooncake_300 if r.prompt_tokens <= 20_000 // sc.block_size * sc.block_size])
     caps = {rank.role: rank.kv_capacity_blocks for rank in cl.ranks}

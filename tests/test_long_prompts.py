@@ -7,9 +7,9 @@ import pytest
 
 from balancer.policies import available_policies
 from balancer.types import Request
-from sim.cluster import simulate
-from sim.metrics import per_request
-from sim.models import get_model
+from sim.run.cluster import simulate
+from sim.run.metrics import per_request
+from sim.models.presets import get_model
 from sim.perf.base import causal_attn_pairs
 from sim.perf.roofline import RooflinePerf
 from sim.scenario import PoolConfig, Scenario

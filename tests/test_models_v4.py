@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from balancer.types import Request
-from sim.cluster import simulate
-from sim.metrics import per_request
-from sim.models import ModelSpec, get_model
+from sim.run.cluster import simulate
+from sim.run.metrics import per_request
+from sim.models.presets import ModelSpec, get_model
 from sim.perf.base import causal_attn_pairs
 from sim.perf.build import roofline_for_pool
 from sim.perf.config import PerfConfig

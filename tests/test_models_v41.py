@@ -1,7 +1,7 @@
 """DeepSeek-V4.1-Flash (CSA2 attention, causal encoder-decoder, MXFP4 experts, Engram).
 
 Expected values are hand calculations from the published text_config values (cited in
-sim/models.py), brute-force sums over positions, or pinned outputs of the pre-V4.1 code (V4-Flash).
+sim/models/presets.py), brute-force sums over positions, or pinned outputs of the pre-V4.1 code (V4-Flash).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import json
 import numpy as np
 import pytest
 
-from sim.hf_models import model_from_hf_config
-from sim.models import ModelSpec, get_model
+from sim.models.hf import model_from_hf_config
+from sim.models.presets import ModelSpec, get_model
 from sim.perf.roofline import RooflinePerf
 
 V41 = get_model("deepseek-v4.1-flash")
 
-# the released text_config (sim/models.py sources [trt-cfg] and [cfg])
+# the released text_config (sim/models/presets.py sources [trt-cfg] and [cfg])
 TEXT_CONFIG = dict(
     vocab_size=129280, hidden_size=5120, moe_intermediate_size=2304, num_hidden_layers=40, num_attention_heads=64,
     num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8,
@@ -284,8 +284,8 @@ def test_simulated_step_of_many_cached_prompts_pays_a_replay_window_each():
     import simpy
 
     from balancer.types import ReplicaId, Role
-    from sim.engine.rank import PrefillJob, Rank
-    from sim.engine.step_group import StepGroup
+    from sim.run.engine.rank import PrefillJob, Rank
+    from sim.run.engine.step_group import StepGroup
 
     c, p, n = _packed_step_by_hand_inputs()
     e = _engine()

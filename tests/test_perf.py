@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.hardware import B200, H100, H200, H800, HARDWARE, get_hardware
-from sim.models import MODELS, get_model
+from sim.models.hardware import B200, H100, H200, H800, HARDWARE, get_hardware
+from sim.models.presets import MODELS, get_model
 from sim.perf import PerfModel, RooflinePerf, causal_attn_pairs
 
 MFU, MBU, OVH = 0.5, 0.7, 2e-3  # explicit in every engine below so the hand numbers stay valid

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from sim.capacity import RateSearchResult
-from sim.capacity_report import STOPPED_EARLY_LABEL, rate_figure
-from sim.plots import plain_log_ticks, pyplot
-from sim.point import SLO, Point, PointResult, PolicyPair
+from sim.search.capacity import RateSearchResult
+from sim.search.capacity_report import STOPPED_EARLY_LABEL, rate_figure
+from sim.run.plots import plain_log_ticks, pyplot
+from sim.search.point import SLO, Point, PointResult, PolicyPair
 from tests.capacity_factories import mixed_scenario
 
 plt = pyplot()
@@ -152,7 +152,7 @@ def _sweep_rows(policies=("round_robin", "least_load"), grid=((1, 1), (1, 2), (2
 
 
 def test_sweep_rates_plot_draws_one_line_per_configuration() -> None:
-    from sim.sweep import rates_figure
+    from sim.search.sweep import rates_figure
 
     fig = rates_figure(_sweep_rows())
     gp, tt = fig.axes
@@ -168,7 +168,7 @@ def test_sweep_rates_plot_draws_one_line_per_configuration() -> None:
 
 
 def test_sweep_rates_plot_says_when_it_averages_configurations() -> None:
-    from sim.sweep import MAX_RATE_LINES, rates_figure
+    from sim.search.sweep import MAX_RATE_LINES, rates_figure
 
     grid = [(p, d) for p in (1, 2, 3, 4) for d in (1, 2)]  # 2 x 8 = 16 > MAX_RATE_LINES configurations
     assert 2 * len(grid) > MAX_RATE_LINES
@@ -186,7 +186,7 @@ def test_sweep_rates_plot_says_when_it_averages_configurations() -> None:
 
 @pytest.mark.parametrize("ys", [(1, 2), (0.123456789, 0.987654321)])  # short and wide y tick labels
 def test_sweep_heatmap_labels_do_not_overlap_the_neighbouring_panels(ys: tuple) -> None:
-    from sim.sweep import heatmap_figure
+    from sim.search.sweep import heatmap_figure
 
     grid = [(p, d) for p in (1, 2) for d in ys]
     rows = _sweep_rows(policies=("round_robin", "least_load:metric=requests", "random"), grid=grid)

@@ -85,7 +85,7 @@ def test_pdlb_sim_names_a_user_policy_that_breaks_its_contract(tmp_path: Path, m
 
 
 def test_simpys_stall_message_is_the_one_the_cluster_recognises() -> None:
-    # sim.cluster tells a stall (this simpy RuntimeError) from any other RuntimeError by its start;
+    # sim.run.cluster tells a stall (this simpy RuntimeError) from any other RuntimeError by its start;
     # every other error (a PolicyError at the last arrival) was reported as "simulation stalled"
     import simpy
 

@@ -100,8 +100,8 @@ def _summary(out) -> list[dict]:
 
 
 def test_sim_run_takes_parameters_and_they_reach_the_policy(tmp_path) -> None:
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.scenario import load_scenario
     from sim.workload import spread_batches, take_slice
     from sim.workload.loader import read_trace

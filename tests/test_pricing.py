@@ -230,8 +230,8 @@ def test_rates_from_summary_and_file(tmp_path: Path) -> None:
 
 def test_rates_from_a_real_simulation_summary() -> None:
     # the summary divides by all GPUs; rates_from_summary must keep input = hit + miss and the hit split
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.workload import read_trace, take_slice
 
     reqs = take_slice(read_trace(), 0, 60)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.executor import quiet_ray_logs
+from sim.search.executor import quiet_ray_logs
 
 ROOT = Path(__file__).parents[1]
 
@@ -35,7 +35,7 @@ def test_starting_a_local_ray_instance_prints_nothing(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     # was: "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ..." on
     # stderr, in the middle of `pdlb sim capacity --executor ray` output
-    code = ("from sim.executor import RayExecutor\n"
+    code = ("from sim.search.executor import RayExecutor\n"
             "ex = RayExecutor(num_cpus=1)\n"
             "print('slots', ex.slots)\n"
             "ex.shutdown()\n")

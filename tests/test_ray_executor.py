@@ -12,11 +12,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from sim.capacity import RateSearch, run_searches  # noqa: E402
-from sim.executor import ProcessExecutor, RayExecutor, SerialExecutor  # noqa: E402
-from sim.point import SLO, Point, PolicyPair, WorkloadSpec, parse_policy  # noqa: E402
+from sim.search.capacity import RateSearch, run_searches  # noqa: E402
+from sim.search.executor import ProcessExecutor, RayExecutor, SerialExecutor  # noqa: E402
+from sim.search.point import SLO, Point, PolicyPair, WorkloadSpec, parse_policy  # noqa: E402
 from sim.scenario import load_scenario  # noqa: E402
-from sim.sweep import load_sweep, run_sweep  # noqa: E402
+from sim.search.sweep import load_sweep, run_sweep  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TESTS = str(Path(__file__).parent)
@@ -88,7 +88,7 @@ def test_a_dead_worker_is_retried_then_reported(ray_ex, kill_log: Path) -> None:
     assert "died" in str(e.value).lower() or "crash" in type(e.value).__name__.lower() or "exit" in str(e.value).lower()
     assert len(kill_log.read_text().split()) == 2  # the first try and max_retries=1 retry
     # through a sweep it becomes an error row, not a gap
-    from sim.sweep import Sweep
+    from sim.search.sweep import Sweep
 
     sw = Sweep(pt.scenario, [pt], ["p0"], [], Path("x.toml"))
     rows, ran = run_sweep(sw, kill_log.parent / "sweep", ray_ex)
@@ -98,7 +98,7 @@ def test_a_dead_worker_is_retried_then_reported(ray_ex, kill_log: Path) -> None:
 def test_trace_workloads_travel_through_the_object_store(ray_ex, tmp_path: Path) -> None:
     # a trace is read once by the driver and shipped through the object store: the file is gone
     # before the task runs, and the point still runs; the result names the point as submitted
-    from sim.point import evaluate_point, load_workload
+    from sim.search.point import evaluate_point, load_workload
     from sim.workload import write_mooncake
 
     trace = tmp_path / "t.jsonl"
@@ -133,8 +133,8 @@ def pool_ex():
                                  st.integers(0, 3)),  # seed
                        min_size=1, max_size=3))
 def test_ray_and_the_process_pool_give_equal_tables(ray_ex, pool_ex, points) -> None:
-    from sim.executor import run_points
-    from sim.point import point_row
+    from sim.search.executor import run_points
+    from sim.search.point import point_row
 
     sc = load_scenario("dsv3-pd-h200")
     pts = [Point(sc, WorkloadSpec(limit=lim or 200, duration_s=dur, seed=seed), parse_policy("least_load"), f,

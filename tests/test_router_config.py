@@ -3,7 +3,7 @@ service and the simulator; every router built from a config; bad settings refuse
 
 Expected values are the defaults as documented in balancer/config.py's table (written there by
 hand: 64-token blocks, ep_aware for both pools, 262,144 blocks per replica, 4,194,304 in all), and
-the simulator's settings as sim/router_config.py's docstring states them.
+the simulator's settings as sim/run/router_config.py's docstring states them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from balancer import PolicySpec, Router, RouterConfig, TtftSlo
 from balancer.cost_model import DEFAULT_COST_MODEL
 from balancer.policies import available_policies
 from balancer.service.config import LEGACY_ROUTER_KEYS, ServiceConfig, config_warnings
-from sim.router_config import RankCacheBlocks, index_capacity_blocks, router_config_for, router_factory
+from sim.run.router_config import RankCacheBlocks, index_capacity_blocks, router_config_for, router_factory
 from sim.scenario import load_scenario
 
 

@@ -200,7 +200,7 @@ def test_processes_share_in_flight_load_through_shared_memory():
     """Two routers (two processes' views, two rows of one block): A routes 3 requests to e0;
     B, before its own decision, reads A's row: e0 carries 3 requests there, so least_load sends
     B's request to e1; when A's requests finish, B sees 0 again. Closing A zeroes its row."""
-    from balancer.service.shared_load import SharedLoad, create_shared_load_block
+    from balancer.service.processes.shared_load import SharedLoad, create_shared_load_block
 
     reps = [ReplicaId("e0", 0), ReplicaId("e1", 0)]
     routers = []

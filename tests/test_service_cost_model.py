@@ -17,7 +17,7 @@ from sim.emulator.testing import inprocess_cluster
 @pytest.mark.parametrize("suffix", [".toml", ".json", ""])
 def test_sim_cost_model_file_round_trips_into_serve(tmp_path: Path, suffix: str) -> None:
     # what pdlb sim cost-model writes (TOML, or JSON for .json) is what pdlb serve --cost-model reads
-    from sim.cost_model import cost_model_for
+    from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 
     out = tmp_path / f"cm{suffix}"
@@ -63,7 +63,7 @@ async def test_the_service_learns_prefill_and_decode_from_what_it_relays():
 
 def test_sim_cost_model_takes_set_like_sim_run(tmp_path: Path, capsys) -> None:
     # --set on cost-model = --set on sim run: the same dotted scenario fields, applied in order
-    from sim.cost_model import cost_model_for
+    from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 
     out = tmp_path / "cm.toml"

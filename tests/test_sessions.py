@@ -12,7 +12,7 @@ import pytest
 
 from balancer.hashing import hash_token_blocks
 from pdlb_cli.main import main
-from sim.engine.kv_store import KvStore
+from sim.run.engine.kv_store import KvStore
 from sim.experiments.store_hit_rate import replay_store
 from sim.workload import (
     SessionClassConfig,

@@ -1,6 +1,6 @@
 """Several processes of one ``pdlb serve``: admin changes applied everywhere or nowhere
-(:mod:`balancer.service.shared_admin`), shared-load columns of workers added and removed at run
-time (:mod:`balancer.service.shared_load`), per-process KV-event metrics
+(:mod:`balancer.service.processes.shared_admin`), shared-load columns of workers added and removed at run
+time (:mod:`balancer.service.processes.shared_load`), per-process KV-event metrics
 (:class:`balancer.service.kv_subscriber.KvEventsFilesCollector`) and the default process count."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 
 from balancer.router import Router
-from balancer.service import shared_admin
-from balancer.service.shared_admin import AdminChannel, AdminCoordinator, AdminRefused
-from balancer.service.shared_load import SharedLoad, create_shared_load_block
+from balancer.service.processes import shared_admin
+from balancer.service.processes.shared_admin import AdminChannel, AdminCoordinator, AdminRefused
+from balancer.service.processes.shared_load import SharedLoad, create_shared_load_block
 from balancer.types import ReplicaId, Request
 
 

@@ -1,10 +1,10 @@
-"""The in-flight load block of ``pdlb serve --processes N`` (:mod:`balancer.service.shared_load`):
+"""The in-flight load block of ``pdlb serve --processes N`` (:mod:`balancer.service.processes.shared_load`):
 each process's peer counters are the sum of the other processes' rows, on both of its paths
 (slots 0..n-1 in columns 0..n-1: slices; columns mapped elsewhere: a gather). Expected values are
 counted by hand from the requests dispatched below."""
 
 from balancer.router import Router
-from balancer.service.shared_load import SharedLoad, create_shared_load_block
+from balancer.service.processes.shared_load import SharedLoad, create_shared_load_block
 from balancer.types import ReplicaId, Request
 
 REPS = [ReplicaId(f"e{i}", 0) for i in range(3)]

@@ -1,4 +1,4 @@
-"""The shared approximate prefix views' drain (:mod:`balancer.service.shared_prefix`): decisions
+"""The shared approximate prefix views' drain (:mod:`balancer.service.processes.shared_prefix`): decisions
 read in one drain that repeat (same replicas, same blocks) are applied once, and the index ends
 exactly as applying every decision in turn would leave it (the reference: a second router fed
 the same decisions one by one through ``record_routed``, in the order the drain reads them)."""
@@ -7,7 +7,7 @@ import asyncio
 import random
 
 from balancer.router import Router
-from balancer.service.shared_prefix import PrefixShare
+from balancer.service.processes.shared_prefix import PrefixShare
 from balancer.types import ReplicaId
 
 REPS = [ReplicaId(f"e{i}", d) for i in range(3) for d in range(2)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from balancer.types import Request
-from sim.cluster import simulate
+from sim.run.cluster import simulate
 from sim.scenario import PoolConfig, Scenario
 from sim.workload import read_trace, spread_batches, take_slice
 
@@ -62,7 +62,7 @@ def test_tiny_pd_scenario_matches_hand_calculation(fast_forward: bool) -> None:
     np.testing.assert_allclose(r.first_token_s, [0.028, 0.040009], atol=1e-12)
     np.testing.assert_allclose(r.finish_s, [0.054028, 0.054028], atol=1e-12)
     assert r.cached_tokens.tolist() == [0, 7]
-    from sim.metrics import per_request
+    from sim.run.metrics import per_request
 
     d = per_request(res)
     np.testing.assert_allclose(d["ttft_s"], [0.028, 0.035009], atol=1e-12)
@@ -284,7 +284,7 @@ def test_rank_tracks_the_fewest_remaining_decode_steps() -> None:
     # Hand-tracked: sequences with 5 and 3 steps left -> 3; 2 steps later 3 and 1 -> 1; one more
     # step finishes the second (removed), the first has 2 left; a local start with 7 left -> 2.
     from balancer.types import ReplicaId, Role
-    from sim.engine.rank import DecodeSeq, PrefillJob, Rank
+    from sim.run.engine.rank import DecodeSeq, PrefillJob, Rank
 
     rank = Rank(ReplicaId("m", 0), 0, Role.MIXED, kv_capacity_blocks=100, block_size=4,
                 max_prefill_tokens=16, max_decode_batch=8)
@@ -302,7 +302,7 @@ def test_rank_tracks_the_fewest_remaining_decode_steps() -> None:
 
 
 def test_cache_aware_beats_round_robin_on_hit_rate_and_nothing_beats_ideal(trace_slice) -> None:
-    from sim.metrics import summarize
+    from sim.run.metrics import summarize
 
     rr = summarize(simulate(_pd_scenario(), trace_slice, "round_robin"))
     ca = summarize(simulate(_pd_scenario(), trace_slice, "cache_aware"))
@@ -315,8 +315,8 @@ def test_load_samples_stay_bounded_and_evenly_spaced_on_a_long_run():
     # One request with a 100k-token output: the arrivals span nothing, so the sampling period
     # starts at 1 ms (duration 1 s / 400 -> 2.5 ms) while the run lasts minutes. The sampler must
     # thin itself (keep every other sample, double the period) instead of taking ~10^5 samples.
-    from sim.cluster import simulate
-    from sim.records import MAX_LOAD_SAMPLES
+    from sim.run.cluster import simulate
+    from sim.run.records import MAX_LOAD_SAMPLES
     from sim.scenario import load_scenario
 
     sc = load_scenario("llama8b-agg-h100").with_pools(mixed_engines=1)
@@ -337,7 +337,7 @@ def test_step_imbalance_counters_by_hand():
     # whole second: mean/max 0.5 -> 0.5 s), then [4, 4] for 2 s (balanced)
     from types import SimpleNamespace
 
-    from sim.engine.step_group import StepGroup
+    from sim.run.engine.step_group import StepGroup
 
     g = SimpleNamespace(prefill_busy_s=0.0, prefill_imbalance_s=0.0, prefill_wait_s=0.0)
     StepGroup._account(g, "prefill", np.array([[8.0, 0.0], [4.0, 4.0]]), np.array([1.0, 2.0]))

@@ -14,10 +14,10 @@ import pytest
 
 from balancer.router import RequestTooLargeError, Router
 from balancer.types import ReplicaId, Request
-from sim.admission import admit, check_block_size
+from sim.run.admission import admit, check_block_size
 from pdlb_cli.main import main
-from sim.cluster import simulate
-from sim.metrics import summarize
+from sim.run.cluster import simulate
+from sim.run.metrics import summarize
 from sim.scenario import PoolConfig, Scenario, load_scenario
 from sim.workload import read_trace, take_slice
 from sim.workload.errors import TraceFormatError

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from balancer.types import Request
-from sim.cluster import simulate
-from sim.metrics import summarize
+from sim.run.cluster import simulate
+from sim.run.metrics import summarize
 from sim.perf.polynomial import MockerPolynomialPerf, mocker_decode_ms, mocker_polynomial_factory, mocker_prefill_ms
 from sim.scenario import PoolConfig, Scenario
 

@@ -85,7 +85,7 @@ def test_dynamic_pays_the_parallel_block_even_when_verifying_nothing():
 def test_deepinfer_preset_gain_rises_with_load():
     # the shipped DSpark-5 preset: nothing to prune at light load (exactly 0: dynamic verifies the
     # whole block, as fixed drafts do), a gain once verification is compute-bound, never falling
-    from sim.validate import SPEC_GAIN_SWEEP, spec_gain_sweep
+    from sim.validation.published import SPEC_GAIN_SWEEP, spec_gain_sweep
     sweep = spec_gain_sweep()
     assert list(sweep) == list(SPEC_GAIN_SWEEP)
     gains = list(sweep.values())

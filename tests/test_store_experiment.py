@@ -9,7 +9,7 @@ import pytest
 
 from balancer.types import Request
 from pdlb_cli.main import main
-from sim.engine.kv_store import KvStore
+from sim.run.engine.kv_store import KvStore
 from sim.experiments.store_hit_rate import replay_store, ttl_hit_rates
 from sim.workload import SessionWorkloadConfig, session_workload
 

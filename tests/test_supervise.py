@@ -1,4 +1,4 @@
-"""Restart policy and load reaping of ``pdlb serve --processes N`` (:mod:`balancer.service.supervise`).
+"""Restart policy and load reaping of ``pdlb serve --processes N`` (:mod:`balancer.service.processes.supervise`).
 Expected values by hand from the documented rule: the k-th death of one index within the window
 waits min(5, 0.1 * 2**(k-1)) s; a death beyond max_restarts within the window gives up."""
 
@@ -8,7 +8,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from balancer.service.supervise import LoadReaper, RestartPolicy, describe_exit
+from balancer.service.processes.supervise import LoadReaper, RestartPolicy, describe_exit
 
 
 def test_backoff_doubles_per_death_in_the_window_and_resets_after_it():
@@ -82,7 +82,7 @@ class _DyingProcess:
 def test_a_replacement_dying_before_ready_is_described_once_reaped():
     """Review finding: a replacement SIGKILLed while starting was logged 'failed: is still running
     before listening' (its pipe closed a moment before it could be reaped); it is joined first."""
-    from balancer.service.supervise import exit_before_ready
+    from balancer.service.processes.supervise import exit_before_ready
 
     p = _DyingProcess(reaped_on_join=True)
     assert exit_before_ready(p) == "was killed by SIGKILL before listening" and p.joined == [2.0]

@@ -1,4 +1,4 @@
-"""Sweeps (sim.sweep, pdlb sim sweep): expansion, resumability, the table, failures kept as rows."""
+"""Sweeps (sim.search.sweep, pdlb sim sweep): expansion, resumability, the table, failures kept as rows."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pdlb_cli.main import main
-from sim.executor import Executor, SerialExecutor
-from sim.sweep import MAX_POINTS, load_sweep, read_done, run_sweep
+from sim.search.executor import Executor, SerialExecutor
+from sim.search.sweep import MAX_POINTS, load_sweep, read_done, run_sweep
 
 SWEEP = """
 policies = ["round_robin", "least_load:metric=requests"]
@@ -181,7 +181,7 @@ def test_a_sweep_seed_means_what_sim_run_seed_means(tmp_path: Path) -> None:
 
 def test_sweep_marks_burst_goodput_with_capacitys_check(tmp_path: Path, capsys) -> None:
     """A point whose run ends more than 2 arrival windows after it starts has a burst's goodput
-    (sim.metrics.burst_note, the check `pdlb sim capacity` applies to its answer); the sweep says so
+    (sim.run.metrics.burst_note, the check `pdlb sim capacity` applies to its answer); the sweep says so
     in the table, the CSV, the console and the report (was: silent, 20 requests at x64 read as a
     sustained ~200 req/s). Expected: the condition from each row's own summary fields."""
     f = _write(tmp_path, 'scenario = "llama8b-agg-h100"\npolicies = ["round_robin"]\nlimit = 20\nrates = [64.0]\n'
@@ -213,7 +213,7 @@ def test_sweep_marks_burst_goodput_with_capacitys_check(tmp_path: Path, capsys) 
 
 
 def test_burst_note_boundary_and_missing_fields() -> None:
-    from sim.metrics import burst_note
+    from sim.run.metrics import burst_note
 
     # makespan > 2 x window (strict), by hand: 2.0 s over a 1.0 s window is not a burst, 2.01 s is
     assert burst_note(10, 1.0, 2.0) == ""

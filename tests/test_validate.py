@@ -9,7 +9,7 @@ import pytest
 from pdlb_cli.main import main
 from sim.perf.base import causal_attn_pairs
 from sim.scenario import load_scenario
-from sim.validate import (
+from sim.validation.published import (
     CALIBRATION_POINT,
     DS_DECODE_SEQS_PER_GPU,
     DS_PROMPT_TOKENS,
@@ -87,7 +87,7 @@ def test_calibration_errors():
     # reachable target (600 ms; V4.1-Flash's TTFT at 96% hits stays >= 546.7 ms at any constants)
     from dataclasses import replace
 
-    import sim.validate as v
+    import sim.validation.published as v
     f = v._figure("deepinfer-ttft")
     v.FIGURES_BY_KEY["deepinfer-ttft-600"] = replace(f, key="deepinfer-ttft-600", published=600.0)
     try:
@@ -174,7 +174,7 @@ def test_cli_validate_table_and_calibrate(capsys):
 
 
 def test_deepinfer_rows_compose_by_hand():
-    from sim.validate import (DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS, deepinfer_ttft_s, prefill_step_s,
+    from sim.validation.published import (DEEPINFER_DECODE_SEQS_PER_GPU, DS_AVG_KV_TOKENS, deepinfer_ttft_s, prefill_step_s,
                               spec_decode_time_per_token_s, spec_gain)
     sc = load_scenario("deepinfer-sm100")
     perf = sc.perf
@@ -196,7 +196,7 @@ def test_deepinfer_rows_compose_by_hand():
 def test_calibrate_on_a_figure_that_falls_with_the_constants():
     # the speculative-decoding gain falls as the efficiency constants rise; calibration bisects
     # either way and reproduces the published +5.5% (the middle of DeepInfer's +4..7%)
-    from sim.validate import calibrate
+    from sim.validation.published import calibrate
 
     s, _, r = calibrate("deepinfer-spec-gain-60", tol=1e-6)
     assert 0 < s < 2 and r.simulated == pytest.approx(5.5, abs=1e-3)
@@ -205,7 +205,7 @@ def test_calibrate_on_a_figure_that_falls_with_the_constants():
 def test_verdicts_blocked_is_a_miss_with_its_fact_and_never_a_pass():
     from dataclasses import replace
 
-    from sim.validate import Result, summary_line
+    from sim.validation.published import Result, summary_line
     f = FIGURES_BY_KEY["sglang-prefill-1k"]  # published 57,674 tok/s, +-15%
     blocked = replace(f, blocked_by="a fact")
     # inside the tolerance a figure passes whether or not it names a blocking fact
@@ -245,7 +245,7 @@ def test_a_fail_row_is_printed_and_makes_strict_exit_1(monkeypatch, capsys):
     shipped row fails now, so one is made by dropping a blocked row's fact)."""
     from dataclasses import replace
 
-    import sim.validate as v
+    import sim.validation.published as v
     key = "deepinfer-ttft"
     unblocked = replace(v.FIGURES_BY_KEY[key], blocked_by="")
     monkeypatch.setitem(v.FIGURES_BY_KEY, key, unblocked)
@@ -258,7 +258,7 @@ def test_a_fail_row_is_printed_and_makes_strict_exit_1(monkeypatch, capsys):
 
 
 def test_deepseek_day6_node_split_from_published_totals():
-    from sim.validate import DS_DECODE_NODES_AVG, DS_PREFILL_NODES_AVG
+    from sim.validation.published import DS_DECODE_NODES_AVG, DS_PREFILL_NODES_AVG
     # 608e9 / 86,400 / 73,700 = 95.48 prefill nodes; 168e9 / 86,400 / 14,800 = 131.38 decode nodes
     assert DS_PREFILL_NODES_AVG == pytest.approx(95.48, abs=0.01)
     assert DS_DECODE_NODES_AVG == pytest.approx(131.38, abs=0.01)
@@ -270,8 +270,8 @@ def test_blocking_numbers_are_what_the_model_gives(monkeypatch):
     """The numbers quoted in the blocked_by texts, recomputed."""
     import dataclasses
 
-    import sim.hardware as hw
-    from sim.validate import deepinfer_ttft_s, spec_gain
+    import sim.models.hardware as hw
+    from sim.validation.published import deepinfer_ttft_s, spec_gain
     sc = load_scenario("deepinfer-sm100")
     f = FIGURES_BY_KEY["deepinfer-decode-seq"]
     on_8 = sc.perf.model_copy(update={"gpus_per_node": 8})
@@ -286,7 +286,7 @@ def test_blocking_numbers_are_what_the_model_gives(monkeypatch):
         s2 = sc.model_copy(update={"prefill": sc.prefill.model_copy(update={"max_prefill_tokens": budget})})
         assert 1e3 * deepinfer_ttft_s(s2, sc.perf) == pytest.approx(ms, abs=0.5), budget
     # ... and, at 96% hits, the prompt length (V4-Flash: nearly flat, 529-561 ms)
-    import sim.validate as v
+    import sim.validation.published as v
     for prompt, ms in ((2048, 1340), (4096, 832), (8192, 577), (16384, 463), (32768, 387)):
         monkeypatch.setattr(v, "DS_PROMPT_TOKENS", prompt)
         assert 1e3 * deepinfer_ttft_s(sc, sc.perf) == pytest.approx(ms, abs=0.5), prompt
@@ -336,7 +336,7 @@ def test_e2e_row_on_the_three_node_prefill_layout_is_faster_not_slower():
 
 def test_e2e_blocking_numbers_are_what_the_model_gives():
     """The numbers quoted in sglang-e2e-input-2000's blocked_by text, recomputed."""
-    from sim.validate import scenario_perf, sglang_bench_one_batch_input_rate
+    from sim.validation.published import scenario_perf, sglang_bench_one_batch_input_rate
     f = FIGURES_BY_KEY["sglang-e2e-input-2000"]
     sc = load_scenario(f.preset)
     perf = scenario_perf(sc)
@@ -349,7 +349,7 @@ def test_e2e_blocking_numbers_are_what_the_model_gives():
     assert bench / f.published - 1 == pytest.approx(0.155, abs=5e-4)
     assert abs(bench - step) / f.published == pytest.approx(0.0003, abs=5e-5)  # "moves it 0.03 points"
     # hand check of the bench's TTFT from the same step function (independent of the helper's loop)
-    from sim.validate import decode_step_s, prefill_step_s
+    from sim.validation.published import decode_step_s, prefill_step_s
     from sim.perf.build import roofline_for_pool
     t_full = prefill_step_s(sc, perf, 2000, 0, 16384 / 2000)
     t_rest = prefill_step_s(sc, perf, 2000, 0, 9632 / 2000)
@@ -377,7 +377,7 @@ def test_deepseek_decode_profile_readings():
     """DeepSeek's decode profile (18,598 tok/s/node) under each reading of its tokens per step: the
     model's step is the same, only the tokens credited to it change (hand check: the ratios are the
     readings' token counts)."""
-    from sim.validate import DS_PROFILE_DECODE_PUBLISHED, deepseek_decode_profile_readings
+    from sim.validation.published import DS_PROFILE_DECODE_PUBLISHED, deepseek_decode_profile_readings
     r = deepseek_decode_profile_readings()
     assert DS_PROFILE_DECODE_PUBLISHED == 18_598
     errs = {k: v / DS_PROFILE_DECODE_PUBLISHED - 1 for k, v in r.items()}
@@ -395,7 +395,7 @@ def test_deepseek_decode_profile_readings():
 def test_rtp_llm_prefill_by_hand():
     """RTP-LLM's prefill figure: 2 prompts of 4,000 tokens per GPU per step (5,333 TPS x 1.5 s / 2 =
     4,000, the report's numbers), 8 GPUs per node, on DeepSeek's H800 EP32 preset."""
-    from sim.validate import RTP_PREFILL_PROMPT_TOKENS, prefill_step_s, scenario_perf
+    from sim.validation.published import RTP_PREFILL_PROMPT_TOKENS, prefill_step_s, scenario_perf
     assert 5333 * 1.5 / 2 == pytest.approx(RTP_PREFILL_PROMPT_TOKENS, abs=1)
     assert 8 * 5333 == pytest.approx(42_600, rel=2e-3)  # the per-node 42.6K is 8 x the per-GPU 5,333
     f = FIGURES_BY_KEY["rtp-llm-prefill-4k"]
@@ -416,7 +416,7 @@ def test_rtp_llm_prefill_by_hand():
 def test_rtp_llm_blocking_numbers_are_what_the_model_gives():
     """The numbers quoted in rtp-llm-prefill-4k's blocked_by text: values from the model run
     (``rtp_prefill_readings``), each checked against its definition."""
-    from sim.validate import (RTP_PROFILE_COMPUTE_BUSY, prefill_step_s, rtp_prefill_readings, scenario_perf)
+    from sim.validation.published import (RTP_PROFILE_COMPUTE_BUSY, prefill_step_s, rtp_prefill_readings, scenario_perf)
     f = FIGURES_BY_KEY["rtp-llm-prefill-4k"]
     assert f.blocked_by and run_validation([f.key])[0].verdict == "blocked"
     sc = load_scenario(f.preset)
@@ -449,7 +449,7 @@ def test_rtp_llm_decode_is_the_deepseek_decode_step_again():
     GPU = 14.8K per node, 4K in / 2K out) is not a row: it is deepseek-decode-node's step again
     (91.7 vs 88 sequences per GPU, context ~5,000 vs 4,989, the same MTP assumption); the model
     gives it +14.0%, next to that row's +13.2%."""
-    from sim.validate import DS_MTP_TOKENS_PER_STEP, decode_step_s, scenario_perf
+    from sim.validation.published import DS_MTP_TOKENS_PER_STEP, decode_step_s, scenario_perf
     sc = load_scenario("deepseek-v3-h800")
     perf = scenario_perf(sc)
     assert sc.decode.dp_ranks == 144

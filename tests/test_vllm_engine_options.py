@@ -1,5 +1,5 @@
-"""vLLM scheduler options of sim/engine (off by default): prefill cadence (DP prefill balancing),
-per-request chunk cap, max_num_seqs, MTP verified on every step (sim/engine/step_perf.py).
+"""vLLM scheduler options of sim/run/engine (off by default): prefill cadence (DP prefill balancing),
+per-request chunk cap, max_num_seqs, MTP verified on every step (sim/run/engine/step_perf.py).
 
 Expected values are hand calculations with a perf model whose every step takes 1 s."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from balancer.types import ReplicaId, Request, Role
-from sim.cluster import simulate
-from sim.engine.rank import DecodeSeq, PrefillJob, Rank
-from sim.engine.step_perf import StepClassPerf
+from sim.run.cluster import simulate
+from sim.run.engine.rank import DecodeSeq, PrefillJob, Rank
+from sim.run.engine.step_perf import StepClassPerf
 from sim.scenario import PoolConfig, Scenario
 
 
@@ -144,7 +144,7 @@ def test_options_are_validated():
 
 
 def test_records_grow_keeps_rows_and_fills_new_ones():
-    from sim.records import RequestRecords
+    from sim.run.records import RequestRecords
     rec = RequestRecords(2)
     rec.finish_s[0] = 1.0
     rec.prompt_tokens[1] = 5
@@ -160,8 +160,8 @@ def test_dynamic_submission_routes_at_the_current_time_and_calls_the_hook():
     # two requests submitted at t=0 and (from the hook) when the first finishes: the second's
     # arrival is the first's finish time (hand: 8-token prompt, 3 out, 1 s steps -> done at t=3)
     from balancer.config import RouterConfig
-    from sim.cluster import Cluster
-    from sim.router_config import router_factory
+    from sim.run.cluster import Cluster
+    from sim.run.router_config import router_factory
     sc = _agg()
     cl = Cluster(sc, router_factory(sc, RouterConfig(prefill_policy="round_robin", decode_policy="least_load", block_size=4)),
                  lambda s, p: OneSecondPerf())

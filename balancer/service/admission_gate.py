@@ -1,7 +1,7 @@
 """Deadline admission in the live router: the policy core's queue with asyncio waiters.
 
 :class:`AdmissionGate` wraps :class:`balancer.deadline_admission.DeadlineAdmission` (the same object
-the simulator drives, :mod:`sim.deadline_gate`) with ``time.monotonic()`` as its clock. The proxy
+the simulator drives, :mod:`sim.run.deadline_gate`) with ``time.monotonic()`` as its clock. The proxy
 (:meth:`balancer.service.proxy.Proxy.handle`) awaits :meth:`AdmissionGate.admit` once a request is
 parsed and checked, before routing: it returns at once when the gate is open, waits while the
 request is held, and answers **429** with ``Retry-After`` (whole seconds) when the request is shed.

@@ -15,7 +15,7 @@ Endpoints:
   ``?url=``). With ``admin_api_key`` configured it needs ``Authorization: Bearer <key>`` (401
   otherwise); without one only loopback clients may use it (403 otherwise). With several router
   processes (``pdlb serve --processes N``) an add or remove is applied by every process, all or
-  none, before it is answered (:mod:`balancer.service.shared_admin`); the list shows the answering
+  none, before it is answered (:mod:`balancer.service.processes.shared_admin`); the list shows the answering
   process's view (the same workers in every process; health, breakers and in-flight counts are
   that process's).
   Adding an SGLang prefill worker without ``bootstrap_port`` logs a warning and returns it in the
@@ -120,7 +120,7 @@ class Service:
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
         self.kv_delivery: Any = None  # its LoopDelivery
-        #: several processes: the directory of the KV fan-out ring (balancer.service.kv_fanout)
+        #: several processes: the directory of the KV fan-out ring (balancer.service.processes.kv_fanout)
         self.kv_fanout_dir: str | None = None
         #: this process's view of the in-flight load shared by the processes of one pdlb serve
         self.shared_load: Any = None
@@ -637,7 +637,7 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
     Raises:
         AdminRefused: 409 (already registered, over the limits) or 404 (unknown URL).
     """
-    from balancer.service.shared_admin import AdminRefused
+    from balancer.service.processes.shared_admin import AdminRefused
 
     if op == "add":
         wcfg = WorkerConfig.model_validate(payload)
@@ -674,7 +674,7 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
 
 async def _admin_change(svc: Service, op: str, payload: Any) -> web.Response | None:
     """Apply a change here, or in every process through the parent; ``None`` or the refusal."""
-    from balancer.service.shared_admin import AdminRefused
+    from balancer.service.processes.shared_admin import AdminRefused
 
     try:
         if svc.admin is not None:
@@ -764,9 +764,9 @@ async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
 def _start_kv_feed(svc: Service, workers: list, loop: asyncio.AbstractEventLoop) -> tuple[Any, Any] | None:
     """The KV-event feed of ``workers`` (blocking: a subscriber process takes a second to start):
     several processes with a shared directory, one subscriber in process 0 fanned out to all of
-    them (:mod:`balancer.service.kv_fanout`); else this process's own subscriber."""
+    them (:mod:`balancer.service.processes.kv_fanout`); else this process's own subscriber."""
     if svc.kv_fanout_dir is not None:
-        from balancer.service.kv_fanout import start_fanout
+        from balancer.service.processes.kv_fanout import start_fanout
 
         fan = start_fanout(workers, svc.router, svc.cfg.router.block_size, svc.cfg.kv_events, svc.kv_fanout_dir,
                            svc.process_index)
@@ -905,7 +905,7 @@ def make_upstream_client(cfg: ServiceConfig) -> UpstreamClient | None:
 def _start_engine_feeds(svc: Service, shared_dir: str | None = None) -> list[asyncio.Task]:
     """Start what feeds the router from the engines: the KV-event subscriber (index_mode events
     or hybrid, workers with ``events``; with several processes and their shared directory
-    ``shared_dir``, one for all of them, :mod:`balancer.service.kv_fanout`) and the load scraper
+    ``shared_dir``, one for all of them, :mod:`balancer.service.processes.kv_fanout`) and the load scraper
     (``load_scrape.enabled``)."""
     cfg = svc.cfg
     tasks: list[asyncio.Task] = []
@@ -927,11 +927,11 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
                shared_prefix_dir: str | None = None, control: Any = None) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
     ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
-    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`,
+    name of the in-flight load block the processes share (:mod:`balancer.service.processes.shared_load`,
     :data:`~balancer.service.workers.MAX_REPLICAS` columns, the configured workers' DP ranks
     first); ``shared_prefix_dir``: where the processes' approximate-index rings live
-    (:mod:`balancer.service.shared_prefix`); ``control``: the duplex pipe to the parent that
-    carries admin changes to every process (:mod:`balancer.service.shared_admin`).
+    (:mod:`balancer.service.processes.shared_prefix`); ``control``: the duplex pipe to the parent that
+    carries admin changes to every process (:mod:`balancer.service.processes.shared_admin`).
 
     Raises:
         ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
@@ -940,7 +940,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
     """
     svc = Service(cfg, process_index)
     if shared_load is not None:
-        from balancer.service.shared_load import SharedLoad
+        from balancer.service.processes.shared_load import SharedLoad
 
         reps = [rep for w in cfg.workers for rep in svc.pool.workers[w.url].replicas]
         svc.shared_load = SharedLoad(shared_load, svc.processes, process_index, reps, svc.router.load,
@@ -969,7 +969,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         # and consistent hash do not: Policy.uses_prefix_index)
         if (shared_prefix_dir is not None and cfg.router.index_mode == "approximate" and svc.multiprocess
                 and svc.router.uses_prefix_index()):
-            from balancer.service.shared_prefix import PrefixShare
+            from balancer.service.processes.shared_prefix import PrefixShare
 
             share = PrefixShare(svc.router, shared_prefix_dir, svc.processes, process_index)
             share.start()
@@ -980,7 +980,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
 
             broker = start_for_service(svc, shared_load)
         if control is not None:
-            from balancer.service.shared_admin import AdminChannel
+            from balancer.service.processes.shared_admin import AdminChannel
 
             svc.admin = AdminChannel(control, lambda op, payload, cols: apply_admin_change(svc, op, payload, cols))
             svc.admin.start()

@@ -47,8 +47,8 @@ Malformed messages are dropped and counted, never raised.
 
 With ``--processes N`` on a host, every process is its own peer on the broker; the processes of
 one ``pdlb serve`` (one *group*) ignore each other's broker messages, since they share load and
-decisions through shared memory already (:mod:`balancer.service.shared_load`,
-:mod:`balancer.service.shared_prefix`).
+decisions through shared memory already (:mod:`balancer.service.processes.shared_load`,
+:mod:`balancer.service.processes.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def encode_load(router_id: str, group: str, seq: int, sent_s: float, tracker: Lo
 class BrokerSync:
     """One router process's side of the broker (see the module docstring); it becomes the load
     tracker's ``peer`` (``refresh``/``publish``), wrapping ``inner`` (this host's shared-memory
-    view, :class:`balancer.service.shared_load.SharedLoad`) when there is one.
+    view, :class:`balancer.service.processes.shared_load.SharedLoad`) when there is one.
 
     Args:
         cfg: the ``broker:`` section (``cfg.url`` set).

@@ -98,7 +98,7 @@ def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any 
     rows = [[rep.engine, rep.dp_rank, d] for rep, d in subscriber.stats().items()]
     data: dict[str, Any] = {"stats": rows, "queued": None if delivery is None else delivery.pending}
     fanout = getattr(subscriber, "fanout_stats", None)
-    if fanout is not None:  # balancer.service.kv_fanout.KvFanout: this process's reader of the ring
+    if fanout is not None:  # balancer.service.processes.kv_fanout.KvFanout: this process's reader of the ring
         data["fanout"] = fanout()
         data["queued"] = None
     path = os.path.join(directory, f"{STATS_FILE_PREFIX}{index}.json")
@@ -110,13 +110,13 @@ def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any 
 
 FANOUT_COUNTERS = ("applied", "apply_errors", "records", "lost_records", "lost_bytes", "corrupt_records", "laps",
                    "resyncs", "snapshot_records")
-"""Per-process counters of the KV fan-out ring's reader (:class:`balancer.service.kv_fanout.FanoutFollower`)."""
+"""Per-process counters of the KV fan-out ring's reader (:class:`balancer.service.processes.kv_fanout.FanoutFollower`)."""
 
 
 class KvEventsFilesCollector:
     """Several router processes (``pdlb serve --processes N``): one subscriber, in process 0,
     decodes and translates every engine batch once and fans the result out to every process
-    (:mod:`balancer.service.kv_fanout`). Its ``pdlb_kv_events_*`` series (batches, gaps, replays,
+    (:mod:`balancer.service.processes.kv_fanout`). Its ``pdlb_kv_events_*`` series (batches, gaps, replays,
     stale, ...) count each batch once and carry ``process="0"``, the process that runs it; every
     process exports ``pdlb_kv_events_fanout_*{process}``: pdlb events applied to its own index,
     ring records read, lost (lapped) and corrupt, laps, resync snapshots asked for and their

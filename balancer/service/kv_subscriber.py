@@ -92,7 +92,7 @@ from balancer.kv_events import AllBlocksCleared, KvEvent
 from balancer.kv_translate import DEFAULT_TRANSLATOR_CAPACITY_BLOCKS, KvEventTranslator
 from balancer.kv_wire import END_OF_REPLAY, EngineBatch, KvWireError, decode_batch, decode_seq, encode_seq, offset_port
 from balancer.service.kv_metrics import KvEventsCollector, KvEventsFilesCollector, write_stats_file
-from balancer.service.kv_ring import RING_BYTES, RingWriter
+from balancer.service.processes.kv_ring import RING_BYTES, RingWriter
 from balancer.types import ReplicaId
 
 __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector",
@@ -311,7 +311,7 @@ class KvEventSubscriber:
         replica is delivered: a worker removed and added again with the same URL must not keep
         what its predecessor announced, and that predecessor's events may still be waiting
         downstream (queued for the event loop, or in the fan-out ring for a process that lags or
-        reads it from its start, :mod:`balancer.service.kv_fanout`); the clear comes after them in
+        reads it from its start, :mod:`balancer.service.processes.kv_fanout`); the clear comes after them in
         delivery order, so every reader drops them there, before the new worker's first event.
         Sources of an already subscribed replica are ignored."""
         self._commands.append(("add", list(sources)))
@@ -848,9 +848,9 @@ class KvEventSubscriberProcess:
     The child is a daemon (it dies with this process) and sends its counters every
     ``stats_interval_s``. Arguments are those of :class:`KvEventSubscriber` (``clock`` and
     ``context`` excepted), and ``ring_path`` instead of ``deliver``: the child appends the
-    translated events to that fan-out ring (:class:`balancer.service.kv_ring.RingWriter`, created
+    translated events to that fan-out ring (:class:`balancer.service.processes.kv_ring.RingWriter`, created
     with ``ring_bytes`` of capacity, or taken over) and nothing but counters crosses the pipe
-    (``pdlb serve --processes N``: every router process reads the ring, :mod:`balancer.service.kv_fanout`).
+    (``pdlb serve --processes N``: every router process reads the ring, :mod:`balancer.service.processes.kv_fanout`).
     """
 
     def __init__(self, sources: Sequence[KvEventSource], block_size: int, deliver: Deliver | None, *,
@@ -1098,7 +1098,7 @@ SUPERVISE_INTERVAL_S = 1.0
 
 class SupervisedSubscriber:
     """The KV event subscriber of ``pdlb serve`` with one router process (``--processes 1``; with
-    several, :class:`balancer.service.kv_fanout.KvFanout` does the same in process 0): a
+    several, :class:`balancer.service.processes.kv_fanout.KvFanout` does the same in process 0): a
     :class:`KvEventSubscriberProcess` (or :class:`KvEventSubscriber` thread) that is checked every
     :data:`SUPERVISE_INTERVAL_S` and, when it died (its child killed, an exception in its thread),
     logged at ERROR, counted (``restarts``; ``pdlb_kv_events_subscriber_restarts_total``) and

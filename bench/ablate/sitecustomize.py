@@ -14,11 +14,9 @@ import os
 
 _what = {w.strip() for w in os.environ.get("PDLB_BENCH_ABLATE", "").split(",") if w.strip()}
 if "peer_refresh" in _what:
-    from balancer.service import shared_load as _sl
-
+    from balancer.service.processes import shared_load as _sl
     _sl.SharedLoad.refresh = _sl.SharedLoad.publish
 if "prefix_share" in _what:
-    from balancer.service import shared_prefix as _sp
-
+    from balancer.service.processes import shared_prefix as _sp
     _sp.PrefixShare.publish = lambda self, replicas, block_hashes, now_s: None
     _sp.PrefixShare.drain = lambda self: 0

@@ -1,6 +1,6 @@
-"""``pdlb sim validate``: the perf model against published deployment figures (:mod:`sim.validate`),
-a real engine's measured runs (``--gpu-runs``, :mod:`sim.gpu_runs`) or AgentX point 440246
-(``--agentx-440246``, :mod:`sim.validate_agentx`). Exit status 1 with ``--strict`` when a figure
+"""``pdlb sim validate``: the perf model against published deployment figures (:mod:`sim.validation.published`),
+a real engine's measured runs (``--gpu-runs``, :mod:`sim.validation.gpu_runs`) or AgentX point 440246
+(``--agentx-440246``, :mod:`sim.validation.agentx`). Exit status 1 with ``--strict`` when a figure
 misses; docs/validate.md explains every figure."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from sim.gpu_runs import print_rows as print_gpu_rows
-from sim.tolerance import TOLERANCE
-from sim.validate import (
+from sim.validation.gpu_runs import print_rows as print_gpu_rows
+from sim.validation.tolerance import TOLERANCE
+from sim.validation.published import (
     CALIBRATION_POINT,
     DS_PREFILL_NODES_AVG,
     DS_PROFILE_DECODE_PUBLISHED,
@@ -23,7 +23,7 @@ from sim.validate import (
     spec_gain_sweep,
     summary_line,
 )
-from sim.validate_agentx import plot_rows, print_rows, run_rows
+from sim.validation.agentx import plot_rows, print_rows, run_rows
 
 
 def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -96,8 +96,8 @@ class BrokerKRouters(KRouters):
     def broker_wrapper(cls, k: int, seed: int = 0, interval_s: float = DEFAULT_INTERVAL_S,
                        latency_s: float = DEFAULT_LATENCY_S
                        ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
-        """For :func:`sim.cluster.simulate` ``router_wrapper``: K broker-sharing routers (the
-        factory is called with the cluster's :class:`sim.router_config.RankCacheBlocks`)."""
+        """For :func:`sim.run.cluster.simulate` ``router_wrapper``: K broker-sharing routers (the
+        factory is called with the cluster's :class:`sim.run.router_config.RankCacheBlocks`)."""
         def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
             return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, interval_s, latency_s)
         return wrap
@@ -189,8 +189,8 @@ def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0
     Raises:
         ValueError: an unknown mode or a K below 1.
     """
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.scenario import DEFAULT_PRESET, load_scenario
     from sim.workload import read_trace, scale_rate, spread_batches, take_slice
 

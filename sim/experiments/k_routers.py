@@ -83,8 +83,8 @@ class KRouters:
     @classmethod
     def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False
                 ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
-        """For :func:`sim.cluster.simulate` ``router_wrapper``: K routers from its factory
-        (called with the cluster's :class:`sim.router_config.RankCacheBlocks`)."""
+        """For :func:`sim.run.cluster.simulate` ``router_wrapper``: K routers from its factory
+        (called with the cluster's :class:`sim.run.router_config.RankCacheBlocks`)."""
         def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
             return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, shared_load)
         return wrap
@@ -122,8 +122,8 @@ class KRouters:
 def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0,
         rate_scale: float = 1.0) -> list[dict[str, Any]]:
     """One summary row per (mode, K)."""
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.scenario import DEFAULT_PRESET, load_scenario
     from sim.workload import read_trace, scale_rate, spread_batches, take_slice
 

@@ -4,7 +4,7 @@ Three tenants (``A``, ``B``, ``C``) send Poisson arrivals of prompts drawn unifo
 ``[prompt_min, prompt_max]`` tokens with short outputs (the prefill pool is the bottleneck: the
 TTFT SLO is what admission protects) to a small PD cluster (Llama-3.1-8B on H100: 2 prefill and 2
 decode engines by default, :func:`small_pd_scenario`). :func:`burst_table` measures, with and
-without admission (:mod:`sim.deadline_gate`):
+without admission (:mod:`sim.run.deadline_gate`):
 
 * **burst**: tenant ``B`` sends ``burst_x`` (10) times its rate for the middle third of the run;
   the other tenants' SLO attainment is compared with a run without the burst;
@@ -28,9 +28,9 @@ import numpy as np
 
 from balancer.deadline_admission import AdmissionConfig, prefill_rate_tokens_per_s
 from balancer.types import Request, TtftSlo
-from sim.cluster import simulate
-from sim.cost_model import cost_model_for
-from sim.metrics import summarize
+from sim.run.cluster import simulate
+from sim.run.router_cost import cost_model_for
+from sim.run.metrics import summarize
 from sim.scenario import PoolConfig, Scenario
 
 TENANTS = ("A", "B", "C")

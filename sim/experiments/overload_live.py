@@ -25,7 +25,7 @@ import numpy as np
 
 from balancer.deadline_admission import prefill_rate_tokens_per_s
 from balancer.types import Request
-from sim.cost_model import cost_model_for
+from sim.run.router_cost import cost_model_for
 from sim.emulator.testing import inprocess_cluster
 from sim.experiments.overload import TENANTS, small_pd_scenario, tenant_workload
 

@@ -3,7 +3,7 @@
 a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`).
 
 This module sits above :mod:`sim.scenario` (it reads a :class:`~sim.scenario.Scenario`) and below
-the run (:mod:`sim.cluster`, :mod:`sim.cost_model`); :mod:`sim.perf.config` and
+the run (:mod:`sim.run.cluster`, :mod:`sim.run.router_cost`); :mod:`sim.perf.config` and
 :mod:`sim.perf.spec` hold only the settings the scenario embeds, so they import nothing above them.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from sim.hardware import get_hardware
-from sim.models import get_model
+from sim.models.hardware import get_hardware
+from sim.models.presets import get_model
 from sim.perf.base import PerfModel
 from sim.perf.config import PerfConfig
 from sim.perf.roofline import RooflinePerf

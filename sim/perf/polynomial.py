@@ -112,7 +112,7 @@ class MockerPolynomialPerf:
 
 
 def mocker_polynomial_factory(kv_bytes_per_token: int = 131_072) -> Callable:
-    """A ``perf_factory`` for :func:`sim.cluster.simulate`: every pool gets a
+    """A ``perf_factory`` for :func:`sim.run.cluster.simulate`: every pool gets a
     :class:`MockerPolynomialPerf` with the pool's ``kv_capacity_tokens`` (required: the mocker's
     capacity is a setting, not derived from a GPU)."""
 

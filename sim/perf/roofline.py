@@ -114,9 +114,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from sim import csa2
-from sim.hardware import HardwareSpec, get_hardware
-from sim.models import ModelSpec, get_model
+from sim.models import csa2
+from sim.models.hardware import HardwareSpec, get_hardware
+from sim.models.presets import ModelSpec, get_model
 from sim.perf.imbalance import EPLB_RESIDUAL_STD, eplb_imbalance
 
 #: default efficiency constants (see module docstring for where they come from)
@@ -570,7 +570,7 @@ class RooflinePerf:
 
     def _csa2_work(self, pt, pp, pc, ds, dc, dtok, k_verify, has_prefill):  # noqa: ANN001, ANN202
         """``(compute seconds, KV tokens read + written, MoE tokens)`` of a rank under CSA2 attention
-        with a causal encoder-decoder (DeepSeek-V4.1, :mod:`sim.csa2`).
+        with a causal encoder-decoder (DeepSeek-V4.1, :mod:`sim.models.csa2`).
 
         * Prefill: the rank's ``pt`` new tokens after ``pc`` cached are taken as ``m`` equal chunks
           of ``c`` after ``p`` (recovered from ``pp`` as in :meth:`_sparse_work`). Every new token,

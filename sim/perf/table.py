@@ -57,8 +57,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from sim.hardware import HardwareSpec, get_hardware
-from sim.models import ModelSpec, get_model
+from sim.models.hardware import HardwareSpec, get_hardware
+from sim.models.presets import ModelSpec, get_model
 from sim.perf.roofline import DEFAULT_ACTIVATION_RESERVE_BYTES, DEFAULT_KV_CACHE_FRACTION
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "data" / "profiles"

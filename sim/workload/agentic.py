@@ -3,7 +3,7 @@
 Open-loop arrival replay cannot express this load: each of ``lanes`` clients runs one agent
 trajectory at a time and sends the next turn only after the previous reply has finished and a
 *think time* has passed (tool execution), so the offered rate falls when the server slows down.
-The closed-loop driver (:mod:`sim.closed_loop`) runs the lanes on pdlb's cluster simulator; this module generates what they send.
+The closed-loop driver (:mod:`sim.run.closed_loop`) runs the lanes on pdlb's cluster simulator; this module generates what they send.
 
 A *trajectory* (one agent session) is a chain of turns whose context grows: turn ``k``'s prompt is
 turn ``k-1``'s prompt, plus turn ``k-1``'s output, plus ``new_k`` new tokens (tool results, user
