@@ -602,20 +602,16 @@ class LoopLag:
 ISSUE_P99_S = 0.100
 ISSUE_MAX_S = 0.250
 """Issue 25's latency bounds: p99 under 100 ms, never over 250 ms."""
-WALL_LAG_MAX_S = 0.500
-"""The wall-clock event-loop lag's bound on any host (a block that uses no CPU shows there only)."""
-BUSY_HOST_PROBE_P99_S = 0.200
-BUSY_HOST_PROBE_MAX_S = 0.400
-"""On a busy host: the probe's p99 / max may exceed an idle probe's by at most these (seconds)."""
 
 
 def verdict(name: str, statuses: list[int], seen: ProbeResult, lag: LoopLag, cpu_lag: LoopLag,
-            foreign_cores: float, idle_p99_s: float, idle_max_s: float) -> list[str]:
+            foreign_cores: float) -> list[str]:
     """What went wrong during hostile action ``name`` (empty: nothing), by issue 25's "Done when"
     (``tests/test_service_hostile.py``'s docstring): its ``statuses``; the probe's latencies
     ``seen``; the router's wall-clock and CPU event-loop lag (:class:`LoopLag` of :data:`LAG` and
-    :data:`CPU_LAG`); the CPUs other work took meanwhile (:meth:`HostCpu.foreign_cores`) and an
-    idle probe's p99 and max (seconds), which set the probe's bounds on a busy host."""
+    :data:`CPU_LAG`); the CPUs other work on the host took meanwhile
+    (:meth:`HostCpu.foreign_cores`: above :data:`QUIET_FOREIGN_CORES` the wall-clock figures
+    measure the host as much as the router, and are not held to the bounds)."""
     problems = []
     if not set(statuses) <= EXPECTED[name]:
         problems.append(f"statuses {statuses}, expected {EXPECTED[name]}")
@@ -625,15 +621,11 @@ def verdict(name: str, statuses: list[int], seen: ProbeResult, lag: LoopLag, cpu
     if cpu_lag.over_100ms > 0.01 * cpu_lag.samples or cpu_lag.over_250ms:
         problems.append(f"event loop CPU lag {cpu_lag}: p99 must stay under {ISSUE_P99_S * 1e3:.0f} ms and no "
                         f"sample over {ISSUE_MAX_S * 1e3:.0f} ms")
-    if lag.over_500ms:
-        problems.append(f"event loop lag {lag}: a sample over {WALL_LAG_MAX_S * 1e3:.0f} ms")
-    if foreign_cores <= QUIET_FOREIGN_CORES:  # a quiet host: the issue's bounds on what a client sees
+    if foreign_cores <= QUIET_FOREIGN_CORES:  # a quiet host: the issue's bounds in wall-clock time too
         if seen.p99_s() >= ISSUE_P99_S or seen.max_s() > ISSUE_MAX_S:
             problems.append(f"probe p99 {seen.p99_s() * 1e3:.0f} ms, max {seen.max_s() * 1e3:.0f} ms on a quiet host "
                             f"(other work: {foreign_cores:.2f} CPUs): the bounds are {ISSUE_P99_S * 1e3:.0f} and "
                             f"{ISSUE_MAX_S * 1e3:.0f} ms")
-    elif seen.p99_s() > BUSY_HOST_PROBE_P99_S + idle_p99_s or seen.max_s() > BUSY_HOST_PROBE_MAX_S + idle_max_s:
-        problems.append(f"probe p99 {seen.p99_s() * 1e3:.0f} ms, max {seen.max_s() * 1e3:.0f} ms on a busy host "
-                        f"(other work: {foreign_cores:.2f} CPUs; idle probe p99 {idle_p99_s * 1e3:.0f} ms, "
-                        f"max {idle_max_s * 1e3:.0f} ms)")
+        if lag.over_100ms > 0.01 * lag.samples or lag.over_250ms:
+            problems.append(f"event loop lag {lag} on a quiet host (other work: {foreign_cores:.2f} CPUs)")
     return problems
