@@ -4,7 +4,7 @@ bounds (p99 under 100 ms, never over 250 ms) applied by hand."""
 
 from __future__ import annotations
 
-from sim.emulator.hostile import CPU_LAG, LAG, HostCpu, LoopLag, ProbeResult, verdict
+from sim.emulator.hostile import CPU_LAG, LAG, LOG_BYTES_MAX, HostCpu, LoopLag, ProbeResult, verdict
 
 OK = LoopLag(samples=200, over_100ms=0, over_250ms=0, over_500ms=0)
 
@@ -58,3 +58,10 @@ def test_foreign_cores_subtract_the_own_tree():
     assert HostCpu(10.0, 50.0, 5.0).foreign_cores(HostCpu(12.0, 50.5, 6.0)) == 0.0  # never negative
     now = HostCpu.now()
     assert now.busy_s > 0 and now.own_s > 0  # this process has used some CPU
+
+
+def test_what_the_router_logs_during_an_action_is_bounded():
+    fine = ProbeResult([0.0], [0.001], [200])
+    assert verdict("content_length_minus_5", [400], fine, OK, OK, 1.5, logged_bytes=LOG_BYTES_MAX) == []
+    problems = verdict("content_length_minus_5", [400], fine, OK, OK, 1.5, logged_bytes=578_000)  # the issue's flood
+    assert len(problems) == 1 and "logged" in problems[0]

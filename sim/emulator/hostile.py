@@ -372,13 +372,49 @@ ADMIN_KEY = "s3cret"
 """The router's ``admin_api_key`` in :func:`spawn_hostile_cluster`."""
 
 
+class LogTap:
+    """Reads a child process's output (its stdout pipe, stderr merged) in a daemon thread, so that
+    the child never blocks on a full pipe, and counts it: :attr:`bytes` so far, the last
+    :data:`KEEP_BYTES` in :meth:`tail`. (The router logs one short line per kind of client error
+    per 10 s: issue 25 item 7.)"""
+
+    KEEP_BYTES = 16 * 1024
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        import threading
+
+        assert popen.stdout is not None
+        self.bytes = 0
+        self._fd = popen.stdout.fileno()
+        self._tail = b""
+        self._thread = threading.Thread(target=self._run, daemon=True, name="log-tap")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.bytes += len(chunk)
+            self._tail = (self._tail + chunk)[-self.KEEP_BYTES:]
+
+    def tail(self, n_bytes: int = 2000) -> str:
+        """The last ``n_bytes`` of the output, as text."""
+        return self._tail[-n_bytes:].decode(errors="replace")
+
+
 @dataclass
 class HostileCluster:
-    """A ``pdlb serve`` process in front of one prefill and two decode fake engines."""
+    """A ``pdlb serve`` process in front of one prefill and two decode fake engines; ``log``:
+    the router's output (:class:`LogTap`)."""
 
     router: Proc
     prefill: Proc
     decode: list[Proc]
+    log: LogTap | None = None
 
     @property
     def engines(self) -> list[Proc]:
@@ -425,7 +461,7 @@ def spawn_hostile_cluster(config_dir: str, prelude: str = "", **router: object) 
         for e in engines:
             e.stop()
         raise
-    return HostileCluster(r, engines[0], engines[1:])
+    return HostileCluster(r, engines[0], engines[1:], LogTap(r.popen))
 
 
 def _act_token_ids_rejected(c: HostileCluster) -> list[int]:
@@ -604,15 +640,23 @@ ISSUE_MAX_S = 0.250
 """Issue 25's latency bounds: p99 under 100 ms, never over 250 ms."""
 
 
+LOG_BYTES_MAX = 4096
+"""What the router may log during one hostile action (bytes): a few short lines, however many bad
+requests the action sends (issue 25 item 7: 1,000 bad requests logged 578 KB of tracebacks)."""
+
+
 def verdict(name: str, statuses: list[int], seen: ProbeResult, lag: LoopLag, cpu_lag: LoopLag,
-            foreign_cores: float) -> list[str]:
+            foreign_cores: float, logged_bytes: int = 0) -> list[str]:
     """What went wrong during hostile action ``name`` (empty: nothing), by issue 25's "Done when"
     (``tests/test_service_hostile.py``'s docstring): its ``statuses``; the probe's latencies
     ``seen``; the router's wall-clock and CPU event-loop lag (:class:`LoopLag` of :data:`LAG` and
     :data:`CPU_LAG`); the CPUs other work on the host took meanwhile
     (:meth:`HostCpu.foreign_cores`: above :data:`QUIET_FOREIGN_CORES` the wall-clock figures
-    measure the host as much as the router, and are not held to the bounds)."""
+    measure the host as much as the router, and are not held to the bounds); ``logged_bytes``:
+    what the router wrote to its log meanwhile (at most :data:`LOG_BYTES_MAX`)."""
     problems = []
+    if logged_bytes > LOG_BYTES_MAX:
+        problems.append(f"the router logged {logged_bytes} bytes (at most {LOG_BYTES_MAX})")
     if not set(statuses) <= EXPECTED[name]:
         problems.append(f"statuses {statuses}, expected {EXPECTED[name]}")
     if seen.errors() or not seen.latencies_s:
