@@ -46,6 +46,7 @@ from rich.markup import escape
 from balancer.policies import make_policy
 from balancer.policies.spec import split_policy_list
 from balancer.router import DEFAULT_TIER_WEIGHTS
+from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
 from sim.run.file_names import safe_file_stem
 from sim.search.host import default_jobs
 from sim.models.presets import get_model
@@ -407,6 +408,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--mixed-engines", type=positive_int, metavar="N",
                    help="override the number of mixed (aggregated) engines")
     g.add_argument("--exact", action="store_true", help="step-by-step decode (reference mode; slower, same results)")
+    add_engine_option_args(p)
     return g
 
 
@@ -740,6 +742,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """
     sc = load_scenario(args.scenario)
     sc = apply_overrides(sc, getattr(args, "overrides", None) or [])
+    sc = apply_engine_options(sc, args)
     counts = {"prefill": args.prefill_engines, "decode": args.decode_engines, "mixed": args.mixed_engines}
     for pool, n in counts.items():
         if n is not None and getattr(sc, pool) is None:

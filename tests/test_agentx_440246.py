@@ -215,6 +215,37 @@ def test_prefix_hits_resume_at_whole_blocks_of_the_previous_prompt():
             assert rec.cached_tokens[i] == 0
 
 
+def test_hits_end_at_the_retained_window_checkpoints():
+    # vLLM 0.28 under MTP with VLLM_PREFIX_CACHE_RETENTION_INTERVAL=32768 (sim/run/engine/hit_checkpoints.py),
+    # by hand from the previous turn's prompt P (same session, same rank on the ring, no eviction
+    # in this short run): its replay boundary b = floor((P - 1) / 256) * 256 is retained iff the
+    # 64 tokens after it are prompt (P - b >= 64); then the next turn resumes exactly there,
+    # otherwise strictly before it (an earlier turn's boundary)
+    wl, r = _short(lanes=8, duration_s=200.0)
+    rec = r.records
+    good = fallback = 0
+    last: dict[str, int] = {}
+    for i, session in enumerate(r.sessions):
+        j = last.get(session)
+        last[session] = i
+        if j is None or np.isnan(rec.prefill_end_s[i]):
+            continue
+        p = int(rec.prompt_tokens[j])
+        b = (p - 1) // 256 * 256
+        if p - b >= 64:
+            assert rec.cached_tokens[i] == b
+            good += 1
+        else:
+            assert rec.cached_tokens[i] < b
+            fallback += 1
+    # about 63 / 256 of the turns end 1..63 tokens past a block boundary
+    assert good > 0 and fallback > 0
+    assert 0.1 < fallback / (good + fallback) < 0.4
+    # without the retention rule (the option off) every such turn resumes at its boundary
+    _, plain = _short(lanes=8, duration_s=200.0, prefix_cache_retention_interval_tokens=None)
+    assert plain.gpu_hit_rate > r.gpu_hit_rate
+
+
 @pytest.mark.parametrize("policy", ["least_load", "cache_aware", "ep_aware", "consistent_hash"])
 def test_any_policy_routes_the_closed_loop(policy):
     wl, r = _short(policy, lanes=8, duration_s=40.0, warmup=1)

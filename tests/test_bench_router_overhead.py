@@ -60,3 +60,45 @@ def test_summary_prints_the_issue_table_and_goals(capsys: pytest.CaptureFixture[
     assert ("regular pdlb x8 (default): req/s 0.83x the best peer's (misses >= 1.0x), added p99 2.00 ms vs "
             "the best peer's 0.50 (misses), CPU/req 2.00x the best peer's (misses <= 1.5x), "
             "2.00x one pdlb process's (misses <= 1.3x)") in out
+
+
+def test_default_row_is_named_with_the_count_pdlb_serve_really_starts() -> None:
+    # pdlb serve without --processes takes one router CPU in LOCAL_ENGINE_CORE_SHARE (4) when a worker is
+    # on its host, as the bench's are (issue 30): by hand, max(1, CPUs // 4); the bench used to name the
+    # row with the CPU count itself (x8 for 2 processes on --router-cpus 0-7)
+    import os
+
+    from balancer.service.launch import LOCAL_ENGINE_CORE_SHARE
+
+    assert LOCAL_ENGINE_CORE_SHARE == 4
+    cpus = os.sched_getaffinity(0)
+    assert ro.pdlb_default_processes(None) == max(1, len(cpus) // 4)
+    assert ro.pdlb_default_processes({min(cpus)}) == 1
+    assert os.sched_getaffinity(0) == cpus  # the bench's own CPUs restored
+    args = SimpleNamespace(default_processes=ro.pdlb_default_processes(None))
+    assert ro._pdlb_name(0, args) == f"pdlb x{max(1, len(cpus) // 4)} (default)"
+
+
+def test_variant_rows_name_their_own_process_count_and_are_never_the_main_row(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = SimpleNamespace(default_processes=2)
+    assert ro._variant_name("uvloop", ["--event-loop", "uvloop", "--processes", "8"], args) == "pdlb x8, uvloop"
+    assert ro._variant_name("aiohttp", ["--upstream-client", "aiohttp"], args) == "pdlb x2, aiohttp"
+    # no default row: the goals are judged on the last --pdlb-processes row (x8), not the variant after it
+    res = {"direct": [run(0.5, 1.0, 1000, 50)], "pdlb": [run(1.0, 2.5, 60, 100)],
+           "pdlb x8": [run(1.0, 3.0, 100, 200)], "pdlb x8, uvloop": [run(1.0, 3.0, 110, 180)],
+           "smg": [run(0.8, 2.0, 80, 100)], "peers": ["smg"]}
+    ro._summary({"regular": res})
+    out = capsys.readouterr().out
+    # pdlb x8 / smg by hand: req/s 100/80 = 1.25x, CPU 200/100 = 2.00x, added p99 (3-1)/(2-1) = 2.00x
+    assert "| regular | pdlb x8 | smg | 1.25x | 2.00x | 2.00x |" in out
+    assert "regular pdlb x8: req/s 1.25x the best peer's (meets >= 1.0x)" in out
+
+
+def test_baseline_checkouts_are_recognised_by_the_files_that_run_them(tmp_path: Path) -> None:
+    # this checkout runs (pdlb_cli/main.py and balancer/router.py exist); a folder without them does not
+    assert ro.is_pdlb_checkout(Path(__file__).resolve().parents[1])
+    assert not ro.is_pdlb_checkout(tmp_path)
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "cli.py").write_text("")  # what the bench used to look for
+    assert not ro.is_pdlb_checkout(tmp_path)

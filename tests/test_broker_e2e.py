@@ -161,6 +161,10 @@ async def _eq(s: aiohttp.ClientSession, r: Proc, name: str, value: float, labels
     return await _metric(s, r, name, labels) == value
 
 
+async def _ge(s: aiohttp.ClientSession, r: Proc, name: str, value: float, labels: str = "") -> bool:
+    return await _metric(s, r, name, labels) >= value
+
+
 async def _both(s: aiohttp.ClientSession, a: Proc, b: Proc, name: str, value: float) -> bool:
     return await _eq(s, a, name, value) and await _eq(s, b, name, value)
 
@@ -222,6 +226,17 @@ async def test_processes_of_one_serve_share_memory_and_the_broker(broker, engine
             b_on_m0 = await _metric(s, b, "pdlb_routing_decisions_total", f'worker="{m0}"')
             assert b_on_m0 == 0
             await _until(lambda: _eq(s, a, "pdlb_worker_in_flight_requests", 4, f'worker="{m0}"'), 5)
+            # a scrape of A (either process answers) sums its two processes' broker counters (issue 28 item 3):
+            # each of A's processes receives every load message B sends, so A's received count is twice B's
+            # sent count, to within what the 0.25 s copy interval and the order of the scrapes hold back (B
+            # publishes about once a second now); one process's own count would be about B's alone
+            await _until(lambda: _ge(s, b, "pdlb_broker_messages_total", 8, 'direction="sent",kind="load"'), 20)
+            b_sent = await _metric(s, b, "pdlb_broker_messages_total", 'direction="sent",kind="load"')
+            a_received = await _metric(s, a, "pdlb_broker_messages_total", 'direction="received",kind="load"')
+            assert 2 * b_sent - 4 <= a_received <= 2 * b_sent + 6, (a_received, b_sent)
+            async with s.get(a.url + "/metrics") as r:
+                text = await r.text()
+            assert "pdlb_broker_up 1.0" in text and not re.search(r"^pdlb_broker_\w+\{[^}]*process=", text, re.M)
     finally:
         for t in streams:
             t.cancel()

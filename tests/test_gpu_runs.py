@@ -21,9 +21,11 @@ from pdlb_cli.main import main
 #: regression pin, not a truth: a change may move these, but must not make any |error| worse by
 #: more than 1 point.
 PINNED = {
-    ("llama-3.1-8b", "rate0"): {"ttft_p50": 0.012, "ttft_p90": -0.178, "tpot_p50": -0.070, "tpot_p90": -0.082},
-    ("llama-3.1-8b", "rate1"): {"ttft_p50": -0.089, "ttft_p90": 0.002, "tpot_p50": 0.024, "tpot_p90": -0.053},
-    ("llama-3.1-8b", "rate2"): {"ttft_p50": -0.140, "ttft_p90": -0.062, "tpot_p50": -0.089, "tpot_p90": -0.110},
+    # Llama: the 2026-12-05 re-run with 100 s phases (46 / 163 / 202 requests), method unchanged
+    ("llama-3.1-8b", "rate0"): {"ttft_p50": 0.121, "ttft_p90": 0.081, "tpot_p50": 0.080, "tpot_p90": -0.068},
+    ("llama-3.1-8b", "rate1"): {"ttft_p50": -0.098, "ttft_p90": -0.114, "tpot_p50": -0.090, "tpot_p90": -0.123},
+    ("llama-3.1-8b", "rate2"): {"ttft_p50": 0.004, "ttft_p90": 0.139, "tpot_p50": 0.120, "tpot_p90": 0.038},
+    # Qwen: the 2026-12-04 run with 25 s phases (13 / 33 / 85 requests)
     ("qwen3-30b-a3b-l12", "rate0"): {"ttft_p50": -0.010, "ttft_p90": 0.078, "tpot_p50": 0.127, "tpot_p90": 0.003},
     ("qwen3-30b-a3b-l12", "rate1"): {"ttft_p50": -0.058, "ttft_p90": -0.058, "tpot_p50": -0.083, "tpot_p90": -0.087},
     ("qwen3-30b-a3b-l12", "rate2"): {"ttft_p50": -0.055, "ttft_p90": 0.042, "tpot_p50": 0.029, "tpot_p90": 0.083},
@@ -143,13 +145,13 @@ def test_errors_pinned(comparisons):
                 assert abs(c.error(k)) <= abs(pinned) + 0.01, (m, c.phase, k, c.error(k), pinned)
 
 
-def test_23_of_24_within_15_percent_and_the_miss_is_inside_its_sampling_interval():
+def test_24_of_24_within_15_percent_and_the_llama_phases_hold_40_requests_or_more():
     rows = g.rows()
     assert len(rows) == 24
-    missed = [r for r in rows if r.verdict != "pass"]
-    assert [(r.model, r.phase, r.metric) for r in missed] == [("llama-3.1-8b", "rate0", "ttft_p90")]
-    lo, hi = missed[0].measured_ci_s  # 12 requests: the measured p90's own bootstrap interval
-    assert lo <= missed[0].simulated_s <= hi
+    assert [(r.model, r.phase, r.metric, round(r.error, 3)) for r in rows if r.verdict != "pass"] == []
+    # the Llama re-run exists because a p90 of 12 requests (the first run's lowest rate) was the one
+    # miss: every phase of it now has at least 40 answered requests (100 s of arrivals per rate)
+    assert [c.requests for c in g.compare("llama-3.1-8b")] == [46, 163, 202]
 
 
 def test_pdlb_ttft_metric_within_5_percent_of_the_client_on_the_gpu_run(comparisons):
@@ -163,9 +165,9 @@ def test_pdlb_ttft_metric_within_5_percent_of_the_client_on_the_gpu_run(comparis
 def test_cli_gpu_runs_table_and_strict(capsys):
     assert main(["sim", "validate", "--gpu-runs"]) == 0
     out = capsys.readouterr().out
-    assert "23 of 24 GPU-run figures within +-15%" in out
+    assert "24 of 24 GPU-run figures within +-15%" in out
     assert "qwen3-30b-a3b-l12" in out and "probe+rate1+rate2" in out
-    assert main(["sim", "validate", "--gpu-runs", "--strict"]) == 1  # the one miss fails --strict
+    assert main(["sim", "validate", "--gpu-runs", "--strict"]) == 0  # no miss: --strict passes
 
 
 def test_compact_round_trip_of_a_raw_record(tmp_path):

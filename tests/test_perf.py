@@ -457,3 +457,39 @@ def test_extended_single_rank_matches_array_path():
     one = e.step_time_s([0.0], [0.0], [64.0], [64_000.0])
     two = e.step_time_s([[0.0], [0.0]], [[0.0], [0.0]], [[64.0], [64.0]], [[64_000.0], [64_000.0]])
     assert float(np.ravel(one)[0]) == pytest.approx(two[0], rel=1e-12) == pytest.approx(two[1], rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- one settings object
+def test_perf_config_carries_the_roofline_settings_once():
+    # the roofline's settings are written once (RooflineSettings); a scenario's [perf] table
+    # (PerfConfig) has the same names with the same defaults, plus the two that change the model
+    # and the hardware instead (fp8_weights, gpus_per_node): compared field by field
+    from dataclasses import fields
+
+    from sim.perf.config import PerfConfig
+    from sim.perf.roofline import RooflineSettings
+
+    names = [f.name for f in fields(RooflineSettings)]
+    assert [n for n in PerfConfig.model_fields if n not in ("fp8_weights", "gpus_per_node")] == names
+    assert PerfConfig().roofline_settings() == RooflineSettings()
+    cfg = PerfConfig(mfu=0.4, tbo=True, eplb_physical_experts=288, fp8_weights=True)
+    assert cfg.roofline_settings() == RooflineSettings(mfu=0.4, tbo=True, eplb_physical_experts=288)
+
+
+def test_settings_object_and_keywords_build_the_same_model():
+    from sim.perf.roofline import RooflineSettings
+
+    st = RooflineSettings(mfu=0.4, mbu=0.6, tbo=True, tbo_overhead_s=1e-3)
+    a = RooflinePerf.for_engine("deepseek-v3", "H800", num_dp_ranks=32, settings=st)
+    b = RooflinePerf.for_engine("deepseek-v3", "H800", num_dp_ranks=32, mfu=0.4, mbu=0.6, tbo=True,
+                                tbo_overhead_s=1e-3)
+    work = (np.full(32, 4096.0), np.full(32, 4096.0 * 4097 / 2), np.full(32, 8.0), np.full(32, 8e3))
+    assert a.settings == b.settings == st
+    assert a.step_time_s(*work) == b.step_time_s(*work)
+    # a keyword overrides the object's field and leaves the others
+    c = RooflinePerf.for_engine("deepseek-v3", "H800", num_dp_ranks=32, settings=st, mfu=0.3)
+    assert (c.mfu, c.mbu, c.tbo) == (0.3, 0.6, True)
+    with pytest.raises(TypeError):
+        RooflinePerf.for_engine("llama-3.1-8b", "H100", num_dp_ranks=1, not_a_setting=1)
+    with pytest.raises(ValueError, match="mfu, mbu and comm_efficiency must be in"):
+        RooflinePerf.for_engine("llama-3.1-8b", "H100", num_dp_ranks=1, settings=RooflineSettings(mfu=0.0))

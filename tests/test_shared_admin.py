@@ -13,6 +13,7 @@ from multiprocessing import Pipe
 import aiohttp
 import pytest
 
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.service.processes import shared_admin
 from balancer.service.processes.shared_admin import AdminChannel, AdminCoordinator, AdminRefused
@@ -30,13 +31,14 @@ def test_columns_of_a_worker_added_and_removed_at_run_time():
     added at column 5 in both. A routes 2 requests to e2: B reads 2 on e2 from A's row. Removing
     e2 zeroes each process's own column; a new worker given column 5 afterwards starts at 0."""
     e0, e1, e2, e3 = (ReplicaId(f"e{i}", 0) for i in range(4))
-    routers = [Router("least_load", "least_load", block_size=64) for _ in range(2)]
-    for r in routers:
-        r.add_replica(e0, "mixed")
-        r.add_replica(e1, "mixed")
     shm = create_shared_load_block(2, 8)
     try:
-        va, vb = (SharedLoad(shm.name, 2, i, [e0, e1], r.load, columns=8) for i, r in enumerate(routers))
+        va, vb = (SharedLoad(shm.name, 2, i, columns=8) for i in range(2))
+        routers = [Router("least_load", "least_load", block_size=64, load_sources=LoadSources(peer=v)) for v in (va, vb)]
+        for r, v in zip(routers, (va, vb)):
+            r.add_replica(e0, "mixed")
+            r.add_replica(e1, "mixed")
+            v.add([e0, e1])
         a, b = routers
         for r, v in ((a, va), (b, vb)):
             r.add_replica(e2, "mixed")
@@ -338,3 +340,26 @@ print(total, files == sorted([f"counter_{real}.db", "counter_424242.db", f"count
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[5.0]", "True"]
+
+
+def test_multiprocess_counts_outside_an_event_loop_are_not_lost(tmp_path):
+    """ServiceMetrics.count with several processes and no running event loop applies each count at
+    once (it flushes right away): 3 counts -> 3.0 in the files the collector sums. It used to
+    increment the batch that the immediate flush had just swapped out, losing every count."""
+    import subprocess
+    import sys
+
+    code = """
+from balancer.service import metrics
+m = metrics.ServiceMetrics(multiprocess=True)
+for _ in range(3):
+    m.count(m.requests, "/v1/completions", "200")
+from prometheus_client import CollectorRegistry, multiprocess
+reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
+print([s.value for f in reg.collect() for s in f.samples if s.name == "pdlb_requests_total"])
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[3.0]"]

@@ -646,6 +646,39 @@ def test_any_split_of_a_valid_answer_reassembles(body, chunked, sizes, cuts, int
     assert pooled  # a complete keep-alive answer returns its connection
 
 
+async def test_arrived_says_whether_the_whole_body_is_here():
+    """``arrived()`` is true once the body ended (read then returns without waiting) or the
+    connection failed, false while body bytes are still due (the script fixes which)."""
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        await srv.request(reader, n)
+        writer.write(ok())  # head and body in one write
+        await writer.drain()
+        await srv.request(reader, n)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{\"ok\"")  # 5 of 12 bytes
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b": true}")
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(script) as srv:
+        client = UpstreamClient()
+        try:
+            resp = await client.post(srv.url, b"{}")
+            for _ in range(100):  # the body's bytes are in the head's segment or the next read
+                if resp.arrived():
+                    break
+                await asyncio.sleep(0.01)
+            assert resp.arrived()
+            assert await resp.read() == OK_BODY
+            resp = await client.post(srv.url, b"{}")
+            assert not resp.arrived()  # 7 bytes due for 0.2 s
+            assert await resp.read() == OK_BODY
+            assert resp.arrived()
+        finally:
+            await client.close()
+
+
 # ------------------------------------------------------------------ the proxy: same failure kinds with both clients
 async def _proxy_case(script, client: str, router: dict | None = None) -> tuple[int, dict[str, float]]:
     async with RawServer(script) as srv:
@@ -695,6 +728,10 @@ def _answer_then(action: str):  # noqa: ANN202
             await reader.read()
         elif action == "slow":
             await asyncio.sleep(1.0)
+        elif action == "stall_body":  # the head and part of the body in time, the rest never
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"id\":")
+            await writer.drain()
+            await asyncio.sleep(1.0)
         elif action == "503":
             writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 2\r\n\r\n{}")
@@ -710,6 +747,9 @@ def _answer_then(action: str):  # noqa: ANN202
     ("bad_chunk_with_head", 502, "connect", None),  # in the head's own packet: the POST fails (both clients)
     ("big_head", 502, "connect", None),
     ("slow", 504, "first_byte_timeout", {"first_byte_timeout_s": 0.2}),
+    # the proxy sets no timer for a body that came with its head (UpstreamResponse.arrived), but
+    # one that has not keeps the deadline for the whole answer
+    ("stall_body", 504, "first_byte_timeout", {"first_byte_timeout_s": 0.2}),
     ("503", 503, "http_503", None),
 ])
 @pytest.mark.parametrize("client", ["lean", "aiohttp"])

@@ -458,3 +458,27 @@ def test_rtp_llm_decode_is_the_deepseek_decode_step_again():
     assert seqs * 20 == pytest.approx(1_850, rel=0.01)  # 20 tok/s per user x 91.7 = the 1,850 per GPU
     t = decode_step_s(sc, perf, seqs, 4000 + 2000 / 2, tokens_verified=2)
     assert 8 * seqs * DS_MTP_TOKENS_PER_STEP / t / 14_700 - 1 == pytest.approx(0.140, abs=5e-4)
+
+
+def test_deepinfer_rows_at_the_b200_fractions_of_agentx_440246():
+    """Issue 23 part 4: the DeepInfer rows recomputed at the fractions of peak 440246 measured on
+    B200 (sim.validation.agentx's deratings). At the preset's own 0.754 the readings are the preset's
+    row values (the numbers test_blocking_numbers_are_what_the_model_gives checks), so the helper
+    derates nothing else; at 0.73 / 0.64 they are the docs' table (model run) and every missing
+    fact still spans its published figure (the rows stay blocked)."""
+    from sim.validation.published import deepinfer_b200_readings
+    same = deepinfer_b200_readings(0.754, 0.754)
+    assert same["decode tok/s/seq, one NVLink domain"] == pytest.approx(353, abs=0.5)
+    assert same["decode tok/s/seq, 8-GPU nodes, 400 Gb/s NICs"] == pytest.approx(91, abs=0.5)
+    assert same["TTFT ms, 16,384 new tokens/GPU/step"] == pytest.approx(803, abs=0.5)
+    b200 = deepinfer_b200_readings()
+    assert b200["decode tok/s/seq, one NVLink domain"] == pytest.approx(344, abs=0.5)
+    assert b200["decode tok/s/seq, 8-GPU nodes, 400 Gb/s NICs"] == pytest.approx(89, abs=0.5)
+    ttft = [b200[f"TTFT ms, {b:,} new tokens/GPU/step"] for b in (4096, 8192, 12288, 16384)]
+    assert ttft == pytest.approx([245, 475, 715, 944], abs=0.6)
+    # slower prefill than the preset at every load (0.64 < 0.754), decode within 3%
+    assert all(t > same[f"TTFT ms, {b:,} new tokens/GPU/step"] for t, b in zip(ttft, (4096, 8192, 12288, 16384)))
+    # still blocked: 230 tok/s and 400 ms lie inside the spans of the missing facts
+    assert b200["decode tok/s/seq, 8-GPU nodes, 400 Gb/s NICs"] < 230 < b200["decode tok/s/seq, one NVLink domain"]
+    assert ttft[0] < 400 < ttft[1]
+    assert b200["spec gain % at 96 seqs/rank, flat 0.875"] < 11 < b200["spec gain % at 96 seqs/rank, assumed decay"]

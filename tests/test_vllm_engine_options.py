@@ -1,5 +1,5 @@
 """vLLM scheduler options of sim/run/engine (off by default): prefill cadence (DP prefill balancing),
-per-request chunk cap, max_num_seqs, MTP verified on every step (sim/run/engine/step_perf.py).
+per-request chunk cap, max_num_seqs, MTP verified on every step (sim/perf/step_class.py).
 
 Expected values are hand calculations with a perf model whose every step takes 1 s."""
 
@@ -13,7 +13,7 @@ import pytest
 from balancer.types import ReplicaId, Request, Role
 from sim.run.cluster import simulate
 from sim.run.engine.rank import DecodeSeq, PrefillJob, Rank
-from sim.run.engine.step_perf import StepClassPerf
+from sim.perf.step_class import StepClassPerf
 from sim.scenario import PoolConfig, Scenario
 
 
@@ -25,6 +25,8 @@ class OneSecondPerf:
     kv_capacity_tokens_per_rank = 10_000
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+    decode_tokens_per_step = 1.0
 
     def __init__(self, extra: float = 0.0) -> None:
         self.extra = extra

@@ -174,9 +174,11 @@ class ServiceMetrics:
         iteration, not per request."""
         key = (family, labels)
         pending = self._pending
-        if not pending and self.multiprocess:
-            self.changed()
         pending[key] = pending.get(key, 0) + 1
+        # after the increment: outside a running event loop changed() flushes at once, swapping
+        # self._pending (an increment made after it into the old dict was lost)
+        if self.multiprocess and not self._flush_scheduled:
+            self.changed()
 
     def changed(self) -> None:
         """Several processes: flush once the event loop has run what is ready now (at once

@@ -195,6 +195,11 @@ class UpstreamResponse:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             await self._wait()
 
+    def arrived(self) -> bool:
+        """Whether :meth:`read` would return (or raise) without waiting: the body has ended or the
+        connection failed. A zero-delay engine's short answer usually comes with its headers."""
+        return self._done or self._exc is not None
+
     def _take(self) -> bytes:
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)

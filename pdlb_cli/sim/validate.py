@@ -19,11 +19,12 @@ from sim.validation.published import (
     FIGURES_BY_KEY,
     calibrate,
     deepseek_decode_profile_readings,
+    deepinfer_b200_readings,
     run_validation,
     spec_gain_sweep,
     summary_line,
 )
-from sim.validation.agentx import plot_rows, print_rows, run_rows
+from sim.validation.agentx import DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE, plot_rows, print_rows, run_rows
 
 
 def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -136,6 +137,11 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
         sweep = "  ".join(f"{b}: {g:+.1f}%" for b, g in spec_gain_sweep().items())
         console.print(f"deepinfer-sm100 dynamic vs fixed 5-token verification by sequences per rank: {sweep}",
                       markup=False)
+    if any(r.figure.key.startswith("deepinfer") and not r.passed for r in results):
+        b200 = "  ".join(f"{k}: {v:,.1f}" for k, v in deepinfer_b200_readings().items())
+        console.print("deepinfer rows at the roofline fractions AgentX 440246 measured on B200 (decode "
+                      f"{DECODE_EFFICIENCY_SCALE:g}, prefill {PREFILL_EFFICIENCY_SCALE:g} of the defaults, "
+                      f"against the preset's 0.754; docs/validate.md): {b200}", markup=False)
     return 1 if args.strict and not all(r.passed for r in results) else 0
 
 

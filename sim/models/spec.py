@@ -37,6 +37,9 @@ AttentionKind = Literal["mha", "gqa", "mla", "compressed", "csa2"]
 
 #: Tokens per KV block of DeepSeek-V4's full-attention (compressed MLA) KV cache groups in vLLM 0.33.
 V4_KV_BLOCK_TOKENS = 256
+#: Tokens per block of DeepSeek-V4's sliding-window KV cache groups in vLLM 0.28-0.33
+#: (``DeepseekV4SWACache.block_size = 64``: the page is shared with the CSA group's 256 // 4 rows).
+V4_SWA_BLOCK_TOKENS = 64
 
 
 def _causal_pairs(new_tokens, cached_tokens):  # noqa: ANN001, ANN202
@@ -249,8 +252,19 @@ class ModelSpec:
         and the simulator's cache evicts it with the prefix, so it adds no further condition here
         (V4.1's window is not cached at all: it is replayed, :attr:`ced_replay_tokens`).
         balancer/kv_translate.py applies the same rule to engines' events; docs/kv_cache.md.
+        Where vLLM keeps the window only at some boundaries (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``)
+        or EAGLE/MTP needs a window block past the boundary, the hit ends at a retained checkpoint:
+        :mod:`sim.run.engine.hit_checkpoints` (a pool option, off by default).
         """
         return V4_KV_BLOCK_TOKENS if self.attention in ("compressed", "csa2") else 1
+
+    @property
+    def sliding_window_block_tokens(self) -> int:
+        """Tokens per block of the model's cached sliding-window KV groups in vLLM (0: none):
+        :data:`V4_SWA_BLOCK_TOKENS` for DeepSeek-V4 (compressed attention; its MTP layer is a
+        sliding-window-only layer, so under EAGLE/MTP a hit needs one such block past its end,
+        :mod:`sim.run.engine.hit_checkpoints`). V4.1 replays its window instead of caching it: 0."""
+        return V4_SWA_BLOCK_TOKENS if self.attention == "compressed" else 0
 
     @property
     def is_ced(self) -> bool:

@@ -195,12 +195,21 @@ def simulate_closed_loop(
         measured.append(sent[lane] > wl.warmup_requests_per_lane and now >= state["start"])
         assert len(lane_of) == i + 1
 
+    think_rngs = ([np.random.default_rng(np.random.SeedSequence([wl.seed, 11, j])) for j in range(wl.lanes)]
+                  if wl.think_sigma > 0 else None)
+    think_mu = math.log(wl.think_s) - wl.think_sigma ** 2 / 2 if wl.think_s > 0 else -math.inf
+
+    def think_s(lane: int) -> float:
+        if think_rngs is None or wl.think_s == 0:
+            return wl.think_s
+        return min(wl.max_think_s, math.exp(think_mu + wl.think_sigma * think_rngs[lane].standard_normal()))
+
     def finished_lane(lane: int, now: float) -> None:
         if state["warm_left"] and sent[lane] == wl.warmup_requests_per_lane:
             state["warm_left"] -= 1
             if state["warm_left"] == 0:
                 state["start"] = now
-        ev = env.timeout(wl.think_s)
+        ev = env.timeout(think_s(lane))
         ev.callbacks.append(lambda _ev, lane=lane: send(lane))
 
     cluster.on_request_finished = lambda i, now: finished_lane(lane_of[i], now)

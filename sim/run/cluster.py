@@ -52,7 +52,8 @@ from balancer.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORE, BlockRemove
 from balancer.policies import Policy
 from balancer.types import ReplicaId, Request, Role, TtftSlo
 from sim.run.admission import admit, check_block_size
-from sim.run.deadline_gate import SimAdmission, default_priority, default_tenant
+from sim.run.deadline_gate import GateProcesses, SimAdmission, default_priority, default_tenant
+from sim.run.engine.hit_checkpoints import HitCheckpoints
 from sim.run.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.run.engine.step_group import StepGroup
 from sim.run.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, TierStats
@@ -102,6 +103,17 @@ class SimResult:
             return self.decode_policy
         return f"{self.prefill_policy}+{self.decode_policy}"
 
+
+def hit_checkpoints_for(scenario: Scenario, pool: PoolConfig, perf: PerfModel) -> HitCheckpoints:
+    """The retained-window checkpoints of one rank of ``pool`` (``pool.prefix_cache_retention_interval_tokens``
+    set): EAGLE/MTP speculation (per-step MTP verification in the perf model, or a ``[speculative]``
+    table without a separate draft model) needs one sliding-window block of the model past a hit's
+    end (:mod:`sim.run.engine.hit_checkpoints`)."""
+    ret = pool.prefix_cache_retention_interval_tokens
+    eagle = perf.verify_tokens_per_seq > 1 or (  # PerfModel declares it
+        scenario.speculative is not None and scenario.speculative.draft_model is None)
+    peek = get_model(scenario.model).sliding_window_block_tokens if eagle else 0
+    return HitCheckpoints(scenario.block_size, None if ret == "dense" else ret, min(peek, scenario.block_size))
 
 class Cluster:
     """A simulated PD (or aggregated) cluster wired to a router.
@@ -182,8 +194,10 @@ class Cluster:
                     # vLLM scheduler options of the pool and MTP verification (off by default)
                     rank.max_num_seqs = pool.max_num_seqs
                     rank.max_chunk_tokens = pool.max_chunk_tokens
-                    rank.verify_tokens_per_seq = getattr(perf, "verify_tokens_per_seq", 1)
-                    rank.decode_tokens_per_step = getattr(perf, "decode_tokens_per_step", 1.0)
+                    rank.verify_tokens_per_seq = perf.verify_tokens_per_seq
+                    rank.decode_tokens_per_step = perf.decode_tokens_per_step
+                    if pool.prefix_cache_retention_interval_tokens is not None:
+                        rank.hit_checkpoints = hit_checkpoints_for(scenario, pool, perf)
                     self.ranks.append(rank)
                     self._perf_of.append(perf)
                     self._by_replica[rep] = rank
@@ -496,6 +510,7 @@ def simulate(
     admission: AdmissionConfig | None = None,
     tenant_of: Callable[[Request], str] | None = None,
     priority_of: Callable[[Request], str | None] | None = None,
+    admission_processes: GateProcesses | None = None,
 ) -> SimResult:
     """Run ``requests`` through ``scenario`` with the given policies (``decode_policy`` defaults
     to ``prefill_policy``). Deterministic for a given ``(scenario, requests, policies, seed)``.
@@ -510,7 +525,9 @@ def simulate(
     into another one with the same interface (e.g. several routers splitting the traffic,
     :mod:`sim.experiments.k_routers`). ``admission``: deadline admission between arrival and
     routing (:mod:`sim.run.deadline_gate`; ``None``, the default: every request is routed at arrival),
-    with ``tenant_of`` / ``priority_of`` naming a request's tenant and class."""
+    with ``tenant_of`` / ``priority_of`` naming a request's tenant and class;
+    ``admission_processes``: one queue per router process of ``pdlb serve --processes N``
+    (:class:`sim.run.deadline_gate.GateProcesses`; default one)."""
     decode_policy = prefill_policy if decode_policy is None else decode_policy
     check_block_size(requests, scenario.block_size)
     config = router_config_for(scenario, seed=seed, index_mode=index_mode, router_tiers=router_tiers,
@@ -522,7 +539,7 @@ def simulate(
     requests, rejected = admit_to(cluster, requests)
     if admission is not None:
         cluster.admission = SimAdmission(cluster, admission, tenant_of or default_tenant,
-                                         priority_of or default_priority, config.cost_model)
+                                         priority_of or default_priority, config.cost_model, admission_processes)
     records = cluster.run(requests, progress)
     wall = time.perf_counter() - t0
     if cluster.router.load.num_in_flight != 0:

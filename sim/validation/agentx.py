@@ -6,7 +6,7 @@ through ai-dynamo/aisimulate's reproduction, per-rank iteration times by step cl
 and their sources are ``sim/data/measured/agentx_440246.json``. :func:`run_rows` simulates the point
 on pdlb's own cluster simulator -- the SimPy cluster of :mod:`sim.run.cluster` with its lockstep EP
 step group (:mod:`sim.run.engine.step_group`), vLLM's scheduler limits and prefill cadence
-(:class:`sim.scenario.PoolConfig`), MTP verified on every step (:mod:`sim.run.engine.step_perf`), the
+(:class:`sim.scenario.PoolConfig`), MTP verified on every step (:mod:`sim.perf.step_class`), the
 CPU KV offload tier (:mod:`sim.run.engine.tiers`), every turn routed by :class:`balancer.router.Router`
 with :mod:`balancer.policies.dp_consistent_hash` on ``Request.session_id`` -- driven by the
 closed-loop lanes of :mod:`sim.workload.agentic` (:mod:`sim.run.closed_loop`), and compares every
@@ -120,16 +120,23 @@ def rows_from_metrics(metrics: dict[str, float], data: dict | None = None) -> li
 
 
 #: fitted so that the simulated decode-only iteration p50 equals the published 31.15 ms
-#: (:func:`calibrate` on pdlb's cluster simulator, 3 rounds on the seed-42 hour: 0.7375): the
+#: (:func:`calibrate` on pdlb's cluster simulator, 3 rounds on the seed-42 hour, with vLLM's
+#: sliding-window checkpoints: 0.7342; without them it was 0.7375, committed as 0.74): the
 #: derating of the roofline's default MFU / MBU / link efficiency in decode-only steps
-DECODE_EFFICIENCY_SCALE = 0.74
-#: fitted on the published mixed-step p50 (160 ms), same run (0.6119): the derating of steps
-#: that carry prefill (the retired closed-loop simulator had fitted 0.64)
-PREFILL_EFFICIENCY_SCALE = 0.61
+DECODE_EFFICIENCY_SCALE = 0.73
+#: fitted on the published mixed-step p50 (160 ms), same run (0.6438; without the checkpoints
+#: 0.6119, committed as 0.61; the retired closed-loop simulator had fitted 0.64): the derating of
+#: steps that carry prefill
+PREFILL_EFFICIENCY_SCALE = 0.64
 #: the published ``kv_cache_pool_tokens`` (21,965,416) over the 8 ranks
 GPU_KV_TOKENS_PER_RANK = 21_965_416 // 8
 #: 128 GiB CPU KV offload per rank (aisimulate's reproduction; 440246 itself had 356 GB)
 CPU_KV_BYTES_PER_RANK = 137_438_953_472
+#: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` of the launcher and of aisimulate's reproduction:
+#: vLLM keeps V4's sliding-window KV only at each request's replay boundary, shared-prefix
+#: junctions and every 32,768 tokens, so a hit ends at such a checkpoint (with MTP, one 64-token
+#: window block past it must be shared too): :mod:`sim.run.engine.hit_checkpoints`
+PREFIX_CACHE_RETENTION_INTERVAL_TOKENS = 32_768
 #: MTP: 3 draft tokens verified per step, synthetic acceptance length 2.49 (the launcher's flags)
 MTP_DRAFT_TOKENS = 3
 MTP_ACCEPTANCE_LENGTH = 2.49
@@ -140,12 +147,14 @@ STEP_OVERHEAD_S = 0.002
 def scenario_440246(**pool: object) -> "Scenario":
     """Point 440246 as a pdlb scenario: one aggregated vLLM engine of 8 DP ranks on 8 B200 with
     wide EP (lockstep step group), 256-token blocks, the launcher's scheduler limits (8,192 batched
-    tokens, 16 sequences, 512-token chunks per request, prefill schedule interval 8), the published
-    GPU KV pool and a 128 GiB/rank CPU offload tier (:mod:`sim.run.engine.tiers`), vLLM's shared KV
-    accounting, 1M max model length. ``pool``: overrides of the mixed pool's fields."""
+    tokens, 16 sequences, 512-token chunks per request, prefill schedule interval 8), vLLM's
+    sliding-window checkpoints every 32,768 tokens (:data:`PREFIX_CACHE_RETENTION_INTERVAL_TOKENS`),
+    the published GPU KV pool and a 128 GiB/rank CPU offload tier (:mod:`sim.run.engine.tiers`),
+    vLLM's shared KV accounting, 1M max model length. ``pool``: overrides of the mixed pool's fields."""
     from sim.scenario import HostTierConfig, PoolConfig, Scenario
     fields = dict(num_engines=1, dp_ranks=8, gpus_per_rank=1, ep=True, max_prefill_tokens=8192,
                   max_decode_batch=16, max_num_seqs=16, max_chunk_tokens=512, prefill_schedule_interval=8,
+                  prefix_cache_retention_interval_tokens=PREFIX_CACHE_RETENTION_INTERVAL_TOKENS,
                   kv_capacity_tokens=GPU_KV_TOKENS_PER_RANK,
                   host_tier=HostTierConfig(capacity_bytes=float(8 * CPU_KV_BYTES_PER_RANK)))
     fields.update(pool)
@@ -160,9 +169,9 @@ def perf_factory_440246(decode_scale: float = DECODE_EFFICIENCY_SCALE,
     """``(scenario, pool) -> PerfModel`` of point 440246: the roofline of the scenario's model and
     GPU with its default peak fractions (MFU, MBU, link efficiency) derated by ``decode_scale`` in
     decode-only steps and ``prefill_scale`` in steps with prefill, and MTP verification on every
-    step (:class:`sim.run.engine.step_perf.StepClassPerf`: 1 + 3 tokens per decoding sequence, 2.49
+    step (:class:`sim.perf.step_class.StepClassPerf`: 1 + 3 tokens per decoding sequence, 2.49
     accepted)."""
-    from sim.run.engine.step_perf import StepClassPerf
+    from sim.perf.step_class import StepClassPerf
     from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, RooflinePerf
 
     def roofline(scenario, pool, s):  # noqa: ANN001, ANN202

@@ -55,6 +55,7 @@ from sim.perf.config import PerfConfig
 from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, DEFAULT_STEP_OVERHEAD_S
 from sim.scenario import Scenario, load_scenario
 from sim.validation.tolerance import TOLERANCE
+from sim.validation.agentx import DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE
 
 #: the one figure the efficiency constants are fitted on
 CALIBRATION_POINT = "sglang-decode-2k"
@@ -572,3 +573,28 @@ def calibrate(key: str = CALIBRATION_POINT, *, tol: float = 1e-9) -> tuple[float
     s = 0.5 * (lo + hi)
     perf = derated(base, s)
     return s, perf, Result(f, f.simulate(sc, perf))
+
+
+def deepinfer_b200_readings(decode_scale: float | None = None, prefill_scale: float | None = None) -> dict[str, float]:
+    """DeepInfer's blocked rows at the roofline fractions AgentX 440246 measured on B200 (issue 23
+    part 4): ``{reading: value}`` with the ``deepinfer-sm100`` preset derated (:func:`derated`) by
+    ``decode_scale`` for decode (default :data:`sim.validation.agentx.DECODE_EFFICIENCY_SCALE`, 0.73)
+    and ``prefill_scale`` for TTFT (default :data:`sim.validation.agentx.PREFILL_EFFICIENCY_SCALE`,
+    0.64) instead of the SGLang H100 calibration (0.754). Readings: decode tok/s per sequence on one
+    NVLink domain (the preset) and on 8-GPU nodes with the datasheet's 400 Gb/s NICs; mean TTFT (ms)
+    at 4,096 / 8,192 / 12,288 / 16,384 new tokens per GPU per step; the dynamic-verification gain
+    (%) at 96 sequences per rank under the preset's assumed acceptance and a flat 0.875. The rows'
+    missing facts (interconnect, prefill load, acceptance) still span each published figure."""
+    sc = load_scenario("deepinfer-sm100")
+    dec = derated(sc.perf, DECODE_EFFICIENCY_SCALE if decode_scale is None else decode_scale)
+    pre = derated(sc.perf, PREFILL_EFFICIENCY_SCALE if prefill_scale is None else prefill_scale)
+    f = FIGURES_BY_KEY["deepinfer-decode-seq"]
+    out = {"decode tok/s/seq, one NVLink domain": f.simulate(sc, dec),
+           "decode tok/s/seq, 8-GPU nodes, 400 Gb/s NICs": f.simulate(sc, dec.model_copy(update={"gpus_per_node": 8}))}
+    for budget in (4096, 8192, 12288, 16384):
+        s2 = sc.model_copy(update={"prefill": sc.prefill.model_copy(update={"max_prefill_tokens": budget})})
+        out[f"TTFT ms, {budget:,} new tokens/GPU/step"] = 1e3 * deepinfer_ttft_s(s2, pre)
+    out["spec gain % at 96 seqs/rank, assumed decay"] = spec_gain(sc, dec, 96)
+    flat = sc.model_copy(update={"speculative": sc.speculative.model_copy(update={"acceptance": [0.875] * 5})})
+    out["spec gain % at 96 seqs/rank, flat 0.875"] = spec_gain(flat, dec, 96)
+    return out

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from balancer.types import ReplicaId, Role
+from sim.run.engine.hit_checkpoints import HitCheckpoints
 from sim.run.engine.kv_cache import BlockCache
 
 
@@ -131,6 +132,9 @@ class Rank:
         self.cache = BlockCache(kv_capacity_blocks)
         #: a prefix hit is a multiple of this many tokens (hybrid KV models, ModelSpec.prefix_hit_multiple_tokens)
         self.hit_multiple_tokens = 1
+        #: where a hit may end on a hybrid-KV model (vLLM's retained sliding-window checkpoints,
+        #: :class:`sim.run.engine.hit_checkpoints.HitCheckpoints`); None: at the full-attention match
+        self.hit_checkpoints: HitCheckpoints | None = None
         self.tiers = None  # RankTiers | None (sim.run.engine.tiers)
         self.kv_listener = None
         # vLLM scheduler options (PoolConfig; all off by default, set by the cluster):
@@ -140,7 +144,7 @@ class Rank:
         #: most prompt tokens one request computes in one step (vLLM ``long_prefill_token_threshold``)
         self.max_chunk_tokens: int | None = None
         #: step-budget tokens each decoding sequence takes (1 + draft tokens under speculative
-        #: decoding verified in every step, :class:`sim.run.engine.step_perf.StepClassPerf`)
+        #: decoding verified in every step, :class:`sim.perf.step_class.StepClassPerf`)
         self.verify_tokens_per_seq = 1
         #: output tokens a decoding sequence gains per step (MTP's mean acceptance length); a
         #: sequence of ``n`` tokens decodes in ``ceil(n / decode_tokens_per_step)`` steps
@@ -191,6 +195,8 @@ class Rank:
     def _evicted(self, evicted: list[int]) -> None:
         if not evicted:
             return
+        if self.hit_checkpoints is not None:
+            self.hit_checkpoints.forget(evicted)
         if self.tiers is not None:
             self.tiers.on_hbm_evicted(evicted)
         if self.kv_listener is not None:
@@ -270,8 +276,14 @@ class Rank:
                 if self.hit_multiple_tokens > 1:  # hybrid KV: the hit every KV cache group can serve
                     m = self.hit_multiple_tokens
                     hbm_blocks = hbm_blocks * self.block_size // m * m // self.block_size
+                checkpoints = self.hit_checkpoints
+                if checkpoints is not None:  # hybrid KV: the hit ends at a retained window checkpoint
+                    match_blocks = min(hbm_blocks, max(0, job.prompt_tokens - 1) // self.block_size)
+                    hbm_blocks = checkpoints.usable_hit_blocks(job.block_hashes, hbm_blocks, job.prompt_tokens)
                 if self.role is not Role.PREFILL and not self._fits_job(job, hbm_blocks):
                     break
+                if checkpoints is not None:
+                    checkpoints.record(job.block_hashes, job.prompt_tokens, hbm_blocks, match_blocks)
                 if self.tiers is not None:
                     job.cached_tokens = self.tiers.admit(job, hbm_blocks)
                 else:
