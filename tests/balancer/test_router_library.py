@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import balancer
+from balancer.parts import LoadSources
 from balancer import (AllBlocksCleared, BlockRemoved, BlockStored, LoadReport, ReplicaId, Request, Role, Router,
                       hash_token_blocks)
 
@@ -203,16 +204,18 @@ def test_processes_share_in_flight_load_through_shared_memory():
     from balancer.service.processes.shared_load import SharedLoad, create_shared_load_block
 
     reps = [ReplicaId("e0", 0), ReplicaId("e1", 0)]
-    routers = []
-    for _ in range(2):
-        r = Router("least_load", "least_load", block_size=64)
-        for rep in reversed(reps):  # slots in another order than the shared columns
-            r.add_replica(rep, "mixed")
-        routers.append(r)
-    a, b = routers
     shm = create_shared_load_block(2, 2)
     try:
-        va, vb = SharedLoad(shm.name, 2, 0, reps, a.load), SharedLoad(shm.name, 2, 1, reps, b.load)
+        views = [SharedLoad(shm.name, 2, i, columns=2) for i in range(2)]  # given to the routers as they are built
+        routers = []
+        for view in views:
+            r = Router("least_load", "least_load", block_size=64, load_sources=LoadSources(peer=view))
+            for rep in reversed(reps):  # slots in another order than the shared columns
+                r.add_replica(rep, "mixed")
+            view.add(reps)
+            routers.append(r)
+        a, b = routers
+        va, vb = views
         a.set_healthy(reps[1], False)  # A's own least_load would spread: keep it on e0
         for i in range(3):
             assert a.route(_prompt(10 + i), 1.0).decode == reps[0]

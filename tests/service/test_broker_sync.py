@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.service.broker_config import BrokerConfig
 from balancer.service.broker_sync import BrokerSync, PeerTable, encode_load
@@ -77,7 +78,8 @@ def test_malformed_rows_drop_the_whole_snapshot(rows):
 def test_malformed_decisions_are_dropped_never_raised(obj):
     r = Router("cache_aware", "cache_aware", index_mode="approximate")
     r.add_replica(R0, "mixed")
-    sync = BrokerSync(BrokerConfig(url="nats://127.0.0.1:1"), r, lambda: [R0], group="me", share_decisions=True)
+    sync = BrokerSync(BrokerConfig(url="nats://127.0.0.1:1"), "me", share_decisions=True, replicas=lambda: [R0],
+                      record=r.record_routed)
     sync._record(obj)  # never raises; whatever was recorded names valid replicas and 64-bit hashes
     assert sync.decisions["recorded"] <= (len(obj["d"]) if isinstance(obj, dict) and isinstance(obj.get("d"), list)
                                           else 0)
@@ -87,7 +89,8 @@ def test_malformed_decisions_are_dropped_never_raised(obj):
 def test_decisions_from_a_peer_are_recorded():
     r = Router("cache_aware", "cache_aware", index_mode="approximate")
     r.add_replica(R0, "mixed")
-    sync = BrokerSync(BrokerConfig(url="nats://127.0.0.1:1"), r, lambda: [R0], group="me", share_decisions=True)
+    sync = BrokerSync(BrokerConfig(url="nats://127.0.0.1:1"), "me", share_decisions=True, replicas=lambda: [R0],
+                      record=r.record_routed)
     assert sync._record({"g": "other", "d": [[[["http://m0", 0]], [5, 6, 7]], [[["http://gone", 0]], [8]]]})
     assert r.index.match((5, 6, 7)) == {R0: 3}  # the unknown replica's decision is ignored by the index
     assert not sync._record({"g": "me", "d": [[[["http://m0", 0]], [9]]]}) and r.index.match((9,)) == {}
@@ -107,11 +110,11 @@ def test_encode_load_sends_own_nonzero_ranks_only():
 
 def test_refresh_puts_peer_sums_in_the_tracker_and_routing_uses_them():
     cfg = BrokerConfig(url="nats://127.0.0.1:1")
-    r = Router("least_load", "least_load", seed=0)
+    sync = BrokerSync(cfg, "me", replicas=lambda: [R0, R1])
+    r = Router("least_load", "least_load", seed=0, load_sources=LoadSources(peer=sync))
     for rep in (R0, R1):
         r.add_replica(rep, "mixed")
-    sync = BrokerSync(cfg, r, lambda: [R0, R1], group="me")
-    assert r.load.peer is sync
+    assert r.load.peer is sync and sync.tracker is r.load
     sync.table.apply_load(_load("p", 1, [["http://m0", 0, 3, 0, 0], ["http://elsewhere", 0, 9, 9, 9]]), time.monotonic())
     sync.refresh()
     assert r.load.peer_requests[r.load.slot(R0)] == 3 and r.load.peer_requests[r.load.slot(R1)] == 0
@@ -152,16 +155,16 @@ async def test_two_routers_through_a_real_broker_staleness_measured():
     cfg = BrokerConfig(publish_interval_s=interval_s, heartbeat_s=0.5, peer_ttl_s=2.0, reconnect_wait_s=0.2)
     with NatsServer() as nats:
         cfg = cfg.model_copy(update={"url": nats.url})
+        a = BrokerSync(cfg, "A", replicas=lambda: [R0, R1])
+        b = BrokerSync(cfg, "B", replicas=lambda: [R0, R1])
         routers = []
-        for _ in range(2):
-            r = Router("least_load", "least_load", seed=0)
+        for sync in (a, b):
+            r = Router("least_load", "least_load", seed=0, load_sources=LoadSources(peer=sync))
             for rep in (R0, R1):
                 r.add_replica(rep, "mixed")
             routers.append(r)
-        a = BrokerSync(cfg, routers[0], lambda: [R0, R1], group="A")
-        b = BrokerSync(cfg, routers[1], lambda: [R0, R1], group="B")
-        a.start()
-        b.start()
+        a.start(routers[0].record_routed)
+        b.start(routers[1].record_routed)
         try:
             t0 = time.monotonic()
             while not (a.up and b.up and b.table.peers and a.table.peers):
@@ -186,4 +189,7 @@ async def test_two_routers_through_a_real_broker_staleness_measured():
         finally:
             await a.close()
             await b.close()
-        assert routers[0].load.peer is None and routers[1].load.peer_requests.sum() == 0
+        # closed: the peers' load no longer counts (the arrays zeroed, and a refresh adds nothing back)
+        assert routers[0].load.peer_requests.sum() == 0 and routers[1].load.peer_requests.sum() == 0
+        b.refresh()
+        assert routers[1].load.peer_requests.sum() == 0

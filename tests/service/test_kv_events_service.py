@@ -203,17 +203,25 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
     from balancer.types import Request
     from balancer.hashing import hash_token_blocks
 
+    shares = [PrefixShare(str(tmp_path), 2, i) for i in range(2)]  # each a route listener of its router
     routers = []
-    for seed in range(2):
-        r = Router("cache_aware", "cache_aware", block_size=64, seed=seed)
+    for seed, sh in enumerate(shares):
+        r = Router("cache_aware", "cache_aware", block_size=64, seed=seed, listeners=[sh.publish])
         for i in range(4):
             r.add_replica(ReplicaId(f"e{i}", 0), "mixed")
         routers.append(r)
     a, b = routers
-    shares = [PrefixShare(r, str(tmp_path), 2, i) for i, r in enumerate(routers)]
+    recorded: list[list[tuple[int, ...]]] = [[], []]  # what each process's share recorded, in order
+
+    def recorder(k: int, r: Router):  # noqa: ANN202
+        def record(reps, hashes, now) -> None:  # noqa: ANN001
+            recorded[k].append(tuple(hashes))
+            r.record_routed(reps, hashes, now)
+        return record
+
     try:
-        for sh in shares:
-            sh.start()
+        for k, (sh, r) in enumerate(zip(shares, routers)):
+            sh.start(recorder(k, r))
         toks = [random.Random(9).randrange(30_000) for _ in range(640)]
         hs = tuple(hash_token_blocks(toks, 64))
         first = a.route(Request("x", 0.0, 640, hs), 0.0)
@@ -224,12 +232,10 @@ async def test_processes_share_their_approximate_prefix_views(tmp_path):
         assert await _wait(lambda: shares[0].received == 1)
         assert shares[0].sent == 1 and shares[1].sent == 1
         # decisions arrive in the order they were made, each once
-        got = []
-        a.record_routed = lambda reps, hashes, now: got.append(hashes)  # type: ignore[method-assign]
         for i in range(5):
             b.route(Request(f"z{i}", 2.0, 64, (i,)), 2.0)
         assert await _wait(lambda: shares[0].received == 6)
-        assert shares[1].sent == 6 and got == [(0,), (1,), (2,), (3,), (4,)]
+        assert shares[1].sent == 6 and recorded[0] == [hs, (0,), (1,), (2,), (3,), (4,)]
         assert shares[0].lost_bytes == 0 and shares[1].lost_bytes == 0
     finally:
         for sh in shares:
@@ -243,15 +249,11 @@ def test_prefix_ring_wraps_and_a_lapped_reader_resumes(tmp_path):
     comes after; a record larger than the ring is not written."""
     import msgpack
 
-    from balancer.router import Router
     from balancer.service.processes.shared_prefix import PrefixShare
 
     seen: list[tuple[int, ...]] = []
-    routers = [Router("cache_aware", "cache_aware", block_size=64) for _ in range(2)]
-    for r in routers:
-        r.add_replica(ReplicaId("e0", 0), "mixed")
-    w, rd = (PrefixShare(r, str(tmp_path), 2, i, ring_bytes=200) for i, r in enumerate(routers))
-    routers[1].record_routed = lambda reps, hashes, now: seen.append(hashes)  # type: ignore[method-assign]
+    w = PrefixShare(str(tmp_path), 2, 0, ring_bytes=200)
+    rd = PrefixShare(str(tmp_path), 2, 1, ring_bytes=200, record=lambda reps, hashes, now: seen.append(hashes))
     rep = [ReplicaId("e0", 0)]
     size = 4 + 8 + len(msgpack.packb([[["e0", 0]], (7,)]))
     assert size == 4 + 8 + 9  # fixarray headers 3 + "e0" 3 + 0 1 + fixarray 1 + 7 1

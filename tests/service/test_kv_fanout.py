@@ -247,7 +247,7 @@ async def test_one_subscriber_feeds_two_routers_and_is_restarted_when_it_dies(tm
         stats_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(stats_dir)
         try:
-            write_stats_file(str(stats_dir), 0, owner)
+            write_stats_file(str(stats_dir), 0, owner, fanout=owner.fanout_stats())
             assert other.health() == {"subscriber": "process 0", "up": True, "restarts": 1}
             text = "".join(f"{m.name} {s.labels} {s.value}\n" for m in KvEventsFilesCollector(str(stats_dir)).collect()
                            for s in m.samples)

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.service.processes import shared_admin
 from balancer.service.processes.shared_admin import AdminChannel, AdminCoordinator, AdminRefused
@@ -31,13 +32,14 @@ def test_columns_of_a_worker_added_and_removed_at_run_time():
     added at column 5 in both. A routes 2 requests to e2: B reads 2 on e2 from A's row. Removing
     e2 zeroes each process's own column; a new worker given column 5 afterwards starts at 0."""
     e0, e1, e2, e3 = (ReplicaId(f"e{i}", 0) for i in range(4))
-    routers = [Router("least_load", "least_load", block_size=64) for _ in range(2)]
-    for r in routers:
-        r.add_replica(e0, "mixed")
-        r.add_replica(e1, "mixed")
     shm = create_shared_load_block(2, 8)
     try:
-        va, vb = (SharedLoad(shm.name, 2, i, [e0, e1], r.load, columns=8) for i, r in enumerate(routers))
+        va, vb = (SharedLoad(shm.name, 2, i, columns=8) for i in range(2))
+        routers = [Router("least_load", "least_load", block_size=64, load_sources=LoadSources(peer=v)) for v in (va, vb)]
+        for r, v in zip(routers, (va, vb)):
+            r.add_replica(e0, "mixed")
+            r.add_replica(e1, "mixed")
+            v.add([e0, e1])
         a, b = routers
         for r, v in ((a, va), (b, vb)):
             r.add_replica(e2, "mixed")

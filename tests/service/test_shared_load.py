@@ -3,6 +3,7 @@ each process's peer counters are the sum of the other processes' rows, on both o
 (slots 0..n-1 in columns 0..n-1: slices; columns mapped elsewhere: a gather). Expected values are
 counted by hand from the requests dispatched below."""
 
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.service.processes.shared_load import SharedLoad, create_shared_load_block
 from balancer.types import ReplicaId, Request
@@ -16,14 +17,22 @@ def _peers(r: Router) -> list[tuple[int, int, int]]:
             for x in REPS]
 
 
+def _with_views(shm, processes: int, policy: str, columns=None) -> tuple[list[Router], list[SharedLoad]]:  # noqa: ANN001
+    """``processes`` routers, each built with its view of ``shm`` (8 columns) as its peer load
+    source, REPS registered and mapped to ``columns`` (default: 0, 1, 2)."""
+    views = [SharedLoad(shm.name, processes, i, columns=8) for i in range(processes)]
+    routers = [Router(policy, policy, block_size=64, load_sources=LoadSources(peer=v)) for v in views]
+    for r, v in zip(routers, views):
+        for x in REPS:
+            r.add_replica(x, "mixed")
+        v.add(columns or REPS)
+    return routers, views
+
+
 def test_peer_counters_are_the_other_rows_sums_on_both_paths():
     for columns in (None, {REPS[0]: 6, REPS[1]: 2, REPS[2]: 4}):  # slices, then a gather
-        routers = [Router("round_robin", "round_robin", block_size=64) for _ in range(3)]
-        for r in routers:
-            for x in REPS:
-                r.add_replica(x, "mixed")
         shm = create_shared_load_block(3, 8)
-        views = [SharedLoad(shm.name, 3, i, columns or REPS, r.load, columns=8) for i, r in enumerate(routers)]
+        routers, views = _with_views(shm, 3, "round_robin", columns)
         try:
             assert views[0]._fast is (columns is None)  # noqa: SLF001 - the path under test
             # process 0: 2 requests of 100 prompt tokens; process 1: 1 of 300; round robin from e0
@@ -59,12 +68,8 @@ async def test_coalesced_views_write_and_read_once_per_event_loop_pass():
     scrape). Expected counts by hand: round robin over e0, e1, e2 from e0."""
     import asyncio
 
-    routers = [Router("round_robin", "round_robin", block_size=64) for _ in range(2)]
-    for r in routers:
-        for x in REPS:
-            r.add_replica(x, "mixed")
     shm = create_shared_load_block(2, 8)
-    views = [SharedLoad(shm.name, 2, i, REPS, r.load, columns=8) for i, r in enumerate(routers)]
+    routers, views = _with_views(shm, 2, "round_robin")
     loop = asyncio.get_running_loop()
     writes = [0, 0]
     for i, v in enumerate(views):
@@ -124,6 +129,9 @@ def test_policies_that_read_no_load_skip_the_peer_refresh_and_peer_sums():
         def __init__(self) -> None:
             self.refreshes = self.publishes = 0
 
+        def bind(self, tracker) -> None:  # noqa: ANN001
+            pass
+
         def refresh(self, force: bool = False) -> None:
             self.refreshes += 1
 
@@ -140,22 +148,20 @@ def test_policies_that_read_no_load_skip_the_peer_refresh_and_peer_sums():
             return super().select(request, cands, ctx)
 
     for policy, uses in (("round_robin", False), ("random", False), ("least_load", True)):
-        r = Router(policy, policy, block_size=64)
+        peer = Peer()
+        r = Router(policy, policy, block_size=64, load_sources=LoadSources(peer=peer))
         assert r.uses_load() is uses
         assert r.uses_prefix_index() is (policy == "least_load")
         for x in REPS:
             r.add_replica(x, "mixed")
-        peer = Peer()
-        r.load.peer = peer
         r.load.peer_requests[:] = 7
         r.route(Request("q", 0.0, 100, (), max_output_tokens=10), 0.0)
         assert peer.refreshes == (1 if uses else 0)
         assert peer.publishes >= 1  # its own row is still written (other processes and scrapes read it)
-    r = Router("round_robin", "round_robin", block_size=64)
+    r = Router("round_robin", "round_robin", block_size=64, load_sources=LoadSources(peer=Peer()))
     r.decode_policy = r.prefill_policy = Spy()  # a policy object set later is honoured
     for x in REPS:
         r.add_replica(x, "mixed")
-    r.load.peer = Peer()
     r.load.peer_requests[:] = 7
     r.route(Request("s", 0.0, 100, (), max_output_tokens=10), 0.0)
     assert seen == [[7, 7, 7]] and r.load.peer.refreshes == 1
@@ -170,17 +176,19 @@ def test_prefill_policy_counts_only_with_prefill_replicas():
     class Peer:
         refreshes = 0
 
+        def bind(self, tracker) -> None:  # noqa: ANN001
+            pass
+
         def refresh(self, force: bool = False) -> None:
             Peer.refreshes += 1
 
         def publish(self) -> None:
             pass
 
-    r = Router("ep_aware", "round_robin", block_size=64)
+    r = Router("ep_aware", "round_robin", block_size=64, load_sources=LoadSources(peer=Peer()))
     for x in REPS:
         r.add_replica(x, "mixed")
     assert r.uses_load() is False and r.uses_prefix_index() is False
-    r.load.peer = Peer()
     r.route(Request("q", 0.0, 100, (), max_output_tokens=10), 0.0)
     assert Peer.refreshes == 0
     pre = ReplicaId("http://p:1", 0)

@@ -20,6 +20,12 @@ def _router(capacity_blocks: int | None) -> Router:
     return r
 
 
+def _share(r: Router, *args, **kw) -> PrefixShare:  # noqa: ANN002, ANN003
+    """A share whose drains record into ``r.record_routed`` (looked up at each call, so a test may
+    replace it on the router to collect what is recorded)."""
+    return PrefixShare(*args, record=lambda reps, hs, now_s: r.record_routed(reps, hs, now_s), **kw)
+
+
 def _state(r: Router) -> dict:
     return {rep: (r.index.lru_order(rep), r.index.num_blocks(rep)) for rep in REPS}
 
@@ -34,7 +40,7 @@ def test_a_drain_folds_repeated_decisions_and_leaves_the_index_as_one_by_one(tmp
         d.mkdir()
         writers_r = [_router(capacity) for _ in range(2)]
         reader_r, reference = _router(capacity), _router(capacity)
-        shares = [PrefixShare(reader_r, str(d), 3, 0)] + [PrefixShare(w, str(d), 3, k + 1) for k, w in enumerate(writers_r)]
+        shares = [_share(reader_r, str(d), 3, 0)] + [_share(w, str(d), 3, k + 1) for k, w in enumerate(writers_r)]
         per_ring: list[list[tuple]] = [[], []]
         t = 0.0
         for _ in range(300):
@@ -64,7 +70,7 @@ def test_the_same_decision_from_every_process_is_one_insert(tmp_path):
     """4 processes route one hot prompt to the same replica 50 times each: the reader records it
     once per drain (record_routed counted), at the latest of the 150 times."""
     readers = [_router(None) for _ in range(4)]
-    shares = [PrefixShare(r, str(tmp_path), 4, k) for k, r in enumerate(readers)]
+    shares = [_share(r, str(tmp_path), 4, k) for k, r in enumerate(readers)]
     calls: list[float] = []
     readers[0].record_routed = lambda reps, hs, now_s: calls.append(now_s)  # type: ignore[method-assign]
     t = 0.0
@@ -96,7 +102,7 @@ def test_a_replacement_process_reads_its_predecessors_decisions_back(tmp_path):
     starts with those 40 in its index (reference: a router fed them one by one through
     record_routed, as the other processes' drains record them) and writes on after them."""
     rng = random.Random(11)
-    dead = PrefixShare(_router(None), str(tmp_path), 2, 1)
+    dead = _share(_router(None), str(tmp_path), 2, 1)
     written = []
     for i in range(40):
         reps, hs = (rng.choice(REPS),), tuple(1000 * i + k for k in range(rng.randrange(1, 4)))
@@ -110,7 +116,7 @@ def test_a_replacement_process_reads_its_predecessors_decisions_back(tmp_path):
         reference.record_routed(reps, hs, now_s)
 
     async def main():
-        share = await _started(PrefixShare(new_r, str(tmp_path), 2, 1))
+        share = await _started(_share(new_r, str(tmp_path), 2, 1))
         assert share.recovered == 40
         assert _state(new_r) == _state(reference)
         share.publish((REPS[0],), (7,), 41.0)  # goes on after the predecessor's records
@@ -121,7 +127,7 @@ def test_a_replacement_process_reads_its_predecessors_decisions_back(tmp_path):
     # a reader joining now sees the predecessor's 40 and the replacement's one, in order
     sibling_r = _router(None)
     got = _collecting(sibling_r)
-    sib = PrefixShare(sibling_r, str(tmp_path), 2, 0)
+    sib = _share(sibling_r, str(tmp_path), 2, 0)
     assert sib.drain() == 41
     assert [g[1] for g in got] == [w[1] for w in written] + [(7,)]
     asyncio.run(sib.close())
@@ -137,7 +143,7 @@ def test_a_late_reader_of_a_wrapped_ring_reads_a_suffix_of_at_least_half_of_it(t
         rng = random.Random(seed)
         d = tmp_path / f"s{seed}"
         d.mkdir()
-        w = PrefixShare(_router(None), str(d), 2, 1, ring_bytes=cap)
+        w = _share(_router(None), str(d), 2, 1, ring_bytes=cap)
         starts, written = [], []
         for i in range(rng.randrange(200, 600)):
             hs = tuple(10_000 * i + k for k in range(rng.randrange(1, 30)))  # distinct: nothing folds
@@ -147,7 +153,7 @@ def test_a_late_reader_of_a_wrapped_ring_reads_a_suffix_of_at_least_half_of_it(t
         assert w._head > cap  # wrapped
         reader_r = _router(None)
         got = _collecting(reader_r)
-        late = PrefixShare(reader_r, str(d), 2, 0, ring_bytes=cap)
+        late = _share(reader_r, str(d), 2, 0, ring_bytes=cap)
         n = late.drain()
         assert n == len(got) > 0
         assert [g[1] for g in got] == written[-n:]
@@ -168,7 +174,7 @@ def test_late_readers_with_records_up_to_half_the_ring_get_a_nonempty_suffix(tmp
         rng = random.Random(seed)
         d = tmp_path / f"s{seed}"
         d.mkdir()
-        w = PrefixShare(_router(None), str(d), 2, 1, ring_bytes=cap)
+        w = _share(_router(None), str(d), 2, 1, ring_bytes=cap)
         written: list[tuple] = []
         readers: list[tuple[PrefixShare, list, int]] = []  # share, collected, index at join
         for i in range(rng.randrange(20, 120)):
@@ -177,7 +183,7 @@ def test_late_readers_with_records_up_to_half_the_ring_get_a_nonempty_suffix(tmp
             written.append(hs)
             if rng.random() < 0.08:
                 r = _router(None)
-                readers.append((PrefixShare(r, str(d), 2, 0, ring_bytes=cap), _collecting(r), len(written)))
+                readers.append((_share(r, str(d), 2, 0, ring_bytes=cap), _collecting(r), len(written)))
                 readers[-1][0].drain()
                 if w._head > cap:
                     assert readers[-1][1], (seed, i)  # the newest record at least

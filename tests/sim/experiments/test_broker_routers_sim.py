@@ -18,13 +18,12 @@ R0, R1 = ReplicaId("m0"), ReplicaId("m1")
 
 
 def _pair(**kw) -> BrokerKRouters:  # noqa: ANN003
-    routers = []
-    for _ in range(2):
-        r = Router("least_load", "least_load", block_size=16, index_mode="approximate")
+    g = BrokerKRouters(lambda **parts: Router("least_load", "least_load", block_size=16, index_mode="approximate",
+                                              **parts), 2, seed=0, interval_s=0.05, latency_s=0.001, **kw)
+    for r in g.routers:
         r.add_replica(R0, "mixed")
         r.add_replica(R1, "mixed")
-        routers.append(r)
-    return BrokerKRouters(routers, seed=0, interval_s=0.05, latency_s=0.001, **kw)
+    return g
 
 
 def _peer_requests(g: BrokerKRouters, k: int) -> int:
@@ -69,7 +68,7 @@ def test_decisions_reach_the_other_router_at_the_next_boundary_plus_latency():
 def test_bad_delays_rejected():
     for kw in ({"interval_s": 0.0}, {"interval_s": float("nan")}, {"latency_s": -1.0}):
         with pytest.raises(ValueError):
-            BrokerKRouters([Router()], **{"interval_s": 0.05, "latency_s": 0.0, **kw})
+            BrokerKRouters(lambda **parts: Router(**parts), 1, **{"interval_s": 0.05, "latency_s": 0.0, **kw})
 
 
 def test_in_the_simulator():
@@ -85,7 +84,7 @@ def test_in_the_simulator():
 
     def wrap(factory):  # noqa: ANN001, ANN202
         def build(cap):  # noqa: ANN001, ANN202
-            g = BrokerKRouters([factory(cap) for _ in range(4)], seed=0)
+            g = BrokerKRouters(lambda **parts: factory(cap, **parts), 4, seed=0)
             made.append(g)
             return g
         return build

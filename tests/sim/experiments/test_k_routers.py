@@ -27,7 +27,7 @@ def test_requests_split_round_robin_and_events_reach_every_router():
 
     def wrap(factory):  # noqa: ANN001, ANN202
         def build(cap):  # noqa: ANN001, ANN202
-            g = KRouters([factory(cap) for _ in range(3)], seed=0)
+            g = KRouters(lambda **parts: factory(cap, **parts), 3, seed=0)
             made.append(g)
             return g
         return build
@@ -40,3 +40,25 @@ def test_requests_split_round_robin_and_events_reach_every_router():
     applied = [r.metrics()["kv_events"]["applied"] for r in g.routers]
     assert applied[0] > 0 and applied[0] == applied[1] == applied[2]  # every router saw every event
     assert [r.index.num_blocks() for r in g.routers] == [g.routers[0].index.num_blocks()] * 3
+
+
+def test_shared_load_routers_count_in_one_tracker():
+    """``+shared-load``: the K routers are built with one own tracker (LoadSources(own=...)), so
+    every request any of them routed is in flight on each one's view, and the run finishes (the
+    tracker assigned after construction used to leave the registry on the routers' first
+    trackers: a KeyError at the first decision)."""
+    sc, reqs = load_scenario(DEFAULT_PRESET), _reqs()
+    made = []
+
+    def wrap(factory):  # noqa: ANN001, ANN202
+        def build(cap):  # noqa: ANN001, ANN202
+            g = KRouters(lambda **parts: factory(cap, **parts), 3, seed=0, shared_load=True)
+            made.append(g)
+            return g
+        return build
+
+    s = summarize(simulate(sc, reqs, "cache_aware", "least_load", seed=0, index_mode="events", router_wrapper=wrap))
+    (g,) = made
+    assert s["num_finished"] == 300
+    assert g.routers[0].load is g.routers[1].load is g.routers[2].load
+    assert g.routers[0].load.num_in_flight == 0  # every release reached the one tracker

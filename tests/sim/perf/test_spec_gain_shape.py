@@ -21,6 +21,8 @@ class _Stub:
     kv_capacity_tokens_per_rank = 1 << 30
     ep_synchronous = True
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+    decode_tokens_per_step = 1.0
 
     def step_time_s(self, pt, pp, ds, dc, decode_tokens_per_seq=1.0):  # noqa: ANN001, ANN201
         ds = np.asarray(ds, dtype=np.float64)

@@ -253,6 +253,8 @@ class FakePerf:
 
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+    decode_tokens_per_step = 1.0
     kv_bytes_per_token = 100
     kv_capacity_tokens_per_rank = 1_000_000
 

@@ -31,6 +31,8 @@ class LinePerf:
     def __init__(self, ep_synchronous: bool = False) -> None:
         self.ep_synchronous = ep_synchronous
         self.wants_prefill_cached_tokens = False
+        self.verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+        self.decode_tokens_per_step = 1.0
 
     def step_time_s(self, prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens):
         t = 1e-4 * np.asarray(prefill_tokens, dtype=float) + 0.002 * np.asarray(decode_seqs, dtype=float)

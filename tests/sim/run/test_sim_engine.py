@@ -25,6 +25,8 @@ class LinearPerf:
     def __init__(self, ep_synchronous: bool = False) -> None:
         self.ep_synchronous = ep_synchronous
         self.wants_prefill_cached_tokens = False
+        self.verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+        self.decode_tokens_per_step = 1.0
 
     def step_time_s(self, prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens):
         t = 0.001 * np.asarray(prefill_tokens) + 0.002 * np.asarray(decode_seqs) + 1e-6 * np.asarray(decode_ctx_tokens)

@@ -25,6 +25,8 @@ class OneSecondPerf:
     kv_capacity_tokens_per_rank = 10_000
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+    decode_tokens_per_step = 1.0
 
     def __init__(self, extra: float = 0.0) -> None:
         self.extra = extra
