@@ -87,7 +87,7 @@ COST_MODEL_POLICIES = frozenset(n for n in available_policies() if policy_class(
 """Policies that read the router's cost model (``SelectContext.cost_model``, declared by
 :attr:`balancer.policies.Policy.uses_cost_model`). ``learn_cost_model`` refits it online only when
 a pool uses one of them: for other policies the fit is work whose result no decision reads (about
-12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/test_service.py``
+12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/service/test_service.py``
 checks that no other policy reads the model)."""
 
 

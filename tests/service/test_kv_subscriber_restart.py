@@ -19,7 +19,7 @@ def test_a_restarted_engine_whose_first_batches_were_lost_while_reconnecting_is_
     nothing from there on, so its view is cleared and rebuilt from its buffer (replay from 0).
     Expected routes by construction: the prompts each engine was given. About 2 s."""
     pytest.importorskip("zmq")
-    from tests.test_engine_conformance import PROBES_PER_ENGINE, Cluster, _fill, prompt
+    from tests.service.test_engine_conformance import PROBES_PER_ENGINE, Cluster, _fill, prompt
     c = Cluster("sglang")
     try:
         c.connected()

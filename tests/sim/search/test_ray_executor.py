@@ -19,7 +19,7 @@ from sim.scenario import load_scenario  # noqa: E402
 from sim.search.sweep import load_sweep, run_sweep  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[2])
 
 
 @pytest.fixture(scope="module")

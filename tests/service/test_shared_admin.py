@@ -9,6 +9,7 @@ import asyncio
 import os
 import threading
 from multiprocessing import Pipe
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -335,7 +336,7 @@ total = [s.value for f in reg.collect() for s in f.samples if s.name == "pdlb_re
 files = sorted(f for f in os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if f.startswith("counter_"))
 print(total, files == sorted([f"counter_{real}.db", "counter_424242.db", f"counter_{child}.db"]))
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -358,7 +359,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
 print([s.value for f in reg.collect() for s in f.samples if s.name == "pdlb_requests_total"])
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

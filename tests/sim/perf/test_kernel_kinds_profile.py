@@ -15,7 +15,7 @@ import pytest
 
 from sim.models.presets import get_model
 
-PROFILE = Path(__file__).resolve().parents[1] / "sim" / "data" / "profiles" / "h200_kernel_kinds.json"
+PROFILE = Path(__file__).resolve().parents[3] / "sim" / "data" / "profiles" / "h200_kernel_kinds.json"
 
 
 def _points():
@@ -97,7 +97,7 @@ def test_gpu_benches_give_help_without_pytorch_and_say_what_is_missing(script, a
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
 
     def run(*extra):
         prog = f"SCRIPT = {script!r}\nARGS = {[*args, *extra]!r}\n" + _NO_TORCH

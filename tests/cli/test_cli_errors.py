@@ -19,7 +19,7 @@ import pytest
 from pdlb_cli.main import EXIT_BROKEN_PIPE, main
 from sim.scenario import PRESETS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -81,7 +81,7 @@ def test_python_presets_unchanged():
 
 def test_presets_are_package_data():
     # a wheel / pip install must carry the files: pyproject's package-data patterns must match them
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["sim"]
     for path in SHIPPED:
         rel = path.relative_to(PRESET_DIR.parents[1]).as_posix()  # data/presets/<name>.toml

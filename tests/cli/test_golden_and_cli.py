@@ -1,7 +1,7 @@
 """Golden summary of a 200-request Mooncake slice, and CLI smoke runs.
 
 The golden file makes modelling changes visible in review: when a change is intended, regenerate
-it with ``PDLB_REGEN_GOLDEN=1 python3 dev.py test tests/test_golden_and_cli.py`` and commit the diff
+it with ``PDLB_REGEN_GOLDEN=1 python3 dev.py test tests/cli/test_golden_and_cli.py`` and commit the diff
 with the reason. The golden values are the simulator's own output (a regression pin, not an
 independent truth); hand-calculated checks live in test_sim_engine.py.
 """
@@ -20,7 +20,7 @@ from sim.run.metrics import summarize
 from sim.scenario import PoolConfig, Scenario
 from sim.workload import read_trace, spread_batches, take_slice
 
-GOLDEN = Path(__file__).parent / "golden" / "summary_200.json"
+GOLDEN = Path(__file__).parents[1] / "golden" / "summary_200.json"
 KEYS = ("ttft_s", "tpot_s", "e2e_s", "prefix_hit_rate", "ideal_hit_rate", "slo_attainment", "goodput_rps",
         "output_tokens_per_s", "prefill_work_imbalance", "decode_work_imbalance", "num_steps")
 POLICIES = ("round_robin", "least_load", "cache_aware", "kv_cost")

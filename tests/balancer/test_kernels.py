@@ -3,7 +3,7 @@ compared bit for bit (``tobytes``), and the numpy fallback.
 
 Reference: the numpy expressions in :func:`balancer.cost_model.prefill_wait_features`,
 ``EpAware._requests_after`` and ``EpAware._decode_cost_one`` (run with the kernels turned off by
-:func:`balancer.kernels.use_compiled`), which tests/test_ep_aware_features.py in turn pins to a
+:func:`balancer.kernels.use_compiled`), which tests/balancer/test_ep_aware_features.py in turn pins to a
 per-candidate loop written from the docstrings. The summation order the kernels reproduce is
 numpy's pairwise sum: ``test_row_sum_is_numpys_add_reduce`` checks it against ``np.add.reduce``
 itself on rows whose sum depends on the order (a sequential sum fails it: checked by hand), so a

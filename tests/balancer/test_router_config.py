@@ -172,7 +172,7 @@ def test_service_reads_the_router_section_and_the_old_keys() -> None:
 def test_documented_service_keys_are_still_accepted() -> None:
     # the keys docs/serving.md's example config uses at the top level (before the router: section)
     from pathlib import Path
-    text = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
     used = [k for k in LEGACY_ROUTER_KEYS if f"\n{k}:" in text]
     assert used == []  # the docs show the router: section now
     assert "\nrouter:" in text

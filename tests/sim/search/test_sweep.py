@@ -152,7 +152,7 @@ def test_sweep_per_point_folders(tmp_path: Path) -> None:
 
 
 def test_the_documented_example_sweep_expands() -> None:
-    sw = load_sweep(Path(__file__).parents[1] / "docs" / "examples" / "sweep.toml")
+    sw = load_sweep(Path(__file__).parents[3] / "docs" / "examples" / "sweep.toml")
     assert len(sw.points) == 24 and sw.grid_keys == ["prefill.num_engines", "decode.num_engines"]
     assert sw.points[0].slo.ttft_per_1k_prompt_tokens_s == 0.5 and sw.points[0].workload.limit == 2000
 

@@ -4,7 +4,7 @@ live batches held during a replay and merged by sequence, a timestamp going back
 without a replay endpoint, a replay that never answers (back-off; other sources unaffected),
 the hold bound, and a dead subscriber under ``pdlb serve --processes 1`` (restarted, in
 ``/health`` and the metrics). The same cases against the engines' own publishers:
-``tests/test_engine_conformance.py``. Expected values come from the scenario (which batches were
+``tests/service/test_engine_conformance.py``. Expected values come from the scenario (which batches were
 published, lost or refused), counted by hand in each test.
 """
 
@@ -27,7 +27,7 @@ from balancer.service.config import ServiceConfig
 from balancer.service.kv_subscriber import KvEventSource, KvEventSubscriber
 from balancer.types import ReplicaId
 from tests.kv_publisher import FakeEngine, free_port
-from tests.test_kv_wire import Collect, _connect, _stored_hashes, toks
+from tests.balancer.test_kv_wire import Collect, _connect, _stored_hashes, toks
 
 REP = ReplicaId("http://w", 0)
 

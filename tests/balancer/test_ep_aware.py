@@ -509,7 +509,7 @@ def test_slo_margin_default_takes_the_prediction_as_pessimistic():
     # the dense case of the first SLO test: A predicts 1.32 s, B 2.13 s; budget 1.2 s. Hand-built
     # candidates carry no in-service progress, so the default margin is 0.8: A counts as meeting it
     # (0.8 * 1.32 = 1.056 <= 1.2) and is taken as without an SLO; with 1.0 neither does and the
-    # request is doomed (to B). Router-built ones on dense engines: tests/test_in_service_progress.py
+    # request is doomed (to B). Router-built ones on dense engines: tests/balancer/test_in_service_progress.py
     c = cands(pview("A", 0, 10_000, 1), pview("B", 0, 20_000, 2, matched=2000))
     req = Request("r", 0.0, 3000)
     assert make_policy("ep_aware").slo_margin is None  # auto

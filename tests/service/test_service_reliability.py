@@ -1,7 +1,7 @@
 """Reliability and security of the router service (issue 14, items 1-10), on emulated engines.
 
 Each test names the item it pins; the fuzzers and the fault matrix that cover whole classes of
-failure are in ``tests/test_service_fuzz.py`` and ``tests/test_service_faults.py``.
+failure are in ``tests/service/test_service_fuzz.py`` and ``tests/service/test_service_faults.py``.
 """
 
 from __future__ import annotations

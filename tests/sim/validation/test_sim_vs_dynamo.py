@@ -25,7 +25,7 @@ from sim.run.metrics import summarize
 from sim.perf.polynomial import MockerPolynomialPerf, mocker_decode_ms, mocker_polynomial_factory, mocker_prefill_ms
 from sim.scenario import PoolConfig, Scenario
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SLICE_REQUESTS = 3000
 
 

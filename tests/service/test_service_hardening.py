@@ -2,7 +2,7 @@
 
 Fast tests, one or more per item of the issue; the "Done when" test (a ``/health`` probe and the
 router's RSS while each hostile action runs against a real ``pdlb serve``) is
-``tests/test_service_hostile.py`` (slow).
+``tests/service/test_service_hostile.py`` (slow).
 """
 
 from __future__ import annotations

@@ -325,7 +325,7 @@ def test_vllm_publisher_hybrid_groups_route_to_the_engine_that_can_serve_the_hit
     ``group_idx`` 1). Each engine also holds the other's prompts in the full group, but its window
     group evicted the tail window: no hit there by vLLM's rule. Every probe must route to the
     engine that can serve it, with nothing credited to the other. ~15 s."""
-    from tests.test_engine_conformance import PROBES_PER_ENGINE, Cluster, prompt
+    from tests.service.test_engine_conformance import PROBES_PER_ENGINE, Cluster, prompt
 
     full_kw = {"group_idx": 0, "kv_cache_spec_kind": "mla_attention"}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("openai")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 real_engines = pytest.importorskip("real_engines")
 
 

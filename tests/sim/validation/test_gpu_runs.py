@@ -197,7 +197,7 @@ def _bench():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_engine_run.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "gpu_engine_run.py"
     spec = importlib.util.spec_from_file_location("gpu_engine_run", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # imports no torch at module level

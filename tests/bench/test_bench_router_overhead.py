@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 ro = pytest.importorskip("router_overhead")
 
 
@@ -97,7 +97,7 @@ def test_variant_rows_name_their_own_process_count_and_are_never_the_main_row(
 
 def test_baseline_checkouts_are_recognised_by_the_files_that_run_them(tmp_path: Path) -> None:
     # this checkout runs (pdlb_cli/main.py and balancer/router.py exist); a folder without them does not
-    assert ro.is_pdlb_checkout(Path(__file__).resolve().parents[1])
+    assert ro.is_pdlb_checkout(Path(__file__).resolve().parents[2])
     assert not ro.is_pdlb_checkout(tmp_path)
     (tmp_path / "sim").mkdir()
     (tmp_path / "sim" / "cli.py").write_text("")  # what the bench used to look for

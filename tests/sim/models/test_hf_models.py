@@ -13,7 +13,7 @@ from sim.models.presets import DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_70B, MO
 from sim.perf.build import roofline_for_pool
 from sim.scenario import PoolConfig, Scenario
 
-DATA = Path(__file__).parent / "data" / "hf"
+DATA = Path(__file__).parents[2] / "data" / "hf"
 
 
 @pytest.mark.parametrize("file,preset", [("deepseek-v4-flash.json", DEEPSEEK_V4_FLASH),

@@ -13,7 +13,7 @@ import pytest
 
 from sim.search.executor import quiet_ray_logs
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[3]
 
 
 def test_quiet_ray_logs_passes_errors_only_and_restores_the_level(caplog: pytest.LogCaptureFixture) -> None:
