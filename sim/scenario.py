@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, model_serializer
 
+from balancer.config import RouterConfig
 from balancer.validation import format_validation_error, syntax_error_line
 from sim.models.presets import MODELS, get_model
 from sim.perf.config import PerfConfig
@@ -203,6 +204,20 @@ class PoolConfig(BaseModel):
         return self.num_ranks * self.gpus_per_rank
 
 
+#: :class:`~balancer.config.RouterConfig` settings a scenario's ``router:`` section may not set,
+#: and where they are set instead.
+ROUTER_SECTION_ELSEWHERE = {
+    "block_size": "the scenario's top-level block_size (its trace's block size)",
+    "pd_min_uncached_tokens": "the scenario's top-level pd_min_uncached_tokens",
+    "index_capacity_blocks": "the scenario's top-level index_capacity_blocks (which also takes 'auto')",
+    "prefill_policy": "the run's policies (--policies, a sweep's policies)",
+    "decode_policy": "the run's policies (--policies, a sweep's policies)",
+    "index_mode": "the run's --index-mode",
+    "seed": "the run's --seed",
+    "ttft_slo": "the run's SLO (--route-slo)",
+}
+
+
 class Scenario(BaseModel):
     """A simulated cluster.
 
@@ -253,6 +268,13 @@ class Scenario(BaseModel):
             beyond them (output); when it finishes they become evictable as the most recently
             used. Both reserve the output at admission (no preemption). Prefill and decode ranks
             (PD) are the same under both.
+        router: the router's settings (:class:`~balancer.config.RouterConfig`, the ``[router]``
+            table), each given one replacing what the simulator sets
+            (:mod:`sim.run.router_config`: the library's defaults, except the scenario's block size,
+            its exact cost model and no online fit, no total index bound). Only the settings
+            given count and are written back (a scenario without the table dumps as before, so
+            sweep point ids do not move); those a scenario or run sets elsewhere
+            (:data:`ROUTER_SECTION_ELSEWHERE`: block size, policies, index mode, ...) are refused.
 
     All counts must be integers and all numbers finite; sizes are bounded (:data:`MAX_RANKS`
     DP ranks in all, ...), so that no scenario can hang or exhaust memory.
@@ -283,6 +305,45 @@ class Scenario(BaseModel):
     long_prompt_threshold_tokens: int = Field(32768, ge=1)
     max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS)
     kv_accounting: Literal["reserve", "shared"] = "shared"
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @field_validator("router", mode="before")
+    @classmethod
+    def _router_section(cls, v: object) -> object:
+        if isinstance(v, dict):
+            elsewhere = [k for k in v if k in ROUTER_SECTION_ELSEWHERE]
+            if elsewhere:
+                raise ValueError("; ".join(f"router.{k} is not a scenario router setting: set it in "
+                                           f"{ROUTER_SECTION_ELSEWHERE[k]}" for k in elsewhere))
+            return RouterConfig.model_validate(v)
+        if isinstance(v, RouterConfig):
+            elsewhere = sorted(v.model_fields_set & set(ROUTER_SECTION_ELSEWHERE))
+            if elsewhere:
+                raise ValueError(f"router settings {', '.join(elsewhere)} are not scenario settings "
+                                 f"(see sim.scenario.ROUTER_SECTION_ELSEWHERE)")
+        return v
+
+    @property
+    def router_settings(self) -> dict[str, object]:
+        """The ``router:`` settings given (field name -> value), the ones the simulator applies."""
+        return {k: getattr(self.router, k) for k in sorted(self.router.model_fields_set)}
+
+    @model_serializer(mode="wrap")
+    def _router_as_given(self, handler):  # noqa: ANN001, ANN202
+        """The ``router`` section dumps the settings given only, and not at all when none is (so a
+        scenario's dump, and the sweep point ids hashed from it, stay as before the section)."""
+        d = handler(self)
+        if isinstance(d, dict) and "router" in d:
+            given = {}
+            for k, v in self.router_settings.items():
+                if k == "cost_model" and v is not None:
+                    v = v.to_dict()  # type: ignore[attr-defined]
+                given[k] = v
+            if given:
+                d["router"] = given
+            else:
+                del d["router"]
+        return d
 
     @property
     def effective_max_model_len(self) -> int:

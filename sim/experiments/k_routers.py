@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from balancer.load import LoadTracker
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role, Route
 
@@ -60,33 +61,44 @@ class KRouters:
     """K independent routers splitting the traffic round-robin (see the module docstring).
 
     Args:
-        routers: the replicas (same policies and settings); router ``k``'s RNG is reseeded with
-            ``seed * 1000 + k`` so that they do not make correlated random choices.
-        shared_load: all replicas count in-flight load in one tracker (what shared memory
+        make: builds one router from its parts, called as ``make(seed=..., load_sources=...,
+            listeners=...)`` (keywords of :meth:`balancer.router.Router.from_config` and the
+            config's ``seed``); same policies and settings for every router.
+        k: how many routers (>= 1).
+        seed: router ``j`` is seeded with ``seed * 1000 + j``, so that they do not make
+            correlated random choices.
+        shared_load: all routers count in-flight load in one tracker (what shared memory
             between the processes of one ``pdlb serve`` gives); else each counts its own.
+
+    Raises:
+        ValueError: ``k`` < 1.
     """
 
-    def __init__(self, routers: list[Router], seed: int = 0, shared_load: bool = False) -> None:
-        if not routers:
+    def __init__(self, make: Callable[..., Router], k: int, seed: int = 0, shared_load: bool = False) -> None:
+        if k < 1:
             raise ValueError("need at least one router")
-        self.routers = routers
-        for k, r in enumerate(routers):
-            r.rng = random.Random(seed * 1000 + k)
-            if shared_load:
-                r.load = routers[0].load
+        own = LoadTracker() if shared_load else None
+        self.routers = [make(**{"seed": seed * 1000 + j, "load_sources": LoadSources(own=own) if own is not None else None,
+                                **self._parts(j)}) for j in range(k)]
+        routers = self.routers
         self.index_mode = routers[0].index_mode
         self.index = _IndexGroup(routers)
         self.load = _LoadGroup(routers)
         self._owner: dict[str, Router] = {}
         self._next = 0
 
+    def _parts(self, j: int) -> dict[str, Any]:
+        """Parts of router ``j`` beyond its seed and load sources, or replacing them (subclasses:
+        listeners, a peer load source)."""
+        return {}
+
     @classmethod
     def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False
-                ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
+                ) -> Callable[[Callable[..., Router]], Callable[[Any], Any]]:
         """For :func:`sim.run.cluster.simulate` ``router_wrapper``: K routers from its factory
-        (called with the cluster's :class:`sim.run.router_config.RankCacheBlocks`)."""
-        def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
-            return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, shared_load)
+        (called with the cluster's :class:`sim.run.router_config.RankCacheBlocks` and the parts)."""
+        def wrap(factory: Callable[..., Router]) -> Callable[[Any], Any]:
+            return lambda ranks: cls(lambda **parts: factory(ranks, **parts), k, seed, shared_load)
         return wrap
 
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:

@@ -31,7 +31,7 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
     Raises:
         ValueError: unknown model/hardware, or the weights do not fit (see ``RooflinePerf``).
     """
-    cfg = perf if perf is not None else (getattr(scenario, "perf", None) or PerfConfig())
+    cfg = perf if perf is not None else (scenario.perf or PerfConfig())
     model = get_model(scenario.model)
     if cfg.fp8_weights is not None:
         model = dataclasses.replace(model, weight_bytes=1 if cfg.fp8_weights else 2,

@@ -75,6 +75,8 @@ class MockerPolynomialPerf:
 
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1
+    decode_tokens_per_step = 1.0
 
     def __init__(self, kv_capacity_tokens_per_rank: int, kv_bytes_per_token: int = 131_072) -> None:
         if kv_capacity_tokens_per_rank < 1:

@@ -294,6 +294,8 @@ class RooflinePerf:
         #: many replay windows and rebuilt rows it pays, which the pairs alone do not tell when
         #: several prompts share the step (elsewhere the prefix is only a KV read, and omitted)
         self.wants_prefill_cached_tokens = bool(self._ced)
+        self.verify_tokens_per_seq = 1  # no MTP verification (sim.run.engine.step_perf.StepClassPerf adds it)
+        self.decode_tokens_per_step = 1.0
         if self._ced:
             pf_tok = m.prefill_dense_flops_per_token if m.is_moe else m.prefill_dense_flops_per_token + m.prefill_expert_flops_per_token
             rp_tok = m.replay_dense_flops_per_token if m.is_moe else m.replay_dense_flops_per_token + m.replay_expert_flops_per_token

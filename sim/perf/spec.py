@@ -232,6 +232,10 @@ class SpecDecodePerf:
         self.ep_synchronous = base.ep_synchronous
         #: its step_time_s takes the four work arrays only (the base's cached-prefix pricing is not forwarded)
         self.wants_prefill_cached_tokens = False
+        #: one token per sequence and step, as far as the cluster's ranks know (this model prices
+        #: the drafts and their acceptance itself)
+        self.verify_tokens_per_seq = 1
+        self.decode_tokens_per_step = 1.0
         self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
         self._admission = admission_order(config.classes, config.longest_draft)
         self.last_draft_tokens: np.ndarray | None = None

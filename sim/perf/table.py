@@ -119,6 +119,8 @@ class TablePerf:
 
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1
+    decode_tokens_per_step = 1.0
 
     def __init__(
         self,

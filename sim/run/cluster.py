@@ -110,7 +110,7 @@ def hit_checkpoints_for(scenario: Scenario, pool: PoolConfig, perf: PerfModel) -
     table without a separate draft model) needs one sliding-window block of the model past a hit's
     end (:mod:`sim.run.engine.hit_checkpoints`)."""
     ret = pool.prefix_cache_retention_interval_tokens
-    eagle = getattr(perf, "verify_tokens_per_seq", 1) > 1 or (
+    eagle = perf.verify_tokens_per_seq > 1 or (  # PerfModel declares it
         scenario.speculative is not None and scenario.speculative.draft_model is None)
     peek = get_model(scenario.model).sliding_window_block_tokens if eagle else 0
     return HitCheckpoints(scenario.block_size, None if ret == "dense" else ret, min(peek, scenario.block_size))
@@ -194,8 +194,8 @@ class Cluster:
                     # vLLM scheduler options of the pool and MTP verification (off by default)
                     rank.max_num_seqs = pool.max_num_seqs
                     rank.max_chunk_tokens = pool.max_chunk_tokens
-                    rank.verify_tokens_per_seq = getattr(perf, "verify_tokens_per_seq", 1)
-                    rank.decode_tokens_per_step = getattr(perf, "decode_tokens_per_step", 1.0)
+                    rank.verify_tokens_per_seq = perf.verify_tokens_per_seq
+                    rank.decode_tokens_per_step = perf.decode_tokens_per_step
                     if pool.prefix_cache_retention_interval_tokens is not None:
                         rank.hit_checkpoints = hit_checkpoints_for(scenario, pool, perf)
                     self.ranks.append(rank)

@@ -14,6 +14,11 @@ What the scenario sets rather than the config's defaults (:mod:`balancer.config`
 - the KV tier views (:func:`router_tier_settings`) when the scenario has tiers;
 - ``cost_model``: the scenario's exact one (:func:`sim.run.router_cost.cost_model_for`), and
   ``learn_cost_model`` off (a fit of the exact model could only add noise).
+
+Then the scenario's ``router:`` section (:attr:`sim.scenario.Scenario.router`): each setting it
+gives replaces the one above (e.g. ``index_ttl_s``, ``learn_cost_model = true`` to study the
+online fit, a ``cost_model`` table to study a wrong model); ``tier_weights`` only when the run
+names none. Policies, index mode, seed and SLO are the run's (the section refuses them).
 """
 
 from __future__ import annotations
@@ -107,21 +112,33 @@ def router_config_for(
         ValueError: a bad setting (e.g. an unknown index mode or tier weight).
     """
     tiers = router_tier_settings(scenario, perf_factory) if router_tiers else {}
-    return RouterConfig(
+    section = scenario.router_settings
+    if tier_weights is not None:  # the run's own weights win over the scenario's
+        section.pop("tier_weights", None)
+    config = RouterConfig(
         block_size=scenario.block_size, index_mode=index_mode, pd_min_uncached_tokens=scenario.pd_min_uncached_tokens,
         index_total_capacity_blocks=None, seed=seed,
         tier_weights=dict(tier_weights) if tier_weights is not None else None,
-        cost_model=cost_model_for(scenario, perf_factory), learn_cost_model=False, ttft_slo=ttft_slo, **tiers)
+        cost_model=section["cost_model"] if "cost_model" in section else cost_model_for(scenario, perf_factory),
+        learn_cost_model=False, ttft_slo=ttft_slo, **tiers)
+    return config.with_(**section) if section else config
 
 
 def router_factory(scenario: Scenario, config: RouterConfig, prefill_policy: Policy | PolicySpec | None = None,
-                   decode_policy: Policy | PolicySpec | None = None) -> Callable[[RankCacheBlocks], Router]:
+                   decode_policy: Policy | PolicySpec | None = None) -> Callable[..., Router]:
     """A :data:`RouterFactory`: the router of ``config`` with these policies (objects, shared by
     every router made; specs, built anew for each; ``None``: the config's) and the scenario's
-    index bound for the cluster's ranks (:func:`index_capacity_blocks`)."""
-    def make(ranks: RankCacheBlocks) -> Router:
-        cfg = config.with_(index_capacity_blocks=index_capacity_blocks(scenario, ranks, config.index_mode))
-        return Router.from_config(cfg, prefill_policy=_built(prefill_policy), decode_policy=_built(decode_policy))
+    index bound for the cluster's ranks (:func:`index_capacity_blocks`).
+
+    The factory is called as ``make(ranks)``, or with a router's parts as keywords
+    (``make(ranks, seed=..., load_sources=..., listeners=...)``: the config's seed, then
+    :meth:`balancer.router.Router.from_config`'s parts), as several routers in front of one
+    cluster are built (:mod:`sim.experiments.k_routers`)."""
+    def make(ranks: RankCacheBlocks, *, seed: int | None = None, **parts: Any) -> Router:
+        cfg = config.with_(index_capacity_blocks=index_capacity_blocks(scenario, ranks, config.index_mode),
+                           **({} if seed is None else {"seed": seed}))
+        return Router.from_config(cfg, prefill_policy=_built(prefill_policy), decode_policy=_built(decode_policy),
+                                  **parts)
     return make
 
 

@@ -54,7 +54,7 @@ def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolCon
     if scenario.shared_store is not None:
         kw["store_fetch_s_per_token"] = kv_bytes * pool.dp_ranks / scenario.shared_store.engine_read_bandwidth_bytes_per_s
     engines: dict[str, EngineCost] = {}
-    long_pool = getattr(scenario, "long_prefill", None)
+    long_pool = scenario.long_prefill
     if scenario.disaggregated and long_pool is not None:  # its engines are named like the cluster's
         long_cost = engine_cost(perf_factory(scenario, long_pool), long_pool)
         engines = {f"long-prefill-{e}": long_cost for e in range(long_pool.num_engines)}

@@ -208,6 +208,8 @@ class EngineStepPerf:
     kv_bytes_per_token: int = 131072
     ep_synchronous: bool = False
     wants_prefill_cached_tokens: ClassVar[bool] = False
+    verify_tokens_per_seq: ClassVar[int] = 1
+    decode_tokens_per_step: ClassVar[float] = 1.0
     #: fit quality on the profile steps: {"steps", "mape", "r2"}
     fit: dict = field(default_factory=dict, compare=False)
     #: measured / fitted time of every profile step; when given, each simulated step's time is the

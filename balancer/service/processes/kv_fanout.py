@@ -170,7 +170,7 @@ class KvFanout:
         self._block_size = block_size
         self._settings = settings
         self._ring_bytes = ring_bytes
-        self.subscriber: Any = None
+        self.subscriber: KvEventSubscriber | KvEventSubscriberProcess | None = None
         self.subscriber_restarts = 0
         self._supervisor: asyncio.Task | None = None
         self._stopped = False
@@ -187,9 +187,7 @@ class KvFanout:
         writer = RingWriter(self.path, self._ring_bytes)
         if writer.resumed:
             writer.write([(src.replica, AllBlocksCleared(m)) for src in self._sources for m in (None, "CPU")])
-        sub = KvEventSubscriber(self._sources, self._block_size, writer.write, **kw)
-        sub.ring_writer = writer  # type: ignore[attr-defined]  # closed with it
-        return sub
+        return KvEventSubscriber(self._sources, self._block_size, writer.write, ring_writer=writer, **kw)
 
     def start_subscriber(self) -> None:
         """Owner: start the subscriber (blocking: a child process takes about a second)."""
@@ -203,22 +201,20 @@ class KvFanout:
 
     def subscriber_alive(self) -> bool:
         sub = self.subscriber
-        if sub is None:
-            return False
-        alive = getattr(sub, "alive", None)
-        return (alive() if alive is not None else sub.error is None)
+        return sub is not None and sub.alive()
 
     async def _supervise(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopped:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
-            if (writer := getattr(self.subscriber, "ring_writer", None)) is not None:
-                writer.serve_resyncs()  # the thread runner's writer; a child process serves its own
+            sub = self.subscriber
+            if sub is not None and sub.ring_writer is not None:
+                sub.ring_writer.serve_resyncs()  # the thread runner's writer; a child process serves its own
             if self._stopped or self.subscriber_alive():
                 continue
             old = self.subscriber
             log.error("KV event subscriber died (%s); starting it again: its replicas are cleared and caught "
-                      "up from the engines' replay buffers", getattr(old, "error", None) or "exited")
+                      "up from the engines' replay buffers", (old.error if old is not None else None) or "exited")
             self.subscriber_restarts += 1
             try:
                 await loop.run_in_executor(None, self._restart, old)
@@ -228,8 +224,8 @@ class KvFanout:
     def _restart(self, old: Any) -> None:
         try:
             old.stop(1.0)
-            if (writer := getattr(old, "ring_writer", None)) is not None:
-                writer.close()
+            if old.ring_writer is not None:
+                old.ring_writer.close()
         except Exception:  # noqa: BLE001 - the old one is gone either way
             pass
         self.subscriber = None
@@ -262,8 +258,9 @@ class KvFanout:
             out["subscriber_restarts"] = self.subscriber_restarts
             out["subscriber_up"] = int(self.subscriber_alive())
             sub = self.subscriber
-            writer = getattr(sub, "ring_writer", None)  # the subscriber in a thread of this process
-            w = writer.stats() if writer is not None else getattr(sub, "writer_stats", None)  # or its child's
+            w = None
+            if sub is not None:  # the subscriber in a thread of this process, or its child's counters
+                w = sub.ring_writer.stats() if sub.ring_writer is not None else sub.writer_stats
             if w:
                 out.update(w)
         return out
@@ -294,9 +291,8 @@ class KvFanout:
         sub, self.subscriber = self.subscriber, None
         if sub is not None:
             sub.stop(timeout_s)
-            writer = getattr(sub, "ring_writer", None)
-            if writer is not None:
-                writer.close()
+            if sub.ring_writer is not None:
+                sub.ring_writer.close()
 
 
 def _owner_health() -> dict[str, Any]:

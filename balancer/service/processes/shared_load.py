@@ -9,7 +9,9 @@ rank; each field's columns contiguous, so that a pool whose DP ranks hold the tr
 0..n-1 in columns 0..n-1, any pool never changed at run time, is read and written as slices);
 each process writes its own row from its :class:`~balancer.load.LoadTracker` after every dispatch
 and release, and before each decision reads the sum of the other rows into the tracker's *peer*
-arrays, which the router adds to its own counts (:attr:`balancer.load.LoadTracker.peer`). Reads
+arrays, which the router adds to its own counts (a :class:`balancer.parts.PeerLoad`, given to the
+router at construction: ``LoadSources(peer=view)``, then :meth:`SharedLoad.add` once the replicas
+are registered). Reads
 are not locked: a decision may see a peer's row mid-update (a count off by one request, never a
 torn integer: aligned int64 stores).
 
@@ -59,35 +61,37 @@ def block_bytes(processes: int, columns: int) -> int:
 
 
 class SharedLoad:
-    """One process's view of the shared block (see the module docstring).
+    """One process's view of the shared block (see the module docstring): a
+    :class:`balancer.parts.PeerLoad`. Build it, give it to the router
+    (``Router.from_config(config, load_sources=LoadSources(peer=view))``, which binds it to the
+    router's tracker), register the replicas, then map them to their columns (:meth:`add`).
 
     Args:
         name: the shared-memory block's name.
         processes: number of router processes (rows).
         index: this process's row.
-        replicas: the replicas in the block's columns 0, 1, ... (a sequence), or a
-            ``{replica: column}`` map.
-        tracker: this process's load tracker (its replicas must be registered already).
-        columns: the block's columns per row (default: as many as ``replicas``).
+        columns: the block's columns per row (DP ranks).
 
     Raises:
-        ValueError: ``index`` outside ``0..processes - 1``, or a column outside the block.
+        ValueError: ``index`` outside ``0..processes - 1``, or a block smaller than ``processes x
+            columns``.
     """
 
-    def __init__(self, name: str, processes: int, index: int, replicas: Sequence[ReplicaId] | Mapping[ReplicaId, int],
-                 tracker: LoadTracker, columns: int | None = None) -> None:
+    def __init__(self, name: str, processes: int, index: int, columns: int) -> None:
         if not 0 <= index < processes:
             raise ValueError(f"process index {index} outside 0..{processes - 1}")
-        cols = dict(replicas) if isinstance(replicas, Mapping) else {r: c for c, r in enumerate(replicas)}
         self._shm = shared_memory.SharedMemory(name=name)
-        width = max(1, len(cols)) if columns is None else columns
+        width = max(1, columns)
         if self._shm.size < block_bytes(processes, width):
             self._shm.close()
             raise ValueError(f"shared load block {name!r} holds {self._shm.size} bytes, less than {processes} x {width} columns")
         self._width = width
         self._all = np.ndarray((processes, _FIELDS, width), dtype=np.int64, buffer=self._shm.buf)
         self._row = self._all[index]
-        self.tracker = tracker
+        #: the router's load tracker (set once by :meth:`bind`)
+        self.tracker: LoadTracker | None = None
+        self._closed = False
+        self._n = 0
         self._cols: dict[ReplicaId, int] = {}
         self._slots = np.zeros(0, dtype=np.intp)
         self._sel: slice | np.ndarray = slice(0, 0)
@@ -97,8 +101,19 @@ class SharedLoad:
         self._dirty = False  # this row's counts changed since it was last written
         self._fresh = False  # the peer sums were read in this pass
         self._pass_end_due = False
-        self.add(cols)
-        tracker.peer = self
+        self._used = self._all[:, :, :0]
+        self._mine = self._row[:, :0]
+
+    def bind(self, tracker: LoadTracker) -> None:
+        """Write ``tracker``'s peer arrays and publish its counts (called by the tracker it is
+        given to, at construction).
+
+        Raises:
+            ValueError: bound already.
+        """
+        if self.tracker is not None:
+            raise ValueError("this shared load view is bound to a router already (one view per router)")
+        self.tracker = tracker
 
     def coalesce_in(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Write this row and read the others' at most once per pass of ``loop`` (see the module
@@ -123,12 +138,18 @@ class SharedLoad:
         """Replica -> its column (a copy)."""
         return dict(self._cols)
 
-    def add(self, columns: Mapping[ReplicaId, int]) -> None:
-        """Map more replicas (registered in the tracker) to their columns (zeroing this row's).
+    def add(self, columns: Mapping[ReplicaId, int] | Sequence[ReplicaId]) -> None:
+        """Map more replicas (registered in the bound tracker) to their columns (zeroing this
+        row's); a sequence maps its replicas to columns 0, 1, ...
 
         Raises:
-            ValueError: a column outside the block or already used by another replica.
+            ValueError: a column outside the block or already used by another replica; not bound
+                to a tracker yet.
         """
+        if self.tracker is None:
+            raise ValueError("bind the shared load view to a router's tracker (LoadSources(peer=...)) before add")
+        if not isinstance(columns, Mapping):
+            columns = {r: c for c, r in enumerate(columns)}
         used = set(self._cols.values())
         for rep, c in columns.items():
             if not 0 <= c < self._width:
@@ -153,7 +174,9 @@ class SharedLoad:
     def _reindex(self) -> None:
         reps = sorted(self._cols, key=self._cols.__getitem__)
         cols = [self._cols[r] for r in reps]
-        self._slots = np.array([self.tracker.slot(r) for r in reps], dtype=np.intp)
+        assert self.tracker is not None
+        tracker = self.tracker
+        self._slots = np.array([tracker.slot(r) for r in reps], dtype=np.intp)
         # columns 0..n-1 in order (a pool never changed at run time): a slice, no gather
         self._sel = slice(0, len(cols)) if cols == list(range(len(cols))) else np.array(cols, dtype=np.intp)
         self._n = len(cols)
@@ -165,6 +188,8 @@ class SharedLoad:
 
     def publish(self) -> None:
         """Write this process's counters into its row (coalescing: at the end of this pass)."""
+        if self._closed:
+            return
         if self._loop is not None:
             self._dirty = True
             self._pass_end()
@@ -174,9 +199,10 @@ class SharedLoad:
     def _write(self) -> None:
         self._dirty = False
         n = self._n
-        if not n:
+        if not n or self._closed:
             return
         t, row = self.tracker, self._row
+        assert t is not None
         if self._fast:
             row[0, :n] = t.num_requests[:n]
             row[1, :n] = t.prefill_tokens[:n]
@@ -190,7 +216,9 @@ class SharedLoad:
     def refresh(self, force: bool = False) -> bool:
         """Publish, then set the tracker's peer arrays to the other rows' sums (coalescing: once
         per pass unless ``force``; this row is written at the pass's end). Returns False when it
-        left the arrays as they were (read already in this pass)."""
+        left the arrays as they were (read already in this pass, or closed)."""
+        if self._closed:
+            return False
         if self._loop is not None:
             if self._fresh and not force:
                 return False
@@ -202,6 +230,7 @@ class SharedLoad:
         if not n:
             return True
         t, others = self.tracker, self._sum
+        assert t is not None
         if self._fast:
             np.add.reduce(self._used, axis=0, out=others)
             others -= self._mine
@@ -218,11 +247,19 @@ class SharedLoad:
         return True
 
     def close(self) -> None:
-        """Zero this process's row (its requests no longer count anywhere) and detach."""
+        """Zero this process's row (its requests no longer count anywhere), zero the tracker's
+        peer arrays (the others' counts are no longer read) and detach; later calls do nothing."""
+        if self._closed:
+            return
         self._loop = None
         self._dirty = False
+        self._closed = True
         for c in self._cols.values():
             self._row[:, c] = 0
-        self.tracker.peer = None
+        if self.tracker is not None:
+            t = self.tracker
+            t.peer_requests[:] = 0
+            t.peer_prefill_tokens[:] = 0
+            t.peer_kv_tokens[:] = 0
         del self._row, self._all, self._used, self._mine
         self._shm.close()

@@ -35,7 +35,7 @@ processes every decision is applied N - 1 times, so a drain folds repeats: the d
 in one drain (from all the rings) that name the same replicas and blocks are applied once, at
 their latest time and in the order of their last occurrence, which leaves the index as applying
 each in turn would (an insert only touches its path's blocks: the last touch of every block,
-and the order of last touches, are the same; tests/test_shared_prefix.py checks it against
+and the order of last touches, are the same; tests/service/test_shared_prefix.py checks it against
 one-by-one application). A hot prompt routed by every process costs each of them one insert
 per drain instead of one per decision. Decoded decisions are kept (up to
 :data:`DECODED_CACHE_ENTRIES`) so that a repeated one is not decoded again.
@@ -59,11 +59,10 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import msgpack
 
-from balancer.router import Router
 from balancer.types import ReplicaId
 
 __all__ = ["DRAIN_INTERVAL_S", "RING_BYTES", "PrefixShare", "ring_path"]
@@ -149,21 +148,25 @@ class _Reader:
 
 
 class PrefixShare:
-    """One process's side (see the module docstring): ``start()`` in the event loop, ``close()`` at exit.
+    """One process's side (see the module docstring): give :meth:`publish` to the router as a
+    route listener (``Router.from_config(config, listeners=[share.publish])``), then
+    ``start(router.record_routed)`` in the event loop, ``close()`` at exit.
 
     Args:
-        router: this process's router (its ``on_routed`` is set to :meth:`publish`).
         directory: the directory of the processes' rings (shared by all of them).
+        record: records another process's decision as ``record(replicas, block_hashes, now_s)``
+            (``Router.record_routed`` of this process's router); ``None``: given to :meth:`start`
+            (a drain before records nothing).
         processes: number of router processes.
         index: this process's number.
         ring_bytes: data capacity of this process's ring.
     """
 
-    def __init__(self, router: Router, directory: str, processes: int, index: int,
-                 ring_bytes: int = RING_BYTES) -> None:
+    def __init__(self, directory: str, processes: int, index: int, ring_bytes: int = RING_BYTES,
+                 record: Callable[[Collection[ReplicaId], tuple[int, ...], float], None] | None = None) -> None:
         if not 0 <= index < processes:
             raise ValueError(f"process index {index} outside 0..{processes - 1}")
-        self.router = router
+        self._record = record
         self.index = index
         self._cap = ring_bytes
         mm = _open_ring(ring_path(directory, index), True, ring_bytes)
@@ -186,11 +189,11 @@ class PrefixShare:
         self.dropped = 0  # decisions not written (larger than the ring)
         self.lost_bytes = 0  # ring bytes a slow reader skipped (overwritten before it read them)
         self.recovered = 0  # decisions of this process's predecessor read back from its ring at start
-        router.on_routed = self.publish
 
     def publish(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
         """Append one decision to this process's ring (never blocks), and have the others' new
-        decisions read once this event-loop pass ends."""
+        decisions read once this event-loop pass ends (a :class:`balancer.parts.RouteListener`;
+        nothing after :meth:`close`)."""
         if self._closed:
             return
         rec = msgpack.packb([[[r.engine, r.dp_rank] for r in replicas], block_hashes])
@@ -224,7 +227,7 @@ class PrefixShare:
         """Record the other processes' decisions written since the last drain (repeats folded,
         see the module docstring); returns how many were read."""
         self._drain_soon = False
-        if self._closed:
+        if self._closed or self._record is None:
             return 0
         pending: dict[bytes, float] = {}  # msgpack -> latest time, in the order of last occurrence
         got = 0
@@ -271,7 +274,8 @@ class PrefixShare:
         return got
 
     def _apply(self, pending: dict[bytes, float]) -> None:
-        record, decoded = self.router.record_routed, self._decoded
+        record, decoded = self._record, self._decoded
+        assert record is not None
         for key, now_s in pending.items():
             try:
                 d = decoded.get(key)
@@ -285,8 +289,12 @@ class PrefixShare:
             except Exception as e:  # noqa: BLE001 - a bad record is skipped, the reader lives on
                 log.warning("shared prefix decision skipped: %s", e)
 
-    def start(self) -> None:
-        """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, and after each routing pass)."""
+    def start(self, record: Callable[[Collection[ReplicaId], tuple[int, ...], float], None] | None = None) -> None:
+        """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, and after each routing
+        pass), recording their decisions with ``record`` (``Router.record_routed`` of this
+        process's router; ``None``: the one given at construction)."""
+        if record is not None:
+            self._record = record
         self._loop = asyncio.get_running_loop()
         if self._own is not None:  # the predecessor's decisions, before anything new is routed
             rd, self._own = self._own, None
@@ -303,7 +311,6 @@ class PrefixShare:
         self._timer = self._loop.call_later(DRAIN_INTERVAL_S, self._tick)
 
     async def close(self) -> None:
-        self.router.on_routed = None
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
