@@ -83,6 +83,14 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated ints, each >= 1 (``pdlb dev k-routers --ks 1,2,4,8``)."""
+    parts = [x.strip() for x in text.split(",")]
+    if not text.strip() or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return [_int_at_least(x, 1) for x in parts]
+
+
 #: Largest token count a flag takes (2^24 = 16.8M, far above any model's context; as scenarios).
 MAX_FLAG_TOKENS = 1 << 24
 
@@ -120,6 +128,14 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
     return _float_checked(text, allow_zero=True)
+
+
+def positive_float_list(text: str) -> list[float]:
+    """Comma-separated finite numbers, each > 0 (``pdlb dev tiers-vs-routing --rate-scales 0.6,1``)."""
+    parts = [x.strip() for x in text.split(",")]
+    if not text.strip() or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}")
+    return [positive_float(x) for x in parts]
 
 
 def rate_list(text: str) -> list[float]:

@@ -37,13 +37,14 @@ from rich.console import Console
 from balancer.router import PolicyError
 from pdlb_cli.args import ArgumentParser, command_line, given_options
 from pdlb_cli.command import Subcommand, add_subcommands
+from pdlb_cli.dev.main import Dev
 from pdlb_cli.engine import Engine
 from pdlb_cli.policies import Policies
 from pdlb_cli.serve import Serve
 from pdlb_cli.sim.main import Sim
 
 #: the top-level commands, in the order ``pdlb --help`` lists them
-SUBCOMMANDS: tuple[Subcommand, ...] = (Sim(), Policies(), Serve(), Engine())
+SUBCOMMANDS: tuple[Subcommand, ...] = (Sim(), Policies(), Serve(), Engine(), Dev())
 
 
 def _version() -> str:

@@ -375,7 +375,7 @@ def test_the_command_line_imports_at_module_level_only() -> None:
 
 #: subcommand modules import the argument types and option groups (pdlb_cli.args, and
 #: pdlb_cli.admission_args, which pdlb serve shares) and the protocol, never each other; the registries (main, sim.main) import the subcommands they list
-CLI_REGISTRIES = {"pdlb_cli.main", "pdlb_cli.sim.main"}
+CLI_REGISTRIES = {"pdlb_cli.main", "pdlb_cli.sim.main", "pdlb_cli.dev.main"}
 #: the one sharing between subcommands: compare runs its policies with run's machinery
 CLI_SHARED = {("pdlb_cli.sim.compare", "pdlb_cli.sim.run")}
 
@@ -386,3 +386,15 @@ def test_subcommand_modules_do_not_import_each_other(graph) -> None:
     bad = [(a, b) for a, out in edges.items() if _in(a, "pdlb_cli") and a not in CLI_REGISTRIES | floor
            for b in out if _in(b, "pdlb_cli") and b not in floor and (a, b) not in CLI_SHARED]
     assert not bad, bad
+
+
+#: the command-line parser modules: argparse is the command line's (pdlb_cli), never a library's
+def _argparse_importers() -> list[str]:
+    return sorted(m for m, ns in import_graph()[1].items() if not _in(m, "pdlb_cli")
+                  for n, _ in ns if _in(n, "argparse"))
+
+
+def test_no_library_module_builds_a_parser() -> None:
+    # the developer scripts' parsers (python -m sim.experiments.*, sim/validation/gpu_runs.py,
+    # sim/emulator/hostile.py) moved to pdlb dev's modules (pdlb_cli/dev/)
+    assert _argparse_importers() == []

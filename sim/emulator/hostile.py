@@ -5,7 +5,7 @@
   outside the process under test (and outside the one sending the hostile traffic).
 * :func:`rss_bytes` / :func:`tree_rss_bytes`: resident memory of a process (and its children:
   the router's body-parsing worker) from ``/proc``.
-* :func:`spawn_fake_engine`: ``python -m sim.emulator.hostile`` — a fake engine process whose
+* :func:`spawn_fake_engine`: ``pdlb dev hostile-engine`` — a fake engine process whose
   behaviour is switched at run time (``POST /fake/mode``): ``ok`` (a short answer, JSON or SSE),
   ``reject`` (400 to every generation request, as an engine refuses a prompt over its context),
   ``sse_no_newline`` (a streamed answer that is one endless SSE line without a newline) and
@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -258,7 +257,10 @@ async def _empty_answer(request):  # noqa: ANN001, ANN202
     return web.json_response({})
 
 
-async def _serve_fake(port: int) -> None:
+async def serve_fake_engine(port: int) -> None:
+    """Serve the fake engine (module docstring) on 127.0.0.1:``port`` (0: any free port) until
+    cancelled; prints ``fake engine ready on http://127.0.0.1:PORT`` once it listens
+    (``pdlb dev hostile-engine`` runs it)."""
     from aiohttp import web
 
     runner = web.AppRunner(_fake_app(), access_log=None)
@@ -272,25 +274,9 @@ async def _serve_fake(port: int) -> None:
 
 def spawn_fake_engine() -> Proc:
     """Start a fake engine process (module docstring) on 127.0.0.1, port 0. Always ``stop()`` it."""
-    cmd = [sys.executable, "-m", "sim.emulator.hostile", "--port", "0"]
+    cmd = [sys.executable, "-m", "pdlb_cli.main", "dev", "hostile-engine", "--port", "0"]
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
     return _spawn(cmd, popen=popen)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="a fake engine whose misbehaviour is set with POST /fake/mode")
-    p.add_argument("--port", type=int, default=0)
-    args = p.parse_args(argv)
-    try:
-        asyncio.run(_serve_fake(args.port))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 
 # ---------------------------------------------------------------------- hostile actions
@@ -648,7 +634,7 @@ requests the action sends (issue 25 item 7: 1,000 bad requests logged 578 KB of 
 def verdict(name: str, statuses: list[int], seen: ProbeResult, lag: LoopLag, cpu_lag: LoopLag,
             foreign_cores: float, logged_bytes: int = 0) -> list[str]:
     """What went wrong during hostile action ``name`` (empty: nothing), by issue 25's "Done when"
-    (``tests/test_service_hostile.py``'s docstring): its ``statuses``; the probe's latencies
+    (``tests/service/test_service_hostile.py``'s docstring): its ``statuses``; the probe's latencies
     ``seen``; the router's wall-clock and CPU event-loop lag (:class:`LoopLag` of :data:`LAG` and
     :data:`CPU_LAG`); the CPUs other work on the host took meanwhile
     (:meth:`HostCpu.foreign_cores`: above :data:`QUIET_FOREIGN_CORES` the wall-clock figures

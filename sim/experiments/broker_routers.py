@@ -23,15 +23,13 @@ prompts and load), ``events`` (every router consumes every engine's KV events; o
 load through the broker) and ``events+shared-load`` (one instant load view: the bound that a
 zero-delay broker would reach).
 
-Run: ``python -m sim.experiments.broker_routers [--ks 1,2,4,8] [--limit N]``, or
+Run: ``pdlb dev broker-routers [--ks 1,2,4,8] [--limit N]``, or
 ``bench/k_routers_figure.py`` for the table and the plot.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -249,29 +247,3 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                    f"{r['ttft_p99_s']:.2f} | {r['goodput_rps']:.3f} | x{r['ttft_p50_s'] / b['ttft_p50_s']:.2f} | "
                    f"x{r['goodput_rps'] / b['goodput_rps']:.2f} |")
     return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sim.experiments.broker_routers", description=__doc__.split("\n")[0])
-    ap.add_argument("--ks", default="1,2,4,8", help="router counts, comma-separated (default: %(default)s)")
-    ap.add_argument("--modes", default=",".join(MODES), help="sharing modes (default: %(default)s)")
-    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all)")
-    ap.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S,
-                    help="broker publish interval, seconds (default: %(default)s)")
-    ap.add_argument("--latency-s", type=float, default=DEFAULT_LATENCY_S,
-                    help="broker delivery time, seconds (default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    args = ap.parse_args(argv)
-    try:
-        ks = [int(x) for x in args.ks.split(",")]
-        rows = run(ks, [m.strip() for m in args.modes.split(",")], args.limit, args.seed, 1.0, args.interval_s,
-                   args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,17 +13,14 @@ all of them. :func:`run` simulates K in ``--ks`` for both modes on the embedded 
 (default scenario ``dsv3-pd-h200``, cache_aware prefill, least_load decode) and reports the
 prefix hit rate and TTFT, with ratios to K = 1 of the same mode.
 
-Run: ``python -m sim.experiments.k_routers [--ks 1,2,4,8] [--limit 3000]``.
+Run: ``pdlb dev k-routers [--ks 1,2,4,8] [--limit 3000]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from balancer.load import LoadTracker
@@ -174,41 +171,3 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                    f"{r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.2f} | {r['goodput_rps']:.2f} | "
                    f"x{r['ttft_mean_s'] / b['ttft_mean_s']:.2f} |")
     return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sim.experiments.k_routers", description=__doc__.split("\n")[0])
-    ap.add_argument("--ks", default="1,2,4,8", help="router counts, comma-separated (default: %(default)s)")
-    ap.add_argument("--modes", default="approximate,events,events+shared-load",
-                    help="index modes, each optionally +shared-load (one in-flight load view for all routers) "
-                         "(default: %(default)s)")
-    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all)")
-    ap.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier (default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=None, help="write summary.json and summary.md here (default: none)")
-    args = ap.parse_args(argv)
-    try:
-        ks = [int(x) for x in args.ks.split(",")]
-        if any(k < 1 for k in ks):
-            raise ValueError
-    except ValueError:
-        print(f"error: --ks must be positive integers, got {args.ks!r}", file=sys.stderr)
-        return 2
-    modes = [m.strip() for m in args.modes.split(",")]
-    bad = [m for m in modes if m.partition("+")[0] not in ("approximate", "events", "hybrid")
-           or m.partition("+")[2] not in ("", "shared-load")]
-    if bad:
-        print(f"error: unknown index mode(s) {', '.join(bad)} (approximate, events, hybrid)", file=sys.stderr)
-        return 2
-    rows = run(ks, modes, args.limit, args.seed, args.rate_scale)
-    md = markdown(rows)
-    print(md)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-        (args.out / "summary.md").write_text(md + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,14 +13,11 @@ without admission (:mod:`sim.run.deadline_gate`):
   admission vs without;
 * **answers**: every request ends with a first token or a shed (``answered == requests``).
 
-Run: ``python -m sim.experiments.overload`` (or ``bench/admission_overload.py`` for the table).
+Run: ``pdlb dev overload`` (or ``bench/admission_overload.py`` for the table).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,18 +153,3 @@ def wait_model_table(wait_models: Sequence[str] = ("backlog", "policy", "max"), 
             err = (res.records.prefill_end_s[have] - adm.dispatch_s[have]) - pred[have]
             out[wm]["prefill_error_s"] = {f"p{q}": float(np.percentile(err, q)) for q in (1, 50, 99)}
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--duration-s", type=float, default=60.0)
-    p.add_argument("--ttft-slo-s", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    json.dump(burst_table(duration_s=a.duration_s, ttft_slo_s=a.ttft_slo_s, seed=a.seed), sys.stdout, indent=1)
-    print()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,19 +13,16 @@ DP ranks of DeepSeek-V3 on H200, 1 decode engine EP8), three set-ups, each at tw
 Decode routing is ``least_load`` throughout; fetch rule ``faster`` (fetch iff faster than
 recomputing). Reports TTFT p50/p99, hit rate per tier, goodput (TTFT <= 2 s, TPOT <= 100 ms).
 
-Run: ``python -m sim.experiments.tiers_vs_routing`` (``--help`` for options); about 6 runs of
+Run: ``pdlb dev tiers-vs-routing`` (``--help`` for options); about 6 runs of
 5-15 s each on one core. Writes ``summary.json``, ``summary.md`` and ``tiers_vs_routing.png``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import Progress
 
 SETUPS: dict[str, tuple[str, bool]] = {  # name -> (prefill policy, shared store)
@@ -111,38 +108,3 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m sim.experiments.tiers_vs_routing",
-        description="Experiment 2: per-replica HBM caches + cache-aware routing vs a shared KV store + least-load "
-                    "routing vs both, on the embedded Mooncake trace at two load levels.")
-    p.add_argument("--rate-scales", default="0.6,1.0", metavar="F,F",
-                   help="arrival-rate multipliers (default 0.6,1.0: moderate and the default scenario's heavy load)")
-    p.add_argument("--limit", type=int, metavar="N", help="first N requests only (default: the whole trace)")
-    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    p.add_argument("--out", type=Path, metavar="DIR", help="results folder (default results/tiers-vs-routing-<time>)")
-    args = p.parse_args(argv)
-    try:
-        scales = [float(x) for x in args.rate_scales.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--rate-scales: expected comma-separated numbers, got {args.rate_scales!r}")
-    if not scales or min(scales) <= 0:
-        p.error("--rate-scales: give at least one multiplier > 0")
-    console = Console()
-    with Progress(console=console, transient=True) as prog:
-        rows = run(scales, args.limit, args.seed, prog)
-    out = args.out or Path("results") / f"tiers-vs-routing-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
-    md = markdown(rows)
-    (out / "summary.md").write_text(md + "\n")
-    plot(rows, out / "tiers_vs_routing.png")
-    console.print(md)
-    console.print(f"results in {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

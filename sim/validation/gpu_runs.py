@@ -520,31 +520,12 @@ def _env_value(key: str) -> str:
     return "?"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m sim.validation.gpu_runs compact RAW.json.gz OUT.json.gz`` | ``python -m sim.validation.gpu_runs report``."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m sim.validation.gpu_runs", description=main.__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compact", help="raw bench/gpu_engine_run.py output -> committed record")
-    c.add_argument("raw")
-    c.add_argument("out")
-    rp = sub.add_parser("report", help="measured vs simulated for the shipped runs (as pdlb sim validate --gpu-runs)")
-    rp.add_argument("--plot", metavar="PNG", help="also draw measured vs simulated into this file")
-    a = ap.parse_args(argv)
-    if a.cmd == "compact":
-        with gzip.open(a.raw, "rt") as fh:
-            raw = json.load(fh)
-        with gzip.open(a.out, "wt", compresslevel=9) as fh:
-            json.dump(compact(raw), fh, separators=(",", ":"))
-        return 0
-    from rich.console import Console
-
-    print_rows(Console(width=160))
-    if a.plot:
-        print(f"wrote {plot(a.plot)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def compact_file(raw_path: str | Path, out_path: str | Path) -> Path:
+    """Read a raw ``bench/gpu_engine_run.py`` result (gzipped JSON), write its :func:`compact`
+    record to ``out_path`` (gzipped JSON, what ``sim/data/gpu_runs/`` ships); returns ``out_path``
+    (``pdlb dev gpu-runs compact``)."""
+    with gzip.open(raw_path, "rt") as fh:
+        raw = json.load(fh)
+    with gzip.open(out_path, "wt", compresslevel=9) as fh:
+        json.dump(compact(raw), fh, separators=(",", ":"))
+    return Path(out_path)

@@ -14,6 +14,7 @@ from rich.console import Console
 from pdlb_cli import main as pdlb_main
 from pdlb_cli import serve as serve_mod
 from pdlb_cli.command import add_subcommands
+from pdlb_cli.dev import main as dev_main
 from pdlb_cli.sim import main as sim_main
 
 
@@ -61,16 +62,19 @@ def test_a_subcommand_whose_parser_has_another_name_is_refused() -> None:
 
 
 def test_each_command_is_one_module_named_after_it_in_the_help_order() -> None:
-    # by hand, from the README's command list: pdlb {sim, policies, serve, engine}; pdlb sim's
+    # by hand, from the README's command list: pdlb {sim, policies, serve, engine, dev}; pdlb sim's
     # eleven commands in the order `pdlb sim --help` lists them; a dash in the name is an
     # underscore in the module's
     top = [(c.name, type(c).__module__) for c in pdlb_main.SUBCOMMANDS]
     assert top == [("sim", "pdlb_cli.sim.main"), ("policies", "pdlb_cli.policies"), ("serve", "pdlb_cli.serve"),
-                   ("engine", "pdlb_cli.engine")]
+                   ("engine", "pdlb_cli.engine"), ("dev", "pdlb_cli.dev.main")]
     names = ["compare", "run", "scenarios", "validate", "price", "sessions", "store-sweep", "workload", "cost-model",
              "capacity", "sweep"]
     assert [c.name for c in sim_main.SUBCOMMANDS] == names
     assert [type(c).__module__ for c in sim_main.SUBCOMMANDS] == [f"pdlb_cli.sim.{n.replace('-', '_')}" for n in names]
+    dev = ["k-routers", "broker-routers", "tiers-vs-routing", "overload", "gpu-runs", "hostile-engine"]
+    assert [(c.name, type(c).__module__) for c in dev_main.SUBCOMMANDS] == \
+        [(n, f"pdlb_cli.dev.{n.replace('-', '_')}") for n in dev]
 
 
 def test_pdlb_help_lists_the_commands_in_that_order(capsys) -> None:

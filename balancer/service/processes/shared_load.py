@@ -2,7 +2,7 @@
 
 Without it each router process counts only the requests *it* routed, so N processes each see
 about 1/N of the load and pile onto the same "least loaded" ranks (the simulator measures this:
-``python -m sim.experiments.k_routers``, event-fed routers x1.39 mean TTFT at K = 8 with their own
+``pdlb dev k-routers``, event-fed routers x1.39 mean TTFT at K = 8 with their own
 load, x1.00 with one shared view). The parent creates one shared-memory block of
 ``processes x 3 x columns`` int64 counters (requests, prefill tokens, decode KV tokens per DP
 rank; each field's columns contiguous, so that a pool whose DP ranks hold the tracker's slots

@@ -1,7 +1,7 @@
 """Approximate prefix views shared by the processes of one ``pdlb serve --processes N``.
 
 In approximate mode a router only knows the prompts it routed; N processes behind one port
-would keep N partial views (the simulator measures the cost: ``python -m sim.experiments.k_routers``,
+would keep N partial views (the simulator measures the cost: ``pdlb dev k-routers``,
 prefix hit rate 33.0% with one router, 10.6% with 8 independent ones). Here every process
 appends each decision (the chosen replicas and the prompt's block hashes, msgpack) to its own
 ring buffer, a memory-mapped file in a private directory the parent creates (on ``/dev/shm``

@@ -1,0 +1,57 @@
+"""``pdlb dev k-routers``: K independent routers in front of one simulated cluster
+(:mod:`sim.experiments.k_routers`): prefix hit rate and TTFT per index mode and K."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from pdlb_cli.args import positive_float, positive_int, positive_int_list, seed_int
+from sim.experiments.k_routers import markdown, run
+
+INDEX_MODES = ("approximate", "events", "hybrid")
+
+
+def index_modes(text: str) -> list[str]:
+    """``--modes``: index modes (approximate, events, hybrid), each optionally ``+shared-load``."""
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m.partition("+")[0] not in INDEX_MODES or m.partition("+")[2] not in ("", "shared-load")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown index mode(s) {', '.join(bad)} ({', '.join(INDEX_MODES)}, "
+                                         "each optionally +shared-load)")
+    return modes
+
+
+class KRouters:
+    """``pdlb dev k-routers`` (:class:`pdlb_cli.command.Subcommand`)."""
+
+    name = "k-routers"
+
+    def add_parser(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+        ap = subparsers.add_parser("k-routers", help="K independent routers in front of one cluster (simulated)",
+                                   description="Several routers in front of one cluster: what independent approximate "
+                                               "routers lose (sim.experiments.k_routers).")
+        ap.add_argument("--ks", type=positive_int_list, default=[1, 2, 4, 8],
+                        help="router counts, comma-separated (default: 1,2,4,8)")
+        ap.add_argument("--modes", type=index_modes, default=["approximate", "events", "events+shared-load"],
+                        help="index modes, each optionally +shared-load (one in-flight load view for all routers) "
+                             "(default: approximate,events,events+shared-load)")
+        ap.add_argument("--limit", type=positive_int, default=None, help="first N requests of the trace (default: all)")
+        ap.add_argument("--rate-scale", type=positive_float, default=1.0,
+                        help="arrival-rate multiplier (default: %(default)s)")
+        ap.add_argument("--seed", type=seed_int, default=0, help="seed (default: %(default)s)")
+        ap.add_argument("--out", type=Path, default=None, help="write summary.json and summary.md here (default: none)")
+        return ap
+
+    def run(self, args: argparse.Namespace, console: Console) -> int:
+        rows = run(args.ks, args.modes, args.limit, args.seed, args.rate_scale)
+        md = markdown(rows)
+        print(md)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+            (args.out / "summary.md").write_text(md + "\n")
+        return 0
