@@ -234,7 +234,7 @@ def _terms(x: Mapping, names: tuple[str, ...], where: str) -> dict[str, float]:
 
 #: A generic starting point for a live router with no configured model: DeepSeek-V3-class wide-EP
 #: engines on H200-class GPUs, ``pdlb sim cost-model --scenario dsv3-pd-h200`` rounded to two
-#: significant digits (tests/test_ep_aware.py keeps it within 5% of that fit). The online fit
+#: significant digits (tests/balancer/test_ep_aware.py keeps it within 5% of that fit). The online fit
 #: adapts it to the real engines.
 DEFAULT_COST_MODEL = CostModel(
     prefill=EngineCost(PrefillStepCost(0.0, 5.1e-5, 1.0e-8, 4.2e-6), DecodeStepCost(), 8192, True),

@@ -60,6 +60,14 @@ llm-d's EDF ordering add). None of their code is used:
    latest start ``deadline - P / r - W`` passes (a sweep at every drain, O(log n) per request); (d)
    at dispatch, ``now + W + P / r`` passes its deadline (it would miss anyway; serving it would make
    others miss). ``Retry-After`` is the predicted time for the queue ahead to drain, at least 1 s.
+5. **Several queues** (the processes of ``pdlb serve --processes N``, each holding the requests of
+   its own client connections): every process reads the same backlog ``B`` and publishes its held
+   prompt tokens per tenant slot (:meth:`DeadlineAdmission.held_by_slot`, :func:`tenant_slot`);
+   each keeps its own prefill backlog under its share of the engines' queue budget
+   ``dispatch_wait_s * R``, the share (:func:`process_share`) giving each tenant with held work
+   anywhere its weight once, split between the processes by their held tokens of it. Without
+   that, each process's DRR is fair only among its own tenants and the engines go to whichever
+   process re-checks first (``balancer/service/processes/shared_admission.py`` has the measurements).
 
 Every request offered gets exactly one outcome: dispatched or shed (or cancelled by the caller,
 :meth:`DeadlineAdmission.cancel`, e.g. a client that went away while held). Counters per

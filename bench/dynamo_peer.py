@@ -1,6 +1,6 @@
 """NVIDIA Dynamo's offline trace replay as a peer simulator: install it, run it, run pdlb alike.
 
-Used by ``bench/sim_vs_dynamo.py`` and the slow test ``tests/test_sim_vs_dynamo.py``.
+Used by ``bench/sim_vs_dynamo.py`` and the slow test ``tests/sim/validation/test_sim_vs_dynamo.py``.
 
 Dynamo's replay (``dynamo.replay.run_trace_replay``; a Rust "mocker" engine per worker) is installed
 from the package registry into a cache venv the first time, ``$PEER_VENV`` or

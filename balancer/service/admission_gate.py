@@ -144,11 +144,13 @@ class AdmissionGate:
 
         self.shared = SharedAdmission(directory, processes, index)
 
-    def _share_args(self) -> dict[str, float]:
+    def _own_and_share(self) -> tuple[float | None, float]:
+        """``(own_backlog_tokens, share)`` for the core's drain: this process's prefill backlog and its
+        share of the engines' queue budget with several processes (``(None, 1.0)``: one process)."""
         if self.shared is None:
-            return {}
+            return None, 1.0
         own = prefill_backlog(self.router, peers=False)[0] + self._pending_tokens
-        return {"own_backlog_tokens": float(own), "share": self.shared.share()}
+        return float(own), self.shared.share()
 
     def _pending_wait_s(self) -> float:
         """Seconds of prefill the dispatched, not yet routed prompts add (the router's snapshot,
@@ -252,6 +254,7 @@ class AdmissionGate:
             return
         now = time.monotonic()
         self._core()
+        own, share = self._own_and_share()
         if self.predicts:
             requests = self._requests
 
@@ -261,9 +264,10 @@ class AdmissionGate:
 
             pool = predict_pool_wait_s(self.router, now)
             outs = core.drain(now, self._backlog(), decode_headroom(self.router),
-                              None if pool is None else pool + self._pending_wait_s(), predict, **self._share_args())
+                              None if pool is None else pool + self._pending_wait_s(), predict,
+                              own_backlog_tokens=own, share=share)
         else:
-            outs = core.drain(now, self._backlog(), decode_headroom(self.router), **self._share_args())
+            outs = core.drain(now, self._backlog(), decode_headroom(self.router), own_backlog_tokens=own, share=share)
         for out in outs:
             if out.action == "dispatch":
                 self._pending_tokens += out.held.prompt_tokens

@@ -65,6 +65,7 @@ from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OF
                                            trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.log_limit import RateLimitedLog
+from balancer.service.loop_watch import LOOP_LAG_INTERVAL_S, watch_loop
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
@@ -79,8 +80,6 @@ log = logging.getLogger("pdlb.service")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
 
-LOOP_LAG_INTERVAL_S = 0.05
-"""How often the event loop's lag is measured (``pdlb_event_loop_lag_seconds``)."""
 GC_AFTER_LARGE_BYTES = 1024 * 1024
 """Bytes of large request bodies after which :meth:`Service.after_large_body` collects garbage."""
 
@@ -88,7 +87,7 @@ COST_MODEL_POLICIES = frozenset(n for n in available_policies() if policy_class(
 """Policies that read the router's cost model (``SelectContext.cost_model``, declared by
 :attr:`balancer.policies.Policy.uses_cost_model`). ``learn_cost_model`` refits it online only when
 a pool uses one of them: for other policies the fit is work whose result no decision reads (about
-12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/test_service.py``
+12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/service/test_service.py``
 checks that no other policy reads the model)."""
 
 
@@ -259,14 +258,17 @@ class Service:
                 log.exception("health probe round failed")
 
     async def _lag_loop(self) -> None:
-        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke this timer, into
-        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it)."""
-        loop = asyncio.get_running_loop()
-        lag = self.metrics.loop_lag
-        while True:
-            t = loop.time()
-            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
-            lag.observe(max(0.0, loop.time() - t - LOOP_LAG_INTERVAL_S))
+        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke a timer, into
+        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it), and
+        the part of it the router process's own CPU time explains, into
+        ``pdlb_event_loop_cpu_lag_seconds`` (:mod:`balancer.service.loop_watch`)."""
+        lag, cpu_lag = self.metrics.loop_lag, self.metrics.loop_cpu_lag
+
+        def observe(lag_s: float, cpu_lag_s: float) -> None:
+            lag.observe(lag_s)
+            cpu_lag.observe(cpu_lag_s)
+
+        await watch_loop(observe, LOOP_LAG_INTERVAL_S)
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -1064,4 +1066,5 @@ async def _debug_memory(request: web.Request) -> web.Response:
     trace = q.get("trace", "0")
     report = memory_debug.memory_report(collect=q.get("collect") == "1", trim=q.get("trim") == "1",
                                         garbage=q.get("garbage") == "1", trace_frames=int(trace) if trace.isdigit() else 0)
+    report["prefix_index_blocks"] = request.app[SERVICE].router.index.num_blocks()  # a bounded cache, not a leak
     return web.json_response(report)

@@ -22,13 +22,13 @@ doubling up to :data:`MAX_REPLAY_BACKOFF_S`, before it asks again, so an engine 
 never answers costs only itself.
 
 Replay framing, as vLLM 0.33 and SGLang 0.5.23 send it (their ``ZmqEventPublisher._service_replay``,
-checked by ``tests/test_engine_conformance.py`` against their own code): the client sends
+checked by ``tests/service/test_engine_conformance.py`` against their own code): the client sends
 ``[b"", start_seq]`` (8-byte big-endian); each buffered batch ``seq >= start_seq`` comes back as
 ``[b"", topic, seq, payload]`` and the end as ``[b"", b"", seq = -1, b""]``. Three-frame replies
 ``[b"", seq, payload]`` (older publishers) are accepted too.
 
-Sequence handling per source, and how long recovery takes (measured by ``tests/test_kv_wire.py``
-and ``tests/test_engine_conformance.py`` on loopback; a replay is one round trip plus the
+Sequence handling per source, and how long recovery takes (measured by ``tests/balancer/test_kv_wire.py``
+and ``tests/service/test_engine_conformance.py`` on loopback; a replay is one round trip plus the
 buffered batches):
 
 * **late start** (a router started after the engines): each source asks for replay from 0 as

@@ -38,7 +38,7 @@ Semantics (those of the aiohttp session ``app.make_client_session`` builds, unle
   methods) and Go's net/http (never a written POST that cannot be replayed). A reset does not
   prove the engine left the request unread: one that reads it and then aborts the connection
   (``SO_LINGER`` 0) resets too, and resending on a reset would run such a request twice
-  (``tests/test_upstream_client.py``).
+  (``tests/service/test_upstream_client.py``).
 * Errors are :class:`UpstreamError` subclasses, all :class:`OSError` (the proxy's handlers catch
   ``OSError`` for both clients, so failure kinds, retries and breakers are the same):
   :class:`UpstreamConnectError` (connect refused/unreachable), :class:`UpstreamConnectTimeout`

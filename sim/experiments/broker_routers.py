@@ -14,7 +14,7 @@ router ``i mod K``, KV events to all) with what ``pdlb serve --broker`` does
 
 The same policy code (the routers are :class:`balancer.router.Router`) routes in both.
 Defaults: ``interval_s`` 0.05 s (the service's ``publish_interval_s``) and ``latency_s`` 0.001 s
-(loopback NATS delivery measured by ``tests/test_broker_sync.py``, well under 1 ms; across hosts
+(loopback NATS delivery measured by ``tests/service/test_broker_sync.py``, well under 1 ms; across hosts
 in one data centre add the network's round trip).
 
 Modes of :func:`run` (``MODE[+SHARING]``): ``approximate`` (no sharing: each router knows its own

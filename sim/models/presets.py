@@ -216,7 +216,7 @@ DEEPSEEK_V4_PRO = ModelSpec(
 # the prompt's last 128 rows); layer 20's GLOBAL projection runs for every prompt token.
 # (vLLM's V4.1 model state replays from layer 21, i.e. runs all of layer 20 on every prompt token:
 # one layer, ~5% of a prompt token's FLOPs; the TensorRT-LLM split is used here.)
-# Derived here (tests/test_models_v41.py): 551.8B total (card: 552B; Engram tables, 196.6B, and the
+# Derived here (tests/sim/models/test_models_v41.py): 551.8B total (card: 552B; Engram tables, 196.6B, and the
 # vision tower and DSpark layers excluded), 16.1B linear parameters per decode token (card 16B) and
 # 7.9B per prompt token (card 8B), both excluding the input embedding; KV 890 B per token (3 x 356 /
 # 2 + 356) + 2.70 MB of window rows per sequence (40 x 128 x 528). Against V4-Flash's 3,851 B the

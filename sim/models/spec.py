@@ -3,7 +3,7 @@
 
 Parameter counts are derived from the architecture dimensions (the HF ``config.json`` values)
 unless given explicitly; the presets' derived counts match the published totals (checked in
-``tests/test_perf.py``).
+``tests/sim/perf/test_perf.py``).
 
 Conventions (all per *token* unless noted):
 

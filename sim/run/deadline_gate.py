@@ -11,7 +11,9 @@ router's prefill backlog shrinks), exactly as the service does with real clocks
 
 Per-request columns (:class:`AdmissionRecords`, ``SimResult.extra["admission"]``): the tenant and
 class, ``dispatch_s`` (routed; the arrival when never held; NaN when shed), ``shed_s`` and the shed
-reason. The tenant of a request is ``tenant_of(request)`` (default: its ``traffic_class``, else
+reason, the deadline the gate gave it (``deadline_s``) and, with the routing policy's prediction
+(``wait_model`` "policy" or "max"), its predicted prefill time at dispatch (``predicted_prefill_s``).
+Several router processes, each with its own queue: :class:`GateProcesses`. The tenant of a request is ``tenant_of(request)`` (default: its ``traffic_class``, else
 ``"default"``), its class ``priority_of(request)`` (default: its ``priority``, else the configured
 default class).
 """
@@ -192,14 +194,14 @@ class SimAdmission:
         for j in range(k):
             self._drain((self._turn + j) % k, now_s)
 
-    def _share_args(self, p: int) -> dict[str, float]:
-        """``own_backlog_tokens`` and ``share`` of process ``p`` (shared mode), else none."""
+    def _own_and_share(self, p: int) -> tuple[float | None, float]:
+        """``(own_backlog_tokens, share)`` of process ``p`` in shared mode, else ``(None, 1.0)``."""
         if not self.shared:
-            return {}
+            return None, 1.0
         slots = [core.held_by_slot() for core in self.cores]
         held = np.stack([t for t, _ in slots])
         weights = np.stack([w for _, w in slots])
-        return {"own_backlog_tokens": float(sum(self._own[p].values())), "share": process_share(held, weights, p)}
+        return float(sum(self._own[p].values())), process_share(held, weights, p)
 
     def _drain(self, p: int, now_s: float) -> None:
         core = self.cores[p]
@@ -210,7 +212,9 @@ class SimAdmission:
         router = self.cluster.router
         backlog, _ = prefill_backlog(router)
         if not self.predicts:
-            self._apply(core.drain(now_s, backlog, decode_headroom(router), **self._share_args(p)), now_s, p)
+            own, share = self._own_and_share(p)
+            self._apply(core.drain(now_s, backlog, decode_headroom(router), own_backlog_tokens=own, share=share),
+                        now_s, p)
             return
         requests = self.cluster.requests
 
@@ -223,8 +227,10 @@ class SimAdmission:
             return p
 
         while True:  # one dispatch at a time, routed before the next prediction (it sees its load)
+            own, share = self._own_and_share(p)
             outs = core.drain(now_s, prefill_backlog(router)[0], decode_headroom(router),
-                              predict_pool_wait_s(router, now_s), predict, max_dispatch=1, **self._share_args(p))
+                              predict_pool_wait_s(router, now_s), predict, max_dispatch=1,
+                              own_backlog_tokens=own, share=share)
             self._apply(outs, now_s, p)
             if not outs or outs[-1].action != "dispatch" or not core.num_held:
                 return

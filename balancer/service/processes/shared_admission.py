@@ -5,7 +5,7 @@ the requests of the client connections the parent handed it). The prefill backlo
 is already the host's (:mod:`balancer.service.processes.shared_load`), but deficit round robin runs per
 process: a tenant that had a process to itself (one keep-alive connection stays on one process)
 would get that process's whole dispatch opportunity, about 1/N of the engines, whatever the other
-tenants' weights (measured in the simulator, ``tests/test_admission_processes.py``: B alone on one
+tenants' weights (measured in the simulator, ``tests/service/test_admission_processes.py``: B alone on one
 of 2 processes under 2x overload got 84% SLO attainment against 42-43% for A and C).
 
 So every process publishes its held prompt tokens per tenant slot

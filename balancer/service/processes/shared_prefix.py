@@ -35,7 +35,7 @@ processes every decision is applied N - 1 times, so a drain folds repeats: the d
 in one drain (from all the rings) that name the same replicas and blocks are applied once, at
 their latest time and in the order of their last occurrence, which leaves the index as applying
 each in turn would (an insert only touches its path's blocks: the last touch of every block,
-and the order of last touches, are the same; tests/test_shared_prefix.py checks it against
+and the order of last touches, are the same; tests/service/test_shared_prefix.py checks it against
 one-by-one application). A hot prompt routed by every process costs each of them one insert
 per drain instead of one per decision. Decoded decisions are kept (up to
 :data:`DECODED_CACHE_ENTRIES`) so that a repeated one is not decoded again.
