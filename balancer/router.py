@@ -144,7 +144,10 @@ class Router:
     Raises:
         ValueError: unknown policy name or index mode, negative sizes, bad tier weights, an
             unknown setting.
-        TypeError: a count that is not an integer, a ``ttft_slo`` that is not a ``TtftSlo``.
+        TypeError: a count that is not an integer, a ``ttft_slo`` that is not a ``TtftSlo``; a
+            policy object that is not a :class:`~balancer.policies.Policy`; ``load_sources`` not a
+            ``LoadSources``; a listener that is not callable; a ``learner`` without the protocol's
+            methods.
     """
 
     def __init__(
@@ -183,6 +186,11 @@ class Router:
         for fn in self.listeners:
             if not callable(fn):
                 raise TypeError(f"a route listener must be callable, got {type(fn).__name__}")
+        if load_sources is not None and not isinstance(load_sources, LoadSources):
+            raise TypeError(f"load_sources must be a balancer.parts.LoadSources, got {type(load_sources).__name__}")
+        if learner is not None and not isinstance(learner, CostLearnerPart):
+            raise TypeError(f"learner must have model, on_dispatch, on_prefill_done, on_first_token, on_finished "
+                            f"and stats (balancer.parts.CostLearnerPart), got {type(learner).__name__}")
         #: the own load tracker (its peer source, if any, bound at construction: :mod:`balancer.parts`)
         self.load = (load_sources or LoadSources()).tracker()
         #: the registered replicas and their candidate pools

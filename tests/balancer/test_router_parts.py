@@ -107,11 +107,15 @@ def test_a_peer_source_is_bound_once_and_read_before_each_decision():
     assert restored.load.peer is None and restored.listeners == ()
 
 
-def test_load_sources_refuse_what_cannot_work():
+def test_parts_that_cannot_work_are_refused_at_construction():
     with pytest.raises(ValueError, match="not both"):
         LoadSources(own=LoadTracker(), peer=_Peer())
     with pytest.raises(ValueError, match="bind, refresh and publish"):
         LoadSources(peer=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LoadSources"):
+        Router(load_sources=LoadTracker())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CostLearnerPart"):
+        Router(learner=object())  # type: ignore[arg-type]
 
 
 def test_policies_must_be_policy_objects():
