@@ -182,9 +182,10 @@ class BrokerKRouters(KRouters):
 
 def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0, rate_scale: float = 1.0,
         interval_s: float = DEFAULT_INTERVAL_S, latency_s: float = DEFAULT_LATENCY_S,
-        log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        log: Callable[[str], None] | None = None, prefill_policy: str = "cache_aware",
+        decode_policy: str = "least_load") -> list[dict[str, Any]]:
     """One summary row per (mode, K) on the embedded Mooncake trace (``dsv3-pd-h200``,
-    cache_aware prefill, least_load decode, as :func:`sim.experiments.k_routers.run`).
+    cache_aware prefill, least_load decode by default, as :func:`sim.experiments.k_routers.run`).
 
     Raises:
         ValueError: an unknown mode or a K below 1.
@@ -213,7 +214,7 @@ def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0
             else:
                 wrapper = KRouters.wrapper(k, seed, shared_load=sharing == "shared-load")
             t0 = time.perf_counter()
-            s = summarize(simulate(sc, reqs, "cache_aware", "least_load", seed=seed, index_mode=mode,
+            s = summarize(simulate(sc, reqs, prefill_policy, decode_policy, seed=seed, index_mode=mode,
                                    router_wrapper=wrapper))
             rows.append({"mode": label, "k": k, "hit_rate": s["prefix_hit_rate"], "ideal_hit_rate": s["ideal_hit_rate"],
                          "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"],
@@ -251,11 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-s", type=float, default=DEFAULT_LATENCY_S,
                     help="broker delivery time, seconds (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    ap.add_argument("--policy", default=None,
+                    help="one policy spec for both pools, e.g. ep_aware (default: cache_aware prefill, least_load decode)")
     args = ap.parse_args(argv)
+    pols = ("cache_aware", "least_load") if args.policy is None else (args.policy, args.policy)
     try:
         ks = [int(x) for x in args.ks.split(",")]
         rows = run(ks, [m.strip() for m in args.modes.split(",")], args.limit, args.seed, 1.0, args.interval_s,
-                   args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True))
+                   args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True), prefill_policy=pols[0],
+                   decode_policy=pols[1])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
