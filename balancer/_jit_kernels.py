@@ -6,7 +6,7 @@ IEEE operations on the same operands in the same order. Elementwise arithmetic i
 written (no fused multiply-add: numba contracts only under ``fastmath``); ``ndarray.argmax`` as
 numpy's loop (the first maximum, a NaN wins); ``np.add.reduce`` along a row as numpy's pairwise
 summation (:func:`_row_sum`); ``np.minimum``/``np.maximum`` propagate NaN as numpy's do. The
-tests (tests/test_kernels.py) compare every kernel with its numpy expression with ``==`` on
+tests (tests/balancer/test_kernels.py) compare every kernel with its numpy expression with ``==`` on
 fuzzed inputs, so a numpy release that changed its summation order would be caught there.
 
 Compiled ahead of the first call (explicit signatures) and cached on disk by numba

@@ -4,8 +4,9 @@ defaults, stated once here for the library, ``pdlb serve`` and ``pdlb sim``.
 Every router is built from a :class:`RouterConfig` (:meth:`balancer.router.Router.from_config`):
 the service's config file holds one as its ``router:`` section
 (:class:`balancer.service.config.ServiceConfig`), a simulator scenario holds one as its ``router:``
-section (:class:`sim.scenario.Scenario`, whose block size and index bound it fills in from the
-scenario's engines), and an embedding gateway writes one in code::
+section (:class:`sim.scenario.Scenario`: the settings it names replace the simulator's, which take
+the block size and index bound from the scenario, :mod:`sim.run.router_config`), and an embedding
+gateway writes one in code::
 
     from balancer import Router, RouterConfig
 
@@ -33,10 +34,12 @@ setting                         default        why
                                 store 0.5      the network
 =============================== ============== ==============================================
 
-The simulator sets two of them from the scenario rather than taking them: ``block_size`` (the
+The simulator sets some of them from the scenario rather than taking them: ``block_size`` (the
 trace's) and ``learn_cost_model`` (off: it hands the router the scenario's exact cost model, so a
-fit could only add noise); and ``index_capacity_blocks: auto`` (a scenario's default) bounds the
-index by one rank's KV cache.
+fit could only add noise); ``index_capacity_blocks: auto`` (a scenario's default) bounds the
+index by one rank's KV cache, with no total bound; a scenario's ``[router]`` table may set the
+online fit and the total bound back, and any other setting but the block size, policies, index
+mode, seed and SLO (:mod:`sim.run.router_config`).
 
 A policy with parameters is a :class:`PolicySpec`; its text form (``name`` or
 ``name:param=value,...``) and the errors are those of :mod:`balancer.policies.spec`.

@@ -44,6 +44,8 @@ from functools import cached_property
 import numpy as np
 
 from balancer import kernels
+from balancer.candidates import Candidates
+from balancer.types import Request, Role
 
 #: Feature names of the prefill and decode step models (the coefficient order everywhere).
 PREFILL_TERMS = ("overhead_s", "per_token_s", "per_attn_pair_s", "per_group_token_s")
@@ -232,7 +234,7 @@ def _terms(x: Mapping, names: tuple[str, ...], where: str) -> dict[str, float]:
 
 #: A generic starting point for a live router with no configured model: DeepSeek-V3-class wide-EP
 #: engines on H200-class GPUs, ``pdlb sim cost-model --scenario dsv3-pd-h200`` rounded to two
-#: significant digits (tests/test_ep_aware.py keeps it within 5% of that fit). The online fit
+#: significant digits (tests/balancer/test_ep_aware.py keeps it within 5% of that fit). The online fit
 #: adapts it to the real engines.
 DEFAULT_COST_MODEL = CostModel(
     prefill=EngineCost(PrefillStepCost(0.0, 5.1e-5, 1.0e-8, 4.2e-6), DecodeStepCost(), 8192, True),
@@ -863,6 +865,27 @@ class CostLearner:
         rec = self._pending_decode.get(request_id)
         if rec is not None and rec[1] is None:
             rec[1] = now_s
+
+    def on_dispatch(self, request: Request, now_s: float, decode: Candidates, decode_pos: int,
+                    prefill: Candidates | None, prefill_pos: int) -> None:
+        """A routed request (:class:`balancer.parts.CostLearnerPart`): the chosen placements'
+        features (:func:`placement_features`) for the fits. A request served decode-only by a PD
+        router (``prefill`` None, ``decode`` not a mixed pool) observes no prefill model."""
+        model = self.model
+        out = float(request.output_tokens)
+        d_name = decode.replicas[decode_pos].engine
+        px, dx = placement_features(request.prompt_tokens, out, decode, decode_pos, model.engine(d_name, "decode"))
+        self.on_decode_dispatch(request.request_id, dx, d_name)
+        if prefill is not None:
+            p_name = prefill.replicas[prefill_pos].engine
+            px, _ = placement_features(request.prompt_tokens, out, prefill, prefill_pos, model.engine(p_name, "prefill"))
+            self.on_prefill_dispatch(request.request_id, px, now_s, "prefill", p_name)
+        elif decode.role is Role.MIXED:
+            self.on_prefill_dispatch(request.request_id, px, now_s, "decode", d_name)
+
+    def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None) -> None:
+        """The request finished (:class:`balancer.parts.CostLearnerPart`): :meth:`on_decode_finished`."""
+        self.on_decode_finished(request_id, now_s, num_output_tokens)
 
     def on_decode_finished(self, request_id: str, now_s: float, num_output_tokens: int | None) -> None:
         rec = self._pending_decode.pop(request_id, None)

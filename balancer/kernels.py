@@ -11,7 +11,7 @@ for bit** (see :mod:`balancer._jit_kernels`): decisions do not change, only thei
 
 numba is optional. Without it (``pip install pdlb`` alone), or after :func:`use_compiled` ``(False)``,
 every function here returns ``None`` and the caller runs its numpy code, which stays the
-reference (tests/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
+reference (tests/balancer/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
 ``sim`` and ``test`` extras install it), the kernels are compiled, or loaded from numba's cache,
 the first time :func:`compiled` is called: :class:`~balancer.policies.ep_aware.EpAware` calls it
 when it is built, so a router's first decision does not pay the compile (about 1-3 s once per

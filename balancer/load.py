@@ -26,9 +26,12 @@ so load returns exactly to zero after any order of hooks (tested).
 Counters live in numpy arrays indexed by a per-replica slot, so a routing decision gathers a
 pool's load with one fancy-indexing operation (O(replicas), no Python loop).
 
-*Peer* load (``peer_requests``, ``peer_prefill_tokens``, ``peer_kv_tokens``) is what the other
-processes of one ``pdlb serve --processes N`` have in flight (:mod:`balancer.service.shared_load`
-keeps it fresh through :attr:`LoadTracker.peer`); the router adds it to the own counters.
+*Peer* load (``peer_requests``, ``peer_prefill_tokens``, ``peer_kv_tokens``) is what other routers
+have in flight: the other processes of one ``pdlb serve --processes N``
+(:mod:`balancer.service.processes.shared_load`) and routers on other hosts
+(:mod:`balancer.service.broker_sync`). The source that keeps it fresh is given at construction
+(``LoadTracker(peer=...)``, a :class:`balancer.parts.PeerLoad`, which is bound to the tracker then);
+the router adds it to the own counters.
 
 *External* load (``external_requests``, ``external_kv_tokens``) is what engine load reports
 (:class:`LoadReport`, :meth:`LoadTracker.on_report`) show beyond this tracker's own count: other
@@ -117,7 +120,7 @@ class LoadTracker:
         KeyError: when a hook names an unknown replica; ``ValueError`` on a duplicate dispatch.
     """
 
-    def __init__(self, initial_slots: int = 16) -> None:
+    def __init__(self, initial_slots: int = 16, peer: Any = None) -> None:
         n = max(1, initial_slots)
         self.num_requests = np.zeros(n, dtype=np.int64)
         self.prefill_tokens = np.zeros(n, dtype=np.int64)
@@ -130,12 +133,13 @@ class LoadTracker:
         # every prefill this tracker dispatched: [requests, tokens, attention pairs] (the mean an
         # external request on a replica without own pending prefills is priced at)
         self._dispatched_prefill = [0, 0, 0.0]
-        # the other router processes' counts (balancer.service.shared_load), when shared
+        # the other router processes' counts (balancer.service.processes.shared_load), when shared
         self.peer_requests = np.zeros(n, dtype=np.int64)
         self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
         self.peer_kv_tokens = np.zeros(n, dtype=np.int64)
-        #: the shared view that keeps the peer arrays fresh (``refresh()``/``publish()``), or None
-        self.peer: Any = None
+        #: the source that keeps the peer arrays fresh (a :class:`balancer.parts.PeerLoad`:
+        #: ``refresh()``/``publish()``), or None; given at construction and bound to this tracker
+        self.peer: Any = peer
         #: True once any load report arrived (snapshots then add the external arrays)
         self.has_external = False
         self._report_s: dict[int, float] = {}  # slot -> time of its last report
@@ -154,6 +158,8 @@ class LoadTracker:
         self._pending: list[deque[_InFlight]] = [deque() for _ in range(n)]
         self._dead: list[int] = [0] * n  # records in _pending[slot] that left it
         self._now_s = 0.0  # latest time a hook was given (for hooks given none)
+        if peer is not None:
+            peer.bind(self)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -77,7 +77,7 @@ import numbers
 import pickle
 import random
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -85,12 +85,13 @@ import numpy as np
 from pydantic import ValidationError
 
 from balancer.candidates import Candidates
-from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner, CostModel, placement_features
+from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
 from balancer.load import LoadReport, LoadTracker
 from balancer.block_index import BlockIndex
 from balancer.cache_view import STORE_HOLDER, CacheView  # noqa: F401  (STORE_HOLDER re-exported)
 from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
+from balancer.parts import CostLearnerPart, LoadSources, RouteListener
 from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
 from balancer.replicas import Pool, ReplicaInfo, ReplicaRegistry, RequestTooLargeError, fitting, without  # noqa: F401  (ReplicaInfo, RequestTooLargeError re-exported)
@@ -131,8 +132,14 @@ class Router:
             (``"ep_aware:ttft_slo_s=2"``, :class:`~balancer.config.PolicySpec`), or ``None``: the
             config's. The decode policy also routes aggregated (mixed) pools.
         config: the settings (default: :class:`~balancer.config.RouterConfig`'s defaults).
-        on_routed: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after
-            each decision recorded a prompt (e.g. to share it with other router processes).
+        load_sources: where the load policies see comes from
+            (:class:`~balancer.parts.LoadSources`: a shared own tracker, or other routers' load);
+            ``None``: this router's own decisions and engine reports only.
+        listeners: :class:`~balancer.parts.RouteListener` s, called in order as
+            ``listener(replicas, block_hashes, now_s)`` after each decision that recorded a prompt
+            (approximate and hybrid modes), e.g. to share it with other router processes.
+        learner: the online cost-model fit (:class:`~balancer.parts.CostLearnerPart`) to use
+            instead of the one ``config.learn_cost_model`` would make; ``None``: as the config says.
         **settings: :class:`~balancer.config.RouterConfig` fields that replace the config's.
 
     Raises:
@@ -147,7 +154,9 @@ class Router:
         decode_policy: Policy | str | PolicySpec | None = None,
         *,
         config: RouterConfig | None = None,
-        on_routed: Callable[[tuple[ReplicaId, ...], tuple[int, ...], float], None] | None = None,
+        load_sources: LoadSources | None = None,
+        listeners: Sequence[RouteListener] = (),
+        learner: CostLearnerPart | None = None,
         **settings: Any,
     ) -> None:
         if config is None or settings:
@@ -169,10 +178,14 @@ class Router:
         self._matched_tokens = {"prefill": 0, "decode": 0}
         self._kv_events = {"applied": 0, "ignored": 0}
         self._reaped = 0
-        #: approximate mode: called as ``on_routed(replicas, block_hashes, now_s)`` after each
-        #: decision recorded a prompt (e.g. to share it with other router processes); or None
-        self.on_routed: Any = on_routed
-        self.load = LoadTracker()
+        #: called as ``listener(replicas, block_hashes, now_s)`` after each decision that recorded
+        #: a prompt (given at construction; see :class:`~balancer.parts.RouteListener`)
+        self.listeners: tuple[RouteListener, ...] = tuple(listeners)
+        for fn in self.listeners:
+            if not callable(fn):
+                raise TypeError(f"a route listener must be callable, got {type(fn).__name__}")
+        #: the own load tracker (its peer source, if any, bound at construction: :mod:`balancer.parts`)
+        self.load = (load_sources or LoadSources()).tracker()
         #: the registered replicas and their candidate pools
         self.registry = ReplicaRegistry(self.load.slot)
         self.rng = random.Random(config.seed)
@@ -185,17 +198,21 @@ class Router:
         learn = config.learn_cost_model
         if learn is None:  # auto: when a policy reads the model
             learn = self.prefill_policy.uses_cost_model or self.decode_policy.uses_cost_model
-        #: online fit of the cost model, or None (see ``RouterConfig.learn_cost_model``)
-        self.cost_learner: CostLearner | None = (
-            CostLearner(config.cost_model if config.cost_model is not None else DEFAULT_COST_MODEL) if learn else None)
+        if learner is None and learn:
+            learner = CostLearner(config.cost_model if config.cost_model is not None else DEFAULT_COST_MODEL)
+        #: online fit of the cost model (:class:`~balancer.parts.CostLearnerPart`), or None (see
+        #: ``RouterConfig.learn_cost_model``)
+        self.cost_learner: CostLearnerPart | None = learner
 
     @classmethod
     def from_config(cls, config: RouterConfig, *, prefill_policy: Policy | None = None,
-                    decode_policy: Policy | None = None,
-                    on_routed: Callable[[tuple[ReplicaId, ...], tuple[int, ...], float], None] | None = None) -> Router:
-        """The router of ``config``; ``prefill_policy`` / ``decode_policy``: policy objects to use
+                    decode_policy: Policy | None = None, load_sources: LoadSources | None = None,
+                    listeners: Sequence[RouteListener] = (), learner: CostLearnerPart | None = None) -> Router:
+        """The router of ``config`` with its parts (see :class:`Router`'s arguments and
+        :mod:`balancer.parts`); ``prefill_policy`` / ``decode_policy``: policy objects to use
         instead of the config's specs (e.g. a policy class that is not registered)."""
-        return cls(prefill_policy, decode_policy, config=config, on_routed=on_routed)
+        return cls(prefill_policy, decode_policy, config=config, load_sources=load_sources, listeners=listeners,
+                   learner=learner)
 
     # the cache view's parts, by their old names (read them under ``router.lock``)
     @property
@@ -491,9 +508,9 @@ class Router:
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])
         uncached = request.prompt_tokens - (p_matched if prefill is not None else d_matched)
         if self.cost_learner is not None:
-            self._record_features(request, now_s, d_cands, d_pool.position[d_choice.replica],
-                                  p_cands if prefill is not None else None,
-                                  p_pool.position[prefill] if prefill is not None else -1)
+            self.cost_learner.on_dispatch(request, now_s, d_cands, d_pool.position[d_choice.replica],
+                                          p_cands if prefill is not None else None,
+                                          p_pool.position[prefill] if prefill is not None else -1)
         cached = request.prompt_tokens - uncached
         self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens,
                               prefill_attn_pairs=uncached * cached + uncached * (uncached + 1) / 2.0, now_s=now_s)
@@ -502,30 +519,11 @@ class Router:
         self._matched_tokens["decode"] += d_matched
         self._matched_tokens["prefill"] += p_matched
         if cache.record_routed(prefill, d_choice.replica, request.block_hashes, now_s):
-            if self.on_routed is not None and request.block_hashes:
-                self.on_routed((d_choice.replica,) if prefill is None else (prefill, d_choice.replica),
-                               request.block_hashes, now_s)
+            if self.listeners and request.block_hashes:
+                chosen = (d_choice.replica,) if prefill is None else (prefill, d_choice.replica)
+                for listener in self.listeners:
+                    listener(chosen, request.block_hashes, now_s)
         return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
-
-    def _record_features(self, request: Request, now_s: float, d_cands: Candidates, d_pos: int,
-                         p_cands: Candidates | None, p_pos: int) -> None:
-        """Learning path: the chosen placement's cost-model features, for the online fit."""
-        learner = self.cost_learner
-        assert learner is not None
-        model = learner.model
-        out = float(request.output_tokens)
-        d_name = d_cands.replicas[d_pos].engine
-        d_eng = model.engine(d_name, "decode")
-        px, dx = placement_features(request.prompt_tokens, out, d_cands, d_pos, d_eng)
-        learner.on_decode_dispatch(request.request_id, dx, d_name)
-        if p_cands is not None:
-            p_name = p_cands.replicas[p_pos].engine
-            p_eng = model.engine(p_name, "prefill")
-            px, _ = placement_features(request.prompt_tokens, out, p_cands, p_pos, p_eng)
-            learner.on_prefill_dispatch(request.request_id, px, now_s, "prefill", p_name)
-        elif d_cands.role is Role.MIXED:
-            learner.on_prefill_dispatch(request.request_id, px, now_s, "decode", d_name)
-        # else: served decode-only by a PD router: not an observation of either prefill model
 
     # ------------------------------------------------------------------ hooks
     @_locked
@@ -578,7 +576,7 @@ class Router:
         now_s = self._clock(now_s)
         self.load.on_finished(request_id, now_s)
         if self.cost_learner is not None:
-            self.cost_learner.on_decode_finished(request_id, now_s, num_output_tokens)
+            self.cost_learner.on_finished(request_id, now_s, num_output_tokens)
         if self.load.peer is not None:
             self.load.peer.publish()
 
@@ -635,16 +633,14 @@ class Router:
         the decode policy, and the prefill policy while prefill replicas are registered (a router
         of mixed replicas never runs it); when none does, the candidates carry only this router's
         own load (other processes' is not read)."""
-        if getattr(self.decode_policy, "uses_load", True):
+        if self.decode_policy.uses_load:
             return True
-        return self._prefill_decides() and getattr(self.prefill_policy, "uses_load", True)
+        return self._prefill_decides() and self.prefill_policy.uses_load
 
     def uses_prefix_index(self) -> bool:
         """Whether a policy that decides reads prefix matches (:attr:`Policy.uses_prefix_index`):
         the decode policy, and the prefill policy while prefill replicas are registered."""
-        if getattr(self.decode_policy, "uses_prefix_index", True):
-            return True
-        return self._prefill_decides() and getattr(self.prefill_policy, "uses_prefix_index", True)
+        return policies_use_prefix_index(self.prefill_policy, self.decode_policy, self._prefill_decides())
 
     def _prefill_decides(self) -> bool:
         """Whether prefill replicas are registered (healthy or not), so the prefill policy runs."""
@@ -718,7 +714,8 @@ class Router:
 
     def __getstate__(self) -> dict[str, Any]:
         with self.lock:  # the prefix indexes pickle themselves flat (PrefixIndex.to_flat)
-            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "on_routed")}
+            # listeners and the peer source belong to this process (LoadTracker drops its peer)
+            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "listeners")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -741,9 +738,10 @@ class Router:
                 registry.add(info.replica, info.role, info.kv_capacity_tokens)
                 registry.set_healthy(info.replica, info.healthy)
             state["registry"] = registry
+        state.pop("on_routed", None)  # snapshots from before the listeners part
         self.__dict__.update(state)
         self.lock = threading.RLock()
-        self.on_routed = None
+        self.listeners = ()
 
 
 def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterConfig:
@@ -762,12 +760,28 @@ def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterCon
         raise ValueError(format_validation_error(e, None, RouterConfig)) from None
 
 
+def policies_use_prefix_index(prefill_policy: Policy, decode_policy: Policy, prefill_decides: bool) -> bool:
+    """Whether a policy that decides reads prefix matches (:attr:`Policy.uses_prefix_index`): the
+    decode policy, or the prefill policy when ``prefill_decides`` (prefill replicas registered).
+    :meth:`Router.uses_prefix_index` of a router; a service asks it before building its router
+    (whether to build the parts that share routed prompts)."""
+    return decode_policy.uses_prefix_index or (prefill_decides and prefill_policy.uses_prefix_index)
+
+
 def _policy_of(given: Policy | str | PolicySpec | None, spec: PolicySpec) -> Policy:
-    """The policy object: ``given`` itself, built from its spec, or the config's ``spec``'s."""
+    """The policy object: ``given`` itself, built from its spec, or the config's ``spec``'s.
+
+    Raises:
+        TypeError: ``given`` is an object that is not a :class:`~balancer.policies.Policy` (whose
+            class declares what the policy reads: ``uses_load``, ``uses_prefix_index``, ...).
+    """
     if given is None:
         return spec.build()
     if isinstance(given, str):
         return PolicySpec.parse(given).build()
     if isinstance(given, PolicySpec):
         return given.build()
+    if not isinstance(given, Policy):
+        raise TypeError(f"a policy must be a balancer.Policy (a subclass declares what it reads), "
+                        f"got {type(given).__name__}")
     return given

@@ -232,7 +232,7 @@ class TtftSlo:
     """A TTFT budget the router may route against (SLO-aware policies: ``ep_aware``).
 
     The budget of a request with ``P`` prompt tokens is ``ttft_s + per_1k_prompt_tokens_s * P /
-    1000`` seconds (the form of :class:`sim.point.SLO`; DistServe's per-request TTFT SLO with a
+    1000`` seconds (the form of :class:`sim.search.point.SLO`; DistServe's per-request TTFT SLO with a
     length-proportional part, as long prompts cannot meet a flat budget).
 
     Raises:

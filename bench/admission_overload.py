@@ -5,6 +5,7 @@ Run by hand::
     .venv/bin/python bench/admission_overload.py                    # simulator (60 s runs) and live (30 s runs)
     .venv/bin/python bench/admission_overload.py --no-live          # simulator only (a few seconds)
     .venv/bin/python bench/admission_overload.py --live-duration-s 60 --json out.json
+    .venv/bin/python bench/admission_overload.py --no-live --wait-models   # + the gate's wait models, ep_aware (~10 s)
 
 Simulator: :func:`sim.experiments.overload.burst_table` (Llama-3.1-8B on H100, 2 prefill + 2 decode
 engines, three tenants, TTFT SLO 1 s). Live: :func:`sim.experiments.overload_live.live_table` (the
@@ -26,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sim.experiments.overload import burst_table  # noqa: E402
+from sim.experiments.overload import burst_table, wait_model_table  # noqa: E402
 from sim.experiments.overload_live import live_table  # noqa: E402
 
 
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-live", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    p.add_argument("--wait-models", action="store_true",
+                   help="also compare the gate's wait models (backlog, policy, max) with ep_aware: the burst table "
+                        "and wide EP on the Mooncake trace")
     a = p.parse_args(argv)
     out = {}
     t0 = time.perf_counter()
@@ -70,6 +74,28 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out["live"] = live_table(duration_s=a.live_duration_s, seed=a.seed)
         print_table(f"live, loopback, emulated engines ({time.perf_counter() - t0:.0f} s)", out["live"])
+    if a.wait_models:
+        t0 = time.perf_counter()
+        out["sim_ep_aware"] = {}
+        for wm in ("backlog", "policy", "max"):
+            out["sim_ep_aware"][wm] = burst_table(duration_s=a.sim_duration_s, seed=a.seed, policy="ep_aware",
+                                                  wait_model=wm)
+            print_table(f"simulator, ep_aware, wait model {wm}", out["sim_ep_aware"][wm])
+        out["wait_models"] = w = wait_model_table(seed=a.seed)
+        print(f"\nwide EP ({w['scenario']}, Mooncake trace, {w['requests']} requests at 3x, {w['routing_policy']}, "
+              f"TTFT SLO 2 s; {time.perf_counter() - t0:.0f} s)")
+        print(f"{'wait model':<11} {'SLO att.':>9} {'goodput r/s':>11} {'admitted':>8} {'met SLO':>8} "
+              f"{'met own deadline':>16} {'TTFT p50':>9} {'TTFT p99':>9}")
+        for wm in ("backlog", "policy", "max"):
+            r = w[wm]
+            print(f"{wm:<11} {100 * r['slo_attainment']:>8.1f}% {r['goodput_rps']:>11.2f} {r['admitted']:>8} "
+                  f"{r['admitted_met_slo']:>8} {r['admitted_met_deadline']:>8} ({100 * r['admitted_met_deadline'] / max(1, r['admitted']):.1f}%) "
+                  f"{r['ttft_p50_s']:>9.2f} {r['ttft_p99_s']:>9.2f}")
+        out["wait_models_light"] = light = wait_model_table(("policy",), rate_scale=0.3, seed=a.seed)
+        for label, r in (("3x, policy", w["policy"]), ("0.3x, policy", light["policy"])):
+            e = r["prefill_error_s"]
+            print(f"ep_aware's predicted prefill at dispatch vs simulated, {label}: error (simulated - predicted) "
+                  f"p1 {e['p1']:+.3f} s, p50 {e['p50']:+.3f} s, p99 {e['p99']:+.3f} s")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

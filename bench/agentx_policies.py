@@ -1,7 +1,7 @@
 """Routing policies on the reproduced AgentX 440246 deployment (issue 23, part 3).
 
 DeepSeek-V4-Pro on one 8-B200 vLLM engine (DP8/EP8), the closed-loop agentic replay of
-``sim/workload/agentic.py`` run on pdlb's cluster simulator (``sim/closed_loop.py``: the SimPy
+``sim/workload/agentic.py`` run on pdlb's cluster simulator (``sim/run/closed_loop.py``: the SimPy
 cluster, its lockstep EP step group with MTP, vLLM's prefill cadence and scheduler limits and the
 CPU KV tier), as validated by ``pdlb sim validate --agentx-440246`` (docs/validate.md). Every turn
 is routed by ``balancer.router.Router`` with the policy (its projected load and its own
@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim.validate_agentx import simulate_440246  # noqa: E402
+from sim.validation.agentx import simulate_440246  # noqa: E402
 from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 
 POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "scored", "least_load", "ep_aware")

@@ -2,7 +2,7 @@
 """Benchmark: a full ``--search rate`` for every policy on the embedded trace, serial vs a local
 process pool vs Ray, with and without early stop of failing points.
 
-Every mode runs the same searches (:func:`sim.capacity.run_searches`; with more policies than
+Every mode runs the same searches (:func:`sim.search.capacity.run_searches`; with more policies than
 slots each search evaluates one rate per round, so every mode evaluates the same points) and must
 find the same answers (checked). Printed: wall time per mode and its speed-up over the serial
 baseline measured in the same run, simulations run, and the answers with their ratio to the best
@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_mode(mode: str, policies: list[str], args: argparse.Namespace) -> tuple[float, list]:
-    from sim.capacity import RateSearch, run_searches
-    from sim.executor import ProcessExecutor, RayExecutor, SerialExecutor
-    from sim.point import SLO, WorkloadSpec, parse_policy
+    from sim.search.capacity import RateSearch, run_searches
+    from sim.search.executor import ProcessExecutor, RayExecutor, SerialExecutor
+    from sim.search.point import SLO, WorkloadSpec, parse_policy
     from sim.scenario import load_scenario
 
     sc = load_scenario(args.scenario)
@@ -71,7 +71,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from balancer.policies import available_policies
-    from sim.capacity_report import rate_ratios
+    from sim.search.capacity_report import rate_ratios
 
     policies = args.policies.split(",") if args.policies else available_policies()
     modes = args.modes.split(",")

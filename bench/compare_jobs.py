@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Benchmark: ``pdlb sim compare`` (the README's main command) with every policy run one after
-another (``--jobs 1``, the baseline) vs in ``--jobs N`` worker processes, in the same run.
+another (``--jobs 1``, the baseline) vs in ``--jobs N`` worker processes (``--jobs 2,4,8``: each
+of several N), in the same run.
 
-Both must give the same table (checked: every summary field but wall time). Printed: wall time of
+All must give the same table (checked: every summary field but wall time). Printed: wall time of
 each (the whole command, start-up included), the speed-up over the serial baseline, the CPU time
 (user + system of the command and its worker processes, from ``getrusage(RUSAGE_CHILDREN)``), the
-machine's cores and its 1-minute load average before each run. With ``--repeat R`` the two are run
-R times in alternating order (serial first, then parallel first, ...) so that a load change during
-the run hits both; the median of each is compared.
+machine's cores and its 1-minute load average before each run. With ``--repeat R`` every job count
+is run R times, interleaved, the order rotated by one each repeat (1, 2, 4, 8; then 2, 4, 8, 1; ...)
+so that a load change during the run hits all of them; the medians are compared.
 
 On a shared machine the wall-time ratio says little: with load L on C cores a second worker gets
 about C / (L + 1) of a core. CPU time shows the work each way costs (the parallel run adds process
 start-up and the trace's pickling per worker).
 
-    .venv/bin/python bench/compare_jobs.py [--jobs 2] [--limit N] [--policies a,b,...] [--repeat R]
+    .venv/bin/python bench/compare_jobs.py [--jobs 2[,4,8]] [--limit N] [--policies a,b,...] [--repeat R]
 
 On a quiet many-core machine (the 16-core GPU host, which starts bare with Python 3.12 and reaches
 no registry): fetch the wheels here, carry them, install offline there::
@@ -94,20 +95,28 @@ def run(jobs: int, args: argparse.Namespace, out: Path) -> tuple[float, float, f
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--jobs", default=str(len(os.sched_getaffinity(0))),
+                    help="worker processes of the parallel run(s), one or a comma list (default: the cores)")
     ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
     ap.add_argument("--policies", help="comma-separated (default: every policy)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each, alternating order (default 1)")
     args = ap.parse_args()
     if not 1 <= args.repeat <= 20:
         ap.error("--repeat must be 1..20")
+    try:
+        counts = [int(x) for x in args.jobs.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--jobs must be an integer or a comma list of integers, got {args.jobs!r}")
+    if not counts or min(counts) < 1 or max(counts) > 256:
+        ap.error("--jobs values must be 1..256")
+    counts = [1] + sorted(set(counts) - {1})
     become_subreaper()
-    walls: dict[int, list[float]] = {1: [], args.jobs: []}
-    cpus: dict[int, list[float]] = {1: [], args.jobs: []}
+    walls: dict[int, list[float]] = {j: [] for j in counts}
+    cpus: dict[int, list[float]] = {j: [] for j in counts}
     tables: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
-            order = (1, args.jobs) if i % 2 == 0 else (args.jobs, 1)
+            order = counts[i % len(counts):] + counts[:i % len(counts)]
             for jobs in order:
                 wall, cpu, load, table = run(jobs, args, Path(tmp) / f"j{jobs}-{i}")
                 walls[jobs].append(wall)
@@ -117,14 +126,15 @@ def main() -> int:
                 print(f"  run {i + 1} --jobs {jobs}: wall {wall:6.1f} s, cpu {cpu:6.1f} s, "
                       f"load before {load:4.1f}{'' if same_run else ' (TABLE DIFFERS between repeats)'}",
                       flush=True)
-    same = tables[1] == tables[args.jobs]
-    ws, wp = statistics.median(walls[1]), statistics.median(walls[args.jobs])
-    cs, cp = statistics.median(cpus[1]), statistics.median(cpus[args.jobs])
+    same = all(tables[j] == tables[1] for j in counts)
+    ws, cs = statistics.median(walls[1]), statistics.median(cpus[1])
     print(f"cores: {len(os.sched_getaffinity(0))}; requests: {args.limit or 'all'}; policies: {len(tables[1])}; "
           f"repeats: {args.repeat} (medians)")
     print(f"--jobs 1:          wall {ws:7.1f} s  cpu {cs:7.1f} s  (baseline)")
-    print(f"--jobs {args.jobs:<2}         wall {wp:7.1f} s  cpu {cp:7.1f} s  "
-          f"wall x{ws / wp:.2f} faster, cpu x{cp / cs:.2f} of the baseline's")
+    for j in counts[1:]:
+        wp, cp = statistics.median(walls[j]), statistics.median(cpus[j])
+        print(f"--jobs {j:<3}        wall {wp:7.1f} s  cpu {cp:7.1f} s  "
+              f"wall x{ws / wp:.2f} faster, cpu x{cp / cs:.2f} of the baseline's")
     print(f"same table: {same}")
     return 0 if same else 1
 

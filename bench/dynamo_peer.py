@@ -1,6 +1,6 @@
 """NVIDIA Dynamo's offline trace replay as a peer simulator: install it, run it, run pdlb alike.
 
-Used by ``bench/sim_vs_dynamo.py`` and the slow test ``tests/test_sim_vs_dynamo.py``.
+Used by ``bench/sim_vs_dynamo.py`` and the slow test ``tests/sim/validation/test_sim_vs_dynamo.py``.
 
 Dynamo's replay (``dynamo.replay.run_trace_replay``; a Rust "mocker" engine per worker) is installed
 from the package registry into a cache venv the first time, ``$PEER_VENV`` or
@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sim.cluster import build_perf, simulate  # noqa: E402
-from sim.metrics import summarize  # noqa: E402
+from sim.run.cluster import build_perf, simulate  # noqa: E402
+from sim.run.metrics import summarize  # noqa: E402
 from sim.perf.polynomial import mocker_polynomial_factory  # noqa: E402
 from sim.scenario import PoolConfig, Scenario  # noqa: E402
 from sim.workload import default_trace_path, read_trace  # noqa: E402

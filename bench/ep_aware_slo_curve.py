@@ -9,9 +9,9 @@ best anchor's.
 
 How, without a rate search per ``k``: each policy runs once per rate on a geometric grid
 (``--rates``, rate scales of the trace); a run's per-request TTFTs give the smallest factor at
-which it meets the SLO (:func:`sim.capacity.reachable_ttft_scale`), and a policy's rate at factor
+which it meets the SLO (:func:`sim.search.capacity.reachable_ttft_scale`), and a policy's rate at factor
 ``k`` is where that needed factor first exceeds ``k`` along the grid, interpolated in (log factor,
-log rate) between the two grid runs around it (:func:`sim.fair_slo.rate_at_ttft_scale`). This is
+log rate) between the two grid runs around it (:func:`sim.search.fair_slo.rate_at_ttft_scale`). This is
 exact for policies that route without the SLO (the anchors and SLO-blind ``ep_aware``; each grid
 run serves every ``k``). SLO-aware ``ep_aware`` routes against the budget, so it runs its own grid
 per factor in ``--aware-scales`` (the router told that factor's budget). A policy's grid stops at
@@ -53,7 +53,7 @@ SCENARIO = "dsv3-pd-h200"
 
 
 def workload(row: str, traces_dir: Path | None, seed: int):  # noqa: ANN201
-    from sim.point import WorkloadSpec
+    from sim.search.point import WorkloadSpec
 
     if row == "mooncake":
         return WorkloadSpec(seed=seed)
@@ -71,11 +71,11 @@ def run_grid(row: str, policy: str, aware_scale: float | None, rates: list[float
     """One policy's grid on one row: per rate scale (ascending), the needed TTFT factor, TTFT p99
     and attainment at the base SLO; stops after the first rate whose factor exceeds
     ``stop_above`` (``aware_scale``: the router routes against the base SLO times it)."""
-    from sim.capacity import reachable_ttft_scale
-    from sim.cluster import simulate
-    from sim.fair_slo import attainment_at, scaled_slo
-    from sim.metrics import per_request
-    from sim.point import SLO, parse_policy
+    from sim.search.capacity import reachable_ttft_scale
+    from sim.run.cluster import simulate
+    from sim.search.fair_slo import attainment_at, scaled_slo
+    from sim.run.metrics import per_request
+    from sim.search.point import SLO, parse_policy
     from sim.scenario import load_scenario
 
     ttft_s, per_1k, tpot_s, att = slo_args
@@ -105,7 +105,7 @@ def run_grid(row: str, policy: str, aware_scale: float | None, rates: list[float
 def curve(grids: list[dict], row: str, scales: list[float], aware: list[float]) -> list[dict]:
     """Per factor: every policy's rate (rate scale; 0 = below the grid, inf = above it), the best
     anchor, the ratios, and the TTFT p99 of the highest grid run that holds."""
-    from sim.fair_slo import rate_at_ttft_scale
+    from sim.search.fair_slo import rate_at_ttft_scale
 
     def at(g: dict, k: float) -> tuple[float, float]:
         r = np.array([x["rate_scale"] for x in g["runs"]])

@@ -7,7 +7,7 @@ For each point ``workload:scenario@rate_scale/slo_scale`` (rows and scenarios of
 routing as the searches route) and the bench prints, per policy: SLO attainment, TTFT p50 / p99,
 and its ratios to the first policy of ``--policies`` (the baseline, measured in the same run); then
 the requests that make the p99 (TTFT >= p99): their median prompt and uncached tokens, median queue
-and compute seconds (:func:`sim.metrics.ttft_split`), and the share of them ``ep_aware`` placed as
+and compute seconds (:func:`sim.run.metrics.ttft_split`), and the share of them ``ep_aware`` placed as
 *doomed* (missing the budget wherever they go: the placement that trades their own TTFT for the
 others').
 
@@ -44,7 +44,7 @@ DEFAULT_POLICIES = ("ep_aware", "ep_aware:slo_doomed_tail=0.5", "ep_aware:slo_aw
 def _recording(spec: str):
     """The policy of ``spec``; an ``ep_aware`` one is wrapped to record each prefill decision's reason."""
     from balancer.policies.ep_aware import EpAware
-    from sim.point import parse_policy
+    from sim.search.point import parse_policy
 
     pol, _ = parse_policy(spec).build()
     if not isinstance(pol, EpAware):
@@ -68,9 +68,9 @@ def run_one(point: str, spec: str, traces_dir: str | None) -> dict:
     import numpy as np
 
     from policy_goodput import scenario_of, workload_of
-    from sim.cluster import simulate
-    from sim.metrics import per_request, ttft_split
-    from sim.point import SLO
+    from sim.run.cluster import simulate
+    from sim.run.metrics import per_request, ttft_split
+    from sim.search.point import SLO
 
     row, rest = point.split("@")
     rate_s, slo_s = rest.split("/")

@@ -6,7 +6,7 @@ on the device machine's image. ``python bench/gpu_profile.py --kinds ...`` runs 
 bf16 data (float32 on a CPU), one layer, GPU time only (each point captured in a CUDA graph that
 repeats the kernel ``inner`` times so one replay lasts >= ~1 ms, timed with CUDA events; median of
 the replays). Kinds, with the FLOPs and bytes the roofline charges (those of
-``sim/model_spec.py``'s formulas for the same shapes):
+``sim/models/spec.py``'s formulas for the same shapes):
 
 * ``gqa_decode``: Llama-3.1-8B attention layer, 32 query heads over 8 KV heads of 128, ``B``
   sequences x ``L`` cached tokens, one query token each; the query heads of a KV group are folded

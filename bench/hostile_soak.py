@@ -10,8 +10,12 @@ wedged engine) chosen at random, one after another, while a child process probes
 every 50 ms and the router's RSS (and its body-parsing worker's) is sampled every second.
 
 Prints, for the idle phase and the hostile phase: probe p50/p99/max, the router's own event-loop
-lag (``pdlb_event_loop_lag_seconds``: share over 100 ms, count over 250 ms), RSS at the start,
-the peak and the end, the ratios hostile/idle, and per action the statuses and the probe's worst.
+lag (``pdlb_event_loop_lag_seconds``: share over 100 ms, count over 250 ms) and its CPU lag
+(``pdlb_event_loop_cpu_lag_seconds``, :mod:`balancer.service.loop_watch`: the part of the lag the
+router's CPU time explains; a busy host stretches the lag, not this), the CPUs other work on the
+host took meanwhile (:class:`sim.emulator.hostile.HostCpu`), RSS at the start, the peak and the
+end, anonymous memory (RSS without mapped files) at the start and the end, the ratios
+hostile/idle, and per action the statuses and the probe's worst.
 
 Run (from the repository root)::
 
@@ -42,8 +46,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sim.emulator.hostile import (ACTIONS, EXPECTED, LoopLag, Probe, loop_lag_counts,  # noqa: E402
-                                  spawn_hostile_cluster, warm_up)
+from sim.emulator.hostile import (ACTIONS, CPU_LAG, EXPECTED, HostCpu, LoopLag, Probe,  # noqa: E402
+                                  loop_lag_counts, spawn_hostile_cluster, warm_up)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -51,10 +55,12 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def _line(label: str, lat: list[float], lag: LoopLag) -> str:
+def _line(label: str, lat: list[float], lag: LoopLag, cpu_lag: LoopLag, foreign_cores: float) -> str:
     return (f"{label:8s} probes {len(lat):6d}  p50 {_pct(lat, 0.5) * 1e3:7.1f} ms  p99 {_pct(lat, 0.99) * 1e3:7.1f} ms  "
             f"max {max(lat, default=float('nan')) * 1e3:7.1f} ms | loop lag samples {lag.samples:6d}  "
-            f">100 ms {100 * lag.over_100ms / max(1, lag.samples):5.2f}%  >250 ms {lag.over_250ms}")
+            f">100 ms {100 * lag.over_100ms / max(1, lag.samples):5.2f}%  >250 ms {lag.over_250ms} | CPU lag "
+            f">100 ms {100 * cpu_lag.over_100ms / max(1, cpu_lag.samples):5.2f}%  >250 ms {cpu_lag.over_250ms} | "
+            f"other work on the host {foreign_cores:.2f} CPUs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,16 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_report:
             reports.append(("after warm-up", memory_report(c, f"trace={args.tracemalloc}" if args.tracemalloc else "")))
         base_main, base_children = c.rss()
+        base_anon = c.anon()[0]
         # idle anchor
-        lag0 = loop_lag_counts(c.router.url)
+        lag0, host0 = loop_lag_counts(c.router.url), HostCpu.now()
         probe = Probe(c.router.url)
         time.sleep(args.idle_s)
         idle = probe.stop()
-        idle_lag = LoopLag.between(lag0, loop_lag_counts(c.router.url))
+        idle_foreign = host0.foreign_cores(HostCpu.now())
+        lag0b = loop_lag_counts(c.router.url)
+        idle_lag, idle_cpu_lag = LoopLag.between(lag0, lag0b), LoopLag.between(lag0, lag0b, CPU_LAG)
         # hostile phase
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        lag1 = loop_lag_counts(c.router.url)
+        lag1, host1 = loop_lag_counts(c.router.url), HostCpu.now()
         probe = Probe(c.router.url)
         t0 = time.monotonic()
         per_action: dict[str, list[tuple[float, float, list[int]]]] = {}
@@ -116,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                 if not c.router.alive():
                     break
         hostile = probe.stop()
-        hostile_lag = LoopLag.between(lag1, loop_lag_counts(c.router.url))
+        hostile_foreign = host1.foreign_cores(HostCpu.now())
+        lag1b = loop_lag_counts(c.router.url)
+        hostile_lag, hostile_cpu_lag = LoopLag.between(lag1, lag1b), LoopLag.between(lag1, lag1b, CPU_LAG)
         took = time.monotonic() - t0
         time.sleep(5.0)  # memory settles
         stop.set()
         sampler.join()
         end_main, end_children = c.rss()
+        end_anon = c.anon()[0]
         if args.memory_report:
             reports.append(("end", memory_report(c)))
             reports.append(("after gc.collect()", memory_report(c, "collect=1&garbage=1")))
@@ -133,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pdlb serve (1 process) + 3 fake engines; idle {args.idle_s:.0f} s, then {took:.0f} s of hostile traffic "
           f"({sum(len(v) for v in per_action.values())} actions, seed {args.seed}); machine: {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(_line("idle", idle.latencies_s, idle_lag))
-    print(_line("hostile", hostile.latencies_s, hostile_lag))
+    print(_line("idle", idle.latencies_s, idle_lag, idle_cpu_lag, idle_foreign))
+    print(_line("hostile", hostile.latencies_s, hostile_lag, hostile_cpu_lag, hostile_foreign))
     print(f"ratio hostile/idle: probe p99 {_pct(hostile.latencies_s, 0.99) / _pct(idle.latencies_s, 0.99):.2f}x, "
           f"max {hostile.max_s() / idle.max_s():.2f}x; probes that failed: {hostile.errors()}")
     peak_main = max((r[1] for r in rss), default=0)
@@ -142,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RSS router: baseline {base_main / 1e6:.0f} MB, peak {peak_main / 1e6:.0f} MB, end {end_main / 1e6:.0f} MB "
           f"({end_main / base_main:.2f}x baseline); body worker + fork server: baseline {base_children / 1e6:.0f} MB, "
           f"peak {peak_children / 1e6:.0f} MB, end {end_children / 1e6:.0f} MB ({end_children / max(1, base_children):.2f}x)")
+    print(f"router anonymous memory (heap, without mapped library code): baseline {base_anon / 1e6:.1f} MB, "
+          f"end {end_anon / 1e6:.1f} MB ({end_anon / max(1, base_anon):.3f}x)")
     if rss:
         tail = [r[1] for r in rss if r[0] > rss[-1][0] - 60]
         print(f"RSS router over the last 60 s: median {statistics.median(tail) / 1e6:.0f} MB")
@@ -179,6 +193,7 @@ def print_memory_reports(reports: list[tuple[str, dict]]) -> None:
               f"{pm.get('allocated_bytes', 0) / 1e6:6.1f} MB | malloc: in use {m.get('uordblks', 0) / 1e6:6.1f} MB, "
               f"free kept {m.get('fordblks', 0) / 1e6:5.1f} MB, mmapped {m.get('hblkhd', 0) / 1e6:5.1f} MB, "
               f"arenas {m.get('arenas', '?')} | gc objects {py['gc_objects']}"
+              + f" | prefix index {r.get('prefix_index_blocks', '?')} blocks"
               + (f", collected {r['collected']}" if "collected" in r else "")
               + (f" (RSS before trim {r['rss_before_trim_bytes'] / 1e6:.1f} MB)" if "rss_before_trim_bytes" in r else ""))
     first, last = reports[0][1]["python"]["types"], reports[1][1]["python"]["types"]

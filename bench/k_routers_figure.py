@@ -172,6 +172,7 @@ async def _staleness(n: int, interval_s: float) -> dict[str, float]:
     counts it, ``n`` times (the wall clock; one event loop drives both, as two hosts' loops would)."""
     import numpy as np
 
+    from balancer.parts import LoadSources
     from balancer.router import Router
     from balancer.service.broker_config import BrokerConfig
     from balancer.service.broker_sync import BrokerSync
@@ -181,12 +182,12 @@ async def _staleness(n: int, interval_s: float) -> dict[str, float]:
     rep = ReplicaId("http://m0")
     with NatsServer() as nats:
         cfg = BrokerConfig(url=nats.url, publish_interval_s=interval_s)
-        routers = [Router("least_load", "least_load") for _ in range(2)]
+        a, b = (BrokerSync(cfg, g, replicas=lambda: [rep]) for g in "AB")
+        routers = [Router("least_load", "least_load", load_sources=LoadSources(peer=sync)) for sync in (a, b)]
         for r in routers:
             r.add_replica(rep, "mixed")
-        a, b = (BrokerSync(cfg, r, lambda: [rep], group=g) for r, g in zip(routers, "AB"))
-        a.start()
-        b.start()
+        a.start(routers[0].record_routed)
+        b.start(routers[1].record_routed)
         try:
             while not (a.table.peers and b.table.peers):
                 await asyncio.sleep(0.01)

@@ -23,9 +23,9 @@ above, like ``pdlb serve --processes N``) in three modes:
 
 * ``baseline``: no events;
 * ``per-process``: every process runs its own ``KvEventSubscriberProcess`` (what ``pdlb serve``
-  did before :mod:`balancer.service.kv_fanout`): each batch decoded and translated N times;
+  did before :mod:`balancer.service.processes.kv_fanout`): each batch decoded and translated N times;
 * ``fanout``: process 0's subscriber writes the translated events to the fan-out ring and every
-  process applies them from it (:class:`~balancer.service.kv_fanout.KvFanout`, as ``pdlb serve``
+  process applies them from it (:class:`~balancer.service.processes.kv_fanout.KvFanout`, as ``pdlb serve``
   runs now): decoded once.
 
 It prints the routing p50/p99 per mode and the CPU seconds per engine batch spent on events,
@@ -193,8 +193,8 @@ def _proc_cpu_s(pid: int) -> float:
 
 async def _router_process(mode: str, index: int, port: int, ring_dir: str, seconds: float, go, out) -> None:  # noqa: ANN001
     from balancer.service.config import KvEventsConfig
-    from balancer.service.kv_fanout import KvFanout
-    from balancer.service.kv_ring import fanout_ring_path
+    from balancer.service.processes.kv_fanout import KvFanout
+    from balancer.service.processes.kv_ring import fanout_ring_path
 
     router, reps = make_router()
     loop = asyncio.get_running_loop()

@@ -6,14 +6,14 @@ For each row (a workload on a scenario), each policy (the same policy on both po
 or generator seed), in one run:
 
 - **goodput at the trace rate**: SLO-meeting requests per second of the arrival window
-  (:mod:`sim.metrics`), a complete simulation at rate scale 1;
-- **highest rate at SLO**: :func:`sim.capacity.search_rate` (geometric bisection, 3% tolerance),
+  (:mod:`sim.run.metrics`), a complete simulation at rate scale 1;
+- **highest rate at SLO**: :func:`sim.search.capacity.search_rate` (geometric bisection, 3% tolerance),
   with the **TTFT p99 at that rate** beside it (a run at each policy's found rate), pdlb's
   policies' TTFT p99 at the best anchor's found rate (equal load), and each
   policy's **light-load attainment** (a run at ``--light-scale``, default 1/64 of the trace rate):
   a row where some policy misses the SLO even when idle is flagged, since its "highest rate at
   SLO" is then where a flat attainment curve crosses the target, not a capacity;
-- **GPUs needed at the trace rate** (the rows marked ``gpus``): :func:`sim.capacity.search_gpus`,
+- **GPUs needed at the trace rate** (the rows marked ``gpus``): :func:`sim.search.capacity.search_gpus`,
   prefill and decode engines searched together.
 
 Every figure is printed with its ratio to the best anchor of its row (mean over seeds, and the
@@ -38,7 +38,7 @@ trace at any rate: 16% of its prompts take longer than 2 s to prefill alone even
 cached; the searches report such a floor instead of searching). With ``--fair-slo`` (the default)
 each row is judged at a **fair SLO**: the base SLO's TTFT budget times the smallest factor (5%
 steps) at which every compared policy meets it at ``--light-scale`` with ``--fair-margin`` to spare
-(:mod:`sim.fair_slo`, from one light-load run per policy and seed); otherwise a policy that barely
+(:mod:`sim.search.fair_slo`, from one light-load run per policy and seed); otherwise a policy that barely
 meets the SLO when idle has a flat attainment curve and its "highest rate at SLO" is a threshold
 artefact (issue 23). ``--no-fair-slo`` judges every row at the base SLO.
 Results: ``--out`` (default ``bench_results/policy_goodput-<time>/``): ``results.json``,
@@ -85,8 +85,8 @@ def scenario_of(name: str):
 
 
 def workload_of(name: str, seed: int, traces_dir: Path | None, tmp: Path):
-    """A :class:`sim.point.WorkloadSpec` (trace files; generated workloads are written as JSONL)."""
-    from sim.point import WorkloadSpec
+    """A :class:`sim.search.point.WorkloadSpec` (trace files; generated workloads are written as JSONL)."""
+    from sim.search.point import WorkloadSpec
 
     if name == "mooncake":
         return WorkloadSpec(seed=seed)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fair-slo", action=argparse.BooleanOptionalAction, default=True,
                     help="judge each row at a fair SLO (default): the --slo-* TTFT budget times the smallest factor "
                          "(5%% steps, >= 1) at which every compared policy meets the SLO at light load with "
-                         "--fair-margin to spare (sim.fair_slo); --no-fair-slo: the --slo-* SLO as given")
+                         "--fair-margin to spare (sim.search.fair_slo); --no-fair-slo: the --slo-* SLO as given")
     ap.add_argument("--fair-margin", type=float, default=None,
                     help="attainment every policy must have to spare at light load under the fair SLO (default: "
                          "half of what the SLO lets miss, 0.05 at 90%%: queueing, not the zero-load floor, then "
@@ -169,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from sim.capacity import GpuSearch, RateSearch, run_searches
-    from sim.executor import make_executor
-    from sim.point import SLO, Point, parse_policy
+    from sim.search.capacity import GpuSearch, RateSearch, run_searches
+    from sim.search.executor import make_executor
+    from sim.search.point import SLO, Point, parse_policy
 
     console = Console() if sys.stdout.isatty() else Console(width=240)  # piped: rich would cut the 13 columns to 80
     rows = ["mooncake:default"] if args.quick else [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -420,11 +420,11 @@ def light_arrays(folder: Path):
 
 def fair_slos(rows, seeds, policies, slo, args, traces_dir, tmp: Path, executor, console):
     """Per row, the base SLO with its TTFT budget scaled until every policy (every seed) meets it at
-    ``--light-scale`` with ``--fair-margin`` to spare (:func:`sim.fair_slo.fair_ttft_scale`), from one
+    ``--light-scale`` with ``--fair-margin`` to spare (:func:`sim.search.fair_slo.fair_ttft_scale`), from one
     light-load run per policy and seed at the base SLO. Returns ``(row -> SLO, row -> report)``; a row
     no budget makes fair keeps the base SLO and says so."""
-    from sim.fair_slo import attainment_at, fair_ttft_scale, scaled_slo
-    from sim.point import Point, parse_policy
+    from sim.search.fair_slo import attainment_at, fair_ttft_scale, scaled_slo
+    from sim.search.point import Point, parse_policy
 
     points, keys = [], []
     for row in rows:
@@ -469,8 +469,8 @@ def explain(results: dict, seeds: list[int], anchors: list[str], slo, out: Path,
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from sim.cluster import simulate
-    from sim.metrics import per_request, summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import per_request, summarize
     from sim.workload import read_trace, scale_rate, spread_batches
 
     row = "mooncake:default"

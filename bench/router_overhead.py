@@ -39,8 +39,10 @@ emulated engines serve):
   them alike, so the per-round ratio is steadier than that of runs taken in turn.
 
 ``--pdlb-processes 1,4`` measures ``pdlb serve`` once per listed process count (rows ``pdlb``,
-``pdlb x4``); ``0`` is pdlb's default, one process per core the router may use (row ``pdlb xN
-(default)``); several processes add throughput, not CPU efficiency.
+``pdlb x4``); ``0`` is pdlb's default (row ``pdlb xN (default)``): one process per core the router
+may use, of which it takes one in ``LOCAL_ENGINE_CORE_SHARE`` (4) since this bench's engines run on
+the same host (issue 30), i.e. 2 with ``--router-cpus 0-7``: list the counts to compare at equal
+cores (``--pdlb-processes 1,2,4,8``); several processes add throughput, not CPU efficiency.
 
 ``--router-cpus 0-7`` pins every router to those CPUs (they are started with that affinity, so
 pdlb's default process count and the peers' worker threads follow it) and the engines
@@ -49,6 +51,7 @@ and load generators to the others: the routers compete for the same cores, not w
 process tops out near 10,000 requests/s); ``--engines N`` / ``--pd-engines N`` start N mixed engines
 (regular) or N prefill + N decode engines (pd, vllm-pd).
 ``--variant 'NAME=ARGS'`` adds a row ``pdlb xN, NAME``: the default process count with ARGS added
+(N: ARGS' own ``--processes`` if given)
 (e.g. ``--variant 'aiohttp client=--upstream-client aiohttp'``).
 ``--baseline DIR`` also measures ``pdlb serve`` (one process) from another checkout, e.g. the
 main branch's (row ``pdlb@base``), in the same repeats: CPU per request before / after. Given
@@ -88,10 +91,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from sim.emulator.config import EmulatorConfig  # noqa: E402
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
+from balancer.service.launch import default_processes  # noqa: E402
 
 PEER = ROOT.parent / "shared" / "peers" / "sglang_router.sh"  # the older peer script (router_scaling.py)
 #: the model name pdlb's emulated engines serve (sim.emulator.config); smg checks it (model_not_found)
 MODEL = EmulatorConfig.model_fields["served_model_name"].default
+LOCAL_URL = "http://127.0.0.1"
+"""Where this bench's engines listen (this host: ``pdlb serve``'s default process count counts it)."""
 BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 8}
 _BODY_JSON = __import__("json").dumps(BODY)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -385,6 +391,20 @@ def _affinity(cpus: set[int] | None):
         os.sched_setaffinity(0, old)
 
 
+def pdlb_default_processes(router_cpus: set[int] | None) -> int:
+    """The router processes ``pdlb serve`` starts without ``--processes`` on ``router_cpus`` (None:
+    this bench's CPUs) in front of this bench's engines: on this host, so one in
+    ``LOCAL_ENGINE_CORE_SHARE`` of the CPUs (issue 30; ``balancer.service.launch.default_processes``)."""
+    with _affinity(router_cpus):
+        return default_processes([LOCAL_URL])
+
+
+def is_pdlb_checkout(path: Path) -> bool:
+    """Whether ``path`` holds a pdlb tree that :func:`_spawn_pdlb_from` can run (``pdlb_cli/main.py``;
+    it used to look for ``sim/cli.py``, gone since the CLI package, so every ``--baseline`` was refused)."""
+    return (path / "pdlb_cli" / "main.py").is_file() and (path / "balancer" / "router.py").is_file()
+
+
 def _spawn_pdlb_from(checkout: Path, args: list[str]) -> Proc:
     """``pdlb serve ARGS`` from another checkout (its code first on ``PYTHONPATH``)."""
     from sim.emulator.testing import _spawn
@@ -421,7 +441,7 @@ async def run_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, lis
     peers = {name: cmd for name, cmd in peer_cmds.items() if mode in PEERS[name].modes}
     started: dict[str, tuple[subprocess.Popen, str]] = {}
     bases = {_base_name(k): d for k, d in enumerate(args.baseline or [])}
-    variants = {f"pdlb x{args.default_processes}, {name}": extra for name, extra in args.variant}
+    variants = {_variant_name(name, extra, args): extra for name, extra in args.variant}
     names = [*bases] + [_pdlb_name(k, args) for k in args.pdlb_processes] + [*variants]
     out: dict[str, Any] = {"direct": [], **{k: [] for k in names}, **{k: [] for k in peers}}
     pdlbs: dict[str, Proc] = {}
@@ -509,6 +529,14 @@ def _pdlb_name(processes: int, args: argparse.Namespace) -> str:
     return "pdlb" if processes == 1 else f"pdlb x{processes}"
 
 
+def _variant_name(name: str, extra: list[str], args: argparse.Namespace) -> str:
+    """``pdlb xN, NAME``: N the ``--processes`` given in the variant's arguments, else the default."""
+    n = args.default_processes
+    if "--processes" in extra[:-1]:
+        n = extra[extra.index("--processes") + 1]
+    return f"pdlb x{n}, {name}"
+
+
 def _ratios(res: dict, name: str, peer: str) -> dict[str, list[float]]:
     """Per repeat, ``name`` / ``peer``: req/s, CPU per request, added p50 and p99 (added-latency
     ratios only where the peer's added latency is over 0.1 ms: below that it is noise)."""
@@ -570,7 +598,9 @@ def _summary(results: dict[str, dict]) -> None:
                       f"   (per repeat: req/s {', '.join(f'{x:.2f}' for x in r['rps'])}; "
                       f"CPU/req {', '.join(f'{x:.2f}' for x in r['cpu'])})")
         # the issue-26 table and goals: the default process count (else the last pdlb row) vs each peer
-        main_row = next((k for k in ours if "default" in k), ours[-1] if ours else None)
+        # (else the last --pdlb-processes row, the most processes; variants are not the main row)
+        plain = [k for k in ours if "," not in k] or ours
+        main_row = next((k for k in ours if "default" in k), plain[-1] if plain else None)
         if main_row is None or not peers:
             verdicts.append(f"{mode}: no peer comparison" if main_row else f"{mode}: no pdlb row")
             continue
@@ -662,11 +692,13 @@ def main() -> int:
     if args.router_cpus and not args.router_cpus < all_cpus:
         ap.error(f"--router-cpus must be a proper subset of the CPUs this bench may use ({sorted(all_cpus)})")
     args.other_cpus = (all_cpus - args.router_cpus) if args.router_cpus else None
-    args.default_processes = len(args.router_cpus or all_cpus)
+    # what `pdlb serve` starts without --processes: its CPUs (the router CPUs), one in LOCAL_ENGINE_CORE_SHARE of
+    # them since this bench's engines are on this host (issue 30); the rows are named with that count
+    args.default_processes = pdlb_default_processes(args.router_cpus)
     if min(args.engines, args.pd_engines, args.load_processes) < 1:
         ap.error("--engines, --pd-engines and --load-processes must be >= 1")
     for checkout in args.baseline or []:
-        if not (checkout / "sim" / "cli.py").is_file():
+        if not is_pdlb_checkout(checkout):
             ap.error(f"--baseline {checkout}: not a pdlb checkout (no pdlb_cli/main.py)")
     variants = []
     for v in args.variant:

@@ -15,17 +15,17 @@ Phases (engines and client processes on the CPUs outside ``--router-cpus``, rout
 * **regular** (mixed engines, ``--max-concurrency`` connections from ``--load-processes``
   clients): CPU per request of one pdlb process; of one process given only its share of the
   connections; of one process pinned to one CPU with spinners on the other router CPUs (and on
-  its sibling, if the probe found one); of ``pdlb serve`` with the default process count (shared
+  its sibling, if the probe found one); of ``pdlb serve`` with one process per router CPU (shared
   load block and decision rings), with asyncio and with uvloop; of as many *independent*
   one-process ``pdlb serve`` (own port, nothing shared), each driven by its share of the clients;
   of sglang-router with one CPU (one tokio worker) and with all router CPUs; py-spy profiles
   (``--py-spy PATH``) of the single process and of one of the several, collapsed to a table of
   functions and to code areas in microseconds per request;
-* **pd** (SGLang PD protocol): latency at ``--concurrency`` of the direct engine, the default
-  process count, the independent processes, one process given two connections, uvloop and
+* **pd** (SGLang PD protocol): latency at ``--concurrency`` of the direct engine, one process per
+  router CPU, the independent processes, one process given two connections, uvloop and
   sglang-router, with the tail described (p90/p99/p99.9, how many of the slowest 1% fell within
   the same 10 ms as another, which connection they came from);
-* **ablate** (not in the default phases): regular mode, one process and the default process count
+* **ablate** (not in the default phases): regular mode, one process and one per router CPU
   as shipped (both profiled), then with the peer-load read, the decision rings, or both switched
   off by bench-only patches (``bench/ablate/sitecustomize.py``), and as many independent routers.
 
@@ -331,12 +331,12 @@ _ABLATE_DIR = Path(__file__).resolve().parent / "ablate"
 
 def start_pdlb(mode: str, engines: list[Proc], processes: int | None, cpus: set[int], *extra: str,
                ablate: str = "") -> Proc:
-    """``pdlb serve`` (``processes`` None: its default count) on ``cpus``; ``ablate``: a
-    ``PDLB_BENCH_ABLATE`` list (``bench/ablate/sitecustomize.py``) for it and its processes."""
-    a = ro._pdlb_args(mode, engines, processes or 1)
-    if processes is None:
-        i = a.index("--processes")
-        del a[i:i + 2]
+    """``pdlb serve`` on ``cpus`` with ``processes`` processes (None: one per CPU of ``cpus``, the
+    count the bench compares with as many independent routers; ``pdlb serve``'s own default would
+    take one in ``LOCAL_ENGINE_CORE_SHARE`` of them, since the bench's engines are on this host,
+    issue 30); ``ablate``: a ``PDLB_BENCH_ABLATE`` list (``bench/ablate/sitecustomize.py``) for it
+    and its processes."""
+    a = ro._pdlb_args(mode, engines, processes or len(cpus))
     if not ablate:
         with ro._affinity(cpus):
             return _spawn([*a, *extra])
@@ -401,7 +401,7 @@ def _area(frame: str) -> str:
                       ("/aiohttp/web_", "aiohttp server"), ("/aiohttp/http_", "aiohttp parse/write"),
                       ("/aiohttp/_http", "aiohttp parse/write"), ("/aiohttp/client", "aiohttp client"),
                       ("/aiohttp/connector", "aiohttp client"), ("/aiohttp/", "aiohttp other"),
-                      ("/balancer/service/shared_", "pdlb shared"), ("/balancer/service/upstream", "pdlb lean client"),
+                      ("/balancer/service/processes/shared_", "pdlb shared"), ("/balancer/service/upstream", "pdlb lean client"),
                       ("/balancer/service/", "pdlb service"),
                       ("/balancer/", "pdlb core"), ("/prometheus_client/", "prometheus"),
                       ("/yarl/", "yarl/multidict"), ("/multidict/", "yarl/multidict"), ("/json/", "json"),
@@ -569,7 +569,7 @@ async def regular(args: argparse.Namespace, sglang_cmd: list[str] | None, siblin
                                     {"parent": [-many.popen.pid], **{f"p{k}": [c] for k, c in enumerate(kids)}},
                                     profile=prof)
                     per_child = [r["cpu_s"].get(f"p{k}", 0.0) for k in range(len(kids))]
-                    show(f"pdlb x{n_proc} (default, shared state), {loop}", r,
+                    show(f"pdlb x{n_proc} (shared state), {loop}", r,
                          f"  CPU s per child {' '.join(f'{x:.2f}' for x in sorted(per_child))}, parent "
                          f"{r['cpu_s']['parent']:.2f}")
                     if prof and prof[1].exists():
@@ -638,7 +638,7 @@ async def pd(args: argparse.Namespace, sglang_cmd: list[str] | None, out: dict) 
             many = start_pdlb("pd", engines, args.many, rc)
             try:
                 await drive([many.url], c, args, 1, 1.0, {})
-                await lat(f"pdlb x{n_proc} (default)", [many.url], c, base)
+                await lat(f"pdlb x{n_proc}", [many.url], c, base)
                 if rnd == 1:
                     r = await drive([many.url], args.max_concurrency, args, args.load_processes, d, {"pdlb": [many.popen.pid]})
                     print(f"    {'  throughput':30} {r['rps']:.0f} req/s, {r['cpu_us']:.0f} us/req; {_fmt_host(r['host'])}")

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def one(n: int, decode_ranks: int, max_prefill_tokens: int = 8192, exact: bool = False) -> dict:
     sys.path.insert(0, str(ROOT))
-    from sim.cluster import simulate
+    from sim.run.cluster import simulate
     from sim.scenario import PoolConfig, Scenario
     from sim.workload import poisson_workload
 

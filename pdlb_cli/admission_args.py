@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from balancer.deadline_admission import AdmissionConfig
+from balancer.deadline_admission import WAIT_MODELS, AdmissionConfig
 from balancer.service.admission_config import AdmissionSettings
 from balancer.types import TtftSlo
 
@@ -58,13 +58,17 @@ def add_admission_args(p: argparse.ArgumentParser, *, serve: bool) -> argparse._
                    help="deficit round robin quantum in prompt tokens (default: 8192)")
     g.add_argument("--admission-tenant-weights", type=parse_tenant_weights, metavar="T=W,...",
                    help="deficit round robin weight per tenant (default: 1 each)")
+    g.add_argument("--admission-wait-model", choices=WAIT_MODELS, metavar="MODEL",
+                   help="how the gate predicts a request's wait and own prefill: 'backlog' (prefill backlog / "
+                        "rate), 'policy' (the routing policy's TTFT prediction when it has one: ep_aware), 'max' "
+                        "(the larger of the two; README 'Overload and admission') (default: backlog)")
     return g
 
 
 _FLAGS = {"admission_ttft_slo_s": "ttft_slo_s", "admission_dispatch_wait_s": "dispatch_wait_s",
           "admission_prefill_tokens_per_s": "prefill_tokens_per_s", "admission_max_queue": "max_queue_requests",
           "admission_max_queue_per_tenant": "max_queue_per_tenant", "admission_quantum_tokens": "quantum_tokens",
-          "admission_tenant_weights": "tenant_weights"}
+          "admission_tenant_weights": "tenant_weights", "admission_wait_model": "wait_model"}
 
 
 def admission_overrides(args: argparse.Namespace) -> dict[str, Any]:

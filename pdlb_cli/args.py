@@ -10,7 +10,7 @@ perf model (no simulation, search or report module; no other module of :mod:`pdl
   parser with ``argument --flag: <message>`` and exit status 2;
 - option groups (:func:`add_workload_args`, :func:`add_cluster_args`, :func:`add_router_args`,
   :func:`add_slo_args`, :func:`add_output_args`) and the scenario they build (:func:`scenario_from_args`;
-  the :mod:`sim.point` types they build are :mod:`pdlb_cli.sim.capacity`'s, so this module imports nothing
+  the :mod:`sim.search.point` types they build are :mod:`pdlb_cli.sim.capacity`'s, so this module imports nothing
   above the scenario and its perf model);
 - :func:`route_slo_note` for the titles of results tables, :func:`command_line` for the command
   a result records;
@@ -46,9 +46,10 @@ from rich.markup import escape
 from balancer.policies import make_policy
 from balancer.policies.spec import split_policy_list
 from balancer.router import DEFAULT_TIER_WEIGHTS
-from sim.file_names import safe_file_stem
-from sim.host import default_jobs
-from sim.models import get_model
+from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
+from sim.run.file_names import safe_file_stem
+from sim.search.host import default_jobs
+from sim.models.presets import get_model
 from sim.perf.build import build_perf
 from sim.overrides import apply_overrides
 from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, describe_pools, load_scenario
@@ -302,7 +303,7 @@ def check_out_file(path: Path, example: str) -> None:
 def default_results_dir(*parts: str) -> Path:
     """The default results folder ``results/<parts>-<YYYYmmdd-HHMMSS>`` (made by
     :func:`unique_results_dir`), with each part made a safe file name
-    (:func:`sim.file_names.safe_file_stem`): a scenario's ``name`` is free text, and one such as
+    (:func:`sim.run.file_names.safe_file_stem`): a scenario's ``name`` is free text, and one such as
     ``"../../etc/x"`` or ``"a/b"`` must not put the folder outside ``results/`` or in a subfolder.
     ``default_results_dir("capacity", "dsv3-pd-h200")`` -> ``results/capacity-dsv3-pd-h200-<time>``."""
     stem = "-".join(safe_file_stem(p) for p in parts)
@@ -407,6 +408,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--mixed-engines", type=positive_int, metavar="N",
                    help="override the number of mixed (aggregated) engines")
     g.add_argument("--exact", action="store_true", help="step-by-step decode (reference mode; slower, same results)")
+    add_engine_option_args(p)
     return g
 
 
@@ -427,7 +429,7 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 #: ``pdlb sim capacity``'s default TTFT budget growth per 1000 prompt tokens: with a flat 2 s budget
 #: the embedded Mooncake trace (prompts up to ~125k tokens) cannot meet 90% attainment even at zero
 #: load (83.4% at most), so every policy was "unreachable"; with 0.5 s per 1k tokens the floor
-#: reaches 99.4% (:func:`sim.capacity.zero_load_floor`) and the search answers.
+#: reaches 99.4% (:func:`sim.search.capacity.zero_load_floor`) and the search answers.
 CAPACITY_TTFT_PER_1K_TOKENS_S = 0.5
 
 
@@ -740,6 +742,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """
     sc = load_scenario(args.scenario)
     sc = apply_overrides(sc, getattr(args, "overrides", None) or [])
+    sc = apply_engine_options(sc, args)
     counts = {"prefill": args.prefill_engines, "decode": args.decode_engines, "mixed": args.mixed_engines}
     for pool, n in counts.items():
         if n is not None and getattr(sc, pool) is None:

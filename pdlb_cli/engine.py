@@ -13,8 +13,8 @@ from balancer.service.launch import event_loop_factory
 from balancer.validation import format_validation_error
 from sim.emulator.config import EmulatorConfig
 from sim.emulator.launch import serve_engine
-from sim.hardware import HARDWARE
-from sim.models import MODELS
+from sim.models.hardware import HARDWARE
+from sim.models.presets import MODELS
 
 
 def add_engine_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

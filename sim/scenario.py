@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, model_serializer
 
+from balancer.config import RouterConfig
 from balancer.validation import format_validation_error, syntax_error_line
-from sim.models import MODELS, get_model
+from sim.models.presets import MODELS, get_model
 from sim.perf.config import PerfConfig
 from sim.perf.spec import SpecDecodeConfig
 
@@ -83,7 +84,7 @@ class SharedStoreConfig(BaseModel):
     Prefill (and mixed) ranks read blocks from it and write newly computed blocks back
     asynchronously; a block becomes visible to other ranks once its write completes. Concurrent
     transfers share bandwidth max-min fairly under a per-engine cap and an aggregate cap (read and
-    write are separate directions); see :mod:`sim.engine.tiers`.
+    write are separate directions); see :mod:`sim.run.engine.tiers`.
 
     Attributes:
         capacity_bytes / capacity_blocks: store capacity (at most one; neither = unbounded).
@@ -128,7 +129,8 @@ def tier_capacity_blocks(capacity_bytes: float | None, capacity_blocks: int | No
 
 
 #: PoolConfig's vLLM scheduler options and their "off" values (left out of dumps when off)
-_VLLM_OPTION_DEFAULTS = (("max_num_seqs", None), ("max_chunk_tokens", None), ("prefill_schedule_interval", 1))
+_VLLM_OPTION_DEFAULTS = (("max_num_seqs", None), ("max_chunk_tokens", None), ("prefill_schedule_interval", 1),
+                         ("prefix_cache_retention_interval_tokens", None))
 
 
 class PoolConfig(BaseModel):
@@ -155,7 +157,14 @@ class PoolConfig(BaseModel):
         max_chunk_tokens: vLLM ``long_prefill_token_threshold``: most prompt tokens one request
             computes per step (``None``: only the step budget bounds a chunk).
         prefill_schedule_interval: vLLM ``--prefill-schedule-interval`` (DP prefill balancing,
-            :class:`sim.engine.step_group.StepGroup`): 1 = prefill on every step.
+            :class:`sim.run.engine.step_group.StepGroup`): 1 = prefill on every step.
+        prefix_cache_retention_interval_tokens: vLLM ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` on a
+            model with cached sliding-window KV groups (DeepSeek-V4): a prefix hit ends only at a
+            retained window checkpoint (:mod:`sim.run.engine.hit_checkpoints`; under EAGLE/MTP
+            speculative decoding one window block past it must be shared too). ``"dense"``: vLLM's
+            default (every block boundary); ``0``: only each request's replay boundary and
+            shared-prefix junctions; ``N > 0``: also every multiple of ``N`` tokens (a multiple of
+            ``block_size``). ``None`` (default): not modelled, a hit is the whole cached prefix.
     """
 
     model_config = _STRICT
@@ -172,6 +181,7 @@ class PoolConfig(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1, le=1 << 20)
     max_chunk_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     prefill_schedule_interval: int = Field(1, ge=1, le=1 << 16)
+    prefix_cache_retention_interval_tokens: int | Literal["dense"] | None = Field(None, union_mode="left_to_right")
 
     @model_serializer(mode="wrap")
     def _without_default_vllm_options(self, handler):  # noqa: ANN001, ANN202
@@ -194,6 +204,20 @@ class PoolConfig(BaseModel):
         return self.num_ranks * self.gpus_per_rank
 
 
+#: :class:`~balancer.config.RouterConfig` settings a scenario's ``router:`` section may not set,
+#: and where they are set instead.
+ROUTER_SECTION_ELSEWHERE = {
+    "block_size": "the scenario's top-level block_size (its trace's block size)",
+    "pd_min_uncached_tokens": "the scenario's top-level pd_min_uncached_tokens",
+    "index_capacity_blocks": "the scenario's top-level index_capacity_blocks (which also takes 'auto')",
+    "prefill_policy": "the run's policies (--policies, a sweep's policies)",
+    "decode_policy": "the run's policies (--policies, a sweep's policies)",
+    "index_mode": "the run's --index-mode",
+    "seed": "the run's --seed",
+    "ttft_slo": "the run's SLO (--route-slo)",
+}
+
+
 class Scenario(BaseModel):
     """A simulated cluster.
 
@@ -201,7 +225,7 @@ class Scenario(BaseModel):
 
     Attributes:
         name: label for reports.
-        model / hardware: preset names (:mod:`sim.models`, :mod:`sim.hardware`).
+        model / hardware: preset names (:mod:`sim.models.presets`, :mod:`sim.models.hardware`).
         block_size: tokens per KV block (Mooncake traces: 512).
         kv_transfer_bandwidth_bytes_per_s: prefill -> decode link bandwidth per transfer.
         kv_transfer_latency_s: fixed cost per transfer.
@@ -244,6 +268,13 @@ class Scenario(BaseModel):
             beyond them (output); when it finishes they become evictable as the most recently
             used. Both reserve the output at admission (no preemption). Prefill and decode ranks
             (PD) are the same under both.
+        router: the router's settings (:class:`~balancer.config.RouterConfig`, the ``[router]``
+            table), each given one replacing what the simulator sets
+            (:mod:`sim.run.router_config`: the library's defaults, except the scenario's block size,
+            its exact cost model and no online fit, no total index bound). Only the settings
+            given count and are written back (a scenario without the table dumps as before, so
+            sweep point ids do not move); those a scenario or run sets elsewhere
+            (:data:`ROUTER_SECTION_ELSEWHERE`: block size, policies, index mode, ...) are refused.
 
     All counts must be integers and all numbers finite; sizes are bounded (:data:`MAX_RANKS`
     DP ranks in all, ...), so that no scenario can hang or exhaust memory.
@@ -274,6 +305,45 @@ class Scenario(BaseModel):
     long_prompt_threshold_tokens: int = Field(32768, ge=1)
     max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS)
     kv_accounting: Literal["reserve", "shared"] = "shared"
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @field_validator("router", mode="before")
+    @classmethod
+    def _router_section(cls, v: object) -> object:
+        if isinstance(v, dict):
+            elsewhere = [k for k in v if k in ROUTER_SECTION_ELSEWHERE]
+            if elsewhere:
+                raise ValueError("; ".join(f"router.{k} is not a scenario router setting: set it in "
+                                           f"{ROUTER_SECTION_ELSEWHERE[k]}" for k in elsewhere))
+            return RouterConfig.model_validate(v)
+        if isinstance(v, RouterConfig):
+            elsewhere = sorted(v.model_fields_set & set(ROUTER_SECTION_ELSEWHERE))
+            if elsewhere:
+                raise ValueError(f"router settings {', '.join(elsewhere)} are not scenario settings "
+                                 f"(see sim.scenario.ROUTER_SECTION_ELSEWHERE)")
+        return v
+
+    @property
+    def router_settings(self) -> dict[str, object]:
+        """The ``router:`` settings given (field name -> value), the ones the simulator applies."""
+        return {k: getattr(self.router, k) for k in sorted(self.router.model_fields_set)}
+
+    @model_serializer(mode="wrap")
+    def _router_as_given(self, handler):  # noqa: ANN001, ANN202
+        """The ``router`` section dumps the settings given only, and not at all when none is (so a
+        scenario's dump, and the sweep point ids hashed from it, stay as before the section)."""
+        d = handler(self)
+        if isinstance(d, dict) and "router" in d:
+            given = {}
+            for k, v in self.router_settings.items():
+                if k == "cost_model" and v is not None:
+                    v = v.to_dict()  # type: ignore[attr-defined]
+                given[k] = v
+            if given:
+                d["router"] = given
+            else:
+                del d["router"]
+        return d
 
     @property
     def effective_max_model_len(self) -> int:
@@ -312,6 +382,19 @@ class Scenario(BaseModel):
                         ("long_prefill", self.long_prefill)):
             if p is not None and p.context_parallel and p.gpus_per_rank < 2:
                 raise ValueError(f"{name}.context_parallel needs gpus_per_rank >= 2 (the CP degree)")
+            ret = p.prefix_cache_retention_interval_tokens if p is not None else None
+            if isinstance(ret, int) and (ret < 0 or ret % self.block_size or ret > MAX_TOKENS):
+                raise ValueError(f"{name}.prefix_cache_retention_interval_tokens = {ret}: give 0, a positive "
+                                 f"multiple of block_size ({self.block_size}) up to {MAX_TOKENS}, or \"dense\"")
+            if ret is not None:
+                try:
+                    window = get_model(self.model).sliding_window_block_tokens
+                except (ValueError, OSError):  # an unknown model is reported where the perf model is built
+                    window = 1
+                if window == 0:
+                    raise ValueError(f"{name}.prefix_cache_retention_interval_tokens is set but model {self.model!r} "
+                                     "has no cached sliding-window KV group, so retention has no effect (as vLLM "
+                                     "refuses it); remove the key")
         return self
 
     def host_tier_of(self, pool: PoolConfig) -> HostTierConfig | None:

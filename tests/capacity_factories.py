@@ -29,6 +29,8 @@ class FixedCostPerf:
     kv_capacity_tokens_per_rank = 10_000_000
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1  # no MTP (PerfModel declares both)
+    decode_tokens_per_step = 1.0
 
     def step_time_s(self, prefill_tokens, prefill_attn_pairs, decode_seqs, decode_ctx_tokens):  # noqa: ANN001, ANN201
         t = PREFILL_S_PER_TOKEN * np.asarray(prefill_tokens, dtype=np.float64)

@@ -7,7 +7,7 @@ hashes: sha256 of (parent hash, token ids), as a 64-bit int (low 8 bytes, vLLM's
 32-byte digest. ZMQ: PUB multipart ``[topic, seq (8-byte BE), payload]`` and a ROUTER replay socket
 answering ``[identity, b"", start_seq]`` with ``[identity, b"", topic, seq, payload]`` ... and the
 end marker ``[identity, b"", b"", seq = -1 (signed 8-byte BE), b""]``: the framing of vLLM 0.33's
-and SGLang 0.5.23's ``ZmqEventPublisher._service_replay`` (``tests/test_engine_conformance.py`` runs
+and SGLang 0.5.23's ``ZmqEventPublisher._service_replay`` (``tests/service/test_engine_conformance.py`` runs
 their own code). ``replay_frames=3`` answers without the topic frame (older publishers).
 """
 

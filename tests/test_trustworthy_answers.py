@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from balancer.types import Request
-from sim.capacity import RateSearch, run_searches, zero_load_floor
-from sim.executor import SerialExecutor
-from sim.point import SLO, Point, WorkloadSpec, evaluate_point, parse_policy, register_workload
+from sim.search.capacity import RateSearch, run_searches, zero_load_floor
+from sim.search.executor import SerialExecutor
+from sim.search.point import SLO, Point, WorkloadSpec, evaluate_point, parse_policy, register_workload
 from sim.scenario import load_scenario
 from sim.workload import TraceFormatError, read_trace
 
@@ -94,7 +94,7 @@ def test_a_hf_configs_max_position_embeddings_is_the_context_limit(tmp_path: Pat
 
 def test_a_hf_context_limit_rejects_longer_prompts(tmp_path: Path) -> None:
     from balancer.policies import make_policy
-    from sim.cluster import simulate
+    from sim.run.cluster import simulate
 
     cfg = tmp_path / "llama8k.json"
     cfg.write_text(json.dumps(LLAMA_8K))
@@ -183,7 +183,7 @@ class _RuleExecutor(SerialExecutor):
     def submit(self, point):  # noqa: ANN001, ANN201
         import concurrent.futures as cf
 
-        from sim.point import PointResult
+        from sim.search.point import PointResult
 
         sc = point.scenario
         fut: cf.Future = cf.Future()
@@ -195,8 +195,8 @@ class _RuleExecutor(SerialExecutor):
 
 @pytest.mark.parametrize("need_p,need_d,limit", [(8, 2, True), (7, 2, False), (3, 8, True)])
 def test_a_gpu_answer_at_the_search_limit_is_flagged(need_p: int, need_d: int, limit: bool) -> None:
-    from sim.capacity import GpuSearch
-    from sim.capacity_report import gpu_table
+    from sim.search.capacity import GpuSearch
+    from sim.search.capacity_report import gpu_table
 
     # meets iff prefill >= need_p and decode >= need_d; maxima 8 and 8: the answer is (need_p, need_d),
     # at the limit exactly when a count equals 8
@@ -380,7 +380,7 @@ def test_fuzz_sweep_files_give_one_error_line_or_a_bounded_sweep(tmp_path: Path)
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from sim.sweep import MAX_POINTS, load_sweep
+    from sim.search.sweep import MAX_POINTS, load_sweep
 
     (tmp_path / "t.jsonl").write_bytes(_valid_trace_bytes())
     choice = st.fixed_dictionaries({}, optional={k: st.sampled_from(v) for k, v in _SWEEP_KEYS.items()})
@@ -421,7 +421,7 @@ def test_the_capacity_default_slo_is_reachable_on_the_default_trace() -> None:
 
 
 def test_the_closest_reachable_slo_by_hand() -> None:
-    from sim.capacity import reachable_ttft_scale
+    from sim.search.capacity import reachable_ttft_scale
 
     ttft = np.array([1.0, 2.0, 3.0, 4.0, 10.0])
     tpot = np.array([0.01, np.nan, 0.01, 0.01, 0.01])
@@ -498,8 +498,8 @@ def test_sweep_rows_cut_before_the_ray_fix_are_rerun_not_resumed() -> None:
     # item 1's "a resumed sweep keeps the wrong rows under the same point ids": ids of points with a
     # duration_s window changed (the old ids below were printed by the code before the fix); points
     # without a window keep theirs, so their rows are still resumed
-    from sim.point import SimOptions
-    from sim.sweep import point_id
+    from sim.search.point import SimOptions
+    from sim.search.sweep import point_id
 
     import json as _json
 
@@ -561,7 +561,7 @@ def test_each_search_reports_its_answer_when_it_ends() -> None:
 
 def test_progress_note_names_the_rate_and_its_requests_per_second() -> None:
     from pdlb_cli.sim.capacity import progress_note
-    from sim.point import PointResult
+    from sim.search.point import PointResult
 
     pt = Point(load_scenario("dsv3-pd-h200"), "issue24:tiny", parse_policy("least_load"), 0.5)
     r = PointResult(pt, True, 1.0, 2.0, 2.125, 10, 56, 6, 1, None)
@@ -661,7 +661,7 @@ def test_pyproject_builds_without_setuptools_warnings() -> None:
 # ---------------------------------------------------------------- item 11: docs' goodput is the arrival-window one
 def test_kv_cache_doc_goodput_is_attainment_times_the_offered_rate() -> None:
     # goodput = SLO-meeting requests / arrival window = attainment x offered rate, offered rate = the
-    # trace's 12,031 requests over its spread arrival window, times the load (sim/metrics.py). The
+    # trace's 12,031 requests over its spread arrival window, times the load (sim/run/metrics.py). The
     # table's makespan-based figures (before 6e60d52: 1.07 at x0.6, 1.38 at x1.0 store+least_load)
     # do not satisfy it; rows are rounded to 0.01 r/s and 0.1% attainment
     import re
@@ -677,8 +677,8 @@ def test_kv_cache_doc_goodput_is_attainment_times_the_offered_rate() -> None:
 
 def test_a_note_shared_by_policies_is_printed_once() -> None:
     # 9 policies with the same small-sample note printed it 9 times
-    from sim.capacity import RateSearchResult
-    from sim.capacity_report import reasons
+    from sim.search.capacity import RateSearchResult
+    from sim.search.capacity_report import reasons
 
     def res(policy: str, notes: list[str]) -> RateSearchResult:
         return RateSearchResult(policy, "s", 8, SLO(), "found", 1.0, 1.0, (1.0, 2.0), None, [], None, notes=notes)
@@ -732,7 +732,7 @@ def test_the_report_plot_in_a_real_browser(tmp_path: Path) -> None:
 
 
 def test_a_sweep_file_takes_warmup_s(tmp_path: Path) -> None:
-    from sim.sweep import load_sweep
+    from sim.search.sweep import load_sweep
 
     _two_phase_trace(tmp_path)  # 20 requests 1 s apart
     (tmp_path / "a.toml").write_text('traces = ["w.jsonl"]\npolicies = ["least_load"]\nspread_s = 0\n'

@@ -241,6 +241,28 @@ class EpAware(Policy):
             i = self._pick(cost, cands, ctx)
         return Choice(cands.replicas[i], scores_of(cands, cost), reason=reason if feasible else reason + ":no_kv_room")
 
+    def predict_prefill_s(self, request: Request, cands: Candidates, ctx: SelectContext
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """``(ttft_s, own_s)``, shapes ``(n,)``: per prefill (or mixed) candidate, the predicted
+        seconds until ``request``'s prefill completes there (the ``ttft`` that SLO-aware placement
+        tests) and its own prefill seconds on an idle rank there; what deadline admission uses
+        (:class:`balancer.deadline_admission.TtftPredictor`). Pure; ``ctx.now_s`` for the dense
+        ranks' in-service progress.
+
+        Raises:
+            ValueError: ``cands`` is a decode pool (nothing is prefilled there).
+        """
+        if cands.role is Role.DECODE:
+            raise ValueError("ep_aware predicts TTFT on prefill or mixed candidates, not decode ones")
+        model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
+        names, idx, rows = engine_groups(cands.replicas)
+        if cands.role is Role.PREFILL:
+            _, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", True, ctx.now_s)
+        else:
+            _, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", True)
+        assert own is not None
+        return ttft, own
+
     # ------------------------------------------------------------------ prefill
     def prefill_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                      idx: np.ndarray, rows: np.ndarray | None,

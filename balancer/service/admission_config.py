@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from balancer.deadline_admission import MAX_DEADLINE_S, AdmissionConfig
+from balancer.deadline_admission import MAX_DEADLINE_S, WAIT_MODELS, AdmissionConfig
 from balancer.types import TtftSlo
 
 __all__ = ["AdmissionSettings"]
@@ -44,6 +44,8 @@ class AdmissionSettings(BaseModel):
             logged or exported); without either the tenant is ``default``.
         drain_interval_s: the service re-checks the queue at least this often (deadlines pass
             while nothing finishes).
+        wait_model: ``auto`` (the routing policy's TTFT prediction when it has one, e.g.
+            ``ep_aware``; else prefill backlog / rate) or ``backlog`` (always backlog / rate).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -65,6 +67,14 @@ class AdmissionSettings(BaseModel):
     deadline_header: str = "x-pdlb-deadline-ms"
     tenant_from_api_key: bool = True
     drain_interval_s: float = Field(0.02, gt=0, le=10.0)
+    wait_model: str = "backlog"
+
+    @field_validator("wait_model")
+    @classmethod
+    def _wait_model(cls, v: str) -> str:
+        if v not in WAIT_MODELS:
+            raise ValueError(f"wait_model must be one of {', '.join(WAIT_MODELS)}, got {v!r}")
+        return v
 
     @field_validator("tenant_weights")
     @classmethod
@@ -88,4 +98,4 @@ class AdmissionSettings(BaseModel):
             priority_classes=tuple(self.priority_classes), default_priority=self.default_priority,
             tenant_weights=dict(self.tenant_weights), quantum_tokens=self.quantum_tokens,
             max_queue_requests=self.max_queue_requests, max_queue_per_tenant=self.max_queue_per_tenant,
-            max_tenants_tracked=self.max_tenants_tracked)
+            max_tenants_tracked=self.max_tenants_tracked, wait_model=self.wait_model)

@@ -1,7 +1,7 @@
 """Deadline admission in the live router: the policy core's queue with asyncio waiters.
 
 :class:`AdmissionGate` wraps :class:`balancer.deadline_admission.DeadlineAdmission` (the same object
-the simulator drives, :mod:`sim.deadline_gate`) with ``time.monotonic()`` as its clock. The proxy
+the simulator drives, :mod:`sim.run.deadline_gate`) with ``time.monotonic()`` as its clock. The proxy
 (:meth:`balancer.service.proxy.Proxy.handle`) awaits :meth:`AdmissionGate.admit` once a request is
 parsed and checked, before routing: it returns at once when the gate is open, waits while the
 request is held, and answers **429** with ``Retry-After`` (whole seconds) when the request is shed.
@@ -13,6 +13,11 @@ queue); none is dropped without an answer.
 The prefill rate is ``prefill_tokens_per_s`` when configured, else the router's cost model's, refreshed
 every :data:`RATE_REFRESH_S` from the router's online fit when it learns one (``learn_cost_model``,
 on by default with ``ep_aware``), so the gate follows the engines' measured prefill times.
+
+With several router processes (``pdlb serve --processes N``) each holds its own queue; the processes
+share their held work per tenant through a file in their shared directory and each keeps its own
+prefill backlog under its share of the engines' queue budget (:mod:`balancer.service.processes.shared_admission`),
+so tenants get their weighted shares of the host, not of one process.
 
 Tenant, class and deadline come from headers (``x-pdlb-tenant``, ``x-pdlb-priority``,
 ``x-pdlb-deadline-ms``; names configurable) or, for the tenant, a hash of the API key (never the key
@@ -43,12 +48,17 @@ from balancer.deadline_admission import (
     DeadlineAdmission,
     Held,
     Outcome,
+    TtftPrediction,
     decode_headroom,
+    predict_pool_wait_s,
+    predict_ttft,
+    predictor_of,
     prefill_backlog,
     prefill_rate_tokens_per_s,
 )
 from balancer.router import Router
 from balancer.service.admission_config import AdmissionSettings
+from balancer.types import Request
 
 log = logging.getLogger("pdlb.admission")
 
@@ -91,6 +101,11 @@ class AdmissionGate:
         self._pending_tokens = 0  # dispatched, not yet routed (the waiter has not resumed)
         self._ticker: asyncio.TimerHandle | None = None
         self._rate_at_s = -math.inf  # when the rate was last taken from the router's online cost fit
+        #: the routing policy's TTFT prediction is used (wait_model "policy" or "max" and a policy that has one)
+        self.predicts = self._config.wait_model != "backlog" and predictor_of(router) is not None
+        self._requests: dict[int, Request] = {}  # held requests as the router would see them (predicts only)
+        #: several router processes: the host's held work per tenant slot (share_across), or None
+        self.shared: Any = None
         self.requests = Counter("pdlb_admission_requests", "Requests leaving the admission queue, by class, tenant "
                                 "and outcome (dispatched, shed_deadline, shed_queue_full, cancelled)",
                                 ["class", "tenant", "outcome"], registry=registry)
@@ -121,6 +136,34 @@ class AdmissionGate:
     def _backlog(self) -> int:
         return prefill_backlog(self.router)[0] + self._pending_tokens
 
+    def share_across(self, directory: str, processes: int, index: int) -> None:
+        """Several router processes: share the held work per tenant through ``directory`` (the
+        processes' shared directory) and keep this process's own prefill backlog under its share
+        of the engines' queue budget (:mod:`balancer.service.processes.shared_admission`)."""
+        from balancer.service.processes.shared_admission import SharedAdmission
+
+        self.shared = SharedAdmission(directory, processes, index)
+
+    def _own_and_share(self) -> tuple[float | None, float]:
+        """``(own_backlog_tokens, share)`` for the core's drain: this process's prefill backlog and its
+        share of the engines' queue budget with several processes (``(None, 1.0)``: one process)."""
+        if self.shared is None:
+            return None, 1.0
+        own = prefill_backlog(self.router, peers=False)[0] + self._pending_tokens
+        return float(own), self.shared.share()
+
+    def _pending_wait_s(self) -> float:
+        """Seconds of prefill the dispatched, not yet routed prompts add (the router's snapshot,
+        which the policy's prediction reads, does not hold them)."""
+        assert self.core is not None
+        return self._pending_tokens / self.core.cluster_rate_tokens_per_s if self._pending_tokens > 0 else 0.0
+
+    def _predict(self, request: Request, now: float) -> TtftPrediction | None:
+        p = predict_ttft(self.router, request, now)
+        if p is None:
+            return None
+        return TtftPrediction(p.wait_s + self._pending_wait_s(), p.own_s)
+
     # ------------------------------------------------------------------ request side
     def identify(self, headers: Mapping[str, str]) -> tuple[str, str | None, float | None]:
         """``(tenant, class name or None, deadline_ms or None)`` from the request's headers.
@@ -149,8 +192,10 @@ class AdmissionGate:
                                 f"{int(MAX_DEADLINE_S * 1000)}], got {raw[:40]!r}")
         return tenant, priority.strip() if priority else None, deadline_ms
 
-    async def admit(self, headers: Mapping[str, str], prompt_tokens: int, max_output_tokens: int) -> None:
-        """Return when the request may be routed.
+    async def admit(self, headers: Mapping[str, str], prompt_tokens: int, max_output_tokens: int,
+                    block_hashes: tuple[int, ...] = ()) -> None:
+        """Return when the request may be routed (``block_hashes``: its prompt's, for the policy's
+        prediction of its prefix hits).
 
         Raises:
             Shed: the request is refused (429 with Retry-After; 400 for a bad header).
@@ -161,22 +206,33 @@ class AdmissionGate:
         now = time.monotonic()
         deadline_s = core.deadline_s(now, prompt_tokens, deadline_ms)
         key = next(self._keys)
+        prediction = None
+        if self.predicts:
+            req = Request(f"pdlb-admission-{key}", now, prompt_tokens, block_hashes, max_output_tokens)
+            prediction = self._predict(req, now)
         out = core.offer(key, tenant, priority, prompt_tokens, now, self._backlog(), deadline_s,
-                         kv_tokens=prompt_tokens + max_output_tokens)
+                         kv_tokens=prompt_tokens + max_output_tokens, prediction=prediction)
         if out.action == "shed":
             self._record(out, now)
             raise self._shed_error(out)
         h = out.held
+        if self.shared is not None:
+            self.shared.publish(core)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
+        if self.predicts:
+            self._requests[key] = req
         self.drain()
         try:
             outcome: Outcome = await fut
         except asyncio.CancelledError:
             self._waiters.pop(key, None)
+            self._requests.pop(key, None)
             if core.cancel(h, time.monotonic()):
                 self._record(Outcome(h, "cancelled"), time.monotonic())
                 self._set_held()
+                if self.shared is not None:
+                    self.shared.publish(core)
             elif fut.done() and not fut.cancelled() and fut.result().action == "dispatch":
                 self._pending_tokens -= h.prompt_tokens  # dispatched but never routed
             raise
@@ -198,13 +254,30 @@ class AdmissionGate:
             return
         now = time.monotonic()
         self._core()
-        for out in core.drain(now, self._backlog(), decode_headroom(self.router)):
+        own, share = self._own_and_share()
+        if self.predicts:
+            requests = self._requests
+
+            def predict(h: Held) -> TtftPrediction | None:
+                req = requests.get(h.key)
+                return None if req is None else self._predict(req, now)
+
+            pool = predict_pool_wait_s(self.router, now)
+            outs = core.drain(now, self._backlog(), decode_headroom(self.router),
+                              None if pool is None else pool + self._pending_wait_s(), predict,
+                              own_backlog_tokens=own, share=share)
+        else:
+            outs = core.drain(now, self._backlog(), decode_headroom(self.router), own_backlog_tokens=own, share=share)
+        for out in outs:
             if out.action == "dispatch":
                 self._pending_tokens += out.held.prompt_tokens
             self._record(out, now)
+            self._requests.pop(out.held.key, None)
             fut = self._waiters.pop(out.held.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(out)
+        if self.shared is not None and outs:
+            self.shared.publish(core)
         self._set_held()
         self._schedule()
 
@@ -231,6 +304,10 @@ class AdmissionGate:
             if not fut.done():
                 fut.set_exception(Shed(503, "the router is shutting down"))
         self._waiters.clear()
+        self._requests.clear()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
     def _record(self, out: Outcome, now: float) -> None:
         h: Held = out.held
@@ -247,11 +324,11 @@ class AdmissionGate:
 
 
 async def admission_answer(gate: AdmissionGate, request: web.Request, prompt_tokens: int,
-                           max_output_tokens: int) -> web.Response | None:
+                           max_output_tokens: int, block_hashes: tuple[int, ...] = ()) -> web.Response | None:
     """``None`` when the request may be routed (after waiting in the queue if held), else the
     answer: 429 with ``Retry-After`` (shed), 400 (a bad deadline header), 503 (shutting down)."""
     try:
-        await gate.admit(request.headers, prompt_tokens, max_output_tokens)
+        await gate.admit(request.headers, prompt_tokens, max_output_tokens, block_hashes)
     except Shed as e:  # OpenAI's error shape, as balancer.service.proxy.error_response (which imports this module)
         etype = {429: "rate_limit_exceeded", 400: "invalid_request_error"}.get(e.status, "server_error")
         resp = web.json_response({"error": {"message": e.message, "type": etype, "code": e.status}}, status=e.status)

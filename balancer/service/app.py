@@ -15,7 +15,7 @@ Endpoints:
   ``?url=``). With ``admin_api_key`` configured it needs ``Authorization: Bearer <key>`` (401
   otherwise); without one only loopback clients may use it (403 otherwise). With several router
   processes (``pdlb serve --processes N``) an add or remove is applied by every process, all or
-  none, before it is answered (:mod:`balancer.service.shared_admin`); the list shows the answering
+  none, before it is answered (:mod:`balancer.service.processes.shared_admin`); the list shows the answering
   process's view (the same workers in every process; health, breakers and in-flight counts are
   that process's).
   Adding an SGLang prefill worker without ``bootstrap_port`` logs a warning and returns it in the
@@ -58,12 +58,14 @@ from pydantic import ValidationError
 
 from balancer.policies import available_policies
 from balancer.policies.base import policy_class
-from balancer.router import Router
+from balancer.parts import LoadSources
+from balancer.router import Router, policies_use_prefix_index
 from balancer.service import memory_debug
 from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload,
                                            trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.log_limit import RateLimitedLog
+from balancer.service.loop_watch import LOOP_LAG_INTERVAL_S, watch_loop
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
@@ -78,8 +80,6 @@ log = logging.getLogger("pdlb.service")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
 
-LOOP_LAG_INTERVAL_S = 0.05
-"""How often the event loop's lag is measured (``pdlb_event_loop_lag_seconds``)."""
 GC_AFTER_LARGE_BYTES = 1024 * 1024
 """Bytes of large request bodies after which :meth:`Service.after_large_body` collects garbage."""
 
@@ -87,7 +87,7 @@ COST_MODEL_POLICIES = frozenset(n for n in available_policies() if policy_class(
 """Policies that read the router's cost model (``SelectContext.cost_model``, declared by
 :attr:`balancer.policies.Policy.uses_cost_model`). ``learn_cost_model`` refits it online only when
 a pool uses one of them: for other policies the fit is work whose result no decision reads (about
-12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/test_service.py``
+12% of the router's CPU per request under ``round_robin``, cProfile; ``tests/service/test_service.py``
 checks that no other policy reads the model)."""
 
 
@@ -100,10 +100,17 @@ def _policies_in_use(cfg: ServiceConfig) -> set[str]:
 class Service:
     """Per-app state: config, router, workers, metrics, the HTTP client and the proxy.
 
-    ``process_index``: this process's number (0..``cfg.processes`` - 1) under ``pdlb serve --processes``.
+    ``process_index``: this process's number (0..``cfg.processes`` - 1) under ``pdlb serve --processes``;
+    ``shared_load``: the name of the in-flight load block the processes share
+    (:mod:`balancer.service.processes.shared_load`); ``shared_prefix_dir``: where the processes'
+    approximate-index rings live (:mod:`balancer.service.processes.shared_prefix`). The router's parts that
+    share load and decisions (the shared load view, the decision rings, the broker) are built here,
+    before the router, and given to it at construction (:mod:`balancer.parts`); the event loop
+    starts them (:func:`create_app`).
     """
 
-    def __init__(self, cfg: ServiceConfig, process_index: int = 0) -> None:
+    def __init__(self, cfg: ServiceConfig, process_index: int = 0, *, shared_load: str | None = None,
+                 shared_prefix_dir: str | None = None) -> None:
         #: router processes of this pdlb serve (``cfg.processes``; unset: one, in process)
         self.processes = cfg.processes or 1
         if not 0 <= process_index < self.processes:
@@ -115,16 +122,43 @@ class Service:
         learn = rc.learn_cost_model
         if learn is None or learn:  # auto, or on: only when a pool that exists reads the model
             learn = bool(COST_MODEL_POLICIES & _policies_in_use(cfg))
+        prefill_policy, decode_policy = rc.prefill_policy.build(), rc.decode_policy.build()
+        # decisions are shared only for policies that read prefix matches (round robin, random and
+        # consistent hash do not: Policy.uses_prefix_index); as Router.uses_prefix_index once the
+        # configured workers are registered
+        shares_prefix = rc.index_mode == "approximate" and policies_use_prefix_index(
+            prefill_policy, decode_policy, any(w.role == "prefill" for w in cfg.workers))
+        #: this process's view of the in-flight load shared by the processes of one pdlb serve
+        self.shared_load: Any = None
+        if shared_load is not None:
+            from balancer.service.processes.shared_load import SharedLoad
+
+            self.shared_load = SharedLoad(shared_load, self.processes, process_index, columns=MAX_REPLICAS)
+        #: the decision rings of the processes of one pdlb serve (approximate mode), or None
+        self.prefix_share: Any = None
+        if shared_prefix_dir is not None and self.multiprocess and shares_prefix:
+            from balancer.service.processes.shared_prefix import PrefixShare
+
+            self.prefix_share = PrefixShare(shared_prefix_dir, self.processes, process_index)
+        #: the routers on other hosts (``broker:``), or None; started with the app
+        self.broker: Any = None
+        if cfg.broker.enabled:
+            from balancer.service.broker_sync import BrokerSync, new_group_id
+
+            self.broker = BrokerSync(cfg.broker, shared_load or new_group_id(), process_index, inner=self.shared_load,
+                                     share_decisions=cfg.broker.share_decisions and shares_prefix)
+        listeners = [part for part in (self.prefix_share and self.prefix_share.publish,
+                                       self.broker and self.broker.share_decisions and self.broker.on_routed) if part]
         self.router = Router.from_config(rc.with_(
             seed=rc.seed + process_index, learn_cost_model=learn,
-            load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None))
+            load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None),
+            prefill_policy=prefill_policy, decode_policy=decode_policy,
+            load_sources=LoadSources(peer=self.broker or self.shared_load), listeners=listeners)
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
         self.kv_delivery: Any = None  # its LoopDelivery
-        #: several processes: the directory of the KV fan-out ring (balancer.service.kv_fanout)
+        #: several processes: the directory of the KV fan-out ring (balancer.service.processes.kv_fanout)
         self.kv_fanout_dir: str | None = None
-        #: this process's view of the in-flight load shared by the processes of one pdlb serve
-        self.shared_load: Any = None
         #: the control channel that applies admin changes in every process (several processes)
         self.admin: Any = None
         self.metrics = ServiceMetrics(multiprocess=self.multiprocess)
@@ -137,6 +171,8 @@ class Service:
         self.metrics.live_workers = lambda: self.pool.workers.keys()
         for w in cfg.workers:
             self.pool.add(w)
+        if self.shared_load is not None:  # the configured workers' DP ranks take columns 0, 1, ...
+            self.shared_load.add([rep for w in cfg.workers for rep in self.pool.workers[w.url].replicas])
         if not self.multiprocess:  # read at scrape time instead of set per request (no callbacks across processes)
             self.metrics.in_flight.set_function(lambda: self.in_flight)
         else:  # set once per event-loop iteration that changed it (ServiceMetrics.flush)
@@ -222,14 +258,17 @@ class Service:
                 log.exception("health probe round failed")
 
     async def _lag_loop(self) -> None:
-        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke this timer, into
-        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it)."""
-        loop = asyncio.get_running_loop()
-        lag = self.metrics.loop_lag
-        while True:
-            t = loop.time()
-            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
-            lag.observe(max(0.0, loop.time() - t - LOOP_LAG_INTERVAL_S))
+        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke a timer, into
+        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it), and
+        the part of it the router process's own CPU time explains, into
+        ``pdlb_event_loop_cpu_lag_seconds`` (:mod:`balancer.service.loop_watch`)."""
+        lag, cpu_lag = self.metrics.loop_lag, self.metrics.loop_cpu_lag
+
+        def observe(lag_s: float, cpu_lag_s: float) -> None:
+            lag.observe(lag_s)
+            cpu_lag.observe(cpu_lag_s)
+
+        await watch_loop(observe, LOOP_LAG_INTERVAL_S)
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -261,7 +300,8 @@ class Service:
         from balancer.service.kv_metrics import write_stats_file
 
         try:
-            write_stats_file(directory, self.process_index, self.kv_subscriber, self.kv_delivery)
+            write_stats_file(directory, self.process_index, self.kv_subscriber, self.kv_delivery,
+                             self.kv_subscriber.fanout_stats() if self.kv_fanout_dir is not None else None)
         except OSError as e:
             log.warning("KV event stats not written: %s", e)
 
@@ -539,9 +579,8 @@ async def _health(request: web.Request) -> web.Response:
     ok = ok and not no_prefill
     status = "draining" if svc.draining else ("ok" if ok else ("no_prefill" if no_prefill else "unavailable"))
     body = {"status": status, "routable_workers": counts, "in_flight": svc.in_flight, "process": svc.process_info()}
-    health = getattr(svc.kv_subscriber, "health", None)
-    if health is not None:  # the KV-event feed: routing goes on without it, on a view that ages
-        body["kv_events"] = health()
+    if svc.kv_subscriber is not None:  # the KV-event feed: routing goes on without it, on a view that ages
+        body["kv_events"] = svc.kv_subscriber.health()
     return web.json_response(body, status=200 if ok else 503)
 
 
@@ -635,7 +674,7 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
     Raises:
         AdminRefused: 409 (already registered, over the limits) or 404 (unknown URL).
     """
-    from balancer.service.shared_admin import AdminRefused
+    from balancer.service.processes.shared_admin import AdminRefused
 
     if op == "add":
         wcfg = WorkerConfig.model_validate(payload)
@@ -672,7 +711,7 @@ async def apply_admin_change(svc: Service, op: str, payload: Any, columns: list[
 
 async def _admin_change(svc: Service, op: str, payload: Any) -> web.Response | None:
     """Apply a change here, or in every process through the parent; ``None`` or the refusal."""
-    from balancer.service.shared_admin import AdminRefused
+    from balancer.service.processes.shared_admin import AdminRefused
 
     try:
         if svc.admin is not None:
@@ -762,9 +801,9 @@ async def _follow_kv_events(svc: Service, wcfg: WorkerConfig) -> None:
 def _start_kv_feed(svc: Service, workers: list, loop: asyncio.AbstractEventLoop) -> tuple[Any, Any] | None:
     """The KV-event feed of ``workers`` (blocking: a subscriber process takes a second to start):
     several processes with a shared directory, one subscriber in process 0 fanned out to all of
-    them (:mod:`balancer.service.kv_fanout`); else this process's own subscriber."""
+    them (:mod:`balancer.service.processes.kv_fanout`); else this process's own subscriber."""
     if svc.kv_fanout_dir is not None:
-        from balancer.service.kv_fanout import start_fanout
+        from balancer.service.processes.kv_fanout import start_fanout
 
         fan = start_fanout(workers, svc.router, svc.cfg.router.block_size, svc.cfg.kv_events, svc.kv_fanout_dir,
                            svc.process_index)
@@ -903,7 +942,7 @@ def make_upstream_client(cfg: ServiceConfig) -> UpstreamClient | None:
 def _start_engine_feeds(svc: Service, shared_dir: str | None = None) -> list[asyncio.Task]:
     """Start what feeds the router from the engines: the KV-event subscriber (index_mode events
     or hybrid, workers with ``events``; with several processes and their shared directory
-    ``shared_dir``, one for all of them, :mod:`balancer.service.kv_fanout`) and the load scraper
+    ``shared_dir``, one for all of them, :mod:`balancer.service.processes.kv_fanout`) and the load scraper
     (``load_scrape.enabled``)."""
     cfg = svc.cfg
     tasks: list[asyncio.Task] = []
@@ -925,24 +964,18 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
                shared_prefix_dir: str | None = None, control: Any = None) -> web.Application:
     """Build the router app for ``cfg`` (background health checks start with the app);
     ``process_index``: this process's number when ``cfg.processes`` > 1; ``shared_load``: the
-    name of the in-flight load block the processes share (:mod:`balancer.service.shared_load`,
+    name of the in-flight load block the processes share (:mod:`balancer.service.processes.shared_load`,
     :data:`~balancer.service.workers.MAX_REPLICAS` columns, the configured workers' DP ranks
     first); ``shared_prefix_dir``: where the processes' approximate-index rings live
-    (:mod:`balancer.service.shared_prefix`); ``control``: the duplex pipe to the parent that
-    carries admin changes to every process (:mod:`balancer.service.shared_admin`).
+    (:mod:`balancer.service.processes.shared_prefix`); ``control``: the duplex pipe to the parent that
+    carries admin changes to every process (:mod:`balancer.service.processes.shared_admin`).
 
     Raises:
         ValueError: ``cfg.tokenizer_path`` is missing or not a valid ``tokenizer.json``;
             ``process_index`` not in ``0..cfg.processes - 1``.
         RuntimeError: ``cfg.tokenizer_path`` is set but ``tokenizers`` is not installed.
     """
-    svc = Service(cfg, process_index)
-    if shared_load is not None:
-        from balancer.service.shared_load import SharedLoad
-
-        reps = [rep for w in cfg.workers for rep in svc.pool.workers[w.url].replicas]
-        svc.shared_load = SharedLoad(shared_load, svc.processes, process_index, reps, svc.router.load,
-                                     columns=MAX_REPLICAS)
+    svc = Service(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir)
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SERVICE] = svc
 
@@ -953,6 +986,8 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         svc.proxy.admission = svc.admission
+        if svc.admission is not None and svc.multiprocess and shared_prefix_dir is not None:
+            svc.admission.share_across(shared_prefix_dir, svc.processes, process_index)  # fair shares for the host
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
         loops.append(asyncio.create_task(svc._lag_loop()))
         if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
@@ -962,23 +997,17 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         if svc.multiprocess:
             loops.append(asyncio.create_task(svc._gauge_loop()))
         loops += _start_engine_feeds(svc, shared_prefix_dir)
-        share = None
-        # decisions are shared only for policies that read prefix matches (round robin, random
-        # and consistent hash do not: Policy.uses_prefix_index)
-        if (shared_prefix_dir is not None and cfg.router.index_mode == "approximate" and svc.multiprocess
-                and svc.router.uses_prefix_index()):
-            from balancer.service.shared_prefix import PrefixShare
-
-            share = PrefixShare(svc.router, shared_prefix_dir, svc.processes, process_index)
-            share.start()
+        share = svc.prefix_share
+        if share is not None:
+            share.start(svc.router.record_routed)
             svc.metrics.prefix_share, svc.metrics.process_index = share, process_index
         broker = None
-        if cfg.broker.enabled:  # routers on several hosts (after the rings: it chains their hook)
+        if svc.broker is not None:  # routers on several hosts
             from balancer.service.broker_sync import start_for_service
 
-            broker = start_for_service(svc, shared_load)
+            broker = start_for_service(svc)
         if control is not None:
-            from balancer.service.shared_admin import AdminChannel
+            from balancer.service.processes.shared_admin import AdminChannel
 
             svc.admin = AdminChannel(control, lambda op, payload, cols: apply_admin_change(svc, op, payload, cols))
             svc.admin.start()
@@ -1037,4 +1066,5 @@ async def _debug_memory(request: web.Request) -> web.Response:
     trace = q.get("trace", "0")
     report = memory_debug.memory_report(collect=q.get("collect") == "1", trim=q.get("trim") == "1",
                                         garbage=q.get("garbage") == "1", trace_frames=int(trace) if trace.isdigit() else 0)
+    report["prefix_index_blocks"] = request.app[SERVICE].router.index.num_blocks()  # a bounded cache, not a leak
     return web.json_response(report)

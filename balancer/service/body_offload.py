@@ -37,10 +37,13 @@ import json
 import logging
 import multiprocessing
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
+import numpy as np
+
+from balancer.service.prompt import TOKEN_ID_LIMIT, PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id, parse_json_body
 
 __all__ = ["ELIDE_VALUE_BYTES", "MALLOC_MMAP_THRESHOLD_BYTES", "MAX_PENDING", "MAX_TOP_LEVEL_FIELDS", "OFFLOAD_BODY_BYTES", "Analysis",
@@ -122,11 +125,61 @@ class Analysis:
     inexact: tuple[str, ...] = ()  # why the prompt's tokens may differ from the engine's (PromptHasher.on_inexact)
 
 
-def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | None:
-    """The top-level object of ``text`` and each member's value span (character offsets), or
-    ``None`` if ``text`` is not a well-formed JSON object (the caller gets the error from
-    :func:`parse_json_body`). Duplicate keys keep the last value, as ``json.loads`` does."""
+COMPACT_IDS_MIN_CHARS = 64 * 1024
+"""A prompt of token ids (``prompt``, ``input_ids``) whose JSON text is at least this long is
+parsed into one integer array (:func:`_compact_ids`), not a list of Python ints."""
+_ID_FIELD = {"completions": "prompt", "generate": "input_ids"}
+"""The body field that holds a prompt of token ids, per endpoint."""
+_ID_CHARS = b"0123456789, \t\n\r"
+_PLACEHOLDER_IDS = [0]
+"""What the light body's checks see in place of a compact token-id array (a valid flat array)."""
+
+
+def _compact_ids(text: str, i: int, ascii_raw: bytes | None = None) -> tuple[np.ndarray, int] | None:
+    """The JSON array of token ids at ``text[i]`` (``[``) as an ``int64`` array and the index
+    after its ``]`` (``ascii_raw``: ``text``'s bytes if it is ASCII, read instead of encoding a
+    slice of ``text``), if it is a flat array of at least :data:`COMPACT_IDS_MIN_CHARS` characters of
+    integers in ``[0, 2**32)`` written as JSON writes them; else ``None`` (the caller parses the
+    value as usual, and gets the usual error for anything invalid).
+
+    A 32 MB prompt of 3.7M token ids is then one 30 MB array instead of 3.7M Python ints in a
+    list (about 150 MB), then a tuple and a list of them (the copies :func:`extract_prompt` and
+    :meth:`PromptHasher.hash` make): the body worker's peak memory and CPU per large body drop
+    (``bench/body_analysis.py``). Exactly the arrays ``json.loads`` reads as such are taken:
+    only digits, commas and JSON's whitespace; as many numbers as commas + 1 (no empty element);
+    as many digits as the numbers' decimal forms (no leading zero); every number below ``2**32``."""
+    j = text.find("]", i)
+    if j < 0 or j - i < max(COMPACT_IDS_MIN_CHARS, ELIDE_VALUE_BYTES + 1):  # always elided from the light body
+        return None
+    try:
+        inner = ascii_raw[i + 1:j] if ascii_raw is not None else text[i + 1:j].encode("ascii")
+    except UnicodeEncodeError:
+        return None
+    if inner.translate(None, _ID_CHARS):  # anything else: a nested array, a sign, a float, a string
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ids = np.fromstring(inner, dtype=np.int64, sep=",")  # (with count= it reads past a bad end)
+    except (ValueError, DeprecationWarning):  # an empty element, digits split by whitespace
+        return None
+    if ids.size == 0 or ids.size != inner.count(b",") + 1 or ids.min() < 0 or ids.max() >= TOKEN_ID_LIMIT:
+        return None  # (numbers beyond int64 come back clamped, so >= 2**32 too)
+    digits = len(inner) - sum(inner.count(c) for c in (b",", b" ", b"\t", b"\n", b"\r"))
+    if digits != ids.size + sum(int(np.count_nonzero(ids >= 10 ** k)) for k in range(1, 10)):  # ids < 10**10
+        return None  # a leading zero ("007"), which JSON does not allow
+    return ids, j + 1
+
+
+def _members(text: str, ids_field: str | None = None, ascii_raw: bytes | None = None
+             ) -> tuple[dict[str, Any], dict[str, tuple[int, int]], np.ndarray | None] | None:
+    """The top-level object of ``text``, each member's value span (character offsets) and the
+    token ids of member ``ids_field`` if :func:`_compact_ids` read them (the object then holds
+    :data:`_PLACEHOLDER_IDS` for it), or ``None`` if ``text`` is not a well-formed JSON object (the
+    caller gets the error from :func:`parse_json_body`). Duplicate keys keep the last value, as
+    ``json.loads`` does. ``ascii_raw``: as :func:`_compact_ids`."""
     scan = _SCANNER
+    compact: np.ndarray | None = None
     i = _skip(text, 0)
     if text[i:i + 1] != "{":
         return None
@@ -144,10 +197,17 @@ def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | N
             if text[i:i + 1] != ":":
                 return None
             i = _skip(text, i + 1)
-            try:
-                value, end = scan(text, i)
-            except StopIteration:
-                return None
+            got = _compact_ids(text, i, ascii_raw) if key == ids_field and text[i:i + 1] == "[" else None
+            if got is not None:
+                compact, end = got
+                value = list(_PLACEHOLDER_IDS)
+            else:
+                try:
+                    value, end = scan(text, i)
+                except StopIteration:
+                    return None
+                if key == ids_field:  # a later duplicate replaces an earlier compact array
+                    compact = None
             body[key] = value
             spans[key] = (i, end)
             if len(body) > MAX_TOP_LEVEL_FIELDS:
@@ -161,7 +221,7 @@ def _members(text: str) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | N
                 return None
     if _skip(text, i) != len(text):
         return None
-    return body, spans
+    return body, spans, compact
 
 
 def _reject_constant(name: str) -> float:
@@ -221,7 +281,7 @@ def analyze(raw: bytes, endpoint: str, header_request_id: str | None, max_tokens
     try:
         try:
             text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as parse_json_body decodes
-            parsed = _members(text)
+            parsed = _members(text, _ID_FIELD.get(endpoint), raw if raw.isascii() else None)
         except PromptError:
             raise
         except (ValueError, UnicodeDecodeError):
@@ -234,7 +294,7 @@ def analyze(raw: bytes, endpoint: str, header_request_id: str | None, max_tokens
             except (ValueError, UnicodeDecodeError) as e:
                 return f"invalid JSON body: {str(e)[:200]}"
             return "the JSON body must be an object" if not isinstance(doc, dict) else "invalid JSON body"
-        body, spans = parsed
+        body, spans, compact = parsed
         check_request(endpoint, body, max_tokens_limit)
         client_id = client_request_id(body, {"X-Request-Id": header_request_id} if header_request_id is not None else {})
         prompt = extract_prompt(endpoint, body)
@@ -243,7 +303,11 @@ def analyze(raw: bytes, endpoint: str, header_request_id: str | None, max_tokens
         inexact: list[str] = []
         saved, hasher.on_inexact = hasher.on_inexact, inexact.append  # reported by the router (Analysis.inexact)
         try:
-            n_tokens, hashes = hasher.hash(prompt, roots.get(model) if isinstance(model, str) else None)
+            root = roots.get(model) if isinstance(model, str) else None
+            if compact is not None and prompt.token_ids is not None:  # the prompt is the compact array
+                n_tokens, hashes = hasher.hash_token_ids(compact, root)
+            else:
+                n_tokens, hashes = hasher.hash(prompt, root)
         finally:
             hasher.on_inexact = saved
     except PromptError as e:

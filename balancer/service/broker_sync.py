@@ -8,11 +8,13 @@ NATS server and
   KV tokens per DP rank, its non-zero ranks only) on ``pdlb.<cluster>.load`` every
   ``publish_interval_s`` (50 ms) when it changed and every ``heartbeat_s`` (1 s) when not;
 * keeps the latest snapshot of every peer and adds their sums to its own counts before each
-  decision (the load tracker's *peer* arrays, :attr:`balancer.load.LoadTracker.peer`, which the
-  router already adds for the processes of one host);
+  decision (the load tracker's *peer* arrays: :class:`BrokerSync` is the router's
+  :class:`balancer.parts.PeerLoad`, given at construction, which the router already adds for the
+  processes of one host);
 * in approximate index mode (``share_decisions``), sends the prompts it routed (chosen replicas
-  and block hashes) in one batch per interval on ``pdlb.<cluster>.routed`` and records the
-  peers' with :meth:`balancer.router.Router.record_routed`, as if it had routed them itself.
+  and block hashes) in one batch per interval on ``pdlb.<cluster>.routed`` (:meth:`BrokerSync.on_routed`,
+  a route listener given to the router at construction) and records the peers' with
+  :meth:`balancer.router.Router.record_routed`, as if it had routed them itself.
 
 Why NATS: it is what Dynamo's router replicas sync over (ANCHORS.md), pure fan-out pub/sub is all
 this needs (no persistence: the state is soft and re-sent), the server is one static binary that
@@ -47,8 +49,8 @@ Malformed messages are dropped and counted, never raised.
 
 With ``--processes N`` on a host, every process is its own peer on the broker; the processes of
 one ``pdlb serve`` (one *group*) ignore each other's broker messages, since they share load and
-decisions through shared memory already (:mod:`balancer.service.shared_load`,
-:mod:`balancer.service.shared_prefix`).
+decisions through shared memory already (:mod:`balancer.service.processes.shared_load`,
+:mod:`balancer.service.processes.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,11 @@ from typing import Any
 import msgpack
 
 from balancer.load import LoadTracker
-from balancer.router import Router
 from balancer.service.broker_config import BrokerConfig
+from balancer.service.broker_metrics import REFRESH_S, BrokerMetrics
 from balancer.types import ReplicaId
 
-__all__ = ["BrokerCollector", "BrokerSync", "PeerTable", "start_for_service", "PENDING_MESSAGES", "DELIVERY_BUCKETS_S", "new_group_id"]
+__all__ = ["BrokerSync", "PeerTable", "start_for_service", "PENDING_MESSAGES", "DELIVERY_BUCKETS_S", "new_group_id"]
 
 log = logging.getLogger("pdlb.broker")
 
@@ -197,35 +199,42 @@ def encode_load(router_id: str, group: str, seq: int, sent_s: float, tracker: Lo
 
 
 class BrokerSync:
-    """One router process's side of the broker (see the module docstring); it becomes the load
-    tracker's ``peer`` (``refresh``/``publish``), wrapping ``inner`` (this host's shared-memory
-    view, :class:`balancer.service.shared_load.SharedLoad`) when there is one.
+    """One router process's side of the broker (see the module docstring). Two parts of a router
+    (given at its construction, :mod:`balancer.parts`): its peer load source
+    (``LoadSources(peer=sync)``: :meth:`bind`, :meth:`refresh`, :meth:`publish`), wrapping
+    ``inner`` (this host's shared-memory view,
+    :class:`balancer.service.processes.shared_load.SharedLoad`) when there is one; and, with
+    ``share_decisions``, a route listener (:meth:`on_routed`).
 
     Args:
         cfg: the ``broker:`` section (``cfg.url`` set).
-        router: this process's router.
-        replicas: the replicas whose load is published (called at each publish).
         group: this ``pdlb serve``'s id (all its processes: :func:`new_group_id`, or its shared
             load block's name).
         process_index: this process's number (part of its peer id).
         inner: the shared-memory peer view of this host's processes, or ``None``.
-        share_decisions: publish and record approximate-mode routing decisions.
+        share_decisions: publish and record routing decisions (approximate index mode).
+        replicas: the replicas whose load is published (called at each publish); ``None``: given
+            to :meth:`start`.
+        record: records a peer's decision (``Router.record_routed`` of this process's router);
+            ``None``: given to :meth:`start`.
     """
 
-    def __init__(self, cfg: BrokerConfig, router: Router, replicas: Callable[[], Iterable[ReplicaId]], group: str,
-                 process_index: int = 0, inner: Any = None, share_decisions: bool = False) -> None:
+    def __init__(self, cfg: BrokerConfig, group: str, process_index: int = 0, inner: Any = None,
+                 share_decisions: bool = False, *, replicas: Callable[[], Iterable[ReplicaId]] | None = None,
+                 record: Callable[[Collection[ReplicaId], tuple[int, ...], float], None] | None = None) -> None:
         if cfg.url is None:
             raise ValueError("BrokerSync needs a broker url")
         self.cfg = cfg
-        self.router = router
-        self.tracker: LoadTracker = router.load
+        #: the router's tracker (set once by :meth:`bind`)
+        self.tracker: LoadTracker | None = None
         self.replicas = replicas
+        self._record_decision = record
         self.group = group
         self.process_index = process_index
         self.router_id = f"{group}/{process_index}"
         self.inner = inner
         self.table = PeerTable(group, cfg.max_peers)
-        self.share_decisions = share_decisions and router.index_mode == "approximate"
+        self.share_decisions = share_decisions
         self.load_subject = f"pdlb.{cfg.cluster}.load"
         self.routed_subject = f"pdlb.{cfg.cluster}.routed"
         self.up = False
@@ -237,9 +246,7 @@ class BrokerSync:
         self._applied = (-1, -1)  # (table version, tracker arrays' length) applied to the peer arrays
         self._pending: list[list] = []  # decisions to send: [[[engine, rank], ...], [hash, ...]]
         self._pending_bytes = 0
-        self._prev_on_routed: Any = None
         self._outage_logged = False
-        self._unregister: Callable[[], None] | None = None
         self._closing = False  # close() began: a disconnect is ours, not an outage
         # counters (read by BrokerMetrics)
         self.sent = {"load": 0, "routed": 0}
@@ -252,13 +259,31 @@ class BrokerSync:
         self.delivery_counts = [0] * (len(DELIVERY_BUCKETS_S) + 1)
         self.delivery_sum_s = 0.0
         self.delivery_max_s = 0.0
-        self.tracker.peer = self
+        #: called with each peer message's publish-to-receipt seconds, or None
+        self.on_delivery: Callable[[float], None] | None = None
+        #: the pdlb_broker_* metrics this process copies its counters into (start_for_service), or None
+        self.metrics: BrokerMetrics | None = None
+        self._metrics_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ the tracker's peer
+    def bind(self, tracker: LoadTracker) -> None:
+        """Write ``tracker``'s peer arrays (and bind ``inner`` to it); called by the tracker it
+        is given to, at construction.
+
+        Raises:
+            ValueError: bound already.
+        """
+        if self.tracker is not None:
+            raise ValueError("this broker sync is bound to a router already (one per router)")
+        self.tracker = tracker
+        if self.inner is not None:
+            self.inner.bind(tracker)
+
     def refresh(self, force: bool = False) -> None:
         """Set the tracker's peer arrays: this host's other processes (``inner``) plus the
         broker peers' latest snapshots. Cheap when nothing changed."""
         t = self.tracker
+        assert t is not None, "BrokerSync.refresh before bind"
         n = len(t.peer_requests)
         state = (self.table.version, n)
         if self.inner is not None:
@@ -274,6 +299,7 @@ class BrokerSync:
 
     def _add_sums(self, zero: bool) -> None:
         t = self.tracker
+        assert t is not None
         if zero:
             t.peer_requests[:] = 0
             t.peer_prefill_tokens[:] = 0
@@ -295,9 +321,12 @@ class BrokerSync:
 
     # the admin API's column changes go to the shared-memory view (app.py calls svc.shared_load)
     # ------------------------------------------------------------------ decisions
-    def _on_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
-        if self._prev_on_routed is not None:
-            self._prev_on_routed(replicas, block_hashes, now_s)
+    def on_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
+        """A route listener (:class:`balancer.parts.RouteListener`): queue this decision for the
+        next batch (dropped and counted while disconnected or over the bounds; nothing without
+        ``share_decisions`` or once closing)."""
+        if not self.share_decisions or self._closing:
+            return
         size = 16 + 40 * len(replicas) + 9 * len(block_hashes)
         if (not self.up or len(self._pending) >= self.cfg.max_decisions_per_message
                 or self._pending_bytes + size > self.cfg.max_message_bytes - 256):
@@ -327,8 +356,8 @@ class BrokerSync:
             except (TypeError, ValueError):
                 self._count_drop("malformed")
                 continue
-            if hashes:
-                self.router.record_routed(reps, tuple(hashes), now_s)
+            if hashes and self._record_decision is not None:
+                self._record_decision(reps, tuple(hashes), now_s)
                 self.decisions["recorded"] += 1
         return True
 
@@ -337,12 +366,32 @@ class BrokerSync:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         return False
 
-    def start(self) -> None:
-        """Connect in the background (routing never waits for the broker) and begin publishing."""
-        if self.share_decisions:
-            self._prev_on_routed = self.router.on_routed
-            self.router.on_routed = self._on_routed
-        self._task = asyncio.get_running_loop().create_task(self._run())
+    def start(self, record: Callable[[Collection[ReplicaId], tuple[int, ...], float], None] | None = None,
+              replicas: Callable[[], Iterable[ReplicaId]] | None = None) -> None:
+        """Connect in the background (routing never waits for the broker) and begin publishing;
+        ``record`` / ``replicas``: see the class (``None``: those given at construction).
+
+        Raises:
+            ValueError: not bound to a router's tracker, or no ``replicas``.
+        """
+        if record is not None:
+            self._record_decision = record
+        if replicas is not None:
+            self.replicas = replicas
+        if self.tracker is None or self.replicas is None:
+            raise ValueError("BrokerSync.start: give it to a router (LoadSources(peer=...)) and name the replicas first")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        if self.metrics is not None:
+            self._metrics_task = loop.create_task(self._metrics_loop())
+
+    async def _metrics_loop(self) -> None:
+        """Copy the counters into :attr:`metrics` every :data:`REFRESH_S` (for scrapes that any
+        process of the host answers; :mod:`balancer.service.broker_metrics`)."""
+        assert self.metrics is not None
+        while True:
+            self.metrics.update(self)
+            await asyncio.sleep(REFRESH_S)
 
     async def _run(self) -> None:
         import nats  # the broker extra (pip install 'pdlb[broker]')
@@ -457,6 +506,8 @@ class BrokerSync:
         self.delivery_counts[i] += 1
         self.delivery_sum_s += delay_s
         self.delivery_max_s = max(self.delivery_max_s, delay_s)
+        if self.on_delivery is not None:
+            self.on_delivery(delay_s)
 
     async def tick(self) -> None:
         """One interval: expire silent peers, send the decisions batch, publish load when it
@@ -478,6 +529,7 @@ class BrokerSync:
             if self._changed or now - self._last_publish_s >= self.cfg.heartbeat_s:
                 self._changed = False
                 self._seq += 1
+                assert self.tracker is not None and self.replicas is not None
                 data = encode_load(self.router_id, self.group, self._seq, time.time(), self.tracker, self.replicas())
                 if len(data) > self.cfg.max_message_bytes:
                     self._count_drop("oversize_out")
@@ -516,102 +568,40 @@ class BrokerSync:
         return 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
     async def close(self) -> None:
-        """Stop publishing, restore the router's hooks, close the connection (peers drop this
-        router after ``peer_ttl_s``)."""
+        """Stop publishing and sending decisions, forget the peers' load (only ``inner``'s counts
+        remain), close the connection (peers drop this router after ``peer_ttl_s``)."""
         self._closing = True
-        if self.router.on_routed == self._on_routed:
-            self.router.on_routed = self._prev_on_routed
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        self._pending, self._pending_bytes = [], 0
+        for task in (self._task, self._metrics_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._nc is not None:
             try:
                 await asyncio.wait_for(self._nc.close(), timeout=2.0)
             except Exception:  # noqa: BLE001 - closing a dead connection
                 pass
         self.up = False
-        if self._unregister is not None:
-            self._unregister()
-            self._unregister = None
-        if self.tracker.peer is self:
-            self.tracker.peer = self.inner
-            if self.inner is None:
-                self.tracker.peer_requests[:] = 0
-                self.tracker.peer_prefill_tokens[:] = 0
-                self.tracker.peer_kv_tokens[:] = 0
+        if self.metrics is not None:
+            self.metrics.update(self)
+        if self.table.peers:
+            self.table.peers.clear()
+            self.table.version += 1
+        t = self.tracker
+        if t is not None:  # the arrays now hold inner's sums alone (zero without inner)
+            if self.inner is not None:
+                self.inner.refresh(force=True)
+            else:
+                t.peer_requests[:] = 0
+                t.peer_prefill_tokens[:] = 0
+                t.peer_kv_tokens[:] = 0
+            self._applied = (self.table.version, len(t.peer_requests))
 
 
 
-class BrokerCollector:
-    """Prometheus collector of one process's :class:`BrokerSync` (``process`` label): ``pdlb_broker_up``,
-    ``pdlb_broker_peers``, ``pdlb_broker_peer_in_flight_requests`` (the peers' in-flight requests summed over ranks: a PD
-    request counts on its prefill and its decode rank),
-    ``pdlb_broker_peer_load_age_seconds`` (the oldest live peer snapshot's age),
-    ``pdlb_broker_messages_total{direction,kind}``, ``pdlb_broker_dropped_total{reason}``,
-    ``pdlb_broker_decisions_total{kind}`` (sent, recorded, dropped), ``pdlb_broker_disconnects_total``,
-    ``pdlb_broker_reconnects_total``, ``pdlb_broker_connect_errors_total``,
-    ``pdlb_broker_peers_expired_total`` and the histogram ``pdlb_broker_delivery_seconds``."""
-
-    def __init__(self, sync: BrokerSync) -> None:
-        self.sync = sync
-
-    def collect(self):  # noqa: ANN201
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        s, p = self.sync, str(self.sync.process_index)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["process"])
-            g.add_metric([p], value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["process"])
-            c.add_metric([p], value)
-            return c
-
-        yield gauge("pdlb_broker_up", "1 while this router is connected to the broker, else 0", 1 if s.up else 0)
-        yield gauge("pdlb_broker_peers", "Other routers whose load snapshot is live (heard within peer_ttl_s)",
-                    len(s.table.peers))
-        yield gauge("pdlb_broker_peer_in_flight_requests", "Requests the live peers report in flight, summed over "
-                    "ranks (a PD request counts on its prefill and its decode rank)", s.peer_requests_total())
-        yield gauge("pdlb_broker_peer_load_age_seconds", "Age of the oldest live peer's load snapshot (send time to "
-                    "now, wall clocks)", s.peer_load_age_s())
-        m = CounterMetricFamily("pdlb_broker_messages", "Broker messages by direction and kind",
-                                labels=["process", "direction", "kind"])
-        for kind, n in s.sent.items():
-            m.add_metric([p, "sent", kind], n)
-        for kind, n in s.received.items():
-            m.add_metric([p, "received", kind], n)
-        yield m
-        d = CounterMetricFamily("pdlb_broker_dropped", "Broker messages dropped, by reason", labels=["process", "reason"])
-        for reason, n in sorted({**s.table.dropped, **s.dropped}.items()):
-            d.add_metric([p, reason], n)
-        yield d
-        dec = CounterMetricFamily("pdlb_broker_decisions", "Approximate mode: routing decisions sent, recorded from "
-                                  "peers, or dropped", labels=["process", "kind"])
-        for kind, n in s.decisions.items():
-            dec.add_metric([p, kind], n)
-        yield dec
-        yield counter("pdlb_broker_disconnects", "Times the broker connection was lost", s.disconnects)
-        yield counter("pdlb_broker_reconnects", "Times the broker connection came back", s.reconnects)
-        yield counter("pdlb_broker_connect_errors", "Failed connection attempts and connection errors",
-                      s.connect_errors)
-        yield counter("pdlb_broker_peers_expired", "Peers dropped after peer_ttl_s without a message", s.table.expired)
-        h = HistogramMetricFamily("pdlb_broker_delivery_seconds", "Publish-to-receipt time of peers' messages "
-                                  "(wall clocks; meaningful when the hosts' clocks agree)", labels=["process"])
-        cum, buckets = 0, []
-        for bound, n in zip((*DELIVERY_BUCKETS_S, float("inf")), s.delivery_counts):
-            cum += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
-        h.add_metric([p], buckets, s.delivery_sum_s)
-        yield h
-
-
-def start_for_service(svc: Any, group: str | None) -> BrokerSync:
-    """Start ``svc``'s (:class:`balancer.service.app.Service`) broker side and add its metrics to
-    the scrape; ``group``: the ``pdlb serve``'s id shared by its processes (its shared load
-    block's name), or ``None`` for a fresh one. Call from the running event loop.
+def start_for_service(svc: Any) -> BrokerSync:
+    """Start ``svc``'s (:class:`balancer.service.app.Service`) broker side (``svc.broker``, built
+    with the service's router) and add its metrics to the scrape. Call from the running event loop.
 
     Raises:
         RuntimeError: ``nats-py`` is not installed.
@@ -620,14 +610,9 @@ def start_for_service(svc: Any, group: str | None) -> BrokerSync:
         import nats  # noqa: F401
     except ImportError as e:
         raise RuntimeError("broker: the NATS client is not installed: pip install 'pdlb[broker]'") from e
-    cfg = svc.cfg
-    sync = BrokerSync(cfg.broker, svc.router,
-                      lambda: [rep for w in svc.pool.workers.values() for rep in w.replicas],
-                      group or new_group_id(), svc.process_index, inner=svc.shared_load,
-                      share_decisions=cfg.broker.share_decisions and svc.router.uses_prefix_index())
-    collector = BrokerCollector(sync)
-    registry = svc.metrics._scrape_registry
-    registry.register(collector)
-    sync._unregister = lambda: registry.unregister(collector)
-    sync.start()
+    sync = svc.broker
+    metrics = BrokerMetrics(svc.metrics.registry, DELIVERY_BUCKETS_S)
+    sync.on_delivery = metrics.observe_delivery
+    sync.metrics = metrics
+    sync.start(svc.router.record_routed, lambda: [rep for w in svc.pool.workers.values() for rep in w.replicas])
     return sync

@@ -370,11 +370,11 @@ class ServiceConfig(BaseModel):
         default_max_tokens: the output length assumed for load accounting when a request names none.
         processes: router processes behind the port (the parent accepts client connections and
             hands them to the processes in turn: :mod:`balancer.service.handoff`). In-flight load is shared through shared memory
-            (:mod:`balancer.service.shared_load`); with workers' KV ``events`` every process consumes
+            (:mod:`balancer.service.processes.shared_load`); with workers' KV ``events`` every process consumes
             them, so prefix views agree; in approximate mode each process sends its decisions to
-            the others (:mod:`balancer.service.shared_prefix`); breakers are per process;
+            the others (:mod:`balancer.service.processes.shared_prefix`); breakers are per process;
             ``/metrics`` aggregates all of them; admin API changes are applied by every process
-            (:mod:`balancer.service.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
+            (:mod:`balancer.service.processes.shared_admin`). ``None`` (default): ``pdlb serve`` starts one
             per core it may run on, one per four cores when a worker runs on the same host
             (:func:`balancer.service.launch.default_processes`); round robin counts per process (each
             process takes the candidates in turn, so N processes split a short run unevenly by up

@@ -38,7 +38,7 @@ class Acceptor:
     send each connection to ``channels[i]`` in turn, skipping a channel whose process is gone (its
     socket then goes to the next; with none left the connection is closed). :meth:`retire` and
     :meth:`replace` take a dead process out and put its replacement in (``pdlb serve`` restarts
-    dead processes, :mod:`balancer.service.supervise`). :meth:`close` stops it and closes the
+    dead processes, :mod:`balancer.service.processes.supervise`). :meth:`close` stops it and closes the
     listener."""
 
     def __init__(self, listener: socket.socket, channels: Sequence[socket.socket], backlog: int = 1024) -> None:

@@ -23,26 +23,25 @@ class KvEventsCollector:
                 "translator_skipped_group_events", "translator_valid_ends", "translator_invalidated_ends")
 
     def __init__(self, subscriber: Any, delivery: Any = None) -> None:
-        """``subscriber``: a ``KvEventSubscriber`` or ``KvEventSubscriberProcess`` (its ``stats()``);
-        ``delivery``: its ``LoopDelivery`` (``pending``), or None."""
+        """``subscriber``: the one-process service's ``SupervisedSubscriber`` (``stats()``,
+        ``alive()``, ``restarts``); ``delivery``: its ``LoopDelivery`` (``pending``), or None."""
         self.subscriber = subscriber
         self.delivery = delivery
 
     def collect(self):  # noqa: ANN201
         queued = None if self.delivery is None else float(self.delivery.pending)
         yield from _kv_families([((), self.subscriber.stats(), queued)], ())
-        health = getattr(self.subscriber, "health", None)
-        if health is not None and hasattr(self.subscriber, "restarts"):  # SupervisedSubscriber (one process)
-            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-            up = GaugeMetricFamily("pdlb_kv_events_subscriber_up",
-                                   "1 while the KV event subscriber runs (0: dead, being started again)")
-            up.add_metric([], 1.0 if self.subscriber.alive() else 0.0)
-            restarts = CounterMetricFamily("pdlb_kv_events_subscriber_restarts",
-                                           "Times the KV event subscriber died and was started again")
-            restarts.add_metric([], float(self.subscriber.restarts))
-            yield up
-            yield restarts
+        # the supervisor's own state
+        up = GaugeMetricFamily("pdlb_kv_events_subscriber_up",
+                               "1 while the KV event subscriber runs (0: dead, being started again)")
+        up.add_metric([], 1.0 if self.subscriber.alive() else 0.0)
+        restarts = CounterMetricFamily("pdlb_kv_events_subscriber_restarts",
+                                       "Times the KV event subscriber died and was started again")
+        restarts.add_metric([], float(self.subscriber.restarts))
+        yield up
+        yield restarts
 
 
 def _kv_families(sources, extra_labels: tuple[str, ...]):  # noqa: ANN001, ANN202
@@ -89,17 +88,18 @@ STATS_FILE_PREFIX = "kv-events-"
 ``<PROMETHEUS_MULTIPROC_DIR>/kv-events-<i>.json`` (:func:`write_stats_file`)."""
 
 
-def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any = None) -> None:
+def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any = None,
+                     fanout: dict[str, int] | None = None) -> None:
     """Write process ``index``'s subscriber counters where :class:`KvEventsFilesCollector` reads
-    them (replaced atomically: a reader never sees half a file)."""
+    them (replaced atomically: a reader never sees half a file); ``fanout``: this process's
+    fan-out counters (``KvFanout.fanout_stats()``) when the feed is a fan-out, else ``None``."""
     import json
     import os
 
     rows = [[rep.engine, rep.dp_rank, d] for rep, d in subscriber.stats().items()]
     data: dict[str, Any] = {"stats": rows, "queued": None if delivery is None else delivery.pending}
-    fanout = getattr(subscriber, "fanout_stats", None)
-    if fanout is not None:  # balancer.service.kv_fanout.KvFanout: this process's reader of the ring
-        data["fanout"] = fanout()
+    if fanout is not None:  # balancer.service.processes.kv_fanout.KvFanout: this process's reader of the ring
+        data["fanout"] = fanout
         data["queued"] = None
     path = os.path.join(directory, f"{STATS_FILE_PREFIX}{index}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -110,13 +110,13 @@ def write_stats_file(directory: str, index: int, subscriber: Any, delivery: Any 
 
 FANOUT_COUNTERS = ("applied", "apply_errors", "records", "lost_records", "lost_bytes", "corrupt_records", "laps",
                    "resyncs", "snapshot_records")
-"""Per-process counters of the KV fan-out ring's reader (:class:`balancer.service.kv_fanout.FanoutFollower`)."""
+"""Per-process counters of the KV fan-out ring's reader (:class:`balancer.service.processes.kv_fanout.FanoutFollower`)."""
 
 
 class KvEventsFilesCollector:
     """Several router processes (``pdlb serve --processes N``): one subscriber, in process 0,
     decodes and translates every engine batch once and fans the result out to every process
-    (:mod:`balancer.service.kv_fanout`). Its ``pdlb_kv_events_*`` series (batches, gaps, replays,
+    (:mod:`balancer.service.processes.kv_fanout`). Its ``pdlb_kv_events_*`` series (batches, gaps, replays,
     stale, ...) count each batch once and carry ``process="0"``, the process that runs it; every
     process exports ``pdlb_kv_events_fanout_*{process}``: pdlb events applied to its own index,
     ring records read, lost (lapped) and corrupt, laps, resync snapshots asked for and their

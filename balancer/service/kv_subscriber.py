@@ -22,13 +22,13 @@ doubling up to :data:`MAX_REPLAY_BACKOFF_S`, before it asks again, so an engine 
 never answers costs only itself.
 
 Replay framing, as vLLM 0.33 and SGLang 0.5.23 send it (their ``ZmqEventPublisher._service_replay``,
-checked by ``tests/test_engine_conformance.py`` against their own code): the client sends
+checked by ``tests/service/test_engine_conformance.py`` against their own code): the client sends
 ``[b"", start_seq]`` (8-byte big-endian); each buffered batch ``seq >= start_seq`` comes back as
 ``[b"", topic, seq, payload]`` and the end as ``[b"", b"", seq = -1, b""]``. Three-frame replies
 ``[b"", seq, payload]`` (older publishers) are accepted too.
 
-Sequence handling per source, and how long recovery takes (measured by ``tests/test_kv_wire.py``
-and ``tests/test_engine_conformance.py`` on loopback; a replay is one round trip plus the
+Sequence handling per source, and how long recovery takes (measured by ``tests/balancer/test_kv_wire.py``
+and ``tests/service/test_engine_conformance.py`` on loopback; a replay is one round trip plus the
 buffered batches):
 
 * **late start** (a router started after the engines): each source asks for replay from 0 as
@@ -92,7 +92,7 @@ from balancer.kv_events import AllBlocksCleared, KvEvent
 from balancer.kv_translate import DEFAULT_TRANSLATOR_CAPACITY_BLOCKS, KvEventTranslator
 from balancer.kv_wire import END_OF_REPLAY, EngineBatch, KvWireError, decode_batch, decode_seq, encode_seq, offset_port
 from balancer.service.kv_metrics import KvEventsCollector, KvEventsFilesCollector, write_stats_file
-from balancer.service.kv_ring import RING_BYTES, RingWriter
+from balancer.service.processes.kv_ring import RING_BYTES, RingWriter
 from balancer.types import ReplicaId
 
 __all__ = ["KvEventSource", "KvEventSubscriber", "KvEventSubscriberProcess", "KvEventsCollector",
@@ -237,6 +237,15 @@ class KvEventSubscriber:
         context: a ``zmq.Context`` (default: a new one, terminated on stop).
         clock: monotonic seconds (injectable for tests).
         wall_clock: this host's wall-clock seconds (``time.time``), compared with engines' ``ts``.
+        ring_writer: the fan-out ring ``deliver`` writes to, when it does
+            (:mod:`balancer.service.processes.kv_fanout`: its owner serves the ring's resyncs and closes it
+            with this subscriber); ``None``: none.
+
+    Attributes:
+        error: what stopped the thread, or ``None``.
+        ring_writer: as given.
+        writer_stats: always ``None`` (a ring writer of this process reports its own counters; the
+            child-process kind sets its child's here).
     """
 
     def __init__(self, sources: Sequence[KvEventSource], block_size: int, deliver: Deliver, *,
@@ -244,7 +253,7 @@ class KvEventSubscriber:
                  translator_capacity_blocks: int = DEFAULT_TRANSLATOR_CAPACITY_BLOCKS,
                  max_concurrent_replays: int = 8, max_seq_jump: int = 10_000_000, max_future_s: float = 300.0,
                  context: zmq.Context | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, ring_writer: RingWriter | None = None) -> None:
         seen: set[ReplicaId] = set()
         for s in sources:
             if s.replica in seen:
@@ -277,6 +286,8 @@ class KvEventSubscriber:
         self._poller: zmq.Poller | None = None
         self._by_socket: dict[zmq.Socket, tuple[str, _Source]] = {}
         self.error: BaseException | None = None
+        self.ring_writer = ring_writer
+        self.writer_stats: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -311,7 +322,7 @@ class KvEventSubscriber:
         replica is delivered: a worker removed and added again with the same URL must not keep
         what its predecessor announced, and that predecessor's events may still be waiting
         downstream (queued for the event loop, or in the fan-out ring for a process that lags or
-        reads it from its start, :mod:`balancer.service.kv_fanout`); the clear comes after them in
+        reads it from its start, :mod:`balancer.service.processes.kv_fanout`); the clear comes after them in
         delivery order, so every reader drops them there, before the new worker's first event.
         Sources of an already subscribed replica are ignored."""
         self._commands.append(("add", list(sources)))
@@ -848,9 +859,9 @@ class KvEventSubscriberProcess:
     The child is a daemon (it dies with this process) and sends its counters every
     ``stats_interval_s``. Arguments are those of :class:`KvEventSubscriber` (``clock`` and
     ``context`` excepted), and ``ring_path`` instead of ``deliver``: the child appends the
-    translated events to that fan-out ring (:class:`balancer.service.kv_ring.RingWriter`, created
+    translated events to that fan-out ring (:class:`balancer.service.processes.kv_ring.RingWriter`, created
     with ``ring_bytes`` of capacity, or taken over) and nothing but counters crosses the pipe
-    (``pdlb serve --processes N``: every router process reads the ring, :mod:`balancer.service.kv_fanout`).
+    (``pdlb serve --processes N``: every router process reads the ring, :mod:`balancer.service.processes.kv_fanout`).
     """
 
     def __init__(self, sources: Sequence[KvEventSource], block_size: int, deliver: Deliver | None, *,
@@ -867,6 +878,8 @@ class KvEventSubscriberProcess:
         #: with ``ring_path``: the child's ring writer counters (:meth:`RingWriter.stats`), at most
         #: ``stats_interval_s`` old; ``None`` until the first report
         self.writer_stats: dict[str, int] | None = None
+        #: always ``None``: the ring writer lives in the child (as :class:`KvEventSubscriber`'s)
+        self.ring_writer: RingWriter | None = None
         self._proc: Any = None  # multiprocessing's SpawnProcess
         self._conn: Any = None  # its Connection
         self._reader: threading.Thread | None = None
@@ -1098,7 +1111,7 @@ SUPERVISE_INTERVAL_S = 1.0
 
 class SupervisedSubscriber:
     """The KV event subscriber of ``pdlb serve`` with one router process (``--processes 1``; with
-    several, :class:`balancer.service.kv_fanout.KvFanout` does the same in process 0): a
+    several, :class:`balancer.service.processes.kv_fanout.KvFanout` does the same in process 0): a
     :class:`KvEventSubscriberProcess` (or :class:`KvEventSubscriber` thread) that is checked every
     :data:`SUPERVISE_INTERVAL_S` and, when it died (its child killed, an exception in its thread),
     logged at ERROR, counted (``restarts``; ``pdlb_kv_events_subscriber_restarts_total``) and
@@ -1153,7 +1166,7 @@ class SupervisedSubscriber:
             if self._stopped or self.alive():
                 continue
             old = self.subscriber
-            why = (getattr(old, "error", None) or "it exited") if old is not None else "not running"
+            why = (old.error or "it exited") if old is not None else "not running"
             self.restarts += 1
             self.last_error = str(why)
             self.state = "restarting"

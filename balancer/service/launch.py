@@ -10,9 +10,9 @@ connection to the next of them in turn (:mod:`balancer.service.handoff`: the ker
 prints the ready line once all of them are ready, forwards SIGTERM/SIGINT to them and exits when
 they have drained. While they run it
 applies admin changes (``POST``/``DELETE /workers``) to all of them, one at a time, all or none
-(:mod:`balancer.service.shared_admin`). If one of them dies (any cause) it is started again with
+(:mod:`balancer.service.processes.shared_admin`). If one of them dies (any cause) it is started again with
 the same index, bounded by a crash-loop limit after which ``pdlb serve`` exits with status 1
-(:mod:`balancer.service.supervise`). Prometheus multiprocess mode aggregates
+(:mod:`balancer.service.processes.supervise`). Prometheus multiprocess mode aggregates
 ``/metrics`` over them (a fresh temporary ``PROMETHEUS_MULTIPROC_DIR``, removed at exit).
 """
 
@@ -150,7 +150,7 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     ``process_index`` of several: serve the connections the parent hands over on ``handoff``
     (:mod:`balancer.service.handoff`) and send ``("ready", port)`` or ``("error", message)`` on the
     duplex pipe ``ready`` instead, which then carries admin changes
-    (:mod:`balancer.service.shared_admin`). ``columns``, ``restart``: see :func:`_process_main`."""
+    (:mod:`balancer.service.processes.shared_admin`). ``columns``, ``restart``: see :func:`_process_main`."""
     try:
         app = create_app(cfg, process_index, shared_load=shared_load, shared_prefix_dir=shared_prefix_dir, control=ready)
     except (ValueError, RuntimeError) as e:  # e.g. a bad tokenizer_path
@@ -224,9 +224,9 @@ def _join_supervision(app: web.Application, index: int, columns: dict[str, list[
                       restart: tuple[bool, int]) -> None:
     """Router process ``index`` of several: map its workers to the shared-load ``columns`` the
     parent gave (a replacement: admin changes may have moved them from the config's order) and
-    export the restart counters (:mod:`balancer.service.supervise`)."""
+    export the restart counters (:mod:`balancer.service.processes.supervise`)."""
     from balancer.service.app import SERVICE
-    from balancer.service.supervise import restart_counters
+    from balancer.service.processes.supervise import restart_counters
 
     svc = app[SERVICE]
     if columns is not None and svc.shared_load is not None:
@@ -246,7 +246,7 @@ def serve(cfg: ServiceConfig, *, event_loop: str = "asyncio", log_level: str = "
     Prints the no-workers warning and ``cfg``'s warnings (:func:`balancer.service.config.config_warnings`)
     on stderr first. ``cfg.processes`` unset: :func:`default_processes`. More than one process:
     :func:`_run_processes` (``max_process_restarts`` within ``restart_window_s``: the crash-loop
-    bound, defaults of :mod:`balancer.service.supervise`); else one process on an
+    bound, defaults of :mod:`balancer.service.processes.supervise`); else one process on an
     ``event_loop`` (``"asyncio"`` or ``"uvloop"``; :func:`event_loop_factory`).
 
     Raises:
@@ -297,7 +297,7 @@ def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, re
                   handoff: socket.socket | None = None, columns: dict[str, list[int]] | None = None,
                   restart: tuple[bool, int] = (False, 0)) -> None:
     """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
-    of the shared in-flight load block (:mod:`balancer.service.shared_load`); ``handoff``: its end
+    of the shared in-flight load block (:mod:`balancer.service.processes.shared_load`); ``handoff``: its end
     of the channel its client connections come on (:mod:`balancer.service.handoff`); ``columns``:
     each worker's shared-load columns (a replacement: admin changes may have moved them from the
     config's order); ``restart``: (whether it replaces a dead process, the load the parent reaped)."""
@@ -311,12 +311,12 @@ def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, re
 def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_restarts: int | None = None,
                    restart_window_s: float | None = None) -> int:
     """Run ``cfg.processes`` router processes on one port, restarting any that dies (see the
-    module docstring and :mod:`balancer.service.supervise`)."""
+    module docstring and :mod:`balancer.service.processes.supervise`)."""
     from prometheus_client import multiprocess as prom_multiprocess
 
     from balancer.service.handoff import Acceptor, channel_pair
-    from balancer.service.shared_load import create_shared_load_block
-    from balancer.service.supervise import (CHECK_INTERVAL_S, DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S,
+    from balancer.service.processes.shared_load import create_shared_load_block
+    from balancer.service.processes.supervise import (CHECK_INTERVAL_S, DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S,
                                             READY_TIMEOUT_S, LoadReaper, RestartPolicy, TrackingCoordinator,
                                             describe_exit, exit_before_ready)
     from balancer.service.workers import MAX_REPLICAS

@@ -8,7 +8,7 @@ is used (``PROMETHEUS_MULTIPROC_DIR``, set by the parent before the processes st
 answered by any process reports counters and histograms summed over all processes, per-worker load
 gauges (in-flight requests, prefill tokens) as the most recent value any live process wrote, each
 process writing the total over all processes (its own counts plus the others' rows of the shared
-load block, :mod:`balancer.service.shared_load`) every ``MULTIPROCESS_GAUGE_REFRESH_S`` and the
+load block, :mod:`balancer.service.processes.shared_load`) every ``MULTIPROCESS_GAUGE_REFRESH_S`` and the
 answering process at the scrape itself (so a scrape never sums another process's value of up to a
 second ago), breaker state as the worst (max) and health as the lowest (min)
 view of any process; the per-worker gauges of a worker removed through the admin API disappear
@@ -18,19 +18,19 @@ and the KV-event series from the processes' stats files
 ``pdlb_kv_events_*`` counters (batches, events, gaps, replays, restarts, decode errors, stale,
 last seq, translator blocks) once, labelled ``process="0"`` (the process that runs it: each
 engine batch is decoded once), and each process's fan-out reader
-(:mod:`balancer.service.kv_fanout`) as ``pdlb_kv_events_fanout_{applied,apply_errors,records,
+(:mod:`balancer.service.processes.kv_fanout`) as ``pdlb_kv_events_fanout_{applied,apply_errors,records,
 lost_records,lost_bytes,corrupt_records,laps,resyncs,snapshot_records}_total{process}`` and the
 gauge ``pdlb_kv_events_fanout_lag_bytes{process}`` (ring bytes written, not yet applied there),
 plus ``pdlb_kv_events_fanout_subscriber_restarts_total{process="0"}`` (and process 0's ring
 writer: ``pdlb_kv_events_fanout_mirror_{blocks,evicted_total}``,
 ``pdlb_kv_events_fanout_snapshots_written_total``). In approximate mode the processes' shared
-decision rings (:mod:`balancer.service.shared_prefix`) are counted as
+decision rings (:mod:`balancer.service.processes.shared_prefix`) are counted as
 ``pdlb_shared_prefix_decisions_total{process,kind}`` (``written``, ``read``, ``folded``,
 ``dropped``, ``recovered``: a replacement's predecessor's, read back) and
 ``pdlb_shared_prefix_lost_bytes_total{process}``. The parent's restarts of
 dead router processes are counted by the replacements:
 ``pdlb_router_process_restarts_total{process}`` and ``pdlb_router_process_reaped_requests_total{process}``
-(:mod:`balancer.service.supervise`).
+(:mod:`balancer.service.processes.supervise`).
 """
 
 from __future__ import annotations
@@ -103,6 +103,11 @@ class ServiceMetrics:
                                   "How late the event loop woke a timer due every 50 ms: time it spent on "
                                   "other work (a blocked loop delays every client)",
                                   buckets=LOOP_LAG_BUCKETS_S, registry=r)
+        self.loop_cpu_lag = Histogram("pdlb_event_loop_cpu_lag_seconds",
+                                      "The part of pdlb_event_loop_lag_seconds the router process's own CPU time "
+                                      "explains: min(lag, CPU seconds the process used while the timer waited); "
+                                      "waiting for a CPU on a busy host does not count",
+                                      buckets=LOOP_LAG_BUCKETS_S, registry=r)
         self.retries = Counter("pdlb_retries", "Request attempts retried, by reason", ["reason"], registry=r)
         self.prompt_inexact = Counter("pdlb_prompt_inexact",
                                       "Chat prompts whose token ids may differ from the engine's, by reason "
@@ -138,7 +143,7 @@ class ServiceMetrics:
                                           "Approximate mode, several processes: ring bytes a reader skipped "
                                           "because the writer lapped it", ["process"], registry=r)
         #: several processes, approximate mode: this process's ring side
-        #: (:class:`balancer.service.shared_prefix.PrefixShare`) and its process number, counted
+        #: (:class:`balancer.service.processes.shared_prefix.PrefixShare`) and its process number, counted
         #: at each gauge refresh
         self.prefix_share: Any = None
         self.process_index = 0
@@ -169,9 +174,11 @@ class ServiceMetrics:
         iteration, not per request."""
         key = (family, labels)
         pending = self._pending
-        if not pending and self.multiprocess:
-            self.changed()
         pending[key] = pending.get(key, 0) + 1
+        # after the increment: outside a running event loop changed() flushes at once, swapping
+        # self._pending (an increment made after it into the old dict was lost)
+        if self.multiprocess and not self._flush_scheduled:
+            self.changed()
 
     def changed(self) -> None:
         """Several processes: flush once the event loop has run what is ready now (at once
@@ -273,7 +280,7 @@ class ServiceMetrics:
 
 
 LOOP_LAG_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-"""Buckets of ``pdlb_event_loop_lag_seconds`` (issue 25's bounds: p99 under 0.1 s, never over 0.25 s)."""
+"""Buckets of ``pdlb_event_loop_lag_seconds`` and ``pdlb_event_loop_cpu_lag_seconds`` (issue 25's bounds: p99 under 0.1 s, never over 0.25 s)."""
 
 PER_RANK_SERIES_MAX = 1024
 """Up to this many DP ranks over all workers, ``pdlb_worker_in_flight_requests`` and

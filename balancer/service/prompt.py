@@ -37,9 +37,12 @@ import functools
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
 
@@ -675,6 +678,17 @@ class PromptHasher:
             for r in dict.fromkeys(reasons):
                 self.on_inexact(r)
 
+    def hash_token_ids(self, ids: Sequence[int] | np.ndarray, root_hash: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """``(prompt_tokens >= 1, block_hashes)`` of a prompt of token ids ``ids`` (shape
+        ``(n_tokens,)``; a list, or an integer array as the body worker parses large ones), as
+        :meth:`hash` gives for a token-id prompt.
+
+        Raises:
+            ValueError: a token id outside ``[0, 2**32)`` (:func:`balancer.hashing.hash_token_blocks`).
+        """
+        root = self.root_hash if root_hash is None else root_hash
+        return max(1, len(ids)), tuple(hash_token_blocks(ids, self.block_size, root))
+
     def hash(self, prompt: Prompt, root_hash: int | None = None) -> tuple[int, tuple[int, ...]]:
         """``(prompt_tokens >= 1, block_hashes)`` of ``prompt``; ``root_hash``: this request's
         chain root (a LoRA adapter's, :func:`balancer.kv_translate.chain_root`), default the
@@ -683,9 +697,9 @@ class PromptHasher:
         Raises:
             PromptError: the chat template rejected the messages.
         """
-        root = self.root_hash if root_hash is None else root_hash
         ids = self.token_ids(prompt)
         if ids is not None:
-            return max(1, len(ids)), tuple(hash_token_blocks(ids, self.block_size, root))
+            return self.hash_token_ids(ids, root_hash)
+        root = self.root_hash if root_hash is None else root_hash
         text = prompt.text or ""
         return self.token_estimate(text), tuple(text_chunk_hashes(text, self.chunk_chars, root))

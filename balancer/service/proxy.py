@@ -399,7 +399,7 @@ class Proxy:
         ctx = _Ctx(request, endpoint, body, body.get("stream") is True, t0, raw, visible_id=visible_id, max_out=max_out,
                    session_id=session_id)
         if self.admission is not None:  # held, shed (429 + Retry-After) or let through here
-            refused = await admission_answer(self.admission, request, n_tokens, max_out)
+            refused = await admission_answer(self.admission, request, n_tokens, max_out, hashes)
             if refused is not None:
                 refused.headers["X-Request-Id"] = visible_id
                 return refused
@@ -845,7 +845,8 @@ class Proxy:
         swap = self._rewriter(ctx, d_resp)
         if not ctx.stream:
             try:
-                if deadline is None:
+                if deadline is None or (type(d_resp) is UpstreamResponse and d_resp.arrived()):
+                    # no deadline, or the whole answer is here (most short answers): no timer to set
                     data = await self._read_all(d, d_resp)
                 else:  # the answer in full, not only its headers, by the deadline
                     async with asyncio.timeout_at(deadline):

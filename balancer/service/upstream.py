@@ -38,7 +38,7 @@ Semantics (those of the aiohttp session ``app.make_client_session`` builds, unle
   methods) and Go's net/http (never a written POST that cannot be replayed). A reset does not
   prove the engine left the request unread: one that reads it and then aborts the connection
   (``SO_LINGER`` 0) resets too, and resending on a reset would run such a request twice
-  (``tests/test_upstream_client.py``).
+  (``tests/service/test_upstream_client.py``).
 * Errors are :class:`UpstreamError` subclasses, all :class:`OSError` (the proxy's handlers catch
   ``OSError`` for both clients, so failure kinds, retries and breakers are the same):
   :class:`UpstreamConnectError` (connect refused/unreachable), :class:`UpstreamConnectTimeout`
@@ -194,6 +194,11 @@ class UpstreamResponse:
                 self.release()
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             await self._wait()
+
+    def arrived(self) -> bool:
+        """Whether :meth:`read` would return (or raise) without waiting: the body has ended or the
+        connection failed. A zero-delay engine's short answer usually comes with its headers."""
+        return self._done or self._exc is not None
 
     def _take(self) -> bytes:
         chunks = self._chunks

@@ -8,17 +8,76 @@ router processes import it too. ``PDLB_BENCH_ABLATE`` is a comma list of
   pool whose policy reads no prefix index would need.
 
 It measures what those costs are; it is not a fix (load-aware and prefix-aware policies need both).
+
+``bench/proxy_floor.py --ablate`` uses these, which take whole parts of one request's work away
+(the answers stay 200; only for measuring, with a round-robin mixed pool):
+
+* ``route``: ``Router.route`` returns the next decode replica in turn (no load or prefix index
+  read or updated, no candidates) and its hooks (``on_first_token``, ``on_finished``, ...) do nothing;
+* ``timeouts``: the proxy's ``asyncio.timeout`` / ``timeout_at`` set no timer;
+* ``hash``: ``PromptHasher.hash`` answers (100 tokens, no blocks) without reading the prompt;
+* ``checks``: the proxy's request checks (``check_request``, ``session_id_of``,
+  ``client_request_id``) accept everything;
+* ``metrics``: ``ServiceMetrics.count``, ``request_done`` and the histogram observations do nothing.
 """
 
 import os
 
 _what = {w.strip() for w in os.environ.get("PDLB_BENCH_ABLATE", "").split(",") if w.strip()}
 if "peer_refresh" in _what:
-    from balancer.service import shared_load as _sl
-
+    from balancer.service.processes import shared_load as _sl
     _sl.SharedLoad.refresh = _sl.SharedLoad.publish
 if "prefix_share" in _what:
-    from balancer.service import shared_prefix as _sp
-
+    from balancer.service.processes import shared_prefix as _sp
     _sp.PrefixShare.publish = lambda self, replicas, block_hashes, now_s: None
     _sp.PrefixShare.drain = lambda self: 0
+if "route" in _what:
+    import itertools
+
+    from balancer.router import Router
+    from balancer.types import Route
+
+    _turn = itertools.count()
+
+    def _route(self, request, now_s, exclude_engines=()):  # noqa: ANN001, ANN202
+        reps = self.registry.pools()["decode"].replicas
+        return Route(request.request_id, None, reps[next(_turn) % len(reps)], 0, 0, None, None)
+
+    Router.route = _route
+    for _hook in ("on_prefill_done", "on_first_token", "on_finished"):
+        setattr(Router, _hook, lambda self, *a, **k: None)
+if "timeouts" in _what:
+    import asyncio
+    import types
+
+    from balancer.service import proxy as _px
+
+    class _NoTimer:
+        async def __aenter__(self):  # noqa: ANN204
+            return self
+
+        async def __aexit__(self, *exc):  # noqa: ANN002, ANN204
+            return False
+
+    _shim = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if not k.startswith("__")})
+    _shim.timeout = _shim.timeout_at = lambda *a, **k: _NoTimer()
+    _px.asyncio = _shim
+if "hash" in _what:
+    from balancer.service.prompt import PromptHasher
+
+    PromptHasher.hash = lambda self, prompt, root_hash=None: (100, ())
+if "checks" in _what:
+    from balancer.service import proxy as _px
+
+    _px.check_request = _px.session_id_of = _px.client_request_id = lambda *a, **k: None
+if "metrics" in _what:
+    from balancer.service.metrics import ServiceMetrics
+
+    class _NoMetric:
+        def inc(self, *a):  # noqa: ANN002, ANN202
+            pass
+
+        observe = inc
+
+    ServiceMetrics.count = ServiceMetrics.request_done = lambda self, *a: None
+    ServiceMetrics.child = lambda self, *a: _NoMetric()

@@ -47,8 +47,8 @@ from pdlb_cli.args import (
     warn_idle_flags,
     warn_idle_slo_params,
 )
-from sim.capacity import GpuSearch, RateSearch, run_searches
-from sim.capacity_report import (
+from sim.search.capacity import GpuSearch, RateSearch, run_searches
+from sim.search.capacity_report import (
     _jsonable,
     gpu_table,
     markdown,
@@ -60,22 +60,22 @@ from sim.capacity_report import (
     rich_table,
     write_points_csv,
 )
-from sim.executor import make_executor, run_points
-from sim.html_report import Section, write_report
-from sim.metrics import burst_note
-from sim.point import SLO, Point, SimOptions, WorkloadSpec, import_policy_modules, load_workload, parse_policy, point_row
+from sim.search.executor import make_executor, run_points
+from sim.run.html_report import Section, write_report
+from sim.run.metrics import burst_note
+from sim.search.point import SLO, Point, SimOptions, WorkloadSpec, import_policy_modules, load_workload, parse_policy, point_row
 from sim.workload import ideal_hit_rate
 
 
 # ---------------------------------------------------------------------- what the option groups build
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
-    """The :class:`sim.point.WorkloadSpec` of the workload options (rate scaling not included)."""
+    """The :class:`sim.search.point.WorkloadSpec` of the workload options (rate scaling not included)."""
     return WorkloadSpec(args.trace, args.format, args.limit, getattr(args, "duration_s", None), args.spread_s, args.seed,
                         getattr(args, "warmup_s", 0.0))
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
-    """The :class:`sim.point.SimOptions` of the router options."""
+    """The :class:`sim.search.point.SimOptions` of the router options."""
     tw = args.tier_weights
     return SimOptions(index_mode=args.index_mode, router_tiers=not args.no_router_tiers,
                       tier_weights=tuple(sorted(tw.items())) if tw else None,
@@ -83,7 +83,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
 
 
 def slo_from_args(args: argparse.Namespace) -> SLO:
-    """The :class:`sim.point.SLO` of the SLO options (each checked by its argparse type)."""
+    """The :class:`sim.search.point.SLO` of the SLO options (each checked by its argparse type)."""
     return SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s, attainment=args.slo_attainment,
                percentile=args.slo_percentile, ttft_per_1k_prompt_tokens_s=args.slo_ttft_per_1k_tokens_s)
 
@@ -104,7 +104,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def policy_specs(args: argparse.Namespace) -> list:
-    """The :class:`sim.point.PolicyPair` list of the policy options (checked now).
+    """The :class:`sim.search.point.PolicyPair` list of the policy options (checked now).
 
     Raises:
         ValueError: unknown policy or parameter, a bad value, a module that does not import,
@@ -250,7 +250,7 @@ def progress_note(r: Any, search: str) -> str:
 
 
 def _burst_note(r: Any, duration_s: float | None = None) -> str:
-    """The answer's :func:`sim.metrics.burst_note` with what to do about it; ``""`` for a steady
+    """The answer's :func:`sim.run.metrics.burst_note` with what to do about it; ``""`` for a steady
     answer, or without a complete answer run. ``duration_s``: the search's ``--duration-s``, if
     given (the advice is then a longer window, not the flag the user already passed)."""
     best = getattr(r, "best", None)

@@ -18,7 +18,7 @@ from rich.console import Console
 from balancer.policies import available_policies
 from pdlb_cli.args import policy_list, positive_int
 from pdlb_cli.sim.run import add_policy_module_arg, add_run_options, policy_runs, run_policies
-from sim.host import default_jobs
+from sim.search.host import default_jobs
 from sim.scenario import load_scenario
 
 

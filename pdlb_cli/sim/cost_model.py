@@ -1,5 +1,5 @@
 """``pdlb sim cost-model``: the argument parser and the command (the cost model itself is
-:mod:`sim.cost_model`, a library module that knows no command line)."""
+:mod:`sim.run.router_cost`, a library module that knows no command line)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pdlb_cli.args import add_set_arg, check_out_file
-from sim.cost_model import cost_model_for, to_toml
+from sim.run.router_cost import cost_model_for, to_toml
 from sim.overrides import apply_overrides
 from sim.scenario import load_scenario
 
@@ -30,7 +30,7 @@ def add_cost_model_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 
 def run_cost_model(args: argparse.Namespace, console: Console) -> int:
-    """``pdlb sim cost-model``: fit :func:`sim.cost_model.cost_model_for` and print or write it.
+    """``pdlb sim cost-model``: fit :func:`sim.run.router_cost.cost_model_for` and print or write it.
     Returns the exit code (0); a bad ``--out`` or ``--set`` raises ``ValueError``."""
     if args.out:  # an error naming the flag, before fitting, not "[Errno 2]" / "[Errno 21]" after
         check_out_file(Path(args.out), "cost_model.toml")

@@ -37,13 +37,13 @@ from pdlb_cli.args import (
     warn_idle_flags,
     warn_idle_slo_params,
 )
-from sim import cluster  # called as cluster.simulate: a test stands in for it there
-from sim.admission import check_block_size
-from sim.deadline_gate import admission_line
-from sim.metrics import summarize
-from sim.parallel_runs import simulate_in_parallel
-from sim.point import import_policy_modules
-from sim.report import (
+from sim.run import cluster  # called as cluster.simulate: a test stands in for it there
+from sim.run.admission import check_block_size
+from sim.run.deadline_gate import admission_line
+from sim.run.metrics import summarize
+from sim.search.parallel_runs import simulate_in_parallel
+from sim.search.point import import_policy_modules
+from sim.run.report import (
     goodput_note,
     kv_tier_table,
     markdown_table,
@@ -107,7 +107,7 @@ def policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None
 
 
 def _load_workload(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
-    # limit, spread, rate scale, then --duration-s in simulated time (the order of sim.point.WorkloadSpec too)
+    # limit, spread, rate scale, then --duration-s in simulated time (the order of sim.search.point.WorkloadSpec too)
     requests, fmt = read_trace_cut(args.trace, args.format, limit=args.limit, spread_s=args.spread_s, seed=args.seed,
                                    rate_scale=args.rate_scale, duration_s=args.duration_s)
     meta = {

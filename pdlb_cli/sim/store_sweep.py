@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pdlb_cli.args import DAY_S, add_session_workload_args, session_config, unique_results_dir
-from sim.engine.kv_store import KvStore
+from sim.run.engine.kv_store import KvStore
 from sim.experiments.store_hit_rate import replay_store, ttl_hit_rates
 from sim.workload import read_trace, session_workload
 from sim.workload.sessions import AGENT, CHATBOT

@@ -1,4 +1,4 @@
-"""``pdlb sim sweep SWEEP.toml``: run every point of a sweep file (:mod:`sim.sweep`) on a process
+"""``pdlb sim sweep SWEEP.toml``: run every point of a sweep file (:mod:`sim.search.sweep`) on a process
 pool or Ray, resumably, into one table (``sweep.csv``, ``sweep.json``), plots and ``report.html``.
 
     pdlb sim sweep examples/sweep.toml --jobs 2
@@ -21,10 +21,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pdlb_cli.args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
-from sim.executor import make_executor
-from sim.html_report import Section, write_report
-from sim.point import WorkloadSpec, load_workload
-from sim.sweep import burst_message, load_sweep, mark_bursts, plot_heatmap, plot_rates, read_done, run_sweep, write_table
+from sim.search.executor import make_executor
+from sim.run.html_report import Section, write_report
+from sim.search.point import WorkloadSpec, load_workload
+from sim.search.sweep import burst_message, load_sweep, mark_bursts, plot_heatmap, plot_rates, read_done, run_sweep, write_table
 
 #: Rows printed in the terminal (the files hold them all).
 MAX_PRINTED_ROWS = 40
@@ -39,7 +39,7 @@ def add_sweep_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentPar
                     "The file names a base scenario, policies (with parameters: name:k=v,...), rates, seeds, traces,\n"
                     "an [slo] table, a [grid] of scenario fields by dotted path (prefill.num_engines = [4, 6, 8]) and/or\n"
                     "[[points]] of overrides. Points already in the results folder's points.jsonl are not rerun\n"
-                    "(resumable); see sim/sweep.py for the format.")
+                    "(resumable); see sim/search/sweep.py for the format.")
     p.add_argument("file", type=Path, metavar="SWEEP.toml", help="the sweep file")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="results folder (default results/sweep-<file name>: rerunning the same file resumes it)")

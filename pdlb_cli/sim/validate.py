@@ -1,6 +1,6 @@
-"""``pdlb sim validate``: the perf model against published deployment figures (:mod:`sim.validate`),
-a real engine's measured runs (``--gpu-runs``, :mod:`sim.gpu_runs`) or AgentX point 440246
-(``--agentx-440246``, :mod:`sim.validate_agentx`). Exit status 1 with ``--strict`` when a figure
+"""``pdlb sim validate``: the perf model against published deployment figures (:mod:`sim.validation.published`),
+a real engine's measured runs (``--gpu-runs``, :mod:`sim.validation.gpu_runs`) or AgentX point 440246
+(``--agentx-440246``, :mod:`sim.validation.agentx`). Exit status 1 with ``--strict`` when a figure
 misses; docs/validate.md explains every figure."""
 
 from __future__ import annotations
@@ -10,20 +10,21 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from sim.gpu_runs import print_rows as print_gpu_rows
-from sim.tolerance import TOLERANCE
-from sim.validate import (
+from sim.validation.gpu_runs import print_rows as print_gpu_rows
+from sim.validation.tolerance import TOLERANCE
+from sim.validation.published import (
     CALIBRATION_POINT,
     DS_PREFILL_NODES_AVG,
     DS_PROFILE_DECODE_PUBLISHED,
     FIGURES_BY_KEY,
     calibrate,
     deepseek_decode_profile_readings,
+    deepinfer_b200_readings,
     run_validation,
     spec_gain_sweep,
     summary_line,
 )
-from sim.validate_agentx import plot_rows, print_rows, run_rows
+from sim.validation.agentx import DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE, plot_rows, print_rows, run_rows
 
 
 def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -136,6 +137,11 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
         sweep = "  ".join(f"{b}: {g:+.1f}%" for b, g in spec_gain_sweep().items())
         console.print(f"deepinfer-sm100 dynamic vs fixed 5-token verification by sequences per rank: {sweep}",
                       markup=False)
+    if any(r.figure.key.startswith("deepinfer") and not r.passed for r in results):
+        b200 = "  ".join(f"{k}: {v:,.1f}" for k, v in deepinfer_b200_readings().items())
+        console.print("deepinfer rows at the roofline fractions AgentX 440246 measured on B200 (decode "
+                      f"{DECODE_EFFICIENCY_SCALE:g}, prefill {PREFILL_EFFICIENCY_SCALE:g} of the defaults, "
+                      f"against the preset's 0.754; docs/validate.md): {b200}", markup=False)
     return 1 if args.strict and not all(r.passed for r in results) else 0
 
 

@@ -134,8 +134,8 @@ class EmulatorState:
         self.core: EngineCore | None = None
         self.kv_bytes_per_token = 0
         if not cfg.zero_delay:
-            from sim.hardware import get_hardware
-            from sim.models import get_model
+            from sim.models.hardware import get_hardware
+            from sim.models.presets import get_model
             from sim.perf.roofline import RooflinePerf
 
             perf = RooflinePerf.for_engine(get_model(cfg.model), get_hardware(cfg.hardware),
@@ -188,7 +188,7 @@ class EmulatorState:
                          dp_rank: int | None = None) -> float:
         """Real seconds a decode leg waits for the KV of its prompt (0 in zero-delay mode).
 
-        As the simulator (:mod:`sim.cluster`, "KV transfer"): only the prompt blocks the decode
+        As the simulator (:mod:`sim.run.cluster`, "KV transfer"): only the prompt blocks the decode
         rank's prefix cache does not hold move, ``(latency + (prompt_tokens - min(held_blocks *
         block_size, prompt_tokens)) * kv_bytes_per_token / bandwidth) / speed``. The rank is
         ``dp_rank``, or the only rank; with several ranks and no ``dp_rank`` nothing is held.

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sim.hardware import get_hardware
-from sim.models import get_model
+from sim.models.hardware import get_hardware
+from sim.models.presets import get_model
 
 MAX_BOOTSTRAP_WAIT_S = 3600.0
 """Longest wait of an SGLang bootstrap long poll (``bootstrap_timeout_s``, and the ``timeout_s``
@@ -44,7 +44,7 @@ class EmulatorConfig(BaseModel):
 
     Attributes:
         role: ``prefill``, ``decode`` or ``mixed``.
-        model / hardware: :mod:`sim.models` and :mod:`sim.hardware` preset names.
+        model / hardware: :mod:`sim.models.presets` and :mod:`sim.models.hardware` preset names.
         dp_ranks / gpus_per_rank / ep: engine layout, as :class:`sim.scenario.PoolConfig`.
         block_size: tokens per KV block of the engine's prefix cache.
         max_prefill_tokens / max_decode_batch / kv_capacity_tokens: scheduler limits per rank.

@@ -1,8 +1,8 @@
 """The emulated engine's scheduler: the simulator's DP ranks stepped in real time.
 
-:class:`EngineCore` owns ``dp_ranks`` :class:`sim.engine.rank.Rank` objects (the very planning
+:class:`EngineCore` owns ``dp_ranks`` :class:`sim.run.engine.rank.Rank` objects (the very planning
 code the simulator runs: FIFO chunked prefill, KV-capacity admission, prefix cache) grouped into
-step groups as in :mod:`sim.engine.step_group` (all ranks together for a wide-EP engine, one group
+step groups as in :mod:`sim.run.engine.step_group` (all ranks together for a wide-EP engine, one group
 per rank otherwise). One asyncio task per group loops::
 
     admit waiting decode sequences -> plan one step per rank -> dt = perf.step_time_s(...)
@@ -20,7 +20,7 @@ Request kinds (``mode``):
   the first token is emitted when prefill finishes.
 * ``"prefill"``: prefill only (a PD prefill leg); one token, then done.
 * ``"remote"``: a PD decode leg whose KV was transferred; the sequence joins decode admission and
-  its first token is emitted at admission (as in :mod:`sim.cluster`).
+  its first token is emitted at admission (as in :mod:`sim.run.cluster`).
 
 Events are pushed to each request's ``asyncio.Queue`` as ``("token", k)``, ``("done", reason)``.
 No HTTP here; :mod:`sim.emulator.app` owns I/O.
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from balancer.types import ReplicaId, Role
-from sim.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
+from sim.run.engine.rank import DecodeSeq, PrefillJob, Rank, blocks_for
 from sim.perf.base import PerfModel
 
-# sim.engine.rank decode ranks cache a finished sequence's prompt blocks when DecodeSeq carries them
+# sim.run.engine.rank decode ranks cache a finished sequence's prompt blocks when DecodeSeq carries them
 _DECODE_CACHES_PROMPTS = "block_hashes" in getattr(DecodeSeq, "__slots__", ())
 
 #: Largest real-clock lag (seconds) a step group catches up on before its virtual clock jumps.
@@ -276,7 +276,7 @@ class EngineCore:
                     np.array([p.prefill_attn_pairs for p in plans], dtype=np.float64),
                     np.array([p.decode_seqs for p in plans], dtype=np.float64),
                     np.array([p.decode_ctx_tokens for p in plans], dtype=np.float64))
-            if perf.wants_prefill_cached_tokens:  # as sim.engine.step_group
+            if perf.wants_prefill_cached_tokens:  # as sim.run.engine.step_group
                 dt = float(perf.step_time_s(*work, prefill_cached_tokens=np.array(
                     [p.prefill_cached_tokens for p in plans], dtype=np.float64)))
             else:

@@ -104,7 +104,7 @@ class KvEventPublisher:
             self._tokens.popitem(last=False)
 
     def on_change(self, medium: str, stored: bool, block_hashes: Sequence[int], rank_index: int) -> None:
-        """The engine's prefix-cache listener (:attr:`sim.engine.rank.Rank.kv_listener`): queue the
+        """The engine's prefix-cache listener (:attr:`sim.run.engine.rank.Rank.kv_listener`): queue the
         events for the next batch of rank ``rank_index``."""
         if not block_hashes or not 0 <= rank_index < len(self._pending):
             return

@@ -119,8 +119,10 @@ class Proc:
             self.popen.wait(5)
 
 
-def _start(args: Sequence[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))", *args]
+def _start(args: Sequence[str], prelude: str = "") -> subprocess.Popen:
+    """``pdlb ARGS`` in a new process; ``prelude``: Python statements it runs first (a test's patch)."""
+    code = "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", f"{prelude}\n{code}" if prelude else code, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
@@ -173,10 +175,11 @@ def spawn_engines(specs: Sequence[Sequence[str]]) -> list[Proc]:
 
 
 def spawn_router(protocol: str, prefill: Sequence[Proc], decode: Sequence[Proc], *extra: str,
-                 mixed: Sequence[Proc] = ()) -> Proc:
+                 mixed: Sequence[Proc] = (), prelude: str = "") -> Proc:
     """Start ``pdlb serve`` in front of engine processes (prefill bootstrap port = its HTTP port);
     one router process unless ``extra`` gives ``--processes`` (``pdlb serve``'s default is one
-    per core: tests want one process's state unless they ask for more)."""
+    per core: tests want one process's state unless they ask for more); ``prelude``: Python
+    statements the router process runs first (a test's patch)."""
     args = ["serve", "--port", "0", "--pd-protocol", protocol]
     if "--processes" not in extra:
         args += ["--processes", "1"]
@@ -186,4 +189,5 @@ def spawn_router(protocol: str, prefill: Sequence[Proc], decode: Sequence[Proc],
         args += ["--decode", *[d.url for d in decode]]
     if mixed:
         args += ["--mixed", *[m.url for m in mixed]]
-    return _spawn([*args, *extra])
+    args += extra
+    return _spawn(args, popen=_start(args, prelude) if prelude else None)

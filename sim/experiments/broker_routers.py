@@ -14,7 +14,7 @@ router ``i mod K``, KV events to all) with what ``pdlb serve --broker`` does
 
 The same policy code (the routers are :class:`balancer.router.Router`) routes in both.
 Defaults: ``interval_s`` 0.05 s (the service's ``publish_interval_s``) and ``latency_s`` 0.001 s
-(loopback NATS delivery measured by ``tests/test_broker_sync.py``, well under 1 ms; across hosts
+(loopback NATS delivery measured by ``tests/service/test_broker_sync.py``, well under 1 ms; across hosts
 in one data centre add the network's round trip).
 
 Modes of :func:`run` (``MODE[+SHARING]``): ``approximate`` (no sharing: each router knows its own
@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Route
 from sim.experiments.k_routers import KRouters
@@ -51,8 +52,12 @@ MODES = ("approximate", "events", "approximate+broker", "events+broker", "events
 
 
 class _ViewOnly:
-    """The tracker's ``peer``: the wrapper sets the peer arrays before each decision; this only
-    makes the router add them (``refresh``/``publish`` do nothing)."""
+    """A router's peer load source (:class:`balancer.parts.PeerLoad`): the wrapper sets the peer
+    arrays before each decision; this only makes the router add them (``refresh``/``publish`` do
+    nothing)."""
+
+    def bind(self, tracker: Any) -> None:
+        return None
 
     def refresh(self, force: bool = False) -> bool:
         return True
@@ -65,45 +70,50 @@ class BrokerKRouters(KRouters):
     """K routers sharing load (and, in approximate mode, decisions) through a broker with a delay.
 
     Args:
-        routers: the replicas (same policies; replicas registered in the same order).
+        make: builds one router from its parts (see :class:`KRouters`; same policies, replicas
+            registered in the same order).
+        k: how many routers (>= 1).
         seed: see :class:`KRouters`.
         interval_s: publish interval (> 0).
         latency_s: delivery time (>= 0).
         share_decisions: approximate mode: send routing decisions too.
 
     Raises:
-        ValueError: a bad interval or latency.
+        ValueError: a bad interval or latency, ``k`` < 1.
     """
 
-    def __init__(self, routers: list[Router], seed: int = 0, interval_s: float = DEFAULT_INTERVAL_S,
+    def __init__(self, make: Callable[..., Router], k: int, seed: int = 0, interval_s: float = DEFAULT_INTERVAL_S,
                  latency_s: float = DEFAULT_LATENCY_S, share_decisions: bool = True) -> None:
         if not (interval_s > 0 and math.isfinite(interval_s)) or not (latency_s >= 0 and math.isfinite(latency_s)):
             raise ValueError(f"need interval_s > 0 and latency_s >= 0, got {interval_s!r}, {latency_s!r}")
-        super().__init__(routers, seed, shared_load=False)
         self.interval_s, self.latency_s = interval_s, latency_s
         self._tick = -1  # the last interval boundary (index) whose snapshots were taken
-        self._pending: list[deque[tuple[float, np.ndarray]]] = [deque() for _ in routers]
-        self._visible: list[np.ndarray | None] = [None] * len(routers)
+        self._pending: list[deque[tuple[float, np.ndarray]]] = [deque() for _ in range(k)]
+        self._visible: list[np.ndarray | None] = [None] * k
         self._total: np.ndarray | None = None  # sum of the visible snapshots
         self._decisions: deque[tuple[float, int, tuple[ReplicaId, ...], tuple[int, ...]]] = deque()
         self.snapshots_sent = self.decisions_sent = self.decisions_recorded = 0
-        for k, r in enumerate(routers):
-            r.load.peer = _ViewOnly()
-            if share_decisions and r.index_mode == "approximate" and len(routers) > 1:
-                r.on_routed = self._routed_by(k)
+        self._share = False  # decided once the routers' index mode is known
+        super().__init__(make, k, seed, shared_load=False)
+        self._share = share_decisions and self.index_mode == "approximate" and k > 1
+
+    def _parts(self, j: int) -> dict[str, Any]:
+        return {"load_sources": LoadSources(peer=_ViewOnly()), "listeners": [self._routed_by(j)]}
 
     @classmethod
     def broker_wrapper(cls, k: int, seed: int = 0, interval_s: float = DEFAULT_INTERVAL_S,
                        latency_s: float = DEFAULT_LATENCY_S
                        ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
-        """For :func:`sim.cluster.simulate` ``router_wrapper``: K broker-sharing routers (the
-        factory is called with the cluster's :class:`sim.router_config.RankCacheBlocks`)."""
-        def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
-            return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, interval_s, latency_s)
+        """For :func:`sim.run.cluster.simulate` ``router_wrapper``: K broker-sharing routers (the
+        factory is called with the cluster's :class:`sim.run.router_config.RankCacheBlocks`)."""
+        def wrap(factory: Callable[..., Router]) -> Callable[[Any], Any]:
+            return lambda ranks: cls(lambda **parts: factory(ranks, **parts), k, seed, interval_s, latency_s)
         return wrap
 
     def _routed_by(self, k: int) -> Callable[[Collection[ReplicaId], tuple[int, ...], float], None]:
         def routed(replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
+            if not self._share:
+                return
             send_s = math.ceil(now_s / self.interval_s) * self.interval_s  # the next batch
             self._decisions.append((send_s + self.latency_s, k, tuple(replicas), block_hashes))
             self.decisions_sent += 1
@@ -190,8 +200,8 @@ def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0
     Raises:
         ValueError: an unknown mode or a K below 1.
     """
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.scenario import DEFAULT_PRESET, load_scenario
     from sim.workload import read_trace, scale_rate, spread_batches, take_slice
 

@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from balancer.load import LoadReport
+from balancer.load import LoadReport, LoadTracker
+from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role, Route
 
@@ -70,9 +70,13 @@ class KRouters:
     """K independent routers splitting the traffic round-robin (see the module docstring).
 
     Args:
-        routers: the replicas (same policies and settings); router ``k``'s RNG is reseeded with
-            ``seed * 1000 + k`` so that they do not make correlated random choices.
-        shared_load: all replicas count in-flight load in one tracker (what shared memory
+        make: builds one router from its parts, called as ``make(seed=..., load_sources=...,
+            listeners=...)`` (keywords of :meth:`balancer.router.Router.from_config` and the
+            config's ``seed``); same policies and settings for every router.
+        k: how many routers (>= 1).
+        seed: router ``j`` is seeded with ``seed * 1000 + j``, so that they do not make
+            correlated random choices.
+        shared_load: all routers count in-flight load in one tracker (what shared memory
             between the processes of one ``pdlb serve`` gives); else each counts its own.
         report_interval_s: every this many seconds (at the first call at or after each boundary)
             each router gets one :class:`~balancer.load.LoadReport` per replica: the requests all
@@ -80,12 +84,12 @@ class KRouters:
             engine's own view); ``None``: no reports.
 
     Raises:
-        ValueError: no routers, or a report interval that is not a positive finite number.
+        ValueError: ``k`` < 1, or a report interval that is not a positive finite number.
     """
 
-    def __init__(self, routers: list[Router], seed: int = 0, shared_load: bool = False,
+    def __init__(self, make: Callable[..., Router], k: int, seed: int = 0, shared_load: bool = False,
                  report_interval_s: float | None = None) -> None:
-        if not routers:
+        if k < 1:
             raise ValueError("need at least one router")
         if report_interval_s is not None and not (report_interval_s > 0 and math.isfinite(report_interval_s)):
             raise ValueError(f"report_interval_s must be a positive number of seconds, got {report_interval_s!r}")
@@ -93,24 +97,28 @@ class KRouters:
         self._report_tick = -1
         self._replicas: list[tuple[ReplicaId, int]] = []
         self.reports_sent = 0
-        self.routers = routers
-        for k, r in enumerate(routers):
-            r.rng = random.Random(seed * 1000 + k)
-            if shared_load:
-                r.load = routers[0].load
+        own = LoadTracker() if shared_load else None
+        self.routers = [make(**{"seed": seed * 1000 + j, "load_sources": LoadSources(own=own) if own is not None else None,
+                                **self._parts(j)}) for j in range(k)]
+        routers = self.routers
         self.index_mode = routers[0].index_mode
         self.index = _IndexGroup(routers)
         self.load = _LoadGroup(routers)
         self._owner: dict[str, Router] = {}
         self._next = 0
 
+    def _parts(self, j: int) -> dict[str, Any]:
+        """Parts of router ``j`` beyond its seed and load sources, or replacing them (subclasses:
+        listeners, a peer load source)."""
+        return {}
+
     @classmethod
     def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False, report_interval_s: float | None = None
-                ) -> Callable[[Callable[[Any], Router]], Callable[[Any], Any]]:
-        """For :func:`sim.cluster.simulate` ``router_wrapper``: K routers from its factory
-        (called with the cluster's :class:`sim.router_config.RankCacheBlocks`)."""
-        def wrap(factory: Callable[[Any], Router]) -> Callable[[Any], Any]:
-            return lambda ranks: cls([factory(ranks) for _ in range(k)], seed, shared_load, report_interval_s)
+                ) -> Callable[[Callable[..., Router]], Callable[[Any], Any]]:
+        """For :func:`sim.run.cluster.simulate` ``router_wrapper``: K routers from its factory
+        (called with the cluster's :class:`sim.run.router_config.RankCacheBlocks` and the parts)."""
+        def wrap(factory: Callable[..., Router]) -> Callable[[Any], Any]:
+            return lambda ranks: cls(lambda **parts: factory(ranks, **parts), k, seed, shared_load, report_interval_s)
         return wrap
 
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
@@ -171,8 +179,8 @@ def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0
         report_interval_s: float = DEFAULT_REPORT_INTERVAL_S) -> list[dict[str, Any]]:
     """One summary row per (mode, K); a mode is ``approximate``, ``events`` or ``hybrid``, with
     ``+shared-load`` or ``+reports`` (engine load reports every ``report_interval_s``)."""
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.scenario import DEFAULT_PRESET, load_scenario
     from sim.workload import read_trace, scale_rate, spread_batches, take_slice
 
@@ -220,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sim.experiments.k_routers", description=__doc__.split("\n")[0])
     ap.add_argument("--ks", default="1,2,4,8", help="router counts, comma-separated (default: %(default)s)")
     ap.add_argument("--modes", default="approximate,events,events+shared-load",
-                    help="index modes, each optionally +shared-load (one in-flight load view for all routers) "
+                    help="index modes, each optionally +shared-load (one in-flight load view for all routers) or +reports "
+                         "(the engines' load reports every --report-interval-s) "
                          "(default: %(default)s)")
     ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace (default: all)")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier (default: %(default)s)")

@@ -4,7 +4,7 @@ Three tenants (``A``, ``B``, ``C``) send Poisson arrivals of prompts drawn unifo
 ``[prompt_min, prompt_max]`` tokens with short outputs (the prefill pool is the bottleneck: the
 TTFT SLO is what admission protects) to a small PD cluster (Llama-3.1-8B on H100: 2 prefill and 2
 decode engines by default, :func:`small_pd_scenario`). :func:`burst_table` measures, with and
-without admission (:mod:`sim.deadline_gate`):
+without admission (:mod:`sim.run.deadline_gate`):
 
 * **burst**: tenant ``B`` sends ``burst_x`` (10) times its rate for the middle third of the run;
   the other tenants' SLO attainment is compared with a run without the burst;
@@ -28,9 +28,9 @@ import numpy as np
 
 from balancer.deadline_admission import AdmissionConfig, prefill_rate_tokens_per_s
 from balancer.types import Request, TtftSlo
-from sim.cluster import simulate
-from sim.cost_model import cost_model_for
-from sim.metrics import summarize
+from sim.run.cluster import simulate
+from sim.run.router_cost import cost_model_for
+from sim.run.metrics import summarize
 from sim.scenario import PoolConfig, Scenario
 
 TENANTS = ("A", "B", "C")
@@ -95,17 +95,18 @@ def _run(scenario: Scenario, reqs: Sequence[Request], adm: AdmissionConfig | Non
 
 def burst_table(*, duration_s: float = 60.0, base_rps: float | None = None, burst_x: float = 10.0,
                 overload_x: float = 2.0, ttft_slo_s: float = 1.0, seed: int = 0, policy: str = "least_load",
-                scenario: Scenario | None = None) -> dict[str, Any]:
+                scenario: Scenario | None = None, wait_model: str = "backlog") -> dict[str, Any]:
     """The three measurements of the module docstring; returns a JSON-friendly dict of runs.
 
     ``base_rps``: each tenant's rate without the burst (default: a tenth of the capacity, so the
     three tenants load the prefill pool to 30% and B's burst adds 10 x 10% = 100%: 1.2x capacity
-    during the burst)."""
+    during the burst). ``policy``: the prefill policy (decode: ``least_load``); ``wait_model``: the
+    gate's (:data:`balancer.deadline_admission.WAIT_MODELS`)."""
     sc = scenario or small_pd_scenario()
     cap = capacity_rps(sc, 2000.0)
     base = base_rps if base_rps is not None else cap / 10.0
     slo = TtftSlo(ttft_slo_s)
-    adm = AdmissionConfig(slo)
+    adm = AdmissionConfig(slo, wait_model=wait_model)
     calm = tenant_workload({t: base for t in TENANTS}, duration_s, seed=seed)
     burst = tenant_workload({t: base for t in TENANTS}, duration_s, seed=seed,
                             burst=("B", burst_x, duration_s / 3, 2 * duration_s / 3))
@@ -115,6 +116,46 @@ def burst_table(*, duration_s: float = 60.0, base_rps: float | None = None, burs
         for label, cfg in (("off", None), ("on", adm)):
             runs[f"{name}/{label}"] = _run(sc, reqs, cfg, slo, policy)
     return runs
+
+
+def wait_model_table(wait_models: Sequence[str] = ("backlog", "policy", "max"), *, policy: str = "ep_aware",
+                     scenario: str = "dsv3-pd-h200", limit: int = 1500, rate_scale: float = 3.0,
+                     ttft_slo_s: float = 2.0, seed: int = 0) -> dict[str, Any]:
+    """Deadline admission's wait models (:data:`balancer.deadline_admission.WAIT_MODELS`) on the
+    embedded Mooncake trace (what ``pdlb sim compare --limit 1500 --rate-scale 3 --admission
+    --slo-ttft-s 2 --policies ep_aware --admission-wait-model M`` runs): per model, the SLO
+    attainment and goodput (a shed request misses), the admitted requests, how many of them met
+    the flat SLO and how many met the deadline the gate gave them (a prompt longer than its budget
+    gets its own prefill on top), and the admitted requests' TTFT p50/p99; with a prediction
+    (``policy``, ``max``), ``prefill_error_s``: percentiles 1, 50, 99 of the simulated prefill end
+    minus dispatch less the policy's predicted prefill time at dispatch (> 0: the prediction was
+    short)."""
+    from sim.scenario import load_scenario
+    from sim.workload.loader import read_trace_cut
+
+    reqs, _ = read_trace_cut(None, "auto", limit=limit, spread_s=3.0, seed=seed, rate_scale=rate_scale,
+                             duration_s=None)
+    sc = load_scenario(scenario)
+    slo = TtftSlo(ttft_slo_s)
+    out: dict[str, Any] = {"requests": len(reqs), "routing_policy": policy, "scenario": scenario}
+    for wm in wait_models:
+        res = simulate(sc, reqs, policy, policy, seed=seed, admission=AdmissionConfig(slo, wait_model=wm))
+        s = summarize(res, slo_ttft_s=ttft_slo_s, slo_tpot_s=10.0)
+        adm = res.extra["admission"]
+        ttft = res.records.first_token_s - res.records.arrival_s
+        disp = ~np.isnan(adm.dispatch_s)
+        met_deadline = res.records.first_token_s <= adm.deadline_s
+        out[wm] = {"slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
+                   "admitted": int(disp.sum()), "admitted_met_slo": int(np.sum(ttft[disp] <= ttft_slo_s)),
+                   "admitted_met_deadline": int(np.sum(met_deadline[disp])),
+                   "ttft_p50_s": float(np.nanpercentile(ttft[disp], 50)) if disp.any() else float("nan"),
+                   "ttft_p99_s": float(np.nanpercentile(ttft[disp], 99)) if disp.any() else float("nan")}
+        pred = adm.predicted_prefill_s
+        have = disp & ~np.isnan(pred)
+        if have.any():  # the policy's prediction at dispatch against the simulated prefill end
+            err = (res.records.prefill_end_s[have] - adm.dispatch_s[have]) - pred[have]
+            out[wm]["prefill_error_s"] = {f"p{q}": float(np.percentile(err, q)) for q in (1, 50, 99)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 
 from balancer.deadline_admission import prefill_rate_tokens_per_s
 from balancer.types import Request
-from sim.cost_model import cost_model_for
+from sim.run.router_cost import cost_model_for
 from sim.emulator.testing import inprocess_cluster
 from sim.experiments.overload import TENANTS, small_pd_scenario, tenant_workload
 
@@ -77,16 +77,35 @@ async def _send(s: aiohttp.ClientSession, url: str, i: int, req: Request, t0: fl
     out.append(row)
 
 
+def slowed_cost_model(sc: Any, speed: float) -> dict[str, Any]:
+    """The scenario's cost model (:func:`sim.run.router_cost.cost_model_for`) with every time divided by
+    ``speed`` (the emulated engines run ``speed`` times as fast as the hardware), as a dict."""
+    d = cost_model_for(sc).to_dict()
+
+    def scale(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: v if k in ("chunk_tokens", "ep_synchronous") else scale(v) for k, v in x.items()}
+        return x / speed if isinstance(x, float) else x
+
+    return scale(d)
+
+
 async def run_live(reqs: Sequence[Request], *, admission: bool, speed: float, ttft_slo_s: float,
-                   num_prefill: int = 2, num_decode: int = 2) -> dict[str, Any]:
+                   num_prefill: int = 2, num_decode: int = 2, policy: str = "least_load",
+                   wait_model: str = "backlog") -> dict[str, Any]:
     """Send ``reqs`` at their arrival times through a fresh in-process cluster; returns the figures
-    (per-tenant SLO attainment counts a shed or failed request as a miss)."""
+    (per-tenant SLO attainment counts a shed or failed request as a miss). ``policy``: the prefill
+    policy (decode: ``least_load``; a policy that reads the cost model gets the scenario's, slowed
+    by ``speed``: :func:`slowed_cost_model`); ``wait_model``: the gate's."""
     sc = small_pd_scenario(num_prefill, num_decode)
     rate = prefill_rate_tokens_per_s(cost_model_for(sc), True) * speed
-    router: dict[str, Any] = {"prefill_policy": {"name": "least_load"}, "decode_policy": {"name": "least_load"},
+    router: dict[str, Any] = {"prefill_policy": {"name": policy}, "decode_policy": {"name": "least_load"},
                               "request_timeout_s": 120.0}
+    if policy == "ep_aware":
+        router["cost_model"] = slowed_cost_model(sc, speed)
     if admission:
-        router["admission"] = {"enabled": True, "ttft_slo_s": ttft_slo_s, "prefill_tokens_per_s": rate}
+        router["admission"] = {"enabled": True, "ttft_slo_s": ttft_slo_s, "prefill_tokens_per_s": rate,
+                               "wait_model": wait_model}
     rows: list[dict[str, Any]] = []
     async with inprocess_cluster("sglang", num_prefill, num_decode, engine={"speed": speed}, router=router) as c, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
@@ -109,8 +128,10 @@ async def run_live(reqs: Sequence[Request], *, admission: bool, speed: float, tt
 
 def live_table(*, duration_s: float = 30.0, speed: float = 0.1, burst_x: float = 10.0, overload_x: float = 2.0,
                ttft_slo_s: float = 2.5, seed: int = 0, prompt_tokens: tuple[int, int] = (1000, 3000),
-               output_tokens: int = 8, runs: Sequence[str] = ("calm", "burst", "overload")) -> dict[str, Any]:
-    """The live runs (``calm``, ``burst``, ``overload``, each with admission off and on)."""
+               output_tokens: int = 8, runs: Sequence[str] = ("calm", "burst", "overload"),
+               policy: str = "least_load", wait_models: Sequence[str] = ()) -> dict[str, Any]:
+    """The live runs (``calm``, ``burst``, ``overload``, each with admission off and on; with
+    ``wait_models``, "on" once per wait model, keyed ``<run>/on:<model>``)."""
     sc = small_pd_scenario()
     rate = prefill_rate_tokens_per_s(cost_model_for(sc), True) * speed
     cap = rate * sc.prefill.num_engines / (sum(prompt_tokens) / 2)
@@ -122,8 +143,10 @@ def live_table(*, duration_s: float = 30.0, speed: float = 0.1, burst_x: float =
              "overload": tenant_workload({t: overload_x * cap / len(TENANTS) for t in TENANTS}, duration_s,
                                          **{**kw, "seed": seed + 1})}
     out: dict[str, Any] = {"capacity_rps": cap, "speed": speed, "ttft_slo_s": ttft_slo_s}
+    labels = ("off", *(f"on:{m}" for m in wait_models)) if wait_models else ("off", "on")
     for name in runs:
-        for label in ("off", "on"):
-            out[f"{name}/{label}"] = asyncio.run(run_live(loads[name], admission=label == "on", speed=speed,
-                                                          ttft_slo_s=ttft_slo_s))
+        for label in labels:
+            wm = label.partition(":")[2] or "backlog"
+            out[f"{name}/{label}"] = asyncio.run(run_live(loads[name], admission=label != "off", speed=speed,
+                                                          ttft_slo_s=ttft_slo_s, policy=policy, wait_model=wm))
     return out

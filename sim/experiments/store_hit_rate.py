@@ -3,8 +3,8 @@
 The hit rate of a cluster-wide store (DeepSeek's 3FS KV cache) is a property of the store and of
 the request stream, not of routing or engine timing, so a *store-only replay* measures it: take
 requests in arrival order; for each, the hit is the number of leading prompt blocks the store
-holds live at the arrival time (:meth:`sim.engine.kv_store.KvStore.match`); then every prompt
-block is stored or refreshed (:meth:`~sim.engine.kv_store.KvStore.insert`). In a multi-turn
+holds live at the arrival time (:meth:`sim.run.engine.kv_store.KvStore.match`); then every prompt
+block is stored or refreshed (:meth:`~sim.run.engine.kv_store.KvStore.insert`). In a multi-turn
 session the previous output's blocks reach the store as part of the next prompt, which is when
 they can first be hit anyway. Hit rates are token-weighted: ``sum(min(k * block_size,
 prompt_tokens)) / sum(prompt_tokens)`` over the requests arriving at or after
@@ -12,7 +12,7 @@ prompt_tokens)) / sum(prompt_tokens)`` over the requests arriving at or after
 
 Two implementations:
 
-* :func:`replay_store` drives a real :class:`~sim.engine.kv_store.KvStore` (any capacity, TTL per
+* :func:`replay_store` drives a real :class:`~sim.run.engine.kv_store.KvStore` (any capacity, TTL per
   class). O(total prompt blocks) Python steps.
 * :func:`ttl_hit_rates` computes the hit rate of an **unbounded** store for many uniform TTLs at
   once from reuse gaps (numpy): a block is hit at TTL ``T`` iff it was last accessed at most
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.types import Request
-from sim.engine.kv_store import KvStore
+from sim.run.engine.kv_store import KvStore
 
 __all__ = ["ClassHits", "replay_store", "ttl_hit_rates"]
 

@@ -38,8 +38,8 @@ SETUPS: dict[str, tuple[str, bool]] = {  # name -> (prefill policy, shared store
 def run(rate_scales: list[float], limit: int | None = None, seed: int = 0,
         progress: Progress | None = None) -> list[dict[str, Any]]:
     """Every set-up at every rate scale; one summary row (dict) per run."""
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
     from sim.scenario import DEFAULT_PRESET, SharedStoreConfig, load_scenario
     from sim.workload import read_trace, scale_rate, spread_batches, take_slice
 

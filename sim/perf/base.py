@@ -46,6 +46,11 @@ class PerfModel(Protocol):
     #: pass: a causal encoder-decoder roofline (DeepSeek-V4.1) prices a step by its chunk count,
     #: which the prefix sets. Every model declares it (no capability probing).
     wants_prefill_cached_tokens: bool
+    #: Tokens each decoding sequence computes per step (``1 + d`` with MTP verification of ``d``
+    #: draft tokens; 1 without): the step group charges a decode step this many tokens per sequence.
+    verify_tokens_per_seq: int
+    #: Output tokens a decoding sequence gains per step (MTP acceptance length; 1.0 without).
+    decode_tokens_per_step: float
 
     def step_time_s(
         self,

@@ -3,7 +3,7 @@
 a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`).
 
 This module sits above :mod:`sim.scenario` (it reads a :class:`~sim.scenario.Scenario`) and below
-the run (:mod:`sim.cluster`, :mod:`sim.cost_model`); :mod:`sim.perf.config` and
+the run (:mod:`sim.run.cluster`, :mod:`sim.run.router_cost`); :mod:`sim.perf.config` and
 :mod:`sim.perf.spec` hold only the settings the scenario embeds, so they import nothing above them.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from sim.hardware import get_hardware
-from sim.models import get_model
+from sim.models.hardware import get_hardware
+from sim.models.presets import get_model
 from sim.perf.base import PerfModel
 from sim.perf.config import PerfConfig
 from sim.perf.roofline import RooflinePerf
 from sim.perf.spec import SpecDecodePerf
+from sim.perf.step_class import StepClassPerf
 from sim.scenario import PoolConfig, Scenario
 
 __all__ = ["build_perf", "roofline_for_pool", "spec_perf_for_pool"]
@@ -30,7 +31,7 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
     Raises:
         ValueError: unknown model/hardware, or the weights do not fit (see ``RooflinePerf``).
     """
-    cfg = perf if perf is not None else (getattr(scenario, "perf", None) or PerfConfig())
+    cfg = perf if perf is not None else (scenario.perf or PerfConfig())
     model = get_model(scenario.model)
     if cfg.fp8_weights is not None:
         model = dataclasses.replace(model, weight_bytes=1 if cfg.fp8_weights else 2,
@@ -40,14 +41,7 @@ def roofline_for_pool(scenario: Scenario, pool: PoolConfig, perf: PerfConfig | N
         hardware = dataclasses.replace(hardware, gpus_per_node=cfg.gpus_per_node)
     return RooflinePerf.for_engine(
         model, hardware, num_dp_ranks=pool.dp_ranks, gpus_per_rank=pool.gpus_per_rank,
-        ep_synchronous=pool.ep, mfu=cfg.mfu, mbu=cfg.mbu, step_overhead_s=cfg.step_overhead_s,
-        kv_cache_fraction=cfg.kv_cache_fraction, activation_reserve_bytes=cfg.activation_reserve_bytes,
-        comm_efficiency=cfg.comm_efficiency, comm_overlap=cfg.comm_overlap, tbo=cfg.tbo,
-        tbo_overhead_s=cfg.tbo_overhead_s, ep_ll_nvlink=cfg.ep_ll_nvlink, tbo_phases=cfg.tbo_phases,
-        comm_efficiency_normal=cfg.comm_efficiency_normal, prefill_comm_sm_fraction=cfg.prefill_comm_sm_fraction,
-        ep_imbalance_prefill=cfg.ep_imbalance_prefill, ep_imbalance_decode=cfg.ep_imbalance_decode,
-        eplb_physical_experts=cfg.eplb_physical_experts, eplb_residual_std=cfg.eplb_residual_std,
-        context_parallel=pool.context_parallel)
+        ep_synchronous=pool.ep, context_parallel=pool.context_parallel, settings=cfg.roofline_settings())
 
 
 def spec_perf_for_pool(base: PerfModel, scenario: Scenario, pool: PoolConfig) -> SpecDecodePerf:
@@ -72,8 +66,13 @@ def build_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
     """The perf model of one engine of ``pool``: the roofline on the scenario's model and hardware,
     with the scenario's ``[perf]`` settings (TBO, FP8, calibrated efficiencies) when it has them
     (:func:`roofline_for_pool`); decode and mixed pools speculate when the scenario
-    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`)."""
+    has a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`; with its ``verify =
+    "every_step"``, vLLM's per-step MTP verification, :class:`sim.perf.step_class.StepClassPerf`)."""
     perf = roofline_for_pool(scenario, pool)
-    if scenario.speculative is not None and pool is not scenario.prefill:
+    spec = scenario.speculative
+    if spec is not None and pool is not scenario.prefill:
+        if spec.verify == "every_step":
+            return StepClassPerf(perf, verify_tokens_per_seq=1 + spec.draft_tokens,
+                                 decode_tokens_per_step=spec.tau(spec.draft_tokens))
         return spec_perf_for_pool(perf, scenario, pool)
     return perf

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sim.perf.imbalance import EPLB_RESIDUAL_STD
 from sim.perf.roofline import (
+    RooflineSettings,
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_COMM_EFFICIENCY,
     DEFAULT_COMM_OVERLAP,
@@ -84,3 +85,8 @@ class PerfConfig(BaseModel):
     ep_imbalance_decode: float = Field(1.0, ge=1)
     eplb_physical_experts: int | None = Field(None, ge=1)
     eplb_residual_std: float = Field(EPLB_RESIDUAL_STD, ge=0)
+
+    def roofline_settings(self) -> RooflineSettings:
+        """These settings as the roofline takes them (every field but ``fp8_weights`` and
+        ``gpus_per_node``, which change the model and the hardware instead)."""
+        return RooflineSettings(**{f: getattr(self, f) for f in RooflineSettings.__dataclass_fields__})

@@ -75,6 +75,8 @@ class MockerPolynomialPerf:
 
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1
+    decode_tokens_per_step = 1.0
 
     def __init__(self, kv_capacity_tokens_per_rank: int, kv_bytes_per_token: int = 131_072) -> None:
         if kv_capacity_tokens_per_rank < 1:
@@ -112,7 +114,7 @@ class MockerPolynomialPerf:
 
 
 def mocker_polynomial_factory(kv_bytes_per_token: int = 131_072) -> Callable:
-    """A ``perf_factory`` for :func:`sim.cluster.simulate`: every pool gets a
+    """A ``perf_factory`` for :func:`sim.run.cluster.simulate`: every pool gets a
     :class:`MockerPolynomialPerf` with the pool's ``kv_capacity_tokens`` (required: the mocker's
     capacity is a setting, not derived from a GPU)."""
 

@@ -111,12 +111,15 @@ Default efficiencies (round numbers, not fitted; a later calibration replaces th
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
-from sim import csa2
-from sim.hardware import HardwareSpec, get_hardware
-from sim.models import ModelSpec, get_model
+from sim.models import csa2
+from sim.models.hardware import HardwareSpec, get_hardware
+from sim.models.presets import ModelSpec, get_model
 from sim.perf.imbalance import EPLB_RESIDUAL_STD, eplb_imbalance
 
 #: default efficiency constants (see module docstring for where they come from)
@@ -132,6 +135,34 @@ DISPATCH_BYTES = 1
 COMBINE_BYTES = 2
 #: dispatch's share of the dispatch + combine bytes (and time: both go over the same links)
 DISPATCH_SHARE = DISPATCH_BYTES / (DISPATCH_BYTES + COMBINE_BYTES)
+
+
+@dataclass(frozen=True)
+class RooflineSettings:
+    """The roofline's efficiency, overlap and expert-imbalance settings of one engine: the one
+    place they are written (:class:`RooflinePerf` takes them as ``settings=``; a scenario's
+    ``[perf]`` table, :class:`sim.perf.config.PerfConfig`, gives them with its bounds checked, by
+    :meth:`~sim.perf.config.PerfConfig.roofline_settings`). Defaults and units: the module
+    docstring; what each field does: :class:`sim.perf.config.PerfConfig`. Checked when a
+    :class:`RooflinePerf` is built (``ValueError``)."""
+
+    mfu: float = DEFAULT_MFU
+    mbu: float = DEFAULT_MBU
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    comm_efficiency: float = DEFAULT_COMM_EFFICIENCY
+    comm_overlap: float = DEFAULT_COMM_OVERLAP
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES
+    tbo: bool = False
+    tbo_overhead_s: float = 0.0
+    ep_ll_nvlink: bool = False
+    tbo_phases: bool = False
+    comm_efficiency_normal: float | None = None
+    prefill_comm_sm_fraction: float = 0.0
+    ep_imbalance_prefill: float = 1.0
+    ep_imbalance_decode: float = 1.0
+    eplb_physical_experts: int | None = None
+    eplb_residual_std: float = EPLB_RESIDUAL_STD
 
 
 def ep_dispatch_combine_bytes(
@@ -177,51 +208,41 @@ class RooflinePerf:
         num_dp_ranks: int,
         gpus_per_rank: int = 1,
         ep_synchronous: bool | None = None,
-        mfu: float = DEFAULT_MFU,
-        mbu: float = DEFAULT_MBU,
-        step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
-        kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
-        activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
-        comm_efficiency: float = DEFAULT_COMM_EFFICIENCY,
-        comm_overlap: float = DEFAULT_COMM_OVERLAP,
-        tbo: bool = False,
-        tbo_overhead_s: float = 0.0,
-        ep_ll_nvlink: bool = False,
-        tbo_phases: bool = False,
-        comm_efficiency_normal: float | None = None,
-        prefill_comm_sm_fraction: float = 0.0,
-        ep_imbalance_prefill: float = 1.0,
-        ep_imbalance_decode: float = 1.0,
-        eplb_physical_experts: int | None = None,
-        eplb_residual_std: float = EPLB_RESIDUAL_STD,
         context_parallel: bool = False,
+        settings: RooflineSettings | None = None,
+        **overrides: Any,
     ) -> None:
+        # ``overrides``: settings by name (``mfu=0.4``) over ``settings`` (default: RooflineSettings());
+        # an unknown name is a TypeError, as an unknown keyword argument
+        st = replace(settings if settings is not None else RooflineSettings(), **overrides)
+        #: the settings this model was built with
+        self.settings = st
         self.model = get_model(model)
         self.hardware = get_hardware(hardware)
         if num_dp_ranks < 1 or gpus_per_rank < 1:
             raise ValueError("num_dp_ranks and gpus_per_rank must be >= 1")
-        if not (0 < mfu <= 1 and 0 < mbu <= 1 and 0 < comm_efficiency <= 1):
+        if not (0 < st.mfu <= 1 and 0 < st.mbu <= 1 and 0 < st.comm_efficiency <= 1):
             raise ValueError("mfu, mbu and comm_efficiency must be in (0, 1]")
-        if not 0 <= comm_overlap <= 1:
+        if not 0 <= st.comm_overlap <= 1:
             raise ValueError("comm_overlap must be in [0, 1]")
-        if not 0 < kv_cache_fraction <= 1:
+        if not 0 < st.kv_cache_fraction <= 1:
             raise ValueError("kv_cache_fraction must be in (0, 1]")
-        if step_overhead_s < 0 or activation_reserve_bytes < 0 or tbo_overhead_s < 0:
+        if st.step_overhead_s < 0 or st.activation_reserve_bytes < 0 or st.tbo_overhead_s < 0:
             raise ValueError("step_overhead_s, tbo_overhead_s and activation_reserve_bytes must be >= 0")
-        if comm_efficiency_normal is not None and not 0 < comm_efficiency_normal <= 1:
+        if st.comm_efficiency_normal is not None and not 0 < st.comm_efficiency_normal <= 1:
             raise ValueError("comm_efficiency_normal must be in (0, 1] (or None: same as comm_efficiency)")
-        if not 0 <= prefill_comm_sm_fraction < 1:
+        if not 0 <= st.prefill_comm_sm_fraction < 1:
             raise ValueError("prefill_comm_sm_fraction must be in [0, 1)")
-        if ep_imbalance_prefill < 1 or ep_imbalance_decode < 1:
+        if st.ep_imbalance_prefill < 1 or st.ep_imbalance_decode < 1:
             raise ValueError("ep_imbalance_prefill and ep_imbalance_decode (max/mean load) must be >= 1")
-        if eplb_physical_experts is not None:
-            if ep_imbalance_prefill != 1.0 or ep_imbalance_decode != 1.0:
+        if st.eplb_physical_experts is not None:
+            if st.ep_imbalance_prefill != 1.0 or st.ep_imbalance_decode != 1.0:
                 raise ValueError("eplb_physical_experts (imbalance from the EPLB placement) excludes the fixed "
                                  "ep_imbalance_prefill / ep_imbalance_decode factors: set one or the other")
-            if self.model.is_moe and eplb_physical_experts < self.model.num_routed_experts:
-                raise ValueError(f"eplb_physical_experts ({eplb_physical_experts}) must be >= the model's "
+            if self.model.is_moe and st.eplb_physical_experts < self.model.num_routed_experts:
+                raise ValueError(f"eplb_physical_experts ({st.eplb_physical_experts}) must be >= the model's "
                                  f"{self.model.num_routed_experts} routed experts (routed + redundant slots)")
-        if eplb_residual_std < 0:
+        if st.eplb_residual_std < 0:
             raise ValueError("eplb_residual_std must be >= 0")
         m, hw = self.model, self.hardware
         self.num_dp_ranks = int(num_dp_ranks)
@@ -230,23 +251,23 @@ class RooflinePerf:
         if ep_synchronous is None:
             ep_synchronous = m.is_moe and self.num_dp_ranks > 1
         self.ep_synchronous = bool(ep_synchronous)
-        self.mfu, self.mbu = float(mfu), float(mbu)
-        self.step_overhead_s = float(step_overhead_s)
-        self.kv_cache_fraction = float(kv_cache_fraction)
-        self.activation_reserve_bytes = float(activation_reserve_bytes)
-        self.comm_efficiency = float(comm_efficiency)
-        self.comm_overlap = float(comm_overlap)
-        self.tbo = bool(tbo)
-        self.tbo_overhead_s = float(tbo_overhead_s)
-        self.ep_ll_nvlink = bool(ep_ll_nvlink)
-        self.tbo_phases = bool(tbo_phases)
-        self.comm_efficiency_normal = (self.comm_efficiency if comm_efficiency_normal is None
-                                       else float(comm_efficiency_normal))
-        self.prefill_comm_sm_fraction = float(prefill_comm_sm_fraction)
-        self.ep_imbalance_prefill = float(ep_imbalance_prefill)
-        self.ep_imbalance_decode = float(ep_imbalance_decode)
-        self.eplb_physical_experts = None if eplb_physical_experts is None else int(eplb_physical_experts)
-        self.eplb_residual_std = float(eplb_residual_std)
+        self.mfu, self.mbu = float(st.mfu), float(st.mbu)
+        self.step_overhead_s = float(st.step_overhead_s)
+        self.kv_cache_fraction = float(st.kv_cache_fraction)
+        self.activation_reserve_bytes = float(st.activation_reserve_bytes)
+        self.comm_efficiency = float(st.comm_efficiency)
+        self.comm_overlap = float(st.comm_overlap)
+        self.tbo = bool(st.tbo)
+        self.tbo_overhead_s = float(st.tbo_overhead_s)
+        self.ep_ll_nvlink = bool(st.ep_ll_nvlink)
+        self.tbo_phases = bool(st.tbo_phases)
+        self.comm_efficiency_normal = (self.comm_efficiency if st.comm_efficiency_normal is None
+                                       else float(st.comm_efficiency_normal))
+        self.prefill_comm_sm_fraction = float(st.prefill_comm_sm_fraction)
+        self.ep_imbalance_prefill = float(st.ep_imbalance_prefill)
+        self.ep_imbalance_decode = float(st.ep_imbalance_decode)
+        self.eplb_physical_experts = None if st.eplb_physical_experts is None else int(st.eplb_physical_experts)
+        self.eplb_residual_std = float(st.eplb_residual_std)
         self.kv_bytes_per_token = int(m.kv_bytes_per_token)
 
         tp = self.gpus_per_rank
@@ -273,6 +294,8 @@ class RooflinePerf:
         #: many replay windows and rebuilt rows it pays, which the pairs alone do not tell when
         #: several prompts share the step (elsewhere the prefix is only a KV read, and omitted)
         self.wants_prefill_cached_tokens = bool(self._ced)
+        self.verify_tokens_per_seq = 1  # no MTP verification (sim.run.engine.step_perf.StepClassPerf adds it)
+        self.decode_tokens_per_step = 1.0
         if self._ced:
             pf_tok = m.prefill_dense_flops_per_token if m.is_moe else m.prefill_dense_flops_per_token + m.prefill_expert_flops_per_token
             rp_tok = m.replay_dense_flops_per_token if m.is_moe else m.replay_dense_flops_per_token + m.replay_expert_flops_per_token
@@ -331,41 +354,20 @@ class RooflinePerf:
         num_dp_ranks: int,
         gpus_per_rank: int = 1,
         ep_synchronous: bool | None = None,
-        mfu: float = DEFAULT_MFU,
-        mbu: float = DEFAULT_MBU,
-        step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
-        kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION,
-        activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
-        comm_efficiency: float = DEFAULT_COMM_EFFICIENCY,
-        comm_overlap: float = DEFAULT_COMM_OVERLAP,
-        tbo: bool = False,
-        tbo_overhead_s: float = 0.0,
-        ep_ll_nvlink: bool = False,
-        tbo_phases: bool = False,
-        comm_efficiency_normal: float | None = None,
-        prefill_comm_sm_fraction: float = 0.0,
-        ep_imbalance_prefill: float = 1.0,
-        ep_imbalance_decode: float = 1.0,
-        eplb_physical_experts: int | None = None,
-        eplb_residual_std: float = EPLB_RESIDUAL_STD,
         context_parallel: bool = False,
+        settings: RooflineSettings | None = None,
+        **overrides: Any,
     ) -> RooflinePerf:
         """Roofline model of an engine of ``num_dp_ranks`` DP ranks x ``gpus_per_rank`` GPUs.
 
         ``model``/``hardware`` are specs or preset names. ``ep_synchronous`` defaults to
-        "MoE model with more than one DP rank" (wide EP). Raises ``ValueError`` if the weights do
-        not fit in ``kv_cache_fraction`` of GPU memory.
+        "MoE model with more than one DP rank" (wide EP). ``settings`` (:class:`RooflineSettings`,
+        default: its defaults) with ``overrides`` by name (``mfu=0.4``) over them. Raises
+        ``ValueError`` if a setting is out of range or the weights do not fit in
+        ``kv_cache_fraction`` of GPU memory, ``TypeError`` for an unknown setting.
         """
         return cls(model, hardware, num_dp_ranks=num_dp_ranks, gpus_per_rank=gpus_per_rank,
-                   ep_synchronous=ep_synchronous, mfu=mfu, mbu=mbu, step_overhead_s=step_overhead_s,
-                   kv_cache_fraction=kv_cache_fraction, activation_reserve_bytes=activation_reserve_bytes,
-                   comm_efficiency=comm_efficiency, comm_overlap=comm_overlap, tbo=tbo,
-                   tbo_overhead_s=tbo_overhead_s, ep_ll_nvlink=ep_ll_nvlink, tbo_phases=tbo_phases,
-                   comm_efficiency_normal=comm_efficiency_normal,
-                   prefill_comm_sm_fraction=prefill_comm_sm_fraction,
-                   ep_imbalance_prefill=ep_imbalance_prefill, ep_imbalance_decode=ep_imbalance_decode,
-                   eplb_physical_experts=eplb_physical_experts, eplb_residual_std=eplb_residual_std,
-                   context_parallel=context_parallel)
+                   ep_synchronous=ep_synchronous, context_parallel=context_parallel, settings=settings, **overrides)
 
     def _comm_per_token(self) -> tuple[float, float]:
         """Seconds of dispatch+combine per token of the busiest rank: (low-latency, normal) mode."""
@@ -570,7 +572,7 @@ class RooflinePerf:
 
     def _csa2_work(self, pt, pp, pc, ds, dc, dtok, k_verify, has_prefill):  # noqa: ANN001, ANN202
         """``(compute seconds, KV tokens read + written, MoE tokens)`` of a rank under CSA2 attention
-        with a causal encoder-decoder (DeepSeek-V4.1, :mod:`sim.csa2`).
+        with a causal encoder-decoder (DeepSeek-V4.1, :mod:`sim.models.csa2`).
 
         * Prefill: the rank's ``pt`` new tokens after ``pc`` cached are taken as ``m`` equal chunks
           of ``c`` after ``p`` (recovered from ``pp`` as in :meth:`_sparse_work`). Every new token,

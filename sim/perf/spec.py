@@ -65,7 +65,7 @@ from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 __all__ = ["AcceptanceClass", "SpecDecodeConfig", "SpecDecodePerf", "accepted_tokens_per_step"]
 
@@ -107,6 +107,12 @@ class SpecDecodeConfig(BaseModel):
         dynamic: pick the draft length per step (see the module docstring) instead of fixed.
         max_draft_tokens: longest draft of dynamic verification (default: ``draft_tokens``).
         dynamic_overhead_s: extra seconds per dynamic step (confidence head, scheduling).
+        verify: ``"mean_field"`` (default, :class:`SpecDecodePerf`: a decode step is charged its
+            time per accepted token, no speculation in mixed steps) or ``"every_step"`` (vLLM's MTP
+            as it runs: every decoding sequence verifies ``1 + draft_tokens`` tokens in every step
+            it takes part in, mixed steps included, and gains ``tau(draft_tokens)`` tokens per step;
+            :class:`sim.perf.step_class.StepClassPerf`; the drafter's forwards are inside the
+            efficiencies). Fixed drafts only.
         acceptance_classes: optional request classes with their own acceptance curves
             (:class:`AcceptanceClass`; shares add up to 1). Fixed drafts then yield the
             share-weighted ``tau``, and dynamic verification admits draft positions across classes
@@ -127,9 +133,22 @@ class SpecDecodeConfig(BaseModel):
     max_draft_tokens: int | None = Field(None, ge=1, le=64)
     dynamic_overhead_s: float = Field(0.0, ge=0)
     acceptance_classes: list[AcceptanceClass] | None = Field(None, min_length=1, max_length=16)
+    verify: Literal["mean_field", "every_step"] = "mean_field"
+
+    @model_serializer(mode="wrap")
+    def _without_default_verify(self, handler):  # noqa: ANN001, ANN202
+        """``verify`` is left out of a dump at its default, so scenario dumps (and the sweep point
+        ids hashed from them) stay what they were before it existed."""
+        d = handler(self)
+        if isinstance(d, dict) and d.get("verify") == "mean_field":
+            del d["verify"]
+        return d
 
     @model_validator(mode="after")
     def _check(self) -> SpecDecodeConfig:
+        if self.verify == "every_step" and self.dynamic:
+            raise ValueError("speculative.verify = \"every_step\" verifies a fixed draft; it cannot be combined "
+                             "with dynamic = true")
         if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
             raise ValueError(f"speculative.acceptance: every entry must be in [0, 1], got {self.acceptance}")
         if self.acceptance_classes is not None:
@@ -213,6 +232,10 @@ class SpecDecodePerf:
         self.ep_synchronous = base.ep_synchronous
         #: its step_time_s takes the four work arrays only (the base's cached-prefix pricing is not forwarded)
         self.wants_prefill_cached_tokens = False
+        #: one token per sequence and step, as far as the cluster's ranks know (this model prices
+        #: the drafts and their acceptance itself)
+        self.verify_tokens_per_seq = 1
+        self.decode_tokens_per_step = 1.0
         self._tau = np.array([config.tau(d) for d in range(config.longest_draft + 1)])
         self._admission = admission_order(config.classes, config.longest_draft)
         self.last_draft_tokens: np.ndarray | None = None

@@ -57,8 +57,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from sim.hardware import HardwareSpec, get_hardware
-from sim.models import ModelSpec, get_model
+from sim.models.hardware import HardwareSpec, get_hardware
+from sim.models.presets import ModelSpec, get_model
 from sim.perf.roofline import DEFAULT_ACTIVATION_RESERVE_BYTES, DEFAULT_KV_CACHE_FRACTION
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "data" / "profiles"
@@ -119,6 +119,8 @@ class TablePerf:
 
     ep_synchronous = False
     wants_prefill_cached_tokens = False
+    verify_tokens_per_seq = 1
+    decode_tokens_per_step = 1.0
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """Measured throughput: per-GPU token rates of simulation runs, to price with
 :mod:`sim.pricing.revenue`.
 
-A run summary (:func:`sim.metrics.summarize`, a row of a results ``summary.json``) carries input
+A run summary (:func:`sim.run.metrics.summarize`, a row of a results ``summary.json``) carries input
 and output tokens per second per GPU (``_tokens_per_s``, over the makespan, averaged over *all* of
 the scenario's GPUs, prefill and decode alike) and the token-weighted prefix hit rate;
 :func:`rates_from_summary` splits the input into cache hits and misses by that rate.
@@ -27,7 +27,7 @@ _SUMMARY_KEYS = ("input_tokens_per_s_per_gpu", "output_tokens_per_s_per_gpu", "p
 
 
 def rates_from_summary(summary: dict[str, Any], label: str = "summary") -> TokenRates:
-    """Per-GPU rates of a :func:`sim.metrics.summarize` row: the run's input tokens (split by its
+    """Per-GPU rates of a :func:`sim.run.metrics.summarize` row: the run's input tokens (split by its
     token-weighted prefix hit rate) and output tokens over the makespan, divided by all of the
     scenario's GPUs. Raises ``ValueError`` naming ``label`` and the missing/invalid key, or
     saying that the run simulated nothing (every request refused at arrival: no rates at all)."""
@@ -76,8 +76,8 @@ def simulate_rates(scenario: Scenario, requests: Sequence, policy: Any = "cache_
     Raises:
         ValueError: no requests, or none finished (all refused at arrival): nothing to price.
     """
-    from sim.cluster import simulate
-    from sim.metrics import summarize
+    from sim.run.cluster import simulate
+    from sim.run.metrics import summarize
 
     if not requests:
         raise ValueError(f"simulation of {scenario.name}: the workload has no requests; nothing to price")

@@ -3,7 +3,7 @@
 Open-loop arrival replay cannot express this load: each of ``lanes`` clients runs one agent
 trajectory at a time and sends the next turn only after the previous reply has finished and a
 *think time* has passed (tool execution), so the offered rate falls when the server slows down.
-The closed-loop driver (:mod:`sim.closed_loop`) runs the lanes on pdlb's cluster simulator; this module generates what they send.
+The closed-loop driver (:mod:`sim.run.closed_loop`) runs the lanes on pdlb's cluster simulator; this module generates what they send.
 
 A *trajectory* (one agent session) is a chain of turns whose context grows: turn ``k``'s prompt is
 turn ``k-1``'s prompt, plus turn ``k-1``'s output, plus ``new_k`` new tokens (tool results, user
@@ -22,7 +22,9 @@ lane's own seeded RNG, lognormals given by median and log-space sigma):
   ``--trajectory-start-{min,max}-ratio``), and that first replayed prompt is entirely new to the
   server (aiperf ``--cache-bust first_turn_prefix`` makes every lane's copy of a trajectory
   distinct, so nothing is shared across lanes);
-* think time between a reply and the lane's next request: ``think_s`` (constant).
+* think time between a reply and the lane's next request: ``think_s`` (constant), or with
+  ``think_sigma > 0`` a lognormal of mean ``think_s`` capped at ``max_think_s`` (aiperf replays
+  the trace's recorded idle gaps, capped at 300 s; their distribution is not published).
 
 When a trajectory ends the lane starts the next one (with a new session id). The first
 ``warmup_requests_per_lane`` requests of each lane are warm-up (sent, not measured).
@@ -79,6 +81,11 @@ class AgenticWorkloadConfig(BaseModel):
     max_output_tokens: int = Field(32_768, ge=1)
     max_context_tokens: int = Field(1_048_576, ge=2)
     think_s: float = Field(9.67, ge=0)
+    #: log-space sigma of a lognormal think time whose mean is ``think_s`` (drawn per turn from
+    #: the lane's own RNG, capped at ``max_think_s``); 0 = every think time is ``think_s``
+    think_sigma: float = Field(0.0, ge=0, le=5)
+    #: longest think time, s (aiperf's agentic replay caps a trace's idle gap at 300 s)
+    max_think_s: float = Field(300.0, gt=0)
     seed: int = Field(42, ge=0)
 
     @model_validator(mode="after")

@@ -138,7 +138,7 @@ def shared_prefix_workload(
             requests, a prompt or output over 2^24 tokens, more than :data:`MAX_WORKLOAD_BLOCKS`
             prompt blocks in all.
 
-    Hand check (tests/test_workload_benchmarks.py): 2 groups x 3 prompts, system 1,024, question
+    Hand check (tests/sim/workload/test_workload_benchmarks.py): 2 groups x 3 prompts, system 1,024, question
     100, block 512 -> 1,124-token prompts of 3 blocks, the first 2 shared within a group, and an
     ideal (infinite-cache) hit rate of (6 * 2 - 2 * 2) / 18 = 8/18 blocks.
     """

@@ -1,0 +1,245 @@
+"""Closed-loop agentic lanes on pdlb's simulated cluster (:class:`sim.run.cluster.Cluster`).
+
+Each of ``workload.lanes`` clients (:mod:`sim.workload.agentic`) sends one request, waits for
+its last token, thinks ``think_s`` seconds and sends its next turn, so the offered load follows
+the server's speed. Every request goes through the cluster's :class:`~balancer.router.Router`
+(any pdlb policy; ``Request.session_id`` carries the trajectory, as vllm-router's
+``x-session-id``) and the same ranks, step groups, KV caches and tiers as :func:`sim.run.cluster.simulate`.
+
+Bounded: the records grow up to ``max_requests`` requests and a run raises if the lanes would
+send more; no queue outside the engines' own (a lane has at most one request in flight).
+
+Timeline (as aiperf's agentic replay): the first ``warmup_requests_per_lane`` requests of each
+lane are warm-up; the measured window opens when the last lane finishes its warm-up and lasts
+``duration_s``; requests sent in it by lanes past their warm-up are measured; no request is sent
+after it; those not finished ``drain_s`` after its end are cancelled (counted, not recorded).
+
+Block hashes: a turn's prompt repeats the previous turn's prompt (whole blocks only; the previous
+reply in it is the trace's recorded reply, not the generated tokens, so the shared prefix ends
+where the previous prompt ended: ``Turn.server_reusable_tokens``); every other block is new and
+unique to the lane.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from balancer.config import PolicySpec
+from balancer.policies import Policy
+from balancer.router import Router
+from balancer.types import Request, Role
+from sim.run.admission import admit
+from sim.run.cluster import Cluster, RankInfo
+from sim.run.engine.step_group import STEP_CLASSES
+from sim.perf.base import PerfModel
+from sim.perf.build import build_perf
+from sim.run.records import RequestRecords
+from sim.run.router_config import RankCacheBlocks, router_config_for
+from sim.run.router_config import router_factory as make_router_factory
+from sim.scenario import PoolConfig, Scenario
+from sim.workload.agentic import AgenticWorkloadConfig, lane_turns
+
+__all__ = ["ClosedLoopResult", "simulate_closed_loop", "DEFAULT_MAX_REQUESTS"]
+
+#: default bound on the requests of one run
+DEFAULT_MAX_REQUESTS = 2_000_000
+#: longest simulated time before the warm-up must have ended, s (bounds a stuck run)
+MAX_WARMUP_S = 1e6
+
+
+@dataclass
+class ClosedLoopResult:
+    """A closed-loop run's measured requests and per-rank iteration records.
+
+    ``requests``: rows ``(send_s, ttft_s, e2e_s, input_tokens, output_tokens, cached_tokens)`` of
+    the measured requests that finished in time; ``iterations``: ``{class: step seconds}`` (one
+    entry per rank per step, :meth:`sim.run.engine.step_group.StepGroup.iteration_times`, whole run).
+    """
+
+    requests: np.ndarray
+    iterations: dict[str, np.ndarray]
+    measure_start_s: float
+    last_done_s: float
+    num_gpus: int
+    gpu_hit_rate: float
+    records: RequestRecords
+    ranks: list[RankInfo]
+    policy: str
+    cancelled: int = 0
+    rejected: int = 0
+    wall_s: float = 0.0
+    rank_requests: list[int] = field(default_factory=list)
+    num_steps: int = 0
+    #: the session id of every submitted request, in record order (row ``i`` of ``records``)
+    sessions: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics under the names point 440246 publishes (seconds; ITL in s per token:
+        ``(e2e - ttft) / (output - 1)`` per request; iteration percentiles in ms).
+
+        Raises:
+            ValueError: no measured request completed."""
+        r = self.requests
+        if len(r) == 0:
+            raise ValueError("no measured request completed")
+        ttft, e2e, inp, out = r[:, 1], r[:, 2], r[:, 3], r[:, 4]
+        itl = (e2e - ttft) / np.maximum(out - 1, 1)
+        dur = self.last_done_s - self.measure_start_s
+        q = np.percentile
+        m = {"total_requests_completed": float(len(r)), "duration_seconds": dur,
+             "total_tput_tps": float((inp.sum() + out.sum()) / dur), "output_tput_tps": float(out.sum() / dur),
+             "mean_input_tokens": float(inp.mean()), "mean_output_tokens_actual": float(out.mean()),
+             "server_gpu_cache_hit_rate": self.gpu_hit_rate}
+        m["tput_per_gpu"] = m["total_tput_tps"] / self.num_gpus
+        m["output_tput_per_gpu"] = m["output_tput_tps"] / self.num_gpus
+        for name, v in (("ttft", ttft), ("itl", itl), ("e2el", e2e)):
+            m[f"mean_{name}"] = float(v.mean())
+            m[f"median_{name}"] = float(q(v, 50))
+            m[f"p90_{name}"] = float(q(v, 90))
+            m[f"p95_{name}"] = float(q(v, 95))
+            m[f"p99_{name}"] = float(q(v, 99))
+        for cls, v in self.iterations.items():
+            if len(v):
+                m[f"{cls}_p50_ms"] = float(q(v, 50) * 1e3)
+                m[f"{cls}_p90_ms"] = float(q(v, 90) * 1e3)
+                m[f"{cls}_count"] = float(len(v))
+        return m
+
+
+def simulate_closed_loop(
+    scenario: Scenario,
+    workload: AgenticWorkloadConfig,
+    policy: str | Policy = "dp_consistent_hash",
+    *,
+    perf_factory: Callable[[Scenario, PoolConfig], PerfModel] = build_perf,
+    seed: int = 0,
+    drain_s: float = 30.0,
+    index_mode: str = "approximate",
+    max_requests: int = DEFAULT_MAX_REQUESTS,
+    router_factory: Callable[[RankCacheBlocks], Router] | None = None,
+    cluster_hook: Callable[[Cluster], None] | None = None,
+) -> ClosedLoopResult:
+    """Run ``workload``'s lanes through ``scenario`` routed by ``policy`` (both roles; an aggregated
+    scenario routes among its mixed ranks). The router is built as :func:`sim.run.cluster.simulate`
+    builds it (the scenario's cost model and KV-tier views), unless ``router_factory`` is given.
+    ``cluster_hook``: called with the built cluster before the first request (sensitivity runs
+    change engine attributes there, e.g. ``Rank.hit_multiple_tokens``). Deterministic for given inputs.
+
+    Raises:
+        ValueError: ``drain_s`` < 0, ``max_requests`` < 1.
+        RuntimeError: the lanes would send more than ``max_requests`` requests, or the warm-up does
+            not end within :data:`MAX_WARMUP_S` simulated seconds.
+    """
+    if drain_s < 0 or max_requests < 1:
+        raise ValueError("drain_s must be >= 0 and max_requests >= 1")
+    wl = workload
+    bs = scenario.block_size
+    if router_factory is None:
+        spec = PolicySpec.parse(policy) if isinstance(policy, str) else policy
+        router_factory = make_router_factory(
+            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory), spec, spec)
+
+    t0 = time.perf_counter()
+    cluster = Cluster(scenario, router_factory, perf_factory, record_iterations=True)
+    if cluster_hook is not None:
+        cluster_hook(cluster)
+    env = cluster.env
+    cluster.begin_dynamic(max_requests)
+    roles = (Role.DECODE, Role.MIXED)
+    decode_cap = max(r.kv_capacity_blocks * bs for r in cluster.ranks if r.role in roles)
+    prefill_cap = (max(r.kv_capacity_blocks * bs for r in cluster.ranks if r.role is Role.PREFILL)
+                   if scenario.disaggregated else None)
+    max_len = scenario.effective_max_model_len
+
+    lanes = [lane_turns(wl, j) for j in range(wl.lanes)]
+    sent = [0] * wl.lanes
+    prev: list[tuple[str, tuple[int, ...]]] = [("", ())] * wl.lanes
+    lane_of: list[int] = []
+    sessions: list[str] = []
+    measured: list[bool] = []
+    fresh = itertools.count(1 << 40)  # block hashes unique to one lane's trajectory
+    state = {"warm_left": wl.lanes if wl.warmup_requests_per_lane > 0 else 0,
+             "start": math.inf if wl.warmup_requests_per_lane > 0 else 0.0, "rejected": 0}
+
+    def end_s() -> float:
+        return state["start"] + wl.duration_s
+
+    def send(lane: int) -> None:
+        now = env.now
+        if now >= end_s():
+            return  # the measured window is over: the lane stops
+        turn = next(lanes[lane])
+        sent[lane] += 1
+        n_blocks = -(-turn.input_tokens // bs)
+        session, old = prev[lane]
+        keep = min(turn.server_reusable_tokens // bs, len(old)) if session == turn.session else 0
+        hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
+        prev[lane] = (turn.session, hashes)
+        req = Request(f"{turn.session}-t{turn.turn}-{sent[lane]}", float(now), turn.input_tokens, hashes,
+                      max_output_tokens=turn.output_tokens, expected_output_tokens=turn.output_tokens,
+                      session_id=turn.session, traffic_class="agent")
+        ok, _ = admit([req], max_len, decode_cap, prefill_cap)
+        if not ok:  # refused at arrival, as an engine would: the lane moves on after its think time
+            state["rejected"] += 1
+            finished_lane(lane, now)
+            return
+        i = cluster.submit(req)
+        lane_of.append(lane)
+        sessions.append(turn.session)
+        measured.append(sent[lane] > wl.warmup_requests_per_lane and now >= state["start"])
+        assert len(lane_of) == i + 1
+
+    think_rngs = ([np.random.default_rng(np.random.SeedSequence([wl.seed, 11, j])) for j in range(wl.lanes)]
+                  if wl.think_sigma > 0 else None)
+    think_mu = math.log(wl.think_s) - wl.think_sigma ** 2 / 2 if wl.think_s > 0 else -math.inf
+
+    def think_s(lane: int) -> float:
+        if think_rngs is None or wl.think_s == 0:
+            return wl.think_s
+        return min(wl.max_think_s, math.exp(think_mu + wl.think_sigma * think_rngs[lane].standard_normal()))
+
+    def finished_lane(lane: int, now: float) -> None:
+        if state["warm_left"] and sent[lane] == wl.warmup_requests_per_lane:
+            state["warm_left"] -= 1
+            if state["warm_left"] == 0:
+                state["start"] = now
+        ev = env.timeout(think_s(lane))
+        ev.callbacks.append(lambda _ev, lane=lane: send(lane))
+
+    cluster.on_request_finished = lambda i, now: finished_lane(lane_of[i], now)
+    for j in range(wl.lanes):
+        send(j)
+    while math.isinf(state["start"]):
+        if env.now > MAX_WARMUP_S:
+            raise RuntimeError(f"the warm-up did not end within {MAX_WARMUP_S:g} simulated seconds")
+        env.run(until=env.now + 60.0)
+    env.run(until=end_s() + drain_s)
+
+    n = len(lane_of)
+    rec = cluster.records
+    idx = np.flatnonzero(np.asarray(measured, dtype=bool))
+    fin = ~np.isnan(rec.finish_s[idx])
+    done, cancelled = idx[fin], int((~fin).sum())
+    arr = rec.arrival_s[done]
+    rows = np.column_stack([arr, rec.first_token_s[done] - arr, rec.finish_s[done] - arr,
+                            rec.prompt_tokens[done], rec.output_tokens[done], rec.cached_tokens[done]]).astype(np.float64)
+    last_done = float(rec.finish_s[done].max()) if len(done) else state["start"]
+    prefilled = ~np.isnan(rec.prefill_end_s[:n])
+    hit = float(rec.hbm_hit_tokens[:n][prefilled].sum() / max(1, rec.prompt_tokens[:n][prefilled].sum()))
+    its: dict[str, list[np.ndarray]] = {c: [] for c in STEP_CLASSES}
+    for g in cluster.groups:
+        for c, v in g.iteration_times().items():
+            its[c].append(v)
+    iterations = {c: np.concatenate(v) if v else np.zeros(0) for c, v in its.items()}
+    rank_requests = np.bincount(rec.prefill_rank[:n][rec.prefill_rank[:n] >= 0], minlength=len(cluster.ranks))
+    name = policy if isinstance(policy, str) else policy.name
+    return ClosedLoopResult(rows, iterations, state["start"], last_done, scenario.num_gpus, hit, rec,
+                            [RankInfo(r.replica, r.role, r.kv_capacity_blocks * bs) for r in cluster.ranks], name,
+                            cancelled, state["rejected"], time.perf_counter() - t0, rank_requests.tolist(),
+                            sum(g.num_steps for g in cluster.groups), sessions)

@@ -1,0 +1,1 @@
+"""Many simulated runs: points, executors, capacity searches and sweeps."""

@@ -1,0 +1,1 @@
+"""The simulator against published and measured figures (``pdlb sim validate``)."""

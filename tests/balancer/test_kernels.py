@@ -1,0 +1,224 @@
+"""The compiled hot paths (:mod:`balancer.kernels`, numba) against the numpy code they replace,
+compared bit for bit (``tobytes``), and the numpy fallback.
+
+Reference: the numpy expressions in :func:`balancer.cost_model.prefill_wait_features`,
+``EpAware._requests_after`` and ``EpAware._decode_cost_one`` (run with the kernels turned off by
+:func:`balancer.kernels.use_compiled`), which tests/balancer/test_ep_aware_features.py in turn pins to a
+per-candidate loop written from the docstrings. The summation order the kernels reproduce is
+numpy's pairwise sum: ``test_row_sum_is_numpys_add_reduce`` checks it against ``np.add.reduce``
+itself on rows whose sum depends on the order (a sequential sum fails it: checked by hand), so a
+numpy release that changed its order fails here rather than changing decisions silently.
+Speed: bench/route_latency.py (ratios against main in one run). About 5 s with the kernels
+already in numba's cache, 10-20 s more the first time (compiling).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from balancer import kernels
+from balancer.candidates import Candidates
+from balancer.cost_model import (
+    DEFAULT_COST_MODEL,
+    CostModel,
+    DecodeStepCost,
+    EngineCost,
+    PrefillStepCost,
+    engine_groups,
+    prefill_wait_features,
+)
+from balancer.policies import SelectContext
+from balancer.policies.ep_aware import EpAware
+from balancer.router import Router
+from balancer.types import ReplicaId, Request, Role
+
+numba = pytest.importorskip("numba")  # in the serve/sim/test extras; the fallback tests below need it not
+
+
+@pytest.fixture(autouse=True)
+def _compiled_on():
+    kernels.use_compiled(True)
+    yield
+    kernels.use_compiled(True)
+
+
+def both(fn):
+    """``(compiled result, numpy result)`` of ``fn()``."""
+    kernels.use_compiled(True)
+    fast = fn()
+    kernels.use_compiled(False)
+    try:
+        slow = fn()
+    finally:
+        kernels.use_compiled(True)
+    return fast, slow
+
+
+def same_bits(x, y) -> bool:
+    x, y = np.asarray(x), np.asarray(y)
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+#: ranks per engine: below 8 (a running sum), 8..128 (8 running sums + tail), above 128 (halves)
+RANKS = [1, 2, 3, 7, 8, 9, 16, 17, 72, 128, 129, 144]
+
+
+def pool(seed: int, ranks: int, engines: int, pattern: str):
+    rng = np.random.default_rng(seed)
+    reps = tuple(ReplicaId(f"e{e:03d}", r) for e in range(engines) for r in range(ranks))
+    n = len(reps)
+    if pattern == "random":
+        q = np.where(rng.random(n) < 0.3, 0.0, rng.integers(1, 60_000, n).astype(np.float64))
+    elif pattern == "ties":  # equal queues: argmax ties, equal sums
+        q = np.full(n, 8192.0)
+        q[rng.random(n) < 0.2] = 0.0
+    else:  # "wide": magnitudes spread so that the summation order changes the sum's bits
+        q = np.where(rng.random(n) < 0.1, 0.0, np.round(10.0 ** rng.uniform(0, 9, n)) + rng.random(n))
+    a = q * rng.uniform(0, 30_000, n)
+    P = 32_768.0
+    cached = np.minimum(rng.integers(0, 64, n) * 512.0, P - 1.0)
+    return reps, q, a, P - cached, cached
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
+def test_prefill_wait_features_compiled_equals_numpy(ranks, pattern):
+    eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
+    for seed in range(3):
+        reps, q, a, u, cached = pool(seed, ranks, 1 + seed * 3, pattern)
+        _, idx, rows = engine_groups(reps)
+        assert rows is not None
+        if ranks > 1:  # the kernel runs (not the numpy path twice)
+            assert kernels.prefill_wait_rows(q, a, u, cached, 8192.0, 5.1e-5, 1e-8, idx, rows) is not None
+        (f1, h1), (f0, h0) = both(lambda: prefill_wait_features(q, a, u, cached, eng, idx, rows))
+        assert same_bits(f1, f0) and same_bits(h1, h0), (seed, np.abs(f1 - f0).max(), np.abs(h1 - h0).max())
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_requests_after_compiled_equals_numpy(ranks):
+    pol = EpAware()
+    for seed in range(3):
+        for pattern in ("random", "ties", "wide"):
+            reps, q, _, _, _ = pool(seed, ranks, 2 + seed, pattern)
+            _, idx, rows = engine_groups(reps)
+            rng = np.random.default_rng(seed)
+            c = Candidates(Role.PREFILL, reps, rng.integers(0, 40, len(reps)), q.astype(np.int64), np.zeros(len(reps), np.int64),
+                           np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), 512)
+            n1, n0 = both(lambda: EpAware._requests_after(q, c, idx, rows))
+            assert same_bits(n1, n0), (ranks, seed, pattern)
+    assert pol.name == "ep_aware"
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("transfer", [True, False])
+def test_decode_cost_compiled_equals_numpy(ranks, transfer):
+    d = DecodeStepCost(0.012, 6.0e-5, 3.0e-9, 1.5e-6)
+    eng = EngineCost(decode=d, ep_synchronous=True)
+    model = CostModel(decode=eng, transfer_s_per_token=2.5e-7)
+    pol = EpAware()
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        reps = tuple(ReplicaId(f"d{e}", r) for e in range(1 + seed) for r in range(ranks))
+        n = len(reps)
+        b = rng.integers(0, 200, n) * (rng.random(n) < 0.8)
+        k = b * rng.integers(0, 40_000, n)
+        matched = np.minimum(rng.integers(0, 70, n) * 512, 32_768)
+        c = Candidates(Role.DECODE, reps, b, np.zeros(n, np.int64), k, np.full(n, 2_000_000), matched // 512, matched, 512)
+        _, idx, rows = engine_groups(reps)
+        for out in (1, 128, 100_000):
+            req = Request("r", 0.0, 32_768, (), out, out)
+            c1, c0 = both(lambda: pol._decode_cost_one(req, c, model, eng, idx, rows, transfer))
+            assert same_bits(c1, c0), (ranks, seed, out)
+
+
+def test_row_sum_is_numpys_add_reduce():
+    """The kernels' pairwise sum against np.add.reduce along rows whose sum depends on the order."""
+    k = kernels.compiled()
+    assert k is not None
+    rng = np.random.default_rng(0)
+    for R in [1, 2, 5, 7, 8, 9, 15, 16, 17, 31, 64, 127, 128, 129, 200, 256, 300, 1000]:
+        M = rng.standard_normal((16, R)) * 10.0 ** rng.integers(-8, 9, (16, R))
+        want = np.add.reduce(M, axis=1)
+        got = np.array([k._row_sum(np.ascontiguousarray(M[i]), R) for i in range(16)])
+        assert same_bits(got, want), R
+    # order matters for these rows (else the test could not tell a sequential sum from numpy's)
+    M = rng.standard_normal((16, 64)) * 10.0 ** rng.integers(-8, 9, (16, 64))
+    seq = np.array([sum(M[i].tolist(), 0.0) for i in range(16)])
+    assert not same_bits(seq, np.add.reduce(M, axis=1))
+
+
+def _router(policy: EpAware, ranks: int, engines: int) -> Router:
+    r = Router(policy, policy, block_size=512, seed=3)
+    for e in range(engines):
+        for k in range(ranks):
+            r.add_replica(ReplicaId(f"p{e}", k), "prefill")
+            r.add_replica(ReplicaId(f"d{e}", k), "decode", kv_capacity_tokens=4_000_000)
+    return r
+
+
+@pytest.mark.parametrize("ranks, engines", [(8, 8), (16, 3), (3, 5)])
+def test_routes_and_scores_equal_with_and_without_kernels(ranks, engines):
+    """Two routers, one with the kernels and one without, fed the same requests: the same replicas
+    for every request and the same cost scores, bit for bit (the whole policy, default cost model)."""
+    routers = {True: _router(EpAware(), ranks, engines), False: _router(EpAware(), ranks, engines)}
+    rng = random.Random(1)
+    roots = [[rng.getrandbits(40) for _ in range(20)] for _ in range(6)]
+    live: list[str] = []
+    for i in range(300):
+        blocks = tuple(rng.choice(roots)[: rng.randrange(1, 21)] + [rng.getrandbits(40) for _ in range(rng.randrange(0, 40))])
+        req = Request(f"r{i}", 0.0, len(blocks) * 512 - rng.randrange(0, 512), blocks, 64, rng.randrange(1, 2000))
+        got = {}
+        for on, router in routers.items():
+            kernels.use_compiled(on)
+            route = router.route(req, i * 0.01)
+            got[on] = (route.prefill, route.decode, list(route.prefill_choice.scores.values()),
+                       list(route.decode_choice.scores.values()))
+        kernels.use_compiled(True)
+        assert got[True][:2] == got[False][:2], i
+        assert same_bits(got[True][2], got[False][2]) and same_bits(got[True][3], got[False][3]), i
+        live.append(req.request_id)
+        if len(live) > 40:
+            done = live.pop(rng.randrange(len(live)))
+            for router in routers.values():
+                router.on_prefill_done(done, i * 0.01)
+                router.on_finished(done, i * 0.01)
+
+
+def test_off_or_missing_numba_falls_back_to_numpy(monkeypatch):
+    """use_compiled(False), or numba missing (the module not loadable): every kernel answers None and
+    ep_aware decides with its numpy code, to the same choice."""
+    reps, q, a, u, cached = pool(0, 8, 4, "random")
+    _, idx, rows = engine_groups(reps)
+    kernels.use_compiled(False)
+    assert kernels.compiled() is None
+    assert kernels.prefill_wait_rows(q, a, u, cached, 8192.0, 1e-5, 1e-9, idx, rows) is None
+    assert kernels.requests_after_rows(q, q, idx, rows) is None
+    kernels.use_compiled(True)
+    assert kernels.compiled() is not None
+    monkeypatch.setattr(kernels, "_module", None)  # as after a failed `import numba`
+    assert kernels.compiled() is None
+    assert kernels.decode_cost_rows(q, q, q, idx, rows, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, True) is None
+    c = Candidates(Role.PREFILL, reps, np.ones(len(reps), np.int64), q.astype(np.int64), np.zeros(len(reps), np.int64),
+                   np.zeros(len(reps), np.int64), (cached // 512).astype(np.int64), cached.astype(np.int64), 512,
+                   prefill_attn_pairs=a)
+    req = Request("r", 0.0, 32_768, (), 64, 64)
+    slow = EpAware().select(req, c, SelectContext(random.Random(0), 1.0, 0, DEFAULT_COST_MODEL, None))
+    monkeypatch.undo()
+    fast = EpAware().select(req, c, SelectContext(random.Random(0), 1.0, 0, DEFAULT_COST_MODEL, None))
+    assert fast.replica == slow.replica
+    assert same_bits(list(fast.scores.values()), list(slow.scores.values()))
+
+
+def test_layouts_the_kernels_do_not_take_fall_back():
+    """Arrays of other dtypes for the layout, or no row layout: None (the caller's numpy path)."""
+    reps, q, a, u, cached = pool(1, 4, 3, "random")
+    _, idx, rows = engine_groups(reps)
+    assert kernels.prefill_wait_rows(q, a, u, cached, 8192.0, 1e-5, 1e-9, idx.astype(np.int32), rows) is None
+    assert kernels.requests_after_rows(q, q, idx, rows.astype(np.int32)) is None
+    assert kernels.requests_after_rows(q, q, idx, rows[:, :0].copy()) is None
+    # int64 load columns are taken (converted as numpy's arithmetic would)
+    assert same_bits(kernels.requests_after_rows(q.astype(np.int64), q, idx, rows),
+                     kernels.requests_after_rows(q.astype(np.int64).astype(np.float64), q, idx, rows))

@@ -1,0 +1,84 @@
+"""The cost model in the live router: files, errors, and online learning through the proxy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from balancer.cost_model import CostModel
+from balancer.service.app import SERVICE
+from pdlb_cli.serve import read_cost_model_file
+from pdlb_cli.main import main
+from sim.emulator.testing import inprocess_cluster
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json", ""])
+def test_sim_cost_model_file_round_trips_into_serve(tmp_path: Path, suffix: str) -> None:
+    # what pdlb sim cost-model writes (TOML, or JSON for .json) is what pdlb serve --cost-model reads
+    from sim.run.router_cost import cost_model_for
+    from sim.scenario import load_scenario
+
+    out = tmp_path / f"cm{suffix}"
+    assert main(["sim", "cost-model", "--scenario", "llama70b-pd-h100", "--out", str(out)]) == 0
+    assert CostModel.from_dict(read_cost_model_file(str(out))) == cost_model_for(load_scenario("llama70b-pd-h100"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[cost_model]\nprefill = 3\n", "cost_model.prefill: expected a table"),
+    ("[cost_model.prefill]\nprefill = 5\n", "cost_model.prefill.prefill: expected a table"),
+    ("[cost_model]\nengines = 5\n", "cost_model.engines: expected a table"),
+    ("[cost_model.prefill]\nep_synchronous = \"false\"\n", "ep_synchronous must be true or false"),
+    ("[cost_model.prefill]\nchunk_tokens = 1.5\n", "chunk_tokens must be an integer"),
+    ("[cost_model]\ntransfer_latency_s = true\n", "cost_model.transfer_latency_s must be a finite number"),
+    ("[cost_model.decode.decode]\nper_seq_s = -1\n", "cost_model.decode.decode.per_seq_s must be"),
+    ("[cost_model.prefill.decode]\nper_seq_s = -1\n", "cost_model.prefill.decode.per_seq_s must be"),
+    ("[cost_model.prefill.prefill]\nper_tokens = 1\n", "unknown term(s) per_tokens"),
+    ("not toml [", "not valid TOML"),
+])
+def test_bad_cost_model_files_are_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "cm.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as e:
+        read_cost_model_file(str(f))
+    assert message in str(e.value) and str(f) in str(e.value)
+
+
+async def test_the_service_learns_prefill_and_decode_from_what_it_relays():
+    # streamed answers give the inter-token latency (SSE events ~ output tokens); every request
+    # with a prefill leg gives a prefill time
+    router = {"prefill_policy": {"name": "ep_aware"}, "decode_policy": {"name": "ep_aware"}}
+    async with inprocess_cluster("sglang", engine={"speed": 20.0}, router=router) as c, aiohttp.ClientSession() as s:
+        learner = c.router.app[SERVICE].router.cost_learner
+        assert learner is not None
+        for i in range(6):
+            async with s.post(c.url + "/v1/completions",
+                              json={"prompt": f"q {i} " * 50, "max_tokens": 8, "stream": True}) as r:
+                assert r.status == 200
+                await r.read()
+        n = learner.num_observations
+        assert n["prefill"] == 6 and n["decode"] == 6, n
+
+
+def test_sim_cost_model_takes_set_like_sim_run(tmp_path: Path, capsys) -> None:
+    # --set on cost-model = --set on sim run: the same dotted scenario fields, applied in order
+    from sim.run.router_cost import cost_model_for
+    from sim.scenario import load_scenario
+
+    out = tmp_path / "cm.toml"
+    assert main(["sim", "cost-model", "--scenario", "llama70b-pd-h100", "--set", "prefill.max_prefill_tokens=4096",
+                 "--set", "kv_transfer_latency_s=0.5", "--set", "kv_transfer_latency_s=0.005", "--out", str(out)]) == 0
+    got = CostModel.from_dict(read_cost_model_file(str(out)))
+    # by hand: the chunk is the pool's max_prefill_tokens, the transfer latency the scenario's (last --set wins)
+    assert got.prefill.chunk_tokens == 4096 and got.transfer_latency_s == 0.005
+    base = load_scenario("llama70b-pd-h100")
+    independent = base.model_copy(update={"prefill": base.prefill.model_copy(update={"max_prefill_tokens": 4096}),
+                                          "kv_transfer_latency_s": 0.005})
+    assert got == cost_model_for(independent)
+    assert got != cost_model_for(base)
+    assert "--set prefill.max_prefill_tokens=4096" in out.read_text().splitlines()[0]
+    capsys.readouterr()
+    assert main(["sim", "cost-model", "--set", "prefill.max_prefil_tokens=4096"]) == 2
+    assert capsys.readouterr().err == ("error: --set on scenario 'dsv3-pd-h200': prefill.max_prefil_tokens: unknown "
+                                       "field (did you mean 'max_prefill_tokens'?)\n")
