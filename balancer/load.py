@@ -35,7 +35,12 @@ the router adds it to the own counters.
 
 *External* load (``external_requests``, ``external_kv_tokens``) is what engine load reports
 (:class:`LoadReport`, :meth:`LoadTracker.on_report`) show beyond this tracker's own count: other
-routers' traffic. The router adds it to the own counters in its snapshots.
+routers' traffic. The router adds it to the own counters in its snapshots. Engines report request
+counts, not queued tokens, so on a prefill replica the external requests are also priced as
+queued prefill work (``external_prefill_tokens``, ``external_prefill_pairs``): each counts as
+this tracker's own mean pending prefill there (tokens and attention pairs per request), or, where
+this tracker has none pending, as the mean of every prefill it has dispatched. Without that, K
+independent routers each see about 1/K of every prefill queue (issue 23).
 
 Requests whose release never comes can be reaped (:meth:`LoadTracker.reap`): every in-flight
 record keeps its dispatch time.
@@ -123,6 +128,11 @@ class LoadTracker:
         self.prefill_attn_pairs = np.zeros(n, dtype=np.float64)
         self.external_requests = np.zeros(n, dtype=np.int64)
         self.external_kv_tokens = np.zeros(n, dtype=np.int64)
+        self.external_prefill_tokens = np.zeros(n, dtype=np.int64)
+        self.external_prefill_pairs = np.zeros(n, dtype=np.float64)
+        # every prefill this tracker dispatched: [requests, tokens, attention pairs] (the mean an
+        # external request on a replica without own pending prefills is priced at)
+        self._dispatched_prefill = [0, 0, 0.0]
         # the other router processes' counts (balancer.service.processes.shared_load), when shared
         self.peer_requests = np.zeros(n, dtype=np.int64)
         self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
@@ -170,6 +180,10 @@ class LoadTracker:
             self._now_s = 0.0
             for rec in self._inflight.values():
                 rec.queue_slot = -1
+        if "external_prefill_tokens" not in state:  # pickled before the external prefill columns
+            self.external_prefill_tokens = np.zeros(n, dtype=np.int64)
+            self.external_prefill_pairs = np.zeros(n, dtype=np.float64)
+            self._dispatched_prefill = [0, 0, 0.0]
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, replica: ReplicaId) -> int:
@@ -185,7 +199,8 @@ class LoadTracker:
             if slot >= len(self.num_requests):
                 grow = len(self.num_requests)
                 for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "prefill_attn_pairs",
-                             "external_requests", "external_kv_tokens", "peer_requests", "peer_prefill_tokens",
+                             "external_requests", "external_kv_tokens", "external_prefill_tokens",
+                             "external_prefill_pairs", "peer_requests", "peer_prefill_tokens",
                              "peer_kv_tokens", "prefill_head_tokens", "prefill_head_pairs"):
                     arr = getattr(self, name)
                     setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=arr.dtype)]))
@@ -198,6 +213,8 @@ class LoadTracker:
         self.prefill_attn_pairs[slot] = 0.0
         self.external_requests[slot] = 0
         self.external_kv_tokens[slot] = 0
+        self.external_prefill_tokens[slot] = 0
+        self.external_prefill_pairs[slot] = 0.0
         self.peer_requests[slot] = self.peer_prefill_tokens[slot] = self.peer_kv_tokens[slot] = 0
         self._clear_line(slot)
         self._report_s.pop(slot, None)
@@ -257,6 +274,11 @@ class LoadTracker:
             self.num_requests[p] += 1
             self.prefill_tokens[p] += prefill_tokens
             self.prefill_attn_pairs[p] += prefill_attn_pairs
+            if prefill_tokens > 0:
+                acc = self._dispatched_prefill
+                acc[0] += 1
+                acc[1] += prefill_tokens
+                acc[2] += prefill_attn_pairs
         else:
             self.prefill_tokens[d] += prefill_tokens
             self.prefill_attn_pairs[d] += prefill_attn_pairs
@@ -354,16 +376,32 @@ class LoadTracker:
         return n
 
     # ------------------------------------------------------------------ engine reports
-    def on_report(self, replica: ReplicaId, report: LoadReport, kv_capacity_tokens: int, now_s: float) -> None:
+    def on_report(self, replica: ReplicaId, report: LoadReport, kv_capacity_tokens: int, now_s: float,
+                  prefill_queue: bool = False) -> None:
         """Keep what ``report`` shows beyond this tracker's own count (plus its peers', when
         shared) as external load: ``max(0, running + waiting - own requests)`` and, with a known
-        capacity, ``max(0, kv_usage * capacity - own decode KV tokens)``."""
+        capacity, ``max(0, kv_usage * capacity - own decode KV tokens)``. ``prefill_queue``: the
+        replica is a prefill replica (its requests are pending prefills); its external requests
+        are then also priced as queued prefill tokens and attention pairs (module docstring)."""
         s = self._slot[replica]
         own_requests, own_kv = int(self.num_requests[s]), int(self.decode_kv_tokens[s])
+        own_tokens, own_pairs = int(self.prefill_tokens[s]), float(self.prefill_attn_pairs[s])
         if self.peer is not None:  # the other processes of this pdlb serve are not "external"
             own_requests += int(self.peer_requests[s])
             own_kv += int(self.peer_kv_tokens[s])
-        self.external_requests[s] = max(0, report.num_running + report.num_waiting - own_requests)
+            own_tokens += int(self.peer_prefill_tokens[s])
+        ext = max(0, report.num_running + report.num_waiting - own_requests)
+        self.external_requests[s] = ext
+        if prefill_queue and ext > 0:
+            if own_requests > 0 and own_tokens > 0:  # the mix this router sends there
+                n, tokens, pairs = own_requests, own_tokens, own_pairs
+            else:  # nothing of its own pending there: every prefill it has dispatched
+                n, tokens, pairs = self._dispatched_prefill
+            self.external_prefill_tokens[s] = round(ext * tokens / n) if n else 0
+            self.external_prefill_pairs[s] = ext * pairs / n if n else 0.0
+        else:
+            self.external_prefill_tokens[s] = 0
+            self.external_prefill_pairs[s] = 0.0
         if report.kv_usage is not None and kv_capacity_tokens > 0:
             used = int(round(report.kv_usage * kv_capacity_tokens))
             self.external_kv_tokens[s] = max(0, used - own_kv)
@@ -379,6 +417,8 @@ class LoadTracker:
         for s in old:
             self.external_requests[s] = 0
             self.external_kv_tokens[s] = 0
+            self.external_prefill_tokens[s] = 0
+            self.external_prefill_pairs[s] = 0.0
             del self._report_s[s]
         self.oldest_report_s = min(self._report_s.values(), default=float("inf"))
         if not self._report_s:

@@ -46,7 +46,8 @@ is, counting every router's traffic. The router keeps the part of it that is not
 (``reported - own count at report time``, floored at 0) as *external* load on that replica and
 adds it to its own counters in every snapshot until the next report or until the report is
 older than ``load_report_max_age_s``; so several independent routers see the whole load, not
-their share.
+their share. On a prefill replica the external requests are priced as queued prefill tokens too
+(:mod:`balancer.load`: this router's own mean pending prefill there), since engines report counts.
 
 Warm starts: :meth:`Router.snapshot` / :meth:`Router.restore` (or plain ``pickle``) save and load
 the whole state (replicas, prefix index, load, RNG); the prefix index is written flat, so a deep
@@ -376,16 +377,19 @@ class Router:
             num_requests = num_requests + load.peer_requests[slots]
             decode_kv = decode_kv + load.peer_kv_tokens[slots]
             prefill_tokens = prefill_tokens + load.peer_prefill_tokens[slots]
+        pairs = load.prefill_attn_pairs[slots]
         if load.has_external:  # engine load reports: the part of the load that is not this router's
             num_requests = num_requests + load.external_requests[slots]
             decode_kv = decode_kv + load.external_kv_tokens[slots]
+            prefill_tokens = prefill_tokens + load.external_prefill_tokens[slots]
+            pairs = pairs + load.external_prefill_pairs[slots]
         if not cache.has_tiers:
             tokens = matched * self.block_size
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
             return Candidates(pool.role, pool.replicas, num_requests, prefill_tokens,
                               decode_kv, pool.capacity, matched, tokens, self.block_size,
-                              prefill_attn_pairs=load.prefill_attn_pairs[slots],
+                              prefill_attn_pairs=pairs,
                               prefill_head_start_s=load.prefill_head_start_s[slots],
                               prefill_head_tokens=load.prefill_head_tokens[slots],
                               prefill_head_pairs=load.prefill_head_pairs[slots])
@@ -404,7 +408,7 @@ class Router:
             matched_tokens=tokens,
             block_size=self.block_size,
             hbm_blocks=matched, host_blocks=host, store_blocks=store,
-            prefill_attn_pairs=load.prefill_attn_pairs[slots],
+            prefill_attn_pairs=pairs,
             prefill_head_start_s=load.prefill_head_start_s[slots],
             prefill_head_tokens=load.prefill_head_tokens[slots],
             prefill_head_pairs=load.prefill_head_pairs[slots],
@@ -630,7 +634,7 @@ class Router:
         info = self.registry.get(replica)
         if info is None:
             return
-        self.load.on_report(replica, report, info.kv_capacity_tokens, now_s)
+        self.load.on_report(replica, report, info.kv_capacity_tokens, now_s, prefill_queue=info.role is Role.PREFILL)
 
     def uses_load(self) -> bool:
         """Whether a policy that decides reads the candidates' load (:attr:`Policy.uses_load`):

@@ -31,11 +31,16 @@ class BrokerRouters:
         ap.add_argument("--latency-s", type=nonnegative_float, default=DEFAULT_LATENCY_S,
                         help="broker delivery time, seconds (default: %(default)s)")
         ap.add_argument("--seed", type=seed_int, default=0, help="seed (default: %(default)s)")
+        ap.add_argument("--policy", default=None,
+                        help="one policy spec for both pools, e.g. ep_aware (default: cache_aware prefill, "
+                             "least_load decode)")
         return ap
 
     def run(self, args: argparse.Namespace, console: Console) -> int:
         # an unknown mode is a ValueError from run(): one error line, exit status 2 (pdlb_cli.main)
+        pols = ("cache_aware", "least_load") if args.policy is None else (args.policy, args.policy)
         rows = run(args.ks, [m.strip() for m in args.modes.split(",")], args.limit, args.seed, 1.0,
-                   args.interval_s, args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True))
+                   args.interval_s, args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True),
+                   prefill_policy=pols[0], decode_policy=pols[1])
         print(markdown(rows))
         return 0

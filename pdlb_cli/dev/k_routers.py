@@ -10,18 +10,19 @@ from pathlib import Path
 from rich.console import Console
 
 from pdlb_cli.args import positive_float, positive_int, positive_int_list, seed_int
-from sim.experiments.k_routers import markdown, run
+from sim.experiments.k_routers import DEFAULT_REPORT_INTERVAL_S, markdown, run
 
 INDEX_MODES = ("approximate", "events", "hybrid")
 
 
 def index_modes(text: str) -> list[str]:
-    """``--modes``: index modes (approximate, events, hybrid), each optionally ``+shared-load``."""
+    """``--modes``: index modes (approximate, events, hybrid), each optionally ``+shared-load`` or
+    ``+reports``."""
     modes = [m.strip() for m in text.split(",")]
-    bad = [m for m in modes if m.partition("+")[0] not in INDEX_MODES or m.partition("+")[2] not in ("", "shared-load")]
+    bad = [m for m in modes if m.partition("+")[0] not in INDEX_MODES or m.partition("+")[2] not in ("", "shared-load", "reports")]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown index mode(s) {', '.join(bad)} ({', '.join(INDEX_MODES)}, "
-                                         "each optionally +shared-load)")
+                                         "each optionally +shared-load or +reports)")
     return modes
 
 
@@ -38,16 +39,24 @@ class KRouters:
                         help="router counts, comma-separated (default: 1,2,4,8)")
         ap.add_argument("--modes", type=index_modes, default=["approximate", "events", "events+shared-load"],
                         help="index modes, each optionally +shared-load (one in-flight load view for all routers) "
+                             "or +reports (the engines' load reports every --report-interval-s) "
                              "(default: approximate,events,events+shared-load)")
         ap.add_argument("--limit", type=positive_int, default=None, help="first N requests of the trace (default: all)")
         ap.add_argument("--rate-scale", type=positive_float, default=1.0,
                         help="arrival-rate multiplier (default: %(default)s)")
         ap.add_argument("--seed", type=seed_int, default=0, help="seed (default: %(default)s)")
+        ap.add_argument("--policy", default=None,
+                        help="one policy spec for both pools, e.g. ep_aware (default: cache_aware prefill, "
+                             "least_load decode)")
+        ap.add_argument("--report-interval-s", type=positive_float, default=DEFAULT_REPORT_INTERVAL_S,
+                        help="seconds between engine load reports in +reports modes (default: %(default)s)")
         ap.add_argument("--out", type=Path, default=None, help="write summary.json and summary.md here (default: none)")
         return ap
 
     def run(self, args: argparse.Namespace, console: Console) -> int:
-        rows = run(args.ks, args.modes, args.limit, args.seed, args.rate_scale)
+        pols = ("cache_aware", "least_load") if args.policy is None else (args.policy, args.policy)
+        rows = run(args.ks, args.modes, args.limit, args.seed, args.rate_scale, pols[0], pols[1],
+                   args.report_interval_s)
         md = markdown(rows)
         print(md)
         if args.out is not None:

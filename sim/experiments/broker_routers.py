@@ -190,9 +190,10 @@ class BrokerKRouters(KRouters):
 
 def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0, rate_scale: float = 1.0,
         interval_s: float = DEFAULT_INTERVAL_S, latency_s: float = DEFAULT_LATENCY_S,
-        log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        log: Callable[[str], None] | None = None, prefill_policy: str = "cache_aware",
+        decode_policy: str = "least_load") -> list[dict[str, Any]]:
     """One summary row per (mode, K) on the embedded Mooncake trace (``dsv3-pd-h200``,
-    cache_aware prefill, least_load decode, as :func:`sim.experiments.k_routers.run`).
+    cache_aware prefill, least_load decode by default, as :func:`sim.experiments.k_routers.run`).
 
     Raises:
         ValueError: an unknown mode or a K below 1.
@@ -221,7 +222,7 @@ def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0
             else:
                 wrapper = KRouters.wrapper(k, seed, shared_load=sharing == "shared-load")
             t0 = time.perf_counter()
-            s = summarize(simulate(sc, reqs, "cache_aware", "least_load", seed=seed, index_mode=mode,
+            s = summarize(simulate(sc, reqs, prefill_policy, decode_policy, seed=seed, index_mode=mode,
                                    router_wrapper=wrapper))
             rows.append({"mode": label, "k": k, "hit_rate": s["prefix_hit_rate"], "ideal_hit_rate": s["ideal_hit_rate"],
                          "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"],

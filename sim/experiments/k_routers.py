@@ -5,28 +5,37 @@ spreads requests over them. With ``index_mode="approximate"`` each replica only 
 *it* routed, so a prefix cached through replica 1 is invisible to replica 2; with
 ``index_mode="events"`` every replica consumes every engine's KV events (Dynamo and llm-d do this),
 so their prefix views agree. In-flight load is each replica's own, unless ``+shared-load``: one
-load view for all (what the processes of one ``pdlb serve`` would get from shared memory).
+load view for all (what the processes of one ``pdlb serve`` would get from shared memory), or
+``+reports``: every ``report_interval_s`` each router receives the engines' own load reports
+(:meth:`balancer.router.Router.on_load_report`: running + waiting requests and KV usage per DP
+rank, what ``pdlb serve``'s ``load_scrape`` reads from the engines' Prometheus metrics), here the
+sum of every router's in-flight counts at that moment (what the engine holds: the simulated
+hooks are instant).
 
 :class:`KRouters` is a drop-in for :class:`balancer.router.Router` in the simulator: request ``i``
 (in arrival order) goes to replica ``i mod K``, its hooks to the same replica, and KV events to
 all of them. :func:`run` simulates K in ``--ks`` for both modes on the embedded Mooncake trace
-(default scenario ``dsv3-pd-h200``, cache_aware prefill, least_load decode) and reports the
-prefix hit rate and TTFT, with ratios to K = 1 of the same mode.
+(default scenario ``dsv3-pd-h200``, cache_aware prefill, least_load decode, or ``--policy``) and
+reports the prefix hit rate and TTFT, with ratios to K = 1 of the same mode.
 
-Run: ``pdlb dev k-routers [--ks 1,2,4,8] [--limit 3000]``.
+Run: ``pdlb dev k-routers [--ks 1,2,4,8] [--limit 3000] [--policy ep_aware]``.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from balancer.load import LoadTracker
+from balancer.load import LoadReport, LoadTracker
 from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Role, Route
+
+#: seconds between the engines' load reports in ``+reports`` mode (``pdlb serve``'s load_scrape default)
+DEFAULT_REPORT_INTERVAL_S = 1.0
 
 
 class _IndexGroup:
@@ -66,14 +75,25 @@ class KRouters:
             correlated random choices.
         shared_load: all routers count in-flight load in one tracker (what shared memory
             between the processes of one ``pdlb serve`` gives); else each counts its own.
+        report_interval_s: every this many seconds (at the first call at or after each boundary)
+            each router gets one :class:`~balancer.load.LoadReport` per replica: the requests all
+            routers have in flight there and their decode KV tokens over its capacity (the
+            engine's own view); ``None``: no reports.
 
     Raises:
-        ValueError: ``k`` < 1.
+        ValueError: ``k`` < 1, or a report interval that is not a positive finite number.
     """
 
-    def __init__(self, make: Callable[..., Router], k: int, seed: int = 0, shared_load: bool = False) -> None:
+    def __init__(self, make: Callable[..., Router], k: int, seed: int = 0, shared_load: bool = False,
+                 report_interval_s: float | None = None) -> None:
         if k < 1:
             raise ValueError("need at least one router")
+        if report_interval_s is not None and not (report_interval_s > 0 and math.isfinite(report_interval_s)):
+            raise ValueError(f"report_interval_s must be a positive number of seconds, got {report_interval_s!r}")
+        self.report_interval_s = report_interval_s
+        self._report_tick = -1
+        self._replicas: list[tuple[ReplicaId, int]] = []
+        self.reports_sent = 0
         own = LoadTracker() if shared_load else None
         self.routers = [make(**{"seed": seed * 1000 + j, "load_sources": LoadSources(own=own) if own is not None else None,
                                 **self._parts(j)}) for j in range(k)]
@@ -90,35 +110,58 @@ class KRouters:
         return {}
 
     @classmethod
-    def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False
+    def wrapper(cls, k: int, seed: int = 0, shared_load: bool = False, report_interval_s: float | None = None
                 ) -> Callable[[Callable[..., Router]], Callable[[Any], Any]]:
         """For :func:`sim.run.cluster.simulate` ``router_wrapper``: K routers from its factory
         (called with the cluster's :class:`sim.run.router_config.RankCacheBlocks` and the parts)."""
         def wrap(factory: Callable[..., Router]) -> Callable[[Any], Any]:
-            return lambda ranks: cls(lambda **parts: factory(ranks, **parts), k, seed, shared_load)
+            return lambda ranks: cls(lambda **parts: factory(ranks, **parts), k, seed, shared_load, report_interval_s)
         return wrap
 
     def add_replica(self, replica: ReplicaId, role: Role | str, kv_capacity_tokens: int = 0) -> None:
         for r in self.routers:
             r.add_replica(replica, role, kv_capacity_tokens)
+        self._replicas.append((replica, kv_capacity_tokens))
+
+    def _report(self, now_s: float) -> None:
+        """The engines' load reports of the interval boundaries passed since the last call (one
+        round: the state now is the state at the latest boundary, as no hook ran in between)."""
+        if self.report_interval_s is None:
+            return
+        tick = math.floor(now_s / self.report_interval_s)
+        if tick <= self._report_tick:
+            return
+        self._report_tick = tick
+        trackers = {id(r.load): r.load for r in self.routers}.values()  # a shared tracker counts once
+        for replica, cap in self._replicas:
+            n = sum(int(t.num_requests[t.slot(replica)]) for t in trackers)
+            kv = sum(int(t.decode_kv_tokens[t.slot(replica)]) for t in trackers)
+            report = LoadReport(num_running=n, kv_usage=min(1.0, kv / cap) if cap > 0 else None)
+            for r in self.routers:
+                r.on_load_report(replica, report, now_s)
+            self.reports_sent += len(self.routers)
 
     def route(self, request: Request, now_s: float) -> Route:
+        self._report(now_s)
         r = self.routers[self._next % len(self.routers)]
         self._next += 1
         self._owner[request.request_id] = r
         return r.route(request, now_s)
 
     def on_prefill_done(self, request_id: str, now_s: float) -> None:
+        self._report(now_s)
         r = self._owner.get(request_id)
         if r is not None:
             r.on_prefill_done(request_id, now_s)
 
     def on_first_token(self, request_id: str, now_s: float) -> None:
+        self._report(now_s)
         r = self._owner.get(request_id)
         if r is not None:
             r.on_first_token(request_id, now_s)
 
     def on_finished(self, request_id: str, now_s: float, num_output_tokens: int | None = None) -> None:
+        self._report(now_s)
         r = self._owner.pop(request_id, None)
         if r is not None:
             r.on_finished(request_id, now_s, num_output_tokens)
@@ -129,8 +172,10 @@ class KRouters:
 
 
 def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0,
-        rate_scale: float = 1.0) -> list[dict[str, Any]]:
-    """One summary row per (mode, K)."""
+        rate_scale: float = 1.0, prefill_policy: str = "cache_aware", decode_policy: str = "least_load",
+        report_interval_s: float = DEFAULT_REPORT_INTERVAL_S) -> list[dict[str, Any]]:
+    """One summary row per (mode, K); a mode is ``approximate``, ``events`` or ``hybrid``, with
+    ``+shared-load`` or ``+reports`` (engine load reports every ``report_interval_s``)."""
     from sim.run.cluster import simulate
     from sim.run.metrics import summarize
     from sim.scenario import DEFAULT_PRESET, load_scenario
@@ -148,10 +193,13 @@ def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0
         mode, _, shared = label.partition("+")
         for k in ks:
             t0 = time.perf_counter()
-            res = simulate(sc, reqs, "cache_aware", "least_load", seed=seed, index_mode=mode,
-                           router_wrapper=KRouters.wrapper(k, seed, shared_load=shared == "shared-load"))
+            res = simulate(sc, reqs, prefill_policy, decode_policy, seed=seed, index_mode=mode,
+                           router_wrapper=KRouters.wrapper(k, seed, shared_load=shared == "shared-load",
+                                                           report_interval_s=report_interval_s if shared == "reports"
+                                                           else None))
             s = summarize(res)
-            rows.append({"mode": label, "k": k, "hit_rate": s["prefix_hit_rate"], "ideal_hit_rate": s["ideal_hit_rate"],
+            rows.append({"mode": label, "k": k, "prefill_policy": prefill_policy, "decode_policy": decode_policy,
+                         "attainment": s.get("slo_attainment"), "hit_rate": s["prefix_hit_rate"], "ideal_hit_rate": s["ideal_hit_rate"],
                          "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"],
                          "ttft_p90_s": s["ttft_s"]["p90"], "ttft_p99_s": s["ttft_s"]["p99"],
                          "goodput_rps": s["goodput_rps"], "prefill_load_imbalance": s["prefill_load_imbalance"],

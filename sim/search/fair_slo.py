@@ -118,3 +118,47 @@ def attainment_at(ttft_s: np.ndarray, tpot_s: np.ndarray, prompt_tokens: np.ndar
     with np.errstate(invalid="ignore"):
         ok = (ttft_s <= budget) & np.where(np.isnan(tpot_s), True, tpot_s <= slo.tpot_s)
     return float(ok.mean())
+
+
+def rate_at_ttft_scale(rates: np.ndarray, needed: np.ndarray, scale: float) -> float:
+    """The highest rate at which the SLO with its TTFT budget times ``scale`` holds, read off runs
+    on a grid of rates: ``needed[i]`` is the smallest budget factor at which run ``i`` (at
+    ``rates[i]``) meets the SLO (:func:`sim.search.capacity.reachable_ttft_scale`; ``inf`` or NaN where no
+    factor does). The SLO holds up to the first grid rate whose factor exceeds ``scale``; between
+    that rate and the one before it the crossing is interpolated linearly in ``(log factor, log
+    rate)`` (not interpolated when the failing run has no finite factor: the last rate that holds).
+
+    Args:
+        rates: grid rates (any unit; > 0, strictly increasing), shape ``(n,)``.
+        needed: each run's factor, shape ``(n,)``.
+        scale: the budget factor judged (> 0).
+
+    Returns:
+        The rate (in ``rates``' unit); ``0.0`` when the SLO fails already at ``rates[0]`` (the
+        rate is below the grid), ``inf`` when it holds at every grid rate (above it).
+
+    Raises:
+        ValueError: empty or unequal arrays, rates not positive and strictly increasing, a scale
+            that is not a positive finite number.
+    """
+    r = np.asarray(rates, dtype=np.float64)
+    k = np.asarray(needed, dtype=np.float64)
+    if r.ndim != 1 or len(r) == 0 or r.shape != k.shape:
+        raise ValueError(f"rates and needed must be non-empty 1-d arrays of one length, got {r.shape} and {k.shape}")
+    if not (np.all(np.isfinite(r)) and np.all(r > 0) and np.all(np.diff(r) > 0)):
+        raise ValueError("rates must be positive, finite and strictly increasing")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    k = np.where(np.isnan(k), np.inf, k)
+    fail = np.flatnonzero(k > scale)
+    if not len(fail):
+        return float("inf")
+    i = int(fail[0])
+    if i == 0:
+        return 0.0
+    if not math.isfinite(k[i]):
+        return float(r[i - 1])
+    lo, hi = math.log(max(k[i - 1], 1e-12)), math.log(k[i])
+    t = (math.log(scale) - lo) / (hi - lo) if hi > lo else 0.0
+    t = min(max(t, 0.0), 1.0)
+    return float(math.exp(math.log(r[i - 1]) + t * (math.log(r[i]) - math.log(r[i - 1]))))

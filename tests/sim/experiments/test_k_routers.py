@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from balancer import ReplicaId, Request, Role, Router
 from sim.run.cluster import simulate
 from sim.experiments.k_routers import KRouters
 from sim.run.metrics import summarize
@@ -62,3 +65,29 @@ def test_shared_load_routers_count_in_one_tracker():
     assert s["num_finished"] == 300
     assert g.routers[0].load is g.routers[1].load is g.routers[2].load
     assert g.routers[0].load.num_in_flight == 0  # every release reached the one tracker
+
+
+P0, P1, D0 = ReplicaId("p", 0), ReplicaId("p", 1), ReplicaId("d", 0)
+
+
+def _route_all(g: KRouters, n: int) -> None:
+    for i in range(n):
+        g.route(Request(f"r{i}", float(i), 320, tuple(range(i * 100, i * 100 + 20))), 0.5 * i)
+
+
+def test_k_routers_reports_show_each_router_the_others_in_flight_requests():
+    g = KRouters(lambda **parts: Router("round_robin", "round_robin", block_size=16, **parts), 2, seed=0,
+                 report_interval_s=1.0)
+    for rep, role in ((P0, Role.PREFILL), (P1, Role.PREFILL), (D0, Role.DECODE)):
+        g.add_replica(rep, role, 100_000)
+    # routes at t = 0, 0.5, 1.0, 1.5: router i mod 2; reports at the first call at or after t = 0 and t = 1
+    _route_all(g, 4)
+    assert g.reports_sent == 2 * 3 * 2  # 2 boundaries x 3 replicas x 2 routers
+    a, b = g.routers
+    # at t = 1.0 (before the third request): a routed r0, b routed r1, all in flight; D0 holds both,
+    # so each router sees 1 external request there; the decode KV is 2 x 320 = 640 of 100,000 tokens
+    sd = a.load.slot(D0)
+    assert int(a.load.external_requests[sd]) == 1 and int(b.load.external_requests[sd]) == 1
+    assert int(a.load.external_kv_tokens[sd]) == 640 - 320
+    with pytest.raises(ValueError, match="report_interval_s"):
+        KRouters(lambda **parts: Router("round_robin", block_size=16, **parts), 1, report_interval_s=0.0)

@@ -100,3 +100,40 @@ def test_a_factor_beyond_the_grid_bound_is_reported_as_unreachable() -> None:
     # needs 1e6 / 2 = 5e5: more than MAX_STEPS steps of 0.05 -> inf, not a loop of 1e7 steps
     fs = fair_ttft_scale({"A": _run([1e6] * 10)}, FLAT, margin=0.05)
     assert (5e5 - 1.0) / 0.05 > MAX_STEPS and math.isinf(fs.scale)
+
+
+def test_rate_at_a_ttft_scale_is_read_off_the_grid_in_log_space() -> None:
+    from sim.search.fair_slo import rate_at_ttft_scale
+
+    rates = np.array([0.25, 0.5, 1.0, 2.0])
+    needed = np.array([1.0, 1.5, 3.0, math.inf])
+    # k = 2: first failure at 1.0 (3 > 2); between (1.5, 0.5) and (3, 1.0):
+    # t = ln(2 / 1.5) / ln(3 / 1.5) = 0.28768 / 0.69315 = 0.41504; rate = 0.5 * 2^0.41504 = 0.66667
+    assert rate_at_ttft_scale(rates, needed, 2.0) == pytest.approx(0.5 * 2 ** (math.log(2 / 1.5) / math.log(2)))
+    assert rate_at_ttft_scale(rates, needed, 2.0) == pytest.approx(2 / 3, rel=1e-9)  # 2^(ln(4/3) / ln 2) = 4/3
+    # k = 1.5 exactly meets at 0.5, fails at 1.0: t = 0 -> 0.5
+    assert rate_at_ttft_scale(rates, needed, 1.5) == pytest.approx(0.5)
+    # k = 5: first failure is the inf run at 2.0: no interpolation, the last rate that holds (1.0)
+    assert rate_at_ttft_scale(rates, needed, 5.0) == 1.0
+    # k = 0.9: fails at the lowest rate -> 0 (below the grid); NaN needs count as failures
+    assert rate_at_ttft_scale(rates, needed, 0.9) == 0.0
+    assert rate_at_ttft_scale(rates, np.array([1.0, math.nan, 1.0, 1.0]), 2.0) == 0.25
+    # every run holds -> inf (above the grid)
+    assert math.isinf(rate_at_ttft_scale(rates, np.array([1.0, 1.0, 1.1, 1.2]), 2.0))
+    # a non-monotone grid: the first failure decides (1.0 fails k = 2 even though 2.0 would meet it)
+    assert rate_at_ttft_scale(rates, np.array([1.0, 1.0, 4.0, 1.5]), 2.0) == pytest.approx(0.5 * 2 ** 0.5)
+
+
+@pytest.mark.parametrize("rates, needed, scale, match", [
+    ([], [], 1.0, "non-empty"),
+    ([1.0, 2.0], [1.0], 1.0, "one length"),
+    ([1.0, 1.0], [1.0, 1.0], 1.0, "strictly increasing"),
+    ([0.0, 1.0], [1.0, 1.0], 1.0, "positive"),
+    ([1.0, 2.0], [1.0, 1.0], 0.0, "scale"),
+    ([1.0, 2.0], [1.0, 1.0], math.nan, "scale"),
+])
+def test_rate_at_a_ttft_scale_refuses_bad_input(rates, needed, scale, match) -> None:
+    from sim.search.fair_slo import rate_at_ttft_scale
+
+    with pytest.raises(ValueError, match=match):
+        rate_at_ttft_scale(np.array(rates), np.array(needed), scale)
