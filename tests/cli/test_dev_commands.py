@@ -42,7 +42,7 @@ def test_dev_lists_its_commands(capsys: pytest.CaptureFixture[str]) -> None:
      "pdlb dev k-routers: error: argument --ks: expected comma-separated integers >= 1, got '1,,2'"),
     (["dev", "k-routers", "--modes", "events,bogus"],
      "pdlb dev k-routers: error: argument --modes: unknown index mode(s) bogus (approximate, events, hybrid, "
-     "each optionally +shared-load)"),
+     "each optionally +shared-load or +reports)"),
     (["dev", "broker-routers", "--ks", "x"],
      "pdlb dev broker-routers: error: argument --ks: expected an integer >= 1, got 'x'"),
     (["dev", "tiers-vs-routing", "--rate-scales", "0.6,0"],
