@@ -13,7 +13,7 @@ go into the metrics:
   thread holding the GIL), so a block of ``c`` seconds shows in both. A wait for a CPU stretches
   wall time, not CPU time: on a host shared with other work, the lag grows and the CPU lag does
   not. So the CPU lag can be held to latency bounds on a loaded machine where the lag cannot
-  (``tests/test_service_hostile.py`` holds it to issue 25's: p99 under 100 ms, never over 250 ms).
+  (``tests/service/test_service_hostile.py`` holds it to issue 25's: p99 under 100 ms, never over 250 ms).
 
 What the CPU lag does not see: a loop blocked without using CPU (a ``time.sleep`` or a blocking
 read on the loop): it shows in the lag only. It may count too much, never too little, of a block

@@ -648,7 +648,7 @@ requests the action sends (issue 25 item 7: 1,000 bad requests logged 578 KB of 
 def verdict(name: str, statuses: list[int], seen: ProbeResult, lag: LoopLag, cpu_lag: LoopLag,
             foreign_cores: float, logged_bytes: int = 0) -> list[str]:
     """What went wrong during hostile action ``name`` (empty: nothing), by issue 25's "Done when"
-    (``tests/test_service_hostile.py``'s docstring): its ``statuses``; the probe's latencies
+    (``tests/service/test_service_hostile.py``'s docstring): its ``statuses``; the probe's latencies
     ``seen``; the router's wall-clock and CPU event-loop lag (:class:`LoopLag` of :data:`LAG` and
     :data:`CPU_LAG`); the CPUs other work on the host took meanwhile
     (:meth:`HostCpu.foreign_cores`: above :data:`QUIET_FOREIGN_CORES` the wall-clock figures

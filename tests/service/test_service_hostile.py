@@ -28,7 +28,7 @@ probes ``GET /health`` every 50 ms (:class:`sim.emulator.hostile.Probe`). Checke
   memory (RSS without mapped files: 10% of the RSS, which counts ~150 MB of library code, numba's
   included, would hide 15 MB of heap growth).
 
-The checks themselves, by hand on made-up readings: ``tests/test_hostile_verdict.py``.
+The checks themselves, by hand on made-up readings: ``tests/service/test_hostile_verdict.py``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import aiohttp
 
 from balancer.service.config import ServiceConfig, WorkerConfig
 from balancer.service.workers import MAX_REPLICAS, MAX_WORKERS
-from tests.test_service_hardening import served
+from tests.service.test_service_hardening import served
 
 ISSUE_MAX_S = 0.250
 ISSUE_P99_S = 0.100

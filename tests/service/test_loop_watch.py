@@ -1,6 +1,6 @@
 """The event-loop watch (balancer/service/loop_watch.py): lag and CPU lag.
 
-The CPU lag is what ``tests/test_service_hostile.py`` holds to issue 25's latency bounds on a
+The CPU lag is what ``tests/service/test_service_hostile.py`` holds to issue 25's latency bounds on a
 loaded host, so these tests show that it can fail: a callback that blocks the loop with CPU work
 shows in it in full, whatever the host does, while a process the host does not run for a while
 (SIGSTOP, the extreme of a busy host) shows only in the wall-clock lag. Expected values: the
@@ -88,7 +88,7 @@ def test_a_process_the_host_does_not_run_shows_in_the_lag_only():
     # SIGSTOP: the kernel runs none of the child's threads for 0.5 s, as a host too busy to give
     # the router a CPU would; its loop's timer is then 0.5 s late, for no work of its own
     p = subprocess.Popen([sys.executable, "-c", _CHILD, "1.5"], stdout=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         time.sleep(0.3)
