@@ -103,3 +103,25 @@ def test_a_process_the_host_does_not_run_shows_in_the_lag_only():
             p.wait()
     assert max(s[0] for s in samples) >= 0.45
     assert max(s[1] for s in samples) < 0.1
+
+
+async def test_the_router_exports_both_lags():
+    # pdlb serve's app: both histograms in /metrics, fed every 50 ms, the CPU lag never above the lag
+    import re
+
+    import aiohttp
+
+    from balancer.service.config import ServiceConfig
+    from tests.service.test_service_hardening import served
+
+    cfg = ServiceConfig.model_validate({"pd_protocol": "none", "port": 0, "health_check": {"enabled": False}})
+    async with served(cfg) as (url, _svc), aiohttp.ClientSession() as s:
+        await asyncio.sleep(0.5)
+        text = await (await s.get(url + "/metrics")).text()
+
+    def total(name: str, what: str) -> float:
+        return float(re.search(rf"^{name}_{what} (\S+)$", text, re.M).group(1))
+
+    assert total("pdlb_event_loop_lag_seconds", "count") >= 3  # 0.5 s / 50 ms, on a slow host fewer than 10
+    assert total("pdlb_event_loop_cpu_lag_seconds", "count") == total("pdlb_event_loop_lag_seconds", "count")
+    assert total("pdlb_event_loop_cpu_lag_seconds", "sum") <= total("pdlb_event_loop_lag_seconds", "sum")
