@@ -132,7 +132,8 @@ class LoadTracker:
         self.external_prefill_pairs = np.zeros(n, dtype=np.float64)
         # every prefill this tracker dispatched: [requests, tokens, attention pairs] (the mean an
         # external request on a replica without own pending prefills is priced at)
-        self._dispatched_prefill = [0, 0, 0.0]
+        # requests, prompt tokens, attention pairs of every prefill dispatched (ints, ints, float)
+        self._dispatched_prefill: list[float] = [0, 0, 0.0]
         # the other router processes' counts (balancer.service.processes.shared_load), when shared
         self.peer_requests = np.zeros(n, dtype=np.int64)
         self.peer_prefill_tokens = np.zeros(n, dtype=np.int64)
@@ -396,7 +397,8 @@ class LoadTracker:
             if own_requests > 0 and own_tokens > 0:  # the mix this router sends there
                 n, tokens, pairs = own_requests, own_tokens, own_pairs
             else:  # nothing of its own pending there: every prefill it has dispatched
-                n, tokens, pairs = self._dispatched_prefill
+                acc = self._dispatched_prefill
+                n, tokens, pairs = int(acc[0]), int(acc[1]), float(acc[2])
             self.external_prefill_tokens[s] = round(ext * tokens / n) if n else 0
             self.external_prefill_pairs[s] = ext * pairs / n if n else 0.0
         else:
