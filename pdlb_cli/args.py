@@ -50,7 +50,7 @@ from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
 from sim.run.file_names import safe_file_stem
 from sim.search.host import default_jobs
 from sim.models.presets import get_model
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.overrides import apply_overrides
 from sim.scenario import DEFAULT_PRESET, PRESETS, Scenario, describe_pools, load_scenario
 from sim.workload.sessions import SessionWorkloadConfig, load_session_config

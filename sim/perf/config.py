@@ -1,7 +1,7 @@
 """Per-scenario settings of the roofline perf model (the ``[perf]`` table of a scenario file).
 
 Every field defaults to the roofline's built-in value, so a scenario without ``perf`` gets exactly
-the model it always had. :func:`sim.perf.build.roofline_for_pool` builds the engine model of one pool
+the model it always had. :func:`sim.run.pool_perf.roofline_for_pool` builds the engine model of one pool
 with them. This module imports nothing above the perf models (the scenario embeds it).
 """
 

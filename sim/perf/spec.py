@@ -221,7 +221,7 @@ class SpecDecodePerf:
 
     def __init__(self, base, config: SpecDecodeConfig, draft=None) -> None:  # noqa: ANN001
         """``base``: the target's roofline; ``draft``: the draft model's perf model on the same
-        ranks (required iff ``config.draft_model`` is set; :func:`sim.perf.build.spec_perf_for_pool` builds it)."""
+        ranks (required iff ``config.draft_model`` is set; :func:`sim.run.pool_perf.spec_perf_for_pool` builds it)."""
         if (config.draft_model is None) != (draft is None):
             raise ValueError("a draft perf model is needed exactly when speculative.draft_model is set")
         self.base = base

@@ -24,7 +24,7 @@ from sim.scenario import PoolConfig, Scenario
 
 # ---------------------------------------------------------------------------- analytic steady state
 def _default_perf(scenario: Scenario, pool: PoolConfig) -> PerfModel:
-    from sim.perf.build import build_perf
+    from sim.run.pool_perf import build_perf
 
     return build_perf(scenario, pool)
 

@@ -38,7 +38,7 @@ from sim.run.admission import admit
 from sim.run.cluster import Cluster, RankInfo
 from sim.run.engine.step_group import STEP_CLASSES
 from sim.perf.base import PerfModel
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.run.records import RequestRecords
 from sim.run.router_config import RankCacheBlocks, router_config_for
 from sim.run.router_config import router_factory as make_router_factory

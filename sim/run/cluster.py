@@ -60,7 +60,7 @@ from sim.run.engine.tiers import HOST, STORE, HostTier, RankTiers, SharedStore, 
 from sim.models.hardware import get_hardware
 from sim.models.presets import get_model
 from sim.perf.base import PerfModel
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.perf.roofline import RooflinePerf
 from sim.run.records import MAX_LOAD_SAMPLES, LoadSamples, RequestRecords
 from sim.run.router_config import RankCacheBlocks, RouterFactory, router_config_for, router_factory

@@ -32,7 +32,7 @@ from balancer.router import Router
 from balancer.types import TtftSlo
 from sim.run.router_cost import cost_model_for
 from sim.perf.base import PerfModel
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.scenario import PoolConfig, Scenario, tier_capacity_blocks
 
 __all__ = ["RankCacheBlocks", "RouterFactory", "index_capacity_blocks", "router_config_for", "router_factory",

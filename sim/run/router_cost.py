@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from balancer.cost_model import CostModel, EngineCost, fit_step_cost
 from sim.perf.base import PerfModel
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.scenario import PoolConfig, Scenario
 
 
@@ -29,7 +29,7 @@ def engine_cost(perf: PerfModel, pool: PoolConfig) -> EngineCost:
 def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] | None = None
                    ) -> CostModel:
     """The :class:`CostModel` of ``scenario`` (``perf_factory`` defaults to the simulator's
-    :func:`sim.perf.build.build_perf`). Deterministic."""
+    :func:`sim.run.pool_perf.build_perf`). Deterministic."""
     if perf_factory is None:
         perf_factory = build_perf
     if scenario.disaggregated:

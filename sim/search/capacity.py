@@ -132,7 +132,7 @@ def zero_load_floor(scenario: Scenario, requests: Sequence[Request], slo: SLO,
     milliseconds for the embedded trace); no simulation.
     """
     from balancer.hashing import leading_held
-    from sim.perf.build import build_perf
+    from sim.run.pool_perf import build_perf
 
     perf_factory = perf_factory or build_perf
     pre_pool = scenario.prefill if scenario.disaggregated else scenario.mixed

@@ -34,7 +34,7 @@ from balancer.config import PolicySpec
 from balancer.policies import Policy
 from balancer.router import Router
 from balancer.types import Request, TtftSlo
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.run.router_config import RankCacheBlocks, router_config_for, router_factory
 from sim.scenario import PoolConfig, Scenario
 
@@ -323,7 +323,7 @@ class SimOptions:
     """Router options of a run (the CLI's ``--index-mode``, ``--no-router-tiers``, ``--tier-weights``).
 
     ``perf_factory``: ``(scenario, pool) -> PerfModel`` (default: the roofline,
-    :func:`sim.perf.build.build_perf`); must be a module-level callable to travel to other processes.
+    :func:`sim.run.pool_perf.build_perf`); must be a module-level callable to travel to other processes.
     ``route_slo``: give the router the point's TTFT budget (:meth:`SLO.ttft_slo`), so SLO-aware
     policies (``ep_aware``) route against the SLO being judged; ``False``: SLO-blind routing.
     """

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sim.perf.base import causal_attn_pairs
-from sim.perf.build import roofline_for_pool
+from sim.run.pool_perf import roofline_for_pool
 from sim.perf.config import PerfConfig
 from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, DEFAULT_STEP_OVERHEAD_S
 from sim.scenario import Scenario, load_scenario
@@ -130,7 +130,7 @@ def spec_decode_step_s(scenario: Scenario, perf: PerfConfig, seqs_per_gpu: float
 
 def _spec_decode(scenario: Scenario, perf: PerfConfig, seqs_per_gpu: float, ctx_tokens: float,
                  *, dynamic: bool | None = None, draft_tokens: int | None = None) -> tuple[float, float]:
-    from sim.perf.build import spec_perf_for_pool
+    from sim.run.pool_perf import spec_perf_for_pool
     if scenario.speculative is None:
         raise ValueError(f"{scenario.name}: no [speculative] table")
     cfg = scenario.speculative

@@ -216,7 +216,7 @@ def test_fit_step_cost_recovers_a_linear_step_model():
 
 
 def test_fitted_model_matches_the_simulator_perf_model_within_a_tenth():
-    from sim.perf.build import build_perf
+    from sim.run.pool_perf import build_perf
     from sim.run.router_cost import cost_model_for
     from sim.scenario import load_scenario
 

@@ -10,7 +10,7 @@ import pytest
 
 from sim.models.hf import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, model_from_hf_config
 from sim.models.presets import DEEPSEEK_V3, DEEPSEEK_V4_FLASH, LLAMA_3_1_70B, MODELS, get_model
-from sim.perf.build import roofline_for_pool
+from sim.run.pool_perf import roofline_for_pool
 from sim.scenario import PoolConfig, Scenario
 
 DATA = Path(__file__).parents[2] / "data" / "hf"

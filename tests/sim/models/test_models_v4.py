@@ -10,7 +10,7 @@ from sim.run.cluster import simulate
 from sim.run.metrics import per_request
 from sim.models.presets import ModelSpec, get_model
 from sim.perf.base import causal_attn_pairs
-from sim.perf.build import roofline_for_pool
+from sim.run.pool_perf import roofline_for_pool
 from sim.perf.config import PerfConfig
 from sim.perf.roofline import RooflinePerf
 from sim.perf.spec import SpecDecodeConfig, SpecDecodePerf, accepted_tokens_per_step
@@ -198,7 +198,7 @@ def test_cumulative_acceptance_and_a_separate_draft_model():
     # Llama-3.1-70B target with a Llama-3.1-8B draft on the same 4 x H200 TP rank
     sc = Scenario(model="llama-3.1-70b", hardware="H200", mixed=PoolConfig(dp_ranks=1, gpus_per_rank=4),
                   speculative=SpecDecodeConfig(draft_tokens=3, acceptance=[0.8, 0.7, 0.6], draft_model="llama-3.1-8b"))
-    from sim.perf.build import build_perf
+    from sim.run.pool_perf import build_perf
     spec = build_perf(sc, sc.mixed)
     target = roofline_for_pool(sc, sc.mixed)
     draft = RooflinePerf.for_engine("llama-3.1-8b", "H200", num_dp_ranks=1, gpus_per_rank=4, ep_synchronous=False)

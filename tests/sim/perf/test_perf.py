@@ -228,7 +228,7 @@ def test_more_work_never_faster():
 
 
 # ----------------------------------------------------------------------------- issue 6 additions
-from sim.perf.build import roofline_for_pool  # noqa: E402
+from sim.run.pool_perf import roofline_for_pool  # noqa: E402
 from sim.perf.config import PerfConfig  # noqa: E402
 from sim.perf.roofline import ep_dispatch_combine_bytes  # noqa: E402
 from sim.scenario import PoolConfig, Scenario  # noqa: E402
@@ -326,7 +326,7 @@ def test_fp8_weights_halve_weight_bytes():
 
 def test_no_perf_config_reproduces_the_default_roofline():
     # the golden scenarios have no [perf]: the perf model must be exactly the old for_engine one
-    from sim.perf.build import build_perf
+    from sim.run.pool_perf import build_perf
     from sim.scenario import PRESETS
     sc = PRESETS["dsv3-pd-h200"]
     assert sc.perf is None

@@ -14,7 +14,7 @@ import pytest
 from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
 from sim.run.cluster import Cluster, hit_checkpoints_for
 from sim.perf.step_class import StepClassPerf
-from sim.perf.build import build_perf
+from sim.run.pool_perf import build_perf
 from sim.scenario import PRESETS, PoolConfig, Scenario, load_scenario
 
 TOML = """

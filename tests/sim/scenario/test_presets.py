@@ -12,7 +12,7 @@ import pytest
 
 import sim.scenario as scenario_mod
 from pdlb_cli.main import main
-from sim.perf.build import roofline_for_pool
+from sim.run.pool_perf import roofline_for_pool
 from sim.scenario import DEFAULT_PRESET, PRESET_DIR, PRESETS, load_scenario
 
 SHIPPED = sorted(PRESET_DIR.glob("*.toml"))

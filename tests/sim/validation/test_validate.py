@@ -118,7 +118,7 @@ def test_sglang_decode_by_hand():
     # 50 GB/s * comm_efficiency; dispatch (FP8, 1 B) is 1/3 of it, combine (BF16) 2/3. Per micro-batch
     # a = rank/2, e = moe/2, d = comm/6, c = comm/3; step = max(a,c) + max(a,d) + max(e,d) + max(e,c)
     # + 2 ms; 8 GPUs per node.
-    from sim.perf.build import roofline_for_pool
+    from sim.run.pool_perf import roofline_for_pool
     sc = load_scenario("sglang-h100-ep")
     comm = 256 * 8 * 7168 * 3 * 58 / (50e9 * sc.perf.comm_efficiency)
     e = roofline_for_pool(sc, sc.decode)
@@ -137,7 +137,7 @@ def test_sglang_decode_by_hand():
 
 def test_prefill_figure_is_tokens_over_step_time():
     # 1K prompts: 16 per GPU -> 16,384 tokens per GPU per step, 8 GPUs per node
-    from sim.perf.build import roofline_for_pool
+    from sim.run.pool_perf import roofline_for_pool
     sc = load_scenario("sglang-h100-ep")
     e = roofline_for_pool(sc, sc.prefill)
     R = 32
@@ -350,7 +350,7 @@ def test_e2e_blocking_numbers_are_what_the_model_gives():
     assert abs(bench - step) / f.published == pytest.approx(0.0003, abs=5e-5)  # "moves it 0.03 points"
     # hand check of the bench's TTFT from the same step function (independent of the helper's loop)
     from sim.validation.published import decode_step_s, prefill_step_s
-    from sim.perf.build import roofline_for_pool
+    from sim.run.pool_perf import roofline_for_pool
     t_full = prefill_step_s(sc, perf, 2000, 0, 16384 / 2000)
     t_rest = prefill_step_s(sc, perf, 2000, 0, 9632 / 2000)
     kv = roofline_for_pool(sc, sc.prefill, perf).kv_bytes_per_token

@@ -2,9 +2,10 @@
 ``[perf]`` table (:class:`sim.perf.config.PerfConfig`), wrapped for speculative decoding when it has
 a ``[speculative]`` table (:class:`sim.perf.spec.SpecDecodePerf`).
 
-This module sits above :mod:`sim.scenario` (it reads a :class:`~sim.scenario.Scenario`) and below
-the run (:mod:`sim.run.cluster`, :mod:`sim.run.router_cost`); :mod:`sim.perf.config` and
-:mod:`sim.perf.spec` hold only the settings the scenario embeds, so they import nothing above them.
+On the run floor: it reads a :class:`~sim.scenario.Scenario` (the floor above the perf models),
+and the run (:mod:`sim.run.cluster`, :mod:`sim.run.router_cost`), the searches and the tools build
+their perf models with it; :mod:`sim.perf.config` and :mod:`sim.perf.spec` hold only the settings
+the scenario embeds, so the perf floor imports nothing of the scenario.
 """
 
 from __future__ import annotations
