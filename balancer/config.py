@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, mod
 from balancer.cost_model import CostModel
 from balancer.policies.base import Policy, policy_class
 from balancer.policies.spec import check_policy_params, format_policy_spec, parse_policy_spec
-from balancer.types import TtftSlo, checked_count, checked_ttl_s
+from balancer.types import TtftSlo, WrongTypeError, checked_count, checked_ttl_s
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "DEFAULT_INDEX_CAPACITY_BLOCKS", "DEFAULT_INDEX_TOTAL_CAPACITY_BLOCKS", "DEFAULT_POLICY",
@@ -156,6 +156,22 @@ class PolicySpec(BaseModel):
         return policy_class(self.name)(**self.kwargs)
 
 
+_TTFT_SLO_KEYS = frozenset({"ttft_s", "per_1k_prompt_tokens_s"})
+_TTFT_SLO_FORM = ("give a table {ttft_s = SECONDS, per_1k_prompt_tokens_s = SECONDS} "
+                  "(YAML: {ttft_s: 2, per_1k_prompt_tokens_s: 0.1}), a balancer.TtftSlo, or none")
+
+
+def _shown(v: object) -> str:
+    """``str '64'``, ``bool True``: a value with its type, cut to 80 characters, for messages."""
+    return f"{type(v).__name__} {v!r}"[:80]
+
+
+def _count(name: str, v: object, minimum: int) -> int:
+    """:func:`balancer.types.checked_count`, whose ``WrongTypeError`` is a ``ValueError`` that
+    pydantic reports as its ``ValidationError`` naming the field."""
+    return checked_count(name, v, minimum)
+
+
 class RouterConfig(BaseModel):
     """Everything a :class:`~balancer.router.Router` is built from (frozen, validated at
     construction; unknown keys are errors). Defaults: see the module docstring.
@@ -221,22 +237,24 @@ class RouterConfig(BaseModel):
     load_report_max_age_s: float | None = None
 
     # The checks (and their messages) are the router library's own (balancer.types), run before
-    # pydantic's coercion so that 16.5 or True is refused, not rounded.
+    # pydantic's coercion so that 16.5 or True is refused, not rounded. A wrong type is a
+    # WrongTypeError (TypeError and ValueError): pydantic reports only a ValueError raised in a
+    # validator as a ValidationError; a plain TypeError escaped it as a traceback.
     @field_validator("block_size", mode="before")
     @classmethod
     def _block_size(cls, v: Any) -> int:
-        return checked_count("block_size", v, 1)  # a float (16.5) or a string was taken
+        return _count("block_size", v, 1)  # a float (16.5) or a string was taken
 
     @field_validator("pd_min_uncached_tokens", mode="before")
     @classmethod
     def _pd_min(cls, v: Any) -> int:
-        return checked_count("pd_min_uncached_tokens", v, 0)
+        return _count("pd_min_uncached_tokens", v, 0)
 
     @field_validator("index_capacity_blocks", "index_total_capacity_blocks", "host_index_capacity_blocks",
                      "store_index_capacity_blocks", mode="before")
     @classmethod
     def _capacity(cls, v: Any, info: ValidationInfo) -> int | None:
-        return None if v is None else checked_count(str(info.field_name), v, 1)
+        return None if v is None else _count(str(info.field_name), v, 1)
 
     @field_validator("index_mode", mode="before")
     @classmethod
@@ -256,7 +274,7 @@ class RouterConfig(BaseModel):
         if v is None and info.field_name != "speculative_ttl_s":
             return None
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not float(v) > 0:  # False for NaN
-            raise ValueError(f"{info.field_name} must be > 0, got {v}")
+            raise ValueError(f"{info.field_name} must be a number of seconds > 0, got {_shown(v)}")
         return float(v)
 
     @field_validator("tier_weights", mode="before")
@@ -264,12 +282,15 @@ class RouterConfig(BaseModel):
     def _check_weights(cls, v: Any) -> dict[str, float] | None:
         if v is None:
             return None
+        if not isinstance(v, Mapping):
+            raise ValueError("tier_weights must be a table of tier weights such as {host = 0.75, store = 0.5}, "
+                             f"got {_shown(v)}")
         out = {}
-        for k, w in dict(v).items():
+        for k, w in v.items():
             if k not in DEFAULT_TIER_WEIGHTS:
                 raise ValueError(f"unknown tier {k!r} in tier_weights; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
-            if not 0.0 <= float(w) <= 1.0:
-                raise ValueError(f"tier_weights[{k!r}] must be in [0, 1], got {w}")
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not 0.0 <= float(w) <= 1.0:  # NaN too
+                raise ValueError(f"tier_weights[{k!r}] must be a number in [0, 1], got {_shown(w)}")
             out[k] = float(w)
         return out
 
@@ -282,9 +303,13 @@ class RouterConfig(BaseModel):
     @classmethod
     def _ttft_slo(cls, v: Any) -> Any:
         if isinstance(v, Mapping):
+            unknown = sorted(map(str, set(v) - _TTFT_SLO_KEYS))
+            if unknown or "ttft_s" not in v:
+                what = f"unknown key(s) {', '.join(unknown)}" if unknown else "ttft_s missing"
+                raise ValueError(f"ttft_slo: {what}; {_TTFT_SLO_FORM}")
             return TtftSlo(**v)
         if v is not None and not isinstance(v, TtftSlo):
-            raise TypeError(f"ttft_slo must be a balancer.TtftSlo or None, got {type(v).__name__}")
+            raise WrongTypeError(f"ttft_slo must be {_TTFT_SLO_FORM.removeprefix('give ')}; got {_shown(v)}")
         return v
 
     @property

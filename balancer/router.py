@@ -765,7 +765,8 @@ def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterCon
     try:
         return config.with_(**settings)
     except ValidationError as e:
-        raise ValueError(format_validation_error(e, None, RouterConfig)) from None
+        wrong_type = any(isinstance((err.get("ctx") or {}).get("error"), TypeError) for err in e.errors())
+        raise (TypeError if wrong_type else ValueError)(format_validation_error(e, None, RouterConfig)) from None
 
 
 def policies_use_prefix_index(prefill_policy: Policy, decode_policy: Policy, prefill_decides: bool) -> bool:

@@ -24,18 +24,27 @@ def is_finite_seconds(value: object) -> bool:
     return math.isfinite(value)
 
 
+class WrongTypeError(TypeError, ValueError):
+    """A value of the wrong type (a string or a float where a count belongs): a ``TypeError`` for
+    the library's callers, and a ``ValueError`` so that pydantic reports it, raised in a
+    validator, as its ``ValidationError`` naming the field (a plain ``TypeError`` escapes
+    pydantic as a traceback)."""
+
+
 def checked_count(name: str, value: object, minimum: int, where: str = "") -> int:
     """``value`` as an ``int`` (a Python or numpy integer) >= ``minimum``: the check behind the
     router library's token, block and rank counts. ``where`` prefixes the message
     (``"request r1: "``).
 
     Raises:
-        TypeError: not an integer (a bool, a float such as ``10.5`` or ``10.0``, a string, None).
+        WrongTypeError: (a ``TypeError`` and a ``ValueError``) not an integer (a bool, a float such
+            as ``10.5`` or ``10.0``, a string, None); the message names the type: ``got str '64'``.
         ValueError: below ``minimum``.
     """
     if type(value) is not int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{where}{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}")
+            raise WrongTypeError(f"{where}{name} must be an integer >= {minimum}, "
+                                 f"got {type(value).__name__} {value!r}"[:200])
         value = int(value)
     if value < minimum:
         raise ValueError(f"{where}{name} must be an integer >= {minimum}, got {value}")

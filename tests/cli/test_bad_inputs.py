@@ -92,3 +92,20 @@ def test_config_syntax_errors_are_one_line_with_file_line_column(tmp_path: Path,
     s = tmp_path / f"s{Path(name).suffix}"
     s.write_text(text)
     assert _one_error(["sim", "run", "--scenario", str(s), "--limit", "5", "--quiet"], capsys) == f"error: {s}{message}"
+
+
+def test_a_quoted_count_in_a_serve_router_section_is_one_error_line(tmp_path: Path, capsys) -> None:
+    # review 2026-12-05 item 18: was a TypeError traceback, exit 1
+    cfg = tmp_path / "c3.yaml"
+    cfg.write_text('router:\n  block_size: "64"\n')
+    assert _one_error(["serve", "--config", str(cfg)], capsys) == (
+        f"error: {cfg}: router.block_size: block_size must be an integer >= 1, got str '64'")
+
+
+def test_a_quoted_count_in_a_scenario_router_table_is_one_error_line(tmp_path: Path, capsys) -> None:
+    sc = tmp_path / "lc3.toml"
+    sc.write_text('name = "t"\nmodel = "llama-3.1-8b"\nhardware = "h100"\n[mixed]\nnum_engines = 2\n'
+                  '[router]\nindex_total_capacity_blocks = "1000"\n')
+    assert _one_error(["sim", "run", "--scenario", str(sc), "--limit", "20"], capsys) == (
+        f"error: {sc}: router.index_total_capacity_blocks: index_total_capacity_blocks must be an integer >= 1, "
+        "got str '1000'")
