@@ -99,7 +99,7 @@ from balancer.types import Request, Role, TtftSlo, is_finite_seconds
 
 __all__ = ["MAX_DEADLINE_S", "OUTCOMES", "WAIT_MODELS", "AdmissionConfig", "DeadlineAdmission", "Held", "Outcome",
            "TtftPrediction", "TtftPredictor", "decode_headroom", "predict_pool_wait_s", "predict_ttft",
-           "TENANT_SLOTS", "predictor_of", "prefill_backlog", "prefill_rate_tokens_per_s", "process_share",
+           "TENANT_SLOTS", "predictor_of", "prefill_backlog", "prefill_rate_tokens_per_s", "process_share", "wait_model_warning",
            "tenant_slot"]
 
 #: Longest deadline a request may ask for (seconds after its arrival).
@@ -676,6 +676,21 @@ def predictor_of(router: Any) -> TtftPredictor | None:
     """The policy of ``router``'s first stage when it predicts TTFT (:class:`TtftPredictor`), else None."""
     policy = _first_stage(router)[1]
     return policy if isinstance(policy, TtftPredictor) else None
+
+
+def wait_model_warning(wait_model: str, policies: Mapping[str, Any]) -> str | None:
+    """One warning line when ``wait_model`` asks for a policy's TTFT prediction (``"policy"`` or
+    ``"max"``) and none of ``policies`` (label -> policy object or class) has one
+    (:class:`TtftPredictor`): the gate then uses the backlog model alone, so the setting changes
+    nothing. None otherwise."""
+    if wait_model == "backlog" or not policies:
+        return None
+    if any(isinstance(p, TtftPredictor) or (isinstance(p, type) and issubclass(p, TtftPredictor))
+           for p in policies.values()):
+        return None
+    names = ", ".join(f"{label} {p.name}" for label, p in policies.items())[:200]
+    return (f"warning: admission wait model {wait_model!r} but no routing policy here predicts TTFT ({names}; "
+            f"ep_aware does): the gate uses the backlog model")
 
 
 def predict_ttft(router: Any, request: Request, now_s: float) -> TtftPrediction | None:

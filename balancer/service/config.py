@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from balancer.config import RouterConfig
 from balancer.service.broker_config import BrokerConfig
 from balancer.validation import format_validation_error, syntax_error_line
+from balancer.deadline_admission import wait_model_warning
+from balancer.policies.base import policy_class
 from balancer.service.admission_config import AdmissionSettings
 
 WORKER_SPEC_SYNTAX = ("URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]"
@@ -501,6 +503,12 @@ def config_warnings(cfg: ServiceConfig) -> list[str]:
     elif any(w.events is not None for w in cfg.workers):
         out.append("warning: workers have events endpoints but index_mode is approximate: their KV events are not "
                    "used (set --index-mode events or hybrid)")
+    if cfg.admission.enabled:
+        line = wait_model_warning(cfg.admission.wait_model,
+                                  {"prefill": policy_class(cfg.router.prefill_policy.name),
+                                   "decode": policy_class(cfg.router.decode_policy.name)})
+        if line is not None:
+            out.append(line)
     if cfg.chat_engine != "vllm" and cfg.tokenizer_path is None:
         out.append(f"warning: chat_engine {cfg.chat_engine} has no effect without a tokenizer: chat prompts are hashed "
                    f"as text chunks (give --tokenizer MODEL_DIR to render them as {cfg.chat_engine} does)")

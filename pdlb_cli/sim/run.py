@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from balancer.config import PolicySpec
+from balancer.deadline_admission import wait_model_warning
 from balancer.types import TtftSlo
 from pdlb_cli.admission_args import add_admission_args, admission_from_args
 from pdlb_cli.args import (
@@ -166,6 +168,11 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
     adm_cfg = admission_from_args(args)
     if adm_cfg is not None:
         sim_kw["admission"] = adm_cfg
+        for p, d, plabel, dlabel in runs:  # one line per run whose policies predict nothing
+            line = wait_model_warning(adm_cfg.wait_model, {"prefill": p, "decode": d} if plabel != dlabel
+                                      else {"policy": d})
+            if line is not None:
+                print(line, file=sys.stderr)
     jobs = min(getattr(args, "jobs", 1), len(runs))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=args.quiet, transient=False) as progress:

@@ -68,3 +68,10 @@ def test_the_table_form_of_ttft_slo_still_works() -> None:
     assert cfg.ttft_slo == TtftSlo(2.0, 0.1)
     # budget of a 1000-token prompt: 2 + 0.1 * 1000 / 1000 = 2.1 s (the formula in TtftSlo's docstring)
     assert cfg.ttft_slo.budget_s(1000) == pytest.approx(2.1)
+
+
+def test_a_learner_without_the_protocol_is_refused_at_construction() -> None:
+    # review item 11: was accepted, and the first route() raised AttributeError 'model'
+    from balancer import Router
+    with pytest.raises(TypeError, match=r"learner must have model, on_dispatch, .*CostLearnerPart\), got object"):
+        Router.from_config(RouterConfig(learn_cost_model=False), learner=object())
