@@ -226,7 +226,7 @@ SIM_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tools", ("sim.validation", "sim.experiments", "sim.emulator", "sim.pricing")),
 )
 #: upward edges not removed yet (importer, imported): the test fails on one not listed here and on
-#: a listed one that is gone. None left (sim.perf.build, which reads a Scenario, became the run
+#: a listed one that is gone. None left (the perf floor's build module, which reads a Scenario, became the run
 #: floor's sim.run.pool_perf).
 SIM_FLOOR_EXCEPTIONS: set[tuple[str, str]] = set()
 
