@@ -109,3 +109,23 @@ def test_a_quoted_count_in_a_scenario_router_table_is_one_error_line(tmp_path: P
     assert _one_error(["sim", "run", "--scenario", str(sc), "--limit", "20"], capsys) == (
         f"error: {sc}: router.index_total_capacity_blocks: index_total_capacity_blocks must be an integer >= 1, "
         "got str '1000'")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--agentx-440246", "--figures", "x"],
+     "error: --figures applies only to the published figures (pdlb sim validate without --agentx-440246)"),
+    (["--agentx-440246", "--calibrate"],
+     "error: --calibrate applies only to the published figures (pdlb sim validate without --agentx-440246)"),
+    (["--gpu-runs", "--figures", "sglang-prefill-1k"],
+     "error: --figures applies only to the published figures (pdlb sim validate without --gpu-runs)"),
+])
+def test_validate_refuses_flags_its_mode_would_ignore(argv: list[str], message: str, capsys) -> None:
+    # review 2026-12-05 item 9: these ran the whole validation and ignored the flag
+    assert _one_error(["sim", "validate", *argv], capsys) == message
+
+
+def test_validate_agentx_notes_a_window_too_short_to_judge(capsys) -> None:
+    assert main(["sim", "validate", "--agentx-440246", "--duration-s", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps the line
+    assert ("note: --duration-s 1 simulates 1 s of the published 3,600 s: the figures are hour-long averages, so a "
+            "window under 600 s (cold caches, few finished requests) is too short to judge the error band") in out
