@@ -38,8 +38,9 @@ The simulator sets some of them from the scenario rather than taking them: ``blo
 trace's) and ``learn_cost_model`` (off: it hands the router the scenario's exact cost model, so a
 fit could only add noise); ``index_capacity_blocks: auto`` (a scenario's default) bounds the
 index by one rank's KV cache, with no total bound; a scenario's ``[router]`` table may set the
-online fit and the total bound back, and any other setting but the block size, policies, index
-mode, seed and SLO (:mod:`sim.run.router_config`).
+online fit and the total bound back, and any other setting but the block size, the per-replica
+index bound and ``pd_min_uncached_tokens`` (top-level scenario keys), the policies, index mode,
+seed and SLO (the run's; :data:`sim.scenario.ROUTER_SECTION_ELSEWHERE`, :mod:`sim.run.router_config`).
 
 A policy with parameters is a :class:`PolicySpec`; its text form (``name`` or
 ``name:param=value,...``) and the errors are those of :mod:`balancer.policies.spec`.

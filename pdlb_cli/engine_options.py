@@ -75,7 +75,8 @@ def add_engine_option_args(p: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    metavar="TOKENS|dense",
                    help="vLLM VLLM_PREFIX_CACHE_RETENTION_INTERVAL on a model with sliding-window KV (DeepSeek-V4): "
                         "a prefix hit ends only at a retained window checkpoint (each request's prompt end, "
-                        "shared-prefix junctions, every TOKENS tokens; 'dense' = every block, vLLM's default; "
+                        "shared-prefix junctions, every TOKENS tokens; 0 = only those prompt ends and junctions; 'dense' = every "
+                        "block, vLLM's default; "
                         "under MTP one 64-token window block past it must be shared too). TOML key "
                         "prefix_cache_retention_interval_tokens")
     g.add_argument("--speculative-verify", dest="speculative_verify", choices=["mean_field", "every_step"],

@@ -6,6 +6,7 @@ A scenario is a pydantic model, loadable from a TOML or YAML file or one of the 
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -210,8 +211,8 @@ ROUTER_SECTION_ELSEWHERE = {
     "block_size": "the scenario's top-level block_size (its trace's block size)",
     "pd_min_uncached_tokens": "the scenario's top-level pd_min_uncached_tokens",
     "index_capacity_blocks": "the scenario's top-level index_capacity_blocks (which also takes 'auto')",
-    "prefill_policy": "the run's policies (--policies, a sweep's policies)",
-    "decode_policy": "the run's policies (--policies, a sweep's policies)",
+    "prefill_policy": "the run's policies (sim run --policy, compare --policies, a sweep's policies)",
+    "decode_policy": "the run's policies (sim run --decode-policy, compare --policies, a sweep's policies)",
     "index_mode": "the run's --index-mode",
     "seed": "the run's --seed",
     "ttft_slo": "the run's SLO (--route-slo)",
@@ -315,6 +316,13 @@ class Scenario(BaseModel):
             if elsewhere:
                 raise ValueError("; ".join(f"router.{k} is not a scenario router setting: set it in "
                                            f"{ROUTER_SECTION_ELSEWHERE[k]}" for k in elsewhere))
+            allowed = [k for k in RouterConfig.model_fields if k not in ROUTER_SECTION_ELSEWHERE]
+            for k in v:  # a typo of a refused key: point where it belongs, not at the refused key
+                if isinstance(k, str) and k not in RouterConfig.model_fields \
+                        and not difflib.get_close_matches(k, allowed, n=1) \
+                        and (near := difflib.get_close_matches(k, list(ROUTER_SECTION_ELSEWHERE), n=1)):
+                    raise ValueError(f"router.{k}: unknown field; the nearest, {near[0]}, is not a scenario router "
+                                     f"setting: set it in {ROUTER_SECTION_ELSEWHERE[near[0]]}")
             return RouterConfig.model_validate(v)
         if isinstance(v, RouterConfig):
             elsewhere = sorted(v.model_fields_set & set(ROUTER_SECTION_ELSEWHERE))
@@ -394,7 +402,7 @@ class Scenario(BaseModel):
                 if window == 0:
                     raise ValueError(f"{name}.prefix_cache_retention_interval_tokens is set but model {self.model!r} "
                                      "has no cached sliding-window KV group, so retention has no effect (as vLLM "
-                                     "refuses it); remove the key")
+                                     "refuses it); remove the key (or the --prefix-cache-retention flag)")
         return self
 
     def host_tier_of(self, pool: PoolConfig) -> HostTierConfig | None:

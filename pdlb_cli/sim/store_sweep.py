@@ -29,7 +29,7 @@ DEEPSEEK_CLASS_TTL_HOURS = "agent=72,chatbot=168"
 def add_store_sweep_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``pdlb sim store-sweep``."""
     s = simsub.add_parser(
-        "store-sweep", help="experiment 1: shared KV store hit rate vs TTL and capacity, per traffic class",
+        "store-sweep", help="shared KV store hit rate vs TTL and capacity, per traffic class",
         description="Replay a session workload (or a trace) through a shared KV store (KvStore) and report the "
                     "token-weighted prefix hit rate per traffic class for each TTL and capacity; writes a CSV, a "
                     "markdown table and a PNG curve. The first --warmup-days only fill the store.")

@@ -86,3 +86,16 @@ def test_settings_that_belong_elsewhere_are_refused_with_where():
         apply_overrides(sc, [("router.index_ttl_s", -1)])
     with pytest.raises(ValueError):
         type(sc)(**{**sc.model_dump(), "router": RouterConfig(seed=4)})
+
+
+def test_a_typo_of_a_refused_key_points_where_it_belongs():
+    # review 2026-12-05 item 12: router.ttft_slo_s hinted at ttft_slo, itself refused
+    sc = load_scenario("dsv3-pd-h200")
+    with pytest.raises(ValueError, match=r"router\.ttft_slo_s: unknown field; the nearest, ttft_slo, is not a "
+                                         r"scenario router setting: set it in the run's SLO \(--route-slo\)"):
+        apply_overrides(sc, [("router.ttft_slo_s", 2)])
+    # a typo nearer an allowed key still gets the plain "did you mean"
+    with pytest.raises(ValueError, match=r"did you mean 'index_ttl_s'"):
+        apply_overrides(sc, [("router.index_tll_s", 2)])
+    with pytest.raises(ValueError, match=r"sim run --policy, compare --policies"):
+        apply_overrides(sc, [("router.prefill_policy", "least_load")])
