@@ -8,7 +8,8 @@ The names a gateway embedding the router needs::
     router.add_replica(ReplicaId("http://10.0.0.1:8000", 0), Role.MIXED)
     route = router.route(Request("r1", now, len(ids), tuple(hash_token_blocks(ids, 64))), now)
 
-See :mod:`balancer.router` for the life of a request, :mod:`balancer.kv_wire` /
+``Router.from_config(config, load_sources=LoadSources(...), listeners=[...])`` shares load
+between routers (:mod:`balancer.parts`). See :mod:`balancer.router` for the life of a request, :mod:`balancer.kv_wire` /
 :mod:`balancer.kv_translate` for engine KV events, :mod:`balancer.service` for ``pdlb serve``.
 """
 
@@ -17,6 +18,7 @@ from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEv
 from balancer.kv_translate import KvEventTranslator, chain_root
 from balancer.kv_wire import EngineBatch, KvWireError, decode_batch, decode_seq
 from balancer.load import LoadReport
+from balancer.parts import LoadSources
 from balancer.policies import Policy, available_policies, make_policy
 from balancer.config import INDEX_MODES, PolicySpec, RouterConfig
 from balancer.router import NoReplicaError, PolicyError, ReplicaInfo, RequestTooLargeError, Router
@@ -24,7 +26,7 @@ from balancer.types import Choice, ReplicaId, ReplicaView, Request, Role, Route,
 
 __all__ = [
     "INDEX_MODES", "ROOT_HASH", "AllBlocksCleared", "BlockRemoved", "BlockStored", "Choice", "EngineBatch", "KvEvent",
-    "KvEventTranslator", "KvWireError", "LoadReport", "NoReplicaError", "Policy", "PolicyError", "ReplicaId",
+    "KvEventTranslator", "KvWireError", "LoadReport", "LoadSources", "NoReplicaError", "Policy", "PolicyError", "ReplicaId",
     "PolicySpec", "ReplicaInfo", "ReplicaView", "Request", "RequestTooLargeError", "Role", "Route", "Router", "RouterConfig", "TtftSlo", "available_policies", "chain_block_ids", "chain_root",
     "decode_batch", "decode_seq", "hash_token_blocks", "make_policy", "text_chunk_hashes",
 ]

@@ -75,3 +75,10 @@ def test_a_learner_without_the_protocol_is_refused_at_construction() -> None:
     from balancer import Router
     with pytest.raises(TypeError, match=r"learner must have model, on_dispatch, .*CostLearnerPart\), got object"):
         Router.from_config(RouterConfig(learn_cost_model=False), learner=object())
+
+
+def test_load_sources_is_exported_and_checks_its_peer() -> None:
+    # review item 11 (cosmetic): README's library paragraph imports from balancer
+    from balancer import LoadSources
+    with pytest.raises(ValueError, match="LoadSources.peer must have bind, refresh and publish"):
+        LoadSources(peer=object())

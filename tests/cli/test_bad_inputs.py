@@ -129,3 +129,15 @@ def test_validate_agentx_notes_a_window_too_short_to_judge(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())  # the console wraps the line
     assert ("note: --duration-s 1 simulates 1 s of the published 3,600 s: the figures are hour-long averages, so a "
             "window under 600 s (cold caches, few finished requests) is too short to judge the error band") in out
+
+
+def test_a_quoted_count_in_a_sweep_grid_is_one_error_line_before_any_point(tmp_path: Path, capsys,
+                                                                           monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a point run would write results/ here
+    sw = tmp_path / "sw3.toml"
+    sw.write_text('scenario = "llama8b-agg-h100"\npolicies = ["least_load"]\n[grid]\n'
+                  '"router.index_total_capacity_blocks" = ["1000", 2000]\n')
+    assert _one_error(["sim", "sweep", str(sw)], capsys) == (
+        f"error: {sw} on scenario 'llama8b-agg-h100': router.index_total_capacity_blocks: index_total_capacity_blocks "
+        "must be an integer >= 1, got str '1000' (point {'router.index_total_capacity_blocks': '1000'})")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sw3.toml"]
