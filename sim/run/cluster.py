@@ -289,8 +289,11 @@ class Cluster:
         try:
             self.env.run(until=self._done)
         except RuntimeError as e:
-            if not str(e).startswith("No scheduled events left"):  # simpy's stall; any other error (a
-                raise  # policy's PolicyError, a modelling bug) is raised as it is, not called a stall
+            # a stall is simpy's RuntimeError raised while handling its EmptySchedule (the event
+            # queue ran dry before the last request finished); any other error (a policy's
+            # PolicyError, a modelling bug) is raised as it is, not called a stall
+            if not isinstance(e.__context__, simpy.core.EmptySchedule):
+                raise
             missing = np.flatnonzero(np.isnan(rec.finish_s))
             raise RuntimeError(f"simulation stalled with {len(missing)} unfinished requests (first: "
                                f"{[requests[i].request_id for i in missing[:5]]})") from e
