@@ -100,6 +100,10 @@ class AgenticWorkloadConfig(BaseModel):
     #: (aiperf ``AgenticReplayStrategy``: warm-up = one primer per stream in flight at t*, then
     #: the cache-pressure requests; point 440246's warm-up completed 707 = 64 * 10 + 67 requests)
     warmup_primer: bool = False
+    #: output cap of the warm-up requests after the primer (None: their recorded output; aiperf's
+    #: later versions cap every warm-up request at 1 token, ``WARMUP_MAX_OUTPUT_TOKENS``, so the
+    #: whole warm-up is prefill; whether the pinned version did is not stated)
+    warmup_max_output_tokens: int | None = Field(None, ge=1)
     #: think time between warm-up requests, s (None: ``think_s`` and ``think_sigma`` as in the
     #: measured window; aiperf's cache-pressure warm-up replays "without idle delays": 0)
     warmup_think_s: float | None = Field(None, ge=0)

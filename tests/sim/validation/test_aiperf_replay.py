@@ -143,3 +143,26 @@ def test_think_shape_is_sampled_and_scaled_to_the_mean():
     assert g.min() >= -1e-9 and g.max() <= 10.0 + 1e-9
     assert g.mean() == pytest.approx(5.0, rel=0.15)
     assert g.std() > 1.5  # uniform on [0, 10]: sd 2.9
+
+
+def test_frontend_work_delays_the_engine_and_counts_in_ttft():
+    # one lane: each request reaches the cluster frontend_s_per_token * prompt tokens after the lane
+    # sent it (the previous reply's end plus the think time), and the reported TTFT and latency
+    # count from the send (hand rule)
+    k = 1e-5
+    wl = AgenticWorkloadConfig(lanes=1, duration_s=120.0, warmup_requests_per_lane=0, think_s=2.0,
+                               max_context_tokens=60_000, max_output_tokens=200)
+    r = simulate_440246(wl, frontend_s_per_token=k)
+    rec = r.records
+    n = len(r.sessions)
+    assert n > 3
+    for i in range(1, n):
+        sent = rec.finish_s[i - 1] + 2.0
+        assert rec.arrival_s[i] - sent == pytest.approx(k * rec.prompt_tokens[i], abs=1e-9)
+    rows = r.requests
+    idx = [int(np.flatnonzero(np.isclose(rec.arrival_s[:n], s + k * p, atol=1e-9))[0]) for s, p in rows[:, [0, 3]]]
+    for (s, ttft, e2e, *_), i in zip(rows, idx):
+        assert ttft == pytest.approx(rec.first_token_s[i] - s) and e2e == pytest.approx(rec.finish_s[i] - s)
+        assert ttft > k * rec.prompt_tokens[i]
+    with pytest.raises(ValueError, match="frontend_s_per_token"):
+        simulate_440246(wl, frontend_s_per_token=-1.0)
