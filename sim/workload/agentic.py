@@ -41,6 +41,16 @@ published 145k / 270k / 500k), the output p90/p95 (2,236 / 3,552 from the lognor
 2,221 / 3,651).
 Assumed (not published): the lognormal shapes and their sigmas, a constant think time, no
 subagent fan-out (aiperf may run a trajectory's subagents concurrently; counted as one lane here).
+The public Weka corpus of Claude Code traces (``sim/data/measured/weka_trace_shapes.json``, not
+the point's corpus) checks two of them: its per-turn new tokens have median 272 and log-sigma
+1.8 (the generator: 260, sqrt(1.2^2 + 1.5^2) = 1.92); its inter-turn gaps are far from constant
+(median 9.7 s, p90 120 s), which ``think_quantiles_s`` can replay in shape.
+
+aiperf's replay semantics, as options (off by default; docs/validate.md measures each):
+``warmup_primer`` (the primer with ``max_tokens=1``), ``warmup_think_s`` (cache-pressure requests
+without idle delays), ``warmup_max_output_tokens``, ``primer_lead_quantiles_s`` (primers spread so
+that every t* falls together) and ``recycle_from_turn0`` (a drained lane replays its next trace
+from turn 0; by default every trajectory starts at its own start point, cache-busted whole).
 """
 
 from __future__ import annotations

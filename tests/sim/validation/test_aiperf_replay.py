@@ -166,3 +166,26 @@ def test_frontend_work_delays_the_engine_and_counts_in_ttft():
         assert ttft > k * rec.prompt_tokens[i]
     with pytest.raises(ValueError, match="frontend_s_per_token"):
         simulate_440246(wl, frontend_s_per_token=-1.0)
+
+
+def test_validate_rows_run_with_the_measured_frontend(monkeypatch):
+    # pdlb sim validate --agentx-440246 (run_rows) turns the measured tokenization cost on; the
+    # bare simulate_440246 keeps it off (policy benches and calibration unchanged)
+    import inspect
+
+    import sim.validation.agentx as ax
+    seen = {}
+
+    class Fake:
+        def metrics(self):
+            return {sim: 1.0 for *_, sim, _u, _r in ax.ROWS}
+
+    def fake(workload, *a, **kw):
+        seen.update(kw)
+        return Fake()
+    assert inspect.signature(ax.simulate_440246).parameters["frontend_s_per_token"].default == 0.0
+    monkeypatch.setattr(ax, "simulate_440246", fake)
+    ax.run_rows(duration_s=10.0)
+    assert seen["frontend_s_per_token"] == ax.FRONTEND_S_PER_TOKEN_MEASURED == 2.0e-6
+    ax.run_rows(duration_s=10.0, frontend_s_per_token=0.0)
+    assert seen["frontend_s_per_token"] == 0.0
