@@ -102,14 +102,20 @@ def _frac(X, Qr):  # noqa: ANN001, ANN202
     return 0.0
 
 
-@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
-def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon):  # noqa: ANN001, ANN201
-    """:func:`balancer.cost_model.prefill_wait_features` of a wide-EP pool in the row layout
-    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,): its numpy expressions
-    one candidate at a time, in its order of operations (``w`` per rank computed once, as there)."""
+@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], f8[::1], "
+      "f8[::1])")
+def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
+                    n_after):  # noqa: ANN001, ANN201
+    """:func:`prefill_wait_rows` and, with ``want_after``, :func:`requests_after_rows` (into
+    ``n_after`` (n,), from ``n_req``) in one pass over each candidate's engine: one call instead of
+    two, each rank's queue read once. ``N_after`` of a candidate whose queue equals an earlier
+    candidate's of the same engine is that one's: its terms are the same values in the same order
+    (each rank ``r`` contributes ``n_r max((q_r - q_i) / q_r, 0)``, 0 where ``q_r <= q_i``, which
+    reads ``q_i`` only), so the sum is the same bits."""
     n = q.shape[0]
     R = rows.shape[1]
     mins = np.empty(R)
+    vals = np.empty(R)
     W = np.empty(n)
     for r in range(n):
         W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
@@ -123,6 +129,15 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
         w_new = per_token_s * q_new + per_attn_pair_s * a_new
         e = idx[i]
         own = i % R
+        qi = q[i]
+        # N_after: reuse an earlier candidate's of this engine with the same queue (docstring)
+        after_from = -1
+        if want_after:
+            for c in range(own):
+                rc = rows[e, c]
+                if rc < i and q[rc] == qi:
+                    after_from = rc
+                    break
         # work = W * frac with the own rank at -1.0; j = its argmax (numpy's: the first maximum,
         # a NaN ends the search); busiest_other = max of W with the own rank at 0.0
         best = 0.0
@@ -144,6 +159,11 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
             mins[c] = _minimum(Qr, X)
             wo = 0.0 if c == own else Wr
             busiest = wo if c == 0 else _maximum(busiest, wo)
+            if want_after and after_from < 0:
+                if Qr > 0 and not Qr <= qi:
+                    vals[c] = n_req[r] * _maximum((Qr - qi) / Qr, 0.0)
+                else:
+                    vals[c] = n_req[r] * 0.0
         if w_new >= best:
             tok = q_new
             pairs = a_new
@@ -155,8 +175,19 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
         feats[i, 0] = steps
         feats[i, 1] = tok
         feats[i, 2] = pairs
-        feats[i, 3] = (_row_sum(mins, R) - _minimum(q[i], X)) + q_new
+        feats[i, 3] = (_row_sum(mins, R) - _minimum(qi, X)) + q_new
         horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+        if want_after:
+            n_after[i] = n_after[after_from] if after_from >= 0 else _row_sum(vals, R)
+
+
+@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
+def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon):  # noqa: ANN001, ANN201
+    """:func:`balancer.cost_model.prefill_wait_features` of a wide-EP pool in the row layout
+    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,): its numpy expressions
+    one candidate at a time, in its order of operations (``w`` per rank computed once, as there)."""
+    none = np.empty(0)
+    prefill_ep_rows(q, a, u, cached, none, C, per_token_s, per_attn_pair_s, idx, rows, False, feats, horizon, none)
 
 
 @_jit("void(f8[::1], f8[::1], i8[::1], i8[:, ::1], f8[::1])")

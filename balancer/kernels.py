@@ -82,6 +82,23 @@ def prefill_wait_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.nd
     return feats, horizon
 
 
+def prefill_ep_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.ndarray, n_req: np.ndarray,
+                    chunk_tokens: float, per_token_s: float, per_attn_pair_s: float, idx: np.ndarray,
+                    rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`prefill_wait_rows` and :func:`requests_after_rows` (``n_req`` requests per
+    candidate) in one compiled pass: ``(features (n, 4), horizon (n,), N_after (n,))``, float64,
+    each equal bit for bit to its own kernel's (and so to the numpy code); ``None`` when the
+    compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if k is None or not _layout_ok(k, idx, rows):
+        return None
+    n = len(q)
+    feats, horizon, after = np.empty((n, 4)), np.empty(n), np.empty(n)
+    k.prefill_ep_rows(_f8(q), _f8(a), _f8(u), _f8(cached), _f8(n_req), float(chunk_tokens), float(per_token_s),
+                      float(per_attn_pair_s), idx, rows, True, feats, horizon, after)
+    return feats, horizon, after
+
+
 def requests_after_rows(q: np.ndarray, n_req: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     """``ep_aware``'s ``N_after`` (``EpAware._requests_after``) in the row layout, shape ``(n,)``,
     float64, equal bit for bit; ``None`` when the compiled path is off or cannot take these arrays."""

@@ -310,11 +310,19 @@ class EpAware(Policy):
             cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
             fetch = 0.0
         u = P - cached
-        feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+        w_ext = self.externality_weight * eng.prefill.per_group_token_s if eng.ep_synchronous else 0.0
+        busy_pool = bool(w_ext) and q[q.argmax()] > 0  # N_after is needed (and the pool is not idle)
+        # both wide-EP terms in one compiled pass when there is one (same bits as the two calls below)
+        fused = kernels.prefill_ep_rows(q, a, u, cached, cands.num_requests, eng.chunk_tokens, eng.prefill.per_token_s,
+                                        eng.prefill.per_attn_pair_s, idx, rows) if busy_pool and rows is not None else None
+        if fused is not None:
+            feats, horizon, n_after = fused
+        else:
+            feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+            n_after = self._requests_after(q, cands, idx, rows) if busy_pool else None
         ttft = cost = feats @ eng.prefill.coef_view + fetch
         if eng.ep_synchronous:
-            w_ext = self.externality_weight * eng.prefill.per_group_token_s
-            ext = w_ext * u * self._requests_after(q, cands, idx, rows) if w_ext and q[q.argmax()] > 0 else 0.0
+            ext = w_ext * u * n_after if n_after is not None else 0.0
             if self.horizon_weight:
                 busy = float(np.count_nonzero(q)) / len(q)  # the pool's share of ranks with queued work
                 cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon

@@ -113,6 +113,34 @@ def test_requests_after_compiled_equals_numpy(ranks):
 
 
 @pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
+def test_fused_prefill_kernel_equals_both_numpy_paths(ranks, pattern):
+    """kernels.prefill_ep_rows (features, horizon and N_after in one pass; N_after reused between
+    candidates of one engine with equal queues) against the numpy code of
+    prefill_wait_features and EpAware._requests_after, bit for bit. "ties" makes most queues of an
+    engine equal (the reuse runs); the reused N_after must be the one computed afresh (the numpy
+    reference computes every candidate's)."""
+    eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
+    for seed in range(3):
+        reps, q, a, u, cached = pool(seed, ranks, 1 + seed * 3, pattern)
+        _, idx, rows = engine_groups(reps)
+        n_req = np.random.default_rng(seed).integers(0, 40, len(reps))
+        c = Candidates(Role.PREFILL, reps, n_req, q.astype(np.int64), np.zeros(len(reps), np.int64),
+                       np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), 512)
+        got = kernels.prefill_ep_rows(q, a, u, cached, n_req, 8192, 5.1e-5, 1.0e-8, idx, rows)
+        assert got is not None
+        kernels.use_compiled(False)
+        try:
+            f0, h0 = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+            n0 = EpAware._requests_after(q, c, idx, rows)
+        finally:
+            kernels.use_compiled(True)
+        assert same_bits(got[0], f0) and same_bits(got[1], h0) and same_bits(got[2], n0), (ranks, seed, pattern)
+    if pattern == "ties" and ranks >= 8:  # equal queues in an engine: the reuse was exercised
+        assert any(len(set(q[rows[e]].tolist())) < ranks for e in range(len(rows)))
+
+
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("transfer", [True, False])
 def test_decode_cost_compiled_equals_numpy(ranks, transfer):
     d = DecodeStepCost(0.012, 6.0e-5, 3.0e-9, 1.5e-6)
@@ -196,6 +224,7 @@ def test_off_or_missing_numba_falls_back_to_numpy(monkeypatch):
     assert kernels.compiled() is None
     assert kernels.prefill_wait_rows(q, a, u, cached, 8192.0, 1e-5, 1e-9, idx, rows) is None
     assert kernels.requests_after_rows(q, q, idx, rows) is None
+    assert kernels.prefill_ep_rows(q, a, u, cached, q, 8192.0, 1e-5, 1e-9, idx, rows) is None
     kernels.use_compiled(True)
     assert kernels.compiled() is not None
     monkeypatch.setattr(kernels, "_module", None)  # as after a failed `import numba`
