@@ -21,8 +21,8 @@ from numba import njit
 
 
 
-def _jit(signature: str):  # noqa: ANN202
-    """``numba.njit`` with an explicit signature (compiled at import, or loaded from numba's cache),
+def _jit(signature: str | list[str]):  # noqa: ANN202
+    """``numba.njit`` with explicit signatures (compiled at import, or loaded from numba's cache),
     no GIL held, no bounds checks (the callers check shapes), numpy's float error model (x / 0 is
     inf or NaN, as in numpy, not an exception)."""
     return njit(signature, cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -211,7 +211,8 @@ def requests_after_rows(q, n_req, idx, rows, out):  # noqa: ANN001, ANN201
         out[i] = _row_sum(vals, R)
 
 
-@_jit("void(f8[::1], f8[::1], f8[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1])")
+@_jit([f"void({t}[::1], {t}[::1], {t}[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1])"
+      for t in ("f8", "i8")])  # int64 load columns as they are: float(x) converts as numpy's astype
 def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,  # noqa: ANN001, ANN201
                      per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost):
     """``EpAware._decode_cost_one`` for wide-EP engines in the row layout, into ``cost`` (n,):
@@ -226,14 +227,14 @@ def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens
     Ns = np.empty(E)
     for e in range(E):
         r0 = rows[e, 0]
-        B = b[r0]
-        K = k[r0]
-        n_e = 0.0 + b[r0]
+        B = float(b[r0])
+        K = float(k[r0])
+        n_e = 0.0 + float(b[r0])
         for c in range(1, R):
             r = rows[e, c]
-            B = _maximum(B, b[r])
-            K = _maximum(K, k[r])
-            n_e += b[r]
+            B = _maximum(B, float(b[r]))
+            K = _maximum(K, float(k[r]))
+            n_e += float(b[r])
         Bs[e] = B
         Ks[e] = K
         Ns[e] = n_e
@@ -242,12 +243,69 @@ def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens
         B = Bs[e]
         K = Ks[e]
         n_e = Ns[e]
-        bi = b[i]
-        ki = k[i]
+        bi = float(b[i])
+        ki = float(k[i])
         before = ((overhead_s + per_seq_s * B) + per_kv_token_s * K) + per_group_seq_s * n_e
         after = (((overhead_s + per_seq_s * _maximum(B, bi + 1.0)) + per_kv_token_s * _maximum(K, ki + kv_new))
                  + per_group_seq_s * (n_e + 1.0))
         c_i = out_tokens * (after + (externality_weight * n_e) * (after - before))
         if transfer:
-            c_i = c_i + transfer_s_per_token * _maximum(prompt_tokens - matched[i], 0.0)
+            c_i = c_i + transfer_s_per_token * _maximum(prompt_tokens - float(matched[i]), 0.0)
         cost[i] = c_i
+
+
+@_jit("i8(f8[::1], i8[::1], f8, i8[::1])")
+def tie_pick(cost, load, tie_tolerance, out):  # noqa: ANN001, ANN201
+    """``EpAware._pick`` without its random draw: the candidates to draw from, in ``out``, and
+    their count; -1 where ``_pick`` draws among the cheapest costs instead (``tie_tolerance <=
+    0``, or a cheapest cost that is not finite: any NaN counts, as numpy's argmin returns the
+    first NaN). Otherwise the cheapest ``i`` (numpy's argmin: the first minimum) and the costs
+    ``<= cost_i (1 + tie_tolerance)`` tie: one alone is ``i`` (count 1); several, those among
+    them with the least ``load`` as float64 (``np.where(near, load, inf)``'s values), in order."""
+    n = cost.shape[0]
+    if tie_tolerance <= 0 or n == 0:
+        return -1
+    i = 0
+    best = cost[0]
+    for j in range(n):
+        x = cost[j]
+        if x != x:
+            return -1
+        if x < best:
+            best = x
+            i = j
+    if not (best < np.inf and best > -np.inf):
+        return -1
+    bound = best * (1.0 + tie_tolerance)
+    n_near = 0
+    least = np.inf
+    for j in range(n):
+        if cost[j] <= bound:
+            n_near += 1
+            v = float(load[j])
+            if v < least:
+                least = v
+    if n_near == 1:
+        out[0] = i
+        return 1
+    m = 0
+    for j in range(n):
+        if cost[j] <= bound and float(load[j]) == least:
+            out[m] = j
+            m += 1
+    return m
+
+
+@_jit("i8(i8[::1], i8[::1], i8)")
+def count_no_room(cap, kv, need):  # noqa: ANN001, ANN201
+    """``EpAware._capacity``'s test: how many candidates have a known capacity (``cap > 0``) with
+    less room than ``need`` (``cap - kv < need``, int64 as numpy's); -1 when no capacity is
+    known (``max(cap) <= 0``, or no candidate)."""
+    known = False
+    bad = 0
+    for j in range(cap.shape[0]):
+        if cap[j] > 0:
+            known = True
+            if cap[j] - kv[j] < need:
+                bad += 1
+    return bad if known else -1

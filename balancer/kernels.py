@@ -122,8 +122,38 @@ def decode_cost_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray, i
     if kern is None or not _layout_ok(kern, idx, rows):
         return None
     cost = np.empty(len(b))
-    kern.decode_cost_rows(_f8(b), _f8(k), _f8(matched_tokens), idx, rows, float(out_tokens), float(kv_new_tokens),
+    if not (b.dtype == k.dtype == matched_tokens.dtype == np.int64 and b.flags.c_contiguous and k.flags.c_contiguous
+            and matched_tokens.flags.c_contiguous):  # int64 columns go as they are (the kernel converts)
+        b, k, matched_tokens = _f8(b), _f8(k), _f8(matched_tokens)
+    kern.decode_cost_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
                           float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
                           float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
                           bool(transfer), cost)
     return cost
+
+
+def tie_pick(cost: np.ndarray, load: np.ndarray, tie_tolerance: float) -> tuple[int, np.ndarray] | None:
+    """``EpAware._pick``'s candidates before its random draw, compiled: ``(count, positions)``
+    where ``positions[:count]`` (int64) are the candidates ``_pick`` draws from (one: the cheapest;
+    several: the least ``load`` among the costs within ``tie_tolerance``), or count -1 where it
+    draws among the cheapest costs instead (no tolerance, a cheapest cost that is not finite).
+    ``cost`` float64 and ``load`` int64, shapes ``(n,)``; ``None`` when the compiled path is off or
+    cannot take these arrays."""
+    k = compiled()
+    if k is None or cost.dtype != np.float64 or load.dtype != np.int64 or not cost.flags.c_contiguous \
+            or not load.flags.c_contiguous or cost.ndim != 1 or load.shape != cost.shape:
+        return None
+    out = np.empty(len(cost), dtype=np.int64)
+    return k.tie_pick(cost, load, float(tie_tolerance), out), out
+
+
+def count_no_room(cap: np.ndarray, kv: np.ndarray, need: int) -> int | None:
+    """``EpAware._capacity``'s test, compiled: the number of candidates with a known KV capacity
+    (``cap > 0``) and less room than ``need`` tokens (``cap - kv < need``), -1 when no capacity is
+    known; ``cap``/``kv`` int64, shape ``(n,)``. ``None`` when the compiled path is off or cannot
+    take these arrays."""
+    k = compiled()
+    if (k is None or cap.dtype != np.int64 or kv.dtype != np.int64 or cap.shape != kv.shape or cap.ndim != 1
+            or not cap.flags.c_contiguous or not kv.flags.c_contiguous or not 0 <= need < 2 ** 62):
+        return None
+    return k.count_no_room(cap, kv, int(need))

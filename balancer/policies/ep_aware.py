@@ -465,6 +465,11 @@ class EpAware(Policy):
     def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext) -> int:
         """The cheapest candidate; costs within ``tie_tolerance`` of the cheapest are ties, broken
         by the least queued work (prefill tokens or decode KV tokens), then at random."""
+        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
+        got = kernels.tie_pick(cost, load, self.tie_tolerance)  # the compiled loop, when there is one
+        if got is not None and got[0] >= 1:
+            count, pos = got
+            return int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
         i = int(cost.argmin())
         best = float(cost[i])
         if self.tie_tolerance <= 0 or not np.isfinite(best):
@@ -472,7 +477,6 @@ class EpAware(Policy):
         near = cost <= best * (1.0 + self.tie_tolerance)
         if np.count_nonzero(near) == 1:
             return i
-        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
         return argmin_random(load, ctx.rng, near)
 
 
@@ -482,9 +486,11 @@ class EpAware(Policy):
         if cands.role is Role.PREFILL:
             return cost, True
         cap = cands.kv_capacity_tokens
+        need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
+        if kernels.count_no_room(cap, cands.decode_kv_tokens, need) in (0, -1):  # compiled: all fit, or none known
+            return cost, True
         if not len(cap) or cap[cap.argmax()] <= 0:
             return cost, True
-        need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
         room = cap - cands.decode_kv_tokens
         bad = (cap > 0) & (room < need)
         if not np.count_nonzero(bad):

@@ -160,6 +160,68 @@ def test_decode_cost_compiled_equals_numpy(ranks, transfer):
             req = Request("r", 0.0, 32_768, (), out, out)
             c1, c0 = both(lambda: pol._decode_cost_one(req, c, model, eng, idx, rows, transfer))
             assert same_bits(c1, c0), (ranks, seed, out)
+            # the kernel's float64 signature (columns that are not int64) gives the same bits
+            args = (idx, rows, float(out), 32_768 + out / 2.0, 32_768.0, d.overhead_s, d.per_seq_s, d.per_kv_token_s,
+                    d.per_group_seq_s, 1.0, 2.5e-7, transfer)
+            as_f8 = kernels.decode_cost_rows(b.astype(np.float64), k.astype(np.float64), matched.astype(np.float64), *args)
+            assert same_bits(as_f8, kernels.decode_cost_rows(b, k, matched, *args))
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_tie_pick_compiled_equals_numpy(role):
+    """EpAware._pick with the compiled tie_pick against its numpy code: the same candidate and the
+    same RNG state afterwards (the draw happens exactly when numpy's path draws), on costs with
+    near ties, equal loads, inf (no KV room), NaN, negative costs and a zero tolerance."""
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        n = int(rng.integers(1, 40))
+        cost = np.round(rng.uniform(0.5, 2.0, n), int(rng.integers(0, 3)))  # rounding makes exact ties
+        if trial % 5 == 1:
+            cost[rng.random(n) < 0.3] = np.inf
+        if trial % 7 == 2:
+            cost[rng.integers(0, n)] = np.nan
+        if trial % 11 == 3:
+            cost = -cost
+        load = rng.integers(0, 4, n) * 1000
+        reps = tuple(ReplicaId("e", i) for i in range(n))
+        zeros = np.zeros(n, np.int64)
+        c = Candidates(role, reps, zeros, load, load, zeros, zeros, zeros, 512)
+        for tol in (0.05, 0.0, 0.5):
+            pol = EpAware(tie_tolerance=tol)
+            r1, r0 = random.Random(trial), random.Random(trial)
+            kernels.use_compiled(True)
+            fast = _outcome(lambda: pol._pick(cost, c, SelectContext(r1, 0.0, 0, None, None)))
+            kernels.use_compiled(False)
+            slow = _outcome(lambda: pol._pick(cost, c, SelectContext(r0, 0.0, 0, None, None)))
+            kernels.use_compiled(True)
+            assert fast == slow and r1.getstate() == r0.getstate(), (trial, tol, cost, load)
+
+
+def test_capacity_compiled_equals_numpy():
+    """EpAware._capacity with the compiled room count against its numpy code: the same costs (bits)
+    and feasibility, with capacities unknown (0), all fitting, some and none fitting."""
+    rng = np.random.default_rng(9)
+    pol = EpAware()
+    for trial in range(300):
+        n = int(rng.integers(1, 30))
+        cap = rng.integers(0, 3, n) * 50_000 * (trial % 4 != 0)  # every 4th trial: no capacity known
+        kv = rng.integers(0, 60_000, n)
+        reps = tuple(ReplicaId("d", i) for i in range(n))
+        zeros = np.zeros(n, np.int64)
+        c = Candidates(Role.DECODE, reps, zeros, zeros, kv, cap, zeros, zeros, 512)
+        cost = rng.uniform(0, 1, n)
+        req = Request("r", 0.0, int(rng.integers(1, 40_000)), (), 64, int(rng.integers(1, 9000)))
+        (c1, f1), (c0, f0) = both(lambda: pol._capacity(req, c, cost))
+        assert f1 == f0 and same_bits(c1, c0), trial
+
+
+def _outcome(fn):
+    """``fn()``'s value, or its exception's type (numpy's path raises on a NaN cheapest cost, and
+    the compiled one must leave it to that path)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - compared, not swallowed
+        return type(e)
 
 
 def test_row_sum_is_numpys_add_reduce():
