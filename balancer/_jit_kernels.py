@@ -102,8 +102,8 @@ def _frac(X, Qr):  # noqa: ANN001, ANN202
     return 0.0
 
 
-@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], f8[::1], "
-      "f8[::1])")
+@_jit([f"void(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], f8[::1], "
+       "f8[::1])" for t in ("f8", "i8")])  # n_req: int64 request counts as they are (float() converts as astype)
 def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
                     n_after):  # noqa: ANN001, ANN201
     """:func:`prefill_wait_rows` and, with ``want_after``, :func:`requests_after_rows` (into
@@ -161,9 +161,9 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
             busiest = wo if c == 0 else _maximum(busiest, wo)
             if want_after and after_from < 0:
                 if Qr > 0 and not Qr <= qi:
-                    vals[c] = n_req[r] * _maximum((Qr - qi) / Qr, 0.0)
+                    vals[c] = float(n_req[r]) * _maximum((Qr - qi) / Qr, 0.0)
                 else:
-                    vals[c] = n_req[r] * 0.0
+                    vals[c] = float(n_req[r]) * 0.0
         if w_new >= best:
             tok = q_new
             pairs = a_new

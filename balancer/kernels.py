@@ -61,9 +61,24 @@ def _f8(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float64)
 
 
+#: ``(idx, rows)`` pairs already checked by :func:`_layout_ok`, by identity (the router's pools
+#: reuse theirs: :func:`balancer.cost_model.engine_groups` caches them), with the objects kept
+_LAYOUTS_OK: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
 def _layout_ok(k: ModuleType, idx: np.ndarray, rows: np.ndarray) -> bool:
-    return (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
-            and rows.flags.c_contiguous and rows.shape[1] > 0)
+    """Whether the kernels take this ``(idx, rows)`` layout (int64, C order, some ranks); a pair
+    that passed once passes at once (an array's dtype, shape and order do not change)."""
+    got = _LAYOUTS_OK.get((id(idx), id(rows)))
+    if got is not None and got[0] is idx and got[1] is rows:
+        return True
+    ok = (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
+          and rows.flags.c_contiguous and rows.shape[1] > 0)
+    if ok:
+        if len(_LAYOUTS_OK) >= 64:
+            _LAYOUTS_OK.clear()
+        _LAYOUTS_OK[(id(idx), id(rows))] = (idx, rows)
+    return ok
 
 
 def prefill_wait_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.ndarray, chunk_tokens: float,
@@ -94,7 +109,9 @@ def prefill_ep_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.ndar
         return None
     n = len(q)
     feats, horizon, after = np.empty((n, 4)), np.empty(n), np.empty(n)
-    k.prefill_ep_rows(_f8(q), _f8(a), _f8(u), _f8(cached), _f8(n_req), float(chunk_tokens), float(per_token_s),
+    if n_req.dtype != np.int64 or not n_req.flags.c_contiguous:  # int64 counts go as they are
+        n_req = _f8(n_req)
+    k.prefill_ep_rows(_f8(q), _f8(a), _f8(u), _f8(cached), n_req, float(chunk_tokens), float(per_token_s),
                       float(per_attn_pair_s), idx, rows, True, feats, horizon, after)
     return feats, horizon, after
 

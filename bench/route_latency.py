@@ -287,6 +287,33 @@ def hashing_us(prompt_tokens: int, n: int = 200) -> tuple[float, float]:
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
+def host_calibration_us() -> tuple[float, float]:
+    """Thread CPU microseconds of two fixed pieces of work that use no pdlb code: a pure-Python
+    loop (10,000 dict stores and loads) and 100 small numpy calls (``np.add`` of two 64-element
+    float64 arrays); the fastest of 20 runs each. Decision times from two hosts compare through
+    these (a host whose Python runs 3x slower decides 3x slower)."""
+    def py_loop() -> None:
+        d: dict[int, int] = {}
+        for i in range(10_000):
+            d[i & 1023] = d.get(i & 511, 0) + i
+
+    x, y = np.ones(64), np.ones(64)
+
+    def np_calls() -> None:
+        for _ in range(100):
+            np.add(x, y)
+
+    out = []
+    for fn in (py_loop, np_calls):
+        best = np.inf
+        for _ in range(20):
+            t0 = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t0)
+        out.append(best * 1e6)
+    return out[0], out[1]
+
+
 def index_bytes_per_million_blocks(index_cls: Callable[[], object], num_blocks: int = 200_000, replicas: int = 8) -> float:
     """Bytes per million held blocks (replica, block pairs) when every replica holds its own
     distinct 32-block prompts: no sharing, the tree's worst case per block."""
@@ -379,6 +406,12 @@ def main() -> int:
         compare(args, policies)
         return 0
     rate = args.kv_events_per_s
+    py_us, np_us = host_calibration_us()
+    from balancer import kernels
+
+    print(f"host: Python {sys.version.split()[0]}, numpy {np.__version__}, compiled kernels (numba): "
+          f"{'yes' if kernels.compiled() is not None else 'no: numpy code'}; calibration (thread CPU, best of 20): 10,000 dict "
+          f"operations {py_us:.0f} us, 100 numpy adds of 64 floats {np_us:.0f} us")
     print(("events mode, KV events applied concurrently at %g/s" % rate if rate else "approximate mode (no KV events)")
           + f"; {args.in_flight} requests in flight; {args.clock} clock")
     conf = (args.requests, rate, args.in_flight, args.clock)
