@@ -309,3 +309,26 @@ def count_no_room(cap, kv, need):  # noqa: ANN001, ANN201
             if cap[j] - kv[j] < need:
                 bad += 1
     return bad if known else -1
+
+
+@_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8[::1], f8[::1])" for t in ("f8", "i8")])
+def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per_attn_pair_s, w_ext, idx, rows,  # noqa: ANN001, ANN201
+                         feats, horizon, ext, u, cached):
+    """``EpAware._prefill_cost_one``'s wide-EP work before its matrix product, for a pool without
+    lower KV tiers: ``cached = np.minimum(matched, P - 1)``, ``u = P - cached`` (into ``cached``,
+    ``u``), :func:`prefill_ep_rows` (features, horizon, ``N_after``), ``ext = w_ext u N_after``
+    (into ``ext``, ``(w_ext u_i) N_i`` as numpy's ``w_ext * u * n_after``); returns
+    ``np.count_nonzero(q)``."""
+    n = q.shape[0]
+    for i in range(n):
+        c = _minimum(float(matched[i]), P_minus_1)
+        cached[i] = c
+        u[i] = P - c
+    prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True, feats, horizon, ext)
+    busy = 0
+    for i in range(n):
+        ext[i] = (w_ext * u[i]) * ext[i]
+        if q[i] != 0:
+            busy += 1
+    return busy

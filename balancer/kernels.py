@@ -174,3 +174,29 @@ def count_no_room(cap: np.ndarray, kv: np.ndarray, need: int) -> int | None:
             or not cap.flags.c_contiguous or not kv.flags.c_contiguous or not 0 <= need < 2 ** 62):
         return None
     return k.count_no_room(cap, kv, int(need))
+
+
+def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
+                         prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
+                         w_ext: float, idx: np.ndarray, rows: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """``EpAware._prefill_cost_one``'s wide-EP work up to its matrix product, one compiled call, for
+    a pool without lower KV tiers: ``(features (n, 4), horizon (n,), ext (n,), u (n,), cached (n,),
+    busy)``: the cached tokens ``min(matched, P - 1)``, the prompt's uncached ``u = P - cached``,
+    :func:`prefill_ep_rows`' features and horizon, ``ext = w_ext u N_after`` and the number of
+    candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``None`` when
+    the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if k is None or not _layout_ok(k, idx, rows):
+        return None
+    if not (matched_tokens.dtype == n_req.dtype == np.int64 and matched_tokens.flags.c_contiguous
+            and n_req.flags.c_contiguous):
+        matched_tokens, n_req = _f8(matched_tokens), _f8(n_req)
+    n = len(q)
+    buf = np.empty((4, n))
+    feats = np.empty((n, 4))
+    P = float(prompt_tokens)
+    busy = k.prefill_ep_cost_rows(_f8(q), _f8(a), matched_tokens, n_req, P, P - 1.0, float(chunk_tokens),
+                                  float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
+                                  buf[0], buf[1], buf[2], buf[3])
+    return feats, buf[0], buf[1], buf[2], buf[3], int(busy)

@@ -300,7 +300,22 @@ class EpAware(Policy):
                 and cands.prefill_head_tokens is not None and cands.prefill_head_pairs is not None):
             q, a = in_service_queue(q, a, cands.prefill_head_start_s, cands.prefill_head_tokens,
                                     cands.prefill_head_pairs, now_s, eng, idx, rows)
-        if cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None:
+        tiers = cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None
+        w_ext = self.externality_weight * eng.prefill.per_group_token_s if eng.ep_synchronous else 0.0
+        busy_pool = bool(w_ext) and q[q.argmax()] > 0  # N_after is needed (and the pool is not idle)
+        if busy_pool and rows is not None and not tiers:  # all up to the matrix product compiled, when it can be
+            fast = kernels.prefill_ep_cost_rows(q, a, cands.matched_tokens, cands.num_requests, P, eng.chunk_tokens,
+                                                eng.prefill.per_token_s, eng.prefill.per_attn_pair_s, w_ext, idx, rows)
+            if fast is not None:
+                feats, horizon, ext, u, cached, n_busy = fast
+                ttft = cost = feats @ eng.prefill.coef_view + 0.0  # + fetch (0.0 without tiers), as below
+                if self.horizon_weight:
+                    busy = float(n_busy) / len(q)
+                    cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
+                else:
+                    cost = cost + ext
+                return self._with_own(cost, ttft, u, cached, 0.0, eng, sub, want_own)
+        if tiers:
             hbm = cands.hbm_blocks * bs
             cached = np.minimum(hbm + (cands.host_blocks + cands.store_blocks) * bs, P - 1.0)
             host_t = np.clip(np.minimum(hbm + cands.host_blocks * bs, cached) - hbm, 0.0, None)
@@ -310,8 +325,6 @@ class EpAware(Policy):
             cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
             fetch = 0.0
         u = P - cached
-        w_ext = self.externality_weight * eng.prefill.per_group_token_s if eng.ep_synchronous else 0.0
-        busy_pool = bool(w_ext) and q[q.argmax()] > 0  # N_after is needed (and the pool is not idle)
         # both wide-EP terms in one compiled pass when there is one (same bits as the two calls below)
         fused = kernels.prefill_ep_rows(q, a, u, cached, cands.num_requests, eng.chunk_tokens, eng.prefill.per_token_s,
                                         eng.prefill.per_attn_pair_s, idx, rows) if busy_pool and rows is not None else None
@@ -328,6 +341,14 @@ class EpAware(Policy):
                 cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
             else:
                 cost = cost + ext
+        return self._with_own(cost, ttft, u, cached, fetch, eng, sub, want_own)
+
+    @staticmethod
+    def _with_own(cost: np.ndarray, ttft: np.ndarray, u: np.ndarray, cached: np.ndarray, fetch: np.ndarray | float,
+                  eng: EngineCost, sub: np.ndarray | None, want_own: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``_prefill_cost_one``'s answer: ``(cost, ttft, own)`` (``own`` when ``want_own``: the
+        prompt's own prefill seconds on an idle rank), restricted to ``sub`` when given."""
         own = None
         if want_own:
             own = np.ceil(u / float(eng.chunk_tokens)) * eng.prefill.overhead_s + _compute_s(eng.prefill, u, cached) + fetch

@@ -141,6 +141,31 @@ def test_fused_prefill_kernel_equals_both_numpy_paths(ranks, pattern):
 
 
 @pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
+def test_prefill_cost_compiled_equals_numpy(ranks, pattern):
+    """EpAware._prefill_cost_one on a wide-EP pool without lower tiers (kernels.prefill_ep_cost_rows
+    up to the matrix product) against its numpy code: cost, TTFT and own seconds, bit for bit, with
+    and without the horizon term."""
+    eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
+    model = CostModel(prefill=eng)
+    for seed in range(3):
+        reps, q, a, _, cached = pool(seed, ranks, 1 + seed * 3, pattern)
+        names, idx, rows = engine_groups(reps)
+        n = len(reps)
+        n_req = np.random.default_rng(seed).integers(0, 40, n)
+        zeros = np.zeros(n, np.int64)
+        c = Candidates(Role.PREFILL, reps, n_req, np.round(q).astype(np.int64), zeros, zeros,
+                       (cached // 512).astype(np.int64), cached.astype(np.int64), 512, prefill_attn_pairs=a)
+        req = Request("r", 0.0, 32_768, (), 64, 64)
+        for pol in (EpAware(), EpAware(horizon_weight=0.0), EpAware(horizon_power=0.5)):
+            (c1, t1, o1), (c0, t0, o0) = both(lambda: pol._prefill_cost_one(req, c, model, eng, idx, rows, None, True, 1.0))
+            assert same_bits(c1, c0) and same_bits(t1, t0) and same_bits(o1, o0), (ranks, seed, pattern)
+    if ranks > 1:  # the compiled path ran
+        assert kernels.prefill_ep_cost_rows(q, a, cached.astype(np.int64), n_req, 32_768, 8192, 5.1e-5, 1e-8, 1e-6,
+                                            idx, rows) is not None
+
+
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("transfer", [True, False])
 def test_decode_cost_compiled_equals_numpy(ranks, transfer):
     d = DecodeStepCost(0.012, 6.0e-5, 3.0e-9, 1.5e-6)
