@@ -81,6 +81,7 @@ from balancer.router import NoReplicaError, RequestTooLargeError, Router
 from balancer.service.admission_gate import admission_answer
 from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
+from balancer.service.deadlines import DeadlineQueue
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id, session_id_of
@@ -353,6 +354,10 @@ class Proxy:
         #: deadline admission (:class:`balancer.service.admission_gate.AdmissionGate`), or None
         self.admission: Any = None
         self.background: set[asyncio.Task] = set()
+        # deadlines of one length each, queued without a timer per request (balancer.service.deadlines)
+        self._request_deadlines = DeadlineQueue()  # request_timeout_s
+        self._first_byte_deadlines = DeadlineQueue()  # a leg's first byte (out of order: a timer of its own)
+        self._prefill_deadlines = DeadlineQueue()  # prefill_timeout_s
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any],
@@ -423,7 +428,7 @@ class Proxy:
         faults_token = _FAULTS.set(faults)
         deferred: list[Failure] = []  # 500 answers, charged only if the request succeeds elsewhere
         try:
-            async with asyncio.timeout(cfg.request_timeout_s):
+            async with self._request_deadlines.after(cfg.request_timeout_s):
                 while True:
                     # the router's own id at the engines, new per attempt (the first attempt of a
                     # request without a client id uses the id the client will see)
@@ -762,9 +767,9 @@ class Proxy:
             if deadline is None:
                 resp = await client.post(w.endpoint(path), data=data, headers=headers)
             else:
-                # the request timeout of handle() is an outer asyncio.timeout: its expiry passes
+                # the request timeout of handle() is an outer deadline block: its expiry passes
                 # through this one as a cancellation, so TimeoutError here is the first-byte deadline
-                async with asyncio.timeout_at(deadline):
+                async with self._first_byte_deadlines.at(deadline):
                     resp = await client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
             self._waiting(w, False)
@@ -806,7 +811,7 @@ class Proxy:
             data = await self._read_all(w, resp)
         else:
             try:
-                async with asyncio.timeout(t):  # inside handle()'s request timeout (see _open)
+                async with self._prefill_deadlines.after(t):  # inside handle()'s request timeout (see _open)
                     resp = await self._open(w, path, body, headers, legs)
                     data = await self._read_all(w, resp)
             except TimeoutError:

@@ -14,7 +14,8 @@ It measures what those costs are; it is not a fix (load-aware and prefix-aware p
 
 * ``route``: ``Router.route`` returns the next decode replica in turn (no load or prefix index
   read or updated, no candidates) and its hooks (``on_first_token``, ``on_finished``, ...) do nothing;
-* ``timeouts``: the proxy's ``asyncio.timeout`` / ``timeout_at`` set no timer;
+* ``timeouts``: the proxy's ``asyncio.timeout`` / ``timeout_at`` and its deadline queues
+  (``balancer.service.deadlines``) set no deadline;
 * ``hash``: ``PromptHasher.hash`` answers (100 tokens, no blocks) without reading the prompt;
 * ``checks``: the proxy's request checks (``check_request``, ``session_id_of``,
   ``client_request_id``) accept everything;
@@ -69,6 +70,9 @@ if "timeouts" in _what:
     _shim = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if not k.startswith("__")})
     _shim.timeout = _shim.timeout_at = lambda *a, **k: _NoTimer()
     _px.asyncio = _shim
+    from balancer.service.deadlines import DeadlineQueue
+
+    DeadlineQueue.at = DeadlineQueue.after = lambda self, *a: _NoTimer()
 if "hash" in _what:
     from balancer.service.prompt import PromptHasher
 
