@@ -326,6 +326,11 @@ class _SwapLines:
         return out
 
 
+FIRST_BYTE_QUEUES = 64
+"""Most first-byte deadline queues a proxy keeps (one per streamed / output-limit kind of leg:
+:meth:`Proxy._first_byte_queue`)."""
+
+
 class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
@@ -356,7 +361,10 @@ class Proxy:
         self.background: set[asyncio.Task] = set()
         # deadlines of one length each, queued without a timer per request (balancer.service.deadlines)
         self._request_deadlines = DeadlineQueue()  # request_timeout_s
-        self._first_byte_deadlines = DeadlineQueue()  # a leg's first byte (out of order: a timer of its own)
+        #: a leg's first-byte deadlines, one queue per (stream, max_out): one length each (see
+        #: _first_byte_timeout); at most FIRST_BYTE_QUEUES, others share _first_byte_overflow
+        self._first_byte_deadlines: dict[tuple[bool, int | None], DeadlineQueue] = {}
+        self._first_byte_overflow = DeadlineQueue()  # any order (out of order: a timer of its own)
         self._prefill_deadlines = DeadlineQueue()  # prefill_timeout_s
 
     # ------------------------------------------------------------------ entry point
@@ -745,6 +753,23 @@ class Proxy:
         t = self._first_byte_timeout(stream, max_out)
         return None if t is None else asyncio.get_running_loop().time() + t[1]
 
+    def _first_byte_queue(self, stream: bool, max_out: int | None) -> DeadlineQueue:
+        """The deadline queue of a leg's first byte: one per ``(stream, max_out)``, whose deadlines
+        all have one length (so they queue in arrival order); when :data:`FIRST_BYTE_QUEUES` are in
+        use, the idle ones are dropped, and if none is idle the leg uses the shared overflow queue
+        (correct in any order, a timer per out-of-order deadline)."""
+        key = (stream, max_out)
+        queues = self._first_byte_deadlines
+        q = queues.get(key)
+        if q is None:
+            if len(queues) >= FIRST_BYTE_QUEUES:
+                for k in [k for k, v in queues.items() if not len(v)]:
+                    del queues[k]
+                if len(queues) >= FIRST_BYTE_QUEUES:
+                    return self._first_byte_overflow
+            q = queues[key] = DeadlineQueue()
+        return q
+
     def _first_byte_failure(self, w: Worker, stream: bool = False, max_out: int | None = None) -> Failure:
         name, t = self._first_byte_timeout(stream, max_out) or ("first_byte_timeout_s", float("nan"))
         return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
@@ -769,7 +794,7 @@ class Proxy:
             else:
                 # the request timeout of handle() is an outer deadline block: its expiry passes
                 # through this one as a cancellation, so TimeoutError here is the first-byte deadline
-                async with self._first_byte_deadlines.at(deadline):
+                async with self._first_byte_queue(stream, max_out).at(deadline):
                     resp = await client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
             self._waiting(w, False)

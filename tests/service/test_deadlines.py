@@ -199,3 +199,26 @@ def _no_task(loop: asyncio.AbstractEventLoop, coro):  # noqa: ANN001, ANN202
 
     loop.call_soon(drive)
     return fut
+
+
+def test_first_byte_queues_one_per_kind_and_bounded():
+    """Proxy._first_byte_queue: one queue per (stream, max_out) (their deadlines have one length),
+    at most FIRST_BYTE_QUEUES; idle ones make room, busy ones send new kinds to the overflow queue."""
+    from types import SimpleNamespace
+
+    from balancer.service.proxy import FIRST_BYTE_QUEUES, Proxy
+
+    fake = SimpleNamespace(_first_byte_deadlines={}, _first_byte_overflow=DeadlineQueue())
+    pick = Proxy._first_byte_queue
+    a, b = pick(fake, False, 8), pick(fake, True, 8)
+    assert a is pick(fake, False, 8) and a is not b and b is not fake._first_byte_overflow
+    busy = [pick(fake, False, k) for k in range(100, 100 + FIRST_BYTE_QUEUES - 2)]
+    assert len(fake._first_byte_deadlines) == FIRST_BYTE_QUEUES
+    for q in [a, b, *busy]:
+        q._entries[object()] = None  # a block waiting in every queue: none can be dropped
+    assert pick(fake, False, 7) is fake._first_byte_overflow
+    assert len(fake._first_byte_deadlines) == FIRST_BYTE_QUEUES
+    a._entries.clear()  # one idle queue: dropped for the new kind
+    c = pick(fake, False, 7)
+    assert c is not fake._first_byte_overflow and len(fake._first_byte_deadlines) == FIRST_BYTE_QUEUES
+    assert (False, 8) not in fake._first_byte_deadlines and (True, 8) in fake._first_byte_deadlines
