@@ -753,6 +753,12 @@ class Proxy:
         t = self._first_byte_timeout(stream, max_out)
         return None if t is None else asyncio.get_running_loop().time() + t[1]
 
+    def deadlines_waiting(self) -> int:
+        """Deadline blocks (request, first byte, prefill) now open in this proxy's queues: 0 when no
+        request is in flight (every block left its queue, whatever way it ended)."""
+        return (len(self._request_deadlines) + len(self._prefill_deadlines) + len(self._first_byte_overflow)
+                + sum(len(q) for q in self._first_byte_deadlines.values()))
+
     def _first_byte_queue(self, stream: bool, max_out: int | None) -> DeadlineQueue:
         """The deadline queue of a leg's first byte: one per ``(stream, max_out)``, whose deadlines
         all have one length (so they queue in arrival order); when :data:`FIRST_BYTE_QUEUES` are in
