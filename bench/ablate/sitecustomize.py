@@ -29,7 +29,11 @@ It measures what those costs are; it is not a fix (load-aware and prefix-aware p
   cancellation) and its background tasks, against ``proxy_floor.py``'s minimal aiohttp proxy;
 * ``candidates``: ``Router._candidates`` builds no load, capacity or match columns (zeros: right
   for round robin, which reads only the replicas; the match-ratio metric then reads 0): what a
-  path for policies that read no column could save.
+  path for policies that read no column could save;
+* ``index``: the prefix index matches nothing and records nothing (``PrefixIndex.match_depths`` /
+  ``insert``);
+* ``load``: the load tracker counts nothing (``LoadTracker.on_dispatch`` / ``on_prefill_done`` /
+  ``on_finished`` do nothing; round robin reads no load).
 """
 
 import os
@@ -144,3 +148,16 @@ if "candidates" in _what:
         return Candidates(pool.role, pool.replicas, z, z, z, z, z, z, self.block_size)
 
     Router._candidates = _light
+if "index" in _what:
+    import numpy as np
+
+    from balancer.prefix_index import PrefixIndex
+
+    _empty = np.zeros(0, dtype=np.int64)
+    PrefixIndex.match_depths = lambda self, block_hashes: _empty  # every match reads 0
+    PrefixIndex.insert = lambda self, replica, block_hashes, now_s: None
+if "load" in _what:
+    from balancer.load import LoadTracker
+
+    for _hook in ("on_dispatch", "on_prefill_done", "on_finished"):
+        setattr(LoadTracker, _hook, lambda self, *a, **k: None)
