@@ -1,9 +1,9 @@
 """balancer.service.deadlines: a queue of deadlines that behaves as ``asyncio.timeout_at``.
 
 The expected behaviour comes from the standard library's ``asyncio.timeout_at`` (an independent
-implementation), run side by side on the same schedules, on an event loop with a virtual clock
-(time advances only while the loop would wait: the outcomes do not depend on the host's load);
-the other tests use real time with wide margins."""
+implementation), run side by side on the same schedules, every test on an event loop with a
+virtual clock (time advances only while the loop would wait: outcomes and times do not depend on
+the host's load)."""
 
 from __future__ import annotations
 
@@ -14,44 +14,6 @@ import selectors
 import pytest
 
 from balancer.service.deadlines import DeadlineQueue
-
-
-async def _block(cm, run_s: float) -> str:  # noqa: ANN001
-    """``run_s`` of sleeping inside ``cm``: "done", "timeout" or "cancelled"."""
-    try:
-        async with cm:
-            await asyncio.sleep(run_s)
-        return "done"
-    except TimeoutError:
-        return "timeout"
-
-
-def test_expires_at_the_deadline_like_timeout_at():
-    async def main():
-        loop = asyncio.get_running_loop()
-        q = DeadlineQueue()
-        t0 = loop.time()
-        got = await _block(q.after(0.05), 5.0)
-        elapsed = loop.time() - t0
-        assert got == "timeout"
-        assert 0.05 <= elapsed < 1.0  # fired at its deadline, not after the 5 s sleep
-        assert len(q) == 0 and q.queued == 1 and q.fallbacks == 0
-        assert await _block(q.after(1.0), 0.01) == "done"  # a block that ends in time: no timeout
-        assert len(q) == 0
-
-    asyncio.run(main())
-
-
-def test_timeout_error_is_raised_from_the_cancellation():
-    async def main():
-        q = DeadlineQueue()
-        with pytest.raises(TimeoutError) as e:
-            async with q.after(0.01):
-                await asyncio.sleep(1.0)
-        assert isinstance(e.value.__cause__, asyncio.CancelledError)  # as asyncio.timeout
-        assert asyncio.current_task().cancelling() == 0  # the cancellation it asked for was taken back
-
-    asyncio.run(main())
 
 
 class _VirtualClockLoop(asyncio.SelectorEventLoop):
@@ -72,6 +34,53 @@ class _VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.now_s
+
+
+def _run(coro):  # noqa: ANN001, ANN202
+    """``coro`` to completion on a fresh virtual-clock loop."""
+    loop = _VirtualClockLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+async def _block(cm, run_s: float) -> str:  # noqa: ANN001
+    """``run_s`` of sleeping inside ``cm``: "done", "timeout" or "cancelled"."""
+    try:
+        async with cm:
+            await asyncio.sleep(run_s)
+        return "done"
+    except TimeoutError:
+        return "timeout"
+
+
+def test_expires_at_the_deadline_like_timeout_at():
+    async def main():
+        loop = asyncio.get_running_loop()
+        q = DeadlineQueue()
+        t0 = loop.time()
+        got = await _block(q.after(0.05), 5.0)
+        elapsed = loop.time() - t0
+        assert got == "timeout"
+        assert elapsed == pytest.approx(0.05)  # fired at its deadline, not after the 5 s sleep
+        assert len(q) == 0 and q.queued == 1 and q.fallbacks == 0
+        assert await _block(q.after(1.0), 0.01) == "done"  # a block that ends in time: no timeout
+        assert len(q) == 0
+
+    _run(main())
+
+
+def test_timeout_error_is_raised_from_the_cancellation():
+    async def main():
+        q = DeadlineQueue()
+        with pytest.raises(TimeoutError) as e:
+            async with q.after(0.01):
+                await asyncio.sleep(1.0)
+        assert isinstance(e.value.__cause__, asyncio.CancelledError)  # as asyncio.timeout
+        assert asyncio.current_task().cancelling() == 0  # the cancellation it asked for was taken back
+
+    _run(main())
 
 
 def test_same_outcomes_as_timeout_at_on_random_schedules():
@@ -102,11 +111,7 @@ def test_same_outcomes_as_timeout_at_on_random_schedules():
             assert len(q) == 0
             assert q.fallbacks > 0  # some came out of order (a timer of their own)
 
-    loop = _VirtualClockLoop()
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
+    _run(main())
 
 
 def test_a_later_shorter_deadline_is_not_held_up_by_an_earlier_longer_one():
@@ -124,7 +129,7 @@ def test_a_later_shorter_deadline_is_not_held_up_by_an_earlier_longer_one():
             await long
         assert len(q) == 0
 
-    asyncio.run(main())
+    _run(main())
 
 
 def test_a_block_that_left_does_not_expire_the_next_early():
@@ -137,7 +142,7 @@ def test_a_block_that_left_does_not_expire_the_next_early():
         assert await _block(q.after(0.1), 1.0) == "timeout"
         assert loop.time() - t0 < 1.0
 
-    asyncio.run(main())
+    _run(main())
 
 
 def test_cancellation_by_someone_else_propagates():
@@ -164,7 +169,7 @@ def test_cancellation_by_someone_else_propagates():
                 await t
         assert len(q) == 0
 
-    asyncio.run(main())
+    _run(main())
 
 
 def test_nested_blocks():
@@ -184,7 +189,7 @@ def test_nested_blocks():
                 except TimeoutError:  # pragma: no cover - would be the inner one's: wrong
                     pytest.fail("the outer deadline was taken for the inner one's")
 
-    asyncio.run(main())
+    _run(main())
 
 
 def test_a_passed_deadline_expires_at_the_first_wait():
@@ -194,7 +199,7 @@ def test_a_passed_deadline_expires_at_the_first_wait():
         assert await _block(q.at(loop.time() - 1.0), 1.0) == "timeout"
         assert await _block(asyncio.timeout_at(loop.time() - 1.0), 1.0) == "timeout"
 
-    asyncio.run(main())
+    _run(main())
 
 
 def test_outside_a_task_is_refused():
