@@ -33,7 +33,7 @@ import numpy as np
 from balancer.config import PolicySpec
 from balancer.policies import Policy
 from balancer.router import Router
-from balancer.types import Request, Role
+from balancer.types import Request, Role, TtftSlo
 from sim.run.admission import admit
 from sim.run.cluster import Cluster, RankInfo
 from sim.run.engine.step_group import STEP_CLASSES
@@ -124,12 +124,14 @@ def simulate_closed_loop(
     max_requests: int = DEFAULT_MAX_REQUESTS,
     router_factory: Callable[[RankCacheBlocks], Router] | None = None,
     cluster_hook: Callable[[Cluster], None] | None = None,
+    ttft_slo: TtftSlo | None = None,
 ) -> ClosedLoopResult:
     """Run ``workload``'s lanes through ``scenario`` routed by ``policy`` (both roles; an aggregated
     scenario routes among its mixed ranks). The router is built as :func:`sim.run.cluster.simulate`
     builds it (the scenario's cost model and KV-tier views), unless ``router_factory`` is given.
     ``cluster_hook``: called with the built cluster before the first request (sensitivity runs
-    change engine attributes there, e.g. ``Rank.hit_multiple_tokens``). Deterministic for given inputs.
+    change engine attributes there, e.g. ``Rank.hit_multiple_tokens``). ``ttft_slo``: the TTFT budget
+    the router routes against (SLO-aware policies; ``None``: none). Deterministic for given inputs.
 
     Raises:
         ValueError: ``drain_s`` < 0, ``max_requests`` < 1.
@@ -143,7 +145,8 @@ def simulate_closed_loop(
     if router_factory is None:
         spec = PolicySpec.parse(policy) if isinstance(policy, str) else policy
         router_factory = make_router_factory(
-            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory), spec, spec)
+            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory,
+                                        ttft_slo=ttft_slo), spec, spec)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_factory, perf_factory, record_iterations=True)

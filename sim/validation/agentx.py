@@ -38,6 +38,7 @@ import numpy as np
 from sim.validation.tolerance import TOLERANCE
 
 if TYPE_CHECKING:
+    from balancer.types import TtftSlo
     from sim.run.closed_loop import ClosedLoopResult
     from sim.scenario import Scenario
     from sim.workload.agentic import AgenticWorkloadConfig
@@ -193,11 +194,14 @@ def perf_factory_440246(decode_scale: float = DECODE_EFFICIENCY_SCALE,
 def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str = "dp_consistent_hash", *,
                     decode_scale: float = DECODE_EFFICIENCY_SCALE,
                     prefill_scale: float | None = PREFILL_EFFICIENCY_SCALE, seed: int = 0,
-                    hit_multiple_tokens: int | None = None, **pool: object) -> "ClosedLoopResult":
+                    hit_multiple_tokens: int | None = None, ttft_slo: "TtftSlo | None" = None,
+                    **pool: object) -> "ClosedLoopResult":
     """One closed-loop run of point 440246 on pdlb's cluster simulator (:func:`sim.run.closed_loop.simulate_closed_loop`,
     routing through :class:`balancer.router.Router` with ``policy``); ``workload`` defaults to the
     fitted lanes of :mod:`sim.workload.agentic`. ``hit_multiple_tokens``: a sensitivity knob, a
-    prefix hit as a multiple of this many tokens instead of the model's 256 (V4's hybrid KV)."""
+    prefix hit as a multiple of this many tokens instead of the model's 256 (V4's hybrid KV).
+    ``ttft_slo``: the router's TTFT budget (SLO-aware policies route against it; None: none, as
+    the validation rows)."""
     from sim.run.closed_loop import simulate_closed_loop
     from sim.workload.agentic import AgenticWorkloadConfig
 
@@ -206,7 +210,7 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
             rank.hit_multiple_tokens = hit_multiple_tokens
     return simulate_closed_loop(scenario_440246(**pool), workload or AgenticWorkloadConfig(), policy,
                                 perf_factory=perf_factory_440246(decode_scale, prefill_scale), seed=seed,
-                                cluster_hook=hook if hit_multiple_tokens is not None else None)
+                                cluster_hook=hook if hit_multiple_tokens is not None else None, ttft_slo=ttft_slo)
 
 
 def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 0.15998,
