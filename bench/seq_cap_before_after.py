@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Benchmark: ``ep_aware`` with and without the sequence cap in its cost model, on every scenario
-issue 23 names (before / after of the change that prices ``max_num_seqs`` and the slot wait).
+issue 23 names (before / after of pricing ``max_num_seqs`` and the slot wait).
 
-``ep_aware`` (the cap on: a decode or mixed rank that already holds its pool's ``max_num_seqs``
-requests costs the slot wait, :func:`balancer.cost_model.slot_wait_s`) against
-``ep_aware:seq_cap=false`` (the pricing before), each run once per rate scale and seed on:
+``ep_aware:seq_cap=true`` (a decode or mixed rank that already holds its pool's ``max_num_seqs``
+requests costs the slot wait, :func:`balancer.cost_model.slot_wait_s`) against ``ep_aware`` (the
+default, which prices no cap), each run once per rate scale and seed on:
 
 - ``mooncake:default``: the embedded Mooncake conversation trace on dsv3-pd-h200 (6 prefill
   engines of EP8, 1 decode engine of EP8; decode ranks hold up to 256 sequences);
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from policy_goodput import scenario_of, workload_of  # noqa: E402
 
 ROWS = ("mooncake:default", "mooncake_synthetic:default", "shared_prefix:default", "mooncake:agg")
-AFTER, BEFORE = "ep_aware", "ep_aware:seq_cap=false"
+BEFORE, AFTER = "ep_aware", "ep_aware:seq_cap=true"
 
 
 def main(argv: list[str] | None = None) -> int:
