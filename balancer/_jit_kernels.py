@@ -21,8 +21,8 @@ from numba import njit
 
 
 
-def _jit(signature: str):  # noqa: ANN202
-    """``numba.njit`` with an explicit signature (compiled at import, or loaded from numba's cache),
+def _jit(signature: str | list[str]):  # noqa: ANN202
+    """``numba.njit`` with explicit signatures (compiled at import, or loaded from numba's cache),
     no GIL held, no bounds checks (the callers check shapes), numpy's float error model (x / 0 is
     inf or NaN, as in numpy, not an exception)."""
     return njit(signature, cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -102,14 +102,20 @@ def _frac(X, Qr):  # noqa: ANN001, ANN202
     return 0.0
 
 
-@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
-def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon):  # noqa: ANN001, ANN201
-    """:func:`balancer.cost_model.prefill_wait_features` of a wide-EP pool in the row layout
-    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,): its numpy expressions
-    one candidate at a time, in its order of operations (``w`` per rank computed once, as there)."""
+@_jit([f"void(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], f8[::1], "
+       "f8[::1])" for t in ("f8", "i8")])  # n_req: int64 request counts as they are (float() converts as astype)
+def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
+                    n_after):  # noqa: ANN001, ANN201
+    """:func:`prefill_wait_rows` and, with ``want_after``, :func:`requests_after_rows` (into
+    ``n_after`` (n,), from ``n_req``) in one pass over each candidate's engine: one call instead of
+    two, each rank's queue read once. ``N_after`` of a candidate whose queue equals an earlier
+    candidate's of the same engine is that one's: its terms are the same values in the same order
+    (each rank ``r`` contributes ``n_r max((q_r - q_i) / q_r, 0)``, 0 where ``q_r <= q_i``, which
+    reads ``q_i`` only), so the sum is the same bits."""
     n = q.shape[0]
     R = rows.shape[1]
     mins = np.empty(R)
+    vals = np.empty(R)
     W = np.empty(n)
     for r in range(n):
         W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
@@ -123,6 +129,15 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
         w_new = per_token_s * q_new + per_attn_pair_s * a_new
         e = idx[i]
         own = i % R
+        qi = q[i]
+        # N_after: reuse an earlier candidate's of this engine with the same queue (docstring)
+        after_from = -1
+        if want_after:
+            for c in range(own):
+                rc = rows[e, c]
+                if rc < i and q[rc] == qi:
+                    after_from = rc
+                    break
         # work = W * frac with the own rank at -1.0; j = its argmax (numpy's: the first maximum,
         # a NaN ends the search); busiest_other = max of W with the own rank at 0.0
         best = 0.0
@@ -144,6 +159,11 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
             mins[c] = _minimum(Qr, X)
             wo = 0.0 if c == own else Wr
             busiest = wo if c == 0 else _maximum(busiest, wo)
+            if want_after and after_from < 0:
+                if Qr > 0 and not Qr <= qi:
+                    vals[c] = float(n_req[r]) * _maximum((Qr - qi) / Qr, 0.0)
+                else:
+                    vals[c] = float(n_req[r]) * 0.0
         if w_new >= best:
             tok = q_new
             pairs = a_new
@@ -155,8 +175,19 @@ def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, row
         feats[i, 0] = steps
         feats[i, 1] = tok
         feats[i, 2] = pairs
-        feats[i, 3] = (_row_sum(mins, R) - _minimum(q[i], X)) + q_new
+        feats[i, 3] = (_row_sum(mins, R) - _minimum(qi, X)) + q_new
         horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+        if want_after:
+            n_after[i] = n_after[after_from] if after_from >= 0 else _row_sum(vals, R)
+
+
+@_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
+def prefill_wait_rows(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon):  # noqa: ANN001, ANN201
+    """:func:`balancer.cost_model.prefill_wait_features` of a wide-EP pool in the row layout
+    (``rows`` (E, R)), written into ``feats`` (n, 4) and ``horizon`` (n,): its numpy expressions
+    one candidate at a time, in its order of operations (``w`` per rank computed once, as there)."""
+    none = np.empty(0)
+    prefill_ep_rows(q, a, u, cached, none, C, per_token_s, per_attn_pair_s, idx, rows, False, feats, horizon, none)
 
 
 @_jit("void(f8[::1], f8[::1], i8[::1], i8[:, ::1], f8[::1])")
@@ -180,7 +211,8 @@ def requests_after_rows(q, n_req, idx, rows, out):  # noqa: ANN001, ANN201
         out[i] = _row_sum(vals, R)
 
 
-@_jit("void(f8[::1], f8[::1], f8[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1])")
+@_jit([f"void({t}[::1], {t}[::1], {t}[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1])"
+      for t in ("f8", "i8")])  # int64 load columns as they are: float(x) converts as numpy's astype
 def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,  # noqa: ANN001, ANN201
                      per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost):
     """``EpAware._decode_cost_one`` for wide-EP engines in the row layout, into ``cost`` (n,):
@@ -195,14 +227,14 @@ def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens
     Ns = np.empty(E)
     for e in range(E):
         r0 = rows[e, 0]
-        B = b[r0]
-        K = k[r0]
-        n_e = 0.0 + b[r0]
+        B = float(b[r0])
+        K = float(k[r0])
+        n_e = 0.0 + float(b[r0])
         for c in range(1, R):
             r = rows[e, c]
-            B = _maximum(B, b[r])
-            K = _maximum(K, k[r])
-            n_e += b[r]
+            B = _maximum(B, float(b[r]))
+            K = _maximum(K, float(k[r]))
+            n_e += float(b[r])
         Bs[e] = B
         Ks[e] = K
         Ns[e] = n_e
@@ -211,12 +243,92 @@ def decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens
         B = Bs[e]
         K = Ks[e]
         n_e = Ns[e]
-        bi = b[i]
-        ki = k[i]
+        bi = float(b[i])
+        ki = float(k[i])
         before = ((overhead_s + per_seq_s * B) + per_kv_token_s * K) + per_group_seq_s * n_e
         after = (((overhead_s + per_seq_s * _maximum(B, bi + 1.0)) + per_kv_token_s * _maximum(K, ki + kv_new))
                  + per_group_seq_s * (n_e + 1.0))
         c_i = out_tokens * (after + (externality_weight * n_e) * (after - before))
         if transfer:
-            c_i = c_i + transfer_s_per_token * _maximum(prompt_tokens - matched[i], 0.0)
+            c_i = c_i + transfer_s_per_token * _maximum(prompt_tokens - float(matched[i]), 0.0)
         cost[i] = c_i
+
+
+@_jit("i8(f8[::1], i8[::1], f8, i8[::1])")
+def tie_pick(cost, load, tie_tolerance, out):  # noqa: ANN001, ANN201
+    """``EpAware._pick`` without its random draw: the candidates to draw from, in ``out``, and
+    their count; -1 where ``_pick`` draws among the cheapest costs instead (``tie_tolerance <=
+    0``, or a cheapest cost that is not finite: any NaN counts, as numpy's argmin returns the
+    first NaN). Otherwise the cheapest ``i`` (numpy's argmin: the first minimum) and the costs
+    ``<= cost_i (1 + tie_tolerance)`` tie: one alone is ``i`` (count 1); several, those among
+    them with the least ``load`` as float64 (``np.where(near, load, inf)``'s values), in order."""
+    n = cost.shape[0]
+    if tie_tolerance <= 0 or n == 0:
+        return -1
+    i = 0
+    best = cost[0]
+    for j in range(n):
+        x = cost[j]
+        if x != x:
+            return -1
+        if x < best:
+            best = x
+            i = j
+    if not (best < np.inf and best > -np.inf):
+        return -1
+    bound = best * (1.0 + tie_tolerance)
+    n_near = 0
+    least = np.inf
+    for j in range(n):
+        if cost[j] <= bound:
+            n_near += 1
+            v = float(load[j])
+            if v < least:
+                least = v
+    if n_near == 1:
+        out[0] = i
+        return 1
+    m = 0
+    for j in range(n):
+        if cost[j] <= bound and float(load[j]) == least:
+            out[m] = j
+            m += 1
+    return m
+
+
+@_jit("i8(i8[::1], i8[::1], i8)")
+def count_no_room(cap, kv, need):  # noqa: ANN001, ANN201
+    """``EpAware._capacity``'s test: how many candidates have a known capacity (``cap > 0``) with
+    less room than ``need`` (``cap - kv < need``, int64 as numpy's); -1 when no capacity is
+    known (``max(cap) <= 0``, or no candidate)."""
+    known = False
+    bad = 0
+    for j in range(cap.shape[0]):
+        if cap[j] > 0:
+            known = True
+            if cap[j] - kv[j] < need:
+                bad += 1
+    return bad if known else -1
+
+
+@_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8[::1], f8[::1])" for t in ("f8", "i8")])
+def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per_attn_pair_s, w_ext, idx, rows,  # noqa: ANN001, ANN201
+                         feats, horizon, ext, u, cached):
+    """``EpAware._prefill_cost_one``'s wide-EP work before its matrix product, for a pool without
+    lower KV tiers: ``cached = np.minimum(matched, P - 1)``, ``u = P - cached`` (into ``cached``,
+    ``u``), :func:`prefill_ep_rows` (features, horizon, ``N_after``), ``ext = w_ext u N_after``
+    (into ``ext``, ``(w_ext u_i) N_i`` as numpy's ``w_ext * u * n_after``); returns
+    ``np.count_nonzero(q)``."""
+    n = q.shape[0]
+    for i in range(n):
+        c = _minimum(float(matched[i]), P_minus_1)
+        cached[i] = c
+        u[i] = P - c
+    prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True, feats, horizon, ext)
+    busy = 0
+    for i in range(n):
+        ext[i] = (w_ext * u[i]) * ext[i]
+        if q[i] != 0:
+            busy += 1
+    return busy

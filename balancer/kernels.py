@@ -61,9 +61,24 @@ def _f8(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float64)
 
 
+#: ``(idx, rows)`` pairs already checked by :func:`_layout_ok`, by identity (the router's pools
+#: reuse theirs: :func:`balancer.cost_model.engine_groups` caches them), with the objects kept
+_LAYOUTS_OK: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
 def _layout_ok(k: ModuleType, idx: np.ndarray, rows: np.ndarray) -> bool:
-    return (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
-            and rows.flags.c_contiguous and rows.shape[1] > 0)
+    """Whether the kernels take this ``(idx, rows)`` layout (int64, C order, some ranks); a pair
+    that passed once passes at once (an array's dtype, shape and order do not change)."""
+    got = _LAYOUTS_OK.get((id(idx), id(rows)))
+    if got is not None and got[0] is idx and got[1] is rows:
+        return True
+    ok = (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
+          and rows.flags.c_contiguous and rows.shape[1] > 0)
+    if ok:
+        if len(_LAYOUTS_OK) >= 64:
+            _LAYOUTS_OK.clear()
+        _LAYOUTS_OK[(id(idx), id(rows))] = (idx, rows)
+    return ok
 
 
 def prefill_wait_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.ndarray, chunk_tokens: float,
@@ -80,6 +95,25 @@ def prefill_wait_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.nd
     k.prefill_wait_rows(_f8(q), _f8(a), _f8(u), _f8(cached), float(chunk_tokens), float(per_token_s),
                         float(per_attn_pair_s), idx, rows, feats, horizon)
     return feats, horizon
+
+
+def prefill_ep_rows(q: np.ndarray, a: np.ndarray, u: np.ndarray, cached: np.ndarray, n_req: np.ndarray,
+                    chunk_tokens: float, per_token_s: float, per_attn_pair_s: float, idx: np.ndarray,
+                    rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`prefill_wait_rows` and :func:`requests_after_rows` (``n_req`` requests per
+    candidate) in one compiled pass: ``(features (n, 4), horizon (n,), N_after (n,))``, float64,
+    each equal bit for bit to its own kernel's (and so to the numpy code); ``None`` when the
+    compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if k is None or not _layout_ok(k, idx, rows):
+        return None
+    n = len(q)
+    feats, horizon, after = np.empty((n, 4)), np.empty(n), np.empty(n)
+    if n_req.dtype != np.int64 or not n_req.flags.c_contiguous:  # int64 counts go as they are
+        n_req = _f8(n_req)
+    k.prefill_ep_rows(_f8(q), _f8(a), _f8(u), _f8(cached), n_req, float(chunk_tokens), float(per_token_s),
+                      float(per_attn_pair_s), idx, rows, True, feats, horizon, after)
+    return feats, horizon, after
 
 
 def requests_after_rows(q: np.ndarray, n_req: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
@@ -105,8 +139,64 @@ def decode_cost_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray, i
     if kern is None or not _layout_ok(kern, idx, rows):
         return None
     cost = np.empty(len(b))
-    kern.decode_cost_rows(_f8(b), _f8(k), _f8(matched_tokens), idx, rows, float(out_tokens), float(kv_new_tokens),
+    if not (b.dtype == k.dtype == matched_tokens.dtype == np.int64 and b.flags.c_contiguous and k.flags.c_contiguous
+            and matched_tokens.flags.c_contiguous):  # int64 columns go as they are (the kernel converts)
+        b, k, matched_tokens = _f8(b), _f8(k), _f8(matched_tokens)
+    kern.decode_cost_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
                           float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
                           float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
                           bool(transfer), cost)
     return cost
+
+
+def tie_pick(cost: np.ndarray, load: np.ndarray, tie_tolerance: float) -> tuple[int, np.ndarray] | None:
+    """``EpAware._pick``'s candidates before its random draw, compiled: ``(count, positions)``
+    where ``positions[:count]`` (int64) are the candidates ``_pick`` draws from (one: the cheapest;
+    several: the least ``load`` among the costs within ``tie_tolerance``), or count -1 where it
+    draws among the cheapest costs instead (no tolerance, a cheapest cost that is not finite).
+    ``cost`` float64 and ``load`` int64, shapes ``(n,)``; ``None`` when the compiled path is off or
+    cannot take these arrays."""
+    k = compiled()
+    if k is None or cost.dtype != np.float64 or load.dtype != np.int64 or not cost.flags.c_contiguous \
+            or not load.flags.c_contiguous or cost.ndim != 1 or load.shape != cost.shape:
+        return None
+    out = np.empty(len(cost), dtype=np.int64)
+    return k.tie_pick(cost, load, float(tie_tolerance), out), out
+
+
+def count_no_room(cap: np.ndarray, kv: np.ndarray, need: int) -> int | None:
+    """``EpAware._capacity``'s test, compiled: the number of candidates with a known KV capacity
+    (``cap > 0``) and less room than ``need`` tokens (``cap - kv < need``), -1 when no capacity is
+    known; ``cap``/``kv`` int64, shape ``(n,)``. ``None`` when the compiled path is off or cannot
+    take these arrays."""
+    k = compiled()
+    if (k is None or cap.dtype != np.int64 or kv.dtype != np.int64 or cap.shape != kv.shape or cap.ndim != 1
+            or not cap.flags.c_contiguous or not kv.flags.c_contiguous or not 0 <= need < 2 ** 62):
+        return None
+    return k.count_no_room(cap, kv, int(need))
+
+
+def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
+                         prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
+                         w_ext: float, idx: np.ndarray, rows: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """``EpAware._prefill_cost_one``'s wide-EP work up to its matrix product, one compiled call, for
+    a pool without lower KV tiers: ``(features (n, 4), horizon (n,), ext (n,), u (n,), cached (n,),
+    busy)``: the cached tokens ``min(matched, P - 1)``, the prompt's uncached ``u = P - cached``,
+    :func:`prefill_ep_rows`' features and horizon, ``ext = w_ext u N_after`` and the number of
+    candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``None`` when
+    the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if k is None or not _layout_ok(k, idx, rows):
+        return None
+    if not (matched_tokens.dtype == n_req.dtype == np.int64 and matched_tokens.flags.c_contiguous
+            and n_req.flags.c_contiguous):
+        matched_tokens, n_req = _f8(matched_tokens), _f8(n_req)
+    n = len(q)
+    buf = np.empty((4, n))
+    feats = np.empty((n, 4))
+    P = float(prompt_tokens)
+    busy = k.prefill_ep_cost_rows(_f8(q), _f8(a), matched_tokens, n_req, P, P - 1.0, float(chunk_tokens),
+                                  float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
+                                  buf[0], buf[1], buf[2], buf[3])
+    return feats, buf[0], buf[1], buf[2], buf[3], int(busy)

@@ -24,6 +24,10 @@ Three routers in front of the same zero-delay emulated mixed engines (round robi
 list with those parts of its per-request work taken away by bench-only patches
 (``bench/ablate/sitecustomize.py``): what each part costs inside the running service, where
 caches are shared with everything else (a part's in-process microbenchmark understates that).
+``--ablate 'proxy;service'`` bisects the rest: ``proxy`` keeps pdlb's server, request handler,
+metrics and JSON parse but forwards like the minimal proxies (no ``Proxy.handle``); ``service``
+also drops pdlb's handler (what is left: its aiohttp server as configured, and its background
+tasks). The 2-core host's run is in docs/serving.md ("How far one process is from a bare Python proxy").
 
 For each: CPU per request (user + system of the router process, ``/proc``) at
 ``--max-concurrency`` connections, in ``--rounds`` paired rounds (all three driven at once by the
@@ -168,11 +172,11 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per round (default 4)")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
     ap.add_argument("--ablate", default="", metavar="LISTS",
-                    help="';'-separated comma lists of bench/ablate switches (route, timeouts, hash, checks, metrics): "
+                    help="';'-separated comma lists of bench/ablate switches (route, timeouts, hash, checks, metrics, proxy, service): "
                          "a pdlb row each with those parts taken away")
     args = ap.parse_args()
     args.ablate = [w.strip() for w in args.ablate.split(";") if w.strip()]
-    known = {"route", "timeouts", "hash", "checks", "metrics"}
+    known = {"route", "timeouts", "hash", "checks", "metrics", "proxy", "service"}
     if bad := {x.strip() for w in args.ablate for x in w.split(",")} - known:
         ap.error(f"unknown --ablate switches {sorted(bad)}; known: {', '.join(sorted(known))}")
     args.router_cpus = ro._cpu_list(args.router_cpus, ap)

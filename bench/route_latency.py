@@ -66,9 +66,13 @@ from balancer.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from balancer.policies import available_policies  # noqa: E402
 from balancer.prefix_index import PrefixIndex  # noqa: E402
 from balancer.router import Router  # noqa: E402
-from balancer.types import ReplicaId, Request  # noqa: E402
+from balancer.types import Choice, ReplicaId, Request, Route  # noqa: E402
 
-BLOCK = 512
+#: tokens per KV block: 512 (Mooncake's blocks; the anchors' setting) or ``--block-size`` (the live
+#: router's default is 64: a 32k-token prompt is then 512 block hashes, not 64); the children of
+#: ``--against`` read it from :data:`BLOCK_ENV`
+BLOCK_ENV = "PDLB_ROUTE_LATENCY_BLOCK"
+BLOCK = int(os.environ.get(BLOCK_ENV) or 512)
 
 
 def make_requests(n: int, prompt_tokens: int, seed: int) -> list[Request]:
@@ -82,10 +86,13 @@ def make_requests(n: int, prompt_tokens: int, seed: int) -> list[Request]:
     return out
 
 
-#: Prefix-index bound per replica in the bench: 2,048 blocks = 1M tokens, about one GPU's HBM KV.
-INDEX_CAPACITY_BLOCKS = 2048
+#: Prefix-index bound per replica in the bench: 1M tokens (2,048 blocks of 512), about one GPU's HBM KV.
+INDEX_CAPACITY_BLOCKS = 2048 * 512 // BLOCK  # 2,048 at 512-token blocks; the same tokens at other sizes
 #: Most warm-up decisions (short prompts at 512 replicas would need millions to fill the index).
 MAX_WARM = 20_000
+#: With a decision log (``--decisions``), KV events are due as if each decision took this long
+#: (a virtual clock: the events fall between the same decisions in every run).
+VIRTUAL_DECISION_S = 100e-6
 
 
 class _EventFeeder:
@@ -103,6 +110,19 @@ class _EventFeeder:
         self.applied = 0
         self._t0 = 0.0
         self._due0 = 0
+        #: seconds for :meth:`catch_up`: wall-clock time, or with a decision log a virtual clock
+        #: that :meth:`tick` advances by :data:`VIRTUAL_DECISION_S` per decision (reproducible)
+        self.clock: Callable[[], float] = time.perf_counter
+        self._virtual_s = 0.0
+
+    def virtual(self) -> None:
+        """Run on the virtual clock (see :attr:`clock`): the same events between the same decisions
+        in every run, so that two checkouts' decision logs can be compared byte for byte."""
+        self.clock = lambda: self._virtual_s
+
+    def tick(self) -> None:
+        """One decision passed (the virtual clock advances by :data:`VIRTUAL_DECISION_S`)."""
+        self._virtual_s += VIRTUAL_DECISION_S
 
     def event(self) -> None:
         """Apply one event now."""
@@ -116,18 +136,18 @@ class _EventFeeder:
         self.applied += 1
 
     def start(self) -> None:
-        self._t0, self._due0 = time.perf_counter(), self.applied
+        self._t0, self._due0 = self.clock(), self.applied
 
     def catch_up(self) -> None:
         """Apply the events due by now (at most 10,000 at once: a stall does not snowball)."""
-        due = self._due0 + int((time.perf_counter() - self._t0) * self.rate_per_s)
+        due = self._due0 + int((self.clock() - self._t0) * self.rate_per_s)
         for _ in range(min(10_000, due - self.applied)):
             self.event()
 
 
 def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
           kv_events_per_s: float = 0.0, in_flight: int = 0, clock_name: str = "wall",
-          compiled: bool = True) -> tuple[float, float, float]:
+          compiled: bool = True, decision_log: list[str] | None = None) -> tuple[float, float, float]:
     """p50 and p99 decision latency (us) and the index fill (held / capacity) when measured.
 
     Warm-up first routes (and finishes) requests until every replica's index is full or
@@ -138,7 +158,10 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
     ``in_flight``: requests kept dispatched (the oldest finishes when one more is routed; 0: each
     finishes at once, an idle pool). ``clock_name``: ``"wall"`` (``perf_counter``) or ``"cpu"``
     (``thread_time``: this thread's CPU time, blind to the host preempting it). ``compiled``:
-    False turns ``balancer.kernels``' compiled loops off (their numpy code runs).
+    False turns ``balancer.kernels``' compiled loops off (their numpy code runs). ``decision_log``:
+    a list to append one CSV line per measured decision to (:func:`decision_line`); the KV events
+    then run on the feeder's virtual clock (:meth:`_EventFeeder.virtual`), so the log is the same
+    in every run of the same code.
     """
     if not compiled:
         from balancer import kernels
@@ -160,6 +183,8 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
     n_warm = min(MAX_WARM, max(n, 3 * replicas * INDEX_CAPACITY_BLOCKS // blocks))
     warm = make_requests(n_warm, prompt_tokens, seed=1)
     feeder = _EventFeeder(router, reps, [r.block_hashes for r in warm], kv_events_per_s or 1.0)
+    if decision_log is not None:
+        feeder.virtual()
     pending: deque[str] = deque()
 
     def finish_some(now_s: float) -> None:
@@ -182,11 +207,27 @@ def bench(policy: str, replicas: int, prompt_tokens: int, n: int,
         if events:
             feeder.catch_up()
         t0 = clock()
-        router.route(r, 1.0)
+        route = router.route(r, 1.0)
         lat[k] = clock() - t0
+        if decision_log is not None:
+            decision_log.append(decision_line(policy, replicas, prompt_tokens, route))
+            feeder.tick()
         pending.append(r.request_id)
         finish_some(1.0)
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6), fill
+
+
+def decision_line(policy: str, replicas: int, prompt_tokens: int, route: Route) -> str:
+    """One decision as a CSV line: the configuration, the request, the chosen prefill and decode
+    DP ranks with the policies' reasons, and the chosen ranks' scores (``repr``: every bit; empty
+    for a policy that computes none)."""
+    def chosen(choice: Choice | None, replica: ReplicaId | None) -> str:
+        if choice is None or replica is None:
+            return ",,"
+        score = choice.scores.get(replica)  # empty for policies that compute none (round_robin)
+        return f"{replica},{choice.reason},{'' if score is None else repr(score)}"
+    return (f"{policy},{replicas},{prompt_tokens},{route.request_id},{chosen(route.prefill_choice, route.prefill)},"
+            f"{chosen(route.decode_choice, route.decode)}")
 
 
 def bench_in(tree: str | None, policy: str, replicas: int, prompt_tokens: int, n: int,
@@ -226,6 +267,51 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
                 b50, b99 = (statistics.median(x[i] for x in base) for i in (0, 1))
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{o50:>9.1f}{o99:>9.1f}{b50:>10.1f}{b99:>10.1f}"
                       f"{o50 / b50:>11.2f}{o99 / b99:>11.2f}", flush=True)
+
+
+def hashing_us(prompt_tokens: int, n: int = 200) -> tuple[float, float]:
+    """p50 / p99 (us, thread CPU time) of hashing one prompt's token ids into its block hashes as
+    the service does before it routes (:meth:`PromptHasher.hash_token_ids` of a token-id array, at
+    :data:`BLOCK` tokens per block): work the service pays per request that ``Router.route`` (the
+    decision measured in the tables) does not include."""
+    from balancer.service.prompt import PromptHasher
+
+    hasher = PromptHasher(BLOCK)
+    rng = np.random.default_rng(0)
+    lat = np.empty(n)
+    for k in range(n):
+        ids = rng.integers(0, 150_000, prompt_tokens)
+        t0 = time.thread_time()
+        hasher.hash_token_ids(ids)
+        lat[k] = time.thread_time() - t0
+    return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+def host_calibration_us() -> tuple[float, float]:
+    """Thread CPU microseconds of two fixed pieces of work that use no pdlb code: a pure-Python
+    loop (10,000 dict stores and loads) and 100 small numpy calls (``np.add`` of two 64-element
+    float64 arrays); the fastest of 20 runs each. Decision times from two hosts compare through
+    these (a host whose Python runs 3x slower decides 3x slower)."""
+    def py_loop() -> None:
+        d: dict[int, int] = {}
+        for i in range(10_000):
+            d[i & 1023] = d.get(i & 511, 0) + i
+
+    x, y = np.ones(64), np.ones(64)
+
+    def np_calls() -> None:
+        for _ in range(100):
+            np.add(x, y)
+
+    out = []
+    for fn in (py_loop, np_calls):
+        best = np.inf
+        for _ in range(20):
+            t0 = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t0)
+        out.append(best * 1e6)
+    return out[0], out[1]
 
 
 def index_bytes_per_million_blocks(index_cls: Callable[[], object], num_blocks: int = 200_000, replicas: int = 8) -> float:
@@ -287,8 +373,20 @@ def main() -> int:
                     help="requests kept in flight, so that policies see load (default 0: each finishes at once)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter (default); cpu: the thread's CPU time, blind to preemption on a busy host")
+    ap.add_argument("--block-size", type=int, default=512, metavar="TOKENS",
+                    help="tokens per KV block (default 512, the anchors' setting; pdlb serve's default is 64)")
+    ap.add_argument("--decisions", metavar="FILE",
+                    help="write every measured decision (chosen ranks, reasons, scores) to FILE as CSV; KV events "
+                         "then run on a virtual clock (100 us per decision), so two checkouts' files compare byte "
+                         "for byte (PDLB_ROUTE_LATENCY_TREE=DIR measures DIR's balancer)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child process of --against: one JSON configuration
     args = ap.parse_args()
+    global BLOCK, INDEX_CAPACITY_BLOCKS
+    if args.block_size < 1:
+        ap.error("--block-size must be >= 1")
+    if args.block_size != BLOCK:  # for this process and the --against children
+        os.environ[BLOCK_ENV] = str(args.block_size)
+        BLOCK, INDEX_CAPACITY_BLOCKS = args.block_size, 2048 * 512 // args.block_size
     if args.one:
         print(json.dumps(bench(*json.loads(args.one))))
         return 0
@@ -302,22 +400,42 @@ def main() -> int:
         ap.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
     if args.against and args.numpy_baseline:
         ap.error("--against and --numpy-baseline are two baselines: give one")
+    if args.decisions and (args.against or args.numpy_baseline):
+        ap.error("--decisions logs one checkout's decisions: run it once per checkout (PDLB_ROUTE_LATENCY_TREE)")
     if args.against or args.numpy_baseline:
         compare(args, policies)
         return 0
     rate = args.kv_events_per_s
+    py_us, np_us = host_calibration_us()
+    from balancer import kernels
+
+    print(f"host: Python {sys.version.split()[0]}, numpy {np.__version__}, compiled kernels (numba): "
+          f"{'yes' if kernels.compiled() is not None else 'no: numpy code'}; calibration (thread CPU, best of 20): 10,000 dict "
+          f"operations {py_us:.0f} us, 100 numpy adds of 64 floats {np_us:.0f} us")
     print(("events mode, KV events applied concurrently at %g/s" % rate if rate else "approximate mode (no KV events)")
           + f"; {args.in_flight} requests in flight; {args.clock} clock")
     conf = (args.requests, rate, args.in_flight, args.clock)
+    log: list[str] | None = [] if args.decisions else None
+    print(f"{BLOCK}-token blocks; the time is Router.route's (prefix match, both pools' candidates and policies, "
+          "load and index bookkeeping); the prompt's block hashing is not in it (its own line below)")
     print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p99 / round_robin':>19}"
           f"{'index fill':>12}")
     for replicas in args.replica_counts:
         for prompt in args.prompt_sizes:
-            base = bench("round_robin", replicas, prompt, *conf)
+            base = bench("round_robin", replicas, prompt, *conf, decision_log=log if "round_robin" in policies else None)
             for policy in policies:
-                p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, *conf)
+                p50, p99, fill = base if policy == "round_robin" else bench(policy, replicas, prompt, *conf,
+                                                                             decision_log=log)
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{p50:>9.1f}{p99:>9.1f}{p99 / base[1]:>19.2f}"
                       f"{100 * fill:>11.0f}%")
+    if log is not None:
+        Path(args.decisions).write_text("policy,replicas,prompt_tokens,request,prefill,prefill_reason,prefill_score,"
+                                        "decode,decode_reason,decode_score\n" + "".join(line + "\n" for line in log))
+        print(f"{len(log)} decisions written to {args.decisions}")
+    for prompt in args.prompt_sizes:
+        h50, h99 = hashing_us(prompt)
+        print(f"block hashing of one {prompt}-token prompt ({-(-prompt // BLOCK)} blocks; pdlb serve hashes the token "
+              f"ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us")
     print()
     print("prefix index alone, one PD decision (match + 2 inserts), steady state; baseline: the flat"
           " BlockIndex in the same run")

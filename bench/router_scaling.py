@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -54,6 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_overhead as ro  # noqa: E402
 
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
+
+HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
+"""Whether ``pdlb serve --event-loop uvloop`` can run here (the uvloop rows are left out, with a
+note, where it cannot: the optional package is not installed)."""
 
 # ---------------------------------------------------------------------- host readings
 _PROBE = r"""
@@ -557,7 +562,7 @@ async def regular(args: argparse.Namespace, sglang_cmd: list[str] | None, siblin
                         s.kill()
                         s.wait()
                     pinned.stop()
-            for loop in ("asyncio", "uvloop") if rnd == 1 else ("asyncio",):
+            for loop in ("asyncio", "uvloop") if rnd == 1 and HAS_UVLOOP else ("asyncio",):
                 many = start_pdlb("regular", engines, args.many, rc, *(["--event-loop", loop] if loop != "asyncio" else []))
                 try:
                     await drive([many.url], conc, args, lp, 1.0, {})  # spread the connections, warm up
@@ -660,12 +665,13 @@ async def pd(args: argparse.Namespace, sglang_cmd: list[str] | None, out: dict) 
                     await lat(f"pdlb, 1 process, {share} connections", [one.url], share, base)
                 finally:
                     one.stop()
-                uv = start_pdlb("pd", engines, args.many, rc, "--event-loop", "uvloop")
-                try:
-                    await drive([uv.url], c, args, 1, 1.0, {})
-                    await lat(f"pdlb x{n_proc}, uvloop", [uv.url], c, base)
-                finally:
-                    uv.stop()
+                if HAS_UVLOOP:
+                    uv = start_pdlb("pd", engines, args.many, rc, "--event-loop", "uvloop")
+                    try:
+                        await drive([uv.url], c, args, 1, 1.0, {})
+                        await lat(f"pdlb x{n_proc}, uvloop", [uv.url], c, base)
+                    finally:
+                        uv.stop()
             if sglang_cmd is not None:
                 try:
                     p, url = await start_sglang("pd", engines, sglang_cmd, rc)
@@ -784,6 +790,8 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     print(f"host: {os.cpu_count()} CPUs; routers on {sorted(args.router_cpus)}, engines and clients on "
           f"{sorted(args.other_cpus)}; py-spy: {args.py_spy}")
+    if not HAS_UVLOOP:
+        print("note: uvloop is not installed; no uvloop rows")
     out: dict = {"args": {k: (sorted(v) if isinstance(v, set) else str(v)) for k, v in vars(args).items()}}
     sibling = None
     t0 = time.monotonic()

@@ -318,7 +318,22 @@ class EpAware(Policy):
                 and cands.prefill_head_tokens is not None and cands.prefill_head_pairs is not None):
             q, a = in_service_queue(q, a, cands.prefill_head_start_s, cands.prefill_head_tokens,
                                     cands.prefill_head_pairs, now_s, eng, idx, rows)
-        if cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None:
+        tiers = cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None
+        w_ext = self.externality_weight * eng.prefill.per_group_token_s if eng.ep_synchronous else 0.0
+        busy_pool = bool(w_ext) and q[q.argmax()] > 0  # N_after is needed (and the pool is not idle)
+        if busy_pool and rows is not None and not tiers:  # all up to the matrix product compiled, when it can be
+            fast = kernels.prefill_ep_cost_rows(q, a, cands.matched_tokens, cands.num_requests, P, eng.chunk_tokens,
+                                                eng.prefill.per_token_s, eng.prefill.per_attn_pair_s, w_ext, idx, rows)
+            if fast is not None:
+                feats, horizon, ext, u, cached, n_busy = fast
+                ttft = cost = feats @ eng.prefill.coef_view + 0.0  # + fetch (0.0 without tiers), as below
+                if self.horizon_weight:
+                    busy = float(n_busy) / len(q)
+                    cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
+                else:
+                    cost = cost + ext
+                return self._with_own(cost, ttft, u, cached, 0.0, eng, sub, want_own)
+        if tiers:
             hbm = cands.hbm_blocks * bs
             cached = np.minimum(hbm + (cands.host_blocks + cands.store_blocks) * bs, P - 1.0)
             host_t = np.clip(np.minimum(hbm + cands.host_blocks * bs, cached) - hbm, 0.0, None)
@@ -328,16 +343,30 @@ class EpAware(Policy):
             cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
             fetch = 0.0
         u = P - cached
-        feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+        # both wide-EP terms in one compiled pass when there is one (same bits as the two calls below)
+        fused = kernels.prefill_ep_rows(q, a, u, cached, cands.num_requests, eng.chunk_tokens, eng.prefill.per_token_s,
+                                        eng.prefill.per_attn_pair_s, idx, rows) if busy_pool and rows is not None else None
+        if fused is not None:
+            feats, horizon, n_after = fused
+        else:
+            feats, horizon = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+            n_after = self._requests_after(q, cands, idx, rows) if busy_pool else None
         ttft = cost = feats @ eng.prefill.coef_view + fetch
         if eng.ep_synchronous:
-            w_ext = self.externality_weight * eng.prefill.per_group_token_s
-            ext = w_ext * u * self._requests_after(q, cands, idx, rows) if w_ext and q[q.argmax()] > 0 else 0.0
+            ext = w_ext * u * n_after if n_after is not None else 0.0
             if self.horizon_weight:
                 busy = float(np.count_nonzero(q)) / len(q)  # the pool's share of ranks with queued work
                 cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
             else:
                 cost = cost + ext
+        return self._with_own(cost, ttft, u, cached, fetch, eng, sub, want_own)
+
+    @staticmethod
+    def _with_own(cost: np.ndarray, ttft: np.ndarray, u: np.ndarray, cached: np.ndarray, fetch: np.ndarray | float,
+                  eng: EngineCost, sub: np.ndarray | None, want_own: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``_prefill_cost_one``'s answer: ``(cost, ttft, own)`` (``own`` when ``want_own``: the
+        prompt's own prefill seconds on an idle rank), restricted to ``sub`` when given."""
         own = None
         if want_own:
             own = np.ceil(u / float(eng.chunk_tokens)) * eng.prefill.overhead_s + _compute_s(eng.prefill, u, cached) + fetch
@@ -550,6 +579,11 @@ class EpAware(Policy):
     def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext) -> int:
         """The cheapest candidate; costs within ``tie_tolerance`` of the cheapest are ties, broken
         by the least queued work (prefill tokens or decode KV tokens), then at random."""
+        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
+        got = kernels.tie_pick(cost, load, self.tie_tolerance)  # the compiled loop, when there is one
+        if got is not None and got[0] >= 1:
+            count, pos = got
+            return int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
         i = int(cost.argmin())
         best = float(cost[i])
         if self.tie_tolerance <= 0 or not np.isfinite(best):
@@ -557,7 +591,6 @@ class EpAware(Policy):
         near = cost <= best * (1.0 + self.tie_tolerance)
         if np.count_nonzero(near) == 1:
             return i
-        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
         return argmin_random(load, ctx.rng, near)
 
 
@@ -567,9 +600,11 @@ class EpAware(Policy):
         if cands.role is Role.PREFILL:
             return cost, True
         cap = cands.kv_capacity_tokens
+        need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
+        if kernels.count_no_room(cap, cands.decode_kv_tokens, need) in (0, -1):  # compiled: all fit, or none known
+            return cost, True
         if not len(cap) or cap[cap.argmax()] <= 0:
             return cost, True
-        need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
         room = cap - cands.decode_kv_tokens
         bad = (cap > 0) & (room < need)
         if not np.count_nonzero(bad):

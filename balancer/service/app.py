@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 import aiohttp
-from aiohttp import hdrs, web, web_protocol, web_server
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -61,6 +61,7 @@ from balancer.policies.base import policy_class
 from balancer.parts import LoadSources
 from balancer.router import Router, policies_use_prefix_index
 from balancer.service import memory_debug
+from balancer.service.app_server import AppServerRunner, RouterServer
 from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload,
                                            trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
@@ -831,26 +832,18 @@ def _install_kv_feed(svc: Service, started: tuple[Any, Any] | None) -> None:
 
 
 # ---------------------------------------------------------------------- factory
-def make_runner(app: web.Application, cfg: ServiceConfig) -> web.AppRunner:
-    """The :class:`aiohttp.web.AppRunner` for ``app``: handler cancellation (a client disconnect
-    aborts both PD legs), no access log, ``client_idle_timeout_s`` as the keep-alive timeout (it
-    also closes a connection whose headers never complete: slowloris), no decompression of request
-    bodies (a compressed one gets 415 unread, :func:`_compressed`), graceful shutdown for
-    ``shutdown_timeout_s``. Call :func:`limit_connections` after ``setup()``."""
-    return _RouterRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
-                         keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
-
-
-class _RouterRunner(web.AppRunner):
-    """The app's runner, whose server takes the generation endpoints' fast path (:func:`_fast_path`)."""
-
-    __slots__ = ()
-
-    async def setup(self) -> None:
-        await super().setup()
-        server = self.server
-        assert server is not None
-        server.request_handler = _fast_path(self.app, server.request_handler)
+def make_runner(app: web.Application, cfg: ServiceConfig) -> AppServerRunner:
+    """The runner for ``app`` (:class:`~balancer.service.app_server.AppServerRunner`: used as an
+    :class:`aiohttp.web.AppRunner`), whose server takes the generation endpoints' fast path
+    (:func:`_fast_path`): handler cancellation (a client disconnect aborts both PD legs), no access
+    log, ``client_idle_timeout_s`` as the keep-alive timeout (it also closes a connection whose
+    headers never complete: slowloris), no decompression of request bodies (a compressed one gets
+    415 unread, :func:`_compressed`), graceful shutdown for ``shutdown_timeout_s``. Call it inside
+    the serving event loop; call :func:`limit_connections` and :func:`json_parser_errors` after
+    ``setup()``."""
+    return AppServerRunner(app, lambda app_handler: _fast_path(app, app_handler), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
+                           keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
 
 
 CLIENT_ERRORS_LOG = RateLimitedLog(log, interval_s=10.0)
@@ -858,7 +851,7 @@ CLIENT_ERRORS_LOG = RateLimitedLog(log, interval_s=10.0)
 with a count of the lines left out (malformed HTTP, unexpected errors)."""
 
 
-class _JsonErrorHandler(web_protocol.RequestHandler):
+class _JsonErrorHandler(web.RequestHandler):
     """aiohttp's connection handler, answering HTTP parser errors (bad request line, headers,
     chunked encoding) with an OpenAI-style JSON error instead of text/plain, and logging them as
     one short line per 10 s at most (:data:`CLIENT_ERRORS_LOG`), not one traceback each."""
@@ -884,39 +877,31 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
         return out
 
 
-class _JsonErrorServer(web_server.Server):
-    __slots__ = ()
-
-    def __call__(self) -> web_protocol.RequestHandler:
-        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-def json_parser_errors(runner: web.AppRunner) -> None:
-    """Make ``runner``'s server answer HTTP parser errors with JSON (call after ``setup()``)."""
-    assert runner.server is not None, "call after runner.setup()"
-    runner.server.__class__ = _JsonErrorServer
-
-
-def limit_connections(runner: web.AppRunner, max_connections: int) -> None:
-    """Close client connections beyond ``max_connections`` as they are accepted (logged once per
-    burst at warning level)."""
+def _router_server(runner: web.BaseRunner) -> RouterServer:
     server = runner.server
     assert server is not None, "call after runner.setup()"
-    accept = server.connection_made
-    state = {"warned": False}
+    if not isinstance(server, RouterServer):
+        raise TypeError(f"{type(runner).__name__} does not serve with a RouterServer: make it with make_runner()")
+    return server
 
-    def connection_made(handler, transport):  # noqa: ANN001, ANN202
-        if len(server.connections) >= max_connections:
-            if not state["warned"]:
-                log.warning("more than %d client connections: closing new ones (max_connections)", max_connections)
-                state["warned"] = True
-            transport.abort()
-            return
-        state["warned"] = False
-        accept(handler, transport)
 
-    server.connection_made = connection_made  # type: ignore[method-assign]
+def json_parser_errors(runner: web.BaseRunner) -> None:
+    """Make ``runner``'s server (:func:`make_runner`'s) answer HTTP parser errors with JSON on the
+    connections it accepts from now on (call after ``setup()``).
 
+    Raises:
+        TypeError: ``runner`` was not made by :func:`make_runner`."""
+    _router_server(runner).use_connection_class(_JsonErrorHandler)
+
+
+def limit_connections(runner: web.BaseRunner, max_connections: int) -> None:
+    """Close client connections beyond ``max_connections`` as they are accepted (logged once per
+    burst at warning level; call after ``setup()``).
+
+    Raises:
+        TypeError: ``runner`` was not made by :func:`make_runner`.
+        ValueError: ``max_connections`` < 1."""
+    _router_server(runner).limit_connections(max_connections)
 
 
 def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:

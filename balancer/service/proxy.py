@@ -81,6 +81,7 @@ from balancer.router import NoReplicaError, RequestTooLargeError, Router
 from balancer.service.admission_gate import admission_answer
 from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
+from balancer.service.deadlines import DeadlineQueue
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id, session_id_of
@@ -325,6 +326,11 @@ class _SwapLines:
         return out
 
 
+FIRST_BYTE_QUEUES = 64
+"""Most first-byte deadline queues a proxy keeps (one per streamed / output-limit kind of leg:
+:meth:`Proxy._first_byte_queue`)."""
+
+
 class Proxy:
     """Serves generation requests for one app (see the module docstring)."""
 
@@ -353,6 +359,13 @@ class Proxy:
         #: deadline admission (:class:`balancer.service.admission_gate.AdmissionGate`), or None
         self.admission: Any = None
         self.background: set[asyncio.Task] = set()
+        # deadlines of one length each, queued without a timer per request (balancer.service.deadlines)
+        self._request_deadlines = DeadlineQueue()  # request_timeout_s
+        #: a leg's first-byte deadlines, one queue per (stream, max_out): one length each (see
+        #: _first_byte_timeout); at most FIRST_BYTE_QUEUES, others share _first_byte_overflow
+        self._first_byte_deadlines: dict[tuple[bool, int | None], DeadlineQueue] = {}
+        self._first_byte_overflow = DeadlineQueue()  # any order (out of order: a timer of its own)
+        self._prefill_deadlines = DeadlineQueue()  # prefill_timeout_s
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: web.Request, endpoint: str, body: dict[str, Any],
@@ -423,7 +436,7 @@ class Proxy:
         faults_token = _FAULTS.set(faults)
         deferred: list[Failure] = []  # 500 answers, charged only if the request succeeds elsewhere
         try:
-            async with asyncio.timeout(cfg.request_timeout_s):
+            async with self._request_deadlines.after(cfg.request_timeout_s):
                 while True:
                     # the router's own id at the engines, new per attempt (the first attempt of a
                     # request without a client id uses the id the client will see)
@@ -740,6 +753,29 @@ class Proxy:
         t = self._first_byte_timeout(stream, max_out)
         return None if t is None else asyncio.get_running_loop().time() + t[1]
 
+    def deadlines_waiting(self) -> int:
+        """Deadline blocks (request, first byte, prefill) now open in this proxy's queues: 0 when no
+        request is in flight (every block left its queue, whatever way it ended)."""
+        return (len(self._request_deadlines) + len(self._prefill_deadlines) + len(self._first_byte_overflow)
+                + sum(len(q) for q in self._first_byte_deadlines.values()))
+
+    def _first_byte_queue(self, stream: bool, max_out: int | None) -> DeadlineQueue:
+        """The deadline queue of a leg's first byte: one per ``(stream, max_out)``, whose deadlines
+        all have one length (so they queue in arrival order); when :data:`FIRST_BYTE_QUEUES` are in
+        use, the idle ones are dropped, and if none is idle the leg uses the shared overflow queue
+        (correct in any order, a timer per out-of-order deadline)."""
+        key = (stream, max_out)
+        queues = self._first_byte_deadlines
+        q = queues.get(key)
+        if q is None:
+            if len(queues) >= FIRST_BYTE_QUEUES:
+                for k in [k for k, v in queues.items() if not len(v)]:
+                    del queues[k]
+                if len(queues) >= FIRST_BYTE_QUEUES:
+                    return self._first_byte_overflow
+            q = queues[key] = DeadlineQueue()
+        return q
+
     def _first_byte_failure(self, w: Worker, stream: bool = False, max_out: int | None = None) -> Failure:
         name, t = self._first_byte_timeout(stream, max_out) or ("first_byte_timeout_s", float("nan"))
         return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
@@ -762,9 +798,9 @@ class Proxy:
             if deadline is None:
                 resp = await client.post(w.endpoint(path), data=data, headers=headers)
             else:
-                # the request timeout of handle() is an outer asyncio.timeout: its expiry passes
+                # the request timeout of handle() is an outer deadline block: its expiry passes
                 # through this one as a cancellation, so TimeoutError here is the first-byte deadline
-                async with asyncio.timeout_at(deadline):
+                async with self._first_byte_queue(stream, max_out).at(deadline):
                     resp = await client.post(w.endpoint(path), data=data, headers=headers)
         except TimeoutError:
             self._waiting(w, False)
@@ -806,7 +842,7 @@ class Proxy:
             data = await self._read_all(w, resp)
         else:
             try:
-                async with asyncio.timeout(t):  # inside handle()'s request timeout (see _open)
+                async with self._prefill_deadlines.after(t):  # inside handle()'s request timeout (see _open)
                     resp = await self._open(w, path, body, headers, legs)
                     data = await self._read_all(w, resp)
             except TimeoutError:

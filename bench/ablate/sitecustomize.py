@@ -14,11 +14,19 @@ It measures what those costs are; it is not a fix (load-aware and prefix-aware p
 
 * ``route``: ``Router.route`` returns the next decode replica in turn (no load or prefix index
   read or updated, no candidates) and its hooks (``on_first_token``, ``on_finished``, ...) do nothing;
-* ``timeouts``: the proxy's ``asyncio.timeout`` / ``timeout_at`` set no timer;
+* ``timeouts``: the proxy's ``asyncio.timeout`` / ``timeout_at`` and its deadline queues
+  (``balancer.service.deadlines``) set no deadline;
 * ``hash``: ``PromptHasher.hash`` answers (100 tokens, no blocks) without reading the prompt;
 * ``checks``: the proxy's request checks (``check_request``, ``session_id_of``,
   ``client_request_id``) accept everything;
-* ``metrics``: ``ServiceMetrics.count``, ``request_done`` and the histogram observations do nothing.
+* ``metrics``: ``ServiceMetrics.count``, ``request_done`` and the histogram observations do nothing;
+* ``proxy``: ``Proxy.handle`` forwards the client's body to the next worker in turn with the
+  proxy's lean client and answers with the engine's body (no checks, hashing, routing, retries,
+  timers, request context or id rewriting): what the service's structure around the proxy costs;
+* ``service``: the server's request handler does that itself for a generation ``POST`` (no
+  ``_observed`` / ``_generate`` either: no metrics, JSON parse, in-flight count): what is left is
+  pdlb's aiohttp server as configured (runner, connection limit, keep-alive, handler
+  cancellation) and its background tasks, against ``proxy_floor.py``'s minimal aiohttp proxy.
 """
 
 import os
@@ -62,6 +70,9 @@ if "timeouts" in _what:
     _shim = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if not k.startswith("__")})
     _shim.timeout = _shim.timeout_at = lambda *a, **k: _NoTimer()
     _px.asyncio = _shim
+    from balancer.service.deadlines import DeadlineQueue
+
+    DeadlineQueue.at = DeadlineQueue.after = lambda self, *a: _NoTimer()
 if "hash" in _what:
     from balancer.service.prompt import PromptHasher
 
@@ -81,3 +92,36 @@ if "metrics" in _what:
 
     ServiceMetrics.count = ServiceMetrics.request_done = lambda self, *a: None
     ServiceMetrics.child = lambda self, *a: _NoMetric()
+if "proxy" in _what or "service" in _what:
+    import itertools
+
+    from aiohttp import web
+
+    from balancer.service import app as _app
+    from balancer.service import proxy as _px
+
+    _next = itertools.count()
+
+    async def _bare_forward(proxy, request, raw):  # noqa: ANN001, ANN202
+        workers = list(proxy.pool.workers.values())
+        resp = await proxy.client.post(workers[next(_next) % len(workers)].endpoint(request.path), raw,
+                                       {"Content-Type": "application/json"})
+        return web.Response(body=await resp.read(), content_type="application/json")
+
+    if "proxy" in _what:
+        async def _handle(self, request, endpoint, body, raw=None, pre=None):  # noqa: ANN001, ANN202
+            return await _bare_forward(self, request, raw)
+
+        _px.Proxy.handle = _handle
+    if "service" in _what:
+        def _fast_path(app, fallback):  # noqa: ANN001, ANN202
+            svc = app[_app.SERVICE]
+
+            async def handle(request):  # noqa: ANN001, ANN202
+                if request.method != "POST" or request.path not in _app.ENDPOINTS:
+                    return await fallback(request)
+                return await _bare_forward(svc.proxy, request, await request.read())
+
+            return handle
+
+        _app._fast_path = _fast_path

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from pdlb_cli.args import nonnegative_float, positive_float, positive_int, positive_int_list, seed_int
 from sim.experiments.broker_routers import DEFAULT_INTERVAL_S, DEFAULT_LATENCY_S, MODES, markdown, run
+from sim.experiments.k_routers import DEFAULT_POLICIES
 
 
 class BrokerRouters:
@@ -32,13 +33,13 @@ class BrokerRouters:
                         help="broker delivery time, seconds (default: %(default)s)")
         ap.add_argument("--seed", type=seed_int, default=0, help="seed (default: %(default)s)")
         ap.add_argument("--policy", default=None,
-                        help="one policy spec for both pools, e.g. ep_aware (default: cache_aware prefill, "
-                             "least_load decode)")
+                        help="one policy spec for both pools, e.g. ep_aware (default: {} prefill, {} decode)"
+                             .format(*DEFAULT_POLICIES))
         return ap
 
     def run(self, args: argparse.Namespace, console: Console) -> int:
         # an unknown mode is a ValueError from run(): one error line, exit status 2 (pdlb_cli.main)
-        pols = ("cache_aware", "least_load") if args.policy is None else (args.policy, args.policy)
+        pols = DEFAULT_POLICIES if args.policy is None else (args.policy, args.policy)
         rows = run(args.ks, [m.strip() for m in args.modes.split(",")], args.limit, args.seed, 1.0,
                    args.interval_s, args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True),
                    prefill_policy=pols[0], decode_policy=pols[1])

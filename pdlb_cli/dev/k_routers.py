@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pdlb_cli.args import positive_float, positive_int, positive_int_list, seed_int
-from sim.experiments.k_routers import DEFAULT_REPORT_INTERVAL_S, markdown, run
+from sim.experiments.k_routers import DEFAULT_POLICIES, DEFAULT_REPORT_INTERVAL_S, markdown, run
 
 INDEX_MODES = ("approximate", "events", "hybrid")
 
@@ -46,15 +46,15 @@ class KRouters:
                         help="arrival-rate multiplier (default: %(default)s)")
         ap.add_argument("--seed", type=seed_int, default=0, help="seed (default: %(default)s)")
         ap.add_argument("--policy", default=None,
-                        help="one policy spec for both pools, e.g. ep_aware (default: cache_aware prefill, "
-                             "least_load decode)")
+                        help="one policy spec for both pools, e.g. ep_aware (default: {} prefill, {} decode)"
+                             .format(*DEFAULT_POLICIES))
         ap.add_argument("--report-interval-s", type=positive_float, default=DEFAULT_REPORT_INTERVAL_S,
                         help="seconds between engine load reports in +reports modes (default: %(default)s)")
         ap.add_argument("--out", type=Path, default=None, help="write summary.json and summary.md here (default: none)")
         return ap
 
     def run(self, args: argparse.Namespace, console: Console) -> int:
-        pols = ("cache_aware", "least_load") if args.policy is None else (args.policy, args.policy)
+        pols = DEFAULT_POLICIES if args.policy is None else (args.policy, args.policy)
         rows = run(args.ks, args.modes, args.limit, args.seed, args.rate_scale, pols[0], pols[1],
                    args.report_interval_s)
         md = markdown(rows)

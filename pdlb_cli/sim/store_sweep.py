@@ -1,6 +1,7 @@
-"""``pdlb sim store-sweep`` (experiment 1): a shared KV store's token-weighted prefix hit rate per
-traffic class for each TTL and capacity (:mod:`sim.experiments.store_hit_rate`), on generated
-sessions or a trace; writes a CSV, a Markdown table and a PNG curve (docs/kv_cache.md)."""
+"""``pdlb sim store-sweep``: a shared KV store's token-weighted prefix hit rate per traffic class
+for each TTL and capacity (:mod:`sim.experiments.store_hit_rate`), on generated sessions or a
+trace; writes a CSV, a Markdown table and a PNG curve (docs/kv_cache.md, "hit rate vs TTL and
+capacity")."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ import numpy as np
 from balancer.parts import LoadSources
 from balancer.router import Router
 from balancer.types import ReplicaId, Request, Route
-from sim.experiments.k_routers import KRouters
+from sim.experiments.k_routers import DEFAULT_POLICIES, KRouters
 
 __all__ = ["BrokerKRouters", "DEFAULT_INTERVAL_S", "DEFAULT_LATENCY_S", "MODES", "run"]
 
@@ -190,10 +190,10 @@ class BrokerKRouters(KRouters):
 
 def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0, rate_scale: float = 1.0,
         interval_s: float = DEFAULT_INTERVAL_S, latency_s: float = DEFAULT_LATENCY_S,
-        log: Callable[[str], None] | None = None, prefill_policy: str = "cache_aware",
-        decode_policy: str = "least_load") -> list[dict[str, Any]]:
+        log: Callable[[str], None] | None = None, prefill_policy: str = DEFAULT_POLICIES[0],
+        decode_policy: str = DEFAULT_POLICIES[1]) -> list[dict[str, Any]]:
     """One summary row per (mode, K) on the embedded Mooncake trace (``dsv3-pd-h200``,
-    cache_aware prefill, least_load decode by default, as :func:`sim.experiments.k_routers.run`).
+    :data:`~sim.experiments.k_routers.DEFAULT_POLICIES` by default, as :func:`sim.experiments.k_routers.run`).
 
     Raises:
         ValueError: an unknown mode or a K below 1.

@@ -36,22 +36,9 @@ from balancer.types import ReplicaId, Request, Role, Route
 
 #: seconds between the engines' load reports in ``+reports`` mode (``pdlb serve``'s load_scrape default)
 DEFAULT_REPORT_INTERVAL_S = 1.0
-
-
-class _IndexGroup:
-    """``router.index`` of a :class:`KRouters`: setting ``capacity_blocks`` sets it on all."""
-
-    def __init__(self, routers: list[Router]) -> None:
-        self._routers = routers
-
-    @property
-    def capacity_blocks(self) -> int | None:
-        return self._routers[0].index.capacity_blocks
-
-    @capacity_blocks.setter
-    def capacity_blocks(self, v: int | None) -> None:
-        for r in self._routers:
-            r.index.capacity_blocks = v
+#: the routers' (prefill, decode) policies of the K-routers experiments (this one and
+#: :mod:`sim.experiments.broker_routers`) unless one is given for both pools
+DEFAULT_POLICIES = ("cache_aware", "least_load")
 
 
 class _LoadGroup:
@@ -99,7 +86,6 @@ class KRouters:
                                 **self._parts(j)}) for j in range(k)]
         routers = self.routers
         self.index_mode = routers[0].index_mode
-        self.index = _IndexGroup(routers)
         self.load = _LoadGroup(routers)
         self._owner: dict[str, Router] = {}
         self._next = 0
@@ -172,7 +158,7 @@ class KRouters:
 
 
 def run(ks: list[int], modes: list[str], limit: int | None = None, seed: int = 0,
-        rate_scale: float = 1.0, prefill_policy: str = "cache_aware", decode_policy: str = "least_load",
+        rate_scale: float = 1.0, prefill_policy: str = DEFAULT_POLICIES[0], decode_policy: str = DEFAULT_POLICIES[1],
         report_interval_s: float = DEFAULT_REPORT_INTERVAL_S) -> list[dict[str, Any]]:
     """One summary row per (mode, K); a mode is ``approximate``, ``events`` or ``hybrid``, with
     ``+shared-load`` or ``+reports`` (engine load reports every ``report_interval_s``)."""

@@ -7,29 +7,52 @@ with them. This module imports nothing above the perf models (the scenario embed
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import fields
+from typing import Any, get_type_hints
 
-from sim.perf.imbalance import EPLB_RESIDUAL_STD
-from sim.perf.roofline import (
-    RooflineSettings,
-    DEFAULT_ACTIVATION_RESERVE_BYTES,
-    DEFAULT_COMM_EFFICIENCY,
-    DEFAULT_COMM_OVERLAP,
-    DEFAULT_KV_CACHE_FRACTION,
-    DEFAULT_MBU,
-    DEFAULT_MFU,
-    DEFAULT_STEP_OVERHEAD_S,
-)
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-#: Lowest efficiency accepted (0.1%): 1e-300 made every step take ``inf`` seconds, reported as a
-#: TTFT of ``inf`` with exit status 0.
-MIN_EFFICIENCY = 1e-3
-#: Longest fixed cost per step accepted, seconds.
-MAX_STEP_OVERHEAD_S = 60.0
+from sim.perf.roofline import MAX_STEP_OVERHEAD_S, MIN_EFFICIENCY, RooflineSettings
+
+__all__ = ["MAX_STEP_OVERHEAD_S", "MIN_EFFICIENCY", "PerfConfig"]
+
+#: The ``[perf]`` settings that are not the roofline's: they change the model and the hardware
+#: instead. Listed after ``tbo_overhead_s``, where the table has always had them (a scenario's
+#: dump keeps its order).
+_MODEL_AND_HARDWARE: dict[str, Any] = {
+    "fp8_weights": (bool | None, None),
+    "gpus_per_node": (int | None, Field(None, ge=1)),
+}
+_AFTER = "tbo_overhead_s"
 
 
-class PerfConfig(BaseModel):
+class _PerfConfigBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
+
+    def roofline_settings(self) -> RooflineSettings:
+        """These settings as the roofline takes them (every field but ``fp8_weights`` and
+        ``gpus_per_node``, which change the model and the hardware instead)."""
+        return RooflineSettings(**{f.name: getattr(self, f.name) for f in fields(RooflineSettings)})
+
+
+def _perf_fields() -> dict[str, Any]:
+    """The model's fields: each :class:`~sim.perf.roofline.RooflineSettings` field with its type,
+    bounds and default, and :data:`_MODEL_AND_HARDWARE` after ``tbo_overhead_s``."""
+    hints = get_type_hints(RooflineSettings, include_extras=True)
+    out: dict[str, Any] = {}
+    for f in fields(RooflineSettings):
+        out[f.name] = (hints[f.name], f.default)
+        if f.name == _AFTER:
+            out.update(_MODEL_AND_HARDWARE)
+    return out
+
+
+class PerfConfig(create_model("_PerfFields", __base__=_PerfConfigBase, __module__=__name__,  # type: ignore[misc]
+                              **_perf_fields())):
     """Roofline settings of a scenario (see :mod:`sim.perf.roofline` for the formulas).
+
+    The fields are :class:`~sim.perf.roofline.RooflineSettings`' (names, types, bounds and defaults
+    written there once) plus ``fp8_weights`` and ``gpus_per_node``; unknown keys are refused.
 
     Attributes:
         mfu / mbu: fraction of tensor-core peak / HBM bandwidth reached by a whole step.
@@ -63,30 +86,3 @@ class PerfConfig(BaseModel):
         eplb_residual_std: the placement's relative error per slot (default derived from
             TensorRT-LLM's measured loads, :data:`sim.perf.imbalance.EPLB_RESIDUAL_STD`).
     """
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # as the scenario models
-
-    mfu: float = Field(DEFAULT_MFU, ge=MIN_EFFICIENCY, le=1)
-    mbu: float = Field(DEFAULT_MBU, ge=MIN_EFFICIENCY, le=1)
-    step_overhead_s: float = Field(DEFAULT_STEP_OVERHEAD_S, ge=0, le=MAX_STEP_OVERHEAD_S)
-    comm_efficiency: float = Field(DEFAULT_COMM_EFFICIENCY, ge=MIN_EFFICIENCY, le=1)
-    comm_overlap: float = Field(DEFAULT_COMM_OVERLAP, ge=0, le=1)
-    kv_cache_fraction: float = Field(DEFAULT_KV_CACHE_FRACTION, ge=MIN_EFFICIENCY, le=1)
-    activation_reserve_bytes: float = Field(DEFAULT_ACTIVATION_RESERVE_BYTES, ge=0)
-    tbo: bool = False
-    tbo_overhead_s: float = Field(0.0, ge=0, le=MAX_STEP_OVERHEAD_S)
-    fp8_weights: bool | None = None
-    gpus_per_node: int | None = Field(None, ge=1)
-    ep_ll_nvlink: bool = False
-    tbo_phases: bool = False
-    comm_efficiency_normal: float | None = Field(None, ge=MIN_EFFICIENCY, le=1)
-    prefill_comm_sm_fraction: float = Field(0.0, ge=0, lt=1)
-    ep_imbalance_prefill: float = Field(1.0, ge=1)
-    ep_imbalance_decode: float = Field(1.0, ge=1)
-    eplb_physical_experts: int | None = Field(None, ge=1)
-    eplb_residual_std: float = Field(EPLB_RESIDUAL_STD, ge=0)
-
-    def roofline_settings(self) -> RooflineSettings:
-        """These settings as the roofline takes them (every field but ``fp8_weights`` and
-        ``gpus_per_node``, which change the model and the hardware instead)."""
-        return RooflineSettings(**{f: getattr(self, f) for f in RooflineSettings.__dataclass_fields__})

@@ -112,10 +112,11 @@ Default efficiencies (round numbers, not fitted; a later calibration replaces th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
+from pydantic import Field
 
 from sim.models import csa2
 from sim.models.hardware import HardwareSpec, get_hardware
@@ -130,6 +131,11 @@ DEFAULT_COMM_EFFICIENCY = 0.8
 DEFAULT_COMM_OVERLAP = 0.0
 DEFAULT_KV_CACHE_FRACTION = 0.9
 DEFAULT_ACTIVATION_RESERVE_BYTES = 2e9
+#: Lowest efficiency a scenario may set (0.1%): 1e-300 made every step take ``inf`` seconds,
+#: reported as a TTFT of ``inf`` with exit status 0.
+MIN_EFFICIENCY = 1e-3
+#: Longest fixed cost per step a scenario may set, seconds.
+MAX_STEP_OVERHEAD_S = 60.0
 #: bytes per hidden element sent to an expert (FP8 dispatch) and back (BF16 combine)
 DISPATCH_BYTES = 1
 COMBINE_BYTES = 2
@@ -137,32 +143,42 @@ COMBINE_BYTES = 2
 DISPATCH_SHARE = DISPATCH_BYTES / (DISPATCH_BYTES + COMBINE_BYTES)
 
 
+_Efficiency = Annotated[float, Field(ge=MIN_EFFICIENCY, le=1)]
+_StepSeconds = Annotated[float, Field(ge=0, le=MAX_STEP_OVERHEAD_S)]
+_Fraction = Annotated[float, Field(ge=0, le=1)]
+_NonNegative = Annotated[float, Field(ge=0)]
+_LoadRatio = Annotated[float, Field(ge=1)]  # max/mean
+_Count = Annotated[int, Field(ge=1)]
+
+
 @dataclass(frozen=True)
 class RooflineSettings:
     """The roofline's efficiency, overlap and expert-imbalance settings of one engine: the one
-    place they are written (:class:`RooflinePerf` takes them as ``settings=``; a scenario's
-    ``[perf]`` table, :class:`sim.perf.config.PerfConfig`, gives them with its bounds checked, by
-    :meth:`~sim.perf.config.PerfConfig.roofline_settings`). Defaults and units: the module
+    place they are written, each with its default and the bounds a scenario may set (the
+    ``Annotated`` metadata). :class:`RooflinePerf` takes them as ``settings=``; a scenario's
+    ``[perf]`` table, :class:`sim.perf.config.PerfConfig`, is made from these fields (its bounds
+    checked when the scenario is read) and gives them back by
+    :meth:`~sim.perf.config.PerfConfig.roofline_settings`. Defaults and units: the module
     docstring; what each field does: :class:`sim.perf.config.PerfConfig`. Checked when a
     :class:`RooflinePerf` is built (``ValueError``)."""
 
-    mfu: float = DEFAULT_MFU
-    mbu: float = DEFAULT_MBU
-    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
-    comm_efficiency: float = DEFAULT_COMM_EFFICIENCY
-    comm_overlap: float = DEFAULT_COMM_OVERLAP
-    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
-    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES
+    mfu: _Efficiency = DEFAULT_MFU
+    mbu: _Efficiency = DEFAULT_MBU
+    step_overhead_s: _StepSeconds = DEFAULT_STEP_OVERHEAD_S
+    comm_efficiency: _Efficiency = DEFAULT_COMM_EFFICIENCY
+    comm_overlap: _Fraction = DEFAULT_COMM_OVERLAP
+    kv_cache_fraction: _Efficiency = DEFAULT_KV_CACHE_FRACTION
+    activation_reserve_bytes: _NonNegative = DEFAULT_ACTIVATION_RESERVE_BYTES
     tbo: bool = False
-    tbo_overhead_s: float = 0.0
+    tbo_overhead_s: _StepSeconds = 0.0
     ep_ll_nvlink: bool = False
     tbo_phases: bool = False
-    comm_efficiency_normal: float | None = None
-    prefill_comm_sm_fraction: float = 0.0
-    ep_imbalance_prefill: float = 1.0
-    ep_imbalance_decode: float = 1.0
-    eplb_physical_experts: int | None = None
-    eplb_residual_std: float = EPLB_RESIDUAL_STD
+    comm_efficiency_normal: _Efficiency | None = None
+    prefill_comm_sm_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    ep_imbalance_prefill: _LoadRatio = 1.0
+    ep_imbalance_decode: _LoadRatio = 1.0
+    eplb_physical_experts: _Count | None = None
+    eplb_residual_std: _NonNegative = EPLB_RESIDUAL_STD
 
 
 def ep_dispatch_combine_bytes(

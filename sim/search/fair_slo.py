@@ -13,7 +13,7 @@ budget (flat part and per-1k part) multiplied by ``k`` is met at light load by e
 :func:`scaled_slo` applies it. Searching for the highest rate at the scaled SLO then measures how
 much load each policy takes before queueing, not the zero-load floor, decides its attainment.
 
-Source: pdlb (the rule is the review's of issue 23, stated as a computation).
+Source: pdlb (issue 23's fairness rule, stated as a computation).
 """
 
 from __future__ import annotations

@@ -484,7 +484,7 @@ def test_slo_intrinsic_blind_places_a_prompt_too_long_for_any_budget_slo_blind()
 
 
 def test_slo_doomed_cap_holds_on_wide_ep_where_the_least_harm_ranks_are_the_busiest():
-    # Regression (fresh-user review): the cap was applied inside the least-harm set, which on a
+    # Regression: the cap was applied inside the least-harm set, which on a
     # wide-EP engine is its busiest rank (no other rank waits behind it), so a doomed prompt went
     # into a 7 s queue while 1 s ones were free. Two EP2 engines; 0.01 s/step, 1e-4 s/token,
     # 1e-5 s/group token; a 4,000-token prompt, budget 0.3 s (its own 0.45 s already misses),

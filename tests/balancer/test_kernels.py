@@ -113,6 +113,59 @@ def test_requests_after_compiled_equals_numpy(ranks):
 
 
 @pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
+def test_fused_prefill_kernel_equals_both_numpy_paths(ranks, pattern):
+    """kernels.prefill_ep_rows (features, horizon and N_after in one pass; N_after reused between
+    candidates of one engine with equal queues) against the numpy code of
+    prefill_wait_features and EpAware._requests_after, bit for bit. "ties" makes most queues of an
+    engine equal (the reuse runs); the reused N_after must be the one computed afresh (the numpy
+    reference computes every candidate's)."""
+    eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
+    for seed in range(3):
+        reps, q, a, u, cached = pool(seed, ranks, 1 + seed * 3, pattern)
+        _, idx, rows = engine_groups(reps)
+        n_req = np.random.default_rng(seed).integers(0, 40, len(reps))
+        c = Candidates(Role.PREFILL, reps, n_req, q.astype(np.int64), np.zeros(len(reps), np.int64),
+                       np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), 512)
+        got = kernels.prefill_ep_rows(q, a, u, cached, n_req, 8192, 5.1e-5, 1.0e-8, idx, rows)
+        assert got is not None
+        kernels.use_compiled(False)
+        try:
+            f0, h0 = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+            n0 = EpAware._requests_after(q, c, idx, rows)
+        finally:
+            kernels.use_compiled(True)
+        assert same_bits(got[0], f0) and same_bits(got[1], h0) and same_bits(got[2], n0), (ranks, seed, pattern)
+    if pattern == "ties" and ranks >= 8:  # equal queues in an engine: the reuse was exercised
+        assert any(len(set(q[rows[e]].tolist())) < ranks for e in range(len(rows)))
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
+def test_prefill_cost_compiled_equals_numpy(ranks, pattern):
+    """EpAware._prefill_cost_one on a wide-EP pool without lower tiers (kernels.prefill_ep_cost_rows
+    up to the matrix product) against its numpy code: cost, TTFT and own seconds, bit for bit, with
+    and without the horizon term."""
+    eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
+    model = CostModel(prefill=eng)
+    for seed in range(3):
+        reps, q, a, _, cached = pool(seed, ranks, 1 + seed * 3, pattern)
+        names, idx, rows = engine_groups(reps)
+        n = len(reps)
+        n_req = np.random.default_rng(seed).integers(0, 40, n)
+        zeros = np.zeros(n, np.int64)
+        c = Candidates(Role.PREFILL, reps, n_req, np.round(q).astype(np.int64), zeros, zeros,
+                       (cached // 512).astype(np.int64), cached.astype(np.int64), 512, prefill_attn_pairs=a)
+        req = Request("r", 0.0, 32_768, (), 64, 64)
+        for pol in (EpAware(), EpAware(horizon_weight=0.0), EpAware(horizon_power=0.5)):
+            (c1, t1, o1), (c0, t0, o0) = both(lambda: pol._prefill_cost_one(req, c, model, eng, idx, rows, None, True, 1.0))
+            assert same_bits(c1, c0) and same_bits(t1, t0) and same_bits(o1, o0), (ranks, seed, pattern)
+    if ranks > 1:  # the compiled path ran
+        assert kernels.prefill_ep_cost_rows(q, a, cached.astype(np.int64), n_req, 32_768, 8192, 5.1e-5, 1e-8, 1e-6,
+                                            idx, rows) is not None
+
+
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("transfer", [True, False])
 def test_decode_cost_compiled_equals_numpy(ranks, transfer):
     d = DecodeStepCost(0.012, 6.0e-5, 3.0e-9, 1.5e-6)
@@ -132,6 +185,68 @@ def test_decode_cost_compiled_equals_numpy(ranks, transfer):
             req = Request("r", 0.0, 32_768, (), out, out)
             c1, c0 = both(lambda: pol._decode_cost_one(req, c, model, eng, idx, rows, transfer))
             assert same_bits(c1, c0), (ranks, seed, out)
+            # the kernel's float64 signature (columns that are not int64) gives the same bits
+            args = (idx, rows, float(out), 32_768 + out / 2.0, 32_768.0, d.overhead_s, d.per_seq_s, d.per_kv_token_s,
+                    d.per_group_seq_s, 1.0, 2.5e-7, transfer)
+            as_f8 = kernels.decode_cost_rows(b.astype(np.float64), k.astype(np.float64), matched.astype(np.float64), *args)
+            assert same_bits(as_f8, kernels.decode_cost_rows(b, k, matched, *args))
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_tie_pick_compiled_equals_numpy(role):
+    """EpAware._pick with the compiled tie_pick against its numpy code: the same candidate and the
+    same RNG state afterwards (the draw happens exactly when numpy's path draws), on costs with
+    near ties, equal loads, inf (no KV room), NaN, negative costs and a zero tolerance."""
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        n = int(rng.integers(1, 40))
+        cost = np.round(rng.uniform(0.5, 2.0, n), int(rng.integers(0, 3)))  # rounding makes exact ties
+        if trial % 5 == 1:
+            cost[rng.random(n) < 0.3] = np.inf
+        if trial % 7 == 2:
+            cost[rng.integers(0, n)] = np.nan
+        if trial % 11 == 3:
+            cost = -cost
+        load = rng.integers(0, 4, n) * 1000
+        reps = tuple(ReplicaId("e", i) for i in range(n))
+        zeros = np.zeros(n, np.int64)
+        c = Candidates(role, reps, zeros, load, load, zeros, zeros, zeros, 512)
+        for tol in (0.05, 0.0, 0.5):
+            pol = EpAware(tie_tolerance=tol)
+            r1, r0 = random.Random(trial), random.Random(trial)
+            kernels.use_compiled(True)
+            fast = _outcome(lambda: pol._pick(cost, c, SelectContext(r1, 0.0, 0, None, None)))
+            kernels.use_compiled(False)
+            slow = _outcome(lambda: pol._pick(cost, c, SelectContext(r0, 0.0, 0, None, None)))
+            kernels.use_compiled(True)
+            assert fast == slow and r1.getstate() == r0.getstate(), (trial, tol, cost, load)
+
+
+def test_capacity_compiled_equals_numpy():
+    """EpAware._capacity with the compiled room count against its numpy code: the same costs (bits)
+    and feasibility, with capacities unknown (0), all fitting, some and none fitting."""
+    rng = np.random.default_rng(9)
+    pol = EpAware()
+    for trial in range(300):
+        n = int(rng.integers(1, 30))
+        cap = rng.integers(0, 3, n) * 50_000 * (trial % 4 != 0)  # every 4th trial: no capacity known
+        kv = rng.integers(0, 60_000, n)
+        reps = tuple(ReplicaId("d", i) for i in range(n))
+        zeros = np.zeros(n, np.int64)
+        c = Candidates(Role.DECODE, reps, zeros, zeros, kv, cap, zeros, zeros, 512)
+        cost = rng.uniform(0, 1, n)
+        req = Request("r", 0.0, int(rng.integers(1, 40_000)), (), 64, int(rng.integers(1, 9000)))
+        (c1, f1), (c0, f0) = both(lambda: pol._capacity(req, c, cost))
+        assert f1 == f0 and same_bits(c1, c0), trial
+
+
+def _outcome(fn):
+    """``fn()``'s value, or its exception's type (numpy's path raises on a NaN cheapest cost, and
+    the compiled one must leave it to that path)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - compared, not swallowed
+        return type(e)
 
 
 def test_row_sum_is_numpys_add_reduce():
@@ -196,6 +311,7 @@ def test_off_or_missing_numba_falls_back_to_numpy(monkeypatch):
     assert kernels.compiled() is None
     assert kernels.prefill_wait_rows(q, a, u, cached, 8192.0, 1e-5, 1e-9, idx, rows) is None
     assert kernels.requests_after_rows(q, q, idx, rows) is None
+    assert kernels.prefill_ep_rows(q, a, u, cached, q, 8192.0, 1e-5, 1e-9, idx, rows) is None
     kernels.use_compiled(True)
     assert kernels.compiled() is not None
     monkeypatch.setattr(kernels, "_module", None)  # as after a failed `import numba`

@@ -111,7 +111,7 @@ def _stored_payload(encoding: str, n_hashes: int, n_tokens: int, block_size: int
 
 @pytest.mark.parametrize("encoding", ["map", "array"])
 @pytest.mark.parametrize("n_hashes, n_tokens, block_size", [
-    (2, 3, 16),    # the review's case: 2 blocks of 16 are 32 tokens, not 3
+    (2, 3, 16),    # 2 blocks of 16 are 32 tokens, not 3
     (2, 31, 16), (2, 33, 16), (2, 48, 16), (1, 0, 16), (0, 16, 16), (3, 2, 1), (1, 4, 2),
 ])
 def test_block_stored_whose_tokens_are_not_its_blocks_is_malformed(encoding, n_hashes, n_tokens, block_size):

@@ -162,7 +162,7 @@ def test_on_finished_accepts_counts_from_zero(n) -> None:
 
 # ------------------------------------------------------------------------------ block hashes
 @pytest.mark.parametrize("prompt_tokens, hashes, most", [
-    (10, 100, 1),   # the review's case: 10 tokens at B = 16 are 1 block
+    (10, 100, 1),   # 10 tokens at B = 16 are 1 block
     (10, 2, 1),
     (16, 2, 1),     # exactly one full block
     (32, 3, 2),

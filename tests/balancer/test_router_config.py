@@ -147,7 +147,7 @@ def test_bad_settings_are_refused_by_class_with_the_field_named(settings, error,
     assert message in str(ei.value) and "\n" not in str(ei.value)
     if "bogus_setting" not in settings:
         # RouterConfig always answers pydantic's ValidationError (a ValueError), wrong types
-        # included (review 2026-12-05 item 18: a TypeError escaped it as a traceback)
+        # included (not a TypeError traceback)
         with pytest.raises(ValidationError):
             RouterConfig(**settings)
 

@@ -1,5 +1,5 @@
 """Wrong-typed values in every :class:`balancer.RouterConfig` field are refused as pydantic's
-``ValidationError`` naming the field (review 2026-12-05 item 18: a quoted count such as
+``ValidationError`` naming the field (a quoted count such as
 ``block_size: "64"`` escaped as a ``TypeError`` traceback, because pydantic reports only a
 ``ValueError`` raised in a validator). Fuzz by class: every field x every wrong-typed value."""
 
@@ -71,14 +71,14 @@ def test_the_table_form_of_ttft_slo_still_works() -> None:
 
 
 def test_a_learner_without_the_protocol_is_refused_at_construction() -> None:
-    # review item 11: was accepted, and the first route() raised AttributeError 'model'
+    # not accepted only for the first route() to raise AttributeError 'model'
     from balancer import Router
     with pytest.raises(TypeError, match=r"learner must have model, on_dispatch, .*CostLearnerPart\), got object"):
         Router.from_config(RouterConfig(learn_cost_model=False), learner=object())
 
 
 def test_load_sources_is_exported_and_checks_its_peer() -> None:
-    # review item 11 (cosmetic): README's library paragraph imports from balancer
+    # README's library paragraph imports it from balancer
     from balancer import LoadSources
     with pytest.raises(ValueError, match="LoadSources.peer must have bind, refresh and publish"):
         LoadSources(peer=object())

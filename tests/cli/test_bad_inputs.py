@@ -95,7 +95,7 @@ def test_config_syntax_errors_are_one_line_with_file_line_column(tmp_path: Path,
 
 
 def test_a_quoted_count_in_a_serve_router_section_is_one_error_line(tmp_path: Path, capsys) -> None:
-    # review 2026-12-05 item 18: was a TypeError traceback, exit 1
+    # one error line, exit status 2, not a TypeError traceback with exit status 1
     cfg = tmp_path / "c3.yaml"
     cfg.write_text('router:\n  block_size: "64"\n')
     assert _one_error(["serve", "--config", str(cfg)], capsys) == (
@@ -120,7 +120,7 @@ def test_a_quoted_count_in_a_scenario_router_table_is_one_error_line(tmp_path: P
      "error: --figures applies only to the published figures (pdlb sim validate without --gpu-runs)"),
 ])
 def test_validate_refuses_flags_its_mode_would_ignore(argv: list[str], message: str, capsys) -> None:
-    # review 2026-12-05 item 9: these ran the whole validation and ignored the flag
+    # refused before anything runs, not the whole validation with the flag ignored
     assert _one_error(["sim", "validate", *argv], capsys) == message
 
 

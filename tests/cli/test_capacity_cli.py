@@ -62,7 +62,7 @@ def test_capacity_says_when_the_router_was_slo_blind(flags, blind, tmp_path: Pat
 
 
 def test_capacity_header_names_the_duration_window(tmp_path: Path, capsys) -> None:
-    # review11: with --duration-s the header described only the whole trace (100 requests over the
+    # with --duration-s the header once described only the whole trace (100 requests over the
     # slice's span), as if every rate ran all of it; it now names the window it was given
     rc = main(["sim", "capacity", "--policies", "ep_aware", "--limit", "100", "--duration-s", "10",
                "--slo-ttft-s", "0.1", "--jobs", "1", "--no-plots", "--out", str(tmp_path)])

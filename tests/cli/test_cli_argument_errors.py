@@ -87,7 +87,7 @@ def test_a_bad_model_is_reported_before_the_header_and_progress(command: str, tm
 @pytest.mark.parametrize("command", ["run", "compare", "capacity"])
 def test_a_model_that_does_not_fit_is_reported_before_the_header_and_progress(
         command: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    """review11: V4.1-Flash (297.1 GB of weights: 288.8 GB MXFP4 experts + 8.3 GB FP8 dense) on
+    """V4.1-Flash (297.1 GB of weights: 288.8 GB MXFP4 experts + 8.3 GB FP8 dense) on
     llama70b-pd-h100's TP4 H100 ranks (74.3 GB per GPU > 72 GB) was reported after the header and a
     started progress bar, without naming the pool; now one line naming it, nothing before."""
     rc = main(["sim", command, "--scenario", "llama70b-pd-h100", "--set", "model=deepseek-v4.1-flash",

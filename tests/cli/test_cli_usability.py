@@ -27,7 +27,7 @@ BLIND_EP = make_policy("ep_aware", slo_aware=False)
     (True, False, [("rr", RR, RR), ("ep", EP, EP)], ", routed against the TTFT SLO by ep"),
     (True, False, [("rr", RR, RR), ("x", BLIND_EP, BLIND_EP)], ", --route-slo: no policy here routes against the SLO"),
     # capacity / sweep: SLO-aware by default, --no-route-slo opts out; a policy's own budget still holds
-    # a policy's own budget takes precedence over the router's: named apart (review finding)
+    # a policy's own budget takes precedence over the router's: named apart
     (True, True, [("rr", RR, RR), ("own", OWN, OWN)], ", routed against their own TTFT budget: own"),
     (True, True, [("ep", EP, EP), ("own", OWN, OWN)],
      ", routed against the TTFT SLO by ep; against their own TTFT budget: own"),

@@ -2,8 +2,7 @@
 
 Before, compare had no ``--policy``: argparse took it as the abbreviation of ``--policy-module``
 (``--policy`` is a prefix of it, not of ``--policies``), so ``pdlb sim compare --policy
-ep_aware:ttft_slo_s=2`` failed with "--policy-module ep_aware:ttft_slo_s=2: cannot import"
-(review finding).
+ep_aware:ttft_slo_s=2`` failed with "--policy-module ep_aware:ttft_slo_s=2: cannot import".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``slo_*`` policy parameters on a policy that gets no TTFT budget change nothing, and every command
 that runs policies says so: ``sim run``/``compare`` (SLO-blind by default: "add --route-slo"), and,
-since a review found them silent, ``sim capacity --no-route-slo`` and a sweep with
+``sim capacity --no-route-slo`` and a sweep with
 ``route_slo = false`` ("drop ..."). No warning where the budget reaches the policy (the router's
 or the policy's own ``ttft_slo_s``), nor for parameters left at their defaults.
 """

@@ -1,5 +1,5 @@
 """``--admission-wait-model policy`` (or ``max``) with routing policies that predict no TTFT
-gives one warning line in ``pdlb sim run`` and ``pdlb serve`` (review 2026-12-05 item 16), and
+gives one warning line in ``pdlb sim run`` and ``pdlb serve``, and
 none when a policy predicts (``ep_aware``: balancer.policies.ep_aware implements TtftPredictor)."""
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ async def test_crash_loop_stops_serve_with_status_1():
 async def test_sigterm_of_the_parent_alone_stops_quietly_and_cleans_up():
     """``kill PID`` of ``pdlb serve`` (``docker stop``: the parent alone gets SIGTERM): the parent
     closes the hand-off channels, then stops its processes, so each must read that as a stop, not
-    as a dead parent (review finding: every process logged 'ERROR ... the pdlb serve parent is
+    as a dead parent (every process once logged 'ERROR ... the pdlb serve parent is
     gone' and exited 1 on each clean stop); the shared /dev/shm folders are removed all the same."""
     engines = spawn_engines([("mixed", *FAST)])
     procs = list(engines)

@@ -1,4 +1,4 @@
-"""Boolean request fields read as the engines read them (review finding: pdlb answered 400 to
+"""Boolean request fields read as the engines read them (pdlb once answered 400 to
 ``"add_special_tokens": "no"`` and ``"stream": 1``, which vLLM and SGLang accept).
 
 The reference is SGLang 0.5.23's OWN request models (``sglang/srt/entrypoints/openai/protocol.py``

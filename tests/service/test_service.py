@@ -493,7 +493,7 @@ def test_cost_model_is_learned_only_for_policies_that_read_it():
 @pytest.mark.parametrize("field, value", [("stale_after_s", 1e308), ("stale_after_s", float("inf")),
                                           ("replay_timeout_s", 601.0), ("replay_timeout_s", float("nan"))])
 def test_kv_event_timers_are_bounded(field, value):
-    # a review found 1e308 and inf accepted: every timer of the subscriber must stay finite
+    # 1e308 and inf are refused: every timer of the subscriber must stay finite
     from pydantic import ValidationError
 
     from balancer.service.config import KvEventsConfig

@@ -1,6 +1,6 @@
 """A declared request body over ``max_body_bytes`` is refused at once (413, connection closed),
 with or without ``Expect: 100-continue`` (no ``100 Continue`` is sent for it), instead of the
-router waiting ``body_read_timeout_s`` for a body it would refuse (review9 finding S1: a
+router waiting ``body_read_timeout_s`` for a body it would refuse (a
 ``Content-Length: 999999999999`` with no body held the connection 30 s and then got 408). Raw
 sockets, so that exactly what the router sends back is seen."""
 

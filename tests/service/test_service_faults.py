@@ -65,15 +65,18 @@ async def _one(s: aiohttp.ClientSession, url: str, i: int, stream: bool) -> str:
 
 
 async def _settled(c) -> None:
-    """Within 3 s: no engine holds a request task, the router counts no load."""
+    """Within 3 s: no engine holds a request task, the router counts no load, and no deadline block
+    is left in the proxy's queues (balancer.service.deadlines: every one left, however it ended)."""
     svc = c.router.app[SERVICE]
     deadline = time.monotonic() + 3.0
     while True:
         left = {e.port: list(c.state(e).tasks) for e in c.engines if c.state(e).tasks}
         load = svc.router.load.num_in_flight + int(svc.router.load.num_requests.sum())
-        if not left and load == 0 and svc.in_flight == 0:
+        waiting = svc.proxy.deadlines_waiting()
+        if not left and load == 0 and svc.in_flight == 0 and waiting == 0:
             return
-        assert time.monotonic() < deadline, f"not cleaned up: engine tasks {left}, router load {load}"
+        assert time.monotonic() < deadline, \
+            f"not cleaned up: engine tasks {left}, router load {load}, deadline blocks {waiting}"
         await asyncio.sleep(0.05)
 
 

@@ -80,7 +80,7 @@ class _DyingProcess:
 
 
 def test_a_replacement_dying_before_ready_is_described_once_reaped():
-    """Review finding: a replacement SIGKILLed while starting was logged 'failed: is still running
+    """A replacement SIGKILLed while starting was once logged 'failed: is still running
     before listening' (its pipe closed a moment before it could be reaped); it is joined first."""
     from balancer.service.processes.supervise import exit_before_ready
 

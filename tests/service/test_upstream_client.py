@@ -854,7 +854,7 @@ def test_errors_are_oserrors():
 
 
 async def test_bare_lf_line_endings_are_accepted_as_by_aiohttp():
-    """review11: an engine whose answer ends its head lines with LF alone (RFC 9112 sec. 2.2: a
+    """An engine whose answer ends its head lines with LF alone (RFC 9112 sec. 2.2: a
     recipient MAY take a lone LF as a line terminator) was relayed by aiohttp's client and refused
     by the lean one (strict llhttp: 502 'unreachable'). Expected: aiohttp's reading, status 200 and
     the body, on both clients; the lean connection is then reused (the answer was complete)."""

@@ -277,7 +277,7 @@ def _packed_step_by_hand_inputs():
 
 
 def test_simulated_step_of_many_cached_prompts_pays_a_replay_window_each():
-    # review11: the simulator's step group called the roofline without the cached prefix, which it
+    # the simulator's step group once called the roofline without the cached prefix, which it
     # then recovered from the pairs as if the rank held one chunk: 93 prompts paid ~2 replay windows
     # instead of 93 (0.170 s instead of 0.420 s on this engine). Expected: the roofline given the prefix
     # explicitly, whose terms test_prefill_at_a_high_cache_hit_... checks by hand.
@@ -310,7 +310,7 @@ def test_simulated_step_of_many_cached_prompts_pays_a_replay_window_each():
 
 
 def test_pricing_prefill_capacity_pays_a_replay_window_per_prompt():
-    # review11: sim.pricing's prefill capacity of V4.1 at 96% hits packed n prompts in a step and
+    # sim.pricing's prefill capacity of V4.1 at 96% hits packs n prompts in a step; it once
     # lost all but ~2 of their replay windows (1.86M input tok/s per GPU at 1k-token prompts; 258k
     # with one per prompt). Expected: the function's docstring formula, n * L / step, with the step
     # of the roofline given the prefix (hand-checked above).

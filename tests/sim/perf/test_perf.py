@@ -461,9 +461,10 @@ def test_extended_single_rank_matches_array_path():
 
 # ----------------------------------------------------------------------------- one settings object
 def test_perf_config_carries_the_roofline_settings_once():
-    # the roofline's settings are written once (RooflineSettings); a scenario's [perf] table
-    # (PerfConfig) has the same names with the same defaults, plus the two that change the model
-    # and the hardware instead (fp8_weights, gpus_per_node): compared field by field
+    # the roofline's settings are written once (RooflineSettings, with their bounds); a scenario's
+    # [perf] table (PerfConfig) is made from them: the same names in the same order with the same
+    # defaults, plus the two that change the model and the hardware instead (fp8_weights,
+    # gpus_per_node, after tbo_overhead_s where the table always had them): compared field by field
     from dataclasses import fields
 
     from sim.perf.config import PerfConfig
@@ -471,6 +472,13 @@ def test_perf_config_carries_the_roofline_settings_once():
 
     names = [f.name for f in fields(RooflineSettings)]
     assert [n for n in PerfConfig.model_fields if n not in ("fp8_weights", "gpus_per_node")] == names
+    assert list(PerfConfig.model_fields)[8:11] == ["tbo_overhead_s", "fp8_weights", "gpus_per_node"]
+    # a bound written on RooflineSettings is the table's: prefill_comm_sm_fraction is in [0, 1)
+    # (the roofline's own check, "must be in [0, 1)"), mfu in [MIN_EFFICIENCY, 1] = [0.001, 1]
+    for bad in ({"prefill_comm_sm_fraction": 1.0}, {"mfu": 0.0009}, {"eplb_physical_experts": 0}):
+        with pytest.raises(ValueError):
+            PerfConfig(**bad)
+    assert PerfConfig(prefill_comm_sm_fraction=0.99, mfu=0.001).mfu == 0.001
     assert PerfConfig().roofline_settings() == RooflineSettings()
     cfg = PerfConfig(mfu=0.4, tbo=True, eplb_physical_experts=288, fp8_weights=True)
     assert cfg.roofline_settings() == RooflineSettings(mfu=0.4, tbo=True, eplb_physical_experts=288)

@@ -89,7 +89,7 @@ def test_settings_that_belong_elsewhere_are_refused_with_where():
 
 
 def test_a_typo_of_a_refused_key_points_where_it_belongs():
-    # review 2026-12-05 item 12: router.ttft_slo_s hinted at ttft_slo, itself refused
+    # a typo of a refused key: router.ttft_slo_s must not hint at ttft_slo, itself refused
     sc = load_scenario("dsv3-pd-h200")
     with pytest.raises(ValueError, match=r"router\.ttft_slo_s: unknown field; the nearest, ttft_slo, is not a "
                                          r"scenario router setting: set it in the run's SLO \(--route-slo\)"):

@@ -88,7 +88,7 @@ def test_block_size_of_the_trace_is_checked():
 
 def test_cli_refuses_a_scenario_block_size_other_than_the_trace(tmp_path: Path, capsys):
     f = tmp_path / "sc.toml"
-    # a model that fits the one-GPU pools: V3 does not, which is now reported first (review11)
+    # a model that fits the one-GPU pools: V3 does not, which is reported first
     f.write_text('block_size = 16\nmodel = "llama-3.1-8b"\nhardware = "h200"\n[prefill]\n[decode]\n')
     assert main(["sim", "run", "--scenario", str(f), "--limit", "20", "--quiet", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err

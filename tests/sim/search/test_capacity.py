@@ -49,7 +49,7 @@ def _floor(n: int, misses: int) -> Floor:
 
 
 def test_thin_headroom_is_not_noted_for_a_strict_slo_the_floor_barely_touches() -> None:
-    """A strict SLO's own small allowance is not thin headroom (review finding: at p99 over 12,031
+    """A strict SLO's own small allowance is not thin headroom (at p99 over 12,031
     requests one zero-load miss of the 121 allowed got the note, and attainment 1.0 or p99.9 got it
     with no zero-load miss at all, 'even at zero load 0 of the ... requests miss'). By hand with
     SLO.max_misses: p99 of 12,031 allows 12,031 - floor(0.99 * 12,030) - 1 = 121."""
