@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from balancer.policies.spec import split_policy_list  # noqa: E402
 from balancer.types import TtftSlo  # noqa: E402
-from sim.validation.agentx import run_rows, simulate_440246  # noqa: E402
+from sim.validation.agentx import FRONTEND_S_PER_TOKEN_MEASURED, run_rows, simulate_440246  # noqa: E402
 from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 
 POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "scored", "least_load",
@@ -60,10 +60,10 @@ TTFT_ROWS = ("ttft-mean", "ttft-p50", "ttft-p90", "ttft-p95")
 ITL_ROWS = ("itl-mean", "itl-p50", "itl-p90", "itl-p95")
 
 
-def error_band(duration_s: float) -> dict[str, float]:
+def error_band(duration_s: float, frontend_s_per_token: float = FRONTEND_S_PER_TOKEN_MEASURED) -> dict[str, float]:
     """The simulator's largest |error| against the published point on the TTFT and ITL rows
     (:func:`sim.validation.agentx.run_rows`, the deployed router, workload seed 42)."""
-    rows, _ = run_rows(duration_s=duration_s)
+    rows, _ = run_rows(duration_s=duration_s, frontend_s_per_token=frontend_s_per_token)
     by = {r.key: abs(r.error) for r in rows}
     return {"ttft": max(by[k] for k in TTFT_ROWS), "itl": max(by[k] for k in ITL_ROWS)}
 
@@ -75,10 +75,11 @@ def attainment(ttft_s: np.ndarray, itl_ms: np.ndarray, ttft_slo_s: float, itl_sl
 
 
 def run(policy: str, lanes: int, duration_s: float, ttft_slo_s: float, itl_slo_ms: float, seed: int,
-        router_budget: bool, band: dict[str, float]) -> dict[str, float]:
+        router_budget: bool, band: dict[str, float], frontend_s_per_token: float = 0.0) -> dict[str, float]:
     wl = AgenticWorkloadConfig(lanes=lanes, duration_s=duration_s, seed=seed)
     t0 = time.process_time()
-    r = simulate_440246(wl, policy, ttft_slo=TtftSlo(ttft_slo_s) if router_budget else None)
+    r = simulate_440246(wl, policy, ttft_slo=TtftSlo(ttft_slo_s) if router_budget else None,
+                        frontend_s_per_token=frontend_s_per_token)
     req = r.requests
     if len(req) == 0:
         raise RuntimeError(f"{policy} at {lanes} lanes: no measured request completed")
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--band-duration-s", type=float, default=3600.0,
                     help="measured seconds of the validation run behind the error band (default the published "
                          "3600; 0 = no band)")
+    ap.add_argument("--frontend-s-per-token", type=float, default=FRONTEND_S_PER_TOKEN_MEASURED,
+                    help="the API server's tokenization per prompt token, s, as the validation rows have it "
+                         "(default %(default)g; 0 = off)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes, default 1)")
     ap.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
     a = ap.parse_args(argv)
@@ -127,18 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--loads: none of {','.join(LOADS)}")
     if not pols:
         ap.error("--policies: none given")
-    band = error_band(a.band_duration_s) if a.band_duration_s > 0 else {}
+    band = error_band(a.band_duration_s, a.frontend_s_per_token) if a.band_duration_s > 0 else {}
     print(f"SLO: TTFT <= {a.ttft_slo_s:g} s and mean ITL <= {a.itl_slo_ms:g} ms for >= {a.attainment:.0%} of "
           f"requests; router TTFT budget: {'none' if a.no_router_budget else f'{a.ttft_slo_s:g} s'}; "
-          f"{a.duration_s:g} s measured per run; workload seed {a.seed}; loads (lanes) {loads}")
+          f"{a.duration_s:g} s measured per run; workload seed {a.seed}; loads (lanes) {loads}; API-server "
+          f"tokenization {a.frontend_s_per_token * 1e6:g} us per prompt token")
     if band:
         print(f"error band (part 1: |simulated / published - 1| at the measured point, {a.band_duration_s:g} s, "
               f"seed 42, dp_consistent_hash): TTFT rows up to {band['ttft']:.1%}, ITL rows up to {band['itl']:.1%}; "
               "'lo'/'hi': attainment with every TTFT and ITL that much worse / better")
     jobs = [(p, ld) for p in pols for ld in loads]
     res: dict[tuple[str, str], dict[str, float]] = {}
-    args = [(p, loads[ld], a.duration_s, a.ttft_slo_s, a.itl_slo_ms, a.seed, not a.no_router_budget, band)
-            for p, ld in jobs]
+    args = [(p, loads[ld], a.duration_s, a.ttft_slo_s, a.itl_slo_ms, a.seed, not a.no_router_budget, band,
+             a.frontend_s_per_token) for p, ld in jobs]
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         for (p, ld), m in zip(jobs, ex.map(run, *zip(*args))):
             res[p, ld] = m
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(json.dumps({"slo": {"ttft_s": a.ttft_slo_s, "itl_ms": a.itl_slo_ms, "attainment": a.attainment},
                                      "router_budget": not a.no_router_budget, "duration_s": a.duration_s,
                                      "seed": a.seed, "band": band, "loads": loads,
+                                     "frontend_s_per_token": a.frontend_s_per_token,
                                      "runs": [{"policy": p, "load": ld, **m} for (p, ld), m in res.items()]},
                                     indent=1))
     return 0

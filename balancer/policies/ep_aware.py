@@ -325,15 +325,15 @@ class EpAware(Policy):
             fast = kernels.prefill_ep_cost_rows(q, a, cands.matched_tokens, cands.num_requests, P, eng.chunk_tokens,
                                                 eng.prefill.per_token_s, eng.prefill.per_attn_pair_s, w_ext, idx, rows)
             if fast is not None:
-                feats, horizon, ext, u, cached, n_busy = fast
-                ttft = cost = feats @ eng.prefill.coef_view + 0.0  # + fetch (0.0 without tiers), as below
+                f_feats, f_horizon, f_ext, f_u, f_cached, n_busy = fast
+                f_ttft = f_cost = f_feats @ eng.prefill.coef_view + 0.0  # + fetch (0.0 without tiers), as below
                 if self.horizon_weight:
-                    busy = float(n_busy) / len(q)
-                    cost = cost + ext + (self.horizon_weight * busy ** self.horizon_power) * horizon
+                    f_busy = float(n_busy) / len(q)
+                    f_cost = f_cost + f_ext + (self.horizon_weight * f_busy ** self.horizon_power) * f_horizon
                 else:
-                    cost = cost + ext
-                return self._with_own(cost, ttft, u, cached, 0.0, eng, sub, want_own)
-        if tiers:
+                    f_cost = f_cost + f_ext
+                return self._with_own(f_cost, f_ttft, f_u, f_cached, 0.0, eng, sub, want_own)
+        if cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None:  # tiers
             hbm = cands.hbm_blocks * bs
             cached = np.minimum(hbm + (cands.host_blocks + cands.store_blocks) * bs, P - 1.0)
             host_t = np.clip(np.minimum(hbm + cands.host_blocks * bs, cached) - hbm, 0.0, None)
@@ -344,6 +344,7 @@ class EpAware(Policy):
             fetch = 0.0
         u = P - cached
         # both wide-EP terms in one compiled pass when there is one (same bits as the two calls below)
+        n_after: np.ndarray | None
         fused = kernels.prefill_ep_rows(q, a, u, cached, cands.num_requests, eng.chunk_tokens, eng.prefill.per_token_s,
                                         eng.prefill.per_attn_pair_s, idx, rows) if busy_pool and rows is not None else None
         if fused is not None:
