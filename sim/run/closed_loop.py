@@ -33,7 +33,7 @@ import numpy as np
 from balancer.config import PolicySpec
 from balancer.policies import Policy
 from balancer.router import Router
-from balancer.types import Request, Role
+from balancer.types import Request, Role, TtftSlo
 from sim.run.admission import admit
 from sim.run.cluster import Cluster, RankInfo
 from sim.run.engine.step_group import STEP_CLASSES
@@ -125,6 +125,7 @@ def simulate_closed_loop(
     max_requests: int = DEFAULT_MAX_REQUESTS,
     router_factory: Callable[[RankCacheBlocks], Router] | None = None,
     cluster_hook: Callable[[Cluster], None] | None = None,
+    ttft_slo: TtftSlo | None = None,
     frontend_s_per_token: float = 0.0,
 ) -> ClosedLoopResult:
     """Run ``workload``'s lanes through ``scenario`` routed by ``policy`` (both roles; an aggregated
@@ -135,7 +136,8 @@ def simulate_closed_loop(
     the API server's work per prompt token before the request reaches the engine (chat template
     and tokenization of the whole prompt, which the server repeats on every turn), s; a request
     reaches the router ``frontend_s_per_token * input_tokens`` after its lane sent it, and its
-    TTFT and latency count from the send. Deterministic for given inputs.
+    TTFT and latency count from the send. ``ttft_slo``: the TTFT budget the router routes against
+    (SLO-aware policies; ``None``: none). Deterministic for given inputs.
 
     Raises:
         ValueError: ``drain_s`` < 0, ``max_requests`` < 1, ``frontend_s_per_token`` outside [0, 1e-3].
@@ -151,7 +153,8 @@ def simulate_closed_loop(
     if router_factory is None:
         spec = PolicySpec.parse(policy) if isinstance(policy, str) else policy
         router_factory = make_router_factory(
-            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory), spec, spec)
+            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory,
+                                        ttft_slo=ttft_slo), spec, spec)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_factory, perf_factory, record_iterations=True)

@@ -38,6 +38,7 @@ import numpy as np
 from sim.validation.tolerance import TOLERANCE
 
 if TYPE_CHECKING:
+    from balancer.types import TtftSlo
     from sim.run.closed_loop import ClosedLoopResult
     from sim.scenario import Scenario
     from sim.workload.agentic import AgenticWorkloadConfig
@@ -199,6 +200,7 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
                     decode_scale: float = DECODE_EFFICIENCY_SCALE,
                     prefill_scale: float | None = PREFILL_EFFICIENCY_SCALE, seed: int = 0,
                     hit_multiple_tokens: int | None = None, frontend_s_per_token: float = 0.0,
+                    ttft_slo: "TtftSlo | None" = None,
                     **pool: object) -> "ClosedLoopResult":
     """One closed-loop run of point 440246 on pdlb's cluster simulator (:func:`sim.run.closed_loop.simulate_closed_loop`,
     routing through :class:`balancer.router.Router` with ``policy``); ``workload`` defaults to the
@@ -206,7 +208,9 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
     prefix hit as a multiple of this many tokens instead of the model's 256 (V4's hybrid KV).
     ``frontend_s_per_token``: the API server's chat template and tokenization per prompt token
     before the engine (:func:`sim.run.closed_loop.simulate_closed_loop`; off by default;
-    :data:`FRONTEND_S_PER_TOKEN_MEASURED` is ``bench/frontend_tokenize.py``'s reading)."""
+    :data:`FRONTEND_S_PER_TOKEN_MEASURED` is ``bench/frontend_tokenize.py``'s reading).
+    ``ttft_slo``: the router's TTFT budget (SLO-aware policies route against it; None: none, as
+    the validation rows)."""
     from sim.run.closed_loop import simulate_closed_loop
     from sim.workload.agentic import AgenticWorkloadConfig
 
@@ -216,7 +220,7 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
     return simulate_closed_loop(scenario_440246(**pool), workload or AgenticWorkloadConfig(), policy,
                                 perf_factory=perf_factory_440246(decode_scale, prefill_scale), seed=seed,
                                 cluster_hook=hook if hit_multiple_tokens is not None else None,
-                                frontend_s_per_token=frontend_s_per_token)
+                                frontend_s_per_token=frontend_s_per_token, ttft_slo=ttft_slo)
 
 
 def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 0.15998,
