@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sim.models.presets import MODELS
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
 
 
 def test_readme_lists_every_model_preset():
