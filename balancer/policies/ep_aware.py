@@ -42,7 +42,8 @@ least queued work, then with ``ctx.rng``; candidates without KV room for prompt 
 capacities) are taken only when none has room (then the one with most room).
 
 **SLO-aware placement** (a TTFT budget ``ttft_s + per_1k * prompt / 1000`` from
-``SelectContext.ttft_slo``, or the policy's own ``ttft_slo_s``): a candidate meets it when
+``SelectContext.ttft_slo``, or the policy's own ``ttft_slo_s``; on pools with a dense engine, or on
+every pool with ``slo_wide_ep``): a candidate meets it when
 ``slo_margin * (wait_i + fetch_i) <= budget``; the cheapest that meets it is taken. When none does
 (or the prompt misses it even on an idle rank, with ``slo_intrinsic="dump"``) the request is
 doomed: among the candidates within ``slo_doomed_cap`` budgets, the least harmful (``cost_i -
@@ -74,6 +75,11 @@ Parameters:
         idle rank (by more than ``slo_doomed_tail_own`` budgets) is placed as a doomed one only among
         candidates whose predicted TTFT is at most ``1 + slo_doomed_tail`` times the shortest.
     slo_doomed_tail_own: budgets a prompt's own idle-rank TTFT must exceed for the guard to apply.
+    slo_wide_ep: use the TTFT budget on a pool whose engines are all wide EP too (default off:
+        there the placement is SLO-blind). Measured on the Mooncake traces' wide-EP rows, SLO-blind
+        placement gave as much or more capacity at every budget measured and a TTFT p99 0.80-1.01x
+        the SLO-aware one at the same rate; SLO-aware placement pays on dense pools (docs/policies/ep_aware.md,
+        "The named losses and the tail at equal rate").
     seq_cap: price the engines' sequence cap and the slot wait (above) where the cost model knows
         the cap (``EngineCost.max_num_seqs``); False (the default) prices as if there were none.
 
@@ -189,6 +195,7 @@ class EpAware(Policy):
     in_service_progress: bool = True
     slo_doomed_tail: float = 0.5
     slo_doomed_tail_own: float = 1.0
+    slo_wide_ep: bool = False
     seq_cap: bool = False
 
     def __post_init__(self) -> None:
@@ -226,6 +233,8 @@ class EpAware(Policy):
         names, idx, rows = engine_groups(cands.replicas)
         ttft = None
         slo = self._ttft_slo(ctx) if cands.role is not Role.DECODE else None
+        if slo is not None and not self.slo_wide_ep and self._all_wide_ep(model, names, cands.role):
+            slo = None  # measured: SLO-blind placement is as good or better on wide EP (docs/policies/ep_aware.md)
         want = slo is not None
         if cands.role is Role.PREFILL:
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", want, ctx.now_s)
@@ -381,6 +390,12 @@ class EpAware(Policy):
         if self.ttft_slo_s > 0:
             return TtftSlo(self.ttft_slo_s, self.ttft_slo_per_1k_tokens_s)
         return ctx.ttft_slo if self.slo_aware else None
+
+    @staticmethod
+    def _all_wide_ep(model: CostModel, names: tuple[str, ...], role: Role) -> bool:
+        """Whether every engine of a prefill or mixed pool steps its DP ranks together (wide EP)."""
+        r = "prefill" if role is Role.PREFILL else "mixed"
+        return all(model.engine(name, r).ep_synchronous for name in names)
 
     def _progress_applies(self, cands: Candidates, model: CostModel, names: tuple[str, ...]) -> bool:
         """Whether the prefill cost subtracts in-service progress here: a prefill pool whose
