@@ -104,16 +104,23 @@ class EngineCost:
         prefill / decode: step models.
         chunk_tokens: chunked-prefill budget per rank per step (``max_prefill_tokens``).
         ep_synchronous: all DP ranks of the engine step together (wide EP).
+        max_num_seqs: most sequences one rank runs at once (vLLM ``max_num_seqs``, SGLang
+            ``max_running_requests``); a request beyond it waits in the rank's waiting queue for a
+            slot. ``None``: no cap known (the pricing is then as without one). Only decode and
+            mixed pools use it (:func:`slot_wait_s`).
     """
 
     prefill: PrefillStepCost = field(default_factory=PrefillStepCost)
     decode: DecodeStepCost = field(default_factory=DecodeStepCost)
     chunk_tokens: int = 8192
     ep_synchronous: bool = True
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or self.max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be an integer >= 1 or None, got {self.max_num_seqs!r}")
 
     def prefill_time_s(self, tokens: float, context_tokens: float = 0.0) -> float:
         """Seconds for one rank of an otherwise idle engine to prefill ``tokens`` new tokens after
@@ -164,8 +171,10 @@ class CostModel:
     def to_dict(self) -> dict:
         """Plain dict (TOML/JSON-friendly) that :meth:`from_dict` reads back."""
         def eng(e: EngineCost) -> dict:
-            return {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous,
-                    "prefill": dict(zip(PREFILL_TERMS, e.prefill.coef().tolist())),
+            out = {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous}
+            if e.max_num_seqs is not None:  # absent = no cap (TOML has no null)
+                out["max_num_seqs"] = e.max_num_seqs
+            return {**out, "prefill": dict(zip(PREFILL_TERMS, e.prefill.coef().tolist())),
                     "decode": dict(zip(DECODE_TERMS, e.decode.coef().tolist()))}
         out = {"prefill": eng(self.prefill), "decode": eng(self.decode),
                "transfer_latency_s": self.transfer_latency_s, "transfer_s_per_token": self.transfer_s_per_token,
@@ -182,7 +191,7 @@ class CostModel:
         Raises:
             ValueError: a non-table where a table belongs, unknown keys, a coefficient that is not
                 a finite number >= 0 (booleans and strings included), a non-integer or
-                non-positive ``chunk_tokens``, a non-boolean ``ep_synchronous``; the message names
+                non-positive ``chunk_tokens`` or ``max_num_seqs``, a non-boolean ``ep_synchronous``; the message names
                 the key by its dotted path (``cost_model.decode.decode.per_seq_s``).
         """
         def table(x: object, where: str) -> Mapping:
@@ -192,10 +201,10 @@ class CostModel:
 
         def eng(x: object, where: str) -> EngineCost:
             x = table(x, where)
-            unknown = set(x) - {"chunk_tokens", "ep_synchronous", "prefill", "decode"}
+            unknown = set(x) - {"chunk_tokens", "ep_synchronous", "max_num_seqs", "prefill", "decode"}
             if unknown:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
-                                 "valid: chunk_tokens, decode, ep_synchronous, prefill")
+                                 "valid: chunk_tokens, decode, ep_synchronous, max_num_seqs, prefill")
             p = _terms(table(x.get("prefill", {}), f"{where}.prefill"), PREFILL_TERMS, f"{where}.prefill")
             dd = _terms(table(x.get("decode", {}), f"{where}.decode"), DECODE_TERMS, f"{where}.decode")
             chunk = x.get("chunk_tokens", 8192)
@@ -204,7 +213,11 @@ class CostModel:
             ep = x.get("ep_synchronous", True)
             if not isinstance(ep, bool):
                 raise ValueError(f"{where}.ep_synchronous must be true or false, got {ep!r}")
-            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep)
+            seqs = x.get("max_num_seqs")
+            if seqs is not None and (isinstance(seqs, bool) or not isinstance(seqs, int) or not 1 <= seqs <= 1 << 20):
+                raise ValueError(f"{where}.max_num_seqs must be an integer in [1, 1048576] (omit it for no cap), "
+                                 f"got {seqs!r}"[:200])
+            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep, seqs)
 
         d = table(d, "cost_model")
         scalars = ("transfer_latency_s", "transfer_s_per_token", "host_fetch_s_per_token", "store_fetch_s_per_token")
@@ -241,6 +254,37 @@ DEFAULT_COST_MODEL = CostModel(
     decode=EngineCost(PrefillStepCost(0.0, 5.1e-5, 1.0e-8, 4.2e-6), DecodeStepCost(0.025, 5.2e-5, 3.5e-8, 0.0), 8192, True),
     transfer_latency_s=0.001, transfer_s_per_token=1.4e-6,
 )
+
+
+# ---------------------------------------------------------------------- the sequence cap
+def slot_wait_s(num_requests: np.ndarray, step_s: np.ndarray | float, out_tokens: float,
+                max_num_seqs: int) -> np.ndarray:
+    """Predicted seconds a request placed on each rank waits for a running slot, shape ``(n,)``.
+
+    A rank runs at most ``S = max_num_seqs`` sequences; a request beyond them waits, first come
+    first served, in the rank's waiting queue (vLLM's scheduler: ``max_num_seqs``, its
+    ``waiting`` deque). With ``b_i`` requests on rank ``i`` (``num_requests``: running and
+    waiting), the new one is ``k_i = max(0, b_i + 1 - S)``-th in that queue. Slots free as
+    running sequences finish: ``S`` sequences of ``out`` output tokens on average, one token per
+    step of ``step_s`` seconds, finish at the renewal rate ``S / (out step_s)``, so the ``k``-th
+    slot frees after::
+
+        wait_i = k_i * out_tokens * step_s_i / S
+
+    ``step_s``: the rank's (its engine's, for wide EP) decode step now, a scalar or ``(n,)``;
+    ``out_tokens``: the mean output of a running sequence (the caller's estimate, tokens).
+    0 where the rank has a free slot. Pure. Source: pdlb (vLLM's scheduling rule; the renewal
+    argument of queueing).
+
+    Raises:
+        ValueError: ``max_num_seqs`` < 1 or ``out_tokens`` < 0.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if not out_tokens >= 0:
+        raise ValueError(f"out_tokens must be >= 0, got {out_tokens}")
+    k = np.maximum(np.asarray(num_requests, dtype=np.float64) + 1.0 - max_num_seqs, 0.0)
+    return k * (float(out_tokens) / max_num_seqs) * np.asarray(step_s, dtype=np.float64)
 
 
 # ---------------------------------------------------------------------- fitting to a step-time model

@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 DEFAULT_POINTS = ("mooncake:default@0.4/1.95", "mooncake:default@0.8/1.95", "mooncake:default@1/1",
                   "mooncake:dense@1/1")
-DEFAULT_POLICIES = ("ep_aware", "ep_aware:slo_doomed_tail=0.5", "ep_aware:slo_aware=false", "cache_aware")
+#: the default (SLO-blind on wide-EP pools since issue 23 part 3), SLO-aware placement there too, SLO-blind, an anchor
+DEFAULT_POLICIES = ("ep_aware", "ep_aware:slo_wide_ep=true", "ep_aware:slo_aware=false", "cache_aware")
 
 
 def _recording(spec: str):

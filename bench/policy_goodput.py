@@ -31,7 +31,10 @@ Rows (``--rows``, ``workload:scenario``): workloads ``mooncake`` (embedded trace
 sessions`` generator, one day), ``shared_prefix`` (SGLang's generated-shared-prefix layout, 256 groups x 16
 prompts, at 4 req/s); scenarios ``default`` (dsv3-pd-h200: 6 prefill engines of EP8, 1 decode engine of EP8),
 ``p16`` (the same with 16 prefill engines), ``dense`` (llama70b-pd-h100), ``agg``
-(llama8b-agg-h100); ``mooncake_synthetic`` is Mooncake's FAST25 ``synthetic_trace.jsonl`` in
+(llama8b-agg-h100), ``longsplit`` (docs/examples/scenarios/dsv3-pd-h200-longsplit.toml: the default's
+prefill engines split 4 + 2 at 32k prompt tokens), ``dense_dbound``
+(docs/examples/scenarios/llama70b-pd-h100-decode-bound.toml: dense PD whose decode pool saturates first;
+judge it with ``--slo-attainment 0.97``); ``mooncake_synthetic`` is Mooncake's FAST25 ``synthetic_trace.jsonl`` in
 ``--traces-dir``. The base SLO (``--slo-*``): by default 90% of requests with TTFT <= 2 s + 0.1 s
 per 1k prompt tokens and TPOT <= 50 ms (a flat 2 s TTFT cannot be met by 90% of the Mooncake
 trace at any rate: 16% of its prompts take longer than 2 s to prefill alone even with every prefix
@@ -68,7 +71,10 @@ WORKLOADS = ("mooncake", "mooncake_synthetic", "azure_code", "azure_conv", "chat
 #: the Mooncake FAST25 release's synthetic trace (kvcache-ai/Mooncake, FAST25-release/traces/synthetic_trace.jsonl,
 #: Apache-2.0; 3,993 requests over 1,022 s, mean input 15,325 tokens), looked for in --traces-dir
 MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
-SCENARIOS = {"default": "dsv3-pd-h200", "p16": "dsv3-pd-h200", "dense": "llama70b-pd-h100", "agg": "llama8b-agg-h100"}
+SCENARIOS = {"default": "dsv3-pd-h200", "p16": "dsv3-pd-h200", "dense": "llama70b-pd-h100", "agg": "llama8b-agg-h100",
+             # issue 23 part 3's named losses, as committed scenario files
+             "longsplit": "docs/examples/scenarios/dsv3-pd-h200-longsplit.toml",
+             "dense_dbound": "docs/examples/scenarios/llama70b-pd-h100-decode-bound.toml"}
 DEFAULT_ROWS = ("mooncake:default", "mooncake:p16", "mooncake:dense", "mooncake:agg", "azure_code:dense",
                 "azure_conv:dense", "chatbot:default", "agent:default", "shared_prefix:default", "shared_prefix:agg")
 GPU_ROWS = ("mooncake:default", "mooncake:dense")
@@ -77,7 +83,8 @@ GPU_ROWS = ("mooncake:default", "mooncake:dense")
 def scenario_of(name: str):
     from sim.scenario import load_scenario
 
-    sc = load_scenario(SCENARIOS[name])
+    path = SCENARIOS[name]
+    sc = load_scenario(ROOT / path if path.endswith(".toml") else path)
     if name == "p16":
         sc = sc.model_copy(update={"name": f"{sc.name}-p16",
                                    "prefill": sc.prefill.model_copy(update={"num_engines": 16})})

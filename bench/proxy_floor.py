@@ -172,11 +172,11 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per round (default 4)")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
     ap.add_argument("--ablate", default="", metavar="LISTS",
-                    help="';'-separated comma lists of bench/ablate switches (route, timeouts, hash, checks, metrics, proxy, service): "
+                    help="';'-separated comma lists of bench/ablate switches (route, timeouts, hash, checks, metrics, proxy, service, candidates, index, load): "
                          "a pdlb row each with those parts taken away")
     args = ap.parse_args()
     args.ablate = [w.strip() for w in args.ablate.split(";") if w.strip()]
-    known = {"route", "timeouts", "hash", "checks", "metrics", "proxy", "service"}
+    known = {"route", "timeouts", "hash", "checks", "metrics", "proxy", "service", "candidates", "index", "load"}
     if bad := {x.strip() for w in args.ablate for x in w.split(",")} - known:
         ap.error(f"unknown --ablate switches {sorted(bad)}; known: {', '.join(sorted(known))}")
     args.router_cpus = ro._cpu_list(args.router_cpus, ap)

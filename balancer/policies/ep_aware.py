@@ -29,12 +29,21 @@ KV tokens; ``out`` = ``Request.output_tokens`` capped at ``max_output_estimate_t
 now, ``n_e`` its sequences. **Mixed** pools add both costs (without the transfer) and the stall the
 prompt's chunks cause to the batch they share steps with.
 
+**The sequence cap** (``seq_cap=True``; off by default, docs/policies/ep_aware.md says why): where
+the pool's engines run at most ``S = EngineCost.max_num_seqs`` sequences per rank (vLLM
+``max_num_seqs``) and some candidate already holds ``S``, each rank runs ``min(b_r, S)`` of its
+``b_r`` requests; on a full rank the request first waits for a slot,
+``wait_i = (b_i + 1 - S) out T_e / S`` (:func:`balancer.cost_model.slot_wait_s`), then takes a
+finished sequence's place; the wait is added to the decode cost and, on mixed pools, to the
+predicted TTFT.
+
 **Ties and room**: costs within ``tie_tolerance`` (relative) of the cheapest tie, broken by the
 least queued work, then with ``ctx.rng``; candidates without KV room for prompt + output (known
 capacities) are taken only when none has room (then the one with most room).
 
 **SLO-aware placement** (a TTFT budget ``ttft_s + per_1k * prompt / 1000`` from
-``SelectContext.ttft_slo``, or the policy's own ``ttft_slo_s``): a candidate meets it when
+``SelectContext.ttft_slo``, or the policy's own ``ttft_slo_s``; on pools with a dense engine, or on
+every pool with ``slo_wide_ep``): a candidate meets it when
 ``slo_margin * (wait_i + fetch_i) <= budget``; the cheapest that meets it is taken. When none does
 (or the prompt misses it even on an idle rank, with ``slo_intrinsic="dump"``) the request is
 doomed: among the candidates within ``slo_doomed_cap`` budgets, the least harmful (``cost_i -
@@ -66,6 +75,13 @@ Parameters:
         idle rank (by more than ``slo_doomed_tail_own`` budgets) is placed as a doomed one only among
         candidates whose predicted TTFT is at most ``1 + slo_doomed_tail`` times the shortest.
     slo_doomed_tail_own: budgets a prompt's own idle-rank TTFT must exceed for the guard to apply.
+    slo_wide_ep: use the TTFT budget on a pool whose engines are all wide EP too (default off:
+        there the placement is SLO-blind). Measured on the Mooncake traces' wide-EP rows, SLO-blind
+        placement gave as much or more capacity at every budget measured and a TTFT p99 0.80-1.01x
+        the SLO-aware one at the same rate; SLO-aware placement pays on dense pools (docs/policies/ep_aware.md,
+        "The named losses and the tail at equal rate").
+    seq_cap: price the engines' sequence cap and the slot wait (above) where the cost model knows
+        the cap (``EngineCost.max_num_seqs``); False (the default) prices as if there were none.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
@@ -89,6 +105,7 @@ from balancer.cost_model import (
     engine_groups,
     engine_layout,
     prefill_wait_features,
+    slot_wait_s,
 )
 from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
@@ -178,6 +195,8 @@ class EpAware(Policy):
     in_service_progress: bool = True
     slo_doomed_tail: float = 0.5
     slo_doomed_tail_own: float = 1.0
+    slo_wide_ep: bool = False
+    seq_cap: bool = False
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -214,6 +233,8 @@ class EpAware(Policy):
         names, idx, rows = engine_groups(cands.replicas)
         ttft = None
         slo = self._ttft_slo(ctx) if cands.role is not Role.DECODE else None
+        if slo is not None and not self.slo_wide_ep and self._all_wide_ep(model, names, cands.role):
+            slo = None  # measured: SLO-blind placement is as good or better on wide EP (docs/policies/ep_aware.md)
         want = slo is not None
         if cands.role is Role.PREFILL:
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", want, ctx.now_s)
@@ -225,6 +246,9 @@ class EpAware(Policy):
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", want)
             cost = (cost + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
                     + self.externality_weight * self._mixed_stall(request, cands, model, names, idx, rows))
+            wait = self.slot_wait(request, cands, model, names, idx, rows) if want else None
+            if wait is not None:  # a full rank admits the prompt only when a slot frees (in cost already)
+                ttft = ttft + wait
             reason = "ep_aware:mixed"
         doomed = False
         if slo is not None:
@@ -260,6 +284,9 @@ class EpAware(Policy):
             _, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", True, ctx.now_s)
         else:
             _, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", True)
+            wait = self.slot_wait(request, cands, model, names, idx, rows)
+            if wait is not None:
+                ttft = ttft + wait
         assert own is not None
         return ttft, own
 
@@ -364,6 +391,12 @@ class EpAware(Policy):
             return TtftSlo(self.ttft_slo_s, self.ttft_slo_per_1k_tokens_s)
         return ctx.ttft_slo if self.slo_aware else None
 
+    @staticmethod
+    def _all_wide_ep(model: CostModel, names: tuple[str, ...], role: Role) -> bool:
+        """Whether every engine of a prefill or mixed pool steps its DP ranks together (wide EP)."""
+        r = "prefill" if role is Role.PREFILL else "mixed"
+        return all(model.engine(name, r).ep_synchronous for name in names)
+
     def _progress_applies(self, cands: Candidates, model: CostModel, names: tuple[str, ...]) -> bool:
         """Whether the prefill cost subtracts in-service progress here: a prefill pool whose
         engines are all dense (each rank its own step group) and candidates that carry it."""
@@ -458,6 +491,9 @@ class EpAware(Policy):
         d = eng.decode
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         kv_new = request.prompt_tokens + out / 2.0
+        S = eng.max_num_seqs if self.seq_cap else None
+        if S is not None and len(cands) and cands.num_requests.max() >= S:  # a rank is full: slots and waits
+            return self._decode_cost_capped(request, cands, model, eng, idx, rows, transfer, S)
         if eng.ep_synchronous and rows is not None:  # the compiled loop, when there is one
             got = kernels.decode_cost_rows(cands.num_requests, cands.decode_kv_tokens, cands.matched_tokens, idx, rows,
                                            out, kv_new, request.prompt_tokens, d.overhead_s, d.per_seq_s,
@@ -482,6 +518,78 @@ class EpAware(Policy):
             moved = request.prompt_tokens - cands.matched_tokens.astype(np.float64)
             cost = cost + model.transfer_s_per_token * np.maximum(moved, 0.0)
         return cost
+
+    def _decode_cost_capped(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
+                            idx: np.ndarray, rows: np.ndarray | None, transfer: bool, S: int) -> np.ndarray:
+        """The decode cost where some rank already holds ``S = max_num_seqs`` requests, ``(n,)``:
+        each rank runs ``min(b_r, S)`` of its ``b_r`` requests (its KV in proportion); on a full
+        rank the request first waits for a slot (:func:`balancer.cost_model.slot_wait_s`, at the
+        engine's step now) and then takes a finished sequence's place, so the step it adds to is
+        the rank's full one; elsewhere as :meth:`_decode_cost_one`. Cost = ``out (T_after +
+        externality_weight n_e (T_after - T_e)) + wait`` (+ the transfer)."""
+        d = eng.decode
+        out = float(min(request.output_tokens, self.max_output_estimate_tokens))
+        kv_new = request.prompt_tokens + out / 2.0
+        b = cands.num_requests.astype(np.float64)
+        run = np.minimum(b, float(S))
+        k = cands.decode_kv_tokens.astype(np.float64) * np.divide(run, b, out=np.ones_like(b), where=b > 0)
+        grows = b + 1.0 <= S  # a free slot: one more running sequence; a full rank's count stays at S
+        run_after = np.minimum(b + 1.0, float(S))
+        # on a full rank the request takes the place of a finished sequence of the rank's mean KV
+        k_after = k + kv_new - np.where(grows, 0.0, k / np.maximum(run, 1.0))
+        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
+        if eng.ep_synchronous:
+            B = _per_engine_max(run, idx, rows, n_eng)
+            K = _per_engine_max(k, idx, rows, n_eng)
+            n_e = _per_engine_sum(run, idx, n_eng)
+        else:
+            B, K, n_e = run, k, run
+        before = d.overhead_s + d.per_seq_s * B + d.per_kv_token_s * K + d.per_group_seq_s * n_e
+        after = (d.overhead_s + d.per_seq_s * np.maximum(B, run_after) + d.per_kv_token_s * np.maximum(K, k_after)
+                 + d.per_group_seq_s * (n_e + grows))
+        cost = out * (after + self.externality_weight * n_e * (after - before)) + slot_wait_s(b, before, out, S)
+        if transfer:
+            moved = request.prompt_tokens - cands.matched_tokens.astype(np.float64)
+            cost = cost + model.transfer_s_per_token * np.maximum(moved, 0.0)
+        return cost
+
+    def slot_wait(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                  idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray | None:
+        """Per decode or mixed candidate, the predicted seconds ``request`` waits for a running slot
+        there (:func:`balancer.cost_model.slot_wait_s`), shape ``(n,)``; None when no rank is full
+        (or no cap is known, or ``seq_cap`` is off). What the mixed pool's TTFT adds."""
+        if not self.seq_cap or not len(cands):
+            return None
+        role = "decode" if cands.role is Role.DECODE else "mixed"
+        eng = self._uniform_engine(model, names, role)
+        engs = [eng] if eng is not None else [model.engine(n, role) for n in names]
+        if all(e.max_num_seqs is None or cands.num_requests.max() < e.max_num_seqs for e in engs):
+            return None
+        out = float(min(request.output_tokens, self.max_output_estimate_tokens))
+        wait = np.zeros(len(cands))
+        for e, name in enumerate(names if eng is None else (None,)):
+            ec = eng if eng is not None else model.engine(name, role)
+            if ec.max_num_seqs is None:
+                continue
+            S = float(ec.max_num_seqs)
+            b = cands.num_requests.astype(np.float64)
+            run = np.minimum(b, S)
+            k = cands.decode_kv_tokens.astype(np.float64) * np.divide(run, b, out=np.ones_like(b), where=b > 0)
+            d = ec.decode
+            n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
+            if ec.ep_synchronous:
+                step = (d.overhead_s + d.per_seq_s * _per_engine_max(run, idx, rows, n_eng)
+                        + d.per_kv_token_s * _per_engine_max(k, idx, rows, n_eng)
+                        + d.per_group_seq_s * _per_engine_sum(run, idx, n_eng))
+            else:
+                step = d.overhead_s + d.per_seq_s * run + d.per_kv_token_s * k
+            w = slot_wait_s(b, step, out, ec.max_num_seqs)
+            if eng is None:
+                sub = idx == e
+                wait[sub] = w[sub]
+            else:
+                wait = w
+        return wait
 
     # ------------------------------------------------------------------ helpers
     def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext) -> int:

@@ -469,9 +469,13 @@ async def _read_raw(request: web.Request, svc: Service, limit: int | None = None
         return too_large
     if (refused := _compressed(request)) is not None:
         return refused
+    content = request.content
     try:  # raises HTTPRequestEntityTooLarge (413) over client_max_size (a chunked body, say)
-        if request.content.is_eof():  # the whole body is here already (most requests): no wait, no timer
-            raw = await request.read()
+        if content.is_eof():  # the whole body is here already (most requests): no wait, no timer
+            # the buffered chunks as they are (one join at most), not request.read()'s two copies
+            raw = content.read_nowait()
+            if len(raw) > svc.cfg.max_body_bytes:  # what request.read() checks (client_max_size)
+                return error_response(413, f"request body too large (limit {svc.cfg.max_body_bytes} bytes)")
         else:
             async with asyncio.timeout(svc.cfg.body_read_timeout_s):
                 raw = await request.read()

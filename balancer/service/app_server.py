@@ -123,8 +123,9 @@ class AppServerRunner(web.ServerRunner):
 
     ``shutdown_timeout``: seconds to wait for in-flight requests on ``cleanup()``;
     ``handler_cancellation``: a client disconnect cancels its handler; ``handler_kwargs``: the
-    per-connection protocol's keyword arguments (as :class:`aiohttp.web.AppRunner` takes them).
-    Build it inside the event loop that will serve it."""
+    per-connection protocol's keyword arguments (as :class:`aiohttp.web.AppRunner` takes them; the
+    app's own ``handler_args`` are not read: give them here). Build it inside the event loop that
+    will serve it."""
 
     __slots__ = ("_app_runner", "_entry")
 

@@ -26,7 +26,14 @@ It measures what those costs are; it is not a fix (load-aware and prefix-aware p
 * ``service``: the server's request handler does that itself for a generation ``POST`` (no
   ``_observed`` / ``_generate`` either: no metrics, JSON parse, in-flight count): what is left is
   pdlb's aiohttp server as configured (runner, connection limit, keep-alive, handler
-  cancellation) and its background tasks, against ``proxy_floor.py``'s minimal aiohttp proxy.
+  cancellation) and its background tasks, against ``proxy_floor.py``'s minimal aiohttp proxy;
+* ``candidates``: ``Router._candidates`` builds no load, capacity or match columns (zeros: right
+  for round robin, which reads only the replicas; the match-ratio metric then reads 0): what a
+  path for policies that read no column could save;
+* ``index``: the prefix index matches nothing and records nothing (``PrefixIndex.match_depths`` /
+  ``insert``);
+* ``load``: the load tracker counts nothing (``LoadTracker.on_dispatch`` / ``on_prefill_done`` /
+  ``on_finished`` do nothing; round robin reads no load).
 """
 
 import os
@@ -125,3 +132,32 @@ if "proxy" in _what or "service" in _what:
             return handle
 
         _app._fast_path = _fast_path
+if "candidates" in _what:
+    import numpy as np
+
+    from balancer.candidates import Candidates
+    from balancer.router import Router
+
+    _zeros: dict[int, np.ndarray] = {}
+
+    def _light(self, request, pool, depths, matches, spec_depths=None):  # noqa: ANN001, ANN202
+        n = len(pool.replicas)
+        z = _zeros.get(n)
+        if z is None:
+            z = _zeros[n] = np.zeros(n, dtype=np.int64)
+        return Candidates(pool.role, pool.replicas, z, z, z, z, z, z, self.block_size)
+
+    Router._candidates = _light
+if "index" in _what:
+    import numpy as np
+
+    from balancer.prefix_index import PrefixIndex
+
+    _empty = np.zeros(0, dtype=np.int64)
+    PrefixIndex.match_depths = lambda self, block_hashes: _empty  # every match reads 0
+    PrefixIndex.insert = lambda self, replica, block_hashes, now_s: None
+if "load" in _what:
+    from balancer.load import LoadTracker
+
+    for _hook in ("on_dispatch", "on_prefill_done", "on_finished"):
+        setattr(LoadTracker, _hook, lambda self, *a, **k: None)

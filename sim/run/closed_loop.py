@@ -33,7 +33,7 @@ import numpy as np
 from balancer.config import PolicySpec
 from balancer.policies import Policy
 from balancer.router import Router
-from balancer.types import Request, Role
+from balancer.types import Request, Role, TtftSlo
 from sim.run.admission import admit
 from sim.run.cluster import Cluster, RankInfo
 from sim.run.engine.step_group import STEP_CLASSES
@@ -43,7 +43,8 @@ from sim.run.records import RequestRecords
 from sim.run.router_config import RankCacheBlocks, router_config_for
 from sim.run.router_config import router_factory as make_router_factory
 from sim.scenario import PoolConfig, Scenario
-from sim.workload.agentic import AgenticWorkloadConfig, lane_turns
+from sim.workload.agentic import (AgenticWorkloadConfig, lane_turns, quantile_mean, sample_quantiles,
+                                  warmup_requests)
 
 __all__ = ["ClosedLoopResult", "simulate_closed_loop", "DEFAULT_MAX_REQUESTS"]
 
@@ -124,26 +125,36 @@ def simulate_closed_loop(
     max_requests: int = DEFAULT_MAX_REQUESTS,
     router_factory: Callable[[RankCacheBlocks], Router] | None = None,
     cluster_hook: Callable[[Cluster], None] | None = None,
+    ttft_slo: TtftSlo | None = None,
+    frontend_s_per_token: float = 0.0,
 ) -> ClosedLoopResult:
     """Run ``workload``'s lanes through ``scenario`` routed by ``policy`` (both roles; an aggregated
     scenario routes among its mixed ranks). The router is built as :func:`sim.run.cluster.simulate`
     builds it (the scenario's cost model and KV-tier views), unless ``router_factory`` is given.
     ``cluster_hook``: called with the built cluster before the first request (sensitivity runs
-    change engine attributes there, e.g. ``Rank.hit_multiple_tokens``). Deterministic for given inputs.
+    change engine attributes there, e.g. ``Rank.hit_multiple_tokens``). ``frontend_s_per_token``:
+    the API server's work per prompt token before the request reaches the engine (chat template
+    and tokenization of the whole prompt, which the server repeats on every turn), s; a request
+    reaches the router ``frontend_s_per_token * input_tokens`` after its lane sent it, and its
+    TTFT and latency count from the send. ``ttft_slo``: the TTFT budget the router routes against
+    (SLO-aware policies; ``None``: none). Deterministic for given inputs.
 
     Raises:
-        ValueError: ``drain_s`` < 0, ``max_requests`` < 1.
+        ValueError: ``drain_s`` < 0, ``max_requests`` < 1, ``frontend_s_per_token`` outside [0, 1e-3].
         RuntimeError: the lanes would send more than ``max_requests`` requests, or the warm-up does
             not end within :data:`MAX_WARMUP_S` simulated seconds.
     """
     if drain_s < 0 or max_requests < 1:
         raise ValueError("drain_s must be >= 0 and max_requests >= 1")
+    if not 0.0 <= frontend_s_per_token <= 1e-3:
+        raise ValueError(f"frontend_s_per_token must be in [0, 1e-3] s, got {frontend_s_per_token!r}")
     wl = workload
     bs = scenario.block_size
     if router_factory is None:
         spec = PolicySpec.parse(policy) if isinstance(policy, str) else policy
         router_factory = make_router_factory(
-            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory), spec, spec)
+            scenario, router_config_for(scenario, seed=seed, index_mode=index_mode, perf_factory=perf_factory,
+                                        ttft_slo=ttft_slo), spec, spec)
 
     t0 = time.perf_counter()
     cluster = Cluster(scenario, router_factory, perf_factory, record_iterations=True)
@@ -163,9 +174,11 @@ def simulate_closed_loop(
     lane_of: list[int] = []
     sessions: list[str] = []
     measured: list[bool] = []
+    sent_at: list[float] = []  # the lane's send time of each record (before the frontend's work)
     fresh = itertools.count(1 << 40)  # block hashes unique to one lane's trajectory
-    state = {"warm_left": wl.lanes if wl.warmup_requests_per_lane > 0 else 0,
-             "start": math.inf if wl.warmup_requests_per_lane > 0 else 0.0, "rejected": 0}
+    n_warm = warmup_requests(wl)
+    state = {"warm_left": wl.lanes if n_warm > 0 else 0,
+             "start": math.inf if n_warm > 0 else 0.0, "rejected": 0}
 
     def end_s() -> float:
         return state["start"] + wl.duration_s
@@ -181,31 +194,51 @@ def simulate_closed_loop(
         keep = min(turn.server_reusable_tokens // bs, len(old)) if session == turn.session else 0
         hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
         prev[lane] = (turn.session, hashes)
-        req = Request(f"{turn.session}-t{turn.turn}-{sent[lane]}", float(now), turn.input_tokens, hashes,
-                      max_output_tokens=turn.output_tokens, expected_output_tokens=turn.output_tokens,
-                      session_id=turn.session, traffic_class="agent")
-        ok, _ = admit([req], max_len, decode_cap, prefill_cap)
-        if not ok:  # refused at arrival, as an engine would: the lane moves on after its think time
-            state["rejected"] += 1
-            finished_lane(lane, now)
-            return
-        i = cluster.submit(req)
-        lane_of.append(lane)
-        sessions.append(turn.session)
-        measured.append(sent[lane] > wl.warmup_requests_per_lane and now >= state["start"])
-        assert len(lane_of) == i + 1
+        # aiperf's primer: the whole prefix at t* with max_tokens=1 (a prefill that never decodes)
+        out = 1 if wl.warmup_primer and sent[lane] == 1 else turn.output_tokens
+        if wl.warmup_max_output_tokens is not None and sent[lane] <= n_warm:
+            out = min(out, wl.warmup_max_output_tokens)
+        is_measured = sent[lane] > n_warm and now >= state["start"]
+
+        def submit(_ev: object = None) -> None:
+            at = env.now
+            req = Request(f"{turn.session}-t{turn.turn}-{sent[lane]}", float(at), turn.input_tokens, hashes,
+                          max_output_tokens=out, expected_output_tokens=out,
+                          session_id=turn.session, traffic_class="agent")
+            ok, _ = admit([req], max_len, decode_cap, prefill_cap)
+            if not ok:  # refused at arrival, as an engine would: the lane moves on after its think time
+                state["rejected"] += 1
+                finished_lane(lane, at)
+                return
+            i = cluster.submit(req)
+            lane_of.append(lane)
+            sessions.append(turn.session)
+            measured.append(is_measured)
+            sent_at.append(now)
+            assert len(lane_of) == i + 1
+
+        delay = frontend_s_per_token * turn.input_tokens
+        if delay > 0:
+            env.timeout(delay).callbacks.append(submit)
+        else:
+            submit()
 
     think_rngs = ([np.random.default_rng(np.random.SeedSequence([wl.seed, 11, j])) for j in range(wl.lanes)]
-                  if wl.think_sigma > 0 else None)
+                  if wl.think_sigma > 0 or wl.think_quantiles_s is not None else None)
+    q_scale = wl.think_s / quantile_mean(wl.think_quantiles_s) if wl.think_quantiles_s is not None else 0.0
     think_mu = math.log(wl.think_s) - wl.think_sigma ** 2 / 2 if wl.think_s > 0 else -math.inf
 
     def think_s(lane: int) -> float:
+        if wl.warmup_think_s is not None and sent[lane] < n_warm:
+            return wl.warmup_think_s  # between two warm-up requests (aiperf: no idle delays)
         if think_rngs is None or wl.think_s == 0:
             return wl.think_s
+        if wl.think_quantiles_s is not None:  # the empirical shape, scaled to the mean think_s
+            return q_scale * sample_quantiles(wl.think_quantiles_s, float(think_rngs[lane].random()))
         return min(wl.max_think_s, math.exp(think_mu + wl.think_sigma * think_rngs[lane].standard_normal()))
 
     def finished_lane(lane: int, now: float) -> None:
-        if state["warm_left"] and sent[lane] == wl.warmup_requests_per_lane:
+        if state["warm_left"] and sent[lane] == n_warm:
             state["warm_left"] -= 1
             if state["warm_left"] == 0:
                 state["start"] = now
@@ -213,8 +246,14 @@ def simulate_closed_loop(
         ev.callbacks.append(lambda _ev, lane=lane: send(lane))
 
     cluster.on_request_finished = lambda i, now: finished_lane(lane_of[i], now)
-    for j in range(wl.lanes):
-        send(j)
+    if wl.primer_lead_quantiles_s is not None:  # aiperf's spread: lane j at max(lead) - lead_j
+        u = np.random.default_rng(np.random.SeedSequence([wl.seed, 13])).random(wl.lanes)
+        leads = [sample_quantiles(wl.primer_lead_quantiles_s, float(x)) for x in u]
+        for j in range(wl.lanes):
+            env.timeout(max(leads) - leads[j]).callbacks.append(lambda _ev, j=j: send(j))
+    else:
+        for j in range(wl.lanes):
+            send(j)
     while math.isinf(state["start"]):
         if env.now > MAX_WARMUP_S:
             raise RuntimeError(f"the warm-up did not end within {MAX_WARMUP_S:g} simulated seconds")
@@ -226,7 +265,7 @@ def simulate_closed_loop(
     idx = np.flatnonzero(np.asarray(measured, dtype=bool))
     fin = ~np.isnan(rec.finish_s[idx])
     done, cancelled = idx[fin], int((~fin).sum())
-    arr = rec.arrival_s[done]
+    arr = np.asarray(sent_at, dtype=np.float64)[done]
     rows = np.column_stack([arr, rec.first_token_s[done] - arr, rec.finish_s[done] - arr,
                             rec.prompt_tokens[done], rec.output_tokens[done], rec.cached_tokens[done]]).astype(np.float64)
     last_done = float(rec.finish_s[done].max()) if len(done) else state["start"]

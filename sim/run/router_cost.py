@@ -12,6 +12,7 @@ bytes per token. ``pdlb sim cost-model`` prints the result as a config table for
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from balancer.cost_model import CostModel, EngineCost, fit_step_cost
 from sim.perf.base import PerfModel
@@ -19,11 +20,18 @@ from sim.run.pool_perf import build_perf
 from sim.scenario import PoolConfig, Scenario
 
 
-def engine_cost(perf: PerfModel, pool: PoolConfig) -> EngineCost:
-    """Fit one pool's engine cost to its perf model (see module docstring)."""
+def engine_cost(perf: PerfModel, pool: PoolConfig, *, running_cap: bool = False) -> EngineCost:
+    """Fit one pool's engine cost to its perf model (see module docstring). ``running_cap``: a
+    decode or mixed pool, whose ranks run at most ``max_num_seqs`` sequences (vLLM) and decode at
+    most ``max_decode_batch`` (the simulated rank's two limits): the smaller is the cost model's
+    ``max_num_seqs``."""
     ep = bool(perf.ep_synchronous) and pool.dp_ranks > 1
-    return fit_step_cost(perf.step_time_s, pool.dp_ranks if ep else 1, pool.max_prefill_tokens,
+    cost = fit_step_cost(perf.step_time_s, pool.dp_ranks if ep else 1, pool.max_prefill_tokens,
                          max_decode_batch=pool.max_decode_batch, ep_synchronous=ep)
+    if running_cap:
+        cap = pool.max_decode_batch if pool.max_num_seqs is None else min(pool.max_num_seqs, pool.max_decode_batch)
+        cost = replace(cost, max_num_seqs=int(cap))
+    return cost
 
 
 def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolConfig], PerfModel] | None = None
@@ -36,12 +44,12 @@ def cost_model_for(scenario: Scenario, perf_factory: Callable[[Scenario, PoolCon
         assert scenario.prefill is not None and scenario.decode is not None
         p_perf = perf_factory(scenario, scenario.prefill)
         d_perf = perf_factory(scenario, scenario.decode)
-        prefill, decode = engine_cost(p_perf, scenario.prefill), engine_cost(d_perf, scenario.decode)
+        prefill, decode = engine_cost(p_perf, scenario.prefill), engine_cost(d_perf, scenario.decode, running_cap=True)
         pool, kv_bytes = scenario.prefill, p_perf.kv_bytes_per_token
     else:
         assert scenario.mixed is not None
         m_perf = perf_factory(scenario, scenario.mixed)
-        decode = engine_cost(m_perf, scenario.mixed)
+        decode = engine_cost(m_perf, scenario.mixed, running_cap=True)
         prefill = decode
         pool, kv_bytes = scenario.mixed, m_perf.kv_bytes_per_token
     kw: dict[str, float] = {

@@ -38,6 +38,7 @@ import numpy as np
 from sim.validation.tolerance import TOLERANCE
 
 if TYPE_CHECKING:
+    from balancer.types import TtftSlo
     from sim.run.closed_loop import ClosedLoopResult
     from sim.scenario import Scenario
     from sim.workload.agentic import AgenticWorkloadConfig
@@ -142,6 +143,11 @@ MTP_DRAFT_TOKENS = 3
 MTP_ACCEPTANCE_LENGTH = 2.49
 #: per-step fixed cost of the roofline in this scenario, s
 STEP_OVERHEAD_S = 0.002
+#: the API server's chat template + tokenization per prompt token, s: ``bench/frontend_tokenize.py``
+#: with DeepSeek's tokenizer (129,280 tokens, HF ``tokenizers``) on code-like text, one encode of
+#: 79,102 / 126,019 tokens (the published median / mean prompt) = 1.6-2.2 us per token of CPU on
+#: the dev host (AMD EPYC, shared); measured, not fitted; the point's host CPU is not published
+FRONTEND_S_PER_TOKEN_MEASURED = 2.0e-6
 
 
 def scenario_440246(**pool: object) -> "Scenario":
@@ -193,11 +199,18 @@ def perf_factory_440246(decode_scale: float = DECODE_EFFICIENCY_SCALE,
 def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str = "dp_consistent_hash", *,
                     decode_scale: float = DECODE_EFFICIENCY_SCALE,
                     prefill_scale: float | None = PREFILL_EFFICIENCY_SCALE, seed: int = 0,
-                    hit_multiple_tokens: int | None = None, **pool: object) -> "ClosedLoopResult":
+                    hit_multiple_tokens: int | None = None, frontend_s_per_token: float = 0.0,
+                    ttft_slo: "TtftSlo | None" = None,
+                    **pool: object) -> "ClosedLoopResult":
     """One closed-loop run of point 440246 on pdlb's cluster simulator (:func:`sim.run.closed_loop.simulate_closed_loop`,
     routing through :class:`balancer.router.Router` with ``policy``); ``workload`` defaults to the
     fitted lanes of :mod:`sim.workload.agentic`. ``hit_multiple_tokens``: a sensitivity knob, a
-    prefix hit as a multiple of this many tokens instead of the model's 256 (V4's hybrid KV)."""
+    prefix hit as a multiple of this many tokens instead of the model's 256 (V4's hybrid KV).
+    ``frontend_s_per_token``: the API server's chat template and tokenization per prompt token
+    before the engine (:func:`sim.run.closed_loop.simulate_closed_loop`; off by default;
+    :data:`FRONTEND_S_PER_TOKEN_MEASURED` is ``bench/frontend_tokenize.py``'s reading).
+    ``ttft_slo``: the router's TTFT budget (SLO-aware policies route against it; None: none, as
+    the validation rows)."""
     from sim.run.closed_loop import simulate_closed_loop
     from sim.workload.agentic import AgenticWorkloadConfig
 
@@ -206,7 +219,8 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
             rank.hit_multiple_tokens = hit_multiple_tokens
     return simulate_closed_loop(scenario_440246(**pool), workload or AgenticWorkloadConfig(), policy,
                                 perf_factory=perf_factory_440246(decode_scale, prefill_scale), seed=seed,
-                                cluster_hook=hook if hit_multiple_tokens is not None else None)
+                                cluster_hook=hook if hit_multiple_tokens is not None else None,
+                                frontend_s_per_token=frontend_s_per_token, ttft_slo=ttft_slo)
 
 
 def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 0.15998,
@@ -225,18 +239,20 @@ def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 
     return s, sp
 
 
-def run_rows(duration_s: float | None = None, seed: int = 0, workload_seed: int | None = None
+def run_rows(duration_s: float | None = None, seed: int = 0, workload_seed: int | None = None, *,
+             frontend_s_per_token: float = FRONTEND_S_PER_TOKEN_MEASURED
              ) -> tuple[list[AgentxRow], dict[str, float]]:
     """Simulate point 440246 on pdlb's cluster simulator (``duration_s`` measured seconds, default
     the published 3,600; ``workload_seed``: the lanes' seed, default the fitted workload's 42) and
-    compare with the published figures."""
+    compare with the published figures. The API server's tokenization before the engine is on
+    (``frontend_s_per_token``, default :data:`FRONTEND_S_PER_TOKEN_MEASURED`; 0 turns it off)."""
     from sim.workload.agentic import AgenticWorkloadConfig
     kw: dict = {}
     if duration_s is not None:
         kw["duration_s"] = duration_s
     if workload_seed is not None:
         kw["seed"] = workload_seed
-    m = simulate_440246(AgenticWorkloadConfig(**kw), seed=seed).metrics()
+    m = simulate_440246(AgenticWorkloadConfig(**kw), seed=seed, frontend_s_per_token=frontend_s_per_token).metrics()
     return rows_from_metrics(m), m
 
 

@@ -41,18 +41,31 @@ published 145k / 270k / 500k), the output p90/p95 (2,236 / 3,552 from the lognor
 2,221 / 3,651).
 Assumed (not published): the lognormal shapes and their sigmas, a constant think time, no
 subagent fan-out (aiperf may run a trajectory's subagents concurrently; counted as one lane here).
+The public Weka corpus of Claude Code traces (``sim/data/measured/weka_trace_shapes.json``, not
+the point's corpus) checks two of them: its per-turn new tokens have median 272 and log-sigma
+1.8 (the generator: 260, sqrt(1.2^2 + 1.5^2) = 1.92); its inter-turn gaps are far from constant
+(median 9.7 s, p90 120 s), which ``think_quantiles_s`` can replay in shape.
+
+aiperf's replay semantics, as options (off by default; docs/validate.md measures each):
+``warmup_primer`` (the primer with ``max_tokens=1``), ``warmup_think_s`` (cache-pressure requests
+without idle delays), ``warmup_max_output_tokens``, ``primer_lead_quantiles_s`` (primers spread so
+that every t* falls together) and ``recycle_from_turn0`` (a drained lane replays its next trace
+from turn 0; by default every trajectory starts at its own start point, cache-busted whole).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "replay_stats", "fit_to_published"]
+__all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "replay_stats", "fit_to_published", "warmup_requests",
+           "weka_think_quantiles", "weka_primer_lead_quantiles", "quantile_mean", "sample_quantiles"]
 
 #: bound on the turns of one trajectory (every input-driven loop is bounded)
 MAX_TURNS_PER_TRAJECTORY = 10_000
@@ -86,10 +99,43 @@ class AgenticWorkloadConfig(BaseModel):
     think_sigma: float = Field(0.0, ge=0, le=5)
     #: longest think time, s (aiperf's agentic replay caps a trace's idle gap at 300 s)
     max_think_s: float = Field(300.0, gt=0)
+    #: an empirical think-time shape: quantiles at equally spaced probabilities 0..1 (at least
+    #: 2, non-decreasing, s), sampled by linear interpolation and scaled so that the mean is
+    #: ``think_s`` (the shape is taken from data, the mean stays Little's law's); overrides
+    #: ``think_sigma``. :func:`weka_think_quantiles` gives the public Weka corpus' gaps
+    think_quantiles_s: tuple[float, ...] | None = None
+    #: aiperf's priming request: each lane's first request (its first replayed turn, the whole
+    #: prefix at the trajectory's start point t*) is sent with ``max_tokens=1``, so it is a
+    #: prefill that never decodes, and it is not one of the ``warmup_requests_per_lane``
+    #: (aiperf ``AgenticReplayStrategy``: warm-up = one primer per stream in flight at t*, then
+    #: the cache-pressure requests; point 440246's warm-up completed 707 = 64 * 10 + 67 requests)
+    warmup_primer: bool = False
+    #: output cap of the warm-up requests after the primer (None: their recorded output; aiperf's
+    #: later versions cap every warm-up request at 1 token, ``WARMUP_MAX_OUTPUT_TOKENS``, so the
+    #: whole warm-up is prefill; whether the pinned version did is not stated)
+    warmup_max_output_tokens: int | None = Field(None, ge=1)
+    #: think time between warm-up requests, s (None: ``think_s`` and ``think_sigma`` as in the
+    #: measured window; aiperf's cache-pressure warm-up replays "without idle delays": 0)
+    warmup_think_s: float | None = Field(None, ge=0)
+    #: aiperf's default primer spread: each lane draws a lead (how long before its t* the primed
+    #: turn was sent; quantiles at equally spaced probabilities, s) and sends its first request at
+    #: ``max(leads) - lead``, so that every lane's t* falls at the same instant;
+    #: :func:`weka_primer_lead_quantiles` gives the leads of the public Weka corpus (capped at
+    #: 300 s as aiperf caps them). None: all first requests at once (``--burst-phase-starts``)
+    primer_lead_quantiles_s: tuple[float, ...] | None = None
+    #: a lane's later trajectories replay from turn 0 (aiperf recycles a finished lane into the
+    #: next trace "in full from turn 0", with a fresh cache-bust marker); False: every trajectory
+    #: starts at its own start point like the first
+    recycle_from_turn0: bool = False
     seed: int = Field(42, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> AgenticWorkloadConfig:
+        for name in ("think_quantiles_s", "primer_lead_quantiles_s"):
+            q = getattr(self, name)
+            if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
+                                  or q[0] < 0 or not sum(q) > 0 or q[-1] > 86_400):
+                raise ValueError(f"{name}: 2..10001 non-decreasing quantiles in [0, 86400] s with a positive mean")
         if self.start_min_ratio > self.start_max_ratio:
             raise ValueError(f"start_min_ratio ({self.start_min_ratio}) > start_max_ratio ({self.start_max_ratio})")
         return self
@@ -150,12 +196,52 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
         contexts, outputs = _trajectory(rng, config)
         u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
         start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
+        if k > 0 and config.recycle_from_turn0:
+            start = 0
         session = f"lane{lane}-traj{k}"
         for t in range(start, len(contexts)):
             reusable = 0 if t == start else contexts[t - 1] + outputs[t - 1]
             yield Turn(session, t, contexts[t], reusable, outputs[t], t == start,
                        0 if t == start else contexts[t - 1])
         k += 1
+
+
+WEKA_SHAPES_PATH = Path(__file__).parent.parent / "data" / "measured" / "weka_trace_shapes.json"
+
+
+def weka_think_quantiles(path: Path = WEKA_SHAPES_PATH) -> tuple[float, ...]:
+    """The end-to-start inter-turn gaps of the public Weka Claude Code corpus (739 traces,
+    callanjfox/kv-cache-tester, ``sim/data/measured/weka_trace_shapes.json``), clamped to aiperf's
+    300 s idle cap: 51 quantiles (0, 2, ..., 100%), s. Median 9.7 s, mean 38 s, 15% over 60 s."""
+    with open(path, encoding="utf-8") as f:
+        return tuple(float(x) for x in json.load(f)["think_gap_s_quantiles_0_to_100_step_2"])
+
+
+def weka_primer_lead_quantiles(path: Path = WEKA_SHAPES_PATH) -> tuple[float, ...]:
+    """aiperf's warm-up leads on the public Weka corpus: t* uniform in 25-75% of a trace, lead =
+    t* minus the start of the last request before it, capped at 300 s (51 quantiles, s; median
+    41 s, mean 74 s): ``AgenticWorkloadConfig.primer_lead_quantiles_s``."""
+    with open(path, encoding="utf-8") as f:
+        return tuple(float(x) for x in json.load(f)["primer_lead_s_quantiles_0_to_100_step_2"])
+
+
+def quantile_mean(q: tuple[float, ...]) -> float:
+    """Mean of the piecewise-linear quantile function through ``q`` (equally spaced
+    probabilities): the trapezoid rule, ``(sum(q) - (q[0] + q[-1]) / 2) / (len(q) - 1)``."""
+    return (sum(q) - (q[0] + q[-1]) / 2) / (len(q) - 1)
+
+
+def sample_quantiles(q: tuple[float, ...], u: float) -> float:
+    """The value at probability ``u`` in [0, 1] of the piecewise-linear quantile function ``q``."""
+    x = min(max(u, 0.0), 1.0) * (len(q) - 1)
+    i = min(int(x), len(q) - 2)
+    return q[i] + (x - i) * (q[i + 1] - q[i])
+
+
+def warmup_requests(config: AgenticWorkloadConfig) -> int:
+    """Requests per lane before its measured ones: the primer (if ``warmup_primer``) plus
+    ``warmup_requests_per_lane``."""
+    return config.warmup_requests_per_lane + int(config.warmup_primer)
 
 
 def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) -> dict[str, float]:
@@ -167,11 +253,12 @@ def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) ->
     if requests_per_lane < 1:
         raise ValueError("requests_per_lane must be >= 1")
     inp, reuse, out = [], [], []
+    warm = warmup_requests(config)
     for lane in range(config.lanes):
         it = lane_turns(config, lane)
-        for i in range(config.warmup_requests_per_lane + requests_per_lane):
+        for i in range(warm + requests_per_lane):
             t = next(it)
-            if i >= config.warmup_requests_per_lane:
+            if i >= warm:
                 inp.append(t.input_tokens)
                 reuse.append(t.reusable_tokens)
                 out.append(t.output_tokens)

@@ -402,7 +402,7 @@ def test_slo_a_feasible_candidate_beats_a_cheaper_infeasible_one():
     cm = model(pf=pf)
     c = cands(pview("A", 0, 4000, 4), pview("A", 1), pview("B", 0, 9000, 1), pview("B", 1))
     req = Request("r", 0.0, 4000)
-    pol = exact()
+    pol = exact(slo_wide_ep=True)  # both engines are wide EP: SLO-aware only when asked
     ch = pol.select(req, c, ctx(cm))
     s = {f"{r.engine}{r.dp_rank}": v for r, v in ch.scores.items()}
     # A1: 1 step; slowest rank A0 (4,000 tokens) vs A1 (4,000): 0.01 + 0.4 + group 1e-5 * 8,000 = 0.49 s
@@ -424,6 +424,12 @@ def test_slo_a_feasible_candidate_beats_a_cheaper_infeasible_one():
     assert doomed.reason.endswith(":slo_doomed") and doomed.replica == ReplicaId("B", 0)
     assert doomed.scores[ReplicaId("B", 0)] == pytest.approx(-0.55)
     assert doomed.scores[ReplicaId("A", 0)] == pytest.approx(0.01)
+    # by default (slo_wide_ep off) a pool of wide-EP engines is routed SLO-blind: the same choice,
+    # scores and reason as without a budget (A1, 0.65 s), whatever the budget
+    for budget in (0.45, 0.6):
+        got = exact().select(req, c, slo_ctx(cm, budget))
+        assert got.replica == ReplicaId("A", 1) and got.reason == "ep_aware:prefill"
+        assert dict(got.scores.items()) == pytest.approx(dict(ch.scores.items()))
 
 
 def test_slo_budget_grows_with_the_prompt():
@@ -500,7 +506,7 @@ def test_slo_doomed_cap_holds_on_wide_ep_where_the_least_harm_ranks_are_the_busi
     blind = exact().select(req, c, ctx(cm)).scores
     assert blind[ReplicaId("A", 1)] == pytest.approx(0.96112 + 0.0396)
     assert blind[ReplicaId("B", 0)] == pytest.approx(7.13)
-    ch = exact(slo_doomed_cap=10.0).select(req, c, slo_ctx(cm, 0.3))
+    ch = exact(slo_doomed_cap=10.0, slo_wide_ep=True).select(req, c, slo_ctx(cm, 0.3))
     assert ch.reason.endswith(":slo_doomed")
     assert ch.replica in (ReplicaId("A", 1), ReplicaId("B", 1))  # within the cap, not the 7 s or 11.6 s queue
 

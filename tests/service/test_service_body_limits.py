@@ -74,3 +74,28 @@ async def test_expect_100_continue_within_the_limit_is_continued_and_served():
                                  wait_continue=True)
         assert out.startswith(b"HTTP/1.1 100 Continue"), out[:200]
         assert b"HTTP/1.1 413" not in out
+
+
+def _chunked(url: str, body: bytes) -> str:
+    """A chunked request carrying ``body`` in 1000-byte chunks, the last chunk included (the whole
+    body arrives with the head: the router reads it without waiting)."""
+    parts = [body[i:i + 1000] for i in range(0, len(body), 1000)]
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {url.removeprefix('http://')}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + "".join(f"{len(p):x}\r\n{p.decode()}\r\n" for p in parts) + "0\r\n\r\n")
+
+
+async def test_a_chunked_body_over_the_limit_gets_413_and_one_within_it_is_served():
+    # no Content-Length to refuse at once: the router reads the body that arrived and checks its
+    # length itself (the limit aiohttp's request.read() applied as client_max_size)
+    prompt = "hello there " * 400  # a valid JSON body of ~4.9 KB: over the 4096-byte limit
+    big = f'{{"model": "m", "prompt": "{prompt}", "max_tokens": 2}}'.encode()
+    small = b'{"model": "m", "prompt": "hello there", "max_tokens": 2}'
+    assert len(big) > LIMIT
+    async with inprocess_cluster("none", engine=FAST, router={"max_body_bytes": LIMIT}) as c:
+        out, _ = await _exchange(c.url, _chunked(c.url, big))
+        assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+        assert b"request body too large (limit 4096 bytes)" in out
+        out, _ = await _exchange(c.url, _chunked(c.url, small))
+        assert out.startswith(b"HTTP/1.1 200 "), out[:200]
+        assert b'"completion_tokens": 2' in out or b'"completion_tokens":2' in out
