@@ -32,10 +32,11 @@ ACCEPT_ERRORS_LOG = RateLimitedLog(log, interval_s=10.0)
 
 
 def wanted_nofile(max_connections: int) -> int:
-    """Descriptors a router process wants for ``max_connections`` client connections: one each,
-    one more each for its engine leg (a prefill/decode request holds up to two briefly, most hold
-    one or none), plus :data:`FD_RESERVE`."""
-    return 2 * max_connections + FD_RESERVE
+    """Descriptors a router process wants for ``max_connections`` client connections:
+    :data:`FD_RESERVE` plus 4/3 of ``max_connections`` (a quarter of what is above the reserve is
+    kept for engine legs: connections to engines are pooled, and a leg exists only while a request
+    is in flight, so idle client connections, a flood's, are what needs one descriptor each)."""
+    return FD_RESERVE + -(-4 * max_connections // 3)
 
 
 def raise_nofile_limit(max_connections: int) -> int:
@@ -63,10 +64,10 @@ def raise_nofile_limit(max_connections: int) -> int:
 
 def effective_max_connections(max_connections: int, nofile_soft: int) -> int:
     """The client-connection cap a process with ``nofile_soft`` descriptors can hold:
-    ``max_connections``, or fewer so that each connection keeps one descriptor for an engine leg
-    and :data:`FD_RESERVE` stay free, i.e. ``min(max_connections, (nofile_soft - FD_RESERVE) // 2)``,
-    at least 1 (counts of connections and descriptors)."""
-    return max(1, min(max_connections, (nofile_soft - FD_RESERVE) // 2))
+    ``max_connections``, or fewer so that :data:`FD_RESERVE` descriptors and a quarter of the rest
+    stay free for engine legs, i.e. ``min(max_connections, (nofile_soft - FD_RESERVE) * 3 // 4)``,
+    at least 1 (counts of connections and descriptors; the inverse of :func:`wanted_nofile`)."""
+    return max(1, min(max_connections, (nofile_soft - FD_RESERVE) * 3 // 4))
 
 
 def install_accept_error_limit(loop: asyncio.AbstractEventLoop) -> None:

@@ -17,31 +17,36 @@ import aiohttp
 import pytest
 
 from balancer.service import fd_limit
-from balancer.service.fd_limit import FD_RESERVE, effective_max_connections, install_accept_error_limit
+from balancer.service.fd_limit import FD_RESERVE, effective_max_connections, install_accept_error_limit, wanted_nofile
 from sim.emulator.testing import spawn_engines, spawn_router
 
 
 def test_effective_cap_by_hand():
-    # hand calculation: (soft - 128) // 2, never above max_connections, at least 1
-    assert effective_max_connections(10_000, 1024) == (1024 - 128) // 2 == 448
-    assert effective_max_connections(10_000, 256) == 64
+    # hand calculation: (soft - 128) * 3 // 4, never above max_connections, at least 1
+    assert effective_max_connections(10_000, 1024) == (1024 - 128) * 3 // 4 == 672
+    assert effective_max_connections(10_000, 256) == 96
+    assert effective_max_connections(10_000, 20_000) == 10_000  # this host's limit: the default cap holds
     assert effective_max_connections(100, 20_000) == 100
-    assert effective_max_connections(10_000, 2 * 10_000 + FD_RESERVE) == 10_000
+    # wanted_nofile is the inverse: 128 + ceil(4 * 10,000 / 3) = 13,462 holds exactly the cap
+    assert wanted_nofile(10_000) == 13_462
+    assert effective_max_connections(10_000, 13_462) == 10_000
+    assert effective_max_connections(10_000, 13_461) == 9_999
     assert effective_max_connections(5, 10) == 1
+    assert FD_RESERVE == 128
 
 
 def test_hard_limit_below_the_need_lowers_the_cap_with_one_warning():
     # a fresh interpreter whose soft and hard limits are 256: nothing to raise, so the cap
-    # becomes (256 - 128) // 2 = 64 and one warning says so
+    # becomes (256 - 128) * 3 // 4 = 96 and one warning says so
     code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
             "from balancer.service.config import ServiceConfig\n"
             "from balancer.service.launch import _fit_open_file_limit\n"
             "print(_fit_open_file_limit(ServiceConfig()).max_connections)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["64"]
+    assert out.stdout.split() == ["96"]
     assert out.stderr.count("warning: the open-file limit (256") == 1
-    assert "max_connections=64" in out.stderr
+    assert "max_connections=96" in out.stderr
 
 
 def test_soft_limit_is_raised_toward_the_hard_limit():
@@ -51,7 +56,7 @@ def test_soft_limit_is_raised_toward_the_hard_limit():
             " raise_nofile_limit(10))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    # 10,000 connections want 2 * 10,000 + 128 > 4096: raised to the hard limit; never lowered after
+    # 10,000 connections want 128 + 13,334 > 4096: raised to the hard limit; never lowered after
     assert out.stdout.split() == ["4096", "4096", "4096"]
 
 
