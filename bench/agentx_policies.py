@@ -7,7 +7,8 @@ sequences per rank, and the CPU KV tier), as validated by ``pdlb sim validate --
 (docs/validate.md). Every turn is routed by ``balancer.router.Router`` with the policy (its
 projected load and its own approximate prefix index, as the live router has them; the session id
 is ``Request.session_id``); the router is given the SLO's TTFT bound as its TTFT budget
-(``RouterConfig.ttft_slo``; SLO-aware policies route against it; ``--no-router-budget``: none).
+(``RouterConfig.ttft_slo``; SLO-aware policies route against it; ``--no-router-budget``: none;
+``ep_aware`` uses it on wide-EP pools only with ``slo_wide_ep=true``).
 The anchor is ``dp_consistent_hash``, what the measured deployment ran (vllm-router 0.1.14).
 
 Load is the number of closed-loop lanes: the published 64 (1x), 96 (1.5x), 128 (2x), and 8 (1/8x,
@@ -51,8 +52,10 @@ from balancer.types import TtftSlo  # noqa: E402
 from sim.validation.agentx import FRONTEND_S_PER_TOKEN_MEASURED, run_rows, simulate_440246  # noqa: E402
 from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 
+#: ``ep_aware`` is SLO-blind on this wide-EP pool by default (``slo_wide_ep=false``); ``slo_wide_ep=true``
+#: routes it against the router's TTFT budget
 POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "scored", "least_load",
-            "ep_aware:slo_aware=false", "ep_aware", "ep_aware:seq_cap=true,slo_aware=false", "ep_aware:seq_cap=true")
+            "ep_aware", "ep_aware:slo_wide_ep=true", "ep_aware:seq_cap=true", "ep_aware:seq_cap=true,slo_wide_ep=true")
 LOADS = {"1/8x": 8, "1x": 64, "1.5x": 96, "2x": 128}
 MEASURED_LANES = 64
 MEASURED_GPUS = 8

@@ -562,13 +562,14 @@ class EpAware(Policy):
             return None
         role = "decode" if cands.role is Role.DECODE else "mixed"
         eng = self._uniform_engine(model, names, role)
-        engs = [eng] if eng is not None else [model.engine(n, role) for n in names]
-        if all(e.max_num_seqs is None or cands.num_requests.max() < e.max_num_seqs for e in engs):
+        # (engine index or None for the whole pool, its cost model)
+        engs: list[tuple[int | None, EngineCost]] = (
+            [(None, eng)] if eng is not None else [(e, model.engine(n, role)) for e, n in enumerate(names)])
+        if all(ec.max_num_seqs is None or cands.num_requests.max() < ec.max_num_seqs for _, ec in engs):
             return None
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         wait = np.zeros(len(cands))
-        for e, name in enumerate(names if eng is None else (None,)):
-            ec = eng if eng is not None else model.engine(name, role)
+        for e, ec in engs:
             if ec.max_num_seqs is None:
                 continue
             S = float(ec.max_num_seqs)
@@ -584,11 +585,11 @@ class EpAware(Policy):
             else:
                 step = d.overhead_s + d.per_seq_s * run + d.per_kv_token_s * k
             w = slot_wait_s(b, step, out, ec.max_num_seqs)
-            if eng is None:
+            if e is None:
+                wait = w
+            else:
                 sub = idx == e
                 wait[sub] = w[sub]
-            else:
-                wait = w
         return wait
 
     # ------------------------------------------------------------------ helpers

@@ -116,3 +116,15 @@ def test_the_simulator_hands_the_pool_limit_to_the_cost_model():
     assert cost_model_for(scenario_440246()).decode.max_num_seqs == 16
     # the smaller of the two limits
     assert cost_model_for(scenario_440246(max_num_seqs=24, max_decode_batch=20)).decode.max_num_seqs == 20
+
+
+def test_each_engine_of_a_mixed_fleet_waits_by_its_own_cap():
+    # engine a: cap 4, 4 requests over 40,000 KV -> 1 * 100 * 0.0208 / 4 = 0.52 s; engine b: no cap
+    # known (6 requests, none waits); c: cap 8 with 9 requests over 90,000 KV tokens -> running 8 over
+    # 80,000: step 0.02 + 8e-4 + 8e-4 = 0.0216, 2nd in line: 2 * 100 * 0.0216 / 8 = 0.54 s
+    r = Request("r", 0.0, 1000, max_output_tokens=100)
+    c = cands(dview("a", 4, 40_000), dview("b", 6, 60_000), dview("c", 9, 90_000))
+    cm = CostModel(engines={"a": EngineCost(PF, DC, 8192, False, 4), "b": EngineCost(PF, DC, 8192, False),
+                            "c": EngineCost(PF, DC, 8192, False, 8)})
+    names, idx, rows = engine_groups(c.replicas)
+    np.testing.assert_allclose(exact(seq_cap=True).slot_wait(r, c, cm, names, idx, rows), [0.52, 0.0, 0.54])
