@@ -17,7 +17,8 @@ cache), so a process that finds the cache loads the machine code instead of comp
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+import numpy.ma  # noqa: F401 - numba's typeof of an ndarray touches np.ma (numpy loads it lazily): load it
+from numba import njit  # here, not in a router's first decision (~120 ms of imports there: issue 25 review F11)
 
 
 

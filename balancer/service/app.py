@@ -461,6 +461,31 @@ async def _expect_continue(request: web.Request) -> None:
         request.writer.output_size = 0  # the response's own bytes start after it
 
 
+class _CloseAfterResponse(web.Response):
+    """A response after which the connection is closed at once: ``Connection: close``, and no
+    lingering read of the request body the client is still (slowly) sending (aiohttp reads and
+    drops it up to 10 s otherwise, holding the connection's slot: issue 25 review finding F3)."""
+
+    _close_request: web.BaseRequest | None = None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write_eof(data)
+        request, self._close_request = self._close_request, None
+        if request is not None and request.protocol is not None:
+            request.protocol.force_close()  # the answer is written: close, skip the lingering read
+
+
+def _closing(request: web.Request, svc: Service, resp: web.Response) -> web.Response:
+    """``resp`` (a JSON error) as a :class:`_CloseAfterResponse` for ``request`` (RFC 9110 §15.5.9:
+    a 408 closes the connection), with its ``X-Request-Id`` (the middleware adds it to plain
+    :class:`web.Response` objects only)."""
+    out = _CloseAfterResponse(body=resp.body, status=resp.status, content_type=resp.content_type)
+    out.headers["X-Request-Id"] = _answer_id(request, svc)
+    out._close_request = request
+    out.force_close()  # Connection: close
+    return out
+
+
 async def _read_raw(request: web.Request, svc: Service, limit: int | None = None) -> bytes | web.Response:
     """The raw body, or the 408 / 413 / 415 response (``limit``: a lower bound than
     ``max_body_bytes`` for this route, in bytes)."""
@@ -480,8 +505,8 @@ async def _read_raw(request: web.Request, svc: Service, limit: int | None = None
             async with asyncio.timeout(svc.cfg.body_read_timeout_s):
                 raw = await request.read()
     except TimeoutError:
-        return error_response(408, "request body not received within body_read_timeout_s="
-                                   f"{svc.cfg.body_read_timeout_s:g} s", "timeout")
+        return _closing(request, svc, error_response(408, "request body not received within body_read_timeout_s="
+                                                     f"{svc.cfg.body_read_timeout_s:g} s", "timeout"))
     if limit is not None and len(raw) > limit:
         return error_response(413, f"request body too large (limit {limit} bytes)")
     return raw

@@ -36,7 +36,11 @@ import gc
 import json
 import logging
 import multiprocessing
+import os
 import re
+import select
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -250,11 +254,46 @@ _HASHER: PromptHasher | None = None
 _LORA_ROOTS: dict[str, int] = {}
 
 
+def exit_with(pid: int) -> None:
+    """End this process (``os._exit(0)``) as soon as process ``pid`` has ended: a daemon thread
+    waits on a pidfd of it (Linux 5.3+; elsewhere it checks every second), so a body worker does
+    not outlive its router process when that one is killed with SIGKILL. The worker's parent is
+    the fork server, not the router, and the worker holds the fork server's "alive" pipe, so
+    without this neither ever saw EOF (issue 25 review finding F7). ``pid`` already gone: exits now."""
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd_open (not Linux, an old kernel, seccomp)
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while not poller.poll():  # a pidfd becomes readable when its process ends
+                pass
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:  # another user's process: ours ended and its pid was reused
+                    break
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pdlb-exit-with-router", daemon=True).start()
+
+
 def _init_worker(block_size: int, chars_per_token: float, tokenizer_path: str | None, lora_adapters: list[str],
-                 chat_engine: str = "vllm") -> None:
+                 chat_engine: str = "vllm", router_pid: int | None = None) -> None:
     global _HASHER, _LORA_ROOTS
     from balancer.kv_translate import chain_root
 
+    if router_pid is not None:
+        exit_with(router_pid)
     tune_malloc()
     _HASHER = PromptHasher(block_size, chars_per_token, tokenizer_path, engine=chat_engine)
     _LORA_ROOTS = {name: chain_root(name) for name in lora_adapters}
@@ -383,7 +422,7 @@ class BodyOffload:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["balancer.service.body_offload"])
         pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=ctx, initializer=_init_worker, initargs=self._init_args,
+            max_workers=1, mp_context=ctx, initializer=_init_worker, initargs=(*self._init_args, os.getpid()),
             max_tasks_per_child=TASKS_PER_WORKER)
         pool.submit(int).result()  # the worker is up (imports, tokenizer) before the first body
         return pool

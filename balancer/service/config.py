@@ -357,8 +357,9 @@ class ServiceConfig(BaseModel):
             headers this long after it opened or after its last answer is closed (aiohttp's
             keep-alive timeout, which also bounds a slow header read; its default is an hour).
         body_read_timeout_s: the most time a client may take to send a request body (408).
-        max_connections: client connections held at once; more are closed at once (a slowloris
-            flood cannot exhaust file descriptors).
+        max_connections: client connections held at once by each router process; more are
+            closed at once (a slowloris flood cannot exhaust file descriptors). Lowered at start
+            where the open-file limit cannot hold it (:mod:`balancer.service.fd_limit`).
         allow_unauthenticated_admin: allow a non-loopback ``host`` without ``admin_api_key``
             (the admin API then answers loopback peers only; behind a reverse proxy on the same
             host every client is a loopback peer, so set ``admin_api_key`` there).

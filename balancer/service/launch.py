@@ -40,6 +40,7 @@ from aiohttp import web
 from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
 from balancer.service.body_offload import tune_malloc
 from balancer.service.config import ServiceConfig, WorkerConfig, config_warnings
+from balancer.service.fd_limit import effective_max_connections, install_accept_error_limit, raise_nofile_limit
 
 log = logging.getLogger("pdlb.serve")
 
@@ -163,6 +164,7 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
     runner = make_runner(app, cfg)
     await runner.setup()
     limit_connections(runner, cfg.max_connections)
+    install_accept_error_limit(asyncio.get_running_loop())
     json_parser_errors(runner)
     stop_adopting = None
     stop = asyncio.Event()
@@ -262,10 +264,25 @@ def serve(cfg: ServiceConfig, *, event_loop: str = "asyncio", log_level: str = "
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key (--allow-unauthenticated-admin): the admin API (/workers) answers loopback "
               "peers only; behind a reverse proxy on this host every client is one", file=sys.stderr)
+    cfg = _fit_open_file_limit(cfg)
     if cfg.processes is not None and cfg.processes > 1:
         return _run_processes(cfg, event_loop, log_level, max_process_restarts, restart_window_s)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_serve(cfg))
+
+
+def _fit_open_file_limit(cfg: ServiceConfig) -> ServiceConfig:
+    """Raise the soft open-file limit for ``cfg.max_connections`` (per router process) and, where
+    it still cannot hold them, return ``cfg`` with the cap lowered, after one warning on stderr
+    (:mod:`balancer.service.fd_limit`)."""
+    soft = raise_nofile_limit(cfg.max_connections)
+    cap = effective_max_connections(cfg.max_connections, soft)
+    if cap < cfg.max_connections:
+        print(f"warning: the open-file limit ({soft}, hard limit reached) holds {cap} client connections per "
+              f"router process, not max_connections={cfg.max_connections}: serving with max_connections={cap} "
+              f"(raise `ulimit -n` / LimitNOFILE to allow more)", file=sys.stderr)
+        cfg = cfg.model_copy(update={"max_connections": cap})
+    return cfg
 
 
 # ---------------------------------------------------------------------- several processes
