@@ -45,7 +45,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-OURS = "ep_aware"
+#: SLO-aware ep_aware: since issue 23 part 3 the default routes SLO-blind on wide-EP pools (this scenario), so the
+#: SLO-aware placement is asked for explicitly
+OURS = "ep_aware:slo_wide_ep=true"
 BLIND = "ep_aware:slo_aware=false"
 ANCHORS = ("cache_aware", "kv_cost", "scored", "least_load", "dp_consistent_hash")
 MOONCAKE_SYNTHETIC = "mooncake_synthetic_trace.jsonl"
