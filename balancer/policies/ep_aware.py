@@ -160,6 +160,39 @@ def in_service_queue(q: np.ndarray, a: np.ndarray, head_start_s: np.ndarray, hea
     return q - done, np.maximum(a - done_pairs, 0.0)
 
 
+def _decode_steps(eng: EngineCost, idx: np.ndarray, rows: np.ndarray | None, b: np.ndarray, k: np.ndarray,
+                  b_after: np.ndarray, k_after: np.ndarray,
+                  n_added: float | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The decode step each candidate's engine runs now and with the request added, and the
+    engine's running requests: ``(T_before, T_after, n_e)``, each ``(n,)`` (seconds, seconds,
+    requests). ``b``/``k``: each rank's running requests and KV tokens; ``b_after``/``k_after``: the
+    candidate rank's with the request; ``n_added``: requests the engine gains (1, or 0 on a full
+    rank). A wide-EP engine steps at its busiest rank (``max`` over the engine's ranks); otherwise
+    each rank is its own step. ``T = overhead + per_seq B + per_kv_token K + per_group_seq n_e``."""
+    d = eng.decode
+    n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
+    if eng.ep_synchronous:
+        B = _per_engine_max(b, idx, rows, n_eng)
+        K = _per_engine_max(k, idx, rows, n_eng)
+        n_e = _per_engine_sum(b, idx, n_eng)
+    else:
+        B, K, n_e = b, k, b
+    before = d.overhead_s + d.per_seq_s * B + d.per_kv_token_s * K + d.per_group_seq_s * n_e
+    after = (d.overhead_s + d.per_seq_s * np.maximum(B, b_after) + d.per_kv_token_s * np.maximum(K, k_after)
+             + d.per_group_seq_s * (n_e + n_added))
+    return before, after, n_e
+
+
+def _plus_transfer(cost: np.ndarray, request: Request, cands: Candidates, model: CostModel,
+                   transfer: bool) -> np.ndarray:
+    """``cost`` plus, where ``transfer``, the seconds to move the prompt's KV the candidate lacks
+    (``transfer_s_per_token x max(P - matched, 0)``), shape ``(n,)``."""
+    if not transfer:
+        return cost
+    moved = request.prompt_tokens - cands.matched_tokens.astype(np.float64)
+    return cost + model.transfer_s_per_token * np.maximum(moved, 0.0)
+
+
 def _per_engine_max(x: np.ndarray, idx: np.ndarray, rows: np.ndarray | None, n_eng: int) -> np.ndarray:
     """Each candidate's engine maximum of ``x``, shape ``(n,)``."""
     if rows is not None:  # np.maximum.reduce: ndarray.max's Python wrapper costs about 1 us more
@@ -503,21 +536,9 @@ class EpAware(Policy):
                 return got
         b = cands.num_requests.astype(np.float64)
         k = cands.decode_kv_tokens.astype(np.float64)
-        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
-        if eng.ep_synchronous:
-            B = _per_engine_max(b, idx, rows, n_eng)
-            K = _per_engine_max(k, idx, rows, n_eng)
-            n_e = _per_engine_sum(b, idx, n_eng)
-        else:
-            B, K, n_e = b, k, b
-        before = d.overhead_s + d.per_seq_s * B + d.per_kv_token_s * K + d.per_group_seq_s * n_e
-        after = (d.overhead_s + d.per_seq_s * np.maximum(B, b + 1.0) + d.per_kv_token_s * np.maximum(K, k + kv_new)
-                 + d.per_group_seq_s * (n_e + 1.0))
+        before, after, n_e = _decode_steps(eng, idx, rows, b, k, b + 1.0, k + kv_new, 1.0)
         cost = out * (after + self.externality_weight * n_e * (after - before))
-        if transfer:
-            moved = request.prompt_tokens - cands.matched_tokens.astype(np.float64)
-            cost = cost + model.transfer_s_per_token * np.maximum(moved, 0.0)
-        return cost
+        return _plus_transfer(cost, request, cands, model, transfer)
 
     def _decode_cost_capped(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
                             idx: np.ndarray, rows: np.ndarray | None, transfer: bool, S: int) -> np.ndarray:
@@ -527,7 +548,6 @@ class EpAware(Policy):
         engine's step now) and then takes a finished sequence's place, so the step it adds to is
         the rank's full one; elsewhere as :meth:`_decode_cost_one`. Cost = ``out (T_after +
         externality_weight n_e (T_after - T_e)) + wait`` (+ the transfer)."""
-        d = eng.decode
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         kv_new = request.prompt_tokens + out / 2.0
         b = cands.num_requests.astype(np.float64)
@@ -537,21 +557,9 @@ class EpAware(Policy):
         run_after = np.minimum(b + 1.0, float(S))
         # on a full rank the request takes the place of a finished sequence of the rank's mean KV
         k_after = k + kv_new - np.where(grows, 0.0, k / np.maximum(run, 1.0))
-        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
-        if eng.ep_synchronous:
-            B = _per_engine_max(run, idx, rows, n_eng)
-            K = _per_engine_max(k, idx, rows, n_eng)
-            n_e = _per_engine_sum(run, idx, n_eng)
-        else:
-            B, K, n_e = run, k, run
-        before = d.overhead_s + d.per_seq_s * B + d.per_kv_token_s * K + d.per_group_seq_s * n_e
-        after = (d.overhead_s + d.per_seq_s * np.maximum(B, run_after) + d.per_kv_token_s * np.maximum(K, k_after)
-                 + d.per_group_seq_s * (n_e + grows))
+        before, after, n_e = _decode_steps(eng, idx, rows, run, k, run_after, k_after, grows)
         cost = out * (after + self.externality_weight * n_e * (after - before)) + slot_wait_s(b, before, out, S)
-        if transfer:
-            moved = request.prompt_tokens - cands.matched_tokens.astype(np.float64)
-            cost = cost + model.transfer_s_per_token * np.maximum(moved, 0.0)
-        return cost
+        return _plus_transfer(cost, request, cands, model, transfer)
 
     def slot_wait(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                   idx: np.ndarray, rows: np.ndarray | None) -> np.ndarray | None:
