@@ -135,6 +135,11 @@ STREAM_STATUS: web.RequestKey[int] = web.RequestKey("pdlb_stream_status", int)
 """Request key: the status a started stream ended with when it failed (the metrics use it)."""
 
 
+SERVER_HEADER = "pdlb"
+"""The ``Server`` header of every answer (aiohttp's default, ``Python/3.x aiohttp/3.y``, tells
+clients the versions running)."""
+
+
 def error_response(status: int, message: str, etype: str | None = None) -> web.Response:
     """An OpenAI-style error object: ``{"error": {"message", "type", "code"}}``."""
     if etype is None:
@@ -272,7 +277,7 @@ def _relayed_headers(resp: LegResponse, default_type: str) -> dict[str, str]:
     """Headers of the decode leg passed to the client: its Content-Type and, since the client
     session does not decompress, its Content-Encoding if any."""
     h = resp.headers
-    out = {"Content-Type": h.get("Content-Type", default_type)}
+    out = {"Content-Type": h.get("Content-Type", default_type), "Server": SERVER_HEADER}
     enc = h.get("Content-Encoding")
     if enc is not None:
         out["Content-Encoding"] = enc
