@@ -158,25 +158,37 @@ async def measure_all(args: argparse.Namespace, peer_cmds: dict[str, list[str]],
     runs: dict[str, ro.ModeRun] = {}
     results: dict[str, dict[str, Any]] = {}
     taken: dict[str, list[float]] = {}
+    broken: set[str] = set()
     try:
         for mode in args.modes:
             t0 = time.monotonic()
-            runs[mode] = await ro.start_mode(mode, args, peer_cmds)
+            try:
+                runs[mode] = await ro.start_mode(mode, args, peer_cmds)
+            except Exception as e:  # e.g. a pdlb row that did not start: the other modes still run
+                print(f"{mode}: not started ({e}); the other modes go on", flush=True)
+                continue
             results[mode] = runs[mode].out
             taken[mode] = []
             print(f"{mode}: started in {time.monotonic() - t0:.1f} s (pdlb rows {', '.join(runs[mode].pdlbs)}; "
                   f"peers {', '.join(runs[mode].out['peers']) or 'none'})", flush=True)
         for k in range(1, args.repeat + 1):
+            live = {m: r for m, r in runs.items() if m not in broken}
             est = [block_estimate_s(1 + len(r.pdlbs) + len(r.out["peers"]), args.duration_s, taken[m])
-                   for m, r in runs.items()]
+                   for m, r in live.items()]
+            if not live:
+                break
             if k > 1 and not repeat_fits(time.monotonic(), deadline_s, est):
                 print(f"\nrepeat {k} not started: it needs ~{sum(est):.0f} s, {deadline_s - time.monotonic():.0f} s "
                       f"are left before the route table's share ({args.repeat} asked, {k - 1} measured)", flush=True)
                 break
-            for mode, run in runs.items():
+            for mode, run in live.items():
                 print(run.header(args) + f" (repeat {k} of {args.repeat})", flush=True)
                 t0 = time.monotonic()
-                await ro.measure_repeat(run, args, k)
+                try:
+                    await ro.measure_repeat(run, args, k)
+                except Exception as e:  # a router that died mid-run: keep what was measured, leave the mode out
+                    print(f"{mode}: repeat {k} failed ({e!r}); this mode is left out of later repeats", flush=True)
+                    broken.add(mode)
                 taken[mode].append(time.monotonic() - t0)
                 meta["block_s"] = taken
                 write_json(json_path, results, meta)
@@ -225,7 +237,8 @@ def run_route(route_args: list[str], timeout_s: float, out_path: Path | None, sc
     return rc
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also read by the test that checks .dev/device/bin/b6.sh's options)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
@@ -256,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{peer.name}", metavar="CMD", dest=f"cmd_{peer.name}",
                         help=f"command that runs '{' '.join(peer.argv)}' (default: {peer.package}=={peer.version} "
                              "in its own environment, installed on first use)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -82,6 +82,71 @@ def test_absolute_lines_give_medians_and_the_most_processes_over_one() -> None:
     assert lines[1].endswith("pdlb x8 / pdlb CPU per request 2.00x (1 repeats)")
 
 
+def _fake_modes(monkeypatch: pytest.MonkeyPatch, fail_start: str, fail_repeat: tuple[str, int]) -> tuple[list, list]:
+    """router_overhead's mode phases replaced by fakes that record the order of calls (no processes)."""
+    import types
+
+    order: list[tuple[str, int]] = []
+    stopped: list[str] = []
+
+    async def start_mode(mode: str, args: object, peer_cmds: dict) -> object:
+        if mode == fail_start:
+            raise RuntimeError("pdlb serve did not start")
+        return types.SimpleNamespace(mode=mode, out={"direct": [], "pdlb": [], "peers": []}, pdlbs={"pdlb": None},
+                                     header=lambda args: f"== {mode}")
+
+    async def measure_repeat(run: object, args: object, k: int) -> None:
+        order.append((run.mode, k))
+        run.out["direct"].append(run_(1))
+        if (run.mode, k) == fail_repeat:
+            raise RuntimeError("client output was not JSON")
+        run.out["pdlb"].append(run_(2))
+
+    def run_(x: float) -> dict[str, float]:
+        return run(x, 2 * x, 100, 10)
+
+    monkeypatch.setattr(it.ro, "start_mode", start_mode)
+    monkeypatch.setattr(it.ro, "measure_repeat", measure_repeat)
+    monkeypatch.setattr(it.ro, "stop_mode", lambda r: stopped.append(r.mode))
+    return order, stopped
+
+
+def test_repeats_interleave_across_modes_and_a_failing_mode_leaves_the_others_running(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import asyncio
+    import time
+
+    order, stopped = _fake_modes(monkeypatch, fail_start="vllm-pd", fail_repeat=("pd", 2))
+    args = argparse.Namespace(modes=["regular", "pd", "vllm-pd"], repeat=3, duration_s=1.0)
+    meta: dict = {}
+    res = asyncio.run(it.measure_all(args, {}, time.monotonic() + 600, tmp_path / "o.json", meta))
+    # vLLM PD never started; SGLang PD failed in repeat 2 and was left out of repeat 3; regular ran all three,
+    # repeat by repeat across the modes
+    assert order == [("regular", 1), ("pd", 1), ("regular", 2), ("pd", 2), ("regular", 3)]
+    assert sorted(stopped) == ["pd", "regular"] and set(res) == {"regular", "pd"}
+    out = capsys.readouterr().out
+    assert "vllm-pd: not started (pdlb serve did not start)" in out and "pd: repeat 2 failed" in out
+    # what the failed repeat measured before it broke stays (direct), the rows after it were never measured
+    assert len(res["pd"]["direct"]) == 2 and len(res["pd"]["pdlb"]) == 1
+    raw = json.loads((tmp_path / "o.json").read_text())
+    assert [len(raw["meta"]["block_s"][m]) for m in ("regular", "pd")] == [3, 2]
+    assert raw["results"]["regular"]["pdlb"][2]["p99"] == pytest.approx(0.004)
+
+
+def test_past_the_deadline_only_the_first_repeat_runs(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import asyncio
+    import time
+
+    order, _ = _fake_modes(monkeypatch, fail_start="", fail_repeat=("", 0))
+    args = argparse.Namespace(modes=["regular", "pd"], repeat=3, duration_s=1.0)
+    asyncio.run(it.measure_all(args, {}, time.monotonic() - 1.0, None, {}))
+    assert order == [("regular", 1), ("pd", 1)]
+    assert "repeat 2 not started" in capsys.readouterr().out
+
+
 def test_route_child_is_stopped_at_its_limit_and_keeps_what_it_printed(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "slow.py"
@@ -131,3 +196,40 @@ def test_one_run_without_peers_stops_after_the_repeat_the_budget_allows(tmp_path
     assert "regular: CPU us per request pdlb " in out and "PD, vLLM protocol: CPU us per request pdlb " in out
     route = (tmp_path / "route.txt").read_text()
     assert "round_robin" in route and "p99 us" in route
+
+
+DEVICE = Path(__file__).resolve().parents[2] / "bench" / "device"
+
+
+def _pins(script: str, var: str) -> dict[str, str]:
+    text = (DEVICE / script).read_text()
+    start = text.index(f'{var}="') + len(var) + 2
+    return dict(p.split("==") for p in text[start:text.index('"', start)].split())
+
+
+def test_the_device_carry_pins_the_peers_the_bench_pins_and_one_version_of_each_wheel() -> None:
+    # prep_issue26.sh downloads the peers it packs for b6.sh: the same versions as router_overhead's PEERS
+    ro = it.ro
+    assert _pins("prep_issue26.sh", "PEER_PINS") == {p.package: p.version for p in ro.PEERS.values()}
+    text = (DEVICE / "prep_issue26.sh").read_text()
+    names = [p.split("==")[0] for p in text[text.index('WHEEL_PINS="') + 12:].split('"')[0].split()]
+    assert len(names) == len(set(names)) == 14  # pip install of the folder stops at two versions of one package
+    # what the peers' launchers import at start (fastapi, uvicorn, orjson, setproctitle; fastapi needs
+    # opentelemetry-api) and pdlb's router and engines need (pydantic, httptools, simpy) beyond the device image
+    assert {"fastapi", "uvicorn", "orjson", "setproctitle", "opentelemetry-api", "pydantic", "httptools",
+            "simpy"} <= set(names)
+
+
+def test_b6_passes_only_options_issue26_table_has() -> None:
+    import re
+    import subprocess
+
+    text = (DEVICE / "b6.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(DEVICE / "b6.sh")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(DEVICE / "prep_issue26.sh")]).returncode == 0
+    call = text[text.index("$PY bench/issue26_table.py"):text.index("tee $OUT/b6.log")]
+    given = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", call))
+    known = {o for a in it.build_parser()._actions for o in a.option_strings}
+    assert {"--out", "--budget-s", "--route-s", "--pdlb-processes", "--smg", "--sglang-router", "--vllm-router",
+            "--route-args", "--router-cpus"} <= given
+    assert given <= known, sorted(given - known)
