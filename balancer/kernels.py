@@ -9,9 +9,9 @@ took 93 us, ``N_after`` 30 and the decode cost 14 of ep_aware's ~215 us per deci
 16, 10 and 2 us. The kernels here do the same arithmetic in one compiled loop each (numba), **bit
 for bit** (see :mod:`balancer._jit_kernels`): decisions do not change, only their cost.
 
-numba is optional. Without it (``pip install pdlb`` alone), with the environment variable
-``PDLB_KERNELS=off`` (:data:`ENV_VAR`, read once, at the first :func:`compiled` call: the kernels are
-then never imported), or after :func:`use_compiled` ``(False)``, every function here returns ``None`` and the caller runs its numpy code, which stays the
+numba is optional. Without it (``pip install pdlb`` alone), or after :func:`use_compiled` ``(False)``
+(which ``pdlb``'s commands call for the environment variable ``PDLB_KERNELS=off``, :data:`ENV_VAR`,
+in every process they start: :func:`enabled_by_env`), every function here returns ``None`` and the caller runs its numpy code, which stays the
 reference (tests/balancer/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
 ``sim`` and ``test`` extras install it), the kernels are compiled, or loaded from numba's cache,
 the first time :func:`compiled` is called: :class:`~balancer.policies.ep_aware.EpAware` calls it
@@ -23,31 +23,32 @@ Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Mapping
 from types import ModuleType
 
 import numpy as np
 
 ENV_VAR = "PDLB_KERNELS"
-"""The environment variable that turns the compiled kernels off (``off``, ``0``, ``false``, ``no``)
-or leaves them on (``on``, ``1``, ``true``, ``yes``, unset or empty; any case), for processes
-started with it (``pdlb serve``'s router processes inherit it)."""
+"""The environment variable with which ``pdlb``'s commands turn the compiled kernels off (``off``,
+``0``, ``false``, ``no``) or leave them on (``on``, ``1``, ``true``, ``yes``, unset or empty; any
+case), in their own process and every process they start (``pdlb serve``'s router processes, the
+simulator's worker processes). This module reads no environment itself (the core does no I/O):
+the entry points pass it to :func:`enabled_by_env`."""
 _ON = frozenset({"on", "1", "true", "yes", ""})
 _OFF = frozenset({"off", "0", "false", "no"})
 
-_enabled: bool | None = None  # None: not chosen yet (use_compiled, else ENV_VAR at the first compiled())
+_enabled = True
 _module: ModuleType | None = None
 _tried = False
 
 
-def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether :data:`ENV_VAR` in ``environ`` (default ``os.environ``) leaves the kernels on.
+def enabled_by_env(environ: Mapping[str, str]) -> bool:
+    """Whether :data:`ENV_VAR` in ``environ`` (a process's environment, e.g. ``os.environ``) leaves
+    the kernels on; ``use_compiled(enabled_by_env(os.environ))`` applies it.
 
     Raises:
         ValueError: a value that is neither on nor off (the message names the variable)."""
-    value = (os.environ if environ is None else environ).get(ENV_VAR, "").strip().lower()
+    value = environ.get(ENV_VAR, "").strip().lower()
     if value in _ON:
         return True
     if value in _OFF:
@@ -57,24 +58,15 @@ def enabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
 
 def use_compiled(enabled: bool) -> None:
     """Turn the compiled paths on (default, when numba is installed) or off (the numpy code runs:
-    to compare the two, or to rule the kernels out when debugging). Process-wide; overrides
-    :data:`ENV_VAR`."""
+    to compare the two, or to rule the kernels out when debugging). Process-wide."""
     global _enabled
     _enabled = bool(enabled)
 
 
 def compiled() -> ModuleType | None:
     """The kernels module (compiling or loading them on the first call), or ``None`` when numba is
-    not installed, fails to import, :data:`ENV_VAR` is ``off`` or :func:`use_compiled` turned them
-    off. A value of :data:`ENV_VAR` that is neither on nor off warns once (``RuntimeWarning``) and
-    leaves them on, the default (``pdlb``'s commands refuse it with a one-line error instead)."""
-    global _enabled, _module, _tried
-    if _enabled is None:
-        try:
-            _enabled = enabled_by_env()
-        except ValueError as e:
-            warnings.warn(f"{e}; the compiled kernels stay on", RuntimeWarning, stacklevel=2)
-            _enabled = True
+    not installed, fails to import, or :func:`use_compiled` turned them off."""
+    global _module, _tried
     if not _enabled:
         return None
     if not _tried:

@@ -141,7 +141,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     args.given = given_options(parser, args.argv)  # the flags given, for warn_idle_flags
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     try:
-        kernels.enabled_by_env()  # a bad PDLB_KERNELS is an error here, not a warning
+        kernels.use_compiled(kernels.enabled_by_env(os.environ))  # PDLB_KERNELS (a bad value: one line, rc 2)
         return args.run(args, console)
     except (ValueError, OSError, PolicyError) as e:  # one line on stderr, however long; no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub).prog = "pdlb-serve"
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     try:
-        kernels.enabled_by_env()  # a bad PDLB_KERNELS is an error here, not a warning
+        kernels.use_compiled(kernels.enabled_by_env(os.environ))  # PDLB_KERNELS
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -593,6 +593,12 @@ class Proxy:
             result = await self._forward(ctx, route, upstream_id, router_id, legs)
             legs.done = True
             return result
+        except Failure as f:
+            if 400 <= f.status < 500 and f.kind.startswith("http_") and hashes:  # an engine refused the request
+                by_prefill = route.prefill is not None and f.where == route.prefill.engine
+                if by_prefill or f.where == route.decode.engine:  # its blocks are cached on neither
+                    self.router.on_rejected(route, hashes, now, by_prefill=by_prefill)
+            raise
         finally:
             self.router.on_finished(router_id, time.monotonic(), legs.output_tokens)
             if not legs.done:

@@ -98,3 +98,4 @@ async def test_a_timeout_has_one_error_type_streamed_or_not(protocol):
             got.append(err["type"])
         assert got == ["timeout", "timeout"]  # was ["server_error", "timeout"]
         await asyncio.sleep(0)
+
