@@ -103,13 +103,18 @@ def _frac(X, Qr):  # noqa: ANN001, ANN202
     return 0.0
 
 
-@_jit([f"void(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], f8[::1], "
-       "f8[::1])" for t in ("f8", "i8")])  # n_req: int64 request counts as they are (float() converts as astype)
-def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
-                    n_after):  # noqa: ANN001, ANN201
+_EP_ROWS_SIGS = [f"void(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], "
+                 "f8[::1], f8[::1])" for t in ("f8", "i8")]  # n_req: int64 counts as they are (float() converts as astype)
+
+
+@_jit(_EP_ROWS_SIGS)
+def prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats,
+                          horizon, n_after):  # noqa: ANN001, ANN201
     """:func:`prefill_wait_rows` and, with ``want_after``, :func:`requests_after_rows` (into
     ``n_after`` (n,), from ``n_req``) in one pass over each candidate's engine: one call instead of
-    two, each rank's queue read once. ``N_after`` of a candidate whose queue equals an earlier
+    two, each rank's queue read once; every candidate reads all ``R`` ranks of its engine (O(n R)).
+    :func:`prefill_ep_rows` is the same with the per-engine work shared; this one is its fallback
+    and its reference. ``N_after`` of a candidate whose queue equals an earlier
     candidate's of the same engine is that one's: its terms are the same values in the same order
     (each rank ``r`` contributes ``n_r max((q_r - q_i) / q_r, 0)``, 0 where ``q_r <= q_i``, which
     reads ``q_i`` only), so the sum is the same bits."""
@@ -180,6 +185,159 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
         horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
         if want_after:
             n_after[i] = n_after[after_from] if after_from >= 0 else _row_sum(vals, R)
+
+
+@_jit(_EP_ROWS_SIGS)
+def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
+                    n_after):  # noqa: ANN001, ANN201
+    """:func:`prefill_ep_rows_plain`, bit for bit, in O(n + E R k) instead of O(n R) (``k``: the
+    distinct ``X`` per engine, few: candidates of one engine differ mostly in their own rank's
+    queue, which ``X`` reads only through ``ceil((q_i + u_i) / C)``). What a candidate reads of
+    its engine's other ranks depends on its own rank only through three things, each computed
+    once and shared with the same operations on the same operands:
+
+    - per engine ``e`` and ``X = C ceil((q_i + u_i) / C)`` (the first candidate of ``e`` with that
+      ``X`` computes it, later ones reuse it): the pairwise row sum of ``min(q_r, X)`` over all
+      ranks (the plain kernel's sum, own rank included, before it subtracts the own term), and the
+      first and second argmax of ``v_r = W_r frac(X, q_r)`` (``W_r = per_token q_r + per_attn_pair
+      a_r``); a candidate's argmax with its own rank at -1.0 is the first one unless that is its own
+      rank, then the second (exact when every ``v_r >= 0``: -1.0 is then below every other value);
+    - per engine: the largest and second largest ``W_r`` (the busiest other rank's work: the
+      largest unless that is the own rank);
+    - ``N_after`` per engine and own queue, as in the plain kernel.
+
+    Inputs where that argument does not hold (a NaN or infinity anywhere, a negative ``v_r``, a
+    non-finite ``X``) run :func:`prefill_ep_rows_plain` for the whole call."""
+    n = q.shape[0]
+    R = rows.shape[1]
+    if R < 2:
+        prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats,
+                              horizon, n_after)
+        return
+    W = np.empty(n)
+    for r in range(n):
+        W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
+        if not (np.abs(q[r]) < np.inf and np.abs(a[r]) < np.inf and np.abs(u[r]) < np.inf
+                and np.abs(cached[r]) < np.inf and W[r] >= 0.0 and W[r] < np.inf):
+            prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after,
+                                  feats, horizon, n_after)
+            return
+    mins = np.empty(R)
+    vals = np.empty(R)
+    Xs = np.empty(n)  # each candidate's X
+    gp = np.empty(n, dtype=np.int64)  # each candidate's group: the first candidate of its (engine, X)
+    g_sum = np.empty(n)  # at the first candidate of each (engine, X): the row sum of min(q_r, X)
+    g_j1 = np.empty(n, dtype=np.int64)  # ... the first argmax of v and the first argmax without it
+    g_j2 = np.empty(n, dtype=np.int64)
+    g_v1 = np.empty(n)
+    g_v2 = np.empty(n)
+    w_c1 = 0  # the engine's first argmax of W (column), its largest W and the largest of the others
+    w_1 = 0.0
+    w_2 = 0.0
+    w_eng = -1
+    for i in range(n):
+        ui = u[i]
+        own_pairs = ui * cached[i] + ui * (ui + 1.0) / 2.0
+        q_new = q[i] + ui
+        a_new = a[i] + own_pairs
+        steps = np.ceil(q_new / C)
+        X = steps * C
+        if not np.abs(X) < np.inf:
+            prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after,
+                                  feats, horizon, n_after)
+            return
+        Xs[i] = X
+        w_new = per_token_s * q_new + per_attn_pair_s * a_new
+        e = idx[i]
+        own = i % R
+        qi = q[i]
+        if e != w_eng:  # the engine's W maxima (values exact: max of non-negative finite floats)
+            w_eng = e
+            w_c1 = 0
+            w_1 = W[rows[e, 0]]
+            for c in range(1, R):
+                if W[rows[e, c]] > w_1:
+                    w_1 = W[rows[e, c]]
+                    w_c1 = c
+            w_2 = -1.0
+            for c in range(R):
+                if c != w_c1 and W[rows[e, c]] > w_2:
+                    w_2 = W[rows[e, c]]
+        # an earlier candidate of this engine with the same queue (N_after) or the same X (the rest)
+        after_from = -1
+        x_from = -1
+        for c in range(own):
+            rc = rows[e, c]
+            if rc < i:
+                if after_from < 0 and q[rc] == qi:
+                    after_from = rc
+                if x_from < 0 and Xs[rc] == X and X != 0.0:  # (0.0 and -0.0 are equal but min() tells them apart)
+                    x_from = gp[rc]
+        if x_from < 0:  # the first candidate of (e, X): the row sum and the two argmaxes
+            x_from = i
+            j1 = 0
+            b1 = 0.0
+            for c in range(R):
+                r = rows[e, c]
+                Qr = q[r]
+                v = W[r] * _frac(X, Qr)
+                if not v >= 0.0:
+                    prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows,
+                                          want_after, feats, horizon, n_after)
+                    return
+                vals[c] = v
+                if c == 0:
+                    b1 = v
+                elif not (v <= b1):
+                    b1 = v
+                    j1 = c
+                mins[c] = _minimum(Qr, X)
+            j2 = -1
+            b2 = 0.0
+            for c in range(R):
+                if c != j1 and (j2 < 0 or not (vals[c] <= b2)):
+                    b2 = vals[c]
+                    j2 = c
+            g_sum[i] = _row_sum(mins, R)
+            g_j1[i] = j1
+            g_j2[i] = j2
+            g_v1[i] = b1
+            g_v2[i] = b2
+        gp[i] = x_from
+        if g_j1[x_from] != own:
+            j = g_j1[x_from]
+            best = g_v1[x_from]
+        else:
+            j = g_j2[x_from]
+            best = g_v2[x_from]
+        busiest = w_1 if w_c1 != own else w_2
+        if busiest < 0.0:  # the own rank's 0.0 (W >= 0: never below it otherwise)
+            busiest = 0.0
+        if w_new >= best:
+            tok = q_new
+            pairs = a_new
+        else:
+            rj = rows[e, j]
+            fj = _frac(X, q[rj])
+            tok = q[rj] * fj
+            pairs = a[rj] * fj
+        feats[i, 0] = steps
+        feats[i, 1] = tok
+        feats[i, 2] = pairs
+        feats[i, 3] = (g_sum[x_from] - _minimum(qi, X)) + q_new
+        horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+        if want_after:
+            if after_from >= 0:
+                n_after[i] = n_after[after_from]
+            else:
+                for c in range(R):
+                    r = rows[e, c]
+                    Qr = q[r]
+                    if Qr > 0 and not Qr <= qi:
+                        vals[c] = float(n_req[r]) * _maximum((Qr - qi) / Qr, 0.0)
+                    else:
+                        vals[c] = float(n_req[r]) * 0.0
+                n_after[i] = _row_sum(vals, R)
 
 
 @_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")
@@ -312,6 +470,25 @@ def count_no_room(cap, kv, need):  # noqa: ANN001, ANN201
     return bad if known else -1
 
 
+@_jit("i8(i8[::1], i8[::1], i8[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1], i8[::1], i8, "
+      "f8, i8[::1])")
+def decode_select_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,  # noqa: ANN001, ANN201
+                       per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost, cap,
+                       need, tie_tolerance, out):
+    """``EpAware.select`` on a wide-EP decode pool up to its random draw, one call:
+    :func:`decode_cost_rows` (into ``cost``), then :func:`count_no_room` (``cap``, ``k``,
+    ``need``) and, when every candidate has room or none has a known capacity, :func:`tie_pick`
+    (``k`` as the load; into ``out``). Returns ``tie_pick``'s count (>= 1; -1: draw among the
+    cheapest costs), or -2 when some candidate lacks room (``EpAware._capacity`` changes the
+    costs: the caller takes the numpy path)."""
+    decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,
+                     per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost)
+    bad = count_no_room(cap, k, need)
+    if bad != 0 and bad != -1:
+        return -2
+    return tie_pick(cost, k, tie_tolerance, out)
+
+
 @_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
        "f8[::1], f8[::1], f8[::1])" for t in ("f8", "i8")])
 def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per_attn_pair_s, w_ext, idx, rows,  # noqa: ANN001, ANN201
@@ -333,3 +510,151 @@ def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per
         if q[i] != 0:
             busy += 1
     return busy
+
+
+# ---------------------------------------------------------------------------------------------
+# XXH3-64 (seed 0, the default secret) of chained token blocks: balancer.hashing.hash_token_blocks
+# compiled. Transcribed from the scalar code of xxHash's reference implementation (xxhash.h,
+# v0.8: XXH3_len_17to128_64b, XXH3_len_129to240_64b, XXH3_hashLong_64b_internal with the scalar
+# accumulate / scramble, XXH3_mergeAccs, XXH3_avalanche, XXH_mult64to128's portable form);
+# tests/balancer/test_hashing_compiled.py checks it against the xxhash package on every length
+# class it serves. All arithmetic is on uint64 (numba wraps it modulo 2**64, as C's unsigned).
+
+def _inline(fn):  # noqa: ANN001, ANN202
+    """A helper numba inlines into its callers (numba IR inlining: no call, no signature)."""
+    return njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")(fn)
+
+
+_XXH3_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221"
+    "b8084674f743248ee03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
+    "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
+#: ``_XXH3_SECRET_64[k]``: the little-endian 64-bit word of the secret at byte offset ``k``
+_XXH3_SECRET_64 = np.array([int.from_bytes(_XXH3_SECRET[k:k + 8], "little") for k in range(len(_XXH3_SECRET) - 7)],
+                           dtype=np.uint64)
+_P32_1 = np.uint64(0x9E3779B1)
+_P32_2 = np.uint64(0x85EBCA77)
+_P32_3 = np.uint64(0xC2B2AE3D)
+_P64_1 = np.uint64(0x9E3779B185EBCA87)
+_P64_2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_P64_3 = np.uint64(0x165667B19E3779F9)
+_P64_4 = np.uint64(0x85EBCA77C2B2AE63)
+_P64_5 = np.uint64(0x27D4EB2F165667C5)
+_PMX_1 = np.uint64(0x165667919E3779F9)
+_M32 = np.uint64(0xFFFFFFFF)
+_U32 = np.uint64(32)
+
+
+@_inline
+def _mul128_fold64(a, b):  # noqa: ANN001, ANN202
+    """XXH3_mul128_fold64: the 128-bit product's low half XOR its high half (XXH_mult64to128's
+    portable form, 32-bit limbs)."""
+    lo_lo = (a & _M32) * (b & _M32)
+    hi_lo = (a >> _U32) * (b & _M32)
+    lo_hi = (a & _M32) * (b >> _U32)
+    hi_hi = (a >> _U32) * (b >> _U32)
+    cross = (lo_lo >> _U32) + (hi_lo & _M32) + lo_hi
+    upper = (hi_lo >> _U32) + (cross >> _U32) + hi_hi
+    lower = (cross << _U32) | (lo_lo & _M32)
+    return lower ^ upper
+
+
+@_inline
+def _avalanche(h):  # noqa: ANN001, ANN202
+    h = h ^ (h >> np.uint64(37))
+    h = h * _PMX_1
+    return h ^ (h >> _U32)
+
+
+@_inline
+def _read64(w, off):  # noqa: ANN001, ANN202
+    """The little-endian 64-bit word at byte ``off`` (a multiple of 4) of the 32-bit words ``w``."""
+    k = off >> 2
+    return np.uint64(w[k]) | (np.uint64(w[k + 1]) << _U32)
+
+
+@_inline
+def _mix16(w, off, s):  # noqa: ANN001, ANN202
+    """XXH3_mix16B at input byte ``off``, secret byte ``s``, seed 0."""
+    sec = _XXH3_SECRET_64
+    return _mul128_fold64(_read64(w, off) ^ sec[s], _read64(w, off + 8) ^ sec[s + 8])
+
+
+@_inline
+def _accumulate_512(acc, w, off, s):  # noqa: ANN001, ANN202
+    """XXH3_accumulate_512 (scalar) of the stripe at input byte ``off`` with secret byte ``s``."""
+    sec = _XXH3_SECRET_64
+    for i in range(8):
+        v = _read64(w, off + 8 * i)
+        key = v ^ sec[s + 8 * i]
+        acc[i ^ 1] += v
+        acc[i] += (key & _M32) * (key >> _U32)
+
+
+@_jit("u8(u4[::1], i8)")
+def _xxh3_64(w, n):  # noqa: ANN001, ANN202
+    """XXH3_64bits (seed 0) of the first ``n`` bytes of ``w``, ``17 <= n``, ``n`` a multiple of 4."""
+    sec = _XXH3_SECRET_64
+    length = np.uint64(n)
+    if n <= 128:
+        acc = length * _P64_1
+        if n > 32:
+            if n > 64:
+                if n > 96:
+                    acc += _mix16(w, 48, 96)
+                    acc += _mix16(w, n - 64, 112)
+                acc += _mix16(w, 32, 64)
+                acc += _mix16(w, n - 48, 80)
+            acc += _mix16(w, 16, 32)
+            acc += _mix16(w, n - 32, 48)
+        acc += _mix16(w, 0, 0)
+        acc += _mix16(w, n - 16, 16)
+        return _avalanche(acc)
+    if n <= 240:
+        acc = length * _P64_1
+        for i in range(8):
+            acc += _mix16(w, 16 * i, 16 * i)
+        acc_end = _mix16(w, n - 16, 136 - 17)
+        acc = _avalanche(acc)
+        for i in range(8, n // 16):
+            acc_end += _mix16(w, 16 * i, 16 * (i - 8) + 3)
+        return _avalanche(acc + acc_end)
+    accs = np.empty(8, dtype=np.uint64)
+    accs[0], accs[1], accs[2], accs[3] = _P32_3, _P64_1, _P64_2, _P64_3
+    accs[4], accs[5], accs[6], accs[7] = _P64_4, _P32_2, _P64_5, _P32_1
+    block_len = 1024  # 64-byte stripes, 16 per block: (192 secret bytes - 64) / 8
+    nb_blocks = (n - 1) // block_len
+    for b in range(nb_blocks):
+        for s in range(16):
+            _accumulate_512(accs, w, b * block_len + 64 * s, 8 * s)
+        for i in range(8):  # XXH3_scrambleAcc with the secret's last 64 bytes
+            a = accs[i]
+            a = a ^ (a >> np.uint64(47))
+            a = a ^ sec[128 + 8 * i]
+            accs[i] = a * _P32_1
+    for s in range(((n - 1) - block_len * nb_blocks) // 64):
+        _accumulate_512(accs, w, nb_blocks * block_len + 64 * s, 8 * s)
+    _accumulate_512(accs, w, n - 64, 192 - 64 - 7)  # the last stripe
+    result = length * _P64_1
+    for i in range(4):  # XXH3_mergeAccs from secret byte 11
+        result += _mul128_fold64(accs[2 * i] ^ sec[11 + 16 * i], accs[2 * i + 1] ^ sec[11 + 16 * i + 8])
+    return _avalanche(result)
+
+
+@_jit("void(u4[::1], i8, u8, u8[::1])")
+def xxh3_token_blocks(tokens, block_size, parent, out):  # noqa: ANN001, ANN201
+    """:func:`balancer.hashing.hash_token_blocks`' chain, into ``out`` (one hash per block,
+    ``len(out)`` blocks of ``tokens``): ``h_b = XXH3_64(h_{b-1} as 8 little-endian bytes +
+    block b's tokens as little-endian uint32)``, ``h_{-1} = parent``; ``block_size >= 3`` (inputs
+    of at least 17 bytes, the length classes above)."""
+    w = np.empty(2 + block_size, dtype=np.uint32)
+    h = parent
+    for b in range(out.shape[0]):
+        w[0] = np.uint32(h & _M32)
+        w[1] = np.uint32(h >> _U32)
+        base = b * block_size
+        for t in range(block_size):
+            w[2 + t] = tokens[base + t]
+        h = _xxh3_64(w, 8 + 4 * block_size)
+        out[b] = h

@@ -22,6 +22,7 @@ Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import numpy as np
@@ -176,6 +177,35 @@ def count_no_room(cap: np.ndarray, kv: np.ndarray, need: int) -> int | None:
     return k.count_no_room(cap, kv, int(need))
 
 
+def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray, cap: np.ndarray, idx: np.ndarray,
+                       rows: np.ndarray, out_tokens: float, kv_new_tokens: float, prompt_tokens: float,
+                       overhead_s: float, per_seq_s: float, per_kv_token_s: float, per_group_seq_s: float,
+                       externality_weight: float, transfer_s_per_token: float, transfer: bool, need: int,
+                       tie_tolerance: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``EpAware.select``'s work on a wide-EP decode pool before its random draw, one compiled
+    call: :func:`decode_cost_rows`' costs, :func:`count_no_room` (``cap``, ``need`` tokens) and
+    :func:`tie_pick` on the costs with the KV tokens ``k`` as the load. Returns ``(count, cost
+    (n,), positions (n,))``: ``count >= 1`` and ``positions[:count]`` as :func:`tie_pick`'s, -1
+    where ``_pick`` draws among the cheapest costs, -2 where some candidate lacks KV room (the
+    costs change: take the numpy path). ``b``, ``k``, ``matched_tokens``, ``cap`` int64, shape
+    ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
+    kern = compiled()
+    if kern is None or not _layout_ok(kern, idx, rows):
+        return None
+    if not (b.dtype == k.dtype == matched_tokens.dtype == cap.dtype == np.int64 and b.flags.c_contiguous
+            and k.flags.c_contiguous and matched_tokens.flags.c_contiguous and cap.flags.c_contiguous
+            and len(cap) == len(b) and 0 <= need < 2 ** 62):
+        return None
+    n = len(b)
+    cost = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
+                                    float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
+                                    float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
+                                    bool(transfer), cost, cap, int(need), float(tie_tolerance), pos)
+    return count, cost, pos
+
+
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
                          prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
                          w_ext: float, idx: np.ndarray, rows: np.ndarray
@@ -200,3 +230,22 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
                                   float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
                                   buf[0], buf[1], buf[2], buf[3])
     return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
+
+
+def xxh3_token_blocks(tokens: np.ndarray, block_size: int, parent: int, n_blocks: int) -> list[int] | None:
+    """:func:`balancer.hashing.hash_token_blocks`' chained XXH3-64 hashes of the first
+    ``n_blocks`` full blocks of ``tokens`` (token ids already checked to lie in ``[0, 2**32)``,
+    shape ``(>= n_blocks * block_size,)``), compiled: a list of ``n_blocks`` ints in ``[0,
+    2**64)``, the same values as the Python loop. ``None`` when the compiled path is off, the
+    blocks are shorter than 3 tokens (inputs under 17 bytes: XXH3's shortest length classes are
+    not compiled) or the host is big-endian (the kernel reads the tokens in native order)."""
+    k = compiled()
+    if k is None or block_size < 3 or n_blocks < 1 or _BIG_ENDIAN:
+        return None
+    toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.uint32)
+    out = np.empty(n_blocks, dtype=np.uint64)
+    k.xxh3_token_blocks(toks, int(block_size), np.uint64(parent), out)
+    return out.tolist()
+
+
+_BIG_ENDIAN = sys.byteorder != "little"
