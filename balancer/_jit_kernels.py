@@ -489,6 +489,36 @@ def decode_select_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_toke
     return tie_pick(cost, k, tie_tolerance, out)
 
 
+@_jit("i8(i8[::1], i8[::1], i8[::1], f8, f8, f8, b1, f8[::1], i8[::1])")
+def kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, prompt, bs, overlap_weight, weighted, cost, out):  # noqa: ANN001, ANN201
+    """``kv_cost``'s costs (``KvCost.costs``: ``(prefill + (prompt - matched)) / bs``, times
+    ``overlap_weight`` when ``weighted``, plus ``(kv + prompt) / bs``, numpy's operations in its
+    order, into ``cost``) and, at temperature 0, the candidates at the least cost (``cost ==
+    cost.min()``, in order, into ``out``); returns their count, or -1 where a cost is NaN (numpy's
+    minimum is then NaN and nothing equals it: the caller's numpy path decides)."""
+    n = cost.shape[0]
+    if n == 0:
+        return -1
+    for i in range(n):
+        c = (float(prefill_tokens[i]) + (prompt - float(matched_tokens[i]))) / bs
+        if weighted:
+            c *= overlap_weight
+        c += (float(kv_tokens[i]) + prompt) / bs
+        if c != c:
+            return -1
+        cost[i] = c
+    least = cost[0]
+    for i in range(1, n):
+        if cost[i] < least:
+            least = cost[i]
+    m = 0
+    for i in range(n):
+        if cost[i] == least:
+            out[m] = i
+            m += 1
+    return m
+
+
 @_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
        "f8[::1], f8[::1], f8[::1])" for t in ("f8", "i8")])
 def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per_attn_pair_s, w_ext, idx, rows,  # noqa: ANN001, ANN201

@@ -206,6 +206,25 @@ def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray,
     return count, cost, pos
 
 
+def kv_cost_select(prefill_tokens: np.ndarray, matched_tokens: np.ndarray, kv_tokens: np.ndarray, prompt_tokens: float,
+                   block_size: float, overlap_weight: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``kv_cost``'s costs and its cheapest candidates in one compiled call: ``(count, cost (n,),
+    positions (n,))`` with ``positions[:count]`` (int64) the candidates whose cost equals the least
+    (``KvCost.costs`` bit for bit; count -1 where a cost is NaN). The three load columns int64,
+    shape ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if (k is None or not prefill_tokens.dtype == matched_tokens.dtype == kv_tokens.dtype == np.int64
+            or not (prefill_tokens.flags.c_contiguous and matched_tokens.flags.c_contiguous
+                    and kv_tokens.flags.c_contiguous) or not len(prefill_tokens) == len(matched_tokens) == len(kv_tokens)):
+        return None
+    n = len(prefill_tokens)
+    cost = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    count = k.kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, float(prompt_tokens), float(block_size),
+                             float(overlap_weight), overlap_weight != 1.0, cost, pos)
+    return count, cost, pos
+
+
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
                          prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
                          w_ext: float, idx: np.ndarray, rows: np.ndarray

@@ -439,3 +439,36 @@ def test_decode_select_compiled_equals_numpy(ranks):
         ran_compiled += pol._decode_select_compiled(req, c, model, ("d",), idx, rows,
                                                     SelectContext(random.Random(0), 0.0, 0, model, None)) is not None
     assert ran_compiled > 30  # the one-call path decided most trials (the rest: the numpy hand-over)
+
+
+@pytest.mark.parametrize("overlap_weight", [1.0, 0.0, 0.7, 3.0])
+def test_kv_cost_select_compiled_equals_numpy(overlap_weight):
+    """KvCost.select (temperature 0) with its compiled cost-and-minimum call against the numpy
+    code (kernels off): the same replica, reason, scores (bits) and RNG state afterwards, on
+    pools with exact cost ties (broken by the fewest cached blocks, then at random) and without."""
+    from balancer.policies.kv_cost import KvCost
+
+    pol = KvCost(overlap_weight=overlap_weight)
+    rng = np.random.default_rng(int(overlap_weight * 10))
+    for trial in range(300):
+        n = int(rng.integers(1, 80))
+        reps = tuple(ReplicaId(f"e{i // 8}", i % 8) for i in range(n))
+        scale = 512 if trial % 2 else 1  # block multiples tie often; raw token counts rarely
+        pt = rng.integers(0, 4, n) * scale * 16
+        kv = rng.integers(0, 4, n) * scale * 16
+        matched_blocks = rng.integers(0, 5, n)
+        matched = np.minimum(matched_blocks * 512, 2048)
+        bs = (512, 100, 48)[trial % 3]  # 100 and 48: divisions that round (a reordering shows)
+        c = Candidates(Role.DECODE, reps, np.zeros(n, np.int64), pt, kv, np.zeros(n, np.int64), matched_blocks, matched,
+                       bs)
+        req = Request("r", 0.0, 2048 + int(rng.integers(0, 3000)), (), 64, 64)
+        r1, r0 = random.Random(trial), random.Random(trial)
+        kernels.use_compiled(True)
+        fast = pol.select(req, c, SelectContext(r1, 0.0, 0, None, None))
+        kernels.use_compiled(False)
+        slow = pol.select(req, c, SelectContext(r0, 0.0, 0, None, None))
+        kernels.use_compiled(True)
+        assert (fast.replica, fast.reason) == (slow.replica, slow.reason), trial
+        assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
+        assert r1.getstate() == r0.getstate(), trial
+    assert kernels.kv_cost_select(pt, matched, kv, 2048.0, 512.0, overlap_weight) is not None  # the compiled call ran
