@@ -672,12 +672,22 @@ def _xxh3_64(w, n):  # noqa: ANN001, ANN202
     return _avalanche(result)
 
 
-@_jit("void(u4[::1], i8, u8, u8[::1])")
+@_jit([f"i8({t}[::1], i8, u8, u8[::1])" for t in ("u4", "i8")])
 def xxh3_token_blocks(tokens, block_size, parent, out):  # noqa: ANN001, ANN201
     """:func:`balancer.hashing.hash_token_blocks`' chain, into ``out`` (one hash per block,
     ``len(out)`` blocks of ``tokens``): ``h_b = XXH3_64(h_{b-1} as 8 little-endian bytes +
     block b's tokens as little-endian uint32)``, ``h_{-1} = parent``; ``block_size >= 3`` (inputs
-    of at least 17 bytes, the length classes above)."""
+    of at least 17 bytes, the length classes above). Returns 0, or -1 without hashing when a
+    token id of ``tokens`` (all of them, the partial last block's too) is outside ``[0, 2**32)``."""
+    if tokens.shape[0]:  # the range check as a min/max reduction (vectorised; no early exit)
+        lo = tokens[0]
+        hi = tokens[0]
+        for i in range(tokens.shape[0]):
+            v = tokens[i]
+            lo = min(lo, v)
+            hi = max(hi, v)
+        if lo < 0 or hi > 4294967295:
+            return -1
     w = np.empty(2 + block_size, dtype=np.uint32)
     h = parent
     for b in range(out.shape[0]):
@@ -685,6 +695,8 @@ def xxh3_token_blocks(tokens, block_size, parent, out):  # noqa: ANN001, ANN201
         w[1] = np.uint32(h >> _U32)
         base = b * block_size
         for t in range(block_size):
-            w[2 + t] = tokens[base + t]
+            w[2 + t] = np.uint32(tokens[base + t])
         h = _xxh3_64(w, 8 + 4 * block_size)
         out[b] = h
+    return 0
+

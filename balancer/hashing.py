@@ -138,6 +138,13 @@ def hash_token_blocks(
     """
     block_size = _check_block_size(block_size)
     parent = _root(parent_hash)
+    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size // block_size >= COMPILED_MIN_BLOCKS:
+        # int64 / uint32 arrays: the compiled chain checks the ids itself (None: off, other dtype
+        # or an id out of range, which the check below then reports)
+        got = kernels.xxh3_token_blocks(token_ids, block_size, parent, token_ids.size // block_size) \
+            if token_ids.dtype in kernels.TOKEN_DTYPES else None
+        if got is not None:
+            return got
     arr = _as_uint_array(token_ids, _U32_LIMIT, "token ids")
     n_blocks = arr.size // block_size
     if n_blocks == 0:

@@ -253,18 +253,23 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
 
 def xxh3_token_blocks(tokens: np.ndarray, block_size: int, parent: int, n_blocks: int) -> list[int] | None:
     """:func:`balancer.hashing.hash_token_blocks`' chained XXH3-64 hashes of the first
-    ``n_blocks`` full blocks of ``tokens`` (token ids already checked to lie in ``[0, 2**32)``,
-    shape ``(>= n_blocks * block_size,)``), compiled: a list of ``n_blocks`` ints in ``[0,
-    2**64)``, the same values as the Python loop. ``None`` when the compiled path is off, the
-    blocks are shorter than 3 tokens (inputs under 17 bytes: XXH3's shortest length classes are
-    not compiled) or the host is big-endian (the kernel reads the tokens in native order)."""
+    ``n_blocks`` full blocks of the token ids ``tokens`` (shape ``(>= n_blocks * block_size,)``,
+    an integer array), compiled: a list of ``n_blocks`` ints in ``[0, 2**64)``, the same values as
+    the Python loop. int64 and uint32 arrays go as they are and the kernel checks every id (the
+    caller's check can be skipped); other dtypes must be checked to lie in ``[0, 2**32)`` first.
+    ``None`` when the compiled path is off, an id is outside ``[0, 2**32)``, the blocks are
+    shorter than 3 tokens (inputs under 17 bytes: XXH3's shortest length classes are not
+    compiled) or the host is big-endian (the kernel reads the tokens in native order)."""
     k = compiled()
-    if k is None or block_size < 3 or n_blocks < 1 or _BIG_ENDIAN:
+    if k is None or block_size < 3 or n_blocks < 1 or _BIG_ENDIAN or len(tokens) < n_blocks * block_size:
         return None
-    toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.uint32)
+    if not (tokens.dtype in TOKEN_DTYPES and tokens.ndim == 1 and tokens.flags.c_contiguous):
+        tokens = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.uint32)
     out = np.empty(n_blocks, dtype=np.uint64)
-    k.xxh3_token_blocks(toks, int(block_size), np.uint64(parent), out)
+    if k.xxh3_token_blocks(tokens, int(block_size), np.uint64(parent), out) != 0:
+        return None
     return out.tolist()
 
 
+TOKEN_DTYPES = (np.dtype(np.int64), np.dtype(np.uint32))
 _BIG_ENDIAN = sys.byteorder != "little"

@@ -269,22 +269,43 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
                       f"{o50 / b50:>11.2f}{o99 / b99:>11.2f}", flush=True)
 
 
-def hashing_us(prompt_tokens: int, n: int = 200) -> tuple[float, float]:
+def hashing_us(prompt_tokens: int, block_size: int, compiled: bool = True, n: int = 200) -> tuple[float, float]:
     """p50 / p99 (us, thread CPU time) of hashing one prompt's token ids into its block hashes as
     the service does before it routes (:meth:`PromptHasher.hash_token_ids` of a token-id array, at
-    :data:`BLOCK` tokens per block): work the service pays per request that ``Router.route`` (the
-    decision measured in the tables) does not include."""
+    ``block_size`` tokens per block): work the service pays per request that ``Router.route`` (the
+    decision measured in the tables) does not include. ``compiled``: False turns
+    :mod:`balancer.kernels` off (the Python loop over the blocks runs; the same hashes)."""
+    from balancer import kernels
     from balancer.service.prompt import PromptHasher
 
-    hasher = PromptHasher(BLOCK)
+    hasher = PromptHasher(block_size)
     rng = np.random.default_rng(0)
     lat = np.empty(n)
-    for k in range(n):
-        ids = rng.integers(0, 150_000, prompt_tokens)
-        t0 = time.thread_time()
-        hasher.hash_token_ids(ids)
-        lat[k] = time.thread_time() - t0
+    kernels.use_compiled(compiled)
+    try:
+        for k in range(n):
+            ids = rng.integers(0, 150_000, prompt_tokens)
+            t0 = time.thread_time()
+            hasher.hash_token_ids(ids)
+            lat[k] = time.thread_time() - t0
+    finally:
+        kernels.use_compiled(True)
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+def hashing_lines(prompt_sizes: list[int]) -> list[str]:
+    """One line per prompt size and block size (the bench's, and 64 tokens, ``pdlb serve``'s
+    default): the hashing's p50 / p99 with the compiled kernels (when numba is installed) and
+    with the Python loop, measured in the same run, and the p50 ratio."""
+    out = []
+    for prompt in prompt_sizes:
+        for bs in sorted({BLOCK, 64}):
+            h50, h99 = hashing_us(prompt, bs)
+            l50, l99 = hashing_us(prompt, bs, compiled=False)
+            out.append(f"block hashing of one {prompt}-token prompt at {bs}-token blocks ({prompt // bs} blocks; pdlb "
+                       f"serve hashes the token ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us; Python loop "
+                       f"(kernels off) p50 {l50:.1f} us, p99 {l99:.1f} us; p50 ratio {h50 / l50:.2f}")
+    return out
 
 
 def host_calibration_us() -> tuple[float, float]:
@@ -432,10 +453,8 @@ def main() -> int:
         Path(args.decisions).write_text("policy,replicas,prompt_tokens,request,prefill,prefill_reason,prefill_score,"
                                         "decode,decode_reason,decode_score\n" + "".join(line + "\n" for line in log))
         print(f"{len(log)} decisions written to {args.decisions}")
-    for prompt in args.prompt_sizes:
-        h50, h99 = hashing_us(prompt)
-        print(f"block hashing of one {prompt}-token prompt ({-(-prompt // BLOCK)} blocks; pdlb serve hashes the token "
-              f"ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us")
+    for line in hashing_lines(args.prompt_sizes):
+        print(line)
     print()
     print("prefix index alone, one PD decision (match + 2 inserts), steady state; baseline: the flat"
           " BlockIndex in the same run")

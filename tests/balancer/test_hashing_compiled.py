@@ -110,3 +110,12 @@ def test_bad_tokens_still_raise_before_hashing() -> None:
         hash_token_blocks(np.array([1, 2, 2**32] * 100), 3)
     with pytest.raises(ValueError):
         hash_token_blocks([-1] + [0] * 299, 3)
+    tail = np.zeros(64 * 10 + 5, dtype=np.int64)
+    tail[-1] = 2**32  # in the partial last block, which is not hashed: still refused (the Python check's rule)
+    with pytest.raises(ValueError):
+        hash_token_blocks(tail, 64)
+    tail[-1] = -1
+    with pytest.raises(ValueError):
+        hash_token_blocks(tail, 64)
+    tail[-1] = 2**32 - 1
+    assert hash_token_blocks(tail, 64) == reference_chain(tail[:640], 64, 0)
