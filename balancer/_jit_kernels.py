@@ -190,51 +190,28 @@ def prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_
 @_jit(_EP_ROWS_SIGS)
 def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
                     n_after):  # noqa: ANN001, ANN201
-    """:func:`prefill_ep_rows_plain`, bit for bit, in O(n + E R k) instead of O(n R) (``k``: the
-    distinct ``X`` per engine, few: candidates of one engine differ mostly in their own rank's
-    queue, which ``X`` reads only through ``ceil((q_i + u_i) / C)``). What a candidate reads of
-    its engine's other ranks depends on its own rank only through three things, each computed
-    once and shared with the same operations on the same operands:
-
-    - per engine ``e`` and ``X = C ceil((q_i + u_i) / C)`` (the first candidate of ``e`` with that
-      ``X`` computes it, later ones reuse it): the pairwise row sum of ``min(q_r, X)`` over all
-      ranks (the plain kernel's sum, own rank included, before it subtracts the own term), and the
-      first and second argmax of ``v_r = W_r frac(X, q_r)`` (``W_r = per_token q_r + per_attn_pair
-      a_r``); a candidate's argmax with its own rank at -1.0 is the first one unless that is its own
-      rank, then the second (exact when every ``v_r >= 0``: -1.0 is then below every other value);
-    - per engine: the largest and second largest ``W_r`` (the busiest other rank's work: the
-      largest unless that is the own rank);
-    - ``N_after`` per engine and own queue, as in the plain kernel.
-
-    Inputs where that argument does not hold (a NaN or infinity anywhere, a negative ``v_r``, a
-    non-finite ``X``) run :func:`prefill_ep_rows_plain` for the whole call."""
+    """:func:`prefill_ep_rows_plain`, bit for bit, without data-dependent branches in the loop
+    over a candidate's engine (the argmax, the minima and maxima, the clipped fractions are
+    selects): on real pools (queues and prefix hits that differ by rank and change every
+    decision) the plain loop's branches are mispredicted about every other rank, which cost more
+    than its arithmetic. The selects equal the plain code's comparisons where every input is
+    finite, ``q >= 0`` and ``X > 0`` (no NaN, whose handling needs the branches): other inputs run
+    :func:`prefill_ep_rows_plain` for the whole call."""
     n = q.shape[0]
     R = rows.shape[1]
-    if R < 2:
+    W = np.empty(n)
+    ok = C > 0 and C < np.inf and R >= 1
+    for r in range(n):
+        W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
+        ok = ok and q[r] >= 0.0 and q[r] < np.inf and np.abs(W[r]) < np.inf and np.abs(a[r]) < np.inf \
+            and np.abs(u[r]) < np.inf and np.abs(cached[r]) < np.inf
+    if not ok:
         prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats,
                               horizon, n_after)
         return
-    W = np.empty(n)
-    for r in range(n):
-        W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
-        if not (np.abs(q[r]) < np.inf and np.abs(a[r]) < np.inf and np.abs(u[r]) < np.inf
-                and np.abs(cached[r]) < np.inf and W[r] >= 0.0 and W[r] < np.inf):
-            prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after,
-                                  feats, horizon, n_after)
-            return
     mins = np.empty(R)
     vals = np.empty(R)
-    Xs = np.empty(n)  # each candidate's X
-    gp = np.empty(n, dtype=np.int64)  # each candidate's group: the first candidate of its (engine, X)
-    g_sum = np.empty(n)  # at the first candidate of each (engine, X): the row sum of min(q_r, X)
-    g_j1 = np.empty(n, dtype=np.int64)  # ... the first argmax of v and the first argmax without it
-    g_j2 = np.empty(n, dtype=np.int64)
-    g_v1 = np.empty(n)
-    g_v2 = np.empty(n)
-    w_c1 = 0  # the engine's first argmax of W (column), its largest W and the largest of the others
-    w_1 = 0.0
-    w_2 = 0.0
-    w_eng = -1
+    col = 0
     for i in range(n):
         ui = u[i]
         own_pairs = ui * cached[i] + ui * (ui + 1.0) / 2.0
@@ -242,77 +219,46 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
         a_new = a[i] + own_pairs
         steps = np.ceil(q_new / C)
         X = steps * C
-        if not np.abs(X) < np.inf:
+        w_new = per_token_s * q_new + per_attn_pair_s * a_new
+        e = idx[i]
+        own = col  # i % R, counted
+        col = col + 1 if col + 1 < R else 0
+        qi = q[i]
+        after_from = -1
+        if want_after:
+            for c in range(own):
+                rc = rows[e, c]
+                if rc < i and q[rc] == qi:
+                    after_from = rc
+                    break
+        if not (X > 0.0 and X < np.inf):  # X <= 0 (nothing to prefill) or an overflow: the branches
             prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after,
                                   feats, horizon, n_after)
             return
-        Xs[i] = X
-        w_new = per_token_s * q_new + per_attn_pair_s * a_new
-        e = idx[i]
-        own = i % R
-        qi = q[i]
-        if e != w_eng:  # the engine's W maxima (values exact: max of non-negative finite floats)
-            w_eng = e
-            w_c1 = 0
-            w_1 = W[rows[e, 0]]
-            for c in range(1, R):
-                if W[rows[e, c]] > w_1:
-                    w_1 = W[rows[e, c]]
-                    w_c1 = c
-            w_2 = -1.0
-            for c in range(R):
-                if c != w_c1 and W[rows[e, c]] > w_2:
-                    w_2 = W[rows[e, c]]
-        # an earlier candidate of this engine with the same queue (N_after) or the same X (the rest)
-        after_from = -1
-        x_from = -1
-        for c in range(own):
-            rc = rows[e, c]
-            if rc < i:
-                if after_from < 0 and q[rc] == qi:
-                    after_from = rc
-                if x_from < 0 and Xs[rc] == X and X != 0.0:  # (0.0 and -0.0 are equal but min() tells them apart)
-                    x_from = gp[rc]
-        if x_from < 0:  # the first candidate of (e, X): the row sum and the two argmaxes
-            x_from = i
-            j1 = 0
-            b1 = 0.0
-            for c in range(R):
-                r = rows[e, c]
-                Qr = q[r]
-                v = W[r] * _frac(X, Qr)
-                if not v >= 0.0:
-                    prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows,
-                                          want_after, feats, horizon, n_after)
-                    return
-                vals[c] = v
-                if c == 0:
-                    b1 = v
-                elif not (v <= b1):
-                    b1 = v
-                    j1 = c
-                mins[c] = _minimum(Qr, X)
-            j2 = -1
-            b2 = 0.0
-            for c in range(R):
-                if c != j1 and (j2 < 0 or not (vals[c] <= b2)):
-                    b2 = vals[c]
-                    j2 = c
-            g_sum[i] = _row_sum(mins, R)
-            g_j1[i] = j1
-            g_j2[i] = j2
-            g_v1[i] = b1
-            g_v2[i] = b2
-        gp[i] = x_from
-        if g_j1[x_from] != own:
-            j = g_j1[x_from]
-            best = g_v1[x_from]
-        else:
-            j = g_j2[x_from]
-            best = g_v2[x_from]
-        busiest = w_1 if w_c1 != own else w_2
-        if busiest < 0.0:  # the own rank's 0.0 (W >= 0: never below it otherwise)
-            busiest = 0.0
+        best = 0.0
+        j = 0
+        busiest = 0.0
+        for c in range(R):
+            r = rows[e, c]
+            Qr = q[r]
+            Wr = W[r]
+            # _frac(X, Qr): 0 where Qr == 0, 1 where 0 < Qr <= X, else X / Qr (< 1: its minimum with 1.0)
+            pos = Qr > 0.0
+            d = X / (Qr if pos else 1.0)
+            f = (1.0 if Qr <= X else d) if pos else 0.0
+            wk = -1.0 if c == own else Wr * f
+            if c == 0:
+                best = wk
+            up = wk > best  # the first maximum (no NaN: "not wk <= best")
+            best = wk if up else best
+            j = c if up else j
+            mins[c] = Qr if Qr < X else X
+            wo = 0.0 if c == own else Wr
+            busiest = wo if c == 0 else (busiest if busiest > wo else wo)
+            if want_after and after_from < 0:
+                more = pos and Qr > qi
+                g = (Qr - qi) / (Qr if more else 1.0)
+                vals[c] = float(n_req[r]) * ((g if g > 0.0 else 0.0) if more else 0.0)
         if w_new >= best:
             tok = q_new
             pairs = a_new
@@ -324,20 +270,10 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
         feats[i, 0] = steps
         feats[i, 1] = tok
         feats[i, 2] = pairs
-        feats[i, 3] = (g_sum[x_from] - _minimum(qi, X)) + q_new
+        feats[i, 3] = (_row_sum(mins, R) - _minimum(qi, X)) + q_new
         horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
         if want_after:
-            if after_from >= 0:
-                n_after[i] = n_after[after_from]
-            else:
-                for c in range(R):
-                    r = rows[e, c]
-                    Qr = q[r]
-                    if Qr > 0 and not Qr <= qi:
-                        vals[c] = float(n_req[r]) * _maximum((Qr - qi) / Qr, 0.0)
-                    else:
-                        vals[c] = float(n_req[r]) * 0.0
-                n_after[i] = _row_sum(vals, R)
+            n_after[i] = n_after[after_from] if after_from >= 0 else _row_sum(vals, R)
 
 
 @_jit("void(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1])")

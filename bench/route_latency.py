@@ -308,6 +308,49 @@ def hashing_lines(prompt_sizes: list[int]) -> list[str]:
     return out
 
 
+def prefill_kernel_lines(replica_counts: list[int], pools: int = 64, rounds: int = 5) -> list[str]:
+    """One line per replica count: ``ep_aware``'s wide-EP prefill kernel (features, horizon,
+    ``N_after``; :func:`balancer.kernels.prefill_ep_rows`) on ``pools`` random pools that differ
+    in every rank (a third of the ranks idle, queues up to 60k tokens, prefix hits 0-63 blocks),
+    cycled so that no branch pattern repeats within a call, against its branching loop
+    (``prefill_ep_rows_plain``, the same bits) in the same run: thread CPU per call, best of
+    ``rounds``. The decision table's pools repeat the same few queues decision after decision
+    (every rank's branches predictable), which hides the difference; real queues and hits differ by
+    rank. Empty when numba is not installed."""
+    from balancer import kernels
+    from balancer.cost_model import engine_groups
+
+    k = kernels.compiled()
+    if k is None:
+        return []
+    out = []
+    rng = np.random.default_rng(0)
+    for replicas in replica_counts:
+        reps = tuple(ReplicaId(f"p{i // 8}", i % 8) for i in range(replicas))
+        _, idx, rows = engine_groups(reps)
+        if rows is None:
+            continue
+        n = len(reps)
+        data = []
+        for _ in range(pools):
+            q = rng.integers(0, 60_000, n).astype(np.float64) * (rng.random(n) < 0.7)
+            cached = np.minimum(rng.integers(0, 64, n) * 512.0, 32_767.0)
+            data.append((q, q * rng.uniform(0, 3000, n), 32_768.0 - cached, cached, rng.integers(0, 40, n)))
+        res = np.empty((n, 4)), np.empty(n), np.empty(n)
+        best = {}
+        for name in ("prefill_ep_rows", "prefill_ep_rows_plain") * rounds:
+            fn = getattr(k, name)
+            t0 = time.thread_time()
+            for q, a, u, cached, n_req in data:
+                fn(q, a, u, cached, n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *res)
+            best[name] = min(best.get(name, np.inf), (time.thread_time() - t0) / pools * 1e6)
+        sel, plain = best["prefill_ep_rows"], best["prefill_ep_rows_plain"]
+        out.append(f"ep_aware prefill kernel, {replicas} ranks (8 per engine), {pools} random pools cycled: selects "
+                   f"{sel:.1f} us, branching loop {plain:.1f} us per call (thread CPU, best of {rounds}); ratio "
+                   f"{sel / plain:.2f}")
+    return out
+
+
 def host_calibration_us() -> tuple[float, float]:
     """Thread CPU microseconds of two fixed pieces of work that use no pdlb code: a pure-Python
     loop (10,000 dict stores and loads) and 100 small numpy calls (``np.add`` of two 64-element
@@ -453,7 +496,7 @@ def main() -> int:
         Path(args.decisions).write_text("policy,replicas,prompt_tokens,request,prefill,prefill_reason,prefill_score,"
                                         "decode,decode_reason,decode_score\n" + "".join(line + "\n" for line in log))
         print(f"{len(log)} decisions written to {args.decisions}")
-    for line in hashing_lines(args.prompt_sizes):
+    for line in hashing_lines(args.prompt_sizes) + prefill_kernel_lines(args.replica_counts):
         print(line)
     print()
     print("prefix index alone, one PD decision (match + 2 inserts), steady state; baseline: the flat"

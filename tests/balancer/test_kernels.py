@@ -342,17 +342,19 @@ def test_layouts_the_kernels_do_not_take_fall_back():
 
 @pytest.mark.parametrize("ranks", [2, 3, 8, 9, 16, 72])
 @pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
-def test_prefill_kernel_shared_per_engine_work_equals_numpy(ranks, pattern):
-    """kernels.prefill_ep_rows shares per-engine work between candidates (the row sum and the two
-    argmaxes per engine and X, the largest two W per engine): with one prefix hit for the whole
-    pool (so X repeats within an engine: the shared values are reused) and with one hit per
-    engine, its features, horizon and N_after equal the numpy code's bit for bit (reference:
-    prefill_wait_features and EpAware._requests_after with the kernels off), and the
-    per-candidate kernel's (prefill_ep_rows_plain) too."""
+def test_prefill_kernel_selects_equal_numpy_and_the_branching_loop(ranks, pattern):
+    """kernels.prefill_ep_rows (selects instead of branches in the loop over an engine's ranks)
+    with one prefix hit for the whole pool (X repeats within an engine, queues equal to X, ties)
+    and one hit per engine: features, horizon and N_after equal the numpy code's bit for bit
+    (reference: prefill_wait_features and EpAware._requests_after with the kernels off), and the
+    branching kernel's (prefill_ep_rows_plain) too."""
     eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
     k = kernels.compiled()
     for seed in range(4):
         reps, q, a, _, _ = pool(seed, ranks, 2 + seed, pattern)
+        if seed == 3:  # queues at chunk multiples: some equal X exactly (the 0 < Qr <= X edge of the fraction)
+            q = np.random.default_rng(ranks).integers(0, 6, len(q)) * 8192.0
+            a = q * 1000.0 + (q == 0) * 7.0  # and pairs on an empty queue (W > 0 there: its fraction shows)
         _, idx, rows = engine_groups(reps)
         P = 32_768.0
         hits = np.full(len(q), 1024.0 * seed) if seed % 2 == 0 else np.repeat(np.arange(len(rows)) * 512.0, ranks)
@@ -377,8 +379,8 @@ def test_prefill_kernel_shared_per_engine_work_equals_numpy(ranks, pattern):
 
 @pytest.mark.parametrize("spoil", ["nan_q", "inf_a", "negative_a", "zero_chunk"])
 def test_prefill_kernel_falls_back_to_the_per_candidate_loop(spoil):
-    """Inputs outside the shared-work argument (a NaN, an infinity, a negative rank work, a
-    non-finite X) give exactly the per-candidate kernel's answer (it runs instead)."""
+    """Inputs the selects do not cover (a NaN, an infinity, a zero chunk: X not finite) and a
+    negative queued-pair count (covered) give exactly the branching kernel's answer."""
     reps, q, a, u, cached = pool(1, 8, 3, "random")
     _, idx, rows = engine_groups(reps)
     q, a = q.copy(), a.copy()
