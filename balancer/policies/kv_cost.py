@@ -41,7 +41,6 @@ class KvCost(Policy):
             v = getattr(self, name)
             if v < 0:
                 raise ValueError(f"kv_cost: {name} must be >= 0, got {v!r}")
-        kernels.compiled()  # load the compiled select now (numba's cache), not in the first decision
 
     def costs(self, request: Request, cands: Candidates) -> np.ndarray:
         """``cost_i`` as in the module docstring, shape ``(n,)``, float64, in blocks."""
