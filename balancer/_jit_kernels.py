@@ -113,8 +113,8 @@ def prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_
     """:func:`prefill_wait_rows` and, with ``want_after``, :func:`requests_after_rows` (into
     ``n_after`` (n,), from ``n_req``) in one pass over each candidate's engine: one call instead of
     two, each rank's queue read once; every candidate reads all ``R`` ranks of its engine (O(n R)).
-    :func:`prefill_ep_rows` is the same with the per-engine work shared; this one is its fallback
-    and its reference. ``N_after`` of a candidate whose queue equals an earlier
+    :func:`prefill_ep_rows` is the same loop with selects instead of branches; this one (NaN-aware
+    branches) is its fallback and its reference. ``N_after`` of a candidate whose queue equals an earlier
     candidate's of the same engine is that one's: its terms are the same values in the same order
     (each rank ``r`` contributes ``n_r max((q_r - q_i) / q_r, 0)``, 0 where ``q_r <= q_i``, which
     reads ``q_i`` only), so the sum is the same bits."""
