@@ -31,17 +31,10 @@ from itertools import takewhile
 import numpy as np
 import xxhash
 
-from balancer import kernels
-
 __all__ = ["ROOT_HASH", "chain_block_ids", "hash_token_blocks", "text_chunk_hashes"]
 
 ROOT_HASH: int = 0
 """Parent hash used for the first block when ``parent_hash`` is ``None``."""
-
-#: fewest full blocks for which :func:`hash_token_blocks` runs the compiled chain
-#: (:func:`balancer.kernels.xxh3_token_blocks`); shorter prompts take the Python loop, whose
-#: few iterations cost less than the compiled call's fixed overhead
-COMPILED_MIN_BLOCKS = 4
 
 _U64_LIMIT = 1 << 64
 _U32_LIMIT = 1 << 32
@@ -125,12 +118,6 @@ def hash_token_blocks(
     Returns:
         ``n_tokens // block_size`` hashes, each an ``int`` in ``[0, 2**64)``.
 
-    Speed: with numba installed (the ``serve``, ``sim`` and ``test`` extras), prompts of at least
-    :data:`COMPILED_MIN_BLOCKS` blocks of at least 3 tokens are hashed by a compiled XXH3-64
-    (:func:`balancer.kernels.xxh3_token_blocks`; the same hashes, tests/balancer/test_hashing_compiled.py),
-    a 32k-token prompt at 64-token blocks in about a third of the Python loop's time
-    (``bench/route_latency.py`` prints both); otherwise a Python loop over the blocks.
-
     Raises:
         ValueError: a token id < 0 or >= 2**32, ``block_size`` < 1, ``parent_hash`` outside
             ``[0, 2**64)``, or ``token_ids`` not one-dimensional.
@@ -138,21 +125,10 @@ def hash_token_blocks(
     """
     block_size = _check_block_size(block_size)
     parent = _root(parent_hash)
-    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size // block_size >= COMPILED_MIN_BLOCKS:
-        # int64 / uint32 arrays: the compiled chain checks the ids itself (None: off, other dtype
-        # or an id out of range, which the check below then reports)
-        got = kernels.xxh3_token_blocks(token_ids, block_size, parent, token_ids.size // block_size) \
-            if token_ids.dtype in kernels.TOKEN_DTYPES else None
-        if got is not None:
-            return got
     arr = _as_uint_array(token_ids, _U32_LIMIT, "token ids")
     n_blocks = arr.size // block_size
     if n_blocks == 0:
         return []
-    if n_blocks >= COMPILED_MIN_BLOCKS:  # the compiled chain (same hashes), when numba is installed
-        got = kernels.xxh3_token_blocks(arr, block_size, parent, n_blocks)
-        if got is not None:
-            return got
     data = arr[: n_blocks * block_size].astype("<u4", copy=False).tobytes()
     step = 4 * block_size
     out: list[int] = []

@@ -23,7 +23,6 @@ Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from types import ModuleType
 
@@ -274,27 +273,3 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
                                   float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
                                   buf[0], buf[1], buf[2], buf[3])
     return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
-
-
-def xxh3_token_blocks(tokens: np.ndarray, block_size: int, parent: int, n_blocks: int) -> list[int] | None:
-    """:func:`balancer.hashing.hash_token_blocks`' chained XXH3-64 hashes of the first
-    ``n_blocks`` full blocks of the token ids ``tokens`` (shape ``(>= n_blocks * block_size,)``,
-    an integer array), compiled: a list of ``n_blocks`` ints in ``[0, 2**64)``, the same values as
-    the Python loop. int64 and uint32 arrays go as they are and the kernel checks every id (the
-    caller's check can be skipped); other dtypes must be checked to lie in ``[0, 2**32)`` first.
-    ``None`` when the compiled path is off, an id is outside ``[0, 2**32)``, the blocks are
-    shorter than 3 tokens (inputs under 17 bytes: XXH3's shortest length classes are not
-    compiled) or the host is big-endian (the kernel reads the tokens in native order)."""
-    k = compiled()
-    if k is None or block_size < 3 or n_blocks < 1 or _BIG_ENDIAN or len(tokens) < n_blocks * block_size:
-        return None
-    if not (tokens.dtype in TOKEN_DTYPES and tokens.ndim == 1 and tokens.flags.c_contiguous):
-        tokens = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.uint32)
-    out = np.empty(n_blocks, dtype=np.uint64)
-    if k.xxh3_token_blocks(tokens, int(block_size), np.uint64(parent), out) != 0:
-        return None
-    return out.tolist()
-
-
-TOKEN_DTYPES = (np.dtype(np.int64), np.dtype(np.uint32))
-_BIG_ENDIAN = sys.byteorder != "little"

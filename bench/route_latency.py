@@ -269,42 +269,33 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
                       f"{o50 / b50:>11.2f}{o99 / b99:>11.2f}", flush=True)
 
 
-def hashing_us(prompt_tokens: int, block_size: int, compiled: bool = True, n: int = 200) -> tuple[float, float]:
+def hashing_us(prompt_tokens: int, block_size: int, n: int = 200) -> tuple[float, float]:
     """p50 / p99 (us, thread CPU time) of hashing one prompt's token ids into its block hashes as
     the service does before it routes (:meth:`PromptHasher.hash_token_ids` of a token-id array, at
-    ``block_size`` tokens per block): work the service pays per request that ``Router.route`` (the
-    decision measured in the tables) does not include. ``compiled``: False turns
-    :mod:`balancer.kernels` off (the Python loop over the blocks runs; the same hashes)."""
-    from balancer import kernels
+    ``block_size`` tokens per block; the xxhash package's XXH3-64 per block): work the service pays
+    per request that ``Router.route`` (the decision measured in the tables) does not include."""
     from balancer.service.prompt import PromptHasher
 
     hasher = PromptHasher(block_size)
     rng = np.random.default_rng(0)
     lat = np.empty(n)
-    kernels.use_compiled(compiled)
-    try:
-        for k in range(n):
-            ids = rng.integers(0, 150_000, prompt_tokens)
-            t0 = time.thread_time()
-            hasher.hash_token_ids(ids)
-            lat[k] = time.thread_time() - t0
-    finally:
-        kernels.use_compiled(True)
+    for k in range(n):
+        ids = rng.integers(0, 150_000, prompt_tokens)
+        t0 = time.thread_time()
+        hasher.hash_token_ids(ids)
+        lat[k] = time.thread_time() - t0
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
 def hashing_lines(prompt_sizes: list[int]) -> list[str]:
     """One line per prompt size and block size (the bench's, and 64 tokens, ``pdlb serve``'s
-    default): the hashing's p50 / p99 with the compiled kernels (when numba is installed) and
-    with the Python loop, measured in the same run, and the p50 ratio."""
+    default): the hashing's p50 / p99."""
     out = []
     for prompt in prompt_sizes:
         for bs in sorted({BLOCK, 64}):
             h50, h99 = hashing_us(prompt, bs)
-            l50, l99 = hashing_us(prompt, bs, compiled=False)
             out.append(f"block hashing of one {prompt}-token prompt at {bs}-token blocks ({prompt // bs} blocks; pdlb "
-                       f"serve hashes the token ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us; Python loop "
-                       f"(kernels off) p50 {l50:.1f} us, p99 {l99:.1f} us; p50 ratio {h50 / l50:.2f}")
+                       f"serve hashes the token ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us")
     return out
 
 

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from balancer import kernels
 from balancer.hashing import hash_token_blocks, text_chunk_hashes
 
 __all__ = ["ChatOptions", "ChatTemplate", "Prompt", "PromptError", "PromptHasher", "extract_prompt", "load_tokenizer", "render_messages"]
@@ -646,9 +645,6 @@ class PromptHasher:
         #: the engine renders this model's chat with its own encoder, not the folder's template
         #: (:func:`engine_renderer`): chat prompts are counted ``engine_renderer``
         self.engine_renderer: str | None = None
-        # token-id prompts are hashed compiled (balancer.hashing): load the kernels now, not in the
-        # first request (the default ep_aware policy loads them anyway; nothing without numba)
-        kernels.compiled()
         if tokenizer_path:
             self._tokenizer = load_tokenizer(tokenizer_path)
             if Path(tokenizer_path).is_dir():

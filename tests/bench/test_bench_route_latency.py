@@ -51,12 +51,12 @@ def test_decision_line_names_ranks_reasons_and_exact_scores() -> None:
 
 def test_hashing_and_prefill_kernel_lines() -> None:
     """The lines the bench prints after its table: the block hashing at the bench's block size and
-    at pdlb serve's 64 (compiled and Python loop in one run), and the prefill kernel on random
-    pools (the select version and the branching loop); one per configuration, each with a ratio."""
+    at pdlb serve's 64, and the prefill kernel on random pools (the select version and the
+    branching loop, with a ratio); one per configuration."""
     lines = rl.hashing_lines([2048])
     assert [line.split(" (")[0] for line in lines] == ["block hashing of one 2048-token prompt at 64-token blocks",
                                                        "block hashing of one 2048-token prompt at 512-token blocks"]
-    assert all("Python loop (kernels off)" in line and "p50 ratio" in line for line in lines)
+    assert all(" us, p99 " in line for line in lines)
     pytest.importorskip("numba")
     (line,) = rl.prefill_kernel_lines([16], pools=3, rounds=1)
     assert line.startswith("ep_aware prefill kernel, 16 ranks (8 per engine), 3 random pools cycled: selects ")
