@@ -86,15 +86,18 @@ Parameters:
         sets them (``EngineCost.request_chunk_tokens``, ``prefill_schedule_interval``); engines
         without them are priced as before either way.
 
-**vLLM's chunk limit and prefill cadence** (``cadence=True``; :mod:`balancer.prefill_cadence`):
-a prompt's prefill takes ``n_i = max(ceil((q_i + u_i) / C), ceil(u_i / L))`` steps (``L`` the
-per-request chunk limit), so the predicted TTFT and the cost add ``(n_i - ceil((q_i + u_i) / C))
-overhead``; on a mixed pool with interval ``k`` they add the decode steps between the rank's
-open prefill steps, ``(k - 1)(n_i - 1/2) T_e`` (``T_e`` the engine's decode step now; 0 on an
-empty rank), and the cost adds, on a rank whose ``max_num_seqs`` slots are all taken (the request
-would wait for admission, and the rank prefill on every step), ``externality_weight forced_i n_e
-chunk_s``: the group's extra mixed steps times its running sequences times one chunk's prefill
-seconds.
+**vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
+model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
+:mod:`balancer.prefill_cadence`): a prompt's prefill takes ``n_i = max(ceil((q_i + u_i) / C),
+ceil(u_i / L))`` steps (``L`` the per-request chunk limit), ``ceil(u_i / L)`` where the sequence
+cap ``S`` has ``S L <= C`` (the queue ahead then takes none of its chunks, and the predicted TTFT is
+its own ``n_i`` steps' prefill instead of the queue's drain); on a mixed pool with interval ``k``
+the TTFT adds the decode steps between the rank's open prefill steps, ``(k - 1)(n_i - 1/2) T_e``
+(``T_e`` the engine's decode step now; 0 on an empty rank), and on a full rank the slot wait
+(:func:`balancer.cost_model.slot_wait_s`); the cost adds the TTFT's change and, on a full rank (the
+request would wait for admission, and the rank prefill on every step), ``externality_weight
+forced_i n_e chunk_s``: the group's extra mixed steps times its running sequences times one chunk's
+prefill seconds. Ties there go to the fewest requests, then the least decode KV.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
