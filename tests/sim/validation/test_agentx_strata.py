@@ -6,6 +6,8 @@ out below), and the published file's own totals (its buckets must add up to them
 
 import math
 
+import numpy as np
+
 import pytest
 
 from sim.validation import agentx_strata as st
@@ -116,3 +118,96 @@ def test_generator_strata_by_hand() -> None:
                           "(0,90%)": {"requests": 2, "prompt_tokens": 2_450, "uncached_tokens": 300}}
     with pytest.raises(ValueError, match="requests_per_lane"):
         st.generator_strata(c, requests_per_lane=0)
+
+
+# --- subagent fan-out (AgenticWorkloadConfig.subagent_*), the structure the strata point to ---
+
+def _det(**kw) -> AgenticWorkloadConfig:
+    # every sigma 0: parents of 1 + 2 = 3 turns from 1,000 tokens, subagents of 1 + 1 = 2 turns from
+    # 500 tokens; new tokens 100, outputs 50 everywhere
+    base = dict(lanes=1, warmup_requests_per_lane=0, start_min_ratio=0, start_max_ratio=0, turns_median=2,
+                turns_sigma=0, initial_context_median_tokens=1000, initial_context_sigma=0, new_tokens_median=100,
+                new_tokens_sigma=0, new_tokens_trajectory_sigma=0, output_median_tokens=50, output_sigma=0,
+                subagent_turns_median=1, subagent_turns_sigma=0, subagent_context_median_tokens=500,
+                subagent_context_sigma=0)
+    return AgenticWorkloadConfig(**{**base, **kw})
+
+
+def test_subagents_run_between_parent_turns_with_fresh_contexts_by_hand() -> None:
+    from sim.workload.agentic import lane_turns
+    it = lane_turns(_det(subagent_spawn_probability=1.0), 0)
+    got = [(t.session, t.turn, t.input_tokens, t.reusable_tokens, t.server_reusable_tokens, t.first_of_trajectory)
+           for t in (next(it) for _ in range(8))]
+    # parent 1,000 -> 1,150 -> 1,300; after each parent turn but the last, a subagent 500 -> 650
+    # (500 + 50 + 100); the parent's next turn still extends its own previous prompt
+    assert got == [
+        ("lane0-traj0", 0, 1000, 0, 0, True),
+        ("lane0-traj0-sub0", 0, 500, 0, 0, True),
+        ("lane0-traj0-sub0", 1, 650, 550, 500, False),
+        ("lane0-traj0", 1, 1150, 1050, 1000, False),
+        ("lane0-traj0-sub1", 0, 500, 0, 0, True),
+        ("lane0-traj0-sub1", 1, 650, 550, 500, False),
+        ("lane0-traj0", 2, 1300, 1200, 1150, False),
+        ("lane0-traj1", 0, 1000, 0, 0, True),  # no subagent after a trajectory's last turn
+    ]
+
+
+def test_no_fanout_leaves_the_stream_unchanged() -> None:
+    from sim.workload.agentic import lane_turns
+    # probability 0 draws nothing more from the lane's RNG: the default stream is the old one, and
+    # the subagent fields do not matter
+    a = AgenticWorkloadConfig(lanes=2)
+    b = AgenticWorkloadConfig(lanes=2, subagent_turns_median=50, subagent_context_median_tokens=1e5)
+    for lane in range(2):
+        ia, ib = lane_turns(a, lane), lane_turns(b, lane)
+        assert [next(ia) for _ in range(200)] == [next(ib) for _ in range(200)]
+
+
+def test_fanout_share_of_subagent_requests_by_formula() -> None:
+    # with probability p after each of a parent's T - 1 non-final turns and n turns per subagent, the
+    # subagent share of requests is p (T - 1) n / (T + p (T - 1) n): T = 3, n = 2, p = 0.5 -> 2 / 5
+    from sim.workload.agentic import lane_turns
+    it = lane_turns(_det(subagent_spawn_probability=0.5, seed=3), 0)
+    turns = [next(it) for _ in range(20_000)]
+    share = sum("-sub" in t.session for t in turns) / len(turns)
+    assert share == pytest.approx(0.4, abs=0.02)
+
+
+@pytest.mark.parametrize("field", ["subagent_spawn_probability", "subagent_turns_median",
+                                   "subagent_context_median_tokens"])
+def test_fanout_fields_refuse_bad_values(field) -> None:
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError):
+        AgenticWorkloadConfig(**{field: -1.0})
+    if field == "subagent_spawn_probability":
+        with pytest.raises(ValidationError):
+            AgenticWorkloadConfig(subagent_spawn_probability=1.5)
+
+
+def test_parent_turn_after_its_subagent_keeps_its_prefix_in_the_closed_loop() -> None:
+    # the closed loop remembers each session's last prompt (a parent and its subagent interleave in
+    # one lane): a parent turn right after a subagent resumes at its own previous prompt's blocks,
+    # never at the subagent's; a subagent's first turn is cold
+    from sim.validation.agentx import simulate_440246
+    wl = AgenticWorkloadConfig(lanes=8, duration_s=200.0, warmup_requests_per_lane=2, subagent_spawn_probability=0.5)
+    r = simulate_440246(wl)
+    rec = r.records
+    last: dict[str, int] = {}
+    lane_prev: dict[str, str] = {}  # the lane's previous request's session
+    after_sub = hits_after_sub = 0
+    for i, session in enumerate(r.sessions):
+        j = last.get(session)
+        lane = session.split("-")[0]
+        before, lane_prev[lane] = lane_prev.get(lane, ""), session
+        if np.isnan(rec.prefill_end_s[i]):
+            last[session] = i
+            continue
+        if j is None:
+            assert rec.cached_tokens[i] == 0  # a first turn (parent or subagent) is cold
+        else:
+            assert rec.cached_tokens[i] <= rec.prompt_tokens[j]
+            if "-sub" not in session and "-sub" in before:
+                after_sub += 1
+                hits_after_sub += rec.cached_tokens[i] > 0
+        last[session] = i
+    assert after_sub > 0 and hits_after_sub > 0.5 * after_sub
