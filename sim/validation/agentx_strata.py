@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from sim.workload.agentic import AgenticWorkloadConfig
 
 __all__ = ["UNCACHED_BUCKETS", "REUSE_BUCKETS", "STRATA_PATH", "uncached_bucket", "reuse_bucket", "request_strata",
-           "load_strata_440845", "StrataRow", "compare_strata", "generator_strata", "result_strata", "print_strata"]
+           "load_strata_440845", "StrataRow", "compare_strata", "generator_strata", "result_strata", "print_strata",
+           "plot_strata"]
 
 STRATA_PATH = Path(__file__).parent.parent / "data" / "measured" / "agentx_440845_request_strata.json"
 
@@ -195,3 +196,38 @@ def print_strata(rows: list[StrataRow], console, title: str) -> None:  # noqa: A
                   f"{r.published_mean_uncached:,.0f}", f"{r.simulated_mean_uncached:,.0f}",
                   f"{100 * r.published_uncached_share:.1f}%", f"{100 * r.simulated_uncached_share:.1f}%")
     console.print(t)
+
+
+def plot_strata(runs: dict[str, dict], path: str | Path, published: dict | None = None) -> Path:
+    """Write a PNG: per bucket, the share of requests (left) and the share of uncached tokens
+    (right) of AgentX 440845's published strata and of each run in ``runs`` (label ->
+    :func:`request_strata` result). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    published = published or load_strata_440845()
+    path = Path(path)
+    series = {"440845 (published)": published, **runs}
+    buckets = [("uncached", b) for b in UNCACHED_BUCKETS[1:]] + [("reuse", b) for b in REUSE_BUCKETS[:-1]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
+    width = 0.8 / len(series)
+    for k, (label, s) in enumerate(series.items()):
+        rows = {(r.dimension, r.bucket): r for r in compare_strata(s, published)}
+        req = [100 * rows[b].simulated_share if b in rows else 0.0 for b in buckets]
+        unc = [100 * rows[b].simulated_uncached_share if b in rows else 0.0 for b in buckets]
+        x = [i + (k - (len(series) - 1) / 2) * width for i in range(len(buckets))]
+        axes[0].bar(x, req, width, label=label)
+        axes[1].bar(x, unc, width, label=label)
+    for ax, what in zip(axes, ("% of requests", "% of uncached prompt tokens")):
+        ax.set_xticks(range(len(buckets)), [f"{d}: {b}" for d, b in buckets], rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel(what)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Where the uncached prompt tokens fall, request by request (AgentX 440845's strata vs simulated 440246)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -211,3 +211,9 @@ def test_parent_turn_after_its_subagent_keeps_its_prefix_in_the_closed_loop() ->
                 hits_after_sub += rec.cached_tokens[i] > 0
         last[session] = i
     assert after_sub > 0 and hits_after_sub > 0.5 * after_sub
+
+
+def test_plot_strata_writes_a_png(tmp_path) -> None:
+    sim = st.request_strata([10_000, 100_000, 50_000, 300_000], [0, 99_000, 40_000, 0])
+    out = st.plot_strata({"hand example": sim}, tmp_path / "strata.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
