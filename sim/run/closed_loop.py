@@ -266,12 +266,16 @@ def simulate_closed_loop(
         if env.now > MAX_WARMUP_S:
             raise RuntimeError(f"the warm-up did not end within {MAX_WARMUP_S:g} simulated seconds")
         env.run(until=env.now + 60.0)
-    env.run(until=end_s() + drain_s)
+    # the warm-up runs in 60 s chunks, so the clock may already be past the window's end plus the
+    # drain (a window shorter than the rest of the chunk): then nothing more runs
+    deadline = end_s() + drain_s
+    if deadline > env.now:
+        env.run(until=deadline)
 
     n = len(lane_of)
     rec = cluster.records
     idx = np.flatnonzero(np.asarray(measured, dtype=bool))
-    fin = ~np.isnan(rec.finish_s[idx])
+    fin = rec.finish_s[idx] <= deadline  # NaN (not finished) compares False: cancelled
     done, cancelled = idx[fin], int((~fin).sum())
     arr = np.asarray(sent_at, dtype=np.float64)[done]
     rows = np.column_stack([arr, rec.first_token_s[done] - arr, rec.finish_s[done] - arr,
