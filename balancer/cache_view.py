@@ -154,6 +154,24 @@ class CacheView:
             self.store_index.insert(STORE_HOLDER, block_hashes, now_s)
         return True
 
+    def forget_routed(self, replica: ReplicaId, block_hashes: tuple[int, ...], kept_blocks: int,
+                      routed_at_s: float) -> int:
+        """Undo :meth:`record_routed` on one replica whose engine rejected the prompt: its blocks
+        after the first ``kept_blocks`` (those it held before) leave the prefix index (approximate
+        mode) and the speculative index (hybrid), each block only if nothing touched it there since
+        ``routed_at_s`` (another request routed there meanwhile keeps it). The lower tiers (host,
+        shared store) keep theirs (their entries expire by LRU; the tiers are off by default).
+        Returns the blocks dropped."""
+        new = block_hashes[kept_blocks:]
+        if not new:
+            return 0
+        n = 0
+        if self.index_mode == "approximate":
+            n += self.index.remove_untouched(replica, new, routed_at_s)
+        if self.speculative is not None:
+            n += self.speculative.remove_untouched(replica, new, routed_at_s)
+        return n
+
     def record_peer_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
         """A prompt another router routed to ``replicas`` (registered ones): approximate mode only."""
         if self.index_mode != "approximate":

@@ -108,6 +108,14 @@ class EngineCost:
             ``max_running_requests``); a request beyond it waits in the rank's waiting queue for a
             slot. ``None``: no cap known (the pricing is then as without one). Only decode and
             mixed pools use it (:func:`slot_wait_s`).
+        request_chunk_tokens: most prompt tokens one request computes per step (vLLM
+            ``--long-prefill-token-threshold``), tokens; ``None``: only ``chunk_tokens`` bounds a
+            chunk. A prompt of ``u`` uncached tokens then needs at least ``ceil(u /
+            request_chunk_tokens)`` prefill steps (:mod:`balancer.prefill_cadence`).
+        prefill_schedule_interval: vLLM's DP prefill balancing (``--prefill-schedule-interval``):
+            a rank that is decoding prefills only on every ``k``-th step of its engine, unless it
+            has a request waiting for admission (then on every step); 1 (the default) = every step.
+            Only mixed pools use it (:mod:`balancer.prefill_cadence`).
     """
 
     prefill: PrefillStepCost = field(default_factory=PrefillStepCost)
@@ -115,12 +123,25 @@ class EngineCost:
     chunk_tokens: int = 8192
     ep_synchronous: bool = True
     max_num_seqs: int | None = None
+    request_chunk_tokens: int | None = None
+    prefill_schedule_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or self.max_num_seqs < 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1 or None, got {self.max_num_seqs!r}")
+        if self.request_chunk_tokens is not None and (isinstance(self.request_chunk_tokens, bool)
+                                                      or self.request_chunk_tokens < 1):
+            raise ValueError(f"request_chunk_tokens must be an integer >= 1 or None, got {self.request_chunk_tokens!r}")
+        if isinstance(self.prefill_schedule_interval, bool) or self.prefill_schedule_interval < 1:
+            raise ValueError(f"prefill_schedule_interval must be an integer >= 1, got {self.prefill_schedule_interval!r}")
+
+    @property
+    def has_cadence(self) -> bool:
+        """Whether vLLM's per-request chunk limit or prefill cadence is set (either changes how
+        ``ep_aware`` prices a prefill: :mod:`balancer.prefill_cadence`)."""
+        return self.request_chunk_tokens is not None or self.prefill_schedule_interval > 1
 
     def prefill_time_s(self, tokens: float, context_tokens: float = 0.0) -> float:
         """Seconds for one rank of an otherwise idle engine to prefill ``tokens`` new tokens after
@@ -174,6 +195,10 @@ class CostModel:
             out = {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous}
             if e.max_num_seqs is not None:  # absent = no cap (TOML has no null)
                 out["max_num_seqs"] = e.max_num_seqs
+            if e.request_chunk_tokens is not None:  # absent = no per-request limit
+                out["request_chunk_tokens"] = e.request_chunk_tokens
+            if e.prefill_schedule_interval != 1:  # absent = every step
+                out["prefill_schedule_interval"] = e.prefill_schedule_interval
             return {**out, "prefill": dict(zip(PREFILL_TERMS, e.prefill.coef().tolist())),
                     "decode": dict(zip(DECODE_TERMS, e.decode.coef().tolist()))}
         out = {"prefill": eng(self.prefill), "decode": eng(self.decode),
@@ -191,7 +216,8 @@ class CostModel:
         Raises:
             ValueError: a non-table where a table belongs, unknown keys, a coefficient that is not
                 a finite number >= 0 (booleans and strings included), a non-integer or
-                non-positive ``chunk_tokens`` or ``max_num_seqs``, a non-boolean ``ep_synchronous``; the message names
+                non-positive ``chunk_tokens``, ``max_num_seqs``, ``request_chunk_tokens`` or
+                ``prefill_schedule_interval``, a non-boolean ``ep_synchronous``; the message names
                 the key by its dotted path (``cost_model.decode.decode.per_seq_s``).
         """
         def table(x: object, where: str) -> Mapping:
@@ -201,10 +227,12 @@ class CostModel:
 
         def eng(x: object, where: str) -> EngineCost:
             x = table(x, where)
-            unknown = set(x) - {"chunk_tokens", "ep_synchronous", "max_num_seqs", "prefill", "decode"}
+            unknown = set(x) - {"chunk_tokens", "ep_synchronous", "max_num_seqs", "request_chunk_tokens",
+                                "prefill_schedule_interval", "prefill", "decode"}
             if unknown:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
-                                 "valid: chunk_tokens, decode, ep_synchronous, max_num_seqs, prefill")
+                                 "valid: chunk_tokens, decode, ep_synchronous, max_num_seqs, prefill, "
+                                 "prefill_schedule_interval, request_chunk_tokens")
             p = _terms(table(x.get("prefill", {}), f"{where}.prefill"), PREFILL_TERMS, f"{where}.prefill")
             dd = _terms(table(x.get("decode", {}), f"{where}.decode"), DECODE_TERMS, f"{where}.decode")
             chunk = x.get("chunk_tokens", 8192)
@@ -217,7 +245,15 @@ class CostModel:
             if seqs is not None and (isinstance(seqs, bool) or not isinstance(seqs, int) or not 1 <= seqs <= 1 << 20):
                 raise ValueError(f"{where}.max_num_seqs must be an integer in [1, 1048576] (omit it for no cap), "
                                  f"got {seqs!r}"[:200])
-            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep, seqs)
+            limit = x.get("request_chunk_tokens")
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1 << 30):
+                raise ValueError(f"{where}.request_chunk_tokens must be an integer in [1, 1073741824] (omit it for "
+                                 f"no per-request limit), got {limit!r}"[:200])
+            interval = x.get("prefill_schedule_interval", 1)
+            if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 1 << 16:
+                raise ValueError(f"{where}.prefill_schedule_interval must be an integer in [1, 65536] (1 = prefill "
+                                 f"on every step), got {interval!r}"[:200])
+            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep, seqs, limit, interval)
 
         d = table(d, "cost_model")
         scalars = ("transfer_latency_s", "transfer_s_per_token", "host_fetch_s_per_token", "store_fetch_s_per_token")

@@ -9,8 +9,9 @@ took 93 us, ``N_after`` 30 and the decode cost 14 of ep_aware's ~215 us per deci
 16, 10 and 2 us. The kernels here do the same arithmetic in one compiled loop each (numba), **bit
 for bit** (see :mod:`balancer._jit_kernels`): decisions do not change, only their cost.
 
-numba is optional. Without it (``pip install pdlb`` alone), or after :func:`use_compiled` ``(False)``,
-every function here returns ``None`` and the caller runs its numpy code, which stays the
+numba is optional. Without it (``pip install pdlb`` alone), or after :func:`use_compiled` ``(False)``
+(which ``pdlb``'s commands call for the environment variable ``PDLB_KERNELS=off``, :data:`ENV_VAR`,
+in every process they start: :func:`enabled_by_env`), every function here returns ``None`` and the caller runs its numpy code, which stays the
 reference (tests/balancer/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
 ``sim`` and ``test`` extras install it), the kernels are compiled, or loaded from numba's cache,
 the first time :func:`compiled` is called: :class:`~balancer.policies.ep_aware.EpAware` calls it
@@ -22,13 +23,37 @@ Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 
 import numpy as np
 
+ENV_VAR = "PDLB_KERNELS"
+"""The environment variable with which ``pdlb``'s commands turn the compiled kernels off (``off``,
+``0``, ``false``, ``no``) or leave them on (``on``, ``1``, ``true``, ``yes``, unset or empty; any
+case), in their own process and every process they start (``pdlb serve``'s router processes, the
+simulator's worker processes). This module reads no environment itself (the core does no I/O):
+the entry points pass it to :func:`enabled_by_env`."""
+_ON = frozenset({"on", "1", "true", "yes", ""})
+_OFF = frozenset({"off", "0", "false", "no"})
+
 _enabled = True
 _module: ModuleType | None = None
 _tried = False
+
+
+def enabled_by_env(environ: Mapping[str, str]) -> bool:
+    """Whether :data:`ENV_VAR` in ``environ`` (a process's environment, e.g. ``os.environ``) leaves
+    the kernels on; ``use_compiled(enabled_by_env(os.environ))`` applies it.
+
+    Raises:
+        ValueError: a value that is neither on nor off (the message names the variable)."""
+    value = environ.get(ENV_VAR, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{ENV_VAR} must be 'on' or 'off' (the compiled ep_aware kernels), got {value[:40]!r}")
 
 
 def use_compiled(enabled: bool) -> None:

@@ -581,6 +581,23 @@ class PrefixIndex:
                 n += b - a
         return n
 
+    def remove_untouched(self, replica: ReplicaId, block_hashes: Iterable[int], touched_s: float) -> int:
+        """Forget those of ``block_hashes`` on ``replica`` whose last touch there was at
+        ``touched_s`` exactly (none since; e.g. what one :meth:`insert` at ``touched_s`` recorded,
+        unless a later insert touched it again). Returns how many were dropped."""
+        rs = self._state.get(replica)
+        if rs is None or not rs.blocks:
+            return 0
+        node_of = self._block_map()
+        num = rs.num
+        drop = []
+        for h in block_hashes:
+            node = node_of.get(h)
+            e = node.entries.get(num) if node is not None else None
+            if e is not None and e.time == touched_s:
+                drop.append(h)
+        return self.remove(replica, drop) if drop else 0
+
     def clear(self, replica: ReplicaId) -> int:
         """Forget every block of one replica (``AllBlocksCleared`` event, or replica removed);
         returns how many it held. Its number is released too (reused by the next new replica),

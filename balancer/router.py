@@ -12,6 +12,8 @@ Life of a request::
     router.on_prefill_done(request.request_id, now_s)  # prefill replica finished (PD)
     router.on_first_token(request.request_id, now_s)   # first output token (aggregated: prefill done)
     router.on_finished(request.request_id, now_s)      # releases everything left
+    # an engine refused it before computing it (HTTP 4xx): forget the blocks route() recorded
+    router.on_rejected(route, request.block_hashes, routed_at_s, by_prefill=False)
 
 Modes: with prefill replicas registered the router disaggregates (prefill pool + decode pool);
 without, it routes to one mixed (aggregated) replica and ``Route.prefill`` is ``None``. With
@@ -587,6 +589,37 @@ class Router:
             self.cost_learner.on_finished(request_id, now_s, num_output_tokens)
         if self.load.peer is not None:
             self.load.peer.publish()
+
+    @_locked
+    def on_rejected(self, route: Route, block_hashes: tuple[int, ...], routed_at_s: float, *,
+                    by_prefill: bool) -> int:
+        """An engine of ``route`` refused the request before computing it (e.g. an HTTP 4xx): forget
+        the prompt's blocks that :meth:`route` recorded on the replicas that will not hold them,
+        which otherwise stay in the prefix index (approximate mode) and the speculative index
+        (hybrid) as if cached until the LRU drops them.
+
+        Args:
+            route: what :meth:`route` returned for the request.
+            block_hashes: the request's ``block_hashes`` (as routed).
+            routed_at_s: the ``now_s`` given to :meth:`route` (the time its records carry).
+            by_prefill: the prefill replica refused (PD): the decode replica gets no KV either, so
+                both forget; otherwise only the decode (or mixed) replica does (the prefill may have
+                computed the prompt already).
+
+        Each replica keeps the blocks it matched when routed (``ceil(matched_tokens /
+        block_size)``, at least its index depth then) and any block touched again since
+        ``routed_at_s`` (another request routed there meanwhile). Events mode: nothing to forget
+        (the engines' own events are the truth). Returns the blocks dropped. Other routers told of
+        the decision (processes sharing decisions, a broker) keep their copy: no retraction is sent.
+        """
+        bs = self.block_size
+        targets = [(route.decode, route.decode_matched_tokens)]
+        if by_prefill and route.prefill is not None:
+            targets.append((route.prefill, route.prefill_matched_tokens))
+        n = 0
+        for rep, matched in targets:
+            n += self.cache.forget_routed(rep, block_hashes, -(-matched // bs), routed_at_s)
+        return n
 
     @_locked
     def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float | None = None) -> None:

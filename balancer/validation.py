@@ -57,6 +57,8 @@ def format_validation_error(err: ValidationError, source: str | None = None,
             msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
             if valid and not close:
                 msg += f" (valid: {', '.join(valid)})"
+        elif e.get("type") == "finite_number":  # NaN or an infinity (pydantic: "Input should be a finite number")
+            msg = f"must be a finite number, got {e.get('input')!r}"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         # model-level checks have no field; a nested model's check that names its own path

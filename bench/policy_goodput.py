@@ -138,6 +138,18 @@ def cell(v: tuple[float, float, float], spread: bool, beyond: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (see the module docstring); returns 0. The worker pool is stopped before
+    it returns, whatever happens: left to the interpreter's exit, the process pool raised an
+    OSError there (after the results were written)."""
+    pools: list = []
+    try:
+        return _main(argv, pools)
+    finally:
+        for executor in pools:
+            executor.shutdown(kill=sys.exc_info()[0] is not None)
+
+
+def _main(argv: list[str] | None, pools: list) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="workload:scenario,... (default: all rows)")
     ap.add_argument("--policies", default=",".join((OURS, BLIND, *ANCHORS)),
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="pdlb-bench-"))  # generated workloads as JSONL
     t0 = time.perf_counter()
     executor = make_executor("process", jobs=args.jobs)
+    pools.append(executor)  # main() stops it
 
     # ------------------------------------------------------------------ each row's SLO
     row_slo = {row: slo for row in rows}

@@ -430,10 +430,33 @@ def _pdlb_args(mode: str, engines: list[Proc], processes: int) -> list[str]:
             "--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--processes", str(processes)]
 
 
-async def run_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, list[str]]) -> dict:
-    """Measure one mode; returns per-repeat results ``{"direct": [...], "pdlb": [...], PEER: [...]}``
-    (``peer_cmds``: the peers to run, those of them that speak ``mode``), and ``"peers"``: the
-    names of the peers that started."""
+@dataclass
+class ModeRun:
+    """One mode's processes, started by :func:`start_mode` and kept for its repeats: the engines (the
+    last one the direct engine), pdlb's rows, the peers that started, and the per-repeat results
+    ``out`` (``{"direct": [...], ROW: [...], "peers": [...]}``, as :func:`run_mode` returns)."""
+
+    mode: str
+    out: dict[str, Any]
+    direct_engine: Proc
+    pdlbs: dict[str, Proc]
+    started: dict[str, tuple[subprocess.Popen, str]]
+    bases: dict[str, Path]
+    procs: list[Proc]
+
+    def header(self, args: argparse.Namespace) -> str:
+        n = args.engines if self.mode == "regular" else args.pd_engines
+        desc = {"regular": f"{n} mixed engines", "pd": f"{n} prefill + {n} decode, SGLang PD",
+                "vllm-pd": f"{n} prefill + {n} decode, vLLM PD"}[self.mode]
+        return (f"\n== {self.mode} ({desc}), zero-delay engines, latency at concurrency {args.concurrency}, "
+                f"throughput at {args.max_concurrency} from {args.load_processes} client process(es), "
+                f"{args.duration_s:g} s each ==")
+
+
+async def start_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, list[str]]) -> ModeRun:
+    """Start one mode's engines, pdlb rows and peers (``peer_cmds``: the peers to run, those of them
+    that speak ``mode``; one that does not start is left out with a note); on an error, what was
+    started is stopped again. Afterwards this process (the load generator) runs on the other CPUs."""
     n = args.engines if mode == "regular" else args.pd_engines
     specs = [("mixed", "--zero-delay")] * n if mode == "regular" else \
         [("prefill", "--zero-delay")] * n + [("decode", "--zero-delay")] * n
@@ -474,49 +497,79 @@ async def run_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, lis
                     await _wait_ready(started[name][1], started[name][0])
                 except (RuntimeError, OSError) as e:
                     print(f"  {name} unavailable: {e} (see /tmp/pdlb-bench-{name}-{mode}.log); skipping it")
-        for name in [k for k in peers if k not in started or started[k][0].poll() is not None]:
-            del out[name]
-        if args.other_cpus:
-            os.sched_setaffinity(0, args.other_cpus)  # the load generator too
-        out["peers"] = [k for k in peers if k in out]
-        desc = {"regular": f"{n} mixed engines", "pd": f"{n} prefill + {n} decode, SGLang PD",
-                "vllm-pd": f"{n} prefill + {n} decode, vLLM PD"}[mode]
-        print(f"\n== {mode} ({desc}), zero-delay engines, latency at concurrency {args.concurrency}, "
-              f"throughput at {args.max_concurrency} from {args.load_processes} client process(es), "
-              f"{args.duration_s:g} s each ==")
+    except BaseException:
+        _stop(started, procs)
+        raise
+    for name in [k for k in peers if k not in started or started[k][0].poll() is not None]:
+        del out[name]
+    if args.other_cpus:
+        os.sched_setaffinity(0, args.other_cpus)  # the load generator too
+    out["peers"] = [k for k in peers if k in out]
+    return ModeRun(mode, out, direct_engine, pdlbs, started, bases, procs)
+
+
+async def measure_repeat(run: ModeRun, args: argparse.Namespace, k: int) -> None:
+    """Repeat ``k``: the direct engine, every pdlb row, then every peer, in turn; appended to
+    ``run.out`` and printed."""
+    out = run.out
+    direct = await _measure(run.direct_engine.url, args, run.direct_engine.popen.pid)
+    rows = [("direct engine", direct)]
+    out["direct"].append(direct)
+    for name, pdlb in run.pdlbs.items():
+        ours = await _measure(pdlb.url, args, pdlb.popen.pid)
+        rows.append((name, ours))
+        out[name].append(ours)
+    for name in out["peers"]:
+        popen, url = run.started[name]
+        theirs = await _measure(url, args, popen.pid)
+        rows.append((name, theirs))
+        out[name].append(theirs)
+    _print_repeat(k, rows, direct)
+
+
+async def measure_paired(run: ModeRun, args: argparse.Namespace) -> None:
+    """With ``--baseline``: ``--paired-rounds`` rounds of one pdlb process and every baseline driven at once."""
+    paired = {name: p for name, p in run.pdlbs.items() if name in run.bases or name == "pdlb"}
+    if args.paired_rounds and "pdlb" in paired and len(paired) > 1:
+        print(f"  paired CPU/req (one process each, driven at once, {args.concurrency} connections each):")
+        for k in range(1, args.paired_rounds + 1):
+            got = await _paired_cpu(paired, args)
+            run.out.setdefault("paired", []).append(got)
+            print(f"    round {k}: " + ", ".join(f"{name} {us:.0f} us" for name, us in got.items())
+                  + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / (got[b] or float('nan')):.2f}x"
+                                                   for b in run.bases))
+
+
+def _stop(started: dict[str, tuple[subprocess.Popen, str]], procs: list[Proc]) -> None:
+    for popen, _ in started.values():
+        if popen.poll() is None:
+            popen.terminate()
+            try:
+                popen.wait(10)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+    for p in procs:
+        p.stop()
+
+
+def stop_mode(run: ModeRun) -> None:
+    """Stop the peers (SIGTERM, then SIGKILL after 10 s), then pdlb and the engines."""
+    _stop(run.started, run.procs)
+
+
+async def run_mode(mode: str, args: argparse.Namespace, peer_cmds: dict[str, list[str]]) -> dict:
+    """Measure one mode; returns per-repeat results ``{"direct": [...], "pdlb": [...], PEER: [...]}``
+    (``peer_cmds``: the peers to run, those of them that speak ``mode``), and ``"peers"``: the
+    names of the peers that started."""
+    run = await start_mode(mode, args, peer_cmds)
+    try:
+        print(run.header(args))
         for k in range(1, args.repeat + 1):
-            direct = await _measure(direct_engine.url, args, direct_engine.popen.pid)
-            rows = [("direct engine", direct)]
-            out["direct"].append(direct)
-            for name, pdlb in pdlbs.items():
-                ours = await _measure(pdlb.url, args, pdlb.popen.pid)
-                rows.append((name, ours))
-                out[name].append(ours)
-            for name in out["peers"]:
-                popen, url = started[name]
-                theirs = await _measure(url, args, popen.pid)
-                rows.append((name, theirs))
-                out[name].append(theirs)
-            _print_repeat(k, rows, direct)
-        paired = {name: p for name, p in pdlbs.items() if name in bases or name == "pdlb"}
-        if args.paired_rounds and "pdlb" in paired and len(paired) > 1:
-            print(f"  paired CPU/req (one process each, driven at once, {args.concurrency} connections each):")
-            for k in range(1, args.paired_rounds + 1):
-                got = await _paired_cpu(paired, args)
-                out.setdefault("paired", []).append(got)
-                print(f"    round {k}: " + ", ".join(f"{name} {us:.0f} us" for name, us in got.items())
-                      + "; pdlb / " + ", pdlb / ".join(f"{b} {got['pdlb'] / (got[b] or float('nan')):.2f}x" for b in bases))
+            await measure_repeat(run, args, k)
+        await measure_paired(run, args)
     finally:
-        for popen, _ in started.values():
-            if popen.poll() is None:
-                popen.terminate()
-                try:
-                    popen.wait(10)
-                except subprocess.TimeoutExpired:
-                    popen.kill()
-        for p in procs:
-            p.stop()
-    return out
+        stop_mode(run)
+    return run.out
 
 
 def _base_name(k: int) -> str:

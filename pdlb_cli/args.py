@@ -674,19 +674,37 @@ def idle_tier_flags(scenario: Scenario) -> list[tuple[str, str]]:
     return [("tier_weights", why), ("no_router_tiers", why)]
 
 
-def idle_slo_params(policy: typing.Any, route_slo: bool) -> list[str]:
+def budget_pools_all_wide_ep(scenario: Scenario) -> bool:
+    """Whether every engine a TTFT budget would apply to (the prefill pools of a PD scenario, the
+    mixed pool of an aggregated one) steps its DP ranks together (wide EP): ep_aware then routes
+    SLO-blind unless its ``slo_wide_ep`` is set (:class:`balancer.policies.ep_aware.EpAware`)."""
+    pools = [scenario.prefill, scenario.long_prefill] if scenario.disaggregated else [scenario.mixed]
+    return all(build_perf(scenario, p).ep_synchronous for p in pools if p is not None)
+
+
+def _ignores_budget_on_wide_ep(policy: typing.Any, wide_ep: bool) -> bool:
+    return wide_ep and not getattr(policy, "slo_wide_ep", True)
+
+
+def idle_slo_params(policy: typing.Any, route_slo: bool, wide_ep: bool = False) -> list[str]:
     """The ``slo_*`` parameters set away from their defaults on a policy that gets no TTFT budget
-    (neither its own ``ttft_slo_s`` nor the router's: ``route_slo`` with ``slo_aware``): they
-    change nothing."""
+    (neither its own ``ttft_slo_s`` nor the router's: ``route_slo`` with ``slo_aware``) or ignores
+    the one it gets (``wide_ep``: the pools are all wide EP, :func:`budget_pools_all_wide_ep`, and
+    the policy has ``slo_wide_ep`` off, ep_aware's default; then its own ``ttft_slo_s`` and
+    ``ttft_slo_per_1k_tokens_s`` are idle too): they change nothing."""
     if not dataclasses.is_dataclass(policy) or not hasattr(policy, "ttft_slo_s"):
         return []
-    if policy.ttft_slo_s > 0 or (route_slo and getattr(policy, "slo_aware", True)):
+    budget = policy.ttft_slo_s > 0 or (route_slo and getattr(policy, "slo_aware", True))
+    if budget and not _ignores_budget_on_wide_ep(policy, wide_ep):
         return []
+    own = ("ttft_slo_s", "ttft_slo_per_1k_tokens_s") if budget else ()
     return [f.name for f in dataclasses.fields(policy)
-            if f.name.startswith("slo_") and f.name != "slo_aware" and getattr(policy, f.name) != f.default]
+            if (f.name.startswith("slo_") and f.name != "slo_aware" or f.name in own)
+            and getattr(policy, f.name) != f.default]
 
 
-def warn_idle_slo_params(runs: Sequence[tuple[str, typing.Any, typing.Any]], route_slo: bool, fix: str) -> None:
+def warn_idle_slo_params(runs: Sequence[tuple[str, typing.Any, typing.Any]], route_slo: bool, fix: str,
+                         wide_ep: bool = False) -> None:
     """Warn on stderr, once per run, about :func:`idle_slo_params` of its prefill or decode policy.
 
     Args:
@@ -694,11 +712,27 @@ def warn_idle_slo_params(runs: Sequence[tuple[str, typing.Any, typing.Any]], rou
         route_slo: whether the router is told the SLO's TTFT budget.
         fix: how the user gives the policy a budget, e.g. ``"add --route-slo"``,
             ``"drop --no-route-slo"``.
+        wide_ep: the pools a budget applies to are all wide EP (:func:`budget_pools_all_wide_ep`):
+            a policy with ``slo_wide_ep`` off ignores its budget there, and the warning says to set it.
     """
     for label, p, d in runs:
-        idle = list(dict.fromkeys(idle_slo_params(p, route_slo) + idle_slo_params(d, route_slo)))
-        if idle:
-            print(f"warning: {label}: {', '.join(idle)} change{'s' if len(idle) == 1 else ''} nothing without a "
+        idle = list(dict.fromkeys(idle_slo_params(p, route_slo, wide_ep) + idle_slo_params(d, route_slo, wide_ep)))
+        if not idle:
+            continue
+        verb = f"change{'s' if len(idle) == 1 else ''} nothing"
+        wide = [x for x in (p, d) if _ignores_budget_on_wide_ep(x, wide_ep)]
+        budget = any(x is not None and getattr(x, "ttft_slo_s", 0) > 0 for x in (p, d)) or (
+            route_slo and any(getattr(x, "slo_aware", False) for x in (p, d)))
+        if wide and budget:
+            print(f"warning: {label}: {', '.join(idle)} {verb}: ep_aware routes SLO-blind where every engine is wide "
+                  "EP, as here (slo_wide_ep=true to the policy routes against the TTFT budget there too)",
+                  file=sys.stderr)
+        elif wide:
+            print(f"warning: {label}: {', '.join(idle)} {verb} without a TTFT budget to route against ({fix}, or "
+                  "ttft_slo_s=S to the policy; and slo_wide_ep=true: every engine here is wide EP, where ep_aware "
+                  "routes SLO-blind by default)", file=sys.stderr)
+        else:
+            print(f"warning: {label}: {', '.join(idle)} {verb} without a "
                   f"TTFT budget to route against ({fix}, or ttft_slo_s=S to the policy)", file=sys.stderr)
 
 

@@ -34,6 +34,7 @@ import sys
 
 from rich.console import Console
 
+from balancer import kernels
 from balancer.router import PolicyError
 from pdlb_cli.args import ArgumentParser, command_line, given_options
 from pdlb_cli.command import Subcommand, add_subcommands
@@ -140,6 +141,7 @@ def _main(argv: list[str] | None, out: _PipeSafeStdout) -> int:
     args.given = given_options(parser, args.argv)  # the flags given, for warn_idle_flags
     console = Console(file=out) if out.isatty() else Console(file=out, width=160)
     try:
+        kernels.use_compiled(kernels.enabled_by_env(os.environ))  # PDLB_KERNELS (a bad value: one line, rc 2)
         return args.run(args, console)
     except (ValueError, OSError, PolicyError) as e:  # one line on stderr, however long; no traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from balancer import kernels
 from balancer.cost_model import CostModel
 from balancer.policies import available_policies
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, move_legacy_router_keys,
@@ -261,4 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     add_serve_parser(sub).prog = "pdlb-serve"
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        kernels.use_compiled(kernels.enabled_by_env(os.environ))  # PDLB_KERNELS
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return run_serve(args)

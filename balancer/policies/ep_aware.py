@@ -82,6 +82,19 @@ Parameters:
         "The named losses and the tail at equal rate").
     seq_cap: price the engines' sequence cap and the slot wait (above) where the cost model knows
         the cap (``EngineCost.max_num_seqs``); False (the default) prices as if there were none.
+    cadence: price vLLM's per-request chunk limit and prefill cadence (below) where the cost model
+        sets them (``EngineCost.request_chunk_tokens``, ``prefill_schedule_interval``); engines
+        without them are priced as before either way.
+
+**vLLM's chunk limit and prefill cadence** (``cadence=True``; :mod:`balancer.prefill_cadence`):
+a prompt's prefill takes ``n_i = max(ceil((q_i + u_i) / C), ceil(u_i / L))`` steps (``L`` the
+per-request chunk limit), so the predicted TTFT and the cost add ``(n_i - ceil((q_i + u_i) / C))
+overhead``; on a mixed pool with interval ``k`` they add the decode steps between the rank's
+open prefill steps, ``(k - 1)(n_i - 1/2) T_e`` (``T_e`` the engine's decode step now; 0 on an
+empty rank), and the cost adds, on a rank whose ``max_num_seqs`` slots are all taken (the request
+would wait for admission, and the rank prefill on every step), ``externality_weight forced_i n_e
+chunk_s``: the group's extra mixed steps times its running sequences times one chunk's prefill
+seconds.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
@@ -107,6 +120,7 @@ from balancer.cost_model import (
     prefill_wait_features,
     slot_wait_s,
 )
+from balancer.prefill_cadence import cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps
 from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
 
@@ -230,6 +244,7 @@ class EpAware(Policy):
     slo_doomed_tail_own: float = 1.0
     slo_wide_ep: bool = False
     seq_cap: bool = False
+    cadence: bool = True
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -271,12 +286,17 @@ class EpAware(Policy):
         want = slo is not None
         if cands.role is Role.PREFILL:
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", want, ctx.now_s)
+            if self.cadence:
+                cost, ttft, own = self._cadence_terms(request, cands, model, names, idx, rows, "prefill", cost, ttft,
+                                                      own)
             reason = "ep_aware:prefill"
         elif cands.role is Role.DECODE:
             cost = self.decode_cost(request, cands, model, names, idx, rows, transfer=True)
             reason = "ep_aware:decode"
         else:
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", want)
+            if self.cadence:
+                cost, ttft, own = self._cadence_terms(request, cands, model, names, idx, rows, "mixed", cost, ttft, own)
             cost = (cost + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
                     + self.externality_weight * self._mixed_stall(request, cands, model, names, idx, rows))
             wait = self.slot_wait(request, cands, model, names, idx, rows) if want else None
@@ -295,7 +315,7 @@ class EpAware(Policy):
             reason += ":slo_doomed"
             i = argmin_random(cost, ctx.rng)
         else:
-            i = self._pick(cost, cands, ctx)
+            i = self._pick(cost, cands, ctx, self._cadence_tie_load(cands, model, names) if self.cadence else None)
         return Choice(cands.replicas[i], scores_of(cands, cost), reason=reason if feasible else reason + ":no_kv_room")
 
     def predict_prefill_s(self, request: Request, cands: Candidates, ctx: SelectContext
@@ -314,9 +334,13 @@ class EpAware(Policy):
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
         names, idx, rows = engine_groups(cands.replicas)
         if cands.role is Role.PREFILL:
-            _, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", True, ctx.now_s)
+            cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", True, ctx.now_s)
         else:
-            _, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", True)
+            cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", True)
+        if self.cadence:
+            role = "prefill" if cands.role is Role.PREFILL else "mixed"
+            _, ttft, own = self._cadence_terms(request, cands, model, names, idx, rows, role, cost, ttft, own)
+        if cands.role is not Role.PREFILL:
             wait = self.slot_wait(request, cands, model, names, idx, rows)
             if wait is not None:
                 ttft = ttft + wait
@@ -504,6 +528,103 @@ class EpAware(Policy):
         np.maximum(frac, 0.0, out=frac)
         return np.add.reduce(N * frac, axis=1)  # the own rank contributes 0 (q_r == q_i)
 
+    # ------------------------------------------------------------------ vLLM's chunk limit and cadence
+    def _cadence_terms(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                       idx: np.ndarray, rows: np.ndarray | None, role: str, cost: np.ndarray,
+                       ttft: np.ndarray, own: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(cost, ttft, own)`` with vLLM's per-request chunk limit and prefill cadence priced
+        (module docstring; :mod:`balancer.prefill_cadence`) on the engines whose cost model sets
+        them: ``own`` (the idle-rank prefill, None stays None) counts ``ceil(u / min(L, C))`` step
+        overheads. Unchanged (the same arrays) where no engine sets them; new arrays otherwise,
+        shapes ``(n,)``."""
+        eng = self._uniform_engine(model, names, role)
+        engs: list[tuple[int | None, EngineCost]] = (
+            [(None, eng)] if eng is not None else [(e, model.engine(n, role)) for e, n in enumerate(names)])
+        if not any(ec.has_cadence for _, ec in engs):
+            return cost, ttft, own
+        P = float(request.prompt_tokens)
+        bs = float(cands.block_size)
+        if cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None:
+            hbm = cands.hbm_blocks * bs  # as the prefill cost's tiers (_prefill_cost_one)
+            cached = np.minimum(hbm + (cands.host_blocks + cands.store_blocks) * bs, P - 1.0)
+            host_t = np.clip(np.minimum(hbm + cands.host_blocks * bs, cached) - hbm, 0.0, None)
+            store_t = np.clip(cached - hbm - host_t, 0.0, None)
+            fetch: np.ndarray | float = host_t * model.host_fetch_s_per_token + store_t * model.store_fetch_s_per_token
+        else:
+            cached = np.minimum(cands.matched_tokens.astype(np.float64), P - 1.0)
+            fetch = 0.0
+        u = P - cached
+        new_ttft, add_cost, add_own = ttft.copy(), np.zeros(len(cands)), np.zeros(len(cands))
+        for e, ec in engs:
+            if not ec.has_cadence:
+                continue
+            t, c, o = self._cadence_one(request, cands, ec, idx, rows, role, u, cached, fetch, ttft)
+            if e is None:
+                new_ttft, add_cost, add_own = t, c, o
+            else:
+                sub = idx == e
+                new_ttft[sub], add_cost[sub], add_own[sub] = t[sub], c[sub], o[sub]
+        return cost + (new_ttft - ttft) + add_cost, new_ttft, (own + add_own if own is not None else None)
+
+    def _cadence_tie_load(self, cands: Candidates, model: CostModel, names: tuple[str, ...]) -> np.ndarray | None:
+        """The tie rule's load on a mixed pool whose engines cap the running sequences and set the
+        chunk limit or cadence: requests first (``num_requests (max kv + 1) + kv``, int64, shape
+        ``(n,)``: the fewest requests, then the least decode KV tokens), as a rank's free slots
+        decide whether its later requests wait and force prefill on every step; None elsewhere
+        (the default rule)."""
+        if cands.role is not Role.MIXED:
+            return None
+        eng = self._uniform_engine(model, names, "mixed")
+        engs = [eng] if eng is not None else [model.engine(n, "mixed") for n in names]
+        if not all(ec.has_cadence and ec.max_num_seqs is not None for ec in engs):
+            return None
+        kv = cands.decode_kv_tokens.astype(np.int64)
+        return cands.num_requests.astype(np.int64) * (int(kv.max(initial=0)) + 1) + kv
+
+    def _cadence_one(self, request: Request, cands: Candidates, eng: EngineCost, idx: np.ndarray,
+                     rows: np.ndarray | None, role: str, u: np.ndarray, cached: np.ndarray,
+                     fetch: np.ndarray | float, ttft: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One engine cost model's ``(TTFT, cost seconds added besides the TTFT's change, idle-rank
+        prefill seconds added)``, each ``(n,)`` (module docstring, "vLLM's chunk limit and prefill
+        cadence")."""
+        c = eng.prefill
+        C = eng.chunk_tokens
+        L = eng.request_chunk_tokens
+        q = cands.prefill_tokens.astype(np.float64)
+        today = np.ceil((q + u) / float(C))  # the steps the features counted
+        add_own = (prefill_steps(np.zeros_like(u), u, C, L) - np.ceil(u / float(C))) * c.overhead_s
+        add_cost = np.zeros(len(q))
+        k = eng.prefill_schedule_interval
+        S = eng.max_num_seqs
+        if role != "mixed":
+            return ttft + (prefill_steps(q, u, C, L) - today) * c.overhead_s, add_cost, add_own
+        b = cands.num_requests.astype(np.float64)
+        kv = cands.decode_kv_tokens.astype(np.float64)
+        run = np.minimum(b, float(S)) if S is not None else b
+        kv_run = kv * np.divide(run, b, out=np.ones_like(b), where=b > 0)
+        step_now, _, n_e = _decode_steps(eng, idx, rows, run, kv_run, run, kv_run, 0.0)
+        if chunks_in_parallel(S, L, C):  # the queue ahead takes no budget from the prompt: own steps only
+            n = prefill_steps(np.zeros_like(u), u, C, L)
+            new = n * c.overhead_s + _compute_s(c, u, cached) + fetch
+        else:
+            n = prefill_steps(q, u, C, L)
+            new = ttft + (n - today) * c.overhead_s
+        new = new + cadence_gap_steps(n, b, k) * step_now
+        if S is None:
+            return new, add_cost, add_own
+        out = float(min(request.output_tokens, self.max_output_estimate_tokens))
+        if not self.seq_cap:  # (seq_cap adds the same wait in select)
+            new = new + slot_wait_s(b, step_now, out, S)
+        forced = forced_prefill_steps(q, b, S, C, L, out, k)
+        if forced.any():
+            Lc = float(C if L is None else min(L, C))
+            ctx = np.divide(kv, b, out=np.zeros_like(b), where=b > 0)  # the rank's mean context per request
+            chunk_s = (c.overhead_s + (c.per_token_s + c.per_group_token_s) * Lc
+                       + c.per_attn_pair_s * (Lc * ctx + Lc * (Lc + 1.0) / 2.0))
+            add_cost = self.externality_weight * forced * n_e * chunk_s
+        return new, add_cost, add_own
+
     # ------------------------------------------------------------------ decode
     def decode_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
                     idx: np.ndarray, rows: np.ndarray | None, transfer: bool) -> np.ndarray:
@@ -601,10 +722,11 @@ class EpAware(Policy):
         return wait
 
     # ------------------------------------------------------------------ helpers
-    def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext) -> int:
+    def _pick(self, cost: np.ndarray, cands: Candidates, ctx: SelectContext, load: np.ndarray | None = None) -> int:
         """The cheapest candidate; costs within ``tie_tolerance`` of the cheapest are ties, broken
         by the least queued work (prefill tokens or decode KV tokens), then at random."""
-        load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
+        if load is None:
+            load = cands.prefill_tokens if cands.role is Role.PREFILL else cands.decode_kv_tokens
         got = kernels.tie_pick(cost, load, self.tie_tolerance)  # the compiled loop, when there is one
         if got is not None and got[0] >= 1:
             count, pos = got

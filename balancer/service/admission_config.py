@@ -48,7 +48,7 @@ class AdmissionSettings(BaseModel):
             ``ep_aware``; else prefill backlog / rate) or ``backlog`` (always backlog / rate).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     ttft_slo_s: float = Field(2.0, gt=0, le=MAX_DEADLINE_S)

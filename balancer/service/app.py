@@ -28,7 +28,14 @@ its original in ``error.engine_error``, :func:`balancer.service.proxy.engine_err
 missing fields 400, a missing, wrong or malformed admin credential 401, unknown route 404, wrong
 method 405, body over ``max_body_bytes`` 413, a compressed body 415 (never inflated), no routable
 worker (or too many large bodies being parsed) 503, timeout 504; unexpected exceptions 500 without
-details (logged, at most once per 10 s: :data:`CLIENT_ERRORS_LOG`).
+details (logged, at most once per 10 s: :attr:`Service.client_errors_log`).
+
+Every answer says ``Server: pdlb`` (:data:`SERVER_HEADER`: aiohttp's default names the Python and
+aiohttp versions); an HTTP request aiohttp cannot parse is answered ``HTTP/1.1 400`` with a JSON
+error, a new ``X-Request-Id`` (``pdlb-<24 hex digits>``, as every id of the router's own) and
+``Connection: close``, and counted in ``pdlb_http_parse_errors_total{status}``; a connection closed
+at accept because ``max_connections`` are open is counted in
+``pdlb_client_connections_rejected_total{reason="max_connections"}``.
 
 Bodies of :data:`~balancer.service.body_offload.OFFLOAD_BODY_BYTES` or more are parsed, checked and
 hashed in a worker process (:mod:`balancer.service.body_offload`); docs/serving.md, "Limits and
@@ -42,11 +49,13 @@ cancels the handler and aborts both PD legs. On shutdown the app stops taking ne
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hmac
 import ipaddress
 import logging
 import os
+import secrets
 import time
 from typing import Any
 
@@ -69,7 +78,7 @@ from balancer.service.log_limit import RateLimitedLog
 from balancer.service.loop_watch import LOOP_LAG_INTERVAL_S, watch_loop
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
-from balancer.service.proxy import STREAM_STATUS, Proxy, error_response
+from balancer.service.proxy import SERVER_HEADER, STREAM_STATUS, Proxy, error_response
 from balancer.service.request_checks import MAX_REQUEST_ID_CHARS, parse_json_body
 from balancer.service.upstream import UpstreamClient
 from balancer.service.workers import MAX_REPLICAS, Worker, WorkerPool
@@ -118,6 +127,9 @@ class Service:
             raise ValueError(f"process_index {process_index} outside 0..{self.processes - 1}")
         self.cfg = cfg
         self.process_index = process_index
+        #: what clients can trigger at will is logged through this, per app: one short line per
+        #: kind per 10 s, with a count of the lines left out (malformed HTTP, unexpected errors)
+        self.client_errors_log = RateLimitedLog(log, interval_s=10.0)
         self.multiprocess = self.processes > 1
         rc = cfg.router
         learn = rc.learn_cost_model
@@ -373,10 +385,14 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
         # a stream that failed after its 200 headers says so in the request (a plain response never)
         if type(resp) is web.Response:
             status = resp.status
-            if "X-Request-Id" not in resp.headers:
-                resp.headers["X-Request-Id"] = _answer_id(request, svc)
+            headers = resp.headers
+            if "X-Request-Id" not in headers:
+                headers["X-Request-Id"] = _answer_id(request, svc)
+            headers[hdrs.SERVER] = SERVER_HEADER
         else:
             status = request.get(STREAM_STATUS, resp.status)
+            if not resp.prepared:
+                resp.headers[hdrs.SERVER] = SERVER_HEADER
         return resp
     except web.HTTPException as e:
         status = e.status
@@ -386,19 +402,27 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
                413: f"request body too large (limit {svc.cfg.max_body_bytes} bytes)"}.get(e.status, e.reason)
         out = error_response(e.status, msg)
         out.headers["X-Request-Id"] = _answer_id(request, svc)
+        out.headers[hdrs.SERVER] = SERVER_HEADER
         return out
     except asyncio.CancelledError:
         status = 499  # client closed the connection
         raise
     except Exception:  # a bug: its traceback, at most once per 10 s (clients could repeat it at will)
-        if CLIENT_ERRORS_LOG.log(logging.ERROR, "unhandled", time.monotonic(), "unhandled error on %s %s",
+        if svc.client_errors_log.log(logging.ERROR, "unhandled", time.monotonic(), "unhandled error on %s %s",
                                  request.method, request.path[:200]):
             log.error("traceback of the error above", exc_info=True)
         out = error_response(500, "internal router error")
         out.headers["X-Request-Id"] = _answer_id(request, svc)
+        out.headers[hdrs.SERVER] = SERVER_HEADER
         return out
     finally:
         svc.metrics.request_done(endpoint, status, time.monotonic() - t0)
+
+
+def new_request_id() -> str:
+    """A new id for an answer of the router's own: ``pdlb-<24 hex digits>`` (96 bits from the OS's
+    random source), the format of :meth:`Proxy.new_upstream_id` (docs/serving.md, "Request ids")."""
+    return f"pdlb-{secrets.token_hex(12)}"
 
 
 def _answer_id(request: web.Request, svc: Service) -> str:
@@ -408,7 +432,7 @@ def _answer_id(request: web.Request, svc: Service) -> str:
     given = request.headers.get("X-Request-Id")
     if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
         return given
-    return svc.proxy.new_upstream_id() if svc.proxy is not None else f"pdlb-{os.urandom(6).hex()}"
+    return new_request_id()
 
 
 # ---------------------------------------------------------------------- handlers
@@ -875,24 +899,30 @@ def make_runner(app: web.Application, cfg: ServiceConfig) -> AppServerRunner:
                            keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
 
 
-CLIENT_ERRORS_LOG = RateLimitedLog(log, interval_s=10.0)
-"""What clients can trigger at will is logged through this: one short line per kind per 10 s,
-with a count of the lines left out (malformed HTTP, unexpected errors)."""
-
-
 class _JsonErrorHandler(web.RequestHandler):
     """aiohttp's connection handler, answering HTTP parser errors (bad request line, headers,
-    chunked encoding) with an OpenAI-style JSON error instead of text/plain, and logging them as
-    one short line per 10 s at most (:data:`CLIENT_ERRORS_LOG`), not one traceback each."""
+    chunked encoding) with an OpenAI-style JSON error instead of text/plain, counting them in
+    ``pdlb_http_parse_errors_total{status}`` and logging them as one short line per 10 s at most
+    (:attr:`Service.client_errors_log`), not one traceback each. :func:`json_parser_errors` serves
+    each app's connections with a subclass bound to its :class:`Service` (:attr:`service`)."""
+
+    #: the app's service (its log limiter and metrics); set on the subclass made per server
+    service: Service | None = None
+    #: the log limiter when there is no service
+    errors_log = RateLimitedLog(log, interval_s=10.0)
+
+    def _errors_log(self) -> RateLimitedLog:
+        return self.service.client_errors_log if self.service is not None else self.errors_log
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         exc = kw.get("exc_info")
         now = time.monotonic()
+        limiter = self._errors_log()
         if isinstance(exc, HttpProcessingError):  # the client's malformed request: no traceback
-            CLIENT_ERRORS_LOG.log(logging.INFO, "http_parser", now, "malformed HTTP request: %s",
-                                  str(exc.message if isinstance(exc.message, str) else exc).replace("\n", " ")[:200])
-        elif CLIENT_ERRORS_LOG.log(logging.ERROR, "connection_handler", now, "%s",
-                                   str(args[0] if args else "error in the connection handler")[:200]):
+            limiter.log(logging.INFO, "http_parser", now, "malformed HTTP request: %s",
+                        str(exc.message if isinstance(exc.message, str) else exc).replace("\n", " ")[:200])
+        elif limiter.log(logging.ERROR, "connection_handler", now, "%s",
+                         str(args[0] if args else "error in the connection handler")[:200]):
             self.logger.error("traceback of the error above", exc_info=exc)
 
     def handle_error(self, request, status=500, exc=None, message=None):  # noqa: ANN001, ANN201
@@ -900,9 +930,13 @@ class _JsonErrorHandler(web.RequestHandler):
         text = (message or (exc.message if isinstance(getattr(exc, "message", None), str) else "") or
                 f"HTTP {status}").replace("\n", " ")[:300]
         out = error_response(status, f"malformed HTTP request: {text}" if status < 500 else "internal router error")
-        out.headers["X-Request-Id"] = f"pdlb-{os.urandom(6).hex()}"  # no request to take an id from
+        out.headers["X-Request-Id"] = new_request_id()  # no request to take an id from
+        out.headers[hdrs.SERVER] = SERVER_HEADER
         out.force_close()
         del resp
+        svc = self.service
+        if svc is not None and status < 500:
+            svc.metrics.count(svc.metrics.http_parse_errors, str(status))
         return out
 
 
@@ -920,17 +954,31 @@ def json_parser_errors(runner: web.BaseRunner) -> None:
 
     Raises:
         TypeError: ``runner`` was not made by :func:`make_runner`."""
-    _router_server(runner).use_connection_class(_JsonErrorHandler)
+    server = _router_server(runner)
+    svc = _service_of(runner)
+    server.use_connection_class(type("JsonErrorHandler", (_JsonErrorHandler,), {"service": svc})
+                                if svc is not None else _JsonErrorHandler)
+
+
+def _service_of(runner: web.BaseRunner) -> Service | None:
+    """The :class:`Service` of ``runner``'s app (None: an app :func:`create_app` did not make)."""
+    app = runner.app if isinstance(runner, AppServerRunner) else None
+    return app.get(SERVICE) if app is not None else None
 
 
 def limit_connections(runner: web.BaseRunner, max_connections: int) -> None:
     """Close client connections beyond ``max_connections`` as they are accepted (logged once per
-    burst at warning level; call after ``setup()``).
+    burst at warning level, each counted in ``pdlb_client_connections_rejected_total{reason=
+    "max_connections"}``; call after ``setup()``).
 
     Raises:
         TypeError: ``runner`` was not made by :func:`make_runner`.
         ValueError: ``max_connections`` < 1."""
-    _router_server(runner).limit_connections(max_connections)
+    server = _router_server(runner)
+    svc = _service_of(runner)
+    on_refused = None if svc is None else functools.partial(
+        svc.metrics.count, svc.metrics.connections_rejected, "max_connections")
+    server.limit_connections(max_connections, on_refused)
 
 
 def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:

@@ -14,6 +14,8 @@ aiohttp documents two ways to serve: an :class:`aiohttp.web.Application` on a
   (:meth:`RouterServer.limit_connections`, in :meth:`RouterServer.connection_made`) and the class
   of the per-connection protocol (:meth:`RouterServer.use_connection_class`, in the protocol
   factory :meth:`RouterServer.__call__`);
+* a request aiohttp could not parse reaches the app's handler as HTTP/1.1, so that its error
+  answer's status line says ``HTTP/1.1`` (aiohttp's placeholder message says HTTP/1.0);
 * shutting down keeps :class:`~aiohttp.web.AppRunner`'s order: stop listening, close idle
   connections, the app's ``on_shutdown`` (the service drains), wait at most ``shutdown_timeout``
   for in-flight requests, then the app's ``on_cleanup``.
@@ -29,13 +31,21 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol
+from aiohttp.http import HttpVersion11
 
 __all__ = ["AppServerRunner", "RouterServer"]
 
 log = logging.getLogger("pdlb.service")
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+# aiohttp answers a request it could not parse (bad request line, header, chunked encoding) on a
+# placeholder request message of its own, ``web_protocol.ERROR``, whose version is HTTP/1.0: that
+# answer's status line would read ``HTTP/1.0 400``. The request factory gives the app handler the
+# same message with HTTP/1.1 instead (read, never assigned: the placeholder itself is unchanged).
+_PARSER_ERROR: Any = getattr(web_protocol, "ERROR", None)
+_PARSER_ERROR_11: Any = _PARSER_ERROR._replace(version=HttpVersion11) if _PARSER_ERROR is not None else None
 
 
 class RouterServer(web.Server):
@@ -55,17 +65,20 @@ class RouterServer(web.Server):
         self._handler_kwargs = handler_kwargs
         self._connection_class: type[web.RequestHandler] = web.RequestHandler
         self._max_connections: int | None = None
+        self._on_refused: Callable[[], None] | None = None
         self._warned_full = False
 
-    def limit_connections(self, max_connections: int) -> None:
+    def limit_connections(self, max_connections: int, on_refused: Callable[[], None] | None = None) -> None:
         """Close client connections beyond ``max_connections`` open ones as they are accepted
-        (logged once per burst at warning level).
+        (logged once per burst at warning level; ``on_refused()`` is called for each one closed,
+        e.g. to count it in a metric).
 
         Raises:
             ValueError: ``max_connections`` < 1."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self._max_connections = max_connections
+        self._on_refused = on_refused
 
     def use_connection_class(self, cls: type[web.RequestHandler]) -> None:
         """Serve connections accepted from now on with ``cls``, a subclass of
@@ -90,6 +103,8 @@ class RouterServer(web.Server):
                 log.warning("more than %d client connections: closing new ones (max_connections)", limit)
                 self._warned_full = True
             transport.abort()
+            if self._on_refused is not None:
+                self._on_refused()
             return
         self._warned_full = False
         super().connection_made(handler, transport)
@@ -111,8 +126,10 @@ class _AppEntry:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self.handler(request)  # type: ignore[misc]
 
-    def make_request(self, *args: Any) -> web.BaseRequest:
-        return self.factory(*args)  # type: ignore[misc]
+    def make_request(self, message: Any, *args: Any) -> web.BaseRequest:
+        if message is _PARSER_ERROR:  # an unparsable request: answered as the HTTP/1.1 server this is
+            message = _PARSER_ERROR_11
+        return self.factory(message, *args)  # type: ignore[misc]
 
 
 class AppServerRunner(web.ServerRunner):

@@ -44,7 +44,7 @@ class BrokerConfig(BaseModel):
         connect_timeout_s: one connection attempt's timeout.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str | None = None
     cluster: str = "pdlb"

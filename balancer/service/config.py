@@ -129,7 +129,7 @@ class WorkerConfig(BaseModel):
             (:mod:`balancer.service.engine_caps`).
     """
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     url: str
     role: Literal["prefill", "decode", "mixed"]
@@ -169,7 +169,7 @@ class RetryConfig(BaseModel):
     times a uniform factor in ``[1 - jitter, 1 + jitter]``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_retries: int = Field(5, ge=0)
     initial_backoff_s: float = Field(0.05, ge=0)
@@ -188,7 +188,7 @@ class CircuitBreakerConfig(BaseModel):
     close it, one failure reopens it. So traffic returns about ``probe_interval_s`` after a worker
     recovers, not after a fixed open period (SGLang's router keeps a breaker open 60 s)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     failure_threshold: int = Field(10, ge=1, le=1_000_000)
@@ -202,7 +202,7 @@ class HealthCheckConfig(BaseModel):
     after ``failure_threshold`` consecutive failures and healthy again after ``success_threshold``
     consecutive successes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     interval_s: float = Field(60.0, gt=0)
@@ -228,7 +228,7 @@ class KvEventsConfig(BaseModel):
             GIL) or ``thread`` (in a thread of the router process; no extra process).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     runner: Literal["process", "thread"] = "process"
     stale_after_s: float = Field(60.0, gt=0, le=86_400.0)
@@ -249,7 +249,7 @@ class LoadScrapeConfig(BaseModel):
         max_age_s: a report older than this stops counting (the engine stopped answering).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     interval_s: float = Field(1.0, gt=0)
@@ -386,7 +386,7 @@ class ServiceConfig(BaseModel):
             "Overhead".
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

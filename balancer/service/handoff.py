@@ -15,16 +15,27 @@ Node.js's ``cluster`` module schedules connections the same way by default, for 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
+
+from balancer.service.log_limit import RateLimitedLog
 
 __all__ = ["Acceptor", "adopt_connections", "channel_pair"]
 
 log = logging.getLogger("pdlb.handoff")
 
 _BATCH_FDS = 64  # sockets read per message at most
+
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""``accept()`` failures for want of a resource (asyncio's selector loop pauses accepting on the
+same four): the connection stays in the backlog, so an immediate retry fails again."""
+ACCEPT_RETRY_DELAY_S = 0.1
+"""Seconds the parent's acceptor waits after such a failure before it accepts again (not a busy
+loop; asyncio waits 1 s)."""
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -39,15 +50,24 @@ class Acceptor:
     socket then goes to the next; with none left the connection is closed). :meth:`retire` and
     :meth:`replace` take a dead process out and put its replacement in (``pdlb serve`` restarts
     dead processes, :mod:`balancer.service.processes.supervise`). :meth:`close` stops it and closes the
-    listener."""
+    listener.
 
-    def __init__(self, listener: socket.socket, channels: Sequence[socket.socket], backlog: int = 1024) -> None:
+    An ``accept()`` that fails for want of a resource (:data:`RESOURCE_ERRNOS`: the open-file limit,
+    ...) is logged as one short line per 10 s with a count of those left out (as on the one-process
+    path, :func:`balancer.service.fd_limit.install_accept_error_limit`), and accepting resumes after
+    ``retry_delay_s`` (default :data:`ACCEPT_RETRY_DELAY_S`)."""
+
+    def __init__(self, listener: socket.socket, channels: Sequence[socket.socket], backlog: int = 1024,
+                 retry_delay_s: float = ACCEPT_RETRY_DELAY_S) -> None:
         self.listener = listener
         self.channels = list(channels)
         self.handed = [0] * len(self.channels)  # connections passed to each process
         self.dead: set[int] = set()  # processes handed nothing (gone, or being replaced)
         self._lock = threading.Lock()
         self._closed = False
+        self.retry_delay_s = retry_delay_s
+        #: failed accepts, logged at most once per 10 s
+        self.errors_log = RateLimitedLog(log, interval_s=10.0)
         listener.listen(backlog)
         self._thread = threading.Thread(target=self._run, name="pdlb-accept", daemon=True)
         self._thread.start()
@@ -57,10 +77,15 @@ class Acceptor:
         while not self._closed:
             try:
                 conn, _ = self.listener.accept()
-            except OSError:
+            except OSError as e:
                 if self._closed:
                     return
-                continue  # e.g. ECONNABORTED, EMFILE: the next one
+                if e.errno in RESOURCE_ERRNOS:
+                    self.errors_log.log(logging.ERROR, "accept", time.monotonic(),
+                                        "cannot accept a client connection: %s (raise the open-file limit or lower "
+                                        "max_connections)", e)
+                    time.sleep(self.retry_delay_s)
+                continue  # e.g. ECONNABORTED: the next one
             try:
                 with self._lock:  # against retire / replace from the parent's main thread
                     n = len(self.channels)

@@ -309,6 +309,17 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return s
 
 
+def _kernels_from_env() -> None:
+    """``PDLB_KERNELS`` (:data:`balancer.kernels.ENV_VAR`) in a spawned router process, as the
+    command that started ``pdlb serve`` applied it in its own (a bad value was refused there)."""
+    from balancer import kernels
+
+    try:
+        kernels.use_compiled(kernels.enabled_by_env(os.environ))
+    except ValueError:
+        pass
+
+
 def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
                   shared_load: str | None = None, shared_prefix_dir: str | None = None,
                   handoff: socket.socket | None = None, columns: dict[str, list[int]] | None = None,
@@ -319,6 +330,7 @@ def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, re
     each worker's shared-load columns (a replacement: admin changes may have moved them from the
     config's order); ``restart``: (whether it replaces a dead process, the load the parent reaped)."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
+    _kernels_from_env()
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
         code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff, columns, restart))

@@ -109,6 +109,13 @@ class ServiceMetrics:
                                       "waiting for a CPU on a busy host does not count",
                                       buckets=LOOP_LAG_BUCKETS_S, registry=r)
         self.retries = Counter("pdlb_retries", "Request attempts retried, by reason", ["reason"], registry=r)
+        self.http_parse_errors = Counter("pdlb_http_parse_errors",
+                                         "Malformed HTTP requests answered by the connection handler before any "
+                                         "route (bad request line, header, Content-Length or chunked encoding), by "
+                                         "HTTP status", ["status"], registry=r)
+        self.connections_rejected = Counter("pdlb_client_connections_rejected",
+                                            "Client connections closed as they were accepted, by reason "
+                                            "(max_connections: that many were open already)", ["reason"], registry=r)
         self.prompt_inexact = Counter("pdlb_prompt_inexact",
                                       "Chat prompts whose token ids may differ from the engine's, by reason "
                                       "(no_chat_template, multimodal, request_chat_template, chat_template_kwargs, "

@@ -184,6 +184,14 @@ def _token_list(value: Any, field: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+EMPTY_PROMPT = "'prompt' must not be empty: a non-empty string, array of strings, or array of token ids"
+"""The 400's message for an empty completions prompt (``""``, ``[]``, or strings all empty): SGLang's
+OpenAI server refuses these with 400 "Prompt cannot be empty" (``OpenAIServingCompletion.
+_validate_request``, 0.5.23), vLLM's ``""`` with 400 "Either prompt or prompt_embeds must be provided
+and non-empty." (``CompletionRequest.validate_prompt_and_prompt_embeds``, 0.33) and an empty token
+list with 400 "The decoder prompt cannot be empty"."""
+
+
 def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     """The prompt of a request body.
 
@@ -194,7 +202,8 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
         body: the parsed JSON object.
 
     Raises:
-        PromptError: the required field is missing or has the wrong type.
+        PromptError: the required field is missing or has the wrong type, or a completions
+            prompt is empty (:data:`EMPTY_PROMPT`; chat: no messages).
     """
     if endpoint == "chat":
         messages = body.get("messages")
@@ -210,13 +219,19 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     p = body.get("prompt")
     special = lax_bool(body.get("add_special_tokens"), "add_special_tokens")
     if isinstance(p, str):
+        if not p:
+            raise PromptError(EMPTY_PROMPT)
         return Prompt(text=p, add_special_tokens=special)
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
+            if not any(p):
+                raise PromptError(EMPTY_PROMPT)
             return Prompt(text="".join(p), add_special_tokens=special)
         if all(isinstance(x, list) for x in p):
             return Prompt(token_ids=_token_list([t for x in p for t in x], "prompt"))
         return Prompt(token_ids=_token_list(p, "prompt"))
+    if isinstance(p, list):
+        raise PromptError(EMPTY_PROMPT)
     raise PromptError("'prompt' is required: a string, an array of strings, or an array of token ids")
 
 

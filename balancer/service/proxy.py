@@ -82,6 +82,7 @@ from balancer.service.admission_gate import admission_answer
 from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
 from balancer.service.deadlines import DeadlineQueue
+from balancer.service.log_limit import RateLimitedLog
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
 from balancer.service.request_checks import check_request, client_request_id, session_id_of
@@ -133,6 +134,11 @@ _CONNECT_ERRORS: tuple[type[BaseException], ...] = (
 
 STREAM_STATUS: web.RequestKey[int] = web.RequestKey("pdlb_stream_status", int)
 """Request key: the status a started stream ended with when it failed (the metrics use it)."""
+
+
+SERVER_HEADER = "pdlb"
+"""The ``Server`` header of every answer (aiohttp's default, ``Python/3.x aiohttp/3.y``, tells
+clients the versions running)."""
 
 
 def error_response(status: int, message: str, etype: str | None = None) -> web.Response:
@@ -210,19 +216,22 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
 class Failure(Exception):
     """An attempt failed before any byte reached the client.
 
-    ``worker``: the worker at fault (``None``: none, e.g. no routable worker); ``answered``: it sent
-    an HTTP error answer (``body``), as opposed to failing to connect, reset or time out;
-    ``charge``: whether it counts against the worker's breaker at once (``"now"``), only if the
-    request later succeeds elsewhere (``"deferred"``), or not (``"no"``).
+    ``message``: what the client is told; it names workers by role only (:func:`_who`), never by
+    URL (engines' addresses are the operator's); ``where``: the URLs of the workers involved, for
+    the log (:meth:`Proxy._log_failure`). ``worker``: the worker at fault (``None``: none, e.g. no
+    routable worker); ``answered``: it sent an HTTP error answer (``body``), as opposed to failing
+    to connect, reset or time out; ``charge``: whether it counts against the worker's breaker at
+    once (``"now"``), only if the request later succeeds elsewhere (``"deferred"``), or not (``"no"``).
     """
 
     def __init__(self, status: int, message: str, retryable: bool, kind: str,
                  body: bytes | None = None, content_type: str | None = None, *,
-                 worker: Worker | None = None, charge: str = "no") -> None:
+                 worker: Worker | None = None, charge: str = "no", where: str = "") -> None:
         super().__init__(message)
         self.status, self.message, self.retryable, self.kind = status, message, retryable, kind
         self.body, self.content_type = body, content_type
         self.worker, self.charge = worker, charge
+        self.where = where or (worker.url if worker is not None else "")
         self.unreachable = False  # kind "connect" because no connection could be opened at all
 
     def response(self, passthrough: bool = False) -> web.Response:
@@ -231,6 +240,11 @@ class Failure(Exception):
         if self.body is not None and (passthrough or (not self.retryable and 400 <= self.status < 500)):
             return engine_error_response(self.status, self.body, self.content_type, self.message)
         return error_response(self.status, self.message)
+
+
+def _who(w: Worker) -> str:
+    """A worker as client-facing messages name it: by role, never by URL."""
+    return "the worker" if w.cfg.role == "mixed" else f"the {w.cfg.role} worker"
 
 
 @dataclass(slots=True)
@@ -272,7 +286,7 @@ def _relayed_headers(resp: LegResponse, default_type: str) -> dict[str, str]:
     """Headers of the decode leg passed to the client: its Content-Type and, since the client
     session does not decompress, its Content-Encoding if any."""
     h = resp.headers
-    out = {"Content-Type": h.get("Content-Type", default_type)}
+    out = {"Content-Type": h.get("Content-Type", default_type), "Server": SERVER_HEADER}
     enc = h.get("Content-Encoding")
     if enc is not None:
         out["Content-Encoding"] = enc
@@ -359,6 +373,9 @@ class Proxy:
         #: deadline admission (:class:`balancer.service.admission_gate.AdmissionGate`), or None
         self.admission: Any = None
         self.background: set[asyncio.Task] = set()
+        #: worker failures that reach clients (their message names no URL): logged with the URLs,
+        #: one line per kind per 10 s
+        self.failures_log = RateLimitedLog(log, interval_s=10.0)
         # deadlines of one length each, queued without a timer per request (balancer.service.deadlines)
         self._request_deadlines = DeadlineQueue()  # request_timeout_s
         #: a leg's first-byte deadlines, one queue per (stream, max_out): one length each (see
@@ -460,6 +477,7 @@ class Proxy:
                                 return f.response(passthrough=True)
                             deferred.append(f)
                         if not f.retryable or attempt >= cfg.retry.max_retries:
+                            self._log_failure(visible_id, f.status, f.kind, f.message, f.where)
                             return f.response()
                         attempt += 1
                         self.metrics.child(self.metrics.retries, f.kind).inc()
@@ -474,13 +492,20 @@ class Proxy:
             for w in list(faults.waiting.values()):  # legs that never answered: their engines' fault
                 self._failed(w, "request_timeout")
             if ctx.resp is not None:  # already streaming: end the stream with an error event
-                await self._stream_error(ctx, 504, msg)
+                await self._stream_error(ctx, 504, msg, "timeout")  # the type a non-streamed answer has
                 return ctx.resp
             return error_response(504, msg, "timeout")
         except ConnectionResetError:  # the client went away while we were writing
             return ctx.resp if ctx.resp is not None else web.Response(status=499)
         finally:
             _FAULTS.reset(faults_token)
+
+    def _log_failure(self, request_id: str, status: int, kind: str, message: str, where: str) -> None:
+        """Log a worker failure that became a client's answer (5xx: an engine's 4xx is the
+        request's) with the URLs the client's message leaves out: one line per ``kind`` per 10 s."""
+        if status >= 500 and where:
+            self.failures_log.log(logging.WARNING, kind, time.monotonic(), "request %s: %d %s [%s]",
+                                  request_id, status, message, where)
 
     def new_upstream_id(self) -> str:
         """A new request id, unique per attempt and unguessable: ``pdlb-<24 hex digits>`` from the
@@ -527,6 +552,12 @@ class Proxy:
             result = await self._forward(ctx, route, upstream_id, router_id, legs)
             legs.done = True
             return result
+        except Failure as f:
+            if 400 <= f.status < 500 and f.kind.startswith("http_") and hashes:  # an engine refused the request
+                by_prefill = route.prefill is not None and f.where == route.prefill.engine
+                if by_prefill or f.where == route.decode.engine:  # its blocks are cached on neither
+                    self.router.on_rejected(route, hashes, now, by_prefill=by_prefill)
+            raise
         finally:
             self.router.on_finished(router_id, time.monotonic(), legs.output_tokens)
             if not legs.done:
@@ -553,7 +584,7 @@ class Proxy:
     def _worker(self, url: str) -> Worker:
         w = self.pool.get(url)
         if w is None:  # removed through the admin API after routing
-            raise Failure(503, f"worker {url} was removed", True, "removed")
+            raise Failure(503, "the worker chosen was removed", True, "removed", where=url)
         return w
 
     def _model_for(self, ctx: _Ctx, w: Worker, fields: dict[str, Any]) -> None:
@@ -640,8 +671,8 @@ class Proxy:
             assert df is not None
             if not (isinstance(df, Failure) and df.kind == "http_502"):
                 raise df
-            raise Failure(504, f"prefill worker {p.url} had not finished when the decode leg on {d.url} failed "
-                               f"({d_task.exception()})", True, "prefill_stalled", worker=p, charge="now")
+            raise Failure(504, f"the prefill worker had not finished when the decode worker failed ({df.message})",
+                          True, "prefill_stalled", worker=p, charge="now", where=f"prefill {p.url}, decode {d.url}")
         d_resp = d_task.result()
         legs.pd = True
         if not p_task.done():
@@ -681,7 +712,7 @@ class Proxy:
             if not isinstance(kv, dict):
                 raise TypeError
         except (ValueError, KeyError, TypeError, RecursionError):
-            raise Failure(502, f"prefill worker {p.url} answered without kv_transfer_params", True, "bad_response",
+            raise Failure(502, "the prefill worker answered without kv_transfer_params", True, "bad_response",
                           worker=p, charge="now") from None
         self.router.on_prefill_done(router_id, time.monotonic())
         legs.pd, legs.prefill_cached_tokens = True, cached_tokens_in(data)
@@ -778,7 +809,7 @@ class Proxy:
 
     def _first_byte_failure(self, w: Worker, stream: bool = False, max_out: int | None = None) -> Failure:
         name, t = self._first_byte_timeout(stream, max_out) or ("first_byte_timeout_s", float("nan"))
-        return Failure(504, f"worker {w.url} sent no response within {name}={t:g} s", True, "first_byte_timeout",
+        return Failure(504, f"{_who(w)} sent no response within {name}={t:g} s", True, "first_byte_timeout",
                        worker=w, charge="now")
 
     async def _open(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
@@ -807,7 +838,7 @@ class Proxy:
             raise self._first_byte_failure(w, stream, max_out) from None
         except (aiohttp.ClientError, OSError) as e:
             self._waiting(w, False)
-            f = Failure(502, f"worker {w.url} unreachable ({type(e).__name__})", True, "connect",
+            f = Failure(502, f"{_who(w)} is unreachable ({type(e).__name__})", True, "connect",
                         worker=w, charge="now")
             # no connection could be opened (not a pooled connection closed under the request)
             f.unreachable = isinstance(e, _CONNECT_ERRORS)
@@ -827,8 +858,8 @@ class Proxy:
             # request succeeded elsewhere (see the module docstring); other retryable statuses are
             # the worker's (overload, gateway errors); the remaining 4xx are the request's
             charge = ("deferred" if resp.status == 500 else "now") if retryable else "no"
-            raise Failure(resp.status, f"worker {w.url} answered {resp.status}", retryable, f"http_{resp.status}",
-                          data, resp.content_type, worker=w if charge != "no" else None, charge=charge)
+            raise Failure(resp.status, f"{_who(w)} answered {resp.status}", retryable, f"http_{resp.status}",
+                          data, resp.content_type, worker=w if charge != "no" else None, charge=charge, where=w.url)
         return resp
 
     async def _full(self, w: Worker, path: str, body: dict[str, Any] | bytes, headers: dict[str, str],
@@ -846,7 +877,7 @@ class Proxy:
                     resp = await self._open(w, path, body, headers, legs)
                     data = await self._read_all(w, resp)
             except TimeoutError:
-                raise Failure(504, f"prefill worker {w.url} did not answer within prefill_timeout_s={t:g} s",
+                raise Failure(504, f"{_who(w)} did not answer within prefill_timeout_s={t:g} s",
                               True, "prefill_timeout", worker=w, charge="now") from None
         self.pool.record_result(w, True, time.monotonic())
         return data
@@ -856,7 +887,7 @@ class Proxy:
         try:
             return await resp.read()
         except (aiohttp.ClientError, OSError) as e:
-            raise Failure(502, f"worker {w.url} failed mid-response ({type(e).__name__})", True, "read",
+            raise Failure(502, f"{_who(w)} failed mid-response ({type(e).__name__})", True, "read",
                           worker=w, charge="now") from None
         finally:
             resp.release()
@@ -916,7 +947,7 @@ class Proxy:
             raise self._blame(legs, self._first_byte_failure(d, ctx.stream, ctx.max_out)) from None
         except (aiohttp.ClientError, OSError) as e:
             self._waiting(d, False)
-            raise self._blame(legs, Failure(502, f"worker {d.url} failed before its first byte ({type(e).__name__})",
+            raise self._blame(legs, Failure(502, f"{_who(d)} failed before its first byte ({type(e).__name__})",
                                             True, "read", worker=d, charge="now")) from None
         self._waiting(d, False)
         meter = StreamMeter()
@@ -947,7 +978,7 @@ class Proxy:
                         self._failed(failed.worker, "mid_stream")
                     if lines is not None and (rest := lines.rest()):
                         await resp.write(rest)
-                    await self._stream_error(ctx, 502, f"worker {d.url} failed mid-stream ({type(e).__name__})")
+                    await self._stream_error(ctx, 502, f"{_who(d)} failed mid-stream ({type(e).__name__})", where=d.url)
                     self._abort(legs)
                     legs.done = True
                     return resp
@@ -959,7 +990,8 @@ class Proxy:
                     await resp.write(chunk)
         except _LineTooLong:
             self._failed(d, "sse_line_too_long")
-            await self._stream_error(ctx, 502, f"worker {d.url} sent an SSE line over {MAX_SSE_LINE_BYTES} bytes")
+            await self._stream_error(ctx, 502, f"{_who(d)} sent an SSE line over {MAX_SSE_LINE_BYTES} bytes",
+                                     where=d.url)
             self._abort(legs)
             legs.done = True
             return resp
@@ -989,13 +1021,16 @@ class Proxy:
             data = with_cached_tokens(data, legs.prefill_cached_tokens, sse=True)
         return data
 
-    async def _stream_error(self, ctx: _Ctx, status: int, message: str) -> None:
-        """End a started stream with an SSE error event; the request counts with ``status`` (not
-        200) in ``pdlb_requests_total``."""
+    async def _stream_error(self, ctx: _Ctx, status: int, message: str, etype: str = "server_error",
+                            where: str = "") -> None:
+        """End a started stream with an SSE error event (``message``: names no URL; ``where``: the
+        workers' URLs, logged, :meth:`_log_failure`); the request counts with ``status`` (not 200)
+        in ``pdlb_requests_total``."""
         resp = ctx.resp
         assert resp is not None
         ctx.request[STREAM_STATUS] = status
-        err = {"error": {"message": message, "type": "server_error", "code": status}}
+        self._log_failure(ctx.visible_id, status, "mid_stream", message, where)
+        err = {"error": {"message": message, "type": etype, "code": status}}
         try:
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             await resp.write_eof()

@@ -45,6 +45,7 @@ from pdlb_cli.args import (
     seed_int,
     default_results_dir,
     warn_idle_flags,
+    budget_pools_all_wide_ep,
     warn_idle_slo_params,
 )
 from sim.search.capacity import GpuSearch, RateSearch, run_searches
@@ -296,7 +297,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     if args.executor != "ray":
         idle.append(("ray_address", f"with --executor {args.executor}: it names a Ray cluster"))
     warn_idle_flags(args, idle)
-    warn_idle_slo_params([(s.label, *s.build()) for s in specs], opts.route_slo, "drop --no-route-slo")
+    warn_idle_slo_params([(s.label, *s.build()) for s in specs], opts.route_slo, "drop --no-route-slo",
+                         budget_pools_all_wide_ep(scenario))
     if args.search == "rate":
         searches: list = [RateSearch(scenario, wl, s, slo, args.rate_min, args.rate_max, args.rate_start, args.tol,
                                      args.max_evals, args.seed, opts, early) for s in specs]

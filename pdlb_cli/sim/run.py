@@ -37,6 +37,7 @@ from pdlb_cli.args import (
     scenario_from_args,
     seed_int,
     warn_idle_flags,
+    budget_pools_all_wide_ep,
     warn_idle_slo_params,
 )
 from sim.run import cluster  # called as cluster.simulate: a test stands in for it there
@@ -152,7 +153,8 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
         idle.append(("policy", f"with --decode-policy on the aggregated scenario {scenario.name!r}: its one mixed "
                                "pool is routed by the decode policy"))
     warn_idle_flags(args, idle)
-    warn_idle_slo_params([(plabel, p, d) for p, d, plabel, _ in runs], args.route_slo, "add --route-slo")
+    warn_idle_slo_params([(plabel, p, d) for p, d, plabel, _ in runs], args.route_slo, "add --route-slo",
+                         budget_pools_all_wide_ep(scenario))
     requests, meta = _load_workload(args)
     check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation
     span = requests[-1].arrival_time_s - requests[0].arrival_time_s

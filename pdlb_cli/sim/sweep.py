@@ -20,7 +20,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from pdlb_cli.args import add_executor_args, positive_int, route_slo_note, warn_idle_flags, warn_idle_slo_params
+from pdlb_cli.args import (add_executor_args, budget_pools_all_wide_ep, positive_int, route_slo_note, warn_idle_flags,
+                           warn_idle_slo_params)
 from sim.search.executor import make_executor
 from sim.run.html_report import Section, write_report
 from sim.search.point import WorkloadSpec, load_workload
@@ -110,7 +111,9 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(str(e)) from None
     if sweep.points:
         warn_idle_slo_params([(label, *spec.build()) for label, spec in {p.policy.label: p.policy for p in sweep.points}.items()],
-                             sweep.points[0].options.route_slo, "drop route_slo = false")
+                             sweep.points[0].options.route_slo, "drop route_slo = false",
+                             all(budget_pools_all_wide_ep(sc) for sc in {id(pt.scenario): pt.scenario
+                                                                          for pt in sweep.points}.values()))
     errors = [0]
     with executor as ex, Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
                                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=args.quiet) as progress:

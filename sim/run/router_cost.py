@@ -24,13 +24,18 @@ def engine_cost(perf: PerfModel, pool: PoolConfig, *, running_cap: bool = False)
     """Fit one pool's engine cost to its perf model (see module docstring). ``running_cap``: a
     decode or mixed pool, whose ranks run at most ``max_num_seqs`` sequences (vLLM) and decode at
     most ``max_decode_batch`` (the simulated rank's two limits): the smaller is the cost model's
-    ``max_num_seqs``."""
+    ``max_num_seqs``. The pool's vLLM per-request chunk limit (``max_chunk_tokens``) and prefill
+    cadence (``prefill_schedule_interval``) become ``request_chunk_tokens`` and
+    ``prefill_schedule_interval`` (:mod:`balancer.prefill_cadence`)."""
     ep = bool(perf.ep_synchronous) and pool.dp_ranks > 1
     cost = fit_step_cost(perf.step_time_s, pool.dp_ranks if ep else 1, pool.max_prefill_tokens,
                          max_decode_batch=pool.max_decode_batch, ep_synchronous=ep)
     if running_cap:
         cap = pool.max_decode_batch if pool.max_num_seqs is None else min(pool.max_num_seqs, pool.max_decode_batch)
         cost = replace(cost, max_num_seqs=int(cap))
+    if pool.max_chunk_tokens is not None or pool.prefill_schedule_interval != 1:
+        cost = replace(cost, request_chunk_tokens=pool.max_chunk_tokens,
+                       prefill_schedule_interval=pool.prefill_schedule_interval)
     return cost
 
 

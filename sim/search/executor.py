@@ -109,6 +109,12 @@ class SerialExecutor(Executor):
 
 
 def _init_worker(workloads: Mapping[str, Sequence[Request]], modules: Sequence[str]) -> None:
+    from balancer import kernels
+
+    try:  # PDLB_KERNELS, as the command that started the pool applied it in its own process
+        kernels.use_compiled(kernels.enabled_by_env(os.environ))
+    except ValueError:
+        pass
     for key, reqs in workloads.items():
         register_workload(key, reqs)
     import_policy_modules(modules)

@@ -44,3 +44,44 @@ def test_sweep(route_slo, fix, tmp_path: Path, capsys) -> None:  # noqa: ANN001
                  f"limit = 10\nroute_slo = {route_slo}\n")
     assert main(["sim", "sweep", str(f), "--quiet", "--no-plots", "--jobs", "1", "--out", str(tmp_path / "o")]) == 0
     assert _warnings(capsys) == ([MSG.format(fix=fix)] if fix else [])
+
+
+# ep_aware ignores the TTFT budget where every engine of the pool it applies to is wide EP, unless
+# slo_wide_ep (its default is off): on dsv3-pd-h800 (3 prefill engines of 16 EP ranks) slo_* and the
+# policy's own ttft_slo_s change nothing even with --route-slo (was: no warning there), and the
+# advice "add --route-slo" alone would not help (it now says slo_wide_ep=true too)
+WIDE = ["--scenario", "dsv3-pd-h800", "--limit", "10", "--quiet", "--no-plots"]
+WIDE_BUDGET = ("warning: ep_aware({params}): {names} change{s} nothing: ep_aware routes SLO-blind where every engine is "
+               "wide EP, as here (slo_wide_ep=true to the policy routes against the TTFT budget there too)")
+WIDE_NO_BUDGET = ("warning: ep_aware(slo_margin=0.5): slo_margin changes nothing without a TTFT budget to route against "
+                  "(add --route-slo, or ttft_slo_s=S to the policy; and slo_wide_ep=true: every engine here is wide "
+                  "EP, where ep_aware routes SLO-blind by default)")
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--policy", "ep_aware:slo_margin=0.5", "--route-slo"],
+     WIDE_BUDGET.format(params="slo_margin=0.5", names="slo_margin", s="s")),
+    (["--policy", "ep_aware:ttft_slo_s=2,slo_margin=0.5"],
+     WIDE_BUDGET.format(params="slo_margin=0.5,ttft_slo_s=2.0", names="ttft_slo_s, slo_margin", s="")),
+    (["--policy", "ep_aware:slo_margin=0.5"], WIDE_NO_BUDGET),
+    (["--policy", "ep_aware:slo_margin=0.5,slo_wide_ep=true", "--route-slo"], None),
+    (["--policy", "ep_aware", "--route-slo"], None),
+])
+def test_wide_ep_pools(argv, want, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    assert main(["sim", "run", *argv, *WIDE, "--out", str(tmp_path / "o")]) == 0
+    assert _warnings(capsys) == ([want] if want else [])
+
+
+def test_the_warned_parameters_do_change_nothing_on_wide_ep(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    # the warning's claim, checked by running: with --route-slo, slo_margin=0.5 gives the same
+    # per-request results as no parameter on dsv3-pd-h800 (and, as a control, slo_wide_ep=true
+    # with it is a different run)
+    outs = {}
+    for name, policy in (("plain", "ep_aware"), ("margin", "ep_aware:slo_margin=0.5"),
+                         ("wide", "ep_aware:slo_margin=0.5,slo_wide_ep=true")):
+        assert main(["sim", "run", "--policy", policy, "--route-slo", "--scenario", "dsv3-pd-h800", "--limit", "300",
+                     "--no-plots", "--quiet", "--out", str(tmp_path / name)]) == 0
+        outs[name] = [(tmp_path / name / f.name).read_bytes() for f in sorted((tmp_path / name).glob("requests*.csv"))]
+    capsys.readouterr()
+    assert outs["plain"] == outs["margin"]
+    assert outs["wide"] != outs["plain"]

@@ -127,6 +127,10 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:P
      "worker spec 'http://127.0.0.1:0,dp=2': port '0' is not an integer 1..65535"),
     (["--mixed", "http://:8000"],
      "worker spec 'http://:8000': the URL has no host (e.g. 'http://10.0.0.5:30000')"),
+    # NaN and infinities (review F9): were "Input should be greater than 0" for NaN, and inf was taken
+    (["--request-timeout-s", "nan"], "request_timeout_s: must be a finite number, got nan"),
+    (["--request-timeout-s", "inf"], "request_timeout_s: must be a finite number, got inf"),
+    (["--first-byte-timeout-s=-inf"], "first_byte_timeout_s: must be a finite number, got -inf"),
 ])
 def test_serve_config_errors_are_one_line(argv, message, capsys):
     assert _fails(["serve", "--port", "0", *argv], capsys) == f"error: {message}\n"
@@ -139,6 +143,10 @@ def test_serve_config_file_errors_name_the_file_and_suggest_fields(tmp_path, cap
         f"error: {f}: port: Input should be less than or equal to 65535; "
         "retry.max_retry: unknown field (did you mean 'max_retries'?); "
         "workerz: unknown field (did you mean 'workers'?)\n")
+    # YAML's .nan and .inf anywhere in the config (review F9)
+    f.write_text("request_timeout_s: .nan\nretry: {jitter: .inf}\n")
+    assert _fails(["serve", "--config", str(f)], capsys) == (
+        f"error: {f}: request_timeout_s: must be a finite number, got nan; retry.jitter: must be a finite number, got inf\n")
 
 
 # ---------------------------------------------------------------------- 2. engine errors

@@ -189,3 +189,58 @@ async def test_a_retired_process_gets_nothing_and_its_replacement_takes_its_turn
         acceptor.close()
         for stop in stops:
             stop()
+
+
+class _ExhaustedListener:
+    """A listener whose ``accept()`` fails with ``EMFILE`` ``failures`` times (the process is out of
+    descriptors), then waits until shut down."""
+
+    def __init__(self, failures: int) -> None:
+        import threading
+
+        self.failures, self.times = failures, []
+        self.shut = threading.Event()
+        self.exhausted = threading.Event()
+
+    def listen(self, backlog: int) -> None:
+        pass
+
+    def accept(self):  # noqa: ANN201
+        import errno
+        import time
+
+        self.times.append(time.monotonic())
+        if len(self.times) <= self.failures:
+            raise OSError(errno.EMFILE, "Too many open files")
+        self.exhausted.set()
+        self.shut.wait(10)
+        raise OSError(errno.EINVAL, "shut down")
+
+    def shutdown(self, how: int) -> None:
+        self.shut.set()
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_parents_failed_accepts_log_one_line_per_10_s_and_do_not_spin(caplog):
+    # review finding F1's gap: the one-process path rate-limits asyncio's "out of system resource"
+    # records; the parent's acceptor (pdlb serve --processes N) retried at once, silently (a busy
+    # loop while the connection waits in the backlog). 50 failures: 1 line (hand count), each
+    # retry after the pause
+    import logging
+
+    caplog.set_level(logging.INFO, "pdlb.handoff")
+    listener = _ExhaustedListener(50)
+    ours, child = channel_pair()
+    acceptor = Acceptor(listener, [ours], retry_delay_s=0.002)  # type: ignore[arg-type]
+    try:
+        assert listener.exhausted.wait(10)
+    finally:
+        acceptor.close()
+        child.close()
+    lines = [r for r in caplog.records if r.name == "pdlb.handoff"]
+    assert len(lines) == 1 and lines[0].exc_info is None, [r.getMessage() for r in lines]
+    assert "Too many open files" in lines[0].getMessage() and "open-file limit" in lines[0].getMessage()
+    gaps = [b - a for a, b in zip(listener.times, listener.times[1:51])]
+    assert min(gaps) >= 0.002 * 0.9, min(gaps)  # paused before each retry (sleep's least duration)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from balancer.service.prompt import PromptError
+from balancer.service.body_offload import OFFLOAD_BODY_BYTES
+from balancer.service.prompt import EMPTY_PROMPT, PromptError
 from balancer.service.request_checks import check_request
 from sim.emulator.testing import inprocess_cluster
 
@@ -77,7 +78,17 @@ async def test_the_service_answers_400s_in_openai_form_and_forwards_nothing() ->
              ("/v1/completions", {"prompt": "x", "model": 123}, "'model' must be a string"),
              ("/v1/completions", {"prompt": "x", "logprobs": "x"}, "'logprobs' must be an integer 0..20"),
              ("/v1/chat/completions", {"messages": [{"role": "user"}]},
-              "'messages[0].content' is required: a string or an array of content parts")]
+              "'messages[0].content' is required: a string or an array of content parts"),
+             # empty prompts (review F9): SGLang 0.5.23's OpenAI server answers 400 "Prompt cannot be empty"
+             # to each of these (OpenAIServingCompletion._validate_request: not prompt, or every string empty);
+             # vLLM 0.33's to "" (CompletionRequest.validate_prompt_and_prompt_embeds). "" was forwarded (200)
+             ("/v1/completions", {"prompt": "", "max_tokens": 2}, EMPTY_PROMPT),
+             ("/v1/completions", {"prompt": [""], "max_tokens": 2}, EMPTY_PROMPT),
+             ("/v1/completions", {"prompt": [], "max_tokens": 2}, EMPTY_PROMPT),
+             # the same from the worker process that parses large bodies (body_offload)
+             ("/v1/completions", {"prompt": "", "max_tokens": 2, "user": "x" * OFFLOAD_BODY_BYTES}, EMPTY_PROMPT),
+             # SGLang: "Messages cannot be empty." (OpenAIServingChat._validate_request)
+             ("/v1/chat/completions", {"messages": []}, "'messages' must be a non-empty array")]
     async with inprocess_cluster("sglang", num_prefill=1, num_decode=1, engine={"speed": 20.0}) as c, \
             aiohttp.ClientSession() as s:
         for path, body, message in cases:

@@ -82,3 +82,24 @@ def test_sim_cost_model_takes_set_like_sim_run(tmp_path: Path, capsys) -> None:
     assert main(["sim", "cost-model", "--set", "prefill.max_prefil_tokens=4096"]) == 2
     assert capsys.readouterr().err == ("error: --set on scenario 'dsv3-pd-h200': prefill.max_prefil_tokens: unknown "
                                        "field (did you mean 'max_prefill_tokens'?)\n")
+
+
+def test_vllm_chunk_limit_and_cadence_reach_pdlb_serve_from_sim_cost_model(tmp_path: Path) -> None:
+    # issue 23 part 3: the pool's vLLM options become cost-model table keys that pdlb serve reads back
+    from pdlb_cli.main import build_parser
+    from pdlb_cli.serve import config_from_args
+
+    out = tmp_path / "cm.toml"
+    assert main(["sim", "cost-model", "--scenario", "llama8b-agg-h100", "--set", "mixed.max_num_seqs=16",
+                 "--set", "mixed.max_chunk_tokens=512", "--set", "mixed.prefill_schedule_interval=8",
+                 "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert "request_chunk_tokens = 512" in lines and "prefill_schedule_interval = 8" in lines
+    cm = config_from_args(build_parser().parse_args(["serve", "--cost-model", str(out)])).router.cost_model
+    cm = cm if isinstance(cm, CostModel) else CostModel.from_dict(cm)
+    for eng in (cm.prefill, cm.decode):  # an aggregated scenario: the mixed pool's model serves both
+        assert (eng.request_chunk_tokens, eng.prefill_schedule_interval, eng.max_num_seqs) == (512, 8, 16)
+    # without the options the table has neither key (the files written before are read the same)
+    plain = tmp_path / "plain.toml"
+    assert main(["sim", "cost-model", "--scenario", "llama8b-agg-h100", "--out", str(plain)]) == 0
+    assert "request_chunk_tokens" not in plain.read_text() and "prefill_schedule_interval" not in plain.read_text()

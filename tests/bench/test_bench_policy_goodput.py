@@ -1,0 +1,44 @@
+"""``bench/policy_goodput.py`` stops its worker pool before ``main`` returns, whatever happens (last
+session's finding: after writing its results the run ended with an OSError from the process pool,
+which was left to the interpreter's exit). Checked with a stand-in executor that records the call:
+a run that stops early (an unknown workload, SystemExit after the pool exists) and one whose
+planning fails with an exception; the real pool's shutdown is sim.search.executor's (tested there)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+pg = pytest.importorskip("policy_goodput")
+
+
+class _Recorder:
+    """An executor that runs nothing and records how it was stopped."""
+
+    def __init__(self) -> None:
+        self.stopped: list[bool] = []
+
+    def submit(self, point):  # noqa: ANN001, ANN201
+        raise AssertionError("nothing is submitted in these runs")
+
+    def shutdown(self, kill: bool = False) -> None:
+        self.stopped.append(kill)
+
+
+@pytest.mark.parametrize("rows, raises", [("nosuch:default", SystemExit), ("mooncake:nosuch", Exception)])
+def test_the_pool_is_stopped_when_main_ends(rows, raises, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    import sim.search.executor as executor_module
+
+    made: list[_Recorder] = []
+
+    def make_executor(kind: str, **kw) -> _Recorder:  # noqa: ANN003
+        made.append(_Recorder())
+        return made[-1]
+
+    monkeypatch.setattr(executor_module, "make_executor", make_executor)
+    with pytest.raises(raises):
+        pg.main(["--rows", rows, "--no-fair-slo", "--seeds", "1", "--jobs", "2", "--out", str(tmp_path / "o")])
+    assert len(made) == 1 and made[0].stopped == [True]  # stopped once, at once (was: never)
