@@ -235,7 +235,11 @@ def test_capacity_policies_list_takes_specs_too() -> None:
     (["--policy", "cache_aware"], None),
 ])
 def test_slo_parameters_without_a_budget_are_warned_about(argv, warned, tmp_path, capsys) -> None:
-    rc = main(["sim", "run", *argv, "--limit", "5", "--quiet", "--no-plots", "--out", str(tmp_path / "o")])
+    # a dense scenario: on the default one (dsv3-pd-h200, every prefill engine wide EP) ep_aware
+    # ignores the budget unless slo_wide_ep, and the warning says so even with one
+    # (tests/cli/test_idle_slo_warning.py, test_wide_ep_pools)
+    rc = main(["sim", "run", *argv, "--scenario", "llama70b-pd-h100", "--limit", "5", "--quiet", "--no-plots",
+               "--out", str(tmp_path / "o")])
     assert rc == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     meta = json.loads((tmp_path / "o" / "summary.json").read_text())["meta"]
