@@ -44,8 +44,8 @@ Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 # placeholder request message of its own, ``web_protocol.ERROR``, whose version is HTTP/1.0: that
 # answer's status line would read ``HTTP/1.0 400``. The request factory gives the app handler the
 # same message with HTTP/1.1 instead (read, never assigned: the placeholder itself is unchanged).
-_PARSER_ERROR: Any = getattr(web_protocol, "ERROR", None)
-_PARSER_ERROR_11: Any = _PARSER_ERROR._replace(version=HttpVersion11) if _PARSER_ERROR is not None else None
+_PARSER_ERROR: Any = web_protocol.ERROR
+_PARSER_ERROR_11: Any = _PARSER_ERROR._replace(version=HttpVersion11)
 
 
 class RouterServer(web.Server):

@@ -111,9 +111,10 @@ def default_processes(worker_urls: Iterable[str] = ()) -> int:
 
 def event_loop_factory(choice: str = "asyncio"):  # noqa: ANN201
     """The event-loop factory for ``asyncio.Runner``: ``None`` for ``asyncio`` (the standard loop),
-    ``uvloop.new_event_loop`` for ``uvloop`` (needs ``pip install uvloop``; measured no lower
-    router CPU per request than the standard loop with aiohttp 3.14 on a 2-core host, so it is
-    not the default).
+    ``uvloop.new_event_loop`` for ``uvloop`` (needs ``pip install uvloop``; not the default: with
+    the lean upstream client one process spent 0.93-0.97x the CPU per request of the standard
+    loop on a 2-core host, but 8 processes on a 16-core host, with aiohttp's client then, spent
+    the same: docs/serving.md, "Overhead").
 
     Raises:
         ValueError: ``uvloop`` asked for but not installed, or an unknown choice.

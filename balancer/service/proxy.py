@@ -67,6 +67,7 @@ import contextvars
 import itertools
 import json
 import logging
+import os
 import random
 import secrets
 import time
@@ -113,6 +114,46 @@ PREFILL_BLAME_GRACE_S = 2.0
 """After an SGLang decode leg failed while its prefill leg was still running: how long to wait for
 the prefill leg's outcome to decide which worker to charge (a decode leg whose prefill failed
 fails too, often first)."""
+
+
+
+ID_BYTES = 12
+"""Random bytes per request id (96 bits)."""
+_ID_BATCH = 256
+"""Ids drawn from the OS per ``os.urandom`` call (:func:`random_id_hex`)."""
+
+
+class _RandomIds:
+    """Request ids from the OS's random source, :data:`_ID_BATCH` ids' worth per ``os.urandom``
+    call instead of one call (a system call) per id: the same unguessable bytes, each used once.
+    A forked child starts with none (``os.register_at_fork``), so no two processes share one."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.pos = 0
+
+    def take(self) -> str:
+        pos = self.pos
+        if pos + ID_BYTES > len(self.buf):
+            self.buf, pos = os.urandom(ID_BYTES * _ID_BATCH), 0
+        self.pos = pos + ID_BYTES
+        return self.buf[pos:pos + ID_BYTES].hex()
+
+    def drop(self) -> None:
+        self.buf, self.pos = b"", 0
+
+
+_IDS = _RandomIds()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_IDS.drop)
+
+
+def random_id_hex() -> str:
+    """:data:`ID_BYTES` bytes from ``os.urandom`` as 24 hex digits, never the same bytes twice
+    (within a process, and across a fork)."""
+    return _IDS.take()
 
 
 @dataclass(slots=True)
@@ -510,8 +551,8 @@ class Proxy:
     def new_upstream_id(self) -> str:
         """A new request id, unique per attempt and unguessable: ``pdlb-<24 hex digits>`` from the
         OS's random source (96 bits; no counter, so an id tells a client nothing of the others'
-        traffic, and no router process repeats another's)."""
-        return f"pdlb-{secrets.token_hex(12)}"
+        traffic, and no router process repeats another's): :func:`random_id_hex`."""
+        return f"pdlb-{random_id_hex()}"
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt`` (1-based), with jitter."""

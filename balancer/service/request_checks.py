@@ -106,23 +106,50 @@ def _integer(body: Mapping[str, Any], key: str, where: str, lo: int, hi: int) ->
         raise PromptError(f"'{where}{key}' must be an integer {lo}..{hi}")
 
 
+_SAMPLING_NUMBERS: dict[str, tuple[float | None, float | None, bool]] = {
+    # key: (lo, hi, lo_open), checked in this order
+    "temperature": (0.0, None, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, None, True),
+}
+_SAMPLING_INTEGERS: dict[str, tuple[int, int | None]] = {
+    # key: (lo, hi; None: max_tokens_limit), checked after the numbers, in this order
+    "top_k": (-1, 2**31 - 1),
+    "n": (1, MAX_N),
+    "best_of": (1, MAX_N),
+    "seed": (-(2**63), 2**64 - 1),
+    "max_tokens": (1, None),
+    "max_completion_tokens": (1, None),
+    "max_new_tokens": (1, None),
+    "min_tokens": (0, None),
+}
+_SAMPLING_SEQ = (*_SAMPLING_NUMBERS, *_SAMPLING_INTEGERS, "stop")
+_SAMPLING_KEYS = frozenset(_SAMPLING_SEQ)
+
+
 def _sampling(body: Mapping[str, Any], where: str, max_tokens_limit: int) -> None:
-    _number(body, "temperature", where, 0.0)
-    _number(body, "top_p", where, 0.0, 1.0, lo_open=True)
-    _number(body, "min_p", where, 0.0, 1.0)
-    _number(body, "presence_penalty", where, -2.0, 2.0)
-    _number(body, "frequency_penalty", where, -2.0, 2.0)
-    _number(body, "repetition_penalty", where, 0.0, lo_open=True)
-    _integer(body, "top_k", where, -1, 2**31 - 1)
-    _integer(body, "n", where, 1, MAX_N)
-    _integer(body, "best_of", where, 1, MAX_N)
-    _integer(body, "seed", where, -(2**63), 2**64 - 1)
-    for key in ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens"):
-        _integer(body, key, where, 0 if key == "min_tokens" else 1, max_tokens_limit)
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str):
-        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
-            raise PromptError(f"'{where}stop' must be a string or an array of at most {MAX_STOP} strings")
+    # only the keys the body has, in the order above (a body names a few of the 15: most checks
+    # would find nothing), so the first problem reported is the same as checking every key in turn
+    present = body.keys() & _SAMPLING_KEYS
+    if not present:
+        return
+    for key in _SAMPLING_SEQ if len(present) > 1 else present:
+        if key not in present:
+            continue
+        if key in _SAMPLING_NUMBERS:
+            lo, hi, lo_open = _SAMPLING_NUMBERS[key]
+            _number(body, key, where, lo, hi, lo_open)
+        elif key == "stop":
+            stop = body[key]
+            if stop is not None and not isinstance(stop, str):
+                if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+                    raise PromptError(f"'{where}stop' must be a string or an array of at most {MAX_STOP} strings")
+        else:
+            ilo, ihi = _SAMPLING_INTEGERS[key]
+            _integer(body, key, where, ilo, max_tokens_limit if ihi is None else ihi)
 
 
 def _boolean(body: dict[str, Any], key: str, where: str = "") -> None:
@@ -184,9 +211,9 @@ def check_request(endpoint: str, body: dict[str, Any], max_tokens_limit: int) ->
     Raises:
         PromptError: the first problem found, naming the field.
     """
-    for key in ROUTER_FIELDS:
-        if key in body:
-            raise PromptError(f"'{key}' is set by the router (PD handshake and DP rank); remove it from the request")
+    if not body.keys().isdisjoint(ROUTER_FIELDS):
+        key = next(k for k in ROUTER_FIELDS if k in body)
+        raise PromptError(f"'{key}' is set by the router (PD handshake and DP rank); remove it from the request")
     _boolean(body, "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):

@@ -30,8 +30,8 @@ Semantics (those of the aiohttp session ``app.make_client_session`` builds, unle
 * Stale pooled connections. A connection that served an answer can be closed by the engine while
   idle (its keep-alive timer; uvicorn's default is 5 s). The client (1) never writes a request on
   a pooled connection it knows to be closed: one whose end (EOF or reset) the event loop has
-  seen, or whose socket a non-blocking ``MSG_PEEK`` read, just before the write, finds at EOF,
-  reset or holding unexpected bytes; such a connection is discarded and the next one (or a new
+  seen, or whose socket a zero-timeout ``poll``, just before the write, finds at EOF,
+  reset or holding unexpected bytes (readable at all); such a connection is discarded and the next one (or a new
   one) used; (2) never sends a written request again: a request that went out and whose
   connection then ended (EOF or reset) before the answer fails with :class:`UpstreamDisconnected`
   and the proxy's own retry on a new route applies, as with aiohttp (which resends only idempotent
@@ -53,6 +53,7 @@ import asyncio
 import collections
 import errno
 import ipaddress
+import select
 import socket
 from typing import Any
 
@@ -103,6 +104,9 @@ class UpstreamDisconnected(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     """The answer is not valid HTTP/1.1 or exceeds a size bound."""
+
+
+_HAVE_POLL = hasattr(select, "poll")  # not on Windows
 
 
 class Headers(dict[str, str]):
@@ -263,6 +267,7 @@ class _Connection(asyncio.Protocol):
         self.loop = pool.client.loop
         self.transport: asyncio.Transport | None = None
         self.sock: socket.socket | None = None
+        self._poller: select.poll | None = None  # peek_dead's, registered for sock once
         self.parser = httptools.HttpResponseParser(self)
         # a lone LF ends a line, as aiohttp's parser reads answers (RFC 9112 sec. 2.2 allows it);
         # strict llhttp refuses them, and such an engine works with aiohttp's client
@@ -449,11 +454,22 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def peek_dead(self) -> bool:
-        """Whether the idle connection's socket has EOF, a reset or unexpected bytes pending (one
-        non-blocking ``MSG_PEEK`` read)."""
+        """Whether the idle connection's socket has EOF, a reset or unexpected bytes pending: one
+        ``poll`` with a zero timeout (readable, hung up or in error: any of those), which answers
+        what a non-blocking ``MSG_PEEK`` read would without raising an exception per live
+        connection (the read is the fallback where ``select.poll`` is missing)."""
         sock = self.sock
         if sock is None:
             return False
+        if _HAVE_POLL:
+            poller = self._poller
+            if poller is None:
+                fd = sock.fileno()
+                if fd < 0:  # closed under us
+                    return True
+                poller = self._poller = select.poll()
+                poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
         try:
             sock.recv(1, socket.MSG_PEEK)
         except BlockingIOError:

@@ -342,6 +342,47 @@ async def test_stale_connection_found_by_peek_is_discarded_before_writing():
         assert srv.connections == 2 and len(srv.requests) == 2
 
 
+@pytest.mark.parametrize("check", ["poll", "peek_read"])
+@pytest.mark.parametrize("then", ["nothing", "fin", "reset", "bytes"])
+async def test_idle_connection_check_sees_what_the_server_did(monkeypatch, check, then):
+    """``peek_dead`` on an idle pooled connection whose transport does not read (so the event loop
+    cannot see the end first): alive while the server did nothing, dead after its FIN, its reset
+    or unsolicited bytes. Expected from the server's script; the zero-timeout ``poll`` and the
+    non-blocking ``MSG_PEEK`` read (the fallback, an independent way to ask) must both say so."""
+    import balancer.service.upstream as up
+
+    monkeypatch.setattr(up, "_HAVE_POLL", check == "poll")
+    done = asyncio.Event()
+
+    async def script(reader, writer, n, srv):  # noqa: ANN001, ANN202
+        await srv.request(reader, n)
+        writer.write(ok())
+        await writer.drain()
+        await done.wait()
+        if then == "fin":
+            writer.close()
+        elif then == "reset":
+            reset(writer)
+        elif then == "bytes":
+            writer.write(b"x")
+            await writer.drain()
+        await asyncio.sleep(1.0)
+
+    async with RawServer(script) as srv:
+        c = UpstreamClient()
+        resp = await c.post(srv.url, b"{}")
+        assert await resp.read() == OK_BODY
+        conn = c._pools[("127.0.0.1", int(srv.url.split(":")[2].split("/")[0]))].idle[-1]
+        conn.transport.pause_reading()
+        assert not conn.peek_dead()  # idle and nothing pending
+        done.set()
+        await asyncio.sleep(0.1)
+        assert not conn.closed
+        assert conn.peek_dead() is (then != "nothing")
+        conn.transport.resume_reading()
+        await c.close()
+
+
 async def test_reused_connection_reset_after_the_request_went_out_is_not_resent():
     """The engine resets a pooled connection as the second request arrives. Whether it read the
     request first cannot be told from the reset (an engine that reads it and then aborts with
