@@ -608,7 +608,8 @@ class Router:
 
         Each replica keeps the blocks it matched when routed (``ceil(matched_tokens /
         block_size)``, at least its index depth then) and any block touched again since
-        ``routed_at_s`` (another request routed there meanwhile). Events mode: nothing to forget
+        ``routed_at_s`` (another request routed there meanwhile; one routed at the same ``now_s``
+        is not told apart: its blocks are dropped too). Events mode: nothing to forget
         (the engines' own events are the truth). Returns the blocks dropped. Other routers told of
         the decision (processes sharing decisions, a broker) keep their copy: no retraction is sent.
         """

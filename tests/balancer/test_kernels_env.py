@@ -72,6 +72,20 @@ def test_the_pool_workers_of_a_command_follow_it(monkeypatch):
         kernels.use_compiled(True)
 
 
+def test_the_parallel_runs_pool_follows_it_too(monkeypatch):
+    # sim run / compare with several policies and --jobs N: another pool (review R1: it did not)
+    pytest.importorskip("numba")
+    from sim.search.parallel_runs import _init
+    from sim.scenario import load_scenario
+
+    monkeypatch.setenv(kernels.ENV_VAR, "off")
+    try:
+        _init(load_scenario("llama8b-agg-h100"), [], (), None)
+        assert kernels.compiled() is None
+    finally:
+        kernels.use_compiled(True)
+
+
 def test_a_bad_value_is_named():
     with pytest.raises(ValueError, match="PDLB_KERNELS must be 'on' or 'off'.*'of'"):
         kernels.enabled_by_env({kernels.ENV_VAR: "of"})
