@@ -86,6 +86,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from balancer import kernels
 from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
@@ -169,6 +170,8 @@ class Router:
         self.config = config
         self.prefill_policy = _policy_of(prefill_policy, config.prefill_policy)
         self.decode_policy = _policy_of(decode_policy, config.decode_policy)
+        if self.prefill_policy.uses_kernels or self.decode_policy.uses_kernels:
+            kernels.compiled()  # load the compiled loops now (off: nothing), not in the first decision
         self.block_size = config.block_size
         self.index_mode = config.index_mode
         self.pd_min_uncached_tokens = config.pd_min_uncached_tokens
