@@ -103,13 +103,18 @@ def _frac(X, Qr):  # noqa: ANN001, ANN202
     return 0.0
 
 
-@_jit([f"void(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], f8[::1], "
-       "f8[::1])" for t in ("f8", "i8")])  # n_req: int64 request counts as they are (float() converts as astype)
-def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
-                    n_after):  # noqa: ANN001, ANN201
+_EP_ROWS_SIGS = [f"void(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], b1, f8[:, ::1], "
+                 "f8[::1], f8[::1])" for t in ("f8", "i8")]  # n_req: int64 counts as they are (float() converts as astype)
+
+
+@_jit(_EP_ROWS_SIGS)
+def prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats,
+                          horizon, n_after):  # noqa: ANN001, ANN201
     """:func:`prefill_wait_rows` and, with ``want_after``, :func:`requests_after_rows` (into
     ``n_after`` (n,), from ``n_req``) in one pass over each candidate's engine: one call instead of
-    two, each rank's queue read once. ``N_after`` of a candidate whose queue equals an earlier
+    two, each rank's queue read once; every candidate reads all ``R`` ranks of its engine (O(n R)).
+    :func:`prefill_ep_rows` is the same loop with selects instead of branches; this one (NaN-aware
+    branches) is its fallback and its reference. ``N_after`` of a candidate whose queue equals an earlier
     candidate's of the same engine is that one's: its terms are the same values in the same order
     (each rank ``r`` contributes ``n_r max((q_r - q_i) / q_r, 0)``, 0 where ``q_r <= q_i``, which
     reads ``q_i`` only), so the sum is the same bits."""
@@ -165,6 +170,95 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
                     vals[c] = float(n_req[r]) * _maximum((Qr - qi) / Qr, 0.0)
                 else:
                     vals[c] = float(n_req[r]) * 0.0
+        if w_new >= best:
+            tok = q_new
+            pairs = a_new
+        else:
+            rj = rows[e, j]
+            fj = _frac(X, q[rj])
+            tok = q[rj] * fj
+            pairs = a[rj] * fj
+        feats[i, 0] = steps
+        feats[i, 1] = tok
+        feats[i, 2] = pairs
+        feats[i, 3] = (_row_sum(mins, R) - _minimum(qi, X)) + q_new
+        horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+        if want_after:
+            n_after[i] = n_after[after_from] if after_from >= 0 else _row_sum(vals, R)
+
+
+@_jit(_EP_ROWS_SIGS)
+def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats, horizon,
+                    n_after):  # noqa: ANN001, ANN201
+    """:func:`prefill_ep_rows_plain`, bit for bit, without data-dependent branches in the loop
+    over a candidate's engine (the argmax, the minima and maxima, the clipped fractions are
+    selects): on real pools (queues and prefix hits that differ by rank and change every
+    decision) the plain loop's branches are mispredicted about every other rank, which cost more
+    than its arithmetic. The selects equal the plain code's comparisons where every input is
+    finite, ``q >= 0`` and ``X > 0`` (no NaN, whose handling needs the branches): other inputs run
+    :func:`prefill_ep_rows_plain` for the whole call."""
+    n = q.shape[0]
+    R = rows.shape[1]
+    W = np.empty(n)
+    ok = C > 0 and C < np.inf and R >= 1
+    for r in range(n):
+        W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
+        ok = ok and q[r] >= 0.0 and q[r] < np.inf and np.abs(W[r]) < np.inf and np.abs(a[r]) < np.inf \
+            and np.abs(u[r]) < np.inf and np.abs(cached[r]) < np.inf
+    if not ok:
+        prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats,
+                              horizon, n_after)
+        return
+    mins = np.empty(R)
+    vals = np.empty(R)
+    col = 0
+    for i in range(n):
+        ui = u[i]
+        own_pairs = ui * cached[i] + ui * (ui + 1.0) / 2.0
+        q_new = q[i] + ui
+        a_new = a[i] + own_pairs
+        steps = np.ceil(q_new / C)
+        X = steps * C
+        w_new = per_token_s * q_new + per_attn_pair_s * a_new
+        e = idx[i]
+        own = col  # i % R, counted
+        col = col + 1 if col + 1 < R else 0
+        qi = q[i]
+        after_from = -1
+        if want_after:
+            for c in range(own):
+                rc = rows[e, c]
+                if rc < i and q[rc] == qi:
+                    after_from = rc
+                    break
+        if not (X > 0.0 and X < np.inf):  # X <= 0 (nothing to prefill) or an overflow: the branches
+            prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after,
+                                  feats, horizon, n_after)
+            return
+        best = 0.0
+        j = 0
+        busiest = 0.0
+        for c in range(R):
+            r = rows[e, c]
+            Qr = q[r]
+            Wr = W[r]
+            # _frac(X, Qr): 0 where Qr == 0, 1 where 0 < Qr <= X, else X / Qr (< 1: its minimum with 1.0)
+            pos = Qr > 0.0
+            d = X / (Qr if pos else 1.0)
+            f = (1.0 if Qr <= X else d) if pos else 0.0
+            wk = -1.0 if c == own else Wr * f
+            if c == 0:
+                best = wk
+            up = wk > best  # the first maximum (no NaN: "not wk <= best")
+            best = wk if up else best
+            j = c if up else j
+            mins[c] = Qr if Qr < X else X
+            wo = 0.0 if c == own else Wr
+            busiest = wo if c == 0 else (busiest if busiest > wo else wo)
+            if want_after and after_from < 0:
+                more = pos and Qr > qi
+                g = (Qr - qi) / (Qr if more else 1.0)
+                vals[c] = float(n_req[r]) * ((g if g > 0.0 else 0.0) if more else 0.0)
         if w_new >= best:
             tok = q_new
             pairs = a_new
@@ -310,6 +404,55 @@ def count_no_room(cap, kv, need):  # noqa: ANN001, ANN201
             if cap[j] - kv[j] < need:
                 bad += 1
     return bad if known else -1
+
+
+@_jit("i8(i8[::1], i8[::1], i8[::1], i8[::1], i8[:, ::1], f8, f8, f8, f8, f8, f8, f8, f8, f8, b1, f8[::1], i8[::1], i8, "
+      "f8, i8[::1])")
+def decode_select_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,  # noqa: ANN001, ANN201
+                       per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost, cap,
+                       need, tie_tolerance, out):
+    """``EpAware.select`` on a wide-EP decode pool up to its random draw, one call:
+    :func:`decode_cost_rows` (into ``cost``), then :func:`count_no_room` (``cap``, ``k``,
+    ``need``) and, when every candidate has room or none has a known capacity, :func:`tie_pick`
+    (``k`` as the load; into ``out``). Returns ``tie_pick``'s count (>= 1; -1: draw among the
+    cheapest costs), or -2 when some candidate lacks room (``EpAware._capacity`` changes the
+    costs: the caller takes the numpy path)."""
+    decode_cost_rows(b, k, matched, idx, rows, out_tokens, kv_new, prompt_tokens, overhead_s, per_seq_s,
+                     per_kv_token_s, per_group_seq_s, externality_weight, transfer_s_per_token, transfer, cost)
+    bad = count_no_room(cap, k, need)
+    if bad != 0 and bad != -1:
+        return -2
+    return tie_pick(cost, k, tie_tolerance, out)
+
+
+@_jit("i8(i8[::1], i8[::1], i8[::1], f8, f8, f8, b1, f8[::1], i8[::1])")
+def kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, prompt, bs, overlap_weight, weighted, cost, out):  # noqa: ANN001, ANN201
+    """``kv_cost``'s costs (``KvCost.costs``: ``(prefill + (prompt - matched)) / bs``, times
+    ``overlap_weight`` when ``weighted``, plus ``(kv + prompt) / bs``, numpy's operations in its
+    order, into ``cost``) and, at temperature 0, the candidates at the least cost (``cost ==
+    cost.min()``, in order, into ``out``); returns their count, or -1 where a cost is NaN (numpy's
+    minimum is then NaN and nothing equals it: the caller's numpy path decides)."""
+    n = cost.shape[0]
+    if n == 0:
+        return -1
+    for i in range(n):
+        c = (float(prefill_tokens[i]) + (prompt - float(matched_tokens[i]))) / bs
+        if weighted:
+            c *= overlap_weight
+        c += (float(kv_tokens[i]) + prompt) / bs
+        if c != c:
+            return -1
+        cost[i] = c
+    least = cost[0]
+    for i in range(1, n):
+        if cost[i] < least:
+            least = cost[i]
+    m = 0
+    for i in range(n):
+        if cost[i] == least:
+            out[m] = i
+            m += 1
+    return m
 
 
 @_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "

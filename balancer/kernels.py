@@ -203,6 +203,54 @@ def count_no_room(cap: np.ndarray, kv: np.ndarray, need: int) -> int | None:
     return k.count_no_room(cap, kv, int(need))
 
 
+def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray, cap: np.ndarray, idx: np.ndarray,
+                       rows: np.ndarray, out_tokens: float, kv_new_tokens: float, prompt_tokens: float,
+                       overhead_s: float, per_seq_s: float, per_kv_token_s: float, per_group_seq_s: float,
+                       externality_weight: float, transfer_s_per_token: float, transfer: bool, need: int,
+                       tie_tolerance: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``EpAware.select``'s work on a wide-EP decode pool before its random draw, one compiled
+    call: :func:`decode_cost_rows`' costs, :func:`count_no_room` (``cap``, ``need`` tokens) and
+    :func:`tie_pick` on the costs with the KV tokens ``k`` as the load. Returns ``(count, cost
+    (n,), positions (n,))``: ``count >= 1`` and ``positions[:count]`` as :func:`tie_pick`'s, -1
+    where ``_pick`` draws among the cheapest costs, -2 where some candidate lacks KV room (the
+    costs change: take the numpy path). ``b``, ``k``, ``matched_tokens``, ``cap`` int64, shape
+    ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
+    kern = compiled()
+    if kern is None or not _layout_ok(kern, idx, rows):
+        return None
+    if not (b.dtype == k.dtype == matched_tokens.dtype == cap.dtype == np.int64 and b.flags.c_contiguous
+            and k.flags.c_contiguous and matched_tokens.flags.c_contiguous and cap.flags.c_contiguous
+            and len(cap) == len(b) and 0 <= need < 2 ** 62):
+        return None
+    n = len(b)
+    cost = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
+                                    float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
+                                    float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
+                                    bool(transfer), cost, cap, int(need), float(tie_tolerance), pos)
+    return count, cost, pos
+
+
+def kv_cost_select(prefill_tokens: np.ndarray, matched_tokens: np.ndarray, kv_tokens: np.ndarray, prompt_tokens: float,
+                   block_size: float, overlap_weight: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``kv_cost``'s costs and its cheapest candidates in one compiled call: ``(count, cost (n,),
+    positions (n,))`` with ``positions[:count]`` (int64) the candidates whose cost equals the least
+    (``KvCost.costs`` bit for bit; count -1 where a cost is NaN). The three load columns int64,
+    shape ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    if (k is None or not prefill_tokens.dtype == matched_tokens.dtype == kv_tokens.dtype == np.int64
+            or not (prefill_tokens.flags.c_contiguous and matched_tokens.flags.c_contiguous
+                    and kv_tokens.flags.c_contiguous) or not len(prefill_tokens) == len(matched_tokens) == len(kv_tokens)):
+        return None
+    n = len(prefill_tokens)
+    cost = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    count = k.kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, float(prompt_tokens), float(block_size),
+                             float(overlap_weight), overlap_weight != 1.0, cost, pos)
+    return count, cost, pos
+
+
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
                          prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
                          w_ext: float, idx: np.ndarray, rows: np.ndarray

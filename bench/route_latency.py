@@ -269,14 +269,14 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
                       f"{o50 / b50:>11.2f}{o99 / b99:>11.2f}", flush=True)
 
 
-def hashing_us(prompt_tokens: int, n: int = 200) -> tuple[float, float]:
+def hashing_us(prompt_tokens: int, block_size: int, n: int = 200) -> tuple[float, float]:
     """p50 / p99 (us, thread CPU time) of hashing one prompt's token ids into its block hashes as
     the service does before it routes (:meth:`PromptHasher.hash_token_ids` of a token-id array, at
-    :data:`BLOCK` tokens per block): work the service pays per request that ``Router.route`` (the
-    decision measured in the tables) does not include."""
+    ``block_size`` tokens per block; the xxhash package's XXH3-64 per block): work the service pays
+    per request that ``Router.route`` (the decision measured in the tables) does not include."""
     from balancer.service.prompt import PromptHasher
 
-    hasher = PromptHasher(BLOCK)
+    hasher = PromptHasher(block_size)
     rng = np.random.default_rng(0)
     lat = np.empty(n)
     for k in range(n):
@@ -285,6 +285,61 @@ def hashing_us(prompt_tokens: int, n: int = 200) -> tuple[float, float]:
         hasher.hash_token_ids(ids)
         lat[k] = time.thread_time() - t0
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
+
+
+def hashing_lines(prompt_sizes: list[int]) -> list[str]:
+    """One line per prompt size and block size (the bench's, and 64 tokens, ``pdlb serve``'s
+    default): the hashing's p50 / p99."""
+    out = []
+    for prompt in prompt_sizes:
+        for bs in sorted({BLOCK, 64}):
+            h50, h99 = hashing_us(prompt, bs)
+            out.append(f"block hashing of one {prompt}-token prompt at {bs}-token blocks ({prompt // bs} blocks; pdlb "
+                       f"serve hashes the token ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us")
+    return out
+
+
+def prefill_kernel_lines(replica_counts: list[int], pools: int = 64, rounds: int = 5) -> list[str]:
+    """One line per replica count: ``ep_aware``'s wide-EP prefill kernel (features, horizon,
+    ``N_after``; :func:`balancer.kernels.prefill_ep_rows`) on ``pools`` random pools that differ
+    in every rank (a third of the ranks idle, queues up to 60k tokens, prefix hits 0-63 blocks),
+    cycled so that no branch pattern repeats within a call, against its branching loop
+    (``prefill_ep_rows_plain``, the same bits) in the same run: thread CPU per call, best of
+    ``rounds``. The decision table's pools repeat the same few queues decision after decision
+    (every rank's branches predictable), which hides the difference; real queues and hits differ by
+    rank. Empty when numba is not installed."""
+    from balancer import kernels
+    from balancer.cost_model import engine_groups
+
+    k = kernels.compiled()
+    if k is None:
+        return []
+    out = []
+    rng = np.random.default_rng(0)
+    for replicas in replica_counts:
+        reps = tuple(ReplicaId(f"p{i // 8}", i % 8) for i in range(replicas))
+        _, idx, rows = engine_groups(reps)
+        if rows is None:
+            continue
+        n = len(reps)
+        data = []
+        for _ in range(pools):
+            q = rng.integers(0, 60_000, n).astype(np.float64) * (rng.random(n) < 0.7)
+            cached = np.minimum(rng.integers(0, 64, n) * 512.0, 32_767.0)
+            data.append((q, q * rng.uniform(0, 3000, n), 32_768.0 - cached, cached, rng.integers(0, 40, n)))
+        res = np.empty((n, 4)), np.empty(n), np.empty(n)
+        best = {}
+        for name in ("prefill_ep_rows", "prefill_ep_rows_plain") * rounds:
+            fn = getattr(k, name)
+            t0 = time.thread_time()
+            for q, a, u, cached, n_req in data:
+                fn(q, a, u, cached, n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *res)
+            best[name] = min(best.get(name, np.inf), (time.thread_time() - t0) / pools * 1e6)
+        sel, plain = best["prefill_ep_rows"], best["prefill_ep_rows_plain"]
+        out.append(f"ep_aware prefill kernel, {replicas} ranks (8 per engine), {pools} random pools cycled: selects "
+                   f"{sel:.1f} us, branching loop {plain:.1f} us per call (thread CPU, best of {rounds}); ratio "
+                   f"{sel / plain:.2f}")
+    return out
 
 
 def host_calibration_us() -> tuple[float, float]:
@@ -432,10 +487,8 @@ def main() -> int:
         Path(args.decisions).write_text("policy,replicas,prompt_tokens,request,prefill,prefill_reason,prefill_score,"
                                         "decode,decode_reason,decode_score\n" + "".join(line + "\n" for line in log))
         print(f"{len(log)} decisions written to {args.decisions}")
-    for prompt in args.prompt_sizes:
-        h50, h99 = hashing_us(prompt)
-        print(f"block hashing of one {prompt}-token prompt ({-(-prompt // BLOCK)} blocks; pdlb serve hashes the token "
-              f"ids before it routes): p50 {h50:.1f} us, p99 {h99:.1f} us")
+    for line in hashing_lines(args.prompt_sizes) + prefill_kernel_lines(args.replica_counts):
+        print(line)
     print()
     print("prefix index alone, one PD decision (match + 2 inserts), steady state; baseline: the flat"
           " BlockIndex in the same run")

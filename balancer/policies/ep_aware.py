@@ -86,15 +86,18 @@ Parameters:
         sets them (``EngineCost.request_chunk_tokens``, ``prefill_schedule_interval``); engines
         without them are priced as before either way.
 
-**vLLM's chunk limit and prefill cadence** (``cadence=True``; :mod:`balancer.prefill_cadence`):
-a prompt's prefill takes ``n_i = max(ceil((q_i + u_i) / C), ceil(u_i / L))`` steps (``L`` the
-per-request chunk limit), so the predicted TTFT and the cost add ``(n_i - ceil((q_i + u_i) / C))
-overhead``; on a mixed pool with interval ``k`` they add the decode steps between the rank's
-open prefill steps, ``(k - 1)(n_i - 1/2) T_e`` (``T_e`` the engine's decode step now; 0 on an
-empty rank), and the cost adds, on a rank whose ``max_num_seqs`` slots are all taken (the request
-would wait for admission, and the rank prefill on every step), ``externality_weight forced_i n_e
-chunk_s``: the group's extra mixed steps times its running sequences times one chunk's prefill
-seconds.
+**vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
+model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
+:mod:`balancer.prefill_cadence`): a prompt's prefill takes ``n_i = max(ceil((q_i + u_i) / C),
+ceil(u_i / L))`` steps (``L`` the per-request chunk limit), ``ceil(u_i / L)`` where the sequence
+cap ``S`` has ``S L <= C`` (the queue ahead then takes none of its chunks, and the predicted TTFT is
+its own ``n_i`` steps' prefill instead of the queue's drain); on a mixed pool with interval ``k``
+the TTFT adds the decode steps between the rank's open prefill steps, ``(k - 1)(n_i - 1/2) T_e``
+(``T_e`` the engine's decode step now; 0 on an empty rank), and on a full rank the slot wait
+(:func:`balancer.cost_model.slot_wait_s`); the cost adds the TTFT's change and, on a full rank (the
+request would wait for admission, and the rank prefill on every step), ``externality_weight
+forced_i n_e chunk_s``: the group's extra mixed steps times its running sequences times one chunk's
+prefill seconds. Ties there go to the fewest requests, then the least decode KV.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
@@ -291,6 +294,9 @@ class EpAware(Policy):
                                                       own)
             reason = "ep_aware:prefill"
         elif cands.role is Role.DECODE:
+            fast = self._decode_select_compiled(request, cands, model, names, idx, rows, ctx)
+            if fast is not None:  # the same choice as below, in one compiled call (wide-EP pools)
+                return fast
             cost = self.decode_cost(request, cands, model, names, idx, rows, transfer=True)
             reason = "ep_aware:decode"
         else:
@@ -660,6 +666,34 @@ class EpAware(Policy):
         before, after, n_e = _decode_steps(eng, idx, rows, b, k, b + 1.0, k + kv_new, 1.0)
         cost = out * (after + self.externality_weight * n_e * (after - before))
         return _plus_transfer(cost, request, cands, model, transfer)
+
+    def _decode_select_compiled(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                                idx: np.ndarray, rows: np.ndarray | None, ctx: SelectContext) -> Choice | None:
+        """:meth:`select` on a decode pool of uniform wide-EP engines in one compiled call
+        (:func:`balancer.kernels.decode_select_rows`: :meth:`_decode_cost_one`'s kernel, then
+        :meth:`_capacity`'s and :meth:`_pick`'s), drawing from ``ctx.rng`` exactly as :meth:`_pick`
+        does; ``None`` where that path does not apply (no kernels, not wide EP, a full rank under
+        ``seq_cap``, a candidate without KV room, a draw among the cheapest costs): :meth:`select`
+        then runs the numpy-level code, which gives the same choice."""
+        eng = self._uniform_engine(model, names, "decode")
+        if eng is None or not eng.ep_synchronous or rows is None:
+            return None
+        S = eng.max_num_seqs if self.seq_cap else None
+        if S is not None and len(cands) and cands.num_requests.max() >= S:
+            return None
+        d = eng.decode
+        out = float(min(request.output_tokens, self.max_output_estimate_tokens))
+        need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
+        got = kernels.decode_select_rows(cands.num_requests, cands.decode_kv_tokens, cands.matched_tokens,
+                                         cands.kv_capacity_tokens, idx, rows, out, request.prompt_tokens + out / 2.0,
+                                         request.prompt_tokens, d.overhead_s, d.per_seq_s, d.per_kv_token_s,
+                                         d.per_group_seq_s, self.externality_weight, model.transfer_s_per_token, True,
+                                         need, self.tie_tolerance)
+        if got is None or got[0] < 1:
+            return None
+        count, cost, pos = got
+        i = int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
+        return Choice(cands.replicas[i], scores_of(cands, cost), reason="ep_aware:decode")
 
     def _decode_cost_capped(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
                             idx: np.ndarray, rows: np.ndarray | None, transfer: bool, S: int) -> np.ndarray:

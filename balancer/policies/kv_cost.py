@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from balancer import kernels
 from balancer.candidates import Candidates
 from balancer.policies.base import Policy, SelectContext, argmin_random, array_min, register, scores_of
 from balancer.types import Choice, Request
@@ -32,6 +33,7 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class KvCost(Policy):
     name = "kv_cost"
+    uses_kernels = True  # its choice is one compiled call (balancer.kernels.kv_cost_select)
     overlap_weight: float = 1.0
     temperature: float = 0.0
 
@@ -52,6 +54,17 @@ class KvCost(Policy):
         return cost
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        if self.temperature == 0.0:  # costs and the cheapest in one compiled call, when there is one
+            got = kernels.kv_cost_select(cands.prefill_tokens, cands.matched_tokens, cands.decode_kv_tokens,
+                                         request.prompt_tokens, cands.block_size, self.overlap_weight)
+            if got is not None and got[0] >= 1:
+                count, cost, tied = got
+                if count == 1:
+                    i = int(tied[0])
+                else:  # fewest cached blocks among the cheapest, then random (as below)
+                    tied = tied[:count]
+                    i = int(tied[argmin_random(cands.matched_blocks[tied], ctx.rng)])
+                return Choice(cands.replicas[i], scores_of(cands, cost), reason="min_cost")
         cost = self.costs(request, cands)
         scores = scores_of(cands, cost)
         if self.temperature == 0.0:

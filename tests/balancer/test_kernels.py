@@ -338,3 +338,139 @@ def test_layouts_the_kernels_do_not_take_fall_back():
     # int64 load columns are taken (converted as numpy's arithmetic would)
     assert same_bits(kernels.requests_after_rows(q.astype(np.int64), q, idx, rows),
                      kernels.requests_after_rows(q.astype(np.int64).astype(np.float64), q, idx, rows))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8, 9, 16, 72])
+@pytest.mark.parametrize("pattern", ["random", "ties", "wide"])
+def test_prefill_kernel_selects_equal_numpy_and_the_branching_loop(ranks, pattern):
+    """kernels.prefill_ep_rows (selects instead of branches in the loop over an engine's ranks)
+    with one prefix hit for the whole pool (X repeats within an engine, queues equal to X, ties)
+    and one hit per engine: features, horizon and N_after equal the numpy code's bit for bit
+    (reference: prefill_wait_features and EpAware._requests_after with the kernels off), and the
+    branching kernel's (prefill_ep_rows_plain) too."""
+    eng = EngineCost(prefill=PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6), chunk_tokens=8192, ep_synchronous=True)
+    k = kernels.compiled()
+    for seed in range(4):
+        reps, q, a, _, _ = pool(seed, ranks, 2 + seed, pattern)
+        if seed == 3:  # queues at chunk multiples: some equal X exactly (the 0 < Qr <= X edge of the fraction)
+            q = np.random.default_rng(ranks).integers(0, 6, len(q)) * 8192.0
+            a = q * 1000.0 + (q == 0) * 7.0  # and pairs on an empty queue (W > 0 there: its fraction shows)
+        _, idx, rows = engine_groups(reps)
+        P = 32_768.0
+        hits = np.full(len(q), 1024.0 * seed) if seed % 2 == 0 else np.repeat(np.arange(len(rows)) * 512.0, ranks)
+        cached = np.minimum(hits, P - 1.0)
+        u = P - cached
+        n_req = np.random.default_rng(seed).integers(0, 40, len(reps))
+        c = Candidates(Role.PREFILL, reps, n_req, q.astype(np.int64), np.zeros(len(reps), np.int64),
+                       np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), np.zeros(len(reps), np.int64), 512)
+        got = kernels.prefill_ep_rows(q, a, u, cached, n_req, 8192, 5.1e-5, 1.0e-8, idx, rows)
+        kernels.use_compiled(False)
+        try:
+            f0, h0 = prefill_wait_features(q, a, u, cached, eng, idx, rows)
+            n0 = EpAware._requests_after(q, c, idx, rows)
+        finally:
+            kernels.use_compiled(True)
+        assert same_bits(got[0], f0) and same_bits(got[1], h0) and same_bits(got[2], n0), (ranks, seed, pattern)
+        n = len(q)
+        plain = np.empty((n, 4)), np.empty(n), np.empty(n)
+        k.prefill_ep_rows_plain(q, a, u, cached, n_req, 8192.0, 5.1e-5, 1.0e-8, idx, rows, True, *plain)
+        assert all(same_bits(x, y) for x, y in zip(got, plain))
+
+
+@pytest.mark.parametrize("spoil", ["nan_q", "inf_a", "negative_a", "zero_chunk"])
+def test_prefill_kernel_falls_back_to_the_per_candidate_loop(spoil):
+    """Inputs the selects do not cover (a NaN, an infinity, a zero chunk: X not finite) and a
+    negative queued-pair count (covered) give exactly the branching kernel's answer."""
+    reps, q, a, u, cached = pool(1, 8, 3, "random")
+    _, idx, rows = engine_groups(reps)
+    q, a = q.copy(), a.copy()
+    C = 8192.0
+    if spoil == "nan_q":
+        q[5] = np.nan
+    elif spoil == "inf_a":
+        a[9] = np.inf
+    elif spoil == "negative_a":
+        a[3] = -1e12
+    else:
+        C = 0.0
+    n_req = np.arange(len(q), dtype=np.int64)
+    k = kernels.compiled()
+    n = len(q)
+    fast = np.empty((n, 4)), np.empty(n), np.empty(n)
+    plain = np.empty((n, 4)), np.empty(n), np.empty(n)
+    with np.errstate(all="ignore"):
+        k.prefill_ep_rows(q, a, u, cached, n_req, C, 5.1e-5, 1.0e-8, idx, rows, True, *fast)
+        k.prefill_ep_rows_plain(q, a, u, cached, n_req, C, 5.1e-5, 1.0e-8, idx, rows, True, *plain)
+    assert all(same_bits(x, y) for x, y in zip(fast, plain))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8, 9, 16])
+def test_decode_select_compiled_equals_numpy(ranks):
+    """EpAware.select on a wide-EP decode pool (one compiled call: cost, room test, tie pick)
+    against the numpy code (kernels off): the same replica, reason, scores (bits) and RNG state
+    afterwards, with capacities that all fit, some or none (the compiled call hands over to the
+    numpy path), exact ties (the draw), a zero tie tolerance and seq_cap with full ranks."""
+    d = DecodeStepCost(0.012, 6.0e-5, 3.0e-9, 1.5e-6)
+    eng = EngineCost(decode=d, ep_synchronous=True, max_num_seqs=64)
+    model = CostModel(decode=eng, transfer_s_per_token=2.5e-7)
+    rng = np.random.default_rng(ranks)
+    ran_compiled = 0
+    for trial in range(120):
+        engines = int(rng.integers(1, 6))
+        reps = tuple(ReplicaId(f"d{e}", r) for e in range(engines) for r in range(ranks))
+        n = len(reps)
+        b = rng.integers(0, 70, n) * (rng.random(n) < 0.7)
+        if trial % 3 == 0:  # equal loads: exact cost ties, the random draw
+            b[:] = b[0]
+        k = b * 4_000 + (0 if trial % 3 == 0 else rng.integers(0, 40_000, n))
+        cap = np.full(n, 2_000_000) if trial % 4 else rng.integers(0, 3, n) * 150_000
+        matched = np.minimum(rng.integers(0, 70, n) * 512, 32_768) * (trial % 3 != 0)
+        c = Candidates(Role.DECODE, reps, b, np.zeros(n, np.int64), k, cap, matched // 512, matched, 512)
+        req = Request("r", 0.0, 32_768, (), 128, int(rng.integers(1, 9000)))
+        pol = EpAware(tie_tolerance=(0.05, 0.0, 0.3)[trial % 3], seq_cap=trial % 5 == 4)
+        r1, r0 = random.Random(trial), random.Random(trial)
+        kernels.use_compiled(True)
+        fast = pol.select(req, c, SelectContext(r1, 0.0, 0, model, None))
+        kernels.use_compiled(False)
+        slow = pol.select(req, c, SelectContext(r0, 0.0, 0, model, None))
+        kernels.use_compiled(True)
+        assert (fast.replica, fast.reason) == (slow.replica, slow.reason), trial
+        assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
+        assert r1.getstate() == r0.getstate(), trial
+        _, idx, rows = engine_groups(reps)
+        ran_compiled += pol._decode_select_compiled(req, c, model, ("d",), idx, rows,
+                                                    SelectContext(random.Random(0), 0.0, 0, model, None)) is not None
+    assert ran_compiled > 30  # the one-call path decided most trials (the rest: the numpy hand-over)
+
+
+@pytest.mark.parametrize("overlap_weight", [1.0, 0.0, 0.7, 3.0])
+def test_kv_cost_select_compiled_equals_numpy(overlap_weight):
+    """KvCost.select (temperature 0) with its compiled cost-and-minimum call against the numpy
+    code (kernels off): the same replica, reason, scores (bits) and RNG state afterwards, on
+    pools with exact cost ties (broken by the fewest cached blocks, then at random) and without."""
+    from balancer.policies.kv_cost import KvCost
+
+    pol = KvCost(overlap_weight=overlap_weight)
+    rng = np.random.default_rng(int(overlap_weight * 10))
+    for trial in range(300):
+        n = int(rng.integers(1, 80))
+        reps = tuple(ReplicaId(f"e{i // 8}", i % 8) for i in range(n))
+        scale = 512 if trial % 2 else 1  # block multiples tie often; raw token counts rarely
+        pt = rng.integers(0, 4, n) * scale * 16
+        kv = rng.integers(0, 4, n) * scale * 16
+        matched_blocks = rng.integers(0, 5, n)
+        matched = np.minimum(matched_blocks * 512, 2048)
+        bs = (512, 100, 48)[trial % 3]  # 100 and 48: divisions that round (a reordering shows)
+        c = Candidates(Role.DECODE, reps, np.zeros(n, np.int64), pt, kv, np.zeros(n, np.int64), matched_blocks, matched,
+                       bs)
+        req = Request("r", 0.0, 2048 + int(rng.integers(0, 3000)), (), 64, 64)
+        r1, r0 = random.Random(trial), random.Random(trial)
+        kernels.use_compiled(True)
+        fast = pol.select(req, c, SelectContext(r1, 0.0, 0, None, None))
+        kernels.use_compiled(False)
+        slow = pol.select(req, c, SelectContext(r0, 0.0, 0, None, None))
+        kernels.use_compiled(True)
+        assert (fast.replica, fast.reason) == (slow.replica, slow.reason), trial
+        assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
+        assert r1.getstate() == r0.getstate(), trial
+    assert kernels.kv_cost_select(pt, matched, kv, 2048.0, 512.0, overlap_weight) is not None  # the compiled call ran

@@ -47,3 +47,17 @@ def test_decision_line_names_ranks_reasons_and_exact_scores() -> None:
         "ep_aware,8,2048,m7,p0/dp1,ep_aware:prefill,0.30000000000000004,d0/dp2,round_robin,")
     aggregated = Route("m8", None, d, 0, 0, None, Choice(d, {d: 2.5}, "x"))
     assert rl.decision_line("x", 8, 2048, aggregated) == "x,8,2048,m8,,,,d0/dp2,x,2.5"
+
+
+def test_hashing_and_prefill_kernel_lines() -> None:
+    """The lines the bench prints after its table: the block hashing at the bench's block size and
+    at pdlb serve's 64, and the prefill kernel on random pools (the select version and the
+    branching loop, with a ratio); one per configuration."""
+    lines = rl.hashing_lines([2048])
+    assert [line.split(" (")[0] for line in lines] == ["block hashing of one 2048-token prompt at 64-token blocks",
+                                                       "block hashing of one 2048-token prompt at 512-token blocks"]
+    assert all(" us, p99 " in line for line in lines)
+    pytest.importorskip("numba")
+    (line,) = rl.prefill_kernel_lines([16], pools=3, rounds=1)
+    assert line.startswith("ep_aware prefill kernel, 16 ranks (8 per engine), 3 random pools cycled: selects ")
+    assert float(line.rsplit("ratio ", 1)[1]) > 0
