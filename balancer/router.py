@@ -86,6 +86,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from balancer import kernels
 from balancer.candidates import Candidates
 from balancer.cost_model import DEFAULT_COST_MODEL, CostLearner
 from balancer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, tier_of_medium
@@ -169,6 +170,8 @@ class Router:
         self.config = config
         self.prefill_policy = _policy_of(prefill_policy, config.prefill_policy)
         self.decode_policy = _policy_of(decode_policy, config.decode_policy)
+        if self.prefill_policy.uses_kernels or self.decode_policy.uses_kernels:
+            kernels.compiled()  # load the compiled loops now (off: nothing), not in the first decision
         self.block_size = config.block_size
         self.index_mode = config.index_mode
         self.pd_min_uncached_tokens = config.pd_min_uncached_tokens
@@ -608,7 +611,8 @@ class Router:
 
         Each replica keeps the blocks it matched when routed (``ceil(matched_tokens /
         block_size)``, at least its index depth then) and any block touched again since
-        ``routed_at_s`` (another request routed there meanwhile). Events mode: nothing to forget
+        ``routed_at_s`` (another request routed there meanwhile; one routed at the same ``now_s``
+        is not told apart: its blocks are dropped too). Events mode: nothing to forget
         (the engines' own events are the truth). Returns the blocks dropped. Other routers told of
         the decision (processes sharing decisions, a broker) keep their copy: no retraction is sent.
         """

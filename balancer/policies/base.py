@@ -67,6 +67,11 @@ class Policy(ABC):
     #: online (``RouterConfig.learn_cost_model``) only when one of its policies does. Default
     #: ``False``; ``ep_aware`` sets it.
     uses_cost_model: ClassVar[bool] = False
+    #: whether :meth:`select` runs :mod:`balancer.kernels`' compiled loops: a :class:`Router`
+    #: built with such a policy loads them (numba) then, so that its first decision does not pay
+    #: it, and building the policy alone (e.g. validating a config) never does. ``ep_aware`` and
+    #: ``kv_cost`` set it.
+    uses_kernels: ClassVar[bool] = False
 
     @abstractmethod
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:

@@ -231,6 +231,7 @@ class EpAware(Policy):
 
     name = "ep_aware"
     uses_cost_model = True
+    uses_kernels = True  # a Router built with it loads the compiled loops (not the policy itself)
     externality_weight: float = 1.0
     horizon_weight: float = 4.0
     horizon_power: float = 1.0
@@ -277,7 +278,6 @@ class EpAware(Policy):
                              f"got {self.slo_doomed_tail}")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
-        kernels.compiled()  # compile (or load) the compiled cost loops now, not in the first decision
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL

@@ -403,6 +403,8 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
         out = error_response(e.status, msg)
         out.headers["X-Request-Id"] = _answer_id(request, svc)
         out.headers[hdrs.SERVER] = SERVER_HEADER
+        if hdrs.ALLOW in e.headers:  # a 405 names the methods the resource takes (RFC 9110 §15.5.6)
+            out.headers[hdrs.ALLOW] = e.headers[hdrs.ALLOW]
         return out
     except asyncio.CancelledError:
         status = 499  # client closed the connection

@@ -595,7 +595,11 @@ class Proxy:
             return result
         except Failure as f:
             if 400 <= f.status < 500 and f.kind.startswith("http_") and hashes:  # an engine refused the request
-                by_prefill = route.prefill is not None and f.where == route.prefill.engine
+                # SGLang PD: the prefill engine runs the prompt only after the decode's bootstrap
+                # handshake (sglang/srt/disaggregation/prefill.py), which a refusing decode never
+                # makes: both forget (vLLM PD: the prefill leg finished before the decode leg began)
+                by_prefill = route.prefill is not None and (
+                    f.where == route.prefill.engine or (self.cfg.pd_protocol == "sglang" and f.where == route.decode.engine))
                 if by_prefill or f.where == route.decode.engine:  # its blocks are cached on neither
                     self.router.on_rejected(route, hashes, now, by_prefill=by_prefill)
             raise

@@ -108,13 +108,20 @@ class SerialExecutor(Executor):
         return fut
 
 
-def _init_worker(workloads: Mapping[str, Sequence[Request]], modules: Sequence[str]) -> None:
+def apply_kernels_env() -> None:
+    """``PDLB_KERNELS`` (:data:`balancer.kernels.ENV_VAR`) in a pool worker, as the command that
+    started the pool applied it in its own process (a bad value was refused there). Every pool
+    initializer of the simulator calls it (this one, :mod:`sim.search.parallel_runs`)."""
     from balancer import kernels
 
-    try:  # PDLB_KERNELS, as the command that started the pool applied it in its own process
+    try:
         kernels.use_compiled(kernels.enabled_by_env(os.environ))
     except ValueError:
         pass
+
+
+def _init_worker(workloads: Mapping[str, Sequence[Request]], modules: Sequence[str]) -> None:
+    apply_kernels_env()
     for key, reqs in workloads.items():
         register_workload(key, reqs)
     import_policy_modules(modules)

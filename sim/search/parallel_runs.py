@@ -26,6 +26,9 @@ _STATE: dict[str, Any] = {}
 
 
 def _init(scenario: Scenario, requests: Sequence[Request], modules: Sequence[str], q: Any) -> None:
+    from sim.search.executor import apply_kernels_env
+
+    apply_kernels_env()  # PDLB_KERNELS, as in the parent (review R1)
     import_policy_modules(modules)
     _STATE.update(scenario=scenario, requests=list(requests), queue=q)
 

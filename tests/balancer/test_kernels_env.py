@@ -21,7 +21,7 @@ RUN = ("import sys\n"
        "from pdlb_cli.main import main\n"
        "rc = main(sys.argv[1:])\n"
        "from balancer import kernels\n"
-       "print('RESULT', rc, kernels.compiled() is not None)\n")
+       "print('RESULT', rc, 'numba' in sys.modules, kernels.compiled() is not None)\n")
 
 
 def _pdlb(env_value: str | None, out_dir) -> subprocess.CompletedProcess:  # noqa: ANN001
@@ -42,6 +42,26 @@ def test_the_variables_values(value, on):
     assert kernels.enabled_by_env({kernels.ENV_VAR: value}) is on
     assert kernels.enabled_by_env({}) is True  # unset: on (the default)
     assert kernels.enabled_by_env({"OTHER": "off"}) is True
+
+
+def test_importing_balancer_loads_no_kernels():
+    # review R2: `import balancer` built an EpAware (the default PolicySpec, validated at class
+    # definition), which loaded numba and compiled the kernels (0.5-3 s CPU, ~150 MB) in every
+    # process, whatever PDLB_KERNELS said; now a Router with a policy that uses them loads them
+    pytest.importorskip("numba")
+    code = ("import sys\n"
+            "import balancer\n"
+            "from balancer.policies import make_policy\n"
+            "make_policy('ep_aware')\n"
+            "a = 'numba' in sys.modules\n"
+            "from balancer.router import Router\n"
+            "Router('round_robin', 'round_robin')\n"
+            "b = 'numba' in sys.modules\n"
+            "Router('ep_aware', 'ep_aware')\n"
+            "print(a, b, 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True"]
 
 
 def test_the_core_reads_no_environment(monkeypatch):
@@ -72,6 +92,20 @@ def test_the_pool_workers_of_a_command_follow_it(monkeypatch):
         kernels.use_compiled(True)
 
 
+def test_the_parallel_runs_pool_follows_it_too(monkeypatch):
+    # sim run / compare with several policies and --jobs N: another pool (review R1: it did not)
+    pytest.importorskip("numba")
+    from sim.search.parallel_runs import _init
+    from sim.scenario import load_scenario
+
+    monkeypatch.setenv(kernels.ENV_VAR, "off")
+    try:
+        _init(load_scenario("llama8b-agg-h100"), [], (), None)
+        assert kernels.compiled() is None
+    finally:
+        kernels.use_compiled(True)
+
+
 def test_a_bad_value_is_named():
     with pytest.raises(ValueError, match="PDLB_KERNELS must be 'on' or 'off'.*'of'"):
         kernels.enabled_by_env({kernels.ENV_VAR: "of"})
@@ -85,8 +119,8 @@ def test_pdlb_kernels_off_runs_the_numpy_path_with_the_same_decisions(tmp_path):
         assert out.returncode == 0, out.stderr
         result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
         got[value] = result[-1].split()[1:]
-    assert got["off"] == ["0", "False"]  # no kernels
-    assert got["on"] == ["0", "True"] and got[None] == ["0", "True"]  # unset: on
+    assert got["off"] == ["0", "False", "False"]  # numba never imported (review R2: it was, by `import balancer`)
+    assert got["on"] == ["0", "True", "True"] and got[None] == ["0", "True", "True"]  # unset: on
     csv_off, csv_on = (sorted((tmp_path / v).glob("requests*.csv")) for v in ("off", "on"))
     assert len(csv_off) == 1 and csv_off[0].read_bytes() == csv_on[0].read_bytes()
 

@@ -134,6 +134,8 @@ async def test_no_answer_names_the_python_or_aiohttp_version():
         async with s.post(url + "/v1/completions", data=b"{not json") as r:  # pdlb's own 400, fast path
             answers.append((r.status, r.headers.getall("Server")))
         assert [a[0] for a in answers] == [200, 200, 200, 200, 200, 404, 405, 400]
+        async with s.request("DELETE", url + "/v1/completions") as r:  # RFC 9110 §15.5.6: a 405 says Allow (review R8)
+            assert r.status == 405 and r.headers.get("Allow") == "POST", dict(r.headers)
         assert all(a[1] == ["pdlb"] for a in answers), answers  # was Python/3.x aiohttp/3.y
         raw = await _raw(port, MALFORMED[0])
         assert b"\r\nServer: pdlb\r\n" in raw and b"aiohttp" not in raw

@@ -29,7 +29,10 @@ async def test_a_request_an_engine_refuses_leaves_no_blocks_in_the_prefix_index(
         async with s.post(c.url + "/v1/completions", json={"prompt": "hello " * 400, "max_tokens": 2}) as r:
             assert r.status == 400, await r.text()
         held = {rep.engine.rsplit(":", 1)[1]: index.num_blocks(rep) for rep in index.replicas()}
-        want_zero = {str(bad.port)} | ({str(c.decode[0].port)} if role == "prefill" else set())
-        assert all(held.get(p, 0) == 0 for p in want_zero), held
-        if protocol != "none" and role == "decode":  # the prefill replica's record stays (it may have computed it)
+        # a refused prefill: the decode gets no KV; SGLang PD, a refused decode: the prefill runs the
+        # prompt only after the decode's bootstrap handshake, never made (review R12)
+        both = role == "prefill" or protocol == "sglang"
+        want_zero = {str(c.decode[0].port)} | ({str(c.prefill[0].port)} if both and protocol != "none" else set())
+        assert all(held.get(p, 0) == 0 for p in want_zero | {str(bad.port)}), held
+        if protocol == "vllm" and role == "decode":  # vLLM PD: the prefill leg had finished: its record stays
             assert held[str(c.prefill[0].port)] > 0, held
