@@ -161,18 +161,13 @@ def generator_strata(config: "AgenticWorkloadConfig", requests_per_lane: int = 2
 
     Raises:
         ValueError: ``requests_per_lane`` outside 1..100,000."""
-    from sim.workload.agentic import lane_turns, warmup_requests
+    from sim.workload.agentic import measured_turns
     if not 1 <= requests_per_lane <= 100_000:
         raise ValueError(f"requests_per_lane must be in 1..100000, got {requests_per_lane}")
     inp, cached = [], []
-    warm = warmup_requests(config)
-    for lane in range(config.lanes):
-        it = lane_turns(config, lane)
-        for i in range(warm + requests_per_lane):
-            t = next(it)
-            if i >= warm:
-                inp.append(t.input_tokens)
-                cached.append(min(t.server_reusable_tokens, t.input_tokens))
+    for t in measured_turns(config, requests_per_lane):
+        inp.append(t.input_tokens)
+        cached.append(min(t.server_reusable_tokens, t.input_tokens))
     return request_strata(inp, cached)
 
 

@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "replay_stats", "fit_to_published", "warmup_requests",
+__all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "measured_turns", "replay_stats", "fit_to_published", "warmup_requests",
            "weka_think_quantiles", "weka_primer_lead_quantiles", "quantile_mean", "sample_quantiles"]
 
 #: bound on the turns of one trajectory (every input-driven loop is bounded)
@@ -280,6 +280,18 @@ def warmup_requests(config: AgenticWorkloadConfig) -> int:
     return config.warmup_requests_per_lane + int(config.warmup_primer)
 
 
+def measured_turns(config: AgenticWorkloadConfig, requests_per_lane: int) -> Iterator[Turn]:
+    """The first ``requests_per_lane`` measured turns of every lane, lane by lane (each lane's
+    :func:`warmup_requests` skipped): ``config.lanes * requests_per_lane`` turns."""
+    warm = warmup_requests(config)
+    for lane in range(config.lanes):
+        it = lane_turns(config, lane)
+        for i in range(warm + requests_per_lane):
+            t = next(it)
+            if i >= warm:
+                yield t
+
+
 def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) -> dict[str, float]:
     """Request-level statistics of the replayed turns (``requests_per_lane`` from every lane, the
     warm-up excluded): input mean/median/p75/p90/p95/std, output mean/median/p90/p95, and the
@@ -289,15 +301,10 @@ def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) ->
     if requests_per_lane < 1:
         raise ValueError("requests_per_lane must be >= 1")
     inp, reuse, out = [], [], []
-    warm = warmup_requests(config)
-    for lane in range(config.lanes):
-        it = lane_turns(config, lane)
-        for i in range(warm + requests_per_lane):
-            t = next(it)
-            if i >= warm:
-                inp.append(t.input_tokens)
-                reuse.append(t.reusable_tokens)
-                out.append(t.output_tokens)
+    for t in measured_turns(config, requests_per_lane):
+        inp.append(t.input_tokens)
+        reuse.append(t.reusable_tokens)
+        out.append(t.output_tokens)
     a, r, o = np.asarray(inp, float), np.asarray(reuse, float), np.asarray(out, float)
     q = np.percentile
     return {"mean_input_tokens": float(a.mean()), "median_input_tokens": float(q(a, 50)),
