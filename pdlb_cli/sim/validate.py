@@ -24,7 +24,9 @@ from sim.validation.published import (
     spec_gain_sweep,
     summary_line,
 )
-from sim.validation.agentx import DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE, plot_rows, print_rows, run_rows
+from sim.validation.agentx import (DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE, plot_rows, print_rows,
+                                   rows_from_metrics, run_result)
+from sim.validation.agentx_strata import compare_strata, print_strata, result_strata
 
 
 def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -76,8 +78,13 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
     if getattr(args, "agentx_440246", False):
         if args.duration_s is not None and not args.duration_s > 0:
             raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
-        rows, _ = run_rows(args.duration_s)
+        result = run_result(args.duration_s)
+        rows = rows_from_metrics(result.metrics())
         print_rows(rows, console)
+        print_strata(compare_strata(result_strata(result)), console,
+                     "Where the uncached prompt tokens fall, request by request: this run against AgentX 440845's "
+                     "(same corpus and client, 32 lanes, SGLang on B300; aisimulate's reproduction, "
+                     "sim/data/measured/agentx_440845_request_strata.json). A check of the workload, not a row")
         if args.duration_s is not None and args.duration_s < SHORT_WINDOW_S:
             console.print(f"note: --duration-s {args.duration_s:g} simulates {args.duration_s:g} s of the "
                           f"published 3,600 s: the figures are hour-long averages, so a window under "

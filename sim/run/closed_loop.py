@@ -52,6 +52,9 @@ __all__ = ["ClosedLoopResult", "simulate_closed_loop", "DEFAULT_MAX_REQUESTS"]
 DEFAULT_MAX_REQUESTS = 2_000_000
 #: longest simulated time before the warm-up must have ended, s (bounds a stuck run)
 MAX_WARMUP_S = 1e6
+#: sessions per lane whose last prompt's blocks are remembered for the next turn's prefix (a parent
+#: and the subagent it waits on, ``AgenticWorkloadConfig.subagent_spawn_probability``)
+MAX_SESSIONS_PER_LANE = 4
 
 
 @dataclass
@@ -170,7 +173,9 @@ def simulate_closed_loop(
 
     lanes = [lane_turns(wl, j) for j in range(wl.lanes)]
     sent = [0] * wl.lanes
-    prev: list[tuple[str, tuple[int, ...]]] = [("", ())] * wl.lanes
+    # per lane, the block hashes of its most recent sessions' last prompts (a parent and the subagent
+    # it waits on interleave; at most MAX_SESSIONS_PER_LANE are kept, oldest dropped first)
+    prev: list[dict[str, tuple[int, ...]]] = [{} for _ in range(wl.lanes)]
     lane_of: list[int] = []
     sessions: list[str] = []
     measured: list[bool] = []
@@ -190,10 +195,13 @@ def simulate_closed_loop(
         turn = next(lanes[lane])
         sent[lane] += 1
         n_blocks = -(-turn.input_tokens // bs)
-        session, old = prev[lane]
-        keep = min(turn.server_reusable_tokens // bs, len(old)) if session == turn.session else 0
+        known = prev[lane]
+        old = known.pop(turn.session, ())
+        keep = min(turn.server_reusable_tokens // bs, len(old))
         hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
-        prev[lane] = (turn.session, hashes)
+        known[turn.session] = hashes
+        if len(known) > MAX_SESSIONS_PER_LANE:
+            del known[next(iter(known))]
         # aiperf's primer: the whole prefix at t* with max_tokens=1 (a prefill that never decodes)
         out = 1 if wl.warmup_primer and sent[lane] == 1 else turn.output_tokens
         if wl.warmup_max_output_tokens is not None and sent[lane] <= n_warm:
@@ -258,12 +266,16 @@ def simulate_closed_loop(
         if env.now > MAX_WARMUP_S:
             raise RuntimeError(f"the warm-up did not end within {MAX_WARMUP_S:g} simulated seconds")
         env.run(until=env.now + 60.0)
-    env.run(until=end_s() + drain_s)
+    # the warm-up runs in 60 s chunks, so the clock may already be past the window's end plus the
+    # drain (a window shorter than the rest of the chunk): then nothing more runs
+    deadline = end_s() + drain_s
+    if deadline > env.now:
+        env.run(until=deadline)
 
     n = len(lane_of)
     rec = cluster.records
     idx = np.flatnonzero(np.asarray(measured, dtype=bool))
-    fin = ~np.isnan(rec.finish_s[idx])
+    fin = rec.finish_s[idx] <= deadline  # NaN (not finished) compares False: cancelled
     done, cancelled = idx[fin], int((~fin).sum())
     arr = np.asarray(sent_at, dtype=np.float64)[done]
     rows = np.column_stack([arr, rec.first_token_s[done] - arr, rec.finish_s[done] - arr,

@@ -239,20 +239,28 @@ def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 
     return s, sp
 
 
-def run_rows(duration_s: float | None = None, seed: int = 0, workload_seed: int | None = None, *,
-             frontend_s_per_token: float = FRONTEND_S_PER_TOKEN_MEASURED
-             ) -> tuple[list[AgentxRow], dict[str, float]]:
-    """Simulate point 440246 on pdlb's cluster simulator (``duration_s`` measured seconds, default
-    the published 3,600; ``workload_seed``: the lanes' seed, default the fitted workload's 42) and
-    compare with the published figures. The API server's tokenization before the engine is on
-    (``frontend_s_per_token``, default :data:`FRONTEND_S_PER_TOKEN_MEASURED`; 0 turns it off)."""
+def run_result(duration_s: float | None = None, seed: int = 0, workload_seed: int | None = None, *,
+               frontend_s_per_token: float = FRONTEND_S_PER_TOKEN_MEASURED) -> "ClosedLoopResult":
+    """The closed-loop run behind :func:`run_rows` (``duration_s`` measured seconds, default the
+    published 3,600; ``workload_seed``: the lanes' seed, default the fitted workload's 42; the API
+    server's tokenization on at ``frontend_s_per_token``, default :data:`FRONTEND_S_PER_TOKEN_MEASURED`).
+    ``pdlb sim validate --agentx-440246`` also buckets its requests (:mod:`sim.validation.agentx_strata`)."""
     from sim.workload.agentic import AgenticWorkloadConfig
     kw: dict = {}
     if duration_s is not None:
         kw["duration_s"] = duration_s
     if workload_seed is not None:
         kw["seed"] = workload_seed
-    m = simulate_440246(AgenticWorkloadConfig(**kw), seed=seed, frontend_s_per_token=frontend_s_per_token).metrics()
+    return simulate_440246(AgenticWorkloadConfig(**kw), seed=seed, frontend_s_per_token=frontend_s_per_token)
+
+
+def run_rows(duration_s: float | None = None, seed: int = 0, workload_seed: int | None = None, *,
+             frontend_s_per_token: float = FRONTEND_S_PER_TOKEN_MEASURED
+             ) -> tuple[list[AgentxRow], dict[str, float]]:
+    """Simulate point 440246 on pdlb's cluster simulator (:func:`run_result`, same arguments) and
+    compare with the published figures. The API server's tokenization before the engine is on
+    (``frontend_s_per_token``, default :data:`FRONTEND_S_PER_TOKEN_MEASURED`; 0 turns it off)."""
+    m = run_result(duration_s, seed, workload_seed, frontend_s_per_token=frontend_s_per_token).metrics()
     return rows_from_metrics(m), m
 
 

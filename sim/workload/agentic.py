@@ -51,6 +51,13 @@ aiperf's replay semantics, as options (off by default; docs/validate.md measures
 without idle delays), ``warmup_max_output_tokens``, ``primer_lead_quantiles_s`` (primers spread so
 that every t* falls together) and ``recycle_from_turn0`` (a drained lane replays its next trace
 from turn 0; by default every trajectory starts at its own start point, cache-busted whole).
+
+Subagent fan-out (``subagent_spawn_probability`` and the ``subagent_*`` laws, off by default): a
+subagent is a fresh-context trajectory the lane runs between two turns of its parent (a join).
+The facts it can be set from: 42% of the 062126 corpus' requests are in subagent trees (aiperf's
+AgentX FAQ: about 99k requests, 57k top-level turns); in AgentX 440845's replay of the same corpus
+5.2% of the measured requests reuse nothing, with a mean prompt of 30,741 tokens
+(``sim/data/measured/agentx_440845_request_strata.json``). docs/validate.md measures it.
 """
 
 from __future__ import annotations
@@ -127,6 +134,19 @@ class AgenticWorkloadConfig(BaseModel):
     #: next trace "in full from turn 0", with a fresh cache-bust marker); False: every trajectory
     #: starts at its own start point like the first
     recycle_from_turn0: bool = False
+    #: subagent fan-out: after each turn of a trajectory but its last, with this probability the
+    #: lane runs one subagent before the trajectory's next turn (a join: the parent waits for it).
+    #: A subagent is a trajectory of its own with a *fresh* context (aiperf: "in the SemiAnalysis
+    #: corpora every subagent is a spawn (a fresh-context child)"): first prompt
+    #: ``LogNormal(subagent_context_median_tokens, subagent_context_sigma)``, cold, then
+    #: ``1 + round(LogNormal(subagent_turns_median, subagent_turns_sigma))`` turns whose new tokens,
+    #: outputs and think times follow the parent's laws; its own session id. 0 = none (the default).
+    #: Background subagents that run beside the parent are not modelled (each runs in the lane)
+    subagent_spawn_probability: float = Field(0.0, ge=0, le=1)
+    subagent_turns_median: float = Field(7.3, gt=0)
+    subagent_turns_sigma: float = Field(0.8, ge=0, le=5)
+    subagent_context_median_tokens: float = Field(22_300.0, gt=0)
+    subagent_context_sigma: float = Field(0.8, ge=0, le=5)
     seed: int = Field(42, ge=0)
 
     @model_validator(mode="after")
@@ -164,11 +184,17 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
     return float(median * math.exp(sigma * rng.standard_normal())) if sigma > 0 else float(median)
 
 
-def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig) -> tuple[list[int], list[int]]:
-    """``(contexts, outputs)``: every turn's prompt length and output length of one trajectory."""
-    turns = min(MAX_TURNS_PER_TRAJECTORY, 1 + int(round(_lognormal(rng, c.turns_median, c.turns_sigma))))
+def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig, *, subagent: bool = False
+                ) -> tuple[list[int], list[int]]:
+    """``(contexts, outputs)``: every turn's prompt length and output length of one trajectory
+    (``subagent``: with the subagent's turn count and first prompt)."""
+    turns_median, turns_sigma = ((c.subagent_turns_median, c.subagent_turns_sigma) if subagent
+                                 else (c.turns_median, c.turns_sigma))
+    turns = min(MAX_TURNS_PER_TRAJECTORY, 1 + int(round(_lognormal(rng, turns_median, turns_sigma))))
     scale = _lognormal(rng, 1.0, c.new_tokens_trajectory_sigma)
-    ctx = max(1, int(_lognormal(rng, c.initial_context_median_tokens, c.initial_context_sigma)))
+    ctx_median, ctx_sigma = ((c.subagent_context_median_tokens, c.subagent_context_sigma) if subagent
+                             else (c.initial_context_median_tokens, c.initial_context_sigma))
+    ctx = max(1, int(_lognormal(rng, ctx_median, ctx_sigma)))
     ctx = min(ctx, c.max_context_tokens - 1)
     contexts: list[int] = []
     outputs: list[int] = []
@@ -185,6 +211,12 @@ def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig) -> tuple[lis
     return contexts, outputs
 
 
+def _replay(session: str, contexts: list[int], outputs: list[int], start: int) -> Iterator[Turn]:
+    for t in range(start, len(contexts)):
+        reusable = 0 if t == start else contexts[t - 1] + outputs[t - 1]
+        yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, 0 if t == start else contexts[t - 1])
+
+
 def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
     """The endless sequence of turns lane ``lane`` sends (the simulator stops reading it at the
     end of the run). Deterministic: lane ``j`` draws from ``SeedSequence([seed, 7, j])``."""
@@ -199,10 +231,14 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
         if k > 0 and config.recycle_from_turn0:
             start = 0
         session = f"lane{lane}-traj{k}"
-        for t in range(start, len(contexts)):
-            reusable = 0 if t == start else contexts[t - 1] + outputs[t - 1]
-            yield Turn(session, t, contexts[t], reusable, outputs[t], t == start,
-                       0 if t == start else contexts[t - 1])
+        if config.subagent_spawn_probability <= 0:
+            yield from _replay(session, contexts, outputs, start)
+        else:
+            for t, turn in enumerate(_replay(session, contexts, outputs, start), start):
+                yield turn
+                if t < len(contexts) - 1 and rng.uniform() < config.subagent_spawn_probability:
+                    sub_ctx, sub_out = _trajectory(rng, config, subagent=True)
+                    yield from _replay(f"{session}-sub{t}", sub_ctx, sub_out, 0)
         k += 1
 
 

@@ -189,3 +189,19 @@ def test_validate_rows_run_with_the_measured_frontend(monkeypatch):
     assert seen["frontend_s_per_token"] == ax.FRONTEND_S_PER_TOKEN_MEASURED == 2.0e-6
     ax.run_rows(duration_s=10.0, frontend_s_per_token=0.0)
     assert seen["frontend_s_per_token"] == 0.0
+
+
+def test_a_window_shorter_than_the_warmup_chunk_runs_and_counts_only_requests_done_by_the_deadline():
+    # the warm-up runs in 60 s chunks: a no-delay warm-up that ends early in a chunk leaves the clock
+    # past start + duration + drain (2.1 s + 1 s + 30 s here); the run must stop there, not raise,
+    # and count only requests finished by that deadline (later ones are cancelled)
+    from sim.validation.agentx import simulate_440246
+    wl = AgenticWorkloadConfig(lanes=4, duration_s=1.0, warmup_requests_per_lane=2, warmup_think_s=0, think_s=0.0,
+                               initial_context_median_tokens=2000, turns_median=4, output_median_tokens=20)
+    r = simulate_440246(wl)
+    deadline = r.measure_start_s + wl.duration_s + 30.0
+    assert r.measure_start_s < 30.0  # the warm-up ended early in its first chunk
+    assert len(r.requests) > 0
+    send, e2e = r.requests[:, 0], r.requests[:, 2]
+    assert np.all(send >= r.measure_start_s) and np.all(send < r.measure_start_s + wl.duration_s)
+    assert np.all(send + e2e <= deadline + 1e-9)
