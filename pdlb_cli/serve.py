@@ -43,7 +43,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     f"Workers: {WORKER_SPEC_SYNTAX} (dp: attention DP ranks of the engine; bootstrap: SGLang "
                     "prefill KV bootstrap port; kv: KV capacity per DP rank in tokens, for KV-aware policies); "
                     "repeat --prefill/--decode/--mixed or list several specs after one. Flags override --config. "
-                    "Prints 'pdlb serve ready on http://HOST:PORT ...' once listening.")
+                    "Prints 'pdlb serve ready on http://HOST:PORT ...' once listening. Environment: "
+                    "PDLB_KERNELS=off runs the policies' numpy code instead of their compiled kernels (same "
+                    "decisions) in every router process.")
     p.add_argument("--config", metavar="FILE",
                    help="YAML/TOML/JSON config file, schema ServiceConfig (see docs/serving.md); flags override it "
                         "(default: none)")
