@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from balancer import kernels
-from balancer.cost_model import CostModel
+from balancer.cost_model import DEFAULT_COST_MODEL, CostModel
 from balancer.policies import available_policies
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, move_legacy_router_keys,
                                      parse_worker_spec)
@@ -238,8 +238,6 @@ def ignored_budget_warning(cfg: ServiceConfig) -> str | None:
     is ep_aware with a budget (its own ``ttft_slo_s``, or the router's ``ttft_slo``) and
     ``slo_wide_ep`` off, and the cost model says every engine of that pool is wide EP
     (``ep_synchronous``): ep_aware then routes SLO-blind. ``None``: nothing to say."""
-    from balancer.cost_model import DEFAULT_COST_MODEL
-
     rc = cfg.router
     pd = any(w.role == "prefill" for w in cfg.workers)
     spec = rc.prefill_policy if pd else rc.decode_policy
