@@ -738,7 +738,7 @@ def warn_idle_slo_params(runs: Sequence[tuple[str, typing.Any, typing.Any]], rou
 
 # ---------------------------------------------------------------------- run titles
 def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, default: bool = False,
-                   flag: str = "--route-slo") -> str:
+                   flag: str = "--route-slo", wide_ep: bool = False) -> str:
     """The note a results title carries on SLO routing (every command that titles runs uses it:
     ``sim run``/``compare``, ``sim capacity``, ``sim sweep``): which runs route against a TTFT
     budget, the router's (``route_slo`` and a policy with ``slo_aware``) or their own (a policy
@@ -753,6 +753,9 @@ def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, def
             nothing for SLO-blind runs where that is the default.
         flag: how the user departs from the default (``--route-slo``, ``--no-route-slo``,
             ``route_slo = false``).
+        wide_ep: the pools a budget applies to are all wide EP (:func:`budget_pools_all_wide_ep`):
+            runs whose policy ignores the budget there (ep_aware without ``slo_wide_ep``) are named
+            SLO-blind, not as routed against it.
 
     Returns:
         ``""`` or ``", <note>"``, e.g. ``", routed against the TTFT SLO by ep_aware"``,
@@ -764,21 +767,29 @@ def route_slo_note(route_slo: bool, runs: Sequence[tuple[str, Any, Any]], *, def
     def pol(x: Any) -> Any:
         return make_policy(x) if isinstance(x, str) else x
 
-    own = [label for label, p, d in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
+    wide = {label for label, p, d in runs if any(_ignores_budget_on_wide_ep(pol(x), wide_ep) for x in (p, d))}
+    own_all = [label for label, p, d in runs if any(getattr(pol(x), "ttft_slo_s", 0) > 0 for x in (p, d))]
+    own = [label for label in own_all if label not in wide]
+    blind_wide = "SLO-blind where every engine is wide EP (slo_wide_ep=false)"
     if route_slo:  # a policy's own budget takes precedence over the router's
-        aware = [label for label, p, d in runs
-                 if label not in own and any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
+        aware_all = [label for label, p, d in runs
+                     if label not in own_all and any(getattr(pol(x), "slo_aware", False) for x in (p, d))]
+        aware = [label for label in aware_all if label not in wide]
+        ignored = [label for label in aware_all + own_all if label in wide]
         parts = ([f"routed against the TTFT SLO by {', '.join(aware)}"] if aware else []) + \
-                ([f"{'' if aware else 'routed '}against their own TTFT budget: {', '.join(own)}"] if own else [])
+                ([f"{'' if aware else 'routed '}against their own TTFT budget: {', '.join(own)}"] if own else []) + \
+                ([f"{'' if aware or own else 'routed '}{blind_wide}: {', '.join(ignored)}"] if ignored else [])
         if parts:
             return ", " + "; ".join(parts)
         return ", no policy here routes against the TTFT SLO" if default else \
             f", {flag}: no policy here routes against the SLO"
+    ignored_own = [label for label in own_all if label in wide]
+    wide_part = f"; {blind_wide}: {', '.join(ignored_own)}" if ignored_own else ""
     if not default:
-        return f", routed against their own TTFT budget: {', '.join(own)}" if own else ""
+        return (f", routed against their own TTFT budget: {', '.join(own)}" if own else "") + wide_part
     if own:
-        return f", routed SLO-blind ({flag}) except against their own TTFT budget: {', '.join(own)}"
-    return f", routed SLO-blind ({flag})"
+        return f", routed SLO-blind ({flag}) except against their own TTFT budget: {', '.join(own)}" + wide_part
+    return f", routed SLO-blind ({flag})" + wide_part
 
 
 # ---------------------------------------------------------------------- what the groups build

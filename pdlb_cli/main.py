@@ -58,7 +58,10 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdlb`` parser with every subcommand of :data:`SUBCOMMANDS`; a parsed command has
     ``args.run``, its :meth:`~pdlb_cli.command.Subcommand.run`."""
-    parser = ArgumentParser(prog="pdlb", description="Cross-replica load balancer for PD-disaggregated LLM serving, and its simulator.")
+    parser = ArgumentParser(prog="pdlb", description="Cross-replica load balancer for PD-disaggregated LLM serving, and its simulator.",
+                            epilog="Environment: PDLB_KERNELS=off runs ep_aware's and kv_cost's numpy code instead of "
+                                   "their compiled kernels (same decisions) in every process a command starts; on "
+                                   "(the default) or off.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     add_subcommands(parser.add_subparsers(dest="command", required=True), SUBCOMMANDS)
     return parser

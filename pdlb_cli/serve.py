@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from balancer import kernels
-from balancer.cost_model import CostModel
+from balancer.cost_model import DEFAULT_COST_MODEL, CostModel
 from balancer.policies import available_policies
 from balancer.service.config import (WORKER_SPEC_SYNTAX, ServiceConfig, load_service_config, move_legacy_router_keys,
                                      parse_worker_spec)
@@ -43,7 +43,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     f"Workers: {WORKER_SPEC_SYNTAX} (dp: attention DP ranks of the engine; bootstrap: SGLang "
                     "prefill KV bootstrap port; kv: KV capacity per DP rank in tokens, for KV-aware policies); "
                     "repeat --prefill/--decode/--mixed or list several specs after one. Flags override --config. "
-                    "Prints 'pdlb serve ready on http://HOST:PORT ...' once listening.")
+                    "Prints 'pdlb serve ready on http://HOST:PORT ...' once listening. Environment: "
+                    "PDLB_KERNELS=off runs the policies' numpy code instead of their compiled kernels (same "
+                    "decisions) in every router process.")
     p.add_argument("--config", metavar="FILE",
                    help="YAML/TOML/JSON config file, schema ServiceConfig (see docs/serving.md); flags override it "
                         "(default: none)")
@@ -230,6 +232,29 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return cfg
 
 
+def ignored_budget_warning(cfg: ServiceConfig) -> str | None:
+    """The warning for a TTFT budget ``pdlb serve`` would be given and never use (review R4): the
+    policy of the pool the budget acts on (prefill with prefill workers, else the mixed pool's)
+    is ep_aware with a budget (its own ``ttft_slo_s``, or the router's ``ttft_slo``) and
+    ``slo_wide_ep`` off, and the cost model says every engine of that pool is wide EP
+    (``ep_synchronous``): ep_aware then routes SLO-blind. ``None``: nothing to say."""
+    rc = cfg.router
+    pd = any(w.role == "prefill" for w in cfg.workers)
+    spec = rc.prefill_policy if pd else rc.decode_policy
+    policy = spec.build()
+    if policy.name != "ep_aware" or policy.slo_wide_ep:
+        return None
+    if not (policy.ttft_slo_s > 0 or (rc.ttft_slo is not None and policy.slo_aware)):
+        return None
+    role = "prefill" if pd else "mixed"
+    urls = [w.url for w in cfg.workers if w.role == role]
+    model = rc.cost_model if rc.cost_model is not None else DEFAULT_COST_MODEL
+    if not urls or not all(model.engine(u, role).ep_synchronous for u in urls):
+        return None
+    return (f"the {role} policy {spec.name} has a TTFT budget it will not use: every {role} engine is wide EP "
+            "(ep_synchronous in the cost model), where ep_aware routes SLO-blind unless slo_wide_ep=true")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``pdlb serve`` until SIGINT/SIGTERM; returns the exit status (2 after one ``error:`` line
     on stderr for a bad flag or config file)."""
@@ -240,6 +265,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    ignored = ignored_budget_warning(cfg)
+    if ignored is not None:
+        print(f"warning: {ignored}", file=sys.stderr)
     return serve(cfg, event_loop=args.event_loop, log_level=args.log_level,
                  max_process_restarts=getattr(args, "max_process_restarts", None),
                  restart_window_s=getattr(args, "restart_window_s", None))

@@ -360,7 +360,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     else:
         title = f"{scenario.name}: fewest GPUs meeting {slo.describe()} at rate x{args.rate_scale:g}"
     # the answer depends on it (ep_aware routes against the SLO by default)
-    title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo")
+    title += route_slo_note(opts.route_slo, [(s.label, *s.build()) for s in specs], default=True, flag="--no-route-slo",
+                            wide_ep=budget_pools_all_wide_ep(scenario))
     console.print(rich_table(head, rows, title))
     for r in results:
         for note in (_burst_note(r, args.duration_s), small_window_note(r, requests, wl, scenario.block_size)):

@@ -77,10 +77,11 @@ def add_policy_module_arg(p: argparse.ArgumentParser) -> None:
                         "(repeatable)")
 
 
-def runs_slo_note(args: argparse.Namespace, runs: list) -> str:
+def runs_slo_note(args: argparse.Namespace, runs: list, wide_ep: bool = False) -> str:
     """The table title's note on SLO routing (:func:`pdlb_cli.args.route_slo_note`) for
-    ``policy_runs``' ``(prefill, decode, prefill label, decode label)`` runs."""
-    return route_slo_note(args.route_slo, [(plabel, p, d) for p, d, plabel, _ in runs])
+    ``policy_runs``' ``(prefill, decode, prefill label, decode label)`` runs (``wide_ep``: the
+    scenario's budget pools are all wide EP)."""
+    return route_slo_note(args.route_slo, [(plabel, p, d) for p, d, plabel, _ in runs], wide_ep=wide_ep)
 
 
 def policy_runs(args: argparse.Namespace, texts: list[tuple[str, str, str | None]]) -> list[tuple[Any, Any, str, str]]:
@@ -202,7 +203,7 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
     if not none_simulated:  # else a table of '-' only: the rejection lines below say it all
         console.print(summary_table(summaries, title=f"{scenario.name}: {len(requests)} requests, "
                                     f"SLO TTFT<={args.slo_ttft_s}s TPOT<={1e3 * args.slo_tpot_s:.0f}ms{index}"
-                                    f"{runs_slo_note(args, runs)}"))
+                                    f"{runs_slo_note(args, runs, budget_pools_all_wide_ep(scenario))}"))
         kv = kv_tier_table(summaries)
         if kv is not None:
             console.print(kv)

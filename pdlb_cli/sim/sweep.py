@@ -133,7 +133,9 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
     policies = {p.policy.label: p.policy for p in sweep.points}
     route_slo = sweep.points[0].options.route_slo if sweep.points else True
     title = f"{args.file.name}: {len(rows)} points ({ran} run now in {wall:.1f} s)" + route_slo_note(
-        route_slo, [(label, *spec.build()) for label, spec in policies.items()], default=True, flag="route_slo = false")
+        route_slo, [(label, *spec.build()) for label, spec in policies.items()], default=True, flag="route_slo = false",
+        wide_ep=bool(sweep.points) and all(budget_pools_all_wide_ep(sc) for sc in
+                                           {id(pt.scenario): pt.scenario for pt in sweep.points}.values()))
     t = Table(title=title)
     for i, h in enumerate(head):
         # the policy (with its parameters) and the grid columns say which point a row is: fold them,

@@ -10,7 +10,7 @@ from typing import Any
 from balancer.types import Request
 
 from .azure import read_azure
-from .mooncake import read_mooncake
+from .mooncake import MAX_TIMESTAMP_MS, read_mooncake
 
 __all__ = ["DEFAULT_TRACE_NAME", "TRACE_FORMATS", "default_trace_path", "read_trace", "read_trace_cut", "scale_and_cut"]
 
@@ -117,10 +117,18 @@ def scale_and_cut(requests: list[Request], rate_scale: float = 1.0, duration_s: 
     window (a rate is judged on ``duration_s`` seconds of load, not on fewer at higher rates).
     ``--limit`` comes before both (at most that many requests, whatever the window). The first
     request always arrives in the window, so the result is never empty when ``requests`` is not.
+
+    Raises:
+        ValueError: the scaled trace's last arrival is past 2^53 ms (the loaders' bound:
+            :data:`sim.workload.mooncake.MAX_TIMESTAMP_MS`), e.g. ``rate_scale`` 1e-300.
     """
     from sim.workload.transform import scale_rate, take_slice
 
     out = scale_rate(requests, rate_scale) if rate_scale != 1.0 else list(requests)
+    if out and out[-1].arrival_time_s * 1000.0 > MAX_TIMESTAMP_MS:  # the loaders' bound, after scaling (review R5)
+        raise ValueError(f"--rate-scale {rate_scale:g} puts the last arrival at {out[-1].arrival_time_s:.3g} s, "
+                         "past 2^53 ms, where milliseconds are no longer exact numbers (arrival gaps and TTFTs "
+                         "would round to 0); use a larger --rate-scale")
     if duration_s is not None:
         out = take_slice(out, duration_s=duration_s)
     return out

@@ -132,3 +132,13 @@ def test_a_bad_value_is_a_one_line_error_of_the_command(tmp_path):
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert errors == ["error: PDLB_KERNELS must be 'on' or 'off' (the compiled ep_aware kernels), got 'bogus'"]
     assert not list(tmp_path.glob("requests*.csv"))
+
+
+def test_the_help_names_the_variable(capsys):
+    # review R9: only README named it
+    from pdlb_cli.main import main
+
+    for argv in (["--help"], ["serve", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "PDLB_KERNELS=off" in " ".join(capsys.readouterr().out.split())

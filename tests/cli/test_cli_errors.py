@@ -89,6 +89,17 @@ def test_trace_errors_name_the_options(tmp_path: Path, capsys) -> None:
         "error: --format azure needs --trace (the embedded trace is in mooncake format)")
 
 
+def test_a_rate_scale_that_pushes_arrivals_past_2_53_ms_is_refused(tmp_path: Path, capsys) -> None:
+    # review R5: --rate-scale 1e-300 was taken and gave all-zero latencies with 100% attainment
+    # (the loaders refuse timestamps past 2^53 ms; the scaled ones were not checked). The embedded
+    # trace's 50th arrival is ~1.7e-299 s * 1e300 = 1.75e+301 s after scaling (the message's number)
+    line = _error_line(["sim", "run", "--scenario", "llama8b-agg-h100", "--policy", "round_robin", "--limit", "50",
+                        "--quiet", "--no-plots", "--out", str(tmp_path / "o"), "--rate-scale", "1e-300"], capsys)
+    assert line.startswith("error: --rate-scale 1e-300 puts the last arrival at ") and "past 2^53 ms" in line, line
+    assert main(["sim", "run", "--scenario", "llama8b-agg-h100", "--policy", "round_robin", "--limit", "50",
+                 "--quiet", "--no-plots", "--out", str(tmp_path / "p"), "--rate-scale", "1e-9"]) == 0  # still fine
+
+
 def test_scenario_file_errors_are_one_line(tmp_path: Path, capsys) -> None:
     typo = tmp_path / "typo.toml"
     typo.write_text('name = "t"\n[prefill]\nnum_engine = 2\n[decode]\nnum_engines = 1\n')

@@ -49,8 +49,11 @@ def test_route_slo_note_matrix(route_slo, default, runs, note) -> None:
                          "ep_aware(ttft_slo_s=2.0)"),
 ])
 def test_capacity_title_names_a_policy_with_its_own_budget(flags, expected, tmp_path: Path, capsys) -> None:
-    # an SLO unreachable even at zero load (0.1 s TTFT): no simulation runs, the title is still written
-    rc = main(["sim", "capacity", "--policy", "ep_aware:ttft_slo_s=2", "--policy", "round_robin", "--limit", "100",
+    # an SLO unreachable even at zero load (0.1 s TTFT): no simulation runs, the title is still written.
+    # A dense scenario: on the default (all wide EP) ep_aware ignores its own budget without
+    # slo_wide_ep, and the title says so (review R3, tests/cli/test_idle_slo_warning.py)
+    rc = main(["sim", "capacity", "--policy", "ep_aware:ttft_slo_s=2", "--policy", "round_robin",
+               "--scenario", "llama70b-pd-h100", "--limit", "100",
                "--slo-ttft-s", "0.1", "--jobs", "1", "--no-plots", "--out", str(tmp_path), "--quiet", *flags])
     assert rc == 0
     title = (tmp_path / "capacity.md").read_text().splitlines()[0]
@@ -61,7 +64,8 @@ def test_capacity_title_names_a_policy_with_its_own_budget(flags, expected, tmp_
 
 def test_sweep_title_says_how_it_routed(tmp_path: Path, capsys) -> None:
     f = tmp_path / "s.toml"
-    f.write_text('policies = ["round_robin", "ep_aware:ttft_slo_s=2"]\nlimit = 10\nroute_slo = false\n')
+    f.write_text('scenario = "llama70b-pd-h100"\npolicies = ["round_robin", "ep_aware:ttft_slo_s=2"]\nlimit = 10\n'
+                 'route_slo = false\n')  # dense: on an all-wide-EP scenario ep_aware ignores its own budget (R3)
     rc = main(["sim", "sweep", str(f), "--out", str(tmp_path / "out"), "--jobs", "1", "--no-plots", "--quiet"])
     assert rc == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -85,3 +85,16 @@ def test_the_warned_parameters_do_change_nothing_on_wide_ep(tmp_path: Path, caps
     capsys.readouterr()
     assert outs["plain"] == outs["margin"]
     assert outs["wide"] != outs["plain"]
+
+
+def test_the_title_says_ep_aware_routes_slo_blind_on_wide_ep(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    # review R3: with --route-slo on an all-wide-EP scenario the title said "routed against the
+    # TTFT SLO by ep_aware", though the run is the SLO-blind one (byte-identical, test above)
+    assert main(["sim", "run", "--policy", "ep_aware", "--route-slo", *WIDE, "--out", str(tmp_path / "a")]) == 0
+    assert main(["sim", "run", "--policy", "ep_aware:slo_wide_ep=true", "--route-slo", *WIDE,
+                 "--out", str(tmp_path / "b")]) == 0
+    assert main(["sim", "run", "--policy", "ep_aware", "--route-slo", *BASE, "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out  # the three tables' titles
+    assert "routed SLO-blind where every engine is wide EP (slo_wide_ep=false): ep_aware" in out
+    assert "routed against the TTFT SLO by ep_aware(slo_wide_ep=True)" in out
+    assert out.count("routed against the TTFT SLO by ep_aware") == 2  # b (wide EP, slo_wide_ep) and c (dense)

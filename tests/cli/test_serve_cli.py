@@ -311,3 +311,22 @@ def test_admission_tuning_flags_without_admission_are_an_error(tmp_path):
     from_file = _serve_cfg("--config", str(cfg_file), "--prefill", "http://p:1", "--decode", "http://d:2",
                      "--admission-max-queue", "5")
     assert from_file.admission.enabled and from_file.admission.max_queue_requests == 5
+
+
+@pytest.mark.parametrize("policy, warned", [
+    ("ep_aware:ttft_slo_s=2,slo_margin=0.5", True),  # the default cost model: every engine wide EP
+    ("ep_aware:ttft_slo_s=2,slo_wide_ep=true", False),
+    ("ep_aware", False),  # no budget
+    ("cache_aware", False),
+])
+def test_serve_warns_of_a_ttft_budget_ep_aware_will_not_use(policy, warned):
+    # review R4: pdlb serve took an ep_aware budget it ignores on wide-EP engines, silently
+    from pdlb_cli.serve import ignored_budget_warning
+
+    cfg = _serve_cfg("--pd-protocol", "sglang", "--prefill", "http://127.0.0.1:51000,bootstrap=51000",
+                     "--decode", "http://127.0.0.1:52000", "--prefill-policy", policy)
+    got = ignored_budget_warning(cfg)
+    assert (got is not None) is warned, got
+    if warned:
+        assert got == ("the prefill policy ep_aware has a TTFT budget it will not use: every prefill engine is wide EP "
+                       "(ep_synchronous in the cost model), where ep_aware routes SLO-blind unless slo_wide_ep=true")

@@ -102,6 +102,13 @@ async def test_the_service_answers_400s_in_openai_form_and_forwards_nothing() ->
         assert log == []  # nothing reached an engine
         async with s.post(c.url + "/v1/completions", json={"prompt": ["one"], "max_tokens": 2}) as r:
             assert r.status == 200 and len((await r.json())["choices"]) == 1
+        # SGLang's native /generate: text "" goes through as SGLang itself takes it (its TokenizerManager
+        # tokenizes it and checks only the context length, 0.5.23); an empty input_ids list is refused
+        # by SGLang ("input_ids cannot be empty.", GenerateReqInput) and by the router (review R6)
+        async with s.post(c.url + "/generate", json={"text": "", "sampling_params": {"max_new_tokens": 2}}) as r:
+            assert r.status == 200, await r.text()
+        async with s.post(c.url + "/generate", json={"input_ids": [], "sampling_params": {"max_new_tokens": 2}}) as r:
+            assert r.status == 400
 
 
 async def test_admin_api_validation_errors_are_one_readable_line_per_problem() -> None:
