@@ -182,6 +182,14 @@ class CostModel:
     host_fetch_s_per_token: float = 0.0
     store_fetch_s_per_token: float = 0.0
 
+    @cached_property
+    def any_cadence(self) -> bool:
+        """Whether any engine (pool default or override) sets vLLM's per-request chunk limit or
+        prefill cadence (:attr:`EngineCost.has_cadence`): computed once per instance (frozen), so a
+        policy skips the cadence terms at the cost of one attribute read where none does."""
+        return (self.prefill.has_cadence or self.decode.has_cadence
+                or any(e.has_cadence for e in self.engines.values()))
+
     def engine(self, name: str, role: str) -> EngineCost:
         """The cost of engine ``name`` of pool ``role`` (``"prefill"``, ``"decode"``, ``"mixed"``)."""
         got = self.engines.get(name)

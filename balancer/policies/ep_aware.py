@@ -544,6 +544,8 @@ class EpAware(Policy):
         them: ``own`` (the idle-rank prefill, None stays None) counts ``ceil(u / min(L, C))`` step
         overheads. Unchanged (the same arrays) where no engine sets them; new arrays otherwise,
         shapes ``(n,)``."""
+        if not model.any_cadence:
+            return cost, ttft, own
         eng = self._uniform_engine(model, names, role)
         engs: list[tuple[int | None, EngineCost]] = (
             [(None, eng)] if eng is not None else [(e, model.engine(n, role)) for e, n in enumerate(names)])
@@ -579,7 +581,7 @@ class EpAware(Policy):
         ``(n,)``: the fewest requests, then the least decode KV tokens), as a rank's free slots
         decide whether its later requests wait and force prefill on every step; None elsewhere
         (the default rule)."""
-        if cands.role is not Role.MIXED:
+        if cands.role is not Role.MIXED or not model.any_cadence:
             return None
         eng = self._uniform_engine(model, names, "mixed")
         engs = [eng] if eng is not None else [model.engine(n, "mixed") for n in names]
