@@ -189,3 +189,14 @@ def test_the_simulator_hands_the_pool_options_to_the_cost_model():
     for name in ("dsv3-pd-h200", "llama8b-agg-h100"):
         cm = cost_model_for(PRESETS[name])
         assert not cm.prefill.has_cadence and not cm.decode.has_cadence, name
+
+
+def test_any_cadence_sees_pool_defaults_and_per_engine_overrides() -> None:
+    """CostModel.any_cadence (ep_aware's early-out) is true exactly when some engine sets the chunk
+    limit or a cadence above 1: the four cases by hand (defaults; prefill pool; decode/mixed pool;
+    one engine override), and a cadence of 1 with no limit is vLLM's default (false)."""
+    assert not CostModel().any_cadence
+    assert not CostModel(engines={"e0": EngineCost(prefill_schedule_interval=1)}).any_cadence
+    assert CostModel(prefill=EngineCost(request_chunk_tokens=512)).any_cadence
+    assert CostModel(decode=EngineCost(prefill_schedule_interval=8)).any_cadence
+    assert CostModel(engines={"e3": EngineCost(request_chunk_tokens=512)}).any_cadence
