@@ -119,6 +119,9 @@ def issue_table(results: dict[str, dict[str, Any]]) -> list[str]:
                                           f"{_median_added_ms(res, p, 'p99'):+.2f} ms)"))
         lines.append(f"| {MODE_LABELS.get(mode, mode)} | {row} | {', '.join(ratio(p, 'rps') for p in peers)} | "
                      f"{', '.join(ratio(p, 'cpu') for p in peers)} | {', '.join(a99)} |")
+    if len(lines) == 2:  # no mode had both a pdlb row and a peer that ran: say so, not an empty table
+        return ["(no peer ran in any mode (--peers none, or every peer failed to start): nothing to compare; "
+                "the absolute figures follow)"]
     return lines
 
 

@@ -72,6 +72,14 @@ def test_issue_table_gives_pdlb_at_the_most_processes_over_each_peer() -> None:
     assert len(lines) == 4
 
 
+def test_issue_table_without_peers_says_so_instead_of_an_empty_table() -> None:
+    """--peers none (review R9): the modes ran pdlb only; the table would be its header alone."""
+    results = {mode: {k: v for k, v in res.items() if k in ("direct", "pdlb", "pdlb x8")} | {"peers": []}
+               for mode, res in _results().items()}
+    assert it.issue_table(results) == ["(no peer ran in any mode (--peers none, or every peer failed to start): "
+                                       "nothing to compare; the absolute figures follow)"]
+
+
 def test_absolute_lines_give_medians_and_the_most_processes_over_one() -> None:
     lines = it.absolute_lines(_results())
     # regular medians: CPU pdlb (300+340)/2 = 320, x8 550, smg 275, vllm-router 225; req/s 32, 95, 95, 110;
