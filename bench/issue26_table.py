@@ -252,26 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds kept for the route table out of the budget (default 150; 0: no route table)")
     ap.add_argument("--route-args", default=ROUTE_ARGS,
                     help=f"bench/route_latency.py's arguments (default: every policy, {ROUTE_ARGS})")
-    ap.add_argument("--modes", default=",".join(ro.MODES), help="comma list of regular, pd, vllm-pd (default all)")
-    ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats, as many as fit (default 3)")
-    ap.add_argument("--duration-s", type=float, default=3.0, help="seconds per latency and per throughput run (default 3)")
-    ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for latency (default 16)")
-    ap.add_argument("--max-concurrency", type=int, default=256, help="closed-loop clients for max req/s (default 256)")
-    ap.add_argument("--pdlb-processes", default="1,8", metavar="LIST",
-                    help="comma list of pdlb serve --processes values (default 1,8)")
-    ap.add_argument("--engines", type=int, default=4, metavar="N", help="mixed engines in regular mode (default 4)")
-    ap.add_argument("--pd-engines", type=int, default=2, metavar="N",
-                    help="prefill engines and decode engines (N each) in the PD modes (default 2)")
-    ap.add_argument("--load-processes", type=int, default=4, metavar="K",
-                    help="client processes for the throughput run (default 4)")
-    ap.add_argument("--router-cpus", metavar="LIST",
-                    help="pin the routers to these CPUs (e.g. 0-7), engines and load to the others (default: no pinning)")
-    ap.add_argument("--peers", default=",".join(ro.PEERS), metavar="LIST",
-                    help=f"comma list of {', '.join(ro.PEERS)}; 'none': pdlb alone (default all)")
-    for peer in ro.PEERS.values():
-        ap.add_argument(f"--{peer.name}", metavar="CMD", dest=f"cmd_{peer.name}",
-                        help=f"command that runs '{' '.join(peer.argv)}' (default: {peer.package}=={peer.version} "
-                             "in its own environment, installed on first use)")
+    ro.add_fleet_args(ap, duration_s=3.0, max_concurrency=256, pdlb_processes="1,8", engines=4, pd_engines=2,
+                      load_processes=4, repeat_help="interleaved repeats, as many as fit (default 3)")
     return ap
 
 
@@ -279,27 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     t_start = time.monotonic()
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not args.modes or any(m not in ro.MODES for m in args.modes):
-        ap.error(f"--modes: a comma list of {', '.join(ro.MODES)}")
-    if args.repeat < 1 or args.duration_s <= 0 or args.budget_s <= 0 or args.route_s < 0:
-        ap.error("--repeat must be >= 1, --duration-s and --budget-s > 0, --route-s >= 0")
-    if min(args.engines, args.pd_engines, args.load_processes, args.concurrency, args.max_concurrency) < 1:
-        ap.error("--engines, --pd-engines, --load-processes, --concurrency and --max-concurrency must be >= 1")
-    try:
-        args.pdlb_processes = sorted({int(x) for x in args.pdlb_processes.split(",") if x.strip()})
-    except ValueError:
-        ap.error(f"--pdlb-processes: a comma list of integers, got {args.pdlb_processes!r}")
-    if not args.pdlb_processes or min(args.pdlb_processes) < 1:
-        ap.error("--pdlb-processes: at least one count, all >= 1")
-    all_cpus = os.sched_getaffinity(0)
-    args.router_cpus = ro._cpu_list(args.router_cpus, ap) if args.router_cpus else None
-    if args.router_cpus and not args.router_cpus < all_cpus:
-        ap.error(f"--router-cpus must be a proper subset of the CPUs this bench may use ({sorted(all_cpus)})")
-    args.other_cpus = (all_cpus - args.router_cpus) if args.router_cpus else None
+    if args.budget_s <= 0 or args.route_s < 0:
+        ap.error("--budget-s must be > 0 and --route-s >= 0")
+    ro.check_fleet_args(ap, args, min_processes=1)
     # what router_overhead's helpers read and this run does not vary
     args.baseline, args.variant, args.paired_rounds = None, [], 0
-    args.default_processes = ro.pdlb_default_processes(args.router_cpus)
     wanted = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
     if unknown := [p for p in wanted if p not in ro.PEERS]:
         ap.error(f"unknown --peers {unknown}; valid: {', '.join(ro.PEERS)}, none")

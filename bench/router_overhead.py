@@ -695,51 +695,57 @@ def _cpu_list(text: str, ap: argparse.ArgumentParser) -> set[int]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
-    ap.add_argument("--duration-s", type=float, default=5.0, help="seconds per latency and per throughput run (default 5)")
+def add_fleet_args(ap: argparse.ArgumentParser, *, duration_s: float, max_concurrency: int, pdlb_processes: str,
+                   engines: int, pd_engines: int, load_processes: int, repeat_help: str) -> None:
+    """The options this bench shares with ``bench/issue26_table.py`` (one declaration, each
+    script's defaults): run length, clients, repeats, modes, peers, pdlb process counts, engine and
+    client counts, router CPUs. :func:`check_fleet_args` validates what they parse to."""
+    ap.add_argument("--duration-s", type=float, default=duration_s,
+                    help=f"seconds per latency and per throughput run (default {duration_s:g})")
     ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for latency (default 16)")
-    ap.add_argument("--max-concurrency", type=int, default=64, help="closed-loop clients for max req/s (default 64)")
-    ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats per mode (default 3)")
+    ap.add_argument("--max-concurrency", type=int, default=max_concurrency,
+                    help=f"closed-loop clients for max req/s (default {max_concurrency})")
+    ap.add_argument("--repeat", type=int, default=3, help=repeat_help)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default all)")
     ap.add_argument("--peers", default=",".join(PEERS), metavar="LIST",
                     help=f"comma list of peers to measure, of {', '.join(PEERS)}; 'none': pdlb alone (default all)")
-    ap.add_argument("--pdlb-processes", default="1", metavar="LIST",
-                    help="comma list of 'pdlb serve --processes' values to measure (default 1)")
-    ap.add_argument("--engines", type=int, default=2, metavar="N", help="mixed engines in regular mode (default 2)")
-    ap.add_argument("--pd-engines", type=int, default=1, metavar="N",
-                    help="prefill engines and decode engines (N each) in pd mode (default 1)")
-    ap.add_argument("--load-processes", type=int, default=1, metavar="K",
-                    help="client processes for the throughput run (default 1)")
+    ap.add_argument("--pdlb-processes", default=pdlb_processes, metavar="LIST",
+                    help=f"comma list of 'pdlb serve --processes' values to measure (default {pdlb_processes})")
+    ap.add_argument("--engines", type=int, default=engines, metavar="N",
+                    help=f"mixed engines in regular mode (default {engines})")
+    ap.add_argument("--pd-engines", type=int, default=pd_engines, metavar="N",
+                    help=f"prefill engines and decode engines (N each) in the PD modes (default {pd_engines})")
+    ap.add_argument("--load-processes", type=int, default=load_processes, metavar="K",
+                    help=f"client processes for the throughput run (default {load_processes})")
     ap.add_argument("--router-cpus", metavar="LIST",
-                    help="pin both routers to these CPUs (e.g. 0-7) and engines + clients to the others (default: no pinning)")
-    ap.add_argument("--baseline", metavar="DIR", type=Path, action="append",
-                    help="also measure pdlb serve (one process) from this checkout, e.g. the main branch's (repeatable)")
-    ap.add_argument("--paired-rounds", type=int, default=5, metavar="N",
-                    help="with --baseline: after the repeats, N rounds driving one pdlb process and every baseline at "
-                         "the same time for CPU per request (0: none; default 5)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
-                    help="also measure pdlb serve with the default process count and ARGS added, as row "
-                         "'pdlb xN, NAME' (repeatable), e.g. 'aiohttp client=--upstream-client aiohttp'")
+                    help="pin the routers to these CPUs (e.g. 0-7), engines and clients to the others (default: no pinning)")
     for peer in PEERS.values():
         ap.add_argument(f"--{peer.name}", metavar="CMD", dest=f"cmd_{peer.name}",
                         help=f"command that runs '{' '.join(peer.argv)}' with the args appended (default: "
                              f"{peer.package}=={peer.version} in its own environment, installed on first use)")
-    ap.add_argument("--peer-wheels", type=Path, metavar="DIR",
-                    help="a folder of wheels pip may use when it installs a peer (default: the registry only)")
-    args = ap.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or args.repeat < 1 or args.duration_s <= 0:
-        ap.error(f"bad --modes {bad}" if bad else "--repeat must be >= 1 and --duration-s > 0")
+
+
+def check_fleet_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *, min_processes: int) -> None:
+    """Validate and convert :func:`add_fleet_args`' options in place (``ap.error``, exit status 2,
+    on bad input): ``modes`` a list; ``pdlb_processes`` a sorted list of counts >= ``min_processes``
+    (0 = pdlb's default, sorted last); ``router_cpus`` / ``other_cpus`` CPU sets or None (the
+    router CPUs a proper subset of this process's affinity); ``default_processes`` what ``pdlb
+    serve`` starts on the router CPUs without --processes."""
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        ap.error(f"bad --modes {bad}: a comma list of {', '.join(MODES)}")
+    if args.repeat < 1 or args.duration_s <= 0:
+        ap.error("--repeat must be >= 1 and --duration-s > 0")
+    if min(args.engines, args.pd_engines, args.load_processes, args.concurrency, args.max_concurrency) < 1:
+        ap.error("--engines, --pd-engines, --load-processes, --concurrency and --max-concurrency must be >= 1")
     try:
         args.pdlb_processes = sorted({int(x) for x in args.pdlb_processes.split(",") if x.strip()}, key=lambda k: k or 1e9)
     except ValueError:
         ap.error(f"--pdlb-processes must be a comma list of integers, got {args.pdlb_processes!r}")
-    if not args.pdlb_processes or min(args.pdlb_processes) < 0:
-        ap.error("--pdlb-processes needs at least one value, all >= 0 (0: pdlb's default)")
+    if not args.pdlb_processes or min(args.pdlb_processes) < min_processes:
+        ap.error(f"--pdlb-processes needs at least one value, all >= {min_processes}"
+                 + (" (0: pdlb's default)" if min_processes == 0 else ""))
     all_cpus = os.sched_getaffinity(0)
     args.router_cpus = _cpu_list(args.router_cpus, ap) if args.router_cpus else None
     if args.router_cpus and not args.router_cpus < all_cpus:
@@ -748,8 +754,27 @@ def main() -> int:
     # what `pdlb serve` starts without --processes: its CPUs (the router CPUs), one in LOCAL_ENGINE_CORE_SHARE of
     # them since this bench's engines are on this host (issue 30); the rows are named with that count
     args.default_processes = pdlb_default_processes(args.router_cpus)
-    if min(args.engines, args.pd_engines, args.load_processes) < 1:
-        ap.error("--engines, --pd-engines and --load-processes must be >= 1")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    add_fleet_args(ap, duration_s=5.0, max_concurrency=64, pdlb_processes="1", engines=2, pd_engines=1,
+                   load_processes=1, repeat_help="interleaved repeats per mode (default 3)")
+    ap.add_argument("--baseline", metavar="DIR", type=Path, action="append",
+                    help="also measure pdlb serve (one process) from this checkout, e.g. the main branch's (repeatable)")
+    ap.add_argument("--paired-rounds", type=int, default=5, metavar="N",
+                    help="with --baseline: after the repeats, N rounds driving one pdlb process and every baseline at "
+                         "the same time for CPU per request (0: none; default 5)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also measure pdlb serve with the default process count and ARGS added, as row "
+                         "'pdlb xN, NAME' (repeatable), e.g. 'aiohttp client=--upstream-client aiohttp'")
+    ap.add_argument("--peer-wheels", type=Path, metavar="DIR",
+                    help="a folder of wheels pip may use when it installs a peer (default: the registry only)")
+    args = ap.parse_args()
+    check_fleet_args(ap, args, min_processes=0)
+    modes = args.modes
     for checkout in args.baseline or []:
         if not is_pdlb_checkout(checkout):
             ap.error(f"--baseline {checkout}: not a pdlb checkout (no pdlb_cli/main.py)")
