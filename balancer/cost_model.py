@@ -36,6 +36,7 @@ Everything here is pure: no clock, no I/O; arrays are numpy float64.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -129,13 +130,13 @@ class EngineCost:
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or self.max_num_seqs < 1):
-            raise ValueError(f"max_num_seqs must be an integer >= 1 or None, got {self.max_num_seqs!r}")
-        if self.request_chunk_tokens is not None and (isinstance(self.request_chunk_tokens, bool)
-                                                      or self.request_chunk_tokens < 1):
-            raise ValueError(f"request_chunk_tokens must be an integer >= 1 or None, got {self.request_chunk_tokens!r}")
-        if isinstance(self.prefill_schedule_interval, bool) or self.prefill_schedule_interval < 1:
-            raise ValueError(f"prefill_schedule_interval must be an integer >= 1, got {self.prefill_schedule_interval!r}")
+        for name, lo, optional in (("max_num_seqs", 1, True), ("request_chunk_tokens", 1, True),
+                                   ("prefill_schedule_interval", 1, False)):
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}{' or None' if optional else ''}, got {v!r}")
 
     @property
     def has_cadence(self) -> bool:

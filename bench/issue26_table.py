@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import statistics
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     t_start = time.monotonic()
-    if args.budget_s <= 0 or args.route_s < 0:
-        ap.error("--budget-s must be > 0 and --route-s >= 0")
+    if not (math.isfinite(args.budget_s) and args.budget_s > 0 and math.isfinite(args.route_s) and args.route_s >= 0):
+        ap.error("--budget-s must be a finite number > 0 and --route-s a finite number >= 0")
     ro.check_fleet_args(ap, args, min_processes=1)
     # what router_overhead's helpers read and this run does not vary
     args.baseline, args.variant, args.paired_rounds = None, [], 0

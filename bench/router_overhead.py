@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import shlex
 import socket
@@ -735,8 +736,8 @@ def check_fleet_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *, m
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
         ap.error(f"bad --modes {bad}: a comma list of {', '.join(MODES)}")
-    if args.repeat < 1 or args.duration_s <= 0:
-        ap.error("--repeat must be >= 1 and --duration-s > 0")
+    if args.repeat < 1 or not (math.isfinite(args.duration_s) and args.duration_s > 0):
+        ap.error("--repeat must be >= 1 and --duration-s a finite number > 0")
     if min(args.engines, args.pd_engines, args.load_processes, args.concurrency, args.max_concurrency) < 1:
         ap.error("--engines, --pd-engines, --load-processes, --concurrency and --max-concurrency must be >= 1")
     try:

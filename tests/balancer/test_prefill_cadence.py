@@ -156,6 +156,14 @@ def test_the_options_round_trip_through_the_table_and_reject_bad_values():
         EngineCost(request_chunk_tokens=0)
     with pytest.raises(ValueError, match="prefill_schedule_interval must be an integer >= 1"):
         EngineCost(prefill_schedule_interval=0)
+    # built directly (not from a table): NaN, fractions and strings are refused too (review2), numpy
+    # integers taken
+    for key, bad in (("request_chunk_tokens", float("nan")), ("request_chunk_tokens", 1.5),
+                     ("request_chunk_tokens", "abc"), ("prefill_schedule_interval", float("nan")),
+                     ("max_num_seqs", 2.0)):
+        with pytest.raises(ValueError, match=f"{key} must be an integer >= 1"):
+            EngineCost(**{key: bad})
+    assert EngineCost(request_chunk_tokens=np.int64(512)).request_chunk_tokens == 512
 
 
 def test_engines_without_the_options_price_and_pick_as_before():
