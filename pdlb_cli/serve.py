@@ -110,6 +110,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--upstream-client", choices=["lean", "aiohttp"],
                    help="HTTP client of the legs to the engines: lean (keep-alive pool parsed by httptools) or aiohttp "
                         f"(aiohttp's client, the fallback) (default: {d.upstream_client})")
+    p.add_argument("--http-front", choices=["aiohttp", "lean"],
+                   help="HTTP server of the generation endpoints: aiohttp's, or lean (httptools for the common "
+                        f"generation request, aiohttp's server for anything else) (default: {d.http_front})")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")
@@ -192,6 +195,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY"),
                   "index_mode": getattr(args, "index_mode", None),
                   "upstream_client": getattr(args, "upstream_client", None),
+                  "http_front": getattr(args, "http_front", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)
