@@ -142,8 +142,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "one more death stops pdlb serve with status 1 (crash loop) (default: 5)")
     p.add_argument("--restart-window-s", type=float, metavar="SECONDS",
                    help="the crash-loop window of --max-process-restarts (default: 60)")
-    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
-                   help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
+    p.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="event loop: auto = uvloop where installed (it is in the serve extra), else asyncio's "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default="WARNING", help="log level of the router's own messages on stderr (default: %(default)s)")
     add_admission_args(p, serve=True)

@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
+from http import HTTPStatus
 from typing import Any
 
 import httptools
@@ -76,6 +77,14 @@ def _date_header() -> bytes:
         _date_cache[0] = now
         _date_cache[1] = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
     return _date_cache[1]
+
+
+def _reason(status: int) -> str:
+    """The reason phrase aiohttp writes for ``status`` (``http.HTTPStatus``'s; empty if unknown)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
 
 
 _SKIPPED = frozenset(("content-length", "transfer-encoding", "connection", "date"))
@@ -129,7 +138,7 @@ class LeanStream:
         self.headers = CIMultiDict(headers)
         self._protocol = protocol
         self._eof = False
-        reason = web.Response(status=status).reason or ""
+        reason = _reason(status)
         tail = "Transfer-Encoding: chunked\r\n" + ("" if keep_alive else "Connection: close\r\n")
         protocol.write(_head_bytes(status, reason, self.headers, tail) + _date_header() + b"\r\n")
 

@@ -438,3 +438,49 @@ def test_response_bytes_frame_the_body_as_aiohttp_does():
     assert body == b'{"a": 1}'
     with pytest.raises(ValueError):
         response_bytes(web.Response(body=b"x", headers={"X-Evil": "a\r\nSet-Cookie: b"}), True)
+
+
+# ---------------------------------------------------------------------- event loop default
+def test_the_event_loop_is_uvloop_where_installed_else_asyncio(monkeypatch):
+    import sys
+
+    from balancer.service.launch import event_loop_factory
+
+    uvloop = pytest.importorskip("uvloop")  # in the serve extra
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    assert event_loop_factory("asyncio") is None
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: import fails
+    assert event_loop_factory("auto") is None
+    with pytest.raises(ValueError, match="needs the 'uvloop' package"):
+        event_loop_factory("uvloop")
+    with pytest.raises(ValueError, match="unknown event loop"):
+        event_loop_factory("trio")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("front", ["aiohttp", "lean"])
+def test_pdlb_serve_on_each_loop_and_front_serves_and_hands_over(loop, front):
+    # the standard loop stays tested in a real pdlb serve (the default is uvloop where installed)
+    import urllib.request
+
+    from sim.emulator.testing import _spawn, spawn_engines
+
+    pytest.importorskip("uvloop")
+    engines = spawn_engines([("mixed", "--zero-delay")])
+    try:
+        r = _spawn(["serve", "--port", "0", "--pd-protocol", "none", "--mixed", engines[0].url, "--processes", "1",
+                    "--event-loop", loop, "--http-front", front])
+        try:
+            for _ in range(3):
+                req = urllib.request.Request(r.url + "/v1/completions", data=BODY,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert resp.status == 200 and json.loads(resp.read())["object"] == "text_completion"
+            with urllib.request.urlopen(r.url + "/health", timeout=10) as resp:
+                assert json.loads(resp.read())["status"] == "ok"
+        finally:
+            r.stop()
+    finally:
+        for e in engines:
+            e.stop()
