@@ -45,6 +45,22 @@ def _cpus(text: str) -> set[int]:
     return out
 
 
+def _spawn_from(checkout: Path, serve_args: list[str], timeout_s: float):  # noqa: ANN202
+    """``pdlb serve`` from ``checkout`` (its code first on ``PYTHONPATH``), waited for at most
+    ``timeout_s`` (a fresh checkout compiles its numba kernels at the first start)."""
+    import os
+    import subprocess
+
+    from sim.emulator.testing import _spawn
+
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-c", "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))",
+           *serve_args]
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(checkout))
+    return _spawn(serve_args, timeout_s=timeout_s, popen=popen)
+
+
 async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     engines_spec = ([("mixed", "--zero-delay")] * 2 if args.mode == "regular"
                     else [("prefill", "--zero-delay"), ("decode", "--zero-delay")])
@@ -61,8 +77,8 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
         with ro._affinity(router_cpus):
             for spec in args.variants:
                 tree, _, extra = spec.partition("::")
-                routers[spec] = ro._spawn_pdlb_from(Path(tree).resolve(),
-                                                    ro._pdlb_args(args.mode, engines, 1) + shlex.split(extra))
+                routers[spec] = _spawn_from(Path(tree).resolve(), ro._pdlb_args(args.mode, engines, 1)
+                                            + shlex.split(extra), args.start_timeout_s)
         for p in routers.values():
             await ro._closed_loop(p.url, 8, 0.5)  # warm up
         got = {k: [] for k in routers}
@@ -94,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=3.0)
     ap.add_argument("--concurrency", type=int, default=32, help="client connections per router (default: 32)")
     ap.add_argument("--load-processes", type=int, default=1)
+    ap.add_argument("--start-timeout-s", type=float, default=120.0, help="wait for each router's start (default: 120)")
     ap.add_argument("--router-cpus", default="", help="CPU set of the routers, e.g. 0 or 0-7 (default: any)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or not (0 < args.duration_s < 600) or args.concurrency < 1 or args.load_processes < 1:
