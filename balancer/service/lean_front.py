@@ -51,9 +51,13 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from balancer.service.log_limit import RateLimitedLog
+
 __all__ = ["LeanProtocol", "LeanRequest", "LeanStream", "MAX_HEAD_BYTES", "MAX_HEADERS", "MAX_PIPELINED_BYTES"]
 
 log = logging.getLogger("pdlb.service")
+#: errors here are bugs, but a client could repeat one at will: one line per kind per 10 s
+_errors_log = RateLimitedLog(log, interval_s=10.0)
 
 MAX_HEAD_BYTES = 8190
 """Longest request head (request line + headers, bytes) served here: aiohttp's ``max_line_size``
@@ -472,7 +476,8 @@ class LeanProtocol(asyncio.Protocol):
                 self.transport.close()
             return
         except Exception:  # the handler answers its own errors (500 included): a bug here
-            log.exception("lean front: error serving a request")
+            if _errors_log.log(logging.ERROR, "lean_front_handler", time.monotonic(), "lean front: error serving a request"):
+                log.error("traceback of the error above", exc_info=True)
             self._task_handler = None
             self._abort()
             return
@@ -486,11 +491,13 @@ class LeanProtocol(asyncio.Protocol):
                 tr.close()
                 return
         else:
-            keep = keep and resp.keep_alive is not False
             try:
+                keep = keep and resp.keep_alive is not False
                 data = response_bytes(resp, keep)
-            except (TypeError, ValueError):
-                log.exception("lean front: the answer cannot be written")
+            except Exception:  # not a web.Response with a bytes body, or a header with CR/LF: a bug
+                if _errors_log.log(logging.ERROR, "lean_front_answer", time.monotonic(),
+                                   "lean front: the answer cannot be written"):
+                    log.error("traceback of the error above", exc_info=True)
                 self._abort()
                 return
             if tr.is_closing():
