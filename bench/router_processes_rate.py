@@ -15,7 +15,10 @@ load, not the router's capacity, decides the work. Per N and mode it prints:
 * wake-ups per request: the router processes' voluntary context switches (a thread that blocks,
   here the event loop waiting in ``epoll_wait``, then runs again), summed over their threads;
 * CPU per second of being up with no requests (``--idle-s``, before the rounds): timers, polls;
-* the ratio of each N's CPU per request to N = 1's in the same round (median over rounds).
+* the ratio of each N's CPU per request to N = 1's in the same round (median over rounds);
+* a least-squares line through every window of a tree: CPU per request against wake-ups per
+  request, whose slope is what one wake-up of an event loop costs (an idle process's loop woken
+  for one event pays the caches and the loop's own pass again; a saturated one is not woken).
 
 ``--baseline DIR`` adds the same process counts from another checkout (rows ``N@base``), driven
 in the same rounds: before / after at equal load.
@@ -200,6 +203,29 @@ def _summary(mode: str, res: dict, args: argparse.Namespace) -> None:
         print(f"{'':<9}{k:<10} {statistics.median(r['cpu_us'] for r in rs):>10.0f} "
               f"{statistics.median(ratios):>15.2f}x {statistics.median(r['wakeups'] for r in rs):>13.2f} "
               f"{idle[k]:>14.1f}   " + ", ".join(f"{r['cpu_us']:.0f}" for r in rs))
+    for tag in sorted({k[k.index("@"):] if "@" in k else "" for k in rows}):
+        pts = [(r["wakeups"], r["cpu_us"]) for k, rs in rows.items() if (k[k.index("@"):] if "@" in k else "") == tag
+               for r in rs]
+        fit = wakeup_fit(pts)
+        if fit is not None:
+            print(f"{'':<9}{'this tree' if not tag else tag}: CPU us/req = {fit[0]:.0f} + {fit[1]:.0f} x wake-ups/req "
+                  f"(least squares over {len(pts)} windows, r = {fit[2]:.2f}): what one wake-up of an event loop costs")
+
+
+def wakeup_fit(points: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """Least-squares line ``cpu = a + b * wakeups`` through ``(wakeups, cpu)`` points: ``(a, b, r)``
+    (r: Pearson's correlation), or None with fewer than 3 points or no spread in wake-ups."""
+    if len(points) < 3:
+        return None
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0:
+        return None
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    b = sxy / sxx
+    return my - b * mx, b, sxy / math.sqrt(sxx * syy)
 
 
 def main() -> int:
