@@ -319,7 +319,7 @@ class PrefixShare:
             key = data[off + _REC.size:off + 4 + n]
             got += 1
             off += 4 + n
-            if key[1] in _BIN and self._cancels(key, pending):
+            if len(key) > 1 and key[1] in _BIN and self._cancels(key, pending):
                 continue
             last = pending.pop(key, None)  # re-inserted: ordered by its last occurrence
             pending[key] = [now_s, 1] if last is None else [now_s if now_s > last[0] else last[0], last[1] + 1]
