@@ -198,9 +198,9 @@ class Router:
                 raise TypeError(f"a route listener must be callable, got {type(fn).__name__}")
         #: called by :meth:`on_rejected` (given at construction; see :class:`~balancer.parts.RejectListener`)
         self.reject_listeners: tuple[RejectListener, ...] = tuple(reject_listeners)
-        for fn in self.reject_listeners:
-            if not callable(fn):
-                raise TypeError(f"a reject listener must be callable, got {type(fn).__name__}")
+        for reject_fn in self.reject_listeners:
+            if not callable(reject_fn):
+                raise TypeError(f"a reject listener must be callable, got {type(reject_fn).__name__}")
         if load_sources is not None and not isinstance(load_sources, LoadSources):
             raise TypeError(f"load_sources must be a balancer.parts.LoadSources, got {type(load_sources).__name__}")
         if learner is not None and not isinstance(learner, CostLearnerPart):
