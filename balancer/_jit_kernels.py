@@ -476,3 +476,81 @@ def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per
         if q[i] != 0:
             busy += 1
     return busy
+
+
+@_jit([f"i8({t}[::1], i8[::1], i8[::1], i8[::1], i8, f8, f8, f8, f8, f8, f8[::1], i8[::1])" for t in ("i8", "f8")])
+def scored_select(matched_blocks, num_requests, kv_tokens, cap, n_blocks, w_prefix, w_queue, w_kv, w_load, queue_cap,
+                  total, out):  # noqa: ANN001, ANN201
+    """``scored``'s weighted total (``Scored.select``: :meth:`Scored.component_scores` of the
+    scorers with a non-zero weight, ``w_0 c_0`` then ``+= w c`` in the order prefix, queue,
+    kv_utilization, load; numpy's operations per element in its order, into ``total``) and the
+    candidates at its maximum (``total == max``, in order, into ``out``); returns their count, or
+    -1 where a total is NaN (numpy's maximum is then NaN: the caller's numpy path decides).
+    ``matched_blocks`` int64 or (tier-weighted) float64; a weight 0.0 leaves its scorer out."""
+    n = total.shape[0]
+    if n == 0:
+        return -1
+    qmin = float(num_requests[0])
+    qmax = qmin
+    known = False
+    for i in range(n):
+        x = float(num_requests[i])
+        if x < qmin:
+            qmin = x
+        if x > qmax:
+            qmax = x
+        if cap[i] > 0:
+            known = True
+    nb = float(n_blocks)
+    for i in range(n):
+        q = float(num_requests[i])
+        t = 0.0
+        first = True
+        if w_prefix != 0.0:
+            p = _minimum(float(matched_blocks[i]) / nb, 1.0) if n_blocks > 0 else 0.0
+            t = w_prefix * p
+            first = False
+        if w_queue != 0.0:
+            s = 1.0 if qmax == qmin else (qmax - q) / (qmax - qmin)
+            t = w_queue * s if first else t + w_queue * s
+            first = False
+        if w_kv != 0.0:
+            u = 0.0
+            if known and cap[i] > 0:
+                u = _minimum(float(kv_tokens[i]) / float(cap[i]), 1.0)
+            s = 1.0 - u
+            t = w_kv * s if first else t + w_kv * s
+            first = False
+        if w_load != 0.0:
+            s = 0.5 * (1.0 - _minimum(q, queue_cap) / queue_cap)
+            t = w_load * s if first else t + w_load * s
+        if t != t:
+            return -1
+        total[i] = t
+    best = total[0]
+    for i in range(1, n):
+        if total[i] > best:
+            best = total[i]
+    m = 0
+    for i in range(n):
+        if total[i] == best:
+            out[m] = i
+            m += 1
+    return m
+
+
+@_jit("i8(i8[::1], i8, i8[::1])")
+def fewest_among(values, count, out):  # noqa: ANN001, ANN201
+    """``argmin_random(values[out[:count]], rng)`` before its draw: keeps in ``out`` (in order)
+    the positions among ``out[:count]`` whose value is the least, and returns how many."""
+    least = values[out[0]]
+    for j in range(1, count):
+        v = values[out[j]]
+        if v < least:
+            least = v
+    m = 0
+    for j in range(count):
+        if values[out[j]] == least:
+            out[m] = out[j]
+            m += 1
+    return m

@@ -251,6 +251,44 @@ def kv_cost_select(prefill_tokens: np.ndarray, matched_tokens: np.ndarray, kv_to
     return count, cost, pos
 
 
+def fewest_among(values: np.ndarray, count: int, positions: np.ndarray) -> int | None:
+    """The tie rule "fewest ``values`` among ``positions[:count]``" before its random draw
+    (``argmin_random(values[positions[:count]], rng)``'s candidates), compiled: keeps those
+    positions in ``positions`` (in order) and returns how many; ``values`` int64, shape ``(n,)``,
+    ``positions`` int64 with ``count >= 1`` valid entries. ``None`` when the compiled path is off
+    or cannot take these arrays (then nothing changed)."""
+    k = compiled()
+    if (k is None or values.dtype != np.int64 or positions.dtype != np.int64 or not values.flags.c_contiguous
+            or not positions.flags.c_contiguous or not 1 <= count <= len(positions)):
+        return None
+    return k.fewest_among(values, int(count), positions)
+
+
+def scored_select(matched_blocks: np.ndarray, num_requests: np.ndarray, kv_tokens: np.ndarray, cap: np.ndarray,
+                  n_blocks: int, weights: tuple[float, float, float, float],
+                  load_queue_cap: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``scored``'s weighted total and its best candidates in one compiled call: ``(count, total
+    (n,), positions (n,))`` with ``positions[:count]`` (int64) the candidates at the highest total
+    (``Scored.select``'s, bit for bit; count -1 where a total is NaN). ``matched_blocks`` int64
+    or float64 (tier-weighted), the three other columns int64, shapes ``(n,)``; ``weights`` the
+    prefix, queue, kv_utilization and load weights (0: left out). ``None`` when the compiled path
+    is off or cannot take these arrays."""
+    k = compiled()
+    n = len(num_requests)
+    if (k is None or matched_blocks.dtype not in (np.int64, np.float64)
+            or not num_requests.dtype == kv_tokens.dtype == cap.dtype == np.int64
+            or not (matched_blocks.flags.c_contiguous and num_requests.flags.c_contiguous
+                    and kv_tokens.flags.c_contiguous and cap.flags.c_contiguous)
+            or not len(matched_blocks) == len(kv_tokens) == len(cap) == n):
+        return None
+    total = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    w_prefix, w_queue, w_kv, w_load = weights
+    count = k.scored_select(matched_blocks, num_requests, kv_tokens, cap, int(n_blocks), float(w_prefix),
+                            float(w_queue), float(w_kv), float(w_load), float(load_queue_cap), total, pos)
+    return count, total, pos
+
+
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
                          prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
                          w_ext: float, idx: np.ndarray, rows: np.ndarray

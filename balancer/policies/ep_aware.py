@@ -124,7 +124,7 @@ from balancer.cost_model import (
     slot_wait_s,
 )
 from balancer.prefill_cadence import cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps
-from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
+from balancer.policies.base import Policy, SelectContext, argmin_random, fresh_scores, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
 
 def _compute_s(c: PrefillStepCost, u: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -695,7 +695,7 @@ class EpAware(Policy):
             return None
         count, cost, pos = got
         i = int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
-        return Choice(cands.replicas[i], scores_of(cands, cost), reason="ep_aware:decode")
+        return Choice(cands.replicas[i], fresh_scores(cands, cost), reason="ep_aware:decode")
 
     def _decode_cost_capped(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
                             idx: np.ndarray, rows: np.ndarray | None, transfer: bool, S: int) -> np.ndarray:
