@@ -554,3 +554,19 @@ def fewest_among(values, count, out):  # noqa: ANN001, ANN201
             out[m] = out[j]
             m += 1
     return m
+
+
+@_jit("i8(f8[::1], f8[::1], f8[::1], f8, b1, i8[::1], f8, f8[::1], i8[::1])")
+def prefill_cost_pick(ttft, ext, horizon, horizon_scale, with_horizon, load, tie_tolerance, cost, out):  # noqa: ANN001, ANN201
+    """``EpAware``'s wide-EP prefill cost after its matrix product and its pick, one call:
+    ``cost = (ttft + 0.0) + ext`` and, ``with_horizon``, ``+ horizon_scale horizon`` (numpy's
+    ``f_cost + f_ext + (scale) * f_horizon``, in its order, into ``cost``), then :func:`tie_pick`
+    on it with ``load`` (into ``out``); returns ``tie_pick``'s count (-1: the caller's numpy
+    pick decides)."""
+    n = cost.shape[0]
+    for i in range(n):
+        c = (ttft[i] + 0.0) + ext[i]
+        if with_horizon:
+            c = c + horizon_scale * horizon[i]
+        cost[i] = c
+    return tie_pick(cost, load, tie_tolerance, out)

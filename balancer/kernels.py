@@ -313,3 +313,25 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
                                   float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
                                   buf[0], buf[1], buf[2], buf[3])
     return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
+
+
+def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, horizon_scale: float | None,
+                      load: np.ndarray, tie_tolerance: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``EpAware``'s wide-EP prefill cost from its parts and :func:`tie_pick` on it, one compiled
+    call: ``cost = ttft + 0.0 + ext (+ horizon_scale * horizon)`` (no horizon term where
+    ``horizon_scale`` is None), bit for bit as ``EpAware._prefill_cost_one``, then the candidates
+    ``EpAware._pick`` draws from with ``load`` (the prefill tokens) as the tie rule's. Returns
+    ``(count, cost (n,), positions (n,))`` as :func:`decode_select_rows` (count -1: the numpy pick
+    decides). ``ttft``/``ext``/``horizon`` float64, ``load`` int64, shapes ``(n,)``; ``None`` when
+    the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    n = len(ttft)
+    if (k is None or not ttft.dtype == ext.dtype == horizon.dtype == np.float64 or load.dtype != np.int64
+            or not (ttft.flags.c_contiguous and ext.flags.c_contiguous and horizon.flags.c_contiguous
+                    and load.flags.c_contiguous) or not len(ext) == len(horizon) == len(load) == n):
+        return None
+    cost = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else float(horizon_scale),
+                                horizon_scale is not None, load, float(tie_tolerance), cost, pos)
+    return count, cost, pos

@@ -553,3 +553,49 @@ def test_fewest_among_keeps_argmin_randoms_candidates(seed):
     # float values (tier-weighted matches) are not taken: None, positions untouched
     out2 = positions.copy()
     assert kernels.fewest_among(values.astype(np.float64), 15, out2) is None and out2.tolist() == positions.tolist()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8, 9, 16])
+def test_prefill_select_compiled_equals_numpy(ranks):
+    """EpAware.select on a wide-EP prefill pool (two compiled calls around numpy's matrix product:
+    features, N_after and externality; then cost and tie pick) against the numpy code (kernels
+    off), the reference: the same replica, reason, scores (bits) and RNG state afterwards, on
+    busy pools, idle pools (the numpy path), exact ties (equal queues: the draw), a zero tie
+    tolerance, no horizon term, no externality (a dense-like weight 0), and a cost model with
+    vLLM's chunk limit (cadence: the numpy path)."""
+    p = PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6)
+    plain = CostModel(prefill=EngineCost(prefill=p, ep_synchronous=True, chunk_tokens=8192))
+    chunked = CostModel(prefill=EngineCost(prefill=p, ep_synchronous=True, chunk_tokens=8192,
+                                           request_chunk_tokens=2048))
+    rng = np.random.default_rng(ranks + 100)
+    ran_compiled = 0
+    for trial in range(150):
+        engines = int(rng.integers(1, 6))
+        reps = tuple(ReplicaId(f"p{e}", r) for e in range(engines) for r in range(ranks))
+        n = len(reps)
+        q = rng.integers(1, 60_000, n) * (rng.random(n) < 0.6)
+        if trial % 4 == 0:  # equal queues: exact cost ties, the random draw
+            q[:] = q[0]
+        if trial % 9 == 8:
+            q[:] = 0  # idle pool
+        pairs = q * rng.uniform(0, 3000, n)
+        matched = np.minimum(rng.integers(0, 70, n) * 512, 32_768) * (trial % 4 != 0)
+        c = Candidates(Role.PREFILL, reps, rng.integers(0, 9, n) * (q > 0), q, np.zeros(n, np.int64),
+                       np.zeros(n, np.int64), matched // 512, matched, 512, prefill_attn_pairs=pairs)
+        req = Request("r", 0.0, 32_768, (), 128, 128)
+        pol = EpAware(tie_tolerance=(0.05, 0.0, 0.3)[trial % 3], horizon_weight=(4.0, 0.0)[trial % 5 == 3],
+                      externality_weight=(1.0, 0.0)[trial % 11 == 10])
+        model = chunked if trial % 7 == 6 else plain
+        r1, r0 = random.Random(trial), random.Random(trial)
+        kernels.use_compiled(True)
+        fast = pol.select(req, c, SelectContext(r1, 0.0, 0, model, None))
+        _, idx, rows = engine_groups(reps)
+        ran_compiled += pol._prefill_select_compiled(req, c, model, ("p",), idx, rows,
+                                                     SelectContext(random.Random(0), 0.0, 0, model, None)) is not None
+        kernels.use_compiled(False)
+        slow = pol.select(req, c, SelectContext(r0, 0.0, 0, model, None))
+        kernels.use_compiled(True)
+        assert (fast.replica, fast.reason) == (slow.replica, slow.reason), trial
+        assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
+        assert r1.getstate() == r0.getstate(), trial
+    assert ran_compiled > 60  # the compiled path decided most trials (the rest: the numpy hand-over)
