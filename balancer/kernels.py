@@ -94,13 +94,16 @@ _LAYOUTS_OK: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _layout_ok(k: ModuleType, idx: np.ndarray, rows: np.ndarray) -> bool:
-    """Whether the kernels take this ``(idx, rows)`` layout (int64, C order, some ranks); a pair
-    that passed once passes at once (an array's dtype, shape and order do not change)."""
+    """Whether the kernels take this ``(idx, rows)`` layout (int64, C order, some ranks, and
+    :func:`balancer.cost_model.engine_groups`' arrangement: ``rows[e] = e R .. e R + R - 1``,
+    ``idx[i] = i // R``); a pair that passed once passes at once (its arrays are not written)."""
     got = _LAYOUTS_OK.get((id(idx), id(rows)))
     if got is not None and got[0] is idx and got[1] is rows:
         return True
     ok = (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
-          and rows.flags.c_contiguous and rows.shape[1] > 0)
+          and rows.flags.c_contiguous and rows.shape[1] > 0 and idx.ndim == 1 and len(idx) == rows.size
+          # engine_groups' layout, which the kernels read as such: engine e's candidates side by side
+          and np.array_equal(rows.ravel(), np.arange(rows.size)) and np.array_equal(idx, np.arange(len(idx)) // rows.shape[1]))
     if ok:
         if len(_LAYOUTS_OK) >= 64:
             _LAYOUTS_OK.clear()
