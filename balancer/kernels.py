@@ -219,19 +219,20 @@ def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray,
     costs change: take the numpy path). ``b``, ``k``, ``matched_tokens``, ``cap`` int64, shape
     ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
     kern = compiled()
-    if kern is None or not _layout_ok(kern, idx, rows):
-        return None
-    if not (b.dtype == k.dtype == matched_tokens.dtype == cap.dtype == np.int64 and b.flags.c_contiguous
-            and k.flags.c_contiguous and matched_tokens.flags.c_contiguous and cap.flags.c_contiguous
-            and len(cap) == len(b) and 0 <= need < 2 ** 62):
-        return None
     n = len(b)
+    if (kern is None or not len(k) == len(matched_tokens) == len(cap) == len(idx) == n or not 0 <= need < 2 ** 62
+            or not _layout_ok(kern, idx, rows)):
+        return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
-                                    float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
-                                    float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
-                                    bool(transfer), cost, cap, int(need), float(tie_tolerance), pos)
+    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns
+        count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
+                                        float(prompt_tokens), float(overhead_s), float(per_seq_s),
+                                        float(per_kv_token_s), float(per_group_seq_s), float(externality_weight),
+                                        float(transfer_s_per_token), bool(transfer), cost, cap, int(need),
+                                        float(tie_tolerance), pos)
+    except TypeError:  # other dtypes or layouts (numba: "No matching definition"): the numpy path
+        return None
     return count, cost, pos
 
 
@@ -242,15 +243,16 @@ def kv_cost_select(prefill_tokens: np.ndarray, matched_tokens: np.ndarray, kv_to
     (``KvCost.costs`` bit for bit; count -1 where a cost is NaN). The three load columns int64,
     shape ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
     k = compiled()
-    if (k is None or not prefill_tokens.dtype == matched_tokens.dtype == kv_tokens.dtype == np.int64
-            or not (prefill_tokens.flags.c_contiguous and matched_tokens.flags.c_contiguous
-                    and kv_tokens.flags.c_contiguous) or not len(prefill_tokens) == len(matched_tokens) == len(kv_tokens)):
-        return None
     n = len(prefill_tokens)
+    if k is None or not len(matched_tokens) == len(kv_tokens) == n:
+        return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    count = k.kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, float(prompt_tokens), float(block_size),
-                             float(overlap_weight), overlap_weight != 1.0, cost, pos)
+    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns
+        count = k.kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, float(prompt_tokens), float(block_size),
+                                 float(overlap_weight), overlap_weight != 1.0, cost, pos)
+    except TypeError:  # other dtypes or layouts: the numpy path
+        return None
     return count, cost, pos
 
 
@@ -278,17 +280,16 @@ def scored_select(matched_blocks: np.ndarray, num_requests: np.ndarray, kv_token
     is off or cannot take these arrays."""
     k = compiled()
     n = len(num_requests)
-    if (k is None or matched_blocks.dtype not in (np.int64, np.float64)
-            or not num_requests.dtype == kv_tokens.dtype == cap.dtype == np.int64
-            or not (matched_blocks.flags.c_contiguous and num_requests.flags.c_contiguous
-                    and kv_tokens.flags.c_contiguous and cap.flags.c_contiguous)
-            or not len(matched_blocks) == len(kv_tokens) == len(cap) == n):
+    if k is None or not len(matched_blocks) == len(kv_tokens) == len(cap) == n:
         return None
     total = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
     w_prefix, w_queue, w_kv, w_load = weights
-    count = k.scored_select(matched_blocks, num_requests, kv_tokens, cap, int(n_blocks), float(w_prefix),
-                            float(w_queue), float(w_kv), float(w_load), float(load_queue_cap), total, pos)
+    try:  # numba's dispatcher takes only its signatures' dtypes (int64; matches also float64), C-contiguous
+        count = k.scored_select(matched_blocks, num_requests, kv_tokens, cap, int(n_blocks), float(w_prefix),
+                                float(w_queue), float(w_kv), float(w_load), float(load_queue_cap), total, pos)
+    except TypeError:  # other dtypes or layouts: the numpy path
+        return None
     return count, total, pos
 
 
@@ -303,18 +304,19 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
     candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``None`` when
     the compiled path is off or cannot take these arrays."""
     k = compiled()
-    if k is None or not _layout_ok(k, idx, rows):
-        return None
-    if not (matched_tokens.dtype == n_req.dtype == np.int64 and matched_tokens.flags.c_contiguous
-            and n_req.flags.c_contiguous):
-        matched_tokens, n_req = _f8(matched_tokens), _f8(n_req)
     n = len(q)
+    if k is None or not len(a) == len(matched_tokens) == len(n_req) == len(idx) == n or not _layout_ok(k, idx, rows):
+        return None
     buf = np.empty((4, n))
     feats = np.empty((n, 4))
     P = float(prompt_tokens)
-    busy = k.prefill_ep_cost_rows(_f8(q), _f8(a), matched_tokens, n_req, P, P - 1.0, float(chunk_tokens),
-                                  float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
-                                  buf[0], buf[1], buf[2], buf[3])
+    args = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows,
+            feats, buf[0], buf[1], buf[2], buf[3])
+    q, a = _f8(q), _f8(a)
+    try:  # int64 C-contiguous counts go as they are (numba's dispatcher matches the signature)
+        busy = k.prefill_ep_cost_rows(q, a, matched_tokens, n_req, *args)
+    except TypeError:  # other dtypes or layouts: as float64 (what numpy's arithmetic promotes them to)
+        busy = k.prefill_ep_cost_rows(q, a, _f8(matched_tokens), _f8(n_req), *args)
     return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
 
 
@@ -329,12 +331,13 @@ def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, ho
     the compiled path is off or cannot take these arrays."""
     k = compiled()
     n = len(ttft)
-    if (k is None or not ttft.dtype == ext.dtype == horizon.dtype == np.float64 or load.dtype != np.int64
-            or not (ttft.flags.c_contiguous and ext.flags.c_contiguous and horizon.flags.c_contiguous
-                    and load.flags.c_contiguous) or not len(ext) == len(horizon) == len(load) == n):
+    if k is None or not len(ext) == len(horizon) == len(load) == n:
         return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else float(horizon_scale),
-                                horizon_scale is not None, load, float(tie_tolerance), cost, pos)
+    try:  # numba's dispatcher takes only its signature's dtypes, C-contiguous
+        count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else float(horizon_scale),
+                                    horizon_scale is not None, load, float(tie_tolerance), cost, pos)
+    except TypeError:  # other dtypes or layouts: the numpy path
+        return None
     return count, cost, pos

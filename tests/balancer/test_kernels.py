@@ -599,3 +599,45 @@ def test_prefill_select_compiled_equals_numpy(ranks):
         assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
         assert r1.getstate() == r0.getstate(), trial
     assert ran_compiled > 60  # the compiled path decided most trials (the rest: the numpy hand-over)
+
+
+@pytest.mark.parametrize("spoil", ["int32", "float", "strided", "readonly", "object", "2d", "list"])
+def test_hot_wrappers_hand_other_arrays_to_numpy(spoil):
+    """The one-call wrappers leave dtype and layout checks to numba's dispatcher (its explicit
+    signatures): a column of another dtype or layout gives None (the caller's numpy path), never an
+    error nor a wrong read; prefill_ep_cost_rows converts such count columns to float64 instead
+    (as numpy's arithmetic would), with the same bits as the int64 columns."""
+    n = 16
+    reps = tuple(ReplicaId(f"e{i // 8}", i % 8) for i in range(n))
+    _, idx, rows = engine_groups(reps)
+    good = np.arange(n, dtype=np.int64) * 100
+
+    def bad(x):
+        if spoil == "int32":
+            return x.astype(np.int32)
+        if spoil == "float":
+            return x.astype(np.float64)
+        if spoil == "strided":
+            return np.repeat(x, 2)[::2]
+        if spoil == "readonly":
+            y = x.copy()
+            y.flags.writeable = False
+            return y
+        if spoil == "object":
+            return x.astype(object)
+        if spoil == "2d":
+            return x.reshape(n, 1)
+        return x.tolist()
+
+    x = bad(good)
+    assert kernels.kv_cost_select(x, good, good, 3000.0, 16.0, 1.0) is None
+    assert kernels.decode_select_rows(good, x, good, good + 10**7, idx, rows, 128.0, 3064.0, 3000.0, 0.01, 1e-5,
+                                      1e-9, 1e-6, 1.0, 1e-7, True, 3128, 0.05) is None
+    assert kernels.prefill_cost_pick(np.ones(n), np.ones(n), np.ones(n), 1.0, x, 0.05) is None
+    if spoil != "float":  # float64 matches are a signature of scored's (tier-weighted matches)
+        assert kernels.scored_select(x, good, good, good, 4, (3.0, 2.0, 2.0, 0.0), 128) is None
+    q = good.astype(np.float64)
+    if spoil in ("int32", "float", "strided", "readonly"):  # numeric: converted to float64, the same bits
+        got = kernels.prefill_ep_cost_rows(q, q * 10.0, x, good, 4096.0, 8192, 5.1e-5, 1e-8, 4.2e-6, idx, rows)
+        ref = kernels.prefill_ep_cost_rows(q, q * 10.0, good, good, 4096.0, 8192, 5.1e-5, 1e-8, 4.2e-6, idx, rows)
+        assert all(same_bits(g, r) for g, r in zip(got[:5], ref[:5])) and got[5] == ref[5]
