@@ -15,7 +15,7 @@ in every process they start: :func:`enabled_by_env`), every function here return
 reference (tests/balancer/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
 ``sim`` and ``test`` extras install it), the kernels are compiled, or loaded from numba's cache,
 the first time :func:`compiled` is called: a :class:`~balancer.router.Router` with a policy that
-uses them (:attr:`balancer.policies.Policy.uses_kernels`: ep_aware) calls it when it is built, so
+uses them (:attr:`balancer.policies.Policy.uses_kernels`: ep_aware, kv_cost, scored) calls it when it is built, so
 its first decision does not pay the compile, while building a policy alone (validating a config,
 ``import balancer``) loads nothing (about 1-3 s once per
 machine, then well under a second per process to load from the cache).
