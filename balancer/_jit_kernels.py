@@ -194,8 +194,15 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
     over a candidate's engine (the argmax, the minima and maxima, the clipped fractions are
     selects): on real pools (queues and prefix hits that differ by rank and change every
     decision) the plain loop's branches are mispredicted about every other rank, which cost more
-    than its arithmetic. The selects equal the plain code's comparisons where every input is
-    finite, ``q >= 0`` and ``X > 0`` (no NaN, whose handling needs the branches): other inputs run
+    than its arithmetic. The divisions (each rank's fraction ``X / Q_r`` and ``(Q_r - q_i) / Q_r``)
+    and minima run in loops of their own over the engine's ranks, which sit side by side
+    (:func:`balancer.cost_model.engine_groups`' layout: ``rows[e, c] = rows[e, 0] + c``), so the
+    compiler vectorises them (several divisions per instruction; the same correctly rounded
+    quotients); the argmax and the busiest rank then read the fractions in a scalar pass. The
+    fractions, minima and the minima's sum depend on the engine and ``X`` only: a candidate whose
+    ``X`` equals the previous candidate's of the same engine reuses them (the same values). The
+    selects equal the plain code's comparisons where every input is finite, ``q >= 0`` and ``X >
+    0`` (no NaN, whose handling needs the branches): other inputs run
     :func:`prefill_ep_rows_plain` for the whole call."""
     n = q.shape[0]
     R = rows.shape[1]
@@ -205,13 +212,20 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
         W[r] = per_token_s * q[r] + per_attn_pair_s * a[r]
         ok = ok and q[r] >= 0.0 and q[r] < np.inf and np.abs(W[r]) < np.inf and np.abs(a[r]) < np.inf \
             and np.abs(u[r]) < np.inf and np.abs(cached[r]) < np.inf
+    for i in range(n):
+        X = np.ceil((q[i] + u[i]) / C) * C
+        ok = ok and X > 0.0 and X < np.inf  # X <= 0 (nothing to prefill) or an overflow: the branches
     if not ok:
         prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after, feats,
                               horizon, n_after)
         return
     mins = np.empty(R)
     vals = np.empty(R)
+    frac = np.empty(R)
     col = 0
+    prev_base = -1
+    prev_X = 0.0
+    mins_sum = 0.0
     for i in range(n):
         ui = u[i]
         own_pairs = ui * cached[i] + ui * (ui + 1.0) / 2.0
@@ -220,57 +234,57 @@ def prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx
         steps = np.ceil(q_new / C)
         X = steps * C
         w_new = per_token_s * q_new + per_attn_pair_s * a_new
-        e = idx[i]
+        base = rows[idx[i], 0]  # the engine's ranks: base .. base + R - 1
         own = col  # i % R, counted
         col = col + 1 if col + 1 < R else 0
         qi = q[i]
         after_from = -1
         if want_after:
             for c in range(own):
-                rc = rows[e, c]
-                if rc < i and q[rc] == qi:
-                    after_from = rc
+                if q[base + c] == qi:
+                    after_from = base + c
                     break
-        if not (X > 0.0 and X < np.inf):  # X <= 0 (nothing to prefill) or an overflow: the branches
-            prefill_ep_rows_plain(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, want_after,
-                                  feats, horizon, n_after)
-            return
+        if not (base == prev_base and X == prev_X):  # else the previous candidate's (same engine, same X)
+            for c in range(R):  # vectorised: _frac(X, Q_r) and min(Q_r, X) per rank
+                Qr = q[base + c]
+                pos = Qr > 0.0
+                d = X / (Qr if pos else 1.0)
+                frac[c] = (1.0 if Qr <= X else d) if pos else 0.0  # 0 where Q_r == 0, 1 where Q_r <= X
+                mins[c] = Qr if Qr < X else X
+            mins_sum = _row_sum(mins, R)
+            prev_base = base
+            prev_X = X
+        if want_after and after_from < 0:
+            for c in range(R):  # vectorised: n_r max((Q_r - q_i) / Q_r, 0), 0 where Q_r <= q_i
+                Qr = q[base + c]
+                more = Qr > 0.0 and Qr > qi
+                g = (Qr - qi) / (Qr if more else 1.0)
+                vals[c] = float(n_req[base + c]) * ((g if g > 0.0 else 0.0) if more else 0.0)
         best = 0.0
         j = 0
         busiest = 0.0
         for c in range(R):
-            r = rows[e, c]
-            Qr = q[r]
-            Wr = W[r]
-            # _frac(X, Qr): 0 where Qr == 0, 1 where 0 < Qr <= X, else X / Qr (< 1: its minimum with 1.0)
-            pos = Qr > 0.0
-            d = X / (Qr if pos else 1.0)
-            f = (1.0 if Qr <= X else d) if pos else 0.0
-            wk = -1.0 if c == own else Wr * f
+            Wr = W[base + c]
+            wk = -1.0 if c == own else Wr * frac[c]
             if c == 0:
                 best = wk
             up = wk > best  # the first maximum (no NaN: "not wk <= best")
             best = wk if up else best
             j = c if up else j
-            mins[c] = Qr if Qr < X else X
             wo = 0.0 if c == own else Wr
             busiest = wo if c == 0 else (busiest if busiest > wo else wo)
-            if want_after and after_from < 0:
-                more = pos and Qr > qi
-                g = (Qr - qi) / (Qr if more else 1.0)
-                vals[c] = float(n_req[r]) * ((g if g > 0.0 else 0.0) if more else 0.0)
         if w_new >= best:
             tok = q_new
             pairs = a_new
         else:
-            rj = rows[e, j]
+            rj = base + j
             fj = _frac(X, q[rj])
             tok = q[rj] * fj
             pairs = a[rj] * fj
         feats[i, 0] = steps
         feats[i, 1] = tok
         feats[i, 2] = pairs
-        feats[i, 3] = (_row_sum(mins, R) - _minimum(qi, X)) + q_new
+        feats[i, 3] = (mins_sum - _minimum(qi, X)) + q_new
         horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
         if want_after:
             n_after[i] = n_after[after_from] if after_from >= 0 else _row_sum(vals, R)
@@ -476,3 +490,97 @@ def prefill_ep_cost_rows(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per
         if q[i] != 0:
             busy += 1
     return busy
+
+
+@_jit([f"i8({t}[::1], i8[::1], i8[::1], i8[::1], i8, f8, f8, f8, f8, f8, f8[::1], i8[::1])" for t in ("i8", "f8")])
+def scored_select(matched_blocks, num_requests, kv_tokens, cap, n_blocks, w_prefix, w_queue, w_kv, w_load, queue_cap,
+                  total, out):  # noqa: ANN001, ANN201
+    """``scored``'s weighted total (``Scored.select``: :meth:`Scored.component_scores` of the
+    scorers with a non-zero weight, ``w_0 c_0`` then ``+= w c`` in the order prefix, queue,
+    kv_utilization, load; numpy's operations per element in its order, into ``total``) and the
+    candidates at its maximum (``total == max``, in order, into ``out``); returns their count, or
+    -1 where a total is NaN (numpy's maximum is then NaN: the caller's numpy path decides).
+    ``matched_blocks`` int64 or (tier-weighted) float64; a weight 0.0 leaves its scorer out."""
+    n = total.shape[0]
+    if n == 0:
+        return -1
+    qmin = float(num_requests[0])
+    qmax = qmin
+    known = False
+    for i in range(n):
+        x = float(num_requests[i])
+        if x < qmin:
+            qmin = x
+        if x > qmax:
+            qmax = x
+        if cap[i] > 0:
+            known = True
+    nb = float(n_blocks)
+    for i in range(n):
+        q = float(num_requests[i])
+        t = 0.0
+        first = True
+        if w_prefix != 0.0:
+            p = _minimum(float(matched_blocks[i]) / nb, 1.0) if n_blocks > 0 else 0.0
+            t = w_prefix * p
+            first = False
+        if w_queue != 0.0:
+            s = 1.0 if qmax == qmin else (qmax - q) / (qmax - qmin)
+            t = w_queue * s if first else t + w_queue * s
+            first = False
+        if w_kv != 0.0:
+            u = 0.0
+            if known and cap[i] > 0:
+                u = _minimum(float(kv_tokens[i]) / float(cap[i]), 1.0)
+            s = 1.0 - u
+            t = w_kv * s if first else t + w_kv * s
+            first = False
+        if w_load != 0.0:
+            s = 0.5 * (1.0 - _minimum(q, queue_cap) / queue_cap)
+            t = w_load * s if first else t + w_load * s
+        if t != t:
+            return -1
+        total[i] = t
+    best = total[0]
+    for i in range(1, n):
+        if total[i] > best:
+            best = total[i]
+    m = 0
+    for i in range(n):
+        if total[i] == best:
+            out[m] = i
+            m += 1
+    return m
+
+
+@_jit("i8(i8[::1], i8, i8[::1])")
+def fewest_among(values, count, out):  # noqa: ANN001, ANN201
+    """``argmin_random(values[out[:count]], rng)`` before its draw: keeps in ``out`` (in order)
+    the positions among ``out[:count]`` whose value is the least, and returns how many."""
+    least = values[out[0]]
+    for j in range(1, count):
+        v = values[out[j]]
+        if v < least:
+            least = v
+    m = 0
+    for j in range(count):
+        if values[out[j]] == least:
+            out[m] = out[j]
+            m += 1
+    return m
+
+
+@_jit("i8(f8[::1], f8[::1], f8[::1], f8, b1, i8[::1], f8, f8[::1], i8[::1])")
+def prefill_cost_pick(ttft, ext, horizon, horizon_scale, with_horizon, load, tie_tolerance, cost, out):  # noqa: ANN001, ANN201
+    """``EpAware``'s wide-EP prefill cost after its matrix product and its pick, one call:
+    ``cost = (ttft + 0.0) + ext`` and, ``with_horizon``, ``+ horizon_scale horizon`` (numpy's
+    ``f_cost + f_ext + (scale) * f_horizon``, in its order, into ``cost``), then :func:`tie_pick`
+    on it with ``load`` (into ``out``); returns ``tie_pick``'s count (-1: the caller's numpy
+    pick decides)."""
+    n = cost.shape[0]
+    for i in range(n):
+        c = (ttft[i] + 0.0) + ext[i]
+        if with_horizon:
+            c = c + horizon_scale * horizon[i]
+        cost[i] = c
+    return tie_pick(cost, load, tie_tolerance, out)

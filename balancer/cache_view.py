@@ -205,10 +205,9 @@ class CacheView:
 
 def _gather(index: PrefixIndex, replicas: tuple[ReplicaId, ...], depths: np.ndarray) -> np.ndarray:
     """Per replica, its depth in ``depths`` (an index's per-number match depths)."""
-    n = len(replicas)
-    nums = index.numbers(replicas)
-    if not n or not len(depths):
-        return np.zeros(n, dtype=np.int64)
-    if nums[nums.argmin()] >= 0:  # every candidate has a number (the steady state)
+    nums, all_known = index.numbers_known(replicas)
+    if all_known and len(depths):  # every candidate has a number (the steady state)
         return depths[nums]
+    if not len(nums) or not len(depths):
+        return np.zeros(len(nums), dtype=np.int64)
     return np.where(nums >= 0, depths[np.maximum(nums, 0)], 0)

@@ -15,7 +15,7 @@ in every process they start: :func:`enabled_by_env`), every function here return
 reference (tests/balancer/test_kernels.py runs both and compares with ``==``). With it (the ``serve``,
 ``sim`` and ``test`` extras install it), the kernels are compiled, or loaded from numba's cache,
 the first time :func:`compiled` is called: a :class:`~balancer.router.Router` with a policy that
-uses them (:attr:`balancer.policies.Policy.uses_kernels`: ep_aware) calls it when it is built, so
+uses them (:attr:`balancer.policies.Policy.uses_kernels`: ep_aware, kv_cost, scored) calls it when it is built, so
 its first decision does not pay the compile, while building a policy alone (validating a config,
 ``import balancer``) loads nothing (about 1-3 s once per
 machine, then well under a second per process to load from the cache).
@@ -94,13 +94,16 @@ _LAYOUTS_OK: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _layout_ok(k: ModuleType, idx: np.ndarray, rows: np.ndarray) -> bool:
-    """Whether the kernels take this ``(idx, rows)`` layout (int64, C order, some ranks); a pair
-    that passed once passes at once (an array's dtype, shape and order do not change)."""
+    """Whether the kernels take this ``(idx, rows)`` layout (int64, C order, some ranks, and
+    :func:`balancer.cost_model.engine_groups`' arrangement: ``rows[e] = e R .. e R + R - 1``,
+    ``idx[i] = i // R``); a pair that passed once passes at once (its arrays are not written)."""
     got = _LAYOUTS_OK.get((id(idx), id(rows)))
     if got is not None and got[0] is idx and got[1] is rows:
         return True
     ok = (idx.dtype == np.int64 and rows.dtype == np.int64 and rows.ndim == 2 and idx.flags.c_contiguous
-          and rows.flags.c_contiguous and rows.shape[1] > 0)
+          and rows.flags.c_contiguous and rows.shape[1] > 0 and idx.ndim == 1 and len(idx) == rows.size
+          # engine_groups' layout, which the kernels read as such: engine e's candidates side by side
+          and np.array_equal(rows.ravel(), np.arange(rows.size)) and np.array_equal(idx, np.arange(len(idx)) // rows.shape[1]))
     if ok:
         if len(_LAYOUTS_OK) >= 64:
             _LAYOUTS_OK.clear()
@@ -216,19 +219,20 @@ def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray,
     costs change: take the numpy path). ``b``, ``k``, ``matched_tokens``, ``cap`` int64, shape
     ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
     kern = compiled()
-    if kern is None or not _layout_ok(kern, idx, rows):
-        return None
-    if not (b.dtype == k.dtype == matched_tokens.dtype == cap.dtype == np.int64 and b.flags.c_contiguous
-            and k.flags.c_contiguous and matched_tokens.flags.c_contiguous and cap.flags.c_contiguous
-            and len(cap) == len(b) and 0 <= need < 2 ** 62):
-        return None
     n = len(b)
+    if (kern is None or not len(k) == len(matched_tokens) == len(cap) == len(idx) == n or not 0 <= need < 2 ** 62
+            or not _layout_ok(kern, idx, rows)):
+        return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
-                                    float(prompt_tokens), float(overhead_s), float(per_seq_s), float(per_kv_token_s),
-                                    float(per_group_seq_s), float(externality_weight), float(transfer_s_per_token),
-                                    bool(transfer), cost, cap, int(need), float(tie_tolerance), pos)
+    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns
+        count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
+                                        float(prompt_tokens), float(overhead_s), float(per_seq_s),
+                                        float(per_kv_token_s), float(per_group_seq_s), float(externality_weight),
+                                        float(transfer_s_per_token), bool(transfer), cost, cap, int(need),
+                                        float(tie_tolerance), pos)
+    except TypeError:  # other dtypes or layouts (numba: "No matching definition"): the numpy path
+        return None
     return count, cost, pos
 
 
@@ -239,16 +243,54 @@ def kv_cost_select(prefill_tokens: np.ndarray, matched_tokens: np.ndarray, kv_to
     (``KvCost.costs`` bit for bit; count -1 where a cost is NaN). The three load columns int64,
     shape ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
     k = compiled()
-    if (k is None or not prefill_tokens.dtype == matched_tokens.dtype == kv_tokens.dtype == np.int64
-            or not (prefill_tokens.flags.c_contiguous and matched_tokens.flags.c_contiguous
-                    and kv_tokens.flags.c_contiguous) or not len(prefill_tokens) == len(matched_tokens) == len(kv_tokens)):
-        return None
     n = len(prefill_tokens)
+    if k is None or not len(matched_tokens) == len(kv_tokens) == n:
+        return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    count = k.kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, float(prompt_tokens), float(block_size),
-                             float(overlap_weight), overlap_weight != 1.0, cost, pos)
+    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns
+        count = k.kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, float(prompt_tokens), float(block_size),
+                                 float(overlap_weight), overlap_weight != 1.0, cost, pos)
+    except TypeError:  # other dtypes or layouts: the numpy path
+        return None
     return count, cost, pos
+
+
+def fewest_among(values: np.ndarray, count: int, positions: np.ndarray) -> int | None:
+    """The tie rule "fewest ``values`` among ``positions[:count]``" before its random draw
+    (``argmin_random(values[positions[:count]], rng)``'s candidates), compiled: keeps those
+    positions in ``positions`` (in order) and returns how many; ``values`` int64, shape ``(n,)``,
+    ``positions`` int64 with ``count >= 1`` valid entries. ``None`` when the compiled path is off
+    or cannot take these arrays (then nothing changed)."""
+    k = compiled()
+    if (k is None or values.dtype != np.int64 or positions.dtype != np.int64 or not values.flags.c_contiguous
+            or not positions.flags.c_contiguous or not 1 <= count <= len(positions)):
+        return None
+    return k.fewest_among(values, int(count), positions)
+
+
+def scored_select(matched_blocks: np.ndarray, num_requests: np.ndarray, kv_tokens: np.ndarray, cap: np.ndarray,
+                  n_blocks: int, weights: tuple[float, float, float, float],
+                  load_queue_cap: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``scored``'s weighted total and its best candidates in one compiled call: ``(count, total
+    (n,), positions (n,))`` with ``positions[:count]`` (int64) the candidates at the highest total
+    (``Scored.select``'s, bit for bit; count -1 where a total is NaN). ``matched_blocks`` int64
+    or float64 (tier-weighted), the three other columns int64, shapes ``(n,)``; ``weights`` the
+    prefix, queue, kv_utilization and load weights (0: left out). ``None`` when the compiled path
+    is off or cannot take these arrays."""
+    k = compiled()
+    n = len(num_requests)
+    if k is None or not len(matched_blocks) == len(kv_tokens) == len(cap) == n:
+        return None
+    total = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    w_prefix, w_queue, w_kv, w_load = weights
+    try:  # numba's dispatcher takes only its signatures' dtypes (int64; matches also float64), C-contiguous
+        count = k.scored_select(matched_blocks, num_requests, kv_tokens, cap, int(n_blocks), float(w_prefix),
+                                float(w_queue), float(w_kv), float(w_load), float(load_queue_cap), total, pos)
+    except TypeError:  # other dtypes or layouts: the numpy path
+        return None
+    return count, total, pos
 
 
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
@@ -262,16 +304,40 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
     candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``None`` when
     the compiled path is off or cannot take these arrays."""
     k = compiled()
-    if k is None or not _layout_ok(k, idx, rows):
-        return None
-    if not (matched_tokens.dtype == n_req.dtype == np.int64 and matched_tokens.flags.c_contiguous
-            and n_req.flags.c_contiguous):
-        matched_tokens, n_req = _f8(matched_tokens), _f8(n_req)
     n = len(q)
+    if k is None or not len(a) == len(matched_tokens) == len(n_req) == len(idx) == n or not _layout_ok(k, idx, rows):
+        return None
     buf = np.empty((4, n))
     feats = np.empty((n, 4))
     P = float(prompt_tokens)
-    busy = k.prefill_ep_cost_rows(_f8(q), _f8(a), matched_tokens, n_req, P, P - 1.0, float(chunk_tokens),
-                                  float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows, feats,
-                                  buf[0], buf[1], buf[2], buf[3])
+    args = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows,
+            feats, buf[0], buf[1], buf[2], buf[3])
+    q, a = _f8(q), _f8(a)
+    try:  # int64 C-contiguous counts go as they are (numba's dispatcher matches the signature)
+        busy = k.prefill_ep_cost_rows(q, a, matched_tokens, n_req, *args)
+    except TypeError:  # other dtypes or layouts: as float64 (what numpy's arithmetic promotes them to)
+        busy = k.prefill_ep_cost_rows(q, a, _f8(matched_tokens), _f8(n_req), *args)
     return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
+
+
+def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, horizon_scale: float | None,
+                      load: np.ndarray, tie_tolerance: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """``EpAware``'s wide-EP prefill cost from its parts and :func:`tie_pick` on it, one compiled
+    call: ``cost = ttft + 0.0 + ext (+ horizon_scale * horizon)`` (no horizon term where
+    ``horizon_scale`` is None), bit for bit as ``EpAware._prefill_cost_one``, then the candidates
+    ``EpAware._pick`` draws from with ``load`` (the prefill tokens) as the tie rule's. Returns
+    ``(count, cost (n,), positions (n,))`` as :func:`decode_select_rows` (count -1: the numpy pick
+    decides). ``ttft``/``ext``/``horizon`` float64, ``load`` int64, shapes ``(n,)``; ``None`` when
+    the compiled path is off or cannot take these arrays."""
+    k = compiled()
+    n = len(ttft)
+    if k is None or not len(ext) == len(horizon) == len(load) == n:
+        return None
+    cost = np.empty(n)
+    pos = np.empty(n, dtype=np.int64)
+    try:  # numba's dispatcher takes only its signature's dtypes, C-contiguous
+        count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else float(horizon_scale),
+                                    horizon_scale is not None, load, float(tie_tolerance), cost, pos)
+    except TypeError:  # other dtypes or layouts: the numpy path
+        return None
+    return count, cost, pos

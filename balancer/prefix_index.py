@@ -181,7 +181,7 @@ class PrefixIndex:
         self._replica_of_num: dict[int, ReplicaId] = {}
         self._free_nums: list[int] = []  # numbers released by clear(), reused first
         self._version = 0  # bumped whenever a number is assigned or released
-        self._numbers_cache: dict[int, tuple[tuple[ReplicaId, ...], int, np.ndarray]] = {}
+        self._numbers_cache: dict[int, tuple[tuple[ReplicaId, ...], int, tuple[np.ndarray, bool]]] = {}
         self._unique = 0  # blocks of nodes with at least one holder
         # holder bit set -> its replica numbers (np.ndarray): the same few sets (a shared prefix's
         # holders, a prompt's pair of replicas) come back decision after decision
@@ -360,15 +360,22 @@ class PrefixIndex:
         Cached per ``replicas`` tuple object (tuples cannot change) until a number is assigned or
         released, so a router passing the same candidate tuple pays a dict lookup, not O(n) work.
         """
+        return self.numbers_known(replicas)[0]
+
+    def numbers_known(self, replicas: tuple[ReplicaId, ...]) -> tuple[np.ndarray, bool]:
+        """``(numbers(replicas), every replica has a number)``: :meth:`numbers` and whether none
+        of them is -1 (then ``depths[numbers]`` needs no mask), cached alike."""
         hit = self._numbers_cache.get(id(replicas))
         if hit is not None and hit[0] is replicas and hit[1] == self._version:
             return hit[2]
         state = self._state
         arr = np.fromiter((state[r].num if r in state else -1 for r in replicas), dtype=np.int64, count=len(replicas))
+        arr.flags.writeable = False  # cached and handed out: nobody may change it
         if len(self._numbers_cache) >= 16:
             self._numbers_cache.clear()
-        self._numbers_cache[id(replicas)] = (replicas, self._version, arr)
-        return arr
+        got = (arr, bool(len(arr)) and bool(arr.min() >= 0))
+        self._numbers_cache[id(replicas)] = (replicas, self._version, got)
+        return got
 
     def match_replica(self, replica: ReplicaId, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` held by one replica."""

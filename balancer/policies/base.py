@@ -69,8 +69,8 @@ class Policy(ABC):
     uses_cost_model: ClassVar[bool] = False
     #: whether :meth:`select` runs :mod:`balancer.kernels`' compiled loops: a :class:`Router`
     #: built with such a policy loads them (numba) then, so that its first decision does not pay
-    #: it, and building the policy alone (e.g. validating a config) never does. ``ep_aware`` and
-    #: ``kv_cost`` set it.
+    #: it, and building the policy alone (e.g. validating a config) never does. ``ep_aware``,
+    #: ``kv_cost`` and ``scored`` set it.
     uses_kernels: ClassVar[bool] = False
 
     @abstractmethod
@@ -203,14 +203,15 @@ class ScoreMap(Mapping):
     Most decisions are never explained, so the per-candidate dict (512 entries at 512 DP ranks)
     is only materialised when logs, ``Route.explain()`` or tests read it. ``values`` is copied,
     shape ``(n,)``, aligned with ``replicas``; or a function returning such an array, called on
-    first read (for scores that cost work of their own, e.g. ranks).
+    first read (for scores that cost work of their own, e.g. ranks). ``copy=False``: ``values``
+    is kept as it is (an array the caller made for this map and never writes again).
     """
 
     __slots__ = ("_replicas", "_values", "_dict")
 
-    def __init__(self, replicas: tuple, values: np.ndarray | Callable[[], np.ndarray]) -> None:
+    def __init__(self, replicas: tuple, values: np.ndarray | Callable[[], np.ndarray], *, copy: bool = True) -> None:
         self._replicas = replicas
-        self._values = values if callable(values) else np.array(values, dtype=np.float64)
+        self._values = values if callable(values) or not copy else np.array(values, dtype=np.float64)
         self._dict: dict | None = None
 
     def _get(self) -> dict:
@@ -235,3 +236,9 @@ class ScoreMap(Mapping):
 def scores_of(cands: Candidates, values: np.ndarray) -> ScoreMap:
     """``{replica: float(value)}`` for a Choice, materialised lazily (see :class:`ScoreMap`)."""
     return ScoreMap(cands.replicas, values)
+
+
+def fresh_scores(cands: Candidates, values: np.ndarray) -> ScoreMap:
+    """:func:`scores_of` of an array the caller made for it and never writes again (float64, shape
+    ``(n,)``; e.g. a compiled kernel's output): kept as it is, not copied."""
+    return ScoreMap(cands.replicas, values, copy=False)

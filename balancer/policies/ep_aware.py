@@ -124,7 +124,7 @@ from balancer.cost_model import (
     slot_wait_s,
 )
 from balancer.prefill_cadence import cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps
-from balancer.policies.base import Policy, SelectContext, argmin_random, register, scores_of
+from balancer.policies.base import Policy, SelectContext, argmin_random, fresh_scores, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
 
 def _compute_s(c: PrefillStepCost, u: np.ndarray, cached: np.ndarray) -> np.ndarray:
@@ -288,6 +288,10 @@ class EpAware(Policy):
             slo = None  # measured: SLO-blind placement is as good or better on wide EP (docs/policies/ep_aware.md)
         want = slo is not None
         if cands.role is Role.PREFILL:
+            if not want and rows is not None:
+                fast = self._prefill_select_compiled(request, cands, model, names, idx, rows, ctx)
+                if fast is not None:  # the same choice as below, in two compiled calls (wide-EP pools)
+                    return fast
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "prefill", want, ctx.now_s)
             if self.cadence:
                 cost, ttft, own = self._cadence_terms(request, cands, model, names, idx, rows, "prefill", cost, ttft,
@@ -433,6 +437,46 @@ class EpAware(Policy):
             else:
                 cost = cost + ext
         return self._with_own(cost, ttft, u, cached, fetch, eng, sub, want_own)
+
+    def _prefill_select_compiled(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
+                                 idx: np.ndarray, rows: np.ndarray, ctx: SelectContext) -> Choice | None:
+        """:meth:`select` on a busy prefill pool of uniform wide-EP engines without lower KV tiers,
+        SLO or cadence terms (the usual wide-EP case): :meth:`_prefill_cost_one`'s compiled call
+        (:func:`balancer.kernels.prefill_ep_cost_rows`), its matrix product (numpy's, as there), then
+        the rest of the cost and :meth:`_pick` in one more compiled call
+        (:func:`balancer.kernels.prefill_cost_pick`), drawing from ``ctx.rng`` as :meth:`_pick`
+        does. ``None`` where that path does not apply (no kernels, an idle pool, tiers, cadence on
+        these engines, the pick's numpy rule needed): :meth:`select` then runs the numpy-level
+        code, which gives the same choice."""
+        eng = self._uniform_engine(model, names, "prefill")
+        if eng is None or not eng.ep_synchronous or cands.hbm_blocks is not None:
+            return None
+        if self.cadence and model.any_cadence and eng.has_cadence:  # _cadence_terms would change the costs
+            return None
+        w_ext = self.externality_weight * eng.prefill.per_group_token_s
+        q = cands.prefill_tokens
+        if not w_ext or not len(q) or q[q.argmax()] <= 0:  # _prefill_cost_one's idle-pool path
+            return None
+        a = cands.prefill_attn_pairs if cands.prefill_attn_pairs is not None else np.zeros(len(q))
+        fast = kernels.prefill_ep_cost_rows(q, a, cands.matched_tokens, cands.num_requests, float(request.prompt_tokens),
+                                            eng.chunk_tokens, eng.prefill.per_token_s, eng.prefill.per_attn_pair_s,
+                                            w_ext, idx, rows)
+        if fast is None:
+            return None
+        f_feats, f_horizon, f_ext, _, _, n_busy = fast
+        scale = None
+        if self.horizon_weight:
+            scale = self.horizon_weight * (float(n_busy) / len(q)) ** self.horizon_power
+        got = kernels.prefill_cost_pick(f_feats @ eng.prefill.coef_view, f_ext, f_horizon, scale, q,
+                                        self.tie_tolerance)
+        if got is None:
+            return None
+        count, cost, pos = got
+        if count < 1:  # _pick's numpy rule (no tolerance, a cost that is not finite)
+            i = self._pick(cost, cands, ctx)
+        else:
+            i = int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
+        return Choice(cands.replicas[i], fresh_scores(cands, cost), reason="ep_aware:prefill")
 
     @staticmethod
     def _with_own(cost: np.ndarray, ttft: np.ndarray, u: np.ndarray, cached: np.ndarray, fetch: np.ndarray | float,
@@ -695,7 +739,7 @@ class EpAware(Policy):
             return None
         count, cost, pos = got
         i = int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
-        return Choice(cands.replicas[i], scores_of(cands, cost), reason="ep_aware:decode")
+        return Choice(cands.replicas[i], fresh_scores(cands, cost), reason="ep_aware:decode")
 
     def _decode_cost_capped(self, request: Request, cands: Candidates, model: CostModel, eng: EngineCost,
                             idx: np.ndarray, rows: np.ndarray | None, transfer: bool, S: int) -> np.ndarray:

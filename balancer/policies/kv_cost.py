@@ -25,7 +25,8 @@ import numpy as np
 
 from balancer import kernels
 from balancer.candidates import Candidates
-from balancer.policies.base import Policy, SelectContext, argmin_random, array_min, register, scores_of
+from balancer.policies.base import (Policy, SelectContext, argmin_random, array_min, fresh_scores, register,
+                                    scores_of)
 from balancer.types import Choice, Request
 
 
@@ -62,9 +63,13 @@ class KvCost(Policy):
                 if count == 1:
                     i = int(tied[0])
                 else:  # fewest cached blocks among the cheapest, then random (as below)
-                    tied = tied[:count]
-                    i = int(tied[argmin_random(cands.matched_blocks[tied], ctx.rng)])
-                return Choice(cands.replicas[i], scores_of(cands, cost), reason="min_cost")
+                    fewest = kernels.fewest_among(cands.matched_blocks, count, tied)
+                    if fewest is not None:  # argmin_random's candidates, compiled: the same draw
+                        i = int(tied[0]) if fewest == 1 else int(tied[ctx.rng.randrange(fewest)])
+                    else:
+                        tied = tied[:count]
+                        i = int(tied[argmin_random(cands.matched_blocks[tied], ctx.rng)])
+                return Choice(cands.replicas[i], fresh_scores(cands, cost), reason="min_cost")
         cost = self.costs(request, cands)
         scores = scores_of(cands, cost)
         if self.temperature == 0.0:

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from balancer import kernels
 from balancer.candidates import Candidates
-from balancer.policies.base import Policy, SelectContext, argmax_random, array_max, array_min, register, scores_of
+from balancer.policies.base import (Policy, SelectContext, argmax_random, array_max, array_min, fresh_scores, register,
+                                    scores_of)
 from balancer.types import Choice, Request
 
 #: The scorers, in the order their weighted scores are summed.
@@ -34,6 +36,7 @@ SCORERS = ("prefix", "queue", "kv_utilization", "load")
 @dataclass(frozen=True)
 class Scored(Policy):
     name = "scored"
+    uses_kernels = True  # its choice is one compiled call (balancer.kernels.scored_select)
     prefix_weight: float = 3.0
     queue_weight: float = 2.0
     kv_utilization_weight: float = 2.0
@@ -67,6 +70,14 @@ class Scored(Policy):
         return out
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
+        got = kernels.scored_select(cands.matched_blocks, cands.num_requests, cands.decode_kv_tokens,
+                                    cands.kv_capacity_tokens, len(request.block_hashes),
+                                    (self.prefix_weight, self.queue_weight, self.kv_utilization_weight,
+                                     self.load_weight), self.load_queue_cap)
+        if got is not None and got[0] >= 1:  # the total and its maxima in one compiled call (the same as below)
+            count, total, pos = got
+            i = int(pos[0]) if count == 1 else int(pos[ctx.rng.randrange(count)])
+            return Choice(cands.replicas[i], fresh_scores(cands, total), reason="max_score")
         weighted = [(name, w) for name, w in (("prefix", self.prefix_weight), ("queue", self.queue_weight),
                                               ("kv_utilization", self.kv_utilization_weight),
                                               ("load", self.load_weight)) if w]

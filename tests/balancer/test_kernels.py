@@ -474,3 +474,170 @@ def test_kv_cost_select_compiled_equals_numpy(overlap_weight):
         assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
         assert r1.getstate() == r0.getstate(), trial
     assert kernels.kv_cost_select(pt, matched, kv, 2048.0, 512.0, overlap_weight) is not None  # the compiled call ran
+
+
+@pytest.mark.parametrize("weights", [(3.0, 2.0, 2.0, 0.0), (0.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.5, 0.7),
+                                     (0.0, 0.0, 0.0, 2.5), (0.3, 0.1, 0.7, 0.9)])
+def test_scored_select_compiled_equals_numpy(weights):
+    """Scored.select with its compiled total-and-maximum call against the numpy code (kernels
+    off), the independent reference: the same replica, reason, scores (bits) and RNG state
+    afterwards, over pools with exact ties (equal queues and matches: a draw), capacities all /
+    none / some known, KV past the capacity (usage clipped to 1), prompts without blocks, and
+    tier-weighted (float) matches; weights of 0 leave a scorer out (its term is not added)."""
+    from balancer.policies.scored import Scored
+
+    pol = Scored(*weights, load_queue_cap=(128, 5, 1)[int(sum(weights) * 10) % 3])
+    rng = np.random.default_rng(int(sum(weights) * 100))
+    ran = 0
+    for trial in range(300):
+        n = int(rng.integers(1, 80))
+        reps = tuple(ReplicaId(f"e{i // 8}", i % 8) for i in range(n))
+        spread = (1, 3, 200)[trial % 3]  # 1: every queue equal (the queue scorer is all ones)
+        num = rng.integers(0, spread, n)
+        kv = rng.integers(0, 4, n) * (250_000 if trial % 2 else 7_777)
+        cap = np.full(n, 1_000_000, np.int64)
+        if trial % 5 == 1:
+            cap[:] = 0  # none known
+        elif trial % 5 == 2:
+            cap[rng.random(n) < 0.5] = 0  # some known
+        elif trial % 5 == 3:
+            cap = rng.integers(1, 900_000, n)  # KV beyond capacity: usage clipped to 1
+        n_blocks = (0, 3, 64, 7)[trial % 4]
+        matched_blocks = rng.integers(0, max(n_blocks, 1) + 2, n)  # may exceed the prompt's blocks: clipped
+        if trial % 7 == 6:
+            matched_blocks = matched_blocks + 0.75 * rng.integers(0, 3, n)  # tier-weighted, float64
+        c = Candidates(Role.DECODE, reps, num, np.zeros(n, np.int64), kv, cap, matched_blocks,
+                       np.zeros(n, np.int64), 512)
+        req = Request("r", 0.0, 512 * max(n_blocks, 1), tuple(range(n_blocks)), 64, 64)
+        r1, r0 = random.Random(trial), random.Random(trial)
+        kernels.use_compiled(True)
+        fast = pol.select(req, c, SelectContext(r1, 0.0, 0, None, None))
+        ran += kernels.scored_select(c.matched_blocks, num, kv, cap, n_blocks, weights, pol.load_queue_cap) is not None
+        kernels.use_compiled(False)
+        slow = pol.select(req, c, SelectContext(r0, 0.0, 0, None, None))
+        kernels.use_compiled(True)
+        assert (fast.replica, fast.reason) == (slow.replica, slow.reason), trial
+        assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
+        assert r1.getstate() == r0.getstate(), trial
+    assert ran == 300  # the compiled call took every pool (int and float matches)
+
+
+def test_scored_select_nan_total_hands_over():
+    """An infinite weight times a 0.0 score is NaN: the kernel returns -1 and the numpy code
+    decides (its own NaN rule), as with the kernels off."""
+    from balancer.policies.scored import Scored
+
+    n = 4
+    got = kernels.scored_select(np.zeros(n, np.int64), np.arange(n), np.zeros(n, np.int64), np.zeros(n, np.int64), 2,
+                                (np.inf, 1.0, 0.0, 0.0), 128)
+    assert got is not None and got[0] == -1  # inf * (0 / 2) = NaN
+    c = Candidates(Role.DECODE, tuple(ReplicaId("e", i) for i in range(n)), np.arange(n), np.zeros(n, np.int64),
+                   np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64), 512)
+    req = Request("r", 0.0, 1024, (1, 2), 64, 64)
+    with pytest.raises(ValueError), np.errstate(invalid="ignore"):  # numpy's rule: all NaN, nothing is the max
+        Scored(np.inf, 1.0, 0.0, 0.0).select(req, c, SelectContext(random.Random(0), 0.0, 0, None, None))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fewest_among_keeps_argmin_randoms_candidates(seed):
+    """kernels.fewest_among against argmin_random's rule written here (independent): among the
+    given positions, those with the least value, in order."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 3, 40)
+    positions = np.sort(rng.choice(40, size=15, replace=False)).astype(np.int64)
+    least = min(values[p] for p in positions)
+    expected = [int(p) for p in positions if values[p] == least]
+    out = positions.copy()
+    m = kernels.fewest_among(values, 15, out)
+    assert m == len(expected) and out[:m].tolist() == expected
+    # float values (tier-weighted matches) are not taken: None, positions untouched
+    out2 = positions.copy()
+    assert kernels.fewest_among(values.astype(np.float64), 15, out2) is None and out2.tolist() == positions.tolist()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8, 9, 16])
+def test_prefill_select_compiled_equals_numpy(ranks):
+    """EpAware.select on a wide-EP prefill pool (two compiled calls around numpy's matrix product:
+    features, N_after and externality; then cost and tie pick) against the numpy code (kernels
+    off), the reference: the same replica, reason, scores (bits) and RNG state afterwards, on
+    busy pools, idle pools (the numpy path), exact ties (equal queues: the draw), a zero tie
+    tolerance, no horizon term, no externality (a dense-like weight 0), and a cost model with
+    vLLM's chunk limit (cadence: the numpy path)."""
+    p = PrefillStepCost(0.02, 5.1e-5, 1.0e-8, 4.2e-6)
+    plain = CostModel(prefill=EngineCost(prefill=p, ep_synchronous=True, chunk_tokens=8192))
+    chunked = CostModel(prefill=EngineCost(prefill=p, ep_synchronous=True, chunk_tokens=8192,
+                                           request_chunk_tokens=2048))
+    rng = np.random.default_rng(ranks + 100)
+    ran_compiled = 0
+    for trial in range(150):
+        engines = int(rng.integers(1, 6))
+        reps = tuple(ReplicaId(f"p{e}", r) for e in range(engines) for r in range(ranks))
+        n = len(reps)
+        q = rng.integers(1, 60_000, n) * (rng.random(n) < 0.6)
+        if trial % 4 == 0:  # equal queues: exact cost ties, the random draw
+            q[:] = q[0]
+        if trial % 9 == 8:
+            q[:] = 0  # idle pool
+        pairs = q * rng.uniform(0, 3000, n)
+        matched = np.minimum(rng.integers(0, 70, n) * 512, 32_768) * (trial % 4 != 0)
+        c = Candidates(Role.PREFILL, reps, rng.integers(0, 9, n) * (q > 0), q, np.zeros(n, np.int64),
+                       np.zeros(n, np.int64), matched // 512, matched, 512, prefill_attn_pairs=pairs)
+        req = Request("r", 0.0, 32_768, (), 128, 128)
+        pol = EpAware(tie_tolerance=(0.05, 0.0, 0.3)[trial % 3], horizon_weight=(4.0, 0.0)[trial % 5 == 3],
+                      externality_weight=(1.0, 0.0)[trial % 11 == 10])
+        model = chunked if trial % 7 == 6 else plain
+        r1, r0 = random.Random(trial), random.Random(trial)
+        kernels.use_compiled(True)
+        fast = pol.select(req, c, SelectContext(r1, 0.0, 0, model, None))
+        _, idx, rows = engine_groups(reps)
+        ran_compiled += pol._prefill_select_compiled(req, c, model, ("p",), idx, rows,
+                                                     SelectContext(random.Random(0), 0.0, 0, model, None)) is not None
+        kernels.use_compiled(False)
+        slow = pol.select(req, c, SelectContext(r0, 0.0, 0, model, None))
+        kernels.use_compiled(True)
+        assert (fast.replica, fast.reason) == (slow.replica, slow.reason), trial
+        assert same_bits(list(fast.scores.values()), list(slow.scores.values())), trial
+        assert r1.getstate() == r0.getstate(), trial
+    assert ran_compiled > 60  # the compiled path decided most trials (the rest: the numpy hand-over)
+
+
+@pytest.mark.parametrize("spoil", ["int32", "float", "strided", "readonly", "object", "2d", "list"])
+def test_hot_wrappers_hand_other_arrays_to_numpy(spoil):
+    """The one-call wrappers leave dtype and layout checks to numba's dispatcher (its explicit
+    signatures): a column of another dtype or layout gives None (the caller's numpy path), never an
+    error nor a wrong read; prefill_ep_cost_rows converts such count columns to float64 instead
+    (as numpy's arithmetic would), with the same bits as the int64 columns."""
+    n = 16
+    reps = tuple(ReplicaId(f"e{i // 8}", i % 8) for i in range(n))
+    _, idx, rows = engine_groups(reps)
+    good = np.arange(n, dtype=np.int64) * 100
+
+    def bad(x):
+        if spoil == "int32":
+            return x.astype(np.int32)
+        if spoil == "float":
+            return x.astype(np.float64)
+        if spoil == "strided":
+            return np.repeat(x, 2)[::2]
+        if spoil == "readonly":
+            y = x.copy()
+            y.flags.writeable = False
+            return y
+        if spoil == "object":
+            return x.astype(object)
+        if spoil == "2d":
+            return x.reshape(n, 1)
+        return x.tolist()
+
+    x = bad(good)
+    assert kernels.kv_cost_select(x, good, good, 3000.0, 16.0, 1.0) is None
+    assert kernels.decode_select_rows(good, x, good, good + 10**7, idx, rows, 128.0, 3064.0, 3000.0, 0.01, 1e-5,
+                                      1e-9, 1e-6, 1.0, 1e-7, True, 3128, 0.05) is None
+    assert kernels.prefill_cost_pick(np.ones(n), np.ones(n), np.ones(n), 1.0, x, 0.05) is None
+    if spoil != "float":  # float64 matches are a signature of scored's (tier-weighted matches)
+        assert kernels.scored_select(x, good, good, good, 4, (3.0, 2.0, 2.0, 0.0), 128) is None
+    q = good.astype(np.float64)
+    if spoil in ("int32", "float", "strided", "readonly"):  # numeric: converted to float64, the same bits
+        got = kernels.prefill_ep_cost_rows(q, q * 10.0, x, good, 4096.0, 8192, 5.1e-5, 1e-8, 4.2e-6, idx, rows)
+        ref = kernels.prefill_ep_cost_rows(q, q * 10.0, good, good, 4096.0, 8192, 5.1e-5, 1e-8, 4.2e-6, idx, rows)
+        assert all(same_bits(g, r) for g, r in zip(got[:5], ref[:5])) and got[5] == ref[5]
