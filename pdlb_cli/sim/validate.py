@@ -24,9 +24,10 @@ from sim.validation.published import (
     spec_gain_sweep,
     summary_line,
 )
-from sim.validation.agentx import (DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE, plot_rows, print_rows,
-                                   rows_from_metrics, run_result)
+from sim.validation.agentx import (DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE, load_published, plot_rows,
+                                   print_rows, rows_from_metrics, run_result)
 from sim.validation.agentx_strata import compare_strata, print_strata, result_strata
+from sim.workload.agentic import AgenticWorkloadConfig, replay_stats
 
 
 def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -62,6 +63,18 @@ def add_validate_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
 SHORT_WINDOW_S = 600.0
 
 
+def theoretical_hit_note() -> str:
+    """One line: the workload generator's theoretical prefix-cache hit by aiperf's rule (earlier
+    replies are misses; ``sim.workload.agentic.replay_stats``) against the published 0.9687."""
+    s = replay_stats(AgenticWorkloadConfig(), requests_per_lane=200)
+    pub = load_published()["reference"]["theoretical_cache_hit_rate"]
+    got = s["theoretical_cache_hit_rate"]
+    return (f"workload check: theoretical prefix-cache hit by aiperf's rule (leading run of 64-token blocks "
+            f"already sent; a prompt's earlier replies are misses): {got:.3f} against the published {pub:.4f}, "
+            f"{100 * (1 - got):.1f}% vs {100 * (1 - pub):.1f}% of input tokens missed (the generator was fitted with "
+            f"the previous reply counted as a hit: {s['previous_turn_reuse_rate']:.3f}; docs/validate.md)")
+
+
 def run_validate(args: argparse.Namespace, console: Console) -> int:
     """``pdlb sim validate``: print the table (or the calibration). Returns the exit code."""
     if getattr(args, "gpu_runs", False) and getattr(args, "agentx_440246", False):
@@ -85,6 +98,7 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
                      "Where the uncached prompt tokens fall, request by request: this run against AgentX 440845's "
                      "(same corpus and client, 32 lanes, SGLang on B300; aisimulate's reproduction, "
                      "sim/data/measured/agentx_440845_request_strata.json). A check of the workload, not a row")
+        console.print(theoretical_hit_note(), markup=False)
         if args.duration_s is not None and args.duration_s < SHORT_WINDOW_S:
             console.print(f"note: --duration-s {args.duration_s:g} simulates {args.duration_s:g} s of the "
                           f"published 3,600 s: the figures are hour-long averages, so a window under "

@@ -33,7 +33,10 @@ Fitted to point 440246's published request statistics (``sim/data/measured/agent
 the fit is :func:`fit_to_published`, its result the defaults below): ``initial_context_median_tokens``,
 ``new_tokens_median``, ``turns_median`` and ``new_tokens_trajectory_sigma`` to the mean input
 (126,019 tokens), the median input (79,102), the input std (147,063) and the theoretical
-prefix-hit rate (0.9687); ``output_median_tokens``/``output_sigma``
+prefix-hit rate (0.9687) -- read, before session 14, as ``previous_turn_reuse_rate`` (previous
+prompt and reply reusable). aiperf's own rule counts a prompt's earlier replies as misses
+(:func:`replay_stats`); by it these defaults reach 0.960, i.e. 4.0% of input tokens missed against
+the published 3.1% (docs/validate.md, "aiperf's code at the pin"); ``output_median_tokens``/``output_sigma``
 to the published output median (441.5) and mean (984.4); ``think_s`` by Little's law from the
 published completed requests and mean request latency (64 lanes / (6,608 / 3,629.1 s) - 25.48 s).
 Held out (checked, not fitted): the input p75/p90/p95 (fit: 145k / 276k / 420k against the
@@ -52,6 +55,10 @@ without idle delays), ``warmup_max_output_tokens``, ``primer_lead_quantiles_s`` 
 that every t* falls together) and ``recycle_from_turn0`` (a drained lane replays its next trace
 from turn 0; by default every trajectory starts at its own start point, cache-busted whole).
 
+Prefix cuts (``prefix_cut_probability``, ``prefix_cut_kept_quantiles``, off by default): a turn
+that keeps only part of its previous prompt (Claude Code rewrote its context); the public Weka
+corpus has 6.9% such turns, and they carry half of its theoretical misses.
+
 Subagent fan-out (``subagent_spawn_probability`` and the ``subagent_*`` laws, off by default): a
 subagent is a fresh-context trajectory the lane runs between two turns of its parent (a join).
 The facts it can be set from: 42% of the 062126 corpus' requests are in subagent trees (aiperf's
@@ -62,6 +69,7 @@ AgentX FAQ: about 99k requests, 57k top-level turns); in AgentX 440845's replay 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -72,10 +80,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "measured_turns", "replay_stats", "fit_to_published", "warmup_requests",
-           "weka_think_quantiles", "weka_primer_lead_quantiles", "quantile_mean", "sample_quantiles"]
+           "weka_think_quantiles", "weka_primer_lead_quantiles", "weka_prefix_cut_kept_quantiles",
+           "weka_prefix_cut_probability", "quantile_mean", "sample_quantiles", "AIPERF_HASH_BLOCK_TOKENS"]
 
 #: bound on the turns of one trajectory (every input-driven loop is bounded)
 MAX_TURNS_PER_TRAJECTORY = 10_000
+#: the block size of the Weka traces' hash ids, tokens: aiperf's theoretical prefix-cache hit counts
+#: whole blocks of this size (SemiAnalysisAI/aiperf ``metrics/theoretical_prefix_cache.py``)
+AIPERF_HASH_BLOCK_TOKENS = 64
 
 
 class AgenticWorkloadConfig(BaseModel):
@@ -147,6 +159,16 @@ class AgenticWorkloadConfig(BaseModel):
     subagent_turns_sigma: float = Field(0.8, ge=0, le=5)
     subagent_context_median_tokens: float = Field(22_300.0, gt=0)
     subagent_context_sigma: float = Field(0.8, ge=0, le=5)
+    #: prefix cuts: with this probability a turn after its trajectory's first keeps only part of
+    #: the previous prompt as its prefix (Claude Code rewrites context: a compaction, an edited
+    #: earlier message, a moved system reminder); the rest of the prompt is new to the server and
+    #: the prompt length is unchanged. The public Weka corpus of Claude Code traces has 6.9% such
+    #: turns (:func:`weka_prefix_cut_probability`); 0 = none (no extra RNG draw)
+    prefix_cut_probability: float = Field(0.0, ge=0, le=1)
+    #: the kept fraction of the previous prompt on a cut turn: quantiles at equally spaced
+    #: probabilities 0..1 (at least 2, non-decreasing, in [0, 1]); None: the corpus'
+    #: (:func:`weka_prefix_cut_kept_quantiles`; median 0.999, p10 0.10)
+    prefix_cut_kept_quantiles: tuple[float, ...] | None = None
     seed: int = Field(42, ge=0)
 
     @model_validator(mode="after")
@@ -156,6 +178,10 @@ class AgenticWorkloadConfig(BaseModel):
             if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
                                   or q[0] < 0 or not sum(q) > 0 or q[-1] > 86_400):
                 raise ValueError(f"{name}: 2..10001 non-decreasing quantiles in [0, 86400] s with a positive mean")
+        q = self.prefix_cut_kept_quantiles
+        if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
+                              or q[0] < 0 or q[-1] > 1):
+            raise ValueError("prefix_cut_kept_quantiles: 2..10001 non-decreasing fractions in [0, 1]")
         if self.start_min_ratio > self.start_max_ratio:
             raise ValueError(f"start_min_ratio ({self.start_min_ratio}) > start_max_ratio ({self.start_max_ratio})")
         return self
@@ -185,9 +211,11 @@ def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
 
 
 def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig, *, subagent: bool = False
-                ) -> tuple[list[int], list[int]]:
-    """``(contexts, outputs)``: every turn's prompt length and output length of one trajectory
-    (``subagent``: with the subagent's turn count and first prompt)."""
+                ) -> tuple[list[int], list[int], list[int | None]]:
+    """``(contexts, outputs, kept)``: every turn's prompt length and output length of one
+    trajectory (``subagent``: with the subagent's turn count and first prompt), and per turn the
+    tokens of the previous prompt it keeps as prefix after a prefix cut (None: no cut, the turn
+    extends the previous prompt and reply; always None on the first turn)."""
     turns_median, turns_sigma = ((c.subagent_turns_median, c.subagent_turns_sigma) if subagent
                                  else (c.turns_median, c.turns_sigma))
     turns = min(MAX_TURNS_PER_TRAJECTORY, 1 + int(round(_lognormal(rng, turns_median, turns_sigma))))
@@ -198,23 +226,36 @@ def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig, *, subagent:
     ctx = min(ctx, c.max_context_tokens - 1)
     contexts: list[int] = []
     outputs: list[int] = []
+    kept: list[int | None] = []
     for _ in range(turns):
         out = max(1, min(c.max_output_tokens, int(round(_lognormal(rng, c.output_median_tokens, c.output_sigma)))))
         if ctx + out > c.max_context_tokens:
             break
+        cut: int | None = None
+        if contexts and c.prefix_cut_probability > 0 and rng.uniform() < c.prefix_cut_probability:
+            frac = sample_quantiles(c.prefix_cut_kept_quantiles or weka_prefix_cut_kept_quantiles(), rng.uniform())
+            cut = int(frac * contexts[-1])
         contexts.append(ctx)
         outputs.append(out)
+        kept.append(cut)
         ctx = ctx + out + max(1, int(round(scale * _lognormal(rng, c.new_tokens_median, c.new_tokens_sigma))))
     if not contexts:  # the first prompt alone fills the context: one short turn
         contexts.append(c.max_context_tokens - 1)
         outputs.append(1)
-    return contexts, outputs
+        kept.append(None)
+    return contexts, outputs, kept
 
 
-def _replay(session: str, contexts: list[int], outputs: list[int], start: int) -> Iterator[Turn]:
+def _replay(session: str, contexts: list[int], outputs: list[int], start: int,
+            kept: list[int | None] | None = None) -> Iterator[Turn]:
     for t in range(start, len(contexts)):
-        reusable = 0 if t == start else contexts[t - 1] + outputs[t - 1]
-        yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, 0 if t == start else contexts[t - 1])
+        if t == start:
+            reusable = server = 0
+        elif kept is not None and kept[t] is not None:
+            reusable = server = kept[t]
+        else:
+            reusable, server = contexts[t - 1] + outputs[t - 1], contexts[t - 1]
+        yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, server)
 
 
 def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
@@ -225,20 +266,20 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, lane]))
     k = 0
     while True:
-        contexts, outputs = _trajectory(rng, config)
+        contexts, outputs, kept = _trajectory(rng, config)
         u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
         start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
         if k > 0 and config.recycle_from_turn0:
             start = 0
         session = f"lane{lane}-traj{k}"
         if config.subagent_spawn_probability <= 0:
-            yield from _replay(session, contexts, outputs, start)
+            yield from _replay(session, contexts, outputs, start, kept)
         else:
-            for t, turn in enumerate(_replay(session, contexts, outputs, start), start):
+            for t, turn in enumerate(_replay(session, contexts, outputs, start, kept), start):
                 yield turn
                 if t < len(contexts) - 1 and rng.uniform() < config.subagent_spawn_probability:
-                    sub_ctx, sub_out = _trajectory(rng, config, subagent=True)
-                    yield from _replay(f"{session}-sub{t}", sub_ctx, sub_out, 0)
+                    sub_ctx, sub_out, sub_kept = _trajectory(rng, config, subagent=True)
+                    yield from _replay(f"{session}-sub{t}", sub_ctx, sub_out, 0, sub_kept)
         k += 1
 
 
@@ -259,6 +300,23 @@ def weka_primer_lead_quantiles(path: Path = WEKA_SHAPES_PATH) -> tuple[float, ..
     41 s, mean 74 s): ``AgenticWorkloadConfig.primer_lead_quantiles_s``."""
     with open(path, encoding="utf-8") as f:
         return tuple(float(x) for x in json.load(f)["primer_lead_s_quantiles_0_to_100_step_2"])
+
+
+@functools.lru_cache(maxsize=4)
+def weka_prefix_cut_kept_quantiles(path: Path = WEKA_SHAPES_PATH) -> tuple[float, ...]:
+    """The kept fraction of the previous prompt on the public Weka corpus' prefix cuts (root turns
+    whose 64-token block hashes stop matching inside the previous prompt; 3,290 of 47,948 turns):
+    51 quantiles (0, 2, ..., 100%). Bimodal: 72% keep over 98% (one 64-token block lost, median),
+    28% keep under 60% (context rewritten: p10 0.10). ``sim/data/measured/weka_trace_shapes.json``."""
+    with open(path, encoding="utf-8") as f:
+        return tuple(float(x) for x in json.load(f)["prefix_cut"]["kept_fraction_quantiles_0_to_100_step_2"])
+
+
+def weka_prefix_cut_probability(path: Path = WEKA_SHAPES_PATH) -> float:
+    """The share of root turns after the first that are prefix cuts in the public Weka corpus
+    (0.0686: 3,290 of 47,948): :attr:`AgenticWorkloadConfig.prefix_cut_probability`."""
+    with open(path, encoding="utf-8") as f:
+        return float(json.load(f)["prefix_cut"]["probability"])
 
 
 def quantile_mean(q: tuple[float, ...]) -> float:
@@ -294,25 +352,41 @@ def measured_turns(config: AgenticWorkloadConfig, requests_per_lane: int) -> Ite
 
 def replay_stats(config: AgenticWorkloadConfig, requests_per_lane: int = 200) -> dict[str, float]:
     """Request-level statistics of the replayed turns (``requests_per_lane`` from every lane, the
-    warm-up excluded): input mean/median/p75/p90/p95/std, output mean/median/p90/p95, and the
-    theoretical prefix-hit rate ``sum(reusable) / sum(input)`` (unbounded cache, one rank per
-    session). Weights every turn equally, as a request count does (the closed loop's pacing is
-    not modelled here: a long-context turn takes longer, which the simulator accounts for)."""
+    warm-up excluded): input mean/median/p75/p90/p95/std, output mean/median/p90/p95, and two
+    reuse rates (unbounded cache, one rank per session):
+
+    * ``theoretical_cache_hit_rate``: aiperf's theoretical prefix-cache hit, the quantity point
+      440246 publishes (0.9687). aiperf stamps each request with the leading run of its 64-token
+      block hashes that an earlier request of the trace already *sent* and the covered blocks
+      ``in // 64``, and divides the sums (SemiAnalysisAI/aiperf, cquil11/aiperf
+      ``metrics/theoretical_prefix_cache.py``, ``compute_causal_prefix_hits``). A prompt's earlier
+      replies were never sent as input before, so they are misses: here the hit is the previous
+      *prompt* (or its kept part after a prefix cut) in whole 64-token blocks;
+    * ``previous_turn_reuse_rate``: ``sum(reusable) / sum(input)``, the previous prompt *and*
+      reply counted as reusable (the statistic the defaults were fitted to before session 14).
+
+    Weights every turn equally, as a request count does (the closed loop's pacing is not
+    modelled here: a long-context turn takes longer, which the simulator accounts for)."""
     if requests_per_lane < 1:
         raise ValueError("requests_per_lane must be >= 1")
-    inp, reuse, out = [], [], []
+    inp, reuse, out, srv = [], [], [], []
     for t in measured_turns(config, requests_per_lane):
         inp.append(t.input_tokens)
         reuse.append(t.reusable_tokens)
         out.append(t.output_tokens)
+        srv.append(t.server_reusable_tokens)
     a, r, o = np.asarray(inp, float), np.asarray(reuse, float), np.asarray(out, float)
+    b = AIPERF_HASH_BLOCK_TOKENS
+    covered = np.asarray(inp, np.int64) // b
+    hit = np.minimum(np.asarray(srv, np.int64) // b, covered)
     q = np.percentile
     return {"mean_input_tokens": float(a.mean()), "median_input_tokens": float(q(a, 50)),
             "p75_input_tokens": float(q(a, 75)), "p90_input_tokens": float(q(a, 90)),
             "p95_input_tokens": float(q(a, 95)), "std_input_tokens": float(a.std()),
             "mean_output_tokens": float(o.mean()), "median_output_tokens": float(q(o, 50)),
             "p90_output_tokens": float(q(o, 90)), "p95_output_tokens": float(q(o, 95)),
-            "theoretical_cache_hit_rate": float(r.sum() / a.sum())}
+            "theoretical_cache_hit_rate": float(hit.sum() / max(1, covered.sum())),
+            "previous_turn_reuse_rate": float(r.sum() / a.sum())}
 
 
 def fit_to_published(target: dict[str, float], grid: dict[str, list[float]],
@@ -325,7 +399,8 @@ def fit_to_published(target: dict[str, float], grid: dict[str, list[float]],
     :class:`AgenticWorkloadConfig` come from this search over ``initial_context_median_tokens``
     {10k, 20k}, ``turns_median`` {22, 28, 34}, ``new_tokens_median`` {200, 260, 330},
     ``new_tokens_trajectory_sigma`` {1.3, 1.5} against the published mean and median input, std
-    of input and theoretical hit rate (best: 10k, 28, 260, 1.5; sum of errors 0.15).
+    of input and theoretical hit rate, the last read as ``previous_turn_reuse_rate`` (best: 10k,
+    28, 260, 1.5; sum of errors 0.15); aiperf's rule is ``theoretical_cache_hit_rate``.
 
     Raises:
         ValueError: an empty grid, an unknown field, or more than ``max_points`` combinations."""
@@ -342,7 +417,7 @@ def fit_to_published(target: dict[str, float], grid: dict[str, list[float]],
         s = replay_stats(c, requests_per_lane)
         err = 0.0
         for k, v in target.items():
-            if k == "theoretical_cache_hit_rate":
+            if k in ("theoretical_cache_hit_rate", "previous_turn_reuse_rate"):
                 err += abs((1 - s[k]) / (1 - v) - 1)
             else:
                 err += abs(s[k] / v - 1)
