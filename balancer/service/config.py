@@ -325,10 +325,10 @@ class ServiceConfig(BaseModel):
             or ``aiohttp`` (aiohttp's client session, the fallback). Same failure handling either
             way; ``https://`` workers use aiohttp's client with either. docs/serving.md,
             "Upstream client".
-        http_front: the HTTP server of the generation endpoints: ``aiohttp`` (default: aiohttp's
-            server for every request) or ``lean`` (:mod:`balancer.service.lean_front`: ``httptools``
-            serves the common generation request, and a connection goes to aiohttp's server for
-            anything else). docs/serving.md, "HTTP front".
+        http_front: the HTTP server of the generation endpoints: ``lean`` (default;
+            :mod:`balancer.service.lean_front`: ``httptools`` serves the common generation request,
+            and a connection goes to aiohttp's server for anything else) or ``aiohttp`` (aiohttp's
+            server for every request). docs/serving.md, "HTTP front".
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
             headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
             fails the attempt, which is retried on a new pair and counts against the worker's

@@ -29,3 +29,11 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys)
     with pytest.raises(SystemExit) as e:
         fp.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_front_floor_refuses_bad_arguments(capsys):
+    ff = pytest.importorskip("front_floor")
+    for argv in (["--rounds", "0"], ["--concurrency", "0"], ["--duration-s", "inf"]):
+        with pytest.raises(SystemExit) as e:
+            ff.main(argv)
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
