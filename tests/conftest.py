@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import spawn_guard
+
 try:
     import zmq
 except ImportError:  # pyzmq is a test dependency; without it the KV-event tests skip
@@ -20,7 +22,14 @@ def pytest_sessionstart(session) -> None:  # noqa: ANN001
     """Compile ep_aware's numba loops (balancer/kernels.py) once, in this process, before any test
     starts router processes: on a fresh clone the first compile takes seconds, and several spawned
     ``pdlb serve`` processes compiling at once would eat a test's start-up timeout. Later processes
-    load numba's cache. Without numba this does nothing."""
+    load numba's cache. Without numba this does nothing. Then take SIGTERM so that no spawned
+    server outlives a terminated session (``spawn_guard``)."""
     from balancer import kernels
 
     kernels.compiled()
+    spawn_guard.install()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
+    """End any ``pdlb engine`` / ``pdlb serve`` a test left running (``spawn_guard``)."""
+    spawn_guard.stop_all()
