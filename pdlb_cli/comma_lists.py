@@ -86,18 +86,6 @@ def one_of(choices: typing.Iterable[str]) -> typing.Callable[[str], str]:
     return check
 
 
-def list_type(what: str, item: typing.Callable[[str], Any] = str, *, distinct: bool = True,
-              empty_ok: bool = False) -> typing.Callable[[str], list[Any]]:
-    """An argparse ``type=`` for a list-valued option: :func:`comma_list` of ``item`` (a bad list
-    stops the parser with ``argument --flag: <message>``, exit status 2); ``empty_ok``: an empty
-    value is the empty list (options where ``''`` means none)."""
-    def parse(text: str) -> list[Any]:
-        if empty_ok and not text.strip():
-            return []
-        return comma_list(text, item, what, distinct=distinct)
-    return parse
-
-
 def list_arg(ap: argparse.ArgumentParser, flag: str, text: str, what: str, item: typing.Callable[[str], Any] = str,
              *, distinct: bool = True, empty_ok: bool = False) -> list[Any]:
     """:func:`comma_list` for a value already parsed as a string (the bench/ scripts): a bad list
