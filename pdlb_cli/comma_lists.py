@@ -13,6 +13,10 @@ import typing
 from typing import Any
 
 
+#: most items a list-valued option takes (the duplicate checks then cost at most this squared)
+MAX_ITEMS = 4096
+
+
 class CommaListError(ValueError, argparse.ArgumentTypeError):
     """A malformed comma list: a ``ValueError`` for the callers that check values after parsing,
     and an ``ArgumentTypeError`` so that argparse shows its message as ``argument --flag: ...``
@@ -25,8 +29,8 @@ def comma_items(text: str, what: str, *, flag: str | None = None, distinct: bool
     what is expected (``what``, e.g. ``"integers >= 1"``; prefixed ``"<flag>: "`` when given):
     no item at all; an empty item (``1,,2``, a leading or trailing comma: a typo, not a shorter
     list); with ``distinct`` (lists that are sets: counts, names, modes, keys) an item given twice
-    (a ramp of rates, a sequence, passes ``distinct=False``). The items' own values are the
-    caller's to check (negative counts, unknown names).
+    (a ramp of rates, a sequence, passes ``distinct=False``); more than :data:`MAX_ITEMS` items.
+    The items' own values are the caller's to check (negative counts, unknown names).
 
     Raises:
         CommaListError: as above (a ``ValueError`` and an ``argparse.ArgumentTypeError``).
@@ -35,6 +39,8 @@ def comma_items(text: str, what: str, *, flag: str | None = None, distinct: bool
     parts = text.split(",")
     if not text.strip():
         raise CommaListError(f"{head}expected {what} separated by commas, got nothing")
+    if len(parts) > MAX_ITEMS:
+        raise CommaListError(f"{head}expected at most {MAX_ITEMS:,} {what}, got {len(parts):,} items")
     items = [p.strip() for p in parts]
     for i, item in enumerate(items):
         if not item:
@@ -54,8 +60,9 @@ def comma_items(text: str, what: str, *, flag: str | None = None, distinct: bool
 def comma_list(text: str, item: typing.Callable[[str], Any], what: str, *, flag: str | None = None,
                distinct: bool = True) -> list[Any]:
     """:func:`comma_items`, each item converted by ``item`` (a ``type=`` function such as
-    :func:`positive_int`); an item it refuses (``ValueError`` or ``ArgumentTypeError``) gets its
-    message (which should say what is expected), the item's position and the list. Duplicates are told by the converted values too (``1,01``).
+    :func:`pdlb_cli.args.positive_int`); an item it refuses (``ValueError`` or
+    ``ArgumentTypeError``) gets its message (which should say what is expected), the item's
+    position and the list. Duplicates are told by the converted values too (``1,01``).
 
     Raises:
         CommaListError: a malformed list (:func:`comma_items`) or an item ``item`` refuses.

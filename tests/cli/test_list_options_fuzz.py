@@ -202,6 +202,14 @@ def test_random_lists_parse_exactly_or_are_refused(case: str) -> None:
                 raise AssertionError(f"{case}: {value!r} is well formed but was refused: {out}")
 
 
+def test_a_list_is_bounded() -> None:
+    # every input-driven loop is bounded: 4,097 items are refused before any is converted
+    from pdlb_cli.comma_lists import MAX_ITEMS
+
+    _refused("k-routers --ks", ",".join(str(i) for i in range(1, MAX_ITEMS + 2)), "at most 4,096")
+    assert CASES["k-routers --ks"][0](",".join(str(i) for i in range(1, MAX_ITEMS + 1)))[0] == "ok"
+
+
 def test_a_bad_list_is_one_error_line_after_one_usage_line(capsys: pytest.CaptureFixture[str]) -> None:
     # review2 finding 3: the bench scripts printed argparse's 10-line usage block before the error
     for main, argv in ((router_overhead.main, ["--pdlb-processes", "1,,2"]),
