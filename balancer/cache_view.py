@@ -135,19 +135,21 @@ class CacheView:
 
     # ------------------------------------------------------------------ writes
     def record_routed(self, prefill: ReplicaId | None, decode: ReplicaId, block_hashes: tuple[int, ...],
-                      now_s: float) -> bool:
+                      now_s: float, touch_id: int | None = None) -> bool:
         """A prompt this router just routed: the speculative index (hybrid) and, in approximate
         mode, the prefix index of both replicas, the host tier of the one that computes it and the
-        store. Returns whether the approximate index recorded it (then other routers may be told)."""
+        store. ``touch_id`` (the route's number) marks the prefix and speculative entries as this
+        route's, for :meth:`forget_routed`. Returns whether the approximate index recorded it (then
+        other routers may be told)."""
         if self.speculative is not None:
             if prefill is not None:
-                self.speculative.insert(prefill, block_hashes, now_s)
-            self.speculative.insert(decode, block_hashes, now_s)
+                self.speculative.insert(prefill, block_hashes, now_s, touch_id=touch_id)
+            self.speculative.insert(decode, block_hashes, now_s, touch_id=touch_id)
         if self.index_mode != "approximate":
             return False
         if prefill is not None:
-            self.index.insert(prefill, block_hashes, now_s)
-        self.index.insert(decode, block_hashes, now_s)
+            self.index.insert(prefill, block_hashes, now_s, touch_id=touch_id)
+        self.index.insert(decode, block_hashes, now_s, touch_id=touch_id)
         if self.host_index is not None:  # the replica that computes the prompt gets it
             self.host_index.insert(prefill if prefill is not None else decode, block_hashes, now_s)
         if self.store_index is not None:
@@ -155,11 +157,13 @@ class CacheView:
         return True
 
     def forget_routed(self, replica: ReplicaId, block_hashes: tuple[int, ...], kept_blocks: int,
-                      routed_at_s: float) -> int:
+                      routed_at_s: float, touch_id: int | None = None) -> int:
         """Undo :meth:`record_routed` on one replica whose engine rejected the prompt: its blocks
         after the first ``kept_blocks`` (those it held before) leave the prefix index (approximate
         mode) and the speculative index (hybrid), each block only if nothing touched it there since
-        ``routed_at_s`` (another request routed there meanwhile keeps it). The lower tiers (host,
+        ``routed_at_s`` (another request routed there meanwhile keeps it) and, with ``touch_id``
+        (the one given to :meth:`record_routed`), only if its last touch was that route's (another
+        request routed at the same ``routed_at_s`` keeps it too). The lower tiers (host,
         shared store) keep theirs (their entries expire by LRU; the tiers are off by default).
         Returns the blocks dropped."""
         new = block_hashes[kept_blocks:]
@@ -167,9 +171,9 @@ class CacheView:
             return 0
         n = 0
         if self.index_mode == "approximate":
-            n += self.index.remove_untouched(replica, new, routed_at_s)
+            n += self.index.remove_untouched(replica, new, routed_at_s, touch_id)
         if self.speculative is not None:
-            n += self.speculative.remove_untouched(replica, new, routed_at_s)
+            n += self.speculative.remove_untouched(replica, new, routed_at_s, touch_id)
         return n
 
     def record_peer_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:

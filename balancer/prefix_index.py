@@ -66,13 +66,16 @@ def _bit_numbers(mask: int) -> np.ndarray:
 
 class _Entry:
     """A node's place in one replica's LRU list (doubly linked; the list's sentinel has node
-    :data:`_NO_NODE`, never read: walks stop at the sentinel)."""
+    :data:`_NO_NODE`, never read: walks stop at the sentinel). ``time`` and ``touch_id`` are those
+    of the last :meth:`PrefixIndex.insert` that touched it (``touch_id``: the caller's token, e.g.
+    the router's route number, ``None`` when none was given)."""
 
-    __slots__ = ("node", "time", "prev", "next")
+    __slots__ = ("node", "time", "touch_id", "prev", "next")
 
-    def __init__(self, node: _Node, time: float) -> None:
+    def __init__(self, node: _Node, time: float, touch_id: int | None = None) -> None:
         self.node = node
         self.time = time
+        self.touch_id = touch_id
         self.prev: _Entry = self
         self.next: _Entry = self
 
@@ -430,7 +433,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ updates (hooks only)
     def insert(self, replica: ReplicaId, block_hashes: Sequence[int], now_s: float = 0.0, *,
-               parent_block_hash: int | None = None) -> list[int]:
+               parent_block_hash: int | None = None, touch_id: int | None = None) -> list[int]:
         """Record that ``replica`` holds ``block_hashes`` at ``now_s``: a prompt's leading blocks,
         or, with ``parent_block_hash``, the blocks that continue the block with that hash (as an
         engine's ``BlockStored`` event announces only its new blocks).
@@ -439,7 +442,9 @@ class PrefixIndex:
         least recently used blocks beyond ``capacity_blocks``. Returns the evicted hashes, oldest
         first. If the list alone exceeds the capacity, only its first ``capacity_blocks`` blocks
         are kept. A continuation of a block the index does not know is dropped (returns ``[]``):
-        it could never be matched, since a match starts at a prompt's first block.
+        it could never be matched, since a match starts at a prompt's first block. ``touch_id``
+        marks the touched blocks as this insert's (the router passes its route number), so that
+        :meth:`remove_untouched` tells apart two inserts at the same ``now_s``.
 
         Raises:
             ValueError: with the block map on, the first block of the list's new part is
@@ -503,7 +508,7 @@ class PrefixIndex:
         for node in reversed(path):  # deepest first: each lands most recently used (list tail)
             e = node.entries.get(num)
             if e is None:
-                e = node.entries[num] = _Entry(node, now_s)
+                e = node.entries[num] = _Entry(node, now_s, touch_id)
                 if not node.holders:
                     self._unique += len(node.blocks)
                 node.holders |= bit
@@ -512,6 +517,7 @@ class PrefixIndex:
                 e.prev.next = e.next
                 e.next.prev = e.prev
                 e.time = now_s
+                e.touch_id = touch_id
             last = head.prev
             e.prev = last
             e.next = head
@@ -588,10 +594,13 @@ class PrefixIndex:
                 n += b - a
         return n
 
-    def remove_untouched(self, replica: ReplicaId, block_hashes: Iterable[int], touched_s: float) -> int:
+    def remove_untouched(self, replica: ReplicaId, block_hashes: Iterable[int], touched_s: float,
+                         touch_id: int | None = None) -> int:
         """Forget those of ``block_hashes`` on ``replica`` whose last touch there was at
         ``touched_s`` exactly (none since; e.g. what one :meth:`insert` at ``touched_s`` recorded,
-        unless a later insert touched it again). Returns how many were dropped."""
+        unless a later insert touched it again) and, when ``touch_id`` is given, by the insert
+        given that ``touch_id`` (another insert at the same ``touched_s`` keeps the blocks it
+        touched). Returns how many were dropped."""
         rs = self._state.get(replica)
         if rs is None or not rs.blocks:
             return 0
@@ -601,7 +610,7 @@ class PrefixIndex:
         for h in block_hashes:
             node = node_of.get(h)
             e = node.entries.get(num) if node is not None else None
-            if e is not None and e.time == touched_s:
+            if e is not None and e.time == touched_s and (touch_id is None or e.touch_id == touch_id):
                 drop.append(h)
         return self.remove(replica, drop) if drop else 0
 
@@ -682,13 +691,14 @@ class PrefixIndex:
         new.holders = node.holders
         entries = new.entries
         for num, e in node.entries.items():
-            ne = entries[num] = _Entry(new, e.time)
+            ne = entries[num] = _Entry(new, e.time, e.touch_id)
             _link_after(e if after else e.prev, ne)
         return top, bottom
 
     def _try_merge(self, top: _Node) -> _Node | None:
         """Merge ``top`` with its only child when no holder can tell them apart: same holders,
-        and in each holder's LRU the child's entry directly before ``top``'s with the same time.
+        and in each holder's LRU the child's entry directly before ``top``'s with the same time
+        and touch id.
         The shorter side's blocks are re-mapped (the child's children adopted if ``top`` stays).
         Returns the merged node (``top`` or its child; the other is detached), or None."""
         if len(top.children) != 1 or top is self._root:
@@ -699,7 +709,7 @@ class PrefixIndex:
         entries = node.entries
         for num, te in top.entries.items():
             e = entries[num]
-            if e.next is not te or e.time != te.time:
+            if e.next is not te or e.time != te.time or e.touch_id != te.touch_id:
                 return None
         if len(top.blocks) <= len(node.blocks) + len(node.children):  # node absorbs top
             for te in top.entries.values():
@@ -756,7 +766,7 @@ _RESTORE_HOLDER = ReplicaId("\x00pdlb-restore", 0)
 def _flat_index(ix: PrefixIndex) -> dict[str, Any]:
     """A :class:`PrefixIndex` as flat lists (no linked structure for ``pickle`` to recurse into):
     its runs parent-first ``[(parent run number or -1, blocks)]``, each replica's LRU order
-    ``[(run number, time)]`` oldest first, the replica numbers, and its bounds. Reads the index's
+    ``[(run number, time, touch id)]`` oldest first, the replica numbers, and its bounds. Reads the index's
     internals (the tree and the LRU lists), which it leaves unchanged."""
     runs: list[tuple[int, tuple[int, ...]]] = []
     number: dict[int, int] = {}
@@ -767,12 +777,12 @@ def _flat_index(ix: PrefixIndex) -> dict[str, Any]:
             number[id(child)] = len(runs)
             runs.append((parent, child.blocks))
             stack.append((child, number[id(child)]))
-    lru: list[tuple[ReplicaId, int, list[tuple[int, float]]]] = []
+    lru: list[tuple[ReplicaId, int, list[tuple[int, float, int | None]]]] = []
     for rep, rs in ix._state.items():
         order = []
         e = rs.head.next
         while e is not rs.head:
-            order.append((number[id(e.node)], e.time))
+            order.append((number[id(e.node)], e.time, e.touch_id))
             e = e.next
         lru.append((rep, rs.num, order))
     lru.sort(key=lambda t: t[1])
@@ -785,7 +795,8 @@ def _unflat_index(flat: dict[str, Any]) -> PrefixIndex:
     replicas numbered in their old order, the tree laid out under a temporary holder, each
     replica's runs inserted in its LRU order with their times, then the holder cleared, then its
     bounds set (the saved state held within them). Reads the form without ``total_capacity_blocks``
-    (snapshots written before it was saved) as no total bound."""
+    (snapshots written before it was saved) as no total bound, and LRU items without a touch id
+    (written before it was saved) as touched by no known insert (``None``)."""
     ix = PrefixIndex(None, flat["ttl_s"], block_map=True)
     runs = flat["runs"]
     for rep, _num, _order in flat["lru"]:
@@ -800,9 +811,10 @@ def _unflat_index(flat: dict[str, Any]) -> PrefixIndex:
         if not has_child[k]:
             ix.insert(_RESTORE_HOLDER, path, 0.0)
     for rep, _num, order in flat["lru"]:
-        for k, t in order:
+        for k, t, *touch in order:
             parent, blocks = runs[k]
-            ix.insert(rep, blocks, t, parent_block_hash=runs[parent][1][-1] if parent >= 0 else None)
+            ix.insert(rep, blocks, t, parent_block_hash=runs[parent][1][-1] if parent >= 0 else None,
+                      touch_id=touch[0] if touch else None)
     ix.clear(_RESTORE_HOLDER)
     ix.capacity_blocks = flat["capacity_blocks"]
     ix.total_capacity_blocks = flat.get("total_capacity_blocks")

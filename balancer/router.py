@@ -190,6 +190,7 @@ class Router:
         self._matched_tokens = {"prefill": 0, "decode": 0}
         self._kv_events = {"applied": 0, "ignored": 0}
         self._reaped = 0
+        self._routes_recorded = 0  # numbers each route's prefix records (Route.touch_id, on_rejected)
         #: called as ``listener(replicas, block_hashes, now_s)`` after each decision that recorded
         #: a prompt (given at construction; see :class:`~balancer.parts.RouteListener`)
         self.listeners: tuple[RouteListener, ...] = tuple(listeners)
@@ -541,12 +542,14 @@ class Router:
             self.load.peer.publish()
         self._matched_tokens["decode"] += d_matched
         self._matched_tokens["prefill"] += p_matched
-        if cache.record_routed(prefill, d_choice.replica, request.block_hashes, now_s):
+        self._routes_recorded = touch_id = self._routes_recorded + 1
+        if cache.record_routed(prefill, d_choice.replica, request.block_hashes, now_s, touch_id):
             if self.listeners and request.block_hashes:
                 chosen = (d_choice.replica,) if prefill is None else (prefill, d_choice.replica)
                 for listener in self.listeners:
                     listener(chosen, request.block_hashes, now_s)
-        return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice)
+        return Route(request.request_id, prefill, d_choice.replica, p_matched, d_matched, p_choice, d_choice,
+                     touch_id)
 
     # ------------------------------------------------------------------ hooks
     @_locked
@@ -620,14 +623,17 @@ class Router:
                 computed the prompt already).
 
         Each replica keeps the blocks it matched when routed (``ceil(matched_tokens /
-        block_size)``, at least its index depth then) and any block touched again since
-        ``routed_at_s`` (another request routed there meanwhile; one routed at the same ``now_s``
-        is not told apart: its blocks are dropped too). Events mode: nothing to forget
+        block_size)``, at least its index depth then) and any block touched again since this
+        route recorded it (another request routed there meanwhile, at a later or the same
+        ``now_s``: told apart by the route's ``touch_id``; a peer's decision or a KV event too).
+        A ``route`` without a ``touch_id`` (built by the caller) compares times only: a block
+        another request touched at the same ``now_s`` is dropped too. Events mode: nothing to forget
         (the engines' own events are the truth). Returns the blocks dropped. Then each of
         ``reject_listeners`` is called as ``listener(replicas, block_hashes, routed_at_s, forgotten)``
         (``replicas`` as the route listeners got them, prefill first; ``forgotten``: ``(replica,
         kept_blocks)`` per replica that forgets), so that router processes the decision was shared
-        with forget it too (:meth:`forget_recorded`); a broker's peers keep their copy.
+        with forget it too (:meth:`forget_recorded`, by time: the records they got carry no touch
+        id); a broker's peers keep their copy.
         """
         bs = self.block_size
         targets = [(route.decode, route.decode_matched_tokens)]
@@ -636,7 +642,7 @@ class Router:
         n = 0
         forgotten = tuple((rep, -(-matched // bs)) for rep, matched in targets)
         for rep, kept in forgotten:
-            n += self.cache.forget_routed(rep, block_hashes, kept, routed_at_s)
+            n += self.cache.forget_routed(rep, block_hashes, kept, routed_at_s, route.touch_id)
         if self.reject_listeners and block_hashes:
             chosen = (route.decode,) if route.prefill is None else (route.prefill, route.decode)
             for listener in self.reject_listeners:
@@ -813,6 +819,7 @@ class Router:
             state["cache"] = cache
         state.setdefault("_clock_regressions", 0)  # snapshots from before the clock counters
         state.setdefault("_clock_regression_max_s", 0.0)
+        state.setdefault("_routes_recorded", 0)  # snapshots from before route touch ids
         if "_replicas" in state:  # snapshots from before the registry part
             registry = ReplicaRegistry(state["load"].slot)
             for info in state.pop("_replicas").values():

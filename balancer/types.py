@@ -293,6 +293,9 @@ class Route:
         prefill_matched_tokens: prefix tokens the prefill replica is believed to hold.
         decode_matched_tokens: prefix tokens the decode replica is believed to hold.
         prefill_choice / decode_choice: the policies' full answers (scores, reason).
+        touch_id: the router's number for this route, carried by the prefix-index entries it
+            recorded (:meth:`~balancer.router.Router.on_rejected` forgets only those); ``None``
+            for a route the router did not build.
     """
 
     request_id: str
@@ -302,6 +305,7 @@ class Route:
     decode_matched_tokens: int = 0
     prefill_choice: Choice | None = None
     decode_choice: Choice | None = None
+    touch_id: int | None = None
 
     def explain(self) -> dict[str, Any]:
         """A JSON-friendly description of the decision."""

@@ -109,7 +109,9 @@ def highest_load(res: dict, policy: str, loads: dict[str, int], target: float, k
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=1200.0, help="measured seconds per run (default 1200)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policy specs, the first "
                     "is the anchor (a part key=value continues the spec before it; default: %(default)s)")
@@ -130,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
     a = ap.parse_args(argv)
     pols = split_policy_list(a.policies)
-    loads = {k: LOADS[k] for k in (x.strip() for x in a.loads.split(",")) if k in LOADS}
-    if not loads:
-        ap.error(f"--loads: none of {','.join(LOADS)}")
+    from pdlb_cli.comma_lists import list_arg, one_of
+
+    loads = {k: LOADS[k] for k in list_arg(ap, "--loads", a.loads, f"loads of {', '.join(LOADS)}", one_of(LOADS))}
     if not pols:
         ap.error("--policies: none given")
     band = error_band(a.band_duration_s, a.frontend_s_per_token) if a.band_duration_s > 0 else {}

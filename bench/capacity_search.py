@@ -57,7 +57,9 @@ def run_mode(mode: str, policies: list[str], args: argparse.Namespace) -> tuple[
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="serial,process,ray", help="comma-separated: serial, process, ray, serial-full")
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="process pool / Ray CPUs")
     ap.add_argument("--limit", type=int, help="first N requests of the trace (default: all)")
@@ -73,8 +75,11 @@ def main() -> int:
     from balancer.policies import available_policies
     from sim.search.capacity_report import rate_ratios
 
-    policies = args.policies.split(",") if args.policies else available_policies()
-    modes = args.modes.split(",")
+    from pdlb_cli.comma_lists import list_arg, one_of
+
+    policies = (list_arg(ap, "--policies", args.policies, "policies", one_of(available_policies()))
+                if args.policies else available_policies())
+    modes = list_arg(ap, "--modes", args.modes, "modes", one_of(("serial", "process", "ray", "serial-full")))
     print(f"{len(policies)} policies, scenario {args.scenario}, {args.limit or 'all'} requests, tol {args.tol}, "
           f"{os.cpu_count()} cores visible, load average {os.getloadavg()[0]:.1f} at start")
     runs = {}

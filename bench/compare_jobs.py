@@ -94,7 +94,10 @@ def run(jobs: int, args: argparse.Namespace, out: Path) -> tuple[float, float, f
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", default=str(len(os.sched_getaffinity(0))),
                     help="worker processes of the parallel run(s), one or a comma list (default: the cores)")
     ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
@@ -103,11 +106,12 @@ def main() -> int:
     args = ap.parse_args()
     if not 1 <= args.repeat <= 20:
         ap.error("--repeat must be 1..20")
-    try:
-        counts = [int(x) for x in args.jobs.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--jobs must be an integer or a comma list of integers, got {args.jobs!r}")
-    if not counts or min(counts) < 1 or max(counts) > 256:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pdlb_cli.args import positive_int
+    from pdlb_cli.comma_lists import list_arg
+
+    counts = list_arg(ap, "--jobs", args.jobs, "integers in 1..256", positive_int)
+    if max(counts) > 256:
         ap.error("--jobs values must be 1..256")
     counts = [1] + sorted(set(counts) - {1})
     become_subreaper()

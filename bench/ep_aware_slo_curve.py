@@ -138,7 +138,9 @@ def curve(grids: list[dict], row: str, scales: list[float], aware: list[float]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="mooncake,mooncake_synthetic", help="rows (default: %(default)s)")
     ap.add_argument("--anchors", default=",".join(ANCHORS), help="anchor policies (default: %(default)s)")
     ap.add_argument("--rates", default=",".join(f"{2 ** (i / 2):.4g}" for i in range(-10, 6)),
@@ -155,21 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces-dir", type=Path, default=None, help="folder with mooncake_synthetic_trace.jsonl")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    try:
-        rates = [float(x) for x in args.rates.split(",")]
-        scales = [float(x) for x in args.scales.split(",")]
-        aware = [float(x) for x in args.aware_scales.split(",") if x.strip()]
-    except ValueError as e:
-        print(f"error: --rates / --scales / --aware-scales must be numbers: {e}", file=sys.stderr)
-        return 2
+    from pdlb_cli.args import positive_float
+    from pdlb_cli.comma_lists import list_arg
+
+    rates = list_arg(ap, "--rates", args.rates, "rate scales > 0", positive_float)
+    scales = list_arg(ap, "--scales", args.scales, "factors > 0", positive_float)
+    aware = list_arg(ap, "--aware-scales", args.aware_scales, "factors > 0", positive_float, empty_ok=True)
     if not rates or any(b <= a for a, b in zip(rates, rates[1:])) or min(rates) <= 0 or len(rates) > 64:
         print("error: --rates must be 1-64 positive, strictly increasing rate scales", file=sys.stderr)
         return 2
     if not scales or min(scales + aware) <= 0 or len(scales) > 64 or len(aware) > 16:
         print("error: --scales (1-64) and --aware-scales (0-16) must be positive factors", file=sys.stderr)
         return 2
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    anchors = [a.strip() for a in args.anchors.split(",") if a.strip()]
+    rows = list_arg(ap, "--rows", args.rows, "rows")
+    anchors = list_arg(ap, "--anchors", args.anchors, "anchor policies")
     for row in rows:
         workload(row, args.traces_dir, args.seed)  # fail now on a missing trace
     slo_args = (args.slo_ttft_s, args.slo_ttft_per_1k_s, args.slo_tpot_s, args.slo_attainment)

@@ -64,7 +64,9 @@ def _line(label: str, lat: list[float], lag: LoopLag, cpu_lag: LoopLag, foreign_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0, help="hostile phase length (default 600)")
     p.add_argument("--idle-s", type=float, default=20.0, help="idle (anchor) phase length (default 20)")
     p.add_argument("--seed", type=int, default=0)
@@ -76,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     names = list(ACTIONS)
     if args.actions:
-        names = [n.strip() for n in args.actions.split(",")]
-        if unknown := set(names) - set(ACTIONS):
-            p.error(f"unknown actions {sorted(unknown)}; known: {', '.join(ACTIONS)}")
+        from pdlb_cli.comma_lists import list_arg, one_of
+
+        names = list_arg(p, "--actions", args.actions, f"actions of {', '.join(ACTIONS)}", one_of(ACTIONS))
     if args.memory_report:
         os.environ["PDLB_DEBUG_MEMORY"] = "1"
     reports: list[tuple[str, dict]] = []

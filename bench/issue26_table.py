@@ -60,6 +60,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_overhead as ro  # noqa: E402
+from pdlb_cli.args import ArgumentParser  # noqa: E402
 
 #: the issue's names for the modes
 MODE_LABELS = {"regular": "regular", "pd": "PD, SGLang bootstrap", "vllm-pd": "PD, vLLM protocol"}
@@ -243,9 +244,8 @@ def run_route(route_args: list[str], timeout_s: float, out_path: Path | None, sc
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (also read by the test that checks .dev/device/bin/b6.sh's options)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n".join(__doc__.splitlines()[1:]))
     ap.add_argument("--out", type=Path, metavar="DIR", help="write overhead.json and route.txt there (default: none)")
     ap.add_argument("--budget-s", type=float, default=520.0,
                     help="seconds for the whole run, route table included (default 520)")
@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ro.check_fleet_args(ap, args, min_processes=1)
     # what router_overhead's helpers read and this run does not vary
     args.baseline, args.variant, args.paired_rounds = None, [], 0
-    wanted = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
-    if unknown := [p for p in wanted if p not in ro.PEERS]:
-        ap.error(f"unknown --peers {unknown}; valid: {', '.join(ro.PEERS)}, none")
+    wanted = args.peer_names
     route_args = shlex.split(args.route_args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

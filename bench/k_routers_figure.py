@@ -225,7 +225,9 @@ def live_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ks", default="1,2,4,8", help="router counts (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="simulator modes (default: %(default)s)")
     ap.add_argument("--limit", type=int, default=None, help="first N trace requests (default: all)")
@@ -244,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     if not args.no_sim:
-        rows = run([int(k) for k in args.ks.split(",")], args.modes.split(","), args.limit,
+        from pdlb_cli.args import positive_int
+        from pdlb_cli.comma_lists import list_arg, one_of
+
+        rows = run(list_arg(ap, "--ks", args.ks, "router counts >= 1", positive_int),
+                   list_arg(ap, "--modes", args.modes, f"modes of {', '.join(MODES)}", one_of(MODES)), args.limit,
                    log=lambda s: print(s, file=sys.stderr, flush=True))
         md = markdown(rows)
         print(md)

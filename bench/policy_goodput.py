@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None, pools: list) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="workload:scenario,... (default: all rows)")
     ap.add_argument("--policies", default=",".join((OURS, BLIND, *ANCHORS)),
                     help="policies (default ep_aware, ep_aware SLO-blind, and every anchor); names starting with "
@@ -193,9 +195,11 @@ def _main(argv: list[str] | None, pools: list) -> int:
     from sim.search.point import SLO, Point, parse_policy
 
     console = Console() if sys.stdout.isatty() else Console(width=240)  # piped: rich would cut the 13 columns to 80
-    rows = ["mooncake:default"] if args.quick else [r.strip() for r in args.rows.split(",") if r.strip()]
+    from pdlb_cli.comma_lists import list_arg
+
+    rows = ["mooncake:default"] if args.quick else list_arg(ap, "--rows", args.rows, "rows workload:scenario")
     seeds = list(range(1 if args.quick else args.seeds))
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = list_arg(ap, "--policies", args.policies, "policies")
     ours_all = [p for p in policies if p.split(":")[0] == OURS]
     anchors = [p for p in policies if p not in ours_all]
     traces_dir = args.traces_dir

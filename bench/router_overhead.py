@@ -93,6 +93,8 @@ sys.path.insert(0, str(ROOT))
 from sim.emulator.config import EmulatorConfig  # noqa: E402
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
 from balancer.service.launch import default_processes  # noqa: E402
+from pdlb_cli.args import ArgumentParser  # noqa: E402
+from pdlb_cli.comma_lists import CommaListError, comma_list, one_of  # noqa: E402
 
 PEER = ROOT.parent / "shared" / "peers" / "sglang_router.sh"  # the older peer script (router_scaling.py)
 #: the model name pdlb's emulated engines serve (sim.emulator.config); smg checks it (model_not_found)
@@ -684,16 +686,24 @@ def _summary(results: dict[str, dict]) -> None:
     print("(added p99 from closed-loop runs on a shared host is dominated by CPU contention; compare ratios)")
 
 
+def _cpu_range(text: str) -> frozenset[int]:
+    """``"0-3"`` -> {0, 1, 2, 3}; ``"8"`` -> {8} (CPU numbers >= 0, low to high)."""
+    lo, _, hi = text.partition("-")
+    try:
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        first, last = -1, -1
+    if first < 0 or last < first:
+        raise ValueError(f"{text!r} is not N or LOW-HIGH with 0 <= LOW <= HIGH")
+    return frozenset(range(first, last + 1))
+
+
 def _cpu_list(text: str, ap: argparse.ArgumentParser) -> set[int]:
     """``0-3,8`` -> {0, 1, 2, 3, 8}."""
-    out: set[int] = set()
     try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            out |= set(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        ap.error(f"--router-cpus: not a CPU list like 0-7 or 0,2,4: {text!r}")
-    return out
+        return set().union(*comma_list(text, _cpu_range, "CPU numbers or ranges like 0-7 or 0,2,4"))
+    except CommaListError as e:
+        ap.error(f"--router-cpus: {e}")
 
 
 def add_fleet_args(ap: argparse.ArgumentParser, *, duration_s: float, max_concurrency: int, pdlb_processes: str,
@@ -728,25 +738,39 @@ def add_fleet_args(ap: argparse.ArgumentParser, *, duration_s: float, max_concur
 
 def check_fleet_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *, min_processes: int) -> None:
     """Validate and convert :func:`add_fleet_args`' options in place (``ap.error``, exit status 2,
-    on bad input): ``modes`` a list; ``pdlb_processes`` a sorted list of counts >= ``min_processes``
-    (0 = pdlb's default, sorted last); ``router_cpus`` / ``other_cpus`` CPU sets or None (the
+    on bad input; lists by :func:`pdlb_cli.comma_lists.comma_list`: no empty item, no item twice):
+    ``modes`` a list; ``peer_names`` the peers to measure (``--peers``, less ``none``);
+    ``pdlb_processes`` a sorted list of counts >= ``min_processes`` (0 = pdlb's default, sorted last); ``router_cpus`` / ``other_cpus`` CPU sets or None (the
     router CPUs a proper subset of this process's affinity); ``default_processes`` what ``pdlb
     serve`` starts on the router CPUs without --processes."""
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad or not args.modes:
-        ap.error(f"bad --modes {bad}: a comma list of {', '.join(MODES)}")
+    try:
+        args.modes = comma_list(args.modes, one_of(MODES), f"modes of {', '.join(MODES)}")
+    except CommaListError as e:
+        ap.error(f"--modes: {e}")
+    try:  # peer_names: the peers to measure ("none": pdlb alone)
+        peers = comma_list(args.peers, one_of([*PEERS, "none"]), f"peers of {', '.join(PEERS)} or none")
+    except CommaListError as e:
+        ap.error(f"--peers: {e}")
+    args.peer_names = [p for p in peers if p != "none"]
     if args.repeat < 1 or not (math.isfinite(args.duration_s) and args.duration_s > 0):
         ap.error("--repeat must be >= 1 and --duration-s a finite number > 0")
     if min(args.engines, args.pd_engines, args.load_processes, args.concurrency, args.max_concurrency) < 1:
         ap.error("--engines, --pd-engines, --load-processes, --concurrency and --max-concurrency must be >= 1")
+    default = " (0: pdlb's default)" if min_processes == 0 else ""
+    counts = f"integers >= {min_processes}{default}"
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < min_processes:
+            raise ValueError(f"expected an integer >= {min_processes}{default}, got {text!r}")
+        return value
     try:
-        args.pdlb_processes = sorted({int(x) for x in args.pdlb_processes.split(",") if x.strip()}, key=lambda k: k or 1e9)
-    except ValueError:
-        ap.error(f"--pdlb-processes must be a comma list of integers, got {args.pdlb_processes!r}")
-    if not args.pdlb_processes or min(args.pdlb_processes) < min_processes:
-        ap.error(f"--pdlb-processes needs at least one value, all >= {min_processes}"
-                 + (" (0: pdlb's default)" if min_processes == 0 else ""))
+        args.pdlb_processes = sorted(comma_list(args.pdlb_processes, count, counts), key=lambda k: k or 1e9)
+    except CommaListError as e:
+        ap.error(f"--pdlb-processes: {e}")
     all_cpus = os.sched_getaffinity(0)
     args.router_cpus = _cpu_list(args.router_cpus, ap) if args.router_cpus else None
     if args.router_cpus and not args.router_cpus < all_cpus:
@@ -758,9 +782,8 @@ def check_fleet_args(ap: argparse.ArgumentParser, args: argparse.Namespace, *, m
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n".join(__doc__.splitlines()[1:]))
     add_fleet_args(ap, duration_s=5.0, max_concurrency=64, pdlb_processes="1", engines=2, pd_engines=1,
                    load_processes=1, repeat_help="interleaved repeats per mode (default 3)")
     ap.add_argument("--baseline", metavar="DIR", type=Path, action="append",
@@ -786,10 +809,7 @@ def main() -> int:
             ap.error(f"--variant must be NAME=ARGS, got {v!r}")
         variants.append((name.strip(), shlex.split(extra)))
     args.variant = variants
-    wanted = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
-    unknown = [p for p in wanted if p not in PEERS]
-    if unknown:
-        ap.error(f"unknown --peers {unknown}; valid: {', '.join(PEERS)}, none")
+    wanted = args.peer_names
     peer_cmds = {}
     for name in wanted:
         if any(m in PEERS[name].modes for m in modes):

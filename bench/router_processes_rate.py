@@ -229,8 +229,11 @@ def wakeup_fit(points: list[tuple[float, float]]) -> tuple[float, float, float] 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    from pdlb_cli.args import ArgumentParser, positive_int  # one usage line, then the error
+    from pdlb_cli.comma_lists import list_arg, one_of
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--modes", default="regular,pd,vllm-pd", help="comma list of regular, pd, vllm-pd (default all)")
     ap.add_argument("--processes", default="1,2,4,8", help="comma list of 'pdlb serve --processes' values (default 1,2,4,8)")
     ap.add_argument("--rate", type=float, default=300.0, help="offered requests/s, every router alike (default 300)")
@@ -245,15 +248,8 @@ def main() -> int:
     ap.add_argument("--baseline", action="append", default=[], help="also run these process counts from this checkout (repeatable)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON to this file")
     args = ap.parse_args()
-    try:
-        args.processes = [int(x) for x in args.processes.split(",")]
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    except ValueError:
-        ap.error("--processes takes a comma list of integers")
-    if not args.processes or min(args.processes) < 1:
-        ap.error("--processes: counts >= 1")
-    if any(m not in ("regular", "pd", "vllm-pd") for m in modes) or not modes:
-        ap.error("--modes: of regular, pd, vllm-pd")
+    args.processes = list_arg(ap, "--processes", args.processes, "process counts >= 1", positive_int)
+    modes = list_arg(ap, "--modes", args.modes, "modes of regular, pd, vllm-pd", one_of(("regular", "pd", "vllm-pd")))
     for name in ("rate", "duration_s", "idle_s"):
         v = getattr(args, name)
         if not (math.isfinite(v) and v > 0):

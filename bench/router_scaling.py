@@ -754,9 +754,11 @@ async def ablate(args: argparse.Namespace, out: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n".join(__doc__.splitlines()[1:]))
     ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per measured window (default 4)")
     ap.add_argument("--probe-s", type=float, default=0.3, help="seconds per probe reading (default 0.3)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the main comparisons (default 2)")
@@ -781,7 +783,10 @@ def main() -> int:
     if not args.router_cpus < all_cpus:
         ap.error(f"--router-cpus must be a proper subset of {sorted(all_cpus)}")
     args.other_cpus = all_cpus - args.router_cpus
-    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    from pdlb_cli.comma_lists import list_arg, one_of
+
+    phases = list_arg(ap, "--phases", args.phases, "phases of probe, regular, pd, ablate",
+                      one_of(("probe", "regular", "pd", "ablate")))
     sglang_cmd = __import__("shlex").split(args.sglang_router) if args.sglang_router else None
     if sglang_cmd and sglang_cmd[0] == "bash" and len(sglang_cmd) > 1 and not Path(sglang_cmd[1]).is_file():
         print(f"note: {sglang_cmd[1]} not found; no sglang-router rows")

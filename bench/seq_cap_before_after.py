@@ -46,7 +46,9 @@ BEFORE, AFTER = "ep_aware", "ep_aware:seq_cap=true"
 def main(argv: list[str] | None = None) -> int:
     from sim.search.point import SLO, Point, evaluate_point, parse_policy
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(ROWS), help="workload:scenario,... (default: %(default)s)")
     ap.add_argument("--scales", default="1,2,4", help="rate scales of each trace (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per point (default 1)")
@@ -56,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tpot-s", type=float, default=0.05)
     ap.add_argument("--slo-attainment", type=float, default=0.9)
     a = ap.parse_args(argv)
-    rows = [r.strip() for r in a.rows.split(",") if r.strip()]
-    scales = [float(x) for x in a.scales.split(",") if x.strip()]
+    from pdlb_cli.args import positive_float
+    from pdlb_cli.comma_lists import list_arg
+
+    rows = list_arg(ap, "--rows", a.rows, "rows workload:scenario")
+    scales = list_arg(ap, "--scales", a.scales, "rate scales > 0", positive_float)
     if not rows or not scales or a.seeds < 1:
         ap.error("need at least one row, one scale and one seed")
     slo = SLO(ttft_s=a.slo_ttft_s, tpot_s=a.slo_tpot_s, attainment=a.slo_attainment,

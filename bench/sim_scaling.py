@@ -50,7 +50,10 @@ def one(n: int, decode_ranks: int, max_prefill_tokens: int = 8192, exact: bool =
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--decode-ranks", default="64,128,512")
     ap.add_argument("--max-prefill-tokens", type=int, default=8192, help="chunked-prefill budget per rank")
@@ -61,9 +64,13 @@ def main() -> int:
         print(json.dumps(one(*args.one, args.max_prefill_tokens, args.exact)))
         return 0
     extra = ["--max-prefill-tokens", str(args.max_prefill_tokens)] + (["--exact"] if args.exact else [])
+    sys.path.insert(0, str(ROOT))
+    from pdlb_cli.args import positive_int
+    from pdlb_cli.comma_lists import list_arg
+
     rows = []
-    for ranks in (int(x) for x in args.decode_ranks.split(",")):
-        for n in (int(x) for x in args.sizes.split(",")):
+    for ranks in list_arg(ap, "--decode-ranks", args.decode_ranks, "rank counts >= 1", positive_int):
+        for n in list_arg(ap, "--sizes", args.sizes, "request counts >= 1", positive_int):
             out = subprocess.run([sys.executable, __file__, "--one", str(n), str(ranks), *extra],
                                  capture_output=True, text=True)
             if out.returncode != 0:

@@ -14,16 +14,18 @@ from typing import Any
 from balancer.deadline_admission import WAIT_MODELS, AdmissionConfig
 from balancer.service.admission_config import AdmissionSettings
 from balancer.types import TtftSlo
+from pdlb_cli.comma_lists import comma_items
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
     """``"A=2,B=0.5"`` -> ``{"A": 2.0, "B": 0.5}`` (argparse type).
 
     Raises:
-        argparse.ArgumentTypeError: a part without ``=``, an empty name, a weight not > 0.
+        argparse.ArgumentTypeError: a part without ``=``, an empty name, a weight not > 0, an empty
+            part (``A=1,,B=2``), a tenant given twice.
     """
     out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in comma_items(text, "TENANT=WEIGHT pairs"):
         name, sep, w = part.partition("=")
         try:
             weight = float(w)
@@ -31,6 +33,9 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             weight = float("nan")
         if not sep or not name.strip() or not 0 < weight < float("inf"):
             raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT[,TENANT=WEIGHT...] with weights > 0, got {part!r}")
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"expected distinct tenants, got {text!r} (tenant {name.strip()!r} "
+                                             "is given twice)")
         out[name.strip()] = weight
     return out
 

@@ -20,7 +20,8 @@ perf model (no simulation, search or report module; no other module of :mod:`pdl
   (:func:`add_session_workload_args`, :func:`session_config`); :func:`describe_scenario`;
 - :func:`unique_results_dir` and :func:`default_results_dir` for default results folders,
   :func:`check_out_file` for an ``--out FILE``;
-- :class:`ArgumentParser`, argparse's parser with short, clear usage errors.
+- :class:`ArgumentParser`, argparse's parser with short, clear usage errors;
+- list-valued options' items (:func:`comma_items`, :func:`comma_list`, from :mod:`pdlb_cli.comma_lists`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from rich.markup import escape
 from balancer.policies import make_policy
 from balancer.policies.spec import split_policy_list
 from balancer.router import DEFAULT_TIER_WEIGHTS
+from pdlb_cli.comma_lists import CommaListError, comma_items, comma_list, one_of  # noqa: F401 (re-exported)
 from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
 from sim.run.file_names import safe_file_stem
 from sim.search.host import default_jobs
@@ -84,11 +86,8 @@ def positive_int(text: str) -> int:
 
 
 def positive_int_list(text: str) -> list[int]:
-    """Comma-separated ints, each >= 1 (``pdlb dev k-routers --ks 1,2,4,8``)."""
-    parts = [x.strip() for x in text.split(",")]
-    if not text.strip() or not all(parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return [_int_at_least(x, 1) for x in parts]
+    """Comma-separated distinct ints, each >= 1 (``pdlb dev k-routers --ks 1,2,4,8``)."""
+    return comma_list(text, positive_int, "integers >= 1")
 
 
 #: Largest token count a flag takes (2^24 = 16.8M, far above any model's context; as scenarios).
@@ -131,20 +130,20 @@ def nonnegative_float(text: str) -> float:
 
 
 def positive_float_list(text: str) -> list[float]:
-    """Comma-separated finite numbers, each > 0 (``pdlb dev tiers-vs-routing --rate-scales 0.6,1``)."""
-    parts = [x.strip() for x in text.split(",")]
-    if not text.strip() or not all(parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}")
-    return [positive_float(x) for x in parts]
+    """Comma-separated distinct finite numbers, each > 0 (``pdlb dev tiers-vs-routing --rate-scales 0.6,1``)."""
+    return comma_list(text, positive_float, "numbers > 0")
 
 
 def rate_list(text: str) -> list[float]:
-    """Comma-separated request rates, req/s: finite, >= 0, at least one > 0 (a load ramp's steps)."""
+    """Comma-separated request rates, req/s: finite, >= 0, at least one > 0 (a load ramp's steps,
+    so a rate may repeat)."""
     try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
+        rates = [float(x) for x in comma_items(text, "rates (req/s)", distinct=False)]
+    except CommaListError:
+        raise
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}") from None
-    if not rates or any(not (r >= 0 and r != float("inf")) for r in rates):
+    if any(not (r >= 0 and r != float("inf")) for r in rates):
         raise argparse.ArgumentTypeError(f"expected comma-separated finite rates >= 0, got {text!r}")
     if not any(rates):
         raise argparse.ArgumentTypeError(f"every rate is 0, so the workload would be empty; give at least one "
@@ -188,7 +187,7 @@ def parse_tier_weights(text: str | None) -> dict[str, float] | None:
     if not text:
         return None
     out: dict[str, float] = {}
-    for part in text.split(","):
+    for part in comma_items(text, "name=number pairs like host=0.75,store=0.5", flag="--tier-weights"):
         name, sep, value = part.partition("=")
         name = name.strip()
         try:
@@ -199,6 +198,8 @@ def parse_tier_weights(text: str | None) -> dict[str, float] | None:
             raise ValueError(f"--tier-weights: expected name=number pairs like host=0.75,store=0.5, got {part!r}") from None
         if name not in DEFAULT_TIER_WEIGHTS:
             raise ValueError(f"--tier-weights: unknown tier {name!r}; valid: {', '.join(DEFAULT_TIER_WEIGHTS)}")
+        if name in out:
+            raise ValueError(f"--tier-weights: tier {name} is given twice in {text!r}")
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"--tier-weights: {name} weight must be in [0, 1], got {value.strip()}")
         out[name] = weight
@@ -242,6 +243,9 @@ class ArgumentParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.75)
             if close:
                 message += f"; did you mean {close[0]!r}?"
+        # argparse's own words for a type= that failed: say what is expected
+        message = re.sub(r"invalid int value: (.*)$", r"expected an integer, got \1", message)
+        message = re.sub(r"invalid float value: (.*)$", r"expected a number, got \1", message)
         usage = self.format_usage()
         if usage.count("\n") > 1:
             pos = []

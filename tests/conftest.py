@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import spawn_guard
+
 try:
     import zmq
 except ImportError:  # pyzmq is a test dependency; without it the KV-event tests skip
@@ -22,10 +24,17 @@ def pytest_sessionstart(session) -> None:  # noqa: ANN001
     """Compile ep_aware's numba loops (balancer/kernels.py) once, in this process, before any test
     starts router processes: on a fresh clone the first compile takes seconds, and several spawned
     ``pdlb serve`` processes compiling at once would eat a test's start-up timeout. Later processes
-    load numba's cache. Without numba this does nothing."""
+    load numba's cache. Without numba this does nothing. Then take SIGTERM so that no spawned
+    server outlives a terminated session (``spawn_guard``)."""
     from balancer import kernels
 
     kernels.compiled()
+    spawn_guard.install()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
+    """End any ``pdlb engine`` / ``pdlb serve`` a test left running (``spawn_guard``)."""
+    spawn_guard.stop_all()
 
 
 if os.environ.get("PDLB_TEST_EVENT_LOOP") == "uvloop":  # the in-process tests on uvloop (issue 26)

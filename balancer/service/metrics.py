@@ -32,6 +32,12 @@ of refused prompts written) and
 dead router processes are counted by the replacements:
 ``pdlb_router_process_restarts_total{process}`` and ``pdlb_router_process_reaped_requests_total{process}``
 (:mod:`balancer.service.processes.supervise`).
+
+No ``*_created`` series: prometheus-client adds one per counter and histogram child by default
+(the Unix time it was created, which Prometheus reads as a separate series), and multiprocess mode
+drops them anyway; building :class:`ServiceMetrics` turns them off with the library's own switch,
+``prometheus_client.disable_created_metrics()``, which holds for the whole process (as the
+``PROMETHEUS_DISABLE_CREATED_SERIES`` environment variable would).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import os
 from collections.abc import Callable, Collection
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess as prom_multiprocess
 
 from balancer.router import Router
@@ -85,6 +91,7 @@ class ServiceMetrics:
 
     def __init__(self, multiprocess: bool = False) -> None:
         self.multiprocess = multiprocess
+        disable_created_metrics()  # no *_created series (module docstring); process-wide
         if multiprocess:
             _install_cached_pid()
         r = self.registry = CollectorRegistry()

@@ -8,7 +8,7 @@ import sys
 
 from rich.console import Console
 
-from pdlb_cli.args import nonnegative_float, positive_float, positive_int, positive_int_list, seed_int
+from pdlb_cli.args import comma_items, nonnegative_float, positive_float, positive_int, positive_int_list, seed_int
 from sim.experiments.broker_routers import DEFAULT_INTERVAL_S, DEFAULT_LATENCY_S, MODES, markdown, run
 from sim.experiments.k_routers import DEFAULT_POLICIES
 
@@ -40,7 +40,7 @@ class BrokerRouters:
     def run(self, args: argparse.Namespace, console: Console) -> int:
         # an unknown mode is a ValueError from run(): one error line, exit status 2 (pdlb_cli.main)
         pols = DEFAULT_POLICIES if args.policy is None else (args.policy, args.policy)
-        rows = run(args.ks, [m.strip() for m in args.modes.split(",")], args.limit, args.seed, 1.0,
+        rows = run(args.ks, comma_items(args.modes, "modes", flag="--modes"), args.limit, args.seed, 1.0,
                    args.interval_s, args.latency_s, log=lambda s: print(s, file=sys.stderr, flush=True),
                    prefill_policy=pols[0], decode_policy=pols[1])
         print(markdown(rows))

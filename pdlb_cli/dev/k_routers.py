@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pdlb_cli.args import positive_float, positive_int, positive_int_list, seed_int
+from pdlb_cli.args import comma_items, positive_float, positive_int, positive_int_list, seed_int
 from sim.experiments.k_routers import DEFAULT_POLICIES, DEFAULT_REPORT_INTERVAL_S, markdown, run
 
 INDEX_MODES = ("approximate", "events", "hybrid")
@@ -18,7 +18,7 @@ INDEX_MODES = ("approximate", "events", "hybrid")
 def index_modes(text: str) -> list[str]:
     """``--modes``: index modes (approximate, events, hybrid), each optionally ``+shared-load`` or
     ``+reports``."""
-    modes = [m.strip() for m in text.split(",")]
+    modes = comma_items(text, "index modes (approximate, events, hybrid; +shared-load or +reports)")
     bad = [m for m in modes if m.partition("+")[0] not in INDEX_MODES or m.partition("+")[2] not in ("", "shared-load", "reports")]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown index mode(s) {', '.join(bad)} ({', '.join(INDEX_MODES)}, "

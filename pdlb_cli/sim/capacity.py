@@ -31,6 +31,7 @@ from balancer.policies import available_policies
 from pdlb_cli.args import (
     CAPACITY_TTFT_PER_1K_TOKENS_S,
     add_cluster_args,
+    comma_items,
     add_executor_args,
     add_output_args,
     add_router_args,
@@ -188,7 +189,7 @@ def _curve(text: str | None) -> list[float]:
     if not text:
         return []
     vals = []
-    for part in text.split(","):
+    for part in comma_items(text, "positive rate scales like 0.5,1,2", flag="--curve"):
         try:
             v = float(part)
         except ValueError:

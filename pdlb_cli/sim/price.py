@@ -18,7 +18,9 @@ from rich.table import Table
 
 from balancer.policies.spec import build_policy, format_policy_spec, parse_policy_spec
 from pdlb_cli.args import (
+    CommaListError,
     add_set_arg,
+    comma_items,
     seed_int,
     token_count,
     warn_idle_flags,
@@ -67,7 +69,9 @@ DEFAULT_RATIOS = (1.0, 2.0, 3.6, 8.0, 16.0, 32.0)
 
 def _floats(text: str, what: str) -> list[float]:
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [float(x) for x in comma_items(text, "numbers", flag=what)]
+    except CommaListError:
+        raise
     except ValueError as e:
         raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from e
     if not vals:
@@ -160,17 +164,28 @@ def _price_runs(console, labelled_rates: Sequence[tuple[str, TokenRates]], sheet
                                         f"GPU ${args.gpu_hour_cost:g}/h"))
 
 
+def hit_rates(text: str) -> list[float]:
+    """``--hit-rate``: distinct fractions in [0, 1] (ValueError naming the flag otherwise)."""
+    hits = _floats(text, "--hit-rate")
+    for h in hits:
+        _check_fraction("--hit-rate", h)
+    return hits
+
+
+def prompt_ratios(text: str) -> list[float]:
+    """``--ratio``: distinct finite numbers > 0 (ValueError naming the flag otherwise)."""
+    ratios = _floats(text, "--ratio")
+    for r in ratios:
+        if not (math.isfinite(r) and r > 0):
+            raise ValueError(f"--ratio: values must be finite and > 0, got {r:g}")
+    return ratios
+
+
 def run_price(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
 
     sheets = load_price_sheets(args.prices)
-    hits = _floats(args.hit_rate, "--hit-rate")
-    ratios = _floats(args.ratio, "--ratio")
-    for h in hits:
-        _check_fraction("--hit-rate", h)
-    for r in ratios:
-        if not (math.isfinite(r) and r > 0):
-            raise ValueError(f"--ratio: values must be finite and > 0, got {r:g}")
+    hits, ratios = hit_rates(args.hit_rate), prompt_ratios(args.ratio)
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)
 
     measured = [("trace", "without --simulate"), ("limit", "without --simulate"), ("rate_scale", "without --simulate"),

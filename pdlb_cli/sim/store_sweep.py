@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pdlb_cli.args import DAY_S, add_session_workload_args, session_config, unique_results_dir
+from pdlb_cli.args import DAY_S, add_session_workload_args, comma_items, session_config, unique_results_dir
 from sim.run.engine.kv_store import KvStore
 from sim.experiments.store_hit_rate import replay_store, ttl_hit_rates
 from sim.workload import read_trace, session_workload
@@ -56,9 +56,7 @@ def add_store_sweep_parser(simsub: argparse._SubParsersAction) -> argparse.Argum
 
 def _parse_list(text: str, what: str, scale: float) -> list[float | None]:
     out: list[float | None] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
+    for part in comma_items(text, "numbers > 0 or 'none'", flag=what):
         if part.lower() == "none":
             out.append(None)
             continue
@@ -76,9 +74,7 @@ def _parse_list(text: str, what: str, scale: float) -> list[float | None]:
 
 def _parse_class_ttls(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
+    for part in comma_items(text, "CLASS=HOURS pairs", flag="--class-ttl-hours"):
         name, sep, val = part.partition("=")
         try:
             hours = float(val)
@@ -86,6 +82,8 @@ def _parse_class_ttls(text: str) -> dict[str, float]:
             hours = math.nan
         if not sep or not name.strip() or not (hours > 0 and math.isfinite(hours)):
             raise ValueError(f"--class-ttl-hours: expected CLASS=HOURS with HOURS > 0, got {part!r}")
+        if name.strip() in out:
+            raise ValueError(f"--class-ttl-hours: class {name.strip()!r} is given twice in {text!r}")
         out[name.strip()] = hours * HOUR_S
     return out
 

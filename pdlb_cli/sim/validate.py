@@ -10,6 +10,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from pdlb_cli.args import comma_items
 from sim.validation.gpu_runs import print_rows as print_gpu_rows
 from sim.validation.tolerance import TOLERANCE
 from sim.validation.published import (
@@ -125,9 +126,9 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
         console.print(f"step_overhead_s = {perf.step_overhead_s:g}  # assumed: roofline default "
                       "(sim/perf/roofline.py), held fixed by the calibration", markup=False)
         return 0
-    keys = [k.strip() for k in args.figures.split(",") if k.strip()] if args.figures is not None else None
-    if keys == []:
+    if args.figures is not None and not args.figures.replace(",", "").strip():  # no figure named at all
         raise ValueError(f"--figures: give at least one figure ({', '.join(FIGURES_BY_KEY)}), or leave the flag out for all")
+    keys = comma_items(args.figures, "figure keys", flag="--figures", distinct=False) if args.figures is not None else None
     twice = sorted({k for k in keys or [] if keys.count(k) > 1})  # would be counted twice in the summary line
     if twice:
         raise ValueError(f"--figures: {', '.join(twice)} given more than once")

@@ -3,10 +3,15 @@
 * :func:`inprocess_cluster`: engines and router as aiohttp test servers in the current event loop.
 * :class:`Proc` / :func:`spawn_engine` / :func:`spawn_router`: real ``pdlb engine`` / ``pdlb serve``
   processes on 127.0.0.1, port 0; the ready line on stdout gives the port. Always ``stop()`` them.
+  Each starts in its own session (its own process group, with the processes it starts: ``pdlb
+  serve``'s router processes), so that :func:`stop_spawned` can end every one still running, its
+  group included, when the caller cannot run its ``finally`` blocks (the test suite's SIGTERM
+  handler and session end, ``tests/spawn_guard.py``), and a terminal's Ctrl-C reaches only the caller.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -119,11 +124,57 @@ class Proc:
             self.popen.wait(5)
 
 
+#: the processes :func:`_start` made whose process group may still have members, by pid (= their
+#: group's id); pruned at each start, emptied by :func:`stop_spawned` (also at interpreter exit: a
+#: bench ended by Ctrl-C, which no longer reaches its servers); a forked child starts with none
+_SPAWNED: dict[int, subprocess.Popen] = {}
+os.register_at_fork(after_in_child=_SPAWNED.clear)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _start(args: Sequence[str], prelude: str = "") -> subprocess.Popen:
-    """``pdlb ARGS`` in a new process; ``prelude``: Python statements it runs first (a test's patch)."""
+    """``pdlb ARGS`` in a new process, in a session (and process group) of its own;
+    ``prelude``: Python statements it runs first (a test's patch)."""
     code = "import sys; from pdlb_cli.main import main; sys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", f"{prelude}\n{code}" if prelude else code, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+    for pid in [pid for pid, p in _SPAWNED.items() if p.poll() is not None and not _group_alive(pid)]:
+        del _SPAWNED[pid]  # finished, and nothing it started is left
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                             start_new_session=True)
+    _SPAWNED[popen.pid] = popen
+    return popen
+
+
+def stop_spawned(timeout_s: float = 5.0) -> list[int]:
+    """End every process group :func:`_start` made that still has a member: SIGTERM to the group
+    (``pdlb serve`` then stops its router processes itself), SIGKILL to what is left of it after
+    ``timeout_s`` in all, then reap. For callers that cannot stop their :class:`Proc` one by one
+    (a test session ending or being terminated). Returns the groups signalled (their leaders' pids)."""
+    groups = [pid for pid, p in _SPAWNED.items() if p.poll() is None or _group_alive(pid)]
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for pgid in groups:
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            _SPAWNED[pgid].poll()  # reap the leader once it exits (a zombie stays a member)
+            time.sleep(0.02)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            _SPAWNED[pgid].wait(timeout_s)
+    _SPAWNED.clear()
+    return groups
+
+
+atexit.register(stop_spawned)
 
 
 def _spawn(args: Sequence[str], timeout_s: float = 30.0, popen: subprocess.Popen | None = None) -> Proc:

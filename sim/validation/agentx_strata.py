@@ -179,17 +179,24 @@ def result_strata(result: "ClosedLoopResult") -> dict:
 
 
 def print_strata(rows: list[StrataRow], console, title: str) -> None:  # noqa: ANN001
-    """A table of :func:`compare_strata`'s rows (shares in %, tokens rounded)."""
+    """A table of :func:`compare_strata`'s rows (shares in %, tokens rounded), laid out as
+    docs/validate.md shows it: each figure ``published / simulated`` in one column, so that the
+    table fits 120 columns (a file or pipe gets 160: the nine separate columns it had wrapped the
+    bucket labels there); the labels never wrap."""
     from rich.table import Table
+    cells = [(f"{r.dimension} {r.bucket}" + (" (cold)" if (r.dimension, r.bucket) == ("reuse", "0%") else ""),
+              f"{100 * r.published_share:.1f}% / {100 * r.simulated_share:.1f}%",
+              f"{r.published_mean_prompt:,.0f} / {r.simulated_mean_prompt:,.0f}",
+              f"{r.published_mean_uncached:,.0f} / {r.simulated_mean_uncached:,.0f}",
+              f"{100 * r.published_uncached_share:.1f}% / {100 * r.simulated_uncached_share:.1f}%") for r in rows]
     t = Table(title=title)
-    for col in ("bucket", "requests, published", "simulated", "mean prompt, published", "simulated",
-                "mean uncached, published", "simulated", "share of uncached, published", "simulated"):
-        t.add_column(col, justify="left" if col == "bucket" else "right")
-    for r in rows:
-        t.add_row(f"{r.dimension} {r.bucket}", f"{100 * r.published_share:.1f}%", f"{100 * r.simulated_share:.1f}%",
-                  f"{r.published_mean_prompt:,.0f}", f"{r.simulated_mean_prompt:,.0f}",
-                  f"{r.published_mean_uncached:,.0f}", f"{r.simulated_mean_uncached:,.0f}",
-                  f"{100 * r.published_uncached_share:.1f}%", f"{100 * r.simulated_uncached_share:.1f}%")
+    heads = ("bucket", "requests, 440845 / sim", "mean prompt, 440845 / sim", "mean uncached, 440845 / sim",
+             "share of uncached tokens, 440845 / sim")
+    for k, head in enumerate(heads):  # a header may wrap, a cell not (min_width: its longest cell)
+        t.add_column(head, justify="left" if k == 0 else "right",
+                     min_width=max((len(c[k]) for c in cells), default=len(head)))
+    for c in cells:
+        t.add_row(*c)
     console.print(t)
 
 

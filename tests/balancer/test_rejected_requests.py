@@ -73,3 +73,58 @@ def test_events_mode_has_nothing_to_forget():
     big = prompt(3)
     route = r.route(req("b", 3 * BS, block_hashes=big), 2.0)
     assert r.on_rejected(route, big, 2.0, by_prefill=True) == 0
+
+
+def test_a_request_routed_at_the_same_instant_keeps_its_blocks():
+    # review finding R7: the review's own case, one decode replica, 10-block prompt routed twice at
+    # now_s=5.0; refusing the first must keep the second's 10 blocks (it is computing them). Hand
+    # count: a recorded 10 new blocks, b touched all 10 (matched 10 * BS) -> nothing to drop.
+    r = Router("round_robin", "round_robin", block_size=BS)
+    r.add_replica(D, Role.DECODE)
+    big = prompt(10)
+    a = r.route(req("a", 10 * BS, block_hashes=big), 5.0)
+    b = r.route(req("b", 10 * BS, block_hashes=big), 5.0)
+    assert b.decode_matched_tokens == 10 * BS and a.touch_id != b.touch_id
+    assert r.on_rejected(a, big, 5.0, by_prefill=False) == 0
+    assert r.route(req("c", 10 * BS, block_hashes=big), 6.0).decode_matched_tokens == 10 * BS
+    # a partial overlap at one instant: d records 4 new blocks, e touches the first 2 again.
+    # Refusing d drops the 2 blocks only d touched (e keeps its 2). Refusing e then drops none:
+    # e matched those 2 when routed (d's record), and what a replica held then stays.
+    r2 = Router("round_robin", "round_robin", block_size=BS)
+    r2.add_replica(D, Role.DECODE)
+    four = prompt(4, tail=3)
+    d = r2.route(req("d", 4 * BS, block_hashes=four), 7.0)
+    e = r2.route(req("e", 2 * BS, block_hashes=four[:2]), 7.0)
+    assert r2.on_rejected(d, four, 7.0, by_prefill=False) == 2
+    assert r2.index.match_replica(D, four) == 2
+    assert e.decode_matched_tokens == 2 * BS
+    assert r2.on_rejected(e, four[:2], 7.0, by_prefill=False) == 0
+    assert r2.index.num_blocks(D) == 2
+
+
+def test_a_route_without_touch_id_compares_times_only():
+    # a Route the caller built (touch_id None): the old rule, a same-instant touch is not told apart
+    # (hand: both routes' 3 blocks were last touched at 5.0 -> all 3 dropped)
+    from balancer.types import Route
+    r = Router("round_robin", "round_robin", block_size=BS)
+    r.add_replica(D, Role.DECODE)
+    big = prompt(3)
+    a = r.route(req("a", 3 * BS, block_hashes=big), 5.0)
+    r.route(req("b", 3 * BS, block_hashes=big), 5.0)
+    bare = Route(a.request_id, a.prefill, a.decode, a.prefill_matched_tokens, a.decode_matched_tokens)
+    assert bare.touch_id is None
+    assert r.on_rejected(bare, big, 5.0, by_prefill=False) == 3
+
+
+def test_touch_ids_survive_a_snapshot():
+    # the router pickles its index flat (PrefixIndex.to_flat): the touch ids go with it, so a
+    # same-instant route still keeps its blocks after a restore (hand: 0 dropped, as above)
+    r = Router("round_robin", "round_robin", block_size=BS)
+    r.add_replica(D, Role.DECODE)
+    big = prompt(5)
+    a = r.route(req("a", 5 * BS, block_hashes=big), 5.0)
+    r.route(req("b", 5 * BS, block_hashes=big), 5.0)
+    restored = Router.restore(r.snapshot())
+    assert restored.on_rejected(a, big, 5.0, by_prefill=False) == 0
+    c = restored.route(req("c", 5 * BS, block_hashes=big), 6.0)
+    assert c.decode_matched_tokens == 5 * BS and c.touch_id == 3  # the route counter went along

@@ -172,7 +172,7 @@ def test_route_child_is_stopped_at_its_limit_and_keeps_what_it_printed(tmp_path:
 def test_bad_arguments_are_refused_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, words in ((["--modes", "regular,bogus"], "--modes"), (["--pdlb-processes", "1,x"], "--pdlb-processes"),
                         (["--pdlb-processes", "0"], "--pdlb-processes"), (["--repeat", "0"], "--repeat"),
-                        (["--peers", "nginx"], "unknown --peers"), (["--duration-s", "nan"], "--duration-s"),
+                        (["--peers", "nginx"], "--peers: unknown 'nginx'"), (["--duration-s", "nan"], "--duration-s"),
                         (["--duration-s", "inf"], "--duration-s"), (["--budget-s", "nan"], "--budget-s")):
         with pytest.raises(SystemExit) as e:
             it.main(argv)

@@ -37,16 +37,18 @@ def test_dev_lists_its_commands(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["dev", "k-routers", "--ks", "0"], "pdlb dev k-routers: error: argument --ks: must be >= 1, got 0"),
+    (["dev", "k-routers", "--ks", "0"], "pdlb dev k-routers: error: argument --ks: must be >= 1, got 0 (item 1 of '0')"),
     (["dev", "k-routers", "--ks", "1,,2"],
-     "pdlb dev k-routers: error: argument --ks: expected comma-separated integers >= 1, got '1,,2'"),
+     "pdlb dev k-routers: error: argument --ks: expected integers >= 1 separated by single commas, got '1,,2' "
+     "(item 2 is empty: two commas in a row after '1')"),
     (["dev", "k-routers", "--modes", "events,bogus"],
      "pdlb dev k-routers: error: argument --modes: unknown index mode(s) bogus (approximate, events, hybrid, "
      "each optionally +shared-load or +reports)"),
     (["dev", "broker-routers", "--ks", "x"],
-     "pdlb dev broker-routers: error: argument --ks: expected an integer >= 1, got 'x'"),
+     "pdlb dev broker-routers: error: argument --ks: expected an integer >= 1, got 'x' (item 1 of 'x')"),
     (["dev", "tiers-vs-routing", "--rate-scales", "0.6,0"],
-     "pdlb dev tiers-vs-routing: error: argument --rate-scales: must be a finite number > 0, got '0'"),
+     "pdlb dev tiers-vs-routing: error: argument --rate-scales: must be a finite number > 0, got '0' "
+     "(item 2 of '0.6,0')"),
     (["dev", "overload", "--duration-s", "-1"],
      "pdlb dev overload: error: argument --duration-s: must be a finite number > 0, got '-1'"),
     (["dev", "hostile-engine", "--port", "-1"],

@@ -294,6 +294,9 @@ async def test_health_and_metrics():
                      "pdlb_circuit_breaker_state", "pdlb_worker_healthy"):
             assert name in text, name
         assert 'pdlb_time_to_first_token_seconds_count{endpoint="completions"} 1.0' in text
+        # no prometheus-client *_created series (F9/R9: disable_created_metrics): counters and
+        # histograms had one per child, e.g. pdlb_requests_created{...} 1.7e9
+        assert "_created" not in text, [ln for ln in text.splitlines() if "_created" in ln][:3]
         # health checks mark dead workers unroutable; no decode worker -> 503
         svc = c.router.app[SERVICE]
         for d in c.decode:

@@ -217,3 +217,25 @@ def test_plot_strata_writes_a_png(tmp_path) -> None:
     sim = st.request_strata([10_000, 100_000, 50_000, 300_000], [0, 99_000, 40_000, 0])
     out = st.plot_strata({"hand example": sim}, tmp_path / "strata.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("width", [120, 160])  # 160: what pdlb gives a file or a pipe (pdlb_cli.main)
+def test_strata_table_rows_stay_on_one_line_in_a_file(width) -> None:
+    # review2: `pdlb sim validate --agentx-440246 > file` wrapped "uncached (128K,256K]" onto two
+    # rows. The widest real figures (docs/validate.md's table): every bucket is one line, whole.
+    import io
+
+    from rich.console import Console
+
+    rows = [st.StrataRow(d, b, 0.912, 0.880, 184_547, 169_532, 0.387, 0.284, 269_176, 384_376)
+            for d, bs in (("uncached", st.UNCACHED_BUCKETS[1:]), ("reuse", st.REUSE_BUCKETS[:-1])) for b in bs]
+    out = io.StringIO()
+    st.print_strata(rows, Console(file=out, width=width), "strata")
+    lines = out.getvalue().splitlines()
+    body = [ln for ln in lines if ln.startswith("│ uncached") or ln.startswith("│ reuse")]
+    assert len(body) == len(rows) == 9
+    for r, ln in zip(rows, body):
+        assert f"{r.dimension} {r.bucket}" in ln
+        assert "91.2% / 88.0%" in ln and "269,176 / 384,376" in ln and "38.7% / 28.4%" in ln
+    assert "reuse 0% (cold)" in out.getvalue()  # docs/validate.md's label
+    assert max(len(ln) for ln in lines) <= width
