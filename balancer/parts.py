@@ -30,7 +30,8 @@ instantly).
 **Route listeners** (:class:`RouteListener`): approximate and hybrid index modes call each, in the
 order given, after a decision recorded a prompt on its replicas, e.g. to send the decision to other
 router processes (:class:`balancer.service.processes.shared_prefix.PrefixShare`) or hosts
-(:class:`balancer.service.broker_sync.BrokerSync`).
+(:class:`balancer.service.broker_sync.BrokerSync`). **Reject listeners** (:class:`RejectListener`)
+hear when an engine refused a routed prompt and the router forgot it, e.g. to retract it there.
 
 **Cost learner** (:class:`CostLearnerPart`): refits the cost model cost-based policies read
 (``ep_aware``: :attr:`balancer.policies.SelectContext.cost_model`) from the hooks' timings;
@@ -49,7 +50,7 @@ from balancer.cost_model import CostModel
 from balancer.load import LoadTracker
 from balancer.types import ReplicaId, Request
 
-__all__ = ["CostLearnerPart", "LoadSources", "PeerLoad", "RouteListener"]
+__all__ = ["CostLearnerPart", "LoadSources", "PeerLoad", "RejectListener", "RouteListener"]
 
 
 @runtime_checkable
@@ -86,6 +87,19 @@ class RouteListener(Protocol):
     router's lock: it must not block (append to a buffer, send later)."""
 
     def __call__(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None: ...
+
+
+@runtime_checkable
+class RejectListener(Protocol):
+    """Called as ``listener(replicas, block_hashes, routed_at_s, forgotten)`` by
+    :meth:`balancer.router.Router.on_rejected` after the router forgot a refused prompt: the
+    decision as its route listeners got it (``replicas``, ``block_hashes``, ``routed_at_s``), and
+    ``forgotten``, ``(replica, kept_blocks)`` for each replica that forgets the blocks after its
+    first ``kept_blocks``. E.g. :meth:`balancer.service.processes.shared_prefix.PrefixShare.retract`
+    sends it to the other router processes. Runs under the router's lock: it must not block."""
+
+    def __call__(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], routed_at_s: float,
+                 forgotten: tuple[tuple[ReplicaId, int], ...]) -> None: ...
 
 
 @runtime_checkable

@@ -94,7 +94,7 @@ from balancer.load import LoadReport, LoadTracker
 from balancer.block_index import BlockIndex
 from balancer.cache_view import STORE_HOLDER, CacheView  # noqa: F401  (STORE_HOLDER re-exported)
 from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, RouterConfig  # noqa: F401  (DEFAULT_TIER_WEIGHTS, INDEX_MODES re-exported)
-from balancer.parts import CostLearnerPart, LoadSources, RouteListener
+from balancer.parts import CostLearnerPart, LoadSources, RejectListener, RouteListener
 from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
 from balancer.replicas import Pool, ReplicaInfo, ReplicaRegistry, RequestTooLargeError, fitting, without  # noqa: F401  (ReplicaInfo, RequestTooLargeError re-exported)
@@ -141,6 +141,9 @@ class Router:
         listeners: :class:`~balancer.parts.RouteListener` s, called in order as
             ``listener(replicas, block_hashes, now_s)`` after each decision that recorded a prompt
             (approximate and hybrid modes), e.g. to share it with other router processes.
+        reject_listeners: :class:`~balancer.parts.RejectListener` s, called in order by
+            :meth:`on_rejected` after this router forgot its own copy, e.g. to retract the decision
+            from the router processes it was shared with.
         learner: the online cost-model fit (:class:`~balancer.parts.CostLearnerPart`) to use
             instead of the one ``config.learn_cost_model`` would make; ``None``: as the config says.
         **settings: :class:`~balancer.config.RouterConfig` fields that replace the config's.
@@ -163,6 +166,7 @@ class Router:
         load_sources: LoadSources | None = None,
         listeners: Sequence[RouteListener] = (),
         learner: CostLearnerPart | None = None,
+        reject_listeners: Sequence[RejectListener] = (),
         **settings: Any,
     ) -> None:
         if config is None or settings:
@@ -192,6 +196,11 @@ class Router:
         for fn in self.listeners:
             if not callable(fn):
                 raise TypeError(f"a route listener must be callable, got {type(fn).__name__}")
+        #: called by :meth:`on_rejected` (given at construction; see :class:`~balancer.parts.RejectListener`)
+        self.reject_listeners: tuple[RejectListener, ...] = tuple(reject_listeners)
+        for reject_fn in self.reject_listeners:
+            if not callable(reject_fn):
+                raise TypeError(f"a reject listener must be callable, got {type(reject_fn).__name__}")
         if load_sources is not None and not isinstance(load_sources, LoadSources):
             raise TypeError(f"load_sources must be a balancer.parts.LoadSources, got {type(load_sources).__name__}")
         if learner is not None and not isinstance(learner, CostLearnerPart):
@@ -220,12 +229,13 @@ class Router:
     @classmethod
     def from_config(cls, config: RouterConfig, *, prefill_policy: Policy | None = None,
                     decode_policy: Policy | None = None, load_sources: LoadSources | None = None,
-                    listeners: Sequence[RouteListener] = (), learner: CostLearnerPart | None = None) -> Router:
+                    listeners: Sequence[RouteListener] = (), learner: CostLearnerPart | None = None,
+                    reject_listeners: Sequence[RejectListener] = ()) -> Router:
         """The router of ``config`` with its parts (see :class:`Router`'s arguments and
         :mod:`balancer.parts`); ``prefill_policy`` / ``decode_policy``: policy objects to use
         instead of the config's specs (e.g. a policy class that is not registered)."""
         return cls(prefill_policy, decode_policy, config=config, load_sources=load_sources, listeners=listeners,
-                   learner=learner)
+                   learner=learner, reject_listeners=reject_listeners)
 
     # the cache view's parts, by their old names (read them under ``router.lock``)
     @property
@@ -613,17 +623,35 @@ class Router:
         block_size)``, at least its index depth then) and any block touched again since
         ``routed_at_s`` (another request routed there meanwhile; one routed at the same ``now_s``
         is not told apart: its blocks are dropped too). Events mode: nothing to forget
-        (the engines' own events are the truth). Returns the blocks dropped. Other routers told of
-        the decision (processes sharing decisions, a broker) keep their copy: no retraction is sent.
+        (the engines' own events are the truth). Returns the blocks dropped. Then each of
+        ``reject_listeners`` is called as ``listener(replicas, block_hashes, routed_at_s, forgotten)``
+        (``replicas`` as the route listeners got them, prefill first; ``forgotten``: ``(replica,
+        kept_blocks)`` per replica that forgets), so that router processes the decision was shared
+        with forget it too (:meth:`forget_recorded`); a broker's peers keep their copy.
         """
         bs = self.block_size
         targets = [(route.decode, route.decode_matched_tokens)]
         if by_prefill and route.prefill is not None:
             targets.append((route.prefill, route.prefill_matched_tokens))
         n = 0
-        for rep, matched in targets:
-            n += self.cache.forget_routed(rep, block_hashes, -(-matched // bs), routed_at_s)
+        forgotten = tuple((rep, -(-matched // bs)) for rep, matched in targets)
+        for rep, kept in forgotten:
+            n += self.cache.forget_routed(rep, block_hashes, kept, routed_at_s)
+        if self.reject_listeners and block_hashes:
+            chosen = (route.decode,) if route.prefill is None else (route.prefill, route.decode)
+            for listener in self.reject_listeners:
+                listener(chosen, block_hashes, routed_at_s, forgotten)
         return n
+
+    @_locked
+    def forget_recorded(self, replica: ReplicaId, block_hashes: tuple[int, ...], touched_s: float) -> int:
+        """Approximate mode: forget those of ``block_hashes`` on ``replica`` whose last touch in the
+        prefix index was at ``touched_s`` exactly (what :meth:`record_routed` recorded then, and
+        nothing touched since): another router process's retraction of a prompt an engine refused
+        (:meth:`on_rejected` there). Returns the blocks dropped (0: unknown replica, other modes)."""
+        if replica not in self.registry or not block_hashes:
+            return 0
+        return self.cache.forget_routed(replica, block_hashes, 0, touched_s)
 
     @_locked
     def on_kv_event(self, replica: ReplicaId, event: KvEvent, now_s: float | None = None) -> None:
@@ -692,15 +720,23 @@ class Router:
         return self.registry.prefill_registered()
 
     @_locked
-    def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> None:
+    def record_routed(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], now_s: float) -> float:
         """Approximate mode: record a prompt another router (process) routed to ``replicas``, as
-        :meth:`route` records its own (prefix index only; unknown replicas are ignored).
+        :meth:`route` records its own (prefix index only; unknown replicas are ignored). Returns the
+        time it was recorded at, which :meth:`forget_recorded` takes: ``now_s`` when it is later
+        than every time this router has seen, else the next float after the latest one (see the
+        module docstring, "Clock"), so that it never shares its time with a record of this router's
+        own made before it (a retraction by time would take that one's blocks too).
 
         Raises:
             ValueError: ``now_s`` is not a finite number.
         """
+        latest = self._now_s
         now_s = self._clock(now_s)
+        if now_s <= latest:
+            now_s = self._now_s = math.nextafter(latest, math.inf)
         self.cache.record_peer_routed([r for r in replicas if r in self.registry], block_hashes, now_s)
+        return now_s
 
     # ------------------------------------------------------------------ state
     @_locked
@@ -760,7 +796,7 @@ class Router:
     def __getstate__(self) -> dict[str, Any]:
         with self.lock:  # the prefix indexes pickle themselves flat (PrefixIndex.to_flat)
             # listeners and the peer source belong to this process (LoadTracker drops its peer)
-            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "listeners")}
+            return {k: v for k, v in self.__dict__.items() if k not in ("lock", "listeners", "reject_listeners")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -787,6 +823,7 @@ class Router:
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self.listeners = ()
+        self.reject_listeners = ()
 
 
 def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterConfig:

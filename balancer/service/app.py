@@ -166,7 +166,8 @@ class Service:
             seed=rc.seed + process_index, learn_cost_model=learn,
             load_report_max_age_s=cfg.load_scrape.max_age_s if cfg.load_scrape.enabled else None),
             prefill_policy=prefill_policy, decode_policy=decode_policy,
-            load_sources=LoadSources(peer=self.broker or self.shared_load), listeners=listeners)
+            load_sources=LoadSources(peer=self.broker or self.shared_load), listeners=listeners,
+            reject_listeners=[self.prefix_share.retract] if self.prefix_share is not None else ())
         #: the KV-event subscriber, started with the app when a worker has an events endpoint
         self.kv_subscriber: Any = None
         self.kv_delivery: Any = None  # its LoopDelivery
@@ -1063,7 +1064,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         loops += _start_engine_feeds(svc, shared_prefix_dir)
         share = svc.prefix_share
         if share is not None:
-            share.start(svc.router.record_routed)
+            share.start(svc.router.record_routed, svc.router.forget_recorded)
             svc.metrics.prefix_share, svc.metrics.process_index = share, process_index
         broker = None
         if svc.broker is not None:  # routers on several hosts

@@ -26,7 +26,8 @@ writer: ``pdlb_kv_events_fanout_mirror_{blocks,evicted_total}``,
 ``pdlb_kv_events_fanout_snapshots_written_total``). In approximate mode the processes' shared
 decision rings (:mod:`balancer.service.processes.shared_prefix`) are counted as
 ``pdlb_shared_prefix_decisions_total{process,kind}`` (``written``, ``read``, ``folded``,
-``dropped``, ``recovered``: a replacement's predecessor's, read back) and
+``dropped``, ``recovered``: a replacement's predecessor's, read back; ``retracted``: retractions
+of refused prompts written) and
 ``pdlb_shared_prefix_lost_bytes_total{process}``. The parent's restarts of
 dead router processes are counted by the replacements:
 ``pdlb_router_process_restarts_total{process}`` and ``pdlb_router_process_reaped_requests_total{process}``
@@ -145,7 +146,7 @@ class ServiceMetrics:
         self.shared_prefix = Counter("pdlb_shared_prefix_decisions",
                                      "Approximate mode, several processes: routing decisions shared through the "
                                      "processes' rings, by process and kind (written, read, folded, dropped, "
-                                     "recovered)", ["process", "kind"], registry=r)
+                                     "recovered, retracted)", ["process", "kind"], registry=r)
         self.shared_prefix_lost = Counter("pdlb_shared_prefix_lost_bytes",
                                           "Approximate mode, several processes: ring bytes a reader skipped "
                                           "because the writer lapped it", ["process"], registry=r)
@@ -268,7 +269,7 @@ class ServiceMetrics:
         """Add what the shared prefix ring's counters gained since the last call."""
         seen, process = self._share_seen, str(self.process_index)
         now = {"written": share.sent, "read": share.received, "folded": share.folded, "dropped": share.dropped,
-               "recovered": share.recovered, "lost_bytes": share.lost_bytes}
+               "recovered": share.recovered, "retracted": share.retracted, "lost_bytes": share.lost_bytes}
         for kind, value in now.items():
             step = value - seen.get(kind, 0)
             if step > 0:

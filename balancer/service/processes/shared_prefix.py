@@ -48,6 +48,25 @@ restarts a dead one with the same index) first records its predecessor's decisio
 ring the same way (:attr:`PrefixShare.recovered`), then goes on writing where the predecessor
 stopped, so the view it routes with is the dead process's as well as the others'.
 
+Retractions (review finding R10): when an engine refuses a request with a 4xx, the routing process
+forgets the prompt's new blocks on the replicas that will not hold them
+(:meth:`balancer.router.Router.on_rejected`) and, through :meth:`PrefixShare.retract` (a
+:class:`balancer.parts.RejectListener`), appends a retraction to its ring: a record of the same
+layout whose msgpack is ``[decision, [[engine, dp_rank, kept_blocks], ...]]`` (``decision`` the
+decision record's own msgpack bytes, the time field the decision's). A reader keeps, for the last
+:data:`APPLIED_ENTRIES` decisions it applied, the time its router recorded them at
+(:meth:`balancer.router.Router.record_routed` returns it: a peer's earlier time is raised to the
+reader's latest) and how many identical decisions that one application stood for; a retraction
+of a decision it applied alone drops, on each named replica, the blocks after ``kept_blocks`` that
+nothing touched since (:meth:`balancer.router.Router.forget_recorded`, the same rule as the
+routing process's own). A decision folded with an identical one (another request with the same
+prompt to the same replicas, accepted) keeps its blocks, as does one no longer remembered; a
+retraction read in the same drain as its decision cancels it (neither is applied). Not told
+apart: blocks the reader held before it applied the refused decision beyond the routing process's
+``kept_blocks`` (its own accepted request of the same prompt there, say) are dropped with it,
+a missed prefix hit later rather than a hit on blocks nobody cached; and an own decision this
+process recorded later at an earlier time (clamped to the same time) is taken for the peer's.
+
 Delivery is best effort: an approximate index is a guess anyway; a lost decision costs a missed
 prefix hit, never a wrong route.
 """
@@ -65,7 +84,7 @@ import msgpack
 
 from balancer.types import ReplicaId
 
-__all__ = ["DRAIN_INTERVAL_S", "RING_BYTES", "PrefixShare", "ring_path"]
+__all__ = ["APPLIED_ENTRIES", "DRAIN_INTERVAL_S", "RING_BYTES", "PrefixShare", "ring_path"]
 
 log = logging.getLogger("pdlb.shared_prefix")
 
@@ -77,8 +96,15 @@ DRAIN_INTERVAL_S = 0.02
 _HEADER = 40
 _U64 = struct.Struct("<Q")
 _REC = struct.Struct("<Id")  # record length (time + msgpack), decision time
+_BIN = frozenset((0xC4, 0xC5, 0xC6))  # msgpack bin headers: a retraction's first element (a decision's is an array)
 DECODED_CACHE_ENTRIES = 4096
 """Decoded decisions a reader keeps, by their msgpack bytes (cleared when full)."""
+APPLIED_ENTRIES = 8192
+"""Decisions a reader remembers applying (their recorded time and fold count), for retractions;
+the oldest is forgotten first."""
+
+Record = Callable[[Collection[ReplicaId], tuple[int, ...], float], "float | None"]
+Forget = Callable[[ReplicaId, tuple[int, ...], float], int]
 
 
 def ring_path(directory: str, index: int) -> str:
@@ -155,18 +181,22 @@ class PrefixShare:
     Args:
         directory: the directory of the processes' rings (shared by all of them).
         record: records another process's decision as ``record(replicas, block_hashes, now_s)``
-            (``Router.record_routed`` of this process's router); ``None``: given to :meth:`start`
-            (a drain before records nothing).
+            (``Router.record_routed`` of this process's router), returning the time it recorded at
+            (``None``: ``now_s``); ``None``: given to :meth:`start` (a drain before records nothing).
+        forget: applies another process's retraction as ``forget(replica, block_hashes,
+            recorded_s)`` (``Router.forget_recorded``); ``None``: given to :meth:`start`, or
+            retractions are skipped.
         processes: number of router processes.
         index: this process's number.
         ring_bytes: data capacity of this process's ring.
     """
 
     def __init__(self, directory: str, processes: int, index: int, ring_bytes: int = RING_BYTES,
-                 record: Callable[[Collection[ReplicaId], tuple[int, ...], float], None] | None = None) -> None:
+                 record: Record | None = None, forget: Forget | None = None) -> None:
         if not 0 <= index < processes:
             raise ValueError(f"process index {index} outside 0..{processes - 1}")
         self._record = record
+        self._forget = forget
         self.index = index
         self._cap = ring_bytes
         mm = _open_ring(ring_path(directory, index), True, ring_bytes)
@@ -183,9 +213,13 @@ class PrefixShare:
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self.sent = 0  # decisions written
-        self.received = 0  # decisions read and recorded
+        self.received = 0  # records read (decisions recorded, retractions applied)
         self.folded = 0  # of those, applied as one with a later identical decision of the same drain
         self._decoded: dict[bytes, tuple[list[ReplicaId], tuple[int, ...]]] = {}
+        # decision msgpack -> [recorded time, decisions it stood for] (oldest first; for retractions)
+        self._applied: dict[bytes, list] = {}
+        self.retracted = 0  # retractions written
+        self.forgotten = 0  # blocks dropped here on the others' retractions
         self.dropped = 0  # decisions not written (larger than the ring)
         self.lost_bytes = 0  # ring bytes a slow reader skipped (overwritten before it read them)
         self.recovered = 0  # decisions of this process's predecessor read back from its ring at start
@@ -196,11 +230,27 @@ class PrefixShare:
         nothing after :meth:`close`)."""
         if self._closed:
             return
-        rec = msgpack.packb([[[r.engine, r.dp_rank] for r in replicas], block_hashes])
+        if self._append(msgpack.packb([[[r.engine, r.dp_rank] for r in replicas], block_hashes]), now_s):
+            self.sent += 1
+
+    def retract(self, replicas: Collection[ReplicaId], block_hashes: tuple[int, ...], routed_at_s: float,
+                forgotten: tuple[tuple[ReplicaId, int], ...]) -> None:
+        """Append a retraction of the decision ``(replicas, block_hashes, routed_at_s)`` that this
+        process published: an engine refused it, and each ``(replica, kept_blocks)`` of
+        ``forgotten`` forgets the blocks after its first ``kept_blocks`` (a
+        :class:`balancer.parts.RejectListener`; see the module docstring)."""
+        if self._closed or not forgotten:
+            return
+        decision = msgpack.packb([[[r.engine, r.dp_rank] for r in replicas], block_hashes])
+        if self._append(msgpack.packb([decision, [[r.engine, r.dp_rank, int(k)] for r, k in forgotten]]), routed_at_s):
+            self.retracted += 1
+
+    def _append(self, rec: bytes, now_s: float) -> bool:
+        """Write one record; False if it is larger than the ring (counted in ``dropped``)."""
         n = _REC.size + len(rec)
         if n > self._cap:
             self.dropped += 1
-            return
+            return False
         head = self._head
         if head - self._newest_mark >= self._cap >> 2:  # this record's start becomes a mark
             words = self._head_word
@@ -211,10 +261,10 @@ class PrefixShare:
         head += n
         self._head_word[0] = head  # after the record: a reader never sees a head past unwritten bytes
         self._head = head
-        self.sent += 1
         if self._loop is not None and not self._drain_soon:
             self._drain_soon = True
             self._loop.call_soon(self.drain)
+        return True
 
     def _write(self, at: int, data: bytes) -> None:
         mm, cap = self._mm, self._cap
@@ -229,7 +279,7 @@ class PrefixShare:
         self._drain_soon = False
         if self._closed or self._record is None:
             return 0
-        pending: dict[bytes, float] = {}  # msgpack -> latest time, in the order of last occurrence
+        pending: dict[bytes, list] = {}  # msgpack -> [latest time, count], in the order of last occurrence
         got = 0
         for rd in self._readers:
             if rd.mm is None and not rd.open():
@@ -241,7 +291,7 @@ class PrefixShare:
         self.folded += got - len(pending)
         return got
 
-    def _drain_one(self, rd: _Reader, pending: dict[bytes, float]) -> int:
+    def _drain_one(self, rd: _Reader, pending: dict[bytes, list]) -> int:
         mm, cap, word = rd.mm, rd.cap, rd.head
         assert mm is not None and word is not None
         head = word[0]
@@ -267,39 +317,82 @@ class PrefixShare:
                 log.warning("shared prefix ring %s: record of %d bytes past the written end; rest skipped", rd.path, n)
                 break
             key = data[off + _REC.size:off + 4 + n]
-            last = pending.pop(key, None)  # re-inserted: ordered by its last occurrence
-            pending[key] = now_s if last is None or now_s > last else last
             got += 1
             off += 4 + n
+            if key[1] in _BIN and self._cancels(key, pending):
+                continue
+            last = pending.pop(key, None)  # re-inserted: ordered by its last occurrence
+            pending[key] = [now_s, 1] if last is None else [now_s if now_s > last[0] else last[0], last[1] + 1]
         return got
 
-    def _apply(self, pending: dict[bytes, float]) -> None:
-        record, decoded = self._record, self._decoded
+    @staticmethod
+    def _cancels(retraction: bytes, pending: dict[bytes, list]) -> bool:
+        """A retraction whose decision is still waiting in this drain: the two cancel (the decision
+        then stands for one request fewer, and is not applied if it stood for that one alone)."""
+        try:
+            decision = msgpack.unpackb(retraction)[0]
+            waiting = pending.get(decision)
+        except Exception:  # noqa: BLE001 - a bad record: applied (and skipped) as any other
+            return False
+        if waiting is None:
+            return False
+        if waiting[1] > 1:
+            waiting[1] -= 1
+        else:
+            del pending[decision]
+        return True
+
+    def _apply(self, pending: dict[bytes, list]) -> None:
+        record, decoded, applied = self._record, self._decoded, self._applied
         assert record is not None
-        for key, now_s in pending.items():
+        for key, (now_s, count) in pending.items():
             try:
                 d = decoded.get(key)
                 if d is None:
-                    reps, hashes = msgpack.unpackb(key)
+                    item = msgpack.unpackb(key)
+                    if isinstance(item[0], bytes):  # a retraction: [decision, forgotten]
+                        self._retract(item[0], item[1])
+                        continue
+                    reps, hashes = item
                     d = ([ReplicaId(e, int(r)) for e, r in reps], tuple(hashes))
                     if len(decoded) >= DECODED_CACHE_ENTRIES:
                         decoded.clear()
                     decoded[key] = d
-                record(d[0], d[1], now_s)
+                at = record(d[0], d[1], now_s)
+                entry = applied.pop(key, None)
+                applied[key] = [now_s if at is None else at, count]
+                if entry is None and len(applied) > APPLIED_ENTRIES:
+                    del applied[next(iter(applied))]  # the oldest
             except Exception as e:  # noqa: BLE001 - a bad record is skipped, the reader lives on
                 log.warning("shared prefix decision skipped: %s", e)
 
-    def start(self, record: Callable[[Collection[ReplicaId], tuple[int, ...], float], None] | None = None) -> None:
+    def _retract(self, decision: bytes, forgotten: list) -> None:
+        """Apply another process's retraction of ``decision`` (module docstring)."""
+        entry = self._applied.pop(decision, None)
+        if entry is None or self._forget is None:
+            return
+        at, count = entry
+        if count > 1:  # it stood for identical decisions too, accepted ones among them
+            self._applied[decision] = [at, count - 1]
+            return
+        hashes = tuple(msgpack.unpackb(decision)[1])
+        for e, r, kept in forgotten:
+            self.forgotten += self._forget(ReplicaId(e, int(r)), hashes[int(kept):], at)
+
+    def start(self, record: Record | None = None, forget: Forget | None = None) -> None:
         """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, and after each routing
         pass), recording their decisions with ``record`` (``Router.record_routed`` of this
-        process's router; ``None``: the one given at construction)."""
+        process's router) and applying their retractions with ``forget``
+        (``Router.forget_recorded``); ``None``: the ones given at construction."""
         if record is not None:
             self._record = record
+        if forget is not None:
+            self._forget = forget
         self._loop = asyncio.get_running_loop()
         if self._own is not None:  # the predecessor's decisions, before anything new is routed
             rd, self._own = self._own, None
             if rd.open():
-                pending: dict[bytes, float] = {}
+                pending: dict[bytes, list] = {}
                 self.recovered = self._drain_one(rd, pending)
                 self._apply(pending)
                 rd.close()
