@@ -216,7 +216,7 @@ class CostModel:
     def to_dict(self) -> dict:
         """Plain dict (TOML/JSON-friendly) that :meth:`from_dict` reads back."""
         def eng(e: EngineCost) -> dict:
-            out = {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous}
+            out: dict[str, int | float | bool] = {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous}
             if e.max_num_seqs is not None:  # absent = no cap (TOML has no null)
                 out["max_num_seqs"] = e.max_num_seqs
             if e.request_chunk_tokens is not None:  # absent = no per-request limit

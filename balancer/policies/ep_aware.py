@@ -27,8 +27,8 @@ queues count their in-service prompt's progress (:func:`in_service_queue`).
 ``T_after_i``: the engine's step time with the request added (one sequence of ``prompt + out / 2``
 KV tokens; ``out`` = ``Request.output_tokens`` capped at ``max_output_estimate_tokens``), ``T_e``
 now, ``n_e`` its sequences; ``tau`` the output tokens a sequence gains per step
-(``EngineCost.decode_tokens_per_step``: speculative decoding's acceptance length, 1 without it),
-so ``out / tau`` is the request's decode steps. **Mixed** pools add both costs (without the transfer) and the stall the
+(``EngineCost.decode_tokens_per_step``: speculative decoding's acceptance length) with
+``spec_decode=True``, else 1, so ``out / tau`` is the request's decode steps. **Mixed** pools add both costs (without the transfer) and the stall the
 prompt's chunks cause to the batch they share steps with.
 
 **The sequence cap** (``seq_cap=True``; off by default, docs/policies/ep_aware.md says why): where
@@ -90,8 +90,10 @@ Parameters:
     spec_decode: price speculative decoding's accepted tokens per decode step where the cost
         model sets them (``EngineCost.decode_tokens_per_step`` > 1: a request of ``out`` tokens
         decodes in ``out / tau`` steps, in its decode cost, the slot wait and the forced prefill
-        steps); False prices one token per step (the pricing before). Engines without it are
-        priced the same either way.
+        steps); False (the default) prices one token per step. Off by default: on AgentX 440246
+        (MTP, 2.49 accepted) it met the SLO less often over six workload seeds
+        (docs/policies/ep_aware.md, "Speculative decoding's accepted tokens"). Engines without it
+        are priced the same either way.
 
 **vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
 model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
@@ -256,7 +258,7 @@ class EpAware(Policy):
     slo_wide_ep: bool = False
     seq_cap: bool = False
     cadence: bool = True
-    spec_decode: bool = True
+    spec_decode: bool = False
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:

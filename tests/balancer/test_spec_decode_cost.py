@@ -44,7 +44,7 @@ def ctx(cm: CostModel, seed: int = 0) -> SelectContext:
 
 
 def exact(**kw):
-    return make_policy("ep_aware", horizon_weight=0.0, tie_tolerance=0.0, slo_margin=1.0, **kw)
+    return make_policy("ep_aware", horizon_weight=0.0, tie_tolerance=0.0, slo_margin=1.0, **{"spec_decode": True, **kw})
 
 
 def dview(dp: int, b: int, role: Role = Role.DECODE, q: int = 0):
@@ -64,7 +64,7 @@ def test_decode_cost_counts_the_requests_steps_not_its_tokens(compiled: bool):
     try:
         c = cands(dview(0, 4), dview(1, 10))
         r = Request("r", 0.0, 1000, max_output_tokens=100)
-        pol = make_policy("ep_aware")  # (no tie here: the compiled select answers on its own)
+        pol = make_policy("ep_aware", spec_decode=True)  # (no tie: the compiled select answers on its own)
         got = pol.select(r, c, ctx(model(2.5)))
         np.testing.assert_allclose([got.scores[x] for x in c.replicas], [1.6, 2.2], rtol=1e-12)
         assert got.replica.dp_rank == 0
@@ -72,8 +72,9 @@ def test_decode_cost_counts_the_requests_steps_not_its_tokens(compiled: bool):
         names, idx, rows = engine_groups(c.replicas)
         np.testing.assert_allclose(pol.decode_cost(r, c, model(2.5), names, idx, rows, transfer=True), [1.6, 2.2],
                                    rtol=1e-12)
-        # one token per step (tau 1, or the flag off): 100 steps, 4.0 / 5.5 s
-        for cm, pol in ((model(1.0), exact()), (model(2.5), exact(spec_decode=False))):
+        # one token per step (tau 1, the flag off, or the default policy): 100 steps, 4.0 / 5.5 s
+        for cm, pol in ((model(1.0), exact()), (model(2.5), exact(spec_decode=False)),
+                        (model(2.5), make_policy("ep_aware"))):
             got = pol.select(r, c, ctx(cm))
             np.testing.assert_allclose([got.scores[x] for x in c.replicas], [4.0, 5.5], rtol=1e-12)
     finally:
@@ -113,7 +114,7 @@ def test_decode_pool_costs_scale_by_one_over_tau_and_choices_stay():
     # the decode cost without transfer is out / tau steps x (step terms): every score divides by tau exactly
     # (up to rounding) and the choice (cheapest, ties relative) is the same; 200 random pools, two EP engines
     rng = np.random.default_rng(5)
-    pol = make_policy("ep_aware")
+    pol = make_policy("ep_aware", spec_decode=True)
     for trial in range(200):
         vs = [view(f"e{i // 4}", Role.DECODE, dp=i % 4, num_requests=int(rng.integers(0, 24)),
                    decode_kv_tokens=int(rng.integers(0, 10**6)), kv_capacity_tokens=4 * 10**6, block_size=256)
