@@ -29,7 +29,7 @@ the highest load (of 1x / 1.5x / 2x) each policy meets the SLO at, the request r
 there, and the GPUs it needs for the measured load (8 GPUs x 64 lanes / its lanes, for replicas of
 the same engine), nominal and over the band.
 
-Run by hand (each run is seconds to a few minutes of CPU; 10 policies x 4 loads)::
+Run by hand (each run is seconds to a few minutes of CPU; 11 policies x 4 loads)::
 
     python bench/agentx_policies.py --duration-s 1200 --jobs 2
 """
