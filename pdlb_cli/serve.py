@@ -110,6 +110,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--upstream-client", choices=["lean", "aiohttp"],
                    help="HTTP client of the legs to the engines: lean (keep-alive pool parsed by httptools) or aiohttp "
                         f"(aiohttp's client, the fallback) (default: {d.upstream_client})")
+    p.add_argument("--http-front", choices=["aiohttp", "lean"],
+                   help="HTTP server of the generation endpoints: aiohttp's, or lean (httptools for the common "
+                        f"generation request, aiohttp's server for anything else) (default: {d.http_front})")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")
@@ -139,8 +142,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "one more death stops pdlb serve with status 1 (crash loop) (default: 5)")
     p.add_argument("--restart-window-s", type=float, metavar="SECONDS",
                    help="the crash-loop window of --max-process-restarts (default: 60)")
-    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
-                   help="event loop; uvloop needs 'pip install uvloop' (default: %(default)s)")
+    p.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="event loop: auto = uvloop where installed (it is in the serve extra), else asyncio's "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default="WARNING", help="log level of the router's own messages on stderr (default: %(default)s)")
     add_admission_args(p, serve=True)
@@ -192,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "admin_api_key": args.admin_api_key or os.environ.get("PDLB_ADMIN_API_KEY"),
                   "index_mode": getattr(args, "index_mode", None),
                   "upstream_client": getattr(args, "upstream_client", None),
+                  "http_front": getattr(args, "http_front", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 try:
     import zmq
 except ImportError:  # pyzmq is a test dependency; without it the KV-event tests skip
@@ -24,3 +26,11 @@ def pytest_sessionstart(session) -> None:  # noqa: ANN001
     from balancer import kernels
 
     kernels.compiled()
+
+
+if os.environ.get("PDLB_TEST_EVENT_LOOP") == "uvloop":  # the in-process tests on uvloop (issue 26)
+    import uvloop
+
+    def pytest_asyncio_loop_factories(config, item):  # noqa: ANN001, ANN201
+        """pytest-asyncio's event loop for every async test: uvloop's."""
+        return {"uvloop": uvloop.new_event_loop}

@@ -57,6 +57,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -74,6 +75,7 @@ from balancer.service.app_server import AppServerRunner, RouterServer
 from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OFFLOAD_BODY_BYTES, Analysis, BodyOffload,
                                            trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
+from balancer.service.lean_front import LeanProtocol, LeanRequest
 from balancer.service.log_limit import RateLimitedLog
 from balancer.service.loop_watch import LOOP_LAG_INTERVAL_S, watch_loop
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
@@ -897,9 +899,40 @@ def make_runner(app: web.Application, cfg: ServiceConfig) -> AppServerRunner:
     415 unread, :func:`_compressed`), graceful shutdown for ``shutdown_timeout_s``. Call it inside
     the serving event loop; call :func:`limit_connections` and :func:`json_parser_errors` after
     ``setup()``."""
-    return AppServerRunner(app, lambda app_handler: _fast_path(app, app_handler), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
-                           keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
+    runner = AppServerRunner(app, lambda app_handler: _fast_path(app, app_handler), handler_cancellation=True,
+                             access_log=None, shutdown_timeout=cfg.shutdown_timeout_s,
+                             keepalive_timeout=cfg.client_idle_timeout_s, auto_decompress=False)
+    if cfg.http_front == "lean":
+        runner.router_server.serve_lean(_lean_front(app, cfg))
+    return runner
+
+
+def _lean_front(app: web.Application, cfg: ServiceConfig) -> Callable[[RouterServer], LeanProtocol]:
+    """The protocol factory of ``http_front: lean`` (:mod:`balancer.service.lean_front`): the
+    generation requests it serves go to :func:`_generate` through :func:`_observed`, as the
+    fast path sends them (same answers, same metrics)."""
+    svc = app[SERVICE]
+    routes = {path.encode(): endpoint for path, endpoint in ENDPOINTS.items()}
+    max_body = min(OFFLOAD_BODY_BYTES, cfg.max_body_bytes + 1)  # larger: aiohttp's path (413, offload)
+    idle_s, body_s = cfg.client_idle_timeout_s, cfg.body_read_timeout_s
+
+    async def handle(request: LeanRequest, endpoint: str) -> web.StreamResponse:
+        return await _observed(svc, request, request.path, _generate, svc, endpoint)  # type: ignore[arg-type]
+
+    def late_body(path: str, headers: Any) -> web.Response:  # as _read_raw's 408, counted as the middleware does
+        out = error_response(408, f"request body not received within body_read_timeout_s={body_s:g} s", "timeout")
+        given = headers.get("X-Request-Id")
+        out.headers["X-Request-Id"] = given if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable() \
+            else new_request_id()
+        out.headers[hdrs.SERVER] = SERVER_HEADER
+        svc.metrics.request_done(path, 408, body_s)
+        return out
+
+    def factory(server: RouterServer) -> LeanProtocol:
+        return LeanProtocol(server, handle, routes, max_body_bytes=max_body, idle_timeout_s=idle_s,
+                            body_timeout_s=body_s, body_timeout_answer=late_body)
+
+    return factory
 
 
 class _JsonErrorHandler(web.RequestHandler):

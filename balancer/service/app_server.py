@@ -67,6 +67,14 @@ class RouterServer(web.Server):
         self._max_connections: int | None = None
         self._on_refused: Callable[[], None] | None = None
         self._warned_full = False
+        self._lean: Callable[[RouterServer], asyncio.Protocol] | None = None
+
+    def serve_lean(self, factory: Callable[[RouterServer], asyncio.Protocol] | None) -> None:
+        """Serve connections accepted from now on with ``factory(self)`` (pdlb's lean front,
+        :class:`balancer.service.lean_front.LeanProtocol`, which registers with this server as
+        aiohttp's connections do and hands a connection over to :meth:`aiohttp_protocol` for what
+        it does not serve); ``None``: aiohttp's protocol again."""
+        self._lean = factory
 
     def limit_connections(self, max_connections: int, on_refused: Callable[[], None] | None = None) -> None:
         """Close client connections beyond ``max_connections`` open ones as they are accepted
@@ -90,11 +98,18 @@ class RouterServer(web.Server):
             raise TypeError(f"{cls!r} is not a subclass of aiohttp.web.RequestHandler")
         self._connection_class = cls
 
-    def __call__(self) -> web.RequestHandler:
-        """The protocol for one new connection (asyncio's protocol factory)."""
+    def __call__(self) -> Any:
+        """The protocol for one new connection (asyncio's protocol factory): the lean front's when
+        :meth:`serve_lean` set one, else aiohttp's (:meth:`aiohttp_protocol`)."""
+        if self._lean is not None:
+            return self._lean(self)
         return self._connection_class(self, loop=self._serving_loop, **self._handler_kwargs)
 
-    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
+    def aiohttp_protocol(self) -> web.RequestHandler:
+        """A new aiohttp protocol for one connection (of the class :meth:`use_connection_class` set)."""
+        return self._connection_class(self, loop=self._serving_loop, **self._handler_kwargs)
+
+    def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         """A connection's protocol reports itself: counted, or aborted when ``max_connections``
         are open already."""
         limit = self._max_connections
@@ -144,7 +159,7 @@ class AppServerRunner(web.ServerRunner):
     app's own ``handler_args`` are not read: give them here). Build it inside the event loop that
     will serve it."""
 
-    __slots__ = ("_app_runner", "_entry")
+    __slots__ = ("_app_runner", "_entry", "_router_server")
 
     def __init__(self, app: web.Application, wrap: Callable[[Handler], Handler], *, shutdown_timeout: float = 60.0,
                  handler_cancellation: bool = False, **handler_kwargs: Any) -> None:
@@ -153,7 +168,13 @@ class AppServerRunner(web.ServerRunner):
         handler_kwargs.setdefault("debug", asyncio.get_running_loop().get_debug())  # as the app's server
         server = RouterServer(wrap(self._entry.handle), request_factory=self._entry.make_request,
                               handler_cancellation=handler_cancellation, **handler_kwargs)
+        self._router_server = server
         super().__init__(server, shutdown_timeout=shutdown_timeout)
+
+    @property
+    def router_server(self) -> RouterServer:
+        """The :class:`RouterServer` (also before ``setup()``, unlike :attr:`server`)."""
+        return self._router_server
 
     @property
     def app(self) -> web.Application:

@@ -325,6 +325,10 @@ class ServiceConfig(BaseModel):
             or ``aiohttp`` (aiohttp's client session, the fallback). Same failure handling either
             way; ``https://`` workers use aiohttp's client with either. docs/serving.md,
             "Upstream client".
+        http_front: the HTTP server of the generation endpoints: ``aiohttp`` (default: aiohttp's
+            server for every request) or ``lean`` (:mod:`balancer.service.lean_front`: ``httptools``
+            serves the common generation request, and a connection goes to aiohttp's server for
+            anything else). docs/serving.md, "HTTP front".
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
             headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
             fails the attempt, which is retried on a new pair and counts against the worker's
@@ -404,6 +408,7 @@ class ServiceConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     upstream_client: Literal["lean", "aiohttp"] = "lean"
+    http_front: Literal["aiohttp", "lean"] = "lean"
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

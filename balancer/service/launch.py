@@ -111,21 +111,25 @@ def default_processes(worker_urls: Iterable[str] = ()) -> int:
 
 def event_loop_factory(choice: str = "asyncio"):  # noqa: ANN201
     """The event-loop factory for ``asyncio.Runner``: ``None`` for ``asyncio`` (the standard loop),
-    ``uvloop.new_event_loop`` for ``uvloop`` (needs ``pip install uvloop``; not the default: with
-    the lean upstream client one process spent 0.93-0.97x the CPU per request of the standard
-    loop on a 2-core host, but 8 processes on a 16-core host, with aiohttp's client then, spent
-    the same: docs/serving.md, "Overhead").
+    ``uvloop.new_event_loop`` for ``uvloop`` (in the ``serve`` extra; ``pip install uvloop``
+    otherwise), and for ``auto`` (``pdlb serve``'s default) uvloop where it is installed, else the
+    standard loop. uvloop is the default since issue 26: one router process with the lean front
+    spent 0.81x (regular), 0.94x (SGLang PD) and 0.95x (vLLM PD) the CPU per request of the
+    standard loop, paired on a 2-core host; 8 processes on a 16-core host 0.92-0.97x
+    (docs/serving.md, "HTTP front" and "Overhead").
 
     Raises:
         ValueError: ``uvloop`` asked for but not installed, or an unknown choice.
     """
-    if choice not in ("uvloop", "asyncio"):
-        raise ValueError(f"unknown event loop {choice!r} (asyncio, uvloop)")
+    if choice not in ("uvloop", "asyncio", "auto"):
+        raise ValueError(f"unknown event loop {choice!r} (auto, asyncio, uvloop)")
     if choice == "asyncio":
         return None
     try:
-        import uvloop  # optional, not a dependency of pdlb
+        import uvloop  # the serve extra's; optional for the library
     except ImportError:
+        if choice == "auto":
+            return None
         raise ValueError("--event-loop uvloop needs the 'uvloop' package (pip install uvloop)") from None
     return uvloop.new_event_loop
 
@@ -240,7 +244,7 @@ def _join_supervision(app: web.Application, index: int, columns: dict[str, list[
         restart_counters(index, *restart)
 
 
-def serve(cfg: ServiceConfig, *, event_loop: str = "asyncio", log_level: str = "WARNING",
+def serve(cfg: ServiceConfig, *, event_loop: str = "auto", log_level: str = "WARNING",
           max_process_restarts: int | None = None, restart_window_s: float | None = None) -> int:
     """Run the router service of ``cfg`` until SIGINT/SIGTERM; returns the exit status (0 after a
     drain, 1 after a crash loop of router processes or an orphaned process, 2 after one ``error:``
@@ -250,7 +254,7 @@ def serve(cfg: ServiceConfig, *, event_loop: str = "asyncio", log_level: str = "
     on stderr first. ``cfg.processes`` unset: :func:`default_processes`. More than one process:
     :func:`_run_processes` (``max_process_restarts`` within ``restart_window_s``: the crash-loop
     bound, defaults of :mod:`balancer.service.processes.supervise`); else one process on an
-    ``event_loop`` (``"asyncio"`` or ``"uvloop"``; :func:`event_loop_factory`).
+    ``event_loop`` (``"auto"``: uvloop where installed, ``"asyncio"`` or ``"uvloop"``; :func:`event_loop_factory`).
 
     Raises:
         ValueError: an unknown or missing ``event_loop``.

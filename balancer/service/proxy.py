@@ -83,6 +83,7 @@ from balancer.service.admission_gate import admission_answer
 from balancer.service.body_offload import Analysis, encode_body
 from balancer.service.config import ServiceConfig
 from balancer.service.deadlines import DeadlineQueue
+from balancer.service.lean_front import LeanRequest
 from balancer.service.log_limit import RateLimitedLog
 from balancer.service.metrics import ServiceMetrics
 from balancer.service.prompt import PromptError, PromptHasher, extract_prompt, max_output_tokens
@@ -1001,9 +1002,12 @@ class Proxy:
         headers = _relayed_headers(d_resp, "text/event-stream")
         headers["Cache-Control"] = "no-cache"
         headers["X-Request-Id"] = ctx.visible_id
-        resp = web.StreamResponse(status=d_resp.status, headers=headers)
-        ctx.resp = resp
-        await resp.prepare(ctx.request)
+        if type(ctx.request) is LeanRequest:  # the lean front: the head is written at once
+            resp = ctx.resp = ctx.request.open_stream(d_resp.status, headers)
+        else:
+            resp = web.StreamResponse(status=d_resp.status, headers=headers)
+            ctx.resp = resp
+            await resp.prepare(ctx.request)
         # with id swapping or PD usage rewriting, chunks are relayed by whole lines (SSE events end
         # in newlines): the incomplete last line is held back (_SwapLines: linear cost, bounded)
         lines = _SwapLines(lambda data: self._rewrite(data, swap, legs)) if swap is not None or legs.pd else None

@@ -200,14 +200,16 @@ def test_disconnect_without_replay_endpoint_then_a_jump_is_a_restart():
 
 def test_replays_of_several_sources_run_at_once_and_are_bounded():
     """4 engines, each with a hung replay; max_concurrent_replays 2: two replays run, two wait;
-    the waiting ones start as the first time out; every source's live batch is then applied."""
+    the waiting ones start as the first time out; every source's live batch is then applied.
+    The replay timeout (2 s) leaves room for a loaded host to subscribe all four before the first two
+    time out (at 0.5 s a host at load ~15 saw all four replays started by the first check)."""
     engs = [FakeEngine("map", "int", block_size=16) for _ in range(4)]
     for e in engs:
         e.replay_silent = True
     got = Collect()
     reps = [ReplicaId(f"http://w{i}", 0) for i in range(4)]
     sub = KvEventSubscriber([KvEventSource(r, e.endpoint, e.replay_endpoint) for r, e in zip(reps, engs)], 16, got,
-                            replay_timeout_s=0.5, max_concurrent_replays=2)
+                            replay_timeout_s=2.0, max_concurrent_replays=2)
     sub.start()
     try:
         for e in engs:
@@ -218,7 +220,7 @@ def test_replays_of_several_sources_run_at_once_and_are_bounded():
         t = toks(16)
         for e in engs:
             e.publish([e.stored(t)[1]])
-        assert got.wait(lambda items: len(_stored_hashes(items)) == 4, timeout_s=5)
+        assert got.wait(lambda items: len(_stored_hashes(items)) == 4, timeout_s=15)
         assert [len(e.replay_requests) for e in engs] == [1, 1, 1, 1]
         assert all(d["replay_failures"] == 1 and not d["replaying"] for d in sub.stats().values())
     finally:

@@ -196,3 +196,41 @@ def test_late_readers_with_records_up_to_half_the_ring_get_a_nonempty_suffix(tmp
             assert idx == sorted(set(idx)), seed  # in order, none repeated (lapped readers skip)
             asyncio.run(sh.close())
         asyncio.run(w.close())
+
+
+def test_the_read_timer_backs_off_while_the_rings_are_quiet(tmp_path):
+    """Issue 26 (cost of being up): with nothing written, the reader's timer doubles its period from
+    DRAIN_INTERVAL_S (20 ms) to DRAIN_IDLE_INTERVAL_S (320 ms): in 1 s it reads at start and then
+    at 20, 60, 140, 300, 620, 940 ms (hand sum of 20 x 1, 2, 4, 8, 16, 16), 7 reads, not 51. A
+    decision written then is read within one idle period, and while decisions keep coming the
+    period is 20 ms again."""
+    from balancer.service.processes.shared_prefix import DRAIN_IDLE_INTERVAL_S, DRAIN_INTERVAL_S
+
+    assert (DRAIN_INTERVAL_S, DRAIN_IDLE_INTERVAL_S) == (0.02, 0.32)
+    reader_r = _router(None)
+    reader, writer = _share(reader_r, str(tmp_path), 2, 0), _share(_router(None), str(tmp_path), 2, 1)
+
+    async def run() -> tuple[int, float, int]:
+        reader.start()
+        await asyncio.sleep(1.0)
+        quiet = reader.ticks
+        writer.publish((REPS[0],), (1, 2, 3), 1.0)
+        t0 = asyncio.get_running_loop().time()
+        while reader.received == 0 and asyncio.get_running_loop().time() - t0 < 2.0:
+            await asyncio.sleep(0.005)
+        seen_after = asyncio.get_running_loop().time() - t0
+        before = reader.ticks
+        for k in range(50):  # a decision every 10 ms for 0.5 s
+            writer.publish((REPS[k % len(REPS)],), (1, 2, 3 + k), 2.0 + k)
+            await asyncio.sleep(0.01)
+        return quiet, seen_after, reader.ticks - before
+
+    quiet, seen_after, busy_ticks = asyncio.run(run())
+    assert 5 <= quiet <= 10, quiet  # 7 by the hand count; the host may delay a timer, never add one
+    assert seen_after <= DRAIN_IDLE_INTERVAL_S + 0.25, seen_after
+    assert busy_ticks >= 10, busy_ticks  # ~25 at 20 ms; 320 ms would give at most 2
+    # REPS[0] got (1, 2, 3) and, from the loop, (1, 2, 3 + k) for k = 0, 6, ..., 48: blocks 1, 2 and
+    # nine third blocks (3 among them) = 11, all read
+    assert reader_r.index.num_blocks(REPS[0]) == 11
+    for sh in (reader, writer):
+        asyncio.run(sh.close())

@@ -177,3 +177,20 @@ def test_a_refused_prompt_is_cached_in_no_process_of_pdlb_serve():
             p.popen.terminate()
         for p in ([router] if router else []) + engines:
             p.popen.wait(15)
+
+
+def test_malformed_records_are_skipped_and_the_reader_lives_on(procs):
+    """Records a torn or foreign writer could leave: an empty body, a retraction-looking body that
+    is not msgpack, a retraction of a decision that is not one, a retraction naming an unknown
+    replica. Each is skipped (logged), and a good decision after them is still recorded."""
+    import msgpack
+
+    a, b = procs(2)
+    a.share._append(b"", 1.0)  # record of 8 bytes: a time, no msgpack
+    a.share._append(b"\x92\xc4\x03abc", 1.0)  # [bin(3), <missing>]: truncated
+    a.share._append(msgpack.packb([b"not a decision", [["m", 0, 0]]]), 1.0)
+    a.share._append(msgpack.packb([msgpack.packb([[["m", 0]], [1, 2]]), [["nowhere", 3, 0]]]), 1.0)
+    good = prompt(3)
+    a.router.route(req("r1", 3 * BS, block_hashes=good), 2.0)
+    assert b.share.drain() == 5
+    assert b.held() == 3 and b.share.forgotten == 0

@@ -8,7 +8,10 @@ ring buffer, a memory-mapped file in a private directory the parent creates (on 
 where there is one), and reads the others' rings, recording their decisions with
 :meth:`balancer.router.Router.record_routed`. Nothing is sent and nobody is woken: a process
 reads the others' new decisions once per event-loop pass in which it routed (right after that
-pass's decisions) and every :data:`DRAIN_INTERVAL_S` otherwise, all in the event loop's thread.
+pass's decisions) and every :data:`DRAIN_INTERVAL_S` otherwise, all in the event loop's thread; while
+the rings stay quiet that timer backs off, doubling up to :data:`DRAIN_IDLE_INTERVAL_S` (an idle
+``pdlb serve`` is not woken 50 times a second per process for rings nobody writes; the first
+read that finds a decision brings it back to :data:`DRAIN_INTERVAL_S`).
 This replaced one ZMQ PUB socket per process with batches every 5 ms, whose I/O threads and
 receiver wake-ups cost each of N processes N - 1 wake-ups per interval (with one message per
 decision, 2 processes at 800 requests/s spent 140-240 us more CPU per request than with nothing
@@ -84,7 +87,7 @@ import msgpack
 
 from balancer.types import ReplicaId
 
-__all__ = ["APPLIED_ENTRIES", "DRAIN_INTERVAL_S", "RING_BYTES", "PrefixShare", "ring_path"]
+__all__ = ["APPLIED_ENTRIES", "DRAIN_IDLE_INTERVAL_S", "DRAIN_INTERVAL_S", "RING_BYTES", "PrefixShare", "ring_path"]
 
 log = logging.getLogger("pdlb.shared_prefix")
 
@@ -92,7 +95,12 @@ RING_BYTES = 16 * 1024 * 1024
 """Data capacity of one process's ring: about 500,000 one-block decisions, 900 of a 128k-token
 prompt at 64-token blocks (only the pages written are ever allocated)."""
 DRAIN_INTERVAL_S = 0.02
-"""Longest an idle process leaves the others' new decisions unread."""
+"""Longest a process that is not routing leaves the others' new decisions unread while they come."""
+DRAIN_IDLE_INTERVAL_S = 0.32
+"""Longest it leaves them unread after the rings were quiet (the timer doubles from
+:data:`DRAIN_INTERVAL_S` after each read that found nothing; issue 26: each wake-up of an idle
+router process costs ~75-150 us of CPU, and 50 a second per process were the largest part of an
+idle ``pdlb serve --processes N``'s CPU with the default policies)."""
 _HEADER = 40
 _U64 = struct.Struct("<Q")
 _REC = struct.Struct("<Id")  # record length (time + msgpack), decision time
@@ -211,6 +219,9 @@ class PrefixShare:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_soon = False
         self._timer: asyncio.TimerHandle | None = None
+        self._interval = DRAIN_INTERVAL_S  # the timer's current period (backs off while quiet)
+        self._read_since_tick = False  # a drain since the last tick found decisions
+        self.ticks = 0  # timer reads (for tests and the curious)
         self._closed = False
         self.sent = 0  # decisions written
         self.received = 0  # records read (decisions recorded, retractions applied)
@@ -287,6 +298,8 @@ class PrefixShare:
             got += self._drain_one(rd, pending)
         if pending:
             self._apply(pending)
+        if got:
+            self._read_since_tick = True
         self.received += got
         self.folded += got - len(pending)
         return got
@@ -319,7 +332,7 @@ class PrefixShare:
             key = data[off + _REC.size:off + 4 + n]
             got += 1
             off += 4 + n
-            if key[1] in _BIN and self._cancels(key, pending):
+            if len(key) > 1 and key[1] in _BIN and self._cancels(key, pending):
                 continue
             last = pending.pop(key, None)  # re-inserted: ordered by its last occurrence
             pending[key] = [now_s, 1] if last is None else [now_s if now_s > last[0] else last[0], last[1] + 1]
@@ -380,8 +393,8 @@ class PrefixShare:
             self.forgotten += self._forget(ReplicaId(e, int(r)), hashes[int(kept):], at)
 
     def start(self, record: Record | None = None, forget: Forget | None = None) -> None:
-        """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, and after each routing
-        pass), recording their decisions with ``record`` (``Router.record_routed`` of this
+        """Begin reading the others' rings (every :data:`DRAIN_INTERVAL_S`, backing off to
+        :data:`DRAIN_IDLE_INTERVAL_S` while they are quiet, and after each routing pass), recording their decisions with ``record`` (``Router.record_routed`` of this
         process's router) and applying their retractions with ``forget``
         (``Router.forget_recorded``); ``None``: the ones given at construction."""
         if record is not None:
@@ -401,7 +414,13 @@ class PrefixShare:
     def _tick(self) -> None:
         self.drain()
         assert self._loop is not None
-        self._timer = self._loop.call_later(DRAIN_INTERVAL_S, self._tick)
+        self.ticks += 1
+        if self._read_since_tick:
+            self._interval = DRAIN_INTERVAL_S
+        else:
+            self._interval = min(self._interval * 2, DRAIN_IDLE_INTERVAL_S)
+        self._read_since_tick = False
+        self._timer = self._loop.call_later(self._interval, self._tick)
 
     async def close(self) -> None:
         self._closed = True

@@ -1,0 +1,31 @@
+"""bench/front_paired.py's argument handling (the measurement itself is run by hand: docs/serving.md,
+"HTTP front"); expected values by hand."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+fp = pytest.importorskip("front_paired")
+
+
+def test_cpu_sets_are_read_as_taskset_writes_them():
+    assert fp._cpus("0") == {0}
+    assert fp._cpus("0-3") == {0, 1, 2, 3}
+    assert fp._cpus("0-1,6,8-9") == {0, 1, 6, 8, 9}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["/nonexistent::"], "is not a pdlb checkout"),
+    ([f"{ROOT}::", "--rounds", "0"], "must be >= 1"),
+    ([f"{ROOT}::", "--duration-s", "nan"], "--duration-s in"),
+    ([f"{ROOT}::", "--concurrency", "0"], "must be >= 1"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        fp.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
