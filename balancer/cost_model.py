@@ -51,6 +51,8 @@ from balancer.types import Request, Role
 #: Feature names of the prefill and decode step models (the coefficient order everywhere).
 PREFILL_TERMS = ("overhead_s", "per_token_s", "per_attn_pair_s", "per_group_token_s")
 DECODE_TERMS = ("overhead_s", "per_seq_s", "per_kv_token_s", "per_group_seq_s")
+#: Largest accepted ``EngineCost.decode_tokens_per_step`` (a draft of at most 1,023 tokens plus the bonus one).
+MAX_DECODE_TOKENS_PER_STEP = 1024.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,14 @@ class EngineCost:
             a rank that is decoding prefills only on every ``k``-th step of its engine, unless it
             has a request waiting for admission (then on every step); 1 (the default) = every step.
             Only mixed pools use it (:mod:`balancer.prefill_cadence`).
+        decode_tokens_per_step: output tokens one decoding sequence gains per decode step on
+            average (speculative decoding / MTP: the acceptance length, the bonus token
+            included; vLLM with ``num_speculative_tokens = 3`` and acceptance 2.49 on AgentX
+            440246), in ``[1, 1024]``; 1.0 (the default) = one token per step. The ``decode``
+            step model stays the seconds of one real step (the verification included), so a
+            request of ``out`` tokens decodes in ``out / decode_tokens_per_step`` steps
+            (``ep_aware``'s decode cost and slot wait; :func:`slot_wait_s`). Only decode and
+            mixed pools use it.
     """
 
     prefill: PrefillStepCost = field(default_factory=PrefillStepCost)
@@ -126,10 +136,15 @@ class EngineCost:
     max_num_seqs: int | None = None
     request_chunk_tokens: int | None = None
     prefill_schedule_interval: int = 1
+    decode_tokens_per_step: float = 1.0
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        tau = self.decode_tokens_per_step
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 1.0 <= float(tau) <= MAX_DECODE_TOKENS_PER_STEP:
+            raise ValueError(f"decode_tokens_per_step must be a number in [1, {MAX_DECODE_TOKENS_PER_STEP:g}] (accepted "
+                             f"tokens per decode step; 1 = no speculative decoding), got {tau!r}"[:200])
         for name, lo, optional in (("max_num_seqs", 1, True), ("request_chunk_tokens", 1, True),
                                    ("prefill_schedule_interval", 1, False)):
             v = getattr(self, name)
@@ -201,13 +216,15 @@ class CostModel:
     def to_dict(self) -> dict:
         """Plain dict (TOML/JSON-friendly) that :meth:`from_dict` reads back."""
         def eng(e: EngineCost) -> dict:
-            out = {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous}
+            out: dict[str, int | float | bool] = {"chunk_tokens": e.chunk_tokens, "ep_synchronous": e.ep_synchronous}
             if e.max_num_seqs is not None:  # absent = no cap (TOML has no null)
                 out["max_num_seqs"] = e.max_num_seqs
             if e.request_chunk_tokens is not None:  # absent = no per-request limit
                 out["request_chunk_tokens"] = e.request_chunk_tokens
             if e.prefill_schedule_interval != 1:  # absent = every step
                 out["prefill_schedule_interval"] = e.prefill_schedule_interval
+            if e.decode_tokens_per_step != 1.0:  # absent = one token per step
+                out["decode_tokens_per_step"] = float(e.decode_tokens_per_step)
             return {**out, "prefill": dict(zip(PREFILL_TERMS, e.prefill.coef().tolist())),
                     "decode": dict(zip(DECODE_TERMS, e.decode.coef().tolist()))}
         out = {"prefill": eng(self.prefill), "decode": eng(self.decode),
@@ -226,7 +243,8 @@ class CostModel:
             ValueError: a non-table where a table belongs, unknown keys, a coefficient that is not
                 a finite number >= 0 (booleans and strings included), a non-integer or
                 non-positive ``chunk_tokens``, ``max_num_seqs``, ``request_chunk_tokens`` or
-                ``prefill_schedule_interval``, a non-boolean ``ep_synchronous``; the message names
+                ``prefill_schedule_interval``, a ``decode_tokens_per_step`` outside ``[1, 1024]``,
+                a non-boolean ``ep_synchronous``; the message names
                 the key by its dotted path (``cost_model.decode.decode.per_seq_s``).
         """
         def table(x: object, where: str) -> Mapping:
@@ -237,11 +255,11 @@ class CostModel:
         def eng(x: object, where: str) -> EngineCost:
             x = table(x, where)
             unknown = set(x) - {"chunk_tokens", "ep_synchronous", "max_num_seqs", "request_chunk_tokens",
-                                "prefill_schedule_interval", "prefill", "decode"}
+                                "prefill_schedule_interval", "decode_tokens_per_step", "prefill", "decode"}
             if unknown:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
-                                 "valid: chunk_tokens, decode, ep_synchronous, max_num_seqs, prefill, "
-                                 "prefill_schedule_interval, request_chunk_tokens")
+                                 "valid: chunk_tokens, decode, decode_tokens_per_step, ep_synchronous, max_num_seqs, "
+                                 "prefill, prefill_schedule_interval, request_chunk_tokens")
             p = _terms(table(x.get("prefill", {}), f"{where}.prefill"), PREFILL_TERMS, f"{where}.prefill")
             dd = _terms(table(x.get("decode", {}), f"{where}.decode"), DECODE_TERMS, f"{where}.decode")
             chunk = x.get("chunk_tokens", 8192)
@@ -262,7 +280,14 @@ class CostModel:
             if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 1 << 16:
                 raise ValueError(f"{where}.prefill_schedule_interval must be an integer in [1, 65536] (1 = prefill "
                                  f"on every step), got {interval!r}"[:200])
-            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep, seqs, limit, interval)
+            tau = x.get("decode_tokens_per_step", 1.0)
+            if (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau)
+                    or not 1.0 <= tau <= MAX_DECODE_TOKENS_PER_STEP):
+                raise ValueError(f"{where}.decode_tokens_per_step must be a number in [1, "
+                                 f"{MAX_DECODE_TOKENS_PER_STEP:g}] (accepted tokens per decode step, e.g. MTP's "
+                                 f"acceptance length; 1 = no speculative decoding), got {tau!r}"[:200])
+            return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep, seqs, limit, interval,
+                              float(tau))
 
         d = table(d, "cost_model")
         scalars = ("transfer_latency_s", "transfer_s_per_token", "host_fetch_s_per_token", "store_fetch_s_per_token")
@@ -303,18 +328,19 @@ DEFAULT_COST_MODEL = CostModel(
 
 # ---------------------------------------------------------------------- the sequence cap
 def slot_wait_s(num_requests: np.ndarray, step_s: np.ndarray | float, out_tokens: float,
-                max_num_seqs: int) -> np.ndarray:
+                max_num_seqs: int, tokens_per_step: float = 1.0) -> np.ndarray:
     """Predicted seconds a request placed on each rank waits for a running slot, shape ``(n,)``.
 
     A rank runs at most ``S = max_num_seqs`` sequences; a request beyond them waits, first come
     first served, in the rank's waiting queue (vLLM's scheduler: ``max_num_seqs``, its
     ``waiting`` deque). With ``b_i`` requests on rank ``i`` (``num_requests``: running and
     waiting), the new one is ``k_i = max(0, b_i + 1 - S)``-th in that queue. Slots free as
-    running sequences finish: ``S`` sequences of ``out`` output tokens on average, one token per
-    step of ``step_s`` seconds, finish at the renewal rate ``S / (out step_s)``, so the ``k``-th
-    slot frees after::
+    running sequences finish: ``S`` sequences of ``out`` output tokens on average, ``tau``
+    tokens per step of ``step_s`` seconds (``tokens_per_step``: 1 without speculative decoding,
+    the acceptance length with it), finish at the renewal rate ``S tau / (out step_s)``, so the
+    ``k``-th slot frees after::
 
-        wait_i = k_i * out_tokens * step_s_i / S
+        wait_i = k_i * (out_tokens / tau) * step_s_i / S
 
     ``step_s``: the rank's (its engine's, for wide EP) decode step now, a scalar or ``(n,)``;
     ``out_tokens``: the mean output of a running sequence (the caller's estimate, tokens).
@@ -322,14 +348,16 @@ def slot_wait_s(num_requests: np.ndarray, step_s: np.ndarray | float, out_tokens
     argument of queueing).
 
     Raises:
-        ValueError: ``max_num_seqs`` < 1 or ``out_tokens`` < 0.
+        ValueError: ``max_num_seqs`` < 1, ``out_tokens`` < 0 or ``tokens_per_step`` < 1.
     """
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if not out_tokens >= 0:
         raise ValueError(f"out_tokens must be >= 0, got {out_tokens}")
+    if not tokens_per_step >= 1.0:
+        raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
     k = np.maximum(np.asarray(num_requests, dtype=np.float64) + 1.0 - max_num_seqs, 0.0)
-    return k * (float(out_tokens) / max_num_seqs) * np.asarray(step_s, dtype=np.float64)
+    return k * (float(out_tokens) / float(tokens_per_step) / max_num_seqs) * np.asarray(step_s, dtype=np.float64)
 
 
 # ---------------------------------------------------------------------- fitting to a step-time model
@@ -864,7 +892,9 @@ class CostLearner:
     the engine; :meth:`on_prefill_done` with the time the prefill finished; :meth:`on_decode_dispatch`
     with the decode engine's step features (``[1, max seqs, max kv, sum seqs]`` after the placement),
     :meth:`on_first_token` and :meth:`on_decode_finished` with the finish time and the output
-    length, observing the mean inter-token latency. Each observation goes through an
+    length, observing the mean inter-token latency times the engine's
+    :attr:`EngineCost.decode_tokens_per_step` (one decode step's seconds: with speculative
+    decoding a step yields several tokens). Each observation goes through an
     :class:`OnlineFit`, which turns absurd ones away (NaN, negative, a stalled engine's 1000x;
     counted in :meth:`stats`, which ``Router.metrics()["cost_learning"]`` reports).
 
@@ -982,7 +1012,11 @@ class CostLearner:
         if rec is None or rec[1] is None or not num_output_tokens or num_output_tokens < 2:
             return
         x, first_token_s, engine = rec
-        self._observe("decode", engine, x, (now_s - first_token_s) / (num_output_tokens - 1))
+        # the decode model is per step: a step of an engine that decodes tau tokens per step (speculative
+        # decoding) lasts tau inter-token latencies (x 1.0 where none: the same bits)
+        tau = self.model.engine(engine, "decode").decode_tokens_per_step if engine is not None else \
+            self.model.decode.decode_tokens_per_step
+        self._observe("decode", engine, x, (now_s - first_token_s) / (num_output_tokens - 1) * tau)
 
     def _publish(self) -> None:
         m = self.model

@@ -39,10 +39,11 @@ requests of a wide-EP engine (:class:`balancer.cost_model.EngineCost` fields
   otherwise. Those extra mixed steps::
 
       forced = (1 - 1/k) (min(ceil(q / L'), wait_steps) + 1)   where b >= S, else 0
-      wait_steps = (b + 1 - S) out / S                                   (forced_prefill_steps)
+      wait_steps = (b + 1 - S) (out / tau) / S                           (forced_prefill_steps)
 
   (``L' = min(L, C)``; ``wait_steps``: the slot wait of :func:`balancer.cost_model.slot_wait_s`
-  in steps) each delay every running sequence of the group by a chunk's prefill seconds.
+  in steps; ``tau`` the output tokens a sequence gains per decode step, 1 without speculative
+  decoding) each delay every running sequence of the group by a chunk's prefill seconds.
 
 Pure: arrays in, arrays out, float64, shapes ``(n,)`` (one entry per candidate rank); no clock, no
 I/O. Source: vLLM's scheduler (``long_prefill_token_threshold`` caps ``num_new_tokens`` per
@@ -106,25 +107,28 @@ def cadence_gap_steps(steps: np.ndarray, num_requests: np.ndarray, interval: int
 
 def forced_prefill_steps(queued_tokens: np.ndarray, num_requests: np.ndarray, max_num_seqs: int,
                          chunk_tokens: int, request_chunk_tokens: int | None, out_tokens: float,
-                         interval: int) -> np.ndarray:
+                         interval: int, tokens_per_step: float = 1.0) -> np.ndarray:
     """Mixed steps the EP group runs in addition when the request is placed on each rank
     (module docstring, "Forced prefill"), shape ``(n,)``: 0 where the rank has a free slot
-    (``num_requests < max_num_seqs``) or ``interval`` is 1.
+    (``num_requests < max_num_seqs``) or ``interval`` is 1. ``tokens_per_step``: output tokens a
+    running sequence gains per decode step (speculative decoding's acceptance length; 1 = none).
 
     Raises:
-        ValueError: ``max_num_seqs``, ``chunk_tokens``, ``request_chunk_tokens`` or ``interval``
-            < 1, or ``out_tokens`` < 0.
+        ValueError: ``max_num_seqs``, ``chunk_tokens``, ``request_chunk_tokens``, ``interval`` or
+            ``tokens_per_step`` < 1, or ``out_tokens`` < 0.
     """
     if max_num_seqs < 1 or chunk_tokens < 1 or interval < 1 or (request_chunk_tokens is not None
                                                                 and request_chunk_tokens < 1):
         raise ValueError("max_num_seqs, chunk_tokens, request_chunk_tokens and interval must be >= 1")
     if not out_tokens >= 0:
         raise ValueError(f"out_tokens must be >= 0, got {out_tokens}")
+    if not tokens_per_step >= 1.0:
+        raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
     b = np.asarray(num_requests, dtype=np.float64)
     if interval == 1:
         return np.zeros(len(b))
     limit = float(chunk_tokens if request_chunk_tokens is None else min(request_chunk_tokens, chunk_tokens))
     q = np.asarray(queued_tokens, dtype=np.float64)
-    wait_steps = np.maximum(b + 1.0 - max_num_seqs, 0.0) * (float(out_tokens) / max_num_seqs)
+    wait_steps = np.maximum(b + 1.0 - max_num_seqs, 0.0) * (float(out_tokens) / float(tokens_per_step) / max_num_seqs)
     steps = np.minimum(np.ceil(q / limit), wait_steps) + 1.0
     return np.where(b >= max_num_seqs, (1.0 - 1.0 / interval) * steps, 0.0)

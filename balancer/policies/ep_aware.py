@@ -21,19 +21,21 @@ queues count their in-service prompt's progress (:func:`in_service_queue`).
 
 **Decode** (candidate ``i`` of engine ``e``)::
 
-    cost_i = out (T_after_i + externality_weight n_e (T_after_i - T_e))
+    cost_i = (out / tau) (T_after_i + externality_weight n_e (T_after_i - T_e))
              + transfer_s_per_token (prompt - matched_tokens_i)
 
 ``T_after_i``: the engine's step time with the request added (one sequence of ``prompt + out / 2``
 KV tokens; ``out`` = ``Request.output_tokens`` capped at ``max_output_estimate_tokens``), ``T_e``
-now, ``n_e`` its sequences. **Mixed** pools add both costs (without the transfer) and the stall the
+now, ``n_e`` its sequences; ``tau`` the output tokens a sequence gains per step
+(``EngineCost.decode_tokens_per_step``: speculative decoding's acceptance length) with
+``spec_decode=True``, else 1, so ``out / tau`` is the request's decode steps. **Mixed** pools add both costs (without the transfer) and the stall the
 prompt's chunks cause to the batch they share steps with.
 
 **The sequence cap** (``seq_cap=True``; off by default, docs/policies/ep_aware.md says why): where
 the pool's engines run at most ``S = EngineCost.max_num_seqs`` sequences per rank (vLLM
 ``max_num_seqs``) and some candidate already holds ``S``, each rank runs ``min(b_r, S)`` of its
 ``b_r`` requests; on a full rank the request first waits for a slot,
-``wait_i = (b_i + 1 - S) out T_e / S`` (:func:`balancer.cost_model.slot_wait_s`), then takes a
+``wait_i = (b_i + 1 - S) (out / tau) T_e / S`` (:func:`balancer.cost_model.slot_wait_s`), then takes a
 finished sequence's place; the wait is added to the decode cost and, on mixed pools, to the
 predicted TTFT.
 
@@ -85,6 +87,13 @@ Parameters:
     cadence: price vLLM's per-request chunk limit and prefill cadence (below) where the cost model
         sets them (``EngineCost.request_chunk_tokens``, ``prefill_schedule_interval``); engines
         without them are priced as before either way.
+    spec_decode: price speculative decoding's accepted tokens per decode step where the cost
+        model sets them (``EngineCost.decode_tokens_per_step`` > 1: a request of ``out`` tokens
+        decodes in ``out / tau`` steps, in its decode cost, the slot wait and the forced prefill
+        steps); False (the default) prices one token per step. Off by default: on AgentX 440246
+        (MTP, 2.49 accepted) it met the SLO less often over six workload seeds
+        (docs/policies/ep_aware.md, "Speculative decoding's accepted tokens"). Engines without it
+        are priced the same either way.
 
 **vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
 model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
@@ -249,6 +258,7 @@ class EpAware(Policy):
     slo_wide_ep: bool = False
     seq_cap: bool = False
     cadence: bool = True
+    spec_decode: bool = False
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -666,9 +676,10 @@ class EpAware(Policy):
         if S is None:
             return new, add_cost, add_own
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
+        tau = self._tau(eng)
         if not self.seq_cap:  # (seq_cap adds the same wait in select)
-            new = new + slot_wait_s(b, step_now, out, S)
-        forced = forced_prefill_steps(q, b, S, C, L, out, k)
+            new = new + slot_wait_s(b, step_now, out, S, tau)
+        forced = forced_prefill_steps(q, b, S, C, L, out, k, tau)
         if forced.any():
             Lc = float(C if L is None else min(L, C))
             ctx = np.divide(kv, b, out=np.zeros_like(b), where=b > 0)  # the rank's mean context per request
@@ -697,12 +708,13 @@ class EpAware(Policy):
         d = eng.decode
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         kv_new = request.prompt_tokens + out / 2.0
+        steps = out / self._tau(eng)  # decode steps of the request (speculative decoding: fewer)
         S = eng.max_num_seqs if self.seq_cap else None
         if S is not None and len(cands) and cands.num_requests.max() >= S:  # a rank is full: slots and waits
             return self._decode_cost_capped(request, cands, model, eng, idx, rows, transfer, S)
         if eng.ep_synchronous and rows is not None:  # the compiled loop, when there is one
             got = kernels.decode_cost_rows(cands.num_requests, cands.decode_kv_tokens, cands.matched_tokens, idx, rows,
-                                           out, kv_new, request.prompt_tokens, d.overhead_s, d.per_seq_s,
+                                           steps, kv_new, request.prompt_tokens, d.overhead_s, d.per_seq_s,
                                            d.per_kv_token_s, d.per_group_seq_s, self.externality_weight,
                                            model.transfer_s_per_token, transfer)
             if got is not None:
@@ -710,7 +722,7 @@ class EpAware(Policy):
         b = cands.num_requests.astype(np.float64)
         k = cands.decode_kv_tokens.astype(np.float64)
         before, after, n_e = _decode_steps(eng, idx, rows, b, k, b + 1.0, k + kv_new, 1.0)
-        cost = out * (after + self.externality_weight * n_e * (after - before))
+        cost = steps * (after + self.externality_weight * n_e * (after - before))
         return _plus_transfer(cost, request, cands, model, transfer)
 
     def _decode_select_compiled(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
@@ -731,7 +743,8 @@ class EpAware(Policy):
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         need = request.prompt_tokens + min(request.output_tokens, self.max_output_estimate_tokens)
         got = kernels.decode_select_rows(cands.num_requests, cands.decode_kv_tokens, cands.matched_tokens,
-                                         cands.kv_capacity_tokens, idx, rows, out, request.prompt_tokens + out / 2.0,
+                                         cands.kv_capacity_tokens, idx, rows, out / self._tau(eng),
+                                         request.prompt_tokens + out / 2.0,
                                          request.prompt_tokens, d.overhead_s, d.per_seq_s, d.per_kv_token_s,
                                          d.per_group_seq_s, self.externality_weight, model.transfer_s_per_token, True,
                                          need, self.tie_tolerance)
@@ -759,7 +772,9 @@ class EpAware(Policy):
         # on a full rank the request takes the place of a finished sequence of the rank's mean KV
         k_after = k + kv_new - np.where(grows, 0.0, k / np.maximum(run, 1.0))
         before, after, n_e = _decode_steps(eng, idx, rows, run, k, run_after, k_after, grows)
-        cost = out * (after + self.externality_weight * n_e * (after - before)) + slot_wait_s(b, before, out, S)
+        tau = self._tau(eng)
+        cost = (out / tau * (after + self.externality_weight * n_e * (after - before))
+                + slot_wait_s(b, before, out, S, tau))
         return _plus_transfer(cost, request, cands, model, transfer)
 
     def slot_wait(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],
@@ -793,7 +808,7 @@ class EpAware(Policy):
                         + d.per_group_seq_s * _per_engine_sum(run, idx, n_eng))
             else:
                 step = d.overhead_s + d.per_seq_s * run + d.per_kv_token_s * k
-            w = slot_wait_s(b, step, out, ec.max_num_seqs)
+            w = slot_wait_s(b, step, out, ec.max_num_seqs, self._tau(ec))
             if e is None:
                 wait = w
             else:
@@ -840,6 +855,11 @@ class EpAware(Policy):
             return cost.max() + 1.0 + (need - room).astype(np.float64), False
         cost = np.where(bad, np.inf, cost)
         return cost, True
+
+    def _tau(self, eng: EngineCost) -> float:
+        """Output tokens a decoding sequence gains per step of ``eng`` as priced:
+        ``EngineCost.decode_tokens_per_step`` with ``spec_decode``, else 1."""
+        return eng.decode_tokens_per_step if self.spec_decode else 1.0
 
     @staticmethod
     def _uniform_engine(model: CostModel, names: tuple[str, ...], role: str) -> EngineCost | None:

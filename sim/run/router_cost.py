@@ -26,7 +26,11 @@ def engine_cost(perf: PerfModel, pool: PoolConfig, *, running_cap: bool = False)
     most ``max_decode_batch`` (the simulated rank's two limits): the smaller is the cost model's
     ``max_num_seqs``. The pool's vLLM per-request chunk limit (``max_chunk_tokens``) and prefill
     cadence (``prefill_schedule_interval``) become ``request_chunk_tokens`` and
-    ``prefill_schedule_interval`` (:mod:`balancer.prefill_cadence`)."""
+    ``prefill_schedule_interval`` (:mod:`balancer.prefill_cadence`). A perf model whose steps
+    each gain several output tokens per decoding sequence (``perf.decode_tokens_per_step`` > 1:
+    MTP verified on every step, :class:`sim.perf.step_class.StepClassPerf`) gives its
+    ``decode_tokens_per_step``; a mean-field speculative model (:class:`sim.perf.spec.SpecDecodePerf`)
+    already prices a step per accepted token and gives 1."""
     ep = bool(perf.ep_synchronous) and pool.dp_ranks > 1
     cost = fit_step_cost(perf.step_time_s, pool.dp_ranks if ep else 1, pool.max_prefill_tokens,
                          max_decode_batch=pool.max_decode_batch, ep_synchronous=ep)
@@ -36,6 +40,9 @@ def engine_cost(perf: PerfModel, pool: PoolConfig, *, running_cap: bool = False)
     if pool.max_chunk_tokens is not None or pool.prefill_schedule_interval != 1:
         cost = replace(cost, request_chunk_tokens=pool.max_chunk_tokens,
                        prefill_schedule_interval=pool.prefill_schedule_interval)
+    tau = float(perf.decode_tokens_per_step)
+    if tau != 1.0:
+        cost = replace(cost, decode_tokens_per_step=tau)
     return cost
 
 

@@ -103,3 +103,24 @@ def test_vllm_chunk_limit_and_cadence_reach_pdlb_serve_from_sim_cost_model(tmp_p
     plain = tmp_path / "plain.toml"
     assert main(["sim", "cost-model", "--scenario", "llama8b-agg-h100", "--out", str(plain)]) == 0
     assert "request_chunk_tokens" not in plain.read_text() and "prefill_schedule_interval" not in plain.read_text()
+
+
+def test_mtp_accepted_tokens_per_step_reach_pdlb_serve_from_sim_cost_model(tmp_path: Path) -> None:
+    # issue 23 part 3: a scenario verifying MTP drafts on every step (acceptance 0.8, 0.5, 0.3: tau = 1 + 0.8
+    # + 0.8 x 0.5 + 0.8 x 0.5 x 0.3 = 2.32 by hand) writes decode_tokens_per_step, which pdlb serve reads back
+    from pdlb_cli.main import build_parser
+    from pdlb_cli.serve import config_from_args
+
+    out = tmp_path / "cm.toml"
+    assert main(["sim", "cost-model", "--scenario", "llama8b-agg-h100", "--set", "speculative.draft_tokens=3",
+                 "--set", "speculative.acceptance=[0.8,0.5,0.3]", "--set", "speculative.verify=every_step",
+                 "--out", str(out)]) == 0
+    cm = config_from_args(build_parser().parse_args(["serve", "--cost-model", str(out)])).router.cost_model
+    cm = cm if isinstance(cm, CostModel) else CostModel.from_dict(cm)
+    for eng in (cm.prefill, cm.decode):
+        assert eng.decode_tokens_per_step == pytest.approx(2.32, rel=1e-12)
+    # the mean-field model already prices a step per accepted token: no key (1 token per step)
+    mf = tmp_path / "mf.toml"
+    assert main(["sim", "cost-model", "--scenario", "llama8b-agg-h100", "--set", "speculative.draft_tokens=3",
+                 "--set", "speculative.acceptance=[0.8,0.5,0.3]", "--out", str(mf)]) == 0
+    assert "decode_tokens_per_step" not in mf.read_text()
