@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+from pdlb_cli.comma_lists import list_arg  # noqa: E402
+
 import router_overhead as ro  # noqa: E402
 
 ANSWER = (b'{"id": "cmpl-1", "object": "text_completion", "model": "emu", "choices": [{"index": 0, "text": " t0 t1",'
@@ -114,7 +116,7 @@ async def run(args: argparse.Namespace) -> None:
     except ImportError:
         print("uvicorn not installed: its row is left out")
     all_cpus = os.sched_getaffinity(0)
-    cpus = {int(c) for c in args.server_cpus.split(",")} if args.server_cpus else None
+    cpus = args.server_cpus or None
     other = (all_cpus - cpus) if cpus and all_cpus - cpus else None
     servers = {k: _start(k, args.loop, cpus) for k in kinds}
     try:
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     ap.add_argument("--server-cpus", default="", help="comma-separated CPUs of the servers, e.g. 0 (default: any)")
     args = ap.parse_args(argv)
+    args.server_cpus = set(list_arg(ap, "--server-cpus", args.server_cpus, "CPU numbers", int, empty_ok=True))
+    if any(c < 0 for c in args.server_cpus):
+        ap.error("--server-cpus: CPU numbers are >= 0")
     if args.rounds < 1 or args.concurrency < 1 or not (0 < args.duration_s < 600):
         ap.error("--rounds and --concurrency must be >= 1 and --duration-s in (0, 600)")
     asyncio.run(run(args))

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from balancer.router import Router  # noqa: E402
 from balancer.service.processes.shared_prefix import PrefixShare  # noqa: E402
 from balancer.types import ReplicaId, Role  # noqa: E402
+from pdlb_cli.comma_lists import list_arg  # noqa: E402
 
 
 def measure(blocks: int, decisions: int, per_pass: int, policy: str, replicas: int, block_size: int) -> tuple[float, float]:
@@ -67,10 +68,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=8, help="mixed replicas (default 8)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
     args = ap.parse_args()
-    try:
-        lengths = [int(x) for x in args.blocks.split(",")]
-    except ValueError:
-        ap.error("--blocks takes a comma list of integers")
+    lengths = list_arg(ap, "--blocks", args.blocks, "prompt lengths in blocks", int)
     if not lengths or min(lengths) < 1 or args.decisions < 1 or args.per_pass < 1 or args.replicas < 1 or args.block_size < 1:
         ap.error("--blocks, --decisions, --per-pass, --replicas and --block-size must be >= 1")
     print(f"{args.replicas} mixed replicas, {args.block_size}-token blocks, {args.decisions} distinct decisions, "
