@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from balancer.config import RouterConfig
 from balancer.validation import format_validation_error, syntax_error_line
+from sim.models.hardware import get_hardware
 from sim.models.presets import MODELS, get_model
 from sim.perf.config import PerfConfig
 from sim.perf.spec import SpecDecodeConfig
@@ -307,6 +308,14 @@ class Scenario(BaseModel):
     max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS)
     kv_accounting: Literal["reserve", "shared"] = "shared"
     router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @field_validator("hardware")
+    @classmethod
+    def _known_hardware(cls, v: str) -> str:
+        # checked here so that the error names the scenario file and the field, as every other bad
+        # scenario value does (was: "prefill pool: unknown hardware ..." from the perf build, no file)
+        get_hardware(v)
+        return v
 
     @field_validator("router", mode="before")
     @classmethod

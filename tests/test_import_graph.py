@@ -160,8 +160,9 @@ def test_edges_match_hand_reading(graph) -> None:
     edges, _ = graph
     # read by hand from the files' import lines (module docstring)
     assert set(edges["balancer.types"]) == set()
-    assert set(edges["sim.scenario"]) == {"balancer.config", "balancer.validation", "sim.models.presets",
-                                          "sim.perf.config", "sim.perf.spec"}  # balancer.config: its [router] table
+    assert set(edges["sim.scenario"]) == {"balancer.config", "balancer.validation", "sim.models.hardware",
+                                          "sim.models.presets", "sim.perf.config", "sim.perf.spec"}
+    # balancer.config: its [router] table; sim.models.hardware: the hardware name checked at load
     # a function-level import counts: sim.search.point imports sim.run.cluster inside functions only
     # (_make_router_factory, _result_of, evaluate_point)
     assert "sim.run.cluster" in edges["sim.search.point"]

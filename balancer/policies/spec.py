@@ -17,7 +17,8 @@ before it, so ``cache_aware:cache_threshold=0.5,balance_abs=8,round_robin`` is t
 
 Errors are :class:`ValueError` with one line naming the bad part: an unknown policy (the closest
 name, and the valid ones), an unknown parameter (the policy's accepted parameters with their
-defaults), a value of the wrong type, a parameter given twice, or the policy's own check.
+defaults), a value of the wrong type, a parameter given twice, an empty parameter (a stray comma:
+``cache_aware:cache_threshold=0.5,``), or the policy's own check.
 """
 
 from __future__ import annotations
@@ -126,7 +127,11 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, object]]:
     cls = _policy_class(name)
     defaults = _defaults(cls)
     params: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
+    parts = [p.strip() for p in rest.split(",")] if rest.strip() else []
+    if not all(parts):  # 'k=v,' or 'k=v,,k2=v2': a typo, refused as --policies refuses 'a,,b'
+        raise ValueError(f"policy {name!r}: an empty parameter in {text.strip()!r} (a stray comma); write "
+                         f"{name}:param=value[,param=value]; accepted: {accepted_params(name)}")
+    for part in parts:
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or not key:

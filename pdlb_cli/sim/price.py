@@ -184,6 +184,8 @@ def prompt_ratios(text: str) -> list[float]:
 def run_price(args: argparse.Namespace, console: Console) -> int:
     """Run ``pdlb sim price`` (see :func:`add_price_parser`). Returns the exit status."""
 
+    if args.prices not in ("", "all"):  # ',' or 'a,,b' priced no sheet or fewer (empty tables, exit 0)
+        comma_items(args.prices, "price sheet names or files", flag="--prices")
     sheets = load_price_sheets(args.prices)
     hits, ratios = hit_rates(args.hit_rate), prompt_ratios(args.ratio)
     _check_nonneg("--gpu-hour-cost", args.gpu_hour_cost)

@@ -207,11 +207,18 @@ def load_price_sheet(name_or_path: str | Path) -> PriceSheet:
 
 
 def load_price_sheets(spec: str | Sequence[str] | None) -> list[PriceSheet]:
-    """Comma-separated names/files (or a list); ``None``, ``""`` or ``"all"``: every shipped sheet."""
+    """Comma-separated names/files (or a list); ``None``, ``""`` or ``"all"``: every shipped sheet.
+
+    Raises:
+        ValueError: an empty item in the text (``","``, ``"a,,b"``: a typo; dropping it priced no
+            sheet, or fewer), an unknown name or a bad file."""
     if spec is None or spec == "" or spec == "all":
         items = shipped_price_sheets()
     elif isinstance(spec, str):
-        items = [s.strip() for s in spec.split(",") if s.strip()]
+        items = [s.strip() for s in spec.split(",")]
+        if not all(items):
+            raise ValueError(f"price sheets {spec!r}: an empty name (a leading, trailing or doubled comma); give "
+                             f"NAME|FILE[,...] ({', '.join(shipped_price_sheets())}) or 'all'")
     else:
         items = list(spec)
     return [load_price_sheet(s) for s in items]

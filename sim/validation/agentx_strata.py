@@ -21,6 +21,7 @@ validation row: the engine, lane count and hardware differ between the two point
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -115,7 +116,8 @@ def load_strata_440845(case: str = "off", path: Path = STRATA_PATH) -> dict:
 @dataclass(frozen=True)
 class StrataRow:
     """One bucket, published vs simulated: the share of requests in it, their mean uncached tokens
-    and the share of all uncached tokens they carry (shares in [0, 1])."""
+    and the share of all uncached tokens they carry (shares in [0, 1]). A side without a request in
+    the bucket has shares 0 and means NaN (printed ``-``)."""
 
     dimension: str
     bucket: str
@@ -142,8 +144,8 @@ def compare_strata(simulated: dict, published: dict | None = None) -> list[Strat
                 continue
 
             def parts(d: dict | None, total: dict) -> tuple[float, float, float, float]:
-                if d is None or d["requests"] == 0:
-                    return 0.0, 0.0, 0.0, 0.0
+                if d is None or d["requests"] == 0:  # shares 0; the mean of no request is undefined, not 0 tokens
+                    return 0.0, math.nan, 0.0, math.nan
                 return (d["requests"] / total["requests"], d["uncached_tokens"] / d["requests"],
                         d["uncached_tokens"] / total["uncached_tokens"] if total["uncached_tokens"] else 0.0,
                         d["prompt_tokens"] / d["requests"])
@@ -182,12 +184,15 @@ def print_strata(rows: list[StrataRow], console, title: str) -> None:  # noqa: A
     """A table of :func:`compare_strata`'s rows (shares in %, tokens rounded), laid out as
     docs/validate.md shows it: each figure ``published / simulated`` in one column, so that the
     table fits 120 columns (a file or pipe gets 160: the nine separate columns it had wrapped the
-    bucket labels there); the labels never wrap."""
+    bucket labels there); the labels never wrap; ``-`` for the mean of an empty bucket."""
     from rich.table import Table
+
+    def tokens(v: float) -> str:  # '-': the mean of a bucket with no request on that side
+        return "-" if math.isnan(v) else f"{v:,.0f}"
     cells = [(f"{r.dimension} {r.bucket}" + (" (cold)" if (r.dimension, r.bucket) == ("reuse", "0%") else ""),
               f"{100 * r.published_share:.1f}% / {100 * r.simulated_share:.1f}%",
-              f"{r.published_mean_prompt:,.0f} / {r.simulated_mean_prompt:,.0f}",
-              f"{r.published_mean_uncached:,.0f} / {r.simulated_mean_uncached:,.0f}",
+              f"{tokens(r.published_mean_prompt)} / {tokens(r.simulated_mean_prompt)}",
+              f"{tokens(r.published_mean_uncached)} / {tokens(r.simulated_mean_uncached)}",
               f"{100 * r.published_uncached_share:.1f}% / {100 * r.simulated_uncached_share:.1f}%") for r in rows]
     t = Table(title=title)
     heads = ("bucket", "requests, 440845 / sim", "mean prompt, 440845 / sim", "mean uncached, 440845 / sim",

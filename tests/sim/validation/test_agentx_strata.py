@@ -99,7 +99,11 @@ def test_compare_strata_by_hand_with_a_missing_bucket() -> None:
     assert (r.published_mean_uncached, r.simulated_mean_uncached) == (1_000, 1_000)
     assert (r.published_uncached_share, r.simulated_uncached_share) == (1.0, pytest.approx(1_000 / 321_000))
     gone = rows[("uncached", ">256K")]  # only the simulated side has it
-    assert (gone.published_share, gone.published_mean_uncached, gone.simulated_share) == (0.0, 0.0, 0.25)
+    assert (gone.published_share, gone.published_uncached_share, gone.simulated_share) == (0.0, 0.0, 0.25)
+    # no published request in it: its means are undefined (NaN), not 0 tokens (review finding 2);
+    # the simulated side's one request: prompt 300,000, all uncached
+    assert math.isnan(gone.published_mean_uncached) and math.isnan(gone.published_mean_prompt)
+    assert (gone.simulated_mean_uncached, gone.simulated_mean_prompt) == (300_000, 300_000)
     assert ("uncached", "0") not in rows and ("reuse", "100%") not in rows  # neither side has them
     assert [k for k in rows if k[0] == "uncached"] == [("uncached", b) for b in ("<=8K", "(8K,32K]", ">256K")]
 
@@ -239,3 +243,17 @@ def test_strata_table_rows_stay_on_one_line_in_a_file(width) -> None:
         assert "91.2% / 88.0%" in ln and "269,176 / 384,376" in ln and "38.7% / 28.4%" in ln
     assert "reuse 0% (cold)" in out.getvalue()  # docs/validate.md's label
     assert max(len(ln) for ln in lines) <= width
+
+
+def test_print_strata_shows_a_dash_for_an_empty_buckets_mean() -> None:
+    # review finding 2: `pdlb sim validate --agentx-440246 --duration-s 120` printed an empty simulated
+    # bucket's mean prompt and mean uncached tokens as 0
+    from rich.console import Console
+    sim = st.request_strata([10_000], [9_000])  # one request: uncached 1,000 (<=8K), reuse 90% ([90,99%))
+    pub = st.request_strata([1_000, 300_000], [0, 0])  # uncached 1,000 (<=8K) and 300,000 (>256K)
+    console = Console(width=160, record=True)
+    st.print_strata(st.compare_strata(sim, pub), console, "t")
+    line = next(ln for ln in console.export_text().splitlines() if "uncached >256K" in ln)
+    cells = [c.strip() for c in line.split("\u2502")[1:-1]]
+    # bucket | requests 440845 / sim | mean prompt | mean uncached | share of uncached tokens
+    assert cells == ["uncached >256K", "50.0% / 0.0%", "300,000 / -", "300,000 / -", "99.7% / 0.0%"]
