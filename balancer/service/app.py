@@ -185,6 +185,8 @@ class Service:
                                on_breaker_change=lambda url, state: self.metrics.breaker_transitions.labels(
                                    url, state.name.lower()).inc())
         self.metrics.live_workers = lambda: self.pool.workers.keys()
+        if cfg.health_check.enabled and cfg.circuit_breaker.enabled:  # the prober brings it back (_probe_loop)
+            self.pool.early_probe = self._start_early_probe
         for w in cfg.workers:
             self.pool.add(w)
         if self.shared_load is not None:  # the configured workers' DP ranks take columns 0, 1, ...
@@ -210,22 +212,46 @@ class Service:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def check_health_once(self, workers: list | None = None) -> None:
-        """One round of active health checks of every worker (or of ``workers``), concurrently."""
+    async def _probe_passes(self, w: Worker) -> bool:
+        """One active health check of ``w``: whether ``GET health_check.endpoint`` answered 200
+        within ``health_check.timeout_s``."""
         assert self.session is not None
         hc = self.cfg.health_check
-        timeout = aiohttp.ClientTimeout(total=hc.timeout_s)
+        try:
+            async with self.session.get(w.url + hc.endpoint, timeout=aiohttp.ClientTimeout(total=hc.timeout_s)) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
 
-        async def one(w):  # noqa: ANN001, ANN202
-            try:
-                async with self.session.get(w.url + hc.endpoint, timeout=timeout) as r:
-                    await r.read()
-                    ok = r.status == 200
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                ok = False
-            self.pool.record_health(w, ok, time.monotonic())
+    async def check_health_once(self, workers: list | None = None) -> None:
+        """One round of active health checks of every worker (or of ``workers``), concurrently."""
+
+        async def one(w: Worker) -> None:
+            self.pool.record_health(w, await self._probe_passes(w), time.monotonic())
 
         await asyncio.gather(*(one(w) for w in (list(self.pool.workers.values()) if workers is None else workers)))
+
+    def _start_early_probe(self, w: Worker) -> None:
+        """:attr:`WorkerPool.early_probe`: health-check ``w`` now, in the background (a request
+        could not connect to it), and report the outcome to :meth:`WorkerPool.record_early_probe`."""
+        proxy = self.proxy
+        if proxy is None or self.session is None:
+            self.pool.record_early_probe(w, None, time.monotonic())
+            return
+
+        async def probe() -> None:
+            ok: bool | None = None
+            try:
+                ok = await self._probe_passes(w)
+            except Exception:  # the session closed under it (shutdown): not run
+                pass
+            finally:  # cancelled at shutdown: None
+                self.pool.record_early_probe(w, ok, time.monotonic())
+
+        t = asyncio.get_running_loop().create_task(probe())
+        proxy.background.add(t)
+        t.add_done_callback(proxy.background.discard)
 
     async def discover_engines(self, workers: list[Worker] | None = None) -> None:
         """Probe the capabilities of every worker (or of ``workers``) not probed yet, concurrently

@@ -1072,16 +1072,19 @@ class Proxy:
 
     async def _stream_error(self, ctx: _Ctx, status: int, message: str, etype: str = "server_error",
                             where: str = "") -> None:
-        """End a started stream with an SSE error event (``message``: names no URL; ``where``: the
-        workers' URLs, logged, :meth:`_log_failure`); the request counts with ``status`` (not 200)
-        in ``pdlb_requests_total``."""
+        """End a started stream with an SSE error event and then ``data: [DONE]``, as SGLang's own
+        servers do (0.5.23 ``serving_chat.py``: ``except ValueError`` yields the error event, then
+        ``[DONE]``; ``http_server.py`` ``stream_results`` the same for ``/generate``), so a client
+        that reads until ``[DONE]`` stops there (``message``: names no URL; ``where``: the workers'
+        URLs, logged, :meth:`_log_failure`); the request counts with ``status`` (not 200) in
+        ``pdlb_requests_total``."""
         resp = ctx.resp
         assert resp is not None
         ctx.request[STREAM_STATUS] = status
         self._log_failure(ctx.visible_id, status, "mid_stream", message, where)
         err = {"error": {"message": message, "type": etype, "code": status}}
         try:
-            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
             pass

@@ -31,6 +31,10 @@ MAX_REPLICAS = 16_384
 UNREACHABLE_LOG_EVERY_S = 60.0
 """While a worker stays unreachable, its burst of failed connections is logged this often."""
 
+EARLY_PROBE_MIN_GAP_S = 1.0
+"""A refused connection starts an early health probe of its worker at most this often per worker
+(and at most one in flight per worker): :meth:`WorkerPool.record_connect_failure`."""
+
 
 class BreakerState(enum.IntEnum):
     """Circuit states; the value is the ``pdlb_circuit_breaker_state`` gauge."""
@@ -131,6 +135,13 @@ class Worker:
     burst_connect_failures: int = 0
     connect_failures: int = 0
     last_unreachable_log_s: float = 0.0
+    #: whether it is known to be reachable or not: set by the first request or health probe that
+    #: got an answer, or the first refused connection (``reachable`` is ``null`` in ``/workers``
+    #: until then)
+    reach_known: bool = False
+    #: the early health probe a refused connection started (WorkerPool.record_connect_failure)
+    early_probe_in_flight: bool = False
+    last_early_probe_s: float = float("-inf")
     _urls: dict[str, URL] = field(default_factory=dict)
 
     def model_names(self) -> tuple[str, ...]:
@@ -161,7 +172,8 @@ class Worker:
     def describe(self) -> dict:
         return {**self.cfg.model_dump(), "healthy": self.healthy, "routable": self.routable,
                 "circuit": self.breaker.state.name.lower(), "consecutive_failures": self.breaker.failures,
-                "reachable": self.unreachable_since_s is None, "connect_failures": self.connect_failures,
+                "reachable": (self.unreachable_since_s is None) if self.reach_known else None,
+                "connect_failures": self.connect_failures,
                 "capabilities": self.caps.describe()}
 
 
@@ -179,6 +191,10 @@ class WorkerPool:
         self.num_prefill = 0  # registered prefill workers
         #: URLs of workers whose breaker is open: the only routability that changes with time alone
         self._open: set[str] = set()
+        #: starts an early health probe of a worker whose connection was refused; the service sets
+        #: it (with health checks and the circuit breaker on) and reports the outcome to
+        #: :meth:`record_early_probe`; None: no early probes
+        self.early_probe: Callable[[Worker], None] | None = None
 
     def add(self, cfg: WorkerConfig) -> Worker:
         """Register a worker and its DP ranks, atomically: if any rank cannot be registered, none
@@ -257,19 +273,50 @@ class WorkerPool:
         """A request could not connect to ``w``: it is marked unreachable (``/workers``,
         ``pdlb_worker_reachable``) until a request or health check gets through. Logged at WARNING
         once when a burst starts, again every :data:`UNREACHABLE_LOG_EVERY_S` while it lasts (with
-        the count), and at INFO with the burst's count when the worker answers again."""
+        the count), and at INFO with the burst's count when the worker answers again.
+
+        While ``w`` is healthy it also starts an early health probe (:attr:`early_probe`; at most
+        one in flight per worker and one per :data:`EARLY_PROBE_MIN_GAP_S`): if that fails too,
+        :meth:`record_early_probe` marks ``w`` unhealthy at once instead of after
+        ``health_check.failure_threshold`` rounds ``interval_s`` apart."""
         w.connect_failures += 1
+        w.reach_known = True
         if w.unreachable_since_s is None:
             w.unreachable_since_s = w.last_unreachable_log_s = now_s
             w.burst_connect_failures = 1
             log.warning("worker %s: cannot connect (%s); marked unreachable until it answers (further failures "
                         "are counted, not logged one by one)", w.url, why)
+        else:
+            w.burst_connect_failures += 1
+            if now_s - w.last_unreachable_log_s >= UNREACHABLE_LOG_EVERY_S:
+                w.last_unreachable_log_s = now_s
+                log.warning("worker %s: still unreachable: %d failed connections in %.0f s (last: %s)", w.url,
+                            w.burst_connect_failures, now_s - w.unreachable_since_s, why)
+        if (self.early_probe is not None and w.healthy and not w.early_probe_in_flight
+                and now_s - w.last_early_probe_s >= EARLY_PROBE_MIN_GAP_S):
+            w.early_probe_in_flight = True
+            w.last_early_probe_s = now_s
+            self.early_probe(w)
+
+    def record_early_probe(self, w: Worker, ok: bool | None, now_s: float) -> None:
+        """The outcome of the early health probe :meth:`record_connect_failure` started: passed,
+        failed (``w`` is marked unhealthy at once: a refused connection and a failed probe agree;
+        the prober then checks it every ``circuit_breaker.probe_interval_s`` and it is healthy
+        again after ``health_check.success_threshold`` passing probes), or ``None`` (not run:
+        shutdown)."""
+        w.early_probe_in_flight = False
+        if ok is None or self.workers.get(w.url) is not w:
             return
-        w.burst_connect_failures += 1
-        if now_s - w.last_unreachable_log_s >= UNREACHABLE_LOG_EVERY_S:
-            w.last_unreachable_log_s = now_s
-            log.warning("worker %s: still unreachable: %d failed connections in %.0f s (last: %s)", w.url,
-                        w.burst_connect_failures, now_s - w.unreachable_since_s, why)
+        if ok:
+            self.record_health(w, True, now_s)
+            return
+        w.health_successes = 0
+        w.health_failures += 1
+        if w.healthy:
+            w.healthy = False
+            log.warning("worker %s: connection refused and an early health probe failed: not routable until "
+                        "%d health probes pass", w.url, self.health_cfg.success_threshold)
+        self.refresh(now_s)
 
     def _reachable_again(self, w: Worker, now_s: float) -> None:
         since = w.unreachable_since_s
@@ -283,6 +330,7 @@ class WorkerPool:
     def record_result(self, w: Worker, ok: bool, now_s: float) -> None:
         """Feed one request outcome on ``w`` into its breaker (and the router, if routability changed)."""
         if ok:
+            w.reach_known = True
             if w.unreachable_since_s is not None:
                 self._reachable_again(w, now_s)
             if w.breaker.state is BreakerState.CLOSED:  # the common case: nothing can change
@@ -296,7 +344,8 @@ class WorkerPool:
     def record_health(self, w: Worker, ok: bool, now_s: float) -> None:
         """Feed one active health-check result into ``w``."""
         cfg = self.health_cfg
-        if ok:
+        if ok:  # a failed probe does not say whether a connection could be opened
+            w.reach_known = True
             self._reachable_again(w, now_s)
             w.health_failures = 0
             w.health_successes += 1

@@ -39,12 +39,14 @@ FAULTS = [
 
 
 def _error_of(status: int, text: str, stream: bool) -> dict:
-    """The error object of an answer: its JSON body, or a stream's last event."""
+    """The error object of an answer: its JSON body, or a stream's error event (the last before
+    ``[DONE]``)."""
     if status != 200:
         return json.loads(text)["error"]
     assert stream, text
     events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
-    return json.loads(events[-1])["error"]
+    assert events[-1] == "[DONE]", text
+    return json.loads(events[-2])["error"]
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])

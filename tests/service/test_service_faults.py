@@ -57,10 +57,12 @@ async def _one(s: aiohttp.ClientSession, url: str, i: int, stream: bool) -> str:
         assert json.loads(text)["usage"]["completion_tokens"] == MAX_TOKENS
         return "ok"
     events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
-    if events and events[-1] == "[DONE]":
-        assert not any('"error"' in e for e in events)
+    assert events and events[-1] == "[DONE]", text  # ok or not, a stream ends with [DONE] (as SGLang's)
+    errors = [e for e in events if e.startswith('{"error"')]
+    if not errors:
         return "ok"
-    assert json.loads(events[-1])["error"]["message"], text  # ended by an error event
+    # told by the error event, the last before [DONE]
+    assert len(errors) == 1 and events[-2] == errors[0] and json.loads(errors[0])["error"]["message"], text
     return "stream_error"
 
 

@@ -55,10 +55,12 @@ async def test_soak_with_faults():
                         "max_tokens": rng.randrange(1, 12), "stream": stream}
                 async with s.post(c.url + "/v1/completions", json=body) as r:
                     text = await r.text()
-                if r.status == 200 and (not stream or text.rstrip().endswith("data: [DONE]")):
+                events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+                failed = any(e.startswith('{"error"') for e in events)
+                if r.status == 200 and (not stream or (events[-1:] == ["[DONE]"] and not failed)):
                     key = "ok"
-                elif r.status == 200:
-                    assert json.loads(text.strip().splitlines()[-1][6:])["error"]["message"]
+                elif r.status == 200:  # the error event, then [DONE]
+                    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"]
                     key = "stream_error"
                 else:
                     assert r.status in (502, 503, 504) and json.loads(text)["error"]["message"], text
