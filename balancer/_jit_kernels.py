@@ -91,6 +91,18 @@ def _maximum(x, y):  # noqa: ANN001, ANN202
     return x if x > y else y
 
 
+@_jit("i8(f8[::1], i8, f8, i8[::1])")
+def _positions_of(values, n, target, out):  # noqa: ANN001, ANN202
+    """Writes the positions ``i < n`` with ``values[i] == target`` into ``out`` in order; returns
+    how many (the candidates a selection draws from)."""
+    m = 0
+    for i in range(n):
+        if values[i] == target:
+            out[m] = i
+            m += 1
+    return m
+
+
 @_jit("f8(f8, f8)")
 def _frac(X, Qr):  # noqa: ANN001, ANN202
     """``np.minimum(np.divide(X, Qr, where=Qr > 0, out=0), 1.0)`` of two floats, without the
@@ -461,12 +473,7 @@ def kv_cost_select(prefill_tokens, matched_tokens, kv_tokens, prompt, bs, overla
     for i in range(1, n):
         if cost[i] < least:
             least = cost[i]
-    m = 0
-    for i in range(n):
-        if cost[i] == least:
-            out[m] = i
-            m += 1
-    return m
+    return _positions_of(cost, n, least, out)
 
 
 @_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
@@ -545,12 +552,7 @@ def scored_select(matched_blocks, num_requests, kv_tokens, cap, n_blocks, w_pref
     for i in range(1, n):
         if total[i] > best:
             best = total[i]
-    m = 0
-    for i in range(n):
-        if total[i] == best:
-            out[m] = i
-            m += 1
-    return m
+    return _positions_of(total, n, best, out)
 
 
 @_jit("i8(i8[::1], i8, i8[::1])")
