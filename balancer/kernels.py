@@ -314,8 +314,8 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
     buf = np.empty((4, n))
     feats = np.empty((n, 4))
     P = float(prompt_tokens)
-    args = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows,
-            feats, buf[0], buf[1], buf[2], buf[3])
+    args: tuple[object, ...] = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s),
+                                float(w_ext), idx, rows, feats, buf[0], buf[1], buf[2], buf[3])
     fn = k.prefill_ep_cost_rows
     if memo:  # the per-pool memo of what does not depend on the request (prefill_ep_rows_memo)
         args += _memo_of(idx, rows)
@@ -331,7 +331,14 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
 #: per thread, the memos of :func:`prefill_ep_cost_rows` by ``(idx, rows)`` identity (one per
 #: pool: :func:`balancer.cost_model.engine_groups` caches the pair per candidate tuple), with the
 #: objects kept so that their ids stay theirs; per thread, as the kernels run without the GIL
-_MEMOS = threading.local()
+class _ThreadMemos(threading.local):
+    """One table of memos per thread (``threading.local`` runs ``__init__`` in each thread)."""
+
+    def __init__(self) -> None:
+        self.d: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]] = {}
+
+
+_MEMOS = _ThreadMemos()
 #: most memos kept per thread (a pool whose candidate tuple changed starts a new one)
 _MEMOS_MAX = 16
 
@@ -342,9 +349,7 @@ def _memo_of(idx: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, ...]:
     against the inputs on every call (a rank whose inputs differ from the memo's copy is
     recomputed), so a pool that shares a layout with another, or a memo of a stale pool, costs
     time, never a different answer."""
-    memos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]] | None = getattr(_MEMOS, "d", None)
-    if memos is None:
-        memos = _MEMOS.d = {}
+    memos = _MEMOS.d
     got = memos.get((id(idx), id(rows)))
     if got is not None and got[0] is idx and got[1] is rows:
         return got[2]
