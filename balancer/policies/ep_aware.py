@@ -241,6 +241,7 @@ class EpAware(Policy):
     name = "ep_aware"
     uses_cost_model = True
     uses_kernels = True  # a Router built with it loads the compiled loops (not the policy itself)
+    prefill_head_roles = frozenset({Role.PREFILL})  # in-service progress: dense prefill ranks only
     externality_weight: float = 1.0
     horizon_weight: float = 4.0
     horizon_power: float = 1.0
