@@ -219,20 +219,19 @@ def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray,
     where ``_pick`` draws among the cheapest costs, -2 where some candidate lacks KV room (the
     costs change: take the numpy path). ``b``, ``k``, ``matched_tokens``, ``cap`` int64, shape
     ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
-    kern = compiled()
+    kern = _module if _enabled and _tried else compiled()
     n = len(b)
     if (kern is None or not len(k) == len(matched_tokens) == len(cap) == len(idx) == n or not 0 <= need < 2 ** 62
             or not _layout_ok(kern, idx, rows)):
         return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns
-        count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
-                                        float(prompt_tokens), float(overhead_s), float(per_seq_s),
-                                        float(per_kv_token_s), float(per_group_seq_s), float(externality_weight),
-                                        float(transfer_s_per_token), bool(transfer), cost, cap, int(need),
-                                        float(tie_tolerance), pos)
-    except TypeError:  # other dtypes or layouts (numba: "No matching definition"): the numpy path
+    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns (numbers it converts
+        # as float() and int() do: the scalars go as they are)
+        count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, out_tokens, kv_new_tokens, prompt_tokens,
+                                        overhead_s, per_seq_s, per_kv_token_s, per_group_seq_s, externality_weight,
+                                        transfer_s_per_token, transfer, cost, cap, need, tie_tolerance, pos)
+    except (TypeError, OverflowError):  # other dtypes or layouts ("No matching definition"): the numpy path
         return None
     return count, cost, pos
 
@@ -414,15 +413,15 @@ def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, ho
     ``(count, cost (n,), positions (n,))`` as :func:`decode_select_rows` (count -1: the numpy pick
     decides). ``ttft``/``ext``/``horizon`` float64, ``load`` int64, shapes ``(n,)``; ``None`` when
     the compiled path is off or cannot take these arrays."""
-    k = compiled()
+    k = _module if _enabled and _tried else compiled()
     n = len(ttft)
     if k is None or not len(ext) == len(horizon) == len(load) == n:
         return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    try:  # numba's dispatcher takes only its signature's dtypes, C-contiguous
-        count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else float(horizon_scale),
-                                    horizon_scale is not None, load, float(tie_tolerance), cost, pos)
-    except TypeError:  # other dtypes or layouts: the numpy path
+    try:  # numba's dispatcher takes only its signature's dtypes, C-contiguous (numbers as float() converts)
+        count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else horizon_scale,
+                                    horizon_scale is not None, load, tie_tolerance, cost, pos)
+    except (TypeError, OverflowError):  # other dtypes or layouts: the numpy path
         return None
     return count, cost, pos
