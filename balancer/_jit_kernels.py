@@ -636,17 +636,49 @@ def _differs(x, y):  # noqa: ANN001, ANN202
 _W, _NA, _BX, _NQ, _QF, _AF = 0, 1, 2, 3, 4, 5
 #: rows of that array
 MEMO_RANK_ROWS = 6
+#: :func:`prefill_ep_rows_memo`'s share rule as the router's decisions use it: the memo answers
+#: where at most this share of the candidates need their engine evaluated at their own ``X``
+#: (bench/route_latency.py's memo lines measure both kernels on such pools)
+MEMO_MAX_BELOW = 0.25
+
+
+@_jit("void(f8[:, ::1], i8, i8, f8[::1], f8[::1], f8[::1], i8[::1], f8[:, ::1], i8[:, ::1], i8)")
+def _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e):  # noqa: ANN001, ANN202
+    """The part of engine ``e``'s memo that reads the coefficients, from its ranks' ``W``: each
+    rank's busiest other rank (``max`` over the others' ``W`` with 0.0 for its own, as
+    :func:`prefill_ep_rows`: its value, which is all that is read of it where it is above 0) and
+    the engine's two ranks of most ``W frac`` at ``X = inf`` (with its queue sum)."""
+    W = rank_vals[_W]
+    BX = rank_vals[_BX]
+    i1 = 0
+    m1 = W[base]
+    for c in range(1, R):
+        if W[base + c] > m1:
+            m1 = W[base + c]
+            i1 = c
+    m2 = 0.0
+    for c in range(R):
+        if c != i1 and W[base + c] > m2:
+            m2 = W[base + c]
+    for o in range(R):
+        BX[base + o] = (m2 if o == i1 else (m1 if m1 > 0.0 else 0.0))
+    _engine_at(rank_vals[_QF], W, base, R, np.inf, mins, vals, got, js)
+    eng_vals[e, 1] = got[0]
+    eng_cols[e, 0] = js[0]
+    eng_cols[e, 1] = js[1]
 
 
 @_jit([f"b1({t}[::1], f8[::1], {s}[::1], f8, f8, f8, i8[:, ::1], f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])"
        for t in ("f8", "i8") for s in ("f8", "i8")])
 def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_vals, eng_vals, eng_cols):  # noqa: ANN001, ANN202
     """:func:`prefill_ep_rows_memo`'s first part: brings the memo up to date with ``q``, ``a``,
-    ``n_req`` and the coefficients (every engine when ``key`` differs or is stale, else the
-    engines with a rank whose ``float(q)``, ``a`` or ``float(n_req)`` differs from the memo's
-    copy: :func:`_differs`); False where the memo cannot cover these inputs (then ``key`` stays
-    stale). Its own function: inlined into one with the candidates' loop, LLVM compiled that loop
-    about twice as slow (measured)."""
+    ``n_req`` and the coefficients: every engine in full when the memo is stale (``key[3]``); an
+    engine with a rank whose ``float(q)``, ``a`` or ``float(n_req)`` differs from the memo's copy
+    (:func:`_differs`) in full (O(R^2): ``N_after``); the others' coefficient-dependent part alone
+    (:func:`_memo_weights`, O(R)) when ``per_token_s`` or ``per_attn_pair_s`` changed (a refit of
+    the cost model). False where the memo cannot cover these inputs (then ``key`` stays stale).
+    Its own function: inlined into one with the candidates' loop, LLVM compiled that loop about
+    twice as slow (measured)."""
     E = rows.shape[0]
     R = rows.shape[1]
     fine = (C > 0.0 and C < np.inf and R >= 2 and per_token_s >= 0.0 and per_token_s < np.inf
@@ -654,14 +686,14 @@ def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_
     if not fine:
         key[3] = 0.0
         return False
-    fresh = not (key[3] == 1.0 and key[0] == C and key[1] == per_token_s and key[2] == per_attn_pair_s)
+    fresh = key[3] != 1.0
+    coef = fresh or key[1] != per_token_s or key[2] != per_attn_pair_s
     key[3] = 0.0  # stale until every engine is up to date
     key[0] = C
     key[1] = per_token_s
     key[2] = per_attn_pair_s
     W = rank_vals[_W]
     NA = rank_vals[_NA]
-    BX = rank_vals[_BX]
     NQ = rank_vals[_NQ]
     QF = rank_vals[_QF]
     AF = rank_vals[_AF]
@@ -679,6 +711,14 @@ def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_
                     dirty = True
                     break
         if not dirty:
+            if coef:
+                for c in range(R):
+                    r = base + c
+                    w = per_token_s * QF[r] + per_attn_pair_s * AF[r]
+                    if not w < np.inf:
+                        return False
+                    W[r] = w
+                _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e)
             continue
         top = 0.0
         for c in range(R):
@@ -693,24 +733,16 @@ def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_
             NQ[r] = float(n_req[r])
             W[r] = w
             top = Qr if c == 0 or Qr > top else top
-        for o in range(R):  # each rank as the candidate: N_after and the busiest other rank
-            i = base + o
-            qi = QF[i]
-            busiest = 0.0
+        for o in range(R):  # each rank as the candidate: N_after (it reads no coefficient)
+            qi = QF[base + o]
             for c in range(R):
                 Qr = QF[base + c]
                 more = Qr > 0.0 and Qr > qi
                 g = (Qr - qi) / (Qr if more else 1.0)
                 vals[c] = NQ[base + c] * ((g if g > 0.0 else 0.0) if more else 0.0)
-                wo = 0.0 if c == o else W[base + c]
-                busiest = wo if c == 0 else (busiest if busiest > wo else wo)
-            NA[i] = _row_sum(vals, R)
-            BX[i] = busiest
-        _engine_at(QF, W, base, R, np.inf, mins, vals, got, js)
+            NA[base + o] = _row_sum(vals, R)
         eng_vals[e, 0] = top
-        eng_vals[e, 1] = got[0]
-        eng_cols[e, 0] = js[0]
-        eng_cols[e, 1] = js[1]
+        _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e)
     key[3] = 1.0
     return True
 
@@ -789,10 +821,23 @@ def _memo_candidates(u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feat
     return True
 
 
-@_jit([f"b1({t}[::1], f8[::1], f8[::1], f8[::1], {s}[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
-       "f8[::1], f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8") for s in ("f8", "i8")])
+@_jit("i8(f8[::1], f8, i8[::1], f8[:, ::1], f8[:, ::1])")
+def _memo_below(u, C, idx, rank_vals, eng_vals):  # noqa: ANN001, ANN202
+    """How many candidates have an ``X`` (``ceil((q_i + u_i) / C) C``) below their engine's largest
+    queue (the memo's), i.e. would need their engine evaluated at that ``X``; a NaN counts."""
+    q = rank_vals[_QF]
+    m = 0
+    for i in range(u.shape[0]):
+        X = np.ceil((q[i] + u[i]) / C) * C
+        if not X >= eng_vals[idx[i], 0]:
+            m += 1
+    return m
+
+
+@_jit([f"i8({t}[::1], f8[::1], f8[::1], f8[::1], {s}[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8, f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8") for s in ("f8", "i8")])
 def prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon,  # noqa: ANN001, ANN201
-                         n_after, key, rank_vals, eng_vals, eng_cols):
+                         n_after, max_below, key, rank_vals, eng_vals, eng_cols):
     """:func:`prefill_ep_rows` (``want_after``) on ``float(q)``, bit for bit, with what does not
     depend on the request kept between calls (the memo: ``key`` (4,), ``rank_vals``
     (:data:`MEMO_RANK_ROWS`, n), ``eng_vals`` (E, 2), ``eng_cols`` (E, 2), one set per pool, owned
@@ -808,21 +853,30 @@ def prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s
     instead of O(n R). Per candidate: its ``X``; where ``X`` is at least its engine's largest
     queue (every fraction 1: the usual case) the engine's memo answers, else the engine is
     evaluated at that ``X`` (O(R), shared by the engine's next candidates with the same ``X``).
-    Covers finite ``q, a >= 0``, finite ``u``/``cached``, ``X`` in ``(0, inf)``, coefficients ``>=
-    0`` and ``R >= 2`` (then every value compared in the argmax is >= 0, so the own rank's -1.0
-    never wins); anything else runs :func:`prefill_ep_rows` for the whole call (the memo stays
-    stale where its refresh did not finish). Returns whether the memo answered (False: the
-    fallback ran)."""
-    if _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_vals, eng_vals, eng_cols):
-        if _memo_candidates(u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, n_after,
-                            rank_vals, eng_vals, eng_cols):
-            return True
+    Where more than ``max_below`` of the candidates (a share) have an ``X`` below their engine's
+    largest queue, that O(R) evaluation per candidate costs more than :func:`prefill_ep_rows`'
+    (which shares its work between a candidate's engine and ``X`` differently), so that kernel
+    runs instead (the memo is still brought up to date). Covers finite ``q, a >= 0``, finite
+    ``u``/``cached``, ``X`` in ``(0, inf)``, coefficients ``>= 0`` and ``R >= 2`` (then every
+    value compared in the argmax is >= 0, so the own rank's -1.0 never wins); anything else runs
+    :func:`prefill_ep_rows` for the whole call (the memo stays stale where its refresh did not
+    finish). Returns 2 where the memo answered, 1 where :func:`prefill_ep_rows` did by the share
+    rule, 0 where it did because the memo does not cover these inputs."""
     n = q.shape[0]
+    if _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_vals, eng_vals, eng_cols):
+        if _memo_below(u, C, idx, rank_vals, eng_vals) <= max_below * n:
+            if _memo_candidates(u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, n_after,
+                                rank_vals, eng_vals, eng_cols):
+                return 2
+        else:
+            prefill_ep_rows(rank_vals[_QF], a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True,
+                            feats, horizon, n_after)
+            return 1
     qf = np.empty(n)
     for r in range(n):
         qf[r] = float(q[r])
     prefill_ep_rows(qf, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True, feats, horizon, n_after)
-    return False
+    return 0
 
 
 @_jit([f"i8({t}[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
@@ -838,8 +892,8 @@ def prefill_ep_cost_memo(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per
         c = _minimum(float(matched[i]), P_minus_1)
         cached[i] = c
         u[i] = P - c
-    prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, ext, key,
-                         rank_vals, eng_vals, eng_cols)
+    prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, ext,
+                         MEMO_MAX_BELOW, key, rank_vals, eng_vals, eng_cols)
     busy = 0
     idle = True
     for i in range(n):

@@ -88,13 +88,15 @@ def test_memo_equals_the_fresh_kernels_over_a_sequence_of_decisions(ranks, engin
     two coefficient sets alternating now and then: the memo's features, horizon and N_after equal
     the branching loop's bit for bit on every decision, the numpy code's on every tenth; the memo
     answered every one (no fallback), and both its paths ran (a candidate's X at least its
-    engine's largest queue: the memo's numbers; below it: the engine evaluated at that X)."""
+    engine's largest queue: the memo's numbers; below it: the engine evaluated at that X). With
+    the router's share rule (the fresh kernel where many candidates are below) the same bits."""
     k = kernels.compiled()
     pool = Pool(ranks * 100 + engines, ranks, engines)
     idx, rows = pool.idx, pool.rows
     n = len(pool.q)
     memo = fresh_memo(idx, rows)
     below = within = 0
+    ran = [0, 0, 0]
     for step in range(300):
         pool.step()
         P = float(pool.rng.choice([1000.0, 4096.0, 32_768.0, 100_000.0]))
@@ -104,9 +106,13 @@ def test_memo_equals_the_fresh_kernels_over_a_sequence_of_decisions(ranks, engin
         q_in = pool.q if step % 3 else pool.q.astype(np.int64)  # int64 queues: the router's (whole tokens)
         got, ref = outputs(n), outputs(n)
         assert k.prefill_ep_rows_memo(q_in, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, *got,
-                                      *memo), step
+                                      1.0, *memo) == 2, step  # the memo answers every candidate
         k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref)), (step, [same_bits(x, y) for x, y in zip(got, ref)])
+        got2 = outputs(n)  # the router's share rule: the memo or, for many candidates below, the fresh kernel
+        ran[k.prefill_ep_rows_memo(q_in, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, *got2,
+                                   k.MEMO_MAX_BELOW, *memo)] += 1
+        assert all(same_bits(x, y) for x, y in zip(got2, ref)), step
         X = np.ceil((pool.q + u) / 8192.0) * 8192.0
         top = pool.q.reshape(-1, ranks).max(axis=1)[idx]
         below += int(np.count_nonzero(X < top))
@@ -124,6 +130,7 @@ def test_memo_equals_the_fresh_kernels_over_a_sequence_of_decisions(ranks, engin
                 kernels.use_compiled(True)
             assert same_bits(got[0], f0) and same_bits(got[1], h0) and same_bits(got[2], n0), step
     assert below > 30 and within > 30, (below, within)
+    assert ran[0] == 0 and ran[2] > 0, ran  # never the fallback; the memo on the usual pools
 
 
 @pytest.mark.parametrize("spoil", ["nan_q", "inf_a", "negative_a", "zero_chunk", "negative_coefficient",
@@ -141,7 +148,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
     memo = fresh_memo(idx, rows)
     u, cached = pool.request(32_768.0)
     assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows,
-                                  *outputs(n), *memo) == (spoil != "one_rank")
+                                  *outputs(n), 1.0, *memo) == (0 if spoil == "one_rank" else 2)
     q, a, C, pt = pool.q.copy(), pool.a.copy(), 8192.0, 5.1e-5
     if spoil == "nan_q":
         q[5] = np.nan
@@ -158,7 +165,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
         cached[4] = np.nan
     got, ref = outputs(n), outputs(n)
     with np.errstate(all="ignore"):
-        assert not k.prefill_ep_rows_memo(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, *got, *memo)
+        assert not k.prefill_ep_rows_memo(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, *got, 1.0, *memo)
         k.prefill_ep_rows_plain(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
     if spoil == "one_rank":
@@ -166,7 +173,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
     pool.step()
     u, cached = pool.request(32_768.0)
     got, ref = outputs(n), outputs(n)
-    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, *memo)
+    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
     k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
 
@@ -186,7 +193,7 @@ def test_one_memo_for_two_pools_of_the_same_layout_stays_right():
         u, cached = pool.request(32_768.0)
         got, ref = outputs(n), outputs(n)
         assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got,
-                                      *memo)
+                                      1.0, *memo)
         k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref)), step
 
@@ -263,13 +270,13 @@ def test_memo_sees_the_other_zero_and_int_queues_as_their_floats():
     u, cached = pool.request(32_768.0)
     for qq in (q, q.astype(np.int64)):
         got, ref = outputs(n), outputs(n)
-        assert k.prefill_ep_rows_memo(qq, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, *memo)
+        assert k.prefill_ep_rows_memo(qq, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
         k.prefill_ep_rows_plain(q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref))
     q2 = q.copy()
     q2[3] = -0.0
     got, ref = outputs(n), outputs(n)
-    assert k.prefill_ep_rows_memo(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, *memo)
+    assert k.prefill_ep_rows_memo(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
     k.prefill_ep_rows_plain(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
     assert memo[1][kernels.compiled()._QF][3].tobytes() == np.float64(-0.0).tobytes()  # the copy is the new zero
