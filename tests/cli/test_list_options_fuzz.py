@@ -126,9 +126,10 @@ CASES: dict[str, tuple[Callable[[str], Outcome], str, dict[str, Any], Callable[[
 }
 
 
-#: an empty value is documented as "not given": no tier weights, no curve, no pinning
-EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "sim capacity --curve": [],
-                    "bench --router-cpus": None}
+#: an empty value is documented as "not given": no tier weights (the defaults), no pinning. Not
+#: ``--curve ''``: a curve of no rate scales is refused like any other empty list (review, session 15:
+#: it was taken as "no curve", which leaving the flag out already says)
+EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "bench --router-cpus": None}
 
 
 def _refused(case: str, value: str, *words: str) -> str:
