@@ -41,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 import issue26_table  # noqa: E402
+import route_latency  # noqa: E402
 import router_overhead  # noqa: E402
+from balancer.policies import available_policies  # noqa: E402
 
 Outcome = tuple[str, Any]  # ("ok", parsed value) or ("err", the error text)
 
@@ -73,6 +75,22 @@ def _fleet(flag: str, dest: str) -> Callable[[str], Outcome]:
                 ap = issue26_table.build_parser()
                 args = ap.parse_args([f"{flag}={value}"])
                 router_overhead.check_fleet_args(ap, args, min_processes=1)
+        except SystemExit as e:
+            assert e.code == 2
+            return "err", err.getvalue()
+        return "ok", getattr(args, dest)
+    return run
+
+
+def _route_latency(flag: str, dest: str) -> Callable[[str], Outcome]:
+    """bench/route_latency.py's parser and its list options' reading (no measurement starts)."""
+    def run(value: str) -> Outcome:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ap = route_latency.build_parser()
+                args = ap.parse_args([f"{flag}={value}"])
+                route_latency.list_options(ap, args)
         except SystemExit as e:
             assert e.code == 2
             return "err", err.getvalue()
@@ -123,13 +141,20 @@ CASES: dict[str, tuple[Callable[[str], Outcome], str, dict[str, Any], Callable[[
                       {"smg": "smg", "vllm-router": "vllm-router", "sglang-router": "sglang-router"}, list, True),
     "bench --router-cpus": (_fleet("--router-cpus", "router_cpus"), "--router-cpus",
                             {"0": {0}, "2-3": {2, 3}, "8": {8}}, lambda vs: set().union(*vs), True),
+    "route_latency --replicas": (_route_latency("--replicas", "replica_counts"), "--replicas",
+                                 {"8": 8, "64": 64, "512": 512}, list, True),
+    "route_latency --prompts": (_route_latency("--prompts", "prompt_sizes"), "--prompts",
+                                {"1024": 1024, "32768": 32768, "7": 7}, list, True),
+    "route_latency --policies": (_route_latency("--policies", "policy_names"), "--policies",
+                                 {"ep_aware": "ep_aware", "kv_cost": "kv_cost", "scored": "scored"}, list, True),
 }
 
 
 #: an empty value is documented as "not given": no tier weights (the defaults), no pinning. Not
 #: ``--curve ''``: a curve of no rate scales is refused like any other empty list (review, session 15:
 #: it was taken as "no curve", which leaving the flag out already says)
-EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "bench --router-cpus": None}
+EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "bench --router-cpus": None,
+                    "route_latency --policies": available_policies()}  # "" (its default): every policy
 
 
 def _refused(case: str, value: str, *words: str) -> str:
@@ -260,10 +285,6 @@ def test_bench_type_errors_say_what_is_expected(argv: list[str], last_line: str,
 
 #: list options still split by hand, each with why: the structural test below fails on any other
 HAND_SPLIT = {
-    # PDLB_ROUTE_LATENCY_TREE puts another checkout (maybe one without pdlb_cli.comma_lists) first on
-    # sys.path; its lists are decide's to move (reported)
-    ("bench/route_latency.py", "replicas"), ("bench/route_latency.py", "prompts"),
-    ("bench/route_latency.py", "policies"),
     # GPU-host scripts that import nothing of pdlb (they run where only torch is installed)
     ("bench/gpu_engine_run.py", "rates"), ("bench/gpu_engine_run.py", "models"), ("bench/gpu_kinds.py", "kinds"),
 }
