@@ -40,6 +40,7 @@ from pdlb_cli.sim.store_sweep import _parse_class_ttls, _parse_list
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
+import front_paired  # noqa: E402
 import issue26_table  # noqa: E402
 import route_latency  # noqa: E402
 import router_overhead  # noqa: E402
@@ -98,6 +99,18 @@ def _route_latency(flag: str, dest: str) -> Callable[[str], Outcome]:
     return run
 
 
+def _front_paired(value: str) -> Outcome:
+    """bench/front_paired.py's parser on this checkout, ``--router-cpus`` (no router starts)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = front_paired.parse_args([f"{ROOT}::", f"--router-cpus={value}"])
+    except SystemExit as e:
+        assert e.code == 2
+        return "err", err.getvalue()
+    return "ok", args.router_cpus
+
+
 def _func(fn: Callable[[str], Any]) -> Callable[[str], Outcome]:
     """A parser the command calls after argparse (raises ValueError naming the flag)."""
     def run(value: str) -> Outcome:
@@ -141,6 +154,8 @@ CASES: dict[str, tuple[Callable[[str], Outcome], str, dict[str, Any], Callable[[
                       {"smg": "smg", "vllm-router": "vllm-router", "sglang-router": "sglang-router"}, list, True),
     "bench --router-cpus": (_fleet("--router-cpus", "router_cpus"), "--router-cpus",
                             {"0": {0}, "2-3": {2, 3}, "8": {8}}, lambda vs: set().union(*vs), True),
+    "front_paired --router-cpus": (_front_paired, "--router-cpus", {"0": {0}, "2-3": {2, 3}, "8": {8}},
+                                   lambda vs: set().union(*vs), True),
     "route_latency --replicas": (_route_latency("--replicas", "replica_counts"), "--replicas",
                                  {"8": 8, "64": 64, "512": 512}, list, True),
     "route_latency --prompts": (_route_latency("--prompts", "prompt_sizes"), "--prompts",
@@ -154,7 +169,7 @@ CASES: dict[str, tuple[Callable[[str], Outcome], str, dict[str, Any], Callable[[
 #: ``--curve ''``: a curve of no rate scales is refused like any other empty list (review, session 15:
 #: it was taken as "no curve", which leaving the flag out already says)
 EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "bench --router-cpus": None,
-                    "route_latency --policies": available_policies()}  # "" (its default): every policy
+                    "front_paired --router-cpus": None, "route_latency --policies": available_policies()}  # "" (its default): every policy
 
 
 def _refused(case: str, value: str, *words: str) -> str:
