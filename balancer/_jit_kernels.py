@@ -586,3 +586,239 @@ def prefill_cost_pick(ttft, ext, horizon, horizon_scale, with_horizon, load, tie
             c = c + horizon_scale * horizon[i]
         cost[i] = c
     return tie_pick(cost, load, tie_tolerance, out)
+
+
+@_jit("void(f8[::1], f8[::1], i8, i8, f8, f8[::1], f8[::1], f8[::1], i8[::1])")
+def _engine_at(q, W, base, R, X, mins, vals, got, js):  # noqa: ANN001, ANN202
+    """One engine's part of :func:`prefill_ep_rows` that depends on ``X`` alone (not on which of
+    its ranks is the candidate): ``got[0]`` the pairwise sum of ``min(Q_c, X)`` over its ranks
+    ``base .. base + R - 1`` (its ``mins_sum``), ``js[0]`` the first rank (column) with the most
+    ``W_c frac_c`` (the fraction as there: 0 where ``Q_c == 0``, 1 where ``Q_c <= X``, else ``X /
+    Q_c``) and ``js[1]`` the first with the most among the others: a candidate's argmax over its
+    engine's other ranks is ``js[0]``, or ``js[1]`` where the candidate is ``js[0]`` (the values
+    are >= 0 here: ``W >= 0``; ``R >= 2``). ``X = inf`` gives every ``min(Q_c, X) = Q_c`` and
+    fraction 1 (0 on an empty rank): what every ``X >= max_c Q_c`` gives, bit for bit."""
+    for c in range(R):
+        Qr = q[base + c]
+        pos = Qr > 0.0
+        d = X / (Qr if pos else 1.0)
+        fr = (1.0 if Qr <= X else d) if pos else 0.0
+        mins[c] = Qr if Qr < X else X
+        vals[c] = W[base + c] * fr
+    got[0] = _row_sum(mins, R)
+    j1 = 0
+    b1 = vals[0]
+    for c in range(1, R):
+        if vals[c] > b1:
+            b1 = vals[c]
+            j1 = c
+    j2 = 1 if j1 == 0 else 0
+    b2 = vals[j2]
+    for c in range(j2 + 1, R):
+        if c != j1 and vals[c] > b2:
+            b2 = vals[c]
+            j2 = c
+    js[0] = j1
+    js[1] = j2
+
+
+@_jit([f"b1(f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[:, ::1], f8[::1], i8[:, ::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])"
+      for t in ("f8", "i8")])
+def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, bits, rank_vals, eng_vals, eng_cols):  # noqa: ANN001, ANN202
+    """:func:`prefill_ep_rows_memo`'s first part: brings the memo up to date with ``q``, ``a``,
+    ``n_req`` and the coefficients (every engine when ``key`` differs or is stale, else the
+    engines with a rank whose inputs differ from the memo's copy); False where the memo cannot
+    cover these inputs (then ``key`` stays stale). Its own function: inlined into one with the
+    candidates' loop, LLVM compiled that loop about twice as slow (measured)."""
+    E = rows.shape[0]
+    R = rows.shape[1]
+    fine = (C > 0.0 and C < np.inf and R >= 2 and per_token_s >= 0.0 and per_token_s < np.inf
+            and per_attn_pair_s >= 0.0 and per_attn_pair_s < np.inf)
+    if not fine:
+        key[3] = 0.0
+        return False
+    fresh = not (key[3] == 1.0 and key[0] == C and key[1] == per_token_s and key[2] == per_attn_pair_s)
+    key[3] = 0.0  # stale until every engine is up to date
+    key[0] = C
+    key[1] = per_token_s
+    key[2] = per_attn_pair_s
+    qb = q.view(np.int64)
+    ab = a.view(np.int64)
+    W = rank_vals[0]
+    NA = rank_vals[1]
+    BX = rank_vals[2]
+    NQ = rank_vals[3]
+    mins = np.empty(R)
+    vals = np.empty(R)
+    got = np.empty(1)
+    js = np.empty(2, dtype=np.int64)
+    for e in range(E):
+        base = rows[e, 0]
+        dirty = fresh
+        if not dirty:
+            for c in range(R):
+                r = base + c
+                if qb[r] != bits[0, r] or ab[r] != bits[1, r] or float(n_req[r]) != NQ[r]:
+                    dirty = True
+                    break
+        if not dirty:
+            continue
+        top = 0.0
+        for c in range(R):
+            r = base + c
+            Qr = q[r]
+            Ar = a[r]
+            w = per_token_s * Qr + per_attn_pair_s * Ar
+            if not (Qr >= 0.0 and Qr < np.inf and Ar >= 0.0 and Ar < np.inf and w < np.inf):
+                return False
+            bits[0, r] = qb[r]
+            bits[1, r] = ab[r]
+            NQ[r] = float(n_req[r])
+            W[r] = w
+            top = Qr if c == 0 or Qr > top else top
+        for o in range(R):  # each rank as the candidate: N_after and the busiest other rank
+            i = base + o
+            qi = q[i]
+            busiest = 0.0
+            for c in range(R):
+                Qr = q[base + c]
+                more = Qr > 0.0 and Qr > qi
+                g = (Qr - qi) / (Qr if more else 1.0)
+                vals[c] = float(n_req[base + c]) * ((g if g > 0.0 else 0.0) if more else 0.0)
+                wo = 0.0 if c == o else W[base + c]
+                busiest = wo if c == 0 else (busiest if busiest > wo else wo)
+            NA[i] = _row_sum(vals, R)
+            BX[i] = busiest
+        _engine_at(q, W, base, R, np.inf, mins, vals, got, js)
+        eng_vals[e, 0] = top
+        eng_vals[e, 1] = got[0]
+        eng_cols[e, 0] = js[0]
+        eng_cols[e, 1] = js[1]
+    key[3] = 1.0
+    return True
+
+
+@_jit("b1(f8[::1], f8[::1], f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], f8[::1], "
+      "f8[:, ::1], f8[:, ::1], i8[:, ::1])")
+def _memo_candidates(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, n_after,  # noqa: ANN001, ANN202
+                     rank_vals, eng_vals, eng_cols):
+    """:func:`prefill_ep_rows_memo`'s second part: every candidate's features, horizon and
+    ``N_after`` from an up-to-date memo; False (outputs incomplete) where a candidate's ``u``,
+    ``cached`` or ``X`` is outside what the memo covers."""
+    n = q.shape[0]
+    R = rows.shape[1]
+    W = rank_vals[0]
+    NA = rank_vals[1]
+    BX = rank_vals[2]
+    mins = np.empty(R)
+    vals = np.empty(R)
+    got = np.empty(1)
+    js = np.empty(2, dtype=np.int64)
+    col = 0
+    prev_base = -1
+    prev_X = 0.0
+    g_sum = 0.0
+    g1 = 0
+    g2 = 0
+    for i in range(n):
+        ui = u[i]
+        ci = cached[i]
+        if not (np.abs(ui) < np.inf and np.abs(ci) < np.inf):
+            return False
+        own_pairs = ui * ci + ui * (ui + 1.0) / 2.0
+        q_new = q[i] + ui
+        a_new = a[i] + own_pairs
+        steps = np.ceil(q_new / C)
+        X = steps * C
+        if not (X > 0.0 and X < np.inf):
+            return False
+        w_new = per_token_s * q_new + per_attn_pair_s * a_new
+        e = idx[i]
+        base = rows[e, 0]
+        own = col
+        col = col + 1 if col + 1 < R else 0
+        if X >= eng_vals[e, 0]:  # every queue of the engine within X: the memo's
+            mins_sum = eng_vals[e, 1]
+            j1 = eng_cols[e, 0]
+            j2 = eng_cols[e, 1]
+        else:
+            if not (base == prev_base and X == prev_X):
+                _engine_at(q, W, base, R, X, mins, vals, got, js)
+                g_sum = got[0]
+                g1 = js[0]
+                g2 = js[1]
+                prev_base = base
+                prev_X = X
+            mins_sum = g_sum
+            j1 = g1
+            j2 = g2
+        rj = base + (j2 if own == j1 else j1)
+        fj = _frac(X, q[rj])
+        if w_new >= W[rj] * fj:
+            tok = q_new
+            pairs = a_new
+        else:
+            tok = q[rj] * fj
+            pairs = a[rj] * fj
+        feats[i, 0] = steps
+        feats[i, 1] = tok
+        feats[i, 2] = pairs
+        feats[i, 3] = (mins_sum - _minimum(q[i], X)) + q_new
+        busiest = BX[i]
+        horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+        n_after[i] = NA[i]
+    return True
+
+
+_EP_MEMO_SIGS = [f"b1(f8[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], "
+                 "f8[::1], f8[::1], f8[::1], i8[:, ::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8")]
+
+
+@_jit(_EP_MEMO_SIGS)
+def prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon,  # noqa: ANN001, ANN201
+                         n_after, key, bits, rank_vals, eng_vals, eng_cols):
+    """:func:`prefill_ep_rows` (``want_after``), bit for bit, with what does not depend on the
+    request kept between calls (the memo: ``key`` (4,), ``bits`` (2, n), ``rank_vals`` (4, n),
+    ``eng_vals`` (E, 2), ``eng_cols`` (E, 2), one set per pool, owned by the caller and written
+    here). Per rank: ``W``, ``N_after`` and the busiest other rank's ``W`` (the horizon's), none of
+    which reads the prompt; per engine: its largest queue, the pairwise sum of its queues and its
+    two ranks of most ``W`` (``_engine_at`` at ``X = inf``). An engine is recomputed when one of
+    its ranks' ``q`` or ``a`` differs from the memo's copy bit for bit, or its ``n_req`` as a float
+    (a NaN always differs; the sign of a zero count cannot change ``N_after``'s bits: its terms are
+    ``n_r x`` with ``x >= 0`` summed from ``0.0``), or the coefficients changed (``key``): between
+    two decisions that is the engines the last dispatch, finishes and load reports touched, so a
+    decision costs O(n) plus O(R^2) per changed engine instead of O(n R). Per candidate: its
+    ``X``; where ``X`` is at least its engine's largest queue (every fraction 1: the usual case)
+    the engine's memo answers, else the engine is evaluated at that ``X`` (O(R), shared by the
+    engine's next candidates with the same ``X``). Covers finite ``q, a >= 0``, finite
+    ``u``/``cached``, ``X`` in ``(0, inf)``, coefficients ``>= 0`` and ``R >= 2`` (then every
+    value compared in the argmax is >= 0, so the own rank's -1.0 never wins); anything else runs
+    :func:`prefill_ep_rows` for the whole call (the memo stays stale). Returns whether the memo
+    answered (False: the fallback ran)."""
+    if _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, bits, rank_vals, eng_vals, eng_cols):
+        if _memo_candidates(q, a, u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, n_after,
+                            rank_vals, eng_vals, eng_cols):
+            return True
+    prefill_ep_rows(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True, feats, horizon, n_after)
+    return False
+
+
+@_jit([f"i8(f8[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8[::1], f8[::1], f8[::1], i8[:, ::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8")])
+def prefill_ep_cost_memo(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per_attn_pair_s, w_ext, idx, rows,  # noqa: ANN001, ANN201
+                         feats, horizon, ext, u, cached, key, bits, rank_vals, eng_vals, eng_cols):
+    """:func:`prefill_ep_cost_rows` with :func:`prefill_ep_rows_memo` (the memo arrays after
+    ``cached``), bit for bit; returns ``np.count_nonzero(q)``."""
+    n = q.shape[0]
+    for i in range(n):
+        c = _minimum(float(matched[i]), P_minus_1)
+        cached[i] = c
+        u[i] = P - c
+    prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, ext, key,
+                         bits, rank_vals, eng_vals, eng_cols)
+    busy = 0
+    for i in range(n):
+        ext[i] = (w_ext * u[i]) * ext[i]
+        if q[i] != 0:
+            busy += 1
+    return busy

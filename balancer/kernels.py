@@ -25,6 +25,7 @@ Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from types import ModuleType
 
@@ -295,14 +296,17 @@ def scored_select(matched_blocks: np.ndarray, num_requests: np.ndarray, kv_token
 
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
                          prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
-                         w_ext: float, idx: np.ndarray, rows: np.ndarray
+                         w_ext: float, idx: np.ndarray, rows: np.ndarray, memo: bool = True
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """``EpAware._prefill_cost_one``'s wide-EP work up to its matrix product, one compiled call, for
     a pool without lower KV tiers: ``(features (n, 4), horizon (n,), ext (n,), u (n,), cached (n,),
     busy)``: the cached tokens ``min(matched, P - 1)``, the prompt's uncached ``u = P - cached``,
     :func:`prefill_ep_rows`' features and horizon, ``ext = w_ext u N_after`` and the number of
-    candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``None`` when
-    the compiled path is off or cannot take these arrays."""
+    candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``memo``
+    (default): keep what does not depend on the request between calls, per pool layout and
+    thread (:func:`balancer._jit_kernels.prefill_ep_rows_memo`: O(n) per call plus O(R^2) per
+    engine whose ranks' load changed, instead of O(n R)); False: compute everything afresh (the
+    same bits). ``None`` when the compiled path is off or cannot take these arrays."""
     k = compiled()
     n = len(q)
     if k is None or not len(a) == len(matched_tokens) == len(n_req) == len(idx) == n or not _layout_ok(k, idx, rows):
@@ -310,14 +314,52 @@ def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarra
     buf = np.empty((4, n))
     feats = np.empty((n, 4))
     P = float(prompt_tokens)
-    args = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows,
-            feats, buf[0], buf[1], buf[2], buf[3])
+    args: tuple[object, ...] = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s),
+                                float(w_ext), idx, rows, feats, buf[0], buf[1], buf[2], buf[3])
+    fn = k.prefill_ep_cost_rows
+    if memo:  # the per-pool memo of what does not depend on the request (prefill_ep_rows_memo)
+        args += _memo_of(idx, rows)
+        fn = k.prefill_ep_cost_memo
     q, a = _f8(q), _f8(a)
     try:  # int64 C-contiguous counts go as they are (numba's dispatcher matches the signature)
-        busy = k.prefill_ep_cost_rows(q, a, matched_tokens, n_req, *args)
+        busy = fn(q, a, matched_tokens, n_req, *args)
     except TypeError:  # other dtypes or layouts: as float64 (what numpy's arithmetic promotes them to)
-        busy = k.prefill_ep_cost_rows(q, a, _f8(matched_tokens), _f8(n_req), *args)
+        busy = fn(q, a, _f8(matched_tokens), _f8(n_req), *args)
     return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
+
+
+#: per thread, the memos of :func:`prefill_ep_cost_rows` by ``(idx, rows)`` identity (one per
+#: pool: :func:`balancer.cost_model.engine_groups` caches the pair per candidate tuple), with the
+#: objects kept so that their ids stay theirs; per thread, as the kernels run without the GIL
+class _ThreadMemos(threading.local):
+    """One table of memos per thread (``threading.local`` runs ``__init__`` in each thread)."""
+
+    def __init__(self) -> None:
+        self.d: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]] = {}
+
+
+_MEMOS = _ThreadMemos()
+#: most memos kept per thread (a pool whose candidate tuple changed starts a new one)
+_MEMOS_MAX = 16
+
+
+def _memo_of(idx: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The memo arrays of :func:`balancer._jit_kernels.prefill_ep_rows_memo` for this pool layout
+    (new ones, marked stale, the first time: the kernel fills them). The memo is a cache checked
+    against the inputs on every call (a rank whose inputs differ from the memo's copy is
+    recomputed), so a pool that shares a layout with another, or a memo of a stale pool, costs
+    time, never a different answer."""
+    memos = _MEMOS.d
+    got = memos.get((id(idx), id(rows)))
+    if got is not None and got[0] is idx and got[1] is rows:
+        return got[2]
+    n, E = len(idx), rows.shape[0]
+    memo = (np.zeros(4), np.zeros((2, n), dtype=np.int64), np.zeros((4, n)), np.zeros((E, 2)),
+            np.zeros((E, 2), dtype=np.int64))
+    if len(memos) >= _MEMOS_MAX:
+        memos.clear()
+    memos[(id(idx), id(rows))] = (idx, rows, memo)
+    return memo
 
 
 def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, horizon_scale: float | None,
