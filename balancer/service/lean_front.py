@@ -270,6 +270,8 @@ class LeanProtocol(asyncio.Protocol):
                  idle_timeout_s: float, body_timeout_s: float,
                  body_timeout_answer: Callable[[str, Any], web.Response]) -> None:
         self._server = server
+        #: the server's placement hook (RouterServer.give_back): close after this answer?
+        self._give_back: Callable[[], bool] | None = getattr(server, "give_back", None)
         self._handler = handler
         self._routes = routes
         self._max_body = max_body_bytes
@@ -492,7 +494,7 @@ class LeanProtocol(asyncio.Protocol):
                 return
         else:
             try:
-                keep = keep and resp.keep_alive is not False
+                keep = keep and resp.keep_alive is not False and not self._giving_back()
                 data = response_bytes(resp, keep)
             except Exception:  # not a web.Response with a bytes body, or a header with CR/LF: a bug
                 if _errors_log.log(logging.ERROR, "lean_front_answer", time.monotonic(),
@@ -515,7 +517,16 @@ class LeanProtocol(asyncio.Protocol):
         self._advance()
 
     def open_stream(self, status: int, headers: Any) -> LeanStream:
-        return LeanStream(self, status, headers, self.keep_alive and not self._closing)
+        return LeanStream(self, status, headers, self.keep_alive and not self._closing and not self._giving_back())
+
+    def _giving_back(self) -> bool:
+        """The connection placement wants this connection back: this answer says
+        ``Connection: close`` and the connection closes after it (no later request is taken)."""
+        give = self._give_back
+        if give is not None and not self._buf and give():  # never with a pipelined request waiting
+            self._closing = True
+            return True
+        return False
 
     def _abort(self) -> None:
         if self.transport is not None:
