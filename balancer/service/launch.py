@@ -194,7 +194,12 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
         if placement is not None and cfg.processes:
             from balancer.service.processes.placement import PlacementBlock, PlacementView
 
+            from balancer.service.app import SERVICE
+
             view = PlacementView(PlacementBlock(cfg.processes, placement), process_index)
+            metrics = app[SERVICE].metrics
+            metrics.placement = view
+            view.on_give_back = lambda reason: metrics.count(metrics.given_back, reason)
             runner.router_server.follow_placement(view)
             on_adopted = view.adopted
         stop_adopting = adopt_connections(handoff, runner.server, parent_gone, parent_stops, on_adopted)

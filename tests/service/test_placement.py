@@ -341,10 +341,17 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
             until = time.monotonic() + 4.0
             sent = sum(await asyncio.gather(*(client(s, until, 0.02) for _ in range(12))))
             where = [_client_sockets(p, port) for p in routers]
+            text = await (await s.get(r.url + "/metrics")).text()
         assert failed == [] and sent > 500
         assert sum(where) == 12, where
         if placement == "follow_load":
             assert sorted(where) == [0, 0, 12], where
+            # the two left-out processes gave back their 4 connections each, once (they came back
+            # to the active one and stayed)
+            import re
+
+            assert re.search(r"^pdlb_router_processes_active 1\.0$", text, re.M), text[-2000:]
+            assert re.search(r'^pdlb_connections_given_back_total\{reason="inactive"\} 8\.0$', text, re.M)
         else:
             assert where == [4, 4, 4], where
     finally:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 
 __all__ = ["GROW_UTIL", "HOLD_PASSES", "PlacementBlock", "PlacementControl", "PlacementView", "SATURATED_UTIL",
@@ -143,6 +143,8 @@ class PlacementView:
         q[self._base + 2] = 0
         q[self._base + 3] = 0
         self._open = 0
+        #: called with "inactive" or "rebalance" for each connection given back (a metric)
+        self.on_give_back: Callable[[str], None] | None = None
 
     def adopted(self) -> None:
         """A connection handed over by the parent arrived (what it counts as no longer in transit)."""
@@ -153,11 +155,15 @@ class PlacementView:
         answer say so): always outside the active set, else while the parent's target is not met."""
         q = self.block.q
         if self.index >= q[0]:
+            if self.on_give_back is not None:
+                self.on_give_back("inactive")
             return True
         b = self._base
         done = q[b + 1]
         if done < q[b]:
             q[b + 1] = done + 1
+            if self.on_give_back is not None:
+                self.on_give_back("rebalance")
             return True
         return False
 
