@@ -259,7 +259,8 @@ class LeanProtocol(asyncio.Protocol):
     """One client connection (see the module docstring).
 
     ``server``: the :class:`~balancer.service.app_server.RouterServer` (connection registry and
-    cap, and :meth:`~balancer.service.app_server.RouterServer.aiohttp_protocol` for hand-overs);
+    cap, :meth:`~balancer.service.app_server.RouterServer.aiohttp_protocol` for hand-overs and
+    :meth:`~balancer.service.app_server.RouterServer.give_back`, asked once per keep-alive answer);
     ``handler(request, endpoint)``: serves a request, returns a :class:`aiohttp.web.Response` or
     the :class:`LeanStream` it wrote; ``routes``: request path bytes -> endpoint name;
     ``max_body_bytes``: bodies at or over this go to aiohttp; ``idle_timeout_s``,
@@ -271,7 +272,7 @@ class LeanProtocol(asyncio.Protocol):
                  body_timeout_answer: Callable[[str, Any], web.Response]) -> None:
         self._server = server
         #: the server's placement hook (RouterServer.give_back): close after this answer?
-        self._give_back: Callable[[], bool] | None = getattr(server, "give_back", None)
+        self._give_back: Callable[[], bool] = server.give_back
         self._handler = handler
         self._routes = routes
         self._max_body = max_body_bytes
@@ -522,8 +523,7 @@ class LeanProtocol(asyncio.Protocol):
     def _giving_back(self) -> bool:
         """The connection placement wants this connection back: this answer says
         ``Connection: close`` and the connection closes after it (no later request is taken)."""
-        give = self._give_back
-        if give is not None and not self._buf and give():  # never with a pipelined request waiting
+        if not self._buf and self._give_back():  # never with a pipelined request waiting
             self._closing = True
             return True
         return False
