@@ -168,7 +168,7 @@ class AgenticWorkloadConfig(BaseModel):
     #: ``LogNormal(subagent_context_median_tokens, subagent_context_sigma)``, cold, then
     #: ``1 + round(LogNormal(subagent_turns_median, subagent_turns_sigma))`` turns whose new tokens,
     #: outputs and think times follow the parent's laws; its own session id. 0 = none (the default).
-    #: Background subagents that run beside the parent are not modelled (each runs in the lane)
+    #: Siblings, background subagents and subagents at once: the tree fields below (:func:`lane_plans`)
     subagent_spawn_probability: float = Field(0.0, ge=0, le=1)
     subagent_turns_median: float = Field(7.3, gt=0)
     subagent_turns_sigma: float = Field(0.8, ge=0, le=5)
