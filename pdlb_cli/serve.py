@@ -113,6 +113,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--http-front", choices=["aiohttp", "lean"],
                    help="HTTP server of the generation endpoints: aiohttp's, or lean (httptools for the common "
                         f"generation request, aiohttp's server for anything else) (default: {d.http_front})")
+    p.add_argument("--connection-placement", choices=["follow_load", "round_robin"],
+                   help="with --processes > 1: place client connections on as few processes as the load needs "
+                        "(follow_load: the others give theirs back with Connection: close) or on every process in "
+                        f"turn (round_robin) (default: {d.connection_placement})")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")
@@ -197,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "index_mode": getattr(args, "index_mode", None),
                   "upstream_client": getattr(args, "upstream_client", None),
                   "http_front": getattr(args, "http_front", None),
+                  "connection_placement": getattr(args, "connection_placement", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)

@@ -265,7 +265,8 @@ class LeanProtocol(asyncio.Protocol):
     """One client connection (see the module docstring).
 
     ``server``: the :class:`~balancer.service.app_server.RouterServer` (connection registry and
-    cap, and :meth:`~balancer.service.app_server.RouterServer.aiohttp_protocol` for hand-overs);
+    cap, :meth:`~balancer.service.app_server.RouterServer.aiohttp_protocol` for hand-overs and
+    :meth:`~balancer.service.app_server.RouterServer.give_back`, asked once per keep-alive answer);
     ``handler(request, endpoint)``: serves a request, returns a :class:`aiohttp.web.Response` or
     the :class:`LeanStream` it wrote; ``routes``: request path bytes -> endpoint name;
     ``max_body_bytes``: bodies at or over this go to aiohttp; ``idle_timeout_s``,
@@ -276,6 +277,8 @@ class LeanProtocol(asyncio.Protocol):
                  idle_timeout_s: float, body_timeout_s: float,
                  body_timeout_answer: Callable[[str, Any], web.Response]) -> None:
         self._server = server
+        #: the server's placement hook (RouterServer.give_back): close after this answer?
+        self._give_back: Callable[[], bool] = server.give_back
         self._handler = handler
         self._routes = routes
         self._max_body = max_body_bytes
@@ -503,7 +506,7 @@ class LeanProtocol(asyncio.Protocol):
                 return
         else:
             try:
-                keep = keep and resp.keep_alive is not False
+                keep = keep and resp.keep_alive is not False and not self._giving_back()
                 data = response_bytes(resp, keep)
             except Exception:  # not a web.Response with a bytes body, or a header with CR/LF: a bug
                 if _errors_log.log(logging.ERROR, "lean_front_answer", time.monotonic(),
@@ -526,7 +529,15 @@ class LeanProtocol(asyncio.Protocol):
         self._advance()
 
     def open_stream(self, status: int, headers: Any) -> LeanStream:
-        return LeanStream(self, status, headers, self.keep_alive and not self._closing)
+        return LeanStream(self, status, headers, self.keep_alive and not self._closing and not self._giving_back())
+
+    def _giving_back(self) -> bool:
+        """The connection placement wants this connection back: this answer says
+        ``Connection: close`` and the connection closes after it (no later request is taken)."""
+        if not self._buf and self._give_back():  # never with a pipelined request waiting
+            self._closing = True
+            return True
+        return False
 
     def _abort(self) -> None:
         if self.transport is not None:

@@ -31,8 +31,7 @@ def same_bits(x, y) -> bool:
 def fresh_memo(idx, rows):
     """New memo arrays (stale), shaped as kernels' own."""
     n, E = len(idx), rows.shape[0]
-    return (np.zeros(4), np.zeros((2, n), dtype=np.int64), np.zeros((4, n)), np.zeros((E, 2)),
-            np.zeros((E, 2), dtype=np.int64))
+    return np.zeros(4), np.zeros((kernels.compiled().MEMO_RANK_ROWS, n)), np.zeros((E, 2)), np.zeros((E, 2), np.int64)
 
 
 def outputs(n):
@@ -89,24 +88,31 @@ def test_memo_equals_the_fresh_kernels_over_a_sequence_of_decisions(ranks, engin
     two coefficient sets alternating now and then: the memo's features, horizon and N_after equal
     the branching loop's bit for bit on every decision, the numpy code's on every tenth; the memo
     answered every one (no fallback), and both its paths ran (a candidate's X at least its
-    engine's largest queue: the memo's numbers; below it: the engine evaluated at that X)."""
+    engine's largest queue: the memo's numbers; below it: the engine evaluated at that X). With
+    the router's share rule (the fresh kernel where many candidates are below) the same bits."""
     k = kernels.compiled()
     pool = Pool(ranks * 100 + engines, ranks, engines)
     idx, rows = pool.idx, pool.rows
     n = len(pool.q)
     memo = fresh_memo(idx, rows)
     below = within = 0
+    ran = [0, 0, 0]
     for step in range(300):
         pool.step()
         P = float(pool.rng.choice([1000.0, 4096.0, 32_768.0, 100_000.0]))
         u, cached = pool.request(P)
         per_token = 5.1e-5 if step % 50 < 40 else 6.0e-5  # a refit changes the coefficients
         n_req = pool.n_req if step % 2 else pool.n_req.astype(np.float64)  # both signatures
+        q_in = pool.q if step % 3 else pool.q.astype(np.int64)  # int64 queues: the router's (whole tokens)
         got, ref = outputs(n), outputs(n)
-        assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, *got,
-                                      *memo), step
+        assert k.prefill_ep_rows_memo(q_in, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, *got,
+                                      1.0, *memo) == 2, step  # the memo answers every candidate
         k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref)), (step, [same_bits(x, y) for x, y in zip(got, ref)])
+        got2 = outputs(n)  # the router's share rule: the memo or, for many candidates below, the fresh kernel
+        ran[k.prefill_ep_rows_memo(q_in, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, *got2,
+                                   k.MEMO_MAX_BELOW, *memo)] += 1
+        assert all(same_bits(x, y) for x, y in zip(got2, ref)), step
         X = np.ceil((pool.q + u) / 8192.0) * 8192.0
         top = pool.q.reshape(-1, ranks).max(axis=1)[idx]
         below += int(np.count_nonzero(X < top))
@@ -124,6 +130,7 @@ def test_memo_equals_the_fresh_kernels_over_a_sequence_of_decisions(ranks, engin
                 kernels.use_compiled(True)
             assert same_bits(got[0], f0) and same_bits(got[1], h0) and same_bits(got[2], n0), step
     assert below > 30 and within > 30, (below, within)
+    assert ran[0] == 0 and ran[2] > 0, ran  # never the fallback; the memo on the usual pools
 
 
 @pytest.mark.parametrize("spoil", ["nan_q", "inf_a", "negative_a", "zero_chunk", "negative_coefficient",
@@ -141,7 +148,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
     memo = fresh_memo(idx, rows)
     u, cached = pool.request(32_768.0)
     assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows,
-                                  *outputs(n), *memo) == (spoil != "one_rank")
+                                  *outputs(n), 1.0, *memo) == (0 if spoil == "one_rank" else 2)
     q, a, C, pt = pool.q.copy(), pool.a.copy(), 8192.0, 5.1e-5
     if spoil == "nan_q":
         q[5] = np.nan
@@ -158,7 +165,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
         cached[4] = np.nan
     got, ref = outputs(n), outputs(n)
     with np.errstate(all="ignore"):
-        assert not k.prefill_ep_rows_memo(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, *got, *memo)
+        assert not k.prefill_ep_rows_memo(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, *got, 1.0, *memo)
         k.prefill_ep_rows_plain(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
     if spoil == "one_rank":
@@ -166,7 +173,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
     pool.step()
     u, cached = pool.request(32_768.0)
     got, ref = outputs(n), outputs(n)
-    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, *memo)
+    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
     k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
 
@@ -186,7 +193,7 @@ def test_one_memo_for_two_pools_of_the_same_layout_stays_right():
         u, cached = pool.request(32_768.0)
         got, ref = outputs(n), outputs(n)
         assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got,
-                                      *memo)
+                                      1.0, *memo)
         k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref)), step
 
@@ -207,9 +214,69 @@ def test_cost_rows_wrapper_keeps_one_memo_per_layout_and_equals_the_memo_free_ca
                                            idx, rows, memo=False)
         assert got is not None and ref is not None
         assert all(same_bits(x, y) for x, y in zip(got[:5], ref[:5])) and got[5] == ref[5], step
-    assert kernels._memo_of(idx, rows) is kernels._memo_of(idx, rows)
+    k = kernels.compiled()
+    assert kernels._memo_entry(k, idx, rows) is kernels._memo_entry(k, idx, rows)
     for e in range(kernels._MEMOS_MAX + 3):  # new layouts: the per-thread table stays bounded
         reps = tuple(ReplicaId(f"x{e}-{i}", r) for i in range(2) for r in range(4))
         _, i2, r2 = engine_groups(reps)
-        kernels._memo_of(i2, r2)
+        assert kernels._memo_entry(k, i2, r2) is not None
     assert len(kernels._MEMOS.d) <= kernels._MEMOS_MAX
+
+
+def test_select_parts_equal_the_cost_rows_and_leave_idle_pools_to_the_caller():
+    """kernels.prefill_ep_select_parts (the selection's memo call into reused arrays): features,
+    horizon, ext and the busy count equal prefill_ep_cost_rows' without the memo, bit for bit,
+    on two pools decided alternately (the reused arrays of one do not leak into the other's
+    answer); an idle pool (no queue above 0) gives None, as does a layout the kernels do not take."""
+    p1, p2 = Pool(4, 8, 6), Pool(5, 8, 3)
+    idle = 0
+    for step in range(60):
+        pool = p1 if step % 3 else p2
+        pool.step()
+        q = pool.q.astype(np.int64)
+        if step % 10 == 9:
+            q[:] = 0  # idle
+        matched = pool.rng.integers(0, 64, len(q)) * 512
+        got = kernels.prefill_ep_select_parts(q, pool.a, matched, pool.n_req, 32_768.0, 8192, 5.1e-5, 1e-8, 4.2e-6,
+                                              pool.idx, pool.rows)
+        ref = kernels.prefill_ep_cost_rows(q, pool.a, matched, pool.n_req, 32_768.0, 8192, 5.1e-5, 1e-8, 4.2e-6,
+                                           pool.idx, pool.rows, memo=False)
+        if q.max() <= 0:
+            assert got is None
+            idle += 1
+            continue
+        assert got is not None and ref is not None
+        assert same_bits(got[0], ref[0]) and same_bits(got[1], ref[1]) and same_bits(got[2], ref[2]), step
+        assert got[3] == ref[5] == np.count_nonzero(q)
+    assert 6 <= idle < 30
+    reps = tuple(ReplicaId(f"e{e}", r) for e in range(2) for r in range(3))[:5]  # uneven engines: no row layout
+    names, idx, rows = engine_groups(reps)
+    assert rows is None or kernels.prefill_ep_select_parts(np.ones(5, np.int64), np.ones(5), np.zeros(5, np.int64),
+                                                           np.ones(5, np.int64), 100.0, 8192, 1e-5, 1e-8, 1e-6, idx,
+                                                           rows) is None
+
+
+def test_memo_sees_the_other_zero_and_int_queues_as_their_floats():
+    """A queue that turns from 0.0 to -0.0 (same value, other bits: a candidate's features can
+    differ in a zero's sign) refreshes the engine; int64 queues give the bits of their float64
+    values (the router's columns are int64; the memo compares float(q))."""
+    k = kernels.compiled()
+    pool = Pool(9, 8, 2)
+    idx, rows = pool.idx, pool.rows
+    n = len(pool.q)
+    memo = fresh_memo(idx, rows)
+    q = pool.q.copy()
+    q[3] = 0.0
+    u, cached = pool.request(32_768.0)
+    for qq in (q, q.astype(np.int64)):
+        got, ref = outputs(n), outputs(n)
+        assert k.prefill_ep_rows_memo(qq, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
+        k.prefill_ep_rows_plain(q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
+        assert all(same_bits(x, y) for x, y in zip(got, ref))
+    q2 = q.copy()
+    q2[3] = -0.0
+    got, ref = outputs(n), outputs(n)
+    assert k.prefill_ep_rows_memo(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
+    k.prefill_ep_rows_plain(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
+    assert all(same_bits(x, y) for x, y in zip(got, ref))
+    assert memo[1][kernels.compiled()._QF][3].tobytes() == np.float64(-0.0).tobytes()  # the copy is the new zero

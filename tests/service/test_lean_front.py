@@ -403,6 +403,8 @@ async def test_a_stream_waits_while_the_client_reads_slowly():
 
         def connection_lost(self, *a): pass  # noqa: E704, ANN002
 
+        def give_back(self) -> bool: return False  # noqa: E704
+
     proto = LeanProtocol(_Server(), None, {}, max_body_bytes=10, idle_timeout_s=5, body_timeout_s=5,  # type: ignore
                          body_timeout_answer=None)  # type: ignore[arg-type]
     proto.transport = _Transport()  # type: ignore[assignment]
