@@ -265,11 +265,28 @@ def ignored_budget_warning(cfg: ServiceConfig) -> str | None:
             "(ep_synchronous in the cost model), where ep_aware routes SLO-blind unless slo_wide_ep=true")
 
 
+def check_restart_flags(args: argparse.Namespace) -> None:
+    """``--max-process-restarts`` >= 0 and ``--restart-window-s`` > 0 (``inf``: deaths are never
+    forgotten), checked before anything starts whatever the process count (the supervisor,
+    :class:`balancer.service.processes.supervise.RestartPolicy`, runs only with several).
+
+    Raises:
+        ValueError: naming the flag."""
+    n = getattr(args, "max_process_restarts", None)
+    if n is not None and n < 0:
+        raise ValueError(f"--max-process-restarts: expected an integer >= 0 (0: a dead router process is not "
+                         f"restarted), got {n}")
+    w = getattr(args, "restart_window_s", None)
+    if w is not None and not w > 0:  # NaN too
+        raise ValueError(f"--restart-window-s: expected a number of seconds > 0, got {w:g}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``pdlb serve`` until SIGINT/SIGTERM; returns the exit status (2 after one ``error:`` line
     on stderr for a bad flag or config file)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_restart_flags(args)
         cfg = config_from_args(args)
         event_loop_factory(args.event_loop)  # uvloop asked for but not installed: before anything starts
     except ValueError as e:

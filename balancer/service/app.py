@@ -274,6 +274,7 @@ class Service:
             if self.pool.get(w.url) is not w or not caps.probed:
                 continue
             w.caps = caps
+            self.pool.record_answer(w, time.monotonic())  # probed: some probe got an HTTP answer
             if self.process_index == 0:
                 log.info("engine %s: %s, models %s, abort %s, metrics %s", w.url, caps.engine,
                          ", ".join(caps.served_models[:4]) or "not listed", caps.abort_endpoint or "none",

@@ -13,7 +13,8 @@ A request is served here when all of these hold, else the connection is handed o
 * its head (request line and headers) ends within :data:`MAX_HEAD_BYTES` (aiohttp's header line
   limit: no head aiohttp refuses for length is served here), has at most :data:`MAX_HEADERS`
   headers, and ``httptools`` parses it (a malformed request gets aiohttp's JSON 400 and metric);
-* ``POST`` on a path of ``routes`` exactly (no query string), ``HTTP/1.1``;
+* ``POST`` on a path of ``routes`` exactly (no query string), ``HTTP/1.1``, one ``Host`` header and
+  no other of :data:`_SINGLETONS` given twice;
 * a ``Content-Length`` under ``max_body_bytes`` (below the body-offload threshold, so large
   bodies keep aiohttp's path), no ``Transfer-Encoding``, ``Expect``, ``Content-Encoding`` or
   ``Upgrade``.
@@ -66,6 +67,11 @@ MAX_HEADERS = 100
 """Most header lines served here (aiohttp refuses more than its ``max_headers``, 128)."""
 MAX_PIPELINED_BYTES = 256 * 1024
 """Bytes of pipelined requests buffered while one is served; reading pauses beyond."""
+_SINGLETONS = frozenset({b"host", b"content-type", b"content-location", b"content-range", b"etag", b"max-forwards",
+                         b"server", b"user-agent"})
+"""Header fields a request may carry once (RFC 9110 §5.5; aiohttp 3.14's ``SINGLETON_HEADERS`` less
+``Content-Length`` and ``Transfer-Encoding``, checked on their own): one given twice, or no ``Host``
+(RFC 9112 §3.2), sends the request to aiohttp, which answers 400 (since 3.13.4) as it decides."""
 
 Handler = Callable[["LeanRequest", str], Awaitable[Any]]
 
@@ -447,6 +453,7 @@ class LeanProtocol(asyncio.Protocol):
         if endpoint is None or len(hdrs) > MAX_HEADERS:
             return False
         length = -1
+        once: set[bytes] = set()
         for name, value in hdrs:
             n = name.lower()
             if n == b"content-length":
@@ -455,7 +462,11 @@ class LeanProtocol(asyncio.Protocol):
                 length = int(value)
             elif n in (b"transfer-encoding", b"expect", b"content-encoding", b"upgrade"):
                 return False
-        if length < 0 or length >= self._max_body:
+            elif n in _SINGLETONS:
+                if n in once:
+                    return False
+                once.add(n)
+        if length < 0 or length >= self._max_body or b"host" not in once:
             return False
         if length == 0 and not self._complete:
             return False
