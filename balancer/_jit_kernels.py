@@ -668,8 +668,8 @@ def _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e
     eng_cols[e, 1] = js[1]
 
 
-@_jit([f"b1({t}[::1], f8[::1], {s}[::1], f8, f8, f8, i8[:, ::1], f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])"
-       for t in ("f8", "i8") for s in ("f8", "i8")])
+@_jit([f"b1({t}[::1], f8[::1], {t}[::1], f8, f8, f8, i8[:, ::1], f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])"
+       for t in ("f8", "i8")])  # queues and counts both int64 (the router's) or both float64
 def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_vals, eng_vals, eng_cols):  # noqa: ANN001, ANN202
     """:func:`prefill_ep_rows_memo`'s first part: brings the memo up to date with ``q``, ``a``,
     ``n_req`` and the coefficients: every engine in full when the memo is stale (``key[3]``); an
@@ -834,12 +834,13 @@ def _memo_below(u, C, idx, rank_vals, eng_vals):  # noqa: ANN001, ANN202
     return m
 
 
-@_jit([f"i8({t}[::1], f8[::1], f8[::1], f8[::1], {s}[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
-       "f8[::1], f8, f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8") for s in ("f8", "i8")])
+@_jit([f"i8({t}[::1], f8[::1], f8[::1], f8[::1], {t}[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8, f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8")])
 def prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon,  # noqa: ANN001, ANN201
                          n_after, max_below, key, rank_vals, eng_vals, eng_cols):
-    """:func:`prefill_ep_rows` (``want_after``) on ``float(q)``, bit for bit, with what does not
-    depend on the request kept between calls (the memo: ``key`` (4,), ``rank_vals``
+    """:func:`prefill_ep_rows` (``want_after``) on ``float(q)``, bit for bit (``q`` and ``n_req``
+    both int64 or both float64), with what does not depend on the request kept between calls (the
+    memo: ``key`` (4,), ``rank_vals``
     (:data:`MEMO_RANK_ROWS`, n), ``eng_vals`` (E, 2), ``eng_cols`` (E, 2), one set per pool, owned
     by the caller and written here). Per rank: ``W``, ``N_after`` and the busiest other rank's
     ``W`` (the horizon's), none of which reads the prompt, and copies of its inputs; per engine:

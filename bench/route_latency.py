@@ -387,7 +387,7 @@ def prefill_memo_lines(replica_counts: list[int], decisions: int = 400, rounds: 
                     a2[r] = q2[r] * rng.uniform(0, 3000)
                     n2[r] = int(rng.integers(0, 40))
                 cached = np.minimum(rng.integers(0, hit_blocks, n) * 512.0, 32_767.0)
-                steps.append((q2, a2, 32_768.0 - cached, cached, n2))
+                steps.append((q2, a2, 32_768.0 - cached, cached, n2.astype(np.float64)))  # counts as the queues
                 q, a, n_req = q2, a2, n2
             res = np.empty((n, 4)), np.empty(n), np.empty(n)
             memo = (np.zeros(4), np.zeros((k.MEMO_RANK_ROWS, n)), np.zeros((len(rows), 2)),

@@ -34,6 +34,10 @@ def fresh_memo(idx, rows):
     return np.zeros(4), np.zeros((kernels.compiled().MEMO_RANK_ROWS, n)), np.zeros((E, 2)), np.zeros((E, 2), np.int64)
 
 
+def f8(x):
+    return np.asarray(x, dtype=np.float64)
+
+
 def outputs(n):
     return np.empty((n, 4)), np.empty(n), np.empty(n)
 
@@ -102,8 +106,8 @@ def test_memo_equals_the_fresh_kernels_over_a_sequence_of_decisions(ranks, engin
         P = float(pool.rng.choice([1000.0, 4096.0, 32_768.0, 100_000.0]))
         u, cached = pool.request(P)
         per_token = 5.1e-5 if step % 50 < 40 else 6.0e-5  # a refit changes the coefficients
-        n_req = pool.n_req if step % 2 else pool.n_req.astype(np.float64)  # both signatures
-        q_in = pool.q if step % 3 else pool.q.astype(np.int64)  # int64 queues: the router's (whole tokens)
+        q_in = pool.q if step % 2 else pool.q.astype(np.int64)  # int64 queues and counts: the router's
+        n_req = pool.n_req.astype(q_in.dtype)  # (the kernel takes both columns int64 or both float64)
         got, ref = outputs(n), outputs(n)
         assert k.prefill_ep_rows_memo(q_in, pool.a, u, cached, n_req, 8192.0, per_token, 1.0e-8, idx, rows, *got,
                                       1.0, *memo) == 2, step  # the memo answers every candidate
@@ -147,7 +151,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
     n = len(pool.q)
     memo = fresh_memo(idx, rows)
     u, cached = pool.request(32_768.0)
-    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows,
+    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, f8(pool.n_req), 8192.0, 5.1e-5, 1e-8, idx, rows,
                                   *outputs(n), 1.0, *memo) == (0 if spoil == "one_rank" else 2)
     q, a, C, pt = pool.q.copy(), pool.a.copy(), 8192.0, 5.1e-5
     if spoil == "nan_q":
@@ -165,7 +169,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
         cached[4] = np.nan
     got, ref = outputs(n), outputs(n)
     with np.errstate(all="ignore"):
-        assert not k.prefill_ep_rows_memo(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, *got, 1.0, *memo)
+        assert not k.prefill_ep_rows_memo(q, a, u, cached, f8(pool.n_req), C, pt, 1e-8, idx, rows, *got, 1.0, *memo)
         k.prefill_ep_rows_plain(q, a, u, cached, pool.n_req, C, pt, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
     if spoil == "one_rank":
@@ -173,7 +177,7 @@ def test_memo_hands_inputs_it_does_not_cover_to_the_fresh_kernel_and_recovers(sp
     pool.step()
     u, cached = pool.request(32_768.0)
     got, ref = outputs(n), outputs(n)
-    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
+    assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, f8(pool.n_req), 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
     k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
 
@@ -192,7 +196,7 @@ def test_one_memo_for_two_pools_of_the_same_layout_stays_right():
         pool.step()
         u, cached = pool.request(32_768.0)
         got, ref = outputs(n), outputs(n)
-        assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got,
+        assert k.prefill_ep_rows_memo(pool.q, pool.a, u, cached, f8(pool.n_req), 8192.0, 5.1e-5, 1e-8, idx, rows, *got,
                                       1.0, *memo)
         k.prefill_ep_rows_plain(pool.q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref)), step
@@ -270,13 +274,13 @@ def test_memo_sees_the_other_zero_and_int_queues_as_their_floats():
     u, cached = pool.request(32_768.0)
     for qq in (q, q.astype(np.int64)):
         got, ref = outputs(n), outputs(n)
-        assert k.prefill_ep_rows_memo(qq, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
+        assert k.prefill_ep_rows_memo(qq, pool.a, u, cached, pool.n_req.astype(qq.dtype), 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
         k.prefill_ep_rows_plain(q, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
         assert all(same_bits(x, y) for x, y in zip(got, ref))
     q2 = q.copy()
     q2[3] = -0.0
     got, ref = outputs(n), outputs(n)
-    assert k.prefill_ep_rows_memo(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
+    assert k.prefill_ep_rows_memo(q2, pool.a, u, cached, f8(pool.n_req), 8192.0, 5.1e-5, 1e-8, idx, rows, *got, 1.0, *memo)
     k.prefill_ep_rows_plain(q2, pool.a, u, cached, pool.n_req, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *ref)
     assert all(same_bits(x, y) for x, y in zip(got, ref))
     assert memo[1][kernels.compiled()._QF][3].tobytes() == np.float64(-0.0).tobytes()  # the copy is the new zero
