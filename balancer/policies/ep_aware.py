@@ -94,6 +94,12 @@ Parameters:
         (MTP, 2.49 accepted) it met the SLO less often over six workload seeds
         (docs/policies/ep_aware.md, "Speculative decoding's accepted tokens"). Engines without it
         are priced the same either way.
+    parallel_chunks: where the cadence's chunks run in parallel (a mixed pool with ``S L <= C``,
+        below), price the prompt's group terms by that model (its group tokens delay every request
+        of the engine with queued prefill, wherever it goes) instead of FIFO draining's (``N_after``
+        and the horizon); False: FIFO draining's, the pricing before (docs/policies/ep_aware.md,
+        "Who waits for a prompt's group tokens"). Engines without the options are priced the same
+        either way.
 
 **vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
 model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
@@ -106,7 +112,14 @@ the TTFT adds the decode steps between the rank's open prefill steps, ``(k - 1)(
 (:func:`balancer.cost_model.slot_wait_s`); the cost adds the TTFT's change and, on a full rank (the
 request would wait for admission, and the rank prefill on every step), ``externality_weight
 forced_i n_e chunk_s``: the group's extra mixed steps times its running sequences times one chunk's
-prefill seconds. Ties there go to the fewest requests, then the least decode KV.
+prefill seconds. Where the chunks run in parallel (``S L <= C``) on a mixed pool, with
+``parallel_chunks`` (the default), the prompt's group terms are those of parallel chunks:
+``cost_i = TTFT_i + externality_weight per_group_token u_i N_q,e + (the forced steps)`` (plus the
+decode cost and the batch stall), ``N_q,e`` the requests of the engine on ranks with queued
+prefill (:func:`balancer.prefill_cadence.queued_requests`), in place of FIFO draining's
+``ext_i`` over ``N_after_i`` and the horizon, which price the prompt as starting only after its
+rank's queue (in 440246 runs a miss's TTFT does not grow with the queue ahead). Ties there go to
+the fewest requests, then the least decode KV.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
