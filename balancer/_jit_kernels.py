@@ -16,6 +16,8 @@ cache), so a process that finds the cache loads the machine code instead of comp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numpy.ma  # noqa: F401 - numba's typeof of an ndarray touches np.ma (numpy loads it lazily): load it
 from numba import njit  # here, not in a router's first decision (~120 ms of imports there: issue 25 review F11)
@@ -586,3 +588,319 @@ def prefill_cost_pick(ttft, ext, horizon, horizon_scale, with_horizon, load, tie
             c = c + horizon_scale * horizon[i]
         cost[i] = c
     return tie_pick(cost, load, tie_tolerance, out)
+
+
+@_jit("void(f8[::1], f8[::1], i8, i8, f8, f8[::1], f8[::1], f8[::1], i8[::1])")
+def _engine_at(q, W, base, R, X, mins, vals, got, js):  # noqa: ANN001, ANN202
+    """One engine's part of :func:`prefill_ep_rows` that depends on ``X`` alone (not on which of
+    its ranks is the candidate): ``got[0]`` the pairwise sum of ``min(Q_c, X)`` over its ranks
+    ``base .. base + R - 1`` (its ``mins_sum``), ``js[0]`` the first rank (column) with the most
+    ``W_c frac_c`` (the fraction as there: 0 where ``Q_c == 0``, 1 where ``Q_c <= X``, else ``X /
+    Q_c``) and ``js[1]`` the first with the most among the others: a candidate's argmax over its
+    engine's other ranks is ``js[0]``, or ``js[1]`` where the candidate is ``js[0]`` (the values
+    are >= 0 here: ``W >= 0``; ``R >= 2``). ``X = inf`` gives every ``min(Q_c, X) = Q_c`` and
+    fraction 1 (0 on an empty rank): what every ``X >= max_c Q_c`` gives, bit for bit."""
+    for c in range(R):
+        Qr = q[base + c]
+        pos = Qr > 0.0
+        d = X / (Qr if pos else 1.0)
+        fr = (1.0 if Qr <= X else d) if pos else 0.0
+        mins[c] = Qr if Qr < X else X
+        vals[c] = W[base + c] * fr
+    got[0] = _row_sum(mins, R)
+    j1 = 0
+    b1 = vals[0]
+    for c in range(1, R):
+        if vals[c] > b1:
+            b1 = vals[c]
+            j1 = c
+    j2 = 1 if j1 == 0 else 0
+    b2 = vals[j2]
+    for c in range(j2 + 1, R):
+        if c != j1 and vals[c] > b2:
+            b2 = vals[c]
+            j2 = c
+    js[0] = j1
+    js[1] = j2
+
+
+@_jit("b1(f8, f8)")
+def _differs(x, y):  # noqa: ANN001, ANN202
+    """Whether two floats differ as stored values: ``!=`` (a NaN differs from everything, itself
+    too), or equal zeros of opposite sign (``-0.0`` and ``0.0`` can give results of different
+    bits)."""
+    return x != y or (x == 0.0 and math.copysign(1.0, x) != math.copysign(1.0, y))
+
+
+#: the rows of a prefill memo's per-rank array (:func:`prefill_ep_rows_memo`)
+_W, _NA, _BX, _NQ, _QF, _AF = 0, 1, 2, 3, 4, 5
+#: rows of that array
+MEMO_RANK_ROWS = 6
+#: :func:`prefill_ep_rows_memo`'s share rule as the router's decisions use it: the memo answers
+#: where at most this share of the candidates need their engine evaluated at their own ``X``
+#: (bench/route_latency.py's memo lines measure both kernels on such pools)
+MEMO_MAX_BELOW = 0.25
+
+
+@_jit("void(f8[:, ::1], i8, i8, f8[::1], f8[::1], f8[::1], i8[::1], f8[:, ::1], i8[:, ::1], i8)")
+def _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e):  # noqa: ANN001, ANN202
+    """The part of engine ``e``'s memo that reads the coefficients, from its ranks' ``W``: each
+    rank's busiest other rank (``max`` over the others' ``W`` with 0.0 for its own, as
+    :func:`prefill_ep_rows`: its value, which is all that is read of it where it is above 0) and
+    the engine's two ranks of most ``W frac`` at ``X = inf`` (with its queue sum)."""
+    W = rank_vals[_W]
+    BX = rank_vals[_BX]
+    i1 = 0
+    m1 = W[base]
+    for c in range(1, R):
+        if W[base + c] > m1:
+            m1 = W[base + c]
+            i1 = c
+    m2 = 0.0
+    for c in range(R):
+        if c != i1 and W[base + c] > m2:
+            m2 = W[base + c]
+    for o in range(R):
+        BX[base + o] = (m2 if o == i1 else (m1 if m1 > 0.0 else 0.0))
+    _engine_at(rank_vals[_QF], W, base, R, np.inf, mins, vals, got, js)
+    eng_vals[e, 1] = got[0]
+    eng_cols[e, 0] = js[0]
+    eng_cols[e, 1] = js[1]
+
+
+@_jit([f"b1({t}[::1], f8[::1], {s}[::1], f8, f8, f8, i8[:, ::1], f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])"
+       for t in ("f8", "i8") for s in ("f8", "i8")])
+def _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_vals, eng_vals, eng_cols):  # noqa: ANN001, ANN202
+    """:func:`prefill_ep_rows_memo`'s first part: brings the memo up to date with ``q``, ``a``,
+    ``n_req`` and the coefficients: every engine in full when the memo is stale (``key[3]``); an
+    engine with a rank whose ``float(q)``, ``a`` or ``float(n_req)`` differs from the memo's copy
+    (:func:`_differs`) in full (O(R^2): ``N_after``); the others' coefficient-dependent part alone
+    (:func:`_memo_weights`, O(R)) when ``per_token_s`` or ``per_attn_pair_s`` changed (a refit of
+    the cost model). False where the memo cannot cover these inputs (then ``key`` stays stale).
+    Its own function: inlined into one with the candidates' loop, LLVM compiled that loop about
+    twice as slow (measured)."""
+    E = rows.shape[0]
+    R = rows.shape[1]
+    fine = (C > 0.0 and C < np.inf and R >= 2 and per_token_s >= 0.0 and per_token_s < np.inf
+            and per_attn_pair_s >= 0.0 and per_attn_pair_s < np.inf)
+    if not fine:
+        key[3] = 0.0
+        return False
+    fresh = key[3] != 1.0
+    coef = fresh or key[1] != per_token_s or key[2] != per_attn_pair_s
+    key[3] = 0.0  # stale until every engine is up to date
+    key[0] = C
+    key[1] = per_token_s
+    key[2] = per_attn_pair_s
+    W = rank_vals[_W]
+    NA = rank_vals[_NA]
+    NQ = rank_vals[_NQ]
+    QF = rank_vals[_QF]
+    AF = rank_vals[_AF]
+    mins = np.empty(R)
+    vals = np.empty(R)
+    got = np.empty(1)
+    js = np.empty(2, dtype=np.int64)
+    for e in range(E):
+        base = rows[e, 0]
+        dirty = fresh
+        if not dirty:
+            for c in range(R):
+                r = base + c
+                if _differs(float(q[r]), QF[r]) or _differs(a[r], AF[r]) or float(n_req[r]) != NQ[r]:
+                    dirty = True
+                    break
+        if not dirty:
+            if coef:
+                for c in range(R):
+                    r = base + c
+                    w = per_token_s * QF[r] + per_attn_pair_s * AF[r]
+                    if not w < np.inf:
+                        return False
+                    W[r] = w
+                _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e)
+            continue
+        top = 0.0
+        for c in range(R):
+            r = base + c
+            Qr = float(q[r])
+            Ar = a[r]
+            w = per_token_s * Qr + per_attn_pair_s * Ar
+            if not (Qr >= 0.0 and Qr < np.inf and Ar >= 0.0 and Ar < np.inf and w < np.inf):
+                return False
+            QF[r] = Qr
+            AF[r] = Ar
+            NQ[r] = float(n_req[r])
+            W[r] = w
+            top = Qr if c == 0 or Qr > top else top
+        for o in range(R):  # each rank as the candidate: N_after (it reads no coefficient)
+            qi = QF[base + o]
+            for c in range(R):
+                Qr = QF[base + c]
+                more = Qr > 0.0 and Qr > qi
+                g = (Qr - qi) / (Qr if more else 1.0)
+                vals[c] = NQ[base + c] * ((g if g > 0.0 else 0.0) if more else 0.0)
+            NA[base + o] = _row_sum(vals, R)
+        eng_vals[e, 0] = top
+        _memo_weights(rank_vals, base, R, mins, vals, got, js, eng_vals, eng_cols, e)
+    key[3] = 1.0
+    return True
+
+
+@_jit("b1(f8[::1], f8[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], f8[::1], "
+      "f8[:, ::1], f8[:, ::1], i8[:, ::1])")
+def _memo_candidates(u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, n_after,  # noqa: ANN001, ANN202
+                     rank_vals, eng_vals, eng_cols):
+    """:func:`prefill_ep_rows_memo`'s second part: every candidate's features, horizon and
+    ``N_after`` from an up-to-date memo (its queues and pairs are the inputs'); False (outputs
+    incomplete) where a candidate's ``u``, ``cached`` or ``X`` is outside what the memo covers."""
+    n = u.shape[0]
+    R = rows.shape[1]
+    W = rank_vals[_W]
+    NA = rank_vals[_NA]
+    BX = rank_vals[_BX]
+    q = rank_vals[_QF]
+    a = rank_vals[_AF]
+    mins = np.empty(R)
+    vals = np.empty(R)
+    got = np.empty(1)
+    js = np.empty(2, dtype=np.int64)
+    col = 0
+    prev_base = -1
+    prev_X = 0.0
+    g_sum = 0.0
+    g1 = 0
+    g2 = 0
+    for i in range(n):
+        ui = u[i]
+        ci = cached[i]
+        if not (np.abs(ui) < np.inf and np.abs(ci) < np.inf):
+            return False
+        own_pairs = ui * ci + ui * (ui + 1.0) / 2.0
+        q_new = q[i] + ui
+        a_new = a[i] + own_pairs
+        steps = np.ceil(q_new / C)
+        X = steps * C
+        if not (X > 0.0 and X < np.inf):
+            return False
+        w_new = per_token_s * q_new + per_attn_pair_s * a_new
+        e = idx[i]
+        base = rows[e, 0]
+        own = col
+        col = col + 1 if col + 1 < R else 0
+        if X >= eng_vals[e, 0]:  # every queue of the engine within X: the memo's
+            mins_sum = eng_vals[e, 1]
+            j1 = eng_cols[e, 0]
+            j2 = eng_cols[e, 1]
+        else:
+            if not (base == prev_base and X == prev_X):
+                _engine_at(q, W, base, R, X, mins, vals, got, js)
+                g_sum = got[0]
+                g1 = js[0]
+                g2 = js[1]
+                prev_base = base
+                prev_X = X
+            mins_sum = g_sum
+            j1 = g1
+            j2 = g2
+        rj = base + (j2 if own == j1 else j1)
+        fj = _frac(X, q[rj])
+        if w_new >= W[rj] * fj:
+            tok = q_new
+            pairs = a_new
+        else:
+            tok = q[rj] * fj
+            pairs = a[rj] * fj
+        feats[i, 0] = steps
+        feats[i, 1] = tok
+        feats[i, 2] = pairs
+        feats[i, 3] = (mins_sum - _minimum(q[i], X)) + q_new
+        busiest = BX[i]
+        horizon[i] = _maximum(w_new - busiest, 0.0) if busiest > 0 else 0.0
+        n_after[i] = NA[i]
+    return True
+
+
+@_jit("i8(f8[::1], f8, i8[::1], f8[:, ::1], f8[:, ::1])")
+def _memo_below(u, C, idx, rank_vals, eng_vals):  # noqa: ANN001, ANN202
+    """How many candidates have an ``X`` (``ceil((q_i + u_i) / C) C``) below their engine's largest
+    queue (the memo's), i.e. would need their engine evaluated at that ``X``; a NaN counts."""
+    q = rank_vals[_QF]
+    m = 0
+    for i in range(u.shape[0]):
+        X = np.ceil((q[i] + u[i]) / C) * C
+        if not X >= eng_vals[idx[i], 0]:
+            m += 1
+    return m
+
+
+@_jit([f"i8({t}[::1], f8[::1], f8[::1], f8[::1], {s}[::1], f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8, f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8") for s in ("f8", "i8")])
+def prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon,  # noqa: ANN001, ANN201
+                         n_after, max_below, key, rank_vals, eng_vals, eng_cols):
+    """:func:`prefill_ep_rows` (``want_after``) on ``float(q)``, bit for bit, with what does not
+    depend on the request kept between calls (the memo: ``key`` (4,), ``rank_vals``
+    (:data:`MEMO_RANK_ROWS`, n), ``eng_vals`` (E, 2), ``eng_cols`` (E, 2), one set per pool, owned
+    by the caller and written here). Per rank: ``W``, ``N_after`` and the busiest other rank's
+    ``W`` (the horizon's), none of which reads the prompt, and copies of its inputs; per engine:
+    its largest queue, the pairwise sum of its queues and its two ranks of most ``W``
+    (``_engine_at`` at ``X = inf``). An engine is recomputed when one of its ranks' ``float(q)``
+    or ``a`` differs from the memo's copy (:func:`_differs`: any other value, a NaN, the other
+    zero), or its ``float(n_req)`` (``!=``: a NaN always differs; the sign of a zero count cannot
+    change ``N_after``'s bits, whose terms ``n_r x`` with ``x >= 0`` are summed from ``0.0``), or
+    the coefficients changed (``key``): between two decisions, the engines the last dispatch,
+    finishes and load reports touched, so a decision costs O(n) plus O(R^2) per changed engine
+    instead of O(n R). Per candidate: its ``X``; where ``X`` is at least its engine's largest
+    queue (every fraction 1: the usual case) the engine's memo answers, else the engine is
+    evaluated at that ``X`` (O(R), shared by the engine's next candidates with the same ``X``).
+    Where more than ``max_below`` of the candidates (a share) have an ``X`` below their engine's
+    largest queue, that O(R) evaluation per candidate costs more than :func:`prefill_ep_rows`'
+    (which shares its work between a candidate's engine and ``X`` differently), so that kernel
+    runs instead (the memo is still brought up to date). Covers finite ``q, a >= 0``, finite
+    ``u``/``cached``, ``X`` in ``(0, inf)``, coefficients ``>= 0`` and ``R >= 2`` (then every
+    value compared in the argmax is >= 0, so the own rank's -1.0 never wins); anything else runs
+    :func:`prefill_ep_rows` for the whole call (the memo stays stale where its refresh did not
+    finish). Returns 2 where the memo answered, 1 where :func:`prefill_ep_rows` did by the share
+    rule, 0 where it did because the memo does not cover these inputs."""
+    n = q.shape[0]
+    if _memo_refresh(q, a, n_req, C, per_token_s, per_attn_pair_s, rows, key, rank_vals, eng_vals, eng_cols):
+        if _memo_below(u, C, idx, rank_vals, eng_vals) <= max_below * n:
+            if _memo_candidates(u, cached, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, n_after,
+                                rank_vals, eng_vals, eng_cols):
+                return 2
+        else:
+            prefill_ep_rows(rank_vals[_QF], a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True,
+                            feats, horizon, n_after)
+            return 1
+    qf = np.empty(n)
+    for r in range(n):
+        qf[r] = float(q[r])
+    prefill_ep_rows(qf, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, True, feats, horizon, n_after)
+    return 0
+
+
+@_jit([f"i8({t}[::1], f8[::1], {t}[::1], {t}[::1], f8, f8, f8, f8, f8, f8, i8[::1], i8[:, ::1], f8[:, ::1], f8[::1], "
+       "f8[::1], f8[::1], f8[::1], f8[::1], f8[:, ::1], f8[:, ::1], i8[:, ::1])" for t in ("f8", "i8")])
+def prefill_ep_cost_memo(q, a, matched, n_req, P, P_minus_1, C, per_token_s, per_attn_pair_s, w_ext, idx, rows,  # noqa: ANN001, ANN201
+                         feats, horizon, ext, u, cached, key, rank_vals, eng_vals, eng_cols):
+    """:func:`prefill_ep_cost_rows` on ``float(q)`` with :func:`prefill_ep_rows_memo` (the memo
+    arrays after ``cached``), bit for bit. Returns ``b = np.count_nonzero(q)``, or ``-1 - b`` where
+    no queue is above 0 and none is NaN (``q[q.argmax()] <= 0``: an idle pool, whose cost some
+    callers take elsewhere; the outputs are computed all the same)."""
+    n = q.shape[0]
+    for i in range(n):
+        c = _minimum(float(matched[i]), P_minus_1)
+        cached[i] = c
+        u[i] = P - c
+    prefill_ep_rows_memo(q, a, u, cached, n_req, C, per_token_s, per_attn_pair_s, idx, rows, feats, horizon, ext,
+                         MEMO_MAX_BELOW, key, rank_vals, eng_vals, eng_cols)
+    busy = 0
+    idle = True
+    for i in range(n):
+        ext[i] = (w_ext * u[i]) * ext[i]
+        x = float(q[i])
+        if x != 0:
+            busy += 1
+        if not x <= 0.0:  # above 0, or NaN (numpy's argmax stops at a NaN, which is not <= 0)
+            idle = False
+    return -1 - busy if idle else busy

@@ -25,6 +25,7 @@ Source: pdlb. numba: https://numba.readthedocs.io (``njit``, ``cache=True``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from types import ModuleType
 
@@ -218,20 +219,19 @@ def decode_select_rows(b: np.ndarray, k: np.ndarray, matched_tokens: np.ndarray,
     where ``_pick`` draws among the cheapest costs, -2 where some candidate lacks KV room (the
     costs change: take the numpy path). ``b``, ``k``, ``matched_tokens``, ``cap`` int64, shape
     ``(n,)``. ``None`` when the compiled path is off or cannot take these arrays."""
-    kern = compiled()
+    kern = _module if _enabled and _tried else compiled()
     n = len(b)
     if (kern is None or not len(k) == len(matched_tokens) == len(cap) == len(idx) == n or not 0 <= need < 2 ** 62
             or not _layout_ok(kern, idx, rows)):
         return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns
-        count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, float(out_tokens), float(kv_new_tokens),
-                                        float(prompt_tokens), float(overhead_s), float(per_seq_s),
-                                        float(per_kv_token_s), float(per_group_seq_s), float(externality_weight),
-                                        float(transfer_s_per_token), bool(transfer), cost, cap, int(need),
-                                        float(tie_tolerance), pos)
-    except TypeError:  # other dtypes or layouts (numba: "No matching definition"): the numpy path
+    try:  # numba's dispatcher takes only its signature's int64 C-contiguous columns (numbers it converts
+        # as float() and int() do: the scalars go as they are)
+        count = kern.decode_select_rows(b, k, matched_tokens, idx, rows, out_tokens, kv_new_tokens, prompt_tokens,
+                                        overhead_s, per_seq_s, per_kv_token_s, per_group_seq_s, externality_weight,
+                                        transfer_s_per_token, transfer, cost, cap, need, tie_tolerance, pos)
+    except (TypeError, OverflowError):  # other dtypes or layouts ("No matching definition"): the numpy path
         return None
     return count, cost, pos
 
@@ -295,29 +295,113 @@ def scored_select(matched_blocks: np.ndarray, num_requests: np.ndarray, kv_token
 
 def prefill_ep_cost_rows(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
                          prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
-                         w_ext: float, idx: np.ndarray, rows: np.ndarray
+                         w_ext: float, idx: np.ndarray, rows: np.ndarray, memo: bool = True
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """``EpAware._prefill_cost_one``'s wide-EP work up to its matrix product, one compiled call, for
     a pool without lower KV tiers: ``(features (n, 4), horizon (n,), ext (n,), u (n,), cached (n,),
     busy)``: the cached tokens ``min(matched, P - 1)``, the prompt's uncached ``u = P - cached``,
     :func:`prefill_ep_rows`' features and horizon, ``ext = w_ext u N_after`` and the number of
-    candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``None`` when
-    the compiled path is off or cannot take these arrays."""
+    candidates with queued tokens; float64, equal bit for bit to the numpy code's. ``memo``
+    (default): keep what does not depend on the request between calls, per pool layout and
+    thread (:func:`balancer._jit_kernels.prefill_ep_rows_memo`: O(n) per call plus O(R^2) per
+    engine whose ranks' load changed, instead of O(n R)); False: compute everything afresh (the
+    same bits). ``None`` when the compiled path is off or cannot take these arrays."""
     k = compiled()
     n = len(q)
     if k is None or not len(a) == len(matched_tokens) == len(n_req) == len(idx) == n or not _layout_ok(k, idx, rows):
         return None
-    buf = np.empty((4, n))
-    feats = np.empty((n, 4))
     P = float(prompt_tokens)
-    args = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows,
-            feats, buf[0], buf[1], buf[2], buf[3])
-    q, a = _f8(q), _f8(a)
-    try:  # int64 C-contiguous counts go as they are (numba's dispatcher matches the signature)
-        busy = k.prefill_ep_cost_rows(q, a, matched_tokens, n_req, *args)
+    scalars = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows)
+    buf = np.empty((4, n))
+    outs = (np.empty((n, 4)), buf[0], buf[1], buf[2], buf[3])
+    entry = _memo_entry(k, idx, rows) if memo else None
+    if entry is None:  # afresh (the kernel takes float64 queues)
+        q, a = _f8(q), _f8(a)
+        try:  # int64 C-contiguous counts go as they are (numba's dispatcher matches the signature)
+            busy = k.prefill_ep_cost_rows(q, a, matched_tokens, n_req, *scalars, *outs)
+        except TypeError:  # other dtypes or layouts: as float64 (what numpy's arithmetic promotes them to)
+            busy = k.prefill_ep_cost_rows(q, a, _f8(matched_tokens), _f8(n_req), *scalars, *outs)
+    else:
+        busy = _cost_memo(k, q, a, matched_tokens, n_req, scalars, outs, entry[0])
+        busy = busy if busy >= 0 else -1 - busy
+    return outs[0], outs[1], outs[2], outs[3], outs[4], int(busy)
+
+
+def prefill_ep_select_parts(q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
+                            prompt_tokens: float, chunk_tokens: float, per_token_s: float, per_attn_pair_s: float,
+                            w_ext: float, idx: np.ndarray, rows: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """``EpAware``'s compiled wide-EP prefill selection, its part before the matrix product:
+    :func:`prefill_ep_cost_rows`' ``(features (n, 4), horizon (n,), ext (n,), busy)`` with the
+    memo, bit for bit, into arrays that the next call on this pool (in this thread) overwrites:
+    for a caller that has used them before its next decision. ``None`` where the compiled path
+    is off or cannot take these arrays, or where the pool is idle (no queue above 0: the caller
+    prices that case otherwise)."""
+    k = _module if _enabled and _tried else compiled()
+    n = len(q)
+    if k is None or not len(a) == len(matched_tokens) == len(n_req) == len(idx) == n:
+        return None
+    entry = _memo_entry(k, idx, rows)
+    if entry is None:
+        return None
+    memo, outs = entry
+    P = float(prompt_tokens)
+    scalars = (P, P - 1.0, float(chunk_tokens), float(per_token_s), float(per_attn_pair_s), float(w_ext), idx, rows)
+    busy = _cost_memo(k, q, a, matched_tokens, n_req, scalars, outs, memo)
+    if busy < 0:
+        return None
+    return outs[0], outs[1], outs[2], int(busy)
+
+
+def _cost_memo(k: ModuleType, q: np.ndarray, a: np.ndarray, matched_tokens: np.ndarray, n_req: np.ndarray,
+               scalars: tuple[object, ...], outs: tuple[np.ndarray, ...], memo: tuple[np.ndarray, ...]) -> int:
+    """``prefill_ep_cost_memo`` with these arguments (int64 or float64 columns as they are; other
+    dtypes or layouts as float64): ``np.count_nonzero(q)``, or ``-1 -`` it for an idle pool."""
+    try:  # int64 (the router's) or float64 C-contiguous columns go as they are
+        return int(k.prefill_ep_cost_memo(q, a, matched_tokens, n_req, *scalars, *outs, *memo))
     except TypeError:  # other dtypes or layouts: as float64 (what numpy's arithmetic promotes them to)
-        busy = k.prefill_ep_cost_rows(q, a, _f8(matched_tokens), _f8(n_req), *args)
-    return feats, buf[0], buf[1], buf[2], buf[3], int(busy)
+        return int(k.prefill_ep_cost_memo(_f8(q), _f8(a), _f8(matched_tokens), _f8(n_req), *scalars, *outs, *memo))
+
+
+class _ThreadMemos(threading.local):
+    """One table of memos per thread (``threading.local`` runs ``__init__`` in each thread)."""
+
+    def __init__(self) -> None:
+        self.d: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple[tuple[np.ndarray, ...],
+                                                                          tuple[np.ndarray, ...]]]] = {}
+
+
+#: per thread, the prefill memos by ``(idx, rows)`` identity (one per pool:
+#: :func:`balancer.cost_model.engine_groups` caches the pair per candidate tuple), with the
+#: objects kept so that their ids stay theirs; per thread, as the kernels run without the GIL
+_MEMOS = _ThreadMemos()
+#: most memos kept per thread (a pool whose candidate tuple changed starts a new one)
+_MEMOS_MAX = 16
+
+
+def _memo_entry(k: ModuleType, idx: np.ndarray, rows: np.ndarray
+                ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None:
+    """``(memo, outputs)`` for this pool layout, or None where the kernels do not take it
+    (:func:`_layout_ok`): the memo arrays of :func:`balancer._jit_kernels.prefill_ep_rows_memo`
+    (new ones, marked stale, the first time: the kernel fills them) and output arrays of
+    :func:`prefill_ep_select_parts` (features (n, 4) and four (n,) rows). The memo is a cache
+    checked against the inputs on every call (a rank whose inputs differ from the memo's copy is
+    recomputed), so a pool that shares a layout with another costs time, never a different
+    answer."""
+    memos = _MEMOS.d
+    got = memos.get((id(idx), id(rows)))
+    if got is not None and got[0] is idx and got[1] is rows:
+        return got[2]
+    if not _layout_ok(k, idx, rows):
+        return None
+    n, E = len(idx), rows.shape[0]
+    memo = (np.zeros(4), np.zeros((k.MEMO_RANK_ROWS, n)), np.zeros((E, 2)), np.zeros((E, 2), dtype=np.int64))
+    buf = np.empty((4, n))
+    entry = (memo, (np.empty((n, 4)), buf[0], buf[1], buf[2], buf[3]))
+    if len(memos) >= _MEMOS_MAX:
+        memos.clear()
+    memos[(id(idx), id(rows))] = (idx, rows, entry)
+    return entry
 
 
 def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, horizon_scale: float | None,
@@ -329,15 +413,15 @@ def prefill_cost_pick(ttft: np.ndarray, ext: np.ndarray, horizon: np.ndarray, ho
     ``(count, cost (n,), positions (n,))`` as :func:`decode_select_rows` (count -1: the numpy pick
     decides). ``ttft``/``ext``/``horizon`` float64, ``load`` int64, shapes ``(n,)``; ``None`` when
     the compiled path is off or cannot take these arrays."""
-    k = compiled()
+    k = _module if _enabled and _tried else compiled()
     n = len(ttft)
     if k is None or not len(ext) == len(horizon) == len(load) == n:
         return None
     cost = np.empty(n)
     pos = np.empty(n, dtype=np.int64)
-    try:  # numba's dispatcher takes only its signature's dtypes, C-contiguous
-        count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else float(horizon_scale),
-                                    horizon_scale is not None, load, float(tie_tolerance), cost, pos)
-    except TypeError:  # other dtypes or layouts: the numpy path
+    try:  # numba's dispatcher takes only its signature's dtypes, C-contiguous (numbers as float() converts)
+        count = k.prefill_cost_pick(ttft, ext, horizon, 0.0 if horizon_scale is None else horizon_scale,
+                                    horizon_scale is not None, load, tie_tolerance, cost, pos)
+    except (TypeError, OverflowError):  # other dtypes or layouts: the numpy path
         return None
     return count, cost, pos

@@ -368,10 +368,13 @@ class Router:
                                 None, spec)
 
     def _candidates(self, request: Request, pool: Pool, depths: np.ndarray | None,
-                    matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None) -> Candidates:
+                    matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None,
+                    heads: bool = True) -> Candidates:
         """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
         vectorised; with ``spec_depths``, the hybrid mode's speculative index's, the larger per
-        candidate) or from a ``{replica: blocks}`` dict."""
+        candidate) or from a ``{replica: blocks}`` dict. ``heads``: with the in-service prefill
+        columns (else ``None``: for a policy that does not read them,
+        :attr:`balancer.policies.Policy.prefill_head_roles`)."""
         n = len(pool.replicas)
         cache = self.cache
         if depths is not None:
@@ -403,6 +406,10 @@ class Router:
             tokens = matched * self.block_size
             if most * self.block_size > request.prompt_tokens:  # a partial last block may match
                 tokens = np.minimum(tokens, request.prompt_tokens)
+            if not heads:
+                return Candidates(pool.role, pool.replicas, num_requests, prefill_tokens,
+                                  decode_kv, pool.capacity, matched, tokens, self.block_size,
+                                  prefill_attn_pairs=pairs)
             return Candidates(pool.role, pool.replicas, num_requests, prefill_tokens,
                               decode_kv, pool.capacity, matched, tokens, self.block_size,
                               prefill_attn_pairs=pairs,
@@ -425,9 +432,9 @@ class Router:
             block_size=self.block_size,
             hbm_blocks=matched, host_blocks=host, store_blocks=store,
             prefill_attn_pairs=pairs,
-            prefill_head_start_s=load.prefill_head_start_s[slots],
-            prefill_head_tokens=load.prefill_head_tokens[slots],
-            prefill_head_pairs=load.prefill_head_pairs[slots],
+            prefill_head_start_s=load.prefill_head_start_s[slots] if heads else None,
+            prefill_head_tokens=load.prefill_head_tokens[slots] if heads else None,
+            prefill_head_pairs=load.prefill_head_pairs[slots] if heads else None,
         )
 
     def _select(self, pool_name: str, policy: Policy, request: Request, cands: Candidates, now_s: float,
@@ -519,14 +526,16 @@ class Router:
         if p_pool.replicas:
             p_pool = fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
         depths = cache.index.match_depths(request.block_hashes)
-        d_cands = self._candidates(request, d_pool, depths, None, spec)
+        d_cands = self._candidates(request, d_pool, depths, None, spec,
+                                   d_pool.role in self.decode_policy.prefill_head_roles)
         d_choice = self._select("decode", self.decode_policy, request, d_cands, now_s, d_pool.position)
         d_matched = int(d_cands.matched_tokens[d_pool.position[d_choice.replica]])
         prefill: ReplicaId | None = None
         p_choice: Choice | None = None
         p_matched = 0
         if p_pool.replicas and request.prompt_tokens - d_matched >= self.pd_min_uncached_tokens:
-            p_cands = self._candidates(request, p_pool, depths, None, spec)
+            p_cands = self._candidates(request, p_pool, depths, None, spec,
+                                       Role.PREFILL in self.prefill_policy.prefill_head_roles)
             p_choice = self._select("prefill", self.prefill_policy, request, p_cands, now_s, p_pool.position)
             prefill = p_choice.replica
             p_matched = int(p_cands.matched_tokens[p_pool.position[prefill]])

@@ -345,6 +345,73 @@ def prefill_kernel_lines(replica_counts: list[int], pools: int = 64, rounds: int
     return out
 
 
+def prefill_memo_lines(replica_counts: list[int], decisions: int = 400, rounds: int = 5) -> list[str]:
+    """Two lines per replica count: ``ep_aware``'s wide-EP prefill kernel with its memo
+    (:func:`balancer._jit_kernels.prefill_ep_rows_memo`, with the router's share rule: per-rank and
+    per-engine numbers kept between decisions) against the same kernel afresh (``prefill_ep_rows``,
+    the same bits) in the same run, on a pool whose load changes as a router's does between two
+    decisions: each decision moves two ranks' queues (its own dispatch and a finish). Two kinds
+    of pools: queues shorter than the prompt (under 16k tokens; 32k-token prompts with hits of at
+    most 8 blocks: every candidate's ``X`` reaches past its engine's queues, the memo's case) and
+    random queues up to 60k tokens with hits of 0-63 blocks per rank (most candidates' ``X`` below
+    some queue of their engine: the share rule hands them to the fresh kernel). Thread CPU per
+    call, best of ``rounds``; and the memo's first call (every engine computed: after a pool
+    change or a refit of the cost model). Empty without numba."""
+    from balancer import kernels
+    from balancer.cost_model import engine_groups
+
+    k = kernels.compiled()
+    if k is None:
+        return []
+    out = []
+    for replicas in replica_counts:
+        reps = tuple(ReplicaId(f"p{i // 8}", i % 8) for i in range(replicas))
+        _, idx, rows = engine_groups(reps)
+        if rows is None:
+            continue
+        n = len(reps)
+        for kind, q_max, hit_blocks in (("queues under 16k tokens", 16_000, 9), ("random queues to 60k", 60_000, 64)):
+            rng = np.random.default_rng(1)
+            q = rng.integers(0, q_max, n).astype(np.float64) * (rng.random(n) < 0.7)
+            a = q * rng.uniform(0, 3000, n)
+            n_req = rng.integers(0, 40, n)
+            steps = []
+            for _ in range(decisions):  # the same sequence for both kernels
+                q2, a2, n2 = q.copy(), a.copy(), n_req.copy()
+                for r in rng.integers(0, n, 2):
+                    q2[r] = float(rng.integers(0, q_max))
+                    a2[r] = q2[r] * rng.uniform(0, 3000)
+                    n2[r] = int(rng.integers(0, 40))
+                cached = np.minimum(rng.integers(0, hit_blocks, n) * 512.0, 32_767.0)
+                steps.append((q2, a2, 32_768.0 - cached, cached, n2))
+                q, a, n_req = q2, a2, n2
+            res = np.empty((n, 4)), np.empty(n), np.empty(n)
+            memo = (np.zeros(4), np.zeros((k.MEMO_RANK_ROWS, n)), np.zeros((len(rows), 2)),
+                    np.zeros((len(rows), 2), dtype=np.int64))
+            share = k.MEMO_MAX_BELOW
+            best = {"memo": np.inf, "fresh": np.inf, "first": np.inf}
+            answered = 0
+            for _ in range(rounds):
+                memo[0][3] = 0.0  # stale: the first call computes every engine
+                t0 = time.thread_time()
+                k.prefill_ep_rows_memo(*steps[0], 8192.0, 5.1e-5, 1e-8, idx, rows, *res, share, *memo)
+                best["first"] = min(best["first"], (time.thread_time() - t0) * 1e6)
+                answered = 0
+                t0 = time.thread_time()
+                for st in steps[1:]:
+                    answered += k.prefill_ep_rows_memo(*st, 8192.0, 5.1e-5, 1e-8, idx, rows, *res, share, *memo) == 2
+                best["memo"] = min(best["memo"], (time.thread_time() - t0) / (decisions - 1) * 1e6)
+                t0 = time.thread_time()
+                for st in steps[1:]:
+                    k.prefill_ep_rows(*st, 8192.0, 5.1e-5, 1e-8, idx, rows, True, *res)
+                best["fresh"] = min(best["fresh"], (time.thread_time() - t0) / (decisions - 1) * 1e6)
+            out.append(f"ep_aware prefill kernel with its memo, {replicas} ranks (8 per engine), {kind}, 2 ranks' load "
+                       f"changed per decision: memo {best['memo']:.1f} us (it answered {answered} of {decisions - 1}), "
+                       f"afresh {best['fresh']:.1f} us per call (thread CPU, best of {rounds}); ratio "
+                       f"{best['memo'] / best['fresh']:.2f}; the memo's first call (every engine) {best['first']:.1f} us")
+    return out
+
+
 def host_calibration_us() -> tuple[float, float]:
     """Thread CPU microseconds of two fixed pieces of work that use no pdlb code: a pure-Python
     loop (10,000 dict stores and loads) and 100 small numpy calls (``np.add`` of two 64-element
@@ -490,7 +557,8 @@ def main() -> int:
         Path(args.decisions).write_text("policy,replicas,prompt_tokens,request,prefill,prefill_reason,prefill_score,"
                                         "decode,decode_reason,decode_score\n" + "".join(line + "\n" for line in log))
         print(f"{len(log)} decisions written to {args.decisions}")
-    for line in hashing_lines(args.prompt_sizes) + prefill_kernel_lines(args.replica_counts):
+    for line in hashing_lines(args.prompt_sizes) + prefill_kernel_lines(args.replica_counts) + \
+            prefill_memo_lines(args.replica_counts):
         print(line)
     print()
     print("prefix index alone, one PD decision (match + 2 inserts), steady state; baseline: the flat"

@@ -72,6 +72,12 @@ class Policy(ABC):
     #: it, and building the policy alone (e.g. validating a config) never does. ``ep_aware``,
     #: ``kv_cost`` and ``scored`` set it.
     uses_kernels: ClassVar[bool] = False
+    #: the pool roles on which :meth:`select` reads the candidates' in-service prefill columns
+    #: (``Candidates.prefill_head_start_s``, ``prefill_head_tokens``, ``prefill_head_pairs``): a
+    #: router's decision leaves them ``None`` on its other pools (three gathers of the load per
+    #: pool fewer). Default: every role (the safe choice for a policy of one's own); the built-in
+    #: policies that never read them set it empty, ``ep_aware`` to prefill pools.
+    prefill_head_roles: ClassVar[frozenset[Role]] = frozenset(Role)
 
     @abstractmethod
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:

@@ -31,6 +31,7 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class CacheAware(Policy):
     name = "cache_aware"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     cache_threshold: float = 0.3
     balance_abs: int = 64
     balance_rel: float = 1.5

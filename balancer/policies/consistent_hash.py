@@ -118,6 +118,7 @@ def rendezvous_weights(key: bytes, replicas: tuple[ReplicaId, ...]) -> np.ndarra
 @dataclass(frozen=True)
 class ConsistentHash(Policy):
     name = "consistent_hash"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     uses_prefix_index = False  # keyed on the request's own block hashes, not the index
     epsilon: float = 0.25
     key_block: int = 2

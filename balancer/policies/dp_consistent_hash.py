@@ -110,6 +110,7 @@ def ring_choice(key: bytes, pos: np.ndarray, owner: np.ndarray) -> int:
 @dataclass(frozen=True)
 class DpConsistentHash(Policy):
     name = "dp_consistent_hash"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     uses_prefix_index = False
     uses_load = False
     virtual_nodes: int = VIRTUAL_NODES_PER_WORKER

@@ -255,6 +255,7 @@ class EpAware(Policy):
     name = "ep_aware"
     uses_cost_model = True
     uses_kernels = True  # a Router built with it loads the compiled loops (not the policy itself)
+    prefill_head_roles = frozenset({Role.PREFILL})  # in-service progress: dense prefill ranks only
     externality_weight: float = 1.0
     horizon_weight: float = 4.0
     horizon_power: float = 1.0
@@ -467,7 +468,8 @@ class EpAware(Policy):
                                  idx: np.ndarray, rows: np.ndarray, ctx: SelectContext) -> Choice | None:
         """:meth:`select` on a busy prefill pool of uniform wide-EP engines without lower KV tiers,
         SLO or cadence terms (the usual wide-EP case): :meth:`_prefill_cost_one`'s compiled call
-        (:func:`balancer.kernels.prefill_ep_cost_rows`), its matrix product (numpy's, as there), then
+        (:func:`balancer.kernels.prefill_ep_select_parts`: ``prefill_ep_cost_rows`` with its per-pool
+        memo, into reused arrays), its matrix product (numpy's, as there), then
         the rest of the cost and :meth:`_pick` in one more compiled call
         (:func:`balancer.kernels.prefill_cost_pick`), drawing from ``ctx.rng`` as :meth:`_pick`
         does. ``None`` where that path does not apply (no kernels, an idle pool, tiers, cadence on
@@ -480,15 +482,15 @@ class EpAware(Policy):
             return None
         w_ext = self.externality_weight * eng.prefill.per_group_token_s
         q = cands.prefill_tokens
-        if not w_ext or not len(q) or q[q.argmax()] <= 0:  # _prefill_cost_one's idle-pool path
+        if not w_ext or not len(q):
             return None
         a = cands.prefill_attn_pairs if cands.prefill_attn_pairs is not None else np.zeros(len(q))
-        fast = kernels.prefill_ep_cost_rows(q, a, cands.matched_tokens, cands.num_requests, float(request.prompt_tokens),
-                                            eng.chunk_tokens, eng.prefill.per_token_s, eng.prefill.per_attn_pair_s,
-                                            w_ext, idx, rows)
-        if fast is None:
+        fast = kernels.prefill_ep_select_parts(q, a, cands.matched_tokens, cands.num_requests,
+                                               float(request.prompt_tokens), eng.chunk_tokens, eng.prefill.per_token_s,
+                                               eng.prefill.per_attn_pair_s, w_ext, idx, rows)
+        if fast is None:  # also an idle pool (no queue above 0): _prefill_cost_one's idle-pool path
             return None
-        f_feats, f_horizon, f_ext, _, _, n_busy = fast
+        f_feats, f_horizon, f_ext, n_busy = fast
         scale = None
         if self.horizon_weight:
             scale = self.horizon_weight * (float(n_busy) / len(q)) ** self.horizon_power

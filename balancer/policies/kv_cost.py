@@ -34,6 +34,7 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class KvCost(Policy):
     name = "kv_cost"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     uses_kernels = True  # its choice is one compiled call (balancer.kernels.kv_cost_select)
     overlap_weight: float = 1.0
     temperature: float = 0.0

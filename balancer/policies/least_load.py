@@ -23,6 +23,7 @@ class LeastLoad(Policy):
     """Scores are the load values (lower is better)."""
 
     name = "least_load"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     metric: str = "auto"
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ class PowerOfTwo(Policy):
     """Scores are the two sampled candidates' loads (lower is better)."""
 
     name = "power_of_two"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     metric: str = "auto"
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class Random(Policy):
     name = "random"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     uses_load = False
     uses_prefix_index = False
 

@@ -22,6 +22,7 @@ from balancer.types import Choice, Request
 @dataclass(frozen=True)
 class RoundRobin(Policy):
     name = "round_robin"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     uses_load = False
     uses_prefix_index = False
 

@@ -36,6 +36,7 @@ SCORERS = ("prefix", "queue", "kv_utilization", "load")
 @dataclass(frozen=True)
 class Scored(Policy):
     name = "scored"
+    prefill_head_roles = frozenset()  # reads no in-service prefill columns
     uses_kernels = True  # its choice is one compiled call (balancer.kernels.scored_select)
     prefix_weight: float = 3.0
     queue_weight: float = 2.0

@@ -61,3 +61,15 @@ def test_hashing_and_prefill_kernel_lines() -> None:
     (line,) = rl.prefill_kernel_lines([16], pools=3, rounds=1)
     assert line.startswith("ep_aware prefill kernel, 16 ranks (8 per engine), 3 random pools cycled: selects ")
     assert float(line.rsplit("ratio ", 1)[1]) > 0
+
+
+def test_prefill_memo_lines() -> None:
+    """The memo's lines: one per kind of pool, the memo answering every decision where the
+    queues are shorter than the prompt and none where they are long and the hits differ by rank
+    (the share rule hands those to the fresh kernel), with a ratio."""
+    pytest.importorskip("numba")
+    lines = rl.prefill_memo_lines([16], decisions=20, rounds=1)
+    assert len(lines) == 2
+    assert "queues under 16k tokens" in lines[0] and "(it answered 19 of 19)" in lines[0]
+    assert "random queues to 60k" in lines[1] and "(it answered 0 of 19)" in lines[1]
+    assert all(float(line.split("ratio ", 1)[1].split(";")[0]) > 0 for line in lines)
