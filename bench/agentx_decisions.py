@@ -11,9 +11,9 @@ recomputes, on the same candidates, the terms ``ep_aware`` adds up:
   its rank's queue); ``ttft``: the TTFT as priced (with vLLM's per-request chunk limit and prefill
   cadence: ``ceil(u / 512)`` open steps whatever the queue ahead, plus a slot wait on a full rank);
 - ``group drain``: FIFO draining's group terms (externality over the requests queued behind it on
-  the other ranks, and the horizon); ``group``: the group terms as priced (with
-  ``parallel_chunks``: the delay its group tokens add to every queued request of the engine, plus
-  the forced-prefill steps of a full rank);
+  the other ranks, and the horizon); ``group``: the group terms as priced (by default FIFO
+  draining's plus the forced-prefill steps of a full rank; with ``parallel_chunks=true`` the delay
+  its group tokens add to every queued request of the engine, plus the forced steps);
 - ``decode``: the decode cost; the batch stall (the same on every rank for equal hits) is in ``total``.
 
 Then it prints, over the measured window: where new sessions (a miss on every rank) and returning
@@ -24,7 +24,7 @@ placed above the least-loaded rank, candidate by candidate, with the realised TT
 the request placed.
 
     python bench/agentx_decisions.py --lanes 128 --duration-s 600 --seed 1
-    python bench/agentx_decisions.py --policies ep_aware:parallel_chunks=false --sample 5
+    python bench/agentx_decisions.py --policies ep_aware:parallel_chunks=true --sample 5
 
 About 10-20 s of CPU per variant at 128 lanes and 600 s.
 """
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser, positive_float
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="ep_aware:parallel_chunks=false,ep_aware",
+    ap.add_argument("--policies", default="ep_aware,ep_aware:parallel_chunks=true",
                     help="comma-separated ep_aware specs (default: %(default)s)")
     ap.add_argument("--lanes", type=int, default=128, help="closed-loop lanes (64 = the measured load; default 128)")
     ap.add_argument("--duration-s", type=positive_float, default=600.0, help="measured seconds (default 600)")

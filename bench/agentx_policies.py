@@ -56,9 +56,9 @@ from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 #: routes it against the router's TTFT budget. It prices vLLM's 512-token chunk limit and prefill
 #: cadence of this engine by default (``cadence=true``); ``cadence=false`` is the pricing before them.
 #: ``spec_decode=true`` prices MTP's 2.49 accepted tokens per decode step (off by default: one token per step).
-#: ``parallel_chunks=false`` prices a prompt's group terms by FIFO draining (the pricing before session 15)
+#: ``parallel_chunks=true`` prices a prompt's group terms as chunks in parallel, not by FIFO draining (off by default)
 POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "scored", "least_load",
-            "ep_aware", "ep_aware:parallel_chunks=false", "ep_aware:spec_decode=true", "ep_aware:slo_wide_ep=true",
+            "ep_aware", "ep_aware:parallel_chunks=true", "ep_aware:spec_decode=true", "ep_aware:slo_wide_ep=true",
             "ep_aware:cadence=false", "ep_aware:cadence=false,slo_wide_ep=true")
 LOADS = {"1/8x": 8, "1x": 64, "1.5x": 96, "2x": 128}
 MEASURED_LANES = 64

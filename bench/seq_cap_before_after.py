@@ -20,14 +20,14 @@ whether every figure is identical (the cap changes a decision only when some ran
 ``max_num_seqs`` requests). Point 440246 (vLLM, 16 sequences per rank) is in
 ``bench/agentx_policies.py``.
 
-``--before`` / ``--after`` compare any two policy specs the same way (e.g. ``--before
-ep_aware:parallel_chunks=false --after ep_aware``: the parallel-chunk group terms, which act only
+``--before`` / ``--after`` compare any two policy specs the same way (e.g. ``--before ep_aware
+--after ep_aware:parallel_chunks=true``: the parallel-chunk group terms, which act only
 where a pool's cost model sets vLLM's per-request chunk limit; issue 23), on any rows of
 ``bench/policy_goodput.py`` (``mooncake:longsplit``, ``mooncake:dense_dbound``, ...).
 
     .venv/bin/python bench/seq_cap_before_after.py --traces-dir /path/with/mooncake_synthetic_trace.jsonl
     .venv/bin/python bench/seq_cap_before_after.py --rows mooncake:default --scales 1,4 --seeds 1
-    .venv/bin/python bench/seq_cap_before_after.py --before ep_aware:parallel_chunks=false --after ep_aware \
+    .venv/bin/python bench/seq_cap_before_after.py --before ep_aware --after ep_aware:parallel_chunks=true \
         --rows mooncake:default,mooncake:longsplit,mooncake:dense_dbound --scales 1
 """
 

@@ -97,7 +97,8 @@ Parameters:
     parallel_chunks: where the cadence's chunks run in parallel (a mixed pool with ``S L <= C``,
         below), price the prompt's group terms by that model (its group tokens delay every request
         of the engine with queued prefill, wherever it goes) instead of FIFO draining's (``N_after``
-        and the horizon); False: FIFO draining's, the pricing before (docs/policies/ep_aware.md,
+        and the horizon). Off by default: on AgentX 440246 it did not meet the SLO more often over
+        eight workload seeds (level at 2x, 1.8 points lower at 1.5x; docs/policies/ep_aware.md,
         "Who waits for a prompt's group tokens"). Engines without the options are priced the same
         either way.
 
@@ -113,7 +114,7 @@ the TTFT adds the decode steps between the rank's open prefill steps, ``(k - 1)(
 request would wait for admission, and the rank prefill on every step), ``externality_weight
 forced_i n_e chunk_s``: the group's extra mixed steps times its running sequences times one chunk's
 prefill seconds. Where the chunks run in parallel (``S L <= C``) on a mixed pool, with
-``parallel_chunks`` (the default), the prompt's group terms are those of parallel chunks:
+``parallel_chunks`` (opt-in), the prompt's group terms are those of parallel chunks:
 ``cost_i = TTFT_i + externality_weight per_group_token u_i N_q,e + (the forced steps)`` (plus the
 decode cost and the batch stall), ``N_q,e`` the requests of the engine on ranks with queued
 prefill (:func:`balancer.prefill_cadence.queued_requests`), in place of FIFO draining's
@@ -274,7 +275,7 @@ class EpAware(Policy):
     seq_cap: bool = False
     cadence: bool = True
     spec_decode: bool = False
-    parallel_chunks: bool = True
+    parallel_chunks: bool = False
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:

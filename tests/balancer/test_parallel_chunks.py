@@ -3,9 +3,9 @@
 
 Where a mixed pool's cost model sets the per-request chunk limit ``L`` with ``S L <= C`` (the
 cadence's parallel case), a prompt starts at once beside its rank's queue, so its group tokens
-delay every request of the engine with queued prefill, wherever it is placed: ``ep_aware``
-prices ``externality_weight per_group_token u N_q`` there instead of FIFO draining's
-``N_after`` and horizon terms. Expected values are hand-computed from those formulas (the
+delay every request of the engine with queued prefill, wherever it is placed: with
+``parallel_chunks=true`` (opt-in) ``ep_aware`` prices ``externality_weight per_group_token u N_q``
+there instead of FIFO draining's ``N_after`` and horizon terms (the default). Expected values are hand-computed from those formulas (the
 arithmetic is in the comments) with round coefficients; the decision test uses the AgentX 440246
 cost model's coefficients rounded to two digits.
 """
@@ -78,8 +78,8 @@ def test_the_group_term_counts_every_queued_request_of_the_engine():
     # Everything else (the cadence TTFT, decode, the batch stall) is the same in both, so the scores differ by
     # group - ext = 0, 0.191147, 0.16384 s.
     cm = model()
-    on = make_policy("ep_aware", horizon_weight=0.0)
-    off = make_policy("ep_aware", horizon_weight=0.0, parallel_chunks=False)
+    on = make_policy("ep_aware", horizon_weight=0.0, parallel_chunks=True)
+    off = make_policy("ep_aware", horizon_weight=0.0)  # the default: FIFO draining's terms
     diff = scores(on, REQ, three_ranks(), cm) - scores(off, REQ, three_ranks(), cm)
     np.testing.assert_allclose(diff, [0.0, 0.32768 - 2048e-5 * 10 * 2 / 3, 0.16384], rtol=1e-9, atol=1e-12)
 
@@ -90,8 +90,8 @@ def test_the_horizon_has_no_part_where_chunks_run_in_parallel():
     # tokens against 3,000), so its horizon is positive there
     cm = model()
     r, c = REQ, three_ranks()
-    on = [scores(make_policy("ep_aware", horizon_weight=h), r, c, cm) for h in (0.0, 4.0)]
-    off = [scores(make_policy("ep_aware", horizon_weight=h, parallel_chunks=False), r, c, cm) for h in (0.0, 4.0)]
+    on = [scores(make_policy("ep_aware", horizon_weight=h, parallel_chunks=True), r, c, cm) for h in (0.0, 4.0)]
+    off = [scores(make_policy("ep_aware", horizon_weight=h), r, c, cm) for h in (0.0, 4.0)]
     np.testing.assert_array_equal(on[0], on[1])
     assert off[1][2] > off[0][2]
 
@@ -103,8 +103,8 @@ def test_where_chunks_do_not_run_in_parallel_the_option_changes_nothing(cm):
     # without a cap, a limit, or with S L > C the queue ahead takes the budget (FIFO draining holds):
     # scores bit-identical either way, mixed and prefill pools
     for role in (Role.MIXED, Role.PREFILL):
-        a = scores(make_policy("ep_aware"), REQ, three_ranks(role), cm)
-        b = scores(make_policy("ep_aware", parallel_chunks=False), REQ, three_ranks(role), cm)
+        a = scores(make_policy("ep_aware", parallel_chunks=True), REQ, three_ranks(role), cm)
+        b = scores(make_policy("ep_aware"), REQ, three_ranks(role), cm)
         np.testing.assert_array_equal(a, b)
 
 
@@ -112,8 +112,8 @@ def test_a_prefill_pool_keeps_the_drain_terms_even_with_the_options():
     # a PD prefill pool (nothing decodes there, no sequence cap on its slots): the chunk limit's step
     # overheads only, the group terms as before, bit for bit
     cm = model()
-    a = scores(make_policy("ep_aware"), REQ, three_ranks(Role.PREFILL), cm)
-    b = scores(make_policy("ep_aware", parallel_chunks=False), REQ, three_ranks(Role.PREFILL), cm)
+    a = scores(make_policy("ep_aware", parallel_chunks=True), REQ, three_ranks(Role.PREFILL), cm)
+    b = scores(make_policy("ep_aware"), REQ, three_ranks(Role.PREFILL), cm)
     np.testing.assert_array_equal(a, b)
 
 
@@ -137,9 +137,9 @@ def test_a_new_session_goes_to_the_rank_with_the_fewest_requests_though_it_prefi
     c = cands(*(view("e", Role.MIXED, dp=i, num_requests=b[i], prefill_tokens=q[i], decode_kv_tokens=b[i] * 120_000,
                      kv_capacity_tokens=2_745_677, matched_tokens=0, block_size=256) for i in range(8)))
     r = Request("new", 0.0, 60_000, max_output_tokens=900)
-    assert make_policy("ep_aware").select(r, c, ctx(cm)).replica.dp_rank == 7
-    before = make_policy("ep_aware", parallel_chunks=False).select(r, c, ctx(cm)).replica.dp_rank
-    assert before != 7 and b[before] >= 12
+    assert make_policy("ep_aware", parallel_chunks=True).select(r, c, ctx(cm)).replica.dp_rank == 7
+    default = make_policy("ep_aware").select(r, c, ctx(cm)).replica.dp_rank  # FIFO draining's terms (the default)
+    assert default != 7 and b[default] >= 12
 
 
 def test_engines_without_parallel_chunks_price_and_pick_as_before():
@@ -148,7 +148,7 @@ def test_engines_without_parallel_chunks_price_and_pick_as_before():
     rng = np.random.default_rng(5)
     models = [model(cap=None), model(limit=None), model(cap=32), model(limit=None, interval=1),
               CostModel(prefill=EngineCost(PF, DC, 8192, True), decode=EngineCost(PF, DC, 8192, True))]
-    on, off = make_policy("ep_aware"), make_policy("ep_aware", parallel_chunks=False)
+    on, off = make_policy("ep_aware", parallel_chunks=True), make_policy("ep_aware")
     for trial in range(150):
         role = (Role.MIXED, Role.PREFILL, Role.DECODE)[trial % 3]
         cm = models[trial % len(models)]
