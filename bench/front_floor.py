@@ -148,10 +148,11 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--duration-s", type=float, default=3.0)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    ap.add_argument("--rounds", type=int, default=6, help="paired rounds (default: 6)")
+    ap.add_argument("--duration-s", type=float, default=3.0, help="seconds of load per round (default: 3)")
+    ap.add_argument("--concurrency", type=int, default=16, help="client connections per server (default: 16)")
+    ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
+                    help="the servers' event loop (default: asyncio)")
     ap.add_argument("--server-cpus", default="", help="comma-separated CPUs of the servers, e.g. 0 (default: any)")
     args = ap.parse_args(argv)
     args.server_cpus = set(list_arg(ap, "--server-cpus", args.server_cpus, "CPU numbers", int, empty_ok=True))

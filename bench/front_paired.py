@@ -37,14 +37,6 @@ import router_overhead as ro  # noqa: E402
 from sim.emulator.testing import spawn_engines  # noqa: E402
 
 
-def _cpus(text: str) -> set[int]:
-    out: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out |= set(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def _spawn_from(checkout: Path, serve_args: list[str], timeout_s: float):  # noqa: ANN202
     """``pdlb serve`` from ``checkout`` (its code first on ``PYTHONPATH``), waited for at most
     ``timeout_s`` (a fresh checkout compiles its numba kernels at the first start)."""
@@ -67,7 +59,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     import os
 
     all_cpus = os.sched_getaffinity(0)
-    router_cpus = _cpus(args.router_cpus) if args.router_cpus else None
+    router_cpus = args.router_cpus
     other = (all_cpus - router_cpus) if router_cpus and all_cpus - router_cpus else None
     with ro._affinity(other):
         engines = spawn_engines(engines_spec)
@@ -102,14 +94,17 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     return got
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked (``--router-cpus`` as a CPU set or None: ``router_overhead``'s reading,
+    :mod:`pdlb_cli.comma_lists`); a bad value exits with status 2 naming the option."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="+", metavar="TREE::ARGS", help="a pdlb checkout and extra serve arguments")
-    ap.add_argument("--mode", choices=["regular", "pd", "vllm-pd"], default="regular")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--duration-s", type=float, default=3.0)
+    ap.add_argument("--mode", choices=["regular", "pd", "vllm-pd"], default="regular",
+                    help="regular (two mixed engines), pd (SGLang PD) or vllm-pd (default: regular)")
+    ap.add_argument("--rounds", type=int, default=6, help="paired rounds (default: 6)")
+    ap.add_argument("--duration-s", type=float, default=3.0, help="seconds of load per round (default: 3)")
     ap.add_argument("--concurrency", type=int, default=32, help="client connections per router (default: 32)")
-    ap.add_argument("--load-processes", type=int, default=1)
+    ap.add_argument("--load-processes", type=int, default=1, help="client processes (default: 1)")
     ap.add_argument("--start-timeout-s", type=float, default=120.0, help="wait for each router's start (default: 120)")
     ap.add_argument("--router-cpus", default="", help="CPU set of the routers, e.g. 0 or 0-7 (default: any)")
     args = ap.parse_args(argv)
@@ -119,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         tree = spec.partition("::")[0]
         if not ro.is_pdlb_checkout(Path(tree)):
             ap.error(f"{tree!r} is not a pdlb checkout")
-    asyncio.run(run(args))
+    args.router_cpus = ro._cpu_list(args.router_cpus, ap) if args.router_cpus else None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    asyncio.run(run(parse_args(argv)))
     return 0
 
 

@@ -58,6 +58,10 @@ import numpy as np
 
 #: the checkout whose ``balancer`` is measured: this one, or ``--against``'s (set for the child)
 TREE_ENV = "PDLB_ROUTE_LATENCY_TREE"
+# the list options' parser is this checkout's (standard library only), imported before the measured
+# checkout (maybe an older one, without it) goes first on the path; nothing of balancer is imported here
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdlb_cli.comma_lists import list_arg, one_of  # noqa: E402
 sys.path.insert(0, os.environ.get(TREE_ENV) or str(Path(__file__).resolve().parents[1]))
 
 from balancer.block_index import BlockIndex  # noqa: E402
@@ -482,7 +486,14 @@ def index_only(index_cls: type, replicas: int, prompt_tokens: int, n: int) -> tu
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
-def main() -> int:
+def _count(text: str) -> int:
+    """A ``--replicas`` / ``--prompts`` item: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2000, help="measured decisions per configuration (default 2000)")
     ap.add_argument("--replicas", default="8,64,512", help="comma-separated replica counts per pool (default 8,64,512)")
@@ -505,6 +516,21 @@ def main() -> int:
                          "then run on a virtual clock (100 us per decision), so two checkouts' files compare byte "
                          "for byte (PDLB_ROUTE_LATENCY_TREE=DIR measures DIR's balancer)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child process of --against: one JSON configuration
+    return ap
+
+
+def list_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--replicas``, ``--prompts`` and ``--policies`` read through :mod:`pdlb_cli.comma_lists`
+    into ``args.replica_counts``, ``args.prompt_sizes`` and ``args.policy_names`` (all registered
+    policies for ``--policies ""``, the default); a bad list stops ``ap`` naming the option."""
+    args.replica_counts = list_arg(ap, "--replicas", args.replicas, "replica counts >= 1", _count)
+    args.prompt_sizes = list_arg(ap, "--prompts", args.prompts, "prompt sizes in tokens >= 1", _count)
+    args.policy_names = (available_policies() if args.policies == "" else  # the default; "  " is refused
+                         list_arg(ap, "--policies", args.policies, "policies", one_of(available_policies())))
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     global BLOCK, INDEX_CAPACITY_BLOCKS
     if args.block_size < 1:
@@ -517,12 +543,8 @@ def main() -> int:
         return 0
     if args.requests < 1 or args.rounds < 1 or args.kv_events_per_s < 0 or args.in_flight < 0:
         ap.error("--requests and --rounds must be >= 1, --kv-events-per-s and --in-flight >= 0")
-    args.replica_counts = [int(x) for x in args.replicas.split(",")]
-    args.prompt_sizes = [int(x) for x in args.prompts.split(",")]
-    policies = [p for p in args.policies.split(",") if p] or available_policies()
-    unknown = sorted(set(policies) - set(available_policies()))
-    if unknown:
-        ap.error(f"unknown policies {unknown}; valid: {', '.join(available_policies())}")
+    list_options(ap, args)
+    policies = args.policy_names
     if args.against and args.numpy_baseline:
         ap.error("--against and --numpy-baseline are two baselines: give one")
     if args.decisions and (args.against or args.numpy_baseline):

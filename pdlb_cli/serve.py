@@ -113,6 +113,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--http-front", choices=["aiohttp", "lean"],
                    help="HTTP server of the generation endpoints: aiohttp's, or lean (httptools for the common "
                         f"generation request, aiohttp's server for anything else) (default: {d.http_front})")
+    p.add_argument("--connection-placement", choices=["follow_load", "round_robin"],
+                   help="with --processes > 1: place client connections on as few processes as the load needs "
+                        "(follow_load: the others give theirs back with Connection: close) or on every process in "
+                        f"turn (round_robin) (default: {d.connection_placement})")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")
@@ -197,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "index_mode": getattr(args, "index_mode", None),
                   "upstream_client": getattr(args, "upstream_client", None),
                   "http_front": getattr(args, "http_front", None),
+                  "connection_placement": getattr(args, "connection_placement", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)
@@ -260,11 +265,28 @@ def ignored_budget_warning(cfg: ServiceConfig) -> str | None:
             "(ep_synchronous in the cost model), where ep_aware routes SLO-blind unless slo_wide_ep=true")
 
 
+def check_restart_flags(args: argparse.Namespace) -> None:
+    """``--max-process-restarts`` >= 0 and ``--restart-window-s`` > 0 (``inf``: deaths are never
+    forgotten), checked before anything starts whatever the process count (the supervisor,
+    :class:`balancer.service.processes.supervise.RestartPolicy`, runs only with several).
+
+    Raises:
+        ValueError: naming the flag."""
+    n = getattr(args, "max_process_restarts", None)
+    if n is not None and n < 0:
+        raise ValueError(f"--max-process-restarts: expected an integer >= 0 (0: a dead router process is not "
+                         f"restarted), got {n}")
+    w = getattr(args, "restart_window_s", None)
+    if w is not None and not w > 0:  # NaN too
+        raise ValueError(f"--restart-window-s: expected a number of seconds > 0, got {w:g}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``pdlb serve`` until SIGINT/SIGTERM; returns the exit status (2 after one ``error:`` line
     on stderr for a bad flag or config file)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_restart_flags(args)
         cfg = config_from_args(args)
         event_loop_factory(args.event_loop)  # uvloop asked for but not installed: before anything starts
     except ValueError as e:

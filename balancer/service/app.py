@@ -77,7 +77,7 @@ from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OF
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.lean_front import LeanProtocol, LeanRequest
 from balancer.service.log_limit import RateLimitedLog
-from balancer.service.loop_watch import LOOP_LAG_INTERVAL_S, watch_loop
+from balancer.service.loop_watch import LOOP_LAG_IDLE_INTERVAL_S, LOOP_LAG_INTERVAL_S, LoopWatch
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
 from balancer.service.prompt import PromptHasher
 from balancer.service.proxy import SERVER_HEADER, STREAM_STATUS, Proxy, error_response
@@ -201,6 +201,8 @@ class Service:
         self.session: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self.in_flight: int = 0
+        #: the loop-lag timer (started with the app, :meth:`start_lag_watch`)
+        self.lag_watch: LoopWatch | None = None
         #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
         self.offload = BodyOffload(cfg.router.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
                                    cfg.max_tokens_limit, cfg.default_max_tokens, cfg.chat_engine)
@@ -272,6 +274,7 @@ class Service:
             if self.pool.get(w.url) is not w or not caps.probed:
                 continue
             w.caps = caps
+            self.pool.record_answer(w, time.monotonic())  # probed: some probe got an HTTP answer
             if self.process_index == 0:
                 log.info("engine %s: %s, models %s, abort %s, metrics %s", w.url, caps.engine,
                          ", ".join(caps.served_models[:4]) or "not listed", caps.abort_endpoint or "none",
@@ -299,18 +302,23 @@ class Service:
             except Exception:  # never let the prober die
                 log.exception("health probe round failed")
 
-    async def _lag_loop(self) -> None:
-        """Every :data:`LOOP_LAG_INTERVAL_S`: how late the loop woke a timer, into
-        ``pdlb_event_loop_lag_seconds`` (work that blocks the loop shows there, whoever did it), and
-        the part of it the router process's own CPU time explains, into
-        ``pdlb_event_loop_cpu_lag_seconds`` (:mod:`balancer.service.loop_watch`)."""
+    def start_lag_watch(self) -> LoopWatch:
+        """Start measuring how late the loop wakes a timer, into ``pdlb_event_loop_lag_seconds``
+        (work that blocks the loop shows there, whoever did it), and the part of it the router
+        process's own CPU time explains, into ``pdlb_event_loop_cpu_lag_seconds``, every
+        :data:`LOOP_LAG_INTERVAL_S` while requests come or are in flight, backing off to
+        :data:`LOOP_LAG_IDLE_INTERVAL_S` while quiet (:class:`balancer.service.loop_watch.LoopWatch`;
+        :func:`_observed` kicks it per request)."""
         lag, cpu_lag = self.metrics.loop_lag, self.metrics.loop_cpu_lag
 
         def observe(lag_s: float, cpu_lag_s: float) -> None:
             lag.observe(lag_s)
             cpu_lag.observe(cpu_lag_s)
 
-        await watch_loop(observe, LOOP_LAG_INTERVAL_S)
+        watch = self.lag_watch = LoopWatch(observe, LOOP_LAG_INTERVAL_S, LOOP_LAG_IDLE_INTERVAL_S,
+                                           busy=lambda: self.in_flight > 0)
+        watch.start()
+        return watch
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -408,6 +416,9 @@ async def _observed(svc: Service, request: web.Request, endpoint: str, handler, 
     """``handler(request, *args)`` with errors as JSON and the request counted in the metrics under
     ``endpoint`` (the middleware of every route, and the generation endpoints' fast path)."""
     t0 = time.monotonic()
+    watch = svc.lag_watch
+    if watch is not None:  # the loop-lag timer's interval: the usual one while requests come
+        watch.kick()
     status = 500
     try:
         resp = await handler(request, *args)
@@ -1113,7 +1124,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         if svc.admission is not None and svc.multiprocess and shared_prefix_dir is not None:
             svc.admission.share_across(shared_prefix_dir, svc.processes, process_index)  # fair shares for the host
         loops = [asyncio.create_task(svc._health_loop())] if cfg.health_check.enabled else []
-        loops.append(asyncio.create_task(svc._lag_loop()))
+        lag_watch = svc.start_lag_watch()
         if cfg.health_check.enabled:  # without health checks pdlb sends engines nothing but requests
             loops.append(asyncio.create_task(svc.discover_engines()))
         if cfg.health_check.enabled and cfg.circuit_breaker.enabled:
@@ -1145,6 +1156,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         if share is not None:
             svc.metrics.prefix_share = None
             await share.close()
+        lag_watch.stop()
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)

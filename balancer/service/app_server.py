@@ -68,6 +68,19 @@ class RouterServer(web.Server):
         self._on_refused: Callable[[], None] | None = None
         self._warned_full = False
         self._lean: Callable[[RouterServer], asyncio.Protocol] | None = None
+        self._placement: Any = None
+
+    def follow_placement(self, view: Any) -> None:
+        """Count client connections into ``view`` and give connections back when it says so
+        (:class:`balancer.service.processes.placement.PlacementView`; ``None``: never)."""
+        self._placement = view
+
+    def give_back(self) -> bool:
+        """Whether the keep-alive connection answered now should be closed after its answer, so
+        that its client reconnects to the process the parent places it on (the lean front asks
+        once per answer; :mod:`balancer.service.processes.placement`)."""
+        p = self._placement
+        return p is not None and p.give_back()
 
     def serve_lean(self, factory: Callable[[RouterServer], asyncio.Protocol] | None) -> None:
         """Serve connections accepted from now on with ``factory(self)`` (pdlb's lean front,
@@ -123,6 +136,14 @@ class RouterServer(web.Server):
             return
         self._warned_full = False
         super().connection_made(handler, transport)
+        if self._placement is not None:
+            self._placement.connection_opened()
+
+    def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+        """A connection's protocol reports its end (uncounted if it was refused at the cap)."""
+        if self._placement is not None and handler in self._connections:
+            self._placement.connection_closed()
+        super().connection_lost(handler, exc)
 
 
 class _AppEntry:

@@ -329,6 +329,11 @@ class ServiceConfig(BaseModel):
             :mod:`balancer.service.lean_front`: ``httptools`` serves the common generation request,
             and a connection goes to aiohttp's server for anything else) or ``aiohttp`` (aiohttp's
             server for every request). docs/serving.md, "HTTP front".
+        connection_placement: with several ``processes``, where the parent places client
+            connections: ``follow_load`` (default; on as few processes as the load needs, the
+            others' connections given back with ``Connection: close`` at their next answer:
+            :mod:`balancer.service.processes.placement`; needs Linux's ``/proc``, else round
+            robin) or ``round_robin`` (every process in turn, never given back).
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
             headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
             fails the attempt, which is retried on a new pair and counts against the worker's
@@ -409,6 +414,7 @@ class ServiceConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0)
     upstream_client: Literal["lean", "aiohttp"] = "lean"
     http_front: Literal["aiohttp", "lean"] = "lean"
+    connection_placement: Literal["follow_load", "round_robin"] = "follow_load"
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from balancer.service.log_limit import RateLimitedLog
 
@@ -58,8 +59,11 @@ class Acceptor:
     ``retry_delay_s`` (default :data:`ACCEPT_RETRY_DELAY_S`)."""
 
     def __init__(self, listener: socket.socket, channels: Sequence[socket.socket], backlog: int = 1024,
-                 retry_delay_s: float = ACCEPT_RETRY_DELAY_S) -> None:
+                 retry_delay_s: float = ACCEPT_RETRY_DELAY_S, placement: Any = None) -> None:
         self.listener = listener
+        #: with a :class:`balancer.service.processes.placement.PlacementControl`, each connection goes
+        #: to the process it picks (the active one holding the fewest) instead of the next in turn
+        self.placement = placement
         self.channels = list(channels)
         self.handed = [0] * len(self.channels)  # connections passed to each process
         self.dead: set[int] = set()  # processes handed nothing (gone, or being replaced)
@@ -88,6 +92,9 @@ class Acceptor:
                 continue  # e.g. ECONNABORTED: the next one
             try:
                 with self._lock:  # against retire / replace from the parent's main thread
+                    if self.placement is not None:
+                        self._place(conn)
+                        continue
                     n = len(self.channels)
                     for _ in range(n):
                         k, i = i, (i + 1) % n
@@ -102,6 +109,21 @@ class Acceptor:
             finally:
                 conn.close()  # the process holds its own duplicate now
 
+    def _place(self, conn: socket.socket) -> None:
+        """Hand ``conn`` to the process the placement picks (another if that one is gone)."""
+        placement = self.placement
+        for _ in range(len(self.channels)):
+            k = placement.pick(self.dead)
+            if k is None:
+                return
+            try:
+                socket.send_fds(self.channels[k], [b"c"], [conn.fileno()])
+                self.handed[k] += 1
+                placement.handed(k)
+                return
+            except OSError:  # that process exited (its end is closed)
+                self.dead.add(k)
+
     def retire(self, k: int) -> None:
         """Process ``k`` died: hand it nothing more, close the parent's end of its channel (what was
         sent to it and not yet taken is lost with it)."""
@@ -115,6 +137,8 @@ class Acceptor:
             old, self.channels[k] = self.channels[k], channel
             old.close()
             self.dead.discard(k)
+            if self.placement is not None:
+                self.placement.reset(k)
 
     def close(self) -> None:
         """Stop accepting; tell every process ``pdlb serve`` stops (a ``b"s"`` on its channel, so
@@ -142,14 +166,16 @@ STOP = b"s"
 
 def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asyncio.Protocol],
                       on_parent_gone: Callable[[], None] | None = None,
-                      on_stop: Callable[[], None] | None = None) -> Callable[[], None]:
+                      on_stop: Callable[[], None] | None = None,
+                      on_adopted: Callable[[], None] | None = None) -> Callable[[], None]:
     """A router process's side: read handed-over sockets from ``channel`` in the running event
     loop and serve each with ``protocol_factory`` (the aiohttp server); returns the function that
     stops (call before the runner's cleanup). ``on_stop`` is called once when the parent says
     ``pdlb serve`` stops (:data:`STOP`, sent by :meth:`Acceptor.close`); ``on_parent_gone`` once
     if the channel reaches end of file or fails without it (the parent died: no connection will
     come again, and nobody else will clean up). A process cannot tell the two apart by its parent
-    pid: the kernel closes a dying parent's files before it re-parents its children."""
+    pid: the kernel closes a dying parent's files before it re-parents its children. ``on_adopted``
+    is called for each connection taken (the connection placement counts them)."""
     loop = asyncio.get_running_loop()
     channel.setblocking(False)
     pending: set[asyncio.Task] = set()
@@ -182,6 +208,8 @@ def adopt_connections(channel: socket.socket, protocol_factory: Callable[[], asy
                 _serve(fd)
 
     def _serve(fd: int) -> None:
+        if on_adopted is not None:
+            on_adopted()
         sock = socket.socket(fileno=fd)
         t = loop.create_task(loop.connect_accepted_socket(protocol_factory, sock))
         pending.add(t)

@@ -151,7 +151,8 @@ def _ready_line(cfg: ServiceConfig, port: int) -> str:
 
 async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_load: str | None = None,  # noqa: ANN001
                  shared_prefix_dir: str | None = None, handoff: socket.socket | None = None,
-                 columns: dict[str, list[int]] | None = None, restart: tuple[bool, int] = (False, 0)) -> int:
+                 columns: dict[str, list[int]] | None = None, restart: tuple[bool, int] = (False, 0),
+                 placement: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM. One process: listen, print the ready line. Process
     ``process_index`` of several: serve the connections the parent hands over on ``handoff``
     (:mod:`balancer.service.handoff`) and send ``("ready", port)`` or ``("error", message)`` on the
@@ -189,7 +190,19 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
         from balancer.service.handoff import adopt_connections
 
         assert runner.server is not None
-        stop_adopting = adopt_connections(handoff, runner.server, parent_gone, parent_stops)
+        on_adopted = None
+        if placement is not None and cfg.processes:
+            from balancer.service.processes.placement import PlacementBlock, PlacementView
+
+            from balancer.service.app import SERVICE
+
+            view = PlacementView(PlacementBlock(cfg.processes, placement), process_index)
+            metrics = app[SERVICE].metrics
+            metrics.placement = view
+            view.on_give_back = lambda reason: metrics.count(metrics.given_back, reason)
+            runner.router_server.follow_placement(view)
+            on_adopted = view.adopted
+        stop_adopting = adopt_connections(handoff, runner.server, parent_gone, parent_stops, on_adopted)
         port = cfg.port
     else:
         site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
@@ -328,17 +341,19 @@ def _kernels_from_env() -> None:
 def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, ready,  # noqa: ANN001
                   shared_load: str | None = None, shared_prefix_dir: str | None = None,
                   handoff: socket.socket | None = None, columns: dict[str, list[int]] | None = None,
-                  restart: tuple[bool, int] = (False, 0)) -> None:
+                  restart: tuple[bool, int] = (False, 0), placement: str | None = None) -> None:
     """Entry point of router process ``index`` (a spawned interpreter); ``shared_load``: the name
     of the shared in-flight load block (:mod:`balancer.service.processes.shared_load`); ``handoff``: its end
     of the channel its client connections come on (:mod:`balancer.service.handoff`); ``columns``:
     each worker's shared-load columns (a replacement: admin changes may have moved them from the
-    config's order); ``restart``: (whether it replaces a dead process, the load the parent reaped)."""
+    config's order); ``restart``: (whether it replaces a dead process, the load the parent reaped);
+    ``placement``: the name of the connection placement's block
+    (:mod:`balancer.service.processes.placement`), None for round robin."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     _kernels_from_env()
     cfg = ServiceConfig.model_validate_json(cfg_json)
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff, columns, restart))
+        code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff, columns, restart, placement))
     sys.exit(code)
 
 
@@ -349,6 +364,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
     from prometheus_client import multiprocess as prom_multiprocess
 
     from balancer.service.handoff import Acceptor, channel_pair
+    from balancer.service.processes.placement import PlacementBlock, PlacementControl, process_cpu_s
     from balancer.service.processes.shared_load import create_shared_load_block
     from balancer.service.processes.supervise import (CHECK_INTERVAL_S, DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S,
                                             READY_TIMEOUT_S, LoadReaper, RestartPolicy, TrackingCoordinator,
@@ -372,6 +388,9 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
     # columns: the configured workers' DP ranks first, in order; room for admin-added ones
     shm = create_shared_load_block(n_processes, MAX_REPLICAS)
     reaper = LoadReaper(shm, n_processes, MAX_REPLICAS)
+    # connections where the load needs them (the lean front gives connections back; /proc for CPU times)
+    place = (PlacementControl(PlacementBlock(n_processes)) if cfg.connection_placement == "follow_load"
+             and cfg.http_front == "lean" and os.path.exists(f"/proc/{os.getpid()}/stat") else None)
     columns: dict[str, list[int]] = {}
     c = 0
     for w in cfg.workers:
@@ -403,7 +422,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
         mine, theirs = ctx.Pipe(duplex=True)  # ready / error, then admin changes both ways
         ours, child_end = channel_pair()  # the client connections it serves
         p = ctx.Process(target=_process_main, args=(pcfg.model_dump_json(), i, event_loop, log_level, theirs,
-                                                    shm.name, prefix_dir, child_end, cols, restart),
+                                                    shm.name, prefix_dir, child_end, cols, restart,
+                                                    None if place is None else place.block.name),
                         name=f"pdlb-serve-{i}", daemon=False)
         p.start()
         theirs.close()
@@ -446,7 +466,7 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
             if msg[0] != "ready":
                 print(f"error: {msg[1]} (router process {i} of {n_processes})", file=sys.stderr)
                 return 2
-        acceptor = Acceptor(reservation, channels)
+        acceptor = Acceptor(reservation, channels, placement=place)
         print(_ready_line(cfg, port), flush=True)
         admin = TrackingCoordinator(pipes, columns, MAX_REPLICAS, {w.url: w.model_dump() for w in cfg.workers},
                                     alive=lambda i: procs[i].is_alive())
@@ -502,6 +522,9 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
                 acceptor.replace(i, ours)
                 log.warning("router process %d restarted (pid %d)", i, p.pid)
                 print(f"router process {i} restarted (pid {p.pid})", file=sys.stderr, flush=True)
+            if place is not None and code == 0:
+                place.tick(time.monotonic(), [process_cpu_s(p.pid) if i not in due and i not in starting and p.pid
+                                              else None for i, p in enumerate(procs)])
             if code == 0:
                 admin.poll(CHECK_INTERVAL_S)  # admin changes; otherwise sleeps
         return code
@@ -531,6 +554,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = old_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
         reaper.close()
+        if place is not None:
+            place.block.close()
         shm.close()
         shm.unlink()
         shutil.rmtree(prefix_dir, ignore_errors=True)

@@ -13,7 +13,8 @@ A request is served here when all of these hold, else the connection is handed o
 * its head (request line and headers) ends within :data:`MAX_HEAD_BYTES` (aiohttp's header line
   limit: no head aiohttp refuses for length is served here), has at most :data:`MAX_HEADERS`
   headers, and ``httptools`` parses it (a malformed request gets aiohttp's JSON 400 and metric);
-* ``POST`` on a path of ``routes`` exactly (no query string), ``HTTP/1.1``;
+* ``POST`` on a path of ``routes`` exactly (no query string), ``HTTP/1.1``, one ``Host`` header and
+  no other of :data:`_SINGLETONS` given twice;
 * a ``Content-Length`` under ``max_body_bytes`` (below the body-offload threshold, so large
   bodies keep aiohttp's path), no ``Transfer-Encoding``, ``Expect``, ``Content-Encoding`` or
   ``Upgrade``.
@@ -66,6 +67,11 @@ MAX_HEADERS = 100
 """Most header lines served here (aiohttp refuses more than its ``max_headers``, 128)."""
 MAX_PIPELINED_BYTES = 256 * 1024
 """Bytes of pipelined requests buffered while one is served; reading pauses beyond."""
+_SINGLETONS = frozenset({b"host", b"content-type", b"content-location", b"content-range", b"etag", b"max-forwards",
+                         b"server", b"user-agent"})
+"""Header fields a request may carry once (RFC 9110 §5.5; aiohttp 3.14's ``SINGLETON_HEADERS`` less
+``Content-Length`` and ``Transfer-Encoding``, checked on their own): one given twice, or no ``Host``
+(RFC 9112 §3.2), sends the request to aiohttp, which answers 400 (since 3.13.4) as it decides."""
 
 Handler = Callable[["LeanRequest", str], Awaitable[Any]]
 
@@ -259,7 +265,8 @@ class LeanProtocol(asyncio.Protocol):
     """One client connection (see the module docstring).
 
     ``server``: the :class:`~balancer.service.app_server.RouterServer` (connection registry and
-    cap, and :meth:`~balancer.service.app_server.RouterServer.aiohttp_protocol` for hand-overs);
+    cap, :meth:`~balancer.service.app_server.RouterServer.aiohttp_protocol` for hand-overs and
+    :meth:`~balancer.service.app_server.RouterServer.give_back`, asked once per keep-alive answer);
     ``handler(request, endpoint)``: serves a request, returns a :class:`aiohttp.web.Response` or
     the :class:`LeanStream` it wrote; ``routes``: request path bytes -> endpoint name;
     ``max_body_bytes``: bodies at or over this go to aiohttp; ``idle_timeout_s``,
@@ -270,6 +277,8 @@ class LeanProtocol(asyncio.Protocol):
                  idle_timeout_s: float, body_timeout_s: float,
                  body_timeout_answer: Callable[[str, Any], web.Response]) -> None:
         self._server = server
+        #: the server's placement hook (RouterServer.give_back): close after this answer?
+        self._give_back: Callable[[], bool] = server.give_back
         self._handler = handler
         self._routes = routes
         self._max_body = max_body_bytes
@@ -444,6 +453,7 @@ class LeanProtocol(asyncio.Protocol):
         if endpoint is None or len(hdrs) > MAX_HEADERS:
             return False
         length = -1
+        once: set[bytes] = set()
         for name, value in hdrs:
             n = name.lower()
             if n == b"content-length":
@@ -452,7 +462,11 @@ class LeanProtocol(asyncio.Protocol):
                 length = int(value)
             elif n in (b"transfer-encoding", b"expect", b"content-encoding", b"upgrade"):
                 return False
-        if length < 0 or length >= self._max_body:
+            elif n in _SINGLETONS:
+                if n in once:
+                    return False
+                once.add(n)
+        if length < 0 or length >= self._max_body or b"host" not in once:
             return False
         if length == 0 and not self._complete:
             return False
@@ -492,7 +506,7 @@ class LeanProtocol(asyncio.Protocol):
                 return
         else:
             try:
-                keep = keep and resp.keep_alive is not False
+                keep = keep and resp.keep_alive is not False and not self._giving_back()
                 data = response_bytes(resp, keep)
             except Exception:  # not a web.Response with a bytes body, or a header with CR/LF: a bug
                 if _errors_log.log(logging.ERROR, "lean_front_answer", time.monotonic(),
@@ -515,7 +529,15 @@ class LeanProtocol(asyncio.Protocol):
         self._advance()
 
     def open_stream(self, status: int, headers: Any) -> LeanStream:
-        return LeanStream(self, status, headers, self.keep_alive and not self._closing)
+        return LeanStream(self, status, headers, self.keep_alive and not self._closing and not self._giving_back())
+
+    def _giving_back(self) -> bool:
+        """The connection placement wants this connection back: this answer says
+        ``Connection: close`` and the connection closes after it (no later request is taken)."""
+        if not self._buf and self._give_back():  # never with a pipelined request waiting
+            self._closing = True
+            return True
+        return False
 
     def _abort(self) -> None:
         if self.transport is not None:

@@ -150,6 +150,15 @@ class ServiceMetrics:
         self.reachable = Gauge("pdlb_worker_reachable", "0 while requests cannot connect to the worker (since the "
                                "first failed connection until it answers again), else 1", ["worker"], registry=r,
                                multiprocess_mode="livemin")
+        self.processes_active = Gauge("pdlb_router_processes_active",
+                                      "Several processes, connection_placement follow_load: router processes that "
+                                      "take new client connections now (the others give theirs back)", registry=r,
+                                      multiprocess_mode="livemax")
+        self.given_back = Counter("pdlb_connections_given_back",
+                                  "Client connections closed after an answer (Connection: close) so that the client "
+                                  "reconnects where the connection placement puts it, by reason (inactive: this "
+                                  "process takes no new connections; rebalance: new active processes take a share)",
+                                  ["reason"], registry=r)
         self.shared_prefix = Counter("pdlb_shared_prefix_decisions",
                                      "Approximate mode, several processes: routing decisions shared through the "
                                      "processes' rings, by process and kind (written, read, folded, dropped, "
@@ -161,6 +170,8 @@ class ServiceMetrics:
         #: (:class:`balancer.service.processes.shared_prefix.PrefixShare`) and its process number, counted
         #: at each gauge refresh
         self.prefix_share: Any = None
+        #: several processes, follow_load: this process's PlacementView (its gauge is set at render)
+        self.placement: Any = None
         self.process_index = 0
         self._share_seen: dict[str, int] = {}
         self._scrape_registry = r
@@ -243,6 +254,8 @@ class ServiceMetrics:
             self.reachable.clear()
         if self.prefix_share is not None:
             self._count_share(self.prefix_share)
+        if self.placement is not None:
+            self.processes_active.set(self.placement.block.active)
         load = router.load
         shared = load.peer  # sibling processes (shared memory) and, with a broker, the other routers
         if shared is not None:

@@ -135,8 +135,8 @@ class Worker:
     burst_connect_failures: int = 0
     connect_failures: int = 0
     last_unreachable_log_s: float = 0.0
-    #: whether it is known to be reachable or not: set by the first request or health probe that
-    #: got an answer, or the first refused connection (``reachable`` is ``null`` in ``/workers``
+    #: whether it is known to be reachable or not: set by the first request, capability probe or
+    #: health probe that got an answer, or the first refused connection (``reachable`` is ``null`` in ``/workers``
     #: until then)
     reach_known: bool = False
     #: the early health probe a refused connection started (WorkerPool.record_connect_failure)
@@ -326,6 +326,12 @@ class WorkerPool:
         log.info("worker %s answers again after %d failed connections in %.1f s", w.url, w.burst_connect_failures,
                  now_s - since)
         w.burst_connect_failures = 0
+
+    def record_answer(self, w: Worker, now_s: float) -> None:
+        """``w`` gave an HTTP answer to something other than a request or a health probe (its
+        capability probe at registration): a connection opened, so it is known reachable."""
+        w.reach_known = True
+        self._reachable_again(w, now_s)
 
     def record_result(self, w: Worker, ok: bool, now_s: float) -> None:
         """Feed one request outcome on ``w`` into its breaker (and the router, if routability changed)."""

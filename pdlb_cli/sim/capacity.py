@@ -186,7 +186,13 @@ def add_capacity_parser(simsub: argparse._SubParsersAction) -> argparse.Argument
 
 
 def _curve(text: str | None) -> list[float]:
-    if not text:
+    """``--curve``'s rate scales, sorted and distinct; ``None`` (not given): none. An empty value is
+    refused as every empty list option is (``comma_items``): leaving the flag out says "no curve".
+
+    Raises:
+        ValueError: naming ``--curve``: nothing, an empty item, a value that is not a finite number
+            > 0, more than 64 scales."""
+    if text is None:
         return []
     vals = []
     for part in comma_items(text, "positive rate scales like 0.5,1,2", flag="--curve"):

@@ -14,13 +14,18 @@ fp = pytest.importorskip("front_paired")
 
 
 def test_cpu_sets_are_read_as_taskset_writes_them():
-    assert fp._cpus("0") == {0}
-    assert fp._cpus("0-3") == {0, 1, 2, 3}
-    assert fp._cpus("0-1,6,8-9") == {0, 1, 6, 8, 9}
+    def cpus(text: str):  # noqa: ANN202
+        return fp.parse_args([f"{ROOT}::", "--router-cpus", text]).router_cpus
+
+    assert cpus("0") == {0}
+    assert cpus("0-3") == {0, 1, 2, 3}
+    assert cpus("0-1,6,8-9") == {0, 1, 6, 8, 9}
+    assert fp.parse_args([f"{ROOT}::"]).router_cpus is None  # not given: no pinning
 
 
 @pytest.mark.parametrize("argv, message", [
     (["/nonexistent::"], "is not a pdlb checkout"),
+    ([f"{ROOT}::", "--router-cpus", "0,,1"], "--router-cpus: expected CPU numbers"),  # was a traceback (review F8)
     ([f"{ROOT}::", "--rounds", "0"], "must be >= 1"),
     ([f"{ROOT}::", "--duration-s", "nan"], "--duration-s in"),
     ([f"{ROOT}::", "--concurrency", "0"], "must be >= 1"),

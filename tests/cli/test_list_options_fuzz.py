@@ -40,8 +40,11 @@ from pdlb_cli.sim.store_sweep import _parse_class_ttls, _parse_list
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
+import front_paired  # noqa: E402
 import issue26_table  # noqa: E402
+import route_latency  # noqa: E402
 import router_overhead  # noqa: E402
+from balancer.policies import available_policies  # noqa: E402
 
 Outcome = tuple[str, Any]  # ("ok", parsed value) or ("err", the error text)
 
@@ -78,6 +81,34 @@ def _fleet(flag: str, dest: str) -> Callable[[str], Outcome]:
             return "err", err.getvalue()
         return "ok", getattr(args, dest)
     return run
+
+
+def _route_latency(flag: str, dest: str) -> Callable[[str], Outcome]:
+    """bench/route_latency.py's parser and its list options' reading (no measurement starts)."""
+    def run(value: str) -> Outcome:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ap = route_latency.build_parser()
+                args = ap.parse_args([f"{flag}={value}"])
+                route_latency.list_options(ap, args)
+        except SystemExit as e:
+            assert e.code == 2
+            return "err", err.getvalue()
+        return "ok", getattr(args, dest)
+    return run
+
+
+def _front_paired(value: str) -> Outcome:
+    """bench/front_paired.py's parser on this checkout, ``--router-cpus`` (no router starts)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = front_paired.parse_args([f"{ROOT}::", f"--router-cpus={value}"])
+    except SystemExit as e:
+        assert e.code == 2
+        return "err", err.getvalue()
+    return "ok", args.router_cpus
 
 
 def _func(fn: Callable[[str], Any]) -> Callable[[str], Outcome]:
@@ -123,12 +154,22 @@ CASES: dict[str, tuple[Callable[[str], Outcome], str, dict[str, Any], Callable[[
                       {"smg": "smg", "vllm-router": "vllm-router", "sglang-router": "sglang-router"}, list, True),
     "bench --router-cpus": (_fleet("--router-cpus", "router_cpus"), "--router-cpus",
                             {"0": {0}, "2-3": {2, 3}, "8": {8}}, lambda vs: set().union(*vs), True),
+    "front_paired --router-cpus": (_front_paired, "--router-cpus", {"0": {0}, "2-3": {2, 3}, "8": {8}},
+                                   lambda vs: set().union(*vs), True),
+    "route_latency --replicas": (_route_latency("--replicas", "replica_counts"), "--replicas",
+                                 {"8": 8, "64": 64, "512": 512}, list, True),
+    "route_latency --prompts": (_route_latency("--prompts", "prompt_sizes"), "--prompts",
+                                {"1024": 1024, "32768": 32768, "7": 7}, list, True),
+    "route_latency --policies": (_route_latency("--policies", "policy_names"), "--policies",
+                                 {"ep_aware": "ep_aware", "kv_cost": "kv_cost", "scored": "scored"}, list, True),
 }
 
 
-#: an empty value is documented as "not given": no tier weights, no curve, no pinning
-EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "sim capacity --curve": [],
-                    "bench --router-cpus": None}
+#: an empty value is documented as "not given": no tier weights (the defaults), no pinning. Not
+#: ``--curve ''``: a curve of no rate scales is refused like any other empty list (review, session 15:
+#: it was taken as "no curve", which leaving the flag out already says)
+EMPTY_MEANS_NONE = {"sim run --tier-weights": None, "tier weights (library form)": None, "bench --router-cpus": None,
+                    "front_paired --router-cpus": None, "route_latency --policies": available_policies()}  # "" (its default): every policy
 
 
 def _refused(case: str, value: str, *words: str) -> str:
@@ -257,28 +298,32 @@ def test_bench_type_errors_say_what_is_expected(argv: list[str], last_line: str,
     assert e.value.code == 2 and len(lines) == 2 and lines[1].endswith(last_line), lines
 
 
-#: list options still split by hand, each with why: the structural test below fails on any other
+#: every split on "," left in bench/ and pdlb_cli/ outside pdlb_cli.comma_lists, as (file, what is
+#: split), each with why: the structural test below fails on any other
 HAND_SPLIT = {
-    # PDLB_ROUTE_LATENCY_TREE puts another checkout (maybe one without pdlb_cli.comma_lists) first on
-    # sys.path; its lists are decide's to move (reported)
-    ("bench/route_latency.py", "replicas"), ("bench/route_latency.py", "prompts"),
-    ("bench/route_latency.py", "policies"),
     # GPU-host scripts that import nothing of pdlb (they run where only torch is installed)
-    ("bench/gpu_engine_run.py", "rates"), ("bench/gpu_engine_run.py", "models"), ("bench/gpu_kinds.py", "kinds"),
+    ("bench/gpu_engine_run.py", "a.rates"), ("bench/gpu_engine_run.py", "a.models"),
+    ("bench/gpu_engine_run.py", "s"), ("bench/gpu_kinds.py", "args.kinds"),
+    # --ablate's ';'-separated groups: every item must be a known switch, so an empty one is refused
+    ("bench/proxy_floor.py", "w"),
+    # policy_list: refuses empty items itself (a k=v part continues the policy before it, so
+    # comma_items cannot split it); _abs: the file paths of a value already parsed
+    ("pdlb_cli/args.py", "text"), ("pdlb_cli/args.py", "value"),
+    ("pdlb_cli/comma_lists.py", "text"),  # the parser itself
 }
 
 
 def test_no_list_option_is_split_by_hand() -> None:
-    # the class, by structure: an option's value (args.X / a.X) split on "," anywhere in bench/ or
-    # pdlb_cli/ other than through pdlb_cli.comma_lists would bring back 1,,2 read as 1,2
+    # the class, by structure: a value split on "," anywhere in bench/ or pdlb_cli/ other than
+    # through pdlb_cli.comma_lists would bring back 1,,2 read as 1,2 (or a traceback). Any split, not
+    # only args.X's: bench/front_paired.py's --router-cpus went through a helper's text.split(",")
+    # (review F8, session 15)
     import ast
 
     found = set()
     for path in sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("pdlb_cli/**/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "split"
-                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == ","
-                    and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
-                    and node.func.value.value.id in ("args", "a")):
-                found.add((path.relative_to(ROOT).as_posix(), node.func.value.attr))
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == ","):
+                found.add((path.relative_to(ROOT).as_posix(), ast.unparse(node.func.value)))
     assert found == HAND_SPLIT, sorted(found ^ HAND_SPLIT)

@@ -136,6 +136,32 @@ def test_serve_config_errors_are_one_line(argv, message, capsys):
     assert _fails(["serve", "--port", "0", *argv], capsys) == f"error: {message}\n"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--max-process-restarts", "-1"],
+     "--max-process-restarts: expected an integer >= 0 (0: a dead router process is not restarted), got -1"),
+    (["--restart-window-s", "0"], "--restart-window-s: expected a number of seconds > 0, got 0"),
+    (["--restart-window-s", "-5"], "--restart-window-s: expected a number of seconds > 0, got -5"),
+    (["--restart-window-s", "nan"], "--restart-window-s: expected a number of seconds > 0, got nan"),
+])
+def test_restart_flags_are_refused_before_start_whatever_the_process_count(argv, message, monkeypatch, capsys):
+    # review F3: were refused only with several processes, in the supervisor's words ("max_restarts
+    # must be >= 0"), and taken silently by one process (the default with a worker on this host)
+    import pdlb_cli.serve as serve_cli
+
+    monkeypatch.setattr(serve_cli, "serve", lambda *a, **k: pytest.fail("pdlb serve started"))
+    for processes in ("1", "2"):
+        assert _fails(["serve", "--port", "0", "--processes", processes, *argv], capsys) == f"error: {message}\n"
+
+
+def test_restart_flags_at_their_bounds_are_taken(monkeypatch):
+    import pdlb_cli.serve as serve_cli
+
+    seen = {}
+    monkeypatch.setattr(serve_cli, "serve", lambda cfg, **kw: seen.update(kw) or 0)
+    assert main(["serve", "--port", "0", "--max-process-restarts", "0", "--restart-window-s", "inf"]) == 0
+    assert (seen["max_process_restarts"], seen["restart_window_s"]) == (0, float("inf"))
+
+
 def test_serve_config_file_errors_name_the_file_and_suggest_fields(tmp_path, capsys):
     f = tmp_path / "pdlb.yaml"
     f.write_text("port: 99999\nworkerz: []\nretry: {max_retry: 2}\n")

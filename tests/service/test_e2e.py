@@ -273,7 +273,9 @@ async def test_two_router_processes_serve_all_and_return_to_zero():
     procs = [*engines, spare]
     n = 200
     try:
-        router = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2", "--decode-policy", "round_robin")
+        # connections to each process in turn (this light load would all go to one with follow_load)
+        router = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2", "--decode-policy", "round_robin",
+                              "--connection-placement", "round_robin")
         procs.append(router)
         conn = aiohttp.TCPConnector(limit=0, force_close=True)  # a new connection per request: both processes get work
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:

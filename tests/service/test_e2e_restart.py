@@ -17,6 +17,10 @@ import pytest
 
 from sim.emulator.testing import Proc, spawn_engines, spawn_router
 
+RR = ("--connection-placement", "round_robin")
+"""Every router here hands connections to its processes in turn: the tests reach each process with a
+light load (the default placement, follow_load, would keep such a load on one)."""
+
 FAST = ("--speed", "20")
 # one second of decode per long request at speed 1 (the emulator's default model): in flight long
 # enough to kill a router process while it holds them
@@ -27,7 +31,8 @@ pytestmark = pytest.mark.slow
 
 async def _health_by_index(s: aiohttp.ClientSession, router: Proc, n: int, require: bool = True) -> dict[int, dict]:
     """``GET /health`` on fresh connections until each of the ``n`` processes answered; by index.
-    The parent hands connections to the processes in turn, so ``n`` live ones answer in ``n``."""
+    The parent hands connections to the processes in turn (every router here runs
+    ``--connection-placement round_robin``), so ``n`` live ones answer in ``n``."""
     seen: dict[int, dict] = {}
     for _ in range(50):
         try:
@@ -75,7 +80,7 @@ async def test_killed_router_process_is_restarted_under_traffic():
     try:
         # cache_aware reads the prefix index, so the processes share their decisions through the
         # rings (a mixed pool whose policy reads neither index nor load runs no rings at all)
-        router = spawn_router("none", [], [], "--processes", "2", "--decode-policy", "cache_aware", mixed=engines)
+        router = spawn_router("none", [], [], "--processes", "2", *RR, "--decode-policy", "cache_aware", mixed=engines)
         procs.append(router)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             before = await _health_by_index(s, router, 2)
@@ -143,7 +148,7 @@ async def test_crash_loop_stops_serve_with_status_1():
     engines = spawn_engines([("mixed", *FAST)])
     procs = list(engines)
     try:
-        router = spawn_router("none", [], [], "--processes", "2", "--max-process-restarts", "1",
+        router = spawn_router("none", [], [], "--processes", "2", *RR, "--max-process-restarts", "1",
                               "--restart-window-s", "120", mixed=engines)
         procs.append(router)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -177,7 +182,7 @@ async def test_sigterm_of_the_parent_alone_stops_quietly_and_cleans_up():
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     before = set(os.listdir(shm)) if shm else set()
     try:
-        router = spawn_router("none", [], [], "--processes", "2", mixed=engines)
+        router = spawn_router("none", [], [], "--processes", "2", *RR, mixed=engines)
         procs.append(router)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
             await _health_by_index(s, router, 2)
@@ -208,7 +213,7 @@ async def test_worker_gauges_are_exact_right_after_a_request_ends():
     engines = spawn_engines([("mixed", "--speed", "1")])
     procs = list(engines)
     try:
-        router = spawn_router("none", [], [], "--processes", "2", mixed=engines)
+        router = spawn_router("none", [], [], "--processes", "2", *RR, mixed=engines)
         procs.append(router)
         pattern = r'pdlb_worker_in_flight_requests\{dp_rank="0",role="mixed",worker="%s"\}' % re.escape(engines[0].url)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -249,7 +254,7 @@ async def test_killed_router_process_0_restarts_the_kv_subscriber_and_keeps_both
     procs = list(engines)
     try:
         specs = [f"{e.url},events={p.endpoint},replay={p.replay_endpoint}" for e, p in zip(engines[:2], pubs)]
-        router = spawn_router("none", [], [], "--processes", "2", "--index-mode", "events", "--block-size", "16",
+        router = spawn_router("none", [], [], "--processes", "2", *RR, "--index-mode", "events", "--block-size", "16",
                               "--decode-policy", "cache_aware", "--mixed", *specs)
         procs.append(router)
         rng = random.Random(7)
@@ -318,7 +323,7 @@ async def test_a_second_death_is_handled_while_a_replacement_starts():
     engines = spawn_engines([("mixed", *FAST)])
     procs = list(engines)
     try:
-        router = spawn_router("none", [], [], "--processes", "2", mixed=engines)
+        router = spawn_router("none", [], [], "--processes", "2", *RR, mixed=engines)
         procs.append(router)
         lines: list[tuple[float, str]] = []
         assert router.popen.stdout is not None

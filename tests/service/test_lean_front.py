@@ -218,6 +218,13 @@ CASES = {
     "gzip body": [post(extra="Content-Encoding: gzip\r\n")],
     "expect continue": [post(extra="Expect: 100-continue\r\n")],
     "expect other": [post(extra="Expect: teapot\r\n")],
+    # the Host header (RFC 9112 §3.2: a 400 for an HTTP/1.1 request without one or with two) and
+    # the other singleton fields (RFC 9110 §5.5; aiohttp >= 3.13.4 refuses them given twice)
+    "no Host": [GOOD.replace(b"Host: x\r\n", b"")],
+    "two Hosts": [post(extra="Host: y\r\n")],
+    "two Hosts, two spellings": [post(extra="HOST: y\r\n")],
+    "two Content-Types": [post(extra="Content-Type: text/plain\r\n")],
+    "two User-Agents": [post(extra="User-Agent: a\r\nUser-Agent: b\r\n")],
     # pipelined
     "pipelined three": [GOOD * 3],
     "pipelined then bad": [GOOD + b"GARBAGE\r\n\r\n"],
@@ -264,6 +271,11 @@ async def test_fault_matrix_statuses_by_hand():
         assert (await statuses([post(b"x" * 5000)]))[0] == [413]
         assert (await statuses([CASES["bad chunked"][0]]))[0] == [400]
         assert (await statuses([CASES["long header"][0]]))[0][0] in (400, 431)
+        # RFC 9112 §3.2: "A server MUST respond with a 400 (Bad Request) status code to any HTTP/1.1
+        # request message that lacks a Host header field and to any request message that contains
+        # more than one Host header field line"
+        assert await statuses([CASES["no Host"][0]]) == ([400], True)
+        assert await statuses([CASES["two Hosts"][0]]) == ([400], True)
 
 
 async def test_slowloris_is_closed_after_the_idle_timeout():
@@ -390,6 +402,8 @@ async def test_a_stream_waits_while_the_client_reads_slowly():
         def connection_made(self, *a): pass  # noqa: E704, ANN002
 
         def connection_lost(self, *a): pass  # noqa: E704, ANN002
+
+        def give_back(self) -> bool: return False  # noqa: E704
 
     proto = LeanProtocol(_Server(), None, {}, max_body_bytes=10, idle_timeout_s=5, body_timeout_s=5,  # type: ignore
                          body_timeout_answer=None)  # type: ignore[arg-type]

@@ -117,7 +117,9 @@ def test_large_bodies_are_parsed_off_the_loop_in_every_router_process():
 
     engines = [spawn_fake_engine(), spawn_fake_engine()]
     try:
-        r = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2")
+        # round_robin: the 6 requests (a connection each) to both processes in turn (follow_load would
+        # keep this light load on one)
+        r = spawn_router("sglang", engines[:1], engines[1:], "--processes", "2", "--connection-placement", "round_robin")
         try:
             body = json.dumps({"prompt": "big " * 100_000, "max_tokens": 2}).encode()
             assert [http_request(r.url, "POST", "/v1/completions", body)[0] for _ in range(6)] == [200] * 6

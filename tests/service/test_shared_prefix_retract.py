@@ -136,7 +136,8 @@ def _metric(text: str, name: str, labels: str) -> float:
 def test_a_refused_prompt_is_cached_in_no_process_of_pdlb_serve():
     """The review's run: SGLang PD, a decode engine answering 400 to everything, ``pdlb serve
     --processes 2``, the same 699-token prompt 8 times (all 400), spread over both processes (the
-    parent hands connections out in turn: one connection per request). Before: the decode pool's
+    parent hands connections out in turn, ``--connection-placement round_robin``: one connection per
+    request). Before: the decode pool's
     prefix match ratio summed to 6.41 over the 8 decisions (the other process's copy matched
     640/699 tokens); now every decision matches nothing (sum 0.0), as with one process."""
     from sim.emulator.testing import spawn_engines, _spawn
@@ -147,6 +148,7 @@ def test_a_refused_prompt_is_cached_in_no_process_of_pdlb_serve():
     router = None
     try:
         router = _spawn(["serve", "--port", "0", "--pd-protocol", "sglang", "--processes", "2",
+                         "--connection-placement", "round_robin",  # both processes route (a light load)
                          "--prefill", f"{pre.url},bootstrap={pre.port}", "--decode", dec.url,
                          "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware",
                          "--max-retries", "0"], timeout_s=120)

@@ -4,8 +4,8 @@
   most one per ``EARLY_PROBE_MIN_GAP_S``); if that fails too the worker is unhealthy and not
   routable at once, instead of after ``health_check.failure_threshold`` rounds ``interval_s``
   (60 s) apart while every request routed there pays a connect retry.
-* ``reachable`` is ``null`` in ``/workers`` until a request or probe got an answer or a connection
-  was refused (``POST /workers`` used to answer ``reachable: true`` before anything was tried).
+* ``reachable`` is ``null`` in ``/workers`` until a request or probe (health or capabilities) got an
+  answer or a connection was refused (``POST /workers`` used to answer ``reachable: true`` before anything was tried).
 
 Expected values follow from the rules above by hand (counts of probes started, states).
 """
@@ -125,3 +125,23 @@ async def test_a_dead_worker_is_unhealthy_about_a_second_after_its_first_refused
             assert (await added.json())["reachable"] is None  # not probed yet: unknown, not true
     finally:
         await server.close()
+
+
+async def test_a_worker_that_answered_the_capability_probe_is_reachable_before_any_request():
+    # review F2 (session 15): the registration's capability probe got an HTTP answer (so a connection
+    # opened), yet /workers said reachable: null until a request or the first health round (60 s)
+    from sim.emulator.testing import inprocess_cluster
+
+    async with inprocess_cluster("none", num_decode=1,
+                                 router={"health_check": {"enabled": True, "interval_s": 60.0}}) as cluster:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            while True:
+                w = (await (await s.get(f"{cluster.url}/workers")).json())["workers"][0]
+                if w["capabilities"]["probed"] or time.monotonic() - t0 > 10.0:
+                    break
+                await asyncio.sleep(0.02)
+            assert w["capabilities"]["probed"] is True and w["capabilities"]["served_models"] == ["pdlb-emulated"]
+            assert w["reachable"] is True and w["connect_failures"] == 0, w
+            metrics = await (await s.get(f"{cluster.url}/metrics")).text()
+            assert f'pdlb_worker_reachable{{worker="{w["url"]}"}} 1.0' in metrics
