@@ -14,6 +14,16 @@ lane are warm-up; the measured window opens when the last lane finishes its warm
 ``duration_s``; requests sent in it by lanes past their warm-up are measured; no request is sent
 after it; those not finished ``drain_s`` after its end are cancelled (counted, not recorded).
 
+Subagents at once (``AgenticWorkloadConfig.subagent_at_once``): a lane replays trajectory trees
+(:func:`sim.workload.agentic.lane_plans`). After a parent turn that spawns, each sibling is a stream
+of its own (think time, then its turns one by one, each after the previous one's last token and a
+think time), all at once; the parent's next turn waits for the joined siblings' last turns (then a
+think time); background siblings run beside the parent, and the lane starts its next trajectory
+only when the whole tree has drained. So a lane may have several requests in flight (aiperf: "the
+instantaneous in-flight request count can exceed N during fan-out bursts"). Warm-up: a lane's
+first ``warmup_requests`` sends are warm-up, and its warm-up ends when as many of its requests
+have finished.
+
 Block hashes: a turn's prompt repeats the previous turn's prompt (whole blocks only; the previous
 reply in it is the trace's recorded reply, not the generated tokens, so the shared prefix ends
 where the previous prompt ended: ``Turn.server_reusable_tokens``); every other block is new and
@@ -22,6 +32,7 @@ unique to the lane.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -43,8 +54,8 @@ from sim.run.records import RequestRecords
 from sim.run.router_config import RankCacheBlocks, router_config_for
 from sim.run.router_config import router_factory as make_router_factory
 from sim.scenario import PoolConfig, Scenario
-from sim.workload.agentic import (AgenticWorkloadConfig, lane_turns, quantile_mean, sample_quantiles,
-                                  warmup_requests)
+from sim.workload.agentic import (AgenticWorkloadConfig, Subagent, TrajectoryPlan, Turn, lane_plans, lane_turns,
+                                  quantile_mean, sample_quantiles, warmup_requests)
 
 __all__ = ["ClosedLoopResult", "simulate_closed_loop", "DEFAULT_MAX_REQUESTS"]
 
@@ -171,7 +182,10 @@ def simulate_closed_loop(
                    if scenario.disaggregated else None)
     max_len = scenario.effective_max_model_len
 
-    lanes = [lane_turns(wl, j) for j in range(wl.lanes)]
+    at_once = wl.subagent_at_once
+    # one after another, a parent and all siblings of a spawn interleave in the lane: remember them all
+    max_sessions = max(MAX_SESSIONS_PER_LANE, 1 + len(wl.subagent_fanout_weights or ()))
+    lanes = [lane_turns(wl, j) for j in range(wl.lanes)] if not at_once else []
     sent = [0] * wl.lanes
     # per lane, the block hashes of its most recent sessions' last prompts (a parent and the subagent
     # it waits on interleave; at most MAX_SESSIONS_PER_LANE are kept, oldest dropped first)
@@ -200,7 +214,7 @@ def simulate_closed_loop(
         keep = min(turn.server_reusable_tokens // bs, len(old))
         hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
         known[turn.session] = hashes
-        if len(known) > MAX_SESSIONS_PER_LANE:
+        if len(known) > max_sessions:
             del known[next(iter(known))]
         # aiperf's primer: the whole prefix at t* with max_tokens=1 (a prefill that never decodes)
         out = 1 if wl.warmup_primer and sent[lane] == 1 else turn.output_tokens
@@ -231,6 +245,109 @@ def simulate_closed_loop(
         else:
             submit()
 
+    # --- subagents at once: trajectory trees, one stream per parent and per subagent ---
+    plans = [lane_plans(wl, j) for j in range(wl.lanes)] if at_once else []
+    done_count = [0] * wl.lanes
+    tree: list[dict] = [{} for _ in range(wl.lanes)]  # per lane: plan, parent index, joined / background left
+
+    def dispatch(lane: int, turn: Turn, last: bool, on_done: Callable[[float], None]) -> None:
+        """Send ``turn`` for ``lane`` now (as ``send`` does); ``on_done(now)`` when it finishes or is
+        refused; ``last``: the session's last turn (its remembered blocks are dropped)."""
+        now = env.now
+        sent[lane] += 1
+        n_blocks = -(-turn.input_tokens // bs)
+        known = prev[lane]
+        old = known.pop(turn.session, ())
+        keep = min(turn.server_reusable_tokens // bs, len(old))
+        hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
+        if not last:
+            known[turn.session] = hashes
+        out = 1 if wl.warmup_primer and sent[lane] == 1 else turn.output_tokens
+        if wl.warmup_max_output_tokens is not None and sent[lane] <= n_warm:
+            out = min(out, wl.warmup_max_output_tokens)
+        is_measured = sent[lane] > n_warm and now >= state["start"]
+
+        def submit(_ev: object = None) -> None:
+            at = env.now
+            req = Request(f"{turn.session}-t{turn.turn}-{sent[lane]}", float(at), turn.input_tokens, hashes,
+                          max_output_tokens=out, expected_output_tokens=out,
+                          session_id=turn.session, traffic_class="agent")
+            ok, _ = admit([req], max_len, decode_cap, prefill_cap)
+            if not ok:  # refused at arrival, as an engine would: the stream moves on after its think time
+                state["rejected"] += 1
+                tree_done(lane, at, on_done)
+                return
+            i = cluster.submit(req)
+            lane_of.append(lane)
+            done_of.append(on_done)
+            sessions.append(turn.session)
+            measured.append(is_measured)
+            sent_at.append(now)
+            assert len(lane_of) == i + 1
+
+        delay = frontend_s_per_token * turn.input_tokens
+        if delay > 0:
+            env.timeout(delay).callbacks.append(submit)
+        else:
+            submit()
+
+    def tree_done(lane: int, now: float, on_done: Callable[[float], None]) -> None:
+        done_count[lane] += 1
+        if state["warm_left"] and done_count[lane] == n_warm:
+            state["warm_left"] -= 1
+            if state["warm_left"] == 0:
+                state["start"] = now
+        on_done(now)
+
+    def later(lane: int, fn: Callable[[], None]) -> None:
+        """``fn()`` after one think time of ``lane``, unless the measured window is over by then."""
+        def go(_ev: object) -> None:
+            if env.now < end_s():
+                fn()
+        env.timeout(think_s(lane)).callbacks.append(go)
+
+    def start_tree(lane: int) -> None:
+        plan: TrajectoryPlan = next(plans[lane])
+        tree[lane] = {"plan": plan, "i": 0, "joined": 0, "background": 0}
+        send_parent(lane)
+
+    def send_parent(lane: int) -> None:
+        st = tree[lane]
+        turns = st["plan"].turns
+        dispatch(lane, turns[st["i"]], st["i"] == len(turns) - 1, lambda now: parent_done(lane))
+
+    def parent_done(lane: int) -> None:
+        st = tree[lane]
+        for sub in st["plan"].spawns[st["i"]]:
+            st["joined" if sub.joined else "background"] += 1
+            later(lane, functools.partial(send_sub, lane, sub, 0))
+        st["i"] += 1
+        if st["i"] < len(st["plan"].turns):
+            if st["joined"] == 0:
+                later(lane, lambda: send_parent(lane))
+        elif st["background"] == 0:
+            later(lane, lambda: start_tree(lane))
+
+    def send_sub(lane: int, sub: Subagent, k: int) -> None:
+        dispatch(lane, sub.turns[k], k == len(sub.turns) - 1, lambda now: sub_done(lane, sub, k))
+
+    def sub_done(lane: int, sub: Subagent, k: int) -> None:
+        if k + 1 < len(sub.turns):
+            later(lane, lambda: send_sub(lane, sub, k + 1))
+            return
+        st = tree[lane]
+        n_parent = len(st["plan"].turns)
+        if sub.joined:
+            st["joined"] -= 1
+            if st["joined"] == 0 and st["i"] < n_parent:
+                later(lane, lambda: send_parent(lane))
+        else:
+            st["background"] -= 1
+        if st["i"] >= n_parent and st["joined"] == 0 and st["background"] == 0:
+            later(lane, lambda: start_tree(lane))
+
+    done_of: list[Callable[[float], None]] = []
+
     think_rngs = ([np.random.default_rng(np.random.SeedSequence([wl.seed, 11, j])) for j in range(wl.lanes)]
                   if wl.think_sigma > 0 or wl.think_quantiles_s is not None else None)
     q_scale = wl.think_s / quantile_mean(wl.think_quantiles_s) if wl.think_quantiles_s is not None else 0.0
@@ -253,15 +370,20 @@ def simulate_closed_loop(
         ev = env.timeout(think_s(lane))
         ev.callbacks.append(lambda _ev, lane=lane: send(lane))
 
-    cluster.on_request_finished = lambda i, now: finished_lane(lane_of[i], now)
+    if at_once:
+        cluster.on_request_finished = lambda i, now: tree_done(lane_of[i], now, done_of[i])
+        first = start_tree
+    else:
+        cluster.on_request_finished = lambda i, now: finished_lane(lane_of[i], now)
+        first = send
     if wl.primer_lead_quantiles_s is not None:  # aiperf's spread: lane j at max(lead) - lead_j
         u = np.random.default_rng(np.random.SeedSequence([wl.seed, 13])).random(wl.lanes)
         leads = [sample_quantiles(wl.primer_lead_quantiles_s, float(x)) for x in u]
         for j in range(wl.lanes):
-            env.timeout(max(leads) - leads[j]).callbacks.append(lambda _ev, j=j: send(j))
+            env.timeout(max(leads) - leads[j]).callbacks.append(lambda _ev, j=j: first(j))
     else:
         for j in range(wl.lanes):
-            send(j)
+            first(j)
     while math.isinf(state["start"]):
         if env.now > MAX_WARMUP_S:
             raise RuntimeError(f"the warm-up did not end within {MAX_WARMUP_S:g} simulated seconds")

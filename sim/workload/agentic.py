@@ -43,7 +43,8 @@ Held out (checked, not fitted): the input p75/p90/p95 (fit: 145k / 276k / 420k a
 published 145k / 270k / 500k), the output p90/p95 (2,236 / 3,552 from the lognormal against
 2,221 / 3,651).
 Assumed (not published): the lognormal shapes and their sigmas, a constant think time, no
-subagent fan-out (aiperf may run a trajectory's subagents concurrently; counted as one lane here).
+subagent fan-out in the defaults (aiperf runs a trajectory's subagents concurrently: the subagent
+tree below is the option that does).
 The public Weka corpus of Claude Code traces (``sim/data/measured/weka_trace_shapes.json``, not
 the point's corpus) checks two of them: its per-turn new tokens have median 272 and log-sigma
 1.8 (the generator: 260, sqrt(1.2^2 + 1.5^2) = 1.92); its inter-turn gaps are far from constant
@@ -65,6 +66,17 @@ The facts it can be set from: 42% of the 062126 corpus' requests are in subagent
 AgentX FAQ: about 99k requests, 57k top-level turns); in AgentX 440845's replay of the same corpus
 5.2% of the measured requests reuse nothing, with a mean prompt of 30,741 tokens
 (``sim/data/measured/agentx_440845_request_strata.json``). docs/validate.md measures it.
+
+Subagent trees (``subagent_fanout_weights``, ``subagent_background_probability``,
+``subagent_at_once``, off by default; :func:`lane_plans`): a spawn launches several siblings
+together, each joined (the parent's next turn waits for it) or in the background (the lane holds
+its slot until it drains), and with ``subagent_at_once`` the closed loop runs the siblings at once
+inside the lane's slot, as aiperf's AgentX replay does (SemiAnalysisAI/aiperf's AgentX FAQ §5-6,
+``weka_trace.py``: siblings "dispatched concurrently", SPAWN_JOIN at the first later parent turn at
+or after the subagent's recorded end). The shapes of the public Weka corpus' 63 subagents
+(:func:`weka_subagent_shapes`, ``bench/weka_subagent_shapes.py``): spawns of 1 / 2 / 3 siblings
+21 / 9 / 8 times, 60 joined and 3 background, about 11 turns of 2,259 new tokens (median) from a
+10,335-token first prompt. ``subagent_new_tokens_median`` gives subagents their own per-turn law.
 """
 
 from __future__ import annotations
@@ -79,12 +91,15 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["AgenticWorkloadConfig", "Turn", "lane_turns", "measured_turns", "replay_stats", "fit_to_published", "warmup_requests",
+__all__ = ["AgenticWorkloadConfig", "Turn", "Subagent", "TrajectoryPlan", "lane_turns", "lane_plans",
+           "uses_subagent_tree", "weka_subagent_shapes", "measured_turns", "replay_stats", "fit_to_published", "warmup_requests",
            "weka_think_quantiles", "weka_primer_lead_quantiles", "weka_prefix_cut_kept_quantiles",
            "weka_prefix_cut_probability", "quantile_mean", "sample_quantiles", "AIPERF_HASH_BLOCK_TOKENS"]
 
 #: bound on the turns of one trajectory (every input-driven loop is bounded)
 MAX_TURNS_PER_TRAJECTORY = 10_000
+#: bound on the siblings of one spawn (``AgenticWorkloadConfig.subagent_fanout_weights``)
+MAX_FANOUT = 64
 #: the block size of the Weka traces' hash ids, tokens: aiperf's theoretical prefix-cache hit counts
 #: whole blocks of this size (SemiAnalysisAI/aiperf ``metrics/theoretical_prefix_cache.py``)
 AIPERF_HASH_BLOCK_TOKENS = 64
@@ -153,12 +168,30 @@ class AgenticWorkloadConfig(BaseModel):
     #: ``LogNormal(subagent_context_median_tokens, subagent_context_sigma)``, cold, then
     #: ``1 + round(LogNormal(subagent_turns_median, subagent_turns_sigma))`` turns whose new tokens,
     #: outputs and think times follow the parent's laws; its own session id. 0 = none (the default).
-    #: Background subagents that run beside the parent are not modelled (each runs in the lane)
+    #: Siblings, background subagents and subagents at once: the tree fields below (:func:`lane_plans`)
     subagent_spawn_probability: float = Field(0.0, ge=0, le=1)
     subagent_turns_median: float = Field(7.3, gt=0)
     subagent_turns_sigma: float = Field(0.8, ge=0, le=5)
     subagent_context_median_tokens: float = Field(22_300.0, gt=0)
     subagent_context_sigma: float = Field(0.8, ge=0, le=5)
+    #: siblings per spawn: weights of 1, 2, 3, ... subagents launched together after a parent turn
+    #: (normalized; at most 64 entries). None: one subagent per spawn. The public Weka corpus'
+    #: spawns (:func:`weka_subagent_shapes`): 21 of 38 launch one, 9 two, 8 three
+    subagent_fanout_weights: tuple[float, ...] | None = None
+    #: per subagent, the probability that it runs in the background: the parent's next turn does
+    #: not wait for it, but the lane holds its slot until it has drained (aiperf: a subagent with no
+    #: later parent turn at or after its recorded end). 0: every subagent is joined
+    subagent_background_probability: float = Field(0.0, ge=0, le=1)
+    #: run a spawn's siblings at once, each its own stream of turns inside the lane's slot, and
+    #: background subagents beside their parent (aiperf's AgentX replay: "subagents that overlapped
+    #: in time are dispatched concurrently"; a lane holds its slot until the whole tree drains).
+    #: False: the lane sends the siblings' turns one after another before the parent's next turn
+    subagent_at_once: bool = False
+    #: new tokens per subagent turn, lognormal (median, log-sigma), with no per-trajectory scale
+    #: (the public Weka corpus' subagents: median 2,259, log-sigma 1.55, 8x the parents' 272: file
+    #: reads and searches). None: the parent's laws (``new_tokens_*``)
+    subagent_new_tokens_median: float | None = Field(None, gt=0)
+    subagent_new_tokens_sigma: float = Field(1.55, ge=0, le=5)
     #: prefix cuts: with this probability a turn after its trajectory's first keeps only part of
     #: the previous prompt as its prefix (Claude Code rewrites context: a compaction, an edited
     #: earlier message, a moved system reminder); the rest of the prompt is new to the server and
@@ -178,6 +211,9 @@ class AgenticWorkloadConfig(BaseModel):
             if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
                                   or q[0] < 0 or not sum(q) > 0 or q[-1] > 86_400):
                 raise ValueError(f"{name}: 2..10001 non-decreasing quantiles in [0, 86400] s with a positive mean")
+        w = self.subagent_fanout_weights
+        if w is not None and (not 1 <= len(w) <= MAX_FANOUT or any(x < 0 for x in w) or not sum(w) > 0):
+            raise ValueError(f"subagent_fanout_weights: 1..{MAX_FANOUT} non-negative weights with a positive sum")
         q = self.prefix_cut_kept_quantiles
         if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
                               or q[0] < 0 or q[-1] > 1):
@@ -204,6 +240,8 @@ class Turn:
     #: the server generated (aiperf replays recorded trajectories with ``ignore_eos``), so a server
     #: can reuse only up to the previous prompt's end
     server_reusable_tokens: int = 0
+    #: a subagent's turn (its own session, fresh context), not a turn of the lane's root trajectory
+    subagent: bool = False
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
@@ -220,6 +258,9 @@ def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig, *, subagent:
                                  else (c.turns_median, c.turns_sigma))
     turns = min(MAX_TURNS_PER_TRAJECTORY, 1 + int(round(_lognormal(rng, turns_median, turns_sigma))))
     scale = _lognormal(rng, 1.0, c.new_tokens_trajectory_sigma)
+    new_median, new_sigma = c.new_tokens_median, c.new_tokens_sigma
+    if subagent and c.subagent_new_tokens_median is not None:  # the subagent's own law, no trajectory scale
+        scale, new_median, new_sigma = 1.0, c.subagent_new_tokens_median, c.subagent_new_tokens_sigma
     ctx_median, ctx_sigma = ((c.subagent_context_median_tokens, c.subagent_context_sigma) if subagent
                              else (c.initial_context_median_tokens, c.initial_context_sigma))
     ctx = max(1, int(_lognormal(rng, ctx_median, ctx_sigma)))
@@ -238,7 +279,7 @@ def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig, *, subagent:
         contexts.append(ctx)
         outputs.append(out)
         kept.append(cut)
-        ctx = ctx + out + max(1, int(round(scale * _lognormal(rng, c.new_tokens_median, c.new_tokens_sigma))))
+        ctx = ctx + out + max(1, int(round(scale * _lognormal(rng, new_median, new_sigma))))
     if not contexts:  # the first prompt alone fills the context: one short turn
         contexts.append(c.max_context_tokens - 1)
         outputs.append(1)
@@ -247,7 +288,7 @@ def _trajectory(rng: np.random.Generator, c: AgenticWorkloadConfig, *, subagent:
 
 
 def _replay(session: str, contexts: list[int], outputs: list[int], start: int,
-            kept: list[int | None] | None = None) -> Iterator[Turn]:
+            kept: list[int | None] | None = None, subagent: bool = False) -> Iterator[Turn]:
     for t in range(start, len(contexts)):
         if t == start:
             reusable = server = 0
@@ -255,7 +296,7 @@ def _replay(session: str, contexts: list[int], outputs: list[int], start: int,
             reusable = server = kept[t]
         else:
             reusable, server = contexts[t - 1] + outputs[t - 1], contexts[t - 1]
-        yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, server)
+        yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, server, subagent)
 
 
 def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
@@ -263,6 +304,13 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
     end of the run). Deterministic: lane ``j`` draws from ``SeedSequence([seed, 7, j])``."""
     if not 0 <= lane < config.lanes:
         raise ValueError(f"lane {lane} outside [0, {config.lanes})")
+    if uses_subagent_tree(config):  # the tree, flattened: each spawn's siblings one after another
+        for plan in lane_plans(config, lane):
+            for turn, group in zip(plan.turns, plan.spawns):
+                yield turn
+                for sub in group:
+                    yield from sub.turns
+        return
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, lane]))
     k = 0
     while True:
@@ -279,7 +327,72 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
                 yield turn
                 if t < len(contexts) - 1 and rng.uniform() < config.subagent_spawn_probability:
                     sub_ctx, sub_out, sub_kept = _trajectory(rng, config, subagent=True)
-                    yield from _replay(f"{session}-sub{t}", sub_ctx, sub_out, 0, sub_kept)
+                    yield from _replay(f"{session}-sub{t}", sub_ctx, sub_out, 0, sub_kept, True)
+        k += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Subagent:
+    """One subagent of a spawn: its turns (its own session, a fresh context: the first turn is
+    cold) and whether the parent's next turn waits for it (``joined``; else it runs in the
+    background and the lane holds its slot until it has drained)."""
+
+    turns: tuple[Turn, ...]
+    joined: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryPlan:
+    """One root trajectory of a lane as a tree: ``turns`` = the parent's replayed turns;
+    ``spawns[i]`` = the subagents launched together after ``turns[i]`` (siblings; empty for most
+    turns, always empty after the last)."""
+
+    turns: tuple[Turn, ...]
+    spawns: tuple[tuple[Subagent, ...], ...]
+
+
+def uses_subagent_tree(config: AgenticWorkloadConfig) -> bool:
+    """Whether ``config`` draws its lanes as trajectory trees (:func:`lane_plans`): any of sibling
+    fan-out, background subagents or siblings at once is set. Otherwise :func:`lane_turns` keeps
+    its sequential stream (bit-identical to the releases before trees existed)."""
+    return (config.subagent_fanout_weights is not None or config.subagent_background_probability > 0
+            or config.subagent_at_once)
+
+
+def lane_plans(config: AgenticWorkloadConfig, lane: int) -> Iterator[TrajectoryPlan]:
+    """The endless sequence of trajectory trees lane ``lane`` replays. Per trajectory (lane ``j``'s
+    own RNG, ``SeedSequence([seed, 7, j])``; the draws interleave differently from :func:`lane_turns`'
+    sequential stream, so a tree config never reproduces a sequential one's draw):
+    the parent (as :func:`lane_turns`: start point, turn-0 recycling, prefix cuts), then after each
+    replayed parent turn but the last, with ``subagent_spawn_probability``, a spawn of ``k``
+    siblings (``k`` drawn from ``subagent_fanout_weights``, default 1), each a fresh-context
+    subagent trajectory (session ``<parent>-sub<turn>.<i>``), joined unless it draws background
+    (``subagent_background_probability``)."""
+    if not 0 <= lane < config.lanes:
+        raise ValueError(f"lane {lane} outside [0, {config.lanes})")
+    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, lane]))
+    w = np.asarray(config.subagent_fanout_weights or (1.0,), dtype=np.float64)
+    w = w / w.sum()
+    k = 0
+    while True:
+        contexts, outputs, kept = _trajectory(rng, config)
+        u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
+        start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
+        if k > 0 and config.recycle_from_turn0:
+            start = 0
+        session = f"lane{lane}-traj{k}"
+        turns = tuple(_replay(session, contexts, outputs, start, kept))
+        spawns: list[tuple[Subagent, ...]] = []
+        for i, turn in enumerate(turns):
+            group: list[Subagent] = []
+            if i < len(turns) - 1 and rng.uniform() < config.subagent_spawn_probability:
+                for j in range(1 + int(rng.choice(len(w), p=w))):
+                    sub_ctx, sub_out, sub_kept = _trajectory(rng, config, subagent=True)
+                    joined = bool(rng.uniform() >= config.subagent_background_probability)
+                    group.append(Subagent(tuple(_replay(f"{session}-sub{turn.turn}.{j}", sub_ctx, sub_out, 0,
+                                                        sub_kept, True)), joined))
+            spawns.append(tuple(group))
+        yield TrajectoryPlan(turns, tuple(spawns))
         k += 1
 
 
@@ -317,6 +430,18 @@ def weka_prefix_cut_probability(path: Path = WEKA_SHAPES_PATH) -> float:
     (0.0686: 3,290 of 47,948): :attr:`AgenticWorkloadConfig.prefix_cut_probability`."""
     with open(path, encoding="utf-8") as f:
         return float(json.load(f)["prefix_cut"]["probability"])
+
+
+@functools.lru_cache(maxsize=4)
+def weka_subagent_shapes(path: Path = WEKA_SHAPES_PATH) -> dict:
+    """The subagents of the public Weka corpus (``bench/weka_subagent_shapes.py``; 63 subagents in
+    38 spawns of 17 traces): fan-out counts (21 spawns of one, 9 of two, 8 of three), joined vs
+    background (60 / 3 by aiperf's join rule), per subagent turns (median 11), first prompt
+    (median 10,335 tokens), new tokens per turn (median 2,259, log-sigma 1.55), outputs, gaps and
+    durations (each a dict of n, mean, p10..p90 and the log-sigma of the positive values). Key
+    ``subagents`` of ``sim/data/measured/weka_trace_shapes.json``. Do not mutate the result (cached)."""
+    with open(path, encoding="utf-8") as f:
+        return dict(json.load(f)["subagents"])
 
 
 def quantile_mean(q: tuple[float, ...]) -> float:
