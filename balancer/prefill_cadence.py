@@ -58,8 +58,10 @@ requests of a wide-EP engine (:class:`balancer.cost_model.EngineCost` fields
   the same for every candidate rank of the engine. (The drain model's horizon, how far a prompt
   pushes its rank's queue past the slowest rank's, has no counterpart: the prompt's own
   ``ceil(u / L)`` steps do not depend on the queue either.) In AgentX 440246 runs the time to first
-  token of a miss does not grow with its rank's queue (110-140 s per 100k prompt tokens for queues
-  from 0 to over 600k tokens, where FIFO draining predicts 15 to 380 s: docs/policies/ep_aware.md).
+  token of a miss does not grow with its rank's queue (107-139 s per 100k prompt tokens for queues
+  from 0 to over 600k tokens, where FIFO draining predicts 16 to 320 s: docs/policies/ep_aware.md).
+  ``ep_aware`` prices it so with ``parallel_chunks=true`` (opt-in: over eight workload seeds there
+  it met the SLO no more often than FIFO draining's terms).
 
 Pure: arrays in, arrays out, float64, shapes ``(n,)`` (one entry per candidate rank); no clock, no
 I/O. Source: vLLM's scheduler (``long_prefill_token_threshold`` caps ``num_new_tokens`` per
