@@ -87,6 +87,12 @@ def logged(policy: EpAware, log: list[dict]) -> EpAware:
     return Logged(**{f.name: getattr(policy, f.name) for f in fields(policy)})
 
 
+def _mean(x: np.ndarray, fmt: str) -> str:
+    """The mean of ``x`` formatted with ``fmt``, or ``none measured`` where ``x`` is empty (a short
+    run may see no new session in its measured window)."""
+    return format(float(np.mean(x)), fmt) if x.size else "none measured"
+
+
 def run(spec: str, lanes: int, duration_s: float, seed: int, sample: int) -> None:
     from sim.run.closed_loop import simulate_closed_loop
     from sim.validation.agentx import FRONTEND_S_PER_TOKEN_MEASURED, perf_factory_440246, scenario_440246
@@ -122,10 +128,10 @@ def run(spec: str, lanes: int, duration_s: float, seed: int, sample: int) -> Non
     new = hit.max(axis=1) < 0.5 * P  # a miss on every rank: a new session (or one whose prefix is gone)
     home = hit.argmax(axis=1)
     stay = ~new & (hit[ar, ch] >= hit.max(axis=1) - 10_000)
-    print(f"new sessions: {np.mean(new[meas]):.1%} of decisions, placed {above[meas & new].mean():.2f} requests above "
-          f"the least-loaded rank; returning sessions keep their prefix rank in {np.mean(stay[meas & ~new]):.1%}, "
-          f"{above[meas & ~new].mean():.2f} above the least loaded; home rank full (>= 16 requests) "
-          f"{np.mean(b[ar, home][meas & ~new] >= 16):.1%}")
+    print(f"new sessions: {_mean(new[meas], '.1%')} of decisions, placed {_mean(above[meas & new], '.2f')} requests "
+          f"above the least-loaded rank; returning sessions keep their prefix rank in {_mean(stay[meas & ~new], '.1%')}, "
+          f"{_mean(above[meas & ~new], '.2f')} above the least loaded; home rank full (>= 16 requests) "
+          f"{_mean(b[ar, home][meas & ~new] >= 16, '.1%')}")
     g = groups[0]
     print(f"EP group (whole run): {g.num_steps} steps, {g.prefill_busy_s / max(g.busy_s, 1e-9):.1%} of its step time in "
           f"steps with prefill on some rank, mean step {1e3 * g.busy_s / max(g.num_steps, 1):.1f} ms")

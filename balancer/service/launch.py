@@ -186,6 +186,10 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
         log.error("router process %d: the pdlb serve parent is gone; draining and exiting", process_index)
         stop.set()
 
+    # processes taking new connections: every one without the load-following placement (round
+    # robin, one process; was left at 0: review2), else the placement's k at each refresh
+    metrics = app[SERVICE].metrics
+    metrics.processes_active.set(cfg.processes if handoff is not None and cfg.processes else 1)
     if handoff is not None:
         from balancer.service.handoff import adopt_connections
 
@@ -195,8 +199,9 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
             from balancer.service.processes.placement import PlacementBlock, PlacementView
 
             view = PlacementView(PlacementBlock(cfg.processes, placement), process_index)
-            metrics = app[SERVICE].metrics
             metrics.placement = view
+            for reason in ("inactive", "rebalance"):  # both series from the start, at 0
+                metrics.given_back.labels(reason)
             view.on_give_back = lambda reason: metrics.count(metrics.given_back, reason)
             runner.router_server.follow_placement(view)
             on_adopted = view.adopted

@@ -151,8 +151,8 @@ class ServiceMetrics:
                                "first failed connection until it answers again), else 1", ["worker"], registry=r,
                                multiprocess_mode="livemin")
         self.processes_active = Gauge("pdlb_router_processes_active",
-                                      "Several processes, connection_placement follow_load: router processes that "
-                                      "take new client connections now (the others give theirs back)", registry=r,
+                                      "Router processes that take new client connections now (connection_placement "
+                                      "follow_load: the others give theirs back; round_robin or one process: all)", registry=r,
                                       multiprocess_mode="livemax")
         self.given_back = Counter("pdlb_connections_given_back",
                                   "Client connections closed after an answer (Connection: close) so that the client "

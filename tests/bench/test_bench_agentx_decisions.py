@@ -60,6 +60,13 @@ def test_a_short_run_prints_the_tables(capsys):
     assert "== ep_aware: 8 lanes, 30 s measured" in out
     assert "new sessions:" in out and "EP group (whole run):" in out
     assert "| queue ahead, k tokens | misses | realised |" in out
+    assert "nan" not in out  # an empty selection (no new session measured) printed "nan" (review2)
+
+
+def test_an_empty_selection_reads_none_measured():
+    # by hand: the mean of [1, 0, 1, 1] is 0.75
+    assert ad._mean(np.array([], dtype=bool), ".1%") == "none measured"
+    assert ad._mean(np.array([True, False, True, True]), ".1%") == "75.0%"
 
 
 @pytest.mark.parametrize("args, msg", [(["--lanes", "0"], "--lanes"), (["--sample", "-1"], "--sample"),

@@ -398,3 +398,47 @@ def test_the_option_warnings_name_the_mixed_pool_and_reach_stderr(capsys):
     lines = _serve_warnings(["--pd-protocol", "none", "--mixed", "http://127.0.0.1:52000",
                              "--decode-policy", "ep_aware:seq_cap=true"], capsys)
     assert lines == ["warning: " + CAP_MSG.format(role="mixed")]
+
+
+# review2 (session 15): ep_aware:parallel_chunks=true changes a decision only on a mixed pool whose
+# engines run a prompt's chunks beside the queue (max_num_seqs x request_chunk_tokens <= chunk_tokens,
+# balancer/policies/ep_aware.py _cadence_one; the default cost model has neither key), and it was
+# taken silently elsewhere
+PC_MIXED_ONLY = ("the {pool} policy ep_aware has parallel_chunks=true, which changes nothing here: it prices mixed "
+                 "pools only ({pool} pools the same either way)")
+PC_NO_KEYS = ("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: no mixed engine has "
+              "max_num_seqs and request_chunk_tokens with max_num_seqs x request_chunk_tokens <= chunk_tokens in the "
+              "cost model, or cadence=false (give --cost-model a file with them: pdlb sim cost-model writes the pool's)")
+PD = ["--pd-protocol", "sglang", "--prefill", "http://127.0.0.1:51000,bootstrap=51000",
+      "--decode", "http://127.0.0.1:52000"]
+MIXED = ["--pd-protocol", "none", "--mixed", "http://127.0.0.1:52000"]
+
+
+@pytest.mark.parametrize("argv, decode_keys, expected", [
+    (PD + ["--decode-policy", "ep_aware:parallel_chunks=true"], None, [PC_MIXED_ONLY.format(pool="decode")]),
+    (PD + ["--prefill-policy", "ep_aware:parallel_chunks=true"], None, [PC_MIXED_ONLY.format(pool="prefill")]),
+    (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true"], None, [PC_NO_KEYS]),
+    # 64 x 128 = 8,192 <= the chunk budget 8,192: chunks in parallel, the option takes effect
+    (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true"], {"max_num_seqs": 64, "request_chunk_tokens": 128},
+     []),
+    # 64 x 256 = 16,384 > 8,192: FIFO draining's terms stay
+    (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true"], {"max_num_seqs": 64, "request_chunk_tokens": 256},
+     [PC_NO_KEYS]),
+    (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true,cadence=false"],
+     {"max_num_seqs": 64, "request_chunk_tokens": 128}, [PC_NO_KEYS]),
+    (MIXED + ["--decode-policy", "ep_aware"], None, []),  # off: nothing to say
+])
+def test_serve_warns_of_parallel_chunks_that_can_change_nothing(argv, decode_keys, expected, tmp_path):
+    from balancer.cost_model import DEFAULT_COST_MODEL
+    from pdlb_cli.serve import idle_policy_option_warnings
+
+    if decode_keys is not None:  # a mixed engine without its own entry is priced as the decode engine
+        import json
+
+        data = DEFAULT_COST_MODEL.to_dict()
+        assert data["decode"]["chunk_tokens"] == 8192
+        data["decode"].update(decode_keys)
+        f = tmp_path / "cm.json"
+        f.write_text(json.dumps(data))
+        argv = argv + ["--cost-model", str(f)]
+    assert idle_policy_option_warnings(_serve_cfg(*argv)) == expected

@@ -363,8 +363,14 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
             assert re.search(r"^pdlb_router_processes_active 1\.0$", text, re.M), text[-2000:]
             m = re.search(r'^pdlb_connections_given_back_total\{reason="inactive"\} (\S+)$', text, re.M)
             assert m is not None and float(m.group(1)) >= 8, m
+            # both reasons' series exist from the start (at 0 until counted: review2)
+            assert re.search(r'^pdlb_connections_given_back_total\{reason="rebalance"\} \S+$', text, re.M), text[-2000:]
         else:
             assert where == [4, 4, 4], where
+            # every process takes new connections under round robin (the gauge read 0 before: review2)
+            import re
+
+            assert re.search(r"^pdlb_router_processes_active 3\.0$", text, re.M), text[-2000:]
     finally:
         r.stop()
         for e in engines:
