@@ -281,6 +281,31 @@ def check_restart_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--restart-window-s: expected a number of seconds > 0, got {w:g}")
 
 
+def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
+    """Warnings for ``ep_aware`` options of the decode (or mixed) pool's policy that need engine data
+    the cost model does not have, so that they change no decision (review F9): ``spec_decode`` where
+    no engine of the pool has ``decode_tokens_per_step`` above 1 (the policy's tau is then 1), and
+    ``seq_cap`` where none has ``max_num_seqs`` (no cap to price). Empty: nothing to say."""
+    rc = cfg.router
+    role = "decode" if any(w.role == "decode" for w in cfg.workers) else "mixed"
+    urls = [w.url for w in cfg.workers if w.role == role]
+    policy = rc.decode_policy.build()
+    if policy.name != "ep_aware" or not urls:
+        return []
+    model = rc.cost_model if rc.cost_model is not None else DEFAULT_COST_MODEL
+    engines = [model.engine(u, role) for u in urls]
+    out = []
+    if policy.spec_decode and all(e.decode_tokens_per_step <= 1.0 for e in engines):
+        out.append(f"the decode policy ep_aware has spec_decode=true, which changes nothing here: no {role} engine has "
+                   "decode_tokens_per_step above 1 in the cost model (give --cost-model a file with it: pdlb sim "
+                   "cost-model writes it for a [speculative] table with verify = \"every_step\")")
+    if policy.seq_cap and all(e.max_num_seqs is None for e in engines):
+        out.append(f"the decode policy ep_aware has seq_cap=true, which changes nothing here: no {role} engine has "
+                   "max_num_seqs in the cost model (give --cost-model a file with it: pdlb sim cost-model writes the "
+                   "pool's)")
+    return out
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``pdlb serve`` until SIGINT/SIGTERM; returns the exit status (2 after one ``error:`` line
     on stderr for a bad flag or config file)."""
@@ -295,6 +320,8 @@ def run_serve(args: argparse.Namespace) -> int:
     ignored = ignored_budget_warning(cfg)
     if ignored is not None:
         print(f"warning: {ignored}", file=sys.stderr)
+    for line in idle_policy_option_warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     return serve(cfg, event_loop=args.event_loop, log_level=args.log_level,
                  max_process_restarts=getattr(args, "max_process_restarts", None),
                  restart_window_s=getattr(args, "restart_window_s", None))

@@ -356,3 +356,45 @@ def test_serve_warns_of_a_ttft_budget_ep_aware_will_not_use(policy, warned):
     if warned:
         assert got == ("the prefill policy ep_aware has a TTFT budget it will not use: every prefill engine is wide EP "
                        "(ep_synchronous in the cost model), where ep_aware routes SLO-blind unless slo_wide_ep=true")
+
+
+# review F9 (session 15): ep_aware's opt-in cost terms that need the cost model's engine data were
+# taken silently without it (decisions then the same as without the option, by the code: tau = 1,
+# no sequence cap)
+SPEC_MSG = ("the decode policy ep_aware has spec_decode=true, which changes nothing here: no {role} engine has "
+            "decode_tokens_per_step above 1 in the cost model (give --cost-model a file with it: pdlb sim cost-model "
+            "writes it for a [speculative] table with verify = \"every_step\")")
+CAP_MSG = ("the decode policy ep_aware has seq_cap=true, which changes nothing here: no {role} engine has "
+           "max_num_seqs in the cost model (give --cost-model a file with it: pdlb sim cost-model writes the pool's)")
+
+
+@pytest.mark.parametrize("policy, cost_model, expected", [
+    ("ep_aware:spec_decode=true", None, [SPEC_MSG.format(role="decode")]),
+    ("ep_aware:seq_cap=true", None, [CAP_MSG.format(role="decode")]),
+    ("ep_aware:spec_decode=true,seq_cap=true", None, [SPEC_MSG.format(role="decode"), CAP_MSG.format(role="decode")]),
+    ("ep_aware:spec_decode=true,seq_cap=true", {"decode_tokens_per_step": 2.28, "max_num_seqs": 256}, []),
+    ("ep_aware:spec_decode=true", {"max_num_seqs": 256}, [SPEC_MSG.format(role="decode")]),
+    ("ep_aware", None, []),  # off: nothing to say
+    ("least_load", None, []),
+])
+def test_serve_warns_of_ep_aware_options_the_cost_model_cannot_feed(policy, cost_model, expected, tmp_path):
+    from balancer.cost_model import DEFAULT_COST_MODEL
+    from pdlb_cli.serve import idle_policy_option_warnings
+
+    argv = ["--pd-protocol", "sglang", "--prefill", "http://127.0.0.1:51000,bootstrap=51000",
+            "--decode", "http://127.0.0.1:52000", "--decode-policy", policy]
+    if cost_model is not None:  # the default model with these decode-engine keys (JSON: read_cost_model_file)
+        import json
+
+        data = DEFAULT_COST_MODEL.to_dict()
+        data["decode"].update(cost_model)
+        f = tmp_path / "cm.json"
+        f.write_text(json.dumps(data))
+        argv += ["--cost-model", str(f)]
+    assert idle_policy_option_warnings(_serve_cfg(*argv)) == expected
+
+
+def test_the_option_warnings_name_the_mixed_pool_and_reach_stderr(capsys):
+    lines = _serve_warnings(["--pd-protocol", "none", "--mixed", "http://127.0.0.1:52000",
+                             "--decode-policy", "ep_aware:seq_cap=true"], capsys)
+    assert lines == ["warning: " + CAP_MSG.format(role="mixed")]
