@@ -45,6 +45,24 @@ requests of a wide-EP engine (:class:`balancer.cost_model.EngineCost` fields
   in steps; ``tau`` the output tokens a sequence gains per decode step, 1 without speculative
   decoding) each delay every running sequence of the group by a chunk's prefill seconds.
 
+- **Who waits for a prompt's group tokens** (the same chunk limit, ``S L <= C``): on a wide-EP
+  engine every step's all-to-all carries every rank's tokens, so a prompt's ``u`` tokens delay each
+  request that prefills while it does, ``per_group_token`` seconds per token. Under FIFO draining
+  at ``C`` tokens per step the prompt starts when its rank's queue is done, and only the requests
+  still queued on the other ranks then wait for it (``ep_aware``'s ``N_after``, which is smaller
+  behind a longer queue). With the chunks in parallel it starts at once, whatever its rank
+  holds: the requests that wait are those of the engine with queued prefill, on every rank::
+
+      N_q = sum over the engine's ranks of b_r [q_r > 0]                  (queued_requests)
+
+  the same for every candidate rank of the engine. (The drain model's horizon, how far a prompt
+  pushes its rank's queue past the slowest rank's, has no counterpart: the prompt's own
+  ``ceil(u / L)`` steps do not depend on the queue either.) In AgentX 440246 runs the time to first
+  token of a miss does not grow with its rank's queue (107-139 s per 100k prompt tokens for queues
+  from 0 to over 600k tokens, where FIFO draining predicts 16 to 320 s: docs/policies/ep_aware.md).
+  ``ep_aware`` prices it so with ``parallel_chunks=true`` (opt-in: over eight workload seeds there
+  it met the SLO no more often than FIFO draining's terms).
+
 Pure: arrays in, arrays out, float64, shapes ``(n,)`` (one entry per candidate rank); no clock, no
 I/O. Source: vLLM's scheduler (``long_prefill_token_threshold`` caps ``num_new_tokens`` per
 request; DP prefill balancing skips prefill on throttled steps unless requests wait), as the
@@ -55,7 +73,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cadence_gap_steps", "chunks_in_parallel", "forced_prefill_steps", "prefill_steps"]
+__all__ = ["cadence_gap_steps", "chunks_in_parallel", "forced_prefill_steps", "prefill_steps", "queued_requests"]
 
 
 def chunks_in_parallel(max_num_seqs: int | None, request_chunk_tokens: int | None, chunk_tokens: int) -> bool:
@@ -132,3 +150,34 @@ def forced_prefill_steps(queued_tokens: np.ndarray, num_requests: np.ndarray, ma
     wait_steps = np.maximum(b + 1.0 - max_num_seqs, 0.0) * (float(out_tokens) / float(tokens_per_step) / max_num_seqs)
     steps = np.minimum(np.ceil(q / limit), wait_steps) + 1.0
     return np.where(b >= max_num_seqs, (1.0 - 1.0 / interval) * steps, 0.0)
+
+
+def queued_requests(queued_tokens: np.ndarray, num_requests: np.ndarray, engine: np.ndarray,
+                    ep_synchronous: bool) -> np.ndarray:
+    """Per candidate rank, the requests that share prefill steps with a prompt placed there when
+    chunks run in parallel (module docstring, "Who waits"): on a wide-EP engine
+    (``ep_synchronous``) those of every rank of its engine that has queued prefill,
+    ``sum_r b_r [q_r > 0]`` over the ranks ``r`` with ``engine[r] == engine[i]``; on a dense rank its
+    own, ``b_i [q_i > 0]``. Float64, shape ``(n,)``.
+
+    Args:
+        queued_tokens: queued prefill tokens per rank ``q_r``, shape ``(n,)``.
+        num_requests: requests per rank ``b_r``, shape ``(n,)``.
+        engine: each rank's engine index (0-based, int), shape ``(n,)``.
+        ep_synchronous: whether the engine's ranks step together (wide EP).
+
+    Raises:
+        ValueError: the shapes differ, or an engine index is negative.
+    """
+    q = np.asarray(queued_tokens, dtype=np.float64)
+    b = np.asarray(num_requests, dtype=np.float64)
+    e = np.asarray(engine, dtype=np.int64)
+    if not (q.shape == b.shape == e.shape) or q.ndim != 1:
+        raise ValueError(f"queued_tokens, num_requests and engine must have one shape (n,), got {q.shape}, "
+                         f"{b.shape}, {e.shape}")
+    busy = np.where(q > 0, b, 0.0)
+    if not ep_synchronous or not len(e):
+        return busy
+    if e.min() < 0:
+        raise ValueError("engine indices must be >= 0")
+    return np.bincount(e, weights=busy, minlength=int(e.max()) + 1)[e]

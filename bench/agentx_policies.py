@@ -29,7 +29,7 @@ the highest load (of 1x / 1.5x / 2x) each policy meets the SLO at, the request r
 there, and the GPUs it needs for the measured load (8 GPUs x 64 lanes / its lanes, for replicas of
 the same engine), nominal and over the band.
 
-Run by hand (each run is seconds to a few minutes of CPU; 11 policies x 4 loads)::
+Run by hand (each run is seconds to a few minutes of CPU; 12 policies x 4 loads)::
 
     python bench/agentx_policies.py --duration-s 1200 --jobs 2
 """
@@ -55,10 +55,11 @@ from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 #: ``ep_aware`` is SLO-blind on this wide-EP pool by default (``slo_wide_ep=false``); ``slo_wide_ep=true``
 #: routes it against the router's TTFT budget. It prices vLLM's 512-token chunk limit and prefill
 #: cadence of this engine by default (``cadence=true``); ``cadence=false`` is the pricing before them.
-#: ``spec_decode=true`` prices MTP's 2.49 accepted tokens per decode step (off by default: one token per step)
+#: ``spec_decode=true`` prices MTP's 2.49 accepted tokens per decode step (off by default: one token per step).
+#: ``parallel_chunks=true`` prices a prompt's group terms as chunks in parallel, not by FIFO draining (off by default)
 POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "scored", "least_load",
-            "ep_aware", "ep_aware:spec_decode=true", "ep_aware:slo_wide_ep=true", "ep_aware:cadence=false",
-            "ep_aware:cadence=false,slo_wide_ep=true")
+            "ep_aware", "ep_aware:parallel_chunks=true", "ep_aware:spec_decode=true", "ep_aware:slo_wide_ep=true",
+            "ep_aware:cadence=false", "ep_aware:cadence=false,slo_wide_ep=true")
 LOADS = {"1/8x": 8, "1x": 64, "1.5x": 96, "2x": 128}
 MEASURED_LANES = 64
 MEASURED_GPUS = 8

@@ -20,8 +20,15 @@ whether every figure is identical (the cap changes a decision only when some ran
 ``max_num_seqs`` requests). Point 440246 (vLLM, 16 sequences per rank) is in
 ``bench/agentx_policies.py``.
 
+``--before`` / ``--after`` compare any two policy specs the same way (e.g. ``--before ep_aware
+--after ep_aware:parallel_chunks=true``: the parallel-chunk group terms, which act only
+where a pool's cost model sets vLLM's per-request chunk limit; issue 23), on any rows of
+``bench/policy_goodput.py`` (``mooncake:longsplit``, ``mooncake:dense_dbound``, ...).
+
     .venv/bin/python bench/seq_cap_before_after.py --traces-dir /path/with/mooncake_synthetic_trace.jsonl
     .venv/bin/python bench/seq_cap_before_after.py --rows mooncake:default --scales 1,4 --seeds 1
+    .venv/bin/python bench/seq_cap_before_after.py --before ep_aware --after ep_aware:parallel_chunks=true \
+        --rows mooncake:default,mooncake:longsplit,mooncake:dense_dbound --scales 1
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-per-1k-s", type=float, default=0.1)
     ap.add_argument("--slo-tpot-s", type=float, default=0.05)
     ap.add_argument("--slo-attainment", type=float, default=0.9)
+    ap.add_argument("--before", default=BEFORE, help="policy spec of the 'before' runs (default: %(default)s)")
+    ap.add_argument("--after", default=AFTER, help="policy spec of the 'after' runs (default: %(default)s)")
     a = ap.parse_args(argv)
     from pdlb_cli.args import positive_float
     from pdlb_cli.comma_lists import list_arg
@@ -65,10 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     scales = list_arg(ap, "--scales", a.scales, "rate scales > 0", positive_float)
     if not rows or not scales or a.seeds < 1:
         ap.error("need at least one row, one scale and one seed")
+    for spec in (a.before, a.after):
+        try:
+            parse_policy(spec)
+        except ValueError as e:
+            ap.error(f"bad policy spec {spec!r}: {e}")
+    before, after = a.before, a.after
     slo = SLO(ttft_s=a.slo_ttft_s, tpot_s=a.slo_tpot_s, attainment=a.slo_attainment,
               ttft_per_1k_prompt_tokens_s=a.slo_ttft_per_1k_s)
     print(f"SLO: {a.slo_attainment:.0%} of requests with TTFT <= {a.slo_ttft_s:g} s + {a.slo_ttft_per_1k_s:g} s/1k "
-          f"and TPOT <= {a.slo_tpot_s * 1e3:g} ms; router given the TTFT budget; before = {BEFORE}, after = {AFTER}")
+          f"and TPOT <= {a.slo_tpot_s * 1e3:g} ms; router given the TTFT budget; before = {before}, after = {after}")
     print("| row | rate scale | seed | attainment before / after | goodput req/s before / after | "
           "TTFT p99 s before / after | TPOT p99 ms before / after | identical | CPU s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -82,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 for scale in scales:
                     t0 = time.process_time()
                     got = {p: evaluate_point(Point(scenario=sc, workload=wl, policy=parse_policy(p), rate_scale=scale,
-                                                   slo=slo, seed=seed)) for p in (BEFORE, AFTER)}
-                    b, f = got[BEFORE], got[AFTER]
+                                                   slo=slo, seed=seed)) for p in (before, after)}
+                    b, f = got[before], got[after]
                     for r in (b, f):
                         if r.error:
                             raise SystemExit(f"{row} x{scale:g} seed {seed}: {r.error}")

@@ -44,6 +44,7 @@ from balancer.types import Choice, ReplicaId, Request
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _SHIFT30, _SHIFT27, _SHIFT31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_ZERO = np.uint64(0)
 
 
 def affinity_key(request: Request, key_block: int = 1) -> bytes:
@@ -131,14 +132,15 @@ class ConsistentHash(Policy):
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         w = rendezvous_weights(affinity_key(request, self.key_block), cands.replicas)
-        n = len(cands)
-        cap = math.ceil((1.0 + self.epsilon) * (int(cands.num_requests.sum()) + 1) / n)
+        num_requests = cands.num_requests
+        n = len(num_requests)
+        cap = math.ceil((1.0 + self.epsilon) * (int(np.add.reduce(num_requests)) + 1) / n)
+        limit = cap - 1  # "count + 1 <= cap" as "count <= cap - 1": one array operation fewer
         first = int(w.argmax())
-        if cands.num_requests[first] + 1 <= cap:
+        if num_requests[first] <= limit:
             chosen, reason = first, "affinity"
-        else:
-            eligible = cands.num_requests + 1 <= cap
-            chosen, reason = int(np.argmax(np.where(eligible, w, np.uint64(0)))), "bounded_load"
+        else:  # the highest weight among the eligible (weights of the others zeroed; one below cap exists)
+            chosen, reason = int(np.where(num_requests <= limit, w, _ZERO).argmax()), "bounded_load"
 
         def ranks() -> np.ndarray:
             out = np.empty(n, dtype=np.float64)

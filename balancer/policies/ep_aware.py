@@ -94,6 +94,13 @@ Parameters:
         (MTP, 2.49 accepted) it met the SLO less often over six workload seeds
         (docs/policies/ep_aware.md, "Speculative decoding's accepted tokens"). Engines without it
         are priced the same either way.
+    parallel_chunks: where the cadence's chunks run in parallel (a mixed pool with ``S L <= C``,
+        below), price the prompt's group terms by that model (its group tokens delay every request
+        of the engine with queued prefill, wherever it goes) instead of FIFO draining's (``N_after``
+        and the horizon). Off by default: on AgentX 440246 it did not meet the SLO more often over
+        eight workload seeds (level at 2x, 1.8 points lower at 1.5x; docs/policies/ep_aware.md,
+        "Who waits for a prompt's group tokens"). Engines without the options are priced the same
+        either way.
 
 **vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
 model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
@@ -106,7 +113,14 @@ the TTFT adds the decode steps between the rank's open prefill steps, ``(k - 1)(
 (:func:`balancer.cost_model.slot_wait_s`); the cost adds the TTFT's change and, on a full rank (the
 request would wait for admission, and the rank prefill on every step), ``externality_weight
 forced_i n_e chunk_s``: the group's extra mixed steps times its running sequences times one chunk's
-prefill seconds. Ties there go to the fewest requests, then the least decode KV.
+prefill seconds. Where the chunks run in parallel (``S L <= C``) on a mixed pool, with
+``parallel_chunks`` (opt-in), the prompt's group terms are those of parallel chunks:
+``cost_i = TTFT_i + externality_weight per_group_token u_i N_q,e + (the forced steps)`` (plus the
+decode cost and the batch stall), ``N_q,e`` the requests of the engine on ranks with queued
+prefill (:func:`balancer.prefill_cadence.queued_requests`), in place of FIFO draining's
+``ext_i`` over ``N_after_i`` and the horizon, which price the prompt as starting only after its
+rank's queue (in 440246 runs a miss's TTFT does not grow with the queue ahead). Ties there go to
+the fewest requests, then the least decode KV.
 
 Source: pdlb. The step models follow the simulator's roofline (DeepSeek V3 DP-attention + EP
 layout); the marginal-delay (externality) term is the usual social-cost argument of queueing (the
@@ -132,7 +146,8 @@ from balancer.cost_model import (
     prefill_wait_features,
     slot_wait_s,
 )
-from balancer.prefill_cadence import cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps
+from balancer.prefill_cadence import (cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps,
+                                     queued_requests)
 from balancer.policies.base import Policy, SelectContext, argmin_random, fresh_scores, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
 
@@ -260,6 +275,7 @@ class EpAware(Policy):
     seq_cap: bool = False
     cadence: bool = True
     spec_decode: bool = False
+    parallel_chunks: bool = False
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -620,16 +636,24 @@ class EpAware(Policy):
             fetch = 0.0
         u = P - cached
         new_ttft, add_cost, add_own = ttft.copy(), np.zeros(len(cands)), np.zeros(len(cands))
+        group: np.ndarray | None = None  # the parallel model's group terms; NaN: the drain model's stay
         for e, ec in engs:
             if not ec.has_cadence:
                 continue
-            t, c, o = self._cadence_one(request, cands, ec, idx, rows, role, u, cached, fetch, ttft)
+            t, c, o, g = self._cadence_one(request, cands, ec, idx, rows, role, u, cached, fetch, ttft)
             if e is None:
-                new_ttft, add_cost, add_own = t, c, o
+                new_ttft, add_cost, add_own, group = t, c, o, g
             else:
                 sub = idx == e
                 new_ttft[sub], add_cost[sub], add_own[sub] = t[sub], c[sub], o[sub]
-        return cost + (new_ttft - ttft) + add_cost, new_ttft, (own + add_own if own is not None else None)
+                if g is not None:
+                    if group is None:
+                        group = np.full(len(cands), np.nan)
+                    group[sub] = g[sub]
+        new_cost = cost + (new_ttft - ttft) + add_cost
+        if group is not None:  # chunks in parallel: the TTFT, the parallel group terms, the forced steps
+            new_cost = np.where(np.isnan(group), new_cost, new_ttft + group + add_cost)
+        return new_cost, new_ttft, (own + add_own if own is not None else None)
 
     def _cadence_tie_load(self, cands: Candidates, model: CostModel, names: tuple[str, ...]) -> np.ndarray | None:
         """The tie rule's load on a mixed pool whose engines cap the running sequences and set the
@@ -648,10 +672,15 @@ class EpAware(Policy):
 
     def _cadence_one(self, request: Request, cands: Candidates, eng: EngineCost, idx: np.ndarray,
                      rows: np.ndarray | None, role: str, u: np.ndarray, cached: np.ndarray,
-                     fetch: np.ndarray | float, ttft: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     fetch: np.ndarray | float, ttft: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """One engine cost model's ``(TTFT, cost seconds added besides the TTFT's change, idle-rank
-        prefill seconds added)``, each ``(n,)`` (module docstring, "vLLM's chunk limit and prefill
-        cadence")."""
+        prefill seconds added, group)``, each ``(n,)`` (module docstring, "vLLM's chunk limit and
+        prefill cadence"). ``group``: where the prompt's chunks run beside the queue ahead (a mixed
+        pool with ``S L <= C``, and ``parallel_chunks``), the seconds its group tokens add to the
+        engine's requests with queued prefill, ``externality_weight per_group_token u_i N_q,e``
+        (:func:`balancer.prefill_cadence.queued_requests`), which then replace the FIFO drain
+        model's group terms (externality over ``N_after``, horizon); None elsewhere."""
         c = eng.prefill
         C = eng.chunk_tokens
         L = eng.request_chunk_tokens
@@ -662,21 +691,25 @@ class EpAware(Policy):
         k = eng.prefill_schedule_interval
         S = eng.max_num_seqs
         if role != "mixed":
-            return ttft + (prefill_steps(q, u, C, L) - today) * c.overhead_s, add_cost, add_own
+            return ttft + (prefill_steps(q, u, C, L) - today) * c.overhead_s, add_cost, add_own, None
         b = cands.num_requests.astype(np.float64)
         kv = cands.decode_kv_tokens.astype(np.float64)
         run = np.minimum(b, float(S)) if S is not None else b
         kv_run = kv * np.divide(run, b, out=np.ones_like(b), where=b > 0)
         step_now, _, n_e = _decode_steps(eng, idx, rows, run, kv_run, run, kv_run, 0.0)
+        group = None
         if chunks_in_parallel(S, L, C):  # the queue ahead takes no budget from the prompt: own steps only
             n = prefill_steps(np.zeros_like(u), u, C, L)
             new = n * c.overhead_s + _compute_s(c, u, cached) + fetch
+            if self.parallel_chunks:  # ... and every queued request of the engine shares steps with it
+                w_ext = self.externality_weight * c.per_group_token_s if eng.ep_synchronous else 0.0
+                group = w_ext * u * queued_requests(q, b, idx, eng.ep_synchronous)
         else:
             n = prefill_steps(q, u, C, L)
             new = ttft + (n - today) * c.overhead_s
         new = new + cadence_gap_steps(n, b, k) * step_now
         if S is None:
-            return new, add_cost, add_own
+            return new, add_cost, add_own, group
         out = float(min(request.output_tokens, self.max_output_estimate_tokens))
         tau = self._tau(eng)
         if not self.seq_cap:  # (seq_cap adds the same wait in select)
@@ -688,7 +721,7 @@ class EpAware(Policy):
             chunk_s = (c.overhead_s + (c.per_token_s + c.per_group_token_s) * Lc
                        + c.per_attn_pair_s * (Lc * ctx + Lc * (Lc + 1.0) / 2.0))
             add_cost = self.externality_weight * forced * n_e * chunk_s
-        return new, add_cost, add_own
+        return new, add_cost, add_own, group
 
     # ------------------------------------------------------------------ decode
     def decode_cost(self, request: Request, cands: Candidates, model: CostModel, names: tuple[str, ...],

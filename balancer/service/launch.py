@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 from aiohttp import web
 
-from balancer.service.app import create_app, json_parser_errors, limit_connections, make_runner
+from balancer.service.app import SERVICE, create_app, json_parser_errors, limit_connections, make_runner
 from balancer.service.body_offload import tune_malloc
 from balancer.service.config import ServiceConfig, WorkerConfig, config_warnings
 from balancer.service.fd_limit import effective_max_connections, install_accept_error_limit, raise_nofile_limit
@@ -194,8 +194,6 @@ async def _serve(cfg: ServiceConfig, process_index: int = 0, ready=None, shared_
         if placement is not None and cfg.processes:
             from balancer.service.processes.placement import PlacementBlock, PlacementView
 
-            from balancer.service.app import SERVICE
-
             view = PlacementView(PlacementBlock(cfg.processes, placement), process_index)
             metrics = app[SERVICE].metrics
             metrics.placement = view
@@ -245,7 +243,6 @@ def _join_supervision(app: web.Application, index: int, columns: dict[str, list[
     """Router process ``index`` of several: map its workers to the shared-load ``columns`` the
     parent gave (a replacement: admin changes may have moved them from the config's order) and
     export the restart counters (:mod:`balancer.service.processes.supervise`)."""
-    from balancer.service.app import SERVICE
     from balancer.service.processes.supervise import restart_counters
 
     svc = app[SERVICE]

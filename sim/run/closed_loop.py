@@ -202,57 +202,13 @@ def simulate_closed_loop(
     def end_s() -> float:
         return state["start"] + wl.duration_s
 
-    def send(lane: int) -> None:
-        now = env.now
-        if now >= end_s():
-            return  # the measured window is over: the lane stops
-        turn = next(lanes[lane])
-        sent[lane] += 1
-        n_blocks = -(-turn.input_tokens // bs)
-        known = prev[lane]
-        old = known.pop(turn.session, ())
-        keep = min(turn.server_reusable_tokens // bs, len(old))
-        hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
-        known[turn.session] = hashes
-        if len(known) > max_sessions:
-            del known[next(iter(known))]
-        # aiperf's primer: the whole prefix at t* with max_tokens=1 (a prefill that never decodes)
-        out = 1 if wl.warmup_primer and sent[lane] == 1 else turn.output_tokens
-        if wl.warmup_max_output_tokens is not None and sent[lane] <= n_warm:
-            out = min(out, wl.warmup_max_output_tokens)
-        is_measured = sent[lane] > n_warm and now >= state["start"]
-
-        def submit(_ev: object = None) -> None:
-            at = env.now
-            req = Request(f"{turn.session}-t{turn.turn}-{sent[lane]}", float(at), turn.input_tokens, hashes,
-                          max_output_tokens=out, expected_output_tokens=out,
-                          session_id=turn.session, traffic_class="agent")
-            ok, _ = admit([req], max_len, decode_cap, prefill_cap)
-            if not ok:  # refused at arrival, as an engine would: the lane moves on after its think time
-                state["rejected"] += 1
-                finished_lane(lane, at)
-                return
-            i = cluster.submit(req)
-            lane_of.append(lane)
-            sessions.append(turn.session)
-            measured.append(is_measured)
-            sent_at.append(now)
-            assert len(lane_of) == i + 1
-
-        delay = frontend_s_per_token * turn.input_tokens
-        if delay > 0:
-            env.timeout(delay).callbacks.append(submit)
-        else:
-            submit()
-
-    # --- subagents at once: trajectory trees, one stream per parent and per subagent ---
-    plans = [lane_plans(wl, j) for j in range(wl.lanes)] if at_once else []
-    done_count = [0] * wl.lanes
-    tree: list[dict] = [{} for _ in range(wl.lanes)]  # per lane: plan, parent index, joined / background left
-
-    def dispatch(lane: int, turn: Turn, last: bool, on_done: Callable[[float], None]) -> None:
-        """Send ``turn`` for ``lane`` now (as ``send`` does); ``on_done(now)`` when it finishes or is
-        refused; ``last``: the session's last turn (its remembered blocks are dropped)."""
+    def issue(lane: int, turn: Turn, remember: bool, evict: bool,
+              on_refused: Callable[[float], None], on_done: Callable[[float], None] | None = None) -> None:
+        """Send ``turn`` for ``lane`` now: its block hashes (the session's remembered prefix, then fresh
+        blocks), aiperf's primer and warm-up output cap, the frontend's delay; a refused request
+        calls ``on_refused(now)``. ``remember``: keep the prompt's hashes for the session's next turn;
+        ``evict``: then drop the lane's oldest session beyond ``max_sessions``; ``on_done``: kept per
+        record for the trees' finish callback (subagents at once only)."""
         now = env.now
         sent[lane] += 1
         n_blocks = -(-turn.input_tokens // bs)
@@ -260,8 +216,11 @@ def simulate_closed_loop(
         old = known.pop(turn.session, ())
         keep = min(turn.server_reusable_tokens // bs, len(old))
         hashes = old[:keep] + tuple(itertools.islice(fresh, n_blocks - keep))
-        if not last:
+        if remember:
             known[turn.session] = hashes
+            if evict and len(known) > max_sessions:
+                del known[next(iter(known))]
+        # aiperf's primer: the whole prefix at t* with max_tokens=1 (a prefill that never decodes)
         out = 1 if wl.warmup_primer and sent[lane] == 1 else turn.output_tokens
         if wl.warmup_max_output_tokens is not None and sent[lane] <= n_warm:
             out = min(out, wl.warmup_max_output_tokens)
@@ -275,11 +234,12 @@ def simulate_closed_loop(
             ok, _ = admit([req], max_len, decode_cap, prefill_cap)
             if not ok:  # refused at arrival, as an engine would: the stream moves on after its think time
                 state["rejected"] += 1
-                tree_done(lane, at, on_done)
+                on_refused(at)
                 return
             i = cluster.submit(req)
             lane_of.append(lane)
-            done_of.append(on_done)
+            if on_done is not None:
+                done_of.append(on_done)
             sessions.append(turn.session)
             measured.append(is_measured)
             sent_at.append(now)
@@ -290,6 +250,21 @@ def simulate_closed_loop(
             env.timeout(delay).callbacks.append(submit)
         else:
             submit()
+
+    def send(lane: int) -> None:
+        if env.now >= end_s():
+            return  # the measured window is over: the lane stops
+        issue(lane, next(lanes[lane]), True, True, lambda at: finished_lane(lane, at))
+
+    # --- subagents at once: trajectory trees, one stream per parent and per subagent ---
+    plans = [lane_plans(wl, j) for j in range(wl.lanes)] if at_once else []
+    done_count = [0] * wl.lanes
+    tree: list[dict] = [{} for _ in range(wl.lanes)]  # per lane: plan, parent index, joined / background left
+
+    def dispatch(lane: int, turn: Turn, last: bool, on_done: Callable[[float], None]) -> None:
+        """Send ``turn`` for ``lane`` now (as ``send`` does); ``on_done(now)`` when it finishes or is
+        refused; ``last``: the session's last turn (its remembered blocks are dropped)."""
+        issue(lane, turn, not last, False, lambda at: tree_done(lane, at, on_done), on_done)
 
     def tree_done(lane: int, now: float, on_done: Callable[[float], None]) -> None:
         done_count[lane] += 1

@@ -299,6 +299,19 @@ def _replay(session: str, contexts: list[int], outputs: list[int], start: int,
         yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, server, subagent)
 
 
+def _next_trajectory(rng: np.random.Generator, config: AgenticWorkloadConfig, lane: int,
+                     k: int) -> tuple[str, list[int], list[int], list[int | None], int]:
+    """Lane ``lane``'s ``k``-th trajectory (:func:`_trajectory`) and the turn it starts at: uniform in
+    ``[start_min_ratio, start_max_ratio)`` of its turns (aiperf's start point), turn 0 from the second
+    trajectory on under ``recycle_from_turn0``. Returns (session, contexts, outputs, kept, start)."""
+    contexts, outputs, kept = _trajectory(rng, config)
+    u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
+    start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
+    if k > 0 and config.recycle_from_turn0:
+        start = 0
+    return f"lane{lane}-traj{k}", contexts, outputs, kept, start
+
+
 def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
     """The endless sequence of turns lane ``lane`` sends (the simulator stops reading it at the
     end of the run). Deterministic: lane ``j`` draws from ``SeedSequence([seed, 7, j])``."""
@@ -314,12 +327,7 @@ def lane_turns(config: AgenticWorkloadConfig, lane: int) -> Iterator[Turn]:
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, lane]))
     k = 0
     while True:
-        contexts, outputs, kept = _trajectory(rng, config)
-        u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
-        start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
-        if k > 0 and config.recycle_from_turn0:
-            start = 0
-        session = f"lane{lane}-traj{k}"
+        session, contexts, outputs, kept, start = _next_trajectory(rng, config, lane, k)
         if config.subagent_spawn_probability <= 0:
             yield from _replay(session, contexts, outputs, start, kept)
         else:
@@ -375,12 +383,7 @@ def lane_plans(config: AgenticWorkloadConfig, lane: int) -> Iterator[TrajectoryP
     w = w / w.sum()
     k = 0
     while True:
-        contexts, outputs, kept = _trajectory(rng, config)
-        u = rng.uniform(config.start_min_ratio, config.start_max_ratio)
-        start = min(len(contexts) - 1, int(math.floor(u * len(contexts))))
-        if k > 0 and config.recycle_from_turn0:
-            start = 0
-        session = f"lane{lane}-traj{k}"
+        session, contexts, outputs, kept, start = _next_trajectory(rng, config, lane, k)
         turns = tuple(_replay(session, contexts, outputs, start, kept))
         spawns: list[tuple[Subagent, ...]] = []
         for i, turn in enumerate(turns):

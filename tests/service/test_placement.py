@@ -35,10 +35,11 @@ def test_the_rule_by_hand():
     assert next_active(8, 8, [0.05 / 8] * 8, 5) == (8, 0, "")
     # 2 active at 0.9 each (mean over 0.85, not saturated): ceil(1.8 / 0.7) = 3, at least k + 1 = 3
     assert next_active(2, 8, [0.9, 0.9] + [0.0] * 6, 0) == (3, 0, "grow")
-    # 2 active at 1.0 (saturated): doubled to 4 (ceil(2.0 / 0.7) = 3 < 4)
-    assert next_active(2, 8, [1.0, 1.0] + [0.0] * 6, 0) == (4, 0, "grow")
-    # 6 saturated of 8: 2k = 12, capped at 8
-    assert next_active(6, 8, [1.0] * 6 + [0.0, 0.0], 0) == (8, 0, "grow")
+    # 2 active at 1.0 (saturated): every process at once (ceil(2.0 / 0.7) = 3 would be the size)
+    assert next_active(2, 8, [1.0, 1.0] + [0.0] * 6, 0) == (8, 0, "grow")
+    assert next_active(1, 8, [0.96] + [0.0] * 7, 2) == (8, 0, "grow")
+    # just under saturation (0.9): ceil(0.9 / 0.7) = 2 = k + 1
+    assert next_active(1, 8, [0.9] + [0.0] * 7, 0) == (2, 0, "grow")
     # all 8 busy: nothing to grow into, nothing to shrink
     assert next_active(8, 8, [1.0] * 8, 0) == (8, 0, "")
     # the inactive ones' CPU counts in the total (still serving connections not yet given back)
@@ -131,16 +132,18 @@ def test_tick_measures_cpu_shares_and_asks_the_active_ones_for_the_new_ones_shar
             t += 0.2
             cpu[0] += 0.2
             assert c.tick(t, cpu) == 1
-        # saturated (1.0 cores): doubled to 2; process 0 (12 open) gives back 12 x (2-1)/2 = 6
+        # saturated (1.0 cores): all 4 at once; process 0 (12 open) gives back 12 x (4-1)/4 = 9
         t += 0.2
         cpu[0] += 0.2
-        assert c.tick(t, cpu) == 2
-        assert block.field(0, 0) - block.field(0, 1) == 6
-        assert [views[0].give_back() for _ in range(7)] == [True] * 6 + [False]
-        # a process whose clock is unreadable (None) counts 0 cores and restarts its clock
-        for _ in range(HOLD_PASSES + 1):
+        assert c.tick(t, cpu) == 4 and c.changes[-1][1:] == (1, 4, "grow")
+        assert block.field(0, 0) - block.field(0, 1) == 9
+        assert [views[0].give_back() for _ in range(10)] == [True] * 9 + [False]
+        # a process whose clock is unreadable (None) counts 0 cores and restarts its clock: 3 x 0.1
+        # cores wants 1 again, and shrinks on the third pass after the hold
+        for n in range(HOLD_PASSES + SHRINK_PASSES):
             t += 0.2
-            assert c.tick(t, [cpu[0], None, cpu[2], cpu[3]]) == 2
+            cpu = [cpu[0] + 0.02, cpu[1], cpu[2] + 0.02, cpu[3] + 0.02]
+            assert c.tick(t, [cpu[0], None, cpu[2], cpu[3]]) == (4 if n < HOLD_PASSES + SHRINK_PASSES - 1 else 1)
         for v in views:
             v.block.close()
     finally:
@@ -308,8 +311,8 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
     # pdlb serve --processes 3, 12 keep-alive connections at ~300-600 requests/s in all (a fifth of
     # a core or so: over SHRINK_MIN_CORES, under TARGET_UTIL): follow_load shrinks to 1 active
     # process after 3 passes and the other two give their connections back at their next answer,
-    # so after 4 s every client connection is on one process; round_robin (the control arm) keeps
-    # 4 on each. No request fails either way (a given-back connection closes after its answer).
+    # so soon every client connection is on one process; round_robin (the control arm) keeps 4 on
+    # each. No request fails either way (a given-back connection closes after its answer).
     import aiohttp
 
     from sim.emulator.testing import spawn_engines, spawn_router
@@ -338,20 +341,28 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
             return n
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=12)) as s:
-            until = time.monotonic() + 4.0
-            sent = sum(await asyncio.gather(*(client(s, until, 0.02) for _ in range(12))))
-            where = [_client_sockets(p, port) for p in routers]
+            # 1 s steps until the connections sit on one process (follow_load: within 10 s; the
+            # first requests' one-off work, e.g. compiling kernels, may hold the processes busy a
+            # while first) or 3 s (round_robin)
+            sent = 0
+            for _ in range(10 if placement == "follow_load" else 3):
+                until = time.monotonic() + 1.0
+                sent += sum(await asyncio.gather(*(client(s, until, 0.02) for _ in range(12))))
+                where = [_client_sockets(p, port) for p in routers]
+                if max(where) == 12:
+                    break
             text = await (await s.get(r.url + "/metrics")).text()
-        assert failed == [] and sent > 500
+        assert failed == [] and sent > 300
         assert sum(where) == 12, where
         if placement == "follow_load":
             assert sorted(where) == [0, 0, 12], where
-            # the two left-out processes gave back their 4 connections each, once (they came back
-            # to the active one and stayed)
+            # the two left-out processes gave back their 4 connections each (at least: a burst of
+            # the first requests' work may have spread them again once)
             import re
 
             assert re.search(r"^pdlb_router_processes_active 1\.0$", text, re.M), text[-2000:]
-            assert re.search(r'^pdlb_connections_given_back_total\{reason="inactive"\} 8\.0$', text, re.M)
+            m = re.search(r'^pdlb_connections_given_back_total\{reason="inactive"\} (\S+)$', text, re.M)
+            assert m is not None and float(m.group(1)) >= 8, m
         else:
             assert where == [4, 4, 4], where
     finally:

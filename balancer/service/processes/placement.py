@@ -15,8 +15,9 @@ as it needs: the first ``k`` ("active") of them.
   thread's CPU time (``/proc/PID/schedstat``, nanoseconds) and takes the CPU it used per second
   since the last pass (its utilisation, in cores); ``U`` is their sum.
 * **Grow at once.** When the active processes' mean utilisation is over :data:`GROW_UTIL`, ``k``
-  becomes ``ceil(U / TARGET_UTIL)``, at least ``k + 1``, and ``2k`` when they are saturated
-  (over :data:`SATURATED_UTIL`: their CPU then says nothing about the demand); at most ``N``.
+  becomes ``ceil(U / TARGET_UTIL)``, at least ``k + 1``, at most ``N``; when they are saturated
+  (over :data:`SATURATED_UTIL`: their CPU then says nothing about the demand) it becomes ``N``,
+  so that a burst gets every process within one pass and the shrink rule finds the size after.
   Each process that was active gives back the share of its connections that the new ones
   should take (``(k_new - k) / k_new`` of them).
 * **Shrink slowly.** When ``ceil(U / TARGET_UTIL) < k`` on :data:`SHRINK_PASSES` passes in a row
@@ -58,7 +59,7 @@ TARGET_UTIL = 0.7
 GROW_UTIL = 0.85
 """The active processes' mean utilisation over which ``k`` grows at once."""
 SATURATED_UTIL = 0.95
-"""Mean utilisation at which the active processes count as saturated (``k`` at least doubles)."""
+"""Mean utilisation at which the active processes count as saturated (``k`` becomes ``N``)."""
 SHRINK_PASSES = 3
 """Supervision passes in a row that must call for fewer processes before ``k`` shrinks."""
 SHRINK_MIN_CORES = 0.1
@@ -185,9 +186,7 @@ def next_active(k: int, n: int, utils: Sequence[float], low_passes: int) -> tupl
     want = max(1, min(n, math.ceil(total / TARGET_UTIL - 1e-9)))
     mean_active = sum(utils[:k]) / k
     if mean_active > GROW_UTIL and k < n:
-        grown = max(k + 1, want)
-        if mean_active > SATURATED_UTIL:
-            grown = max(grown, 2 * k)
+        grown = n if mean_active > SATURATED_UTIL else max(k + 1, want)
         return min(n, grown), 0, "grow"
     if want < k and total >= SHRINK_MIN_CORES:
         low_passes += 1
