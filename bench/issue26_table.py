@@ -36,6 +36,10 @@ What it does, in order:
 4. runs ``bench/route_latency.py ROUTE_ARGS`` (default: every policy, 64 and 512 ranks, 32k-token
    prompts, KV events applied concurrently at 2,000/s, 256 requests in flight, CPU clock) as a child
    with the time left (at least ``--route-s``), its output printed and kept in ``OUT/route.txt``.
+   ``--route-args`` is checked by route_latency.py's own parser before anything starts (a bad one
+   stops the run at once, naming ``--route-args``). One sample per row by default; add
+   ``--repeat N`` to it for N rounds, configurations interleaved, per row the median and min-max
+   range (N times the table's time: give ``--route-s`` room for it).
 
 Ratios are taken per repeat, then the median (pdlb and a peer measured in the same repeat); on a
 busy host absolute figures are pessimistic for every router. Added p99 is a ratio only where the
@@ -242,6 +246,28 @@ def run_route(route_args: list[str], timeout_s: float, out_path: Path | None, sc
     return rc
 
 
+def check_route_args(ap: argparse.ArgumentParser, route_args: list[str]) -> None:
+    """``--route-args`` read by bench/route_latency.py's parser and its option checks (lists,
+    ``--repeat``), nothing measured: a bad value stops ``ap`` (exit status 2) with route_latency's
+    message, naming ``--route-args``, before the fleet's minutes rather than after them."""
+    import contextlib
+    import io
+
+    import route_latency as rl
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rap = rl.build_parser()
+            rargs = rap.parse_args(route_args)
+            rl.list_options(rap, rargs)
+            rl.check_repeat(rap, rargs)
+    except SystemExit as e:
+        if e.code:
+            lines = err.getvalue().strip().splitlines() or [f"exit status {e.code}"]
+            ap.error(f"--route-args: {lines[-1].split('error: ', 1)[-1]}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (also read by the test that checks .dev/device/bin/b6.sh's options)."""
     ap = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -269,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args.baseline, args.variant, args.paired_rounds = None, [], 0
     wanted = args.peer_names
     route_args = shlex.split(args.route_args)
+    if args.route_s > 0:
+        check_route_args(ap, route_args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     peer_cmds = {}

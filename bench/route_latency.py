@@ -22,6 +22,12 @@ is measured ``--rounds`` times, alternating between DIR's ``balancer`` and this 
 own process), and the table gives both and the ratio of the medians, this / DIR: on a busy
 host that ratio, not the absolute figures, is the measurement.
 
+``--repeat N`` measures this checkout's table N times in one process, the configurations
+interleaved round by round (round k measures every configuration once, starting k*C/N
+configurations into the table of C: a fixed rotation, so a burst on the host lands on different
+rows in different rounds), and prints per row the median p50 / p99 over the rounds with their
+min-max range. Default 1: one sample per row, the table as before.
+
 ``--numpy-baseline`` does the same against this checkout with :mod:`balancer.kernels`' compiled
 loops turned off (``use_compiled(False)``): what numba buys, the decisions being the same.
 
@@ -52,6 +58,7 @@ import time
 import tracemalloc
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +281,73 @@ def compare(args: argparse.Namespace, policies: list[str]) -> None:
                 b50, b99 = (statistics.median(x[i] for x in base) for i in (0, 1))
                 print(f"{policy:<16}{replicas:>9}{prompt:>8}{o50:>9.1f}{o99:>9.1f}{b50:>10.1f}{b99:>10.1f}"
                       f"{o50 / b50:>11.2f}{o99 / b99:>11.2f}", flush=True)
+
+
+#: Most rounds of ``--repeat`` (every input-driven loop is bounded).
+MAX_REPEAT = 100
+
+
+def interleaved_rounds(configs: list[Any], repeat: int, measure: Callable[[Any], Any],
+                       progress: Callable[[int, float], None] | None = None) -> dict[Any, list[Any]]:
+    """``measure(config)`` ``repeat`` times for every one of ``configs``, round by round: round k
+    (0-based) measures each configuration once, in the table's order rotated to start at
+    configuration ``k * len(configs) // repeat`` (so a burst on the host lands on different rows in
+    different rounds, and no row is always first or last). Returns config -> its ``repeat``
+    results in round order. ``progress(k, seconds)``: called after each round with its wall
+    seconds (for the log). Raises ValueError for ``repeat`` < 1,
+    repeated configurations or none."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if not configs or len(set(configs)) != len(configs):
+        raise ValueError("configs must be non-empty and distinct")
+    out: dict[Any, list[Any]] = {c: [] for c in configs}
+    n = len(configs)
+    for k in range(repeat):
+        t0 = time.perf_counter()
+        start = k * n // repeat
+        for c in configs[start:] + configs[:start]:
+            out[c].append(measure(c))
+        if progress is not None:
+            progress(k, time.perf_counter() - t0)
+    return out
+
+
+def summarise_rounds(results: list[tuple[float, float, float]]) -> dict[str, float]:
+    """One row's rounds, each ``bench``'s (p50 us, p99 us, index fill): the medians of p50, p99 and
+    fill over the rounds (``statistics.median``: the mean of the middle two for an even count) and
+    the min and max of p50 and p99. Raises ValueError for no rounds."""
+    if not results:
+        raise ValueError("no rounds")
+    p50s, p99s, fills = ([r[i] for r in results] for i in range(3))
+    return {"p50": statistics.median(p50s), "p99": statistics.median(p99s), "fill": statistics.median(fills),
+            "p50_min": min(p50s), "p50_max": max(p50s), "p99_min": min(p99s), "p99_max": max(p99s)}
+
+
+def repeated_table(args: argparse.Namespace, policies: list[str], conf: tuple[int, float, int, str]) -> list[str]:
+    """``--repeat`` N > 1: the decision table measured N times (:func:`interleaved_rounds` over
+    every (replicas, prompt, policy), round_robin always among them as the ratio's baseline), one
+    line per row (medians over rounds, min-max ranges, p99 / round_robin's median p99)."""
+    configs = [(replicas, prompt, policy) for replicas in args.replica_counts for prompt in args.prompt_sizes
+               for policy in ["round_robin"] + [p for p in policies if p != "round_robin"]]
+    results = interleaved_rounds(
+        configs, args.repeat, lambda c: bench(c[2], c[0], c[1], *conf),
+        lambda k, s: print(f"round {k + 1} of {args.repeat} measured ({s:.1f} s)", flush=True))
+    def span(lo: float, hi: float) -> str:
+        return f"{lo:.1f}-{hi:.1f}"
+
+    lines = [f"medians of {args.repeat} rounds (ranges: min-max over the rounds); configurations interleaved, "
+             f"round k (from 0) starting at configuration k*{len(configs)}//{args.repeat} of the table",
+             f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p50 range':>15}{'p99 range':>15}"
+             f"{'p99 / round_robin':>19}{'index fill':>12}"]
+    for replicas in args.replica_counts:
+        for prompt in args.prompt_sizes:
+            base = summarise_rounds(results[(replicas, prompt, "round_robin")])
+            for policy in policies:
+                r = summarise_rounds(results[(replicas, prompt, policy)])
+                lines.append(f"{policy:<16}{replicas:>9}{prompt:>8}{r['p50']:>9.1f}{r['p99']:>9.1f}"
+                             f"{span(r['p50_min'], r['p50_max']):>15}{span(r['p99_min'], r['p99_max']):>15}"
+                             f"{r['p99'] / base['p99']:>19.2f}{100 * r['fill']:>11.0f}%")
+    return lines
 
 
 def hashing_us(prompt_tokens: int, block_size: int, n: int = 200) -> tuple[float, float]:
@@ -505,6 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--numpy-baseline", action="store_true",
                     help="like --against, the baseline being this checkout with balancer.kernels' compiled loops off")
     ap.add_argument("--rounds", type=int, default=3, help="with --against: interleaved rounds (default 3)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help=f"without --against: measure the table N times, configurations interleaved round by round; "
+                         f"per row the median p50/p99 and their min-max range (default 1: one sample per row; "
+                         f"at most {MAX_REPEAT})")
     ap.add_argument("--in-flight", type=int, default=0, metavar="N",
                     help="requests kept in flight, so that policies see load (default 0: each finishes at once)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -529,6 +607,18 @@ def list_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                          list_arg(ap, "--policies", args.policies, "policies", one_of(available_policies())))
 
 
+def check_repeat(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--repeat``: an integer 1..:data:`MAX_REPEAT`, only for this checkout's table (``--against``
+    and ``--numpy-baseline`` have ``--rounds``), not with ``--decisions`` (one log per run); else
+    ``ap`` stops naming the option (exit status 2)."""
+    if not 1 <= args.repeat <= MAX_REPEAT:
+        ap.error(f"--repeat must be an integer from 1 to {MAX_REPEAT}, got {args.repeat}")
+    if args.repeat > 1 and (args.against or args.numpy_baseline):
+        ap.error("--repeat is for this checkout's table alone; with --against or --numpy-baseline use --rounds")
+    if args.repeat > 1 and args.decisions:
+        ap.error("--repeat with --decisions: the decision log is one run's (give --repeat 1)")
+
+
 def main() -> int:
     ap = build_parser()
     args = ap.parse_args()
@@ -544,6 +634,7 @@ def main() -> int:
     if args.requests < 1 or args.rounds < 1 or args.kv_events_per_s < 0 or args.in_flight < 0:
         ap.error("--requests and --rounds must be >= 1, --kv-events-per-s and --in-flight >= 0")
     list_options(ap, args)
+    check_repeat(ap, args)
     policies = args.policy_names
     if args.against and args.numpy_baseline:
         ap.error("--against and --numpy-baseline are two baselines: give one")
@@ -565,9 +656,13 @@ def main() -> int:
     log: list[str] | None = [] if args.decisions else None
     print(f"{BLOCK}-token blocks; the time is Router.route's (prefix match, both pools' candidates and policies, "
           "load and index bookkeeping); the prompt's block hashing is not in it (its own line below)")
-    print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p99 / round_robin':>19}"
-          f"{'index fill':>12}")
-    for replicas in args.replica_counts:
+    if args.repeat > 1:
+        for line in repeated_table(args, policies, conf):
+            print(line, flush=True)
+    else:
+        print(f"{'policy':<16}{'replicas':>9}{'prompt':>8}{'p50 us':>9}{'p99 us':>9}{'p99 / round_robin':>19}"
+              f"{'index fill':>12}")
+    for replicas in (args.replica_counts if args.repeat == 1 else []):
         for prompt in args.prompt_sizes:
             base = bench("round_robin", replicas, prompt, *conf, decision_log=log if "round_robin" in policies else None)
             for policy in policies:

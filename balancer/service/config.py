@@ -611,7 +611,10 @@ def parse_worker_spec(text: str, role: str) -> dict[str, Any]:
     if (problem := worker_url_problem(url)) is not None:
         raise bad(problem)
     out: dict[str, Any] = {"url": url, "role": role}
-    for part in parts[1:]:
+    for i, part in enumerate(parts[1:], 2):
+        if not part:
+            where = "a trailing comma" if i == len(parts) else "two commas in a row"
+            raise bad(f"item {i} is empty ({where}) (syntax: {WORKER_SPEC_SYNTAX})")
         k, _, v = part.partition("=")
         k, v = k.strip(), v.strip()
         key = _SPEC_KEYS.get(k)

@@ -522,7 +522,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
                 admin.conns[i].close()
                 admin.conns[i] = mine
                 acceptor.replace(i, ours)
-                log.warning("router process %d restarted (pid %d)", i, p.pid)
+                # one line, as the death's above (printed, whatever the log level; review F5: it was
+                # logged and printed, so the log showed it twice)
                 print(f"router process {i} restarted (pid {p.pid})", file=sys.stderr, flush=True)
             if place is not None and code == 0:
                 place.tick(time.monotonic(), [process_cpu_s(p.pid) if i not in due and i not in starting and p.pid

@@ -48,6 +48,7 @@ from pdlb_cli.args import (
     warn_idle_flags,
     budget_pools_all_wide_ep,
     warn_idle_slo_params,
+    warn_idle_spec_decode,
 )
 from sim.search.capacity import GpuSearch, RateSearch, run_searches
 from sim.search.capacity_report import (
@@ -306,6 +307,7 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     warn_idle_flags(args, idle)
     warn_idle_slo_params([(s.label, *s.build()) for s in specs], opts.route_slo, "drop --no-route-slo",
                          budget_pools_all_wide_ep(scenario))
+    warn_idle_spec_decode([(s.label, s.build()[1]) for s in specs], scenario)
     if args.search == "rate":
         searches: list = [RateSearch(scenario, wl, s, slo, args.rate_min, args.rate_max, args.rate_start, args.tol,
                                      args.max_evals, args.seed, opts, early) for s in specs]

@@ -39,6 +39,7 @@ from pdlb_cli.args import (
     warn_idle_flags,
     budget_pools_all_wide_ep,
     warn_idle_slo_params,
+    warn_idle_spec_decode,
 )
 from sim.run import cluster  # called as cluster.simulate: a test stands in for it there
 from sim.run.admission import check_block_size
@@ -156,6 +157,7 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
     warn_idle_flags(args, idle)
     warn_idle_slo_params([(plabel, p, d) for p, d, plabel, _ in runs], args.route_slo, "add --route-slo",
                          budget_pools_all_wide_ep(scenario))
+    warn_idle_spec_decode([(dlabel, d) for _, d, _, dlabel in runs], scenario)
     requests, meta = _load_workload(args)
     check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation
     span = requests[-1].arrival_time_s - requests[0].arrival_time_s

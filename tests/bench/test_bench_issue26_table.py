@@ -173,7 +173,12 @@ def test_bad_arguments_are_refused_with_a_message(capsys: pytest.CaptureFixture[
     for argv, words in ((["--modes", "regular,bogus"], "--modes"), (["--pdlb-processes", "1,x"], "--pdlb-processes"),
                         (["--pdlb-processes", "0"], "--pdlb-processes"), (["--repeat", "0"], "--repeat"),
                         (["--peers", "nginx"], "--peers: unknown 'nginx'"), (["--duration-s", "nan"], "--duration-s"),
-                        (["--duration-s", "inf"], "--duration-s"), (["--budget-s", "nan"], "--budget-s")):
+                        (["--duration-s", "inf"], "--duration-s"), (["--budget-s", "nan"], "--budget-s"),
+                        # route_latency's own checks, before anything starts (its --repeat and lists)
+                        (["--route-args", "--repeat 0"], "--route-args: --repeat must be an integer from 1 to 100"),
+                        (["--route-args", "--repeat 2 --against ."], "--route-args: --repeat is for"),
+                        (["--route-args", "--replicas 64,,512"], "--route-args: --replicas"),
+                        (["--route-args", "--bogus 1"], "--route-args: unrecognized arguments: --bogus 1")):
         with pytest.raises(SystemExit) as e:
             it.main(argv)
         assert e.value.code == 2 and words in capsys.readouterr().err

@@ -534,12 +534,31 @@ CAP = ["sim", "capacity", "--policy", "round_robin", "--slo-ttft-s", "0.1", "--l
     (["sim", "price", "--simulate", "--limit", "20", "--target", "30", "--png", "p.png"],
      [f"{f} has no effect with --simulate or --from-summary: it shapes the analytic tables only"
       for f in ("--target", "--png")]),
+    # ep_aware's spec_decode where the decode pool gains one token per step (review F9, session 15)
+    (["sim", "run", "--policy", "ep_aware:spec_decode=true", "--limit", "5", "--quiet", "--no-plots"],
+     ["ep_aware(spec_decode=True): spec_decode changes nothing on scenario 'dsv3-pd-h200': its decode pool gains one "
+      "output token per step (a [speculative] table with verify = \"every_step\" gives more)"]),
+    (["sim", "run", "--policy", "ep_aware:spec_decode=true", "--limit", "5", "--quiet", "--no-plots",
+      "--set", "speculative.draft_tokens=2", "--set", "speculative.acceptance=[0.8, 0.6]",
+      "--set", "speculative.verify=every_step"], []),
 ])
 def test_a_flag_without_effect_is_warned_about_once(argv, warnings, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main([*argv, *(["--out", str(tmp_path / "o")] if argv[1] in ("capacity", "run") else [])]) == 0
     err = capsys.readouterr().err
     assert [ln for ln in err.splitlines() if ln.startswith("warning:")] == [f"warning: {w}" for w in warnings]
+
+
+def test_spec_decode_without_speculative_decoding_really_has_no_effect(tmp_path: Path, capsys) -> None:
+    # the evidence behind the spec_decode warning: with it and without, the same run, request by request
+    got = []
+    for policy in ("ep_aware", "ep_aware:spec_decode=true"):
+        out = tmp_path / policy.replace(":", "_").replace("=", "_")
+        assert main(["sim", "run", "--policy", policy, "--limit", "40", "--quiet", "--no-plots", "--out",
+                     str(out)]) == 0
+        got.append(next(out.glob("requests_*.csv")).read_text())
+    capsys.readouterr()
+    assert got[0] == got[1]
 
 
 def test_the_warned_policy_really_has_no_effect(tmp_path: Path, capsys) -> None:

@@ -327,3 +327,45 @@ def test_no_list_option_is_split_by_hand() -> None:
                     and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == ","):
                 found.add((path.relative_to(ROOT).as_posix(), ast.unparse(node.func.value)))
     assert found == HAND_SPLIT, sorted(found ^ HAND_SPLIT)
+
+
+def _route_latency_repeat(*argv: str) -> Outcome:
+    """bench/route_latency.py's parser and its ``--repeat`` check (no measurement starts)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ap = route_latency.build_parser()
+            args = ap.parse_args(list(argv))
+            route_latency.list_options(ap, args)
+            route_latency.check_repeat(ap, args)
+    except SystemExit as e:
+        assert e.code == 2
+        return "err", err.getvalue()
+    return "ok", args.repeat
+
+
+def test_route_latency_repeat_is_an_integer_in_range_refused_by_class() -> None:
+    """``--repeat N``: 1..MAX_REPEAT (100) taken as is; by class, refused with one error naming
+    the option: below 1, above the bound, not an integer, empty; and with the options it does not
+    go with (--against/--numpy-baseline have --rounds; --decisions logs one run)."""
+    top = route_latency.MAX_REPEAT
+    for v in ("1", "2", " 3", str(top)):
+        assert _route_latency_repeat(f"--repeat={v}") == ("ok", int(v))
+    assert _route_latency_repeat() == ("ok", 1)  # the default: the table as before
+    for v in ("0", "-1", str(top + 1), "10**9", "x", "1.5", "", "nan", "1e999", "2,3"):
+        kind, out = _route_latency_repeat(f"--repeat={v}")
+        assert kind == "err" and "--repeat" in out and "Traceback" not in out, (v, out)
+        assert len([ln for ln in out.splitlines() if "error" in ln]) == 1, (v, out)
+    for other in (["--against", "."], ["--numpy-baseline"], ["--decisions", "d.csv"]):
+        kind, out = _route_latency_repeat("--repeat", "2", *other)
+        assert kind == "err" and "--repeat" in out, (other, out)
+        assert _route_latency_repeat("--repeat", "1", *other) == ("ok", 1)
+    rng = random.Random("route_latency --repeat")  # seeded fuzz: exactly the integers 1..100 are taken
+    for _ in range(60):
+        v = "".join(rng.choice("0123456789-+. xe") for _ in range(rng.randint(1, 4)))
+        kind, out = _route_latency_repeat(f"--repeat={v}")
+        try:
+            n = int(v)
+        except ValueError:
+            n = None
+        assert (kind, out) == ("ok", n) if n is not None and 1 <= n <= top else kind == "err", (v, kind, out)

@@ -118,6 +118,11 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:P
      f"worker spec 'http://127.0.0.1:31000,tp=2': unknown option 'tp=2' (syntax: {SPEC_SYNTAX})"),
     (["--prefill", "http://127.0.0.1:31000,dp=2,dp=4"],
      "worker spec 'http://127.0.0.1:31000,dp=2,dp=4': dp given more than once"),
+    # an empty item says so (review, session 15: was "unknown option ''")
+    (["--decode", "http://127.0.0.1:31000,"],
+     f"worker spec 'http://127.0.0.1:31000,': item 2 is empty (a trailing comma) (syntax: {SPEC_SYNTAX})"),
+    (["--decode", "http://127.0.0.1:31000,,dp=2"],
+     f"worker spec 'http://127.0.0.1:31000,,dp=2': item 2 is empty (two commas in a row) (syntax: {SPEC_SYNTAX})"),
     # worker URLs are parsed at startup (as the HTTP client would), not on the first request
     (["--prefill", "http://127.0.0.1:notaport"],
      "worker spec 'http://127.0.0.1:notaport': port 'notaport' is not an integer 1..65535"),

@@ -351,6 +351,13 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
                 where = [_client_sockets(p, port) for p in routers]
                 if max(where) == 12:
                     break
+            # a given-back connection's server side may stay ESTABLISHED a moment after the client
+            # reconnected elsewhere (13 counted for 12 clients, seen under load): let it settle
+            for _ in range(20):
+                if sum(where) == 12:
+                    break
+                await asyncio.sleep(0.1)
+                where = [_client_sockets(p, port) for p in routers]
             text = await (await s.get(r.url + "/metrics")).text()
         assert failed == [] and sent > 300
         assert sum(where) == 12, where
