@@ -345,10 +345,12 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
             # first requests' one-off work, e.g. compiling kernels, may hold the processes busy a
             # while first) or 3 s (round_robin)
             sent = 0
+            first_where: list[int] = []  # where the connections sat after the first step
             for _ in range(10 if placement == "follow_load" else 3):
                 until = time.monotonic() + 1.0
                 sent += sum(await asyncio.gather(*(client(s, until, 0.02) for _ in range(12))))
                 where = [_client_sockets(p, port) for p in routers]
+                first_where = first_where or where
                 if max(where) == 12:
                     break
             # a given-back connection's server side may stay ESTABLISHED a moment after the client
@@ -363,13 +365,16 @@ async def test_pdlb_serve_moves_a_light_load_onto_one_process(placement):
         assert sum(where) == 12, where
         if placement == "follow_load":
             assert sorted(where) == [0, 0, 12], where
-            # the two left-out processes gave back their 4 connections each (at least: a burst of
-            # the first requests' work may have spread them again once)
+            # every connection that sat on a process left out at the end was given back (the
+            # client keeps its connections alive for 15 s, longer than the test): at least the
+            # connections counted there after the first step (often 0: the move may be over within
+            # that step), and at least one, since the 12 connections opened while all 3 took them
             import re
 
             assert re.search(r"^pdlb_router_processes_active 1\.0$", text, re.M), text[-2000:]
-            m = re.search(r'^pdlb_connections_given_back_total\{reason="inactive"\} (\S+)$', text, re.M)
-            assert m is not None and float(m.group(1)) >= 8, m
+            back = sum(float(v) for v in re.findall(r'^pdlb_connections_given_back_total\{reason="\w+"\} (\S+)$', text, re.M))
+            left_out = sum(n for n, now in zip(first_where, where) if now == 0)
+            assert back >= max(1, left_out), (first_where, where, back)
             # both reasons' series exist from the start (at 0 until counted: review2)
             assert re.search(r'^pdlb_connections_given_back_total\{reason="rebalance"\} \S+$', text, re.M), text[-2000:]
         else:
