@@ -36,6 +36,23 @@ def _router(prefill_policy, decode_policy) -> Router:
     return r
 
 
+def _route_capturing(r):  # noqa: ANN001, ANN202
+    """Route one 64-token request through ``r`` and return the candidate snapshots its decision
+    gathered, in the order the router took them (decode pool, then prefill pool)."""
+    captured = []
+    orig = r._candidates
+
+    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        c = orig(*args, **kwargs)
+        captured.append(c)
+        return c
+
+    r._candidates = capture
+    r.route(Request("a", 0.0, 64, (), 8, 8), 1.0)
+    r._candidates = orig
+    return captured
+
+
 def test_a_policy_of_ones_own_sees_the_columns_on_every_pool():
     seen: list = []
     spy = _Spy(seen=seen)
@@ -59,17 +76,7 @@ def test_built_in_policies_declare_what_they_read_and_get_none_elsewhere():
     seen: list = []
     spy = _Spy(seen=seen)
     r = _router(spy, "kv_cost")  # decode pool: kv_cost (reads none); prefill pool: the spy (reads all)
-    captured = []
-    orig = r._candidates
-
-    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        c = orig(*args, **kwargs)
-        captured.append(c)
-        return c
-
-    r._candidates = capture
-    r.route(Request("a", 0.0, 64, (), 8, 8), 1.0)
-    decode_cands, prefill_cands = captured
+    decode_cands, prefill_cands = _route_capturing(r)
     assert decode_cands.role is Role.DECODE and decode_cands.prefill_head_start_s is None
     assert decode_cands.prefill_head_tokens is None and decode_cands.prefill_head_pairs is None
     assert prefill_cands.prefill_head_start_s is not None and seen[0][1] is prefill_cands.prefill_head_start_s
@@ -79,16 +86,6 @@ def test_built_in_policies_declare_what_they_read_and_get_none_elsewhere():
 
 def test_ep_aware_reads_them_on_prefill_pools_only():
     r = _router("ep_aware", "ep_aware")
-    captured = []
-    orig = r._candidates
-
-    def capture(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        c = orig(*args, **kwargs)
-        captured.append(c)
-        return c
-
-    r._candidates = capture
-    r.route(Request("a", 0.0, 64, (), 8, 8), 1.0)
-    decode_cands, prefill_cands = captured
+    decode_cands, prefill_cands = _route_capturing(r)
     assert decode_cands.prefill_head_start_s is None
     assert prefill_cands.prefill_head_start_s is not None and prefill_cands.prefill_head_pairs is not None
