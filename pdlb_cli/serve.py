@@ -287,8 +287,9 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
     the cost model does not have, so that they change no decision (review F9): ``spec_decode`` where
     no engine of the pool has ``decode_tokens_per_step`` above 1 (the policy's tau is then 1), and
     ``seq_cap`` where none has ``max_num_seqs`` (no cap to price), ``parallel_chunks`` (either
-    policy) outside a mixed pool or where no engine of it runs its chunks in parallel
-    (:func:`balancer.prefill_cadence.chunks_in_parallel`). Empty: nothing to say."""
+    policy) outside a mixed pool or where no wide-EP engine of it runs its chunks in parallel
+    (:func:`balancer.prefill_cadence.chunks_in_parallel`; a dense engine's prompt has no group
+    tokens to price, review R3 of session 16). Empty: nothing to say."""
     rc = cfg.router
     role = "decode" if any(w.role == "decode" for w in cfg.workers) else "mixed"
     urls = [w.url for w in cfg.workers if w.role == role]
@@ -319,6 +320,12 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
                    "has max_num_seqs and request_chunk_tokens with max_num_seqs x request_chunk_tokens <= chunk_tokens "
                    "in the cost model, or cadence=false (give --cost-model a file with them: pdlb sim cost-model "
                    "writes the pool's)")
+    elif policy.parallel_chunks and not any(
+            e.ep_synchronous and chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens)
+            for e in engines):  # a dense engine's prompt has no group tokens: both models' group terms are 0
+        out.append("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: the mixed "
+                   "engines whose chunks run in parallel are dense (ep_synchronous = false in the cost model), so a "
+                   "prompt has no group tokens to price either way")
     return out
 
 

@@ -432,6 +432,14 @@ MIXED = ["--pd-protocol", "none", "--mixed", "http://127.0.0.1:52000"]
     (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true,cadence=false"],
      {"max_num_seqs": 64, "request_chunk_tokens": 128}, [PC_NO_KEYS]),
     (MIXED + ["--decode-policy", "ep_aware"], None, []),  # off: nothing to say
+    # review R3 (session 16): dense engines (each rank its own step) have no group tokens: the parallel
+    # model's group terms (per_group_token x ...) and FIFO draining's are both 0 (ep_aware.py
+    # _prefill_cost_one: w_ext = 0 unless ep_synchronous); tests/cli/test_idle_policy_options.py runs it
+    (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true"],
+     {"max_num_seqs": 64, "request_chunk_tokens": 128, "ep_synchronous": False},
+     ["the decode policy ep_aware has parallel_chunks=true, which changes nothing here: the mixed engines whose "
+      "chunks run in parallel are dense (ep_synchronous = false in the cost model), so a prompt has no group tokens "
+      "to price either way"]),
 ])
 def test_serve_warns_of_parallel_chunks_that_can_change_nothing(argv, decode_keys, expected, tmp_path):
     from balancer.cost_model import DEFAULT_COST_MODEL
