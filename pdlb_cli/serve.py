@@ -117,7 +117,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--connection-placement", choices=["follow_load", "round_robin"],
                    help="with --processes > 1: place client connections on as few processes as the load needs "
                         "(follow_load: the others give theirs back with Connection: close) or on every process in "
-                        f"turn (round_robin) (default: {d.connection_placement})")
+                        f"turn (round_robin) (default: {d.connection_placement}; follow_load needs the lean "
+                        "--http-front: with aiohttp's the processes get connections round robin, and serve says so)")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")

@@ -455,3 +455,24 @@ def test_serve_warns_of_parallel_chunks_that_can_change_nothing(argv, decode_key
         f.write_text(json.dumps(data))
         argv = argv + ["--cost-model", str(f)]
     assert idle_policy_option_warnings(_serve_cfg(*argv)) == expected
+
+
+# review R4 (session 16): with --http-front aiohttp the parent cannot place connections by load (the
+# lean front gives them back; launch.py builds no placement view without it) and fell back to round
+# robin silently, also for an explicit --connection-placement follow_load
+PLACEMENT = ("warning: {what} needs the lean HTTP front (it gives connections back with Connection: close): with "
+             "--http-front aiohttp the 2 router processes get new connections round robin, never given back (say "
+             "--connection-placement round_robin to silence this)")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--processes", "2", "--http-front", "aiohttp"], [PLACEMENT.format(what="load-following connection placement")]),
+    (["--processes", "2", "--http-front", "aiohttp", "--connection-placement", "follow_load"],
+     [PLACEMENT.format(what="--connection-placement follow_load")]),
+    (["--processes", "2", "--http-front", "aiohttp", "--connection-placement", "round_robin"], []),
+    (["--processes", "2"], []),  # the lean front: placement follows the load
+    (["--processes", "2", "--http-front", "lean", "--connection-placement", "follow_load"], []),
+    (["--processes", "1", "--http-front", "aiohttp"], []),  # one process: nothing to place
+])
+def test_serve_says_when_connections_cannot_follow_the_load(argv, expected, capsys):
+    assert _serve_warnings([*argv, "--mixed", "http://127.0.0.1:52000"], capsys) == expected
