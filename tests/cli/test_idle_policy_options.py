@@ -103,7 +103,8 @@ def test_parallel_chunks_on_the_prefill_policy_of_a_pd_run_is_named_by_it(tmp_pa
     ("ep-too-long", "epmix:1024", True),
     ("acts", "epmix:512", False),  # the control: where no warning is given, the option does change the run
 ])
-def test_the_warned_parallel_chunks_really_changes_nothing(case, extra, same, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_the_warned_parallel_chunks_really_changes_nothing(case, extra, same, tmp_path: Path,  # noqa: ANN001
+                                                            capsys) -> None:  # noqa: ANN001
     # 300 requests at twice the trace's rate: queues form, so the parallel model has something to price
     if isinstance(extra, str):
         extra = _scenario(tmp_path, int(extra.split(":")[1]))
