@@ -146,3 +146,28 @@ def test_sweep_warns_of_options_idle_on_every_point(grid, want, tmp_path: Path, 
     f.write_text(SWEEP.format(scenario="epmix1024.toml", grid=grid))
     assert main(["sim", "sweep", str(f), "--quiet", "--no-plots", "--jobs", "1", "--out", str(tmp_path / "o")]) == 0
     assert _warnings(capsys) == want
+
+
+def test_a_scenario_cost_model_with_accepted_tokens_makes_spec_decode_act(tmp_path: Path, capsys) -> None:
+    # review R6: the router of a simulated run prices with the scenario's [router] cost_model when it
+    # has one (sim/run/router_config.py); the spec_decode warning read the perf model instead, and so
+    # said "changes nothing" where the router's model has decode_tokens_per_step = 2: the runs differ
+    sc = tmp_path / "epmix512.toml"
+    sc.write_text(EP_MIXED.format(chunk=512))
+    cm = tmp_path / "cm.toml"
+    assert main(["sim", "cost-model", "--scenario", str(sc), "--out", str(cm)]) == 0
+    body = cm.read_text().replace("[cost_model", "[router.cost_model")
+    assert "\n[router.cost_model.decode]\n" in body
+    body = body.replace("\n[router.cost_model.decode]\n", "\n[router.cost_model.decode]\ndecode_tokens_per_step = 2.0\n", 1)
+    with_model = tmp_path / "with_model.toml"
+    with_model.write_text(EP_MIXED.format(chunk=512) + "\n" + "\n".join(ln for ln in body.splitlines()
+                                                                        if not ln.startswith("#")) + "\n")
+    capsys.readouterr()
+    got = []
+    for i, policy in enumerate(("ep_aware", "ep_aware:spec_decode=true")):
+        out = tmp_path / f"o{i}"
+        assert main(["sim", "run", "--policy", policy, "--scenario", str(with_model), "--limit", "300", "--rate-scale",
+                     "2", "--quiet", "--no-plots", "--out", str(out)]) == 0
+        got.append(next(out.glob("requests_*.csv")).read_text())
+        assert _warnings(capsys) == []
+    assert got[0] != got[1]
