@@ -137,7 +137,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="allow a non-loopback --host without an admin API key (the admin API then answers loopback "
                         "peers only, which a reverse proxy on this host makes every client) (default: refuse)")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="router processes behind the port (client connections handed to them in turn); they share in-flight load (shared "
+                   help="router processes behind the port (client connections placed on them by --connection-placement); they share in-flight load (shared "
                         "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
                         "events; admin API changes reach all of them (default: one per core this process may run "
                         f"on, {default_processes()} here; with a worker on this host one per "
