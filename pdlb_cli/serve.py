@@ -119,6 +119,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(follow_load: the others give theirs back with Connection: close) or on every process in "
                         f"turn (round_robin) (default: {d.connection_placement}; follow_load needs the lean "
                         "--http-front: with aiohttp's the processes get connections round robin, and serve says so)")
+    p.add_argument("--pin-processes", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --processes > 1: run router process i on one CPU only, the i-th (wrapping) of the CPUs "
+                        "pdlb serve may use (Linux; the parent keeps them all) (default: "
+                        f"{'on' if d.pin_processes else 'off'}: any CPU of the set)")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")
@@ -204,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "upstream_client": getattr(args, "upstream_client", None),
                   "http_front": getattr(args, "http_front", None),
                   "connection_placement": getattr(args, "connection_placement", None),
+                  "pin_processes": getattr(args, "pin_processes", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)

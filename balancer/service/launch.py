@@ -369,8 +369,11 @@ def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, re
     ``placement``: the name of the connection placement's block
     (:mod:`balancer.service.processes.placement`), None for round robin."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
-    _kernels_from_env()
     cfg = ServiceConfig.model_validate_json(cfg_json)
+    if cfg.pin_processes:  # before any thread starts: they inherit the CPU
+        from balancer.service.processes.pinning import pin_process
+        pin_process(index)
+    _kernels_from_env()
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
         code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff, columns, restart, placement))
     sys.exit(code)
