@@ -218,6 +218,9 @@ async def _closed(proc: Proc, args: argparse.Namespace, clients: int, duration_s
            "given_back_per_1k": (given[-1] - given[0]) / n * 1e3 if len(given) > 1 else math.nan}
     if line and len(line) > 2:
         res.update(_halves(line, bins, args.sample_s, duration_s))
+        # the router processes' own CPU over the sampled span; the rest of cpu_us is the parent's
+        # (accepting and handing on connections, the supervision pass) and the resource tracker's
+        res["children_cpu_us"] = sum(y - x for x, y in zip(line[0][1], line[-1][1])) / n * 1e6
     return res
 
 
@@ -411,7 +414,8 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
         for k, v in c.items():
             if v and "cpu_us_first_half" in v[0]:
                 print(f"    {k}: children's CPU us/req first half {_med([x['cpu_us_first_half'] for x in v]):.0f}, "
-                      f"second half {_med([x['cpu_us_second_half'] for x in v]):.0f}; connections given back per 1k "
+                      f"second half {_med([x['cpu_us_second_half'] for x in v]):.0f}; the rest (parent) "
+                      f"{_med([x['cpu_us'] - x['children_cpu_us'] for x in v]):.0f}; connections given back per 1k "
                       f"requests {_med([x['given_back_per_1k'] for x in v]):.1f}; busy processes (>10% core) / "
                       f"k over time (repeat 1): " + " ".join(f"{t:g}s:{nb}/{kk:g}" for t, nb, kk, _ in v[0]["busy"][::2]))
     for k, v in res["long"].items():
