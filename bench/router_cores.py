@@ -323,6 +323,8 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
             # 1. fixed rate: x1@0 / vllm-router@0 without and with burners; x8 variants at the same rate
             if mode in args.host_modes:
                 items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")]
+                # the topology probe: x1@0 with ONE busy loop, on each CPU of --probe-cpus in turn
+                items += [("x1@0", f"spin@{j}") for j in args.probe_cpus]
                 if r % 2:
                     items.reverse()
                 for k, c in items:
@@ -332,7 +334,8 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                     if c == "none":
                         out = await _fixed(routers[k], args)
                     else:
-                        with Burners(burn_cpus, c):
+                        kind, _, at = c.partition("@")
+                        with Burners([int(at)] if at else burn_cpus, kind):
                             out = await _fixed(routers[k], args)
                     res["host"].setdefault(key, []).append(out)
                 print(f"  repeat {r + 1} fixed {args.rate:g} req/s: " + ", ".join(
@@ -400,6 +403,8 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
             print(f"    HOST x1@0 with {b} burners / without: {_ratio_line(h, f'x1@0 {b}', 'x1@0')}")
             print(f"    HOST vllm-router@0 with {b} burners / without: {_ratio_line(h, f'vllm-router@0 {b}', 'vllm-router@0')}")
         print(f"    PDLB x{n} / x1@0 at equal load: {_ratio_line(h, f'x{n}', 'x1@0')}")
+        for j in args.probe_cpus:
+            print(f"    PROBE x1@0 with one busy loop on CPU {j} / without: {_ratio_line(h, f'x1@0 spin@{j}', 'x1@0')}")
     c = res["closed"]
     if c:
         print(f"  closed loop at {args.max_concurrency}: " + ", ".join(
@@ -449,6 +454,8 @@ def main() -> int:
     ap.add_argument("--pd-engines", type=int, default=2, help="prefill and decode engines each, PD modes (default 2)")
     ap.add_argument("--router-cpus", default="0-7", help="routers' CPUs (default 0-7); the first one holds the @0 rows")
     ap.add_argument("--burner", default="spin", help="comma list of spin, mem (default spin; the first is used closed-loop)")
+    ap.add_argument("--probe-cpus", default="", help="CPUs for the topology probe: x1@0 at the fixed rate with one busy "
+                    "loop on each in turn (host modes; default none), e.g. 1-15: which CPUs share CPU 0's core")
     ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default: no peer row)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip windows that would end after this (default none)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
@@ -465,6 +472,7 @@ def main() -> int:
         ap.error("--processes must be >= 2, --repeat >= 1, --long-s >= 0")
     cpus = os.sched_getaffinity(0)
     args.router_cpus = ro._cpu_list(args.router_cpus, ap)
+    args.probe_cpus = sorted(ro._cpu_list(args.probe_cpus, ap) - {min(args.router_cpus)}) if args.probe_cpus else []
     args.other_cpus = (cpus - args.router_cpus) or None
     args.pin_option = _has_pin_option()
     budget = Budget(args.budget_s)
