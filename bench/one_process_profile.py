@@ -7,8 +7,10 @@ offered rate (open loop, ``bench/router_processes_rate.py``'s client: request k 
 (``--rate 250``, without ``--idle``). The samples (less those in ``epoll_wait``, which only
 ``--native`` shows) are scaled to the process's measured CPU per request (``/proc``, user +
 system, over the same window), so each row reads as microseconds of CPU per request: exact
-shares when the process is saturated (offer a rate above what it serves); below that the event
-loop's row also holds idle samples and the other rows are understated in proportion.
+shares only when the process is saturated (offer a rate above what it serves): below that
+py-spy takes idle samples for busy ones (under the loop's ``run``, and, reading the router's
+memory without stopping it, on the stale frames of callbacks that have returned), so the rows
+are shares of samples, not of CPU.
 ``--strace``: system calls per request instead (``strace -c``). The tables:
 
 * **areas**: each sample's leaf frame by code area (the lean front, the proxy, the upstream
@@ -119,43 +121,36 @@ def collapse(raw: Path) -> dict:
 
 LOOP = "event loop (C) + idle"
 SAMPLE_RATE_HZ = 250
-"""py-spy's sampling rate here: each sample stands for 1 / 250 s of the router's main thread."""
+"""py-spy's sampling rate here (samples per second of the router's main thread)."""
 
 
 def report(mode: str, col: dict, cpu_us: float, top: int, done: float | None = None) -> dict:
-    """Print the tables; returns them in microseconds of CPU per request.
+    """Print the tables; returns them in microseconds of CPU per request: every sample outside the
+    epoll wait scaled to ``cpu_us`` (``done``: the requests in py-spy's window, printed only).
 
-    With ``done`` (the requests answered in the sampled window): a sample whose leaf is a Python
-    frame is the thread running (or in a native call made from that frame), so it stands for
-    ``1 / SAMPLE_RATE_HZ`` s of CPU: ``n / SAMPLE_RATE_HZ / done`` s per request, whatever py-spy
-    took for idle; the event loop's own C code and the kernel are the rest of the measured CPU
-    (``cpu_us`` less the Python frames). Without ``done``: every sample outside the epoll wait is
-    scaled to ``cpu_us`` (exact only for a saturated process)."""
+    Exact shares only for a saturated process: py-spy (``--nonblocking``) takes some idle samples
+    for busy ones here, and not only under the loop's ``run``: reading a running process's memory
+    without stopping it, it also finds the last Python frames of a callback that has returned
+    (at a fixed 400 requests/s the Python frames alone summed to 1.4x the measured CPU)."""
     areas = col["areas"]
     busy = col["samples"] - areas.get("epoll wait", 0)
     print(f"\n== {mode}: {cpu_us:.0f} us CPU per request, {col['samples']} samples ({busy} outside the epoll wait)"
           + (f", {done:.0f} requests in it ==" if done else " =="))
     if busy <= 0:
         return {}
-    if done:
-        scale = 1e6 / SAMPLE_RATE_HZ / done
-        out_areas = {a: n * scale for a, n in areas.items() if a not in (LOOP, "epoll wait")}
-        out_areas[LOOP] = max(0.0, cpu_us - sum(out_areas.values()))
-        print(f"  areas (leaf frame), us per request ('{LOOP}': the measured CPU less the Python frames):")
-    else:
-        scale = cpu_us / busy
-        out_areas = {a: n * scale for a, n in areas.items() if a != "epoll wait"}
-        print("  areas (leaf frame), us per request (samples outside the epoll wait scaled to the measured CPU):")
+    scale = cpu_us / busy
+    out_areas = {a: n * scale for a, n in areas.items() if a != "epoll wait"}
+    print("  areas (leaf frame), us per request (samples outside the epoll wait scaled to the measured CPU):")
     for a, us in sorted(out_areas.items(), key=lambda kv: -kv[1]):
         print(f"    {us:7.1f} us {us / max(cpu_us, 1e-9):6.1%}  {a}")
     print(f"  inclusive (stack holds it), pdlb and library functions, top {top}:")
     rows = [(fn, n) for fn, n in col["incl"].most_common() if "(" in fn and not fn.startswith(("<module>", "run ("))]
     for fn, n in rows[:top]:
-        print(f"    {n * scale:7.1f} us {n * scale / max(cpu_us, 1e-9):6.1%}  {fn[:120]}")
+        print(f"    {n * scale:7.1f} us {n / busy:6.1%}  {fn[:120]}")
     print(f"  self (leaf), top {top}:")
     for fn, n in col["self"].most_common(top):
         if not fn.startswith(("EpollSelector.select", "run (")):
-            print(f"    {n * scale:7.1f} us {n * scale / max(cpu_us, 1e-9):6.1%}  {fn[:120]}")
+            print(f"    {n * scale:7.1f} us {n / busy:6.1%}  {fn[:120]}")
     return {"cpu_us": cpu_us, "samples": col["samples"], "busy": busy, "done": done,
             "areas_us": out_areas, "incl_us": {fn: n * scale for fn, n in rows[:200]}}
 

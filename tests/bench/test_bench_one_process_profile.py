@@ -75,18 +75,3 @@ def test_bad_arguments_are_refused(argv: list[str]) -> None:
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2, r.stderr
     assert "error:" in r.stderr
-
-
-def test_report_with_the_request_count_takes_python_samples_as_cpu_and_the_loop_as_the_rest(tmp_path: Path) -> None:
-    raw = tmp_path / "raw.txt"
-    # 250 samples a second: each sample is 4 ms of the thread. 50 requests, 5 proxy samples and 10
-    # core samples -> 5 x 4000 / 50 = 400 us and 800 us per request; the loop's 100 samples (idle
-    # or not) are not counted: the loop row is the measured 1,500 us less 1,200 = 300 us
-    raw.write_text("a;run (/p/asyncio/runners.py:118) 100\n"
-                   "a;run (/p/asyncio/runners.py:118);_attempt (/x/balancer/service/proxy.py:1) 5\n"
-                   "a;run (/p/asyncio/runners.py:118);_route (/x/balancer/router.py:1) 10\n")
-    out = opp.report("pd", opp.collapse(raw), 1500.0, 10, 50)
-    assert out["areas_us"]["pdlb proxy"] == pytest.approx(400.0)
-    assert out["areas_us"]["pdlb core (routing)"] == pytest.approx(800.0)
-    assert out["areas_us"][opp.LOOP] == pytest.approx(300.0)
-    assert out["incl_us"]["_attempt (/x/balancer/service/proxy.py)"] == pytest.approx(400.0)
