@@ -253,9 +253,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40, help="rows of the function tables (default 40)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    if not modes or any(m not in ro.MODES for m in modes):
-        ap.error(f"--modes: a comma list of {', '.join(ro.MODES)}")
+    from pdlb_cli.comma_lists import list_arg, one_of
+    modes = list_arg(ap, "--modes", args.modes, "modes", one_of(ro.MODES))
     if args.rate <= 0 or args.duration_s < 1 or args.connections < 1 or args.load_processes < 1:
         ap.error("--rate > 0, --duration-s >= 1, --connections >= 1, --load-processes >= 1")
     if args.strace and not shutil.which("strace"):
