@@ -7,8 +7,10 @@ offered rate (open loop, ``bench/router_processes_rate.py``'s client: request k 
 (``--rate 250``, without ``--idle``). The samples (less those in ``epoll_wait``, which only
 ``--native`` shows) are scaled to the process's measured CPU per request (``/proc``, user +
 system, over the same window), so each row reads as microseconds of CPU per request: exact
-shares when the process is saturated (offer a rate above what it serves); below that the event
-loop's row also holds idle samples and the other rows are understated in proportion.
+shares only when the process is saturated (offer a rate above what it serves): below that
+py-spy takes idle samples for busy ones (under the loop's ``run``, and, reading the router's
+memory without stopping it, on the stale frames of callbacks that have returned), so the rows
+are shares of samples, not of CPU.
 ``--strace``: system calls per request instead (``strace -c``). The tables:
 
 * **areas**: each sample's leaf frame by code area (the lean front, the proxy, the upstream
@@ -43,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -65,7 +68,7 @@ AREAS = (
     ("/balancer/service/processes/", "pdlb shared state"),
     ("/balancer/service/", "pdlb service other"),
     ("/balancer/", "pdlb core (routing)"),
-    ("/asyncio/runners.py", "event loop (C) + idle"),
+    ("/asyncio/runners.py", "event loop (C) + idle"),  # LOOP
     ("/asyncio/", "asyncio (Python)"), ("/uvloop/", "asyncio (Python)"),
     ("/aiohttp/", "aiohttp"), ("/prometheus_client/", "prometheus"),
     ("/yarl/", "yarl/multidict"), ("/multidict/", "yarl/multidict"),
@@ -116,27 +119,48 @@ def collapse(raw: Path) -> dict:
     return {"samples": total, "areas": areas, "self": self_n, "incl": incl}
 
 
-def report(mode: str, col: dict, cpu_us: float, top: int) -> dict:
-    busy = col["samples"] - col["areas"].get("epoll wait", 0)
-    print(f"\n== {mode}: {cpu_us:.0f} us CPU per request, {col['samples']} samples ({busy} outside the epoll wait) ==")
+LOOP = "event loop (C) + idle"
+SAMPLE_RATE_HZ = 250
+"""py-spy's sampling rate here (samples per second of the router's main thread)."""
+
+
+def report(mode: str, col: dict, cpu_us: float, top: int, done: float | None = None) -> dict:
+    """Print the tables; returns them in microseconds of CPU per request: every sample outside the
+    epoll wait scaled to ``cpu_us`` (``done``: the requests in py-spy's window, printed only).
+
+    Exact shares only for a saturated process: py-spy (``--nonblocking``) takes some idle samples
+    for busy ones here, and not only under the loop's ``run``: reading a running process's memory
+    without stopping it, it also finds the last Python frames of a callback that has returned
+    (at a fixed 400 requests/s the Python frames alone summed to 1.4x the measured CPU)."""
+    areas = col["areas"]
+    busy = col["samples"] - areas.get("epoll wait", 0)
+    print(f"\n== {mode}: {cpu_us:.0f} us CPU per request, {col['samples']} samples ({busy} outside the epoll wait)"
+          + (f", {done:.0f} requests in it ==" if done else " =="))
     if busy <= 0:
         return {}
     scale = cpu_us / busy
-    print("  areas (leaf frame), us per request:")
-    for a, n in col["areas"].most_common():
-        if a != "epoll wait":
-            print(f"    {n * scale:7.1f} us {n / busy:6.1%}  {a}")
+    out_areas = {a: n * scale for a, n in areas.items() if a != "epoll wait"}
+    print("  areas (leaf frame), us per request (samples outside the epoll wait scaled to the measured CPU):")
+    for a, us in sorted(out_areas.items(), key=lambda kv: -kv[1]):
+        print(f"    {us:7.1f} us {us / max(cpu_us, 1e-9):6.1%}  {a}")
     print(f"  inclusive (stack holds it), pdlb and library functions, top {top}:")
     rows = [(fn, n) for fn, n in col["incl"].most_common() if "(" in fn and not fn.startswith(("<module>", "run ("))]
     for fn, n in rows[:top]:
         print(f"    {n * scale:7.1f} us {n / busy:6.1%}  {fn[:120]}")
     print(f"  self (leaf), top {top}:")
     for fn, n in col["self"].most_common(top):
-        if not fn.startswith("EpollSelector.select"):
+        if not fn.startswith(("EpollSelector.select", "run (")):
             print(f"    {n * scale:7.1f} us {n / busy:6.1%}  {fn[:120]}")
-    return {"cpu_us": cpu_us, "samples": col["samples"], "busy": busy,
-            "areas_us": {a: n * scale for a, n in col["areas"].items()},
-            "incl_us": {fn: n * scale for fn, n in rows[:200]}}
+    return {"cpu_us": cpu_us, "samples": col["samples"], "busy": busy, "done": done,
+            "areas_us": out_areas, "incl_us": {fn: n * scale for fn, n in rows[:200]}}
+
+
+async def _start_later(cmd: list[str], args: argparse.Namespace, stderr: int) -> subprocess.Popen:
+    """``cmd`` started 2 s from now (when ``router_processes_rate._drive``'s clients begin), on the
+    CPUs outside the router's."""
+    await asyncio.sleep(2.0)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, args.other_cpus)) if args.other_cpus else None)
 
 
 async def run_mode(mode: str, args: argparse.Namespace, spy: str) -> dict:
@@ -159,11 +183,13 @@ async def run_mode(mode: str, args: argparse.Namespace, spy: str) -> dict:
         pid = router.popen.pid
         with tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "raw.txt"
+            # _drive's clients send from 2 s after it is called (connections warmed first) for
+            # --duration-s: the tracer starts with them, so both see the same window
             if args.strace:  # system calls per request instead of a profile
-                st = subprocess.Popen(["strace", "-c", "-f", "-o", str(raw), "-p", str(pid)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                await asyncio.sleep(0.5)
+                tracer = asyncio.ensure_future(_start_later(["strace", "-c", "-f", "-o", str(raw), "-p", str(pid)],
+                                                            args, subprocess.DEVNULL))
                 res = await rpr._drive(router, args)
+                st = await tracer
                 st.terminate()
                 st.wait(10)
                 print(f"\n== {mode}: system calls over the window, {res['done']} requests ==")
@@ -173,12 +199,15 @@ async def run_mode(mode: str, args: argparse.Namespace, spy: str) -> dict:
                         print(f"    {int(parts[3]) / max(1, res['done']):6.2f} per request  {line}")
                 return {"cpu_us": res["cpu_us"]}
             how = ["--native"] if args.native else ["--nonblocking"]
-            spy_p = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(args.duration_s)),
-                                      "--rate", "250", *how, "--format", "raw", "-o", str(raw)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, args.other_cpus))
-                                     if args.other_cpus else None)
+            spy_task = asyncio.ensure_future(_start_later(
+                [spy, "record", "--pid", str(pid), "--duration", str(int(args.duration_s)),
+                 "--rate", str(SAMPLE_RATE_HZ), *how, "--format", "raw", "-o", str(raw)], args, subprocess.PIPE))
+            t_send = time.monotonic() + 2.0  # when _drive's clients begin
             res = await rpr._drive(router, args)
+            # a client that falls behind (a rate above the router's capacity) sends past the
+            # window: the requests within py-spy's window, at the run's mean throughput
+            in_window = res["done"] * min(1.0, int(args.duration_s) / max(1e-9, time.monotonic() - t_send))
+            spy_p = await spy_task
             try:
                 _, err = spy_p.communicate(timeout=30)
             except subprocess.TimeoutExpired:
@@ -190,7 +219,7 @@ async def run_mode(mode: str, args: argparse.Namespace, spy: str) -> dict:
             col = collapse(raw)
             if args.keep_raw:
                 shutil.copy(raw, args.keep_raw / f"{mode}.raw.txt")
-        out = report(mode, col, res["cpu_us"], args.top)
+        out = report(mode, col, res["cpu_us"], args.top, in_window)
         out["wakeups"] = res["wakeups"]
         return out
     finally:

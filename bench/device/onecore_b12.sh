@@ -9,12 +9,14 @@
 # the tarball with
 #   git archive 77eec5c balancer pdlb_cli sim pyproject.toml | gzip > .dev/device/base_77eec5c.tgz   # ~1.5 MB
 # Writes $OUT/b12.log (everything), $OUT/paired.log, $OUT/profile.log, $OUT/profile.json, env.txt.
-# Knobs (env): LIM (s, 150 in all), PAIRED (rounds, 6), PROF_RATE (req/s offered, 9000), PROF_S (s, 4),
+# Knobs (env): LIM (s, 170 in all), PAIRED (rounds, 6), PROF_RATE (req/s offered, 9000), PROF_S (s, 4),
 #   MODES (regular,pd,vllm-pd), PY (python3), SKIP_PIP (1: use PY's own packages, for a dry run elsewhere),
 #   RCPUS (0-7: the paired routers' CPUs).
-# Expected on the 16-core host: ~70 s paired (3 modes x (start ~10 s + 6 rounds x 2.5 s)), ~60 s profiles.
+# Expected on the 16-core host: ~105 s paired (3 modes x (start + one repeat ~20 s, 6 rounds x 2.5 s)), ~45 s profiles
+# (3 x (start ~5 s, 1 s warm-up, 4 s sampled)); the profiles get what is left of LIM. Dry run on the 2-core host
+# (SKIP_PIP=1 PY=.venv/bin/python RCPUS=0 MODES=pd PAIRED=2 PROF_RATE=1500 PROF_S=2): rc 0, 59 s.
 set -u -o pipefail
-T0=$SECONDS; OUT=${OUT:-/tmp/onecore_b12}; mkdir -p $OUT; PY=${PY:-python3}; LIM=${LIM:-150}
+T0=$SECONDS; OUT=${OUT:-/tmp/onecore_b12}; mkdir -p $OUT; PY=${PY:-python3}; LIM=${LIM:-170}
 exec > >(tee $OUT/b12.log) 2>&1
 if [ -z "${SKIP_PIP:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -31,7 +33,7 @@ fi
 left() { echo $((LIM - (SECONDS - T0))); }
 if [ ${#BASE[@]} -gt 0 ]; then
   echo "== (1) one process, this tree vs 77eec5c, paired =="
-  timeout $(( $(left) - 60 )) $PY bench/router_overhead.py --peers none --modes ${MODES:-regular,pd,vllm-pd} \
+  timeout $(( $(left) - 55 )) $PY bench/router_overhead.py --peers none --modes ${MODES:-regular,pd,vllm-pd} \
     --pdlb-processes 1 "${BASE[@]}" --paired-rounds ${PAIRED:-6} --repeat 1 --duration-s 2 --router-cpus ${RCPUS:-0-7} \
     --engines 4 --pd-engines 2 --load-processes 4 2>&1 | tee $OUT/paired.log
   echo "paired: rc $?, $((SECONDS - T0)) s"
