@@ -292,8 +292,8 @@ def _replay(session: str, contexts: list[int], outputs: list[int], start: int,
     for t in range(start, len(contexts)):
         if t == start:
             reusable = server = 0
-        elif kept is not None and kept[t] is not None:
-            reusable = server = kept[t]
+        elif kept is not None and (kept_t := kept[t]) is not None:
+            reusable = server = kept_t
         else:
             reusable, server = contexts[t - 1] + outputs[t - 1], contexts[t - 1]
         yield Turn(session, t, contexts[t], reusable, outputs[t], t == start, server, subagent)
