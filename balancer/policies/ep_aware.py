@@ -101,6 +101,21 @@ Parameters:
         eight workload seeds (level at 2x, 1.8 points lower at 1.5x; docs/policies/ep_aware.md,
         "Who waits for a prompt's group tokens"). Engines without the options are priced the same
         either way.
+    session_forecast: read the router's forecast of idle sessions that will return to each rank
+        (``Candidates.returning_requests``, ``returning_kv_tokens``; :mod:`balancer.session_forecast`)
+        and price decode and mixed candidates as if they had returned: the terms about the
+        request's life from now on (the cadence's TTFT and forced steps, the slot wait, the decode
+        cost, the tie rule) see ``b + rint(R)`` requests and ``kv + rint(K)`` tokens per rank; the
+        prefill terms and the batch stall price what runs and queues now. Off by default.
+    prefill_at_once: read the prompts each rank prefills at once (``Candidates.prefill_inflight``,
+        the router's routed prompts not yet prefilled) and, where chunks run in parallel (a mixed
+        pool with ``S L <= C``), add ``externality_weight n_e ceil(u_i / L) rise_i``: the prompt's
+        prefill steps each lengthened by how far it raises the engine's busiest per-step prefill
+        (:func:`at_once_step_rise_s`) for the engine's ``n_e`` running sequences. Off by default.
+    return_horizon_s: the forecast's decay horizon ``H``, seconds (a session idle ``a`` seconds
+        counts ``1 - a / H``; dropped at ``H``). With either option the router keeps these facts
+        (:attr:`balancer.policies.Policy.session_facts`); without a router (hand-built candidates)
+        the columns are ``None`` and both options price nothing.
 
 **vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
 model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
