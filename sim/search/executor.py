@@ -78,8 +78,8 @@ class Executor:
         for key, reqs in workloads.items():
             register_workload(key, reqs)
 
-    def shutdown(self) -> None:
-        """Release workers (idempotent)."""
+    def shutdown(self, kill: bool = False) -> None:
+        """Release workers (idempotent); ``kill``: without waiting for running work (where there is any)."""
 
     def __enter__(self) -> Executor:
         return self
@@ -318,7 +318,7 @@ class RayExecutor(Executor):
         inner.add_done_callback(done)
         return outer
 
-    def shutdown(self) -> None:
+    def shutdown(self, kill: bool = False) -> None:
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
             self._owns = False

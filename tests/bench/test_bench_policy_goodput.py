@@ -42,3 +42,29 @@ def test_the_pool_is_stopped_when_main_ends(rows, raises, monkeypatch, tmp_path)
     with pytest.raises(raises):
         pg.main(["--rows", rows, "--no-fair-slo", "--seeds", "1", "--jobs", "2", "--out", str(tmp_path / "o")])
     assert len(made) == 1 and made[0].stopped == [True]  # stopped once, at once (was: never)
+
+
+def test_every_executor_takes_the_stop_main_gives_it() -> None:
+    # session 16: with --jobs 1 the serial executor's shutdown() took no ``kill`` and main's finally
+    # raised TypeError after every run
+    from sim.search.executor import make_executor
+
+    for kill in (False, True):
+        make_executor("process", jobs=1).shutdown(kill=kill)
+
+
+def test_policy_specs_with_several_options_are_one_policy(monkeypatch) -> None:
+    # session 16: --policies split "ep_aware:a=true,b=true" at the comma ("unknown policy 'b=true'")
+    seen: list = []
+
+    def stop(rows, seeds, policies, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(list(policies))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pg, "fair_slos", stop)
+    with pytest.raises(SystemExit):
+        pg.main(["--rows", "shared_prefix:default", "--policies",
+                 "ep_aware:session_forecast=true,prefill_at_once=true,scored", "--jobs", "1", "--no-gpus"])
+    assert seen == [["ep_aware:session_forecast=true,prefill_at_once=true", "scored"]]
+    with pytest.raises(SystemExit):
+        pg.main(["--rows", "shared_prefix:default", "--policies", "scored,scored", "--jobs", "1"])
