@@ -79,7 +79,9 @@ class Executor:
             register_workload(key, reqs)
 
     def shutdown(self, kill: bool = False) -> None:
-        """Release workers (idempotent); ``kill``: without waiting for running work (where there is any)."""
+        """Release workers (idempotent); ``kill`` (on Ctrl-C or an error): without waiting for the
+        running points, where the executor can (every executor takes it: a caller that stops
+        whichever :func:`make_executor` gave it passes it, review R8)."""
 
     def __enter__(self) -> Executor:
         return self
