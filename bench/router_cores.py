@@ -327,13 +327,14 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         print(f"\n== {mode}: routers {', '.join(routers)} ==", flush=True)
         burn_cpus = sorted(args.router_cpus - first) if args.router_cpus and len(args.router_cpus) > 1 else []
         host_rows = [k for k in routers if k.endswith("@0")]
-        conds = ["none", *([b for b in args.burner] if burn_cpus else [])]
+        conds = ["none", *([b for b in args.burner] if burn_cpus and "burn" in args.rows else [])]
         win_fixed = args.duration_s + 2.6
         win_closed = args.duration_s + 2.0
         for r in range(args.repeat):
             # 1. fixed rate: x1@0 / vllm-router@0 without and with burners; x8 variants at the same rate
             if mode in args.host_modes:
-                items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")]
+                items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")] + \
+                    [(f"x{n} {v}", "none") for v, _ in args.variant]
                 # the topology probe: x1@0 with ONE busy loop, on each CPU of --probe-cpus in turn
                 items += [("x1@0", f"spin@{j}") for j in args.probe_cpus]
                 if r % 2:
@@ -414,6 +415,9 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
             print(f"    HOST x1@0 with {b} burners / without: {_ratio_line(h, f'x1@0 {b}', 'x1@0')}")
             print(f"    HOST vllm-router@0 with {b} burners / without: {_ratio_line(h, f'vllm-router@0 {b}', 'vllm-router@0')}")
         print(f"    PDLB x{n} / x1@0 at equal load: {_ratio_line(h, f'x{n}', 'x1@0')}")
+        for v, _ in args.variant:
+            print(f"    x{n} {v} / x1@0 at equal load: {_ratio_line(h, f'x{n} {v}', 'x1@0')}; "
+                  f"/ x{n}: {_ratio_line(h, f'x{n} {v}', f'x{n}')}")
         for j in args.probe_cpus:
             print(f"    PROBE x1@0 with one busy loop on CPU {j} / without: {_ratio_line(h, f'x1@0 spin@{j}', 'x1@0')}")
     c = res["closed"]
@@ -470,7 +474,7 @@ def main() -> int:
     ap.add_argument("--probe-cpus", default="", help="CPUs for the topology probe: x1@0 at the fixed rate with one busy "
                     "loop on each in turn (host modes; default none), e.g. 1-15: which CPUs share CPU 0's core")
     ap.add_argument("--rows", default="rr,pin,burn", help="optional rows: rr (x8 round_robin placement), pin (x8 pinned), "
-                    "burn (x1@0 closed loop with busy loops) (default all; '' none)")
+                    "burn (x1@0 with busy loops, fixed rate and closed loop) (default all; '' none)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="one more multi-process row 'xN NAME': pdlb serve with ARGS added (repeatable)")
     ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default: no peer row)")
