@@ -22,7 +22,9 @@ bench splits that, per mode, in ONE run, every figure a ratio of windows taken i
    own CPU of the router set) when the tree has the option, else the bench pins each process's threads itself after
    start-up (printed which).
 
-Routers on ``--router-cpus`` (0-7), engines and clients on the rest (as router_overhead). A global ``--budget-s`` skips
+Routers on ``--router-cpus`` (0-7), engines and clients on the rest (as router_overhead). Each mode starts with a 1 s
+warm-up of every router at once (upstream pools, the placement out of its start-up state); an x8 window then starts
+with the placement where that router's previous window left it (b6's throughput run follows a 16-client latency run). A global ``--budget-s`` skips
 windows that would not fit (printed). Run by hand::
 
     .venv/bin/python bench/router_cores.py --router-cpus 0 --engines 1 --pd-engines 1 --load-processes 1 \
@@ -123,15 +125,20 @@ def _pin_threads(pid: int, cpu: int) -> None:
             pass
 
 
-def _active_metric(url: str) -> float:
+def _scrape(url: str) -> tuple[float, float]:
+    """``pdlb_router_processes_active`` and the sum of ``pdlb_connections_given_back_total`` over
+    its reasons from ``url``'s ``/metrics`` (nan for what is not there)."""
+    k, given = float("nan"), float("nan")
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=0.5) as r:
             for line in r.read().decode().splitlines():
                 if line.startswith("pdlb_router_processes_active"):
-                    return float(line.split()[-1])
+                    k = float(line.split()[-1])
+                elif line.startswith("pdlb_connections_given_back_total"):
+                    given = (0.0 if math.isnan(given) else given) + float(line.split()[-1])
     except (OSError, ValueError):
         pass
-    return float("nan")
+    return k, given
 
 
 def _pinned(cpu: int):  # noqa: ANN202
@@ -159,14 +166,16 @@ class Burners:
             p.wait()
 
 
-async def _sampler(pid: int, url: str | None, every_s: float, stop: asyncio.Event, line: list) -> None:
-    """Appends (t, [CPU s of each router process], active k) every ``every_s`` until ``stop``."""
+async def _sampler(pid: int, url: str | None, every_s: float, stop: asyncio.Event, line: list, given: list) -> None:
+    """Appends (t, [CPU s of each router process], active k) to ``line`` and the connections given
+    back so far to ``given`` every ``every_s`` until ``stop``."""
     kids = _children(pid) or [pid]
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
     while not stop.is_set():
-        k = await loop.run_in_executor(None, _active_metric, url) if url else float("nan")
+        k, g = await loop.run_in_executor(None, _scrape, url) if url else (float("nan"), float("nan"))
         line.append((time.monotonic() - t0, [_own_cpu_s(p) for p in kids], k))
+        given.append(g)
         try:
             await asyncio.wait_for(stop.wait(), every_s)
         except asyncio.TimeoutError:
@@ -186,8 +195,9 @@ async def _closed(proc: Proc, args: argparse.Namespace, clients: int, duration_s
         for c in per if c > 0]
     await asyncio.sleep(max(0.0, start_at - time.time() - 0.05))
     line: list = []
+    given: list = []
     stop = asyncio.Event()
-    task = asyncio.ensure_future(_sampler(proc.popen.pid, proc.url, args.sample_s, stop, line)) if sample else None
+    task = asyncio.ensure_future(_sampler(proc.popen.pid, proc.url, args.sample_s, stop, line, given)) if sample else None
     cpu0 = ro._cpu_s(proc.popen.pid)
     outs = [json.loads((await k.communicate())[0]) for k in kids]
     cpu1 = ro._cpu_s(proc.popen.pid)
@@ -203,9 +213,14 @@ async def _closed(proc: Proc, args: argparse.Namespace, clients: int, duration_s
     res = {"rps": len(lat) / duration_s, "cpu_us": (cpu1 - cpu0) / n * 1e6,
            "p50_ms": lat[len(lat) // 2] * 1e3 if lat else math.nan,
            "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3 if lat else math.nan,
-           "bins": bins, "line": line}
+           "bins": bins, "line": line,
+           # connections given back (follow_load) per 1,000 answered requests during the window
+           "given_back_per_1k": (given[-1] - given[0]) / n * 1e3 if len(given) > 1 else math.nan}
     if line and len(line) > 2:
         res.update(_halves(line, bins, args.sample_s, duration_s))
+        # the router processes' own CPU over the sampled span; the rest of cpu_us is the parent's
+        # (accepting and handing on connections, the supervision pass) and the resource tracker's
+        res["children_cpu_us"] = sum(y - x for x, y in zip(line[0][1], line[-1][1])) / n * 1e6
     return res
 
 
@@ -280,8 +295,14 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         procs += [p for k, p in routers.items() if not k.startswith("vllm")]
         if args.other_cpus:
             os.sched_setaffinity(0, args.other_cpus)
-        for rp in routers.values():
-            await ro._wait_ready(rp.url, rp.popen)
+        for name, rp in list(routers.items()):
+            try:
+                await ro._wait_ready(rp.url, rp.popen, timeout_s=60 if name.startswith("vllm") else 180)
+            except RuntimeError as e:
+                if not name.startswith("vllm"):
+                    raise
+                print(f"  {name} unavailable: {e} (see /tmp/pdlb-bench-vllm-router-{mode}.log); skipping it")
+                del routers[name]
         if not args.pin_option and args.router_cpus:
             cpus = sorted(args.router_cpus)
             for i, kid in enumerate(_children(routers[f"x{n} pin"].popen.pid)):
@@ -289,6 +310,9 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         pin_kids = _children(routers[f"x{n} pin"].popen.pid)
         print(f"  x{n} pin: the router processes' CPU sets (main thread): "
               + " ".join(str(sorted(os.sched_getaffinity(k))) for k in pin_kids), flush=True)
+        # warm-up, every router at once (1 s closed loop at --max-concurrency): upstream pools open, the
+        # placement out of its start-up state, so that no row's first window pays for that alone
+        await asyncio.gather(*(_closed(rp, args, args.max_concurrency, 1.0, False) for rp in routers.values()))
         print(f"\n== {mode}: routers {', '.join(routers)} ==", flush=True)
         burn_cpus = sorted(args.router_cpus - first) if args.router_cpus and len(args.router_cpus) > 1 else []
         host_rows = [k for k in routers if k.endswith("@0")]
@@ -299,6 +323,8 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
             # 1. fixed rate: x1@0 / vllm-router@0 without and with burners; x8 variants at the same rate
             if mode in args.host_modes:
                 items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")]
+                # the topology probe: x1@0 with ONE busy loop, on each CPU of --probe-cpus in turn
+                items += [("x1@0", f"spin@{j}") for j in args.probe_cpus]
                 if r % 2:
                     items.reverse()
                 for k, c in items:
@@ -308,7 +334,8 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                     if c == "none":
                         out = await _fixed(routers[k], args)
                     else:
-                        with Burners(burn_cpus, c):
+                        kind, _, at = c.partition("@")
+                        with Burners([int(at)] if at else burn_cpus, kind):
                             out = await _fixed(routers[k], args)
                     res["host"].setdefault(key, []).append(out)
                 print(f"  repeat {r + 1} fixed {args.rate:g} req/s: " + ", ".join(
@@ -376,6 +403,8 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
             print(f"    HOST x1@0 with {b} burners / without: {_ratio_line(h, f'x1@0 {b}', 'x1@0')}")
             print(f"    HOST vllm-router@0 with {b} burners / without: {_ratio_line(h, f'vllm-router@0 {b}', 'vllm-router@0')}")
         print(f"    PDLB x{n} / x1@0 at equal load: {_ratio_line(h, f'x{n}', 'x1@0')}")
+        for j in args.probe_cpus:
+            print(f"    PROBE x1@0 with one busy loop on CPU {j} / without: {_ratio_line(h, f'x1@0 spin@{j}', 'x1@0')}")
     c = res["closed"]
     if c:
         print(f"  closed loop at {args.max_concurrency}: " + ", ".join(
@@ -390,12 +419,15 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
         for k, v in c.items():
             if v and "cpu_us_first_half" in v[0]:
                 print(f"    {k}: children's CPU us/req first half {_med([x['cpu_us_first_half'] for x in v]):.0f}, "
-                      f"second half {_med([x['cpu_us_second_half'] for x in v]):.0f}; busy processes (>10% core) / "
+                      f"second half {_med([x['cpu_us_second_half'] for x in v]):.0f}; the rest (parent) "
+                      f"{_med([x['cpu_us'] - x['children_cpu_us'] for x in v]):.0f}; connections given back per 1k "
+                      f"requests {_med([x['given_back_per_1k'] for x in v]):.1f}; busy processes (>10% core) / "
                       f"k over time (repeat 1): " + " ".join(f"{t:g}s:{nb}/{kk:g}" for t, nb, kk, _ in v[0]["busy"][::2]))
     for k, v in res["long"].items():
         print(f"  long {args.long_s:g} s {k}: {v['rps']:.0f} req/s, {v['cpu_us']:.0f} us/req, p99 {v['p99_ms']:.1f} ms; "
               f"children's CPU us/req first half {v.get('cpu_us_first_half', math.nan):.0f}, second "
-              f"{v.get('cpu_us_second_half', math.nan):.0f}")
+              f"{v.get('cpu_us_second_half', math.nan):.0f}; connections given back per 1k requests "
+              f"{v.get('given_back_per_1k', math.nan):.1f}")
         print("    busy/k, per-process cores: " + " | ".join(f"{t:g}s {nb}/{kk:g} {cs}" for t, nb, kk, cs in v.get("busy", [])[::4]))
 
 
@@ -422,6 +454,8 @@ def main() -> int:
     ap.add_argument("--pd-engines", type=int, default=2, help="prefill and decode engines each, PD modes (default 2)")
     ap.add_argument("--router-cpus", default="0-7", help="routers' CPUs (default 0-7); the first one holds the @0 rows")
     ap.add_argument("--burner", default="spin", help="comma list of spin, mem (default spin; the first is used closed-loop)")
+    ap.add_argument("--probe-cpus", default="", help="CPUs for the topology probe: x1@0 at the fixed rate with one busy "
+                    "loop on each in turn (host modes; default none), e.g. 1-15: which CPUs share CPU 0's core")
     ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default: no peer row)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip windows that would end after this (default none)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
@@ -438,6 +472,7 @@ def main() -> int:
         ap.error("--processes must be >= 2, --repeat >= 1, --long-s >= 0")
     cpus = os.sched_getaffinity(0)
     args.router_cpus = ro._cpu_list(args.router_cpus, ap)
+    args.probe_cpus = sorted(ro._cpu_list(args.probe_cpus, ap) - {min(args.router_cpus)}) if args.probe_cpus else []
     args.other_cpus = (cpus - args.router_cpus) or None
     args.pin_option = _has_pin_option()
     budget = Budget(args.budget_s)
