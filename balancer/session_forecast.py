@@ -78,6 +78,11 @@ class ReturningSessions:
     def __len__(self) -> int:
         return len(self._idle)
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_origin_s" not in state:  # pickled before the origin: its times are absolute, i.e. relative to 0
+            self._origin_s = 0.0 if self._idle else None
+
     def _grow(self, slot: int) -> None:
         n = len(self._count)
         if slot < n:

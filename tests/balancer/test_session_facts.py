@@ -96,6 +96,25 @@ def test_the_forecast_holds_at_a_live_clock_and_across_rebases():
     assert s.finished_s("a") is None
 
 
+def test_a_forecast_pickled_before_the_origin_reads_its_absolute_times():
+    # ReturningSessions of ff249fe kept absolute finish times and had no origin: restored, they count from 0
+    s = ReturningSessions(horizon_s=60.0)
+    s.on_finished("a", 0, 100, 50.0)
+    state = s.__dict__.copy()
+    state["_idle"] = type(state["_idle"])({"a": (0, 50.0, 100.0)})  # the old layout: the absolute time
+    for k, v in (("_sum_t", 50.0), ("_sum_tc", 5000.0)):
+        state[k] = state[k].copy()
+        state[k][0] = v
+    del state["_origin_s"]
+    old = ReturningSessions.__new__(ReturningSessions)
+    old.__setstate__(state)
+    req, kv = old.forecast(np.array([0]), 80.0)  # 30 s idle: 0.5
+    np.testing.assert_allclose(req, [0.5], rtol=1e-12)
+    np.testing.assert_allclose(kv, [50.0], rtol=1e-12)
+    assert old.finished_s("a") == 50.0
+    assert pickle.loads(pickle.dumps(s)).finished_s("a") == 50.0
+
+
 @pytest.mark.parametrize("horizon, cap, match", [(0.0, 1, "horizon_s"), (float("nan"), 1, "horizon_s"),
                                                  (float("inf"), 1, "horizon_s"), (-1.0, 1, "horizon_s"),
                                                  (10.0, 0, "max_sessions"), (10.0, True, "max_sessions"),
