@@ -24,6 +24,10 @@ What is fitted and what is held out (the ``role`` column):
   latency does (they are not independent of the latency rows);
 * ``held out``: TTFT, ITL, request latency percentiles, the GPU prefix-hit rate, and the
   prefill-only / mixed iteration times and the decode-only p90.
+
+Read, not fitted (no row): the eager-step floor, :data:`EAGER_STEP_FLOOR_S` and
+:data:`EAGER_STEP_FLOOR_NO_DECODE_S`, the minima of the capture's mixed and prefill-only records
+(the launcher runs every step with prefill without CUDA graphs).
 """
 
 from __future__ import annotations
@@ -154,8 +158,9 @@ EAGER_STEP_FLOOR_S = 0.11594
 #: the same where no rank of the group decodes (no MTP verification or drafting over decode
 #: sequences in the eager step): the minimum of the capture's 16,225 prefill-only records (83.50 ms)
 EAGER_STEP_FLOOR_NO_DECODE_S = 0.08350
-#: whether :func:`perf_factory_440246` (and every run of this point) has the eager floor
-EAGER_FLOOR_DEFAULT = False
+#: whether :func:`perf_factory_440246` (and every run of this point) has the eager floor (on since
+#: session 16; docs/validate.md "The eager prefill step")
+EAGER_FLOOR_DEFAULT = True
 #: the API server's chat template + tokenization per prompt token, s: ``bench/frontend_tokenize.py``
 #: with DeepSeek's tokenizer (129,280 tokens, HF ``tokenizers``) on code-like text, one encode of
 #: 79,102 / 126,019 tokens (the published median / mean prompt) = 1.6-2.2 us per token of CPU on
