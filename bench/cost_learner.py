@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from balancer.cost_model import OnlineFit  # noqa: E402
+from pdlb_cli.args import ArgumentParser, nonnegative_float, positive_int, seed_int  # noqa: E402
 
 TRUE = np.array([0.01, 1e-4, 1e-9, 2e-5])  # overhead s, s/token, s/attention pair, s/group token
 
@@ -56,13 +57,31 @@ def run(make, X: np.ndarray, Y: np.ndarray, test: np.ndarray, noise: float) -> t
     return best / len(Y) * 1e6, err, dict(fit.rejected)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
-    ap.add_argument("--n", type=int, default=20_000, help="observations (default 20,000)")
-    ap.add_argument("--outliers", type=float, default=0.10, help="share of absurd timings (default 0.1)")
-    ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of good timings (default 0.05)")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+def share(text: str) -> float:
+    """A share of the observations in [0, 1) (``--outliers``): at 1 no good timing is left to fit."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1), got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options; a bad value is one ``error: argument --X: ...`` line and exit status 2 (review R7:
+    ``--n 0`` / ``-5`` and ``--noise -1`` ended in tracebacks, ``--outliers 2`` or ``nan`` ran)."""
+    ap = ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
+    ap.add_argument("--n", type=positive_int, default=20_000, help="observations (default 20,000)")
+    ap.add_argument("--outliers", type=share, default=0.10, help="share of absurd timings, in [0, 1) (default 0.1)")
+    ap.add_argument("--noise", type=nonnegative_float, default=0.05,
+                    help="lognormal sigma of good timings, >= 0 (default 0.05)")
+    ap.add_argument("--seed", type=seed_int, default=0, help="seed of the timings (default 0)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     X, Y = stream(a.n, a.outliers, a.noise, a.seed)
     test = stream(500, 0.0, 0.0, a.seed + 1)[0]
     prior = 2 * TRUE

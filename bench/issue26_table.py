@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"bench/route_latency.py's arguments (default: every policy, {ROUTE_ARGS})")
     ro.add_fleet_args(ap, duration_s=3.0, max_concurrency=256, pdlb_processes="1,8", engines=4, pd_engines=2,
                       load_processes=4, repeat_help="interleaved repeats, as many as fit (default 3)")
+    ro.add_variant_arg(ap)
     return ap
 
 
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--budget-s must be a finite number > 0 and --route-s a finite number >= 0")
     ro.check_fleet_args(ap, args, min_processes=1)
     # what router_overhead's helpers read and this run does not vary
-    args.baseline, args.variant, args.paired_rounds = None, [], 0
+    args.baseline, args.paired_rounds = None, 0
+    args.variant = ro.parse_variants(ap, args.variant)
     wanted = args.peer_names
     route_args = shlex.split(args.route_args)
     if args.route_s > 0:

@@ -150,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None, pools: list) -> int:
-    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.args import ArgumentParser, positive_int  # one usage line, then the error
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="workload:scenario,... (default: all rows)")
     ap.add_argument("--policies", default=",".join((OURS, BLIND, *ANCHORS)),
                     help="policies (default ep_aware, ep_aware SLO-blind, and every anchor); names starting with "
                          "ep_aware are pdlb's, the rest anchors")
-    ap.add_argument("--seeds", type=int, default=2, help="seeds per row (default 2)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    ap.add_argument("--seeds", type=positive_int, default=2, help="seeds per row (default 2)")
+    ap.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
+                    help="worker processes (default: all cores; 1: in this process)")
     ap.add_argument("--quick", action="store_true", help="only the Mooncake default row, 1 seed, no GPU search")
     ap.add_argument("--no-gpus", action="store_true", help="skip the GPU searches")
     ap.add_argument("--no-explain", action="store_true", help="skip the explanation runs and figure")

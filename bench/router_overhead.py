@@ -585,6 +585,30 @@ def _pdlb_name(processes: int, args: argparse.Namespace) -> str:
     return "pdlb" if processes == 1 else f"pdlb x{processes}"
 
 
+def add_variant_arg(ap: argparse.ArgumentParser) -> None:
+    """``--variant NAME=ARGS`` (repeatable): a row ``pdlb xN, NAME`` (:func:`parse_variants`)."""
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also measure pdlb serve with the default process count and ARGS added, as row "
+                         "'pdlb xN, NAME' (repeatable), e.g. 'aiohttp client=--upstream-client aiohttp'")
+
+
+def parse_variants(ap: argparse.ArgumentParser, given: list[str]) -> list[tuple[str, list[str]]]:
+    """``--variant`` values as ``(NAME, ARGS split as a shell would)``; a value without ``=``, with
+    an empty NAME, or a NAME given twice stops ``ap`` (exit status 2)."""
+    variants: list[tuple[str, list[str]]] = []
+    for v in given:
+        name, sep, extra = v.partition("=")
+        if not sep or not name.strip():
+            ap.error(f"--variant must be NAME=ARGS, got {v!r}")
+        if name.strip() in (n for n, _ in variants):
+            ap.error(f"--variant: the name {name.strip()!r} is given twice")
+        try:
+            variants.append((name.strip(), shlex.split(extra)))
+        except ValueError as e:
+            ap.error(f"--variant {v!r}: {e}")
+    return variants
+
+
 def _variant_name(name: str, extra: list[str], args: argparse.Namespace) -> str:
     """``pdlb xN, NAME``: N the ``--processes`` given in the variant's arguments, else the default."""
     n = args.default_processes
@@ -791,9 +815,7 @@ def main() -> int:
     ap.add_argument("--paired-rounds", type=int, default=5, metavar="N",
                     help="with --baseline: after the repeats, N rounds driving one pdlb process and every baseline at "
                          "the same time for CPU per request (0: none; default 5)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
-                    help="also measure pdlb serve with the default process count and ARGS added, as row "
-                         "'pdlb xN, NAME' (repeatable), e.g. 'aiohttp client=--upstream-client aiohttp'")
+    add_variant_arg(ap)
     ap.add_argument("--peer-wheels", type=Path, metavar="DIR",
                     help="a folder of wheels pip may use when it installs a peer (default: the registry only)")
     args = ap.parse_args()
@@ -802,13 +824,7 @@ def main() -> int:
     for checkout in args.baseline or []:
         if not is_pdlb_checkout(checkout):
             ap.error(f"--baseline {checkout}: not a pdlb checkout (no pdlb_cli/main.py)")
-    variants = []
-    for v in args.variant:
-        name, sep, extra = v.partition("=")
-        if not sep or not name.strip():
-            ap.error(f"--variant must be NAME=ARGS, got {v!r}")
-        variants.append((name.strip(), shlex.split(extra)))
-    args.variant = variants
+    args.variant = parse_variants(ap, args.variant)
     wanted = args.peer_names
     peer_cmds = {}
     for name in wanted:

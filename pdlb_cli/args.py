@@ -707,25 +707,6 @@ def idle_slo_params(policy: typing.Any, route_slo: bool, wide_ep: bool = False) 
             and getattr(policy, f.name) != f.default]
 
 
-def warn_idle_spec_decode(runs: Sequence[tuple[str, typing.Any]], scenario: Scenario) -> None:
-    """Warn on stderr, once per run, where the policy of the decode pool (the mixed pool of an
-    aggregated scenario) has ``spec_decode`` on but the pool's perf model gains one output token
-    per step: the router's cost model then has ``decode_tokens_per_step`` 1
-    (:func:`sim.run.router_cost.cost_model_for`) and the option changes nothing (review F9).
-
-    Args:
-        runs: ``(label, decode policy)`` (policy objects)."""
-    pool = scenario.decode if scenario.disaggregated else scenario.mixed
-    if pool is None or not any(getattr(d, "spec_decode", False) for _, d in runs):
-        return
-    if build_perf(scenario, pool).decode_tokens_per_step > 1.0:
-        return
-    role = "decode" if scenario.disaggregated else "mixed"
-    for label in dict.fromkeys(label for label, d in runs if getattr(d, "spec_decode", False)):
-        print(f"warning: {label}: spec_decode changes nothing on scenario {scenario.name!r}: its {role} pool gains one "
-              "output token per step (a [speculative] table with verify = \"every_step\" gives more)", file=sys.stderr)
-
-
 def warn_idle_slo_params(runs: Sequence[tuple[str, typing.Any, typing.Any]], route_slo: bool, fix: str,
                          wide_ep: bool = False) -> None:
     """Warn on stderr, once per run, about :func:`idle_slo_params` of its prefill or decode policy.

@@ -117,7 +117,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--connection-placement", choices=["follow_load", "round_robin"],
                    help="with --processes > 1: place client connections on as few processes as the load needs "
                         "(follow_load: the others give theirs back with Connection: close) or on every process in "
-                        f"turn (round_robin) (default: {d.connection_placement})")
+                        f"turn (round_robin) (default: {d.connection_placement}; follow_load needs the lean "
+                        "--http-front: with aiohttp's the processes get connections round robin, and serve says so)")
+    p.add_argument("--pin-processes", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --processes > 1: run router process i on one CPU only, the i-th (wrapping) of the CPUs "
+                        "pdlb serve may use (Linux; the parent keeps them all) (default: "
+                        f"{'on' if d.pin_processes else 'off'}: any CPU of the set)")
     p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                    help="per attempt: fail and retry elsewhere when a prefill leg has not answered within this; "
                         f"0 turns it off (default: {d.prefill_timeout_s:g})")
@@ -136,7 +141,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="allow a non-loopback --host without an admin API key (the admin API then answers loopback "
                         "peers only, which a reverse proxy on this host makes every client) (default: refuse)")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="router processes behind the port (client connections handed to them in turn); they share in-flight load (shared "
+                   help="router processes behind the port (client connections placed on them by --connection-placement); they share in-flight load (shared "
                         "memory), their routed prompts (approximate mode) or, with workers' events=, the engines' KV "
                         "events; admin API changes reach all of them (default: one per core this process may run "
                         f"on, {default_processes()} here; with a worker on this host one per "
@@ -203,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "upstream_client": getattr(args, "upstream_client", None),
                   "http_front": getattr(args, "http_front", None),
                   "connection_placement": getattr(args, "connection_placement", None),
+                  "pin_processes": getattr(args, "pin_processes", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)
@@ -287,8 +293,9 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
     the cost model does not have, so that they change no decision (review F9): ``spec_decode`` where
     no engine of the pool has ``decode_tokens_per_step`` above 1 (the policy's tau is then 1), and
     ``seq_cap`` where none has ``max_num_seqs`` (no cap to price), ``parallel_chunks`` (either
-    policy) outside a mixed pool or where no engine of it runs its chunks in parallel
-    (:func:`balancer.prefill_cadence.chunks_in_parallel`). Empty: nothing to say."""
+    policy) outside a mixed pool or where no wide-EP engine of it runs its chunks in parallel
+    (:func:`balancer.prefill_cadence.chunks_in_parallel`; a dense engine's prompt has no group
+    tokens to price, review R3 of session 16). Empty: nothing to say."""
     rc = cfg.router
     role = "decode" if any(w.role == "decode" for w in cfg.workers) else "mixed"
     urls = [w.url for w in cfg.workers if w.role == role]
@@ -319,6 +326,12 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
                    "has max_num_seqs and request_chunk_tokens with max_num_seqs x request_chunk_tokens <= chunk_tokens "
                    "in the cost model, or cadence=false (give --cost-model a file with them: pdlb sim cost-model "
                    "writes the pool's)")
+    elif policy.parallel_chunks and not any(
+            e.ep_synchronous and chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens)
+            for e in engines):  # a dense engine's prompt has no group tokens: both models' group terms are 0
+        out.append("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: the mixed "
+                   "engines whose chunks run in parallel are dense (ep_synchronous = false in the cost model), so a "
+                   "prompt has no group tokens to price either way")
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator, model_validator
 
 from balancer.config import RouterConfig
 from balancer.service.broker_config import BrokerConfig
@@ -334,6 +334,10 @@ class ServiceConfig(BaseModel):
             others' connections given back with ``Connection: close`` at their next answer:
             :mod:`balancer.service.processes.placement`; needs Linux's ``/proc``, else round
             robin) or ``round_robin`` (every process in turn, never given back).
+        pin_processes: with several ``processes``, run router process ``i`` on one CPU only, the
+            ``i``-th (wrapping) of the CPUs ``pdlb serve`` may use (Linux; default False: any CPU
+            of the set). :mod:`balancer.service.processes.pinning`; docs/serving.md, "Router
+            processes on their own CPUs".
         first_byte_timeout_s: per attempt and leg, seconds from sending a leg to its response
             headers (and, for a streamed decode leg, its first body chunk); a leg that misses it
             fails the attempt, which is retried on a new pair and counts against the worker's
@@ -415,6 +419,7 @@ class ServiceConfig(BaseModel):
     upstream_client: Literal["lean", "aiohttp"] = "lean"
     http_front: Literal["aiohttp", "lean"] = "lean"
     connection_placement: Literal["follow_load", "round_robin"] = "follow_load"
+    pin_processes: StrictBool = False
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

@@ -53,7 +53,9 @@ class QueuedDeadline:
         self._own: asyncio.TimerHandle | None = None  # a timer of its own (entered out of order)
 
     async def __aenter__(self) -> QueuedDeadline:
-        task = asyncio.current_task()
+        # the queue's loop given: asyncio.current_task() would look the running loop up again
+        # (on Python 3.11 a getpid() system call per lookup)
+        task = asyncio.current_task(self._queue._running_loop())
         if task is None:
             raise RuntimeError("a deadline must be used inside a task")
         self._task = task

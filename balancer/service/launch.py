@@ -142,6 +142,21 @@ def no_workers_warning(cfg: ServiceConfig) -> str | None:
             "(POST /workers) or given with --prefill/--decode/--mixed")
 
 
+def placement_warning(cfg: ServiceConfig) -> str | None:
+    """The warning ``pdlb serve`` prints when several router processes would place connections by
+    load (``connection_placement`` ``follow_load``, the default) but the HTTP front cannot give
+    connections back (``http_front`` ``aiohttp``): the parent then places them round robin, never
+    given back (review R4, session 16). ``None`` otherwise; ``cfg.processes`` resolved."""
+    if not (cfg.processes and cfg.processes > 1 and cfg.http_front == "aiohttp"
+            and cfg.connection_placement == "follow_load"):
+        return None
+    given = "connection_placement" in cfg.model_fields_set
+    return (f"warning: {'--connection-placement follow_load' if given else 'load-following connection placement'} "
+            f"needs the lean HTTP front (it gives connections back with Connection: close): with --http-front "
+            f"aiohttp the {cfg.processes} router processes get new connections round robin, never given back "
+            "(say --connection-placement round_robin to silence this)")
+
+
 def _ready_line(cfg: ServiceConfig, port: int) -> str:
     n = {r: sum(1 for w in cfg.workers if w.role == r) for r in ("prefill", "decode", "mixed")}
     return (f"pdlb serve ready on http://{cfg.host}:{port} protocol={cfg.pd_protocol} "
@@ -281,6 +296,8 @@ def serve(cfg: ServiceConfig, *, event_loop: str = "auto", log_level: str = "WAR
         print(warning, file=sys.stderr)
     if cfg.processes is None:
         cfg = cfg.model_copy(update={"processes": default_processes(w.url for w in cfg.workers)})
+    if (warning := placement_warning(cfg)) is not None:
+        print(warning, file=sys.stderr)
     if cfg.host not in ("127.0.0.1", "::1", "localhost") and not cfg.admin_api_key:
         print("note: no admin_api_key (--allow-unauthenticated-admin): the admin API (/workers) answers loopback "
               "peers only; behind a reverse proxy on this host every client is one", file=sys.stderr)
@@ -352,8 +369,11 @@ def _process_main(cfg_json: str, index: int, event_loop: str, log_level: str, re
     ``placement``: the name of the connection placement's block
     (:mod:`balancer.service.processes.placement`), None for round robin."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
-    _kernels_from_env()
     cfg = ServiceConfig.model_validate_json(cfg_json)
+    if cfg.pin_processes:  # before any thread starts: they inherit the CPU
+        from balancer.service.processes.pinning import pin_process
+        pin_process(index)
+    _kernels_from_env()
     with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
         code = runner.run(_serve(cfg, index, ready, shared_load, shared_prefix_dir, handoff, columns, restart, placement))
     sys.exit(code)

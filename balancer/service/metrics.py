@@ -152,7 +152,8 @@ class ServiceMetrics:
                                multiprocess_mode="livemin")
         self.processes_active = Gauge("pdlb_router_processes_active",
                                       "Router processes that take new client connections now (connection_placement "
-                                      "follow_load: the others give theirs back; round_robin or one process: all)", registry=r,
+                                      "follow_load: the others give theirs back; round_robin, --http-front aiohttp or one "
+                                      "process: all)", registry=r,
                                       multiprocess_mode="livemax")
         self.given_back = Counter("pdlb_connections_given_back",
                                   "Client connections closed after an answer (Connection: close) so that the client "

@@ -255,6 +255,27 @@ def encode_with(raw: bytes | None, body: dict[str, Any], extra: dict[str, Any]) 
     return encode_body({**body, **extra} if extra else body, raw)
 
 
+async def _first_done(loop: asyncio.AbstractEventLoop, a: asyncio.Future, b: asyncio.Future | None) -> None:
+    """Wait until ``a`` or ``b`` (if not ``None``) is done: ``asyncio.wait((a, b),
+    return_when=FIRST_COMPLETED)`` without its sets (the caller looks at the tasks itself).
+    Cancelling the caller leaves both running, as ``asyncio.wait`` does."""
+    waiter = loop.create_future()
+
+    def wake(_: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    a.add_done_callback(wake)
+    if b is not None:
+        b.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        a.remove_done_callback(wake)
+        if b is not None:
+            b.remove_done_callback(wake)
+
+
 class Failure(Exception):
     """An attempt failed before any byte reached the client.
 
@@ -692,17 +713,21 @@ class Proxy:
         p_data = encode_with(ctx.raw, ctx.body, p_extra)
         # the same bytes for both legs unless their DP ranks differ
         d_data = p_data if p_extra == d_extra else encode_with(ctx.raw, ctx.body, d_extra)
-        p_task = asyncio.create_task(self._full(p, path, p_data, p_headers, legs, prefill=True))
-        d_task = asyncio.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream,
-                                                max_out=ctx.max_out))
+        loop = self._loop()
+        p_task = loop.create_task(self._full(p, path, p_data, p_headers, legs, prefill=True))
+        d_task = loop.create_task(self._open(d, path, d_data, d_headers, legs, d_deadline, stream=ctx.stream,
+                                             max_out=ctx.max_out))
         legs.tasks += [p_task, d_task]
-        pending: set[asyncio.Task] = {p_task, d_task}
-        while d_task in pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if p_task in done:
+        p_seen = False  # the prefill leg's answer was read here
+        while True:
+            if not p_seen and p_task.done():
+                p_seen = True
                 # raises the prefill's Failure: the finally of _attempt aborts D
                 legs.prefill_cached_tokens = cached_tokens_in(p_task.result())
                 self.router.on_prefill_done(router_id, time.monotonic())
+            if d_task.done():
+                break
+            await _first_done(loop, d_task, None if p_seen else p_task)
         if d_task.exception() is not None and not p_task.done():
             # D failed while P runs: a decode leg whose prefill failed fails too, often first; wait
             # briefly for P so that the failure is charged to the worker at fault
@@ -828,7 +853,13 @@ class Proxy:
     def _first_byte_deadline(self, stream: bool = False, max_out: int | None = None) -> float | None:
         """Event-loop time by which a leg sent now must answer, or ``None`` (no first-byte timeout)."""
         t = self._first_byte_timeout(stream, max_out)
-        return None if t is None else asyncio.get_running_loop().time() + t[1]
+        return None if t is None else self._loop().time() + t[1]
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this proxy serves on (its deadline queues' loop, the first one that ran
+        a request): looked up once, not per request (on Python 3.11 each lookup of the running
+        loop is a ``getpid()`` system call)."""
+        return self._request_deadlines._running_loop()
 
     def deadlines_waiting(self) -> int:
         """Deadline blocks (request, first byte, prefill) now open in this proxy's queues: 0 when no

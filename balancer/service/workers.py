@@ -143,6 +143,7 @@ class Worker:
     early_probe_in_flight: bool = False
     last_early_probe_s: float = float("-inf")
     _urls: dict[str, URL] = field(default_factory=dict)
+    _host_of: tuple[str, str] = ("", "")  # (cfg.url, its host): host is read per SGLang PD request
 
     def model_names(self) -> tuple[str, ...]:
         """The model names the engine accepts: the configured ``served_model_name``, else the
@@ -167,7 +168,12 @@ class Worker:
 
     @property
     def host(self) -> str:
-        return urlparse(self.cfg.url).hostname or "127.0.0.1"
+        """The host of ``cfg.url`` (``127.0.0.1`` if it has none), parsed once per URL."""
+        url = self.cfg.url
+        cached = self._host_of
+        if cached[0] != url or not url:
+            cached = self._host_of = (url, urlparse(url).hostname or "127.0.0.1")
+        return cached[1]
 
     def describe(self) -> dict:
         return {**self.cfg.model_dump(), "healthy": self.healthy, "routable": self.routable,

@@ -12,7 +12,8 @@
 # Writes under $OUT: b6.log (everything printed), overhead.json (raw per repeat), route.txt, env.txt, peer_logs.txt.
 # Knobs (env): LIMIT (s, default 560), DUR (s per run, 2.5), REP (3), RCPUS (router CPUs, 0-7; empty: no pinning),
 #   PROCS (1,8), ROUTE_S (s kept for the route table, 130), ROUTE_ARGS (route_latency.py's arguments, default
-#   issue26_table.py's), MODES (regular,pd,vllm-pd), EXTRA (more issue26_table.py arguments), PY (python3),
+#   issue26_table.py's), MODES (regular,pd,vllm-pd), EXTRA (more issue26_table.py arguments), VARIANT (one
+#   extra pdlb row, NAME=ARGS, issue26_table.py --variant), PY (python3),
 #   DEV (.dev/device), SITE (where the wheels go, /tmp/site), PEERS_DIR (/tmp/peers).
 set -u -o pipefail
 T0=$SECONDS
@@ -40,7 +41,7 @@ timeout $((BUDGET + 10)) $PY bench/issue26_table.py --out $OUT --budget-s $BUDGE
   ${RC:+--router-cpus $RC} \
   --engines 4 --pd-engines 2 --load-processes 4 --max-concurrency 256 \
   --smg "$B/smg launch" --sglang-router "$B/sglang-router launch" --vllm-router "$B/vllm-router" \
-  ${ROUTE_ARGS:+--route-args "$ROUTE_ARGS"} ${EXTRA:-} 2>&1 | tee $OUT/b6.log
+  ${ROUTE_ARGS:+--route-args "$ROUTE_ARGS"} ${VARIANT:+--variant "$VARIANT"} ${EXTRA:-} 2>&1 | tee $OUT/b6.log
 rc=$?
 for f in /tmp/pdlb-bench-*.log; do [ -e "$f" ] && { echo "== $f"; tail -n 20 "$f"; }; done > $OUT/peer_logs.txt 2>&1
 echo "b6.sh: rc $rc, $((SECONDS - T0)) s"; uptime

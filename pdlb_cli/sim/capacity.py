@@ -48,7 +48,6 @@ from pdlb_cli.args import (
     warn_idle_flags,
     budget_pools_all_wide_ep,
     warn_idle_slo_params,
-    warn_idle_spec_decode,
 )
 from sim.search.capacity import GpuSearch, RateSearch, run_searches
 from sim.search.capacity_report import (
@@ -65,6 +64,7 @@ from sim.search.capacity_report import (
 )
 from sim.search.executor import make_executor, run_points
 from sim.run.html_report import Section, write_report
+from sim.run.idle_options import idle_option_warnings
 from sim.run.metrics import burst_note
 from sim.search.point import SLO, Point, SimOptions, WorkloadSpec, import_policy_modules, load_workload, parse_policy, point_row
 from sim.workload import ideal_hit_rate
@@ -307,7 +307,8 @@ def run_capacity(args: argparse.Namespace, console: Console) -> int:
     warn_idle_flags(args, idle)
     warn_idle_slo_params([(s.label, *s.build()) for s in specs], opts.route_slo, "drop --no-route-slo",
                          budget_pools_all_wide_ep(scenario))
-    warn_idle_spec_decode([(s.label, s.build()[1]) for s in specs], scenario)
+    for line in idle_option_warnings([(s.label, s.label, *s.build()) for s in specs], [scenario]):
+        print(line, file=sys.stderr)
     if args.search == "rate":
         searches: list = [RateSearch(scenario, wl, s, slo, args.rate_min, args.rate_max, args.rate_start, args.tol,
                                      args.max_evals, args.seed, opts, early) for s in specs]

@@ -39,11 +39,11 @@ from pdlb_cli.args import (
     warn_idle_flags,
     budget_pools_all_wide_ep,
     warn_idle_slo_params,
-    warn_idle_spec_decode,
 )
 from sim.run import cluster  # called as cluster.simulate: a test stands in for it there
 from sim.run.admission import check_block_size
 from sim.run.deadline_gate import admission_line
+from sim.run.idle_options import idle_option_warnings
 from sim.run.metrics import summarize
 from sim.search.parallel_runs import simulate_in_parallel
 from sim.search.point import import_policy_modules
@@ -157,7 +157,8 @@ def run_policies(args: argparse.Namespace, runs: list[tuple[Any, Any, str, str]]
     warn_idle_flags(args, idle)
     warn_idle_slo_params([(plabel, p, d) for p, d, plabel, _ in runs], args.route_slo, "add --route-slo",
                          budget_pools_all_wide_ep(scenario))
-    warn_idle_spec_decode([(dlabel, d) for _, d, _, dlabel in runs], scenario)
+    for line in idle_option_warnings([(plabel, dlabel, p, d) for p, d, plabel, dlabel in runs], [scenario]):
+        print(line, file=sys.stderr)
     requests, meta = _load_workload(args)
     check_block_size(requests, scenario.block_size, f"--trace {meta['trace']}")  # before any simulation
     span = requests[-1].arrival_time_s - requests[0].arrival_time_s

@@ -24,6 +24,7 @@ from pdlb_cli.args import (add_executor_args, budget_pools_all_wide_ep, positive
                            warn_idle_slo_params)
 from sim.search.executor import make_executor
 from sim.run.html_report import Section, write_report
+from sim.run.idle_options import idle_option_warnings
 from sim.search.point import WorkloadSpec, load_workload
 from sim.search.sweep import burst_message, load_sweep, mark_bursts, plot_heatmap, plot_rates, read_done, run_sweep, write_table
 
@@ -114,6 +115,11 @@ def run_sweep_command(args: argparse.Namespace, console: Console) -> int:
                              sweep.points[0].options.route_slo, "drop route_slo = false",
                              all(budget_pools_all_wide_ep(sc) for sc in {id(pt.scenario): pt.scenario
                                                                           for pt in sweep.points}.values()))
+    for label in dict.fromkeys(p.policy.label for p in sweep.points):  # each policy on the scenarios of its points
+        spec = next(p.policy for p in sweep.points if p.policy.label == label)
+        for line in idle_option_warnings([(label, label, *spec.build())],
+                                         [p.scenario for p in sweep.points if p.policy.label == label]):
+            print(line, file=sys.stderr)
     errors = [0]
     with executor as ex, Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
                                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=args.quiet) as progress:

@@ -78,8 +78,10 @@ class Executor:
         for key, reqs in workloads.items():
             register_workload(key, reqs)
 
-    def shutdown(self) -> None:
-        """Release workers (idempotent)."""
+    def shutdown(self, kill: bool = False) -> None:
+        """Release workers (idempotent); ``kill`` (on Ctrl-C or an error): without waiting for the
+        running points, where the executor can (every executor takes it: a caller that stops
+        whichever :func:`make_executor` gave it passes it, review R8)."""
 
     def __enter__(self) -> Executor:
         return self
@@ -318,7 +320,7 @@ class RayExecutor(Executor):
         inner.add_done_callback(done)
         return outer
 
-    def shutdown(self) -> None:
+    def shutdown(self, kill: bool = False) -> None:
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
             self._owns = False

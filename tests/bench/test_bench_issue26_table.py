@@ -32,6 +32,19 @@ def test_a_repeat_starts_only_if_every_modes_block_ends_by_the_deadline() -> Non
     assert not it.repeat_fits(201.0, 200.0, [])  # already past it
 
 
+def test_a_variant_is_parsed_as_a_shell_would_and_named_by_its_process_count() -> None:
+    import argparse
+
+    import router_overhead as ro
+    ap = argparse.ArgumentParser()
+    # by hand: NAME before the first "=", ARGS split as bash would split them
+    assert ro.parse_variants(ap, ["fill 0.9=--placement-target 0.9 --processes 8", "rr=--connection-placement round_robin"]) \
+        == [("fill 0.9", ["--placement-target", "0.9", "--processes", "8"]), ("rr", ["--connection-placement", "round_robin"])]
+    args = argparse.Namespace(default_processes=6)
+    assert ro._variant_name("fill", ["--placement-target", "0.9", "--processes", "8"], args) == "pdlb x8, fill"
+    assert ro._variant_name("rr", ["--connection-placement", "round_robin"], args) == "pdlb x6, rr"
+
+
 def test_the_most_processes_row_is_a_plain_pdlb_row_with_results() -> None:
     r = [run(1, 2, 100, 100)]
     res = {"direct": r, "pdlb": r, "pdlb x2": r, "pdlb x8": r, "pdlb x8, uvloop": r, "pdlb x2 (default)": r,
@@ -178,7 +191,12 @@ def test_bad_arguments_are_refused_with_a_message(capsys: pytest.CaptureFixture[
                         (["--route-args", "--repeat 0"], "--route-args: --repeat must be an integer from 1 to 100"),
                         (["--route-args", "--repeat 2 --against ."], "--route-args: --repeat is for"),
                         (["--route-args", "--replicas 64,,512"], "--route-args: --replicas"),
-                        (["--route-args", "--bogus 1"], "--route-args: unrecognized arguments: --bogus 1")):
+                        (["--route-args", "--bogus 1"], "--route-args: unrecognized arguments: --bogus 1"),
+                        # --variant as router_overhead.py reads it (a row "pdlb xN, NAME")
+                        (["--variant", "no-equals-sign"], "--variant must be NAME=ARGS"),
+                        (["--variant", "=--processes 4"], "--variant must be NAME=ARGS"),
+                        (["--variant", "a=--processes 4", "--variant", "a=--processes 2"], "given twice"),
+                        (["--variant", "q=--connection-placement 'round"], "No closing quotation")):
         with pytest.raises(SystemExit) as e:
             it.main(argv)
         assert e.value.code == 2 and words in capsys.readouterr().err
@@ -245,5 +263,5 @@ def test_b6_passes_only_options_issue26_table_has() -> None:
     given = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", call))
     known = {o for a in it.build_parser()._actions for o in a.option_strings}
     assert {"--out", "--budget-s", "--route-s", "--pdlb-processes", "--smg", "--sglang-router", "--vllm-router",
-            "--route-args", "--router-cpus"} <= given
+            "--route-args", "--router-cpus", "--variant"} <= given
     assert given <= known, sorted(given - known)

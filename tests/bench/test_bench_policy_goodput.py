@@ -42,3 +42,23 @@ def test_the_pool_is_stopped_when_main_ends(rows, raises, monkeypatch, tmp_path)
     with pytest.raises(raises):
         pg.main(["--rows", rows, "--no-fair-slo", "--seeds", "1", "--jobs", "2", "--out", str(tmp_path / "o")])
     assert len(made) == 1 and made[0].stopped == [True]  # stopped once, at once (was: never)
+
+
+def test_with_one_job_the_real_error_surfaces(tmp_path) -> None:  # noqa: ANN001
+    # review R8 (session 16): with --jobs 1 make_executor gives the serial executor, whose shutdown took
+    # no ``kill``: main's finally raised TypeError over whatever happened (and after every successful run)
+    with pytest.raises(KeyError, match="nosuch") as e:  # the unknown scenario itself (was: TypeError)
+        pg.main(["--rows", "mooncake:nosuch", "--no-fair-slo", "--seeds", "1", "--jobs", "1",
+                 "--out", str(tmp_path / "o")])
+    assert not isinstance(e.value, TypeError)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "0"], "argument --seeds: must be >= 1, got 0"),  # ran nothing, then failed deep in the fair SLO
+    (["--jobs", "0"], "argument --jobs: must be >= 1, got 0"),
+    (["--jobs", "-2"], "argument --jobs: must be >= 1, got -2"),
+])
+def test_counts_below_one_are_refused(argv, message, capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as e:
+        pg.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith("error: " + message)

@@ -432,6 +432,14 @@ MIXED = ["--pd-protocol", "none", "--mixed", "http://127.0.0.1:52000"]
     (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true,cadence=false"],
      {"max_num_seqs": 64, "request_chunk_tokens": 128}, [PC_NO_KEYS]),
     (MIXED + ["--decode-policy", "ep_aware"], None, []),  # off: nothing to say
+    # review R3 (session 16): dense engines (each rank its own step) have no group tokens: the parallel
+    # model's group terms (per_group_token x ...) and FIFO draining's are both 0 (ep_aware.py
+    # _prefill_cost_one: w_ext = 0 unless ep_synchronous); tests/cli/test_idle_policy_options.py runs it
+    (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true"],
+     {"max_num_seqs": 64, "request_chunk_tokens": 128, "ep_synchronous": False},
+     ["the decode policy ep_aware has parallel_chunks=true, which changes nothing here: the mixed engines whose "
+      "chunks run in parallel are dense (ep_synchronous = false in the cost model), so a prompt has no group tokens "
+      "to price either way"]),
 ])
 def test_serve_warns_of_parallel_chunks_that_can_change_nothing(argv, decode_keys, expected, tmp_path):
     from balancer.cost_model import DEFAULT_COST_MODEL
@@ -447,3 +455,24 @@ def test_serve_warns_of_parallel_chunks_that_can_change_nothing(argv, decode_key
         f.write_text(json.dumps(data))
         argv = argv + ["--cost-model", str(f)]
     assert idle_policy_option_warnings(_serve_cfg(*argv)) == expected
+
+
+# review R4 (session 16): with --http-front aiohttp the parent cannot place connections by load (the
+# lean front gives them back; launch.py builds no placement view without it) and fell back to round
+# robin silently, also for an explicit --connection-placement follow_load
+PLACEMENT = ("warning: {what} needs the lean HTTP front (it gives connections back with Connection: close): with "
+             "--http-front aiohttp the 2 router processes get new connections round robin, never given back (say "
+             "--connection-placement round_robin to silence this)")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--processes", "2", "--http-front", "aiohttp"], [PLACEMENT.format(what="load-following connection placement")]),
+    (["--processes", "2", "--http-front", "aiohttp", "--connection-placement", "follow_load"],
+     [PLACEMENT.format(what="--connection-placement follow_load")]),
+    (["--processes", "2", "--http-front", "aiohttp", "--connection-placement", "round_robin"], []),
+    (["--processes", "2"], []),  # the lean front: placement follows the load
+    (["--processes", "2", "--http-front", "lean", "--connection-placement", "follow_load"], []),
+    (["--processes", "1", "--http-front", "aiohttp"], []),  # one process: nothing to place
+])
+def test_serve_says_when_connections_cannot_follow_the_load(argv, expected, capsys):
+    assert _serve_warnings([*argv, "--mixed", "http://127.0.0.1:52000"], capsys) == expected

@@ -51,7 +51,8 @@ import os
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 
-__all__ = ["GROW_UTIL", "HOLD_PASSES", "PlacementBlock", "PlacementControl", "PlacementView", "SATURATED_UTIL",
+__all__ = ["GROW_UTIL", "HOLD_PASSES", "LOG_INTERVAL_S",
+           "PlacementBlock", "PlacementControl", "PlacementView", "SATURATED_UTIL",
            "SHRINK_MIN_CORES", "SHRINK_PASSES", "TARGET_UTIL", "next_active", "process_cpu_s"]
 
 TARGET_UTIL = 0.7
@@ -66,6 +67,10 @@ SHRINK_MIN_CORES = 0.1
 """Least total load (cores) at which ``k`` shrinks (an idle router keeps its processes ready)."""
 HOLD_PASSES = 2
 """Passes after a change of ``k`` during which it does not change again."""
+LOG_INTERVAL_S = 60.0
+"""Least seconds between two INFO lines on changes of ``k`` (review R5, session 16: a bursty load
+changes it every few passes); the changes between them are logged at DEBUG and counted in the next
+INFO line (all are kept in :attr:`PlacementControl.changes` and ``pdlb_router_processes_active``)."""
 
 log = logging.getLogger("pdlb.placement")
 
@@ -235,6 +240,8 @@ class PlacementControl:
         self._low = 0
         self._hold = 0
         self.changes: list[tuple[float, int, int, str]] = []  # (time, k before, k after, why): the last 64
+        self._info_s: float | None = None  # when the last INFO line on a change was logged
+        self._quiet = 0  # changes logged at DEBUG since then
 
     def pick(self, dead: set[int] | frozenset[int] = frozenset()) -> int | None:
         """The process for a new connection: the active one holding the fewest (open + in
@@ -292,6 +299,14 @@ class PlacementControl:
             b.q[0] = k_new
             self._hold = HOLD_PASSES
             self.changes = [*self.changes[-63:], (now_s, k, k_new, why)]
-            log.info("connection placement: %d -> %d active router processes (%s; load %.2f cores: %s)", k, k_new,
-                     why, sum(utils), ", ".join(f"{u:.2f}" for u in utils))
+            loads = ", ".join(f"{u:.2f}" for u in utils)
+            if self._info_s is None or now_s - self._info_s >= LOG_INTERVAL_S:
+                log.info("connection placement: %d -> %d active router processes (%s; load %.2f cores: %s)%s", k,
+                         k_new, why, sum(utils), loads,
+                         f"; {self._quiet} more changes since the last such line (DEBUG)" if self._quiet else "")
+                self._info_s, self._quiet = now_s, 0
+            else:
+                self._quiet += 1
+                log.debug("connection placement: %d -> %d active router processes (%s; load %.2f cores: %s)", k,
+                          k_new, why, sum(utils), loads)
         return k_new
