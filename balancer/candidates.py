@@ -40,6 +40,12 @@ class Candidates:
             of each replica (:mod:`balancer.load`): when the router's oldest pending prefill there
             began service (seconds, the caller's clock; ``inf``: none), its uncached tokens
             (int64) and attention pairs (float64); ``None`` when not known (hand-built).
+        prefill_inflight: per replica, the routed prompts whose prefill is not done (int64,
+            :mod:`balancer.load`), or ``None`` (the router fills it only for a policy that reads
+            it, :attr:`balancer.policies.Policy.session_facts`).
+        returning_requests / returning_kv_tokens: per replica, the forecast of idle sessions that
+            will return there and their context tokens (float64, decayed;
+            :mod:`balancer.session_forecast`), or ``None`` (as ``prefill_inflight``).
     """
 
     role: Role
@@ -58,6 +64,9 @@ class Candidates:
     prefill_head_start_s: np.ndarray | None = None
     prefill_head_tokens: np.ndarray | None = None
     prefill_head_pairs: np.ndarray | None = None
+    prefill_inflight: np.ndarray | None = None
+    returning_requests: np.ndarray | None = None
+    returning_kv_tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.replicas)

@@ -51,6 +51,9 @@ engines prefill first come, first served), its uncached tokens and attention pai
 began service: ``max(its dispatch, the previous prefill done on that replica)`` (``inf`` when none).
 The counters above count a prompt in full until its prefill is done; a cost model can subtract
 what the head has computed since it began (``balancer.policies.ep_aware``'s in-service progress).
+``prefill_inflight`` (int64, per slot): how many of this tracker's routed prompts wait for or are in
+prefill there (+1 at dispatch with uncached tokens, -1 at prefill done, first token or finish): the
+prompts a replica prefills at once where chunks run in parallel (``ep_aware``'s ``prefill_at_once``).
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ class LoadTracker:
         self.prefill_head_start_s = np.full(n, np.inf)
         self.prefill_head_tokens = np.zeros(n, dtype=np.int64)
         self.prefill_head_pairs = np.zeros(n, dtype=np.float64)
+        #: per slot, the routed prompts whose prefill is not done (the prompts it prefills at once)
+        self.prefill_inflight = np.zeros(n, dtype=np.int64)
         # records in dispatch order; ones that left out of order stay until they reach the head
         # or outnumber the live ones (then the deque is compacted): O(1) amortised per hook
         self._pending: list[deque[_InFlight]] = [deque() for _ in range(n)]
@@ -179,12 +184,17 @@ class LoadTracker:
             self._pending = [deque() for _ in range(n)]
             self._dead = [0] * n
             self._now_s = 0.0
+            self.prefill_inflight = np.zeros(n, dtype=np.int64)
             for rec in self._inflight.values():
                 rec.queue_slot = -1
         if "external_prefill_tokens" not in state:  # pickled before the external prefill columns
             self.external_prefill_tokens = np.zeros(n, dtype=np.int64)
             self.external_prefill_pairs = np.zeros(n, dtype=np.float64)
             self._dispatched_prefill = [0, 0, 0.0]
+        if "prefill_inflight" not in self.__dict__:  # pickled before the in-flight prefill count: rebuild it
+            self.prefill_inflight = np.zeros(n, dtype=np.int64)
+            for slot, pending in enumerate(self._pending):
+                self.prefill_inflight[slot] = sum(1 for r in pending if r.queue_slot == slot)
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, replica: ReplicaId) -> int:
@@ -202,7 +212,7 @@ class LoadTracker:
                 for name in ("num_requests", "prefill_tokens", "decode_kv_tokens", "prefill_attn_pairs",
                              "external_requests", "external_kv_tokens", "external_prefill_tokens",
                              "external_prefill_pairs", "peer_requests", "peer_prefill_tokens",
-                             "peer_kv_tokens", "prefill_head_tokens", "prefill_head_pairs"):
+                             "peer_kv_tokens", "prefill_head_tokens", "prefill_head_pairs", "prefill_inflight"):
                     arr = getattr(self, name)
                     setattr(self, name, np.concatenate([arr, np.zeros(grow, dtype=arr.dtype)]))
                 self.prefill_head_start_s = np.concatenate([self.prefill_head_start_s, np.full(grow, np.inf)])
@@ -290,6 +300,7 @@ class LoadTracker:
                         dispatched_s=now_s, queue_slot=q)
         self._inflight[request_id] = rec
         if q >= 0:
+            self.prefill_inflight[q] += 1
             pending = self._pending[q]
             pending.append(rec)
             if len(pending) == 1:  # the head is always a live record (see _leave_queue)
@@ -306,6 +317,7 @@ class LoadTracker:
             self.prefill_head_pairs[slot] = rec.prefill_attn_pairs
 
     def _clear_line(self, slot: int) -> None:
+        self.prefill_inflight[slot] = 0
         self._pending[slot].clear()
         self._dead[slot] = 0
         self._set_head(slot, None, 0.0)
@@ -314,6 +326,7 @@ class LoadTracker:
         q, rec.queue_slot = rec.queue_slot, -1
         if q < 0:
             return
+        self.prefill_inflight[q] -= 1
         pending = self._pending[q]
         if pending and pending[0] is rec:
             pending.popleft()

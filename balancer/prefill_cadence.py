@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cadence_gap_steps", "chunks_in_parallel", "forced_prefill_steps", "prefill_steps", "queued_requests"]
+__all__ = ["at_once_tokens", "cadence_gap_steps", "chunks_in_parallel", "forced_prefill_steps", "prefill_steps", "queued_requests"]
 
 
 def chunks_in_parallel(max_num_seqs: int | None, request_chunk_tokens: int | None, chunk_tokens: int) -> bool:
@@ -181,3 +181,23 @@ def queued_requests(queued_tokens: np.ndarray, num_requests: np.ndarray, engine:
     if e.min() < 0:
         raise ValueError("engine indices must be >= 0")
     return np.bincount(e, weights=busy, minlength=int(e.max()) + 1)[e]
+
+
+def at_once_tokens(prompts_in_flight: np.ndarray, chunk_tokens: int, request_chunk_tokens: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the prefill tokens of one of its prefill steps where chunks run in parallel (each
+    of its ``m`` prompts in prefill takes ``L`` tokens, at most ``C`` in all), now and with one
+    prompt more: ``(min(C, L m), min(C, L (m + 1)))``, float64, shapes ``(n,)``. (A prompt's last
+    chunk may be shorter: an upper bound.)
+
+    Raises:
+        ValueError: ``chunk_tokens`` or ``request_chunk_tokens`` < 1, or a negative count.
+    """
+    if chunk_tokens < 1 or request_chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens and request_chunk_tokens must be >= 1, got {chunk_tokens}, "
+                         f"{request_chunk_tokens}")
+    m = np.asarray(prompts_in_flight, dtype=np.float64)
+    if len(m) and m.min() < 0:
+        raise ValueError("prompts in flight must be >= 0")
+    L = float(min(request_chunk_tokens, chunk_tokens))
+    return np.minimum(L * m, float(chunk_tokens)), np.minimum(L * (m + 1.0), float(chunk_tokens))

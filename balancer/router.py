@@ -97,6 +97,7 @@ from balancer.config import DEFAULT_TIER_WEIGHTS, INDEX_MODES, PolicySpec, Route
 from balancer.parts import CostLearnerPart, LoadSources, RejectListener, RouteListener
 from balancer.policies import Policy, SelectContext
 from balancer.prefix_index import PrefixIndex
+from balancer.session_forecast import SessionFacts
 from balancer.replicas import Pool, ReplicaInfo, ReplicaRegistry, RequestTooLargeError, fitting, without  # noqa: F401  (ReplicaInfo, RequestTooLargeError re-exported)
 from balancer.types import Choice, ReplicaId, Request, Role, Route, is_finite_seconds
 from balancer.validation import format_validation_error
@@ -226,6 +227,8 @@ class Router:
         #: online fit of the cost model (:class:`~balancer.parts.CostLearnerPart`), or None (see
         #: ``RouterConfig.learn_cost_model``)
         self.cost_learner: CostLearnerPart | None = learner
+        #: the session facts (:mod:`balancer.session_forecast`) when a policy reads them, else None
+        self.session_facts = _session_facts_for(self.prefill_policy, self.decode_policy)
 
     @classmethod
     def from_config(cls, config: RouterConfig, *, prefill_policy: Policy | None = None,
@@ -334,6 +337,8 @@ class Router:
     def remove_replica(self, replica: ReplicaId) -> None:
         """Unregister a DP rank: forget its cached blocks; in-flight requests stop counting on it."""
         self.registry.remove(replica)
+        if self.session_facts is not None:
+            self.session_facts.drop_slot(self.load.slot(replica))
         self.load.remove_replica(replica)
         self.cache.forget(replica)
 
@@ -369,7 +374,7 @@ class Router:
 
     def _candidates(self, request: Request, pool: Pool, depths: np.ndarray | None,
                     matches: dict[ReplicaId, int] | None, spec_depths: np.ndarray | None = None,
-                    heads: bool = True) -> Candidates:
+                    heads: bool = True, facts: bool = True) -> Candidates:
         """:meth:`candidates` of ``pool`` from the index's per-number match depths (the hot path:
         vectorised; with ``spec_depths``, the hybrid mode's speculative index's, the larger per
         candidate) or from a ``{replica: blocks}`` dict. ``heads``: with the in-service prefill
@@ -390,6 +395,11 @@ class Router:
             most = int(matched.max()) if n else 0  # most blocks any candidate matches
         slots = pool.slots
         load = self.load
+        if facts and self.session_facts is not None:  # the policy reads the session facts: add them
+            inflight = load.prefill_inflight[slots]
+            ret, ret_kv = self.session_facts.forecast(slots, self._now_s)
+            return replace(self._candidates(request, pool, depths, matches, spec_depths, heads, False),
+                           prefill_inflight=inflight, returning_requests=ret, returning_kv_tokens=ret_kv)
         num_requests, decode_kv = load.num_requests[slots], load.decode_kv_tokens[slots]
         prefill_tokens = load.prefill_tokens[slots]
         if load.peer is not None and self.uses_load():  # the other processes of one pdlb serve (shared memory)
@@ -525,6 +535,8 @@ class Router:
                                f"request {request.request_id!r} (prompt + output)")
         if p_pool.replicas:
             p_pool = fitting(p_pool, request.prompt_tokens, f"request {request.request_id!r} (prompt)")
+        if self.session_facts is not None:  # its session is back: not idle (nor its own forecast) any more
+            self.session_facts.on_arrival(request.session_id)
         depths = cache.index.match_depths(request.block_hashes)
         d_cands = self._candidates(request, d_pool, depths, None, spec,
                                    d_pool.role in self.decode_policy.prefill_head_roles)
@@ -547,6 +559,9 @@ class Router:
         cached = request.prompt_tokens - uncached
         self.load.on_dispatch(request.request_id, prefill, d_choice.replica, uncached, request.prompt_tokens,
                               prefill_attn_pairs=uncached * cached + uncached * (uncached + 1) / 2.0, now_s=now_s)
+        if self.session_facts is not None:
+            self.session_facts.on_route(request.request_id, request.session_id, self.load.slot(d_choice.replica),
+                                        request.prompt_tokens, self.load.num_in_flight, self.load.is_in_flight)
         if self.load.peer is not None:
             self.load.peer.publish()
         self._matched_tokens["decode"] += d_matched
@@ -609,6 +624,8 @@ class Router:
             raise ValueError(f"request {request_id!r}: num_output_tokens must be an integer >= 0 or None, "
                              f"got {num_output_tokens!r}")
         now_s = self._clock(now_s)
+        if self.session_facts is not None:
+            self.session_facts.on_finished(request_id, now_s, num_output_tokens or 0)
         self.load.on_finished(request_id, now_s)
         if self.cost_learner is not None:
             self.cost_learner.on_finished(request_id, now_s, num_output_tokens)
@@ -836,10 +853,18 @@ class Router:
                 registry.set_healthy(info.replica, info.healthy)
             state["registry"] = registry
         state.pop("on_routed", None)  # snapshots from before the listeners part
+        if "session_facts" not in state:  # snapshots from before the session facts: start them empty
+            state["session_facts"] = _session_facts_for(state["prefill_policy"], state["decode_policy"])
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self.listeners = ()
         self.reject_listeners = ()
+
+
+def _session_facts_for(prefill_policy: Policy, decode_policy: Policy) -> SessionFacts | None:
+    """The session facts part when either policy reads them (the longer horizon), else None."""
+    horizons = [h for h in (prefill_policy.session_facts, decode_policy.session_facts) if h is not None]
+    return SessionFacts(max(horizons)) if horizons else None
 
 
 def _config_with(config: RouterConfig, settings: Mapping[str, Any]) -> RouterConfig:

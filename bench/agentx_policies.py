@@ -29,7 +29,7 @@ the highest load (of 1x / 1.5x / 2x) each policy meets the SLO at, the request r
 there, and the GPUs it needs for the measured load (8 GPUs x 64 lanes / its lanes, for replicas of
 the same engine), nominal and over the band.
 
-Run by hand (each run is seconds to a few minutes of CPU; 12 policies x 4 loads)::
+Run by hand (each run is seconds to a few minutes of CPU; 13 policies x 4 loads)::
 
     python bench/agentx_policies.py --duration-s 1200 --jobs 2
 """
@@ -57,8 +57,11 @@ from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 #: cadence of this engine by default (``cadence=true``); ``cadence=false`` is the pricing before them.
 #: ``spec_decode=true`` prices MTP's 2.49 accepted tokens per decode step (off by default: one token per step).
 #: ``parallel_chunks=true`` prices a prompt's group terms as chunks in parallel, not by FIFO draining (off by default)
+#: ``session_forecast=true,prefill_at_once=true`` reads what the router tracks itself: idle sessions that will return
+#: to each rank, the prompts each rank prefills at once (off by default; docs/policies/ep_aware.md)
 POLICIES = ("dp_consistent_hash", "consistent_hash", "cache_aware", "kv_cost", "scored", "least_load",
-            "ep_aware", "ep_aware:parallel_chunks=true", "ep_aware:spec_decode=true", "ep_aware:slo_wide_ep=true",
+            "ep_aware", "ep_aware:session_forecast=true,prefill_at_once=true", "ep_aware:parallel_chunks=true",
+            "ep_aware:spec_decode=true", "ep_aware:slo_wide_ep=true",
             "ep_aware:cadence=false", "ep_aware:cadence=false,slo_wide_ep=true")
 LOADS = {"1/8x": 8, "1x": 64, "1.5x": 96, "2x": 128}
 MEASURED_LANES = 64

@@ -200,7 +200,13 @@ def _main(argv: list[str] | None, pools: list) -> int:
 
     rows = ["mooncake:default"] if args.quick else list_arg(ap, "--rows", args.rows, "rows workload:scenario")
     seeds = list(range(1 if args.quick else args.seeds))
-    policies = list_arg(ap, "--policies", args.policies, "policies")
+    from balancer.policies.spec import split_policy_list  # "ep_aware:a=1,b=2" is one spec, as bench/agentx_policies.py
+    try:
+        policies = split_policy_list(args.policies)
+    except ValueError as e:
+        ap.error(f"--policies: {e}")
+    if not policies or len(set(policies)) != len(policies):
+        ap.error(f"--policies: expected distinct policy specs, got {args.policies!r}")
     ours_all = [p for p in policies if p.split(":")[0] == OURS]
     anchors = [p for p in policies if p not in ours_all]
     traces_dir = args.traces_dir

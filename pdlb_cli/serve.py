@@ -295,15 +295,21 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
     ``seq_cap`` where none has ``max_num_seqs`` (no cap to price), ``parallel_chunks`` (either
     policy) outside a mixed pool or where no wide-EP engine of it runs its chunks in parallel
     (:func:`balancer.prefill_cadence.chunks_in_parallel`; a dense engine's prompt has no group
-    tokens to price, review R3 of session 16). Empty: nothing to say."""
+    tokens to price, review R3 of session 16), ``prefill_at_once`` (either policy) outside a mixed
+    pool or where no engine of it runs its chunks in parallel, ``session_forecast`` on the prefill
+    policy of a PD deployment. Empty: nothing to say."""
     rc = cfg.router
     role = "decode" if any(w.role == "decode" for w in cfg.workers) else "mixed"
     urls = [w.url for w in cfg.workers if w.role == role]
     out = []
     prefill = rc.prefill_policy.build()
-    if prefill.name == "ep_aware" and prefill.parallel_chunks and any(w.role == "prefill" for w in cfg.workers):
-        out.append("the prefill policy ep_aware has parallel_chunks=true, which changes nothing here: it prices "
-                   "mixed pools only (prefill pools the same either way)")
+    for opt in _MIXED_CHUNK_OPTIONS:
+        if prefill.name == "ep_aware" and getattr(prefill, opt) and any(w.role == "prefill" for w in cfg.workers):
+            out.append(f"the prefill policy ep_aware has {opt}=true, which changes nothing here: it prices "
+                       "mixed pools only (prefill pools the same either way)")
+    if prefill.name == "ep_aware" and prefill.session_forecast and any(w.role == "prefill" for w in cfg.workers):
+        out.append("the prefill policy ep_aware has session_forecast=true, which changes nothing here: it prices "
+                   "decode and mixed pools only (prefill pools the same either way)")
     policy = rc.decode_policy.build()
     if policy.name != "ep_aware" or not urls:
         return out
@@ -332,7 +338,20 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
         out.append("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: the mixed "
                    "engines whose chunks run in parallel are dense (ep_synchronous = false in the cost model), so a "
                    "prompt has no group tokens to price either way")
+    if policy.prefill_at_once and role != "mixed":
+        out.append("the decode policy ep_aware has prefill_at_once=true, which changes nothing here: it prices "
+                   "mixed pools only (decode pools the same either way)")
+    elif policy.prefill_at_once and not (policy.cadence and any(
+            chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens) for e in engines)):
+        out.append("the decode policy ep_aware has prefill_at_once=true, which changes nothing here: no mixed engine "
+                   "has max_num_seqs and request_chunk_tokens with max_num_seqs x request_chunk_tokens <= chunk_tokens "
+                   "in the cost model, or cadence=false (give --cost-model a file with them: pdlb sim cost-model "
+                   "writes the pool's)")
     return out
+
+
+#: ``ep_aware`` options that price only mixed pools whose engines run a prompt's chunks in parallel
+_MIXED_CHUNK_OPTIONS = ("parallel_chunks", "prefill_at_once")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -79,6 +79,15 @@ class Policy(ABC):
     #: policies that never read them set it empty, ``ep_aware`` to prefill pools.
     prefill_head_roles: ClassVar[frozenset[Role]] = frozenset(Role)
 
+    @property
+    def session_facts(self) -> float | None:
+        """Whether :meth:`select` reads the facts a router keeps of what it routed itself
+        (``Candidates.prefill_inflight``, ``returning_requests``, ``returning_kv_tokens``:
+        :mod:`balancer.session_forecast`): ``None`` (the default) when not (the router then keeps
+        none of them and leaves the columns ``None``), else the returning-session forecast's horizon
+        in seconds (> 0). ``ep_aware`` with ``session_forecast`` or ``prefill_at_once`` sets it."""
+        return None
+
     @abstractmethod
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         """Pick one of ``cands`` (non-empty) for ``request``."""

@@ -101,6 +101,21 @@ Parameters:
         eight workload seeds (level at 2x, 1.8 points lower at 1.5x; docs/policies/ep_aware.md,
         "Who waits for a prompt's group tokens"). Engines without the options are priced the same
         either way.
+    session_forecast: read the router's forecast of idle sessions that will return to each rank
+        (``Candidates.returning_requests``, ``returning_kv_tokens``; :mod:`balancer.session_forecast`)
+        and price decode and mixed candidates as if they had returned: the terms about the
+        request's life from now on (the cadence's TTFT and forced steps, the slot wait, the decode
+        cost, the tie rule) see ``b + rint(R)`` requests and ``kv + rint(K)`` tokens per rank; the
+        prefill terms and the batch stall price what runs and queues now. Off by default.
+    prefill_at_once: read the prompts each rank prefills at once (``Candidates.prefill_inflight``,
+        the router's routed prompts not yet prefilled) and, where chunks run in parallel (a mixed
+        pool with ``S L <= C``), add ``externality_weight n_e ceil(u_i / L) rise_i``: the prompt's
+        prefill steps each lengthened by how far it raises the engine's busiest per-step prefill
+        (:func:`at_once_step_rise_s`) for the engine's ``n_e`` running sequences. Off by default.
+    return_horizon_s: the forecast's decay horizon ``H``, seconds (a session idle ``a`` seconds
+        counts ``1 - a / H``; dropped at ``H``). With either option the router keeps these facts
+        (:attr:`balancer.policies.Policy.session_facts`); without a router (hand-built candidates)
+        the columns are ``None`` and both options price nothing.
 
 **vLLM's chunk limit and prefill cadence** (``cadence=True``, the default; only where the cost
 model sets ``EngineCost.request_chunk_tokens`` or ``prefill_schedule_interval``;
@@ -130,7 +145,7 @@ EDF-with-abandonment argument of deadline scheduling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -146,8 +161,8 @@ from balancer.cost_model import (
     prefill_wait_features,
     slot_wait_s,
 )
-from balancer.prefill_cadence import (cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps,
-                                     queued_requests)
+from balancer.prefill_cadence import (at_once_tokens, cadence_gap_steps, chunks_in_parallel, forced_prefill_steps,
+                                     prefill_steps, queued_requests)
 from balancer.policies.base import Policy, SelectContext, argmin_random, fresh_scores, register, scores_of
 from balancer.types import Choice, Request, Role, TtftSlo
 
@@ -199,6 +214,25 @@ def in_service_queue(q: np.ndarray, a: np.ndarray, head_start_s: np.ndarray, hea
     p_h = np.divide(head_pairs - u_h * (u_h + 1.0) / 2.0, u_h, out=np.zeros_like(q), where=u_h > 0)
     done_pairs = done * np.maximum(p_h, 0.0) + done * (done + 1.0) / 2.0
     return q - done, np.maximum(a - done_pairs, 0.0)
+
+
+def at_once_step_rise_s(inflight: np.ndarray, u: np.ndarray, cached: np.ndarray, c: PrefillStepCost, C: int, L: int,
+                        idx: np.ndarray, rows: np.ndarray | None, ep_synchronous: bool) -> np.ndarray:
+    """Seconds by which a prompt placed on each rank lengthens each prefill step of its engine while
+    its chunks run, where chunks run in parallel: the rank's tokens per prefill step rise from
+    ``x_i = min(C, L m_i)`` to ``min(C, L (m_i + 1))`` (``m`` the prompts each rank prefills at once,
+    :func:`balancer.prefill_cadence.at_once_tokens`); a wide-EP engine's step is set by its busiest
+    rank, so it lengthens by ``rise_i = max(0, min(C, L (m_i + 1)) - max_r x_r)`` over the engine's
+    ranks (a dense rank: by ``x_i' - x_i``), each token costing ``per_token + per_attn_pair (p_i +
+    u_i / 2)`` (the prompt's mean position). Shape ``(n,)``, float64, >= 0."""
+    x, x_after = at_once_tokens(inflight, C, L)
+    if ep_synchronous:
+        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
+        top = _per_engine_max(x, idx, rows, n_eng)
+    else:
+        top = x
+    rise = np.maximum(x_after - top, 0.0)
+    return rise * (c.per_token_s + c.per_attn_pair_s * (cached + u / 2.0))
 
 
 def _decode_steps(eng: EngineCost, idx: np.ndarray, rows: np.ndarray | None, b: np.ndarray, k: np.ndarray,
@@ -276,6 +310,9 @@ class EpAware(Policy):
     cadence: bool = True
     spec_decode: bool = False
     parallel_chunks: bool = False
+    session_forecast: bool = False
+    prefill_at_once: bool = False
+    return_horizon_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -303,13 +340,35 @@ class EpAware(Policy):
         if not self.slo_doomed_tail >= 0:
             raise ValueError(f"slo_doomed_tail must be >= 0 (a fraction over the shortest predicted TTFT; inf = off), "
                              f"got {self.slo_doomed_tail}")
+        if not (np.isfinite(self.return_horizon_s) and self.return_horizon_s > 0):
+            raise ValueError(f"return_horizon_s must be a finite number of seconds > 0, got {self.return_horizon_s}")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
+
+    @property
+    def session_facts(self) -> float | None:
+        """The returning-session horizon (seconds) with ``session_forecast`` or ``prefill_at_once``,
+        else None (:attr:`balancer.policies.Policy.session_facts`)."""
+        return self.return_horizon_s if (self.session_forecast or self.prefill_at_once) else None
+
+    def _forecast(self, cands: Candidates) -> Candidates:
+        """``cands`` with each rank's running requests and decode KV tokens raised by the forecast of
+        its returning sessions (``returning_requests``, ``returning_kv_tokens``, rounded to whole
+        requests and tokens: int64 columns as the compiled paths take) with ``session_forecast``;
+        ``cands`` itself otherwise or where the router gave no forecast."""
+        if not self.session_forecast or cands.returning_requests is None or cands.returning_kv_tokens is None:
+            return cands
+        add_b = np.rint(cands.returning_requests).astype(np.int64)
+        if not add_b.any():
+            return cands
+        add_kv = np.rint(cands.returning_kv_tokens).astype(np.int64)
+        return replace(cands, num_requests=cands.num_requests + add_b, decode_kv_tokens=cands.decode_kv_tokens + add_kv)
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
         names, idx, rows = engine_groups(cands.replicas)
         ttft = None
+        fc = cands  # the candidates with the returning sessions (below), for the later terms and the tie rule
         slo = self._ttft_slo(ctx) if cands.role is not Role.DECODE else None
         if slo is not None and not self.slo_wide_ep and self._all_wide_ep(model, names, cands.role):
             slo = None  # measured: SLO-blind placement is as good or better on wide EP (docs/policies/ep_aware.md)
@@ -325,18 +384,21 @@ class EpAware(Policy):
                                                       own)
             reason = "ep_aware:prefill"
         elif cands.role is Role.DECODE:
-            fast = self._decode_select_compiled(request, cands, model, names, idx, rows, ctx)
+            fc = self._forecast(cands)  # with the returning sessions' occupancy (session_forecast), else cands
+            # (the compiled select checks KV room on its columns: only on the router's own)
+            fast = self._decode_select_compiled(request, cands, model, names, idx, rows, ctx) if fc is cands else None
             if fast is not None:  # the same choice as below, in one compiled call (wide-EP pools)
                 return fast
-            cost = self.decode_cost(request, cands, model, names, idx, rows, transfer=True)
+            cost = self.decode_cost(request, fc, model, names, idx, rows, transfer=True)
             reason = "ep_aware:decode"
         else:
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", want)
+            fc = self._forecast(cands)  # with the returning sessions' occupancy (session_forecast), else cands
             if self.cadence:
-                cost, ttft, own = self._cadence_terms(request, cands, model, names, idx, rows, "mixed", cost, ttft, own)
-            cost = (cost + self.decode_cost(request, cands, model, names, idx, rows, transfer=False)
+                cost, ttft, own = self._cadence_terms(request, fc, model, names, idx, rows, "mixed", cost, ttft, own)
+            cost = (cost + self.decode_cost(request, fc, model, names, idx, rows, transfer=False)
                     + self.externality_weight * self._mixed_stall(request, cands, model, names, idx, rows))
-            wait = self.slot_wait(request, cands, model, names, idx, rows) if want else None
+            wait = self.slot_wait(request, fc, model, names, idx, rows) if want else None
             if wait is not None:  # a full rank admits the prompt only when a slot frees (in cost already)
                 ttft = ttft + wait
             reason = "ep_aware:mixed"
@@ -352,7 +414,7 @@ class EpAware(Policy):
             reason += ":slo_doomed"
             i = argmin_random(cost, ctx.rng)
         else:
-            i = self._pick(cost, cands, ctx, self._cadence_tie_load(cands, model, names) if self.cadence else None)
+            i = self._pick(cost, cands, ctx, self._cadence_tie_load(fc, model, names) if self.cadence else None)
         return Choice(cands.replicas[i], scores_of(cands, cost), reason=reason if feasible else reason + ":no_kv_room")
 
     def predict_prefill_s(self, request: Request, cands: Candidates, ctx: SelectContext
@@ -704,6 +766,9 @@ class EpAware(Policy):
             if self.parallel_chunks:  # ... and every queued request of the engine shares steps with it
                 w_ext = self.externality_weight * c.per_group_token_s if eng.ep_synchronous else 0.0
                 group = w_ext * u * queued_requests(q, b, idx, eng.ep_synchronous)
+            if self.prefill_at_once and cands.prefill_inflight is not None and L is not None:
+                add_cost = add_cost + self.externality_weight * n_e * n * at_once_step_rise_s(
+                    cands.prefill_inflight, u, cached, c, C, L, idx, rows, eng.ep_synchronous)
         else:
             n = prefill_steps(q, u, C, L)
             new = ttft + (n - today) * c.overhead_s
@@ -720,7 +785,7 @@ class EpAware(Policy):
             ctx = np.divide(kv, b, out=np.zeros_like(b), where=b > 0)  # the rank's mean context per request
             chunk_s = (c.overhead_s + (c.per_token_s + c.per_group_token_s) * Lc
                        + c.per_attn_pair_s * (Lc * ctx + Lc * (Lc + 1.0) / 2.0))
-            add_cost = self.externality_weight * forced * n_e * chunk_s
+            add_cost = add_cost + self.externality_weight * forced * n_e * chunk_s
         return new, add_cost, add_own, group
 
     # ------------------------------------------------------------------ decode

@@ -62,3 +62,20 @@ def test_counts_below_one_are_refused(argv, message, capsys) -> None:  # noqa: A
     with pytest.raises(SystemExit) as e:
         pg.main(argv)
     assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith("error: " + message)
+
+
+def test_policy_specs_with_several_options_are_one_policy(monkeypatch) -> None:
+    # session 16: --policies split "ep_aware:a=true,b=true" at the comma ("unknown policy 'b=true'")
+    seen: list = []
+
+    def stop(rows, seeds, policies, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(list(policies))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pg, "fair_slos", stop)
+    with pytest.raises(SystemExit):
+        pg.main(["--rows", "shared_prefix:default", "--policies",
+                 "ep_aware:session_forecast=true,prefill_at_once=true,scored", "--jobs", "1", "--no-gpus"])
+    assert seen == [["ep_aware:session_forecast=true,prefill_at_once=true", "scored"]]
+    with pytest.raises(SystemExit):
+        pg.main(["--rows", "shared_prefix:default", "--policies", "scored,scored", "--jobs", "1"])

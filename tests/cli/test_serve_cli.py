@@ -432,6 +432,17 @@ MIXED = ["--pd-protocol", "none", "--mixed", "http://127.0.0.1:52000"]
     (MIXED + ["--decode-policy", "ep_aware:parallel_chunks=true,cadence=false"],
      {"max_num_seqs": 64, "request_chunk_tokens": 128}, [PC_NO_KEYS]),
     (MIXED + ["--decode-policy", "ep_aware"], None, []),  # off: nothing to say
+    # issue 23 part 3 (session 16): prefill_at_once prices the same mixed pools of parallel chunks
+    (PD + ["--decode-policy", "ep_aware:prefill_at_once=true"], None,
+     [PC_MIXED_ONLY.format(pool="decode").replace("parallel_chunks", "prefill_at_once")]),
+    (MIXED + ["--decode-policy", "ep_aware:prefill_at_once=true"], None,
+     [PC_NO_KEYS.replace("parallel_chunks", "prefill_at_once")]),
+    (MIXED + ["--decode-policy", "ep_aware:prefill_at_once=true"], {"max_num_seqs": 64, "request_chunk_tokens": 128},
+     []),
+    (PD + ["--prefill-policy", "ep_aware:session_forecast=true"], None,
+     ["the prefill policy ep_aware has session_forecast=true, which changes nothing here: it prices decode and "
+      "mixed pools only (prefill pools the same either way)"]),
+    (PD + ["--decode-policy", "ep_aware:session_forecast=true"], None, []),  # decode pools: it prices them
     # review R3 (session 16): dense engines (each rank its own step) have no group tokens: the parallel
     # model's group terms (per_group_token x ...) and FIFO draining's are both 0 (ep_aware.py
     # _prefill_cost_one: w_ext = 0 unless ep_synchronous); tests/cli/test_idle_policy_options.py runs it
