@@ -56,21 +56,28 @@ def run_mode(mode: str, policies: list[str], args: argparse.Namespace) -> tuple[
     return time.perf_counter() - t0, results
 
 
-def main() -> int:
-    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each value checked as ``pdlb sim capacity`` checks its own (review R7, session 16:
+    ``--jobs 0`` silently meant every core, negative SLOs and tolerances ran)."""
+    from pdlb_cli.args import ArgumentParser, fraction, nonnegative_float, positive_float, positive_int
 
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="serial,process,ray", help="comma-separated: serial, process, ray, serial-full")
-    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="process pool / Ray CPUs")
-    ap.add_argument("--limit", type=int, help="first N requests of the trace (default: all)")
+    ap.add_argument("--jobs", type=positive_int, default=len(os.sched_getaffinity(0)), help="process pool / Ray CPUs")
+    ap.add_argument("--limit", type=positive_int, help="first N requests of the trace (default: all)")
     ap.add_argument("--policies", help="comma-separated (default: every registered policy)")
     ap.add_argument("--scenario", default="dsv3-pd-h200")
-    ap.add_argument("--tol", type=float, default=0.02)
-    ap.add_argument("--slo-ttft-s", type=float, default=2.0)
-    ap.add_argument("--slo-tpot-s", type=float, default=0.1)
-    ap.add_argument("--slo-attainment", type=float, default=0.9)
-    ap.add_argument("--slo-ttft-per-1k-tokens-s", type=float, default=0.5)
-    args = ap.parse_args()
+    ap.add_argument("--tol", type=positive_float, default=0.02, help="rate search tolerance (default 0.02)")
+    ap.add_argument("--slo-ttft-s", type=positive_float, default=2.0)
+    ap.add_argument("--slo-tpot-s", type=positive_float, default=0.1)
+    ap.add_argument("--slo-attainment", type=fraction, default=0.9)
+    ap.add_argument("--slo-ttft-per-1k-tokens-s", type=nonnegative_float, default=0.5)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
 
     from balancer.policies import available_policies
     from sim.search.capacity_report import rate_ratios

@@ -22,6 +22,10 @@ bench splits that, per mode, in ONE run, every figure a ratio of windows taken i
    own CPU of the router set) when the tree has the option, else the bench pins each process's threads itself after
    start-up (printed which).
 
+``--rows`` picks the optional rows (``rr``, ``pin``, ``burn``); ``--variant 'NAME=ARGS'`` adds a multi-process row
+``x8 NAME`` with more ``pdlb serve`` arguments (e.g. ``'t0.9=--placement-target-util 0.9'``), measured in the closed
+loop and the long windows beside ``x8``.
+
 Routers on ``--router-cpus`` (0-7), engines and clients on the rest (as router_overhead). Each mode starts with a 1 s
 warm-up of every router at once (upstream pools, the placement out of its start-up state); an x8 window then starts
 with the placement where that router's previous window left it (b6's throughput run follows a 16-client latency run). A global ``--budget-s`` skips
@@ -39,6 +43,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -283,15 +288,19 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         procs += engines
         with ro._affinity(first):
             routers["x1@0"] = _spawn(ro._pdlb_args(mode, engines, 1), timeout_s=120)
-            if args.vllm_router and mode in ("regular", "vllm-pd"):
+            if args.vllm_router and mode in ("regular", "vllm-pd") and mode in args.host_modes:  # only measured there
                 p, url = ro._start_peer(ro.PEERS["vllm-router"], mode, engines, args.vllm_router)
                 peer_procs.append(p)
                 routers["vllm-router@0"] = Proc(p, int(url.rsplit(":", 1)[1]))
         with ro._affinity(args.router_cpus):
             base = ro._pdlb_args(mode, engines, n)
             routers[f"x{n}"] = _spawn(base, timeout_s=120)
-            routers[f"x{n} rr"] = _spawn([*base, "--connection-placement", "round_robin"], timeout_s=120)
-            routers[f"x{n} pin"] = _spawn([*base, "--pin-processes"] if args.pin_option else base, timeout_s=120)
+            if "rr" in args.rows:
+                routers[f"x{n} rr"] = _spawn([*base, "--connection-placement", "round_robin"], timeout_s=120)
+            if "pin" in args.rows:
+                routers[f"x{n} pin"] = _spawn([*base, "--pin-processes"] if args.pin_option else base, timeout_s=120)
+            for vname, vargs in args.variant:
+                routers[f"x{n} {vname}"] = _spawn([*base, *vargs], timeout_s=120)
         procs += [p for k, p in routers.items() if not k.startswith("vllm")]
         if args.other_cpus:
             os.sched_setaffinity(0, args.other_cpus)
@@ -303,26 +312,29 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                     raise
                 print(f"  {name} unavailable: {e} (see /tmp/pdlb-bench-vllm-router-{mode}.log); skipping it")
                 del routers[name]
-        if not args.pin_option and args.router_cpus:
-            cpus = sorted(args.router_cpus)
-            for i, kid in enumerate(_children(routers[f"x{n} pin"].popen.pid)):
-                _pin_threads(kid, cpus[i % len(cpus)])
-        pin_kids = _children(routers[f"x{n} pin"].popen.pid)
-        print(f"  x{n} pin: the router processes' CPU sets (main thread): "
-              + " ".join(str(sorted(os.sched_getaffinity(k))) for k in pin_kids), flush=True)
+        if f"x{n} pin" in routers:
+            if not args.pin_option and args.router_cpus:
+                cpus = sorted(args.router_cpus)
+                for i, kid in enumerate(_children(routers[f"x{n} pin"].popen.pid)):
+                    _pin_threads(kid, cpus[i % len(cpus)])
+            pin_kids = _children(routers[f"x{n} pin"].popen.pid)
+            print(f"  x{n} pin: the router processes' CPU sets (main thread): "
+                  + " ".join(str(sorted(os.sched_getaffinity(k))) for k in pin_kids), flush=True)
+        multi = [k for k in routers if k.startswith(f"x{n}")]  # the multi-process rows, x{n} first
         # warm-up, every router at once (1 s closed loop at --max-concurrency): upstream pools open, the
         # placement out of its start-up state, so that no row's first window pays for that alone
         await asyncio.gather(*(_closed(rp, args, args.max_concurrency, 1.0, False) for rp in routers.values()))
         print(f"\n== {mode}: routers {', '.join(routers)} ==", flush=True)
         burn_cpus = sorted(args.router_cpus - first) if args.router_cpus and len(args.router_cpus) > 1 else []
         host_rows = [k for k in routers if k.endswith("@0")]
-        conds = ["none", *([b for b in args.burner] if burn_cpus else [])]
+        conds = ["none", *([b for b in args.burner] if burn_cpus and "burn" in args.rows else [])]
         win_fixed = args.duration_s + 2.6
         win_closed = args.duration_s + 2.0
         for r in range(args.repeat):
             # 1. fixed rate: x1@0 / vllm-router@0 without and with burners; x8 variants at the same rate
             if mode in args.host_modes:
-                items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")]
+                items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")] + \
+                    [(f"x{n} {v}", "none") for v, _ in args.variant]
                 # the topology probe: x1@0 with ONE busy loop, on each CPU of --probe-cpus in turn
                 items += [("x1@0", f"spin@{j}") for j in args.probe_cpus]
                 if r % 2:
@@ -341,8 +353,8 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                 print(f"  repeat {r + 1} fixed {args.rate:g} req/s: " + ", ".join(
                     f"{k} {v[-1]['cpu_us']:.0f}" for k, v in res["host"].items() if len(v) == r + 1) + " us/req", flush=True)
             # 2. closed loop at --max-concurrency: x1@0 (+ burners), x8, x8 rr, x8 pin
-            items = [("x1@0", "none"), *([("x1@0", args.burner[0])] if burn_cpus else []),
-                     (f"x{n}", "none"), (f"x{n} rr", "none"), (f"x{n} pin", "none")]
+            items = [("x1@0", "none"), *([("x1@0", args.burner[0])] if burn_cpus and "burn" in args.rows else []),
+                     *[(k, "none") for k in multi]]
             if r % 2:
                 items.reverse()
             for k, c in items:
@@ -361,9 +373,9 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         # 3. long windows: does follow_load settle?
         if args.long_s > 0 and mode in args.long_modes:
             for clients in (args.max_concurrency, args.concurrency):
-                k = f"x{n}"
-                if budget.fits(args.long_s + 2.0, f"{mode} long {k} at {clients}"):
-                    res["long"][f"{k} c{clients}"] = await _closed(routers[k], args, clients, args.long_s, True)
+                for k in [f"x{n}", *[f"x{n} {v}" for v, _ in args.variant]]:
+                    if budget.fits(args.long_s + 2.0, f"{mode} long {k} at {clients}"):
+                        res["long"][f"{k} c{clients}"] = await _closed(routers[k], args, clients, args.long_s, True)
         return res
     finally:
         for p in peer_procs:
@@ -403,6 +415,9 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
             print(f"    HOST x1@0 with {b} burners / without: {_ratio_line(h, f'x1@0 {b}', 'x1@0')}")
             print(f"    HOST vllm-router@0 with {b} burners / without: {_ratio_line(h, f'vllm-router@0 {b}', 'vllm-router@0')}")
         print(f"    PDLB x{n} / x1@0 at equal load: {_ratio_line(h, f'x{n}', 'x1@0')}")
+        for v, _ in args.variant:
+            print(f"    x{n} {v} / x1@0 at equal load: {_ratio_line(h, f'x{n} {v}', 'x1@0')}; "
+                  f"/ x{n}: {_ratio_line(h, f'x{n} {v}', f'x{n}')}")
         for j in args.probe_cpus:
             print(f"    PROBE x1@0 with one busy loop on CPU {j} / without: {_ratio_line(h, f'x1@0 spin@{j}', 'x1@0')}")
     c = res["closed"]
@@ -412,10 +427,12 @@ def summary(mode: str, res: dict, args: argparse.Namespace) -> None:
             for k, v in c.items()))
         b = args.burner[0]
         print(f"    HOST x1@0 with {b} burners / without (closed): {_ratio_line(c, f'x1@0 {b}', 'x1@0')}")
-        for k in (f"x{n}", f"x{n} rr", f"x{n} pin"):
+        multi = [k for k in c if k.startswith(f"x{n}")]
+        for k in multi:
             print(f"    {k} / x1@0 CPU/req: {_ratio_line(c, k, 'x1@0')}; req/s: {_ratio_line(c, k, 'x1@0', 'rps')}")
-        for k in (f"x{n} rr", f"x{n} pin"):
-            print(f"    {k} / x{n} CPU/req: {_ratio_line(c, k, f'x{n}')}; req/s: {_ratio_line(c, k, f'x{n}', 'rps')}")
+        for k in multi[1:]:
+            print(f"    {k} / x{n} CPU/req: {_ratio_line(c, k, f'x{n}')}; req/s: {_ratio_line(c, k, f'x{n}', 'rps')}; "
+                  f"p99: {_ratio_line(c, k, f'x{n}', 'p99_ms')}")
         for k, v in c.items():
             if v and "cpu_us_first_half" in v[0]:
                 print(f"    {k}: children's CPU us/req first half {_med([x['cpu_us_first_half'] for x in v]):.0f}, "
@@ -456,6 +473,10 @@ def main() -> int:
     ap.add_argument("--burner", default="spin", help="comma list of spin, mem (default spin; the first is used closed-loop)")
     ap.add_argument("--probe-cpus", default="", help="CPUs for the topology probe: x1@0 at the fixed rate with one busy "
                     "loop on each in turn (host modes; default none), e.g. 1-15: which CPUs share CPU 0's core")
+    ap.add_argument("--rows", default="rr,pin,burn", help="optional rows: rr (x8 round_robin placement), pin (x8 pinned), "
+                    "burn (x1@0 with busy loops, fixed rate and closed loop) (default all; '' none)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="one more multi-process row 'xN NAME': pdlb serve with ARGS added (repeatable)")
     ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default: no peer row)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip windows that would end after this (default none)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
@@ -464,6 +485,14 @@ def main() -> int:
     args.host_modes = list_arg(ap, "--host-modes", args.host_modes, "modes", one_of(("regular", "pd", "vllm-pd")))
     args.long_modes = list_arg(ap, "--long-modes", args.long_modes, "modes", one_of(("regular", "pd", "vllm-pd")))
     args.burner = list_arg(ap, "--burner", args.burner, "burners", one_of(tuple(_BURN)))
+    args.rows = list_arg(ap, "--rows", args.rows, "rows", one_of(("rr", "pin", "burn"))) if args.rows else []
+    variants = []
+    for text in args.variant:
+        name, eq, extra = text.partition("=")
+        if not eq or not name.strip() or not extra.strip():
+            ap.error(f"--variant {text!r}: expected NAME=ARGS")
+        variants.append((name.strip(), shlex.split(extra)))
+    args.variant = variants
     args.vllm_router = args.vllm_router.split() if args.vllm_router else None
     for name in ("rate", "duration_s", "sample_s", "budget_s"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):

@@ -60,17 +60,25 @@ def rows_for(workers: int) -> list[tuple[str, MockerEngine | None, MockerEngine 
     return [("as shipped", None, None), ("aligned @dynamo", at_dynamo, at_dynamo), ("aligned @pdlb", at_pdlb, at_pdlb)]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The options; a count below 1 is one ``error: argument --X: ...`` line and exit status 2 (review
+    R7, session 16: ``--workers 0`` ended in a pydantic traceback)."""
+    from pdlb_cli.args import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=None,
                     help="Mooncake JSONL trace, plain or .gz (default: pdlb's embedded conversation trace)")
-    ap.add_argument("--limit", type=int, default=None, help="only the first N requests")
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=1, help="take the fastest of N runs of each")
+    ap.add_argument("--limit", type=positive_int, default=None, help="only the first N requests")
+    ap.add_argument("--workers", type=positive_int, default=8, help="aggregated workers of each simulator (default 8)")
+    ap.add_argument("--repeats", type=positive_int, default=1, help="take the fastest of N runs of each")
     ap.add_argument("--pdlb-only", action="store_true", help="skip Dynamo; time pdlb alone")
     ap.add_argument("--kv-accounting", choices=("shared", "reserve"), default="shared",
                     help="pdlb's KV accounting of its aggregated ranks (Scenario.kv_accounting; default: shared)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         trace = write_trace(Path(tmp) / "trace.jsonl", args.trace, args.limit)
         return run(args, trace)

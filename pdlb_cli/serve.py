@@ -119,6 +119,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(follow_load: the others give theirs back with Connection: close) or on every process in "
                         f"turn (round_robin) (default: {d.connection_placement}; follow_load needs the lean "
                         "--http-front: with aiohttp's the processes get connections round robin, and serve says so)")
+    p.add_argument("--placement-target-util", type=float, metavar="CORES",
+                   help="with --connection-placement follow_load: cores per active router process the active set is "
+                        "sized for, 0.3-0.95 (higher: fewer, busier processes; less CPU per request where the engines "
+                        f"cap the load, more queueing per process) (default: {d.placement_target_util:g})")
     p.add_argument("--pin-processes", action=argparse.BooleanOptionalAction, default=None,
                    help="with --processes > 1: run router process i on one CPU only, the i-th (wrapping) of the CPUs "
                         "pdlb serve may use (Linux; the parent keeps them all) (default: "
@@ -209,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "http_front": getattr(args, "http_front", None),
                   "connection_placement": getattr(args, "connection_placement", None),
                   "pin_processes": getattr(args, "pin_processes", None),
+                  "placement_target_util": getattr(args, "placement_target_util", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)

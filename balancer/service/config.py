@@ -334,6 +334,12 @@ class ServiceConfig(BaseModel):
             others' connections given back with ``Connection: close`` at their next answer:
             :mod:`balancer.service.processes.placement`; needs Linux's ``/proc``, else round
             robin) or ``round_robin`` (every process in turn, never given back).
+        placement_target_util: with ``connection_placement: follow_load``, the cores per active
+            process the active set is sized for (0.3-0.95, default 0.7): ``k = ceil(load / it)``,
+            growing at once over half way from it to a whole core. Higher packs the load onto fewer,
+            busier processes (less CPU per request where the engines cap the load, more queueing
+            in each event loop). :mod:`balancer.service.processes.placement`; docs/serving.md,
+            "Connection placement".
         pin_processes: with several ``processes``, run router process ``i`` on one CPU only, the
             ``i``-th (wrapping) of the CPUs ``pdlb serve`` may use (Linux; default False: any CPU
             of the set). :mod:`balancer.service.processes.pinning`; docs/serving.md, "Router
@@ -420,6 +426,7 @@ class ServiceConfig(BaseModel):
     http_front: Literal["aiohttp", "lean"] = "lean"
     connection_placement: Literal["follow_load", "round_robin"] = "follow_load"
     pin_processes: StrictBool = False
+    placement_target_util: float = Field(0.7, ge=0.3, le=0.95)
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

@@ -13,7 +13,7 @@
 # Knobs (env): LIM (s for the whole script, 240), DUR (s per window, 2.5), REP (2), RATE (1500), MODES (regular,pd,vllm-pd),
 #   HOST_MODES (regular), LONG_MODES (pd), LONG_S (8), BURN (spin), RCPUS (0-7), ENG (4), PDENG (2), LOADP (4),
 #   MAXC (256), PROBE (CPUs for the topology probe, e.g. 1-15: x1 on CPU 0 with one busy loop on each in turn; none),
-#   PY (python3), SKIP_PIP (1: PY's own packages, for a dry run elsewhere), VR (vllm-router's command).
+#   ROWS (optional rows: rr,pin,burn; default all), VARIANT (NAME=ARGS: one more x8 row), PY (python3), SKIP_PIP (1: PY's own packages, for a dry run elsewhere), VR (vllm-router's command).
 # Dry run on the 2-core host: SKIP_PIP=1 PY=.venv/bin/python RCPUS=0-1 ENG=1 PDENG=1 LOADP=1 MAXC=64 RATE=200 DUR=1 REP=1
 #   LONG_S=2 VR=~/.cache/pdlb-peers/vllm-router-0.1.17/bin/vllm-router bash bench/device/cores_b11.sh
 set -u -o pipefail
@@ -34,7 +34,8 @@ fi
 cat $OUT/env.txt
 BUDGET=$((LIM - (SECONDS - T0) - 12))
 timeout $((BUDGET + 10)) $PY bench/router_cores.py --budget-s $BUDGET --modes ${MODES:-regular,pd,vllm-pd} \
-  --host-modes ${HOST_MODES:-regular} --long-modes ${LONG_MODES:-pd} --long-s ${LONG_S:-8} --burner ${BURN:-spin} ${PROBE:+--probe-cpus $PROBE} \
+  --host-modes ${HOST_MODES:-regular} --long-modes ${LONG_MODES:-pd} --long-s ${LONG_S:-8} --burner ${BURN:-spin} ${PROBE:+--probe-cpus $PROBE} ${ROWS+--rows "$ROWS"} \
+  ${VARIANT:+--variant "$VARIANT"} \
   --rate ${RATE:-1500} --duration-s ${DUR:-2.5} --repeat ${REP:-2} --router-cpus ${RCPUS:-0-7} --engines ${ENG:-4} \
   --pd-engines ${PDENG:-2} --load-processes ${LOADP:-4} --max-concurrency ${MAXC:-256} ${VR:+--vllm-router "$VR"} \
   --out $OUT/b11.json 2>&1 | tee $OUT/b11.log

@@ -11,7 +11,10 @@
 # Writes $OUT/b12.log (everything), $OUT/paired.log, $OUT/profile.log, $OUT/profile.json, env.txt.
 # Knobs (env): LIM (s, 170 in all), PAIRED (rounds, 6), PROF_RATE (req/s offered, 9000), PROF_S (s, 4),
 #   MODES (regular,pd,vllm-pd), PY (python3), SKIP_PIP (1: use PY's own packages, for a dry run elsewhere),
-#   RCPUS (0-7: the paired routers' CPUs).
+#   RCPUS (0-7: the paired routers' CPUs), PAIRED_S (s for the paired part; default LIM - 55).
+# Call 2 (16:41, main with e7eca01 + this script's first version): the paired part measured regular only before its
+# 90 s (a cold machine: ~80 s for the first mode, kernels compiled for both trees): 0.92x (rounds 0.82-0.98); the profile
+# part printed regular only. For a <= 120 s call: MODES=pd LIM=118 PAIRED_S=85 (SGLang PD paired + its profile).
 # Expected on the 16-core host: ~105 s paired (3 modes x (start + one repeat ~20 s, 6 rounds x 2.5 s)), ~45 s profiles
 # (3 x (start ~5 s, 1 s warm-up, 4 s sampled)); the profiles get what is left of LIM. Dry run on the 2-core host
 # (SKIP_PIP=1 PY=.venv/bin/python RCPUS=0 MODES=pd PAIRED=2 PROF_RATE=1500 PROF_S=2): rc 0, 59 s.
@@ -33,7 +36,7 @@ fi
 left() { echo $((LIM - (SECONDS - T0))); }
 if [ ${#BASE[@]} -gt 0 ]; then
   echo "== (1) one process, this tree vs 77eec5c, paired =="
-  timeout $(( $(left) - 55 )) $PY bench/router_overhead.py --peers none --modes ${MODES:-regular,pd,vllm-pd} \
+  timeout ${PAIRED_S:-$(( $(left) - 55 ))} $PY bench/router_overhead.py --peers none --modes ${MODES:-regular,pd,vllm-pd} \
     --pdlb-processes 1 "${BASE[@]}" --paired-rounds ${PAIRED:-6} --repeat 1 --duration-s 2 --router-cpus ${RCPUS:-0-7} \
     --engines 4 --pd-engines 2 --load-processes 4 2>&1 | tee $OUT/paired.log
   echo "paired: rc $?, $((SECONDS - T0)) s"

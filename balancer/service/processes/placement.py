@@ -15,7 +15,8 @@ as it needs: the first ``k`` ("active") of them.
   thread's CPU time (``/proc/PID/schedstat``, nanoseconds) and takes the CPU it used per second
   since the last pass (its utilisation, in cores); ``U`` is their sum.
 * **Grow at once.** When the active processes' mean utilisation is over :data:`GROW_UTIL`, ``k``
-  becomes ``ceil(U / TARGET_UTIL)``, at least ``k + 1``, at most ``N``; when they are saturated
+  becomes ``ceil(U / TARGET_UTIL)``, at least ``k + 1``, at most ``N`` (``placement_target_util``
+  sets another target *T*, the growth threshold then ``T + (1 - T) / 2``); when they are saturated
   (over :data:`SATURATED_UTIL`: their CPU then says nothing about the demand) it becomes ``N``,
   so that a burst gets every process within one pass and the shrink rule finds the size after.
   Each process that was active gives back the share of its connections that the new ones
@@ -56,9 +57,14 @@ __all__ = ["GROW_UTIL", "HOLD_PASSES", "LOG_INTERVAL_S",
            "SHRINK_MIN_CORES", "SHRINK_PASSES", "TARGET_UTIL", "next_active", "process_cpu_s"]
 
 TARGET_UTIL = 0.7
-"""Utilisation (cores per process) the active set is sized for: ``k = ceil(U / TARGET_UTIL)``."""
+"""Utilisation (cores per process) the active set is sized for by default: ``k = ceil(U / TARGET_UTIL)``
+(``placement_target_util`` / ``pdlb serve --placement-target-util`` sets another, within
+:data:`TARGET_UTIL_RANGE`)."""
+TARGET_UTIL_RANGE = (0.3, 0.95)
+"""The target utilisations taken (inclusive)."""
 GROW_UTIL = 0.85
-"""The active processes' mean utilisation over which ``k`` grows at once."""
+"""The active processes' mean utilisation over which ``k`` grows at once, at the default target:
+half way from the target to a whole core (:func:`grow_util`)."""
 SATURATED_UTIL = 0.95
 """Mean utilisation at which the active processes count as saturated (``k`` becomes ``N``)."""
 SHRINK_PASSES = 3
@@ -182,15 +188,31 @@ class PlacementView:
         self.block.q[self._base + 2] = self._open
 
 
-def next_active(k: int, n: int, utils: Sequence[float], low_passes: int) -> tuple[int, int, str]:
+def check_target_util(target_util: float) -> float:
+    """``target_util`` if within :data:`TARGET_UTIL_RANGE`, else ValueError (a number, not NaN)."""
+    lo, hi = TARGET_UTIL_RANGE
+    if isinstance(target_util, bool) or not isinstance(target_util, (int, float)) or not lo <= target_util <= hi:
+        raise ValueError(f"target utilisation must be a number from {lo} to {hi} (cores per process), got {target_util!r}")
+    return float(target_util)
+
+
+def grow_util(target_util: float) -> float:
+    """The mean utilisation of the active processes over which ``k`` grows at once for
+    ``target_util``: half way from it to a whole core (0.7 -> :data:`GROW_UTIL` 0.85, 0.9 -> 0.95)."""
+    return target_util + (1.0 - target_util) / 2
+
+
+def next_active(k: int, n: int, utils: Sequence[float], low_passes: int,
+                target_util: float = TARGET_UTIL) -> tuple[int, int, str]:
     """One pass of the rule (module docstring), as a pure function: ``(k_new, low_passes_new,
     why)`` for ``k`` active of ``n`` processes whose utilisations (cores) are ``utils`` (index
-    order; a dead process 0.0), after ``low_passes`` passes in a row that called for fewer.
-    ``why``: ``"grow"``, ``"shrink"`` or ``""``."""
+    order; a dead process 0.0), after ``low_passes`` passes in a row that called for fewer;
+    ``target_util`` in place of :data:`TARGET_UTIL` (and :func:`grow_util` of it in place of
+    :data:`GROW_UTIL`). ``why``: ``"grow"``, ``"shrink"`` or ``""``."""
     total = sum(utils)
-    want = max(1, min(n, math.ceil(total / TARGET_UTIL - 1e-9)))
+    want = max(1, min(n, math.ceil(total / target_util - 1e-9)))
     mean_active = sum(utils[:k]) / k
-    if mean_active > GROW_UTIL and k < n:
+    if mean_active > grow_util(target_util) and k < n:
         grown = n if mean_active > SATURATED_UTIL else max(k + 1, want)
         return min(n, grown), 0, "grow"
     if want < k and total >= SHRINK_MIN_CORES:
@@ -232,8 +254,11 @@ class PlacementControl:
     :meth:`pick` for each accepted connection (from the acceptor's thread); :meth:`handed`,
     :meth:`reset` (a process replaced)."""
 
-    def __init__(self, block: PlacementBlock) -> None:
+    def __init__(self, block: PlacementBlock, target_util: float = TARGET_UTIL) -> None:
+        """``target_util``: cores per active process the set is sized for (:func:`next_active`;
+        ValueError outside :data:`TARGET_UTIL_RANGE`)."""
         self.block = block
+        self.target_util = check_target_util(target_util)
         n = block.processes
         self.sent = [0] * n  # connections handed to each process since it started
         self._last: list[tuple[float, float] | None] = [None] * n  # (time, cpu) at the last pass
@@ -286,7 +311,7 @@ class PlacementControl:
         if self._hold > 0:
             self._hold -= 1
             return k
-        k_new, self._low, why = next_active(k, n, utils, self._low)
+        k_new, self._low, why = next_active(k, n, utils, self._low, self.target_util)
         if k_new != k:
             if k_new > k:  # the active ones give back the new ones' share of their connections
                 for i in range(k):
