@@ -108,11 +108,12 @@ def run(floor: str, warmup: str, seed: int) -> tuple[str, str, int, dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import int_between
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--floor", default="on,off", help="comma list of on, off (the eager-step floor)")
     ap.add_argument("--variants", default="defaults", help=f"comma list of warm-ups: {', '.join(WARMUPS)}")
     ap.add_argument("--seeds", default="42,1,2,3", help="comma list of workload seeds (integers >= 0)")
-    ap.add_argument("--jobs", type=int, default=1, help="parallel runs (processes, 1..64)")
+    ap.add_argument("--jobs", type=int_between(1, 64), default=1, help="parallel runs (processes, 1..64)")
     args = ap.parse_args(argv)
     floors = list_arg(ap, "--floor", args.floor, "on or off", one_of(FLOORS))
     names = list_arg(ap, "--variants", args.variants, "warm-up names", one_of(WARMUPS))
