@@ -382,17 +382,7 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                         res["long"][f"{k} c{clients}"] = await _closed(routers[k], args, clients, args.long_s, True)
         return res
     finally:
-        for p in peer_procs:
-            if p.poll() is None:
-                p.terminate()
-        for q in procs:
-            if q.popen.poll() is None:
-                q.popen.terminate()
-        for pp in [*peer_procs, *(q.popen for q in procs)]:
-            try:
-                pp.wait(15)
-            except subprocess.TimeoutExpired:
-                pp.kill()
+        ro.stop_all([*peer_procs, *(q.popen for q in procs)])
 
 
 def _med(xs: list[float]) -> float:
