@@ -223,14 +223,7 @@ async def run_mode(mode: str, args: argparse.Namespace, spy: str) -> dict:
         out["wakeups"] = res["wakeups"]
         return out
     finally:
-        for p in procs:
-            if p.popen.poll() is None:
-                p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
+        ro.stop_all([p.popen for p in procs])
 
 
 def main() -> int:

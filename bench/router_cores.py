@@ -289,9 +289,13 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         with ro._affinity(first):
             routers["x1@0"] = _spawn(ro._pdlb_args(mode, engines, 1), timeout_s=120)
             if args.vllm_router and mode in ("regular", "vllm-pd") and mode in args.host_modes:  # only measured there
-                p, url = ro._start_peer(ro.PEERS["vllm-router"], mode, engines, args.vllm_router)
-                peer_procs.append(p)
-                routers["vllm-router@0"] = Proc(p, int(url.rsplit(":", 1)[1]))
+                try:
+                    p, url = ro._start_peer(ro.PEERS["vllm-router"], mode, engines, args.vllm_router)
+                except OSError as e:
+                    print(f"  vllm-router@0 unavailable: {e}; skipping it")
+                else:
+                    peer_procs.append(p)
+                    routers["vllm-router@0"] = Proc(p, int(url.rsplit(":", 1)[1]))
         with ro._affinity(args.router_cpus):
             base = ro._pdlb_args(mode, engines, n)
             routers[f"x{n}"] = _spawn(base, timeout_s=120)
@@ -378,17 +382,7 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                         res["long"][f"{k} c{clients}"] = await _closed(routers[k], args, clients, args.long_s, True)
         return res
     finally:
-        for p in peer_procs:
-            if p.poll() is None:
-                p.terminate()
-        for q in procs:
-            if q.popen.poll() is None:
-                q.popen.terminate()
-        for pp in [*peer_procs, *(q.popen for q in procs)]:
-            try:
-                pp.wait(15)
-            except subprocess.TimeoutExpired:
-                pp.kill()
+        ro.stop_all([*peer_procs, *(q.popen for q in procs)])
 
 
 def _med(xs: list[float]) -> float:
@@ -477,7 +471,7 @@ def main() -> int:
                     "burn (x1@0 with busy loops, fixed rate and closed loop) (default all; '' none)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="one more multi-process row 'xN NAME': pdlb serve with ARGS added (repeatable)")
-    ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default: no peer row)")
+    ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default or 'none': no peer row)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip windows that would end after this (default none)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args()
@@ -493,7 +487,7 @@ def main() -> int:
             ap.error(f"--variant {text!r}: expected NAME=ARGS")
         variants.append((name.strip(), shlex.split(extra)))
     args.variant = variants
-    args.vllm_router = args.vllm_router.split() if args.vllm_router else None
+    args.vllm_router = shlex.split(args.vllm_router) if args.vllm_router and args.vllm_router != "none" else None
     for name in ("rate", "duration_s", "sample_s", "budget_s"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             ap.error(f"--{name.replace('_', '-')} must be a positive number")

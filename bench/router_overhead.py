@@ -543,6 +543,19 @@ async def measure_paired(run: ModeRun, args: argparse.Namespace) -> None:
                                                    for b in run.bases))
 
 
+def stop_all(popens: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM to each of ``popens`` still running, then wait for each up to ``timeout_s`` and
+    SIGKILL it after: all of them stop at once, not one after another."""
+    for p in popens:
+        if p.poll() is None:
+            p.terminate()
+    for p in popens:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def _stop(started: dict[str, tuple[subprocess.Popen, str]], procs: list[Proc]) -> None:
     for popen, _ in started.values():
         if popen.poll() is None:

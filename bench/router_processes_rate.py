@@ -183,14 +183,7 @@ async def run_mode(mode: str, args: argparse.Namespace) -> dict:
                                                     f"{rows[k][-1]['wakeups']:.2f} wake-ups/req" for k in routers))
         return {"idle_ms_per_s": idle, "rows": rows}
     finally:
-        for p in procs:
-            if p.popen.poll() is None:
-                p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
+        ro.stop_all([p.popen for p in procs])
 
 
 def _summary(mode: str, res: dict, args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@
 # Knobs (env): LIM (s for the whole script, 240), DUR (s per window, 2.5), REP (2), RATE (1500), MODES (regular,pd,vllm-pd),
 #   HOST_MODES (regular), LONG_MODES (pd), LONG_S (8), BURN (spin), RCPUS (0-7), ENG (4), PDENG (2), LOADP (4),
 #   MAXC (256), PROBE (CPUs for the topology probe, e.g. 1-15: x1 on CPU 0 with one busy loop on each in turn; none),
-#   ROWS (optional rows: rr,pin,burn; default all), VARIANT (NAME=ARGS: one more x8 row), PY (python3), SKIP_PIP (1: PY's own packages, for a dry run elsewhere), VR (vllm-router's command).
+#   ROWS (optional rows: rr,pin,burn; default all), VARIANT (NAME=ARGS: one more x8 row), PY (python3), SKIP_PIP (1: PY's own packages, for a dry run elsewhere), VR (vllm-router's command; none: no vllm-router).
 # Dry run on the 2-core host: SKIP_PIP=1 PY=.venv/bin/python RCPUS=0-1 ENG=1 PDENG=1 LOADP=1 MAXC=64 RATE=200 DUR=1 REP=1
 #   LONG_S=2 VR=~/.cache/pdlb-peers/vllm-router-0.1.17/bin/vllm-router bash bench/device/cores_b11.sh
 set -u -o pipefail
@@ -22,7 +22,7 @@ if [ -z "${SKIP_PIP:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .dev/device/whl6/*.whl || exit 1
 fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
-if [ -z "${VR:-}" ] && [ -f .dev/device/peers6/peers.tar.xz ]; then
+if [ "${VR:-}" = none ]; then VR=; elif [ -z "${VR:-}" ] && [ -f .dev/device/peers6/peers.tar.xz ]; then
   export PEERS_DIR=/tmp/peers; mkdir -p $PEERS_DIR
   $PY -c "import sys, tarfile; t = tarfile.open(sys.argv[1]); t.extractall(sys.argv[2], members=[m for m in t if m.name.startswith('vllm_router')], **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))" .dev/device/peers6/peers.tar.xz $PEERS_DIR
   printf '#!/bin/sh\nPYTHONPATH=%s exec %s -c "import sys; sys.argv[0] = \\"vllm-router\\"; from vllm_router.launch_router import main; sys.exit(main())" "$@"\n' "$PEERS_DIR/vllm_router:$SITE" "$PY" > /tmp/vllm-router; chmod +x /tmp/vllm-router
