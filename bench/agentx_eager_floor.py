@@ -17,7 +17,9 @@ The warm-up variants are the pinned aiperf's two unpublished facts (docs/validat
 code at the pin"): ``defaults`` (10 think-paced requests per lane, recorded outputs), ``once`` (a
 ``max_tokens=1`` primer per lane, all at t = 0, then 10 pressure requests without idle delays),
 ``oncecap`` (the same, pressure requests capped at one output token), ``spread`` / ``spreadcap``
-(primers spread by the public corpus' leads, aiperf's later default).
+(primers spread by the public corpus' leads, aiperf's later default); ``defaultsbar`` /
+``oncecapbar``: the same with a barrier between the warm-up and the measured phase (no lane sends a
+measured request before every lane's warm-up has finished: ``warmup_barrier``).
 
     python bench/agentx_eager_floor.py --floor on,off --variants defaults,oncecap --seeds 42,1,2,3 --jobs 2
 
@@ -45,6 +47,8 @@ WARMUPS: dict[str, dict] = {
     "oncecap": dict(warmup_primer=True, warmup_think_s=0.0, warmup_max_output_tokens=1),
     "spread": dict(warmup_primer=True, warmup_think_s=0.0, primer_lead_quantiles_s=None),
     "spreadcap": dict(warmup_primer=True, warmup_think_s=0.0, warmup_max_output_tokens=1, primer_lead_quantiles_s=None),
+    "defaultsbar": dict(warmup_barrier=True),
+    "oncecapbar": dict(warmup_primer=True, warmup_think_s=0.0, warmup_max_output_tokens=1, warmup_barrier=True),
 }
 FLOORS = {"on": True, "off": False}
 STEP_CLASSES = ("prefill_only", "decode_only", "mixed")

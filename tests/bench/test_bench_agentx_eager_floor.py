@@ -22,9 +22,10 @@ from sim.workload.agentic import AgenticWorkloadConfig  # noqa: E402
 @pytest.mark.parametrize("name", list(b.WARMUPS))
 def test_every_warmup_builds(name) -> None:
     c = AgenticWorkloadConfig(**b.workload_fields(name))
-    assert c.warmup_primer == (name != "defaults")
-    assert (c.warmup_max_output_tokens == 1) == name.endswith("cap")
+    assert c.warmup_primer == (not name.startswith("defaults"))
+    assert (c.warmup_max_output_tokens == 1) == ("cap" in name)
     assert (c.primer_lead_quantiles_s is not None) == name.startswith("spread")
+    assert c.warmup_barrier == name.endswith("bar")
 
 
 def test_class_stats_by_hand() -> None:
