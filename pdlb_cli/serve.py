@@ -138,7 +138,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--health-check-interval-s", type=float, metavar="SECONDS",
                    help=f"seconds between active health checks of each worker (default: {d.health_check.interval_s:g})")
     p.add_argument("--served-model-name", metavar="NAME",
-                   help="model id that /v1/models lists (default: ask a worker)")
+                   help="model id clients use: /v1/models lists it, and a request naming it reaches each engine under "
+                        "the engine's own name (a worker's model=NAME, else the first name its /v1/models lists) "
+                        "(default: none: /v1/models asks the workers, names pass through)")
     p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only; "
                                            "required with a non-loopback --host, and behind a reverse proxy)")
     p.add_argument("--allow-unauthenticated-admin", action="store_true", default=None,
@@ -293,6 +295,29 @@ def check_restart_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--restart-window-s: expected a number of seconds > 0, got {w:g}")
 
 
+def idle_process_option_warnings(cfg: ServiceConfig) -> list[str]:
+    """Warnings for process options given (flag or config key) where they change nothing (review3
+    S1, session 16): ``pin_processes`` with one router process (it pins each of several), and
+    ``placement_target_util`` where connections are not placed by load: one process,
+    ``connection_placement: round_robin``, or ``http_front: aiohttp`` (placed round robin then).
+    ``cfg.processes`` ``None`` counts as :func:`default_processes` for the workers. Empty: nothing to say."""
+    n = cfg.processes if cfg.processes is not None else default_processes(w.url for w in cfg.workers)
+    given = cfg.model_fields_set
+    out = []
+    if cfg.pin_processes and n == 1:
+        out.append("--pin-processes changes nothing here: one router process (it pins each of several to its own "
+                   "CPU; --processes N)")
+    if "placement_target_util" in given:
+        why = ("there is one router process (--processes N)" if n == 1 else
+               "connections are placed round robin (--connection-placement round_robin)"
+               if cfg.connection_placement == "round_robin" else
+               "connections are placed round robin (--http-front aiohttp)" if cfg.http_front == "aiohttp" else None)
+        if why is not None:
+            out.append(f"--placement-target-util changes nothing here: it sizes the load-following placement's "
+                       f"active processes, and {why}")
+    return out
+
+
 def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
     """Warnings for ``ep_aware`` options of the decode (or mixed) pool's policy that need engine data
     the cost model does not have, so that they change no decision (review F9): ``spec_decode`` where
@@ -366,6 +391,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if ignored is not None:
         print(f"warning: {ignored}", file=sys.stderr)
     for line in idle_policy_option_warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
+    for line in idle_process_option_warnings(cfg):
         print(f"warning: {line}", file=sys.stderr)
     return serve(cfg, event_loop=args.event_loop, log_level=args.log_level,
                  max_process_restarts=getattr(args, "max_process_restarts", None),

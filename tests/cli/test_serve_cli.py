@@ -489,3 +489,41 @@ PLACEMENT = ("warning: {what} needs the lean HTTP front (it gives connections ba
 ])
 def test_serve_says_when_connections_cannot_follow_the_load(argv, expected, capsys):
     assert _serve_warnings([*argv, "--mixed", "http://127.0.0.1:52000"], capsys) == expected
+
+
+# review3 S1 (session 16): --pin-processes with one router process and --placement-target-util where
+# connections are not placed by load were silently ignored (the README's demo, loopback workers on a
+# host of fewer than 8 cores, runs one process). Expected lines: the rule (the option acts only with
+# several processes placed by load), written out by hand.
+PIN_ONE = ("warning: --pin-processes changes nothing here: one router process (it pins each of several to its own "
+           "CPU; --processes N)")
+TARGET = ("warning: --placement-target-util changes nothing here: it sizes the load-following placement's active "
+          "processes, and {why}")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--processes", "1", "--pin-processes"], [PIN_ONE]),
+    (["--pin-processes"], [PIN_ONE]),  # a loopback worker on this 2-core host: one process by default
+    (["--processes", "2", "--pin-processes"], []),
+    (["--processes", "1", "--placement-target-util", "0.9"],
+     [TARGET.format(why="there is one router process (--processes N)")]),
+    (["--processes", "2", "--connection-placement", "round_robin", "--placement-target-util", "0.9"],
+     [TARGET.format(why="connections are placed round robin (--connection-placement round_robin)")]),
+    (["--processes", "2", "--http-front", "aiohttp", "--connection-placement", "round_robin",
+      "--placement-target-util", "0.9"],
+     [TARGET.format(why="connections are placed round robin (--connection-placement round_robin)")]),
+    (["--processes", "2", "--placement-target-util", "0.9"], []),  # the lean front places by load: it acts
+    (["--processes", "1"], []),  # not given: nothing to say
+])
+def test_serve_says_when_a_process_option_changes_nothing(argv, expected, capsys, monkeypatch):
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)  # 2 CPUs, as here
+    assert _serve_warnings([*argv, "--mixed", "http://127.0.0.1:52000"], capsys) == expected
+
+
+def test_served_model_name_help_says_it_is_an_alias():
+    """review3 S2: the help said only "model id that /v1/models lists"; docs/serving.md, "Model
+    names": a request naming it reaches each engine under the engine's own name."""
+    (a,) = [a for a in _subparser("serve")._actions if "--served-model-name" in a.option_strings]
+    assert "reaches each engine under the engine's own name" in a.help
+    assert "/v1/models lists it" in a.help
