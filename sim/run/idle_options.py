@@ -15,7 +15,10 @@ the same decisions (the CLI tests compare the two runs' per-request CSVs):
   ``max_num_seqs`` / ``max_decode_batch`` and ``max_chunk_tokens``: :func:`sim.run.router_cost.engine_cost`),
   or where those engines are dense (not ``ep_synchronous``): a dense engine's prompt has no group
   tokens (``EpAware._prefill_cost_one``'s cost is its TTFT), so the parallel model's group terms
-  and FIFO draining's are both 0.
+  and FIFO draining's are both 0;
+- ``prefill_at_once`` (either policy) where the scenario is PD (it prices mixed pools only), and
+  ``session_forecast`` on the prefill policy of a PD scenario (it prices decode and mixed pools
+  only), as ``pdlb serve`` warns of them (review3 S4, session 16).
 
 The cost model is the one the run's router gets (:func:`sim.run.router_config.router_config_for`:
 the scenario's exact one, or its ``[router]`` table's ``cost_model``). An option is named only where
@@ -45,8 +48,9 @@ def _router_cost_model(scenario: Scenario) -> CostModel | None:
 
 
 def idle_options(prefill: Any, decode: Any, scenario: Scenario) -> list[tuple[str, str]]:
-    """``[(option, why it changes nothing)]`` for ``ep_aware``'s ``parallel_chunks`` (either
-    policy) and ``spec_decode`` (decode policy) set on ``prefill`` / ``decode`` (policy objects)
+    """``[(option, why it changes nothing)]`` for ``ep_aware``'s ``parallel_chunks`` and
+    ``prefill_at_once`` (either policy), ``session_forecast`` (prefill policy) and ``spec_decode``
+    (decode policy) set on ``prefill`` / ``decode`` (policy objects)
     that change nothing on ``scenario`` (module docstring); ``why`` reads after
     "<option> changes nothing on scenario 'NAME': ". Empty: nothing idle (or nothing set)."""
     out: list[tuple[str, str]] = []
@@ -56,6 +60,17 @@ def idle_options(prefill: Any, decode: Any, scenario: Scenario) -> list[tuple[st
     chunks_d = d is not None and d.parallel_chunks
     # aggregated: the prefill policy routes nothing (the decode policy routes the mixed pool)
     chunks_p = pd and isinstance(prefill, EpAware) and prefill.parallel_chunks
+    # the session facts (review3 S4, session 16), as pdlb serve warns of them: prefill_at_once prices
+    # mixed pools only, session_forecast decode and mixed pools only
+    at_once = pd and ((isinstance(prefill, EpAware) and prefill.prefill_at_once)
+                      or (d is not None and d.prefill_at_once))
+    forecast_p = pd and isinstance(prefill, EpAware) and prefill.session_forecast
+    if at_once:
+        out.append(("prefill_at_once", "it prices mixed pools only, and this scenario is PD (prefill and decode "
+                                       "pools are priced the same either way)"))
+    if forecast_p:
+        out.append(("session_forecast", "on the prefill policy: it prices decode and mixed pools only, and this "
+                                        "scenario's prefill pool is priced the same either way"))
     if not (spec or chunks_d or chunks_p):
         return out
     model = _router_cost_model(scenario)
@@ -99,7 +114,10 @@ def idle_option_warnings(runs: Sequence[tuple[str, str, Any, Any]], scenarios: I
         per = [dict(idle_options(p, d, sc)) for sc in scs]
         for option in per[0]:
             if all(option in x for x in per[1:]):
-                by_decode = option != "parallel_chunks" or (isinstance(d, EpAware) and d.parallel_chunks)
+                # an option both policies have is named by the policy it is set on (the decode one if both)
+                by_decode = {"parallel_chunks": isinstance(d, EpAware) and d.parallel_chunks,
+                             "prefill_at_once": isinstance(d, EpAware) and d.prefill_at_once,
+                             "session_forecast": False}.get(option, True)
                 label = dlabel if by_decode else plabel
                 where = f"scenario {scs[0].name!r}" if len(scs) == 1 else f"any of the {len(scs)} scenarios"
                 lines[f"warning: {label}: {option} changes nothing on {where}: {per[0][option]}"] = None

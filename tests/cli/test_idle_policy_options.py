@@ -171,3 +171,46 @@ def test_a_scenario_cost_model_with_accepted_tokens_makes_spec_decode_act(tmp_pa
         got.append(next(out.glob("requests_*.csv")).read_text())
         assert _warnings(capsys) == []
     assert got[0] != got[1]
+
+
+# review3 S4 (session 16): pdlb serve warned of ep_aware's session facts where they change nothing
+# (prefill_at_once prices mixed pools only, session_forecast decode and mixed pools only), the
+# simulator's commands did not. The rule is ep_aware's (docs/policies/ep_aware.md: "mixed pools with
+# S L <= C only"; the forecast adjusts decode and mixed ranks' b_r, kv_r); expected lines by hand.
+AT_ONCE_PD = ("prefill_at_once changes nothing on scenario 'llama70b-pd-h100': it prices mixed pools only, and this "
+              "scenario is PD (prefill and decode pools are priced the same either way)")
+FORECAST_PD = ("session_forecast changes nothing on scenario 'llama70b-pd-h100': on the prefill policy: it prices "
+               "decode and mixed pools only, and this scenario's prefill pool is priced the same either way")
+FACTS = "ep_aware(prefill_at_once=True,session_forecast=True)"
+
+
+@pytest.mark.parametrize("prefill, decode, want", [
+    ("ep_aware:session_forecast=true,prefill_at_once=true", "least_load",
+     [f"{FACTS}: {AT_ONCE_PD}", f"{FACTS}: {FORECAST_PD}"]),
+    ("ep_aware", "ep_aware:prefill_at_once=true", [f"ep_aware(prefill_at_once=True): {AT_ONCE_PD}"]),
+    ("ep_aware", "ep_aware:session_forecast=true", []),  # the decode pool: the forecast prices it
+])
+def test_session_facts_idle_on_a_pd_scenario_are_warned(prefill, decode, want, tmp_path: Path, capsys) -> None:
+    assert main(["sim", "run", "--scenario", "llama70b-pd-h100", "--policy", prefill, "--decode-policy", decode,
+                 "--limit", "10", "--quiet", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    assert _warnings(capsys) == [f"warning: {w}" for w in want]
+
+
+def test_prefill_at_once_on_a_mixed_pool_whose_chunks_run_in_parallel_is_not_warned(tmp_path: Path, capsys) -> None:
+    assert main(["sim", "run", "--policy", "ep_aware:prefill_at_once=true", *_scenario(tmp_path, 512),
+                 "--limit", "10", "--quiet", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    assert _warnings(capsys) == []
+
+
+def test_the_warned_session_facts_on_the_prefill_policy_really_change_nothing(tmp_path: Path, capsys) -> None:
+    # 300 requests at twice the trace's rate (queues form); the evidence is the same per-request CSV
+    # with and without the options on the PD scenario's prefill policy
+    got = []
+    for i, policy in enumerate(("ep_aware", "ep_aware:session_forecast=true,prefill_at_once=true")):
+        out = tmp_path / f"o{i}"
+        assert main(["sim", "run", "--scenario", "llama70b-pd-h100", "--policy", policy, "--decode-policy",
+                     "least_load", "--limit", "300", "--rate-scale", "2", "--quiet", "--no-plots",
+                     "--out", str(out)]) == 0
+        got.append(next(out.glob("requests_*.csv")).read_text())
+    capsys.readouterr()
+    assert got[0] == got[1]
