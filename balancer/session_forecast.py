@@ -24,7 +24,9 @@ and :meth:`ReturningSessions.drop_slot` (O(sessions kept), for a removed replica
 (``now_s`` passed in), no I/O. Replicas are the caller's integer slots (the router's load slots).
 
 Source: pdlb (issue 23 part 3). The linear decay's per-slot sums: ``sum_j (1 - (now - t_j) / H) =
-n (1 - now / H) + (sum_j t_j) / H``, kept as running sums so a forecast costs no loop over sessions.
+n (1 - now / H) + (sum_j t_j) / H``, kept as running sums so a forecast costs no loop over sessions;
+times are kept relative to an origin that moves forward every 64 horizons (the sums rebuilt then), so
+the two terms stay small and do not cancel at a live router's monotonic clock.
 """
 
 from __future__ import annotations
@@ -66,11 +68,20 @@ class ReturningSessions:
         self._sum_c = np.zeros(n)  # sum of their contexts
         self._sum_tc = np.zeros(n)  # sum of finish time x context
         self._latest_s = -math.inf
+        # finish times are kept relative to this origin (the sums then stay small: at a live router's
+        # monotonic clock, ~1e6 s, absolute sums cancel to ~1e-13 relative); moved forward, and the
+        # sums rebuilt, once the clock is REBASE_HORIZONS horizons past it
+        self._origin_s: float | None = None
         #: sessions evicted by the cap (not by age)
         self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._idle)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_origin_s" not in state:  # pickled before the origin: its times are absolute, i.e. relative to 0
+            self._origin_s = 0.0 if self._idle else None
 
     def _grow(self, slot: int) -> None:
         n = len(self._count)
@@ -80,6 +91,32 @@ class ReturningSessions:
         self._count = np.concatenate([self._count, np.zeros(m - n, dtype=np.int64)])
         for name in ("_sum_t", "_sum_c", "_sum_tc"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(m - n)]))
+
+    #: horizons after the origin at which the origin moves and the sums are rebuilt (O(sessions) once per
+    #: that many horizons)
+    REBASE_HORIZONS = 64.0
+
+    def _rebase(self, now_s: float) -> None:
+        """Move the origin to ``now_s`` and rebuild the sums from the records (relative times)."""
+        old, self._origin_s = self._origin_s, now_s
+        shift = now_s - (old if old is not None else now_s)
+        self._count[:] = 0
+        self._sum_t[:] = self._sum_c[:] = self._sum_tc[:] = 0.0
+        for session, (slot, t, c) in self._idle.items():
+            t -= shift
+            self._idle[session] = (slot, t, c)
+            self._count[slot] += 1
+            self._sum_t[slot] += t
+            self._sum_c[slot] += c
+            self._sum_tc[slot] += t * c
+
+    def _rel(self, now_s: float) -> float:
+        """``now_s`` relative to the origin (set at the first time given; moved when far behind)."""
+        if self._origin_s is None:
+            self._origin_s = now_s
+        elif now_s - self._origin_s > self.REBASE_HORIZONS * self.horizon_s:
+            self._rebase(now_s)
+        return now_s - self._origin_s
 
     def _remove(self, session: str) -> None:
         slot, t, c = self._idle.pop(session)
@@ -103,11 +140,12 @@ class ReturningSessions:
             self._remove(session)
         self._grow(slot)
         c = float(context_tokens)
-        self._idle[session] = (slot, now_s, c)
+        t = self._rel(now_s)
+        self._idle[session] = (slot, t, c)
         self._count[slot] += 1
-        self._sum_t[slot] += now_s
+        self._sum_t[slot] += t
         self._sum_c[slot] += c
-        self._sum_tc[slot] += now_s * c
+        self._sum_tc[slot] += t * c
         while len(self._idle) > self.max_sessions:
             self._remove(next(iter(self._idle)))
             self.evicted += 1
@@ -119,7 +157,9 @@ class ReturningSessions:
 
     def expire(self, now_s: float) -> int:
         """Drop the sessions idle ``horizon_s`` or longer at ``now_s``; returns how many."""
-        cutoff = float(now_s) - self.horizon_s
+        if self._origin_s is None:
+            return 0
+        cutoff = float(now_s) - self._origin_s - self.horizon_s
         n = 0
         idle = self._idle
         while idle:
@@ -129,6 +169,11 @@ class ReturningSessions:
             self._remove(session)
             n += 1
         return n
+
+    def finished_s(self, session: str) -> float | None:
+        """When ``session`` last finished (the caller's clock), if it is idle; else None."""
+        rec = self._idle.get(session)
+        return None if rec is None or self._origin_s is None else rec[1] + self._origin_s
 
     def drop_slot(self, slot: int) -> int:
         """Forget every idle session of ``slot`` (its replica was removed); returns how many."""
@@ -147,11 +192,14 @@ class ReturningSessions:
             return z, z.copy()
         self._grow(int(slots.max()))
         H = self.horizon_s
-        keep = 1.0 - float(now_s) / H
+        assert self._origin_s is not None  # (records exist)
+        keep = 1.0 - (float(now_s) - self._origin_s) / H
         n = self._count[slots]
+        c = self._sum_c[slots]
         req = n * keep + self._sum_t[slots] / H
-        kv = self._sum_c[slots] * keep + self._sum_tc[slots] / H
-        return np.maximum(req, 0.0), np.maximum(kv, 0.0)
+        kv = c * keep + self._sum_tc[slots] / H
+        # each weight is in [0, 1]: the sums are within [0, count] and [0, sum of contexts] (rounding aside)
+        return np.clip(req, 0.0, n), np.clip(kv, 0.0, c)
 
 
 class SessionFacts:

@@ -56,11 +56,12 @@ def print_table(title: str, runs: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import positive_float, seed_int
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sim-duration-s", type=float, default=60.0)
-    p.add_argument("--live-duration-s", type=float, default=30.0)
+    p.add_argument("--sim-duration-s", type=positive_float, default=60.0)
+    p.add_argument("--live-duration-s", type=positive_float, default=30.0)
     p.add_argument("--no-live", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     p.add_argument("--wait-models", action="store_true",
                    help="also compare the gate's wait models (backlog, policy, max) with ep_aware: the burst table "

@@ -165,13 +165,14 @@ def run(spec: str, lanes: int, duration_s: float, seed: int, sample: int) -> Non
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser, positive_float
 
+    from pdlb_cli.arg_types import nonnegative_int, positive_int, seed_int
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="ep_aware,ep_aware:parallel_chunks=true",
                     help="comma-separated ep_aware specs (default: %(default)s)")
-    ap.add_argument("--lanes", type=int, default=128, help="closed-loop lanes (64 = the measured load; default 128)")
+    ap.add_argument("--lanes", type=positive_int, default=128, help="closed-loop lanes (64 = the measured load; default 128)")
     ap.add_argument("--duration-s", type=positive_float, default=600.0, help="measured seconds (default 600)")
-    ap.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
-    ap.add_argument("--sample", type=int, default=3, help="decisions printed candidate by candidate (default 3)")
+    ap.add_argument("--seed", type=seed_int, default=1, help="workload seed (default 1)")
+    ap.add_argument("--sample", type=nonnegative_int, default=3, help="decisions printed candidate by candidate (default 3; 0: none)")
     a = ap.parse_args(argv)
     if not 1 <= a.lanes <= 1024:
         ap.error(f"--lanes must be in [1, 1024], got {a.lanes}")

@@ -116,25 +116,26 @@ def highest_load(res: dict, policy: str, loads: dict[str, int], target: float, k
 
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import fraction, nonnegative_float, positive_float, positive_int, seed_int
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration-s", type=float, default=1200.0, help="measured seconds per run (default 1200)")
+    ap.add_argument("--duration-s", type=positive_float, default=1200.0, help="measured seconds per run (default 1200)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policy specs, the first "
                     "is the anchor (a part key=value continues the spec before it; default: %(default)s)")
-    ap.add_argument("--ttft-slo-s", type=float, default=10.0, help="TTFT bound of the SLO, s (default 10)")
-    ap.add_argument("--itl-slo-ms", type=float, default=30.0, help="mean-ITL bound of the SLO, ms (default 30)")
-    ap.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet it (0.9)")
-    ap.add_argument("--seed", type=int, default=42, help="workload seed (default 42, as the validate rows)")
+    ap.add_argument("--ttft-slo-s", type=positive_float, default=10.0, help="TTFT bound of the SLO, s (default 10)")
+    ap.add_argument("--itl-slo-ms", type=positive_float, default=30.0, help="mean-ITL bound of the SLO, ms (default 30)")
+    ap.add_argument("--attainment", type=fraction, default=0.9, help="share of requests that must meet it (0.9)")
+    ap.add_argument("--seed", type=seed_int, default=42, help="workload seed (default 42, as the validate rows)")
     ap.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)} "
                     "(1/8x is needed for the light-load line)")
     ap.add_argument("--no-router-budget", action="store_true", help="give the router no TTFT budget")
-    ap.add_argument("--band-duration-s", type=float, default=3600.0,
+    ap.add_argument("--band-duration-s", type=positive_float, default=3600.0,
                     help="measured seconds of the validation run behind the error band (default the published "
                          "3600; 0 = no band)")
-    ap.add_argument("--frontend-s-per-token", type=float, default=FRONTEND_S_PER_TOKEN_MEASURED,
+    ap.add_argument("--frontend-s-per-token", type=nonnegative_float, default=FRONTEND_S_PER_TOKEN_MEASURED,
                     help="the API server's tokenization per prompt token, s, as the validation rows have it "
                          "(default %(default)g; 0 = off)")
-    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes, default 1)")
+    ap.add_argument("--jobs", type=positive_int, default=1, help="runs in parallel (processes, default 1)")
     ap.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
     a = ap.parse_args(argv)
     pols = split_policy_list(a.policies)

@@ -83,10 +83,11 @@ def run(name: str, seed: int) -> tuple[str, int, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="defaults,VB", help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--seeds", default="42,1,2,3", help="comma list of workload seeds")
-    ap.add_argument("--jobs", type=int, default=1, help="parallel runs (processes)")
+    ap.add_argument("--jobs", type=positive_int, default=1, help="parallel runs (processes)")
     args = ap.parse_args(argv)
     names = list_arg(ap, "--variants", args.variants, "variant names", one_of(VARIANTS))
     seeds = list_arg(ap, "--seeds", args.seeds, "integers >= 0", _seed)

@@ -57,9 +57,10 @@ def measure(mode: str, n_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import positive_int
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=3, help="runs per mode, alternating (default 3)")
-    p.add_argument("--tokens", type=int, default=3_700_000, help="token ids in the prompt (default 3.7M: 32 MB)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="runs per mode, alternating (default 3)")
+    p.add_argument("--tokens", type=positive_int, default=3_700_000, help="token ids in the prompt (default 3.7M: 32 MB)")
     args = p.parse_args(argv)
     runs: dict[str, list[dict]] = {"list": [], "compact": []}
     for _ in range(args.repeat):

@@ -96,13 +96,14 @@ def run(jobs: int, args: argparse.Namespace, out: Path) -> tuple[float, float, f
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import positive_int
 
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", default=str(len(os.sched_getaffinity(0))),
                     help="worker processes of the parallel run(s), one or a comma list (default: the cores)")
-    ap.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
+    ap.add_argument("--limit", type=positive_int, help="first N requests (default: the whole trace)")
     ap.add_argument("--policies", help="comma-separated (default: every policy)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each, alternating order (default 1)")
+    ap.add_argument("--repeat", type=positive_int, default=1, help="runs of each, alternating order (default 1)")
     args = ap.parse_args()
     if not 1 <= args.repeat <= 20:
         ap.error("--repeat must be 1..20")

@@ -25,7 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from balancer.cost_model import OnlineFit  # noqa: E402
-from pdlb_cli.args import ArgumentParser, nonnegative_float, positive_int, seed_int  # noqa: E402
+from pdlb_cli.arg_types import nonnegative_float, positive_int, seed_int, share  # noqa: E402
+from pdlb_cli.args import ArgumentParser  # noqa: E402
 
 TRUE = np.array([0.01, 1e-4, 1e-9, 2e-5])  # overhead s, s/token, s/attention pair, s/group token
 
@@ -55,17 +56,6 @@ def run(make, X: np.ndarray, Y: np.ndarray, test: np.ndarray, noise: float) -> t
     mean_truth = math.exp(noise**2 / 2) * (test @ TRUE)  # least squares fits the mean timing
     err = float(np.abs(test @ fit.coef / mean_truth - 1.0).mean())
     return best / len(Y) * 1e6, err, dict(fit.rejected)
-
-
-def share(text: str) -> float:
-    """A share of the observations in [0, 1) (``--outliers``): at 1 no good timing is left to fit."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be a share in [0, 1), got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

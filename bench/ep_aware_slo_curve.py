@@ -139,6 +139,7 @@ def curve(grids: list[dict], row: str, scales: list[float], aware: list[float]) 
 
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import fraction, nonnegative_float, positive_float, positive_int, seed_int
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="mooncake,mooncake_synthetic", help="rows (default: %(default)s)")
@@ -148,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scales", default="1,1.25,1.5,2,2.5,3,4,6,8", help="TTFT budget factors (default: %(default)s)")
     ap.add_argument("--aware-scales", default="1,2,4",
                     help="factors at which SLO-aware ep_aware runs its own grid (default: %(default)s; '' = none)")
-    ap.add_argument("--slo-ttft-s", type=float, default=2.0)
-    ap.add_argument("--slo-ttft-per-1k-s", type=float, default=0.1)
-    ap.add_argument("--slo-tpot-s", type=float, default=0.05)
-    ap.add_argument("--slo-attainment", type=float, default=0.9)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    ap.add_argument("--slo-ttft-s", type=positive_float, default=2.0)
+    ap.add_argument("--slo-ttft-per-1k-s", type=nonnegative_float, default=0.1,
+                    help="TTFT budget per 1k prompt tokens, s (default 0.1; 0: none)")
+    ap.add_argument("--slo-tpot-s", type=positive_float, default=0.05)
+    ap.add_argument("--slo-attainment", type=fraction, default=0.9)
+    ap.add_argument("--seed", type=seed_int, default=0)
+    ap.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default 1)")
     ap.add_argument("--traces-dir", type=Path, default=None, help="folder with mooncake_synthetic_trace.jsonl")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -107,13 +107,14 @@ def run_one(point: str, spec: str, traces_dir: str | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import positive_int
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default=",".join(DEFAULT_POINTS), help="workload:scenario@rate_scale/slo_scale,...")
     ap.add_argument("--policies", default=";".join(DEFAULT_POLICIES),
                     help="policies separated by ';' (a spec may hold commas); the first is the baseline")
     ap.add_argument("--traces-dir", default=None, help="as bench/policy_goodput.py (Azure, Mooncake synthetic rows)")
-    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--jobs", type=positive_int, default=1)
     args = ap.parse_args(argv)
     from pdlb_cli.comma_lists import list_arg
 

@@ -147,10 +147,11 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=6, help="paired rounds (default: 6)")
-    ap.add_argument("--duration-s", type=float, default=3.0, help="seconds of load per round (default: 3)")
-    ap.add_argument("--concurrency", type=int, default=16, help="client connections per server (default: 16)")
+    ap.add_argument("--rounds", type=positive_int, default=6, help="paired rounds (default: 6)")
+    ap.add_argument("--duration-s", type=positive_float, default=3.0, help="seconds of load per round (default: 3)")
+    ap.add_argument("--concurrency", type=positive_int, default=16, help="client connections per server (default: 16)")
     ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
                     help="the servers' event loop (default: asyncio)")
     ap.add_argument("--server-cpus", default="", help="comma-separated CPUs of the servers, e.g. 0 (default: any)")

@@ -97,15 +97,16 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked (``--router-cpus`` as a CPU set or None: ``router_overhead``'s reading,
     :mod:`pdlb_cli.comma_lists`); a bad value exits with status 2 naming the option."""
+    from pdlb_cli.arg_types import positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="+", metavar="TREE::ARGS", help="a pdlb checkout and extra serve arguments")
     ap.add_argument("--mode", choices=["regular", "pd", "vllm-pd"], default="regular",
                     help="regular (two mixed engines), pd (SGLang PD) or vllm-pd (default: regular)")
-    ap.add_argument("--rounds", type=int, default=6, help="paired rounds (default: 6)")
-    ap.add_argument("--duration-s", type=float, default=3.0, help="seconds of load per round (default: 3)")
-    ap.add_argument("--concurrency", type=int, default=32, help="client connections per router (default: 32)")
-    ap.add_argument("--load-processes", type=int, default=1, help="client processes (default: 1)")
-    ap.add_argument("--start-timeout-s", type=float, default=120.0, help="wait for each router's start (default: 120)")
+    ap.add_argument("--rounds", type=positive_int, default=6, help="paired rounds (default: 6)")
+    ap.add_argument("--duration-s", type=positive_float, default=3.0, help="seconds of load per round (default: 3)")
+    ap.add_argument("--concurrency", type=positive_int, default=32, help="client connections per router (default: 32)")
+    ap.add_argument("--load-processes", type=positive_int, default=1, help="client processes (default: 1)")
+    ap.add_argument("--start-timeout-s", type=positive_float, default=120.0, help="wait for each router's start (default: 120)")
     ap.add_argument("--router-cpus", default="", help="CPU set of the routers, e.g. 0 or 0-7 (default: any)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or not (0 < args.duration_s < 600) or args.concurrency < 1 or args.load_processes < 1:

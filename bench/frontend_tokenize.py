@@ -28,6 +28,7 @@ import argparse
 import glob
 import statistics
 import sys
+from pathlib import Path
 import time
 
 #: point 440246's published median and mean prompt (tokens) and TTFT median (s)
@@ -55,11 +56,13 @@ def code_text(pattern: str, need_chars: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdlb_cli.arg_types (standard library only)
+    from pdlb_cli.arg_types import int_between
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="a tokenizer.json (HF tokenizers format)")
     ap.add_argument("--text-glob", default=f"{sys.base_prefix}/lib/python3*/**/*.py",
                     help="source files to tokenize (default: this Python's standard library)")
-    ap.add_argument("--repeats", type=int, default=5, help="encodes per length (1..50)")
+    ap.add_argument("--repeats", type=int_between(1, 50), default=5, help="encodes per length (1..50)")
     a = ap.parse_args(argv)
     if not 1 <= a.repeats <= 50:
         ap.error("--repeats must be in 1..50")

@@ -334,7 +334,7 @@ def run_model(name: str, arch: dict, a: argparse.Namespace, deadline: float) -> 
         cap = len(ok) / span if ok else float("nan")
         rec["capacity_rps"] = cap
         log(f"{name}: probe capacity {cap:.2f} req/s")
-        rates = [float(x) for x in a.rates.split(",")] if a.rates else [f * cap for f in a.load_fractions]
+        rates = list(a.rates) if a.rates else [f * cap for f in a.load_fractions]
         off = a.probe_requests
         for k, rate in enumerate(rates):
             left = deadline - time.time()
@@ -391,6 +391,9 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdlb_cli.arg_types (standard library only)
+    from pdlb_cli.arg_types import fraction, port_int, positive_float, positive_int
+    from pdlb_cli.comma_lists import comma_list
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for gpu_run_<model>.json.gz and log.txt")
@@ -399,25 +402,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="two-layer toy configs (CPU smoke test)")
     ap.add_argument("--device", default="cuda", help="where the random model is built")
     ap.add_argument("--engine-device", default=None, help="transformers serve --device (default: cuda:0, or cpu)")
-    ap.add_argument("--engines", type=int, default=2, help="engines per model, all on the one GPU")
-    ap.add_argument("--kv-memory-fraction", type=float, default=0.2, help="--cb-max-memory-percent per engine")
-    ap.add_argument("--max-batch-tokens", type=int, default=2048, help="--cb-max-batch-tokens (token budget per step)")
-    ap.add_argument("--block-size", type=int, default=256, help="--cb-block-size (KV block, tokens)")
+    ap.add_argument("--engines", type=positive_int, default=2, help="engines per model, all on the one GPU")
+    ap.add_argument("--kv-memory-fraction", type=fraction, default=0.2, help="--cb-max-memory-percent per engine")
+    ap.add_argument("--max-batch-tokens", type=positive_int, default=2048, help="--cb-max-batch-tokens (token budget per step)")
+    ap.add_argument("--block-size", type=positive_int, default=256, help="--cb-block-size (KV block, tokens)")
     ap.add_argument("--policy", default="round_robin", help="pdlb serve policy of the mixed pool")
     ap.add_argument("--trace", default="/work/shared/traces/azure_llm_2023_conv.csv",
                     help="Azure LLM 2023 trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
-    ap.add_argument("--trace-rows", type=int, default=2000)
-    ap.add_argument("--max-prompt-tokens", type=int, default=2048)
-    ap.add_argument("--max-output-tokens", type=int, default=96)
-    ap.add_argument("--probe-requests", type=int, default=64)
-    ap.add_argument("--load-fractions", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 0.75],
+    ap.add_argument("--trace-rows", type=positive_int, default=2000)
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=2048)
+    ap.add_argument("--max-output-tokens", type=positive_int, default=96)
+    ap.add_argument("--probe-requests", type=positive_int, default=64)
+    ap.add_argument("--load-fractions", type=lambda s: comma_list(s, positive_float, "fractions > 0"), default=[0.25, 0.5, 0.75],
                     help="request rates as fractions of the probe's capacity")
-    ap.add_argument("--rates", default="", help="explicit request rates (req/s, comma list) instead of fractions")
-    ap.add_argument("--duration-s", type=float, default=35.0, help="arrival window per rate")
-    ap.add_argument("--request-timeout-s", type=float, default=120.0)
-    ap.add_argument("--engine-start-timeout-s", type=float, default=180.0)
-    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new rates after this")
-    ap.add_argument("--base-port", type=int, default=18000)
+    ap.add_argument("--rates", default=[], help="explicit request rates (req/s, comma list) instead of fractions",
+                    type=lambda s: comma_list(s, positive_float, "rates (req/s) > 0", distinct=False))
+    ap.add_argument("--duration-s", type=positive_float, default=35.0, help="arrival window per rate")
+    ap.add_argument("--request-timeout-s", type=positive_float, default=120.0)
+    ap.add_argument("--engine-start-timeout-s", type=positive_float, default=180.0)
+    ap.add_argument("--budget-s", type=positive_float, default=480.0, help="stop starting new rates after this")
+    ap.add_argument("--base-port", type=port_int, default=18000)
     ap.add_argument("--engine-python", default=sys.executable)
     ap.add_argument("--pdlb-cmd", default=f"{sys.executable} -c 'from pdlb_cli.serve import main; main()'",
                     help="command that runs pdlb serve (shell words)")

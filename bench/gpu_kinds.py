@@ -64,6 +64,7 @@ import os
 import platform
 import statistics
 import sys
+from pathlib import Path
 import time
 import traceback
 
@@ -343,13 +344,15 @@ def make_point(kind: str, shp: dict, device: torch.device, dtype: torch.dtype, t
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdlb_cli.arg_types (standard library only)
+    from pdlb_cli.arg_types import positive_float
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--name", default=None, help="file stem (default <gpu>_kernel_kinds)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     ap.add_argument("--no-graphs", action="store_true", help="time eager launches, no CUDA graphs")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="skip the points left after this many seconds")
+    ap.add_argument("--budget-s", type=positive_float, default=200.0, help="skip the points left after this many seconds")
     ap.add_argument("--kinds", default=None, help="comma-separated subset of kinds")
     args = ap.parse_args(argv)
     device = torch_device(args.device, "bench/gpu_kinds.py")

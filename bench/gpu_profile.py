@@ -69,6 +69,7 @@ import os
 import platform
 import statistics
 import sys
+from pathlib import Path
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -439,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     if rest and rest[0] == "--kinds":  # the attention / MoE kernel kinds (bench/gpu_kinds.py)
         import gpu_kinds
         return gpu_kinds.main(rest[1:])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdlb_cli.arg_types (standard library only)
+    from pdlb_cli.arg_types import nonnegative_int, positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="--kinds [ARGS]: time the attention / MoE kernel kinds instead "
                                         "(bench/gpu_kinds.py; --kinds --help for its options)")
@@ -448,12 +451,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="2-layer toy model and small grid (smoke test)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default on cuda) or float32 (default on cpu)")
     ap.add_argument("--no-graphs", action="store_true", help="time eager launches, no CUDA graphs")
-    ap.add_argument("--max-kv-gb", type=float, default=80.0, help="cap on a decode point's KV cache (GB, 1e9)")
-    ap.add_argument("--target-s", type=float, default=0.25, help="timed replays per point add up to about this")
-    ap.add_argument("--min-reps", type=int, default=5)
-    ap.add_argument("--max-reps", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--passes", type=int, default=1, help="sweep the whole grid this many times")
+    ap.add_argument("--max-kv-gb", type=positive_float, default=80.0, help="cap on a decode point's KV cache (GB, 1e9)")
+    ap.add_argument("--target-s", type=positive_float, default=0.25, help="timed replays per point add up to about this")
+    ap.add_argument("--min-reps", type=positive_int, default=5)
+    ap.add_argument("--max-reps", type=positive_int, default=50)
+    ap.add_argument("--warmup", type=nonnegative_int, default=3,
+                    help="untimed replays before each point's timed ones (default 3; 0: none)")
+    ap.add_argument("--passes", type=positive_int, default=1, help="sweep the whole grid this many times")
     ap.add_argument("--skip-extras", action="store_true", help="no ceilings / backend / eager extras")
     args = ap.parse_args(argv)
     device = torch_device(args.device, "bench/gpu_profile.py")

@@ -65,14 +65,15 @@ def _line(label: str, lat: list[float], lag: LoopLag, cpu_lag: LoopLag, foreign_
 
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import nonnegative_int, positive_float, seed_int
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration-s", type=float, default=600.0, help="hostile phase length (default 600)")
-    p.add_argument("--idle-s", type=float, default=20.0, help="idle (anchor) phase length (default 20)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration-s", type=positive_float, default=600.0, help="hostile phase length (default 600)")
+    p.add_argument("--idle-s", type=positive_float, default=20.0, help="idle (anchor) phase length (default 20)")
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--memory-report", action="store_true", help="read GET /debug/memory before and after (docstring)")
-    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
-                   help="with --memory-report: trace the router's allocations from the warm-up on, FRAMES frames deep")
+    p.add_argument("--tracemalloc", type=nonnegative_int, default=0, metavar="FRAMES",
+                   help="with --memory-report: trace the router's allocations from the warm-up on, FRAMES frames deep (default 0: off)")
     p.add_argument("--actions", help="comma-separated subset of the actions (default: all)")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)

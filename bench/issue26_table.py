@@ -270,12 +270,13 @@ def check_route_args(ap: argparse.ArgumentParser, route_args: list[str]) -> None
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (also read by the test that checks .dev/device/bin/b6.sh's options)."""
+    from pdlb_cli.arg_types import nonnegative_float, positive_float
     ap = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="\n".join(__doc__.splitlines()[1:]))
     ap.add_argument("--out", type=Path, metavar="DIR", help="write overhead.json and route.txt there (default: none)")
-    ap.add_argument("--budget-s", type=float, default=520.0,
+    ap.add_argument("--budget-s", type=positive_float, default=520.0,
                     help="seconds for the whole run, route table included (default 520)")
-    ap.add_argument("--route-s", type=float, default=150.0,
+    ap.add_argument("--route-s", type=nonnegative_float, default=150.0,
                     help="seconds kept for the route table out of the budget (default 150; 0: no route table)")
     ap.add_argument("--route-args", default=ROUTE_ARGS,
                     help=f"bench/route_latency.py's arguments (default: every policy, {ROUTE_ARGS})")

@@ -226,20 +226,21 @@ def live_markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import positive_float, positive_int
 
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ks", default="1,2,4,8", help="router counts (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="simulator modes (default: %(default)s)")
-    ap.add_argument("--limit", type=int, default=None, help="first N trace requests (default: all)")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N trace requests (default: all)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator part")
     ap.add_argument("--live", action="store_true", help="also run the loopback check (2 routers)")
-    ap.add_argument("--engines", type=int, default=2, help="live: emulated mixed engines (default: %(default)s)")
-    ap.add_argument("--sessions", type=int, default=48, help="live: concurrent sessions (default: %(default)s)")
-    ap.add_argument("--turns", type=int, default=2, help="live: turns per session (default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=16, help="live: output tokens per turn (default: %(default)s)")
-    ap.add_argument("--speed", type=float, default=1.0, help="live: engine speed factor (default: %(default)s)")
-    ap.add_argument("--ttft-slo-s", type=float, default=0.5, help="live: TTFT SLO for goodput (default: %(default)s)")
-    ap.add_argument("--staleness-samples", type=int, default=200,
+    ap.add_argument("--engines", type=positive_int, default=2, help="live: emulated mixed engines (default: %(default)s)")
+    ap.add_argument("--sessions", type=positive_int, default=48, help="live: concurrent sessions (default: %(default)s)")
+    ap.add_argument("--turns", type=positive_int, default=2, help="live: turns per session (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=positive_int, default=16, help="live: output tokens per turn (default: %(default)s)")
+    ap.add_argument("--speed", type=positive_float, default=1.0, help="live: engine speed factor (default: %(default)s)")
+    ap.add_argument("--ttft-slo-s", type=positive_float, default=0.5, help="live: TTFT SLO for goodput (default: %(default)s)")
+    ap.add_argument("--staleness-samples", type=positive_int, default=200,
                     help="live: dispatches timed from router A to router B (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=None, help="write results here (default: print only)")
     args = ap.parse_args(argv)

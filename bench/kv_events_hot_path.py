@@ -306,11 +306,12 @@ def main_processes(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=8.0, help="routing time per mode (default: %(default)s)")
-    ap.add_argument("--events-per-s", type=float, default=50.0, help="BlockStored batches per second (default: %(default)s)")
-    ap.add_argument("--event-tokens", type=int, default=32768, help="tokens per BlockStored (default: %(default)s)")
-    ap.add_argument("--processes", type=int, default=1, metavar="N",
+    ap.add_argument("--seconds", type=positive_float, default=8.0, help="routing time per mode (default: %(default)s)")
+    ap.add_argument("--events-per-s", type=positive_float, default=50.0, help="BlockStored batches per second (default: %(default)s)")
+    ap.add_argument("--event-tokens", type=positive_int, default=32768, help="tokens per BlockStored (default: %(default)s)")
+    ap.add_argument("--processes", type=positive_int, default=1, metavar="N",
                     help="N >= 2: compare N router processes with a subscriber each against one subscriber "
                          "fanned out to all (default: %(default)s, the single-process modes)")
     args = ap.parse_args(argv)

@@ -40,9 +40,10 @@ def prefill_time_s(model: str, hardware: str, cp: int, tokens: int, chunk: int, 
 
 
 def main() -> None:
+    from pdlb_cli.arg_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=126_000, help="prompt tokens (default 126,000)")
-    ap.add_argument("--chunk", type=int, default=16_384, help="chunked-prefill budget per step (default 16,384)")
+    ap.add_argument("--tokens", type=positive_int, default=126_000, help="prompt tokens (default 126,000)")
+    ap.add_argument("--chunk", type=positive_int, default=16_384, help="chunked-prefill budget per step (default 16,384)")
     a = ap.parse_args()
     print(f"one {a.tokens:,}-token prompt, chunks of {a.chunk:,}, one 8-GPU EP engine")
     print(f"{'model':<20}{'hardware':<9}{'CP':>4}{'prefill s':>11}{'vs CP1':>9}")

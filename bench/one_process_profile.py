@@ -223,25 +223,19 @@ async def run_mode(mode: str, args: argparse.Namespace, spy: str) -> dict:
         out["wakeups"] = res["wakeups"]
         return out
     finally:
-        for p in procs:
-            if p.popen.poll() is None:
-                p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
+        ro.stop_all([p.popen for p in procs])
 
 
 def main() -> int:
+    from pdlb_cli.arg_types import positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="regular,pd,vllm-pd", help="comma list of regular, pd, vllm-pd")
-    ap.add_argument("--rate", type=float, default=300.0, help="offered requests/s (default 300)")
-    ap.add_argument("--duration-s", type=float, default=6.0, help="profiled window, s (default 6)")
-    ap.add_argument("--connections", type=int, default=16, help="client keep-alive connections (default 16)")
-    ap.add_argument("--load-processes", type=int, default=1, help="client processes (default 1)")
-    ap.add_argument("--engines", type=int, default=2, help="mixed engines, regular mode (default 2)")
-    ap.add_argument("--pd-engines", type=int, default=1, help="prefill and decode engines each (default 1)")
+    ap.add_argument("--rate", type=positive_float, default=300.0, help="offered requests/s (default 300)")
+    ap.add_argument("--duration-s", type=positive_float, default=6.0, help="profiled window, s (default 6)")
+    ap.add_argument("--connections", type=positive_int, default=16, help="client keep-alive connections (default 16)")
+    ap.add_argument("--load-processes", type=positive_int, default=1, help="client processes (default 1)")
+    ap.add_argument("--engines", type=positive_int, default=2, help="mixed engines, regular mode (default 2)")
+    ap.add_argument("--pd-engines", type=positive_int, default=1, help="prefill and decode engines each (default 1)")
     ap.add_argument("--router-cpus", default="0", metavar="LIST", help="CPUs of the router (default 0)")
     ap.add_argument("--tree", type=Path, help="profile this checkout's pdlb instead of this one")
     ap.add_argument("--extra", default="", metavar="ARGS", help="more 'pdlb serve' arguments")
@@ -250,7 +244,7 @@ def main() -> int:
                     help="py-spy --native: C frames too (epoll_wait, uvloop, system calls; stops the router per sample)")
     ap.add_argument("--strace", action="store_true", help="count system calls per request (strace -c) instead")
     ap.add_argument("--keep-raw", type=Path, metavar="DIR", help="keep py-spy's raw files here (MODE.raw.txt)")
-    ap.add_argument("--top", type=int, default=40, help="rows of the function tables (default 40)")
+    ap.add_argument("--top", type=positive_int, default=40, help="rows of the function tables (default 40)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     from pdlb_cli.comma_lists import list_arg, one_of

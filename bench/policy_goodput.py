@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None, pools: list) -> int:
-    from pdlb_cli.args import ArgumentParser, positive_int  # one usage line, then the error
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import fraction, nonnegative_float, positive_float, positive_int, share
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="workload:scenario,... (default: all rows)")
@@ -165,25 +166,25 @@ def _main(argv: list[str] | None, pools: list) -> int:
     ap.add_argument("--no-explain", action="store_true", help="skip the explanation runs and figure")
     ap.add_argument("--traces-dir", type=Path, default=None,
                     help="folder with azure_llm_2023_code.csv / _conv.csv (default: ../shared/traces if present)")
-    ap.add_argument("--slo-ttft-s", type=float, default=2.0)
-    ap.add_argument("--slo-ttft-per-1k-s", type=float, default=0.1, help="TTFT budget per 1k prompt tokens (default 0.1)")
-    ap.add_argument("--slo-tpot-s", type=float, default=0.05)
-    ap.add_argument("--slo-attainment", type=float, default=0.9)
-    ap.add_argument("--tol", type=float, default=0.03, help="rate search tolerance (default 0.03)")
-    ap.add_argument("--max-evals", type=int, default=20, help="most simulations per search (default 20)")
-    ap.add_argument("--rate-max", type=float, default=4096.0,
+    ap.add_argument("--slo-ttft-s", type=positive_float, default=2.0)
+    ap.add_argument("--slo-ttft-per-1k-s", type=nonnegative_float, default=0.1, help="TTFT budget per 1k prompt tokens, s (default 0.1; 0: none)")
+    ap.add_argument("--slo-tpot-s", type=positive_float, default=0.05)
+    ap.add_argument("--slo-attainment", type=fraction, default=0.9)
+    ap.add_argument("--tol", type=positive_float, default=0.03, help="rate search tolerance (default 0.03)")
+    ap.add_argument("--max-evals", type=positive_int, default=20, help="most simulations per search (default 20)")
+    ap.add_argument("--rate-max", type=positive_float, default=4096.0,
                     help="upper bound of the rate search, as a rate scale (default 4096: light generated workloads)")
-    ap.add_argument("--light-scale", type=float, default=1 / 64,
+    ap.add_argument("--light-scale", type=positive_float, default=1 / 64,
                     help="rate scale of the light-load runs that check every policy meets the SLO when idle "
                          "(default 1/64)")
     ap.add_argument("--fair-slo", action=argparse.BooleanOptionalAction, default=True,
                     help="judge each row at a fair SLO (default): the --slo-* TTFT budget times the smallest factor "
                          "(5%% steps, >= 1) at which every compared policy meets the SLO at light load with "
                          "--fair-margin to spare (sim.search.fair_slo); --no-fair-slo: the --slo-* SLO as given")
-    ap.add_argument("--fair-margin", type=float, default=None,
+    ap.add_argument("--fair-margin", type=share, default=None,
                     help="attainment every policy must have to spare at light load under the fair SLO (default: "
                          "half of what the SLO lets miss, 0.05 at 90%%: queueing, not the zero-load floor, then "
-                         "decides at least half of the misses)")
+                         "decides at least half of the misses; a share in [0, 1), 0: just meet it)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -199,6 +200,14 @@ def _main(argv: list[str] | None, pools: list) -> int:
     from pdlb_cli.comma_lists import list_arg
 
     rows = ["mooncake:default"] if args.quick else list_arg(ap, "--rows", args.rows, "rows workload:scenario")
+    for row in rows:  # review R11: an unknown scenario was a KeyError once the pool ran
+        wl_name, colon, sc_name = row.partition(":")
+        if not colon or ":" in sc_name:
+            ap.error(f"--rows: expected workload:scenario, got {row!r}")
+        if wl_name not in WORKLOADS:
+            ap.error(f"--rows: unknown workload {wl_name!r} in {row!r}; valid: {', '.join(WORKLOADS)}")
+        if sc_name not in SCENARIOS:
+            ap.error(f"--rows: unknown scenario {sc_name!r} in {row!r}; valid: {', '.join(SCENARIOS)}")
     seeds = list(range(1 if args.quick else args.seeds))
     from balancer.policies.spec import split_policy_list  # "ep_aware:a=1,b=2" is one spec, as bench/agentx_policies.py
     try:

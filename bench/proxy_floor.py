@@ -163,14 +163,15 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main() -> int:
+    from pdlb_cli.arg_types import positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--router-cpus", required=True, metavar="LIST", help="CPUs for the routers, e.g. 0 or 0-7")
-    ap.add_argument("--engines", type=int, default=2, help="mixed zero-delay engines (default 2)")
-    ap.add_argument("--load-processes", type=int, default=1, help="client processes (default 1)")
-    ap.add_argument("--max-concurrency", type=int, default=48,
+    ap.add_argument("--engines", type=positive_int, default=2, help="mixed zero-delay engines (default 2)")
+    ap.add_argument("--load-processes", type=positive_int, default=1, help="client processes (default 1)")
+    ap.add_argument("--max-concurrency", type=positive_int, default=48,
                     help="connections per router, from all client processes (default 48)")
-    ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per round (default 4)")
-    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
+    ap.add_argument("--duration-s", type=positive_float, default=4.0, help="seconds per round (default 4)")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="paired rounds (default 5)")
     ap.add_argument("--ablate", default="", metavar="LISTS",
                     help="';'-separated comma lists of bench/ablate switches (route, timeouts, hash, checks, metrics, proxy, service, candidates, index, load): "
                          "a pdlb row each with those parts taken away")

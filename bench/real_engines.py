@@ -276,21 +276,24 @@ def _p(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdlb_cli.arg_types (standard library only)
+    from pdlb_cli.arg_types import nonnegative_int, port_int, positive_float, positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, help="JSON config (module docstring)")
     ap.add_argument("--engine", choices=["emulated", "transformers"])
-    ap.add_argument("--num-engines", type=int)
-    ap.add_argument("--base-port", type=int)
+    ap.add_argument("--num-engines", type=positive_int)
+    ap.add_argument("--base-port", type=port_int)
     ap.add_argument("--model", help="model folder (transformers)")
-    ap.add_argument("--requests", type=int)
-    ap.add_argument("--concurrency", type=int)
-    ap.add_argument("--max-tokens", type=int)
-    ap.add_argument("--shared-prefix-words", type=int)
-    ap.add_argument("--speed", type=float, help="emulated engines: run this many times faster than the perf model")
+    ap.add_argument("--requests", type=positive_int)
+    ap.add_argument("--concurrency", type=positive_int)
+    ap.add_argument("--max-tokens", type=positive_int)
+    ap.add_argument("--shared-prefix-words", type=nonnegative_int,
+                    help="words of the prompt prefix every request shares (default 1200; 0: none)")
+    ap.add_argument("--speed", type=positive_float, help="emulated engines: run this many times faster than the perf model")
     ap.add_argument("--make-random-model", type=Path, metavar="DIR",
                     help="write a random-weight model folder at DIR first and serve it (transformers)")
     ap.add_argument("--random-model-size", choices=["8b", "tiny"], default="8b")
-    ap.add_argument("--tolerance", type=float, default=0.05, help="allowed |pdlb/client - 1| (default: 0.05)")
+    ap.add_argument("--tolerance", type=positive_float, default=0.05, help="allowed |pdlb/client - 1| (default: 0.05)")
     ap.add_argument("--logs", type=Path, help="folder for the engines' and router's logs (default: a temp dir)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)

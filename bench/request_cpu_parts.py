@@ -99,9 +99,10 @@ def histograms(n: int, rounds: int) -> None:
 
 
 def main() -> int:
+    from pdlb_cli.arg_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=20_000, help="requests per round (default 20000)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--requests", type=positive_int, default=20_000, help="requests per round (default 20000)")
+    ap.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)")
     args = ap.parse_args()
     timers(args.requests, args.rounds)
     histograms(args.requests, args.rounds)

@@ -79,13 +79,15 @@ def fit(c, m, meas, is_pf, overheads) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdlb_cli.arg_types import fraction, nonnegative_float
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--profile", default=None, help="profile CSV (default: the shipped one for model/hardware)")
-    ap.add_argument("--mfu", type=float, default=DEFAULT_MFU)
-    ap.add_argument("--mbu", type=float, default=DEFAULT_MBU)
-    ap.add_argument("--overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_S * 1e3)
+    ap.add_argument("--mfu", type=fraction, default=DEFAULT_MFU)
+    ap.add_argument("--mbu", type=fraction, default=DEFAULT_MBU)
+    ap.add_argument("--overhead-ms", type=nonnegative_float, default=DEFAULT_STEP_OVERHEAD_S * 1e3,
+                    help="fixed time per engine step, ms (default %(default)g; 0: none)")
     args = ap.parse_args(argv)
 
     path = Path(args.profile) if args.profile else profile_path(args.model, args.hardware)

@@ -568,26 +568,27 @@ def _count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdlb_cli.arg_types import int_between, nonnegative_float, nonnegative_int, positive_int
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000, help="measured decisions per configuration (default 2000)")
+    ap.add_argument("--requests", type=positive_int, default=2000, help="measured decisions per configuration (default 2000)")
     ap.add_argument("--replicas", default="8,64,512", help="comma-separated replica counts per pool (default 8,64,512)")
     ap.add_argument("--prompts", default="1024,32768", help="comma-separated prompt sizes, tokens (default 1024,32768)")
     ap.add_argument("--policies", default="", help="comma-separated policies (default: all registered)")
-    ap.add_argument("--kv-events-per-s", type=float, default=0.0, metavar="R",
+    ap.add_argument("--kv-events-per-s", type=nonnegative_float, default=0.0, metavar="R",
                     help="events mode with R KV events per second applied concurrently (default 0: approximate mode)")
     ap.add_argument("--against", metavar="DIR", help="another checkout to measure in the same run (ratios this / DIR)")
     ap.add_argument("--numpy-baseline", action="store_true",
                     help="like --against, the baseline being this checkout with balancer.kernels' compiled loops off")
-    ap.add_argument("--rounds", type=int, default=3, help="with --against: interleaved rounds (default 3)")
-    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+    ap.add_argument("--rounds", type=positive_int, default=3, help="with --against: interleaved rounds (default 3)")
+    ap.add_argument("--repeat", type=int_between(1, MAX_REPEAT), default=1, metavar="N",
                     help=f"without --against: measure the table N times, configurations interleaved round by round; "
                          f"per row the median p50/p99 and their min-max range (default 1: one sample per row; "
                          f"at most {MAX_REPEAT})")
-    ap.add_argument("--in-flight", type=int, default=0, metavar="N",
+    ap.add_argument("--in-flight", type=nonnegative_int, default=0, metavar="N",
                     help="requests kept in flight, so that policies see load (default 0: each finishes at once)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter (default); cpu: the thread's CPU time, blind to preemption on a busy host")
-    ap.add_argument("--block-size", type=int, default=512, metavar="TOKENS",
+    ap.add_argument("--block-size", type=positive_int, default=512, metavar="TOKENS",
                     help="tokens per KV block (default 512, the anchors' setting; pdlb serve's default is 64)")
     ap.add_argument("--decisions", metavar="FILE",
                     help="write every measured decision (chosen ranks, reasons, scores) to FILE as CSV; KV events "

@@ -382,17 +382,7 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
                         res["long"][f"{k} c{clients}"] = await _closed(routers[k], args, clients, args.long_s, True)
         return res
     finally:
-        for p in peer_procs:
-            if p.poll() is None:
-                p.terminate()
-        for q in procs:
-            if q.popen.poll() is None:
-                q.popen.terminate()
-        for pp in [*peer_procs, *(q.popen for q in procs)]:
-            try:
-                pp.wait(15)
-            except subprocess.TimeoutExpired:
-                pp.kill()
+        ro.stop_all([*peer_procs, *(q.popen for q in procs)])
 
 
 def _med(xs: list[float]) -> float:
@@ -456,23 +446,24 @@ def main() -> int:
     from pdlb_cli.args import ArgumentParser
     from pdlb_cli.comma_lists import list_arg, one_of
 
+    from pdlb_cli.arg_types import nonnegative_float, positive_float, positive_int
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--modes", default="pd,regular,vllm-pd", help="comma list of regular, pd, vllm-pd (default all, PD first)")
     ap.add_argument("--host-modes", default="regular,pd", help="modes with the fixed-rate host phase (default regular,pd)")
     ap.add_argument("--long-modes", default="pd,regular", help="modes with the long windows (default pd,regular)")
-    ap.add_argument("--processes", type=int, default=8, help="router processes of the multi-process rows (default 8)")
-    ap.add_argument("--rate", type=float, default=1500.0, help="offered req/s in the fixed-rate windows (default 1500)")
-    ap.add_argument("--connections", type=int, default=128, help="client connections in the fixed-rate windows (default 128)")
-    ap.add_argument("--duration-s", type=float, default=2.5, help="seconds per window (default 2.5, as b6)")
-    ap.add_argument("--long-s", type=float, default=8.0, help="seconds of the long windows; 0: none (default 8)")
-    ap.add_argument("--sample-s", type=float, default=0.1, help="sampler interval (default 0.1)")
-    ap.add_argument("--repeat", type=int, default=2, help="interleaved repeats (default 2)")
-    ap.add_argument("--concurrency", type=int, default=16, help="clients of the low-load long window (default 16)")
-    ap.add_argument("--max-concurrency", type=int, default=256, help="closed-loop clients (default 256)")
-    ap.add_argument("--load-processes", type=int, default=4, help="client processes (default 4)")
-    ap.add_argument("--engines", type=int, default=4, help="mixed engines, regular mode (default 4)")
-    ap.add_argument("--pd-engines", type=int, default=2, help="prefill and decode engines each, PD modes (default 2)")
+    ap.add_argument("--processes", type=positive_int, default=8, help="router processes of the multi-process rows (default 8)")
+    ap.add_argument("--rate", type=positive_float, default=1500.0, help="offered req/s in the fixed-rate windows (default 1500)")
+    ap.add_argument("--connections", type=positive_int, default=128, help="client connections in the fixed-rate windows (default 128)")
+    ap.add_argument("--duration-s", type=positive_float, default=2.5, help="seconds per window (default 2.5, as b6)")
+    ap.add_argument("--long-s", type=nonnegative_float, default=8.0, help="seconds of the long windows; 0: none (default 8)")
+    ap.add_argument("--sample-s", type=positive_float, default=0.1, help="sampler interval (default 0.1)")
+    ap.add_argument("--repeat", type=positive_int, default=2, help="interleaved repeats (default 2)")
+    ap.add_argument("--concurrency", type=positive_int, default=16, help="clients of the low-load long window (default 16)")
+    ap.add_argument("--max-concurrency", type=positive_int, default=256, help="closed-loop clients (default 256)")
+    ap.add_argument("--load-processes", type=positive_int, default=4, help="client processes (default 4)")
+    ap.add_argument("--engines", type=positive_int, default=4, help="mixed engines, regular mode (default 4)")
+    ap.add_argument("--pd-engines", type=positive_int, default=2, help="prefill and decode engines each, PD modes (default 2)")
     ap.add_argument("--router-cpus", default="0-7", help="routers' CPUs (default 0-7); the first one holds the @0 rows")
     ap.add_argument("--burner", default="spin", help="comma list of spin, mem (default spin; the first is used closed-loop)")
     ap.add_argument("--probe-cpus", default="", help="CPUs for the topology probe: x1@0 at the fixed rate with one busy "
@@ -482,7 +473,7 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="one more multi-process row 'xN NAME': pdlb serve with ARGS added (repeatable)")
     ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default or 'none': no peer row)")
-    ap.add_argument("--budget-s", type=float, default=1e9, help="skip windows that would end after this (default none)")
+    ap.add_argument("--budget-s", type=positive_float, default=1e9, help="skip windows that would end after this (default none)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args()
     modes = list_arg(ap, "--modes", args.modes, "modes", one_of(("regular", "pd", "vllm-pd")))

@@ -93,6 +93,7 @@ sys.path.insert(0, str(ROOT))
 from sim.emulator.config import EmulatorConfig  # noqa: E402
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
 from balancer.service.launch import default_processes  # noqa: E402
+from pdlb_cli.arg_types import nonnegative_int, positive_float, positive_int  # noqa: E402
 from pdlb_cli.args import ArgumentParser  # noqa: E402
 from pdlb_cli.comma_lists import CommaListError, comma_list, one_of  # noqa: E402
 
@@ -543,6 +544,19 @@ async def measure_paired(run: ModeRun, args: argparse.Namespace) -> None:
                                                    for b in run.bases))
 
 
+def stop_all(popens: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM to each of ``popens`` still running, then wait for each up to ``timeout_s`` and
+    SIGKILL it after: all of them stop at once, not one after another."""
+    for p in popens:
+        if p.poll() is None:
+            p.terminate()
+    for p in popens:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def _stop(started: dict[str, tuple[subprocess.Popen, str]], procs: list[Proc]) -> None:
     for popen, _ in started.values():
         if popen.poll() is None:
@@ -735,22 +749,22 @@ def add_fleet_args(ap: argparse.ArgumentParser, *, duration_s: float, max_concur
     """The options this bench shares with ``bench/issue26_table.py`` (one declaration, each
     script's defaults): run length, clients, repeats, modes, peers, pdlb process counts, engine and
     client counts, router CPUs. :func:`check_fleet_args` validates what they parse to."""
-    ap.add_argument("--duration-s", type=float, default=duration_s,
+    ap.add_argument("--duration-s", type=positive_float, default=duration_s,
                     help=f"seconds per latency and per throughput run (default {duration_s:g})")
-    ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for latency (default 16)")
-    ap.add_argument("--max-concurrency", type=int, default=max_concurrency,
+    ap.add_argument("--concurrency", type=positive_int, default=16, help="closed-loop clients for latency (default 16)")
+    ap.add_argument("--max-concurrency", type=positive_int, default=max_concurrency,
                     help=f"closed-loop clients for max req/s (default {max_concurrency})")
-    ap.add_argument("--repeat", type=int, default=3, help=repeat_help)
+    ap.add_argument("--repeat", type=positive_int, default=3, help=repeat_help)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default all)")
     ap.add_argument("--peers", default=",".join(PEERS), metavar="LIST",
                     help=f"comma list of peers to measure, of {', '.join(PEERS)}; 'none': pdlb alone (default all)")
     ap.add_argument("--pdlb-processes", default=pdlb_processes, metavar="LIST",
                     help=f"comma list of 'pdlb serve --processes' values to measure (default {pdlb_processes})")
-    ap.add_argument("--engines", type=int, default=engines, metavar="N",
+    ap.add_argument("--engines", type=positive_int, default=engines, metavar="N",
                     help=f"mixed engines in regular mode (default {engines})")
-    ap.add_argument("--pd-engines", type=int, default=pd_engines, metavar="N",
+    ap.add_argument("--pd-engines", type=positive_int, default=pd_engines, metavar="N",
                     help=f"prefill engines and decode engines (N each) in the PD modes (default {pd_engines})")
-    ap.add_argument("--load-processes", type=int, default=load_processes, metavar="K",
+    ap.add_argument("--load-processes", type=positive_int, default=load_processes, metavar="K",
                     help=f"client processes for the throughput run (default {load_processes})")
     ap.add_argument("--router-cpus", metavar="LIST",
                     help="pin the routers to these CPUs (e.g. 0-7), engines and clients to the others (default: no pinning)")
@@ -812,7 +826,7 @@ def main() -> int:
                    load_processes=1, repeat_help="interleaved repeats per mode (default 3)")
     ap.add_argument("--baseline", metavar="DIR", type=Path, action="append",
                     help="also measure pdlb serve (one process) from this checkout, e.g. the main branch's (repeatable)")
-    ap.add_argument("--paired-rounds", type=int, default=5, metavar="N",
+    ap.add_argument("--paired-rounds", type=nonnegative_int, default=5, metavar="N",
                     help="with --baseline: after the repeats, N rounds driving one pdlb process and every baseline at "
                          "the same time for CPU per request (0: none; default 5)")
     add_variant_arg(ap)

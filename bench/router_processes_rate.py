@@ -183,14 +183,7 @@ async def run_mode(mode: str, args: argparse.Namespace) -> dict:
                                                     f"{rows[k][-1]['wakeups']:.2f} wake-ups/req" for k in routers))
         return {"idle_ms_per_s": idle, "rows": rows}
     finally:
-        for p in procs:
-            if p.popen.poll() is None:
-                p.popen.terminate()
-        for p in procs:
-            try:
-                p.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
+        ro.stop_all([p.popen for p in procs])
 
 
 def _summary(mode: str, res: dict, args: argparse.Namespace) -> None:
@@ -229,21 +222,22 @@ def wakeup_fit(points: list[tuple[float, float]]) -> tuple[float, float, float] 
 
 
 def main() -> int:
-    from pdlb_cli.args import ArgumentParser, positive_int  # one usage line, then the error
+    from pdlb_cli.args import ArgumentParser  # one usage line, then the error
     from pdlb_cli.comma_lists import list_arg, one_of
 
+    from pdlb_cli.arg_types import positive_float, positive_int
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--modes", default="regular,pd,vllm-pd", help="comma list of regular, pd, vllm-pd (default all)")
     ap.add_argument("--processes", default="1,2,4,8", help="comma list of 'pdlb serve --processes' values (default 1,2,4,8)")
-    ap.add_argument("--rate", type=float, default=300.0, help="offered requests/s, every router alike (default 300)")
-    ap.add_argument("--connections", type=int, default=32, help="client connections, all client processes together (default 32)")
-    ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per window (default 4)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds; each drives every router once (default 2)")
-    ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of no load measured first (default 3)")
-    ap.add_argument("--load-processes", type=int, default=1, help="client processes sharing the rate (default 1)")
-    ap.add_argument("--engines", type=int, default=1, help="mixed engines in regular mode (default 1)")
-    ap.add_argument("--pd-engines", type=int, default=1, help="prefill and decode engines (N each) in PD modes (default 1)")
+    ap.add_argument("--rate", type=positive_float, default=300.0, help="offered requests/s, every router alike (default 300)")
+    ap.add_argument("--connections", type=positive_int, default=32, help="client connections, all client processes together (default 32)")
+    ap.add_argument("--duration-s", type=positive_float, default=4.0, help="seconds per window (default 4)")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="rounds; each drives every router once (default 2)")
+    ap.add_argument("--idle-s", type=positive_float, default=3.0, help="seconds of no load measured first (default 3)")
+    ap.add_argument("--load-processes", type=positive_int, default=1, help="client processes sharing the rate (default 1)")
+    ap.add_argument("--engines", type=positive_int, default=1, help="mixed engines in regular mode (default 1)")
+    ap.add_argument("--pd-engines", type=positive_int, default=1, help="prefill and decode engines (N each) in PD modes (default 1)")
     ap.add_argument("--router-cpus", default=None, help="routers' CPUs, e.g. 0-7 (default: CPU 0 when the host has 2+)")
     ap.add_argument("--baseline", action="append", default=[], help="also run these process counts from this checkout (repeatable)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON to this file")

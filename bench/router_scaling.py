@@ -755,18 +755,19 @@ async def ablate(args: argparse.Namespace, out: dict) -> None:
 
 def main() -> int:
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import positive_float, positive_int
 
     ap = ArgumentParser(description=__doc__.splitlines()[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="\n".join(__doc__.splitlines()[1:]))
-    ap.add_argument("--duration-s", type=float, default=4.0, help="seconds per measured window (default 4)")
-    ap.add_argument("--probe-s", type=float, default=0.3, help="seconds per probe reading (default 0.3)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the main comparisons (default 2)")
-    ap.add_argument("--concurrency", type=int, default=16, help="connections for the PD latency runs (default 16)")
-    ap.add_argument("--max-concurrency", type=int, default=256, help="connections for throughput (default 256)")
-    ap.add_argument("--load-processes", type=int, default=4, help="client processes for throughput (default 4)")
-    ap.add_argument("--engines", type=int, default=4, help="mixed engines, regular mode (default 4)")
-    ap.add_argument("--pd-engines", type=int, default=2, help="prefill and decode engines each, pd mode (default 2)")
+    ap.add_argument("--duration-s", type=positive_float, default=4.0, help="seconds per measured window (default 4)")
+    ap.add_argument("--probe-s", type=positive_float, default=0.3, help="seconds per probe reading (default 0.3)")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="rounds of the main comparisons (default 2)")
+    ap.add_argument("--concurrency", type=positive_int, default=16, help="connections for the PD latency runs (default 16)")
+    ap.add_argument("--max-concurrency", type=positive_int, default=256, help="connections for throughput (default 256)")
+    ap.add_argument("--load-processes", type=positive_int, default=4, help="client processes for throughput (default 4)")
+    ap.add_argument("--engines", type=positive_int, default=4, help="mixed engines, regular mode (default 4)")
+    ap.add_argument("--pd-engines", type=positive_int, default=2, help="prefill and decode engines each, pd mode (default 2)")
     ap.add_argument("--router-cpus", required=True, metavar="LIST", help="CPUs for the routers, e.g. 0-7")
     ap.add_argument("--phases", default="probe,regular,pd", help="comma list of probe, regular, pd, ablate")
     ap.add_argument("--pdlb-extra", default="", metavar="ARGS", help="more 'pdlb serve' arguments for the ablate phase")
@@ -774,7 +775,7 @@ def main() -> int:
                     help="command that runs 'sglang-router launch' with the args appended ('' to skip)")
     ap.add_argument("--py-spy", default=shutil.which("py-spy"), metavar="PATH", help="py-spy binary (default: on PATH)")
     ap.add_argument("--out", type=Path, help="folder for scaling.json and the py-spy raw files (pyspy.tar.gz)")
-    ap.add_argument("--many", type=int, metavar="N",
+    ap.add_argument("--many", type=positive_int, metavar="N",
                     help="the several-process rows run --processes N (default: pdlb's default, one per router CPU)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()

@@ -54,16 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     from sim.search.point import SLO, Point, evaluate_point, parse_policy
 
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import fraction, nonnegative_float, positive_float, positive_int
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(ROWS), help="workload:scenario,... (default: %(default)s)")
     ap.add_argument("--scales", default="1,2,4", help="rate scales of each trace (default: %(default)s)")
-    ap.add_argument("--seeds", type=int, default=1, help="seeds per point (default 1)")
+    ap.add_argument("--seeds", type=positive_int, default=1, help="seeds per point (default 1)")
     ap.add_argument("--traces-dir", type=Path, default=None, help="folder with mooncake_synthetic_trace.jsonl")
-    ap.add_argument("--slo-ttft-s", type=float, default=2.0)
-    ap.add_argument("--slo-ttft-per-1k-s", type=float, default=0.1)
-    ap.add_argument("--slo-tpot-s", type=float, default=0.05)
-    ap.add_argument("--slo-attainment", type=float, default=0.9)
+    ap.add_argument("--slo-ttft-s", type=positive_float, default=2.0)
+    ap.add_argument("--slo-ttft-per-1k-s", type=nonnegative_float, default=0.1,
+                    help="TTFT budget per 1k prompt tokens, s (default 0.1; 0: none)")
+    ap.add_argument("--slo-tpot-s", type=positive_float, default=0.05)
+    ap.add_argument("--slo-attainment", type=fraction, default=0.9)
     ap.add_argument("--before", default=BEFORE, help="policy spec of the 'before' runs (default: %(default)s)")
     ap.add_argument("--after", default=AFTER, help="policy spec of the 'after' runs (default: %(default)s)")
     a = ap.parse_args(argv)

@@ -60,13 +60,14 @@ def measure(blocks: int, decisions: int, per_pass: int, policy: str, replicas: i
 
 
 def main() -> int:
+    from pdlb_cli.arg_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="8,32,128,512", help="prompt lengths in blocks, comma list (default 8,32,128,512)")
-    ap.add_argument("--decisions", type=int, default=4000, help="distinct decisions per length (default 4000)")
-    ap.add_argument("--per-pass", type=int, default=4, help="decisions written per drain (default 4)")
+    ap.add_argument("--decisions", type=positive_int, default=4000, help="distinct decisions per length (default 4000)")
+    ap.add_argument("--per-pass", type=positive_int, default=4, help="decisions written per drain (default 4)")
     ap.add_argument("--policy", default="ep_aware", help="the routers' policy, both stages (default ep_aware)")
-    ap.add_argument("--replicas", type=int, default=8, help="mixed replicas (default 8)")
-    ap.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
+    ap.add_argument("--replicas", type=positive_int, default=8, help="mixed replicas (default 8)")
+    ap.add_argument("--block-size", type=positive_int, default=64, help="tokens per block (default 64)")
     args = ap.parse_args()
     lengths = list_arg(ap, "--blocks", args.blocks, "prompt lengths in blocks", int)
     if not lengths or min(lengths) < 1 or args.decisions < 1 or args.per_pass < 1 or args.replicas < 1 or args.block_size < 1:

@@ -52,13 +52,14 @@ def one(n: int, decode_ranks: int, max_prefill_tokens: int = 8192, exact: bool =
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pdlb_cli.args import ArgumentParser  # one usage line, then the error
+    from pdlb_cli.arg_types import positive_int
 
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--decode-ranks", default="64,128,512")
-    ap.add_argument("--max-prefill-tokens", type=int, default=8192, help="chunked-prefill budget per rank")
+    ap.add_argument("--max-prefill-tokens", type=positive_int, default=8192, help="chunked-prefill budget per rank")
     ap.add_argument("--exact", action="store_true", help="step-by-step reference mode (no fast-forward)")
-    ap.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=2, type=positive_int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(*args.one, args.max_prefill_tokens, args.exact)))

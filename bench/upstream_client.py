@@ -134,13 +134,14 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, list[tuple
 
 
 def main() -> int:
+    from pdlb_cli.arg_types import positive_int
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 1)[1])
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    ap.add_argument("--requests", type=int, default=10_000, help="requests per client per round (default 10000)")
-    ap.add_argument("--concurrency", type=int, default=16, help="concurrent requests (default 16)")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--requests", type=positive_int, default=10_000, help="requests per client per round (default 10000)")
+    ap.add_argument("--concurrency", type=positive_int, default=16, help="concurrent requests (default 16)")
     ap.add_argument("--stream", action="store_true", help="chunked SSE answers read chunk by chunk")
-    ap.add_argument("--events", type=int, default=9, help="SSE events per streamed answer (default 9)")
+    ap.add_argument("--events", type=positive_int, default=9, help="SSE events per streamed answer (default 9)")
     ap.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                     help="the client's event loop (default asyncio)")
     args = ap.parse_args()

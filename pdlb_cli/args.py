@@ -4,7 +4,7 @@ The floor under every subcommand module of :mod:`pdlb_cli`: they import from her
 other (``tests/test_import_graph.py``), and this module imports nothing above the scenario and its
 perf model (no simulation, search or report module; no other module of :mod:`pdlb_cli`).
 
-- ``type=`` checks for argparse (:func:`positive_int`, :func:`int_at_least`, :func:`seed_int`,
+- ``type=`` checks for argparse (numeric ones from :mod:`pdlb_cli.arg_types`: :func:`positive_int`, :func:`int_at_least`, :func:`seed_int`,
   :func:`positive_float`, :func:`nonnegative_float`, :func:`rate_list`, :func:`fraction`,
   :func:`percentile`, :func:`tier_weights_arg`): a bad value stops the
   parser with ``argument --flag: <message>`` and exit status 2;
@@ -47,6 +47,9 @@ from rich.markup import escape
 from balancer.policies import make_policy
 from balancer.policies.spec import split_policy_list
 from balancer.router import DEFAULT_TIER_WEIGHTS
+from pdlb_cli.arg_types import (  # noqa: F401 (re-exported: the type= checks live there, standard library only)
+    MAX_FLAG_TOKENS, _float_checked, _int_at_least, fraction, int_at_least, int_between, nonnegative_float,
+    nonnegative_int, percentile, port_int, positive_float, positive_int, seed_int, share, token_count)
 from pdlb_cli.comma_lists import CommaListError, comma_items, comma_list, one_of  # noqa: F401 (re-exported)
 from pdlb_cli.engine_options import add_engine_option_args, apply_engine_options
 from sim.run.file_names import safe_file_stem
@@ -62,71 +65,10 @@ DEFAULT_SLO_TPOT_S = 0.1
 DEFAULT_INDEX_MODE = "approximate"
 
 
-# ---------------------------------------------------------------------- argparse type= checks
-def _int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-    return value
-
-
-def int_at_least(minimum: int) -> typing.Callable[[str], int]:
-    """An argparse ``type=``: an int >= ``minimum`` (the messages of :func:`positive_int`)."""
-    def parse(text: str) -> int:
-        return _int_at_least(text, minimum)
-    return parse
-
-
-def positive_int(text: str) -> int:
-    """An int >= 1 (request counts, engine counts)."""
-    return _int_at_least(text, 1)
-
-
+# ---------------------------------------------------------------------- argparse type= checks (the numeric ones: pdlb_cli.arg_types)
 def positive_int_list(text: str) -> list[int]:
     """Comma-separated distinct ints, each >= 1 (``pdlb dev k-routers --ks 1,2,4,8``)."""
     return comma_list(text, positive_int, "integers >= 1")
-
-
-#: Largest token count a flag takes (2^24 = 16.8M, far above any model's context; as scenarios).
-MAX_FLAG_TOKENS = 1 << 24
-
-
-def token_count(text: str) -> int:
-    """An int in [1, 2^24] (a request's tokens): larger cannot be a request any model serves."""
-    value = _int_at_least(text, 1)
-    if value > MAX_FLAG_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_FLAG_TOKENS:,} tokens, got {value:,}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """An int >= 0 (``--seed``): numpy's and the trace spreading's seeds must be non-negative, and
-    without this check a negative one surfaced as numpy's bare ``expected non-negative integer``,
-    naming no flag."""
-    return _int_at_least(text, 0)
-
-
-def _float_checked(text: str, *, allow_zero: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_zero else '>'} 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite float > 0 (rate factor, durations, SLOs)."""
-    return _float_checked(text, allow_zero=False)
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite float >= 0 (``--spread-s``: 0 keeps the batches)."""
-    return _float_checked(text, allow_zero=True)
 
 
 def positive_float_list(text: str) -> list[float]:
@@ -149,30 +91,6 @@ def rate_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"every rate is 0, so the workload would be empty; give at least one "
                                          f"rate > 0, got {text!r}")
     return rates
-
-
-def fraction(text: str) -> float:
-    """A number in (0, 1] (attainment targets); ``90%`` is accepted as 0.9."""
-    t = text.strip()
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        value = math.nan
-    if not (0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (or a percentage like 90%), got {text!r}")
-    return value
-
-
-def percentile(text: str) -> float:
-    """A percentile in (0, 100] (``--slo-percentile``; ``p99`` and ``99%`` are accepted as 99)."""
-    t = text.strip().removeprefix("p").removesuffix("%")
-    try:
-        value = float(t)
-    except ValueError:
-        value = math.nan
-    if not (0 < value <= 100):
-        raise argparse.ArgumentTypeError(f"must be a percentile in (0, 100], e.g. 99, got {text!r}")
-    return value
 
 
 def parse_tier_weights(text: str | None) -> dict[str, float] | None:

@@ -328,30 +328,22 @@ def idle_policy_option_warnings(cfg: ServiceConfig) -> list[str]:
         out.append(f"the decode policy ep_aware has seq_cap=true, which changes nothing here: no {role} engine has "
                    "max_num_seqs in the cost model (give --cost-model a file with it: pdlb sim cost-model writes the "
                    "pool's)")
-    if policy.parallel_chunks and role != "mixed":
-        out.append("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: it prices "
-                   "mixed pools only (decode pools the same either way)")
-    elif policy.parallel_chunks and not (policy.cadence and any(
-            chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens) for e in engines)):
-        out.append("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: no mixed engine "
-                   "has max_num_seqs and request_chunk_tokens with max_num_seqs x request_chunk_tokens <= chunk_tokens "
-                   "in the cost model, or cadence=false (give --cost-model a file with them: pdlb sim cost-model "
-                   "writes the pool's)")
-    elif policy.parallel_chunks and not any(
-            e.ep_synchronous and chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens)
-            for e in engines):  # a dense engine's prompt has no group tokens: both models' group terms are 0
-        out.append("the decode policy ep_aware has parallel_chunks=true, which changes nothing here: the mixed "
-                   "engines whose chunks run in parallel are dense (ep_synchronous = false in the cost model), so a "
-                   "prompt has no group tokens to price either way")
-    if policy.prefill_at_once and role != "mixed":
-        out.append("the decode policy ep_aware has prefill_at_once=true, which changes nothing here: it prices "
-                   "mixed pools only (decode pools the same either way)")
-    elif policy.prefill_at_once and not (policy.cadence and any(
-            chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens) for e in engines)):
-        out.append("the decode policy ep_aware has prefill_at_once=true, which changes nothing here: no mixed engine "
-                   "has max_num_seqs and request_chunk_tokens with max_num_seqs x request_chunk_tokens <= chunk_tokens "
-                   "in the cost model, or cadence=false (give --cost-model a file with them: pdlb sim cost-model "
-                   "writes the pool's)")
+    for option in _MIXED_CHUNK_OPTIONS:
+        if not getattr(policy, option):
+            continue
+        idle = f"the decode policy ep_aware has {option}=true, which changes nothing here: "
+        if role != "mixed":
+            out.append(idle + "it prices mixed pools only (decode pools the same either way)")
+        elif not (policy.cadence and any(chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens)
+                                         for e in engines)):
+            out.append(idle + "no mixed engine has max_num_seqs and request_chunk_tokens with max_num_seqs x "
+                       "request_chunk_tokens <= chunk_tokens in the cost model, or cadence=false (give --cost-model a "
+                       "file with them: pdlb sim cost-model writes the pool's)")
+        elif option == "parallel_chunks" and not any(
+                e.ep_synchronous and chunks_in_parallel(e.max_num_seqs, e.request_chunk_tokens, e.chunk_tokens)
+                for e in engines):  # a dense engine's prompt has no group tokens: both models' group terms are 0
+            out.append(idle + "the mixed engines whose chunks run in parallel are dense (ep_synchronous = false in "
+                       "the cost model), so a prompt has no group tokens to price either way")
     return out
 
 

@@ -34,9 +34,15 @@ ctx = SelectContext(random.Random(0))
 req = Request("x", 0.0, 10)
 print(make_policy("fewest_requests").select(req, c, ctx).replica.dp_rank,
       make_policy("fewest_requests", tie="last").select(req, c, ctx).replica.dp_rank)
+try:  # review R14 (session 16): the example took any tie ("middle" ran as "last")
+    make_policy("fewest_requests", tie="middle")
+except ValueError as e:
+    print("refused:", e)
 '''
     script = tmp_path / "readme_blocks.py"
     script.write_text("\n".join(blocks) + check)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-2:] == ["1", "2"]
+    lines = out.stdout.splitlines()
+    assert lines[-2].split()[-2:] == ["1", "2"]
+    assert lines[-1] == "refused: fewest_requests: tie must be 'first' or 'last', got 'middle'"

@@ -443,7 +443,7 @@ class ServiceConfig(BaseModel):
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
     health_check: HealthCheckConfig = HealthCheckConfig()
     admin_api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)  # "" was "no alias" (R10)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     default_max_tokens: int = Field(16, ge=1)
     processes: int | None = Field(None, ge=1, le=256)

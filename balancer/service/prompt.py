@@ -198,7 +198,8 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
     Args:
         endpoint: ``"completions"`` (``prompt``: string, array of strings, token ids, or array of
             token-id arrays; batches are routed by their concatenation), ``"chat"`` (``messages``)
-            or ``"generate"`` (SGLang: ``text`` or ``input_ids``).
+            or ``"generate"`` (SGLang: ``text`` or ``input_ids``; ``input_ids`` where both are
+            given, as SGLang prefills them).
         body: the parsed JSON object.
 
     Raises:
@@ -209,10 +210,13 @@ def extract_prompt(endpoint: str, body: dict[str, Any]) -> Prompt:
         messages = body.get("messages")
         return Prompt(text=render_messages(messages), messages=messages, chat=_chat_options(body))
     if endpoint == "generate":
-        if isinstance(body.get("text"), str):
-            return Prompt(text=body["text"])
+        # both given: SGLang 0.5.23 takes them (GenerateReqInput refuses only none, or text,
+        # input_ids and input_embeds all three) and prefills input_ids, text unused
+        # (TokenizerManager._tokenize_one_request), so the ids are what its KV cache holds
         if isinstance(body.get("input_ids"), list):
             return Prompt(token_ids=_token_list(body["input_ids"], "input_ids"))
+        if isinstance(body.get("text"), str):
+            return Prompt(text=body["text"])
         raise PromptError("'text' (string) or 'input_ids' (array of token ids) is required")
     if endpoint != "completions":
         raise ValueError(f"unknown endpoint {endpoint!r}")

@@ -337,11 +337,21 @@ def simulate_closed_loop(
             return q_scale * sample_quantiles(wl.think_quantiles_s, float(think_rngs[lane].random()))
         return min(wl.max_think_s, math.exp(think_mu + wl.think_sigma * think_rngs[lane].standard_normal()))
 
+    held: list[int] = []  # warmup_barrier: lanes done with their warm-up, waiting for the others
+
     def finished_lane(lane: int, now: float) -> None:
         if state["warm_left"] and sent[lane] == n_warm:
             state["warm_left"] -= 1
             if state["warm_left"] == 0:
                 state["start"] = now
+                if wl.warmup_barrier:  # the measured phase opens: every lane sends at once
+                    for j in held + [lane]:
+                        send(j)
+                    held.clear()
+                    return
+            elif wl.warmup_barrier:
+                held.append(lane)
+                return
         ev = env.timeout(think_s(lane))
         ev.callbacks.append(lambda _ev, lane=lane: send(lane))
 

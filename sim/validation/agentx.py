@@ -24,6 +24,10 @@ What is fitted and what is held out (the ``role`` column):
   latency does (they are not independent of the latency rows);
 * ``held out``: TTFT, ITL, request latency percentiles, the GPU prefix-hit rate, and the
   prefill-only / mixed iteration times and the decode-only p90.
+
+Read, not fitted (no row): the eager-step floor, :data:`EAGER_STEP_FLOOR_S` and
+:data:`EAGER_STEP_FLOOR_NO_DECODE_S`, the minima of the capture's mixed and prefill-only records
+(the launcher runs every step with prefill without CUDA graphs).
 """
 
 from __future__ import annotations
@@ -143,6 +147,20 @@ MTP_DRAFT_TOKENS = 3
 MTP_ACCEPTANCE_LENGTH = 2.49
 #: per-step fixed cost of the roofline in this scenario, s
 STEP_OVERHEAD_S = 0.002
+#: the shortest a step with prefill on any rank lasts when some rank also decodes, s: the launcher
+#: (InferenceX ``dsv4_fp4_b200_vllm_mtp.sh``, DEP arm) captures CUDA graphs for uniform decode
+#: batches only (``cudagraph_mode FULL_DECODE_ONLY``, compilation ``mode 0``), so every step with
+#: a prefill chunk runs eagerly, on every DP rank (vLLM ``coordinate_batch_across_dp`` takes the
+#: minimum cudagraph mode over the ranks), and cannot end before the host has launched it. Read,
+#: not fitted: the minimum of the capture's 46,119 mixed records (115.94 ms; aisimulate
+#: ``job-4228930-comparison.json`` ``fpm.timing.mixed.min_ms``); :class:`sim.perf.step_class.StepClassPerf`
+EAGER_STEP_FLOOR_S = 0.11594
+#: the same where no rank of the group decodes (no MTP verification or drafting over decode
+#: sequences in the eager step): the minimum of the capture's 16,225 prefill-only records (83.50 ms)
+EAGER_STEP_FLOOR_NO_DECODE_S = 0.08350
+#: whether :func:`perf_factory_440246` (and every run of this point) has the eager floor (on since
+#: session 16; docs/validate.md "The eager prefill step")
+EAGER_FLOOR_DEFAULT = True
 #: the API server's chat template + tokenization per prompt token, s: ``bench/frontend_tokenize.py``
 #: with DeepSeek's tokenizer (129,280 tokens, HF ``tokenizers``) on code-like text, one encode of
 #: 79,102 / 126,019 tokens (the published median / mean prompt) = 1.6-2.2 us per token of CPU on
@@ -171,12 +189,14 @@ def scenario_440246(**pool: object) -> "Scenario":
 
 def perf_factory_440246(decode_scale: float = DECODE_EFFICIENCY_SCALE,
                         prefill_scale: float | None = PREFILL_EFFICIENCY_SCALE, *,
-                        mtp: bool = True):  # noqa: ANN201
+                        mtp: bool = True, eager_floor: bool = EAGER_FLOOR_DEFAULT):  # noqa: ANN201
     """``(scenario, pool) -> PerfModel`` of point 440246: the roofline of the scenario's model and
     GPU with its default peak fractions (MFU, MBU, link efficiency) derated by ``decode_scale`` in
     decode-only steps and ``prefill_scale`` in steps with prefill, and MTP verification on every
     step (:class:`sim.perf.step_class.StepClassPerf`: 1 + 3 tokens per decoding sequence, 2.49
-    accepted)."""
+    accepted). ``eager_floor``: steps with prefill last at least :data:`EAGER_STEP_FLOOR_S`
+    (:data:`EAGER_STEP_FLOOR_NO_DECODE_S` where no rank decodes), the launcher's eager prefill
+    path (needs ``mtp``)."""
     from sim.perf.step_class import StepClassPerf
     from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU, RooflinePerf
 
@@ -191,8 +211,10 @@ def perf_factory_440246(decode_scale: float = DECODE_EFFICIENCY_SCALE,
         pf = roofline(scenario, pool, prefill_scale) if prefill_scale is not None else None
         if not mtp:
             return StepClassPerf(dec, pf)
+        floors = (dict(eager_floor_s=EAGER_STEP_FLOOR_S, eager_floor_no_decode_s=EAGER_STEP_FLOOR_NO_DECODE_S)
+                  if eager_floor else {})
         return StepClassPerf(dec, pf, verify_tokens_per_seq=1 + MTP_DRAFT_TOKENS,
-                             decode_tokens_per_step=MTP_ACCEPTANCE_LENGTH)
+                             decode_tokens_per_step=MTP_ACCEPTANCE_LENGTH, **floors)
     return factory
 
 
@@ -200,7 +222,7 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
                     decode_scale: float = DECODE_EFFICIENCY_SCALE,
                     prefill_scale: float | None = PREFILL_EFFICIENCY_SCALE, seed: int = 0,
                     hit_multiple_tokens: int | None = None, frontend_s_per_token: float = 0.0,
-                    ttft_slo: "TtftSlo | None" = None,
+                    ttft_slo: "TtftSlo | None" = None, eager_floor: bool | None = None,
                     **pool: object) -> "ClosedLoopResult":
     """One closed-loop run of point 440246 on pdlb's cluster simulator (:func:`sim.run.closed_loop.simulate_closed_loop`,
     routing through :class:`balancer.router.Router` with ``policy``); ``workload`` defaults to the
@@ -210,7 +232,8 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
     before the engine (:func:`sim.run.closed_loop.simulate_closed_loop`; off by default;
     :data:`FRONTEND_S_PER_TOKEN_MEASURED` is ``bench/frontend_tokenize.py``'s reading).
     ``ttft_slo``: the router's TTFT budget (SLO-aware policies route against it; None: none, as
-    the validation rows)."""
+    the validation rows). ``eager_floor``: :func:`perf_factory_440246`'s (None:
+    :data:`EAGER_FLOOR_DEFAULT`)."""
     from sim.run.closed_loop import simulate_closed_loop
     from sim.workload.agentic import AgenticWorkloadConfig
 
@@ -218,22 +241,26 @@ def simulate_440246(workload: "AgenticWorkloadConfig | None" = None, policy: str
         for rank in cluster.ranks:
             rank.hit_multiple_tokens = hit_multiple_tokens
     return simulate_closed_loop(scenario_440246(**pool), workload or AgenticWorkloadConfig(), policy,
-                                perf_factory=perf_factory_440246(decode_scale, prefill_scale), seed=seed,
+                                perf_factory=perf_factory_440246(
+                                    decode_scale, prefill_scale,
+                                    eager_floor=EAGER_FLOOR_DEFAULT if eager_floor is None else eager_floor), seed=seed,
                                 cluster_hook=hook if hit_multiple_tokens is not None else None,
                                 frontend_s_per_token=frontend_s_per_token, ttft_slo=ttft_slo)
 
 
 def calibrate(target_decode_p50_s: float = 0.03115, target_mixed_p50_s: float = 0.15998,
               workload: "AgenticWorkloadConfig | None" = None, *, iterations: int = 3,
-              start: tuple[float, float] = (DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE)) -> tuple[float, float]:
+              start: tuple[float, float] = (DECODE_EFFICIENCY_SCALE, PREFILL_EFFICIENCY_SCALE),
+              eager_floor: bool | None = None) -> tuple[float, float]:
     """``(decode_scale, prefill_scale)`` at which the simulated decode-only and mixed iteration p50
     equal the targets (the published 31.15 / 159.98 ms): proportional updates (a step time is about
-    inversely proportional to its derating), one run of ``workload`` each (default: the hour)."""
+    inversely proportional to its derating), one run of ``workload`` each (default: the hour).
+    ``eager_floor``: :func:`simulate_440246`'s."""
     from sim.perf.roofline import DEFAULT_COMM_EFFICIENCY, DEFAULT_MBU, DEFAULT_MFU
     top = 1 / max(DEFAULT_MFU, DEFAULT_MBU, DEFAULT_COMM_EFFICIENCY)
     s, sp = start
     for _ in range(max(1, min(iterations, 20))):
-        it = simulate_440246(workload, decode_scale=s, prefill_scale=sp).iterations
+        it = simulate_440246(workload, decode_scale=s, prefill_scale=sp, eager_floor=eager_floor).iterations
         s = min(top, s * float(np.percentile(it["decode_only"], 50)) / target_decode_p50_s)
         sp = min(top, sp * float(np.percentile(it["mixed"], 50)) / target_mixed_p50_s)
     return s, sp

@@ -157,6 +157,14 @@ class AgenticWorkloadConfig(BaseModel):
     #: :func:`weka_primer_lead_quantiles` gives the leads of the public Weka corpus (capped at
     #: 300 s as aiperf caps them). None: all first requests at once (``--burst-phase-starts``)
     primer_lead_quantiles_s: tuple[float, ...] | None = None
+    #: a barrier between the warm-up and the measured phase: a lane that has finished its warm-up
+    #: sends nothing more until every lane has, then all lanes send their next request at once
+    #: (aiperf's credit phases: "--warmup-grace-period: the grace period in seconds to wait for
+    #: responses after warmup phase ends ... If not set, waits indefinitely for all warmup
+    #: responses"); False: a lane goes on at once (its requests before the window are not
+    #: measured). Whether the pinned AgentX scenario ran its phases seamlessly is not stated.
+    #: Not with ``subagent_at_once``
+    warmup_barrier: bool = False
     #: a lane's later trajectories replay from turn 0 (aiperf recycles a finished lane into the
     #: next trace "in full from turn 0", with a fresh cache-bust marker); False: every trajectory
     #: starts at its own start point like the first
@@ -218,6 +226,8 @@ class AgenticWorkloadConfig(BaseModel):
         if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
                               or q[0] < 0 or q[-1] > 1):
             raise ValueError("prefix_cut_kept_quantiles: 2..10001 non-decreasing fractions in [0, 1]")
+        if self.warmup_barrier and self.subagent_at_once:
+            raise ValueError("warmup_barrier is not implemented for subagent_at_once (trajectory trees)")
         if self.start_min_ratio > self.start_max_ratio:
             raise ValueError(f"start_min_ratio ({self.start_min_ratio}) > start_max_ratio ({self.start_max_ratio})")
         return self

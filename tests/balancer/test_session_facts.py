@@ -74,6 +74,47 @@ def test_the_forecast_is_bounded_by_the_cap_and_drops_removed_replicas():
     np.testing.assert_allclose(s.forecast(np.array([1]), 10.0)[0], [0.93 + 0.94], atol=1e-12)
 
 
+def test_the_forecast_holds_at_a_live_clock_and_across_rebases():
+    # a live router's monotonic clock is ~1e6 s: the decayed sums are kept relative to an origin, so
+    # they do not cancel (absolute times gave 143.0000000000291 for 143 tokens); the origin moves once
+    # the clock is 64 horizons past it (the sums rebuilt from the records)
+    s = ReturningSessions(horizon_s=60.0)
+    t0 = 1_234_567.891
+    s.on_finished("a", 0, 143, t0)
+    req, kv = s.forecast(np.array([0]), t0)
+    assert req.tolist() == [1.0] and kv.tolist() == [143.0]
+    s.on_finished("b", 0, 1000, t0 + 30.0)
+    req, kv = s.forecast(np.array([0]), t0 + 45.0)  # a: 1 - 45/60 = 0.25; b: 1 - 15/60 = 0.75
+    np.testing.assert_allclose(req, [1.0], rtol=1e-12)
+    np.testing.assert_allclose(kv, [0.25 * 143 + 0.75 * 1000], rtol=1e-12)
+    far = t0 + 64 * 60.0 + 100.0  # past the rebase point: a and b long gone, c fresh
+    s.on_finished("c", 1, 500, far)
+    assert len(s) == 3 and s.finished_s("c") == far and s.finished_s("b") == t0 + 30.0
+    req, kv = s.forecast(np.array([0, 1]), far + 6.0)  # a and b expire; c: 1 - 6/60 = 0.9
+    np.testing.assert_allclose(req, [0.0, 0.9], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(kv, [0.0, 450.0], rtol=1e-12, atol=0)
+    assert s.finished_s("a") is None
+
+
+def test_a_forecast_pickled_before_the_origin_reads_its_absolute_times():
+    # ReturningSessions of ff249fe kept absolute finish times and had no origin: restored, they count from 0
+    s = ReturningSessions(horizon_s=60.0)
+    s.on_finished("a", 0, 100, 50.0)
+    state = s.__dict__.copy()
+    state["_idle"] = type(state["_idle"])({"a": (0, 50.0, 100.0)})  # the old layout: the absolute time
+    for k, v in (("_sum_t", 50.0), ("_sum_tc", 5000.0)):
+        state[k] = state[k].copy()
+        state[k][0] = v
+    del state["_origin_s"]
+    old = ReturningSessions.__new__(ReturningSessions)
+    old.__setstate__(state)
+    req, kv = old.forecast(np.array([0]), 80.0)  # 30 s idle: 0.5
+    np.testing.assert_allclose(req, [0.5], rtol=1e-12)
+    np.testing.assert_allclose(kv, [50.0], rtol=1e-12)
+    assert old.finished_s("a") == 50.0
+    assert pickle.loads(pickle.dumps(s)).finished_s("a") == 50.0
+
+
 @pytest.mark.parametrize("horizon, cap, match", [(0.0, 1, "horizon_s"), (float("nan"), 1, "horizon_s"),
                                                  (float("inf"), 1, "horizon_s"), (-1.0, 1, "horizon_s"),
                                                  (10.0, 0, "max_sessions"), (10.0, True, "max_sessions"),
@@ -100,7 +141,7 @@ def test_session_facts_prune_requests_the_tracker_reaped():
     # the map outgrew 2 x 1 + 1,024 entries: everything the tracker no longer holds was pruned
     assert len(f._routed) < 1030 and "keep" in f._routed
     f.on_finished("keep", 5.0, 20)
-    assert f.sessions._idle["s0"] == (0, 5.0, 120.0)
+    assert f.sessions._idle["s0"][0::2] == (0, 120.0) and f.sessions.finished_s("s0") == 5.0
     f.on_route("x", None, 0, 100, 1, live.__contains__)  # no session: not tracked
     assert "x" not in f._routed
 

@@ -27,7 +27,7 @@ def test_cpu_sets_are_read_as_taskset_writes_them():
     (["/nonexistent::"], "is not a pdlb checkout"),
     ([f"{ROOT}::", "--router-cpus", "0,,1"], "--router-cpus: expected CPU numbers"),  # was a traceback (review F8)
     ([f"{ROOT}::", "--rounds", "0"], "must be >= 1"),
-    ([f"{ROOT}::", "--duration-s", "nan"], "--duration-s in"),
+    ([f"{ROOT}::", "--duration-s", "nan"], "argument --duration-s: must be a finite number > 0"),
     ([f"{ROOT}::", "--concurrency", "0"], "must be >= 1"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
@@ -38,7 +38,9 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys)
 
 def test_front_floor_refuses_bad_arguments(capsys):
     ff = pytest.importorskip("front_floor")
-    for argv in (["--rounds", "0"], ["--concurrency", "0"], ["--duration-s", "inf"]):
+    for argv, message in ((["--rounds", "0"], "argument --rounds: must be >= 1"),
+                          (["--concurrency", "0"], "argument --concurrency: must be >= 1"),
+                          (["--duration-s", "inf"], "argument --duration-s: must be a finite number > 0")):
         with pytest.raises(SystemExit) as e:
             ff.main(argv)
-        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -188,7 +188,7 @@ def test_bad_arguments_are_refused_with_a_message(capsys: pytest.CaptureFixture[
                         (["--peers", "nginx"], "--peers: unknown 'nginx'"), (["--duration-s", "nan"], "--duration-s"),
                         (["--duration-s", "inf"], "--duration-s"), (["--budget-s", "nan"], "--budget-s"),
                         # route_latency's own checks, before anything starts (its --repeat and lists)
-                        (["--route-args", "--repeat 0"], "--route-args: --repeat must be an integer from 1 to 100"),
+                        (["--route-args", "--repeat 0"], "--route-args: argument --repeat: must be >= 1, got 0"),
                         (["--route-args", "--repeat 2 --against ."], "--route-args: --repeat is for"),
                         (["--route-args", "--replicas 64,,512"], "--route-args: --replicas"),
                         (["--route-args", "--bogus 1"], "--route-args: unrecognized arguments: --bogus 1"),

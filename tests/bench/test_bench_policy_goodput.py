@@ -28,8 +28,12 @@ class _Recorder:
         self.stopped.append(kill)
 
 
-@pytest.mark.parametrize("rows, raises", [("nosuch:default", SystemExit), ("mooncake:nosuch", Exception)])
-def test_the_pool_is_stopped_when_main_ends(rows, raises, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+def _fails_in_the_run(name: str) -> None:
+    raise KeyError(f"nosuch ({name})")  # a failure once the pool exists (was: an unknown scenario, refused up front since R11)
+
+
+@pytest.mark.parametrize("raises", [SystemExit, KeyError])
+def test_the_pool_is_stopped_when_main_ends(raises, monkeypatch, tmp_path) -> None:  # noqa: ANN001
     import sim.search.executor as executor_module
 
     made: list[_Recorder] = []
@@ -38,19 +42,42 @@ def test_the_pool_is_stopped_when_main_ends(rows, raises, monkeypatch, tmp_path)
         made.append(_Recorder())
         return made[-1]
 
+    def fail(name: str) -> None:
+        raise raises("nosuch")
+
     monkeypatch.setattr(executor_module, "make_executor", make_executor)
+    monkeypatch.setattr(pg, "scenario_of", fail)
     with pytest.raises(raises):
-        pg.main(["--rows", rows, "--no-fair-slo", "--seeds", "1", "--jobs", "2", "--out", str(tmp_path / "o")])
+        pg.main(["--rows", "mooncake:default", "--no-fair-slo", "--seeds", "1", "--jobs", "2",
+                 "--no-explain", "--out", str(tmp_path / "o")])
     assert len(made) == 1 and made[0].stopped == [True]  # stopped once, at once (was: never)
 
 
-def test_with_one_job_the_real_error_surfaces(tmp_path) -> None:  # noqa: ANN001
+def test_with_one_job_the_real_error_surfaces(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     # review R8 (session 16): with --jobs 1 make_executor gives the serial executor, whose shutdown took
     # no ``kill``: main's finally raised TypeError over whatever happened (and after every successful run)
-    with pytest.raises(KeyError, match="nosuch") as e:  # the unknown scenario itself (was: TypeError)
-        pg.main(["--rows", "mooncake:nosuch", "--no-fair-slo", "--seeds", "1", "--jobs", "1",
-                 "--out", str(tmp_path / "o")])
+    monkeypatch.setattr(pg, "scenario_of", _fails_in_the_run)
+    with pytest.raises(KeyError, match="nosuch") as e:  # the failure itself (was: TypeError)
+        pg.main(["--rows", "mooncake:default", "--no-fair-slo", "--seeds", "1", "--jobs", "1",
+                 "--no-explain", "--out", str(tmp_path / "o")])
     assert not isinstance(e.value, TypeError)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ("mooncake:nosuch", "--rows: unknown scenario 'nosuch' in 'mooncake:nosuch'; valid: default, p16,"),  # R11
+    ("nosuch:default", "--rows: unknown workload 'nosuch' in 'nosuch:default'; valid: mooncake,"),
+    ("mooncake", "--rows: expected workload:scenario, got 'mooncake'"),
+    ("mooncake:default:x", "--rows: expected workload:scenario, got 'mooncake:default:x'"),
+])
+def test_unknown_rows_are_refused_before_the_pool_starts(rows, message, monkeypatch, capsys) -> None:  # noqa: ANN001
+    import sim.search.executor as executor_module
+
+    made: list[object] = []
+    monkeypatch.setattr(executor_module, "make_executor", lambda *a, **k: made.append(1))
+    with pytest.raises(SystemExit) as e:
+        pg.main(["--rows", rows, "--no-fair-slo", "--seeds", "1", "--jobs", "2"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and "error: " + message in last and made == []
 
 
 @pytest.mark.parametrize("argv, message", [

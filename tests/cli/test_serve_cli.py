@@ -136,6 +136,8 @@ SPEC_SYNTAX = "URL[,dp=N][,bootstrap=PORT|none][,kv=TOKENS][,events=tcp://HOST:P
     (["--request-timeout-s", "nan"], "request_timeout_s: must be a finite number, got nan"),
     (["--request-timeout-s", "inf"], "request_timeout_s: must be a finite number, got inf"),
     (["--first-byte-timeout-s=-inf"], "first_byte_timeout_s: must be a finite number, got -inf"),
+    # review R10 (session 16): an empty alias was taken as "no alias" (/v1/models then asked a worker)
+    (["--served-model-name", ""], "served_model_name: String should have at least 1 character"),
 ])
 def test_serve_config_errors_are_one_line(argv, message, capsys):
     assert _fails(["serve", "--port", "0", *argv], capsys) == f"error: {message}\n"

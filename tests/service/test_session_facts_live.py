@@ -1,6 +1,6 @@
 """The live router feeds ``ep_aware``'s session facts from what it relays (issue 23 part 3): the
 same :class:`balancer.router.Router` and policy object as the simulator
-(tests/balancer/test_session_facts.py has the facts by hand; tests/sim/test_session_facts_sim.py the
+(tests/balancer/test_session_facts.py has the facts by hand; tests/sim/run/test_session_facts_sim.py the
 simulator's side)."""
 
 from __future__ import annotations

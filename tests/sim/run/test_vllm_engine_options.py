@@ -182,3 +182,53 @@ def test_dynamic_submission_routes_at_the_current_time_and_calls_the_hook():
     assert seen == [(0, 3.0), (1, 6.0)] and rec.arrival_s.tolist() == [0.0, 3.0]
     with pytest.raises(RuntimeError, match="more than 2"):
         cl.submit(_req("C", 100.0, 8, 3))
+
+
+class LinearPerf(OneSecondPerf):
+    """A step takes 0.01 s per prefill token of its busiest rank plus 0.03 s (hand-checkable)."""
+
+    def step_time_s(self, pt, pp, ds, dc, *, prefill_cached_tokens=None, decode_tokens_per_seq=1.0):
+        pt = np.asarray(pt, dtype=np.float64)
+        return 0.03 + 0.01 * pt.max(axis=-1)
+
+
+def test_eager_floor_lifts_only_light_prefill_steps():
+    # Rows (2 ranks): decode only; prefill 5 tokens with a decoding rank; prefill 50 tokens with a
+    # decoding rank; prefill 5 tokens and no rank decoding. Roofline by hand: 0.03, 0.08, 0.53, 0.08.
+    # Floors 0.2 (some rank decodes) / 0.1 (none decodes): 0.03 (decode-only steps are CUDA graphs,
+    # no floor), max(0.08, 0.2) = 0.2, max(0.53, 0.2) = 0.53, max(0.08, 0.1) = 0.1.
+    base = LinearPerf()
+    pt = np.array([[0, 0], [5, 0], [0, 50], [5, 0]], dtype=float)
+    ds = np.array([[1, 2], [0, 3], [1, 0], [0, 0]], dtype=float)
+    z = np.zeros((4, 2))
+    off = StepClassPerf(base, verify_tokens_per_seq=4, decode_tokens_per_step=2.49)
+    assert np.allclose(off.step_time_s(pt, z, ds, z), [0.03, 0.08, 0.53, 0.08])
+    on = StepClassPerf(base, verify_tokens_per_seq=4, decode_tokens_per_step=2.49, eager_floor_s=0.2,
+                       eager_floor_no_decode_s=0.1)
+    assert np.allclose(on.step_time_s(pt, z, ds, z), [0.03, 0.2, 0.53, 0.1])
+    # one floor for both kinds when the no-decode one is not given; one row (shape (R,)) -> scalar
+    same = StepClassPerf(base, eager_floor_s=0.2)
+    assert np.allclose(same.step_time_s(pt, z, ds, z), [0.03, 0.2, 0.53, 0.2])
+    assert float(same.step_time_s(pt[3], z[3], ds[3], z[3])) == pytest.approx(0.2)
+    assert "eager floor=0.2/0.2 s" in repr(same) and "eager floor" not in repr(off)
+
+
+@pytest.mark.parametrize("bad", [{"eager_floor_s": -0.1}, {"eager_floor_s": float("nan")},
+                                 {"eager_floor_s": 11.0}, {"eager_floor_no_decode_s": -1e-9},
+                                 {"eager_floor_no_decode_s": float("inf")}])
+def test_eager_floor_refuses_bad_values(bad):
+    with pytest.raises(ValueError, match="eager_floor"):
+        StepClassPerf(OneSecondPerf(), **bad)
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_eager_floor_sets_a_short_prompts_first_token(fast_forward):
+    # One rank, A: 8-token prompt, 3 output tokens. Prefill step 0.03 + 0.08 = 0.11 s, floored to
+    # 0.5 s (no rank decodes yet: the no-decode floor): first token at 0.5; then 2 decode steps
+    # of 0.03 s (no floor: decode only) -> done at 0.56. Without the floor: 0.11 and 0.17.
+    perf = StepClassPerf(LinearPerf(), eager_floor_s=0.9, eager_floor_no_decode_s=0.5)
+    sc = _agg().model_copy(update={"fast_forward": fast_forward})
+    r = _run(sc, [_req("A", 0.0, 8, 3)], perf)
+    assert r.first_token_s.tolist() == pytest.approx([0.5]) and r.finish_s.tolist() == pytest.approx([0.56])
+    r0 = _run(sc, [_req("A", 0.0, 8, 3)], StepClassPerf(LinearPerf()))
+    assert r0.first_token_s.tolist() == pytest.approx([0.11]) and r0.finish_s.tolist() == pytest.approx([0.17])

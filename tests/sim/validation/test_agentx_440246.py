@@ -192,6 +192,22 @@ def test_mtp_decode_steps_are_the_acceptance_formula():
     assert got == want
 
 
+def test_eager_floor_bounds_every_prefill_step_from_below():
+    # the launcher runs steps with prefill without CUDA graphs (FULL_DECODE_ONLY, mode 0), on every
+    # DP rank: on by default, each record of a step with prefill lasts at least the capture's minima
+    # (mixed 115.94 ms where a rank decodes, prefill-only 83.50 ms); decode-only steps keep theirs
+    from sim.validation.agentx import EAGER_STEP_FLOOR_NO_DECODE_S, EAGER_STEP_FLOOR_S
+    it = load_published()["iteration_times_ms"]
+    assert EAGER_STEP_FLOOR_S == pytest.approx(it["mixed"]["min"] / 1e3, abs=1e-5)
+    assert EAGER_STEP_FLOOR_NO_DECODE_S == pytest.approx(it["prefill_only"]["min"] / 1e3, abs=1e-5)
+    _, on = _short(lanes=8, duration_s=90.0)
+    _, off = _short(lanes=8, duration_s=90.0, eager_floor=False)
+    assert on.iterations["mixed"].min() >= EAGER_STEP_FLOOR_S - 1e-12
+    assert on.iterations["prefill_only"].min() >= EAGER_STEP_FLOOR_NO_DECODE_S - 1e-12
+    assert off.iterations["mixed"].min() < EAGER_STEP_FLOOR_S  # the floor binds in this run
+    assert on.iterations["decode_only"].min() < EAGER_STEP_FLOOR_NO_DECODE_S  # CUDA-graph steps: no floor
+
+
 def test_prefill_cadence_defers_prefill_behind_decodes():
     # with decodes running, a rank prefills on every 8th step (or while requests wait for
     # admission): prefill-bearing records are far fewer than with interval 1, and TTFT rises

@@ -110,6 +110,26 @@ def test_primer_and_cache_pressure_warmup_without_idle_delays():
         assert not {round(float(rec.arrival_s[i]), 9) for i in _lane_rows(r, lane)[:4]} & measured_send
 
 
+def test_warmup_barrier_holds_every_lane_until_the_last_warmup_finishes():
+    # the same warm-up as above, with a barrier between the phases: a lane that has finished its 4
+    # warm-up requests sends nothing until the last lane has; then every lane's 5th request is sent
+    # at that instant, measured (hand rule). Without the barrier a lane goes on after its think
+    # time (the test above), so its 5th request can precede the window.
+    wl = AgenticWorkloadConfig(lanes=4, duration_s=90.0, warmup_requests_per_lane=3, warmup_primer=True,
+                               warmup_think_s=0.0, think_s=5.0, warmup_barrier=True)
+    r = simulate_440246(wl)
+    rec = r.records
+    warm_end = [rec.finish_s[_lane_rows(r, lane)[3]] for lane in range(4)]
+    assert r.measure_start_s == pytest.approx(max(warm_end))
+    assert min(warm_end) < max(warm_end)  # the lanes did finish at different times
+    fifth = [rec.arrival_s[_lane_rows(r, lane)[4]] for lane in range(4)]
+    assert fifth == pytest.approx([r.measure_start_s] * 4, abs=1e-9)
+    measured_send = set(np.round(r.requests[:, 0], 9))
+    assert round(float(r.measure_start_s), 9) in measured_send
+    with pytest.raises(ValueError, match="warmup_barrier"):
+        AgenticWorkloadConfig(warmup_barrier=True, subagent_at_once=True)
+
+
 def test_primers_spread_so_that_every_t_star_falls_together():
     # leads uniform on [0, 50] s (quantiles (0, 50)): lane j sends its primer at max(lead) - lead_j,
     # so all first requests fall in [0, 50] s, the lane with the longest lead at 0 (hand rule)
