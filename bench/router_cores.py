@@ -62,36 +62,6 @@ _BURN = {
     "mem": "a = bytearray(8 << 20)\nb = bytearray(8 << 20)\nwhile True: b[:] = a",
 }
 
-_CLOSED_CLIENT = r"""
-import asyncio, json, sys, time
-import aiohttp
-url, concurrency, start_at, duration_s, body, bin_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5], float(sys.argv[6])
-async def main():
-    lat, bins, errors = [], [0] * (int(duration_s / bin_s) + 2), 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def worker():
-            nonlocal errors
-            while time.time() < stop_at:
-                t0 = time.perf_counter()
-                try:
-                    async with s.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r:
-                        await r.read()
-                        ok = r.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                if ok:
-                    lat.append(time.perf_counter() - t0)
-                    bins[min(len(bins) - 1, int((time.time() - start_at) / bin_s))] += 1
-                else:
-                    errors += 1
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        stop_at = start_at + duration_s
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    print(json.dumps({"lat": lat, "bins": bins, "errors": errors}))
-asyncio.run(main())
-"""
-
-
 def _children(pid: int) -> list[int]:
     """The router processes of a ``pdlb serve`` parent (its spawned children, not multiprocessing's
     resource tracker), oldest first; [] for one process (it serves itself)."""
@@ -194,7 +164,7 @@ async def _closed(proc: Proc, args: argparse.Namespace, clients: int, duration_s
     procs = max(1, min(args.load_processes, clients))
     per = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
     kids = [await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _CLOSED_CLIENT, proc.url, str(c), str(start_at), str(duration_s), ro._BODY_JSON,
+        sys.executable, "-c", ro._CLIENT, proc.url, str(c), str(start_at), str(duration_s), ro._BODY_JSON,
         str(args.sample_s), stdout=subprocess.PIPE,
         preexec_fn=(lambda: os.sched_setaffinity(0, args.other_cpus)) if args.other_cpus else None)
         for c in per if c > 0]
@@ -334,43 +304,40 @@ async def run_mode(mode: str, args: argparse.Namespace, budget: Budget) -> dict:
         conds = ["none", *([b for b in args.burner] if burn_cpus and "burn" in args.rows else [])]
         win_fixed = args.duration_s + 2.6
         win_closed = args.duration_s + 2.0
-        for r in range(args.repeat):
-            # 1. fixed rate: x1@0 / vllm-router@0 without and with burners; x8 variants at the same rate
-            if mode in args.host_modes:
-                items = [(k, c) for k in host_rows for c in conds] + [(f"x{n}", "none")] + \
-                    [(f"x{n} {v}", "none") for v, _ in args.variant]
-                # the topology probe: x1@0 with ONE busy loop, on each CPU of --probe-cpus in turn
-                items += [("x1@0", f"spin@{j}") for j in args.probe_cpus]
-                if r % 2:
-                    items.reverse()
-                for k, c in items:
-                    key = f"{k} {c}" if c != "none" else k
-                    if not budget.fits(win_fixed, f"{mode} fixed {key} repeat {r + 1}"):
-                        continue
-                    if c == "none":
-                        out = await _fixed(routers[k], args)
-                    else:
-                        kind, _, at = c.partition("@")
-                        with Burners([int(at)] if at else burn_cpus, kind):
-                            out = await _fixed(routers[k], args)
-                    res["host"].setdefault(key, []).append(out)
-                print(f"  repeat {r + 1} fixed {args.rate:g} req/s: " + ", ".join(
-                    f"{k} {v[-1]['cpu_us']:.0f}" for k, v in res["host"].items() if len(v) == r + 1) + " us/req", flush=True)
-            # 2. closed loop at --max-concurrency: x1@0 (+ burners), x8, x8 rr, x8 pin
-            items = [("x1@0", "none"), *([("x1@0", args.burner[0])] if burn_cpus and "burn" in args.rows else []),
-                     *[(k, "none") for k in multi]]
-            if r % 2:
-                items.reverse()
-            for k, c in items:
+        async def windows(phase: str, items: list[tuple[str, str]], r: int, win_s: float, drive) -> None:  # noqa: ANN001
+            """Each (row, condition) of ``items`` once (reversed on odd repeats), appended to ``res[phase]``;
+            condition "none", a burner kind (on every burner CPU) or "KIND@CPU" (one burner)."""
+            for k, c in (items[::-1] if r % 2 else items):
                 key = f"{k} {c}" if c != "none" else k
-                if not budget.fits(win_closed, f"{mode} closed {key} repeat {r + 1}"):
+                if not budget.fits(win_s, f"{mode} {phase} {key} repeat {r + 1}"):
                     continue
                 if c == "none":
-                    out = await _closed(routers[k], args, args.max_concurrency, args.duration_s, k.startswith("x") and k != "x1@0")
+                    out = await drive(k, True)
                 else:
-                    with Burners(burn_cpus, c):
-                        out = await _closed(routers[k], args, args.max_concurrency, args.duration_s, False)
-                res["closed"].setdefault(key, []).append(out)
+                    kind, _, at = c.partition("@")
+                    with Burners([int(at)] if at else burn_cpus, kind):
+                        out = await drive(k, False)
+                res[phase].setdefault(key, []).append(out)
+
+        async def fixed(k: str, _: bool) -> dict:
+            return await _fixed(routers[k], args)
+
+        async def closed(k: str, plain: bool) -> dict:  # the sampler on the multi-process rows' plain windows
+            return await _closed(routers[k], args, args.max_concurrency, args.duration_s, plain and k in multi)
+
+        for r in range(args.repeat):
+            # 1. fixed rate: x1@0 / vllm-router@0 without and with burners; x8 and its variants at the same rate;
+            # the topology probe (x1@0 with ONE busy loop, on each CPU of --probe-cpus in turn)
+            if mode in args.host_modes:
+                await windows("host", [(k, c) for k in host_rows for c in conds] + [(k, "none") for k in multi
+                                                                                    if k == f"x{n}" or k[len(f"x{n} "):]
+                                                                                    in dict(args.variant)]
+                              + [("x1@0", f"spin@{j}") for j in args.probe_cpus], r, win_fixed, fixed)
+                print(f"  repeat {r + 1} fixed {args.rate:g} req/s: " + ", ".join(
+                    f"{k} {v[-1]['cpu_us']:.0f}" for k, v in res["host"].items() if len(v) == r + 1) + " us/req", flush=True)
+            # 2. closed loop at --max-concurrency: x1@0 (+ burners), the multi-process rows
+            await windows("closed", [("x1@0", "none"), *([("x1@0", args.burner[0])] if burn_cpus and "burn" in args.rows
+                                                         else []), *[(k, "none") for k in multi]], r, win_closed, closed)
             print(f"  repeat {r + 1} closed {args.max_concurrency}: " + ", ".join(
                 f"{k} {v[-1]['rps']:.0f} req/s {v[-1]['cpu_us']:.0f} us/req" for k, v in res["closed"].items()
                 if len(v) == r + 1), flush=True)
@@ -470,8 +437,7 @@ def main() -> int:
                     "loop on each in turn (host modes; default none), e.g. 1-15: which CPUs share CPU 0's core")
     ap.add_argument("--rows", default="rr,pin,burn", help="optional rows: rr (x8 round_robin placement), pin (x8 pinned), "
                     "burn (x1@0 with busy loops, fixed rate and closed loop) (default all; '' none)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
-                    help="one more multi-process row 'xN NAME': pdlb serve with ARGS added (repeatable)")
+    ro.add_variant_arg(ap)  # here: a row "x8 NAME", the multi-process row with ARGS added
     ap.add_argument("--vllm-router", default=None, metavar="CMD", help="vllm-router's command (default or 'none': no peer row)")
     ap.add_argument("--budget-s", type=positive_float, default=1e9, help="skip windows that would end after this (default none)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
@@ -481,13 +447,7 @@ def main() -> int:
     args.long_modes = list_arg(ap, "--long-modes", args.long_modes, "modes", one_of(("regular", "pd", "vllm-pd")))
     args.burner = list_arg(ap, "--burner", args.burner, "burners", one_of(tuple(_BURN)))
     args.rows = list_arg(ap, "--rows", args.rows, "rows", one_of(("rr", "pin", "burn"))) if args.rows else []
-    variants = []
-    for text in args.variant:
-        name, eq, extra = text.partition("=")
-        if not eq or not name.strip() or not extra.strip():
-            ap.error(f"--variant {text!r}: expected NAME=ARGS")
-        variants.append((name.strip(), shlex.split(extra)))
-    args.variant = variants
+    args.variant = ro.parse_variants(ap, args.variant)
     args.vllm_router = shlex.split(args.vllm_router) if args.vllm_router and args.vllm_router != "none" else None
     for name in ("rate", "duration_s", "sample_s", "budget_s"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):

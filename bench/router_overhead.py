@@ -236,8 +236,10 @@ _CLIENT = r"""
 import asyncio, json, sys, time
 import aiohttp
 url, concurrency, start_at, duration_s, body = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+bin_s = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0  # > 0: also count answers per bin_s since start_at
 async def main():
     lat, errors = [], 0
+    bins = [0] * (int(duration_s / bin_s) + 2) if bin_s > 0 else []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker():
             nonlocal errors
@@ -251,12 +253,14 @@ async def main():
                     ok = False
                 if ok:
                     lat.append(time.perf_counter() - t0)
+                    if bins:
+                        bins[min(len(bins) - 1, int((time.time() - start_at) / bin_s))] += 1
                 else:
                     errors += 1
         await asyncio.sleep(max(0.0, start_at - time.time()))
         stop_at = start_at + duration_s
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    print(json.dumps({"lat": lat, "errors": errors}))
+    print(json.dumps({"lat": lat, "errors": errors, "bins": bins}))
 asyncio.run(main())
 """
 

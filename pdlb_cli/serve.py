@@ -121,8 +121,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "--http-front: with aiohttp's the processes get connections round robin, and serve says so)")
     p.add_argument("--placement-target-util", type=float, metavar="CORES",
                    help="with --connection-placement follow_load: cores per active router process the active set is "
-                        "sized for, 0.3-0.95 (higher: fewer, busier processes; less CPU per request where the engines "
-                        f"cap the load, more queueing per process) (default: {d.placement_target_util:g})")
+                        "sized for, 0.3-0.95 (higher: fewer, busier processes; 0.9 measured no better than the "
+                        f"default, docs/serving.md) (default: {d.placement_target_util:g})")
     p.add_argument("--pin-processes", action=argparse.BooleanOptionalAction, default=None,
                    help="with --processes > 1: run router process i on one CPU only, the i-th (wrapping) of the CPUs "
                         "pdlb serve may use (Linux; the parent keeps them all) (default: "

@@ -79,18 +79,10 @@ def test_pin_processes_flag_and_config_file(tmp_path):
 
 # ---------------------------------------------------------------------- live
 def _router_processes(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    raw = f.read()
-                cmd = open(f"/proc/{d}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if int(raw[raw.rfind(b")") + 2:].split()[1]) == pid and b"resource_tracker" not in cmd:
-                out.append(int(d))
-    return sorted(out)
+    """``pdlb serve``'s router processes: its children but multiprocessing's resource tracker, oldest first."""
+    from tests.service.test_placement import _children
+
+    return sorted(p for p in _children(pid) if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read())
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.exists("/proc/self/stat"), reason="Linux only")
