@@ -53,6 +53,8 @@ PREFILL_TERMS = ("overhead_s", "per_token_s", "per_attn_pair_s", "per_group_toke
 DECODE_TERMS = ("overhead_s", "per_seq_s", "per_kv_token_s", "per_group_seq_s")
 #: Largest accepted ``EngineCost.decode_tokens_per_step`` (a draft of at most 1,023 tokens plus the bonus one).
 MAX_DECODE_TOKENS_PER_STEP = 1024.0
+#: Largest accepted ``EngineCost.prefill_step_floor_s``, seconds (as the simulator's eager floor).
+MAX_PREFILL_STEP_FLOOR_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,14 @@ class EngineCost:
             request of ``out`` tokens decodes in ``out / decode_tokens_per_step`` steps
             (``ep_aware``'s decode cost and slot wait; :func:`slot_wait_s`). Only decode and
             mixed pools use it.
+        prefill_step_floor_s: seconds, the shortest a step that carries prefill can last (an
+            engine that runs such steps eagerly, vLLM ``cudagraph_mode FULL_DECODE_ONLY``: the
+            host's kernel launches bound the step; AgentX 440246 about 0.116 s, the simulator's
+            :class:`sim.perf.step_class.StepClassPerf` ``eager_floor_s``), in ``[0, 10]``; 0 (the
+            default) = no floor. ``ep_aware`` prices it in its chunk-limit and cadence terms
+            (:meth:`balancer.policies.ep_aware.EpAwarePolicy` ``_cadence_one``: a prompt's ``n``
+            prefill steps take at least ``n`` floors, a forced mixed step at least one), so only
+            on engines with :attr:`has_cadence`; elsewhere it is carried but not priced.
     """
 
     prefill: PrefillStepCost = field(default_factory=PrefillStepCost)
@@ -137,10 +147,15 @@ class EngineCost:
     request_chunk_tokens: int | None = None
     prefill_schedule_interval: int = 1
     decode_tokens_per_step: float = 1.0
+    prefill_step_floor_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        fl = self.prefill_step_floor_s
+        if isinstance(fl, bool) or not isinstance(fl, numbers.Real) or not 0.0 <= float(fl) <= MAX_PREFILL_STEP_FLOOR_S:
+            raise ValueError(f"prefill_step_floor_s must be a number in [0, {MAX_PREFILL_STEP_FLOOR_S:g}] s (the "
+                             f"shortest step with prefill; 0 = none), got {fl!r}"[:200])
         tau = self.decode_tokens_per_step
         if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 1.0 <= float(tau) <= MAX_DECODE_TOKENS_PER_STEP:
             raise ValueError(f"decode_tokens_per_step must be a number in [1, {MAX_DECODE_TOKENS_PER_STEP:g}] (accepted "
@@ -225,6 +240,8 @@ class CostModel:
                 out["prefill_schedule_interval"] = e.prefill_schedule_interval
             if e.decode_tokens_per_step != 1.0:  # absent = one token per step
                 out["decode_tokens_per_step"] = float(e.decode_tokens_per_step)
+            if e.prefill_step_floor_s != 0.0:  # absent = no floor
+                out["prefill_step_floor_s"] = float(e.prefill_step_floor_s)
             return {**out, "prefill": dict(zip(PREFILL_TERMS, e.prefill.coef().tolist())),
                     "decode": dict(zip(DECODE_TERMS, e.decode.coef().tolist()))}
         out = {"prefill": eng(self.prefill), "decode": eng(self.decode),
@@ -243,7 +260,8 @@ class CostModel:
             ValueError: a non-table where a table belongs, unknown keys, a coefficient that is not
                 a finite number >= 0 (booleans and strings included), a non-integer or
                 non-positive ``chunk_tokens``, ``max_num_seqs``, ``request_chunk_tokens`` or
-                ``prefill_schedule_interval``, a ``decode_tokens_per_step`` outside ``[1, 1024]``,
+                ``prefill_schedule_interval``, a ``decode_tokens_per_step`` outside ``[1, 1024]``, a
+                ``prefill_step_floor_s`` outside ``[0, 10]``,
                 a non-boolean ``ep_synchronous``; the message names
                 the key by its dotted path (``cost_model.decode.decode.per_seq_s``).
         """
@@ -255,11 +273,12 @@ class CostModel:
         def eng(x: object, where: str) -> EngineCost:
             x = table(x, where)
             unknown = set(x) - {"chunk_tokens", "ep_synchronous", "max_num_seqs", "request_chunk_tokens",
-                                "prefill_schedule_interval", "decode_tokens_per_step", "prefill", "decode"}
+                                "prefill_schedule_interval", "decode_tokens_per_step", "prefill_step_floor_s",
+                                "prefill", "decode"}
             if unknown:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
                                  "valid: chunk_tokens, decode, decode_tokens_per_step, ep_synchronous, max_num_seqs, "
-                                 "prefill, prefill_schedule_interval, request_chunk_tokens")
+                                 "prefill, prefill_schedule_interval, prefill_step_floor_s, request_chunk_tokens")
             p = _terms(table(x.get("prefill", {}), f"{where}.prefill"), PREFILL_TERMS, f"{where}.prefill")
             dd = _terms(table(x.get("decode", {}), f"{where}.decode"), DECODE_TERMS, f"{where}.decode")
             chunk = x.get("chunk_tokens", 8192)
@@ -286,8 +305,14 @@ class CostModel:
                 raise ValueError(f"{where}.decode_tokens_per_step must be a number in [1, "
                                  f"{MAX_DECODE_TOKENS_PER_STEP:g}] (accepted tokens per decode step, e.g. MTP's "
                                  f"acceptance length; 1 = no speculative decoding), got {tau!r}"[:200])
+            floor = x.get("prefill_step_floor_s", 0.0)
+            if (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor)
+                    or not 0.0 <= floor <= MAX_PREFILL_STEP_FLOOR_S):
+                raise ValueError(f"{where}.prefill_step_floor_s must be a number in [0, "
+                                 f"{MAX_PREFILL_STEP_FLOOR_S:g}] s (the shortest step with prefill; omit it for "
+                                 f"none), got {floor!r}"[:200])
             return EngineCost(PrefillStepCost(**p), DecodeStepCost(**dd), chunk, ep, seqs, limit, interval,
-                              float(tau))
+                              float(tau), float(floor))
 
         d = table(d, "cost_model")
         scalars = ("transfer_latency_s", "transfer_s_per_token", "host_fetch_s_per_token", "store_fetch_s_per_token")

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)} "
                     "(1/8x is needed for the light-load line)")
     ap.add_argument("--no-router-budget", action="store_true", help="give the router no TTFT budget")
-    ap.add_argument("--band-duration-s", type=positive_float, default=3600.0,
+    ap.add_argument("--band-duration-s", type=nonnegative_float, default=3600.0,
                     help="measured seconds of the validation run behind the error band (default the published "
                          "3600; 0 = no band)")
     ap.add_argument("--frontend-s-per-token", type=nonnegative_float, default=FRONTEND_S_PER_TOKEN_MEASURED,

@@ -762,7 +762,10 @@ class EpAware(Policy):
         group = None
         if chunks_in_parallel(S, L, C):  # the queue ahead takes no budget from the prompt: own steps only
             n = prefill_steps(np.zeros_like(u), u, C, L)
-            new = n * c.overhead_s + _compute_s(c, u, cached) + fetch
+            new = n * c.overhead_s + _compute_s(c, u, cached)
+            if eng.prefill_step_floor_s > 0.0:  # each of the n steps lasts at least the floor
+                new = np.maximum(new, n * eng.prefill_step_floor_s)
+            new = new + fetch
             if self.parallel_chunks:  # ... and every queued request of the engine shares steps with it
                 w_ext = self.externality_weight * c.per_group_token_s if eng.ep_synchronous else 0.0
                 group = w_ext * u * queued_requests(q, b, idx, eng.ep_synchronous)
@@ -772,6 +775,8 @@ class EpAware(Policy):
         else:
             n = prefill_steps(q, u, C, L)
             new = ttft + (n - today) * c.overhead_s
+            if eng.prefill_step_floor_s > 0.0:  # n steps of at least the floor each (the fetch before them)
+                new = np.maximum(new, n * eng.prefill_step_floor_s + fetch)
         new = new + cadence_gap_steps(n, b, k) * step_now
         if S is None:
             return new, add_cost, add_own, group
@@ -785,6 +790,8 @@ class EpAware(Policy):
             ctx = np.divide(kv, b, out=np.zeros_like(b), where=b > 0)  # the rank's mean context per request
             chunk_s = (c.overhead_s + (c.per_token_s + c.per_group_token_s) * Lc
                        + c.per_attn_pair_s * (Lc * ctx + Lc * (Lc + 1.0) / 2.0))
+            if eng.prefill_step_floor_s > 0.0:  # a forced mixed step lasts at least the floor
+                chunk_s = np.maximum(chunk_s, eng.prefill_step_floor_s)
             add_cost = add_cost + self.externality_weight * forced * n_e * chunk_s
         return new, add_cost, add_own, group
 

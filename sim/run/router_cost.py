@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from balancer.cost_model import CostModel, EngineCost, fit_step_cost
 from sim.perf.base import PerfModel
+from sim.perf.step_class import StepClassPerf
 from sim.run.pool_perf import build_perf
 from sim.scenario import PoolConfig, Scenario
 
@@ -30,7 +31,10 @@ def engine_cost(perf: PerfModel, pool: PoolConfig, *, running_cap: bool = False)
     each gain several output tokens per decoding sequence (``perf.decode_tokens_per_step`` > 1:
     MTP verified on every step, :class:`sim.perf.step_class.StepClassPerf`) gives its
     ``decode_tokens_per_step``; a mean-field speculative model (:class:`sim.perf.spec.SpecDecodePerf`)
-    already prices a step per accepted token and gives 1."""
+    already prices a step per accepted token and gives 1. A perf model with an eager-step floor
+    (:class:`sim.perf.step_class.StepClassPerf` ``eager_floor_s`` > 0) gives it as
+    ``prefill_step_floor_s`` (the floor where some rank decodes: a mixed pool's prefill steps run
+    beside decoding ranks)."""
     ep = bool(perf.ep_synchronous) and pool.dp_ranks > 1
     cost = fit_step_cost(perf.step_time_s, pool.dp_ranks if ep else 1, pool.max_prefill_tokens,
                          max_decode_batch=pool.max_decode_batch, ep_synchronous=ep)
@@ -43,6 +47,9 @@ def engine_cost(perf: PerfModel, pool: PoolConfig, *, running_cap: bool = False)
     tau = float(perf.decode_tokens_per_step)
     if tau != 1.0:
         cost = replace(cost, decode_tokens_per_step=tau)
+    floor = perf.eager_floor_s if isinstance(perf, StepClassPerf) else 0.0  # the one perf model with a floor
+    if floor > 0.0:  # the steps with prefill while ranks decode (a mixed pool's, under load)
+        cost = replace(cost, prefill_step_floor_s=floor)
     return cost
 
 

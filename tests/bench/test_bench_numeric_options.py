@@ -40,6 +40,7 @@ SCRIPTS = sorted(p for p in BENCH.glob("*.py") if "add_argument(" in p.read_text
 ZERO_MEANS = {
     ("agentx_decisions.py", "--sample"): "0: none",
     ("agentx_policies.py", "--frontend-s-per-token"): "0 = off",
+    ("agentx_policies.py", "--band-duration-s"): "0 = no band",
     ("capacity_search.py", "--slo-ttft-per-1k-tokens-s"): "",  # pdlb sim capacity's option: 0 = no per-token budget
     ("cost_learner.py", "--outliers"): "in [0, 1)",
     ("cost_learner.py", "--noise"): ">= 0",
