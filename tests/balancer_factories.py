@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 
 from balancer.candidates import Candidates
+from balancer.cost_model import DecodeStepCost, PrefillStepCost
 from balancer.hashing import chain_block_ids
 from balancer.policies import SelectContext
 from balancer.types import ReplicaId, ReplicaView, Request, Role
@@ -53,3 +54,8 @@ def req(
         block_hashes=block_hashes,
         session_id=session_id,
     )
+
+
+#: the AgentX 440246 cost model (pdlb sim cost-model of the point), rounded to two digits
+PF440 = PrefillStepCost(overhead_s=0.0062, per_token_s=6.2e-5, per_attn_pair_s=2.1e-10, per_group_token_s=3.9e-6)
+DC440 = DecodeStepCost(overhead_s=0.018, per_seq_s=5.4e-4, per_kv_token_s=1.8e-9, per_group_seq_s=1.1e-4)

@@ -22,7 +22,7 @@ from balancer.policies import make_policy
 from balancer.policies.base import SelectContext
 from balancer.prefill_cadence import queued_requests
 from balancer.types import Request, Role
-from tests.balancer_factories import cands, view
+from tests.balancer_factories import DC440, PF440, cands, view
 
 # a prefill step of 10 ms + 0.1 ms per token of the busiest rank + 0.01 ms per token of the group;
 # a decode step of 30 ms + 1 ms per sequence of the busiest rank
@@ -117,9 +117,6 @@ def test_a_prefill_pool_keeps_the_drain_terms_even_with_the_options():
     np.testing.assert_array_equal(a, b)
 
 
-# the AgentX 440246 cost model (pdlb sim cost-model of the point), rounded to two digits
-PF440 = PrefillStepCost(overhead_s=0.0062, per_token_s=6.2e-5, per_attn_pair_s=2.1e-10, per_group_token_s=3.9e-6)
-DC440 = DecodeStepCost(overhead_s=0.018, per_seq_s=5.4e-4, per_kv_token_s=1.8e-9, per_group_seq_s=1.1e-4)
 
 
 def test_a_new_session_goes_to_the_rank_with_the_fewest_requests_though_it_prefills_the_most():

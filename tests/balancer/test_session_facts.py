@@ -28,7 +28,7 @@ from balancer.prefill_cadence import at_once_tokens
 from balancer.router import Router
 from balancer.session_forecast import ReturningSessions, SessionFacts
 from balancer.types import Choice, ReplicaId, Request, Role
-from tests.balancer_factories import cands, view
+from tests.balancer_factories import DC440, PF440, cands, view
 
 
 # ---------------------------------------------------------------- the forecast by hand
@@ -265,9 +265,6 @@ def test_session_forecast_prices_the_returning_sessions_as_occupancy():
                                   sc(make_policy("ep_aware"), REQ, dec_raised, cm))
 
 
-# the AgentX 440246 cost model (pdlb sim cost-model of the point), rounded to two digits
-PF440 = PrefillStepCost(overhead_s=0.0062, per_token_s=6.2e-5, per_attn_pair_s=2.1e-10, per_group_token_s=3.9e-6)
-DC440 = DecodeStepCost(overhead_s=0.018, per_seq_s=5.4e-4, per_kv_token_s=1.8e-9, per_group_seq_s=1.1e-4)
 
 
 def test_a_new_session_avoids_the_rank_its_idle_sessions_will_return_to():
