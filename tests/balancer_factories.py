@@ -59,3 +59,18 @@ def req(
 #: the AgentX 440246 cost model (pdlb sim cost-model of the point), rounded to two digits
 PF440 = PrefillStepCost(overhead_s=0.0062, per_token_s=6.2e-5, per_attn_pair_s=2.1e-10, per_group_token_s=3.9e-6)
 DC440 = DecodeStepCost(overhead_s=0.018, per_seq_s=5.4e-4, per_kv_token_s=1.8e-9, per_group_seq_s=1.1e-4)
+
+
+def random_ep_views(rng, role: Role) -> list[ReplicaView]:
+    """Two engines of 4 DP ranks (``e0``, ``e1``) in ``role`` with random load, KV and prefix hits
+    drawn from ``rng`` (``numpy.random.Generator``): the pools of the differential tests that check an
+    option changes no decision where it has nothing to price."""
+    return [view(f"e{i // 4}", role, dp=i % 4, num_requests=int(rng.integers(0, 24)),
+                 prefill_tokens=int(rng.integers(0, 50_000)), decode_kv_tokens=int(rng.integers(0, 10**6)),
+                 kv_capacity_tokens=2 * 10**6, matched_tokens=int(rng.integers(0, 4)) * 4096, block_size=256)
+            for i in range(8)]
+
+
+def random_request(rng, request_id: str) -> Request:
+    """A request of 1-29,999 prompt tokens and 1-1,999 output tokens drawn from ``rng``."""
+    return Request(request_id, 0.0, int(rng.integers(1, 30_000)), max_output_tokens=int(rng.integers(1, 2000)))

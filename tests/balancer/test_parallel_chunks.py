@@ -22,7 +22,7 @@ from balancer.policies import make_policy
 from balancer.policies.base import SelectContext
 from balancer.prefill_cadence import queued_requests
 from balancer.types import Request, Role
-from tests.balancer_factories import DC440, PF440, cands, view
+from tests.balancer_factories import DC440, PF440, cands, random_ep_views, random_request, view
 
 # a prefill step of 10 ms + 0.1 ms per token of the busiest rank + 0.01 ms per token of the group;
 # a decode step of 30 ms + 1 ms per sequence of the busiest rank
@@ -149,11 +149,8 @@ def test_engines_without_parallel_chunks_price_and_pick_as_before():
     for trial in range(150):
         role = (Role.MIXED, Role.PREFILL, Role.DECODE)[trial % 3]
         cm = models[trial % len(models)]
-        vs = [view(f"e{i // 4}", role, dp=i % 4, num_requests=int(rng.integers(0, 24)),
-                   prefill_tokens=int(rng.integers(0, 50_000)), decode_kv_tokens=int(rng.integers(0, 10**6)),
-                   kv_capacity_tokens=2 * 10**6, matched_tokens=int(rng.integers(0, 4)) * 4096, block_size=256)
-              for i in range(8)]
-        r = Request(f"r{trial}", 0.0, int(rng.integers(1, 30_000)), max_output_tokens=int(rng.integers(1, 2000)))
+        vs = random_ep_views(rng, role)
+        r = random_request(rng, f"r{trial}")
         a = on.select(r, cands(*vs), SelectContext(random.Random(trial), 0.0, trial, cm))
         b = off.select(r, cands(*vs), SelectContext(random.Random(trial), 0.0, trial, cm))
         assert a.replica == b.replica and a.reason == b.reason

@@ -19,7 +19,7 @@ from balancer.policies import make_policy
 from balancer.policies.base import SelectContext
 from balancer.prefill_cadence import cadence_gap_steps, chunks_in_parallel, forced_prefill_steps, prefill_steps
 from balancer.types import Request, Role
-from tests.balancer_factories import cands, view
+from tests.balancer_factories import cands, random_ep_views, random_request, view
 
 PF = PrefillStepCost(overhead_s=0.01, per_token_s=1e-4, per_attn_pair_s=0.0, per_group_token_s=0.0)
 DC = DecodeStepCost(overhead_s=0.03, per_seq_s=1e-3, per_kv_token_s=0.0, per_group_seq_s=0.0)
@@ -175,11 +175,8 @@ def test_engines_without_the_options_price_and_pick_as_before():
     on, off = make_policy("ep_aware", cadence=True), make_policy("ep_aware", cadence=False)
     for trial in range(200):
         role = Role.MIXED if trial % 2 else Role.PREFILL
-        vs = [view(f"e{i // 4}", role, dp=i % 4, num_requests=int(rng.integers(0, 24)),
-                   prefill_tokens=int(rng.integers(0, 50_000)), decode_kv_tokens=int(rng.integers(0, 10**6)),
-                   kv_capacity_tokens=2 * 10**6, matched_tokens=int(rng.integers(0, 4)) * 4096, block_size=256)
-              for i in range(8)]
-        r = Request(f"r{trial}", 0.0, int(rng.integers(1, 30_000)), max_output_tokens=int(rng.integers(1, 2000)))
+        vs = random_ep_views(rng, role)
+        r = random_request(rng, f"r{trial}")
         a = on.select(r, cands(*vs), SelectContext(random.Random(trial), 0.0, trial, cm))
         b = off.select(r, cands(*vs), SelectContext(random.Random(trial), 0.0, trial, cm))
         assert a.replica == b.replica and a.reason == b.reason

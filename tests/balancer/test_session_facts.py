@@ -28,7 +28,7 @@ from balancer.prefill_cadence import at_once_tokens
 from balancer.router import Router
 from balancer.session_forecast import ReturningSessions, SessionFacts
 from balancer.types import Choice, ReplicaId, Request, Role
-from tests.balancer_factories import DC440, PF440, cands, view
+from tests.balancer_factories import DC440, PF440, cands, random_ep_views, random_request, view
 
 
 # ---------------------------------------------------------------- the forecast by hand
@@ -298,16 +298,13 @@ def test_with_both_options_off_the_columns_change_nothing():
     for trial in range(120):
         role = (Role.MIXED, Role.PREFILL, Role.DECODE)[trial % 3]
         cm = models[trial % len(models)]
-        vs = [view(f"e{i // 4}", role, dp=i % 4, num_requests=int(rng.integers(0, 24)),
-                   prefill_tokens=int(rng.integers(0, 50_000)), decode_kv_tokens=int(rng.integers(0, 10**6)),
-                   kv_capacity_tokens=2 * 10**6, matched_tokens=int(rng.integers(0, 4)) * 4096, block_size=256)
-              for i in range(8)]
+        vs = random_ep_views(rng, role)
         plain = cands(*vs)
         facts = dataclasses.replace(plain, prefill_inflight=rng.integers(0, 5, 8),
                                     returning_requests=rng.random(8) * 4, returning_kv_tokens=rng.random(8) * 1e5)
         zero = dataclasses.replace(plain, prefill_inflight=np.zeros(8, dtype=np.int64),
                                    returning_requests=np.zeros(8), returning_kv_tokens=np.zeros(8))
-        r = Request(f"r{trial}", 0.0, int(rng.integers(1, 30_000)), max_output_tokens=int(rng.integers(1, 2000)))
+        r = random_request(rng, f"r{trial}")
         got = [p.select(r, x, SelectContext(random.Random(trial), 0.0, trial, cm))
                for p, x in ((pol, plain), (pol, facts), (both, zero))]
         for g in got[1:]:
