@@ -111,7 +111,9 @@ Parameters:
         the router's routed prompts not yet prefilled) and, where chunks run in parallel (a mixed
         pool with ``S L <= C``), add ``externality_weight n_e ceil(u_i / L) rise_i``: the prompt's
         prefill steps each lengthened by how far it raises the engine's busiest per-step prefill
-        (:func:`at_once_step_rise_s`) for the engine's ``n_e`` running sequences. Off by default.
+        (:func:`at_once_step_rise_s`; where the cost model has ``prefill_step_floor_s``, the step's
+        rise with the floor, :func:`at_once_floor_rise_s`) for the engine's ``n_e`` running
+        sequences. Off by default.
     return_horizon_s: the forecast's decay horizon ``H``, seconds (a session idle ``a`` seconds
         counts ``1 - a / H``; dropped at ``H``). With either option the router keeps these facts
         (:attr:`balancer.policies.Policy.session_facts`); without a router (hand-built candidates)
