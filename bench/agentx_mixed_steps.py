@@ -99,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--lanes must be in [1, 1024], got {a.lanes}")
     if a.duration_s > 36_000:
         ap.error(f"--duration-s must be at most 36000 (10 simulated hours), got {a.duration_s:g}")
-    try:
-        seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--seeds: comma-separated integers, got {a.seeds!r}")
-    if not seeds or len(seeds) > 64 or any(not 0 <= x < 2**32 for x in seeds):
+    from pdlb_cli.arg_types import seed_int
+    from pdlb_cli.comma_lists import list_arg
+    seeds = list_arg(ap, "--seeds", a.seeds, "workload seeds", seed_int)
+    if not seeds or len(seeds) > 64 or any(x >= 2**32 for x in seeds):
         ap.error(f"--seeds: 1 to 64 seeds in [0, 2**32), got {a.seeds!r}")
     if a.jobs > 64:
         ap.error(f"--jobs must be at most 64, got {a.jobs}")
