@@ -69,6 +69,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("pd", "vllm-pd")
 GC_PAUSE_S = 0.0005
 """A garbage collection at least this long counts as a pause (0.5 ms)."""
+STOP_S = 10.0
+"""Seconds kept for stopping a mode's processes when deciding whether one more round fits."""
 CLUSTER_S = 0.010
 """Two of the slowest requests ending this close (10 ms) count as one stall."""
 
@@ -302,7 +304,7 @@ async def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
         order = ["direct", *rows]
         for k in range(args.rounds):
             t_round = time.monotonic()
-            if k and t_round + last_round_s * 1.1 > args.deadline:
+            if k and t_round + last_round_s * 1.1 + STOP_S > args.deadline:
                 print(f"  rounds {k + 1}-{args.rounds} skipped (budget)")
                 break
             names = order if k % 2 == 0 else ["direct", *reversed(order[1:])]
