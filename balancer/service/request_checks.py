@@ -272,7 +272,7 @@ def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | 
     for name in SESSION_FIELDS:
         b = body.get(name)
         if b is not None and not isinstance(b, str):
-            raise PromptError(f"'{name}' must be a string (the session id), got {type(b).__name__}")
+            raise PromptError(f"'{name}' must be a string or null (pdlb reads it as the session id), got {type(b).__name__}")
     found: tuple[str, str] | None = None
     for name in SESSION_HEADERS:
         h = headers.get(name)
