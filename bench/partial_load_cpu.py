@@ -93,6 +93,41 @@ _sig.signal(_sig.SIGUSR1, _dump)
 """
 _COUNTER = COUNTING + "import sys\nfrom pdlb_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
+#: ``--spin-us``, an experiment (not in pdlb): the router's loop keeps polling (a callback that
+#: re-queues itself, so each pass polls with a zero timeout) for $PDLB_BENCH_SPIN_US microseconds
+#: after any bytes arrive from a client or an engine before it lets itself block: a wake-up that
+#: comes within the window finds the loop running (no switch, caches warm); the spinning is CPU
+#: the process pays. Does a wake-up cost more than the wait it replaces?
+SPINNING = r"""
+import os as _os, time as _time
+_S = float(_os.environ["PDLB_BENCH_SPIN_US"]) * 1e-6
+_pc = _time.perf_counter
+_st = [0.0, False, None]  # last bytes in, spinning, loop
+def _spin():
+    if _pc() - _st[0] < _S:
+        _st[2].call_soon(_spin)
+    else:
+        _st[1] = False
+def _kick():
+    _st[0] = _pc()
+    if not _st[1]:
+        _st[1] = True
+        if _st[2] is None:
+            import asyncio
+            _st[2] = asyncio.get_running_loop()
+        _st[2].call_soon(_spin)
+def _kicking(cls):
+    orig = cls.data_received
+    def data_received(self, data):
+        _kick()
+        return orig(self, data)
+    cls.data_received = data_received
+import balancer.service.lean_front as _lf, balancer.service.upstream as _up
+_kicking(_lf.LeanProtocol)
+_kicking(_up._Connection)
+"""
+_RUN_PDLB = "import sys\nfrom pdlb_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+
 #: the loop counters in print order, with their labels
 LOOP_KEYS = (("_run_once", "loop passes"), ("select may block", "passes that may block"), ("events", "I/O events"),
              ("create_task", "Tasks"), ("create_future", "futures"), ("call_soon", "call_soon"),
@@ -231,8 +266,18 @@ def parse_counts(text: str) -> Counter:
     return c
 
 
-def _start_router(mode: str, engines: list[Proc], args: argparse.Namespace, counts_file: str | None = None) -> Proc:
+def _start_router(mode: str, engines: list[Proc], args: argparse.Namespace, counts_file: str | None = None,
+                  spin_us: float | None = None) -> Proc:
     a = ro._pdlb_args(mode, engines, 1)
+    if spin_us is not None:
+        tree = args.tree or Path(__file__).resolve().parents[1]
+        env = os.environ.copy()
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
+        env["PDLB_BENCH_SPIN_US"] = str(spin_us)
+        with ro._affinity(args.router_cpus):
+            popen = subprocess.Popen([sys.executable, "-c", SPINNING + _RUN_PDLB, *a], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=env, cwd=str(tree))
+            return _spawn(a, popen=popen)
     if counts_file is None and args.tree is None:
         with ro._affinity(args.router_cpus):
             return _spawn(a, timeout_s=120)
@@ -286,19 +331,30 @@ async def run_mode(mode: str, args: argparse.Namespace) -> dict:
         procs += engines
         p = _start_router(mode, engines, args)
         procs.append(p)
+        spinners: dict[str, Proc] = {}
+        for us in args.spin_us:
+            spinners[f"spin {us:g} us"] = q = _start_router(mode, engines, args, spin_us=us)
+            procs.append(q)
+            out[f"spin {us:g} us"] = {str(r): [] for r in args.rates}
         if args.other_cpus:
             os.sched_setaffinity(0, args.other_cpus)
-        await ro._wait_ready(p.url, p.popen)
+        for q in (p, *spinners.values()):
+            await ro._wait_ready(q.url, q.popen)
         print(f"\n== {mode}: one process, {args.connections} connections, {args.duration_s:g} s windows, "
               f"{args.rounds} round(s) ==")
-        await rpr._drive(p, _drive_args(args, min(args.rates)))  # warm-up (connections, first-use costs)
+        for q in (p, *spinners.values()):
+            await rpr._drive(q, _drive_args(args, min(args.rates)))  # warm-up (connections, first-use costs)
         for r in range(args.rounds):
             order = args.rates if r % 2 == 0 else args.rates[::-1]
             for rate in order:
-                row = await _window(p, args, rate)
-                out["rows"][str(rate)].append(row)
-                print(f"  round {r + 1}, {rate:g} req/s: {row['cpu_us']:.0f} us/req (user {row['user_us']:.0f}, "
-                      f"system {row['sys_us']:.0f}), {row['wakeups']:.2f} wake-ups/req, {row['done']} answered", flush=True)
+                routers = [("plain", p), *spinners.items()]
+                for name, q in (routers if r % 2 == 0 else routers[::-1]):
+                    row = await _window(q, args, rate)
+                    (out["rows"] if name == "plain" else out[name])[str(rate)].append(row)
+                    print(f"  round {r + 1}, {rate:g} req/s{'' if name == 'plain' else ', ' + name}: {row['cpu_us']:.0f} "
+                          f"us/req (user {row['user_us']:.0f}, system {row['sys_us']:.0f}), {row['wakeups']:.2f} "
+                          f"wake-ups/req, {row['done']} answered", flush=True)
+        ro.stop_all([q.popen for q in spinners.values()])
         if args.strace:
             out["strace"] = await _strace_windows(p, args)
         if args.perf:
@@ -407,6 +463,17 @@ def _summary(mode: str, res: dict, args: argparse.Namespace) -> None:
         if fit is not None:
             print(f"{'':<{len(mode) + 1}} {label} us/req = {fit[0]:.0f} + {fit[1]:.0f} x wake-ups/req "
                   f"(least squares over {len(pts[k])} windows, r = {fit[2]:.2f})")
+    for name in (k for k in res if k.startswith("spin ")):
+        print(f"{'':<{len(mode) + 1}} {name} (experiment, not in pdlb): CPU us/req / the plain router's in the same round")
+        for rate in args.rates:
+            pairs = [(a["cpu_us"], b["cpu_us"]) for a, b in zip(res[name][str(rate)], rows[str(rate)])
+                     if a["done"] > 0 and b["done"] > 0]
+            if pairs:
+                ratios = [a / b for a, b in pairs]
+                print(f"{'':<{len(mode) + 3}} {rate:>11g} req/s: {statistics.median(a for a, _ in pairs):.0f} vs "
+                      f"{statistics.median(b for _, b in pairs):.0f} us/req, {statistics.median(ratios):.2f}x ("
+                      + ", ".join(f"{x:.2f}" for x in ratios) + "), wake-ups/req "
+                      f"{statistics.median(r['wakeups'] for r in res[name][str(rate)]):.2f}")
     if "strace" in res:
         print(f"{'':<{len(mode) + 1}} system calls per request (strace -c -f, windows of their own):")
         for rate, calls in res["strace"].items():
@@ -449,10 +516,14 @@ def main() -> int:
     ap.add_argument("--loop-counts", action="store_true", help="also count the event-loop work per request (standard loop)")
     ap.add_argument("--perf", action="store_true", help="also split the CPU by shared object (perf on PATH)")
     ap.add_argument("--calibrate", action="store_true", help="also measure the host's price of a wake-up for a bare Python process")
+    ap.add_argument("--spin-us", default="", metavar="LIST",
+                    help="experiment: also drive a router that polls this many us after bytes arrive before it blocks "
+                         "(comma list, e.g. 50,200; default none)")
     ap.add_argument("--out", type=Path, help="write the raw figures as JSON here")
     args = ap.parse_args()
     modes = list_arg(ap, "--modes", args.modes, "modes of regular, pd, vllm-pd", one_of(("regular", "pd", "vllm-pd")))
     args.rates = list_arg(ap, "--rates", args.rates, "offered rates > 0", positive_float)
+    args.spin_us = list_arg(ap, "--spin-us", args.spin_us, "spin windows > 0 (us)", positive_float, empty_ok=True)
     if args.tree is not None and not ro.is_pdlb_checkout(args.tree):
         ap.error(f"--tree {args.tree}: not a pdlb checkout")
     for tool, flag in (("strace", args.strace), ("perf", args.perf)):
