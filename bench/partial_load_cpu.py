@@ -535,13 +535,15 @@ def main() -> int:
     args.other_cpus = (cpus - args.router_cpus) or None
     print(f"host: {os.cpu_count()} CPUs; router on {sorted(args.router_cpus)}; load and engines on "
           f"{sorted(args.other_cpus) if args.other_cpus else 'the same'}; Python {sys.version.split()[0]}")
-    results: dict = {m: asyncio.run(run_mode(m, args)) for m in modes}
+    results: dict = {}
+    for m in modes:  # each mode's summary as soon as it is measured (a run cut short keeps what it printed)
+        results[m] = asyncio.run(run_mode(m, args))
+        print("\n== summary (medians over rounds; per answered request) ==")
+        _summary(m, results[m], args)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
     if args.calibrate:
         results["calibrate"] = calibrate(args)
-    print("\n== summary (medians over rounds; per answered request) ==")
-    for m in modes:
-        _summary(m, results[m], args)
-    if "calibrate" in results:
         cal = results["calibrate"]
         print("\nthe host's price of a wake-up, no pdlb (a Python process on the router's CPU: CPU us per iteration "
               "woken at each rate, and back to back; the difference is what the wake-up costs it):")
