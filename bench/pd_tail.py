@@ -147,7 +147,13 @@ def analyse(recs: list[tuple], probe: tuple[dict[int, dict], dict[int, list]] | 
     slow = [r for r in recs if r[2] - r[1] >= p99]
     out: dict[str, float] = {"n": len(recs), "p50": p50 * 1e3, "p99": p99 * 1e3, "n_slow": len(slow),
                              "new_conn_slow": sum(r[3] for r in slow) / max(1, len(slow)),
-                             "new_conn_all": sum(r[3] for r in recs) / max(1, len(recs))}
+                             "new_conn_all": sum(r[3] for r in recs) / max(1, len(recs)),
+                             # the latency of a request that opened its connection (through the parent's
+                             # hand-off with several processes) against one on a kept-alive connection
+                             "new_conn_p50": float(np.median([r[2] - r[1] for r in recs if r[3]]) * 1e3)
+                             if any(r[3] for r in recs) else float("nan"),
+                             "kept_conn_p50": float(np.median([r[2] - r[1] for r in recs if not r[3]]) * 1e3)
+                             if not all(r[3] for r in recs) else float("nan")}
     if probe is None:
         return out
     reqs, gcs = probe
@@ -397,7 +403,9 @@ def print_mode(mode: str, out: dict[str, list[dict]]) -> None:
               f"p50 {statistics.median(r['p50'] for r in res):.2f}, router CPU per request in the latency window "
               f"{statistics.median(r['cpu_us'] for r in res):.0f} us, new client connection "
               f"{statistics.median(r['new_conn_slow'] for r in res):.2f} of the slowest 1% "
-              f"({statistics.median(r['new_conn_all'] for r in res):.3f} of all){extra}")
+              f"({statistics.median(r['new_conn_all'] for r in res):.3f} of all; their median latency "
+              f"{statistics.median(r['new_conn_p50'] for r in res):.2f} ms against "
+              f"{statistics.median(r['kept_conn_p50'] for r in res):.2f} on kept connections){extra}")
     names = [n for n in out if n != "direct"]
     for name in names:
         if name + "@base" in out:
