@@ -87,6 +87,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -165,6 +166,15 @@ class AgenticWorkloadConfig(BaseModel):
     #: measured). Whether the pinned AgentX scenario ran its phases seamlessly is not stated.
     #: Not with ``subagent_at_once``
     warmup_barrier: bool = False
+    #: what a request's ``session_id`` (the key vllm-router's ring hashes) names: ``"session"``, the
+    #: trajectory (a lane's next trajectory gets a new id and may land on another DP rank), or
+    #: ``"lane"``, the lane for the whole run (``s{seed}-lane{j}``: every trajectory of a lane on one
+    #: rank, the lanes' placement a fresh draw per workload seed, as random ids give). aiperf sends
+    #: one correlation id per conversation; the point's corpus has about 145 top-level turns per
+    #: trace (57k turns in 393 traces), so a lane replays its first trace for most of the measured
+    #: hour (from its start point, 25-75% in: about 36-109 turns of about 35 s), while these
+    #: defaults' trajectories (28 turns median) move every lane about 7 times an hour
+    routing_key: Literal["session", "lane"] = "session"
     #: a lane's later trajectories replay from turn 0 (aiperf recycles a finished lane into the
     #: next trace "in full from turn 0", with a fresh cache-bust marker); False: every trajectory
     #: starts at its own start point like the first
