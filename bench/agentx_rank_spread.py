@@ -17,7 +17,10 @@ whole run, as the corpus' long traces make it, ``AgenticWorkloadConfig.routing_k
 / ``oncecapbar`` (aiperf's primer at once, no-delay pressure requests capped at one token, without
 / with the barrier of ``--warmup-grace-period``); ``oncebar`` (the pressure requests keep their
 recorded outputs); ``spreadbar`` / ``spreadcapbar`` (primers spread by the public corpus' leads,
-aiperf's later default); ``oncecapbarlane``, ``defaultsbar``.
+aiperf's later default); ``oncecapbar-x1.75`` / ``-x2.6`` and ``spreadcapbar-x1.75`` / ``-x2.6``
+(primers 1.75 / 2.6 times longer,
+``primer_context_scale``: the primers' length is not published, and aiperf's structure fitted to the
+same statistics makes them 1.6-2.8 times the defaults'); ``oncecapbarlane``, ``defaultsbar``.
 
     python bench/agentx_rank_spread.py --variants defaults,lane,oncecapbar,oncecapbarlane --seeds 42,1,2,3 --jobs 2
 
@@ -49,6 +52,11 @@ VARIANTS: dict[str, dict] = {
     "oncebar": dict(warmup_primer=True, warmup_think_s=0.0, warmup_barrier=True),
     "spreadbar": dict(warmup_primer=True, warmup_think_s=0.0, warmup_barrier=True, primer_lead_quantiles_s=None),
     "spreadcapbar": dict(_WARM, warmup_barrier=True, primer_lead_quantiles_s=None),
+    # the primers' length, unpublished: aiperf's structure fitted to the same statistics gives 1.6-2.8x
+    "oncecapbar-x1.75": dict(_WARM, warmup_barrier=True, primer_context_scale=1.75),
+    "oncecapbar-x2.6": dict(_WARM, warmup_barrier=True, primer_context_scale=2.6),
+    "spreadcapbar-x1.75": dict(_WARM, warmup_barrier=True, primer_lead_quantiles_s=None, primer_context_scale=1.75),
+    "spreadcapbar-x2.6": dict(_WARM, warmup_barrier=True, primer_lead_quantiles_s=None, primer_context_scale=2.6),
 }
 #: the per-rank statistics printed (keys of :func:`sim.validation.agentx_ranks.rank_spread`)
 SPREAD_KEYS = ("corr", "slope", "max_min", "no_decode_share")
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = f"{cap[k]:.3f}" if tag == "all" else ""
             print(f"{tag} {k},{ref}," + ",".join(f"{spread[t][f'{tag}_{k}']:.3f}" for t in tasks))
     mx = rec["mixed"]
-    print(f"mixed records max/min,{mx.max() / mx.min():.2f}," + ",".join(f"{spread[t]['mixed_max_min']:.2f}" for t in tasks))
+    print(f"mixed records max/min,{mx.max() / mx.min():.2f},"
+          + ",".join(f"{spread[t]['mixed_max_min']:.2f}" for t in tasks))
     print("requests max/min,," + ",".join(f"{spread[t]['requests_max_min']:.2f}" for t in tasks))
     print("warm-up s,," + ",".join(f"{spread[t]['warmup_s']:.0f}" for t in tasks))
     for i in range(len(rec["prefill_only"])):

@@ -32,6 +32,7 @@ unique to the lane.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -230,6 +231,9 @@ def simulate_closed_loop(
         record for the trees' finish callback (subagents at once only)."""
         now = env.now
         sent[lane] += 1
+        if wl.warmup_primer and sent[lane] == 1 and wl.primer_context_scale != 1.0:  # a longer primer
+            turn = dataclasses.replace(turn, input_tokens=min(max_len - 1,
+                                                              round(turn.input_tokens * wl.primer_context_scale)))
         n_blocks = -(-turn.input_tokens // bs)
         known = prev[lane]
         old = known.pop(turn.session, ())

@@ -145,6 +145,14 @@ class AgenticWorkloadConfig(BaseModel):
     #: (aiperf ``AgenticReplayStrategy``: warm-up = one primer per stream in flight at t*, then
     #: the cache-pressure requests; point 440246's warm-up completed 707 = 64 * 10 + 67 requests)
     warmup_primer: bool = False
+    #: a sensitivity knob for an unpublished fact, the primers' length: each primer's prompt is its
+    #: first replayed turn's times this (whole, cold; the lane's next turn still reuses only the
+    #: blocks of its own previous prompt). These defaults reach the published mean input with short
+    #: trajectories restarted mid-trace, so their primers average about 60k tokens (seeds 42, 1, 2,
+    #: 3: 61k / 60k / 62k / 68k); aiperf's structure (traces of about 145 top-level turns, recycled
+    #: from turn 0) fitted to the same statistics gives 1.6-2.8x that (docs/validate.md's V3: 107k /
+    #: 98k at seeds 42 / 1; F2: 155k / 170k). 1 = the generator's. Needs ``warmup_primer``
+    primer_context_scale: float = Field(1.0, ge=1.0, le=20.0)
     #: output cap of the warm-up requests after the primer (None: their recorded output; aiperf's
     #: later versions cap every warm-up request at 1 token, ``WARMUP_MAX_OUTPUT_TOKENS``, so the
     #: whole warm-up is prefill; whether the pinned version did is not stated)
@@ -236,6 +244,8 @@ class AgenticWorkloadConfig(BaseModel):
         if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
                               or q[0] < 0 or q[-1] > 1):
             raise ValueError("prefix_cut_kept_quantiles: 2..10001 non-decreasing fractions in [0, 1]")
+        if self.primer_context_scale != 1.0 and not self.warmup_primer:
+            raise ValueError("primer_context_scale needs warmup_primer (it scales the primer's prompt)")
         if self.warmup_barrier and self.subagent_at_once:
             raise ValueError("warmup_barrier is not implemented for subagent_at_once (trajectory trees)")
         if self.start_min_ratio > self.start_max_ratio:

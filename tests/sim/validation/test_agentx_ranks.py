@@ -108,3 +108,28 @@ def test_lane_routing_key_keeps_each_lane_on_one_rank() -> None:
     assert any(len(v) > 1 for v in ranks_per_lane(sess).values())
     with pytest.raises(ValueError):
         AgenticWorkloadConfig(routing_key="user")
+
+
+def test_primer_context_scale_lengthens_only_the_primer() -> None:
+    import itertools
+
+    from sim.workload.agentic import lane_turns
+    fields = dict(warmup_primer=True, warmup_think_s=0.0, warmup_max_output_tokens=1)
+    w, r = _run(primer_context_scale=2.0, **fields)
+    rec = r.records
+    checked = 0
+    for j in range(w.lanes):
+        t0, t1 = itertools.islice(lane_turns(w, j), 2)
+        idx = [i for i, s in enumerate(r.sessions) if s.startswith(f"lane{j}-")]
+        # the primer: twice its first replayed turn (by hand; far below the 1M context here)
+        assert rec.prompt_tokens[idx[0]] == 2 * t0.input_tokens
+        if len(idx) > 1:  # the next turn keeps its own length and reuses at most its previous prompt
+            assert rec.prompt_tokens[idx[1]] == t1.input_tokens
+            if rec.prefill_rank[idx[1]] >= 0:
+                assert rec.cached_tokens[idx[1]] <= (t1.server_reusable_tokens // 256) * 256
+            checked += 1
+    assert checked > 0
+    with pytest.raises(ValueError):
+        AgenticWorkloadConfig(primer_context_scale=2.0)  # no primer to scale
+    with pytest.raises(ValueError):
+        AgenticWorkloadConfig(warmup_primer=True, primer_context_scale=0.5)
