@@ -114,6 +114,10 @@ Parameters:
         (:func:`at_once_step_rise_s`; where the cost model has ``prefill_step_floor_s``, the step's
         rise with the floor, :func:`at_once_floor_rise_s`) for the engine's ``n_e`` running
         sequences. Off by default.
+    forecast_new_sessions: with ``session_forecast``, apply the forecast only to requests whose
+        prefix no rank holds for at least half the prompt (a new session, or one whose prefix is
+        gone); a returning session is priced on what runs now, so the forecast balances where new
+        sessions go without moving returning ones off their prefix. Off by default.
     return_horizon_s: the forecast's decay horizon ``H``, seconds (a session idle ``a`` seconds
         counts ``1 - a / H``; dropped at ``H``). With either option the router keeps these facts
         (:attr:`balancer.policies.Policy.session_facts`); without a router (hand-built candidates)
@@ -348,6 +352,7 @@ class EpAware(Policy):
     session_forecast: bool = False
     prefill_at_once: bool = False
     return_horizon_s: float = 60.0
+    forecast_new_sessions: bool = False
 
     def __post_init__(self) -> None:
         if not self.externality_weight >= 0:
@@ -386,18 +391,33 @@ class EpAware(Policy):
         else None (:attr:`balancer.policies.Policy.session_facts`)."""
         return self.return_horizon_s if (self.session_forecast or self.prefill_at_once) else None
 
-    def _forecast(self, cands: Candidates) -> Candidates:
+    def _forecast(self, cands: Candidates, request: Request) -> Candidates:
         """``cands`` with each rank's running requests and decode KV tokens raised by the forecast of
         its returning sessions (``returning_requests``, ``returning_kv_tokens``, rounded to whole
         requests and tokens: int64 columns as the compiled paths take) with ``session_forecast``;
-        ``cands`` itself otherwise or where the router gave no forecast."""
+        ``cands`` itself otherwise, where the router gave no forecast, or, with
+        ``forecast_new_sessions``, where some rank holds at least half of ``request``'s prompt (a
+        returning session: priced on what runs now, so the forecast does not move it off its prefix)."""
         if not self.session_forecast or cands.returning_requests is None or cands.returning_kv_tokens is None:
+            return cands
+        if self.forecast_new_sessions and 2 * self._best_hit_tokens(cands) >= request.prompt_tokens:
             return cands
         add_b = np.rint(cands.returning_requests).astype(np.int64)
         if not add_b.any():
             return cands
         add_kv = np.rint(cands.returning_kv_tokens).astype(np.int64)
         return replace(cands, num_requests=cands.num_requests + add_b, decode_kv_tokens=cands.decode_kv_tokens + add_kv)
+
+    @staticmethod
+    def _best_hit_tokens(cands: Candidates) -> int:
+        """The most prompt tokens any candidate holds: HBM + host + store blocks where the candidates
+        carry the tiers, else ``matched_tokens``."""
+        if not len(cands):
+            return 0
+        if cands.hbm_blocks is not None and cands.host_blocks is not None and cands.store_blocks is not None:
+            blocks = cands.hbm_blocks + cands.host_blocks + cands.store_blocks
+            return int(blocks[blocks.argmax()]) * cands.block_size
+        return int(cands.matched_tokens[cands.matched_tokens.argmax()])
 
     def select(self, request: Request, cands: Candidates, ctx: SelectContext) -> Choice:
         model = ctx.cost_model if ctx.cost_model is not None else DEFAULT_COST_MODEL
@@ -419,7 +439,7 @@ class EpAware(Policy):
                                                       own)
             reason = "ep_aware:prefill"
         elif cands.role is Role.DECODE:
-            fc = self._forecast(cands)  # with the returning sessions' occupancy (session_forecast), else cands
+            fc = self._forecast(cands, request)  # with the returning sessions' occupancy (session_forecast), else cands
             # (the compiled select checks KV room on its columns: only on the router's own)
             fast = self._decode_select_compiled(request, cands, model, names, idx, rows, ctx) if fc is cands else None
             if fast is not None:  # the same choice as below, in one compiled call (wide-EP pools)
@@ -428,7 +448,7 @@ class EpAware(Policy):
             reason = "ep_aware:decode"
         else:
             cost, ttft, own = self.prefill_cost(request, cands, model, names, idx, rows, "mixed", want)
-            fc = self._forecast(cands)  # with the returning sessions' occupancy (session_forecast), else cands
+            fc = self._forecast(cands, request)  # with the returning sessions' occupancy (session_forecast), else cands
             if self.cadence:
                 cost, ttft, own = self._cadence_terms(request, fc, model, names, idx, rows, "mixed", cost, ttft, own)
             cost = (cost + self.decode_cost(request, fc, model, names, idx, rows, transfer=False)

@@ -97,3 +97,29 @@ def test_prefill_at_once_prices_the_floor_in_its_step_rise():
     # no floor: the linear rise, as before the floor (test_session_facts' hand values)
     np.testing.assert_allclose(diff(0.0, (0, 1, 2)), [0.0, 0.0, 2.048], rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(diff(0.0, (0, 0, 0)), 20 * np.array([4, 4, 2]) * 0.0512, rtol=1e-9)
+
+
+# ---------------------------------------------------------------- the forecast for new sessions only
+def test_forecast_new_sessions_prices_returning_sessions_on_what_runs_now():
+    # three ranks, 3 sessions forecast to return to rank 0. A returning session (rank 2 holds 1,024 of its 2,048
+    # prompt tokens: half) is priced as without the forecast (bit-identical to the default policy's scores); a new
+    # one (no rank holds half: 1,023 tokens) as with it (bit-identical to session_forecast alone).
+    e = EngineCost(PF, DC, 8192, True, 16, 512, 8)
+    cm = CostModel(prefill=e, decode=e)
+
+    def cset(hit: int):
+        c = cands(*(view("e", Role.MIXED, dp=i, num_requests=b, prefill_tokens=q, decode_kv_tokens=b * 1000,
+                         kv_capacity_tokens=10**7, matched_tokens=m, block_size=1)
+                    for i, (b, q, m) in enumerate(((14, 0, 0), (6, 3000, 0), (10, 9000, hit)))))
+        return dataclasses.replace(c, prefill_inflight=np.zeros(3, dtype=np.int64),
+                                   returning_requests=np.array([3.0, 0.0, 0.0]),
+                                   returning_kv_tokens=np.array([3000.0, 0.0, 0.0]))
+
+    def sc(pol, c):
+        ch = pol.select(REQ, c, SelectContext(random.Random(0), 0.0, 0, cm))
+        return [ch.scores[x] for x in c.replicas]
+    new_only = make_policy("ep_aware", session_forecast=True, forecast_new_sessions=True)
+    both = make_policy("ep_aware", session_forecast=True)
+    plain = make_policy("ep_aware")
+    assert sc(new_only, cset(1024)) == sc(plain, cset(1024)) != sc(both, cset(1024))
+    assert sc(new_only, cset(1023)) == sc(both, cset(1023)) != sc(plain, cset(1023))
