@@ -382,6 +382,8 @@ class EpAware(Policy):
                              f"got {self.slo_doomed_tail}")
         if not (np.isfinite(self.return_horizon_s) and self.return_horizon_s > 0):
             raise ValueError(f"return_horizon_s must be a finite number of seconds > 0, got {self.return_horizon_s}")
+        if self.forecast_new_sessions and not self.session_forecast:
+            raise ValueError("forecast_new_sessions needs session_forecast=true (it narrows the forecast to new sessions)")
         if self.ttft_slo_per_1k_tokens_s > 0 and self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_per_1k_tokens_s needs ttft_slo_s > 0 (the flat part of the budget)")
 

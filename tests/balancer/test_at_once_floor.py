@@ -14,6 +14,7 @@ import dataclasses
 import random
 
 import numpy as np
+import pytest
 
 from balancer.cost_model import CostModel, DecodeStepCost, EngineCost, PrefillStepCost
 from balancer.policies import make_policy
@@ -123,3 +124,5 @@ def test_forecast_new_sessions_prices_returning_sessions_on_what_runs_now():
     plain = make_policy("ep_aware")
     assert sc(new_only, cset(1024)) == sc(plain, cset(1024)) != sc(both, cset(1024))
     assert sc(new_only, cset(1023)) == sc(both, cset(1023)) != sc(plain, cset(1023))
+    with pytest.raises(ValueError, match="needs session_forecast"):
+        make_policy("ep_aware", forecast_new_sessions=True)
