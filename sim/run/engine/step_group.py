@@ -129,6 +129,10 @@ class StepGroup:
         #: per recorded step or segment: step seconds ``(k,)`` and ranks per class ``(k, 3)``
         self._iter_times: list[np.ndarray] = []
         self._iter_counts: list[np.ndarray] = []
+        #: with ``record_iterations``: per rank, recorded steps by class ``(ranks, 3)`` (prefill-only,
+        #: decode-only, mixed) and the seconds of the steps in which the rank had work ``(ranks,)``
+        self.rank_class_steps = np.zeros((len(self.ranks), len(STEP_CLASSES)), dtype=np.int64)
+        self.rank_active_s = np.zeros(len(self.ranks), dtype=np.float64)
         self.process = env.process(self._run())
 
     def notify(self) -> None:
@@ -199,6 +203,7 @@ class StepGroup:
                 self._iter_times.append(np.array([dt]))
                 self._iter_counts.append(np.array([[np.sum((pt > 0) & (ds == 0)), np.sum((pt == 0) & (ds > 0)),
                                                     np.sum((pt > 0) & (ds > 0))]], dtype=np.int64))
+                self._rank_record(pt > 0, ds > 0, 1, dt)
             self.num_waits += 1
             yield env.timeout(dt)
             self.num_steps += 1
@@ -286,12 +291,21 @@ class StepGroup:
             cls = np.array([[np.sum(has_p & ~has_d), np.sum(~has_p & has_d), np.sum(has_p & has_d)]], dtype=np.int64)
             self._iter_times.append(times[:steps].copy())
             self._iter_counts.append(np.repeat(cls, steps, axis=0))
+            self._rank_record(has_p, has_d, steps, float(cum[steps - 1]))
         if len(ranks) > 1:
             if plans is None:
                 self._account("decode", ctx[:steps], times[:steps])
             else:
                 self._account("prefill", tokens[:steps], times[:steps])
         self._apply(plans, steps)
+
+    def _rank_record(self, has_p: np.ndarray, has_d: np.ndarray, steps: int, seconds: float) -> None:
+        """Per-rank records of ``steps`` steps lasting ``seconds`` in all, in which rank ``r`` prefills
+        ``has_p[r]`` and decodes ``has_d[r]`` (bool arrays, shape ``(ranks,)``)."""
+        self.rank_class_steps[:, 0] += steps * (has_p & ~has_d)
+        self.rank_class_steps[:, 1] += steps * (~has_p & has_d)
+        self.rank_class_steps[:, 2] += steps * (has_p & has_d)
+        self.rank_active_s += seconds * (has_p | has_d)
 
     def _account_one(self, pt: np.ndarray, dc: np.ndarray, dt: float) -> None:
         """:meth:`_account` of one step, in plain floats (the per-event path)."""
