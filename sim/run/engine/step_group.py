@@ -79,6 +79,12 @@ class StepGroup:
             rank does everything).
         prefill_wait_s / decode_wait_s: ``sum_steps dt * (1 - mean_r work_r / max_r work_r)``: the
             average rank's seconds spent waiting for the slowest one (0 for a group of one rank).
+        open_prefill_steps / bound_prefill_steps / idle_prefill_steps: with
+            ``prefill_schedule_interval > 1``, the steps that carried prefill on some rank: on a
+            step open to prefill; on a step between them because a rank was capacity bound (a
+            prompt waited for admission after its last prefill-capable step) and prefilled; else
+            because a rank with nothing to decode prefilled. Each such step is a mixed step for
+            the whole group (0 with interval 1).
 
     Options (off by default):
         prefill_schedule_interval: vLLM's DP prefill balancing (``--prefill-schedule-interval``):
@@ -124,6 +130,7 @@ class StepGroup:
         self.prefill_busy_s = self.decode_busy_s = 0.0
         self.prefill_imbalance_s = self.decode_imbalance_s = 0.0
         self.prefill_wait_s = self.decode_wait_s = 0.0
+        self.open_prefill_steps = self.bound_prefill_steps = self.idle_prefill_steps = 0
         self.prefill_schedule_interval = prefill_schedule_interval
         self.record_iterations = record_iterations
         #: per recorded step or segment: step seconds ``(k,)`` and ranks per class ``(k, 3)``
@@ -167,11 +174,26 @@ class StepGroup:
             else:
                 open_step = self.num_steps % interval == 0
                 plans = []
+                bound = idle = False  # a capacity-bound / an idle rank prefills on a step between open ones
                 for r in ranks:
-                    allow = open_step or r.prefill_capacity_bound or not r.running
-                    plans.append(r.plan(allow))
+                    was_bound = r.prefill_capacity_bound
+                    allow = open_step or was_bound or not r.running
+                    plan = r.plan(allow)
+                    plans.append(plan)
                     if allow:
                         r.prefill_capacity_bound = r.awaiting_admission
+                        if plan.chunks and not open_step:
+                            if was_bound:
+                                bound = True
+                            else:
+                                idle = True
+                if open_step:
+                    if any(p.chunks for p in plans):
+                        self.open_prefill_steps += 1
+                elif bound:
+                    self.bound_prefill_steps += 1
+                elif idle:
+                    self.idle_prefill_steps += 1
             if not any(p.chunks or p.decode_seqs for p in plans):
                 # every admitted job is fetching from a lower KV tier (and the next one may wait
                 # for KV blocks those fetching jobs reserved): a fetch completion notifies us
