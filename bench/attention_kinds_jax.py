@@ -23,13 +23,42 @@ from the roofline, they do not validate production kernels.
     python bench/attention_kinds_jax.py [SCALE]     # SCALE < 1 shrinks the grid (CPU smoke test)
 """
 import json
+import math
 import sys
 import time
 
-import jax
-import jax.numpy as J
+USAGE = "usage: python bench/attention_kinds_jax.py [SCALE]  (SCALE: a number > 0, default 1; < 1 shrinks the grid)"
 
-S = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
+
+def parse_scale(argv: list[str]) -> float:
+    """SCALE from the arguments: ``-h`` / ``--help`` prints this script's doc and exits 0; anything
+    but one finite number > 0 is one ``error:`` line and exit status 2 (before JAX is imported)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        sys.exit(0)
+    if len(argv) > 1:
+        print(f"{USAGE}\nerror: expected at most one argument (SCALE), got {len(argv)}", file=sys.stderr)
+        sys.exit(2)
+    if not argv:
+        return 1.0
+    try:
+        scale = float(argv[0])
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        print(f"{USAGE}\nerror: SCALE must be a finite number > 0, got {argv[0]!r}", file=sys.stderr)
+        sys.exit(2)
+    return scale
+
+
+S = parse_scale(sys.argv[1:]) if __name__ == "__main__" else 1.0
+try:
+    import jax
+    import jax.numpy as J
+except ImportError:  # the device machine's image has it; a development machine may not
+    sys.exit("error: bench/attention_kinds_jax.py needs JAX (pip install jax; it runs on the GPU host's image, "
+             "docs/gpu_profile.md)")
+
 BF = J.bfloat16
 PEAK, HBM = 989e12, 4.8e12
 

@@ -492,6 +492,13 @@ def test_a_short_window_answer_is_flagged_with_its_count_and_warmup_share(tmp_pa
     R.best = evaluate_point(Point(load_scenario("dsv3-pd-h200"), whole, parse_policy("least_load"), slo=LENIENT))
     assert "rests on 40 requests of the trace" in small_window_note(R, reqs, whole, 512)
     assert "warm-up share 0%" in small_window_note(R, reqs, whole, 512)
+    # review4 T6: with --limit the hit rate compared against is the kept requests', and the note said
+    # "over the whole trace" (the Mooncake trace's 37% next to its first 600 requests' 17%). The first
+    # 30 requests: 10 repeat a first block (i = 20..29): 10 x 512 / 30,720 = 16.7%, 17%
+    limited = WorkloadSpec(trace=str(f), spread_s=0.0, limit=30)
+    kept = limited.read()
+    R.best = evaluate_point(Point(load_scenario("dsv3-pd-h200"), limited, parse_policy("least_load"), slo=LENIENT))
+    assert "against 17% over the 30 requests --limit keeps (warm-up share 0%" in small_window_note(R, kept, limited, 512)
 
 
 def test_sweep_rows_cut_before_the_ray_fix_are_rerun_not_resumed() -> None:

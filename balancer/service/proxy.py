@@ -658,12 +658,34 @@ class Proxy:
         """Add ``model`` to a leg's ``fields`` when the request names the router's alias
         (``served_model_name``) and ``w`` serves another name (configured, else discovered): the
         engine gets the one name it accepts (transformers' server refuses any other, 400)."""
+        engine_name = self._engine_name_for_alias(ctx, w)
+        if engine_name is not None and ctx.body.get("model") is not None:
+            fields["model"] = engine_name
+
+    def _engine_name_for_alias(self, ctx: _Ctx, w: Worker) -> str | None:
+        """The name ``w`` serves the router's alias under, when the request names the alias (or no
+        model: absent or ``null``) and ``w`` does not serve the alias itself; else ``None``."""
         alias = self.cfg.served_model_name
-        if alias is None or ctx.body.get("model") != alias:
-            return
+        model = ctx.body.get("model")
+        if alias is None or (model is not None and model != alias):
+            return None
         names = w.model_names()
-        if names and alias not in names:
-            fields["model"] = names[0]
+        return names[0] if names and alias not in names else None
+
+    def _model_swaps(self, ctx: _Ctx, d: Worker) -> tuple[tuple[bytes, bytes], ...]:
+        """The answer's ``"model"`` value rewritten from ``d``'s own name back to the router's alias
+        (S7): a client that named the alias (or no model) is answered under it, as vLLM answers under
+        its first served name whatever the request named (0.33.0 ``OpenAIServingModels.model_name``:
+        ``base_model_paths[0].name``) and SGLang under the name the request gave
+        (``model=request.model``). Compact (pydantic, orjson) and spaced (``json.dumps``) JSON."""
+        engine_name = self._engine_name_for_alias(ctx, d)
+        if engine_name is None:
+            return ()
+        alias = self.cfg.served_model_name
+        assert alias is not None
+        new = json.dumps(alias).encode()
+        return tuple((key + old, key + new) for key in (b'"model":', b'"model": ')
+                     for old in {json.dumps(engine_name).encode(), json.dumps(engine_name, ensure_ascii=False).encode()})
 
     def _headers(self, upstream_id: str) -> dict[str, str]:
         return {"Content-Type": "application/json", "X-Request-Id": upstream_id}
@@ -975,18 +997,22 @@ class Proxy:
         pf = legs.prefill_failure
         return pf if isinstance(pf, Failure) else failure
 
-    def _rewriter(self, ctx: _Ctx, d_resp: LegResponse) -> tuple[bytes, bytes] | None:
-        """``(upstream id, client's id)`` as they appear in a JSON body, if the relayed body needs
-        the ids swapped (they differ and the body is not compressed)."""
-        if ctx.upstream_id == ctx.visible_id or "Content-Encoding" in d_resp.headers:
+    def _rewriter(self, ctx: _Ctx, d: Worker, d_resp: LegResponse) -> tuple[tuple[bytes, bytes], ...] | None:
+        """``((old, new), ...)`` byte replacements of the relayed body, if it needs any and is not
+        compressed: ``(upstream id, client's id)`` as they appear in a JSON body when they differ,
+        and the engine's model name back to the router's alias (:meth:`_model_swaps`)."""
+        if "Content-Encoding" in d_resp.headers:
             return None
-        return ctx.upstream_id.encode(), json.dumps(ctx.visible_id)[1:-1].encode()
+        swaps = self._model_swaps(ctx, d) if self.cfg.served_model_name is not None else ()
+        if ctx.upstream_id != ctx.visible_id:
+            swaps += ((ctx.upstream_id.encode(), json.dumps(ctx.visible_id)[1:-1].encode()),)
+        return swaps or None
 
     async def _relay(self, ctx: _Ctx, d: Worker, d_resp: LegResponse, router_id: str,
                      legs: _Legs, deadline: float | None = None) -> web.StreamResponse:
         """Send the decode leg's answer to the client (chunk by chunk when streaming), with the
         upstream request id replaced by the client's."""
-        swap = self._rewriter(ctx, d_resp)
+        swap = self._rewriter(ctx, d, d_resp)
         if not ctx.stream:
             try:
                 if deadline is None or (type(d_resp) is UpstreamResponse and d_resp.arrived()):
@@ -1004,7 +1030,8 @@ class Proxy:
             if self.router.cost_learner is not None:  # the only reader of the count
                 legs.output_tokens = completion_tokens_in(data)
             if swap is not None:
-                data = data.replace(*swap)
+                for pair in swap:
+                    data = data.replace(*pair)
             if legs.prefill_cached_tokens is not None and d_resp.status == 200:
                 data = with_cached_tokens(data, legs.prefill_cached_tokens, sse=False)
             headers = _relayed_headers(d_resp, "application/json")
@@ -1092,11 +1119,12 @@ class Proxy:
         self.router.on_first_token(router_id, now)
 
     @staticmethod
-    def _rewrite(data: bytes, swap: tuple[bytes, bytes] | None, legs: _Legs) -> bytes:
-        """Whole SSE lines as the client gets them: the id swapped, and in PD the prefill leg's
-        ``cached_tokens`` in the usage."""
+    def _rewrite(data: bytes, swap: tuple[tuple[bytes, bytes], ...] | None, legs: _Legs) -> bytes:
+        """Whole SSE lines as the client gets them: the id (and model alias) swapped, and in PD the
+        prefill leg's ``cached_tokens`` in the usage."""
         if swap is not None:
-            data = data.replace(*swap)
+            for pair in swap:
+                data = data.replace(*pair)
         if legs.prefill_cached_tokens is not None and b'"usage"' in data:
             data = with_cached_tokens(data, legs.prefill_cached_tokens, sse=True)
         return data

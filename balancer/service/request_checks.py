@@ -259,9 +259,20 @@ def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | 
     non-empty header of :data:`SESSION_HEADERS`, else the first string field of
     :data:`SESSION_FIELDS` in the body, else ``None``.
 
+    A body field of :data:`SESSION_FIELDS` that is present must be a string or ``null``, whether or
+    not a header names the session: the engines forward it to refuse the same way (vLLM 0.33.0 and
+    SGLang 0.5.23 declare ``session_id`` and ``user`` as ``str | None`` in their OpenAI request
+    models, so ``"session_id": 123`` is a validation error there), and ignoring it would route the
+    request without the affinity its client asked for.
+
     Raises:
-        PromptError: the value is longer than :data:`MAX_REQUEST_ID_CHARS` or not printable.
+        PromptError: the value is longer than :data:`MAX_REQUEST_ID_CHARS` or not printable, or a
+            body field of :data:`SESSION_FIELDS` is neither a string nor ``null``.
     """
+    for name in SESSION_FIELDS:
+        b = body.get(name)
+        if b is not None and not isinstance(b, str):
+            raise PromptError(f"'{name}' must be a string or null (pdlb reads it as the session id), got {type(b).__name__}")
     found: tuple[str, str] | None = None
     for name in SESSION_HEADERS:
         h = headers.get(name)

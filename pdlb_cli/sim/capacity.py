@@ -240,10 +240,12 @@ def small_window_note(r: Any, requests: list, wl: Any, block_size: int) -> str:
     if len(judged) >= SMALL_SAMPLE_REQUESTS and share < COLD_CACHE_SHARE:
         return ""
     where = f"the {wl.duration_s:g} s window" if wl.duration_s is not None else "the trace"
+    # with --limit the reference is the requests kept, not the trace file (review4 T6)
+    of_whole = "the whole trace" if wl.limit is None else f"the {len(requests):,} requests --limit keeps"
     cold = share >= COLD_CACHE_SHARE
     return (f"{'small' if len(judged) < SMALL_SAMPLE_REQUESTS else 'cold'}{' and cold' if cold and len(judged) < SMALL_SAMPLE_REQUESTS else ''} "
             f"sample: the answer rests on {len(judged)} requests of {where}, with an ideal prefix hit rate "
-            f"of {100 * window:.0f}% against {100 * whole:.0f}% over the whole trace (warm-up share {100 * share:.0f}%"
+            f"of {100 * window:.0f}% against {100 * whole:.0f}% over {of_whole} (warm-up share {100 * share:.0f}%"
             + ("; the cache starts cold" if cold else "") + "); policies may rank differently on a longer window "
             "(--duration-s) or trace, or after a warm-up (--warmup-s S: simulate S seconds first, judge what follows)")
 

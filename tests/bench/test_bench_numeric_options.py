@@ -48,6 +48,7 @@ ZERO_MEANS = {
     ("gpu_profile.py", "--warmup"): "0: none",
     ("hostile_soak.py", "--tracemalloc"): "default 0: off",
     ("issue26_table.py", "--route-s"): "0: no route table",
+    ("pd_tail.py", "--max-concurrency"): "default 0: none",
     ("policy_goodput.py", "--slo-ttft-per-1k-s"): "0: none",
     ("policy_goodput.py", "--fair-margin"): "0: just meet it",
     ("real_engines.py", "--shared-prefix-words"): "0: none",

@@ -19,8 +19,9 @@ import time
 
 import pytest
 
-from balancer.service.processes.placement import (HOLD_PASSES, LOG_INTERVAL_S, SHRINK_PASSES, PlacementBlock,
-                                                  PlacementControl, PlacementView, next_active, process_cpu_s)
+from balancer.service.processes.placement import (HOLD_PASSES, LOG_INTERVAL_S, REBALANCE_GAP, SHRINK_PASSES,
+                                                  PlacementBlock, PlacementControl, PlacementView, next_active,
+                                                  process_cpu_s, rebalance)
 
 
 # ---------------------------------------------------------------------- the rule
@@ -145,6 +146,58 @@ def test_tick_measures_cpu_shares_and_asks_the_active_ones_for_the_new_ones_shar
             t += 0.2
             cpu = [cpu[0] + 0.02, cpu[1], cpu[2] + 0.02, cpu[3] + 0.02]
             assert c.tick(t, [cpu[0], None, cpu[2], cpu[3]]) == (4 if n < HOLD_PASSES + SHRINK_PASSES - 1 else 1)
+        for v in views:
+            v.block.close()
+    finally:
+        block.close()
+
+
+def test_the_even_out_rule_by_hand():
+    # issue 26 (pdtail): held connections of the active processes, and what each still owes.
+    # most - fewest >= REBALANCE_GAP (2): the one holding the most gives back half the gap, rounded down
+    assert REBALANCE_GAP == 2
+    assert rebalance([12, 4], [0, 0]) == (0, 4)  # 12 - 4 = 8 -> 4: then 8 and 8
+    assert rebalance([4, 6, 3, 3], [0, 0, 0, 0]) == (1, 1)  # 6 - 3 = 3 -> 1 (then 4/5/4/3, next pass 5 - 3 -> 1)
+    assert rebalance([5, 5, 3], [0, 0, 0]) == (0, 1)  # ties: the lowest index
+    assert rebalance([4, 3, 3, 3, 3], [0] * 5) is None  # 16 over 5: a gap of 1 is as even as it gets
+    assert rebalance([8], [0]) is None  # one active process: nothing to even out
+    assert rebalance([], []) is None
+    # a move not yet done (any active process still owes a give-back): nothing new asked
+    assert rebalance([12, 4], [0, 1]) is None
+    assert rebalance([12, 4], [3, 0]) is None
+
+
+def test_tick_evens_out_the_active_processes_once_their_moves_are_done():
+    # 2 active of 3 (k set by hand), 12 and 4 open connections, a load that keeps k (1.6 cores on 2 active:
+    # want ceil(1.6/0.7) = 3 > k: no shrink; mean 0.8 <= 0.85: no grow): each pass that changes nothing asks
+    # the fuller one for half the gap, once the last ask is done
+    block = PlacementBlock(3)
+    try:
+        c = PlacementControl(block)
+        block.q[0] = 2
+        views = [PlacementView(PlacementBlock(3, block.name), i) for i in range(3)]
+        for v, n in zip(views, [12, 4, 0]):
+            for _ in range(n):
+                v.connection_opened()
+        t, cpu = 100.0, [0.0, 0.0, 0.0]
+        assert c.tick(t, cpu) == 2  # the first pass sets the clocks (and asks: a pass that changes nothing)
+        assert block.field(0, 0) - block.field(0, 1) == 4 and c.rebalanced == 4
+        t, cpu = t + 0.2, [cpu[0] + 0.16, cpu[1] + 0.16, 0.0]
+        assert c.tick(t, cpu) == 2
+        assert block.field(0, 0) - block.field(0, 1) == 4  # still owed: nothing more asked
+        # process 0 answers 4 requests with Connection: close, then keeps the rest
+        assert [views[0].give_back() for _ in range(5)] == [True] * 4 + [False]
+        for _ in range(4):  # their clients reconnect; the parent places them on the fewest (process 1)
+            views[0].connection_closed()
+            k = c.pick()
+            assert k == 1
+            c.handed(k)
+            views[1].adopted()
+            views[1].connection_opened()
+        assert [c.held(i) for i in range(3)] == [8, 8, 0]
+        t, cpu = t + 0.2, [cpu[0] + 0.16, cpu[1] + 0.16, 0.0]
+        assert c.tick(t, cpu) == 2 and c.rebalanced == 4  # even: nothing asked; process 2 (inactive) not counted
+        assert not views[0].give_back() and not views[1].give_back()
         for v in views:
             v.block.close()
     finally:

@@ -516,7 +516,7 @@ async def test_session_header_reaches_the_router_as_request_session_id():
     from balancer.service.prompt import PromptError
     assert session_id_of({}, {"X-Session-Id": "s1", "X-User-Id": "u"}) == "s1"
     assert session_id_of({"user": "u2"}, {}) == "u2" and session_id_of({"session_id": "s", "user": "u"}, {}) == "s"
-    assert session_id_of({"user": 5}, {}) is None and session_id_of({}, {}) is None
+    assert session_id_of({"user": None}, {}) is None and session_id_of({}, {}) is None
     with pytest.raises(PromptError):
         session_id_of({}, {"X-Session-Id": "x" * 10_000})
     async with inprocess_cluster("none", num_decode=4, engine=FAST,

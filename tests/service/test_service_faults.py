@@ -6,11 +6,25 @@ cell concurrent requests must every one end within its deadline in success (the 
 clear error (a JSON error object with 502/503/504, or a stream that ends with an SSE error event);
 afterwards every engine has cleaned up both legs (no request task left) and the router's load is
 back to 0. Loopback only; each cell takes well under two seconds.
+
+The cells run with the collector's heap frozen (:func:`_frozen_heap`), as ``pdlb serve`` runs
+(``balancer.service.launch``: ``gc.freeze()`` at start). The cells' deadlines are short (0.4-2 s),
+and in the whole suite the test process holds every earlier test's objects: a full collection
+then walks all of them, a loop stall of 0.13 s CPU at the 246k objects after three service test
+files, 0.2 s at 2M (measured; the whole suite's count at this file was not), several times that
+in wall time at load ~12, and the retried requests of ``hang`` / ``hang_after_headers`` cells missed
+``request_timeout_s`` (504 for each request that met the faulty engine: the flakes of
+``wedged_streamed_decode[sglang]`` and ``fault_matrix[hang-decode-vllm]``, sessions 13-16).
+Frozen, a collection walks only the cell's own objects. Reproduced (review4, session 17): three
+full collections at 2M objects during a wedged cell, not frozen, failed 4 of 8 cells with the
+flakes' pattern (3 of 6 requests 504); :func:`test_a_full_collection_of_a_big_heap_stalls_no_cell`
+keeps it so (``slow``; it fails without the freeze).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 
@@ -39,6 +53,16 @@ FAULTS = [
     ("die_mid_stream", "decode", {"die_after_tokens": 2}),
     ("slow", "decode", "slow"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap():
+    """The objects that exist before the cell (earlier tests') in the collector's permanent
+    generation for the cell's duration, as ``pdlb serve`` freezes its start-up heap (no collection
+    first: that would cost each cell a full one)."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 async def _one(s: aiohttp.ClientSession, url: str, i: int, stream: bool) -> str:
@@ -129,3 +153,24 @@ async def test_wedged_streamed_decode_is_bounded_by_default(protocol):
         outcomes = await asyncio.gather(*(_one(s, c.url, i, True) for i in range(6)))
         assert outcomes == ["ok"] * 6, outcomes
         await _settled(c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_a_full_collection_of_a_big_heap_stalls_no_cell(protocol):
+    """Full collections every 0.15 s through a wedged cell, with 2M objects older than the cell:
+    frozen (the fixture) each walks only the cell's objects (~1 ms); without the freeze each stalled
+    the loop ~0.2 s CPU here and the requests that met the wedged engine ended in 504 (measured with
+    the fixture off: both cells fail). ~3 s per cell, ~200 MB while it runs."""
+    big_heap = [[i] for i in range(2_000_000)]  # like the whole suite's by the time this file runs
+    gc.unfreeze()  # the fixture froze before the heap existed: freeze it too, as pdlb serve would
+    gc.freeze()
+    try:
+        loop = asyncio.get_running_loop()
+        for k in range(16):  # through the cluster's start, the wedged requests' deadline and their retries
+            loop.call_later(0.15 * (k + 1), gc.collect)
+        await test_wedged_streamed_decode_is_bounded_by_default(protocol)
+    finally:
+        gc.unfreeze()
+        del big_heap
+        gc.freeze()  # as the fixture left it

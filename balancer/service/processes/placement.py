@@ -27,6 +27,14 @@ as it needs: the first ``k`` ("active") of them.
   :data:`HOLD_PASSES` passes after one (the measurement must see the new placement first).
 * **Place.** New connections go to the active process holding the fewest (its open ones plus
   those handed to it and not yet taken; ties to the lowest index).
+* **Even out.** On a pass that changes nothing, when no active process still owes connections
+  and the active one holding the most holds :data:`REBALANCE_GAP` or more over the one holding the
+  fewest, it gives back half the difference (:func:`rebalance`); their clients reconnect and
+  are placed on the fewest. The counts :meth:`PlacementControl.pick` reads lag behind while a
+  burst of connections closes and another opens (a client that closes its pool and opens a new
+  one: each process counts its closes on its own loop pass), and keep-alive connections stay
+  where they landed: 16 clients over 2 active processes came out 12 and 4, and the busier process
+  served every one of the slowest 1% of the requests (``bench/pd_tail.py``, issue 26).
 * **Give back.** A process gives a connection back by answering its next request with
   ``Connection: close`` and closing it after the answer (RFC 9110 §7.6.1): the client opens a new
   one, which the parent places. A process outside the first ``k`` gives back every connection;
@@ -53,8 +61,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 
 __all__ = ["GROW_UTIL", "HOLD_PASSES", "LOG_INTERVAL_S",
-           "PlacementBlock", "PlacementControl", "PlacementView", "SATURATED_UTIL",
-           "SHRINK_MIN_CORES", "SHRINK_PASSES", "TARGET_UTIL", "next_active", "process_cpu_s"]
+           "PlacementBlock", "PlacementControl", "PlacementView", "REBALANCE_GAP", "SATURATED_UTIL",
+           "SHRINK_MIN_CORES", "SHRINK_PASSES", "TARGET_UTIL", "next_active", "process_cpu_s", "rebalance"]
 
 TARGET_UTIL = 0.7
 """Utilisation (cores per process) the active set is sized for by default: ``k = ceil(U / TARGET_UTIL)``
@@ -73,6 +81,9 @@ SHRINK_MIN_CORES = 0.1
 """Least total load (cores) at which ``k`` shrinks (an idle router keeps its processes ready)."""
 HOLD_PASSES = 2
 """Passes after a change of ``k`` during which it does not change again."""
+REBALANCE_GAP = 2
+"""Connections the active process holding the most must hold over the one holding the fewest
+before it gives some back (:func:`rebalance`): below 2 no move makes the split more even."""
 LOG_INTERVAL_S = 60.0
 """Least seconds between two INFO lines on changes of ``k`` (review R5, session 16: a bursty load
 changes it every few passes); the changes between them are logged at DEBUG and counted in the next
@@ -223,6 +234,22 @@ def next_active(k: int, n: int, utils: Sequence[float], low_passes: int,
     return k, 0, ""
 
 
+def rebalance(held: Sequence[int], owed: Sequence[int]) -> tuple[int, int] | None:
+    """The even-out rule (module docstring) as a pure function: ``(process, connections to give
+    back)``, or None, for the active processes holding ``held`` connections each (open plus in
+    transit) and owing ``owed`` give-backs each (asked and not yet done). None while any of them
+    owes one (the last move is not over) or when the most minus the fewest is under
+    :data:`REBALANCE_GAP`; else the one holding the most (lowest index on ties) gives back half
+    the difference, rounded down."""
+    if len(held) < 2 or any(o > 0 for o in owed):
+        return None
+    hi = max(range(len(held)), key=lambda i: (held[i], -i))
+    gap = held[hi] - min(held)
+    if gap < REBALANCE_GAP:
+        return None
+    return hi, gap // 2
+
+
 def process_cpu_s(pid: int) -> float | None:
     """CPU seconds of process ``pid``'s main thread (the event loop's): the first field of
     ``/proc/PID/schedstat`` (nanoseconds on a CPU); where that file is missing, user + system
@@ -267,6 +294,7 @@ class PlacementControl:
         self.changes: list[tuple[float, int, int, str]] = []  # (time, k before, k after, why): the last 64
         self._info_s: float | None = None  # when the last INFO line on a change was logged
         self._quiet = 0  # changes logged at DEBUG since then
+        self.rebalanced = 0  # connections asked back to even out the active processes (:func:`rebalance`)
 
     def pick(self, dead: set[int] | frozenset[int] = frozenset()) -> int | None:
         """The process for a new connection: the active one holding the fewest (open + in
@@ -280,12 +308,17 @@ class PlacementControl:
             for i in candidates:
                 if i in dead:
                     continue
-                load = b.field(i, 2) + max(0, self.sent[i] - b.field(i, 3))
+                load = self.held(i)
                 if best is None or load < best_load:
                     best, best_load = i, load
             if best is not None:
                 return best
         return None
+
+    def held(self, i: int) -> int:
+        """Client connections process ``i`` holds: its open ones plus those handed to it and not yet taken."""
+        b = self.block
+        return b.field(i, 2) + max(0, self.sent[i] - b.field(i, 3))
 
     def handed(self, i: int) -> None:
         self.sent[i] += 1
@@ -312,6 +345,12 @@ class PlacementControl:
             self._hold -= 1
             return k
         k_new, self._low, why = next_active(k, n, utils, self._low, self.target_util)
+        if k_new == k:
+            move = rebalance([self.held(i) for i in range(k)], [b.field(i, 0) - b.field(i, 1) for i in range(k)])
+            if move is not None:
+                i, give = move
+                b.set_field(i, 0, b.field(i, 1) + give)
+                self.rebalanced += give
         if k_new != k:
             if k_new > k:  # the active ones give back the new ones' share of their connections
                 for i in range(k):
