@@ -27,9 +27,9 @@ the rates alternating, and per rate it prints, per answered request (medians ove
   once a small warm loop (``tight``) and once a walk over 300 objects of a 200,000-object heap
   (``heap``, a working set like a request's), against the same work back to back: the extra CPU
   per wake-up is the kernel's switch plus the caches the process finds cold;
-* ``--spin-us LIST``: routers that keep their loop polling that many us after bytes arrive before
-  they block (``pdlb serve --loop-poll-us``; injected the same way into a ``--tree`` without the
-  option), driven in the same rounds as the plain one: CPU per request against it, per rate.
+* ``--spin-us LIST``, an experiment (not in pdlb): routers whose loop keeps polling that many us
+  after bytes arrive before it blocks (injected before ``pdlb serve`` starts), driven in the same
+  rounds as the plain one: CPU per request against it, per rate.
 
 Run by hand::
 
@@ -97,8 +97,8 @@ _sig.signal(_sig.SIGUSR1, _dump)
 """
 _COUNTER = COUNTING + "import sys\nfrom pdlb_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
-#: ``--spin-us`` on a tree without ``pdlb serve --loop-poll-us`` (balancer/service/loop_poll.py, the
-#: same rule, used where the tree has it): the router's loop keeps polling (a callback that
+#: ``--spin-us``, an experiment (not in pdlb; tried as ``pdlb serve --loop-poll-us`` in session 17 and
+#: removed: no win on the 2-core host, docs/serving.md "The partly idle process"): the router's loop keeps polling (a callback that
 #: re-queues itself, so each pass polls with a zero timeout) for $PDLB_BENCH_SPIN_US microseconds
 #: after any bytes arrive from a client or an engine before it lets itself block: a wake-up that
 #: comes within the window finds the loop running (no switch, caches warm); the spinning is CPU
@@ -275,10 +275,6 @@ def _start_router(mode: str, engines: list[Proc], args: argparse.Namespace, coun
                   spin_us: float | None = None) -> Proc:
     a = ro._pdlb_args(mode, engines, 1)
     tree = args.tree or Path(__file__).resolve().parents[1]
-    if spin_us is not None and "--loop-poll-us" in (tree / "pdlb_cli" / "serve.py").read_text():
-        a = [*a, "--loop-poll-us", f"{spin_us:g}"]  # pdlb's own knob (the same polling as SPINNING)
-        with ro._affinity(args.router_cpus):
-            return _spawn(a, timeout_s=120) if args.tree is None else ro._spawn_pdlb_from(args.tree, a)
     if spin_us is not None:
         env = os.environ.copy()
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
@@ -473,7 +469,7 @@ def _summary(mode: str, res: dict, args: argparse.Namespace) -> None:
             print(f"{'':<{len(mode) + 1}} {label} us/req = {fit[0]:.0f} + {fit[1]:.0f} x wake-ups/req "
                   f"(least squares over {len(pts[k])} windows, r = {fit[2]:.2f})")
     for name in (k for k in res if k.startswith("spin ")):
-        print(f"{'':<{len(mode) + 1}} {name} (--loop-poll-us): CPU us/req / the plain router's in the same round")
+        print(f"{'':<{len(mode) + 1}} {name} (experiment, not in pdlb): CPU us/req / the plain router's in the same round")
         for rate in args.rates:
             pairs = [(a["cpu_us"], b["cpu_us"]) for a, b in zip(res[name][str(rate)], rows[str(rate)])
                      if a["done"] > 0 and b["done"] > 0]
@@ -526,8 +522,8 @@ def main() -> int:
     ap.add_argument("--perf", action="store_true", help="also split the CPU by shared object (perf on PATH)")
     ap.add_argument("--calibrate", action="store_true", help="also measure the host's price of a wake-up for a bare Python process")
     ap.add_argument("--spin-us", default="", metavar="LIST",
-                    help="also drive a router that polls this many us after bytes arrive before it blocks (pdlb serve "
-                         "--loop-poll-us, injected into trees without it; comma list, e.g. 50,200; default none)")
+                    help="experiment: also drive a router that polls this many us after bytes arrive before it blocks "
+                         "(comma list, e.g. 50,200; default none)")
     ap.add_argument("--out", type=Path, help="write the raw figures as JSON here")
     args = ap.parse_args()
     modes = list_arg(ap, "--modes", args.modes, "modes of regular, pd, vllm-pd", one_of(("regular", "pd", "vllm-pd")))

@@ -123,11 +123,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="with --connection-placement follow_load: cores per active router process the active set is "
                         "sized for, 0.3-0.95 (higher: fewer, busier processes; 0.9 measured no better than the "
                         f"default, docs/serving.md) (default: {d.placement_target_util:g})")
-    p.add_argument("--loop-poll-us", type=float, metavar="US",
-                   help="after bytes arrive from a client or an engine, keep each router process's event loop polling "
-                        "this many microseconds before it blocks again (0-10000; the lean front and lean upstream "
-                        "client): fewer wake-ups at partial load for CPU spent polling (docs/serving.md, \"The partly "
-                        f"idle process\") (default: {d.loop_poll_us:g}: off)")
     p.add_argument("--pin-processes", action=argparse.BooleanOptionalAction, default=None,
                    help="with --processes > 1: run router process i on one CPU only, the i-th (wrapping) of the CPUs "
                         "pdlb serve may use (Linux; the parent keeps them all) (default: "
@@ -222,7 +217,6 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "connection_placement": getattr(args, "connection_placement", None),
                   "pin_processes": getattr(args, "pin_processes", None),
                   "placement_target_util": getattr(args, "placement_target_util", None),
-                  "loop_poll_us": getattr(args, "loop_poll_us", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)

@@ -76,7 +76,6 @@ from balancer.service.body_offload import (MAX_PENDING, MAX_TOP_LEVEL_FIELDS, OF
                                            trim_malloc)
 from balancer.service.config import ServiceConfig, WorkerConfig, bootstrap_warning
 from balancer.service.lean_front import LeanProtocol, LeanRequest
-from balancer.service.loop_poll import LoopPoller
 from balancer.service.log_limit import RateLimitedLog
 from balancer.service.loop_watch import LOOP_LAG_IDLE_INTERVAL_S, LOOP_LAG_INTERVAL_S, LoopWatch
 from balancer.service.metrics import MULTIPROCESS_GAUGE_REFRESH_S, ServiceMetrics
@@ -204,8 +203,6 @@ class Service:
         self.in_flight: int = 0
         #: the loop-lag timer (started with the app, :meth:`start_lag_watch`)
         self.lag_watch: LoopWatch | None = None
-        #: ``loop_poll_us`` > 0: keeps the loop polling after bytes arrive (made when the app starts)
-        self.loop_poller: LoopPoller | None = None
         #: large bodies (>= OFFLOAD_BODY_BYTES) are parsed, checked and hashed in a worker process
         self.offload = BodyOffload(cfg.router.block_size, cfg.chars_per_token, cfg.tokenizer_path, cfg.lora_adapters,
                                    cfg.max_tokens_limit, cfg.default_max_tokens, cfg.chat_engine)
@@ -970,7 +967,7 @@ def _lean_front(app: web.Application, cfg: ServiceConfig) -> Callable[[RouterSer
 
     def factory(server: RouterServer) -> LeanProtocol:
         return LeanProtocol(server, handle, routes, max_body_bytes=max_body, idle_timeout_s=idle_s,
-                            body_timeout_s=body_s, body_timeout_answer=late_body, poller=svc.loop_poller)
+                            body_timeout_s=body_s, body_timeout_answer=late_body)
 
     return factory
 
@@ -1068,14 +1065,13 @@ def make_client_session(cfg: ServiceConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
 
 
-def make_upstream_client(cfg: ServiceConfig, poller: LoopPoller | None = None) -> UpstreamClient | None:
+def make_upstream_client(cfg: ServiceConfig) -> UpstreamClient | None:
     """The engine legs' lean client (``upstream_client: lean``), with the aiohttp session's pool
     semantics: no limit on connections per worker (the connector's ``limit=0``), 60 s idle
-    keep-alive, ``connect_timeout_s``; ``poller``: kicked when an engine's bytes arrive
-    (``loop_poll_us``); ``None`` for ``aiohttp`` (the legs then use the session)."""
+    keep-alive, ``connect_timeout_s``; ``None`` for ``aiohttp`` (the legs then use the session)."""
     if cfg.upstream_client != "lean":
         return None
-    return UpstreamClient(connect_timeout_s=cfg.connect_timeout_s, keepalive_s=60.0, limit_per_host=0, poller=poller)
+    return UpstreamClient(connect_timeout_s=cfg.connect_timeout_s, keepalive_s=60.0, limit_per_host=0)
 
 
 def _start_engine_feeds(svc: Service, shared_dir: str | None = None) -> list[asyncio.Task]:
@@ -1122,9 +1118,7 @@ def create_app(cfg: ServiceConfig, process_index: int = 0, shared_load: str | No
         if svc.shared_load is not None:  # its row written, the others' read, once per event-loop pass
             svc.shared_load.coalesce_in(asyncio.get_running_loop())
         svc.session = make_client_session(cfg)
-        if cfg.loop_poll_us > 0:  # before the first connection: the lean front's protocols read it
-            svc.loop_poller = LoopPoller(asyncio.get_running_loop(), cfg.loop_poll_us * 1e-6)
-        upstream = make_upstream_client(cfg, svc.loop_poller)
+        upstream = make_upstream_client(cfg)
         svc.proxy = Proxy(cfg, svc.router, svc.pool, svc.metrics, svc.session, svc.hasher, upstream)
         svc.proxy.admission = svc.admission
         if svc.admission is not None and svc.multiprocess and shared_prefix_dir is not None:

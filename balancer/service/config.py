@@ -340,11 +340,6 @@ class ServiceConfig(BaseModel):
             busier processes; 0.9 measured no better than the default on 16 cores (0.94x CPU per
             request in SGLang PD at 0.88x req/s, 0.83x req/s in regular). :mod:`balancer.service.processes.placement`;
             docs/serving.md, "Connection placement".
-        loop_poll_us: after bytes arrive from a client or an engine (lean front, lean upstream
-            client), keep each router process's event loop polling this many microseconds before it
-            may block again (0-10,000; default 0: off): an event within the window costs no
-            wake-up, the polling is CPU. :mod:`balancer.service.loop_poll`; docs/serving.md, "The
-            partly idle process".
         pin_processes: with several ``processes``, run router process ``i`` on one CPU only, the
             ``i``-th (wrapping) of the CPUs ``pdlb serve`` may use (Linux; default False: any CPU
             of the set). :mod:`balancer.service.processes.pinning`; docs/serving.md, "Router
@@ -432,7 +427,6 @@ class ServiceConfig(BaseModel):
     connection_placement: Literal["follow_load", "round_robin"] = "follow_load"
     pin_processes: StrictBool = False
     placement_target_util: float = Field(0.7, ge=0.3, le=0.95)
-    loop_poll_us: float = Field(0.0, ge=0.0, le=10_000.0)
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

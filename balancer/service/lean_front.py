@@ -45,7 +45,7 @@ import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 from aiohttp import web
@@ -53,9 +53,6 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from balancer.service.log_limit import RateLimitedLog
-
-if TYPE_CHECKING:
-    from balancer.service.loop_poll import LoopPoller
 
 __all__ = ["LeanProtocol", "LeanRequest", "LeanStream", "MAX_HEAD_BYTES", "MAX_HEADERS", "MAX_PIPELINED_BYTES"]
 
@@ -274,15 +271,12 @@ class LeanProtocol(asyncio.Protocol):
     the :class:`LeanStream` it wrote; ``routes``: request path bytes -> endpoint name;
     ``max_body_bytes``: bodies at or over this go to aiohttp; ``idle_timeout_s``,
     ``body_timeout_s``, ``body_timeout_answer(path, headers)``: the 408
-    :class:`aiohttp.web.Response` to send when a body is late; ``poller``: kicked when bytes
-    arrive (``loop_poll_us``, :mod:`balancer.service.loop_poll`; None: off)."""
+    :class:`aiohttp.web.Response` to send when a body is late."""
 
     def __init__(self, server: Any, handler: Handler, routes: dict[bytes, str], *, max_body_bytes: int,
                  idle_timeout_s: float, body_timeout_s: float,
-                 body_timeout_answer: Callable[[str, Any], web.Response], poller: LoopPoller | None = None) -> None:
+                 body_timeout_answer: Callable[[str, Any], web.Response]) -> None:
         self._server = server
-        #: ``loop_poll_us``: kicked when bytes arrive (balancer.service.loop_poll); None: off
-        self._poller = poller
         #: the server's placement hook (RouterServer.give_back): close after this answer?
         self._give_back: Callable[[], bool] = server.give_back
         self._handler = handler
@@ -389,8 +383,6 @@ class LeanProtocol(asyncio.Protocol):
         tr.write(data)
 
     def data_received(self, data: bytes) -> None:
-        if self._poller is not None:
-            self._poller.kick()
         if self._state == _GONE:
             return
         self._buf += data

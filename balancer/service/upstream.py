@@ -55,12 +55,9 @@ import errno
 import ipaddress
 import select
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
-
-if TYPE_CHECKING:
-    from balancer.service.loop_poll import LoopPoller
 
 DEFAULT_MAX_HEAD_BYTES = 65_536
 """Largest response head (status line + headers) accepted, bytes (engines send a few hundred)."""
@@ -294,15 +291,12 @@ class _Connection(asyncio.Protocol):
         self._body_off = 0
         self._write_paused = False
         self._feed_handle: asyncio.Handle | None = None
-        self._loop_poller = pool.client.poller  # loop_poll_us (balancer.service.loop_poll); None: off
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self._loop_poller is not None:
-            self._loop_poller.kick()
         resp = self.resp
         if resp is None or self._message_done:  # bytes nobody asked for: the connection is unusable
             self.reusable = False
@@ -704,14 +698,12 @@ class UpstreamClient:
             connecting); more requests wait. ``0``: no limit.
         max_idle_per_host: most idle connections kept per ``host:port``.
         max_head_bytes / max_body_bytes / stream_buffer_bytes: size bounds (module docstring).
-        poller: kicked when bytes arrive from an engine (``loop_poll_us``,
-            :mod:`balancer.service.loop_poll`); None: off.
     """
 
     def __init__(self, connect_timeout_s: float = 5.0, keepalive_s: float = 60.0, limit_per_host: int = 0,
                  max_idle_per_host: int = DEFAULT_MAX_IDLE_PER_HOST, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES, poller: LoopPoller | None = None) -> None:
+                 stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES) -> None:
         if connect_timeout_s <= 0 or keepalive_s <= 0 or limit_per_host < 0 or max_idle_per_host < 0:
             raise ValueError("connect_timeout_s and keepalive_s must be > 0, the limits >= 0")
         self.loop = asyncio.get_running_loop()
@@ -719,7 +711,6 @@ class UpstreamClient:
         self.limit_per_host, self.max_idle_per_host = limit_per_host, max_idle_per_host
         self.max_head_bytes, self.max_body_bytes = max_head_bytes, max_body_bytes
         self.stream_buffer_bytes = stream_buffer_bytes
-        self.poller = poller
         self._pools: dict[tuple[str, int], _HostPool] = {}
         self._targets: dict[Any, tuple[_HostPool, bytes]] = {}
         self.closed = False

@@ -8,9 +8,9 @@
 #   (2) where one process's CPU goes as its load falls (bench/partial_load_cpu.py): one process on CPU 0 at 300, 1,500
 #       and 9,000 req/s (the last above what it serves: its saturated figure), 2 rounds: user / system split, wake-ups
 #       per request and the least-squares cost of one wake-up; the host's price of a wake-up for a bare Python process
-#       (--calibrate); routers whose loop polls 50 / 150 us after bytes arrive before it blocks (--spin-us: pdlb serve
-#       --loop-poll-us, opt-in, injected where the tree lacks it), driven in the same rounds; with TOOLS=1, strace /
-#       perf splits when those tools are on the host.
+#       (--calibrate); the experiment of routers whose loop polls 50 / 150 us after bytes arrive before it blocks
+#       (--spin-us, not in pdlb), driven in the same rounds; with TOOLS=1, strace / perf splits when those tools are on
+#       the host.
 # Run from the repo root with carry [".dev/device/whl6"] (as cores_b11.sh; no peers).
 # Writes $OUT/b13.log (everything), $OUT/eq.log + eq.json, $OUT/parts.log + parts.json, $OUT/env.txt.
 # Knobs (env): LIM (s in all, 195), EQ_S (s for part 1, 95), RATE (part 1's req/s, 1500), EQ_MODES (regular),
