@@ -24,8 +24,11 @@ how many router processes served the window. The medians over rounds close the r
 
 Rows (``--rows``): ``NAME=ARGS`` pdlb serve rows (``x1=--processes 1``, ``x8=--processes 8``, ``x8rr=--processes 8
 --connection-placement round_robin``, ...); ``--baseline DIR``: one more row per row from another checkout (e.g. the
-session start), named ``NAME@base``, started the same way. ``--no-probe`` runs without the router-side records (the
-client's stay): the latencies as the table sees them. ``--max-concurrency N`` (default 0: none) adds a throughput
+session start), named ``NAME@base``; this tree's rows then start the same way (``pdlb serve`` from a checkout put
+first on ``PYTHONPATH``, router_overhead's ``--baseline`` path), so that two rows differ in their code only. On the
+2-core development host (load 8-14 from other work) two rows of the SAME tree read per-round p99 differences of
+-9 to +10 ms and CPU per request 0.76-1.41x: latency A/B needs the 16-core host and many rounds there.
+``--no-probe`` runs without the router-side records (the client's stay): the latencies as the table sees them. ``--max-concurrency N`` (default 0: none) adds a throughput
 window at N clients from ``--load-processes`` client processes after each row's latency window, as router_overhead
 does (the placement then starts each latency window from where a saturated run left it).
 
@@ -62,9 +65,12 @@ from pdlb_cli.comma_lists import CommaListError, comma_list, one_of  # noqa: E40
 from sim.emulator.testing import Proc, _spawn, spawn_engines  # noqa: E402
 
 PROBE_DIR = Path(__file__).resolve().parent / "pd_tail_probe"
+ROOT = Path(__file__).resolve().parents[1]
 MODES = ("pd", "vllm-pd")
 GC_PAUSE_S = 0.0005
 """A garbage collection at least this long counts as a pause (0.5 ms)."""
+STOP_S = 10.0
+"""Seconds kept for stopping a mode's processes when deciding whether one more round fits."""
 CLUSTER_S = 0.010
 """Two of the slowest requests ending this close (10 ms) count as one stall."""
 
@@ -141,7 +147,13 @@ def analyse(recs: list[tuple], probe: tuple[dict[int, dict], dict[int, list]] | 
     slow = [r for r in recs if r[2] - r[1] >= p99]
     out: dict[str, float] = {"n": len(recs), "p50": p50 * 1e3, "p99": p99 * 1e3, "n_slow": len(slow),
                              "new_conn_slow": sum(r[3] for r in slow) / max(1, len(slow)),
-                             "new_conn_all": sum(r[3] for r in recs) / max(1, len(recs))}
+                             "new_conn_all": sum(r[3] for r in recs) / max(1, len(recs)),
+                             # the latency of a request that opened its connection (through the parent's
+                             # hand-off with several processes) against one on a kept-alive connection
+                             "new_conn_p50": float(np.median([r[2] - r[1] for r in recs if r[3]]) * 1e3)
+                             if any(r[3] for r in recs) else float("nan"),
+                             "kept_conn_p50": float(np.median([r[2] - r[1] for r in recs if not r[3]]) * 1e3)
+                             if not all(r[3] for r in recs) else float("nan")}
     if probe is None:
         return out
     reqs, gcs = probe
@@ -157,6 +169,10 @@ def analyse(recs: list[tuple], probe: tuple[dict[int, dict], dict[int, list]] | 
         st = {"before": p["h0"] - r[1], "after": r[2] - p["h1"], "handler": p["h1"] - p["h0"],
               "to_first_leg": (min(x[1] for x in legs) - p["h0"]) if legs else 0.0,
               "prefill_leg": sum(x[2] - x[1] for x in pre), "decode_leg": sum(x[2] - x[1] for x in dec),
+              # vLLM PD: prefill headers -> decode sent (its body read, kv_transfer_params parsed, the decode
+              # body built); both: decode headers -> handler's return (the relay of the answer)
+              "between_legs": max(0.0, dec[0][1] - pre[0][2]) if pre and dec else 0.0,
+              "relay": (p["h1"] - dec[0][2]) if dec else 0.0,
               "pool_miss": float(len(p["conn"]) > 0), "pid": p["pid"],
               "gc": float(any(t < r[2] and t + d > r[1] for t, d in gc_pauses.get(p["pid"], ())))}
         return st
@@ -165,7 +181,7 @@ def analyse(recs: list[tuple], probe: tuple[dict[int, dict], dict[int, list]] | 
     slow_st = [s for s in map(stages, slow) if s is not None]
     if not all_st or not slow_st:
         return out
-    for key in ("before", "handler", "to_first_leg", "prefill_leg", "decode_leg", "after"):
+    for key in ("before", "handler", "to_first_leg", "prefill_leg", "between_legs", "decode_leg", "relay", "after"):
         out[f"{key}_med_ms"] = statistics.median(s[key] for s in all_st) * 1e3
         out[f"{key}_slow_ms"] = statistics.median(s[key] for s in slow_st) * 1e3
     out["pool_miss_slow"] = statistics.fmean(s["pool_miss"] for s in slow_st)
@@ -273,7 +289,10 @@ async def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     try:
         with ro._affinity(args.router_cpus):
             for name, extra in args.rows:
-                for suffix, checkout in [("", None), *(("@base", b) for b in args.baseline[:1])]:
+                # with a baseline, this tree's rows start the same way as its rows (from a checkout on
+                # PYTHONPATH): identical code started the two ways read apart (module docstring)
+                ours = ROOT if args.baseline else None
+                for suffix, checkout in [("", ours), *(("@base", b) for b in args.baseline[:1])]:
                     row = name + suffix
                     pdir = (tmp / mode / row) if args.probe else None
                     if pdir is not None:
@@ -285,19 +304,23 @@ async def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
         print(f"\n== {mode}: {n} prefill + {n} decode, zero-delay; latency at {args.concurrency} clients, "
               f"{args.duration_s:g} s after a 1 s warm-up; rows {', '.join(rows)}; probe {'on' if args.probe else 'off'}")
         windows: dict[str, list[list[tuple]]] = {k: [] for k in out}
+        cpu_us: dict[str, list[float]] = {k: [] for k in out}
         seq = 0
         last_round_s = 0.0
         order = ["direct", *rows]
         for k in range(args.rounds):
             t_round = time.monotonic()
-            if k and t_round + last_round_s * 1.1 > args.deadline:
+            if k and t_round + last_round_s * 1.1 + STOP_S > args.deadline:
                 print(f"  rounds {k + 1}-{args.rounds} skipped (budget)")
                 break
             names = order if k % 2 == 0 else ["direct", *reversed(order[1:])]
             for name in names:
                 url = direct.url if name == "direct" else rows[name][0].url
                 await closed_loop(url, args.concurrency, 1.0, 10**9 + seq)  # warm-up (seq apart from windows)
+                pid = direct.popen.pid if name == "direct" else rows[name][0].popen.pid
+                cpu0 = ro._cpu_s(pid)
                 recs, errors = await closed_loop(url, args.concurrency, args.duration_s, seq)
+                cpu_us[name].append((ro._cpu_s(pid) - cpu0) / max(1, len(recs)) * 1e6)
                 seq += len(recs) + errors + 10_000
                 if errors:
                     print(f"  warning: {errors} failed requests to {name}")
@@ -315,7 +338,7 @@ async def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
         pdir = rows[name][1] if name in rows else None
         probe = read_probe(pdir) if pdir is not None else None
         for k, recs in enumerate(windows[name]):
-            out[name].append(analyse(recs, probe))
+            out[name].append({**analyse(recs, probe), "cpu_us": cpu_us[name][k]})
     print_mode(mode, out)
     return out
 
@@ -348,6 +371,9 @@ def print_mode(mode: str, out: dict[str, list[dict]]) -> None:
             m = {key: statistics.median(r.get(key, float("nan")) for r in res)
                  for key in ("before_slow_ms", "handler_slow_ms", "prefill_leg_slow_ms", "decode_leg_slow_ms",
                              "after_slow_ms", "before_med_ms", "handler_med_ms", "after_med_ms", "pool_miss_slow",
+                             "to_first_leg_med_ms", "to_first_leg_slow_ms", "between_legs_med_ms",
+                             "between_legs_slow_ms", "relay_med_ms", "relay_slow_ms", "prefill_leg_med_ms",
+                             "decode_leg_med_ms",
                              "gc_slow", "clustered_other_process", "gc_pauses", "gc_pause_max_ms", "gc0_n",
                              "gc1_n", "gc2_n", "gc0_max_ms", "gc1_max_ms", "gc2_max_ms", "inflight_med",
                              "inflight_slow")}
@@ -362,23 +388,35 @@ def print_mode(mode: str, out: dict[str, list[dict]]) -> None:
                      f"1% {shares}"
                      f"; slowest 1% before / handler / after {m['before_slow_ms']:.2f} / {m['handler_slow_ms']:.2f} / "
                      f"{m['after_slow_ms']:.2f} ms (median request {m['before_med_ms']:.2f} / {m['handler_med_ms']:.2f} / "
-                     f"{m['after_med_ms']:.2f}), prefill leg {m['prefill_leg_slow_ms']:.2f}, decode leg "
-                     f"{m['decode_leg_slow_ms']:.2f}; pool miss {m['pool_miss_slow']:.2f}, gc {m['gc_slow']:.2f} "
+                     f"{m['after_med_ms']:.2f}); inside the handler, slowest 1% (median request): to the first leg "
+                     f"{m['to_first_leg_slow_ms']:.2f} ({m['to_first_leg_med_ms']:.2f}), prefill leg "
+                     f"{m['prefill_leg_slow_ms']:.2f} ({m['prefill_leg_med_ms']:.2f}), between the legs "
+                     f"{m['between_legs_slow_ms']:.2f} ({m['between_legs_med_ms']:.2f}), decode leg "
+                     f"{m['decode_leg_slow_ms']:.2f} ({m['decode_leg_med_ms']:.2f}), relay {m['relay_slow_ms']:.2f} "
+                     f"({m['relay_med_ms']:.2f}); pool miss {m['pool_miss_slow']:.2f}, gc {m['gc_slow']:.2f} "
                      f"({m['gc_pauses']:.0f} pauses >= 0.5 ms per window, max {m['gc_pause_max_ms']:.2f} ms), "
                      f"clustered {m['clustered_other_process']:.2f}; collections per window gen 0/1/2 "
                      f"{m['gc0_n']:.0f}/{m['gc1_n']:.0f}/{m['gc2_n']:.0f} (max {m['gc0_max_ms']:.2f}/{m['gc1_max_ms']:.2f}/"
                      f"{m['gc2_max_ms']:.2f} ms); other requests in the process at the handler's start: median "
                      f"request {m['inflight_med']:.1f}, slowest 1% {m['inflight_slow']:.1f}")
         print(f"  {name:14} added p99 {statistics.median(added):+.2f} ms (rounds {', '.join(f'{a:+.2f}' for a in added)}), "
-              f"p50 {statistics.median(r['p50'] for r in res):.2f}, new client connection "
+              f"p50 {statistics.median(r['p50'] for r in res):.2f}, router CPU per request in the latency window "
+              f"{statistics.median(r['cpu_us'] for r in res):.0f} us, new client connection "
               f"{statistics.median(r['new_conn_slow'] for r in res):.2f} of the slowest 1% "
-              f"({statistics.median(r['new_conn_all'] for r in res):.3f} of all){extra}")
+              f"({statistics.median(r['new_conn_all'] for r in res):.3f} of all; their median latency "
+              f"{statistics.median(r['new_conn_p50'] for r in res):.2f} ms against "
+              f"{statistics.median(r['kept_conn_p50'] for r in res):.2f} on kept connections){extra}")
     names = [n for n in out if n != "direct"]
     for name in names:
         if name + "@base" in out:
-            diffs = [a["p99"] - b["p99"] for a, b in zip(out[name], out[name + "@base"])]
-            print(f"  {name} - {name}@base p99: median {statistics.median(diffs):+.2f} ms "
-                  f"(rounds {', '.join(f'{x:+.2f}' for x in diffs)})")
+            for q in ("p99", "p50"):
+                diffs = [a[q] - b[q] for a, b in zip(out[name], out[name + "@base"])]
+                print(f"  {name} - {name}@base {q}: median {statistics.median(diffs):+.2f} ms "
+                      f"(rounds {', '.join(f'{x:+.2f}' for x in diffs)})")
+            ratios = [a["cpu_us"] / b["cpu_us"] for a, b in zip(out[name], out[name + "@base"]) if b["cpu_us"] > 0]
+            if ratios:
+                print(f"  {name} / {name}@base CPU per request in the latency window: median "
+                      f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
 def parse_rows(ap: argparse.ArgumentParser, given: list[str]) -> list[tuple[str, list[str]]]:

@@ -111,7 +111,9 @@ Parameters:
         the router's routed prompts not yet prefilled) and, where chunks run in parallel (a mixed
         pool with ``S L <= C``), add ``externality_weight n_e ceil(u_i / L) rise_i``: the prompt's
         prefill steps each lengthened by how far it raises the engine's busiest per-step prefill
-        (:func:`at_once_step_rise_s`) for the engine's ``n_e`` running sequences. Off by default.
+        (:func:`at_once_step_rise_s`; where the cost model has ``prefill_step_floor_s``, the step's
+        rise with the floor, :func:`at_once_floor_rise_s`) for the engine's ``n_e`` running
+        sequences. Off by default.
     return_horizon_s: the forecast's decay horizon ``H``, seconds (a session idle ``a`` seconds
         counts ``1 - a / H``; dropped at ``H``). With either option the router keeps these facts
         (:attr:`balancer.policies.Policy.session_facts`); without a router (hand-built candidates)
@@ -233,6 +235,39 @@ def at_once_step_rise_s(inflight: np.ndarray, u: np.ndarray, cached: np.ndarray,
         top = x
     rise = np.maximum(x_after - top, 0.0)
     return rise * (c.per_token_s + c.per_attn_pair_s * (cached + u / 2.0))
+
+
+def at_once_floor_rise_s(inflight: np.ndarray, u: np.ndarray, cached: np.ndarray, c: PrefillStepCost, C: int, L: int,
+                         idx: np.ndarray, rows: np.ndarray | None, ep_synchronous: bool, floor_s: float,
+                         decode_step_s: np.ndarray) -> np.ndarray:
+    """:func:`at_once_step_rise_s` on an engine whose steps with prefill last at least ``floor_s``
+    (``EngineCost.prefill_step_floor_s`` > 0): seconds by which a prompt placed on each rank
+    lengthens each of its engine's prefill steps while its chunks run, where chunks run in
+    parallel. The engine's step with ``x`` prefill tokens on its busiest rank lasts
+    ``mixed(x) = max(floor, T_d + overhead + x tok_i)`` (``T_d`` the engine's decode step now,
+    ``decode_step_s``; ``tok_i = per_token + per_attn_pair (p_i + u_i / 2)`` as there), a step
+    without prefill ``T_d``. With ``top`` the busiest rank's tokens per prefill step now and
+    ``x_i' = min(C, L (m_i + 1))`` the candidate rank's with the prompt::
+
+        rise_i = mixed(max(top, x_i')) - (mixed(top) if top > 0 else T_d)
+
+    So a prompt whose chunks run while no rank of its engine prefills turns decode steps into
+    mixed ones and pays the whole floor (``floor - T_d`` at least), and prompts that prefill at
+    once on different ranks share one floor: a rank's tokens that stay under the floor add
+    nothing. Shape ``(n,)``, float64, >= 0. Source: the eager-step floor (docs/validate.md, "The
+    eager prefill step"); the step sum is the simulator's roofline's (decode and prefill parts
+    add)."""
+    x, x_after = at_once_tokens(inflight, C, L)
+    if ep_synchronous:
+        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
+        top = _per_engine_max(x, idx, rows, n_eng)
+    else:
+        top = x
+    tok = c.per_token_s + c.per_attn_pair_s * (cached + u / 2.0)
+    base = decode_step_s + c.overhead_s
+    after = np.maximum(floor_s, base + np.maximum(top, x_after) * tok)
+    before = np.where(top > 0, np.maximum(floor_s, base + top * tok), decode_step_s)
+    return np.maximum(after - before, 0.0)
 
 
 def _decode_steps(eng: EngineCost, idx: np.ndarray, rows: np.ndarray | None, b: np.ndarray, k: np.ndarray,
@@ -770,8 +805,13 @@ class EpAware(Policy):
                 w_ext = self.externality_weight * c.per_group_token_s if eng.ep_synchronous else 0.0
                 group = w_ext * u * queued_requests(q, b, idx, eng.ep_synchronous)
             if self.prefill_at_once and cands.prefill_inflight is not None and L is not None:
-                add_cost = add_cost + self.externality_weight * n_e * n * at_once_step_rise_s(
-                    cands.prefill_inflight, u, cached, c, C, L, idx, rows, eng.ep_synchronous)
+                if eng.prefill_step_floor_s > 0.0:  # steps with prefill last >= the floor: prompts at once share it
+                    rise = at_once_floor_rise_s(cands.prefill_inflight, u, cached, c, C, L, idx, rows,
+                                                eng.ep_synchronous, eng.prefill_step_floor_s, step_now)
+                else:
+                    rise = at_once_step_rise_s(cands.prefill_inflight, u, cached, c, C, L, idx, rows,
+                                               eng.ep_synchronous)
+                add_cost = add_cost + self.externality_weight * n_e * n * rise
         else:
             n = prefill_steps(q, u, C, L)
             new = ttft + (n - today) * c.overhead_s

@@ -659,15 +659,16 @@ class Proxy:
         (``served_model_name``) and ``w`` serves another name (configured, else discovered): the
         engine gets the one name it accepts (transformers' server refuses any other, 400)."""
         engine_name = self._engine_name_for_alias(ctx, w)
-        if engine_name is not None and ctx.body.get("model") is not None:
+        if engine_name is not None and ctx.body.get("model"):
             fields["model"] = engine_name
 
     def _engine_name_for_alias(self, ctx: _Ctx, w: Worker) -> str | None:
         """The name ``w`` serves the router's alias under, when the request names the alias (or no
-        model: absent or ``null``) and ``w`` does not serve the alias itself; else ``None``."""
+        model: absent, ``null`` or ``""``, as vLLM's ``check_model`` reads ``not model_name``) and
+        ``w`` does not serve the alias itself; else ``None``."""
         alias = self.cfg.served_model_name
         model = ctx.body.get("model")
-        if alias is None or (model is not None and model != alias):
+        if alias is None or (model and model != alias):
             return None
         names = w.model_names()
         return names[0] if names and alias not in names else None

@@ -260,10 +260,10 @@ def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | 
     :data:`SESSION_FIELDS` in the body, else ``None``.
 
     A body field of :data:`SESSION_FIELDS` that is present must be a string or ``null``, whether or
-    not a header names the session: the engines forward it to refuse the same way (vLLM 0.33.0 and
-    SGLang 0.5.23 declare ``session_id`` and ``user`` as ``str | None`` in their OpenAI request
-    models, so ``"session_id": 123`` is a validation error there), and ignoring it would route the
-    request without the affinity its client asked for.
+    not a header names the session: the engines refuse it the same way (vLLM 0.33.0 and SGLang
+    0.5.23 declare ``session_id`` and ``user`` as ``str | None`` in their OpenAI request models, so
+    ``"session_id": 123`` is a validation error there), and ignoring it would route the request
+    without the affinity its client asked for.
 
     Raises:
         PromptError: the value is longer than :data:`MAX_REQUEST_ID_CHARS` or not printable, or a

@@ -33,8 +33,8 @@ if [ -f .dev/device/base_f539070.tgz ]; then
 else
   echo "no .dev/device/base_f539070.tgz: this tree only"
 fi
-BUDGET=$((LIM - (SECONDS - T0) - 8))
-timeout $((BUDGET + 6)) $PY bench/pd_tail.py --modes ${MODES:-pd,vllm-pd} --rows "x8=--processes ${PROCS:-8}" "${BASE[@]}" \
+BUDGET=$((LIM - (SECONDS - T0) - 15))
+timeout $((BUDGET + 13)) $PY bench/pd_tail.py --modes ${MODES:-pd,vllm-pd} --rows "x8=--processes ${PROCS:-8}" "${BASE[@]}" \
   --rounds ${ROUNDS:-3} --max-concurrency ${MAXC:-256} --load-processes ${LOADP:-4} --router-cpus ${RCPUS:-0-7} \
   --budget-s $BUDGET --out $OUT/pd_tail.json
 echo "pdtail_b13.sh: rc $?, $((SECONDS - T0)) s"; uptime

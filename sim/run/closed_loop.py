@@ -32,6 +32,7 @@ unique to the lane.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -93,6 +94,17 @@ class ClosedLoopResult:
     num_steps: int = 0
     #: the session id of every submitted request, in record order (row ``i`` of ``records``)
     sessions: list[str] = field(default_factory=list)
+    #: per rank of the step groups (in group order, then the group's rank order): recorded steps by
+    #: class ``(ranks, 3)``, columns as ``iterations``' keys (prefill-only, decode-only, mixed), whole run
+    rank_class_steps: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    #: per rank (same order): seconds of the steps in which the rank had work, whole run ``(ranks,)``
+    rank_active_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: simulated seconds from the first send to the end of the run (the drain's end)
+    end_s: float = 0.0
+    #: ``rank_class_steps`` and ``rank_active_s`` as they stood when the measured window opened
+    #: (the warm-up's share; empty arrays for a run without groups)
+    warmup_rank_class_steps: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+    warmup_rank_active_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def metrics(self) -> dict[str, float]:
         """Metrics under the names point 440246 publishes (seconds; ITL in s per token:
@@ -202,6 +214,14 @@ def simulate_closed_loop(
     def end_s() -> float:
         return state["start"] + wl.duration_s
 
+    warm_steps: list[np.ndarray] = []  # per-rank step classes and active seconds when the window opens
+
+    def open_window(now: float) -> None:
+        state["start"] = now
+        warm_steps.extend([np.concatenate([g.rank_class_steps for g in cluster.groups]).copy(),
+                           np.concatenate([g.rank_active_s for g in cluster.groups]).copy()]
+                          if cluster.groups else [])
+
     def issue(lane: int, turn: Turn, remember: bool, evict: bool,
               on_refused: Callable[[float], None], on_done: Callable[[float], None] | None = None) -> None:
         """Send ``turn`` for ``lane`` now: its block hashes (the session's remembered prefix, then fresh
@@ -211,6 +231,9 @@ def simulate_closed_loop(
         record for the trees' finish callback (subagents at once only)."""
         now = env.now
         sent[lane] += 1
+        if wl.warmup_primer and sent[lane] == 1 and wl.primer_context_scale != 1.0:  # a longer primer
+            turn = dataclasses.replace(turn, input_tokens=min(max_len - 1,
+                                                              round(turn.input_tokens * wl.primer_context_scale)))
         n_blocks = -(-turn.input_tokens // bs)
         known = prev[lane]
         old = known.pop(turn.session, ())
@@ -230,7 +253,8 @@ def simulate_closed_loop(
             at = env.now
             req = Request(f"{turn.session}-t{turn.turn}-{sent[lane]}", float(at), turn.input_tokens, hashes,
                           max_output_tokens=out, expected_output_tokens=out,
-                          session_id=turn.session, traffic_class="agent")
+                          session_id=turn.session if wl.routing_key == "session" else f"s{wl.seed}-lane{lane}",
+                          traffic_class="agent")
             ok, _ = admit([req], max_len, decode_cap, prefill_cap)
             if not ok:  # refused at arrival, as an engine would: the stream moves on after its think time
                 state["rejected"] += 1
@@ -271,7 +295,7 @@ def simulate_closed_loop(
         if state["warm_left"] and done_count[lane] == n_warm:
             state["warm_left"] -= 1
             if state["warm_left"] == 0:
-                state["start"] = now
+                open_window(now)
         on_done(now)
 
     def later(lane: int, fn: Callable[[], None]) -> None:
@@ -343,7 +367,7 @@ def simulate_closed_loop(
         if state["warm_left"] and sent[lane] == n_warm:
             state["warm_left"] -= 1
             if state["warm_left"] == 0:
-                state["start"] = now
+                open_window(now)
                 if wl.warmup_barrier:  # the measured phase opens: every lane sends at once
                     for j in held + [lane]:
                         send(j)
@@ -397,7 +421,11 @@ def simulate_closed_loop(
     iterations = {c: np.concatenate(v) if v else np.zeros(0) for c, v in its.items()}
     rank_requests = np.bincount(rec.prefill_rank[:n][rec.prefill_rank[:n] >= 0], minlength=len(cluster.ranks))
     name = policy if isinstance(policy, str) else policy.name
+    rank_steps = (np.concatenate([g.rank_class_steps for g in cluster.groups]) if cluster.groups
+                  else np.zeros((0, 3), dtype=np.int64))
+    rank_active = np.concatenate([g.rank_active_s for g in cluster.groups]) if cluster.groups else np.zeros(0)
     return ClosedLoopResult(rows, iterations, state["start"], last_done, scenario.num_gpus, hit, rec,
                             [RankInfo(r.replica, r.role, r.kv_capacity_blocks * bs) for r in cluster.ranks], name,
                             cancelled, state["rejected"], time.perf_counter() - t0, rank_requests.tolist(),
-                            sum(g.num_steps for g in cluster.groups), sessions)
+                            sum(g.num_steps for g in cluster.groups), sessions, rank_steps, rank_active,
+                            float(env.now), *(warm_steps or [np.zeros_like(rank_steps), np.zeros_like(rank_active)]))

@@ -87,6 +87,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -144,6 +145,14 @@ class AgenticWorkloadConfig(BaseModel):
     #: (aiperf ``AgenticReplayStrategy``: warm-up = one primer per stream in flight at t*, then
     #: the cache-pressure requests; point 440246's warm-up completed 707 = 64 * 10 + 67 requests)
     warmup_primer: bool = False
+    #: a sensitivity knob for an unpublished fact, the primers' length: each primer's prompt is its
+    #: first replayed turn's times this (whole, cold; the lane's next turn still reuses only the
+    #: blocks of its own previous prompt). These defaults reach the published mean input with short
+    #: trajectories restarted mid-trace, so their primers average about 60k tokens (seeds 42, 1, 2,
+    #: 3: 61k / 60k / 62k / 68k); aiperf's structure (traces of about 145 top-level turns, recycled
+    #: from turn 0) fitted to the same statistics gives 1.6-2.8x that (docs/validate.md's V3: 107k /
+    #: 98k at seeds 42 / 1; F2: 155k / 170k). 1 = the generator's. Needs ``warmup_primer``
+    primer_context_scale: float = Field(1.0, ge=1.0, le=20.0)
     #: output cap of the warm-up requests after the primer (None: their recorded output; aiperf's
     #: later versions cap every warm-up request at 1 token, ``WARMUP_MAX_OUTPUT_TOKENS``, so the
     #: whole warm-up is prefill; whether the pinned version did is not stated)
@@ -165,6 +174,15 @@ class AgenticWorkloadConfig(BaseModel):
     #: measured). Whether the pinned AgentX scenario ran its phases seamlessly is not stated.
     #: Not with ``subagent_at_once``
     warmup_barrier: bool = False
+    #: what a request's ``session_id`` (the key vllm-router's ring hashes) names: ``"session"``, the
+    #: trajectory (a lane's next trajectory gets a new id and may land on another DP rank), or
+    #: ``"lane"``, the lane for the whole run (``s{seed}-lane{j}``: every trajectory of a lane on one
+    #: rank, the lanes' placement a fresh draw per workload seed, as random ids give). aiperf sends
+    #: one correlation id per conversation; the point's corpus has about 145 top-level turns per
+    #: trace (57k turns in 393 traces), so a lane replays its first trace for most of the measured
+    #: hour (from its start point, 25-75% in: about 36-109 turns of about 35 s), while these
+    #: defaults' trajectories (28 turns median) move every lane about 7 times an hour
+    routing_key: Literal["session", "lane"] = "session"
     #: a lane's later trajectories replay from turn 0 (aiperf recycles a finished lane into the
     #: next trace "in full from turn 0", with a fresh cache-bust marker); False: every trajectory
     #: starts at its own start point like the first
@@ -226,6 +244,8 @@ class AgenticWorkloadConfig(BaseModel):
         if q is not None and (len(q) < 2 or len(q) > 10_001 or any(b < a for a, b in zip(q, q[1:]))
                               or q[0] < 0 or q[-1] > 1):
             raise ValueError("prefix_cut_kept_quantiles: 2..10001 non-decreasing fractions in [0, 1]")
+        if self.primer_context_scale != 1.0 and not self.warmup_primer:
+            raise ValueError("primer_context_scale needs warmup_primer (it scales the primer's prompt)")
         if self.warmup_barrier and self.subagent_at_once:
             raise ValueError("warmup_barrier is not implemented for subagent_at_once (trajectory trees)")
         if self.start_min_ratio > self.start_max_ratio:

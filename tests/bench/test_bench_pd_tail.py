@@ -25,8 +25,8 @@ pt = pytest.importorskip("pd_tail")
 
 
 def _window() -> tuple[list[tuple], tuple[dict, dict]]:
-    # 100 requests, seq i = 1..100: sent at 1000 + 0.01 i, answered i ms later; new connections: seq 1 and 100
-    recs = [(i, 1000 + 0.01 * i, 1000 + 0.01 * i + 0.001 * i, i in (1, 100)) for i in range(1, 101)]
+    # 100 requests, seq i = 1..100: sent at 1000 + 0.01 i, answered i ms later; new connections: seq 99 and 100
+    recs = [(i, 1000 + 0.01 * i, 1000 + 0.01 * i + 0.001 * i, i in (99, 100)) for i in range(1, 101)]
     reqs: dict[int, dict] = {}
     for i, t0, t1, _ in recs:
         pid = 1 if i <= 60 else 2
@@ -50,6 +50,8 @@ def test_analyse_by_hand() -> None:
     assert out["n"] == 100 and out["p50"] == pytest.approx(50.5) and out["p99"] == pytest.approx(99.01)
     assert out["n_slow"] == 1  # only the 100 ms request is >= 99.01
     assert out["new_conn_slow"] == 1.0 and out["new_conn_all"] == pytest.approx(0.02)
+    # new connections: seqs 99 and 100 (median 99.5 ms); kept: 1..98 ms (median 49.5)
+    assert out["new_conn_p50"] == pytest.approx(99.5) and out["kept_conn_p50"] == pytest.approx(49.5)
     # stages: before 1 ms, after 0.5 ms for every request; the slow one's handler 100 - 1.5 = 98.5 ms
     assert out["before_med_ms"] == pytest.approx(1.0) and out["before_slow_ms"] == pytest.approx(1.0)
     assert out["after_slow_ms"] == pytest.approx(0.5) and out["handler_slow_ms"] == pytest.approx(98.5)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,11 @@ def test_validate_refuses_flags_its_mode_would_ignore(argv: list[str], message: 
 
 def test_validate_agentx_notes_a_window_too_short_to_judge(capsys) -> None:
     assert main(["sim", "validate", "--agentx-440246", "--duration-s", "1"]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # the console wraps the line
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())  # the console wraps the line
+    # review4 T6: the hour-long run printed nothing for 30-60 s; now one line first (stderr), the time after
+    assert captured.err.startswith("simulating 1 s of AgentX 440246 on pdlb's cluster simulator")
+    assert re.search(r"simulated in \d+\.\d s", out)
     assert ("note: --duration-s 1 simulates 1 s of the published 3,600 s: the figures are hour-long averages, so a "
             "window under 600 s (cold caches, few finished requests) is too short to judge the error band") in out
 

@@ -58,10 +58,10 @@ async def test_a_request_naming_the_alias_is_answered_under_it(protocol, stream,
             else {"messages": [{"role": "user", "content": "hello " * 8}]}) | {"max_tokens": 3, "stream": stream}
     async with inprocess_cluster(protocol, engine={"speed": 20.0}, router=PROBED) as c, aiohttp.ClientSession() as s:
         await _probed(s, c.url)
-        for model, want in ((ALIAS, ALIAS), ("absent", ALIAS), (None, ALIAS), (ENGINE, ENGINE)):
-            # fails before the fix for the alias and no model (absent or null, as vLLM's
-            # check_model takes both): every answer said "pdlb-emulated" (the engine's own name);
-            # a name that is not the alias passes through both ways
+        for model, want in ((ALIAS, ALIAS), ("absent", ALIAS), (None, ALIAS), ("", ALIAS), (ENGINE, ENGINE)):
+            # fails before the fix for the alias and no model (absent, null or "", which vLLM's
+            # check_model takes alike: `not model_name`): every answer said "pdlb-emulated" (the
+            # engine's own name); a name that is not the alias passes through both ways
             sent = body if model == "absent" else body | {"model": model}
             async with s.post(c.url + endpoint, json=sent) as r:
                 text = await r.text()

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from balancer.service.processes.placement import (HOLD_PASSES, LOG_INTERVAL_S, REBALANCE_GAP, SHRINK_PASSES,
+from balancer.service.processes.placement import (HOLD_PASSES, LOG_INTERVAL_S, REBALANCE_EXPIRE_PASSES, REBALANCE_GAP,
+                                                  SHRINK_PASSES,
                                                   PlacementBlock, PlacementControl, PlacementView, next_active,
                                                   process_cpu_s, rebalance)
 
@@ -169,8 +170,8 @@ def test_the_even_out_rule_by_hand():
 
 def test_tick_evens_out_the_active_processes_once_their_moves_are_done():
     # 2 active of 3 (k set by hand), 12 and 4 open connections, a load that keeps k (1.6 cores on 2 active:
-    # want ceil(1.6/0.7) = 3 > k: no shrink; mean 0.8 <= 0.85: no grow): each pass that changes nothing asks
-    # the fuller one for half the gap, once the last ask is done
+    # want ceil(1.6/0.7) = 3 > k: no shrink; mean 0.8 <= 0.85: no grow): a pass that changes nothing asks
+    # the fuller one for half the gap, and nothing more until that is done
     block = PlacementBlock(3)
     try:
         c = PlacementControl(block)
@@ -180,11 +181,12 @@ def test_tick_evens_out_the_active_processes_once_their_moves_are_done():
             for _ in range(n):
                 v.connection_opened()
         t, cpu = 100.0, [0.0, 0.0, 0.0]
-        assert c.tick(t, cpu) == 2  # the first pass sets the clocks (and asks: a pass that changes nothing)
-        assert block.field(0, 0) - block.field(0, 1) == 4 and c.rebalanced == 4
+        assert c.tick(t, cpu) == 2 and c.rebalanced == 0  # the first pass sets the clocks: no load seen yet
         t, cpu = t + 0.2, [cpu[0] + 0.16, cpu[1] + 0.16, 0.0]
         assert c.tick(t, cpu) == 2
-        assert block.field(0, 0) - block.field(0, 1) == 4  # still owed: nothing more asked
+        assert block.field(0, 0) - block.field(0, 1) == 4 and c.rebalanced == 4  # (12 - 4) // 2
+        t, cpu = t + 0.2, [cpu[0] + 0.16, cpu[1] + 0.16, 0.0]
+        assert c.tick(t, cpu) == 2 and c.rebalanced == 4  # still owed: nothing more asked
         # process 0 answers 4 requests with Connection: close, then keeps the rest
         assert [views[0].give_back() for _ in range(5)] == [True] * 4 + [False]
         for _ in range(4):  # their clients reconnect; the parent places them on the fewest (process 1)
@@ -198,6 +200,40 @@ def test_tick_evens_out_the_active_processes_once_their_moves_are_done():
         t, cpu = t + 0.2, [cpu[0] + 0.16, cpu[1] + 0.16, 0.0]
         assert c.tick(t, cpu) == 2 and c.rebalanced == 4  # even: nothing asked; process 2 (inactive) not counted
         assert not views[0].give_back() and not views[1].give_back()
+        for v in views:
+            v.block.close()
+    finally:
+        block.close()
+
+
+def test_an_even_out_ask_on_idle_connections_expires_and_an_idle_router_asks_nothing():
+    block = PlacementBlock(2)
+    try:
+        c = PlacementControl(block)
+        views = [PlacementView(PlacementBlock(2, block.name), i) for i in range(2)]
+        for v, n in zip(views, [6, 2]):
+            for _ in range(n):
+                v.connection_opened()
+        t, cpu = 100.0, [0.0, 0.0]
+        c.tick(t, cpu)
+        # idle (0.05 cores in all, under SHRINK_MIN_CORES = 0.1): 6 vs 2 stays as it is
+        for _ in range(3):
+            t, cpu = t + 0.2, [cpu[0] + 0.005, cpu[1] + 0.005]
+            assert c.tick(t, cpu) == 2
+        assert c.rebalanced == 0 and block.field(0, 0) == block.field(0, 1)
+        # 1.2 cores in all (0.6 each: want ceil(1.2/0.7) = 2 = k; mean 0.6: no grow): process 0 asked for 2
+        t, cpu = t + 0.2, [cpu[0] + 0.12, cpu[1] + 0.12]
+        assert c.tick(t, cpu) == 2 and block.field(0, 0) - block.field(0, 1) == 2
+        # its connections carry nothing: REBALANCE_EXPIRE_PASSES passes later the ask is dropped (target = done) ...
+        for n in range(1, REBALANCE_EXPIRE_PASSES + 1):
+            t, cpu = t + 0.2, [cpu[0] + 0.12, cpu[1] + 0.12]
+            c.tick(t, cpu)
+            owed = block.field(0, 0) - block.field(0, 1)
+            assert owed == (2 if n < REBALANCE_EXPIRE_PASSES else 0), n
+        # ... and the next pass may ask again (the split is still 6 vs 2)
+        t, cpu = t + 0.2, [cpu[0] + 0.12, cpu[1] + 0.12]
+        c.tick(t, cpu)
+        assert block.field(0, 0) - block.field(0, 1) == 2 and c.rebalanced == 4
         for v in views:
             v.block.close()
     finally:

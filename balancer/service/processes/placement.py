@@ -27,10 +27,12 @@ as it needs: the first ``k`` ("active") of them.
   :data:`HOLD_PASSES` passes after one (the measurement must see the new placement first).
 * **Place.** New connections go to the active process holding the fewest (its open ones plus
   those handed to it and not yet taken; ties to the lowest index).
-* **Even out.** On a pass that changes nothing, when no active process still owes connections
-  and the active one holding the most holds :data:`REBALANCE_GAP` or more over the one holding the
-  fewest, it gives back half the difference (:func:`rebalance`); their clients reconnect and
-  are placed on the fewest. The counts :meth:`PlacementControl.pick` reads lag behind while a
+* **Even out.** On a pass that changes nothing, with at least :data:`SHRINK_MIN_CORES` of load,
+  when no active process still owes connections and the active one holding the most holds
+  :data:`REBALANCE_GAP` or more over the one holding the fewest, it gives back half the
+  difference (:func:`rebalance`); their clients reconnect and are placed on the fewest. An ask
+  not met within :data:`REBALANCE_EXPIRE_PASSES` (its connections idle) is dropped, so that an
+  idle process never blocks the next one. The counts :meth:`PlacementControl.pick` reads lag behind while a
   burst of connections closes and another opens (a client that closes its pool and opens a new
   one: each process counts its closes on its own loop pass), and keep-alive connections stay
   where they landed: 16 clients over 2 active processes came out 12 and 4, and the busier process
@@ -61,7 +63,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 
 __all__ = ["GROW_UTIL", "HOLD_PASSES", "LOG_INTERVAL_S",
-           "PlacementBlock", "PlacementControl", "PlacementView", "REBALANCE_GAP", "SATURATED_UTIL",
+           "PlacementBlock", "PlacementControl", "PlacementView", "REBALANCE_EXPIRE_PASSES", "REBALANCE_GAP",
+           "SATURATED_UTIL",
            "SHRINK_MIN_CORES", "SHRINK_PASSES", "TARGET_UTIL", "next_active", "process_cpu_s", "rebalance"]
 
 TARGET_UTIL = 0.7
@@ -84,6 +87,9 @@ HOLD_PASSES = 2
 REBALANCE_GAP = 2
 """Connections the active process holding the most must hold over the one holding the fewest
 before it gives some back (:func:`rebalance`): below 2 no move makes the split more even."""
+REBALANCE_EXPIRE_PASSES = 25
+"""Passes (5 s) after which an even-out ask not yet met is dropped (the process's connections
+carried no request meanwhile: nothing to move)."""
 LOG_INTERVAL_S = 60.0
 """Least seconds between two INFO lines on changes of ``k`` (review R5, session 16: a bursty load
 changes it every few passes); the changes between them are logged at DEBUG and counted in the next
@@ -295,6 +301,7 @@ class PlacementControl:
         self._info_s: float | None = None  # when the last INFO line on a change was logged
         self._quiet = 0  # changes logged at DEBUG since then
         self.rebalanced = 0  # connections asked back to even out the active processes (:func:`rebalance`)
+        self._ask: tuple[int, int, int] | None = None  # the last even-out ask: (process, its target, passes since)
 
     def pick(self, dead: set[int] | frozenset[int] = frozenset()) -> int | None:
         """The process for a new connection: the active one holding the fewest (open + in
@@ -319,6 +326,30 @@ class PlacementControl:
         """Client connections process ``i`` holds: its open ones plus those handed to it and not yet taken."""
         b = self.block
         return b.field(i, 2) + max(0, self.sent[i] - b.field(i, 3))
+
+    def _even_out(self, k: int, load_cores: float) -> None:
+        """The even-out rule (module docstring) on a pass that left ``k`` as it was."""
+        b = self.block
+        if self._ask is not None:
+            i, target, passes = self._ask
+            if b.field(i, 1) >= target or b.field(i, 0) != target:  # met, or a grow's ask replaced it
+                self._ask = None
+            elif passes + 1 >= REBALANCE_EXPIRE_PASSES:  # its connections idle: drop the rest (ask anew next pass)
+                b.set_field(i, 0, b.field(i, 1))
+                self._ask = None
+                return
+            else:
+                self._ask = (i, target, passes + 1)
+                return
+        if load_cores < SHRINK_MIN_CORES:
+            return
+        move = rebalance([self.held(i) for i in range(k)], [b.field(i, 0) - b.field(i, 1) for i in range(k)])
+        if move is not None:
+            i, give = move
+            target = b.field(i, 1) + give
+            b.set_field(i, 0, target)
+            self.rebalanced += give
+            self._ask = (i, target, 0)
 
     def handed(self, i: int) -> None:
         self.sent[i] += 1
@@ -346,11 +377,7 @@ class PlacementControl:
             return k
         k_new, self._low, why = next_active(k, n, utils, self._low, self.target_util)
         if k_new == k:
-            move = rebalance([self.held(i) for i in range(k)], [b.field(i, 0) - b.field(i, 1) for i in range(k)])
-            if move is not None:
-                i, give = move
-                b.set_field(i, 0, b.field(i, 1) + give)
-                self.rebalanced += give
+            self._even_out(k, sum(utils))
         if k_new != k:
             if k_new > k:  # the active ones give back the new ones' share of their connections
                 for i in range(k):

@@ -79,6 +79,12 @@ class StepGroup:
             rank does everything).
         prefill_wait_s / decode_wait_s: ``sum_steps dt * (1 - mean_r work_r / max_r work_r)``: the
             average rank's seconds spent waiting for the slowest one (0 for a group of one rank).
+        open_prefill_steps / bound_prefill_steps / idle_prefill_steps: with
+            ``prefill_schedule_interval > 1``, the steps that carried prefill on some rank: on a
+            step open to prefill; on a step between them because a rank was capacity bound (a
+            prompt waited for admission after its last prefill-capable step) and prefilled; else
+            because a rank with nothing to decode prefilled. Each such step is a mixed step for
+            the whole group (0 with interval 1).
 
     Options (off by default):
         prefill_schedule_interval: vLLM's DP prefill balancing (``--prefill-schedule-interval``):
@@ -124,11 +130,16 @@ class StepGroup:
         self.prefill_busy_s = self.decode_busy_s = 0.0
         self.prefill_imbalance_s = self.decode_imbalance_s = 0.0
         self.prefill_wait_s = self.decode_wait_s = 0.0
+        self.open_prefill_steps = self.bound_prefill_steps = self.idle_prefill_steps = 0
         self.prefill_schedule_interval = prefill_schedule_interval
         self.record_iterations = record_iterations
         #: per recorded step or segment: step seconds ``(k,)`` and ranks per class ``(k, 3)``
         self._iter_times: list[np.ndarray] = []
         self._iter_counts: list[np.ndarray] = []
+        #: with ``record_iterations``: per rank, recorded steps by class ``(ranks, 3)`` (prefill-only,
+        #: decode-only, mixed) and the seconds of the steps in which the rank had work ``(ranks,)``
+        self.rank_class_steps = np.zeros((len(self.ranks), len(STEP_CLASSES)), dtype=np.int64)
+        self.rank_active_s = np.zeros(len(self.ranks), dtype=np.float64)
         self.process = env.process(self._run())
 
     def notify(self) -> None:
@@ -163,11 +174,26 @@ class StepGroup:
             else:
                 open_step = self.num_steps % interval == 0
                 plans = []
+                bound = idle = False  # a capacity-bound / an idle rank prefills on a step between open ones
                 for r in ranks:
-                    allow = open_step or r.prefill_capacity_bound or not r.running
-                    plans.append(r.plan(allow))
+                    was_bound = r.prefill_capacity_bound
+                    allow = open_step or was_bound or not r.running
+                    plan = r.plan(allow)
+                    plans.append(plan)
                     if allow:
                         r.prefill_capacity_bound = r.awaiting_admission
+                        if plan.chunks and not open_step:
+                            if was_bound:
+                                bound = True
+                            else:
+                                idle = True
+                if open_step:
+                    if any(p.chunks for p in plans):
+                        self.open_prefill_steps += 1
+                elif bound:
+                    self.bound_prefill_steps += 1
+                elif idle:
+                    self.idle_prefill_steps += 1
             if not any(p.chunks or p.decode_seqs for p in plans):
                 # every admitted job is fetching from a lower KV tier (and the next one may wait
                 # for KV blocks those fetching jobs reserved): a fetch completion notifies us
@@ -199,6 +225,7 @@ class StepGroup:
                 self._iter_times.append(np.array([dt]))
                 self._iter_counts.append(np.array([[np.sum((pt > 0) & (ds == 0)), np.sum((pt == 0) & (ds > 0)),
                                                     np.sum((pt > 0) & (ds > 0))]], dtype=np.int64))
+                self._rank_record(pt > 0, ds > 0, 1, dt)
             self.num_waits += 1
             yield env.timeout(dt)
             self.num_steps += 1
@@ -286,12 +313,21 @@ class StepGroup:
             cls = np.array([[np.sum(has_p & ~has_d), np.sum(~has_p & has_d), np.sum(has_p & has_d)]], dtype=np.int64)
             self._iter_times.append(times[:steps].copy())
             self._iter_counts.append(np.repeat(cls, steps, axis=0))
+            self._rank_record(has_p, has_d, steps, float(cum[steps - 1]))
         if len(ranks) > 1:
             if plans is None:
                 self._account("decode", ctx[:steps], times[:steps])
             else:
                 self._account("prefill", tokens[:steps], times[:steps])
         self._apply(plans, steps)
+
+    def _rank_record(self, has_p: np.ndarray, has_d: np.ndarray, steps: int, seconds: float) -> None:
+        """Per-rank records of ``steps`` steps lasting ``seconds`` in all, in which rank ``r`` prefills
+        ``has_p[r]`` and decodes ``has_d[r]`` (bool arrays, shape ``(ranks,)``)."""
+        self.rank_class_steps[:, 0] += steps * (has_p & ~has_d)
+        self.rank_class_steps[:, 1] += steps * (~has_p & has_d)
+        self.rank_class_steps[:, 2] += steps * (has_p & has_d)
+        self.rank_active_s += seconds * (has_p | has_d)
 
     def _account_one(self, pt: np.ndarray, dc: np.ndarray, dt: float) -> None:
         """:meth:`_account` of one step, in plain floats (the per-event path)."""
