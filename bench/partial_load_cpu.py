@@ -525,6 +525,8 @@ def main() -> int:
                     help="experiment: also drive a router that polls this many us after bytes arrive before it blocks "
                          "(comma list, e.g. 50,200; default none)")
     ap.add_argument("--out", type=Path, help="write the raw figures as JSON here")
+    # a timeout's SIGTERM ends the run through the finally blocks: the engines and routers stop too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = ap.parse_args()
     modes = list_arg(ap, "--modes", args.modes, "modes of regular, pd, vllm-pd", one_of(("regular", "pd", "vllm-pd")))
     args.rates = list_arg(ap, "--rates", args.rates, "offered rates > 0", positive_float)
