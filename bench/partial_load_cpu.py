@@ -26,13 +26,17 @@ the rates alternating, and per rate it prints, per answered request (medians ove
   the router's CPU sleeps until each tick of the same rates and then does a fixed piece of work,
   once a small warm loop (``tight``) and once a walk over 300 objects of a 200,000-object heap
   (``heap``, a working set like a request's), against the same work back to back: the extra CPU
-  per wake-up is the kernel's switch plus the caches the process finds cold.
+  per wake-up is the kernel's switch plus the caches the process finds cold;
+* ``--spin-us LIST``, an experiment (not in pdlb): routers whose loop keeps polling that many us
+  after bytes arrive before it blocks (injected before ``pdlb serve`` starts), driven in the same
+  rounds as the plain one: CPU per request against it, per rate.
 
 Run by hand::
 
     .venv/bin/python bench/partial_load_cpu.py                                 # regular, 300,800,1500,6000 req/s
     .venv/bin/python bench/partial_load_cpu.py --modes regular,pd --rounds 3 --calibrate
     .venv/bin/python bench/partial_load_cpu.py --rates 300,1500 --strace --loop-counts --perf
+    .venv/bin/python bench/partial_load_cpu.py --rates 300,800,1500,6000 --rounds 3 --spin-us 50
     .venv/bin/python bench/partial_load_cpu.py --tree /path/to/other/checkout  # another checkout's pdlb
 
 The router runs on ``--router-cpus`` (default CPU 0), the engines and the clients on the other
@@ -93,7 +97,8 @@ _sig.signal(_sig.SIGUSR1, _dump)
 """
 _COUNTER = COUNTING + "import sys\nfrom pdlb_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
-#: ``--spin-us``, an experiment (not in pdlb): the router's loop keeps polling (a callback that
+#: ``--spin-us``, an experiment (not in pdlb; tried as ``pdlb serve --loop-poll-us`` in session 17 and
+#: removed: no win on the 2-core host, docs/serving.md "The partly idle process"): the router's loop keeps polling (a callback that
 #: re-queues itself, so each pass polls with a zero timeout) for $PDLB_BENCH_SPIN_US microseconds
 #: after any bytes arrive from a client or an engine before it lets itself block: a wake-up that
 #: comes within the window finds the loop running (no switch, caches warm); the spinning is CPU
@@ -269,8 +274,8 @@ def parse_counts(text: str) -> Counter:
 def _start_router(mode: str, engines: list[Proc], args: argparse.Namespace, counts_file: str | None = None,
                   spin_us: float | None = None) -> Proc:
     a = ro._pdlb_args(mode, engines, 1)
+    tree = args.tree or Path(__file__).resolve().parents[1]
     if spin_us is not None:
-        tree = args.tree or Path(__file__).resolve().parents[1]
         env = os.environ.copy()
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
         env["PDLB_BENCH_SPIN_US"] = str(spin_us)
@@ -520,6 +525,8 @@ def main() -> int:
                     help="experiment: also drive a router that polls this many us after bytes arrive before it blocks "
                          "(comma list, e.g. 50,200; default none)")
     ap.add_argument("--out", type=Path, help="write the raw figures as JSON here")
+    # a timeout's SIGTERM ends the run through the finally blocks: the engines and routers stop too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = ap.parse_args()
     modes = list_arg(ap, "--modes", args.modes, "modes of regular, pd, vllm-pd", one_of(("regular", "pd", "vllm-pd")))
     args.rates = list_arg(ap, "--rates", args.rates, "offered rates > 0", positive_float)

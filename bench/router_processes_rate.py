@@ -42,6 +42,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -241,6 +242,8 @@ def main() -> int:
     ap.add_argument("--router-cpus", default=None, help="routers' CPUs, e.g. 0-7 (default: CPU 0 when the host has 2+)")
     ap.add_argument("--baseline", action="append", default=[], help="also run these process counts from this checkout (repeatable)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON to this file")
+    # a timeout's SIGTERM ends the run through the finally blocks: the engines and routers stop too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = ap.parse_args()
     args.processes = list_arg(ap, "--processes", args.processes, "process counts >= 1", positive_int)
     modes = list_arg(ap, "--modes", args.modes, "modes of regular, pd, vllm-pd", one_of(("regular", "pd", "vllm-pd")))

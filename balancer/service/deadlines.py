@@ -55,7 +55,8 @@ class QueuedDeadline:
     async def __aenter__(self) -> QueuedDeadline:
         # the queue's loop given: asyncio.current_task() would look the running loop up again
         # (on Python 3.11 a getpid() system call per lookup)
-        task = asyncio.current_task(self._queue._running_loop())
+        queue = self._queue
+        task = asyncio.current_task(queue._loop or queue._running_loop())
         if task is None:
             raise RuntimeError("a deadline must be used inside a task")
         self._task = task
@@ -106,7 +107,7 @@ class DeadlineQueue:
 
     def after(self, delay_s: float) -> QueuedDeadline:
         """``asyncio.timeout(delay_s)``: :meth:`at` ``delay_s`` seconds from now (event-loop time)."""
-        return self.at(self._running_loop().time() + delay_s)
+        return self.at((self._loop or self._running_loop()).time() + delay_s)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
@@ -130,7 +131,7 @@ class DeadlineQueue:
         if self._handle is not None:
             self._handle.cancel()
         self._armed_s = when
-        self._handle = self._running_loop().call_at(when, self._fire)
+        self._handle = (self._loop or self._running_loop()).call_at(when, self._fire)
 
     @staticmethod
     def _expire(entry: QueuedDeadline) -> None:

@@ -526,7 +526,8 @@ class LeanProtocol(asyncio.Protocol):
         if self._reading_paused:
             self._reading_paused = False
             tr.resume_reading()
-        self._advance()
+        if self._buf:  # a pipelined request waits (else _advance has nothing to do)
+            self._advance()
 
     def open_stream(self, status: int, headers: Any) -> LeanStream:
         return LeanStream(self, status, headers, self.keep_alive and not self._closing and not self._giving_back())
