@@ -222,6 +222,19 @@ def in_service_queue(q: np.ndarray, a: np.ndarray, head_start_s: np.ndarray, hea
     return q - done, np.maximum(a - done_pairs, 0.0)
 
 
+def _at_once_after_and_top(inflight: np.ndarray, C: int, L: int, idx: np.ndarray, rows: np.ndarray | None,
+                           ep_synchronous: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(x_after, top)``: each rank's tokens per prefill step with the prompt added
+    (:func:`balancer.prefill_cadence.at_once_tokens`) and the tokens per prefill step that set its
+    engine's step now (the busiest rank's of its engine where the engine is EP-synchronous, else
+    the rank's own). Both shape ``(n,)``, float64."""
+    x, x_after = at_once_tokens(inflight, C, L)
+    if not ep_synchronous:
+        return x_after, x
+    n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
+    return x_after, _per_engine_max(x, idx, rows, n_eng)
+
+
 def at_once_step_rise_s(inflight: np.ndarray, u: np.ndarray, cached: np.ndarray, c: PrefillStepCost, C: int, L: int,
                         idx: np.ndarray, rows: np.ndarray | None, ep_synchronous: bool) -> np.ndarray:
     """Seconds by which a prompt placed on each rank lengthens each prefill step of its engine while
@@ -231,12 +244,7 @@ def at_once_step_rise_s(inflight: np.ndarray, u: np.ndarray, cached: np.ndarray,
     rank, so it lengthens by ``rise_i = max(0, min(C, L (m_i + 1)) - max_r x_r)`` over the engine's
     ranks (a dense rank: by ``x_i' - x_i``), each token costing ``per_token + per_attn_pair (p_i +
     u_i / 2)`` (the prompt's mean position). Shape ``(n,)``, float64, >= 0."""
-    x, x_after = at_once_tokens(inflight, C, L)
-    if ep_synchronous:
-        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
-        top = _per_engine_max(x, idx, rows, n_eng)
-    else:
-        top = x
+    x_after, top = _at_once_after_and_top(inflight, C, L, idx, rows, ep_synchronous)
     rise = np.maximum(x_after - top, 0.0)
     return rise * (c.per_token_s + c.per_attn_pair_s * (cached + u / 2.0))
 
@@ -261,12 +269,7 @@ def at_once_floor_rise_s(inflight: np.ndarray, u: np.ndarray, cached: np.ndarray
     nothing. Shape ``(n,)``, float64, >= 0. Source: the eager-step floor (docs/validate.md, "The
     eager prefill step"); the step sum is the simulator's roofline's (decode and prefill parts
     add)."""
-    x, x_after = at_once_tokens(inflight, C, L)
-    if ep_synchronous:
-        n_eng = int(idx[idx.argmax()]) + 1 if len(idx) else 0
-        top = _per_engine_max(x, idx, rows, n_eng)
-    else:
-        top = x
+    x_after, top = _at_once_after_and_top(inflight, C, L, idx, rows, ep_synchronous)
     tok = c.per_token_s + c.per_attn_pair_s * (cached + u / 2.0)
     base = decode_step_s + c.overhead_s
     after = np.maximum(floor_s, base + np.maximum(top, x_after) * tok)
