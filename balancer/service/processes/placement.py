@@ -27,7 +27,8 @@ as it needs: the first ``k`` ("active") of them.
   :data:`HOLD_PASSES` passes after one (the measurement must see the new placement first).
 * **Place.** New connections go to the active process holding the fewest (its open ones plus
   those handed to it and not yet taken; ties to the lowest index).
-* **Even out.** On a pass that changes nothing, with at least :data:`SHRINK_MIN_CORES` of load,
+* **Even out** (opt-in: ``placement_even_out``, ``pdlb serve --placement-even-out``; off, the
+  placement is what it was before the rule). On a pass that changes nothing, with at least :data:`SHRINK_MIN_CORES` of load,
   when no active process still owes connections and the active one holding the most holds
   :data:`REBALANCE_GAP` or more over the one holding the fewest, it gives back half the
   difference (:func:`rebalance`); their clients reconnect and are placed on the fewest. An ask
@@ -287,11 +288,13 @@ class PlacementControl:
     :meth:`pick` for each accepted connection (from the acceptor's thread); :meth:`handed`,
     :meth:`reset` (a process replaced)."""
 
-    def __init__(self, block: PlacementBlock, target_util: float = TARGET_UTIL) -> None:
+    def __init__(self, block: PlacementBlock, target_util: float = TARGET_UTIL, even_out: bool = False) -> None:
         """``target_util``: cores per active process the set is sized for (:func:`next_active`;
-        ValueError outside :data:`TARGET_UTIL_RANGE`)."""
+        ValueError outside :data:`TARGET_UTIL_RANGE`); ``even_out``: apply the even-out rule
+        (:func:`rebalance`; off by default)."""
         self.block = block
         self.target_util = check_target_util(target_util)
+        self.even_out = even_out
         n = block.processes
         self.sent = [0] * n  # connections handed to each process since it started
         self._last: list[tuple[float, float] | None] = [None] * n  # (time, cpu) at the last pass
@@ -376,7 +379,7 @@ class PlacementControl:
             self._hold -= 1
             return k
         k_new, self._low, why = next_active(k, n, utils, self._low, self.target_util)
-        if k_new == k:
+        if k_new == k and self.even_out:
             self._even_out(k, sum(utils))
         if k_new != k:
             if k_new > k:  # the active ones give back the new ones' share of their connections
