@@ -23,14 +23,16 @@ slowest 1% in another router process (host-wide stalls: the CPU or the client pr
 how many router processes served the window. The medians over rounds close the run.
 
 Rows (``--rows``): ``NAME=ARGS`` pdlb serve rows (``x1=--processes 1``, ``x8=--processes 8``, ``x8rr=--processes 8
---connection-placement round_robin``, ...); ``--baseline DIR``: one more row from another checkout (e.g. the
-session start) for the first row, named ``NAME@base``; this tree's rows then start the same way (``pdlb serve`` from a checkout put
-first on ``PYTHONPATH``, router_overhead's ``--baseline`` path), so that two rows differ in their code only. On the
-2-core development host (load 8-14 from other work) two rows of the SAME tree read per-round p99 differences of
--9 to +10 ms and CPU per request 0.76-1.41x: latency A/B needs the 16-core host and many rounds there.
-``--no-probe`` runs without the router-side records (the client's stay): the latencies as the table sees them. ``--max-concurrency N`` (default 0: none) adds a throughput
-window at N clients from ``--load-processes`` client processes after each row's latency window, as router_overhead
-does (the placement then starts each latency window from where a saturated run left it).
+--connection-placement round_robin``, ...); ``--baseline DIR``: one more row from another checkout (e.g. the session
+start) for the first row, named ``NAME@base``; this tree's rows then start the same way (``pdlb serve`` from a
+checkout put first on ``PYTHONPATH``, router_overhead's ``--baseline`` path), so that two rows differ in their code
+only. On the 2-core development host (load 8-14 from other work) two rows of the SAME tree read per-round p99
+differences of -9 to +10 ms and CPU per request 0.76-1.41x: latency A/B needs the 16-core host and many rounds
+there.
+``--no-probe`` runs without the router-side records (the client's stay): the latencies as the table sees them.
+``--max-concurrency N`` (default 0: none) adds a throughput window at N clients from ``--load-processes`` client
+processes after each row's latency window, as router_overhead does (the placement then starts each latency window
+from where a saturated run left it).
 
 Run by hand (a 2-core host: the routers on CPU 0, engines and the client on CPU 1)::
 
