@@ -23,14 +23,16 @@ slowest 1% in another router process (host-wide stalls: the CPU or the client pr
 how many router processes served the window. The medians over rounds close the run.
 
 Rows (``--rows``): ``NAME=ARGS`` pdlb serve rows (``x1=--processes 1``, ``x8=--processes 8``, ``x8rr=--processes 8
---connection-placement round_robin``, ...); ``--baseline DIR``: one more row per row from another checkout (e.g. the
-session start), named ``NAME@base``; this tree's rows then start the same way (``pdlb serve`` from a checkout put
-first on ``PYTHONPATH``, router_overhead's ``--baseline`` path), so that two rows differ in their code only. On the
-2-core development host (load 8-14 from other work) two rows of the SAME tree read per-round p99 differences of
--9 to +10 ms and CPU per request 0.76-1.41x: latency A/B needs the 16-core host and many rounds there.
-``--no-probe`` runs without the router-side records (the client's stay): the latencies as the table sees them. ``--max-concurrency N`` (default 0: none) adds a throughput
-window at N clients from ``--load-processes`` client processes after each row's latency window, as router_overhead
-does (the placement then starts each latency window from where a saturated run left it).
+--connection-placement round_robin``, ...); ``--baseline DIR``: one more row from another checkout (e.g. the session
+start) for the first row, named ``NAME@base``; this tree's rows then start the same way (``pdlb serve`` from a
+checkout put first on ``PYTHONPATH``, router_overhead's ``--baseline`` path), so that two rows differ in their code
+only. On the 2-core development host (load 8-14 from other work) two rows of the SAME tree read per-round p99
+differences of -9 to +10 ms and CPU per request 0.76-1.41x: latency A/B needs the 16-core host and many rounds
+there.
+``--no-probe`` runs without the router-side records (the client's stay): the latencies as the table sees them.
+``--max-concurrency N`` (default 0: none) adds a throughput window at N clients from ``--load-processes`` client
+processes after each row's latency window, as router_overhead does (the placement then starts each latency window
+from where a saturated run left it).
 
 Run by hand (a 2-core host: the routers on CPU 0, engines and the client on CPU 1)::
 
@@ -288,11 +290,12 @@ async def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     out: dict[str, list[dict]] = {"direct": []}
     try:
         with ro._affinity(args.router_cpus):
-            for name, extra in args.rows:
-                # with a baseline, this tree's rows start the same way as its rows (from a checkout on
-                # PYTHONPATH): identical code started the two ways read apart (module docstring)
+            for j, (name, extra) in enumerate(args.rows):
+                # with a baseline, this tree's rows start the same way as its row (from a checkout on
+                # PYTHONPATH), so that the two differ in their code only; the baseline runs the first row
                 ours = ROOT if args.baseline else None
-                for suffix, checkout in [("", ours), *(("@base", b) for b in args.baseline[:1])]:
+                base = [("@base", b) for b in args.baseline[:1]] if j == 0 else []
+                for suffix, checkout in [("", ours), *base]:
                     row = name + suffix
                     pdir = (tmp / mode / row) if args.probe else None
                     if pdir is not None:
@@ -407,16 +410,19 @@ def print_mode(mode: str, out: dict[str, list[dict]]) -> None:
               f"{statistics.median(r['new_conn_p50'] for r in res):.2f} ms against "
               f"{statistics.median(r['kept_conn_p50'] for r in res):.2f} on kept connections){extra}")
     names = [n for n in out if n != "direct"]
-    for name in names:
-        if name + "@base" in out:
-            for q in ("p99", "p50"):
-                diffs = [a[q] - b[q] for a, b in zip(out[name], out[name + "@base"])]
-                print(f"  {name} - {name}@base {q}: median {statistics.median(diffs):+.2f} ms "
+    # each row against the first row's baseline run, and every other row of this tree against the first
+    pairs = [(n, n + "@base") for n in names if n + "@base" in out]
+    pairs += [(n, names[0]) for n in names[1:] if not n.endswith("@base")]
+    for a_name, b_name in pairs:
+        for q in ("p99", "p50"):
+            diffs = [a[q] - b[q] for a, b in zip(out[a_name], out[b_name])]
+            if diffs:
+                print(f"  {a_name} - {b_name} {q}: median {statistics.median(diffs):+.2f} ms "
                       f"(rounds {', '.join(f'{x:+.2f}' for x in diffs)})")
-            ratios = [a["cpu_us"] / b["cpu_us"] for a, b in zip(out[name], out[name + "@base"]) if b["cpu_us"] > 0]
-            if ratios:
-                print(f"  {name} / {name}@base CPU per request in the latency window: median "
-                      f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
+        ratios = [a["cpu_us"] / b["cpu_us"] for a, b in zip(out[a_name], out[b_name]) if b["cpu_us"] > 0]
+        if ratios:
+            print(f"  {a_name} / {b_name} CPU per request in the latency window: median "
+                  f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
 def parse_rows(ap: argparse.ArgumentParser, given: list[str]) -> list[tuple[str, list[str]]]:

@@ -123,6 +123,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="with --connection-placement follow_load: cores per active router process the active set is "
                         "sized for, 0.3-0.95 (higher: fewer, busier processes; 0.9 measured no better than the "
                         f"default, docs/serving.md) (default: {d.placement_target_util:g})")
+    p.add_argument("--placement-even-out", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --connection-placement follow_load: also even out the active processes' client "
+                        "connections (the fullest gives half the gap back with Connection: close; not measured on a "
+                        f"host where it acts, docs/serving.md) (default: {'on' if d.placement_even_out else 'off'})")
     p.add_argument("--pin-processes", action=argparse.BooleanOptionalAction, default=None,
                    help="with --processes > 1: run router process i on one CPU only, the i-th (wrapping) of the CPUs "
                         "pdlb serve may use (Linux; the parent keeps them all) (default: "
@@ -217,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                   "connection_placement": getattr(args, "connection_placement", None),
                   "pin_processes": getattr(args, "pin_processes", None),
                   "placement_target_util": getattr(args, "placement_target_util", None),
+                  "placement_even_out": getattr(args, "placement_even_out", None),
                   "speculative_ttl_s": getattr(args, "speculative_ttl_s", None)}
     data |= {k: v for k, v in over.items() if v is not None}
     off = []  # "0 turns it off": applied after loading (load_service_config ignores None overrides)

@@ -427,6 +427,7 @@ class ServiceConfig(BaseModel):
     connection_placement: Literal["follow_load", "round_robin"] = "follow_load"
     pin_processes: StrictBool = False
     placement_target_util: float = Field(0.7, ge=0.3, le=0.95)
+    placement_even_out: StrictBool = False
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_first_chunk_timeout_s: float | None = Field(120.0, gt=0)
     prefill_timeout_s: float | None = Field(60.0, gt=0)

@@ -411,7 +411,8 @@ def _run_processes(cfg: ServiceConfig, event_loop: str, log_level: str, max_rest
     shm = create_shared_load_block(n_processes, MAX_REPLICAS)
     reaper = LoadReaper(shm, n_processes, MAX_REPLICAS)
     # connections where the load needs them (the lean front gives connections back; /proc for CPU times)
-    place = (PlacementControl(PlacementBlock(n_processes), cfg.placement_target_util)
+    place = (PlacementControl(PlacementBlock(n_processes), cfg.placement_target_util,
+                              even_out=cfg.placement_even_out)
              if cfg.connection_placement == "follow_load"
              and cfg.http_front == "lean" and os.path.exists(f"/proc/{os.getpid()}/stat") else None)
     columns: dict[str, list[int]] = {}

@@ -174,7 +174,7 @@ def test_tick_evens_out_the_active_processes_once_their_moves_are_done():
     # the fuller one for half the gap, and nothing more until that is done
     block = PlacementBlock(3)
     try:
-        c = PlacementControl(block)
+        c = PlacementControl(block, even_out=True)
         block.q[0] = 2
         views = [PlacementView(PlacementBlock(3, block.name), i) for i in range(3)]
         for v, n in zip(views, [12, 4, 0]):
@@ -206,10 +206,35 @@ def test_tick_evens_out_the_active_processes_once_their_moves_are_done():
         block.close()
 
 
+def test_without_the_opt_in_the_placement_never_asks_to_even_out():
+    # the default (placement_even_out off): the same 12 vs 4 split under a load that keeps k asks nothing on
+    # any pass, so the shared block holds what the placement before the rule wrote (targets = done = 0)
+    block = PlacementBlock(3)
+    try:
+        c = PlacementControl(block)
+        assert c.even_out is False
+        block.q[0] = 2
+        views = [PlacementView(PlacementBlock(3, block.name), i) for i in range(3)]
+        for v, n in zip(views, [12, 4, 0]):
+            for _ in range(n):
+                v.connection_opened()
+        t, cpu = 100.0, [0.0, 0.0, 0.0]
+        for _ in range(30):
+            assert c.tick(t, cpu) == 2
+            t, cpu = t + 0.2, [cpu[0] + 0.16, cpu[1] + 0.16, 0.0]
+        assert c.rebalanced == 0
+        assert [block.field(i, f) for i in range(3) for f in (0, 1)] == [0] * 6
+        assert not views[0].give_back()
+        for v in views:
+            v.block.close()
+    finally:
+        block.close()
+
+
 def test_an_even_out_ask_on_idle_connections_expires_and_an_idle_router_asks_nothing():
     block = PlacementBlock(2)
     try:
-        c = PlacementControl(block)
+        c = PlacementControl(block, even_out=True)
         views = [PlacementView(PlacementBlock(2, block.name), i) for i in range(2)]
         for v, n in zip(views, [6, 2]):
             for _ in range(n):

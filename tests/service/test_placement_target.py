@@ -96,3 +96,17 @@ def test_cli_flag_config_file_and_a_bad_value_is_one_line(tmp_path, capsys):
     err = _fails(["serve", *base, "--placement-target-util", "0.99"], capsys)
     assert err.count("\n") == 1 and "placement_target_util" in err, err
     assert main  # imported for _fails' use
+
+
+def test_even_out_is_opt_in_from_the_cli_and_the_config_file(tmp_path):
+    # issue 26 (pdtail): off by default (no 16-core measurement of its effect), on with the flag or the file
+    from tests.cli.test_serve_cli import _serve_cfg
+
+    assert ServiceConfig().placement_even_out is False
+    base = ["--pd-protocol", "none", "--mixed", "http://127.0.0.1:31000"]
+    assert _serve_cfg(*base).placement_even_out is False
+    assert _serve_cfg(*base, "--placement-even-out").placement_even_out is True
+    f = tmp_path / "pdlb.yaml"
+    f.write_text("placement_even_out: true\n")
+    assert _serve_cfg("--config", str(f), *base).placement_even_out is True
+    assert _serve_cfg("--config", str(f), *base, "--no-placement-even-out").placement_even_out is False

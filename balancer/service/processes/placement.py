@@ -27,16 +27,18 @@ as it needs: the first ``k`` ("active") of them.
   :data:`HOLD_PASSES` passes after one (the measurement must see the new placement first).
 * **Place.** New connections go to the active process holding the fewest (its open ones plus
   those handed to it and not yet taken; ties to the lowest index).
-* **Even out.** On a pass that changes nothing, with at least :data:`SHRINK_MIN_CORES` of load,
-  when no active process still owes connections and the active one holding the most holds
-  :data:`REBALANCE_GAP` or more over the one holding the fewest, it gives back half the
-  difference (:func:`rebalance`); their clients reconnect and are placed on the fewest. An ask
-  not met within :data:`REBALANCE_EXPIRE_PASSES` (its connections idle) is dropped, so that an
-  idle process never blocks the next one. The counts :meth:`PlacementControl.pick` reads lag behind while a
-  burst of connections closes and another opens (a client that closes its pool and opens a new
-  one: each process counts its closes on its own loop pass), and keep-alive connections stay
-  where they landed: 16 clients over 2 active processes came out 12 and 4, and the busier process
-  served every one of the slowest 1% of the requests (``bench/pd_tail.py``, issue 26).
+* **Even out** (opt-in: ``placement_even_out``, ``pdlb serve --placement-even-out``; off, the
+  placement is what it was before the rule). On a pass that changes nothing, with at least
+  :data:`SHRINK_MIN_CORES` of load, when no active process still owes connections and the active
+  one holding the most holds :data:`REBALANCE_GAP` or more over the one holding the fewest, it
+  gives back half the difference (:func:`rebalance`); their clients reconnect and are placed on
+  the fewest. An ask not met within :data:`REBALANCE_EXPIRE_PASSES` (its connections idle) is
+  dropped, so that an idle process never blocks the next one. The counts
+  :meth:`PlacementControl.pick` reads lag behind while a burst of connections closes and another
+  opens (a client that closes its pool and opens a new one: each process counts its closes on its
+  own loop pass), and keep-alive connections stay where they landed: 16 clients over 2 active
+  processes came out 12 and 4, and the busier process served every one of the slowest 1% of the
+  requests (``bench/pd_tail.py``, issue 26).
 * **Give back.** A process gives a connection back by answering its next request with
   ``Connection: close`` and closing it after the answer (RFC 9110 §7.6.1): the client opens a new
   one, which the parent places. A process outside the first ``k`` gives back every connection;
@@ -287,11 +289,13 @@ class PlacementControl:
     :meth:`pick` for each accepted connection (from the acceptor's thread); :meth:`handed`,
     :meth:`reset` (a process replaced)."""
 
-    def __init__(self, block: PlacementBlock, target_util: float = TARGET_UTIL) -> None:
+    def __init__(self, block: PlacementBlock, target_util: float = TARGET_UTIL, even_out: bool = False) -> None:
         """``target_util``: cores per active process the set is sized for (:func:`next_active`;
-        ValueError outside :data:`TARGET_UTIL_RANGE`)."""
+        ValueError outside :data:`TARGET_UTIL_RANGE`); ``even_out``: apply the even-out rule
+        (:func:`rebalance`; off by default)."""
         self.block = block
         self.target_util = check_target_util(target_util)
+        self.even_out = even_out
         n = block.processes
         self.sent = [0] * n  # connections handed to each process since it started
         self._last: list[tuple[float, float] | None] = [None] * n  # (time, cpu) at the last pass
@@ -376,7 +380,7 @@ class PlacementControl:
             self._hold -= 1
             return k
         k_new, self._low, why = next_active(k, n, utils, self._low, self.target_util)
-        if k_new == k:
+        if k_new == k and self.even_out:
             self._even_out(k, sum(utils))
         if k_new != k:
             if k_new > k:  # the active ones give back the new ones' share of their connections
