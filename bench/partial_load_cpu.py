@@ -179,15 +179,7 @@ def tree_times(pid: int) -> tuple[int, int, int, int]:
         if f is None:
             continue
         ut, st = ut + int(f[11]), st + int(f[12])  # stat fields 14, 15 (utime, stime), counted after the name
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                text = Path(f"/proc/{p}/task/{t}/status").read_text()
-            except OSError:
-                continue
+        for text in rpr.task_status_texts(p):
             v, n = switches(text)
             vol, nonvol = vol + v, nonvol + n
     return ut, st, vol, nonvol

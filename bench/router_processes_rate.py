@@ -104,21 +104,28 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def task_status_texts(p: int):
+    """The ``/proc/<p>/task/<tid>/status`` text of each thread of process ``p`` (threads that end
+    while they are read, or a process that is gone, are skipped)."""
+    try:
+        tasks = os.listdir(f"/proc/{p}/task")
+    except OSError:
+        return
+    for t in tasks:
+        try:
+            yield Path(f"/proc/{p}/task/{t}/status").read_text()
+        except OSError:
+            continue
+
+
 def _wakeups(pid: int) -> int:
     """Voluntary context switches of ``pid``'s process tree, all threads."""
     total = 0
     for p in _tree(pid):
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                for line in Path(f"/proc/{p}/task/{t}/status").read_text().splitlines():
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
-            except OSError:
-                pass
+        for text in task_status_texts(p):
+            for line in text.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
     return total
 
 
