@@ -206,7 +206,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     workers = [parse_worker_spec(text, role) for role in ("prefill", "decode", "mixed")
                for text in getattr(args, role)]
     file_cfg = load_service_config(args.config) if args.config else None
-    data = file_cfg.model_dump() if file_cfg is not None else {}
+    # the file's own keys only (review5 U2): a whole dump made every field count as given (model_fields_set),
+    # so the "changes nothing here" warnings named options neither the file nor a flag gave
+    data = file_cfg.model_dump(exclude_unset=True) if file_cfg is not None else {}
     over: dict = {"host": args.host, "port": args.port, "pd_protocol": args.pd_protocol,
                   "block_size": args.block_size, "tokenizer_path": args.tokenizer_path, "chat_engine": args.chat_engine,
                   "pd_min_uncached_tokens": args.pd_min_uncached_tokens, "request_timeout_s": args.request_timeout_s,
@@ -304,8 +306,9 @@ def check_restart_flags(args: argparse.Namespace) -> None:
 def idle_process_option_warnings(cfg: ServiceConfig) -> list[str]:
     """Warnings for process options given (flag or config key) where they change nothing (review3
     S1, session 16): ``pin_processes`` with one router process (it pins each of several), and
-    ``placement_target_util`` where connections are not placed by load: one process,
-    ``connection_placement: round_robin``, or ``http_front: aiohttp`` (placed round robin then).
+    ``placement_target_util`` (given) and ``placement_even_out`` (on) where connections are not placed
+    by load: one process, ``connection_placement: round_robin``, or ``http_front: aiohttp`` (placed
+    round robin then).
     ``cfg.processes`` ``None`` counts as :func:`default_processes` for the workers. Empty: nothing to say."""
     n = cfg.processes if cfg.processes is not None else default_processes(w.url for w in cfg.workers)
     given = cfg.model_fields_set
@@ -313,14 +316,16 @@ def idle_process_option_warnings(cfg: ServiceConfig) -> list[str]:
     if cfg.pin_processes and n == 1:
         out.append("--pin-processes changes nothing here: one router process (it pins each of several to its own "
                    "CPU; --processes N)")
-    if "placement_target_util" in given:
-        why = ("there is one router process (--processes N)" if n == 1 else
-               "connections are placed round robin (--connection-placement round_robin)"
-               if cfg.connection_placement == "round_robin" else
-               "connections are placed round robin (--http-front aiohttp)" if cfg.http_front == "aiohttp" else None)
-        if why is not None:
-            out.append(f"--placement-target-util changes nothing here: it sizes the load-following placement's "
-                       f"active processes, and {why}")
+    why = ("there is one router process (--processes N)" if n == 1 else
+           "connections are placed round robin (--connection-placement round_robin)"
+           if cfg.connection_placement == "round_robin" else
+           "connections are placed round robin (--http-front aiohttp)" if cfg.http_front == "aiohttp" else None)
+    if why is not None and "placement_target_util" in given:
+        out.append(f"--placement-target-util changes nothing here: it sizes the load-following placement's "
+                   f"active processes, and {why}")
+    if why is not None and cfg.placement_even_out:  # review5 U1: the even-out pass is the same placement's
+        out.append(f"--placement-even-out changes nothing here: it evens out the load-following placement's "
+                   f"active processes, and {why}")
     return out
 
 

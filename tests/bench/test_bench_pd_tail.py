@@ -113,6 +113,16 @@ def test_bad_rows_are_refused(bad: str) -> None:
         ("x8", ["--processes", "8", "--connection-placement", "round_robin"])]
 
 
+def test_a_second_baseline_is_refused(capsys) -> None:
+    """review5 U3 (session 17): only the first --baseline ever ran (and for the first row only, where
+    the help said each row); a second one was ignored without a word. Now: exit status 2, one line."""
+    root = str(Path(__file__).resolve().parents[2])
+    with pytest.raises(SystemExit) as e:
+        pt.main(["--baseline", root, "--baseline", root])
+    assert e.value.code == 2
+    assert "--baseline: give one checkout (it runs the first row), got 2" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_probe_records_every_request_inside_the_clients_times(tmp_path: Path) -> None:
     # ~10 s: a prefill and a decode engine (zero-delay), pdlb serve (vLLM PD, one process) with the probe

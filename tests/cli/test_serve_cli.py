@@ -499,6 +499,8 @@ PIN_ONE = ("warning: --pin-processes changes nothing here: one router process (i
            "CPU; --processes N)")
 TARGET = ("warning: --placement-target-util changes nothing here: it sizes the load-following placement's active "
           "processes, and {why}")
+EVEN = ("warning: --placement-even-out changes nothing here: it evens out the load-following placement's active "
+        "processes, and {why}")
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -514,11 +516,52 @@ TARGET = ("warning: --placement-target-util changes nothing here: it sizes the l
      [TARGET.format(why="connections are placed round robin (--connection-placement round_robin)")]),
     (["--processes", "2", "--placement-target-util", "0.9"], []),  # the lean front places by load: it acts
     (["--processes", "1"], []),  # not given: nothing to say
+    # review5 U1 (session 17): --placement-even-out acts only where --placement-target-util does (the
+    # load-following placement of several processes: placement.py's even-out pass); it was silent
+    (["--processes", "1", "--placement-even-out"], [EVEN.format(why="there is one router process (--processes N)")]),
+    (["--processes", "2", "--connection-placement", "round_robin", "--placement-even-out"],
+     [EVEN.format(why="connections are placed round robin (--connection-placement round_robin)")]),
+    (["--processes", "2", "--http-front", "aiohttp", "--connection-placement", "round_robin", "--placement-even-out"],
+     [EVEN.format(why="connections are placed round robin (--connection-placement round_robin)")]),
+    (["--processes", "2", "--placement-even-out"], []),  # placed by load: it acts
+    (["--processes", "1", "--no-placement-even-out"], []),  # off: nothing to say
 ])
 def test_serve_says_when_a_process_option_changes_nothing(argv, expected, capsys, monkeypatch):
     import os
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)  # 2 CPUs, as here
     assert _serve_warnings([*argv, "--mixed", "http://127.0.0.1:52000"], capsys) == expected
+
+
+# review5 U2 (session 17): a config file made every ServiceConfig field count as given (the file's
+# config was dumped whole into the flags' data), so any file with one router process got
+# "--placement-target-util changes nothing here" although neither the file nor a flag named it.
+# Expected: a warning only for what the file or a flag names (the rule above, by hand).
+@pytest.mark.parametrize("file_text, argv, expected", [
+    ("processes: 1\n", [], []),
+    ("processes: 1\nplacement_target_util: 0.9\n", [],
+     [TARGET.format(why="there is one router process (--processes N)")]),
+    ("processes: 1\nplacement_even_out: true\n", [], [EVEN.format(why="there is one router process (--processes N)")]),
+    ("processes: 2\n", ["--processes", "1", "--placement-target-util", "0.9"],
+     [TARGET.format(why="there is one router process (--processes N)")]),
+    ("processes: 2\nconnection_placement: round_robin\nplacement_even_out: true\n", [],
+     [EVEN.format(why="connections are placed round robin (--connection-placement round_robin)")]),
+])
+def test_serve_config_file_warns_only_of_what_it_names(file_text, argv, expected, capsys, tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("workers:\n  - url: http://127.0.0.1:52000\n    role: mixed\n" + file_text)
+    assert _serve_warnings(["--config", str(f), *argv], capsys) == expected
+
+
+def test_serve_config_file_prefill_worker_without_bootstrap_port_is_warned(capsys, tmp_path):
+    """review5 U2: the same whole dump made every file worker's bootstrap_port count as given, so a
+    config file's SGLang prefill worker without one was never warned of (a flag's worker was)."""
+    f = tmp_path / "pd.yaml"
+    f.write_text("pd_protocol: sglang\nworkers:\n  - url: http://127.0.0.1:31000\n    role: prefill\n"
+                 "  - url: http://127.0.0.1:31001\n    role: decode\n")
+    assert _serve_warnings(["--config", str(f), "--processes", "1"], capsys) == [BOOTSTRAP_WARNING]
+    f.write_text("pd_protocol: sglang\nworkers:\n  - url: http://127.0.0.1:31000\n    role: prefill\n"
+                 "    bootstrap_port: 8998\n  - url: http://127.0.0.1:31001\n    role: decode\n")
+    assert _serve_warnings(["--config", str(f), "--processes", "1"], capsys) == []
 
 
 def test_served_model_name_help_says_it_is_an_alias():
