@@ -460,6 +460,9 @@ def _summary(mode: str, res: dict, args: argparse.Namespace) -> None:
         if fit is not None:
             print(f"{'':<{len(mode) + 1}} {label} us/req = {fit[0]:.0f} + {fit[1]:.0f} x wake-ups/req "
                   f"(least squares over {len(pts[k])} windows, r = {fit[2]:.2f})")
+        elif k == "cpu_us":  # review5 U5: the line the help promises was left out without a word
+            print(f"{'':<{len(mode) + 1}} no CPU = a + b x wake-ups line: it needs 3 or more answered windows with "
+                  f"different wake-ups (here {len(pts[k])}; more --rates or --rounds)")
     for name in (k for k in res if k.startswith("spin ")):
         print(f"{'':<{len(mode) + 1}} {name} (experiment, not in pdlb): CPU us/req / the plain router's in the same round")
         for rate in args.rates:

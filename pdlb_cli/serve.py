@@ -144,7 +144,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--served-model-name", metavar="NAME",
                    help="model id clients use: /v1/models lists it, and a request naming it reaches each engine under "
                         "the engine's own name (a worker's model=NAME, else the first name its /v1/models lists) "
-                        "and is answered under NAME "
+                        "and is answered under NAME, as is one naming no model (absent, null or \"\") "
                         "(default: none: /v1/models asks the workers, names pass through)")
     p.add_argument("--admin-api-key", help="admin API bearer token (default: $PDLB_ADMIN_API_KEY; none = loopback only; "
                                            "required with a non-loopback --host, and behind a reverse proxy)")

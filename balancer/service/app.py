@@ -49,6 +49,7 @@ cancels the handler and aborts both PD legs. On shutdown the app stops taking ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import hmac
@@ -226,13 +227,19 @@ class Service:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
 
-    async def check_health_once(self, workers: list | None = None) -> None:
-        """One round of active health checks of every worker (or of ``workers``), concurrently."""
+    async def check_health_once(self, workers: list | None = None) -> list[Worker]:
+        """One round of active health checks of every worker (or of ``workers``), concurrently;
+        returns the workers whose check passed."""
+        passed: list[Worker] = []
 
         async def one(w: Worker) -> None:
-            self.pool.record_health(w, await self._probe_passes(w), time.monotonic())
+            ok = await self._probe_passes(w)
+            self.pool.record_health(w, ok, time.monotonic())
+            if ok:
+                passed.append(w)
 
         await asyncio.gather(*(one(w) for w in (list(self.pool.workers.values()) if workers is None else workers)))
+        return passed
 
     def _start_early_probe(self, w: Worker) -> None:
         """:attr:`WorkerPool.early_probe`: health-check ``w`` now, in the background (a request
@@ -250,6 +257,9 @@ class Service:
                 pass
             finally:  # cancelled at shutdown: None
                 self.pool.record_early_probe(w, ok, time.monotonic())
+            if ok and not w.caps.probed:  # review5 U7: its names now (the alias answer), not at the next round
+                with contextlib.suppress(Exception):  # the session closed under it (shutdown)
+                    await self.discover_engines([w])
 
         t = asyncio.get_running_loop().create_task(probe())
         proxy.background.add(t)
@@ -298,7 +308,11 @@ class Service:
             try:
                 self.pool.refresh(time.monotonic())
                 if (down := self.pool.to_probe()):
-                    await self.check_health_once(down)
+                    back = await self.check_health_once(down)
+                    # review5 U7: an engine that came up after the router is probed for its names now
+                    # (the alias answer needs its served name), not at the next health round (60 s)
+                    if (fresh := [w for w in back if not w.caps.probed]):
+                        await self.discover_engines(fresh)
             except Exception:  # never let the prober die
                 log.exception("health probe round failed")
 

@@ -139,3 +139,24 @@ def test_the_counting_wrappers_count_what_a_program_does(tmp_path: Path) -> None
     assert c["gc0"] >= 1
     assert c["_run_once"] >= 4 and c["call_soon"] >= 2
     assert c["select may block"] + c["select no wait"] == c["_run_once"]  # one select per pass
+
+
+def test_the_summary_says_when_it_has_no_wakeup_line(capsys) -> None:
+    """review5 U5 (session 17): with fewer than 3 answered windows (2 rates x 1 round) the summary left
+    out the least-squares line its help promises, silently; now one line says why. With 3 windows
+    (wake-ups 1, 2, 3 against CPU 100, 200, 300 us: a = 0, b = 100, r = 1 by hand) the line is printed."""
+    import argparse
+
+    def row(w: float, cpu: float) -> dict:
+        return {"done": 10, "cpu_us": cpu, "user_us": cpu - 10, "sys_us": 10.0, "wakeups": w, "preempted": 0.0}
+
+    args = argparse.Namespace(rates=[300.0, 1500.0])
+    plc._summary("regular", {"rows": {"300.0": [row(2.0, 280.0)], "1500.0": [row(1.5, 200.0)]}}, args)
+    out = capsys.readouterr().out
+    assert "no CPU = a + b x wake-ups line: it needs 3 or more answered windows with different wake-ups (here 2" in out
+    args = argparse.Namespace(rates=[300.0, 800.0, 1500.0])
+    plc._summary("regular", {"rows": {"300.0": [row(3.0, 300.0)], "800.0": [row(2.0, 200.0)],
+                                    "1500.0": [row(1.0, 100.0)]}}, args)
+    out = capsys.readouterr().out
+    assert "CPU us/req = 0 + 100 x wake-ups/req (least squares over 3 windows, r = 1.00)" in out
+    assert "no CPU = a + b" not in out

@@ -562,6 +562,8 @@ def test_serve_config_file_prefill_worker_without_bootstrap_port_is_warned(capsy
     f.write_text("pd_protocol: sglang\nworkers:\n  - url: http://127.0.0.1:31000\n    role: prefill\n"
                  "    bootstrap_port: 8998\n  - url: http://127.0.0.1:31001\n    role: decode\n")
     assert _serve_warnings(["--config", str(f), "--processes", "1"], capsys) == []
+    f.write_text(f.read_text().replace("8998", "null"))  # null on purpose (config.py's rule): not warned of
+    assert _serve_warnings(["--config", str(f), "--processes", "1"], capsys) == []
 
 
 def test_served_model_name_help_says_it_is_an_alias():
@@ -570,3 +572,6 @@ def test_served_model_name_help_says_it_is_an_alias():
     (a,) = [a for a in _subparser("serve")._actions if "--served-model-name" in a.option_strings]
     assert "reaches each engine under the engine's own name" in a.help
     assert "/v1/models lists it" in a.help
+    # review5 U6 (session 17): a request naming no model is answered under the alias too (docs/serving.md,
+    # "Model names"; service since 025c4e4); the help named only requests that name it
+    assert 'as is one naming no model (absent, null or "")' in a.help

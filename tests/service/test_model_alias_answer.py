@@ -117,3 +117,48 @@ async def test_compact_json_answers_are_rewritten_too():
     finally:
         await router.close()
         await engine.close()
+
+
+async def test_an_engine_that_starts_after_the_router_is_answered_under_the_alias_within_seconds():
+    """review5 U7 (session 17): the engines' names are read once at start and then at each health
+    round (``health_check.interval_s``, 60 s by default). An engine that came up after the router
+    was served as soon as the 1 s probe found it healthy, but its name stayed unknown until the next
+    round, so a request naming no model came back under the engine's own name (``pdlb-emulated``),
+    not the alias, for up to a minute. Now a probe that finds an unprobed engine healthy reads its
+    names at once. Expected: the alias on the first answer (the names are read on the first passing probe, the
+    worker routable after the second)."""
+    import socket
+
+    from sim.emulator.app import STATE, create_engine_app
+    from sim.emulator.config import EmulatorConfig
+
+    with socket.socket() as free:  # a port nothing listens on yet: the engine's, later
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cfg = ServiceConfig.model_validate({"pd_protocol": "none", "workers": [{"url": url, "role": "mixed"}], "port": 0,
+                                        "retry": {"max_retries": 0}} | PROBED)
+    body = {"prompt": "hello " * 8, "max_tokens": 3}
+    router = TestServer(create_app(cfg), host="127.0.0.1")
+    engine = TestServer(create_engine_app(EmulatorConfig(role="mixed", speed=20.0)), host="127.0.0.1", port=port)
+    await router.start_server()
+    try:
+        async with aiohttp.ClientSession() as s:
+            base = f"http://127.0.0.1:{router.port}"
+            async with s.post(base + "/v1/completions", json=body) as r:  # no engine yet: refused, marked down
+                assert r.status >= 500
+            await engine.start_server()
+            engine.app[STATE].port = engine.port
+            for _ in range(300):  # up to ~6 s: routable again after 2 passing 1 s probes
+                async with s.post(base + "/v1/completions", json=body) as r:  # names no model
+                    if r.status == 200:
+                        assert _models_in(await r.text(), False) == [ALIAS]
+                        break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the late engine was not served within 6 s")
+            workers = (await (await s.get(base + "/workers")).json())["workers"]
+            assert workers[0]["capabilities"]["probed"]
+    finally:
+        await engine.close()
+        await router.close()
