@@ -111,6 +111,15 @@ def run(floor: str, warmup: str, seed: int) -> tuple[str, str, int, dict[str, fl
     return floor, warmup, seed, rows, class_stats(res.iterations)
 
 
+def print_rows(tasks: list, label: dict, rows: dict) -> None:
+    """The 440246 rows as CSV, one column per run: each row's relative error in percent
+    (``rows[task][row]`` a fraction), then how many rows of each run lie within +-15%."""
+    print("row," + ",".join(label[t] for t in tasks))
+    for k in rows[tasks[0]]:
+        print(k + "," + ",".join(f"{100 * rows[t][k]:+.1f}" for t in tasks))
+    print("rows within 15%," + ",".join(str(sum(abs(v) <= 0.15 for v in rows[t].values())) for t in tasks))
+
+
 def main(argv: list[str] | None = None) -> int:
     from pdlb_cli.arg_types import int_between
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -130,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     label = {t: f"floor {t[0]} {t[1]} s{t[2]}" for t in tasks}
     rows = {(f, n, s): r for f, n, s, r, _ in results}
     stats = {(f, n, s): c for f, n, s, _, c in results}
-    print("row," + ",".join(label[t] for t in tasks))
-    for k in results[0][3]:
-        print(k + "," + ",".join(f"{100 * rows[t][k]:+.1f}" for t in tasks))
-    print("rows within 15%," + ",".join(str(sum(abs(v) <= 0.15 for v in rows[t].values())) for t in tasks))
+    print_rows(tasks, label, rows)
     print()
     pub = published_class_stats()
     print("step records,published," + ",".join(label[t] for t in tasks))

@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agentx_eager_floor import print_rows  # noqa: E402  (this folder, on sys.path when run as a script)
 from pdlb_cli.comma_lists import list_arg, one_of  # noqa: E402
 
 _WARM = dict(warmup_primer=True, warmup_think_s=0.0, warmup_max_output_tokens=1)
@@ -128,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     label = {t: f"{t[0]} s{t[1]}" for t in tasks}
     rows = {(n, s): r for n, s, r, _ in results}
     spread = {(n, s): x for n, s, _, x in results}
-    print("row," + ",".join(label[t] for t in tasks))
-    for k in results[0][2]:
-        print(k + "," + ",".join(f"{100 * rows[t][k]:+.1f}" for t in tasks))
-    print("rows within 15%," + ",".join(str(sum(abs(v) <= 0.15 for v in rows[t].values())) for t in tasks))
+    print_rows(tasks, label, rows)
     print()
     cap = capture_rank_spread()
     rec = capture_rank_records()

@@ -57,3 +57,13 @@ def test_bad_options_are_refused(argv, capsys) -> None:
         b.main(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_print_rows_by_hand(capsys) -> None:
+    # two runs, two rows; expected text by hand: errors as signed percent to one decimal, then the count of
+    # |error| <= 0.15 per run (run a: 0.10 and -0.20 -> 1; run b: 0.15 and 0.0 -> 2, the bound inclusive)
+    tasks = ["a", "b"]
+    rows = {"a": {"ttft_p50": 0.10, "itl_p50": -0.20}, "b": {"ttft_p50": 0.15, "itl_p50": 0.0}}
+    b.print_rows(tasks, {"a": "run a", "b": "run b"}, rows)
+    assert capsys.readouterr().out.splitlines() == [
+        "row,run a,run b", "ttft_p50,+10.0,+15.0", "itl_p50,-20.0,+0.0", "rows within 15%,1,2"]
